@@ -1,0 +1,86 @@
+"""The dtypes ckptfmt stores, by their stable names in the format.
+
+Names are the format's, not torch's repr: a file written by one torch version
+must load with another, so the table maps names to torch attributes and skips
+those a given torch lacks.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+
+# name in the file -> (torch attribute, itemsize, shuffle width)
+# The shuffle width is the size of the unit whose bytes are grouped by the
+# byte-shuffle filter: the component size for complex types, 1 for byte-sized
+# types (those are never shuffled).
+_TORCH_TABLE: dict[str, tuple[str, int, int]] = {
+    "float64": ("float64", 8, 8),
+    "float32": ("float32", 4, 4),
+    "float16": ("float16", 2, 2),
+    "bfloat16": ("bfloat16", 2, 2),
+    "float8_e4m3fn": ("float8_e4m3fn", 1, 1),
+    "float8_e4m3fnuz": ("float8_e4m3fnuz", 1, 1),
+    "float8_e5m2": ("float8_e5m2", 1, 1),
+    "float8_e5m2fnuz": ("float8_e5m2fnuz", 1, 1),
+    "float8_e8m0fnu": ("float8_e8m0fnu", 1, 1),
+    "float4_e2m1fn_x2": ("float4_e2m1fn_x2", 1, 1),
+    "complex32": ("complex32", 4, 2),
+    "complex64": ("complex64", 8, 4),
+    "complex128": ("complex128", 16, 8),
+    "bool": ("bool", 1, 1),
+    "int8": ("int8", 1, 1),
+    "int16": ("int16", 2, 2),
+    "int32": ("int32", 4, 4),
+    "int64": ("int64", 8, 8),
+    "uint8": ("uint8", 1, 1),
+    "uint16": ("uint16", 2, 2),
+    "uint32": ("uint32", 4, 4),
+    "uint64": ("uint64", 8, 8),
+}
+
+TORCH_DTYPES: dict[str, torch.dtype] = {}
+TORCH_NAMES: dict[torch.dtype, str] = {}
+for _name, (_attr, _size, _width) in _TORCH_TABLE.items():
+    _dt = getattr(torch, _attr, None)
+    if isinstance(_dt, torch.dtype):
+        TORCH_DTYPES[_name] = _dt
+        TORCH_NAMES[_dt] = _name
+
+
+def torch_itemsize(name: str) -> int:
+    return _TORCH_TABLE[name][1]
+
+
+def torch_shuffle_width(name: str) -> int:
+    return _TORCH_TABLE[name][2]
+
+
+# numpy: only fixed-size numeric and bool dtypes; the name is numpy's dtype.str
+# ("<f4", "|b1", ">i8"), so byte order travels with the data.
+_NUMPY_SIZES = {"b": (1,), "i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "f": (2, 4, 8), "c": (8, 16)}
+_NUMPY_RE = re.compile(r"[<>|]([biufc])(\d{1,2})")
+
+
+def numpy_name(dtype: np.dtype) -> str | None:
+    """The format's name for a numpy dtype, or None when it cannot be stored."""
+    if dtype.fields is not None or dtype.subdtype is not None:
+        return None
+    m = _NUMPY_RE.fullmatch(dtype.str)
+    if m is None or int(m.group(2)) not in _NUMPY_SIZES[m.group(1)]:
+        return None
+    return dtype.str
+
+
+def numpy_dtype(name: str) -> np.dtype | None:
+    """The numpy dtype of a name read from a file, or None when it is not valid."""
+    m = _NUMPY_RE.fullmatch(name)
+    if m is None or int(m.group(2)) not in _NUMPY_SIZES[m.group(1)]:
+        return None
+    return np.dtype(name)
+
+
+def numpy_shuffle_width(dtype: np.dtype) -> int:
+    return dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize

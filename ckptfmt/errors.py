@@ -1,0 +1,65 @@
+"""The exceptions ckptfmt raises on purpose.
+
+Every error a user can meet derives from :class:`CheckpointError`.  Errors about
+the bytes of a file also derive from :class:`ValueError`; errors about objects
+that cannot be stored derive from :class:`TypeError`.  Each carries the file
+path and, where known, the key in the state, the chunk index and the byte
+offset, and says all of it in its one-line message.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+class CheckpointError(Exception):
+    """Base class of every error ckptfmt raises on purpose."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        key: str | None = None,
+        chunk: int | None = None,
+        offset: int | None = None,
+    ) -> None:
+        self.reason = message
+        self.path = os.fspath(path) if path is not None else None
+        self.key = key
+        self.chunk = chunk
+        self.offset = offset
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = []
+        if self.path is not None:
+            where.append(self.path)
+        if self.key is not None:
+            where.append(self.key)
+        if self.chunk is not None:
+            where.append(f"chunk {self.chunk}")
+        if self.offset is not None:
+            where.append(f"offset {self.offset}")
+        return (": ".join(where) + ": " if where else "") + self.reason
+
+
+class CorruptError(CheckpointError, ValueError):
+    """The file's bytes are damaged or inconsistent (checksum, structure, sizes)."""
+
+
+class IncompleteError(CheckpointError, ValueError):
+    """The file ends early: a save that never finished, or a truncated copy."""
+
+
+class UnsupportedError(CheckpointError, ValueError):
+    """The file needs a format version, feature, codec or dtype this reader lacks,
+    or is not a ckptfmt file at all."""
+
+
+class LimitError(CheckpointError, ValueError):
+    """A size, count or depth in the file exceeds the limits readers enforce."""
+
+
+class UnsupportedObjectError(CheckpointError, TypeError):
+    """An object in the state cannot be stored (raised before any byte is written)."""

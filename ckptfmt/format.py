@@ -1,0 +1,211 @@
+"""Byte-level constants and structures of the ckptfmt container (spec/FORMAT.md).
+
+This module is the spec in code: the prologue and footer layouts, the checksum
+contexts, the codec and filter ids and the reader limits.  It does no I/O.
+Numbers that come from a file are checked here before anything uses them.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from .errors import CorruptError, IncompleteError, LimitError, UnsupportedError
+
+# -- identity ---------------------------------------------------------------
+
+#: First 8 bytes of every ckptfmt file.  The high byte and the CR LF / SUB / LF
+#: sequence catch 7-bit and text-mode transfers, as PNG's signature does.
+MAGIC = b"\x89CKF\r\n\x1a\n"
+#: Last 8 bytes of every complete ckptfmt file.
+END_MAGIC = b"\x89CKFEND\n"
+
+FORMAT_MAJOR = 1
+FORMAT_MINOR = 0
+
+#: Required feature bits this reader understands (none are defined in 1.0).
+KNOWN_REQUIRED_FEATURES = 0
+
+PROLOGUE_SIZE = 64
+FOOTER_SIZE = 64
+#: Every chunk and the index start at a multiple of this; padding is zero bytes.
+ALIGNMENT = 64
+
+_PROLOGUE = struct.Struct("<8sHHI16sQQQQ")  # 64 bytes, checksum last
+_FOOTER = struct.Struct("<QQQ16sQQ8s")  # 64 bytes
+assert _PROLOGUE.size == PROLOGUE_SIZE and _FOOTER.size == FOOTER_SIZE
+
+# -- chunks -------------------------------------------------------------------
+
+CODEC_RAW = 0
+CODEC_ZSTD = 1
+CODEC_NAMES = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd"}
+
+FILTER_NONE = 0
+FILTER_SHUFFLE = 1
+FILTER_NAMES = {FILTER_NONE: "none", FILTER_SHUFFLE: "shuffle"}
+SHUFFLE_WIDTHS = (2, 4, 8, 16)
+
+DEFAULT_CHUNK_SIZE = 4 << 20
+MIN_CHUNK_SIZE = 4 << 10
+MAX_CHUNK_SIZE = 1 << 30
+
+_CHUNK_CONTEXT = struct.Struct("<16s16sQQQQBBB5x")  # 72 bytes
+_INDEX_CONTEXT = struct.Struct("<16s16sQQ")  # 48 bytes
+_CHUNK_DOMAIN = b"ckptfmt-chunk\x00\x00\x00"
+_INDEX_DOMAIN = b"ckptfmt-index\x00\x00\x00"
+
+
+class Limits:
+    """Bounds a reader enforces before it allocates anything a file asks for."""
+
+    #: bytes of the JSON index (the index is parsed in memory)
+    MAX_INDEX_BYTES = 256 << 20
+    #: nesting of containers in the object tree
+    MAX_DEPTH = 256
+    #: bytes of one string, of one bytes value, hex digits of one int
+    MAX_STRING_BYTES = 16 << 20
+    #: dimensions of one tensor or array
+    MAX_RANK = 64
+    #: elements of one tensor or array (2**48: far beyond any single device)
+    MAX_NUMEL = 1 << 48
+    #: bytes of one storage
+    MAX_STORAGE_BYTES = 1 << 50
+    #: entries in the node, storage and chunk tables
+    MAX_NODES = 1 << 24
+    MAX_STORAGES = 1 << 24
+    MAX_CHUNKS = 1 << 24
+    #: entries of the user metadata
+    MAX_METADATA_ENTRIES = 1 << 16
+
+
+def align_up(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+# -- checksums ----------------------------------------------------------------
+
+
+def chunk_seed(
+    file_id: bytes, index: int, offset: int, stored_len: int, raw_len: int,
+    codec: int, filt: int, width: int,
+) -> int:
+    """Seed of a chunk's XXH3-64: binds the checksum to file, position and layout."""
+    ctx = _CHUNK_CONTEXT.pack(
+        _CHUNK_DOMAIN, file_id, index, offset, stored_len, raw_len, codec, filt, width
+    )
+    return xxhash.xxh3_64_intdigest(ctx)
+
+
+def index_seed(file_id: bytes, offset: int, length: int) -> int:
+    return xxhash.xxh3_64_intdigest(_INDEX_CONTEXT.pack(_INDEX_DOMAIN, file_id, offset, length))
+
+
+def index_checksum(file_id: bytes, offset: int, data: bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(data, seed=index_seed(file_id, offset, len(data)))
+
+
+# -- prologue and footer ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prologue:
+    major: int
+    minor: int
+    file_id: bytes
+    file_length: int
+    required_features: int
+    optional_features: int
+
+    def pack(self) -> bytes:
+        head = _PROLOGUE.pack(
+            MAGIC, self.major, self.minor, 0, self.file_id, self.file_length,
+            self.required_features, self.optional_features, 0,
+        )[:56]
+        return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
+
+
+@dataclass(frozen=True)
+class Footer:
+    index_offset: int
+    index_length: int
+    index_checksum: int
+    file_id: bytes
+
+    def pack(self) -> bytes:
+        head = _FOOTER.pack(
+            self.index_offset, self.index_length, self.index_checksum, self.file_id, 0, 0, END_MAGIC
+        )[:48]
+        return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + END_MAGIC
+
+
+def parse_prologue(raw: bytes, actual_size: int, path: str) -> Prologue:
+    """Check the first 64 bytes against the actual file size; raise the right error."""
+    if len(raw) < PROLOGUE_SIZE:
+        if MAGIC.startswith(raw[: len(MAGIC)]) or not any(raw):
+            raise IncompleteError(
+                f"file is {actual_size} bytes, shorter than the {PROLOGUE_SIZE}-byte prologue "
+                "(an unfinished save or a truncated copy)",
+                path=path,
+            )
+        raise UnsupportedError(f"not a ckptfmt file (starts with {raw[:8].hex()})", path=path)
+    if raw[:8] != MAGIC:
+        if not any(raw):
+            raise IncompleteError(
+                "prologue is all zero bytes: the save that wrote this file did not finish",
+                path=path, offset=0,
+            )
+        raise UnsupportedError(f"not a ckptfmt file (starts with {raw[:8].hex()})", path=path)
+    (_, major, minor, flags, file_id, length, req, opt, check) = _PROLOGUE.unpack(raw)
+    if xxhash.xxh3_64_intdigest(raw[:56]) != check:
+        raise CorruptError("prologue checksum mismatch", path=path, offset=0)
+    if major != FORMAT_MAJOR:
+        raise UnsupportedError(
+            f"format version {major}.{minor} is not supported (this reader reads {FORMAT_MAJOR}.x)",
+            path=path,
+        )
+    if flags != 0:
+        raise CorruptError(f"reserved prologue flags are {flags:#x}, must be zero", path=path, offset=12)
+    unknown = req & ~KNOWN_REQUIRED_FEATURES
+    if unknown:
+        raise UnsupportedError(f"file requires unknown features {unknown:#x}", path=path, offset=40)
+    if length < PROLOGUE_SIZE + FOOTER_SIZE or length % ALIGNMENT:
+        raise CorruptError(f"recorded file length {length} is impossible", path=path, offset=32)
+    if actual_size < length:
+        raise IncompleteError(
+            f"file is {actual_size} bytes but its prologue records {length}: truncated",
+            path=path,
+        )
+    if actual_size > length:
+        raise CorruptError(
+            f"{actual_size - length} bytes of trailing data after the recorded end at {length}",
+            path=path, offset=length,
+        )
+    return Prologue(major, minor, file_id, length, req, opt)
+
+
+def parse_footer(raw: bytes, prologue: Prologue, path: str) -> Footer:
+    at = prologue.file_length - FOOTER_SIZE
+    if len(raw) != FOOTER_SIZE:
+        raise IncompleteError("file shrank while its footer was read", path=path, offset=at)
+    (ioff, ilen, icheck, file_id, reserved, check, end) = _FOOTER.unpack(raw)
+    if end != END_MAGIC:
+        raise CorruptError("footer magic is missing", path=path, offset=at + 56)
+    if xxhash.xxh3_64_intdigest(raw[:48]) != check:
+        raise CorruptError("footer checksum mismatch", path=path, offset=at)
+    if file_id != prologue.file_id:
+        raise CorruptError("footer belongs to another file (file id differs from the prologue)",
+                           path=path, offset=at + 24)
+    if reserved != 0:
+        raise CorruptError("reserved footer field is not zero", path=path, offset=at + 40)
+    if ilen > Limits.MAX_INDEX_BYTES:
+        raise LimitError(f"index of {ilen} bytes exceeds the limit of {Limits.MAX_INDEX_BYTES}",
+                         path=path, offset=at + 8)
+    if ioff < PROLOGUE_SIZE or ioff % ALIGNMENT or ilen == 0 or align_up(ioff + ilen) != at:
+        raise CorruptError(
+            f"index range [{ioff}, {ioff + ilen}) does not end where the footer starts ({at})",
+            path=path, offset=at,
+        )
+    return Footer(ioff, ilen, icheck, file_id)

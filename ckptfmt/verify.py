@@ -1,0 +1,77 @@
+"""verify(): check a whole file and list every problem, not just the first."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from .errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
+from .reader import CheckpointFile
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a file, and where."""
+
+    kind: str  # "corrupt", "incomplete", "unsupported", "limit"
+    message: str
+    key: str | None = None
+    chunk: int | None = None
+    offset: int | None = None
+
+    def __str__(self) -> str:
+        where = [p for p in (self.key, None if self.chunk is None else f"chunk {self.chunk}",
+                             None if self.offset is None else f"offset {self.offset}") if p]
+        return ": ".join([*where, self.message])
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    problems: list[Problem] = field(default_factory=list)
+    chunks: int = 0
+    bytes_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def _kind(e: CheckpointError) -> str:
+    if isinstance(e, IncompleteError):
+        return "incomplete"
+    if isinstance(e, UnsupportedError):
+        return "unsupported"
+    if isinstance(e, LimitError):
+        return "limit"
+    if isinstance(e, CorruptError):
+        return "corrupt"
+    return "error"
+
+
+def problem_of(e: CheckpointError) -> Problem:
+    return Problem(_kind(e), e.reason, e.key, e.chunk, e.offset)
+
+
+def verify(path: str | os.PathLike[str], *, quick: bool = False) -> VerifyReport:
+    """Check structure, index and (unless `quick`) every chunk's checksum and size.
+
+    Damage to the prologue, footer or index stops the check (nothing after them
+    can be trusted); damaged chunks are each reported and the check goes on.
+    """
+    report = VerifyReport(os.fspath(path))
+    try:
+        f = CheckpointFile(path)
+    except CheckpointError as e:
+        report.problems.append(problem_of(e))
+        return report
+    with f:
+        report.chunks = len(f.chunks)
+        if not quick:
+            for e in f.iter_chunk_problems():
+                report.problems.append(problem_of(e))
+            report.bytes_checked = f.prologue.file_length
+    return report

@@ -1,0 +1,297 @@
+"""The reference writer and the commit protocol.
+
+A save runs in two steps.  First the whole state is encoded into nodes and
+storages (tree.encode), so an object that cannot be stored fails before any
+byte is written.  Then the file is written to a temp sibling and committed:
+
+1. remove temp files left by crashed saves of the same path (only those no
+   live process holds a lock on);
+2. create ``.<name>.ckptfmt-tmp.<pid>.<random>`` with O_EXCL and lock it;
+3. write the chunks, the index, the footer, and the prologue last (so an
+   unfinished temp file does not even start with the magic);
+4. fsync the file, rename it over the target, fsync the directory.
+
+Tensor bytes go from the tensor's memory to ``pwrite`` through memoryviews:
+no full-size copies (compression works one chunk at a time).
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import glob
+import json
+import os
+import platform
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+import zstandard
+
+from . import __version__, format as fmt, tree
+from .errors import LimitError
+
+TEMP_MARKER = ".ckptfmt-tmp."
+
+
+def temp_prefix(path: str) -> str:
+    d, name = os.path.split(path)
+    return os.path.join(d, f".{name}{TEMP_MARKER}")
+
+
+def _file_id() -> bytes:
+    pinned = os.environ.get("CKPTFMT_FILE_ID")
+    if pinned:
+        try:
+            fid = bytes.fromhex(pinned)
+        except ValueError:
+            fid = b""
+        if len(fid) != 16:
+            raise ValueError("CKPTFMT_FILE_ID must be 32 hex digits")
+        return fid
+    return secrets.token_bytes(16)
+
+
+def _created() -> str:
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    when = (
+        datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
+        if epoch
+        else datetime.datetime.now(datetime.timezone.utc)
+    )
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def producer_info() -> dict[str, str]:
+    return {
+        "ckptfmt": __version__,
+        "format": f"{fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "created": _created(),
+    }
+
+
+def check_save_args(compression: str | None, level: int | None, metadata: object) -> dict[str, str]:
+    if compression not in (None, "zstd"):
+        raise ValueError(f"compression must be None or 'zstd', not {compression!r}")
+    if level is not None:
+        if compression is None:
+            raise ValueError("level is only meaningful with compression='zstd'")
+        if type(level) is not int or not -7 <= level <= 22:
+            raise ValueError(f"zstd level must be an int from -7 to 22, not {level!r}")
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(
+        type(k) is str and type(v) is str for k, v in metadata.items()
+    ):
+        raise TypeError("metadata must be a dict of str to str")
+    if len(metadata) > fmt.Limits.MAX_METADATA_ENTRIES:
+        raise ValueError(f"metadata has more than {fmt.Limits.MAX_METADATA_ENTRIES} entries")
+    return dict(metadata)
+
+
+def storage_bytes(plan: tree.StoragePlan) -> memoryview:
+    """A byte view of a storage's memory on the CPU (a copy only for device storages)."""
+    src = plan.source
+    if isinstance(src, np.ndarray):
+        return memoryview(src.reshape(-1, order="A").view(np.uint8)).cast("B")
+    flat = torch.empty(0, dtype=torch.uint8, device=src.device).set_(src)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return memoryview(flat.numpy()).cast("B")
+
+
+class ChunkEncoder:
+    """Turns one chunk of raw bytes into its stored form: (codec, filter, width, payload)."""
+
+    def __init__(self, compression: str | None, level: int | None) -> None:
+        self.cctx = (
+            zstandard.ZstdCompressor(level=1 if level is None else level, write_checksum=False,
+                                     write_content_size=True)
+            if compression == "zstd"
+            else None
+        )
+
+    def encode(self, raw: memoryview, width: int) -> tuple[int, int, int, Any]:
+        if self.cctx is None or not len(raw):
+            return fmt.CODEC_RAW, fmt.FILTER_NONE, 0, raw
+        shuffle = width > 1 and len(raw) % width == 0
+        if shuffle:
+            src = np.frombuffer(raw, dtype=np.uint8).reshape(-1, width).T.tobytes()
+            packed = self.cctx.compress(src)
+        else:
+            packed = self.cctx.compress(raw)
+        if len(packed) >= len(raw):
+            return fmt.CODEC_RAW, fmt.FILTER_NONE, 0, raw
+        if shuffle:
+            return fmt.CODEC_ZSTD, fmt.FILTER_SHUFFLE, width, packed
+        return fmt.CODEC_ZSTD, fmt.FILTER_NONE, 0, packed
+
+
+def _pwrite_all(fd: int, data: Any, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+def build_file(
+    fd: int,
+    encoded: tree.Encoded,
+    *,
+    compression: str | None,
+    level: int | None,
+    metadata: dict[str, str],
+    chunk_size: int = fmt.DEFAULT_CHUNK_SIZE,
+) -> int:
+    """Write a whole ckptfmt file to `fd` (at offset 0); return its length."""
+    if chunk_size & (chunk_size - 1) or not fmt.MIN_CHUNK_SIZE <= chunk_size <= fmt.MAX_CHUNK_SIZE:
+        raise ValueError(f"chunk_size must be a power of two in [{fmt.MIN_CHUNK_SIZE}, {fmt.MAX_CHUNK_SIZE}]")
+    file_id = _file_id()
+    coder = ChunkEncoder(compression, level)
+    chunks: list[list[Any]] = []
+    pos = fmt.PROLOGUE_SIZE
+    for plan in encoded.storages:
+        data = storage_bytes(plan)
+        for start in range(0, plan.nbytes, chunk_size):
+            raw = data[start : start + chunk_size]
+            codec, filt, width, payload = coder.encode(raw, plan.width)
+            stored_len = len(payload)
+            k = len(chunks)
+            seed = fmt.chunk_seed(file_id, k, pos, stored_len, len(raw), codec, filt, width)
+            check = xxhash.xxh3_64_intdigest(payload, seed=seed)
+            _pwrite_all(fd, payload, pos)
+            chunks.append([pos, stored_len, len(raw), codec, filt, width, f"{check:016x}"])
+            pos = fmt.align_up(pos + stored_len)
+        del data
+    index = {
+        "chunk_size": chunk_size,
+        "producer": producer_info(),
+        "source_devices": encoded.devices,
+        "metadata": metadata,
+        "storages": [[p.nbytes, p.device] for p in encoded.storages],
+        "chunks": chunks,
+        "nodes": encoded.nodes,
+    }
+    blob = json.dumps(index, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+    if len(blob) > fmt.Limits.MAX_INDEX_BYTES:
+        raise LimitError(f"the index would be {len(blob)} bytes, above the limit {fmt.Limits.MAX_INDEX_BYTES}")
+    index_offset = pos
+    _pwrite_all(fd, blob, index_offset)
+    footer_offset = fmt.align_up(index_offset + len(blob))
+    footer = fmt.Footer(index_offset, len(blob), fmt.index_checksum(file_id, index_offset, blob), file_id)
+    length = footer_offset + fmt.FOOTER_SIZE
+    # padding between the index and the footer must read as zeros: write it explicitly
+    _pwrite_all(fd, bytes(footer_offset - index_offset - len(blob)) + footer.pack(), index_offset + len(blob))
+    prologue = fmt.Prologue(fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR, file_id, length, 0, 0)
+    _pwrite_all(fd, prologue.pack(), 0)
+    os.ftruncate(fd, length)
+    return length
+
+
+def remove_stale_temps(path: str) -> None:
+    """Delete temp files of crashed saves of `path`: those no live process has locked."""
+    for tmp in glob.glob(glob.escape(temp_prefix(path)) + "*"):
+        try:
+            fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)  # a save in progress holds it
+            continue
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def fsync_dir(directory: str) -> None:
+    fd = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AtomicFile:
+    """A locked temp sibling of `path` that becomes `path` on commit, or vanishes."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.tmp = ""
+        self.fd = -1
+
+    def __enter__(self) -> AtomicFile:
+        if os.path.isdir(self.path):
+            raise IsADirectoryError(errno.EISDIR, "is a directory", self.path)
+        remove_stale_temps(self.path)
+        prefix = temp_prefix(self.path)
+        while True:
+            self.tmp = f"{prefix}{os.getpid()}.{secrets.token_hex(4)}"
+            try:
+                self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                break
+            except FileExistsError:
+                continue
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def commit(self) -> None:
+        os.fsync(self.fd)
+        os.replace(self.tmp, self.path)
+        self.tmp = ""
+        fsync_dir(os.path.dirname(self.path))
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if self.tmp:
+            try:
+                os.unlink(self.tmp)
+            except OSError:
+                pass
+
+
+def _chunk_size_override() -> int:
+    text = os.environ.get("CKPTFMT_CHUNK_SIZE")
+    return int(text) if text else fmt.DEFAULT_CHUNK_SIZE
+
+
+def save(
+    state: object,
+    path: str | os.PathLike[str],
+    *,
+    compression: str | None = None,
+    level: int | None = None,
+    metadata: dict[str, str] | None = None,
+    chunk_size: int | None = None,
+) -> None:
+    meta = check_save_args(compression, level, metadata)
+    target = os.fspath(path)
+    encoded = tree.encode(state)  # fails on unsupported objects before any I/O
+    size = _chunk_size_override() if chunk_size is None else chunk_size
+    try:
+        with AtomicFile(target) as f:
+            build_file(f.fd, encoded, compression=compression, level=level, metadata=meta, chunk_size=size)
+            f.commit()
+    except OSError as e:
+        if e.filename is None:
+            raise type(e)(e.errno, e.strerror, target) from e
+        raise
+
+
+def iter_temp_files(path: str) -> Iterator[str]:
+    yield from glob.glob(glob.escape(temp_prefix(path)) + "*")
