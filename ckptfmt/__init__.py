@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from .api import Reader, load, open  # noqa: E402
+from .api import Reader, load, open  # noqa: E402, A004 - public name is fixed
 from .errors import (  # noqa: E402
     CheckpointError,
     CorruptError,

@@ -42,8 +42,7 @@ def check_map_location(map_location: MapLocation) -> None:
         for k, v in map_location.items():
             if not isinstance(k, str) or not isinstance(v, (str, torch.device)):
                 raise TypeError(
-                    "map_location dict must map location strings to str or torch.device, "
-                    f"got {k!r}: {v!r}"
+                    f"map_location dict must map location strings to str or torch.device, got {k!r}: {v!r}"
                 )
         return
     raise TypeError(
@@ -82,9 +81,7 @@ def apply_callable(
     if isinstance(result, torch.TypedStorage):
         result = result.untyped()
     if not isinstance(result, torch.UntypedStorage):
-        raise TypeError(
-            f"map_location callable returned {type(result).__name__}, expected a storage or None"
-        )
+        raise TypeError(f"map_location callable returned {type(result).__name__}, expected a storage or None")
     if result.nbytes() != storage.nbytes():
         raise ValueError(
             f"map_location callable returned a storage of {result.nbytes()} bytes "

@@ -89,13 +89,17 @@ def align_up(n: int) -> int:
 
 
 def chunk_seed(
-    file_id: bytes, index: int, offset: int, stored_len: int, raw_len: int,
-    codec: int, filt: int, width: int,
+    file_id: bytes,
+    index: int,
+    offset: int,
+    stored_len: int,
+    raw_len: int,
+    codec: int,
+    filt: int,
+    width: int,
 ) -> int:
     """Seed of a chunk's XXH3-64: binds the checksum to file, position and layout."""
-    ctx = _CHUNK_CONTEXT.pack(
-        _CHUNK_DOMAIN, file_id, index, offset, stored_len, raw_len, codec, filt, width
-    )
+    ctx = _CHUNK_CONTEXT.pack(_CHUNK_DOMAIN, file_id, index, offset, stored_len, raw_len, codec, filt, width)
     return xxhash.xxh3_64_intdigest(ctx)
 
 
@@ -121,8 +125,15 @@ class Prologue:
 
     def pack(self) -> bytes:
         head = _PROLOGUE.pack(
-            MAGIC, self.major, self.minor, 0, self.file_id, self.file_length,
-            self.required_features, self.optional_features, 0,
+            MAGIC,
+            self.major,
+            self.minor,
+            0,
+            self.file_id,
+            self.file_length,
+            self.required_features,
+            self.optional_features,
+            0,
         )[:56]
         return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
 
@@ -155,7 +166,8 @@ def parse_prologue(raw: bytes, actual_size: int, path: str) -> Prologue:
         if not any(raw):
             raise IncompleteError(
                 "prologue is all zero bytes: the save that wrote this file did not finish",
-                path=path, offset=0,
+                path=path,
+                offset=0,
             )
         raise UnsupportedError(f"not a ckptfmt file (starts with {raw[:8].hex()})", path=path)
     (_, major, minor, flags, file_id, length, req, opt, check) = _PROLOGUE.unpack(raw)
@@ -181,7 +193,8 @@ def parse_prologue(raw: bytes, actual_size: int, path: str) -> Prologue:
     if actual_size > length:
         raise CorruptError(
             f"{actual_size - length} bytes of trailing data after the recorded end at {length}",
-            path=path, offset=length,
+            path=path,
+            offset=length,
         )
     return Prologue(major, minor, file_id, length, req, opt)
 
@@ -196,16 +209,19 @@ def parse_footer(raw: bytes, prologue: Prologue, path: str) -> Footer:
     if xxhash.xxh3_64_intdigest(raw[:48]) != check:
         raise CorruptError("footer checksum mismatch", path=path, offset=at)
     if file_id != prologue.file_id:
-        raise CorruptError("footer belongs to another file (file id differs from the prologue)",
-                           path=path, offset=at + 24)
+        raise CorruptError(
+            "footer belongs to another file (file id differs from the prologue)", path=path, offset=at + 24
+        )
     if reserved != 0:
         raise CorruptError("reserved footer field is not zero", path=path, offset=at + 40)
     if ilen > Limits.MAX_INDEX_BYTES:
-        raise LimitError(f"index of {ilen} bytes exceeds the limit of {Limits.MAX_INDEX_BYTES}",
-                         path=path, offset=at + 8)
+        raise LimitError(
+            f"index of {ilen} bytes exceeds the limit of {Limits.MAX_INDEX_BYTES}", path=path, offset=at + 8
+        )
     if ioff < PROLOGUE_SIZE or ioff % ALIGNMENT or ilen == 0 or align_up(ioff + ilen) != at:
         raise CorruptError(
             f"index range [{ioff}, {ioff + ilen}) does not end where the footer starts ({at})",
-            path=path, offset=at,
+            path=path,
+            offset=at,
         )
     return Footer(ioff, ilen, icheck, file_id)

@@ -22,7 +22,8 @@ import torch
 import xxhash
 import zstandard
 
-from . import devices, format as fmt, tree
+from . import devices, tree
+from . import format as fmt
 from .errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
 from .format import Limits
 
@@ -67,7 +68,10 @@ def parse_index_json(raw: bytes, path: str) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
         obj = json.loads(
-            text, object_pairs_hook=_pairs, parse_int=_parse_int, parse_float=_reject_float,
+            text,
+            object_pairs_hook=_pairs,
+            parse_int=_parse_int,
+            parse_float=_reject_float,
             parse_constant=_reject_float,
         )
     except UnicodeDecodeError as e:
@@ -77,8 +81,9 @@ def parse_index_json(raw: bytes, path: str) -> dict[str, Any]:
     except ValueError as e:
         raise CorruptError(f"index is not valid JSON: {str(e)[:200]}", path=path) from e
     if type(obj) is not dict or set(obj) != set(_INDEX_FIELDS):
-        raise CorruptError("index must be an object with exactly the fields "
-                           + ", ".join(_INDEX_FIELDS), path=path)
+        raise CorruptError(
+            "index must be an object with exactly the fields " + ", ".join(_INDEX_FIELDS), path=path
+        )
     return obj
 
 
@@ -127,8 +132,9 @@ class CheckpointFile:
         size = st.st_size
         self.prologue = fmt.parse_prologue(self._read(0, fmt.PROLOGUE_SIZE), size, path)
         length = self.prologue.file_length
-        self.footer = fmt.parse_footer(self._read(length - fmt.FOOTER_SIZE, fmt.FOOTER_SIZE),
-                                       self.prologue, path)
+        self.footer = fmt.parse_footer(
+            self._read(length - fmt.FOOTER_SIZE, fmt.FOOTER_SIZE), self.prologue, path
+        )
         ioff, ilen = self.footer.index_offset, self.footer.index_length
         region = self._read(ioff, length - fmt.FOOTER_SIZE - ioff)
         if len(region) != length - fmt.FOOTER_SIZE - ioff:
@@ -145,7 +151,9 @@ class CheckpointFile:
             raise CorruptError(f"index: chunk_size {self.chunk_size} is not a power of two", path=path)
         self.producer = _str_map(c, index["producer"], "producer", 64)
         self.metadata = _str_map(c, index["metadata"], "metadata", Limits.MAX_METADATA_ENTRIES)
-        self.source_devices = [c.str_(d, "source_devices entry") for d in c.list_(index["source_devices"], "source_devices")]
+        self.source_devices = [
+            c.str_(d, "source_devices entry") for d in c.list_(index["source_devices"], "source_devices")
+        ]
         self.storages = self._parse_storages(c, index["storages"])
         self.chunks = self._parse_chunks(c, index["chunks"])
         self.tree = tree.validate_tree(index["nodes"], self.storages, path)
@@ -211,17 +219,30 @@ class CheckpointFile:
                 raise c.fail(f"{where} checksum must be 16 lowercase hex digits")
             end = off + slen
             if end > end_of_data:
-                raise CorruptError(f"chunk ends at {end}, inside the index at {end_of_data}",
-                                   path=self.path, chunk=k, offset=off)
+                raise CorruptError(
+                    f"chunk ends at {end}, inside the index at {end_of_data}",
+                    path=self.path,
+                    chunk=k,
+                    offset=off,
+                )
             expect = fmt.align_up(end)
             out.append(Chunk(off, slen, rlen, codec, filt, width, int(check, 16), 0))
         if expect != end_of_data:
-            raise CorruptError(f"data ends at {expect} but the index starts at {end_of_data}",
-                               path=self.path, offset=expect)
+            raise CorruptError(
+                f"data ends at {expect} but the index starts at {end_of_data}", path=self.path, offset=expect
+            )
         for k, ch in enumerate(out):
             nxt = out[k + 1].offset if k + 1 < len(out) else end_of_data
-            out[k] = Chunk(ch.offset, ch.stored_len, ch.raw_len, ch.codec, ch.filter, ch.width,
-                           ch.checksum, nxt - ch.offset - ch.stored_len)
+            out[k] = Chunk(
+                ch.offset,
+                ch.stored_len,
+                ch.raw_len,
+                ch.codec,
+                ch.filter,
+                ch.width,
+                ch.checksum,
+                nxt - ch.offset - ch.stored_len,
+            )
         return out
 
     # -- data ---------------------------------------------------------------
@@ -258,8 +279,13 @@ class CheckpointFile:
                 skip = 0
             n = os.preadv(self._fd, rest, offset + got)
             if n == 0:
-                raise IncompleteError("file ended while reading chunk (it shrank after it was opened)",
-                                      path=self.path, key=key, chunk=k, offset=offset + got)
+                raise IncompleteError(
+                    "file ended while reading chunk (it shrank after it was opened)",
+                    path=self.path,
+                    key=key,
+                    chunk=k,
+                    offset=offset + got,
+                )
             got += n
 
     def read_chunk(self, k: int, dest: memoryview, verify: bool, key: str | None) -> None:
@@ -282,13 +308,19 @@ class CheckpointFile:
             stored = scratch[: ch.stored_len]
             pad = scratch[ch.stored_len : need]
         if verify:
-            seed = fmt.chunk_seed(self.prologue.file_id, k, ch.offset, ch.stored_len, ch.raw_len,
-                                  ch.codec, ch.filter, ch.width)
+            seed = fmt.chunk_seed(
+                self.prologue.file_id, k, ch.offset, ch.stored_len, ch.raw_len, ch.codec, ch.filter, ch.width
+            )
             if xxhash.xxh3_64_intdigest(stored, seed=seed) != ch.checksum:
                 raise CorruptError("checksum mismatch", path=self.path, key=key, chunk=k, offset=ch.offset)
         if any(pad):
-            raise CorruptError("padding after the chunk is not zero", path=self.path, key=key,
-                               chunk=k, offset=ch.offset + ch.stored_len)
+            raise CorruptError(
+                "padding after the chunk is not zero",
+                path=self.path,
+                key=key,
+                chunk=k,
+                offset=ch.offset + ch.stored_len,
+            )
         if ch.codec == fmt.CODEC_ZSTD:
             self._decompress(k, ch, stored, dest, key)
 
@@ -317,7 +349,7 @@ class CheckpointFile:
         rec = self.storages[sid]
         flat = torch.empty(rec.nbytes, dtype=torch.uint8)
         if rec.nbytes:
-            view = memoryview(flat.numpy()).cast("B")
+            view = flat.numpy().data.cast("B")
             pos = 0
             for k in range(rec.first_chunk, rec.first_chunk + rec.n_chunks):
                 n = self.chunks[k].raw_len
@@ -339,8 +371,11 @@ class CheckpointFile:
             elif target is not None:
                 loaded[sid] = devices.move(self.read_storage(sid, verify), target)
             else:
-                loaded[sid] = devices.apply_callable(map_location,  # type: ignore[arg-type]
-                                                     self.read_storage(sid, verify), rec.device)
+                loaded[sid] = devices.apply_callable(
+                    map_location,  # type: ignore[arg-type]
+                    self.read_storage(sid, verify),
+                    rec.device,
+                )
         return tree.decode(self.tree, top, loaded.__getitem__, self.path)
 
     def iter_chunk_problems(self) -> Iterator[CheckpointError]:

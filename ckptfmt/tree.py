@@ -87,7 +87,7 @@ class _Encoder:
             text = text[:77] + "..."
         return UnsupportedObjectError(f"{path}: cannot store {text}" + (f" ({why})" if why else ""))
 
-    def add(self, obj: object, path: str, depth: int, as_key: bool = False) -> int:
+    def add(self, obj: Any, path: str, depth: int, as_key: bool = False) -> int:
         if depth > Limits.MAX_DEPTH:
             raise UnsupportedObjectError(
                 f"{path}: nesting deeper than {Limits.MAX_DEPTH} levels (is there a cycle?)"
@@ -100,24 +100,24 @@ class _Encoder:
         if t is int:
             return self._emit(["int", format(obj, "x")])
         if t is float:
-            return self._emit(["float", _float_hex(obj)])  # type: ignore[arg-type]
+            return self._emit(["float", _float_hex(obj)])
         if t is str:
             return self._emit(["str", obj])
         if t is tuple:
-            ids = [self.add(v, f"{path}[{i}]", depth + 1, as_key) for i, v in enumerate(obj)]  # type: ignore[arg-type]
+            ids = [self.add(v, f"{path}[{i}]", depth + 1, as_key) for i, v in enumerate(obj)]
             return self._emit(["tuple", ids])
         if as_key:
             raise self._fail(path, obj, "dict keys must be str, int, float, bool, None or tuples of those")
         if t is complex:
-            return self._emit(["complex", _float_hex(obj.real), _float_hex(obj.imag)])  # type: ignore[attr-defined]
+            return self._emit(["complex", _float_hex(obj.real), _float_hex(obj.imag)])
         if t is bytes:
-            return self._emit(["bytes", _b64(obj)])  # type: ignore[arg-type]
+            return self._emit(["bytes", _b64(obj)])
         if t is list:
-            ids = [self.add(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj)]  # type: ignore[arg-type]
+            ids = [self.add(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj)]
             return self._emit(["list", ids])
         if t is dict or t is collections.OrderedDict:
             pairs = []
-            for k, v in obj.items():  # type: ignore[attr-defined]
+            for k, v in obj.items():
                 kid = self.add(k, f"{path}[{k!r}] (key)", depth + 1, as_key=True)
                 pairs.append([kid, self.add(v, render_key(path, k), depth + 1)])
             if t is dict:
@@ -128,18 +128,18 @@ class _Encoder:
                 raise self._fail(f"{path}._metadata", meta, "_metadata must be a dict")
             return self._emit(["odict", pairs, mid])
         if t is torch.Size:
-            return self._emit(["size", [format(int(d), "x") for d in obj]])  # type: ignore[attr-defined]
+            return self._emit(["size", [format(int(d), "x") for d in obj]])
         if t is torch.dtype:
-            name = dtypes.TORCH_NAMES.get(obj)  # type: ignore[call-overload]
+            name = dtypes.TORCH_NAMES.get(obj)
             if name is None:
                 raise self._fail(path, obj, "dtype not supported by the format")
             return self._emit(["dtype", name])
         if t is torch.device:
             return self._emit(["device", str(obj)])
         if t is torch.Tensor or t is torch.nn.Parameter:
-            return self._tensor(obj, path)  # type: ignore[arg-type]
+            return self._tensor(obj, path)
         if t is np.ndarray:
-            return self._ndarray(obj, path)  # type: ignore[arg-type]
+            return self._ndarray(obj, path)
         if isinstance(obj, np.generic):
             name = dtypes.numpy_name(obj.dtype)
             if name is None:
@@ -176,9 +176,7 @@ class _Encoder:
         nbytes = storage.nbytes()
         device = str(t.device)
         key = (device, storage.data_ptr(), nbytes) if nbytes else None
-        sid = self._storage(
-            key, StoragePlan(nbytes, device, dtypes.torch_shuffle_width(name), storage, path)
-        )
+        sid = self._storage(key, StoragePlan(nbytes, device, dtypes.torch_shuffle_width(name), storage, path))
         meta = {
             "dtype": name,
             "shape": list(t.shape),
@@ -200,7 +198,9 @@ class _Encoder:
         sid = self._storage(
             None, StoragePlan(data.nbytes, "cpu", dtypes.numpy_shuffle_width(a.dtype), data, path)
         )
-        return self._emit(["ndarray", {"dtype": name, "shape": list(a.shape), "order": order, "storage": sid}])
+        return self._emit(
+            ["ndarray", {"dtype": name, "shape": list(a.shape), "order": order, "storage": sid}]
+        )
 
 
 def encode(state: object) -> Encoded:
@@ -294,8 +294,13 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
         elif kind == "bool":
             ok = n == 2 and type(node[1]) is bool
         elif kind == "int":
-            ok = n == 2 and type(node[1]) is str and len(node[1]) <= Limits.MAX_STRING_BYTES \
-                and _INT_RE.fullmatch(node[1]) is not None and node[1] != "-0"
+            ok = (
+                n == 2
+                and type(node[1]) is str
+                and len(node[1]) <= Limits.MAX_STRING_BYTES
+                and _INT_RE.fullmatch(node[1]) is not None
+                and node[1] != "-0"
+            )
         elif kind == "float":
             ok = n == 2 and type(node[1]) is str and _FLOAT_RE.fullmatch(node[1]) is not None
         elif kind == "complex":
@@ -328,17 +333,27 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
         elif kind == "device":
             ok = n == 2 and type(node[1]) is str and _DEVICE_RE.fullmatch(node[1]) is not None
         elif kind == "size":
-            ok = n == 2 and type(node[1]) is list and len(node[1]) <= Limits.MAX_RANK and all(
-                type(d) is str and len(d) <= 16 and _INT_RE.fullmatch(d) and not d.startswith("-")
-                for d in node[1]
+            ok = (
+                n == 2
+                and type(node[1]) is list
+                and len(node[1]) <= Limits.MAX_RANK
+                and all(
+                    type(d) is str and len(d) <= 16 and _INT_RE.fullmatch(d) and not d.startswith("-")
+                    for d in node[1]
+                )
             )
         elif kind == "tensor":
             ok = n == 2 and _check_tensor(c, i, node[1], storages)
         elif kind == "ndarray":
             ok = n == 2 and _check_ndarray(c, i, node[1], storages)
         elif kind == "npscalar":
-            ok = n == 3 and type(node[1]) is str and dtypes.numpy_dtype(node[1]) is not None \
-                and type(node[2]) is str and len(node[2]) <= 32
+            ok = (
+                n == 3
+                and type(node[1]) is str
+                and dtypes.numpy_dtype(node[1]) is not None
+                and type(node[2]) is str
+                and len(node[2]) <= 32
+            )
         else:
             raise c.fail(f"node {i} has unknown kind {kind[:40]!r}")
         if not ok:
@@ -416,9 +431,7 @@ def _check_tensor(c: _Check, i: int, meta: object, storages: list[StorageRecord]
     numel = _numel(c, i, shape)
     extent = offset + (sum((d - 1) * s for d, s in zip(shape, stride)) + 1 if numel else 0)
     if extent * itemsize > rec.nbytes:
-        raise c.fail(
-            f"node {i} reaches byte {extent * itemsize} of a storage of {rec.nbytes} bytes"
-        )
+        raise c.fail(f"node {i} reaches byte {extent * itemsize} of a storage of {rec.nbytes} bytes")
     return True
 
 
@@ -432,7 +445,9 @@ def _check_ndarray(c: _Check, i: int, meta: object, storages: list[StorageRecord
         raise c.fail(f"node {i} has order {str(m['order'])[:8]!r}")
     rec = _use_storage(c, i, m["storage"], storages, "ndarray")
     if _numel(c, i, shape) * dt.itemsize != rec.nbytes:
-        raise c.fail(f"node {i} needs {_numel(c, i, shape) * dt.itemsize} bytes, its storage has {rec.nbytes}")
+        raise c.fail(
+            f"node {i} needs {_numel(c, i, shape) * dt.itemsize} bytes, its storage has {rec.nbytes}"
+        )
     return True
 
 
@@ -498,9 +513,7 @@ def _unfloat(s: str) -> float:
     return value
 
 
-def decode(
-    tree: Tree, top: int, storage: Callable[[int], torch.UntypedStorage], path: str
-) -> object:
+def decode(tree: Tree, top: int, storage: Callable[[int], torch.UntypedStorage], path: str) -> object:
     """Build the objects of the subtree at `top`; `storage(sid)` gives loaded storages."""
     c = _Check(path)
     nodes = tree.nodes

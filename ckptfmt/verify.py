@@ -20,8 +20,15 @@ class Problem:
     offset: int | None = None
 
     def __str__(self) -> str:
-        where = [p for p in (self.key, None if self.chunk is None else f"chunk {self.chunk}",
-                             None if self.offset is None else f"offset {self.offset}") if p]
+        where = [
+            p
+            for p in (
+                self.key,
+                None if self.chunk is None else f"chunk {self.chunk}",
+                None if self.offset is None else f"offset {self.offset}",
+            )
+            if p
+        ]
         return ": ".join([*where, self.message])
 
 
@@ -71,7 +78,7 @@ def verify(path: str | os.PathLike[str], *, quick: bool = False) -> VerifyReport
     with f:
         report.chunks = len(f.chunks)
         if not quick:
-            for e in f.iter_chunk_problems():
-                report.problems.append(problem_of(e))
+            for err in f.iter_chunk_problems():
+                report.problems.append(problem_of(err))
             report.bytes_checked = f.prologue.file_length
     return report

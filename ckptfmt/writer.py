@@ -33,7 +33,8 @@ import torch
 import xxhash
 import zstandard
 
-from . import __version__, format as fmt, tree
+from . import __version__, tree
+from . import format as fmt
 from .errors import LimitError
 
 TEMP_MARKER = ".ckptfmt-tmp."
@@ -101,11 +102,11 @@ def storage_bytes(plan: tree.StoragePlan) -> memoryview:
     """A byte view of a storage's memory on the CPU (a copy only for device storages)."""
     src = plan.source
     if isinstance(src, np.ndarray):
-        return memoryview(src.reshape(-1, order="A").view(np.uint8)).cast("B")
+        return src.reshape(-1, order="A").view(np.uint8).data.cast("B")
     flat = torch.empty(0, dtype=torch.uint8, device=src.device).set_(src)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    return memoryview(flat.numpy()).cast("B")
+    return flat.numpy().data.cast("B")
 
 
 class ChunkEncoder:
@@ -113,8 +114,9 @@ class ChunkEncoder:
 
     def __init__(self, compression: str | None, level: int | None) -> None:
         self.cctx = (
-            zstandard.ZstdCompressor(level=1 if level is None else level, write_checksum=False,
-                                     write_content_size=True)
+            zstandard.ZstdCompressor(
+                level=1 if level is None else level, write_checksum=False, write_content_size=True
+            )
             if compression == "zstd"
             else None
         )
@@ -183,7 +185,9 @@ def build_file(
     }
     blob = json.dumps(index, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
     if len(blob) > fmt.Limits.MAX_INDEX_BYTES:
-        raise LimitError(f"the index would be {len(blob)} bytes, above the limit {fmt.Limits.MAX_INDEX_BYTES}")
+        raise LimitError(
+            f"the index would be {len(blob)} bytes, above the limit {fmt.Limits.MAX_INDEX_BYTES}"
+        )
     index_offset = pos
     _pwrite_all(fd, blob, index_offset)
     footer_offset = fmt.align_up(index_offset + len(blob))
