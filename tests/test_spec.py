@@ -64,7 +64,15 @@ def test_worked_example_matches_spec(tmp_path, monkeypatch):
     assert index["chunks"] == [[64, 8, 8, 0, 0, 0, "842bbfe4c9565e46"]]
     assert index["nodes"][-1] == ["dict", [[0, 1], [2, 3]]]
     assert _chunk_bytes(data, index, 0) == struct.pack("<2f", 1.0, 2.0)
-    assert list(index) == ["chunk_size", "producer", "source_devices", "metadata", "storages", "chunks", "nodes"]
+    assert list(index) == [
+        "chunk_size",
+        "producer",
+        "source_devices",
+        "metadata",
+        "storages",
+        "chunks",
+        "nodes",
+    ]
 
 
 def test_shuffled_zstd_chunks_match_spec(tmp_path, monkeypatch):

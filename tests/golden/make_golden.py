@@ -77,8 +77,7 @@ def main() -> None:
     os.environ["SOURCE_DATE_EPOCH"] = "1764460800"
     for i, (name, kw) in enumerate(FILES.items()):
         os.environ["CKPTFMT_FILE_ID"] = f"{i:02x}" * 16
-        ckptfmt.save(expected(), os.path.join(HERE, name), metadata={"golden": name},
-                     chunk_size=4096, **kw)  # type: ignore[arg-type]
+        ckptfmt.save(expected(), os.path.join(HERE, name), metadata={"golden": name}, chunk_size=4096, **kw)  # type: ignore[arg-type]
         print("wrote", name)
 
 
