@@ -15,6 +15,12 @@ from .format import FORMAT_MAJOR, FORMAT_MINOR  # noqa: E402
 from .verify import Problem, VerifyReport, verify  # noqa: E402
 from .writer import save  # noqa: E402
 
+
+def backend() -> str:
+    """Which engine does the byte work: "python" (the reference path)."""
+    return "python"
+
+
 __all__ = [
     "CheckpointError",
     "CorruptError",
@@ -28,6 +34,7 @@ __all__ = [
     "UnsupportedObjectError",
     "VerifyReport",
     "__version__",
+    "backend",
     "load",
     "open",
     "save",

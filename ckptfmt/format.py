@@ -48,6 +48,11 @@ FILTER_SHUFFLE = 1
 FILTER_NAMES = {FILTER_NONE: "none", FILTER_SHUFFLE: "shuffle"}
 SHUFFLE_WIDTHS = (2, 4, 8, 16)
 
+#: A zstd frame cannot expand more than this: its densest block, an RLE block,
+#: holds at most 128 KiB in 4 bytes.  Chunks claiming more are rejected before
+#: any buffer is allocated, so memory use is bounded by the file's size.
+ZSTD_MAX_RATIO = 32768
+
 DEFAULT_CHUNK_SIZE = 4 << 20
 MIN_CHUNK_SIZE = 4 << 10
 MAX_CHUNK_SIZE = 1 << 30

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,8 +146,8 @@ class CheckpointFile:
             raise CorruptError("padding after the index is not zero", path=path, offset=ioff + ilen)
         index = parse_index_json(raw, path)
         c = tree._Check(path)
-        self.chunk_size = c.int_(index["chunk_size"], "chunk_size", fmt.MIN_CHUNK_SIZE, fmt.MAX_CHUNK_SIZE)
-        if self.chunk_size & (self.chunk_size - 1):
+        self.chunk_size = c.bounded_int(index["chunk_size"], "chunk_size", fmt.MAX_CHUNK_SIZE)
+        if self.chunk_size < fmt.MIN_CHUNK_SIZE or self.chunk_size & (self.chunk_size - 1):
             raise CorruptError(f"index: chunk_size {self.chunk_size} is not a power of two", path=path)
         self.producer = _str_map(c, index["producer"], "producer", 64)
         self.metadata = _str_map(c, index["metadata"], "metadata", Limits.MAX_METADATA_ENTRIES)
@@ -167,7 +167,7 @@ class CheckpointFile:
         for sid, item in enumerate(items):
             if type(item) is not list or len(item) != 2:
                 raise c.fail(f"storage {sid} is not a [nbytes, device] pair")
-            nbytes = c.int_(item[0], f"storage {sid} size", 0, Limits.MAX_STORAGE_BYTES)
+            nbytes = c.bounded_int(item[0], f"storage {sid} size", Limits.MAX_STORAGE_BYTES)
             device = c.str_(item[1], f"storage {sid} device")
             if tree._DEVICE_RE.fullmatch(device) is None:
                 raise c.fail(f"storage {sid} has invalid device {device[:40]!r}")
@@ -211,6 +211,8 @@ class CheckpointFile:
                     raise c.fail(f"{where} is raw but has a filter")
             else:
                 c.int_(slen, f"{where} stored length", 1, rlen - 1)
+                if rlen > slen * fmt.ZSTD_MAX_RATIO:
+                    raise c.fail(f"{where} claims {rlen} bytes from {slen}: more than any zstd frame holds")
             if filt == fmt.FILTER_NONE and width != 0:
                 raise c.fail(f"{where} has a filter width without a filter")
             if filt == fmt.FILTER_SHUFFLE and (width not in fmt.SHUFFLE_WIDTHS or rlen % width):
@@ -258,11 +260,9 @@ class CheckpointFile:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _key_of(self, k: int) -> str | None:
-        for rec in self.storages:
-            if rec.first_chunk <= k < rec.first_chunk + rec.n_chunks:
-                return rec.key
-        return None
+    def chunk_keys(self) -> list[str]:
+        """The key path of the first tensor using each chunk."""
+        return [rec.key for rec in self.storages for _ in range(rec.n_chunks)]
 
     def _readv(self, bufs: list[memoryview], offset: int, k: int, key: str | None) -> None:
         want = sum(len(b) for b in bufs)
@@ -347,7 +347,14 @@ class CheckpointFile:
     def read_storage(self, sid: int, verify: bool) -> torch.UntypedStorage:
         """A CPU storage holding storage `sid`, every chunk read and checked."""
         rec = self.storages[sid]
-        flat = torch.empty(rec.nbytes, dtype=torch.uint8)
+        try:
+            flat = torch.empty(rec.nbytes, dtype=torch.uint8)
+        except (RuntimeError, MemoryError) as e:
+            raise LimitError(
+                f"cannot allocate {rec.nbytes} bytes for this storage: {str(e)[:100]}",
+                path=self.path,
+                key=rec.key,
+            ) from e
         if rec.nbytes:
             view = flat.numpy().data.cast("B")
             pos = 0
@@ -378,13 +385,18 @@ class CheckpointFile:
                 )
         return tree.decode(self.tree, top, loaded.__getitem__, self.path)
 
-    def iter_chunk_problems(self) -> Iterator[CheckpointError]:
+    def iter_chunk_problems(
+        self, progress: Callable[[int, int], None] | None = None
+    ) -> Iterator[CheckpointError]:
         """Check every chunk; yield one error per damaged chunk and go on."""
         buf = bytearray(max((c.raw_len for c in self.chunks), default=0))
         view = memoryview(buf)
+        keys = self.chunk_keys()
         for k, ch in enumerate(self.chunks):
+            if progress is not None:
+                progress(k, len(self.chunks))
             try:
-                self.read_chunk(k, view[: ch.raw_len], True, self._key_of(k))
+                self.read_chunk(k, view[: ch.raw_len], True, keys[k])
             except CheckpointError as e:
                 yield e
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from . import dtypes
-from .errors import CorruptError, LimitError, UnsupportedObjectError
+from .errors import CorruptError, LimitError, UnsupportedError, UnsupportedObjectError
 from .format import Limits
 
 _INT_RE = re.compile(r"-?(?:0|[1-9a-f][0-9a-f]*)")
@@ -243,6 +243,17 @@ class _Check:
         cls = LimitError if limit else CorruptError
         return cls(f"index: {msg}", path=self.path)
 
+    def unsupported(self, msg: str) -> UnsupportedError:
+        return UnsupportedError(f"index: {msg}", path=self.path)
+
+    def bounded_int(self, v: object, what: str, hi: int) -> int:
+        """A non-negative int; above `hi` is a limit error, not corruption."""
+        if type(v) is not int or v < 0:
+            raise self.fail(f"{what} is {v!r}, expected a non-negative integer")
+        if v > hi:
+            raise self.fail(f"{what} is {v}, above the limit {hi}", limit=True)
+        return v
+
     def int_(self, v: object, what: str, lo: int = 0, hi: int | None = None) -> int:
         if type(v) is not int or v < lo or (hi is not None and v > hi):
             raise self.fail(f"{what} is {v!r}, expected an integer in [{lo}, {hi}]")
@@ -329,7 +340,7 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
         elif kind == "dtype":
             ok = n == 2 and node[1] in dtypes.TORCH_DTYPES
             if not ok and n == 2 and type(node[1]) is str:
-                raise c.fail(f"node {i} has dtype {node[1][:40]!r}, unknown to this reader")
+                raise c.unsupported(f"node {i} has dtype {node[1][:40]!r}, unknown to this reader")
         elif kind == "device":
             ok = n == 2 and type(node[1]) is str and _DEVICE_RE.fullmatch(node[1]) is not None
         elif kind == "size":
@@ -355,7 +366,7 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
                 and len(node[2]) <= 32
             )
         else:
-            raise c.fail(f"node {i} has unknown kind {kind[:40]!r}")
+            raise c.unsupported(f"node {i} has unknown kind {kind[:40]!r}")
         if not ok:
             raise c.fail(f"node {i} ({kind}) is malformed")
         if kids:
@@ -380,7 +391,7 @@ def _shape(c: _Check, i: int, v: object, what: str) -> list[int]:
     if len(dims) > Limits.MAX_RANK:
         raise c.fail(f"node {i} has rank {len(dims)}, above the limit {Limits.MAX_RANK}", limit=True)
     for d in dims:
-        c.int_(d, f"node {i} {what} entry", 0, Limits.MAX_NUMEL)
+        c.bounded_int(d, f"node {i} {what} entry", Limits.MAX_NUMEL)
     return dims
 
 
@@ -412,12 +423,12 @@ def _check_tensor(c: _Check, i: int, meta: object, storages: list[StorageRecord]
     m = _fields(c, i, meta, _TENSOR_FIELDS)
     name = m["dtype"]
     if name not in dtypes.TORCH_DTYPES:
-        raise c.fail(f"node {i} has dtype {str(name)[:40]!r}, unknown to this reader")
+        raise c.unsupported(f"node {i} has dtype {str(name)[:40]!r}, unknown to this reader")
     shape = _shape(c, i, m["shape"], "shape")
     stride = _shape(c, i, m["stride"], "stride")
     if len(stride) != len(shape):
         raise c.fail(f"node {i} has {len(shape)} dimensions but {len(stride)} strides")
-    offset = c.int_(m["offset"], f"node {i} offset", 0, Limits.MAX_STORAGE_BYTES)
+    offset = c.bounded_int(m["offset"], f"node {i} offset", Limits.MAX_STORAGE_BYTES)
     rec = _use_storage(c, i, m["storage"], storages, "tensor")
     for f in ("requires_grad", "param", "conj"):
         if type(m[f]) is not bool:
@@ -439,7 +450,7 @@ def _check_ndarray(c: _Check, i: int, meta: object, storages: list[StorageRecord
     m = _fields(c, i, meta, _ARRAY_FIELDS)
     dt = dtypes.numpy_dtype(m["dtype"]) if type(m["dtype"]) is str else None
     if dt is None:
-        raise c.fail(f"node {i} has numpy dtype {str(m['dtype'])[:40]!r}, unknown to this reader")
+        raise c.unsupported(f"node {i} has numpy dtype {str(m['dtype'])[:40]!r}, unknown to this reader")
     shape = _shape(c, i, m["shape"], "shape")
     if m["order"] not in ("C", "F"):
         raise c.fail(f"node {i} has order {str(m['order'])[:8]!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
@@ -63,7 +64,12 @@ def problem_of(e: CheckpointError) -> Problem:
     return Problem(_kind(e), e.reason, e.key, e.chunk, e.offset)
 
 
-def verify(path: str | os.PathLike[str], *, quick: bool = False) -> VerifyReport:
+def verify(
+    path: str | os.PathLike[str],
+    *,
+    quick: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> VerifyReport:
     """Check structure, index and (unless `quick`) every chunk's checksum and size.
 
     Damage to the prologue, footer or index stops the check (nothing after them
@@ -78,7 +84,7 @@ def verify(path: str | os.PathLike[str], *, quick: bool = False) -> VerifyReport
     with f:
         report.chunks = len(f.chunks)
         if not quick:
-            for err in f.iter_chunk_problems():
+            for err in f.iter_chunk_problems(progress):
                 report.problems.append(problem_of(err))
             report.bytes_checked = f.prologue.file_length
     return report

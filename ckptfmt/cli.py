@@ -1,0 +1,514 @@
+"""The ckptfmt command line: verify, inspect, convert, diff, info.
+
+Results go to stdout, diagnostics to stderr; --json prints exactly one JSON
+document.  Exit status: 0 success, 1 a file failed (verify) or files differ
+(diff), 2 usage error or a file that cannot be read as a checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import __version__
+from . import format as fmt
+from .errors import CheckpointError
+from .sniff import DESCRIPTIONS, sniff
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_CODES = """exit status:
+  0  success
+  1  a file failed verification (verify) or the files differ (diff)
+  2  usage error, or a file that is missing, unreadable or not a ckptfmt file
+"""
+
+
+class _Progress:
+    """A progress line on stderr, only when stderr is a terminal and the work is large."""
+
+    def __init__(self, label: str, total_bytes: int) -> None:
+        self.on = sys.stderr.isatty() and total_bytes >= 256 << 20
+        self.label = label
+        self.last = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.on or not total:
+            return
+        pct = 100 * done // total
+        if pct != self.last:
+            self.last = pct
+            sys.stderr.write(f"\r{self.label}: {pct:3d}%")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.on and self.last >= 0:
+            sys.stderr.write("\r" + " " * (len(self.label) + 6) + "\r")
+
+
+def _problem_dict(p: Any) -> dict[str, Any]:
+    return {"kind": p.kind, "message": p.message, "key": p.key, "chunk": p.chunk, "offset": p.offset}
+
+
+# -- verify -------------------------------------------------------------------
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .verify import verify
+
+    results = []
+    status = EXIT_OK
+    for path in args.paths:
+        entry: dict[str, Any] = {"path": path}
+        try:
+            kind = sniff(path)
+        except OSError as e:
+            entry.update(status="unreadable", error=f"{e.strerror}")
+            status = EXIT_USAGE
+            results.append(entry)
+            continue
+        if kind != "ckptfmt":
+            entry.update(status="not-ckptfmt", format=kind, error=DESCRIPTIONS[kind])
+            status = EXIT_USAGE
+            results.append(entry)
+            continue
+        progress = _Progress(f"verifying {path}", os.path.getsize(path))
+        try:
+            report = verify(path, quick=args.quick, progress=progress)
+        except OSError as e:
+            entry.update(status="unreadable", error=f"{e.strerror}")
+            status = EXIT_USAGE
+            results.append(entry)
+            continue
+        finally:
+            progress.close()
+        entry.update(
+            status="ok" if report.ok else "failed",
+            chunks=report.chunks,
+            problems=[_problem_dict(p) for p in report.problems],
+        )
+        if not report.ok and status == EXIT_OK:
+            status = EXIT_FAILED
+        results.append(entry)
+    if args.json:
+        print(json.dumps({"files": results, "ok": status == EXIT_OK, "quick": args.quick}, indent=2))
+        return status
+    for res in results:
+        if res["status"] == "ok":
+            print(f"{res['path']}: OK")
+        elif res["status"] == "failed":
+            first = res["problems"][0]
+            where = ", ".join(f"{k} {first[k]}" for k in ("key", "chunk", "offset") if first[k] is not None)
+            more = f" (+{len(res['problems']) - 1} more)" if len(res["problems"]) > 1 else ""
+            print(
+                f"{res['path']}: FAILED {first['kind']}: {first['message']}"
+                + (f" [{where}]" if where else "")
+                + more
+            )
+            for p in res["problems"][1:]:
+                print(
+                    f"  {p['kind']}: {p['message']} [key {p['key']}, chunk {p['chunk']}, offset {p['offset']}]",
+                    file=sys.stderr,
+                )
+        elif res["status"] == "not-ckptfmt":
+            print(f"{res['path']}: NOT CKPTFMT {res['error']}")
+        else:
+            print(f"{res['path']}: UNREADABLE {res['error']}")
+    return status
+
+
+# -- inspect ------------------------------------------------------------------
+
+
+def _inspect_tree(f: Any) -> list[dict[str, Any]]:
+    from . import dtypes, tree
+
+    rows = []
+    chunks = f.chunks
+    for path, i in tree.iter_paths(f.tree, f.tree.root, "state"):
+        node = f.tree.nodes[i]
+        kind = node[0]
+        row: dict[str, Any] = {"key": path, "type": kind}
+        if kind in ("tensor", "ndarray"):
+            m = node[1]
+            rec = f.storages[m["storage"]]
+            own = range(rec.first_chunk, rec.first_chunk + rec.n_chunks)
+            stored = sum(chunks[k].stored_len for k in own)
+            codecs = sorted({fmt.CODEC_NAMES[chunks[k].codec] for k in own}) or ["raw"]
+            itemsize = (
+                dtypes.torch_itemsize(m["dtype"]) if kind == "tensor" else np.dtype(m["dtype"]).itemsize
+            )
+            numel = int(np.prod(m["shape"])) if m["shape"] else 1
+            row.update(
+                dtype=m["dtype"],
+                shape=m["shape"],
+                bytes=numel * itemsize,
+                storage=m["storage"],
+                storage_bytes=rec.nbytes,
+                stored_bytes=stored,
+                codec="+".join(codecs),
+                ratio=round(rec.nbytes / stored, 3) if stored else None,
+                device=rec.device,
+            )
+        elif kind in ("list", "tuple"):
+            row["len"] = len(node[1])
+        elif kind in ("dict", "odict"):
+            row["len"] = len(node[1])
+        elif kind in ("int", "float", "bool", "str", "none", "dtype", "device", "complex"):
+            value = tree.decode(f.tree, i, lambda s: None, f.path)  # type: ignore[arg-type, return-value]
+            text = repr(value)
+            row["value"] = text if len(text) <= 60 else text[:57] + "..."
+        rows.append(row)
+    return rows
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .reader import CheckpointFile
+
+    try:
+        kind = sniff(args.path)
+        if kind != "ckptfmt":
+            print(f"{args.path}: {DESCRIPTIONS[kind]}", file=sys.stderr)
+            return EXIT_USAGE
+        with CheckpointFile(args.path) as f:
+            rows = _inspect_tree(f)
+            info = {
+                "path": args.path,
+                "file_bytes": f.prologue.file_length,
+                "format": f"{f.prologue.major}.{f.prologue.minor}",
+                "chunk_size": f.chunk_size,
+                "chunks": len(f.chunks),
+                "storages": len(f.storages),
+                "producer": f.producer,
+                "metadata": f.metadata,
+                "source_devices": f.source_devices,
+                "tree": rows,
+            }
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as e:
+        print(f"error: {args.path}: {e.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return EXIT_OK
+    print(
+        f"{args.path}: ckptfmt {info['format']}, {info['file_bytes']} bytes, {info['storages']} storages "
+        f"in {info['chunks']} chunks of up to {info['chunk_size']} bytes"
+    )
+    print("producer: " + ", ".join(f"{k} {v}" for k, v in info["producer"].items()))
+    print("metadata: " + (json.dumps(info["metadata"]) if info["metadata"] else "(none)"))
+    for r in rows:
+        depth = r["key"].count("[") + r["key"].count("._metadata")
+        name = r["key"] if depth == 0 else "  " * (depth - 1) + r["key"][r["key"].rfind("[") :]
+        if r["type"] in ("tensor", "ndarray"):
+            ratio = f" x{r['ratio']:.2f}" if r["codec"] != "raw" and r["ratio"] else ""
+            print(
+                f"{name}: {r['type']} {r['dtype']} {list(r['shape'])} {r['bytes']} B "
+                f"{r['codec']}{ratio} (storage {r['storage']}, {r['device']})"
+            )
+        elif "len" in r:
+            print(f"{name}: {r['type']} ({r['len']})")
+        elif "value" in r:
+            print(f"{name}: {r['value']}")
+        else:
+            print(f"{name}: {r['type']}")
+    return EXIT_OK
+
+
+# -- convert ------------------------------------------------------------------
+
+
+def _flatten_tensors(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        if prefix in out:
+            raise ValueError(f"two entries flatten to the key {prefix!r}")
+        out[prefix] = obj
+        return
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise ValueError(f"key {k!r} under {prefix or 'the top level'!r} is not a string")
+            _flatten_tensors(v, f"{prefix}.{k}" if prefix else k, out)
+        return
+    where = prefix or "the top level"
+    raise ValueError(
+        f"{where} holds a {type(obj).__name__}; safetensors stores only tensors in (nested) dicts"
+    )
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from . import api, writer
+
+    try:
+        kind = sniff(args.src)
+    except OSError as e:
+        print(f"error: {args.src}: {e.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if kind == "ckptfmt":
+            try:
+                from safetensors.torch import save_file
+            except ImportError:
+                print(
+                    "error: converting to safetensors needs the safetensors package "
+                    "(pip install safetensors)",
+                    file=sys.stderr,
+                )
+                return EXIT_USAGE
+            with api.open(args.src) as r:
+                state = r.load()
+                meta = r.metadata
+            flat: dict[str, torch.Tensor] = {}
+            try:
+                _flatten_tensors(state, "", flat)
+            except ValueError as e:
+                print(f"error: {args.src}: cannot convert to safetensors: {e}", file=sys.stderr)
+                return EXIT_USAGE
+            # safetensors refuses tensors that share memory: give each its own copy
+            flat = {k: v.detach().contiguous().clone() for k, v in flat.items()}
+            save_file(flat, args.dst, metadata=meta or None)
+            print(f"{args.src} -> {args.dst}: {len(flat)} tensors written as safetensors")
+            return EXIT_OK
+        if kind in ("torch-zip", "torch-legacy"):
+            state = torch.load(args.src, map_location="cpu", weights_only=True)
+            meta = {}
+        elif kind == "safetensors":
+            from safetensors import safe_open
+
+            with safe_open(args.src, framework="pt") as sf:
+                state = {k: sf.get_tensor(k) for k in sf.keys()}  # noqa: SIM118 - safe_open has no __iter__
+                meta = dict(sf.metadata() or {})
+        else:
+            print(f"error: {args.src}: {DESCRIPTIONS[kind]}", file=sys.stderr)
+            return EXIT_USAGE
+        writer.save(
+            state,
+            args.dst,
+            compression=args.compression,
+            level=args.level,
+            metadata={**meta, "converted_from": os.path.basename(args.src)},
+        )
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as e:
+        print(f"error: {e.filename or args.src}: {e.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:  # torch.load's refusal of a pickle, a broken safetensors header
+        print(
+            f"error: {args.src}: cannot read as {DESCRIPTIONS[kind]}: {type(e).__name__}: "
+            f"{str(e).splitlines()[0][:300] if str(e) else ''}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    print(
+        f"{args.src} -> {args.dst}: converted {DESCRIPTIONS[kind]} to ckptfmt"
+        + (f" with {args.compression}" if args.compression else "")
+    )
+    return EXIT_OK
+
+
+# -- diff ---------------------------------------------------------------------
+
+
+def _diff(a: Any, b: Any, path: str, out: list[dict[str, Any]]) -> None:
+    if type(a) is not type(b):
+        out.append({"key": path, "what": "type", "a": type(a).__name__, "b": type(b).__name__})
+        return
+    if isinstance(a, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            out.append(
+                {
+                    "key": path,
+                    "what": "tensor",
+                    "a": f"{a.dtype} {list(a.shape)}",
+                    "b": f"{b.dtype} {list(b.shape)}",
+                }
+            )
+            return
+        if a.numel() == 0:
+            return
+        size = a.element_size()
+        ua = a.detach().cpu().reshape(-1).contiguous().view(torch.uint8).view(-1, size)
+        ub = b.detach().cpu().reshape(-1).contiguous().view(torch.uint8).view(-1, size)
+        differing = int((ua != ub).any(1).sum())
+        if differing:
+            entry: dict[str, Any] = {"key": path, "what": "values", "differing": differing}
+            wide = torch.complex128 if a.dtype.is_complex else torch.float64
+            xa, xb = a.detach().cpu().to(wide), b.detach().cpu().to(wide)
+            d = (xa - xb).abs()
+            d = torch.where(
+                xa.isnan() & xb.isnan(), torch.zeros_like(d), torch.nan_to_num(d, nan=float("inf"))
+            )
+            entry["max_abs_diff"] = float(d.max())
+            out.append(entry)
+        return
+    if isinstance(a, np.ndarray):
+        if a.dtype != b.dtype or a.shape != b.shape or a.tobytes() != b.tobytes():
+            out.append(
+                {
+                    "key": path,
+                    "what": "array",
+                    "a": f"{a.dtype} {list(a.shape)}",
+                    "b": f"{b.dtype} {list(b.shape)}",
+                }
+            )
+        return
+    if isinstance(a, dict):
+        for k in a:
+            if k not in b:
+                out.append({"key": f"{path}[{k!r}]", "what": "only in A"})
+            else:
+                _diff(a[k], b[k], f"{path}[{k!r}]", out)
+        for k in b:
+            if k not in a:
+                out.append({"key": f"{path}[{k!r}]", "what": "only in B"})
+        return
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            out.append({"key": path, "what": "length", "a": len(a), "b": len(b)})
+        for i, (x, y) in enumerate(zip(a, b)):
+            _diff(x, y, f"{path}[{i}]", out)
+        return
+    same = struct.pack("<d", a) == struct.pack("<d", b) if isinstance(a, float) else a == b
+    if not same:
+        out.append({"key": path, "what": "value", "a": repr(a)[:80], "b": repr(b)[:80]})
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from . import api
+
+    states = []
+    for p in (args.a, args.b):
+        try:
+            kind = sniff(p)
+            if kind != "ckptfmt":
+                print(f"error: {p}: {DESCRIPTIONS[kind]}", file=sys.stderr)
+                return EXIT_USAGE
+            states.append(api.load(p))
+        except CheckpointError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        except OSError as e:
+            print(f"error: {p}: {e.strerror}", file=sys.stderr)
+            return EXIT_USAGE
+    diffs: list[dict[str, Any]] = []
+    _diff(states[0], states[1], "state", diffs)
+    if args.json:
+        print(json.dumps({"a": args.a, "b": args.b, "identical": not diffs, "differences": diffs}, indent=2))
+    elif not diffs:
+        print("identical")
+    else:
+        for d in diffs:
+            detail = ", ".join(f"{k} {v}" for k, v in d.items() if k not in ("key", "what"))
+            print(f"{d['key']}: {d['what']}" + (f" ({detail})" if detail else ""))
+    return EXIT_OK if not diffs else EXIT_FAILED
+
+
+# -- info ---------------------------------------------------------------------
+
+
+def info_dict() -> dict[str, Any]:
+    import xxhash
+    import zstandard
+
+    from . import backend
+
+    return {
+        "ckptfmt": __version__,
+        "format": f"{fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR}",
+        "backend": backend(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "zstandard": zstandard.__version__,
+        "zstd": zstandard.ZSTD_VERSION and ".".join(map(str, zstandard.ZSTD_VERSION)),
+        "xxhash": xxhash.XXHASH_VERSION,
+    }
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    data = info_dict()
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        for k, v in data.items():
+            print(f"{k}: {v}")
+    return EXIT_OK
+
+
+# -- entry --------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    def sub(name: str, help_: str) -> argparse.ArgumentParser:
+        return subs.add_parser(
+            name,
+            help=help_,
+            description=help_,
+            epilog=EXIT_CODES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    ap = argparse.ArgumentParser(
+        prog="ckptfmt",
+        description="Check, inspect and convert ckptfmt checkpoints.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--version", action="version", version=f"ckptfmt {__version__}")
+    subs = ap.add_subparsers(dest="command", metavar="COMMAND")
+    v = sub("verify", "Check files: structure, index and every chunk's checksum and size.")
+    v.add_argument("paths", nargs="+", metavar="PATH")
+    v.add_argument("--quick", action="store_true", help="check structure and index only, not the chunks")
+    v.add_argument("--json", action="store_true", help="print one JSON document")
+    v.set_defaults(fn=cmd_verify)
+    i = sub("inspect", "Show the object tree, dtypes, shapes, sizes, codecs and metadata.")
+    i.add_argument("path", metavar="PATH")
+    i.add_argument("--json", action="store_true", help="print one JSON document")
+    i.set_defaults(fn=cmd_inspect)
+    c = sub(
+        "convert",
+        "Convert torch.save or safetensors files to ckptfmt, or ckptfmt to safetensors "
+        "(the direction follows the source's format).",
+    )
+    c.add_argument("src", metavar="SRC")
+    c.add_argument("dst", metavar="DST")
+    c.add_argument("--compression", choices=["zstd"], default=None, help="compress chunks (to ckptfmt)")
+    c.add_argument("--level", type=int, default=None, help="zstd level (default 1)")
+    c.set_defaults(fn=cmd_convert)
+    d = sub("diff", "Compare two checkpoints: keys, types, shapes, dtypes and values.")
+    d.add_argument("a", metavar="A")
+    d.add_argument("b", metavar="B")
+    d.add_argument("--json", action="store_true", help="print one JSON document")
+    d.set_defaults(fn=cmd_diff)
+    n = sub("info", "Show package, format and library versions and the active backend.")
+    n.add_argument("--json", action="store_true", help="print one JSON document")
+    n.set_defaults(fn=cmd_info)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:  # argparse exits 2 on usage errors and 0 for --help
+        return int(e.code or 0)
+    if not getattr(args, "fn", None):
+        ap.print_help(sys.stderr)
+        return EXIT_USAGE
+    if getattr(args, "level", None) is not None and not args.compression:
+        print("error: --level needs --compression zstd", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(args.fn(args))
+    except BrokenPipeError:
+        return EXIT_OK

@@ -1,0 +1,41 @@
+"""Recognise checkpoint files by their first bytes, not their names."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+from .format import MAGIC
+
+
+def sniff(path: str | os.PathLike[str]) -> str:
+    """One of "ckptfmt", "torch-zip", "torch-legacy", "safetensors", "unknown"."""
+    with open(path, "rb") as f:
+        head = f.read(64 * 1024)
+        size = os.fstat(f.fileno()).st_size
+    if MAGIC.startswith(head[:8]) or not any(head[:64]):
+        return "ckptfmt"  # empty, a prefix of the magic or zeros: an unfinished or truncated save
+    if head[:4] == b"PK\x03\x04":
+        return "torch-zip"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return "torch-legacy"
+    if len(head) >= 10:
+        (n,) = struct.unpack_from("<Q", head)
+        if 2 <= n <= size - 8 and head[8:9] == b"{":
+            if n + 8 <= len(head):
+                try:
+                    json.loads(head[8 : 8 + n])
+                except ValueError:
+                    return "unknown"
+            return "safetensors"
+    return "unknown"
+
+
+DESCRIPTIONS = {
+    "ckptfmt": "ckptfmt checkpoint",
+    "torch-zip": "torch.save zip archive (pickle inside)",
+    "torch-legacy": "legacy torch.save pickle file",
+    "safetensors": "safetensors file",
+    "unknown": "not a ckptfmt file (unknown format)",
+}
