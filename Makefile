@@ -1,7 +1,7 @@
 # Targets use the virtual environment made by .ci/setup unless PY is given.
 PY ?= .venv/bin/python
 
-.PHONY: setup test lint demo golden crash
+.PHONY: setup test lint demo golden corpus crash fuzz fuzz-smoke
 
 setup:
 	bash .ci/setup
@@ -24,3 +24,14 @@ golden:
 # the SIGKILL crash loop, long version (CI runs 120 kills)
 crash:
 	CKPTFMT_CRASH_KILLS=2000 $(PY) -m pytest -q -s tests/test_crash.py
+
+# rewrite tests/corpus/*.ckpt (the malicious-file corpus) from make_corpus.py
+corpus:
+	$(PY) tests/corpus/make_corpus.py
+
+# fuzz the reader with atheris: a one-minute smoke run (CI) and a long run
+fuzz-smoke:
+	$(PY) tests/fuzz/fuzz_reader.py -max_total_time=60 -rss_limit_mb=4096 -print_final_stats=1
+
+fuzz:
+	$(PY) tests/fuzz/fuzz_reader.py -max_total_time=36000 -rss_limit_mb=4096 -print_final_stats=1

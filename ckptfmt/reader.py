@@ -330,6 +330,8 @@ class CheckpointFile:
 
         try:
             params = zstandard.get_frame_parameters(stored)
+            if params.content_size == zstandard.CONTENTSIZE_UNKNOWN:
+                raise bad("zstd frame does not declare its decoded size")
             if params.content_size != ch.raw_len:
                 raise bad(f"zstd frame declares {params.content_size} bytes, the index {ch.raw_len}")
             dctx = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW)

@@ -319,7 +319,10 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
         elif kind == "str":
             ok = n == 2 and c.str_(node[1], f"node {i}") is not None
         elif kind == "bytes":
-            ok = n == 2 and type(node[1]) is str and len(node[1]) <= Limits.MAX_STRING_BYTES * 4 // 3 + 4
+            ok = n == 2 and type(node[1]) is str
+            if ok and len(node[1]) > Limits.MAX_STRING_BYTES * 4 // 3 + 4:
+                raise c.fail(f"node {i} holds more than {Limits.MAX_STRING_BYTES} bytes", limit=True)
+            ok = ok and _b64decode(c, i, node[1]) is not None
         elif kind in ("list", "tuple"):
             ok = n == 2 and type(node[1]) is list
             if ok:
@@ -337,12 +340,23 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
                 if kind == "odict" and node[2] is not None:
                     ks.append(child(i, node[2], frozenset({"dict", "odict"})))
                 kids = tuple(ks)
+                seen: set[object] = set()
+                for pair in node[1]:
+                    key = _key_value(c, nodes, pair[0])
+                    if key in seen:
+                        raise c.fail(f"node {i} has the key {key!r} twice")
+                    seen.add(key)
         elif kind == "dtype":
             ok = n == 2 and node[1] in dtypes.TORCH_DTYPES
             if not ok and n == 2 and type(node[1]) is str:
                 raise c.unsupported(f"node {i} has dtype {node[1][:40]!r}, unknown to this reader")
         elif kind == "device":
             ok = n == 2 and type(node[1]) is str and _DEVICE_RE.fullmatch(node[1]) is not None
+            if ok:
+                try:
+                    torch.device(node[1])
+                except RuntimeError as e:
+                    raise c.fail(f"node {i} names device {node[1]!r}, unknown to torch") from e
         elif kind == "size":
             ok = (
                 n == 2
@@ -358,13 +372,13 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
         elif kind == "ndarray":
             ok = n == 2 and _check_ndarray(c, i, node[1], storages)
         elif kind == "npscalar":
-            ok = (
-                n == 3
-                and type(node[1]) is str
-                and dtypes.numpy_dtype(node[1]) is not None
-                and type(node[2]) is str
-                and len(node[2]) <= 32
-            )
+            dt = dtypes.numpy_dtype(node[1]) if n == 3 and type(node[1]) is str else None
+            ok = dt is not None and type(node[2]) is str and len(node[2]) <= 32
+            if ok:
+                raw = _b64decode(c, i, node[2])
+                assert dt is not None
+                if len(raw) != dt.itemsize:
+                    raise c.fail(f"node {i} holds {len(raw)} bytes for a {dt.itemsize}-byte scalar")
         else:
             raise c.unsupported(f"node {i} has unknown kind {kind[:40]!r}")
         if not ok:
@@ -384,6 +398,34 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
     tree = Tree(nodes, root, children, storages)
     _name_storages(tree)
     return tree
+
+
+def _b64decode(c: _Check, i: int, text: str) -> bytes:
+    """Strict, canonical base64 (so every value has exactly one encoding)."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise c.fail(f"node {i} has invalid base64") from e
+    if base64.b64encode(raw).decode("ascii") != text:
+        raise c.fail(f"node {i} has non-canonical base64")
+    return raw
+
+
+def _key_value(c: _Check, nodes: list[list[Any]], j: int) -> object:
+    """The value of an already-validated dict-key node (scalars and tuples of them)."""
+    node = nodes[j]
+    kind = node[0]
+    if kind == "none":
+        return None
+    if kind in ("bool", "str"):
+        return node[1]
+    if kind == "int":
+        return int(node[1], 16)
+    if kind == "float":
+        return _unfloat(node[1])
+    if kind == "tuple":
+        return tuple(_key_value(c, nodes, k) for k in node[1])
+    raise c.fail(f"a dict key contains a {kind} node, which is not hashable")
 
 
 def _shape(c: _Check, i: int, v: object, what: str) -> list[int]:
@@ -545,37 +587,22 @@ def decode(tree: Tree, top: int, storage: Callable[[int], torch.UntypedStorage],
         if kind == "str":
             return node[1]
         if kind == "bytes":
-            try:
-                raw = base64.b64decode(node[1], validate=True)
-            except (binascii.Error, ValueError) as e:
-                raise c.fail(f"node {i} has invalid base64") from e
-            if base64.b64encode(raw).decode("ascii") != node[1]:
-                raise c.fail(f"node {i} has non-canonical base64")
-            return raw
+            return base64.b64decode(node[1])
         if kind == "list":
             return [build(j) for j in node[1]]
         if kind == "tuple":
             return tuple(build(j) for j in node[1])
         if kind in ("dict", "odict"):
             d: dict[Any, Any] = {} if kind == "dict" else collections.OrderedDict()
-            for k, v in node[1]:
-                key = build(k)
-                try:
-                    if key in d:
-                        raise c.fail(f"node {i} has the key {key!r} twice")
-                except TypeError as e:  # only reachable for unhashable keys, which validation rejects
-                    raise c.fail(f"node {i} has an unhashable key") from e
-                d[key] = build(v)
+            for k, v in node[1]:  # keys validated: hashable and distinct
+                d[build(k)] = build(v)
             if kind == "odict" and node[2] is not None:
                 d._metadata = build(node[2])  # type: ignore[attr-defined]
             return d
         if kind == "dtype":
             return dtypes.TORCH_DTYPES[node[1]]
         if kind == "device":
-            try:
-                return torch.device(node[1])
-            except RuntimeError as e:
-                raise c.fail(f"node {i} has invalid device {node[1]!r}") from e
+            return torch.device(node[1])
         if kind == "size":
             return torch.Size(int(d, 16) for d in node[1])
         if kind == "tensor":
@@ -583,15 +610,7 @@ def decode(tree: Tree, top: int, storage: Callable[[int], torch.UntypedStorage],
         if kind == "ndarray":
             return _build_ndarray(node[1], storage)
         if kind == "npscalar":
-            dt = dtypes.numpy_dtype(node[1])
-            assert dt is not None  # validated
-            try:
-                raw = base64.b64decode(node[2], validate=True)
-            except (binascii.Error, ValueError) as e:
-                raise c.fail(f"node {i} has invalid base64") from e
-            if len(raw) != dt.itemsize:
-                raise c.fail(f"node {i} holds {len(raw)} bytes for a {dt.itemsize}-byte scalar")
-            return np.frombuffer(raw, dtype=dt)[0]
+            return np.frombuffer(base64.b64decode(node[2]), dtype=np.dtype(node[1]))[0]
         raise c.fail(f"node {i} has unknown kind {kind!r}")  # validated before; kept for safety
 
     with torch.no_grad():

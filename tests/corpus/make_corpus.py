@@ -1,0 +1,436 @@
+"""Generates the malicious-file corpus: one minimal file per attack or damage class.
+
+    python tests/corpus/make_corpus.py      (rewrites tests/corpus/*.ckpt and expected.json)
+
+Every file has valid checksums wherever the attack does not concern them, so the
+reader's structural checks, not the checksums, must catch it (an attacker can
+recompute XXH3).  expected.json maps each file to the error class it must raise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import xxhash
+import zstandard
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FID = bytes.fromhex("c0ffee00" * 4)
+MAGIC = b"\x89CKF\r\n\x1a\n"
+END = b"\x89CKFEND\n"
+
+
+def a64(n: int) -> int:
+    return (n + 63) // 64 * 64
+
+
+def chunk_check(
+    fid: bytes, k: int, off: int, stored: bytes, raw_len: int, codec: int, filt: int, width: int
+) -> str:
+    ctx = (
+        b"ckptfmt-chunk\0\0\0"
+        + fid
+        + struct.pack("<QQQQBBB5x", k, off, len(stored), raw_len, codec, filt, width)
+    )
+    return f"{xxhash.xxh3_64_intdigest(stored, seed=xxhash.xxh3_64_intdigest(ctx)):016x}"
+
+
+def tensor_node(storage: int = 0, **kw: Any) -> list[Any]:
+    meta = {
+        "dtype": "float32",
+        "shape": [4],
+        "stride": [1],
+        "offset": 0,
+        "storage": storage,
+        "requires_grad": False,
+        "param": False,
+        "conj": False,
+    }
+    meta.update(kw)
+    return ["tensor", meta]
+
+
+def base_index() -> dict[str, Any]:
+    return {
+        "chunk_size": 4096,
+        "producer": {"ckptfmt": "corpus"},
+        "source_devices": ["cpu"],
+        "metadata": {},
+        "storages": [[16, "cpu"]],
+        "chunks": None,  # filled by build() unless given
+        "nodes": [["str", "w"], tensor_node(), ["dict", [[0, 1]]]],
+    }
+
+
+RAW16 = struct.pack("<4f", 1.0, 2.0, 3.0, 4.0)
+
+
+def build(
+    index: dict[str, Any] | None = None,
+    payloads: list[tuple[bytes, int, int, int, int]] | None = None,
+    *,
+    index_bytes: bytes | None = None,
+    fid: bytes = FID,
+    major: int = 1,
+    flags: int = 0,
+    required: int = 0,
+    mutate_chunks: Callable[[list[list[Any]]], None] | None = None,
+    data_override: Callable[[bytearray], None] | None = None,
+    footer_ilen: int | None = None,
+    footer_fid: bytes | None = None,
+    length_delta: int = 0,
+    trailing: bytes = b"",
+) -> bytes:
+    """Lay out payloads (stored, raw_len, codec, filter, width) and seal the file."""
+    index = base_index() if index is None else index
+    payloads = [(RAW16, 16, 0, 0, 0)] if payloads is None else payloads
+    data = bytearray(64)
+    records = []
+    for k, (stored, raw_len, codec, filt, width) in enumerate(payloads):
+        off = len(data)
+        data += stored
+        data += bytes(a64(len(data)) - len(data))
+        records.append(
+            [
+                off,
+                len(stored),
+                raw_len,
+                codec,
+                filt,
+                width,
+                chunk_check(fid, k, off, stored, raw_len, codec, filt, width),
+            ]
+        )
+    if index.get("chunks") is None:
+        index["chunks"] = records
+    if mutate_chunks:
+        mutate_chunks(index["chunks"])
+    if data_override:
+        data_override(data)
+    ioff = len(data)
+    blob = index_bytes if index_bytes is not None else json.dumps(index, separators=(",", ":")).encode()
+    data += blob
+    data += bytes(a64(len(data)) - len(data))
+    ilen = len(blob) if footer_ilen is None else footer_ilen
+    iseed = xxhash.xxh3_64_intdigest(b"ckptfmt-index\0\0\0" + fid + struct.pack("<QQ", ioff, len(blob)))
+    head = struct.pack(
+        "<QQQ16sQ", ioff, ilen, xxhash.xxh3_64_intdigest(blob, seed=iseed), footer_fid or fid, 0
+    )
+    data += head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + END
+    length = len(data) + length_delta
+    pro = struct.pack("<8sHHI16sQQQ", MAGIC, major, 0, flags, fid, length, required, 0)
+    data[:64] = pro + struct.pack("<Q", xxhash.xxh3_64_intdigest(pro))
+    return bytes(data) + trailing
+
+
+def idx(**changes: Any) -> dict[str, Any]:
+    i = base_index()
+    i.update(changes)
+    return i
+
+
+def zstd(raw: bytes, content_size: bool = True) -> bytes:
+    return zstandard.ZstdCompressor(level=1, write_content_size=content_size).compress(raw)
+
+
+def deep_list_nodes(depth: int) -> list[Any]:
+    nodes: list[Any] = [["none"]]
+    for i in range(depth):
+        nodes.append(["list", [i]])
+    return nodes
+
+
+CASES: dict[str, tuple[str, Callable[[], bytes]]] = {
+    # structure of the container
+    "not_ckptfmt": ("UnsupportedError", lambda: b"GGUF" + bytes(200)),
+    "empty": ("IncompleteError", lambda: b""),
+    "zero_prologue": ("IncompleteError", lambda: bytes(4096)),
+    "truncated_mid_data": ("IncompleteError", lambda: build()[:100]),
+    "trailing_bytes": ("CorruptError", lambda: build(trailing=b"PK\x03\x04 smuggled payload")),
+    "file_length_not_aligned": ("CorruptError", lambda: build(length_delta=-3)),
+    "major_version_2": ("UnsupportedError", lambda: build(major=2)),
+    "reserved_prologue_flags": ("CorruptError", lambda: build(flags=1)),
+    "unknown_required_feature": ("UnsupportedError", lambda: build(required=1 << 5)),
+    "footer_other_file_id": ("CorruptError", lambda: build(footer_fid=bytes(16))),
+    "index_length_huge": ("LimitError", lambda: build(footer_ilen=2**64 - 1)),
+    "index_length_past_footer": ("CorruptError", lambda: build(footer_ilen=10**6)),
+    # the index
+    "index_not_utf8": ("CorruptError", lambda: build(index_bytes=b'{"chunk_size":\xff\xfe}')),
+    "index_not_json": ("CorruptError", lambda: build(index_bytes=b"{not json")),
+    "index_trailing_json": (
+        "CorruptError",
+        lambda: build(index_bytes=json.dumps(base_index() | {"chunks": []}).encode() + b" []"),
+    ),
+    "index_duplicate_field": (
+        "CorruptError",
+        lambda: build(index_bytes=b'{"chunk_size":4096,"chunk_size":4096}'),
+    ),
+    "index_json_nesting_bomb": ("LimitError", lambda: build(index_bytes=b"[" * 200000 + b"]" * 200000)),
+    "index_float_literal": ("CorruptError", lambda: build(idx(chunk_size=4096.0))),
+    "index_huge_int_literal": ("CorruptError", lambda: build(idx(chunk_size=10**30))),
+    "index_missing_field": ("CorruptError", lambda: build(index_bytes=b'{"chunk_size":4096}')),
+    "invalid_utf8_in_string": (
+        "CorruptError",
+        lambda: build(
+            index_bytes=json.dumps(base_index() | {"chunks": []}).encode().replace(b'"w"', b'"\xc3\x28"')
+        ),
+    ),
+    "chunk_size_not_power_of_two": ("CorruptError", lambda: build(idx(chunk_size=5000))),
+    "chunk_size_huge": ("LimitError", lambda: build(idx(chunk_size=1 << 40))),
+    "metadata_too_many_entries": (
+        "LimitError",
+        lambda: build(idx(metadata={f"k{i}": "" for i in range(70000)})),
+    ),
+    # chunks and data layout
+    "chunk_offset_outside_file": (
+        "CorruptError",
+        lambda: build(mutate_chunks=lambda c: c[0].__setitem__(0, 1 << 40)),
+    ),
+    "chunks_overlap": (
+        "CorruptError",
+        lambda: build(
+            idx(
+                storages=[[16, "cpu"], [16, "cpu"]],
+                nodes=[
+                    ["str", "a"],
+                    tensor_node(0),
+                    ["str", "b"],
+                    tensor_node(1),
+                    ["dict", [[0, 1], [2, 3]]],
+                ],
+            ),
+            [(RAW16, 16, 0, 0, 0), (RAW16, 16, 0, 0, 0)],
+            mutate_chunks=lambda c: c[1].__setitem__(0, 64),
+        ),
+    ),
+    "hole_between_chunks": (
+        "CorruptError",
+        lambda: build(
+            idx(
+                storages=[[16, "cpu"], [16, "cpu"]],
+                nodes=[
+                    ["str", "a"],
+                    tensor_node(0),
+                    ["str", "b"],
+                    tensor_node(1),
+                    ["dict", [[0, 1], [2, 3]]],
+                ],
+            ),
+            [(RAW16, 16, 0, 0, 0), (RAW16 + bytes(64), 16, 0, 0, 0)],
+            mutate_chunks=lambda c: c[1].__setitem__(1, 16),
+        ),
+    ),
+    "nonzero_padding": ("CorruptError", lambda: build(data_override=lambda d: d.__setitem__(100, 0x41))),
+    "chunk_count_mismatch": ("CorruptError", lambda: build(mutate_chunks=lambda c: c.append(list(c[0])))),
+    "raw_length_lie": ("CorruptError", lambda: build(mutate_chunks=lambda c: c[0].__setitem__(2, 4096))),
+    "zeroed_checksum": ("CorruptError", lambda: build(mutate_chunks=lambda c: c[0].__setitem__(6, "0" * 16))),
+    "missing_checksum": ("CorruptError", lambda: build(mutate_chunks=lambda c: c[0].pop())),
+    "checksum_not_hex": (
+        "CorruptError",
+        lambda: build(mutate_chunks=lambda c: c[0].__setitem__(6, "zz" * 8)),
+    ),
+    "transplanted_chunk": (
+        "CorruptError",
+        lambda: build(
+            mutate_chunks=lambda c: c[0].__setitem__(6, chunk_check(b"\1" * 16, 0, 64, RAW16, 16, 0, 0, 0))
+        ),
+    ),
+    "unknown_codec": ("UnsupportedError", lambda: build(mutate_chunks=lambda c: c[0].__setitem__(3, 7))),
+    "unknown_filter": ("UnsupportedError", lambda: build(mutate_chunks=lambda c: c[0].__setitem__(4, 9))),
+    "raw_chunk_with_filter": ("CorruptError", lambda: build(payloads=[(RAW16, 16, 0, 1, 4)])),
+    # compression
+    "zstd_bomb_ratio": (
+        "CorruptError",
+        lambda: build(
+            idx(
+                chunk_size=1 << 30,
+                storages=[[1 << 30, "cpu"]],
+                nodes=[["str", "w"], tensor_node(shape=[1 << 28]), ["dict", [[0, 1]]]],
+            ),
+            [(zstd(bytes(1 << 16))[:8], 1 << 30, 1, 0, 0)],
+        ),
+    ),
+    "zstd_size_lie": (
+        "CorruptError",
+        lambda: build(
+            idx(
+                storages=[[4096, "cpu"]], nodes=[["str", "w"], tensor_node(shape=[1024]), ["dict", [[0, 1]]]]
+            ),
+            [(zstd(bytes(2048)), 4096, 1, 0, 0)],
+        ),
+    ),
+    "zstd_no_content_size": (
+        "CorruptError",
+        lambda: build(
+            idx(
+                storages=[[4096, "cpu"]], nodes=[["str", "w"], tensor_node(shape=[1024]), ["dict", [[0, 1]]]]
+            ),
+            [(zstd(bytes(4096), content_size=False), 4096, 1, 0, 0)],
+        ),
+    ),
+    "zstd_garbage": (
+        "CorruptError",
+        lambda: build(
+            idx(
+                storages=[[4096, "cpu"]], nodes=[["str", "w"], tensor_node(shape=[1024]), ["dict", [[0, 1]]]]
+            ),
+            [(b"\x28\xb5\x2f\xfd" + b"\xff" * 60, 4096, 1, 0, 0)],
+        ),
+    ),
+    "zstd_trailing_frame": (
+        "CorruptError",
+        lambda: build(
+            idx(
+                storages=[[4096, "cpu"]], nodes=[["str", "w"], tensor_node(shape=[1024]), ["dict", [[0, 1]]]]
+            ),
+            [(zstd(bytes(4096)) + zstd(bytes(4096)), 4096, 1, 0, 0)],
+        ),
+    ),
+    "shuffle_width_invalid": (
+        "CorruptError",
+        lambda: build(
+            idx(
+                storages=[[4096, "cpu"]], nodes=[["str", "w"], tensor_node(shape=[1024]), ["dict", [[0, 1]]]]
+            ),
+            [(zstd(bytes(4096)), 4096, 1, 1, 3)],
+        ),
+    ),
+    # tensors and storages
+    "storage_huge": ("LimitError", lambda: build(idx(storages=[[1 << 60, "cpu"]]))),
+    "storage_unused": (
+        "CorruptError",
+        lambda: build(idx(storages=[[16, "cpu"], [16, "cpu"]]), [(RAW16, 16, 0, 0, 0), (RAW16, 16, 0, 0, 0)]),
+    ),
+    "storage_bad_device": ("CorruptError", lambda: build(idx(storages=[[16, "../../etc"]]))),
+    "shape_numel_overflow": (
+        "LimitError",
+        lambda: build(
+            idx(
+                nodes=[["str", "w"], tensor_node(shape=[1 << 40, 1 << 40], stride=[0, 0]), ["dict", [[0, 1]]]]
+            )
+        ),
+    ),
+    "shape_negative": (
+        "CorruptError",
+        lambda: build(idx(nodes=[["str", "w"], tensor_node(shape=[-4]), ["dict", [[0, 1]]]])),
+    ),
+    "rank_huge": (
+        "LimitError",
+        lambda: build(
+            idx(nodes=[["str", "w"], tensor_node(shape=[1] * 100, stride=[1] * 100), ["dict", [[0, 1]]]])
+        ),
+    ),
+    "stride_rank_mismatch": (
+        "CorruptError",
+        lambda: build(idx(nodes=[["str", "w"], tensor_node(stride=[1, 1]), ["dict", [[0, 1]]]])),
+    ),
+    "tensor_past_storage": (
+        "CorruptError",
+        lambda: build(idx(nodes=[["str", "w"], tensor_node(offset=1), ["dict", [[0, 1]]]])),
+    ),
+    "stride_past_storage": (
+        "CorruptError",
+        lambda: build(
+            idx(nodes=[["str", "w"], tensor_node(shape=[2], stride=[1 << 47]), ["dict", [[0, 1]]]])
+        ),
+    ),
+    "unknown_dtype": (
+        "UnsupportedError",
+        lambda: build(idx(nodes=[["str", "w"], tensor_node(dtype="float128"), ["dict", [[0, 1]]]])),
+    ),
+    "requires_grad_on_int": (
+        "CorruptError",
+        lambda: build(
+            idx(nodes=[["str", "w"], tensor_node(dtype="int32", requires_grad=True), ["dict", [[0, 1]]]])
+        ),
+    ),
+    "tensor_extra_field": (
+        "CorruptError",
+        lambda: build(idx(nodes=[["str", "w"], tensor_node(pickle="cos\nsystem\n"), ["dict", [[0, 1]]]])),
+    ),
+    "ndarray_size_mismatch": (
+        "CorruptError",
+        lambda: build(
+            idx(
+                nodes=[
+                    ["str", "w"],
+                    ["ndarray", {"dtype": "<f8", "shape": [4], "order": "C", "storage": 0}],
+                    ["dict", [[0, 1]]],
+                ]
+            )
+        ),
+    ),
+    "ndarray_object_dtype": (
+        "UnsupportedError",
+        lambda: build(
+            idx(
+                nodes=[
+                    ["str", "w"],
+                    ["ndarray", {"dtype": "|O8", "shape": [2], "order": "C", "storage": 0}],
+                    ["dict", [[0, 1]]],
+                ]
+            )
+        ),
+    ),
+    # the object tree
+    "tree_depth_bomb": ("LimitError", lambda: build(idx(storages=[], nodes=deep_list_nodes(300)), [])),
+    "node_two_parents": (
+        "CorruptError",
+        lambda: build(idx(storages=[], nodes=[["none"], ["list", [0, 0]]]), []),
+    ),
+    "node_forward_reference": (
+        "CorruptError",
+        lambda: build(idx(storages=[], nodes=[["list", [1]], ["list", [0]]]), []),
+    ),
+    "node_orphan": ("CorruptError", lambda: build(idx(storages=[], nodes=[["none"], ["none"]]), [])),
+    "node_unknown_kind": (
+        "UnsupportedError",
+        lambda: build(idx(storages=[], nodes=[["pickle", "cos\nsystem\n"]]), []),
+    ),
+    "node_table_empty": ("CorruptError", lambda: build(idx(storages=[], nodes=[]), [])),
+    "dict_key_unhashable": (
+        "CorruptError",
+        lambda: build(idx(storages=[], nodes=[["list", []], ["none"], ["dict", [[0, 1]]]]), []),
+    ),
+    "dict_duplicate_key": (
+        "CorruptError",
+        lambda: build(
+            idx(
+                storages=[],
+                nodes=[["str", "a"], ["none"], ["str", "a"], ["none"], ["dict", [[0, 1], [2, 3]]]],
+            ),
+            [],
+        ),
+    ),
+    "int_not_canonical_hex": ("CorruptError", lambda: build(idx(storages=[], nodes=[["int", "0x10"]]), [])),
+    "float_bad_hex": ("CorruptError", lambda: build(idx(storages=[], nodes=[["float", "3ff0"]]), [])),
+    "bytes_bad_base64": ("CorruptError", lambda: build(idx(storages=[], nodes=[["bytes", "!!!"]]), [])),
+    "npscalar_wrong_size": (
+        "CorruptError",
+        lambda: build(idx(storages=[], nodes=[["npscalar", "<f8", "AAAA"]]), []),
+    ),
+    "string_not_a_string": ("CorruptError", lambda: build(idx(storages=[], nodes=[["str", 5]]), [])),
+}
+
+
+def main() -> None:
+    expected = {}
+    for old in os.listdir(HERE):
+        if old.endswith(".ckpt"):
+            os.unlink(os.path.join(HERE, old))
+    for name, (err, make) in CASES.items():
+        with open(os.path.join(HERE, f"{name}.ckpt"), "wb") as f:
+            f.write(make())
+        expected[f"{name}.ckpt"] = err
+    with open(os.path.join(HERE, "expected.json"), "w") as f:
+        json.dump(expected, f, indent=1, sort_keys=True)
+        f.write("\n")
+    print(f"wrote {len(expected)} files")
+
+
+if __name__ == "__main__":
+    main()
