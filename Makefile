@@ -1,7 +1,7 @@
 # Targets use the virtual environment made by .ci/setup unless PY is given.
 PY ?= .venv/bin/python
 
-.PHONY: setup test lint demo golden corpus crash fuzz fuzz-smoke
+.PHONY: setup test lint demo golden corpus crash fuzz fuzz-smoke bench bench-quick
 
 setup:
 	bash .ci/setup
@@ -10,8 +10,8 @@ test:
 	$(PY) -m pytest -q
 
 lint:
-	$(PY) -m ruff check ckptfmt tests
-	$(PY) -m ruff format --check ckptfmt tests
+	$(PY) -m ruff check ckptfmt tests bench
+	$(PY) -m ruff format --check ckptfmt tests bench
 	$(PY) -m mypy ckptfmt
 
 demo:
@@ -35,3 +35,10 @@ fuzz-smoke:
 
 fuzz:
 	$(PY) tests/fuzz/fuzz_reader.py -max_total_time=36000 -rss_limit_mb=4096 -print_final_stats=1
+
+# benchmarks against torch.save, safetensors and DCP (writes bench/results/latest.*)
+bench-quick:
+	$(PY) bench/run.py --quick
+
+bench:
+	$(PY) bench/run.py
