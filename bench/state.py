@@ -57,10 +57,10 @@ def shape_for(total_bytes: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(vocab, width, layers) so that parameters plus two AdamW moments fill total_bytes."""
     itemsize = torch.finfo(dtype).bits // 8
     params = total_bytes // (3 * itemsize)
-    d = 256
-    while 12 * (2 * d) ** 2 * 4 + 8192 * 2 * d <= params and d < 4096:
+    vocab = 8192 if params >= 4_000_000 else 1024
+    d = 64
+    while 12 * (2 * d) ** 2 * 4 + vocab * 2 * d <= params and d < 4096:
         d *= 2
-    vocab = 8192
     layers = max(1, (params - vocab * d) // (12 * d * d))
     return vocab, d, int(layers)
 

@@ -3,6 +3,7 @@
 __version__ = "0.1.0"
 
 from .api import Reader, load, open  # noqa: E402, A004 - public name is fixed
+from .background import SaveHandle  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
     CorruptError,
@@ -12,13 +13,19 @@ from .errors import (  # noqa: E402
     UnsupportedObjectError,
 )
 from .format import FORMAT_MAJOR, FORMAT_MINOR  # noqa: E402
+from .staging import POOL as _POOL  # noqa: E402
 from .verify import Problem, VerifyReport, verify  # noqa: E402
-from .writer import save  # noqa: E402
+from .writer import remove, save  # noqa: E402
 
 
 def backend() -> str:
-    """Which engine does the byte work: "python" (the reference path)."""
-    return "python"
+    """Which engine does the byte work: "c" (the compiled engine) or "python" (the reference path).
+
+    Set CKPTFMT_BACKEND=python to force the reference path.
+    """
+    from . import _native
+
+    return "c" if _native.available() else "python"
 
 
 __all__ = [
@@ -33,10 +40,19 @@ __all__ = [
     "UnsupportedError",
     "UnsupportedObjectError",
     "VerifyReport",
+    "SaveHandle",
     "__version__",
+    "configure_staging",
+    "remove",
     "backend",
     "load",
     "open",
     "save",
     "verify",
 ]
+
+
+def configure_staging(limit_bytes: int | None = None, slab_bytes: int | None = None) -> None:
+    """Set the staging memory non-blocking saves may use (default: a quarter of RAM, at most 8 GiB;
+    also CKPTFMT_STAGING_BYTES).  A state larger than the limit is saved in pieces."""
+    _POOL.configure(limit_bytes, slab_bytes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import devices
+from . import background, devices
 from .reader import CheckpointFile
 
 
@@ -17,6 +17,7 @@ def load(
 ) -> Any:
     """Load a whole state.  `verify` checks every chunk's checksum as it is read."""
     devices.check_map_location(map_location)
+    background.wait_for_path(path)
     with CheckpointFile(path) as f:
         return f.load_subtree(f.tree.root, map_location, verify)
 
@@ -25,6 +26,7 @@ class Reader:
     """An open checkpoint: the index is parsed, data is read only on `get`."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        background.wait_for_path(path)
         self._file = CheckpointFile(path)
         self._items = self._file.root_items()
 

@@ -75,6 +75,9 @@ def verify(
     Damage to the prologue, footer or index stops the check (nothing after them
     can be trusted); damaged chunks are each reported and the check goes on.
     """
+    from . import background
+
+    background.wait_for_path(path)
     report = VerifyReport(os.fspath(path))
     try:
         f = CheckpointFile(path)

@@ -33,7 +33,7 @@ import torch
 import xxhash
 import zstandard
 
-from . import __version__, tree
+from . import __version__, _native, tree
 from . import format as fmt
 from .errors import LimitError
 
@@ -110,26 +110,32 @@ def storage_bytes(plan: tree.StoragePlan) -> memoryview:
 
 
 class ChunkEncoder:
-    """Turns one chunk of raw bytes into its stored form: (codec, filter, width, payload)."""
+    """Turns one chunk of raw bytes into its stored form: (codec, filter, width, payload).
+
+    Compression uses the C engine's zstd when the engine is built, so both
+    paths write identical bytes; without it, the zstandard package.
+    """
 
     def __init__(self, compression: str | None, level: int | None) -> None:
-        self.cctx = (
-            zstandard.ZstdCompressor(
-                level=1 if level is None else level, write_checksum=False, write_content_size=True
-            )
-            if compression == "zstd"
-            else None
-        )
+        self.level = 1 if level is None else level
+        self.compress: Any = None
+        if compression == "zstd":
+            if _native.built():
+                self.compress = lambda data: _native.zstd_compress(data, self.level)
+            else:
+                cctx = zstandard.ZstdCompressor(
+                    level=self.level, write_checksum=False, write_content_size=True
+                )
+                self.compress = cctx.compress
 
     def encode(self, raw: memoryview, width: int) -> tuple[int, int, int, Any]:
-        if self.cctx is None or not len(raw):
+        if self.compress is None or not len(raw):
             return fmt.CODEC_RAW, fmt.FILTER_NONE, 0, raw
         shuffle = width > 1 and len(raw) % width == 0
         if shuffle:
-            src = np.frombuffer(raw, dtype=np.uint8).reshape(-1, width).T.tobytes()
-            packed = self.cctx.compress(src)
+            packed = self.compress(np.frombuffer(raw, dtype=np.uint8).reshape(-1, width).T.tobytes())
         else:
-            packed = self.cctx.compress(raw)
+            packed = self.compress(raw)
         if len(packed) >= len(raw):
             return fmt.CODEC_RAW, fmt.FILTER_NONE, 0, raw
         if shuffle:
@@ -145,6 +151,48 @@ def _pwrite_all(fd: int, data: Any, offset: int) -> None:
         offset += n
 
 
+#: device storages are copied to the host this many bytes at a time (blocking saves)
+HOST_BATCH_BYTES = 256 << 20
+
+ChunkRecord = tuple[int, int, int, int, int, int, int]
+
+
+def _write_chunks_python(
+    fd: int,
+    file_id: bytes,
+    first_index: int,
+    pos: int,
+    pieces: list[tuple[memoryview, int]],
+    coder: ChunkEncoder,
+) -> tuple[list[ChunkRecord], int]:
+    out: list[ChunkRecord] = []
+    for i, (raw, width) in enumerate(pieces):
+        codec, filt, fwidth, payload = coder.encode(raw, width)
+        stored_len = len(payload)
+        seed = fmt.chunk_seed(file_id, first_index + i, pos, stored_len, len(raw), codec, filt, fwidth)
+        check = xxhash.xxh3_64_intdigest(payload, seed=seed)
+        _pwrite_all(fd, payload, pos)
+        out.append((pos, stored_len, len(raw), codec, filt, fwidth, check))
+        pos = fmt.align_up(pos + stored_len)
+    return out, pos
+
+
+def _batches(encoded: tree.Encoded, chunk_size: int) -> Iterator[list[tuple[memoryview, int]]]:
+    """Chunk views in file order, grouped so that device copies stay bounded."""
+    batch: list[tuple[memoryview, int]] = []
+    held = 0
+    for plan in encoded.storages:
+        data = storage_bytes(plan)
+        for start in range(0, plan.nbytes, chunk_size):
+            batch.append((data[start : start + chunk_size], plan.width))
+        held += plan.nbytes
+        if held >= HOST_BATCH_BYTES:
+            yield batch
+            batch, held = [], 0
+    if batch:
+        yield batch
+
+
 def build_file(
     fd: int,
     encoded: tree.Encoded,
@@ -153,34 +201,48 @@ def build_file(
     level: int | None,
     metadata: dict[str, str],
     chunk_size: int = fmt.DEFAULT_CHUNK_SIZE,
+    engine: str | None = None,
+    threads: int | None = None,
+    path: str = "",
 ) -> int:
     """Write a whole ckptfmt file to `fd` (at offset 0); return its length."""
     if chunk_size & (chunk_size - 1) or not fmt.MIN_CHUNK_SIZE <= chunk_size <= fmt.MAX_CHUNK_SIZE:
         raise ValueError(f"chunk_size must be a power of two in [{fmt.MIN_CHUNK_SIZE}, {fmt.MAX_CHUNK_SIZE}]")
+    engine = engine or ("c" if _native.available() else "python")
     file_id = _file_id()
     coder = ChunkEncoder(compression, level)
-    chunks: list[list[Any]] = []
+    nthreads = threads or _native.default_threads()
+    chunks: list[ChunkRecord] = []
     pos = fmt.PROLOGUE_SIZE
-    for plan in encoded.storages:
-        data = storage_bytes(plan)
-        for start in range(0, plan.nbytes, chunk_size):
-            raw = data[start : start + chunk_size]
-            codec, filt, width, payload = coder.encode(raw, plan.width)
-            stored_len = len(payload)
-            k = len(chunks)
-            seed = fmt.chunk_seed(file_id, k, pos, stored_len, len(raw), codec, filt, width)
-            check = xxhash.xxh3_64_intdigest(payload, seed=seed)
-            _pwrite_all(fd, payload, pos)
-            chunks.append([pos, stored_len, len(raw), codec, filt, width, f"{check:016x}"])
-            pos = fmt.align_up(pos + stored_len)
-        del data
+    for pieces in _batches(encoded, chunk_size):
+        if engine == "c":
+            records, pos = _native.write_chunks(
+                fd, file_id, len(chunks), pos, pieces, compression, level, nthreads, path
+            )
+        else:
+            records, pos = _write_chunks_python(fd, file_id, len(chunks), pos, pieces, coder)
+        chunks.extend(records)
+    finish_file(fd, file_id, encoded, chunks, pos, metadata, chunk_size)
+    return fmt.align_up(pos)
+
+
+def finish_file(
+    fd: int,
+    file_id: bytes,
+    encoded: tree.Encoded,
+    chunks: list[ChunkRecord],
+    pos: int,
+    metadata: dict[str, str],
+    chunk_size: int,
+) -> int:
+    """Write the index, the footer and, last, the prologue."""
     index = {
         "chunk_size": chunk_size,
         "producer": producer_info(),
         "source_devices": encoded.devices,
         "metadata": metadata,
         "storages": [[p.nbytes, p.device] for p in encoded.storages],
-        "chunks": chunks,
+        "chunks": [[o, s, r, c, f, w, f"{h:016x}"] for o, s, r, c, f, w, h in chunks],
         "nodes": encoded.nodes,
     }
     blob = json.dumps(index, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
@@ -189,12 +251,11 @@ def build_file(
             f"the index would be {len(blob)} bytes, above the limit {fmt.Limits.MAX_INDEX_BYTES}"
         )
     index_offset = pos
-    _pwrite_all(fd, blob, index_offset)
     footer_offset = fmt.align_up(index_offset + len(blob))
     footer = fmt.Footer(index_offset, len(blob), fmt.index_checksum(file_id, index_offset, blob), file_id)
     length = footer_offset + fmt.FOOTER_SIZE
-    # padding between the index and the footer must read as zeros: write it explicitly
-    _pwrite_all(fd, bytes(footer_offset - index_offset - len(blob)) + footer.pack(), index_offset + len(blob))
+    # the zero padding between the index and the footer is written explicitly
+    _pwrite_all(fd, blob + bytes(footer_offset - index_offset - len(blob)) + footer.pack(), index_offset)
     prologue = fmt.Prologue(fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR, file_id, length, 0, 0)
     _pwrite_all(fd, prologue.pack(), 0)
     os.ftruncate(fd, length)
@@ -281,20 +342,48 @@ def save(
     compression: str | None = None,
     level: int | None = None,
     metadata: dict[str, str] | None = None,
+    blocking: bool = True,
     chunk_size: int | None = None,
-) -> None:
+) -> Any:
+    from . import background
+
     meta = check_save_args(compression, level, metadata)
     target = os.fspath(path)
-    encoded = tree.encode(state)  # fails on unsupported objects before any I/O
     size = _chunk_size_override() if chunk_size is None else chunk_size
+    if size & (size - 1) or not fmt.MIN_CHUNK_SIZE <= size <= fmt.MAX_CHUNK_SIZE:
+        raise ValueError(f"chunk_size must be a power of two in [{fmt.MIN_CHUNK_SIZE}, {fmt.MAX_CHUNK_SIZE}]")
+    background.raise_unobserved()
+    background.wait_for_path(target)
+    if not blocking:
+        return background.save_async(
+            state, target, compression=compression, level=level, metadata=meta, chunk_size=size
+        )
+    encoded = tree.encode(state)  # fails on unsupported objects before any I/O
     try:
         with AtomicFile(target) as f:
-            build_file(f.fd, encoded, compression=compression, level=level, metadata=meta, chunk_size=size)
+            build_file(
+                f.fd,
+                encoded,
+                compression=compression,
+                level=level,
+                metadata=meta,
+                chunk_size=size,
+                path=target,
+            )
             f.commit()
     except OSError as e:
         if e.filename is None:
             raise type(e)(e.errno, e.strerror, target) from e
         raise
+    return None
+
+
+def remove(path: str | os.PathLike[str]) -> None:
+    """Delete a checkpoint once any save in flight on it has finished."""
+    from . import background
+
+    background.wait_for_path(path)
+    os.unlink(path)
 
 
 def iter_temp_files(path: str) -> Iterator[str]:

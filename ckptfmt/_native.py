@@ -1,0 +1,123 @@
+"""The only module that imports the compiled C engine; turns its codes into exceptions.
+
+`available()` says whether the engine was built.  CKPTFMT_BACKEND=python forces
+the pure-Python path even when it was.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .errors import CheckpointError
+
+try:  # the engine is optional: installs without a compiler use the Python path
+    from ._ckptfmt_c import ffi, lib  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - depends on the build
+    ffi = None
+    lib = None
+
+_ZSTD_MAX_LEVEL = 22
+
+
+def built() -> bool:
+    return lib is not None
+
+
+def available() -> bool:
+    return lib is not None and os.environ.get("CKPTFMT_BACKEND", "").lower() != "python"
+
+
+def versions() -> dict[str, str]:
+    if lib is None:
+        return {}
+    z = int(lib.ckf_zstd_version())
+    x = int(lib.ckf_xxhash_version())
+    return {
+        "zstd": f"{z // 10000}.{z // 100 % 100}.{z % 100}",
+        "xxhash": f"{x // 10000}.{x // 100 % 100}.{x % 100}",
+    }
+
+
+def default_threads() -> int:
+    text = os.environ.get("CKPTFMT_THREADS")
+    if text:
+        return max(1, min(256, int(text)))
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+def write_chunks(
+    fd: int,
+    file_id: bytes,
+    first_index: int,
+    first_offset: int,
+    pieces: list[tuple[Any, int]],
+    compression: str | None,
+    level: int | None,
+    threads: int,
+    path: str,
+) -> tuple[list[tuple[int, int, int, int, int, int, int]], int]:
+    """Write chunks (byte views with their shuffle widths); return their records and the end offset.
+
+    Each record is (offset, stored_len, raw_len, codec, filter, width, checksum).
+    """
+    assert lib is not None and ffi is not None
+    n = len(pieces)
+    chunks = ffi.new("ckf_chunk[]", max(n, 1))
+    keep = []
+    for i, (view, width) in enumerate(pieces):
+        buf = ffi.from_buffer("uint8_t[]", view)
+        keep.append(buf)
+        chunks[i].src = buf
+        chunks[i].raw_len = len(buf)
+        chunks[i].width = width
+    status = ffi.new("ckf_status *")
+    end = ffi.new("uint64_t *")
+    fid = ffi.new("uint8_t[16]", file_id)
+    lvl = 1 if level is None else level
+    rc = lib.ckf_write_chunks(
+        fd, fid, first_index, first_offset, chunks, n, 1 if compression else 0, lvl, threads, status, end
+    )
+    if rc != lib.CKF_OK:
+        raise_status(status, path, "writing")
+    out = [
+        (
+            int(c.offset),
+            int(c.stored_len),
+            int(c.raw_len),
+            int(c.codec),
+            int(c.filter),
+            int(c.fwidth),
+            int(c.checksum),
+        )
+        for c in (chunks[i] for i in range(n))
+    ]
+    del keep
+    return out, int(end[0])
+
+
+def raise_status(status: Any, path: str, doing: str) -> None:
+    code, err, chunk = int(status.code), int(status.err_no), int(status.chunk)
+    where = f" (chunk {chunk})" if chunk >= 0 else ""
+    if code == lib.CKF_ERR_IO:
+        raise OSError(err, f"{os.strerror(err)} while {doing}{where}", path)
+    if code == lib.CKF_ERR_NOMEM:
+        raise MemoryError(f"{path}: out of memory while {doing}{where}")
+    raise CheckpointError(
+        f"C engine failed while {doing}{where}: code {code}", path=path, chunk=chunk if chunk >= 0 else None
+    )
+
+
+def zstd_compress(data: Any, level: int) -> bytes:
+    """zstd with exactly the engine's frame parameters (used by the reference writer when built)."""
+    assert lib is not None and ffi is not None
+    src = ffi.from_buffer("uint8_t[]", data)
+    cap = lib.ckf_zstd_bound(len(src))
+    dst = ffi.new("uint8_t[]", max(cap, 1))
+    n = lib.ckf_zstd_compress(dst, cap, src, len(src), level)
+    if n == 0 and len(src):
+        raise CheckpointError(f"zstd could not compress {len(src)} bytes at level {level}")
+    return bytes(ffi.buffer(dst, n))
+
+
+__all__ = ["available", "built", "default_threads", "versions", "write_chunks", "zstd_compress"]

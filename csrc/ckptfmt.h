@@ -1,0 +1,72 @@
+/* ckptfmt C engine: chunk encoding, checksums and parallel positioned I/O.
+ *
+ * C does bytes and threads; Python does decisions, files and errors.  No
+ * function here calls back into Python, and every call runs with the GIL
+ * released (cffi releases it around out-of-line API calls).  Errors come back
+ * as a code, the errno and the chunk index in a ckf_status.
+ */
+#ifndef CKPTFMT_H
+#define CKPTFMT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define CKF_OK 0
+#define CKF_ERR_IO 1      /* a system call failed: see err_no */
+#define CKF_ERR_NOMEM 2   /* an allocation failed */
+#define CKF_ERR_ZSTD 3    /* zstd refused to compress or decompress */
+#define CKF_ERR_ARG 4     /* an argument is out of range */
+#define CKF_ERR_CORRUPT 5 /* stored bytes do not match their checksum or sizes */
+#define CKF_ERR_SHORT 6   /* the file ended before a chunk did */
+
+#define CKF_CODEC_RAW 0
+#define CKF_CODEC_ZSTD 1
+#define CKF_FILTER_NONE 0
+#define CKF_FILTER_SHUFFLE 1
+#define CKF_ALIGN 64
+
+/* One chunk.  The writer reads src/raw_len/width and fills the rest. */
+typedef struct {
+    const uint8_t *src;  /* raw bytes */
+    uint64_t raw_len;
+    uint32_t width;      /* shuffle unit of the storage's dtype; 1 = never shuffle */
+    uint64_t offset;     /* out */
+    uint64_t stored_len; /* out */
+    uint64_t checksum;   /* out */
+    uint8_t codec;       /* out */
+    uint8_t filter;      /* out */
+    uint8_t fwidth;      /* out: filter width, 0 without a filter */
+} ckf_chunk;
+
+typedef struct {
+    int code;
+    int err_no;
+    int64_t chunk; /* index of the chunk that failed, -1 if none */
+} ckf_status;
+
+/* Encode, checksum and pwrite chunks [0, n) as chunks number first_index.. of
+ * the file, the first at first_offset (a multiple of 64), each next one at the
+ * 64-aligned end of the previous.  compress: 0 raw, 1 zstd at `level`.  On
+ * success *end_offset is the aligned end of the last chunk. */
+int ckf_write_chunks(int fd, const uint8_t *file_id, uint64_t first_index, uint64_t first_offset,
+                     ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads,
+                     ckf_status *status, uint64_t *end_offset);
+
+/* Helpers shared by the engine and exposed for tests. */
+uint64_t ckf_chunk_seed(const uint8_t *file_id, uint64_t index, uint64_t offset, uint64_t stored_len,
+                        uint64_t raw_len, uint8_t codec, uint8_t filter, uint8_t width);
+void ckf_shuffle(uint8_t *dst, const uint8_t *src, uint64_t len, uint32_t width);
+void ckf_unshuffle(uint8_t *dst, const uint8_t *src, uint64_t len, uint32_t width);
+/* zstd-compress with the engine's exact parameters; returns the size or 0 on failure */
+size_t ckf_zstd_compress(uint8_t *dst, size_t cap, const uint8_t *src, size_t len, int level);
+size_t ckf_zstd_bound(size_t len);
+unsigned ckf_zstd_version(void);
+unsigned ckf_xxhash_version(void);
+
+/* parallel for: calls fn(ctx, i, thread) for i in [0, n) on nthreads threads
+ * (the calling thread is one of them); returns 0, or an errno if threads could
+ * not be started (then everything ran on the calling thread). */
+typedef void (*ckf_task)(void *ctx, uint64_t i, int thread);
+int ckf_parallel_for(int nthreads, uint64_t n, ckf_task fn, void *ctx);
+
+#endif

@@ -1,0 +1,59 @@
+/* A fixed set of worker threads that share one loop: each takes the next index. */
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "ckptfmt.h"
+
+#define CKF_MAX_THREADS 256
+
+typedef struct {
+    atomic_uint_fast64_t next;
+    uint64_t n;
+    ckf_task fn;
+    void *ctx;
+} loop;
+
+typedef struct {
+    loop *l;
+    int thread;
+} worker_arg;
+
+static void run(loop *l, int thread) {
+    for (;;) {
+        uint64_t i = atomic_fetch_add(&l->next, 1);
+        if (i >= l->n) return;
+        l->fn(l->ctx, i, thread);
+    }
+}
+
+static void *worker(void *p) {
+    worker_arg *a = (worker_arg *)p;
+    run(a->l, a->thread);
+    return NULL;
+}
+
+int ckf_parallel_for(int nthreads, uint64_t n, ckf_task fn, void *ctx) {
+    loop l;
+    atomic_init(&l.next, 0);
+    l.n = n;
+    l.fn = fn;
+    l.ctx = ctx;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > CKF_MAX_THREADS) nthreads = CKF_MAX_THREADS;
+    if ((uint64_t)nthreads > n) nthreads = n ? (int)n : 1;
+    pthread_t tids[CKF_MAX_THREADS];
+    worker_arg args[CKF_MAX_THREADS];
+    int started = 0, rc = 0;
+    for (int t = 1; t < nthreads; t++) {
+        args[t].l = &l;
+        args[t].thread = t;
+        rc = pthread_create(&tids[t], NULL, worker, &args[t]);
+        if (rc != 0) break;
+        started = t;
+    }
+    run(&l, 0);
+    for (int t = 1; t <= started; t++) pthread_join(tids[t], NULL);
+    return rc;
+}

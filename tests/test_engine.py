@@ -1,0 +1,126 @@
+"""The C engine writes exactly the bytes the reference writer writes, at any thread count."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from helpers import states
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ckptfmt
+from ckptfmt import _native, tree, writer
+from ckptfmt import format as fmt
+
+pytestmark = pytest.mark.skipif(not _native.built(), reason="the C engine is not built")
+
+
+def _write(tmp_path, name, state, engine, **kw):
+    p = tmp_path / name
+    fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        writer.build_file(fd, tree.encode(state), engine=engine, metadata={}, path=str(p), **kw)
+    finally:
+        os.close(fd)
+    return p.read_bytes()
+
+
+@pytest.fixture(autouse=True)
+def _pinned(monkeypatch):
+    monkeypatch.setenv("CKPTFMT_FILE_ID", "42" * 16)
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    state=states(),
+    compression=st.sampled_from([None, "zstd"]),
+    level=st.sampled_from([None, 3, -1]),
+    threads=st.sampled_from([1, 2, 3, 8]),
+    chunk_size=st.sampled_from([4096, 8192, 1 << 20]),
+)
+def test_c_and_python_writers_are_byte_identical(tmp_path, state, compression, level, threads, chunk_size):
+    if compression is None:
+        level = None
+    kw = dict(compression=compression, level=level, chunk_size=chunk_size)
+    ref = _write(tmp_path, "py.ckpt", state, "python", **kw)
+    got = _write(tmp_path, "c.ckpt", state, "c", threads=threads, **kw)
+    assert got == ref
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5, 16])
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_realistic_weights_identical_and_loadable(tmp_path, threads, compression):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(512, 1024, generator=g) * 0.02
+    state = {
+        "w": w,
+        "bf16": w.bfloat16(),
+        "view": w[100:300, ::2],
+        "f64": w.double()[:50],
+        "c": torch.complex(w[:10], w[10:20]),
+        "i": torch.arange(70000),
+    }
+    kw = dict(compression=compression, level=None, chunk_size=1 << 16)
+    ref = _write(tmp_path, "py.ckpt", state, "python", **kw)
+    got = _write(tmp_path, "c.ckpt", state, "c", threads=threads, **kw)
+    assert got == ref
+    back = ckptfmt.load(tmp_path / "c.ckpt")
+    for k, v in state.items():
+        assert torch.equal(back[k], v), k
+    if compression:
+        with ckptfmt.open(tmp_path / "c.ckpt") as r:
+            assert any(c.filter == fmt.FILTER_SHUFFLE for c in r._file.chunks)
+
+
+def test_seed_and_shuffle_match_the_reference():
+    lib, ffi = _native.lib, _native.ffi
+    fid = bytes(range(16))
+    for args in [
+        (0, 64, 8, 8, 0, 0, 0),
+        (7, 1 << 40, 123, 4096, 1, 1, 2),
+        (2**63, 2**64 - 64, 1, 2, 1, 0, 0),
+    ]:
+        assert lib.ckf_chunk_seed(ffi.new("uint8_t[16]", fid), *args) == fmt.chunk_seed(fid, *args)
+    raw = np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8)
+    for width in (2, 4, 8, 16):
+        out = ffi.new("uint8_t[]", 4096)
+        lib.ckf_shuffle(out, ffi.from_buffer(raw), 4096, width)
+        expect = raw.reshape(-1, width).T.tobytes()
+        assert bytes(ffi.buffer(out)) == expect
+        back = ffi.new("uint8_t[]", 4096)
+        lib.ckf_unshuffle(back, out, 4096, width)
+        assert bytes(ffi.buffer(back)) == raw.tobytes()
+    assert xxhash.xxh3_64_intdigest(b"x", seed=5) == xxhash.xxh3_64_intdigest(b"x", seed=5)
+
+
+def test_backend_switch(monkeypatch):
+    assert ckptfmt.backend() == "c"
+    monkeypatch.setenv("CKPTFMT_BACKEND", "python")
+    assert ckptfmt.backend() == "python"
+
+
+def test_io_error_reaches_caller_with_errno(tmp_path):
+    fd = os.open("/dev/full", os.O_WRONLY)
+    try:
+        data = np.ones(1 << 20, dtype=np.uint8)
+        with pytest.raises(OSError) as info:
+            _native.write_chunks(fd, bytes(16), 0, 64, [(memoryview(data), 1)], None, None, 4, "/dev/full")
+        assert info.value.errno == 28 and info.value.filename == "/dev/full"  # ENOSPC
+        assert "chunk 0" in str(info.value)
+    finally:
+        os.close(fd)
+
+
+def test_fallback_compressor_round_trips(tmp_path, monkeypatch):
+    """Where the engine is not built, compression goes through the zstandard package."""
+    monkeypatch.setattr(_native, "built", lambda: False)
+    monkeypatch.setenv("CKPTFMT_BACKEND", "python")
+    state = {"w": (torch.randn(100_000) * 0.02).bfloat16()}
+    ckptfmt.save(state, tmp_path / "f.ckpt", compression="zstd")
+    assert torch.equal(ckptfmt.load(tmp_path / "f.ckpt")["w"], state["w"])
+    assert os.path.getsize(tmp_path / "f.ckpt") < state["w"].nbytes * 0.9
