@@ -1,7 +1,7 @@
 # Targets use the virtual environment made by .ci/setup unless PY is given.
 PY ?= .venv/bin/python
 
-.PHONY: setup test lint demo golden corpus crash fuzz fuzz-smoke bench bench-quick
+.PHONY: setup test lint demo golden corpus crash fuzz fuzz-smoke bench bench-quick asan
 
 setup:
 	bash .ci/setup
@@ -42,3 +42,16 @@ bench-quick:
 
 bench:
 	$(PY) bench/run.py
+
+# the C engine built with AddressSanitizer + UndefinedBehaviorSanitizer, and the
+# tests that reach C (engine, non-blocking saves, corpus, corruption) run against it
+ASAN_LIB = $(shell gcc -print-file-name=libasan.so)
+PYABS = $(if $(findstring /,$(PY)),$(abspath $(PY)),$(shell command -v $(PY)))
+ASAN_TESTS = tests/test_engine.py tests/test_nonblocking.py tests/test_hostile.py tests/test_corruption.py
+asan:
+	rm -rf build/asan && mkdir -p build/asan/pkg
+	cp -r ckptfmt build/asan/pkg/ && rm -f build/asan/pkg/ckptfmt/*.so
+	cd build/asan/pkg && CKPTFMT_SANITIZE=1 $(PYABS) $(CURDIR)/csrc/build_ffi.py >../build.log
+	cd build/asan && LD_PRELOAD=$(ASAN_LIB) PYTHONPATH=pkg \
+	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+	  $(PYABS) -m pytest -q -p no:cacheprovider $(addprefix $(CURDIR)/,$(ASAN_TESTS))

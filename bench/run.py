@@ -241,6 +241,8 @@ def finish_case(case: dict[str, Any]) -> dict[str, Any]:
 
 OP_LABELS = {
     "save": "durable save",
+    "save_nb_blocked": "non-blocking save: caller blocked",
+    "save_nb_durable": "non-blocking save: until durable",
     "load_cold": "load, cold cache",
     "load_warm": "load, warm cache",
     "load_mmap_cold": "load mmap+touch, cold",

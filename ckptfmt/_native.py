@@ -17,7 +17,8 @@ except ImportError:  # pragma: no cover - depends on the build
     ffi = None
     lib = None
 
-_ZSTD_MAX_LEVEL = 22
+#: the level value that asks the engine for its default zstd profile
+FAST_PROFILE = 1000
 
 
 def built() -> bool:
@@ -56,10 +57,14 @@ def write_chunks(
     level: int | None,
     threads: int,
     path: str,
+    *,
+    _checksums: bool = True,
 ) -> tuple[list[tuple[int, int, int, int, int, int, int]], int]:
     """Write chunks (byte views with their shuffle widths); return their records and the end offset.
 
     Each record is (offset, stored_len, raw_len, codec, filter, width, checksum).
+    ``_checksums=False`` exists only so benchmarks can price the checksums: it
+    writes zero checksums, which makes the file invalid.
     """
     assert lib is not None and ffi is not None
     n = len(pieces)
@@ -74,9 +79,20 @@ def write_chunks(
     status = ffi.new("ckf_status *")
     end = ffi.new("uint64_t *")
     fid = ffi.new("uint8_t[16]", file_id)
-    lvl = 1 if level is None else level
+    lvl = lib.CKF_LEVEL_FAST_PROFILE if level is None else level
     rc = lib.ckf_write_chunks(
-        fd, fid, first_index, first_offset, chunks, n, 1 if compression else 0, lvl, threads, status, end
+        fd,
+        fid,
+        first_index,
+        first_offset,
+        chunks,
+        n,
+        1 if compression else 0,
+        lvl,
+        threads,
+        1 if _checksums else 0,
+        status,
+        end,
     )
     if rc != lib.CKF_OK:
         raise_status(status, path, "writing")
@@ -108,6 +124,16 @@ def raise_status(status: Any, path: str, doing: str) -> None:
     )
 
 
+def copy(dst: Any, src: Any, threads: int) -> None:
+    """dst[:len(src)] = src on `threads` threads, without the GIL."""
+    assert lib is not None and ffi is not None
+    d = ffi.from_buffer("uint8_t[]", dst, require_writable=True)
+    s = ffi.from_buffer("uint8_t[]", src)
+    if len(s) > len(d):
+        raise ValueError(f"copy of {len(s)} bytes into {len(d)}")
+    lib.ckf_copy(d, s, len(s), threads)
+
+
 def zstd_compress(data: Any, level: int) -> bytes:
     """zstd with exactly the engine's frame parameters (used by the reference writer when built)."""
     assert lib is not None and ffi is not None
@@ -120,4 +146,4 @@ def zstd_compress(data: Any, level: int) -> bytes:
     return bytes(ffi.buffer(dst, n))
 
 
-__all__ = ["available", "built", "default_threads", "versions", "write_chunks", "zstd_compress"]
+__all__ = ["available", "built", "copy", "default_threads", "versions", "write_chunks", "zstd_compress"]

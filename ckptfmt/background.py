@@ -139,65 +139,94 @@ def save_async(
     atomic = writer.AtomicFile(path)
     atomic.__enter__()  # creation errors (missing directory, permissions) are raised now
     pieces: queue.Queue[_Piece | BaseException | None] = queue.Queue()
+    # The writer starts when the snapshot is complete, or as soon as the snapshot
+    # has to wait for staging memory: until then it would only compete with the
+    # caller's copies for cores and memory bandwidth.
+    go = threading.Event()
     with _lock:
         _in_flight[_key(path)] = handle
     thread = threading.Thread(
         target=_write_worker,
-        args=(handle, atomic, encoded, pieces, compression, level, metadata, chunk_size),
+        args=(handle, atomic, encoded, pieces, go, compression, level, metadata, chunk_size),
         name=f"ckptfmt-save-{os.path.basename(path)}",
         daemon=False,
     )
     thread.start()
     try:
-        _snapshot(encoded, pieces, chunk_size)
+        _snapshot(encoded, pieces, chunk_size, go.set)
     except BaseException as e:
         pieces.put(e)
+        go.set()
         handle._done.wait()
         raise
+    go.set()
     with _lock:
         _unobserved.append(handle)
     return handle
 
 
-def _snapshot(encoded: tree.Encoded, pieces: queue.Queue[Any], chunk_size: int) -> None:
-    """Copy every storage into slabs, handing each full slab to the writer."""
+def _host_bytes(src: torch.UntypedStorage | Any) -> memoryview | None:
+    """A byte view of a CPU storage or array, None for accelerator storages."""
+    if isinstance(src, torch.UntypedStorage):
+        if src.device.type != "cpu":
+            return None
+        return torch.empty(0, dtype=torch.uint8).set_(src).numpy().data.cast("B")
+    return src.reshape(-1, order="A").view("u1").data.cast("B")
+
+
+def _snapshot(encoded: tree.Encoded, pieces: queue.Queue[Any], chunk_size: int, on_wait: Any) -> None:
+    """Copy every storage into slabs, handing each full slab to the writer.
+
+    Host bytes are copied in spans as long as fit the current slab (on the
+    engine's threads when it is built); accelerator storages are copied
+    asynchronously into pinned slabs on the current stream.
+    """
     slab_bytes = POOL.slab_size(chunk_size)
+    threads = _native.default_threads()
     slab: torch.Tensor | None = None
+    slab_view: memoryview | None = None
     used = 0
     views: list[tuple[memoryview, int]] = []
     pinned = False
     event: Any = None
 
     def hand_over() -> None:
-        nonlocal slab, used, views, event
+        nonlocal slab, slab_view, used, views, event
         if slab is not None:
             pieces.put(_Piece(slab, views, event))
-        slab, used, views, event = None, 0, [], None
+        slab, slab_view, used, views, event = None, None, 0, [], None
 
     for plan in encoded.storages:
         src = plan.source
-        if isinstance(src, torch.UntypedStorage):
-            accel = src.device.type != "cpu"
-        else:
-            accel = False
-        for start in range(0, plan.nbytes, chunk_size):
-            length = min(chunk_size, plan.nbytes - start)
-            if slab is None or used + length > slab.numel() or pinned != accel:
+        host = _host_bytes(src)
+        accel = host is None
+        start = 0
+        while start < plan.nbytes:
+            left = plan.nbytes - start
+            room = 0 if slab is None or pinned != accel else slab.numel() - used
+            # a span is the rest of the storage, or as many whole chunks as fit
+            span = left if left <= room else room // chunk_size * chunk_size
+            if span == 0:
                 hand_over()
                 pinned = accel and torch.accelerator.is_available()
-                slab = POOL.acquire(slab_bytes, pinned)
-            assert slab is not None
-            if isinstance(src, torch.UntypedStorage):
-                _copy_into_slab(src, start, length, slab[used : used + length])
-                if accel:
-                    event = torch.Event(device=src.device.type)
-                    event.record()
+                slab = POOL.acquire(slab_bytes, pinned, on_wait)
+                slab_view = slab.numpy().data.cast("B")
+                span = min(left, slab.numel())
+            assert slab is not None and slab_view is not None
+            if host is not None:
+                if _native.built():
+                    _native.copy(slab_view[used : used + span], host[start : start + span], threads)
+                else:
+                    slab_view[used : used + span] = host[start : start + span]
             else:
-                slab[used : used + length].numpy()[:] = src.reshape(-1, order="A").view("u1")[
-                    start : start + length
-                ]
-            views.append((slab[used : used + length].numpy().data.cast("B"), plan.width))
-            used += length
+                _copy_into_slab(src, start, span, slab[used : used + span])  # type: ignore[arg-type]
+                event = torch.Event(device=src.device.type)  # type: ignore[union-attr]
+                event.record()
+            for off in range(0, span, chunk_size):
+                n = min(chunk_size, span - off)
+                views.append((slab_view[used + off : used + off + n], plan.width))
+            used = -(-(used + span) // 64) * 64  # every span starts 64-byte aligned in the slab
+            start += span
     hand_over()
     pieces.put(None)
 
@@ -207,12 +236,14 @@ def _write_worker(
     atomic: writer.AtomicFile,
     encoded: tree.Encoded,
     pieces: queue.Queue[Any],
+    go: threading.Event,
     compression: str | None,
     level: int | None,
     metadata: dict[str, str],
     chunk_size: int,
 ) -> None:
     exc: BaseException | None = None
+    go.wait()
     file_id = writer._file_id()
     coder = writer.ChunkEncoder(compression, level)
     engine = "c" if _native.available() else "python"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -54,8 +55,8 @@ class StagingPool:
         size = max(self.slab_bytes, chunk_size) // chunk_size * chunk_size
         return max(chunk_size, min(size, self.limit // chunk_size * chunk_size))
 
-    def acquire(self, size: int, pinned: bool) -> torch.Tensor:
-        """A uint8 slab of `size` bytes; blocks while the pool is at its limit."""
+    def acquire(self, size: int, pinned: bool, on_wait: Callable[[], None] | None = None) -> torch.Tensor:
+        """A uint8 slab of `size` bytes; blocks while the pool is at its limit (calling on_wait first)."""
         with self._cond:
             while True:
                 free = self._free[pinned]
@@ -70,6 +71,8 @@ class StagingPool:
                     victim = (free or other).pop()
                     self._allocated -= victim.numel()
                     continue
+                if on_wait is not None:
+                    on_wait()
                 self._cond.wait()
         try:
             return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)

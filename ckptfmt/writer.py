@@ -117,16 +117,13 @@ class ChunkEncoder:
     """
 
     def __init__(self, compression: str | None, level: int | None) -> None:
-        self.level = 1 if level is None else level
         self.compress: Any = None
         if compression == "zstd":
             if _native.built():
-                self.compress = lambda data: _native.zstd_compress(data, self.level)
+                lvl = _native.FAST_PROFILE if level is None else level
+                self.compress = lambda data: _native.zstd_compress(data, lvl)
             else:
-                cctx = zstandard.ZstdCompressor(
-                    level=self.level, write_checksum=False, write_content_size=True
-                )
-                self.compress = cctx.compress
+                self.compress = _zstandard_compressor(level).compress
 
     def encode(self, raw: memoryview, width: int) -> tuple[int, int, int, Any]:
         if self.compress is None or not len(raw):
@@ -141,6 +138,27 @@ class ChunkEncoder:
         if shuffle:
             return fmt.CODEC_ZSTD, fmt.FILTER_SHUFFLE, width, packed
         return fmt.CODEC_ZSTD, fmt.FILTER_NONE, 0, packed
+
+
+def _zstandard_compressor(level: int | None) -> zstandard.ZstdCompressor:
+    """The zstandard package with the engine's parameters (used where the engine is not built).
+
+    Without a level: zstd level 1 with the fast strategy, minimum match 7 and a
+    2**8-entry hash table.  Shuffled floating-point data compresses through the
+    Huffman coding of its sign/exponent bytes, not through matches, so this
+    keeps the ratio of level 1 at about twice its speed.
+    """
+    if level is None:
+        params = zstandard.ZstdCompressionParameters.from_level(
+            1,
+            strategy=zstandard.STRATEGY_FAST,
+            min_match=7,
+            hash_log=8,
+            write_content_size=True,
+            write_checksum=False,
+        )
+        return zstandard.ZstdCompressor(compression_params=params)
+    return zstandard.ZstdCompressor(level=level, write_checksum=False, write_content_size=True)
 
 
 def _pwrite_all(fd: int, data: Any, offset: int) -> None:

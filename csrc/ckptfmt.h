@@ -17,7 +17,10 @@
 #define CKF_ERR_ZSTD 3    /* zstd refused to compress or decompress */
 #define CKF_ERR_ARG 4     /* an argument is out of range */
 #define CKF_ERR_CORRUPT 5 /* stored bytes do not match their checksum or sizes */
-#define CKF_ERR_SHORT 6   /* the file ended before a chunk did */
+#define CKF_ERR_SHORT 6
+
+/* level meaning: zstd level 1 tuned for shuffled floating-point data (the default) */
+#define CKF_LEVEL_FAST_PROFILE 1000   /* the file ended before a chunk did */
 
 #define CKF_CODEC_RAW 0
 #define CKF_CODEC_ZSTD 1
@@ -47,9 +50,10 @@ typedef struct {
 /* Encode, checksum and pwrite chunks [0, n) as chunks number first_index.. of
  * the file, the first at first_offset (a multiple of 64), each next one at the
  * 64-aligned end of the previous.  compress: 0 raw, 1 zstd at `level`.  On
- * success *end_offset is the aligned end of the last chunk. */
+ * success *end_offset is the aligned end of the last chunk.  checksum = 0 skips
+ * hashing and leaves every checksum 0: such files are invalid; benchmarks only. */
 int ckf_write_chunks(int fd, const uint8_t *file_id, uint64_t first_index, uint64_t first_offset,
-                     ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads,
+                     ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads, int checksum,
                      ckf_status *status, uint64_t *end_offset);
 
 /* Helpers shared by the engine and exposed for tests. */
@@ -62,6 +66,8 @@ size_t ckf_zstd_compress(uint8_t *dst, size_t cap, const uint8_t *src, size_t le
 size_t ckf_zstd_bound(size_t len);
 unsigned ckf_zstd_version(void);
 unsigned ckf_xxhash_version(void);
+/* memcpy on nthreads threads */
+void ckf_copy(uint8_t *dst, const uint8_t *src, uint64_t len, int nthreads);
 
 /* parallel for: calls fn(ctx, i, thread) for i in [0, n) on nthreads threads
  * (the calling thread is one of them); returns 0, or an errno if threads could

@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "ckptfmt.h"
 
@@ -56,4 +57,26 @@ int ckf_parallel_for(int nthreads, uint64_t n, ckf_task fn, void *ctx) {
     run(&l, 0);
     for (int t = 1; t <= started; t++) pthread_join(tids[t], NULL);
     return rc;
+}
+
+/* Parallel memcpy in pieces of a few MiB: snapshots into staging memory. */
+typedef struct {
+    uint8_t *dst;
+    const uint8_t *src;
+    uint64_t len;
+} copy_job;
+
+#define COPY_PIECE (4u << 20)
+
+static void copy_piece(void *ctx, uint64_t i, int thread) {
+    copy_job *c = (copy_job *)ctx;
+    (void)thread;
+    uint64_t off = i * COPY_PIECE;
+    uint64_t n = c->len - off < COPY_PIECE ? c->len - off : COPY_PIECE;
+    memcpy(c->dst + off, c->src + off, (size_t)n);
+}
+
+void ckf_copy(uint8_t *dst, const uint8_t *src, uint64_t len, int nthreads) {
+    copy_job c = {dst, src, len};
+    ckf_parallel_for(nthreads, (len + COPY_PIECE - 1) / COPY_PIECE, copy_piece, &c);
 }

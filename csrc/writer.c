@@ -28,6 +28,7 @@ typedef struct {
     ckf_chunk *chunks;
     uint64_t base; /* first chunk of the current window */
     int level;
+    int checksum;
     /* per window slot: the compressed bytes (NULL when stored raw) */
     uint8_t **slot_buf;
     size_t slot_cap;
@@ -64,7 +65,12 @@ static int pwrite_all(int fd, const uint8_t *p, uint64_t len, uint64_t off) {
     return 0;
 }
 
-/* hash and write chunk base+i of the window (its offset and codec are decided) */
+/* Hash and write chunk base+i of the window (its offset and codec are decided).
+ * The chunk goes in pieces small enough to stay in the core's cache between
+ * being hashed and being copied into the page cache by pwrite, so the checksum
+ * costs no second trip through memory. */
+#define PIECE (256u << 10)
+
 static void task_write(void *ctx, uint64_t i, int thread) {
     job *j = (job *)ctx;
     (void)thread;
@@ -72,11 +78,29 @@ static void task_write(void *ctx, uint64_t i, int thread) {
     uint64_t k = j->base + i;
     ckf_chunk *c = &j->chunks[k];
     const uint8_t *p = c->codec == CKF_CODEC_RAW ? c->src : j->slot_buf[i];
-    uint64_t seed = ckf_chunk_seed(j->file_id, j->first_index + k, c->offset, c->stored_len, c->raw_len,
-                                   c->codec, c->filter, c->fwidth);
-    c->checksum = XXH3_64bits_withSeed(p, (size_t)c->stored_len, seed);
-    int e = pwrite_all(j->fd, p, c->stored_len, c->offset);
-    if (e) fail(j, CKF_ERR_IO, e, (int64_t)(j->first_index + k));
+    XXH3_state_t *h = NULL;
+    if (j->checksum) {
+        h = XXH3_createState();
+        if (!h) {
+            fail(j, CKF_ERR_NOMEM, ENOMEM, (int64_t)(j->first_index + k));
+            return;
+        }
+        uint64_t seed = ckf_chunk_seed(j->file_id, j->first_index + k, c->offset, c->stored_len, c->raw_len,
+                                       c->codec, c->filter, c->fwidth);
+        XXH3_64bits_reset_withSeed(h, seed);
+    }
+    for (uint64_t done = 0; done < c->stored_len;) {
+        uint64_t step = c->stored_len - done < PIECE ? c->stored_len - done : PIECE;
+        if (h) XXH3_64bits_update(h, p + done, (size_t)step);
+        int e = pwrite_all(j->fd, p + done, step, c->offset + done);
+        if (e) {
+            fail(j, CKF_ERR_IO, e, (int64_t)(j->first_index + k));
+            break;
+        }
+        done += step;
+    }
+    c->checksum = h ? XXH3_64bits_digest(h) : 0;
+    XXH3_freeState(h);
 }
 
 /* compress chunk base+i into window slot i; fall back to raw when it does not pay */
@@ -113,7 +137,7 @@ static void task_encode(void *ctx, uint64_t i, int thread) {
 static uint64_t align_up(uint64_t x) { return (x + CKF_ALIGN - 1) / CKF_ALIGN * CKF_ALIGN; }
 
 int ckf_write_chunks(int fd, const uint8_t *file_id, uint64_t first_index, uint64_t first_offset,
-                     ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads,
+                     ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads, int checksum,
                      ckf_status *status, uint64_t *end_offset) {
     status->code = CKF_OK;
     status->err_no = 0;
@@ -129,6 +153,7 @@ int ckf_write_chunks(int fd, const uint8_t *file_id, uint64_t first_index, uint6
     j.first_index = first_index;
     j.chunks = chunks;
     j.level = level;
+    j.checksum = checksum;
     j.status = status;
     atomic_init(&j.failed, 0);
     uint64_t pos = first_offset;
