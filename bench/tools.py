@@ -140,8 +140,11 @@ class Tool:
 
 class Ckptfmt(Tool):
     name = "ckptfmt"
-    note = "ckptfmt.save (fsync + atomic rename built in); load verifies every chunk"
-    ops = ("save", "load", "load_into", "verify")
+    note = (
+        "ckptfmt.save (fsync + atomic rename built in); load, load(mmap=True) and load_into verify every "
+        "chunk; lazy = load(mmap=True, verify=False)"
+    )
+    ops = ("save", "load", "load_mmap", "lazy", "load_into", "verify")
     compression: str | None = None
 
     def save(self, state: Any, path: str) -> None:
@@ -151,6 +154,17 @@ class Ckptfmt(Tool):
         out = ckptfmt.load(path)
         touch(out)
         return out
+
+    def load_mmap(self, path: str) -> Any:
+        out = ckptfmt.load(path, mmap=True)
+        touch(out)
+        return out
+
+    def lazy(self, path: str) -> Any:
+        return ckptfmt.load(path, mmap=True, verify=False)
+
+    def load_into(self, path: str, template: Any) -> None:
+        ckptfmt.load_into(path, template)
 
     def verify(self, path: str) -> None:
         report = ckptfmt.verify(path)

@@ -13,6 +13,7 @@ from .errors import (  # noqa: E402
     UnsupportedObjectError,
 )
 from .format import FORMAT_MAJOR, FORMAT_MINOR  # noqa: E402
+from .inplace import LoadReport, MismatchError, load_into  # noqa: E402
 from .staging import POOL as _POOL  # noqa: E402
 from .verify import Problem, VerifyReport, verify  # noqa: E402
 from .writer import remove, save  # noqa: E402
@@ -35,6 +36,8 @@ __all__ = [
     "FORMAT_MINOR",
     "IncompleteError",
     "LimitError",
+    "LoadReport",
+    "MismatchError",
     "Problem",
     "Reader",
     "UnsupportedError",
@@ -46,6 +49,7 @@ __all__ = [
     "remove",
     "backend",
     "load",
+    "load_into",
     "open",
     "save",
     "verify",

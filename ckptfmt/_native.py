@@ -40,6 +40,10 @@ def versions() -> dict[str, str]:
     }
 
 
+ERR_IO, ERR_NOMEM, ERR_ZSTD, ERR_ARG, ERR_CORRUPT, ERR_SHORT = 1, 2, 3, 4, 5, 6
+WHY_CHECKSUM, WHY_PADDING, WHY_ZSTD, WHY_NO_SIZE, WHY_DECLARED, WHY_DECODED, WHY_SHORT = 1, 2, 3, 4, 5, 6, 7
+
+
 def default_threads() -> int:
     text = os.environ.get("CKPTFMT_THREADS")
     if text:
@@ -124,6 +128,42 @@ def raise_status(status: Any, path: str, doing: str) -> None:
     )
 
 
+def read_chunks(
+    fd: int, file_id: bytes, items: list[tuple[int, Any, memoryview]], verify: bool, threads: int
+) -> tuple[int, int, int, int, int] | None:
+    """Read (chunk number, chunk record, destination) in parallel; None, or the failure's
+    (code, errno, chunk, reason, value) for the caller to turn into an exception."""
+    assert lib is not None and ffi is not None
+    n = len(items)
+    arr = ffi.new("ckf_rchunk[]", max(n, 1))
+    keep = []
+    for i, (k, ch, dest) in enumerate(items):
+        buf = ffi.from_buffer("uint8_t[]", dest, require_writable=True)
+        if len(buf) != ch.raw_len:
+            raise ValueError(f"destination of chunk {k} holds {len(buf)} bytes, the chunk {ch.raw_len}")
+        keep.append(buf)
+        c = arr[i]
+        c.dst = buf
+        c.index = k
+        c.offset = ch.offset
+        c.stored_len = ch.stored_len
+        c.raw_len = ch.raw_len
+        c.checksum = ch.checksum
+        c.pad = ch.pad
+        c.codec = ch.codec
+        c.filter = ch.filter
+        c.width = ch.width
+    status = ffi.new("ckf_status *")
+    fid = ffi.new("uint8_t[16]", file_id)
+    rc = lib.ckf_read_chunks(fd, fid, arr, n, 1 if verify else 0, threads, status)
+    del keep
+    if rc == lib.CKF_OK:
+        return None
+    if rc == lib.CKF_ERR_ARG:
+        raise ValueError(f"chunk {int(status.chunk)} has a layout the reader refuses")
+    return int(status.code), int(status.err_no), int(status.chunk), int(status.reason), int(status.value)
+
+
 def copy(dst: Any, src: Any, threads: int) -> None:
     """dst[:len(src)] = src on `threads` threads, without the GIL."""
     assert lib is not None and ffi is not None
@@ -146,4 +186,13 @@ def zstd_compress(data: Any, level: int) -> bytes:
     return bytes(ffi.buffer(dst, n))
 
 
-__all__ = ["available", "built", "copy", "default_threads", "versions", "write_chunks", "zstd_compress"]
+__all__ = [
+    "available",
+    "built",
+    "copy",
+    "read_chunks",
+    "default_threads",
+    "versions",
+    "write_chunks",
+    "zstd_compress",
+]

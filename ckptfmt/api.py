@@ -14,12 +14,22 @@ def load(
     map_location: devices.MapLocation = None,
     *,
     verify: bool = True,
+    mmap: bool = False,
 ) -> Any:
-    """Load a whole state.  `verify` checks every chunk's checksum as it is read."""
+    """Load a whole state.  `verify` checks every chunk's checksum as it is read.
+
+    mmap=True: CPU tensors whose chunks are all uncompressed are backed by the
+    file itself (zero-copy, pages read on first use); compressed chunks are
+    decoded into memory.  With verify=True every mapped chunk is hashed once
+    here, through the mapping, so later reads come from the page cache; with
+    verify=False nothing is read until used, and changes made to the file after
+    loading are not detected.  A file truncated while mapped raises SIGBUS on
+    access, as with any memory map.
+    """
     devices.check_map_location(map_location)
     background.wait_for_path(path)
     with CheckpointFile(path) as f:
-        return f.load_subtree(f.tree.root, map_location, verify)
+        return f.load_subtree(f.tree.root, map_location, verify, use_mmap=mmap)
 
 
 class Reader:

@@ -10,7 +10,9 @@ names the path, key, chunk and offset.
 
 from __future__ import annotations
 
+import functools
 import json
+import mmap
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -22,7 +24,7 @@ import torch
 import xxhash
 import zstandard
 
-from . import devices, tree
+from . import _native, devices, tree
 from . import format as fmt
 from .errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
 from .format import Limits
@@ -31,6 +33,18 @@ _INDEX_FIELDS = ("chunk_size", "producer", "source_devices", "metadata", "storag
 _HEX16 = frozenset("0123456789abcdef")
 #: zstd window limit: frames needing more memory than this are rejected (2**27 = 128 MiB)
 _ZSTD_MAX_WINDOW = 1 << 27
+
+
+def _force_staging() -> bool:
+    """CKPTFMT_FORCE_STAGING=1 routes CPU loads through the staged device path (tests use it without a GPU)."""
+    return bool(os.environ.get("CKPTFMT_FORCE_STAGING"))
+
+
+def staging_budget() -> int:
+    """Host bytes a load onto an accelerator may stage at once (the staging pool's limit)."""
+    from .staging import POOL
+
+    return POOL.limit
 
 
 @dataclass(frozen=True)
@@ -112,6 +126,7 @@ class CheckpointFile:
             os.close(self._fd)
             raise
         self._scratch = bytearray()
+        self._mm: mmap.mmap | None = None
 
     # -- structure ----------------------------------------------------------
 
@@ -250,6 +265,7 @@ class CheckpointFile:
     # -- data ---------------------------------------------------------------
 
     def close(self) -> None:
+        self._mm = None  # tensors made from the mapping keep it alive
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -337,7 +353,7 @@ class CheckpointFile:
             dctx = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW)
             out = dctx.decompress(stored, max_output_size=ch.raw_len, allow_extra_data=False)
         except zstandard.ZstdError as e:
-            raise bad(f"zstd data does not decode: {e}") from e
+            raise bad("zstd data does not decode") from e
         if len(out) != ch.raw_len:
             raise bad(f"zstd data decodes to {len(out)} bytes, expected {ch.raw_len}")
         if ch.filter == fmt.FILTER_SHUFFLE:
@@ -346,61 +362,253 @@ class CheckpointFile:
         else:
             dest[:] = out
 
-    def read_storage(self, sid: int, verify: bool) -> torch.UntypedStorage:
-        """A CPU storage holding storage `sid`, every chunk read and checked."""
-        rec = self.storages[sid]
+    # -- batched, parallel reads ---------------------------------------------
+
+    @functools.cached_property
+    def _chunk_keys(self) -> list[str]:
+        return self.chunk_keys()
+
+    def _alloc(self, nbytes: int, key: str, pinned: bool = False) -> torch.Tensor:
         try:
-            flat = torch.empty(rec.nbytes, dtype=torch.uint8)
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         except (RuntimeError, MemoryError) as e:
             raise LimitError(
-                f"cannot allocate {rec.nbytes} bytes for this storage: {str(e)[:100]}",
-                path=self.path,
-                key=rec.key,
+                f"cannot allocate {nbytes} bytes for this storage: {str(e)[:100]}", path=self.path, key=key
             ) from e
-        if rec.nbytes:
-            view = flat.numpy().data.cast("B")
-            pos = 0
-            for k in range(rec.first_chunk, rec.first_chunk + rec.n_chunks):
-                n = self.chunks[k].raw_len
-                self.read_chunk(k, view[pos : pos + n], verify, rec.key)
-                pos += n
+
+    def read_into(self, items: list[tuple[int, memoryview]], verify: bool) -> None:
+        """Read chunks into their destinations (exactly raw_len bytes each).
+
+        With the C engine all chunks are read in parallel, each verified and
+        decoded straight into place; otherwise one by one on this thread.
+        """
+        if not items:
+            return
+        if _native.available():
+            status = _native.read_chunks(
+                self._fd,
+                self.prologue.file_id,
+                [(k, self.chunks[k], d) for k, d in items],
+                verify,
+                _native.default_threads(),
+            )
+            if status is not None:
+                raise self._native_error(status)
+            return
+        for k, dest in items:
+            self.read_chunk(k, dest, verify, self._chunk_keys[k])
+
+    def _native_error(self, status: tuple[int, int, int, int, int]) -> Exception:
+        code, err, k, reason, value = status
+        key = self._chunk_keys[k] if 0 <= k < len(self.chunks) else None
+        ch = self.chunks[k] if key is not None else None
+        off = ch.offset if ch is not None else None
+        if code == _native.ERR_IO:
+            return OSError(err, f"{os.strerror(err)} while reading chunk {k} at offset {value}", self.path)
+        if code == _native.ERR_NOMEM:
+            return MemoryError(f"{self.path}: out of memory while reading chunks")
+        if code == _native.ERR_SHORT:
+            return IncompleteError(
+                "file ended while reading chunk (it shrank after it was opened)",
+                path=self.path,
+                key=key,
+                chunk=k,
+                offset=value,
+            )
+        assert ch is not None
+        if reason == _native.WHY_CHECKSUM:
+            return CorruptError("checksum mismatch", path=self.path, key=key, chunk=k, offset=off)
+        if reason == _native.WHY_PADDING:
+            return CorruptError(
+                "padding after the chunk is not zero",
+                path=self.path,
+                key=key,
+                chunk=k,
+                offset=ch.offset + ch.stored_len,
+            )
+        if reason == _native.WHY_NO_SIZE:
+            return CorruptError(
+                "zstd frame does not declare its decoded size", path=self.path, key=key, chunk=k, offset=off
+            )
+        if reason == _native.WHY_DECLARED:
+            return CorruptError(
+                f"zstd frame declares {value} bytes, the index {ch.raw_len}",
+                path=self.path,
+                key=key,
+                chunk=k,
+                offset=off,
+            )
+        if reason == _native.WHY_DECODED:
+            return CorruptError(
+                f"zstd data decodes to {value} bytes, expected {ch.raw_len}",
+                path=self.path,
+                key=key,
+                chunk=k,
+                offset=off,
+            )
+        return CorruptError("zstd data does not decode", path=self.path, key=key, chunk=k, offset=off)
+
+    def _chunk_views(
+        self, sid: int, flat: torch.Tensor, first: int = 0, count: int | None = None, base: int = 0
+    ) -> list[tuple[int, memoryview]]:
+        """(chunk, destination) for chunks [first, first+count) of a storage, placed from `base` in `flat`."""
+        rec = self.storages[sid]
+        count = rec.n_chunks - first if count is None else count
+        view = flat.numpy().data.cast("B")
+        out = []
+        pos = base
+        for k in range(rec.first_chunk + first, rec.first_chunk + first + count):
+            n = self.chunks[k].raw_len
+            out.append((k, view[pos : pos + n]))
+            pos += n
+        return out
+
+    def read_storages(self, sids: list[int], verify: bool) -> dict[int, torch.UntypedStorage]:
+        """CPU storages for `sids`, all their chunks read (in parallel) and checked."""
+        flats = {sid: self._alloc(self.storages[sid].nbytes, self.storages[sid].key) for sid in sids}
+        items = [it for sid in sids for it in self._chunk_views(sid, flats[sid])]
+        self.read_into(items, verify)
+        return {sid: flat.untyped_storage() for sid, flat in flats.items()}
+
+    def read_storage(self, sid: int, verify: bool) -> torch.UntypedStorage:
+        return self.read_storages([sid], verify)[sid]
+
+    def _read_to_device(
+        self, sids: list[int], device: torch.device, verify: bool, budget: int
+    ) -> dict[int, Any]:
+        """Storages read through a bounded host staging buffer onto `device`.
+
+        The buffer holds max(budget, one chunk) bytes (pinned for accelerators);
+        each fill is copied to the device without blocking, and the copy is
+        waited for before the buffer is filled again.
+        """
+        pinned = device.type not in ("cpu", "meta") and torch.accelerator.is_available()
+        size = max(budget, self.chunk_size)
+        staging = self._alloc(size, "", pinned)
+        out: dict[int, Any] = {}
+        for sid in sids:
+            rec = self.storages[sid]
+            dest = torch.empty(rec.nbytes, dtype=torch.uint8, device=device)
+            per_fill = max(1, size // self.chunk_size)
+            for first in range(0, rec.n_chunks, per_fill):
+                count = min(per_fill, rec.n_chunks - first)
+                items = self._chunk_views(sid, staging, first, count)
+                self.read_into(items, verify)
+                start = first * self.chunk_size
+                n = sum(len(v) for _, v in items)
+                dest[start : start + n].copy_(staging[:n], non_blocking=pinned)
+                if pinned:
+                    torch.accelerator.synchronize(device)
+            out[sid] = dest.untyped_storage()
+        return out
+
+    def _mapped_storage(self, sid: int, verify: bool) -> torch.UntypedStorage | None:
+        """A storage backed by the file itself, when all its chunks are raw (zero-copy)."""
+        rec = self.storages[sid]
+        chunks = self.chunks[rec.first_chunk : rec.first_chunk + rec.n_chunks]
+        if not chunks or any(c.codec != fmt.CODEC_RAW for c in chunks):
+            return None
+        if self._mm is None:
+            self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+        if verify:
+            mv = memoryview(self._mm)
+            for i, ch in enumerate(chunks):
+                k = rec.first_chunk + i
+                seed = fmt.chunk_seed(
+                    self.prologue.file_id,
+                    k,
+                    ch.offset,
+                    ch.stored_len,
+                    ch.raw_len,
+                    ch.codec,
+                    ch.filter,
+                    ch.width,
+                )
+                if (
+                    xxhash.xxh3_64_intdigest(mv[ch.offset : ch.offset + ch.stored_len], seed=seed)
+                    != ch.checksum
+                ):
+                    raise CorruptError(
+                        "checksum mismatch", path=self.path, key=rec.key, chunk=k, offset=ch.offset
+                    )
+                if any(mv[ch.offset + ch.stored_len : ch.offset + ch.stored_len + ch.pad]):
+                    raise CorruptError(
+                        "padding after the chunk is not zero",
+                        path=self.path,
+                        key=rec.key,
+                        chunk=k,
+                        offset=ch.offset + ch.stored_len,
+                    )
+            mv.release()
+        flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=rec.nbytes, offset=chunks[0].offset)
         return flat.untyped_storage()
 
-    def load_subtree(self, top: int, map_location: devices.MapLocation, verify: bool) -> object:
+    def load_subtree(
+        self, top: int, map_location: devices.MapLocation, verify: bool, use_mmap: bool = False
+    ) -> object:
         needed = tree.storages_under(self.tree, top)
         loaded: dict[int, torch.UntypedStorage] = {}
+        host: list[int] = []  # read onto the CPU
+        callable_: list[int] = []  # read onto the CPU, then handed to map_location
+        on_device: dict[torch.device, list[int]] = {}
         for sid in needed:
             rec = self.storages[sid]
             if rec.kind == "ndarray":  # numpy arrays always live on the CPU
-                loaded[sid] = self.read_storage(sid, verify)
+                host.append(sid)
                 continue
             target = devices.planned_device(map_location, rec.device)
-            if target is not None and target.type == "meta":
+            if target is None:
+                callable_.append(sid)
+            elif target.type == "meta":
                 loaded[sid] = torch.UntypedStorage(rec.nbytes, device="meta")
-            elif target is not None:
-                loaded[sid] = devices.move(self.read_storage(sid, verify), target)
+            elif target.type == "cpu" and not _force_staging():
+                host.append(sid)
             else:
-                loaded[sid] = devices.apply_callable(
-                    map_location,  # type: ignore[arg-type]
-                    self.read_storage(sid, verify),
-                    rec.device,
-                )
+                on_device.setdefault(target, []).append(sid)
+        if use_mmap:
+            for sid in list(host):
+                mapped = self._mapped_storage(sid, verify)
+                if mapped is not None:
+                    loaded[sid] = mapped
+                    host.remove(sid)
+        loaded.update(self.read_storages(host + callable_, verify))
+        for sid in callable_:
+            loaded[sid] = devices.apply_callable(map_location, loaded[sid], self.storages[sid].device)  # type: ignore[arg-type]
+        for device, sids in on_device.items():
+            loaded.update(self._read_to_device(sids, device, verify, staging_budget()))
         return tree.decode(self.tree, top, loaded.__getitem__, self.path)
 
     def iter_chunk_problems(
         self, progress: Callable[[int, int], None] | None = None
     ) -> Iterator[CheckpointError]:
-        """Check every chunk; yield one error per damaged chunk and go on."""
-        buf = bytearray(max((c.raw_len for c in self.chunks), default=0))
-        view = memoryview(buf)
-        keys = self.chunk_keys()
-        for k, ch in enumerate(self.chunks):
+        """Check every chunk; yield one error per damaged chunk and go on.
+
+        Chunks are checked in windows of about 64 MiB (in parallel with the C
+        engine); a window that fails is checked again chunk by chunk so that
+        every damaged chunk is reported.
+        """
+        window = max(64 << 20, self.chunk_size)
+        buf = torch.empty(window, dtype=torch.uint8)
+        view = buf.numpy().data.cast("B")
+        k = 0
+        n = len(self.chunks)
+        while k < n:
             if progress is not None:
-                progress(k, len(self.chunks))
+                progress(k, n)
+            items: list[tuple[int, memoryview]] = []
+            pos = 0
+            while k < n and (not items or pos + self.chunks[k].raw_len <= window):
+                items.append((k, view[pos : pos + self.chunks[k].raw_len]))
+                pos += self.chunks[k].raw_len
+                k += 1
             try:
-                self.read_chunk(k, view[: ch.raw_len], True, keys[k])
-            except CheckpointError as e:
-                yield e
+                self.read_into(items, True)
+            except CheckpointError:
+                for kk, dest in items:
+                    try:
+                        self.read_into([(kk, dest)], True)
+                    except CheckpointError as e:
+                        yield e
 
     # -- navigation ---------------------------------------------------------
 

@@ -44,8 +44,36 @@ typedef struct {
 typedef struct {
     int code;
     int err_no;
-    int64_t chunk; /* index of the chunk that failed, -1 if none */
+    int64_t chunk;  /* index of the chunk that failed, -1 if none */
+    int reason;     /* CKF_WHY_* for CKF_ERR_CORRUPT and CKF_ERR_SHORT */
+    uint64_t value; /* a size or offset that goes with the reason */
 } ckf_status;
+
+/* One chunk to read: where it is (from the validated index) and where it goes. */
+typedef struct {
+    uint8_t *dst; /* raw_len bytes */
+    uint64_t index;
+    uint64_t offset;
+    uint64_t stored_len;
+    uint64_t raw_len;
+    uint64_t checksum;
+    uint32_t pad; /* zero bytes after the chunk (< 64) */
+    uint8_t codec;
+    uint8_t filter;
+    uint8_t width;
+} ckf_rchunk;
+
+#define CKF_WHY_CHECKSUM 1 /* checksum mismatch */
+#define CKF_WHY_PADDING 2  /* non-zero padding (value: its offset) */
+#define CKF_WHY_ZSTD 3     /* not a single valid zstd frame */
+#define CKF_WHY_NO_SIZE 4  /* the frame does not declare its size */
+#define CKF_WHY_DECLARED 5 /* the frame declares another size (value) */
+#define CKF_WHY_DECODED 6  /* the frame decodes to another size (value) */
+#define CKF_WHY_SHORT 7    /* the file ended (value: where) */
+
+/* Read, verify (when verify != 0) and decode chunks [0, n) on nthreads threads. */
+int ckf_read_chunks(int fd, const uint8_t *file_id, ckf_rchunk *chunks, uint64_t n, int verify, int nthreads,
+                    ckf_status *status);
 
 /* Encode, checksum and pwrite chunks [0, n) as chunks number first_index.. of
  * the file, the first at first_offset (a multiple of 64), each next one at the

@@ -65,8 +65,13 @@ def test_report_has_every_field(report):
         assert set(stats) == {"dd", "ckptfmt", "ckptfmt-zstd", "torch", "safetensors"}
         assert set(stats["ckptfmt"]) == {
             "save",
+            "save_nb_blocked",
+            "save_nb_durable",
             "load_cold",
             "load_warm",
+            "load_mmap_cold",
+            "load_mmap_warm",
+            "lazy",
             "load_into",
             "verify_cold",
             "verify_warm",

@@ -1,0 +1,274 @@
+"""The fast reader: parallel verified reads, staging, mmap, load_into, bounded memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import assert_same, states
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ckptfmt
+from ckptfmt import _native
+from ckptfmt.staging import POOL
+
+HS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture
+def restore_pool():
+    yield
+    POOL.configure(limit=8 << 30, slab_bytes=64 << 20)
+
+
+@HS
+@given(
+    state=states(),
+    compression=st.sampled_from([None, "zstd"]),
+    threads=st.sampled_from(["1", "2", "7"]),
+    budget=st.sampled_from([None, 1000, 4096, 3 * 4096 + 5, 1 << 20]),
+)
+def test_parallel_reader_matches_reference(
+    tmp_path, monkeypatch, restore_pool, state, compression, threads, budget
+):
+    p = tmp_path / "s.ckpt"
+    ckptfmt.save(state, p, compression=compression, chunk_size=4096)
+    monkeypatch.setenv("CKPTFMT_BACKEND", "python")
+    reference = ckptfmt.load(p)
+    monkeypatch.setenv("CKPTFMT_BACKEND", "")
+    monkeypatch.setenv("CKPTFMT_THREADS", threads)
+    if budget is not None:  # the staged path, with budgets down to less than one chunk
+        monkeypatch.setenv("CKPTFMT_FORCE_STAGING", "1")
+        POOL.configure(limit=budget)
+    fast = ckptfmt.load(p)
+    assert_same(reference, fast)
+    assert_same(state, fast)
+
+
+def _damaged(tmp_path, compression):
+    g = torch.Generator().manual_seed(1)
+    state = {"a": torch.randn(20000, generator=g), "b": (torch.randn(20000, generator=g) * 0.02).bfloat16()}
+    p = tmp_path / "d.ckpt"
+    ckptfmt.save(state, p, compression=compression, chunk_size=4096)
+    with ckptfmt.open(p) as r:
+        chunks = r._file.chunks
+    return p, state, chunks
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("path_kind", ["c", "python", "mmap", "get", "staged"])
+def test_corruption_detected_on_every_path(tmp_path, monkeypatch, compression, path_kind):
+    p, state, chunks = _damaged(tmp_path, compression)
+    target = len(chunks) - 2  # a chunk of state['b']
+    data = bytearray(p.read_bytes())
+    data[chunks[target].offset + 3] ^= 0x20
+    p.write_bytes(bytes(data))
+    if path_kind == "python":
+        monkeypatch.setenv("CKPTFMT_BACKEND", "python")
+    if path_kind == "staged":
+        monkeypatch.setenv("CKPTFMT_FORCE_STAGING", "1")
+    with pytest.raises(ckptfmt.CorruptError) as info:
+        if path_kind == "mmap":
+            ckptfmt.load(p, mmap=True)
+        elif path_kind == "get":
+            with ckptfmt.open(p) as r:
+                assert torch.equal(r.get("a"), state["a"])  # the undamaged key still loads
+                r.get("b")
+        else:
+            ckptfmt.load(p)
+    e = info.value
+    assert (e.key, e.chunk, e.offset) == ("state['b']", target, chunks[target].offset)
+    assert e.reason == "checksum mismatch"
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_truncation_while_open_is_incomplete_on_the_fast_path(tmp_path, compression):
+    p, _, chunks = _damaged(tmp_path, compression)
+    with ckptfmt.open(p) as r:
+        os.truncate(p, chunks[3].offset + 10)
+        with pytest.raises(ckptfmt.IncompleteError) as info:
+            r.get("b")
+    assert "shrank" in str(info.value)
+
+
+def test_same_messages_on_both_paths(tmp_path, monkeypatch):
+    """A zstd frame that lies about its size reads the same from C and Python."""
+    import sys as _sys
+
+    _sys.path.insert(0, os.path.join(os.path.dirname(__file__), "corpus"))
+    corpus = os.path.join(os.path.dirname(__file__), "corpus")
+    for name in (
+        "zstd_size_lie.ckpt",
+        "zstd_garbage.ckpt",
+        "zstd_no_content_size.ckpt",
+        "nonzero_padding.ckpt",
+        "transplanted_chunk.ckpt",
+        "zstd_trailing_frame.ckpt",
+    ):
+        messages = []
+        for backend in ("", "python"):
+            monkeypatch.setenv("CKPTFMT_BACKEND", backend)
+            with pytest.raises(ckptfmt.CorruptError) as info:
+                ckptfmt.load(os.path.join(corpus, name))
+            messages.append(str(info.value))
+        assert messages[0] == messages[1], name
+
+
+def test_mmap_is_zero_copy_for_raw_chunks(tmp_path):
+    state = {"w": torch.randn(1000, 100), "v": torch.arange(10.0)[2:5], "z": (torch.zeros(50000))}
+    p = tmp_path / "m.ckpt"
+    ckptfmt.save(state, p)
+    out = ckptfmt.load(p, mmap=True)
+    assert_same(state, out)
+    with ckptfmt.open(p) as r:
+        w_off = r._file.chunks[0].offset
+    # the tensor's memory is the file's bytes: the mapping is at the right offset
+    raw = p.read_bytes()
+    assert bytes(out["w"].reshape(-1).view(torch.uint8)[:64].numpy()) == raw[w_off : w_off + 64]
+    out["w"][0, 0] = 123.0  # private mapping: writes never reach the file
+    assert ckptfmt.load(p)["w"][0, 0] == state["w"][0, 0]
+    zp = tmp_path / "z.ckpt"
+    ckptfmt.save(state, zp, compression="zstd")
+    assert_same(state, ckptfmt.load(zp, mmap=True))
+
+
+def _model_state(width=64):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.LayerNorm(width), torch.nn.Linear(width, 8)
+    )
+    opt = torch.optim.AdamW(m.parameters())
+    m(torch.randn(2, width)).sum().backward()
+    opt.step()
+    return m, opt
+
+
+def test_load_into_fills_in_place(tmp_path):
+    m, opt = _model_state()
+    p = tmp_path / "li.ckpt"
+    ckptfmt.save({"model": m.state_dict(), "optim": opt.state_dict(), "step": 7}, p, compression="zstd")
+    m2, opt2 = _model_state()
+    with torch.no_grad():
+        for t in m2.parameters():
+            t.zero_()
+    ptrs = [t.data_ptr() for t in m2.state_dict().values()]
+    target = {"model": m2.state_dict(), "optim": opt2.state_dict(), "step": 0}
+    report = ckptfmt.load_into(p, target)
+    assert report.missing_keys == [] and report.unexpected_keys == []
+    assert [t.data_ptr() for t in m2.state_dict().values()] == ptrs  # same memory, new values
+    for a, b in zip(m.state_dict().values(), m2.state_dict().values()):
+        assert torch.equal(a, b)
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    assert target["step"] == 7
+
+
+def test_load_into_mismatch_raises_before_modifying(tmp_path):
+    m, _ = _model_state(64)
+    p = tmp_path / "li.ckpt"
+    ckptfmt.save({"model": m.state_dict()}, p)
+    small, _ = _model_state(32)
+    sd = small.state_dict()
+    before = {k: v.clone() for k, v in sd.items()}
+    sd["2.bias"] = torch.zeros(8)  # this one would fit, and must not be touched either
+    with pytest.raises(ckptfmt.MismatchError) as info:
+        ckptfmt.load_into(p, {"model": sd}, strict=False)
+    assert str(info.value).startswith(
+        f"{p}: model.0.weight: shape mismatch: checkpoint [64, 64], target [32, 32]"
+    )
+    assert all(torch.equal(sd[k], before[k]) for k in before if k != "2.bias")
+    assert torch.equal(sd["2.bias"], torch.zeros(8))
+    wrong = {"model": {k: v.double() for k, v in m.state_dict().items()}}
+    with pytest.raises(ckptfmt.MismatchError, match="dtype mismatch: checkpoint float32, target float64"):
+        ckptfmt.load_into(p, wrong)
+
+
+def test_load_into_strict_and_non_strict_keys(tmp_path):
+    m, _ = _model_state()
+    p = tmp_path / "li.ckpt"
+    ckptfmt.save({"model": m.state_dict()}, p)
+    m2, _ = _model_state()
+    sd = m2.state_dict()
+    del sd["1.bias"]
+    sd["extra"] = torch.zeros(3)
+    with pytest.raises(
+        ckptfmt.MismatchError, match=r"missing keys \['model.extra'\]; unexpected keys \['model.1.bias'\]"
+    ):
+        ckptfmt.load_into(p, {"model": sd})
+    assert torch.equal(sd["extra"], torch.zeros(3))
+    report = ckptfmt.load_into(p, {"model": sd}, strict=False)
+    assert report.missing_keys == ["model.extra"] and report.unexpected_keys == ["model.1.bias"]
+    assert torch.equal(sd["0.weight"], m.state_dict()["0.weight"])
+
+
+def test_load_into_meta_targets_are_replaced(tmp_path):
+    m, _ = _model_state()
+    p = tmp_path / "li.ckpt"
+    ckptfmt.save({"model": m.state_dict()}, p)
+    sd = {k: torch.empty_like(v, device="meta") for k, v in m.state_dict().items()}
+    ckptfmt.load_into(p, {"model": sd})
+    assert all(not v.is_meta for v in sd.values())
+    assert torch.equal(sd["0.weight"], m.state_dict()["0.weight"])
+
+
+def test_load_into_views_and_non_contiguous_targets(tmp_path):
+    base = torch.arange(24.0)
+    p = tmp_path / "v.ckpt"
+    ckptfmt.save({"t": base.view(4, 6).t(), "s": base[3:9]}, p)
+    tgt = {"t": torch.zeros(6, 4), "s": torch.zeros(12)[::2]}
+    ckptfmt.load_into(p, tgt)
+    assert torch.equal(tgt["t"], base.view(4, 6).t()) and torch.equal(tgt["s"], base[3:9])
+
+
+_MEM_CHILD = r"""
+import gc, json, os, sys, torch, ckptfmt
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+path, mode = sys.argv[1], sys.argv[2]
+meta = json.loads(sys.argv[3])
+target = {k: torch.empty(v) for k, v in meta.items()}
+for t in target.values():
+    t.zero_()
+gc.collect()
+open("/proc/self/clear_refs", "w").write("5")
+before = status("VmRSS")
+if mode == "load":
+    out = ckptfmt.load(path)
+else:
+    ckptfmt.load_into(path, target)
+print(json.dumps({"extra": status("VmHWM") - before}))
+"""
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_peak_memory_of_load_and_load_into(tmp_path, compression):
+    g = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(1024, 1024, generator=g) * 0.02 for i in range(48)}  # 192 MiB
+    nbytes = sum(t.nbytes for t in state.values())
+    p = tmp_path / "mem.ckpt"
+    ckptfmt.save(state, p, compression=compression)
+    shapes = json.dumps({k: list(v.shape) for k, v in state.items()})
+    res = {}
+    for mode in ("load", "load_into"):
+        out = subprocess.run(
+            [sys.executable, "-c", _MEM_CHILD, str(p), mode, shapes],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        res[mode] = json.loads(out.stdout)["extra"]
+    # load: the destination tensors plus small per-thread buffers
+    assert res["load"] <= nbytes * 1.05 + (48 << 20), res
+    # load_into: no second copy of the state
+    assert res["load_into"] <= nbytes * 0.10, res
+
+
+def test_engine_reader_is_used():
+    assert _native.available() == (ckptfmt.backend() == "c")
