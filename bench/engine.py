@@ -96,7 +96,8 @@ def main() -> int:
         # 1. checksums on vs off, interleaved, tmpfs
         on, off = [], []
         for r in range(args.rounds):
-            for flag, sink in ((True, on), (False, off)):
+            order = ((True, on), (False, off)) if r % 2 == 0 else ((False, off), (True, on))  # ABBA
+            for flag, sink in order:
                 t, _ = write_raw(os.path.join(shm, "c.bin"), pieces, flag, threads)
                 sink.append(t)
             print(

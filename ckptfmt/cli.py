@@ -420,8 +420,9 @@ def info_dict() -> dict[str, Any]:
     import xxhash
     import zstandard
 
-    from . import backend
+    from . import _native, backend
 
+    engine = _native.versions()
     return {
         "ckptfmt": __version__,
         "format": f"{fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR}",
@@ -430,8 +431,11 @@ def info_dict() -> dict[str, Any]:
         "torch": torch.__version__,
         "numpy": np.__version__,
         "zstandard": zstandard.__version__,
-        "zstd": zstandard.ZSTD_VERSION and ".".join(map(str, zstandard.ZSTD_VERSION)),
+        "zstandard_zstd": ".".join(map(str, zstandard.ZSTD_VERSION)),
         "xxhash": xxhash.XXHASH_VERSION,
+        "engine": "built" if _native.built() else "not built",
+        "engine_zstd": engine.get("zstd", "-"),
+        "engine_xxhash": engine.get("xxhash", "-"),
     }
 
 

@@ -384,6 +384,11 @@ class CheckpointFile:
         """
         if not items:
             return
+        # ask the kernel to start reading the whole range now: the threads then
+        # mostly find their chunks in the page cache instead of waiting in turn
+        first = min(self.chunks[k].offset for k, _ in items)
+        last = max(self.chunks[k].offset + self.chunks[k].stored_len for k, _ in items)
+        os.posix_fadvise(self._fd, first, last - first, os.POSIX_FADV_WILLNEED)
         if _native.available():
             status = _native.read_chunks(
                 self._fd,
@@ -416,37 +421,16 @@ class CheckpointFile:
                 offset=value,
             )
         assert ch is not None
-        if reason == _native.WHY_CHECKSUM:
-            return CorruptError("checksum mismatch", path=self.path, key=key, chunk=k, offset=off)
-        if reason == _native.WHY_PADDING:
-            return CorruptError(
-                "padding after the chunk is not zero",
-                path=self.path,
-                key=key,
-                chunk=k,
-                offset=ch.offset + ch.stored_len,
-            )
-        if reason == _native.WHY_NO_SIZE:
-            return CorruptError(
-                "zstd frame does not declare its decoded size", path=self.path, key=key, chunk=k, offset=off
-            )
-        if reason == _native.WHY_DECLARED:
-            return CorruptError(
-                f"zstd frame declares {value} bytes, the index {ch.raw_len}",
-                path=self.path,
-                key=key,
-                chunk=k,
-                offset=off,
-            )
-        if reason == _native.WHY_DECODED:
-            return CorruptError(
-                f"zstd data decodes to {value} bytes, expected {ch.raw_len}",
-                path=self.path,
-                key=key,
-                chunk=k,
-                offset=off,
-            )
-        return CorruptError("zstd data does not decode", path=self.path, key=key, chunk=k, offset=off)
+        # the same messages and offsets as the reference path (read_chunk)
+        messages = {
+            _native.WHY_CHECKSUM: ("checksum mismatch", off),
+            _native.WHY_PADDING: ("padding after the chunk is not zero", ch.offset + ch.stored_len),
+            _native.WHY_NO_SIZE: ("zstd frame does not declare its decoded size", off),
+            _native.WHY_DECLARED: (f"zstd frame declares {value} bytes, the index {ch.raw_len}", off),
+            _native.WHY_DECODED: (f"zstd data decodes to {value} bytes, expected {ch.raw_len}", off),
+        }
+        msg, where = messages.get(reason, ("zstd data does not decode", off))
+        return CorruptError(msg, path=self.path, key=key, chunk=k, offset=where)
 
     def _chunk_views(
         self, sid: int, flat: torch.Tensor, first: int = 0, count: int | None = None, base: int = 0
