@@ -281,28 +281,22 @@ class CheckpointFile:
         return [rec.key for rec in self.storages for _ in range(rec.n_chunks)]
 
     def _readv(self, bufs: list[memoryview], offset: int, k: int, key: str | None) -> None:
-        want = sum(len(b) for b in bufs)
-        got = os.preadv(self._fd, bufs, offset)
-        while got < want:  # regular files only return short at EOF; finish the rest exactly
-            flat = [b for b in bufs]
-            skip = got
-            rest = []
-            for b in flat:
-                if skip >= len(b):
-                    skip -= len(b)
-                    continue
-                rest.append(b[skip:])
-                skip = 0
-            n = os.preadv(self._fd, rest, offset + got)
-            if n == 0:
-                raise IncompleteError(
-                    "file ended while reading chunk (it shrank after it was opened)",
-                    path=self.path,
-                    key=key,
-                    chunk=k,
-                    offset=offset + got,
-                )
-            got += n
+        """Fill `bufs` from `offset`; a file that ends first is incomplete."""
+        got = 0
+        for buf in bufs:
+            view = buf
+            while len(view):
+                n = os.preadv(self._fd, [view], offset + got)
+                if n == 0:
+                    raise IncompleteError(
+                        "file ended while reading chunk (it shrank after it was opened)",
+                        path=self.path,
+                        key=key,
+                        chunk=k,
+                        offset=offset + got,
+                    )
+                view = view[n:]
+                got += n
 
     def read_chunk(self, k: int, dest: memoryview, verify: bool, key: str | None) -> None:
         """Read chunk k, check it, and leave its raw bytes in `dest` (exactly raw_len bytes)."""
