@@ -84,17 +84,16 @@ def wait_for_path(path: str | os.PathLike[str]) -> None:
 
 
 def raise_unobserved() -> None:
-    """Raise the error of an earlier non-blocking save nobody waited for."""
+    """Raise the error of an earlier non-blocking save nobody waited for (one per call)."""
     with _lock:
-        pending = [h for h in _unobserved if h.done()]
-        for h in pending:
-            _unobserved.remove(h)
-    for h in pending:
-        if h._exc is not None and not h._observed:
-            h._observed = True
-            raise RuntimeError(
-                f"an earlier non-blocking save of {h.path} failed and was never waited for"
-            ) from h._exc
+        failed = [h for h in _unobserved if h.done() and h._exc is not None and not h._observed]
+        _unobserved[:] = [h for h in _unobserved if not h.done() or h in failed[1:]]
+    if failed:
+        h = failed[0]
+        h._observed = True
+        raise RuntimeError(
+            f"an earlier non-blocking save of {h.path} failed and was never waited for"
+        ) from h._exc
 
 
 @atexit.register
