@@ -52,6 +52,6 @@ asan:
 	rm -rf build/asan && mkdir -p build/asan/pkg
 	cp -r ckptfmt build/asan/pkg/ && rm -f build/asan/pkg/ckptfmt/*.so
 	cd build/asan/pkg && CKPTFMT_SANITIZE=1 $(PYABS) $(CURDIR)/csrc/build_ffi.py >../build.log
-	cd build/asan && LD_PRELOAD=$(ASAN_LIB) PYTHONPATH=pkg \
+	cd build/asan && LD_PRELOAD=$(ASAN_LIB) PYTHONPATH=pkg CKPTFMT_SANITIZED=1 \
 	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
 	  $(PYABS) -m pytest -q -p no:cacheprovider $(addprefix $(CURDIR)/,$(ASAN_TESTS))

@@ -22,15 +22,24 @@ if os.environ.get("CKPTFMT_SANITIZE"):
     cflags = [c for c in cflags if c != "-O2"] + ["-O1", "-g"] + san
     ldflags += san
 
-ffibuilder.set_source(
-    "ckptfmt._ckptfmt_c",
-    '#include "ckptfmt.h"',
-    sources=[os.path.relpath(os.path.join(HERE, s)) for s in SOURCES],
-    include_dirs=[os.path.relpath(HERE)],
-    libraries=["zstd", "xxhash"],
-    extra_compile_args=cflags,
-    extra_link_args=ldflags,
-)
+
+
+def _set_source(where) -> None:
+    # setuptools wants relative source paths; a standalone build (make asan) uses
+    # absolute ones so that every object file lands under its own build directory
+    ffibuilder.set_source(
+        "ckptfmt._ckptfmt_c",
+        '#include "ckptfmt.h"',
+        sources=[where(os.path.join(HERE, s)) for s in SOURCES],
+        include_dirs=[where(HERE)],
+        libraries=["zstd", "xxhash"],
+        extra_compile_args=cflags,
+        extra_link_args=ldflags,
+    )
+
 
 if __name__ == "__main__":
-    ffibuilder.compile(verbose=True)
+    _set_source(os.path.abspath)
+    ffibuilder.compile(tmpdir=".", verbose=True)
+else:
+    _set_source(os.path.relpath)

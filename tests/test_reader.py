@@ -246,6 +246,9 @@ print(json.dumps({"extra": status("VmHWM") - before}))
 """
 
 
+# Sanitizers add allocations of their own (shadow memory, quarantine): memory
+# budgets are checked in the normal build only.
+@pytest.mark.skipif(bool(os.environ.get("CKPTFMT_SANITIZED")), reason="memory budgets need the normal build")
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_peak_memory_of_load_and_load_into(tmp_path, compression):
     g = torch.Generator().manual_seed(0)
@@ -266,8 +269,9 @@ def test_peak_memory_of_load_and_load_into(tmp_path, compression):
         res[mode] = json.loads(out.stdout)["extra"]
     # load: the destination tensors plus small per-thread buffers
     assert res["load"] <= nbytes * 1.05 + (48 << 20), res
-    # load_into: no second copy of the state
-    assert res["load_into"] <= nbytes * 0.10, res
+    # load_into: no second copy of the state (10% of it, plus a fixed allowance for
+    # the reader's per-thread decode buffers, which do not grow with the state)
+    assert res["load_into"] <= nbytes * 0.10 + (8 << 20), res
 
 
 def test_engine_reader_is_used():
