@@ -6,6 +6,7 @@ from .api import Reader, load, open  # noqa: E402, A004 - public name is fixed
 from .background import SaveHandle  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
+    CheckpointWarning,
     CorruptError,
     IncompleteError,
     LimitError,
@@ -14,6 +15,9 @@ from .errors import (  # noqa: E402
 )
 from .format import FORMAT_MAJOR, FORMAT_MINOR  # noqa: E402
 from .inplace import LoadReport, MismatchError, load_into  # noqa: E402
+from .manager import CheckpointInfo, CheckpointManager  # noqa: E402
+from .resume import ResumeReport  # noqa: E402
+from .rng import capture_rng, restore_rng  # noqa: E402
 from .staging import POOL as _POOL  # noqa: E402
 from .verify import Problem, VerifyReport, verify  # noqa: E402
 from .writer import remove, save  # noqa: E402
@@ -31,6 +35,12 @@ def backend() -> str:
 
 __all__ = [
     "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "CheckpointWarning",
+    "ResumeReport",
+    "capture_rng",
+    "restore_rng",
     "CorruptError",
     "FORMAT_MAJOR",
     "FORMAT_MINOR",

@@ -63,3 +63,8 @@ class LimitError(CheckpointError, ValueError):
 
 class UnsupportedObjectError(CheckpointError, TypeError):
     """An object in the state cannot be stored (raised before any byte is written)."""
+
+
+class CheckpointWarning(UserWarning):
+    """Something a user should know that does not stop the work: a skipped step directory,
+    a resume from a run that differs from the current one, a failed rotation."""

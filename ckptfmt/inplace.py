@@ -91,52 +91,54 @@ def load_into(
     """
     background.wait_for_path(path)
     with CheckpointFile(path) as f:
-        in_file = dict(_file_items(f, f.tree.root, ""))
-        targets = list(_target_items(state, ""))
-        report = LoadReport()
-        target_keys = set()
-        problems = []
-        for key, _, _, value in targets:
-            target_keys.add(key)
-            i = in_file.get(key)
-            if i is None:
-                report.missing_keys.append(key)
+        return fill_from_node(f, f.tree.root, state, strict=strict, verify=verify)
+
+
+def fill_from_node(f: CheckpointFile, top: int, state: Any, *, strict: bool, verify: bool) -> LoadReport:
+    """load_into() for the subtree of node `top` of an open file: key paths are relative to it."""
+    in_file = dict(_file_items(f, top, ""))
+    targets = list(_target_items(state, ""))
+    report = LoadReport()
+    target_keys = set()
+    problems = []
+    for key, _, _, value in targets:
+        target_keys.add(key)
+        i = in_file.get(key)
+        if i is None:
+            report.missing_keys.append(key)
+            continue
+        node = f.tree.nodes[i]
+        if isinstance(value, torch.Tensor):
+            if node[0] != "tensor":
+                problems.append(f"{key}: the checkpoint holds a {node[0]}, the target a tensor")
                 continue
-            node = f.tree.nodes[i]
-            if isinstance(value, torch.Tensor):
-                if node[0] != "tensor":
-                    problems.append(f"{key}: the checkpoint holds a {node[0]}, the target a tensor")
-                    continue
-                m = node[1]
-                if list(value.shape) != m["shape"]:
-                    problems.append(
-                        f"{key}: shape mismatch: checkpoint {m['shape']}, target {list(value.shape)}"
-                    )
-                elif dtypes.TORCH_DTYPES[m["dtype"]] != value.dtype:
-                    problems.append(
-                        f"{key}: dtype mismatch: checkpoint {m['dtype']}, target "
-                        f"{dtypes.TORCH_NAMES.get(value.dtype, str(value.dtype))}"
-                    )
-        report.unexpected_keys = [k for k in in_file if k not in target_keys]
-        if problems:
-            raise MismatchError(
-                problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""), path=f.path
+            m = node[1]
+            if list(value.shape) != m["shape"]:
+                problems.append(f"{key}: shape mismatch: checkpoint {m['shape']}, target {list(value.shape)}")
+            elif dtypes.TORCH_DTYPES[m["dtype"]] != value.dtype:
+                problems.append(
+                    f"{key}: dtype mismatch: checkpoint {m['dtype']}, target "
+                    f"{dtypes.TORCH_NAMES.get(value.dtype, str(value.dtype))}"
+                )
+    report.unexpected_keys = [k for k in in_file if k not in target_keys]
+    if problems:
+        raise MismatchError(
+            problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""), path=f.path
+        )
+    if strict and (report.missing_keys or report.unexpected_keys):
+        parts = []
+        if report.missing_keys:
+            parts.append(
+                f"missing keys {report.missing_keys[:5]}" + ("..." if len(report.missing_keys) > 5 else "")
             )
-        if strict and (report.missing_keys or report.unexpected_keys):
-            parts = []
-            if report.missing_keys:
-                parts.append(
-                    f"missing keys {report.missing_keys[:5]}"
-                    + ("..." if len(report.missing_keys) > 5 else "")
-                )
-            if report.unexpected_keys:
-                parts.append(
-                    f"unexpected keys {report.unexpected_keys[:5]}"
-                    + ("..." if len(report.unexpected_keys) > 5 else "")
-                )
-            raise MismatchError("; ".join(parts), path=f.path)
-        _fill(f, targets, in_file, verify, report)
-        return report
+        if report.unexpected_keys:
+            parts.append(
+                f"unexpected keys {report.unexpected_keys[:5]}"
+                + ("..." if len(report.unexpected_keys) > 5 else "")
+            )
+        raise MismatchError("; ".join(parts), path=f.path)
+    _fill(f, targets, in_file, verify, report)
+    return report
 
 
 def _direct(f: CheckpointFile, value: torch.Tensor, m: dict[str, Any]) -> bool:

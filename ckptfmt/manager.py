@@ -1,0 +1,710 @@
+"""CheckpointManager: a training run's directory of checkpoints, one per saved step.
+
+Layout: ``<directory>/step-000001000/`` holds the step's state file
+(``state.ckpt``) and, written last, its commit record (``COMMIT``, see
+multifile.py).  A step is complete exactly when its commit record verifies and
+names files that are there unchanged; nothing else ever counts as a
+checkpoint.  So:
+
+* a save writes its step directory under a temporary name, locks it, renames
+  it into place, writes the state file (atomically, like any save), and only
+  then writes the commit record;
+* ``latest()`` is the newest complete step; incomplete, damaged or foreign
+  step directories are skipped with a warning that says why;
+* rotation runs after a commit, never deletes the newest complete checkpoint,
+  and never deletes a file that a kept checkpoint refers to (incremental runs);
+* a step directory without a commit record is removed by a later save when no
+  live process holds its lock (a crashed or failed save);
+* non-blocking saves return after the snapshot; their commit records are
+  written in the order the saves were made, each after its files are durable.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import os
+import re
+import secrets
+import shutil
+import threading
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from . import background, multifile, resume, retention, writer
+from .errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError
+from .inplace import MismatchError
+from .reader import CheckpointFile
+from .verify import Problem, VerifyReport
+
+STATE_NAME = "state.ckpt"
+_STEP_RE = re.compile(r"step-([0-9]{9,20})")
+_TEMP_RE = re.compile(r"\.step-[0-9]{9,20}\.ckptfmt-tmp\.[0-9]+\.[0-9a-f]+")
+#: flock is not available on every filesystem (Lustre without -o flock, some NFS)
+_NO_LOCKING = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+def step_dirname(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    """The step of a canonical step directory name, else None."""
+    m = _STEP_RE.fullmatch(name)
+    if m is None or step_dirname(int(m.group(1))) != name:
+        return None
+    return int(m.group(1))
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint of a run."""
+
+    step: int
+    path: str  # the step directory
+    metrics: dict[str, float]
+    metadata: dict[str, str]
+    size: int  # bytes of the step's own files, commit record included
+    created: datetime.datetime
+    files: tuple[str, ...] = ()  # the step's part files, absolute
+    references: tuple[str, ...] = ()  # files of earlier steps it reads chunks from
+
+    @property
+    def state_path(self) -> str:
+        return os.path.join(self.path, STATE_NAME)
+
+
+@dataclass
+class StepStatus:
+    """What one step directory is: complete (with its info) or why not."""
+
+    step: int
+    path: str
+    info: CheckpointInfo | None = None
+    problem: str | None = None
+    retained: bool = False  # no commit record, kept only for files later steps refer to
+    damaged: bool = False  # it has a commit record, but the record or a file it names is bad
+    locked: bool | None = None  # a live save holds it (None: not checked or unknown)
+
+
+def _parse_created(text: str) -> datetime.datetime:
+    for layout in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ"):
+        try:
+            return datetime.datetime.strptime(text, layout).replace(tzinfo=datetime.timezone.utc)
+        except ValueError:
+            continue
+    return datetime.datetime.fromtimestamp(0, datetime.timezone.utc)
+
+
+def _info(step: int, path: str, record: multifile.CommitRecord) -> CheckpointInfo:
+    size = sum(p.length for p in record.files)
+    try:
+        size += os.stat(os.path.join(path, multifile.COMMIT_NAME)).st_size
+    except OSError:
+        pass
+    return CheckpointInfo(
+        step=step,
+        path=path,
+        metrics=dict(record.metrics),
+        metadata=dict(record.metadata),
+        size=size,
+        created=_parse_created(record.created),
+        files=tuple(os.path.join(path, p.name) for p in record.files),
+        references=tuple(os.path.normpath(os.path.join(path, p.name)) for p in record.references),
+    )
+
+
+def _try_lock(fd: int) -> bool | None:
+    """Take the directory's lock without waiting: True taken, False held elsewhere, None unsupported."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        if e.errno in _NO_LOCKING:
+            return None
+        raise
+
+
+def _open_dir(path: str) -> int:
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+
+
+def is_locked(path: str) -> bool | None:
+    """Whether a live process holds the lock of step directory `path` (None: cannot tell)."""
+    try:
+        fd = _open_dir(path)
+    except OSError:
+        return None
+    try:
+        got = _try_lock(fd)
+        return None if got is None else not got
+    finally:
+        os.close(fd)  # closing drops a lock taken here
+
+
+@dataclass
+class _Job:
+    """One save of one step, from its snapshot to its commit."""
+
+    step: int
+    path: str
+    lock_fd: int
+    metrics: dict[str, float]
+    metadata: dict[str, str]
+    handle: background.SaveHandle
+    thread: threading.Thread | None = None
+    file_handle: Any = None
+
+
+@dataclass
+class _Cached:
+    stamp: tuple[Any, ...]
+    record: multifile.CommitRecord
+
+
+class CheckpointManager:
+    """A run's checkpoints in one directory; see the module docstring for the guarantees."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: str | None = None,
+        best_mode: str = "min",
+        compression: str | None = None,
+        blocking: bool = True,
+        incremental: bool = False,
+    ) -> None:
+        retention.check_rules(keep_last, keep_every, keep_best, best_mode)
+        writer.check_save_args(compression, None, None)
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.keep_best = keep_best
+        self.best_mode = best_mode
+        self.compression = compression
+        self.blocking = bool(blocking)
+        self.incremental = bool(incremental)
+        os.makedirs(self.directory, exist_ok=True)
+        self._lock = threading.Lock()
+        self._jobs: list[_Job] = []  # in flight, or finished with an error nobody has seen
+        self._cache: dict[str, _Cached] = {}
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.directory!r})"
+
+    # -- reading the directory --------------------------------------------------------
+
+    def _stamp(self, path: str, record: multifile.CommitRecord | None) -> tuple[Any, ...]:
+        names = [multifile.COMMIT_NAME] + (
+            [p.name for p in record.files + record.references] if record else []
+        )
+        out: list[tuple[int, int, int] | None] = []
+        for name in names:
+            try:
+                st = os.stat(os.path.join(path, name))
+                out.append((st.st_ino, st.st_size, st.st_mtime_ns))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def _record(self, path: str) -> multifile.CommitRecord:
+        """The step's validated commit record (cached while its files' stat results do not change)."""
+        cached = self._cache.get(path)
+        if cached is not None and cached.stamp == self._stamp(path, cached.record):
+            return cached.record
+        record = multifile.check_complete(path)
+        self._cache[path] = _Cached(self._stamp(path, record), record)
+        return record
+
+    def _in_flight_steps(self) -> set[int]:
+        with self._lock:
+            return {j.step for j in self._jobs if not j.handle.done()}
+
+    def statuses(self) -> list[StepStatus]:
+        """Every step directory, complete or not, by step."""
+        out = []
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        for name in names:
+            step = parse_step_dirname(name)
+            path = os.path.join(self.directory, name)
+            if step is None or not os.path.isdir(path):
+                continue
+            status = StepStatus(step, path)
+            try:
+                record = self._record(path)
+                if record.step != step:
+                    raise CorruptError(f"commit record is for step {record.step}", path=path)
+                status.info = _info(step, path, record)
+            except (CheckpointError, OSError) as e:
+                self._cache.pop(path, None)
+                status.problem = _why(e, path)
+                status.damaged = not isinstance(e, IncompleteError) or os.path.lexists(
+                    os.path.join(path, multifile.COMMIT_NAME)
+                )
+            out.append(status)
+        out.sort(key=lambda s: s.step)
+        referenced = {r for s in out if s.info for r in s.info.references}
+        for s in out:
+            if s.info is None:
+                s.retained = _all_files_referenced(s.path, referenced)
+        return out
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """The complete checkpoints, oldest first."""
+        return [s.info for s in self.statuses() if s.info is not None]
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest complete checkpoint; directories that are not one are skipped with a warning."""
+        busy = self._in_flight_steps()
+        newest = None
+        for s in self.statuses():
+            if s.info is not None:
+                newest = s.info
+            elif s.step not in busy and not s.retained:
+                warnings.warn(f"skipping {s.path}: {s.problem}", CheckpointWarning, stacklevel=2)
+        return newest
+
+    def _find(self, step: int | None) -> list[CheckpointInfo]:
+        """The checkpoint of `step`, or every complete one newest first when step is None."""
+        statuses = self.statuses()
+        if step is None:
+            found = [s.info for s in reversed(statuses) if s.info is not None]
+            if not found:
+                raise CheckpointError(f"no complete checkpoint in {self.directory}")
+            return found
+        for s in statuses:
+            if s.step == step:
+                if s.info is None:
+                    raise CheckpointError(
+                        f"step {step} is not a complete checkpoint: {s.problem}", path=s.path
+                    )
+                return [s.info]
+        raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
+
+    # -- saving -----------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metrics: dict[str, float] | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> background.SaveHandle | None:
+        """Save `state` as checkpoint `step`; objects with state_dict() are saved as their state dicts.
+
+        Blocking (the default): returns once the checkpoint is committed.
+        Non-blocking: returns a SaveHandle after the snapshot; the commit follows
+        in the background, in the order of the save calls.
+        """
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be a non-negative int, not {step!r}")
+        metrics = _check_metrics(metrics)
+        meta = writer.check_save_args(None, None, metadata)
+        self._raise_failed()
+        self._check_step_is_new(step)
+        from .rng import capture_rng
+
+        payload = resume.build_payload(state, step, capture_rng())
+        self._cleanup()
+        if self.incremental:
+            self._wait_all()  # the next file refers to the previous one: it must be committed
+        path, lock_fd = self._make_step_dir(step)
+        job = _Job(step, path, lock_fd, metrics, meta, background.SaveHandle(path))
+        try:
+            job.file_handle = self._write_state(job, payload)
+        except BaseException:
+            self._abandon(job)
+            raise
+        if self.blocking:
+            self._finish(job, None)
+            job.handle.wait()
+            return None
+        with self._lock:
+            before = self._jobs[-1].thread if self._jobs else None
+            self._jobs.append(job)
+            job.thread = threading.Thread(
+                target=self._finish, args=(job, before), name=f"ckptfmt-commit-{step}", daemon=False
+            )
+            job.thread.start()
+        return job.handle
+
+    def _check_step_is_new(self, step: int) -> None:
+        with self._lock:
+            pending = [j.step for j in self._jobs if not j.handle.done()]
+        newest = max([s.step for s in self.statuses() if s.info is not None] + pending, default=None)
+        if newest is not None and step <= newest:
+            raise ValueError(
+                f"step {step} is not after the newest checkpoint (step {newest}) in {self.directory}; "
+                "if the run was resumed from an earlier step, remove the later ones first "
+                "(CheckpointManager.remove(step))"
+            )
+
+    def _make_step_dir(self, step: int) -> tuple[str, int]:
+        """Create the step directory already locked: made under a temporary name, then renamed."""
+        final = os.path.join(self.directory, step_dirname(step))
+        if os.path.lexists(final):
+            if is_locked(final):
+                raise CheckpointError(f"{final} is being written by another process")
+            self._delete_step(final, keep=self._referenced())
+        tmp = os.path.join(
+            self.directory, f".{step_dirname(step)}.ckptfmt-tmp.{os.getpid()}.{secrets.token_hex(4)}"
+        )
+        os.mkdir(tmp)
+        fd = _open_dir(tmp)
+        try:
+            _try_lock(fd)
+            os.rename(tmp, final)
+            multifile.fsync_path(self.directory)
+        except BaseException:
+            os.close(fd)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final, fd
+
+    def _base_file(self) -> str | None:
+        """The state file an incremental save may refer to: the newest complete one."""
+        found = [s.info for s in self.statuses() if s.info is not None]
+        return found[-1].state_path if found else None
+
+    def _write_state(self, job: _Job, payload: dict[str, Any]) -> Any:
+        target = os.path.join(job.path, STATE_NAME)
+        if self.incremental:
+            from . import incremental
+
+            return incremental.save(
+                payload, target, base=self._base_file(), compression=self.compression, blocking=self.blocking
+            )
+        return writer.save(payload, target, compression=self.compression, blocking=self.blocking)
+
+    def _finish(self, job: _Job, before: threading.Thread | None) -> None:
+        """Wait for the files, write the commit record, rotate; report through job.handle."""
+        exc: BaseException | None = None
+        try:
+            if before is not None:
+                before.join()  # commits happen in the order of the saves
+            if job.file_handle is not None:
+                job.file_handle.wait()
+            self._commit(job)
+        except BaseException as e:
+            exc = e
+        try:
+            if exc is None:
+                self._rotate()
+            else:
+                self._abandon(job)
+        except (OSError, CheckpointError) as e:
+            warnings.warn(f"rotation in {self.directory} failed: {e}", CheckpointWarning, stacklevel=2)
+        finally:
+            if job.lock_fd >= 0:
+                os.close(job.lock_fd)
+                job.lock_fd = -1
+            with self._lock:
+                if exc is None and job in self._jobs:
+                    self._jobs.remove(job)
+            job.handle._finish(exc)
+
+    def _commit(self, job: _Job) -> None:
+        state_path = os.path.join(job.path, STATE_NAME)
+        parts = (multifile.describe_part(state_path, STATE_NAME),)
+        refs: tuple[multifile.PartRecord, ...] = ()
+        if self.incremental:
+            from . import incremental
+
+            refs = tuple(
+                multifile.describe_part(p, os.path.relpath(p, job.path))
+                for p in incremental.referenced_files(state_path)
+            )
+        record = multifile.CommitRecord(job.step, "state", parts, refs, job.metrics, job.metadata)
+        multifile.write_commit(job.path, record)
+
+    def _abandon(self, job: _Job) -> None:
+        """A failed save: remove what it wrote (its step never became a checkpoint)."""
+        if job.file_handle is not None and not job.file_handle.done():
+            job.file_handle.exception()
+        if job.lock_fd >= 0:
+            os.close(job.lock_fd)
+            job.lock_fd = -1
+        self._delete_step(job.path, keep=self._referenced())
+
+    def _raise_failed(self) -> None:
+        """Raise the error of an earlier non-blocking save that nobody has waited for."""
+        with self._lock:
+            failed = [j for j in self._jobs if j.handle.done() and j.handle._exc is not None]
+            if not failed:
+                return
+            self._jobs.remove(failed[0])
+        failed[0].handle._observed = True
+        raise CheckpointError(
+            f"an earlier save of step {failed[0].step} failed: {failed[0].handle._exc}"
+        ) from (failed[0].handle._exc)
+
+    def _wait_all(self) -> None:
+        with self._lock:
+            threads = [j.thread for j in self._jobs if j.thread is not None]
+        for t in threads:
+            t.join()
+
+    def wait(self) -> None:
+        """Wait for every save in flight; raise the first error of a save nobody has seen fail."""
+        self._wait_all()
+        self._raise_failed()
+
+    # -- rotation and cleanup ---------------------------------------------------------------
+
+    def _referenced(self) -> set[str]:
+        """Files that complete checkpoints read chunks from (never deleted)."""
+        return {r for s in self.statuses() if s.info for r in s.info.references}
+
+    def _rotate(self) -> None:
+        done = self.checkpoints()
+        kept = retention.kept_steps(
+            [(c.step, c.metrics) for c in done],
+            keep_last=self.keep_last,
+            keep_every=self.keep_every,
+            keep_best=self.keep_best,
+            best_mode=self.best_mode,
+        )
+        keep_files = {r for c in done if c.step in kept for r in c.references}
+        for c in done:
+            if c.step not in kept:
+                self._retire(c.path, keep_files)
+
+    def _retire(self, path: str, keep: set[str]) -> None:
+        """Stop a step being a checkpoint (commit record first), then delete what nothing refers to."""
+        try:
+            os.unlink(os.path.join(path, multifile.COMMIT_NAME))
+        except FileNotFoundError:
+            pass
+        multifile.fsync_path(path)
+        self._cache.pop(path, None)
+        self._delete_step(path, keep)
+
+    def _delete_step(self, path: str, keep: set[str]) -> None:
+        """Delete a step directory that is not (or no longer) a checkpoint, sparing `keep`."""
+        self._cache.pop(path, None)
+        try:
+            names = os.listdir(path)
+        except FileNotFoundError:
+            return
+        commit = os.path.join(path, multifile.COMMIT_NAME)
+        if os.path.lexists(commit):  # never leave files a commit record still names
+            os.unlink(commit)
+            multifile.fsync_path(path)
+        for name in names:
+            full = os.path.join(path, name)
+            if full in keep or name == multifile.COMMIT_NAME:
+                continue
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(full)
+                except FileNotFoundError:
+                    pass
+        try:
+            os.rmdir(path)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                raise
+
+    def _cleanup(self) -> None:
+        """Remove step directories of saves that died (unlocked, without a commit record)."""
+        busy = self._in_flight_steps()
+        statuses = self.statuses()
+        newest = max((s.step for s in statuses if s.info is not None), default=-1)
+        keep = {r for s in statuses if s.info for r in s.info.references}
+        for s in statuses:
+            if s.info is not None or s.step in busy:
+                continue
+            if s.damaged and s.step > newest:
+                continue  # the newest data there is: leave it for a person to look at
+            locked = is_locked(s.path)
+            if locked or (locked is None and s.step > newest):
+                continue  # a live save (or, without locks, possibly one)
+            self._delete_step(s.path, keep)
+        for name in os.listdir(self.directory):
+            full = os.path.join(self.directory, name)
+            if _TEMP_RE.fullmatch(name) and is_locked(full) is False:
+                shutil.rmtree(full, ignore_errors=True)
+
+    def remove(self, step: int) -> None:
+        """Delete checkpoint `step` (files that other checkpoints refer to are kept)."""
+        self._wait_all()
+        for s in self.statuses():
+            if s.step == step:
+                if s.info is not None:
+                    others = {
+                        r for t in self.statuses() if t.info and t.step != step for r in t.info.references
+                    }
+                    self._retire(s.path, others)
+                else:
+                    self._delete_step(s.path, self._referenced())
+                return
+        raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
+
+    # -- loading ----------------------------------------------------------------------------------
+
+    def load(self, step: int | None = None, map_location: Any = None, *, fallback: bool = False) -> Any:
+        """The state saved at `step` (the newest complete one when None); stateful objects come
+        back as their state dicts.  fallback=True: when the newest checkpoint fails to load
+        (damaged files), warn and try the next older one."""
+        last: CheckpointError | None = None
+        for info in self._find(step):
+            try:
+                return self._load_one(info, map_location)
+            except MismatchError:
+                raise
+            except CheckpointError as e:
+                if not fallback or step is not None:
+                    raise
+                warnings.warn(f"skipping step {info.step}: {e}", CheckpointWarning, stacklevel=2)
+                last = e
+        raise CheckpointError(f"no checkpoint in {self.directory} loads; the last error: {last}")
+
+    def _load_one(self, info: CheckpointInfo, map_location: Any) -> Any:
+        from .api import load
+
+        payload = load(info.state_path, map_location)
+        if not isinstance(payload, dict) or "state" not in payload:
+            raise CorruptError("not a checkpoint manager's state file", path=info.state_path)
+        return payload["state"]
+
+    def load_into(
+        self,
+        state: Any,
+        step: int | None = None,
+        strict: bool = True,
+        *,
+        fallback: bool = False,
+        restore_rng: bool = True,
+    ) -> resume.ResumeReport:
+        """Resume: fill `state` (modules, optimizers, schedulers, scalers, data loaders, tensors and
+        plain values) from checkpoint `step` (the newest complete one when None), then restore
+        every RNG.  Differences from the saved run are returned and warned about once; with
+        strict=True, architecture, shape and key differences raise MismatchError first."""
+        skipped: list[str] = []
+        for info in self._find(step):
+            try:
+                report = self._load_into_one(info, state, strict, restore_rng)
+                report.skipped = skipped
+                return report
+            except MismatchError:
+                raise
+            except CheckpointError as e:
+                if not fallback or step is not None:
+                    raise
+                warnings.warn(f"skipping step {info.step}: {e}", CheckpointWarning, stacklevel=2)
+                skipped.append(f"step {info.step}: {e}")
+        raise CheckpointError(f"no checkpoint in {self.directory} loads: {'; '.join(skipped)[:2000]}")
+
+    def _load_into_one(
+        self, info: CheckpointInfo, state: Any, strict: bool, restore_rng: bool
+    ) -> resume.ResumeReport:
+        background.wait_for_path(info.state_path)
+        with CheckpointFile(info.state_path) as f:
+            root = resume.node_items(f, f.tree.root)
+            if not {"state", "rng", "resume"} <= set(root):
+                raise CorruptError("not a checkpoint manager's state file", path=f.path)
+            fp = f.load_subtree(root["resume"], None, True)
+            rng_state = f.load_subtree(root["rng"], None, True)
+            if not isinstance(fp, dict):
+                raise CorruptError("the resume fingerprint is not a dict", path=f.path)
+            differences = resume.check_resume(f, fp, rng_state is not None, state, strict)
+            report = resume.ResumeReport(step=info.step, path=info.path, differences=differences)
+            resume.restore_into(f, root["state"], state, "", report, strict=strict, verify=True)
+        if restore_rng and rng_state is not None:
+            from .rng import restore_rng as restore
+
+            restore(rng_state)
+            report.rng_restored = True
+        if differences:
+            warnings.warn(
+                f"{info.path}: resuming with {len(differences)} difference(s) from the saved run: "
+                + "; ".join(differences[:3])
+                + (" ..." if len(differences) > 3 else ""),
+                CheckpointWarning,
+                stacklevel=3,
+            )
+        return report
+
+    # -- verifying -------------------------------------------------------------------------------
+
+    def verify(self, step: int | None = None) -> VerifyReport:
+        """Check every file of checkpoint `step` (the newest complete one when None)."""
+        info = self._find(step)[0]
+        return verify_step(info.path)
+
+
+def verify_step(path: str) -> VerifyReport:
+    """Verify a step directory: its commit record, every file it names and every file they refer to."""
+    from .verify import problem_of, verify
+
+    report = VerifyReport(path)
+    try:
+        record = multifile.check_complete(path)
+    except CheckpointError as e:
+        report.problems.append(problem_of(e))
+        return report
+    names = [multifile.COMMIT_NAME] + [p.name for p in record.files + record.references]
+    for name in names:
+        one = verify(os.path.normpath(os.path.join(path, name)))
+        report.chunks += one.chunks
+        report.bytes_checked += one.bytes_checked
+        report.problems += [
+            Problem(p.kind, f"{name}: {p.message}", p.key, p.chunk, p.offset) for p in one.problems
+        ]
+    return report
+
+
+def _why(e: CheckpointError | OSError, directory: str) -> str:
+    """An error's reason, naming the file inside the step directory it concerns."""
+    if not isinstance(e, CheckpointError):
+        return f"{e.filename or directory}: {e.strerror}"
+    text = str(e)
+    if e.path and os.path.abspath(e.path) != directory:
+        text = text.replace(e.path, os.path.relpath(e.path, directory), 1)
+    elif e.path:
+        text = text[len(e.path) + 2 :] if text.startswith(e.path + ": ") else text
+    return text
+
+
+def _all_files_referenced(path: str, referenced: set[str]) -> bool:
+    try:
+        names = [n for n in os.listdir(path) if not n.startswith(".")]
+    except OSError:
+        return False
+    return bool(names) and all(os.path.join(path, n) in referenced for n in names)
+
+
+def _check_metrics(metrics: dict[str, float] | None) -> dict[str, float]:
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise TypeError("metrics must be a dict of str to int or float")
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        if hasattr(v, "item") and callable(v.item):  # a 0-d tensor or numpy scalar
+            v = v.item()
+        if type(k) is not str or type(v) not in (int, float):
+            raise TypeError(f"metrics must map str to int or float; {k!r} maps to {type(v).__name__}")
+        out[k] = v
+    return out
+
+
+def iter_step_dirs(directory: str) -> Iterator[tuple[int, str]]:
+    for name in sorted(os.listdir(directory)):
+        step = parse_step_dirname(name)
+        if step is not None:
+            yield step, os.path.join(directory, name)

@@ -1,0 +1,272 @@
+"""Multi-file checkpoints: a directory of part files made valid by one commit record.
+
+A checkpoint that spans several files (a training step's state, one file per
+rank, files that refer to chunks of earlier steps) is a directory.  Its parts
+are written first, each one an ordinary ckptfmt file committed on its own.  The
+commit record, ``COMMIT``, is written last: a ckptfmt file (so it is
+checksummed like any other) that names every part by name, length, file id and
+index checksum.  The directory is a complete checkpoint exactly when its commit
+record verifies and every file it names is there with that length, id and
+index checksum.  spec/FORMAT.md section "Multi-file checkpoints" is the
+normative text; this module is that section in code.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import os
+import re
+import stat
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import format as fmt
+from .errors import CheckpointError, CorruptError, IncompleteError, UnsupportedError
+
+COMMIT_NAME = "COMMIT"
+#: the record's own layout version; a reader rejects versions it does not know
+RECORD_VERSION = 1
+#: what the parts of a checkpoint mean: "state" is one file holding the whole state
+LAYOUTS = ("state",)
+#: a part's name, and each component of a reference path (spec: no leading dot,
+#: so temporaries and hidden files can never be named)
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+#: parts and references one record may name
+MAX_PARTS = 1 << 16
+MAX_METRICS = 1024
+
+
+@dataclass(frozen=True)
+class PartRecord:
+    """One file of a checkpoint as the commit record names it."""
+
+    name: str  # a name in the checkpoint's directory, or "../<dir>/<name>" for a reference
+    length: int
+    file_id: bytes
+    index_checksum: int
+
+    def as_value(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "length": self.length,
+            "file_id": self.file_id,
+            "index_checksum": self.index_checksum,
+        }
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """The contents of a COMMIT file."""
+
+    step: int | None
+    layout: str
+    files: tuple[PartRecord, ...]
+    references: tuple[PartRecord, ...] = ()
+    metrics: dict[str, float] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    created: str = ""
+
+    def as_value(self) -> dict[str, Any]:
+        return {
+            "ckptfmt_commit": RECORD_VERSION,
+            "step": self.step,
+            "layout": self.layout,
+            "created": self.created or _now(),
+            "files": [p.as_value() for p in self.files],
+            "references": [p.as_value() for p in self.references],
+            "metrics": dict(self.metrics),
+            "metadata": dict(self.metadata),
+        }
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def valid_part_name(name: str, *, reference: bool) -> bool:
+    """A part is a plain name; a reference is that or ``../<dir>/<name>``."""
+    parts = name.split("/")
+    if len(parts) == 1:
+        return _NAME_RE.fullmatch(parts[0]) is not None
+    return (
+        reference
+        and len(parts) == 3
+        and parts[0] == ".."
+        and all(_NAME_RE.fullmatch(p) is not None for p in parts[1:])
+    )
+
+
+# -- reading one part's identity ---------------------------------------------------
+
+
+def open_regular(path: str) -> int:
+    """Open `path` for reading without following a final symlink or blocking on a FIFO."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsupportedError("not a regular file", path=path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _pread_exact(fd: int, n: int, offset: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        got = os.pread(fd, n - len(out), offset + len(out))
+        if not got:
+            break
+        out += got
+    return out
+
+
+def describe_part(path: str, name: str) -> PartRecord:
+    """The identity of a committed ckptfmt file, from its prologue and footer."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        prologue = fmt.parse_prologue(_pread_exact(fd, fmt.PROLOGUE_SIZE, 0), size, path)
+        at = prologue.file_length - fmt.FOOTER_SIZE
+        footer = fmt.parse_footer(_pread_exact(fd, fmt.FOOTER_SIZE, at), prologue, path)
+    finally:
+        os.close(fd)
+    return PartRecord(name, prologue.file_length, prologue.file_id, footer.index_checksum)
+
+
+def check_part(directory: str, rec: PartRecord, owner: str) -> None:
+    """Raise unless the file `rec` names is there with the recorded length, id and index checksum."""
+    path = os.path.normpath(os.path.join(directory, rec.name))
+    try:
+        found = describe_part(path, rec.name)
+    except FileNotFoundError:
+        raise IncompleteError(f"{rec.name} named by the commit record is missing", path=owner) from None
+    except OSError as e:
+        raise IncompleteError(f"{rec.name} cannot be read: {e.strerror}", path=owner) from None
+    except CheckpointError as e:
+        raise CorruptError(f"{rec.name} is damaged: {e}", path=owner) from None
+    if found.length != rec.length:
+        raise CorruptError(
+            f"{rec.name} is {found.length} bytes, the commit record says {rec.length}", path=owner
+        )
+    if found.file_id != rec.file_id or found.index_checksum != rec.index_checksum:
+        raise CorruptError(f"{rec.name} is not the file the commit record names (another save?)", path=owner)
+
+
+# -- the record ------------------------------------------------------------------------
+
+
+def write_commit(directory: str, record: CommitRecord) -> None:
+    """Write the commit record last: temp file, fsync, rename, fsync the directory."""
+    from .writer import save
+
+    save(record.as_value(), os.path.join(directory, COMMIT_NAME))
+
+
+def read_commit(directory: str) -> CommitRecord:
+    """Read and validate a directory's commit record (checksums verified)."""
+    from .api import load
+
+    path = os.path.join(directory, COMMIT_NAME)
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
+        raise IncompleteError("no commit record: the save did not finish", path=directory) from None
+    os.close(fd)
+    value = load(path)
+    return _parse_record(value, path)
+
+
+def _fail(path: str, what: str) -> CorruptError:
+    return CorruptError(f"commit record: {what}", path=path)
+
+
+def _typed(path: str, value: object, kind: type | tuple[type, ...], what: str) -> Any:
+    if type(value) not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise _fail(path, f"{what} must be {getattr(kind, '__name__', kind)}, not {type(value).__name__}")
+    return value
+
+
+def _parse_part(path: str, raw: object, where: str, reference: bool) -> PartRecord:
+    d = _typed(path, raw, dict, where)
+    if set(d) != {"name", "length", "file_id", "index_checksum"}:
+        raise _fail(path, f"{where} must have exactly name, length, file_id, index_checksum")
+    name = _typed(path, d["name"], str, f"{where}.name")
+    if not valid_part_name(name, reference=reference):
+        raise _fail(path, f"{where}.name {name[:80]!r} is not an allowed file name")
+    length = _typed(path, d["length"], int, f"{where}.length")
+    file_id = _typed(path, d["file_id"], bytes, f"{where}.file_id")
+    check = _typed(path, d["index_checksum"], int, f"{where}.index_checksum")
+    if not (fmt.PROLOGUE_SIZE + fmt.FOOTER_SIZE <= length < 1 << 63) or len(file_id) != 16:
+        raise _fail(path, f"{where} has an impossible length or file id")
+    if not 0 <= check < 1 << 64:
+        raise _fail(path, f"{where}.index_checksum is out of range")
+    return PartRecord(name, length, file_id, check)
+
+
+def _parse_record(value: object, path: str) -> CommitRecord:
+    d = _typed(path, value, dict, "the record")
+    expected = {"ckptfmt_commit", "step", "layout", "created", "files", "references", "metrics", "metadata"}
+    if set(d) != expected or any(type(k) is not str for k in d):
+        raise _fail(path, "fields must be exactly " + ", ".join(sorted(expected)))
+    version = _typed(path, d["ckptfmt_commit"], int, "ckptfmt_commit")
+    if version != RECORD_VERSION:
+        raise UnsupportedError(f"commit record version {version} is not supported", path=path)
+    step = d["step"]
+    if step is not None and (type(step) is not int or step < 0):
+        raise _fail(path, "step must be a non-negative int or None")
+    layout = _typed(path, d["layout"], str, "layout")
+    if layout not in LAYOUTS:
+        raise UnsupportedError(f"commit record layout {layout[:40]!r} is not supported", path=path)
+    created = _typed(path, d["created"], str, "created")
+    files = _typed(path, d["files"], list, "files")
+    refs = _typed(path, d["references"], list, "references")
+    if not files or len(files) + len(refs) > MAX_PARTS:
+        raise _fail(path, f"names {len(files)} files and {len(refs)} references")
+    parts = tuple(_parse_part(path, p, f"files[{i}]", False) for i, p in enumerate(files))
+    references = tuple(_parse_part(path, p, f"references[{i}]", True) for i, p in enumerate(refs))
+    if len({p.name for p in parts}) != len(parts) or any(p.name == COMMIT_NAME for p in parts):
+        raise _fail(path, "a file is named twice, or the record names itself")
+    return CommitRecord(
+        step, layout, parts, references, _metrics(path, d["metrics"]), _metadata(path, d["metadata"]), created
+    )
+
+
+def _metrics(path: str, raw: object) -> dict[str, float]:
+    d = _typed(path, raw, dict, "metrics")
+    if len(d) > MAX_METRICS:
+        raise _fail(path, f"{len(d)} metrics exceed the limit {MAX_METRICS}")
+    for k, v in d.items():
+        if type(k) is not str or type(v) not in (int, float):
+            raise _fail(path, "metrics must map str to int or float")
+    return dict(d)
+
+
+def _metadata(path: str, raw: object) -> dict[str, str]:
+    d = _typed(path, raw, dict, "metadata")
+    if len(d) > fmt.Limits.MAX_METADATA_ENTRIES or any(
+        type(k) is not str or type(v) is not str for k, v in d.items()
+    ):
+        raise _fail(path, "metadata must map str to str")
+    return dict(d)
+
+
+def check_complete(directory: str) -> CommitRecord:
+    """The directory's commit record, after checking every file it names; raises CheckpointError."""
+    record = read_commit(directory)
+    for part in record.files + record.references:
+        check_part(directory, part, directory)
+    return record
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file or directory by name (a directory's fsync makes its entries durable)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):  # some filesystems cannot fsync directories
+            raise
+    finally:
+        os.close(fd)

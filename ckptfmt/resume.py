@@ -1,0 +1,339 @@
+"""Resuming a training run: what a manager's state file holds, and the checks made on resume.
+
+A checkpoint manager's state file is an ordinary ckptfmt file whose root is::
+
+    {"state":  the caller's state; objects with state_dict()/load_state_dict()
+               (modules, optimizers, schedulers, scalers, stateful data loaders)
+               are stored as their state dicts,
+     "rng":    capture_rng() at save time,
+     "resume": {"version": 1, "step": ..., "architecture": ..., "optimizer": ...,
+                "data": ..., "environment": ...}}
+
+"resume" is the fingerprint the five resume checks compare against: module
+parameter names, shapes and dtypes; optimizer hyper-parameters per group; which
+entries hold a data position; that RNG state is present; and the environment
+(versions, devices, world size) the checkpoint was written in.
+"""
+
+from __future__ import annotations
+
+import collections
+import platform
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import __version__, dtypes, tree
+from .inplace import LoadReport, MismatchError, fill_from_node
+from .reader import CheckpointFile
+
+PAYLOAD_VERSION = 1
+#: top-level keys of a state that name a data position by convention (a plain
+#: dict such as {"epoch": 3, "batch": 120} kept under one of these names)
+DATA_KEYS = frozenset({"data", "data_position", "dataloader", "data_loader", "loader", "sampler"})
+#: optimizer hyper-parameters compared on resume: plain values only
+_HPARAM_TYPES = (bool, int, float, str, type(None))
+
+
+def is_stateful(obj: object) -> bool:
+    """Has state_dict() and load_state_dict(), like torch.distributed.checkpoint's Stateful."""
+    return (
+        not isinstance(obj, (dict, list, tuple, torch.Tensor))
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+def _join(prefix: str, key: object) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def _walk(state: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, object) of every stateful object reachable through dicts and lists."""
+    if is_stateful(state):
+        yield prefix or "state", state
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            yield from _walk(v, _join(prefix, k))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            yield from _walk(v, _join(prefix, i))
+
+
+def to_storable(state: Any) -> Any:
+    """The state with every stateful object replaced by its state_dict() (containers are copied)."""
+    if is_stateful(state):
+        return state.state_dict()
+    if type(state) in (dict, collections.OrderedDict):
+        out = type(state)((k, to_storable(v)) for k, v in state.items())
+        if hasattr(state, "_metadata"):
+            out._metadata = state._metadata  # type: ignore[attr-defined]
+        return out
+    if type(state) is list:
+        return [to_storable(v) for v in state]
+    if type(state) is tuple:
+        return tuple(to_storable(v) for v in state)
+    return state
+
+
+# -- fingerprints ------------------------------------------------------------------
+
+
+def _architecture(module: torch.nn.Module) -> dict[str, list[Any]]:
+    return {
+        name: [list(t.shape), dtypes.TORCH_NAMES.get(t.dtype, str(t.dtype))]
+        for name, t in module.state_dict().items()
+        if isinstance(t, torch.Tensor)
+    }
+
+
+def _hparams(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    groups = []
+    for g in opt.param_groups:
+        hp: dict[str, Any] = {}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if isinstance(v, tuple) and all(isinstance(x, _HPARAM_TYPES) for x in v):
+                hp[k] = list(v)
+            elif isinstance(v, _HPARAM_TYPES):
+                hp[k] = v
+        groups.append(hp)
+    return groups
+
+
+def _is_data_position(path: str, obj: object) -> bool:
+    name = type(obj).__name__
+    return "DataLoader" in name or "Sampler" in name or path in DATA_KEYS
+
+
+def environment() -> dict[str, Any]:
+    """Where a checkpoint is written: versions, devices, world size."""
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices += [f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
+    elif torch.accelerator.is_available():
+        acc = torch.accelerator.current_accelerator()
+        if acc is not None:
+            devices += [f"{acc.type}:{i}" for i in range(torch.accelerator.device_count())]
+    world = 1
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+    return {
+        "ckptfmt": __version__,
+        "torch": str(torch.__version__),
+        "python": platform.python_version(),
+        "cuda": str(torch.version.cuda or "none"),
+        "devices": devices,
+        "world_size": world,
+    }
+
+
+def fingerprint(state: Any, step: int) -> dict[str, Any]:
+    arch: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
+    data: list[str] = []
+    for path, obj in _walk(state):
+        if isinstance(obj, torch.nn.Module):
+            arch[path] = _architecture(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            optim[path] = _hparams(obj)
+        if _is_data_position(path, obj):
+            data.append(path)
+    if isinstance(state, dict):
+        data += [k for k, v in state.items() if k in DATA_KEYS and not is_stateful(v)]
+    return {
+        "version": PAYLOAD_VERSION,
+        "step": step,
+        "architecture": arch,
+        "optimizer": optim,
+        "data": data,
+        "environment": environment(),
+    }
+
+
+def build_payload(state: Any, step: int, rng: dict[str, Any] | None) -> dict[str, Any]:
+    """What a manager writes for `state` at `step` (stateful objects become state dicts)."""
+    return {"state": to_storable(state), "rng": rng, "resume": fingerprint(state, step)}
+
+
+# -- checks on resume -----------------------------------------------------------------
+
+
+@dataclass
+class ResumeReport(LoadReport):
+    """What a manager's load_into() did: LoadReport's keys, plus where it resumed from and
+    every difference between the checkpoint and the current run."""
+
+    step: int | None = None
+    path: str = ""
+    differences: list[str] = field(default_factory=list)
+    rng_restored: bool = False
+    skipped: list[str] = field(default_factory=list)
+
+
+def _few(items: list[str], n: int = 3) -> str:
+    return "; ".join(items[:n]) + (f" (and {len(items) - n} more)" if len(items) > n else "")
+
+
+def architecture_problems(saved: dict[str, Any], state: Any) -> list[str]:
+    """Differences in module parameter names, shapes and dtypes (what strict loading refuses)."""
+    out = []
+    for path, obj in _walk(state):
+        if not isinstance(obj, torch.nn.Module):
+            continue
+        before = saved.get(path)
+        if not isinstance(before, dict):
+            out.append(f"{path}: the checkpoint holds no module here")
+            continue
+        now = _architecture(obj)
+        missing = [k for k in now if k not in before]
+        extra = [k for k in before if k not in now]
+        if missing:
+            out.append(f"{path}: parameters not in the checkpoint: {', '.join(missing[:5])}")
+        if extra:
+            out.append(f"{path}: checkpoint parameters the model lacks: {', '.join(extra[:5])}")
+        for k in now:
+            if k in before and list(before[k]) != now[k]:
+                (s0, d0), (s1, d1) = before[k], now[k]
+                what = "shape" if s0 != s1 else "dtype"
+                out.append(
+                    f"{path}.{k}: {what} {s0 if what == 'shape' else d0} in the checkpoint, "
+                    f"{s1 if what == 'shape' else d1} in the model"
+                )
+    return out
+
+
+def other_differences(resume: dict[str, Any], has_rng: bool, state: Any) -> list[str]:
+    """Differences that do not stop a resume but change what it means."""
+    out = []
+    saved_opt = resume.get("optimizer", {})
+    for path, obj in _walk(state):
+        if isinstance(obj, torch.optim.Optimizer) and isinstance(saved_opt.get(path), list):
+            out += _hparam_differences(path, saved_opt[path], _hparams(obj))
+    if not resume.get("data"):
+        out.append("no data position in the checkpoint: the resumed run will not see the same batches")
+    if not has_rng:
+        out.append("no RNG state in the checkpoint: random draws (dropout, shuffling) will differ")
+    env_then, env_now = resume.get("environment", {}), environment()
+    for k in sorted(set(env_then) | set(env_now)):
+        if env_then.get(k) != env_now.get(k):
+            out.append(f"environment {k}: {env_then.get(k)} in the checkpoint, {env_now.get(k)} now")
+    return out
+
+
+def _hparam_differences(path: str, saved: list[Any], now: list[dict[str, Any]]) -> list[str]:
+    if len(saved) != len(now):
+        return [f"{path}: {len(saved)} parameter groups in the checkpoint, {len(now)} now"]
+    out = []
+    for i, (g0, g1) in enumerate(zip(saved, now)):
+        if not isinstance(g0, dict):
+            continue
+        # an LR scheduler owns "lr" and records the configured value as "initial_lr"
+        scheduled = "initial_lr" in g0 and "initial_lr" in g1
+        for k in sorted(set(g0) | set(g1)):
+            if scheduled and k == "lr":
+                continue
+            if k in g0 and k in g1 and g0[k] != g1[k]:
+                out.append(
+                    f"{path}.param_groups[{i}].{k}: {g0[k]} in the checkpoint, {g1[k]} now "
+                    "(the checkpoint's value is used)"
+                )
+    return out
+
+
+def check_resume(
+    f: CheckpointFile, resume: dict[str, Any], has_rng: bool, state: Any, strict: bool
+) -> list[str]:
+    """All differences, most serious first; raise MismatchError for architecture ones when strict."""
+    arch = architecture_problems(resume.get("architecture", {}), state)
+    if arch and strict:
+        raise MismatchError(f"the model does not match the checkpoint: {_few(arch)}", path=f.path)
+    return arch + other_differences(resume, has_rng, state)
+
+
+# -- filling the caller's objects ---------------------------------------------------------
+
+
+def node_items(f: CheckpointFile, node: int) -> dict[Any, int]:
+    """key -> node id of a dict node's entries."""
+    n = f.tree.nodes[node]
+    if n[0] not in ("dict", "odict"):
+        return {}
+    return {tree.decode(f.tree, k, _no_storage, f.path): v for k, v in n[1]}
+
+
+def _no_storage(sid: int) -> torch.UntypedStorage:
+    raise AssertionError("dict keys hold no tensors")
+
+
+def _merge(report: LoadReport, sub: LoadReport, prefix: str) -> None:
+    report.missing_keys += [_join(prefix, k) for k in sub.missing_keys]
+    report.unexpected_keys += [_join(prefix, k) for k in sub.unexpected_keys]
+    report.loaded += sub.loaded
+
+
+def _holds_stateful(obj: object) -> bool:
+    return any(True for _ in _walk(obj))
+
+
+def restore_into(
+    f: CheckpointFile, node: int, target: Any, path: str, report: LoadReport, *, strict: bool, verify: bool
+) -> Any:
+    """Load the subtree at `node` into `target`; return the value the container should hold."""
+    if isinstance(target, torch.nn.Module):
+        sub = fill_from_node(f, node, target.state_dict(), strict=strict, verify=verify)
+        _merge(report, sub, path)
+        return target
+    if is_stateful(target):
+        target.load_state_dict(f.load_subtree(node, None, verify))
+        report.loaded += 1
+        return target
+    if isinstance(target, dict) and _holds_stateful(target):
+        saved = node_items(f, node)
+        for k in list(target):
+            if k not in saved:
+                report.missing_keys.append(_join(path, k))
+                continue
+            target[k] = restore_into(
+                f, saved[k], target[k], _join(path, k), report, strict=strict, verify=verify
+            )
+        report.unexpected_keys += [_join(path, k) for k in saved if k not in target]
+        return target
+    if isinstance(target, (dict, list)):
+        _merge(report, fill_from_node(f, node, target, strict=strict, verify=verify), path)
+        return target
+    if isinstance(target, torch.Tensor):
+        loaded = f.load_subtree(node, None, verify)
+        if (
+            not isinstance(loaded, torch.Tensor)
+            or loaded.shape != target.shape
+            or loaded.dtype != target.dtype
+        ):
+            raise MismatchError(
+                f"{path}: the checkpoint holds another kind, shape or dtype here", path=f.path
+            )
+        with torch.no_grad():
+            target.copy_(loaded)
+        report.loaded += 1
+        return target
+    report.loaded += 1
+    return f.load_subtree(node, None, verify)
+
+
+def strict_problems(report: LoadReport) -> str | None:
+    parts = []
+    if report.missing_keys:
+        parts.append(
+            f"missing keys {report.missing_keys[:5]}" + ("..." if len(report.missing_keys) > 5 else "")
+        )
+    if report.unexpected_keys:
+        parts.append(
+            f"unexpected keys {report.unexpected_keys[:5]}"
+            + ("..." if len(report.unexpected_keys) > 5 else "")
+        )
+    return "; ".join(parts) or None
