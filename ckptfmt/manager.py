@@ -194,6 +194,8 @@ class CheckpointManager:
         self.incremental = bool(incremental)
         os.makedirs(self.directory, exist_ok=True)
         self._lock = threading.Lock()
+        # rotation (on commit threads) and cleanup (in save) both delete step directories
+        self._delete_lock = threading.RLock()
         self._jobs: list[_Job] = []  # in flight, or finished with an error nobody has seen
         self._cache: dict[str, _Cached] = {}
 
@@ -468,6 +470,10 @@ class CheckpointManager:
         return {r for s in self.statuses() if s.info for r in s.info.references}
 
     def _rotate(self) -> None:
+        with self._delete_lock:
+            self._rotate_locked()
+
+    def _rotate_locked(self) -> None:
         done = self.checkpoints()
         kept = retention.kept_steps(
             [(c.step, c.metrics) for c in done],
@@ -493,15 +499,20 @@ class CheckpointManager:
 
     def _delete_step(self, path: str, keep: set[str]) -> None:
         """Delete a step directory that is not (or no longer) a checkpoint, sparing `keep`."""
+        with self._delete_lock:
+            self._delete_step_locked(path, keep)
+
+    def _delete_step_locked(self, path: str, keep: set[str]) -> None:
         self._cache.pop(path, None)
         try:
             names = os.listdir(path)
         except FileNotFoundError:
             return
-        commit = os.path.join(path, multifile.COMMIT_NAME)
-        if os.path.lexists(commit):  # never leave files a commit record still names
-            os.unlink(commit)
+        try:  # never leave files that a commit record still names
+            os.unlink(os.path.join(path, multifile.COMMIT_NAME))
             multifile.fsync_path(path)
+        except FileNotFoundError:
+            pass
         for name in names:
             full = os.path.join(path, name)
             if full in keep or name == multifile.COMMIT_NAME:
@@ -521,6 +532,10 @@ class CheckpointManager:
 
     def _cleanup(self) -> None:
         """Remove step directories of saves that died (unlocked, without a commit record)."""
+        with self._delete_lock:
+            self._cleanup_locked()
+
+    def _cleanup_locked(self) -> None:
         busy = self._in_flight_steps()
         statuses = self.statuses()
         newest = max((s.step for s in statuses if s.info is not None), default=-1)
