@@ -1,12 +1,18 @@
-"""The main job: save, verify and resume a realistic training state, with timings.
+"""The main job: a training run killed mid-run resumes bit for bit from its checkpoints.
 
-    python -m ckptfmt.demo [--dir DIR] [--layers N] [--width D]
+    python -m ckptfmt.demo [--dir DIR] [--steps N] [--kill-after K]
 
-Builds a small GPT-like model (token embedding tied to the output head, attention
-and MLP blocks, layer norms), trains it a few AdamW steps, then saves the whole
-training state (model, optimizer, LR scheduler, grad scaler, every RNG) with and
-without compression, verifies the files, loads them back, checks the resumed run
-continues bit-identically, and prints sizes and timings next to torch.save.
+1. Trains ckptfmt.training's small GPT-like model (dropout, shuffling data loader,
+   AdamW, warm-up + cosine LR, bf16 autocast with a GradScaler) in a child process
+   with a CheckpointManager (a checkpoint every step, keep_last=3, non-blocking
+   saves), and SIGKILLs it at a random step.
+2. Lists the run directory as ``ckptfmt ls`` does: the killed save's directory is
+   there but is no checkpoint.
+3. Resumes from ``latest()`` in a fresh process and trains to the end.
+4. Runs the same training uninterrupted and compares: every loss after the resume
+   and every tensor of the final state (weights, AdamW moments, ...), bit for bit.
+5. Flips one bit in the newest checkpoint: ``ckptfmt verify`` names the damaged
+   tensor, and ``load(fallback=True)`` warns and falls back to the step before.
 """
 
 from __future__ import annotations
@@ -14,205 +20,267 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import warnings
 from typing import Any
 
-import numpy as np
 import torch
 
 import ckptfmt
 
+from . import training
 
-class Block(torch.nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1 = torch.nn.LayerNorm(d)
-        self.attn = torch.nn.MultiheadAttention(d, heads, batch_first=True)
-        self.ln2 = torch.nn.LayerNorm(d)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-
-class TinyGPT(torch.nn.Module):
-    def __init__(self, vocab: int, d: int, layers: int, heads: int = 8) -> None:
-        super().__init__()
-        self.tok = torch.nn.Embedding(vocab, d)
-        self.pos = torch.nn.Parameter(torch.zeros(128, d))
-        self.blocks = torch.nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln = torch.nn.LayerNorm(d)
-        self.head = torch.nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.tok.weight  # tied, as in GPT-2
-        torch.nn.init.normal_(self.tok.weight, std=0.02)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.ln(x))
-
-
-def train_steps(model: TinyGPT, opt: torch.optim.Optimizer, sched: object, steps: int, vocab: int) -> float:
-    loss = torch.tensor(0.0)
-    for _ in range(steps):
-        idx = torch.randint(0, vocab, (4, 32))
-        loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.roll(-1, 1).flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()  # type: ignore[attr-defined]
-    return float(loss.detach())
-
-
-def make_run(vocab: int, d: int, layers: int) -> tuple[TinyGPT, torch.optim.AdamW, object, object]:
-    model = TinyGPT(vocab, d, layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
-    scaler = torch.amp.GradScaler("cpu")
-    return model, opt, sched, scaler
-
-
-def training_state(
-    model: TinyGPT, opt: torch.optim.Optimizer, sched: object, scaler: object, step: int
-) -> dict:
-    return {
-        "model": model.state_dict(),
-        "optim": opt.state_dict(),
-        "sched": sched.state_dict(),  # type: ignore[attr-defined]
-        "scaler": scaler.state_dict(),  # type: ignore[attr-defined]
-        "rng": {
-            "torch": torch.get_rng_state(),
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-        },
-        "step": step,
-    }
-
-
-def restore(state: dict, vocab: int, d: int, layers: int) -> tuple[TinyGPT, torch.optim.AdamW, object]:
-    model, opt, sched, scaler = make_run(vocab, d, layers)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optim"])
-    sched.load_state_dict(state["sched"])  # type: ignore[attr-defined]
-    scaler.load_state_dict(state["scaler"])  # type: ignore[attr-defined]
-    torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
-    np.random.set_state(state["rng"]["numpy"])
-    return model, opt, sched
-
-
-def _timed(fn: Any, *args: Any, **kw: Any) -> tuple[Any, float]:
-    t = time.perf_counter()
-    out = fn(*args, **kw)
-    return out, time.perf_counter() - t
+KEEP_LAST = 3
+#: what every run of the demo saves with: a checkpoint per step, the last three kept, written
+#: in the background while the next steps train
+SAVE_ARGS = ["--non-blocking", "--keep-last", str(KEEP_LAST)]
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**20:8.1f} MiB"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in text.rstrip().splitlines())
+
+
+def _short(path: str) -> str:
+    """`path` relative to the current directory when it lies under it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def _checked(run: training.ChildRun, what: str) -> training.ChildRun:
+    if run.returncode != 0:
+        raise SystemExit(f"demo: the {what} failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+    return run
+
+
+# -- showing a run directory ----------------------------------------------------------
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckptfmt", *args], capture_output=True, text=True)
+
+
+def show_listing(run_dir: str) -> None:
+    """`ckptfmt ls RUN_DIR`, or the same facts from the manager if the CLI cannot."""
+    done = _cli("ls", run_dir)
+    if done.returncode == 0 and done.stdout.strip():
+        print(_indent(done.stdout))
+        return
+    for s in ckptfmt.CheckpointManager(run_dir).statuses():
+        if s.info is not None:
+            print(
+                f"    {s.step:>10}  complete    {_mib(s.info.size):>10}  loss={s.info.metrics.get('loss', 0):.6g}"
+            )
+        else:
+            print(f"    {s.step:>10}  incomplete  {s.problem}")
+
+
+# -- comparing runs ---------------------------------------------------------------------
+
+
+def differences(a: Any, b: Any, path: str = "state") -> list[str]:
+    """Where two loaded states differ, bit for bit (tensors by value, dtype and shape)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return [] if same else [path]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if list(a) != list(b):
+            return [f"{path} (keys)"]
+        return [d for k in a for d in differences(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            return [f"{path} (length)"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
+    if type(a) is not type(b):
+        return [f"{path} (type)"]
+    if isinstance(a, float):
+        return [] if a.hex() == b.hex() else [path]
+    return [] if a == b else [path]
+
+
+def count_tensors(obj: Any) -> tuple[int, int]:
+    """(tensors, bytes) in a loaded state."""
+    if isinstance(obj, torch.Tensor):
+        return 1, obj.numel() * obj.element_size()
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    counts = [count_tensors(v) for v in items]
+    return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
+
+def compare_losses(resumed: training.ChildRun, reference: training.ChildRun, last: int) -> int:
+    """Print a few of the per-step losses side by side; return how many steps match."""
+    steps = sorted(resumed.losses)
+    shown = steps[:3] + ([last] if last not in steps[:3] else [])
+    print(f"    {'step':>6}  {'loss':>7}  {'killed, then resumed':>22}  {'uninterrupted':>22}")
+    for s in shown:
+        if s == last and len(steps) > 4:
+            print(f"    {'...':>6}")
+        a, b = resumed.losses[s], reference.losses[s]
+        same = "same" if a == b else "DIFFERENT"
+        print(f"    {s:>6}  {float.fromhex(a):7.4f}  {a:>22}  {b:>22}  {same}")
+    return sum(resumed.losses[s] == reference.losses.get(s) for s in steps)
+
+
+# -- damage -------------------------------------------------------------------------------
+
+
+def flip_one_bit(path: str) -> int:
+    """Flip one bit a third of the way into the file (inside the tensor data); return the offset."""
+    offset = os.path.getsize(path) // 3
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+    return offset
+
+
+def show_fallback(run_dir: str) -> int | None:
+    """Load the newest checkpoint with fallback=True; print the warning; return the step loaded."""
+    mgr = ckptfmt.CheckpointManager(run_dir)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = mgr.load(fallback=True)
+    for w in caught:
+        print(f"    warning: {str(w.message)[:300]}")
+    return state.get("step") if isinstance(state, dict) else None
+
+
+# -- timings --------------------------------------------------------------------------------
+
+
+def save_timings(directory: str, repeats: int = 5) -> tuple[float, float, float]:
+    """Median seconds of: a blocking save; a non-blocking save's return; its commit (the state
+    of ckptfmt.training, saved in this process)."""
+    run = training.build_run()
+    blocking = ckptfmt.CheckpointManager(os.path.join(directory, "blocking"), keep_last=2)
+    background = ckptfmt.CheckpointManager(os.path.join(directory, "background"), keep_last=2, blocking=False)
+    t_block: list[float] = []
+    t_return: list[float] = []
+    t_commit: list[float] = []
+    for step in range(1, repeats + 1):
+        t = time.perf_counter()
+        blocking.save(step, run.state())
+        t_block.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        handle = background.save(step, run.state())
+        t_return.append(time.perf_counter() - t)
+        if handle is not None:
+            handle.wait()
+        t_commit.append(time.perf_counter() - t)
+    return statistics.median(t_block), statistics.median(t_return), statistics.median(t_commit)
+
+
+# -- the demo ------------------------------------------------------------------------------
+
+
+def _kill_step(steps: int, rng: random.Random) -> int:
+    """A random step in the middle of the run and of an epoch."""
+    per_epoch = training.SEQUENCES // training.BATCH
+    return rng.choice([k for k in range(steps // 4, 3 * steps // 4) if k % per_epoch])
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dir", help="where to write the files (default: a temp dir under the current one)")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--width", type=int, default=384)
-    ap.add_argument("--vocab", type=int, default=8192)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument(
+        "--dir", help="where to make the run directories (default: a temp dir under the current one)"
+    )
+    ap.add_argument("--steps", type=int, default=60, help="steps per run (default 60)")
+    ap.add_argument("--kill-after", type=int, help="kill the run once it reports this step (default: random)")
     args = ap.parse_args(argv)
-    torch.manual_seed(0)
-    random.seed(0)
-    np.random.seed(0)
-    vocab, d, layers = args.vocab, args.width, args.layers
+    if args.steps < 10:
+        ap.error("--steps must be at least 10")
+    kill_after = args.kill_after or _kill_step(args.steps, random.Random())
+    if not 1 <= kill_after < args.steps:
+        ap.error("--kill-after must be between 1 and --steps - 1")
+    params = sum(p.numel() for p in training.TinyGPT().parameters())
+    print(
+        f"ckptfmt {ckptfmt.__version__} ({ckptfmt.backend()} engine), torch {torch.__version__}: "
+        f"a {params / 1e3:.0f}K-parameter GPT-like model, {args.steps} steps, a checkpoint every step "
+        f"(keep_last={KEEP_LAST}, non-blocking)\n"
+    )
+    with tempfile.TemporaryDirectory(dir=args.dir or ".", prefix="ckptfmt-demo-") as tmp:
+        return _demo(tmp, args.steps, kill_after)
 
-    model, opt, sched, scaler = make_run(vocab, d, layers)
-    loss = train_steps(model, opt, sched, 3, vocab)
-    state = training_state(model, opt, sched, scaler, step=3)
-    n_params = sum(p.numel() for p in model.parameters())
-    tensor_bytes = sum(
-        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(state)}.values()
+
+def _demo(tmp: str, steps: int, kill_after: int) -> int:
+    run_dir, ref_dir = os.path.join(tmp, "run"), os.path.join(tmp, "uninterrupted")
+    final, ref_final = os.path.join(tmp, "final.ckpt"), os.path.join(tmp, "final-uninterrupted.ckpt")
+
+    killed = training.run_child(run_dir, steps, SAVE_ARGS, kill_after=kill_after)
+    if killed.killed_after is None:
+        raise SystemExit(f"demo: the run ended before step {kill_after}:\n{killed.stderr[-3000:]}")
+    print(
+        f"1. training in a child process (pid {killed.pid}), SIGKILLed once it reported step "
+        f"{killed.killed_after} (exit {killed.returncode}, {killed.seconds:.1f}s incl. start-up)"
+    )
+    print(f"2. ckptfmt ls {_short(run_dir)}")
+    show_listing(run_dir)
+
+    resumed = _checked(training.run_child(run_dir, steps, [*SAVE_ARGS, "--final", final]), "resumed run")
+    start = resumed.resumed_from
+    in_flight = (
+        f" (the kill came before step {killed.killed_after}'s save committed)"
+        if start is not None and start < killed.killed_after
+        else ""
     )
     print(
-        f"ckptfmt {ckptfmt.__version__}: TinyGPT with {n_params / 1e6:.1f}M parameters, "
-        f"AdamW state, scheduler, scaler, RNG states; loss after 3 steps {loss:.4f}"
+        f"3. a fresh process resumed from latest() = step {start}{in_flight} and trained steps "
+        f"{(start or 0) + 1}..{steps} ({resumed.seconds:.1f}s)"
     )
-    print(f"state holds {_mib(tensor_bytes)} of tensors\n")
+    reference = _checked(
+        training.run_child(ref_dir, steps, [*SAVE_ARGS, "--final", ref_final]), "reference run"
+    )
+    print(f"4. the same run, uninterrupted ({reference.seconds:.1f}s), compared bit for bit:")
+    same_losses = compare_losses(resumed, reference, steps)
+    a, b = ckptfmt.load(final), ckptfmt.load(ref_final)
+    diff = differences(a, b)
+    n_tensors, n_bytes = count_tensors(a)
+    print(
+        f"    losses: {same_losses} of {len(resumed.losses)} steps after the resume identical; "
+        f"final state: {n_tensors} tensors ({_mib(n_bytes)}: weights, AdamW moments and steps, ...) "
+        + ("identical" if not diff else f"DIFFER at {', '.join(diff[:5])}")
+    )
 
-    with tempfile.TemporaryDirectory(dir=args.dir or ".", prefix="ckptfmt-demo-") as tmp:
-        raw_p, z_p, pt_p = (os.path.join(tmp, n) for n in ("state.ckpt", "state.zstd.ckpt", "state.pt"))
-        _, t_save = _timed(ckptfmt.save, state, raw_p, metadata={"run": "demo", "step": "3"})
-        _, t_zsave = _timed(ckptfmt.save, state, z_p, compression="zstd")
-        _, t_ptsave = _timed(_torch_save_durable, state, pt_p)
-        report, t_verify = _timed(ckptfmt.verify, raw_p)
-        zreport = ckptfmt.verify(z_p)
-        loaded, t_load = _timed(ckptfmt.load, raw_p)
-        zloaded, t_zload = _timed(ckptfmt.load, z_p)
-        try:
-            _, t_ptload = _timed(torch.load, pt_p, weights_only=True)
-            pt_note = "torch.load(weights_only=True)"
-        except Exception as e:  # the numpy RNG state is not on torch's allow-list
-            _, t_ptload = _timed(torch.load, pt_p, weights_only=False)
-            pt_note = (
-                f"torch.load(weights_only=True) refuses this state ({type(e).__name__}); "
-                "timed with weights_only=False, which runs pickle"
-            )
+    newest = ckptfmt.CheckpointManager(run_dir).latest()
+    assert newest is not None  # the resumed run committed its last step
+    offset = flip_one_bit(newest.state_path)
+    print(
+        f"5. flipped one bit at byte {offset} of step {newest.step}'s {os.path.basename(newest.state_path)}:"
+    )
+    verified = _cli("verify", _short(newest.state_path))
+    print(_indent(verified.stdout or verified.stderr) + f"\n    (ckptfmt verify exit {verified.returncode})")
+    still = ckptfmt.CheckpointManager(run_dir).latest()
+    print(
+        f"    latest() is still step {still.step if still else None}: the commit record, file lengths and "
+        "index checksums hold; the chunk checksums catch the damage on load:"
+    )
+    fell_back_to = show_fallback(run_dir)
+    print(f"    load(fallback=True) returned step {fell_back_to}")
 
-        print(f"{'':26}{'size':>12}{'save':>10}{'load':>10}")
-        print(f"{'ckptfmt (raw)':26}{_mib(os.path.getsize(raw_p))}{t_save:9.2f}s{t_load:9.2f}s")
-        print(f"{'ckptfmt (zstd+shuffle)':26}{_mib(os.path.getsize(z_p))}{t_zsave:9.2f}s{t_zload:9.2f}s")
-        print(f"{'torch.save + fsync':26}{_mib(os.path.getsize(pt_p))}{t_ptsave:9.2f}s{t_ptload:9.2f}s")
-        print(f"  ({pt_note})")
-        print(
-            f"\nverify {os.path.basename(raw_p)}: {'OK' if report.ok else report.problems} "
-            f"({report.chunks} chunks, {t_verify:.2f}s); zstd file: {'OK' if zreport.ok else zreport.problems}"
-        )
-        with ckptfmt.open(raw_p) as r:
-            print(f"open(): keys {r.keys()}, metadata {r.metadata}, written by torch {r.producer['torch']}")
-
-        # resume from each file and check training continues exactly as the original run
-        torch.manual_seed(1)
-        expect = train_steps(model, opt, sched, 2, vocab)
-        for name, st in (("raw", loaded), ("zstd", zloaded)):
-            m2, o2, s2 = restore(st, vocab, d, layers)  # type: ignore[arg-type]
-            torch.manual_seed(1)
-            got = train_steps(m2, o2, s2, 2, vocab)
-            same = all(
-                torch.equal(a, b) for a, b in zip(model.state_dict().values(), m2.state_dict().values())
-            )
-            print(
-                f"resume from {name}: loss {got:.6f} vs {expect:.6f} uninterrupted; "
-                f"weights {'identical' if same else 'DIFFER'}"
-            )
-            if not same or got != expect:
-                return 1
-        damaged = bytearray(open(raw_p, "rb").read())
-        damaged[os.path.getsize(raw_p) // 3] ^= 0x10
-        with open(raw_p, "wb") as f:
-            f.write(damaged)
-        bad = ckptfmt.verify(raw_p)
-        print(f"after flipping one bit: verify finds {len(bad.problems)} problem(s): {bad.problems[0]}")
-    return 0 if report.ok and zreport.ok else 1
-
-
-def _torch_save_durable(state: object, path: str) -> None:
-    torch.save(state, path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _tensors(obj: object) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
+    t_block, t_return, t_commit = save_timings(os.path.join(tmp, "timing"))
+    ok = (
+        same_losses == len(resumed.losses) == steps - (start or 0)
+        and not diff
+        and verified.returncode == 1
+        and fell_back_to == newest.step - 1
+    )
+    print(
+        f"\nsummary: killed after step {killed.killed_after}, resumed from step {start}; "
+        f"{'bit-identical' if ok else 'NOT identical'} to the uninterrupted run. "
+        f"One checkpoint: {_mib(newest.size)}; a blocking save {t_block * 1e3:.0f} ms, a non-blocking one "
+        f"returns in {t_return * 1e3:.0f} ms and commits in {t_commit * 1e3:.0f} ms (median of 5, this machine)."
+    )
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -173,6 +173,8 @@ def read_commit(directory: str) -> CommitRecord:
         fd = open_regular(path)
     except FileNotFoundError:
         raise IncompleteError("no commit record: the save did not finish", path=directory) from None
+    except OSError as e:  # a symlink (ELOOP), no permission, ...: never a bare OSError
+        raise UnsupportedError(f"commit record cannot be opened: {e.strerror}", path=path) from None
     os.close(fd)
     value = load(path)
     return _parse_record(value, path)

@@ -281,6 +281,105 @@ def _holds_stateful(obj: object) -> bool:
     return any(True for _ in _walk(obj))
 
 
+# -- checking the caller's objects before any of them changes ---------------------------------
+
+
+def check_target(f: CheckpointFile, node: int, state: Any, strict: bool) -> None:
+    """Raise MismatchError for anything restore_into() would refuse, before it changes anything:
+    tensors whose kind, shape or dtype differ, optimizers whose parameter groups differ, and
+    (strict) keys on one side only.  restore_into() fills objects one after another, so a
+    problem found there would leave the ones before it already overwritten."""
+    problems: list[str] = []
+    _target_problems(f, node, state, "", strict, problems)
+    if problems:
+        raise MismatchError(f"the state does not match the checkpoint: {_few(problems)}", path=f.path)
+
+
+def _target_problems(
+    f: CheckpointFile, node: int, target: Any, path: str, strict: bool, out: list[str]
+) -> None:
+    """restore_into()'s walk, checking instead of filling."""
+    if isinstance(target, torch.nn.Module):
+        _plain_problems(f, node, target.state_dict(), path, strict, out)
+    elif isinstance(target, torch.optim.Optimizer):
+        _optimizer_problems(f, node, target, path, out)
+    elif is_stateful(target):
+        return  # its own load_state_dict() decides
+    elif isinstance(target, dict) and _holds_stateful(target):
+        saved = node_items(f, node)
+        for k in target:
+            if k in saved:
+                _target_problems(f, saved[k], target[k], _join(path, k), strict, out)
+            elif strict:
+                out.append(f"{_join(path, k)}: not in the checkpoint")
+        if strict:
+            out += [
+                f"{_join(path, k)}: in the checkpoint, not in the target" for k in saved if k not in target
+            ]
+    elif isinstance(target, (dict, list)):
+        _plain_problems(f, node, target, path, strict, out)
+    elif isinstance(target, torch.Tensor):
+        problem = _tensor_problem(f, node, target)
+        if problem:
+            out.append(f"{path or 'state'}: {problem}")
+
+
+def _plain_problems(
+    f: CheckpointFile, node: int, target: Any, path: str, strict: bool, out: list[str]
+) -> None:
+    """fill_from_node()'s checks: leaves matched by key path."""
+    from .inplace import _file_items, _target_items
+
+    in_file = dict(_file_items(f, node, ""))
+    seen = set()
+    for key, _, _, value in _target_items(target, ""):
+        seen.add(key)
+        i = in_file.get(key)
+        if i is None:
+            if strict:
+                out.append(f"{_join(path, key)}: not in the checkpoint")
+        elif isinstance(value, torch.Tensor):
+            problem = _tensor_problem(f, i, value)
+            if problem:
+                out.append(f"{_join(path, key)}: {problem}")
+    if strict:
+        out += [f"{_join(path, k)}: in the checkpoint, not in the target" for k in in_file if k not in seen]
+
+
+def _tensor_problem(f: CheckpointFile, node: int, value: torch.Tensor) -> str | None:
+    kind, meta = f.tree.nodes[node][0], f.tree.nodes[node][1]
+    if kind != "tensor":
+        return f"the checkpoint holds a {kind}, the target a tensor"
+    if list(value.shape) != list(meta["shape"]):
+        return f"shape {list(meta['shape'])} in the checkpoint, {list(value.shape)} in the target"
+    if dtypes.TORCH_DTYPES.get(meta["dtype"]) != value.dtype:
+        now = dtypes.TORCH_NAMES.get(value.dtype, str(value.dtype))
+        return f"dtype {meta['dtype']} in the checkpoint, {now} in the target"
+    return None
+
+
+def _optimizer_problems(
+    f: CheckpointFile, node: int, opt: torch.optim.Optimizer, path: str, out: list[str]
+) -> None:
+    """What torch's Optimizer.load_state_dict() would refuse: other numbers of groups or parameters."""
+    where = path or "state"
+    saved = node_items(f, node)
+    groups = f.load_subtree(saved["param_groups"], None, True) if "param_groups" in saved else None
+    now = opt.param_groups
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        out.append(f"{where}: the checkpoint holds no optimizer state here")
+    elif len(groups) != len(now):
+        out.append(f"{where}: {len(groups)} parameter groups in the checkpoint, {len(now)} in the optimizer")
+    else:
+        for i, (g0, g1) in enumerate(zip(groups, now)):
+            n0 = len(g0.get("params", ()))
+            if n0 != len(g1["params"]):
+                out.append(
+                    f"{where}.param_groups[{i}]: {n0} parameters in the checkpoint, "
+                    f"{len(g1['params'])} in the optimizer"
+                )
+
+
 def restore_into(
     f: CheckpointFile, node: int, target: Any, path: str, report: LoadReport, *, strict: bool, verify: bool
 ) -> Any:
