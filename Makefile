@@ -1,7 +1,7 @@
 # Targets use the virtual environment made by .ci/setup unless PY is given.
 PY ?= .venv/bin/python
 
-.PHONY: setup test lint demo golden corpus crash fuzz fuzz-smoke bench bench-quick asan
+.PHONY: setup test lint demo golden corpus crash soak fuzz fuzz-smoke bench bench-quick bench-incremental asan
 
 setup:
 	bash .ci/setup
@@ -25,6 +25,10 @@ golden:
 crash:
 	CKPTFMT_CRASH_KILLS=2000 $(PY) -m pytest -q -s tests/test_crash.py
 
+# the checkpoint manager's SIGKILL campaign, long version (the test suite runs 300 kills)
+soak:
+	CKPTFMT_MANAGER_KILLS=10000 $(PY) -m pytest -q -s tests/test_manager_crash.py
+
 # rewrite tests/corpus/*.ckpt (the malicious-file corpus) from make_corpus.py
 corpus:
 	$(PY) tests/corpus/make_corpus.py
@@ -43,11 +47,15 @@ bench-quick:
 bench:
 	$(PY) bench/run.py
 
+# full vs incremental saves (95% frozen state) on tmpfs and disk (writes bench/results/incremental.json)
+bench-incremental:
+	$(PY) bench/incremental.py
+
 # the C engine built with AddressSanitizer + UndefinedBehaviorSanitizer, and the
 # tests that reach C (engine, non-blocking saves, corpus, corruption) run against it
 ASAN_LIB = $(shell gcc -print-file-name=libasan.so)
 PYABS = $(if $(findstring /,$(PY)),$(abspath $(PY)),$(shell command -v $(PY)))
-ASAN_TESTS = tests/test_engine.py tests/test_nonblocking.py tests/test_reader.py tests/test_hostile.py tests/test_corruption.py
+ASAN_TESTS = tests/test_engine.py tests/test_nonblocking.py tests/test_reader.py tests/test_hostile.py tests/test_corruption.py tests/test_incremental.py
 asan:
 	rm -rf build/asan && mkdir -p build/asan/pkg
 	cp -r ckptfmt build/asan/pkg/ && rm -f build/asan/pkg/ckptfmt/*.so

@@ -42,6 +42,7 @@ def versions() -> dict[str, str]:
 
 ERR_IO, ERR_NOMEM, ERR_ZSTD, ERR_ARG, ERR_CORRUPT, ERR_SHORT = 1, 2, 3, 4, 5, 6
 WHY_CHECKSUM, WHY_PADDING, WHY_ZSTD, WHY_NO_SIZE, WHY_DECLARED, WHY_DECODED, WHY_SHORT = 1, 2, 3, 4, 5, 6, 7
+WHY_DIGEST = 8
 
 
 def default_threads() -> int:
@@ -62,11 +63,14 @@ def write_chunks(
     threads: int,
     path: str,
     *,
+    digests_out: list[bytes] | None = None,
     _checksums: bool = True,
 ) -> tuple[list[tuple[int, int, int, int, int, int, int]], int]:
     """Write chunks (byte views with their shuffle widths); return their records and the end offset.
 
     Each record is (offset, stored_len, raw_len, codec, filter, width, checksum).
+    With `digests_out`, each chunk's content digest (16 bytes) is appended to it,
+    computed in the same pass over the bytes as the checksum.
     ``_checksums=False`` exists only so benchmarks can price the checksums: it
     writes zero checksums, which makes the file invalid.
     """
@@ -84,6 +88,7 @@ def write_chunks(
     end = ffi.new("uint64_t *")
     fid = ffi.new("uint8_t[16]", file_id)
     lvl = lib.CKF_LEVEL_FAST_PROFILE if level is None else level
+    digests = ffi.new("uint8_t[]", 16 * n) if digests_out is not None and n else ffi.NULL
     rc = lib.ckf_write_chunks(
         fd,
         fid,
@@ -95,9 +100,11 @@ def write_chunks(
         lvl,
         threads,
         1 if _checksums else 0,
+        digests,
         status,
         end,
     )
+    _release(keep)
     if rc != lib.CKF_OK:
         raise_status(status, path, "writing")
     out = [
@@ -113,7 +120,23 @@ def write_chunks(
         for c in (chunks[i] for i in range(n))
     ]
     del keep
+    if digests_out is not None and n:
+        raw = bytes(ffi.buffer(digests, 16 * n))
+        digests_out.extend(raw[16 * i : 16 * i + 16] for i in range(n))
     return out, int(end[0])
+
+
+def _release(bufs: list[Any]) -> None:
+    """Drop the buffer exports of `bufs` now.
+
+    An exception's traceback keeps the frame's locals alive; an export left there
+    would pin the caller's memoryviews (a staging slab already handed back to the
+    pool) until a garbage collection that then fails to clear them.
+    """
+    assert ffi is not None
+    for b in bufs:
+        ffi.release(b)
+    bufs.clear()
 
 
 def raise_status(status: Any, path: str, doing: str) -> None:
@@ -132,14 +155,16 @@ def read_chunks(
     fd: int, file_id: bytes, items: list[tuple[int, Any, memoryview]], verify: bool, threads: int
 ) -> tuple[int, int, int, int, int] | None:
     """Read (chunk number, chunk record, destination) in parallel; None, or the failure's
-    (code, errno, chunk, reason, value) for the caller to turn into an exception."""
+    (code, errno, position in `items`, reason, value) for the caller to turn into an exception.
+    The chunk number is the one the checksum seed binds in the file at `fd`."""
     assert lib is not None and ffi is not None
     n = len(items)
     arr = ffi.new("ckf_rchunk[]", max(n, 1))
-    keep = []
+    keep: list[Any] = []
     for i, (k, ch, dest) in enumerate(items):
         buf = ffi.from_buffer("uint8_t[]", dest, require_writable=True)
         if len(buf) != ch.raw_len:
+            _release(keep + [buf])
             raise ValueError(f"destination of chunk {k} holds {len(buf)} bytes, the chunk {ch.raw_len}")
         keep.append(buf)
         c = arr[i]
@@ -153,15 +178,37 @@ def read_chunks(
         c.codec = ch.codec
         c.filter = ch.filter
         c.width = ch.width
+        if ch.digest:  # files with content digests (feature bit 0)
+            c.has_digest = 1
+            ffi.memmove(c.digest, ch.digest, 16)
     status = ffi.new("ckf_status *")
     fid = ffi.new("uint8_t[16]", file_id)
     rc = lib.ckf_read_chunks(fd, fid, arr, n, 1 if verify else 0, threads, status)
-    del keep
+    _release(keep)
     if rc == lib.CKF_OK:
         return None
     if rc == lib.CKF_ERR_ARG:
-        raise ValueError(f"chunk {int(status.chunk)} has a layout the reader refuses")
+        pos = int(status.chunk)
+        which = items[pos][0] if 0 <= pos < n else pos
+        raise ValueError(f"chunk {which} has a layout the reader refuses")
     return int(status.code), int(status.err_no), int(status.chunk), int(status.reason), int(status.value)
+
+
+def content_digests(views: list[Any], threads: int) -> list[bytes]:
+    """XXH3-128 content digests (canonical 16 bytes) of byte views, in parallel without the GIL."""
+    assert lib is not None and ffi is not None
+    n = len(views)
+    bufs = [ffi.from_buffer("uint8_t[]", v) for v in views]
+    src = ffi.new("const uint8_t *[]", max(n, 1))
+    lens = ffi.new("uint64_t[]", max(n, 1))
+    for i, b in enumerate(bufs):
+        src[i] = b
+        lens[i] = len(b)
+    out = ffi.new("uint8_t[]", 16 * max(n, 1))
+    lib.ckf_content_digests(src, lens, n, out, threads)
+    _release(bufs)  # the views may be a staging slab, handed back to the pool next
+    raw = bytes(ffi.buffer(out, 16 * n))
+    return [raw[16 * i : 16 * i + 16] for i in range(n)]
 
 
 def copy(dst: Any, src: Any, threads: int) -> None:
@@ -189,6 +236,7 @@ def zstd_compress(data: Any, level: int) -> bytes:
 __all__ = [
     "available",
     "built",
+    "content_digests",
     "copy",
     "read_chunks",
     "default_threads",

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from . import _native, tree, writer
-from . import format as fmt
 from .staging import POOL
 
 
@@ -132,6 +131,7 @@ def save_async(
     level: int | None,
     metadata: dict[str, str],
     chunk_size: int,
+    dedup: writer.Dedup | None = None,
 ) -> SaveHandle:
     encoded = tree.encode(state)  # unsupported objects fail here, before anything is written
     handle = SaveHandle(path)
@@ -146,7 +146,7 @@ def save_async(
         _in_flight[_key(path)] = handle
     thread = threading.Thread(
         target=_write_worker,
-        args=(handle, atomic, encoded, pieces, go, compression, level, metadata, chunk_size),
+        args=(handle, atomic, encoded, pieces, go, compression, level, metadata, chunk_size, dedup),
         name=f"ckptfmt-save-{os.path.basename(path)}",
         daemon=False,
     )
@@ -240,15 +240,15 @@ def _write_worker(
     level: int | None,
     metadata: dict[str, str],
     chunk_size: int,
+    dedup: writer.Dedup | None,
 ) -> None:
     exc: BaseException | None = None
     go.wait()
     file_id = writer._file_id()
-    coder = writer.ChunkEncoder(compression, level)
-    engine = "c" if _native.available() else "python"
-    threads = _native.default_threads()
-    chunks: list[writer.ChunkRecord] = []
-    pos = fmt.PROLOGUE_SIZE
+    # an incremental save (dedup) digests the snapshot here, on this thread, not the caller's
+    out = writer.ChunkWriter(
+        atomic.fd, file_id, compression=compression, level=level, path=handle.path, dedup=dedup
+    )
     try:
         while True:
             item = pieces.get()
@@ -260,23 +260,7 @@ def _write_worker(
                 if exc is None:
                     if item.event is not None:
                         item.event.synchronize()
-                    if engine == "c":
-                        records, pos = _native.write_chunks(
-                            atomic.fd,
-                            file_id,
-                            len(chunks),
-                            pos,
-                            item.views,
-                            compression,
-                            level,
-                            threads,
-                            handle.path,
-                        )
-                    else:
-                        records, pos = writer._write_chunks_python(
-                            atomic.fd, file_id, len(chunks), pos, item.views, coder
-                        )
-                    chunks.extend(records)
+                    out.write(item.views)
             except BaseException as e:  # keep draining so the snapshot never waits forever
                 exc = e
             finally:
@@ -284,7 +268,7 @@ def _write_worker(
                 if item.slab is not None:
                     POOL.release(item.slab)
         if exc is None:
-            writer.finish_file(atomic.fd, file_id, encoded, chunks, pos, metadata, chunk_size)
+            writer.finish_file(atomic.fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup)
             atomic.commit()
     except BaseException as e:
         exc = exc or e

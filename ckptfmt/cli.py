@@ -1,4 +1,4 @@
-"""The ckptfmt command line: verify, inspect, convert, diff, info.
+"""The ckptfmt command line: verify, ls, inspect, consolidate, convert, diff, info.
 
 Results go to stdout, diagnostics to stderr; --json prints exactly one JSON
 document.  Exit status: 0 success, 1 a file failed (verify) or files differ
@@ -25,7 +25,7 @@ from .sniff import DESCRIPTIONS, sniff
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_CODES = """exit status:
   0  success
-  1  a file failed verification (verify) or the files differ (diff)
+  1  a file failed verification (verify, consolidate) or the files differ (diff)
   2  usage error, or a file that is missing, unreadable or not a ckptfmt file
 """
 
@@ -65,6 +65,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     results = []
     status = EXIT_OK
     for path in args.paths:
+        if os.path.isdir(path):
+            entries = _verify_dir(path, args.step)
+            results += entries
+            for e in entries:
+                failed = e["status"] in ("failed", "unreadable") or (
+                    args.step is not None and e["status"] != "ok"
+                )
+                if failed and status == EXIT_OK:
+                    status = EXIT_FAILED if e["status"] != "unreadable" else EXIT_USAGE
+            continue
         entry: dict[str, Any] = {"path": path}
         try:
             kind = sniff(path)
@@ -116,11 +126,104 @@ def cmd_verify(args: argparse.Namespace) -> int:
                     f"  {p['kind']}: {p['message']} [key {p['key']}, chunk {p['chunk']}, offset {p['offset']}]",
                     file=sys.stderr,
                 )
+        elif res["status"] == "incomplete":
+            print(f"{res['path']}: INCOMPLETE (not a checkpoint) {res['error']}")
         elif res["status"] == "not-ckptfmt":
             print(f"{res['path']}: NOT CKPTFMT {res['error']}")
         else:
             print(f"{res['path']}: UNREADABLE {res['error']}")
     return status
+
+
+def _verify_dir(path: str, step: int | None) -> list[dict[str, Any]]:
+    """Entries for a run directory (every step, or `step`) or for one step directory."""
+    from . import multifile
+    from .manager import CheckpointManager, verify_step
+
+    targets: list[tuple[int | None, str, str | None]]
+    if os.path.exists(os.path.join(path, multifile.COMMIT_NAME)):
+        targets = [(None, path, None)]
+    else:
+        statuses = CheckpointManager(path).statuses()
+        if step is not None:
+            statuses = [s for s in statuses if s.step == step]
+            if not statuses:
+                return [{"path": path, "status": "incomplete", "error": f"no step {step} in this directory"}]
+        targets = [
+            (s.step, s.path, None if s.info else ("retained" if s.retained else s.problem)) for s in statuses
+        ]
+    out = []
+    for n, full, problem in targets:
+        entry: dict[str, Any] = {"path": full, "step": n}
+        if problem == "retained":
+            entry.update(status="retained", error="kept only for chunks later steps refer to")
+        elif problem is not None:
+            entry.update(status="incomplete", error=problem)
+        else:
+            report = verify_step(full)
+            entry.update(
+                status="ok" if report.ok else "failed",
+                chunks=report.chunks,
+                problems=[_problem_dict(p) for p in report.problems],
+            )
+        out.append(entry)
+    return out
+
+
+# -- ls -------------------------------------------------------------------------
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _size(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    import datetime
+
+    from .manager import CheckpointManager
+
+    if not os.path.isdir(args.dir):
+        print(f"error: {args.dir}: not a directory", file=sys.stderr)
+        return EXIT_USAGE
+    now = datetime.datetime.now(datetime.timezone.utc)
+    rows = []
+    for s in CheckpointManager(args.dir).statuses():
+        row: dict[str, Any] = {"step": s.step, "path": s.path}
+        if s.info is not None:
+            row.update(
+                status="complete",
+                size=s.info.size,
+                metrics=s.info.metrics,
+                created=s.info.created.isoformat(),
+                age_s=round((now - s.info.created).total_seconds(), 3),
+                references=[os.path.relpath(r, s.path) for r in s.info.references],
+            )
+        else:
+            kind = "retained" if s.retained else ("damaged" if s.damaged else "incomplete")
+            row.update(status=kind, reason=s.problem)
+        rows.append(row)
+    if args.json:
+        print(json.dumps({"directory": args.dir, "steps": rows}, indent=2))
+        return EXIT_OK
+    for r in rows:
+        if r["status"] == "complete":
+            metrics = " ".join(f"{k}={v:.6g}" for k, v in r["metrics"].items())
+            print(
+                f"{r['step']:>10}  complete    {_size(r['size']):>10}  {_age(r['age_s']):>6} ago  {metrics}"
+            )
+        else:
+            print(f"{r['step']:>10}  {r['status']:<10}  {r['reason'] or ''}")
+    return EXIT_OK
 
 
 # -- inspect ------------------------------------------------------------------
@@ -156,6 +259,9 @@ def _inspect_tree(f: Any) -> list[dict[str, Any]]:
                 ratio=round(rec.nbytes / stored, 3) if stored else None,
                 device=rec.device,
             )
+            if f.has_digests:  # an incremental file: how much of it lies in referenced files
+                row["external_chunks"] = sum(1 for k in own if chunks[k].source >= 0)
+                row["chunks"] = len(own)
         elif kind in ("list", "tuple"):
             row["len"] = len(node[1])
         elif kind in ("dict", "odict"):
@@ -166,6 +272,41 @@ def _inspect_tree(f: Any) -> list[dict[str, Any]]:
             row["value"] = text if len(text) <= 60 else text[:57] + "..."
         rows.append(row)
     return rows
+
+
+def _inspect_externals(f: Any) -> dict[str, Any]:
+    """The referenced files of an incremental checkpoint and what lies in each (spec section 12)."""
+    per = [{"chunks": 0, "raw_bytes": 0, "stored_bytes": 0} for _ in f.externals]
+    for ch in f.chunks:
+        if ch.source >= 0:
+            per[ch.source]["chunks"] += 1
+            per[ch.source]["raw_bytes"] += ch.raw_len
+            per[ch.source]["stored_bytes"] += ch.stored_len
+    externals = [
+        {"path": ext.rel, "resolved": ext.name, "file_id": ext.file_id.hex(), "file_length": ext.length, **n}
+        for ext, n in zip(f.externals, per)
+    ]
+    return {
+        "content_digests": f.has_digests,
+        "externals": externals,
+        "external_chunks": sum(n["chunks"] for n in per),
+        "external_bytes": sum(n["raw_bytes"] for n in per),
+    }
+
+
+def _print_externals(info: dict[str, Any]) -> None:
+    if not info["externals"]:
+        print("externals: none (self-contained, with content digests for incremental saves)")
+        return
+    print(
+        f"externals: {info['external_chunks']} of {info['chunks']} chunks ({info['external_bytes']} bytes) "
+        f"lie in {len(info['externals'])} referenced file(s)"
+    )
+    for e, x in enumerate(info["externals"]):
+        print(
+            f"  [{e}] {x['path']} (file id {x['file_id']}, {x['file_length']} bytes): "
+            f"{x['chunks']} chunks, {x['raw_bytes']} bytes"
+        )
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -188,6 +329,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "producer": f.producer,
                 "metadata": f.metadata,
                 "source_devices": f.source_devices,
+                **_inspect_externals(f),
                 "tree": rows,
             }
     except CheckpointError as e:
@@ -205,14 +347,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     )
     print("producer: " + ", ".join(f"{k} {v}" for k, v in info["producer"].items()))
     print("metadata: " + (json.dumps(info["metadata"]) if info["metadata"] else "(none)"))
+    if info["content_digests"]:
+        _print_externals(info)
     for r in rows:
         depth = r["key"].count("[") + r["key"].count("._metadata")
         name = r["key"] if depth == 0 else "  " * (depth - 1) + r["key"][r["key"].rfind("[") :]
         if r["type"] in ("tensor", "ndarray"):
             ratio = f" x{r['ratio']:.2f}" if r["codec"] != "raw" and r["ratio"] else ""
+            ext = (
+                f", {r['external_chunks']}/{r['chunks']} chunks external" if r.get("external_chunks") else ""
+            )
             print(
                 f"{name}: {r['type']} {r['dtype']} {list(r['shape'])} {r['bytes']} B "
-                f"{r['codec']}{ratio} (storage {r['storage']}, {r['device']})"
+                f"{r['codec']}{ratio} (storage {r['storage']}, {r['device']}{ext})"
             )
         elif "len" in r:
             print(f"{name}: {r['type']} ({r['len']})")
@@ -221,6 +368,50 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         else:
             print(f"{name}: {r['type']}")
     return EXIT_OK
+
+
+# -- consolidate --------------------------------------------------------------
+
+
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    from .incremental import consolidate
+
+    entry: dict[str, Any] = {"src": args.src, "dst": args.dst, "ok": False}
+    status = EXIT_OK
+    try:
+        kind = sniff(args.src)
+        if kind != "ckptfmt":
+            entry["error"] = f"{args.src}: {DESCRIPTIONS[kind]}"
+            status = EXIT_USAGE
+        else:
+            report = consolidate(args.src, args.dst, compression=args.compression, level=args.level)
+            entry.update(
+                ok=True,
+                chunks=report.chunks,
+                external_chunks=report.external_chunks,
+                referenced_files=report.referenced_files,
+                file_bytes=report.file_bytes,
+            )
+    except CheckpointError as e:  # the file or one it refers to failed while read
+        entry["error"] = str(e)
+        status = EXIT_FAILED
+    except ValueError as e:  # the output would replace the input
+        entry["error"] = str(e)
+        status = EXIT_USAGE
+    except OSError as e:
+        entry["error"] = f"{e.filename or args.src}: {e.strerror}"
+        status = EXIT_USAGE
+    if args.json:
+        print(json.dumps(entry, indent=2))
+    elif status != EXIT_OK:
+        print(f"error: {entry['error']}", file=sys.stderr)
+    else:
+        print(
+            f"{args.src} -> {args.dst}: self-contained copy, {entry['chunks']} chunks "
+            f"({entry['external_chunks']} read from {entry['referenced_files']} referenced file(s)), "
+            f"{entry['file_bytes']} bytes"
+        )
+    return status
 
 
 # -- convert ------------------------------------------------------------------
@@ -470,11 +661,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--version", action="version", version=f"ckptfmt {__version__}")
     subs = ap.add_subparsers(dest="command", metavar="COMMAND")
-    v = sub("verify", "Check files: structure, index and every chunk's checksum and size.")
+    v = sub(
+        "verify",
+        "Check files: structure, index and every chunk's checksum and size.  A run directory "
+        "(or one step directory) is checked step by step: its commit record and every file it names.",
+    )
     v.add_argument("paths", nargs="+", metavar="PATH")
     v.add_argument("--quick", action="store_true", help="check structure and index only, not the chunks")
     v.add_argument("--json", action="store_true", help="print one JSON document")
+    v.add_argument("--step", type=int, default=None, help="with a run directory: only this step")
     v.set_defaults(fn=cmd_verify)
+    ls = sub("ls", "List a run directory's checkpoints: step, complete or not, size, age, metrics.")
+    ls.add_argument("dir", metavar="DIR")
+    ls.add_argument("--json", action="store_true", help="print one JSON document")
+    ls.set_defaults(fn=cmd_ls)
     i = sub("inspect", "Show the object tree, dtypes, shapes, sizes, codecs and metadata.")
     i.add_argument("path", metavar="PATH")
     i.add_argument("--json", action="store_true", help="print one JSON document")
@@ -489,6 +689,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--compression", choices=["zstd"], default=None, help="compress chunks (to ckptfmt)")
     c.add_argument("--level", type=int, default=None, help="zstd level (default 1)")
     c.set_defaults(fn=cmd_convert)
+    k = sub(
+        "consolidate",
+        "Write a self-contained copy of a checkpoint: the chunks an incremental checkpoint refers to "
+        "are read (and verified) from the files they lie in and stored in the copy.",
+    )
+    k.add_argument("src", metavar="IN")
+    k.add_argument("dst", metavar="OUT")
+    k.add_argument("--compression", choices=["zstd"], default=None, help="compress the copy's chunks")
+    k.add_argument("--level", type=int, default=None, help="zstd level (default 1)")
+    k.add_argument("--json", action="store_true", help="print one JSON document")
+    k.set_defaults(fn=cmd_consolidate)
     d = sub("diff", "Compare two checkpoints: keys, types, shapes, dtypes and values.")
     d.add_argument("a", metavar="A")
     d.add_argument("b", metavar="B")

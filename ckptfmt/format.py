@@ -7,6 +7,7 @@ Numbers that come from a file are checked here before anything uses them.
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 
@@ -25,8 +26,10 @@ END_MAGIC = b"\x89CKFEND\n"
 FORMAT_MAJOR = 1
 FORMAT_MINOR = 0
 
-#: Required feature bits this reader understands (none are defined in 1.0).
-KNOWN_REQUIRED_FEATURES = 0
+#: Required feature bit 0: external chunks and content digests (spec section 12).
+FEATURE_EXTERNAL = 1 << 0
+#: Required feature bits this reader understands.
+KNOWN_REQUIRED_FEATURES = FEATURE_EXTERNAL
 
 PROLOGUE_SIZE = 64
 FOOTER_SIZE = 64
@@ -84,6 +87,8 @@ class Limits:
     MAX_CHUNKS = 1 << 24
     #: entries of the user metadata
     MAX_METADATA_ENTRIES = 1 << 16
+    #: files an incremental checkpoint refers to (each may be opened while reading)
+    MAX_EXTERNALS = 4096
 
 
 def align_up(n: int) -> int:
@@ -106,6 +111,19 @@ def chunk_seed(
     """Seed of a chunk's XXH3-64: binds the checksum to file, position and layout."""
     ctx = _CHUNK_CONTEXT.pack(_CHUNK_DOMAIN, file_id, index, offset, stored_len, raw_len, codec, filt, width)
     return xxhash.xxh3_64_intdigest(ctx)
+
+
+def content_digest(data: bytes | memoryview) -> bytes:
+    """A chunk's content digest (section 12): XXH3-128, seed 0, of its raw bytes, as the
+    16 bytes of xxHash's canonical (big-endian) form; the index writes them as 32 hex digits."""
+    return xxhash.xxh3_128_digest(data)
+
+
+#: One name in a reference path: no leading dot, so "." and "..", hidden files and
+#: the temp files of unfinished saves (section 10) can never be referenced.
+_REF_NAME = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
+#: A reference path (section 12): NAME, DIR/NAME, ../NAME or ../DIR/NAME.
+REF_PATH_RE = re.compile(rf"(?:\.\./)?(?:{_REF_NAME}/)?{_REF_NAME}")
 
 
 def index_seed(file_id: bytes, offset: int, length: int) -> int:

@@ -27,8 +27,12 @@ from .errors import CheckpointError, CorruptError, IncompleteError, UnsupportedE
 COMMIT_NAME = "COMMIT"
 #: the record's own layout version; a reader rejects versions it does not know
 RECORD_VERSION = 1
-#: what the parts of a checkpoint mean: "state" is one file holding the whole state
-LAYOUTS = ("state",)
+#: what the parts of a checkpoint mean: "state" is one file holding the whole state;
+#: "dcp" is a torch.distributed.checkpoint save (ckptfmt/dcp/): one file per rank, and
+#: the record carries DCP's global metadata in one more member, named "dcp"
+LAYOUTS = ("state", "dcp")
+#: layouts whose record has a member of their own (its value is checked by the layout's code)
+LAYOUT_MEMBERS = {"dcp": "dcp"}
 #: a part's name, and each component of a reference path (spec: no leading dot,
 #: so temporaries and hidden files can never be named)
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
@@ -66,9 +70,10 @@ class CommitRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     created: str = ""
+    layout_data: Any = None  # the layout's own member (LAYOUT_MEMBERS), plain ckptfmt values
 
     def as_value(self) -> dict[str, Any]:
-        return {
+        out = {
             "ckptfmt_commit": RECORD_VERSION,
             "step": self.step,
             "layout": self.layout,
@@ -78,6 +83,10 @@ class CommitRecord:
             "metrics": dict(self.metrics),
             "metadata": dict(self.metadata),
         }
+        member = LAYOUT_MEMBERS.get(self.layout)
+        if member is not None:
+            out[member] = self.layout_data
+        return out
 
 
 def _now() -> str:
@@ -85,16 +94,11 @@ def _now() -> str:
 
 
 def valid_part_name(name: str, *, reference: bool) -> bool:
-    """A part is a plain name; a reference is that or ``../<dir>/<name>``."""
-    parts = name.split("/")
-    if len(parts) == 1:
-        return _NAME_RE.fullmatch(parts[0]) is not None
-    return (
-        reference
-        and len(parts) == 3
-        and parts[0] == ".."
-        and all(_NAME_RE.fullmatch(p) is not None for p in parts[1:])
-    )
+    """A part is a plain name; a reference is a reference path of the spec's section 12
+    (NAME, DIR/NAME, ../NAME or ../DIR/NAME)."""
+    if reference:
+        return fmt.REF_PATH_RE.fullmatch(name) is not None
+    return _NAME_RE.fullmatch(name) is not None
 
 
 # -- reading one part's identity ---------------------------------------------------
@@ -210,6 +214,9 @@ def _parse_part(path: str, raw: object, where: str, reference: bool) -> PartReco
 def _parse_record(value: object, path: str) -> CommitRecord:
     d = _typed(path, value, dict, "the record")
     expected = {"ckptfmt_commit", "step", "layout", "created", "files", "references", "metrics", "metadata"}
+    member = LAYOUT_MEMBERS.get(d["layout"]) if type(d.get("layout")) is str else None
+    if member is not None:
+        expected.add(member)
     if set(d) != expected or any(type(k) is not str for k in d):
         raise _fail(path, "fields must be exactly " + ", ".join(sorted(expected)))
     version = _typed(path, d["ckptfmt_commit"], int, "ckptfmt_commit")
@@ -231,7 +238,14 @@ def _parse_record(value: object, path: str) -> CommitRecord:
     if len({p.name for p in parts}) != len(parts) or any(p.name == COMMIT_NAME for p in parts):
         raise _fail(path, "a file is named twice, or the record names itself")
     return CommitRecord(
-        step, layout, parts, references, _metrics(path, d["metrics"]), _metadata(path, d["metadata"]), created
+        step,
+        layout,
+        parts,
+        references,
+        _metrics(path, d["metrics"]),
+        _metadata(path, d["metadata"]),
+        created,
+        d[member] if member is not None else None,
     )
 
 

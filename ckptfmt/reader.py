@@ -6,15 +6,22 @@ into the destination storage (raw chunks) or into a reused scratch buffer
 padding behind it, and decodes into the destination.  Every number taken from
 the file is validated before use; every failure is a CheckpointError that
 names the path, key, chunk and offset.
+
+Files with required feature bit 0 (spec section 12) may hold *external* chunks:
+records that name a chunk of an earlier file.  Those are read from that file,
+opened on first use (a bounded set of descriptors stays open), and verified
+with that file's checksum context; their errors name both files.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import mmap
 import os
 import stat
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +37,12 @@ from .errors import CheckpointError, CorruptError, IncompleteError, LimitError, 
 from .format import Limits
 
 _INDEX_FIELDS = ("chunk_size", "producer", "source_devices", "metadata", "storages", "chunks", "nodes")
+#: with required feature bit 0 the index also lists the files its external chunks lie in
+_INDEX_FIELDS_EXTERNAL = (*_INDEX_FIELDS[:5], "externals", *_INDEX_FIELDS[5:])
 _HEX16 = frozenset("0123456789abcdef")
+#: referenced files kept open at once by one reader (least recently used are closed)
+MAX_OPEN_EXTERNALS = 16
+_DIGEST_MISMATCH = "content digest mismatch (the decoded bytes are not the ones the index describes)"
 #: zstd window limit: frames needing more memory than this are rejected (2**27 = 128 MiB)
 _ZSTD_MAX_WINDOW = 1 << 27
 
@@ -57,6 +69,28 @@ class Chunk:
     width: int
     checksum: int
     pad: int  # zero bytes after the chunk, up to the next chunk or the index
+    digest: bytes = b""  # XXH3-128 of the raw bytes (feature bit 0), canonical order
+    source: int = -1  # -1: in this file; else the entry of `externals` whose file holds it
+    number: int = -1  # for an external chunk: its chunk number in that file
+
+
+@dataclass(frozen=True)
+class External:
+    """An entry of the index's `externals` (section 12): a file external chunks lie in."""
+
+    rel: str  # the reference path, as recorded
+    file_id: bytes
+    length: int
+    path: str  # rel joined to the referencing file's directory: what is opened
+
+    @property
+    def name(self) -> str:
+        """The path as messages show it (".." resolved by name)."""
+        return os.path.normpath(self.path)
+
+
+def _is_hex(v: object, digits: int) -> bool:
+    return type(v) is str and len(v) == digits and _HEX16.issuperset(v)
 
 
 def _parse_int(text: str) -> int:
@@ -78,7 +112,7 @@ def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def parse_index_json(raw: bytes, path: str) -> dict[str, Any]:
+def parse_index_json(raw: bytes, path: str, fields: tuple[str, ...] = _INDEX_FIELDS) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
         obj = json.loads(
@@ -94,10 +128,8 @@ def parse_index_json(raw: bytes, path: str) -> dict[str, Any]:
         raise LimitError("index JSON is nested too deeply", path=path) from e
     except ValueError as e:
         raise CorruptError(f"index is not valid JSON: {str(e)[:200]}", path=path) from e
-    if type(obj) is not dict or set(obj) != set(_INDEX_FIELDS):
-        raise CorruptError(
-            "index must be an object with exactly the fields " + ", ".join(_INDEX_FIELDS), path=path
-        )
+    if type(obj) is not dict or set(obj) != set(fields):
+        raise CorruptError("index must be an object with exactly the fields " + ", ".join(fields), path=path)
     return obj
 
 
@@ -127,6 +159,10 @@ class CheckpointFile:
             raise
         self._scratch = bytearray()
         self._mm: mmap.mmap | None = None
+        # referenced files: open ones (fd, end of data section), most recently used last,
+        # and those that could not be used (error class and reason, reported again per chunk)
+        self._ext_open: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self._ext_failed: dict[int, tuple[type[CheckpointError], str]] = {}
 
     # -- structure ----------------------------------------------------------
 
@@ -159,7 +195,8 @@ class CheckpointFile:
             raise CorruptError("index checksum mismatch", path=path, offset=ioff)
         if any(padding):
             raise CorruptError("padding after the index is not zero", path=path, offset=ioff + ilen)
-        index = parse_index_json(raw, path)
+        external = bool(self.prologue.required_features & fmt.FEATURE_EXTERNAL)
+        index = parse_index_json(raw, path, _INDEX_FIELDS_EXTERNAL if external else _INDEX_FIELDS)
         c = tree._Check(path)
         self.chunk_size = c.bounded_int(index["chunk_size"], "chunk_size", fmt.MAX_CHUNK_SIZE)
         if self.chunk_size < fmt.MIN_CHUNK_SIZE or self.chunk_size & (self.chunk_size - 1):
@@ -170,6 +207,8 @@ class CheckpointFile:
             c.str_(d, "source_devices entry") for d in c.list_(index["source_devices"], "source_devices")
         ]
         self.storages = self._parse_storages(c, index["storages"])
+        self.has_digests = external
+        self.externals = self._parse_externals(c, index["externals"]) if external else []
         self.chunks = self._parse_chunks(c, index["chunks"])
         self.tree = tree.validate_tree(index["nodes"], self.storages, path)
 
@@ -192,6 +231,34 @@ class CheckpointFile:
         self._n_chunks_expected = first
         return out
 
+    def _parse_externals(self, c: tree._Check, raw: object) -> list[External]:
+        """The `externals` member (section 12): reference paths, file ids and lengths."""
+        items = c.list_(raw, "externals")
+        if len(items) > Limits.MAX_EXTERNALS:
+            raise c.fail(f"{len(items)} externals exceed the limit {Limits.MAX_EXTERNALS}", limit=True)
+        here = os.path.dirname(self.path)
+        out: list[External] = []
+        seen_paths: set[str] = set()
+        seen_ids: set[bytes] = {self.prologue.file_id}
+        for e, item in enumerate(items):
+            if type(item) is not list or len(item) != 3:
+                raise c.fail(f"external {e} is not a [path, file id, length] record")
+            rel = c.str_(item[0], f"external {e} path")
+            if fmt.REF_PATH_RE.fullmatch(rel) is None:
+                raise c.fail(f"external {e} has the path {rel[:80]!r}, which is not a permitted reference")
+            if not _is_hex(item[1], 32):
+                raise c.fail(f"external {e} file id must be 32 lowercase hex digits")
+            fid = bytes.fromhex(item[1])
+            length = c.int_(item[2], f"external {e} file length", 2 * fmt.ALIGNMENT, (1 << 63) - 1)
+            if length % fmt.ALIGNMENT:
+                raise c.fail(f"external {e} file length {length} is not a multiple of {fmt.ALIGNMENT}")
+            if rel in seen_paths or fid in seen_ids:
+                raise c.fail(f"external {e} repeats a path or file id (or names this file itself)")
+            seen_paths.add(rel)
+            seen_ids.add(fid)
+            out.append(External(rel, fid, length, os.path.join(here, rel)))
+        return out
+
     def _parse_chunks(self, c: tree._Check, raw: object) -> list[Chunk]:
         items = c.list_(raw, "chunks")
         if len(items) > Limits.MAX_CHUNKS:
@@ -203,54 +270,111 @@ class CheckpointFile:
         for rec in self.storages:
             for k in range(rec.n_chunks):
                 raw_lens.append(min(self.chunk_size, rec.nbytes - k * self.chunk_size))
+        # 7 fields; with content digests (bit 0) 8 for a local chunk, 10 for an external one
+        sizes = (8, 10) if self.has_digests else (7,)
         out: list[Chunk] = []
-        expect = fmt.PROLOGUE_SIZE
+        used = [False] * len(self.externals)
+        expect = fmt.PROLOGUE_SIZE  # where the next local chunk must start
         end_of_data = self.footer.index_offset
         for k, item in enumerate(items):
-            if type(item) is not list or len(item) != 7:
-                raise c.fail(f"chunk {k} is not a 7-field record")
-            off, slen, rlen, codec, filt, width, check = item
+            if type(item) is not list or len(item) not in sizes:
+                raise c.fail(f"chunk {k} is not a record of " + " or ".join(map(str, sizes)) + " fields")
             where = f"chunk {k}"
-            c.int_(off, f"{where} offset", expect, expect)
-            c.int_(rlen, f"{where} raw length", raw_lens[k], raw_lens[k])
-            c.int_(codec, f"{where} codec", 0, 255)
-            c.int_(filt, f"{where} filter", 0, 255)
-            c.int_(width, f"{where} filter width", 0, 255)
-            if codec not in fmt.CODEC_NAMES:
-                raise UnsupportedError(f"unknown codec id {codec}", path=self.path, chunk=k, offset=off)
-            if filt not in fmt.FILTER_NAMES:
-                raise UnsupportedError(f"unknown filter id {filt}", path=self.path, chunk=k, offset=off)
-            if codec == fmt.CODEC_RAW:
-                c.int_(slen, f"{where} stored length", rlen, rlen)
-                if filt != fmt.FILTER_NONE:
-                    raise c.fail(f"{where} is raw but has a filter")
+            ch = self._parse_layout(c, k, item, raw_lens[k])
+            if len(item) == 10:
+                ch = self._parse_external_ref(c, k, item, ch)
+                used[ch.source] = True
             else:
-                c.int_(slen, f"{where} stored length", 1, rlen - 1)
-                if rlen > slen * fmt.ZSTD_MAX_RATIO:
-                    raise c.fail(f"{where} claims {rlen} bytes from {slen}: more than any zstd frame holds")
-            if filt == fmt.FILTER_NONE and width != 0:
-                raise c.fail(f"{where} has a filter width without a filter")
-            if filt == fmt.FILTER_SHUFFLE and (width not in fmt.SHUFFLE_WIDTHS or rlen % width):
-                raise c.fail(f"{where} has shuffle width {width} for {rlen} bytes")
-            if type(check) is not str or len(check) != 16 or not _HEX16.issuperset(check):
-                raise c.fail(f"{where} checksum must be 16 lowercase hex digits")
-            end = off + slen
-            if end > end_of_data:
-                raise CorruptError(
-                    f"chunk ends at {end}, inside the index at {end_of_data}",
-                    path=self.path,
-                    chunk=k,
-                    offset=off,
-                )
-            expect = fmt.align_up(end)
-            out.append(Chunk(off, slen, rlen, codec, filt, width, int(check, 16), 0))
+                c.int_(ch.offset, f"{where} offset", expect, expect)
+                end = ch.offset + ch.stored_len
+                if end > end_of_data:
+                    raise CorruptError(
+                        f"chunk ends at {end}, inside the index at {end_of_data}",
+                        path=self.path,
+                        chunk=k,
+                        offset=ch.offset,
+                    )
+                expect = fmt.align_up(end)
+            out.append(ch)
         if expect != end_of_data:
             raise CorruptError(
                 f"data ends at {expect} but the index starts at {end_of_data}", path=self.path, offset=expect
             )
-        for k, ch in enumerate(out):
-            nxt = out[k + 1].offset if k + 1 < len(out) else end_of_data
-            out[k] = Chunk(
+        if not all(used):
+            raise c.fail(f"external {used.index(False)} is not used by any chunk")
+        return self._with_padding(out, end_of_data)
+
+    def _parse_layout(self, c: tree._Check, k: int, item: list[Any], raw_len: int) -> Chunk:
+        """Fields 0-6 (and the digest, field 7, with bit 0): lengths, codec, filter, checksum."""
+        off, slen, rlen, codec, filt, width, check = item[:7]
+        where = f"chunk {k}"
+        c.int_(off, f"{where} offset", 0, (1 << 63) - 1)
+        c.int_(rlen, f"{where} raw length", raw_len, raw_len)
+        c.int_(codec, f"{where} codec", 0, 255)
+        c.int_(filt, f"{where} filter", 0, 255)
+        c.int_(width, f"{where} filter width", 0, 255)
+        if codec not in fmt.CODEC_NAMES:
+            raise UnsupportedError(f"unknown codec id {codec}", path=self.path, chunk=k, offset=off)
+        if filt not in fmt.FILTER_NAMES:
+            raise UnsupportedError(f"unknown filter id {filt}", path=self.path, chunk=k, offset=off)
+        if codec == fmt.CODEC_RAW:
+            c.int_(slen, f"{where} stored length", rlen, rlen)
+            if filt != fmt.FILTER_NONE:
+                raise c.fail(f"{where} is raw but has a filter")
+        else:
+            c.int_(slen, f"{where} stored length", 1, rlen - 1)
+            if rlen > slen * fmt.ZSTD_MAX_RATIO:
+                raise c.fail(f"{where} claims {rlen} bytes from {slen}: more than any zstd frame holds")
+        if filt == fmt.FILTER_NONE and width != 0:
+            raise c.fail(f"{where} has a filter width without a filter")
+        if filt == fmt.FILTER_SHUFFLE and (width not in fmt.SHUFFLE_WIDTHS or rlen % width):
+            raise c.fail(f"{where} has shuffle width {width} for {rlen} bytes")
+        if not _is_hex(check, 16):
+            raise c.fail(f"{where} checksum must be 16 lowercase hex digits")
+        digest = b""
+        if self.has_digests:
+            if not _is_hex(item[7], 32):
+                raise c.fail(f"{where} content digest must be 32 lowercase hex digits")
+            digest = bytes.fromhex(item[7])
+        return Chunk(off, slen, rlen, codec, filt, width, int(check, 16), 0, digest)
+
+    def _parse_external_ref(self, c: tree._Check, k: int, item: list[Any], ch: Chunk) -> Chunk:
+        """Fields 8 and 9 of an external record: which file, which chunk of it."""
+        where = f"chunk {k}"
+        if not self.externals:
+            raise c.fail(f"{where} is external but the file lists no externals")
+        e = c.int_(item[8], f"{where} external", 0, len(self.externals) - 1)
+        number = c.int_(item[9], f"{where} chunk number in the referenced file", 0, Limits.MAX_CHUNKS - 1)
+        ext = self.externals[e]
+        # the referenced file's data section ends at its index, at least 128 bytes before its end
+        if ch.offset < fmt.PROLOGUE_SIZE or ch.offset % fmt.ALIGNMENT:
+            raise c.fail(f"{where} is external at offset {ch.offset}, not a chunk position")
+        if fmt.align_up(ch.offset + ch.stored_len) > ext.length - fmt.FOOTER_SIZE - fmt.ALIGNMENT:
+            raise c.fail(f"{where} is external but lies past the data of {ext.rel} ({ext.length} bytes)")
+        pad = fmt.align_up(ch.offset + ch.stored_len) - ch.offset - ch.stored_len
+        return Chunk(
+            ch.offset,
+            ch.stored_len,
+            ch.raw_len,
+            ch.codec,
+            ch.filter,
+            ch.width,
+            ch.checksum,
+            pad,
+            ch.digest,
+            e,
+            number,
+        )
+
+    @staticmethod
+    def _with_padding(chunks: list[Chunk], end_of_data: int) -> list[Chunk]:
+        """Local chunks: the padding reaches the next local chunk or the index."""
+        nxt = end_of_data
+        for k in range(len(chunks) - 1, -1, -1):
+            ch = chunks[k]
+            if ch.source >= 0:
+                continue  # its padding was set from the placement rule of its own file
+            chunks[k] = Chunk(
                 ch.offset,
                 ch.stored_len,
                 ch.raw_len,
@@ -259,13 +383,17 @@ class CheckpointFile:
                 ch.width,
                 ch.checksum,
                 nxt - ch.offset - ch.stored_len,
+                ch.digest,
             )
-        return out
+            nxt = ch.offset
+        return chunks
 
     # -- data ---------------------------------------------------------------
 
     def close(self) -> None:
         self._mm = None  # tensors made from the mapping keep it alive
+        while self._ext_open:
+            os.close(self._ext_open.popitem()[1][0])
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -280,20 +408,139 @@ class CheckpointFile:
         """The key path of the first tensor using each chunk."""
         return [rec.key for rec in self.storages for _ in range(rec.n_chunks)]
 
-    def _readv(self, bufs: list[memoryview], offset: int, k: int, key: str | None) -> None:
+    # -- referenced files (feature bit 0) -------------------------------------
+
+    def _error(
+        self, cls: type[CheckpointError], msg: str, k: int, key: str | None, offset: int | None
+    ) -> CheckpointError:
+        """An error about chunk k; for an external chunk the message names the file it lies in."""
+        ch = self.chunks[k]
+        if ch.source < 0:
+            return cls(msg, path=self.path, key=key, chunk=k, offset=offset)
+        ext = self.externals[ch.source]
+        return cls(
+            f"external chunk {ch.number} at offset {offset} of {ext.name}: {msg}",
+            path=self.path,
+            key=key,
+            chunk=k,
+        )
+
+    def _open_external(self, e: int) -> tuple[int, int]:
+        """Open referenced file e and check it is the file recorded; (fd, end of its data section)."""
+        ext = self.externals[e]
+        what = f"referenced file {ext.name} (external {e})"
+        try:
+            # O_NONBLOCK: a FIFO at that path must not hang the open (it is rejected below)
+            fd = os.open(ext.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            raise IncompleteError(f"{what} is missing", path=self.path) from None
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise CorruptError(f"{what} is a symbolic link", path=self.path) from None
+            raise OSError(err.errno, f"{err.strerror} (a file {self.path} refers to)", ext.name) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptError(f"{what} is not a regular file", path=self.path)
+            try:
+                pro = fmt.parse_prologue(_pread_exact(fd, 0, fmt.PROLOGUE_SIZE), st.st_size, ext.name)
+                foot = fmt.parse_footer(
+                    _pread_exact(fd, pro.file_length - fmt.FOOTER_SIZE, fmt.FOOTER_SIZE), pro, ext.name
+                )
+            except CheckpointError as inner:
+                cls = IncompleteError if isinstance(inner, IncompleteError) else CorruptError
+                raise cls(f"{what} is unusable: {inner}", path=self.path) from inner
+            if pro.file_id != ext.file_id:
+                raise CorruptError(
+                    f"{what} has file id {pro.file_id.hex()}, the reference records {ext.file_id.hex()} "
+                    "(another file lies at that path now)",
+                    path=self.path,
+                )
+            if pro.file_length != ext.length:
+                raise CorruptError(
+                    f"{what} is {pro.file_length} bytes, the reference records {ext.length}", path=self.path
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, foot.index_offset
+
+    def _external(self, e: int, k: int, key: str | None) -> tuple[int, int]:
+        """(fd, end of data section) of referenced file e, opened and checked on first use."""
+        got = self._ext_open.get(e)
+        if got is not None:
+            self._ext_open.move_to_end(e)
+            return got
+        if e in self._ext_failed:
+            cls, reason = self._ext_failed[e]
+            raise cls(reason, path=self.path, key=key, chunk=k)
+        try:
+            got = self._open_external(e)
+        except CheckpointError as err:
+            self._ext_failed[e] = (type(err), err.reason)
+            raise type(err)(err.reason, path=self.path, key=key, chunk=k) from err
+        if len(self._ext_open) >= MAX_OPEN_EXTERNALS:
+            os.close(self._ext_open.popitem(last=False)[1][0])
+        self._ext_open[e] = got
+        return got
+
+    def _source(self, k: int, key: str | None) -> tuple[int, bytes, int]:
+        """Where chunk k's stored bytes are: (fd, that file's id, the chunk's number in it)."""
+        ch = self.chunks[k]
+        if ch.source < 0:
+            return self._fd, self.prologue.file_id, k
+        fd, data_end = self._external(ch.source, k, key)
+        if ch.offset + ch.stored_len + ch.pad > data_end:
+            raise self._error(
+                CorruptError,
+                f"lies outside that file's data section [64, {data_end})",
+                k,
+                key,
+                ch.offset,
+            )
+        return fd, self.externals[ch.source].file_id, ch.number
+
+    def external_problem(self, k: int) -> Exception | None:
+        """Why external chunk k cannot be read (its file missing, replaced, damaged, or the chunk
+        outside that file's data), or None; reads no chunk data."""
+        try:
+            self._source(k, self._chunk_keys[k])
+        except (CheckpointError, OSError) as err:
+            return err
+        return None
+
+    def external_problems(self) -> list[CheckpointError]:
+        """Every referenced file that cannot be used, and every external chunk outside its file's data
+        (one error per file); no chunk data is read."""
+        problems: list[CheckpointError] = []
+        unusable: set[int] = set()
+        for k, ch in enumerate(self.chunks):
+            if ch.source < 0 or ch.source in unusable:
+                continue
+            try:
+                self._source(k, self._chunk_keys[k])
+            except CheckpointError as err:
+                problems.append(err)
+                if ch.source in self._ext_failed:
+                    unusable.add(ch.source)  # reported once, not once per chunk
+        return problems
+
+    # -- data ---------------------------------------------------------------
+
+    def _readv(self, fd: int, bufs: list[memoryview], offset: int, k: int, key: str | None) -> None:
         """Fill `bufs` from `offset`; a file that ends first is incomplete."""
         got = 0
         for buf in bufs:
             view = buf
             while len(view):
-                n = os.preadv(self._fd, [view], offset + got)
+                n = os.preadv(fd, [view], offset + got)
                 if n == 0:
-                    raise IncompleteError(
+                    raise self._error(
+                        IncompleteError,
                         "file ended while reading chunk (it shrank after it was opened)",
-                        path=self.path,
-                        key=key,
-                        chunk=k,
-                        offset=offset + got,
+                        k,
+                        key,
+                        offset + got,
                     )
                 view = view[n:]
                 got += n
@@ -301,6 +548,7 @@ class CheckpointFile:
     def read_chunk(self, k: int, dest: memoryview, verify: bool, key: str | None) -> None:
         """Read chunk k, check it, and leave its raw bytes in `dest` (exactly raw_len bytes)."""
         ch = self.chunks[k]
+        fd, file_id, number = self._source(k, key)
         pad_need = ch.pad
         if ch.codec == fmt.CODEC_RAW:
             need = pad_need
@@ -311,32 +559,30 @@ class CheckpointFile:
         scratch = memoryview(self._scratch)
         if ch.codec == fmt.CODEC_RAW:
             stored = dest
-            self._readv([dest, scratch[:pad_need]], ch.offset, k, key)
+            self._readv(fd, [dest, scratch[:pad_need]], ch.offset, k, key)
             pad = scratch[:pad_need]
         else:
-            self._readv([scratch[:need]], ch.offset, k, key)
+            self._readv(fd, [scratch[:need]], ch.offset, k, key)
             stored = scratch[: ch.stored_len]
             pad = scratch[ch.stored_len : need]
         if verify:
             seed = fmt.chunk_seed(
-                self.prologue.file_id, k, ch.offset, ch.stored_len, ch.raw_len, ch.codec, ch.filter, ch.width
+                file_id, number, ch.offset, ch.stored_len, ch.raw_len, ch.codec, ch.filter, ch.width
             )
             if xxhash.xxh3_64_intdigest(stored, seed=seed) != ch.checksum:
-                raise CorruptError("checksum mismatch", path=self.path, key=key, chunk=k, offset=ch.offset)
+                raise self._error(CorruptError, "checksum mismatch", k, key, ch.offset)
         if any(pad):
-            raise CorruptError(
-                "padding after the chunk is not zero",
-                path=self.path,
-                key=key,
-                chunk=k,
-                offset=ch.offset + ch.stored_len,
+            raise self._error(
+                CorruptError, "padding after the chunk is not zero", k, key, ch.offset + ch.stored_len
             )
         if ch.codec == fmt.CODEC_ZSTD:
             self._decompress(k, ch, stored, dest, key)
+        if verify and ch.digest and fmt.content_digest(dest) != ch.digest:
+            raise self._error(CorruptError, _DIGEST_MISMATCH, k, key, ch.offset)
 
     def _decompress(self, k: int, ch: Chunk, stored: memoryview, dest: memoryview, key: str | None) -> None:
-        def bad(msg: str) -> CorruptError:
-            return CorruptError(msg, path=self.path, key=key, chunk=k, offset=ch.offset)
+        def bad(msg: str) -> CheckpointError:
+            return self._error(CorruptError, msg, k, key, ch.offset)
 
         try:
             params = zstandard.get_frame_parameters(stored)
@@ -373,58 +619,75 @@ class CheckpointFile:
     def read_into(self, items: list[tuple[int, memoryview]], verify: bool) -> None:
         """Read chunks into their destinations (exactly raw_len bytes each).
 
-        With the C engine all chunks are read in parallel, each verified and
-        decoded straight into place; otherwise one by one on this thread.
+        With the C engine all chunks of one file are read in parallel, each verified
+        and decoded straight into place; otherwise one by one on this thread.  Chunks
+        are grouped by the file they lie in: this one, then each referenced file.
         """
-        if not items:
+        groups: dict[int, list[tuple[int, memoryview]]] = {}
+        for k, dest in items:
+            groups.setdefault(self.chunks[k].source, []).append((k, dest))
+        for group in groups.values():
+            self._read_group(group, verify)
+
+    def _read_group(self, items: list[tuple[int, memoryview]], verify: bool) -> None:
+        """Read chunks that all lie in one file."""
+        if not _native.available():
+            for k, dest in items:
+                self.read_chunk(k, dest, verify, self._chunk_keys[k])
             return
+        where = [self._source(k, self._chunk_keys[k]) for k, _ in items]
+        fd, file_id = where[0][0], where[0][1]
         # ask the kernel to start reading the whole range now: the threads then
         # mostly find their chunks in the page cache instead of waiting in turn
         first = min(self.chunks[k].offset for k, _ in items)
         last = max(self.chunks[k].offset + self.chunks[k].stored_len for k, _ in items)
-        os.posix_fadvise(self._fd, first, last - first, os.POSIX_FADV_WILLNEED)
-        if _native.available():
-            status = _native.read_chunks(
-                self._fd,
-                self.prologue.file_id,
-                [(k, self.chunks[k], d) for k, d in items],
-                verify,
-                _native.default_threads(),
-            )
-            if status is not None:
-                raise self._native_error(status)
-            return
-        for k, dest in items:
-            self.read_chunk(k, dest, verify, self._chunk_keys[k])
+        os.posix_fadvise(fd, first, last - first, os.POSIX_FADV_WILLNEED)
+        status = _native.read_chunks(
+            fd,
+            file_id,
+            [(number, self.chunks[k], d) for (k, d), (_, _, number) in zip(items, where)],
+            verify,
+            _native.default_threads(),
+        )
+        if status is not None:
+            raise self._native_error(status, items)
 
-    def _native_error(self, status: tuple[int, int, int, int, int]) -> Exception:
-        code, err, k, reason, value = status
-        key = self._chunk_keys[k] if 0 <= k < len(self.chunks) else None
-        ch = self.chunks[k] if key is not None else None
-        off = ch.offset if ch is not None else None
-        if code == _native.ERR_IO:
-            return OSError(err, f"{os.strerror(err)} while reading chunk {k} at offset {value}", self.path)
-        if code == _native.ERR_NOMEM:
+    def _native_error(
+        self, status: tuple[int, int, int, int, int], items: list[tuple[int, memoryview]]
+    ) -> Exception:
+        code, err, pos, reason, value = status
+        if code == _native.ERR_NOMEM or not 0 <= pos < len(items):
             return MemoryError(f"{self.path}: out of memory while reading chunks")
-        if code == _native.ERR_SHORT:
-            return IncompleteError(
-                "file ended while reading chunk (it shrank after it was opened)",
-                path=self.path,
-                key=key,
-                chunk=k,
-                offset=value,
+        k = items[pos][0]
+        key = self._chunk_keys[k]
+        ch = self.chunks[k]
+        if code == _native.ERR_IO:
+            msg = f"{os.strerror(err)} while reading chunk {k} at offset {value}"
+            if ch.source < 0:
+                return OSError(err, msg, self.path)
+            return OSError(
+                err, f"{msg} (external chunk {ch.number} of {self.path})", self.externals[ch.source].name
             )
-        assert ch is not None
+        if code == _native.ERR_SHORT:
+            return self._error(
+                IncompleteError,
+                "file ended while reading chunk (it shrank after it was opened)",
+                k,
+                key,
+                value,
+            )
         # the same messages and offsets as the reference path (read_chunk)
+        off = ch.offset
         messages = {
             _native.WHY_CHECKSUM: ("checksum mismatch", off),
             _native.WHY_PADDING: ("padding after the chunk is not zero", ch.offset + ch.stored_len),
             _native.WHY_NO_SIZE: ("zstd frame does not declare its decoded size", off),
             _native.WHY_DECLARED: (f"zstd frame declares {value} bytes, the index {ch.raw_len}", off),
             _native.WHY_DECODED: (f"zstd data decodes to {value} bytes, expected {ch.raw_len}", off),
+            _native.WHY_DIGEST: (_DIGEST_MISMATCH, off),
         }
-        msg, where = messages.get(reason, ("zstd data does not decode", off))
-        return CorruptError(msg, path=self.path, key=key, chunk=k, offset=where)
+        msg, at = messages.get(reason, ("zstd data does not decode", off))
+        return self._error(CorruptError, msg, k, key, at)
 
     def _chunk_views(
         self, sid: int, flat: torch.Tensor, first: int = 0, count: int | None = None, base: int = 0
@@ -481,10 +744,11 @@ class CheckpointFile:
         return out
 
     def _mapped_storage(self, sid: int, verify: bool) -> torch.UntypedStorage | None:
-        """A storage backed by the file itself, when all its chunks are raw (zero-copy)."""
+        """A storage backed by the file itself, when all its chunks are raw and in this file
+        (zero-copy); None otherwise (external chunks are read from their own files)."""
         rec = self.storages[sid]
         chunks = self.chunks[rec.first_chunk : rec.first_chunk + rec.n_chunks]
-        if not chunks or any(c.codec != fmt.CODEC_RAW for c in chunks):
+        if not chunks or any(c.codec != fmt.CODEC_RAW or c.source >= 0 for c in chunks):
             return None
         if self._mm is None:
             self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
@@ -516,6 +780,10 @@ class CheckpointFile:
                         key=rec.key,
                         chunk=k,
                         offset=ch.offset + ch.stored_len,
+                    )
+                if ch.digest and fmt.content_digest(mv[ch.offset : ch.offset + ch.stored_len]) != ch.digest:
+                    raise CorruptError(
+                        _DIGEST_MISMATCH, path=self.path, key=rec.key, chunk=k, offset=ch.offset
                     )
             mv.release()
         flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=rec.nbytes, offset=chunks[0].offset)
@@ -563,8 +831,10 @@ class CheckpointFile:
 
         Chunks are checked in windows of about 64 MiB (in parallel with the C
         engine); a window that fails is checked again chunk by chunk so that
-        every damaged chunk is reported.
+        every damaged chunk is reported.  A referenced file that cannot be used is
+        reported once, at its first chunk, and its other chunks are skipped.
         """
+        unusable = set(self._ext_failed)  # reported already (external_problems)
         window = max(64 << 20, self.chunk_size)
         buf = torch.empty(window, dtype=torch.uint8)
         view = buf.numpy().data.cast("B")
@@ -576,16 +846,21 @@ class CheckpointFile:
             items: list[tuple[int, memoryview]] = []
             pos = 0
             while k < n and (not items or pos + self.chunks[k].raw_len <= window):
-                items.append((k, view[pos : pos + self.chunks[k].raw_len]))
-                pos += self.chunks[k].raw_len
+                if self.chunks[k].source not in unusable:
+                    items.append((k, view[pos : pos + self.chunks[k].raw_len]))
+                    pos += self.chunks[k].raw_len
                 k += 1
             try:
                 self.read_into(items, True)
             except CheckpointError:
                 for kk, dest in items:
+                    if self.chunks[kk].source in unusable:
+                        continue
                     try:
                         self.read_into([(kk, dest)], True)
                     except CheckpointError as e:
+                        if self.chunks[kk].source in self._ext_failed:
+                            unusable.add(self.chunks[kk].source)
                         yield e
 
     # -- navigation ---------------------------------------------------------
@@ -596,6 +871,17 @@ class CheckpointFile:
         if node[0] not in ("dict", "odict"):
             return []
         return [(tree.decode(self.tree, k, _no_storage, self.path), v) for k, v in node[1]]
+
+
+def _pread_exact(fd: int, offset: int, n: int) -> bytes:
+    """Up to n bytes at offset (fewer only where the file ends)."""
+    out = bytearray()
+    while len(out) < n:
+        got = os.pread(fd, n - len(out), offset + len(out))
+        if not got:
+            break
+        out += got
+    return bytes(out)
 
 
 def _no_storage(sid: int) -> torch.UntypedStorage:

@@ -74,6 +74,8 @@ def verify(
 
     Damage to the prologue, footer or index stops the check (nothing after them
     can be trusted); damaged chunks are each reported and the check goes on.
+    External chunks (an incremental checkpoint's) are checked in the files they
+    lie in; a problem there is reported with both files named.
     """
     from . import background
 
@@ -86,6 +88,10 @@ def verify(
         return report
     with f:
         report.chunks = len(f.chunks)
+        # the files an incremental checkpoint refers to: present, the recorded ones, and
+        # holding its external chunks inside their data sections (checked even when quick)
+        for err in f.external_problems():
+            report.problems.append(problem_of(err))
         if not quick:
             for err in f.iter_chunk_problems(progress):
                 report.problems.append(problem_of(err))

@@ -26,7 +26,7 @@ import os
 import platform
 import secrets
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -175,6 +175,40 @@ HOST_BATCH_BYTES = 256 << 20
 ChunkRecord = tuple[int, int, int, int, int, int, int]
 
 
+class Dedup(Protocol):
+    """Finds chunks whose bytes an earlier file already holds (incremental saves, spec section 12).
+
+    Given to build_file / finish_file / the background writer, it turns the file into
+    one with content digests (required feature bit 0) whose unchanged chunks are
+    external records instead of bytes.
+    """
+
+    @property
+    def can_refer(self) -> bool:
+        """False when no chunk can be referred to (no base): the writer then writes every
+        chunk and takes the digests in the same pass, reporting them to `written`."""
+        ...
+
+    def written(self, first_index: int, digests: list[bytes]) -> None:
+        """The digests of chunks first_index.., all written here (used when not can_refer)."""
+        ...
+
+    def classify(
+        self, first_index: int, pieces: list[tuple[memoryview, int]], engine: str, threads: int
+    ) -> list[ChunkRecord | None]:
+        """Digest chunks first_index.. (the bytes being saved) and return, per chunk, the record
+        of the chunk in an earlier file that holds the same bytes, or None to write it here."""
+        ...
+
+    def externals(self) -> list[list[Any]]:
+        """The index's `externals` member: the files the external records name."""
+        ...
+
+    def record(self, k: int, rec: ChunkRecord) -> list[Any]:
+        """The index record of chunk k (8 fields when local, 10 when external)."""
+        ...
+
+
 def _write_chunks_python(
     fd: int,
     file_id: bytes,
@@ -182,9 +216,12 @@ def _write_chunks_python(
     pos: int,
     pieces: list[tuple[memoryview, int]],
     coder: ChunkEncoder,
+    digests_out: list[bytes] | None = None,
 ) -> tuple[list[ChunkRecord], int]:
     out: list[ChunkRecord] = []
     for i, (raw, width) in enumerate(pieces):
+        if digests_out is not None:
+            digests_out.append(fmt.content_digest(raw))
         codec, filt, fwidth, payload = coder.encode(raw, width)
         stored_len = len(payload)
         seed = fmt.chunk_seed(file_id, first_index + i, pos, stored_len, len(raw), codec, filt, fwidth)
@@ -211,6 +248,84 @@ def _batches(encoded: tree.Encoded, chunk_size: int) -> Iterator[list[tuple[memo
         yield batch
 
 
+class ChunkWriter:
+    """Writes batches of chunk views as the next chunks of one file, on the C engine or in Python.
+
+    Both the blocking save and the background writer go through here, so an
+    incremental save (a `dedup`) works the same on every path: its external
+    records take no space, and each run of local chunks between them is written
+    with the chunk number and offset it has in the file.
+    """
+
+    def __init__(
+        self,
+        fd: int,
+        file_id: bytes,
+        *,
+        compression: str | None,
+        level: int | None,
+        engine: str | None = None,
+        threads: int | None = None,
+        path: str = "",
+        dedup: Dedup | None = None,
+    ) -> None:
+        self.fd = fd
+        self.file_id = file_id
+        self.compression = compression
+        self.level = level
+        self.engine = engine or ("c" if _native.available() else "python")
+        self.threads = threads or _native.default_threads()
+        self.path = path
+        self.dedup = dedup
+        self.coder = ChunkEncoder(compression, level)
+        self.chunks: list[ChunkRecord] = []
+        self.pos = fmt.PROLOGUE_SIZE  # where the next local chunk starts
+
+    def write(self, pieces: list[tuple[memoryview, int]]) -> None:
+        if self.dedup is None:
+            self._write_run(pieces)
+            return
+        if not self.dedup.can_refer:  # one pass: each chunk's digest is taken as it is written
+            first = len(self.chunks)
+            digests: list[bytes] = []
+            self._write_run(pieces, digests)
+            self.dedup.written(first, digests)
+            return
+        found = self.dedup.classify(len(self.chunks), pieces, self.engine, self.threads)
+        i = 0
+        while i < len(pieces):
+            held = found[i]
+            if held is not None:  # an external record: no bytes, no offset here
+                self.chunks.append(held)
+                i += 1
+                continue
+            j = i
+            while j < len(pieces) and found[j] is None:
+                j += 1
+            self._write_run(pieces[i:j])
+            i = j
+
+    def _write_run(self, pieces: list[tuple[memoryview, int]], digests: list[bytes] | None = None) -> None:
+        if self.engine == "c":
+            records, self.pos = _native.write_chunks(
+                self.fd,
+                self.file_id,
+                len(self.chunks),
+                self.pos,
+                pieces,
+                self.compression,
+                self.level,
+                self.threads,
+                self.path,
+                digests_out=digests,
+            )
+        else:
+            records, self.pos = _write_chunks_python(
+                self.fd, self.file_id, len(self.chunks), self.pos, pieces, self.coder, digests
+            )
+        self.chunks.extend(records)
+
+
 def build_file(
     fd: int,
     encoded: tree.Encoded,
@@ -222,26 +337,25 @@ def build_file(
     engine: str | None = None,
     threads: int | None = None,
     path: str = "",
+    dedup: Dedup | None = None,
 ) -> int:
     """Write a whole ckptfmt file to `fd` (at offset 0); return its length."""
     if chunk_size & (chunk_size - 1) or not fmt.MIN_CHUNK_SIZE <= chunk_size <= fmt.MAX_CHUNK_SIZE:
         raise ValueError(f"chunk_size must be a power of two in [{fmt.MIN_CHUNK_SIZE}, {fmt.MAX_CHUNK_SIZE}]")
-    engine = engine or ("c" if _native.available() else "python")
     file_id = _file_id()
-    coder = ChunkEncoder(compression, level)
-    nthreads = threads or _native.default_threads()
-    chunks: list[ChunkRecord] = []
-    pos = fmt.PROLOGUE_SIZE
+    out = ChunkWriter(
+        fd,
+        file_id,
+        compression=compression,
+        level=level,
+        engine=engine,
+        threads=threads,
+        path=path,
+        dedup=dedup,
+    )
     for pieces in _batches(encoded, chunk_size):
-        if engine == "c":
-            records, pos = _native.write_chunks(
-                fd, file_id, len(chunks), pos, pieces, compression, level, nthreads, path
-            )
-        else:
-            records, pos = _write_chunks_python(fd, file_id, len(chunks), pos, pieces, coder)
-        chunks.extend(records)
-    finish_file(fd, file_id, encoded, chunks, pos, metadata, chunk_size)
-    return fmt.align_up(pos)
+        out.write(pieces)
+    return finish_file(fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup)
 
 
 def finish_file(
@@ -252,17 +366,22 @@ def finish_file(
     pos: int,
     metadata: dict[str, str],
     chunk_size: int,
+    dedup: Dedup | None = None,
 ) -> int:
     """Write the index, the footer and, last, the prologue."""
-    index = {
+    index: dict[str, Any] = {
         "chunk_size": chunk_size,
         "producer": producer_info(),
         "source_devices": encoded.devices,
         "metadata": metadata,
         "storages": [[p.nbytes, p.device] for p in encoded.storages],
-        "chunks": [[o, s, r, c, f, w, f"{h:016x}"] for o, s, r, c, f, w, h in chunks],
-        "nodes": encoded.nodes,
     }
+    if dedup is None:
+        index["chunks"] = [[o, s, r, c, f, w, f"{h:016x}"] for o, s, r, c, f, w, h in chunks]
+    else:  # spec section 12: the externals list comes before the records that name it
+        index["externals"] = dedup.externals()
+        index["chunks"] = [dedup.record(k, rec) for k, rec in enumerate(chunks)]
+    index["nodes"] = encoded.nodes
     blob = json.dumps(index, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
     if len(blob) > fmt.Limits.MAX_INDEX_BYTES:
         raise LimitError(
@@ -274,7 +393,8 @@ def finish_file(
     length = footer_offset + fmt.FOOTER_SIZE
     # the zero padding between the index and the footer is written explicitly
     _pwrite_all(fd, blob + bytes(footer_offset - index_offset - len(blob)) + footer.pack(), index_offset)
-    prologue = fmt.Prologue(fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR, file_id, length, 0, 0)
+    required = 0 if dedup is None else fmt.FEATURE_EXTERNAL
+    prologue = fmt.Prologue(fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR, file_id, length, required, 0)
     _pwrite_all(fd, prologue.pack(), 0)
     os.ftruncate(fd, length)
     return length
@@ -367,14 +487,44 @@ def save(
 
     meta = check_save_args(compression, level, metadata)
     target = os.fspath(path)
+    size = check_chunk_size(chunk_size)
+    background.raise_unobserved()
+    background.wait_for_path(target)
+    return write_state(
+        state, target, compression=compression, level=level, metadata=meta, chunk_size=size, blocking=blocking
+    )
+
+
+def check_chunk_size(chunk_size: int | None) -> int:
     size = _chunk_size_override() if chunk_size is None else chunk_size
     if size & (size - 1) or not fmt.MIN_CHUNK_SIZE <= size <= fmt.MAX_CHUNK_SIZE:
         raise ValueError(f"chunk_size must be a power of two in [{fmt.MIN_CHUNK_SIZE}, {fmt.MAX_CHUNK_SIZE}]")
-    background.raise_unobserved()
-    background.wait_for_path(target)
+    return size
+
+
+def write_state(
+    state: object,
+    target: str,
+    *,
+    compression: str | None,
+    level: int | None,
+    metadata: dict[str, str],
+    chunk_size: int,
+    blocking: bool,
+    dedup: Dedup | None = None,
+) -> Any:
+    """Encode and commit `state` at `target` (arguments already checked, earlier saves waited for)."""
+    from . import background
+
     if not blocking:
         return background.save_async(
-            state, target, compression=compression, level=level, metadata=meta, chunk_size=size
+            state,
+            target,
+            compression=compression,
+            level=level,
+            metadata=metadata,
+            chunk_size=chunk_size,
+            dedup=dedup,
         )
     encoded = tree.encode(state)  # fails on unsupported objects before any I/O
     try:
@@ -384,9 +534,10 @@ def save(
                 encoded,
                 compression=compression,
                 level=level,
-                metadata=meta,
-                chunk_size=size,
+                metadata=metadata,
+                chunk_size=chunk_size,
                 path=target,
+                dedup=dedup,
             )
             f.commit()
     except OSError as e:

@@ -61,6 +61,8 @@ typedef struct {
     uint8_t codec;
     uint8_t filter;
     uint8_t width;
+    uint8_t has_digest; /* files with feature bit 0: check the decoded bytes' digest too */
+    uint8_t digest[16]; /* XXH3-128 of the raw bytes, canonical (big-endian) order */
 } ckf_rchunk;
 
 #define CKF_WHY_CHECKSUM 1 /* checksum mismatch */
@@ -70,8 +72,11 @@ typedef struct {
 #define CKF_WHY_DECLARED 5 /* the frame declares another size (value) */
 #define CKF_WHY_DECODED 6  /* the frame decodes to another size (value) */
 #define CKF_WHY_SHORT 7    /* the file ended (value: where) */
+#define CKF_WHY_DIGEST 8   /* the decoded bytes do not match their content digest */
 
-/* Read, verify (when verify != 0) and decode chunks [0, n) on nthreads threads. */
+/* Read, verify (when verify != 0) and decode chunks [0, n) on nthreads threads.
+ * chunks[i].index is the chunk number the checksum seed binds (in the file at fd);
+ * on failure status->chunk is i, the position of the failing entry in `chunks`. */
 int ckf_read_chunks(int fd, const uint8_t *file_id, ckf_rchunk *chunks, uint64_t n, int verify, int nthreads,
                     ckf_status *status);
 
@@ -79,10 +84,12 @@ int ckf_read_chunks(int fd, const uint8_t *file_id, ckf_rchunk *chunks, uint64_t
  * the file, the first at first_offset (a multiple of 64), each next one at the
  * 64-aligned end of the previous.  compress: 0 raw, 1 zstd at `level`.  On
  * success *end_offset is the aligned end of the last chunk.  checksum = 0 skips
- * hashing and leaves every checksum 0: such files are invalid; benchmarks only. */
+ * hashing and leaves every checksum 0: such files are invalid; benchmarks only.
+ * digests: NULL, or 16 * n bytes that receive each chunk's content digest
+ * (XXH3-128 of its raw bytes, canonical order), taken in the same pass. */
 int ckf_write_chunks(int fd, const uint8_t *file_id, uint64_t first_index, uint64_t first_offset,
                      ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads, int checksum,
-                     ckf_status *status, uint64_t *end_offset);
+                     uint8_t *digests, ckf_status *status, uint64_t *end_offset);
 
 /* Helpers shared by the engine and exposed for tests. */
 uint64_t ckf_chunk_seed(const uint8_t *file_id, uint64_t index, uint64_t offset, uint64_t stored_len,
@@ -96,6 +103,10 @@ unsigned ckf_zstd_version(void);
 unsigned ckf_xxhash_version(void);
 /* memcpy on nthreads threads */
 void ckf_copy(uint8_t *dst, const uint8_t *src, uint64_t len, int nthreads);
+/* content digest (spec section 12): XXH3-128 of src, 16 bytes in canonical (big-endian) order */
+void ckf_digest(const uint8_t *src, uint64_t len, uint8_t *out);
+/* content digests of chunks [0, n) on nthreads threads: out[16*i ..] for chunk i */
+void ckf_content_digests(const uint8_t **src, const uint64_t *len, uint64_t n, uint8_t *out, int nthreads);
 
 /* parallel for: calls fn(ctx, i, thread) for i in [0, n) on nthreads threads
  * (the calling thread is one of them); returns 0, or an errno if threads could

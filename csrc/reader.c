@@ -3,7 +3,8 @@
  * Each chunk is read with pread into its destination (raw chunks, in pieces
  * that are hashed while still in cache) or into a per-thread scratch buffer
  * (zstd chunks), its checksum and zero padding are checked, and zstd chunks
- * are decoded into exactly raw_len bytes (un-shuffled when filtered).  Every
+ * are decoded into exactly raw_len bytes (un-shuffled when filtered).  In files
+ * with content digests (feature bit 0) the decoded bytes' XXH3-128 is checked too.  Every
  * length comes from the validated index; the decoder still checks each frame
  * against it, so a forged checksum cannot make it write out of bounds.
  */
@@ -17,6 +18,7 @@
 #include <zstd.h>
 
 #include "ckptfmt.h"
+#include "xxh.h"
 
 #define PIECE (256u << 10)
 #define WINDOW_LOG_MAX 27
@@ -79,7 +81,7 @@ static void task_read(void *ctx, uint64_t i, int thread) {
     rjob *j = (rjob *)ctx;
     if (atomic_load(&j->failed)) return;
     ckf_rchunk *c = &j->chunks[i];
-    int64_t k = (int64_t)c->index;
+    int64_t k = (int64_t)i; /* errors name the entry; the caller knows its chunk */
     XXH3_state_t *h = NULL;
     if (j->verify) {
         h = XXH3_createState();
@@ -91,12 +93,33 @@ static void task_read(void *ctx, uint64_t i, int thread) {
                                                      c->codec, c->filter, c->width));
     }
     uint8_t *stored = c->codec == CKF_CODEC_RAW ? c->dst : j->scratch[thread];
+    /* the content digest of a raw chunk is taken piece by piece with its checksum,
+     * while the piece is still in cache; a zstd chunk's after it is decoded */
+    XXH3_state_t *d = NULL;
+    if (j->verify && c->has_digest && c->codec == CKF_CODEC_RAW) {
+        d = XXH3_createState();
+        if (!d) {
+            XXH3_freeState(h);
+            rfail(j, CKF_ERR_NOMEM, ENOMEM, k, 0, 0);
+            return;
+        }
+        XXH3_128bits_reset(d);
+    }
     int bad = 0;
     for (uint64_t done = 0; done < c->stored_len && !bad;) {
         uint64_t step = c->stored_len - done < PIECE ? c->stored_len - done : PIECE;
         bad = read_or_fail(j, k, stored + done, step, c->offset + done);
-        if (!bad && h) XXH3_64bits_update(h, stored + done, (size_t)step);
+        if (!bad && h) ckf_xxh3_64_update(h, stored + done, (size_t)step);
+        if (!bad && d) ckf_xxh3_128_update(d, stored + done, (size_t)step);
         done += step;
+    }
+    uint8_t content[16] = {0};
+    int check_content = d != NULL;
+    if (d) {
+        XXH128_canonical_t canon;
+        XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(d));
+        memcpy(content, canon.digest, sizeof content);
+        XXH3_freeState(d);
     }
     uint8_t pad[CKF_ALIGN];
     if (!bad && c->pad) {
@@ -116,7 +139,11 @@ static void task_read(void *ctx, uint64_t i, int thread) {
             return;
         }
     }
-    if (c->codec == CKF_CODEC_RAW) return;
+    if (c->codec == CKF_CODEC_RAW) {
+        if (check_content && memcmp(content, c->digest, sizeof content))
+            rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_DIGEST, 0);
+        return;
+    }
     /* zstd: one frame, declaring exactly raw_len, consuming exactly stored_len */
     unsigned long long declared = ZSTD_getFrameContentSize(stored, (size_t)c->stored_len);
     if (declared == ZSTD_CONTENTSIZE_ERROR) {
@@ -147,6 +174,10 @@ static void task_read(void *ctx, uint64_t i, int thread) {
         return;
     }
     if (c->filter == CKF_FILTER_SHUFFLE) ckf_unshuffle(c->dst, out, c->raw_len, c->width);
+    if (j->verify && c->has_digest) {
+        ckf_digest(c->dst, c->raw_len, content);
+        if (memcmp(content, c->digest, sizeof content)) rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_DIGEST, 0);
+    }
 }
 
 int ckf_read_chunks(int fd, const uint8_t *file_id, ckf_rchunk *chunks, uint64_t n, int verify, int nthreads,
@@ -169,7 +200,7 @@ int ckf_read_chunks(int fd, const uint8_t *file_id, ckf_rchunk *chunks, uint64_t
             (c->filter == CKF_FILTER_SHUFFLE && (c->width < 2 || c->raw_len % c->width)) ||
             c->filter > CKF_FILTER_SHUFFLE || c->pad >= CKF_ALIGN) {
             status->code = CKF_ERR_ARG;
-            status->chunk = (int64_t)c->index;
+            status->chunk = (int64_t)i;
             return CKF_ERR_ARG;
         }
         if (c->codec == CKF_CODEC_ZSTD && c->stored_len > max_stored) max_stored = c->stored_len;

@@ -6,6 +6,10 @@
  * is compressed in parallel (per-thread zstd contexts and shuffle buffers),
  * offsets are assigned in order, then the window is hashed and written in
  * parallel.  Memory stays bounded by the window, not the state.
+ *
+ * When asked (digests != NULL), each chunk's content digest (XXH3-128 of its raw
+ * bytes, spec section 12) comes out too: for a raw chunk in the same pass as its
+ * checksum, piece by piece while in cache; for a compressed one before encoding.
  */
 #include <errno.h>
 #include <stdatomic.h>
@@ -16,6 +20,7 @@
 #include <zstd.h>
 
 #include "ckptfmt.h"
+#include "xxh.h"
 
 size_t ckf_zstd_compress_ctx(void *cctx, uint8_t *dst, size_t cap, const uint8_t *src, size_t len, int level);
 
@@ -29,6 +34,8 @@ typedef struct {
     uint64_t base; /* first chunk of the current window */
     int level;
     int checksum;
+    uint8_t *digests;    /* NULL, or 16 bytes per chunk of the call */
+    int digest_on_write; /* digests taken in task_write (raw path) rather than task_encode */
     /* per window slot: the compressed bytes (NULL when stored raw) */
     uint8_t **slot_buf;
     size_t slot_cap;
@@ -78,7 +85,7 @@ static void task_write(void *ctx, uint64_t i, int thread) {
     uint64_t k = j->base + i;
     ckf_chunk *c = &j->chunks[k];
     const uint8_t *p = c->codec == CKF_CODEC_RAW ? c->src : j->slot_buf[i];
-    XXH3_state_t *h = NULL;
+    XXH3_state_t *h = NULL, *d = NULL;
     if (j->checksum) {
         h = XXH3_createState();
         if (!h) {
@@ -89,9 +96,19 @@ static void task_write(void *ctx, uint64_t i, int thread) {
                                        c->codec, c->filter, c->fwidth);
         XXH3_64bits_reset_withSeed(h, seed);
     }
+    if (j->digests && j->digest_on_write) { /* raw chunks only: stored bytes are the raw bytes */
+        d = XXH3_createState();
+        if (!d) {
+            XXH3_freeState(h);
+            fail(j, CKF_ERR_NOMEM, ENOMEM, (int64_t)(j->first_index + k));
+            return;
+        }
+        XXH3_128bits_reset(d);
+    }
     for (uint64_t done = 0; done < c->stored_len;) {
         uint64_t step = c->stored_len - done < PIECE ? c->stored_len - done : PIECE;
-        if (h) XXH3_64bits_update(h, p + done, (size_t)step);
+        if (h) ckf_xxh3_64_update(h, p + done, (size_t)step);
+        if (d) ckf_xxh3_128_update(d, p + done, (size_t)step);
         int e = pwrite_all(j->fd, p + done, step, c->offset + done);
         if (e) {
             fail(j, CKF_ERR_IO, e, (int64_t)(j->first_index + k));
@@ -101,6 +118,12 @@ static void task_write(void *ctx, uint64_t i, int thread) {
     }
     c->checksum = h ? XXH3_64bits_digest(h) : 0;
     XXH3_freeState(h);
+    if (d) {
+        XXH128_canonical_t canon;
+        XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(d));
+        memcpy(j->digests + 16 * k, canon.digest, 16);
+        XXH3_freeState(d);
+    }
 }
 
 /* compress chunk base+i into window slot i; fall back to raw when it does not pay */
@@ -108,6 +131,7 @@ static void task_encode(void *ctx, uint64_t i, int thread) {
     job *j = (job *)ctx;
     if (atomic_load(&j->failed)) return;
     ckf_chunk *c = &j->chunks[j->base + i];
+    if (j->digests) ckf_digest(c->src, c->raw_len, j->digests + 16 * (j->base + i));
     c->codec = CKF_CODEC_RAW;
     c->filter = CKF_FILTER_NONE;
     c->fwidth = 0;
@@ -138,7 +162,7 @@ static uint64_t align_up(uint64_t x) { return (x + CKF_ALIGN - 1) / CKF_ALIGN * 
 
 int ckf_write_chunks(int fd, const uint8_t *file_id, uint64_t first_index, uint64_t first_offset,
                      ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads, int checksum,
-                     ckf_status *status, uint64_t *end_offset) {
+                     uint8_t *digests, ckf_status *status, uint64_t *end_offset) {
     status->code = CKF_OK;
     status->err_no = 0;
     status->chunk = -1;
@@ -154,6 +178,8 @@ int ckf_write_chunks(int fd, const uint8_t *file_id, uint64_t first_index, uint6
     j.chunks = chunks;
     j.level = level;
     j.checksum = checksum;
+    j.digests = digests;
+    j.digest_on_write = !compress;
     j.status = status;
     atomic_init(&j.failed, 0);
     uint64_t pos = first_offset;

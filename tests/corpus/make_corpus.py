@@ -5,6 +5,11 @@
 Every file has valid checksums wherever the attack does not concern them, so the
 reader's structural checks, not the checksums, must catch it (an attacker can
 recompute XXH3).  expected.json maps each file to the error class it must raise.
+
+The ext_* cases are incremental files (required feature bit 0) whose external chunks
+name side files written alongside: ext_base.ref (a valid file with content digests)
+and ext_garbage.ref (not a ckptfmt file).  Side files end in .ref, not .ckpt, so the
+corpus tests do not take them for cases.
 """
 
 from __future__ import annotations
@@ -125,6 +130,62 @@ def build(
     pro = struct.pack("<8sHHI16sQQQ", MAGIC, major, 0, flags, fid, length, required, 0)
     data[:64] = pro + struct.pack("<Q", xxhash.xxh3_64_intdigest(pro))
     return bytes(data) + trailing
+
+
+# -- incremental files (spec section 12) ---------------------------------------
+
+FID_BASE = bytes.fromhex("ba5e0000" * 4)
+
+
+def digest(raw: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(raw)
+
+
+def ext_index(externals: list[Any], chunks: list[Any] | None = None) -> dict[str, Any]:
+    """base_index() with the `externals` member between storages and chunks."""
+    i = base_index()
+    return {
+        **{k: i[k] for k in ("chunk_size", "producer", "source_devices", "metadata", "storages")},
+        "externals": externals,
+        "chunks": chunks,
+        "nodes": i["nodes"],
+    }
+
+
+def ext_base() -> bytes:
+    """The referenced file: RAW16 as its one local chunk, with its digest."""
+    return build(ext_index([]), fid=FID_BASE, required=1, mutate_chunks=lambda c: c[0].append(digest(RAW16)))
+
+
+def ext_record(
+    number: int = 0, offset: int = 64, entry: int = 0, check_number: int | None = None
+) -> list[Any]:
+    """An external record naming chunk `number` of ext_base.ref (checksum bound to `check_number`)."""
+    n = number if check_number is None else check_number
+    check = chunk_check(FID_BASE, n, offset, RAW16, 16, 0, 0, 0)
+    return [offset, 16, 16, 0, 0, 0, check, digest(RAW16), entry, number]
+
+
+def ext_file(
+    externals: list[Any] | None = None,
+    record: list[Any] | None = None,
+    **kw: Any,
+) -> bytes:
+    """A file whose one chunk is external, in ext_base.ref unless told otherwise."""
+    if externals is None:
+        externals = [["ext_base.ref", FID_BASE.hex(), len(ext_base())]]
+    return build(ext_index(externals, [record or ext_record()]), [], required=1, **kw)
+
+
+def ref(path: str, fid: bytes = FID_BASE, length: int | None = None) -> list[Any]:
+    return [path, fid.hex(), len(ext_base()) if length is None else length]
+
+
+#: files the ext_* cases refer to, written next to them
+SIDE_FILES: dict[str, Callable[[], bytes]] = {
+    "ext_base.ref": ext_base,
+    "ext_garbage.ref": lambda: b"GGUF" + bytes(1020),
+}
 
 
 def idx(**changes: Any) -> dict[str, Any]:
@@ -414,14 +475,69 @@ CASES: dict[str, tuple[str, Callable[[], bytes]]] = {
         lambda: build(idx(storages=[], nodes=[["npscalar", "<f8", "AAAA"]]), []),
     ),
     "string_not_a_string": ("CorruptError", lambda: build(idx(storages=[], nodes=[["str", 5]]), [])),
+    # incremental files: external chunks and content digests (section 12)
+    "ext_absolute_path": ("CorruptError", lambda: ext_file([ref("/etc/passwd")])),
+    "ext_path_two_levels_up": ("CorruptError", lambda: ext_file([ref("../../ext_base.ref")])),
+    "ext_path_hidden": ("CorruptError", lambda: ext_file([ref(".ext_base.ref")])),
+    "ext_path_dot_component": ("CorruptError", lambda: ext_file([ref("./ext_base.ref")])),
+    "ext_path_temp_file": ("CorruptError", lambda: ext_file([ref(".x.ckpt.ckptfmt-tmp.1.ab")])),
+    "ext_wrong_file_id": ("CorruptError", lambda: ext_file([ref("ext_base.ref", fid=b"\1" * 16)])),
+    "ext_wrong_length": (
+        "CorruptError",
+        lambda: ext_file([ref("ext_base.ref", length=len(ext_base()) + 64)]),
+    ),
+    "ext_self_reference": ("CorruptError", lambda: ext_file([ref("ext_base.ref", fid=FID)])),
+    "ext_missing_file": ("IncompleteError", lambda: ext_file([ref("ext_missing.ref")])),
+    "ext_not_ckptfmt": ("CorruptError", lambda: ext_file([ref("ext_garbage.ref", length=1024)])),
+    "ext_points_at_itself": ("CorruptError", lambda: ext_file([ref("ext_points_at_itself.ckpt")])),
+    "ext_chunk_outside_data": ("CorruptError", lambda: ext_file(record=ext_record(offset=192))),
+    "ext_chunk_past_file": ("CorruptError", lambda: ext_file(record=ext_record(offset=1 << 40))),
+    "ext_transplanted_chunk": ("CorruptError", lambda: ext_file(record=ext_record(number=3, check_number=0))),
+    "ext_digest_mismatch": (
+        "CorruptError",
+        lambda: ext_file(record=ext_record()[:7] + [digest(b"other")] + [0, 0]),
+    ),
+    "ext_entry_out_of_range": ("CorruptError", lambda: ext_file(record=ext_record(entry=1))),
+    "ext_unused_entry": (
+        "CorruptError",
+        lambda: ext_file([ref("ext_base.ref"), ["other.ref", "ab" * 16, 1024]]),
+    ),
+    "ext_duplicate_path": (
+        "CorruptError",
+        lambda: ext_file([ref("ext_base.ref"), ["ext_base.ref", "ab" * 16, 1024]]),
+    ),
+    "ext_too_many_externals": (
+        "LimitError",
+        lambda: ext_file([ref("ext_base.ref")] + [[f"f{i}", f"{i:032x}", 1024] for i in range(1, 4097)]),
+    ),
+    "ext_record_without_digest": (
+        "CorruptError",
+        lambda: build(ext_index([]), required=1),
+    ),
+    "ext_member_without_feature_bit": ("CorruptError", lambda: build(ext_index([]))),
+    "ext_feature_bit_without_member": (
+        "CorruptError",
+        lambda: build(required=1, mutate_chunks=lambda c: c[0].append(digest(RAW16))),
+    ),
+    "ext_local_digest_mismatch": (
+        "CorruptError",
+        lambda: build(ext_index([]), required=1, mutate_chunks=lambda c: c[0].append(digest(b"x"))),
+    ),
+    "ext_digest_not_hex": (
+        "CorruptError",
+        lambda: build(ext_index([]), required=1, mutate_chunks=lambda c: c[0].append("Z" * 32)),
+    ),
 }
 
 
 def main() -> None:
     expected = {}
     for old in os.listdir(HERE):
-        if old.endswith(".ckpt"):
+        if old.endswith((".ckpt", ".ref")):
             os.unlink(os.path.join(HERE, old))
+    for name, make in SIDE_FILES.items():
+        with open(os.path.join(HERE, name), "wb") as f:
+            f.write(make())
     for name, (err, make) in CASES.items():
         with open(os.path.join(HERE, f"{name}.ckpt"), "wb") as f:
             f.write(make())
