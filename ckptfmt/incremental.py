@@ -36,6 +36,13 @@ from .writer import ChunkRecord
 _CONSOLIDATE_WINDOW = 64 << 20
 
 
+#: The checkpoint manager writes chunks smaller than this again.  Referring to one saves
+#: next to nothing, and would keep a whole earlier file alive (rotation never deletes a
+#: file that a kept checkpoint refers to) for a few unchanged bytes such as an RNG
+#: state or a bias.
+MIN_REFERENCE_BYTES = 64 << 10
+
+
 @dataclass(frozen=True)
 class _Held:
     """A chunk already on disk: which candidate file holds it, its number and record there."""
@@ -82,7 +89,8 @@ class ContentIndex:
     the digest and either finds where the same bytes already lie or asks for a write.
     """
 
-    def __init__(self, target: str, base: str | None) -> None:
+    def __init__(self, target: str, base: str | None, min_reference_bytes: int = 0) -> None:
+        self.min_reference_bytes = min_reference_bytes
         self.files: list[_Candidate] = []
         self.held: dict[tuple[int, bytes], _Held] = {}
         self.entries: dict[int, int] = {}  # candidate file -> its entry in `externals`
@@ -154,7 +162,7 @@ class ContentIndex:
         out: list[ChunkRecord | None] = []
         for i, (view, digest) in enumerate(zip(views, digests)):
             self.digests.append(digest)
-            held = self.held.get((len(view), digest))
+            held = self.held.get((len(view), digest)) if len(view) >= self.min_reference_bytes else None
             if held is None or (
                 held.file not in self.entries and len(self.entries) >= fmt.Limits.MAX_EXTERNALS
             ):
@@ -187,6 +195,7 @@ def save(
     metadata: dict[str, str] | None = None,
     blocking: bool = True,
     chunk_size: int | None = None,
+    min_reference_bytes: int = 0,
 ) -> SaveHandle | None:
     """Write `state` to `path` with content digests (feature bit 0).
 
@@ -199,6 +208,7 @@ def save(
     Without `chunk_size`, a save against a base uses the base's chunk size, so the
     chunks of unchanged tensors line up.  blocking=False returns a SaveHandle once the
     state is snapshotted; the digests are computed from the snapshot by the writer.
+    Chunks shorter than `min_reference_bytes` are always written here.
     """
     meta = writer.check_save_args(compression, level, metadata)
     target = os.fspath(path)
@@ -210,7 +220,7 @@ def save(
     base_path = None if base is None else os.fspath(base)
     if base_path is not None:
         background.wait_for_path(base_path)  # a non-blocking save of the base may still run
-    index = ContentIndex(target, base_path)
+    index = ContentIndex(target, base_path, min_reference_bytes)
     if chunk_size is None and index.base_chunk_size is not None and not os.environ.get("CKPTFMT_CHUNK_SIZE"):
         chunk_size = index.base_chunk_size
     size = writer.check_chunk_size(chunk_size)

@@ -415,7 +415,12 @@ class CheckpointManager:
             from . import incremental
 
             return incremental.save(
-                payload, target, base=self._base_file(), compression=self.compression, blocking=self.blocking
+                payload,
+                target,
+                base=self._base_file(),
+                compression=self.compression,
+                blocking=self.blocking,
+                min_reference_bytes=incremental.MIN_REFERENCE_BYTES,
             )
         return writer.save(payload, target, compression=self.compression, blocking=self.blocking)
 

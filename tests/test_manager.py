@@ -1069,7 +1069,6 @@ def test_interleaved_waits_keep_every_step_in_order(waits):
 
 
 def test_incremental_runs_keep_the_files_later_steps_refer_to(tmp_path):
-    pytest.importorskip("ckptfmt.incremental", reason="ckptfmt/incremental.py is not written yet")
     mgr = CheckpointManager(tmp_path, incremental=True, keep_last=1)
     frozen = torch.randn(1000)
     for s in (1, 2, 3):
@@ -1078,6 +1077,87 @@ def test_incremental_runs_keep_the_files_later_steps_refer_to(tmp_path):
     assert torch.equal(got["frozen"], frozen) and got["w"][0] == 3
     assert mgr.verify().ok
     assert [c.step for c in mgr.checkpoints()] == [3]
+
+
+def _frozen_run(tmp_path, **kw):
+    """Steps 1..3 of a run whose 'frozen' tensor never changes (about 1 MiB, several chunks)."""
+    mgr = CheckpointManager(tmp_path / "run", incremental=True, keep_last=1, **kw)
+    frozen = torch.randn(256 * 1024)
+    for s in (1, 2, 3):
+        h = mgr.save(s, {"frozen": frozen, "w": torch.full((1000,), float(s))})
+        if h is not None:
+            h.wait()
+    return mgr, frozen
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_rotation_keeps_only_the_referenced_files(tmp_path, blocking):
+    mgr, frozen = _frozen_run(tmp_path, blocking=blocking)
+    run = tmp_path / "run"
+    # step 1 holds the frozen bytes that step 3 refers to: its commit record is gone, its file
+    # stays; step 2 held nothing step 3 needs and is gone entirely
+    assert sorted(os.listdir(run)) == ["step-000000001", "step-000000003"]
+    assert os.listdir(run / "step-000000001") == ["state.ckpt"]
+    info = mgr.latest()
+    assert info.step == 3 and info.references == (str(run / "step-000000001" / "state.ckpt"),)
+    assert info.size < frozen.nbytes // 4  # step 3 did not write the frozen tensor again
+    statuses = {s.step: s for s in mgr.statuses()}
+    assert statuses[1].retained and statuses[1].info is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a retained directory is not worth a warning
+        assert mgr.latest().step == 3
+    assert torch.equal(mgr.load()["frozen"], frozen)
+    # once nothing refers to step 1 any more, the next save removes it
+    mgr.save(4, {"frozen": frozen + 1, "w": torch.zeros(1000)})
+    mgr.wait()
+    mgr.save(5, {"frozen": frozen + 1, "w": torch.ones(1000)})
+    mgr.wait()
+    assert sorted(os.listdir(run)) == ["step-000000004", "step-000000005"]
+    assert torch.equal(mgr.load()["frozen"], frozen + 1)
+
+
+def test_damaged_referenced_file_fails_verify_and_load_naming_both_files(tmp_path):
+    mgr, _ = _frozen_run(tmp_path)
+    held = tmp_path / "run" / "step-000000001" / "state.ckpt"
+    with ckptfmt.open(held) as r:
+        offset = r._file.chunks[0].offset
+    data = bytearray(held.read_bytes())
+    data[offset + 100] ^= 0x01
+    held.write_bytes(bytes(data))
+    report = mgr.verify()
+    assert not report.ok
+    text = str(report.problems[0])
+    assert "state.ckpt" in text and "step-000000001" in text, text
+    with pytest.raises(ckptfmt.CorruptError) as e:
+        mgr.load()
+    assert "step-000000003" in str(e.value) and "step-000000001" in str(e.value)
+
+
+def test_a_frozen_tensor_changed_through_data_is_saved(tmp_path):
+    mgr = CheckpointManager(tmp_path, incremental=True)
+    model = torch.nn.Linear(256, 256)
+    model.weight.requires_grad_(False)
+    mgr.save(1, {"model": model})
+    model.weight.data[7, 7] += 1.0  # bypasses autograd and the version counter of the Parameter
+    mgr.save(2, {"model": model})
+    assert torch.equal(mgr.load(step=2)["model"]["weight"], model.weight)
+    assert not torch.equal(mgr.load(step=1)["model"]["weight"], model.weight)
+
+
+def test_an_incremental_checkpoint_consolidates_into_one_file(tmp_path):
+    mgr, frozen = _frozen_run(tmp_path)
+    out = tmp_path / "alone.ckpt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptfmt", "consolidate", mgr.latest().state_path, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    shutil.rmtree(tmp_path / "run")
+    alone = ckptfmt.load(out)
+    assert torch.equal(alone["state"]["frozen"], frozen) and alone["state"]["w"][0] == 3
+    assert ckptfmt.verify(out).ok
 
 
 # -- multifile: the commit record ----------------------------------------------------------------
