@@ -10,8 +10,8 @@ test:
 	$(PY) -m pytest -q
 
 lint:
-	$(PY) -m ruff check ckptfmt tests bench
-	$(PY) -m ruff format --check ckptfmt tests bench
+	$(PY) -m ruff check ckptfmt tests bench examples
+	$(PY) -m ruff format --check ckptfmt tests bench examples
 	$(PY) -m mypy ckptfmt
 
 demo:

@@ -14,7 +14,7 @@ from .errors import (  # noqa: E402
     UnsupportedObjectError,
 )
 from .format import FORMAT_MAJOR, FORMAT_MINOR  # noqa: E402
-from .inplace import LoadReport, MismatchError, load_into  # noqa: E402
+from .inplace import FileChangedError, LoadReport, MismatchError, PartialLoadError, load_into  # noqa: E402
 from .manager import CheckpointInfo, CheckpointManager  # noqa: E402
 from .resume import ResumeReport  # noqa: E402
 from .rng import capture_rng, restore_rng  # noqa: E402
@@ -46,7 +46,9 @@ __all__ = [
     "FORMAT_MINOR",
     "IncompleteError",
     "LimitError",
+    "FileChangedError",
     "LoadReport",
+    "PartialLoadError",
     "MismatchError",
     "Problem",
     "Reader",

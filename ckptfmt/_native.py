@@ -43,6 +43,7 @@ def versions() -> dict[str, str]:
 ERR_IO, ERR_NOMEM, ERR_ZSTD, ERR_ARG, ERR_CORRUPT, ERR_SHORT = 1, 2, 3, 4, 5, 6
 WHY_CHECKSUM, WHY_PADDING, WHY_ZSTD, WHY_NO_SIZE, WHY_DECLARED, WHY_DECODED, WHY_SHORT = 1, 2, 3, 4, 5, 6, 7
 WHY_DIGEST = 8
+WHY_FRAME, WHY_WINDOW, WHY_DICT = 9, 10, 11
 
 
 def default_threads() -> int:

@@ -7,120 +7,102 @@ the state is larger than the staging limit, the snapshot hands full slabs to
 the writer as it goes and waits for slabs to come back, so the caller is
 blocked only while what does not fit is copied.
 
-Saves, loads and removals of a path wait for the save in flight on that path.
-Errors are never lost: ``wait()`` raises them; a handle dropped without
-``wait()`` has its error raised by the next save, or printed at interpreter
-exit, which waits for every save in flight first.
+Host storages are staged in ordinary slabs, accelerator storages in pinned
+ones (copied asynchronously, fenced by an event on the source device's
+stream).  One slab of each kind stays open, so a state that alternates between
+the two (AdamW's CPU ``step`` tensors between its GPU moments) fills two slabs,
+not one slab per change.  Chunks reach the writer in file order whatever slab
+they were staged in; a slab goes back to the pool once the writer has written
+every chunk in it and every copy into it has finished.
+
+Failures leave nothing behind: a snapshot that fails part-way hands its open
+slabs to the writer to give back, a writer thread that cannot start takes the
+temp file and the in-flight mark with it, and the writer gives back every slab
+the snapshot hands it, even after an error.  Errors are never lost: ``wait()``
+raises them; a handle dropped without ``wait()`` has its error raised by the
+next save, or printed at interpreter exit (inflight.py).
 """
 
 from __future__ import annotations
 
-import atexit
+import functools
 import os
 import queue
-import sys
 import threading
 from typing import Any
 
 import torch
 
-from . import _native, tree, writer
-from .staging import POOL
+from . import _native, bytesview, chunkio, inflight, tree
+from .commit import AtomicFile
+from .inflight import (  # noqa: F401 - these lived here once; tests and callers still use the names
+    SaveHandle,
+    _in_flight,
+    _unobserved,
+    raise_unobserved,
+    wait_for_path,
+)
+from .staging import POOL, StagingPool
 
 
-class SaveHandle:
-    """The result of a non-blocking save."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._done = threading.Event()
-        self._exc: BaseException | None = None
-        self._observed = False
-
-    def done(self) -> bool:
-        """True once the file is committed (or the save failed)."""
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the file is durable at its path; raise the save's error if it failed."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"{self.path}: save still in progress after {timeout} s")
-        self._observed = True
-        if self._exc is not None:
-            raise self._exc
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        """The save's error, or None; waits like wait()."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"{self.path}: save still in progress after {timeout} s")
-        self._observed = True
-        return self._exc
-
-    def _finish(self, exc: BaseException | None) -> None:
-        self._exc = exc
-        self._done.set()
-
-    def __repr__(self) -> str:
-        state = "running" if not self.done() else ("failed" if self._exc else "done")
-        return f"<SaveHandle {self.path!r} {state}>"
+def _accelerator_type() -> str | None:
+    """The device type of this process's accelerator (None without one)."""
+    acc = torch.accelerator.current_accelerator(check_available=True)
+    return None if acc is None else acc.type
 
 
-_lock = threading.Lock()
-_in_flight: dict[str, SaveHandle] = {}
-_unobserved: list[SaveHandle] = []
+def _fence(device: torch.device) -> Any:
+    """An event that completes when the work issued so far on `device`'s current stream has.
+
+    A device-to-host copy runs on the current stream of the *source* device, which
+    is not the current device's when the tensor lives on another one (a copy from
+    device 1 while device 0 is current): the event is recorded on that stream.
+    """
+    return torch.accelerator.current_stream(device).record_event()
 
 
-def _key(path: str | os.PathLike[str]) -> str:
-    return os.path.realpath(os.fspath(path))
+def _copy_into_slab(
+    src: torch.UntypedStorage, start: int, length: int, dst: torch.Tensor, pinned: bool
+) -> None:
+    """Copy bytes start..start+length of a device storage into a slab (asynchronously when pinned:
+    the copy is queued on the source device's current stream, before any later change to it)."""
+    piece = bytesview.storage_as_uint8(src)[start : start + length]
+    dst[:length].copy_(piece, non_blocking=pinned)
 
 
-def wait_for_path(path: str | os.PathLike[str]) -> None:
-    """Wait for the save in flight on `path`, if any (its error stays with its handle)."""
-    with _lock:
-        h = _in_flight.get(_key(path))
-    if h is not None:
-        h._done.wait()
+def _host_bytes(src: torch.UntypedStorage | Any) -> memoryview | None:
+    """A byte view of a CPU storage or array, None for device storages."""
+    if isinstance(src, torch.UntypedStorage):
+        if src.device.type != "cpu":
+            return None
+        return bytesview.storage_bytes(src)
+    return bytesview.array_bytes(src)
 
 
-def raise_unobserved() -> None:
-    """Raise the error of an earlier non-blocking save nobody waited for (one per call)."""
-    with _lock:
-        failed = [h for h in _unobserved if h.done() and h._exc is not None and not h._observed]
-        _unobserved[:] = [h for h in _unobserved if not h.done() or h in failed[1:]]
-    if failed:
-        h = failed[0]
-        h._observed = True
-        raise RuntimeError(
-            f"an earlier non-blocking save of {h.path} failed and was never waited for"
-        ) from h._exc
+class _Slab:
+    """A slab being filled."""
 
+    __slots__ = ("tensor", "view", "used")
 
-@atexit.register
-def _at_exit() -> None:
-    with _lock:
-        handles = list(_in_flight.values()) + list(_unobserved)
-    for h in handles:
-        h._done.wait()
-        if h._exc is not None and not h._observed:
-            print(f"ckptfmt: non-blocking save of {h.path} failed: {h._exc!r}", file=sys.stderr)
-
-
-def _copy_into_slab(src: torch.UntypedStorage, start: int, length: int, dst: torch.Tensor) -> None:
-    flat = torch.empty(0, dtype=torch.uint8, device=src.device).set_(src)
-    piece = flat[start : start + length]
-    if src.device.type == "cpu":
-        dst[:length].copy_(piece)
-    else:  # issued on the current stream: later kernels that change the source run after it
-        dst[:length].copy_(piece, non_blocking=True)
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.view = bytesview.tensor_bytes(tensor)
+        self.used = 0
 
 
 class _Piece:
-    __slots__ = ("slab", "views", "event")
+    """The next chunks of the file, in order, and what to do once they are written.
 
-    def __init__(self, slab: torch.Tensor | None, views: list[tuple[memoryview, int]], event: Any) -> None:
-        self.slab = slab
+    events: wait for these before reading the views (asynchronous copies into them);
+    release: slabs that no later piece uses, given back once this piece is written.
+    """
+
+    __slots__ = ("views", "events", "release")
+
+    def __init__(self, views: list[tuple[memoryview, int]], events: list[Any], release: list[torch.Tensor]):
         self.views = views
-        self.event = event
+        self.events = events
+        self.release = release
 
 
 def save_async(
@@ -131,108 +113,150 @@ def save_async(
     level: int | None,
     metadata: dict[str, str],
     chunk_size: int,
-    dedup: writer.Dedup | None = None,
+    dedup: chunkio.Dedup | None = None,
 ) -> SaveHandle:
     encoded = tree.encode(state)  # unsupported objects fail here, before anything is written
+    tree.check_chunks(encoded, chunk_size)
     handle = SaveHandle(path)
-    atomic = writer.AtomicFile(path)
-    atomic.__enter__()  # creation errors (missing directory, permissions) are raised now
     pieces: queue.Queue[_Piece | BaseException | None] = queue.Queue()
     # The writer starts when the snapshot is complete, or as soon as the snapshot
     # has to wait for staging memory: until then it would only compete with the
     # caller's copies for cores and memory bandwidth.
     go = threading.Event()
-    with _lock:
-        _in_flight[_key(path)] = handle
+    atomic = AtomicFile(path)
+    pool = POOL
     thread = threading.Thread(
         target=_write_worker,
-        args=(handle, atomic, encoded, pieces, go, compression, level, metadata, chunk_size, dedup),
+        args=(handle, atomic, encoded, pieces, go, compression, level, metadata, chunk_size, dedup, pool),
         name=f"ckptfmt-save-{os.path.basename(path)}",
         daemon=False,
     )
-    thread.start()
+    atomic.__enter__()  # creation errors (missing directory, permissions) are raised now
+    inflight.begin(handle)
     try:
-        _snapshot(encoded, pieces, chunk_size, go.set)
+        thread.start()
+    except BaseException as e:  # no thread: nothing will ever finish this save
+        inflight.end(handle)
+        atomic.__exit__(None, None, None)
+        handle._finish(e)
+        raise
+    try:
+        _snapshot(encoded, pieces, chunk_size, go.set, pool)
     except BaseException as e:
         pieces.put(e)
         go.set()
         handle._done.wait()
         raise
     go.set()
-    with _lock:
-        _unobserved.append(handle)
+    inflight.watch(handle)
     return handle
 
 
-def _host_bytes(src: torch.UntypedStorage | Any) -> memoryview | None:
-    """A byte view of a CPU storage or array, None for accelerator storages."""
-    if isinstance(src, torch.UntypedStorage):
-        if src.device.type != "cpu":
-            return None
-        return torch.empty(0, dtype=torch.uint8).set_(src).numpy().data.cast("B")
-    return src.reshape(-1, order="A").view("u1").data.cast("B")
+def _snapshot(
+    encoded: tree.Encoded,
+    pieces: queue.Queue[Any],
+    chunk_size: int,
+    on_wait: Any,
+    pool: StagingPool | None = None,
+) -> None:
+    """Copy every storage into slabs, handing the chunks to the writer as slabs fill.
 
-
-def _snapshot(encoded: tree.Encoded, pieces: queue.Queue[Any], chunk_size: int, on_wait: Any) -> None:
-    """Copy every storage into slabs, handing each full slab to the writer.
-
-    Host bytes are copied in spans as long as fit the current slab (on the
+    Host bytes are copied in spans as long as fit the open host slab (on the
     engine's threads when it is built); accelerator storages are copied
-    asynchronously into pinned slabs on the current stream.
+    asynchronously into the open pinned slab.  On an error the slabs not yet
+    given to the writer are handed over (without their chunks) for it to give back.
     """
-    slab_bytes = POOL.slab_size(chunk_size)
+    pool = POOL if pool is None else pool
+    slab_bytes = pool.slab_size(chunk_size)
     threads = _native.default_threads()
-    slab: torch.Tensor | None = None
-    slab_view: memoryview | None = None
-    used = 0
+    accel = _accelerator_type()
+    open_slabs: dict[bool, _Slab | None] = {False: None, True: None}  # by pinned
     views: list[tuple[memoryview, int]] = []
-    pinned = False
-    event: Any = None
+    events: dict[torch.device, Any] = {}  # the newest fence per source device
+    closed: list[torch.Tensor] = []
+
+    def close(pinned: bool) -> None:
+        slab = open_slabs[pinned]
+        if slab is not None:
+            closed.append(slab.tensor)
+            open_slabs[pinned] = None
 
     def hand_over() -> None:
-        nonlocal slab, slab_view, used, views, event
-        if slab is not None:
-            pieces.put(_Piece(slab, views, event))
-        slab, slab_view, used, views, event = None, None, 0, [], None
+        nonlocal views, events, closed
+        if views or events or closed:
+            pieces.put(_Piece(views, list(events.values()), closed))
+        views, events, closed = [], {}, []
 
-    for plan in encoded.storages:
-        src = plan.source
-        host = _host_bytes(src)
-        accel = host is None
-        start = 0
-        while start < plan.nbytes:
-            left = plan.nbytes - start
-            room = 0 if slab is None or pinned != accel else slab.numel() - used
-            # a span is the rest of the storage, or as many whole chunks as fit
-            span = left if left <= room else room // chunk_size * chunk_size
-            if span == 0:
-                hand_over()
-                pinned = accel and torch.accelerator.is_available()
-                slab = POOL.acquire(slab_bytes, pinned, on_wait)
-                slab_view = slab.numpy().data.cast("B")
-                span = min(left, slab.numel())
-            assert slab is not None and slab_view is not None
-            if host is not None:
-                if _native.built():
-                    _native.copy(slab_view[used : used + span], host[start : start + span], threads)
+    def make_room(pinned: bool) -> None:
+        """The pool is full: the open slab of the other kind goes to the writer too."""
+        close(not pinned)
+        hand_over()
+        on_wait()
+
+    try:
+        for plan in encoded.storages:
+            src = plan.source
+            host = _host_bytes(src)
+            device = None if host is not None else torch.device(src.device)
+            pinned = device is not None and device.type == accel
+            start = 0
+            while start < plan.nbytes:
+                left = plan.nbytes - start
+                slab = open_slabs[pinned]
+                room = 0 if slab is None else max(0, slab.tensor.numel() - slab.used)
+                # a span is the rest of the storage, or as many whole chunks as fit
+                span = left if left <= room else room // chunk_size * chunk_size
+                if slab is None or span == 0:
+                    close(pinned)
+                    hand_over()
+                    slab = _Slab(pool.acquire(slab_bytes, pinned, functools.partial(make_room, pinned)))
+                    open_slabs[pinned] = slab
+                    span = min(left, slab.tensor.numel())
+                at = slab.used
+                if host is not None:
+                    if _native.built():
+                        _native.copy(slab.view[at : at + span], host[start : start + span], threads)
+                    else:
+                        slab.view[at : at + span] = host[start : start + span]
                 else:
-                    slab_view[used : used + span] = host[start : start + span]
-            else:
-                _copy_into_slab(src, start, span, slab[used : used + span])  # type: ignore[arg-type]
-                event = torch.Event(device=src.device.type)  # type: ignore[union-attr]
-                event.record()
-            for off in range(0, span, chunk_size):
-                n = min(chunk_size, span - off)
-                views.append((slab_view[used + off : used + off + n], plan.width))
-            used = -(-(used + span) // 64) * 64  # every span starts 64-byte aligned in the slab
-            start += span
+                    assert isinstance(src, torch.UntypedStorage) and device is not None
+                    _copy_into_slab(src, start, span, slab.tensor[at : at + span], pinned)
+                    if pinned:
+                        events[device] = _fence(device)
+                for off in range(0, span, chunk_size):
+                    n = min(chunk_size, span - off)
+                    views.append((slab.view[at + off : at + off + n], plan.width))
+                slab.used = -(-(at + span) // 64) * 64  # every span starts 64-byte aligned in the slab
+                start += span
+    except BaseException:
+        views = []  # nothing more is written; the slabs (and fences of copies into them) go back
+        close(False)
+        close(True)
+        hand_over()
+        raise
+    close(False)
+    close(True)
     hand_over()
     pieces.put(None)
 
 
+def _retire(item: _Piece, pool: StagingPool) -> None:
+    """Give a written piece's closed slabs back, once no copy into them can still be running."""
+    item.views = []
+    try:
+        for event in item.events:
+            event.synchronize()
+    except BaseException:
+        for slab in item.release:  # a copy may still land there: never reuse it
+            pool.discard(slab)
+        raise
+    for slab in item.release:
+        pool.release(slab)
+
+
 def _write_worker(
     handle: SaveHandle,
-    atomic: writer.AtomicFile,
+    atomic: AtomicFile,
     encoded: tree.Encoded,
     pieces: queue.Queue[Any],
     go: threading.Event,
@@ -240,50 +264,51 @@ def _write_worker(
     level: int | None,
     metadata: dict[str, str],
     chunk_size: int,
-    dedup: writer.Dedup | None,
+    dedup: chunkio.Dedup | None,
+    pool: StagingPool,
 ) -> None:
     exc: BaseException | None = None
-    go.wait()
-    file_id = writer._file_id()
-    # an incremental save (dedup) digests the snapshot here, on this thread, not the caller's
-    out = writer.ChunkWriter(
-        atomic.fd, file_id, compression=compression, level=level, path=handle.path, dedup=dedup
-    )
+    ended = False  # the snapshot's last item (None, or its error) has been taken
     try:
+        go.wait()
+        file_id = chunkio.new_file_id()
+        # an incremental save (dedup) digests the snapshot here, on this thread, not the caller's
+        out = chunkio.ChunkWriter(
+            atomic.fd, file_id, compression=compression, level=level, path=handle.path, dedup=dedup
+        )
         while True:
             item = pieces.get()
-            if item is None:
-                break
-            if isinstance(item, BaseException):
+            if item is None or isinstance(item, BaseException):
+                ended = True
+                if item is None:
+                    break
                 raise item
             try:
                 if exc is None:
-                    if item.event is not None:
-                        item.event.synchronize()
+                    for event in item.events:
+                        event.synchronize()
                     out.write(item.views)
-            except BaseException as e:  # keep draining so the snapshot never waits forever
+            except BaseException as e:  # keep taking pieces so the snapshot never waits forever
                 exc = e
             finally:
-                item.views = []
-                if item.slab is not None:
-                    POOL.release(item.slab)
+                _retire(item, pool)
         if exc is None:
-            writer.finish_file(atomic.fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup)
+            chunkio.finish_file(atomic.fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup)
             atomic.commit()
     except BaseException as e:
         exc = exc or e
-        while True:  # release whatever the snapshot still hands over
-            try:
-                item = pieces.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, _Piece) and item.slab is not None:
-                POOL.release(item.slab)
+        while not ended:  # the snapshot is still handing over pieces: give their slabs back
+            item = pieces.get()
+            if item is None or isinstance(item, BaseException):
+                ended = True
+            else:
+                try:
+                    _retire(item, pool)
+                except BaseException:
+                    pass  # discarded, not reused
     finally:
         atomic.__exit__(None, None, None)
         if isinstance(exc, OSError) and exc.filename is None:
             exc = type(exc)(exc.errno, exc.strerror, handle.path)
-        with _lock:
-            if _in_flight.get(_key(handle.path)) is handle:
-                del _in_flight[_key(handle.path)]
+        inflight.end(handle)
         handle._finish(exc)

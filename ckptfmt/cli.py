@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import __version__
+from . import __version__, tree
 from . import format as fmt
 from .errors import CheckpointError
 from .sniff import DESCRIPTIONS, sniff
@@ -187,6 +187,34 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _is_dcp_dir(path: str) -> bool:
+    """A torch.distributed.checkpoint directory: DCP's own `.metadata`, or a COMMIT of layout dcp."""
+    from . import multifile
+
+    if os.path.exists(os.path.join(path, ".metadata")):
+        return True
+    if not os.path.exists(os.path.join(path, multifile.COMMIT_NAME)):
+        return False
+    try:
+        return multifile.read_commit(path).layout == "dcp"
+    except (CheckpointError, OSError):
+        return False
+
+
+def _ls_dcp(args: argparse.Namespace) -> int:
+    from .dcp import describe
+
+    info = describe(args.dir)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return EXIT_OK
+    state = "complete" if info["complete"] else f"incomplete: {info['problem']}"
+    print(f"{info['path']}: DCP checkpoint, {state}")
+    for f in info["files"]:
+        print(f"  {f['name']}  {f['status']}")
+    return EXIT_OK
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     import datetime
 
@@ -195,6 +223,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.dir):
         print(f"error: {args.dir}: not a directory", file=sys.stderr)
         return EXIT_USAGE
+    if _is_dcp_dir(args.dir):
+        return _ls_dcp(args)
     now = datetime.datetime.now(datetime.timezone.utc)
     rows = []
     for s in CheckpointManager(args.dir).statuses():
@@ -237,7 +267,7 @@ def _inspect_tree(f: Any) -> list[dict[str, Any]]:
     for path, i in tree.iter_paths(f.tree, f.tree.root, "state"):
         node = f.tree.nodes[i]
         kind = node[0]
-        row: dict[str, Any] = {"key": path, "type": kind}
+        row: dict[str, Any] = {"key": path, "type": kind, "depth": f.tree.depth_of(i)}
         if kind in ("tensor", "ndarray"):
             m = node[1]
             rec = f.storages[m["storage"]]
@@ -268,8 +298,7 @@ def _inspect_tree(f: Any) -> list[dict[str, Any]]:
             row["len"] = len(node[1])
         elif kind in ("int", "float", "bool", "str", "none", "dtype", "device", "complex"):
             value = tree.decode(f.tree, i, lambda s: None, f.path)  # type: ignore[arg-type, return-value]
-            text = repr(value)
-            row["value"] = text if len(text) <= 60 else text[:57] + "..."
+            row["value"] = tree.short_repr(value, 60)
         rows.append(row)
     return rows
 
@@ -350,7 +379,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if info["content_digests"]:
         _print_externals(info)
     for r in rows:
-        depth = r["key"].count("[") + r["key"].count("._metadata")
+        depth = r["depth"]
         name = r["key"] if depth == 0 else "  " * (depth - 1) + r["key"][r["key"].rfind("[") :]
         if r["type"] in ("tensor", "ndarray"):
             ratio = f" x{r['ratio']:.2f}" if r["codec"] != "raw" and r["ratio"] else ""
@@ -420,13 +449,16 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 def _flatten_tensors(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
     if isinstance(obj, torch.Tensor):
         if prefix in out:
-            raise ValueError(f"two entries flatten to the key {prefix!r}")
+            raise ValueError(f"two entries flatten to the key {tree.short_repr(prefix, 80)}")
         out[prefix] = obj
         return
     if isinstance(obj, dict):
         for k, v in obj.items():
             if not isinstance(k, str):
-                raise ValueError(f"key {k!r} under {prefix or 'the top level'!r} is not a string")
+                raise ValueError(
+                    f"key {tree.short_repr(k, 80)} under {tree.short_repr(prefix or 'the top level', 80)} "
+                    "is not a string"
+                )
             _flatten_tensors(v, f"{prefix}.{k}" if prefix else k, out)
         return
     where = prefix or "the top level"
@@ -435,9 +467,30 @@ def _flatten_tensors(obj: Any, prefix: str, out: dict[str, torch.Tensor]) -> Non
     )
 
 
+def _convert_dir(args: argparse.Namespace) -> int:
+    """A torch.distributed.checkpoint directory (ckptfmt's or DCP's own format) -> one file."""
+    from .dcp import consolidate
+
+    try:
+        rep = consolidate(args.src, args.dst, compression=args.compression, level=args.level)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as e:
+        print(f"error: {e.filename or args.src}: {e.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    print(
+        f"{args.src} ({rep.source_format}) -> {args.dst}: {rep.tensors} tensors, {rep.values} values, "
+        f"{rep.file_bytes} bytes"
+    )
+    return EXIT_OK
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from . import api, writer
 
+    if os.path.isdir(args.src):
+        return _convert_dir(args)
     try:
         kind = sniff(args.src)
     except OSError as e:
@@ -556,12 +609,12 @@ def _diff(a: Any, b: Any, path: str, out: list[dict[str, Any]]) -> None:
     if isinstance(a, dict):
         for k in a:
             if k not in b:
-                out.append({"key": f"{path}[{k!r}]", "what": "only in A"})
+                out.append({"key": tree.render_key(path, k), "what": "only in A"})
             else:
-                _diff(a[k], b[k], f"{path}[{k!r}]", out)
+                _diff(a[k], b[k], tree.render_key(path, k), out)
         for k in b:
             if k not in a:
-                out.append({"key": f"{path}[{k!r}]", "what": "only in B"})
+                out.append({"key": tree.render_key(path, k), "what": "only in B"})
         return
     if isinstance(a, (list, tuple)):
         if len(a) != len(b):
@@ -571,7 +624,7 @@ def _diff(a: Any, b: Any, path: str, out: list[dict[str, Any]]) -> None:
         return
     same = struct.pack("<d", a) == struct.pack("<d", b) if isinstance(a, float) else a == b
     if not same:
-        out.append({"key": path, "what": "value", "a": repr(a)[:80], "b": repr(b)[:80]})
+        out.append({"key": path, "what": "value", "a": tree.short_repr(a, 80), "b": tree.short_repr(b, 80)})
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -684,7 +737,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Convert torch.save or safetensors files to ckptfmt, or ckptfmt to safetensors "
         "(the direction follows the source's format).",
     )
-    c.add_argument("src", metavar="SRC")
+    c.add_argument("src", metavar="SRC", help="a file, or a torch.distributed.checkpoint directory")
     c.add_argument("dst", metavar="DST")
     c.add_argument("--compression", choices=["zstd"], default=None, help="compress chunks (to ckptfmt)")
     c.add_argument("--level", type=int, default=None, help="zstd level (default 1)")

@@ -17,6 +17,7 @@ accelerators (privateuse1 backends such as NPUs, XPU, MPS) take one path.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Union
 
@@ -31,19 +32,60 @@ MapLocation = Union[
 ]
 
 
+#: The largest device index torch can represent: c10::DeviceIndex is a signed 8-bit
+#: integer, and torch.device("cuda:300") silently becomes cuda:44.
+MAX_DEVICE_INDEX = 127
+
+#: A device or location tag (spec section 5): a type of 1 to 32 characters, then
+#: optionally ":" and an index from 0 to 127 in decimal without leading zeros.
+LOCATION_RE = re.compile(r"[a-z_][a-z0-9_]{0,31}(?::(?:0|[1-9][0-9]{0,2}))?")
+
+
+def valid_location(text: object) -> bool:
+    """Whether `text` is a location tag of the format's grammar whose index torch can
+    represent exactly (no leading zeros, at most MAX_DEVICE_INDEX)."""
+    if type(text) is not str or LOCATION_RE.fullmatch(text) is None:
+        return False
+    _, _, index = text.partition(":")
+    return not index or int(index) <= MAX_DEVICE_INDEX
+
+
+class DeviceError(ValueError):
+    """A device string that torch cannot parse, or would parse as another device."""
+
+
+def exact_device(text: str) -> torch.device:
+    """torch.device(text), or DeviceError when torch would parse `text` as another device
+    (an index above 127 wraps around) or not at all (a backend that is not installed)."""
+    _, colon, index = text.rpartition(":")
+    if colon and index.isdigit() and int(index) > MAX_DEVICE_INDEX:
+        raise DeviceError(
+            f"device {text[:60]!r}: torch cannot represent a device index above {MAX_DEVICE_INDEX}"
+        )
+    try:
+        return torch.device(text)
+    except RuntimeError as e:
+        raise DeviceError(f"device {text[:60]!r} is unknown to torch here ({str(e)[:80]})") from None
+
+
 def check_map_location(map_location: MapLocation) -> None:
     """Reject a malformed map_location before any file is read."""
     if map_location is None or callable(map_location):
         return
-    if isinstance(map_location, (str, torch.device)):
-        torch.device(map_location)  # raises RuntimeError for a malformed name
+    if isinstance(map_location, torch.device):
+        return
+    if isinstance(map_location, str):
+        exact_device(map_location)  # ValueError for a malformed or unrepresentable name
         return
     if isinstance(map_location, dict):
         for k, v in map_location.items():
             if not isinstance(k, str) or not isinstance(v, (str, torch.device)):
                 raise TypeError(
-                    f"map_location dict must map location strings to str or torch.device, got {k!r}: {v!r}"
+                    "map_location dict must map location strings to str or torch.device, got "
+                    f"{type(k).__name__}: {type(v).__name__}"
                 )
+            if isinstance(v, str):
+                exact_device(v)
         return
     raise TypeError(
         "map_location must be None, a str, a torch.device, a dict or a callable, "
@@ -52,13 +94,20 @@ def check_map_location(map_location: MapLocation) -> None:
 
 
 def planned_device(map_location: MapLocation, location: str) -> torch.device | None:
-    """The target device when it is known before reading; None when a callable decides."""
+    """The target device when it is known before reading; None when a callable decides.
+
+    ValueError when the target is a saved location that torch does not know here (a
+    backend that is not installed): map it elsewhere with map_location.
+    """
     if map_location is None:
         return torch.device("cpu")
-    if isinstance(map_location, (str, torch.device)):
-        return torch.device(map_location)
+    if isinstance(map_location, torch.device):
+        return map_location
+    if isinstance(map_location, str):
+        return exact_device(map_location)
     if isinstance(map_location, dict):
-        return torch.device(map_location.get(location, location))
+        target = map_location.get(location, location)
+        return target if isinstance(target, torch.device) else exact_device(target)
     return None
 
 
@@ -77,7 +126,7 @@ def apply_callable(
 ) -> torch.UntypedStorage:
     result = fn(storage, location)
     if result is None:
-        return move(storage, torch.device(location))
+        return move(storage, exact_device(location))
     if isinstance(result, torch.TypedStorage):
         result = result.untyped()
     if not isinstance(result, torch.UntypedStorage):

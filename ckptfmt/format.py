@@ -89,6 +89,29 @@ class Limits:
     MAX_METADATA_ENTRIES = 1 << 16
     #: files an incremental checkpoint refers to (each may be opened while reading)
     MAX_EXTERNALS = 4096
+    #: keys of one dict with the same Python hash (an int key k * (2**61 - 1) hashes like 0):
+    #: rebuilding a dict costs time quadratic in the number of keys that share a hash
+    MAX_KEY_COLLISIONS = 64
+    #: a torch.Size dimension is a C int64
+    MAX_SIZE_DIM = (1 << 63) - 1
+
+
+#: Memory a reader may need for the index (measured with tracemalloc, CPython 3.11's json
+#: and this reader's tables, tests/test_hardening.py): per byte of index, and per JSON
+#: array, object or member (counted as the '[', '{' and ':' bytes, an upper bound).  The
+#: costliest JSON, nested empty arrays, takes 46 bytes per byte; ckptfmt's indexes 8 to 15.
+INDEX_MEMORY_PER_BYTE = 16
+INDEX_MEMORY_PER_CONTAINER = 96
+
+
+def index_memory_bound(raw: bytes) -> int:
+    """An upper bound of the memory parsing and holding the index `raw` takes: the bytes, the
+    decoded text (4 bytes a character unless ASCII), json's objects and the reader's tables.
+    Computed before json builds anything, in one pass over the bytes per counted character."""
+    n = len(raw)
+    text = n if raw.isascii() else 4 * n
+    containers = raw.count(b"[") + raw.count(b"{") + raw.count(b":")
+    return n + text + INDEX_MEMORY_PER_BYTE * n + INDEX_MEMORY_PER_CONTAINER * containers
 
 
 def align_up(n: int) -> int:

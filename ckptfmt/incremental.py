@@ -25,12 +25,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _native, background, dtypes, tree, writer
+from . import _native, dtypes, inflight, tree, writer
 from . import format as fmt
-from .background import SaveHandle
+from .chunkio import ChunkRecord
 from .errors import CheckpointWarning
+from .inflight import SaveHandle
 from .reader import CheckpointFile
-from .writer import ChunkRecord
 
 #: raw bytes consolidate() reads (verified) and writes per step
 _CONSOLIDATE_WINDOW = 64 << 20
@@ -215,11 +215,11 @@ def save(
     here = os.path.dirname(os.path.abspath(target))
     if not os.path.isdir(here):  # before the references, which are relative to it
         raise FileNotFoundError(errno.ENOENT, "no such directory", here)
-    background.raise_unobserved()
-    background.wait_for_path(target)
+    inflight.raise_unobserved()
+    inflight.wait_for_path(target)
     base_path = None if base is None else os.fspath(base)
     if base_path is not None:
-        background.wait_for_path(base_path)  # a non-blocking save of the base may still run
+        inflight.wait_for_path(base_path)  # a non-blocking save of the base may still run
     index = ContentIndex(target, base_path, min_reference_bytes)
     if chunk_size is None and index.base_chunk_size is not None and not os.environ.get("CKPTFMT_CHUNK_SIZE"):
         chunk_size = index.base_chunk_size
@@ -239,7 +239,7 @@ def save(
 
 def referenced_files(path: str | os.PathLike[str]) -> list[str]:
     """Absolute paths of the files whose chunks `path` refers to (empty when self-contained)."""
-    background.wait_for_path(path)
+    inflight.wait_for_path(path)
     with CheckpointFile(path) as f:
         return [os.path.abspath(ext.path) for ext in f.externals]
 
@@ -279,8 +279,8 @@ def consolidate(
     """
     writer.check_save_args(compression, level, None)
     source, target = os.fspath(src), os.fspath(dst)
-    background.wait_for_path(source)
-    background.wait_for_path(target)
+    inflight.wait_for_path(source)
+    inflight.wait_for_path(target)
     if os.path.exists(target) and os.path.samefile(source, target):
         raise ValueError(f"{target}: consolidate writes a new file; it cannot replace the file it reads")
     with CheckpointFile(source) as f:

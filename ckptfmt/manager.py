@@ -35,7 +35,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import background, multifile, resume, retention, writer
+from . import inflight, inplace, multifile, resume, retention, writer
+from .commit import NO_LOCKING
 from .errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError
 from .inplace import MismatchError
 from .reader import CheckpointFile
@@ -48,8 +49,6 @@ _STEP_LIKE_RE = re.compile(r"step-[0-9]+")
 #: the largest step whose directory name parse_step_dirname() accepts (20 digits)
 MAX_STEP = 10**20 - 1
 _TEMP_RE = re.compile(r"\.step-[0-9]{9,20}\.ckptfmt-tmp\.[0-9]+\.[0-9a-f]+")
-#: flock is not available on every filesystem (Lustre without -o flock, some NFS)
-_NO_LOCKING = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
 def step_dirname(step: int) -> str:
@@ -76,6 +75,7 @@ class CheckpointInfo:
     created: datetime.datetime
     files: tuple[str, ...] = ()  # the step's part files, absolute
     references: tuple[str, ...] = ()  # files of earlier steps it reads chunks from
+    layout: str = "state"  # "state": one state file; "dcp": one file per rank (ckptfmt.dcp)
 
     @property
     def state_path(self) -> str:
@@ -119,6 +119,7 @@ def _info(step: int, path: str, record: multifile.CommitRecord) -> CheckpointInf
         created=_parse_created(record.created),
         files=tuple(os.path.join(path, p.name) for p in record.files),
         references=tuple(os.path.normpath(os.path.join(path, p.name)) for p in record.references),
+        layout=record.layout,
     )
 
 
@@ -130,7 +131,7 @@ def _try_lock(fd: int) -> bool | None:
     except OSError as e:
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             return False
-        if e.errno in _NO_LOCKING:
+        if e.errno in NO_LOCKING:  # flock unsupported (Lustre without -o flock, some NFS)
             return None
         raise
 
@@ -161,7 +162,7 @@ class _Job:
     lock_fd: int
     metrics: dict[str, float]
     metadata: dict[str, str]
-    handle: background.SaveHandle
+    handle: inflight.SaveHandle
     thread: threading.Thread | None = None
     file_handle: Any = None
 
@@ -331,7 +332,7 @@ class CheckpointManager:
         *,
         metrics: dict[str, float] | None = None,
         metadata: dict[str, str] | None = None,
-    ) -> background.SaveHandle | None:
+    ) -> inflight.SaveHandle | None:
         """Save `state` as checkpoint `step`; objects with state_dict() are saved as their state dicts.
 
         Blocking (the default): returns once the checkpoint is committed.
@@ -344,6 +345,11 @@ class CheckpointManager:
         meta = writer.check_save_args(None, None, metadata)
         self._raise_failed()
         self._check_step_is_new(step)
+        if _several_ranks():  # every rank saves its shard; the step commits like any other
+            from .dcp import manager as sharded
+
+            sharded.save_step(self, step, state, metrics, meta)
+            return None
         from .rng import capture_rng
 
         payload = resume.build_payload(state, step, capture_rng())
@@ -351,7 +357,7 @@ class CheckpointManager:
         if self.incremental:
             self._wait_all()  # the next file refers to the previous one: it must be committed
         path, lock_fd = self._make_step_dir(step)
-        job = _Job(step, path, lock_fd, metrics, meta, background.SaveHandle(path))
+        job = _Job(step, path, lock_fd, metrics, meta, inflight.SaveHandle(path))
         try:
             job.file_handle = self._write_state(job, payload)
         except BaseException:
@@ -636,6 +642,11 @@ class CheckpointManager:
     def _load_one(self, info: CheckpointInfo, map_location: Any) -> Any:
         from .api import load
 
+        if info.layout == "dcp":  # saved by several ranks: assembled here with full tensors
+            from .dcp import manager as sharded
+
+            return sharded.load_step(info)
+
         payload = load(info.state_path, map_location)
         if not isinstance(payload, dict) or "state" not in payload:
             raise CorruptError("not a checkpoint manager's state file", path=info.state_path)
@@ -672,7 +683,11 @@ class CheckpointManager:
     def _load_into_one(
         self, info: CheckpointInfo, state: Any, strict: bool, restore_rng: bool
     ) -> resume.ResumeReport:
-        background.wait_for_path(info.state_path)
+        if info.layout == "dcp":  # saved by several ranks: loaded into this run's sharding
+            from .dcp import manager as sharded
+
+            return sharded.load_step_into(info, state, restore_rng)
+        inflight.wait_for_path(info.state_path)
         with CheckpointFile(info.state_path) as f:
             root = resume.node_items(f, f.tree.root)
             if not {"state", "rng", "resume"} <= set(root):
@@ -684,7 +699,10 @@ class CheckpointManager:
             differences = resume.check_resume(f, fp, rng_state is not None, state, strict)
             resume.check_target(f, root["state"], state, strict)  # before anything is filled
             report = resume.ResumeReport(step=info.step, path=info.path, differences=differences)
-            resume.restore_into(f, root["state"], state, "", report, strict=strict, verify=True)
+            # every chunk of the state is checked before any of the caller's objects is
+            # filled, so a damaged checkpoint leaves them all as they were
+            inplace.verify_subtree(f, root["state"])
+            resume.restore_into(f, root["state"], state, "", report, strict=strict, verify=True, atomic=False)
         if restore_rng and rng_state is not None:
             from .rng import restore_rng as restore
 
@@ -777,6 +795,16 @@ def _all_files_referenced(path: str, referenced: set[str]) -> bool:
     except OSError:
         return False
     return bool(names) and all(os.path.join(path, n) in referenced for n in names)
+
+
+def _several_ranks() -> bool:
+    """torch.distributed is initialised with more than one rank (checked without importing it)."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    return bool(
+        dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    )
 
 
 def _check_metrics(metrics: dict[str, float] | None) -> dict[str, float]:

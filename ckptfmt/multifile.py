@@ -29,8 +29,9 @@ COMMIT_NAME = "COMMIT"
 RECORD_VERSION = 1
 #: what the parts of a checkpoint mean: "state" is one file holding the whole state;
 #: "dcp" is a torch.distributed.checkpoint save (ckptfmt/dcp/): one file per rank, and
-#: the record carries DCP's global metadata in one more member, named "dcp"
-LAYOUTS = ("state", "dcp")
+#: the record carries DCP's global metadata in one more member, named "dcp";
+#: "hf-trainer" is a Hugging Face Trainer checkpoint-N folder (integrations/transformers.py)
+LAYOUTS = ("state", "dcp", "hf-trainer")
 #: layouts whose record has a member of their own (its value is checked by the layout's code)
 LAYOUT_MEMBERS = {"dcp": "dcp"}
 #: a part's name, and each component of a reference path (spec: no leading dot,

@@ -15,7 +15,9 @@ with that file's checksum context; their errors name both files.
 
 from __future__ import annotations
 
+import bisect
 import errno
+import fcntl
 import functools
 import json
 import mmap
@@ -45,6 +47,38 @@ MAX_OPEN_EXTERNALS = 16
 _DIGEST_MISMATCH = "content digest mismatch (the decoded bytes are not the ones the index describes)"
 #: zstd window limit: frames needing more memory than this are rejected (2**27 = 128 MiB)
 _ZSTD_MAX_WINDOW = 1 << 27
+#: the magic number of a zstd frame (RFC 8878); legacy (pre-1.0) and skippable frames differ
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+# the messages both engines give for a zstd frame the format refuses (spec section 3)
+_NOT_A_FRAME = "not a zstd frame (legacy, skippable or unknown magic number)"
+
+
+def _window_msg(window: int) -> str:
+    return f"zstd frame needs a window of {window} bytes, above the limit {_ZSTD_MAX_WINDOW}"
+
+
+def _dict_msg(dict_id: int) -> str:
+    return f"zstd frame needs dictionary {dict_id}; the format uses none"
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of `path`, which must be a regular file.
+
+    Opened with O_NONBLOCK so that a FIFO (or a device) at that path cannot block the
+    open; the flag is cleared once fstat shows a regular file.  UnsupportedError otherwise.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, path) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsupportedError("not a regular file", path=path)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _force_staging() -> bool:
@@ -59,7 +93,7 @@ def staging_budget() -> int:
     return POOL.limit
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     offset: int
     stored_len: int
@@ -74,7 +108,7 @@ class Chunk:
     number: int = -1  # for an external chunk: its chunk number in that file
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class External:
     """An entry of the index's `externals` (section 12): a file external chunks lie in."""
 
@@ -144,14 +178,21 @@ def _str_map(c: tree._Check, v: object, what: str, cap: int) -> dict[str, str]:
 
 
 class CheckpointFile:
-    """An open ckptfmt file with its validated index."""
+    """An open ckptfmt file with its validated index.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    `max_bytes` bounds the memory this reader allocates for the index (estimated before
+    it is parsed, fmt.index_memory_bound) and, per load, for the storages it reads and
+    their decode buffers: LimitError before anything above it is allocated.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, max_bytes: int | None = None) -> None:
         self.path = os.fspath(path)
-        try:
-            self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError as e:
-            raise OSError(e.errno, e.strerror, self.path) from None
+        if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 0):
+            raise ValueError(f"max_bytes must be None or a non-negative int, not {max_bytes!r}")
+        self.max_bytes = max_bytes
+        #: what the index may take while it is parsed and held (an upper bound)
+        self.index_memory = 0
+        self._fd = open_regular(self.path)
         try:
             self._parse()
         except BaseException:
@@ -166,37 +207,40 @@ class CheckpointFile:
 
     # -- structure ----------------------------------------------------------
 
+    def _charge_index(self, nbytes: int) -> None:
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            raise LimitError(
+                f"reading the index needs up to {nbytes} bytes of memory, above max_bytes={self.max_bytes}",
+                path=self.path,
+                offset=self.footer.index_offset,
+            )
+        self.index_memory = nbytes
+
     def _read(self, offset: int, n: int) -> bytes:
-        out = bytearray()
-        while len(out) < n:
-            got = os.pread(self._fd, n - len(out), offset + len(out))
-            if not got:
-                break
-            out += got
-        return bytes(out)
+        return _pread_exact(self._fd, offset, n)
 
     def _parse(self) -> None:
         path = self.path
-        st = os.fstat(self._fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsupportedError("not a regular file", path=path)
-        size = st.st_size
+        size = os.fstat(self._fd).st_size
         self.prologue = fmt.parse_prologue(self._read(0, fmt.PROLOGUE_SIZE), size, path)
         length = self.prologue.file_length
         self.footer = fmt.parse_footer(
             self._read(length - fmt.FOOTER_SIZE, fmt.FOOTER_SIZE), self.prologue, path
         )
         ioff, ilen = self.footer.index_offset, self.footer.index_length
-        region = self._read(ioff, length - fmt.FOOTER_SIZE - ioff)
-        if len(region) != length - fmt.FOOTER_SIZE - ioff:
+        self._charge_index(length - fmt.FOOTER_SIZE - ioff)  # the raw bytes, before they are read
+        raw = self._read(ioff, ilen)
+        padding = self._read(ioff + ilen, length - fmt.FOOTER_SIZE - ioff - ilen)
+        if len(raw) + len(padding) != length - fmt.FOOTER_SIZE - ioff:
             raise IncompleteError("file shrank while its index was read", path=path, offset=ioff)
-        raw, padding = region[:ilen], region[ilen:]
         if fmt.index_checksum(self.prologue.file_id, ioff, raw) != self.footer.index_checksum:
             raise CorruptError("index checksum mismatch", path=path, offset=ioff)
         if any(padding):
             raise CorruptError("padding after the index is not zero", path=path, offset=ioff + ilen)
+        self._charge_index(fmt.index_memory_bound(raw))  # before json builds anything
         external = bool(self.prologue.required_features & fmt.FEATURE_EXTERNAL)
         index = parse_index_json(raw, path, _INDEX_FIELDS_EXTERNAL if external else _INDEX_FIELDS)
+        del raw
         c = tree._Check(path)
         self.chunk_size = c.bounded_int(index["chunk_size"], "chunk_size", fmt.MAX_CHUNK_SIZE)
         if self.chunk_size < fmt.MIN_CHUNK_SIZE or self.chunk_size & (self.chunk_size - 1):
@@ -209,8 +253,9 @@ class CheckpointFile:
         self.storages = self._parse_storages(c, index["storages"])
         self.has_digests = external
         self.externals = self._parse_externals(c, index["externals"]) if external else []
-        self.chunks = self._parse_chunks(c, index["chunks"])
-        self.tree = tree.validate_tree(index["nodes"], self.storages, path)
+        # the JSON records are dropped as soon as they are parsed: they cost more than the Chunks
+        self.chunks = self._parse_chunks(c, index.pop("chunks"))
+        self.tree = tree.validate_tree(index.pop("nodes"), self.storages, path)
 
     def _parse_storages(self, c: tree._Check, raw: object) -> list[tree.StorageRecord]:
         items = c.list_(raw, "storages")
@@ -223,7 +268,7 @@ class CheckpointFile:
                 raise c.fail(f"storage {sid} is not a [nbytes, device] pair")
             nbytes = c.bounded_int(item[0], f"storage {sid} size", Limits.MAX_STORAGE_BYTES)
             device = c.str_(item[1], f"storage {sid} device")
-            if tree._DEVICE_RE.fullmatch(device) is None:
+            if not devices.valid_location(device):
                 raise c.fail(f"storage {sid} has invalid device {device[:40]!r}")
             n = -(-nbytes // self.chunk_size)
             out.append(tree.StorageRecord(nbytes, device, first, n))
@@ -405,16 +450,29 @@ class CheckpointFile:
         self.close()
 
     def chunk_keys(self) -> list[str]:
-        """The key path of the first tensor using each chunk."""
+        """The key path of the first tensor using each chunk (renders every path: for tests and
+        tools; the reader itself names a chunk's key only in an error, with key_of)."""
         return [rec.key for rec in self.storages for _ in range(rec.n_chunks)]
+
+    def key_of(self, k: int) -> str:
+        """The key path of the first tensor using chunk k, rendered now (at most tree.PATH_CHARS)."""
+        firsts = self._first_chunks
+        return self.storages[bisect.bisect_right(firsts, k) - 1].key
+
+    @functools.cached_property
+    def _first_chunks(self) -> list[int]:
+        return [rec.first_chunk for rec in self.storages]
 
     # -- referenced files (feature bit 0) -------------------------------------
 
     def _error(
         self, cls: type[CheckpointError], msg: str, k: int, key: str | None, offset: int | None
     ) -> CheckpointError:
-        """An error about chunk k; for an external chunk the message names the file it lies in."""
+        """An error about chunk k; for an external chunk the message names the file it lies in.
+        `key` None: the key path of the chunk's storage, rendered now."""
         ch = self.chunks[k]
+        if key is None:
+            key = self.key_of(k)
         if ch.source < 0:
             return cls(msg, path=self.path, key=key, chunk=k, offset=offset)
         ext = self.externals[ch.source]
@@ -473,12 +531,14 @@ class CheckpointFile:
             return got
         if e in self._ext_failed:
             cls, reason = self._ext_failed[e]
-            raise cls(reason, path=self.path, key=key, chunk=k)
+            raise cls(reason, path=self.path, key=self.key_of(k) if key is None else key, chunk=k)
         try:
             got = self._open_external(e)
         except CheckpointError as err:
             self._ext_failed[e] = (type(err), err.reason)
-            raise type(err)(err.reason, path=self.path, key=key, chunk=k) from err
+            raise type(err)(
+                err.reason, path=self.path, key=self.key_of(k) if key is None else key, chunk=k
+            ) from err
         if len(self._ext_open) >= MAX_OPEN_EXTERNALS:
             os.close(self._ext_open.popitem(last=False)[1][0])
         self._ext_open[e] = got
@@ -504,7 +564,7 @@ class CheckpointFile:
         """Why external chunk k cannot be read (its file missing, replaced, damaged, or the chunk
         outside that file's data), or None; reads no chunk data."""
         try:
-            self._source(k, self._chunk_keys[k])
+            self._source(k, None)
         except (CheckpointError, OSError) as err:
             return err
         return None
@@ -518,7 +578,7 @@ class CheckpointFile:
             if ch.source < 0 or ch.source in unusable:
                 continue
             try:
-                self._source(k, self._chunk_keys[k])
+                self._source(k, None)
             except CheckpointError as err:
                 problems.append(err)
                 if ch.source in self._ext_failed:
@@ -584,12 +644,24 @@ class CheckpointFile:
         def bad(msg: str) -> CheckpointError:
             return self._error(CorruptError, msg, k, key, ch.offset)
 
+        # the frame header checks of the C engine (reader.c), in the same order and words
+        if bytes(stored[:4]) != _ZSTD_MAGIC:
+            raise bad(_NOT_A_FRAME)
         try:
             params = zstandard.get_frame_parameters(stored)
-            if params.content_size == zstandard.CONTENTSIZE_UNKNOWN:
-                raise bad("zstd frame does not declare its decoded size")
-            if params.content_size != ch.raw_len:
-                raise bad(f"zstd frame declares {params.content_size} bytes, the index {ch.raw_len}")
+        except zstandard.ZstdError as e:
+            raise bad("zstd data does not decode") from e
+        if params.content_size == zstandard.CONTENTSIZE_UNKNOWN:
+            raise bad("zstd frame does not declare its decoded size")
+        if params.content_size != ch.raw_len:
+            raise bad(f"zstd frame declares {params.content_size} bytes, the index {ch.raw_len}")
+        if params.window_size > _ZSTD_MAX_WINDOW:
+            raise bad(_window_msg(params.window_size))
+        if params.dict_id:
+            raise bad(_dict_msg(params.dict_id))
+        try:
+            # one-shot decoding: the buffer is exactly raw_len; a content checksum, if the
+            # frame has one, is verified (as in C)
             dctx = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW)
             out = dctx.decompress(stored, max_output_size=ch.raw_len, allow_extra_data=False)
         except zstandard.ZstdError as e:
@@ -604,16 +676,15 @@ class CheckpointFile:
 
     # -- batched, parallel reads ---------------------------------------------
 
-    @functools.cached_property
-    def _chunk_keys(self) -> list[str]:
-        return self.chunk_keys()
-
-    def _alloc(self, nbytes: int, key: str, pinned: bool = False) -> torch.Tensor:
+    def _alloc(self, nbytes: int, key: str, pinned: bool = False, *, sid: int | None = None) -> torch.Tensor:
+        """`nbytes` of host memory; LimitError naming `key` (or storage `sid`'s key) if it fails."""
         try:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
         except (RuntimeError, MemoryError) as e:
             raise LimitError(
-                f"cannot allocate {nbytes} bytes for this storage: {str(e)[:100]}", path=self.path, key=key
+                f"cannot allocate {nbytes} bytes for this storage: {str(e)[:100]}",
+                path=self.path,
+                key=key if sid is None else self.storages[sid].key,
             ) from e
 
     def read_into(self, items: list[tuple[int, memoryview]], verify: bool) -> None:
@@ -633,9 +704,9 @@ class CheckpointFile:
         """Read chunks that all lie in one file."""
         if not _native.available():
             for k, dest in items:
-                self.read_chunk(k, dest, verify, self._chunk_keys[k])
+                self.read_chunk(k, dest, verify, None)
             return
-        where = [self._source(k, self._chunk_keys[k]) for k, _ in items]
+        where = [self._source(k, None) for k, _ in items]
         fd, file_id = where[0][0], where[0][1]
         # ask the kernel to start reading the whole range now: the threads then
         # mostly find their chunks in the page cache instead of waiting in turn
@@ -659,7 +730,7 @@ class CheckpointFile:
         if code == _native.ERR_NOMEM or not 0 <= pos < len(items):
             return MemoryError(f"{self.path}: out of memory while reading chunks")
         k = items[pos][0]
-        key = self._chunk_keys[k]
+        key = self.key_of(k)
         ch = self.chunks[k]
         if code == _native.ERR_IO:
             msg = f"{os.strerror(err)} while reading chunk {k} at offset {value}"
@@ -685,6 +756,9 @@ class CheckpointFile:
             _native.WHY_DECLARED: (f"zstd frame declares {value} bytes, the index {ch.raw_len}", off),
             _native.WHY_DECODED: (f"zstd data decodes to {value} bytes, expected {ch.raw_len}", off),
             _native.WHY_DIGEST: (_DIGEST_MISMATCH, off),
+            _native.WHY_FRAME: (_NOT_A_FRAME, off),
+            _native.WHY_WINDOW: (_window_msg(value), off),
+            _native.WHY_DICT: (_dict_msg(value), off),
         }
         msg, at = messages.get(reason, ("zstd data does not decode", off))
         return self._error(CorruptError, msg, k, key, at)
@@ -706,7 +780,7 @@ class CheckpointFile:
 
     def read_storages(self, sids: list[int], verify: bool) -> dict[int, torch.UntypedStorage]:
         """CPU storages for `sids`, all their chunks read (in parallel) and checked."""
-        flats = {sid: self._alloc(self.storages[sid].nbytes, self.storages[sid].key) for sid in sids}
+        flats = {sid: self._alloc(self.storages[sid].nbytes, "", sid=sid) for sid in sids}
         items = [it for sid in sids for it in self._chunk_views(sid, flats[sid])]
         self.read_into(items, verify)
         return {sid: flat.untyped_storage() for sid, flat in flats.items()}
@@ -719,12 +793,12 @@ class CheckpointFile:
     ) -> dict[int, Any]:
         """Storages read through a bounded host staging buffer onto `device`.
 
-        The buffer holds max(budget, one chunk) bytes (pinned for accelerators);
-        each fill is copied to the device without blocking, and the copy is
-        waited for before the buffer is filled again.
+        The buffer holds max(budget, one chunk) bytes, or all the storages' bytes when
+        fewer (pinned for accelerators); each fill is copied to the device without
+        blocking, and the copy is waited for before the buffer is filled again.
         """
         pinned = device.type not in ("cpu", "meta") and torch.accelerator.is_available()
-        size = max(budget, self.chunk_size)
+        size = self._staging_size(sids, budget)
         staging = self._alloc(size, "", pinned)
         out: dict[int, Any] = {}
         for sid in sids:
@@ -802,7 +876,10 @@ class CheckpointFile:
             if rec.kind == "ndarray":  # numpy arrays always live on the CPU
                 host.append(sid)
                 continue
-            target = devices.planned_device(map_location, rec.device)
+            try:
+                target = devices.planned_device(map_location, rec.device)
+            except devices.DeviceError as e:
+                raise self._device_error(sid, e) from None
             if target is None:
                 callable_.append(sid)
             elif target.type == "meta":
@@ -812,17 +889,65 @@ class CheckpointFile:
             else:
                 on_device.setdefault(target, []).append(sid)
         if use_mmap:
-            for sid in list(host):
+            unmapped = []
+            for sid in host:
                 mapped = self._mapped_storage(sid, verify)
-                if mapped is not None:
+                if mapped is None:
+                    unmapped.append(sid)
+                else:
                     loaded[sid] = mapped
-                    host.remove(sid)
+            host = unmapped
+        staging = max((self._staging_size(sids, staging_budget()) for sids in on_device.values()), default=0)
+        self._check_memory(host + callable_ + [s for sids in on_device.values() for s in sids], staging)
         loaded.update(self.read_storages(host + callable_, verify))
         for sid in callable_:
-            loaded[sid] = devices.apply_callable(map_location, loaded[sid], self.storages[sid].device)  # type: ignore[arg-type]
+            try:
+                loaded[sid] = devices.apply_callable(map_location, loaded[sid], self.storages[sid].device)  # type: ignore[arg-type]
+            except devices.DeviceError as e:
+                raise self._device_error(sid, e) from None
         for device, sids in on_device.items():
             loaded.update(self._read_to_device(sids, device, verify, staging_budget()))
         return tree.decode(self.tree, top, loaded.__getitem__, self.path)
+
+    def _staging_size(self, sids: list[int], budget: int) -> int:
+        """Bytes of the host buffer a device load of `sids` stages through: sized to the work."""
+        return min(max(budget, self.chunk_size), max(1, sum(self.storages[s].nbytes for s in sids)))
+
+    def _device_error(self, sid: int, e: Exception) -> UnsupportedError:
+        rec = self.storages[sid]
+        return UnsupportedError(
+            f"storage {sid} was saved on {rec.device!r}: {e}; pass map_location to load it elsewhere",
+            path=self.path,
+            key=rec.key,
+        )
+
+    def memory_needed(self, sids: list[int], staging: int = 0) -> int:
+        """An upper bound of the memory a load of storages `sids` allocates: their bytes, the
+        zstd decode buffers (per thread: the largest stored and the largest raw zstd chunk),
+        the host staging buffer of device loads, and the index already held."""
+        storages = 0
+        stored = raw = n_zstd = 0
+        for sid in sids:
+            rec = self.storages[sid]
+            storages += rec.nbytes
+            for ch in self.chunks[rec.first_chunk : rec.first_chunk + rec.n_chunks]:
+                if ch.codec == fmt.CODEC_ZSTD:
+                    n_zstd += 1
+                    stored = max(stored, ch.stored_len + ch.pad)
+                    raw = max(raw, ch.raw_len)
+        threads = min(_native.default_threads(), n_zstd) if _native.available() else min(1, n_zstd)
+        return self.index_memory + storages + staging + threads * (stored + raw)
+
+    def _check_memory(self, sids: list[int], staging: int) -> None:
+        if self.max_bytes is None:
+            return
+        need = self.memory_needed(sids, staging)
+        if need > self.max_bytes:
+            raise LimitError(
+                f"loading this needs up to {need} bytes of memory (index {self.index_memory}, "
+                f"{len(sids)} storages, decode and staging buffers), above max_bytes={self.max_bytes}",
+                path=self.path,
+            )
 
     def iter_chunk_problems(
         self, progress: Callable[[int, int], None] | None = None
@@ -835,7 +960,9 @@ class CheckpointFile:
         reported once, at its first chunk, and its other chunks are skipped.
         """
         unusable = set(self._ext_failed)  # reported already (external_problems)
-        window = max(64 << 20, self.chunk_size)
+        # 64 MiB, or the largest chunk when larger, but never more than all chunks together
+        raw = [ch.raw_len for ch in self.chunks]
+        window = min(max(64 << 20, max(raw, default=0)), max(1, sum(raw)))
         buf = torch.empty(window, dtype=torch.uint8)
         view = buf.numpy().data.cast("B")
         k = 0
@@ -875,7 +1002,10 @@ class CheckpointFile:
 
 def _pread_exact(fd: int, offset: int, n: int) -> bytes:
     """Up to n bytes at offset (fewer only where the file ends)."""
-    out = bytearray()
+    first = os.pread(fd, n, offset) if n else b""
+    if len(first) == n or not first:
+        return first  # the usual case: one read, no copy
+    out = bytearray(first)
     while len(out) < n:
         got = os.pread(fd, n - len(out), offset + len(out))
         if not got:

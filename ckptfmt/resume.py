@@ -381,11 +381,22 @@ def _optimizer_problems(
 
 
 def restore_into(
-    f: CheckpointFile, node: int, target: Any, path: str, report: LoadReport, *, strict: bool, verify: bool
+    f: CheckpointFile,
+    node: int,
+    target: Any,
+    path: str,
+    report: LoadReport,
+    *,
+    strict: bool,
+    verify: bool,
+    atomic: bool = True,
 ) -> Any:
-    """Load the subtree at `node` into `target`; return the value the container should hold."""
+    """Load the subtree at `node` into `target`; return the value the container should hold.
+
+    atomic=False: the caller has verified the whole subtree already (one pass for
+    every module, instead of one per module)."""
     if isinstance(target, torch.nn.Module):
-        sub = fill_from_node(f, node, target.state_dict(), strict=strict, verify=verify)
+        sub = fill_from_node(f, node, target.state_dict(), strict=strict, verify=verify, atomic=atomic)
         _merge(report, sub, path)
         return target
     if is_stateful(target):
@@ -399,12 +410,12 @@ def restore_into(
                 report.missing_keys.append(_join(path, k))
                 continue
             target[k] = restore_into(
-                f, saved[k], target[k], _join(path, k), report, strict=strict, verify=verify
+                f, saved[k], target[k], _join(path, k), report, strict=strict, verify=verify, atomic=atomic
             )
         report.unexpected_keys += [_join(path, k) for k in saved if k not in target]
         return target
     if isinstance(target, (dict, list)):
-        _merge(report, fill_from_node(f, node, target, strict=strict, verify=verify), path)
+        _merge(report, fill_from_node(f, node, target, strict=strict, verify=verify, atomic=atomic), path)
         return target
     if isinstance(target, torch.Tensor):
         loaded = f.load_subtree(node, None, verify)

@@ -75,7 +75,7 @@ class StagingPool:
                     on_wait()
                 self._cond.wait()
         try:
-            return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+            return self._allocate(size, pinned)
         except BaseException:
             with self._cond:
                 self._allocated -= size
@@ -83,14 +83,33 @@ class StagingPool:
             raise
 
     def release(self, slab: torch.Tensor) -> None:
+        """Give a slab back for reuse."""
         with self._cond:
-            self._free[bool(slab.is_pinned())].append(slab)
+            self._free[self._is_pinned(slab)].append(slab)
+            self._cond.notify_all()
+
+    def discard(self, slab: torch.Tensor) -> None:
+        """Give a slab back without reusing it (a copy into it may still be running)."""
+        with self._cond:
+            self._allocated -= slab.numel()
             self._cond.notify_all()
 
     @property
     def allocated(self) -> int:
         with self._cond:
             return self._allocated
+
+    def _allocate(self, size: int, pinned: bool) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+
+    def _is_pinned(self, slab: torch.Tensor) -> bool:
+        return bool(slab.is_pinned())
+
+    @property
+    def in_use(self) -> int:
+        """Bytes of slabs acquired and not yet released: 0 whenever no save is in flight."""
+        with self._cond:
+            return self._allocated - sum(s.numel() for v in self._free.values() for s in v)
 
     @property
     def free_bytes(self) -> int:

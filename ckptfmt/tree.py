@@ -14,7 +14,9 @@ import base64
 import binascii
 import collections
 import re
+import reprlib
 import struct
+from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,24 +24,104 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import dtypes
+from . import devices, dtypes
 from .errors import CorruptError, LimitError, UnsupportedError, UnsupportedObjectError
 from .format import Limits
 
 _INT_RE = re.compile(r"-?(?:0|[1-9a-f][0-9a-f]*)")
 _FLOAT_RE = re.compile(r"[0-9a-f]{16}")
-_DEVICE_RE = re.compile(r"[a-z_][a-z0-9_]{0,31}(?::[0-9]{1,4})?")
 _DOUBLE = struct.Struct("<d")
 
 #: kinds whose values may be dict keys
 _KEY_KINDS = frozenset({"none", "bool", "int", "float", "str", "tuple"})
 _CONTAINER_KINDS = frozenset({"list", "tuple", "dict", "odict"})
+#: every kind, interned: validation replaces each node's kind string with one of these,
+#: so the table does not keep one string object per node
+_KINDS = {
+    k: k
+    for k in (
+        "none",
+        "bool",
+        "int",
+        "float",
+        "complex",
+        "str",
+        "bytes",
+        "list",
+        "tuple",
+        "dict",
+        "odict",
+        "dtype",
+        "device",
+        "size",
+        "tensor",
+        "ndarray",
+        "npscalar",
+    )
+}
 _TENSOR_FIELDS = ("dtype", "shape", "stride", "offset", "storage", "requires_grad", "param", "conj")
 _ARRAY_FIELDS = ("dtype", "shape", "order", "storage")
+#: longest base64 text of a bytes value within the limit
+_MAX_B64 = 4 * -(-Limits.MAX_STRING_BYTES // 3)
+
+# ---------------------------------------------------------------------------
+# rendering values and key paths for messages: bounded, and never raising
+
+#: characters of one dict key in a key path
+KEY_CHARS = 120
+#: characters of a whole key path; longer ones keep their start and end
+PATH_CHARS = 400
+_PATH_HEAD = 120
+
+
+class _Repr(reprlib.Repr):
+    """reprlib with a bound on ints: repr() of an int of more than 4300 digits raises."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.maxstring = self.maxother = max(limit, 8)
+
+    def repr_int(self, x: int, level: int) -> str:
+        return _int_text(x)
+
+
+def _int_text(x: int) -> str:
+    if x.bit_length() <= 256:
+        return repr(x)
+    return f"<int of {(x.bit_length() + 3) // 4} hex digits>"
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """repr(value) in at most `limit` characters; never raises, never renders a huge value whole."""
+    try:
+        text = _Repr(limit).repr(value)
+    except Exception:  # a __repr__ that raises, or recursion in one
+        text = f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else text[: max(limit - 3, 0)] + "..."
+
+
+def key_text(key: object) -> str:
+    """One dict key as a key path shows it: repr, cut to KEY_CHARS."""
+    t = type(key)
+    if t is str and len(key) <= KEY_CHARS:  # type: ignore[arg-type]
+        text = repr(key)
+        if len(text) <= KEY_CHARS:
+            return text
+    elif t is int:
+        return _int_text(key)  # type: ignore[arg-type]
+    return short_repr(key, KEY_CHARS)
+
+
+def extend_path(path: str, segment: str) -> str:
+    """path + segment, cut in the middle when longer than PATH_CHARS."""
+    out = path + segment
+    if len(out) <= PATH_CHARS:
+        return out
+    return out[:_PATH_HEAD] + "..." + out[len(out) - (PATH_CHARS - _PATH_HEAD - 3) :]
 
 
 def render_key(parent: str, key: object) -> str:
-    return f"{parent}[{key!r}]"
+    return extend_path(parent, f"[{key_text(key)}]")
 
 
 # ---------------------------------------------------------------------------
@@ -72,70 +154,140 @@ def _b64(b: bytes) -> str:
     return base64.b64encode(b).decode("ascii")
 
 
+def utf8_length(text: str) -> int:
+    """Bytes of `text` in UTF-8 (lone surrogates, which JSON can carry, count as 3)."""
+    if text.isascii():
+        return len(text)
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _str_over_limit(text: str) -> bool:
+    return len(text) > Limits.MAX_STRING_BYTES // 4 and utf8_length(text) > Limits.MAX_STRING_BYTES
+
+
+#: Where a value sits in the state, rendered only when a message needs it.  A path is
+#: None (the root) or (parent path, segment, the container holding the value); the
+#: segment is an int (list or tuple position), (key,) (the value under a dict key),
+#: (key, None) (a dict key itself) or "._metadata".
+_Path = Any
+
+
 class _Encoder:
-    def __init__(self) -> None:
+    def __init__(self, root: str = "state") -> None:
+        self.root = root
         self.out = Encoded()
         self._storage_ids: dict[tuple[str, int, int], int] = {}
 
-    def _emit(self, node: list[Any]) -> int:
-        self.out.nodes.append(node)
-        return len(self.out.nodes) - 1
+    def where(self, path: _Path) -> str:
+        segments = []
+        while path is not None:
+            segments.append(path[1])
+            path = path[0]
+        text = self.root
+        for seg in reversed(segments):
+            if type(seg) is int:
+                text = extend_path(text, f"[{seg}]")
+            elif type(seg) is tuple:
+                text = extend_path(text, f"[{key_text(seg[0])}]" + (" (key)" if len(seg) == 2 else ""))
+            else:
+                text = extend_path(text, seg)
+        return text
 
-    def _fail(self, path: str, obj: object, why: str = "") -> UnsupportedObjectError:
-        text = repr(obj)
-        if len(text) > 80:
-            text = text[:77] + "..."
-        return UnsupportedObjectError(f"{path}: cannot store {text}" + (f" ({why})" if why else ""))
+    def _fail(self, path: _Path, obj: object, why: str = "") -> UnsupportedObjectError:
+        text = short_repr(obj, 80)
+        return UnsupportedObjectError(
+            f"{self.where(path)}: cannot store {text}" + (f" ({why})" if why else "")
+        )
 
-    def add(self, obj: Any, path: str, depth: int, as_key: bool = False) -> int:
-        if depth > Limits.MAX_DEPTH:
-            raise UnsupportedObjectError(
-                f"{path}: nesting deeper than {Limits.MAX_DEPTH} levels (is there a cycle?)"
+    def _limit(self, path: _Path, why: str) -> LimitError:
+        return LimitError(f"{self.where(path)}: {why} (spec section 8: a reader would refuse the file)")
+
+    def _emit(self, node: list[Any], path: _Path) -> int:
+        nodes = self.out.nodes
+        if len(nodes) >= Limits.MAX_NODES:
+            raise self._limit(
+                path, f"the state holds more than {Limits.MAX_NODES} values, the limit of nodes"
             )
+        nodes.append(node)
+        return len(nodes) - 1
+
+    def _too_deep(self, obj: object, path: _Path) -> Exception:
+        # a cycle: some container is its own ancestor (the deepest value may be a leaf)
+        ancestors = [id(obj)]
+        p = path
+        while p is not None:
+            ancestors.append(id(p[2]))
+            p = p[0]
+        if len(set(ancestors)) < len(ancestors):
+            return UnsupportedObjectError(
+                f"{self.where(path)}: nesting deeper than {Limits.MAX_DEPTH} levels: "
+                "the object contains itself (a cycle)"
+            )
+        return self._limit(path, f"nesting deeper than {Limits.MAX_DEPTH} levels")
+
+    def add(self, obj: Any, path: _Path, depth: int, as_key: bool = False) -> int:
+        if depth > Limits.MAX_DEPTH:
+            raise self._too_deep(obj, path)
         t = type(obj)
         if obj is None:
-            return self._emit(["none"])
+            return self._emit(["none"], path)
         if t is bool:
-            return self._emit(["bool", obj])
+            return self._emit(["bool", obj], path)
         if t is int:
-            return self._emit(["int", format(obj, "x")])
+            if obj.bit_length() > 4 * Limits.MAX_STRING_BYTES:
+                raise self._limit(path, f"an int of more than {Limits.MAX_STRING_BYTES} hex digits")
+            return self._emit(["int", format(obj, "x")], path)
         if t is float:
-            return self._emit(["float", _float_hex(obj)])
+            return self._emit(["float", _float_hex(obj)], path)
         if t is str:
-            return self._emit(["str", obj])
+            if _str_over_limit(obj):
+                raise self._limit(path, f"a string of more than {Limits.MAX_STRING_BYTES} bytes in UTF-8")
+            return self._emit(["str", obj], path)
         if t is tuple:
-            ids = [self.add(v, f"{path}[{i}]", depth + 1, as_key) for i, v in enumerate(obj)]
-            return self._emit(["tuple", ids])
+            ids = [self.add(v, (path, i, obj), depth + 1, as_key) for i, v in enumerate(obj)]
+            return self._emit(["tuple", ids], path)
         if as_key:
             raise self._fail(path, obj, "dict keys must be str, int, float, bool, None or tuples of those")
         if t is complex:
-            return self._emit(["complex", _float_hex(obj.real), _float_hex(obj.imag)])
+            return self._emit(["complex", _float_hex(obj.real), _float_hex(obj.imag)], path)
         if t is bytes:
-            return self._emit(["bytes", _b64(obj)])
+            if len(obj) > Limits.MAX_STRING_BYTES:
+                raise self._limit(path, f"a bytes value of more than {Limits.MAX_STRING_BYTES} bytes")
+            return self._emit(["bytes", _b64(obj)], path)
         if t is list:
-            ids = [self.add(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj)]
-            return self._emit(["list", ids])
+            ids = [self.add(v, (path, i, obj), depth + 1) for i, v in enumerate(obj)]
+            return self._emit(["list", ids], path)
         if t is dict or t is collections.OrderedDict:
             pairs = []
             for k, v in obj.items():
-                kid = self.add(k, f"{path}[{k!r}] (key)", depth + 1, as_key=True)
-                pairs.append([kid, self.add(v, render_key(path, k), depth + 1)])
+                kid = self.add(k, (path, (k, None), obj), depth + 1, as_key=True)
+                pairs.append([kid, self.add(v, (path, (k,), obj), depth + 1)])
+            if len(obj) > Limits.MAX_KEY_COLLISIONS:
+                self._check_collisions(obj, path)
             if t is dict:
-                return self._emit(["dict", pairs])
+                return self._emit(["dict", pairs], path)
             meta = getattr(obj, "_metadata", None)
-            mid = None if meta is None else self.add(meta, f"{path}._metadata", depth + 1)
+            where = (path, "._metadata", obj)
+            mid = None if meta is None else self.add(meta, where, depth + 1)
             if mid is not None and self.out.nodes[mid][0] not in ("dict", "odict"):
-                raise self._fail(f"{path}._metadata", meta, "_metadata must be a dict")
-            return self._emit(["odict", pairs, mid])
+                raise self._fail(where, meta, "_metadata must be a dict")
+            return self._emit(["odict", pairs, mid], path)
         if t is torch.Size:
-            return self._emit(["size", [format(int(d), "x") for d in obj]])
+            if len(obj) > Limits.MAX_RANK:
+                raise self._limit(path, f"a torch.Size of {len(obj)} dimensions, above {Limits.MAX_RANK}")
+            if any(not 0 <= d <= Limits.MAX_SIZE_DIM for d in obj):
+                raise self._fail(path, obj, "torch.Size dimensions must be non-negative int64 values")
+            return self._emit(["size", [format(int(d), "x") for d in obj]], path)
         if t is torch.dtype:
             name = dtypes.TORCH_NAMES.get(obj)
             if name is None:
                 raise self._fail(path, obj, "dtype not supported by the format")
-            return self._emit(["dtype", name])
+            return self._emit(["dtype", name], path)
         if t is torch.device:
-            return self._emit(["device", str(obj)])
+            text = str(obj)
+            if not devices.valid_location(text):
+                raise self._fail(path, obj, "not a device the format can name")
+            return self._emit(["device", text], path)
         if t is torch.Tensor or t is torch.nn.Parameter:
             return self._tensor(obj, path)
         if t is np.ndarray:
@@ -144,12 +296,29 @@ class _Encoder:
             name = dtypes.numpy_name(obj.dtype)
             if name is None:
                 raise self._fail(path, obj, f"numpy dtype {obj.dtype} is not supported")
-            return self._emit(["npscalar", name, _b64(obj.tobytes())])
+            return self._emit(["npscalar", name, _b64(obj.tobytes())], path)
         raise self._fail(path, obj)
 
-    def _storage(self, key: tuple[str, int, int] | None, plan: StoragePlan) -> int:
+    def _check_collisions(self, d: dict[Any, Any], path: _Path) -> None:
+        """Refuse a dict whose keys share one hash too often (a reader would need quadratic time)."""
+        counts: dict[int, int] = {}
+        for k in d:
+            h = hash(k)
+            n = counts.get(h, 0) + 1
+            if n > Limits.MAX_KEY_COLLISIONS:
+                raise self._limit(
+                    path, f"more than {Limits.MAX_KEY_COLLISIONS} keys of this dict have the same hash ({h})"
+                )
+            counts[h] = n
+
+    def _storage(self, key: tuple[str, int, int] | None, plan: StoragePlan, path: _Path) -> int:
         if key is not None and key in self._storage_ids:
             return self._storage_ids[key]
+        if len(self.out.storages) >= Limits.MAX_STORAGES:
+            raise self._limit(path, f"more than {Limits.MAX_STORAGES} storages")
+        if plan.nbytes > Limits.MAX_STORAGE_BYTES:
+            raise self._limit(path, f"a storage of {plan.nbytes} bytes, above {Limits.MAX_STORAGE_BYTES}")
+        plan.key = self.where(path)
         self.out.storages.append(plan)
         sid = len(self.out.storages) - 1
         if key is not None:
@@ -158,7 +327,15 @@ class _Encoder:
             self.out.devices.append(plan.device)
         return sid
 
-    def _tensor(self, t: torch.Tensor, path: str) -> int:
+    def _check_shape(self, path: _Path, shape: list[int], numel: int, what: str) -> None:
+        if len(shape) > Limits.MAX_RANK:
+            raise self._limit(path, f"{what} of {len(shape)} dimensions, above {Limits.MAX_RANK}")
+        if numel > Limits.MAX_NUMEL or any(d > Limits.MAX_NUMEL for d in shape):
+            raise self._limit(
+                path, f"{what} of shape {short_repr(shape, 60)}, above {Limits.MAX_NUMEL} elements"
+            )
+
+    def _tensor(self, t: torch.Tensor, path: _Path) -> int:
         if t.layout != torch.strided or t.is_sparse:
             raise self._fail(path, t, f"layout {t.layout} is not supported; only dense tensors")
         if t.is_quantized:
@@ -172,43 +349,90 @@ class _Encoder:
         name = dtypes.TORCH_NAMES.get(t.dtype)
         if name is None:
             raise self._fail(path, t, f"dtype {t.dtype} is not supported")
+        shape, stride = list(t.shape), list(t.stride())
+        numel = t.numel()
+        self._check_shape(path, shape, numel, "a tensor")
+        if any(s > Limits.MAX_NUMEL for s in stride):
+            raise self._limit(path, f"a tensor stride above {Limits.MAX_NUMEL}; call .contiguous()")
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
+        offset = t.storage_offset()
+        if numel == 0:
+            # torch lets an empty view start past its storage (torch.zeros(0, 5)[:, 2:] has
+            # offset 2 in 0 bytes), the format does not (spec section 6): the offset of a
+            # tensor without elements means nothing, so it is clamped to the storage's end
+            offset = min(offset, nbytes // dtypes.torch_itemsize(name))
         device = str(t.device)
+        if not devices.valid_location(device):
+            raise self._fail(path, t, f"device {device!r} cannot be named in the format")
         key = (device, storage.data_ptr(), nbytes) if nbytes else None
-        sid = self._storage(key, StoragePlan(nbytes, device, dtypes.torch_shuffle_width(name), storage, path))
+        sid = self._storage(
+            key, StoragePlan(nbytes, device, dtypes.torch_shuffle_width(name), storage, ""), path
+        )
         meta = {
             "dtype": name,
-            "shape": list(t.shape),
-            "stride": list(t.stride()),
-            "offset": t.storage_offset(),
+            "shape": shape,
+            "stride": stride,
+            "offset": offset,
             "storage": sid,
             "requires_grad": bool(t.requires_grad),
             "param": type(t) is torch.nn.Parameter,
             "conj": bool(t.is_conj()),
         }
-        return self._emit(["tensor", meta])
+        return self._emit(["tensor", meta], path)
 
-    def _ndarray(self, a: np.ndarray, path: str) -> int:
+    def _ndarray(self, a: np.ndarray, path: _Path) -> int:
         name = dtypes.numpy_name(a.dtype)
         if name is None:
             raise self._fail(path, a, f"numpy dtype {a.dtype} is not supported")
+        # before the contiguous copy below: a broadcast view may claim more than any memory
+        self._check_shape(path, list(a.shape), a.size, "an array")
+        if a.size * a.dtype.itemsize > Limits.MAX_STORAGE_BYTES:
+            raise self._limit(
+                path, f"an array of {a.size * a.dtype.itemsize} bytes, above {Limits.MAX_STORAGE_BYTES}"
+            )
         order = "F" if a.ndim > 1 and a.flags.f_contiguous and not a.flags.c_contiguous else "C"
         data = np.asfortranarray(a) if order == "F" else np.ascontiguousarray(a)
         sid = self._storage(
-            None, StoragePlan(data.nbytes, "cpu", dtypes.numpy_shuffle_width(a.dtype), data, path)
+            None, StoragePlan(data.nbytes, "cpu", dtypes.numpy_shuffle_width(a.dtype), data, ""), path
         )
         return self._emit(
-            ["ndarray", {"dtype": name, "shape": list(a.shape), "order": order, "storage": sid}]
+            ["ndarray", {"dtype": name, "shape": list(a.shape), "order": order, "storage": sid}], path
         )
 
 
 def encode(state: object) -> Encoded:
-    """Turn a state into nodes and storages, or raise UnsupportedObjectError naming the path."""
+    """Turn a state into nodes and storages, or raise naming the path: UnsupportedObjectError for
+    what the format cannot store, LimitError for what would exceed a reader's limits (spec
+    section 8).  Checks every limit but the index length and the chunk count, which depend
+    on how the file is written (writer.finish_file, check_chunks)."""
     enc = _Encoder()
     with torch.no_grad():
-        enc.add(state, "state", 0)
+        enc.add(state, None, 0)
     return enc.out
+
+
+def check_chunks(encoded: Encoded, chunk_size: int) -> None:
+    """LimitError when the storages need more chunks than a reader accepts at this chunk size."""
+    n = sum(-(-p.nbytes // chunk_size) for p in encoded.storages)
+    if n > Limits.MAX_CHUNKS:
+        raise LimitError(
+            f"the storages need {n} chunks of {chunk_size} bytes, above the limit {Limits.MAX_CHUNKS}; "
+            "use a larger chunk_size"
+        )
+
+
+def check_metadata(metadata: dict[str, str]) -> None:
+    """LimitError when user metadata exceeds what a reader accepts (entries, value lengths)."""
+    if len(metadata) > Limits.MAX_METADATA_ENTRIES:
+        raise LimitError(
+            f"metadata has {len(metadata)} entries, above the limit {Limits.MAX_METADATA_ENTRIES}"
+        )
+    for k, v in metadata.items():
+        if _str_over_limit(v):
+            raise LimitError(
+                f"metadata[{key_text(k)}] is longer than {Limits.MAX_STRING_BYTES} bytes in UTF-8"
+            )
 
 
 # ---------------------------------------------------------------------------
@@ -221,16 +445,104 @@ class StorageRecord:
     device: str
     first_chunk: int
     n_chunks: int
-    key: str = ""
     kind: str = ""  # "tensor" or "ndarray" once referenced
+    node: int = -1  # the first tensor or array node that uses it (names it in messages)
+    tree: Tree | None = field(default=None, repr=False, compare=False)
+    _key: str | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def key(self) -> str:
+        """The key path of the first tensor using this storage, rendered on first use."""
+        if self._key is None:
+            self._key = "" if self.tree is None or self.node < 0 else self.tree.key_path(self.node)
+        return self._key
 
 
 @dataclass
 class Tree:
     nodes: list[list[Any]]
     root: int
-    children: list[tuple[int, ...]]
     storages: list[StorageRecord]
+    #: each node's parent (-1 for the root) and its place there: the position in a list or
+    #: tuple; 2*e for the key and 2*e+1 for the value of dict entry e; -1 for `_metadata`
+    parent: array[int] = field(repr=False)
+    slot: array[int] = field(repr=False)
+    root_name: str = "state"
+
+    def children(self, i: int) -> list[int]:
+        """Node ids that node i refers to, in order (dict entries key then value, then _metadata)."""
+        node = self.nodes[i]
+        kind = node[0]
+        if kind == "list" or kind == "tuple":
+            return list(node[1])
+        if kind == "dict" or kind == "odict":
+            out = [j for pair in node[1] for j in pair]
+            if kind == "odict" and node[2] is not None:
+                out.append(node[2])
+            return out
+        return []
+
+    def segment(self, i: int) -> str:
+        """How node i is named under its parent: "[3]", "['w']", "['w'] (key)", "._metadata"."""
+        p, s = self.parent[i], self.slot[i]
+        if p < 0:
+            return ""
+        pnode = self.nodes[p]
+        if pnode[0] == "list" or pnode[0] == "tuple":
+            return f"[{s}]"
+        if s < 0:
+            return "._metadata"
+        key = f"[{node_text(self.nodes, pnode[1][s // 2][0], KEY_CHARS)}]"
+        return key if s % 2 else key + " (key)"
+
+    def depth_of(self, i: int) -> int:
+        """How many containers lie above node i (0 for the root)."""
+        n = 0
+        while self.parent[i] >= 0:
+            i = self.parent[i]
+            n += 1
+        return n
+
+    def key_path(self, i: int) -> str:
+        """The key path of node i ("state['model']['w']"), at most PATH_CHARS characters."""
+        segments = []
+        while self.parent[i] >= 0:
+            segments.append(self.segment(i))
+            i = self.parent[i]
+        text = self.root_name
+        for seg in reversed(segments):
+            text = extend_path(text, seg)
+        return text
+
+
+def node_text(nodes: list[list[Any]], j: int, limit: int) -> str:
+    """A validated key node (scalars and tuples of them) as repr shows its value, cut to `limit`."""
+    node = nodes[j]
+    kind = node[0]
+    if kind == "str":
+        return key_text(node[1]) if limit >= KEY_CHARS else short_repr(node[1], limit)
+    if kind == "int":
+        digits = len(node[1]) - node[1].startswith("-")
+        text = repr(int(node[1], 16)) if digits <= 64 else f"<int of {digits} hex digits>"
+    elif kind == "float":
+        text = repr(_unfloat(node[1]))
+    elif kind == "none":
+        text = "None"
+    elif kind == "bool":
+        text = repr(node[1])
+    elif kind == "tuple":
+        parts: list[str] = []
+        used = 2
+        for k in node[1]:
+            if used > limit:
+                parts.append("...")
+                break
+            parts.append(node_text(nodes, k, limit - used))
+            used += len(parts[-1]) + 2
+        text = "(" + ", ".join(parts) + ("," if len(node[1]) == 1 else "") + ")"
+    else:
+        text = f"<{kind}>"
+    return text if len(text) <= limit else text[: max(limit - 3, 0)] + "..."
 
 
 class _Check:
@@ -249,21 +561,21 @@ class _Check:
     def bounded_int(self, v: object, what: str, hi: int) -> int:
         """A non-negative int; above `hi` is a limit error, not corruption."""
         if type(v) is not int or v < 0:
-            raise self.fail(f"{what} is {v!r}, expected a non-negative integer")
+            raise self.fail(f"{what} is {short_repr(v, 40)}, expected a non-negative integer")
         if v > hi:
             raise self.fail(f"{what} is {v}, above the limit {hi}", limit=True)
         return v
 
     def int_(self, v: object, what: str, lo: int = 0, hi: int | None = None) -> int:
         if type(v) is not int or v < lo or (hi is not None and v > hi):
-            raise self.fail(f"{what} is {v!r}, expected an integer in [{lo}, {hi}]")
+            raise self.fail(f"{what} is {short_repr(v, 40)}, expected an integer in [{lo}, {hi}]")
         return v
 
     def str_(self, v: object, what: str) -> str:
         if type(v) is not str:
             raise self.fail(f"{what} is not a string")
-        if len(v) > Limits.MAX_STRING_BYTES:
-            raise self.fail(f"{what} is longer than {Limits.MAX_STRING_BYTES}", limit=True)
+        if _str_over_limit(v):
+            raise self.fail(f"{what} is longer than {Limits.MAX_STRING_BYTES} bytes", limit=True)
         return v
 
     def list_(self, v: object, what: str) -> list[Any]:
@@ -273,45 +585,51 @@ class _Check:
 
 
 def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -> Tree:
-    """Check every node of the table; return the tree with each node's children."""
+    """Check every node of the table; return the tree with each node's parent."""
     c = _Check(path)
     nodes = c.list_(nodes_raw, "nodes")
     if not nodes:
         raise c.fail("the node table is empty")
     if len(nodes) > Limits.MAX_NODES:
         raise c.fail(f"{len(nodes)} nodes exceed the limit of {Limits.MAX_NODES}", limit=True)
-    parent = [-1] * len(nodes)
-    depth = [0] * len(nodes)
-    children: list[tuple[int, ...]] = []
+    # compact tables (4, 4 and 2 bytes a node): the memory per node is mostly json's
+    parent = array("i", [-1]) * len(nodes)
+    slot = array("i", [0]) * len(nodes)
+    depth = array("H", [0]) * len(nodes)
 
-    def child(i: int, j: object, kinds: frozenset[str] | None = None) -> int:
+    def child(i: int, j: object, s: int, kinds: frozenset[str] | None = None) -> int:
         if type(j) is not int or not 0 <= j < i:
-            raise c.fail(f"node {i} refers to node {j!r}; children must come before their parent")
+            raise c.fail(
+                f"node {i} refers to node {short_repr(j, 40)}; children must come before their parent"
+            )
         if parent[j] != -1:
             raise c.fail(f"node {j} has two parents ({parent[j]} and {i})")
         if kinds is not None and nodes[j][0] not in kinds:
             raise c.fail(f"node {i} uses a {nodes[j][0]} node as a dict key")
         parent[j] = i
-        return j
+        slot[j] = s
+        return depth[j]
 
     for i, node in enumerate(nodes):
         if type(node) is not list or not node or type(node[0]) is not str:
             raise c.fail(f"node {i} is not a [kind, ...] array")
-        kind = node[0]
-        kids: tuple[int, ...] = ()
+        kind = _KINDS.get(node[0])
+        if kind is None:
+            raise c.unsupported(f"node {i} has unknown kind {short_repr(node[0], 40)}")
+        node[0] = kind
+        deepest = -1  # deepest child
         n = len(node)
         if kind == "none":
             ok = n == 1
         elif kind == "bool":
             ok = n == 2 and type(node[1]) is bool
         elif kind == "int":
-            ok = (
-                n == 2
-                and type(node[1]) is str
-                and len(node[1]) <= Limits.MAX_STRING_BYTES
-                and _INT_RE.fullmatch(node[1]) is not None
-                and node[1] != "-0"
-            )
+            ok = n == 2 and type(node[1]) is str
+            if ok and len(node[1]) - node[1].startswith("-") > Limits.MAX_STRING_BYTES:
+                raise c.fail(
+                    f"node {i} is an int of more than {Limits.MAX_STRING_BYTES} hex digits", limit=True
+                )
+            ok = ok and _INT_RE.fullmatch(node[1]) is not None and node[1] != "-0"
         elif kind == "float":
             ok = n == 2 and type(node[1]) is str and _FLOAT_RE.fullmatch(node[1]) is not None
         elif kind == "complex":
@@ -320,50 +638,48 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
             ok = n == 2 and c.str_(node[1], f"node {i}") is not None
         elif kind == "bytes":
             ok = n == 2 and type(node[1]) is str
-            if ok and len(node[1]) > Limits.MAX_STRING_BYTES * 4 // 3 + 4:
+            if ok and len(node[1]) > _MAX_B64:
                 raise c.fail(f"node {i} holds more than {Limits.MAX_STRING_BYTES} bytes", limit=True)
             ok = ok and _b64decode(c, i, node[1]) is not None
         elif kind in ("list", "tuple"):
             ok = n == 2 and type(node[1]) is list
             if ok:
-                keykinds = None
-                kids = tuple(child(i, j, keykinds) for j in node[1])
+                for s, j in enumerate(node[1]):
+                    deepest = max(deepest, child(i, j, s))
         elif kind in ("dict", "odict"):
             ok = (n == 2 if kind == "dict" else n == 3) and type(node[1]) is list
             if ok:
-                ks = []
-                for pair in node[1]:
+                for e, pair in enumerate(node[1]):
                     if type(pair) is not list or len(pair) != 2:
                         raise c.fail(f"node {i} has an entry that is not a [key, value] pair")
-                    ks.append(child(i, pair[0], _KEY_KINDS))
-                    ks.append(child(i, pair[1]))
+                    deepest = max(deepest, child(i, pair[0], 2 * e, _KEY_KINDS), child(i, pair[1], 2 * e + 1))
                 if kind == "odict" and node[2] is not None:
-                    ks.append(child(i, node[2], frozenset({"dict", "odict"})))
-                kids = tuple(ks)
-                seen: set[object] = set()
-                for pair in node[1]:
-                    key = _key_value(c, nodes, pair[0])
-                    if key in seen:
-                        raise c.fail(f"node {i} has the key {key!r} twice")
-                    seen.add(key)
+                    deepest = max(deepest, child(i, node[2], -1, frozenset({"dict", "odict"})))
+                _check_keys(c, nodes, i, node[1])
         elif kind == "dtype":
-            ok = n == 2 and node[1] in dtypes.TORCH_DTYPES
+            ok = n == 2 and type(node[1]) is str and node[1] in dtypes.TORCH_DTYPES
             if not ok and n == 2 and type(node[1]) is str:
-                raise c.unsupported(f"node {i} has dtype {node[1][:40]!r}, unknown to this reader")
+                raise c.unsupported(f"node {i} has dtype {short_repr(node[1], 40)}, unknown to this reader")
         elif kind == "device":
-            ok = n == 2 and type(node[1]) is str and _DEVICE_RE.fullmatch(node[1]) is not None
+            ok = n == 2 and devices.valid_location(node[1])
             if ok:
                 try:
-                    torch.device(node[1])
+                    named = str(torch.device(node[1]))
                 except RuntimeError as e:
                     raise c.fail(f"node {i} names device {node[1]!r}, unknown to torch") from e
+                if named != node[1]:
+                    raise c.fail(f"node {i} names device {node[1]!r}, which torch reads as {named!r}")
         elif kind == "size":
             ok = (
                 n == 2
                 and type(node[1]) is list
                 and len(node[1]) <= Limits.MAX_RANK
                 and all(
-                    type(d) is str and len(d) <= 16 and _INT_RE.fullmatch(d) and not d.startswith("-")
+                    type(d) is str
+                    and len(d) <= 16
+                    and _INT_RE.fullmatch(d)
+                    and not d.startswith("-")
+                    and int(d, 16) <= Limits.MAX_SIZE_DIM
                     for d in node[1]
                 )
             )
@@ -371,7 +687,7 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
             ok = n == 2 and _check_tensor(c, i, node[1], storages)
         elif kind == "ndarray":
             ok = n == 2 and _check_ndarray(c, i, node[1], storages)
-        elif kind == "npscalar":
+        else:  # npscalar
             dt = dtypes.numpy_dtype(node[1]) if n == 3 and type(node[1]) is str else None
             ok = dt is not None and type(node[2]) is str and len(node[2]) <= 32
             if ok:
@@ -379,25 +695,47 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
                 assert dt is not None
                 if len(raw) != dt.itemsize:
                     raise c.fail(f"node {i} holds {len(raw)} bytes for a {dt.itemsize}-byte scalar")
-        else:
-            raise c.unsupported(f"node {i} has unknown kind {kind[:40]!r}")
         if not ok:
             raise c.fail(f"node {i} ({kind}) is malformed")
-        if kids:
-            depth[i] = 1 + max(depth[k] for k in kids)
-            if depth[i] > Limits.MAX_DEPTH:
+        if deepest >= 0:
+            if deepest >= Limits.MAX_DEPTH:
                 raise c.fail(f"nesting deeper than {Limits.MAX_DEPTH} levels", limit=True)
-        children.append(kids)
+            depth[i] = deepest + 1
     root = len(nodes) - 1
-    for j in range(root):
-        if parent[j] == -1:
-            raise c.fail(f"node {j} is not part of the tree")
+    if parent.count(-1) != 1:
+        orphan = parent.index(-1)
+        raise c.fail(f"node {orphan} is not part of the tree")
     for sid, rec in enumerate(storages):
         if not rec.kind:
             raise c.fail(f"storage {sid} is not used by any tensor or array")
-    tree = Tree(nodes, root, children, storages)
-    _name_storages(tree)
+    tree = Tree(nodes, root, storages, parent, slot)
+    for rec in storages:
+        rec.tree = tree
     return tree
+
+
+def _check_keys(c: _Check, nodes: list[list[Any]], i: int, pairs: list[list[int]]) -> None:
+    """No two keys of dict node i are equal (as Python compares them), and at most
+    MAX_KEY_COLLISIONS share a hash, so the checks here and the dict built on load take
+    time linear in the number of keys even when they are chosen to collide."""
+    if len(pairs) < 2:
+        return
+    seen: set[object] = set()
+    counts: dict[int, int] | None = {} if len(pairs) > Limits.MAX_KEY_COLLISIONS else None
+    for pair in pairs:
+        key = _key_value(c, nodes, pair[0])
+        if counts is not None:
+            h = hash(key)
+            n = counts.get(h, 0) + 1
+            if n > Limits.MAX_KEY_COLLISIONS:
+                raise c.fail(
+                    f"node {i} has more than {Limits.MAX_KEY_COLLISIONS} keys with the same hash ({h})",
+                    limit=True,
+                )
+            counts[h] = n
+        if key in seen:
+            raise c.fail(f"node {i} has the key {node_text(nodes, pair[0], 80)} twice")
+        seen.add(key)
 
 
 def _b64decode(c: _Check, i: int, text: str) -> bytes:
@@ -408,6 +746,8 @@ def _b64decode(c: _Check, i: int, text: str) -> bytes:
         raise c.fail(f"node {i} has invalid base64") from e
     if base64.b64encode(raw).decode("ascii") != text:
         raise c.fail(f"node {i} has non-canonical base64")
+    if len(raw) > Limits.MAX_STRING_BYTES:
+        raise c.fail(f"node {i} holds more than {Limits.MAX_STRING_BYTES} bytes", limit=True)
     return raw
 
 
@@ -458,14 +798,18 @@ def _use_storage(c: _Check, i: int, sid: object, storages: list[StorageRecord], 
     if rec.kind and (kind == "ndarray" or rec.kind != kind):
         raise c.fail(f"storage {sid} is used by node {i} and by another {rec.kind}")
     rec.kind = kind
+    if rec.node < 0:
+        rec.node = i
     return rec
 
 
 def _check_tensor(c: _Check, i: int, meta: object, storages: list[StorageRecord]) -> bool:
     m = _fields(c, i, meta, _TENSOR_FIELDS)
     name = m["dtype"]
+    if type(name) is not str:
+        raise c.fail(f"node {i} has dtype {short_repr(name, 40)}, not a string")
     if name not in dtypes.TORCH_DTYPES:
-        raise c.unsupported(f"node {i} has dtype {str(name)[:40]!r}, unknown to this reader")
+        raise c.unsupported(f"node {i} has dtype {short_repr(name, 40)}, unknown to this reader")
     shape = _shape(c, i, m["shape"], "shape")
     stride = _shape(c, i, m["stride"], "stride")
     if len(stride) != len(shape):
@@ -490,12 +834,14 @@ def _check_tensor(c: _Check, i: int, meta: object, storages: list[StorageRecord]
 
 def _check_ndarray(c: _Check, i: int, meta: object, storages: list[StorageRecord]) -> bool:
     m = _fields(c, i, meta, _ARRAY_FIELDS)
-    dt = dtypes.numpy_dtype(m["dtype"]) if type(m["dtype"]) is str else None
+    if type(m["dtype"]) is not str:
+        raise c.fail(f"node {i} has numpy dtype {short_repr(m['dtype'], 40)}, not a string")
+    dt = dtypes.numpy_dtype(m["dtype"])
     if dt is None:
-        raise c.unsupported(f"node {i} has numpy dtype {str(m['dtype'])[:40]!r}, unknown to this reader")
+        raise c.unsupported(f"node {i} has numpy dtype {short_repr(m['dtype'], 40)}, unknown to this reader")
     shape = _shape(c, i, m["shape"], "shape")
     if m["order"] not in ("C", "F"):
-        raise c.fail(f"node {i} has order {str(m['order'])[:8]!r}")
+        raise c.fail(f"node {i} has order {short_repr(m['order'], 12)}")
     rec = _use_storage(c, i, m["storage"], storages, "ndarray")
     if _numel(c, i, shape) * dt.itemsize != rec.nbytes:
         raise c.fail(
@@ -504,48 +850,36 @@ def _check_ndarray(c: _Check, i: int, meta: object, storages: list[StorageRecord
     return True
 
 
-def _name_storages(tree: Tree) -> None:
-    """Give each storage the key path of the first tensor that uses it (for messages)."""
-    for path, i in iter_paths(tree, tree.root, "state"):
-        node = tree.nodes[i]
-        if node[0] in ("tensor", "ndarray"):
-            rec = tree.storages[node[1]["storage"]]
-            if not rec.key:
-                rec.key = path
-
-
 def iter_paths(tree: Tree, top: int, top_path: str) -> Iterator[tuple[str, int]]:
-    """Every node under `top` with its key path, parents before children."""
-    stack = [(top_path, top)]
+    """Every node under `top` with its key path (at most PATH_CHARS characters), parents before
+    children; a dict's `_metadata` before its entries; dict keys are not listed.  Lazy: holds
+    one path per level, never one per node."""
+    yield top_path, top
+    stack = [(top_path, _named_children(tree, top))]
     while stack:
-        path, i = stack.pop()
-        yield path, i
-        node = tree.nodes[i]
-        kind = node[0]
-        if kind in ("list", "tuple"):
-            stack.extend((f"{path}[{n}]", j) for n, j in reversed(list(enumerate(node[1]))))
-        elif kind in ("dict", "odict"):
-            for k, v in reversed(node[1]):
-                stack.append((render_key(path, _key_repr(tree, k)), v))
-            if kind == "odict" and node[2] is not None:
-                stack.append((f"{path}._metadata", node[2]))
+        path, kids = stack[-1]
+        nxt = next(kids, None)
+        if nxt is None:
+            stack.pop()
+            continue
+        seg, j = nxt
+        sub = extend_path(path, seg)
+        yield sub, j
+        if tree.nodes[j][0] in _CONTAINER_KINDS:
+            stack.append((sub, _named_children(tree, j)))
 
 
-class _KeyText:
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __repr__(self) -> str:
-        return self.text
-
-
-def _key_repr(tree: Tree, k: int) -> object:
-    node = tree.nodes[k]
-    if node[0] == "str":
-        return node[1]
-    if node[0] == "int":
-        return int(node[1], 16)
-    return _KeyText(node[0])
+def _named_children(tree: Tree, i: int) -> Iterator[tuple[str, int]]:
+    node = tree.nodes[i]
+    kind = node[0]
+    if kind == "list" or kind == "tuple":
+        for n, j in enumerate(node[1]):
+            yield f"[{n}]", j
+    elif kind == "dict" or kind == "odict":
+        if kind == "odict" and node[2] is not None:
+            yield "._metadata", node[2]
+        for k, v in node[1]:
+            yield f"[{node_text(tree.nodes, k, KEY_CHARS)}]", v
 
 
 def storages_under(tree: Tree, top: int) -> list[int]:
@@ -557,7 +891,8 @@ def storages_under(tree: Tree, top: int) -> list[int]:
         node = tree.nodes[i]
         if node[0] in ("tensor", "ndarray"):
             out.add(node[1]["storage"])
-        stack.extend(tree.children[i])
+        elif node[0] in _CONTAINER_KINDS:
+            stack.extend(tree.children(i))
     return sorted(out)
 
 

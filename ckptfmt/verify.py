@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from . import inflight
 from .errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
 from .reader import CheckpointFile
 
@@ -77,9 +78,7 @@ def verify(
     External chunks (an incremental checkpoint's) are checked in the files they
     lie in; a problem there is reported with both files named.
     """
-    from . import background
-
-    background.wait_for_path(path)
+    inflight.wait_for_path(path)
     report = VerifyReport(os.fspath(path))
     try:
         f = CheckpointFile(path)

@@ -73,6 +73,9 @@ typedef struct {
 #define CKF_WHY_DECODED 6  /* the frame decodes to another size (value) */
 #define CKF_WHY_SHORT 7    /* the file ended (value: where) */
 #define CKF_WHY_DIGEST 8   /* the decoded bytes do not match their content digest */
+#define CKF_WHY_FRAME 9    /* not a standard zstd frame: legacy, skippable or another magic */
+#define CKF_WHY_WINDOW 10  /* the frame needs a window above 2^27 bytes (value: its size) */
+#define CKF_WHY_DICT 11    /* the frame needs a dictionary (value: its id) */
 
 /* Read, verify (when verify != 0) and decode chunks [0, n) on nthreads threads.
  * chunks[i].index is the chunk number the checksum seed binds (in the file at fd);

@@ -7,6 +7,13 @@
  * with content digests (feature bit 0) the decoded bytes' XXH3-128 is checked too.  Every
  * length comes from the validated index; the decoder still checks each frame
  * against it, so a forged checksum cannot make it write out of bounds.
+ *
+ * A zstd chunk must be one standard zstd frame (no legacy or skippable frame, no
+ * dictionary) whose header declares exactly raw_len bytes and a window of at most
+ * 2^27 bytes: one-pass decoding does not enforce ZSTD_d_windowLogMax, so the header
+ * is checked here, in the same order and with the same reasons as the Python reader.
+ * Scratch buffers are per thread, allocated by a thread when it first meets a zstd
+ * chunk, and only as many threads run as there are chunks.
  */
 #include <errno.h>
 #include <stdatomic.h>
@@ -28,8 +35,10 @@ typedef struct {
     const uint8_t *file_id;
     ckf_rchunk *chunks;
     int verify;
-    uint8_t **scratch; /* per thread: stored bytes */
-    uint8_t **plain;   /* per thread: decoded bytes before un-shuffling */
+    uint64_t max_stored; /* largest stored zstd chunk: the size of each scratch buffer */
+    uint64_t max_plain;  /* largest shuffled chunk: the size of each plain buffer */
+    uint8_t **scratch;   /* per thread, allocated on first use: stored bytes */
+    uint8_t **plain;     /* per thread, allocated on first use: decoded bytes before un-shuffling */
     ZSTD_DCtx **dctx;
     atomic_int failed;
     ckf_status *status;
@@ -77,11 +86,67 @@ static int read_or_fail(rjob *j, int64_t k, uint8_t *p, uint64_t len, uint64_t o
     return 0;
 }
 
+/* this thread's buffers for a zstd chunk, allocated when it first needs them; 0 ok */
+static int thread_buffers(rjob *j, int thread, const ckf_rchunk *c, int64_t k) {
+    if (!j->scratch[thread] && !(j->scratch[thread] = malloc((size_t)j->max_stored))) goto nomem;
+    if (c->filter == CKF_FILTER_SHUFFLE && !j->plain[thread] &&
+        !(j->plain[thread] = malloc((size_t)j->max_plain)))
+        goto nomem;
+    if (!j->dctx[thread]) {
+        ZSTD_DCtx *d = ZSTD_createDCtx();
+        if (!d) goto nomem;
+        j->dctx[thread] = d;
+        if (ZSTD_isError(ZSTD_DCtx_setParameter(d, ZSTD_d_windowLogMax, WINDOW_LOG_MAX))) goto nomem;
+    }
+    return 0;
+nomem:
+    rfail(j, CKF_ERR_NOMEM, ENOMEM, k, 0, 0);
+    return 1;
+}
+
+static uint32_t read_le32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* the frame header rules of spec section 3; 0 ok, else the failure is recorded */
+static int check_frame(rjob *j, const ckf_rchunk *c, const uint8_t *stored, int64_t k) {
+    /* legacy (v0.x) frames, skippable frames and anything else: only the standard magic */
+    if (c->stored_len < 4 || read_le32(stored) != ZSTD_MAGICNUMBER) {
+        rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_FRAME, 0);
+        return 1;
+    }
+    ZSTD_frameHeader fh;
+    size_t r = ZSTD_getFrameHeader(&fh, stored, (size_t)c->stored_len);
+    if (ZSTD_isError(r) || r != 0 || fh.frameType != ZSTD_frame) { /* r > 0: header truncated */
+        rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_ZSTD, 0);
+        return 1;
+    }
+    if (fh.frameContentSize == ZSTD_CONTENTSIZE_UNKNOWN) {
+        rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_NO_SIZE, 0);
+        return 1;
+    }
+    if (fh.frameContentSize != c->raw_len) {
+        rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_DECLARED, (uint64_t)fh.frameContentSize);
+        return 1;
+    }
+    if (fh.windowSize > (1ull << WINDOW_LOG_MAX)) {
+        rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_WINDOW, (uint64_t)fh.windowSize);
+        return 1;
+    }
+    if (fh.dictID != 0) {
+        rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_DICT, fh.dictID);
+        return 1;
+    }
+    /* a content checksum (fh.checksumFlag) is allowed; ZSTD_decompressDCtx verifies it */
+    return 0;
+}
+
 static void task_read(void *ctx, uint64_t i, int thread) {
     rjob *j = (rjob *)ctx;
     if (atomic_load(&j->failed)) return;
     ckf_rchunk *c = &j->chunks[i];
     int64_t k = (int64_t)i; /* errors name the entry; the caller knows its chunk */
+    if (c->codec == CKF_CODEC_ZSTD && thread_buffers(j, thread, c, k)) return;
     XXH3_state_t *h = NULL;
     if (j->verify) {
         h = XXH3_createState();
@@ -144,20 +209,8 @@ static void task_read(void *ctx, uint64_t i, int thread) {
             rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_DIGEST, 0);
         return;
     }
-    /* zstd: one frame, declaring exactly raw_len, consuming exactly stored_len */
-    unsigned long long declared = ZSTD_getFrameContentSize(stored, (size_t)c->stored_len);
-    if (declared == ZSTD_CONTENTSIZE_ERROR) {
-        rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_ZSTD, 0);
-        return;
-    }
-    if (declared == ZSTD_CONTENTSIZE_UNKNOWN) {
-        rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_NO_SIZE, 0);
-        return;
-    }
-    if (declared != c->raw_len) {
-        rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_DECLARED, (uint64_t)declared);
-        return;
-    }
+    /* zstd: one standard frame, declaring exactly raw_len, consuming exactly stored_len */
+    if (check_frame(j, c, stored, k)) return;
     size_t frame = ZSTD_findFrameCompressedSize(stored, (size_t)c->stored_len);
     if (ZSTD_isError(frame) || frame != c->stored_len) {
         rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_ZSTD, 0);
@@ -194,18 +247,25 @@ int ckf_read_chunks(int fd, const uint8_t *file_id, ckf_rchunk *chunks, uint64_t
     uint64_t max_stored = 0, max_plain = 0;
     for (uint64_t i = 0; i < n; i++) {
         ckf_rchunk *c = &chunks[i];
-        /* the caller validated the index; these checks keep C safe on its own */
+        /* the caller validated the index; these checks keep C safe on its own, with checked
+         * arithmetic: every byte of the chunk and its padding lies below 2^63 (off_t) */
         if ((c->codec != CKF_CODEC_RAW && c->codec != CKF_CODEC_ZSTD) ||
             (c->codec == CKF_CODEC_RAW && (c->stored_len != c->raw_len || c->filter != CKF_FILTER_NONE)) ||
+            (c->codec == CKF_CODEC_ZSTD && (c->stored_len == 0 || c->stored_len >= c->raw_len)) ||
             (c->filter == CKF_FILTER_SHUFFLE && (c->width < 2 || c->raw_len % c->width)) ||
-            c->filter > CKF_FILTER_SHUFFLE || c->pad >= CKF_ALIGN) {
+            c->filter > CKF_FILTER_SHUFFLE || c->pad >= CKF_ALIGN || c->offset > (uint64_t)INT64_MAX - CKF_ALIGN ||
+            c->stored_len > (uint64_t)INT64_MAX - c->offset - c->pad || c->raw_len > (uint64_t)SIZE_MAX / 2 ||
+            (c->raw_len && !c->dst)) {
             status->code = CKF_ERR_ARG;
             status->chunk = (int64_t)i;
             return CKF_ERR_ARG;
         }
         if (c->codec == CKF_CODEC_ZSTD && c->stored_len > max_stored) max_stored = c->stored_len;
-        if (c->filter == CKF_FILTER_SHUFFLE && c->raw_len > max_plain) max_plain = c->raw_len;
+        if (c->codec == CKF_CODEC_ZSTD && c->filter == CKF_FILTER_SHUFFLE && c->raw_len > max_plain)
+            max_plain = c->raw_len;
     }
+    /* no more threads than chunks: each thread's scratch is allocated when it first needs it */
+    if ((uint64_t)nthreads > n) nthreads = n ? (int)n : 1;
     rjob j;
     memset(&j, 0, sizeof j);
     j.fd = fd;
@@ -213,20 +273,13 @@ int ckf_read_chunks(int fd, const uint8_t *file_id, ckf_rchunk *chunks, uint64_t
     j.chunks = chunks;
     j.verify = verify;
     j.status = status;
+    j.max_stored = max_stored;
+    j.max_plain = max_plain;
     atomic_init(&j.failed, 0);
     j.scratch = calloc((size_t)nthreads, sizeof(uint8_t *));
     j.plain = calloc((size_t)nthreads, sizeof(uint8_t *));
     j.dctx = calloc((size_t)nthreads, sizeof(ZSTD_DCtx *));
-    int ok = j.scratch && j.plain && j.dctx;
-    for (int t = 0; ok && t < nthreads; t++) {
-        if (max_stored) ok = (j.scratch[t] = malloc(max_stored)) != NULL;
-        if (ok && max_plain) ok = (j.plain[t] = malloc(max_plain)) != NULL;
-        if (ok && max_stored) {
-            ok = (j.dctx[t] = ZSTD_createDCtx()) != NULL &&
-                 !ZSTD_isError(ZSTD_DCtx_setParameter(j.dctx[t], ZSTD_d_windowLogMax, WINDOW_LOG_MAX));
-        }
-    }
-    if (!ok) {
+    if (!j.scratch || !j.plain || !j.dctx) {
         status->code = CKF_ERR_NOMEM;
         status->err_no = ENOMEM;
     } else {

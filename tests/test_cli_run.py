@@ -98,3 +98,22 @@ def test_verify_one_step_and_a_step_directory(run_dir):
     assert run("verify", str(run_dir), "--step", "9").returncode == 1
     out = run("verify", str(run_dir / "step-000000001"))
     assert out.returncode == 0 and out.stdout.strip().endswith("step-000000001: OK")
+
+
+def test_convert_and_ls_of_a_dcp_directory(tmp_path):
+    from ckptfmt import dcp as cdcp
+
+    sd = {"w": torch.arange(12.0).reshape(3, 4), "n": {"step": 7}}
+    cdcp.save(sd, str(tmp_path / "dcp"))  # one process, no process group
+    out = run("ls", str(tmp_path / "dcp"), "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["complete"] and [f["status"] for f in info["files"]] == ["ok"]
+    out = run("convert", str(tmp_path / "dcp"), str(tmp_path / "one.ckpt"))
+    assert out.returncode == 0, out.stderr
+    one = ckptfmt.load(tmp_path / "one.ckpt")
+    assert torch.equal(one["w"], sd["w"]) and one["n"]["step"] == 7
+    os.unlink(tmp_path / "dcp" / "rank-00000.ckpt")
+    out = run("verify", str(tmp_path / "dcp"))
+    assert out.returncode == 1 and "rank-00000.ckpt" in out.stdout
+    assert run("convert", str(tmp_path / "dcp"), str(tmp_path / "two.ckpt")).returncode == 1

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ckptfmt
+from ckptfmt import _native
 from ckptfmt import format as fmt
 
 CORPUS = os.path.join(os.path.dirname(__file__), "corpus")
@@ -32,25 +33,47 @@ for name in sys.argv[2:]:
     t = time.perf_counter()
     try:
         ckptfmt.load(path)
-        got = "no error"
+        got, where = "no error", None
     except BaseException as e:
         got = type(e).__name__
-    report = verify(path)
-    out[name] = {"error": got, "seconds": time.perf_counter() - t, "verify_ok": report.ok}
+        where = [str(e), getattr(e, "chunk", None), getattr(e, "offset", None)]
+    try:
+        report = verify(path)
+        ok, problems = report.ok, [str(p) for p in report.problems]
+    except BaseException as e:  # verify reports problems; it must never raise on a file's bytes
+        ok, problems = None, [f"verify raised {type(e).__name__}: {str(e)[:200]}"]
+    out[name] = {
+        "error": got,
+        "where": where,
+        "seconds": time.perf_counter() - t,
+        "verify_ok": ok,
+        "problems": problems,
+    }
 print(json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def corpus_results():
+def _run_corpus(backend: str) -> dict:
+    env = dict(os.environ, CKPTFMT_BACKEND=backend)
     proc = subprocess.run(
         [sys.executable, "-c", _RUNNER, CORPUS, *sorted(EXPECTED)],
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def corpus_results():
+    return _run_corpus("")  # the C engine when it is built
+
+
+@pytest.fixture(scope="module")
+def corpus_results_python():
+    return _run_corpus("python")
 
 
 def test_corpus_is_current():
@@ -63,7 +86,29 @@ def test_corpus_is_current():
 def test_corpus_file_gives_expected_error(corpus_results, name):
     r = corpus_results[name]
     assert r["error"] == EXPECTED[name], f"{name}: {r}"
-    assert not r["verify_ok"]
+    assert r["verify_ok"] is False, f"{name}: {r}"
+    assert r["seconds"] < 5.0, f"{name} took {r['seconds']:.1f}s"
+
+
+@pytest.mark.skipif(not _native.built(), reason="the C engine is not built")
+def test_both_engines_refuse_every_corpus_file_alike(corpus_results, corpus_results_python):
+    """The C and the Python reader accept and reject exactly the same files, with the same
+    error class, message, chunk and offset (zstd frames included: window, legacy, skippable,
+    dictionary, content checksum), and verify reports the same problems."""
+    differ = {
+        name: (corpus_results[name], corpus_results_python[name])
+        for name in EXPECTED
+        if {k: v for k, v in corpus_results[name].items() if k != "seconds"}
+        != {k: v for k, v in corpus_results_python[name].items() if k != "seconds"}
+    }
+    assert differ == {}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_corpus_file_python_engine(corpus_results_python, name):
+    r = corpus_results_python[name]
+    assert r["error"] == EXPECTED[name], f"{name}: {r}"
+    assert r["verify_ok"] is False, f"{name}: {r}"
     assert r["seconds"] < 5.0, f"{name} took {r['seconds']:.1f}s"
 
 

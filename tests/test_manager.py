@@ -1324,3 +1324,29 @@ def test_a_commit_record_that_is_not_a_regular_ckptfmt_file(part_dir):
     commit.unlink()
     with pytest.raises(IncompleteError, match="no commit record"):
         multifile.check_complete(str(part_dir))
+
+
+def test_load_into_leaves_every_object_untouched_when_a_later_part_is_damaged(tmp_path):
+    """The model comes first in the state; damage in the optimizer's chunks must not leave
+    the model filled from the checkpoint and the optimizer not."""
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, {"model": model, "optimizer": opt})
+    state_file = mgr.latest().state_path
+    with ckptfmt.open(state_file) as r:
+        f = r._file
+        opt_storages = [rec for rec in f.storages if "optimizer" in rec.key]
+        assert opt_storages and "model" in f.storages[0].key
+        offset = f.chunks[opt_storages[-1].first_chunk].offset
+    data = bytearray(open(state_file, "rb").read())
+    data[offset + 1] ^= 0x40
+    with open(state_file, "wb") as fh:
+        fh.write(bytes(data))
+    fresh = torch.nn.Linear(64, 64)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(ckptfmt.CorruptError):
+        mgr.load_into({"model": fresh, "optimizer": torch.optim.AdamW(fresh.parameters())}, restore_rng=False)
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())

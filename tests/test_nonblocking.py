@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import shutil
@@ -16,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 
 import ckptfmt
 from ckptfmt import background, writer
-from ckptfmt.staging import POOL
+from ckptfmt.staging import POOL, StagingPool
 
 BACKENDS = ["c", "python"]
 
@@ -190,3 +191,260 @@ def test_staging_pool_is_reused(tmp_path, backend):
     before = POOL.allocated
     ckptfmt.save(state, tmp_path / "b", blocking=False).wait()
     assert POOL.allocated == before > 0
+
+
+# -- failures part-way through a non-blocking save leave nothing behind ------------------------
+
+
+def _pool_settled() -> None:
+    assert POOL.free_bytes == POOL.allocated, "a staging slab was not returned"
+
+
+def test_thread_that_fails_to_start_leaves_nothing_in_flight(tmp_path, monkeypatch):
+    def cannot_start(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", cannot_start)
+    p = tmp_path / "x.ckpt"
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        ckptfmt.save(_state(), p, blocking=False)
+    monkeypatch.undo()
+    assert not background._in_flight, "the path stays marked in flight: every later save of it hangs"
+    assert os.listdir(tmp_path) == [], "the temp file leaked"
+    ckptfmt.save({"a": 1}, p)  # waits for nothing
+    assert ckptfmt.load(p) == {"a": 1}
+    _pool_settled()
+
+
+@pytest.mark.parametrize("fail_at", [1, 3, 8])
+def test_exception_mid_snapshot_returns_every_slab(tmp_path, monkeypatch, backend, fail_at):
+    POOL.configure(limit=1 << 20, slab_bytes=256 << 10)  # several slabs: some handed over, one open
+    real = background._host_bytes
+    calls: list[int] = []
+
+    def failing_host_bytes(src: object) -> object:
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise MemoryError("injected mid-snapshot")
+        return real(src)
+
+    monkeypatch.setattr(background, "_host_bytes", failing_host_bytes)
+    p = tmp_path / "x.ckpt"
+    try:
+        with pytest.raises(MemoryError, match="injected"):
+            ckptfmt.save(_state(), p, blocking=False, chunk_size=1 << 16)
+        assert len(calls) == fail_at
+        assert not background._in_flight
+        assert os.listdir(tmp_path) == []
+        _pool_settled()
+        monkeypatch.undo()
+        ckptfmt.save(_state(), p, blocking=False, chunk_size=1 << 16).wait()  # the pool still works
+        assert ckptfmt.verify(p).ok
+        _pool_settled()
+    finally:
+        POOL.configure(limit=8 << 30, slab_bytes=64 << 20)
+
+
+class _FinishesBetweenChecks(background.SaveHandle):
+    """A failed save whose thread finishes between two of raise_unobserved's looks at it."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.looks = 0
+
+    def done(self) -> bool:
+        self.looks += 1
+        if self.looks == 2:
+            self._finish(OSError(errno.EIO, "Input/output error", self.path))
+        return super().done()
+
+
+def test_an_error_that_lands_between_two_checks_is_not_dropped(tmp_path):
+    h = _FinishesBetweenChecks(str(tmp_path / "x.ckpt"))
+    background._unobserved.append(h)
+    raised = []
+    for i in range(3):
+        try:
+            ckptfmt.save({"i": i}, tmp_path / "y.ckpt")
+        except RuntimeError as e:
+            raised.append(e)
+    assert len(raised) == 1 and isinstance(raised[0].__cause__, OSError)
+    assert h not in background._unobserved
+
+
+# -- staging accelerator storages (simulated: no accelerator here) ---------------------------------
+
+
+class _TestPool(StagingPool):
+    """A staging pool whose "pinned" slabs are ordinary memory, counting what it allocates."""
+
+    def __init__(self, limit: int, slab_bytes: int) -> None:
+        super().__init__(limit, slab_bytes)
+        self.pinned_ptrs: set[int] = set()
+        self.allocations: list[bool] = []
+
+    def _allocate(self, size: int, pinned: bool) -> torch.Tensor:
+        t = torch.empty(size, dtype=torch.uint8)
+        self.allocations.append(pinned)
+        if pinned:
+            self.pinned_ptrs.add(t.data_ptr())
+        return t
+
+    def _is_pinned(self, slab: torch.Tensor) -> bool:
+        return slab.data_ptr() in self.pinned_ptrs
+
+
+class _Fence:
+    def __init__(self) -> None:
+        self.synchronized = False
+
+    def synchronize(self) -> None:
+        self.synchronized = True
+
+
+class _FakeAccelerator:
+    """Tensors given to `on_device` are staged as an accelerator's would be: into pinned slabs,
+    copied with non_blocking=True, each copy fenced by an event."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, pool: _TestPool) -> None:
+        self.ptrs: set[int] = set()
+        self.fences: list[_Fence] = []
+        self.copies = 0
+        real_host_bytes = background._host_bytes
+        real_copy = background._copy_into_slab
+
+        def host_bytes(src: object) -> object:
+            if isinstance(src, torch.UntypedStorage) and src.data_ptr() in self.ptrs:
+                return None
+            return real_host_bytes(src)
+
+        def copy(*args: object) -> None:
+            self.copies += 1
+            real_copy(*args)
+
+        def fence(device: torch.device) -> _Fence:
+            self.fences.append(_Fence())
+            return self.fences[-1]
+
+        monkeypatch.setattr(background, "_host_bytes", host_bytes)
+        monkeypatch.setattr(background, "_copy_into_slab", copy)
+        monkeypatch.setattr(background, "_accelerator_type", lambda: "cpu")
+        monkeypatch.setattr(background, "_fence", fence)
+        monkeypatch.setattr(background, "POOL", pool)
+
+    def on_device(self, t: torch.Tensor) -> torch.Tensor:
+        self.ptrs.add(t.untyped_storage().data_ptr())
+        return t
+
+
+def _adamw_like(acc: _FakeAccelerator, params: int = 8, n: int = 20_000) -> dict[str, object]:
+    """AdamW's layout: a CPU `step` tensor between the two moments on the device, per parameter."""
+    g = torch.Generator().manual_seed(7)
+    return {
+        "state": {
+            i: {
+                "step": torch.tensor(float(i + 1)),
+                "exp_avg": acc.on_device(torch.randn(n, generator=g)),
+                "exp_avg_sq": acc.on_device(torch.rand(n, generator=g)),
+            }
+            for i in range(params)
+        },
+        "lr": 1e-3,
+    }
+
+
+def test_alternating_host_and_device_storages_keep_one_slab_of_each_kind(tmp_path, monkeypatch, backend):
+    pool = _TestPool(limit=8 << 20, slab_bytes=1 << 20)
+    acc = _FakeAccelerator(monkeypatch, pool)
+    state = _adamw_like(acc, params=8, n=10_000)  # 640 KB of moments, 8 steps: one slab of each
+    h = ckptfmt.save(state, tmp_path / "x.ckpt", blocking=False, chunk_size=1 << 16)
+    h.wait(timeout=60)
+    assert sorted(pool.allocations) == [False, True], "a slab was handed over at each change of kind"
+    assert acc.copies == 16 and acc.fences[-1].synchronized
+    assert pool.in_use == 0
+    assert_same(state, ckptfmt.load(tmp_path / "x.ckpt"), check_sharing=False)
+
+
+@pytest.mark.parametrize("slabs", [1, 2, 3])
+def test_tight_pool_with_both_kinds_neither_deadlocks_nor_reorders(tmp_path, monkeypatch, slabs):
+    """With room for fewer slabs than there are kinds, the open slab of the other kind is handed
+    to the writer when the pool is full, and the chunks still reach the file in order."""
+    pool = _TestPool(limit=slabs << 16, slab_bytes=1 << 16)
+    acc = _FakeAccelerator(monkeypatch, pool)
+    state = _adamw_like(acc, params=6, n=30_000)  # 120 KB moments: two chunks and a bit
+    state["big_host"] = torch.arange(100_000, dtype=torch.float64)
+    state["big_device"] = acc.on_device(torch.arange(70_000, dtype=torch.float32))
+    h = ckptfmt.save(state, tmp_path / "x.ckpt", blocking=False, chunk_size=1 << 14)
+    h.wait(timeout=120)
+    assert pool.in_use == 0 and pool.allocated <= max(slabs, 1) << 16
+    assert acc.fences[-1].synchronized  # fences on one stream: the newest covers the others
+    assert_same(state, ckptfmt.load(tmp_path / "x.ckpt"), check_sharing=False)
+
+
+@pytest.mark.parametrize("fail_at", [1, 4, 11])
+def test_device_copy_failing_mid_snapshot_returns_every_slab(tmp_path, monkeypatch, fail_at):
+    pool = _TestPool(limit=4 << 16, slab_bytes=1 << 16)
+    acc = _FakeAccelerator(monkeypatch, pool)
+    state = _adamw_like(acc, params=8, n=10_000)
+    copy = background._copy_into_slab
+
+    def failing_copy(*args: object) -> None:
+        if acc.copies + 1 == fail_at:
+            raise RuntimeError("injected: device copy failed")
+        copy(*args)
+
+    monkeypatch.setattr(background, "_copy_into_slab", failing_copy)
+    with pytest.raises(RuntimeError, match="injected"):
+        ckptfmt.save(state, tmp_path / "x.ckpt", blocking=False, chunk_size=1 << 14)
+    assert pool.in_use == 0, "a staging slab was not returned"
+    # fences on one stream: the newest covers the copies before it
+    assert not acc.fences or acc.fences[-1].synchronized, "a slab went back while a copy could still run"
+    assert not background._in_flight and os.listdir(tmp_path) == []
+
+
+def test_fence_is_recorded_on_the_source_devices_stream(monkeypatch):
+    """A copy from device 1 while device 0 is current runs on device 1's stream: the event
+    must be recorded there, not on the current device's stream."""
+    asked: list[object] = []
+
+    class Stream:
+        def __init__(self, device: object) -> None:
+            self.device = device
+
+        def record_event(self) -> tuple[str, object]:
+            return ("recorded on", self.device)
+
+    def current_stream(device: object = None) -> Stream:
+        asked.append(device)
+        return Stream(device)
+
+    monkeypatch.setattr(torch.accelerator, "current_stream", current_stream)
+    dev = torch.device("cuda", 1)
+    assert background._fence(dev) == ("recorded on", dev)
+    assert asked == [dev]
+
+
+def _accelerator_devices() -> list[int]:
+    if not torch.accelerator.is_available():
+        return []
+    n = torch.accelerator.device_count()
+    return sorted({0, n - 1})
+
+
+@pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
+@pytest.mark.parametrize("index", _accelerator_devices() or [0])
+def test_device_copies_are_fenced_on_the_source_device(tmp_path, index):
+    """The source tensor is produced at the end of a long queue of kernels on its device, which
+    is not the current one when index > 0: the file holds its final bytes all the same."""
+    acc = torch.accelerator.current_accelerator()
+    assert acc is not None
+    src = torch.device(acc.type, index)
+    torch.accelerator.set_device_index(0)
+    g = torch.Generator(device=src).manual_seed(1)
+    busy = torch.randn(2048, 2048, device=src, generator=g)
+    for _ in range(200):  # tens of milliseconds of work queued on the source device's stream
+        busy = torch.tanh(busy @ busy / 45.0)
+    state = {"y": busy.flatten()[: 1 << 20].clone(), "host": torch.arange(10)}
+    h = ckptfmt.save(state, tmp_path / "x.ckpt", blocking=False)
+    h.wait(timeout=120)
+    assert torch.equal(ckptfmt.load(tmp_path / "x.ckpt")["y"], state["y"].cpu())

@@ -198,6 +198,48 @@ def zstd(raw: bytes, content_size: bool = True) -> bytes:
     return zstandard.ZstdCompressor(level=1, write_content_size=content_size).compress(raw)
 
 
+def zstd_frame(fhd: int, *fields: bytes) -> bytes:
+    """A standard zstd frame: magic, frame header descriptor, header fields, then one RLE block of
+    4096 zero bytes (the last block).  RFC 8878 section 3.1.1."""
+    return b"\x28\xb5\x2f\xfd" + bytes([fhd]) + b"".join(fields) + bytes([0x03, 0x80, 0x00]) + b"\x00"
+
+
+def zstd_window(window_log: int) -> bytes:
+    """4096 raw bytes in a frame that is not single-segment and declares a 2**window_log window."""
+    # descriptor: content size in 2 bytes (+256), no single segment; window exponent = log - 10
+    return zstd_frame(0x40, bytes([(window_log - 10) << 3]), struct.pack("<H", 4096 - 256))
+
+
+def zstd_legacy_v07() -> bytes:
+    """A zstd v0.7 (pre-1.0, magic 0xFD2FB527) frame of 4096 zero bytes: single segment, content
+    size in 2 bytes, one RLE block, the end block.  libzstd built with legacy support decodes it."""
+    return (
+        struct.pack("<I", 0xFD2FB527)
+        + bytes([0x60])
+        + struct.pack("<H", 4096 - 256)
+        + bytes([0x80, 0x10, 0x00, 0x00])
+        + bytes([0xC0, 0x00, 0x00])
+    )
+
+
+def zstd_case(stored: bytes, raw_len: int = 4096) -> bytes:
+    return build(
+        idx(
+            storages=[[raw_len, "cpu"]],
+            nodes=[["str", "w"], tensor_node(shape=[raw_len // 4]), ["dict", [[0, 1]]]],
+        ),
+        [(stored, raw_len, 1, 0, 0)],
+    )
+
+
+def colliding_keys_nodes(n: int) -> list[Any]:
+    """A dict of n int keys k * (2**61 - 1): all have Python hash 0."""
+    nodes: list[Any] = []
+    for k in range(1, n + 1):
+        nodes += [["int", format(k * (2**61 - 1), "x")], ["none"]]
+    return nodes + [["dict", [[2 * i, 2 * i + 1] for i in range(n)]]]
+
+
 def deep_list_nodes(depth: int) -> list[Any]:
     nodes: list[Any] = [["none"]]
     for i in range(depth):
@@ -351,6 +393,23 @@ CASES: dict[str, tuple[str, Callable[[], bytes]]] = {
             [(zstd(bytes(4096)) + zstd(bytes(4096)), 4096, 1, 0, 0)],
         ),
     ),
+    # zstd frames the format refuses (spec section 3), the same way in both engines
+    "zstd_window_too_large": ("CorruptError", lambda: zstd_case(zstd_window(28))),
+    "zstd_legacy_frame": ("CorruptError", lambda: zstd_case(zstd_legacy_v07())),
+    "zstd_skippable_frame": (
+        "CorruptError",
+        lambda: zstd_case(struct.pack("<II", 0x184D2A50, 4) + bytes(4)),
+    ),
+    "zstd_dictionary_id": (
+        "CorruptError",
+        # single segment, 2-byte content size, 1-byte dictionary id 7
+        lambda: zstd_case(zstd_frame(0x61, b"\x07", struct.pack("<H", 4096 - 256))),
+    ),
+    "zstd_bad_content_checksum": (
+        "CorruptError",
+        lambda: zstd_case(zstd_frame(0x64, struct.pack("<H", 4096 - 256)) + b"\xde\xad\xbe\xef"),
+    ),
+    "zstd_truncated_header": ("CorruptError", lambda: zstd_case(b"\x28\xb5\x2f\xfd\x40")),
     "shuffle_width_invalid": (
         "CorruptError",
         lambda: build(
@@ -367,6 +426,18 @@ CASES: dict[str, tuple[str, Callable[[], bytes]]] = {
         lambda: build(idx(storages=[[16, "cpu"], [16, "cpu"]]), [(RAW16, 16, 0, 0, 0), (RAW16, 16, 0, 0, 0)]),
     ),
     "storage_bad_device": ("CorruptError", lambda: build(idx(storages=[[16, "../../etc"]]))),
+    # torch.device("cuda:300") is cuda:44: an index torch cannot hold must not load as another device
+    "storage_device_index_wraps": ("CorruptError", lambda: build(idx(storages=[[16, "cuda:300"]]))),
+    "storage_device_index_128": ("CorruptError", lambda: build(idx(storages=[[16, "cuda:128"]]))),
+    "storage_device_leading_zero": ("CorruptError", lambda: build(idx(storages=[[16, "cuda:01"]]))),
+    "device_node_index_wraps": (
+        "CorruptError",
+        lambda: build(idx(storages=[], nodes=[["device", "cuda:300"]]), []),
+    ),
+    "tensor_dtype_not_a_string": (
+        "CorruptError",
+        lambda: build(idx(nodes=[["str", "w"], tensor_node(dtype=["float32"]), ["dict", [[0, 1]]]])),
+    ),
     "shape_numel_overflow": (
         "LimitError",
         lambda: build(
@@ -475,6 +546,33 @@ CASES: dict[str, tuple[str, Callable[[], bytes]]] = {
         lambda: build(idx(storages=[], nodes=[["npscalar", "<f8", "AAAA"]]), []),
     ),
     "string_not_a_string": ("CorruptError", lambda: build(idx(storages=[], nodes=[["str", 5]]), [])),
+    "dtype_node_not_a_string": ("CorruptError", lambda: build(idx(storages=[], nodes=[["dtype", []]]), [])),
+    "size_dim_beyond_int64": (
+        "CorruptError",
+        lambda: build(idx(storages=[], nodes=[["size", ["8000000000000000"]]]), []),
+    ),
+    # two equal keys of 5000 decimal digits: the message must not repr() them (ValueError)
+    "dict_duplicate_huge_int_key": (
+        "CorruptError",
+        lambda: build(
+            idx(
+                storages=[],
+                nodes=[
+                    ["int", "f" * 4200],
+                    ["none"],
+                    ["int", "f" * 4200],
+                    ["none"],
+                    ["dict", [[0, 1], [2, 3]]],
+                ],
+            ),
+            [],
+        ),
+    ),
+    # 20000 int keys with one Python hash: rebuilding the dict would take minutes
+    "dict_keys_hash_collide": (
+        "LimitError",
+        lambda: build(idx(storages=[], nodes=colliding_keys_nodes(20000)), []),
+    ),
     # incremental files: external chunks and content digests (section 12)
     "ext_absolute_path": ("CorruptError", lambda: ext_file([ref("/etc/passwd")])),
     "ext_path_two_levels_up": ("CorruptError", lambda: ext_file([ref("../../ext_base.ref")])),

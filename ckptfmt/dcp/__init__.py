@@ -1,0 +1,42 @@
+"""ckptfmt as the storage layer of torch.distributed.checkpoint (DCP).
+
+DCP plans which rank writes which shard and reshards on load; ckptfmt stores the
+bytes: one checksummed ckptfmt file per rank, written in parallel by the C engine,
+and a commit record written last by the coordinator that names every rank file
+and holds DCP's global metadata as plain values.  Nothing is pickled::
+
+    from ckptfmt import dcp as cdcp
+
+    cdcp.save(state_dict, "ckpt/step-100")          # every rank calls it
+    fut = cdcp.async_save(state_dict, path)         # returns after the snapshot
+    cdcp.load(state_dict, "ckpt/step-100")          # in place, any world size
+
+    # the same pieces, for code that calls DCP itself
+    dcp.save(sd, storage_writer=cdcp.Writer(path), planner=cdcp.SavePlanner())
+    dcp.load(sd, storage_reader=cdcp.Reader(path), planner=cdcp.LoadPlanner())
+
+``consolidate(dir, out)`` writes one ckptfmt file with full tensors (from our
+directories or DCP's own FileSystemWriter format); ``load`` also accepts such a
+file and gives each rank only its slice.
+"""
+
+from __future__ import annotations
+
+from .api import Stager, async_save, load, save
+from .convert import consolidate, describe
+from .planners import LoadPlanner, SavePlanner
+from .storage import Reader, StorageInfo, Writer
+
+__all__ = [
+    "LoadPlanner",
+    "Reader",
+    "SavePlanner",
+    "Stager",
+    "StorageInfo",
+    "Writer",
+    "async_save",
+    "consolidate",
+    "describe",
+    "load",
+    "save",
+]

@@ -1,0 +1,313 @@
+"""save, load and async_save: DCP's engine with ckptfmt's storage and planners plugged in."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import copy
+import os
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.tensor import DTensor
+
+from .. import _native
+from ..errors import CheckpointError
+from .planners import LoadPlanner, SavePlanner
+from .storage import Reader, Writer
+
+_NO_DIST_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
+#: tensors at least this large are staged by the engine's parallel copy
+_PARALLEL_COPY_BYTES = 4 << 20
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+@contextmanager
+def _single_process_ok() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes one process: that is what we mean."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+        yield
+
+
+def _failure(doing: str, path: str, e: BaseException) -> CheckpointError:
+    """One CheckpointError for a failed save or load, naming the ranks that failed and why."""
+    note = ""
+    if doing == "save":
+        note = f"; no commit record was written, so {path} is not a checkpoint (earlier checkpoints are untouched)"
+    if isinstance(e, CheckpointException):
+        failures = sorted(e.failures.items())
+        first = failures[0][1][0]
+        ranks = ", ".join(str(r) for r, _ in failures)
+        text = f"{doing} failed on rank{'s' if len(failures) > 1 else ''} {ranks}: {first}{note}"
+        cls = type(first) if isinstance(first, CheckpointError) else CheckpointError
+        try:
+            return cls(text, path=path)
+        except TypeError:  # a subclass with another signature
+            return CheckpointError(text, path=path)
+    rank = dist.get_rank() if _distributed() else 0
+    return CheckpointError(
+        f"{doing} failed on rank {rank}: a collective with the other ranks failed "
+        f"(did a rank die, or time out?): {str(e)[:500]}{note}",
+        path=path,
+    )
+
+
+def save(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    compression: str | None = None,
+    level: int | None = None,
+    chunk_size: int | None = None,
+    step: int | None = None,
+    metrics: dict[str, float] | None = None,
+    metadata: dict[str, str] | None = None,
+) -> Metadata:
+    """Save a (sharded) state dict into directory `path`; every rank of the group calls it.
+
+    Each rank writes its items into ``rank-NNNNN.ckpt``; the coordinator then writes the
+    commit record.  Without an initialised process group this runs in this process alone.
+    Errors on any rank are raised on every rank as a CheckpointError naming the ranks.
+    """
+    target = os.path.abspath(os.fspath(path))
+    w = Writer(
+        target,
+        compression=compression,
+        level=level,
+        chunk_size=chunk_size,
+        step=step,
+        metrics=metrics,
+        metadata=metadata,
+    )
+    try:
+        with _single_process_ok():
+            return dcp.save(
+                state_dict,
+                storage_writer=w,
+                planner=SavePlanner(),
+                process_group=process_group,
+                no_dist=not _distributed(),
+            )
+    except CheckpointException as e:
+        raise _failure("save", target, e) from e
+    except RuntimeError as e:
+        if not _distributed():
+            raise
+        raise _failure("save", target, e) from e
+
+
+def load(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    verify: bool = True,
+) -> None:
+    """Load into `state_dict` in place, resharding to this run's layout; every rank calls it.
+
+    `path` is a checkpoint directory written by ``save`` (any number of ranks) or a single
+    ckptfmt file holding full tensors (each rank reads only its slice).  Stateful values
+    (modules, optimizers) get ``load_state_dict`` called, as with ``dcp.load``.
+    """
+    target = os.path.abspath(os.fspath(path))
+    reader = Reader(target, verify=verify)
+    reader.read_metadata()  # a missing or damaged commit record fails here, on every rank, plainly
+    try:
+        with _single_process_ok():
+            dcp.load(
+                state_dict,
+                storage_reader=reader,
+                planner=LoadPlanner(),
+                process_group=process_group,
+                no_dist=not _distributed(),
+            )
+    except CheckpointException as e:
+        raise _failure("load", target, e) from e
+    except RuntimeError as e:
+        if not _distributed():
+            raise
+        raise _failure("load", target, e) from e
+
+
+# -- async ---------------------------------------------------------------------------------------
+
+
+class Stager:
+    """DCP's AsyncStager: a snapshot of the state dict into CPU buffers kept across saves.
+
+    Fresh memory costs page faults on every first touch, so the buffers of one save are
+    reused by the next (keyed by the value's key path, shape and dtype).  Before copying,
+    ``stage`` waits for the previous save that used the buffers to finish writing.
+    DTensors are staged as DTensors over their local shard.
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._pending: concurrent.futures.Future[Any] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        """Wait for the save that last used the buffers (its error stays with its future)."""
+        with self._lock:
+            pending = self._pending
+        if pending is not None:
+            concurrent.futures.wait([pending])
+
+    def track(self, fut: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._pending = fut
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        self.wait()
+        used: set[tuple[Any, ...]] = set()
+        with torch.no_grad():
+            out = self._copy(state_dict, (), used)
+        for key in [k for k in self._buffers if k not in used]:  # values that are gone
+            del self._buffers[key]
+        return out  # type: ignore[no-any-return]
+
+    def _copy(self, obj: Any, path: tuple[Any, ...], used: set[tuple[Any, ...]]) -> Any:
+        if isinstance(obj, DTensor):
+            local = self._tensor(obj.to_local(), path, used)
+            return DTensor.from_local(
+                local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
+            )
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj, path, used)
+        if isinstance(obj, dict):
+            out = collections.OrderedDict() if isinstance(obj, collections.OrderedDict) else {}
+            for k, v in obj.items():
+                out[k] = self._copy(v, (*path, k), used)
+            return out
+        if isinstance(obj, list):
+            return [self._copy(v, (*path, i), used) for i, v in enumerate(obj)]
+        if type(obj) is tuple:
+            return tuple(self._copy(v, (*path, i), used) for i, v in enumerate(obj))
+        return copy.deepcopy(obj)
+
+    def _tensor(self, t: torch.Tensor, path: tuple[Any, ...], used: set[tuple[Any, ...]]) -> torch.Tensor:
+        key = (path, tuple(t.shape), t.dtype)
+        used.add(key)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
+            self._buffers[key] = buf
+        src = t.detach()
+        nbytes = src.numel() * src.element_size()
+        if (
+            nbytes >= _PARALLEL_COPY_BYTES
+            and src.device.type == "cpu"
+            and src.is_contiguous()
+            and not src.is_conj()
+            and not src.is_neg()
+            and _native.built()
+        ):
+            dst_view = buf.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+            src_view = src.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+            _native.copy(dst_view, src_view, _native.default_threads())
+        else:
+            buf.copy_(src)
+        return buf
+
+    def close(self) -> None:
+        self.wait()
+        self._buffers.clear()
+
+
+_DEFAULT_STAGER = Stager()
+_GROUPS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}  # id(base) -> (base, group)
+
+
+def _checkpoint_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A gloo group of its own for background saves, so their collectives never interleave with
+    the training loop's on the same group.  Made on first use: every rank calls async_save."""
+    if not _distributed():
+        return None
+    base = process_group or dist.group.WORLD
+    assert base is not None
+    found = _GROUPS.get(id(base))
+    if found is None or found[0] is not base:
+        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        found = (base, dist.new_group(ranks=ranks, backend="gloo"))
+        _GROUPS[id(base)] = found
+    return found[1]
+
+
+def async_save(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    compression: str | None = None,
+    level: int | None = None,
+    chunk_size: int | None = None,
+    step: int | None = None,
+    metrics: dict[str, float] | None = None,
+    metadata: dict[str, str] | None = None,
+    stager: Stager | None = None,
+) -> concurrent.futures.Future[Metadata]:
+    """Like ``save``, but returns once the state is staged (copied into reused CPU buffers).
+
+    The rest runs in DCP's background thread (``dcp.async_save``) on a dedicated gloo
+    group.  The future resolves to DCP's Metadata, or raises a CheckpointError.
+    """
+    target = os.path.abspath(os.fspath(path))
+    st = stager or _DEFAULT_STAGER
+    group = _checkpoint_group(process_group)
+    if not _distributed():  # DCP warns from its own thread: filter just that message
+        warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+    w = Writer(
+        target,
+        compression=compression,
+        level=level,
+        chunk_size=chunk_size,
+        step=step,
+        metrics=metrics,
+        metadata=metadata,
+    )
+    inner = dcp.async_save(
+        state_dict,
+        storage_writer=w,
+        planner=SavePlanner(),
+        process_group=group,
+        async_stager=st,  # type: ignore[arg-type]
+        no_dist=not _distributed(),
+    )
+    assert isinstance(inner, concurrent.futures.Future)
+    out: concurrent.futures.Future[Metadata] = concurrent.futures.Future()
+
+    def done(f: concurrent.futures.Future[Any]) -> None:
+        try:
+            out.set_result(f.result())
+        except CheckpointException as e:
+            out.set_exception(_failure("save", target, e))
+        except RuntimeError as e:
+            out.set_exception(_failure("save", target, e) if _distributed() else e)
+        except BaseException as e:
+            out.set_exception(e)
+
+    inner.add_done_callback(done)
+    st.track(out)
+    return out

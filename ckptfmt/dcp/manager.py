@@ -1,0 +1,170 @@
+"""The checkpoint manager's steps when a run spans several ranks.
+
+When torch.distributed is initialised with more than one rank, ``CheckpointManager``
+saves each step through this module: every rank calls ``save(step, state)``; rank 0
+makes and locks the step directory; every rank writes its shard with
+``ckptfmt.dcp.save``; DCP's coordinator writes the step's commit record (layout
+"dcp", with the step and metrics) last.  The step directory is therefore complete
+under exactly the rule a single process's step is (its commit record verifies and
+names files that are there, unchanged), so ``latest()``, rotation, ``ckptfmt ls``
+and ``verify`` treat both alike, and a rank killed mid-save leaves a step without a
+commit record that ``latest()`` skips.
+
+The saved tree is ``{"state": <state dicts>, "rng": {"rank-NNNNN": (<that rank's RNG
+states>,)}}``: each rank that saved restores its own generators on resume (ranks beyond
+the saving world size keep theirs).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
+
+from .. import background, resume
+from ..errors import CheckpointError, CheckpointWarning, UnsupportedError
+from .api import _single_process_ok, load, save
+from .convert import skeleton
+from .planners import LoadPlanner
+from .storage import Reader
+
+if TYPE_CHECKING:
+    from ..manager import CheckpointInfo, CheckpointManager
+
+
+def sharded() -> bool:
+    """True when torch.distributed runs with more than one rank."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rng_key(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def save_step(
+    manager: CheckpointManager, step: int, state: Any, metrics: dict[str, float], meta: dict[str, str]
+) -> None:
+    """Save `state` as step `step` of `manager`'s run; every rank calls it (blocking)."""
+    from ..manager import _Job, step_dirname
+    from ..rng import capture_rng
+
+    if manager.incremental:
+        raise UnsupportedError("incremental saves of a run with several ranks are not supported")
+    if not manager.blocking:
+        warnings.warn(
+            "a run with several ranks saves blocking: non-blocking sharded saves are not implemented",
+            CheckpointWarning,
+            stacklevel=3,
+        )
+    rank = dist.get_rank()
+    # a tuple is a leaf to DCP: the RNG states stay one value (DCP would drop their empty dicts)
+    payload = {"state": resume.to_storable(state), "rng": {rng_key(rank): (capture_rng(),)}}
+    job = None
+    problem: list[str | None] = [None]
+    if rank == 0:
+        try:
+            manager._cleanup()
+            path, lock_fd = manager._make_step_dir(step)
+            job = _Job(step, path, lock_fd, metrics, meta, background.SaveHandle(path))
+        except (OSError, CheckpointError) as e:
+            problem[0] = str(e)
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(f"rank 0 could not make the directory of step {step}: {problem[0]}")
+    path = os.path.join(manager.directory, step_dirname(step))
+    try:
+        save(payload, path, step=step, metrics=metrics, metadata=meta, compression=manager.compression)
+    except BaseException:
+        if job is not None:
+            manager._abandon(job)
+        raise
+    if job is not None:
+        os.close(job.lock_fd)
+        job.lock_fd = -1
+        try:
+            manager._rotate()
+        except (OSError, CheckpointError) as e:
+            warnings.warn(f"rotation in {manager.directory} failed: {e}", CheckpointWarning, stacklevel=3)
+    dist.barrier()  # when save() returns on any rank, the step is committed and rotated
+
+
+def _subset(md: Metadata, prefix: tuple[str, ...]) -> Metadata:
+    """The metadata of the entries whose key path starts with `prefix`."""
+    pd = md.planner_data if isinstance(md.planner_data, dict) else {}
+    keep = {
+        k: v for k, v in md.state_dict_metadata.items() if tuple(pd.get(k, (k,)))[: len(prefix)] == prefix
+    }
+    return Metadata(state_dict_metadata=keep, planner_data={k: pd[k] for k in keep if k in pd})
+
+
+def load_step(info: CheckpointInfo) -> Any:
+    """The whole saved state of a sharded step, full tensors, in this process."""
+    reader = Reader(info.path)
+    state = skeleton(_subset(reader.read_metadata(), ("state",)))
+    with _single_process_ok():
+        dcp.load(state, storage_reader=reader, planner=LoadPlanner(), no_dist=True)
+    return state.get("state")
+
+
+def load_step_into(info: CheckpointInfo, state: Any, restore_rng: bool) -> resume.ResumeReport:
+    """Fill `state` (in place, in this run's sharding) from a sharded step; restore this rank's
+    RNG states when the step holds them (same world size).  Every rank calls it."""
+    from ..rng import restore_rng as restore
+
+    rank = dist.get_rank() if sharded() else 0
+    md = Reader(info.path).read_metadata()
+    for obj in _stateful(state):
+        if isinstance(obj, torch.optim.Optimizer) and not obj.state:
+            _init_optimizer_state(obj)
+    target: dict[str, Any] = {"state": resume.to_storable(state)}
+    rng = skeleton(_subset(md, ("rng", rng_key(rank)))).get("rng")
+    if rng:
+        target["rng"] = rng
+    load(target, info.path)
+    _push_back(state, target["state"])
+    report = resume.ResumeReport(step=info.step, path=info.path)
+    if restore_rng and rng:
+        saved = target["rng"][rng_key(rank)]
+        if type(saved) is not tuple or len(saved) != 1:
+            raise CheckpointError(
+                f"the RNG states of rank {rank} are not what a manager saves", path=info.path
+            )
+        restore(saved[0])
+        report.rng_restored = True
+    return report
+
+
+def _stateful(state: Any) -> list[Any]:
+    return [obj for _, obj in resume._walk(state)]
+
+
+def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """A fresh optimizer has no state tensors for DCP to load into: make them, as DCP's
+    get_optimizer_state_dict does."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(opt)
+
+
+def _push_back(state: Any, loaded: Any) -> None:
+    """Hand the loaded values to `state`: load_state_dict for stateful objects, assignment for
+    plain values in dicts and lists (tensors were filled in place)."""
+    if resume.is_stateful(state):
+        state.load_state_dict(loaded)
+    elif isinstance(state, dict):
+        for k in state:
+            if resume.is_stateful(state[k]) or isinstance(state[k], (dict, list)):
+                _push_back(state[k], loaded[k])
+            elif not isinstance(state[k], torch.Tensor):
+                state[k] = loaded[k]
+    elif isinstance(state, list):
+        for i, v in enumerate(state):
+            if resume.is_stateful(v) or isinstance(v, (dict, list)):
+                _push_back(v, loaded[i])
+            elif not isinstance(v, torch.Tensor):
+                state[i] = loaded[i]

@@ -1,0 +1,294 @@
+"""DCP's global ``Metadata`` as plain ckptfmt values, and back, validating everything.
+
+The commit record of a DCP checkpoint (layout ``"dcp"``) carries this value in its
+``dcp`` member (spec/FORMAT.md, "Multi-file checkpoints")::
+
+    {"version": "1.0.0" | None,          # DCP's metadata version (its key-flattening rules)
+     "world_size": 4,                    # ranks that saved
+     "tensors": {fqn: {"dtype": "bfloat16", "size": [8, 16], "requires_grad": False,
+                       "chunks": int64 array [n, 2*ndim + 2]}},
+     "bytes": {fqn: [file, key]},
+     "planner_data": {fqn: ("model", "layer", "weight"), ...} | None,
+     "storage_meta": {"checkpoint_id": str | None, "save_id": str | None, "modules": [str]} | None}
+
+Each row of a tensor's ``chunks`` array is one saved chunk: its offsets in the global
+tensor (ndim values), its sizes (ndim values), the index of the part file in the
+record's ``files`` list and the item's key in that file's root dict.  Reading
+checks every field's type and range, that each tensor's chunks lie inside it and
+tile it exactly (no overlap, no hole: a hole would leave part of a loaded tensor
+unwritten without an error), and raises CorruptError naming the key; a damaged or
+hostile record never surfaces as a KeyError, an IndexError or a crash.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from .. import dtypes
+from ..errors import CheckpointError, CorruptError, LimitError, UnsupportedError, UnsupportedObjectError
+from ..format import Limits
+
+#: DCP's metadata version written by this torch's own FileSystemWriter (filesystem.CURRENT_DCP_VERSION)
+DCP_VERSION = "1.0.0"
+_FIELDS = ("version", "world_size", "tensors", "bytes", "planner_data", "storage_meta")
+_TENSOR_FIELDS = ("dtype", "size", "requires_grad", "chunks")
+_STORAGE_META_FIELDS = ("checkpoint_id", "save_id", "modules")
+#: items one file may hold, and ranks one record may name (the record's own part limit)
+MAX_KEY = (1 << 31) - 1
+MAX_WORLD = 1 << 24
+#: chunks per tensor compared pairwise at once when checking that they do not overlap
+_OVERLAP_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a saved item lives: a part file of the checkpoint, and the item in it.
+
+    For a multi-file checkpoint `key` is the item's key in the part's root dict; for
+    a single ckptfmt file loaded as a DCP checkpoint it is the item's node in the
+    file's object tree.  `sizes` is the shape of the saved chunk (None for non-tensors).
+    """
+
+    file: str
+    key: int
+    sizes: tuple[int, ...] | None = None
+
+
+# -- Metadata -> value ----------------------------------------------------------------------
+
+
+def to_value(
+    md: Metadata, where: dict[MetadataIndex, tuple[int, int]], world_size: int, fail_path: str
+) -> dict[str, Any]:
+    """The record's ``dcp`` member for `md`; `where` maps each saved item to (file index, key)."""
+    tensors: dict[str, Any] = {}
+    byte_items: dict[str, list[int]] = {}
+    for fqn, sm in md.state_dict_metadata.items():
+        if isinstance(sm, TensorStorageMetadata):
+            tensors[fqn] = _tensor_value(fqn, sm, where, fail_path)
+        elif isinstance(sm, BytesStorageMetadata):
+            loc = where.get(MetadataIndex(fqn))
+            if loc is None:
+                raise CheckpointError("no rank reported writing this value", path=fail_path, key=fqn)
+            byte_items[fqn] = [loc[0], loc[1]]
+        else:
+            raise UnsupportedObjectError(f"unknown DCP storage metadata {type(sm).__name__}", key=fqn)
+    return {
+        "version": md.version if isinstance(md.version, str) else DCP_VERSION,
+        "world_size": world_size,
+        "tensors": tensors,
+        "bytes": byte_items,
+        "planner_data": md.planner_data,
+        "storage_meta": _storage_meta_value(md.storage_meta),
+    }
+
+
+def _tensor_value(
+    fqn: str, sm: TensorStorageMetadata, where: dict[MetadataIndex, tuple[int, int]], fail_path: str
+) -> dict[str, Any]:
+    name = dtypes.TORCH_NAMES.get(sm.properties.dtype)
+    if name is None:
+        raise UnsupportedObjectError(f"dtype {sm.properties.dtype} is not supported by ckptfmt", key=fqn)
+    if sm.properties.layout != torch.strided:
+        raise UnsupportedObjectError(f"layout {sm.properties.layout} is not supported", key=fqn)
+    ndim = len(sm.size)
+    rows = np.zeros((len(sm.chunks), 2 * ndim + 2), dtype=np.int64)
+    for i, ch in enumerate(sm.chunks):
+        loc = where.get(MetadataIndex(fqn, ch.offsets))
+        if loc is None:
+            raise CheckpointError(
+                f"no rank reported writing the chunk at offsets {list(ch.offsets)}", path=fail_path, key=fqn
+            )
+        rows[i, :ndim] = list(ch.offsets)
+        rows[i, ndim : 2 * ndim] = list(ch.sizes)
+        rows[i, 2 * ndim :] = loc
+    return {
+        "dtype": name,
+        "size": [int(d) for d in sm.size],
+        "requires_grad": bool(sm.properties.requires_grad),
+        "chunks": rows,
+    }
+
+
+def _storage_meta_value(sm: StorageMeta | None) -> dict[str, Any] | None:
+    if sm is None:
+        return None
+    cid = sm.checkpoint_id
+    return {
+        "checkpoint_id": None if cid is None else str(cid),
+        "save_id": sm.save_id if isinstance(sm.save_id, str) else None,
+        "modules": [m for m in sm.modules if isinstance(m, str)],
+    }
+
+
+# -- value -> Metadata ------------------------------------------------------------------------
+
+
+class _Fail:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, msg: str, key: str | None = None, limit: bool = False) -> CheckpointError:
+        cls = LimitError if limit else CorruptError
+        return cls(f"DCP metadata: {msg}", path=self.path, key=key)
+
+
+def _exact(
+    fail: _Fail, v: object, fields: tuple[str, ...], what: str, key: str | None = None
+) -> dict[str, Any]:
+    if type(v) is not dict or set(v) != set(fields):
+        raise fail(f"{what} must be a dict with exactly " + ", ".join(fields), key)
+    return v
+
+
+def _int(fail: _Fail, v: object, what: str, lo: int, hi: int, key: str | None = None) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise fail(f"{what} must be an int in [{lo}, {hi}], not {str(v)[:40]}", key)
+    return v
+
+
+def from_value(value: object, files: list[str], path: str) -> tuple[Metadata, dict[MetadataIndex, Location]]:
+    """DCP's Metadata from a record's ``dcp`` member, and where each item lies (by file name)."""
+    fail = _Fail(path)
+    d = _exact(fail, value, _FIELDS, "the dcp member")
+    version = d["version"]
+    if version is not None and type(version) is not str:
+        raise fail("version must be a str or None")
+    _int(fail, d["world_size"], "world_size", 1, MAX_WORLD)
+    tensors = d["tensors"]
+    byte_items = d["bytes"]
+    if type(tensors) is not dict or type(byte_items) is not dict:
+        raise fail("tensors and bytes must be dicts")
+    sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    where: dict[MetadataIndex, Location] = {}
+    for fqn, t in tensors.items():
+        if type(fqn) is not str:
+            raise fail("a tensor key is not a str")
+        sdm[fqn] = _tensor_from_value(fail, fqn, t, files, where)
+    for fqn, loc in byte_items.items():
+        if type(fqn) is not str:
+            raise fail("a value key is not a str")
+        if fqn in sdm:
+            raise fail("the key is both a tensor and a value", fqn)
+        if type(loc) is not list or len(loc) != 2:
+            raise fail("a value's location must be [file, key]", fqn)
+        f = _int(fail, loc[0], "file index", 0, len(files) - 1, fqn)
+        k = _int(fail, loc[1], "item key", 0, MAX_KEY, fqn)
+        sdm[fqn] = BytesStorageMetadata()
+        where[MetadataIndex(fqn)] = Location(files[f], k)
+    planner_data = d["planner_data"]
+    _check_planner_data(fail, planner_data)
+    md = Metadata(
+        state_dict_metadata=sdm,
+        planner_data=planner_data,
+        storage_data=None,
+        storage_meta=_storage_meta_from_value(fail, d["storage_meta"]),
+        version=version,
+    )
+    return md, where
+
+
+def _tensor_from_value(
+    fail: _Fail, fqn: str, t: object, files: list[str], where: dict[MetadataIndex, Location]
+) -> TensorStorageMetadata:
+    m = _exact(fail, t, _TENSOR_FIELDS, "a tensor entry", fqn)
+    name = m["dtype"]
+    if type(name) is not str or name not in dtypes.TORCH_DTYPES:
+        if type(name) is str:
+            raise UnsupportedError(f"DCP metadata: dtype {name[:40]!r} is unknown to this reader", key=fqn)
+        raise fail("dtype must be a str", fqn)
+    size = m["size"]
+    if type(size) is not list or len(size) > Limits.MAX_RANK:
+        raise fail(f"size must be a list of at most {Limits.MAX_RANK} ints", fqn)
+    for s in size:
+        _int(fail, s, "a size", 0, Limits.MAX_NUMEL, fqn)
+    numel = math.prod(size)
+    if numel > Limits.MAX_NUMEL:
+        raise fail(f"{numel} elements exceed the limit {Limits.MAX_NUMEL}", fqn, limit=True)
+    if type(m["requires_grad"]) is not bool:
+        raise fail("requires_grad must be a bool", fqn)
+    rows = m["chunks"]
+    ndim = len(size)
+    if (
+        type(rows) is not np.ndarray
+        or rows.dtype != np.dtype("<i8")
+        or rows.ndim != 2
+        or rows.shape[1] != 2 * ndim + 2
+    ):
+        raise fail(f"chunks must be an int64 array of shape [n, {2 * ndim + 2}]", fqn)
+    if rows.shape[0] < 1 or (rows < 0).any():
+        raise fail("chunks must be at least one row of non-negative ints", fqn)
+    offs, sizes = rows[:, :ndim], rows[:, ndim : 2 * ndim]
+    files_col, keys_col = rows[:, 2 * ndim], rows[:, 2 * ndim + 1]
+    dims = np.array(size, dtype=np.int64)
+    if ndim and ((sizes > dims).any() or (offs > dims - sizes).any()):
+        raise fail("a chunk lies outside the tensor", fqn)
+    if (files_col >= len(files)).any() or (keys_col > MAX_KEY).any():
+        raise fail("a chunk names a file or key that does not exist", fqn)
+    _check_tiling(fail, fqn, offs, sizes, numel)
+    chunks = []
+    for row in rows.tolist():
+        o, s = torch.Size(row[:ndim]), torch.Size(row[ndim : 2 * ndim])
+        chunks.append(ChunkStorageMetadata(offsets=o, sizes=s))
+        where[MetadataIndex(fqn, o)] = Location(files[row[2 * ndim]], row[2 * ndim + 1], tuple(s))
+    props = TensorProperties(dtype=dtypes.TORCH_DTYPES[name], requires_grad=m["requires_grad"])
+    return TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
+
+
+def _check_tiling(fail: _Fail, fqn: str, offs: np.ndarray, sizes: np.ndarray, numel: int) -> None:
+    """The chunks (inside the tensor, checked before) cover every element exactly once."""
+    volumes = np.prod(sizes, axis=1, dtype=np.int64) if sizes.shape[1] else np.ones(len(sizes), np.int64)
+    total = sum(volumes.tolist())  # Python ints: no overflow however many chunks
+    if total != numel:
+        raise fail(f"the chunks hold {total} elements, the tensor has {numel}", fqn)
+    keep = volumes > 0
+    offs, ends = offs[keep], offs[keep] + sizes[keep]
+    n = len(offs)
+    if n < 2 or offs.shape[1] == 0:
+        if n > 1:  # several non-empty chunks of a 0-d tensor
+            raise fail("chunks overlap", fqn)
+        return
+    for lo in range(0, n, _OVERLAP_BLOCK):
+        a_off, a_end = offs[lo : lo + _OVERLAP_BLOCK], ends[lo : lo + _OVERLAP_BLOCK]
+        hit = np.all((a_off[:, None, :] < ends[None, :, :]) & (offs[None, :, :] < a_end[:, None, :]), axis=2)
+        hit[np.arange(len(a_off)), np.arange(lo, lo + len(a_off))] = False  # a chunk meets itself
+        if hit.any():
+            i, j = np.argwhere(hit)[0]
+            raise fail(f"chunks at offsets {offs[lo + i].tolist()} and {offs[j].tolist()} overlap", fqn)
+
+
+def _check_planner_data(fail: _Fail, pd: object) -> None:
+    """DCP's default planners keep {flattened key: the path of keys it came from} here."""
+    if pd is None:
+        return
+    if type(pd) is not dict:
+        raise fail("planner_data must be a dict or None")
+    for k, v in pd.items():
+        if type(k) is not str or type(v) is not tuple or not v or any(type(p) not in (str, int) for p in v):
+            raise fail("planner_data must map each key to a non-empty tuple of str and int", str(k)[:80])
+
+
+def _storage_meta_from_value(fail: _Fail, v: object) -> StorageMeta | None:
+    if v is None:
+        return None
+    d = _exact(fail, v, _STORAGE_META_FIELDS, "storage_meta")
+    for f in ("checkpoint_id", "save_id"):
+        if d[f] is not None and type(d[f]) is not str:
+            raise fail(f"storage_meta.{f} must be a str or None")
+    if type(d["modules"]) is not list or any(type(m) is not str for m in d["modules"]):
+        raise fail("storage_meta.modules must be a list of str")
+    return StorageMeta(checkpoint_id=d["checkpoint_id"], save_id=d["save_id"], modules=list(d["modules"]))

@@ -1,0 +1,57 @@
+"""DCP's default planners, with ckptfmt's object model in place of pickle for non-tensor values.
+
+Everything else (flattening, deduplication of replicated tensors, resharding on
+load) is DCP's own.  DefaultSavePlanner turns each non-tensor value into
+``torch.save`` bytes and DefaultLoadPlanner reads them with
+``torch.load(weights_only=False)``; these subclasses replace exactly those two steps.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItem, WriteItemType
+
+from .values import ObjectBytes, check_storable, decode_value, encode_value
+
+
+class SavePlanner(DefaultSavePlanner):
+    """DefaultSavePlanner whose non-tensor values are stored through ckptfmt's object model.
+
+    Values ckptfmt cannot store fail in ``create_local_plan``, naming their key, before
+    any rank writes a byte.
+    """
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                check_storable(self.lookup_object(item.index), item.index.fqn)
+        return plan
+
+    def resolve_object(self, write_item: WriteItem) -> Any:
+        """The non-tensor value itself (ckptfmt's Writer stores it without a byte round trip)."""
+        return self.lookup_object(write_item.index)
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 - DCP's name
+        if write_item.type == WriteItemType.BYTE_IO:
+            return ObjectBytes(object, encode_value(object, write_item.index.fqn))
+        return object
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner that reads non-tensor values with ckptfmt's object model, never pickle."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        if isinstance(value, ObjectBytes):
+            obj = value.value
+        else:
+            obj = decode_value(value.getbuffer() if isinstance(value, io.BytesIO) else value.read(), fqn)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj

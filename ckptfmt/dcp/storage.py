@@ -1,0 +1,480 @@
+"""DCP's StorageWriter and StorageReader on ckptfmt files.
+
+A checkpoint is a directory (spec/FORMAT.md, "Multi-file checkpoints", layout "dcp")::
+
+    rank-00000.ckpt   each rank's items: an ordinary ckptfmt file whose root dict maps
+    rank-00001.ckpt   the item's number to a contiguous tensor (a rank's shard, or a whole
+    ...               replicated tensor) or to a non-tensor value in ckptfmt's object model
+    COMMIT            written last by the coordinator: names every rank file by name, length,
+                      file id and index checksum, and holds DCP's Metadata as plain values
+
+Each rank writes and commits its own file in parallel (temp file, fsync, rename,
+directory fsync) with the C engine; the coordinator then checks that every file the
+ranks reported is there, unchanged, and writes the commit record the same way.
+A directory without a commit record that verifies is not a checkpoint.  The
+Reader also accepts a single ckptfmt file (one with full tensors, as
+``consolidate`` writes) and serves each rank just its slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import re
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, WriteItemType
+from torch.distributed.checkpoint.planner import LoadPlanner as _BaseLoadPlanner
+from torch.distributed.checkpoint.planner import SavePlanner as _BaseSavePlanner
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from .. import multifile, writer
+from ..errors import CheckpointError, CorruptError, IncompleteError, UnsupportedError, UnsupportedObjectError
+from ..reader import CheckpointFile
+from . import metadata as mdv
+from . import regions
+from .values import ObjectBytes, decode_value, encode_value
+
+LAYOUT = "dcp"
+RANK_FILE_RE = re.compile(r"rank-([0-9]{5,9})\.ckpt")
+
+
+def rank_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.ckpt"
+
+
+def _rank_note(name: str) -> str:
+    m = RANK_FILE_RE.fullmatch(name)
+    return f" (rank {int(m.group(1))})" if m else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageInfo:
+    """A WriteResult's storage_data: the rank file holding the item, its key there, and the
+    file's identity as its writer committed it (the coordinator checks it before the commit)."""
+
+    file: str
+    key: int
+    part: multifile.PartRecord | None = None
+
+
+class Writer(StorageWriter):
+    """Writes a DCP save as one ckptfmt file per rank plus a commit record (see the module doc).
+
+    Use with ``planner=cdcp.SavePlanner()``: DCP's default planner pickles non-tensor
+    values, which this writer refuses.  `step`, `metrics` and `metadata` go into the commit
+    record (the checkpoint manager's fields); `compression` and `chunk_size` are ckptfmt's.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        compression: str | None = None,
+        level: int | None = None,
+        chunk_size: int | None = None,
+        step: int | None = None,
+        metrics: dict[str, float] | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__()
+        self.path = os.path.abspath(os.fspath(path))
+        self.compression = compression
+        self.level = level
+        self.meta = writer.check_save_args(compression, level, metadata)
+        self.chunk_size = writer.check_chunk_size(chunk_size)
+        self.step = step
+        self.metrics = dict(metrics or {})
+        self.save_id = uuid.uuid4().hex
+        self.rank = 0
+        self.is_coordinator = True
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank") or 0)
+        if kwargs.get("use_collectives", True) is False:
+            raise UnsupportedError(
+                "use_collectives=False (rank-local metadata, no commit record) is not supported: "
+                "a ckptfmt checkpoint is complete only with its commit record",
+                path=self.path,
+            )
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        os.makedirs(self.path, exist_ok=True)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        # Runs on the coordinator before any rank writes: an older checkpoint in this
+        # directory stops being one now, so a save that dies half way never leaves a
+        # commit record next to a mix of old and new rank files.
+        commit = os.path.join(self.path, multifile.COMMIT_NAME)
+        if os.path.lexists(commit):
+            os.unlink(commit)
+            multifile.fsync_path(self.path)
+        return [dataclasses.replace(p, storage_data=rank_file_name(i)) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: _BaseSavePlanner) -> Future[list[WriteResult]]:
+        name = plan.storage_data
+        if not isinstance(name, str) or RANK_FILE_RE.fullmatch(name) is None:
+            raise CheckpointError(f"the save plan names no rank file ({name!r})", path=self.path)
+        state: dict[int, Any] = {}
+        sizes: list[int] = []
+        for n, item in enumerate(plan.items):
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                state[n] = _byte_value(planner, item)
+                sizes.append(0)
+            else:
+                t = planner.resolve_data(item)
+                if not isinstance(t, torch.Tensor):
+                    raise UnsupportedObjectError(f"the planner resolved a {type(t).__name__}", key=fqn)
+                t = _compact(t.detach())
+                if item.tensor_data is not None and tuple(t.shape) != tuple(item.tensor_data.chunk.sizes):
+                    raise CheckpointError(
+                        f"the planner resolved shape {list(t.shape)} for a chunk of "
+                        f"{list(item.tensor_data.chunk.sizes)}",
+                        path=self.path,
+                        key=fqn,
+                    )
+                state[n] = t
+                sizes.append(t.numel() * t.element_size())
+        fut: Future[list[WriteResult]] = Future()
+        if not plan.items:
+            fut.set_result([])
+            return fut
+        target = os.path.join(self.path, name)
+        meta = {**self.meta, "dcp_rank": str(self.rank), "dcp_save_id": self.save_id}
+        writer.save(
+            state,
+            target,
+            compression=self.compression,
+            level=self.level,
+            metadata=meta,
+            chunk_size=self.chunk_size,
+        )
+        part = multifile.describe_part(target, name)
+        fut.set_result(
+            [
+                WriteResult(index=item.index, size_in_bytes=size, storage_data=StorageInfo(name, n, part))
+                for n, (item, size) in enumerate(zip(plan.items, sizes))
+            ]
+        )
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        parts: dict[str, multifile.PartRecord] = {}
+        where: dict[MetadataIndex, tuple[str, int]] = {}
+        for rank, rank_results in enumerate(results):
+            for wr in rank_results:
+                info = wr.storage_data
+                if not isinstance(info, StorageInfo) or info.part is None:
+                    raise CheckpointError(
+                        f"rank {rank} reported a result this writer did not make", path=self.path
+                    )
+                parts.setdefault(info.file, info.part)
+                where[wr.index] = (info.file, info.key)
+        names = sorted(parts)
+        for name in names:
+            try:
+                multifile.check_part(self.path, parts[name], self.path)
+            except CheckpointError as e:
+                raise type(e)(
+                    f"{e.reason}; the coordinator must see every rank's file "
+                    "(is the directory on a filesystem all ranks share?)",
+                    path=self.path,
+                    key=f"{name}{_rank_note(name)}",
+                ) from None
+        number = {n: i for i, n in enumerate(names)}
+        value = mdv.to_value(
+            metadata,
+            {idx: (number[f], k) for idx, (f, k) in where.items()},
+            len(results),
+            self.path,
+        )
+        record = multifile.CommitRecord(
+            step=self.step,
+            layout=LAYOUT,
+            files=tuple(parts[n] for n in names),
+            metrics=self.metrics,
+            metadata=self.meta,
+            layout_data=value,
+        )
+        multifile.write_commit(self.path, record)
+        metadata.version = value["version"]
+        metadata.storage_data = {idx: StorageInfo(f, k) for idx, (f, k) in where.items()}
+        _remove_stale_rank_files(self.path, set(names))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def _byte_value(planner: _BaseSavePlanner, item: Any) -> Any:
+    """The object behind a byte item: straight from our planner, else decoded from its bytes."""
+    from .planners import SavePlanner
+
+    if isinstance(planner, SavePlanner):
+        return planner.resolve_object(item)
+    data: Any = planner.resolve_data(item)
+    if isinstance(data, ObjectBytes):
+        return data.value
+    raw = data.getbuffer() if isinstance(data, io.BytesIO) else data.read()
+    try:
+        return decode_value(raw, item.index.fqn)
+    except UnsupportedError:
+        raise UnsupportedObjectError(
+            "DCP's default planner pickled this non-tensor value; ckptfmt stores no pickle: "
+            "pass planner=ckptfmt.dcp.SavePlanner()",
+            key=item.index.fqn,
+        ) from None
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that is exactly its storage, row-major: a view of a larger buffer (a shard of
+    a padded FSDP buffer, a slice) would otherwise save the whole buffer."""
+    exact = (
+        t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        and not t.is_conj()
+        and not t.is_neg()
+    )
+    if exact:
+        return t
+    return t.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
+
+
+def _remove_stale_rank_files(directory: str, keep: set[str]) -> None:
+    """Rank files an earlier save (with more ranks) left that the new record does not name."""
+    for name in os.listdir(directory):
+        if RANK_FILE_RE.fullmatch(name) and name not in keep:
+            try:
+                os.unlink(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
+    for name in os.listdir(directory):  # temp files of crashed saves that nobody holds
+        if name.startswith(".rank-") and writer.TEMP_MARKER in name:
+            writer.remove_stale_temps(os.path.join(directory, name.split(writer.TEMP_MARKER)[0][1:]))
+
+
+# -- reading --------------------------------------------------------------------------------------
+
+
+class _Source:
+    """An open ckptfmt file that items are read from (a rank file, or a single checkpoint file)."""
+
+    def __init__(self, path: str, label: str, record: multifile.PartRecord | None, keyed: bool) -> None:
+        self.label = label
+        try:
+            self.f = CheckpointFile(path)
+        except FileNotFoundError:
+            raise IncompleteError(f"{label} named by the commit record is missing", path=path) from None
+        except OSError as e:
+            raise IncompleteError(f"{label} cannot be read: {e.strerror}", path=path) from None
+        try:
+            if record is not None and (
+                self.f.prologue.file_id != record.file_id
+                or self.f.prologue.file_length != record.length
+                or self.f.footer.index_checksum != record.index_checksum
+            ):
+                raise CorruptError(
+                    f"{label} is not the file the commit record names (written by another save?)", path=path
+                )
+            self.items: dict[int, int] = {}
+            if keyed:
+                for k, node in self.f.root_items():
+                    if type(k) is not int:
+                        raise CorruptError(f"{label}: a key of its root dict is not an int", path=path)
+                    self.items[k] = node
+                if self.f.tree.nodes[self.f.tree.root][0] != "dict":
+                    raise CorruptError(f"{label}: the root is not a dict of items", path=path)
+        except BaseException:
+            self.f.close()
+            raise
+        self.keyed = keyed
+
+    def node(self, key: int, fqn: str) -> int:
+        if not self.keyed:
+            return key
+        node = self.items.get(key)
+        if node is None:
+            raise CorruptError(f"{self.label} holds no item {key}", path=self.f.path, key=fqn)
+        return node
+
+    def tensor_meta(self, node: int, loc: mdv.Location, fqn: str) -> dict[str, Any]:
+        kind = self.f.tree.nodes[node][0]
+        if kind != "tensor":
+            raise CorruptError(
+                f"{self.label}: item {loc.key} is a {kind}, not a tensor", path=self.f.path, key=fqn
+            )
+        meta: dict[str, Any] = self.f.tree.nodes[node][1]
+        if loc.sizes is not None and tuple(meta["shape"]) != loc.sizes:
+            raise CorruptError(
+                f"{self.label}: item {loc.key} has shape {meta['shape']}, the commit record says {list(loc.sizes)}",
+                path=self.f.path,
+                key=fqn,
+            )
+        return meta
+
+
+class Reader(StorageReader):
+    """Reads a ckptfmt DCP checkpoint directory, or a single ckptfmt file, into any sharding.
+
+    Use with ``planner=cdcp.LoadPlanner()`` when the state holds non-tensor values.
+    ``verify`` checks every chunk read against its checksum (on by default);
+    ``stats`` counts what the last ``read_data`` read.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
+        super().__init__()
+        self.path = os.path.abspath(os.fspath(path))
+        self.verify = verify
+        self.load_id = uuid.uuid4().hex
+        self.stats = regions.ReadStats()
+        self._where: dict[MetadataIndex, mdv.Location] | None = None
+        self._parts: dict[str, multifile.PartRecord] = {}
+        self._metadata: Metadata | None = None
+        self._single = False
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            path = os.path.abspath(os.fspath(checkpoint_id))
+            if path != self.path:
+                self._metadata = None
+            self.path = path
+        self.load_id = uuid.uuid4().hex
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._metadata is None:
+            if os.path.isdir(self.path):
+                self._read_commit()
+            else:
+                self._read_single_file()
+        assert self._metadata is not None and self._where is not None
+        md = dataclasses.replace(self._metadata)
+        md.storage_data = {idx: StorageInfo(loc.file, loc.key) for idx, loc in self._where.items()}
+        md.storage_meta = dataclasses.replace(md.storage_meta or StorageMeta(), load_id=self.load_id)
+        return md
+
+    def _read_commit(self) -> None:
+        record = multifile.read_commit(self.path)
+        commit = os.path.join(self.path, multifile.COMMIT_NAME)
+        if record.layout != LAYOUT:
+            raise UnsupportedError(
+                f"a {record.layout!r} checkpoint, not a DCP one (load it with ckptfmt.load)", path=commit
+            )
+        names = [p.name for p in record.files]
+        self._metadata, self._where = mdv.from_value(record.layout_data, names, commit)
+        self._parts = {p.name: p for p in record.files}
+        self._single = False
+
+    def _read_single_file(self) -> None:
+        from .singlefile import file_metadata
+
+        with CheckpointFile(self.path) as f:
+            self._metadata, self._where = file_metadata(f, os.path.basename(self.path))
+        self._single = True
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if self._metadata is None:  # DCP always reads the metadata through this reader first
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def _open(self, name: str, sources: dict[str, _Source]) -> _Source:
+        src = sources.get(name)
+        if src is None:
+            if self._single:
+                src = _Source(self.path, os.path.basename(self.path), None, keyed=False)
+            else:
+                label = f"{name}{_rank_note(name)}"
+                src = _Source(os.path.join(self.path, name), label, self._parts[name], keyed=True)
+            sources[name] = src
+        return src
+
+    def read_data(self, plan: LoadPlan, planner: _BaseLoadPlanner) -> Future[None]:
+        from .planners import LoadPlanner
+
+        if self._where is None:
+            self.read_metadata()
+        assert self._where is not None
+        self.stats = regions.ReadStats()
+        sources: dict[str, _Source] = {}
+        jobs: list[regions.RegionJob] = []
+        try:
+            for req in plan.items:
+                fqn = req.storage_index.fqn
+                loc = self._where.get(req.storage_index)
+                if loc is None:
+                    raise CorruptError(
+                        f"no saved item at offsets {list(req.storage_index.offset or [])}",
+                        path=self.path,
+                        key=fqn,
+                    )
+                src = self._open(loc.file, sources)
+                node = src.node(loc.key, fqn)
+                if req.type == LoadItemType.BYTE_IO:
+                    value = src.f.load_subtree(node, None, self.verify)
+                    if isinstance(planner, LoadPlanner):
+                        planner.load_bytes(req, ObjectBytes(value))
+                    elif type(planner).load_bytes is DefaultLoadPlanner.load_bytes:
+                        raise UnsupportedError(
+                            "DCP's default load planner would unpickle this value: "
+                            "pass planner=ckptfmt.dcp.LoadPlanner()",
+                            key=fqn,
+                        )
+                    else:
+                        planner.load_bytes(req, ObjectBytes(value, encode_value(value, fqn)))
+                    continue
+                meta = src.tensor_meta(node, loc, fqn)
+                dest = planner.resolve_tensor(req).detach()
+                job = regions.plan_box(
+                    src.f,
+                    meta,
+                    list(req.storage_offsets),
+                    list(req.lengths),
+                    dest,
+                    _committer(planner, req, dest),
+                    fqn,
+                )
+                if job is not None:
+                    jobs.append(job)
+            regions.run_jobs(jobs, self.verify, self.stats)
+        finally:
+            for src in sources.values():
+                src.f.close()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def _committer(planner: _BaseLoadPlanner, req: Any, dest: torch.Tensor) -> Any:
+    return lambda: planner.commit_tensor(req, dest)

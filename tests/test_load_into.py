@@ -1,0 +1,588 @@
+"""load_into(): never half-load; views into flat buffers; conjugate tensors.
+
+With atomic=True (the default) a load_into() that raises leaves every target as it
+was, whatever the damage (a corrupt last chunk, truncation, a late mismatch, a read
+error); a file changed after its verification raises PartialLoadError naming the
+targets that may hold new values.  atomic=False is the single-pass path.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+from helpers import storage_bytes
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ckptfmt
+from ckptfmt import incremental, inplace
+from ckptfmt.inplace import FileChangedError, PartialLoadError
+from ckptfmt.reader import CheckpointFile
+
+BACKENDS = pytest.mark.parametrize("backend", ["c", "python"])
+
+
+@pytest.fixture
+def backend(request, monkeypatch):
+    if request.param == "python":
+        monkeypatch.setenv("CKPTFMT_BACKEND", "python")
+    elif not ckptfmt.backend() == "c":
+        pytest.skip("the C engine is not built")
+    return request.param
+
+
+def _state(n: int = 6, numel: int = 3000) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {f"t{i}": torch.randn(numel, generator=g) for i in range(n)}
+
+
+def _targets(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.full_like(v, 7.0) for k, v in state.items()}
+
+
+def _memory(obj: object) -> list[bytes]:
+    """Every byte of every target's storage (a view's whole flat buffer included)."""
+    out: list[bytes] = []
+    if isinstance(obj, torch.Tensor):
+        out.append(storage_bytes(obj))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            out += _memory(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            out += _memory(v)
+    return out
+
+
+def _save(tmp_path, state, name="s.ckpt", **kw):
+    p = tmp_path / name
+    ckptfmt.save(state, p, chunk_size=4096, **kw)
+    return p
+
+
+def _chunks(p):
+    with CheckpointFile(p) as f:
+        return f.chunks
+
+
+def _flip(p, offset):
+    with open(p, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0x40]))
+
+
+# -- never half-load ---------------------------------------------------------------------------
+
+
+@BACKENDS
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_corrupt_last_chunk_leaves_every_target_untouched(tmp_path, backend, compression):
+    state = _state()
+    p = _save(tmp_path, state, compression=compression)
+    chunks = _chunks(p)
+    _flip(p, chunks[-1].offset + 5)
+    target = _targets(state)
+    before = _memory(target)
+    with pytest.raises(ckptfmt.CorruptError) as info:
+        ckptfmt.load_into(p, target)
+    assert info.value.chunk == len(chunks) - 1
+    assert _memory(target) == before
+    # the single-pass path writes what it read before it met the damage
+    with pytest.raises(ckptfmt.CorruptError):
+        ckptfmt.load_into(p, target, atomic=False)
+    assert _memory(target) != before
+
+
+@BACKENDS
+def test_truncation_while_verifying_leaves_targets_untouched(tmp_path, monkeypatch, backend):
+    state = _state()
+    p = _save(tmp_path, state)
+    chunks = _chunks(p)
+    real = CheckpointFile.read_into
+    calls = []
+
+    def shrink_then_read(self, items, verify):
+        if not calls:
+            os.truncate(p, chunks[len(chunks) // 2].offset + 10)  # mid-way through the data
+        calls.append(len(items))
+        return real(self, items, verify)
+
+    monkeypatch.setattr(CheckpointFile, "read_into", shrink_then_read)
+    target = _targets(state)
+    before = _memory(target)
+    with pytest.raises(ckptfmt.IncompleteError, match="shrank"):
+        ckptfmt.load_into(p, target)
+    assert _memory(target) == before
+
+
+def test_truncated_file_is_refused_before_anything_is_read(tmp_path):
+    state = _state()
+    p = _save(tmp_path, state)
+    os.truncate(p, os.path.getsize(p) - 100)
+    target = _targets(state)
+    before = _memory(target)
+    with pytest.raises(ckptfmt.CheckpointError):
+        ckptfmt.load_into(p, target)
+    assert _memory(target) == before
+
+
+def test_late_mismatch_in_a_nested_target_leaves_the_others_untouched(tmp_path):
+    state = {"a": torch.randn(100), "b": {"c": [torch.randn(10), torch.randn(4, 4)]}, "step": 3}
+    p = _save(tmp_path, state)
+    target = {"a": torch.zeros(100), "b": {"c": [torch.zeros(10), torch.zeros(4, 5)]}, "step": 0}
+    before = _memory(target)
+    with pytest.raises(ckptfmt.MismatchError, match=r"b\.c\.1: shape mismatch"):
+        ckptfmt.load_into(p, target)
+    assert _memory(target) == before and target["step"] == 0
+    target["b"]["c"][1] = torch.zeros(4, 4, dtype=torch.float64)
+    before = _memory(target)
+    with pytest.raises(ckptfmt.MismatchError, match=r"b\.c\.1: dtype mismatch"):
+        ckptfmt.load_into(p, target)
+    assert _memory(target) == before and target["step"] == 0
+
+
+def test_targets_that_cannot_be_written_are_refused_up_front(tmp_path):
+    state = {"a": torch.randn(100), "e": torch.randn(5), "m": (torch.randn(3),)}
+    p = _save(tmp_path, state)
+    target = {"a": torch.zeros(100), "e": torch.zeros(1).expand(5), "m": (torch.zeros(3),)}
+    before = _memory(target)
+    with pytest.raises(ckptfmt.MismatchError, match="share memory"):
+        ckptfmt.load_into(p, target)
+    assert _memory(target) == before
+    target = {"a": torch.zeros(100), "e": torch.zeros(5), "m": (torch.empty(3, device="meta"),)}
+    with pytest.raises(ckptfmt.MismatchError, match="inside a tuple"):
+        ckptfmt.load_into(p, target)
+    assert torch.equal(target["a"], torch.zeros(100))
+
+
+def test_inference_tensors_are_filled(tmp_path):
+    state = {"a": torch.randn(100), "t": torch.randn(20, 30)}
+    p = _save(tmp_path, state)
+    with torch.inference_mode():
+        target = {"a": torch.zeros(100), "t": torch.zeros(30, 20).t()}
+    ckptfmt.load_into(p, target)
+    assert torch.equal(target["a"], state["a"]) and torch.equal(target["t"], state["t"])
+
+
+@pytest.mark.parametrize("where", ["value", "meta"])
+def test_damage_in_a_replaced_value_is_found_before_any_write(tmp_path, where):
+    """Values and meta targets are loaded (and their chunks checked) before tensors are filled."""
+    state = {"a": torch.randn(3000), "z": {"x": torch.randn(3000)}}
+    p = _save(tmp_path, state)
+    chunks = _chunks(p)
+    _flip(p, chunks[-1].offset + 1)  # a chunk of z.x
+    target = {
+        "a": torch.zeros(3000),
+        "z": {"x": None if where == "value" else torch.empty(3000, device="meta")},
+    }
+    before = storage_bytes(target["a"])
+    with pytest.raises(ckptfmt.CorruptError):
+        ckptfmt.load_into(p, target)
+    assert storage_bytes(target["a"]) == before
+    assert target["z"]["x"] is None or target["z"]["x"].is_meta
+
+
+@BACKENDS
+def test_read_error_while_verifying_leaves_targets_untouched(tmp_path, monkeypatch, backend):
+    state = _state()
+    p = _save(tmp_path, state)
+    real = CheckpointFile.read_into
+    calls = []
+
+    def failing(self, items, verify):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "Input/output error", str(p))
+        return real(self, items, verify)
+
+    monkeypatch.setattr(CheckpointFile, "read_into", failing)
+    target = _targets(state)
+    before = _memory(target)
+    with pytest.raises(OSError) as info:
+        ckptfmt.load_into(p, target)
+    assert info.value.errno == errno.EIO
+    assert _memory(target) == before
+
+
+def test_read_error_in_the_second_pass_is_a_partial_load(tmp_path, monkeypatch):
+    # the file holds one storage; each tensor is less than a chunk, at offsets that do not
+    # line up with chunks: every target is filled through the bounce buffer, window by window
+    src = torch.randn(6 * 1000 + 7 + 200)  # no chunk lies wholly inside one tensor
+    state = {f"t{i}": src[7 + 1000 * i : 7 + 1000 * (i + 1)] for i in range(6)}
+    p = _save(tmp_path, state)
+    real = CheckpointFile.read_into
+    second: list[int] = []
+
+    def failing(self, items, verify):
+        if second:
+            second.append(1)
+            if len(second) == 3:  # the second read of the write phase
+                raise OSError(errno.EIO, "Input/output error", str(p))
+        return real(self, items, verify)
+
+    flat = torch.full((6 * 1000 + 10,), 7.0)
+    target = {f"t{i}": flat[5 + 1000 * i : 5 + 1000 * (i + 1)] for i in range(6)}
+    monkeypatch.setattr(inplace, "_before_write", lambda f: second.append(1))
+    monkeypatch.setattr(CheckpointFile, "read_into", failing)
+    monkeypatch.setattr(inplace, "_WINDOW_SHARE", 10**6)  # one chunk per window
+    with pytest.raises(PartialLoadError) as info:
+        ckptfmt.load_into(p, target)
+    e = info.value
+    assert isinstance(e.__cause__, OSError) and e.__cause__.errno == errno.EIO
+    assert e.modified_keys == ["t0", "t1"]  # those with bytes in the first chunk
+    assert "may already hold new values" in str(e)
+    for k in ("t2", "t3", "t4", "t5"):  # not listed: unchanged
+        assert torch.equal(target[k], torch.full((1000,), 7.0)), k
+    assert torch.equal(target["t0"], state["t0"])
+    assert torch.equal(flat[:5], torch.full((5,), 7.0)) and torch.equal(flat[-5:], torch.full((5,), 7.0))
+
+
+@pytest.mark.parametrize("change", ["truncate", "flip"])
+def test_change_during_verification_is_caught_before_any_write(tmp_path, monkeypatch, change):
+    state = _state()
+    p = _save(tmp_path, state)
+    chunks = _chunks(p)
+    os.utime(p, ns=(1_000_000_000, 1_000_000_000))  # a write now changes the times, whatever the clock
+    real = inplace.verify_chunks
+
+    def verify_then_change(f, ks, verify, buf=None):
+        real(f, ks, verify, buf)
+        if change == "truncate":
+            os.truncate(p, chunks[-1].offset + 10)
+        else:
+            _flip(p, chunks[-1].offset + 3)
+
+    monkeypatch.setattr(inplace, "verify_chunks", verify_then_change)
+    target = _targets(state)
+    before = _memory(target)
+    with pytest.raises(FileChangedError, match="no target was written"):
+        ckptfmt.load_into(p, target)
+    assert _memory(target) == before
+
+
+@BACKENDS
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_file_changed_between_the_passes_is_reported_as_partial(tmp_path, monkeypatch, backend, compression):
+    """The race load_into() cannot close: bytes changed after they were verified.  The stamp
+    (size, times) is blinded here, as it would be for a change within one clock tick."""
+    state = _state()
+    p = _save(tmp_path, state, compression=compression)
+    chunks = _chunks(p)
+    monkeypatch.setattr(inplace, "_stamp", lambda f: ())
+    monkeypatch.setattr(inplace, "_before_write", lambda f: _flip(p, chunks[-1].offset + 3))
+    target = _targets(state)
+    with pytest.raises(PartialLoadError) as info:
+        ckptfmt.load_into(p, target)
+    e = info.value
+    assert isinstance(e.__cause__, ckptfmt.CorruptError) and e.__cause__.chunk == len(chunks) - 1
+    assert set(e.modified_keys) == set(target)  # every tensor here is read in the one parallel read
+    assert str(e).startswith(
+        f"{p}: the second read failed after load_into() verified the file (it changed, or could not"
+    )
+
+
+def test_damage_the_second_pass_meets_before_writing_raises_it_plainly(tmp_path, monkeypatch):
+    """No target memory was reached yet: the original error, and the targets unchanged."""
+    state = {"w": torch.randn(3000)}
+    p = _save(tmp_path, state)
+    chunks = _chunks(p)
+    monkeypatch.setattr(inplace, "_stamp", lambda f: ())
+    monkeypatch.setattr(inplace, "_before_write", lambda f: _flip(p, chunks[0].offset + 3))
+    target = {"w": torch.zeros(6000)[::2]}  # strided: read into host memory, then copied
+    with pytest.raises(ckptfmt.CorruptError):
+        ckptfmt.load_into(p, target)
+    assert torch.equal(target["w"], torch.zeros(3000))
+
+
+def test_referenced_file_removed_before_the_load(tmp_path):
+    base_state = {"a": torch.randn(3000), "b": torch.randn(3000)}
+    a = tmp_path / "a.ckpt"
+    b = tmp_path / "b.ckpt"
+    incremental.save(base_state, a, chunk_size=4096)
+    incremental.save({**base_state, "c": torch.randn(3000)}, b, base=a)
+    os.unlink(a)
+    target = {"a": torch.zeros(3000), "b": torch.zeros(3000), "c": torch.zeros(3000)}
+    before = _memory(target)
+    with pytest.raises(ckptfmt.IncompleteError, match="missing"):
+        ckptfmt.load_into(b, target)
+    assert _memory(target) == before
+
+
+def test_files_renamed_or_removed_between_the_passes_are_still_read(tmp_path, monkeypatch):
+    """Open files are read to the end: removing or replacing the paths changes nothing."""
+    base_state = {"a": torch.randn(3000), "b": torch.randn(3000)}
+    a = tmp_path / "a.ckpt"
+    b = tmp_path / "b.ckpt"
+    incremental.save(base_state, a, chunk_size=4096)
+    full = {**base_state, "c": torch.randn(3000)}
+    incremental.save(full, b, base=a)
+
+    def replace_both(f):
+        os.unlink(a)
+        ckptfmt.save({"other": torch.zeros(1)}, b)
+
+    monkeypatch.setattr(inplace, "_before_write", replace_both)
+    target = {k: torch.zeros(3000) for k in full}
+    ckptfmt.load_into(b, target)
+    assert all(torch.equal(target[k], full[k]) for k in full)
+
+
+def test_file_replaced_by_rename_while_verifying_still_loads(tmp_path, monkeypatch):
+    """ckptfmt.save replaces a file by rename: the open file is intact, nothing to report."""
+    state = _state()
+    p = _save(tmp_path, state)
+    real = inplace.verify_chunks
+
+    def verify_then_replace(f, ks, verify, buf=None):
+        real(f, ks, verify, buf)
+        ckptfmt.save({k: torch.zeros_like(v) for k, v in state.items()}, p)
+
+    monkeypatch.setattr(inplace, "verify_chunks", verify_then_replace)
+    target = _targets(state)
+    ckptfmt.load_into(p, target)
+    assert all(torch.equal(target[k], state[k]) for k in state)
+
+
+def test_verify_false_still_finds_truncation_before_writing(tmp_path, monkeypatch):
+    state = _state()
+    p = _save(tmp_path, state)
+    chunks = _chunks(p)
+    real = CheckpointFile.read_into
+    done = []
+
+    def shrink_first(self, items, verify):
+        if not done:
+            done.append(1)
+            os.truncate(p, chunks[-1].offset + 10)
+        return real(self, items, verify)
+
+    monkeypatch.setattr(CheckpointFile, "read_into", shrink_first)
+    target = _targets(state)
+    before = _memory(target)
+    with pytest.raises(ckptfmt.IncompleteError):
+        ckptfmt.load_into(p, target, verify=False)
+    assert _memory(target) == before
+
+
+def test_single_pass_path_reads_each_chunk_once(tmp_path, monkeypatch):
+    state = _state()
+    p = _save(tmp_path, state)
+    real = CheckpointFile.read_into
+    read: list[int] = []
+
+    def counting(self, items, verify):
+        read.extend(k for k, _ in items)
+        return real(self, items, verify)
+
+    monkeypatch.setattr(CheckpointFile, "read_into", counting)
+    target = _targets(state)
+    ckptfmt.load_into(p, target, atomic=False)
+    n = len(_chunks(p))
+    assert sorted(read) == list(range(n))
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    read.clear()
+    target = _targets(state)
+    ckptfmt.load_into(p, target)
+    assert sorted(read) == sorted(list(range(n)) * 2)  # verified, then read into the targets
+    assert all(torch.equal(target[k], state[k]) for k in state)
+
+
+def test_manager_style_subtree_fill_is_atomic_too(tmp_path):
+    state = {"model": _state(3), "other": _state(2)}
+    p = _save(tmp_path, state)
+    _flip(p, _chunks(p)[-1].offset + 1)
+    target = {"model": _targets(state["model"]), "other": _targets(state["other"])}
+    before = _memory(target)
+    with CheckpointFile(p) as f, pytest.raises(ckptfmt.CorruptError):
+        inplace.fill_from_node(f, f.tree.root, target, strict=True, verify=True)
+    assert _memory(target) == before
+    with CheckpointFile(p) as f, pytest.raises(ckptfmt.CorruptError):
+        inplace.verify_subtree(f, f.tree.root)
+
+
+# -- views into flat buffers --------------------------------------------------------------------
+
+
+def _flat_targets(shapes, extra_front=3, extra_back=5, transposed=()):
+    """Views into one flat buffer (as FSDP1 / apex flat params), at non-zero offsets."""
+    total = sum(torch.Size(s).numel() for s in shapes)
+    flat = torch.full((extra_front + total + extra_back,), -3.0)
+    out = {}
+    pos = extra_front
+    for i, s in enumerate(shapes):
+        n = torch.Size(s).numel()
+        v = flat[pos : pos + n].view(s)
+        out[f"p{i}"] = v.t() if i in transposed else v
+        pos += n
+    return flat, out
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("saved_as", ["separate", "flat", "tied"])
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_views_into_one_flat_buffer(tmp_path, atomic, saved_as, compression):
+    g = torch.Generator().manual_seed(5)
+    shapes = [(40, 50), (3000,), (7,), (30, 70), (1,), (2500,)]
+    transposed = {3}
+    if saved_as == "separate":
+        state = {}
+        for i, s in enumerate(shapes):
+            t = torch.randn(s, generator=g)
+            state[f"p{i}"] = t.t() if i in transposed else t
+    else:  # the file holds one storage: the saved parameters were views of a flat buffer too
+        src_flat, state = _flat_targets(shapes, extra_front=11, extra_back=0, transposed=transposed)
+        src_flat.copy_(torch.randn(src_flat.shape, generator=g))
+        if saved_as == "tied":  # and the flat buffer itself, as FSDP's flat_param
+            state["flat"] = src_flat
+    state["plain"] = torch.randn(1000, generator=g)
+    state["plain_t"] = torch.randn(20, 30, generator=g).t()
+    p = _save(tmp_path, state, compression=compression)
+    expected = ckptfmt.load(p)
+    flat, target = _flat_targets(shapes, transposed=transposed)
+    target["plain"] = torch.zeros(1000)
+    target["plain_t"] = torch.zeros(30, 20)
+    if saved_as == "tied":
+        target["flat"] = torch.zeros(11 + flat.numel() - 8)
+    ckptfmt.load_into(p, target, atomic=atomic)
+    for k, v in target.items():
+        assert torch.equal(v, expected[k]), k
+    assert torch.equal(flat[:3], torch.full((3,), -3.0)) and torch.equal(flat[-5:], torch.full((5,), -3.0))
+
+
+def test_flat_target_receives_separately_saved_tensors_bit_exact(tmp_path):
+    """Targets that are views of a flat buffer at offsets that do not line up with chunks."""
+    g = torch.Generator().manual_seed(9)
+    state = {f"p{i}": torch.randn(1000 + 37 * i, generator=g).to(torch.bfloat16) for i in range(8)}
+    p = _save(tmp_path, state)
+    total = sum(v.numel() for v in state.values())
+    flat = torch.full((total + 2,), 5.0, dtype=torch.bfloat16)
+    target, pos = {}, 1
+    for k, v in state.items():
+        target[k] = flat[pos : pos + v.numel()]
+        pos += v.numel()
+    ckptfmt.load_into(p, target)
+    joined = torch.cat([state[k] for k in state])
+    assert flat[1:-1].view(torch.int16).equal(joined.view(torch.int16))
+    assert flat[0].item() == 5.0 and flat[-1].item() == 5.0
+
+
+def test_tied_view_at_an_offset_shares_bytes_with_another_target(tmp_path):
+    """The file's storage is exactly one target (read straight into it) and another target
+    views part of it: that target must get the file's bytes, not the flat buffer's."""
+    w = torch.arange(12.0).view(3, 4)
+    p = _save(tmp_path, {"w": w, "row": w[1], "col": w[:, 2]})
+    flat = torch.full((100,), -1.0)
+    target = {"w": flat[40:52].view(3, 4), "row": torch.zeros(4), "col": torch.zeros(3)}
+    ckptfmt.load_into(p, target)
+    assert (
+        torch.equal(target["w"], w)
+        and torch.equal(target["row"], w[1])
+        and torch.equal(target["col"], w[:, 2])
+    )
+    assert torch.equal(flat[:40], torch.full((40,), -1.0)) and torch.equal(flat[52:], torch.full((48,), -1.0))
+
+
+def test_tied_targets_are_filled_once(tmp_path):
+    m = torch.nn.Embedding(300, 16)
+    head = torch.nn.Linear(16, 300, bias=False)
+    head.weight = m.weight
+    p = _save(tmp_path, {"tok": m.weight, "head": head.weight})
+    m2 = torch.nn.Parameter(torch.zeros(300, 16))
+    ckptfmt.load_into(p, {"tok": m2, "head": m2})
+    assert torch.equal(m2, m.weight)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sizes=st.lists(st.integers(1, 3000), min_size=1, max_size=6),
+    gaps=st.lists(st.integers(0, 2000), min_size=7, max_size=7),
+    shared_file=st.booleans(),
+    atomic=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.float64, torch.uint8]),
+)
+def test_random_flat_layouts(tmp_path, sizes, gaps, shared_file, atomic, dtype):
+    g = torch.Generator().manual_seed(sum(sizes))
+    if shared_file:
+        src = torch.randint(0, 100, (sum(sizes) + sum(gaps),), generator=g).to(dtype)
+        state, pos = {}, gaps[0]
+        for i, n in enumerate(sizes):
+            state[f"p{i}"] = src[pos : pos + n]
+            pos += n + gaps[i + 1]
+    else:
+        state = {f"p{i}": torch.randint(0, 100, (n,), generator=g).to(dtype) for i, n in enumerate(sizes)}
+    p = tmp_path / "r.ckpt"
+    ckptfmt.save(state, p, chunk_size=4096)
+    flat = torch.full((sum(sizes) + sum(gaps),), 9, dtype=dtype)
+    target, pos = {}, gaps[-1]
+    keep = torch.ones(flat.numel(), dtype=torch.bool)
+    for i, n in enumerate(sizes):
+        target[f"p{i}"] = flat[pos : pos + n]
+        keep[pos : pos + n] = False
+        pos += n + gaps[i]
+    ckptfmt.load_into(p, target, atomic=atomic)
+    for k in state:
+        assert torch.equal(target[k], state[k]), k
+    assert bool((flat[keep] == 9).all())
+
+
+# -- conjugate views ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("saved_conj", [False, True])
+@pytest.mark.parametrize("target_conj", [False, True])
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_conjugate_views_load_like_load(tmp_path, atomic, saved_conj, target_conj, dtype):
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(2000, dtype=dtype, generator=g)
+    m = torch.randn(30, 40, dtype=dtype, generator=g)
+    state = {
+        "z": z.conj() if saved_conj else z,
+        "m": m.conj() if saved_conj else m,
+        "mt": (m.conj() if saved_conj else m).t(),
+    }
+    p = _save(tmp_path, state)
+    expected = ckptfmt.load(p)
+    assert expected["z"].is_conj() == saved_conj
+
+    def blank(shape):
+        t = torch.zeros(shape, dtype=dtype)
+        return t.conj() if target_conj else t
+
+    target = {"z": blank(2000), "m": blank((30, 40)), "mt": blank((40, 30))}
+    ckptfmt.load_into(p, target, atomic=atomic)
+    for k in state:
+        assert target[k].is_conj() == target_conj
+        assert torch.equal(target[k].resolve_conj(), expected[k].resolve_conj()), k
+        assert torch.equal(target[k].resolve_conj(), state[k].resolve_conj()), k
+
+
+def test_negative_view_target(tmp_path):
+    z = torch.randn(100, dtype=torch.complex64)
+    p = _save(tmp_path, {"im": z.imag.clone()})
+    base = torch.zeros(100, dtype=torch.complex64)
+    target = {"im": base.conj().imag}  # a negative-bit view: writing x stores -x underneath
+    assert target["im"].is_neg()
+    ckptfmt.load_into(p, target)
+    assert torch.equal(target["im"].resolve_neg(), z.imag)
+    assert torch.equal(base.imag, -z.imag)
+
+
+def test_partial_load_names_every_key_of_the_memory_it_wrote(tmp_path, monkeypatch):
+    """Tied targets (one tensor under two keys) are filled once and reported under both keys."""
+    w = torch.randn(3000)
+    p = _save(tmp_path, {"tok": w, "head": w, "other": torch.randn(3000)})
+    chunks = _chunks(p)
+    monkeypatch.setattr(inplace, "_stamp", lambda f: ())
+    monkeypatch.setattr(inplace, "_before_write", lambda f: _flip(p, chunks[-1].offset + 3))
+    tied = torch.zeros(3000)
+    other = torch.zeros(6000)[::2]  # strided: filled after the tied pair, from its own read
+    with pytest.raises(PartialLoadError) as info:
+        ckptfmt.load_into(p, {"tok": tied, "head": tied, "other": other})
+    assert info.value.modified_keys == ["tok", "head"]
+    assert torch.equal(other, torch.zeros(3000))
