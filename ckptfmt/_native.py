@@ -7,15 +7,25 @@ the pure-Python path even when it was.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointWarning
 
+#: why the engine could not be imported (None when it was)
+NOT_BUILT: str | None = None
 try:  # the engine is optional: installs without a compiler use the Python path
     from ._ckptfmt_c import ffi, lib  # type: ignore[import-not-found]
-except ImportError:  # pragma: no cover - depends on the build
+except ImportError as e:  # depends on the build
     ffi = None
     lib = None
+    NOT_BUILT = str(e)
+    if os.environ.get("CKPTFMT_REQUIRE_ENGINE") == "1":
+        raise ImportError(
+            f"ckptfmt: CKPTFMT_REQUIRE_ENGINE=1 but the C engine is not built ({e}); install "
+            "gcc, libzstd-dev and libxxhash-dev and reinstall ckptfmt"
+        ) from e
+_warned_slow = False
 
 #: the level value that asks the engine for its default zstd profile
 FAST_PROFILE = 1000
@@ -26,7 +36,25 @@ def built() -> bool:
 
 
 def available() -> bool:
-    return lib is not None and os.environ.get("CKPTFMT_BACKEND", "").lower() != "python"
+    forced = os.environ.get("CKPTFMT_BACKEND", "").lower() == "python"
+    if lib is None and not forced:
+        _warn_slow_path()
+    return lib is not None and not forced
+
+
+def _warn_slow_path() -> None:
+    """Say once, at the first use, that the engine is missing: pip hides the failed build."""
+    global _warned_slow
+    if _warned_slow:
+        return
+    _warned_slow = True
+    warnings.warn(
+        f"ckptfmt: the C engine is not built ({NOT_BUILT}); using the pure-Python path, which is "
+        "several times slower. Install gcc, libzstd-dev and libxxhash-dev and reinstall; "
+        "CKPTFMT_REQUIRE_ENGINE=1 makes this an error, CKPTFMT_BACKEND=python silences it.",
+        CheckpointWarning,
+        stacklevel=3,
+    )
 
 
 def versions() -> dict[str, str]:

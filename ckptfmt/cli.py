@@ -677,7 +677,7 @@ def info_dict() -> dict[str, Any]:
         "zstandard": zstandard.__version__,
         "zstandard_zstd": ".".join(map(str, zstandard.ZSTD_VERSION)),
         "xxhash": xxhash.XXHASH_VERSION,
-        "engine": "built" if _native.built() else "not built",
+        "engine": "built" if _native.built() else f"not built: {_native.NOT_BUILT}",
         "engine_zstd": engine.get("zstd", "-"),
         "engine_xxhash": engine.get("xxhash", "-"),
     }
