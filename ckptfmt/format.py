@@ -199,31 +199,41 @@ class Footer:
 
 
 def parse_prologue(raw: bytes, actual_size: int, path: str) -> Prologue:
-    """Check the first 64 bytes against the actual file size; raise the right error."""
+    """Check the first 64 bytes against the actual file size; raise the right error.
+
+    The order matters: bytes 0 to 9 (magic and major version) are the only ones frozen
+    across major versions, so a file of another major version is *unsupported* whatever
+    its other bytes hold, even when it is shorter than this version's prologue.
+    """
+    if not any(raw):
+        raise IncompleteError(
+            f"file is {actual_size} bytes, shorter than the {PROLOGUE_SIZE}-byte prologue "
+            "(an unfinished save or a truncated copy)"
+            if len(raw) < PROLOGUE_SIZE
+            else "prologue is all zero bytes: the save that wrote this file did not finish",
+            path=path,
+            offset=None if len(raw) < PROLOGUE_SIZE else 0,
+        )
+    head = raw[: len(MAGIC)]
+    if head != MAGIC[: len(head)]:
+        raise UnsupportedError(f"not a ckptfmt file (starts with {head.hex()})", path=path)
+    if len(raw) >= 10:
+        (major,) = struct.unpack_from("<H", raw, 8)
+        if major != FORMAT_MAJOR:
+            minor = struct.unpack_from("<H", raw, 10)[0] if len(raw) >= 12 else 0
+            raise UnsupportedError(
+                f"format version {major}.{minor} is not supported (this reader reads {FORMAT_MAJOR}.x)",
+                path=path,
+            )
     if len(raw) < PROLOGUE_SIZE:
-        if MAGIC.startswith(raw[: len(MAGIC)]) or not any(raw):
-            raise IncompleteError(
-                f"file is {actual_size} bytes, shorter than the {PROLOGUE_SIZE}-byte prologue "
-                "(an unfinished save or a truncated copy)",
-                path=path,
-            )
-        raise UnsupportedError(f"not a ckptfmt file (starts with {raw[:8].hex()})", path=path)
-    if raw[:8] != MAGIC:
-        if not any(raw):
-            raise IncompleteError(
-                "prologue is all zero bytes: the save that wrote this file did not finish",
-                path=path,
-                offset=0,
-            )
-        raise UnsupportedError(f"not a ckptfmt file (starts with {raw[:8].hex()})", path=path)
+        raise IncompleteError(
+            f"file is {actual_size} bytes, shorter than the {PROLOGUE_SIZE}-byte prologue "
+            "(an unfinished save or a truncated copy)",
+            path=path,
+        )
     (_, major, minor, flags, file_id, length, req, opt, check) = _PROLOGUE.unpack(raw)
     if xxhash.xxh3_64_intdigest(raw[:56]) != check:
         raise CorruptError("prologue checksum mismatch", path=path, offset=0)
-    if major != FORMAT_MAJOR:
-        raise UnsupportedError(
-            f"format version {major}.{minor} is not supported (this reader reads {FORMAT_MAJOR}.x)",
-            path=path,
-        )
     if flags != 0:
         raise CorruptError(f"reserved prologue flags are {flags:#x}, must be zero", path=path, offset=12)
     unknown = req & ~KNOWN_REQUIRED_FEATURES

@@ -469,3 +469,27 @@ def test_short_repr_never_raises():
         text = tree.short_repr(value, 80)
         assert len(text) <= 80
     assert tree.short_repr(10**5000) == "<int of 4153 hex digits>"
+
+
+# -- the prologue: which bytes decide what a file is ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "head, cls",
+    [
+        (b"", ckptfmt.IncompleteError),
+        (b"\0" * 30, ckptfmt.IncompleteError),
+        (b"\x89CKF", ckptfmt.IncompleteError),  # a prefix of the magic: a save that just began
+        (b"\x89CKF\r\n\x1a\n\x01\x00", ckptfmt.IncompleteError),
+        (b"hello", ckptfmt.UnsupportedError),
+        (b"\x89CKF\r\n\x1a\n\x02\x00", ckptfmt.UnsupportedError),  # 2.x, shorter than a 1.x prologue
+        (b"\x89CKF\r\n\x1a\n\x02\x00\x05\x00" + b"\xff" * 100, ckptfmt.UnsupportedError),  # bad checksum
+    ],
+)
+def test_prologue_order_makes_other_major_versions_unsupported(tmp_path, head, cls):
+    p = tmp_path / "f.ckpt"
+    p.write_bytes(head)
+    with pytest.raises(cls) as e:
+        ckptfmt.load(p)
+    if head[8:10] == b"\x02\x00":
+        assert "format version 2." in str(e.value)
