@@ -198,6 +198,15 @@ def _tensor_problem(key: str, value: torch.Tensor, node: list[Any], container: A
     return None
 
 
+def _key_problems(report: LoadReport) -> str:
+    """The first few missing and unexpected keys, for a strict load's error."""
+    parts = []
+    for what, keys in (("missing", report.missing_keys), ("unexpected", report.unexpected_keys)):
+        if keys:
+            parts.append(f"{what} keys {keys[:5]}" + ("..." if len(keys) > 5 else ""))
+    return "; ".join(parts)
+
+
 def fill_from_node(
     f: CheckpointFile, top: int, state: Any, *, strict: bool, verify: bool, atomic: bool = True
 ) -> LoadReport:
@@ -223,17 +232,7 @@ def fill_from_node(
             problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""), path=f.path
         )
     if strict and (report.missing_keys or report.unexpected_keys):
-        parts = []
-        if report.missing_keys:
-            parts.append(
-                f"missing keys {report.missing_keys[:5]}" + ("..." if len(report.missing_keys) > 5 else "")
-            )
-        if report.unexpected_keys:
-            parts.append(
-                f"unexpected keys {report.unexpected_keys[:5]}"
-                + ("..." if len(report.unexpected_keys) > 5 else "")
-            )
-        raise MismatchError("; ".join(parts), path=f.path)
+        raise MismatchError(_key_problems(report), path=f.path)
     plan = _plan(f, targets, in_file, report)
     with torch.no_grad():
         if atomic:

@@ -622,22 +622,28 @@ class CheckpointManager:
 
     # -- loading ----------------------------------------------------------------------------------
 
-    def load(self, step: int | None = None, map_location: Any = None, *, fallback: bool = False) -> Any:
-        """The state saved at `step` (the newest complete one when None); stateful objects come
-        back as their state dicts.  fallback=True: when the newest checkpoint fails to load
-        (damaged files), warn and try the next older one."""
-        last: CheckpointError | None = None
+    def _first_that_loads(self, step: int | None, fallback: bool, attempt: Any) -> tuple[Any, list[str]]:
+        """attempt(info) on checkpoint `step`, or newest first when step is None; with fallback,
+        a checkpoint whose files turn out damaged is skipped with a warning (a mismatch with
+        the caller's objects is never a reason to go back)."""
+        skipped: list[str] = []
         for info in self._find(step):
             try:
-                return self._load_one(info, map_location)
+                return attempt(info), skipped
             except MismatchError:
                 raise
             except CheckpointError as e:
                 if not fallback or step is not None:
                     raise
-                warnings.warn(f"skipping step {info.step}: {e}", CheckpointWarning, stacklevel=2)
-                last = e
-        raise CheckpointError(f"no checkpoint in {self.directory} loads; the last error: {last}")
+                warnings.warn(f"skipping step {info.step}: {e}", CheckpointWarning, stacklevel=3)
+                skipped.append(f"step {info.step}: {e}")
+        raise CheckpointError(f"no checkpoint in {self.directory} loads: {'; '.join(skipped)[:2000]}")
+
+    def load(self, step: int | None = None, map_location: Any = None, *, fallback: bool = False) -> Any:
+        """The state saved at `step` (the newest complete one when None); stateful objects come
+        back as their state dicts.  fallback=True: when the newest checkpoint fails to load
+        (damaged files), warn and try the next older one."""
+        return self._first_that_loads(step, fallback, lambda info: self._load_one(info, map_location))[0]
 
     def _load_one(self, info: CheckpointInfo, map_location: Any) -> Any:
         from .api import load
@@ -665,20 +671,11 @@ class CheckpointManager:
         plain values) from checkpoint `step` (the newest complete one when None), then restore
         every RNG.  Differences from the saved run are returned and warned about once; with
         strict=True, architecture, shape and key differences raise MismatchError first."""
-        skipped: list[str] = []
-        for info in self._find(step):
-            try:
-                report = self._load_into_one(info, state, strict, restore_rng)
-                report.skipped = skipped
-                return report
-            except MismatchError:
-                raise
-            except CheckpointError as e:
-                if not fallback or step is not None:
-                    raise
-                warnings.warn(f"skipping step {info.step}: {e}", CheckpointWarning, stacklevel=2)
-                skipped.append(f"step {info.step}: {e}")
-        raise CheckpointError(f"no checkpoint in {self.directory} loads: {'; '.join(skipped)[:2000]}")
+        report, skipped = self._first_that_loads(
+            step, fallback, lambda info: self._load_into_one(info, state, strict, restore_rng)
+        )
+        report.skipped = skipped
+        return report
 
     def _load_into_one(
         self, info: CheckpointInfo, state: Any, strict: bool, restore_rng: bool

@@ -433,17 +433,3 @@ def restore_into(
         return target
     report.loaded += 1
     return f.load_subtree(node, None, verify)
-
-
-def strict_problems(report: LoadReport) -> str | None:
-    parts = []
-    if report.missing_keys:
-        parts.append(
-            f"missing keys {report.missing_keys[:5]}" + ("..." if len(report.missing_keys) > 5 else "")
-        )
-    if report.unexpected_keys:
-        parts.append(
-            f"unexpected keys {report.unexpected_keys[:5]}"
-            + ("..." if len(report.unexpected_keys) > 5 else "")
-        )
-    return "; ".join(parts) or None
