@@ -31,7 +31,6 @@ import shutil
 import stat
 import threading
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -817,10 +816,3 @@ def _check_metrics(metrics: dict[str, float] | None) -> dict[str, float]:
             raise TypeError(f"metrics must map str to int or float; {k!r} maps to {type(v).__name__}")
         out[k] = v
     return out
-
-
-def iter_step_dirs(directory: str) -> Iterator[tuple[int, str]]:
-    for name in sorted(os.listdir(directory)):
-        step = parse_step_dirname(name)
-        if step is not None:
-            yield step, os.path.join(directory, name)
