@@ -196,31 +196,66 @@ def read_chunks(
             _release(keep + [buf])
             raise ValueError(f"destination of chunk {k} holds {len(buf)} bytes, the chunk {ch.raw_len}")
         keep.append(buf)
-        c = arr[i]
-        c.dst = buf
-        c.index = k
-        c.offset = ch.offset
-        c.stored_len = ch.stored_len
-        c.raw_len = ch.raw_len
-        c.checksum = ch.checksum
-        c.pad = ch.pad
-        c.codec = ch.codec
-        c.filter = ch.filter
-        c.width = ch.width
-        if ch.digest:  # files with content digests (feature bit 0)
-            c.has_digest = 1
-            ffi.memmove(c.digest, ch.digest, 16)
+        arr[i].dst = buf
+        _fill_rchunk(arr[i], k, ch)
     status = ffi.new("ckf_status *")
     fid = ffi.new("uint8_t[16]", file_id)
     rc = lib.ckf_read_chunks(fd, fid, arr, n, 1 if verify else 0, threads, status)
     _release(keep)
+    return _outcome(rc, status, [k for k, _, _ in items])
+
+
+def _fill_rchunk(c: Any, k: int, ch: Any) -> None:
+    assert ffi is not None
+    c.index = k
+    c.offset = ch.offset
+    c.stored_len = ch.stored_len
+    c.raw_len = ch.raw_len
+    c.checksum = ch.checksum
+    c.pad = ch.pad
+    c.codec = ch.codec
+    c.filter = ch.filter
+    c.width = ch.width
+    if ch.digest:  # files with content digests (feature bit 0)
+        c.has_digest = 1
+        ffi.memmove(c.digest, ch.digest, 16)
+
+
+def _outcome(rc: int, status: Any, numbers: list[int]) -> tuple[int, int, int, int, int] | None:
+    assert lib is not None
     if rc == lib.CKF_OK:
         return None
     if rc == lib.CKF_ERR_ARG:
         pos = int(status.chunk)
-        which = items[pos][0] if 0 <= pos < n else pos
+        which = numbers[pos] if 0 <= pos < len(numbers) else pos
         raise ValueError(f"chunk {which} has a layout the reader refuses")
     return int(status.code), int(status.err_no), int(status.chunk), int(status.reason), int(status.value)
+
+
+def check_mapped(
+    mapping: Any, file_id: bytes, items: list[tuple[int, Any]], threads: int
+) -> tuple[int, int, int, int, int] | None:
+    """Verify raw (chunk number, chunk record) where they lie in `mapping` (the whole file,
+    e.g. an mmap), in parallel; None, or the failure as read_chunks reports it."""
+    assert lib is not None and ffi is not None
+    n = len(items)
+    arr = ffi.new("ckf_rchunk[]", max(n, 1))
+    for i, (k, ch) in enumerate(items):
+        _fill_rchunk(arr[i], k, ch)
+    status = ffi.new("ckf_status *")
+    fid = ffi.new("uint8_t[16]", file_id)
+    src = ffi.from_buffer("uint8_t[]", mapping)
+    try:
+        rc = lib.ckf_check_mapped(src, len(src), fid, arr, n, threads, status)
+    finally:
+        _release([src])
+    return _outcome(rc, status, [k for k, _ in items])
+
+
+def advise_huge(t: Any) -> None:
+    """Ask for huge pages for a fresh, untouched CPU tensor's memory (no-op without the engine)."""
+    if lib is not None and ffi is not None:
+        lib.ckf_advise_huge(ffi.cast("uint8_t *", t.data_ptr()), t.numel() * t.element_size())
 
 
 def content_digests(views: list[Any], threads: int) -> list[bytes]:
@@ -263,8 +298,10 @@ def zstd_compress(data: Any, level: int) -> bytes:
 
 
 __all__ = [
+    "advise_huge",
     "available",
     "built",
+    "check_mapped",
     "content_digests",
     "copy",
     "read_chunks",

@@ -1,8 +1,11 @@
 """Byte views of tensor storages and arrays, without copies.
 
 The one place that knows the idiom: an empty uint8 tensor ``set_`` to a storage
-covers all of its bytes, whatever the dtype it was made for, and its numpy
-array exposes them as a memoryview of format "B".
+covers all of its bytes, whatever the dtype it was made for, and a numpy array
+made from its address exposes them as a memoryview of format "B".  The array is
+built from the address, not with ``Tensor.numpy()``: that marks the storage as
+not resizable for good, which would change the caller's tensors (FSDP, for one,
+frees storages by resizing them to zero) and the tensors a load returns.
 """
 
 from __future__ import annotations
@@ -16,9 +19,28 @@ def storage_as_uint8(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)  # type: ignore[call-overload]
 
 
+class _Memory:
+    """An address and length that numpy can wrap; holds the tensor that owns the memory."""
+
+    __slots__ = ("__array_interface__", "owner")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.owner = t
+        self.__array_interface__ = {
+            "data": (t.data_ptr(), False),
+            "shape": (t.numel(),),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU uint8 tensor (a staging slab)."""
-    return t.numpy().data.cast("B")
+    """A writable byte view of a contiguous CPU uint8 tensor; it keeps the tensor alive."""
+    if t.dtype != torch.uint8 or t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 1:
+        raise ValueError(f"byte view of a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}")
+    if t.numel() == 0:
+        return memoryview(bytearray())
+    return np.asarray(_Memory(t)).data.cast("B")
 
 
 def storage_bytes(storage: torch.UntypedStorage) -> memoryview:

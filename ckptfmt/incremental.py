@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _native, dtypes, inflight, tree, writer
+from . import _native, bytesview, dtypes, inflight, tree, writer
 from . import format as fmt
 from .chunkio import ChunkRecord
 from .errors import CheckpointWarning
@@ -295,7 +295,7 @@ def consolidate(
             devices=list(f.source_devices),
         )
         buf = torch.empty(max(_CONSOLIDATE_WINDOW, f.chunk_size), dtype=torch.uint8)
-        view = buf.numpy().data.cast("B")
+        view = bytesview.tensor_bytes(buf)
         chunk_width = [widths[sid] for sid, r in enumerate(f.storages) for _ in range(r.n_chunks)]
         with writer.AtomicFile(target) as out:
             file_id = writer._file_id()

@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from . import _native, dtypes, inflight, tree
+from . import _native, bytesview, dtypes, inflight, tree
 from .errors import CheckpointError
 from .reader import CheckpointFile
 
@@ -390,7 +390,7 @@ def _plan(
             lo = m["offset"] * size
             hi = lo + value.numel() * size
             raw = _bytes_of(value)
-            view = raw.numpy().data.cast("B") if value.device.type == "cpu" else None
+            view = bytesview.tensor_bytes(raw) if value.device.type == "cpu" else None
             in_direct = False
             for j in range(lo // cs, (hi - 1) // cs + 1):
                 k = rec.first_chunk + j
@@ -427,7 +427,7 @@ def _windows(
     f: CheckpointFile, chunks: list[int], buf: torch.Tensor
 ) -> Iterator[tuple[list[tuple[int, memoryview]], list[int]]]:
     """Batches of (chunk, its place in `buf`) for `chunks`, as many as `buf` holds, with their offsets."""
-    view = buf.numpy().data.cast("B")
+    view = bytesview.tensor_bytes(buf)
     items: list[tuple[int, memoryview]] = []
     starts: list[int] = []
     pos = 0
@@ -542,7 +542,7 @@ def _write(
 
 
 def _place(f: CheckpointFile, first: int, last: int, dest: torch.Tensor) -> list[tuple[int, memoryview]]:
-    view = dest.numpy().data.cast("B")
+    view = bytesview.tensor_bytes(dest)
     out, pos = [], 0
     for k in range(first, last):
         n = f.chunks[k].raw_len

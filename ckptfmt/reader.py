@@ -33,7 +33,7 @@ import torch
 import xxhash
 import zstandard
 
-from . import _native, devices, tree
+from . import _native, bytesview, devices, hostmem, tree
 from . import format as fmt
 from .errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
 from .format import Limits
@@ -679,7 +679,7 @@ class CheckpointFile:
     def _alloc(self, nbytes: int, key: str, pinned: bool = False, *, sid: int | None = None) -> torch.Tensor:
         """`nbytes` of host memory; LimitError naming `key` (or storage `sid`'s key) if it fails."""
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            return hostmem.empty_bytes(nbytes, pinned=pinned)
         except (RuntimeError, MemoryError) as e:
             raise LimitError(
                 f"cannot allocate {nbytes} bytes for this storage: {str(e)[:100]}",
@@ -769,7 +769,7 @@ class CheckpointFile:
         """(chunk, destination) for chunks [first, first+count) of a storage, placed from `base` in `flat`."""
         rec = self.storages[sid]
         count = rec.n_chunks - first if count is None else count
-        view = flat.numpy().data.cast("B")
+        view = bytesview.tensor_bytes(flat)
         out = []
         pos = base
         for k in range(rec.first_chunk + first, rec.first_chunk + first + count):
@@ -827,41 +827,40 @@ class CheckpointFile:
         if self._mm is None:
             self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
         if verify:
-            mv = memoryview(self._mm)
-            for i, ch in enumerate(chunks):
-                k = rec.first_chunk + i
-                seed = fmt.chunk_seed(
-                    self.prologue.file_id,
-                    k,
-                    ch.offset,
-                    ch.stored_len,
-                    ch.raw_len,
-                    ch.codec,
-                    ch.filter,
-                    ch.width,
-                )
-                if (
-                    xxhash.xxh3_64_intdigest(mv[ch.offset : ch.offset + ch.stored_len], seed=seed)
-                    != ch.checksum
-                ):
-                    raise CorruptError(
-                        "checksum mismatch", path=self.path, key=rec.key, chunk=k, offset=ch.offset
-                    )
-                if any(mv[ch.offset + ch.stored_len : ch.offset + ch.stored_len + ch.pad]):
-                    raise CorruptError(
-                        "padding after the chunk is not zero",
-                        path=self.path,
-                        key=rec.key,
-                        chunk=k,
-                        offset=ch.offset + ch.stored_len,
-                    )
-                if ch.digest and fmt.content_digest(mv[ch.offset : ch.offset + ch.stored_len]) != ch.digest:
-                    raise CorruptError(
-                        _DIGEST_MISMATCH, path=self.path, key=rec.key, chunk=k, offset=ch.offset
-                    )
-            mv.release()
+            self._check_mapped(rec.first_chunk, chunks)
         flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=rec.nbytes, offset=chunks[0].offset)
         return flat.untyped_storage()
+
+    def _check_mapped(self, first: int, chunks: list[Chunk]) -> None:
+        """Verify raw chunks first, first+1, ... where they lie in the file's mapping."""
+        assert self._mm is not None
+        if _native.available():
+            items = [(first + i, ch) for i, ch in enumerate(chunks)]
+            status = _native.check_mapped(self._mm, self.prologue.file_id, items, _native.default_threads())
+            if status is not None:
+                raise self._native_error(status, [(k, memoryview(b"")) for k, _ in items])
+            return
+        mv = memoryview(self._mm)
+        try:
+            for k, ch in enumerate(chunks, first):
+                self._check_mapped_chunk(mv, k, ch)
+        finally:
+            mv.release()
+
+    def _check_mapped_chunk(self, mv: memoryview, k: int, ch: Chunk) -> None:
+        key = self.key_of(k)
+        stored = mv[ch.offset : ch.offset + ch.stored_len]
+        seed = fmt.chunk_seed(
+            self.prologue.file_id, k, ch.offset, ch.stored_len, ch.raw_len, ch.codec, ch.filter, ch.width
+        )
+        if xxhash.xxh3_64_intdigest(stored, seed=seed) != ch.checksum:
+            raise self._error(CorruptError, "checksum mismatch", k, key, ch.offset)
+        if any(mv[ch.offset + ch.stored_len : ch.offset + ch.stored_len + ch.pad]):
+            raise self._error(
+                CorruptError, "padding after the chunk is not zero", k, key, ch.offset + ch.stored_len
+            )
+        if ch.digest and fmt.content_digest(stored) != ch.digest:
+            raise self._error(CorruptError, _DIGEST_MISMATCH, k, key, ch.offset)
 
     def load_subtree(
         self, top: int, map_location: devices.MapLocation, verify: bool, use_mmap: bool = False
@@ -964,7 +963,7 @@ class CheckpointFile:
         raw = [ch.raw_len for ch in self.chunks]
         window = min(max(64 << 20, max(raw, default=0)), max(1, sum(raw)))
         buf = torch.empty(window, dtype=torch.uint8)
-        view = buf.numpy().data.cast("B")
+        view = bytesview.tensor_bytes(buf)
         k = 0
         n = len(self.chunks)
         while k < n:

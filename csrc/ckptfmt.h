@@ -17,10 +17,10 @@
 #define CKF_ERR_ZSTD 3    /* zstd refused to compress or decompress */
 #define CKF_ERR_ARG 4     /* an argument is out of range */
 #define CKF_ERR_CORRUPT 5 /* stored bytes do not match their checksum or sizes */
-#define CKF_ERR_SHORT 6
+#define CKF_ERR_SHORT 6   /* the file ended before a chunk did */
 
 /* level meaning: zstd level 1 tuned for shuffled floating-point data (the default) */
-#define CKF_LEVEL_FAST_PROFILE 1000   /* the file ended before a chunk did */
+#define CKF_LEVEL_FAST_PROFILE 1000
 
 #define CKF_CODEC_RAW 0
 #define CKF_CODEC_ZSTD 1
@@ -82,6 +82,17 @@ typedef struct {
  * on failure status->chunk is i, the position of the failing entry in `chunks`. */
 int ckf_read_chunks(int fd, const uint8_t *file_id, ckf_rchunk *chunks, uint64_t n, int verify, int nthreads,
                     ckf_status *status);
+
+/* Verify raw chunks [0, n) where they lie in a mapping of their file (map_len bytes
+ * from offset 0): checksums, padding and content digests, on nthreads threads,
+ * mapping each piece in one call (MADV_POPULATE_READ) before hashing it; `dst` is
+ * not used.  A file that shrank below the mapping fails with CKF_ERR_SHORT. */
+int ckf_check_mapped(const uint8_t *map, uint64_t map_len, const uint8_t *file_id, ckf_rchunk *chunks, uint64_t n,
+                     int nthreads, ckf_status *status);
+
+/* Ask the kernel for transparent huge pages for the 2 MiB-aligned interior of
+ * fresh memory [p, p+len) before it is first touched; 0, or the errno of madvise. */
+int ckf_advise_huge(uint8_t *p, uint64_t len);
 
 /* Encode, checksum and pwrite chunks [0, n) as chunks number first_index.. of
  * the file, the first at first_offset (a multiple of 64), each next one at the

@@ -61,19 +61,19 @@ def _damaged(tmp_path, compression):
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
-@pytest.mark.parametrize("path_kind", ["c", "python", "mmap", "get", "staged"])
+@pytest.mark.parametrize("path_kind", ["c", "python", "mmap", "mmap-python", "get", "staged"])
 def test_corruption_detected_on_every_path(tmp_path, monkeypatch, compression, path_kind):
     p, state, chunks = _damaged(tmp_path, compression)
     target = len(chunks) - 2  # a chunk of state['b']
     data = bytearray(p.read_bytes())
     data[chunks[target].offset + 3] ^= 0x20
     p.write_bytes(bytes(data))
-    if path_kind == "python":
+    if path_kind in ("python", "mmap-python"):
         monkeypatch.setenv("CKPTFMT_BACKEND", "python")
     if path_kind == "staged":
         monkeypatch.setenv("CKPTFMT_FORCE_STAGING", "1")
     with pytest.raises(ckptfmt.CorruptError) as info:
-        if path_kind == "mmap":
+        if path_kind.startswith("mmap"):
             ckptfmt.load(p, mmap=True)
         elif path_kind == "get":
             with ckptfmt.open(p) as r:

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 
-from .. import _native
+from .. import _native, bytesview
 from ..errors import CheckpointError
 from .planners import LoadPlanner, SavePlanner
 from .storage import Reader, Writer
@@ -224,8 +224,8 @@ class Stager:
             and not src.is_neg()
             and _native.built()
         ):
-            dst_view = buf.reshape(-1).view(torch.uint8).numpy().data.cast("B")
-            src_view = src.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+            dst_view = bytesview.tensor_bytes(buf.reshape(-1).view(torch.uint8))
+            src_view = bytesview.tensor_bytes(src.reshape(-1).view(torch.uint8))
             _native.copy(dst_view, src_view, _native.default_threads())
         else:
             buf.copy_(src)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import dtypes
+from .. import bytesview, dtypes
 from ..errors import CorruptError, LimitError
 from ..reader import CheckpointFile
 
@@ -106,10 +106,6 @@ def chunks_for_runs(starts: np.ndarray, run_bytes: int, itemsize: int, chunk_siz
     return np.nonzero(np.cumsum(marks[:-1]) > 0)[0] + base
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
-    return t.numpy().data.cast("B")
-
-
 def plan_box(
     f: CheckpointFile,
     meta: dict[str, Any],
@@ -157,7 +153,7 @@ def plan_box(
 
     def make() -> tuple[list[tuple[int, memoryview]], Callable[[], None]]:
         scratch = _alloc(span, f, what)
-        view = _byte_view(scratch)
+        view = bytesview.tensor_bytes(scratch)
         reads = []
         for k in chunk_ids:
             at = (k - rec.first_chunk) * cs - base
@@ -206,14 +202,14 @@ def _direct_job(
     scratch_bytes = sum(f.chunks[k].raw_len for k in edges)
 
     def make() -> tuple[list[tuple[int, memoryview]], Callable[[], None]]:
-        out = _byte_view(dest.reshape(-1).view(torch.uint8))
+        out = bytesview.tensor_bytes(dest.reshape(-1).view(torch.uint8))
         reads: list[tuple[int, memoryview]] = []
         copies: list[tuple[memoryview, memoryview]] = []
         for k in chunk_ids:
             start = (k - first_chunk) * cs
             n = f.chunks[k].raw_len
             if k in edges:
-                buf = _byte_view(_alloc(n, f, ""))
+                buf = bytesview.tensor_bytes(_alloc(n, f, ""))
                 reads.append((k, buf))
                 a, b = max(lo, start), min(hi, start + n)
                 copies.append((out[a - lo : b - lo], buf[a - start : b - start]))

@@ -1,0 +1,93 @@
+"""Fresh host buffers on huge pages, and verification of memory-mapped loads."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+
+import pytest
+import torch
+
+import ckptfmt
+from ckptfmt import _native, hostmem
+from ckptfmt.reader import CheckpointFile
+
+needs_engine = pytest.mark.skipif(not _native.available(), reason="the C engine is not built")
+
+
+def _vm_flags(addr: int) -> list[str]:
+    """The VmFlags of the mapping of this process that contains `addr`."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping contains {addr:#x}")
+
+
+@needs_engine
+def test_large_buffers_are_advised_for_huge_pages_and_stay_ordinary():
+    t = hostmem.empty_bytes(16 << 20)
+    middle = (t.data_ptr() + (8 << 20)) & ~((2 << 20) - 1)
+    assert "hg" in _vm_flags(middle)  # MADV_HUGEPAGE on the tensor's own memory
+    # an ordinary torch allocation: resizable, and freed with the tensor
+    t.untyped_storage().resize_(32 << 20)
+    assert t.untyped_storage().nbytes() == 32 << 20
+
+
+def test_small_and_pinned_buffers_are_plain_torch_allocations():
+    small = hostmem.empty_bytes(4096)
+    assert small.numel() == 4096 and small.dtype == torch.uint8
+    assert hostmem.empty_bytes(0).numel() == 0
+
+
+@needs_engine
+def test_loaded_storages_get_the_advice():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        p = f"{d}/big.ckpt"
+        state = {"w": torch.randn(4 << 20)}  # 16 MiB
+        ckptfmt.save(state, p)
+        out = ckptfmt.load(p)
+        assert torch.equal(out["w"], state["w"])
+        middle = (out["w"].data_ptr() + (8 << 20)) & ~((2 << 20) - 1)
+        assert "hg" in _vm_flags(middle)
+        out["w"].untyped_storage().resize_(0)  # callers may free storages the usual way
+
+
+@needs_engine
+def test_mapped_verify_of_a_file_that_shrank_is_incomplete(tmp_path):
+    """The C engine maps pages in bulk before hashing them, so a file that shrank under
+    its mapping is an error naming the chunk, not a SIGBUS (the Python path has no such check)."""
+    p = tmp_path / "m.ckpt"
+    ckptfmt.save({"a": torch.arange(100_000.0), "b": torch.randn(300_000)}, p, chunk_size=1 << 16)
+    with CheckpointFile(p) as f:
+        f._mm = mmap.mmap(f._fd, 0, access=mmap.ACCESS_COPY)  # mapped at its full size
+        last = f.chunks[-1]
+        with open(p, "r+b") as fh:
+            fh.truncate(last.offset - (last.offset % mmap.PAGESIZE) - mmap.PAGESIZE)
+        with pytest.raises(ckptfmt.IncompleteError) as info:
+            f.load_subtree(f.tree.root, None, True, use_mmap=True)
+        assert info.value.key == "state['b']"
+        assert "shrank" in str(info.value)
+        f._mm.close()
+        gc.collect()
+
+
+def test_save_and_load_leave_tensors_resizable(tmp_path):
+    """Byte views never go through Tensor.numpy(), which would pin storages' sizes for good."""
+    state = {"w": torch.randn(1000), "big": torch.randn(2 << 20)}
+    p = tmp_path / "r.ckpt"
+    ckptfmt.save(state, p)
+    ckptfmt.save(state, tmp_path / "z.ckpt", compression="zstd")
+    ckptfmt.save(state, tmp_path / "nb.ckpt", blocking=False).wait()
+    out = ckptfmt.load(p)
+    ckptfmt.load_into(p, state)
+    for t in (*state.values(), *out.values()):
+        assert t.untyped_storage().resizable()
+        t.untyped_storage().resize_(0)  # how FSDP frees a storage
