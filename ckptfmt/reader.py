@@ -962,7 +962,7 @@ class CheckpointFile:
         # 64 MiB, or the largest chunk when larger, but never more than all chunks together
         raw = [ch.raw_len for ch in self.chunks]
         window = min(max(64 << 20, max(raw, default=0)), max(1, sum(raw)))
-        buf = torch.empty(window, dtype=torch.uint8)
+        buf = hostmem.empty_bytes(window)
         view = bytesview.tensor_bytes(buf)
         k = 0
         n = len(self.chunks)

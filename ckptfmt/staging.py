@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from . import hostmem
+
 DEFAULT_SLAB_BYTES = 64 << 20
 
 
@@ -100,7 +102,7 @@ class StagingPool:
             return self._allocated
 
     def _allocate(self, size: int, pinned: bool) -> torch.Tensor:
-        return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        return hostmem.empty_bytes(size, pinned=pinned)
 
     def _is_pinned(self, slab: torch.Tensor) -> bool:
         return bool(slab.is_pinned())

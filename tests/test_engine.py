@@ -86,15 +86,19 @@ def test_seed_and_shuffle_match_the_reference():
         (2**63, 2**64 - 64, 1, 2, 1, 0, 0),
     ]:
         assert lib.ckf_chunk_seed(ffi.new("uint8_t[16]", fid), *args) == fmt.chunk_seed(fid, *args)
-    raw = np.random.default_rng(1).integers(0, 256, 4096, dtype=np.uint8)
-    for width in (2, 4, 8, 16):
-        out = ffi.new("uint8_t[]", 4096)
-        lib.ckf_shuffle(out, ffi.from_buffer(raw), 4096, width)
-        expect = raw.reshape(-1, width).T.tobytes()
-        assert bytes(ffi.buffer(out)) == expect
-        back = ffi.new("uint8_t[]", 4096)
-        lib.ckf_unshuffle(back, out, 4096, width)
-        assert bytes(ffi.buffer(back)) == raw.tobytes()
+    rng = np.random.default_rng(1)
+    # whole blocks of 16 units (the vector loops) and every tail length (the plain loops)
+    for width in (2, 3, 4, 8, 16):
+        for units in (0, 1, 15, 16, 17, 31, 256, 263):
+            n = units * width
+            raw = rng.integers(0, 256, n, dtype=np.uint8)
+            out = ffi.new("uint8_t[]", max(n, 1))
+            lib.ckf_shuffle(out, ffi.from_buffer(raw), n, width)
+            expect = raw.reshape(-1, width).T.tobytes()
+            assert bytes(ffi.buffer(out, n)) == expect, (width, units)
+            back = ffi.new("uint8_t[]", max(n, 1))
+            lib.ckf_unshuffle(back, out, n, width)
+            assert bytes(ffi.buffer(back, n)) == raw.tobytes(), (width, units)
     assert xxhash.xxh3_64_intdigest(b"x", seed=5) == xxhash.xxh3_64_intdigest(b"x", seed=5)
 
 
