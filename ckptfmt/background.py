@@ -254,6 +254,34 @@ def _retire(item: _Piece, pool: StagingPool) -> None:
         pool.release(slab)
 
 
+_MORE = object()  # _take_batch: the snapshot has not ended yet
+#: a batch written in one engine call holds at most this many bytes of chunks
+BATCH_BYTES = 1 << 30
+
+
+def _take_batch(pieces: queue.Queue[Any]) -> tuple[list[_Piece], Any]:
+    """The pieces handed over so far (at least one, waiting for it), up to BATCH_BYTES.
+
+    Writing them in one engine call keeps every thread busy across slab boundaries,
+    instead of starting and draining the threads once per slab.  Returns the batch
+    and what ended it: _MORE, None (the snapshot is complete) or the snapshot's error.
+    """
+    batch: list[_Piece] = []
+    size = 0
+    item = pieces.get()
+    while True:
+        if item is None or isinstance(item, BaseException):
+            return batch, item
+        batch.append(item)
+        size += sum(len(v) for v, _ in item.views)
+        if size >= BATCH_BYTES:
+            return batch, _MORE
+        try:
+            item = pieces.get_nowait()
+        except queue.Empty:
+            return batch, _MORE
+
+
 def _write_worker(
     handle: SaveHandle,
     atomic: AtomicFile,
@@ -276,22 +304,23 @@ def _write_worker(
         out = chunkio.ChunkWriter(
             atomic.fd, file_id, compression=compression, level=level, path=handle.path, dedup=dedup
         )
-        while True:
-            item = pieces.get()
-            if item is None or isinstance(item, BaseException):
-                ended = True
-                if item is None:
-                    break
-                raise item
+        while not ended:
+            batch, last = _take_batch(pieces)
             try:
-                if exc is None:
-                    for event in item.events:
-                        event.synchronize()
-                    out.write(item.views)
+                if exc is None and batch:
+                    for item in batch:
+                        for event in item.events:
+                            event.synchronize()
+                    out.write([v for item in batch for v in item.views])
             except BaseException as e:  # keep taking pieces so the snapshot never waits forever
                 exc = e
             finally:
-                _retire(item, pool)
+                for item in batch:
+                    _retire(item, pool)
+            if last is not _MORE:
+                ended = True
+                if last is not None:
+                    raise last
         if exc is None:
             chunkio.finish_file(atomic.fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup)
             atomic.commit()
