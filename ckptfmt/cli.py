@@ -1,13 +1,16 @@
 """The ckptfmt command line: verify, ls, inspect, consolidate, convert, diff, info.
 
-Results go to stdout, diagnostics to stderr; --json prints exactly one JSON
-document.  Exit status: 0 success, 1 a file failed (verify) or files differ
-(diff), 2 usage error or a file that cannot be read as a checkpoint.
+Results go to stdout, diagnostics to stderr (one line naming the path); --json prints
+exactly one JSON document.  Exit status, the same for every command (EXIT_CODES): 0
+success, 1 a file is damaged, incomplete, unsupported or over a limit, or the files
+differ (diff), 2 usage error or a path that is missing, unreadable or not a ckptfmt
+file.  ERROR_EXIT_CODES is the one table from errors to exit statuses.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import struct
@@ -19,15 +22,98 @@ import torch
 
 from . import __version__, tree
 from . import format as fmt
-from .errors import CheckpointError
+from .errors import CheckpointError, IncompleteError
 from .sniff import DESCRIPTIONS, sniff
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 EXIT_CODES = """exit status:
-  0  success
-  1  a file failed verification (verify, consolidate) or the files differ (diff)
-  2  usage error, or a file that is missing, unreadable or not a ckptfmt file
+  0  success; diff: the files are identical
+  1  a file is damaged, incomplete, unsupported (its version, a feature, codec or dtype)
+     or over a limit: it failed verification; diff: the files differ
+  2  usage error, or a path that is missing, unreadable, a directory where a file is
+     needed, or not a ckptfmt file (another format, a FIFO, a device)
+Every command gives the same status for the same kind of problem.  inspect and
+verify --quick check structure, index and referenced files, not chunk data.
 """
+
+
+class NotCheckpointError(Exception):
+    """The path is not a ckptfmt file: its first bytes are another format's, or it is not a
+    regular file (a FIFO, a device)."""
+
+    def __init__(self, path: str, description: str, kind: str | None = None) -> None:
+        self.path = path
+        self.kind = kind  # what sniff found, when it found a format
+        super().__init__(description)
+
+
+class UsageError(Exception):
+    """Arguments that cannot work: an output that would replace its input, a conversion the
+    target format cannot hold, a missing optional package."""
+
+
+class ForeignFileError(Exception):
+    """convert: a torch.save or safetensors file that its own reader refuses."""
+
+
+#: The one table from what went wrong to the exit status; every command goes through it
+#: (exit_code).  The first matching row counts: a CheckpointError is also a ValueError.
+ERROR_EXIT_CODES: tuple[tuple[type[Exception], int], ...] = (
+    # damaged, incomplete, unsupported version/feature/codec/dtype, over a limit (the four
+    # error classes of spec section 9), or a state the format cannot store
+    (CheckpointError, EXIT_FAILED),
+    (ForeignFileError, EXIT_FAILED),
+    (NotCheckpointError, EXIT_USAGE),
+    (OSError, EXIT_USAGE),  # missing, unreadable, a directory where a file is needed
+    (UsageError, EXIT_USAGE),
+)
+_KNOWN_ERRORS = tuple(cls for cls, _ in ERROR_EXIT_CODES)
+
+
+def exit_code_for(kind: type[BaseException]) -> int | None:
+    """The exit status for errors of class `kind` (ERROR_EXIT_CODES), None if it has no row."""
+    for cls, code in ERROR_EXIT_CODES:
+        if issubclass(kind, cls):
+            return code
+    return None
+
+
+def exit_code(error: BaseException) -> int:
+    """The exit status for `error`; an error without a row is a bug and is raised again."""
+    code = exit_code_for(type(error))
+    if code is None:
+        raise error
+    return code
+
+
+def error_text(error: BaseException, path: str) -> str:
+    """`error` as one line that names `path` (and any other file the error is about)."""
+    if isinstance(error, OSError):
+        text = error.strerror or str(error)
+        if error.filename is not None and os.fspath(error.filename) != path:
+            text = f"{os.fspath(error.filename)}: {text}"
+    else:
+        text = str(error)
+    text = " ".join(text.split())
+    return text if text.startswith(path + ":") else f"{path}: {text}"
+
+
+#: the status of a file whose verification found problems (verify reports CheckpointErrors)
+_FILE_FAILED = dict(ERROR_EXIT_CODES)[CheckpointError]
+
+
+def _fail(error: BaseException, path: str) -> int:
+    """Report `error` on stderr in one line naming `path`; its exit status."""
+    print(f"error: {error_text(error, path)}", file=sys.stderr)
+    return exit_code(error)
+
+
+def _require_ckptfmt(path: str) -> None:
+    """NotCheckpointError unless `path`'s first bytes are a ckptfmt file's (or an unfinished
+    one's); OSError when it is missing, unreadable or a directory."""
+    kind = sniff(path)
+    if kind != "ckptfmt":
+        raise NotCheckpointError(path, DESCRIPTIONS[kind], kind)
 
 
 class _Progress:
@@ -59,53 +145,52 @@ def _problem_dict(p: Any) -> dict[str, Any]:
 # -- verify -------------------------------------------------------------------
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
+def _verify_file(path: str, quick: bool) -> tuple[dict[str, Any], int]:
+    """The entry of one file and its exit status."""
     from .verify import verify
 
-    results = []
-    status = EXIT_OK
-    for path in args.paths:
-        if os.path.isdir(path):
-            entries = _verify_dir(path, args.step)
-            results += entries
-            for e in entries:
-                failed = e["status"] in ("failed", "unreadable") or (
-                    args.step is not None and e["status"] != "ok"
-                )
-                if failed and status == EXIT_OK:
-                    status = EXIT_FAILED if e["status"] != "unreadable" else EXIT_USAGE
-            continue
-        entry: dict[str, Any] = {"path": path}
-        try:
-            kind = sniff(path)
-        except OSError as e:
-            entry.update(status="unreadable", error=f"{e.strerror}")
-            status = EXIT_USAGE
-            results.append(entry)
-            continue
-        if kind != "ckptfmt":
-            entry.update(status="not-ckptfmt", format=kind, error=DESCRIPTIONS[kind])
-            status = EXIT_USAGE
-            results.append(entry)
-            continue
+    entry: dict[str, Any] = {"path": path}
+    try:
+        _require_ckptfmt(path)
         progress = _Progress(f"verifying {path}", os.path.getsize(path))
         try:
-            report = verify(path, quick=args.quick, progress=progress)
-        except OSError as e:
-            entry.update(status="unreadable", error=f"{e.strerror}")
-            status = EXIT_USAGE
-            results.append(entry)
-            continue
+            report = verify(path, quick=quick, progress=progress)
         finally:
             progress.close()
-        entry.update(
-            status="ok" if report.ok else "failed",
-            chunks=report.chunks,
-            problems=[_problem_dict(p) for p in report.problems],
-        )
-        if not report.ok and status == EXIT_OK:
-            status = EXIT_FAILED
+    except NotCheckpointError as e:
+        entry.update(status="not-ckptfmt", format=e.kind, error=str(e))
+        return entry, exit_code(e)
+    except OSError as e:
+        entry.update(status="unreadable", error=e.strerror or str(e))
+        return entry, exit_code(e)
+    entry.update(
+        status="ok" if report.ok else "failed",
+        chunks=report.chunks,
+        problems=[_problem_dict(p) for p in report.problems],
+    )
+    # each problem verify reports is a CheckpointError it caught (verify.problem_of)
+    return entry, EXIT_OK if report.ok else _FILE_FAILED
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    results = []
+    status = EXIT_OK  # the worst status of all entries: 2 over 1 over 0
+    for path in args.paths:
+        if os.path.isdir(path):
+            try:
+                entries = _verify_dir(path, args.step)
+            except CheckpointError as err:  # no checkpoint in it at all
+                results.append({"path": path, "status": "incomplete", "error": err.reason})
+                status = max(status, exit_code(err))
+                continue
+            results += entries
+            for ent in entries:
+                if ent["status"] == "failed" or (args.step is not None and ent["status"] != "ok"):
+                    status = max(status, _FILE_FAILED)
+            continue
+        entry, code = _verify_file(path, args.quick)
         results.append(entry)
+        status = max(status, code)
     if args.json:
         print(json.dumps({"files": results, "ok": status == EXIT_OK, "quick": args.quick}, indent=2))
         return status
@@ -128,6 +213,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 )
         elif res["status"] == "incomplete":
             print(f"{res['path']}: INCOMPLETE (not a checkpoint) {res['error']}")
+        elif res["status"] == "retained":
+            print(f"{res['path']}: RETAINED {res['error']}")
         elif res["status"] == "not-ckptfmt":
             print(f"{res['path']}: NOT CKPTFMT {res['error']}")
         else:
@@ -136,7 +223,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _verify_dir(path: str, step: int | None) -> list[dict[str, Any]]:
-    """Entries for a run directory (every step, or `step`) or for one step directory."""
+    """Entries for a run directory (every step, or `step`) or for one step directory;
+    IncompleteError for a directory that holds neither a commit record nor step directories
+    (spec section 13.2: a directory without a commit record is incomplete)."""
     from . import multifile
     from .manager import CheckpointManager, verify_step
 
@@ -145,6 +234,8 @@ def _verify_dir(path: str, step: int | None) -> list[dict[str, Any]]:
         targets = [(None, path, None)]
     else:
         statuses = CheckpointManager(path).statuses()
+        if not statuses:
+            raise IncompleteError("no commit record (COMMIT) and no step directories", path=path)
         if step is not None:
             statuses = [s for s in statuses if s.step == step]
             if not statuses:
@@ -221,10 +312,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from .manager import CheckpointManager
 
     if not os.path.isdir(args.dir):
-        print(f"error: {args.dir}: not a directory", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(NotADirectoryError(errno.ENOTDIR, "not a directory"), args.dir)
     if _is_dcp_dir(args.dir):
-        return _ls_dcp(args)
+        try:
+            return _ls_dcp(args)
+        except _KNOWN_ERRORS as e:
+            return _fail(e, args.dir)
     now = datetime.datetime.now(datetime.timezone.utc)
     rows = []
     for s in CheckpointManager(args.dir).statuses():
@@ -339,15 +432,16 @@ def _print_externals(info: dict[str, Any]) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    """The tree and the index; like verify --quick, the referenced files of an incremental
+    checkpoint are checked too (present, the recorded ones), but no chunk data is read."""
     from .reader import CheckpointFile
+    from .verify import problem_of
 
     try:
-        kind = sniff(args.path)
-        if kind != "ckptfmt":
-            print(f"{args.path}: {DESCRIPTIONS[kind]}", file=sys.stderr)
-            return EXIT_USAGE
+        _require_ckptfmt(args.path)
         with CheckpointFile(args.path) as f:
             rows = _inspect_tree(f)
+            problems = f.external_problems()
             info = {
                 "path": args.path,
                 "file_bytes": f.prologue.file_length,
@@ -359,17 +453,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "metadata": f.metadata,
                 "source_devices": f.source_devices,
                 **_inspect_externals(f),
+                "problems": [_problem_dict(problem_of(p)) for p in problems],
                 "tree": rows,
             }
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_FAILED
-    except OSError as e:
-        print(f"error: {args.path}: {e.strerror}", file=sys.stderr)
-        return EXIT_USAGE
+    except _KNOWN_ERRORS as e:
+        return _fail(e, args.path)
+    status = exit_code(problems[0]) if problems else EXIT_OK
     if args.json:
         print(json.dumps(info, indent=2))
-        return EXIT_OK
+        return status
     print(
         f"{args.path}: ckptfmt {info['format']}, {info['file_bytes']} bytes, {info['storages']} storages "
         f"in {info['chunks']} chunks of up to {info['chunk_size']} bytes"
@@ -396,7 +488,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"{name}: {r['value']}")
         else:
             print(f"{name}: {r['type']}")
-    return EXIT_OK
+    if problems:  # after the tree, which shows what the referenced files should hold
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        print(f"error: {error_text(problems[0], args.path)}{more}", file=sys.stderr)
+    return status
 
 
 # -- consolidate --------------------------------------------------------------
@@ -408,28 +503,23 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     entry: dict[str, Any] = {"src": args.src, "dst": args.dst, "ok": False}
     status = EXIT_OK
     try:
-        kind = sniff(args.src)
-        if kind != "ckptfmt":
-            entry["error"] = f"{args.src}: {DESCRIPTIONS[kind]}"
-            status = EXIT_USAGE
-        else:
+        _require_ckptfmt(args.src)
+        try:
             report = consolidate(args.src, args.dst, compression=args.compression, level=args.level)
-            entry.update(
-                ok=True,
-                chunks=report.chunks,
-                external_chunks=report.external_chunks,
-                referenced_files=report.referenced_files,
-                file_bytes=report.file_bytes,
-            )
-    except CheckpointError as e:  # the file or one it refers to failed while read
-        entry["error"] = str(e)
-        status = EXIT_FAILED
-    except ValueError as e:  # the output would replace the input
-        entry["error"] = str(e)
-        status = EXIT_USAGE
-    except OSError as e:
-        entry["error"] = f"{e.filename or args.src}: {e.strerror}"
-        status = EXIT_USAGE
+        except CheckpointError:  # the file or one it refers to failed while read
+            raise
+        except ValueError as e:  # the output would replace the input
+            raise UsageError(str(e)) from None
+        entry.update(
+            ok=True,
+            chunks=report.chunks,
+            external_chunks=report.external_chunks,
+            referenced_files=report.referenced_files,
+            file_bytes=report.file_bytes,
+        )
+    except _KNOWN_ERRORS as e:
+        entry["error"] = error_text(e, args.src)
+        status = exit_code(e)
     if args.json:
         print(json.dumps(entry, indent=2))
     elif status != EXIT_OK:
@@ -473,12 +563,8 @@ def _convert_dir(args: argparse.Namespace) -> int:
 
     try:
         rep = consolidate(args.src, args.dst, compression=args.compression, level=args.level)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_FAILED
-    except OSError as e:
-        print(f"error: {e.filename or args.src}: {e.strerror}", file=sys.stderr)
-        return EXIT_USAGE
+    except _KNOWN_ERRORS as e:
+        return _fail(e, args.src)
     print(
         f"{args.src} ({rep.source_format}) -> {args.dst}: {rep.tensors} tensors, {rep.values} values, "
         f"{rep.file_bytes} bytes"
@@ -486,53 +572,62 @@ def _convert_dir(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _read_foreign(path: str, kind: str) -> tuple[Any, dict[str, str]]:
+    """The state and metadata of a torch.save or safetensors file; ForeignFileError when its own
+    reader refuses it (torch.load's refusal of a pickle, a broken safetensors header)."""
+    try:
+        if kind in ("torch-zip", "torch-legacy"):
+            return torch.load(path, map_location="cpu", weights_only=True), {}
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise UsageError("reading safetensors needs the safetensors package") from None
+        with safe_open(path, framework="pt") as sf:
+            state = {k: sf.get_tensor(k) for k in sf.keys()}  # noqa: SIM118 - safe_open has no __iter__
+            return state, dict(sf.metadata() or {})
+    except (OSError, UsageError):
+        raise
+    except Exception as e:
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        raise ForeignFileError(f"cannot read as {DESCRIPTIONS[kind]}: {type(e).__name__}: {first}") from None
+
+
+def _to_safetensors(args: argparse.Namespace) -> int:
+    from . import api
+
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise UsageError(
+            "converting to safetensors needs the safetensors package (pip install safetensors)"
+        ) from None
+    with api.open(args.src) as r:
+        state = r.load()
+        meta = r.metadata
+    flat: dict[str, torch.Tensor] = {}
+    try:
+        _flatten_tensors(state, "", flat)
+    except ValueError as e:
+        raise UsageError(f"cannot convert to safetensors: {e}") from None
+    # safetensors refuses tensors that share memory: give each its own copy
+    flat = {k: v.detach().contiguous().clone() for k, v in flat.items()}
+    save_file(flat, args.dst, metadata=meta or None)
+    print(f"{args.src} -> {args.dst}: {len(flat)} tensors written as safetensors")
+    return EXIT_OK
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
-    from . import api, writer
+    from . import writer
 
     if os.path.isdir(args.src):
         return _convert_dir(args)
     try:
         kind = sniff(args.src)
-    except OSError as e:
-        print(f"error: {args.src}: {e.strerror}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
         if kind == "ckptfmt":
-            try:
-                from safetensors.torch import save_file
-            except ImportError:
-                print(
-                    "error: converting to safetensors needs the safetensors package "
-                    "(pip install safetensors)",
-                    file=sys.stderr,
-                )
-                return EXIT_USAGE
-            with api.open(args.src) as r:
-                state = r.load()
-                meta = r.metadata
-            flat: dict[str, torch.Tensor] = {}
-            try:
-                _flatten_tensors(state, "", flat)
-            except ValueError as e:
-                print(f"error: {args.src}: cannot convert to safetensors: {e}", file=sys.stderr)
-                return EXIT_USAGE
-            # safetensors refuses tensors that share memory: give each its own copy
-            flat = {k: v.detach().contiguous().clone() for k, v in flat.items()}
-            save_file(flat, args.dst, metadata=meta or None)
-            print(f"{args.src} -> {args.dst}: {len(flat)} tensors written as safetensors")
-            return EXIT_OK
-        if kind in ("torch-zip", "torch-legacy"):
-            state = torch.load(args.src, map_location="cpu", weights_only=True)
-            meta = {}
-        elif kind == "safetensors":
-            from safetensors import safe_open
-
-            with safe_open(args.src, framework="pt") as sf:
-                state = {k: sf.get_tensor(k) for k in sf.keys()}  # noqa: SIM118 - safe_open has no __iter__
-                meta = dict(sf.metadata() or {})
-        else:
-            print(f"error: {args.src}: {DESCRIPTIONS[kind]}", file=sys.stderr)
-            return EXIT_USAGE
+            return _to_safetensors(args)
+        if kind not in ("torch-zip", "torch-legacy", "safetensors"):
+            raise NotCheckpointError(args.src, DESCRIPTIONS[kind])
+        state, meta = _read_foreign(args.src, kind)
         writer.save(
             state,
             args.dst,
@@ -540,19 +635,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
             level=args.level,
             metadata={**meta, "converted_from": os.path.basename(args.src)},
         )
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_FAILED
-    except OSError as e:
-        print(f"error: {e.filename or args.src}: {e.strerror}", file=sys.stderr)
-        return EXIT_USAGE
-    except Exception as e:  # torch.load's refusal of a pickle, a broken safetensors header
-        print(
-            f"error: {args.src}: cannot read as {DESCRIPTIONS[kind]}: {type(e).__name__}: "
-            f"{str(e).splitlines()[0][:300] if str(e) else ''}",
-            file=sys.stderr,
-        )
-        return EXIT_FAILED
+    except _KNOWN_ERRORS as e:
+        return _fail(e, args.src)
     print(
         f"{args.src} -> {args.dst}: converted {DESCRIPTIONS[kind]} to ckptfmt"
         + (f" with {args.compression}" if args.compression else "")
@@ -633,17 +717,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
     states = []
     for p in (args.a, args.b):
         try:
-            kind = sniff(p)
-            if kind != "ckptfmt":
-                print(f"error: {p}: {DESCRIPTIONS[kind]}", file=sys.stderr)
-                return EXIT_USAGE
+            _require_ckptfmt(p)
             states.append(api.load(p))
-        except CheckpointError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return EXIT_USAGE
-        except OSError as e:
-            print(f"error: {p}: {e.strerror}", file=sys.stderr)
-            return EXIT_USAGE
+        except _KNOWN_ERRORS as e:  # a damaged file is 1, like everywhere (not "differ")
+            return _fail(e, p)
     diffs: list[dict[str, Any]] = []
     _diff(states[0], states[1], "state", diffs)
     if args.json:
@@ -772,10 +849,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     if not getattr(args, "fn", None):
         ap.print_help(sys.stderr)
-        return EXIT_USAGE
+        return exit_code(UsageError("no command given"))
     if getattr(args, "level", None) is not None and not args.compression:
-        print("error: --level needs --compression zstd", file=sys.stderr)
-        return EXIT_USAGE
+        error = UsageError("--level needs --compression zstd")
+        print(f"error: {error}", file=sys.stderr)
+        return exit_code(error)
     try:
         return int(args.fn(args))
     except BrokenPipeError:

@@ -59,7 +59,10 @@ def torch_shuffle_width(name: str) -> int:
 
 
 # numpy: only fixed-size numeric and bool dtypes; the name is numpy's dtype.str
-# ("<f4", "|b1", ">i8"), so byte order travels with the data.
+# ("<f4", "|b1", ">i8"), so byte order travels with the data.  Only the canonical
+# spelling is a name (spec section 6): "|" exactly for one-byte types, "<" or ">" for
+# the others, no leading zero in the size.  numpy reads "|i4" as the machine's own byte
+# order, so a file naming it would load differently on a big-endian machine.
 _NUMPY_SIZES = {"b": (1,), "i": (1, 2, 4, 8), "u": (1, 2, 4, 8), "f": (2, 4, 8), "c": (8, 16)}
 _NUMPY_RE = re.compile(r"[<>|]([biufc])(\d{1,2})")
 
@@ -79,7 +82,8 @@ def numpy_dtype(name: str) -> np.dtype | None:
     m = _NUMPY_RE.fullmatch(name)
     if m is None or int(m.group(2)) not in _NUMPY_SIZES[m.group(1)]:
         return None
-    return np.dtype(name)
+    dt = np.dtype(name)
+    return dt if dt.str == name else None
 
 
 def numpy_shuffle_width(dtype: np.dtype) -> int:
