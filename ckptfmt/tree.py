@@ -688,8 +688,12 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
         elif kind == "ndarray":
             ok = n == 2 and _check_ndarray(c, i, node[1], storages)
         else:  # npscalar
-            dt = dtypes.numpy_dtype(node[1]) if n == 3 and type(node[1]) is str else None
-            ok = dt is not None and type(node[2]) is str and len(node[2]) <= 32
+            ok = n == 3 and type(node[1]) is str and type(node[2]) is str and len(node[2]) <= 32
+            dt = dtypes.numpy_dtype(node[1]) if ok else None
+            if ok and dt is None:  # as for an ndarray of that dtype
+                raise c.unsupported(
+                    f"node {i} has numpy dtype {short_repr(node[1], 40)}, unknown to this reader"
+                )
             if ok:
                 raw = _b64decode(c, i, node[2])
                 assert dt is not None
@@ -787,7 +791,8 @@ def _numel(c: _Check, i: int, shape: list[int]) -> int:
 
 
 def _fields(c: _Check, i: int, meta: object, names: tuple[str, ...]) -> dict[str, Any]:
-    if type(meta) is not dict or tuple(meta) != names:
+    # member order carries no meaning (spec section 5): JSON libraries that ignore it must work
+    if type(meta) is not dict or meta.keys() != set(names):
         raise c.fail(f"node {i} must have exactly the fields {', '.join(names)}")
     return meta
 

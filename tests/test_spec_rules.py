@@ -272,7 +272,7 @@ def _reversed_members(obj: Any, keep: bool = False) -> Any:
     return obj
 
 
-def test_member_order_is_insignificant_except_in_tensor_and_ndarray_records(tmp_path):
+def test_member_order_is_insignificant_everywhere(tmp_path):
     arr = np.arange(4, dtype="<i4")
     nodes = [
         ["str", "w"],
@@ -302,17 +302,19 @@ def test_member_order_is_insignificant_except_in_tensor_and_ndarray_records(tmp_
         assert r.metadata == {"first": "1", "second": "2"}
         assert list(r.metadata) == ["second", "first"]  # kept in file order, for display only
 
-    # the records' own members in another order: corrupt
+    # the records' own members reversed, and sort_keys (an order-insensitive library's
+    # usual output): the same state
+    for text in (dumps(_reversed_members(i)), json.dumps(i, sort_keys=True)):
+        p = write(tmp_path, text, payloads)
+        state = ckptfmt.load(p)
+        assert state["w"].tolist() == [1.0, 2.0, 3.0, 4.0] and state["a"].tolist() == [0, 1, 2, 3]
+    # a missing or extra member is still corrupt
     for k in (1, 3):
         bad = json.loads(dumps(i))
-        bad["nodes"][k][1] = dict(reversed(list(bad["nodes"][k][1].items())))
+        bad["nodes"][k][1]["extra"] = 1
         p = write(tmp_path, dumps(bad), payloads)
         with pytest.raises(ckptfmt.CorruptError, match="must have exactly the fields"):
             ckptfmt.load(p)
-    # sort_keys (an order-insensitive library's usual output) breaks only the records
-    p = write(tmp_path, json.dumps(i, sort_keys=True), payloads)
-    with pytest.raises(ckptfmt.CorruptError, match="must have exactly the fields"):
-        ckptfmt.load(p)
 
 
 def test_writer_emits_records_in_the_listed_order(tmp_path):
@@ -459,9 +461,10 @@ def test_canonical_numpy_names_and_their_byte_order(tmp_path, name, payload, val
 )
 def test_other_numpy_spellings_are_not_names(tmp_path, name):
     size = int(name[2:]) if name[2:].isdigit() else 8
+    # the same answer for an array and a scalar of that name
     with pytest.raises(ckptfmt.UnsupportedError, match="numpy dtype"):
         ckptfmt.load(_array_file(tmp_path, name, bytes(size), [1]))
-    with pytest.raises(ckptfmt.CorruptError, match="malformed"):
+    with pytest.raises(ckptfmt.UnsupportedError, match="numpy dtype"):
         ckptfmt.load(_scalar_file(tmp_path, name, bytes(min(size, 16))))
 
 
