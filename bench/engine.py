@@ -4,7 +4,11 @@
 * zstd + byte-shuffle on trained-like weights (normal, std 0.02): size ratio and
   compression speed per core, bf16 and fp32, and on real AdamW moments;
 * non-blocking saves: time the caller is blocked vs a blocking save of the same
-  state (staging pool warm), and time until durable.
+  state (staging pool warm), and time until durable;
+* compressed paths against zstd itself: load, verify and save of a zstd file on
+  tmpfs (all threads) vs cores x the speed of one thread running zstd alone over
+  the same chunks (decoding the stored frames; compressing the shuffled bytes
+  with the engine's parameters), interleaved round by round.
 
     python bench/engine.py [--size 1G] [--rounds 5] [--dir DIR]
 """
@@ -67,11 +71,90 @@ def write_raw(
     return elapsed, sum(r[1] for r in records)
 
 
+def zstd_alone(path: str) -> tuple[float, float, int]:
+    """One thread running libzstd alone (the engine's own copy, through its test hooks) over
+    a compressed file's chunks, into buffers allocated once: seconds to decode every stored
+    frame, seconds to compress every chunk's shuffled bytes again with the engine's
+    parameters, and the raw bytes of those chunks."""
+    from ckptfmt import format as fmt
+    from ckptfmt.reader import CheckpointFile
+
+    lib, ffi = _native.lib, _native.ffi
+    assert lib is not None and ffi is not None
+    with CheckpointFile(path) as f, open(path, "rb") as fh:
+        frames = []
+        for ch in f.chunks:
+            if ch.codec == fmt.CODEC_ZSTD:
+                fh.seek(ch.offset)
+                frames.append((ffi.from_buffer(fh.read(ch.stored_len)), ch.raw_len))
+    largest = max((n for _, n in frames), default=1)
+    planes = [ffi.new("uint8_t[]", n) for _, n in frames]  # the decoded (shuffled) bytes
+    out = ffi.new("uint8_t[]", lib.ckf_zstd_bound(largest))
+    for p, (frame, n) in zip(planes, frames):  # touch every page before timing
+        lib.ckf_zstd_decompress(p, n, frame, len(frame))
+    t = time.perf_counter()
+    for p, (frame, n) in zip(planes, frames):
+        if lib.ckf_zstd_decompress(p, n, frame, len(frame)) != n:
+            raise RuntimeError("a stored frame does not decode")
+    decode = time.perf_counter() - t
+    t = time.perf_counter()
+    for p, (_, n) in zip(planes, frames):
+        lib.ckf_zstd_compress(out, len(out), p, n, _native.FAST_PROFILE)
+    compress = time.perf_counter() - t
+    return decode, compress, sum(n for _, n in frames)
+
+
+def compressed_vs_zstd(st: Any, folder: str, rounds: int, threads: int) -> dict[str, Any]:
+    """ckptfmt's compressed load, verify and save vs cores x one thread of zstd alone."""
+    path = os.path.join(folder, "z.ckpt")
+    nbytes = bench_state.tensor_bytes(st)
+    ckptfmt.save(st, path, compression="zstd")
+    rows: dict[str, list[float]] = {k: [] for k in ("load", "verify", "save", "decode_1t", "compress_1t")}
+    ratios: dict[str, list[float]] = {"load": [], "verify": [], "save": []}
+    for r in range(rounds):
+        decode, compress, raw = zstd_alone(path)
+        t = time.perf_counter()
+        out = ckptfmt.load(path)
+        load = time.perf_counter() - t
+        del out
+        t = time.perf_counter()
+        ckptfmt.verify(path)
+        verify = time.perf_counter() - t
+        t = time.perf_counter()
+        ckptfmt.save(st, path, compression="zstd")
+        save = time.perf_counter() - t
+        dec_gbps, comp_gbps = raw / decode / 1e9, raw / compress / 1e9
+        rows["decode_1t"].append(dec_gbps)
+        rows["compress_1t"].append(comp_gbps)
+        for name, secs, base in (
+            ("load", load, dec_gbps),
+            ("verify", verify, dec_gbps),
+            ("save", save, comp_gbps),
+        ):
+            rows[name].append(nbytes / secs / 1e9)
+            ratios[name].append(nbytes / secs / 1e9 / (threads * base))
+        print(
+            f"compressed round {r + 1}: zstd alone, one thread: decode {dec_gbps:.2f} GB/s, compress "
+            f"{comp_gbps:.2f} GB/s; ckptfmt on {threads} threads: load {rows['load'][-1]:.2f}, verify "
+            f"{rows['verify'][-1]:.2f}, save {rows['save'][-1]:.2f} GB/s",
+            flush=True,
+        )
+    out_: dict[str, Any] = {f"{k}_gbps": med(v) for k, v in rows.items()}
+    out_.update({f"{k}_vs_cores_x_zstd": med(v) for k, v in ratios.items()})
+    out_["zstd_chunks_raw_fraction"] = raw / nbytes
+    return out_
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="1G")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default=None, help="local-disk directory for the non-blocking test")
+    ap.add_argument(
+        "--sections",
+        default="checksums,compression,nonblocking,compressed",
+        help="which measurements to run (default: all)",
+    )
     ap.add_argument("--out", default=os.path.join(HERE, "results", "engine.json"))
     args = ap.parse_args()
     if not _native.available():
@@ -93,9 +176,10 @@ def main() -> int:
         result["state_bytes"] = nbytes
         pieces = pieces_of(st)
 
+        sections = set(args.sections.split(","))
         # 1. checksums on vs off, interleaved, tmpfs
         on, off = [], []
-        for r in range(args.rounds):
+        for r in range(args.rounds if "checksums" in sections else 0):
             order = ((True, on), (False, off)) if r % 2 == 0 else ((False, off), (True, on))  # ABBA
             for flag, sink in order:
                 t, _ = write_raw(os.path.join(shm, "c.bin"), pieces, flag, threads)
@@ -105,11 +189,15 @@ def main() -> int:
                 flush=True,
             )
         cost = [a / b - 1 for a, b in zip(on, off)]
-        result["checksums"] = {
-            "on_gbps": med([nbytes / t / 1e9 for t in on]),
-            "off_gbps": med([nbytes / t / 1e9 for t in off]),
-            "cost_fraction": med(cost),
-        }
+        result["checksums"] = (
+            {}
+            if not on
+            else {
+                "on_gbps": med([nbytes / t / 1e9 for t in on]),
+                "off_gbps": med([nbytes / t / 1e9 for t in off]),
+                "cost_fraction": med(cost),
+            }
+        )
 
         # 2. compression of trained-like weights and real AdamW moments, one thread
         g = torch.Generator().manual_seed(0)
@@ -122,7 +210,7 @@ def main() -> int:
             "fp32 AdamW exp_avg_sq": {"m": moments},
         }
         comp: dict[str, Any] = {}
-        for name, sample in samples.items():
+        for name, sample in samples.items() if "compression" in sections else ():
             pcs = pieces_of(sample)
             raw = sum(len(v) for v, _ in pcs)
             times, stored = [], 0
@@ -142,7 +230,7 @@ def main() -> int:
         result["compression"] = comp
 
         # 3. non-blocking vs blocking, staging pool warm
-        for target, folder in (("tmpfs", shm), ("disk", disk)):
+        for target, folder in (("tmpfs", shm), ("disk", disk)) if "nonblocking" in sections else ():
             p = os.path.join(folder, "nb.ckpt")
             ckptfmt.save(st, p, blocking=False).wait()  # warm the staging pool
             blocking, blocked, durable = [], [], []
@@ -166,6 +254,8 @@ def main() -> int:
                 "durable_s": med(durable),
                 "blocked_fraction": med([b / a for a, b in zip(blocking, blocked)]),
             }
+        if "compressed" in sections:
+            result["compressed_vs_zstd"] = compressed_vs_zstd(st, shm, args.rounds, threads)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)

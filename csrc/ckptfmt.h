@@ -113,6 +113,8 @@ void ckf_unshuffle(uint8_t *dst, const uint8_t *src, uint64_t len, uint32_t widt
 /* zstd-compress with the engine's exact parameters; returns the size or 0 on failure */
 size_t ckf_zstd_compress(uint8_t *dst, size_t cap, const uint8_t *src, size_t len, int level);
 size_t ckf_zstd_bound(size_t len);
+/* zstd alone, for benchmarks and tests: decode one frame into dst; its size, or (size_t)-1 */
+size_t ckf_zstd_decompress(uint8_t *dst, size_t cap, const uint8_t *src, size_t len);
 unsigned ckf_zstd_version(void);
 unsigned ckf_xxhash_version(void);
 /* memcpy on nthreads threads */

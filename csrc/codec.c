@@ -147,6 +147,11 @@ void ckf_unshuffle(uint8_t *dst, const uint8_t *src, uint64_t len, uint32_t widt
 
 size_t ckf_zstd_bound(size_t len) { return ZSTD_compressBound(len); }
 
+size_t ckf_zstd_decompress(uint8_t *dst, size_t cap, const uint8_t *src, size_t len) {
+    size_t r = ZSTD_decompress(dst, cap, src, len);
+    return ZSTD_isError(r) ? (size_t)-1 : r;
+}
+
 unsigned ckf_zstd_version(void) { return ZSTD_versionNumber(); }
 
 static size_t compress_with(ZSTD_CCtx *cctx, uint8_t *dst, size_t cap, const uint8_t *src, size_t len,
