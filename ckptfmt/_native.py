@@ -6,8 +6,11 @@ the pure-Python path even when it was.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from .errors import CheckpointError, CheckpointWarning
@@ -74,11 +77,29 @@ WHY_DIGEST = 8
 WHY_FRAME, WHY_WINDOW, WHY_DICT = 9, 10, 11
 
 
+_cap = threading.local()  # threads_at_most: a cap for the engine calls of this thread
+
+
 def default_threads() -> int:
+    """Engine threads per call: CKPTFMT_THREADS, else the cores (at most 16), under any cap
+    this thread set with threads_at_most."""
     text = os.environ.get("CKPTFMT_THREADS")
-    if text:
-        return max(1, min(256, int(text)))
-    return max(1, min(16, os.cpu_count() or 1))
+    n = max(1, min(256, int(text))) if text else max(1, min(16, os.cpu_count() or 1))
+    cap = getattr(_cap, "n", None)
+    return n if cap is None else max(1, min(n, cap))
+
+
+@contextlib.contextmanager
+def threads_at_most(n: int | None) -> Iterator[None]:
+    """Engine calls made by this thread use at most `n` threads (None: no cap) inside the block:
+    several processes sharing a machine's cores (ranks of one host) should not each start
+    one thread per core."""
+    before = getattr(_cap, "n", None)
+    _cap.n = before if n is None else n if before is None else min(n, before)
+    try:
+        yield
+    finally:
+        _cap.n = before
 
 
 def write_chunks(

@@ -778,3 +778,30 @@ def test_consolidate_refuses_code_in_dcp_metadata(tmp_path: Path) -> None:
     shutil.rmtree(src)
     with pytest.raises(IncompleteError):
         cdcp.consolidate(str(tmp_path), str(tmp_path / "out.ckpt"))
+
+
+def test_ranks_of_one_host_share_its_cores() -> None:
+    """Each rank's engine threads are its host's cores split among that host's ranks."""
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from ckptfmt._native import default_threads, threads_at_most
+    from ckptfmt.dcp.storage import _Host, _RankPlan, _thread_shares
+
+    hosts = [_Host("a", 16), _Host("a", 16), _Host("b", 8), _Host("a", 16), None]
+    assert _thread_shares(hosts) == [5, 5, 8, 5, None]
+    assert _thread_shares([_Host("a", 2)] * 4) == [1, 1, 1, 1]  # never below one
+
+    w = cdcp.Writer("/nonexistent/never-written")
+    plans = w.prepare_global_plan([SavePlan([], storage_data=_Host("h", 4)) for _ in range(2)])
+    assert [p.storage_data for p in plans] == [
+        _RankPlan("rank-00000.ckpt", 2),
+        _RankPlan("rank-00001.ckpt", 2),
+    ]
+
+    with threads_at_most(1):
+        assert default_threads() == 1
+        with threads_at_most(None):  # no cap inside keeps the outer one
+            assert default_threads() == 1
+    with threads_at_most(10**6):
+        uncapped = default_threads()
+    assert default_threads() == uncapped

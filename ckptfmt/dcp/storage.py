@@ -18,10 +18,12 @@ Reader also accepts a single ckptfmt file (one with full tensors, as
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import os
 import re
+import socket
 import uuid
 from typing import Any
 
@@ -38,7 +40,7 @@ from torch.distributed.checkpoint.planner import SavePlanner as _BaseSavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import multifile, writer
+from .. import _native, multifile, writer
 from ..errors import CheckpointError, CorruptError, IncompleteError, UnsupportedError, UnsupportedObjectError
 from ..reader import CheckpointFile
 from . import metadata as mdv
@@ -56,6 +58,41 @@ def rank_file_name(rank: int) -> str:
 def _rank_note(name: str) -> str:
     m = RANK_FILE_RE.fullmatch(name)
     return f" (rank {int(m.group(1))})" if m else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Host:
+    """A rank's local plan storage_data: where it runs and how many cores it may use."""
+
+    name: str
+    cores: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankPlan:
+    """A rank's global plan storage_data: its file (saves) and its share of its host's cores."""
+
+    file: str | None
+    threads: int | None
+
+
+def _this_host() -> _Host:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return _Host(socket.gethostname(), cores)
+
+
+def _thread_shares(hosts: list[object]) -> list[int | None]:
+    """Each rank's engine threads: its host's cores split between the ranks on that host
+    (ranks of one machine that each started a thread per core would fight for the cores)."""
+    per_host = collections.Counter(h.name for h in hosts if isinstance(h, _Host))
+    return [max(1, h.cores // per_host[h.name]) if isinstance(h, _Host) else None for h in hosts]
+
+
+def _plan_threads(storage_data: object) -> int | None:
+    return storage_data.threads if isinstance(storage_data, _RankPlan) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +156,7 @@ class Writer(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         os.makedirs(self.path, exist_ok=True)
-        return plan
+        return dataclasses.replace(plan, storage_data=_this_host())
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Runs on the coordinator before any rank writes: an older checkpoint in this
@@ -129,10 +166,14 @@ class Writer(StorageWriter):
         if os.path.lexists(commit):
             os.unlink(commit)
             multifile.fsync_path(self.path)
-        return [dataclasses.replace(p, storage_data=rank_file_name(i)) for i, p in enumerate(plans)]
+        shares = _thread_shares([p.storage_data for p in plans])
+        return [
+            dataclasses.replace(p, storage_data=_RankPlan(rank_file_name(i), t))
+            for i, (p, t) in enumerate(zip(plans, shares))
+        ]
 
     def write_data(self, plan: SavePlan, planner: _BaseSavePlanner) -> Future[list[WriteResult]]:
-        name = plan.storage_data
+        name = plan.storage_data.file if isinstance(plan.storage_data, _RankPlan) else None
         if not isinstance(name, str) or RANK_FILE_RE.fullmatch(name) is None:
             raise CheckpointError(f"the save plan names no rank file ({name!r})", path=self.path)
         state: dict[int, Any] = {}
@@ -162,14 +203,15 @@ class Writer(StorageWriter):
             return fut
         target = os.path.join(self.path, name)
         meta = {**self.meta, "dcp_rank": str(self.rank), "dcp_save_id": self.save_id}
-        writer.save(
-            state,
-            target,
-            compression=self.compression,
-            level=self.level,
-            metadata=meta,
-            chunk_size=self.chunk_size,
-        )
+        with _native.threads_at_most(_plan_threads(plan.storage_data)):
+            writer.save(
+                state,
+                target,
+                compression=self.compression,
+                level=self.level,
+                metadata=meta,
+                chunk_size=self.chunk_size,
+            )
         part = multifile.describe_part(target, name)
         fut.set_result(
             [
@@ -400,10 +442,11 @@ class Reader(StorageReader):
             self.read_metadata()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return dataclasses.replace(plan, storage_data=_this_host())
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        shares = _thread_shares([p.storage_data for p in plans])
+        return [dataclasses.replace(p, storage_data=_RankPlan(None, t)) for p, t in zip(plans, shares)]
 
     def _open(self, name: str, sources: dict[str, _Source]) -> _Source:
         src = sources.get(name)
@@ -463,7 +506,8 @@ class Reader(StorageReader):
                 )
                 if job is not None:
                     jobs.append(job)
-            regions.run_jobs(jobs, self.verify, self.stats)
+            with _native.threads_at_most(_plan_threads(plan.storage_data)):
+                regions.run_jobs(jobs, self.verify, self.stats)
         finally:
             for src in sources.values():
                 src.f.close()
