@@ -202,11 +202,18 @@ def raise_status(status: Any, path: str, doing: str) -> None:
 
 
 def read_chunks(
-    fd: int, file_id: bytes, items: list[tuple[int, Any, memoryview]], verify: bool, threads: int
+    fd: int,
+    file_id: bytes,
+    items: list[tuple[int, Any, memoryview]],
+    verify: bool,
+    threads: int,
+    check_only: bool = False,
 ) -> tuple[int, int, int, int, int] | None:
     """Read (chunk number, chunk record, destination) in parallel; None, or the failure's
     (code, errno, position in `items`, reason, value) for the caller to turn into an exception.
-    The chunk number is the one the checksum seed binds in the file at `fd`."""
+    The chunk number is the one the checksum seed binds in the file at `fd`.  check_only:
+    verify every chunk but leave the destinations' contents undefined (faster: raw chunks
+    are not copied into them, shuffled ones not un-shuffled)."""
     assert lib is not None and ffi is not None
     n = len(items)
     arr = ffi.new("ckf_rchunk[]", max(n, 1))
@@ -221,7 +228,8 @@ def read_chunks(
         _fill_rchunk(arr[i], k, ch)
     status = ffi.new("ckf_status *")
     fid = ffi.new("uint8_t[16]", file_id)
-    rc = lib.ckf_read_chunks(fd, fid, arr, n, 1 if verify else 0, threads, status)
+    mode = 2 if check_only else 1 if verify else 0
+    rc = lib.ckf_read_chunks(fd, fid, arr, n, mode, threads, status)
     _release(keep)
     return _outcome(rc, status, [k for k, _, _ in items])
 

@@ -110,19 +110,15 @@ class ChunkEncoder:
 
 
 def _zstandard_compressor(level: int | None) -> zstandard.ZstdCompressor:
-    """The zstandard package with the engine's parameters (used where the engine is not built).
-
-    Without a level: zstd level 1 with the fast strategy, minimum match 7 and a
-    2**8-entry hash table.  Shuffled floating-point data compresses through the
-    Huffman coding of its sign/exponent bytes, not through matches, so this
-    keeps the ratio of level 1 at about twice its speed.
-    """
+    """The zstandard package with the engine's parameters (used where the engine is not built);
+    without a level, format.ZSTD_FAST_PROFILE."""
     if level is None:
+        profile = fmt.ZSTD_FAST_PROFILE
         params = zstandard.ZstdCompressionParameters.from_level(
-            1,
+            profile["level"],
             strategy=zstandard.STRATEGY_FAST,
-            min_match=7,
-            hash_log=8,
+            min_match=profile["min_match"],
+            hash_log=profile["hash_log"],
             write_content_size=True,
             write_checksum=False,
         )

@@ -55,6 +55,14 @@ SHUFFLE_WIDTHS = (2, 4, 8, 16)
 #: holds at most 128 KiB in 4 bytes.  Chunks claiming more are rejected before
 #: any buffer is allocated, so memory use is bounded by the file's size.
 ZSTD_MAX_RATIO = 32768
+#: Frames needing a window above 2**ZSTD_WINDOW_LOG_MAX bytes are rejected (spec section 3).
+ZSTD_WINDOW_LOG_MAX = 27
+#: The default compression profile: zstd level 1 with the fast strategy, minimum match 7 and
+#: a 2**8-entry hash table.  Shuffled floating-point data compresses through the Huffman
+#: coding of its sign/exponent bytes, hardly through matches, so this keeps level 1's ratio
+#: at about twice its speed.  The C engine uses the same numbers (csrc/ckptfmt.h, checked
+#: by tests/test_engine.py), so both engines write identical frames.
+ZSTD_FAST_PROFILE = {"level": 1, "min_match": 7, "hash_log": 8}
 
 DEFAULT_CHUNK_SIZE = 4 << 20
 MIN_CHUNK_SIZE = 4 << 10

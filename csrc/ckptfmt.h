@@ -19,8 +19,14 @@
 #define CKF_ERR_CORRUPT 5 /* stored bytes do not match their checksum or sizes */
 #define CKF_ERR_SHORT 6   /* the file ended before a chunk did */
 
-/* level meaning: zstd level 1 tuned for shuffled floating-point data (the default) */
+/* level meaning: zstd level 1 tuned for shuffled floating-point data (the default):
+ * the fast strategy, minimum match and hash table log below (ckptfmt/format.py has
+ * the same numbers as ZSTD_FAST_PROFILE) */
 #define CKF_LEVEL_FAST_PROFILE 1000
+#define CKF_FAST_MIN_MATCH 7
+#define CKF_FAST_HASH_LOG 8
+/* frames needing a larger window (log2 of bytes) are rejected, spec section 3 */
+#define CKF_ZSTD_WINDOW_LOG_MAX 27
 
 #define CKF_CODEC_RAW 0
 #define CKF_CODEC_ZSTD 1
@@ -78,6 +84,9 @@ typedef struct {
 #define CKF_WHY_DICT 11    /* the frame needs a dictionary (value: its id) */
 
 /* Read, verify (when verify != 0) and decode chunks [0, n) on nthreads threads.
+ * verify == 2 checks only: every check is made, but the destinations' contents are
+ * left undefined (raw chunks pass through a small per-thread buffer, shuffled chunks
+ * are not un-shuffled unless their content digest needs it).
  * chunks[i].index is the chunk number the checksum seed binds (in the file at fd);
  * on failure status->chunk is i, the position of the failing entry in `chunks`. */
 int ckf_read_chunks(int fd, const uint8_t *file_id, ckf_rchunk *chunks, uint64_t n, int verify, int nthreads,

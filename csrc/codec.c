@@ -165,8 +165,8 @@ static size_t compress_with(ZSTD_CCtx *cctx, uint8_t *dst, size_t cap, const uin
          * plane, hardly from matches: a tiny hash table and long minimum matches
          * keep the ratio and roughly double the speed. */
         if (ZSTD_isError(ZSTD_CCtx_setParameter(cctx, ZSTD_c_strategy, ZSTD_fast))) return 0;
-        if (ZSTD_isError(ZSTD_CCtx_setParameter(cctx, ZSTD_c_minMatch, 7))) return 0;
-        if (ZSTD_isError(ZSTD_CCtx_setParameter(cctx, ZSTD_c_hashLog, 8))) return 0;
+        if (ZSTD_isError(ZSTD_CCtx_setParameter(cctx, ZSTD_c_minMatch, CKF_FAST_MIN_MATCH))) return 0;
+        if (ZSTD_isError(ZSTD_CCtx_setParameter(cctx, ZSTD_c_hashLog, CKF_FAST_HASH_LOG))) return 0;
     }
     if (ZSTD_isError(ZSTD_CCtx_setParameter(cctx, ZSTD_c_contentSizeFlag, 1))) return 0;
     if (ZSTD_isError(ZSTD_CCtx_setParameter(cctx, ZSTD_c_checksumFlag, 0))) return 0;

@@ -33,7 +33,6 @@
 #endif
 
 #define PIECE (256u << 10)
-#define WINDOW_LOG_MAX 27
 
 typedef struct {
     int fd;
@@ -41,6 +40,8 @@ typedef struct {
     const uint8_t *file_id;
     ckf_rchunk *chunks;
     int verify;
+    int check_only;      /* verify == 2: nobody reads the destinations afterwards */
+    uint8_t **piece;     /* check_only, per thread: where raw chunks are read, a piece at a time */
     uint64_t max_stored; /* largest stored zstd chunk: the size of each scratch buffer */
     uint64_t max_plain;  /* largest shuffled chunk: the size of each plain buffer */
     uint8_t **scratch;   /* per thread, allocated on first use: stored bytes */
@@ -116,7 +117,7 @@ static int thread_buffers(rjob *j, int thread, const ckf_rchunk *c, int64_t k) {
         ZSTD_DCtx *d = ZSTD_createDCtx();
         if (!d) goto nomem;
         j->dctx[thread] = d;
-        if (ZSTD_isError(ZSTD_DCtx_setParameter(d, ZSTD_d_windowLogMax, WINDOW_LOG_MAX))) goto nomem;
+        if (ZSTD_isError(ZSTD_DCtx_setParameter(d, ZSTD_d_windowLogMax, CKF_ZSTD_WINDOW_LOG_MAX))) goto nomem;
     }
     return 0;
 nomem:
@@ -149,7 +150,7 @@ static int check_frame(rjob *j, const ckf_rchunk *c, const uint8_t *stored, int6
         rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_DECLARED, (uint64_t)fh.frameContentSize);
         return 1;
     }
-    if (fh.windowSize > (1ull << WINDOW_LOG_MAX)) {
+    if (fh.windowSize > (1ull << CKF_ZSTD_WINDOW_LOG_MAX)) {
         rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_WINDOW, (uint64_t)fh.windowSize);
         return 1;
     }
@@ -177,6 +178,16 @@ static void task_read(void *ctx, uint64_t i, int thread) {
         XXH3_64bits_reset_withSeed(h, ckf_chunk_seed(j->file_id, c->index, c->offset, c->stored_len, c->raw_len,
                                                      c->codec, c->filter, c->width));
     }
+    /* checking only, a raw chunk goes through one cache-sized buffer instead of its destination */
+    uint8_t *through = NULL;
+    if (j->check_only && c->codec == CKF_CODEC_RAW && !j->map) {
+        if (!j->piece[thread] && !(j->piece[thread] = malloc(PIECE))) {
+            XXH3_freeState(h);
+            rfail(j, CKF_ERR_NOMEM, ENOMEM, k, 0, 0);
+            return;
+        }
+        through = j->piece[thread];
+    }
     uint8_t *stored = c->codec == CKF_CODEC_RAW ? c->dst : j->scratch[thread];
     /* the bytes as read: the destination or scratch, or the mapping itself */
     const uint8_t *in = j->map ? j->map + c->offset : stored;
@@ -195,12 +206,13 @@ static void task_read(void *ctx, uint64_t i, int thread) {
     int bad = 0;
     for (uint64_t done = 0; done < c->stored_len && !bad;) {
         uint64_t step = c->stored_len - done < PIECE ? c->stored_len - done : PIECE;
+        const uint8_t *at = through ? through : in + done;
         if (j->map)
-            bad = populate_or_fail(j, k, in + done, step);
+            bad = populate_or_fail(j, k, at, step);
         else
-            bad = read_or_fail(j, k, stored + done, step, c->offset + done);
-        if (!bad && h) ckf_xxh3_64_update(h, in + done, (size_t)step);
-        if (!bad && d) ckf_xxh3_128_update(d, in + done, (size_t)step);
+            bad = read_or_fail(j, k, through ? through : stored + done, step, c->offset + done);
+        if (!bad && h) ckf_xxh3_64_update(h, at, (size_t)step);
+        if (!bad && d) ckf_xxh3_128_update(d, at, (size_t)step);
         done += step;
     }
     uint8_t content[16] = {0};
@@ -258,6 +270,8 @@ static void task_read(void *ctx, uint64_t i, int thread) {
         rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_DECODED, n);
         return;
     }
+    /* the un-shuffled bytes are only needed by a caller that reads them or for their digest */
+    if (j->check_only && !c->has_digest) return;
     if (c->filter == CKF_FILTER_SHUFFLE) ckf_unshuffle(c->dst, out, c->raw_len, c->width);
     if (j->verify && c->has_digest) {
         ckf_digest(c->dst, c->raw_len, content);
@@ -306,7 +320,8 @@ static int run_read(int fd, const uint8_t *map, uint64_t map_len, const uint8_t 
     j.page_size = sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : 4096;
     j.file_id = file_id;
     j.chunks = chunks;
-    j.verify = verify;
+    j.verify = verify != 0;
+    j.check_only = verify == 2;
     j.status = status;
     j.max_stored = max_stored;
     j.max_plain = max_plain;
@@ -314,7 +329,8 @@ static int run_read(int fd, const uint8_t *map, uint64_t map_len, const uint8_t 
     j.scratch = calloc((size_t)nthreads, sizeof(uint8_t *));
     j.plain = calloc((size_t)nthreads, sizeof(uint8_t *));
     j.dctx = calloc((size_t)nthreads, sizeof(ZSTD_DCtx *));
-    if (!j.scratch || !j.plain || !j.dctx) {
+    j.piece = calloc((size_t)nthreads, sizeof(uint8_t *));
+    if (!j.scratch || !j.plain || !j.dctx || !j.piece) {
         status->code = CKF_ERR_NOMEM;
         status->err_no = ENOMEM;
     } else {
@@ -324,10 +340,12 @@ static int run_read(int fd, const uint8_t *map, uint64_t map_len, const uint8_t 
         if (j.scratch) free(j.scratch[t]);
         if (j.plain) free(j.plain[t]);
         if (j.dctx) ZSTD_freeDCtx(j.dctx[t]);
+        if (j.piece) free(j.piece[t]);
     }
     free(j.scratch);
     free(j.plain);
     free(j.dctx);
+    free(j.piece);
     return status->code;
 }
 

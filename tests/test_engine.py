@@ -128,3 +128,25 @@ def test_fallback_compressor_round_trips(tmp_path, monkeypatch):
     ckptfmt.save(state, tmp_path / "f.ckpt", compression="zstd")
     assert torch.equal(ckptfmt.load(tmp_path / "f.ckpt")["w"], state["w"])
     assert os.path.getsize(tmp_path / "f.ckpt") < state["w"].nbytes * 0.9
+
+
+def test_one_zstd_profile_for_both_engines():
+    """format.py's profile and window limit are the C engine's; both write the same frames."""
+    import zstandard
+
+    from ckptfmt import chunkio
+
+    lib = _native.lib
+    assert fmt.ZSTD_FAST_PROFILE["min_match"] == lib.CKF_FAST_MIN_MATCH
+    assert fmt.ZSTD_FAST_PROFILE["hash_log"] == lib.CKF_FAST_HASH_LOG
+    assert fmt.ZSTD_WINDOW_LOG_MAX == lib.CKF_ZSTD_WINDOW_LOG_MAX
+    weights = (np.random.default_rng(0).standard_normal(1 << 16) * 0.02).astype(np.float32)
+    shuffled = weights.view(np.uint8).reshape(-1, 4).T.tobytes()
+    ours = _native.zstd_compress(shuffled, _native.FAST_PROFILE)
+    theirs = chunkio._zstandard_compressor(None).compress(shuffled)
+    assert zstandard.ZstdDecompressor().decompress(theirs) == shuffled
+    z = lib.ckf_zstd_version()
+    if ".".join(map(str, zstandard.ZSTD_VERSION)) == f"{z // 10000}.{z // 100 % 100}.{z % 100}":
+        assert ours == theirs  # the same library version: the same bytes
+    else:
+        assert abs(len(ours) - len(theirs)) < len(ours) // 50  # the same parameters, nearly the same size
