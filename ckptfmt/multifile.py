@@ -17,12 +17,12 @@ import datetime
 import errno
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import format as fmt
 from .errors import CheckpointError, CorruptError, IncompleteError, UnsupportedError
+from .fileio import open_regular, pread_exact
 
 COMMIT_NAME = "COMMIT"
 #: the record's own layout version; a reader rejects versions it does not know
@@ -105,36 +105,14 @@ def valid_part_name(name: str, *, reference: bool) -> bool:
 # -- reading one part's identity ---------------------------------------------------
 
 
-def open_regular(path: str) -> int:
-    """Open `path` for reading without following a final symlink or blocking on a FIFO."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UnsupportedError("not a regular file", path=path)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _pread_exact(fd: int, n: int, offset: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        got = os.pread(fd, n - len(out), offset + len(out))
-        if not got:
-            break
-        out += got
-    return out
-
-
 def describe_part(path: str, name: str) -> PartRecord:
     """The identity of a committed ckptfmt file, from its prologue and footer."""
-    fd = open_regular(path)
+    fd = open_regular(path, follow_symlinks=False)
     try:
         size = os.fstat(fd).st_size
-        prologue = fmt.parse_prologue(_pread_exact(fd, fmt.PROLOGUE_SIZE, 0), size, path)
+        prologue = fmt.parse_prologue(pread_exact(fd, 0, fmt.PROLOGUE_SIZE), size, path)
         at = prologue.file_length - fmt.FOOTER_SIZE
-        footer = fmt.parse_footer(_pread_exact(fd, fmt.FOOTER_SIZE, at), prologue, path)
+        footer = fmt.parse_footer(pread_exact(fd, at, fmt.FOOTER_SIZE), prologue, path)
     finally:
         os.close(fd)
     return PartRecord(name, prologue.file_length, prologue.file_id, footer.index_checksum)
@@ -175,7 +153,7 @@ def read_commit(directory: str) -> CommitRecord:
 
     path = os.path.join(directory, COMMIT_NAME)
     try:
-        fd = open_regular(path)
+        fd = open_regular(path, follow_symlinks=False)
     except FileNotFoundError:
         raise IncompleteError("no commit record: the save did not finish", path=directory) from None
     except OSError as e:  # a symlink (ELOOP), no permission, ...: never a bare OSError

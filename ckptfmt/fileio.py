@@ -1,0 +1,52 @@
+"""Opening and reading the files a reader is given: the two helpers every reading path shares.
+
+The index parser (index.py), the chunk reader (chunkread.py) and the commit record's
+checks (multifile.py) all open files with `open_regular` and read their fixed-size
+parts with `pread_exact`; this module imports nothing of the package but its errors.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+
+from .errors import UnsupportedError
+
+
+def open_regular(path: str, *, follow_symlinks: bool = True) -> int:
+    """A read-only descriptor of `path`, which must be a regular file.
+
+    Opened with O_NONBLOCK so that a FIFO (or a device) at that path cannot block the
+    open; the flag is cleared once fstat shows a regular file.  UnsupportedError otherwise.
+    `follow_symlinks` False: a symbolic link at `path` itself fails to open (OSError, ELOOP).
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if not follow_symlinks:
+        flags |= os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, path) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsupportedError("not a regular file", path=path)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def pread_exact(fd: int, offset: int, n: int) -> bytes:
+    """Up to n bytes at offset (fewer only where the file ends)."""
+    first = os.pread(fd, n, offset) if n else b""
+    if len(first) == n or not first:
+        return first  # the usual case: one read, no copy
+    out = bytearray(first)
+    while len(out) < n:
+        got = os.pread(fd, n - len(out), offset + len(out))
+        if not got:
+            break
+        out += got
+    return bytes(out)
