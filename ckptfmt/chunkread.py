@@ -36,7 +36,7 @@ from .index import Chunk, Index
 
 _DIGEST_MISMATCH = "content digest mismatch (the decoded bytes are not the ones the index describes)"
 #: zstd window limit: frames needing more memory than this are rejected (2**27 = 128 MiB)
-_ZSTD_MAX_WINDOW = 1 << 27
+_ZSTD_MAX_WINDOW = 1 << fmt.ZSTD_WINDOW_LOG_MAX
 #: the magic number of a zstd frame (RFC 8878); legacy (pre-1.0) and skippable frames differ
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # the messages both engines give for a zstd frame the format refuses (spec section 3)
@@ -294,20 +294,24 @@ class ChunkReader:
 
     # -- batched, parallel reads ---------------------------------------------
 
-    def read_into(self, items: list[tuple[int, memoryview]], verify: bool) -> None:
+    def read_into(self, items: list[tuple[int, memoryview]], verify: bool, check_only: bool = False) -> None:
         """Read chunks into their destinations (exactly raw_len bytes each).
 
         With the C engine all chunks of one file are read in parallel, each verified
         and decoded straight into place; otherwise one by one on this thread.  Chunks
         are grouped by the file they lie in: this one, then each referenced file.
+        check_only (with verify): the destinations' contents are not needed afterwards,
+        which spares the engine copying raw chunks into them and un-shuffling.
         """
         groups: dict[int, list[tuple[int, memoryview]]] = {}
         for k, dest in items:
             groups.setdefault(self.chunks[k].source, []).append((k, dest))
         for group in groups.values():
-            self._read_group(group, verify)
+            self._read_group(group, verify, check_only)
 
-    def _read_group(self, items: list[tuple[int, memoryview]], verify: bool) -> None:
+    def _read_group(
+        self, items: list[tuple[int, memoryview]], verify: bool, check_only: bool = False
+    ) -> None:
         """Read chunks that all lie in one file."""
         if not _native.available():
             for k, dest in items:
@@ -326,6 +330,7 @@ class ChunkReader:
             [(number, self.chunks[k], d) for (k, d), (_, _, number) in zip(items, where)],
             verify,
             _native.default_threads(),
+            check_only=verify and check_only,
         )
         if status is not None:
             raise self._native_error(status, items)
@@ -431,13 +436,13 @@ class ChunkReader:
                     pos += self.chunks[k].raw_len
                 k += 1
             try:
-                self.read_into(items, True)
+                self.read_into(items, True, check_only=True)
             except CheckpointError:
                 for kk, dest in items:
                     if self.chunks[kk].source in unusable:
                         continue
                     try:
-                        self.read_into([(kk, dest)], True)
+                        self.read_into([(kk, dest)], True, check_only=True)
                     except CheckpointError as e:
                         if self.chunks[kk].source in self._ext_failed:
                             unusable.add(self.chunks[kk].source)
