@@ -25,6 +25,7 @@ from .chunkread import ChunkReader
 from .errors import CheckpointError, LimitError, UnsupportedError
 from .fileio import open_regular
 from .index import Chunk, External, parse_index, parse_index_json
+from .staging import POOL
 
 __all__ = [
     "MAX_OPEN_EXTERNALS",
@@ -48,8 +49,6 @@ def _force_staging() -> bool:
 
 def staging_budget() -> int:
     """Host bytes a load onto an accelerator may stage at once (the staging pool's limit)."""
-    from .staging import POOL
-
     return POOL.limit
 
 
@@ -187,30 +186,53 @@ class CheckpointFile:
     def _read_to_device(
         self, sids: list[int], device: torch.device, verify: bool, budget: int
     ) -> dict[int, Any]:
-        """Storages read through a bounded host staging buffer onto `device`.
+        """Storages read through bounded host staging onto `device`.
 
-        The buffer holds max(budget, one chunk) bytes, or all the storages' bytes when
-        fewer (pinned for accelerators); each fill is copied to the device without
-        blocking, and the copy is waited for before the buffer is filled again.
+        Staging is max(budget, one chunk) bytes, or all the storages' bytes when fewer, in
+        two buffers from the staging pool (pinned for accelerators, and reused by the next
+        load or non-blocking save): while one buffer's bytes are copied to the device
+        without blocking, the next chunks are read into the other.  A buffer is refilled
+        only after the event recorded behind its copy has completed.
         """
         pinned = device.type not in ("cpu", "meta") and torch.accelerator.is_available()
         size = self._staging_size(sids, budget)
-        staging = self._alloc(size, "", pinned)
+        # two buffers of whole chunks when the budget holds two chunks; one otherwise
+        halves = 2 if size >= 2 * self.chunk_size else 1
+        per_buffer = size // halves // self.chunk_size * self.chunk_size or size
+        buffers = [POOL.acquire(per_buffer, pinned) for _ in range(halves)]
+        fences: list[Any] = [None] * halves
         out: dict[int, Any] = {}
-        for sid in sids:
-            rec = self.storages[sid]
-            dest = torch.empty(rec.nbytes, dtype=torch.uint8, device=device)
-            per_fill = max(1, size // self.chunk_size)
-            for first in range(0, rec.n_chunks, per_fill):
-                count = min(per_fill, rec.n_chunks - first)
-                items = self._chunk_views(sid, staging, first, count)
-                self.read_into(items, verify)
-                start = first * self.chunk_size
-                n = sum(len(v) for _, v in items)
-                dest[start : start + n].copy_(staging[:n], non_blocking=pinned)
-                if pinned:
-                    torch.accelerator.synchronize(device)
-            out[sid] = dest.untyped_storage()
+        done = False
+        try:
+            fill = 0
+            for sid in sids:
+                rec = self.storages[sid]
+                dest = torch.empty(rec.nbytes, dtype=torch.uint8, device=device)
+                per_fill = max(1, per_buffer // self.chunk_size)
+                for first in range(0, rec.n_chunks, per_fill):
+                    b = fill % halves
+                    fill += 1
+                    if fences[b] is not None:
+                        fences[b].synchronize()  # its last copy has read the buffer
+                    count = min(per_fill, rec.n_chunks - first)
+                    items = self._chunk_views(sid, buffers[b], first, count)
+                    self.read_into(items, verify)
+                    start = first * self.chunk_size
+                    n = sum(len(v) for _, v in items)
+                    dest[start : start + n].copy_(buffers[b][:n], non_blocking=pinned)
+                    if pinned:
+                        fences[b] = torch.accelerator.current_stream(device).record_event()
+                out[sid] = dest.untyped_storage()
+            for fence in fences:
+                if fence is not None:
+                    fence.synchronize()
+            done = True
+        finally:
+            for buf, fence in zip(buffers, fences):
+                if done or fence is None:
+                    POOL.release(buf)
+                else:  # a copy may still be reading it: never reuse it
+                    POOL.discard(buf)
         return out
 
     def _mapped_storage(self, sid: int, verify: bool) -> torch.UntypedStorage | None:
