@@ -459,11 +459,13 @@ def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    """Optimizer steps with gradients set directly: torch's autograd engine sizes its device
+    queues once per process, before this backend's devices may have been switched on."""
     g = torch.Generator().manual_seed(99)
     for _ in range(steps):
-        x = torch.randn(32, 8, generator=g).to("npu:0")
         opt.zero_grad()
-        model(x).pow(2).mean().backward()
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g).to(p.device)
         opt.step()
 
 
