@@ -30,13 +30,15 @@ def _vm_flags(addr: int) -> list[str]:
 
 
 @needs_engine
-def test_large_buffers_are_advised_for_huge_pages_and_stay_ordinary():
-    t = hostmem.empty_bytes(16 << 20)
-    middle = (t.data_ptr() + (8 << 20)) & ~((2 << 20) - 1)
+def test_large_buffers_are_advised_for_huge_pages_and_stay_ordinary(monkeypatch):
+    monkeypatch.setattr(hostmem, "free_huge_blocks", lambda: 1 << 20)
+    monkeypatch.setattr(hostmem, "_read_at", -1e9)
+    t = hostmem.empty_bytes(64 << 20)
+    middle = (t.data_ptr() + (32 << 20)) & ~((2 << 20) - 1)
     assert "hg" in _vm_flags(middle)  # MADV_HUGEPAGE on the tensor's own memory
     # an ordinary torch allocation: resizable, and freed with the tensor
-    t.untyped_storage().resize_(32 << 20)
-    assert t.untyped_storage().nbytes() == 32 << 20
+    t.untyped_storage().resize_(96 << 20)
+    assert t.untyped_storage().nbytes() == 96 << 20
 
 
 def test_small_and_pinned_buffers_are_plain_torch_allocations():
@@ -46,16 +48,18 @@ def test_small_and_pinned_buffers_are_plain_torch_allocations():
 
 
 @needs_engine
-def test_loaded_storages_get_the_advice():
+def test_loaded_storages_get_the_advice(monkeypatch):
     import tempfile
 
+    monkeypatch.setattr(hostmem, "free_huge_blocks", lambda: 1 << 20)
+    monkeypatch.setattr(hostmem, "_read_at", -1e9)
     with tempfile.TemporaryDirectory() as d:
         p = f"{d}/big.ckpt"
-        state = {"w": torch.randn(4 << 20)}  # 16 MiB
+        state = {"w": torch.randn(16 << 20)}  # 64 MiB
         ckptfmt.save(state, p)
         out = ckptfmt.load(p)
         assert torch.equal(out["w"], state["w"])
-        middle = (out["w"].data_ptr() + (8 << 20)) & ~((2 << 20) - 1)
+        middle = (out["w"].data_ptr() + (32 << 20)) & ~((2 << 20) - 1)
         assert "hg" in _vm_flags(middle)
         out["w"].untyped_storage().resize_(0)  # callers may free storages the usual way
 
@@ -91,3 +95,25 @@ def test_save_and_load_leave_tensors_resizable(tmp_path):
     for t in (*state.values(), *out.values()):
         assert t.untyped_storage().resizable()
         t.untyped_storage().resize_(0)  # how FSDP frees a storage
+
+
+@needs_engine
+def test_no_huge_pages_without_free_2mib_blocks(monkeypatch):
+    """Fragmented free memory would make every huge-page fault compact memory first.
+    (64 MiB buffers: glibc maps every allocation above 32 MiB afresh.)"""
+
+    def advised(t: torch.Tensor) -> bool:
+        return "hg" in _vm_flags((t.data_ptr() + (32 << 20)) & ~((2 << 20) - 1))
+
+    monkeypatch.setattr(hostmem, "free_huge_blocks", lambda: 0)
+    monkeypatch.setattr(hostmem, "_read_at", -1e9)
+    assert not advised(hostmem.empty_bytes(64 << 20))
+    monkeypatch.setattr(hostmem, "free_huge_blocks", lambda: 40)  # room for one 64 MiB buffer
+    monkeypatch.setattr(hostmem, "_read_at", -1e9)
+    first, second = hostmem.empty_bytes(64 << 20), hostmem.empty_bytes(64 << 20)
+    assert advised(first) and not advised(second)
+
+
+def test_free_huge_blocks_reads_the_buddy_allocator():
+    n = hostmem.free_huge_blocks()
+    assert isinstance(n, int) and n >= 0
