@@ -789,7 +789,7 @@ def test_ranks_of_one_host_share_its_cores() -> None:
 
     hosts = [_Host("a", 16), _Host("a", 16), _Host("b", 8), _Host("a", 16), None]
     assert _thread_shares(hosts) == [5, 5, 8, 5, None]
-    assert _thread_shares([_Host("a", 2)] * 4) == [1, 1, 1, 1]  # never below one
+    assert _thread_shares([_Host("a", 2)] * 4) == [2, 2, 2, 2]  # never below two: I/O waits overlap
 
     w = cdcp.Writer("/nonexistent/never-written")
     plans = w.prepare_global_plan([SavePlan([], storage_data=_Host("h", 4)) for _ in range(2)])
