@@ -109,7 +109,8 @@ def chart(table: list[dict[str, Any]], path: str) -> None:
             right.plot(*zip(*pts), marker="o", label=label)
     right.plot(mib, mib, ":", color="grey", label="the state's size")
     right.set_xscale("log", base=2)
-    right.set_yscale("log", base=2)
+    right.set_yscale("symlog", base=2, linthresh=1)  # 0 MiB stays on the chart
+    right.set_ylim(bottom=0)
     right.set_xlabel("state size, MiB")
     right.set_ylabel("peak extra RSS, MiB")
     right.set_title("memory beyond the state")
