@@ -169,7 +169,6 @@ def write_chunks(
         )
         for c in (chunks[i] for i in range(n))
     ]
-    del keep
     if digests_out is not None and n:
         raw = bytes(ffi.buffer(digests, 16 * n))
         digests_out.extend(raw[16 * i : 16 * i + 16] for i in range(n))

@@ -456,12 +456,10 @@ def verify_chunks(
     if buf is None:
         needed = sum(f.chunks[k].raw_len for k in chunks)
         buf = f._alloc(_Plan().window(f, needed), "")
-    here = [f.chunks[k] for k in chunks if f.chunks[k].source < 0]
-    if here:  # the windows are small: let the kernel read ahead across all of them
-        first = here[0].offset
-        os.posix_fadvise(f._fd, first, here[-1].offset + here[-1].stored_len - first, os.POSIX_FADV_WILLNEED)
+    # check only: the caller reads the chunks again into their places (no readahead advice,
+    # as in ChunkReader: the kernel's own keeps up with reads in file order)
     for items, _ in _windows(f, chunks, buf):
-        f.read_into(items, verify)
+        f.read_into(items, verify, check_only=True)
 
 
 def verify_subtree(f: CheckpointFile, top: int, verify: bool = True) -> None:

@@ -127,9 +127,9 @@ class CheckpointFile:
 
     # -- chunk reads (chunkread.ChunkReader) ----------------------------------
 
-    def read_into(self, items: list[tuple[int, memoryview]], verify: bool) -> None:
+    def read_into(self, items: list[tuple[int, memoryview]], verify: bool, check_only: bool = False) -> None:
         """Read chunks into their destinations (exactly raw_len bytes each), checked: ChunkReader.read_into."""
-        self._chunk_reader.read_into(items, verify)
+        self._chunk_reader.read_into(items, verify, check_only)
 
     def external_problem(self, k: int) -> Exception | None:
         """Why external chunk k cannot be read, or None: ChunkReader.external_problem."""
@@ -147,10 +147,10 @@ class CheckpointFile:
 
     # -- placement ----------------------------------------------------------
 
-    def _alloc(self, nbytes: int, key: str, pinned: bool = False, *, sid: int | None = None) -> torch.Tensor:
+    def _alloc(self, nbytes: int, key: str, *, sid: int | None = None) -> torch.Tensor:
         """`nbytes` of host memory; LimitError naming `key` (or storage `sid`'s key) if it fails."""
         try:
-            return hostmem.empty_bytes(nbytes, pinned=pinned)
+            return hostmem.empty_bytes(nbytes)
         except (RuntimeError, MemoryError) as e:
             raise LimitError(
                 f"cannot allocate {nbytes} bytes for this storage: {str(e)[:100]}",
@@ -159,14 +159,14 @@ class CheckpointFile:
             ) from e
 
     def _chunk_views(
-        self, sid: int, flat: torch.Tensor, first: int = 0, count: int | None = None, base: int = 0
+        self, sid: int, flat: torch.Tensor, first: int = 0, count: int | None = None
     ) -> list[tuple[int, memoryview]]:
-        """(chunk, destination) for chunks [first, first+count) of a storage, placed from `base` in `flat`."""
+        """(chunk, destination) for chunks [first, first+count) of a storage, placed from the start of `flat`."""
         rec = self.storages[sid]
         count = rec.n_chunks - first if count is None else count
         view = bytesview.tensor_bytes(flat)
         out = []
-        pos = base
+        pos = 0
         for k in range(rec.first_chunk + first, rec.first_chunk + first + count):
             n = self.chunks[k].raw_len
             out.append((k, view[pos : pos + n]))

@@ -106,11 +106,11 @@ def test_truncation_while_verifying_leaves_targets_untouched(tmp_path, monkeypat
     real = CheckpointFile.read_into
     calls = []
 
-    def shrink_then_read(self, items, verify):
+    def shrink_then_read(self, items, verify, **kw):
         if not calls:
             os.truncate(p, chunks[len(chunks) // 2].offset + 10)  # mid-way through the data
         calls.append(len(items))
-        return real(self, items, verify)
+        return real(self, items, verify, **kw)
 
     monkeypatch.setattr(CheckpointFile, "read_into", shrink_then_read)
     target = _targets(state)
@@ -194,11 +194,11 @@ def test_read_error_while_verifying_leaves_targets_untouched(tmp_path, monkeypat
     real = CheckpointFile.read_into
     calls = []
 
-    def failing(self, items, verify):
+    def failing(self, items, verify, **kw):
         calls.append(1)
         if len(calls) == 2:
             raise OSError(errno.EIO, "Input/output error", str(p))
-        return real(self, items, verify)
+        return real(self, items, verify, **kw)
 
     monkeypatch.setattr(CheckpointFile, "read_into", failing)
     target = _targets(state)
@@ -218,12 +218,12 @@ def test_read_error_in_the_second_pass_is_a_partial_load(tmp_path, monkeypatch):
     real = CheckpointFile.read_into
     second: list[int] = []
 
-    def failing(self, items, verify):
+    def failing(self, items, verify, **kw):
         if second:
             second.append(1)
             if len(second) == 3:  # the second read of the write phase
                 raise OSError(errno.EIO, "Input/output error", str(p))
-        return real(self, items, verify)
+        return real(self, items, verify, **kw)
 
     flat = torch.full((6 * 1000 + 10,), 7.0)
     target = {f"t{i}": flat[5 + 1000 * i : 5 + 1000 * (i + 1)] for i in range(6)}
@@ -355,11 +355,11 @@ def test_verify_false_still_finds_truncation_before_writing(tmp_path, monkeypatc
     real = CheckpointFile.read_into
     done = []
 
-    def shrink_first(self, items, verify):
+    def shrink_first(self, items, verify, **kw):
         if not done:
             done.append(1)
             os.truncate(p, chunks[-1].offset + 10)
-        return real(self, items, verify)
+        return real(self, items, verify, **kw)
 
     monkeypatch.setattr(CheckpointFile, "read_into", shrink_first)
     target = _targets(state)
@@ -375,9 +375,9 @@ def test_single_pass_path_reads_each_chunk_once(tmp_path, monkeypatch):
     real = CheckpointFile.read_into
     read: list[int] = []
 
-    def counting(self, items, verify):
+    def counting(self, items, verify, **kw):
         read.extend(k for k, _ in items)
-        return real(self, items, verify)
+        return real(self, items, verify, **kw)
 
     monkeypatch.setattr(CheckpointFile, "read_into", counting)
     target = _targets(state)
