@@ -154,8 +154,6 @@ class Stager:
     DTensors are staged as DTensors over their local shard.
     """
 
-    _synchronize_after_execute = False
-
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._pending: concurrent.futures.Future[Any] | None = None

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import bytesview, dtypes
+from .. import bytesview, dtypes, hostmem
 from ..errors import CorruptError, LimitError
 from ..reader import CheckpointFile
 
@@ -228,7 +228,7 @@ def _direct_job(
 
 def _alloc(nbytes: int, f: CheckpointFile, what: str) -> torch.Tensor:
     try:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return hostmem.empty_bytes(nbytes)
     except (RuntimeError, MemoryError) as e:
         raise LimitError(
             f"cannot allocate {nbytes} bytes to read into: {str(e)[:100]}", path=f.path, key=what

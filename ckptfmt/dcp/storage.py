@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import SavePlanner as _BaseSavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import _native, multifile, writer
+from .. import _native, commit, multifile, writer
 from ..errors import CheckpointError, CorruptError, IncompleteError, UnsupportedError, UnsupportedObjectError
 from ..reader import CheckpointFile
 from . import metadata as mdv
@@ -321,9 +321,7 @@ def _remove_stale_rank_files(directory: str, keep: set[str]) -> None:
                 os.unlink(os.path.join(directory, name))
             except FileNotFoundError:
                 pass
-    for name in os.listdir(directory):  # temp files of crashed saves that nobody holds
-        if name.startswith(".rank-") and writer.TEMP_MARKER in name:
-            writer.remove_stale_temps(os.path.join(directory, name.split(writer.TEMP_MARKER)[0][1:]))
+    commit.remove_abandoned_temps(directory)  # of crashed saves, never one a live save owns
 
 
 # -- reading --------------------------------------------------------------------------------------

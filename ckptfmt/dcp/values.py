@@ -19,6 +19,7 @@ from typing import Any
 from .. import format as fmt
 from .. import tree, writer
 from ..errors import CheckpointError, UnsupportedError, UnsupportedObjectError
+from ..fileio import pread_exact
 from ..reader import CheckpointFile
 
 
@@ -66,13 +67,7 @@ def encode_value(value: object, fqn: str) -> bytes:
         n = writer.build_file(
             fd, encoded, compression=None, level=None, metadata={}, chunk_size=fmt.DEFAULT_CHUNK_SIZE
         )
-        out = bytearray()
-        while len(out) < n:
-            got = os.pread(fd, n - len(out), len(out))
-            if not got:
-                break
-            out += got
-        return bytes(out)
+        return pread_exact(fd, 0, n)
     finally:
         os.close(fd)
 

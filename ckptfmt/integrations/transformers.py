@@ -524,8 +524,8 @@ class CkptfmtTrainerMixin(_MixinBase):
             )
             if found is None:
                 raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir})")
-            resume_from_checkpoint = found
-        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            resume_from_checkpoint = found  # checked already by latest_checkpoint
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             resume_from_checkpoint = os.fspath(resume_from_checkpoint)
             try:
                 check_checkpoint(resume_from_checkpoint, verify=self.ckptfmt_verify_resume)
@@ -535,6 +535,7 @@ class CkptfmtTrainerMixin(_MixinBase):
                     "transformers.Trainer itself are resumed with transformers.Trainer",
                     path=resume_from_checkpoint,
                 ) from e
+        if isinstance(resume_from_checkpoint, str):
             _restore_trainer_state_json(resume_from_checkpoint)
         failed = True
         try:
