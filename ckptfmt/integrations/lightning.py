@@ -147,8 +147,10 @@ class CkptfmtCheckpointIO(_Base):
     def _raise_finished(self) -> None:
         """Raise the error of an earlier non-blocking save that has finished (the first one)."""
         with self._lock:
-            finished = [h for h in self._pending if h.done()]
-            self._pending = [h for h in self._pending if not h.done()]
+            # one look at each handle: one that finished in between would be in neither list
+            seen = [(h, h.done()) for h in self._pending]
+            finished = [h for h, done in seen if done]
+            self._pending = [h for h, done in seen if not done]
         errors = [e for e in (h.exception() for h in finished) if e is not None]
         if errors:
             raise errors[0]
