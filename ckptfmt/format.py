@@ -153,6 +153,8 @@ def content_digest(data: bytes | memoryview) -> bytes:
 #: One name in a reference path: no leading dot, so "." and "..", hidden files and
 #: the temp files of unfinished saves (section 10) can never be referenced.
 _REF_NAME = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}"
+#: a file name a reference or a commit record may use (spec sections 12 and 13)
+REF_NAME_RE = re.compile(_REF_NAME)
 #: A reference path (section 12): NAME, DIR/NAME, ../NAME or ../DIR/NAME.
 REF_PATH_RE = re.compile(rf"(?:\.\./)?(?:{_REF_NAME}/)?{_REF_NAME}")
 

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
-from . import _native, bytesview, dtypes, inflight, tree, writer
+from . import _native, bytesview, chunkio, dtypes, hostmem, inflight, tree, writer
 from . import format as fmt
 from .chunkio import ChunkRecord
+from .commit import AtomicFile
 from .errors import CheckpointWarning
 from .inflight import SaveHandle
 from .reader import CheckpointFile
@@ -294,12 +294,12 @@ def consolidate(
             ],
             devices=list(f.source_devices),
         )
-        buf = torch.empty(max(_CONSOLIDATE_WINDOW, f.chunk_size), dtype=torch.uint8)
+        buf = hostmem.empty_bytes(max(_CONSOLIDATE_WINDOW, f.chunk_size))
         view = bytesview.tensor_bytes(buf)
         chunk_width = [widths[sid] for sid, r in enumerate(f.storages) for _ in range(r.n_chunks)]
-        with writer.AtomicFile(target) as out:
-            file_id = writer._file_id()
-            cw = writer.ChunkWriter(out.fd, file_id, compression=compression, level=level, path=target)
+        with AtomicFile(target) as out:
+            file_id = chunkio.new_file_id()
+            cw = chunkio.ChunkWriter(out.fd, file_id, compression=compression, level=level, path=target)
             k = 0
             while k < len(f.chunks):
                 items: list[tuple[int, memoryview]] = []
@@ -310,7 +310,7 @@ def consolidate(
                     k += 1
                 f.read_into(items, True)
                 cw.write([(dest, chunk_width[kk]) for kk, dest in items])
-            length = writer.finish_file(
+            length = chunkio.finish_file(
                 out.fd, file_id, encoded, cw.chunks, cw.pos, dict(f.metadata), f.chunk_size
             )
             out.commit()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import errno
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +35,7 @@ LAYOUTS = ("state", "dcp", "hf-trainer")
 LAYOUT_MEMBERS = {"dcp": "dcp"}
 #: a part's name, and each component of a reference path (spec: no leading dot,
 #: so temporaries and hidden files can never be named)
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+_NAME_RE = fmt.REF_NAME_RE
 #: parts and references one record may name
 MAX_PARTS = 1 << 16
 MAX_METRICS = 1024

@@ -40,8 +40,6 @@ from .commit import (  # noqa: F401 - the commit protocol's names, as they were 
     temp_prefix,
 )
 
-_file_id = new_file_id  # the name incremental.py uses
-
 
 def check_save_args(compression: str | None, level: int | None, metadata: object) -> dict[str, str]:
     """Check save()'s compression, level and metadata; return the metadata as a plain dict."""
