@@ -106,7 +106,7 @@ class _Piece:
 
 
 def save_async(
-    state: object,
+    encoded: tree.Encoded,
     path: str,
     *,
     compression: str | None,
@@ -115,8 +115,8 @@ def save_async(
     chunk_size: int,
     dedup: chunkio.Dedup | None = None,
 ) -> SaveHandle:
-    encoded = tree.encode(state)  # unsupported objects fail here, before anything is written
-    tree.check_chunks(encoded, chunk_size)
+    """Snapshot `encoded` (checked already: nothing is written for a state that cannot be)
+    into staging and write it on a thread of its own; return once the snapshot is taken."""
     handle = SaveHandle(path)
     pieces: queue.Queue[_Piece | BaseException | None] = queue.Queue()
     # The writer starts when the snapshot is complete, or as soon as the snapshot

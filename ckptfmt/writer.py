@@ -106,9 +106,11 @@ def write_state(
     dedup: Dedup | None = None,
 ) -> Any:
     """Encode and commit `state` at `target` (arguments already checked, earlier saves waited for)."""
+    encoded = tree.encode(state)  # fails on unsupported objects before any I/O
+    tree.check_chunks(encoded, chunk_size)
     if not blocking:
         return background.save_async(
-            state,
+            encoded,
             target,
             compression=compression,
             level=level,
@@ -116,8 +118,6 @@ def write_state(
             chunk_size=chunk_size,
             dedup=dedup,
         )
-    encoded = tree.encode(state)  # fails on unsupported objects before any I/O
-    tree.check_chunks(encoded, chunk_size)
     try:
         with AtomicFile(target) as f:
             build_file(
