@@ -139,17 +139,13 @@ def _file_items(f: CheckpointFile, i: int, prefix: str) -> Iterator[tuple[str, i
     node = f.tree.nodes[i]
     if node[0] in ("dict", "odict"):
         for k, v in node[1]:
-            key = tree.decode(f.tree, k, _no_storage, f.path)
+            key = tree.decode_key(f.tree, k, f.path)
             yield from _file_items(f, v, _join(prefix, key))
     elif node[0] in ("list", "tuple"):
         for n, j in enumerate(node[1]):
             yield from _file_items(f, j, _join(prefix, n))
     else:
         yield prefix, i
-
-
-def _no_storage(sid: int) -> torch.UntypedStorage:
-    raise AssertionError("keys hold no tensors")
 
 
 def load_into(

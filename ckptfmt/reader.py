@@ -123,7 +123,7 @@ class CheckpointFile:
         node = self.tree.nodes[self.tree.root]
         if node[0] not in ("dict", "odict"):
             return []
-        return [(tree.decode(self.tree, k, _no_storage, self.path), v) for k, v in node[1]]
+        return [(tree.decode_key(self.tree, k, self.path), v) for k, v in node[1]]
 
     # -- chunk reads (chunkread.ChunkReader) ----------------------------------
 
@@ -334,7 +334,3 @@ class CheckpointFile:
                 f"{len(sids)} storages, decode and staging buffers), above max_bytes={self.max_bytes}",
                 path=self.path,
             )
-
-
-def _no_storage(sid: int) -> torch.UntypedStorage:
-    raise AssertionError("dict keys never hold tensors")  # keys are validated to be scalars/tuples

@@ -264,11 +264,7 @@ def node_items(f: CheckpointFile, node: int) -> dict[Any, int]:
     n = f.tree.nodes[node]
     if n[0] not in ("dict", "odict"):
         return {}
-    return {tree.decode(f.tree, k, _no_storage, f.path): v for k, v in n[1]}
-
-
-def _no_storage(sid: int) -> torch.UntypedStorage:
-    raise AssertionError("dict keys hold no tensors")
+    return {tree.decode_key(f.tree, k, f.path): v for k, v in n[1]}
 
 
 def _merge(report: LoadReport, sub: LoadReport, prefix: str) -> None:

@@ -906,6 +906,11 @@ def _unfloat(s: str) -> float:
     return value
 
 
+def decode_key(tree: Tree, node: int, path: str) -> object:
+    """The value of a validated dict key (keys are scalars and tuples of them, never tensors)."""
+    return _key_value(_Check(path), tree.nodes, node)
+
+
 def decode(tree: Tree, top: int, storage: Callable[[int], torch.UntypedStorage], path: str) -> object:
     """Build the objects of the subtree at `top`; `storage(sid)` gives loaded storages."""
     c = _Check(path)

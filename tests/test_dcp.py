@@ -158,6 +158,13 @@ def groups(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str,
                 load("fsdp", "fsdp1", 3),
                 save("dtensor", 3, 8),
                 save("fsdp", 3, 9),
+                # the same plans again: DCP's plan cache serves this save
+                {
+                    **save("fsdp", 3, 19),
+                    "name": "save-fsdp3-again",
+                    "dir": d("fsdp3b"),
+                    "ref": d("fsdp3b.ref"),
+                },
             ],
         ),
         (
@@ -196,7 +203,15 @@ def groups(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str,
                 manager_load("fsdp", 30, 1),
             ],
         ),
-        (2, [load("dtensor", "dtensor4", 2), load("fsdp", "fsdp4", 2), load("fsdp", "fsdp3", 2)]),
+        (
+            2,
+            [
+                load("dtensor", "dtensor4", 2),
+                load("fsdp", "fsdp4", 2),
+                load("fsdp", "fsdp3", 2),
+                load("fsdp", "fsdp3b", 2),
+            ],
+        ),
     ]
     out: dict[str, list[dict[str, Any]]] = {"_work": [{"path": str(work)}]}
     for i, (world, tasks) in enumerate(plan):
@@ -257,6 +272,20 @@ def test_reshard_bit_exact(groups: dict[str, Any], src: str, into: str) -> None:
     every value equals what was saved, bit for bit, after set_state_dict."""
     res = _ok(groups, f"load-{src}-dir-into-{into}")
     assert all(r["values"] >= 30 for r in res)
+
+
+def test_a_save_from_cached_plans_is_its_own(groups: dict[str, Any]) -> None:
+    """A second save with unchanged plans (served by DCP's plan cache) holds its own values,
+    and its commit record names its own directory and save, not the first one's."""
+    _ok(groups, "save-fsdp3-again")
+    res = _ok(groups, "load-fsdp3b-dir-into-fsdp2")
+    assert all(r["values"] >= 30 for r in res)
+    work = Path(groups["_work"][0]["path"])
+    first = multifile.read_commit(str(work / "fsdp3")).layout_data["storage_meta"]
+    again = multifile.read_commit(str(work / "fsdp3b")).layout_data["storage_meta"]
+    assert again["checkpoint_id"] == str(work / "fsdp3") + "b"
+    assert first["checkpoint_id"] == str(work / "fsdp3")
+    assert again["save_id"] != first["save_id"]
 
 
 @pytest.mark.parametrize(("src", "into"), [("fsdp2", "ddp4"), ("ddp4", "fsdp1")])

@@ -41,6 +41,18 @@ def _single_process_ok() -> Iterator[None]:
         yield
 
 
+def _save_planner(process_group: dist.ProcessGroup | None) -> SavePlanner:
+    """A planner that reuses the previous save's plans when nothing changed (DCP's plan cache):
+    a training job saves the same structure every time, and sending every rank's plan to the
+    coordinator and back is most of a save's fixed cost.  Cached per group of ranks."""
+    if _distributed():
+        ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)  # type: ignore[arg-type]
+        key = "ranks:" + ",".join(map(str, ranks))
+    else:
+        key = "no_dist"
+    return SavePlanner(enable_plan_caching=True, cache_key=key)
+
+
 def _failure(doing: str, path: str, e: BaseException) -> CheckpointError:
     """One CheckpointError for a failed save or load, naming the ranks that failed and why."""
     note = ""
@@ -97,7 +109,7 @@ def save(
             return dcp.save(
                 state_dict,
                 storage_writer=w,
-                planner=SavePlanner(),
+                planner=_save_planner(process_group),
                 process_group=process_group,
                 no_dist=not _distributed(),
             )
@@ -288,7 +300,7 @@ def async_save(
     inner = dcp.async_save(
         state_dict,
         storage_writer=w,
-        planner=SavePlanner(),
+        planner=_save_planner(group),
         process_group=group,
         async_stager=st,  # type: ignore[arg-type]
         no_dist=not _distributed(),

@@ -22,8 +22,16 @@ class SavePlanner(DefaultSavePlanner):
     """DefaultSavePlanner whose non-tensor values are stored through ckptfmt's object model.
 
     Values ckptfmt cannot store fail in ``create_local_plan``, naming their key, before
-    any rank writes a byte.
+    any rank writes a byte.  With ``enable_plan_caching=True`` (DCP's option: a save whose
+    plans match the previous one's skips sending them) give a `cache_key` naming the
+    process group: DCP keys its process-wide plan cache by class name alone, and merges
+    cached plans rank by rank, so two groups sharing one key would mix their plans.
     """
+
+    def __init__(self, *args: Any, cache_key: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if cache_key is not None:
+            self._cached_plans_key = f"{type(self).__name__}:{cache_key}"
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()

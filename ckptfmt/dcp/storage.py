@@ -254,6 +254,9 @@ class Writer(StorageWriter):
                     key=f"{name}{_rank_note(name)}",
                 ) from None
         number = {n: i for i, n in enumerate(names)}
+        # DCP's plan cache hands back the Metadata of the save that filled it: name this one
+        modules = metadata.storage_meta.modules if metadata.storage_meta is not None else []
+        metadata.storage_meta = StorageMeta(checkpoint_id=self.path, save_id=self.save_id, modules=modules)
         value = mdv.to_value(
             metadata,
             {idx: (number[f], k) for idx, (f, k) in where.items()},
