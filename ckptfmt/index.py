@@ -26,6 +26,7 @@ import bisect
 import functools
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,12 +104,19 @@ def _reject_float(text: str) -> Any:
 
 
 def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate field {k[:40]!r}")
-        out[k] = v
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"duplicate field {k[:40]!r}")
+            seen.add(k)
     return out
+
+
+#: a run of digits long enough that it may be an integer literal over the length cap; without
+#: one anywhere in the index, json's own integer parsing (no Python call per number) is safe
+_LONG_DIGITS = re.compile(rb"[0-9]{20}")
 
 
 def parse_index_json(raw: bytes, path: str, fields: tuple[str, ...] = _INDEX_FIELDS) -> dict[str, Any]:
@@ -117,7 +125,7 @@ def parse_index_json(raw: bytes, path: str, fields: tuple[str, ...] = _INDEX_FIE
         obj = json.loads(
             text,
             object_pairs_hook=_pairs,
-            parse_int=_parse_int,
+            parse_int=_parse_int if _LONG_DIGITS.search(raw) else None,
             parse_float=_reject_float,
             parse_constant=_reject_float,
         )

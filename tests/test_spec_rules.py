@@ -149,6 +149,17 @@ def test_numbers_are_integer_literals(tmp_path, literal):
     )
 
 
+@pytest.mark.parametrize("literal", ["1" + "0" * 20, "-" + "1" * 20, "9" * 4000])
+def test_integer_literals_over_the_length_cap_are_refused(tmp_path, literal):
+    refused(tmp_path, edit(BASE, '"offset":0', f'"offset":{literal}'), ckptfmt.CorruptError, "too long")
+
+
+def test_long_digit_runs_inside_strings_are_text(tmp_path):
+    """Digits in a string are not numbers, however many (the cap is on integer literals)."""
+    state = load(tmp_path, edit(BASE, '["str","w"]', '["str","' + "7" * 40 + '"]'))
+    assert list(state) == ["7" * 40]
+
+
 def test_minus_zero_is_zero(tmp_path):
     state = load(tmp_path, edit(BASE, '"offset":0', '"offset":-0'))
     assert state["w"].storage_offset() == 0 and state["w"].tolist() == [1.0, 2.0, 3.0, 4.0]
