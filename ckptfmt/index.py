@@ -35,6 +35,7 @@ from . import format as fmt
 from .errors import CorruptError, IncompleteError, LimitError, UnsupportedError
 from .fileio import pread_exact
 from .format import Limits
+from .gcpause import pausing
 
 _INDEX_FIELDS = ("chunk_size", "producer", "source_devices", "metadata", "storages", "chunks", "nodes")
 #: with required feature bit 0 the index also lists the files its external chunks lie in
@@ -178,6 +179,7 @@ class Index:
         return [rec.first_chunk for rec in self.storages]
 
 
+@pausing
 def parse_index(fd: int, path: str, max_bytes: int | None) -> Index:
     """Read and validate the prologue, footer and index of the file open at `fd`.
 

@@ -65,6 +65,7 @@ import torch
 
 from . import _native, bytesview, dtypes, inflight, tree
 from .errors import CheckpointError
+from .gcpause import pausing
 from .reader import CheckpointFile
 
 
@@ -148,6 +149,7 @@ def _file_items(f: CheckpointFile, i: int, prefix: str) -> Iterator[tuple[str, i
         yield prefix, i
 
 
+@pausing
 def load_into(
     path: str | os.PathLike[str],
     state: Any,

@@ -27,6 +27,7 @@ import torch
 from . import devices, dtypes
 from .errors import CorruptError, LimitError, UnsupportedError, UnsupportedObjectError
 from .format import Limits
+from .gcpause import pausing
 
 _INT_RE = re.compile(r"-?(?:0|[1-9a-f][0-9a-f]*)")
 _FLOAT_RE = re.compile(r"[0-9a-f]{16}")
@@ -401,6 +402,7 @@ class _Encoder:
         )
 
 
+@pausing
 def encode(state: object) -> Encoded:
     """Turn a state into nodes and storages, or raise naming the path: UnsupportedObjectError for
     what the format cannot store, LimitError for what would exceed a reader's limits (spec
@@ -911,6 +913,7 @@ def decode_key(tree: Tree, node: int, path: str) -> object:
     return _key_value(_Check(path), tree.nodes, node)
 
 
+@pausing
 def decode(tree: Tree, top: int, storage: Callable[[int], torch.UntypedStorage], path: str) -> object:
     """Build the objects of the subtree at `top`; `storage(sid)` gives loaded storages."""
     c = _Check(path)

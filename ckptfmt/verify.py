@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from . import inflight
 from .errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
+from .gcpause import pausing
 from .reader import CheckpointFile
 
 
@@ -65,6 +66,7 @@ def problem_of(e: CheckpointError) -> Problem:
     return Problem(_kind(e), e.reason, e.key, e.chunk, e.offset)
 
 
+@pausing
 def verify(
     path: str | os.PathLike[str],
     *,

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _native, bytesview
 from ..errors import CheckpointError
+from ..gcpause import pausing
 from .planners import LoadPlanner, SavePlanner
 from .storage import Reader, Writer
 
@@ -76,6 +77,7 @@ def _failure(doing: str, path: str, e: BaseException) -> CheckpointError:
     )
 
 
+@pausing
 def save(
     state_dict: dict[str, Any],
     path: str | os.PathLike[str],
@@ -121,6 +123,7 @@ def save(
         raise _failure("save", target, e) from e
 
 
+@pausing
 def load(
     state_dict: dict[str, Any],
     path: str | os.PathLike[str],

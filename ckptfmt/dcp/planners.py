@@ -13,8 +13,10 @@ from typing import Any
 
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItem, WriteItemType
 
+from ..gcpause import pausing
 from .values import ObjectBytes, check_storable, decode_value, encode_value
 
 
@@ -33,12 +35,17 @@ class SavePlanner(DefaultSavePlanner):
         if cache_key is not None:
             self._cached_plans_key = f"{type(self).__name__}:{cache_key}"
 
+    @pausing  # DCP's planning makes an object per item (async saves plan in DCP's thread)
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
                 check_storable(self.lookup_object(item.index), item.index.fqn)
         return plan
+
+    @pausing
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        return super().create_global_plan(all_plans)
 
     def resolve_object(self, write_item: WriteItem) -> Any:
         """The non-tensor value itself (ckptfmt's Writer stores it without a byte round trip)."""

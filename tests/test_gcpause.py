@@ -1,0 +1,112 @@
+"""The cyclic collector is paused while ckptfmt builds object trees, and always restored."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptfmt
+from ckptfmt import dcp as cdcp
+from ckptfmt.gcpause import paused
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+@pytest.fixture
+def collections_seen() -> Iterator[list[int]]:
+    """Counts collections; a low threshold makes every burst of allocations trigger some."""
+    seen: list[int] = []
+
+    def cb(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            seen.append(info["generation"])
+
+    old = gc.get_threshold()
+    gc.set_threshold(50, 2, 2)
+    gc.callbacks.append(cb)
+    try:
+        yield seen
+    finally:
+        gc.callbacks.remove(cb)
+        gc.set_threshold(*old)
+
+
+def _state(n: int) -> dict[str, object]:
+    return {f"layer{i}": {"w": torch.full((4,), float(i)), "lr": 0.1 * i, "name": str(i)} for i in range(n)}
+
+
+def test_save_and_load_run_no_collection(tmp_path: Path, collections_seen: list[int]) -> None:
+    state = _state(2000)
+    path = tmp_path / "a.ckpt"
+    # a reference: the same amount of allocation outside ckptfmt does trigger collections
+    junk = [[i, str(i)] for i in range(20000)]
+    assert len(collections_seen) > 100, "the low threshold should have made the collector run"
+    del junk
+    collections_seen.clear()
+    ckptfmt.save(state, path)
+    back = ckptfmt.load(path)
+    # at most one collection at each edge of a section: what was allocated just before it,
+    # and, after it ends, the young objects it made
+    assert len(collections_seen) <= 4, collections_seen
+    assert gc.isenabled()
+    assert torch.equal(back["layer1999"]["w"], state["layer1999"]["w"])  # type: ignore[index]
+
+
+def test_dcp_save_and_load_run_no_collection(tmp_path: Path, collections_seen: list[int]) -> None:
+    state = _state(500)
+    back = _state(500)
+    for v in back.values():
+        v["w"].zero_()  # type: ignore[index]
+    collections_seen.clear()
+    cdcp.save(state, tmp_path / "d")
+    cdcp.load(back, tmp_path / "d")
+    assert len(collections_seen) <= 4, collections_seen
+    assert gc.isenabled()
+    assert torch.equal(back["layer7"]["w"], state["layer7"]["w"])  # type: ignore[index]
+
+
+def test_a_collector_switched_off_by_the_caller_stays_off(tmp_path: Path) -> None:
+    gc.disable()
+    try:
+        ckptfmt.save(_state(3), tmp_path / "a.ckpt")
+        ckptfmt.load(tmp_path / "a.ckpt")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_an_error_inside_restores_the_collector(tmp_path: Path) -> None:
+    (tmp_path / "bad.ckpt").write_bytes(b"not a checkpoint at all" * 100)
+    with pytest.raises(ckptfmt.CheckpointError):
+        ckptfmt.load(tmp_path / "bad.ckpt")
+    assert gc.isenabled()
+    with pytest.raises(ZeroDivisionError), paused():
+        1 / 0  # noqa: B018
+    assert gc.isenabled()
+
+
+def test_the_last_section_to_end_switches_it_back_on() -> None:
+    """Sections in two threads overlap: the first to end must not switch the collector on."""
+    inside = threading.Event()
+    leave = threading.Event()
+    states: list[bool] = []
+
+    def other() -> None:
+        with paused():
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=other)
+    with paused():
+        t.start()
+        inside.wait(10)
+    states.append(gc.isenabled())  # the other thread is still inside
+    leave.set()
+    t.join(10)
+    states.append(gc.isenabled())
+    assert states == [False, True]
