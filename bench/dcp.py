@@ -13,7 +13,10 @@ tools alternate (ABBA by round) on each target directory:
 * load: ``dcp.load`` with ``FileSystemReader`` vs ``cdcp.load``, into the same sharded
   state (pages already cached: both read what was just written);
 * async: ``dcp.async_save`` (its default staging) vs ``cdcp.async_save``: the time the
-  call blocks the training loop, and until the checkpoint is durable.
+  call blocks the training loop, and until the checkpoint is durable;
+* floor: each rank writes its bytes to a file of its own with plain writes and an fsync,
+  then reads them back into its buffers: what the storage allows, with no format, no
+  checksums and no planning (right after ckptfmt's turn, every round).
 
 Each figure is the slowest rank's time (the job waits for it), median over rounds;
 ratios are taken within a round, then their median.  Writes results/dcp.json.
@@ -77,18 +80,18 @@ def build_state(total: int, dtype_name: str, world: int) -> tuple[Any, Any, dict
     return model, opt, {"model": msd, "optim": osd, "step": 1}
 
 
-def local_bytes(state: dict[str, Any]) -> int:
+def local_tensors(state: Any) -> list[Any]:
+    """This rank's tensors (the local shard of each DTensor), in state order."""
     import torch
     from torch.distributed.tensor import DTensor
 
-    total = 0
+    out: list[Any] = []
 
     def walk(o: Any) -> None:
-        nonlocal total
         if isinstance(o, DTensor):
             o = o.to_local()
         if isinstance(o, torch.Tensor):
-            total += o.numel() * o.element_size()
+            out.append(o)
         elif isinstance(o, dict):
             for v in o.values():
                 walk(v)
@@ -97,7 +100,43 @@ def local_bytes(state: dict[str, Any]) -> int:
                 walk(v)
 
     walk(state)
-    return total
+    return out
+
+
+def local_bytes(state: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in local_tensors(state))
+
+
+def _byte_views(tensors: list[Any]) -> list[memoryview]:
+    from ckptfmt.bytesview import storage_bytes
+
+    return [storage_bytes(t.untyped_storage()) for t in tensors if t.numel()]
+
+
+def floor_save(state: dict[str, Any], path: str) -> None:
+    """The hardware floor of a save: this rank's bytes written to one file by plain writes, fsync'd
+    (no format, no checksums, no planning, one thread)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for view in _byte_views(local_tensors(state)):
+            done = 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def floor_load(state: dict[str, Any], path: str) -> None:
+    """The floor of a load: the same bytes read back into the state's own buffers (no checks)."""
+    with open(path, "rb", buffering=0) as f:
+        for view in _byte_views(local_tensors(state)):
+            done = 0
+            while done < len(view):
+                n = f.readinto(view[done:])
+                if not n:
+                    raise EOFError(path)
+                done += n
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -158,6 +197,18 @@ def rank_main(args: argparse.Namespace) -> None:
                     row["load"] = timed(lambda p=path: cdcp.load(dest, p))
                 row["bytes_on_disk"] = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
                 clear(path)
+                if tool == "ckptfmt":  # the floor, in the same round, right after ckptfmt's turn
+                    floor_dir = os.path.join(target, f"w{world}-floor")
+                    clear(floor_dir)
+                    if rank == 0:
+                        os.makedirs(floor_dir, exist_ok=True)
+                    dist.barrier()
+                    mine_file = os.path.join(floor_dir, f"rank-{rank}.bin")
+                    floor = {"target": target_name, "round": rnd, "tool": "floor"}
+                    floor["save"] = timed(lambda f=mine_file: floor_save(state, f))
+                    floor["load"] = timed(lambda f=mine_file: floor_load(dest, f))
+                    rows.append(floor)
+                    clear(floor_dir)
                 futures: list[Any] = []
 
                 def start_async(p: str = path, t: str = tool, out: list[Any] = futures) -> None:
@@ -201,14 +252,23 @@ def summarize(world_result: dict[str, Any]) -> dict[str, Any]:
             entry[f"speedup_{op}"] = statistics.median(ratios)  # DCP's time / ckptfmt's, per round
         for t in TOOLS:
             entry[f"{t}_bytes_on_disk"] = by[t][rounds[0]]["bytes_on_disk"]
+        floor = {r["round"]: r for r in mine if r["tool"] == "floor"}
+        for op in ("save", "load"):
+            vals = [floor[n][op] for n in rounds if n in floor]
+            if vals:
+                entry[f"floor_{op}_s"] = {
+                    "median": statistics.median(vals),
+                    "min": min(vals),
+                    "max": max(vals),
+                }
         out["targets"][target] = entry
     return out
 
 
 def table(summaries: list[dict[str, Any]]) -> str:
     lines = [
-        "| ranks | target | state | op | DCP FileSystemWriter | ckptfmt | DCP / ckptfmt |",
-        "|---|---|---|---|---|---|---|",
+        "| ranks | target | state | op | DCP FileSystemWriter | ckptfmt | DCP / ckptfmt | floor |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         gib = s["state_bytes"] / (1 << 30)
@@ -220,9 +280,11 @@ def table(summaries: list[dict[str, Any]]) -> str:
                 ("async_total", "async_save until durable"),
             ):
                 a, b = e[f"dcp_{op}_s"]["median"], e[f"ckptfmt_{op}_s"]["median"]
+                floor = e.get(f"floor_{op}_s")
+                floor_text = f"{floor['median']:.3f} s" if floor else ""
                 lines.append(
                     f"| {s['world']} | {target} | {gib:.2f} GiB | {label} | {a:.3f} s | {b:.3f} s "
-                    f"| {e[f'speedup_{op}']:.2f}x |"
+                    f"| {e[f'speedup_{op}']:.2f}x | {floor_text} |"
                 )
     return "\n".join(lines)
 
