@@ -26,7 +26,6 @@ import bisect
 import functools
 import json
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,9 +114,15 @@ def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-#: a run of digits long enough that it may be an integer literal over the length cap; without
-#: one anywhere in the index, json's own integer parsing (no Python call per number) is safe
-_LONG_DIGITS = re.compile(rb"[0-9]{20}")
+#: every digit made "0", so that a run of 20 digits (one that may be an integer literal over the
+#: length cap) is a plain substring search; without one anywhere in the index, json's own
+#: integer parsing (no Python call per number) is safe
+_DIGITS_AS_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
+_DIGIT_RUN = b"0" * 20
+
+
+def _has_long_digit_run(raw: bytes) -> bool:
+    return raw.translate(_DIGITS_AS_ZERO).find(_DIGIT_RUN) >= 0
 
 
 def parse_index_json(raw: bytes, path: str, fields: tuple[str, ...] = _INDEX_FIELDS) -> dict[str, Any]:
@@ -126,7 +131,7 @@ def parse_index_json(raw: bytes, path: str, fields: tuple[str, ...] = _INDEX_FIE
         obj = json.loads(
             text,
             object_pairs_hook=_pairs,
-            parse_int=_parse_int if _LONG_DIGITS.search(raw) else None,
+            parse_int=_parse_int if _has_long_digit_run(raw) else None,
             parse_float=_reject_float,
             parse_constant=_reject_float,
         )
