@@ -26,6 +26,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ckptfmt
 from ckptfmt import dcp as cdcp
@@ -834,3 +836,36 @@ def test_ranks_of_one_host_share_its_cores() -> None:
     with threads_at_most(10**6):
         uncapped = default_threads()
     assert default_threads() == uncapped
+
+
+@st.composite
+def _chunk_tables(draw: Any) -> tuple[list[int], list[list[int]]]:
+    ndim = draw(st.integers(0, 3))
+    size = draw(st.lists(st.integers(0, 4), min_size=ndim, max_size=ndim))
+    width = 2 * ndim + 2
+    row = st.lists(st.integers(-1, 5), min_size=width, max_size=width)
+    return size, draw(st.lists(row, min_size=0, max_size=6))
+
+
+@settings(max_examples=400, deadline=None)
+@given(_chunk_tables())
+def test_chunk_rows_are_checked_alike_in_python_and_numpy(case: tuple[list[int], list[list[int]]]) -> None:
+    """The plain-Python check of a few chunk rows accepts and refuses exactly what the numpy
+    check (used for many rows) does, with the same error."""
+    from ckptfmt.dcp import metadata as mdv
+
+    size, table = case
+    numel = int(np.prod(size)) if size else 1
+    rows = np.array(table, dtype=np.int64).reshape(len(table), 2 * len(size) + 2)
+    fail = mdv._Fail("p")
+    outcomes = []
+    for check in (
+        lambda: mdv._check_rows(fail, "k", rows, size, numel, 2),
+        lambda: mdv._check_few_rows(fail, "k", table, size, numel, 2),
+    ):
+        try:
+            check()
+            outcomes.append("ok")
+        except CorruptError as e:
+            outcomes.append(str(e).split(" at offsets")[0])
+    assert outcomes[0] == outcomes[1], (size, table, outcomes)

@@ -52,6 +52,8 @@ MAX_KEY = (1 << 31) - 1
 MAX_WORLD = 1 << 24
 #: chunks per tensor compared pairwise at once when checking that they do not overlap
 _OVERLAP_BLOCK = 256
+#: up to this many chunks a tensor's rows are checked in plain Python, above it with numpy
+_FEW_CHUNKS = 16
 
 
 @dataclass(frozen=True)
@@ -230,6 +232,24 @@ def _tensor_from_value(
         or rows.shape[1] != 2 * ndim + 2
     ):
         raise fail(f"chunks must be an int64 array of shape [n, {2 * ndim + 2}]", fqn)
+    table: list[list[int]] = rows.tolist()
+    if len(table) <= _FEW_CHUNKS:
+        _check_few_rows(fail, fqn, table, size, numel, len(files))
+    else:
+        _check_rows(fail, fqn, rows, size, numel, len(files))
+    chunks = []
+    for row in table:
+        o, s = torch.Size(row[:ndim]), torch.Size(row[ndim : 2 * ndim])
+        chunks.append(ChunkStorageMetadata(offsets=o, sizes=s))
+        where[MetadataIndex(fqn, o)] = Location(files[row[2 * ndim]], row[2 * ndim + 1], tuple(s))
+    props = TensorProperties(dtype=dtypes.TORCH_DTYPES[name], requires_grad=m["requires_grad"])
+    return TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
+
+
+def _check_rows(fail: _Fail, fqn: str, rows: np.ndarray, size: list[int], numel: int, n_files: int) -> None:
+    """A tensor's chunk rows: each inside the tensor, naming a file and key that can exist, and
+    together tiling the tensor exactly (numpy, for many rows)."""
+    ndim = len(size)
     if rows.shape[0] < 1 or (rows < 0).any():
         raise fail("chunks must be at least one row of non-negative ints", fqn)
     offs, sizes = rows[:, :ndim], rows[:, ndim : 2 * ndim]
@@ -237,16 +257,40 @@ def _tensor_from_value(
     dims = np.array(size, dtype=np.int64)
     if ndim and ((sizes > dims).any() or (offs > dims - sizes).any()):
         raise fail("a chunk lies outside the tensor", fqn)
-    if (files_col >= len(files)).any() or (keys_col > MAX_KEY).any():
+    if (files_col >= n_files).any() or (keys_col > MAX_KEY).any():
         raise fail("a chunk names a file or key that does not exist", fqn)
     _check_tiling(fail, fqn, offs, sizes, numel)
-    chunks = []
-    for row in rows.tolist():
-        o, s = torch.Size(row[:ndim]), torch.Size(row[ndim : 2 * ndim])
-        chunks.append(ChunkStorageMetadata(offsets=o, sizes=s))
-        where[MetadataIndex(fqn, o)] = Location(files[row[2 * ndim]], row[2 * ndim + 1], tuple(s))
-    props = TensorProperties(dtype=dtypes.TORCH_DTYPES[name], requires_grad=m["requires_grad"])
-    return TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
+
+
+def _check_few_rows(
+    fail: _Fail, fqn: str, table: list[list[int]], size: list[int], numel: int, n_files: int
+) -> None:
+    """_check_rows for a handful of rows, in plain Python: the same checks and errors, without
+    a dozen numpy calls per tensor (a state has thousands of tensors of one to a few chunks)."""
+    ndim = len(size)
+    if not table or any(v < 0 for row in table for v in row):
+        raise fail("chunks must be at least one row of non-negative ints", fqn)
+    for row in table:
+        for d in range(ndim):
+            if row[ndim + d] > size[d] or row[d] > size[d] - row[ndim + d]:
+                raise fail("a chunk lies outside the tensor", fqn)
+    if any(row[2 * ndim] >= n_files or row[2 * ndim + 1] > MAX_KEY for row in table):
+        raise fail("a chunk names a file or key that does not exist", fqn)
+    volumes = [math.prod(row[ndim : 2 * ndim]) for row in table]
+    total = sum(volumes)
+    if total != numel:
+        raise fail(f"the chunks hold {total} elements, the tensor has {numel}", fqn)
+    boxes = [
+        (row[:ndim], [o + z for o, z in zip(row[:ndim], row[ndim : 2 * ndim])])
+        for row, v in zip(table, volumes)
+        if v
+    ]
+    if len(boxes) > 1 and ndim == 0:
+        raise fail("chunks overlap", fqn)
+    for i, (a_off, a_end) in enumerate(boxes):
+        for b_off, b_end in boxes[i + 1 :]:
+            if all(a_off[d] < b_end[d] and b_off[d] < a_end[d] for d in range(ndim)):
+                raise fail(f"chunks at offsets {a_off} and {b_off} overlap", fqn)
 
 
 def _check_tiling(fail: _Fail, fqn: str, offs: np.ndarray, sizes: np.ndarray, numel: int) -> None:
