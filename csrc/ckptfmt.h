@@ -119,6 +119,8 @@ uint64_t ckf_chunk_seed(const uint8_t *file_id, uint64_t index, uint64_t offset,
                         uint64_t raw_len, uint8_t codec, uint8_t filter, uint8_t width);
 void ckf_shuffle(uint8_t *dst, const uint8_t *src, uint64_t len, uint32_t width);
 void ckf_unshuffle(uint8_t *dst, const uint8_t *src, uint64_t len, uint32_t width);
+/* the same bytes with non-temporal stores where dst is 16-byte aligned: for destinations not read again soon */
+void ckf_unshuffle_stream(uint8_t *dst, const uint8_t *src, uint64_t len, uint32_t width);
 /* zstd-compress with the engine's exact parameters; returns the size or 0 on failure */
 size_t ckf_zstd_compress(uint8_t *dst, size_t cap, const uint8_t *src, size_t len, int level);
 size_t ckf_zstd_bound(size_t len);

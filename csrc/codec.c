@@ -24,14 +24,26 @@ static void unshuffle_tail(uint8_t *dst, const uint8_t *src, uint64_t n, uint32_
 #define LOAD(p) _mm_loadu_si128((const __m128i *)(p))
 #define STORE(p, v) _mm_storeu_si128((__m128i *)(p), (v))
 
+/* Non-temporal stores (stream != 0, a 16-byte aligned destination) write around the
+ * cache: for un-shuffled bytes that nobody reads soon (a loaded state is far larger
+ * than the cache) they skip reading every destination line before writing it. */
+#define PUT(p, v)                                                                                                  \
+    do {                                                                                                           \
+        if (stream)                                                                                                \
+            _mm_stream_si128((__m128i *)(p), (v));                                                                 \
+        else                                                                                                       \
+            STORE(p, v);                                                                                           \
+    } while (0)
+
 /* 16 units of `width` bytes from the planes at src + j*n + i, interleaved into dst */
-static uint64_t unshuffle_sse2(uint8_t *dst, const uint8_t *src, uint64_t n, uint32_t width) {
+static inline __attribute__((always_inline)) uint64_t unshuffle_sse2_body(uint8_t *dst, const uint8_t *src, uint64_t n,
+                                                                          uint32_t width, int stream) {
     uint64_t i = 0;
     if (width == 2) {
         for (; i + 16 <= n; i += 16) {
             __m128i a = LOAD(src + i), b = LOAD(src + n + i);
-            STORE(dst + 2 * i, _mm_unpacklo_epi8(a, b));
-            STORE(dst + 2 * i + 16, _mm_unpackhi_epi8(a, b));
+            PUT(dst + 2 * i, _mm_unpacklo_epi8(a, b));
+            PUT(dst + 2 * i + 16, _mm_unpackhi_epi8(a, b));
         }
     } else if (width == 4) {
         for (; i + 16 <= n; i += 16) {
@@ -40,10 +52,10 @@ static uint64_t unshuffle_sse2(uint8_t *dst, const uint8_t *src, uint64_t n, uin
             __m128i lo01 = _mm_unpacklo_epi8(a0, a1), hi01 = _mm_unpackhi_epi8(a0, a1);
             __m128i lo23 = _mm_unpacklo_epi8(a2, a3), hi23 = _mm_unpackhi_epi8(a2, a3);
             uint8_t *o = dst + 4 * i;
-            STORE(o, _mm_unpacklo_epi16(lo01, lo23));
-            STORE(o + 16, _mm_unpackhi_epi16(lo01, lo23));
-            STORE(o + 32, _mm_unpacklo_epi16(hi01, hi23));
-            STORE(o + 48, _mm_unpackhi_epi16(hi01, hi23));
+            PUT(o, _mm_unpacklo_epi16(lo01, lo23));
+            PUT(o + 16, _mm_unpackhi_epi16(lo01, lo23));
+            PUT(o + 32, _mm_unpacklo_epi16(hi01, hi23));
+            PUT(o + 48, _mm_unpackhi_epi16(hi01, hi23));
         }
     } else if (width == 8) {
         for (; i + 16 <= n; i += 16) {
@@ -65,13 +77,20 @@ static uint64_t unshuffle_sse2(uint8_t *dst, const uint8_t *src, uint64_t n, uin
             for (int q = 0; q < 2; q++) {     /* units 0-7, then 8-15 */
                 for (int r = 0; r < 2; r++) { /* units 0-3 / 4-7 of that half */
                     __m128i x = c[4 * q + r], y = c[4 * q + 2 + r];
-                    STORE(o, _mm_unpacklo_epi32(x, y));
-                    STORE(o + 16, _mm_unpackhi_epi32(x, y));
+                    PUT(o, _mm_unpacklo_epi32(x, y));
+                    PUT(o + 16, _mm_unpackhi_epi32(x, y));
                     o += 32;
                 }
             }
         }
     }
+    return i;
+}
+
+static uint64_t unshuffle_sse2(uint8_t *dst, const uint8_t *src, uint64_t n, uint32_t width, int stream) {
+    if (!stream || (uintptr_t)dst % 16) return unshuffle_sse2_body(dst, src, n, width, 0);
+    uint64_t i = unshuffle_sse2_body(dst, src, n, width, 1);
+    _mm_sfence();
     return i;
 }
 
@@ -82,11 +101,18 @@ static inline void split_bytes(__m128i x, __m128i y, __m128i *even, __m128i *odd
     *odd = _mm_packus_epi16(_mm_srli_epi16(x, 8), _mm_srli_epi16(y, 8));
 }
 
+/* The source of a shuffle is the caller's tensor memory, read once and not in cache:
+ * the hardware prefetcher alone leaves the loop waiting on memory (about 11 GB/s
+ * from DRAM, against 16 with a software prefetch 2 KiB ahead). */
+#define PREFETCH_AHEAD 2048
+#define PREFETCH(p) _mm_prefetch((const char *)(p) + PREFETCH_AHEAD, _MM_HINT_T0)
+
 static uint64_t shuffle_sse2(uint8_t *dst, const uint8_t *src, uint64_t n, uint32_t width) {
     uint64_t i = 0;
     if (width == 2) {
         for (; i + 16 <= n; i += 16) {
             __m128i e, o;
+            if (i % 32 == 0) PREFETCH(src + 2 * i);
             split_bytes(LOAD(src + 2 * i), LOAD(src + 2 * i + 16), &e, &o);
             STORE(dst + i, e);
             STORE(dst + n + i, o);
@@ -94,6 +120,7 @@ static uint64_t shuffle_sse2(uint8_t *dst, const uint8_t *src, uint64_t n, uint3
     } else if (width == 4) {
         for (; i + 16 <= n; i += 16) {
             const uint8_t *s = src + 4 * i;
+            PREFETCH(s);
             __m128i e0, o0, e1, o1, p0, p1, p2, p3;
             split_bytes(LOAD(s), LOAD(s + 16), &e0, &o0);      /* bytes 0,2 / 1,3 of units 0-7 */
             split_bytes(LOAD(s + 32), LOAD(s + 48), &e1, &o1); /* units 8-15 */
@@ -107,6 +134,8 @@ static uint64_t shuffle_sse2(uint8_t *dst, const uint8_t *src, uint64_t n, uint3
     } else if (width == 8) {
         for (; i + 16 <= n; i += 16) {
             const uint8_t *s = src + 8 * i;
+            PREFETCH(s);
+            PREFETCH(s + 64);
             __m128i e[4], o[4], ee[2], eo[2], oe[2], oo[2], p[8];
             for (int k = 0; k < 4; k++) split_bytes(LOAD(s + 32 * k), LOAD(s + 32 * k + 16), &e[k], &o[k]);
             /* e: bytes 0,2,4,6 of units 4k..4k+3; o: bytes 1,3,5,7 */
@@ -125,8 +154,8 @@ static uint64_t shuffle_sse2(uint8_t *dst, const uint8_t *src, uint64_t n, uint3
     return i;
 }
 #else
-static uint64_t unshuffle_sse2(uint8_t *dst, const uint8_t *src, uint64_t n, uint32_t width) {
-    (void)dst, (void)src, (void)n, (void)width;
+static uint64_t unshuffle_sse2(uint8_t *dst, const uint8_t *src, uint64_t n, uint32_t width, int stream) {
+    (void)dst, (void)src, (void)n, (void)width, (void)stream;
     return 0;
 }
 static uint64_t shuffle_sse2(uint8_t *dst, const uint8_t *src, uint64_t n, uint32_t width) {
@@ -142,7 +171,12 @@ void ckf_shuffle(uint8_t *dst, const uint8_t *src, uint64_t len, uint32_t width)
 
 void ckf_unshuffle(uint8_t *dst, const uint8_t *src, uint64_t len, uint32_t width) {
     uint64_t n = len / width;
-    unshuffle_tail(dst, src, n, width, unshuffle_sse2(dst, src, n, width));
+    unshuffle_tail(dst, src, n, width, unshuffle_sse2(dst, src, n, width, 0));
+}
+
+void ckf_unshuffle_stream(uint8_t *dst, const uint8_t *src, uint64_t len, uint32_t width) {
+    uint64_t n = len / width;
+    unshuffle_tail(dst, src, n, width, unshuffle_sse2(dst, src, n, width, 1));
 }
 
 size_t ckf_zstd_bound(size_t len) { return ZSTD_compressBound(len); }

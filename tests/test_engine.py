@@ -99,6 +99,14 @@ def test_seed_and_shuffle_match_the_reference():
             back = ffi.new("uint8_t[]", max(n, 1))
             lib.ckf_unshuffle(back, out, n, width)
             assert bytes(ffi.buffer(back, n)) == raw.tobytes(), (width, units)
+            # the streaming-store variant, into an aligned and a misaligned destination
+            wide = ffi.new("uint8_t[]", n + 17)
+            for at in (0, 16 - int(ffi.cast("uintptr_t", wide)) % 16, 1):
+                ffi.memmove(wide, bytes(n + 17), n + 17)
+                lib.ckf_unshuffle_stream(wide + at, out, n, width)
+                got = bytes(ffi.buffer(wide, n + 17))
+                assert got[at : at + n] == raw.tobytes(), (width, units, at)
+                assert got[:at] == bytes(at) and got[at + n :] == bytes(17 - at), (width, units, at)
     assert xxhash.xxh3_64_intdigest(b"x", seed=5) == xxhash.xxh3_64_intdigest(b"x", seed=5)
 
 
