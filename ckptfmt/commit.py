@@ -353,7 +353,12 @@ class AtomicFile:
     def commit(self) -> None:
         """fsync the file, rename it over the target, fsync the directory."""
         os.fsync(self.fd)
-        os.replace(self.tmp, self.path)
+        replaced = _hold_old_file(self.path)
+        try:
+            os.replace(self.tmp, self.path)
+        finally:
+            if replaced >= 0:
+                _close_later(replaced)
         _disown(os.path.basename(self.tmp))
         self.tmp = ""
         fsync_dir(os.path.dirname(self.path))
@@ -369,6 +374,29 @@ class AtomicFile:
                 pass  # left for a later cleanup: no longer registered, so abandoned
             _disown(os.path.basename(self.tmp))
             self.tmp = ""
+
+
+def _hold_old_file(path: str) -> int:
+    """An open descriptor of the regular file a commit is about to replace, or -1.
+
+    Renaming over a file frees its pages and blocks in the rename itself when nothing
+    else holds it open: about 0.12 s per GiB on tmpfs, a quarter of a save.  Holding it
+    open moves that work to the close, which _close_later does off the caller's path."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return -1
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+    except OSError:
+        pass
+    os.close(fd)
+    return -1
+
+
+def _close_later(fd: int) -> None:
+    threading.Thread(target=os.close, args=(fd,), name="ckptfmt-free-replaced", daemon=True).start()
 
 
 def _disown(name: str) -> None:

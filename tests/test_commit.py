@@ -342,3 +342,25 @@ def test_a_dead_owners_temp_goes_even_while_a_forked_child_holds_its_lock(tmp_pa
     finally:
         os.kill(int(child), signal.SIGKILL)
         proc.stdout.close()
+
+
+def test_replacing_a_file_frees_it_off_the_callers_path_without_leaking(tmp_path):
+    """A commit over an existing file holds the old one open across the rename and closes
+    it on a thread: the new content is there at once, and no descriptor is left behind."""
+    import threading
+
+    import torch
+
+    import ckptfmt
+
+    path = tmp_path / "a.ckpt"
+    ckptfmt.save({"v": torch.zeros(1000)}, path)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    for i in range(1, 6):
+        ckptfmt.save({"v": torch.full((1000,), float(i))}, path)
+        assert torch.equal(ckptfmt.load(path)["v"], torch.full((1000,), float(i)))
+    for t in threading.enumerate():
+        if t.name == "ckptfmt-free-replaced":
+            t.join(10)
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt"]
