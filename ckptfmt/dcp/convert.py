@@ -237,9 +237,11 @@ def describe(directory: str | os.PathLike[str]) -> dict[str, Any]:
     out.update(step=record.step, layout=record.layout, created=record.created)
     if record.layout == LAYOUT and isinstance(record.layout_data, dict):
         d = record.layout_data
+        columns = d.get("tensors")
+        keys = columns.get("keys") if isinstance(columns, dict) else None
         out.update(
             world_size=d.get("world_size"),
-            tensors=len(d.get("tensors") or {}),
+            tensors=len(keys) if isinstance(keys, list) else 0,
             values=len(d.get("bytes") or {}),
         )
     problems = []

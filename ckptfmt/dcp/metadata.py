@@ -5,15 +5,19 @@ The commit record of a DCP checkpoint (layout ``"dcp"``) carries this value in i
 
     {"version": "1.0.0" | None,          # DCP's metadata version (its key-flattening rules)
      "world_size": 4,                    # ranks that saved
-     "tensors": {fqn: {"dtype": "bfloat16", "size": [8, 16], "requires_grad": False,
-                       "chunks": int64 array [n, 2*ndim + 2]}},
+     "tensors": {"keys": [fqn, ...],     # n tensors, in columns:
+                 "dtypes": ["bfloat16", ...],       # the dtype names they use
+                 "props": int64 array [n, 4],       # dtype index, requires_grad, ndim, chunk rows
+                 "sizes": int64 array [sum ndim],   # each tensor's size, one after another
+                 "chunks": int64 array [...]},      # each tensor's chunk rows, one after another
      "bytes": {fqn: [file, key]},
      "planner_data": {fqn: ("model", "layer", "weight"), ...} | None,
      "storage_meta": {"checkpoint_id": str | None, "save_id": str | None, "modules": [str]} | None}
 
-Each row of a tensor's ``chunks`` array is one saved chunk: its offsets in the global
-tensor (ndim values), its sizes (ndim values), the index of the part file in the
-record's ``files`` list and the item's key in that file's root dict.  Reading
+A chunk row is one saved chunk: its offsets in the global tensor (ndim values), its
+sizes (ndim values), the index of the part file in the record's ``files`` list and
+the item's key in that file's root dict.  Columns, not an entry per tensor: a state
+has thousands of tensors, and every rank parses this record on every load.  Reading
 checks every field's type and range, that each tensor's chunks lie inside it and
 tile it exactly (no overlap, no hole: a hole would leave part of a loaded tensor
 unwritten without an error), and raises CorruptError naming the key; a damaged or
@@ -45,11 +49,15 @@ from ..format import Limits
 #: DCP's metadata version written by this torch's own FileSystemWriter (filesystem.CURRENT_DCP_VERSION)
 DCP_VERSION = "1.0.0"
 _FIELDS = ("version", "world_size", "tensors", "bytes", "planner_data", "storage_meta")
-_TENSOR_FIELDS = ("dtype", "size", "requires_grad", "chunks")
+_TENSOR_FIELDS = ("keys", "dtypes", "props", "sizes", "chunks")
+#: columns of a tensor's row in ``props``
+_PROP_DTYPE, _PROP_GRAD, _PROP_NDIM, _PROP_ROWS = range(4)
 _STORAGE_META_FIELDS = ("checkpoint_id", "save_id", "modules")
 #: items one file may hold, and ranks one record may name (the record's own part limit)
 MAX_KEY = (1 << 31) - 1
 MAX_WORLD = 1 << 24
+#: chunk rows one tensor may have
+MAX_ROWS = 1 << 24
 #: chunks per tensor compared pairwise at once when checking that they do not overlap
 _OVERLAP_BLOCK = 256
 #: up to this many chunks a tensor's rows are checked in plain Python, above it with numpy
@@ -77,11 +85,11 @@ def to_value(
     md: Metadata, where: dict[MetadataIndex, tuple[int, int]], world_size: int, fail_path: str
 ) -> dict[str, Any]:
     """The record's ``dcp`` member for `md`; `where` maps each saved item to (file index, key)."""
-    tensors: dict[str, Any] = {}
+    columns = _TensorColumns()
     byte_items: dict[str, list[int]] = {}
     for fqn, sm in md.state_dict_metadata.items():
         if isinstance(sm, TensorStorageMetadata):
-            tensors[fqn] = _tensor_value(fqn, sm, where, fail_path)
+            columns.add(fqn, sm, where, fail_path)
         elif isinstance(sm, BytesStorageMetadata):
             loc = where.get(MetadataIndex(fqn))
             if loc is None:
@@ -92,38 +100,53 @@ def to_value(
     return {
         "version": md.version if isinstance(md.version, str) else DCP_VERSION,
         "world_size": world_size,
-        "tensors": tensors,
+        "tensors": columns.value(),
         "bytes": byte_items,
         "planner_data": md.planner_data,
         "storage_meta": _storage_meta_value(md.storage_meta),
     }
 
 
-def _tensor_value(
-    fqn: str, sm: TensorStorageMetadata, where: dict[MetadataIndex, tuple[int, int]], fail_path: str
-) -> dict[str, Any]:
-    name = dtypes.TORCH_NAMES.get(sm.properties.dtype)
-    if name is None:
-        raise UnsupportedObjectError(f"dtype {sm.properties.dtype} is not supported by ckptfmt", key=fqn)
-    if sm.properties.layout != torch.strided:
-        raise UnsupportedObjectError(f"layout {sm.properties.layout} is not supported", key=fqn)
-    ndim = len(sm.size)
-    rows = np.zeros((len(sm.chunks), 2 * ndim + 2), dtype=np.int64)
-    for i, ch in enumerate(sm.chunks):
-        loc = where.get(MetadataIndex(fqn, ch.offsets))
-        if loc is None:
-            raise CheckpointError(
-                f"no rank reported writing the chunk at offsets {list(ch.offsets)}", path=fail_path, key=fqn
-            )
-        rows[i, :ndim] = list(ch.offsets)
-        rows[i, ndim : 2 * ndim] = list(ch.sizes)
-        rows[i, 2 * ndim :] = loc
-    return {
-        "dtype": name,
-        "size": [int(d) for d in sm.size],
-        "requires_grad": bool(sm.properties.requires_grad),
-        "chunks": rows,
-    }
+class _TensorColumns:
+    """The ``tensors`` member, built a tensor at a time."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.dtypes: dict[str, int] = {}
+        self.props: list[list[int]] = []
+        self.sizes: list[int] = []
+        self.chunks: list[int] = []
+
+    def add(
+        self, fqn: str, sm: TensorStorageMetadata, where: dict[MetadataIndex, tuple[int, int]], fail_path: str
+    ) -> None:
+        name = dtypes.TORCH_NAMES.get(sm.properties.dtype)
+        if name is None:
+            raise UnsupportedObjectError(f"dtype {sm.properties.dtype} is not supported by ckptfmt", key=fqn)
+        if sm.properties.layout != torch.strided:
+            raise UnsupportedObjectError(f"layout {sm.properties.layout} is not supported", key=fqn)
+        for ch in sm.chunks:
+            loc = where.get(MetadataIndex(fqn, ch.offsets))
+            if loc is None:
+                raise CheckpointError(
+                    f"no rank reported writing the chunk at offsets {list(ch.offsets)}",
+                    path=fail_path,
+                    key=fqn,
+                )
+            self.chunks += [*ch.offsets, *ch.sizes, *loc]
+        index = self.dtypes.setdefault(name, len(self.dtypes))
+        self.keys.append(fqn)
+        self.props.append([index, int(bool(sm.properties.requires_grad)), len(sm.size), len(sm.chunks)])
+        self.sizes += [int(d) for d in sm.size]
+
+    def value(self) -> dict[str, Any]:
+        return {
+            "keys": self.keys,
+            "dtypes": list(self.dtypes),
+            "props": np.array(self.props, dtype=np.int64).reshape(len(self.props), 4),
+            "sizes": np.array(self.sizes, dtype=np.int64),
+            "chunks": np.array(self.chunks, dtype=np.int64),
+        }
 
 
 def _storage_meta_value(sm: StorageMeta | None) -> dict[str, Any] | None:
@@ -177,10 +200,7 @@ def from_value(value: object, files: list[str], path: str) -> tuple[Metadata, di
         raise fail("tensors and bytes must be dicts")
     sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     where: dict[MetadataIndex, Location] = {}
-    for fqn, t in tensors.items():
-        if type(fqn) is not str:
-            raise fail("a tensor key is not a str")
-        sdm[fqn] = _tensor_from_value(fail, fqn, t, files, where)
+    _tensors_from_value(fail, tensors, files, sdm, where)
     for fqn, loc in byte_items.items():
         if type(fqn) is not str:
             raise fail("a value key is not a str")
@@ -204,46 +224,73 @@ def from_value(value: object, files: list[str], path: str) -> tuple[Metadata, di
     return md, where
 
 
-def _tensor_from_value(
-    fail: _Fail, fqn: str, t: object, files: list[str], where: dict[MetadataIndex, Location]
-) -> TensorStorageMetadata:
-    m = _exact(fail, t, _TENSOR_FIELDS, "a tensor entry", fqn)
-    name = m["dtype"]
-    if type(name) is not str or name not in dtypes.TORCH_DTYPES:
-        if type(name) is str:
+def _int64_array(fail: _Fail, v: object, ndim: int, what: str) -> np.ndarray:
+    if type(v) is not np.ndarray or v.dtype != np.dtype("<i8") or v.ndim != ndim:
+        raise fail(f"{what} must be an int64 array of {ndim} dimension{'s' if ndim > 1 else ''}")
+    return v
+
+
+def _tensors_from_value(
+    fail: _Fail,
+    value: object,
+    files: list[str],
+    sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata],
+    where: dict[MetadataIndex, Location],
+) -> None:
+    """Every tensor's TensorStorageMetadata (into `sdm`) and its chunks' locations (into `where`)."""
+    t = _exact(fail, value, _TENSOR_FIELDS, "the tensors member")
+    keys, names = t["keys"], t["dtypes"]
+    if type(keys) is not list or any(type(k) is not str for k in keys):
+        raise fail("tensors.keys must be a list of str")
+    if len(set(keys)) != len(keys):
+        raise fail("tensors.keys has a key twice")
+    if type(names) is not list or any(type(n) is not str for n in names):
+        raise fail("tensors.dtypes must be a list of str")
+    props = _int64_array(fail, t["props"], 2, "tensors.props")
+    if props.shape != (len(keys), 4):
+        raise fail(f"tensors.props must have shape [{len(keys)}, 4]")
+    sizes_flat = _int64_array(fail, t["sizes"], 1, "tensors.sizes").tolist()
+    chunks_flat = _int64_array(fail, t["chunks"], 1, "tensors.chunks")
+    size_at = row_at = 0
+    for fqn, (dt, grad, ndim, n_rows) in zip(keys, props.tolist()):
+        if not 0 <= dt < len(names):
+            raise fail(f"dtype index {dt} is not in tensors.dtypes", fqn)
+        name = names[dt]
+        if name not in dtypes.TORCH_DTYPES:
             raise UnsupportedError(f"DCP metadata: dtype {name[:40]!r} is unknown to this reader", key=fqn)
-        raise fail("dtype must be a str", fqn)
-    size = m["size"]
-    if type(size) is not list or len(size) > Limits.MAX_RANK:
-        raise fail(f"size must be a list of at most {Limits.MAX_RANK} ints", fqn)
-    for s in size:
-        _int(fail, s, "a size", 0, Limits.MAX_NUMEL, fqn)
-    numel = math.prod(size)
-    if numel > Limits.MAX_NUMEL:
-        raise fail(f"{numel} elements exceed the limit {Limits.MAX_NUMEL}", fqn, limit=True)
-    if type(m["requires_grad"]) is not bool:
-        raise fail("requires_grad must be a bool", fqn)
-    rows = m["chunks"]
-    ndim = len(size)
-    if (
-        type(rows) is not np.ndarray
-        or rows.dtype != np.dtype("<i8")
-        or rows.ndim != 2
-        or rows.shape[1] != 2 * ndim + 2
-    ):
-        raise fail(f"chunks must be an int64 array of shape [n, {2 * ndim + 2}]", fqn)
-    table: list[list[int]] = rows.tolist()
-    if len(table) <= _FEW_CHUNKS:
-        _check_few_rows(fail, fqn, table, size, numel, len(files))
-    else:
-        _check_rows(fail, fqn, rows, size, numel, len(files))
-    chunks = []
-    for row in table:
-        o, s = torch.Size(row[:ndim]), torch.Size(row[ndim : 2 * ndim])
-        chunks.append(ChunkStorageMetadata(offsets=o, sizes=s))
-        where[MetadataIndex(fqn, o)] = Location(files[row[2 * ndim]], row[2 * ndim + 1], tuple(s))
-    props = TensorProperties(dtype=dtypes.TORCH_DTYPES[name], requires_grad=m["requires_grad"])
-    return TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
+        if grad not in (0, 1):
+            raise fail("requires_grad must be 0 or 1", fqn)
+        _int(fail, ndim, "ndim", 0, Limits.MAX_RANK, fqn)
+        _int(fail, n_rows, "the number of chunk rows", 1, MAX_ROWS, fqn)
+        size = sizes_flat[size_at : size_at + ndim]
+        if len(size) != ndim:
+            raise fail("tensors.sizes is shorter than the tensors' ndims", fqn)
+        size_at += ndim
+        for d in size:
+            _int(fail, d, "a size", 0, Limits.MAX_NUMEL, fqn)
+        numel = math.prod(size)
+        if numel > Limits.MAX_NUMEL:
+            raise fail(f"{numel} elements exceed the limit {Limits.MAX_NUMEL}", fqn, limit=True)
+        width = 2 * ndim + 2
+        rows = chunks_flat[row_at : row_at + n_rows * width]
+        if len(rows) != n_rows * width:
+            raise fail("tensors.chunks is shorter than the tensors' chunk rows", fqn)
+        row_at += n_rows * width
+        rows = rows.reshape(n_rows, width)
+        table: list[list[int]] = rows.tolist()
+        if n_rows <= _FEW_CHUNKS:
+            _check_few_rows(fail, fqn, table, size, numel, len(files))
+        else:
+            _check_rows(fail, fqn, rows, size, numel, len(files))
+        chunks = []
+        for row in table:
+            o, s = torch.Size(row[:ndim]), torch.Size(row[ndim : 2 * ndim])
+            chunks.append(ChunkStorageMetadata(offsets=o, sizes=s))
+            where[MetadataIndex(fqn, o)] = Location(files[row[2 * ndim]], row[2 * ndim + 1], tuple(s))
+        props_ = TensorProperties(dtype=dtypes.TORCH_DTYPES[name], requires_grad=bool(grad))
+        sdm[fqn] = TensorStorageMetadata(properties=props_, size=torch.Size(size), chunks=chunks)
+    if size_at != len(sizes_flat) or row_at != len(chunks_flat):
+        raise fail("tensors.sizes or tensors.chunks holds more than the tensors' sizes and chunk rows")
 
 
 def _check_rows(fail: _Fail, fqn: str, rows: np.ndarray, size: list[int], numel: int, n_files: int) -> None:
