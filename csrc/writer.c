@@ -16,6 +16,7 @@
  * checksum, piece by piece while in cache; for a compressed one before encoding.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -123,6 +124,12 @@ static void write_chunk(job *j, uint64_t k, const uint8_t *p, int thread) {
         }
         done += step;
     }
+#ifdef SYNC_FILE_RANGE_WRITE
+    /* Start writing the chunk back now (a hint: errors surface at the fsync that commits
+     * the file): the commit's fsync then waits for what is still in flight, not for the
+     * whole file, so the device works while the other chunks are hashed and copied. */
+    if (c->stored_len) (void)sync_file_range(j->fd, (off_t)c->offset, (off_t)c->stored_len, SYNC_FILE_RANGE_WRITE);
+#endif
     c->checksum = h ? XXH3_64bits_digest(h) : 0;
     if (d) {
         XXH128_canonical_t canon;
