@@ -323,7 +323,7 @@ def _write_worker(
                     raise last
         if exc is None:
             chunkio.finish_file(atomic.fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup)
-            atomic.commit()
+            atomic.commit(in_background=True)
     except BaseException as e:
         exc = exc or e
         while not ended:  # the snapshot is still handing over pieces: give their slabs back

@@ -350,10 +350,13 @@ class AtomicFile:
             raise
         return self
 
-    def commit(self) -> None:
-        """fsync the file, rename it over the target, fsync the directory."""
+    def commit(self, *, in_background: bool = False) -> None:
+        """fsync the file, rename it over the target, fsync the directory.
+
+        A file it replaces is freed on a thread of its own, off the caller's path,
+        unless the commit already runs `in_background` (a non-blocking save's thread)."""
         os.fsync(self.fd)
-        replaced = _hold_old_file(self.path)
+        replaced = -1 if in_background else _hold_old_file(self.path)
         try:
             os.replace(self.tmp, self.path)
         finally:

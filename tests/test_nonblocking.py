@@ -115,9 +115,9 @@ def test_directory_that_disappears(tmp_path, backend, monkeypatch):
     d.mkdir()
     commit = writer.AtomicFile.commit
 
-    def vanish_then_commit(self):  # the directory goes away between the writes and the rename
+    def vanish_then_commit(self, **kwargs):  # the directory goes away between the writes and the rename
         shutil.rmtree(d)
-        commit(self)
+        commit(self, **kwargs)
 
     monkeypatch.setattr(writer.AtomicFile, "commit", vanish_then_commit)
     h = ckptfmt.save({"t": torch.randn(1 << 20)}, d / "x.ckpt", blocking=False, chunk_size=1 << 16)
