@@ -297,6 +297,7 @@ def _write_worker(
 ) -> None:
     exc: BaseException | None = None
     ended = False  # the snapshot's last item (None, or its error) has been taken
+    replaced: list[int] = []  # the file this save replaced, held open: freed after the save is done
     try:
         go.wait()
         file_id = chunkio.new_file_id()
@@ -323,7 +324,7 @@ def _write_worker(
                     raise last
         if exc is None:
             chunkio.finish_file(atomic.fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup)
-            atomic.commit(in_background=True)
+            atomic.commit(free_replaced=replaced.append)
     except BaseException as e:
         exc = exc or e
         while not ended:  # the snapshot is still handing over pieces: give their slabs back
@@ -340,4 +341,8 @@ def _write_worker(
         if isinstance(exc, OSError) and exc.filename is None:
             exc = type(exc)(exc.errno, exc.strerror, handle.path)
         inflight.end(handle)
-        handle._finish(exc)
+        try:
+            handle._finish(exc)
+        finally:
+            for fd in replaced:  # after the save is done: its caller does not wait for this
+                os.close(fd)

@@ -60,7 +60,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 TEMP_MARKER = ".ckptfmt-tmp."
 
@@ -350,18 +350,18 @@ class AtomicFile:
             raise
         return self
 
-    def commit(self, *, in_background: bool = False) -> None:
+    def commit(self, *, free_replaced: Callable[[int], None] | None = None) -> None:
         """fsync the file, rename it over the target, fsync the directory.
 
-        A file it replaces is freed on a thread of its own, off the caller's path,
-        unless the commit already runs `in_background` (a non-blocking save's thread)."""
+        A file it replaces is held open across the rename and handed to `free_replaced`
+        (default: closed on a thread of its own), so that freeing it is off this path."""
         os.fsync(self.fd)
-        replaced = -1 if in_background else _hold_old_file(self.path)
+        replaced = _hold_old_file(self.path)
         try:
             os.replace(self.tmp, self.path)
         finally:
             if replaced >= 0:
-                _close_later(replaced)
+                (free_replaced or _close_later)(replaced)
         _disown(os.path.basename(self.tmp))
         self.tmp = ""
         fsync_dir(os.path.dirname(self.path))

@@ -38,8 +38,8 @@ def _no_leaks():
     yield
     for h in list(background._in_flight.values()):
         h._done.wait(30)
-    for t in threading.enumerate():  # a blocking save frees the file it replaced on a short-lived thread
-        if t.name == "ckptfmt-free-replaced":
+    for t in threading.enumerate():  # files a save replaced are freed after it is done
+        if t.name == "ckptfmt-free-replaced" or t.name.startswith("ckptfmt-save-"):
             t.join(30)
     assert threading.active_count() == threads, "a writer thread outlived its save"
     assert len(os.listdir("/proc/self/fd")) <= fds, "a file descriptor leaked"
