@@ -636,6 +636,7 @@ HOSTILE = {
     "chunk-outside": lambda v: _chunks(v, "w", [[1, 0, 4, 6, 0, 0]]),
     "chunk-hole": lambda v: _chunks(v, "w", [[0, 0, 2, 6, 0, 0]]),
     "chunks-overlap": lambda v: _chunks(v, "w", [[0, 0, 3, 6, 0, 0], [1, 0, 1, 6, 0, 0]]),
+    "empty-chunk-at-a-chunks-offsets": lambda v: _chunks(v, "w", [[0, 0, 4, 6, 0, 0], [0, 0, 0, 6, 0, 5]]),
     "chunk-file-out-of-range": lambda v: _chunks(v, "w", [[0, 0, 4, 6, 5, 0]]),
     "chunk-key-absent": lambda v: _chunks(v, "w", [[0, 0, 4, 6, 0, 999]]),
     "chunk-names-a-value": lambda v: _chunks(v, "w", [[0, 0, 4, 6, 0, v["bytes"]["lr"][1]]]),
@@ -926,3 +927,27 @@ def test_chunk_rows_are_checked_alike_in_python_and_numpy(case: tuple[list[int],
         except CorruptError as e:
             outcomes.append(str(e).split(" at offsets")[0])
     assert outcomes[0] == outcomes[1], (size, table, outcomes)
+
+
+def test_cached_plans_follow_dtype_changes_and_failed_saves(tmp_path: Path) -> None:
+    """DCP's plan cache compares keys and shapes only: a dtype change with the same shapes
+    must still reach the record, an unstorable value must still fail before anything is
+    written (the earlier checkpoint in the directory stays), and each save returns its own
+    Metadata."""
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    m1 = cdcp.save({"w": w, "lr": 0.5}, str(tmp_path / "a"))
+    m2 = cdcp.save({"w": w.to(torch.bfloat16), "lr": 0.25}, str(tmp_path / "b"))
+    assert m1 is not m2
+    assert m1.storage_meta is not None and m1.storage_meta.checkpoint_id == str(tmp_path / "a")
+    assert m2.state_dict_metadata["w"].properties.dtype == torch.bfloat16  # type: ignore[union-attr]
+    back = {"w": torch.zeros(3, 4, dtype=torch.bfloat16), "lr": 0.0}
+    cdcp.load(back, str(tmp_path / "b"))
+    assert torch.equal(back["w"], w.to(torch.bfloat16)) and back["lr"] == 0.25
+    with pytest.raises(UnsupportedObjectError, match="lr"):
+        cdcp.save({"w": w.to(torch.bfloat16), "lr": object()}, str(tmp_path / "b"))
+    assert (tmp_path / "b" / multifile.COMMIT_NAME).exists()
+    cdcp.load(back, str(tmp_path / "b"))
+    assert back["lr"] == 0.25
+    cdcp.save({"w": w.to(torch.bfloat16) + 1, "lr": 0.125}, str(tmp_path / "b"))
+    cdcp.load(back, str(tmp_path / "b"))
+    assert torch.equal(back["w"], w.to(torch.bfloat16) + 1) and back["lr"] == 0.125

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import _native, bytesview
 from ..errors import CheckpointError
-from ..gcpause import pausing
+from ..gcpause import pausing_in_main_thread
 from .planners import LoadPlanner, SavePlanner
 from .storage import Reader, Writer
 
@@ -42,15 +42,16 @@ def _single_process_ok() -> Iterator[None]:
         yield
 
 
-def _save_planner(process_group: dist.ProcessGroup | None) -> SavePlanner:
+def _save_planner(process_group: dist.ProcessGroup | None, kind: str) -> SavePlanner:
     """A planner that reuses the previous save's plans when nothing changed (DCP's plan cache):
     a training job saves the same structure every time, and sending every rank's plan to the
-    coordinator and back is most of a save's fixed cost.  Cached per group of ranks."""
+    coordinator and back is most of a save's fixed cost.  Cached per group of ranks and per
+    `kind` of save (a blocking save may run while an async one plans in DCP's thread)."""
     if _distributed():
         ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)  # type: ignore[arg-type]
-        key = "ranks:" + ",".join(map(str, ranks))
+        key = f"{kind}:ranks:" + ",".join(map(str, ranks))
     else:
-        key = "no_dist"
+        key = f"{kind}:no_dist"
     return SavePlanner(enable_plan_caching=True, cache_key=key)
 
 
@@ -77,7 +78,7 @@ def _failure(doing: str, path: str, e: BaseException) -> CheckpointError:
     )
 
 
-@pausing
+@pausing_in_main_thread
 def save(
     state_dict: dict[str, Any],
     path: str | os.PathLike[str],
@@ -106,24 +107,26 @@ def save(
         metrics=metrics,
         metadata=metadata,
     )
+    planner = _save_planner(process_group, "blocking")
     try:
         with _single_process_ok():
             return dcp.save(
                 state_dict,
                 storage_writer=w,
-                planner=_save_planner(process_group),
+                planner=planner,
                 process_group=process_group,
                 no_dist=not _distributed(),
             )
-    except CheckpointException as e:
-        raise _failure("save", target, e) from e
-    except RuntimeError as e:
-        if not _distributed():
-            raise
-        raise _failure("save", target, e) from e
+    except BaseException as e:
+        planner.forget_cached_plans()  # every rank gets the error: all caches start over
+        if isinstance(e, CheckpointException):
+            raise _failure("save", target, e) from e
+        if isinstance(e, RuntimeError) and _distributed():
+            raise _failure("save", target, e) from e
+        raise
 
 
-@pausing
+@pausing_in_main_thread
 def load(
     state_dict: dict[str, Any],
     path: str | os.PathLike[str],
@@ -300,10 +303,11 @@ def async_save(
         metrics=metrics,
         metadata=metadata,
     )
+    planner = _save_planner(group, "async")
     inner = dcp.async_save(
         state_dict,
         storage_writer=w,
-        planner=_save_planner(group),
+        planner=planner,
         process_group=group,
         async_stager=st,  # type: ignore[arg-type]
         no_dist=not _distributed(),
@@ -312,6 +316,8 @@ def async_save(
     out: concurrent.futures.Future[Metadata] = concurrent.futures.Future()
 
     def done(f: concurrent.futures.Future[Any]) -> None:
+        if f.exception() is not None:
+            planner.forget_cached_plans()
         try:
             out.set_result(f.result())
         except CheckpointException as e:

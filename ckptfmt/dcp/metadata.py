@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import (
 from .. import dtypes
 from ..errors import CheckpointError, CorruptError, LimitError, UnsupportedError, UnsupportedObjectError
 from ..format import Limits
+from ..gcpause import pausing
 
 #: DCP's metadata version written by this torch's own FileSystemWriter (filesystem.CURRENT_DCP_VERSION)
 DCP_VERSION = "1.0.0"
@@ -60,6 +61,8 @@ MAX_WORLD = 1 << 24
 MAX_ROWS = 1 << 24
 #: chunks per tensor compared pairwise at once when checking that they do not overlap
 _OVERLAP_BLOCK = 256
+#: an empty chunk at a saved chunk's offsets would hide where that chunk lives
+_SAME_OFFSETS = "two chunks have the same offsets"
 #: up to this many chunks a tensor's rows are checked in plain Python, above it with numpy
 _FEW_CHUNKS = 16
 
@@ -81,6 +84,7 @@ class Location:
 # -- Metadata -> value ----------------------------------------------------------------------
 
 
+@pausing
 def to_value(
     md: Metadata, where: dict[MetadataIndex, tuple[int, int]], world_size: int, fail_path: str
 ) -> dict[str, Any]:
@@ -186,6 +190,7 @@ def _int(fail: _Fail, v: object, what: str, lo: int, hi: int, key: str | None = 
     return v
 
 
+@pausing
 def from_value(value: object, files: list[str], path: str) -> tuple[Metadata, dict[MetadataIndex, Location]]:
     """DCP's Metadata from a record's ``dcp`` member, and where each item lies (by file name)."""
     fail = _Fail(path)
@@ -307,6 +312,8 @@ def _check_rows(fail: _Fail, fqn: str, rows: np.ndarray, size: list[int], numel:
     if (files_col >= n_files).any() or (keys_col > MAX_KEY).any():
         raise fail("a chunk names a file or key that does not exist", fqn)
     _check_tiling(fail, fqn, offs, sizes, numel)
+    if ndim and len(np.unique(offs, axis=0)) != len(offs):
+        raise fail(_SAME_OFFSETS, fqn)
 
 
 def _check_few_rows(
@@ -338,6 +345,8 @@ def _check_few_rows(
         for b_off, b_end in boxes[i + 1 :]:
             if all(a_off[d] < b_end[d] and b_off[d] < a_end[d] for d in range(ndim)):
                 raise fail(f"chunks at offsets {a_off} and {b_off} overlap", fqn)
+    if ndim and len({tuple(row[:ndim]) for row in table}) != len(table):
+        raise fail(_SAME_OFFSETS, fqn)
 
 
 def _check_tiling(fail: _Fail, fqn: str, offs: np.ndarray, sizes: np.ndarray, numel: int) -> None:

@@ -8,9 +8,11 @@ load) is DCP's own.  DefaultSavePlanner turns each non-tensor value into
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from typing import Any
 
+from torch.distributed.checkpoint import planner as dcp_planner
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
@@ -38,14 +40,26 @@ class SavePlanner(DefaultSavePlanner):
     @pausing  # DCP's planning makes an object per item (async saves plan in DCP's thread)
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
-        for item in plan.items:
+        if not plan.usable and not _same_details(self.plan, _cached_local_plan(self._cached_plans_key)):
+            # DCP compares keys, offsets and sizes only: a dtype, requires_grad or key path
+            # that changed would leave the previous save's Metadata in this one's record
+            self._pending_local_plan = self.plan
+            plan = self.plan
+        for item in self.plan.items:  # the whole plan, also when DCP's cache serves it
             if item.type == WriteItemType.BYTE_IO:
                 check_storable(self.lookup_object(item.index), item.index.fqn)
         return plan
 
     @pausing
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        return super().create_global_plan(all_plans)
+        plans, md = super().create_global_plan(all_plans)
+        # the cache keeps `md` for the next save; each save returns (and records) its own copy
+        return plans, dataclasses.replace(md)
+
+    def forget_cached_plans(self) -> None:
+        """Drop what DCP's plan cache holds under this planner's key (after a failed save, when
+        ranks may have cached different steps of it)."""
+        forget_cached_plans(self._cached_plans_key)
 
     def resolve_object(self, write_item: WriteItem) -> Any:
         """The non-tensor value itself (ckptfmt's Writer stores it without a byte round trip)."""
@@ -55,6 +69,27 @@ class SavePlanner(DefaultSavePlanner):
         if write_item.type == WriteItemType.BYTE_IO:
             return ObjectBytes(object, encode_value(object, write_item.index.fqn))
         return object
+
+
+def _cached_local_plan(key: str) -> SavePlan | None:
+    return dcp_planner.SavePlanner._cached_save_plan.get(key)
+
+
+def _same_details(plan: SavePlan, cached: SavePlan | None) -> bool:
+    if cached is None or plan.planner_data != cached.planner_data or len(plan.items) != len(cached.items):
+        return False
+    return all(a.tensor_data == b.tensor_data for a, b in zip(plan.items, cached.items))
+
+
+def forget_cached_plans(key: str) -> None:
+    for cache in (
+        dcp_planner.SavePlanner._cached_save_plan,
+        dcp_planner.SavePlanner._cached_final_save_plan,
+        dcp_planner.SavePlanner._cached_all_plans,
+        dcp_planner.SavePlanner._cached_global_plan,
+        dcp_planner.SavePlanner._cached_metadata,
+    ):
+        cache.pop(key, None)
 
 
 class LoadPlanner(DefaultLoadPlanner):
