@@ -65,7 +65,7 @@ import torch
 
 from . import _native, bytesview, dtypes, inflight, tree
 from .errors import CheckpointError
-from .gcpause import pausing
+from .gcpause import pausing_in_main_thread
 from .reader import CheckpointFile
 
 
@@ -149,7 +149,7 @@ def _file_items(f: CheckpointFile, i: int, prefix: str) -> Iterator[tuple[str, i
         yield prefix, i
 
 
-@pausing
+@pausing_in_main_thread
 def load_into(
     path: str | os.PathLike[str],
     state: Any,

@@ -24,7 +24,7 @@ from . import format as fmt
 from .chunkread import ChunkReader
 from .errors import CheckpointError, LimitError, UnsupportedError
 from .fileio import open_regular
-from .gcpause import pausing
+from .gcpause import pausing_in_main_thread
 from .index import Chunk, External, parse_index, parse_index_json
 from .staging import POOL
 
@@ -250,7 +250,7 @@ class CheckpointFile:
         flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=rec.nbytes, offset=chunks[0].offset)
         return flat.untyped_storage()
 
-    @pausing
+    @pausing_in_main_thread
     def load_subtree(
         self, top: int, map_location: devices.MapLocation, verify: bool, use_mmap: bool = False
     ) -> object:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from . import inflight
 from .errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
-from .gcpause import pausing
+from .gcpause import pausing_in_main_thread
 from .reader import CheckpointFile
 
 
@@ -66,7 +66,7 @@ def problem_of(e: CheckpointError) -> Problem:
     return Problem(_kind(e), e.reason, e.key, e.chunk, e.offset)
 
 
-@pausing
+@pausing_in_main_thread
 def verify(
     path: str | os.PathLike[str],
     *,

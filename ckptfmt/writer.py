@@ -39,7 +39,7 @@ from .commit import (  # noqa: F401 - the commit protocol's names, as they were 
     remove_stale_temps,
     temp_prefix,
 )
-from .gcpause import pausing
+from .gcpause import pausing_in_main_thread
 
 
 def check_save_args(compression: str | None, level: int | None, metadata: object) -> dict[str, str]:
@@ -95,7 +95,7 @@ def save(
     )
 
 
-@pausing
+@pausing_in_main_thread
 def write_state(
     state: object,
     target: str,

@@ -6,7 +6,7 @@
  * for a 4 MiB buffer is about as long as decoding it; so buffers and contexts go
  * back here at the end of a call and the next call takes them warm.  The cache
  * is bounded (CACHE_SLOTS entries of each kind, CACHE_MAX_BYTES of buffers, no
- * buffer above CACHE_MAX_BUFFER): what does not fit is freed as before.  A buffer
+ * buffer above CACHE_MAX_BUFFER, no context above CACHE_MAX_CONTEXT): what does not fit is freed as before.  A buffer
  * keeps the pages a call touched: at most CACHE_MAX_BYTES stay resident.
  */
 #include <pthread.h>
@@ -18,6 +18,7 @@
 #define CACHE_SLOTS 16
 #define CACHE_MAX_BYTES ((size_t)64 << 20)
 #define CACHE_MAX_BUFFER ((size_t)16 << 20)
+#define CACHE_MAX_CONTEXT ((size_t)8 << 20)
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
@@ -114,6 +115,10 @@ ZSTD_DCtx *ckf_dctx_take(void) {
 
 void ckf_dctx_give(ZSTD_DCtx *d) {
     if (!d) return;
+    if (ZSTD_sizeof_DCtx(d) > CACHE_MAX_CONTEXT) {
+        ZSTD_freeDCtx(d);
+        return;
+    }
     take_lock();
     if (ndctx < CACHE_SLOTS) {
         dctxs[ndctx++] = d;
@@ -134,6 +139,12 @@ ZSTD_CCtx *ckf_cctx_take(void) {
 
 void ckf_cctx_give(ZSTD_CCtx *c) {
     if (!c) return;
+    /* a high level or a large chunk leaves a context with tens of MiB of workspace:
+     * only the small ones of the usual levels are kept */
+    if (ZSTD_sizeof_CCtx(c) > CACHE_MAX_CONTEXT) {
+        ZSTD_freeCCtx(c);
+        return;
+    }
     take_lock();
     if (ncctx < CACHE_SLOTS) {
         cctxs[ncctx++] = c;

@@ -99,6 +99,7 @@ static int pwrite_all(int fd, const uint8_t *p, uint64_t len, uint64_t off) {
  * being hashed and being copied into the page cache by pwrite, so the checksum
  * costs no second trip through memory. */
 #define PIECE (256u << 10)
+#define WRITEBACK_PAGE 4096u
 
 static void write_chunk(job *j, uint64_t k, const uint8_t *p, int thread) {
     ckf_chunk *c = &j->chunks[k];
@@ -128,7 +129,10 @@ static void write_chunk(job *j, uint64_t k, const uint8_t *p, int thread) {
     /* Start writing the chunk back now (a hint: errors surface at the fsync that commits
      * the file): the commit's fsync then waits for what is still in flight, not for the
      * whole file, so the device works while the other chunks are hashed and copied. */
-    if (c->stored_len) (void)sync_file_range(j->fd, (off_t)c->offset, (off_t)c->stored_len, SYNC_FILE_RANGE_WRITE);
+    /* whole pages only: the pages shared with the neighbouring chunks go with the fsync */
+    uint64_t first = (c->offset + WRITEBACK_PAGE - 1) / WRITEBACK_PAGE * WRITEBACK_PAGE;
+    uint64_t end = (c->offset + c->stored_len) / WRITEBACK_PAGE * WRITEBACK_PAGE;
+    if (end > first) (void)sync_file_range(j->fd, (off_t)first, (off_t)(end - first), SYNC_FILE_RANGE_WRITE);
 #endif
     c->checksum = h ? XXH3_64bits_digest(h) : 0;
     if (d) {

@@ -110,3 +110,43 @@ def test_the_last_section_to_end_switches_it_back_on() -> None:
     t.join(10)
     states.append(gc.isenabled())
     assert states == [False, True]
+
+
+def test_whole_calls_pause_only_in_the_main_thread() -> None:
+    """A blocking call pauses for its whole length where the caller waits for it; from another
+    thread (a background save) the rest of the process keeps its collector."""
+    from ckptfmt.gcpause import pausing_in_main_thread
+
+    probe = pausing_in_main_thread(gc.isenabled)
+    assert probe() is False
+    seen: list[bool] = []
+    t = threading.Thread(target=lambda: seen.append(probe()))
+    t.start()
+    t.join(10)
+    assert seen == [True] and gc.isenabled()
+
+
+def test_a_child_forked_during_a_section_gets_its_collector_back() -> None:
+    import os
+
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def other() -> None:
+        with paused():
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=other)
+    t.start()
+    inside.wait(10)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: the section's thread does not exist here
+            os._exit(0 if gc.isenabled() else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        leave.set()
+        t.join(10)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert gc.isenabled()

@@ -42,7 +42,7 @@ from torch.futures import Future
 
 from .. import _native, commit, multifile, writer
 from ..errors import CheckpointError, CorruptError, IncompleteError, UnsupportedError, UnsupportedObjectError
-from ..gcpause import pausing
+from ..gcpause import pausing_in_main_thread
 from ..reader import CheckpointFile
 from . import metadata as mdv
 from . import regions
@@ -231,7 +231,7 @@ class Writer(StorageWriter):
         )
         return fut
 
-    @pausing
+    @pausing_in_main_thread
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         parts: dict[str, multifile.PartRecord] = {}
         where: dict[MetadataIndex, tuple[str, int]] = {}
@@ -416,7 +416,7 @@ class Reader(StorageReader):
             self.path = path
         self.load_id = uuid.uuid4().hex
 
-    @pausing
+    @pausing_in_main_thread
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
             if os.path.isdir(self.path):
