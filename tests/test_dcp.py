@@ -951,3 +951,26 @@ def test_cached_plans_follow_dtype_changes_and_failed_saves(tmp_path: Path) -> N
     cdcp.save({"w": w.to(torch.bfloat16) + 1, "lr": 0.125}, str(tmp_path / "b"))
     cdcp.load(back, str(tmp_path / "b"))
     assert torch.equal(back["w"], w.to(torch.bfloat16) + 1) and back["lr"] == 0.125
+
+
+def test_tiling_check_of_many_chunks_is_a_sweep_not_every_pair() -> None:
+    """200k one-element chunks of a vector (a hostile record could hold millions) are checked
+    by sorting, not by comparing every pair; chunks that pile up where a sweep cannot tell
+    them apart stop at a limit with a LimitError, never a hang."""
+    from ckptfmt.dcp import metadata as mdv
+    from ckptfmt.errors import LimitError
+
+    fail = mdv._Fail("p")
+    n = 200_000
+    offs = np.random.default_rng(0).permutation(n).astype(np.int64).reshape(n, 1)
+    sizes = np.ones((n, 1), dtype=np.int64)
+    mdv._check_tiling(fail, "v", offs, sizes, n)  # exact: passes
+    bad = offs.copy()
+    bad[7, 0] = bad[8, 0]  # two chunks at one element, another element uncovered
+    with pytest.raises(CorruptError, match="overlap"):
+        mdv._check_tiling(fail, "v", bad, sizes, n)
+    m = 3000  # every chunk on element 0: volumes add up, 4.5M pairs to compare
+    with pytest.raises(LimitError, match="too often to check"):
+        mdv._check_tiling(fail, "v", np.zeros((m, 1), np.int64), np.ones((m, 1), np.int64), m)
+    grid = np.array([[r, c] for r in range(0, 64, 8) for c in range(0, 64, 16)], dtype=np.int64)
+    mdv._check_tiling(fail, "g", grid, np.tile([[8, 16]], (len(grid), 1)), 64 * 64)  # 2-D shards

@@ -59,8 +59,9 @@ MAX_KEY = (1 << 31) - 1
 MAX_WORLD = 1 << 24
 #: chunk rows one tensor may have
 MAX_ROWS = 1 << 24
-#: chunks per tensor compared pairwise at once when checking that they do not overlap
-_OVERLAP_BLOCK = 256
+#: chunk pairs of one tensor that may need comparing (their extents meet along the sweep's
+#: dimension) before the check gives up with a LimitError
+_MAX_PAIRS = 1 << 22
 #: an empty chunk at a saved chunk's offsets would hide where that chunk lives
 _SAME_OFFSETS = "two chunks have the same offsets"
 #: up to this many chunks a tensor's rows are checked in plain Python, above it with numpy
@@ -357,18 +358,41 @@ def _check_tiling(fail: _Fail, fqn: str, offs: np.ndarray, sizes: np.ndarray, nu
         raise fail(f"the chunks hold {total} elements, the tensor has {numel}", fqn)
     keep = volumes > 0
     offs, ends = offs[keep], offs[keep] + sizes[keep]
+    offs_in = offs
     n = len(offs)
     if n < 2 or offs.shape[1] == 0:
         if n > 1:  # several non-empty chunks of a 0-d tensor
             raise fail("chunks overlap", fqn)
         return
-    for lo in range(0, n, _OVERLAP_BLOCK):
-        a_off, a_end = offs[lo : lo + _OVERLAP_BLOCK], ends[lo : lo + _OVERLAP_BLOCK]
-        hit = np.all((a_off[:, None, :] < ends[None, :, :]) & (offs[None, :, :] < a_end[:, None, :]), axis=2)
-        hit[np.arange(len(a_off)), np.arange(lo, lo + len(a_off))] = False  # a chunk meets itself
-        if hit.any():
-            i, j = np.argwhere(hit)[0]
-            raise fail(f"chunks at offsets {offs[lo + i].tolist()} and {offs[j].tolist()} overlap", fqn)
+    # Sweep along the dimension with the most distinct offsets: sorted by their start there,
+    # a chunk can only meet the chunks that start before it ends, so only those pairs are
+    # compared (for row or column shards, each chunk's neighbour).  Comparing every pair
+    # would take hours for a hostile tensor of millions of one-element chunks.
+    axis = max(range(offs.shape[1]), key=lambda d: len(np.unique(offs[:, d])))
+    order = np.argsort(offs[:, axis], kind="stable")
+    offs, ends = offs[order], ends[order]
+    reach = np.searchsorted(offs[:, axis], ends[:, axis], side="left")  # chunks starting before i ends
+    counts = np.maximum(reach - np.arange(1, n + 1), 0)
+    pairs = int(counts.sum())
+    if pairs > _MAX_PAIRS:
+        raise fail(
+            f"{n} chunks overlap along every dimension too often to check ({pairs} pairs, "
+            f"limit {_MAX_PAIRS})",
+            fqn,
+            limit=True,
+        )
+    if not pairs:
+        return
+    first = np.repeat(np.arange(n), counts)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    second = first + 1 + (np.arange(pairs) - starts)
+    hit = np.ones(pairs, dtype=bool)
+    for d in range(offs.shape[1]):
+        hit &= (offs[first, d] < ends[second, d]) & (offs[second, d] < ends[first, d])
+    if hit.any():
+        k = int(np.argmax(hit))
+        a, b = sorted((int(order[first[k]]), int(order[second[k]])))
+        raise fail(f"chunks at offsets {offs_in[a].tolist()} and {offs_in[b].tolist()} overlap", fqn)
 
 
 def _check_planner_data(fail: _Fail, pd: object) -> None:
