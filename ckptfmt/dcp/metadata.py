@@ -51,8 +51,6 @@ from ..gcpause import pausing
 DCP_VERSION = "1.0.0"
 _FIELDS = ("version", "world_size", "tensors", "bytes", "planner_data", "storage_meta")
 _TENSOR_FIELDS = ("keys", "dtypes", "props", "sizes", "chunks")
-#: columns of a tensor's row in ``props``
-_PROP_DTYPE, _PROP_GRAD, _PROP_NDIM, _PROP_ROWS = range(4)
 _STORAGE_META_FIELDS = ("checkpoint_id", "save_id", "modules")
 #: items one file may hold, and ranks one record may name (the record's own part limit)
 MAX_KEY = (1 << 31) - 1
@@ -358,7 +356,6 @@ def _check_tiling(fail: _Fail, fqn: str, offs: np.ndarray, sizes: np.ndarray, nu
         raise fail(f"the chunks hold {total} elements, the tensor has {numel}", fqn)
     keep = volumes > 0
     offs, ends = offs[keep], offs[keep] + sizes[keep]
-    offs_in = offs
     n = len(offs)
     if n < 2 or offs.shape[1] == 0:
         if n > 1:  # several non-empty chunks of a 0-d tensor
@@ -391,8 +388,7 @@ def _check_tiling(fail: _Fail, fqn: str, offs: np.ndarray, sizes: np.ndarray, nu
         hit &= (offs[first, d] < ends[second, d]) & (offs[second, d] < ends[first, d])
     if hit.any():
         k = int(np.argmax(hit))
-        a, b = sorted((int(order[first[k]]), int(order[second[k]])))
-        raise fail(f"chunks at offsets {offs_in[a].tolist()} and {offs_in[b].tolist()} overlap", fqn)
+        raise fail(f"chunks at offsets {offs[first[k]].tolist()} and {offs[second[k]].tolist()} overlap", fqn)
 
 
 def _check_planner_data(fail: _Fail, pd: object) -> None:

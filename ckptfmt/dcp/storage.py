@@ -423,9 +423,13 @@ class Reader(StorageReader):
                 self._read_commit()
             else:
                 self._read_single_file()
-        assert self._metadata is not None and self._where is not None
+            assert self._metadata is not None and self._where is not None
+            # built once: cdcp.load reads the metadata before DCP does
+            self._metadata.storage_data = {
+                idx: StorageInfo(loc.file, loc.key) for idx, loc in self._where.items()
+            }
+        assert self._metadata is not None
         md = dataclasses.replace(self._metadata)
-        md.storage_data = {idx: StorageInfo(loc.file, loc.key) for idx, loc in self._where.items()}
         md.storage_meta = dataclasses.replace(md.storage_meta or StorageMeta(), load_id=self.load_id)
         return md
 
