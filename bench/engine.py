@@ -3,8 +3,10 @@
 * the price of checksums: the C writer with XXH3 on and off (tmpfs, same chunks);
 * zstd + byte-shuffle on trained-like weights (normal, std 0.02): size ratio and
   compression speed per core, bf16 and fp32, and on real AdamW moments;
-* non-blocking saves: time the caller is blocked vs a blocking save of the same
-  state (staging pool warm), and time until durable;
+* non-blocking saves, with each kind of snapshot (a copy into staging memory, a
+  fork): time the caller is blocked vs a blocking save of the same state (staging
+  pool warm), time until durable, and the time of a stand-in training step that
+  rewrites the whole state right after the save returns;
 * compressed paths against zstd itself: load, verify and save of a zstd file on
   tmpfs (all threads) vs cores x the speed of one thread running zstd alone over
   the same chunks (decoding the stored frames; compressing the shuffled bytes
@@ -33,7 +35,7 @@ import torch  # noqa: E402
 from run import parse_size  # noqa: E402
 
 import ckptfmt  # noqa: E402
-from ckptfmt import _native, tree, writer  # noqa: E402
+from ckptfmt import _native, chunkio, tree  # noqa: E402
 
 
 def med(xs: list[float]) -> dict[str, float]:
@@ -41,13 +43,7 @@ def med(xs: list[float]) -> dict[str, float]:
 
 
 def pieces_of(st: Any, chunk: int = 4 << 20) -> list[tuple[memoryview, int]]:
-    enc = tree.encode(st)
-    out = []
-    for plan in enc.storages:
-        data = writer.storage_bytes(plan)
-        for s in range(0, plan.nbytes, chunk):
-            out.append((data[s : s + chunk], plan.width))
-    return out
+    return [c for plan in tree.encode(st).storages for c in chunkio.storage_chunks(plan, chunk)]
 
 
 def write_raw(
@@ -156,6 +152,60 @@ def compressed_vs_zstd(st: Any, folder: str, rounds: int, threads: int) -> dict[
     return out_
 
 
+def _rewrite(tensors: list[torch.Tensor]) -> float:
+    """Seconds for a stand-in training step that writes every byte of the state once."""
+    t = time.perf_counter()
+    for x in tensors:
+        x.mul_(1.0)
+    return time.perf_counter() - t
+
+
+def nonblocking(st: Any, path: str, rounds: int, target: str) -> dict[str, Any]:
+    """Blocking save vs non-blocking saves with each snapshot kind, interleaved: time the
+    caller is blocked, time until durable, and what a step that rewrites the whole state
+    right after the save returns costs (alone, then with each kind of save in flight)."""
+    tensors = [x for x in bench_state.tensors(st) if x.is_floating_point()]
+    for snap in ("copy", "fork"):
+        ckptfmt.save(st, path, blocking=False, snapshot=snap).wait()  # warm the staging pool
+    rows: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        rows.setdefault(name, []).append(value)
+
+    for r in range(rounds):
+        t = time.perf_counter()
+        ckptfmt.save(st, path)
+        blocking = time.perf_counter() - t
+        add("blocking_save_s", blocking)
+        add("step_alone_s", _rewrite(tensors))
+        kinds = ("copy", "fork") if r % 2 == 0 else ("fork", "copy")
+        for snap in kinds:
+            t = time.perf_counter()
+            h = ckptfmt.save(st, path, blocking=False, snapshot=snap)
+            blocked = time.perf_counter() - t
+            h.wait()
+            durable = time.perf_counter() - t
+            add(f"{snap}_blocked_s", blocked)
+            add(f"{snap}_durable_s", durable)
+            add(f"{snap}_blocked_fraction", blocked / blocking)
+            add(f"{snap}_durable_vs_blocking", durable / blocking)
+        for snap in kinds:
+            h = ckptfmt.save(st, path, blocking=False, snapshot=snap)
+            add(f"step_during_{snap}_save_s", _rewrite(tensors))
+            h.wait()
+        print(
+            f"non-blocking {target} round {r + 1}: blocking save {blocking:.3f}s; "
+            + "; ".join(
+                f"{k}: blocked {rows[f'{k}_blocked_s'][-1]:.3f}s, durable {rows[f'{k}_durable_s'][-1]:.3f}s, "
+                f"step during it {rows[f'step_during_{k}_save_s'][-1]:.3f}s"
+                for k in ("copy", "fork")
+            )
+            + f"; step alone {rows['step_alone_s'][-1]:.3f}s",
+            flush=True,
+        )
+    return {k: med(v) for k, v in rows.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="1G")
@@ -240,31 +290,11 @@ def main() -> int:
             )
         result["compression"] = comp
 
-        # 3. non-blocking vs blocking, staging pool warm
+        # 3. non-blocking vs blocking, staging pool warm, both kinds of snapshot
         for target, folder in (("tmpfs", shm), ("disk", disk)) if "nonblocking" in sections else ():
-            p = os.path.join(folder, "nb.ckpt")
-            ckptfmt.save(st, p, blocking=False).wait()  # warm the staging pool
-            blocking, blocked, durable = [], [], []
-            for r in range(args.rounds):
-                t = time.perf_counter()
-                ckptfmt.save(st, p)
-                blocking.append(time.perf_counter() - t)
-                t = time.perf_counter()
-                h = ckptfmt.save(st, p, blocking=False)
-                blocked.append(time.perf_counter() - t)
-                h.wait()
-                durable.append(time.perf_counter() - t)
-                print(
-                    f"non-blocking {target} round {r + 1}: blocking save {blocking[-1]:.3f}s, caller blocked "
-                    f"{blocked[-1]:.3f}s, durable after {durable[-1]:.3f}s",
-                    flush=True,
-                )
-            result[f"nonblocking_{target}"] = {
-                "blocking_save_s": med(blocking),
-                "caller_blocked_s": med(blocked),
-                "durable_s": med(durable),
-                "blocked_fraction": med([b / a for a, b in zip(blocking, blocked)]),
-            }
+            result[f"nonblocking_{target}"] = nonblocking(
+                st, os.path.join(folder, "nb.ckpt"), args.rounds, target
+            )
         if "compressed" in sections:
             result["compressed_vs_zstd"] = compressed_vs_zstd(st, shm, args.rounds, threads)
     finally:

@@ -90,12 +90,16 @@ def build(total_bytes: int, dtype: torch.dtype = torch.float32, seed: int = 0) -
 
 def tensor_bytes(obj: Any) -> int:
     """Bytes of distinct storages in a state (tied weights counted once)."""
-    seen: dict[int, int] = {}
+    return sum(t.untyped_storage().nbytes() for t in tensors(obj))
+
+
+def tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a state, one per distinct storage (tied weights once)."""
+    seen: dict[int, torch.Tensor] = {}
 
     def walk(o: Any) -> None:
         if isinstance(o, torch.Tensor):
-            s = o.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
+            seen.setdefault(o.untyped_storage().data_ptr(), o)
         elif isinstance(o, dict):
             for v in o.values():
                 walk(v)
@@ -104,4 +108,4 @@ def tensor_bytes(obj: Any) -> int:
                 walk(v)
 
     walk(obj)
-    return sum(seen.values())
+    return list(seen.values())

@@ -10,6 +10,7 @@ from .errors import (  # noqa: E402
     CorruptError,
     IncompleteError,
     LimitError,
+    SnapshotError,
     UnsupportedError,
     UnsupportedObjectError,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "MismatchError",
     "Problem",
     "Reader",
+    "SnapshotError",
     "UnsupportedError",
     "UnsupportedObjectError",
     "VerifyReport",

@@ -7,6 +7,7 @@ the pure-Python path even when it was.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import threading
 import warnings
@@ -127,13 +128,7 @@ def write_chunks(
     assert lib is not None and ffi is not None
     n = len(pieces)
     chunks = ffi.new("ckf_chunk[]", max(n, 1))
-    keep = []
-    for i, (view, width) in enumerate(pieces):
-        buf = ffi.from_buffer("uint8_t[]", view)
-        keep.append(buf)
-        chunks[i].src = buf
-        chunks[i].raw_len = len(buf)
-        chunks[i].width = width
+    keep = _fill_chunks(chunks, pieces)
     status = ffi.new("ckf_status *")
     end = ffi.new("uint64_t *")
     fid = ffi.new("uint8_t[16]", file_id)
@@ -157,7 +152,28 @@ def write_chunks(
     _release(keep)
     if rc != lib.CKF_OK:
         raise_status(status, path, "writing")
-    out = [
+    if digests_out is not None and n:
+        raw = bytes(ffi.buffer(digests, 16 * n))
+        digests_out.extend(raw[16 * i : 16 * i + 16] for i in range(n))
+    return _records(chunks, n), int(end[0])
+
+
+def _fill_chunks(chunks: Any, pieces: list[tuple[Any, int]]) -> list[Any]:
+    """Point the writer's chunk entries at `pieces`; return the buffer exports to release."""
+    assert ffi is not None
+    keep = []
+    for i, (view, width) in enumerate(pieces):
+        buf = ffi.from_buffer("uint8_t[]", view)
+        keep.append(buf)
+        chunks[i].src = buf
+        chunks[i].raw_len = len(buf)
+        chunks[i].width = width
+    return keep
+
+
+def _records(chunks: Any, n: int) -> list[tuple[int, int, int, int, int, int, int]]:
+    """The records the writer filled in: (offset, stored_len, raw_len, codec, filter, width, checksum)."""
+    return [
         (
             int(c.offset),
             int(c.stored_len),
@@ -169,10 +185,89 @@ def write_chunks(
         )
         for c in (chunks[i] for i in range(n))
     ]
-    if digests_out is not None and n:
-        raw = bytes(ffi.buffer(digests, 16 * n))
-        digests_out.extend(raw[16 * i : 16 * i + 16] for i in range(n))
-    return out, int(end[0])
+
+
+class ForkedWrite:
+    """A child process writing chunks from a copy-on-write view of this one (csrc/snapshot.c).
+
+    Its records and result live in a MAP_SHARED mapping this object owns: read them
+    with `outcome` once the child has been reaped, then `close`."""
+
+    def __init__(self, pid: int, shared: mmap.mmap, base: Any, result: Any, chunks: Any, n: int) -> None:
+        self.pid = pid
+        self._shared = shared
+        self._base = base
+        self._result = result
+        self._chunks = chunks
+        self._n = n
+
+    def outcome(self, path: str) -> tuple[list[tuple[int, int, int, int, int, int, int]], int] | None:
+        """(records, end offset) of a child that finished; None if it ended before it did.
+        Raises what the writer failed with (an OSError for I/O errors, naming `path`)."""
+        r = self._result
+        if not r.finished:
+            return None
+        if r.rc != lib.CKF_OK:
+            raise_status(r.status, path, "writing")
+        return _records(self._chunks, self._n), int(r.end_offset)
+
+    def close(self) -> None:
+        if self._base is not None:
+            assert ffi is not None
+            ffi.release(self._base)
+            self._base = None
+            self._shared.close()
+
+
+def fork_write(
+    fd: int,
+    file_id: bytes,
+    first_offset: int,
+    pieces: list[tuple[Any, int]],
+    compression: str | None,
+    level: int | None,
+    threads: int,
+    ready_fd: int,
+    *,
+    _fault: int = 0,
+) -> ForkedWrite:
+    """Fork a child that writes `pieces` as chunks 0.. of the file at `fd` (checksums on) from
+    its copy-on-write view of this process's memory, then one byte to `ready_fd`, and return
+    it; OSError if fork() fails.
+    Once this returns the caller may change or free the pieces' memory.  ``_fault`` exists
+    for tests only (1: the child kills itself, 2: it exits without a result, 3: it
+    sleeps 2 s before writing)."""
+    assert lib is not None and ffi is not None
+    n = len(pieces)
+    head = -(-ffi.sizeof("ckf_fork_result") // 64) * 64
+    shared = mmap.mmap(-1, head + ffi.sizeof("ckf_chunk") * max(n, 1))  # anonymous, MAP_SHARED
+    base = ffi.from_buffer(shared)
+    result = ffi.cast("ckf_fork_result *", base)
+    chunks = ffi.cast("ckf_chunk *", base + head)
+    keep = _fill_chunks(chunks, pieces)
+    fid = ffi.new("uint8_t[16]", file_id)
+    lvl = lib.CKF_LEVEL_FAST_PROFILE if level is None else level
+    pid = lib.ckf_fork_write(
+        fd, fid, 0, first_offset, chunks, n, 1 if compression else 0, lvl, threads, ready_fd, result, _fault
+    )
+    err = ffi.errno
+    _release(keep)
+    if pid < 0:
+        ffi.release(base)
+        shared.close()
+        raise OSError(err, f"fork failed: {os.strerror(err)}")
+    return ForkedWrite(int(pid), shared, base, result, chunks, n)
+
+
+def buffer_span(view: Any) -> tuple[int, int]:
+    """The address range [start, end) of a buffer's memory."""
+    assert ffi is not None
+    buf = ffi.from_buffer("uint8_t[]", view)
+    try:
+        start = int(ffi.cast("uintptr_t", buf))
+        return start, start + len(buf)
+    finally:
+        ffi.release(buf)
 
 
 def _release(bufs: list[Any]) -> None:

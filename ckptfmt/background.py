@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from . import _native, bytesview, chunkio, inflight, tree
+from . import _native, bytesview, chunkio, forksave, inflight, tree
 from .commit import AtomicFile
 from .inflight import (  # noqa: F401 - these lived here once; tests and callers still use the names
     SaveHandle,
@@ -114,9 +114,44 @@ def save_async(
     metadata: dict[str, str],
     chunk_size: int,
     dedup: chunkio.Dedup | None = None,
+    snapshot: str = "copy",
 ) -> SaveHandle:
     """Snapshot `encoded` (checked already: nothing is written for a state that cannot be)
-    into staging and write it on a thread of its own; return once the snapshot is taken."""
+    and write it in the background; return once the snapshot is taken.
+
+    snapshot: "copy" copies the state into staging memory (below); "fork" takes a
+    copy-on-write snapshot in a child process (forksave.py), ValueError where it cannot."""
+    if snapshot == "fork":
+        reason = forksave.why_not(encoded, dedup)
+        if reason is not None:
+            raise ValueError(f"{path}: snapshot='fork' is not possible: {reason}")
+        try:
+            return forksave.save_forked(
+                encoded, path, compression=compression, level=level, metadata=metadata, chunk_size=chunk_size
+            )
+        except forksave.NotForkable as e:
+            raise OSError(f"{path}: cannot take a fork snapshot: {e}") from e
+    return _save_copied(
+        encoded,
+        path,
+        compression=compression,
+        level=level,
+        metadata=metadata,
+        chunk_size=chunk_size,
+        dedup=dedup,
+    )
+
+
+def _save_copied(
+    encoded: tree.Encoded,
+    path: str,
+    *,
+    compression: str | None,
+    level: int | None,
+    metadata: dict[str, str],
+    chunk_size: int,
+    dedup: chunkio.Dedup | None,
+) -> SaveHandle:
     handle = SaveHandle(path)
     pieces: queue.Queue[_Piece | BaseException | None] = queue.Queue()
     # The writer starts when the snapshot is complete, or as soon as the snapshot
@@ -338,11 +373,4 @@ def _write_worker(
                     pass  # discarded, not reused
     finally:
         atomic.__exit__(None, None, None)
-        if isinstance(exc, OSError) and exc.filename is None:
-            exc = type(exc)(exc.errno, exc.strerror, handle.path)
-        inflight.end(handle)
-        try:
-            handle._finish(exc)
-        finally:
-            for fd in replaced:  # after the save is done: its caller does not wait for this
-                os.close(fd)
+        inflight.settle(handle, exc, replaced)

@@ -197,14 +197,18 @@ def _write_chunks_python(
     return out, pos
 
 
+def storage_chunks(plan: tree.StoragePlan, chunk_size: int) -> list[tuple[memoryview, int]]:
+    """A storage's chunks in file order: (bytes, shuffle width) each."""
+    data = storage_bytes(plan)
+    return [(data[start : start + chunk_size], plan.width) for start in range(0, plan.nbytes, chunk_size)]
+
+
 def _batches(encoded: tree.Encoded, chunk_size: int) -> Iterator[list[tuple[memoryview, int]]]:
     """Chunk views in file order, grouped so that device copies stay bounded."""
     batch: list[tuple[memoryview, int]] = []
     held = 0
     for plan in encoded.storages:
-        data = storage_bytes(plan)
-        for start in range(0, plan.nbytes, chunk_size):
-            batch.append((data[start : start + chunk_size], plan.width))
+        batch.extend(storage_chunks(plan, chunk_size))
         held += plan.nbytes
         if held >= HOST_BATCH_BYTES:
             yield batch

@@ -65,6 +65,11 @@ class UnsupportedObjectError(CheckpointError, TypeError):
     """An object in the state cannot be stored (raised before any byte is written)."""
 
 
+class SnapshotError(CheckpointError, RuntimeError):
+    """The child process writing a non-blocking save's copy-on-write snapshot ended
+    before it finished (killed, or out of memory): nothing was committed."""
+
+
 class CheckpointWarning(UserWarning):
     """Something a user should know that does not stop the work: a skipped step directory,
     a resume from a run that differs from the current one, a failed rotation."""

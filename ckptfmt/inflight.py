@@ -25,6 +25,9 @@ class SaveHandle:
         self._done = threading.Event()
         self._exc: BaseException | None = None
         self._observed = False
+        #: how the state was snapshotted: "copy" (into staging memory) or "fork" (copy-on-write)
+        self.snapshot = "copy"
+        self._pid: int | None = None  # the child writing a fork snapshot
 
     def done(self) -> bool:
         """True once the file is committed (or the save failed)."""
@@ -83,6 +86,19 @@ def watch(handle: SaveHandle) -> None:
     """Keep a returned handle so that its error is raised later if nobody waits for it."""
     with _lock:
         _unobserved.append(handle)
+
+
+def settle(handle: SaveHandle, exc: BaseException | None, replaced: list[int]) -> None:
+    """End a background save: unmark its path, hand `exc` (or success) to its handle, then
+    close the descriptors of files it replaced (freeing them is off the caller's wait)."""
+    if isinstance(exc, OSError) and exc.filename is None:
+        exc = type(exc)(exc.errno, exc.strerror, handle.path)
+    end(handle)
+    try:
+        handle._finish(exc)
+    finally:
+        for fd in replaced:
+            os.close(fd)
 
 
 def wait_for_path(path: str | os.PathLike[str]) -> None:

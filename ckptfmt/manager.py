@@ -186,9 +186,14 @@ class CheckpointManager:
         compression: str | None = None,
         blocking: bool = True,
         incremental: bool = False,
+        snapshot: str = "copy",
     ) -> None:
         retention.check_rules(keep_last, keep_every, keep_best, best_mode)
         writer.check_save_args(compression, None, None)
+        if snapshot not in ("copy", "fork"):
+            raise ValueError(f"snapshot must be 'copy' or 'fork', not {snapshot!r}")
+        if snapshot == "fork" and incremental:
+            raise ValueError("snapshot='fork' cannot be combined with incremental saves")
         self.directory = os.path.abspath(os.fspath(directory))
         self.keep_last = keep_last
         self.keep_every = keep_every
@@ -197,6 +202,7 @@ class CheckpointManager:
         self.compression = compression
         self.blocking = bool(blocking)
         self.incremental = bool(incremental)
+        self.snapshot = snapshot  # how non-blocking saves snapshot the state: writer.save
         os.makedirs(self.directory, exist_ok=True)
         self._lock = threading.Lock()
         # rotation (on commit threads) and cleanup (in save) both delete step directories
@@ -427,7 +433,9 @@ class CheckpointManager:
                 blocking=self.blocking,
                 min_reference_bytes=incremental.MIN_REFERENCE_BYTES,
             )
-        return writer.save(payload, target, compression=self.compression, blocking=self.blocking)
+        return writer.save(
+            payload, target, compression=self.compression, blocking=self.blocking, snapshot=self.snapshot
+        )
 
     def _finish(self, job: _Job, before: threading.Thread | None) -> None:
         """Wait for the files, write the commit record, rotate; report through job.handle."""

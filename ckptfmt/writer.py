@@ -83,15 +83,31 @@ def save(
     metadata: dict[str, str] | None = None,
     blocking: bool = True,
     chunk_size: int | None = None,
+    snapshot: str = "copy",
 ) -> Any:
-    """Save `state` at `path` atomically; with blocking=False return a SaveHandle after the snapshot."""
+    """Save `state` at `path` atomically; with blocking=False return a SaveHandle after the snapshot.
+
+    snapshot (non-blocking saves only): "copy" copies the state into staging memory before
+    returning; "fork" takes a copy-on-write snapshot by fork() and writes it from a child
+    process (Linux, C engine, host memory not shared with other processes): the caller
+    waits only for fork(), but each page it changes before the child is done is copied
+    then, one page fault at a time."""
     meta = check_save_args(compression, level, metadata)
+    if snapshot not in ("copy", "fork"):
+        raise ValueError(f"snapshot must be 'copy' or 'fork', not {snapshot!r}")
     target = os.fspath(path)
     size = check_chunk_size(chunk_size)
     inflight.raise_unobserved()
     inflight.wait_for_path(target)
     return write_state(
-        state, target, compression=compression, level=level, metadata=meta, chunk_size=size, blocking=blocking
+        state,
+        target,
+        compression=compression,
+        level=level,
+        metadata=meta,
+        chunk_size=size,
+        blocking=blocking,
+        snapshot=snapshot,
     )
 
 
@@ -106,6 +122,7 @@ def write_state(
     chunk_size: int,
     blocking: bool,
     dedup: Dedup | None = None,
+    snapshot: str = "copy",
 ) -> Any:
     """Encode and commit `state` at `target` (arguments already checked, earlier saves waited for)."""
     encoded = tree.encode(state)  # fails on unsupported objects before any I/O
@@ -119,6 +136,7 @@ def write_state(
             metadata=metadata,
             chunk_size=chunk_size,
             dedup=dedup,
+            snapshot=snapshot,
         )
     try:
         with AtomicFile(target) as f:

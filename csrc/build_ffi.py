@@ -9,7 +9,7 @@ import os
 from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = ["pool.c", "cache.c", "codec.c", "hash.c", "memory.c", "writer.c", "reader.c"]
+SOURCES = ["pool.c", "cache.c", "codec.c", "hash.c", "memory.c", "writer.c", "reader.c", "snapshot.c"]
 
 ffibuilder = FFI()
 with open(os.path.join(HERE, "ckptfmt.cdef")) as f:

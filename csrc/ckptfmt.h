@@ -114,6 +114,28 @@ int ckf_write_chunks(int fd, const uint8_t *file_id, uint64_t first_index, uint6
                      ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads, int checksum,
                      uint8_t *digests, ckf_status *status, uint64_t *end_offset);
 
+/* The outcome of a forked write (snapshot.c), in memory mapped MAP_SHARED so the
+ * parent sees what the child wrote there.  finished is set last, and only by a
+ * child that ran the writer to its end; rc, status and end_offset are then those
+ * of ckf_write_chunks. */
+typedef struct {
+    _Atomic int32_t finished;
+    int32_t rc;
+    ckf_status status;
+    uint64_t end_offset;
+} ckf_fork_result;
+
+/* Fork a child that runs ckf_write_chunks (checksums on, no digests) over `chunks`
+ * from its copy-on-write view of this process's memory, writes one byte to ready_fd
+ * and exits; it keeps no other descriptor than fd and ready_fd.  `chunks` and
+ * `result` must lie in MAP_SHARED memory.  Returns the child's pid (reap it with
+ * waitpid), or -1 with errno set when fork() fails.  test_fault: 0; tests pass 1
+ * (the child kills itself with SIGKILL), 2 (it exits with status 3) or 3 (it
+ * sleeps 2 s before writing). */
+int64_t ckf_fork_write(int fd, const uint8_t *file_id, uint64_t first_index, uint64_t first_offset,
+                       ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads, int ready_fd,
+                       ckf_fork_result *result, int test_fault);
+
 /* Helpers shared by the engine and exposed for tests. */
 uint64_t ckf_chunk_seed(const uint8_t *file_id, uint64_t index, uint64_t offset, uint64_t stored_len,
                         uint64_t raw_len, uint8_t codec, uint8_t filter, uint8_t width);

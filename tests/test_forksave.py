@@ -1,0 +1,285 @@
+"""save(..., blocking=False, snapshot="fork"): a copy-on-write snapshot written by a child process."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_same, states
+from hypothesis import HealthCheck, given, settings
+
+import ckptfmt
+from ckptfmt import _native, background, forksave
+from ckptfmt.errors import SnapshotError
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or ckptfmt.backend() != "c",
+    reason="fork snapshots need Linux and the C engine",
+)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture(autouse=True)
+def forked():
+    """The handles of the fork snapshots a test took; after it, no thread, descriptor or child left."""
+    threads = threading.active_count()
+    fds = len(os.listdir("/proc/self/fd"))
+    handles: list[ckptfmt.SaveHandle] = []
+    real = forksave.save_forked
+
+    def tracked(*args, **kwargs):
+        h = real(*args, **kwargs)
+        handles.append(h)
+        return h
+
+    forksave.save_forked = tracked
+    try:
+        yield handles
+    finally:
+        forksave.save_forked = real
+    for t in threading.enumerate():
+        if t.name == "ckptfmt-free-replaced" or t.name.startswith("ckptfmt-save-"):
+            t.join(30)
+    assert threading.active_count() == threads, "a waiter thread outlived its save"
+    assert len(os.listdir("/proc/self/fd")) <= fds, "a file descriptor leaked"
+    for h in handles:
+        assert h._pid is not None and _gone(h._pid), "a child was not reaped"
+
+
+def _state(seed: int = 3) -> dict[str, object]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {f"l{i}": torch.randn(256, 256, generator=g) for i in range(6)},
+        "opt": {"step": torch.tensor(10.0), "m": torch.randn(1000, generator=g).bfloat16()},
+        "arr": np.arange(1000, dtype=np.int64),
+        "n": 10,
+    }
+
+
+def _copy(state: dict[str, object]) -> dict[str, object]:
+    return {
+        "model": {k: v.clone() for k, v in state["model"].items()},  # type: ignore[attr-defined]
+        "opt": {k: v.clone() for k, v in state["opt"].items()},  # type: ignore[attr-defined]
+        "arr": state["arr"].copy(),  # type: ignore[attr-defined]
+        "n": state["n"],
+    }
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_changes_after_return_do_not_reach_the_file(tmp_path, compression):
+    state = _state()
+    expected = _copy(state)
+    h = ckptfmt.save(
+        state,
+        tmp_path / "a.ckpt",
+        blocking=False,
+        snapshot="fork",
+        chunk_size=1 << 16,
+        compression=compression,
+    )
+    assert h.snapshot == "fork"
+    for t in [*state["model"].values(), *state["opt"].values()]:  # type: ignore[attr-defined]
+        t.fill_(-7)
+    state["arr"][:] = -1  # type: ignore[index]
+    h.wait()
+    assert ckptfmt.verify(tmp_path / "a.ckpt").ok
+    assert_same(expected, ckptfmt.load(tmp_path / "a.ckpt"), check_sharing=False)
+
+
+def test_the_state_may_be_freed_before_the_save_is_done(tmp_path):
+    state = _state()
+    expected = _copy(state)
+    h = ckptfmt.save(state, tmp_path / "a.ckpt", blocking=False, snapshot="fork")
+    del state
+    h.wait()
+    assert_same(expected, ckptfmt.load(tmp_path / "a.ckpt"), check_sharing=False)
+
+
+def test_copy_stays_the_default(tmp_path):
+    h = ckptfmt.save(_state(), tmp_path / "a.ckpt", blocking=False)
+    h.wait()
+    assert h.snapshot == "copy" and h._pid is None
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(state=states(max_leaves=8))
+def test_generated_states_round_trip(tmp_path, state):
+    ckptfmt.save(state, tmp_path / "f.ckpt", blocking=False, snapshot="fork", chunk_size=4096).wait()
+    assert_same(state, ckptfmt.load(tmp_path / "f.ckpt"))
+
+
+def test_what_fork_cannot_snapshot_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    shared = torch.zeros(1000)
+    shared.share_memory_()
+    with pytest.raises(ValueError, match="shared with other processes"):
+        ckptfmt.save({"s": shared}, tmp_path / "a.ckpt", blocking=False, snapshot="fork")
+    mapped = torch.from_numpy(np.memmap(tmp_path / "m.bin", dtype=np.float32, mode="w+", shape=(4096,)))
+    with pytest.raises(ValueError, match="in a shared mapping"):
+        ckptfmt.save({"m": mapped}, tmp_path / "a.ckpt", blocking=False, snapshot="fork")
+    del mapped
+    with pytest.raises(ValueError, match="snapshot must be"):
+        ckptfmt.save({"a": 1}, tmp_path / "a.ckpt", blocking=False, snapshot="cow")
+    monkeypatch.setenv("CKPTFMT_BACKEND", "python")
+    with pytest.raises(ValueError, match="C engine"):
+        ckptfmt.save({"a": torch.ones(3)}, tmp_path / "a.ckpt", blocking=False, snapshot="fork")
+    assert sorted(os.listdir(tmp_path)) == ["m.bin"]
+
+
+def test_a_private_file_mapping_is_snapshotted(tmp_path):
+    path = tmp_path / "w.bin"
+    torch.save(torch.arange(50_000, dtype=torch.float32), path)
+    mapped = torch.load(path, mmap=True)  # MAP_PRIVATE: writes stay in this process
+    h = ckptfmt.save({"w": mapped}, tmp_path / "a.ckpt", blocking=False, snapshot="fork")
+    mapped.fill_(0)
+    h.wait()
+    assert torch.equal(ckptfmt.load(tmp_path / "a.ckpt")["w"], torch.arange(50_000, dtype=torch.float32))
+
+
+@pytest.mark.parametrize(("fault", "how"), [(1, "killed by signal 9 (SIGKILL)"), (2, "exited with status 3")])
+def test_a_child_that_dies_fails_the_save_and_keeps_the_previous_file(tmp_path, monkeypatch, fault, how):
+    p = tmp_path / "x.ckpt"
+    ckptfmt.save({"v": torch.ones(10)}, p)
+    monkeypatch.setattr(_native, "fork_write", functools.partial(_native.fork_write, _fault=fault))
+    h = ckptfmt.save({"v": torch.zeros(100_000)}, p, blocking=False, snapshot="fork")
+    exc = h.exception(timeout=60)
+    assert isinstance(exc, SnapshotError) and how in str(exc) and str(p) in str(exc)
+    assert torch.equal(ckptfmt.load(p)["v"], torch.ones(10))
+    assert os.listdir(tmp_path) == ["x.ckpt"]
+
+
+def test_fork_failing_is_an_error_that_leaves_nothing(tmp_path, monkeypatch):
+    def no_fork(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "fork failed: Cannot allocate memory")
+
+    monkeypatch.setattr(_native, "fork_write", no_fork)
+    with pytest.raises(OSError, match="cannot take a fork snapshot"):
+        ckptfmt.save({"v": torch.ones(10)}, tmp_path / "x.ckpt", blocking=False, snapshot="fork")
+    assert os.listdir(tmp_path) == []
+    assert not background._in_flight
+
+
+def test_the_child_keeps_no_other_descriptor_and_ignores_job_signals(tmp_path, monkeypatch):
+    monkeypatch.setattr(_native, "fork_write", functools.partial(_native.fork_write, _fault=3))
+    r, w = os.pipe()
+    try:
+        h = ckptfmt.save({"v": torch.arange(1000)}, tmp_path / "x.ckpt", blocking=False, snapshot="fork")
+        assert h._pid is not None
+        deadline = time.monotonic() + 1.5  # the child sleeps 2 s once it has closed what it does not need
+        while True:
+            held = {int(fd) for fd in os.listdir(f"/proc/{h._pid}/fd")}
+            if len(held - {0, 1, 2}) <= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        os.kill(h._pid, signal.SIGTERM)  # a scheduler's TERM to the job is the parent's to act on
+        os.kill(h._pid, signal.SIGINT)
+    finally:
+        os.close(r)
+        os.close(w)
+    assert r not in held and w not in held
+    assert len(held - {0, 1, 2}) == 2  # the temp file and the pipe that says it is done
+    h.wait(timeout=60)
+    assert torch.equal(ckptfmt.load(tmp_path / "x.ckpt")["v"], torch.arange(1000))
+
+
+def test_engine_calls_on_other_threads_do_not_hang_the_child(tmp_path):
+    """A fork while another thread is inside the engine (holding its cache lock) must not
+    leave the child with that lock held."""
+    ckptfmt.save({"v": torch.randn(1 << 18)}, tmp_path / "r.ckpt", compression="zstd")
+    stop = threading.Event()
+
+    def loads() -> None:
+        while not stop.is_set():
+            ckptfmt.load(tmp_path / "r.ckpt")
+
+    t = threading.Thread(target=loads)
+    t.start()
+    try:
+        for i in range(15):
+            s = {"v": torch.full((1 << 16,), float(i))}
+            ckptfmt.save(s, tmp_path / "x.ckpt", blocking=False, snapshot="fork", compression="zstd").wait(60)
+            assert ckptfmt.load(tmp_path / "x.ckpt")["v"][0].item() == i
+    finally:
+        stop.set()
+        t.join()
+
+
+_CHILD = r"""
+import resource, signal, sys, torch, ckptfmt
+from ckptfmt import _native
+import functools
+p, case = sys.argv[1], sys.argv[2]
+if case == "fsize":
+    ckptfmt.save({"v": torch.ones(10)}, p)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    e = ckptfmt.save({"v": torch.ones(1 << 20)}, p, blocking=False, snapshot="fork").exception()
+    print("ERR", e.errno, e.filename)
+elif case == "sigchld-ignored":
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    ckptfmt.save({"v": torch.arange(10)}, p, blocking=False, snapshot="fork").wait()
+    _native.fork_write = functools.partial(_native.fork_write, _fault=1)
+    e = ckptfmt.save({"v": torch.zeros(10)}, p, blocking=False, snapshot="fork").exception()
+    print("OK", type(e).__name__, ckptfmt.load(p)["v"].tolist() == list(range(10)))
+elif case == "exit":
+    ckptfmt.save({"t": torch.arange(4_000_000, dtype=torch.float32)}, p, blocking=False, snapshot="fork")
+"""
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_file_size_limit_in_the_child_is_an_oserror_naming_the_file(tmp_path):
+    p = tmp_path / "x.ckpt"
+    out = _run(str(p), "fsize")
+    assert out.stdout.split() == ["ERR", "27", str(p)], out.stderr[-2000:]
+    assert ckptfmt.load(p)["v"].shape == (10,)
+    assert os.listdir(tmp_path) == ["x.ckpt"]
+
+
+def test_sigchld_ignored_still_finishes_and_still_reports_a_dead_child(tmp_path):
+    out = _run(str(tmp_path / "x.ckpt"), "sigchld-ignored")
+    assert out.stdout.split() == ["OK", "SnapshotError", "True"], out.stderr[-2000:]
+
+
+def test_exit_with_a_fork_save_in_flight_finishes_it(tmp_path):
+    p = tmp_path / "exit.ckpt"
+    out = _run(str(p), "exit")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert ckptfmt.verify(p).ok
+    assert torch.equal(ckptfmt.load(p)["t"], torch.arange(4_000_000, dtype=torch.float32))
+
+
+def test_a_manager_takes_fork_snapshots_when_asked(tmp_path, forked):
+    with pytest.raises(ValueError, match="incremental"):
+        ckptfmt.CheckpointManager(tmp_path / "i", incremental=True, snapshot="fork")
+    with pytest.raises(ValueError, match="snapshot must be"):
+        ckptfmt.CheckpointManager(tmp_path / "i", snapshot="cow")
+    mgr = ckptfmt.CheckpointManager(tmp_path / "run", blocking=False, snapshot="fork", keep_last=2)
+    model = torch.nn.Linear(64, 64)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    h = mgr.save(1, {"model": model})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(3.0)
+    assert h is not None
+    h.wait(60)
+    mgr.wait()
+    assert [f.snapshot for f in forked] == ["fork"]
+    got = mgr.load()["model"]
+    assert all(torch.equal(got[k], v) for k, v in expected.items())
