@@ -298,7 +298,7 @@ def raise_status(status: Any, path: str, doing: str) -> None:
 def read_chunks(
     fd: int,
     file_id: bytes,
-    items: list[tuple[int, Any, memoryview]],
+    items: list[tuple[int, Any, memoryview | None]],
     verify: bool,
     threads: int,
     check_only: bool = False,
@@ -307,12 +307,19 @@ def read_chunks(
     (code, errno, position in `items`, reason, value) for the caller to turn into an exception.
     The chunk number is the one the checksum seed binds in the file at `fd`.  check_only:
     verify every chunk but leave the destinations' contents undefined (faster: raw chunks
-    are not copied into them, shuffled ones not un-shuffled)."""
+    are not copied into them, shuffled ones not un-shuffled); a chunk without a content
+    digest then needs no destination (None)."""
     assert lib is not None and ffi is not None
     n = len(items)
     arr = ffi.new("ckf_rchunk[]", max(n, 1))
     keep: list[Any] = []
     for i, (k, ch, dest) in enumerate(items):
+        if dest is None:
+            if not check_only or ch.digest:
+                _release(keep)
+                raise ValueError(f"chunk {k} needs a destination: it is read or its digest taken")
+            _fill_rchunk(arr[i], k, ch)  # dst stays NULL
+            continue
         buf = ffi.from_buffer("uint8_t[]", dest, require_writable=True)
         if len(buf) != ch.raw_len:
             _release(keep + [buf])

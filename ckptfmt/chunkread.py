@@ -22,7 +22,7 @@ import mmap
 import os
 import stat
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import xxhash
@@ -33,6 +33,11 @@ from . import format as fmt
 from .errors import CheckpointError, CorruptError, IncompleteError
 from .fileio import pread_exact
 from .index import Chunk, Index
+
+#: verify: bytes of chunks per engine call, decoded into a window of this size
+CHECK_WINDOW = 64 << 20
+#: ... and where no chunk needs a destination (no content digests)
+CHECK_WINDOW_UNTOUCHED = 1 << 30
 
 _DIGEST_MISMATCH = "content digest mismatch (the decoded bytes are not the ones the index describes)"
 #: zstd window limit: frames needing more memory than this are rejected (2**27 = 128 MiB)
@@ -294,27 +299,32 @@ class ChunkReader:
 
     # -- batched, parallel reads ---------------------------------------------
 
-    def read_into(self, items: list[tuple[int, memoryview]], verify: bool, check_only: bool = False) -> None:
+    def read_into(
+        self, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool = False
+    ) -> None:
         """Read chunks into their destinations (exactly raw_len bytes each).
 
         With the C engine all chunks of one file are read in parallel, each verified
         and decoded straight into place; otherwise one by one on this thread.  Chunks
         are grouped by the file they lie in: this one, then each referenced file.
         check_only (with verify): the destinations' contents are not needed afterwards,
-        which spares the engine copying raw chunks into them and un-shuffling.
+        which spares the engine copying raw chunks into them and un-shuffling; with the
+        C engine, a chunk without a content digest then needs no destination (None).
         """
-        groups: dict[int, list[tuple[int, memoryview]]] = {}
+        groups: dict[int, list[tuple[int, memoryview | None]]] = {}
         for k, dest in items:
             groups.setdefault(self.chunks[k].source, []).append((k, dest))
         for group in groups.values():
             self._read_group(group, verify, check_only)
 
     def _read_group(
-        self, items: list[tuple[int, memoryview]], verify: bool, check_only: bool = False
+        self, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool = False
     ) -> None:
         """Read chunks that all lie in one file."""
         if not _native.available():
             for k, dest in items:
+                if dest is None:
+                    raise ValueError(f"chunk {k}: reading without a destination needs the C engine")
                 self.read_chunk(k, dest, verify, None)
             return
         where = [self._source(k, None) for k, _ in items]
@@ -334,7 +344,7 @@ class ChunkReader:
             raise self._native_error(status, items)
 
     def _native_error(
-        self, status: tuple[int, int, int, int, int], items: list[tuple[int, memoryview]]
+        self, status: tuple[int, int, int, int, int], items: Sequence[tuple[int, memoryview | None]]
     ) -> Exception:
         code, err, pos, reason, value = status
         if code == _native.ERR_NOMEM or not 0 <= pos < len(items):
@@ -410,27 +420,32 @@ class ChunkReader:
     ) -> Iterator[CheckpointError]:
         """Check every chunk; yield one error per damaged chunk and go on.
 
-        Chunks are checked in windows of about 64 MiB (in parallel with the C
-        engine); a window that fails is checked again chunk by chunk so that
+        Chunks are checked in windows of CHECK_WINDOW bytes (in parallel with the
+        C engine); a window that fails is checked again chunk by chunk so that
         every damaged chunk is reported.  A referenced file that cannot be used is
         reported once, at its first chunk, and its other chunks are skipped.
         """
         unusable = set(self._ext_failed)  # reported already (external_problems)
-        # 64 MiB, or the largest chunk when larger, but never more than all chunks together
+        # Checking only, the engine writes into a destination just the chunks whose content
+        # digest it takes after decoding.  Without any, chunks need no destination, and a
+        # call can take far more of them: fewer calls, each with a tail where one thread
+        # finishes alone.
+        untouched = _native.available() and not any(ch.digest for ch in self.chunks)
+        cap = CHECK_WINDOW_UNTOUCHED if untouched else CHECK_WINDOW
+        # the cap, or the largest chunk when larger, but never more than all chunks together
         raw = [ch.raw_len for ch in self.chunks]
-        window = min(max(64 << 20, max(raw, default=0)), max(1, sum(raw)))
-        buf = hostmem.empty_bytes(window)
-        view = bytesview.tensor_bytes(buf)
+        window = min(max(cap, max(raw, default=0)), max(1, sum(raw)))
+        view = None if untouched else bytesview.tensor_bytes(hostmem.empty_bytes(window))
         k = 0
         n = len(self.chunks)
         while k < n:
             if progress is not None:
                 progress(k, n)
-            items: list[tuple[int, memoryview]] = []
+            items: list[tuple[int, memoryview | None]] = []
             pos = 0
             while k < n and (not items or pos + self.chunks[k].raw_len <= window):
                 if self.chunks[k].source not in unusable:
-                    items.append((k, view[pos : pos + self.chunks[k].raw_len]))
+                    items.append((k, None if view is None else view[pos : pos + self.chunks[k].raw_len]))
                     pos += self.chunks[k].raw_len
                 k += 1
             try:

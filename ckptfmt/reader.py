@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -128,7 +128,9 @@ class CheckpointFile:
 
     # -- chunk reads (chunkread.ChunkReader) ----------------------------------
 
-    def read_into(self, items: list[tuple[int, memoryview]], verify: bool, check_only: bool = False) -> None:
+    def read_into(
+        self, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool = False
+    ) -> None:
         """Read chunks into their destinations (exactly raw_len bytes each), checked: ChunkReader.read_into."""
         self._chunk_reader.read_into(items, verify, check_only)
 

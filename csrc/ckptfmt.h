@@ -86,7 +86,8 @@ typedef struct {
 /* Read, verify (when verify != 0) and decode chunks [0, n) on nthreads threads.
  * verify == 2 checks only: every check is made, but the destinations' contents are
  * left undefined (raw chunks pass through a small per-thread buffer, shuffled chunks
- * are not un-shuffled unless their content digest needs it).
+ * are not un-shuffled unless their content digest needs it), and a chunk without a
+ * content digest may have no destination (dst NULL).
  * chunks[i].index is the chunk number the checksum seed binds (in the file at fd);
  * on failure status->chunk is i, the position of the failing entry in `chunks`. */
 int ckf_read_chunks(int fd, const uint8_t *file_id, ckf_rchunk *chunks, uint64_t n, int verify, int nthreads,

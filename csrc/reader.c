@@ -327,7 +327,7 @@ static int run_read(int fd, const uint8_t *map, uint64_t map_len, const uint8_t 
             (c->filter == CKF_FILTER_SHUFFLE && (c->width < 2 || c->raw_len % c->width)) ||
             c->filter > CKF_FILTER_SHUFFLE || c->pad >= CKF_ALIGN || c->offset > (uint64_t)INT64_MAX - CKF_ALIGN ||
             c->stored_len > (uint64_t)INT64_MAX - c->offset - c->pad || c->raw_len > (uint64_t)SIZE_MAX / 2 ||
-            (!map && c->raw_len && !c->dst) ||
+            (!map && c->raw_len && !c->dst && !(verify == 2 && !c->has_digest)) ||
             (map && (c->codec != CKF_CODEC_RAW || c->offset + c->stored_len + c->pad > map_len))) {
             status->code = CKF_ERR_ARG;
             status->chunk = (int64_t)i;

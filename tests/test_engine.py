@@ -158,3 +158,23 @@ def test_one_zstd_profile_for_both_engines():
         assert ours == theirs  # the same library version: the same bytes
     else:
         assert abs(len(ours) - len(theirs)) < len(ours) // 50  # the same parameters, nearly the same size
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_checking_only_needs_no_destination_unless_the_bytes_are_used(tmp_path, compression):
+    """verify hands the engine no destination for chunks it only checks; a read, or a chunk
+    whose content digest is taken from the decoded bytes, still needs one."""
+    from ckptfmt.reader import CheckpointFile
+
+    p = tmp_path / "d.ckpt"
+    ckptfmt.save({"w": torch.randn(1 << 16)}, p, compression=compression, chunk_size=1 << 16)
+    with CheckpointFile(str(p)) as f:
+        everything = [(k, None) for k in range(len(f.chunks))]
+        f.read_into(everything, True, check_only=True)
+        with pytest.raises(ValueError, match="needs a destination"):
+            f.read_into(everything, True)
+    raw = bytearray(p.read_bytes())
+    raw[200] ^= 1  # inside the first chunk: still found without a destination
+    p.write_bytes(bytes(raw))
+    report = ckptfmt.verify(p)
+    assert not report.ok and report.problems[0].chunk == 0
