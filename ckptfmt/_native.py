@@ -228,15 +228,17 @@ def fork_write(
     level: int | None,
     threads: int,
     ready_fd: int,
+    parent_fd: int,
     *,
     _fault: int = 0,
 ) -> ForkedWrite:
     """Fork a child that writes `pieces` as chunks 0.. of the file at `fd` (checksums on) from
     its copy-on-write view of this process's memory, then one byte to `ready_fd`, and return
-    it; OSError if fork() fails.
+    it; OSError if fork() fails.  The child exits early when `parent_fd` (the read end of a
+    pipe whose write end only this process holds) reaches end-of-file.
     Once this returns the caller may change or free the pieces' memory.  ``_fault`` exists
-    for tests only (1: the child kills itself, 2: it exits without a result, 3: it
-    sleeps 2 s before writing)."""
+    for tests only (1: the child kills itself, 2: it exits without a result, 3 or 4:
+    it sleeps 2 or 30 s before writing)."""
     assert lib is not None and ffi is not None
     n = len(pieces)
     head = -(-ffi.sizeof("ckf_fork_result") // 64) * 64
@@ -248,7 +250,19 @@ def fork_write(
     fid = ffi.new("uint8_t[16]", file_id)
     lvl = lib.CKF_LEVEL_FAST_PROFILE if level is None else level
     pid = lib.ckf_fork_write(
-        fd, fid, 0, first_offset, chunks, n, 1 if compression else 0, lvl, threads, ready_fd, result, _fault
+        fd,
+        fid,
+        0,
+        first_offset,
+        chunks,
+        n,
+        1 if compression else 0,
+        lvl,
+        threads,
+        ready_fd,
+        parent_fd,
+        result,
+        _fault,
     )
     err = ffi.errno
     _release(keep)

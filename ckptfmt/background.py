@@ -125,12 +125,9 @@ def save_async(
         reason = forksave.why_not(encoded, dedup)
         if reason is not None:
             raise ValueError(f"{path}: snapshot='fork' is not possible: {reason}")
-        try:
-            return forksave.save_forked(
-                encoded, path, compression=compression, level=level, metadata=metadata, chunk_size=chunk_size
-            )
-        except forksave.NotForkable as e:
-            raise OSError(f"{path}: cannot take a fork snapshot: {e}") from e
+        return forksave.save_forked(
+            encoded, path, compression=compression, level=level, metadata=metadata, chunk_size=chunk_size
+        )
     return _save_copied(
         encoded,
         path,

@@ -19,12 +19,20 @@ memmap: later writes would reach the child), incremental saves (their digests
 are taken in this process) and builds without the C engine.
 
 The cost moves rather than vanishes, which is why this is not the default: each
-4 KiB page the caller writes while the child runs is copied then, by a page fault.
-A training step that rewrites the whole state before the child is done pays
-several times what the up-front copy costs (bench/engine.py measures both);
-one that only reads it meanwhile (forward and backward passes) pays nothing.
-Memory is no worse than a copying snapshot's: at most one extra copy of what
-changes before the child ends, and no staging pool kept afterwards.
+4 KiB page of the process written while the child runs is copied then, by a page
+fault.  A training step that rewrites the whole state before the child is done pays
+several times what the up-front copy costs (bench/engine.py measures both); one
+that only reads it meanwhile (forward and backward passes) pays for the pages it
+does write (activations, allocator churn), not for the state.  Memory grows by the
+same pages, for as long as the child runs; no staging pool is kept afterwards.
+
+Memory the kernel keeps out of a child (MADV_DONTFORK, as RDMA registration sets)
+makes the child fail, which fails the save; memory marked MADV_WIPEONFORK would be
+read as zeros.  Neither is checked here (it would take reading /proc/self/smaps):
+tensors do not live in such memory unless a library put them there.
+
+The child exits as soon as this process is gone (a pipe whose write end only this
+process holds reaches end-of-file), and keeps no descriptor of ours but the file.
 """
 
 from __future__ import annotations
@@ -44,10 +52,6 @@ from . import format as fmt
 from .commit import AtomicFile
 from .errors import SnapshotError
 from .inflight import SaveHandle
-
-
-class NotForkable(Exception):
-    """This save cannot take a fork snapshot (the message says why)."""
 
 
 def _shared_mappings() -> list[tuple[int, int]]:
@@ -105,14 +109,18 @@ def save_forked(
 ) -> SaveHandle:
     """Fork a child that writes `encoded`'s chunks to a temp file; return once it runs.
 
-    Raises NotForkable, with nothing left behind, when fork() itself fails."""
+    A failure here (fork() refused, no descriptors left, an interrupt) leaves nothing
+    behind: no temp file, no descriptor, no child, no save in flight."""
     handle = SaveHandle(path)
     handle.snapshot = "fork"
     atomic = AtomicFile(path)
     atomic.__enter__()  # creation errors (missing directory, permissions) are raised now
     file_id = chunkio.new_file_id()
-    ready, ready_w = os.pipe()
+    own: list[int] = []  # descriptors this call closes if it fails
+    child: _native.ForkedWrite | None = None
     try:
+        ready, ready_w = _pipe(own)  # the child writes a byte when it is done
+        alive, alive_w = _pipe(own)  # the child exits when this reads end-of-file: we are gone
         child = _native.fork_write(
             atomic.fd,
             file_id,
@@ -122,29 +130,48 @@ def save_forked(
             level,
             _native.default_threads(),
             ready_w,
+            alive,
         )
-    except BaseException as e:
-        os.close(ready)
-        atomic.__exit__(None, None, None)
-        if isinstance(e, OSError):
-            raise NotForkable(str(e)) from e
-        raise
-    finally:
-        os.close(ready_w)
-    handle._pid = child.pid
-    inflight.begin(handle)
-    args = (handle, atomic, child, ready, file_id, encoded, metadata, chunk_size)
-    thread = threading.Thread(
-        target=_finish, args=args, name=f"ckptfmt-save-{os.path.basename(path)}", daemon=False
-    )
-    try:
+        for fd in (ready_w, alive):  # the child's ends
+            own.remove(fd)
+            os.close(fd)
+        handle._pid = child.pid
+        thread = threading.Thread(
+            target=_finish,
+            args=(handle, atomic, child, ready, alive_w, file_id, encoded, metadata, chunk_size),
+            name=f"ckptfmt-save-{os.path.basename(path)}",
+            daemon=False,
+        )
+        inflight.begin(handle)
         thread.start()
-    except BaseException:  # no thread (interpreter shutdown): finish here, blocking
-        _finish(*args)
-        handle.wait()
-        return handle
+    except BaseException as e:
+        inflight.end(handle)
+        if child is not None:
+            _kill(child)
+        for fd in own:
+            os.close(fd)
+        atomic.__exit__(None, None, None)
+        if isinstance(e, OSError) and e.filename is None:
+            raise type(e)(e.errno, f"cannot take a fork snapshot: {e.strerror}", path) from e
+        raise
     inflight.watch(handle)
     return handle
+
+
+def _pipe(own: list[int]) -> tuple[int, int]:
+    r, w = os.pipe()
+    own += [r, w]
+    return r, w
+
+
+def _kill(child: _native.ForkedWrite) -> None:
+    """Stop a child this process will not wait for, and reap it."""
+    try:
+        os.kill(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    _reap(child.pid)
+    child.close()
 
 
 #: while the child has not said it is done, check this often whether it died
@@ -198,6 +225,7 @@ def _finish(
     atomic: AtomicFile,
     child: _native.ForkedWrite,
     ready: int,
+    alive_w: int,
     file_id: bytes,
     encoded: tree.Encoded,
     metadata: dict[str, str],
@@ -225,6 +253,7 @@ def _finish(
         exc = e
     finally:
         os.close(ready)
+        os.close(alive_w)
         child.close()
         atomic.__exit__(None, None, None)
         inflight.settle(handle, exc, replaced)

@@ -190,8 +190,7 @@ class CheckpointManager:
     ) -> None:
         retention.check_rules(keep_last, keep_every, keep_best, best_mode)
         writer.check_save_args(compression, None, None)
-        if snapshot not in ("copy", "fork"):
-            raise ValueError(f"snapshot must be 'copy' or 'fork', not {snapshot!r}")
+        writer.check_snapshot(snapshot)
         if snapshot == "fork" and incremental:
             raise ValueError("snapshot='fork' cannot be combined with incremental saves")
         self.directory = os.path.abspath(os.fspath(directory))

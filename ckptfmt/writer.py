@@ -61,6 +61,12 @@ def check_save_args(compression: str | None, level: int | None, metadata: object
     return dict(metadata)
 
 
+def check_snapshot(snapshot: object) -> None:
+    """Check save()'s snapshot argument: how a non-blocking save takes its snapshot."""
+    if snapshot not in ("copy", "fork"):
+        raise ValueError(f"snapshot must be 'copy' or 'fork', not {snapshot!r}")
+
+
 def _chunk_size_override() -> int:
     text = os.environ.get("CKPTFMT_CHUNK_SIZE")
     return int(text) if text else fmt.DEFAULT_CHUNK_SIZE
@@ -93,8 +99,7 @@ def save(
     waits only for fork(), but each page it changes before the child is done is copied
     then, one page fault at a time."""
     meta = check_save_args(compression, level, metadata)
-    if snapshot not in ("copy", "fork"):
-        raise ValueError(f"snapshot must be 'copy' or 'fork', not {snapshot!r}")
+    check_snapshot(snapshot)
     target = os.fspath(path)
     size = check_chunk_size(chunk_size)
     inflight.raise_unobserved()

@@ -11,6 +11,7 @@
  */
 #include <pthread.h>
 #include <stdlib.h>
+#include <time.h>
 #include <zstd.h>
 
 #include "ckptfmt.h"
@@ -152,4 +153,14 @@ void ckf_cctx_give(ZSTD_CCtx *c) {
     }
     pthread_mutex_unlock(&lock);
     ZSTD_freeCCtx(c);
+}
+
+/* Tests only: hold the cache's lock for `ms` milliseconds, as a thread inside the
+ * engine does, so that a fork meanwhile can be shown not to leave it held. */
+void ckf_test_hold_cache(unsigned ms) {
+    take_lock();
+    struct timespec t = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&t, &t) != 0) {
+    }
+    pthread_mutex_unlock(&lock);
 }

@@ -128,16 +128,20 @@ typedef struct {
 
 /* Fork a child that runs ckf_write_chunks (checksums on, no digests) over `chunks`
  * from its copy-on-write view of this process's memory, writes one byte to ready_fd
- * and exits; it keeps no other descriptor than fd and ready_fd.  `chunks` and
- * `result` must lie in MAP_SHARED memory.  Returns the child's pid (reap it with
+ * and exits.  It keeps no other descriptor than fd, ready_fd and parent_fd (stdin and
+ * stdout become /dev/null, stderr too outside sanitizer builds), and exits at once
+ * when parent_fd, the read end of a pipe whose write end only the parent holds,
+ * reaches end-of-file.  `chunks` and `result` must lie in MAP_SHARED memory.  Returns the child's pid (reap it with
  * waitpid), or -1 with errno set when fork() fails.  test_fault: 0; tests pass 1
- * (the child kills itself with SIGKILL), 2 (it exits with status 3) or 3 (it
- * sleeps 2 s before writing). */
+ * (the child kills itself with SIGKILL), 2 (it exits with status 3), 3 or 4 (it
+ * sleeps 2 or 30 s before writing). */
 int64_t ckf_fork_write(int fd, const uint8_t *file_id, uint64_t first_index, uint64_t first_offset,
                        ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads, int ready_fd,
-                       ckf_fork_result *result, int test_fault);
+                       int parent_fd, ckf_fork_result *result, int test_fault);
 
 /* Helpers shared by the engine and exposed for tests. */
+/* tests only: hold the engine cache's lock for ms milliseconds (cache.c) */
+void ckf_test_hold_cache(unsigned ms);
 uint64_t ckf_chunk_seed(const uint8_t *file_id, uint64_t index, uint64_t offset, uint64_t stored_len,
                         uint64_t raw_len, uint8_t codec, uint8_t filter, uint8_t width);
 void ckf_shuffle(uint8_t *dst, const uint8_t *src, uint64_t len, uint32_t width);

@@ -13,38 +13,109 @@
  * MAP_SHARED; the caller learns that the child is done from waitpid, and trusts
  * the result only if `finished` is set (a child killed part-way never sets it).
  */
+#include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
-#include <sys/resource.h>
+#include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include "ckptfmt.h"
 
-/* Close descriptors [lo, hi] (hi may be ~0u): close_range where the kernel has it. */
-static void close_span(unsigned lo, unsigned hi) {
-    if (lo > hi) return;
+/* Close descriptors [lo, ...) except those in keep (sorted, all above 2) with
+ * close_range; -1 where the kernel lacks it. */
+static int close_ranges(const int *keep, int nkeep) {
 #ifdef SYS_close_range
-    if (syscall(SYS_close_range, lo, hi, 0) == 0) return;
+    unsigned lo = 3;
+    for (int i = 0; i < nkeep; i++) {
+        unsigned k = (unsigned)keep[i];
+        if (k > lo && syscall(SYS_close_range, lo, k - 1, 0) != 0) return -1;
+        if (k + 1 > lo) lo = k + 1;
+    }
+    return syscall(SYS_close_range, lo, ~0u, 0) == 0 ? 0 : -1;
+#else
+    (void)keep;
+    (void)nkeep;
+    return -1;
 #endif
-    struct rlimit rl;
-    unsigned top = getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY ? (unsigned)rl.rlim_cur : 65536u;
-    for (unsigned d = lo; d <= hi && d < top; d++) close((int)d);
 }
 
-/* The child holds only what it writes to: another process waiting for a pipe or a
- * socket of the parent's to close must not wait for this save as well. */
-static void close_all_but(int a, int b) {
-    unsigned lo = (unsigned)(a < b ? a : b), hi = (unsigned)(a < b ? b : a);
-    if (lo >= 3) close_span(3, lo - 1);
-    if (hi > lo) close_span(lo + 1, hi - 1);
-    close_span(hi + 1, ~0u);
+/* Close every descriptor above 2 except those in keep (sorted, all above 2): with
+ * close_range, else those /proc/self/fd lists (never a loop up to RLIMIT_NOFILE,
+ * which can be a billion). */
+static void close_all_but(const int *keep, int nkeep) {
+    if (close_ranges(keep, nkeep) == 0) return;
+    for (;;) { /* listed in batches: closing while the directory is read could skip entries */
+        int found[256], n = 0;
+        DIR *d = opendir("/proc/self/fd");
+        if (!d) return;
+        struct dirent *e;
+        while (n < 256 && (e = readdir(d)) != NULL) {
+            char *end;
+            long v = strtol(e->d_name, &end, 10);
+            if (*end || end == e->d_name || v < 3 || v == dirfd(d)) continue;
+            int kept = 0;
+            for (int i = 0; i < nkeep; i++) kept |= keep[i] == v;
+            if (!kept) found[n++] = (int)v;
+        }
+        closedir(d);
+        for (int i = 0; i < n; i++) close(found[i]);
+        if (n < 256) return;
+    }
+}
+
+/* A descriptor the child keeps, moved above 2 if it is one of the standard three. */
+static int above_stdio(int fd) {
+    if (fd > 2) return fd;
+    int moved = fcntl(fd, F_DUPFD, 3);
+    return moved >= 0 ? moved : fd;
+}
+
+/* stdin and stdout become /dev/null: a reader of the parent's output must not wait for
+ * this child to end.  stderr stays in sanitizer builds, which report there. */
+static void quiet_stdio(void) {
+#if defined(__SANITIZE_ADDRESS__)
+    const int last = 1;
+#else
+    const int last = 2;
+#endif
+    int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+    for (int t = 0; t <= last; t++) {
+        if (null >= 0)
+            dup2(null, t);
+        else
+            close(t);
+    }
+    if (null > last) close(null);
+}
+
+/* The parent holds the only write end of this pipe: end-of-file means it is gone
+ * (killed, or exited), and then nobody will commit what this child writes. */
+static void *watch_parent(void *arg) {
+    int fd = (int)(intptr_t)arg;
+    char b;
+    while (read(fd, &b, 1) < 0 && errno == EINTR) {
+    }
+    _exit(2);
+    return NULL;
+}
+
+static void sort3(int *a) {
+    for (int i = 0; i < 3; i++)
+        for (int j = i + 1; j < 3; j++)
+            if (a[j] < a[i]) {
+                int t = a[i];
+                a[i] = a[j];
+                a[j] = t;
+            }
 }
 
 int64_t ckf_fork_write(int fd, const uint8_t *file_id, uint64_t first_index, uint64_t first_offset,
                        ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads, int ready_fd,
-                       ckf_fork_result *result, int test_fault) {
+                       int parent_fd, ckf_fork_result *result, int test_fault) {
     atomic_store(&result->finished, 0);
     result->rc = CKF_ERR_ARG;
     /* Signals meant for the job (a terminal's ^C, a scheduler's SIGTERM) are the
@@ -63,10 +134,19 @@ int64_t ckf_fork_write(int fd, const uint8_t *file_id, uint64_t first_index, uin
         errno = err;
         return (int64_t)pid;
     }
-    close_all_but(fd, ready_fd);
+    fd = above_stdio(fd);
+    ready_fd = above_stdio(ready_fd);
+    parent_fd = above_stdio(parent_fd);
+    int keep[3] = {fd, ready_fd, parent_fd};
+    sort3(keep);
+    close_all_but(keep, 3);
+    quiet_stdio();
+    pthread_t watcher;
+    if (pthread_create(&watcher, NULL, watch_parent, (void *)(intptr_t)parent_fd) == 0) pthread_detach(watcher);
     if (test_fault == 1) kill(getpid(), SIGKILL); /* tests: a child that dies part-way */
     if (test_fault == 2) _exit(3);                /* tests: a child that exits without a result */
     if (test_fault == 3) sleep(2);                /* tests: a child slow enough to look at */
+    if (test_fault == 4) sleep(30);               /* tests: a child that outlives its parent */
     result->rc = ckf_write_chunks(fd, file_id, first_index, first_offset, chunks, n, compress, level, nthreads,
                                   1, NULL, &result->status, &result->end_offset);
     atomic_store(&result->finished, 1);

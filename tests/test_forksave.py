@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -53,6 +54,9 @@ def forked():
         yield handles
     finally:
         forksave.save_forked = real
+        for h in handles:  # a child that hangs fails the test instead of hanging the run
+            if h._pid is not None and not h._done.wait(60):
+                os.kill(h._pid, signal.SIGKILL)
     for t in threading.enumerate():
         if t.name == "ckptfmt-free-replaced" or t.name.startswith("ckptfmt-save-"):
             t.join(30)
@@ -82,8 +86,9 @@ def _copy(state: dict[str, object]) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
-def test_changes_after_return_do_not_reach_the_file(tmp_path, compression):
-    state = _state()
+def test_changes_after_return_do_not_reach_the_file(tmp_path, monkeypatch, compression):
+    monkeypatch.setattr(_native, "fork_write", functools.partial(_native.fork_write, _fault=3))
+    state = _state()  # the child sleeps before it reads: every change below comes first
     expected = _copy(state)
     h = ckptfmt.save(
         state,
@@ -99,15 +104,6 @@ def test_changes_after_return_do_not_reach_the_file(tmp_path, compression):
     state["arr"][:] = -1  # type: ignore[index]
     h.wait()
     assert ckptfmt.verify(tmp_path / "a.ckpt").ok
-    assert_same(expected, ckptfmt.load(tmp_path / "a.ckpt"), check_sharing=False)
-
-
-def test_the_state_may_be_freed_before_the_save_is_done(tmp_path):
-    state = _state()
-    expected = _copy(state)
-    h = ckptfmt.save(state, tmp_path / "a.ckpt", blocking=False, snapshot="fork")
-    del state
-    h.wait()
     assert_same(expected, ckptfmt.load(tmp_path / "a.ckpt"), check_sharing=False)
 
 
@@ -168,8 +164,48 @@ def test_fork_failing_is_an_error_that_leaves_nothing(tmp_path, monkeypatch):
         raise OSError(errno.ENOMEM, "fork failed: Cannot allocate memory")
 
     monkeypatch.setattr(_native, "fork_write", no_fork)
-    with pytest.raises(OSError, match="cannot take a fork snapshot"):
+    with pytest.raises(OSError, match="cannot take a fork snapshot") as info:
         ckptfmt.save({"v": torch.ones(10)}, tmp_path / "x.ckpt", blocking=False, snapshot="fork")
+    assert info.value.errno == errno.ENOMEM and info.value.filename == str(tmp_path / "x.ckpt")
+    assert os.listdir(tmp_path) == []
+    assert not background._in_flight
+
+
+def test_no_descriptors_left_is_an_error_that_leaves_nothing(tmp_path, monkeypatch):
+    pipes = []
+    real = os.pipe
+
+    def second_pipe_fails() -> tuple[int, int]:
+        if pipes:
+            raise OSError(errno.EMFILE, "Too many open files")
+        pipes.append(real())
+        return pipes[-1]
+
+    monkeypatch.setattr(forksave.os, "pipe", second_pipe_fails)
+    with pytest.raises(OSError, match="cannot take a fork snapshot") as info:
+        ckptfmt.save({"v": torch.ones(10)}, tmp_path / "x.ckpt", blocking=False, snapshot="fork")
+    assert info.value.errno == errno.EMFILE and info.value.filename == str(tmp_path / "x.ckpt")
+    assert os.listdir(tmp_path) == []
+    assert not background._in_flight
+
+
+def test_an_interrupt_after_the_fork_stops_and_reaps_the_child(tmp_path, monkeypatch):
+    started = []
+    real = _native.fork_write
+
+    def remember(*args, **kwargs):
+        child = real(*args, **kwargs, _fault=4)  # it would sleep 30 s
+        started.append(child.pid)
+        return child
+
+    def interrupted(self: threading.Thread) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_native, "fork_write", remember)
+    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ckptfmt.save({"v": torch.ones(10)}, tmp_path / "x.ckpt", blocking=False, snapshot="fork")
+    assert started and _gone(started[0])  # killed and reaped: not even a zombie
     assert os.listdir(tmp_path) == []
     assert not background._in_flight
 
@@ -183,7 +219,7 @@ def test_the_child_keeps_no_other_descriptor_and_ignores_job_signals(tmp_path, m
         deadline = time.monotonic() + 1.5  # the child sleeps 2 s once it has closed what it does not need
         while True:
             held = {int(fd) for fd in os.listdir(f"/proc/{h._pid}/fd")}
-            if len(held - {0, 1, 2}) <= 2 or time.monotonic() > deadline:
+            if len(held - {0, 1, 2}) <= 3 or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
         os.kill(h._pid, signal.SIGTERM)  # a scheduler's TERM to the job is the parent's to act on
@@ -192,31 +228,24 @@ def test_the_child_keeps_no_other_descriptor_and_ignores_job_signals(tmp_path, m
         os.close(r)
         os.close(w)
     assert r not in held and w not in held
-    assert len(held - {0, 1, 2}) == 2  # the temp file and the pipe that says it is done
+    assert len(held - {0, 1, 2}) == 3  # the temp file, the pipe to say it is done, the one to watch us
     h.wait(timeout=60)
     assert torch.equal(ckptfmt.load(tmp_path / "x.ckpt")["v"], torch.arange(1000))
 
 
-def test_engine_calls_on_other_threads_do_not_hang_the_child(tmp_path):
-    """A fork while another thread is inside the engine (holding its cache lock) must not
-    leave the child with that lock held."""
-    ckptfmt.save({"v": torch.randn(1 << 18)}, tmp_path / "r.ckpt", compression="zstd")
-    stop = threading.Event()
-
-    def loads() -> None:
-        while not stop.is_set():
-            ckptfmt.load(tmp_path / "r.ckpt")
-
-    t = threading.Thread(target=loads)
-    t.start()
+def test_a_fork_while_another_thread_holds_the_engine_cache_lock_does_not_hang_the_child(tmp_path):
+    """The child's writer takes the cache's lock (compressed saves do): a fork while another
+    thread holds it must not leave it held in the child (cache.c's at-fork handlers)."""
+    holder = threading.Thread(target=_native.lib.ckf_test_hold_cache, args=(500,))
+    holder.start()
     try:
-        for i in range(15):
-            s = {"v": torch.full((1 << 16,), float(i))}
-            ckptfmt.save(s, tmp_path / "x.ckpt", blocking=False, snapshot="fork", compression="zstd").wait(60)
-            assert ckptfmt.load(tmp_path / "x.ckpt")["v"][0].item() == i
+        time.sleep(0.1)  # the lock is held now
+        state = {"v": torch.randn(1 << 16)}
+        h = ckptfmt.save(state, tmp_path / "x.ckpt", blocking=False, snapshot="fork", compression="zstd")
+        h.wait(60)
     finally:
-        stop.set()
-        t.join()
+        holder.join()
+    assert torch.equal(ckptfmt.load(tmp_path / "x.ckpt")["v"], state["v"])
 
 
 _CHILD = r"""
@@ -235,6 +264,12 @@ elif case == "sigchld-ignored":
     _native.fork_write = functools.partial(_native.fork_write, _fault=1)
     e = ckptfmt.save({"v": torch.zeros(10)}, p, blocking=False, snapshot="fork").exception()
     print("OK", type(e).__name__, ckptfmt.load(p)["v"].tolist() == list(range(10)))
+elif case == "parent-dies":
+    import os
+    _native.fork_write = functools.partial(_native.fork_write, _fault=4)  # the child would sleep 30 s
+    h = ckptfmt.save({"v": torch.arange(10)}, p, blocking=False, snapshot="fork")
+    print(h._pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 elif case == "exit":
     ckptfmt.save({"t": torch.arange(4_000_000, dtype=torch.float32)}, p, blocking=False, snapshot="fork")
 """
@@ -283,3 +318,53 @@ def test_a_manager_takes_fork_snapshots_when_asked(tmp_path, forked):
     assert [f.snapshot for f in forked] == ["fork"]
     got = mgr.load()["model"]
     assert all(torch.equal(got[k], v) for k, v in expected.items())
+
+
+def _ended(pid: int) -> bool:
+    """Gone, or a zombie nobody reaps (its parent died; init may not reap in a container)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_the_child_ends_when_its_parent_dies_and_holds_none_of_its_output(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(tmp_path / "x.ckpt"), "parent-dies"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None
+    pid = int(proc.stdout.readline())
+    ready, _, _ = select.select([proc.stdout], [], [], 20)  # end-of-file: nobody holds it now
+    assert ready and proc.stdout.read() == b"", "the child kept the parent's stdout"
+    proc.wait(20)
+    proc.stdout.close()
+    assert proc.stderr is not None
+    proc.stderr.close()
+    deadline = time.monotonic() + 20  # it would sleep 30 s if it did not watch its parent
+    while not _ended(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _ended(pid)
+    assert not (tmp_path / "x.ckpt").exists()
+
+
+def test_a_dead_child_is_noticed_even_while_another_process_holds_its_pipe(tmp_path, monkeypatch):
+    """A process forked elsewhere in the moment the pipe's write end was open keeps it
+    open: the child's death then shows through waitpid, not end-of-file."""
+    held: list[int] = []
+    real = _native.fork_write
+
+    def keep_a_write_end(*args, **kwargs):
+        held.append(os.dup(args[7]))  # ready_fd, as another fork would inherit it
+        return real(*args, **kwargs, _fault=1)
+
+    monkeypatch.setattr(_native, "fork_write", keep_a_write_end)
+    try:
+        h = ckptfmt.save({"v": torch.ones(10)}, tmp_path / "x.ckpt", blocking=False, snapshot="fork")
+        exc = h.exception(timeout=60)
+    finally:
+        for fd in held:
+            os.close(fd)
+    assert isinstance(exc, SnapshotError) and "killed by signal 9" in str(exc)
