@@ -10,8 +10,9 @@ memory that stays flat as the state grows are what this shows; load and the
 non-blocking save allocate the state (or its staging) by design, so their memory
 grows with it.  Writes results/scaling.json, .md and .png.
 
-Memory: each measurement process holds the state, a template of it for
-load_into and a loaded copy, so a size needs about three times its bytes of RAM.
+Memory: a measurement process holds the state and its staging while it saves, then
+a loaded copy or load_into's template: a size needs about twice its bytes of RAM
+(the states the workers start from move from /dev/shm to the disk when large).
 """
 
 from __future__ import annotations

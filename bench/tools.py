@@ -68,15 +68,16 @@ def copy_into(dst: Any, src: Any) -> None:
             copy_into(a, b)
 
 
-def empty_like_state(obj: Any) -> Any:
+def empty_like_state(obj: Any, device: str | None = None) -> Any:
+    """The state with every tensor replaced by zeros like it (on `device`: default, its own)."""
     if isinstance(obj, torch.Tensor):
-        return torch.zeros_like(obj)
+        return torch.zeros_like(obj, device=device)
     if isinstance(obj, dict):
-        return type(obj)((k, empty_like_state(v)) for k, v in obj.items())
+        return type(obj)((k, empty_like_state(v, device)) for k, v in obj.items())
     if isinstance(obj, list):
-        return [empty_like_state(v) for v in obj]
+        return [empty_like_state(v, device) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(empty_like_state(v) for v in obj)
+        return tuple(empty_like_state(v, device) for v in obj)
     return obj
 
 

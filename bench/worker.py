@@ -102,8 +102,9 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     tool = tools.TOOLS[spec["tool"]]()
     state = ckptfmt.load(spec["cache"])
-    template = tools.empty_like_state(state)
-    tools.touch(template)
+    # the template for load_into is made only where it is used: holding it all along
+    # would need a third copy of the state's memory, which an 8 GiB state does not have
+    skeleton = tools.empty_like_state(state, "meta")
     path = tool.path(spec["dir"])
     tool.remove(path)
     results: list[dict[str, Any]] = []
@@ -138,15 +139,19 @@ def main() -> None:
             if temp == "cold":
                 evict = drop_cache(path)
             if spec["tool"] == "dcp":
-                record(f"{op}_{temp}", lambda p: tool.load_into(p, tools.empty_like_state(template)), path)
+                record(
+                    f"{op}_{temp}", lambda p: tool.load_into(p, tools.empty_like_state(skeleton, "cpu")), path
+                )
             else:
                 record(f"{op}_{temp}", getattr(tool, op), path)
     if "lazy" in tool.ops:
         drop_cache(path)
         record("lazy", tool.lazy, path)
     if "load_into" in tool.ops:
+        template = tools.empty_like_state(skeleton, "cpu")  # zero-filled: resident, as a live model is
         drop_cache(path)
         record("load_into", tool.load_into, path, template)
+        del template
     if "verify" in tool.ops:
         for temp in ("cold", "warm"):
             if temp == "cold":

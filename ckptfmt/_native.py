@@ -273,17 +273,6 @@ def fork_write(
     return ForkedWrite(int(pid), shared, base, result, chunks, n)
 
 
-def buffer_span(view: Any) -> tuple[int, int]:
-    """The address range [start, end) of a buffer's memory."""
-    assert ffi is not None
-    buf = ffi.from_buffer("uint8_t[]", view)
-    try:
-        start = int(ffi.cast("uintptr_t", buf))
-        return start, start + len(buf)
-    finally:
-        ffi.release(buf)
-
-
 def _release(bufs: list[Any]) -> None:
     """Drop the buffer exports of `bufs` now.
 

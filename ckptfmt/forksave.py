@@ -93,9 +93,17 @@ def why_not(encoded: tree.Encoded, dedup: object | None) -> str | None:
                 return f"{plan.key} is in pinned memory"
         elif not isinstance(src, np.ndarray):
             return f"{plan.key} is not host memory"
-        if plan.nbytes and _overlaps(spans, starts, *_native.buffer_span(chunkio.storage_bytes(plan))):
+        start = _address(src)
+        if plan.nbytes and _overlaps(spans, starts, start, start + plan.nbytes):
             return f"{plan.key} is in a shared mapping"
     return None
+
+
+def _address(src: torch.UntypedStorage | np.ndarray) -> int:
+    """Where a host storage's bytes (or a contiguous array's) start."""
+    if isinstance(src, torch.UntypedStorage):
+        return int(src.data_ptr())
+    return int(src.__array_interface__["data"][0])
 
 
 def save_forked(
