@@ -149,10 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     shm = tempfile.mkdtemp(prefix="ckptfmt-bench-", dir="/dev/shm") if os.path.isdir("/dev/shm") else scratch
     targets = {"disk": scratch, "tmpfs": shm}
     targets = {t: targets[t] for t in args.targets.split(",")}
-    # the states the workers start from live in memory (/dev/shm) unless that would take
-    # more than a quarter of it: a worker holds the state and staging or a loaded copy too
-    phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    in_memory = os.path.isdir("/dev/shm") and 4 * max(sizes) <= phys
+    # the states the workers start from live in /dev/shm unless that would take more than
+    # a quarter of it or of memory: a worker holds the state and staging or a loaded copy,
+    # and the tmpfs target writes its checkpoints there too
+    room = 0
+    if os.path.isdir("/dev/shm"):
+        shm_fs = os.statvfs("/dev/shm")
+        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        room = min(phys, shm_fs.f_bavail * shm_fs.f_frsize)
+    in_memory = 4 * max(sizes) <= room
     cache_dir = tempfile.mkdtemp(
         prefix="ckptfmt-bench-cache-", dir="/dev/shm" if in_memory else args.disk_dir or HERE
     )

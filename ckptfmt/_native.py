@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import signal
 import threading
 import warnings
 from collections.abc import Iterator
@@ -249,28 +250,33 @@ def fork_write(
     keep = _fill_chunks(chunks, pieces)
     fid = ffi.new("uint8_t[16]", file_id)
     lvl = lib.CKF_LEVEL_FAST_PROFILE if level is None else level
-    pid = lib.ckf_fork_write(
-        fd,
-        fid,
-        0,
-        first_offset,
-        chunks,
-        n,
-        1 if compression else 0,
-        lvl,
-        threads,
-        ready_fd,
-        parent_fd,
-        result,
-        _fault,
-    )
-    err = ffi.errno
-    _release(keep)
-    if pid < 0:
+    args = (fd, fid, 0, first_offset, chunks, n, 1 if compression else 0, lvl, threads, ready_fd, parent_fd)
+    pid = -1
+    try:
+        pid = lib.ckf_fork_write(*args, result, _fault)
+        err = ffi.errno
+        _release(keep)
+        if pid < 0:
+            raise OSError(err, f"fork failed: {os.strerror(err)}")
+        return ForkedWrite(int(pid), shared, base, result, chunks, n)
+    except BaseException:
+        # fork() ran with signals blocked: a ^C pressed meanwhile is raised right after it
+        # returns, before the caller holds the child, which must not be left behind
+        if pid > 0:
+            stop_child(int(pid))
+        _release(keep)
         ffi.release(base)
         shared.close()
-        raise OSError(err, f"fork failed: {os.strerror(err)}")
-    return ForkedWrite(int(pid), shared, base, result, chunks, n)
+        raise
+
+
+def stop_child(pid: int) -> None:
+    """Kill a child nobody will wait for, and reap it."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
 
 
 def _release(bufs: list[Any]) -> None:

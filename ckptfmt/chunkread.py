@@ -421,8 +421,9 @@ class ChunkReader:
         """Check every chunk; yield one error per damaged chunk and go on.
 
         Chunks are checked in windows of CHECK_WINDOW bytes (in parallel with the
-        C engine); a window that fails is checked again chunk by chunk so that
-        every damaged chunk is reported.  A referenced file that cannot be used is
+        C engine); a window that fails is checked again in halves, down to single
+        chunks, so that every damaged chunk is reported, in order, while the sound
+        ones are checked in few calls.  A referenced file that cannot be used is
         reported once, at its first chunk, and its other chunks are skipped.
         """
         unusable = set(self._ext_failed)  # reported already (external_problems)
@@ -448,15 +449,25 @@ class ChunkReader:
                     items.append((k, None if view is None else view[pos : pos + self.chunks[k].raw_len]))
                     pos += self.chunks[k].raw_len
                 k += 1
-            try:
-                self.read_into(items, True, check_only=True)
-            except CheckpointError:
-                for kk, dest in items:
-                    if self.chunks[kk].source in unusable:
-                        continue
-                    try:
-                        self.read_into([(kk, dest)], True, check_only=True)
-                    except CheckpointError as e:
-                        if self.chunks[kk].source in self._ext_failed:
-                            unusable.add(self.chunks[kk].source)
-                        yield e
+            yield from self._check_halving(items, unusable)
+
+    def _check_halving(
+        self, items: list[tuple[int, memoryview | None]], unusable: set[int]
+    ) -> Iterator[CheckpointError]:
+        """Check `items` in one call; where that fails, each half again, down to single chunks.
+        A chunk of a referenced file that cannot be used marks that file `unusable`."""
+        items = [(k, d) for k, d in items if self.chunks[k].source not in unusable]
+        if not items:
+            return
+        try:
+            self.read_into(items, True, check_only=True)
+            return
+        except CheckpointError as e:
+            if len(items) == 1:
+                if self.chunks[items[0][0]].source in self._ext_failed:
+                    unusable.add(self.chunks[items[0][0]].source)
+                yield e
+                return
+        half = len(items) // 2
+        yield from self._check_halving(items[:half], unusable)
+        yield from self._check_halving(items[half:], unusable)

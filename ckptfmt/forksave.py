@@ -126,6 +126,9 @@ def save_forked(
     file_id = chunkio.new_file_id()
     own: list[int] = []  # descriptors this call closes if it fails
     child: _native.ForkedWrite | None = None
+    # Whoever takes this cleans up: the waiter thread once it runs, or this call when it
+    # fails before that (an interrupt can land in Thread.start() after the thread began).
+    owner = threading.Lock()
     try:
         ready, ready_w = _pipe(own)  # the child writes a byte when it is done
         alive, alive_w = _pipe(own)  # the child exits when this reads end-of-file: we are gone
@@ -146,13 +149,15 @@ def save_forked(
         handle._pid = child.pid
         thread = threading.Thread(
             target=_finish,
-            args=(handle, atomic, child, ready, alive_w, file_id, encoded, metadata, chunk_size),
+            args=(handle, atomic, child, ready, alive_w, file_id, encoded, metadata, chunk_size, owner),
             name=f"ckptfmt-save-{os.path.basename(path)}",
             daemon=False,
         )
         inflight.begin(handle)
         thread.start()
     except BaseException as e:
+        if not owner.acquire(blocking=False):
+            raise  # interrupted in start() after the waiter began: the save is its to finish
         inflight.end(handle)
         if child is not None:
             _kill(child)
@@ -174,11 +179,7 @@ def _pipe(own: list[int]) -> tuple[int, int]:
 
 def _kill(child: _native.ForkedWrite) -> None:
     """Stop a child this process will not wait for, and reap it."""
-    try:
-        os.kill(child.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    _reap(child.pid)
+    _native.stop_child(child.pid)
     child.close()
 
 
@@ -238,8 +239,11 @@ def _finish(
     encoded: tree.Encoded,
     metadata: dict[str, str],
     chunk_size: int,
+    owner: threading.Lock,
 ) -> None:
     """Wait for the child, then write the index, footer and prologue and commit."""
+    if not owner.acquire(blocking=False):
+        return  # save_forked failed first and has cleaned up
     exc: BaseException | None = None
     replaced: list[int] = []
     reaped = False

@@ -75,10 +75,17 @@ typedef struct {
 } copy_job;
 
 #define COPY_PIECE (4u << 20)
+/* copies below this stay in the cache: the writer may read them back at once */
+#define STREAM_MIN ((size_t)1 << 20)
 
 #if defined(__SSE2__)
 static void copy_stream(uint8_t *dst, const uint8_t *src, size_t n) {
-    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    if (n < STREAM_MIN) { /* small: likely read again soon, from the cache */
+        memcpy(dst, src, n);
+        return;
+    }
+    /* plain stores up to a cache line boundary: no line is written both ways */
+    size_t head = (64 - ((uintptr_t)dst & 63)) & 63;
     if (head > n) head = n;
     memcpy(dst, src, head);
     dst += head, src += head, n -= head;

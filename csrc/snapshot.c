@@ -16,6 +16,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -51,7 +52,14 @@ static void close_all_but(const int *keep, int nkeep) {
     for (;;) { /* listed in batches: closing while the directory is read could skip entries */
         int found[256], n = 0;
         DIR *d = opendir("/proc/self/fd");
-        if (!d) return;
+        if (!d) { /* no /proc: a bounded loop over the numbers descriptors usually take */
+            for (int v = 3; v < 65536; v++) {
+                int kept = 0;
+                for (int i = 0; i < nkeep; i++) kept |= keep[i] == v;
+                if (!kept) close(v);
+            }
+            return;
+        }
         struct dirent *e;
         while (n < 256 && (e = readdir(d)) != NULL) {
             char *end;
@@ -67,11 +75,14 @@ static void close_all_but(const int *keep, int nkeep) {
     }
 }
 
-/* A descriptor the child keeps, moved above 2 if it is one of the standard three. */
+/* A descriptor the child keeps, moved above 2 if it is one of the standard three
+ * (quiet_stdio replaces those); the child gives up when it cannot be moved, since
+ * writing the file through /dev/null would commit holes. */
 static int above_stdio(int fd) {
     if (fd > 2) return fd;
     int moved = fcntl(fd, F_DUPFD, 3);
-    return moved >= 0 ? moved : fd;
+    if (moved < 0) _exit(4);
+    return moved;
 }
 
 /* stdin and stdout become /dev/null: a reader of the parent's output must not wait for
@@ -92,14 +103,21 @@ static void quiet_stdio(void) {
     if (null > last) close(null);
 }
 
-/* The parent holds the only write end of this pipe: end-of-file means it is gone
- * (killed, or exited), and then nobody will commit what this child writes. */
-static void *watch_parent(void *arg) {
-    int fd = (int)(intptr_t)arg;
-    char b;
-    while (read(fd, &b, 1) < 0 && errno == EINTR) {
+/* The parent holds the write end of this pipe: end-of-file means it is gone (killed,
+ * or exited), and then nobody will commit what this child writes.  A process the
+ * parent forked meanwhile may hold that end too, so the parent's pid is checked as
+ * well, ten times a second: once the parent is gone, this child has another. */
+typedef struct {
+    int fd;
+    pid_t parent;
+} watch_arg;
+
+static void *watch_parent(void *p) {
+    watch_arg *w = (watch_arg *)p;
+    for (;;) {
+        struct pollfd pf = {w->fd, POLLIN, 0};
+        if (poll(&pf, 1, 100) > 0 || getppid() != w->parent) _exit(2);
     }
-    _exit(2);
     return NULL;
 }
 
@@ -127,6 +145,7 @@ int64_t ckf_fork_write(int fd, const uint8_t *file_id, uint64_t first_index, uin
     sigset_t all, before;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &before);
+    pid_t parent = getpid();
     pid_t pid = fork();
     if (pid != 0) { /* the parent: the child's pid, or -1 with errno */
         int err = errno;
@@ -141,8 +160,9 @@ int64_t ckf_fork_write(int fd, const uint8_t *file_id, uint64_t first_index, uin
     sort3(keep);
     close_all_but(keep, 3);
     quiet_stdio();
+    watch_arg watch = {parent_fd, parent}; /* this frame lasts until _exit */
     pthread_t watcher;
-    if (pthread_create(&watcher, NULL, watch_parent, (void *)(intptr_t)parent_fd) == 0) pthread_detach(watcher);
+    if (pthread_create(&watcher, NULL, watch_parent, &watch) == 0) pthread_detach(watcher);
     if (test_fault == 1) kill(getpid(), SIGKILL); /* tests: a child that dies part-way */
     if (test_fault == 2) _exit(3);                /* tests: a child that exits without a result */
     if (test_fault == 3) sleep(2);                /* tests: a child slow enough to look at */

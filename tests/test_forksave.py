@@ -28,6 +28,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def _children() -> set[int]:
+    """This process's child processes, zombies included."""
+    out: set[int] = set()
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                out.update(int(p) for p in f.read().split())
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return out
+
+
 def _gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -41,6 +53,7 @@ def forked():
     """The handles of the fork snapshots a test took; after it, no thread, descriptor or child left."""
     threads = threading.active_count()
     fds = len(os.listdir("/proc/self/fd"))
+    children = _children()
     handles: list[ckptfmt.SaveHandle] = []
     real = forksave.save_forked
 
@@ -64,6 +77,7 @@ def forked():
     assert len(os.listdir("/proc/self/fd")) <= fds, "a file descriptor leaked"
     for h in handles:
         assert h._pid is not None and _gone(h._pid), "a child was not reaped"
+    assert _children() <= children, "a child process was left behind"
 
 
 def _state(seed: int = 3) -> dict[str, object]:
@@ -368,3 +382,45 @@ def test_a_dead_child_is_noticed_even_while_another_process_holds_its_pipe(tmp_p
         for fd in held:
             os.close(fd)
     assert isinstance(exc, SnapshotError) and "killed by signal 9" in str(exc)
+
+
+def test_an_interrupt_right_after_fork_returns_stops_and_reaps_the_child(tmp_path, monkeypatch):
+    """fork() runs with signals blocked: a ^C pressed meanwhile is raised as soon as it
+    returns, before save_forked holds the child."""
+    real = _native._release
+    raised = []
+
+    def interrupted_once(bufs: list[object]) -> None:
+        if not raised:
+            raised.append(True)
+            raise KeyboardInterrupt
+        real(bufs)
+
+    monkeypatch.setattr(_native, "_release", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        ckptfmt.save({"v": torch.ones(10)}, tmp_path / "x.ckpt", blocking=False, snapshot="fork")
+    assert raised and os.listdir(tmp_path) == []
+    assert not background._in_flight
+
+
+def test_an_interrupt_in_thread_start_cleans_up_once(tmp_path, monkeypatch):
+    """An interrupt can land in Thread.start() after the waiter thread began: either the
+    waiter finishes the save or the failing call cleans up, never both."""
+    real = threading.Thread.start
+
+    def started_then_interrupted(self: threading.Thread) -> None:
+        real(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", started_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ckptfmt.save({"v": torch.arange(10)}, tmp_path / "x.ckpt", blocking=False, snapshot="fork")
+    monkeypatch.undo()
+    for t in threading.enumerate():
+        if t.name.startswith("ckptfmt-save-"):
+            t.join(60)
+    names = os.listdir(tmp_path)
+    assert names in ([], ["x.ckpt"])  # no temp file either way
+    if names:
+        assert torch.equal(ckptfmt.load(tmp_path / "x.ckpt")["v"], torch.arange(10))
+    assert not background._in_flight
