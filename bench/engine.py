@@ -24,6 +24,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -160,6 +161,15 @@ def _rewrite(tensors: list[torch.Tensor]) -> float:
     return time.perf_counter() - t
 
 
+def _settle() -> None:
+    """Wait for what the previous save left running: the file it replaced is freed on a
+    thread after it returns (0.1 s per GiB on tmpfs).  Saves in a training loop are
+    minutes apart; back to back, that freeing would land on the next one measured."""
+    for t in threading.enumerate():
+        if t.name == "ckptfmt-free-replaced" or t.name.startswith("ckptfmt-save-"):
+            t.join()
+
+
 def nonblocking(st: Any, path: str, rounds: int, target: str) -> dict[str, Any]:
     """Blocking save vs non-blocking saves with each snapshot kind, interleaved: time the
     caller is blocked, time until durable, and what a step that rewrites the whole state
@@ -173,13 +183,16 @@ def nonblocking(st: Any, path: str, rounds: int, target: str) -> dict[str, Any]:
         rows.setdefault(name, []).append(value)
 
     for r in range(rounds):
+        _settle()
         t = time.perf_counter()
         ckptfmt.save(st, path)
         blocking = time.perf_counter() - t
         add("blocking_save_s", blocking)
+        _settle()
         add("step_alone_s", _rewrite(tensors))
         kinds = ("copy", "fork") if r % 2 == 0 else ("fork", "copy")
         for snap in kinds:
+            _settle()
             t = time.perf_counter()
             h = ckptfmt.save(st, path, blocking=False, snapshot=snap)
             blocked = time.perf_counter() - t
@@ -190,6 +203,7 @@ def nonblocking(st: Any, path: str, rounds: int, target: str) -> dict[str, Any]:
             add(f"{snap}_blocked_fraction", blocked / blocking)
             add(f"{snap}_durable_vs_blocking", durable / blocking)
         for snap in kinds:
+            _settle()
             h = ckptfmt.save(st, path, blocking=False, snapshot=snap)
             add(f"step_during_{snap}_save_s", _rewrite(tensors))
             h.wait()
