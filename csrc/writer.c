@@ -99,7 +99,12 @@ static int pwrite_all(int fd, const uint8_t *p, uint64_t len, uint64_t off) {
  * being hashed and being copied into the page cache by pwrite, so the checksum
  * costs no second trip through memory. */
 #define PIECE (256u << 10)
-#define WRITEBACK_PAGE 4096u
+
+/* the page size sync_file_range rounds to (4 KiB unless the system says otherwise) */
+static uint64_t writeback_page(void) {
+    long p = sysconf(_SC_PAGESIZE);
+    return p > 0 ? (uint64_t)p : 4096u;
+}
 
 static void write_chunk(job *j, uint64_t k, const uint8_t *p, int thread) {
     ckf_chunk *c = &j->chunks[k];
@@ -130,8 +135,9 @@ static void write_chunk(job *j, uint64_t k, const uint8_t *p, int thread) {
      * the file): the commit's fsync then waits for what is still in flight, not for the
      * whole file, so the device works while the other chunks are hashed and copied. */
     /* whole pages only: the pages shared with the neighbouring chunks go with the fsync */
-    uint64_t first = (c->offset + WRITEBACK_PAGE - 1) / WRITEBACK_PAGE * WRITEBACK_PAGE;
-    uint64_t end = (c->offset + c->stored_len) / WRITEBACK_PAGE * WRITEBACK_PAGE;
+    uint64_t page = writeback_page();
+    uint64_t first = (c->offset + page - 1) / page * page;
+    uint64_t end = (c->offset + c->stored_len) / page * page;
     if (end > first) (void)sync_file_range(j->fd, (off_t)first, (off_t)(end - first), SYNC_FILE_RANGE_WRITE);
 #endif
     c->checksum = h ? XXH3_64bits_digest(h) : 0;
