@@ -78,6 +78,22 @@ def _failure(doing: str, path: str, e: BaseException) -> CheckpointError:
     )
 
 
+def _mapped(doing: str, path: str, e: BaseException) -> BaseException:
+    """What to raise for `e` from DCP: a CheckpointError naming the ranks for DCP's own
+    failures and, with several ranks, for the RuntimeErrors its collectives raise; any
+    other error as it is."""
+    if isinstance(e, CheckpointException) or (isinstance(e, RuntimeError) and _distributed()):
+        return _failure(doing, path, e)
+    return e
+
+
+def _raise_mapped(doing: str, path: str, e: BaseException) -> None:
+    """Raise `_mapped`'s error for `e` when it is another one (the caller re-raises `e` itself)."""
+    mapped = _mapped(doing, path, e)
+    if mapped is not e:
+        raise mapped from e
+
+
 @pausing_in_main_thread
 def save(
     state_dict: dict[str, Any],
@@ -119,10 +135,7 @@ def save(
             )
     except BaseException as e:
         planner.forget_cached_plans()  # every rank gets the error: all caches start over
-        if isinstance(e, CheckpointException):
-            raise _failure("save", target, e) from e
-        if isinstance(e, RuntimeError) and _distributed():
-            raise _failure("save", target, e) from e
+        _raise_mapped("save", target, e)
         raise
 
 
@@ -152,12 +165,9 @@ def load(
                 process_group=process_group,
                 no_dist=not _distributed(),
             )
-    except CheckpointException as e:
-        raise _failure("load", target, e) from e
-    except RuntimeError as e:
-        if not _distributed():
-            raise
-        raise _failure("load", target, e) from e
+    except BaseException as e:
+        _raise_mapped("load", target, e)
+        raise
 
 
 # -- async ---------------------------------------------------------------------------------------
@@ -320,12 +330,8 @@ def async_save(
             planner.forget_cached_plans()
         try:
             out.set_result(f.result())
-        except CheckpointException as e:
-            out.set_exception(_failure("save", target, e))
-        except RuntimeError as e:
-            out.set_exception(_failure("save", target, e) if _distributed() else e)
         except BaseException as e:
-            out.set_exception(e)
+            out.set_exception(_mapped("save", target, e))
 
     inner.add_done_callback(done)
     st.track(out)
