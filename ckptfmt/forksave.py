@@ -157,7 +157,10 @@ def save_forked(
         thread.start()
     except BaseException as e:
         if not owner.acquire(blocking=False):
-            raise  # interrupted in start() after the waiter began: the save is its to finish
+            # interrupted in start() after the waiter began: the save is its to finish, and
+            # its error, if any, is raised by the next save like any unwatched one
+            inflight.watch(handle)
+            raise
         inflight.end(handle)
         if child is not None:
             _kill(child)
