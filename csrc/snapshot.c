@@ -10,8 +10,9 @@
  * child).
  *
  * The chunk records and the result go back through memory the caller mapped
- * MAP_SHARED; the caller learns that the child is done from waitpid, and trusts
- * the result only if `finished` is set (a child killed part-way never sets it).
+ * MAP_SHARED; the caller learns that the child is done from a byte on a pipe (or,
+ * for a child that died, from waitpid), and trusts the result only if `finished`
+ * is set (a child killed part-way never sets it).
  */
 #include <dirent.h>
 #include <errno.h>
