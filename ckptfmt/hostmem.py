@@ -13,19 +13,10 @@ Huge pages are asked for only while the kernel has free 2 MiB blocks to give:
 when free memory is fragmented into small pages, a fault on memory marked
 MADV_HUGEPAGE compacts memory first (THP's `defrag` setting), which costs more
 than the faults it saves.
-
-Nor are they asked for in a virtual machine whose free 2 MiB blocks are handed
-back to the host (virtio-balloon free page reporting, which reports blocks of
-order 9 and up): a huge page is then a block the host has to fault in again.
-Measured on such a VM (Firecracker, 1 GiB state, page cache): a process's first
-load ran at 1.2-1.35 GB/s with huge pages and 3.0 GB/s without; only loads into
-memory the same process freed seconds before ran faster with them (5.0-5.8 GB/s
-against 2.6-3.2), and a resume is a first load.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -51,56 +42,9 @@ def empty_bytes(nbytes: int, *, pinned: bool = False) -> torch.Tensor:
     Raises RuntimeError or MemoryError when the memory cannot be had, as torch.empty does.
     """
     out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    if (
-        not pinned
-        and nbytes >= MIN_HUGE_BYTES
-        and not host_reclaims_huge_blocks()
-        and _take_free_blocks(nbytes // HUGE_PAGE)
-    ):
+    if not pinned and nbytes >= MIN_HUGE_BYTES and _take_free_blocks(nbytes // HUGE_PAGE):
         _native.advise_huge(out)
     return out
-
-
-_BALLOON = "/sys/bus/virtio/drivers/virtio_balloon"
-_REPORTING_ORDER = "/sys/module/page_reporting/parameters/page_reporting_order"
-#: virtio-balloon feature bit: free page reporting
-_F_REPORTING = 5
-_reclaims: bool | None = None
-
-
-def host_reclaims_huge_blocks() -> bool:
-    """Whether this is a VM that reports free blocks of 2 MiB to its host (read once)."""
-    global _reclaims
-    if _reclaims is None:
-        _reclaims = (
-            _balloon_reports_free_pages() and _reporting_order() <= (HUGE_PAGE // 4096).bit_length() - 1
-        )
-    return _reclaims
-
-
-def _balloon_reports_free_pages() -> bool:
-    try:
-        devices = [d for d in os.listdir(_BALLOON) if d.startswith("virtio")]
-    except OSError:
-        return False
-    for d in devices:
-        try:
-            with open(os.path.join(_BALLOON, d, "features")) as f:
-                bits = f.read().strip()
-        except OSError:
-            continue
-        if len(bits) > _F_REPORTING and bits[_F_REPORTING] == "1":
-            return True
-    return False
-
-
-def _reporting_order() -> int:
-    """The smallest order of free blocks reported (the kernel's default is the pageblock's, 9)."""
-    try:
-        with open(_REPORTING_ORDER) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return 9
 
 
 def _take_free_blocks(n: int) -> bool:
