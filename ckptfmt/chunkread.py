@@ -420,8 +420,8 @@ class ChunkReader:
     ) -> Iterator[CheckpointError]:
         """Check every chunk; yield one error per damaged chunk and go on.
 
-        Chunks are checked in windows of CHECK_WINDOW bytes (in parallel with the
-        C engine); a window that fails is checked again in halves, down to single
+        Chunks are checked in windows of CHECK_WINDOW bytes, or CHECK_WINDOW_UNTOUCHED
+        where no chunk needs a destination (in parallel with the C engine); a window that fails is checked again in halves, down to single
         chunks, so that every damaged chunk is reported, in order, while the sound
         ones are checked in few calls.  A referenced file that cannot be used is
         reported once, at its first chunk, and its other chunks are skipped.
