@@ -6,7 +6,8 @@ bench/run.py's workers time their loads after loading and freeing the state once
 so their loads get memory the process has just handed back.  A resumed run has no
 such memory: this runs each load as the first thing a fresh process does, every byte
 of every returned tensor read, in turn each round: ckptfmt.load as it is, ckptfmt.load
-with no huge pages (hostmem told to advise none), and torch.load of the same state.
+with huge pages for every destination (as on hosts that do not take free blocks back),
+ckptfmt.load with none, and torch.load of the same state.
 Writes results/resume.json.
 """
 
@@ -30,6 +31,7 @@ import torch  # noqa: E402
 from run import parse_size  # noqa: E402
 
 import ckptfmt  # noqa: E402
+from ckptfmt import hostmem  # noqa: E402
 
 _WORKER = r"""
 import sys, time
@@ -42,6 +44,8 @@ if mode == "torch":
 else:
     import ckptfmt
     from ckptfmt import hostmem
+    if mode == "ckptfmt-huge-pages":
+        hostmem._reclaims = False
     if mode == "ckptfmt-4k-pages":
         hostmem.MIN_HUGE_BYTES = 1 << 62
     t = time.perf_counter()
@@ -50,7 +54,7 @@ tools.touch(out)
 print(time.perf_counter() - t)
 """
 
-MODES = ("ckptfmt", "ckptfmt-4k-pages", "torch")
+MODES = ("ckptfmt", "ckptfmt-huge-pages", "ckptfmt-4k-pages", "torch")
 
 
 def first_load(path: str, mode: str) -> float:
@@ -98,9 +102,13 @@ def main() -> int:
             "torch_time_over_ckptfmt": statistics.median(
                 t / c for t, c in zip(seconds["torch"], seconds["ckptfmt"])
             ),
-            "ckptfmt_time_over_4k_pages": statistics.median(
-                c / h for h, c in zip(seconds["ckptfmt-4k-pages"], seconds["ckptfmt"])
-            ),
+            "host_reclaims_huge_blocks": hostmem.host_reclaims_huge_blocks(),
+            **{
+                f"ckptfmt_time_over_{m[8:].replace('-', '_')}": statistics.median(
+                    c / h for h, c in zip(seconds[m], seconds["ckptfmt"])
+                )
+                for m in ("ckptfmt-huge-pages", "ckptfmt-4k-pages")
+            },
         }
     finally:
         shutil.rmtree(folder, ignore_errors=True)

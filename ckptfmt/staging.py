@@ -102,7 +102,7 @@ class StagingPool:
             return self._allocated
 
     def _allocate(self, size: int, pinned: bool) -> torch.Tensor:
-        return hostmem.empty_bytes(size, pinned=pinned)
+        return hostmem.empty_bytes(size, pinned=pinned, reused=True)
 
     def _is_pinned(self, slab: torch.Tensor) -> bool:
         return bool(slab.is_pinned())

@@ -32,6 +32,7 @@ def _vm_flags(addr: int) -> list[str]:
 @needs_engine
 def test_large_buffers_are_advised_for_huge_pages_and_stay_ordinary(monkeypatch):
     monkeypatch.setattr(hostmem, "free_huge_blocks", lambda: 1 << 20)
+    monkeypatch.setattr(hostmem, "_reclaims", False)
     monkeypatch.setattr(hostmem, "_read_at", -1e9)
     t = hostmem.empty_bytes(64 << 20)
     middle = (t.data_ptr() + (32 << 20)) & ~((2 << 20) - 1)
@@ -52,6 +53,7 @@ def test_loaded_storages_get_the_advice(monkeypatch):
     import tempfile
 
     monkeypatch.setattr(hostmem, "free_huge_blocks", lambda: 1 << 20)
+    monkeypatch.setattr(hostmem, "_reclaims", False)
     monkeypatch.setattr(hostmem, "_read_at", -1e9)
     with tempfile.TemporaryDirectory() as d:
         p = f"{d}/big.ckpt"
@@ -105,6 +107,7 @@ def test_no_huge_pages_without_free_2mib_blocks(monkeypatch):
     def advised(t: torch.Tensor) -> bool:
         return "hg" in _vm_flags((t.data_ptr() + (32 << 20)) & ~((2 << 20) - 1))
 
+    monkeypatch.setattr(hostmem, "_reclaims", False)
     monkeypatch.setattr(hostmem, "free_huge_blocks", lambda: 0)
     monkeypatch.setattr(hostmem, "_read_at", -1e9)
     assert not advised(hostmem.empty_bytes(64 << 20))
@@ -117,3 +120,68 @@ def test_no_huge_pages_without_free_2mib_blocks(monkeypatch):
 def test_free_huge_blocks_reads_the_buddy_allocator():
     n = hostmem.free_huge_blocks()
     assert isinstance(n, int) and n >= 0
+
+
+def _sysfs(tmp_path, features: str | None, order: str | None):
+    balloon = tmp_path / "balloon"
+    balloon.mkdir()
+    if features is not None:
+        (balloon / "virtio3").mkdir()
+        (balloon / "virtio3" / "features").write_text(features + "\n")
+    order_file = tmp_path / "order"
+    if order is not None:
+        order_file.write_text(order + "\n")
+    return str(balloon), str(order_file)
+
+
+@pytest.mark.parametrize(
+    ("features", "order", "reclaims"),
+    [
+        ("0110010000", "9", True),  # free page reporting at 2 MiB: no huge pages for one use
+        ("0110010000", None, True),  # the kernel's default order is 9
+        ("0110010000", "10", False),  # only 4 MiB blocks and up are reported
+        ("0110000000", "9", False),  # a balloon without reporting
+        (None, "9", False),  # no balloon device
+    ],
+)
+def test_no_huge_pages_where_the_host_takes_free_2mib_blocks_back(
+    tmp_path, monkeypatch, features, order, reclaims
+):
+    balloon, order_file = _sysfs(tmp_path, features, order)
+    monkeypatch.setattr(hostmem, "_BALLOON", balloon)
+    monkeypatch.setattr(hostmem, "_REPORTING_ORDER", order_file)
+    monkeypatch.setattr(hostmem, "_reclaims", None)
+    monkeypatch.setattr(hostmem, "free_huge_blocks", lambda: 1 << 20)
+    monkeypatch.setattr(hostmem, "_read_at", -1e9)
+    assert hostmem.host_reclaims_huge_blocks() is reclaims
+    advised = []
+    monkeypatch.setattr(hostmem._native, "advise_huge", advised.append)
+    hostmem.empty_bytes(8 << 20)
+    assert bool(advised) is not reclaims
+    advised.clear()
+    hostmem.empty_bytes(8 << 20, reused=True)  # refilled many times: huge pages all the same
+    assert advised
+
+
+@needs_engine
+def test_where_the_host_reclaims_loads_get_small_pages_and_staging_huge_ones(tmp_path, monkeypatch):
+    """A load's destinations are filled once, so their first fault is what counts; staging
+    slabs are refilled by every non-blocking save."""
+    from ckptfmt import staging
+
+    monkeypatch.setattr(hostmem, "_reclaims", True)
+    monkeypatch.setattr(hostmem, "free_huge_blocks", lambda: 1 << 20)
+    monkeypatch.setattr(hostmem, "_read_at", -1e9)
+
+    def huge(t: torch.Tensor) -> bool:
+        return "hg" in _vm_flags((t.data_ptr() + (32 << 20)) & ~((2 << 20) - 1))
+
+    p = tmp_path / "big.ckpt"
+    state = {"w": torch.randn(16 << 20)}  # 64 MiB
+    ckptfmt.save(state, p)
+    out = ckptfmt.load(p)
+    assert torch.equal(out["w"], state["w"]) and not huge(out["w"])
+    pool = staging.StagingPool(limit=128 << 20)
+    slab = pool.acquire(64 << 20, pinned=False)
+    assert huge(slab)
+    pool.release(slab)
