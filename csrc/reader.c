@@ -35,6 +35,9 @@
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22
 #endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
 
 #define PIECE (256u << 10)
 
@@ -112,6 +115,17 @@ static int populate_or_fail(rjob *j, int64_t k, const uint8_t *p, uint64_t len) 
     if (errno == EINTR || errno == EAGAIN) return 0; /* the hash faults the rest in */
     rfail(j, CKF_ERR_SHORT, 0, k, CKF_WHY_SHORT, (uint64_t)(p - j->map));
     return 1;
+}
+
+/* Fault in the pages of a fresh destination [p, p+len) in one call, just before
+ * they are written: the kernel's loop over them costs about two thirds of a trap
+ * per page (1 GiB of 4 KiB pages: 0.32 s against 0.5 s here).  Only the fault-in
+ * happens early; the bytes are written as before.  Where the call fails (older
+ * kernels, read-only memory), the writes fault the pages in themselves. */
+static void populate_dst(rjob *j, uint8_t *p, uint64_t len) {
+    uintptr_t page = (uintptr_t)j->page_size;
+    uintptr_t start = (uintptr_t)p & ~(page - 1);
+    (void)madvise((void *)start, (size_t)((uintptr_t)p + len - start), MADV_POPULATE_WRITE);
 }
 
 /* whether the pages of [p, p+len) look resident: the first, middle and last are (a hint) */
@@ -222,14 +236,18 @@ static void task_read(void *ctx, uint64_t i, int thread) {
         d = j->hstate[2 * thread + 1];
         XXH3_128bits_reset(d);
     }
+    /* a destination not yet faulted in (a load's fresh memory, not load_into's) */
+    int fresh = c->dst && !resident(c->dst, c->raw_len, j->page_size);
     int bad = 0;
     for (uint64_t done = 0; done < c->stored_len && !bad;) {
         uint64_t step = c->stored_len - done < PIECE ? c->stored_len - done : PIECE;
         const uint8_t *at = through ? through : in + done;
-        if (j->map)
+        if (j->map) {
             bad = populate_or_fail(j, k, at, step);
-        else
+        } else {
+            if (fresh && !through && c->codec == CKF_CODEC_RAW) populate_dst(j, stored + done, step);
             bad = read_or_fail(j, k, through ? through : stored + done, step, c->offset + done);
+        }
         if (!bad && h) ckf_xxh3_64_update(h, at, (size_t)step);
         if (!bad && d) ckf_xxh3_128_update(d, at, (size_t)step);
         done += step;
@@ -278,6 +296,7 @@ static void task_read(void *ctx, uint64_t i, int thread) {
      * buffer (in cache) rather than a destination nobody reads */
     int via_plain = c->filter == CKF_FILTER_SHUFFLE || (j->check_only && !c->has_digest);
     uint8_t *out = via_plain ? j->plain[thread] : c->dst;
+    if (fresh && !(j->check_only && !c->has_digest)) populate_dst(j, c->dst, c->raw_len);
     size_t n = ZSTD_decompressDCtx(j->dctx[thread], out, (size_t)c->raw_len, stored, (size_t)c->stored_len);
     if (ZSTD_isError(n)) {
         rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_ZSTD, 0);
@@ -294,7 +313,7 @@ static void task_read(void *ctx, uint64_t i, int thread) {
      * writing it, about twice as fast.  Into fresh memory, each page fault has just
      * zeroed the page in the cache, where plain stores are as fast. */
     if (c->filter == CKF_FILTER_SHUFFLE) {
-        if (!(c->has_digest && j->verify) && resident(c->dst, c->raw_len, j->page_size))
+        if (!(c->has_digest && j->verify) && !fresh)
             ckf_unshuffle_stream(c->dst, out, c->raw_len, c->width);
         else
             ckf_unshuffle(c->dst, out, c->raw_len, c->width);
