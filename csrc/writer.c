@@ -45,6 +45,7 @@ typedef struct {
     int checksum;
     uint8_t *digests;    /* NULL, or 16 bytes per chunk of the call */
     int digest_on_write; /* digests taken in write_chunk (raw path) rather than encode_chunk */
+    uint64_t page;       /* the page size sync_file_range rounds to */
     /* per thread */
     XXH3_state_t **hstate; /* checksum, and content digest of raw chunks (two per thread) */
     ZSTD_CCtx **cctx;
@@ -100,12 +101,6 @@ static int pwrite_all(int fd, const uint8_t *p, uint64_t len, uint64_t off) {
  * costs no second trip through memory. */
 #define PIECE (256u << 10)
 
-/* the page size sync_file_range rounds to (4 KiB unless the system says otherwise) */
-static uint64_t writeback_page(void) {
-    long p = sysconf(_SC_PAGESIZE);
-    return p > 0 ? (uint64_t)p : 4096u;
-}
-
 static void write_chunk(job *j, uint64_t k, const uint8_t *p, int thread) {
     ckf_chunk *c = &j->chunks[k];
     XXH3_state_t *h = NULL, *d = NULL;
@@ -135,7 +130,7 @@ static void write_chunk(job *j, uint64_t k, const uint8_t *p, int thread) {
      * the file): the commit's fsync then waits for what is still in flight, not for the
      * whole file, so the device works while the other chunks are hashed and copied. */
     /* whole pages only: the pages shared with the neighbouring chunks go with the fsync */
-    uint64_t page = writeback_page();
+    uint64_t page = j->page;
     uint64_t first = (c->offset + page - 1) / page * page;
     uint64_t end = (c->offset + c->stored_len) / page * page;
     if (end > first) (void)sync_file_range(j->fd, (off_t)first, (off_t)(end - first), SYNC_FILE_RANGE_WRITE);
@@ -249,6 +244,7 @@ int ckf_write_chunks(int fd, const uint8_t *file_id, uint64_t first_index, uint6
     j.n = n;
     j.level = level;
     j.checksum = checksum;
+    j.page = sysconf(_SC_PAGESIZE) > 0 ? (uint64_t)sysconf(_SC_PAGESIZE) : 4096u;
     j.digests = digests;
     j.digest_on_write = !compress;
     j.status = status;
