@@ -236,8 +236,9 @@ static void task_read(void *ctx, uint64_t i, int thread) {
         d = j->hstate[2 * thread + 1];
         XXH3_128bits_reset(d);
     }
-    /* a destination not yet faulted in (a load's fresh memory, not load_into's) */
-    int fresh = c->dst && !resident(c->dst, c->raw_len, j->page_size);
+    /* a destination not yet faulted in (a load's fresh memory, not load_into's); below a
+     * piece, the pages saved are too few to pay for asking */
+    int fresh = c->dst && c->raw_len >= PIECE && !resident(c->dst, c->raw_len, j->page_size);
     int bad = 0;
     for (uint64_t done = 0; done < c->stored_len && !bad;) {
         uint64_t step = c->stored_len - done < PIECE ? c->stored_len - done : PIECE;
@@ -309,11 +310,12 @@ static void task_read(void *ctx, uint64_t i, int thread) {
     /* the un-shuffled bytes are only needed by a caller that reads them or for their digest */
     if (j->check_only && !c->has_digest) return;
     /* Streaming stores when nothing reads the destination soon (no digest to take) and
-     * its pages are in memory already (load_into): they skip reading each line before
-     * writing it, about twice as fast.  Into fresh memory, each page fault has just
-     * zeroed the page in the cache, where plain stores are as fast. */
+     * its pages are in memory (load_into's, or populated above): they skip reading each
+     * line before writing it, about twice as fast.  Into small fresh destinations each
+     * page fault has just zeroed the page in the cache, where plain stores are as fast. */
     if (c->filter == CKF_FILTER_SHUFFLE) {
-        if (!(c->has_digest && j->verify) && !fresh)
+        if (!(c->has_digest && j->verify) &&
+            (c->raw_len >= PIECE || resident(c->dst, c->raw_len, j->page_size)))
             ckf_unshuffle_stream(c->dst, out, c->raw_len, c->width);
         else
             ckf_unshuffle(c->dst, out, c->raw_len, c->width);
