@@ -96,6 +96,46 @@ def test_truncation_while_open_is_incomplete_on_the_fast_path(tmp_path, compress
     assert "shrank" in str(info.value)
 
 
+def _evict(path) -> None:
+    """Drop a file's clean pages from the page cache (saves fsync, so all of them are)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_files_out_of_the_page_cache_read_and_fail_the_same(tmp_path, monkeypatch, compression):
+    """A file read from the device rather than the page cache: what comes back, and every
+    error, is the same as from the cache."""
+    monkeypatch.setenv("CKPTFMT_THREADS", "2")
+    g = torch.Generator().manual_seed(3)
+    state = {"a": torch.randn(3 << 20, generator=g), "b": torch.randn(1 << 20, generator=g).bfloat16()}
+    p = tmp_path / "cold.ckpt"
+    ckptfmt.save(state, p, compression=compression, chunk_size=1 << 20)
+    _evict(p)
+    assert_same(state, ckptfmt.load(p))
+    with ckptfmt.open(p) as r:
+        chunks = r._file.chunks
+    target = len(chunks) - 1
+    data = bytearray(p.read_bytes())
+    data[chunks[target].offset + chunks[target].stored_len // 2] ^= 0x01
+    p.write_bytes(bytes(data))
+    os.sync()
+    _evict(p)
+    with pytest.raises(ckptfmt.CorruptError) as info:
+        ckptfmt.load(p)
+    assert (info.value.key, info.value.chunk) == ("state['b']", target)
+    with ckptfmt.open(p) as r:
+        os.truncate(p, chunks[target].offset + 100)
+        os.sync()
+        _evict(p)
+        with pytest.raises(ckptfmt.IncompleteError) as info2:
+            r.get("b")
+    assert "shrank" in str(info2.value)
+
+
 def test_same_messages_on_both_paths(tmp_path, monkeypatch):
     """A zstd frame that lies about its size reads the same from C and Python."""
     import sys as _sys
