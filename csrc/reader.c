@@ -16,7 +16,9 @@
  * chunk (warm from an earlier call when cache.c holds one), and only as many
  * threads run as there are chunks.  Shuffled chunks are decoded into the thread's
  * plain buffer and un-shuffled into place, with streaming stores where the
- * destination is resident and nobody reads it right after.
+ * destination is resident (load_into's, or a load's once populated) and nobody
+ * reads it right after.  A load faults in each large fresh destination in one call
+ * just before writing it.
  */
 #include <errno.h>
 #include <stdatomic.h>
@@ -120,12 +122,12 @@ static int populate_or_fail(rjob *j, int64_t k, const uint8_t *p, uint64_t len) 
 /* Fault in the pages of a fresh destination [p, p+len) in one call, just before
  * they are written: the kernel's loop over them costs about two thirds of a trap
  * per page (1 GiB of 4 KiB pages: 0.32 s against 0.5 s here).  Only the fault-in
- * happens early; the bytes are written as before.  Where the call fails (older
- * kernels, read-only memory), the writes fault the pages in themselves. */
-static void populate_dst(rjob *j, uint8_t *p, uint64_t len) {
+ * happens early; the bytes are written as before.  1 if the pages are in; where
+ * the call fails (kernels before 5.14, no memory), the writes go on as without it. */
+static int populate_dst(rjob *j, uint8_t *p, uint64_t len) {
     uintptr_t page = (uintptr_t)j->page_size;
     uintptr_t start = (uintptr_t)p & ~(page - 1);
-    (void)madvise((void *)start, (size_t)((uintptr_t)p + len - start), MADV_POPULATE_WRITE);
+    return madvise((void *)start, (size_t)((uintptr_t)p + len - start), MADV_POPULATE_WRITE) == 0;
 }
 
 /* whether the pages of [p, p+len) look resident: the first, middle and last are (a hint) */
@@ -236,9 +238,10 @@ static void task_read(void *ctx, uint64_t i, int thread) {
         d = j->hstate[2 * thread + 1];
         XXH3_128bits_reset(d);
     }
-    /* a destination not yet faulted in (a load's fresh memory, not load_into's); below a
-     * piece, the pages saved are too few to pay for asking */
-    int fresh = c->dst && c->raw_len >= PIECE && !resident(c->dst, c->raw_len, j->page_size);
+    /* a destination a load writes that is not faulted in yet (a load's fresh memory, not
+     * load_into's); below a piece, the pages saved are too few to pay for asking */
+    int fresh = c->dst && !j->map && !j->check_only && c->raw_len >= PIECE &&
+                !resident(c->dst, c->raw_len, j->page_size);
     int bad = 0;
     for (uint64_t done = 0; done < c->stored_len && !bad;) {
         uint64_t step = c->stored_len - done < PIECE ? c->stored_len - done : PIECE;
@@ -246,7 +249,7 @@ static void task_read(void *ctx, uint64_t i, int thread) {
         if (j->map) {
             bad = populate_or_fail(j, k, at, step);
         } else {
-            if (fresh && !through && c->codec == CKF_CODEC_RAW) populate_dst(j, stored + done, step);
+            if (fresh && c->codec == CKF_CODEC_RAW) (void)populate_dst(j, stored + done, step);
             bad = read_or_fail(j, k, through ? through : stored + done, step, c->offset + done);
         }
         if (!bad && h) ckf_xxh3_64_update(h, at, (size_t)step);
@@ -297,7 +300,8 @@ static void task_read(void *ctx, uint64_t i, int thread) {
      * buffer (in cache) rather than a destination nobody reads */
     int via_plain = c->filter == CKF_FILTER_SHUFFLE || (j->check_only && !c->has_digest);
     uint8_t *out = via_plain ? j->plain[thread] : c->dst;
-    if (fresh && !(j->check_only && !c->has_digest)) populate_dst(j, c->dst, c->raw_len);
+    /* large destinations are in memory now: resident already, or populated here */
+    int placed = c->raw_len >= PIECE && (!fresh || populate_dst(j, c->dst, c->raw_len));
     size_t n = ZSTD_decompressDCtx(j->dctx[thread], out, (size_t)c->raw_len, stored, (size_t)c->stored_len);
     if (ZSTD_isError(n)) {
         rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_ZSTD, 0);
@@ -311,11 +315,11 @@ static void task_read(void *ctx, uint64_t i, int thread) {
     if (j->check_only && !c->has_digest) return;
     /* Streaming stores when nothing reads the destination soon (no digest to take) and
      * its pages are in memory (load_into's, or populated above): they skip reading each
-     * line before writing it, about twice as fast.  Into small fresh destinations each
-     * page fault has just zeroed the page in the cache, where plain stores are as fast. */
+     * line before writing it, about twice as fast.  Where each page fault zeroes a page
+     * in the cache right before the write, plain stores are as fast. */
     if (c->filter == CKF_FILTER_SHUFFLE) {
         if (!(c->has_digest && j->verify) &&
-            (c->raw_len >= PIECE || resident(c->dst, c->raw_len, j->page_size)))
+            (placed || (c->raw_len < PIECE && resident(c->dst, c->raw_len, j->page_size))))
             ckf_unshuffle_stream(c->dst, out, c->raw_len, c->width);
         else
             ckf_unshuffle(c->dst, out, c->raw_len, c->width);

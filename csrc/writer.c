@@ -244,7 +244,8 @@ int ckf_write_chunks(int fd, const uint8_t *file_id, uint64_t first_index, uint6
     j.n = n;
     j.level = level;
     j.checksum = checksum;
-    j.page = sysconf(_SC_PAGESIZE) > 0 ? (uint64_t)sysconf(_SC_PAGESIZE) : 4096u;
+    long page = sysconf(_SC_PAGESIZE);
+    j.page = page > 0 ? (uint64_t)page : 4096u;
     j.digests = digests;
     j.digest_on_write = !compress;
     j.status = status;
