@@ -107,9 +107,12 @@ def compressed_vs_zstd(st: Any, folder: str, rounds: int, threads: int) -> dict[
     Each load runs twice: right after zstd alone and the verify, and again, into memory
     the first load freed.  On a VM the first pays for fresh guest memory (the hypervisor
     faults it in); the second is what a long-lived process sees.  The verify runs before
-    the loads: right after a load had freed its 1 GiB, a verify here took about a third longer,
-    with more system time and its threads idle part of it, which is the kernel's work,
-    not the verify's; both orders are in the result (verify_after_load)."""
+    the loads: right after a load had freed its 1 GiB, the same verify took about a third
+    longer here, with more system time and its threads idle part of it.  (zstd alone
+    frees about as much just before the first verify, but in buffers malloc keeps; the
+    load's storages go back to the kernel, which on this VM reports them to the host.
+    That is the likely cause, not a measured one.)  Both orders are in the result
+    (verify_after_load)."""
     path = os.path.join(folder, "z.ckpt")
     nbytes = bench_state.tensor_bytes(st)
     ckptfmt.save(st, path, compression="zstd")

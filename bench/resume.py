@@ -6,8 +6,8 @@ bench/run.py's workers time their loads after loading and freeing the state once
 so their loads get memory the process has just handed back.  A resumed run has no
 such memory: this runs each load as the first thing a fresh process does, every byte
 of every returned tensor read, in turn each round: ckptfmt.load as it is, ckptfmt.load
-with huge pages for every destination (as on hosts that do not take free blocks back),
-ckptfmt.load with none, and torch.load of the same state.
+with huge pages wherever free 2 MiB blocks allow (as on hosts that do not take free
+blocks back), ckptfmt.load with none, and torch.load of the same state.
 Writes results/resume.json.
 """
 
