@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -33,14 +34,11 @@ sys.path.insert(0, HERE)
 
 import state as bench_state  # noqa: E402
 import torch  # noqa: E402
-from run import parse_size  # noqa: E402
+from run import parse_size, timed  # noqa: E402
+from run import summarise as med  # noqa: E402
 
 import ckptfmt  # noqa: E402
 from ckptfmt import _native, chunkio, tree  # noqa: E402
-
-
-def med(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 def pieces_of(st: Any, chunk: int = 4 << 20) -> list[tuple[memoryview, int]]:
@@ -121,23 +119,11 @@ def compressed_vs_zstd(st: Any, folder: str, rounds: int, threads: int) -> dict[
     ratios: dict[str, list[float]] = {k: [] for k in names}
     for r in range(rounds):
         decode, compress, raw = zstd_alone(path)
-        t = time.perf_counter()
-        ckptfmt.verify(path)
-        verify = time.perf_counter() - t
-        t = time.perf_counter()
-        out = ckptfmt.load(path)
-        load = time.perf_counter() - t
-        del out
-        t = time.perf_counter()
-        out = ckptfmt.load(path)
-        load_again = time.perf_counter() - t
-        del out
-        t = time.perf_counter()
-        ckptfmt.verify(path)
-        verify_after_load = time.perf_counter() - t
-        t = time.perf_counter()
-        ckptfmt.save(st, path, compression="zstd")
-        save = time.perf_counter() - t
+        verify = timed(ckptfmt.verify, path)
+        load = timed(ckptfmt.load, path)  # the loaded state is freed once timed
+        load_again = timed(ckptfmt.load, path)
+        verify_after_load = timed(ckptfmt.verify, path)
+        save = timed(functools.partial(ckptfmt.save, st, path, compression="zstd"))
         dec_gbps, comp_gbps = raw / decode / 1e9, raw / compress / 1e9
         rows["decode_1t"].append(dec_gbps)
         rows["compress_1t"].append(comp_gbps)
@@ -195,9 +181,7 @@ def nonblocking(st: Any, path: str, rounds: int, target: str) -> dict[str, Any]:
 
     for r in range(rounds):
         _settle()
-        t = time.perf_counter()
-        ckptfmt.save(st, path)
-        blocking = time.perf_counter() - t
+        blocking = timed(ckptfmt.save, st, path)
         add("blocking_save_s", blocking)
         _settle()
         add("step_alone_s", _rewrite(tensors))

@@ -26,10 +26,8 @@ import gc
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +35,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
-from run import machine_info, parse_size  # noqa: E402
+from run import machine_info, parse_size, timed  # noqa: E402
+from run import summarise as med  # noqa: E402
 
 import ckptfmt  # noqa: E402
 from ckptfmt import incremental  # noqa: E402
@@ -75,16 +74,6 @@ def step(state: dict[str, Any], g: torch.Generator) -> None:
         for t in state["trainable"].values():
             t.add_(torch.randn(t.shape, generator=g) * 1e-4)
     state["step"] += 1
-
-
-def med(xs: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def run_target(directory: str, state: dict[str, Any], rounds: int) -> dict[str, Any]:

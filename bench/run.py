@@ -110,6 +110,15 @@ def summarise(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def timed(fn: Any, *args: Any) -> float:
+    """Seconds that fn(*args) takes; its result is freed after the clock stops."""
+    t = time.perf_counter()
+    out = fn(*args)
+    took = time.perf_counter() - t
+    del out
+    return took
+
+
 def build_cache(size: int, dtype: str, folder: str) -> tuple[str, int]:
     import torch
 
