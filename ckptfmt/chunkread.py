@@ -421,9 +421,10 @@ class ChunkReader:
         """Check every chunk; yield one error per damaged chunk and go on.
 
         Chunks are checked in windows of CHECK_WINDOW bytes, or CHECK_WINDOW_UNTOUCHED
-        where no chunk needs a destination (in parallel with the C engine); a window that fails is checked again in halves, down to single
-        chunks, so that every damaged chunk is reported, in order, while the sound
-        ones are checked in few calls.  A referenced file that cannot be used is
+        where no chunk needs a destination (in parallel with the C engine); a window
+        that fails is checked again in halves, down to single chunks, so that every
+        damaged chunk is reported, in order, while the sound ones are checked in few
+        calls.  A referenced file that cannot be used is
         reported once, at its first chunk, and its other chunks are skipped.
         """
         unusable = set(self._ext_failed)  # reported already (external_problems)

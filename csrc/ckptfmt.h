@@ -131,8 +131,9 @@ typedef struct {
  * and exits.  It keeps no other descriptor than fd, ready_fd and parent_fd (stdin and
  * stdout become /dev/null, stderr too outside sanitizer builds), and exits at once
  * when parent_fd, the read end of a pipe whose write end only the parent holds,
- * reaches end-of-file.  `chunks` and `result` must lie in MAP_SHARED memory.  Returns the child's pid (reap it with
- * waitpid), or -1 with errno set when fork() fails.  test_fault: 0; tests pass 1
+ * reaches end-of-file.  `chunks` and `result` must lie in MAP_SHARED memory.
+ * Returns the child's pid (reap it with waitpid), or -1 with errno set when fork()
+ * fails.  test_fault: 0; tests pass 1
  * (the child kills itself with SIGKILL), 2 (it exits with status 3), 3 or 4 (it
  * sleeps 2 or 30 s before writing). */
 int64_t ckf_fork_write(int fd, const uint8_t *file_id, uint64_t first_index, uint64_t first_offset,

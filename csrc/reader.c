@@ -106,13 +106,17 @@ static int read_or_fail(rjob *j, int64_t k, uint8_t *p, uint64_t len, uint64_t o
     return 0;
 }
 
+/* madvise(advice) over the pages that hold [p, p+len); 0, or -1 with errno set */
+static int advise_pages(const rjob *j, const uint8_t *p, uint64_t len, int advice) {
+    uintptr_t start = (uintptr_t)p & ~((uintptr_t)j->page_size - 1);
+    return madvise((void *)start, (size_t)((uintptr_t)p + len - start), advice);
+}
+
 /* Map len bytes of the file mapping at p in one call instead of a fault per page
  * (MADV_POPULATE_READ, Linux 5.14); older kernels fault them in as they are read.
  * A file that shrank below the mapping fails here instead of raising SIGBUS later. */
 static int populate_or_fail(rjob *j, int64_t k, const uint8_t *p, uint64_t len) {
-    uintptr_t page = (uintptr_t)j->page_size;
-    uintptr_t start = (uintptr_t)p & ~(page - 1);
-    if (madvise((void *)start, (size_t)((uintptr_t)p + len - start), MADV_POPULATE_READ) == 0) return 0;
+    if (advise_pages(j, p, len, MADV_POPULATE_READ) == 0) return 0;
     if (errno == EINVAL || errno == ENOSYS || errno == EPERM) return 0; /* not supported here */
     if (errno == EINTR || errno == EAGAIN) return 0; /* the hash faults the rest in */
     rfail(j, CKF_ERR_SHORT, 0, k, CKF_WHY_SHORT, (uint64_t)(p - j->map));
@@ -125,9 +129,7 @@ static int populate_or_fail(rjob *j, int64_t k, const uint8_t *p, uint64_t len) 
  * happens early; the bytes are written as before.  1 if the pages are in; where
  * the call fails (kernels before 5.14, no memory), the writes go on as without it. */
 static int populate_dst(rjob *j, uint8_t *p, uint64_t len) {
-    uintptr_t page = (uintptr_t)j->page_size;
-    uintptr_t start = (uintptr_t)p & ~(page - 1);
-    return madvise((void *)start, (size_t)((uintptr_t)p + len - start), MADV_POPULATE_WRITE) == 0;
+    return advise_pages(j, p, len, MADV_POPULATE_WRITE) == 0;
 }
 
 /* whether the pages of [p, p+len) look resident: the first, middle and last are (a hint) */

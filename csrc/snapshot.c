@@ -45,6 +45,12 @@ static int close_ranges(const int *keep, int nkeep) {
 #endif
 }
 
+static int is_kept(const int *keep, int nkeep, long fd) {
+    for (int i = 0; i < nkeep; i++)
+        if (keep[i] == fd) return 1;
+    return 0;
+}
+
 /* Close every descriptor above 2 except those in keep (sorted, all above 2): with
  * close_range, else those /proc/self/fd lists (never a loop up to RLIMIT_NOFILE,
  * which can be a billion). */
@@ -54,11 +60,8 @@ static void close_all_but(const int *keep, int nkeep) {
         int found[256], n = 0;
         DIR *d = opendir("/proc/self/fd");
         if (!d) { /* no /proc: a bounded loop over the numbers descriptors usually take */
-            for (int v = 3; v < 65536; v++) {
-                int kept = 0;
-                for (int i = 0; i < nkeep; i++) kept |= keep[i] == v;
-                if (!kept) close(v);
-            }
+            for (int v = 3; v < 65536; v++)
+                if (!is_kept(keep, nkeep, v)) close(v);
             return;
         }
         struct dirent *e;
@@ -66,9 +69,7 @@ static void close_all_but(const int *keep, int nkeep) {
             char *end;
             long v = strtol(e->d_name, &end, 10);
             if (*end || end == e->d_name || v < 3 || v == dirfd(d)) continue;
-            int kept = 0;
-            for (int i = 0; i < nkeep; i++) kept |= keep[i] == v;
-            if (!kept) found[n++] = (int)v;
+            if (!is_kept(keep, nkeep, v)) found[n++] = (int)v;
         }
         closedir(d);
         for (int i = 0; i < n; i++) close(found[i]);
