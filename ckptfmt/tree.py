@@ -33,7 +33,7 @@ _INT_RE = re.compile(r"-?(?:0|[1-9a-f][0-9a-f]*)")
 _FLOAT_RE = re.compile(r"[0-9a-f]{16}")
 _DOUBLE = struct.Struct("<d")
 
-#: kinds whose values may be dict keys
+#: kinds whose values may be dict keys (a tuple only when its elements are keys too: key_problem)
 _KEY_KINDS = frozenset({"none", "bool", "int", "float", "str", "tuple"})
 _CONTAINER_KINDS = frozenset({"list", "tuple", "dict", "odict"})
 #: every kind, interned: validation replaces each node's kind string with one of these,
@@ -599,15 +599,13 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
     slot = array("i", [0]) * len(nodes)
     depth = array("H", [0]) * len(nodes)
 
-    def child(i: int, j: object, s: int, kinds: frozenset[str] | None = None) -> int:
+    def child(i: int, j: object, s: int) -> int:
         if type(j) is not int or not 0 <= j < i:
             raise c.fail(
                 f"node {i} refers to node {short_repr(j, 40)}; children must come before their parent"
             )
         if parent[j] != -1:
             raise c.fail(f"node {j} has two parents ({parent[j]} and {i})")
-        if kinds is not None and nodes[j][0] not in kinds:
-            raise c.fail(f"node {i} uses a {nodes[j][0]} node as a dict key")
         parent[j] = i
         slot[j] = s
         return depth[j]
@@ -654,9 +652,12 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
                 for e, pair in enumerate(node[1]):
                     if type(pair) is not list or len(pair) != 2:
                         raise c.fail(f"node {i} has an entry that is not a [key, value] pair")
-                    deepest = max(deepest, child(i, pair[0], 2 * e, _KEY_KINDS), child(i, pair[1], 2 * e + 1))
+                    deepest = max(deepest, child(i, pair[0], 2 * e), child(i, pair[1], 2 * e + 1))
+                    _check_key(c, nodes, i, pair[0])
                 if kind == "odict" and node[2] is not None:
-                    deepest = max(deepest, child(i, node[2], -1, frozenset({"dict", "odict"})))
+                    deepest = max(deepest, child(i, node[2], -1))
+                    if nodes[node[2]][0] not in ("dict", "odict"):
+                        raise c.fail(f"node {i} uses a {nodes[node[2]][0]} node as its _metadata")
                 _check_keys(c, nodes, i, node[1])
         elif kind == "dtype":
             ok = n == 2 and type(node[1]) is str and node[1] in dtypes.TORCH_DTYPES
@@ -720,6 +721,30 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
     return tree
 
 
+def key_problem(nodes: list[list[Any]], j: int) -> str | None:
+    """Why node j cannot be a dict key, or None: the one rule (spec section 6) every path that
+    reads keys relies on.  A key is a none, bool, int, float or str node, or a tuple whose
+    elements are keys, however deep.  Each node has one parent, so over a whole table this
+    visits every node at most once."""
+    stack = [j]
+    while stack:
+        node = nodes[stack.pop()]
+        if node[0] not in _KEY_KINDS:
+            return (
+                f"a dict key contains a {node[0]} node "
+                "(keys are none, bool, int, float, str or tuples of those)"
+            )
+        if node[0] == "tuple":
+            stack.extend(node[1])
+    return None
+
+
+def _check_key(c: _Check, nodes: list[list[Any]], i: int, j: int) -> None:
+    problem = key_problem(nodes, j)
+    if problem is not None:
+        raise c.fail(f"node {i}: {problem}")
+
+
 def _check_keys(c: _Check, nodes: list[list[Any]], i: int, pairs: list[list[int]]) -> None:
     """No two keys of dict node i are equal (as Python compares them), and at most
     MAX_KEY_COLLISIONS share a hash, so the checks here and the dict built on load take
@@ -771,7 +796,7 @@ def _key_value(c: _Check, nodes: list[list[Any]], j: int) -> object:
         return _unfloat(node[1])
     if kind == "tuple":
         return tuple(_key_value(c, nodes, k) for k in node[1])
-    raise c.fail(f"a dict key contains a {kind} node, which is not hashable")
+    raise c.fail(f"a dict key contains a {kind} node")  # validate_tree refused it already: for safety
 
 
 def _shape(c: _Check, i: int, v: object, what: str) -> list[int]:
