@@ -73,6 +73,9 @@ _HELD = frozenset({errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES})
 #: saves write continuously; the longest quiet spell is the final fsync of a large file.
 FOREIGN_GRACE_S = 3600.0
 
+#: the largest process id a name can hold (pid_t is a C int)
+PID_MAX = 2**31 - 1
+
 _OWNED_SUFFIX = re.compile(r"([0-9a-f]{16})\.([0-9]{1,10})\.([0-9]{1,20})\.[0-9a-f]{8}")
 _LEGACY_SUFFIX = re.compile(r"[0-9]{1,10}\.[0-9a-f]{1,32}")
 
@@ -148,8 +151,17 @@ def owner_token() -> str:
     return f"{host_token()}.{pid}.{start}"
 
 
+def names_a_process(pid: int) -> bool:
+    """Whether `pid` (read from a name) is in the range of a pid_t: a process id is positive and
+    fits a C int.  Any other names no process (spec section 10): asking the kernel about it
+    would raise OverflowError, or (0) ask about our own process group."""
+    return 0 < pid <= PID_MAX
+
+
 def _alive(pid: int, start: int) -> bool:
     """Whether process `pid` of this host and pid namespace, started at `start`, still runs."""
+    if not names_a_process(pid):
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -770,7 +770,11 @@ _TEMP_GRACE_S = 3600
 def _abandoned_temp(name: str, path: str) -> bool:
     """A temporary step directory is locked only after mkdir: until then its creator is
     known by the pid in its name, so a live pid (or a young directory) means hands off."""
+    from .commit import names_a_process
+
     pid = int(name.split(".")[-2])
+    if not names_a_process(pid):
+        return True  # no process has that pid (0, or more than a pid_t holds): its creator is gone
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
