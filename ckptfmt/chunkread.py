@@ -17,10 +17,8 @@ The records read here come from a validated index (index.py) and are trusted as 
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
-import stat
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
@@ -30,6 +28,7 @@ import zstandard
 
 from . import _native, bytesview, hostmem
 from . import format as fmt
+from .ckptdir import CheckpointDir
 from .errors import CheckpointError, CorruptError, IncompleteError
 from .fileio import pread_exact
 from .index import Chunk, Index
@@ -63,9 +62,14 @@ class ChunkReader:
     `max_open` bounds the referenced files kept open at once (least recently used are closed).
     """
 
-    def __init__(self, fd: int, path: str, index: Index, max_open: int) -> None:
+    def __init__(
+        self, fd: int, path: str, index: Index, max_open: int, base: CheckpointDir | None = None
+    ) -> None:
         self.fd = fd
         self.path = path
+        # the directory reference paths are resolved in (owned): opened on first use when
+        # not given, from the directory of `path` as the caller named it
+        self._base = base
         self.file_id = index.prologue.file_id
         self.chunks = index.chunks
         self.externals = index.externals
@@ -82,6 +86,9 @@ class ChunkReader:
         """Close the referenced files that are open, then the file itself."""
         while self._ext_open:
             os.close(self._ext_open.popitem()[1][0])
+        if self._base is not None:
+            self._base.close()
+            self._base = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -111,18 +118,17 @@ class ChunkReader:
         ext = self.externals[e]
         what = f"referenced file {ext.name} (external {e})"
         try:
-            # O_NONBLOCK: a FIFO at that path must not hang the open (it is rejected below)
-            fd = os.open(ext.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+            # every directory on the way and the file itself opened without following a
+            # link, the file without blocking (a FIFO is refused): spec 12.3 and 13.6
+            fd = self._base_dir().open_ref(ext.rel)
         except FileNotFoundError:
             raise IncompleteError(f"{what} is missing", path=self.path) from None
+        except CheckpointError as err:  # a link on the way, not a regular file
+            raise CorruptError(f"{what}: {err}", path=self.path) from None
         except OSError as err:
-            if err.errno == errno.ELOOP:
-                raise CorruptError(f"{what} is a symbolic link", path=self.path) from None
             raise OSError(err.errno, f"{err.strerror} (a file {self.path} refers to)", ext.name) from None
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptError(f"{what} is not a regular file", path=self.path)
             try:
                 pro = fmt.parse_prologue(pread_exact(fd, 0, fmt.PROLOGUE_SIZE), st.st_size, ext.name)
                 foot = fmt.parse_footer(
@@ -145,6 +151,11 @@ class ChunkReader:
             os.close(fd)
             raise
         return fd, foot.index_offset
+
+    def _base_dir(self) -> CheckpointDir:
+        if self._base is None:
+            self._base = CheckpointDir.open(os.path.dirname(self.path) or ".")
+        return self._base
 
     def _external(self, e: int, k: int, key: str | None) -> tuple[int, int]:
         """(fd, end of data section) of referenced file e, opened and checked on first use."""

@@ -13,15 +13,19 @@ normative text; this module is that section in code.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import format as fmt
-from .errors import CheckpointError, CorruptError, IncompleteError, UnsupportedError
+from .ckptdir import CheckpointDir
+from .errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
 from .fileio import open_regular, pread_exact
+from .reader import CheckpointFile
 
 COMMIT_NAME = "COMMIT"
 #: the record's own layout version; a reader rejects versions it does not know
@@ -39,6 +43,9 @@ _NAME_RE = fmt.REF_NAME_RE
 #: parts and references one record may name
 MAX_PARTS = 1 << 16
 MAX_METRICS = 1024
+_BASE_MEMBERS = frozenset(
+    {"ckptfmt_commit", "step", "layout", "created", "files", "references", "metrics", "metadata"}
+)
 
 
 @dataclass(frozen=True)
@@ -104,36 +111,77 @@ def valid_part_name(name: str, *, reference: bool) -> bool:
 # -- reading one part's identity ---------------------------------------------------
 
 
-def describe_part(path: str, name: str) -> PartRecord:
-    """The identity of a committed ckptfmt file, from its prologue and footer."""
-    fd = open_regular(path, follow_symlinks=False)
-    try:
-        size = os.fstat(fd).st_size
-        prologue = fmt.parse_prologue(pread_exact(fd, 0, fmt.PROLOGUE_SIZE), size, path)
-        at = prologue.file_length - fmt.FOOTER_SIZE
-        footer = fmt.parse_footer(pread_exact(fd, at, fmt.FOOTER_SIZE), prologue, path)
-    finally:
-        os.close(fd)
+def describe_open_part(fd: int, path: str, name: str) -> PartRecord:
+    """The identity of the committed ckptfmt file open as `fd`, from its prologue and footer."""
+    size = os.fstat(fd).st_size
+    prologue = fmt.parse_prologue(pread_exact(fd, 0, fmt.PROLOGUE_SIZE), size, path)
+    at = prologue.file_length - fmt.FOOTER_SIZE
+    footer = fmt.parse_footer(pread_exact(fd, at, fmt.FOOTER_SIZE), prologue, path)
     return PartRecord(name, prologue.file_length, prologue.file_id, footer.index_checksum)
 
 
-def check_part(directory: str, rec: PartRecord, owner: str) -> None:
-    """Raise unless the file `rec` names is there with the recorded length, id and index checksum."""
-    path = os.path.normpath(os.path.join(directory, rec.name))
+def describe_part(path: str, name: str) -> PartRecord:
+    """The identity of a committed ckptfmt file a writer has just made (by path)."""
+    fd = open_regular(path, follow_symlinks=False)
     try:
-        found = describe_part(path, rec.name)
+        return describe_open_part(fd, path, name)
+    finally:
+        os.close(fd)
+
+
+def open_part(directory: CheckpointDir, rec: PartRecord, owner: str) -> int:
+    """A descriptor of the file `rec` names, resolved beneath `directory` without following a
+    link, once it is checked to be there with the recorded length, id and index checksum.
+    The caller owns the descriptor: reading through it reads exactly the file checked."""
+    try:
+        fd = directory.open_ref(rec.name)
     except FileNotFoundError:
         raise IncompleteError(f"{rec.name} named by the commit record is missing", path=owner) from None
+    except CheckpointError as e:  # a link on the way, not a regular file
+        raise CorruptError(f"{rec.name} is not a file of the checkpoint: {e.reason}", path=owner) from None
     except OSError as e:
         raise IncompleteError(f"{rec.name} cannot be read: {e.strerror}", path=owner) from None
-    except CheckpointError as e:
-        raise CorruptError(f"{rec.name} is damaged: {e}", path=owner) from None
-    if found.length != rec.length:
-        raise CorruptError(
-            f"{rec.name} is {found.length} bytes, the commit record says {rec.length}", path=owner
-        )
-    if found.file_id != rec.file_id or found.index_checksum != rec.index_checksum:
-        raise CorruptError(f"{rec.name} is not the file the commit record names (another save?)", path=owner)
+    try:
+        try:
+            found = describe_open_part(fd, directory.path_of(rec.name), rec.name)
+        except CheckpointError as e:
+            raise CorruptError(f"{rec.name} is damaged: {e}", path=owner) from None
+        if found.length != rec.length:
+            raise CorruptError(
+                f"{rec.name} is {found.length} bytes, the commit record says {rec.length}", path=owner
+            )
+        if found.file_id != rec.file_id or found.index_checksum != rec.index_checksum:
+            raise CorruptError(
+                f"{rec.name} is not the file the commit record names (another save?)", path=owner
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_part(directory: str | os.PathLike[str] | CheckpointDir, rec: PartRecord, owner: str) -> None:
+    """Raise unless the file `rec` names is there with the recorded length, id and index checksum."""
+    with opened(directory) as d:
+        os.close(open_part(d, rec, owner))
+
+
+@contextlib.contextmanager
+def opened(directory: str | os.PathLike[str] | CheckpointDir) -> Iterator[CheckpointDir]:
+    """`directory` as an open CheckpointDir: one given is lent (not closed here); a path is
+    opened here and closed after."""
+    if isinstance(directory, CheckpointDir):
+        yield directory
+        return
+    path = os.fspath(directory)
+    try:
+        d = CheckpointDir.open(path)
+    except FileNotFoundError:
+        raise IncompleteError("no such checkpoint directory", path=path) from None
+    except OSError as e:
+        raise IncompleteError(f"cannot open the directory: {e.strerror}", path=path) from None
+    with d:
+        yield d
 
 
 # -- the record ------------------------------------------------------------------------
@@ -146,20 +194,51 @@ def write_commit(directory: str, record: CommitRecord) -> None:
     save(record.as_value(), os.path.join(directory, COMMIT_NAME))
 
 
-def read_commit(directory: str) -> CommitRecord:
-    """Read and validate a directory's commit record (checksums verified)."""
-    from .api import load
+#: a commit record larger than this is refused before it is parsed (records name at most
+#: 65536 parts; a "dcp" record holds a few int64 per tensor chunk)
+MAX_RECORD_BYTES = 256 << 20
+#: the memory a record may take to parse and decode: a fixed allowance plus this much per
+#: byte of record, so a small record cannot expand into gigabytes (zstd members)
+RECORD_MEMORY_BASE = 64 << 20
+RECORD_MEMORY_PER_BYTE = 32
 
-    path = os.path.join(directory, COMMIT_NAME)
-    try:
-        fd = open_regular(path, follow_symlinks=False)
-    except FileNotFoundError:
-        raise IncompleteError("no commit record: the save did not finish", path=directory) from None
-    except OSError as e:  # a symlink (ELOOP), no permission, ...: never a bare OSError
-        raise UnsupportedError(f"commit record cannot be opened: {e.strerror}", path=path) from None
-    os.close(fd)
-    value = load(path)
+
+def read_commit(directory: str | os.PathLike[str] | CheckpointDir) -> CommitRecord:
+    """Read and validate a directory's commit record (checksums verified); its size and the
+    memory it may expand into are bounded before anything in it is decoded."""
+    with opened(directory) as d:
+        path = d.path_of(COMMIT_NAME)
+        try:
+            fd = d.open_file(COMMIT_NAME)
+        except FileNotFoundError:
+            raise IncompleteError("no commit record: the save did not finish", path=d.path) from None
+        except CheckpointError as e:  # a link or not a regular file: never followed, never read
+            raise CorruptError(f"commit record: {e.reason}", path=path) from None
+        except OSError as e:  # no permission, ...: never a bare OSError
+            raise UnsupportedError(f"commit record cannot be opened: {e.strerror}", path=path) from None
+        size = os.fstat(fd).st_size
+        if size > MAX_RECORD_BYTES:
+            os.close(fd)
+            raise LimitError(f"commit record of {size} bytes exceeds the limit {MAX_RECORD_BYTES}", path=path)
+        limit = RECORD_MEMORY_BASE + RECORD_MEMORY_PER_BYTE * size
+        with CheckpointFile(path, fd=fd, max_bytes=limit, within=d) as f:
+            if f.externals:
+                raise _fail(path, "refers to chunks of other files")
+            _check_members(path, f)
+            value = f.load_subtree(f.tree.root, None, True)
     return _parse_record(value, path)
+
+
+def _check_members(path: str, f: CheckpointFile) -> None:
+    """The record's kind and top-level names, checked before any member's payload is decoded."""
+    kind = f.tree.nodes[f.tree.root][0]
+    if kind not in ("dict", "odict"):
+        raise _fail(path, f"the record must be dict, not {kind}")
+    allowed = _BASE_MEMBERS | set(LAYOUT_MEMBERS.values())
+    if any(type(k) is not str or k not in allowed for k, _ in f.root_items()):
+        raise _fail(
+            path, "fields must be exactly " + ", ".join(sorted(_BASE_MEMBERS)) + " (and a layout's own)"
+        )
 
 
 def _fail(path: str, what: str) -> CorruptError:
@@ -191,7 +270,7 @@ def _parse_part(path: str, raw: object, where: str, reference: bool) -> PartReco
 
 def _parse_record(value: object, path: str) -> CommitRecord:
     d = _typed(path, value, dict, "the record")
-    expected = {"ckptfmt_commit", "step", "layout", "created", "files", "references", "metrics", "metadata"}
+    expected = set(_BASE_MEMBERS)
     member = LAYOUT_MEMBERS.get(d["layout"]) if type(d.get("layout")) is str else None
     if member is not None:
         expected.add(member)
@@ -246,11 +325,12 @@ def _metadata(path: str, raw: object) -> dict[str, str]:
     return dict(d)
 
 
-def check_complete(directory: str) -> CommitRecord:
+def check_complete(directory: str | os.PathLike[str] | CheckpointDir) -> CommitRecord:
     """The directory's commit record, after checking every file it names; raises CheckpointError."""
-    record = read_commit(directory)
-    for part in record.files + record.references:
-        check_part(directory, part, directory)
+    with opened(directory) as d:
+        record = read_commit(d)
+        for part in record.files + record.references:
+            check_part(d, part, d.path)
     return record
 
 

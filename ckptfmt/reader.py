@@ -22,6 +22,7 @@ import torch
 from . import _native, bytesview, devices, hostmem, tree
 from . import format as fmt
 from .chunkread import ChunkReader
+from .ckptdir import CheckpointDir
 from .errors import CheckpointError, LimitError, UnsupportedError
 from .fileio import open_regular
 from .gcpause import pausing_in_main_thread
@@ -65,12 +66,25 @@ class CheckpointFile:
     `index_memory`); chunks are read by its ChunkReader, which owns the file's descriptor.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_bytes: int | None = None,
+        fd: int | None = None,
+        within: CheckpointDir | None = None,
+    ) -> None:
+        """`fd`: the file, already opened and checked by the caller (it is owned from here on;
+        `path` then only names it in messages).  `within`: the directory holding it, through
+        which its reference paths are resolved (spec 12.3); default the directory of `path`."""
         self.path = os.fspath(path)
         if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 0):
+            if fd is not None:
+                os.close(fd)
             raise ValueError(f"max_bytes must be None or a non-negative int, not {max_bytes!r}")
         self.max_bytes = max_bytes
-        fd = open_regular(self.path)
+        if fd is None:
+            fd = open_regular(self.path)
         try:
             index = parse_index(fd, self.path, max_bytes)
         except BaseException:
@@ -90,7 +104,8 @@ class CheckpointFile:
         self.tree = index.tree
         #: what the index may take while it is parsed and held (an upper bound)
         self.index_memory = index.memory
-        self._chunk_reader = ChunkReader(fd, self.path, index, MAX_OPEN_EXTERNALS)
+        base = within.dup() if within is not None else None
+        self._chunk_reader = ChunkReader(fd, self.path, index, MAX_OPEN_EXTERNALS, base)
         self._mm: mmap.mmap | None = None
 
     @property
