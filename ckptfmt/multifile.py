@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import format as fmt
-from .ckptdir import CheckpointDir
+from .ckptdir import CheckpointDir, LinkError
 from .errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
 from .fileio import open_regular, pread_exact
 from .reader import CheckpointFile
@@ -212,7 +212,7 @@ def read_commit(directory: str | os.PathLike[str] | CheckpointDir) -> CommitReco
             fd = d.open_file(COMMIT_NAME)
         except FileNotFoundError:
             raise IncompleteError("no commit record: the save did not finish", path=d.path) from None
-        except CheckpointError as e:  # a link or not a regular file: never followed, never read
+        except LinkError as e:  # never followed
             raise CorruptError(f"commit record: {e.reason}", path=path) from None
         except OSError as e:  # no permission, ...: never a bare OSError
             raise UnsupportedError(f"commit record cannot be opened: {e.strerror}", path=path) from None
