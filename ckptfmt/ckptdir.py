@@ -5,8 +5,9 @@ other users can write.  Its entries are hostile input like the bytes of its file
 nothing here ever resolves a path string that an entry could redirect (spec section
 13.6):
 
-* the directory the caller names is opened once (``O_DIRECTORY | O_NOFOLLOW`` on its
-  last component; the caller's own path up to it is the caller's to trust);
+* the directory the caller names is opened once, with ``O_DIRECTORY``: the path a
+  caller gives (a run directory that is a link to a larger disk, say) is the caller's to
+  trust, and it is resolved exactly once;
 * every name inside is resolved relative to that descriptor (``openat``, ``unlinkat``,
   ``renameat``, ``mkdirat`` through ``dir_fd``), one component at a time, each with
   ``O_NOFOLLOW``: a symbolic link anywhere inside is never followed, only removed as a
@@ -63,13 +64,14 @@ class CheckpointDir:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, create: bool = False) -> CheckpointDir:
-        """Open directory `path` (created first when `create`); its last component must not be
-        a symbolic link.  FileNotFoundError when absent; LinkError when a link or not a directory."""
+        """Open directory `path`, a path the caller gives and trusts (links in it are followed,
+        once); created first when `create`.  FileNotFoundError when absent; LinkError when not
+        a directory."""
         path = os.fspath(path)
         if create:
             os.makedirs(path, exist_ok=True)
         try:
-            fd = os.open(path, _DIR_FLAGS)
+            fd = os.open(path, _DIR_FLAGS & ~os.O_NOFOLLOW)
         except OSError as e:
             raise _open_error(e, path, "directory") from None
         return cls(fd, path)
