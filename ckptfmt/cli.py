@@ -13,6 +13,7 @@ import argparse
 import errno
 import json
 import os
+import re
 import struct
 import sys
 from typing import Any
@@ -35,6 +36,31 @@ EXIT_CODES = """exit status:
 Every command gives the same status for the same kind of problem.  inspect and
 verify --quick check structure, index and referenced files, not chunk data.
 """
+
+
+#: characters a terminal acts on instead of showing: C0 and C1 controls and DEL (escape
+#: sequences, carriage returns that rewrite a line), the bidirectional formatting characters
+#: (an override makes text read backwards), line and paragraph separators, and lone
+#: surrogates (which JSON carries and a UTF-8 stdout cannot encode)
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def terminal_safe(text: str) -> str:
+    """`text` with every character a terminal would act on written as a Python escape: names,
+    keys and messages come from files, and anyone who can write a file could otherwise move
+    the cursor, erase lines or forge rows in what a person reads."""
+    return _UNSAFE.sub(_escape, text)
+
+
+def _say(text: str, *, err: bool = False) -> None:
+    """Print one human-readable line (stdout, or stderr for diagnostics), made terminal-safe.
+    JSON output does not come here: json.dumps escapes these characters itself."""
+    print(terminal_safe(text), file=sys.stderr if err else sys.stdout)
 
 
 class NotCheckpointError(Exception):
@@ -104,7 +130,7 @@ _FILE_FAILED = dict(ERROR_EXIT_CODES)[CheckpointError]
 
 def _fail(error: BaseException, path: str) -> int:
     """Report `error` on stderr in one line naming `path`; its exit status."""
-    print(f"error: {error_text(error, path)}", file=sys.stderr)
+    _say(f"error: {error_text(error, path)}", err=True)
     return exit_code(error)
 
 
@@ -121,7 +147,7 @@ class _Progress:
 
     def __init__(self, label: str, total_bytes: int) -> None:
         self.on = sys.stderr.isatty() and total_bytes >= 256 << 20
-        self.label = label
+        self.label = terminal_safe(label)
         self.last = -1
 
     def __call__(self, done: int, total: int) -> None:
@@ -196,29 +222,29 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return status
     for res in results:
         if res["status"] == "ok":
-            print(f"{res['path']}: OK")
+            _say(f"{res['path']}: OK")
         elif res["status"] == "failed":
             first = res["problems"][0]
             where = ", ".join(f"{k} {first[k]}" for k in ("key", "chunk", "offset") if first[k] is not None)
             more = f" (+{len(res['problems']) - 1} more)" if len(res["problems"]) > 1 else ""
-            print(
+            _say(
                 f"{res['path']}: FAILED {first['kind']}: {first['message']}"
                 + (f" [{where}]" if where else "")
                 + more
             )
             for p in res["problems"][1:]:
-                print(
+                _say(
                     f"  {p['kind']}: {p['message']} [key {p['key']}, chunk {p['chunk']}, offset {p['offset']}]",
-                    file=sys.stderr,
+                    err=True,
                 )
         elif res["status"] == "incomplete":
-            print(f"{res['path']}: INCOMPLETE (not a checkpoint) {res['error']}")
+            _say(f"{res['path']}: INCOMPLETE (not a checkpoint) {res['error']}")
         elif res["status"] == "retained":
-            print(f"{res['path']}: RETAINED {res['error']}")
+            _say(f"{res['path']}: RETAINED {res['error']}")
         elif res["status"] == "not-ckptfmt":
-            print(f"{res['path']}: NOT CKPTFMT {res['error']}")
+            _say(f"{res['path']}: NOT CKPTFMT {res['error']}")
         else:
-            print(f"{res['path']}: UNREADABLE {res['error']}")
+            _say(f"{res['path']}: UNREADABLE {res['error']}")
     return status
 
 
@@ -300,9 +326,9 @@ def _ls_dcp(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2, default=str))
         return EXIT_OK
     state = "complete" if info["complete"] else f"incomplete: {info['problem']}"
-    print(f"{info['path']}: DCP checkpoint, {state}")
+    _say(f"{info['path']}: DCP checkpoint, {state}")
     for f in info["files"]:
-        print(f"  {f['name']}  {f['status']}")
+        _say(f"  {f['name']}  {f['status']}")
     return EXIT_OK
 
 
@@ -341,11 +367,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for r in rows:
         if r["status"] == "complete":
             metrics = " ".join(f"{k}={v:.6g}" for k, v in r["metrics"].items())
-            print(
-                f"{r['step']:>10}  complete    {_size(r['size']):>10}  {_age(r['age_s']):>6} ago  {metrics}"
-            )
+            _say(f"{r['step']:>10}  complete    {_size(r['size']):>10}  {_age(r['age_s']):>6} ago  {metrics}")
         else:
-            print(f"{r['step']:>10}  {r['status']:<10}  {r['reason'] or ''}")
+            _say(f"{r['step']:>10}  {r['status']:<10}  {r['reason'] or ''}")
     return EXIT_OK
 
 
@@ -418,14 +442,14 @@ def _inspect_externals(f: Any) -> dict[str, Any]:
 
 def _print_externals(info: dict[str, Any]) -> None:
     if not info["externals"]:
-        print("externals: none (self-contained, with content digests for incremental saves)")
+        _say("externals: none (self-contained, with content digests for incremental saves)")
         return
-    print(
+    _say(
         f"externals: {info['external_chunks']} of {info['chunks']} chunks ({info['external_bytes']} bytes) "
         f"lie in {len(info['externals'])} referenced file(s)"
     )
     for e, x in enumerate(info["externals"]):
-        print(
+        _say(
             f"  [{e}] {x['path']} (file id {x['file_id']}, {x['file_length']} bytes): "
             f"{x['chunks']} chunks, {x['raw_bytes']} bytes"
         )
@@ -462,12 +486,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return status
-    print(
+    _say(
         f"{args.path}: ckptfmt {info['format']}, {info['file_bytes']} bytes, {info['storages']} storages "
         f"in {info['chunks']} chunks of up to {info['chunk_size']} bytes"
     )
-    print("producer: " + ", ".join(f"{k} {v}" for k, v in info["producer"].items()))
-    print("metadata: " + (json.dumps(info["metadata"]) if info["metadata"] else "(none)"))
+    _say("producer: " + ", ".join(f"{k} {v}" for k, v in info["producer"].items()))
+    _say("metadata: " + (json.dumps(info["metadata"]) if info["metadata"] else "(none)"))
     if info["content_digests"]:
         _print_externals(info)
     for r in rows:
@@ -478,19 +502,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             ext = (
                 f", {r['external_chunks']}/{r['chunks']} chunks external" if r.get("external_chunks") else ""
             )
-            print(
+            _say(
                 f"{name}: {r['type']} {r['dtype']} {list(r['shape'])} {r['bytes']} B "
                 f"{r['codec']}{ratio} (storage {r['storage']}, {r['device']}{ext})"
             )
         elif "len" in r:
-            print(f"{name}: {r['type']} ({r['len']})")
+            _say(f"{name}: {r['type']} ({r['len']})")
         elif "value" in r:
-            print(f"{name}: {r['value']}")
+            _say(f"{name}: {r['value']}")
         else:
-            print(f"{name}: {r['type']}")
+            _say(f"{name}: {r['type']}")
     if problems:  # after the tree, which shows what the referenced files should hold
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-        print(f"error: {error_text(problems[0], args.path)}{more}", file=sys.stderr)
+        _say(f"error: {error_text(problems[0], args.path)}{more}", err=True)
     return status
 
 
@@ -523,9 +547,9 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(entry, indent=2))
     elif status != EXIT_OK:
-        print(f"error: {entry['error']}", file=sys.stderr)
+        _say(f"error: {entry['error']}", err=True)
     else:
-        print(
+        _say(
             f"{args.src} -> {args.dst}: self-contained copy, {entry['chunks']} chunks "
             f"({entry['external_chunks']} read from {entry['referenced_files']} referenced file(s)), "
             f"{entry['file_bytes']} bytes"
@@ -565,7 +589,7 @@ def _convert_dir(args: argparse.Namespace) -> int:
         rep = consolidate(args.src, args.dst, compression=args.compression, level=args.level)
     except _KNOWN_ERRORS as e:
         return _fail(e, args.src)
-    print(
+    _say(
         f"{args.src} ({rep.source_format}) -> {args.dst}: {rep.tensors} tensors, {rep.values} values, "
         f"{rep.file_bytes} bytes"
     )
@@ -612,7 +636,7 @@ def _to_safetensors(args: argparse.Namespace) -> int:
     # safetensors refuses tensors that share memory: give each its own copy
     flat = {k: v.detach().contiguous().clone() for k, v in flat.items()}
     save_file(flat, args.dst, metadata=meta or None)
-    print(f"{args.src} -> {args.dst}: {len(flat)} tensors written as safetensors")
+    _say(f"{args.src} -> {args.dst}: {len(flat)} tensors written as safetensors")
     return EXIT_OK
 
 
@@ -637,7 +661,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         )
     except _KNOWN_ERRORS as e:
         return _fail(e, args.src)
-    print(
+    _say(
         f"{args.src} -> {args.dst}: converted {DESCRIPTIONS[kind]} to ckptfmt"
         + (f" with {args.compression}" if args.compression else "")
     )
@@ -726,11 +750,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"a": args.a, "b": args.b, "identical": not diffs, "differences": diffs}, indent=2))
     elif not diffs:
-        print("identical")
+        _say("identical")
     else:
         for d in diffs:
             detail = ", ".join(f"{k} {v}" for k, v in d.items() if k not in ("key", "what"))
-            print(f"{d['key']}: {d['what']}" + (f" ({detail})" if detail else ""))
+            _say(f"{d['key']}: {d['what']}" + (f" ({detail})" if detail else ""))
     return EXIT_OK if not diffs else EXIT_FAILED
 
 
@@ -766,7 +790,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
     else:
         for k, v in data.items():
-            print(f"{k}: {v}")
+            _say(f"{k}: {v}")
     return EXIT_OK
 
 
@@ -852,7 +876,7 @@ def main(argv: list[str] | None = None) -> int:
         return exit_code(UsageError("no command given"))
     if getattr(args, "level", None) is not None and not args.compression:
         error = UsageError("--level needs --compression zstd")
-        print(f"error: {error}", file=sys.stderr)
+        _say(f"error: {error}", err=True)
         return exit_code(error)
     try:
         return int(args.fn(args))
