@@ -278,12 +278,34 @@ def _verify_dir(path: str, step: int | None) -> list[dict[str, Any]]:
             entry.update(status="incomplete", error=problem)
         else:
             report = verify_step(full)
+            problems = report.problems or _dcp_problems(full)
             entry.update(
-                status="ok" if report.ok else "failed",
+                status="failed" if problems else "ok",
                 chunks=report.chunks,
-                problems=[_problem_dict(p) for p in report.problems],
+                problems=[_problem_dict(p) for p in problems],
             )
         out.append(entry)
+    return out
+
+
+def _dcp_problems(path: str) -> list[Any]:
+    """For a step of layout "dcp", what cdcp.load would refuse in it (verify_step checked its files'
+    bytes): its record's dcp member and every item against its rank file, as load checks them."""
+    from . import multifile
+    from .verify import Problem, problem_of
+
+    try:
+        if multifile.read_commit(path).layout != "dcp":
+            return []
+    except (CheckpointError, OSError):
+        return []  # verify_step reported it
+    from .dcp.check import verify_directory
+
+    out = []
+    for e in verify_directory(path):
+        name = os.path.basename(e.path or "")  # the record or the rank file it is about
+        text = e.reason if not name or e.reason.startswith(name) else f"{name}: {e.reason}"
+        out.append(Problem(problem_of(e).kind, text, e.key))
     return out
 
 

@@ -23,14 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .. import background, resume
 from ..errors import CheckpointError, CheckpointWarning, UnsupportedError
-from .api import _single_process_ok, load, save
-from .convert import skeleton
-from .planners import LoadPlanner
+from .api import load, save
+from .convert import load_full, skeleton
 from .storage import Reader
 
 if TYPE_CHECKING:
@@ -105,10 +103,8 @@ def _subset(md: Metadata, prefix: tuple[str, ...]) -> Metadata:
 def load_step(info: CheckpointInfo) -> Any:
     """The whole saved state of a sharded step, full tensors, in this process."""
     reader = Reader(info.path)
-    state = skeleton(_subset(reader.read_metadata(), ("state",)))
-    with _single_process_ok():
-        dcp.load(state, storage_reader=reader, planner=LoadPlanner(), no_dist=True)
-    return state.get("state")
+    # bounded and checked as consolidate is; every error a CheckpointError, never DCP's own
+    return load_full(reader, _subset(reader.read_metadata(), ("state",)), info.path).get("state")
 
 
 def load_step_into(info: CheckpointInfo, state: Any, restore_rng: bool) -> resume.ResumeReport:

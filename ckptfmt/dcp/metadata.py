@@ -64,6 +64,10 @@ _MAX_PAIRS = 1 << 22
 _SAME_OFFSETS = "two chunks have the same offsets"
 #: up to this many chunks a tensor's rows are checked in plain Python, above it with numpy
 _FEW_CHUNKS = 16
+#: keys in a planner_data path: the saved structure nests no deeper than an object tree may
+MAX_PATH = Limits.MAX_DEPTH - 1
+#: list elements the planner data may describe, in all: an object tree holds at most this many nodes
+MAX_LIST_SLOTS = Limits.MAX_NODES
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class Location:
     file: str
     key: int
     sizes: tuple[int, ...] | None = None
+    dtype: str | None = None  # the dtype name the record gives (None for non-tensors)
 
 
 # -- Metadata -> value ----------------------------------------------------------------------
@@ -217,7 +222,7 @@ def from_value(value: object, files: list[str], path: str) -> tuple[Metadata, di
         sdm[fqn] = BytesStorageMetadata()
         where[MetadataIndex(fqn)] = Location(files[f], k)
     planner_data = d["planner_data"]
-    _check_planner_data(fail, planner_data)
+    _check_planner_data(fail, planner_data, sdm)
     md = Metadata(
         state_dict_metadata=sdm,
         planner_data=planner_data,
@@ -290,7 +295,7 @@ def _tensors_from_value(
         for row in table:
             o, s = torch.Size(row[:ndim]), torch.Size(row[ndim : 2 * ndim])
             chunks.append(ChunkStorageMetadata(offsets=o, sizes=s))
-            where[MetadataIndex(fqn, o)] = Location(files[row[2 * ndim]], row[2 * ndim + 1], tuple(s))
+            where[MetadataIndex(fqn, o)] = Location(files[row[2 * ndim]], row[2 * ndim + 1], tuple(s), name)
         props_ = TensorProperties(dtype=dtypes.TORCH_DTYPES[name], requires_grad=bool(grad))
         sdm[fqn] = TensorStorageMetadata(properties=props_, size=torch.Size(size), chunks=chunks)
     if size_at != len(sizes_flat) or row_at != len(chunks_flat):
@@ -391,15 +396,69 @@ def _check_tiling(fail: _Fail, fqn: str, offs: np.ndarray, sizes: np.ndarray, nu
         raise fail(f"chunks at offsets {offs[first[k]].tolist()} and {offs[second[k]].tolist()} overlap", fqn)
 
 
-def _check_planner_data(fail: _Fail, pd: object) -> None:
-    """DCP's default planners keep {flattened key: the path of keys it came from} here."""
+def _check_planner_data(fail: _Fail, pd: object, keys: dict[str, Any]) -> None:
+    """DCP's default planners keep {flattened key: the path of keys it came from} here; consolidate
+    rebuilds the saved structure from it, so every path is checked before anything is built."""
     if pd is None:
         return
     if type(pd) is not dict:
         raise fail("planner_data must be a dict or None")
     for k, v in pd.items():
-        if type(k) is not str or type(v) is not tuple or not v or any(type(p) not in (str, int) for p in v):
-            raise fail("planner_data must map each key to a non-empty tuple of str and int", str(k)[:80])
+        if type(k) is not str or not _valid_path(v):
+            raise fail(
+                f"planner_data must map each key to a tuple of 1 to {MAX_PATH} keys: a str, then str "
+                f"or int in [0, {MAX_LIST_SLOTS})",
+                str(k)[:80],
+            )
+    _check_paths(fail, [(k, pd.get(k, (k,))) for k in keys])
+
+
+def _valid_path(v: object) -> bool:
+    return (
+        type(v) is tuple
+        and 0 < len(v) <= MAX_PATH
+        and type(v[0]) is str
+        and all(type(p) is str or (type(p) is int and 0 <= p < MAX_LIST_SLOTS) for p in v)
+    )
+
+
+class _Container:
+    """A dict or list that unflattening the planner data would build (its kind: the key type)."""
+
+    __slots__ = ("children", "kind", "length")
+
+    def __init__(self, kind: type) -> None:
+        self.kind = kind
+        self.children: dict[str | int, _Container | None] = {}  # None: a leaf
+        self.length = 0  # a list's length: its highest index + 1
+
+
+def _check_paths(fail: _Fail, paths: list[tuple[str, tuple[str | int, ...]]]) -> None:
+    """The paths (each key's, or (key,) where the planner data has none) describe one tree: no key
+    where another key's container is, no container that is both a dict and a list, and lists of
+    at most MAX_LIST_SLOTS elements in all (DCP's unflattening fills gaps with None)."""
+    root = _Container(str)
+    slots = 0
+    for fqn, path in paths:
+        node = root
+        for depth, part in enumerate(path):
+            if type(part) is not node.kind:
+                raise fail("planner_data puts a list index and a dict key into one container", fqn)
+            if type(part) is int and part >= node.length:
+                slots += part + 1 - node.length
+                node.length = part + 1
+                if slots > MAX_LIST_SLOTS:
+                    raise fail(
+                        f"planner_data's lists hold more than {MAX_LIST_SLOTS} elements", fqn, limit=True
+                    )
+            last = depth == len(path) - 1
+            if part not in node.children:
+                node.children[part] = None if last else _Container(type(path[depth + 1]))
+            elif last or node.children[part] is None:
+                raise fail("planner_data puts two keys in one place, or one inside the other", fqn)
+            child = node.children[part]
+            if child is not None:
+                node = child
 
 
 def _storage_meta_from_value(fail: _Fail, v: object) -> StorageMeta | None:

@@ -380,6 +380,13 @@ class _Source:
                 f"{self.label}: item {loc.key} is a {kind}, not a tensor", path=self.f.path, key=fqn
             )
         meta: dict[str, Any] = self.f.tree.nodes[node][1]
+        if loc.dtype is not None and meta["dtype"] != loc.dtype:
+            # copying would convert silently (floats truncated into ints): spec 13.5 forbids it
+            raise CorruptError(
+                f"{self.label}: item {loc.key} is {meta['dtype']}, the commit record says {loc.dtype}",
+                path=self.f.path,
+                key=fqn,
+            )
         if loc.sizes is not None and tuple(meta["shape"]) != loc.sizes:
             raise CorruptError(
                 f"{self.label}: item {loc.key} has shape {meta['shape']}, the commit record says {list(loc.sizes)}",
@@ -434,16 +441,24 @@ class Reader(StorageReader):
         return md
 
     def _read_commit(self) -> None:
-        record = multifile.read_commit(self.path)
-        commit = os.path.join(self.path, multifile.COMMIT_NAME)
-        if record.layout != LAYOUT:
-            raise UnsupportedError(
-                f"a {record.layout!r} checkpoint, not a DCP one (load it with ckptfmt.load)", path=commit
-            )
-        names = [p.name for p in record.files]
-        self._metadata, self._where = mdv.from_value(record.layout_data, names, commit)
+        from .check import read_record
+
+        record, self._metadata, self._where = read_record(self.path)
         self._parts = {p.name: p for p in record.files}
         self._single = False
+
+    def check_items(self, fqns: set[str] | None = None) -> tuple[list[CheckpointError], int]:
+        """Every item of `fqns` (all: None) checked against its rank file as read_data checks the
+        items it reads (check.check_items); and the bytes their tensors' storages hold."""
+        from .check import check_items
+
+        if self._where is None:
+            self.read_metadata()
+        assert self._where is not None
+        if self._single:  # one file, already checked whole when opened: its tensors are its own
+            with CheckpointFile(self.path) as f:
+                return [], sum(s.nbytes for s in f.storages)
+        return check_items(self.path, self._parts, self._where, fqns)
 
     def _read_single_file(self) -> None:
         from .singlefile import file_metadata

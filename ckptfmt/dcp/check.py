@@ -1,0 +1,89 @@
+"""The one validator of a ckptfmt DCP checkpoint directory (spec/FORMAT.md 13.5).
+
+Two halves: the commit record's ``dcp`` member (``read_record``: metadata.from_value) and the
+rank files' agreement with it (``check_items``: each item's key exists in its rank file, and a
+tensor chunk's node is a tensor of the record's dtype and the row's shape).  ``cdcp.load``
+runs the first on every load and the second on each item it reads (storage.Reader, through
+the same ``_Source`` methods); ``verify``, ``ls`` (``describe``), ``consolidate`` and
+``convert`` run both over every item.  So verify answers OK exactly when every check a load
+can make passes, and chunk data is then checked by verify's checksums.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from .. import multifile
+from ..errors import CheckpointError, UnsupportedError
+from . import metadata as mdv
+from .storage import LAYOUT, _rank_note, _Source
+
+
+def read_record(directory: str) -> tuple[multifile.CommitRecord, Metadata, dict[MetadataIndex, mdv.Location]]:
+    """The directory's commit record, checked as layout "dcp", its Metadata and item locations."""
+    record = multifile.read_commit(directory)
+    return (record, *record_metadata(record, directory))
+
+
+def record_metadata(
+    record: multifile.CommitRecord, directory: str
+) -> tuple[Metadata, dict[MetadataIndex, mdv.Location]]:
+    """The Metadata and item locations of a commit record read from `directory` (its dcp member
+    checked: metadata.from_value); UnsupportedError for another layout."""
+    commit = os.path.join(directory, multifile.COMMIT_NAME)
+    if record.layout != LAYOUT:
+        raise UnsupportedError(
+            f"a {record.layout!r} checkpoint, not a DCP one (load it with ckptfmt.load)", path=commit
+        )
+    return mdv.from_value(record.layout_data, [p.name for p in record.files], commit)
+
+
+def check_items(
+    directory: str,
+    parts: dict[str, multifile.PartRecord],
+    where: dict[MetadataIndex, mdv.Location],
+    fqns: set[str] | None = None,
+) -> tuple[list[CheckpointError], int]:
+    """Check the items of `fqns` (all: None) against their rank files, as a load that reads them
+    does; the first problem of each rank file, and the bytes of the distinct storages holding
+    their tensor chunks (what a consolidation may allocate, at most)."""
+    by_file: dict[str, list[tuple[str, mdv.Location]]] = {}
+    for idx, loc in where.items():
+        if fqns is None or idx.fqn in fqns:
+            by_file.setdefault(loc.file, []).append((idx.fqn, loc))
+    problems: list[CheckpointError] = []
+    held = 0
+    for name in sorted(by_file):
+        try:
+            held += _check_file(directory, name, parts[name], by_file[name])
+        except CheckpointError as e:
+            problems.append(e)
+    return problems, held
+
+
+def _check_file(
+    directory: str, name: str, part: multifile.PartRecord, items: list[tuple[str, mdv.Location]]
+) -> int:
+    src = _Source(os.path.join(directory, name), f"{name}{_rank_note(name)}", part, keyed=True)
+    try:
+        storages: set[int] = set()
+        for fqn, loc in items:
+            node = src.node(loc.key, fqn)
+            if loc.sizes is not None:
+                storages.add(src.tensor_meta(node, loc, fqn)["storage"])
+        return sum(src.f.storages[sid].nbytes for sid in storages)
+    finally:
+        src.f.close()
+
+
+def verify_directory(directory: str | os.PathLike[str]) -> list[CheckpointError]:
+    """Everything ``cdcp.load`` checks, for every item of the checkpoint: the problems found
+    (the record's, else the first of each rank file); chunk data is verify's checksums' job."""
+    path = os.path.abspath(os.fspath(directory))
+    try:
+        record, _, where = read_record(path)
+    except CheckpointError as e:
+        return [e]
+    return check_items(path, {p.name: p for p in record.files}, where)[0]
