@@ -163,6 +163,7 @@ def _save_copied(
         name=f"ckptfmt-save-{os.path.basename(path)}",
         daemon=False,
     )
+    handle._thread = thread
     atomic.__enter__()  # creation errors (missing directory, permissions) are raised now
     inflight.begin(handle)
     try:

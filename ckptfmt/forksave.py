@@ -153,6 +153,7 @@ def save_forked(
             name=f"ckptfmt-save-{os.path.basename(path)}",
             daemon=False,
         )
+        handle._thread = thread
         inflight.begin(handle)
         thread.start()
     except BaseException as e:

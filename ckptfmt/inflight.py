@@ -28,6 +28,7 @@ class SaveHandle:
         #: how the state was snapshotted: "copy" (into staging memory) or "fork" (copy-on-write)
         self.snapshot = "copy"
         self._pid: int | None = None  # the child writing a fork snapshot
+        self._thread: threading.Thread | None = None  # the thread that finishes the save (joinable)
 
     def done(self) -> bool:
         """True once the file is committed (or the save failed)."""

@@ -21,25 +21,27 @@ checkpoint.  So:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
 import os
 import re
 import secrets
-import shutil
 import stat
 import threading
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import inflight, inplace, multifile, resume, retention, writer
+from . import devices, inflight, inplace, multifile, resume, retention, writer
+from .ckptdir import CheckpointDir, LinkError
 from .commit import NO_LOCKING
-from .errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError
+from .errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError, UnsupportedError
 from .inplace import MismatchError
 from .reader import CheckpointFile
-from .verify import Problem, VerifyReport
+from .verify import Problem, VerifyReport, check_file
 
 STATE_NAME = "state.ckpt"
 _STEP_RE = re.compile(r"step-([0-9]{9,20})")
@@ -103,12 +105,11 @@ def _parse_created(text: str) -> datetime.datetime:
     return datetime.datetime.fromtimestamp(0, datetime.timezone.utc)
 
 
-def _info(step: int, path: str, record: multifile.CommitRecord) -> CheckpointInfo:
+def _info(step: int, d: CheckpointDir, record: multifile.CommitRecord) -> CheckpointInfo:
+    path = d.path
     size = sum(p.length for p in record.files)
-    try:
-        size += os.stat(os.path.join(path, multifile.COMMIT_NAME)).st_size
-    except OSError:
-        pass
+    st = d.lstat(multifile.COMMIT_NAME)
+    size += st.st_size if st is not None else 0
     return CheckpointInfo(
         step=step,
         path=path,
@@ -120,6 +121,34 @@ def _info(step: int, path: str, record: multifile.CommitRecord) -> CheckpointInf
         references=tuple(os.path.normpath(os.path.join(path, p.name)) for p in record.references),
         layout=record.layout,
     )
+
+
+def check_step(d: CheckpointDir, step: int | None) -> multifile.CommitRecord:
+    """The one check of a run's step directory (spec 13.4), made by latest(), ls, load, load_into
+    and verify alike: complete (13.2), its record for the step its name says (`step`; None for a
+    directory whose name is not a step's, which only verify is given), and parts as its layout
+    requires."""
+    record = multifile.check_complete(d)
+    if step is not None and record.step != step:
+        raise CorruptError(f"the commit record is for step {record.step}, not {step}", path=d.path)
+    if record.layout == "state":
+        if [p.name for p in record.files] != [STATE_NAME]:
+            raise CorruptError(f"a 'state' commit record must name exactly {STATE_NAME}", path=d.path)
+    elif record.layout != "dcp" and step is not None:
+        raise UnsupportedError(f"a {record.layout!r} checkpoint is not a step of a run", path=d.path)
+    return record
+
+
+def check_references(f: CheckpointFile, record: multifile.CommitRecord, owner: str) -> None:
+    """Every file `f` reads chunks from is one the commit record names (spec 13.1): a load
+    never reads a file the record does not bind by name, length and file id."""
+    named = {(p.name, p.file_id, p.length) for p in record.references}
+    for ext in f.externals:
+        if (ext.rel, ext.file_id, ext.length) not in named:
+            raise CorruptError(
+                f"{os.path.basename(f.path)} reads chunks from {ext.rel}, which the commit record does not name",
+                path=owner,
+            )
 
 
 def _try_lock(fd: int) -> bool | None:
@@ -214,26 +243,26 @@ class CheckpointManager:
 
     # -- reading the directory --------------------------------------------------------
 
-    def _stamp(self, path: str, record: multifile.CommitRecord | None) -> tuple[Any, ...]:
-        names = [multifile.COMMIT_NAME] + (
-            [p.name for p in record.files + record.references] if record else []
-        )
-        out: list[tuple[int, int, int] | None] = []
-        for name in names:
-            try:
-                st = os.stat(os.path.join(path, name))
-                out.append((st.st_ino, st.st_size, st.st_mtime_ns))
-            except OSError:
-                out.append(None)
+    def _stamp(self, d: CheckpointDir, record: multifile.CommitRecord | None) -> tuple[Any, ...]:
+        out: list[tuple[int, int, int, int] | None] = [_ident(d, ".")]
+        out.append(_ident(d, multifile.COMMIT_NAME))
+        for p in record.files + record.references if record else ():
+            holder, name = d.walk(p.name) if "/" in p.name else (d.dup(), p.name)
+            with holder:
+                out.append(_ident(holder, name))
         return tuple(out)
 
-    def _record(self, path: str) -> multifile.CommitRecord:
-        """The step's validated commit record (cached while its files' stat results do not change)."""
-        cached = self._cache.get(path)
-        if cached is not None and cached.stamp == self._stamp(path, cached.record):
-            return cached.record
-        record = multifile.check_complete(path)
-        self._cache[path] = _Cached(self._stamp(path, record), record)
+    def _record(self, d: CheckpointDir, step: int) -> multifile.CommitRecord:
+        """The step's checked commit record (check_step), cached while the directory and the
+        files it names keep their identity (inode, size, mtime) and are not links."""
+        cached = self._cache.get(d.path)
+        try:
+            if cached is not None and cached.stamp == self._stamp(d, cached.record):
+                return cached.record
+        except (OSError, CheckpointError):
+            pass  # a component changed kind: check it all again, which says why
+        record = check_step(d, step)
+        self._cache[d.path] = _Cached(self._stamp(d, record), record)
         return record
 
     def _in_flight_steps(self) -> set[int]:
@@ -243,34 +272,47 @@ class CheckpointManager:
     def statuses(self) -> list[StepStatus]:
         """Every step directory, complete or not, by step."""
         out = []
-        try:
-            names = os.listdir(self.directory)
-        except FileNotFoundError:
-            return []
-        for name in names:
-            step = parse_step_dirname(name)
-            path = os.path.join(self.directory, name)
-            if step is None or not _is_real_dir(path):
-                continue
-            status = StepStatus(step, path)
-            try:
-                record = self._record(path)
-                if record.step != step:
-                    raise CorruptError(f"commit record is for step {record.step}", path=path)
-                status.info = _info(step, path, record)
-            except (CheckpointError, OSError) as e:
-                self._cache.pop(path, None)
-                status.problem = _why(e, path)
-                status.damaged = not isinstance(e, IncompleteError) or os.path.lexists(
-                    os.path.join(path, multifile.COMMIT_NAME)
-                )
-            out.append(status)
-        out.sort(key=lambda s: s.step)
-        referenced = {r for s in out if s.info for r in s.info.references}
-        for s in out:
-            if s.info is None:
-                s.retained = _all_files_referenced(s.path, referenced)
+        with self._run() as run:
+            if run is None:
+                return []
+            for name in run.names():
+                step = parse_step_dirname(name)
+                if step is not None and run.is_dir(name):
+                    out.append(self._status(run, name, step))
+            out.sort(key=lambda s: s.step)
+            referenced = {r for s in out if s.info for r in s.info.references}
+            for s in out:
+                if s.info is None:
+                    s.retained = _all_files_referenced(run, os.path.basename(s.path), referenced)
         return out
+
+    def _status(self, run: CheckpointDir, name: str, step: int) -> StepStatus:
+        """What step directory `name` is, by the one check of check_step."""
+        status = StepStatus(step, run.path_of(name))
+        try:
+            with run.sub(name) as d:
+                try:
+                    status.info = _info(step, d, self._record(d, step))
+                except (CheckpointError, OSError) as e:
+                    status.problem = _why(e, d.path)
+                    status.damaged = not isinstance(e, IncompleteError) or d.exists(multifile.COMMIT_NAME)
+        except (CheckpointError, OSError) as e:  # swapped for a link since it was listed
+            status.problem = _why(e, status.path)
+            status.damaged = True
+        if status.info is None:
+            self._cache.pop(status.path, None)
+        return status
+
+    @contextlib.contextmanager
+    def _run(self) -> Iterator[CheckpointDir | None]:
+        """The run directory, opened once for one pass over it (None when it is gone)."""
+        try:
+            run = CheckpointDir.open(self.directory)
+        except FileNotFoundError:
+            yield None
+            return
+        with run:
+            yield run
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """The complete checkpoints, oldest first."""
@@ -292,22 +334,25 @@ class CheckpointManager:
     def _foreign(self) -> list[tuple[str, str]]:
         """Entries named like step directories that are not one (never counted, never deleted)."""
         out = []
-        try:
-            names = sorted(os.listdir(self.directory))
-        except FileNotFoundError:
-            return []
-        for name in names:
-            if not _STEP_LIKE_RE.fullmatch(name):
-                continue
-            path = os.path.join(self.directory, name)
-            if parse_step_dirname(name) is None:
-                out.append(
-                    (path, "not a step directory name (step-NNNNNNNNN: at least 9 digits, no extra zeros)")
-                )
-            elif os.path.islink(path):
-                out.append((path, "a symbolic link, not a step directory"))
-            elif not os.path.isdir(path):
-                out.append((path, "not a directory"))
+        with self._run() as run:
+            if run is None:
+                return []
+            for name in run.names():
+                if not _STEP_LIKE_RE.fullmatch(name):
+                    continue
+                path = run.path_of(name)
+                st = run.lstat(name)
+                if parse_step_dirname(name) is None:
+                    out.append(
+                        (
+                            path,
+                            "not a step directory name (step-NNNNNNNNN: at least 9 digits, no extra zeros)",
+                        )
+                    )
+                elif st is not None and stat.S_ISLNK(st.st_mode):
+                    out.append((path, "a symbolic link, not a step directory (never followed)"))
+                elif st is not None and not stat.S_ISDIR(st.st_mode):
+                    out.append((path, "not a directory"))
         return out
 
     def _find(self, step: int | None) -> list[CheckpointInfo]:
@@ -349,7 +394,7 @@ class CheckpointManager:
         meta = writer.check_save_args(None, None, metadata)
         self._raise_failed()
         self._check_step_is_new(step)
-        if _several_ranks():  # every rank saves its shard; the step commits like any other
+        if _sharded_save(state):  # every rank saves its shard; the step commits like any other
             from .dcp import manager as sharded
 
             sharded.save_step(self, step, state, metrics, meta)
@@ -393,26 +438,29 @@ class CheckpointManager:
 
     def _make_step_dir(self, step: int) -> tuple[str, int]:
         """Create the step directory already locked: made under a temporary name, then renamed."""
-        final = os.path.join(self.directory, step_dirname(step))
-        if os.path.lexists(final):
-            if is_locked(final):
-                raise CheckpointError(f"{final} is being written by another process")
-            self._delete_step(final, keep=self._referenced())
-        tmp = os.path.join(
-            self.directory, f".{step_dirname(step)}.ckptfmt-tmp.{os.getpid()}.{secrets.token_hex(4)}"
-        )
-        os.mkdir(tmp)
-        fd = _open_dir(tmp)
-        try:
-            if _try_lock(fd) is False:  # another process's cleanup is probing it this instant
-                fcntl.flock(fd, fcntl.LOCK_EX)  # probes let go at once
-            os.rename(tmp, final)
-            multifile.fsync_path(self.directory)
-        except BaseException:
-            os.close(fd)
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return final, fd
+        name = step_dirname(step)
+        final = os.path.join(self.directory, name)
+        with CheckpointDir.open(self.directory) as run:
+            found = run.lstat(name)
+            if found is not None and stat.S_ISDIR(found.st_mode):
+                if is_locked(final):
+                    raise CheckpointError(f"{final} is being written by another process")
+                self._delete_step(final, keep=self._referenced())
+            elif found is not None:  # a link or a file squatting on the name: removed as a name
+                run.unlink(name)
+            tmp = f".{name}.ckptfmt-tmp.{os.getpid()}.{secrets.token_hex(4)}"
+            run.mkdir(tmp)
+            sub = run.sub(tmp)
+            try:
+                if _try_lock(sub.fd) is False:  # another process's cleanup is probing it this instant
+                    fcntl.flock(sub.fd, fcntl.LOCK_EX)  # probes let go at once
+                run.rename(tmp, name)
+                run.fsync()
+            except BaseException:
+                sub.close()
+                run.remove_tree(tmp)
+                raise
+        return final, sub.fd
 
     def _base_file(self) -> str | None:
         """The state file an incremental save may refer to: the newest complete one."""
@@ -536,12 +584,15 @@ class CheckpointManager:
 
     def _retire(self, path: str, keep: set[str]) -> None:
         """Stop a step being a checkpoint (commit record first), then delete what nothing refers to."""
-        try:
-            os.unlink(os.path.join(path, multifile.COMMIT_NAME))
-        except FileNotFoundError:
-            pass
-        multifile.fsync_path(path)
         self._cache.pop(path, None)
+        with CheckpointDir.open(self.directory) as run:
+            try:
+                d = run.sub(os.path.basename(path))
+            except (FileNotFoundError, LinkError):
+                return  # gone, or not a directory of ours any more: nothing to retire
+            with d:
+                d.unlink(multifile.COMMIT_NAME)
+                d.fsync()
         self._delete_step(path, keep)
 
     def _delete_step(self, path: str, keep: set[str]) -> None:
@@ -550,34 +601,23 @@ class CheckpointManager:
             self._delete_step_locked(path, keep)
 
     def _delete_step_locked(self, path: str, keep: set[str]) -> None:
+        """Everything inside is reached through the step directory's own descriptor, opened
+        without following a link: a step directory swapped for a link (at any moment) leads
+        nowhere outside the run."""
         self._cache.pop(path, None)
-        if os.path.islink(path):  # not ours: never delete what a link points to
-            return
-        try:
-            names = os.listdir(path)
-        except FileNotFoundError:
-            return
-        try:  # never leave files that a commit record still names
-            os.unlink(os.path.join(path, multifile.COMMIT_NAME))
-            multifile.fsync_path(path)
-        except FileNotFoundError:
-            pass
-        for name in names:
-            full = os.path.join(path, name)
-            if full in keep or name == multifile.COMMIT_NAME:
-                continue
-            if os.path.isdir(full) and not os.path.islink(full):
-                shutil.rmtree(full, ignore_errors=True)
-            else:
-                try:
-                    os.unlink(full)
-                except FileNotFoundError:
-                    pass
-        try:
-            os.rmdir(path)
-        except OSError as e:
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
-                raise
+        name = os.path.basename(path)
+        with CheckpointDir.open(self.directory) as run:
+            try:
+                d = run.sub(name)
+            except (FileNotFoundError, LinkError):
+                return  # gone, or a link: never delete what a link points to
+            with d:
+                if d.unlink(multifile.COMMIT_NAME):  # never leave files that a commit record still names
+                    d.fsync()
+                for entry in d.names():
+                    if d.path_of(entry) not in keep:
+                        d.remove_tree(entry)
+            run.rmdir(name)
 
     def _cleanup(self) -> None:
         """Remove step directories of saves that died (unlocked, without a commit record)."""
@@ -598,10 +638,11 @@ class CheckpointManager:
             if locked or (locked is None and s.step > newest):
                 continue  # a live save (or, without locks, possibly one)
             self._delete_step(s.path, keep)
-        for name in os.listdir(self.directory):
-            full = os.path.join(self.directory, name)
-            if _TEMP_RE.fullmatch(name) and is_locked(full) is False and _abandoned_temp(name, full):
-                shutil.rmtree(full, ignore_errors=True)
+        with CheckpointDir.open(self.directory) as run:
+            for name in run.names():
+                full = run.path_of(name)
+                if _TEMP_RE.fullmatch(name) and is_locked(full) is False and _abandoned_temp(name, full):
+                    run.remove_tree(name)
         # Finish a rotation that a kill between a commit and its rotation (or an error)
         # left undone.  Otherwise the next rotation comes only after this save's commit,
         # and every kill that lands in that window again leaves one more checkpoint
@@ -638,7 +679,7 @@ class CheckpointManager:
                 return attempt(info), skipped
             except MismatchError:
                 raise
-            except CheckpointError as e:
+            except Exception as e:  # with fallback, a step that fails for any reason is skipped
                 if not fallback or step is not None:
                     raise
                 warnings.warn(f"skipping step {info.step}: {e}", CheckpointWarning, stacklevel=3)
@@ -652,17 +693,30 @@ class CheckpointManager:
         return self._first_that_loads(step, fallback, lambda info: self._load_one(info, map_location))[0]
 
     def _load_one(self, info: CheckpointInfo, map_location: Any) -> Any:
-        from .api import load
-
         if info.layout == "dcp":  # saved by several ranks: assembled here with full tensors
             from .dcp import manager as sharded
 
             return sharded.load_step(info)
-
-        payload = load(info.state_path, map_location)
+        devices.check_map_location(map_location)
+        with self._state_file(info) as f:
+            payload = f.load_subtree(f.tree.root, map_location, True)
         if not isinstance(payload, dict) or "state" not in payload:
             raise CorruptError("not a checkpoint manager's state file", path=info.state_path)
         return payload["state"]
+
+    @contextlib.contextmanager
+    def _state_file(self, info: CheckpointInfo) -> Iterator[CheckpointFile]:
+        """The state file of step `info`, as its commit record names it: the step directory and
+        the file are opened without following a link, checked (check_step), and read through
+        the descriptor that was checked; every file it reads chunks from is one the record names."""
+        inflight.wait_for_path(info.state_path)
+        with CheckpointDir.open(self.directory) as run, run.sub(os.path.basename(info.path)) as d:
+            record = self._record(d, info.step)
+            part = record.files[0]
+            f = CheckpointFile(d.path_of(part.name), fd=multifile.open_part(d, part, d.path), within=d)
+            with f:
+                check_references(f, record, d.path)
+                yield f
 
     def load_into(
         self,
@@ -690,8 +744,7 @@ class CheckpointManager:
             from .dcp import manager as sharded
 
             return sharded.load_step_into(info, state, restore_rng)
-        inflight.wait_for_path(info.state_path)
-        with CheckpointFile(info.state_path) as f:
+        with self._state_file(info) as f:
             root = resume.node_items(f, f.tree.root)
             if not {"state", "rng", "resume"} <= set(root):
                 raise CorruptError("not a checkpoint manager's state file", path=f.path)
@@ -729,25 +782,47 @@ class CheckpointManager:
         return verify_step(info.path)
 
 
-def verify_step(path: str) -> VerifyReport:
-    """Verify a step directory: its commit record, every file it names and every file they refer to."""
-    from .verify import problem_of, verify
+def verify_step(path: str, step: int | None = None) -> VerifyReport:
+    """Verify a checkpoint directory with the checks a load makes (check_step), then every
+    chunk of its commit record, of every file it names and of every file they refer to.
 
+    `step`: the step its record must be for; None: the step its name says when it is named
+    like a step directory (step-NNNNNNNNN), so verify fails exactly where latest() skips."""
+    from .verify import problem_of
+
+    if step is None:
+        step = parse_step_dirname(os.path.basename(os.path.normpath(path)))
     report = VerifyReport(path)
     try:
-        record = multifile.check_complete(path)
+        with multifile.opened(path) as d:
+            record = check_step(d, step)
+            _verify_parts(d, record, report)
     except CheckpointError as e:
         report.problems.append(problem_of(e))
-        return report
-    names = [multifile.COMMIT_NAME] + [p.name for p in record.files + record.references]
-    for name in names:
-        one = verify(os.path.normpath(os.path.join(path, name)))
+    return report
+
+
+def _verify_parts(d: CheckpointDir, record: multifile.CommitRecord, report: VerifyReport) -> None:
+    """Every chunk of the record and of every part, each read through the descriptor its
+    identity was checked on; a part reading a file the record does not name fails as a load does."""
+    commit = multifile.PartRecord(multifile.COMMIT_NAME, 0, b"", 0)
+    for part in (commit, *record.files, *record.references):
+        holder, leaf = d.walk(part.name)
+        with holder:
+            if part is commit:
+                fd = d.open_file(part.name)
+            else:
+                fd = multifile.open_part(d, part, d.path)
+            one = VerifyReport(d.path_of(part.name))
+            with CheckpointFile(d.path_of(part.name), fd=fd, within=holder) as f:
+                if part in record.files:
+                    check_references(f, record, d.path)
+                check_file(f, one)
         report.chunks += one.chunks
         report.bytes_checked += one.bytes_checked
         report.problems += [
-            Problem(p.kind, f"{name}: {p.message}", p.key, p.chunk, p.offset) for p in one.problems
+            Problem(p.kind, f"{part.name}: {p.message}", p.key, p.chunk, p.offset) for p in one.problems
         ]
-    return report
 
 
 def _why(e: CheckpointError | OSError, directory: str) -> str:
@@ -788,30 +863,35 @@ def _abandoned_temp(name: str, path: str) -> bool:
     return age > _TEMP_GRACE_S
 
 
-def _is_real_dir(path: str) -> bool:
-    """A directory itself, not a symlink to one."""
+def _ident(d: CheckpointDir, name: str) -> tuple[int, int, int, int] | None:
+    """What entry `name` is now (kind, inode, size, mtime), a link not followed; None when absent."""
+    st = d.lstat(name) if name != "." else os.fstat(d.fd)
+    return None if st is None else (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _all_files_referenced(run: CheckpointDir, name: str, referenced: set[str]) -> bool:
     try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
+        with run.sub(name) as d:
+            names = [n for n in d.names() if not n.startswith(".")]
+            return bool(names) and all(d.path_of(n) in referenced for n in names)
+    except (OSError, CheckpointError):
         return False
 
 
-def _all_files_referenced(path: str, referenced: set[str]) -> bool:
-    try:
-        names = [n for n in os.listdir(path) if not n.startswith(".")]
-    except OSError:
-        return False
-    return bool(names) and all(os.path.join(path, n) in referenced for n in names)
-
-
-def _several_ranks() -> bool:
-    """torch.distributed is initialised with more than one rank (checked without importing it)."""
+def _sharded_save(state: Any) -> bool:
+    """Save through DCP (ckptfmt.dcp, a file per rank): a process group is initialised and it
+    runs several ranks, or `state` holds DTensors or sharded tensors (FSDP2 at world size 1),
+    which one state file cannot hold.  Checked without importing torch.distributed."""
     import sys
 
     dist = sys.modules.get("torch.distributed")
-    return bool(
-        dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    )
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return False
+    if dist.get_world_size() > 1:
+        return True
+    from .dcp.manager import holds_distributed_tensors
+
+    return holds_distributed_tensors(state)
 
 
 def _check_metrics(metrics: dict[str, float] | None) -> dict[str, float]:

@@ -88,13 +88,24 @@ def verify(
         report.problems.append(problem_of(e))
         return report
     with f:
-        report.chunks = len(f.chunks)
-        # the files an incremental checkpoint refers to: present, the recorded ones, and
-        # holding its external chunks inside their data sections (checked even when quick)
-        for err in f.external_problems():
-            report.problems.append(problem_of(err))
-        if not quick:
-            for err in f.iter_chunk_problems(progress):
-                report.problems.append(problem_of(err))
-            report.bytes_checked = f.prologue.file_length
+        check_file(f, report, quick=quick, progress=progress)
     return report
+
+
+def check_file(
+    f: CheckpointFile,
+    report: VerifyReport,
+    *,
+    quick: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
+    """verify()'s checks of a file already open (its index validated), added to `report`."""
+    report.chunks = len(f.chunks)
+    # the files an incremental checkpoint refers to: present, the recorded ones, and
+    # holding its external chunks inside their data sections (checked even when quick)
+    for err in f.external_problems():
+        report.problems.append(problem_of(err))
+    if not quick:
+        for err in f.iter_chunk_problems(progress):
+            report.problems.append(problem_of(err))
+        report.bytes_checked = f.prologue.file_length

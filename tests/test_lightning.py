@@ -690,6 +690,21 @@ def test_registered_classes_and_changed_classes() -> None:
         objects.register(Point)
 
 
+def test_decode_refuses_dunder_fields_and_fields_a_registered_class_lacks() -> None:
+    """Errors naming the place, not a TypeError from a constructor."""
+    tag = objects.TAG
+    with pytest.raises(ckptfmt.CorruptError, match=r"state\['ns'\]: field name '__class__' is not allowed"):
+        objects.decode({"ns": {tag: "argparse.Namespace", "fields": {"__class__": 1}}})
+    missing = {tag: "dataclass", "class": f"{__name__}.Frozen", "fields": {"b": []}}
+    with pytest.raises(ckptfmt.UnsupportedError, match=r"state: .*Frozen needs field 'a'"):
+        objects.decode(missing, classes=[Frozen])
+    assert objects.decode(missing) == {"b": []}  # not registered: the dict of fields
+    pt = type(_everything()["point"])  # a named tuple class, registered under this module's name
+    for fields, what in (({"x": 1}, "needs field 'y'"), ({"x": 1, "y": 2, "z": 3}, "has no field 'z'")):
+        with pytest.raises(ckptfmt.UnsupportedError, match=what):
+            objects.decode({tag: "namedtuple", "class": f"{__name__}.pt", "fields": fields}, classes=[pt])
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import test_lightning  # the classes above, under the module name the tests see

@@ -346,6 +346,9 @@ class _Decoder:
         raw = self.typed(d, path, "fields", dict)
         if not all(type(k) is str for k in raw):
             raise self.corrupt(path, "field names must be str")
+        dunder = [k for k in raw if k.startswith("__") and k.endswith("__")]
+        if dunder:  # an attribute of the object itself (__class__, __dict__), not a field
+            raise self.corrupt(path, f"field name {_short(dunder[0])} is not allowed")
         return {k: self.dec(v, f"{path}.{k}") for k, v in raw.items()}
 
     def pairs(self, d: dict[str, Any], path: str) -> list[tuple[Any, Any]]:
@@ -426,18 +429,37 @@ class _Decoder:
         if tag == "namedtuple":
             if not _is_namedtuple_type(cls):
                 raise UnsupportedError(f"{path}: the class registered as {name} is not a named tuple")
+            names = cls._fields  # type: ignore[attr-defined]
+            _check_fields(values, names, set(names) - set(getattr(cls, "_field_defaults", {})), path, name)
             return cls(**values)
         if not dataclasses.is_dataclass(cls):
             raise UnsupportedError(f"{path}: the class registered as {name} is not a dataclass")
         spec = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = set(values) - set(spec)
-        if unknown:
-            raise UnsupportedError(f"{path}: {name} has no field {sorted(unknown)[0]!r} (the class changed?)")
+        required = {
+            f.name
+            for f in spec.values()
+            if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
+        _check_fields(values, spec, required, path, name)
         obj = cls(**{k: v for k, v in values.items() if spec[k].init})
         for k, v in values.items():
             if not spec[k].init:
                 object.__setattr__(obj, k, v)
         return obj
+
+
+def _check_fields(
+    values: dict[str, Any], known: Iterable[str], required: set[str], path: str, name: str
+) -> None:
+    """The registered class `name` takes these fields (else it changed since the save)."""
+    unknown = set(values) - set(known)
+    if unknown:
+        raise UnsupportedError(f"{path}: {name} has no field {sorted(unknown)[0]!r} (the class changed?)")
+    missing = required - set(values)
+    if missing:
+        raise UnsupportedError(
+            f"{path}: {name} needs field {sorted(missing)[0]!r}, which the file lacks (the class changed?)"
+        )
 
 
 def _attribute_dict(name: str) -> type[dict[Any, Any]]:
