@@ -221,11 +221,12 @@ class CheckpointDir:
             pass
 
     def rmdir(self, name: str) -> bool:
-        """Remove empty directory `name`; False when it is not empty or not there."""
+        """Remove empty directory `name`; False when it is not empty, not there, or not a
+        directory (a link put in its place is left alone)."""
         try:
             os.rmdir(_component(name, self.path), dir_fd=self.fd)
         except OSError as e:
-            if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.ENOTDIR):
                 return False
             raise
         return True

@@ -1,0 +1,313 @@
+"""Hostile run directories: a checkpoint directory from anywhere never leads outside itself,
+and `verify` never says OK to what a load refuses.
+
+Each case of CASES is built from a real incremental run (step 2 reads the frozen tensor's
+chunks from step 1) by a small builder, as someone who downloaded a run directory or shares
+a filesystem with other users could leave it.  EXPECTED says what every public entry point
+must answer; `outside` is a directory beside the run whose bytes must never change and must
+never be returned as checkpoint data.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ckptfmt
+from ckptfmt import CheckpointManager, multifile
+from ckptfmt.ckptdir import CheckpointDir, LinkError
+from ckptfmt.cli import main as cli
+from ckptfmt.errors import CheckpointError, CorruptError, LimitError
+
+S1, S2 = "step-000000001", "step-000000002"
+FROZEN = torch.arange(64 * 1024, dtype=torch.float32)  # 256 KiB: step 2 refers to step 1 for it
+
+
+@dataclass
+class Run:
+    root: Path  # holds run/ and outside/
+    run: Path
+    outside: Path
+
+    def step(self, name: str) -> Path:
+        return self.run / name
+
+
+def _state(step: int) -> dict:
+    return {"frozen": FROZEN, "w": torch.full((16,), float(step)), "step": step}
+
+
+def _make_run(tmp_path: Path) -> Run:
+    run = tmp_path / "run"
+    mgr = CheckpointManager(run, incremental=True)
+    for s in (1, 2):
+        mgr.save(s, _state(s))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_bytes(b"not yours\n")
+    return Run(tmp_path, run, outside)
+
+
+def _rewrite_record(r: Run, name: str, compression: str | None = None, **changes: object) -> None:
+    """Replace `name`'s commit record by a valid one (checksums right) with `changes`."""
+    path = r.step(name) / "COMMIT"
+    value = ckptfmt.load(path)
+    value.update(changes)
+    os.unlink(path)
+    ckptfmt.save(value, path, compression=compression)
+
+
+# -- the builders ----------------------------------------------------------------------------
+
+
+def ref_dir_is_a_link(r: Run) -> None:
+    """Step 1 moved outside and a link left in its place: step 2's reference path goes through it."""
+    shutil.copytree(r.step(S1), r.outside / "step1")
+    shutil.rmtree(r.step(S1))
+    os.symlink(r.outside / "step1", r.step(S1))
+
+
+def record_omits_reference(r: Run) -> None:
+    """Step 2's record names no references, yet its state file reads chunks from step 1."""
+    _rewrite_record(r, S2, references=[])
+
+
+def record_names_other_part(r: Run) -> None:
+    """Step 2's record binds other.ckpt; state.ckpt is some other file."""
+    os.rename(r.step(S2) / "state.ckpt", r.step(S2) / "other.ckpt")
+    value = ckptfmt.load(r.step(S2) / "COMMIT")
+    value["files"][0]["name"] = "other.ckpt"
+    os.unlink(r.step(S2) / "COMMIT")
+    ckptfmt.save(value, r.step(S2) / "COMMIT")
+    ckptfmt.save({"state": {"evil": 1}, "rng": None, "resume": {}}, r.step(S2) / "state.ckpt")
+
+
+def record_for_other_step(r: Run) -> None:
+    """A copy of step 1 under the name of step 5: its record says step 1."""
+    shutil.copytree(r.step(S1), r.step("step-000000005"))
+
+
+def record_step_none(r: Run) -> None:
+    _rewrite_record(r, S2, step=None)
+
+
+def commit_checksum_fails(r: Run) -> None:
+    """One bit of step 2's commit record flipped (in its index: the record's checksum fails)."""
+    path = r.step(S2) / "COMMIT"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def record_expands(r: Run) -> None:
+    """A record of a few KiB whose zstd member expands to 96 MiB (a record may hold a 'dcp' member)."""
+    _rewrite_record(r, S2, compression="zstd", dcp=np.zeros(96 << 20, dtype=np.uint8))
+
+
+def state_is_a_fifo(r: Run) -> None:
+    os.unlink(r.step(S2) / "state.ckpt")
+    os.mkfifo(r.step(S2) / "state.ckpt")
+
+
+def step_dir_is_a_link(r: Run) -> None:
+    """A complete-looking step 9 that is a link to a directory outside (a copy of step 1, renumbered)."""
+    shutil.copytree(r.step(S1), r.outside / "step9")
+    value = ckptfmt.load(r.outside / "step9" / "COMMIT")
+    value["step"] = 9
+    os.unlink(r.outside / "step9" / "COMMIT")
+    ckptfmt.save(value, r.outside / "step9" / "COMMIT")
+    os.symlink(r.outside / "step9", r.step("step-000000009"))
+
+
+def link_inside_step(r: Run) -> None:
+    """Step 1 holds a link to the outside directory (removed as a name when step 1 is deleted)."""
+    os.symlink(r.outside, r.step(S1) / "junk")
+
+
+CASES: dict[str, Callable[[Run], None]] = {
+    f.__name__: f
+    for f in (
+        ref_dir_is_a_link,
+        record_omits_reference,
+        record_names_other_part,
+        record_for_other_step,
+        record_step_none,
+        commit_checksum_fails,
+        record_expands,
+        state_is_a_fifo,
+        step_dir_is_a_link,
+        link_inside_step,
+    )
+}
+
+# latest: the step latest() returns; load: the step load() returns, or the error it raises;
+# fallback: the same with fallback=True; verify_run / verify_step: exit codes of `ckptfmt verify`
+# on the run and on `target` (the directory the case concerns)
+EXPECTED: dict[str, dict[str, object]] = {
+    "ref_dir_is_a_link": dict(
+        target=S2, latest=None, load=CheckpointError, fallback=CheckpointError, verify_run=1, verify_step=1
+    ),
+    "record_omits_reference": dict(
+        target=S2, latest=2, load=CorruptError, fallback=1, verify_run=1, verify_step=1
+    ),
+    "record_names_other_part": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
+    "record_for_other_step": dict(
+        target="step-000000005", latest=2, load=2, fallback=2, verify_run=1, verify_step=1
+    ),
+    "record_step_none": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
+    "commit_checksum_fails": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
+    "record_expands": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
+    "state_is_a_fifo": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
+    "step_dir_is_a_link": dict(target=S2, latest=2, load=2, fallback=2, verify_run=0, verify_step=0),
+    "link_inside_step": dict(target=S1, latest=2, load=2, fallback=2, verify_run=0, verify_step=0),
+}
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    """Every file below `path` (links not followed) and its bytes."""
+    out = {}
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            full = os.path.join(dirpath, f)
+            out[os.path.relpath(full, path)] = b"link" if os.path.islink(full) else Path(full).read_bytes()
+    return out
+
+
+def _loaded_step(got: object) -> int:
+    assert isinstance(got, dict) and torch.equal(got["frozen"], FROZEN), "data that is not the run's"
+    step = got["step"]
+    assert isinstance(step, int) and torch.equal(got["w"], torch.full((16,), float(step)))
+    return step
+
+
+def _outcome(fn: Callable[[], object]) -> object:
+    try:
+        return _loaded_step(fn())
+    except CheckpointError as e:
+        assert "\n" not in str(e), "an error is one line"
+        return type(e)
+
+
+class _Hang(Exception):
+    pass
+
+
+@pytest.fixture()
+def no_hang():
+    """Fail, rather than hang CI, when an entry point blocks (a FIFO opened for reading)."""
+
+    def alarm(*_: object) -> None:
+        raise _Hang("blocked for 60 s")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def _matches(got: object, want: object) -> bool:
+    if isinstance(want, type):
+        return isinstance(got, type) and issubclass(got, want)
+    return got == want
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hostile_run_directory(tmp_path, case, no_hang, capsys):
+    r = _make_run(tmp_path)
+    CASES[case](r)
+    outside = _tree(r.outside)
+    want = EXPECTED[case]
+    mgr = CheckpointManager(r.run)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        latest = mgr.latest()
+        got = {
+            "latest": None if latest is None else latest.step,
+            "load": _outcome(lambda: mgr.load()),
+            "fallback": _outcome(lambda: mgr.load(fallback=True)),
+        }
+    got["verify_run"] = cli(["verify", str(r.run)])
+    got["verify_step"] = cli(["verify", str(r.run / str(want["target"]))])
+    assert cli(["ls", str(r.run)]) == 0
+    capsys.readouterr()
+    for what in ("latest", "load", "fallback", "verify_run", "verify_step"):
+        assert _matches(got[what], want[what]), f"{case}: {what} gave {got[what]!r}, expected {want[what]!r}"
+    assert _tree(r.outside) == outside
+    # a save with rotation and cleanup never touches anything outside the run
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        CheckpointManager(r.run, keep_last=1).save(20, _state(20))
+    assert _tree(r.outside) == outside
+    assert os.path.isdir(r.outside)
+
+
+def test_every_case_has_an_expectation():
+    assert set(CASES) == set(EXPECTED)
+
+
+def test_a_reference_through_a_linked_directory_is_refused_by_the_file_reader_too(tmp_path):
+    r = _make_run(tmp_path)
+    ref_dir_is_a_link(r)
+    with pytest.raises(CorruptError, match="symbolic link"):
+        ckptfmt.load(r.step(S2) / "state.ckpt")
+    assert not ckptfmt.verify(r.step(S2) / "state.ckpt").ok
+
+
+def test_a_record_is_bounded_before_its_members_are_decoded(tmp_path):
+    r = _make_run(tmp_path)
+    record_expands(r)
+    assert (r.step(S2) / "COMMIT").stat().st_size < 1 << 20
+    with pytest.raises(LimitError):
+        multifile.read_commit(str(r.step(S2)))
+    _rewrite_record(r, S1, unknown=np.zeros(16, dtype=np.uint8))
+    with pytest.raises(CorruptError, match="fields must be exactly"):
+        multifile.read_commit(str(r.step(S1)))
+
+
+def test_deleting_a_step_swapped_for_a_link_after_it_was_opened_stays_inside(tmp_path):
+    """The step directory is reached once, by descriptor: renaming it away and leaving a link
+    to an outside directory in its place changes nothing about what is deleted."""
+    r = _make_run(tmp_path)
+    (r.outside / "state.ckpt").write_bytes(b"outside")
+    with CheckpointDir.open(r.run) as run, run.sub(S1) as d:
+        os.rename(r.step(S1), r.root / "moved")
+        os.symlink(r.outside, r.step(S1))
+        for name in d.names():
+            d.remove_tree(name)
+        assert not run.rmdir(S1)  # a link is not a directory to remove
+        with pytest.raises(LinkError):
+            run.sub(S1)
+    assert (r.outside / "state.ckpt").read_bytes() == b"outside"
+    assert os.listdir(r.root / "moved") == []
+
+
+def test_rotation_removes_a_link_inside_a_step_as_a_name(tmp_path):
+    r = _make_run(tmp_path)
+    link_inside_step(r)
+    mgr = CheckpointManager(r.run, keep_last=1)
+    mgr.save(3, _state(3))
+    mgr.save(4, _state(4))
+    assert not os.path.lexists(r.step(S1) / "junk")
+    assert (r.outside / "precious.txt").read_bytes() == b"not yours\n"
+
+
+@pytest.mark.parametrize("command", ["consolidate", "convert"])
+def test_copies_never_read_through_a_linked_directory(tmp_path, command, capsys):
+    """consolidate (and convert to safetensors) read an incremental file's external chunks
+    with the reader's rules: a link on a reference's path is refused, nothing is written."""
+    r = _make_run(tmp_path)
+    ref_dir_is_a_link(r)
+    out = tmp_path / ("copy.ckpt" if command == "consolidate" else "copy.safetensors")
+    assert cli([command, str(r.step(S2) / "state.ckpt"), str(out)]) == 1
+    assert "symbolic link" in capsys.readouterr().err
+    assert not out.exists()
