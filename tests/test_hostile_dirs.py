@@ -311,3 +311,21 @@ def test_copies_never_read_through_a_linked_directory(tmp_path, command, capsys)
     assert cli([command, str(r.step(S2) / "state.ckpt"), str(out)]) == 1
     assert "symbolic link" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_dcp_rank_file_that_is_a_link_is_never_read(tmp_path):
+    """A rank file moved outside and linked back (the right bytes, through a link) is refused."""
+    from ckptfmt import dcp as cdcp
+
+    ckpt = tmp_path / "ckpt"
+    cdcp.save({"w": torch.arange(8.0)}, ckpt)
+    (rank,) = [n for n in os.listdir(ckpt) if n.startswith("rank-")]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.rename(ckpt / rank, outside / rank)
+    os.symlink(outside / rank, ckpt / rank)
+    target = {"w": torch.zeros(8)}
+    with pytest.raises(CorruptError, match="symbolic link"):
+        cdcp.load(target, ckpt)
+    assert torch.equal(target["w"], torch.zeros(8))
+    assert cli(["verify", str(ckpt)]) == 1
