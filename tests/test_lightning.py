@@ -563,6 +563,316 @@ def test_fabric_save_and_load(tmp_path: pathlib.Path) -> None:
 
 
 # ---------------------------------------------------------------------------
+# as Lightning's own tests use it (issue 25)
+
+
+def _boring_trainer(pl: Any, root: str, **kwargs: Any) -> Any:
+    """A quiet CPU Trainer for Lightning's BoringModel, 1 batch per epoch."""
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 1,
+        "limit_train_batches": 1,
+        "limit_val_batches": 1,
+        "default_root_dir": root,
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    options.update(kwargs)
+    return pl.Trainer(**options)
+
+
+@needs_lightning
+def test_plugin_pickles_and_deep_copies_with_saves_in_flight(tmp_path: pathlib.Path) -> None:
+    import copy
+    import pickle
+
+    from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
+
+    io = CkptfmtCheckpointIO(blocking=False, compression="zstd", classes=[Mode])
+    io.save_checkpoint({"w": torch.ones(1 << 18)}, tmp_path / "a.ckpt")  # possibly still in flight
+    for other in (pickle.loads(pickle.dumps(io)), copy.deepcopy(io)):
+        assert (other.blocking, other.compression, other.classes) == (False, "zstd", (Mode,))
+        other.save_checkpoint({"w": torch.zeros(2)}, tmp_path / "b.ckpt")
+        other.teardown()  # waits for its own save only
+        assert torch.equal(other.load_checkpoint(tmp_path / "b.ckpt")["w"], torch.zeros(2))
+    io.teardown()
+    assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["w"], torch.ones(1 << 18))
+
+
+@needs_lightning
+def test_ddp_spawn_with_two_cpu_processes(tmp_path: pathlib.Path) -> None:
+    """The Trainer, the plugin inside it, is pickled into 2 processes (gloo); rank 0 saves,
+    and the main process gets the final weights back through the plugin."""
+    import lightning_spawn_model
+
+    report = lightning_spawn_model.fit_ddp_spawn(str(tmp_path))
+    assert report == {
+        "files": ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"],
+        "weights_back": True,
+    }
+    for name in report["files"]:
+        assert sniff(tmp_path / "ckpts" / name) == "ckptfmt"
+
+
+@needs_lightning
+def test_nonblocking_saves_never_take_each_others_names(tmp_path: pathlib.Path) -> None:
+    """Lightning's test_ckpt_version_after_rerun_same_trainer with a non-blocking plugin: every
+    epoch's file is kept under its own -vN name, and no save thread outlives fit."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
+
+    mc = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, monitor="epoch", filename="test")
+    mc.STARTING_VERSION = 9
+    trainer = _boring_trainer(
+        pl, str(tmp_path), max_epochs=2, callbacks=[mc], plugins=[CkptfmtCheckpointIO(blocking=False)]
+    )
+    trainer.fit(BoringModel())
+    trainer.fit_loop.max_epochs = 4
+    trainer.fit(BoringModel())
+    expected = {"test.ckpt", "test-v9.ckpt", "test-v10.ckpt", "test-v11.ckpt"}
+    assert {pathlib.Path(f).name for f in mc.best_k_models} == expected
+    assert set(os.listdir(tmp_path)) == expected
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("ckptfmt-save")]
+
+
+@needs_lightning
+def test_a_save_in_flight_is_seen_as_the_file_it_will_be(tmp_path: pathlib.Path) -> None:
+    """What ModelCheckpoint asks (file_exists, and ls for `last` files) through fsspec, while a
+    save is in flight: held in flight here by an unfinished handle, so the answer is certain."""
+    import fsspec
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.cloud_io import get_filesystem
+
+    from ckptfmt.integrations import lightning as plugin
+
+    io = plugin.CkptfmtCheckpointIO(blocking=False)  # registers the filesystem
+    trainer = _boring_trainer(pl, str(tmp_path))
+    mc = pl.callbacks.ModelCheckpoint(dirpath=tmp_path)
+    mc._fs = get_filesystem(str(tmp_path))
+    path = str(tmp_path / "last.ckpt")
+    temp = tmp_path / ".last.ckpt.ckptfmt-tmp.1-2-3.abcd"
+    temp.write_bytes(b"")
+    handle = ckptfmt.SaveHandle(path)
+    plugin._IN_FLIGHT.add(path, handle)
+    fs = fsspec.filesystem("file")
+    try:
+        assert mc.file_exists(path, trainer) and fs.isfile(path) and fs.exists(f"file://{path}")
+        assert fs.ls(str(tmp_path)) == [path]  # the final name, not the temp file
+        assert mc._find_last_checkpoints(trainer) == {path}
+        assert not fs.exists(str(tmp_path / "other.ckpt"))
+        temp.unlink()
+        ckptfmt.save({"x": 1}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    finally:
+        handle._finish(None)
+    assert fs.info(path)["size"] == os.path.getsize(path)  # details are the written file's
+    io.save_checkpoint({"w": torch.ones(1 << 20)}, tmp_path / "real.ckpt")
+    assert fs.isfile(str(tmp_path / "real.ckpt"))  # in flight or done: there either way
+    io.teardown()
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt", "real.ckpt"]
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("ckptfmt-save")]
+
+
+@needs_lightning
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+def test_enable_makes_load_from_checkpoint_read_ckptfmt_files(tmp_path: pathlib.Path, package: str) -> None:
+    """The standard call, after the one-line opt-in; torch files still load as before."""
+    import importlib
+
+    pl = importlib.import_module(package)
+    from ckptfmt.integrations.lightning import CkptfmtCheckpointIO, enable
+
+    enable()
+    enable()  # idempotent: one wrapper, not two
+    saving = importlib.import_module(f"{package}.core.saving")
+    assert saving.pl_load.__ckptfmt_wraps__.__module__.endswith("cloud_io")
+    net_class = _make_module_class(pl)
+    trainer = _boring_trainer(pl, str(tmp_path), plugins=[CkptfmtCheckpointIO()])
+    model = net_class(**_hparams("objects"))
+    train, _ = _loaders()
+    trainer.fit(model, train)
+    path = str(tmp_path / "model.ckpt")
+    trainer.save_checkpoint(path)
+    assert sniff(path) == "ckptfmt"
+    loaded = net_class.load_from_checkpoint(path, lr=0.5)
+    assert loaded.hparams.config == argparse.Namespace(width=32, name="mlp") and loaded.hparams.lr == 0.5
+    assert _diff(dict(loaded.state_dict()), dict(model.state_dict())) == []
+    default = _boring_trainer(pl, str(tmp_path))  # Lightning's own TorchCheckpointIO
+    default.fit(net_class(), train)
+    torch_path = str(tmp_path / "torch.ckpt")
+    default.save_checkpoint(torch_path)
+    assert sniff(torch_path) == "torch-zip"
+    from_torch = net_class.load_from_checkpoint(torch_path, weights_only=False)  # our file: Mode is in it
+    assert _diff(dict(from_torch.state_dict()), dict(default.model.state_dict())) == []
+
+
+@needs_lightning
+def test_a_run_switches_from_torch_checkpoints_when_allowed(tmp_path: pathlib.Path) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
+
+    def trainer(epochs: int, plugins: list[Any]) -> Any:
+        mc = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True, save_top_k=0)
+        return _boring_trainer(pl, str(tmp_path), max_epochs=epochs, callbacks=[mc], plugins=plugins)
+
+    trainer(1, []).fit(BoringModel())  # Lightning's default CheckpointIO
+    last = tmp_path / "ckpts" / "last.ckpt"
+    assert sniff(last) == "torch-zip"
+    with pytest.raises(ckptfmt.UnsupportedError, match="read_torch_checkpoints=True"):
+        trainer(2, [CkptfmtCheckpointIO()]).fit(BoringModel(), ckpt_path=str(last))
+    resumed = trainer(2, [CkptfmtCheckpointIO(read_torch_checkpoints=True)])
+    resumed.fit(BoringModel(), ckpt_path=str(last))
+    assert resumed.global_step == 2 and sniff(last) == "ckptfmt"  # resumed at step 1, saved as ckptfmt
+    assert CkptfmtCheckpointIO(read_torch_checkpoints=True).load_checkpoint(last)["global_step"] == 2
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "hook": print}, evil)  # only torch.load(weights_only=False) would run this
+    with pytest.raises(Exception, match="[Ww]eights only load failed"):
+        CkptfmtCheckpointIO(read_torch_checkpoints=True).load_checkpoint(evil)
+
+
+@needs_lightning
+def test_remote_paths_are_refused_with_the_alternative(tmp_path: pathlib.Path) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from ckptfmt.integrations.lightning import CkptfmtCheckpointIO, RemotePathError
+
+    io = CkptfmtCheckpointIO()
+    for call in (
+        lambda: io.save_checkpoint({}, "s3://bucket/run/last.ckpt"),
+        lambda: io.load_checkpoint("gs://bucket/last.ckpt"),
+        lambda: io.remove_checkpoint("s3://bucket/last.ckpt"),
+    ):
+        with pytest.raises(RemotePathError) as info:
+            call()
+        message = str(info.value)
+        assert "\n" not in message and "not yet" in message and "local" in message
+        assert "Lightning's default CheckpointIO" in message
+        assert isinstance(info.value, ckptfmt.CheckpointError) and isinstance(info.value, ValueError)
+    trainer = _boring_trainer(pl, "memory://run", plugins=[io])  # fsspec's in-memory store
+    with pytest.raises(RemotePathError, match="memory://run"):
+        trainer.fit(BoringModel())
+    io.save_checkpoint({"x": 1}, f"file://{tmp_path}/local.ckpt")  # a local URL is a local path
+    assert io.load_checkpoint(tmp_path / "local.ckpt") == {"x": 1}
+
+
+def _class_keyed_callback(pl: Any) -> type:
+    """A callback whose state_key is its class (as before Lightning 1.5), defined at module
+    level under this module's name, where an imported class is found by its name."""
+
+    class ClassKeyedCallback(pl.Callback):
+        def __init__(self) -> None:
+            self.loaded: dict[str, Any] = {}
+
+        @property
+        def state_key(self) -> Any:
+            return type(self)
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"seen": 3}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            self.loaded = state_dict
+
+    ClassKeyedCallback.__qualname__ = "ClassKeyedCallback"
+    globals()["ClassKeyedCallback"] = ClassKeyedCallback
+    return ClassKeyedCallback
+
+
+@needs_lightning
+def test_callback_state_keyed_by_a_class_round_trips(tmp_path: pathlib.Path) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from ckptfmt.integrations.lightning import CLASS_KEYS_KEY, CkptfmtCheckpointIO, load_checkpoint
+
+    callback_class = _class_keyed_callback(pl)
+    first = _boring_trainer(pl, str(tmp_path), callbacks=[callback_class()], plugins=[CkptfmtCheckpointIO()])
+    first.fit(BoringModel())
+    path = str(tmp_path / "c.ckpt")
+    first.save_checkpoint(path)
+    raw = ckptfmt.load(path)
+    assert raw["callbacks"]["ClassKeyedCallback"] == {"seen": 3}  # keyed by name, as Lightning keys its own
+    assert raw[CLASS_KEYS_KEY] == {"ClassKeyedCallback": __name__}
+    assert load_checkpoint(path)["callbacks"][callback_class] == {"seen": 3}
+    callback = callback_class()
+    second = _boring_trainer(
+        pl, str(tmp_path), max_epochs=2, callbacks=[callback], plugins=[CkptfmtCheckpointIO()]
+    )
+    second.fit(BoringModel(), ckpt_path=path)
+    assert callback.loaded == {"seen": 3}
+
+
+def _dataclass(fields: dict[str, Any]) -> dict[str, Any]:
+    return {objects.TAG: "dataclass", "class": f"{__name__}.Frozen", "fields": fields}
+
+
+@needs_lightning
+@pytest.mark.parametrize(
+    ("entries", "error", "where"),
+    [
+        ({"hyper_parameters": [1, 2]}, ckptfmt.CorruptError, "hyper_parameters: must be a dict, not list"),
+        (
+            {"hyper_parameters": {"__class__": 1}},
+            ckptfmt.CorruptError,
+            "'__class__' is not a hyper-parameter",
+        ),
+        ({"hyper_parameters": {3: 1}}, ckptfmt.CorruptError, "hyper_parameters: 3 is not a hyper-parameter"),
+        ({"hparams_name": ["a"]}, ckptfmt.CorruptError, "hparams_name: must be a str, not list"),
+        ({"hparams_type": 5}, ckptfmt.CorruptError, "hparams_type: must be a str, not int"),
+        (
+            {"hyper_parameters": {"config": {objects.TAG: "argparse.Namespace", "fields": {"__dict__": 1}}}},
+            ckptfmt.CorruptError,
+            r"state\['hyper_parameters'\]\['config'\]: field name '__dict__'",
+        ),
+        (
+            {"hyper_parameters": {"frozen": _dataclass({"b": (1,)})}},
+            ckptfmt.UnsupportedError,  # a registered class that changed since, like an unknown field
+            r"state\['hyper_parameters'\]\['frozen'\]: .*Frozen needs field 'a'",
+        ),
+        (
+            {"hyper_parameters": {"frozen": _dataclass({"a": 1, "z": 2})}},
+            ckptfmt.UnsupportedError,
+            r"state\['hyper_parameters'\]\['frozen'\]: .*Frozen has no field 'z'",
+        ),
+    ],
+)
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+def test_malformed_hyper_parameters_are_refused(
+    tmp_path: pathlib.Path, package: str, entries: dict[str, Any], error: type, where: str
+) -> None:
+    """Through the package's load_from_checkpoint (after enable()), the plugin's function and its
+    load: a ckptfmt error naming the place, never a TypeError or AttributeError from a constructor."""
+    import importlib
+
+    pl = importlib.import_module(package)
+    from ckptfmt.integrations.lightning import CkptfmtCheckpointIO, enable, load_from_checkpoint
+
+    enable()
+    net_class = _make_module_class(pl)
+    path = tmp_path / "bad.ckpt"
+    state = {"state_dict": dict(net_class().state_dict()), "pytorch-lightning_version": "2.6.0"}
+    ckptfmt.save({**state, "hyper_parameters": {"lr": 0.1}, **entries}, path)
+    objects.register(Frozen)
+    try:
+        for load in (
+            lambda: net_class.load_from_checkpoint(path),
+            lambda: load_from_checkpoint(net_class, path),
+            lambda: CkptfmtCheckpointIO().load_checkpoint(path),
+        ):
+            with pytest.raises(error, match=where):
+                load()
+    finally:
+        objects.unregister(Frozen)
+
+
+# ---------------------------------------------------------------------------
 # the allow-listed objects
 
 

@@ -2,11 +2,12 @@
 
 Usage (``lightning.pytorch`` or ``pytorch_lightning``, and Fabric)::
 
-    from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
+    from ckptfmt.integrations.lightning import CkptfmtCheckpointIO, enable
 
     trainer = Trainer(plugins=[CkptfmtCheckpointIO()], callbacks=[ModelCheckpoint(save_last=True)])
     trainer.fit(model)
     trainer.fit(model, ckpt_path="last")          # a later process: resumes bit-exactly
+    enable()                                      # once: LitModel.load_from_checkpoint(path) reads them
 
 What the plugin changes, compared with Lightning's default ``TorchCheckpointIO``:
 
@@ -17,8 +18,14 @@ What the plugin changes, compared with Lightning's default ``TorchCheckpointIO``
 * ``blocking=False``: ``save_checkpoint`` returns once the checkpoint is
   copied into staging memory; the file is written while training goes on and
   holds the values at the time of the call.  An error of such a save is raised
-  by the next ``save_checkpoint`` or by ``teardown()`` (the end of ``fit``);
-  ``remove_checkpoint`` and loads of a path wait for the save in flight there.
+  by the next ``save_checkpoint`` or by ``teardown()`` (the end of ``fit``),
+  which waits for every save and its thread; ``remove_checkpoint`` and loads
+  of a path wait for the save in flight there.  Lightning chooses file names
+  by asking fsspec which files exist (``ModelCheckpoint`` adds ``-vN`` to a
+  name that is taken): a non-blocking plugin registers, through fsspec's
+  ``register_implementation``, a local filesystem that answers ``exists``,
+  ``isfile`` and ``ls`` for a save in flight as for the file it will be (and
+  ``info``/``modified`` once it is), so no save takes the name of another.
 * The RNG state: Lightning's checkpoint holds none, so its resume draws other
   dropout masks and another shuffle order than the uninterrupted run.  The
   plugin stores :func:`ckptfmt.capture_rng` (Python, numpy, torch CPU and every
@@ -40,29 +47,54 @@ What the plugin changes, compared with Lightning's default ``TorchCheckpointIO``
   before any byte is written, with an error naming its place.  Enum,
   dataclass and named-tuple classes come back as themselves when registered
   (``classes=`` here, or :func:`ckptfmt.integrations.objects.register`),
-  otherwise as their value, dict of fields or tuple.
+  otherwise as their value, dict of fields or tuple.  Hyper-parameters read
+  from a file are checked before Lightning sees them (a dict of str names,
+  no dunder names): a malformed entry raises :class:`ckptfmt.CorruptError`.
+* Callback states keyed by the callback's class (``state_key`` returning a
+  class, an older Lightning pattern) are stored under the class's
+  ``__qualname__``, as Lightning keys its own, and come back keyed by the
+  class again where that class is already imported (nothing is imported).
+* Switching a run to the plugin: ``read_torch_checkpoints=True`` reads the
+  ``.ckpt`` files Lightning's default plugin wrote, with
+  ``torch.load(weights_only=True)`` only; the next save writes ckptfmt.
+* The plugin is picklable (``ddp_spawn``, ``deepcopy``): its saves in flight
+  and their lock belong to one process and are created anew after unpickling.
 * ``weights_only`` is accepted and needs nothing: loading never runs code.
 * ``storage_options`` may be a dict with ckptfmt's save options ``compression``,
   ``level`` and ``metadata``; anything else is refused like Lightning's own
   plugin does.
 
-``LightningModule.load_from_checkpoint`` reads files with ``torch.load``
-whatever plugin wrote them; use :func:`load_from_checkpoint` here for ckptfmt
-files, or :func:`load_checkpoint` for the dict.  Local paths only (no fsspec
-URLs).  Sharded strategies (FSDP's sharded state, DeepSpeed) bypass
-``CheckpointIO`` and are not affected by this plugin.
+``LightningModule.load_from_checkpoint`` reads files with Lightning's loader,
+which has no extension point: :func:`enable` teaches that loader (in
+``lightning`` and ``pytorch_lightning``) to read ckptfmt files, recognised by
+their first bytes; other files go to Lightning's loader as before.
+:func:`load_from_checkpoint` here does the same without :func:`enable`, and
+:func:`load_checkpoint` gives the dict.  Local paths only: object-store URLs
+raise :class:`RemotePathError`.  Sharded strategies (FSDP's sharded state,
+DeepSpeed) bypass ``CheckpointIO`` and are not affected by this plugin.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 import os
+import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
+
+import fsspec
+import torch
+from fsspec.implementations.local import LocalFileSystem
 
 import ckptfmt
 
-from ..errors import CheckpointError
+from .. import inflight
+from ..commit import temp_prefix
+from ..errors import CheckpointError, CorruptError, UnsupportedError
+from ..sniff import sniff
 from . import objects
 
 if TYPE_CHECKING:
@@ -88,6 +120,18 @@ else:
 
 #: the key under which the RNG state travels in the saved dict
 RNG_KEY = "__ckptfmt_rng__"
+#: the key under which callback states keyed by a class record that class: {qualname: module}
+CLASS_KEYS_KEY = "__ckptfmt_callback_classes__"
+_RESERVED = (RNG_KEY, CLASS_KEYS_KEY)
+#: the hyper-parameter entries of a LightningModule and a LightningDataModule: (values, name, type)
+_HPARAMS_KEYS = (
+    ("hyper_parameters", "hparams_name", "hparams_type"),
+    ("datamodule_hyper_parameters", "datamodule_hparams_name", "datamodule_hparams_type"),
+)
+
+
+class RemotePathError(UnsupportedError):
+    """A URL (``s3://`` and other fsspec protocols) where ckptfmt needs a local path."""
 
 
 class CkptfmtCheckpointIO(_Base):
@@ -99,6 +143,8 @@ class CkptfmtCheckpointIO(_Base):
         restore_rng: capture the global RNG state at each save and restore it on load.
         classes: enum, dataclass and named-tuple classes to rebuild on load (see
             :mod:`ckptfmt.integrations.objects`).
+        read_torch_checkpoints: also load files written by ``torch.save`` (Lightning's default
+            plugin), with ``torch.load(weights_only=True)``: a run switches to ckptfmt at its next save.
     """
 
     def __init__(
@@ -108,6 +154,7 @@ class CkptfmtCheckpointIO(_Base):
         compression: str | None = None,
         restore_rng: bool = True,
         classes: Iterable[type] = (),
+        read_torch_checkpoints: bool = False,
     ) -> None:
         super().__init__()
         ckptfmt.writer.check_save_args(compression, None, None)
@@ -115,10 +162,31 @@ class CkptfmtCheckpointIO(_Base):
         self.compression = compression
         self.restore_rng = restore_rng
         self.classes = tuple(classes)
+        self.read_torch_checkpoints = read_torch_checkpoints
         for cls in self.classes:
             objects._check_registrable(cls)
-        self._pending: list[ckptfmt.SaveHandle] = []
-        self._lock = threading.Lock()
+        self._process: _ProcessSaves | None = None
+        if not blocking:
+            _show_saves_in_flight()
+
+    # -- pickling: the saves in flight and their lock stay in the process that started them --
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_process"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if not self.blocking:
+            _show_saves_in_flight()
+
+    def _saves(self) -> _ProcessSaves:
+        """This process's saves in flight (created here after unpickling, or in a forked child)."""
+        process = self._process
+        if process is None or process.pid != os.getpid():
+            process = self._process = _ProcessSaves()
+        return process
 
     # -- saving ----------------------------------------------------------------------
 
@@ -128,11 +196,12 @@ class CkptfmtCheckpointIO(_Base):
         self._raise_finished()
         target = _local_path(path)
         options = _save_options(storage_options, self.compression)
-        if RNG_KEY in checkpoint:
-            raise ValueError(
-                f"the checkpoint dict already has the key {RNG_KEY!r}, which this plugin reserves"
-            )
-        state = dict(checkpoint)
+        for key in _RESERVED:
+            if key in checkpoint:
+                raise ValueError(
+                    f"the checkpoint dict already has the key {key!r}, which this plugin reserves"
+                )
+        state = _with_class_keys_named(checkpoint)
         if self.restore_rng:
             state[RNG_KEY] = ckptfmt.capture_rng()
         state = objects.encode(state)
@@ -141,25 +210,20 @@ class CkptfmtCheckpointIO(_Base):
             os.makedirs(directory, exist_ok=True)
         handle = ckptfmt.save(state, target, blocking=self.blocking, **options)
         if handle is not None:
-            with self._lock:
-                self._pending.append(handle)
+            _IN_FLIGHT.add(target, handle)
+            self._saves().add(handle)
 
     def _raise_finished(self) -> None:
         """Raise the error of an earlier non-blocking save that has finished (the first one)."""
-        with self._lock:
-            # one look at each handle: one that finished in between would be in neither list
-            seen = [(h, h.done()) for h in self._pending]
-            finished = [h for h, done in seen if done]
-            self._pending = [h for h, done in seen if not done]
-        errors = [e for e in (h.exception() for h in finished) if e is not None]
+        errors = [e for e in (h.exception() for h in self._saves().take(finished_only=True)) if e is not None]
         if errors:
             raise errors[0]
 
     def wait(self) -> None:
-        """Wait for every save in flight; raise the first error among them."""
-        with self._lock:
-            pending, self._pending = self._pending, []
-        errors = [e for e in (h.exception() for h in pending) if e is not None]
+        """Wait for every save in flight and every save thread; raise the first error among them."""
+        saves = self._saves()
+        errors = [e for e in (h.exception() for h in saves.take(finished_only=False)) if e is not None]
+        saves.join_threads()
         if errors:
             raise errors[0]
 
@@ -173,8 +237,14 @@ class CkptfmtCheckpointIO(_Base):
     ) -> dict[str, Any]:
         """Load a ckptfmt checkpoint (every chunk verified), rebuild allow-listed objects and restore
         the RNG state it holds (unless ``restore_rng=False``).  `weights_only` changes nothing:
-        loading never runs code."""
-        state = load_checkpoint(path, map_location, classes=self.classes, _keep_rng=True)
+        loading never runs code (a torch file, where allowed, is read with weights_only=True)."""
+        state = load_checkpoint(
+            path,
+            map_location,
+            classes=self.classes,
+            read_torch_checkpoints=self.read_torch_checkpoints,
+            _keep_rng=True,
+        )
         rng = state.pop(RNG_KEY, None)
         if rng is not None and self.restore_rng:
             ckptfmt.restore_rng(rng)
@@ -187,10 +257,140 @@ class CkptfmtCheckpointIO(_Base):
             pass
 
 
+class _ProcessSaves:
+    """One plugin's non-blocking saves in flight in one process, and their threads.
+
+    A save's thread lives on for a moment after its handle is done (it frees the file the
+    save replaced): taken handles leave their threads here, for teardown to join."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
+        self._handles: list[ckptfmt.SaveHandle] = []
+        self._threads: list[threading.Thread] = []
+
+    def add(self, handle: ckptfmt.SaveHandle) -> None:
+        with self._lock:
+            self._handles.append(handle)
+            if handle._thread is not None:
+                self._threads.append(handle._thread)
+
+    def take(self, *, finished_only: bool) -> list[ckptfmt.SaveHandle]:
+        """Remove and return the finished handles, or all of them."""
+        with self._lock:
+            # one look at each handle: one that finished in between would be in neither list
+            seen = [(h, not finished_only or h.done()) for h in self._handles]
+            self._handles = [h for h, take in seen if not take]
+        return [h for h, take in seen if take]
+
+    def join_threads(self) -> None:
+        with self._lock:
+            threads, self._threads = self._threads, []
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join()
+
+
+# -- what Lightning sees of a save in flight ---------------------------------------------
+
+
+class _SavesInFlight:
+    """The files this process's non-blocking plugins are writing, by real path."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handles: dict[str, ckptfmt.SaveHandle] = {}
+
+    def add(self, path: str, handle: ckptfmt.SaveHandle) -> None:
+        with self._lock:
+            self._handles[os.path.realpath(path)] = handle
+
+    def running(self) -> dict[str, ckptfmt.SaveHandle]:
+        """The saves still running (finished ones are dropped: the file answers for itself)."""
+        with self._lock:
+            for key in [k for k, h in self._handles.items() if h.done()]:
+                del self._handles[key]
+            return dict(self._handles)
+
+    def reset(self) -> None:
+        """In a forked child: the parent's saves are not this process's, and the lock may be held."""
+        self._lock = threading.Lock()
+        self._handles = {}
+
+
+_IN_FLIGHT = _SavesInFlight()
+os.register_at_fork(after_in_child=_IN_FLIGHT.reset)
+
+
+class _LocalFileSystem(LocalFileSystem):  # type: ignore[misc]  # fsspec has no type hints
+    """fsspec's local filesystem, seeing a non-blocking save in flight as the file it will be.
+
+    ModelCheckpoint picks a free name with ``exists`` and finds ``last`` files with ``ls``;
+    without this, a name still being written looks free and a second save overwrites the first.
+    Details (``info``: size, times) wait for the save, so they are those of the written file."""
+
+    def exists(self, path: Any, **kwargs: Any) -> bool:
+        return self._in_flight(path) is not None or bool(super().exists(path, **kwargs))
+
+    def lexists(self, path: Any, **kwargs: Any) -> bool:
+        return self._in_flight(path) is not None or bool(super().lexists(path, **kwargs))
+
+    def isfile(self, path: Any) -> bool:
+        return self._in_flight(path) is not None or bool(super().isfile(path))
+
+    def info(self, path: Any, **kwargs: Any) -> dict[str, Any]:
+        if not isinstance(path, os.DirEntry):
+            handle = self._in_flight(path)
+            if handle is not None:
+                handle.exception()  # waits; the error is the plugin's to raise, at its next save
+        return dict(super().info(path, **kwargs))
+
+    def ls(self, path: Any, detail: bool = False, **kwargs: Any) -> list[Any]:
+        directory = os.path.realpath(self._strip_protocol(path))
+        running = {k: h for k, h in _IN_FLIGHT.running().items() if os.path.dirname(k) == directory}
+        if detail:  # sizes and times of files being written: those they will have
+            for handle in running.values():
+                handle.exception()
+            return list(super().ls(path, detail=True, **kwargs))
+        names = list(super().ls(path, detail=False, **kwargs))
+        if not running:
+            return names
+        temps = tuple(os.path.basename(temp_prefix(k)) for k in running)
+        shown = [n for n in names if not os.path.basename(n).startswith(temps)]
+        base = self._strip_protocol(path).rstrip("/")
+        present = {os.path.basename(n) for n in shown}
+        shown += [f"{base}/{os.path.basename(k)}" for k in running if os.path.basename(k) not in present]
+        return shown
+
+    def _in_flight(self, path: Any) -> ckptfmt.SaveHandle | None:
+        key = os.path.realpath(self._strip_protocol(path))
+        return _IN_FLIGHT.running().get(key)
+
+
+def _show_saves_in_flight() -> None:
+    """Register the filesystem above for local paths with fsspec, where fsspec's own is in use
+    (one that someone else registered is left alone).  Lightning asks every question about a
+    local path through fsspec's ``url_to_fs``, which looks the protocol up there."""
+    for protocol in ("file", "local"):
+        current = fsspec.get_filesystem_class(protocol)
+        if current is LocalFileSystem:
+            fsspec.register_implementation(protocol, _LocalFileSystem, clobber=True)
+
+
+# -- paths and options -------------------------------------------------------------------
+
+
 def _local_path(path: Any) -> str:
     text = os.fspath(path)
+    if text.startswith("file://"):
+        return text[len("file://") :]
     if "://" in text:
-        raise NotImplementedError(f"{text}: ckptfmt writes local files only (no fsspec URLs)")
+        raise RemotePathError(
+            "ckptfmt reads and writes local files only, not object-store URLs (not yet); "
+            "give a local dirpath/default_root_dir, or use Lightning's default CheckpointIO "
+            "(no CkptfmtCheckpointIO plugin) for remote storage",
+            path=text,
+        )
     return text
 
 
@@ -207,25 +407,129 @@ def _save_options(storage_options: Any, compression: str | None) -> dict[str, An
     return options
 
 
+# -- callback states keyed by a class ----------------------------------------------------
+
+
+def _with_class_keys_named(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A shallow copy of `checkpoint` whose callback states keyed by a class are keyed by the
+    class's ``__qualname__`` (Lightning's own key for a callback), with the classes recorded."""
+    state = dict(checkpoint)
+    callbacks = state.get("callbacks")
+    if not isinstance(callbacks, dict) or not any(isinstance(k, type) for k in callbacks):
+        return state
+    renamed: dict[Any, Any] = {}
+    classes: dict[str, str] = {}
+    for key, value in callbacks.items():
+        if isinstance(key, type):
+            name = key.__qualname__
+            if name in callbacks or name in classes:
+                raise ValueError(
+                    f"state['callbacks']: the class key {key!r} and another key are both named {name!r}"
+                )
+            classes[name] = key.__module__
+            key = name
+        renamed[key] = value
+    state["callbacks"] = renamed
+    state[CLASS_KEYS_KEY] = classes
+    return state
+
+
+def _with_class_keys_restored(state: dict[str, Any], source: str) -> None:
+    """Key the recorded callback states by their class again, where that class is already
+    imported and is a class (nothing is imported: a name that does not resolve stays a str)."""
+    classes = state.pop(CLASS_KEYS_KEY, None)
+    if classes is None:
+        return
+    callbacks = state.get("callbacks")
+    if not isinstance(classes, dict) or not isinstance(callbacks, dict):
+        raise CorruptError(
+            f"state[{CLASS_KEYS_KEY!r}] needs a dict and state['callbacks'] a dict", path=source
+        )
+    for name, module in classes.items():
+        if type(name) is not str or type(module) is not str:
+            raise CorruptError(f"state[{CLASS_KEYS_KEY!r}]: names and modules must be str", path=source)
+        cls = _imported_class(module, name)
+        if cls is not None and name in callbacks:
+            callbacks[cls] = callbacks.pop(name)
+
+
+def _imported_class(module: str, qualname: str) -> type | None:
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        if obj is None or part.startswith("__"):
+            return None
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) else None
+
+
+# -- loading -----------------------------------------------------------------------------
+
+
+def _check_hparams(state: dict[str, Any], source: str) -> None:
+    """Refuse hyper-parameter entries that Lightning would fail on with a TypeError or an
+    AttributeError, or pass to a constructor as dunder names: a dict of str names, and a str
+    (or nothing) for the name and the type (a type itself cannot be stored by this plugin)."""
+    for values_key, name_key, type_key in _HPARAMS_KEYS:
+        values = state.get(values_key)
+        if values is not None:
+            _expect(values, dict, values_key, source)
+            for name in values:
+                if type(name) is not str or (name.startswith("__") and name.endswith("__")):
+                    raise CorruptError(f"{name!r} is not a hyper-parameter name", path=source, key=values_key)
+        for key in (name_key, type_key):
+            if state.get(key) is not None:
+                _expect(state[key], str, key, source)
+
+
+def _expect(value: object, kind: type, key: str, source: str) -> None:
+    if not isinstance(value, kind):
+        raise CorruptError(f"must be a {kind.__name__}, not {type(value).__name__}", path=source, key=key)
+
+
+def _load_torch(target: str, map_location: Any) -> dict[str, Any]:
+    """A checkpoint written by torch.save (Lightning's default plugin), read without running code."""
+    state = torch.load(target, map_location=map_location or "cpu", weights_only=True)
+    if type(state) is not dict:
+        raise CheckpointError(f"holds a {type(state).__name__}, not a Lightning checkpoint dict", path=target)
+    return state
+
+
 def load_checkpoint(
     path: Any,
     map_location: Any | None = None,
     *,
     classes: Iterable[type] = (),
+    read_torch_checkpoints: bool = False,
     _keep_rng: bool = False,
 ) -> dict[str, Any]:
     """The dict a :class:`CkptfmtCheckpointIO` saved, with allow-listed objects rebuilt.
 
     Restores no RNG state (the reserved RNG entry is left out).  `map_location`
-    takes torch.load's forms; None loads onto the CPU.
+    takes torch.load's forms; None loads onto the CPU.  `read_torch_checkpoints`:
+    a file written by torch.save is read with ``torch.load(weights_only=True)``.
     """
     target = _local_path(path)
+    inflight.wait_for_path(target)
     if not os.path.exists(target):
         raise FileNotFoundError(f"Checkpoint file not found: {target}")
-    state = ckptfmt.load(target, map_location=map_location)
-    if type(state) is not dict:
-        raise CheckpointError(f"holds a {type(state).__name__}, not a Lightning checkpoint dict", path=target)
-    state = objects.decode(state, classes=classes, source=target)
+    kind = sniff(target)
+    if kind in ("torch-zip", "torch-legacy"):
+        if not read_torch_checkpoints:
+            raise UnsupportedError(
+                "written by torch.save (Lightning's default CheckpointIO), not a ckptfmt file; "
+                "CkptfmtCheckpointIO(read_torch_checkpoints=True) reads it (torch.load(weights_only=True))",
+                path=target,
+            )
+        state = _load_torch(target, map_location)
+    else:
+        state = ckptfmt.load(target, map_location=map_location)
+        if type(state) is not dict:
+            raise CheckpointError(
+                f"holds a {type(state).__name__}, not a Lightning checkpoint dict", path=target
+            )
+        state = objects.decode(state, classes=classes, source=target)
+        _with_class_keys_restored(state, target)
+    _check_hparams(state, target)
     if not _keep_rng:
         state.pop(RNG_KEY, None)
     return state
@@ -269,6 +573,60 @@ def _saving_module(cls: type) -> tuple[Any, bool]:
     raise TypeError(f"{cls!r} is not a LightningModule or LightningDataModule class")
 
 
+# -- enable(): Lightning's own loader reads ckptfmt files ------------------------------------
+
+#: every module that holds Lightning's checkpoint loader (`cloud_io._load`) under some name
+_LOADERS = (
+    ("lightning", "lightning.fabric.utilities.cloud_io", "_load"),
+    ("lightning", "lightning.fabric.plugins.io.torch_io", "pl_load"),
+    ("lightning", "lightning.pytorch.core.saving", "pl_load"),
+    ("lightning_fabric", "lightning_fabric.utilities.cloud_io", "_load"),
+    ("lightning_fabric", "lightning_fabric.plugins.io.torch_io", "pl_load"),
+    ("pytorch_lightning", "pytorch_lightning.core.saving", "pl_load"),
+)
+
+
+def enable() -> None:
+    """Make Lightning's loader read ckptfmt files: ``LitModel.load_from_checkpoint(path)``,
+    and Lightning's default CheckpointIO, in ``lightning`` and ``pytorch_lightning``.
+
+    Lightning offers no extension point there, so its loader is wrapped: a local file that
+    starts with ckptfmt's magic bytes is read by :func:`load_checkpoint` (no pickle, no RNG
+    restored); anything else goes to Lightning's loader unchanged.  Calling it again does nothing."""
+    for package, module_name, attr in _LOADERS:
+        if importlib.util.find_spec(package) is None:
+            continue
+        module = importlib.import_module(module_name)
+        current = getattr(module, attr)
+        if getattr(current, "__ckptfmt_wraps__", None) is None:
+            setattr(module, attr, _reading_ckptfmt(current))
+
+
+def _reading_ckptfmt(load: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(load)
+    def _load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
+        if _is_ckptfmt_file(path_or_url):
+            return load_checkpoint(path_or_url, map_location)
+        return load(path_or_url, map_location=map_location, weights_only=weights_only)
+
+    _load.__ckptfmt_wraps__ = load  # type: ignore[attr-defined]
+    return _load
+
+
+def _is_ckptfmt_file(path: Any) -> bool:
+    if not isinstance(path, (str, os.PathLike)):
+        return False  # a file object: Lightning's loader
+    text = os.fspath(path)
+    if not isinstance(text, str) or ("://" in text and not text.startswith("file://")):
+        return False
+    local = _local_path(text)
+    inflight.wait_for_path(local)
+    try:
+        return sniff(local) == "ckptfmt"
+    except OSError:
+        return False  # missing or a directory: Lightning's loader says so in its words
+
+
 def _register_with_other_package() -> None:
     """Make the plugin an instance of both packages' CheckpointIO (`lightning` and
     `pytorch_lightning` each have their own copy of the class), so both Trainers accept it."""
@@ -283,4 +641,12 @@ def _register_with_other_package() -> None:
 
 _register_with_other_package()
 
-__all__ = ["RNG_KEY", "CkptfmtCheckpointIO", "load_checkpoint", "load_from_checkpoint"]
+__all__ = [
+    "CLASS_KEYS_KEY",
+    "RNG_KEY",
+    "CkptfmtCheckpointIO",
+    "RemotePathError",
+    "enable",
+    "load_checkpoint",
+    "load_from_checkpoint",
+]
