@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-from . import __version__, dtypes, tree
+from . import __version__, dtypes, rng, tree
+from .errors import CorruptError, UnsupportedError
+from .format import Limits
 from .inplace import LoadReport, MismatchError, fill_from_node
 from .reader import CheckpointFile
 
@@ -161,6 +163,104 @@ def build_payload(state: Any, step: int, rng: dict[str, Any] | None) -> dict[str
     return {"state": to_storable(state), "rng": rng, "resume": fingerprint(state, step)}
 
 
+# -- the fingerprint as read: checked before anything uses it ----------------------------
+
+_FP_FIELDS = frozenset({"version", "step", "architecture", "optimizer", "data", "environment"})
+
+
+class _Shape:
+    """Checks of one value read from a file; each failure a CorruptError naming the entry."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def fail(self, where: str, what: str) -> CorruptError:
+        return CorruptError(f"malformed resume fingerprint: {what}", path=self.path, key=where)
+
+    def dict_(self, v: object, where: str) -> dict[Any, Any]:
+        if not isinstance(v, dict):
+            raise self.fail(where, f"is a {type(v).__name__}, expected a dict")
+        return v
+
+    def list_(self, v: object, where: str) -> list[Any]:
+        if type(v) is not list:
+            raise self.fail(where, f"is a {type(v).__name__}, expected a list")
+        return v
+
+    def str_keys(self, d: dict[Any, Any], where: str) -> dict[str, Any]:
+        for k in d:
+            if type(k) is not str:
+                raise self.fail(tree.render_key(where, k), "has a key that is not a str")
+        return d
+
+    def int_(self, v: object, where: str, hi: int) -> int:
+        if type(v) is not int or not 0 <= v <= hi:
+            raise self.fail(where, f"is {tree.short_repr(v, 40)}, expected an int in [0, {hi}]")
+        return v
+
+    def plain(self, v: object, where: str) -> None:
+        """A value compared with == and shown in messages: a scalar, or a list of scalars."""
+        items = v if type(v) is list else [v]
+        for x in items:
+            if not isinstance(x, _HPARAM_TYPES):
+                raise self.fail(where, f"holds a {type(x).__name__}, expected plain values")
+
+
+def check_fingerprint(fp: object, path: str) -> dict[str, Any]:
+    """`fp` (a state file's "resume" entry) when it has the layout fingerprint() writes, every
+    entry of the right kind; else CorruptError naming `path` and the entry (UnsupportedError
+    for a later version).  The resume checks compare and print these values: a tensor, a
+    nested dict or a key of another kind there would raise from `==` or from sorting."""
+    c = _Shape(path)
+    d = c.dict_(fp, "resume")
+    version = d.get("version")
+    if type(version) is int and version != PAYLOAD_VERSION:
+        raise UnsupportedError(
+            f"resume fingerprint version {tree.short_repr(version, 40)}; this ckptfmt reads "
+            f"version {PAYLOAD_VERSION}",
+            path=path,
+            key="resume['version']",
+        )
+    if set(d) != _FP_FIELDS:
+        raise c.fail("resume", "fields must be exactly " + ", ".join(sorted(_FP_FIELDS)))
+    c.int_(d["version"], "resume['version']", PAYLOAD_VERSION)
+    c.int_(d["step"], "resume['step']", 2**64)
+    _check_architecture(c, d["architecture"])
+    _check_optimizers(c, d["optimizer"])
+    for i, name in enumerate(c.list_(d["data"], "resume['data']")):
+        if type(name) is not str:
+            raise c.fail(f"resume['data'][{i}]", f"is a {type(name).__name__}, expected a str")
+    env = c.str_keys(c.dict_(d["environment"], "resume['environment']"), "resume['environment']")
+    for k, v in env.items():
+        c.plain(v, tree.render_key("resume['environment']", k))
+    return d
+
+
+def _check_architecture(c: _Shape, v: object) -> None:
+    """{module path: {parameter name: [shape (ints), dtype name]}}."""
+    top = "resume['architecture']"
+    for path, params in c.str_keys(c.dict_(v, top), top).items():
+        where = tree.render_key(top, path)
+        for name, entry in c.str_keys(c.dict_(params, where), where).items():
+            at = tree.render_key(where, name)
+            pair = c.list_(entry, at)
+            if len(pair) != 2 or type(pair[1]) is not str:
+                raise c.fail(at, "expected [shape, dtype name]")
+            for i, n in enumerate(c.list_(pair[0], f"{at}[0]")):
+                c.int_(n, f"{at}[0][{i}]", Limits.MAX_NUMEL)
+
+
+def _check_optimizers(c: _Shape, v: object) -> None:
+    """{optimizer path: [{hyper-parameter: plain value}, one per parameter group]}."""
+    top = "resume['optimizer']"
+    for path, groups in c.str_keys(c.dict_(v, top), top).items():
+        where = tree.render_key(top, path)
+        for i, group in enumerate(c.list_(groups, where)):
+            at = f"{where}[{i}]"
+            for k, hp in c.str_keys(c.dict_(group, at), at).items():
+                c.plain(hp, tree.render_key(at, k))
+
+
 # -- checks on resume -----------------------------------------------------------------
 
 
@@ -174,6 +274,14 @@ class ResumeReport(LoadReport):
     differences: list[str] = field(default_factory=list)
     rng_restored: bool = False
     skipped: list[str] = field(default_factory=list)
+
+
+def _shown(v: object) -> str:
+    """A value or name from the file as a message shows it: bounded, on one line (str() of an
+    int of more than 4300 digits would raise)."""
+    if type(v) is str and len(v) <= 80 and v.isprintable():
+        return v
+    return tree.short_repr(v, 80)
 
 
 def _few(items: list[str], n: int = 3) -> str:
@@ -192,7 +300,7 @@ def architecture_problems(saved: dict[str, Any], state: Any) -> list[str]:
             continue
         now = _architecture(obj)
         missing = [k for k in now if k not in before]
-        extra = [k for k in before if k not in now]
+        extra = [_shown(k) for k in before if k not in now]
         if missing:
             out.append(f"{path}: parameters not in the checkpoint: {', '.join(missing[:5])}")
         if extra:
@@ -202,7 +310,7 @@ def architecture_problems(saved: dict[str, Any], state: Any) -> list[str]:
                 (s0, d0), (s1, d1) = before[k], now[k]
                 what = "shape" if s0 != s1 else "dtype"
                 out.append(
-                    f"{path}.{k}: {what} {s0 if what == 'shape' else d0} in the checkpoint, "
+                    f"{path}.{k}: {what} {_shown(s0 if what == 'shape' else d0)} in the checkpoint, "
                     f"{s1 if what == 'shape' else d1} in the model"
                 )
     return out
@@ -222,7 +330,9 @@ def other_differences(resume: dict[str, Any], has_rng: bool, state: Any) -> list
     env_then, env_now = resume.get("environment", {}), environment()
     for k in sorted(set(env_then) | set(env_now)):
         if env_then.get(k) != env_now.get(k):
-            out.append(f"environment {k}: {env_then.get(k)} in the checkpoint, {env_now.get(k)} now")
+            out.append(
+                f"environment {_shown(k)}: {_shown(env_then.get(k))} in the checkpoint, {env_now.get(k)} now"
+            )
     return out
 
 
@@ -240,7 +350,7 @@ def _hparam_differences(path: str, saved: list[Any], now: list[dict[str, Any]]) 
                 continue
             if k in g0 and k in g1 and g0[k] != g1[k]:
                 out.append(
-                    f"{path}.param_groups[{i}].{k}: {g0[k]} in the checkpoint, {g1[k]} now "
+                    f"{path}.param_groups[{i}].{k}: {_shown(g0[k])} in the checkpoint, {g1[k]} now "
                     "(the checkpoint's value is used)"
                 )
     return out
@@ -249,8 +359,16 @@ def _hparam_differences(path: str, saved: list[Any], now: list[dict[str, Any]]) 
 def check_resume(
     f: CheckpointFile, resume: dict[str, Any], has_rng: bool, state: Any, strict: bool
 ) -> list[str]:
-    """All differences, most serious first; raise MismatchError for architecture ones when strict."""
-    arch = architecture_problems(resume.get("architecture", {}), state)
+    """All differences, most serious first; raise MismatchError for architecture ones when strict.
+
+    First of all, before anything of the caller's changes: CorruptError when the fingerprint
+    or (`has_rng`) the file's RNG states are malformed, so that restoring them after the
+    state was filled cannot fail.  The RNG states are checked even when the caller will not
+    restore them: a checkpoint that holds malformed ones is damaged."""
+    resume = check_fingerprint(resume, f.path)
+    if has_rng:
+        rng.check_capture(f.load_subtree(node_items(f, f.tree.root)["rng"], None, True), f.path)
+    arch = architecture_problems(resume["architecture"], state)
     if arch and strict:
         raise MismatchError(f"the model does not match the checkpoint: {_few(arch)}", path=f.path)
     return arch + other_differences(resume, has_rng, state)
@@ -362,13 +480,15 @@ def _optimizer_problems(
     saved = node_items(f, node)
     groups = f.load_subtree(saved["param_groups"], None, True) if "param_groups" in saved else None
     now = opt.param_groups
-    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
         out.append(f"{where}: the checkpoint holds no optimizer state here")
     elif len(groups) != len(now):
         out.append(f"{where}: {len(groups)} parameter groups in the checkpoint, {len(now)} in the optimizer")
     else:
         for i, (g0, g1) in enumerate(zip(groups, now)):
-            n0 = len(g0.get("params", ()))
+            n0 = len(g0["params"])
             if n0 != len(g1["params"]):
                 out.append(
                     f"{where}.param_groups[{i}]: {n0} parameters in the checkpoint, "

@@ -78,7 +78,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CheckpointError, CheckpointWarning, UnsupportedObjectError
+from .errors import CheckpointError, CheckpointWarning, CorruptError, UnsupportedObjectError
+from .tree import short_repr
 
 RNG_STATE_VERSION = 1
 
@@ -96,6 +97,7 @@ class RNGStateError(CheckpointError, ValueError):
 
     def __init__(self, field_name: str, problem: str) -> None:
         self.field = field_name  # "" for the dict itself
+        self.problem = problem
         where = f"field {field_name}" if field_name else "the capture"
         super().__init__(f"malformed RNG state: {where} {problem}")
 
@@ -191,6 +193,11 @@ def _type_name(v: object) -> str:
     return type(v).__name__
 
 
+def _shown(key: object) -> str:
+    """A field name as a message shows it: a str as it is, anything else as a bounded repr."""
+    return key[:40] if type(key) is str else short_repr(key, 40)
+
+
 def _fields(d: object, name: str, names: tuple[str, ...]) -> Mapping[str, Any]:
     """`d` as a mapping with exactly the fields `names`; `name` is "" for the capture itself."""
     if not isinstance(d, Mapping):
@@ -202,7 +209,7 @@ def _fields(d: object, name: str, names: tuple[str, ...]) -> Mapping[str, Any]:
     # An unknown field is refused rather than ignored: it means a layout this code does not know.
     for k in d:
         if k not in names:
-            raise RNGStateError(f"{prefix}{str(k)[:40]}", "is not part of an RNG state of version 1")
+            raise RNGStateError(f"{prefix}{_shown(k)}", "is not part of an RNG state of version 1")
     return d
 
 
@@ -211,7 +218,7 @@ def _int(v: object, name: str, lo: int, hi: int) -> int:
     if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
         raise RNGStateTypeError(name, f"is a {_type_name(v)}, expected an int")
     if not lo <= v <= hi:
-        raise RNGStateError(name, f"is {int(v)}, expected an int in [{lo}, {hi}]")
+        raise RNGStateError(name, f"is {short_repr(int(v), 40)}, expected an int in [{lo}, {hi}]")
     return int(v)
 
 
@@ -292,7 +299,7 @@ def _check_devices(d: object, plan: _Plan) -> None:
     for kind, states in d.items():
         name = f"accelerators.{kind}"
         if not isinstance(kind, str) or _DEVICE_TYPE_RE.fullmatch(kind) is None:
-            raise RNGStateError(f"accelerators[{str(kind)[:40]!r}]", "is not a device type name")
+            raise RNGStateError(f"accelerators[{short_repr(kind, 40)}]", "is not a device type name")
         if not isinstance(states, (list, tuple)):
             raise RNGStateTypeError(name, f"is a {_type_name(states)}, expected a list of tensors")
         have = min(_device_count(kind), len(states))
@@ -326,7 +333,53 @@ def _check(d: object) -> _Plan:
         torch_cpu=_byte_tensor(f["torch_cpu"], "torch_cpu", torch.get_rng_state().numel()),
     )
     _check_devices(f["accelerators"], plan)
+    _probe(plan)
     return plan
+
+
+def _refused(name: str, library: str, e: Exception) -> RNGStateError:
+    first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    return RNGStateError(name, f"is refused by {library}: {first}")
+
+
+def _probe(plan: _Plan) -> None:
+    """Give every state to a throwaway generator of its kind: what a library checks itself
+    (torch's CPU state holds a Mersenne Twister position that must be in range, for one) is
+    found here, before any global generator changes."""
+    try:
+        random.Random().setstate(plan.python)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise _refused("python", "random.setstate", e) from None
+    try:
+        np.random.RandomState().set_state(plan.numpy)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise _refused("numpy", "numpy's RandomState.set_state", e) from None
+    try:
+        torch.Generator().set_state(plan.torch_cpu)
+    except RuntimeError as e:
+        raise _refused("torch_cpu", "torch's CPU generator", e) from None
+    for kind, states in plan.devices.items():
+        for i, state in enumerate(states):
+            try:
+                probe = torch.Generator(device=torch.device(kind, i))
+            except (RuntimeError, ValueError, TypeError):
+                continue  # a backend without Generator objects: only its own set_rng_state can tell
+            try:
+                probe.set_state(state)
+            except RuntimeError as e:
+                raise _refused(f"accelerators.{kind}[{i}]", f"the {kind} generator", e) from None
+
+
+def check_capture(d: object, path: str, key: str = "rng") -> None:
+    """Raise CorruptError naming `path` and the entry (`key`, then the field) unless `d`, read
+    from a file, is a capture :func:`restore_rng` would restore: every kind, dtype, shape and
+    range, and what the libraries themselves check.  For callers that must refuse a file
+    before they change anything of the caller's (a manager's load_into)."""
+    try:
+        _check(d)
+    except RNGStateError as e:
+        where = f"{key}.{e.field}" if e.field else key
+        raise CorruptError(f"malformed RNG state: {e.problem}", path=path, key=where) from None
 
 
 # ---------------------------------------------------------------------------
