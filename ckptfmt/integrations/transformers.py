@@ -47,6 +47,21 @@ Trainer restores its own (after fast-forwarding the data loader), so a resume
 continues the uninterrupted run's losses bit-exactly where the Trainer's data
 order is deterministic (its default seedable sampler).
 
+Folders from anywhere.  A run directory may hold folders downloaded or written by
+others; nothing in one makes this module touch anything outside it.  Every entry of
+a ``checkpoint-N`` folder is reached through the folder's descriptor
+(:mod:`ckptfmt.ckptdir`), never through a link: a ``checkpoint-N`` that is a link is
+skipped with a warning (and, at a save of step N, removed as a name: what it points
+to is never emptied nor written into); a resume or a load reads only the files the
+``COMMIT`` names, each checked as it is opened; ``trainer_state.json`` and
+``config.json`` are read without following a link or waiting on a FIFO, and a
+``trainer_state.json`` that is not the committed text (a link, a FIFO included) is
+replaced through a new temporary name (``O_EXCL | O_NOFOLLOW``), never written
+through; the best model (``load_best_model_at_end``) is looked for by its folder's
+name in this run's directory only.  A save writes into a directory it has just
+created, checked before each write to be still the one it created (the Trainer's own
+files are written by path).
+
 Rotation (``save_total_limit``) runs after each commit and keeps the newest
 ``save_total_limit`` complete checkpoints and the best one
 (``state.best_model_checkpoint``); the newest complete checkpoint is never
@@ -84,19 +99,26 @@ its state dict.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import re
-import shutil
+import secrets
+import stat
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import ckptfmt
 
-from .. import multifile
-from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError
+from .. import commit, multifile, tree
+from ..chunkio import build_file
+from ..ckptdir import CheckpointDir, LinkError
+from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError, LimitError
+from ..reader import CheckpointFile
+from ..verify import VerifyReport, check_file
 from . import objects
 
 try:
@@ -122,6 +144,10 @@ SCALER_NAME = "scaler.ckpt"
 RNG_NAME = "rng_state.ckpt"
 TRAINER_STATE_NAME = "trainer_state.ckpt"
 TRAINER_STATE_JSON = "trainer_state.json"
+CONFIG_JSON = "config.json"
+#: the JSON files read from a folder (trainer_state.json, config.json) are bounded: a
+#: hostile folder cannot make a read take unbounded memory
+MAX_JSON_BYTES = 64 << 20
 _DIR_RE = re.compile(rf"{PREFIX}-([0-9]+)")
 
 #: the Trainer methods this module overrides or wraps
@@ -149,7 +175,8 @@ if _missing:  # pragma: no cover - depends on the installed transformers
 
 
 # ---------------------------------------------------------------------------
-# checkpoint folders
+# checkpoint folders: every entry is reached through the folder's descriptor
+# (ckptfmt.ckptdir), never through a path string an entry could redirect
 
 
 def checkpoint_step(name: str) -> int | None:
@@ -158,19 +185,119 @@ def checkpoint_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def iter_checkpoint_dirs(run_dir: str) -> Iterator[tuple[int, str]]:
-    """(step, path) of every ``checkpoint-N`` folder in `run_dir`, oldest step first."""
+def _open_run(run_dir: str) -> CheckpointDir | None:
+    """The run directory (the caller's path, trusted), or None when there is none yet."""
     try:
-        names = os.listdir(run_dir)
+        return CheckpointDir.open(run_dir)
     except FileNotFoundError:
-        return
-    found = []
-    for name in names:
+        return None
+
+
+def _scan(run: CheckpointDir) -> tuple[list[tuple[int, str]], list[str]]:
+    """(step, name) of the ``checkpoint-N`` directories, oldest first, and the names of the
+    ``checkpoint-N`` entries that are not directories (links above all: never followed)."""
+    folders, others = [], []
+    for name in run.names():
         step = checkpoint_step(name)
-        path = os.path.join(run_dir, name)
-        if step is not None and os.path.isdir(path) and not os.path.islink(path):
-            found.append((step, path))
-    yield from sorted(found)
+        if step is None:
+            continue
+        if run.is_dir(name):
+            folders.append((step, name))
+        else:
+            others.append(name)
+    return sorted(folders), others
+
+
+def iter_checkpoint_dirs(run_dir: str) -> Iterator[tuple[int, str]]:
+    """(step, path) of every ``checkpoint-N`` folder in `run_dir`, oldest step first (links skipped)."""
+    run = _open_run(run_dir)
+    if run is None:
+        return
+    with run:
+        folders, _ = _scan(run)
+    for step, name in folders:
+        yield step, run.path_of(name)
+
+
+class _Opened:
+    """A checked checkpoint folder held open: its descriptor and its commit record.  Everything
+    read from it afterwards goes through this descriptor, so what is read is what was checked."""
+
+    def __init__(self, folder: CheckpointDir, record: multifile.CommitRecord) -> None:
+        self.dir = folder
+        self.record = record
+
+    @property
+    def path(self) -> str:
+        return self.dir.path
+
+    def part(self, name: str) -> multifile.PartRecord | None:
+        """The record of file `name` when the commit names it (a file it does not name is never read)."""
+        return next((p for p in self.record.files if p.name == name), None)
+
+    @contextlib.contextmanager
+    def open(self, part: multifile.PartRecord) -> Iterator[CheckpointFile]:
+        """The exact file the commit names, checked again as it is opened (length, id, index checksum)."""
+        fd = multifile.open_part(self.dir, part, self.path)
+        with CheckpointFile(self.dir.path_of(part.name), fd=fd, within=self.dir) as f:
+            yield f
+
+    def load(self, name: str, map_location: Any = None) -> Any:
+        """The state in file `name` (checksums verified), or None when the commit does not name it."""
+        part = self.part(name)
+        if part is None:
+            return None
+        with self.open(part) as f:
+            return f.load_subtree(f.tree.root, map_location, True)
+
+    def load_required(self, name: str, map_location: Any = None) -> Any:
+        if self.part(name) is None:
+            raise IncompleteError(f"the commit record names no {name}", path=self.path)
+        return self.load(name, map_location)
+
+    def verify(self) -> None:
+        """Read every chunk of every file the commit names and check its checksum."""
+        for part in self.record.files:
+            report = VerifyReport(self.dir.path_of(part.name))
+            with self.open(part) as f:
+                check_file(f, report)
+            if not report.ok:
+                raise CorruptError(f"{part.name} is damaged: {report.problems[0]}", path=self.path)
+
+    def close(self) -> None:
+        self.dir.close()
+
+    def __enter__(self) -> _Opened:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check(folder: CheckpointDir, verify: bool) -> _Opened:
+    """`folder` checked complete (and with `verify`, every chunk checked); it is not closed here."""
+    record = multifile.check_complete(folder)
+    opened = _Opened(folder, record)
+    if opened.part(TRAINER_STATE_NAME) is None:
+        raise IncompleteError(f"the commit record names no {TRAINER_STATE_NAME}", path=folder.path)
+    if verify:
+        opened.verify()
+    return opened
+
+
+def _open_checked(path: str, verify: bool = False) -> _Opened:
+    """The folder the caller names (its path is the caller's, resolved once), checked complete."""
+    try:
+        folder = CheckpointDir.open(path)
+    except FileNotFoundError:
+        raise IncompleteError("no such checkpoint folder", path=path) from None
+    except OSError as e:
+        raise IncompleteError(f"cannot open the folder: {e.strerror}", path=path) from None
+    try:
+        return _check(folder, verify)
+    except BaseException:
+        folder.close()
+        raise
 
 
 def check_checkpoint(path: str, *, verify: bool = False) -> multifile.CommitRecord:
@@ -180,21 +307,49 @@ def check_checkpoint(path: str, *, verify: bool = False) -> multifile.CommitReco
     length, file id and index checksum.  `verify=True` also reads every chunk of every file
     and checks its checksum (damage after the save: bit rot, a bad copy).
     """
-    record = multifile.check_complete(path)
-    if not any(p.name == TRAINER_STATE_NAME for p in record.files):
-        raise IncompleteError(f"the commit record names no {TRAINER_STATE_NAME}", path=path)
-    if verify:
-        for part in record.files:
-            report = ckptfmt.verify(os.path.join(path, part.name))
-            if not report.ok:
-                raise CorruptError(f"{part.name} is damaged: {report.problems[0]}", path=path)
-    return record
+    with _open_checked(path, verify) as opened:
+        return opened.record
 
 
-def _why(e: BaseException) -> str:
-    if isinstance(e, CheckpointError):
+def _why(e: BaseException, folder: str | None = None) -> str:
+    """What went wrong, in words; the entry it concerns named when it is one inside `folder`."""
+    if not isinstance(e, CheckpointError):
+        return f"{type(e).__name__}: {e}"
+    if folder is None or e.path is None or os.path.dirname(e.path) != folder:
         return e.reason
-    return f"{type(e).__name__}: {e}"
+    return f"{os.path.basename(e.path)}: {e.reason}"
+
+
+def _warn_skip(path: str, why: str) -> None:
+    warnings.warn(f"skipping {path}: {why}", CheckpointWarning, stacklevel=4)
+
+
+def _latest(run_dir: str, verify: bool, warn: bool) -> _Opened | None:
+    """The newest complete ``checkpoint-N`` folder of `run_dir`, held open, or None."""
+    run = _open_run(run_dir)
+    if run is None:
+        return None
+    with run:
+        folders, others = _scan(run)
+        for name in others if warn else ():
+            _warn_skip(
+                run.path_of(name),
+                "a symbolic link or other entry where a checkpoint folder must be (never followed)",
+            )
+        for _step, name in reversed(folders):
+            try:
+                folder = run.sub(name)  # O_NOFOLLOW: swapped for a link since the scan, it is refused
+            except (CheckpointError, OSError) as e:
+                if warn:
+                    _warn_skip(run.path_of(name), f"not a complete checkpoint ({_why(e)})")
+                continue
+            try:
+                return _check(folder, verify)
+            except (CheckpointError, OSError) as e:
+                folder.close()
+                if warn:
+                    _warn_skip(folder.path, f"not a complete checkpoint ({_why(e, folder.path)})")
+    return None
 
 
 def latest_checkpoint(run_dir: str, *, verify: bool = False, warn: bool = True) -> str | None:
@@ -202,26 +357,37 @@ def latest_checkpoint(run_dir: str, *, verify: bool = False, warn: bool = True) 
 
     Newer folders that are not complete (with ``verify=True``: or whose files fail
     their checksums) are skipped, each with a CheckpointWarning naming it and why
-    (unless ``warn=False``).
+    (unless ``warn=False``); so are ``checkpoint-N`` entries that are symbolic links
+    (never followed: they may lead anywhere).
     """
-    for _step, path in reversed(list(iter_checkpoint_dirs(run_dir))):
-        try:
-            check_checkpoint(path, verify=verify)
-        except (CheckpointError, OSError) as e:
-            if warn:
-                warnings.warn(
-                    f"skipping {path}: not a complete checkpoint ({_why(e)})", CheckpointWarning, stacklevel=2
-                )
-            continue
-        return path
-    return None
+    found = _latest(run_dir, verify, warn)
+    if found is None:
+        return None
+    found.close()
+    return found.path
 
 
 def load_model_state(path: str, map_location: Any = None) -> dict[str, Any]:
     """The model state dict of a complete checkpoint folder (checksums verified)."""
-    check_checkpoint(path)
-    state: dict[str, Any] = ckptfmt.load(os.path.join(path, MODEL_NAME), map_location=map_location)
+    with _open_checked(path) as opened:
+        state: dict[str, Any] = opened.load_required(MODEL_NAME, map_location)
     return state
+
+
+def _read_config(folder: CheckpointDir) -> Any:
+    """The model config in ``config.json``, read through the folder (no link, no FIFO, bounded)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        raw = folder.read_file(CONFIG_JSON, MAX_JSON_BYTES)
+    except FileNotFoundError:
+        raise IncompleteError(f"{CONFIG_JSON} is missing", path=folder.path) from None
+    try:
+        values = json.loads(raw)
+        config_class = CONFIG_MAPPING[values["model_type"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptError(f"{CONFIG_JSON} is not a model config: {_why(e)}", path=folder.path) from None
+    return config_class.from_dict(values)
 
 
 def load_model(path: str, model_class: Any = None) -> Any:
@@ -230,29 +396,93 @@ def load_model(path: str, model_class: Any = None) -> Any:
     `model_class`: an ``AutoModel...`` class (default ``AutoModel``) or a model class
     (``GPT2LMHeadModel``).  The model is on the CPU, in training mode as saved.
     """
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoModel
 
-    state = load_model_state(path)
-    config = AutoConfig.from_pretrained(path)
+    with _open_checked(path) as opened:
+        state = opened.load_required(MODEL_NAME)
+        config = _read_config(opened.dir)
     cls = AutoModel if model_class is None else model_class
     model: Any = cls.from_config(config) if hasattr(cls, "from_config") else cls(config)
     model.load_state_dict(state)
     return model
 
 
-def _delete_folder(path: str) -> None:
-    """Delete a checkpoint folder, its commit record first: an interrupted deletion leaves
-    an incomplete folder, never one whose record names missing files."""
+def _delete_folder(run: CheckpointDir, name: str) -> None:
+    """Delete entry `name` of the run directory: a checkpoint folder its commit record first (an
+    interrupted deletion leaves an incomplete folder, never one whose record names missing
+    files); a link or anything else as a name only, never followed."""
+    st = run.lstat(name)
+    if st is None:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        try:
+            with run.sub(name) as folder:
+                if folder.unlink(multifile.COMMIT_NAME):
+                    folder.fsync()
+        except (LinkError, FileNotFoundError):
+            pass  # swapped for something else since the lstat: removed below as a name
+    run.remove_tree(name)
+
+
+def _replace_file(folder: CheckpointDir, name: str, write: Callable[[int], object]) -> None:
+    """Make entry `name` of `folder` the file `write(fd)` writes: a temp sibling created
+    O_EXCL | O_NOFOLLOW (a link already at that name is never written through), fsync,
+    rename over `name` (whatever it was: a link or a FIFO is replaced as a name), fsync
+    the folder.  The temp name follows ckptfmt's rule (commit.temp_prefix), so it is never
+    taken for a checkpoint file and a crash's leftover is recognised as one."""
+    tmp = f"{commit.temp_prefix(name)}{commit.owner_token()}.{secrets.token_hex(4)}"
+    fd = folder.create(tmp)
     try:
-        os.unlink(os.path.join(path, multifile.COMMIT_NAME))
-        multifile.fsync_path(path)
-    except FileNotFoundError:
-        pass
-    shutil.rmtree(path, ignore_errors=True)
+        try:
+            write(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        folder.rename(tmp, name)
+    except BaseException:
+        folder.unlink(tmp)
+        raise
+    folder.fsync()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _write_commit(folder: CheckpointDir, record: multifile.CommitRecord) -> None:
+    """The commit record, written last, through the folder's descriptor."""
+    encoded = tree.encode(record.as_value())
+    where = folder.path_of(multifile.COMMIT_NAME)
+    _replace_file(
+        folder,
+        multifile.COMMIT_NAME,
+        lambda fd: build_file(fd, encoded, compression=None, level=None, metadata={}, path=where),
+    )
+
+
+def _describe(folder: CheckpointDir, name: str) -> multifile.PartRecord:
+    """The identity of part `name` just written into `folder`, read through its descriptor."""
+    fd = folder.open_file(name)
+    try:
+        return multifile.describe_open_part(fd, folder.path_of(name), name)
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------------
 # the Trainer mixin
+
+
+def _fresh_folder(run_dir: str, name: str) -> CheckpointDir:
+    """A new, empty directory `name` in the run directory, held open.  Whatever had that name
+    goes first (an earlier save of this step, crashed or from a run resumed from an older
+    step; a link, removed as a name: what it points to is never emptied nor written into)."""
+    with CheckpointDir.open(run_dir, create=True) as run:
+        _delete_folder(run, name)
+        run.mkdir(name)  # fails if anything took the name meanwhile
+        return run.sub(name)
 
 
 class _Save:
@@ -265,10 +495,36 @@ class _Save:
         self.limit = (
             limit  # save_total_limit when the save began (the Trainer's own rotation is off meanwhile)
         )
+        self.dir: CheckpointDir | None = None  # the folder this save created, held open
         self.names: list[str] = []
         self.handles: list[ckptfmt.SaveHandle] = []
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
+
+    def check_in_place(self) -> CheckpointDir:
+        """The folder, once its path is seen to still lead to it.  The Trainer and ckptfmt.save
+        write by path: before each such write, a folder swapped for a link (or anything
+        else) since it was created is refused rather than written through."""
+        if self.dir is None:
+            raise RuntimeError(f"{self.folder}: the checkpoint folder is not open")
+        try:
+            now = os.lstat(self.folder)
+        except FileNotFoundError:
+            now = None
+        own = os.fstat(self.dir.fd)
+        if (
+            now is None
+            or not stat.S_ISDIR(now.st_mode)
+            or (now.st_dev, now.st_ino) != (own.st_dev, own.st_ino)
+        ):
+            raise CorruptError(
+                "the checkpoint folder was replaced while it was being saved", path=self.folder
+            )
+        return self.dir
+
+    def close(self) -> None:
+        if self.dir is not None:
+            self.dir.close()
 
 
 class CkptfmtTrainerMixin(_MixinBase):
@@ -293,6 +549,7 @@ class CkptfmtTrainerMixin(_MixinBase):
         self.ckptfmt_verify_resume = ckptfmt_verify_resume
         self.ckptfmt_compression = ckptfmt_compression
         self._ckptfmt_current: _Save | None = None
+        self._ckptfmt_resume: _Opened | None = None  # the checked folder train() resumes from
         self._ckptfmt_inflight: list[_Save] = []
         self._ckptfmt_lock = threading.Lock()
         super().__init__(*args, **kwargs)
@@ -328,7 +585,9 @@ class CkptfmtTrainerMixin(_MixinBase):
         save = self._ckptfmt_current
         if save is None:
             raise RuntimeError(f"{name}: ckptfmt checkpoint files are written only inside _save_checkpoint")
-        os.makedirs(save.folder, exist_ok=True)
+        if not self.args.should_save:
+            return
+        save.check_in_place()
         handle = ckptfmt.save(
             objects.encode(state),
             os.path.join(save.folder, name),
@@ -351,19 +610,21 @@ class CkptfmtTrainerMixin(_MixinBase):
         folder = os.path.join(run_dir, f"{PREFIX}-{step}")
         if any(s.folder == folder for s in self._ckptfmt_inflight):
             self.wait_for_checkpoints()
-        if self.args.should_save and os.path.lexists(folder):
-            # an earlier save of this step (a crashed one, or from a run that was resumed from an
-            # older step): it goes before anything is written, so no stale file can survive
-            _delete_folder(folder)
         limit = self.args.save_total_limit
         save = _Save(folder, run_dir, step, limit)
+        if self.args.should_save:
+            # before anything is written, so no stale file (or link) can survive
+            save.dir = _fresh_folder(run_dir, f"{PREFIX}-{step}")
         self._ckptfmt_current = save
         self.args.save_total_limit = None  # the Trainer's rotation would run before the commit
         try:
             super()._save_checkpoint(model, trial)
             if self.args.should_save:
-                with open(os.path.join(folder, TRAINER_STATE_JSON), encoding="utf-8") as f:
-                    self._ckptfmt_write(TRAINER_STATE_NAME, {"trainer_state_json": f.read()})
+                text = save.check_in_place().read_file(TRAINER_STATE_JSON, MAX_JSON_BYTES)
+                self._ckptfmt_write(TRAINER_STATE_NAME, {"trainer_state_json": text.decode("utf-8")})
+        except BaseException:
+            save.close()
+            raise
         finally:
             self.args.save_total_limit = limit
             self._ckptfmt_current = None
@@ -393,21 +654,25 @@ class CkptfmtTrainerMixin(_MixinBase):
             save.error = e
 
     def _ckptfmt_commit(self, save: _Save) -> None:
-        errors = [e for e in (h.exception() for h in save.handles) if e is not None]
-        if errors:
-            raise errors[0]
-        parts = tuple(multifile.describe_part(os.path.join(save.folder, n), n) for n in save.names)
-        multifile.fsync_path(save.folder)
-        record = multifile.CommitRecord(
-            step=save.step,
-            layout="hf-trainer",
-            files=parts,
-            metadata={
-                "writer": "ckptfmt.integrations.transformers",
-                "transformers": transformers.__version__,
-            },
-        )
-        multifile.write_commit(save.folder, record)
+        try:
+            errors = [e for e in (h.exception() for h in save.handles) if e is not None]
+            if errors:
+                raise errors[0]
+            folder = save.check_in_place()
+            parts = tuple(_describe(folder, n) for n in save.names)
+            folder.fsync()
+            record = multifile.CommitRecord(
+                step=save.step,
+                layout="hf-trainer",
+                files=parts,
+                metadata={
+                    "writer": "ckptfmt.integrations.transformers",
+                    "transformers": transformers.__version__,
+                },
+            )
+            _write_commit(folder, record)
+        finally:
+            save.close()
         self._ckptfmt_rotate(save.run_dir, save.limit)
 
     def _ckptfmt_raise_failed(self) -> None:
@@ -439,29 +704,26 @@ class CkptfmtTrainerMixin(_MixinBase):
             busy = {s.folder for s in self._ckptfmt_inflight if s.thread is None or s.thread.is_alive()}
             if self._ckptfmt_current is not None:
                 busy.add(self._ckptfmt_current.folder)
-        complete: list[str] = []
-        incomplete: list[tuple[int, str]] = []
-        for step, path in iter_checkpoint_dirs(run_dir):
-            try:
-                check_checkpoint(path)
-                complete.append(path)
-            except (CheckpointError, OSError):
-                incomplete.append((step, path))
-        if not complete:
+        run = _open_run(run_dir)
+        if run is None:
             return
-        keep = set(complete[-limit:])
-        best = self.state.best_model_checkpoint
-        if best is not None:
-            keep.add(os.path.join(run_dir, os.path.basename(os.path.normpath(best))))
-        newest_step = checkpoint_step(os.path.basename(complete[-1]))
-        assert newest_step is not None
-        for path in complete:
-            if path not in keep and path not in busy:
-                logger.info(f"Deleting older checkpoint [{path}] due to args.save_total_limit")
-                _delete_folder(path)
-        for step, path in incomplete:
-            if step < newest_step and path not in busy:
-                _delete_folder(path)
+        with run:
+            complete, incomplete = _sort_folders(run)
+            if not complete:
+                return
+            keep = {name for _, name in complete[-limit:]}
+            best = self.state.best_model_checkpoint
+            if best is not None:
+                keep.add(os.path.basename(os.path.normpath(best)))
+            newest_step = complete[-1][0]
+            old = [name for _, name in complete if name not in keep]
+            old += [name for step, name in incomplete if step < newest_step]
+            for name in old:
+                if run.path_of(name) not in busy:
+                    logger.info(
+                        f"Deleting older checkpoint [{run.path_of(name)}] due to args.save_total_limit"
+                    )
+                    _remove_quietly(run, name)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         save = self._ckptfmt_current
@@ -518,30 +780,19 @@ class CkptfmtTrainerMixin(_MixinBase):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         self._ckptfmt_check_supported()
-        if resume_from_checkpoint is True:
-            found = latest_checkpoint(
-                os.fspath(self.args.output_dir or "."), verify=self.ckptfmt_verify_resume
-            )
-            if found is None:
-                raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir})")
-            resume_from_checkpoint = found  # checked already by latest_checkpoint
-        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
-            resume_from_checkpoint = os.fspath(resume_from_checkpoint)
-            try:
-                check_checkpoint(resume_from_checkpoint, verify=self.ckptfmt_verify_resume)
-            except CheckpointError as e:
-                raise CheckpointError(
-                    f"not a complete ckptfmt checkpoint ({e.reason}); folders written by "
-                    "transformers.Trainer itself are resumed with transformers.Trainer",
-                    path=resume_from_checkpoint,
-                ) from e
-        if isinstance(resume_from_checkpoint, str):
-            _restore_trainer_state_json(resume_from_checkpoint)
+        source = self._ckptfmt_resume_source(resume_from_checkpoint)
+        if source is not None:
+            resume_from_checkpoint = source.path
         failed = True
         try:
+            if source is not None:
+                _restore_trainer_state_json(source)
             result = super().train(resume_from_checkpoint, *args, **kwargs)
             failed = False
         finally:
+            self._ckptfmt_resume = None
+            if source is not None:
+                source.close()
             if failed:
                 try:
                     self.wait_for_checkpoints()
@@ -550,42 +801,91 @@ class CkptfmtTrainerMixin(_MixinBase):
         self.wait_for_checkpoints()
         return result
 
+    @contextlib.contextmanager
+    def _ckptfmt_source(self, checkpoint: str) -> Iterator[_Opened]:
+        """The checked folder `checkpoint`: the one train() holds open, or (a hook called on its
+        own) opened and checked here.  Only files its commit record names are read."""
+        held = self._ckptfmt_resume
+        if held is not None and held.path == checkpoint:
+            yield held
+            return
+        with _open_checked(checkpoint) as opened:
+            yield opened
+
+    def _ckptfmt_resume_source(self, resume_from_checkpoint: str | bool | None) -> _Opened | None:
+        """The checked folder a train() call resumes from, held open until it returns (and
+        remembered for the load hooks), or None when it starts afresh."""
+        if resume_from_checkpoint is True:
+            run_dir = os.fspath(self.args.output_dir or ".")
+            found = _latest(run_dir, self.ckptfmt_verify_resume, warn=True)
+            if found is None:
+                raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir})")
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            path = os.fspath(resume_from_checkpoint)
+            try:
+                found = _open_checked(path, verify=self.ckptfmt_verify_resume)
+            except CheckpointError as e:
+                raise CheckpointError(
+                    f"not a complete ckptfmt checkpoint ({e.reason}); folders written by "
+                    "transformers.Trainer itself are resumed with transformers.Trainer",
+                    path=path,
+                ) from e
+        else:
+            return None
+        self._ckptfmt_resume = found
+        return found
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if model is None:
             model = self.model
         logger.info(f"Loading model from {resume_from_checkpoint}.")
-        state = ckptfmt.load(os.path.join(resume_from_checkpoint, MODEL_NAME))
+        with self._ckptfmt_source(resume_from_checkpoint) as source:
+            state = source.load_required(MODEL_NAME)
         self._issue_warnings_after_load(model.load_state_dict(state, False))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, OPTIMIZER_NAME)):
+        if checkpoint is None:
             return
-        assert self.optimizer is not None
-        self.optimizer.load_state_dict(ckptfmt.load(os.path.join(checkpoint, OPTIMIZER_NAME)))
-        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
-        if self.lr_scheduler is not None and os.path.isfile(scheduler):
-            self.lr_scheduler.load_state_dict(objects.decode(ckptfmt.load(scheduler), source=scheduler))
+        with self._ckptfmt_source(checkpoint) as source:
+            optimizer = source.load(OPTIMIZER_NAME)  # None: not saved (save_only_model)
+            if optimizer is None:
+                return
+            assert self.optimizer is not None
+            self.optimizer.load_state_dict(optimizer)
+            if self.lr_scheduler is None:
+                return
+            scheduler = source.load(SCHEDULER_NAME)
+            if scheduler is not None:
+                where = source.dir.path_of(SCHEDULER_NAME)
+                self.lr_scheduler.load_state_dict(objects.decode(scheduler, source=where))
 
     def _load_scaler(self, checkpoint: str | None) -> None:
-        if checkpoint is None or not os.path.isfile(os.path.join(checkpoint, SCALER_NAME)):
+        if checkpoint is None:
             return
-        self.accelerator.scaler.load_state_dict(ckptfmt.load(os.path.join(checkpoint, SCALER_NAME)))
+        with self._ckptfmt_source(checkpoint) as source:
+            scaler = source.load(SCALER_NAME)
+        if scaler is not None:
+            self.accelerator.scaler.load_state_dict(scaler)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
         if checkpoint is None:
             return
-        path = os.path.join(checkpoint, RNG_NAME)
-        if not os.path.isfile(path):
-            logger.info(f"{path} is missing: the random number generators are not restored")
+        with self._ckptfmt_source(checkpoint) as source:
+            rng = source.load(RNG_NAME)
+        if rng is None:
+            logger.info(f"{checkpoint} has no {RNG_NAME}: the random number generators are not restored")
             return
-        ckptfmt.restore_rng(ckptfmt.load(path))
+        ckptfmt.restore_rng(rng)
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
         if best is None:
             return
+        # the best folder is looked for in this run's directory only, by its name: the recorded
+        # path comes from trainer_state.json, which a folder from elsewhere may point anywhere
+        run_dir = self._get_output_dir(trial=getattr(self, "_trial", None))
         try:
-            state = load_model_state(best)
+            state = _load_best(run_dir, os.path.basename(os.path.normpath(best)))
         except (CheckpointError, OSError) as e:
             logger.warning(f"Could not load the best model from {best}: {_why(e)}")
             return
@@ -594,33 +894,77 @@ class CkptfmtTrainerMixin(_MixinBase):
         self._issue_warnings_after_load(self.model.load_state_dict(state, False))
 
 
-def _restore_trainer_state_json(folder: str) -> None:
-    """Make ``trainer_state.json`` what the commit recorded (the Trainer reads the JSON file)."""
-    committed = ckptfmt.load(os.path.join(folder, TRAINER_STATE_NAME))
-    text = committed.get("trainer_state_json") if isinstance(committed, dict) else None
-    if not isinstance(text, str):
-        raise CheckpointError(f"{TRAINER_STATE_NAME} holds no trainer state", path=folder)
-    path = os.path.join(folder, TRAINER_STATE_JSON)
+def _load_best(run_dir: str, name: str) -> Any:
+    """The model state of complete folder `name` of the run directory (never a link)."""
+    if checkpoint_step(name) is None:
+        raise CorruptError(f"the best checkpoint {name[:80]!r} is not a {PREFIX}-N folder", path=run_dir)
+    with CheckpointDir.open(run_dir) as run, run.sub(name) as folder:
+        return _check(folder, False).load_required(MODEL_NAME)
+
+
+def _sort_folders(run: CheckpointDir) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """(step, name) of the complete and of the incomplete ``checkpoint-N`` folders, oldest first
+    (links are neither: never followed, never deleted)."""
+    complete, incomplete = [], []
+    for step, name in _scan(run)[0]:
+        try:
+            with run.sub(name) as folder:
+                _check(folder, False)
+            complete.append((step, name))
+        except (CheckpointError, OSError):
+            incomplete.append((step, name))
+    return complete, incomplete
+
+
+def _remove_quietly(run: CheckpointDir, name: str) -> None:
+    """Rotation's deletion: a folder that cannot be removed is logged, training goes on."""
     try:
-        with open(path, encoding="utf-8") as f:
-            current: str | None = f.read()
-    except (FileNotFoundError, UnicodeDecodeError):
-        current = None
-    if current == text:
-        return
-    warnings.warn(
-        f"{path} is {'missing' if current is None else 'not what was committed'}: rewriting it from "
-        f"{TRAINER_STATE_NAME}",
-        CheckpointWarning,
-        stacklevel=3,
-    )
-    tmp = f"{path}.ckptfmt-tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    multifile.fsync_path(folder)
+        _delete_folder(run, name)
+    except OSError as e:
+        logger.warning(f"could not delete {run.path_of(name)}: {e}")
+
+
+def _current_json(folder: CheckpointDir, limit: int) -> tuple[str | None, str]:
+    """``trainer_state.json`` as it is (None when it cannot be the committed text), and what it
+    is when it differs.  Read through the folder: a link is not followed, a FIFO not waited on."""
+    try:
+        raw = folder.read_file(TRAINER_STATE_JSON, limit)
+    except FileNotFoundError:
+        return None, "missing"
+    except LimitError:
+        return None, "not what was committed"
+    except (CheckpointError, OSError) as e:
+        return None, f"not a regular file of the folder ({_why(e)})"
+    try:
+        return raw.decode("utf-8"), "not what was committed"
+    except UnicodeDecodeError:
+        return None, "not what was committed"
+
+
+def _restore_trainer_state_json(source: str | _Opened) -> None:
+    """Make ``trainer_state.json`` what the commit recorded (the Trainer reads the JSON file by
+    path, after this: a link or FIFO there is replaced, never read or written through)."""
+    with contextlib.ExitStack() as stack:
+        if isinstance(source, str):
+            source = stack.enter_context(_open_checked(source))
+        committed = source.load_required(TRAINER_STATE_NAME)
+        text = committed.get("trainer_state_json") if isinstance(committed, dict) else None
+        if not isinstance(text, str):
+            raise CorruptError(f"{TRAINER_STATE_NAME} holds no trainer state", path=source.path)
+        data = text.encode("utf-8")
+        current, what = _current_json(source.dir, len(data))
+        if current == text:
+            return
+        where = source.dir.path_of(TRAINER_STATE_JSON)
+        warnings.warn(
+            f"{where} is {what}: rewriting it from {TRAINER_STATE_NAME}", CheckpointWarning, stacklevel=3
+        )
+        try:
+            _replace_file(source.dir, TRAINER_STATE_JSON, lambda fd: _write_all(fd, data))
+        except OSError as e:
+            raise CorruptError(
+                f"{TRAINER_STATE_JSON} cannot be replaced: {e.strerror}", path=source.path
+            ) from None
 
 
 class CkptfmtTrainer(CkptfmtTrainerMixin, Trainer):
