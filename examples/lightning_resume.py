@@ -6,7 +6,8 @@
 Each .ckpt is a ckptfmt file (no pickle, checksummed, committed atomically),
 saved without stopping training (blocking=False), and holds the RNG state, so
 the resumed epochs draw the same dropout masks and shuffle order as one
-uninterrupted 4-epoch run.  `ckptfmt verify runs/lit/last.ckpt` checks a file.
+uninterrupted 4-epoch run.  `ckptfmt verify runs/lit/last.ckpt` checks a file;
+after `enable()`, `Regressor.load_from_checkpoint(path)` reads one.
 Needs `pip install 'ckptfmt[lightning]'`.
 """
 
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
+from ckptfmt.integrations.lightning import CkptfmtCheckpointIO, enable
 
 
 class Regressor(pl.LightningModule):
@@ -73,6 +74,9 @@ def main() -> None:
     print(
         f"{'resumed' if resume else 'trained'} to epoch {trainer.current_epoch}; files: {sorted(os.listdir(args.run_dir))}"
     )
+    enable()  # Lightning's own loader reads ckptfmt files from here on
+    best = Regressor.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)
+    print(f"best model: {trainer.checkpoint_callback.best_model_path} (hidden={best.hparams.hidden})")
 
 
 if __name__ == "__main__":
