@@ -12,6 +12,7 @@ reads, consolidation and the no-pickle guarantee.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -37,6 +38,7 @@ from ckptfmt import dcp as cdcp
 from ckptfmt import format as fmt
 from ckptfmt import multifile
 from ckptfmt.errors import (
+    CheckpointError,
     CorruptError,
     IncompleteError,
     UnsupportedError,
@@ -111,25 +113,25 @@ def groups(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str,
             "ref": d(f"{src}.ref"),
         }
 
-    def manager_save(step: int, scenario: str, seed: int) -> dict[str, Any]:
+    def manager_save(step: int, scenario: str, seed: int, run: str = "run") -> dict[str, Any]:
         return {
             "op": "msave",
-            "name": f"manager-save-{step}",
+            "name": f"manager-save-{step}" + ("" if run == "run" else f"-{run}"),
             "scenario": scenario,
             "seed": seed,
             "step": step,
-            "run": d("run"),
-            "ref": d(f"run-{step}.ref"),
+            "run": d(run),
+            "ref": d(f"{run}-{step}.ref"),
         }
 
-    def manager_load(scenario: str, step: int, world: int) -> dict[str, Any]:
+    def manager_load(scenario: str, step: int, world: int, run: str = "run") -> dict[str, Any]:
         return {
             "op": "mload",
-            "name": f"manager-load-{step}-into-{world}",
+            "name": f"manager-load-{step}-into-{world}" + ("" if run == "run" else f"-{run}"),
             "scenario": scenario,
             "seed": 200 + world,
-            "run": d("run"),
-            "ref": d(f"run-{step}.ref"),
+            "run": d(run),
+            "ref": d(f"{run}-{step}.ref"),
         }
 
     plan = [
@@ -152,6 +154,7 @@ def groups(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str,
                     "dir": d("async-fsdp2"),
                 },
                 manager_save(10, "fsdp", 14),
+                manager_save(10, "fsdp", 21, run="run-2-1-2"),
                 {**manager_save(20, "fsdp", 15), "victim": 1, "ref": None},  # the group's last task
             ],
         ),
@@ -205,6 +208,11 @@ def groups(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str,
                 load("fsdp", "ddp4", 1),
                 load("dtensor", "dtensor3", 1),
                 manager_load("fsdp", 30, 1),
+                # FSDP2 at world size 1: DTensors, so the manager saves through DCP
+                manager_load("fsdp", 10, 1, run="run-2-1-2"),
+                manager_save(20, "fsdp", 22, run="run-2-1-2"),
+                manager_load("fsdp", 20, 1, run="run-2-1-2"),
+                manager_save(5, "plain", 23, run="run-plain"),
             ],
         ),
         (
@@ -214,6 +222,7 @@ def groups(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str,
                 load("fsdp", "fsdp4", 2),
                 load("fsdp", "fsdp3", 2),
                 load("fsdp", "fsdp3b", 2),
+                manager_load("fsdp", 20, 2, run="run-2-1-2"),
             ],
         ),
     ]
@@ -372,6 +381,30 @@ def test_manager_steps_of_several_ranks(groups: dict[str, Any]) -> None:
         assert torch.equal(v, ref[f"model.{k}"])
 
 
+def test_fsdp2_manager_at_world_size_one(groups: dict[str, Any]) -> None:
+    """FSDP2 at world size 1 (a job resumed on one rank, a one-process FSDP2 run) holds
+    DTensors, so the manager saves through DCP as with several ranks: a run saved on 2 ranks
+    resumes on 1, saves there, and that step resumes on 1 and on 2 ranks, bit for bit, RNG
+    included where the rank saved it.  A plain model at world size 1 still saves one state file."""
+    on_two = _ok(groups, "manager-save-10-run-2-1-2")
+    first = _ok(groups, "manager-load-10-into-1-run-2-1-2")
+    assert first[0]["latest"] == 10 and first[0]["rng_restored"] and first[0]["draw"] == on_two[0]["draw"]
+    saved = _ok(groups, "manager-save-20-run-2-1-2")
+    assert saved[0]["error"] is None and saved[0]["steps"] == [10, 20]
+    again = _ok(groups, "manager-load-20-into-1-run-2-1-2")
+    assert again[0]["latest"] == 20 and again[0]["rng_restored"] and again[0]["draw"] == saved[0]["draw"]
+    two = _ok(groups, "manager-load-20-into-2-run-2-1-2")
+    assert all(r["latest"] == 20 and r["layout"] == "dcp" for r in two)
+    assert [r["rng_restored"] for r in two] == [True, False]  # rank 1 did not save at step 20
+    assert two[0]["draw"] == saved[0]["draw"]
+    work = Path(groups["_work"][0]["path"])
+    record = multifile.check_complete(str(work / "run-2-1-2" / "step-000000020"))
+    assert record.layout == "dcp" and record.layout_data["world_size"] == 1
+    plain = _ok(groups, "manager-save-5-run-plain")
+    assert plain[0]["error"] is None
+    assert multifile.check_complete(str(work / "run-plain" / "step-000000005")).layout == "state"
+
+
 # -- a rank killed during a save -------------------------------------------------------------------
 
 
@@ -486,6 +519,109 @@ def test_default_planners_are_refused(tmp_path: Path) -> None:
     back = {"w": torch.zeros(6)}
     dcp.load(back, storage_reader=cdcp.Reader(str(tmp_path / "c")))
     assert torch.equal(back["w"], tensors["w"])
+
+
+class _Empty:
+    """A Stateful whose state is empty."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        assert state == {}
+
+
+EMPTY_STATES = {
+    "empty": lambda: {},
+    "stateful": lambda: {"app": _Empty()},
+    "nested": lambda: {"a": {}, "b": {"c": {}}},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(EMPTY_STATES))
+def test_a_save_with_no_items_round_trips(tmp_path: Path, kind: str) -> None:
+    """No rank has an item: the coordinator writes an empty rank file, so the commit record
+    still names the files it covers; dcp.save/load and cdcp.save/load both round-trip it."""
+    state = EMPTY_STATES[kind]
+    dcp.save(state(), storage_writer=cdcp.Writer(str(tmp_path / "dcp")), planner=cdcp.SavePlanner())
+    cdcp.save(state(), str(tmp_path / "cdcp"))
+    for d in ("dcp", "cdcp"):
+        record = multifile.check_complete(str(tmp_path / d))
+        assert [p.name for p in record.files] == ["rank-00000.ckpt"]
+        assert ckptfmt.load(str(tmp_path / d / "rank-00000.ckpt")) == {}
+        back = state()
+        dcp.load(back, storage_reader=cdcp.Reader(str(tmp_path / d)), planner=cdcp.LoadPlanner())
+        cdcp.load(back, str(tmp_path / d))
+        assert back.keys() == state().keys()
+    assert ckptfmt.verify(str(tmp_path / "cdcp" / "rank-00000.ckpt")).ok
+
+
+def test_bytes_io_values_are_stored_as_their_bytes(tmp_path: Path, no_pickle: None) -> None:
+    """io.BytesIO values (a module's extra state, a tokenizer blob) are stored as their raw
+    bytes, never pickled, and come back as BytesIO where the state holds one; also behind
+    DCP's default save planner, whose only transform would pickle them."""
+    blob = bytes(range(256)) * 3
+
+    def state() -> dict[str, Any]:
+        return {"w": torch.arange(4.0), "extra": io.BytesIO(blob), "nested": {"empty": io.BytesIO()}}
+
+    def fresh() -> dict[str, Any]:
+        return {"w": torch.zeros(4), "extra": io.BytesIO(b"old"), "nested": {"empty": io.BytesIO(b"x")}}
+
+    cdcp.save(state(), str(tmp_path / "ours"))
+    dcp.save(state(), storage_writer=cdcp.Writer(str(tmp_path / "default")))  # DCP's default planner
+    cdcp.async_save(state(), str(tmp_path / "async")).result(timeout=120)
+    for d in ("ours", "default", "async"):
+        with CheckpointFile(str(tmp_path / d / "rank-00000.ckpt")) as f:
+            values = f.load_subtree(f.tree.root, None, True)
+        assert sorted(v for v in values.values() if isinstance(v, bytes)) == [b"", blob]
+        back = fresh()
+        cdcp.load(back, str(tmp_path / d))
+        assert isinstance(back["extra"], io.BytesIO) and back["extra"].getvalue() == blob
+        assert isinstance(back["nested"]["empty"], io.BytesIO) and back["nested"]["empty"].getvalue() == b""
+        assert torch.equal(back["w"], torch.arange(4.0))
+
+
+def test_bytes_io_through_dcps_own_storage_with_our_planners(tmp_path: Path) -> None:
+    """Our planners on DCP's FileSystemWriter/Reader: a BytesIO's raw bytes are written and
+    come back as a BytesIO (DCP's .metadata itself is a pickle: no no_pickle here)."""
+    blob = b"\x00raw\xffbytes" * 100
+    dcp.save(
+        {"extra": io.BytesIO(blob)},
+        storage_writer=dcp.FileSystemWriter(str(tmp_path)),
+        planner=cdcp.SavePlanner(),
+    )
+    assert blob in b"".join(p.read_bytes() for p in tmp_path.glob("*.distcp"))
+    back = {"extra": io.BytesIO()}
+    dcp.load(back, storage_reader=dcp.FileSystemReader(str(tmp_path)), planner=cdcp.LoadPlanner())
+    assert isinstance(back["extra"], io.BytesIO) and back["extra"].getvalue() == blob
+
+
+def test_overwrite_false_refuses_an_existing_checkpoint(tmp_path: Path) -> None:
+    """overwrite=False (DCP FileSystemWriter's option; True by default there and here) refuses
+    a directory holding a commit record, on every rank, before anything is written."""
+    import inspect
+
+    stock = inspect.signature(dcp.FileSystemWriter.__init__).parameters["overwrite"].default
+    assert inspect.signature(cdcp.Writer.__init__).parameters["overwrite"].default is stock is True
+    cdcp.save({"w": torch.ones(3)}, str(tmp_path / "ck"))
+    before = sorted((n, (tmp_path / "ck" / n).read_bytes()) for n in os.listdir(tmp_path / "ck"))
+    with pytest.raises(CheckpointError, match=r"already there \(overwrite=False\).*was left as it was"):
+        cdcp.save({"w": torch.zeros(3)}, str(tmp_path / "ck"), overwrite=False)
+    with pytest.raises(BaseException, match=r"overwrite=False"):
+        dcp.save(
+            {"w": torch.zeros(3)},
+            storage_writer=cdcp.Writer(str(tmp_path / "ck"), overwrite=False),
+            planner=cdcp.SavePlanner(),
+        )
+    with pytest.raises(CheckpointError, match="overwrite=False"):
+        cdcp.async_save({"w": torch.zeros(3)}, str(tmp_path / "ck"), overwrite=False).result(timeout=120)
+    assert sorted((n, (tmp_path / "ck" / n).read_bytes()) for n in os.listdir(tmp_path / "ck")) == before
+    cdcp.save({"w": torch.ones(3)}, str(tmp_path / "new"), overwrite=False)  # nothing there yet
+    cdcp.save({"w": torch.full((3,), 2.0)}, str(tmp_path / "ck"))  # the default replaces it
+    back = {"w": torch.zeros(3)}
+    cdcp.load(back, str(tmp_path / "ck"))
+    assert torch.equal(back["w"], torch.full((3,), 2.0))
 
 
 def test_unstorable_value_fails_before_writing(tmp_path: Path) -> None:

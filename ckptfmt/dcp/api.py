@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 
-from .. import _native, bytesview
+from .. import _native, bytesview, multifile
 from ..errors import CheckpointError
 from ..gcpause import pausing_in_main_thread
 from .planners import LoadPlanner, SavePlanner
@@ -58,7 +58,10 @@ def _save_planner(process_group: dist.ProcessGroup | None, kind: str) -> SavePla
 def _failure(doing: str, path: str, e: BaseException) -> CheckpointError:
     """One CheckpointError for a failed save or load, naming the ranks that failed and why."""
     note = ""
-    if doing == "save":
+    if doing == "save" and os.path.lexists(os.path.join(path, multifile.COMMIT_NAME)):
+        # it failed before the coordinator removed the old record (while planning): still there
+        note = f"; the checkpoint already in {path} was left as it was"
+    elif doing == "save":
         note = f"; no commit record was written, so {path} is not a checkpoint (earlier checkpoints are untouched)"
     if isinstance(e, CheckpointException):
         failures = sorted(e.failures.items())
@@ -106,12 +109,14 @@ def save(
     step: int | None = None,
     metrics: dict[str, float] | None = None,
     metadata: dict[str, str] | None = None,
+    overwrite: bool = True,
 ) -> Metadata:
     """Save a (sharded) state dict into directory `path`; every rank of the group calls it.
 
     Each rank writes its items into ``rank-NNNNN.ckpt``; the coordinator then writes the
     commit record.  Without an initialised process group this runs in this process alone.
     Errors on any rank are raised on every rank as a CheckpointError naming the ranks.
+    ``overwrite=False`` refuses a `path` that already holds a checkpoint (see ``Writer``).
     """
     target = os.path.abspath(os.fspath(path))
     w = Writer(
@@ -122,6 +127,7 @@ def save(
         step=step,
         metrics=metrics,
         metadata=metadata,
+        overwrite=overwrite,
     )
     planner = _save_planner(process_group, "blocking")
     try:
@@ -292,6 +298,7 @@ def async_save(
     step: int | None = None,
     metrics: dict[str, float] | None = None,
     metadata: dict[str, str] | None = None,
+    overwrite: bool = True,
     stager: Stager | None = None,
 ) -> concurrent.futures.Future[Metadata]:
     """Like ``save``, but returns once the state is staged (copied into reused CPU buffers).
@@ -312,6 +319,7 @@ def async_save(
         step=step,
         metrics=metrics,
         metadata=metadata,
+        overwrite=overwrite,
     )
     planner = _save_planner(group, "async")
     inner = dcp.async_save(

@@ -1,7 +1,9 @@
-"""The checkpoint manager's steps when a run spans several ranks.
+"""The checkpoint manager's steps when a run spans several ranks or holds sharded tensors.
 
-When torch.distributed is initialised with more than one rank, ``CheckpointManager``
-saves each step through this module: every rank calls ``save(step, state)``; rank 0
+When torch.distributed is initialised with more than one rank, or the state holds
+DTensors or sharded tensors (FSDP2, also at world size 1: a one-process run, or a job
+resumed on fewer ranks), ``CheckpointManager`` saves each step through this module:
+every rank calls ``save(step, state)``; rank 0
 makes and locks the step directory; every rank writes its shard with
 ``ckptfmt.dcp.save``; DCP's coordinator writes the step's commit record (layout
 "dcp", with the step and metrics) last.  The step directory is therefore complete
@@ -17,13 +19,16 @@ the saving world size keep theirs).
 
 from __future__ import annotations
 
+import itertools
 import os
+import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.tensor import DTensor
 
 from .. import background, resume
 from ..errors import CheckpointError, CheckpointWarning, UnsupportedError
@@ -35,9 +40,33 @@ if TYPE_CHECKING:
     from ..manager import CheckpointInfo, CheckpointManager
 
 
-def sharded() -> bool:
-    """True when torch.distributed runs with more than one rank."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def holds_distributed_tensors(state: Any) -> bool:
+    """Whether `state` holds a DTensor or a ShardedTensor: as a module's parameter or buffer, an
+    optimizer's parameter, in another stateful object's state dict, or in its own containers.
+    Such a state saves through DCP whatever the world size (one state file cannot hold it)."""
+    if isinstance(state, torch.nn.Module):
+        return any(_is_distributed(t) for t in itertools.chain(state.parameters(), state.buffers()))
+    if isinstance(state, torch.optim.Optimizer):
+        return any(_is_distributed(p) for g in state.param_groups for p in g["params"])
+    if resume.is_stateful(state):
+        return holds_distributed_tensors(state.state_dict())
+    if isinstance(state, dict):
+        return any(holds_distributed_tensors(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(holds_distributed_tensors(v) for v in state)
+    return _is_distributed(state)
+
+
+def _is_distributed(obj: object) -> bool:
+    if isinstance(obj, DTensor):
+        return True
+    # the deprecated ShardedTensor: only when its module is loaded (importing it warns)
+    api = sys.modules.get("torch.distributed._shard.sharded_tensor.api")
+    return api is not None and isinstance(obj, api.ShardedTensor)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def rng_key(rank: int) -> str:
@@ -52,10 +81,13 @@ def save_step(
     from ..rng import capture_rng
 
     if manager.incremental:
-        raise UnsupportedError("incremental saves of a run with several ranks are not supported")
+        raise UnsupportedError(
+            "incremental saves of a sharded run (several ranks, or DTensors) are not supported"
+        )
     if not manager.blocking:
         warnings.warn(
-            "a run with several ranks saves blocking: non-blocking sharded saves are not implemented",
+            "a sharded run (several ranks, or DTensors) saves blocking: non-blocking sharded saves "
+            "are not implemented",
             CheckpointWarning,
             stacklevel=3,
         )
@@ -112,7 +144,7 @@ def load_step_into(info: CheckpointInfo, state: Any, restore_rng: bool) -> resum
     RNG states when the step holds them (same world size).  Every rank calls it."""
     from ..rng import restore_rng as restore
 
-    rank = dist.get_rank() if sharded() else 0
+    rank = _rank()
     md = Reader(info.path).read_metadata()
     for obj in _stateful(state):
         if isinstance(obj, torch.optim.Optimizer) and not obj.state:

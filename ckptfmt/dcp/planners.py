@@ -67,6 +67,9 @@ class SavePlanner(DefaultSavePlanner):
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:  # noqa: A002 - DCP's name
         if write_item.type == WriteItemType.BYTE_IO:
+            if isinstance(object, io.BytesIO) and not isinstance(object, ObjectBytes):
+                raw = object.getvalue()  # a BytesIO: its raw bytes, as any storage layer writes them
+                return ObjectBytes(raw, raw)
             return ObjectBytes(object, encode_value(object, write_item.index.fqn))
         return object
 
@@ -97,10 +100,15 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
+        into_bytes_io = isinstance(self.state_dict.get(fqn), io.BytesIO)
         if isinstance(value, ObjectBytes):
             obj = value.value
+        elif into_bytes_io:  # another storage layer's bytes of a BytesIO: raw, as saved
+            obj = value.getvalue() if isinstance(value, io.BytesIO) else value.read()
         else:
             obj = decode_value(value.getbuffer() if isinstance(value, io.BytesIO) else value.read(), fqn)
+        if into_bytes_io and type(obj) is bytes:  # a BytesIO is stored as its bytes: give one back
+            obj = io.BytesIO(obj)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:

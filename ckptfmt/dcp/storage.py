@@ -28,7 +28,7 @@ import uuid
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
@@ -46,9 +46,11 @@ from ..gcpause import pausing_in_main_thread
 from ..reader import CheckpointFile
 from . import metadata as mdv
 from . import regions
-from .values import ObjectBytes, decode_value, encode_value
+from .values import ObjectBytes, decode_value, encode_value, raw_bytes_io
 
 LAYOUT = "dcp"
+#: DCP's default planner's value transform: torch.save (a pickle)
+_STOCK_TRANSFORM = DefaultSavePlanner.transform_object
 RANK_FILE_RE = re.compile(r"rank-([0-9]{5,9})\.ckpt")
 
 
@@ -121,6 +123,8 @@ class Writer(StorageWriter):
     Use with ``planner=cdcp.SavePlanner()``: DCP's default planner pickles non-tensor
     values, which this writer refuses.  `step`, `metrics` and `metadata` go into the commit
     record (the checkpoint manager's fields); `compression` and `chunk_size` are ckptfmt's.
+    ``overwrite=False`` refuses to save into a directory that holds a commit record (DCP's
+    FileSystemWriter option; True by default, as there).
     """
 
     def __init__(
@@ -133,9 +137,11 @@ class Writer(StorageWriter):
         step: int | None = None,
         metrics: dict[str, float] | None = None,
         metadata: dict[str, str] | None = None,
+        overwrite: bool = True,
     ) -> None:
         super().__init__()
         self.path = os.path.abspath(os.fspath(path))
+        self.overwrite = overwrite
         self.compression = compression
         self.level = level
         self.meta = writer.check_save_args(compression, level, metadata)
@@ -166,6 +172,9 @@ class Writer(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         os.makedirs(self.path, exist_ok=True)
+        # every rank checks, before the coordinator removes the old record (prepare_global_plan)
+        if not self.overwrite and os.path.lexists(os.path.join(self.path, multifile.COMMIT_NAME)):
+            raise CheckpointError("a checkpoint is already there (overwrite=False)", path=self.path)
         return dataclasses.replace(plan, storage_data=_this_host())
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -211,18 +220,8 @@ class Writer(StorageWriter):
         if not plan.items:
             fut.set_result([])
             return fut
-        target = os.path.join(self.path, name)
-        meta = {**self.meta, "dcp_rank": str(self.rank), "dcp_save_id": self.save_id}
         with _native.threads_at_most(_plan_threads(plan.storage_data)):
-            writer.save(
-                state,
-                target,
-                compression=self.compression,
-                level=self.level,
-                metadata=meta,
-                chunk_size=self.chunk_size,
-            )
-        part = multifile.describe_part(target, name)
+            part = self._write_rank_file(name, state)
         fut.set_result(
             [
                 WriteResult(index=item.index, size_in_bytes=size, storage_data=StorageInfo(name, n, part))
@@ -230,6 +229,19 @@ class Writer(StorageWriter):
             ]
         )
         return fut
+
+    def _write_rank_file(self, name: str, state: dict[int, Any]) -> multifile.PartRecord:
+        """Write and commit one rank file holding `state` (item number -> value); its identity."""
+        target = os.path.join(self.path, name)
+        writer.save(
+            state,
+            target,
+            compression=self.compression,
+            level=self.level,
+            metadata={**self.meta, "dcp_rank": str(self.rank), "dcp_save_id": self.save_id},
+            chunk_size=self.chunk_size,
+        )
+        return multifile.describe_part(target, name)
 
     @pausing_in_main_thread
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -244,6 +256,9 @@ class Writer(StorageWriter):
                     )
                 parts.setdefault(info.file, info.part)
                 where[wr.index] = (info.file, info.key)
+        if not parts:  # no rank had an item: a record names at least one file (spec 13.1, 13.5)
+            name = rank_file_name(self.rank)
+            parts[name] = self._write_rank_file(name, {})
         names = sorted(parts)
         for name in names:
             try:
@@ -284,11 +299,17 @@ class Writer(StorageWriter):
 
 
 def _byte_value(planner: _BaseSavePlanner, item: Any) -> Any:
-    """The object behind a byte item: straight from our planner, else decoded from its bytes."""
+    """The object behind a byte item: straight from our planner, else decoded from its bytes.
+    An io.BytesIO is stored as its bytes (spec 13.5), also behind DCP's default planner, whose
+    only transform, torch.save, would pickle it."""
     from .planners import SavePlanner
 
     if isinstance(planner, SavePlanner):
-        return planner.resolve_object(item)
+        return raw_bytes_io(planner.resolve_object(item))
+    if isinstance(planner, DefaultSavePlanner) and type(planner).transform_object is _STOCK_TRANSFORM:
+        found = planner.lookup_object(item.index)
+        if isinstance(found, io.BytesIO):
+            return raw_bytes_io(found)
     data: Any = planner.resolve_data(item)
     if isinstance(data, ObjectBytes):
         return data.value

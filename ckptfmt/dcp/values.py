@@ -32,10 +32,18 @@ class ObjectBytes(io.BytesIO):
         self.value = value
 
 
+def raw_bytes_io(value: object) -> object:
+    """An io.BytesIO as the bytes it holds (how a byte item stores one: raw bytes, no pickle; a
+    load into a state that holds a BytesIO there gives one back); any other value as it is."""
+    if isinstance(value, io.BytesIO) and not isinstance(value, ObjectBytes):
+        return value.getvalue()
+    return value
+
+
 def check_storable(value: object, fqn: str) -> None:
     """Raise UnsupportedObjectError naming `fqn` unless ckptfmt's object model can store `value`."""
     try:
-        tree.encode(value)
+        tree.encode(raw_bytes_io(value))
     except UnsupportedObjectError as e:
         raise UnsupportedObjectError(_where_in(e.reason), key=fqn) from None
 
