@@ -151,7 +151,7 @@ def _recommit(directory: Path, change: Callable[[dict[str, Any]], Any] | None = 
         change(record.layout_data)
     parts = tuple(multifile.describe_part(str(directory / p.name), p.name) for p in record.files)
     multifile.write_commit(
-        str(directory), multifile.CommitRecord(None, "dcp", parts, layout_data=record.layout_data)
+        str(directory), multifile.CommitRecord(record.step, "dcp", parts, layout_data=record.layout_data)
     )
 
 
@@ -594,3 +594,47 @@ def test_mangled_columns_load_and_verify_agree(
             cdcp.consolidate(str(directory), str(Path(tmp) / "full.ckpt"))
         except CheckpointError:
             pass
+
+
+# -- a checkpoint manager's step of layout "dcp" -----------------------------------------------------------
+
+MANAGER_CASES = {
+    "huge-declared-shape": CorruptError,
+    "dtype-disagrees-float-as-int": CorruptError,
+    "planner-index-huge": CorruptError,
+    "chunk-key-absent": CorruptError,
+    "rank-file-data-flipped": CorruptError,
+    "huge-but-held-stride-0": LimitError,
+}
+
+
+def _under_state(v: dict[str, Any], under: bool) -> None:
+    """Move every key of the dcp member `v` under "state" (a manager's step), or back."""
+    t = v["tensors"]
+    name = (lambda k: f"state.{k}") if under else (lambda k: k.removeprefix("state."))
+    t["keys"] = [name(k) for k in t["keys"]]
+    v["bytes"] = {name(k): loc for k, loc in v["bytes"].items()}
+    paths = {name(k): ("state", *p) if under else p[1:] for k, p in v["planner_data"].items()}
+    if under:  # keys a builder added without planner data sit under "state" too
+        paths.update({k: ("state", k[6:]) for k in [*t["keys"], *v["bytes"]] if k not in paths})
+    v["planner_data"] = paths
+
+
+@pytest.mark.parametrize("name", sorted(MANAGER_CASES))
+def test_manager_step_of_a_dcp_run(tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """CheckpointManager.load assembles a "dcp" step (what several ranks saved) in this process:
+    the same checks and bounds as consolidate, and ckptfmt's errors, never DCP's own."""
+    from ckptfmt.manager import CheckpointManager
+
+    step = tmp_path / "run" / "step-000000001"
+    cdcp.save({"state": state()}, str(step), step=1)
+    assert torch.equal(CheckpointManager(str(tmp_path / "run")).load(1)["model"]["w"], state()["model"]["w"])
+    # the builders name the keys of a bare state; the step saved them under "state"
+    rewrite(step, lambda v: _under_state(v, False))
+    EXPECT[name].build(step)
+    rewrite(step, lambda v: _under_state(v, True))
+    with pytest.raises(CheckpointError) as info:
+        CheckpointManager(str(tmp_path / "run")).load(1)
+    assert type(info.value) is MANAGER_CASES[name], info.value
+    assert cli(["verify", str(tmp_path / "run")]) == (0 if EXPECT[name].load is None else 1)
+    capsys.readouterr()
