@@ -67,7 +67,7 @@ import pathlib
 import threading
 import types
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -75,6 +75,7 @@ import torch
 
 from ..errors import CheckpointWarning, CorruptError, UnsupportedError, UnsupportedObjectError
 from ..format import Limits
+from ..tree import extend_path, render_key
 
 TAG = "__ckptfmt_object__"
 
@@ -167,7 +168,13 @@ def registered() -> dict[str, type]:
 
 
 def _render(parent: str, key: object) -> str:
-    return f"{parent}[{key!r}]"
+    """The path of `parent`'s entry under `key`: bounded, and never raising (repr() of an int of
+    more than 4300 digits does), since keys come from the caller's state or from a file."""
+    return render_key(parent, key)
+
+
+def _field(parent: str, name: str) -> str:
+    return extend_path(parent, f".{name}")
 
 
 def _short(obj: object) -> str:
@@ -184,6 +191,17 @@ def _refuse(path: str, obj: object) -> UnsupportedObjectError:
         "tensor or array, nor one of the allow-listed objects (Namespace, Path, enum, dataclass, "
         "named tuple, set, AttributeDict; see ckptfmt.integrations.objects)"
     )
+
+
+def _short_text(error: BaseException) -> str:
+    """The first line of an error's message, at most 200 characters."""
+    try:
+        text = str(error)
+    except Exception:  # a broken __str__ must not hide the refusal
+        return "<unprintable message>"
+    lines = text.splitlines()
+    first = lines[0] if lines else ""
+    return first if len(first) <= 200 else first[:197] + "..."
 
 
 def _is_key(value: object) -> bool:
@@ -215,7 +233,7 @@ class _Encoder:
                 TAG: "enum",
                 "class": qualified_name(t),
                 "name": obj.name,
-                "value": self.enc(obj.value, f"{path}.value", depth + 1),
+                "value": self.enc(obj.value, _field(path, "value"), depth + 1),
             }
         if t in _LEAVES or isinstance(obj, np.generic):
             return obj
@@ -249,16 +267,16 @@ class _Encoder:
         raise _refuse(path, obj)
 
     def _fields(self, values: dict[str, Any], path: str, depth: int) -> dict[str, Any]:
-        return {k: self.enc(v, f"{path}.{k}", depth + 1) for k, v in values.items()}
+        return {k: self.enc(v, _field(path, k), depth + 1) for k, v in values.items()}
 
     def _pairs(self, obj: dict[Any, Any], path: str, depth: int) -> list[list[Any]]:
         return [
-            [self.enc(k, f"{path}[{k!r}] (key)", depth + 1), self.enc(v, _render(path, k), depth + 1)]
+            [self.enc(k, _render(path, k) + " (key)", depth + 1), self.enc(v, _render(path, k), depth + 1)]
             for k, v in obj.items()
         ]
 
     def _dict(self, obj: dict[Any, Any], path: str, depth: int) -> Any:
-        keys = [self.enc(k, f"{path}[{k!r}] (key)", depth + 1) for k in obj]
+        keys = [self.enc(k, _render(path, k) + " (key)", depth + 1) for k in obj]
         if TAG in obj or not all(k is orig or _is_key(k) for k, orig in zip(keys, obj)):
             # a key that is an allow-listed object, or the tag itself: key-value pairs
             pairs = [
@@ -349,7 +367,7 @@ class _Decoder:
         dunder = [k for k in raw if k.startswith("__") and k.endswith("__")]
         if dunder:  # an attribute of the object itself (__class__, __dict__), not a field
             raise self.corrupt(path, f"field name {_short(dunder[0])} is not allowed")
-        return {k: self.dec(v, f"{path}.{k}") for k, v in raw.items()}
+        return {k: self.dec(v, _field(path, k)) for k, v in raw.items()}
 
     def pairs(self, d: dict[str, Any], path: str) -> list[tuple[Any, Any]]:
         raw = self.typed(d, path, "items", list)
@@ -404,7 +422,7 @@ class _Decoder:
         member = d["name"]
         if member is not None and type(member) is not str:
             raise self.corrupt(path, "an enum member's name must be str or None")
-        value = self.dec(d["value"], f"{path}.value")
+        value = self.dec(d["value"], _field(path, "value"))
         cls = self.classes.get(name)
         if cls is None:
             return value
@@ -428,38 +446,56 @@ class _Decoder:
             return values if tag == "dataclass" else tuple(values.values())
         if tag == "namedtuple":
             if not _is_namedtuple_type(cls):
-                raise UnsupportedError(f"{path}: the class registered as {name} is not a named tuple")
+                raise self.unsupported(path, f"the class registered as {name} is not a named tuple")
             names = cls._fields  # type: ignore[attr-defined]
-            _check_fields(values, names, set(names) - set(getattr(cls, "_field_defaults", {})), path, name)
-            return cls(**values)
+            self.check_fields(
+                values, names, set(names) - set(getattr(cls, "_field_defaults", {})), path, name
+            )
+            return self.construct(path, name, lambda: cls(**values))
         if not dataclasses.is_dataclass(cls):
-            raise UnsupportedError(f"{path}: the class registered as {name} is not a dataclass")
+            raise self.unsupported(path, f"the class registered as {name} is not a dataclass")
         spec = {f.name: f for f in dataclasses.fields(cls)}
         required = {
             f.name
             for f in spec.values()
             if f.init and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         }
-        _check_fields(values, spec, required, path, name)
-        obj = cls(**{k: v for k, v in values.items() if spec[k].init})
+        self.check_fields(values, spec, required, path, name)
+        obj = self.construct(path, name, lambda: cls(**{k: v for k, v in values.items() if spec[k].init}))
         for k, v in values.items():
             if not spec[k].init:
                 object.__setattr__(obj, k, v)
         return obj
 
+    def unsupported(self, path: str, what: str) -> UnsupportedError:
+        return UnsupportedError(f"{path}: {what}", path=self.source)
 
-def _check_fields(
-    values: dict[str, Any], known: Iterable[str], required: set[str], path: str, name: str
-) -> None:
-    """The registered class `name` takes these fields (else it changed since the save)."""
-    unknown = set(values) - set(known)
-    if unknown:
-        raise UnsupportedError(f"{path}: {name} has no field {sorted(unknown)[0]!r} (the class changed?)")
-    missing = required - set(values)
-    if missing:
-        raise UnsupportedError(
-            f"{path}: {name} needs field {sorted(missing)[0]!r}, which the file lacks (the class changed?)"
-        )
+    def check_fields(
+        self, values: dict[str, Any], known: Iterable[str], required: set[str], path: str, name: str
+    ) -> None:
+        """The registered class `name` takes these fields (else it changed since the save)."""
+        unknown = set(values) - set(known)
+        if unknown:
+            raise self.unsupported(
+                path, f"{name} has no field {_short(sorted(unknown)[0])} (the class changed?)"
+            )
+        missing = required - set(values)
+        if missing:
+            raise self.unsupported(
+                path, f"{name} needs field {sorted(missing)[0]!r}, which the file lacks (the class changed?)"
+            )
+
+    def construct(self, path: str, name: str, make: Callable[[], Any]) -> Any:
+        """make() an instance of the registered class `name` from the file's fields.  Its own
+        __init__ or __post_init__ refusing them (a value it validates, an InitVar no file
+        holds) makes this entry of the file unusable: CorruptError naming it, the class's
+        error as the cause.  Other exceptions are bugs of the class and pass through."""
+        try:
+            return make()
+        except (TypeError, ValueError) as e:
+            raise self.corrupt(
+                path, f"{name} refuses the fields the file holds: {type(e).__name__}: {_short_text(e)}"
+            ) from e
 
 
 def _attribute_dict(name: str) -> type[dict[Any, Any]]:
