@@ -283,6 +283,15 @@ def _md_planner(md: Any, directory: Path) -> None:
     md.planner_data["layers.0"] = ("layers", -1)
 
 
+def _value_needs_pickle(directory: Path) -> None:
+    """A value torch.load(weights_only=True) refuses: consolidate never unpickles it."""
+    import datetime
+
+    shutil.rmtree(directory)
+    changed = {**state(), "lr": datetime.date(2020, 1, 1)}
+    dcp.save(changed, storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
+
+
 def _distcp_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.distcp"))
 
@@ -466,6 +475,9 @@ EXPECT: dict[str, Case] = {
     "dcp-chunks-overlap": Case(_md(_md_overlap), IncompleteError, CorruptError, True),
     "dcp-planner-index-negative": Case(_md(_md_planner), IncompleteError, CorruptError, True),
     "dcp-distcp-garbage": Case(_garbage_distcp, IncompleteError, CorruptError, True, ls_sees=False),
+    "dcp-value-needs-unpickling": Case(
+        _value_needs_pickle, IncompleteError, UnsupportedError, True, ls_sees=False
+    ),
     "dcp-distcp-missing": Case(_no_distcp, IncompleteError, IncompleteError, True),
 }
 

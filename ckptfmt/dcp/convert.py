@@ -189,8 +189,9 @@ class _ValuesPlanner(LoadPlanner):
             try:
                 obj = torch.load(value, weights_only=True)
             except Exception as e:
+                text = " ".join(str(e).split())[:200]  # torch's message spans lines
                 raise UnsupportedError(
-                    f"DCP stored this value as a pickle that torch.load(weights_only=True) refuses: {str(e)[:200]}",
+                    f"DCP stored this value as a pickle that torch.load(weights_only=True) refuses: {text}",
                     key=fqn,
                 ) from None
             value = ObjectBytes(obj)
@@ -489,10 +490,10 @@ def _typed_tensor(v: TensorStorageMetadata, path: str, key: str) -> TensorStorag
 def _typed_storage_meta(v: object, path: str) -> StorageMeta | None:
     if v is None:
         return None
-    fields = [getattr(v, f, None) for f in ("checkpoint_id", "save_id", "modules")]
-    if type(v) is not StorageMeta or type(fields[2]) is not list:
+    cid, sid, modules = (getattr(v, f, None) for f in ("checkpoint_id", "save_id", "modules"))
+    modules = [] if modules is None else modules  # older DCP versions have no modules
+    if type(v) is not StorageMeta or type(modules) is not list:
         raise CorruptError("DCP's .metadata has a storage_meta of the wrong type", path=path)
-    cid, sid, modules = fields
     return StorageMeta(
         checkpoint_id=None if cid is None else str(cid),
         save_id=sid if type(sid) is str else None,
