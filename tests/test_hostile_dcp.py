@@ -135,6 +135,21 @@ def _planner(**paths: tuple[Any, ...]) -> Callable[[dict[str, Any]], None]:
     return change
 
 
+def _rekey(old: str, path: tuple[Any, ...]) -> Callable[[dict[str, Any]], None]:
+    """Rename the tensor or value `old` to the key `path` spells, with `path` as its planner data."""
+
+    def change(v: dict[str, Any]) -> None:
+        new = ".".join(map(str, path))
+        t = v["tensors"]
+        t["keys"] = [new if k == old else k for k in t["keys"]]
+        if old in v["bytes"]:
+            v["bytes"][new] = v["bytes"].pop(old)
+        del v["planner_data"][old]
+        v["planner_data"][new] = path
+
+    return change
+
+
 def _record(change: Callable[[dict[str, Any]], Any]) -> Callable[[Path], None]:
     return lambda d: rewrite(d, change)
 
@@ -411,12 +426,18 @@ EXPECT: dict[str, Case] = {
     "planner-first-is-int": Case(_record(_planner(lr=(0,))), CorruptError),
     "planner-path-empty": Case(_record(_planner(lr=())), CorruptError),
     "planner-path-too-deep": Case(_record(_planner(lr=("x",) * 300)), CorruptError),
-    "planner-same-place": Case(_record(_planner(model__b=("model", "w"))), CorruptError),
-    "planner-leaf-is-a-container": Case(_record(_planner(model__b=("model", "w", "x"))), CorruptError),
-    "planner-container-is-a-leaf": Case(_record(_planner(lr=("model",))), CorruptError),
-    "planner-list-and-dict": Case(_record(_planner(layers__1=("layers", "x"))), CorruptError),
+    "planner-path-spells-another-key": Case(_record(_planner(model__b=("model", "w"))), CorruptError),
+    "planner-leaf-is-a-container": Case(_record(_rekey("lr", ("model", "w", "x"))), CorruptError),
+    "planner-container-is-a-leaf": Case(_record(_rekey("lr", ("model",))), CorruptError),
+    "planner-list-and-dict": Case(_record(_rekey("layers.1", ("layers", "x"))), CorruptError),
     "planner-lists-too-long": Case(
-        _record(_planner(layers__0=("a", (1 << 24) - 1), layers__1=("b", (1 << 24) - 1))), LimitError
+        _record(
+            lambda v: [
+                _rekey("layers.0", ("a", (1 << 24) - 1))(v),
+                _rekey("layers.1", ("b", (1 << 24) - 1))(v),
+            ]
+        ),
+        LimitError,
     ),
     # the rank files' agreement with the record (load checks the items it reads, verify all)
     "chunk-key-absent": Case(
@@ -650,3 +671,39 @@ def test_manager_step_of_a_dcp_run(tmp_path: Path, name: str, capsys: pytest.Cap
     assert type(info.value) is MANAGER_CASES[name], info.value
     assert cli(["verify", str(tmp_path / "run")]) == (0 if EXPECT[name].load is None else 1)
     capsys.readouterr()
+
+
+_PATH_KEYS = st.one_of(
+    st.sampled_from(["model", "w", "b", "layers", "x"]),
+    st.sampled_from([-1, 0, 1, 2, (1 << 24) - 1, 1 << 24, 1 << 40, True]),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    paths=st.dictionaries(
+        st.sampled_from(["model.w", "model.b", "layers.0", "layers.1", "lr", "names"]),
+        st.lists(_PATH_KEYS, min_size=0, max_size=4).map(tuple),
+        min_size=1,
+    )
+)
+def test_random_planner_data_is_checked_alike_everywhere(
+    originals: dict[str, Path], paths: dict[str, tuple[Any, ...]]
+) -> None:
+    """Random paths: load and verify agree, and consolidate either rebuilds the state or
+    raises a CheckpointError (never IndexError, TypeError or a hang in DCP's unflattening)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp) / "ck"
+        shutil.copytree(originals["ckptfmt"], directory)
+        rewrite(directory, lambda v: v["planner_data"].update(paths))
+        try:
+            cdcp.load(fresh(state()), str(directory))
+            loaded = True
+        except CheckpointError:
+            loaded = False
+        assert (cli(["verify", "--json", str(directory)]) == 0) == loaded
+        try:
+            cdcp.consolidate(str(directory), str(Path(tmp) / "full.ckpt"))
+            assert loaded
+        except CheckpointError:
+            assert not loaded

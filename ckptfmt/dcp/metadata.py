@@ -434,12 +434,16 @@ class _Container:
 
 
 def _check_paths(fail: _Fail, paths: list[tuple[str, tuple[str | int, ...]]]) -> None:
-    """The paths (each key's, or (key,) where the planner data has none) describe one tree: no key
-    where another key's container is, no container that is both a dict and a list, and lists of
-    at most MAX_LIST_SLOTS elements in all (DCP's unflattening fills gaps with None)."""
+    """The paths (each key's, or (key,) where the planner data has none) spell their keys and
+    describe one tree: no key where another key's container is, no container that is both a dict
+    and a list, and lists of at most MAX_LIST_SLOTS elements in all (DCP's unflattening fills gaps
+    with None).  A path that spelled another key would put the tensor where DCP's load, which
+    flattens the rebuilt structure again, looks for that other key."""
     root = _Container(str)
     slots = 0
     for fqn, path in paths:
+        if ".".join(map(str, path)) != fqn:  # DCP flattens a path into its key exactly so
+            raise fail("planner_data's path does not spell the key (its parts joined by '.')", fqn)
         node = root
         for depth, part in enumerate(path):
             if type(part) is not node.kind:
