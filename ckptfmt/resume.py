@@ -487,6 +487,7 @@ def _optimizer_problems(
     elif len(groups) != len(now):
         out.append(f"{where}: {len(groups)} parameter groups in the checkpoint, {len(now)} in the optimizer")
     else:
+        _check_optimizer_ids(f, saved, groups, where)
         for i, (g0, g1) in enumerate(zip(groups, now)):
             n0 = len(g0["params"])
             if n0 != len(g1["params"]):
@@ -494,6 +495,43 @@ def _optimizer_problems(
                     f"{where}.param_groups[{i}]: {n0} parameters in the checkpoint, "
                     f"{len(g1['params'])} in the optimizer"
                 )
+
+
+def _check_optimizer_ids(f: CheckpointFile, saved: dict[Any, int], groups: list[Any], where: str) -> None:
+    """CorruptError for what torch's Optimizer.load_state_dict() would trip over after the
+    objects before it were filled: parameter ids that are not ints (a list is not even
+    hashable), or a "state" that is not a dict keyed by them.  Checked on the node table:
+    the per-parameter tensors are not read here."""
+    for i, g in enumerate(groups):
+        if not all(type(p) is int for p in g["params"]):
+            raise CorruptError(
+                "the optimizer's parameter ids are not all ints",
+                path=f.path,
+                key=f"{where}.param_groups[{i}]",
+            )
+    node = saved.get("state")
+    if node is None or f.tree.nodes[node][0] not in ("dict", "odict"):
+        raise CorruptError("the optimizer's state is not a dict", path=f.path, key=where)
+    if not all(type(k) is int for k in node_items(f, node)):
+        raise CorruptError("the optimizer's state is not keyed by parameter ids", path=f.path, key=where)
+
+
+def _load_state_dict(f: CheckpointFile, target: Any, saved: Any, path: str) -> None:
+    """target.load_state_dict(saved), its refusal a CorruptError naming the entry.  Such an
+    object decides alone what it accepts, so this is found only now: the objects restored
+    before it already hold the checkpoint's values (a manager's fallback then loads an older
+    step into all of them)."""
+    try:
+        target.load_state_dict(saved)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as e:
+        lines = str(e).splitlines()
+        first = (lines[0] if lines else "")[:200]
+        raise CorruptError(
+            f"{type(target).__name__}.load_state_dict() refused the checkpoint's state "
+            f"({type(e).__name__}: {first}); the entries before it were already restored",
+            path=f.path,
+            key=path or "state",
+        ) from e
 
 
 def restore_into(
@@ -516,7 +554,7 @@ def restore_into(
         _merge(report, sub, path)
         return target
     if is_stateful(target):
-        target.load_state_dict(f.load_subtree(node, None, verify))
+        _load_state_dict(f, target, f.load_subtree(node, None, verify), path)
         report.loaded += 1
         return target
     if isinstance(target, dict) and _holds_stateful(target):

@@ -211,8 +211,16 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
         return {"epoch": self.epoch, "consumed": self.consumed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch = int(state["epoch"])
-        self.consumed = int(state["consumed"])
+        """Refuses (ValueError, changing nothing) a state that is not {"epoch": int, "consumed": int}
+        within range: it comes from a file."""
+        if not isinstance(state, dict) or set(state) != {"epoch", "consumed"}:
+            raise ValueError("a sampler state is a dict of exactly epoch and consumed")
+        epoch, consumed = state["epoch"], state["consumed"]
+        for name, v, hi in (("epoch", epoch, 2**20 - 1), ("consumed", consumed, len(self))):
+            # bool is an int, and an epoch from 2**20 on would reuse another epoch's seed
+            if type(v) is not int or not 0 <= v <= hi:
+                raise ValueError(f"sampler {name} must be an int in [0, {hi}]")
+        self.epoch, self.consumed = epoch, consumed
 
 
 # -- the run -----------------------------------------------------------------------

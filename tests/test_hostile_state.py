@@ -355,3 +355,70 @@ def test_huge_plain_values_are_differences_shown_bounded(tmp_path):
     lr = [d for d in report.differences if ".lr:" in d]
     env = [d for d in report.differences if d.startswith("environment torch")]
     assert len(lr) == 1 and len(env) == 1 and all(len(d) < 300 for d in lr + env), report.differences
+
+
+# -- the caller's state as the file holds it ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path, value, key",
+    [
+        (("param_groups", 0, "params"), [[0], 1], "optimizer.param_groups[0]"),
+        (("param_groups", 0, "params"), ["w", "b"], "optimizer.param_groups[0]"),
+        (("state",), [1, 2], "optimizer"),
+        (("state",), {"w": {}}, "optimizer"),
+    ],
+    ids=["params-unhashable", "params-str", "state-list", "state-str-keys"],
+)
+def test_a_malformed_optimizer_state_is_corrupt_before_anything_changes(tmp_path, path, value, key):
+    _saved_run(str(tmp_path))
+    e = _refusal(str(tmp_path), _Edit(("state", "optimizer", *path), value))
+    assert isinstance(e, ckptfmt.CorruptError) and e.key == key, repr(e)
+
+
+def _with_scheduler(seed: int) -> dict[str, Any]:
+    state = _training_state(seed)
+    state["scheduler"] = torch.optim.lr_scheduler.StepLR(state["optimizer"], step_size=2)
+    return state
+
+
+def test_a_state_an_object_refuses_is_corrupt_and_fallback_restores_the_older_step(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    mgr.save(1, _with_scheduler(1))
+    mgr.save(2, _with_scheduler(2))
+    _forge(str(tmp_path), 2, _Edit(("state", "scheduler"), 5))  # StepLR.load_state_dict: TypeError
+    target = _with_scheduler(99)
+    with pytest.raises(ckptfmt.CorruptError, match=r"StepLR\.load_state_dict\(\) refused") as info:
+        CheckpointManager(tmp_path).load_into(target)
+    assert info.value.key == "scheduler" and info.value.path.endswith(STATE_NAME)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = CheckpointManager(tmp_path).load_into(target, fallback=True)
+    assert report.step == 1
+    expected = _with_scheduler(1)
+    for a, b in zip(target["model"].parameters(), expected["model"].parameters()):
+        assert torch.equal(a, b)  # all of step 1, none of the refused step 2 left
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        None,
+        [],
+        {"epoch": 1},
+        {"epoch": "1", "consumed": 0},
+        {"epoch": True, "consumed": 0},
+        {"epoch": 2**20, "consumed": 0},
+        {"epoch": 0, "consumed": 17},
+        {"epoch": 0, "consumed": -1},
+        {"epoch": 0, "consumed": 1, "x": 0},
+    ],
+)
+def test_the_training_sampler_refuses_a_malformed_state_and_keeps_its_own(state):
+    from ckptfmt.training import ResumableBatchSampler
+
+    sampler = ResumableBatchSampler(256, 16, seed=1)
+    sampler.load_state_dict({"epoch": 3, "consumed": 5})
+    with pytest.raises(ValueError, match="sampler"):
+        sampler.load_state_dict(state)
+    assert sampler.state_dict() == {"epoch": 3, "consumed": 5}
