@@ -422,3 +422,16 @@ def test_the_training_sampler_refuses_a_malformed_state_and_keeps_its_own(state)
     with pytest.raises(ValueError, match="sampler"):
         sampler.load_state_dict(state)
     assert sampler.state_dict() == {"epoch": 3, "consumed": 5}
+
+
+def test_restore_rng_refuses_a_state_torch_would_refuse_before_any_generator_changes():
+    good = ckptfmt.capture_rng()
+    bad = {**good, "torch_cpu": torch.zeros(STATE_SIZE, dtype=torch.uint8)}
+    random.random(), np.random.rand(), torch.rand(1)  # move away from the capture
+    before = [random.getstate(), np.random.get_state(legacy=False), torch.get_rng_state()]
+    with pytest.raises(
+        ckptfmt.rng.RNGStateError, match="field torch_cpu is refused by torch's CPU generator"
+    ):
+        ckptfmt.restore_rng(bad)
+    # refused by the probe, not rolled back after python and numpy were set
+    assert _same([random.getstate(), np.random.get_state(legacy=False), torch.get_rng_state()], before)
