@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from . import _native, bytesview, chunkio, forksave, inflight, tree
+from .ckptdir import CheckpointDir
 from .commit import AtomicFile
 from .inflight import (  # noqa: F401 - these lived here once; tests and callers still use the names
     SaveHandle,
@@ -115,6 +116,7 @@ def save_async(
     chunk_size: int,
     dedup: chunkio.Dedup | None = None,
     snapshot: str = "copy",
+    within: CheckpointDir | None = None,
 ) -> SaveHandle:
     """Snapshot `encoded` (checked already: nothing is written for a state that cannot be)
     and write it in the background; return once the snapshot is taken.
@@ -126,7 +128,13 @@ def save_async(
         if reason is not None:
             raise ValueError(f"{path}: snapshot='fork' is not possible: {reason}")
         return forksave.save_forked(
-            encoded, path, compression=compression, level=level, metadata=metadata, chunk_size=chunk_size
+            encoded,
+            path,
+            compression=compression,
+            level=level,
+            metadata=metadata,
+            chunk_size=chunk_size,
+            within=within,
         )
     return _save_copied(
         encoded,
@@ -136,6 +144,7 @@ def save_async(
         metadata=metadata,
         chunk_size=chunk_size,
         dedup=dedup,
+        within=within,
     )
 
 
@@ -148,6 +157,7 @@ def _save_copied(
     metadata: dict[str, str],
     chunk_size: int,
     dedup: chunkio.Dedup | None,
+    within: CheckpointDir | None,
 ) -> SaveHandle:
     handle = SaveHandle(path)
     pieces: queue.Queue[_Piece | BaseException | None] = queue.Queue()
@@ -155,7 +165,7 @@ def _save_copied(
     # has to wait for staging memory: until then it would only compete with the
     # caller's copies for cores and memory bandwidth.
     go = threading.Event()
-    atomic = AtomicFile(path)
+    atomic = AtomicFile(path, within)
     pool = POOL
     thread = threading.Thread(
         target=_write_worker,

@@ -25,10 +25,12 @@ through it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import stat
+from collections.abc import Iterator
 
 from .errors import CorruptError, LimitError, UnsupportedError
 
@@ -171,30 +173,34 @@ class CheckpointDir:
     # -- changing --------------------------------------------------------------------
 
     def mkdir(self, name: str, mode: int = 0o777) -> None:
-        os.mkdir(_component(name, self.path), mode, dir_fd=self.fd)
+        with _naming(self.path_of(name)):
+            os.mkdir(_component(name, self.path), mode, dir_fd=self.fd)
 
     def create(self, name: str, mode: int = 0o644) -> int:
         """A new file `name`, opened for writing; FileExistsError when any entry has that name
         (a link included, dangling or not)."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
-        return os.open(_component(name, self.path), flags, mode, dir_fd=self.fd)
+        with _naming(self.path_of(name)):
+            return os.open(_component(name, self.path), flags, mode, dir_fd=self.fd)
 
     def rename(self, old: str, new: str, target: CheckpointDir | None = None) -> None:
         """Rename entry `old` to `new` (in `target`, default this directory), replacing a
         file there; the entry itself moves, whatever kind it is."""
         dst = self if target is None else target
-        os.rename(
-            _component(old, self.path),
-            _component(new, dst.path),
-            src_dir_fd=self.fd,
-            dst_dir_fd=dst.fd,
-        )
+        with _naming(self.path_of(old)):
+            os.rename(
+                _component(old, self.path),
+                _component(new, dst.path),
+                src_dir_fd=self.fd,
+                dst_dir_fd=dst.fd,
+            )
 
     def unlink(self, name: str) -> bool:
         """Remove entry `name` that is not a directory (a link is removed, never followed);
         False when there was none."""
         try:
-            os.unlink(_component(name, self.path), dir_fd=self.fd)
+            with _naming(self.path_of(name)):
+                os.unlink(_component(name, self.path), dir_fd=self.fd)
         except FileNotFoundError:
             return False
         return True
@@ -258,6 +264,17 @@ class CheckpointDir:
 
     def __repr__(self) -> str:
         return f"CheckpointDir({self.path!r}, fd={self.fd})"
+
+
+@contextlib.contextmanager
+def _naming(where: str) -> Iterator[None]:
+    """OSErrors of a call made relative to a descriptor name the entry's path, not its bare name."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None or e.filename == os.path.basename(where):
+            raise OSError(e.errno, e.strerror, where) from None
+        raise
 
 
 def _open_error(e: OSError, where: str, kind: str) -> OSError | CorruptError:

@@ -62,6 +62,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from .ckptdir import CheckpointDir
+from .errors import CheckpointError
+
 TEMP_MARKER = ".ckptfmt-tmp."
 
 #: flock is not supported on every filesystem (Lustre without -o flock, some NFS)
@@ -267,33 +270,29 @@ def _abandoned(name: str, owner: tuple[str, int, int] | None, fd: int, mtime: fl
     return now - mtime > FOREIGN_GRACE_S
 
 
-def _remove_if_abandoned(directory: str, name: str, now: float) -> bool:
+def _remove_if_abandoned(d: CheckpointDir, name: str, now: float) -> bool:
     parsed = parse_temp_name(name)
     if parsed is None:
         return False
-    full = os.path.join(directory, name)
     try:
-        fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return False  # gone already, a symlink (ELOOP), not ours to read
+        fd = d.open_file(name)
+    except (OSError, CheckpointError):
+        return False  # gone already, a link, a directory (the manager's temporary step directories)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return False  # a directory (the manager's temporary step directories) or stranger
         if not _abandoned(name, parsed[1], fd, st.st_mtime, now):
             return False
-        cur = os.lstat(full)
-        if (cur.st_dev, cur.st_ino) != (st.st_dev, st.st_ino):
+        cur = d.lstat(name)
+        if cur is None or (cur.st_dev, cur.st_ino) != (st.st_dev, st.st_ino):
             return False
-        os.unlink(full)
-        return True
+        return d.unlink(name)
     except OSError:
         return False
     finally:
         os.close(fd)  # drops the lock the probe may have taken
 
 
-def remove_abandoned_temps(directory: str, now: float | None = None) -> list[str]:
+def remove_abandoned_temps(directory: str | CheckpointDir, now: float | None = None) -> list[str]:
     """Remove the temp files in `directory` that crashed or failed saves left; return their names.
 
     Never one that a live save owns (see the module docstring); errors only skip a file.
@@ -301,7 +300,14 @@ def remove_abandoned_temps(directory: str, now: float | None = None) -> list[str
     mtime of a file just created there), else this host's.
     """
     when = time.time() if now is None else now
-    return [name for name in iter_temp_names(directory) if _remove_if_abandoned(directory, name, when)]
+    if isinstance(directory, CheckpointDir):
+        return [n for n in directory.names() if _remove_if_abandoned(directory, n, when)]
+    try:
+        d = CheckpointDir.open(directory or ".")
+    except (OSError, CheckpointError):
+        return []
+    with d:
+        return [n for n in d.names() if _remove_if_abandoned(d, n, when)]
 
 
 def remove_stale_temps(path: str) -> None:
@@ -323,86 +329,105 @@ def fsync_dir(directory: str) -> None:
 class AtomicFile:
     """A temp sibling of `path`, owned by this process, that becomes `path` on commit or vanishes.
 
-    ``locked`` says whether it holds the temp file's flock (False where the filesystem
-    does not support flock; ownership then rests on the name alone).
+    Every operation goes through one descriptor of the target's directory (`within`, or the
+    directory of `path` opened once): the temp file is created ``O_EXCL | O_NOFOLLOW``
+    beneath it, renamed beneath it and the directory fsynced through it, so a directory
+    swapped for a link meanwhile (spec 13.6) cannot redirect the save.  ``locked`` says
+    whether it holds the temp file's flock (False where the filesystem does not support
+    flock; ownership then rests on the name alone).
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, within: CheckpointDir | None = None) -> None:
         self.path = path
-        self.tmp = ""
+        self.name = os.path.basename(path)
+        self.tmp = ""  # the temp file's path, for messages and tests
         self.fd = -1
         self.locked = False
+        self._within = within
+        self._dir: CheckpointDir | None = None
+        self._tmp_name = ""
 
     def __enter__(self) -> AtomicFile:
-        if os.path.isdir(self.path):
+        if self._within is not None:
+            d = self._dir = self._within.dup()
+        else:
+            d = self._dir = CheckpointDir.open(os.path.dirname(self.path) or ".")
+        try:
+            self._create(d)
+            self.locked = lock_exclusive(self.fd)
+            # ages of other hosts' temps are measured by the filesystem's clock, not this host's
+            remove_abandoned_temps(d, os.fstat(self.fd).st_mtime)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _create(self, d: CheckpointDir) -> None:
+        if d.is_dir(self.name):
             raise IsADirectoryError(errno.EISDIR, "is a directory", self.path)
-        prefix = temp_prefix(self.path)
+        prefix = os.path.basename(temp_prefix(self.path))
         owner = owner_token()
         while True:
-            tmp = f"{prefix}{owner}.{secrets.token_hex(4)}"
-            name = os.path.basename(tmp)
+            name = f"{prefix}{owner}.{secrets.token_hex(4)}"
             with _own_lock:
                 _own.add(name)  # before it exists: a cleanup in another thread never sees it unowned
             try:
-                self.fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                self.fd = d.create(name)
             except FileExistsError:
                 _disown(name)
                 continue
             except BaseException:
                 _disown(name)
                 raise
-            self.tmp = tmp
-            break
-        try:
-            self.locked = lock_exclusive(self.fd)
-            # ages of other hosts' temps are measured by the filesystem's clock, not this host's
-            remove_abandoned_temps(os.path.dirname(self.path), os.fstat(self.fd).st_mtime)
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
+            self._tmp_name = name
+            self.tmp = d.path_of(name)
+            return
 
     def commit(self, *, free_replaced: Callable[[int], None] | None = None) -> None:
         """fsync the file, rename it over the target, fsync the directory.
 
         A file it replaces is held open across the rename and handed to `free_replaced`
         (default: closed on a thread of its own), so that freeing it is off this path."""
+        assert self._dir is not None
         os.fsync(self.fd)
-        replaced = _hold_old_file(self.path)
+        replaced = _hold_old_file(self._dir, self.name)
         try:
-            os.replace(self.tmp, self.path)
+            self._dir.rename(self._tmp_name, self.name)
         finally:
             if replaced >= 0:
                 (free_replaced or _close_later)(replaced)
-        _disown(os.path.basename(self.tmp))
-        self.tmp = ""
-        fsync_dir(os.path.dirname(self.path))
+        _disown(self._tmp_name)
+        self._tmp_name = self.tmp = ""
+        self._dir.fsync()
 
     def __exit__(self, *exc: object) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
-        if self.tmp:
+        if self._tmp_name and self._dir is not None:
             try:
-                os.unlink(self.tmp)
+                self._dir.unlink(self._tmp_name)
             except OSError:
                 pass  # left for a later cleanup: no longer registered, so abandoned
-            _disown(os.path.basename(self.tmp))
-            self.tmp = ""
+            _disown(self._tmp_name)
+            self._tmp_name = self.tmp = ""
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None
 
 
-def _hold_old_file(path: str) -> int:
+def _hold_old_file(d: CheckpointDir, name: str) -> int:
     """An open descriptor of the regular file a commit is about to replace, or -1.
 
     Renaming over a file frees its pages and blocks in the rename itself when nothing
     else holds it open: about 0.12 s per GiB on tmpfs, a quarter of a save.  Holding it
     open moves that work to the close, which _close_later does off the caller's path."""
+    before = d.lstat(name)
+    if before is None or not stat.S_ISREG(before.st_mode) or before.st_blocks == 0:
+        return -1  # opening a FIFO or a device has effects of its own; an empty file frees nothing
     try:
-        before = os.lstat(path)
-        if not stat.S_ISREG(before.st_mode) or before.st_blocks == 0:
-            return -1  # opening a FIFO or a device has effects of its own; an empty file frees nothing
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        fd = d.open_file(name)
+    except (OSError, CheckpointError):
         return -1
     try:
         st = os.fstat(fd)

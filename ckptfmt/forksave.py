@@ -49,6 +49,7 @@ import torch
 
 from . import _native, chunkio, inflight, tree
 from . import format as fmt
+from .ckptdir import CheckpointDir
 from .commit import AtomicFile
 from .errors import SnapshotError
 from .inflight import SaveHandle
@@ -114,6 +115,7 @@ def save_forked(
     level: int | None,
     metadata: dict[str, str],
     chunk_size: int,
+    within: CheckpointDir | None = None,
 ) -> SaveHandle:
     """Fork a child that writes `encoded`'s chunks to a temp file; return once it runs.
 
@@ -121,7 +123,7 @@ def save_forked(
     behind: no temp file, no descriptor, no child, no save in flight."""
     handle = SaveHandle(path)
     handle.snapshot = "fork"
-    atomic = AtomicFile(path)
+    atomic = AtomicFile(path, within)
     atomic.__enter__()  # creation errors (missing directory, permissions) are raised now
     file_id = chunkio.new_file_id()
     own: list[int] = []  # descriptors this call closes if it fails

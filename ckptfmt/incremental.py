@@ -27,6 +27,7 @@ import numpy as np
 from . import _native, bytesview, chunkio, dtypes, hostmem, inflight, tree, writer
 from . import format as fmt
 from .chunkio import ChunkRecord
+from .ckptdir import CheckpointDir
 from .commit import AtomicFile
 from .errors import CheckpointWarning
 from .inflight import SaveHandle
@@ -196,6 +197,7 @@ def save(
     blocking: bool = True,
     chunk_size: int | None = None,
     min_reference_bytes: int = 0,
+    within: CheckpointDir | None = None,
 ) -> SaveHandle | None:
     """Write `state` to `path` with content digests (feature bit 0).
 
@@ -209,6 +211,7 @@ def save(
     chunks of unchanged tensors line up.  blocking=False returns a SaveHandle once the
     state is snapshotted; the digests are computed from the snapshot by the writer.
     Chunks shorter than `min_reference_bytes` are always written here.
+    `within`: the open directory that holds `path` (writer.save_within).
     """
     meta = writer.check_save_args(compression, level, metadata)
     target = os.fspath(path)
@@ -233,6 +236,7 @@ def save(
         chunk_size=size,
         blocking=blocking,
         dedup=index,
+        within=within,
     )
     return result
 

@@ -479,9 +479,15 @@ class CheckpointManager:
                 compression=self.compression,
                 blocking=self.blocking,
                 min_reference_bytes=incremental.MIN_REFERENCE_BYTES,
+                within=_held(job),
             )
-        return writer.save(
-            payload, target, compression=self.compression, blocking=self.blocking, snapshot=self.snapshot
+        return writer.save_within(
+            _held(job),
+            payload,
+            target,
+            compression=self.compression,
+            blocking=self.blocking,
+            snapshot=self.snapshot,
         )
 
     def _finish(self, job: _Job, before: threading.Thread | None) -> None:
@@ -512,18 +518,17 @@ class CheckpointManager:
             job.handle._finish(exc)
 
     def _commit(self, job: _Job) -> None:
-        state_path = os.path.join(job.path, STATE_NAME)
-        parts = (multifile.describe_part(state_path, STATE_NAME),)
+        """Write the step's commit record, naming the state file and every file it reads
+        chunks from, each described through the step directory this save holds."""
+        d = _held(job)
+        parts = (_describe(d, STATE_NAME),)
         refs: tuple[multifile.PartRecord, ...] = ()
         if self.incremental:
-            from . import incremental
-
-            refs = tuple(
-                multifile.describe_part(p, os.path.relpath(p, job.path))
-                for p in incremental.referenced_files(state_path)
-            )
+            with CheckpointFile(d.path_of(STATE_NAME), fd=d.open_file(STATE_NAME), within=d) as f:
+                rels = [ext.rel for ext in f.externals]
+            refs = tuple(_describe(d, rel) for rel in rels)
         record = multifile.CommitRecord(job.step, "state", parts, refs, job.metrics, job.metadata)
-        multifile.write_commit(job.path, record)
+        multifile.write_commit(job.path, record, within=d)
 
     def _abandon(self, job: _Job) -> None:
         """A failed save: remove what it wrote (its step never became a checkpoint)."""
@@ -861,6 +866,21 @@ def _abandoned_temp(name: str, path: str) -> bool:
     except OSError:
         return False
     return age > _TEMP_GRACE_S
+
+
+def _held(job: _Job) -> CheckpointDir:
+    """The step directory a save holds open and locked (job.lock_fd), to write beneath.  It
+    only lends the descriptor: whoever keeps it dups it, and it is never closed through this."""
+    return CheckpointDir(job.lock_fd, job.path)
+
+
+def _describe(d: CheckpointDir, name: str) -> multifile.PartRecord:
+    """The identity of file `name` (a reference path) beneath `d`, for a commit record."""
+    fd = d.open_ref(name)
+    try:
+        return multifile.describe_open_part(fd, d.path_of(name), name)
+    finally:
+        os.close(fd)
 
 
 def _ident(d: CheckpointDir, name: str) -> tuple[int, int, int, int] | None:

@@ -187,11 +187,12 @@ def opened(directory: str | os.PathLike[str] | CheckpointDir) -> Iterator[Checkp
 # -- the record ------------------------------------------------------------------------
 
 
-def write_commit(directory: str, record: CommitRecord) -> None:
-    """Write the commit record last: temp file, fsync, rename, fsync the directory."""
-    from .writer import save
+def write_commit(directory: str, record: CommitRecord, within: CheckpointDir | None = None) -> None:
+    """Write the commit record last: temp file, fsync, rename, fsync the directory (beneath
+    the open directory `within` when given)."""
+    from .writer import save_within
 
-    save(record.as_value(), os.path.join(directory, COMMIT_NAME))
+    save_within(within, record.as_value(), os.path.join(directory, COMMIT_NAME))
 
 
 #: a commit record larger than this is refused before it is parsed (records name at most

@@ -30,6 +30,7 @@ from .chunkio import (  # noqa: F401 - the chunk writer's names, as they were im
     producer_info,
     storage_bytes,
 )
+from .ckptdir import CheckpointDir
 from .commit import (  # noqa: F401 - the commit protocol's names, as they were importable from here
     TEMP_MARKER,
     AtomicFile,
@@ -98,6 +99,34 @@ def save(
     process (Linux, C engine, host memory not shared with other processes): the caller
     waits only for fork(), but each page it changes before the child is done is copied
     then, one page fault at a time."""
+    return save_within(
+        None,
+        state,
+        path,
+        compression=compression,
+        level=level,
+        metadata=metadata,
+        blocking=blocking,
+        chunk_size=chunk_size,
+        snapshot=snapshot,
+    )
+
+
+def save_within(
+    within: CheckpointDir | None,
+    state: object,
+    path: str | os.PathLike[str],
+    *,
+    compression: str | None = None,
+    level: int | None = None,
+    metadata: dict[str, str] | None = None,
+    blocking: bool = True,
+    chunk_size: int | None = None,
+    snapshot: str = "copy",
+) -> Any:
+    """save() into the open directory `within` (which holds `path`): the file is created,
+    renamed and made durable beneath that descriptor, never by resolving `path` again
+    (the checkpoint manager saves into a step directory it holds open and locked)."""
     meta = check_save_args(compression, level, metadata)
     check_snapshot(snapshot)
     target = os.fspath(path)
@@ -113,6 +142,7 @@ def save(
         chunk_size=size,
         blocking=blocking,
         snapshot=snapshot,
+        within=within,
     )
 
 
@@ -128,8 +158,10 @@ def write_state(
     blocking: bool,
     dedup: Dedup | None = None,
     snapshot: str = "copy",
+    within: CheckpointDir | None = None,
 ) -> Any:
-    """Encode and commit `state` at `target` (arguments already checked, earlier saves waited for)."""
+    """Encode and commit `state` at `target` (arguments already checked, earlier saves waited
+    for), beneath the open directory `within` when given (AtomicFile)."""
     encoded = tree.encode(state)  # fails on unsupported objects before any I/O
     tree.check_chunks(encoded, chunk_size)
     if not blocking:
@@ -142,9 +174,10 @@ def write_state(
             chunk_size=chunk_size,
             dedup=dedup,
             snapshot=snapshot,
+            within=within,
         )
     try:
-        with AtomicFile(target) as f:
+        with AtomicFile(target, within) as f:
             build_file(
                 f.fd,
                 encoded,

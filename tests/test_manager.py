@@ -470,9 +470,9 @@ def test_a_step_directory_stays_locked_when_its_lock_was_probed_at_creation(tmp_
     gate = threading.Event()
     real_commit = multifile.write_commit
 
-    def held(directory, record):
+    def held(directory, record, within=None):
         assert gate.wait(20)
-        real_commit(directory, record)
+        real_commit(directory, record, within)
 
     monkeypatch.setattr(multifile, "write_commit", held)
     mgr = CheckpointManager(tmp_path, blocking=False)
@@ -512,10 +512,10 @@ def test_a_concurrent_save_of_another_manager_in_this_process_is_not_disturbed(t
     gate = threading.Event()
     real = multifile.write_commit
 
-    def held(directory, record):
+    def held(directory, record, within=None):
         if record.step == 2:
             assert gate.wait(20)
-        real(directory, record)
+        real(directory, record, within)
 
     monkeypatch.setattr(multifile, "write_commit", held)
     h = a.save(2, _tiny(2))
@@ -855,12 +855,12 @@ def _delay_first_file(monkeypatch, delay_step, seconds):
         handle = real_write(self, job, payload)
         return Slow(handle) if job.step == delay_step else handle
 
-    def commit(directory, record):
+    def commit(directory, record, within=None):
         part = os.path.join(directory, "state.ckpt")
         # every file the record names is in place, whole, before the record is written
         assert multifile.describe_part(part, "state.ckpt") == record.files[0]
         commits.append((record.step, sorted(os.listdir(os.path.dirname(directory)))))
-        real_commit(directory, record)
+        real_commit(directory, record, within)
 
     monkeypatch.setattr(manager_mod.CheckpointManager, "_write_state", write_state)
     monkeypatch.setattr(multifile, "write_commit", commit)

@@ -222,9 +222,9 @@ def test_nothing_is_deleted_before_the_newer_checkpoint_commits(tmp_path, monkey
     seen = []
     real = multifile.write_commit
 
-    def spy(directory, record):
+    def spy(directory, record, within=None):
         seen.append((record.step, _step_dirs(tmp_path)))
-        real(directory, record)
+        real(directory, record, within)
 
     monkeypatch.setattr(multifile, "write_commit", spy)
     mgr.save(2, _tiny(2))
@@ -237,7 +237,7 @@ def test_a_failed_save_deletes_nothing(tmp_path, monkeypatch):
     mgr = CheckpointManager(tmp_path, keep_last=1)
     mgr.save(1, _tiny(1))
 
-    def fail(directory, record):
+    def fail(directory, record, within=None):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(multifile, "write_commit", fail)
