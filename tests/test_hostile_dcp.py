@@ -341,15 +341,13 @@ SAME = "same"  # consolidate raises what load raises
 
 @dataclass(frozen=True)
 class Case:
+    """A hostile directory: how to build it from a valid one, and what each path must answer."""
+
     build: Callable[[Path], None]
     load: type[CheckpointError] | None  # None: load succeeds
     consolidate: type[CheckpointError] | str | None = SAME
     dcp_format: bool = False  # built from DCP's own FileSystemWriter format
     ls_sees: bool = True  # ls (index only, no data) reports it
-
-
-def _hostile(load: type[CheckpointError], **kw: Any) -> Callable[[Callable[[Path], None]], Case]:
-    return lambda build: Case(build, load, **kw)
 
 
 EXPECT: dict[str, Case] = {
