@@ -329,3 +329,25 @@ def test_a_dcp_rank_file_that_is_a_link_is_never_read(tmp_path):
         cdcp.load(target, ckpt)
     assert torch.equal(target["w"], torch.zeros(8))
     assert cli(["verify", str(ckpt)]) == 1
+
+
+def test_a_save_writes_into_the_step_directory_it_made_even_if_it_is_swapped_for_a_link(
+    tmp_path, monkeypatch
+):
+    """Between making its step directory and writing into it, the directory is renamed away
+    and a link to an outside directory put in its place: the state file and the commit
+    record still go into the directory the save made and holds, never through the link."""
+    from ckptfmt import manager as manager_mod
+
+    r = _make_run(tmp_path)
+    real = manager_mod.CheckpointManager._write_state
+
+    def swap_then_write(self, job, payload):
+        os.rename(job.path, r.root / "moved")
+        os.symlink(r.outside, job.path)
+        return real(self, job, payload)
+
+    monkeypatch.setattr(manager_mod.CheckpointManager, "_write_state", swap_then_write)
+    CheckpointManager(r.run).save(3, _state(3))
+    assert sorted(os.listdir(r.outside)) == ["precious.txt"]
+    assert sorted(os.listdir(r.root / "moved")) == ["COMMIT", "state.ckpt"]
