@@ -757,7 +757,7 @@ class CheckpointManager:
             rng_state = f.load_subtree(root["rng"], None, True)
             if not isinstance(fp, dict):
                 raise CorruptError("the resume fingerprint is not a dict", path=f.path)
-            differences = resume.check_resume(f, fp, rng_state is not None, state, strict)
+            differences = resume.check_resume(f, fp, rng_state, state, strict)
             resume.check_target(f, root["state"], state, strict)  # before anything is filled
             report = resume.ResumeReport(step=info.step, path=info.path, differences=differences)
             # every chunk of the state is checked before any of the caller's objects is

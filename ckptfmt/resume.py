@@ -357,17 +357,19 @@ def _hparam_differences(path: str, saved: list[Any], now: list[dict[str, Any]]) 
 
 
 def check_resume(
-    f: CheckpointFile, resume: dict[str, Any], has_rng: bool, state: Any, strict: bool
+    f: CheckpointFile, resume: dict[str, Any], rng_state: Any, state: Any, strict: bool
 ) -> list[str]:
     """All differences, most serious first; raise MismatchError for architecture ones when strict.
 
     First of all, before anything of the caller's changes: CorruptError when the fingerprint
-    or (`has_rng`) the file's RNG states are malformed, so that restoring them after the
-    state was filled cannot fail.  The RNG states are checked even when the caller will not
-    restore them: a checkpoint that holds malformed ones is damaged."""
+    or the file's RNG states (`rng_state`, as loaded; None when it has none) are malformed,
+    so that restoring them after the state was filled cannot fail.  The RNG states are
+    checked even when the caller will not restore them: a checkpoint that holds malformed
+    ones is damaged."""
     resume = check_fingerprint(resume, f.path)
+    has_rng = rng_state is not None
     if has_rng:
-        rng.check_capture(f.load_subtree(node_items(f, f.tree.root)["rng"], None, True), f.path)
+        rng.check_capture(rng_state, f.path)
     arch = architecture_problems(resume["architecture"], state)
     if arch and strict:
         raise MismatchError(f"the model does not match the checkpoint: {_few(arch)}", path=f.path)
