@@ -211,7 +211,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 continue
             results += entries
             for ent in entries:
-                if ent["status"] == "failed" or (args.step is not None and ent["status"] != "ok"):
+                # a damaged step fails a run's verify; an incomplete one (a save in progress, or
+                # one that died before its commit) is not a checkpoint and fails only when asked for
+                if ent["status"] in ("failed", "damaged") or (
+                    args.step is not None and ent["status"] != "ok"
+                ):
                     status = max(status, _FILE_FAILED)
             continue
         entry, code = _verify_file(path, args.quick)
@@ -239,6 +243,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 )
         elif res["status"] == "incomplete":
             _say(f"{res['path']}: INCOMPLETE (not a checkpoint) {res['error']}")
+        elif res["status"] == "damaged":
+            _say(f"{res['path']}: DAMAGED {res['error']}")
         elif res["status"] == "retained":
             _say(f"{res['path']}: RETAINED {res['error']}")
         elif res["status"] == "not-ckptfmt":
@@ -256,7 +262,8 @@ def _verify_dir(path: str, step: int | None) -> list[dict[str, Any]]:
     from .manager import CheckpointManager, verify_step
 
     targets: list[tuple[int | None, str, str | None]]
-    if os.path.exists(os.path.join(path, multifile.COMMIT_NAME)):
+    damaged: set[str] = set()
+    if os.path.lexists(os.path.join(path, multifile.COMMIT_NAME)):
         targets = [(None, path, None)]
     else:
         statuses = CheckpointManager(path).statuses()
@@ -269,43 +276,25 @@ def _verify_dir(path: str, step: int | None) -> list[dict[str, Any]]:
         targets = [
             (s.step, s.path, None if s.info else ("retained" if s.retained else s.problem)) for s in statuses
         ]
+        damaged = {s.path for s in statuses if s.info is None and s.damaged and not s.retained}
     out = []
     for n, full, problem in targets:
         entry: dict[str, Any] = {"path": full, "step": n}
         if problem == "retained":
             entry.update(status="retained", error="kept only for chunks later steps refer to")
+        elif problem is not None and full in damaged:  # a commit record that is bad, or names bad files
+            entry.update(status="damaged", error=problem)
         elif problem is not None:
             entry.update(status="incomplete", error=problem)
         else:
             report = verify_step(full)
-            problems = report.problems or _dcp_problems(full)
+            problems = report.problems
             entry.update(
                 status="failed" if problems else "ok",
                 chunks=report.chunks,
                 problems=[_problem_dict(p) for p in problems],
             )
         out.append(entry)
-    return out
-
-
-def _dcp_problems(path: str) -> list[Any]:
-    """For a step of layout "dcp", what cdcp.load would refuse in it (verify_step checked its files'
-    bytes): its record's dcp member and every item against its rank file, as load checks them."""
-    from . import multifile
-    from .verify import Problem, problem_of
-
-    try:
-        if multifile.read_commit(path).layout != "dcp":
-            return []
-    except (CheckpointError, OSError):
-        return []  # verify_step reported it
-    from .dcp.check import verify_directory
-
-    out = []
-    for e in verify_directory(path):
-        name = os.path.basename(e.path or "")  # the record or the rank file it is about
-        text = e.reason if not name or e.reason.startswith(name) else f"{name}: {e.reason}"
-        out.append(Problem(problem_of(e).kind, text, e.key))
     return out
 
 

@@ -804,7 +804,24 @@ def verify_step(path: str, step: int | None = None) -> VerifyReport:
             _verify_parts(d, record, report)
     except CheckpointError as e:
         report.problems.append(problem_of(e))
+        return report
+    if record.layout == "dcp" and report.ok:
+        report.problems += _dcp_problems(path)
     return report
+
+
+def _dcp_problems(path: str) -> list[Problem]:
+    """What cdcp.load would refuse in a step of layout "dcp" whose files' bytes verified: its
+    record's dcp member, and every item against its rank file, as load checks them."""
+    from .dcp.check import verify_directory
+    from .verify import problem_of
+
+    out = []
+    for e in verify_directory(path):
+        name = os.path.basename(e.path or "")  # the record or the rank file it is about
+        text = e.reason if not name or e.reason.startswith(name) else f"{name}: {e.reason}"
+        out.append(Problem(problem_of(e).kind, text, e.key))
+    return out
 
 
 def _verify_parts(d: CheckpointDir, record: multifile.CommitRecord, report: VerifyReport) -> None:

@@ -129,31 +129,31 @@ def describe_part(path: str, name: str) -> PartRecord:
         os.close(fd)
 
 
-def open_part(directory: CheckpointDir, rec: PartRecord, owner: str) -> int:
+def open_part(directory: CheckpointDir, rec: PartRecord, owner: str, label: str | None = None) -> int:
     """A descriptor of the file `rec` names, resolved beneath `directory` without following a
     link, once it is checked to be there with the recorded length, id and index checksum.
-    The caller owns the descriptor: reading through it reads exactly the file checked."""
+    The caller owns the descriptor: reading through it reads exactly the file checked.
+    `label`: how messages name the part (default its name)."""
+    what = rec.name if label is None else label
     try:
         fd = directory.open_ref(rec.name)
     except FileNotFoundError:
-        raise IncompleteError(f"{rec.name} named by the commit record is missing", path=owner) from None
+        raise IncompleteError(f"{what} named by the commit record is missing", path=owner) from None
     except CheckpointError as e:  # a link on the way, not a regular file
-        raise CorruptError(f"{rec.name} is not a file of the checkpoint: {e.reason}", path=owner) from None
+        raise CorruptError(f"{what} is not a file of the checkpoint: {e.reason}", path=owner) from None
     except OSError as e:
-        raise IncompleteError(f"{rec.name} cannot be read: {e.strerror}", path=owner) from None
+        raise IncompleteError(f"{what} cannot be read: {e.strerror}", path=owner) from None
     try:
         try:
             found = describe_open_part(fd, directory.path_of(rec.name), rec.name)
         except CheckpointError as e:
-            raise CorruptError(f"{rec.name} is damaged: {e}", path=owner) from None
+            raise CorruptError(f"{what} is damaged: {e}", path=owner) from None
         if found.length != rec.length:
             raise CorruptError(
-                f"{rec.name} is {found.length} bytes, the commit record says {rec.length}", path=owner
+                f"{what} is {found.length} bytes, the commit record says {rec.length}", path=owner
             )
         if found.file_id != rec.file_id or found.index_checksum != rec.index_checksum:
-            raise CorruptError(
-                f"{rec.name} is not the file the commit record names (another save?)", path=owner
-            )
+            raise CorruptError(f"{what} is not the file the commit record names (another save?)", path=owner)
     except BaseException:
         os.close(fd)
         raise

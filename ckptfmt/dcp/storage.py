@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .. import _native, commit, multifile, writer
+from ..ckptdir import CheckpointDir
 from ..errors import CheckpointError, CorruptError, IncompleteError, UnsupportedError, UnsupportedObjectError
 from ..gcpause import pausing_in_main_thread
 from ..reader import CheckpointFile
@@ -353,13 +354,25 @@ def _remove_stale_rank_files(directory: str, keep: set[str]) -> None:
 # -- reading --------------------------------------------------------------------------------------
 
 
+def _open_source(path: str, label: str, record: multifile.PartRecord | None) -> CheckpointFile:
+    """A rank file the commit record names is opened beneath the checkpoint directory without
+    following a link (spec 13.6) and read through the descriptor whose identity was checked;
+    a single file the caller names is opened by its path."""
+    if record is None:
+        return CheckpointFile(path)
+    with CheckpointDir.open(os.path.dirname(path) or ".") as d:
+        rec = dataclasses.replace(record, name=os.path.basename(path))
+        fd = multifile.open_part(d, rec, d.path, label)
+        return CheckpointFile(path, fd=fd, within=d)
+
+
 class _Source:
     """An open ckptfmt file that items are read from (a rank file, or a single checkpoint file)."""
 
     def __init__(self, path: str, label: str, record: multifile.PartRecord | None, keyed: bool) -> None:
         self.label = label
         try:
-            self.f = CheckpointFile(path)
+            self.f = _open_source(path, label, record)
         except FileNotFoundError:
             raise IncompleteError(f"{label} named by the commit record is missing", path=path) from None
         except OSError as e:
