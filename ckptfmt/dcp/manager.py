@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 
 from .. import background, resume
-from ..errors import CheckpointError, CheckpointWarning, UnsupportedError
+from ..errors import CheckpointError, CheckpointWarning, CorruptError, UnsupportedError
 from .api import load, save
 from .convert import load_full, skeleton
 from .storage import Reader
@@ -149,22 +149,34 @@ def load_step_into(info: CheckpointInfo, state: Any, restore_rng: bool) -> resum
     for obj in _stateful(state):
         if isinstance(obj, torch.optim.Optimizer) and not obj.state:
             _init_optimizer_state(obj)
+    saved = _checked_rng(md, info.path, rank)  # before DCP loads into the caller's tensors
     target: dict[str, Any] = {"state": resume.to_storable(state)}
-    rng = skeleton(_subset(md, ("rng", rng_key(rank)))).get("rng")
-    if rng:
-        target["rng"] = rng
     load(target, info.path)
     _push_back(state, target["state"])
     report = resume.ResumeReport(step=info.step, path=info.path)
-    if restore_rng and rng:
-        saved = target["rng"][rng_key(rank)]
-        if type(saved) is not tuple or len(saved) != 1:
-            raise CheckpointError(
-                f"the RNG states of rank {rank} are not what a manager saves", path=info.path
-            )
-        restore(saved[0])
+    if restore_rng and saved is not None:
+        restore(saved)
         report.rng_restored = True
     return report
+
+
+def _checked_rng(md: Any, path: str, rank: int) -> Any:
+    """This rank's RNG states from a sharded step (None when it holds none), read and checked
+    to be what restore_rng restores before anything of the caller's is filled: a malformed
+    capture fails the load while the caller's objects are as they were."""
+    from ..rng import check_capture
+
+    key = rng_key(rank)
+    rng = skeleton(_subset(md, ("rng", key))).get("rng")
+    if not rng:
+        return None
+    target: dict[str, Any] = {"rng": rng}
+    load(target, path)
+    saved = target["rng"][key]
+    if type(saved) is not tuple or len(saved) != 1:
+        raise CorruptError(f"the RNG states of rank {rank} are not what a manager saves", path=path)
+    check_capture(saved[0], path, f"rng.{key}")
+    return saved[0]
 
 
 def _stateful(state: Any) -> list[Any]:
