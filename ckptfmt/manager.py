@@ -521,12 +521,12 @@ class CheckpointManager:
         """Write the step's commit record, naming the state file and every file it reads
         chunks from, each described through the step directory this save holds."""
         d = _held(job)
-        parts = (_describe(d, STATE_NAME),)
+        parts = (multifile.describe_in(d, STATE_NAME),)
         refs: tuple[multifile.PartRecord, ...] = ()
         if self.incremental:
             with CheckpointFile(d.path_of(STATE_NAME), fd=d.open_file(STATE_NAME), within=d) as f:
                 rels = [ext.rel for ext in f.externals]
-            refs = tuple(_describe(d, rel) for rel in rels)
+            refs = tuple(multifile.describe_in(d, rel) for rel in rels)
         record = multifile.CommitRecord(job.step, "state", parts, refs, job.metrics, job.metadata)
         multifile.write_commit(job.path, record, within=d)
 
@@ -889,15 +889,6 @@ def _held(job: _Job) -> CheckpointDir:
     """The step directory a save holds open and locked (job.lock_fd), to write beneath.  It
     only lends the descriptor: whoever keeps it dups it, and it is never closed through this."""
     return CheckpointDir(job.lock_fd, job.path)
-
-
-def _describe(d: CheckpointDir, name: str) -> multifile.PartRecord:
-    """The identity of file `name` (a reference path) beneath `d`, for a commit record."""
-    fd = d.open_ref(name)
-    try:
-        return multifile.describe_open_part(fd, d.path_of(name), name)
-    finally:
-        os.close(fd)
 
 
 def _ident(d: CheckpointDir, name: str) -> tuple[int, int, int, int] | None:

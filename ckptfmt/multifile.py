@@ -120,6 +120,15 @@ def describe_open_part(fd: int, path: str, name: str) -> PartRecord:
     return PartRecord(name, prologue.file_length, prologue.file_id, footer.index_checksum)
 
 
+def describe_in(d: CheckpointDir, name: str) -> PartRecord:
+    """The identity of file `name` (a part name or reference path) beneath `d`, for a record."""
+    fd = d.open_ref(name)
+    try:
+        return describe_open_part(fd, d.path_of(name), name)
+    finally:
+        os.close(fd)
+
+
 def describe_part(path: str, name: str) -> PartRecord:
     """The identity of a committed ckptfmt file a writer has just made (by path)."""
     fd = open_regular(path, follow_symlinks=False)

@@ -104,7 +104,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import stat
 import threading
 import warnings
@@ -113,8 +112,7 @@ from typing import TYPE_CHECKING, Any
 
 import ckptfmt
 
-from .. import commit, multifile, tree
-from ..chunkio import build_file
+from .. import commit, multifile
 from ..ckptdir import CheckpointDir, LinkError
 from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError, LimitError
 from ..reader import CheckpointFile
@@ -425,50 +423,20 @@ def _delete_folder(run: CheckpointDir, name: str) -> None:
 
 
 def _replace_file(folder: CheckpointDir, name: str, write: Callable[[int], object]) -> None:
-    """Make entry `name` of `folder` the file `write(fd)` writes: a temp sibling created
-    O_EXCL | O_NOFOLLOW (a link already at that name is never written through), fsync,
-    rename over `name` (whatever it was: a link or a FIFO is replaced as a name), fsync
-    the folder.  The temp name follows ckptfmt's rule (commit.temp_prefix), so it is never
-    taken for a checkpoint file and a crash's leftover is recognised as one."""
-    tmp = f"{commit.temp_prefix(name)}{commit.owner_token()}.{secrets.token_hex(4)}"
-    fd = folder.create(tmp)
-    try:
-        try:
-            write(fd)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        folder.rename(tmp, name)
-    except BaseException:
-        folder.unlink(tmp)
-        raise
-    folder.fsync()
+    """Make entry `name` of `folder` the file `write(fd)` writes, with the commit protocol
+    beneath the folder's descriptor (commit.AtomicFile): a temp sibling created
+    O_EXCL | O_NOFOLLOW and owned by this process (a link already at that name is never
+    written through), fsync, rename over `name` (a link or a FIFO is replaced as a name),
+    fsync the folder."""
+    with commit.AtomicFile(folder.path_of(name), folder) as f:
+        write(f.fd)
+        f.commit()
 
 
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
-
-
-def _write_commit(folder: CheckpointDir, record: multifile.CommitRecord) -> None:
-    """The commit record, written last, through the folder's descriptor."""
-    encoded = tree.encode(record.as_value())
-    where = folder.path_of(multifile.COMMIT_NAME)
-    _replace_file(
-        folder,
-        multifile.COMMIT_NAME,
-        lambda fd: build_file(fd, encoded, compression=None, level=None, metadata={}, path=where),
-    )
-
-
-def _describe(folder: CheckpointDir, name: str) -> multifile.PartRecord:
-    """The identity of part `name` just written into `folder`, read through its descriptor."""
-    fd = folder.open_file(name)
-    try:
-        return multifile.describe_open_part(fd, folder.path_of(name), name)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------
@@ -659,7 +627,7 @@ class CkptfmtTrainerMixin(_MixinBase):
             if errors:
                 raise errors[0]
             folder = save.check_in_place()
-            parts = tuple(_describe(folder, n) for n in save.names)
+            parts = tuple(multifile.describe_in(folder, n) for n in save.names)
             folder.fsync()
             record = multifile.CommitRecord(
                 step=save.step,
@@ -670,7 +638,7 @@ class CkptfmtTrainerMixin(_MixinBase):
                     "transformers": transformers.__version__,
                 },
             )
-            _write_commit(folder, record)
+            multifile.write_commit(folder.path, record, within=folder)
         finally:
             save.close()
         self._ckptfmt_rotate(save.run_dir, save.limit)
