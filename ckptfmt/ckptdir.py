@@ -18,7 +18,7 @@ nothing here ever resolves a path string that an entry could redirect (spec sect
 * new files are created ``O_CREAT | O_EXCL | O_NOFOLLOW`` (a name already there, a
   dangling link included, is never written through).
 
-This module imports nothing of the package but its errors; the layers above (commit
+This module imports nothing of the package but its errors and fileio; the layers above (commit
 records, the checkpoint manager, the trainer integrations) do their filesystem work
 through it.
 """
@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import stat
 from collections.abc import Iterator
 
-from .errors import CorruptError, LimitError, UnsupportedError
+from .errors import CorruptError, LimitError
+from .fileio import regular_or_close
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
@@ -115,14 +115,7 @@ class CheckpointDir:
             fd = os.open(name, _FILE_FLAGS, dir_fd=self.fd)
         except OSError as e:
             raise _open_error(e, where, "file") from None
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise UnsupportedError("not a regular file", path=where)
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return regular_or_close(fd, where)
 
     def open_ref(self, relpath: str) -> int:
         """open_file for a path relative to this directory (a reference path, spec 12.3),

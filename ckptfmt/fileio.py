@@ -1,7 +1,8 @@
 """Opening and reading the files a reader is given: the two helpers every reading path shares.
 
 The index parser (index.py), the chunk reader (chunkread.py) and the commit record's
-checks (multifile.py) all open files with `open_regular` and read their fixed-size
+checks (multifile.py) all open files with `open_regular` (ckptdir.py, which opens files
+beneath a directory's descriptor, with `regular_or_close`) and read their fixed-size
 parts with `pread_exact`; this module imports nothing of the package but its errors.
 """
 
@@ -28,6 +29,12 @@ def open_regular(path: str, *, follow_symlinks: bool = True) -> int:
         fd = os.open(path, flags)
     except OSError as e:
         raise OSError(e.errno, e.strerror, path) from None
+    return regular_or_close(fd, path)
+
+
+def regular_or_close(fd: int, path: str) -> int:
+    """`fd`, opened with O_NONBLOCK, once fstat shows a regular file (the flag then cleared:
+    reads of a regular file never block anyway); closed and UnsupportedError otherwise."""
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise UnsupportedError("not a regular file", path=path)

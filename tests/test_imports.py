@@ -136,7 +136,7 @@ def test_the_commit_protocol_and_the_registry_import_nothing_of_ckptfmt():
     filesystem operations there, which imports nothing but the errors."""
     graph = _graph(module_level_only=False)
     assert graph["ckptfmt.commit"] == {"ckptfmt.ckptdir", "ckptfmt.errors"}
-    assert graph["ckptfmt.ckptdir"] == {"ckptfmt.errors"}
+    assert graph["ckptfmt.ckptdir"] == {"ckptfmt.errors", "ckptfmt.fileio"}
     assert graph["ckptfmt.inflight"] == set()
     assert graph["ckptfmt.bytesview"] == set()
 
