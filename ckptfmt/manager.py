@@ -139,16 +139,8 @@ def check_step(d: CheckpointDir, step: int | None) -> multifile.CommitRecord:
     return record
 
 
-def check_references(f: CheckpointFile, record: multifile.CommitRecord, owner: str) -> None:
-    """Every file `f` reads chunks from is one the commit record names (spec 13.1): a load
-    never reads a file the record does not bind by name, length and file id."""
-    named = {(p.name, p.file_id, p.length) for p in record.references}
-    for ext in f.externals:
-        if (ext.rel, ext.file_id, ext.length) not in named:
-            raise CorruptError(
-                f"{os.path.basename(f.path)} reads chunks from {ext.rel}, which the commit record does not name",
-                path=owner,
-            )
+#: every file a loaded file reads chunks from is one the commit record names (spec 13.1)
+check_references = multifile.check_references
 
 
 def _try_lock(fd: int) -> bool | None:

@@ -169,6 +169,18 @@ def open_part(directory: CheckpointDir, rec: PartRecord, owner: str, label: str 
     return fd
 
 
+def check_references(f: CheckpointFile, record: CommitRecord, owner: str) -> None:
+    """Every file `f` reads chunks from is one the commit record names (spec 13.1): a load
+    never reads a file the record does not bind by name, length and file id."""
+    named = {(p.name, p.file_id, p.length) for p in record.references}
+    for ext in f.externals:
+        if (ext.rel, ext.file_id, ext.length) not in named:
+            raise CorruptError(
+                f"{os.path.basename(f.path)} reads chunks from {ext.rel}, which the commit record does not name",
+                path=owner,
+            )
+
+
 def check_part(directory: str | os.PathLike[str] | CheckpointDir, rec: PartRecord, owner: str) -> None:
     """Raise unless the file `rec` names is there with the recorded length, id and index checksum."""
     with opened(directory) as d:
