@@ -14,6 +14,7 @@ FIFO never blocks: each case runs under an alarm that fails it after ALARM_S sec
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -284,6 +285,43 @@ def rotation_over_links(e: Env) -> None:
     valid(e, NEWER)
 
 
+def _config_json(folder: str, write: Callable[[str], None]) -> None:
+    """config.json (which the commit record does not cover) replaced by what `write` writes."""
+    os.unlink(os.path.join(folder, "config.json"))
+    write(os.path.join(folder, "config.json"))
+
+
+def config_with(label: str, **changes: Any) -> Callable[[Env], None]:
+    """config.json of checkpoint-NEWER with `changes`: valid JSON, hostile values."""
+
+    def build(e: Env) -> None:
+        folder = newer(e)
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+        config.update(changes)
+
+        def write(path: str) -> None:
+            with open(path, "w") as f:
+                json.dump(config, f)
+
+        _config_json(folder, write)
+
+    build.__name__ = f"config_{label}"
+    return build
+
+
+def config_bytes(label: str, data: bytes) -> Callable[[Env], None]:
+    def build(e: Env) -> None:
+        def write(path: str) -> None:
+            with open(path, "wb") as f:
+                f.write(data)
+
+        _config_json(newer(e), write)
+
+    build.__name__ = f"config_{label}"
+    return build
+
+
 # ---------------------------------------------------------------------------
 # the actions: the real Trainer paths
 
@@ -320,6 +358,15 @@ def do_load_model(e: Env) -> Any:
     from ckptfmt.integrations.transformers import load_model
 
     return load_model(e.folder(NEWER), GPT2LMHeadModel)
+
+
+def do_load_auto_model(e: Env) -> Any:
+    """load_model through an Auto class: the model is made by from_config (config.json's dtype)."""
+    from transformers import AutoModelForCausalLM
+
+    from ckptfmt.integrations.transformers import load_model
+
+    return load_model(e.folder(NEWER), AutoModelForCausalLM)
 
 
 def do_save_newer(e: Env) -> Any:
@@ -412,6 +459,7 @@ class Case:
 
 
 NOT_COMPLETE = r"CheckpointError: .*not a complete ckptfmt checkpoint"
+CONFIG_MISFIT = r"CorruptError: .*checkpoint-8: config.json does not fit the committed model: "
 CASES = [
     # a checkpoint-N that is a link: skipped with a warning, never written into or emptied
     Case("folder-link", link_folder, do_latest, "ok", r"checkpoint-8.*symbolic link"),
@@ -492,6 +540,71 @@ CASES = [
     Case("best", valid, do_load_best_outside, "ok", after=best_not_loaded),
     Case("best", link_older_folder, do_load_best, "ok", after=best_not_loaded),
     Case("best", valid, do_load_best, "ok", after=best_loaded),
+    # config.json, which the commit record does not cover: refused unless the model it makes is
+    # the committed one, found on the meta device before anything is allocated
+    Case(
+        "config",
+        config_with("huge_vocab", vocab_size=2**40),
+        do_load_model,
+        CONFIG_MISFIT + r".*transformer.wte.weight.*\[32, 8\].*\[1099511627776, 8\]",
+    ),
+    Case("config", config_with("wrong_n_embd", n_embd=16), do_load_model, CONFIG_MISFIT + r".*\[32, 16\]"),
+    Case("config", config_with("fewer_layers", n_layer=0), do_load_model, CONFIG_MISFIT + r".*h.0"),
+    Case(
+        "config",
+        config_with("dtype", dtype="float16"),
+        do_load_auto_model,
+        CONFIG_MISFIT + r".*torch.float32 \[32, 8\] in model.ckpt, torch.float16 \[32, 8\] in the model",
+    ),
+    Case("config", newer, do_load_auto_model, "ok"),
+    Case(
+        "config",
+        config_with("many_layers", n_layer=100_000),
+        do_load_model,
+        r"CorruptError: .*checkpoint-8: config.json does not make a model: .*more than",
+    ),
+    Case(
+        "config",
+        config_with("bad_heads", n_head=3),
+        do_load_model,
+        r"CorruptError: .*checkpoint-8: config.json does not make a model: ValueError: .*divisible",
+    ),
+    Case(
+        "config",
+        config_with("negative_vocab", vocab_size=-5),
+        do_load_model,
+        r"CorruptError: .*checkpoint-8: config.json does not make a model: RuntimeError: .*negative",
+    ),
+    Case(
+        "config",
+        config_with("wrong_type", n_layer="two"),
+        do_load_model,
+        r"CorruptError: .*checkpoint-8: config.json is not a gpt2 config: .*n_layer",
+    ),
+    Case(
+        "config",
+        config_with("unknown_model_type", model_type="no-such-model"),
+        do_load_model,
+        r"UnsupportedError: .*checkpoint-8: config.json: model_type 'no-such-model' is not a model type",
+    ),
+    Case(
+        "config",
+        config_bytes("not_json", b"\xff\xfe not json"),
+        do_load_model,
+        r"CorruptError: .*checkpoint-8: config.json is not JSON",
+    ),
+    Case(
+        "config",
+        config_bytes("deep_json", b"[" * 100_000 + b"]" * 100_000),
+        do_load_model,
+        r"CorruptError: .*checkpoint-8: config.json is not JSON: RecursionError",
+    ),
+    Case(
+        "config",
+        config_bytes("not_an_object", b"[1, 2]"),
+        do_load_model,
+        r"CorruptError: .*checkpoint-8: config.json is not a model config: no model_type",
+    ),
 ]
 
 
@@ -567,5 +680,60 @@ def test_hostile_folder(case: Case, template: str, tmp_path: Any, alarm: None) -
 
 def test_the_corpus_covers_every_class() -> None:
     kinds = {c.kind for c in CASES}
-    assert kinds == {"folder-link", "entry-link", "commit-link", "temp-name", "uncommitted", "fifo", "best"}
+    assert kinds == {
+        "folder-link",
+        "entry-link",
+        "commit-link",
+        "temp-name",
+        "uncommitted",
+        "fifo",
+        "best",
+        "config",
+    }
     assert len({c.id for c in CASES}) == len(CASES), "two cases share an id"
+
+
+def _committed_folder(folder: str, model: Any) -> None:
+    """A complete checkpoint folder of `model` as the integration writes one (model.ckpt,
+    trainer_state.ckpt, COMMIT naming both, config.json beside them)."""
+    os.makedirs(folder)
+    ckptfmt.save(dict(model.state_dict()), os.path.join(folder, "model.ckpt"))
+    ckptfmt.save({"trainer_state_json": "{}"}, os.path.join(folder, "trainer_state.ckpt"))
+    model.config.save_pretrained(folder)
+    parts = tuple(
+        multifile.describe_part(os.path.join(folder, n), n) for n in ("model.ckpt", "trainer_state.ckpt")
+    )
+    multifile.write_commit(folder, multifile.CommitRecord(1, "hf-trainer", parts, (), {}, {}))
+
+
+def test_load_model_keeps_buffers_outside_the_state_dict(tmp_path: Any) -> None:
+    """BERT's position_ids and token_type_ids are buffers outside its state dict: the model
+    load_model builds (checked on the meta device first) has them as BERT makes them."""
+    from transformers import AutoModel, BertConfig, BertModel
+
+    from ckptfmt.integrations.transformers import load_model
+
+    torch.manual_seed(0)
+    saved = BertModel(
+        BertConfig(
+            vocab_size=64,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=32,
+        )
+    )
+    folder = os.path.join(str(tmp_path), "checkpoint-1")
+    _committed_folder(folder, saved)
+    for cls in (AutoModel, BertModel):
+        model = load_model(folder, cls)
+        assert type(model) is BertModel
+        assert model.state_dict().keys() == saved.state_dict().keys()
+        assert all(torch.equal(v, saved.state_dict()[k]) for k, v in model.state_dict().items())
+        for name, buffer in saved.named_buffers():
+            assert torch.equal(dict(model.named_buffers())[name], buffer), name
+        ids = torch.tensor([[1, 2, 3]])
+        model.eval()
+        saved.eval()
+        assert torch.equal(model(ids).last_hidden_state, saved(ids).last_hidden_state)
