@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 
 from .. import _native, bytesview, multifile
+from ..ckptdir import CheckpointDir
 from ..errors import CheckpointError
 from ..gcpause import pausing_in_main_thread
 from .planners import LoadPlanner, SavePlanner
@@ -110,6 +111,8 @@ def save(
     metrics: dict[str, float] | None = None,
     metadata: dict[str, str] | None = None,
     overwrite: bool = True,
+    _within: CheckpointDir | None = None,
+    _step_dir: bool = False,
 ) -> Metadata:
     """Save a (sharded) state dict into directory `path`; every rank of the group calls it.
 
@@ -117,6 +120,7 @@ def save(
     commit record.  Without an initialised process group this runs in this process alone.
     Errors on any rank are raised on every rank as a CheckpointError naming the ranks.
     ``overwrite=False`` refuses a `path` that already holds a checkpoint (see ``Writer``).
+    (`_within`, `_step_dir`: the checkpoint manager's step directory, see ``Writer``.)
     """
     target = os.path.abspath(os.fspath(path))
     w = Writer(
@@ -128,6 +132,8 @@ def save(
         metrics=metrics,
         metadata=metadata,
         overwrite=overwrite,
+        _within=_within,
+        _step_dir=_step_dir,
     )
     planner = _save_planner(process_group, "blocking")
     try:
@@ -143,6 +149,8 @@ def save(
         planner.forget_cached_plans()  # every rank gets the error: all caches start over
         _raise_mapped("save", target, e)
         raise
+    finally:
+        w.close()
 
 
 @pausing_in_main_thread
@@ -152,6 +160,7 @@ def load(
     *,
     process_group: dist.ProcessGroup | None = None,
     verify: bool = True,
+    _within: CheckpointDir | None = None,
 ) -> None:
     """Load into `state_dict` in place, resharding to this run's layout; every rank calls it.
 
@@ -160,9 +169,9 @@ def load(
     (modules, optimizers) get ``load_state_dict`` called, as with ``dcp.load``.
     """
     target = os.path.abspath(os.fspath(path))
-    reader = Reader(target, verify=verify)
-    reader.read_metadata()  # a missing or damaged commit record fails here, on every rank, plainly
+    reader = Reader(target, verify=verify, _within=_within)  # `_within`: the directory, opened
     try:
+        reader.read_metadata()  # a missing or damaged commit record fails here, on every rank, plainly
         with _single_process_ok():
             dcp.load(
                 state_dict,
@@ -171,9 +180,13 @@ def load(
                 process_group=process_group,
                 no_dist=not _distributed(),
             )
+    except CheckpointError:
+        raise
     except BaseException as e:
         _raise_mapped("load", target, e)
         raise
+    finally:
+        reader.close()
 
 
 # -- async ---------------------------------------------------------------------------------------
@@ -334,6 +347,7 @@ def async_save(
     out: concurrent.futures.Future[Metadata] = concurrent.futures.Future()
 
     def done(f: concurrent.futures.Future[Any]) -> None:
+        w.close()
         if f.exception() is not None:
             planner.forget_cached_plans()
         try:

@@ -11,20 +11,25 @@ can make passes, and chunk data is then checked by verify's checksums.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from .. import multifile
+from ..ckptdir import CheckpointDir
 from ..errors import CheckpointError, UnsupportedError
 from . import metadata as mdv
 from .storage import LAYOUT, _rank_note, _Source
 
 
-def read_record(directory: str) -> tuple[multifile.CommitRecord, Metadata, dict[MetadataIndex, mdv.Location]]:
+def read_record(
+    directory: str | CheckpointDir,
+) -> tuple[multifile.CommitRecord, Metadata, dict[MetadataIndex, mdv.Location]]:
     """The directory's commit record, checked as layout "dcp", its Metadata and item locations."""
     record = multifile.read_commit(directory)
-    return (record, *record_metadata(record, directory))
+    where = directory.path if isinstance(directory, CheckpointDir) else directory
+    return (record, *record_metadata(record, where))
 
 
 def record_metadata(
@@ -41,32 +46,38 @@ def record_metadata(
 
 
 def check_items(
-    directory: str,
-    parts: dict[str, multifile.PartRecord],
+    directory: str | CheckpointDir,
+    record: multifile.CommitRecord,
     where: dict[MetadataIndex, mdv.Location],
     fqns: set[str] | None = None,
 ) -> tuple[list[CheckpointError], int]:
     """Check the items of `fqns` (all: None) against their rank files, as a load that reads them
-    does; the first problem of each rank file, and the bytes of the distinct storages holding
-    their tensor chunks (what a consolidation may allocate, at most)."""
+    does (the rank files read beneath the directory's descriptor, each reading chunks only from
+    files the record names); the first problem of each rank file, and the bytes of the distinct
+    storages holding their tensor chunks (what a consolidation may allocate, at most)."""
     by_file: dict[str, list[tuple[str, mdv.Location]]] = {}
     for idx, loc in where.items():
         if fqns is None or idx.fqn in fqns:
             by_file.setdefault(loc.file, []).append((idx.fqn, loc))
     problems: list[CheckpointError] = []
     held = 0
-    for name in sorted(by_file):
+    with contextlib.ExitStack() as stack:
         try:
-            held += _check_file(directory, name, parts[name], by_file[name])
+            d = stack.enter_context(multifile.opened(directory))
         except CheckpointError as e:
-            problems.append(e)
+            return [e], 0
+        for name in sorted(by_file):
+            try:
+                held += _check_file(d, name, record, by_file[name])
+            except CheckpointError as e:
+                problems.append(e)
     return problems, held
 
 
 def _check_file(
-    directory: str, name: str, part: multifile.PartRecord, items: list[tuple[str, mdv.Location]]
+    d: CheckpointDir, name: str, record: multifile.CommitRecord, items: list[tuple[str, mdv.Location]]
 ) -> int:
-    src = _Source(os.path.join(directory, name), f"{name}{_rank_note(name)}", part, keyed=True)
+    src = _Source(d, name, f"{name}{_rank_note(name)}", record, keyed=True)
     try:
         storages: set[int] = set()
         for fqn, loc in items:
@@ -78,12 +89,16 @@ def _check_file(
         src.f.close()
 
 
-def verify_directory(directory: str | os.PathLike[str]) -> list[CheckpointError]:
+def verify_directory(directory: str | os.PathLike[str] | CheckpointDir) -> list[CheckpointError]:
     """Everything ``cdcp.load`` checks, for every item of the checkpoint: the problems found
-    (the record's, else the first of each rank file); chunk data is verify's checksums' job."""
-    path = os.path.abspath(os.fspath(directory))
-    try:
-        record, _, where = read_record(path)
-    except CheckpointError as e:
-        return [e]
-    return check_items(path, {p.name: p for p in record.files}, where)[0]
+    (the record's, else the first of each rank file); chunk data is verify's checksums' job.
+    The directory is opened once; the record and rank files are read beneath it."""
+    if not isinstance(directory, CheckpointDir):
+        directory = os.path.abspath(os.fspath(directory))
+    with contextlib.ExitStack() as stack:
+        try:
+            d = stack.enter_context(multifile.opened(directory))
+            record, _, where = read_record(d)
+        except CheckpointError as e:
+            return [e]
+        return check_items(d, record, where)[0]

@@ -12,6 +12,7 @@ load the file back into any sharding.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
@@ -40,6 +41,7 @@ from torch.futures import Future
 
 from .. import dtypes, multifile, writer
 from .. import format as fmt
+from ..ckptdir import CheckpointDir
 from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
 from ..fileio import open_regular, pread_exact
 from . import metadata as mdv
@@ -94,8 +96,12 @@ def consolidate(
         raise IncompleteError(
             "neither a ckptfmt commit record nor DCP's .metadata: not a complete DCP checkpoint", path=source
         )
-    md = reader.read_metadata()
-    state = load_full(reader, md, source, _ValuesPlanner(kind == "dcp-filesystem"))
+    try:
+        md = reader.read_metadata()
+        state = load_full(reader, md, source, _ValuesPlanner(kind == "dcp-filesystem"))
+    finally:
+        if isinstance(reader, Reader):
+            reader.close()
     tensors = [v for v in md.state_dict_metadata.values() if isinstance(v, TensorStorageMetadata)]
     nbytes = tensor_bytes(md)
     writer.save(
@@ -577,13 +583,23 @@ def describe(directory: str | os.PathLike[str]) -> dict[str, Any]:
     ):
         return _describe_dcp_format(path, out)
     out["format"] = "ckptfmt-dcp"
-    present = sorted(n for n in os.listdir(path) if RANK_FILE_RE.fullmatch(n)) if os.path.isdir(path) else []
-    try:
-        record = multifile.read_commit(path)
-    except CheckpointError as e:
-        out["problem"] = str(e)
-        out["files"] = [{"name": n, "rank": _rank(n), "status": "unnamed"} for n in present]
-        return out
+    with contextlib.ExitStack() as stack:
+        present: list[str] = []
+        try:
+            d = stack.enter_context(multifile.opened(path))  # the record and rank files read beneath it
+            present = [n for n in d.names() if RANK_FILE_RE.fullmatch(n)]
+            record = multifile.read_commit(d)
+        except CheckpointError as e:
+            out["problem"] = str(e)
+            out["files"] = [{"name": n, "rank": _rank(n), "status": "unnamed"} for n in present]
+            return out
+        return _describe_record(d, record, present, out)
+
+
+def _describe_record(
+    d: CheckpointDir, record: multifile.CommitRecord, present: list[str], out: dict[str, Any]
+) -> dict[str, Any]:
+    path = d.path
     out.update(step=record.step, layout=record.layout, created=record.created)
     problems = []
     try:
@@ -597,7 +613,7 @@ def describe(directory: str | os.PathLike[str]) -> dict[str, Any]:
     for part in record.files:
         entry: dict[str, Any] = {"name": part.name, "rank": _rank(part.name), "length": part.length}
         try:
-            multifile.check_part(path, part, path)
+            multifile.check_part(d, part, path)
             entry["status"] = "ok"
         except CheckpointError as e:
             entry["status"] = "missing" if isinstance(e, IncompleteError) else "damaged"
@@ -605,7 +621,7 @@ def describe(directory: str | os.PathLike[str]) -> dict[str, Any]:
             problems.append(e.reason)
         out["files"].append(entry)
     if not problems:
-        for bad in check_items(path, {p.name: p for p in record.files}, where)[0]:
+        for bad in check_items(d, record, where)[0]:
             for entry in out["files"]:
                 if entry["name"] == os.path.basename(bad.path or ""):
                     entry.update(status="damaged", problem=bad.reason)

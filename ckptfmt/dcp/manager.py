@@ -30,8 +30,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 
-from .. import background, resume
-from ..errors import CheckpointError, CheckpointWarning, CorruptError, UnsupportedError
+from .. import background, multifile, resume
+from ..ckptdir import CheckpointDir
+from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError, UnsupportedError
 from .api import load, save
 from .convert import load_full, skeleton
 from .storage import Reader
@@ -77,7 +78,7 @@ def save_step(
     manager: CheckpointManager, step: int, state: Any, metrics: dict[str, float], meta: dict[str, str]
 ) -> None:
     """Save `state` as step `step` of `manager`'s run; every rank calls it (blocking)."""
-    from ..manager import _Job, step_dirname
+    from ..manager import _held, _Job, step_dirname
     from ..rng import capture_rng
 
     if manager.incremental:
@@ -108,7 +109,19 @@ def save_step(
         raise CheckpointError(f"rank 0 could not make the directory of step {step}: {problem[0]}")
     path = os.path.join(manager.directory, step_dirname(step))
     try:
-        save(payload, path, step=step, metrics=metrics, metadata=meta, compression=manager.compression)
+        # Every write, unlink and listing is made beneath the step directory's descriptor:
+        # rank 0 writes beneath the directory it made and holds locked; the other ranks open
+        # it beneath the run directory without following a link (spec 13.6).
+        save(
+            payload,
+            path,
+            step=step,
+            metrics=metrics,
+            metadata=meta,
+            compression=manager.compression,
+            _within=_held(job) if job is not None else None,
+            _step_dir=True,
+        )
     except BaseException:
         if job is not None:
             manager._abandon(job)
@@ -132,11 +145,44 @@ def _subset(md: Metadata, prefix: tuple[str, ...]) -> Metadata:
     return Metadata(state_dict_metadata=keep, planner_data={k: pd[k] for k in keep if k in pd})
 
 
+def _open_step(info: CheckpointInfo) -> CheckpointDir:
+    """The step directory, opened beneath its run directory without following a link (a step
+    swapped for a link after the manager checked it is refused, never read through)."""
+    with multifile.opened(os.path.dirname(info.path)) as run:
+        try:
+            return run.sub(os.path.basename(info.path))
+        except FileNotFoundError:
+            raise IncompleteError("the step directory is gone", path=info.path) from None
+        except OSError as e:
+            raise IncompleteError(f"cannot open the step directory: {e.strerror}", path=info.path) from None
+
+
+def _step_reader(info: CheckpointInfo, d: CheckpointDir) -> Reader:
+    """A Reader of step `info` beneath `d`, its record read and checked to be that step's."""
+    reader = Reader(info.path, _within=d)
+    try:
+        reader.read_metadata()
+        record = reader.record
+        if record is None or record.step != info.step:
+            raise CorruptError(
+                f"the commit record is not step {info.step}'s",
+                path=os.path.join(info.path, multifile.COMMIT_NAME),
+            )
+    except BaseException:
+        reader.close()
+        raise
+    return reader
+
+
 def load_step(info: CheckpointInfo) -> Any:
     """The whole saved state of a sharded step, full tensors, in this process."""
-    reader = Reader(info.path)
-    # bounded and checked as consolidate is; every error a CheckpointError, never DCP's own
-    return load_full(reader, _subset(reader.read_metadata(), ("state",)), info.path).get("state")
+    with _open_step(info) as d:
+        reader = _step_reader(info, d)
+        try:
+            # bounded and checked as consolidate is; every error a CheckpointError, never DCP's own
+            return load_full(reader, _subset(reader.read_metadata(), ("state",)), info.path).get("state")
+        finally:
+            reader.close()
 
 
 def load_step_into(info: CheckpointInfo, state: Any, restore_rng: bool) -> resume.ResumeReport:
@@ -145,13 +191,18 @@ def load_step_into(info: CheckpointInfo, state: Any, restore_rng: bool) -> resum
     from ..rng import restore_rng as restore
 
     rank = _rank()
-    md = Reader(info.path).read_metadata()
-    for obj in _stateful(state):
-        if isinstance(obj, torch.optim.Optimizer) and not obj.state:
-            _init_optimizer_state(obj)
-    saved = _checked_rng(md, info.path, rank)  # before DCP loads into the caller's tensors
-    target: dict[str, Any] = {"state": resume.to_storable(state)}
-    load(target, info.path)
+    with _open_step(info) as d:  # every read beneath it
+        reader = _step_reader(info, d)
+        try:
+            md = reader.read_metadata()
+        finally:
+            reader.close()
+        for obj in _stateful(state):
+            if isinstance(obj, torch.optim.Optimizer) and not obj.state:
+                _init_optimizer_state(obj)
+        saved = _checked_rng(md, info.path, rank, d)  # before DCP loads into the caller's tensors
+        target: dict[str, Any] = {"state": resume.to_storable(state)}
+        load(target, info.path, _within=d)
     _push_back(state, target["state"])
     report = resume.ResumeReport(step=info.step, path=info.path)
     if restore_rng and saved is not None:
@@ -160,7 +211,7 @@ def load_step_into(info: CheckpointInfo, state: Any, restore_rng: bool) -> resum
     return report
 
 
-def _checked_rng(md: Any, path: str, rank: int) -> Any:
+def _checked_rng(md: Any, path: str, rank: int, d: CheckpointDir) -> Any:
     """This rank's RNG states from a sharded step (None when it holds none), read and checked
     to be what restore_rng restores before anything of the caller's is filled: a malformed
     capture fails the load while the caller's objects are as they were."""
@@ -171,7 +222,7 @@ def _checked_rng(md: Any, path: str, rank: int) -> Any:
     if not rng:
         return None
     target: dict[str, Any] = {"rng": rng}
-    load(target, path)
+    load(target, path, _within=d)
     saved = target["rng"][key]
     if type(saved) is not tuple or len(saved) != 1:
         raise CorruptError(f"the RNG states of rank {rank} are not what a manager saves", path=path)

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .. import _native, commit, multifile, writer
-from ..ckptdir import CheckpointDir
+from ..ckptdir import CheckpointDir, LinkError
 from ..errors import CheckpointError, CorruptError, IncompleteError, UnsupportedError, UnsupportedObjectError
 from ..gcpause import pausing_in_main_thread
 from ..reader import CheckpointFile
@@ -139,9 +139,18 @@ class Writer(StorageWriter):
         metrics: dict[str, float] | None = None,
         metadata: dict[str, str] | None = None,
         overwrite: bool = True,
+        _within: CheckpointDir | None = None,
+        _step_dir: bool = False,
     ) -> None:
         super().__init__()
         self.path = os.path.abspath(os.fspath(path))
+        # The directory is opened once per save and every write, unlink and listing is
+        # made beneath that descriptor (spec 13.6): `_within` lends an open directory (the
+        # checkpoint manager's held, locked step directory); `_step_dir` says the directory
+        # exists (a manager made it) and is opened beneath its parent without following a link.
+        self._within = _within
+        self._step_dir = _step_dir
+        self._dir: CheckpointDir | None = None
         self.overwrite = overwrite
         self.compression = compression
         self.level = level
@@ -155,8 +164,40 @@ class Writer(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
+            path = os.path.abspath(os.fspath(checkpoint_id))
+            if path != self.path:
+                self._within = None
+                self._step_dir = False
+            self.path = path
+        self.close()  # each save opens the directory afresh
         self.save_id = uuid.uuid4().hex
+
+    def _d(self) -> CheckpointDir:
+        """The checkpoint directory, opened on first use in this save (created when absent,
+        unless a manager made it)."""
+        if self._dir is None:
+            if self._within is not None:
+                self._dir = self._within.dup()
+            elif self._step_dir:
+                with multifile.opened(os.path.dirname(self.path)) as parent:
+                    try:
+                        self._dir = parent.sub(os.path.basename(self.path))
+                    except FileNotFoundError:
+                        raise IncompleteError("the step directory is gone", path=self.path) from None
+            else:
+                self._dir = CheckpointDir.open(self.path, create=True)
+        return self._dir
+
+    def close(self) -> None:
+        """Close the directory this save opened (the next save opens it again)."""
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None
+
+    def __del__(self) -> None:
+        d = getattr(self, "_dir", None)
+        if d is not None:
+            d.close()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -172,9 +213,9 @@ class Writer(StorageWriter):
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        os.makedirs(self.path, exist_ok=True)
+        d = self._d()
         # every rank checks, before the coordinator removes the old record (prepare_global_plan)
-        if not self.overwrite and os.path.lexists(os.path.join(self.path, multifile.COMMIT_NAME)):
+        if not self.overwrite and d.exists(multifile.COMMIT_NAME):
             raise CheckpointError("a checkpoint is already there (overwrite=False)", path=self.path)
         return dataclasses.replace(plan, storage_data=_this_host())
 
@@ -182,10 +223,9 @@ class Writer(StorageWriter):
         # Runs on the coordinator before any rank writes: an older checkpoint in this
         # directory stops being one now, so a save that dies half way never leaves a
         # commit record next to a mix of old and new rank files.
-        commit = os.path.join(self.path, multifile.COMMIT_NAME)
-        if os.path.lexists(commit):
-            os.unlink(commit)
-            multifile.fsync_path(self.path)
+        d = self._d()
+        if d.unlink(multifile.COMMIT_NAME):
+            d.fsync()
         shares = _thread_shares([p.storage_data for p in plans])
         return [
             dataclasses.replace(p, storage_data=_RankPlan(rank_file_name(i), t))
@@ -220,9 +260,15 @@ class Writer(StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         if not plan.items:
             fut.set_result([])
+            if not self.is_coordinator:
+                self.close()
             return fut
-        with _native.threads_at_most(_plan_threads(plan.storage_data)):
-            part = self._write_rank_file(name, state)
+        try:
+            with _native.threads_at_most(_plan_threads(plan.storage_data)):
+                part = self._write_rank_file(name, state)
+        finally:
+            if not self.is_coordinator:  # the coordinator's finish uses the directory still
+                self.close()
         fut.set_result(
             [
                 WriteResult(index=item.index, size_in_bytes=size, storage_data=StorageInfo(name, n, part))
@@ -233,19 +279,27 @@ class Writer(StorageWriter):
 
     def _write_rank_file(self, name: str, state: dict[int, Any]) -> multifile.PartRecord:
         """Write and commit one rank file holding `state` (item number -> value); its identity."""
-        target = os.path.join(self.path, name)
-        writer.save(
+        d = self._d()
+        writer.save_within(
+            d,
             state,
-            target,
+            d.path_of(name),
             compression=self.compression,
             level=self.level,
             metadata={**self.meta, "dcp_rank": str(self.rank), "dcp_save_id": self.save_id},
             chunk_size=self.chunk_size,
         )
-        return multifile.describe_part(target, name)
+        return multifile.describe_in(d, name)
 
     @pausing_in_main_thread
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            self._finish(metadata, results)
+        finally:
+            self.close()
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        d = self._d()
         parts: dict[str, multifile.PartRecord] = {}
         where: dict[MetadataIndex, tuple[str, int]] = {}
         for rank, rank_results in enumerate(results):
@@ -263,7 +317,7 @@ class Writer(StorageWriter):
         names = sorted(parts)
         for name in names:
             try:
-                multifile.check_part(self.path, parts[name], self.path)
+                multifile.check_part(d, parts[name], self.path)
             except CheckpointError as e:
                 raise type(e)(
                     f"{e.reason}; the coordinator must see every rank's file "
@@ -289,10 +343,10 @@ class Writer(StorageWriter):
             metadata=self.meta,
             layout_data=value,
         )
-        multifile.write_commit(self.path, record)
+        multifile.write_commit(self.path, record, within=d)
         metadata.version = value["version"]
         metadata.storage_data = {idx: StorageInfo(f, k) for idx, (f, k) in where.items()}
-        _remove_stale_rank_files(self.path, set(names))
+        _remove_stale_rank_files(d, set(names))
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -340,48 +394,69 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return t.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
 
 
-def _remove_stale_rank_files(directory: str, keep: set[str]) -> None:
-    """Rank files an earlier save (with more ranks) left that the new record does not name."""
-    for name in os.listdir(directory):
+def _remove_stale_rank_files(d: CheckpointDir, keep: set[str]) -> None:
+    """Rank files an earlier save (with more ranks) left that the new record does not name
+    (a link is removed as a name, never followed)."""
+    for name in d.names():
         if RANK_FILE_RE.fullmatch(name) and name not in keep:
-            try:
-                os.unlink(os.path.join(directory, name))
-            except FileNotFoundError:
-                pass
-    commit.remove_abandoned_temps(directory)  # of crashed saves, never one a live save owns
+            d.unlink(name)
+    commit.remove_abandoned_temps(d)  # of crashed saves, never one a live save owns
 
 
 # -- reading --------------------------------------------------------------------------------------
 
 
-def _open_source(path: str, label: str, record: multifile.PartRecord | None) -> CheckpointFile:
-    """A rank file the commit record names is opened beneath the checkpoint directory without
-    following a link (spec 13.6) and read through the descriptor whose identity was checked;
-    a single file the caller names is opened by its path."""
+def _open_source(
+    where: CheckpointDir | str, name: str, label: str, record: multifile.CommitRecord | None
+) -> CheckpointFile:
+    """A rank file `name` the commit record names is opened beneath the checkpoint directory's
+    descriptor `where` without following a link (spec 13.6) and read through the descriptor
+    whose identity was checked; it may read chunks only from files the record names (spec
+    13.1).  A single file the caller names (`where` its path) is opened by its path."""
     if record is None:
-        return CheckpointFile(path)
-    with CheckpointDir.open(os.path.dirname(path) or ".") as d:
-        rec = dataclasses.replace(record, name=os.path.basename(path))
-        fd = multifile.open_part(d, rec, d.path, label)
-        return CheckpointFile(path, fd=fd, within=d)
+        assert isinstance(where, str)
+        return CheckpointFile(where)
+    assert isinstance(where, CheckpointDir)
+    part = next((p for p in record.files if p.name == name), None)
+    if part is None:
+        raise CorruptError(f"the commit record names no file {name!r}", path=where.path)
+    fd = multifile.open_part(where, part, where.path, label)
+    f = CheckpointFile(where.path_of(name), fd=fd, within=where)
+    try:
+        multifile.check_references(f, record, where.path_of(name))
+    except BaseException:
+        f.close()
+        raise
+    return f
 
 
 class _Source:
-    """An open ckptfmt file that items are read from (a rank file, or a single checkpoint file)."""
+    """An open ckptfmt file that items are read from: a rank file `name` of the checkpoint
+    directory open as `where`, checked against the commit record `record`, or (record None)
+    a single checkpoint file, `where` its path."""
 
-    def __init__(self, path: str, label: str, record: multifile.PartRecord | None, keyed: bool) -> None:
+    def __init__(
+        self,
+        where: CheckpointDir | str,
+        name: str,
+        label: str,
+        record: multifile.CommitRecord | None,
+        keyed: bool,
+    ) -> None:
         self.label = label
+        path = where.path_of(name) if isinstance(where, CheckpointDir) else where
         try:
-            self.f = _open_source(path, label, record)
+            self.f = _open_source(where, name, label, record)
         except FileNotFoundError:
             raise IncompleteError(f"{label} named by the commit record is missing", path=path) from None
         except OSError as e:
             raise IncompleteError(f"{label} cannot be read: {e.strerror}", path=path) from None
+        part = next((p for p in record.files if p.name == name), None) if record is not None else None
         try:
-            if record is not None and (
-                self.f.prologue.file_id != record.file_id
-                or self.f.prologue.file_length != record.length
-                or self.f.footer.index_checksum != record.index_checksum
+            if part is not None and (
+                self.f.prologue.file_id != part.file_id
+                or self.f.prologue.file_length != part.length
+                or self.f.footer.index_checksum != part.index_checksum
             ):
                 raise CorruptError(
                     f"{label} is not the file the commit record names (written by another save?)", path=path
@@ -438,14 +513,20 @@ class Reader(StorageReader):
     ``stats`` counts what the last ``read_data`` read.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, verify: bool = True, _within: CheckpointDir | None = None
+    ) -> None:
         super().__init__()
         self.path = os.path.abspath(os.fspath(path))
+        # A checkpoint directory is opened once (`_within`: one the caller opened, such as a
+        # step directory the manager opened beneath its run without following a link; it is
+        # dup'ed, not taken): the record and every rank file are read beneath that descriptor.
+        self._dir: CheckpointDir | None = _within.dup() if _within is not None else None
         self.verify = verify
         self.load_id = uuid.uuid4().hex
         self.stats = regions.ReadStats()
         self._where: dict[MetadataIndex, mdv.Location] | None = None
-        self._parts: dict[str, multifile.PartRecord] = {}
+        self._record: multifile.CommitRecord | None = None
         self._metadata: Metadata | None = None
         self._single = False
 
@@ -454,14 +535,46 @@ class Reader(StorageReader):
             path = os.path.abspath(os.fspath(checkpoint_id))
             if path != self.path:
                 self._metadata = None
+                self._where = None
+                self.close()
             self.path = path
         self.load_id = uuid.uuid4().hex
+
+    @property
+    def record(self) -> multifile.CommitRecord | None:
+        """The commit record read_metadata read (None before, or for a single file)."""
+        return self._record
+
+    def close(self) -> None:
+        """Close the checkpoint directory's descriptor (a later read opens the path again)."""
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None
+
+    def __del__(self) -> None:
+        d = getattr(self, "_dir", None)
+        if d is not None:
+            d.close()
+
+    def _open_dir(self) -> CheckpointDir | None:
+        """The checkpoint directory, opened once; None when the path is a single file."""
+        if self._dir is None:
+            try:
+                self._dir = CheckpointDir.open(self.path)
+            except LinkError:  # not a directory: a single checkpoint file
+                return None
+            except FileNotFoundError:
+                return None  # the single-file path says it is missing
+            except OSError as e:
+                raise IncompleteError(f"cannot open the directory: {e.strerror}", path=self.path) from None
+        return self._dir
 
     @pausing_in_main_thread
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._metadata is None:
-            if os.path.isdir(self.path):
-                self._read_commit()
+            d = self._open_dir()
+            if d is not None:
+                self._read_commit(d)
             else:
                 self._read_single_file()
             assert self._metadata is not None and self._where is not None
@@ -474,11 +587,10 @@ class Reader(StorageReader):
         md.storage_meta = dataclasses.replace(md.storage_meta or StorageMeta(), load_id=self.load_id)
         return md
 
-    def _read_commit(self) -> None:
+    def _read_commit(self, d: CheckpointDir) -> None:
         from .check import read_record
 
-        record, self._metadata, self._where = read_record(self.path)
-        self._parts = {p.name: p for p in record.files}
+        self._record, self._metadata, self._where = read_record(d)
         self._single = False
 
     def check_items(self, fqns: set[str] | None = None) -> tuple[list[CheckpointError], int]:
@@ -492,7 +604,9 @@ class Reader(StorageReader):
         if self._single:  # one file, already checked whole when opened: its tensors are its own
             with CheckpointFile(self.path) as f:
                 return [], sum(s.nbytes for s in f.storages)
-        return check_items(self.path, self._parts, self._where, fqns)
+        d = self._open_dir()
+        assert d is not None and self._record is not None
+        return check_items(d, self._record, self._where, fqns)
 
     def _read_single_file(self) -> None:
         from .singlefile import file_metadata
@@ -518,10 +632,13 @@ class Reader(StorageReader):
         src = sources.get(name)
         if src is None:
             if self._single:
-                src = _Source(self.path, os.path.basename(self.path), None, keyed=False)
+                src = _Source(
+                    self.path, os.path.basename(self.path), os.path.basename(self.path), None, keyed=False
+                )
             else:
-                label = f"{name}{_rank_note(name)}"
-                src = _Source(os.path.join(self.path, name), label, self._parts[name], keyed=True)
+                d = self._open_dir()
+                assert d is not None and self._record is not None
+                src = _Source(d, name, f"{name}{_rank_note(name)}", self._record, keyed=True)
             sources[name] = src
         return src
 
