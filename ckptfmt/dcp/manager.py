@@ -219,10 +219,12 @@ def _checked_rng(md: Any, path: str, rank: int, d: CheckpointDir) -> Any:
 
     key = rng_key(rank)
     rng = skeleton(_subset(md, ("rng", key))).get("rng")
+    # every rank takes part in the load (a collective), a rank the step holds no RNG states
+    # of (a step saved on fewer ranks) with nothing to read
+    target: dict[str, Any] = {"rng": rng} if rng else {}
+    load(target, path, _within=d)
     if not rng:
         return None
-    target: dict[str, Any] = {"rng": rng}
-    load(target, path, _within=d)
     saved = target["rng"][key]
     if type(saved) is not tuple or len(saved) != 1:
         raise CorruptError(f"the RNG states of rank {rank} are not what a manager saves", path=path)
