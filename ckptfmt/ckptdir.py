@@ -31,12 +31,15 @@ import os
 import stat
 from collections.abc import Iterator
 
-from .errors import CorruptError, LimitError
+from .errors import CorruptError, LimitError, UnsupportedError
 from .fileio import regular_or_close
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | _CLOEXEC
+#: directories below an entry that remove_tree descends into; a checkpoint never nests deeper,
+#: and a hostile tree thousands of levels deep must not exhaust the stack or descriptors
+MAX_REMOVE_DEPTH = 32
 
 
 class LinkError(CorruptError):
@@ -111,6 +114,13 @@ class CheckpointDir:
         """A read-only descriptor of regular file `name`, opened without following a link and
         without blocking (a FIFO is refused, not waited on).  FileNotFoundError when absent."""
         where = self.path_of(_component(name, self.path))
+        before = self.lstat(name)
+        if before is None:
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", where)
+        if stat.S_ISLNK(before.st_mode):
+            raise LinkError("a symbolic link where a file must be (never followed)", path=where)
+        if not stat.S_ISREG(before.st_mode):  # refused before opening: a device's open has effects
+            raise UnsupportedError("not a regular file", path=where)
         try:
             fd = os.open(name, _FILE_FLAGS, dir_fd=self.fd)
         except OSError as e:
@@ -198,26 +208,25 @@ class CheckpointDir:
             return False
         return True
 
-    def remove_tree(self, name: str) -> None:
-        """Remove entry `name` and, for a real directory, everything below it.  Links anywhere
-        are removed as names, never followed: nothing outside this directory is touched."""
+    def remove_tree(self, name: str, _depth: int = 0) -> bool:
+        """Remove entry `name` and, for a real directory, everything below it; True when it is
+        gone.  Links anywhere are removed as names, never followed: nothing outside this
+        directory is touched.  Below MAX_REMOVE_DEPTH levels nothing is removed (False)."""
         st = self.lstat(name)
         if st is None:
-            return
+            return True
         if not stat.S_ISDIR(st.st_mode):
-            self.unlink(name)
-            return
+            return self.unlink(name) or self.lstat(name) is None
+        if _depth >= MAX_REMOVE_DEPTH:
+            return False
         try:
             sub = self.sub(name)
         except (FileNotFoundError, LinkError):
-            return  # gone, or swapped for something else since the lstat: not ours to follow
+            return False  # gone, or swapped for something else since the lstat: not ours to follow
         with sub:
             for entry in sub.names():
-                sub.remove_tree(entry)
-        try:
-            os.rmdir(name, dir_fd=self.fd)
-        except FileNotFoundError:
-            pass
+                sub.remove_tree(entry, _depth + 1)
+        return self.rmdir(name)
 
     def rmdir(self, name: str) -> bool:
         """Remove empty directory `name`; False when it is not empty, not there, or not a
@@ -270,11 +279,13 @@ def _naming(where: str) -> Iterator[None]:
         raise
 
 
-def _open_error(e: OSError, where: str, kind: str) -> OSError | CorruptError:
+def _open_error(e: OSError, where: str, kind: str) -> OSError | CorruptError | UnsupportedError:
     """What a failed open of an entry means to a user: a link or the wrong kind of entry is
     refused as LinkError; a missing one stays FileNotFoundError; others keep their errno."""
     if e.errno == errno.ELOOP:
         return LinkError(f"a symbolic link where a {kind} must be (never followed)", path=where)
+    if e.errno == errno.ENXIO:  # a socket (or a device without its driver) put there meanwhile
+        return UnsupportedError(f"not a regular {kind}", path=where)
     if e.errno == errno.ENOTDIR:  # O_DIRECTORY | O_NOFOLLOW on a link fails this way too
         link = os.path.islink(where)  # only to word the message: nothing is opened through it
         what = "a symbolic link" if link else "not a directory"

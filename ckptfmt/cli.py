@@ -254,26 +254,38 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return status
 
 
-def _verify_dir(path: str, step: int | None) -> list[dict[str, Any]]:
-    """Entries for a run directory (every step, or `step`) or for one step directory;
-    IncompleteError for a directory that holds neither a commit record nor step directories
-    (spec section 13.2: a directory without a commit record is incomplete)."""
-    from . import multifile
-    from .manager import CheckpointManager, verify_step
+def _has_step_dirs(path: str) -> bool:
+    from .manager import parse_step_dirname
 
-    targets: list[tuple[int | None, str, str | None]]
+    try:
+        return any(parse_step_dirname(name) is not None for name in os.listdir(path))
+    except OSError:
+        return False
+
+
+def _verify_dir(path: str, step: int | None) -> list[dict[str, Any]]:
+    """Entries for a run directory (every step, or `step`) and for a checkpoint directory (one
+    with a commit record); a directory that is both is verified as both, so an entry inside a
+    run cannot hide its steps.  IncompleteError for a directory that holds neither a commit
+    record nor step directories (spec section 13.2: a directory without a commit record is
+    incomplete)."""
+    from . import multifile
+    from .manager import CheckpointManager, verify_in_run, verify_step
+
+    targets: list[tuple[int | None, str, str | None]] = []
     damaged: set[str] = set()
-    if os.path.lexists(os.path.join(path, multifile.COMMIT_NAME)):
-        targets = [(None, path, None)]
-    else:
-        statuses = CheckpointManager(path).statuses()
-        if not statuses:
-            raise IncompleteError("no commit record (COMMIT) and no step directories", path=path)
+    own = os.path.lexists(os.path.join(path, multifile.COMMIT_NAME))
+    statuses = CheckpointManager(path).statuses() if not own or _has_step_dirs(path) else []
+    if not own and not statuses:
+        raise IncompleteError("no commit record (COMMIT) and no step directories", path=path)
+    if own and (step is None or not statuses):
+        targets.append((None, path, None))
+    if statuses:
         if step is not None:
             statuses = [s for s in statuses if s.step == step]
             if not statuses:
                 return [{"path": path, "status": "incomplete", "error": f"no step {step} in this directory"}]
-        targets = [
+        targets += [
             (s.step, s.path, None if s.info else ("retained" if s.retained else s.problem)) for s in statuses
         ]
         damaged = {s.path for s in statuses if s.info is None and s.damaged and not s.retained}
@@ -287,7 +299,8 @@ def _verify_dir(path: str, step: int | None) -> list[dict[str, Any]]:
         elif problem is not None:
             entry.update(status="incomplete", error=problem)
         else:
-            report = verify_step(full)
+            # a run's step is opened beneath the run directory, never through a link
+            report = verify_step(full) if n is None else verify_in_run(path, os.path.basename(full), n)
             problems = report.problems
             entry.update(
                 status="failed" if problems else "ok",
@@ -377,7 +390,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     for r in rows:
         if r["status"] == "complete":
-            metrics = " ".join(f"{k}={v:.6g}" for k, v in r["metrics"].items())
+            metrics = " ".join(f"{k}={float(v):.6g}" for k, v in r["metrics"].items())
             _say(f"{r['step']:>10}  complete    {_size(r['size']):>10}  {_age(r['age_s']):>6} ago  {metrics}")
         else:
             _say(f"{r['step']:>10}  {r['status']:<10}  {r['reason'] or ''}")

@@ -94,6 +94,7 @@ class StepStatus:
     retained: bool = False  # no commit record, kept only for files later steps refer to
     damaged: bool = False  # it has a commit record, but the record or a file it names is bad
     locked: bool | None = None  # a live save holds it (None: not checked or unknown)
+    error: type[CheckpointError] = CheckpointError  # the kind of `problem` (CorruptError, ...)
 
 
 def _parse_created(text: str) -> datetime.datetime:
@@ -134,9 +135,37 @@ def check_step(d: CheckpointDir, step: int | None) -> multifile.CommitRecord:
     if record.layout == "state":
         if [p.name for p in record.files] != [STATE_NAME]:
             raise CorruptError(f"a 'state' commit record must name exactly {STATE_NAME}", path=d.path)
-    elif record.layout != "dcp" and step is not None:
+        _check_state_index(d, record)
+    elif record.layout == "dcp":
+        from .dcp.check import record_metadata
+
+        record_metadata(record, d.path)  # the record's dcp member (it reads no file)
+    elif step is not None:
         raise UnsupportedError(f"a {record.layout!r} checkpoint is not a step of a run", path=d.path)
     return record
+
+
+def _check_state_index(d: CheckpointDir, record: multifile.CommitRecord) -> None:
+    """The state file's index (no chunk is read): a manager's state file (a dict with the
+    entries state, rng and resume) that reads chunks only from files the record names."""
+    part = record.files[0]
+    with CheckpointFile(d.path_of(part.name), fd=multifile.open_part(d, part, d.path), within=d) as f:
+        check_references(f, record, d.path)
+        if not {"state", "rng", "resume"} <= set(resume.node_items(f, f.tree.root)):
+            raise CorruptError("not a checkpoint manager's state file", path=f.path)
+
+
+def resume_entries(f: CheckpointFile) -> tuple[dict[str, Any], Any]:
+    """A state file's resume fingerprint and RNG states, read and checked (CorruptError naming
+    the entry) as load_into checks them before anything of the caller's changes."""
+    from .rng import check_capture
+
+    root = resume.node_items(f, f.tree.root)
+    fp = resume.check_fingerprint(f.load_subtree(root["resume"], None, True), f.path)
+    rng_state = f.load_subtree(root["rng"], None, True)
+    if rng_state is not None:
+        check_capture(rng_state, f.path)
+    return fp, rng_state
 
 
 #: every file a loaded file reads chunks from is one the commit record names (spec 13.1)
@@ -288,9 +317,11 @@ class CheckpointManager:
                 except (CheckpointError, OSError) as e:
                     status.problem = _why(e, d.path)
                     status.damaged = not isinstance(e, IncompleteError) or d.exists(multifile.COMMIT_NAME)
+                    status.error = type(e) if isinstance(e, CheckpointError) else IncompleteError
         except (CheckpointError, OSError) as e:  # swapped for a link since it was listed
             status.problem = _why(e, status.path)
             status.damaged = True
+            status.error = type(e) if isinstance(e, CheckpointError) else IncompleteError
         if status.info is None:
             self._cache.pop(status.path, None)
         return status
@@ -358,9 +389,7 @@ class CheckpointManager:
         for s in statuses:
             if s.step == step:
                 if s.info is None:
-                    raise CheckpointError(
-                        f"step {step} is not a complete checkpoint: {s.problem}", path=s.path
-                    )
+                    raise s.error(f"step {step} is not a complete checkpoint: {s.problem}", path=s.path)
                 return [s.info]
         raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
 
@@ -634,12 +663,12 @@ class CheckpointManager:
             locked = is_locked(s.path)
             if locked or (locked is None and s.step > newest):
                 continue  # a live save (or, without locks, possibly one)
-            self._delete_step(s.path, keep)
+            self._tidy(s.path, lambda path=s.path: self._delete_step(path, keep))
         with CheckpointDir.open(self.directory) as run:
             for name in run.names():
                 full = run.path_of(name)
                 if _TEMP_RE.fullmatch(name) and is_locked(full) is False and _abandoned_temp(name, full):
-                    run.remove_tree(name)
+                    self._tidy(full, lambda name=name: run.remove_tree(name))
         # Finish a rotation that a kill between a commit and its rotation (or an error)
         # left undone.  Otherwise the next rotation comes only after this save's commit,
         # and every kill that lands in that window again leaves one more checkpoint
@@ -648,6 +677,14 @@ class CheckpointManager:
             self._rotate_locked()
         except (OSError, CheckpointError) as e:
             warnings.warn(f"rotation in {self.directory} failed: {e}", CheckpointWarning, stacklevel=3)
+
+    def _tidy(self, path: str, remove: Any) -> None:
+        """Remove a leftover of a dead save; one that cannot be removed (a foreign tree, no
+        permission) is warned about and left, never a reason for this save to fail."""
+        try:
+            remove()
+        except (OSError, CheckpointError) as e:
+            warnings.warn(f"cannot remove {path}: {e}", CheckpointWarning, stacklevel=4)
 
     def remove(self, step: int) -> None:
         """Delete checkpoint `step` (files that other checkpoints refer to are kept)."""
@@ -708,11 +745,9 @@ class CheckpointManager:
         the descriptor that was checked; every file it reads chunks from is one the record names."""
         inflight.wait_for_path(info.state_path)
         with CheckpointDir.open(self.directory) as run, run.sub(os.path.basename(info.path)) as d:
-            record = self._record(d, info.step)
+            record = self._record(d, info.step)  # check_step: the references and the root too
             part = record.files[0]
-            f = CheckpointFile(d.path_of(part.name), fd=multifile.open_part(d, part, d.path), within=d)
-            with f:
-                check_references(f, record, d.path)
+            with CheckpointFile(d.path_of(part.name), fd=multifile.open_part(d, part, d.path), within=d) as f:
                 yield f
 
     def load_into(
@@ -742,13 +777,8 @@ class CheckpointManager:
 
             return sharded.load_step_into(info, state, restore_rng)
         with self._state_file(info) as f:
-            root = resume.node_items(f, f.tree.root)
-            if not {"state", "rng", "resume"} <= set(root):
-                raise CorruptError("not a checkpoint manager's state file", path=f.path)
-            fp = f.load_subtree(root["resume"], None, True)
-            rng_state = f.load_subtree(root["rng"], None, True)
-            if not isinstance(fp, dict):
-                raise CorruptError("the resume fingerprint is not a dict", path=f.path)
+            root = resume.node_items(f, f.tree.root)  # its entries: check_step
+            fp, rng_state = resume_entries(f)
             differences = resume.check_resume(f, fp, rng_state, state, strict)
             resume.check_target(f, root["state"], state, strict)  # before anything is filled
             report = resume.ResumeReport(step=info.step, path=info.path, differences=differences)
@@ -776,10 +806,28 @@ class CheckpointManager:
     def verify(self, step: int | None = None) -> VerifyReport:
         """Check every file of checkpoint `step` (the newest complete one when None)."""
         info = self._find(step)[0]
-        return verify_step(info.path)
+        return verify_in_run(self.directory, os.path.basename(info.path), info.step)
 
 
-def verify_step(path: str, step: int | None = None) -> VerifyReport:
+def verify_in_run(run_dir: str, name: str, step: int) -> VerifyReport:
+    """verify_step of step directory `name` of a run, opened beneath the run directory
+    without following a link (the step may have been swapped for one since it was listed)."""
+    from .verify import problem_of
+
+    try:
+        with CheckpointDir.open(run_dir) as run, run.sub(name) as d:
+            return verify_step(d, step)
+    except (CheckpointError, OSError) as e:
+        report = VerifyReport(os.path.join(run_dir, name))
+        report.problems.append(problem_of(e) if isinstance(e, CheckpointError) else _os_problem(e))
+        return report
+
+
+def _os_problem(e: OSError) -> Problem:
+    return Problem("incomplete", f"{e.filename or ''}: {e.strerror}".lstrip(": "))
+
+
+def verify_step(path: str | CheckpointDir, step: int | None = None) -> VerifyReport:
     """Verify a checkpoint directory with the checks a load makes (check_step), then every
     chunk of its commit record, of every file it names and of every file they refer to.
 
@@ -787,22 +835,22 @@ def verify_step(path: str, step: int | None = None) -> VerifyReport:
     like a step directory (step-NNNNNNNNN), so verify fails exactly where latest() skips."""
     from .verify import problem_of
 
+    where = path.path if isinstance(path, CheckpointDir) else path
     if step is None:
-        step = parse_step_dirname(os.path.basename(os.path.normpath(path)))
-    report = VerifyReport(path)
+        step = parse_step_dirname(os.path.basename(os.path.normpath(where)))
+    report = VerifyReport(where)
     try:
         with multifile.opened(path) as d:
             record = check_step(d, step)
             _verify_parts(d, record, report)
+            if record.layout == "dcp" and report.ok:
+                report.problems += _dcp_problems(d)
     except CheckpointError as e:
         report.problems.append(problem_of(e))
-        return report
-    if record.layout == "dcp" and report.ok:
-        report.problems += _dcp_problems(path)
     return report
 
 
-def _dcp_problems(path: str) -> list[Problem]:
+def _dcp_problems(path: CheckpointDir) -> list[Problem]:
     """What cdcp.load would refuse in a step of layout "dcp" whose files' bytes verified: its
     record's dcp member, and every item against its rank file, as load checks them."""
     from .dcp.check import verify_directory
@@ -831,12 +879,24 @@ def _verify_parts(d: CheckpointDir, record: multifile.CommitRecord, report: Veri
             with CheckpointFile(d.path_of(part.name), fd=fd, within=holder) as f:
                 if part in record.files:
                     check_references(f, record, d.path)
+                if record.layout == "state" and part in record.files:
+                    _check_resume_entries(f, one)
                 check_file(f, one)
         report.chunks += one.chunks
         report.bytes_checked += one.bytes_checked
         report.problems += [
             Problem(p.kind, f"{part.name}: {p.message}", p.key, p.chunk, p.offset) for p in one.problems
         ]
+
+
+def _check_resume_entries(f: CheckpointFile, report: VerifyReport) -> None:
+    """resume_entries' checks, as a problem of `report` (verify fails where load_into refuses)."""
+    from .verify import problem_of
+
+    try:
+        resume_entries(f)
+    except CheckpointError as e:
+        report.problems.append(problem_of(e))
 
 
 def _why(e: CheckpointError | OSError, directory: str) -> str:

@@ -316,6 +316,10 @@ def _parse_record(value: object, path: str) -> CommitRecord:
     references = tuple(_parse_part(path, p, f"references[{i}]", True) for i, p in enumerate(refs))
     if len({p.name for p in parts}) != len(parts) or any(p.name == COMMIT_NAME for p in parts):
         raise _fail(path, "a file is named twice, or the record names itself")
+    # each referenced file once: a name repeated would make every check and verify read it again
+    names = {os.path.normpath(p.name) for p in references}
+    if len(names) != len(references) or names & {p.name for p in parts}:
+        raise _fail(path, "a referenced file is named twice, or is also one of the files")
     return CommitRecord(
         step,
         layout,
@@ -335,6 +339,8 @@ def _metrics(path: str, raw: object) -> dict[str, float]:
     for k, v in d.items():
         if type(k) is not str or type(v) not in (int, float):
             raise _fail(path, "metrics must map str to int or float")
+        if type(v) is int and not -(1 << 63) <= v < 1 << 63:  # compared and printed as floats
+            raise _fail(path, f"metric {k[:40]!r} is an int outside the 64-bit range")
     return dict(d)
 
 

@@ -133,6 +133,82 @@ def link_inside_step(r: Run) -> None:
     os.symlink(r.outside, r.step(S1) / "junk")
 
 
+def _commit_step(r: Run, name: str, step: int | None, **record: object) -> None:
+    """A valid commit record for the files in step directory `name` (state.ckpt)."""
+    d = r.step(name)
+    parts = (multifile.describe_part(str(d / "state.ckpt"), "state.ckpt"),)
+    multifile.write_commit(str(d), multifile.CommitRecord(step, "state", parts, **record))  # type: ignore[arg-type]
+
+
+def state_root_is_a_list(r: Run) -> None:
+    """A complete-looking step 3 whose state file is not a manager's (its root is a list)."""
+    r.step("step-000000003").mkdir()
+    ckptfmt.save([torch.ones(2)], r.step("step-000000003") / "state.ckpt")
+    _commit_step(r, "step-000000003", 3)
+
+
+def resume_entry_is_a_string(r: Run) -> None:
+    """Step 3's state file holds a state, but its resume fingerprint is a string."""
+    r.step("step-000000003").mkdir()
+    ckptfmt.save({"state": _state(3), "rng": None, "resume": "x"}, r.step("step-000000003") / "state.ckpt")
+    _commit_step(r, "step-000000003", 3)
+
+
+def reference_repeated(r: Run) -> None:
+    """Step 2's record names its one reference 3000 times (verify would read it 3000 times)."""
+    value = ckptfmt.load(r.step(S2) / "COMMIT")
+    _rewrite_record(r, S2, references=value["references"] * 3000)
+
+
+def metric_beyond_int64(r: Run) -> None:
+    _rewrite_record(r, S2, metrics={"loss": 10**400})
+
+
+def deep_tree_in_a_step(r: Run) -> None:
+    """An uncommitted step 3 holding directories 1500 deep (cleanup must neither recurse
+    without bound nor fail the saves that try to remove it)."""
+    r.step("step-000000003").mkdir()
+    fd = os.open(r.step("step-000000003"), os.O_RDONLY)
+    for _ in range(1500):
+        os.mkdir("a", dir_fd=fd)
+        sub = os.open("a", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = sub
+    os.close(fd)
+
+
+def _flatten_deep(top: Path) -> None:
+    """Remove a chain of nested directories `a/a/...` below `top` without recursion (pytest's
+    own cleanup of tmp_path would recurse through it): each child is moved up in turn."""
+    a, b = top / "a", top / "b"
+    while os.path.isdir(a):
+        if os.path.isdir(a / "a"):
+            os.rename(a / "a", b)
+            os.rmdir(a)
+            os.rename(b, a)
+        else:
+            os.rmdir(a)
+
+
+def commit_at_the_run_level(r: Run) -> None:
+    """Step 2 damaged, and a valid checkpoint directory's COMMIT put at the top of the run:
+    verify of the run must still verify (and fail) its steps."""
+    commit_checksum_fails(r)
+    ckptfmt.save({"x": 1}, r.run / "state.ckpt")
+    part = multifile.describe_part(str(r.run / "state.ckpt"), "state.ckpt")
+    multifile.write_commit(str(r.run), multifile.CommitRecord(None, "hf-trainer", (part,)))
+
+
+def reference_is_a_socket(r: Run) -> None:
+    """Step 1's state file (which step 2 reads chunks from) replaced by a Unix socket."""
+    import socket
+
+    os.unlink(r.step(S1) / "state.ckpt")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(r.step(S1) / "state.ckpt"))
+    sock.close()
+
+
 CASES: dict[str, Callable[[Run], None]] = {
     f.__name__: f
     for f in (
@@ -146,6 +222,13 @@ CASES: dict[str, Callable[[Run], None]] = {
         state_is_a_fifo,
         step_dir_is_a_link,
         link_inside_step,
+        state_root_is_a_list,
+        resume_entry_is_a_string,
+        reference_repeated,
+        metric_beyond_int64,
+        deep_tree_in_a_step,
+        commit_at_the_run_level,
+        reference_is_a_socket,
     )
 }
 
@@ -156,9 +239,7 @@ EXPECTED: dict[str, dict[str, object]] = {
     "ref_dir_is_a_link": dict(
         target=S2, latest=None, load=CheckpointError, fallback=CheckpointError, verify_run=1, verify_step=1
     ),
-    "record_omits_reference": dict(
-        target=S2, latest=2, load=CorruptError, fallback=1, verify_run=1, verify_step=1
-    ),
+    "record_omits_reference": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
     "record_names_other_part": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
     "record_for_other_step": dict(
         target="step-000000005", latest=2, load=2, fallback=2, verify_run=1, verify_step=1
@@ -169,6 +250,22 @@ EXPECTED: dict[str, dict[str, object]] = {
     "state_is_a_fifo": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
     "step_dir_is_a_link": dict(target=S2, latest=2, load=2, fallback=2, verify_run=0, verify_step=0),
     "link_inside_step": dict(target=S1, latest=2, load=2, fallback=2, verify_run=0, verify_step=0),
+    "state_root_is_a_list": dict(
+        target="step-000000003", latest=2, load=2, fallback=2, verify_run=1, verify_step=1
+    ),
+    # load() returns the state; load_into refuses the fingerprint, so verify fails
+    "resume_entry_is_a_string": dict(
+        target="step-000000003", latest=3, load=3, fallback=3, verify_run=1, verify_step=1
+    ),
+    "reference_repeated": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
+    "metric_beyond_int64": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
+    "deep_tree_in_a_step": dict(
+        target="step-000000003", latest=2, load=2, fallback=2, verify_run=0, verify_step=1
+    ),
+    "commit_at_the_run_level": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
+    "reference_is_a_socket": dict(
+        target=S2, latest=None, load=CheckpointError, fallback=CheckpointError, verify_run=1, verify_step=1
+    ),
 }
 
 
@@ -249,6 +346,8 @@ def test_hostile_run_directory(tmp_path, case, no_hang, capsys):
         CheckpointManager(r.run, keep_last=1).save(20, _state(20))
     assert _tree(r.outside) == outside
     assert os.path.isdir(r.outside)
+    if case == "deep_tree_in_a_step":
+        _flatten_deep(r.step("step-000000003"))
 
 
 def test_every_case_has_an_expectation():
@@ -351,3 +450,33 @@ def test_a_save_writes_into_the_step_directory_it_made_even_if_it_is_swapped_for
     CheckpointManager(r.run).save(3, _state(3))
     assert sorted(os.listdir(r.outside)) == ["precious.txt"]
     assert sorted(os.listdir(r.root / "moved")) == ["COMMIT", "state.ckpt"]
+
+
+def test_load_into_refuses_what_verify_refuses(tmp_path):
+    r = _make_run(tmp_path)
+    resume_entry_is_a_string(r)
+    mgr = CheckpointManager(r.run)
+    assert not mgr.verify(3).ok
+    target = {"frozen": torch.zeros_like(FROZEN), "w": torch.zeros(16), "step": 0}
+    with pytest.raises(CorruptError, match="resume"):
+        mgr.load_into(target, 3)
+    assert not target["w"].any()
+
+
+def test_a_huge_metric_never_stops_saves_that_rank_by_it(tmp_path):
+    r = _make_run(tmp_path)
+    metric_beyond_int64(r)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mgr = CheckpointManager(r.run, keep_best="loss", keep_last=1)
+        mgr.save(3, _state(3))
+        assert mgr.latest().step == 3
+
+
+def test_a_socket_where_a_referenced_file_should_be_is_a_problem_not_an_exception(tmp_path):
+    r = _make_run(tmp_path)
+    reference_is_a_socket(r)
+    report = ckptfmt.verify(r.step(S2) / "state.ckpt")
+    assert not report.ok and "not a regular file" in str(report.problems[0])
+    with pytest.raises(CorruptError, match="not a regular file"):
+        ckptfmt.load(r.step(S2) / "state.ckpt")
