@@ -118,7 +118,22 @@ class StorageInfo:
     part: multifile.PartRecord | None = None
 
 
-class Writer(StorageWriter):
+class _HeldDirectory:
+    """The checkpoint directory a Writer or Reader opened once (`_dir`), closed with it."""
+
+    _dir: CheckpointDir | None = None
+
+    def close(self) -> None:
+        """Close the directory's descriptor (the next save or read opens it again)."""
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class Writer(_HeldDirectory, StorageWriter):
     """Writes a DCP save as one ckptfmt file per rank plus a commit record (see the module doc).
 
     Use with ``planner=cdcp.SavePlanner()``: DCP's default planner pickles non-tensor
@@ -187,17 +202,6 @@ class Writer(StorageWriter):
             else:
                 self._dir = CheckpointDir.open(self.path, create=True)
         return self._dir
-
-    def close(self) -> None:
-        """Close the directory this save opened (the next save opens it again)."""
-        if self._dir is not None:
-            self._dir.close()
-            self._dir = None
-
-    def __del__(self) -> None:
-        d = getattr(self, "_dir", None)
-        if d is not None:
-            d.close()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -505,7 +509,7 @@ class _Source:
         return meta
 
 
-class Reader(StorageReader):
+class Reader(_HeldDirectory, StorageReader):
     """Reads a ckptfmt DCP checkpoint directory, or a single ckptfmt file, into any sharding.
 
     Use with ``planner=cdcp.LoadPlanner()`` when the state holds non-tensor values.
@@ -544,17 +548,6 @@ class Reader(StorageReader):
     def record(self) -> multifile.CommitRecord | None:
         """The commit record read_metadata read (None before, or for a single file)."""
         return self._record
-
-    def close(self) -> None:
-        """Close the checkpoint directory's descriptor (a later read opens the path again)."""
-        if self._dir is not None:
-            self._dir.close()
-            self._dir = None
-
-    def __del__(self) -> None:
-        d = getattr(self, "_dir", None)
-        if d is not None:
-            d.close()
 
     def _open_dir(self) -> CheckpointDir | None:
         """The checkpoint directory, opened once; None when the path is a single file."""
