@@ -310,20 +310,7 @@ def remove_abandoned_temps(directory: str | CheckpointDir, now: float | None = N
         return [n for n in d.names() if _remove_if_abandoned(d, n, when)]
 
 
-def remove_stale_temps(path: str) -> None:
-    """Remove abandoned temp files in `path`'s directory (of every target, not only `path`)."""
-    remove_abandoned_temps(os.path.dirname(path))
-
-
 # -- durability -----------------------------------------------------------------------------------
-
-
-def fsync_dir(directory: str) -> None:
-    fd = os.open(directory or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class AtomicFile:

@@ -150,7 +150,7 @@ def _check_state_index(d: CheckpointDir, record: multifile.CommitRecord) -> None
     entries state, rng and resume) that reads chunks only from files the record names."""
     part = record.files[0]
     with CheckpointFile(d.path_of(part.name), fd=multifile.open_part(d, part, d.path), within=d) as f:
-        check_references(f, record, d.path)
+        multifile.check_references(f, record, d.path)
         if not {"state", "rng", "resume"} <= set(resume.node_items(f, f.tree.root)):
             raise CorruptError("not a checkpoint manager's state file", path=f.path)
 
@@ -169,7 +169,6 @@ def resume_entries(f: CheckpointFile) -> tuple[dict[str, Any], Any]:
 
 
 #: every file a loaded file reads chunks from is one the commit record names (spec 13.1)
-check_references = multifile.check_references
 
 
 def _try_lock(fd: int) -> bool | None:
@@ -878,7 +877,7 @@ def _verify_parts(d: CheckpointDir, record: multifile.CommitRecord, report: Veri
             one = VerifyReport(d.path_of(part.name))
             with CheckpointFile(d.path_of(part.name), fd=fd, within=holder) as f:
                 if part in record.files:
-                    check_references(f, record, d.path)
+                    multifile.check_references(f, record, d.path)
                 if record.layout == "state" and part in record.files:
                     _check_resume_entries(f, one)
                 check_file(f, one)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -360,15 +359,3 @@ def check_complete(directory: str | os.PathLike[str] | CheckpointDir) -> CommitR
         for part in record.files + record.references:
             check_part(d, part, d.path)
     return record
-
-
-def fsync_path(path: str) -> None:
-    """fsync a file or directory by name (a directory's fsync makes its entries durable)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP):  # some filesystems cannot fsync directories
-            raise
-    finally:
-        os.close(fd)

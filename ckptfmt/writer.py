@@ -34,10 +34,8 @@ from .ckptdir import CheckpointDir
 from .commit import (  # noqa: F401 - the commit protocol's names, as they were importable from here
     TEMP_MARKER,
     AtomicFile,
-    fsync_dir,
     iter_temp_files,
     remove_abandoned_temps,
-    remove_stale_temps,
     temp_prefix,
 )
 from .gcpause import pausing_in_main_thread
