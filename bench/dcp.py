@@ -108,7 +108,7 @@ def local_bytes(state: dict[str, Any]) -> int:
 
 
 def _byte_views(tensors: list[Any]) -> list[memoryview]:
-    from ckptfmt.bytesview import storage_bytes
+    from ckptfmt.engine.bytesview import storage_bytes
 
     return [storage_bytes(t.untyped_storage()) for t in tensors if t.numel()]
 

@@ -38,7 +38,9 @@ from run import parse_size, timed  # noqa: E402
 from run import summarise as med  # noqa: E402
 
 import ckptfmt  # noqa: E402
-from ckptfmt import _native, chunkio, tree  # noqa: E402
+from ckptfmt.engine import chunkwrite as chunkio  # noqa: E402
+from ckptfmt.engine import native as _native  # noqa: E402
+from ckptfmt.format import tree  # noqa: E402
 
 
 def pieces_of(st: Any, chunk: int = 4 << 20) -> list[tuple[memoryview, int]]:
@@ -71,8 +73,8 @@ def zstd_alone(path: str) -> tuple[float, float, int]:
     a compressed file's chunks, into buffers allocated once: seconds to decode every stored
     frame, seconds to compress every chunk's shuffled bytes again with the engine's
     parameters, and the raw bytes of those chunks."""
-    from ckptfmt import format as fmt
-    from ckptfmt.reader import CheckpointFile
+    from ckptfmt.files.reader import CheckpointFile
+    from ckptfmt.format import layout as fmt
 
     lib, ffi = _native.lib, _native.ffi
     assert lib is not None and ffi is not None

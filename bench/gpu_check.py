@@ -37,7 +37,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # run from a checkout: this ckptfmt, not an installed one
 
 import ckptfmt  # noqa: E402
-from ckptfmt import staging  # noqa: E402
+from ckptfmt.background import staging  # noqa: E402
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

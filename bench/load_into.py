@@ -42,8 +42,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     from worker import _reset_peak, _status, drop_cache
 
     import ckptfmt
-    from ckptfmt import inplace
-    from ckptfmt.reader import CheckpointFile
+    from ckptfmt.files import load_into as inplace
+    from ckptfmt.files.reader import CheckpointFile
 
     torch.set_num_threads(os.cpu_count() or 1)
     path = spec["path"]

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from run import parse_size  # noqa: E402
 
 import ckptfmt  # noqa: E402
-from ckptfmt import hostmem  # noqa: E402
+from ckptfmt.engine import hostmem  # noqa: E402
 
 _WORKER = r"""
 import sys, time

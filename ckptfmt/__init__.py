@@ -2,8 +2,8 @@
 
 __version__ = "0.1.0"
 
-from .api import Reader, load, open  # noqa: E402, A004 - public name is fixed
-from .background import SaveHandle  # noqa: E402
+from .background.copysave import SaveHandle  # noqa: E402
+from .background.staging import POOL as _POOL  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
     CheckpointWarning,
@@ -14,14 +14,14 @@ from .errors import (  # noqa: E402
     UnsupportedError,
     UnsupportedObjectError,
 )
-from .format import FORMAT_MAJOR, FORMAT_MINOR  # noqa: E402
-from .inplace import FileChangedError, LoadReport, MismatchError, PartialLoadError, load_into  # noqa: E402
-from .manager import CheckpointInfo, CheckpointManager  # noqa: E402
-from .resume import ResumeReport  # noqa: E402
-from .rng import capture_rng, restore_rng  # noqa: E402
-from .staging import POOL as _POOL  # noqa: E402
-from .verify import Problem, VerifyReport, verify  # noqa: E402
-from .writer import remove, save  # noqa: E402
+from .files.load import Reader, load, open  # noqa: E402, A004 - public name is fixed
+from .files.load_into import FileChangedError, LoadReport, MismatchError, PartialLoadError, load_into  # noqa: E402
+from .files.save import remove, save  # noqa: E402
+from .files.verify import Problem, VerifyReport, verify  # noqa: E402
+from .format.layout import FORMAT_MAJOR, FORMAT_MINOR  # noqa: E402
+from .runs.manager import CheckpointInfo, CheckpointManager  # noqa: E402
+from .runs.resume import ResumeReport  # noqa: E402
+from .runs.rng import capture_rng, restore_rng  # noqa: E402
 
 
 def backend() -> str:
@@ -29,7 +29,7 @@ def backend() -> str:
 
     Set CKPTFMT_BACKEND=python to force the reference path.
     """
-    from . import _native
+    from .engine import native as _native
 
     return "c" if _native.available() else "python"
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from ckptfmt import dtypes
+from ckptfmt.format import dtypes
 
 
 def storage_bytes(t: torch.Tensor) -> bytes:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import ckptfmt
-from ckptfmt.rng import capture_rng
+from ckptfmt.runs.rng import capture_rng
 
 KEEP_LAST = 2
 #: saves a worker lets run at once: it waits for the oldest before starting another

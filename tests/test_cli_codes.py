@@ -18,7 +18,7 @@ import torch
 
 import ckptfmt
 from ckptfmt import cli
-from ckptfmt.sniff import sniff
+from ckptfmt.format.sniff import sniff
 
 CORPUS = os.path.join(os.path.dirname(__file__), "corpus")
 EXPECTED: dict[str, str] = json.load(open(os.path.join(CORPUS, "expected.json")))
@@ -245,7 +245,7 @@ def test_a_foreign_file_its_reader_refuses_is_1(tmp_path):
 
 def test_inspect_of_an_incremental_file_whose_base_is_gone(tmp_path):
     """The tree is shown, then one line on stderr names the missing file; 1, as verify --quick."""
-    from ckptfmt import incremental
+    from ckptfmt.runs import incremental
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

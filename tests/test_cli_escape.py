@@ -18,8 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt import cli, multifile
-from ckptfmt.manager import CheckpointManager
+from ckptfmt import cli
+from ckptfmt.files import multifile
+from ckptfmt.runs.manager import CheckpointManager
 
 FORGED = "\x1b[2K\rstep-9 complete"
 #: every character a terminal acts on rather than shows

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import commit, writer
+from ckptfmt.engine import commit
+from ckptfmt.files import save as writer
 
 NO_LOCK_ERRNOS = [errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP]
 

@@ -13,7 +13,7 @@ import torch
 from crash_server import make_states
 
 import ckptfmt
-from ckptfmt import writer
+from ckptfmt.files import save as writer
 
 KILLS = int(os.environ.get("CKPTFMT_CRASH_KILLS", "120"))
 

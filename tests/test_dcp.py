@@ -35,8 +35,6 @@ from test_hostile_dcp import set_chunks as _chunks
 
 import ckptfmt
 from ckptfmt import dcp as cdcp
-from ckptfmt import format as fmt
-from ckptfmt import multifile
 from ckptfmt.errors import (
     CheckpointError,
     CorruptError,
@@ -44,7 +42,9 @@ from ckptfmt.errors import (
     UnsupportedError,
     UnsupportedObjectError,
 )
-from ckptfmt.reader import CheckpointFile
+from ckptfmt.files import multifile
+from ckptfmt.files.reader import CheckpointFile
+from ckptfmt.format import layout as fmt
 
 WORKER = os.path.join(os.path.dirname(__file__), "dcp_worker.py")
 SESSION_TIMEOUT_S = 240
@@ -906,8 +906,8 @@ def test_ranks_of_one_host_share_its_cores() -> None:
     """Each rank's engine threads are its host's cores split among that host's ranks."""
     from torch.distributed.checkpoint.planner import SavePlan
 
-    from ckptfmt._native import default_threads, threads_at_most
     from ckptfmt.dcp.storage import _Host, _RankPlan, _thread_shares
+    from ckptfmt.engine.native import default_threads, threads_at_most
 
     hosts = [_Host("a", 16), _Host("a", 16), _Host("b", 8), _Host("a", 16), None]
     assert _thread_shares(hosts) == [5, 5, 8, 5, None]

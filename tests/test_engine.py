@@ -13,8 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt import _native, tree, writer
-from ckptfmt import format as fmt
+from ckptfmt.engine import native as _native
+from ckptfmt.files import save as writer
+from ckptfmt.format import layout as fmt
+from ckptfmt.format import tree
 
 pytestmark = pytest.mark.skipif(not _native.built(), reason="the C engine is not built")
 
@@ -142,7 +144,7 @@ def test_one_zstd_profile_for_both_engines():
     """format.py's profile and window limit are the C engine's; both write the same frames."""
     import zstandard
 
-    from ckptfmt import chunkio
+    from ckptfmt.engine import chunkwrite as chunkio
 
     lib = _native.lib
     assert fmt.ZSTD_FAST_PROFILE["min_match"] == lib.CKF_FAST_MIN_MATCH
@@ -164,7 +166,7 @@ def test_one_zstd_profile_for_both_engines():
 def test_checking_only_needs_no_destination_unless_the_bytes_are_used(tmp_path, compression):
     """verify hands the engine no destination for chunks it only checks; a read, or a chunk
     whose content digest is taken from the decoded bytes, still needs one."""
-    from ckptfmt.reader import CheckpointFile
+    from ckptfmt.files.reader import CheckpointFile
 
     p = tmp_path / "d.ckpt"
     ckptfmt.save({"w": torch.randn(1 << 16)}, p, compression=compression, chunk_size=1 << 16)

@@ -19,7 +19,9 @@ from helpers import assert_same, states
 from hypothesis import HealthCheck, given, settings
 
 import ckptfmt
-from ckptfmt import _native, background, forksave
+from ckptfmt.background import copysave as background
+from ckptfmt.background import forksave
+from ckptfmt.engine import native as _native
 from ckptfmt.errors import SnapshotError
 
 pytestmark = pytest.mark.skipif(

@@ -15,10 +15,11 @@ import torch
 import zstandard
 
 import ckptfmt
-from ckptfmt import _native, tree
-from ckptfmt import format as fmt
-from ckptfmt.format import Limits
-from ckptfmt.reader import CheckpointFile
+from ckptfmt.engine import native as _native
+from ckptfmt.files.reader import CheckpointFile
+from ckptfmt.format import layout as fmt
+from ckptfmt.format import tree
+from ckptfmt.format.layout import Limits
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "corpus"))
 import make_corpus as mc  # noqa: E402

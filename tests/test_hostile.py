@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import _native
-from ckptfmt import format as fmt
+from ckptfmt.engine import native as _native
+from ckptfmt.format import layout as fmt
 
 CORPUS = os.path.join(os.path.dirname(__file__), "corpus")
 EXPECTED = json.load(open(os.path.join(CORPUS, "expected.json")))

@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 
 import ckptfmt
 from ckptfmt import dcp as cdcp
-from ckptfmt import multifile
 from ckptfmt.cli import main as cli
 from ckptfmt.errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
+from ckptfmt.files import multifile
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -655,7 +655,7 @@ def _under_state(v: dict[str, Any], under: bool) -> None:
 def test_manager_step_of_a_dcp_run(tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]) -> None:
     """CheckpointManager.load assembles a "dcp" step (what several ranks saved) in this process:
     the same checks and bounds as consolidate, and ckptfmt's errors, never DCP's own."""
-    from ckptfmt.manager import CheckpointManager
+    from ckptfmt.runs.manager import CheckpointManager
 
     step = tmp_path / "run" / "step-000000001"
     cdcp.save({"state": state()}, str(step), step=1)

@@ -25,13 +25,13 @@ import torch
 
 import ckptfmt
 from ckptfmt import dcp as cdcp
-from ckptfmt import incremental, multifile
-from ckptfmt.ckptdir import CheckpointDir, LinkError
 from ckptfmt.cli import main as cli
 from ckptfmt.dcp import check as dcp_check
-from ckptfmt.dcp import manager as sharded
 from ckptfmt.dcp import storage
+from ckptfmt.engine.ckptdir import CheckpointDir, LinkError
 from ckptfmt.errors import CheckpointError, CorruptError
+from ckptfmt.files import multifile
+from ckptfmt.runs import incremental, sharded
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -23,10 +23,11 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import CheckpointManager, multifile
-from ckptfmt.ckptdir import CheckpointDir, LinkError
+from ckptfmt import CheckpointManager
 from ckptfmt.cli import main as cli
+from ckptfmt.engine.ckptdir import CheckpointDir, LinkError
 from ckptfmt.errors import CheckpointError, CorruptError, LimitError
+from ckptfmt.files import multifile
 
 S1, S2 = "step-000000001", "step-000000002"
 FROZEN = torch.arange(64 * 1024, dtype=torch.float32)  # 256 KiB: step 2 refers to step 1 for it
@@ -443,7 +444,7 @@ def test_a_save_writes_into_the_step_directory_it_made_even_if_it_is_swapped_for
     """Between making its step directory and writing into it, the directory is renamed away
     and a link to an outside directory put in its place: the state file and the commit
     record still go into the directory the save made and holds, never through the link."""
-    from ckptfmt import manager as manager_mod
+    from ckptfmt.runs import manager as manager_mod
 
     r = _make_run(tmp_path)
     real = manager_mod.CheckpointManager._write_state

@@ -32,7 +32,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import ckptfmt  # noqa: E402
-from ckptfmt import multifile  # noqa: E402
+from ckptfmt.files import multifile  # noqa: E402
 
 STEP = 4  # the step of the valid checkpoint every case starts from
 NEWER = 8  # the step of the hostile folder, newer than STEP

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import commit
-from ckptfmt.manager import CheckpointManager, step_dirname
+from ckptfmt.engine import commit
+from ckptfmt.runs.manager import CheckpointManager, step_dirname
 
 ABSURD_PIDS = ["0", "2147483648", "4294967296", "9999999999"]
 #: longer than any pid: only the temporary step directories' names allow so many digits

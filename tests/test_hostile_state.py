@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt import multifile
-from ckptfmt.manager import STATE_NAME, CheckpointManager, step_dirname
+from ckptfmt.files import multifile
+from ckptfmt.runs.manager import STATE_NAME, CheckpointManager, step_dirname
 
 Mutation = Callable[[dict[str, Any]], None]
 
@@ -415,7 +415,7 @@ def test_a_state_an_object_refuses_is_corrupt_and_fallback_restores_the_older_st
     ],
 )
 def test_the_training_sampler_refuses_a_malformed_state_and_keeps_its_own(state):
-    from ckptfmt.training import ResumableBatchSampler
+    from ckptfmt.demo.training import ResumableBatchSampler
 
     sampler = ResumableBatchSampler(256, 16, seed=1)
     sampler.load_state_dict({"epoch": 3, "consumed": 5})
@@ -430,7 +430,7 @@ def test_restore_rng_refuses_a_state_torch_would_refuse_before_any_generator_cha
     random.random(), np.random.rand(), torch.rand(1)  # move away from the capture
     before = [random.getstate(), np.random.get_state(legacy=False), torch.get_rng_state()]
     with pytest.raises(
-        ckptfmt.rng.RNGStateError, match="field torch_cpu is refused by torch's CPU generator"
+        ckptfmt.runs.rng.RNGStateError, match="field torch_cpu is refused by torch's CPU generator"
     ):
         ckptfmt.restore_rng(bad)
     # refused by the probe, not rolled back after python and numpy were set

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import _native, hostmem
-from ckptfmt.reader import CheckpointFile
+from ckptfmt.engine import hostmem
+from ckptfmt.engine import native as _native
+from ckptfmt.files.reader import CheckpointFile
 
 needs_engine = pytest.mark.skipif(not _native.available(), reason="the C engine is not built")
 
@@ -167,7 +168,7 @@ def test_no_huge_pages_where_the_host_takes_free_2mib_blocks_back(
 def test_where_the_host_reclaims_loads_get_small_pages_and_staging_huge_ones(tmp_path, monkeypatch):
     """A load's destinations are filled once, so their first fault is what counts; staging
     slabs are refilled by every non-blocking save."""
-    from ckptfmt import staging
+    from ckptfmt.background import staging
 
     monkeypatch.setattr(hostmem, "_reclaims", True)
     monkeypatch.setattr(hostmem, "free_huge_blocks", lambda: 1 << 20)

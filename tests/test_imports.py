@@ -1,9 +1,12 @@
-"""The shape of the package: no import cycles, and readers that do not import the writer.
+"""The shape of the package: layers that import downwards only, no import cycles, and
+readers that do not import the writer.
 
-Imports are read from the source (module level and inside functions alike), so a
-cycle hidden in a function-level import is found too.  ``from . import
-__version__`` is an edge to the package's ``__init__``, which defines the version
-before importing anything; edges into ``__init__`` are therefore left out.
+Imports are read from the source (module level and inside functions alike), so an
+upward or cyclic import hidden in a function is found too; imports only a type
+checker runs (``if TYPE_CHECKING:``) are left out.  ``from . import __version__``
+is an edge to the package's ``__init__``, which defines the version before
+importing anything; edges into ``__init__`` are therefore left out of the graph
+and checked on their own.
 """
 
 from __future__ import annotations
@@ -17,18 +20,25 @@ import ckptfmt
 
 ROOT = os.path.dirname(os.path.abspath(ckptfmt.__file__))
 
+#: the layers, lowest first: a module may import its own layer and the layers before it
+LAYERS = ["base", "format", "engine", "background", "files", "dcp", "runs", "integrations", "cli", "demo"]
+#: the base layer: leaves every layer uses
+BASE = {"ckptfmt.errors", "ckptfmt.fileio", "ckptfmt.gcpause"}
+#: the public face, which imports every library layer to re-export its names
+FACE = {"ckptfmt", "ckptfmt.__main__"}
+
 #: the save path and the modules that wait for saves: no cycle may pass through them
 SAVE_PATH = [
-    "ckptfmt.bytesview",
-    "ckptfmt.commit",
-    "ckptfmt.inflight",
-    "ckptfmt.staging",
-    "ckptfmt.chunkio",
-    "ckptfmt.background",
-    "ckptfmt.writer",
-    "ckptfmt.api",
-    "ckptfmt.verify",
-    "ckptfmt.inplace",
+    "ckptfmt.engine.bytesview",
+    "ckptfmt.engine.commit",
+    "ckptfmt.background.inflight",
+    "ckptfmt.background.staging",
+    "ckptfmt.engine.chunkwrite",
+    "ckptfmt.background.copysave",
+    "ckptfmt.files.save",
+    "ckptfmt.files.load",
+    "ckptfmt.files.verify",
+    "ckptfmt.files.load_into",
 ]
 
 
@@ -43,6 +53,20 @@ def _modules() -> dict[str, str]:
     return out
 
 
+def _walk_runtime(tree: ast.AST) -> list[ast.AST]:
+    """Every node but those under ``if TYPE_CHECKING:``."""
+    out: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
 def _graph(module_level_only: bool) -> dict[str, set[str]]:
     mods = _modules()
     graph: dict[str, set[str]] = {}
@@ -50,7 +74,7 @@ def _graph(module_level_only: bool) -> dict[str, set[str]]:
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), path)
         package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
-        nodes = tree.body if module_level_only else list(ast.walk(tree))
+        nodes = tree.body if module_level_only else _walk_runtime(tree)
         deps: set[str] = set()
         for node in nodes:
             if isinstance(node, ast.ImportFrom):
@@ -114,6 +138,81 @@ def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
+def _layer(module: str) -> str:
+    if module in BASE:
+        return "base"
+    parts = module.split(".")
+    assert len(parts) >= 2 and parts[1] in LAYERS, f"{module} is in no layer: put it in a layer's folder"
+    return parts[1]
+
+
+def test_every_module_is_in_a_layer():
+    for name in _modules():
+        if name not in FACE:
+            _layer(name)
+
+
+def test_imports_go_down_the_layers():
+    upward = []
+    for name, deps in _graph(module_level_only=False).items():
+        if name in FACE:
+            continue
+        for dep in deps:
+            if dep not in FACE and LAYERS.index(_layer(dep)) > LAYERS.index(_layer(name)):
+                upward.append(f"{name} -> {dep}")
+    assert upward == []
+
+
+def _root_names(path: str, package: str) -> set[str]:
+    """The names a module takes from ``ckptfmt`` itself (``from .. import x``, ``import ckptfmt``)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    out: set[str] = set()
+    for node in _walk_runtime(tree):
+        if isinstance(node, ast.ImportFrom):
+            target = (
+                node.module
+                if not node.level
+                else ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1]
+                    + ([node.module] if node.module else [])
+                )
+            )
+            if target == "ckptfmt":
+                out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import) and any(alias.name == "ckptfmt" for alias in node.names):
+            out.add("*")
+    return out
+
+
+def test_library_layers_take_only_the_version_from_the_public_face():
+    """``ckptfmt/__init__`` imports the library layers; they may use only the version it defines
+    first.  Integrations, the CLI and the demo use the public API as users do."""
+    for name, path in _modules().items():
+        if name in FACE or LAYERS.index(_layer(name)) >= LAYERS.index("integrations"):
+            continue
+        package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+        taken = (
+            _root_names(path, package)
+            - {"__version__"}
+            - {n for n in _root_names(path, package) if f"ckptfmt.{n}" in _modules()}
+        )
+        assert taken == set(), f"{name} takes {sorted(taken)} from the public face"
+
+
+def test_layer_folders_import_nothing_when_entered():
+    """A layer's ``__init__`` is a docstring, so importing one module of a layer does not drag in
+    the rest (readers import ``background.inflight`` without the background writer)."""
+    for layer in ["format", "engine", "background", "files", "runs", "demo"]:
+        with open(os.path.join(ROOT, layer, "__init__.py"), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        assert [type(n).__name__ for n in tree.body] == ["Expr"], layer
+
+
+def test_no_import_cycle_anywhere():
+    assert _cycles(_graph(module_level_only=False)) == []
+
+
 def test_module_level_imports_have_no_cycle():
     assert _cycles(_graph(module_level_only=True)) == []
 
@@ -125,22 +224,38 @@ def test_no_cycle_passes_through_the_save_path():
         assert not set(comp) & set(SAVE_PATH), comp
 
 
-@pytest.mark.parametrize("reader", ["ckptfmt.api", "ckptfmt.verify", "ckptfmt.inplace", "ckptfmt.inflight"])
+@pytest.mark.parametrize(
+    "reader",
+    ["ckptfmt.files.load", "ckptfmt.files.verify", "ckptfmt.files.load_into", "ckptfmt.background.inflight"],
+)
 def test_readers_do_not_import_the_writer(reader):
     reached = _reach(_graph(module_level_only=False), reader)
-    assert not reached & {"ckptfmt.writer", "ckptfmt.background", "ckptfmt.chunkio", "ckptfmt.commit"}
+    writer = {
+        "ckptfmt.files.save",
+        "ckptfmt.background.copysave",
+        "ckptfmt.engine.chunkwrite",
+        "ckptfmt.engine.commit",
+    }
+    assert not reached & writer
 
 
 def test_the_commit_protocol_and_the_registry_import_nothing_of_ckptfmt():
     """...but the commit protocol works inside a directory through the one module that owns
     filesystem operations there, which imports nothing but the errors."""
     graph = _graph(module_level_only=False)
-    assert graph["ckptfmt.commit"] == {"ckptfmt.ckptdir", "ckptfmt.errors"}
-    assert graph["ckptfmt.ckptdir"] == {"ckptfmt.errors", "ckptfmt.fileio"}
-    assert graph["ckptfmt.inflight"] == set()
-    assert graph["ckptfmt.bytesview"] == set()
+    assert graph["ckptfmt.engine.commit"] == {"ckptfmt.engine.ckptdir", "ckptfmt.errors"}
+    assert graph["ckptfmt.engine.ckptdir"] == {"ckptfmt.errors", "ckptfmt.fileio"}
+    assert graph["ckptfmt.background.inflight"] == set()
+    assert graph["ckptfmt.engine.bytesview"] == set()
 
 
 def test_the_graph_reader_sees_a_cycle(tmp_path):
     """The check itself can fail: a cycle made of two modules is found."""
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+
+
+def test_the_layer_check_sees_an_upward_import():
+    """...and so can the layer rule: a format module importing the engine is in a higher layer."""
+    assert LAYERS.index(_layer("ckptfmt.engine.native")) > LAYERS.index(_layer("ckptfmt.format.tree"))
+    with pytest.raises(AssertionError, match="in no layer"):
+        _layer("ckptfmt.loose")

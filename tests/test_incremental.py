@@ -20,9 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt import _native, incremental, reader
-from ckptfmt import format as fmt
-from ckptfmt.reader import CheckpointFile
+from ckptfmt.engine import native as _native
+from ckptfmt.files import reader
+from ckptfmt.files.reader import CheckpointFile
+from ckptfmt.format import layout as fmt
+from ckptfmt.runs import incremental
 
 BACKENDS = ["c", "python"]
 CORPUS = os.path.join(os.path.dirname(__file__), "corpus")

@@ -35,8 +35,8 @@ import pytest
 import torch
 
 import ckptfmt
+from ckptfmt.format.sniff import sniff
 from ckptfmt.integrations import objects
-from ckptfmt.sniff import sniff
 
 needs_lightning = pytest.mark.skipif(
     importlib.util.find_spec("lightning") is None or importlib.util.find_spec("pytorch_lightning") is None,
@@ -520,7 +520,7 @@ def test_nonblocking_errors_surface_at_next_save_and_teardown(tmp_path: pathlib.
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, old_limit[1]))
         try:
             io.save_checkpoint(big, tmp_path / name)  # returns: the write fails later
-            ckptfmt.background.wait_for_path(tmp_path / name)
+            ckptfmt.background.inflight.wait_for_path(tmp_path / name)
         finally:
             resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
 

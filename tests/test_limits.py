@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import format as fmt
-from ckptfmt import tree
-from ckptfmt.format import Limits
+from ckptfmt.format import layout as fmt
+from ckptfmt.format import tree
+from ckptfmt.format.layout import Limits
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "corpus"))
 import make_corpus as mc  # noqa: E402

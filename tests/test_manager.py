@@ -21,8 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt import background, multifile, resume
-from ckptfmt import manager as manager_mod
+from ckptfmt.background import copysave as background
 from ckptfmt.errors import (
     CheckpointError,
     CheckpointWarning,
@@ -31,9 +30,12 @@ from ckptfmt.errors import (
     UnsupportedError,
     UnsupportedObjectError,
 )
-from ckptfmt.inplace import MismatchError
-from ckptfmt.manager import CheckpointManager, step_dirname
-from ckptfmt.reader import CheckpointFile
+from ckptfmt.files import multifile
+from ckptfmt.files.load_into import MismatchError
+from ckptfmt.files.reader import CheckpointFile
+from ckptfmt.runs import manager as manager_mod
+from ckptfmt.runs import resume
+from ckptfmt.runs.manager import CheckpointManager, step_dirname
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -774,9 +776,9 @@ def test_a_stateful_sampler_counts_as_a_data_position(tmp_path):
 
 
 def test_missing_rng_state_is_reported(tmp_path, monkeypatch):
-    import ckptfmt.rng
+    import ckptfmt.runs.rng
 
-    monkeypatch.setattr(ckptfmt.rng, "capture_rng", lambda: None)
+    monkeypatch.setattr(ckptfmt.runs.rng, "capture_rng", lambda: None)
     mgr = CheckpointManager(tmp_path)
     mgr.save(1, {"w": torch.zeros(2), "data": {"batch": 3}})
     report, warned = _caught(lambda: mgr.load_into({"w": torch.ones(2), "data": {"batch": 0}}))

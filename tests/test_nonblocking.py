@@ -16,8 +16,9 @@ from helpers import assert_same, states
 from hypothesis import HealthCheck, given, settings
 
 import ckptfmt
-from ckptfmt import background, writer
-from ckptfmt.staging import POOL, StagingPool
+from ckptfmt.background import copysave as background
+from ckptfmt.background.staging import POOL, StagingPool
+from ckptfmt.files import save as writer
 
 BACKENDS = ["c", "python"]
 

@@ -26,8 +26,9 @@ import torch
 from helpers import assert_same
 
 import ckptfmt
-from ckptfmt import background, staging
-from ckptfmt.reader import CheckpointFile
+from ckptfmt.background import copysave as background
+from ckptfmt.background import staging
+from ckptfmt.files.reader import CheckpointFile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import gpu_check  # noqa: E402  (the bench script: its state helpers serve the tests too)

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt import _native
-from ckptfmt.staging import POOL
+from ckptfmt.background.staging import POOL
+from ckptfmt.engine import native as _native
 
 HS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

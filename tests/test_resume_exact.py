@@ -25,7 +25,7 @@ import torch
 from helpers import SameChecker
 
 import ckptfmt
-from ckptfmt.training import ChildRun, run_child, train
+from ckptfmt.demo.training import ChildRun, run_child, train
 
 STEPS = 40  # 16 batches an epoch: the run crosses two epoch boundaries
 BATCHES_PER_EPOCH = 16

@@ -14,9 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt import manager as manager_mod
-from ckptfmt import multifile, retention
-from ckptfmt.manager import CheckpointManager, parse_step_dirname
+from ckptfmt.files import multifile
+from ckptfmt.runs import manager as manager_mod
+from ckptfmt.runs import retention
+from ckptfmt.runs.manager import CheckpointManager, parse_step_dirname
 
 
 def documented(history, keep_last=None, keep_every=None, keep_best=None, best_mode="min"):

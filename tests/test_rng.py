@@ -20,8 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt import rng, tree
-from ckptfmt.rng import RNGSkippedWarning, RNGStateError, RNGStateTypeError, capture_rng, restore_rng
+from ckptfmt.format import tree
+from ckptfmt.runs import rng
+from ckptfmt.runs.rng import RNGSkippedWarning, RNGStateError, RNGStateTypeError, capture_rng, restore_rng
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -162,7 +163,7 @@ CAPTURE_CHILD = """
 import json, sys
 sys.path.insert(0, {tests!r})
 import ckptfmt
-from ckptfmt.rng import capture_rng
+from ckptfmt.runs.rng import capture_rng
 from test_rng import draw, seed_all
 seed_all(11, 12, 13)
 ckptfmt.save(capture_rng(), sys.argv[1])
@@ -173,7 +174,7 @@ RESTORE_CHILD = """
 import json, sys
 sys.path.insert(0, {tests!r})
 import ckptfmt
-from ckptfmt.rng import restore_rng
+from ckptfmt.runs.rng import restore_rng
 from test_rng import draw
 restore_rng(ckptfmt.load(sys.argv[1]))
 print(json.dumps(draw()))

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt import dtypes
+from ckptfmt.format import dtypes
 
 
 def roundtrip(tmp_path, state, **kw):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt import writer
+from ckptfmt.files import save as writer
 
 
 class Thing:

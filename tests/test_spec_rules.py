@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt.format import Limits
-from ckptfmt.reader import CheckpointFile
+from ckptfmt.files.reader import CheckpointFile
+from ckptfmt.format.layout import Limits
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "corpus"))
 import make_corpus as mc  # noqa: E402

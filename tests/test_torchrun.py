@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import ckptfmt
-from ckptfmt import multifile
+from ckptfmt.files import multifile
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torchrun_restart.py"
 #: generous: a loaded CI machine with 2 cores runs four torch processes and the agent

@@ -35,8 +35,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import ckptfmt  # noqa: E402
-from ckptfmt import multifile  # noqa: E402
-from ckptfmt.sniff import sniff  # noqa: E402
+from ckptfmt.files import multifile  # noqa: E402
+from ckptfmt.format.sniff import sniff  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_STEPS = 20

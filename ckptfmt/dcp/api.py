@@ -19,9 +19,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 
-from .. import _native, bytesview, multifile
-from ..ckptdir import CheckpointDir
+from ..engine import bytesview
+from ..engine import native as _native
+from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError
+from ..files import multifile
 from ..gcpause import pausing_in_main_thread
 from .planners import LoadPlanner, SavePlanner
 from .storage import Reader, Writer

@@ -4,7 +4,7 @@ Two halves: the commit record's ``dcp`` member (``read_record``: metadata.from_v
 rank files' agreement with it (``check_items``: each item's key exists in its rank file, and a
 tensor chunk's node is a tensor of the record's dtype and the row's shape).  ``cdcp.load``
 runs the first on every load and the second on each item it reads (storage.Reader, through
-the same ``_Source`` methods); ``verify``, ``ls`` (``describe``), ``consolidate`` and
+the same ``Source`` methods); ``verify``, ``ls`` (``describe``), ``consolidate`` and
 ``convert`` run both over every item.  So verify answers OK exactly when every check a load
 can make passes, and chunk data is then checked by verify's checksums.
 """
@@ -16,11 +16,11 @@ import os
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from .. import multifile
-from ..ckptdir import CheckpointDir
+from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, UnsupportedError
+from ..files import multifile
 from . import metadata as mdv
-from .storage import LAYOUT, _rank_note, _Source
+from .sources import LAYOUT, Source, rank_note
 
 
 def read_record(
@@ -77,7 +77,7 @@ def check_items(
 def _check_file(
     d: CheckpointDir, name: str, record: multifile.CommitRecord, items: list[tuple[str, mdv.Location]]
 ) -> int:
-    src = _Source(d, name, f"{name}{_rank_note(name)}", record, keyed=True)
+    src = Source(d, name, f"{name}{rank_note(name)}", record, keyed=True)
     try:
         storages: set[int] = set()
         for fqn, loc in items:

@@ -39,16 +39,19 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from torch.distributed.checkpoint.planner import LoadPlanner as _BaseLoadPlanner
 from torch.futures import Future
 
-from .. import dtypes, multifile, writer
-from .. import format as fmt
-from ..ckptdir import CheckpointDir
+from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
 from ..fileio import open_regular, pread_exact
+from ..files import multifile
+from ..files import save as writer
+from ..format import dtypes
+from ..format import layout as fmt
 from . import metadata as mdv
 from .api import _mapped, _single_process_ok
 from .check import check_items, record_metadata
 from .planners import LoadPlanner
-from .storage import RANK_FILE_RE, Reader
+from .sources import RANK_FILE_RE
+from .storage import Reader
 from .values import ObjectBytes
 
 DCP_METADATA_NAME = ".metadata"

@@ -42,9 +42,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .. import dtypes
 from ..errors import CheckpointError, CorruptError, LimitError, UnsupportedError, UnsupportedObjectError
-from ..format import Limits
+from ..format import dtypes
+from ..format.layout import Limits
 from ..gcpause import pausing
 
 #: DCP's metadata version written by this torch's own FileSystemWriter (filesystem.CURRENT_DCP_VERSION)

@@ -26,9 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import bytesview, dtypes, hostmem
+from ..engine import bytesview, hostmem
 from ..errors import CorruptError, LimitError
-from ..reader import CheckpointFile
+from ..files.reader import CheckpointFile
+from ..format import dtypes
 
 #: scratch memory one batch of reads may hold (destinations read in place cost none)
 DEFAULT_BATCH_BYTES = 256 << 20

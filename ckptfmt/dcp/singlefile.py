@@ -19,9 +19,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .. import dtypes, tree
 from ..errors import UnsupportedError
-from ..reader import CheckpointFile
+from ..files.reader import CheckpointFile
+from ..format import dtypes, tree
 from . import metadata as mdv
 
 

@@ -22,7 +22,6 @@ import collections
 import dataclasses
 import io
 import os
-import re
 import socket
 import uuid
 from typing import Any
@@ -40,28 +39,22 @@ from torch.distributed.checkpoint.planner import SavePlanner as _BaseSavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import _native, commit, multifile, writer
-from ..ckptdir import CheckpointDir, LinkError
+from ..engine import commit
+from ..engine import native as _native
+from ..engine.ckptdir import CheckpointDir, LinkError
 from ..errors import CheckpointError, CorruptError, IncompleteError, UnsupportedError, UnsupportedObjectError
+from ..files import multifile
+from ..files import save as writer
+from ..files.reader import CheckpointFile
 from ..gcpause import pausing_in_main_thread
-from ..reader import CheckpointFile
 from . import metadata as mdv
 from . import regions
+from .check import check_items, read_record
+from .sources import LAYOUT, RANK_FILE_RE, Source, rank_file_name, rank_note
 from .values import ObjectBytes, decode_value, encode_value, raw_bytes_io
 
-LAYOUT = "dcp"
 #: DCP's default planner's value transform: torch.save (a pickle)
 _STOCK_TRANSFORM = DefaultSavePlanner.transform_object
-RANK_FILE_RE = re.compile(r"rank-([0-9]{5,9})\.ckpt")
-
-
-def rank_file_name(rank: int) -> str:
-    return f"rank-{rank:05d}.ckpt"
-
-
-def _rank_note(name: str) -> str:
-    m = RANK_FILE_RE.fullmatch(name)
-    return f" (rank {int(m.group(1))})" if m else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,7 +320,7 @@ class Writer(_HeldDirectory, StorageWriter):
                     f"{e.reason}; the coordinator must see every rank's file "
                     "(is the directory on a filesystem all ranks share?)",
                     path=self.path,
-                    key=f"{name}{_rank_note(name)}",
+                    key=f"{name}{rank_note(name)}",
                 ) from None
         number = {n: i for i, n in enumerate(names)}
         # DCP's plan cache hands back the Metadata of the save that filled it: name this one
@@ -410,105 +403,6 @@ def _remove_stale_rank_files(d: CheckpointDir, keep: set[str]) -> None:
 # -- reading --------------------------------------------------------------------------------------
 
 
-def _open_source(
-    where: CheckpointDir | str, name: str, label: str, record: multifile.CommitRecord | None
-) -> CheckpointFile:
-    """A rank file `name` the commit record names is opened beneath the checkpoint directory's
-    descriptor `where` without following a link (spec 13.6) and read through the descriptor
-    whose identity was checked; it may read chunks only from files the record names (spec
-    13.1).  A single file the caller names (`where` its path) is opened by its path."""
-    if record is None:
-        assert isinstance(where, str)
-        return CheckpointFile(where)
-    assert isinstance(where, CheckpointDir)
-    part = next((p for p in record.files if p.name == name), None)
-    if part is None:
-        raise CorruptError(f"the commit record names no file {name!r}", path=where.path)
-    fd = multifile.open_part(where, part, where.path, label)
-    f = CheckpointFile(where.path_of(name), fd=fd, within=where)
-    try:
-        multifile.check_references(f, record, where.path_of(name))
-    except BaseException:
-        f.close()
-        raise
-    return f
-
-
-class _Source:
-    """An open ckptfmt file that items are read from: a rank file `name` of the checkpoint
-    directory open as `where`, checked against the commit record `record`, or (record None)
-    a single checkpoint file, `where` its path."""
-
-    def __init__(
-        self,
-        where: CheckpointDir | str,
-        name: str,
-        label: str,
-        record: multifile.CommitRecord | None,
-        keyed: bool,
-    ) -> None:
-        self.label = label
-        path = where.path_of(name) if isinstance(where, CheckpointDir) else where
-        try:
-            self.f = _open_source(where, name, label, record)
-        except FileNotFoundError:
-            raise IncompleteError(f"{label} named by the commit record is missing", path=path) from None
-        except OSError as e:
-            raise IncompleteError(f"{label} cannot be read: {e.strerror}", path=path) from None
-        part = next((p for p in record.files if p.name == name), None) if record is not None else None
-        try:
-            if part is not None and (
-                self.f.prologue.file_id != part.file_id
-                or self.f.prologue.file_length != part.length
-                or self.f.footer.index_checksum != part.index_checksum
-            ):
-                raise CorruptError(
-                    f"{label} is not the file the commit record names (written by another save?)", path=path
-                )
-            self.items: dict[int, int] = {}
-            if keyed:
-                for k, node in self.f.root_items():
-                    if type(k) is not int:
-                        raise CorruptError(f"{label}: a key of its root dict is not an int", path=path)
-                    self.items[k] = node
-                if self.f.tree.nodes[self.f.tree.root][0] != "dict":
-                    raise CorruptError(f"{label}: the root is not a dict of items", path=path)
-        except BaseException:
-            self.f.close()
-            raise
-        self.keyed = keyed
-
-    def node(self, key: int, fqn: str) -> int:
-        if not self.keyed:
-            return key
-        node = self.items.get(key)
-        if node is None:
-            raise CorruptError(f"{self.label} holds no item {key}", path=self.f.path, key=fqn)
-        return node
-
-    def tensor_meta(self, node: int, loc: mdv.Location, fqn: str) -> dict[str, Any]:
-        kind = self.f.tree.nodes[node][0]
-        if kind != "tensor":
-            raise CorruptError(
-                f"{self.label}: item {loc.key} is a {kind}, not a tensor", path=self.f.path, key=fqn
-            )
-        meta: dict[str, Any] = self.f.tree.nodes[node][1]
-        if loc.dtype is not None and meta["dtype"] != loc.dtype:
-            # copying would convert silently (floats truncated into ints): spec 13.5 forbids it
-            raise CorruptError(
-                f"{self.label}: item {loc.key} is {meta['dtype']}, the commit record says {loc.dtype}",
-                path=self.f.path,
-                key=fqn,
-            )
-        if loc.sizes is not None and tuple(meta["shape"]) != loc.sizes:
-            raise CorruptError(
-                f"{self.label}: item {loc.key} has shape {meta['shape']}, the commit record says {list(loc.sizes)}",
-                path=self.f.path,
-                key=fqn,
-            )
-        return meta
-
-
 class Reader(_HeldDirectory, StorageReader):
     """Reads a ckptfmt DCP checkpoint directory, or a single ckptfmt file, into any sharding.
 
@@ -581,7 +475,6 @@ class Reader(_HeldDirectory, StorageReader):
         return md
 
     def _read_commit(self, d: CheckpointDir) -> None:
-        from .check import read_record
 
         self._record, self._metadata, self._where = read_record(d)
         self._single = False
@@ -589,7 +482,6 @@ class Reader(_HeldDirectory, StorageReader):
     def check_items(self, fqns: set[str] | None = None) -> tuple[list[CheckpointError], int]:
         """Every item of `fqns` (all: None) checked against its rank file as read_data checks the
         items it reads (check.check_items); and the bytes their tensors' storages hold."""
-        from .check import check_items
 
         if self._where is None:
             self.read_metadata()
@@ -621,17 +513,17 @@ class Reader(_HeldDirectory, StorageReader):
         shares = _thread_shares([p.storage_data for p in plans])
         return [dataclasses.replace(p, storage_data=_RankPlan(None, t)) for p, t in zip(plans, shares)]
 
-    def _open(self, name: str, sources: dict[str, _Source]) -> _Source:
+    def _open(self, name: str, sources: dict[str, Source]) -> Source:
         src = sources.get(name)
         if src is None:
             if self._single:
-                src = _Source(
+                src = Source(
                     self.path, os.path.basename(self.path), os.path.basename(self.path), None, keyed=False
                 )
             else:
                 d = self._open_dir()
                 assert d is not None and self._record is not None
-                src = _Source(d, name, f"{name}{_rank_note(name)}", self._record, keyed=True)
+                src = Source(d, name, f"{name}{rank_note(name)}", self._record, keyed=True)
             sources[name] = src
         return src
 
@@ -642,7 +534,7 @@ class Reader(_HeldDirectory, StorageReader):
             self.read_metadata()
         assert self._where is not None
         self.stats = regions.ReadStats()
-        sources: dict[str, _Source] = {}
+        sources: dict[str, Source] = {}
         jobs: list[regions.RegionJob] = []
         try:
             for req in plan.items:

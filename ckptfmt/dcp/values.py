@@ -16,11 +16,12 @@ import os
 import tempfile
 from typing import Any
 
-from .. import format as fmt
-from .. import tree, writer
 from ..errors import CheckpointError, UnsupportedError, UnsupportedObjectError
 from ..fileio import pread_exact
-from ..reader import CheckpointFile
+from ..files import save as writer
+from ..files.reader import CheckpointFile
+from ..format import layout as fmt
+from ..format import tree
 
 
 class ObjectBytes(io.BytesIO):

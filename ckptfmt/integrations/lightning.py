@@ -91,10 +91,11 @@ from fsspec.implementations.local import LocalFileSystem
 
 import ckptfmt
 
-from .. import inflight
-from ..commit import temp_prefix
+from ..background import inflight
+from ..engine.commit import temp_prefix
 from ..errors import CheckpointError, CorruptError, UnsupportedError
-from ..sniff import sniff
+from ..files.save import check_save_args
+from ..format.sniff import sniff
 from . import objects
 
 if TYPE_CHECKING:
@@ -157,7 +158,7 @@ class CkptfmtCheckpointIO(_Base):
         read_torch_checkpoints: bool = False,
     ) -> None:
         super().__init__()
-        ckptfmt.writer.check_save_args(compression, None, None)
+        check_save_args(compression, None, None)
         self.blocking = blocking
         self.compression = compression
         self.restore_rng = restore_rng

@@ -74,8 +74,8 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointWarning, CorruptError, UnsupportedError, UnsupportedObjectError
-from ..format import Limits
-from ..tree import extend_path, render_key
+from ..format.layout import Limits
+from ..format.tree import extend_path, render_key
 
 TAG = "__ckptfmt_object__"
 

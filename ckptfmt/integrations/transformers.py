@@ -116,8 +116,8 @@ from typing import TYPE_CHECKING, Any
 
 import ckptfmt
 
-from .. import commit, multifile
-from ..ckptdir import CheckpointDir, LinkError
+from ..engine import commit
+from ..engine.ckptdir import CheckpointDir, LinkError
 from ..errors import (
     CheckpointError,
     CheckpointWarning,
@@ -126,8 +126,10 @@ from ..errors import (
     LimitError,
     UnsupportedError,
 )
-from ..reader import CheckpointFile
-from ..verify import VerifyReport, check_file
+from ..files import multifile
+from ..files.reader import CheckpointFile
+from ..files.save import check_save_args
+from ..files.verify import VerifyReport, check_file
 from . import objects
 
 try:
@@ -422,7 +424,7 @@ def _read_config(folder: CheckpointDir) -> Any:
 
 def _committed_tensors(f: CheckpointFile, where: str) -> dict[str, tuple[list[int], Any]]:
     """name -> (shape, dtype) of the tensors of ``model.ckpt``, from its index (no data read)."""
-    from .. import dtypes
+    from ..format import dtypes
 
     node = f.tree.nodes[f.tree.root]
     if node[0] not in ("dict", "odict"):
@@ -681,7 +683,7 @@ class CkptfmtTrainerMixin(_MixinBase):
         ckptfmt_verify_resume: bool = True,
         **kwargs: Any,
     ) -> None:
-        ckptfmt.writer.check_save_args(ckptfmt_compression, None, None)
+        check_save_args(ckptfmt_compression, None, None)
         self.ckptfmt_blocking = ckptfmt_blocking
         self.ckptfmt_verify_resume = ckptfmt_verify_resume
         self.ckptfmt_compression = ckptfmt_compression

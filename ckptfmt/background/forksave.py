@@ -1,0 +1,282 @@
+"""Non-blocking saves by fork: a copy-on-write snapshot, written by a child process.
+
+A copying snapshot (background.py) makes the caller wait while the whole state is
+copied into staging memory: about 0.1 s per GiB at memory speed.  On Linux,
+fork() gives a child process this process's memory as it is at that instant
+without copying it: the kernel shares every page and copies one only when this
+process writes to it.  The caller then waits only for fork() itself (it copies
+page tables: tens of milliseconds per GiB of resident memory) and goes on
+training; the child writes every chunk from its unchanging view with the C
+engine (csrc/snapshot.c: C only, since a forked child of a threaded process
+must not run the interpreter) and exits.  A thread here waits for it, then writes
+the index, footer and prologue and commits exactly as a blocking save does.
+
+``save(..., blocking=False, snapshot="fork")`` asks for it; what fork cannot
+snapshot is refused with a ValueError saying why (see `why_not`): storages on an
+accelerator or in pinned memory (a driver may keep its mappings out of a child),
+memory shared with other processes (``share_memory_()``, a MAP_SHARED numpy
+memmap: later writes would reach the child), incremental saves (their digests
+are taken in this process) and builds without the C engine.
+
+The cost moves rather than vanishes, which is why this is not the default: each
+4 KiB page of the process written while the child runs is copied then, by a page
+fault.  A training step that rewrites the whole state before the child is done pays
+several times what the up-front copy costs (bench/engine.py measures both); one
+that only reads it meanwhile (forward and backward passes) pays for the pages it
+does write (activations, allocator churn), not for the state.  Memory grows by the
+same pages, for as long as the child runs; no staging pool is kept afterwards.
+
+Memory the kernel keeps out of a child (MADV_DONTFORK, as RDMA registration sets)
+makes the child fail, which fails the save; memory marked MADV_WIPEONFORK would be
+read as zeros.  Neither is checked here (it would take reading /proc/self/smaps):
+tensors do not live in such memory unless a library put them there.
+
+The child exits as soon as this process is gone (a pipe whose write end only this
+process holds reaches end-of-file), and keeps no descriptor of ours but the file.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import select
+import signal
+import sys
+import threading
+
+import numpy as np
+import torch
+
+from ..engine import chunkwrite as chunkio
+from ..engine import native as _native
+from ..engine.ckptdir import CheckpointDir
+from ..engine.commit import AtomicFile
+from ..errors import SnapshotError
+from ..format import layout as fmt
+from ..format import tree
+from . import inflight
+from .inflight import SaveHandle
+
+
+def _shared_mappings() -> list[tuple[int, int]]:
+    """This process's MAP_SHARED address ranges, sorted: [start, end) pairs."""
+    spans = []
+    with open("/proc/self/maps", "rb") as f:
+        for line in f:
+            fields = line.split(b" ", 2)
+            if len(fields) > 1 and fields[1][3:4] == b"s":
+                lo, _, hi = fields[0].partition(b"-")
+                spans.append((int(lo, 16), int(hi, 16)))
+    spans.sort()
+    return spans
+
+
+def _overlaps(spans: list[tuple[int, int]], starts: list[int], lo: int, hi: int) -> bool:
+    i = bisect.bisect_left(starts, hi) - 1  # the last mapping that starts before hi
+    return i >= 0 and spans[i][1] > lo
+
+
+def why_not(encoded: tree.Encoded, dedup: object | None) -> str | None:
+    """Why `encoded` cannot be saved from a fork snapshot, or None if it can."""
+    if not sys.platform.startswith("linux"):
+        return "fork snapshots need Linux"
+    if not _native.available():
+        return "fork snapshots need the C engine"
+    if dedup is not None:
+        return "incremental saves take their digests in this process"
+    spans = _shared_mappings()
+    starts = [s for s, _ in spans]
+    for plan in encoded.storages:
+        src = plan.source
+        if isinstance(src, torch.UntypedStorage):
+            if src.device.type != "cpu":
+                return f"{plan.key} is on {src.device}"
+            if src.is_shared():
+                return f"{plan.key} is in memory shared with other processes"
+            if src.is_pinned():
+                return f"{plan.key} is in pinned memory"
+        elif not isinstance(src, np.ndarray):
+            return f"{plan.key} is not host memory"
+        start = _address(src)
+        if plan.nbytes and _overlaps(spans, starts, start, start + plan.nbytes):
+            return f"{plan.key} is in a shared mapping"
+    return None
+
+
+def _address(src: torch.UntypedStorage | np.ndarray) -> int:
+    """Where a host storage's bytes (or a contiguous array's) start."""
+    if isinstance(src, torch.UntypedStorage):
+        return int(src.data_ptr())
+    return int(src.__array_interface__["data"][0])
+
+
+def save_forked(
+    encoded: tree.Encoded,
+    path: str,
+    *,
+    compression: str | None,
+    level: int | None,
+    metadata: dict[str, str],
+    chunk_size: int,
+    within: CheckpointDir | None = None,
+) -> SaveHandle:
+    """Fork a child that writes `encoded`'s chunks to a temp file; return once it runs.
+
+    A failure here (fork() refused, no descriptors left, an interrupt) leaves nothing
+    behind: no temp file, no descriptor, no child, no save in flight."""
+    handle = SaveHandle(path)
+    handle.snapshot = "fork"
+    atomic = AtomicFile(path, within)
+    atomic.__enter__()  # creation errors (missing directory, permissions) are raised now
+    file_id = chunkio.new_file_id()
+    own: list[int] = []  # descriptors this call closes if it fails
+    child: _native.ForkedWrite | None = None
+    # Whoever takes this cleans up: the waiter thread once it runs, or this call when it
+    # fails before that (an interrupt can land in Thread.start() after the thread began).
+    owner = threading.Lock()
+    try:
+        ready, ready_w = _pipe(own)  # the child writes a byte when it is done
+        alive, alive_w = _pipe(own)  # the child exits when this reads end-of-file: we are gone
+        child = _native.fork_write(
+            atomic.fd,
+            file_id,
+            fmt.PROLOGUE_SIZE,
+            [c for plan in encoded.storages for c in chunkio.storage_chunks(plan, chunk_size)],
+            compression,
+            level,
+            _native.default_threads(),
+            ready_w,
+            alive,
+        )
+        for fd in (ready_w, alive):  # the child's ends
+            own.remove(fd)
+            os.close(fd)
+        handle._pid = child.pid
+        thread = threading.Thread(
+            target=_finish,
+            args=(handle, atomic, child, ready, alive_w, file_id, encoded, metadata, chunk_size, owner),
+            name=f"ckptfmt-save-{os.path.basename(path)}",
+            daemon=False,
+        )
+        handle._thread = thread
+        inflight.begin(handle)
+        thread.start()
+    except BaseException as e:
+        if not owner.acquire(blocking=False):
+            # interrupted in start() after the waiter began: the save is its to finish, and
+            # its error, if any, is raised by the next save like any unwatched one
+            inflight.watch(handle)
+            raise
+        inflight.end(handle)
+        if child is not None:
+            _kill(child)
+        for fd in own:
+            os.close(fd)
+        atomic.__exit__(None, None, None)
+        if isinstance(e, OSError) and e.filename is None:
+            raise type(e)(e.errno, f"cannot take a fork snapshot: {e.strerror}", path) from e
+        raise
+    inflight.watch(handle)
+    return handle
+
+
+def _pipe(own: list[int]) -> tuple[int, int]:
+    r, w = os.pipe()
+    own += [r, w]
+    return r, w
+
+
+def _kill(child: _native.ForkedWrite) -> None:
+    """Stop a child this process will not wait for, and reap it."""
+    _native.stop_child(child.pid)
+    child.close()
+
+
+#: while the child has not said it is done, check this often whether it died
+_POLL_MS = 100
+
+
+def _await(pid: int, ready: int) -> tuple[bool, int | None]:
+    """Wait until the child says it is done (a byte on `ready`) or has exited.
+
+    Returns (reaped, wait status): a child found dead is reaped here; one that
+    wrote its byte (or whose end of the pipe closed) is reaped later, after the
+    commit, as its exit unmaps its memory, which takes a while.  A status of None:
+    something else reaped it (SIGCHLD ignored, or a handler that waits for any child).
+    The pipe alone would do where no other process holds its write end; polling
+    waitpid covers a process forked elsewhere in the moment that end was open."""
+    poller = select.poll()
+    poller.register(ready, select.POLLIN)
+    while not poller.poll(_POLL_MS):
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return True, None
+        if done:
+            return True, status
+    return False, None
+
+
+def _reap(pid: int) -> int | None:
+    """Wait for the child to exit: its wait status, or None where something else reaped it."""
+    try:
+        return os.waitpid(pid, 0)[1]
+    except ChildProcessError:
+        return None
+
+
+def _how_it_ended(status: int | None) -> str:
+    if status is None:
+        return "ended"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = str(sig)
+        return f"was killed by signal {sig} ({name})"
+    return f"exited with status {os.waitstatus_to_exitcode(status)}"
+
+
+def _finish(
+    handle: SaveHandle,
+    atomic: AtomicFile,
+    child: _native.ForkedWrite,
+    ready: int,
+    alive_w: int,
+    file_id: bytes,
+    encoded: tree.Encoded,
+    metadata: dict[str, str],
+    chunk_size: int,
+    owner: threading.Lock,
+) -> None:
+    """Wait for the child, then write the index, footer and prologue and commit."""
+    if not owner.acquire(blocking=False):
+        return  # save_forked failed first and has cleaned up
+    exc: BaseException | None = None
+    replaced: list[int] = []
+    reaped = False
+    try:
+        reaped, status = _await(child.pid, ready)
+        written = child.outcome(handle.path)
+        if written is None:
+            if not reaped:  # its end closed the pipe
+                status, reaped = _reap(child.pid), True
+            raise SnapshotError(
+                f"the process writing this save's snapshot (pid {child.pid}) {_how_it_ended(status)} "
+                "before it finished; nothing was committed",
+                path=handle.path,
+            )
+        records, end = written
+        chunkio.finish_file(atomic.fd, file_id, encoded, records, end, metadata, chunk_size)
+        atomic.commit(free_replaced=replaced.append)
+    except BaseException as e:
+        exc = e
+    finally:
+        os.close(ready)
+        os.close(alive_w)
+        child.close()
+        atomic.__exit__(None, None, None)
+        inflight.settle(handle, exc, replaced)
+        if not reaped:
+            _reap(child.pid)

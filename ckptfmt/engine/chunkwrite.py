@@ -1,0 +1,372 @@
+"""Writing one ckptfmt file to an open descriptor: chunks, index, footer, prologue.
+
+The file is laid out as spec sections 2 to 7 describe: chunks from offset 64,
+each 64-byte aligned, then the index, the footer and, written last, the
+prologue, so an unfinished file does not even start with the magic.  Chunks
+are encoded and written by the C engine when it is built, else in Python;
+both write identical bytes.  Tensor bytes go from the tensor's memory to
+``pwrite`` through memoryviews: no full-size copies (compression works one
+chunk at a time).
+
+This module knows nothing of temp files or saves in flight: the blocking save
+(writer.py) and the background writer (background.py) both use it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import secrets
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import xxhash
+import zstandard
+
+from .. import __version__
+from ..errors import LimitError
+from ..format import layout as fmt
+from ..format import tree
+from . import bytesview
+from . import native as _native
+
+
+def new_file_id() -> bytes:
+    """The 16 bytes that bind a file's checksums to it: random, or CKPTFMT_FILE_ID (reproducible files)."""
+    pinned = os.environ.get("CKPTFMT_FILE_ID")
+    if pinned:
+        try:
+            fid = bytes.fromhex(pinned)
+        except ValueError:
+            fid = b""
+        if len(fid) != 16:
+            raise ValueError("CKPTFMT_FILE_ID must be 32 hex digits")
+        return fid
+    return secrets.token_bytes(16)
+
+
+def _created() -> str:
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    when = (
+        datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
+        if epoch
+        else datetime.datetime.now(datetime.timezone.utc)
+    )
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def producer_info() -> dict[str, str]:
+    return {
+        "ckptfmt": __version__,
+        "format": f"{fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "created": _created(),
+    }
+
+
+def storage_bytes(plan: tree.StoragePlan) -> memoryview:
+    """A byte view of a storage's memory on the CPU (a copy only for device storages)."""
+    src = plan.source
+    if isinstance(src, np.ndarray):
+        return bytesview.array_bytes(src)
+    flat = bytesview.storage_as_uint8(src)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return bytesview.tensor_bytes(flat)
+
+
+class ChunkEncoder:
+    """Turns one chunk of raw bytes into its stored form: (codec, filter, width, payload).
+
+    Compression uses the C engine's zstd when the engine is built, so both
+    paths write identical bytes; without it, the zstandard package.
+    """
+
+    def __init__(self, compression: str | None, level: int | None) -> None:
+        self.compress: Any = None
+        if compression == "zstd":
+            if _native.built():
+                lvl = _native.FAST_PROFILE if level is None else level
+                self.compress = lambda data: _native.zstd_compress(data, lvl)
+            else:
+                self.compress = _zstandard_compressor(level).compress
+
+    def encode(self, raw: memoryview, width: int) -> tuple[int, int, int, Any]:
+        if self.compress is None or not len(raw):
+            return fmt.CODEC_RAW, fmt.FILTER_NONE, 0, raw
+        shuffle = width > 1 and len(raw) % width == 0
+        if shuffle:
+            packed = self.compress(np.frombuffer(raw, dtype=np.uint8).reshape(-1, width).T.tobytes())
+        else:
+            packed = self.compress(raw)
+        if len(packed) >= len(raw):
+            return fmt.CODEC_RAW, fmt.FILTER_NONE, 0, raw
+        if shuffle:
+            return fmt.CODEC_ZSTD, fmt.FILTER_SHUFFLE, width, packed
+        return fmt.CODEC_ZSTD, fmt.FILTER_NONE, 0, packed
+
+
+def _zstandard_compressor(level: int | None) -> zstandard.ZstdCompressor:
+    """The zstandard package with the engine's parameters (used where the engine is not built);
+    without a level, format.ZSTD_FAST_PROFILE."""
+    if level is None:
+        profile = fmt.ZSTD_FAST_PROFILE
+        params = zstandard.ZstdCompressionParameters.from_level(
+            profile["level"],
+            strategy=zstandard.STRATEGY_FAST,
+            min_match=profile["min_match"],
+            hash_log=profile["hash_log"],
+            write_content_size=True,
+            write_checksum=False,
+        )
+        return zstandard.ZstdCompressor(compression_params=params)
+    return zstandard.ZstdCompressor(level=level, write_checksum=False, write_content_size=True)
+
+
+def _pwrite_all(fd: int, data: Any, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+#: device storages are copied to the host this many bytes at a time (blocking saves)
+HOST_BATCH_BYTES = 256 << 20
+
+ChunkRecord = tuple[int, int, int, int, int, int, int]
+
+
+class Dedup(Protocol):
+    """Finds chunks whose bytes an earlier file already holds (incremental saves, spec section 12).
+
+    Given to build_file / finish_file / the background writer, it turns the file into
+    one with content digests (required feature bit 0) whose unchanged chunks are
+    external records instead of bytes.
+    """
+
+    @property
+    def can_refer(self) -> bool:
+        """False when no chunk can be referred to (no base): the writer then writes every
+        chunk and takes the digests in the same pass, reporting them to `written`."""
+        ...
+
+    def written(self, first_index: int, digests: list[bytes]) -> None:
+        """The digests of chunks first_index.., all written here (used when not can_refer)."""
+        ...
+
+    def classify(
+        self, first_index: int, pieces: list[tuple[memoryview, int]], engine: str, threads: int
+    ) -> list[ChunkRecord | None]:
+        """Digest chunks first_index.. (the bytes being saved) and return, per chunk, the record
+        of the chunk in an earlier file that holds the same bytes, or None to write it here."""
+        ...
+
+    def externals(self) -> list[list[Any]]:
+        """The index's `externals` member: the files the external records name."""
+        ...
+
+    def record(self, k: int, rec: ChunkRecord) -> list[Any]:
+        """The index record of chunk k (8 fields when local, 10 when external)."""
+        ...
+
+
+def _write_chunks_python(
+    fd: int,
+    file_id: bytes,
+    first_index: int,
+    pos: int,
+    pieces: list[tuple[memoryview, int]],
+    coder: ChunkEncoder,
+    digests_out: list[bytes] | None = None,
+) -> tuple[list[ChunkRecord], int]:
+    out: list[ChunkRecord] = []
+    for i, (raw, width) in enumerate(pieces):
+        if digests_out is not None:
+            digests_out.append(fmt.content_digest(raw))
+        codec, filt, fwidth, payload = coder.encode(raw, width)
+        stored_len = len(payload)
+        seed = fmt.chunk_seed(file_id, first_index + i, pos, stored_len, len(raw), codec, filt, fwidth)
+        check = xxhash.xxh3_64_intdigest(payload, seed=seed)
+        _pwrite_all(fd, payload, pos)
+        out.append((pos, stored_len, len(raw), codec, filt, fwidth, check))
+        pos = fmt.align_up(pos + stored_len)
+    return out, pos
+
+
+def storage_chunks(plan: tree.StoragePlan, chunk_size: int) -> list[tuple[memoryview, int]]:
+    """A storage's chunks in file order: (bytes, shuffle width) each."""
+    data = storage_bytes(plan)
+    return [(data[start : start + chunk_size], plan.width) for start in range(0, plan.nbytes, chunk_size)]
+
+
+def _batches(encoded: tree.Encoded, chunk_size: int) -> Iterator[list[tuple[memoryview, int]]]:
+    """Chunk views in file order, grouped so that device copies stay bounded."""
+    batch: list[tuple[memoryview, int]] = []
+    held = 0
+    for plan in encoded.storages:
+        batch.extend(storage_chunks(plan, chunk_size))
+        held += plan.nbytes
+        if held >= HOST_BATCH_BYTES:
+            yield batch
+            batch, held = [], 0
+    if batch:
+        yield batch
+
+
+class ChunkWriter:
+    """Writes batches of chunk views as the next chunks of one file, on the C engine or in Python.
+
+    Both the blocking save and the background writer go through here, so an
+    incremental save (a `dedup`) works the same on every path: its external
+    records take no space, and each run of local chunks between them is written
+    with the chunk number and offset it has in the file.
+    """
+
+    def __init__(
+        self,
+        fd: int,
+        file_id: bytes,
+        *,
+        compression: str | None,
+        level: int | None,
+        engine: str | None = None,
+        threads: int | None = None,
+        path: str = "",
+        dedup: Dedup | None = None,
+    ) -> None:
+        self.fd = fd
+        self.file_id = file_id
+        self.compression = compression
+        self.level = level
+        self.engine = engine or ("c" if _native.available() else "python")
+        self.threads = threads or _native.default_threads()
+        self.path = path
+        self.dedup = dedup
+        self.coder = ChunkEncoder(compression, level)
+        self.chunks: list[ChunkRecord] = []
+        self.pos = fmt.PROLOGUE_SIZE  # where the next local chunk starts
+
+    def write(self, pieces: list[tuple[memoryview, int]]) -> None:
+        if self.dedup is None:
+            self._write_run(pieces)
+            return
+        if not self.dedup.can_refer:  # one pass: each chunk's digest is taken as it is written
+            first = len(self.chunks)
+            digests: list[bytes] = []
+            self._write_run(pieces, digests)
+            self.dedup.written(first, digests)
+            return
+        found = self.dedup.classify(len(self.chunks), pieces, self.engine, self.threads)
+        i = 0
+        while i < len(pieces):
+            held = found[i]
+            if held is not None:  # an external record: no bytes, no offset here
+                self.chunks.append(held)
+                i += 1
+                continue
+            j = i
+            while j < len(pieces) and found[j] is None:
+                j += 1
+            self._write_run(pieces[i:j])
+            i = j
+
+    def _write_run(self, pieces: list[tuple[memoryview, int]], digests: list[bytes] | None = None) -> None:
+        if self.engine == "c":
+            records, self.pos = _native.write_chunks(
+                self.fd,
+                self.file_id,
+                len(self.chunks),
+                self.pos,
+                pieces,
+                self.compression,
+                self.level,
+                self.threads,
+                self.path,
+                digests_out=digests,
+            )
+        else:
+            records, self.pos = _write_chunks_python(
+                self.fd, self.file_id, len(self.chunks), self.pos, pieces, self.coder, digests
+            )
+        self.chunks.extend(records)
+
+
+def build_file(
+    fd: int,
+    encoded: tree.Encoded,
+    *,
+    compression: str | None,
+    level: int | None,
+    metadata: dict[str, str],
+    chunk_size: int = fmt.DEFAULT_CHUNK_SIZE,
+    engine: str | None = None,
+    threads: int | None = None,
+    path: str = "",
+    dedup: Dedup | None = None,
+) -> int:
+    """Write a whole ckptfmt file to `fd` (at offset 0); return its length."""
+    if chunk_size & (chunk_size - 1) or not fmt.MIN_CHUNK_SIZE <= chunk_size <= fmt.MAX_CHUNK_SIZE:
+        raise ValueError(f"chunk_size must be a power of two in [{fmt.MIN_CHUNK_SIZE}, {fmt.MAX_CHUNK_SIZE}]")
+    file_id = new_file_id()
+    out = ChunkWriter(
+        fd,
+        file_id,
+        compression=compression,
+        level=level,
+        engine=engine,
+        threads=threads,
+        path=path,
+        dedup=dedup,
+    )
+    for pieces in _batches(encoded, chunk_size):
+        out.write(pieces)
+    return finish_file(fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup)
+
+
+def finish_file(
+    fd: int,
+    file_id: bytes,
+    encoded: tree.Encoded,
+    chunks: list[ChunkRecord],
+    pos: int,
+    metadata: dict[str, str],
+    chunk_size: int,
+    dedup: Dedup | None = None,
+) -> int:
+    """Write the index, the footer and, last, the prologue."""
+    index: dict[str, Any] = {
+        "chunk_size": chunk_size,
+        "producer": producer_info(),
+        "source_devices": encoded.devices,
+        "metadata": metadata,
+        "storages": [[p.nbytes, p.device] for p in encoded.storages],
+    }
+    if dedup is None:
+        index["chunks"] = [[o, s, r, c, f, w, f"{h:016x}"] for o, s, r, c, f, w, h in chunks]
+    else:  # spec section 12: the externals list comes before the records that name it
+        index["externals"] = dedup.externals()
+        index["chunks"] = [dedup.record(k, rec) for k, rec in enumerate(chunks)]
+    index["nodes"] = encoded.nodes
+    blob = json.dumps(index, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+    if len(blob) > fmt.Limits.MAX_INDEX_BYTES:
+        raise LimitError(
+            f"the index would be {len(blob)} bytes, above the limit {fmt.Limits.MAX_INDEX_BYTES}"
+        )
+    index_offset = pos
+    footer_offset = fmt.align_up(index_offset + len(blob))
+    footer = fmt.Footer(index_offset, len(blob), fmt.index_checksum(file_id, index_offset, blob), file_id)
+    length = footer_offset + fmt.FOOTER_SIZE
+    # the zero padding between the index and the footer is written explicitly
+    _pwrite_all(fd, blob + bytes(footer_offset - index_offset - len(blob)) + footer.pack(), index_offset)
+    required = 0 if dedup is None else fmt.FEATURE_EXTERNAL
+    prologue = fmt.Prologue(fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR, file_id, length, required, 0)
+    _pwrite_all(fd, prologue.pack(), 0)
+    os.ftruncate(fd, length)
+    return length

@@ -1,0 +1,451 @@
+"""The only module that imports the compiled C engine; turns its codes into exceptions.
+
+`available()` says whether the engine was built.  CKPTFMT_BACKEND=python forces
+the pure-Python path even when it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import signal
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import CheckpointError, CheckpointWarning
+
+#: why the engine could not be imported (None when it was)
+NOT_BUILT: str | None = None
+try:  # the engine is optional: installs without a compiler use the Python path
+    from .._ckptfmt_c import ffi, lib  # type: ignore[import-not-found]
+except ImportError as e:  # depends on the build
+    ffi = None
+    lib = None
+    NOT_BUILT = str(e)
+    if os.environ.get("CKPTFMT_REQUIRE_ENGINE") == "1":
+        raise ImportError(
+            f"ckptfmt: CKPTFMT_REQUIRE_ENGINE=1 but the C engine is not built ({e}); install "
+            "gcc, libzstd-dev and libxxhash-dev and reinstall ckptfmt"
+        ) from e
+_warned_slow = False
+
+#: the level value that asks the engine for its default zstd profile
+FAST_PROFILE = 1000
+
+
+def built() -> bool:
+    return lib is not None
+
+
+def available() -> bool:
+    forced = os.environ.get("CKPTFMT_BACKEND", "").lower() == "python"
+    if lib is None and not forced:
+        _warn_slow_path()
+    return lib is not None and not forced
+
+
+def _warn_slow_path() -> None:
+    """Say once, at the first use, that the engine is missing: pip hides the failed build."""
+    global _warned_slow
+    if _warned_slow:
+        return
+    _warned_slow = True
+    warnings.warn(
+        f"ckptfmt: the C engine is not built ({NOT_BUILT}); using the pure-Python path, which is "
+        "several times slower. Install gcc, libzstd-dev and libxxhash-dev and reinstall; "
+        "CKPTFMT_REQUIRE_ENGINE=1 makes this an error, CKPTFMT_BACKEND=python silences it.",
+        CheckpointWarning,
+        stacklevel=3,
+    )
+
+
+def versions() -> dict[str, str]:
+    if lib is None:
+        return {}
+    z = int(lib.ckf_zstd_version())
+    x = int(lib.ckf_xxhash_version())
+    return {
+        "zstd": f"{z // 10000}.{z // 100 % 100}.{z % 100}",
+        "xxhash": f"{x // 10000}.{x // 100 % 100}.{x % 100}",
+    }
+
+
+ERR_IO, ERR_NOMEM, ERR_ZSTD, ERR_ARG, ERR_CORRUPT, ERR_SHORT = 1, 2, 3, 4, 5, 6
+WHY_CHECKSUM, WHY_PADDING, WHY_ZSTD, WHY_NO_SIZE, WHY_DECLARED, WHY_DECODED, WHY_SHORT = 1, 2, 3, 4, 5, 6, 7
+WHY_DIGEST = 8
+WHY_FRAME, WHY_WINDOW, WHY_DICT = 9, 10, 11
+
+
+_cap = threading.local()  # threads_at_most: a cap for the engine calls of this thread
+
+
+def default_threads() -> int:
+    """Engine threads per call: CKPTFMT_THREADS, else the cores (at most 16), under any cap
+    this thread set with threads_at_most."""
+    text = os.environ.get("CKPTFMT_THREADS")
+    n = max(1, min(256, int(text))) if text else max(1, min(16, os.cpu_count() or 1))
+    cap = getattr(_cap, "n", None)
+    return n if cap is None else max(1, min(n, cap))
+
+
+@contextlib.contextmanager
+def threads_at_most(n: int | None) -> Iterator[None]:
+    """Engine calls made by this thread use at most `n` threads (None: no cap) inside the block:
+    several processes sharing a machine's cores (ranks of one host) should not each start
+    one thread per core."""
+    before = getattr(_cap, "n", None)
+    _cap.n = before if n is None else n if before is None else min(n, before)
+    try:
+        yield
+    finally:
+        _cap.n = before
+
+
+def write_chunks(
+    fd: int,
+    file_id: bytes,
+    first_index: int,
+    first_offset: int,
+    pieces: list[tuple[Any, int]],
+    compression: str | None,
+    level: int | None,
+    threads: int,
+    path: str,
+    *,
+    digests_out: list[bytes] | None = None,
+    _checksums: bool = True,
+) -> tuple[list[tuple[int, int, int, int, int, int, int]], int]:
+    """Write chunks (byte views with their shuffle widths); return their records and the end offset.
+
+    Each record is (offset, stored_len, raw_len, codec, filter, width, checksum).
+    With `digests_out`, each chunk's content digest (16 bytes) is appended to it,
+    computed in the same pass over the bytes as the checksum.
+    ``_checksums=False`` exists only so benchmarks can price the checksums: it
+    writes zero checksums, which makes the file invalid.
+    """
+    assert lib is not None and ffi is not None
+    n = len(pieces)
+    chunks = ffi.new("ckf_chunk[]", max(n, 1))
+    keep = _fill_chunks(chunks, pieces)
+    status = ffi.new("ckf_status *")
+    end = ffi.new("uint64_t *")
+    fid = ffi.new("uint8_t[16]", file_id)
+    lvl = lib.CKF_LEVEL_FAST_PROFILE if level is None else level
+    digests = ffi.new("uint8_t[]", 16 * n) if digests_out is not None and n else ffi.NULL
+    rc = lib.ckf_write_chunks(
+        fd,
+        fid,
+        first_index,
+        first_offset,
+        chunks,
+        n,
+        1 if compression else 0,
+        lvl,
+        threads,
+        1 if _checksums else 0,
+        digests,
+        status,
+        end,
+    )
+    _release(keep)
+    if rc != lib.CKF_OK:
+        raise_status(status, path, "writing")
+    if digests_out is not None and n:
+        raw = bytes(ffi.buffer(digests, 16 * n))
+        digests_out.extend(raw[16 * i : 16 * i + 16] for i in range(n))
+    return _records(chunks, n), int(end[0])
+
+
+def _fill_chunks(chunks: Any, pieces: list[tuple[Any, int]]) -> list[Any]:
+    """Point the writer's chunk entries at `pieces`; return the buffer exports to release."""
+    assert ffi is not None
+    keep = []
+    for i, (view, width) in enumerate(pieces):
+        buf = ffi.from_buffer("uint8_t[]", view)
+        keep.append(buf)
+        chunks[i].src = buf
+        chunks[i].raw_len = len(buf)
+        chunks[i].width = width
+    return keep
+
+
+def _records(chunks: Any, n: int) -> list[tuple[int, int, int, int, int, int, int]]:
+    """The records the writer filled in: (offset, stored_len, raw_len, codec, filter, width, checksum)."""
+    return [
+        (
+            int(c.offset),
+            int(c.stored_len),
+            int(c.raw_len),
+            int(c.codec),
+            int(c.filter),
+            int(c.fwidth),
+            int(c.checksum),
+        )
+        for c in (chunks[i] for i in range(n))
+    ]
+
+
+class ForkedWrite:
+    """A child process writing chunks from a copy-on-write view of this one (csrc/snapshot.c).
+
+    Its records and result live in a MAP_SHARED mapping this object owns: read them
+    with `outcome` once the child has been reaped, then `close`."""
+
+    def __init__(self, pid: int, shared: mmap.mmap, base: Any, result: Any, chunks: Any, n: int) -> None:
+        self.pid = pid
+        self._shared = shared
+        self._base = base
+        self._result = result
+        self._chunks = chunks
+        self._n = n
+
+    def outcome(self, path: str) -> tuple[list[tuple[int, int, int, int, int, int, int]], int] | None:
+        """(records, end offset) of a child that finished; None if it ended before it did.
+        Raises what the writer failed with (an OSError for I/O errors, naming `path`)."""
+        r = self._result
+        if not r.finished:
+            return None
+        if r.rc != lib.CKF_OK:
+            raise_status(r.status, path, "writing")
+        return _records(self._chunks, self._n), int(r.end_offset)
+
+    def close(self) -> None:
+        if self._base is not None:
+            assert ffi is not None
+            ffi.release(self._base)
+            self._base = None
+            self._shared.close()
+
+
+def fork_write(
+    fd: int,
+    file_id: bytes,
+    first_offset: int,
+    pieces: list[tuple[Any, int]],
+    compression: str | None,
+    level: int | None,
+    threads: int,
+    ready_fd: int,
+    parent_fd: int,
+    *,
+    _fault: int = 0,
+) -> ForkedWrite:
+    """Fork a child that writes `pieces` as chunks 0.. of the file at `fd` (checksums on) from
+    its copy-on-write view of this process's memory, then one byte to `ready_fd`, and return
+    it; OSError if fork() fails.  The child exits early when `parent_fd` (the read end of a
+    pipe whose write end only this process holds) reaches end-of-file.
+    Once this returns the caller may change or free the pieces' memory.  ``_fault`` exists
+    for tests only (1: the child kills itself, 2: it exits without a result, 3 or 4:
+    it sleeps 2 or 30 s before writing)."""
+    assert lib is not None and ffi is not None
+    n = len(pieces)
+    head = -(-ffi.sizeof("ckf_fork_result") // 64) * 64
+    shared = mmap.mmap(-1, head + ffi.sizeof("ckf_chunk") * max(n, 1))  # anonymous, MAP_SHARED
+    base = ffi.from_buffer(shared)
+    result = ffi.cast("ckf_fork_result *", base)
+    chunks = ffi.cast("ckf_chunk *", base + head)
+    keep = _fill_chunks(chunks, pieces)
+    fid = ffi.new("uint8_t[16]", file_id)
+    lvl = lib.CKF_LEVEL_FAST_PROFILE if level is None else level
+    args = (fd, fid, 0, first_offset, chunks, n, 1 if compression else 0, lvl, threads, ready_fd, parent_fd)
+    pid = -1
+    try:
+        pid = lib.ckf_fork_write(*args, result, _fault)
+        err = ffi.errno
+        _release(keep)
+        if pid < 0:
+            raise OSError(err, f"fork failed: {os.strerror(err)}")
+        return ForkedWrite(int(pid), shared, base, result, chunks, n)
+    except BaseException:
+        # fork() ran with signals blocked: a ^C pressed meanwhile is raised right after it
+        # returns, before the caller holds the child, which must not be left behind
+        if pid > 0:
+            stop_child(int(pid))
+        _release(keep)
+        ffi.release(base)
+        shared.close()
+        raise
+
+
+def stop_child(pid: int) -> None:
+    """Kill a child nobody will wait for, and reap it."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def _release(bufs: list[Any]) -> None:
+    """Drop the buffer exports of `bufs` now.
+
+    An exception's traceback keeps the frame's locals alive; an export left there
+    would pin the caller's memoryviews (a staging slab already handed back to the
+    pool) until a garbage collection that then fails to clear them.
+    """
+    assert ffi is not None
+    for b in bufs:
+        ffi.release(b)
+    bufs.clear()
+
+
+def raise_status(status: Any, path: str, doing: str) -> None:
+    code, err, chunk = int(status.code), int(status.err_no), int(status.chunk)
+    where = f" (chunk {chunk})" if chunk >= 0 else ""
+    if code == lib.CKF_ERR_IO:
+        raise OSError(err, f"{os.strerror(err)} while {doing}{where}", path)
+    if code == lib.CKF_ERR_NOMEM:
+        raise MemoryError(f"{path}: out of memory while {doing}{where}")
+    raise CheckpointError(
+        f"C engine failed while {doing}{where}: code {code}", path=path, chunk=chunk if chunk >= 0 else None
+    )
+
+
+def read_chunks(
+    fd: int,
+    file_id: bytes,
+    items: list[tuple[int, Any, memoryview | None]],
+    verify: bool,
+    threads: int,
+    check_only: bool = False,
+) -> tuple[int, int, int, int, int] | None:
+    """Read (chunk number, chunk record, destination) in parallel; None, or the failure's
+    (code, errno, position in `items`, reason, value) for the caller to turn into an exception.
+    The chunk number is the one the checksum seed binds in the file at `fd`.  check_only:
+    verify every chunk but leave the destinations' contents undefined (faster: raw chunks
+    are not copied into them, shuffled ones not un-shuffled); a chunk without a content
+    digest then needs no destination (None)."""
+    assert lib is not None and ffi is not None
+    n = len(items)
+    arr = ffi.new("ckf_rchunk[]", max(n, 1))
+    keep: list[Any] = []
+    for i, (k, ch, dest) in enumerate(items):
+        if dest is None:
+            if not check_only or ch.digest:
+                _release(keep)
+                raise ValueError(f"chunk {k} needs a destination: it is read or its digest taken")
+            _fill_rchunk(arr[i], k, ch)  # dst stays NULL
+            continue
+        buf = ffi.from_buffer("uint8_t[]", dest, require_writable=True)
+        if len(buf) != ch.raw_len:
+            _release(keep + [buf])
+            raise ValueError(f"destination of chunk {k} holds {len(buf)} bytes, the chunk {ch.raw_len}")
+        keep.append(buf)
+        arr[i].dst = buf
+        _fill_rchunk(arr[i], k, ch)
+    status = ffi.new("ckf_status *")
+    fid = ffi.new("uint8_t[16]", file_id)
+    mode = 2 if check_only else 1 if verify else 0
+    rc = lib.ckf_read_chunks(fd, fid, arr, n, mode, threads, status)
+    _release(keep)
+    return _outcome(rc, status, [k for k, _, _ in items])
+
+
+def _fill_rchunk(c: Any, k: int, ch: Any) -> None:
+    assert ffi is not None
+    c.index = k
+    c.offset = ch.offset
+    c.stored_len = ch.stored_len
+    c.raw_len = ch.raw_len
+    c.checksum = ch.checksum
+    c.pad = ch.pad
+    c.codec = ch.codec
+    c.filter = ch.filter
+    c.width = ch.width
+    if ch.digest:  # files with content digests (feature bit 0)
+        c.has_digest = 1
+        ffi.memmove(c.digest, ch.digest, 16)
+
+
+def _outcome(rc: int, status: Any, numbers: list[int]) -> tuple[int, int, int, int, int] | None:
+    assert lib is not None
+    if rc == lib.CKF_OK:
+        return None
+    if rc == lib.CKF_ERR_ARG:
+        pos = int(status.chunk)
+        which = numbers[pos] if 0 <= pos < len(numbers) else pos
+        raise ValueError(f"chunk {which} has a layout the reader refuses")
+    return int(status.code), int(status.err_no), int(status.chunk), int(status.reason), int(status.value)
+
+
+def check_mapped(
+    mapping: Any, file_id: bytes, items: list[tuple[int, Any]], threads: int
+) -> tuple[int, int, int, int, int] | None:
+    """Verify raw (chunk number, chunk record) where they lie in `mapping` (the whole file,
+    e.g. an mmap), in parallel; None, or the failure as read_chunks reports it."""
+    assert lib is not None and ffi is not None
+    n = len(items)
+    arr = ffi.new("ckf_rchunk[]", max(n, 1))
+    for i, (k, ch) in enumerate(items):
+        _fill_rchunk(arr[i], k, ch)
+    status = ffi.new("ckf_status *")
+    fid = ffi.new("uint8_t[16]", file_id)
+    src = ffi.from_buffer("uint8_t[]", mapping)
+    try:
+        rc = lib.ckf_check_mapped(src, len(src), fid, arr, n, threads, status)
+    finally:
+        _release([src])
+    return _outcome(rc, status, [k for k, _ in items])
+
+
+def advise_huge(t: Any) -> None:
+    """Ask for huge pages for a fresh, untouched CPU tensor's memory (no-op without the engine)."""
+    if lib is not None and ffi is not None:
+        lib.ckf_advise_huge(ffi.cast("uint8_t *", t.data_ptr()), t.numel() * t.element_size())
+
+
+def content_digests(views: list[Any], threads: int) -> list[bytes]:
+    """XXH3-128 content digests (canonical 16 bytes) of byte views, in parallel without the GIL."""
+    assert lib is not None and ffi is not None
+    n = len(views)
+    bufs = [ffi.from_buffer("uint8_t[]", v) for v in views]
+    src = ffi.new("const uint8_t *[]", max(n, 1))
+    lens = ffi.new("uint64_t[]", max(n, 1))
+    for i, b in enumerate(bufs):
+        src[i] = b
+        lens[i] = len(b)
+    out = ffi.new("uint8_t[]", 16 * max(n, 1))
+    lib.ckf_content_digests(src, lens, n, out, threads)
+    _release(bufs)  # the views may be a staging slab, handed back to the pool next
+    raw = bytes(ffi.buffer(out, 16 * n))
+    return [raw[16 * i : 16 * i + 16] for i in range(n)]
+
+
+def copy(dst: Any, src: Any, threads: int) -> None:
+    """dst[:len(src)] = src on `threads` threads, without the GIL."""
+    assert lib is not None and ffi is not None
+    d = ffi.from_buffer("uint8_t[]", dst, require_writable=True)
+    s = ffi.from_buffer("uint8_t[]", src)
+    if len(s) > len(d):
+        raise ValueError(f"copy of {len(s)} bytes into {len(d)}")
+    lib.ckf_copy(d, s, len(s), threads)
+
+
+def zstd_compress(data: Any, level: int) -> bytes:
+    """zstd with exactly the engine's frame parameters (used by the reference writer when built)."""
+    assert lib is not None and ffi is not None
+    src = ffi.from_buffer("uint8_t[]", data)
+    cap = lib.ckf_zstd_bound(len(src))
+    dst = ffi.new("uint8_t[]", max(cap, 1))
+    n = lib.ckf_zstd_compress(dst, cap, src, len(src), level)
+    if n == 0 and len(src):
+        raise CheckpointError(f"zstd could not compress {len(src)} bytes at level {level}")
+    return bytes(ffi.buffer(dst, n))
+
+
+__all__ = [
+    "advise_huge",
+    "available",
+    "built",
+    "check_mapped",
+    "content_digests",
+    "copy",
+    "read_chunks",
+    "default_threads",
+    "versions",
+    "write_chunks",
+    "zstd_compress",
+]

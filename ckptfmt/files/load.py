@@ -1,0 +1,139 @@
+"""load() and open(): the reading side of the public API."""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+from typing import Any
+
+from ..background import inflight
+from ..format import devices
+from .reader import CheckpointFile
+
+_DOUBLE = struct.Struct("<d")
+
+
+def same_key(a: object, b: object) -> bool:
+    """Whether `b` names the dict key `a` for Reader.get: the same object; or the same type
+    and equal, where floats that are NaN match when their bits are equal (NaN is not equal
+    to itself, so a NaN key could otherwise never be found) and tuples match element by
+    element under this rule.  Unlike a dict, 1, 1.0 and True are different keys here."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (math.isnan(a) and math.isnan(b) and _DOUBLE.pack(a) == _DOUBLE.pack(b))
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(same_key(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def load(
+    path: str | os.PathLike[str],
+    map_location: devices.MapLocation = None,
+    *,
+    verify: bool = True,
+    mmap: bool = False,
+    max_bytes: int | None = None,
+) -> Any:
+    """Load a whole state.  `verify` checks every chunk's checksum as it is read.
+
+    max_bytes: raise LimitError, before allocating it, when the load would need more
+    memory than this for the index (format.index_memory_bound, computed before the JSON is
+    parsed) plus the storages and their decode and staging buffers (memory-mapped storages
+    count nothing).  Without it a file may ask for up to about 46 bytes per byte of index
+    (8 to 15 for the indexes ckptfmt writes), one byte per byte of raw chunk and up to
+    32768 bytes per byte of zstd chunk (spec section 8).
+
+    mmap=True: CPU tensors whose chunks are all uncompressed are backed by the
+    file itself (zero-copy, pages read on first use); compressed chunks are
+    decoded into memory.  With verify=True every mapped chunk is hashed once
+    here, through the mapping, so later reads come from the page cache; with
+    verify=False nothing is read until used, and changes made to the file after
+    loading are not detected.  A file truncated while mapped raises SIGBUS on
+    access, as with any memory map.
+    """
+    devices.check_map_location(map_location)
+    inflight.wait_for_path(path)
+    with CheckpointFile(path, max_bytes=max_bytes) as f:
+        return f.load_subtree(f.tree.root, map_location, verify, use_mmap=mmap)
+
+
+class Reader:
+    """An open checkpoint: the index is parsed, data is read only on `get`.
+
+    With `max_bytes`, opening and each get() or load() raise LimitError before allocating
+    more than that for the index and the storages that call reads (see load()).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, max_bytes: int | None = None) -> None:
+        inflight.wait_for_path(path)
+        self._file = CheckpointFile(path, max_bytes=max_bytes)
+        self._items = self._file.root_items()
+
+    @property
+    def path(self) -> str:
+        return self._file.path
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The user metadata given to save()."""
+        return dict(self._file.metadata)
+
+    @property
+    def producer(self) -> dict[str, str]:
+        """Who wrote the file: ckptfmt, format, python, torch and numpy versions, time."""
+        return dict(self._file.producer)
+
+    @property
+    def source_devices(self) -> list[str]:
+        """The devices the saved tensors lived on."""
+        return list(self._file.source_devices)
+
+    def keys(self) -> list[Any]:
+        """Top-level keys, in saved order (empty when the state is not a dict)."""
+        return [k for k, _ in self._items]
+
+    def __contains__(self, key: object) -> bool:
+        return any(same_key(k, key) for k, _ in self._items)
+
+    def __iter__(self) -> Any:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: Any, map_location: devices.MapLocation = None, *, verify: bool = True) -> Any:
+        """Load one top-level entry, reading only the chunks it needs.
+
+        `key` matches a saved key as same_key() says: any key returned by keys() finds its
+        entry, NaN included; otherwise the same type and an equal value."""
+        devices.check_map_location(map_location)
+        for k, node in self._items:
+            if same_key(k, key):
+                return self._file.load_subtree(node, map_location, verify)
+        raise KeyError(key)
+
+    def load(self, map_location: devices.MapLocation = None, *, verify: bool = True) -> Any:
+        devices.check_map_location(map_location)
+        return self._file.load_subtree(self._file.tree.root, map_location, verify)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> Reader:  # noqa: A001 - the public name is fixed
+    """Open a checkpoint, parse and validate its index; read data lazily with .get().
+    max_bytes: see load()."""
+    return Reader(path, max_bytes=max_bytes)

@@ -1,0 +1,357 @@
+"""Reading ckptfmt files: CheckpointFile, an open file with its validated index.
+
+This is the reference reader.  It ties three parts together: the index rules
+(index.py: the prologue, footer and index are validated before any chunk is read),
+chunk reads (chunkread.py: each chunk read, verified and decoded into its
+destination, external chunks from the files they lie in), and what is here: where
+storages are placed (host memory, a mapping of the file, a device through a bounded
+staging buffer), the memory a load may take, and navigation of the object tree.
+Every number taken from the file is validated before use; every failure is a
+CheckpointError that names the path, key, chunk and offset.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..background.staging import POOL
+from ..engine import bytesview, hostmem
+from ..engine import native as _native
+from ..engine.chunkread import ChunkReader
+from ..engine.ckptdir import CheckpointDir
+from ..errors import CheckpointError, LimitError, UnsupportedError
+from ..fileio import open_regular
+from ..format import devices, tree
+from ..format import layout as fmt
+from ..format.index import Chunk, External, parse_index, parse_index_json
+from ..gcpause import pausing_in_main_thread
+
+__all__ = [
+    "MAX_OPEN_EXTERNALS",
+    "CheckpointFile",
+    "Chunk",
+    "External",
+    "open_regular",
+    "parse_index_json",
+    "staging_budget",
+]
+
+#: referenced files kept open at once by one reader (least recently used are closed);
+#: read at each open, so that it may be lowered for a process
+MAX_OPEN_EXTERNALS = 16
+
+
+def _force_staging() -> bool:
+    """CKPTFMT_FORCE_STAGING=1 routes CPU loads through the staged device path (tests use it without a GPU)."""
+    return bool(os.environ.get("CKPTFMT_FORCE_STAGING"))
+
+
+def staging_budget() -> int:
+    """Host bytes a load onto an accelerator may stage at once (the staging pool's limit)."""
+    return POOL.limit
+
+
+class CheckpointFile:
+    """An open ckptfmt file with its validated index.
+
+    `max_bytes` bounds the memory this reader allocates for the index (estimated before
+    it is parsed, fmt.index_memory_bound) and, per load, for the storages it reads and
+    their decode buffers: LimitError before anything above it is allocated.
+
+    The index's records are attributes (`prologue`, `footer`, `chunk_size`, `producer`,
+    `metadata`, `source_devices`, `storages`, `has_digests`, `externals`, `chunks`, `tree`,
+    `index_memory`); chunks are read by its ChunkReader, which owns the file's descriptor.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_bytes: int | None = None,
+        fd: int | None = None,
+        within: CheckpointDir | None = None,
+    ) -> None:
+        """`fd`: the file, already opened and checked by the caller (it is owned from here on;
+        `path` then only names it in messages).  `within`: the directory holding it, through
+        which its reference paths are resolved (spec 12.3); default the directory of `path`."""
+        self.path = os.fspath(path)
+        if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 0):
+            if fd is not None:
+                os.close(fd)
+            raise ValueError(f"max_bytes must be None or a non-negative int, not {max_bytes!r}")
+        self.max_bytes = max_bytes
+        if fd is None:
+            fd = open_regular(self.path)
+        try:
+            index = parse_index(fd, self.path, max_bytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.index = index
+        self.prologue = index.prologue
+        self.footer = index.footer
+        self.chunk_size = index.chunk_size
+        self.producer = index.producer
+        self.metadata = index.metadata
+        self.source_devices = index.source_devices
+        self.storages = index.storages
+        self.has_digests = index.has_digests
+        self.externals = index.externals
+        self.chunks = index.chunks
+        self.tree = index.tree
+        #: what the index may take while it is parsed and held (an upper bound)
+        self.index_memory = index.memory
+        base = within.dup() if within is not None else None
+        self._chunk_reader = ChunkReader(fd, self.path, index, MAX_OPEN_EXTERNALS, base)
+        self._mm: mmap.mmap | None = None
+
+    @property
+    def _fd(self) -> int:
+        """The file's descriptor (-1 once closed)."""
+        return self._chunk_reader.fd
+
+    def close(self) -> None:
+        self._mm = None  # tensors made from the mapping keep it alive
+        self._chunk_reader.close()
+
+    def __enter__(self) -> CheckpointFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- navigation ---------------------------------------------------------
+
+    def chunk_keys(self) -> list[str]:
+        """The key path of the first tensor using each chunk (renders every path: for tests and
+        tools; the reader itself names a chunk's key only in an error, with key_of)."""
+        return [rec.key for rec in self.storages for _ in range(rec.n_chunks)]
+
+    def key_of(self, k: int) -> str:
+        """The key path of the first tensor using chunk k, rendered now (at most tree.PATH_CHARS)."""
+        return self.index.key_of(k)
+
+    def root_items(self) -> list[tuple[object, int]]:
+        """(key, node id) of each entry when the root is a dict; empty otherwise."""
+        node = self.tree.nodes[self.tree.root]
+        if node[0] not in ("dict", "odict"):
+            return []
+        return [(tree.decode_key(self.tree, k, self.path), v) for k, v in node[1]]
+
+    # -- chunk reads (chunkread.ChunkReader) ----------------------------------
+
+    def read_into(
+        self, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool = False
+    ) -> None:
+        """Read chunks into their destinations (exactly raw_len bytes each), checked: ChunkReader.read_into."""
+        self._chunk_reader.read_into(items, verify, check_only)
+
+    def external_problem(self, k: int) -> Exception | None:
+        """Why external chunk k cannot be read, or None: ChunkReader.external_problem."""
+        return self._chunk_reader.external_problem(k)
+
+    def external_problems(self) -> list[CheckpointError]:
+        """Every referenced file that cannot be used: ChunkReader.external_problems."""
+        return self._chunk_reader.external_problems()
+
+    def iter_chunk_problems(
+        self, progress: Callable[[int, int], None] | None = None
+    ) -> Iterator[CheckpointError]:
+        """Check every chunk; yield one error per damaged chunk: ChunkReader.iter_chunk_problems."""
+        return self._chunk_reader.iter_chunk_problems(progress)
+
+    # -- placement ----------------------------------------------------------
+
+    def _alloc(self, nbytes: int, key: str, *, sid: int | None = None) -> torch.Tensor:
+        """`nbytes` of host memory; LimitError naming `key` (or storage `sid`'s key) if it fails."""
+        try:
+            return hostmem.empty_bytes(nbytes)
+        except (RuntimeError, MemoryError) as e:
+            raise LimitError(
+                f"cannot allocate {nbytes} bytes for this storage: {str(e)[:100]}",
+                path=self.path,
+                key=key if sid is None else self.storages[sid].key,
+            ) from e
+
+    def _chunk_views(
+        self, sid: int, flat: torch.Tensor, first: int = 0, count: int | None = None
+    ) -> list[tuple[int, memoryview]]:
+        """(chunk, destination) for chunks [first, first+count) of a storage, placed from the start of `flat`."""
+        rec = self.storages[sid]
+        count = rec.n_chunks - first if count is None else count
+        view = bytesview.tensor_bytes(flat)
+        out = []
+        pos = 0
+        for k in range(rec.first_chunk + first, rec.first_chunk + first + count):
+            n = self.chunks[k].raw_len
+            out.append((k, view[pos : pos + n]))
+            pos += n
+        return out
+
+    def read_storages(self, sids: list[int], verify: bool) -> dict[int, torch.UntypedStorage]:
+        """CPU storages for `sids`, all their chunks read (in parallel) and checked."""
+        flats = {sid: self._alloc(self.storages[sid].nbytes, "", sid=sid) for sid in sids}
+        items = [it for sid in sids for it in self._chunk_views(sid, flats[sid])]
+        self.read_into(items, verify)
+        return {sid: flat.untyped_storage() for sid, flat in flats.items()}
+
+    def read_storage(self, sid: int, verify: bool) -> torch.UntypedStorage:
+        return self.read_storages([sid], verify)[sid]
+
+    def _read_to_device(
+        self, sids: list[int], device: torch.device, verify: bool, budget: int
+    ) -> dict[int, Any]:
+        """Storages read through bounded host staging onto `device`.
+
+        Staging is max(budget, one chunk) bytes, or all the storages' bytes when fewer, in
+        two buffers from the staging pool (pinned for accelerators, and reused by the next
+        load or non-blocking save): while one buffer's bytes are copied to the device
+        without blocking, the next chunks are read into the other.  A buffer is refilled
+        only after the event recorded behind its copy has completed.
+        """
+        pinned = device.type not in ("cpu", "meta") and torch.accelerator.is_available()
+        size = self._staging_size(sids, budget)
+        # two buffers of whole chunks when the budget holds two chunks; one otherwise
+        halves = 2 if size >= 2 * self.chunk_size else 1
+        per_buffer = size // halves // self.chunk_size * self.chunk_size or size
+        buffers = [POOL.acquire(per_buffer, pinned) for _ in range(halves)]
+        fences: list[Any] = [None] * halves
+        out: dict[int, Any] = {}
+        done = False
+        try:
+            fill = 0
+            for sid in sids:
+                rec = self.storages[sid]
+                dest = torch.empty(rec.nbytes, dtype=torch.uint8, device=device)
+                per_fill = max(1, per_buffer // self.chunk_size)
+                for first in range(0, rec.n_chunks, per_fill):
+                    b = fill % halves
+                    fill += 1
+                    if fences[b] is not None:
+                        fences[b].synchronize()  # its last copy has read the buffer
+                    count = min(per_fill, rec.n_chunks - first)
+                    items = self._chunk_views(sid, buffers[b], first, count)
+                    self.read_into(items, verify)
+                    start = first * self.chunk_size
+                    n = sum(len(v) for _, v in items)
+                    dest[start : start + n].copy_(buffers[b][:n], non_blocking=pinned)
+                    if pinned:
+                        fences[b] = torch.accelerator.current_stream(device).record_event()
+                out[sid] = dest.untyped_storage()
+            for fence in fences:
+                if fence is not None:
+                    fence.synchronize()
+            done = True
+        finally:
+            for buf, fence in zip(buffers, fences):
+                if done or fence is None:
+                    POOL.release(buf)
+                else:  # a copy may still be reading it: never reuse it
+                    POOL.discard(buf)
+        return out
+
+    def _mapped_storage(self, sid: int, verify: bool) -> torch.UntypedStorage | None:
+        """A storage backed by the file itself, when all its chunks are raw and in this file
+        (zero-copy); None otherwise (external chunks are read from their own files)."""
+        rec = self.storages[sid]
+        chunks = self.chunks[rec.first_chunk : rec.first_chunk + rec.n_chunks]
+        if not chunks or any(c.codec != fmt.CODEC_RAW or c.source >= 0 for c in chunks):
+            return None
+        if self._mm is None:
+            self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
+        if verify:
+            self._chunk_reader.check_mapped(self._mm, rec.first_chunk, chunks)
+        flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=rec.nbytes, offset=chunks[0].offset)
+        return flat.untyped_storage()
+
+    @pausing_in_main_thread
+    def load_subtree(
+        self, top: int, map_location: devices.MapLocation, verify: bool, use_mmap: bool = False
+    ) -> object:
+        needed = tree.storages_under(self.tree, top)
+        loaded: dict[int, torch.UntypedStorage] = {}
+        host: list[int] = []  # read onto the CPU
+        callable_: list[int] = []  # read onto the CPU, then handed to map_location
+        on_device: dict[torch.device, list[int]] = {}
+        for sid in needed:
+            rec = self.storages[sid]
+            if rec.kind == "ndarray":  # numpy arrays always live on the CPU
+                host.append(sid)
+                continue
+            try:
+                target = devices.planned_device(map_location, rec.device)
+            except devices.DeviceError as e:
+                raise self._device_error(sid, e) from None
+            if target is None:
+                callable_.append(sid)
+            elif target.type == "meta":
+                loaded[sid] = torch.UntypedStorage(rec.nbytes, device="meta")
+            elif target.type == "cpu" and not _force_staging():
+                host.append(sid)
+            else:
+                on_device.setdefault(target, []).append(sid)
+        if use_mmap:
+            unmapped = []
+            for sid in host:
+                mapped = self._mapped_storage(sid, verify)
+                if mapped is None:
+                    unmapped.append(sid)
+                else:
+                    loaded[sid] = mapped
+            host = unmapped
+        staging = max((self._staging_size(sids, staging_budget()) for sids in on_device.values()), default=0)
+        self._check_memory(host + callable_ + [s for sids in on_device.values() for s in sids], staging)
+        loaded.update(self.read_storages(host + callable_, verify))
+        for sid in callable_:
+            try:
+                loaded[sid] = devices.apply_callable(map_location, loaded[sid], self.storages[sid].device)  # type: ignore[arg-type]
+            except devices.DeviceError as e:
+                raise self._device_error(sid, e) from None
+        for device, sids in on_device.items():
+            loaded.update(self._read_to_device(sids, device, verify, staging_budget()))
+        return tree.decode(self.tree, top, loaded.__getitem__, self.path)
+
+    def _staging_size(self, sids: list[int], budget: int) -> int:
+        """Bytes of the host buffer a device load of `sids` stages through: sized to the work."""
+        return min(max(budget, self.chunk_size), max(1, sum(self.storages[s].nbytes for s in sids)))
+
+    def _device_error(self, sid: int, e: Exception) -> UnsupportedError:
+        rec = self.storages[sid]
+        return UnsupportedError(
+            f"storage {sid} was saved on {rec.device!r}: {e}; pass map_location to load it elsewhere",
+            path=self.path,
+            key=rec.key,
+        )
+
+    def memory_needed(self, sids: list[int], staging: int = 0) -> int:
+        """An upper bound of the memory a load of storages `sids` allocates: their bytes, the
+        zstd decode buffers (per thread: the largest stored and the largest raw zstd chunk),
+        the host staging buffer of device loads, and the index already held."""
+        storages = 0
+        stored = raw = n_zstd = 0
+        for sid in sids:
+            rec = self.storages[sid]
+            storages += rec.nbytes
+            for ch in self.chunks[rec.first_chunk : rec.first_chunk + rec.n_chunks]:
+                if ch.codec == fmt.CODEC_ZSTD:
+                    n_zstd += 1
+                    stored = max(stored, ch.stored_len + ch.pad)
+                    raw = max(raw, ch.raw_len)
+        threads = min(_native.default_threads(), n_zstd) if _native.available() else min(1, n_zstd)
+        return self.index_memory + storages + staging + threads * (stored + raw)
+
+    def _check_memory(self, sids: list[int], staging: int) -> None:
+        if self.max_bytes is None:
+            return
+        need = self.memory_needed(sids, staging)
+        if need > self.max_bytes:
+            raise LimitError(
+                f"loading this needs up to {need} bytes of memory (index {self.index_memory}, "
+                f"{len(sids)} storages, decode and staging buffers), above max_bytes={self.max_bytes}",
+                path=self.path,
+            )

@@ -1,0 +1,196 @@
+"""save() and remove(): the writing side of the public API.
+
+A save runs in two steps.  First the whole state is encoded into nodes and
+storages (tree.encode), so an object that cannot be stored fails before any
+byte is written.  Then the file is written to a temp sibling and committed
+(commit.py, spec section 10): blocking saves here, through chunkio.build_file;
+non-blocking ones snapshot the state into staging memory and write it on a
+background thread (background.py).
+
+The names that used to live here (the commit protocol, the chunk writer) are
+still importable from this module.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..background import copysave as background
+from ..background import inflight
+from ..engine.chunkwrite import (  # noqa: F401 - the chunk writer's names, as they were importable from here
+    HOST_BATCH_BYTES,
+    ChunkEncoder,
+    ChunkRecord,
+    ChunkWriter,
+    Dedup,
+    build_file,
+    finish_file,
+    new_file_id,
+    producer_info,
+    storage_bytes,
+)
+from ..engine.ckptdir import CheckpointDir
+from ..engine.commit import TEMP_MARKER, AtomicFile, iter_temp_files, remove_abandoned_temps, temp_prefix  # noqa: F401 - the commit protocol's names, as they were importable from here
+from ..format import layout as fmt
+from ..format import tree
+from ..gcpause import pausing_in_main_thread
+
+
+def check_save_args(compression: str | None, level: int | None, metadata: object) -> dict[str, str]:
+    """Check save()'s compression, level and metadata; return the metadata as a plain dict."""
+    if compression not in (None, "zstd"):
+        raise ValueError(f"compression must be None or 'zstd', not {compression!r}")
+    if level is not None:
+        if compression is None:
+            raise ValueError("level is only meaningful with compression='zstd'")
+        if type(level) is not int or not -7 <= level <= 22:
+            raise ValueError(f"zstd level must be an int from -7 to 22, not {level!r}")
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(
+        type(k) is str and type(v) is str for k, v in metadata.items()
+    ):
+        raise TypeError("metadata must be a dict of str to str")
+    tree.check_metadata(metadata)  # a reader's limits: entries and value lengths
+    return dict(metadata)
+
+
+def check_snapshot(snapshot: object) -> None:
+    """Check save()'s snapshot argument: how a non-blocking save takes its snapshot."""
+    if snapshot not in ("copy", "fork"):
+        raise ValueError(f"snapshot must be 'copy' or 'fork', not {snapshot!r}")
+
+
+def _chunk_size_override() -> int:
+    text = os.environ.get("CKPTFMT_CHUNK_SIZE")
+    return int(text) if text else fmt.DEFAULT_CHUNK_SIZE
+
+
+def check_chunk_size(chunk_size: int | None) -> int:
+    """The chunk size to use: `chunk_size`, else CKPTFMT_CHUNK_SIZE, else the default."""
+    size = _chunk_size_override() if chunk_size is None else chunk_size
+    if size & (size - 1) or not fmt.MIN_CHUNK_SIZE <= size <= fmt.MAX_CHUNK_SIZE:
+        raise ValueError(f"chunk_size must be a power of two in [{fmt.MIN_CHUNK_SIZE}, {fmt.MAX_CHUNK_SIZE}]")
+    return size
+
+
+def save(
+    state: object,
+    path: str | os.PathLike[str],
+    *,
+    compression: str | None = None,
+    level: int | None = None,
+    metadata: dict[str, str] | None = None,
+    blocking: bool = True,
+    chunk_size: int | None = None,
+    snapshot: str = "copy",
+) -> Any:
+    """Save `state` at `path` atomically; with blocking=False return a SaveHandle after the snapshot.
+
+    snapshot (non-blocking saves only): "copy" copies the state into staging memory before
+    returning; "fork" takes a copy-on-write snapshot by fork() and writes it from a child
+    process (Linux, C engine, host memory not shared with other processes): the caller
+    waits only for fork(), but each page it changes before the child is done is copied
+    then, one page fault at a time."""
+    return save_within(
+        None,
+        state,
+        path,
+        compression=compression,
+        level=level,
+        metadata=metadata,
+        blocking=blocking,
+        chunk_size=chunk_size,
+        snapshot=snapshot,
+    )
+
+
+def save_within(
+    within: CheckpointDir | None,
+    state: object,
+    path: str | os.PathLike[str],
+    *,
+    compression: str | None = None,
+    level: int | None = None,
+    metadata: dict[str, str] | None = None,
+    blocking: bool = True,
+    chunk_size: int | None = None,
+    snapshot: str = "copy",
+) -> Any:
+    """save() into the open directory `within` (which holds `path`): the file is created,
+    renamed and made durable beneath that descriptor, never by resolving `path` again
+    (the checkpoint manager saves into a step directory it holds open and locked)."""
+    meta = check_save_args(compression, level, metadata)
+    check_snapshot(snapshot)
+    target = os.fspath(path)
+    size = check_chunk_size(chunk_size)
+    inflight.raise_unobserved()
+    inflight.wait_for_path(target)
+    return write_state(
+        state,
+        target,
+        compression=compression,
+        level=level,
+        metadata=meta,
+        chunk_size=size,
+        blocking=blocking,
+        snapshot=snapshot,
+        within=within,
+    )
+
+
+@pausing_in_main_thread
+def write_state(
+    state: object,
+    target: str,
+    *,
+    compression: str | None,
+    level: int | None,
+    metadata: dict[str, str],
+    chunk_size: int,
+    blocking: bool,
+    dedup: Dedup | None = None,
+    snapshot: str = "copy",
+    within: CheckpointDir | None = None,
+) -> Any:
+    """Encode and commit `state` at `target` (arguments already checked, earlier saves waited
+    for), beneath the open directory `within` when given (AtomicFile)."""
+    encoded = tree.encode(state)  # fails on unsupported objects before any I/O
+    tree.check_chunks(encoded, chunk_size)
+    if not blocking:
+        return background.save_async(
+            encoded,
+            target,
+            compression=compression,
+            level=level,
+            metadata=metadata,
+            chunk_size=chunk_size,
+            dedup=dedup,
+            snapshot=snapshot,
+            within=within,
+        )
+    try:
+        with AtomicFile(target, within) as f:
+            build_file(
+                f.fd,
+                encoded,
+                compression=compression,
+                level=level,
+                metadata=metadata,
+                chunk_size=chunk_size,
+                path=target,
+                dedup=dedup,
+            )
+            f.commit()
+    except OSError as e:
+        if e.filename is None:
+            raise type(e)(e.errno, e.strerror, target) from e
+        raise
+    return None
+
+
+def remove(path: str | os.PathLike[str]) -> None:
+    """Delete a checkpoint once any save in flight on it has finished."""
+    inflight.wait_for_path(path)
+    os.unlink(path)

@@ -1,0 +1,111 @@
+"""verify(): check a whole file and list every problem, not just the first."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..background import inflight
+from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
+from ..gcpause import pausing_in_main_thread
+from .reader import CheckpointFile
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a file, and where."""
+
+    kind: str  # "corrupt", "incomplete", "unsupported", "limit"
+    message: str
+    key: str | None = None
+    chunk: int | None = None
+    offset: int | None = None
+
+    def __str__(self) -> str:
+        where = [
+            p
+            for p in (
+                self.key,
+                None if self.chunk is None else f"chunk {self.chunk}",
+                None if self.offset is None else f"offset {self.offset}",
+            )
+            if p
+        ]
+        return ": ".join([*where, self.message])
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    problems: list[Problem] = field(default_factory=list)
+    chunks: int = 0
+    bytes_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def _kind(e: CheckpointError) -> str:
+    if isinstance(e, IncompleteError):
+        return "incomplete"
+    if isinstance(e, UnsupportedError):
+        return "unsupported"
+    if isinstance(e, LimitError):
+        return "limit"
+    if isinstance(e, CorruptError):
+        return "corrupt"
+    return "error"
+
+
+def problem_of(e: CheckpointError) -> Problem:
+    return Problem(_kind(e), e.reason, e.key, e.chunk, e.offset)
+
+
+@pausing_in_main_thread
+def verify(
+    path: str | os.PathLike[str],
+    *,
+    quick: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> VerifyReport:
+    """Check structure, index and (unless `quick`) every chunk's checksum and size.
+
+    Damage to the prologue, footer or index stops the check (nothing after them
+    can be trusted); damaged chunks are each reported and the check goes on.
+    External chunks (an incremental checkpoint's) are checked in the files they
+    lie in; a problem there is reported with both files named.
+    """
+    inflight.wait_for_path(path)
+    report = VerifyReport(os.fspath(path))
+    try:
+        f = CheckpointFile(path)
+    except CheckpointError as e:
+        report.problems.append(problem_of(e))
+        return report
+    with f:
+        check_file(f, report, quick=quick, progress=progress)
+    return report
+
+
+def check_file(
+    f: CheckpointFile,
+    report: VerifyReport,
+    *,
+    quick: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
+    """verify()'s checks of a file already open (its index validated), added to `report`."""
+    report.chunks = len(f.chunks)
+    # the files an incremental checkpoint refers to: present, the recorded ones, and
+    # holding its external chunks inside their data sections (checked even when quick)
+    for err in f.external_problems():
+        report.problems.append(problem_of(err))
+    if not quick:
+        for err in f.iter_chunk_problems(progress):
+            report.problems.append(problem_of(err))
+        report.bytes_checked = f.prologue.file_length

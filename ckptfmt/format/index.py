@@ -1,0 +1,422 @@
+"""The index rules: the spec in code.
+
+A file's prologue, footer and index are read and validated here, once, before any chunk
+is read (spec section 9, steps 1 to 7).  This module implements:
+
+* sections 2 and 7 (through format.py): the prologue and the footer;
+* sections 4 and 5: the index bytes, their zero padding and the index checksum;
+* section 5: the JSON rules (UTF-8, integer literals only, no duplicate members, exactly
+  the top-level members), `chunk_size`, `producer`, `metadata`, `source_devices` and the
+  storage records;
+* section 3: the chunk records and their placement (offsets, lengths, codec, filter,
+  checksum format, the data section ending at the index), and each chunk's padding;
+* sections 12.1 to 12.4 (required feature bit 0): content digests, the `externals` member,
+  its reference paths and external chunk records;
+* section 8: every limit checked before anything is allocated for it, among them the
+  memory the index may take (`max_bytes`).
+
+The object tree (section 6) is validated by tree.validate_tree, called from here.  The
+result is an `Index` of plain records (`Chunk`, `External`, tree.StorageRecord, the
+tree) that the chunk reader (chunkread.py) and CheckpointFile (reader.py) use as they are.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CorruptError, IncompleteError, LimitError, UnsupportedError
+from ..fileio import pread_exact
+from ..gcpause import pausing
+from . import devices, tree
+from . import layout as fmt
+from .layout import Limits
+
+_INDEX_FIELDS = ("chunk_size", "producer", "source_devices", "metadata", "storages", "chunks", "nodes")
+#: with required feature bit 0 the index also lists the files its external chunks lie in
+_INDEX_FIELDS_EXTERNAL = (*_INDEX_FIELDS[:5], "externals", *_INDEX_FIELDS[5:])
+_HEX16 = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    offset: int
+    stored_len: int
+    raw_len: int
+    codec: int
+    filter: int
+    width: int
+    checksum: int
+    pad: int  # zero bytes after the chunk, up to the next chunk or the index
+    digest: bytes = b""  # XXH3-128 of the raw bytes (feature bit 0), canonical order
+    source: int = -1  # -1: in this file; else the entry of `externals` whose file holds it
+    number: int = -1  # for an external chunk: its chunk number in that file
+
+
+@dataclass(frozen=True, slots=True)
+class External:
+    """An entry of the index's `externals` (section 12): a file external chunks lie in."""
+
+    rel: str  # the reference path, as recorded
+    file_id: bytes
+    length: int
+    path: str  # rel joined to the referencing file's directory: what is opened
+
+    @property
+    def name(self) -> str:
+        """The path as messages show it (".." resolved by name)."""
+        return os.path.normpath(self.path)
+
+
+def _placed(ch: Chunk, pad: int, source: int = -1, number: int = -1) -> Chunk:
+    """`ch` with its padding, and for an external chunk its file and chunk number there."""
+    return Chunk(
+        ch.offset,
+        ch.stored_len,
+        ch.raw_len,
+        ch.codec,
+        ch.filter,
+        ch.width,
+        ch.checksum,
+        pad,
+        ch.digest,
+        source,
+        number,
+    )
+
+
+def _is_hex(v: object, digits: int) -> bool:
+    return type(v) is str and len(v) == digits and _HEX16.issuperset(v)
+
+
+def _parse_int(text: str) -> int:
+    if len(text) > 20:
+        raise ValueError("integer literal too long")
+    return int(text)
+
+
+def _reject_float(text: str) -> Any:
+    raise ValueError(f"floating-point literal {text[:20]!r} is not allowed in the index")
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"duplicate field {k[:40]!r}")
+            seen.add(k)
+    return out
+
+
+#: every digit made "0", so that a run of 20 digits (one that may be an integer literal over the
+#: length cap) is a plain substring search; without one anywhere in the index, json's own
+#: integer parsing (no Python call per number) is safe
+_DIGITS_AS_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
+_DIGIT_RUN = b"0" * 20
+
+
+def _has_long_digit_run(raw: bytes) -> bool:
+    return raw.translate(_DIGITS_AS_ZERO).find(_DIGIT_RUN) >= 0
+
+
+def parse_index_json(raw: bytes, path: str, fields: tuple[str, ...] = _INDEX_FIELDS) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")
+        obj = json.loads(
+            text,
+            object_pairs_hook=_pairs,
+            parse_int=_parse_int if _has_long_digit_run(raw) else None,
+            parse_float=_reject_float,
+            parse_constant=_reject_float,
+        )
+    except UnicodeDecodeError as e:
+        raise CorruptError(f"index is not valid UTF-8 (byte {e.start})", path=path) from e
+    except RecursionError as e:
+        raise LimitError("index JSON is nested too deeply", path=path) from e
+    except ValueError as e:
+        raise CorruptError(f"index is not valid JSON: {str(e)[:200]}", path=path) from e
+    if type(obj) is not dict or set(obj) != set(fields):
+        raise CorruptError("index must be an object with exactly the fields " + ", ".join(fields), path=path)
+    return obj
+
+
+def _str_map(c: tree._Check, v: object, what: str, cap: int) -> dict[str, str]:
+    if type(v) is not dict:
+        raise c.fail(f"{what} is not an object")
+    if len(v) > cap:
+        raise c.fail(f"{what} has {len(v)} entries, above the limit {cap}", limit=True)
+    for k, s in v.items():
+        c.str_(s, f"{what}[{k[:40]!r}]")
+    return dict(v)
+
+
+@dataclass(frozen=True)
+class Index:
+    """A file's validated index, with the prologue and footer it was found through."""
+
+    prologue: fmt.Prologue
+    footer: fmt.Footer
+    chunk_size: int
+    producer: dict[str, str]
+    metadata: dict[str, str]
+    source_devices: list[str]
+    storages: list[tree.StorageRecord]
+    has_digests: bool  # required feature bit 0: chunk records carry content digests
+    externals: list[External]
+    chunks: list[Chunk]
+    tree: tree.Tree
+    #: what the index may take while it is parsed and held (an upper bound)
+    memory: int
+
+    def key_of(self, k: int) -> str:
+        """The key path of the first tensor using chunk k, rendered now (at most tree.PATH_CHARS)."""
+        firsts = self._first_chunks
+        return self.storages[bisect.bisect_right(firsts, k) - 1].key
+
+    @functools.cached_property
+    def _first_chunks(self) -> list[int]:
+        return [rec.first_chunk for rec in self.storages]
+
+
+@pausing
+def parse_index(fd: int, path: str, max_bytes: int | None) -> Index:
+    """Read and validate the prologue, footer and index of the file open at `fd`.
+
+    `max_bytes` bounds the memory the index may take (estimated before it is parsed,
+    fmt.index_memory_bound): LimitError before anything above it is allocated.
+    """
+    return _IndexParser(fd, path, max_bytes).parse()
+
+
+class _IndexParser:
+    """One parse: the members read so far, which the rules of the later ones depend on."""
+
+    def __init__(self, fd: int, path: str, max_bytes: int | None) -> None:
+        self._fd = fd
+        self.path = path
+        self.max_bytes = max_bytes
+        self.index_memory = 0
+
+    def _charge_index(self, nbytes: int) -> None:
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            raise LimitError(
+                f"reading the index needs up to {nbytes} bytes of memory, above max_bytes={self.max_bytes}",
+                path=self.path,
+                offset=self.footer.index_offset,
+            )
+        self.index_memory = nbytes
+
+    def _read(self, offset: int, n: int) -> bytes:
+        return pread_exact(self._fd, offset, n)
+
+    def parse(self) -> Index:
+        path = self.path
+        size = os.fstat(self._fd).st_size
+        self.prologue = fmt.parse_prologue(self._read(0, fmt.PROLOGUE_SIZE), size, path)
+        length = self.prologue.file_length
+        self.footer = fmt.parse_footer(
+            self._read(length - fmt.FOOTER_SIZE, fmt.FOOTER_SIZE), self.prologue, path
+        )
+        ioff, ilen = self.footer.index_offset, self.footer.index_length
+        self._charge_index(length - fmt.FOOTER_SIZE - ioff)  # the raw bytes, before they are read
+        raw = self._read(ioff, ilen)
+        padding = self._read(ioff + ilen, length - fmt.FOOTER_SIZE - ioff - ilen)
+        if len(raw) + len(padding) != length - fmt.FOOTER_SIZE - ioff:
+            raise IncompleteError("file shrank while its index was read", path=path, offset=ioff)
+        if fmt.index_checksum(self.prologue.file_id, ioff, raw) != self.footer.index_checksum:
+            raise CorruptError("index checksum mismatch", path=path, offset=ioff)
+        if any(padding):
+            raise CorruptError("padding after the index is not zero", path=path, offset=ioff + ilen)
+        self._charge_index(fmt.index_memory_bound(raw))  # before json builds anything
+        external = bool(self.prologue.required_features & fmt.FEATURE_EXTERNAL)
+        index = parse_index_json(raw, path, _INDEX_FIELDS_EXTERNAL if external else _INDEX_FIELDS)
+        del raw
+        c = tree._Check(path)
+        self.chunk_size = c.bounded_int(index["chunk_size"], "chunk_size", fmt.MAX_CHUNK_SIZE)
+        if self.chunk_size < fmt.MIN_CHUNK_SIZE or self.chunk_size & (self.chunk_size - 1):
+            raise CorruptError(f"index: chunk_size {self.chunk_size} is not a power of two", path=path)
+        self.producer = _str_map(c, index["producer"], "producer", 64)
+        self.metadata = _str_map(c, index["metadata"], "metadata", Limits.MAX_METADATA_ENTRIES)
+        self.source_devices = [
+            c.str_(d, "source_devices entry") for d in c.list_(index["source_devices"], "source_devices")
+        ]
+        self.storages = self._parse_storages(c, index["storages"])
+        self.has_digests = external
+        self.externals = self._parse_externals(c, index["externals"]) if external else []
+        # the JSON records are dropped as soon as they are parsed: they cost more than the Chunks
+        self.chunks = self._parse_chunks(c, index.pop("chunks"))
+        nodes = tree.validate_tree(index.pop("nodes"), self.storages, path)
+        return Index(
+            self.prologue,
+            self.footer,
+            self.chunk_size,
+            self.producer,
+            self.metadata,
+            self.source_devices,
+            self.storages,
+            self.has_digests,
+            self.externals,
+            self.chunks,
+            nodes,
+            self.index_memory,
+        )
+
+    def _parse_storages(self, c: tree._Check, raw: object) -> list[tree.StorageRecord]:
+        items = c.list_(raw, "storages")
+        if len(items) > Limits.MAX_STORAGES:
+            raise c.fail(f"{len(items)} storages exceed the limit {Limits.MAX_STORAGES}", limit=True)
+        out = []
+        first = 0
+        for sid, item in enumerate(items):
+            if type(item) is not list or len(item) != 2:
+                raise c.fail(f"storage {sid} is not a [nbytes, device] pair")
+            nbytes = c.bounded_int(item[0], f"storage {sid} size", Limits.MAX_STORAGE_BYTES)
+            device = c.str_(item[1], f"storage {sid} device")
+            if not devices.valid_location(device):
+                raise c.fail(f"storage {sid} has invalid device {device[:40]!r}")
+            n = -(-nbytes // self.chunk_size)
+            out.append(tree.StorageRecord(nbytes, device, first, n))
+            first += n
+        self._n_chunks_expected = first
+        return out
+
+    def _parse_externals(self, c: tree._Check, raw: object) -> list[External]:
+        """The `externals` member (section 12): reference paths, file ids and lengths."""
+        items = c.list_(raw, "externals")
+        if len(items) > Limits.MAX_EXTERNALS:
+            raise c.fail(f"{len(items)} externals exceed the limit {Limits.MAX_EXTERNALS}", limit=True)
+        here = os.path.dirname(self.path)
+        out: list[External] = []
+        seen_paths: set[str] = set()
+        seen_ids: set[bytes] = {self.prologue.file_id}
+        for e, item in enumerate(items):
+            if type(item) is not list or len(item) != 3:
+                raise c.fail(f"external {e} is not a [path, file id, length] record")
+            rel = c.str_(item[0], f"external {e} path")
+            if fmt.REF_PATH_RE.fullmatch(rel) is None:
+                raise c.fail(f"external {e} has the path {rel[:80]!r}, which is not a permitted reference")
+            if not _is_hex(item[1], 32):
+                raise c.fail(f"external {e} file id must be 32 lowercase hex digits")
+            fid = bytes.fromhex(item[1])
+            length = c.int_(item[2], f"external {e} file length", 2 * fmt.ALIGNMENT, (1 << 63) - 1)
+            if length % fmt.ALIGNMENT:
+                raise c.fail(f"external {e} file length {length} is not a multiple of {fmt.ALIGNMENT}")
+            if rel in seen_paths or fid in seen_ids:
+                raise c.fail(f"external {e} repeats a path or file id (or names this file itself)")
+            seen_paths.add(rel)
+            seen_ids.add(fid)
+            out.append(External(rel, fid, length, os.path.join(here, rel)))
+        return out
+
+    def _parse_chunks(self, c: tree._Check, raw: object) -> list[Chunk]:
+        items = c.list_(raw, "chunks")
+        if len(items) > Limits.MAX_CHUNKS:
+            raise c.fail(f"{len(items)} chunks exceed the limit {Limits.MAX_CHUNKS}", limit=True)
+        if len(items) != self._n_chunks_expected:
+            raise c.fail(f"{len(items)} chunks listed, the storages need {self._n_chunks_expected}")
+        # raw length of every chunk follows from the storage sizes and the chunk size
+        raw_lens = []
+        for rec in self.storages:
+            for k in range(rec.n_chunks):
+                raw_lens.append(min(self.chunk_size, rec.nbytes - k * self.chunk_size))
+        # 7 fields; with content digests (bit 0) 8 for a local chunk, 10 for an external one
+        sizes = (8, 10) if self.has_digests else (7,)
+        out: list[Chunk] = []
+        used = [False] * len(self.externals)
+        expect = fmt.PROLOGUE_SIZE  # where the next local chunk must start
+        end_of_data = self.footer.index_offset
+        for k, item in enumerate(items):
+            if type(item) is not list or len(item) not in sizes:
+                raise c.fail(f"chunk {k} is not a record of " + " or ".join(map(str, sizes)) + " fields")
+            where = f"chunk {k}"
+            ch = self._parse_layout(c, k, item, raw_lens[k])
+            if len(item) == 10:
+                ch = self._parse_external_ref(c, k, item, ch)
+                used[ch.source] = True
+            else:
+                c.int_(ch.offset, f"{where} offset", expect, expect)
+                end = ch.offset + ch.stored_len
+                if end > end_of_data:
+                    raise CorruptError(
+                        f"chunk ends at {end}, inside the index at {end_of_data}",
+                        path=self.path,
+                        chunk=k,
+                        offset=ch.offset,
+                    )
+                expect = fmt.align_up(end)
+            out.append(ch)
+        if expect != end_of_data:
+            raise CorruptError(
+                f"data ends at {expect} but the index starts at {end_of_data}", path=self.path, offset=expect
+            )
+        if not all(used):
+            raise c.fail(f"external {used.index(False)} is not used by any chunk")
+        return self._with_padding(out, end_of_data)
+
+    def _parse_layout(self, c: tree._Check, k: int, item: list[Any], raw_len: int) -> Chunk:
+        """Fields 0-6 (and the digest, field 7, with bit 0): lengths, codec, filter, checksum."""
+        off, slen, rlen, codec, filt, width, check = item[:7]
+        where = f"chunk {k}"
+        c.int_(off, f"{where} offset", 0, (1 << 63) - 1)
+        c.int_(rlen, f"{where} raw length", raw_len, raw_len)
+        c.int_(codec, f"{where} codec", 0, 255)
+        c.int_(filt, f"{where} filter", 0, 255)
+        c.int_(width, f"{where} filter width", 0, 255)
+        if codec not in fmt.CODEC_NAMES:
+            raise UnsupportedError(f"unknown codec id {codec}", path=self.path, chunk=k, offset=off)
+        if filt not in fmt.FILTER_NAMES:
+            raise UnsupportedError(f"unknown filter id {filt}", path=self.path, chunk=k, offset=off)
+        if codec == fmt.CODEC_RAW:
+            c.int_(slen, f"{where} stored length", rlen, rlen)
+            if filt != fmt.FILTER_NONE:
+                raise c.fail(f"{where} is raw but has a filter")
+        else:
+            c.int_(slen, f"{where} stored length", 1, rlen - 1)
+            if rlen > slen * fmt.ZSTD_MAX_RATIO:
+                raise c.fail(f"{where} claims {rlen} bytes from {slen}: more than any zstd frame holds")
+        if filt == fmt.FILTER_NONE and width != 0:
+            raise c.fail(f"{where} has a filter width without a filter")
+        if filt == fmt.FILTER_SHUFFLE and (width not in fmt.SHUFFLE_WIDTHS or rlen % width):
+            raise c.fail(f"{where} has shuffle width {width} for {rlen} bytes")
+        if not _is_hex(check, 16):
+            raise c.fail(f"{where} checksum must be 16 lowercase hex digits")
+        digest = b""
+        if self.has_digests:
+            if not _is_hex(item[7], 32):
+                raise c.fail(f"{where} content digest must be 32 lowercase hex digits")
+            digest = bytes.fromhex(item[7])
+        return Chunk(off, slen, rlen, codec, filt, width, int(check, 16), 0, digest)
+
+    def _parse_external_ref(self, c: tree._Check, k: int, item: list[Any], ch: Chunk) -> Chunk:
+        """Fields 8 and 9 of an external record: which file, which chunk of it."""
+        where = f"chunk {k}"
+        if not self.externals:
+            raise c.fail(f"{where} is external but the file lists no externals")
+        e = c.int_(item[8], f"{where} external", 0, len(self.externals) - 1)
+        number = c.int_(item[9], f"{where} chunk number in the referenced file", 0, Limits.MAX_CHUNKS - 1)
+        ext = self.externals[e]
+        # the referenced file's data section ends at its index, at least 128 bytes before its end
+        if ch.offset < fmt.PROLOGUE_SIZE or ch.offset % fmt.ALIGNMENT:
+            raise c.fail(f"{where} is external at offset {ch.offset}, not a chunk position")
+        if fmt.align_up(ch.offset + ch.stored_len) > ext.length - fmt.FOOTER_SIZE - fmt.ALIGNMENT:
+            raise c.fail(f"{where} is external but lies past the data of {ext.rel} ({ext.length} bytes)")
+        pad = fmt.align_up(ch.offset + ch.stored_len) - ch.offset - ch.stored_len
+        return _placed(ch, pad, e, number)
+
+    @staticmethod
+    def _with_padding(chunks: list[Chunk], end_of_data: int) -> list[Chunk]:
+        """Local chunks: the padding reaches the next local chunk or the index."""
+        nxt = end_of_data
+        for k in range(len(chunks) - 1, -1, -1):
+            ch = chunks[k]
+            if ch.source >= 0:
+                continue  # its padding was set from the placement rule of its own file
+            chunks[k] = _placed(ch, nxt - ch.offset - ch.stored_len)
+            nxt = ch.offset
+        return chunks

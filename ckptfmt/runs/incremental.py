@@ -1,0 +1,327 @@
+"""Incremental checkpoints: save against a base file, refer to chunks already on disk.
+
+A chunk whose raw bytes are already stored in `base`, or in a file that `base`
+refers to, is not written again: the new file's record names the file that
+physically holds those bytes (spec/FORMAT.md section 12, required feature bit 0).
+"Already stored" is decided by content, the chunk's length and XXH3-128 digest
+computed from the bytes being saved, never by a version counter: changes made
+through ``.data`` or under ``torch.no_grad()`` are seen like any other.
+
+References are never chained: a file that refers to another refers to where the
+bytes lie, so an intermediate checkpoint that nothing refers to can be deleted.
+Overwriting or deleting a file that a kept checkpoint refers to breaks that
+checkpoint (reads then fail naming both files); ``referenced_files`` tells which
+files a checkpoint needs.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..background import inflight
+from ..background.inflight import SaveHandle
+from ..engine import bytesview, hostmem
+from ..engine import chunkwrite as chunkio
+from ..engine import native as _native
+from ..engine.chunkwrite import ChunkRecord
+from ..engine.ckptdir import CheckpointDir
+from ..engine.commit import AtomicFile
+from ..errors import CheckpointWarning
+from ..files import save as writer
+from ..files.reader import CheckpointFile
+from ..format import dtypes, tree
+from ..format import layout as fmt
+
+#: raw bytes consolidate() reads (verified) and writes per step
+_CONSOLIDATE_WINDOW = 64 << 20
+
+
+#: The checkpoint manager writes chunks smaller than this again.  Referring to one saves
+#: next to nothing, and would keep a whole earlier file alive (rotation never deletes a
+#: file that a kept checkpoint refers to) for a few unchanged bytes such as an RNG
+#: state or a bias.
+MIN_REFERENCE_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A chunk already on disk: which candidate file holds it, its number and record there."""
+
+    file: int
+    number: int
+    record: ChunkRecord
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A file the new one may refer to."""
+
+    rel: str  # reference path from the new file's directory
+    file_id: bytes
+    length: int
+
+
+def _reference_path(target: str, held: str) -> str | None:
+    """The path a reader of `target` resolves to `held` (section 12's grammar), or None.
+
+    A path outside the grammar, or one that does not lead to the very same file from
+    the target's directory (symbolic links on the way), cannot be a reference; nor can
+    the target itself, which the save is about to replace.
+    """
+    here = os.path.dirname(os.path.abspath(target))
+    rel = os.path.relpath(held, here)
+    if fmt.REF_PATH_RE.fullmatch(rel) is None or os.path.abspath(target) == held:
+        return None
+    try:
+        if not os.path.samefile(os.path.join(here, rel), held):
+            return None
+        if os.path.exists(target) and os.path.samefile(target, held):
+            return None
+    except OSError:
+        return None
+    return rel
+
+
+class ContentIndex:
+    """The chunks an incremental save may refer to, by (raw length, content digest).
+
+    This is the writer's `dedup` (writer.Dedup): for each chunk being saved it records
+    the digest and either finds where the same bytes already lie or asks for a write.
+    """
+
+    def __init__(self, target: str, base: str | None, min_reference_bytes: int = 0) -> None:
+        self.min_reference_bytes = min_reference_bytes
+        self.files: list[_Candidate] = []
+        self.held: dict[tuple[int, bytes], _Held] = {}
+        self.entries: dict[int, int] = {}  # candidate file -> its entry in `externals`
+        self.digests: list[bytes] = []  # per chunk of the new file
+        self.refs: dict[int, tuple[int, int]] = {}  # chunk -> (externals entry, chunk number there)
+        self.base_chunk_size: int | None = None
+        if base is not None:
+            self._add_base(target, base)
+
+    def _add_base(self, target: str, base: str) -> None:
+        with CheckpointFile(base) as f:
+            self.base_chunk_size = f.chunk_size
+            rel = _reference_path(target, os.path.abspath(base))
+            if not f.has_digests or rel is None:
+                # still a correct save, only not an incremental one; the next save can refer to it
+                why = (
+                    "it was written without content digests (by ckptfmt.save)"
+                    if not f.has_digests
+                    else "a reference is NAME, DIR/NAME, ../NAME or ../DIR/NAME from the new file's "
+                    "directory, each name without a leading dot, and not the file being written"
+                )
+                warnings.warn(
+                    f"{target} cannot refer to {base}: {why}; every chunk is written",
+                    CheckpointWarning,
+                    stacklevel=4,
+                )
+                return
+            own = self._add_file(rel, f.prologue.file_id, f.prologue.file_length)
+            # base's referenced files: usable only where they still are the recorded
+            # files and can be referred to from the new file's directory
+            theirs: dict[int, int] = {}
+            for e, ext in enumerate(f.externals):
+                ref = _reference_path(target, os.path.abspath(ext.path))
+                if ref is not None:
+                    theirs[e] = self._add_file(ref, ext.file_id, ext.length)
+            for k, ch in enumerate(f.chunks):
+                record = (ch.offset, ch.stored_len, ch.raw_len, ch.codec, ch.filter, ch.width, ch.checksum)
+                if ch.source < 0:
+                    self.held.setdefault((ch.raw_len, ch.digest), _Held(own, k, record))
+                elif ch.source in theirs and f.external_problem(k) is None:
+                    held = _Held(theirs[ch.source], ch.number, record)
+                    self.held.setdefault((ch.raw_len, ch.digest), held)
+
+    def _add_file(self, rel: str, file_id: bytes, length: int) -> int:
+        self.files.append(_Candidate(rel, file_id, length))
+        return len(self.files) - 1
+
+    # -- writer.Dedup ---------------------------------------------------------
+
+    @property
+    def can_refer(self) -> bool:
+        return bool(self.held)
+
+    def written(self, first_index: int, digests: list[bytes]) -> None:
+        if len(self.digests) != first_index:
+            raise RuntimeError(f"chunks written out of order: {first_index} after {len(self.digests)}")
+        self.digests.extend(digests)
+
+    def classify(
+        self, first_index: int, pieces: list[tuple[memoryview, int]], engine: str, threads: int
+    ) -> list[ChunkRecord | None]:
+        views = [v for v, _ in pieces]
+        if engine == "c":
+            digests = _native.content_digests(views, threads)  # in parallel, without the GIL
+        else:
+            digests = [fmt.content_digest(v) for v in views]
+        if len(self.digests) != first_index:
+            raise RuntimeError(f"chunks classified out of order: {first_index} after {len(self.digests)}")
+        out: list[ChunkRecord | None] = []
+        for i, (view, digest) in enumerate(zip(views, digests)):
+            self.digests.append(digest)
+            held = self.held.get((len(view), digest)) if len(view) >= self.min_reference_bytes else None
+            if held is None or (
+                held.file not in self.entries and len(self.entries) >= fmt.Limits.MAX_EXTERNALS
+            ):
+                out.append(None)
+                continue
+            entry = self.entries.setdefault(held.file, len(self.entries))
+            self.refs[first_index + i] = (entry, held.number)
+            out.append(held.record)
+        return out
+
+    def externals(self) -> list[list[Any]]:
+        order = sorted(self.entries, key=self.entries.__getitem__)
+        return [[self.files[f].rel, self.files[f].file_id.hex(), self.files[f].length] for f in order]
+
+    def record(self, k: int, rec: ChunkRecord) -> list[Any]:
+        o, s, r, c, f, w, h = rec
+        out: list[Any] = [o, s, r, c, f, w, f"{h:016x}", self.digests[k].hex()]
+        if k in self.refs:
+            out.extend(self.refs[k])
+        return out
+
+
+def save(
+    state: object,
+    path: str | os.PathLike[str],
+    *,
+    base: str | os.PathLike[str] | None = None,
+    compression: str | None = None,
+    level: int | None = None,
+    metadata: dict[str, str] | None = None,
+    blocking: bool = True,
+    chunk_size: int | None = None,
+    min_reference_bytes: int = 0,
+    within: CheckpointDir | None = None,
+) -> SaveHandle | None:
+    """Write `state` to `path` with content digests (feature bit 0).
+
+    Chunks whose (raw length, digest) are already stored in `base` (a file written by
+    this function) or in a file that `base` refers to are not written again: the
+    record refers to where the bytes physically lie.  base=None writes every chunk;
+    so does a base that cannot be referred to (written by ckptfmt.save, or out of
+    reach of a reference path), with a CheckpointWarning.  A missing or unreadable
+    base raises (OSError, CheckpointError).
+    Without `chunk_size`, a save against a base uses the base's chunk size, so the
+    chunks of unchanged tensors line up.  blocking=False returns a SaveHandle once the
+    state is snapshotted; the digests are computed from the snapshot by the writer.
+    Chunks shorter than `min_reference_bytes` are always written here.
+    `within`: the open directory that holds `path` (writer.save_within).
+    """
+    meta = writer.check_save_args(compression, level, metadata)
+    target = os.fspath(path)
+    here = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(here):  # before the references, which are relative to it
+        raise FileNotFoundError(errno.ENOENT, "no such directory", here)
+    inflight.raise_unobserved()
+    inflight.wait_for_path(target)
+    base_path = None if base is None else os.fspath(base)
+    if base_path is not None:
+        inflight.wait_for_path(base_path)  # a non-blocking save of the base may still run
+    index = ContentIndex(target, base_path, min_reference_bytes)
+    if chunk_size is None and index.base_chunk_size is not None and not os.environ.get("CKPTFMT_CHUNK_SIZE"):
+        chunk_size = index.base_chunk_size
+    size = writer.check_chunk_size(chunk_size)
+    result: SaveHandle | None = writer.write_state(
+        state,
+        target,
+        compression=compression,
+        level=level,
+        metadata=meta,
+        chunk_size=size,
+        blocking=blocking,
+        dedup=index,
+        within=within,
+    )
+    return result
+
+
+def referenced_files(path: str | os.PathLike[str]) -> list[str]:
+    """Absolute paths of the files whose chunks `path` refers to (empty when self-contained)."""
+    inflight.wait_for_path(path)
+    with CheckpointFile(path) as f:
+        return [os.path.abspath(ext.path) for ext in f.externals]
+
+
+@dataclass(frozen=True)
+class ConsolidateReport:
+    chunks: int  # chunks in the copy
+    external_chunks: int  # of those, read from referenced files
+    referenced_files: int
+    file_bytes: int
+
+
+def _storage_widths(f: CheckpointFile) -> list[int]:
+    """The shuffle width of each storage: that of the first tensor or array using it."""
+    widths = [0] * len(f.storages)
+    for node in f.tree.nodes:
+        if node[0] == "tensor" and not widths[node[1]["storage"]]:
+            widths[node[1]["storage"]] = dtypes.torch_shuffle_width(node[1]["dtype"])
+        elif node[0] == "ndarray" and not widths[node[1]["storage"]]:
+            dt = dtypes.numpy_dtype(node[1]["dtype"])
+            widths[node[1]["storage"]] = 1 if dt is None else dtypes.numpy_shuffle_width(dt)
+    return widths
+
+
+def consolidate(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    compression: str | None = None,
+    level: int | None = None,
+) -> ConsolidateReport:
+    """Write a self-contained copy of `src` at `dst`: every chunk local, no feature bit.
+
+    The copy has the same object tree, storages (with their device tags), metadata and
+    chunk size.  Chunks are read and verified (checksums and digests, in the files they
+    lie in) a window at a time, so memory stays bounded whatever the state's size.
+    """
+    writer.check_save_args(compression, level, None)
+    source, target = os.fspath(src), os.fspath(dst)
+    inflight.wait_for_path(source)
+    inflight.wait_for_path(target)
+    if os.path.exists(target) and os.path.samefile(source, target):
+        raise ValueError(f"{target}: consolidate writes a new file; it cannot replace the file it reads")
+    with CheckpointFile(source) as f:
+        widths = _storage_widths(f)
+        # the index of the copy: the same tree and storages (their bytes come from the file)
+        encoded = tree.Encoded(
+            nodes=f.tree.nodes,
+            storages=[
+                tree.StoragePlan(r.nbytes, r.device, widths[i], np.empty(0), r.key)
+                for i, r in enumerate(f.storages)
+            ],
+            devices=list(f.source_devices),
+        )
+        buf = hostmem.empty_bytes(max(_CONSOLIDATE_WINDOW, f.chunk_size))
+        view = bytesview.tensor_bytes(buf)
+        chunk_width = [widths[sid] for sid, r in enumerate(f.storages) for _ in range(r.n_chunks)]
+        with AtomicFile(target) as out:
+            file_id = chunkio.new_file_id()
+            cw = chunkio.ChunkWriter(out.fd, file_id, compression=compression, level=level, path=target)
+            k = 0
+            while k < len(f.chunks):
+                items: list[tuple[int, memoryview]] = []
+                pos = 0
+                while k < len(f.chunks) and (not items or pos + f.chunks[k].raw_len <= len(view)):
+                    items.append((k, view[pos : pos + f.chunks[k].raw_len]))
+                    pos += f.chunks[k].raw_len
+                    k += 1
+                f.read_into(items, True)
+                cw.write([(dest, chunk_width[kk]) for kk, dest in items])
+            length = chunkio.finish_file(
+                out.fd, file_id, encoded, cw.chunks, cw.pos, dict(f.metadata), f.chunk_size
+            )
+            out.commit()
+        external = sum(1 for ch in f.chunks if ch.source >= 0)
+        return ConsolidateReport(len(f.chunks), external, len(f.externals), length)

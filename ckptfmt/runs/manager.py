@@ -1,0 +1,931 @@
+"""CheckpointManager: a training run's directory of checkpoints, one per saved step.
+
+Layout: ``<directory>/step-000001000/`` holds the step's state file
+(``state.ckpt``) and, written last, its commit record (``COMMIT``, see
+multifile.py).  A step is complete exactly when its commit record verifies and
+names files that are there unchanged; nothing else ever counts as a
+checkpoint.  So:
+
+* a save writes its step directory under a temporary name, locks it, renames
+  it into place, writes the state file (atomically, like any save), and only
+  then writes the commit record;
+* ``latest()`` is the newest complete step; incomplete, damaged or foreign
+  step directories are skipped with a warning that says why;
+* rotation runs after a commit, never deletes the newest complete checkpoint,
+  and never deletes a file that a kept checkpoint refers to (incremental runs);
+* a step directory without a commit record is removed by a later save when no
+  live process holds its lock (a crashed or failed save);
+* non-blocking saves return after the snapshot; their commit records are
+  written in the order the saves were made, each after its files are durable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import os
+import secrets
+import stat
+import threading
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..background import inflight
+from ..engine.ckptdir import CheckpointDir, LinkError
+from ..engine.commit import NO_LOCKING
+from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError, UnsupportedError
+from ..files import load_into as inplace
+from ..files import multifile
+from ..files import save as writer
+from ..files.load_into import MismatchError
+from ..files.reader import CheckpointFile
+from ..files.verify import Problem, VerifyReport, check_file
+from ..format import devices
+from . import resume, retention
+from .steps import (
+    _STEP_LIKE_RE,
+    _TEMP_RE,
+    MAX_STEP,
+    STATE_NAME,
+    CheckpointInfo,
+    StepJob,
+    StepStatus,
+    held,
+    parse_step_dirname,
+    step_dirname,
+)
+
+
+def _parse_created(text: str) -> datetime.datetime:
+    for layout in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ"):
+        try:
+            return datetime.datetime.strptime(text, layout).replace(tzinfo=datetime.timezone.utc)
+        except ValueError:
+            continue
+    return datetime.datetime.fromtimestamp(0, datetime.timezone.utc)
+
+
+def _info(step: int, d: CheckpointDir, record: multifile.CommitRecord) -> CheckpointInfo:
+    path = d.path
+    size = sum(p.length for p in record.files)
+    st = d.lstat(multifile.COMMIT_NAME)
+    size += st.st_size if st is not None else 0
+    return CheckpointInfo(
+        step=step,
+        path=path,
+        metrics=dict(record.metrics),
+        metadata=dict(record.metadata),
+        size=size,
+        created=_parse_created(record.created),
+        files=tuple(os.path.join(path, p.name) for p in record.files),
+        references=tuple(os.path.normpath(os.path.join(path, p.name)) for p in record.references),
+        layout=record.layout,
+    )
+
+
+def check_step(d: CheckpointDir, step: int | None) -> multifile.CommitRecord:
+    """The one check of a run's step directory (spec 13.4), made by latest(), ls, load, load_into
+    and verify alike: complete (13.2), its record for the step its name says (`step`; None for a
+    directory whose name is not a step's, which only verify is given), and parts as its layout
+    requires."""
+    record = multifile.check_complete(d)
+    if step is not None and record.step != step:
+        raise CorruptError(f"the commit record is for step {record.step}, not {step}", path=d.path)
+    if record.layout == "state":
+        if [p.name for p in record.files] != [STATE_NAME]:
+            raise CorruptError(f"a 'state' commit record must name exactly {STATE_NAME}", path=d.path)
+        _check_state_index(d, record)
+    elif record.layout == "dcp":
+        from ..dcp.check import record_metadata
+
+        record_metadata(record, d.path)  # the record's dcp member (it reads no file)
+    elif step is not None:
+        raise UnsupportedError(f"a {record.layout!r} checkpoint is not a step of a run", path=d.path)
+    return record
+
+
+def _check_state_index(d: CheckpointDir, record: multifile.CommitRecord) -> None:
+    """The state file's index (no chunk is read): a manager's state file (a dict with the
+    entries state, rng and resume) that reads chunks only from files the record names."""
+    part = record.files[0]
+    with CheckpointFile(d.path_of(part.name), fd=multifile.open_part(d, part, d.path), within=d) as f:
+        multifile.check_references(f, record, d.path)
+        if not {"state", "rng", "resume"} <= set(resume.node_items(f, f.tree.root)):
+            raise CorruptError("not a checkpoint manager's state file", path=f.path)
+
+
+def resume_entries(f: CheckpointFile) -> tuple[dict[str, Any], Any]:
+    """A state file's resume fingerprint and RNG states, read and checked (CorruptError naming
+    the entry) as load_into checks them before anything of the caller's changes."""
+    from .rng import check_capture
+
+    root = resume.node_items(f, f.tree.root)
+    fp = resume.check_fingerprint(f.load_subtree(root["resume"], None, True), f.path)
+    rng_state = f.load_subtree(root["rng"], None, True)
+    if rng_state is not None:
+        check_capture(rng_state, f.path)
+    return fp, rng_state
+
+
+#: every file a loaded file reads chunks from is one the commit record names (spec 13.1)
+
+
+def _try_lock(fd: int) -> bool | None:
+    """Take the directory's lock without waiting: True taken, False held elsewhere, None unsupported."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        if e.errno in NO_LOCKING:  # flock unsupported (Lustre without -o flock, some NFS)
+            return None
+        raise
+
+
+def _open_dir(path: str) -> int:
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+
+
+def is_locked(path: str) -> bool | None:
+    """Whether a live process holds the lock of step directory `path` (None: cannot tell)."""
+    try:
+        fd = _open_dir(path)
+    except OSError:
+        return None
+    try:
+        got = _try_lock(fd)
+        return None if got is None else not got
+    finally:
+        os.close(fd)  # closing drops a lock taken here
+
+
+@dataclass
+class _Cached:
+    stamp: tuple[Any, ...]
+    record: multifile.CommitRecord
+
+
+class CheckpointManager:
+    """A run's checkpoints in one directory; see the module docstring for the guarantees."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: str | None = None,
+        best_mode: str = "min",
+        compression: str | None = None,
+        blocking: bool = True,
+        incremental: bool = False,
+        snapshot: str = "copy",
+    ) -> None:
+        retention.check_rules(keep_last, keep_every, keep_best, best_mode)
+        writer.check_save_args(compression, None, None)
+        writer.check_snapshot(snapshot)
+        if snapshot == "fork" and incremental:
+            raise ValueError("snapshot='fork' cannot be combined with incremental saves")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.keep_best = keep_best
+        self.best_mode = best_mode
+        self.compression = compression
+        self.blocking = bool(blocking)
+        self.incremental = bool(incremental)
+        self.snapshot = snapshot  # how non-blocking saves snapshot the state: writer.save
+        os.makedirs(self.directory, exist_ok=True)
+        self._lock = threading.Lock()
+        # rotation (on commit threads) and cleanup (in save) both delete step directories
+        self._delete_lock = threading.RLock()
+        self._jobs: list[StepJob] = []  # in flight, or finished with an error nobody has seen
+        self._cache: dict[str, _Cached] = {}
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.directory!r})"
+
+    # -- reading the directory --------------------------------------------------------
+
+    def _stamp(self, d: CheckpointDir, record: multifile.CommitRecord | None) -> tuple[Any, ...]:
+        out: list[tuple[int, int, int, int] | None] = [_ident(d, ".")]
+        out.append(_ident(d, multifile.COMMIT_NAME))
+        for p in record.files + record.references if record else ():
+            holder, name = d.walk(p.name) if "/" in p.name else (d.dup(), p.name)
+            with holder:
+                out.append(_ident(holder, name))
+        return tuple(out)
+
+    def _record(self, d: CheckpointDir, step: int) -> multifile.CommitRecord:
+        """The step's checked commit record (check_step), cached while the directory and the
+        files it names keep their identity (inode, size, mtime) and are not links."""
+        cached = self._cache.get(d.path)
+        try:
+            if cached is not None and cached.stamp == self._stamp(d, cached.record):
+                return cached.record
+        except (OSError, CheckpointError):
+            pass  # a component changed kind: check it all again, which says why
+        record = check_step(d, step)
+        self._cache[d.path] = _Cached(self._stamp(d, record), record)
+        return record
+
+    def _in_flight_steps(self) -> set[int]:
+        with self._lock:
+            return {j.step for j in self._jobs if not j.handle.done()}
+
+    def statuses(self) -> list[StepStatus]:
+        """Every step directory, complete or not, by step."""
+        out = []
+        with self._run() as run:
+            if run is None:
+                return []
+            for name in run.names():
+                step = parse_step_dirname(name)
+                if step is not None and run.is_dir(name):
+                    out.append(self._status(run, name, step))
+            out.sort(key=lambda s: s.step)
+            referenced = {r for s in out if s.info for r in s.info.references}
+            for s in out:
+                if s.info is None:
+                    s.retained = _all_files_referenced(run, os.path.basename(s.path), referenced)
+        return out
+
+    def _status(self, run: CheckpointDir, name: str, step: int) -> StepStatus:
+        """What step directory `name` is, by the one check of check_step."""
+        status = StepStatus(step, run.path_of(name))
+        try:
+            with run.sub(name) as d:
+                try:
+                    status.info = _info(step, d, self._record(d, step))
+                except (CheckpointError, OSError) as e:
+                    status.problem = _why(e, d.path)
+                    status.damaged = not isinstance(e, IncompleteError) or d.exists(multifile.COMMIT_NAME)
+                    status.error = type(e) if isinstance(e, CheckpointError) else IncompleteError
+        except (CheckpointError, OSError) as e:  # swapped for a link since it was listed
+            status.problem = _why(e, status.path)
+            status.damaged = True
+            status.error = type(e) if isinstance(e, CheckpointError) else IncompleteError
+        if status.info is None:
+            self._cache.pop(status.path, None)
+        return status
+
+    @contextlib.contextmanager
+    def _run(self) -> Iterator[CheckpointDir | None]:
+        """The run directory, opened once for one pass over it (None when it is gone)."""
+        try:
+            run = CheckpointDir.open(self.directory)
+        except FileNotFoundError:
+            yield None
+            return
+        with run:
+            yield run
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """The complete checkpoints, oldest first."""
+        return [s.info for s in self.statuses() if s.info is not None]
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest complete checkpoint; directories that are not one are skipped with a warning."""
+        busy = self._in_flight_steps()
+        newest = None
+        for s in self.statuses():
+            if s.info is not None:
+                newest = s.info
+            elif s.step not in busy and not s.retained:
+                warnings.warn(f"skipping {s.path}: {s.problem}", CheckpointWarning, stacklevel=2)
+        for path, why in self._foreign():
+            warnings.warn(f"skipping {path}: {why}", CheckpointWarning, stacklevel=2)
+        return newest
+
+    def _foreign(self) -> list[tuple[str, str]]:
+        """Entries named like step directories that are not one (never counted, never deleted)."""
+        out = []
+        with self._run() as run:
+            if run is None:
+                return []
+            for name in run.names():
+                if not _STEP_LIKE_RE.fullmatch(name):
+                    continue
+                path = run.path_of(name)
+                st = run.lstat(name)
+                if parse_step_dirname(name) is None:
+                    out.append(
+                        (
+                            path,
+                            "not a step directory name (step-NNNNNNNNN: at least 9 digits, no extra zeros)",
+                        )
+                    )
+                elif st is not None and stat.S_ISLNK(st.st_mode):
+                    out.append((path, "a symbolic link, not a step directory (never followed)"))
+                elif st is not None and not stat.S_ISDIR(st.st_mode):
+                    out.append((path, "not a directory"))
+        return out
+
+    def _find(self, step: int | None) -> list[CheckpointInfo]:
+        """The checkpoint of `step`, or every complete one newest first when step is None."""
+        statuses = self.statuses()
+        if step is None:
+            found = [s.info for s in reversed(statuses) if s.info is not None]
+            if not found:
+                raise CheckpointError(f"no complete checkpoint in {self.directory}")
+            return found
+        for s in statuses:
+            if s.step == step:
+                if s.info is None:
+                    raise s.error(f"step {step} is not a complete checkpoint: {s.problem}", path=s.path)
+                return [s.info]
+        raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
+
+    # -- saving -----------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metrics: dict[str, float] | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> inflight.SaveHandle | None:
+        """Save `state` as checkpoint `step`; objects with state_dict() are saved as their state dicts.
+
+        Blocking (the default): returns once the checkpoint is committed.
+        Non-blocking: returns a SaveHandle after the snapshot; the commit follows
+        in the background, in the order of the save calls.
+        """
+        if type(step) is not int or not 0 <= step <= MAX_STEP:
+            raise ValueError(f"step must be an int from 0 to {MAX_STEP}, not {step!r}")
+        metrics = _check_metrics(metrics)
+        meta = writer.check_save_args(None, None, metadata)
+        self._raise_failed()
+        self._check_step_is_new(step)
+        if _sharded_save(state):  # every rank saves its shard; the step commits like any other
+            from . import sharded
+
+            sharded.save_step(self, step, state, metrics, meta)
+            return None
+        from .rng import capture_rng
+
+        payload = resume.build_payload(state, step, capture_rng())
+        self._cleanup()
+        if self.incremental:
+            self._wait_all()  # the next file refers to the previous one: it must be committed
+        path, lock_fd = self._make_step_dir(step)
+        job = StepJob(step, path, lock_fd, metrics, meta, inflight.SaveHandle(path))
+        try:
+            job.file_handle = self._write_state(job, payload)
+        except BaseException:
+            self._abandon(job)
+            raise
+        if self.blocking:
+            self._finish(job, None)
+            job.handle.wait()
+            return None
+        with self._lock:
+            before = self._jobs[-1].thread if self._jobs else None
+            self._jobs.append(job)
+            job.thread = threading.Thread(
+                target=self._finish, args=(job, before), name=f"ckptfmt-commit-{step}", daemon=False
+            )
+            job.thread.start()
+        return job.handle
+
+    def _check_step_is_new(self, step: int) -> None:
+        with self._lock:
+            pending = [j.step for j in self._jobs if not j.handle.done()]
+        newest = max([s.step for s in self.statuses() if s.info is not None] + pending, default=None)
+        if newest is not None and step <= newest:
+            raise ValueError(
+                f"step {step} is not after the newest checkpoint (step {newest}) in {self.directory}; "
+                "if the run was resumed from an earlier step, remove the later ones first "
+                "(CheckpointManager.remove(step))"
+            )
+
+    def _make_step_dir(self, step: int) -> tuple[str, int]:
+        """Create the step directory already locked: made under a temporary name, then renamed."""
+        name = step_dirname(step)
+        final = os.path.join(self.directory, name)
+        with CheckpointDir.open(self.directory) as run:
+            found = run.lstat(name)
+            if found is not None and stat.S_ISDIR(found.st_mode):
+                if is_locked(final):
+                    raise CheckpointError(f"{final} is being written by another process")
+                self._delete_step(final, keep=self._referenced())
+            elif found is not None:  # a link or a file squatting on the name: removed as a name
+                run.unlink(name)
+            tmp = f".{name}.ckptfmt-tmp.{os.getpid()}.{secrets.token_hex(4)}"
+            run.mkdir(tmp)
+            sub = run.sub(tmp)
+            try:
+                if _try_lock(sub.fd) is False:  # another process's cleanup is probing it this instant
+                    fcntl.flock(sub.fd, fcntl.LOCK_EX)  # probes let go at once
+                run.rename(tmp, name)
+                run.fsync()
+            except BaseException:
+                sub.close()
+                run.remove_tree(tmp)
+                raise
+        return final, sub.fd
+
+    def _base_file(self) -> str | None:
+        """The state file an incremental save may refer to: the newest complete one."""
+        found = [s.info for s in self.statuses() if s.info is not None]
+        return found[-1].state_path if found else None
+
+    def _write_state(self, job: StepJob, payload: dict[str, Any]) -> Any:
+        target = os.path.join(job.path, STATE_NAME)
+        if self.incremental:
+            from . import incremental
+
+            return incremental.save(
+                payload,
+                target,
+                base=self._base_file(),
+                compression=self.compression,
+                blocking=self.blocking,
+                min_reference_bytes=incremental.MIN_REFERENCE_BYTES,
+                within=held(job),
+            )
+        return writer.save_within(
+            held(job),
+            payload,
+            target,
+            compression=self.compression,
+            blocking=self.blocking,
+            snapshot=self.snapshot,
+        )
+
+    def _finish(self, job: StepJob, before: threading.Thread | None) -> None:
+        """Wait for the files, write the commit record, rotate; report through job.handle."""
+        exc: BaseException | None = None
+        try:
+            if before is not None:
+                before.join()  # commits happen in the order of the saves
+            if job.file_handle is not None:
+                job.file_handle.wait()
+            self._commit(job)
+        except BaseException as e:
+            exc = e
+        try:
+            if exc is None:
+                self._rotate()
+            else:
+                self._abandon(job)
+        except (OSError, CheckpointError) as e:
+            warnings.warn(f"rotation in {self.directory} failed: {e}", CheckpointWarning, stacklevel=2)
+        finally:
+            if job.lock_fd >= 0:
+                os.close(job.lock_fd)
+                job.lock_fd = -1
+            with self._lock:
+                if exc is None and job in self._jobs:
+                    self._jobs.remove(job)
+            job.handle._finish(exc)
+
+    def _commit(self, job: StepJob) -> None:
+        """Write the step's commit record, naming the state file and every file it reads
+        chunks from, each described through the step directory this save holds."""
+        d = held(job)
+        parts = (multifile.describe_in(d, STATE_NAME),)
+        refs: tuple[multifile.PartRecord, ...] = ()
+        if self.incremental:
+            with CheckpointFile(d.path_of(STATE_NAME), fd=d.open_file(STATE_NAME), within=d) as f:
+                rels = [ext.rel for ext in f.externals]
+            refs = tuple(multifile.describe_in(d, rel) for rel in rels)
+        record = multifile.CommitRecord(job.step, "state", parts, refs, job.metrics, job.metadata)
+        multifile.write_commit(job.path, record, within=d)
+
+    def _abandon(self, job: StepJob) -> None:
+        """A failed save: remove what it wrote (its step never became a checkpoint)."""
+        if job.file_handle is not None and not job.file_handle.done():
+            job.file_handle.exception()
+        if job.lock_fd >= 0:
+            os.close(job.lock_fd)
+            job.lock_fd = -1
+        self._delete_step(job.path, keep=self._referenced())
+
+    def _raise_failed(self) -> None:
+        """Raise the error of an earlier non-blocking save that nobody has waited for."""
+        with self._lock:
+            self._jobs = [j for j in self._jobs if not (j.handle.done() and j.handle._observed)]
+            failed = [j for j in self._jobs if j.handle.done() and j.handle._exc is not None]
+            if not failed:
+                return
+            self._jobs.remove(failed[0])
+        failed[0].handle._observed = True
+        raise CheckpointError(
+            f"an earlier save of step {failed[0].step} failed: {failed[0].handle._exc}"
+        ) from (failed[0].handle._exc)
+
+    def _wait_all(self) -> None:
+        with self._lock:
+            threads = [j.thread for j in self._jobs if j.thread is not None]
+        for t in threads:
+            t.join()
+
+    def wait(self) -> None:
+        """Wait for every save in flight; raise the first error of a save nobody has seen fail."""
+        self._wait_all()
+        self._raise_failed()
+
+    # -- rotation and cleanup ---------------------------------------------------------------
+
+    def _referenced(self) -> set[str]:
+        """Files that complete checkpoints read chunks from (never deleted)."""
+        return {r for s in self.statuses() if s.info for r in s.info.references}
+
+    def _rotate(self) -> None:
+        with self._delete_lock:
+            self._rotate_locked()
+
+    def _rotate_locked(self) -> None:
+        done = self.checkpoints()
+        kept = retention.kept_steps(
+            [(c.step, c.metrics) for c in done],
+            keep_last=self.keep_last,
+            keep_every=self.keep_every,
+            keep_best=self.keep_best,
+            best_mode=self.best_mode,
+        )
+        keep_files = {r for c in done if c.step in kept for r in c.references}
+        for c in done:
+            if c.step not in kept:
+                self._retire(c.path, keep_files)
+
+    def _retire(self, path: str, keep: set[str]) -> None:
+        """Stop a step being a checkpoint (commit record first), then delete what nothing refers to."""
+        self._cache.pop(path, None)
+        with CheckpointDir.open(self.directory) as run:
+            try:
+                d = run.sub(os.path.basename(path))
+            except (FileNotFoundError, LinkError):
+                return  # gone, or not a directory of ours any more: nothing to retire
+            with d:
+                d.unlink(multifile.COMMIT_NAME)
+                d.fsync()
+        self._delete_step(path, keep)
+
+    def _delete_step(self, path: str, keep: set[str]) -> None:
+        """Delete a step directory that is not (or no longer) a checkpoint, sparing `keep`."""
+        with self._delete_lock:
+            self._delete_step_locked(path, keep)
+
+    def _delete_step_locked(self, path: str, keep: set[str]) -> None:
+        """Everything inside is reached through the step directory's own descriptor, opened
+        without following a link: a step directory swapped for a link (at any moment) leads
+        nowhere outside the run."""
+        self._cache.pop(path, None)
+        name = os.path.basename(path)
+        with CheckpointDir.open(self.directory) as run:
+            try:
+                d = run.sub(name)
+            except (FileNotFoundError, LinkError):
+                return  # gone, or a link: never delete what a link points to
+            with d:
+                if d.unlink(multifile.COMMIT_NAME):  # never leave files that a commit record still names
+                    d.fsync()
+                for entry in d.names():
+                    if d.path_of(entry) not in keep:
+                        d.remove_tree(entry)
+            run.rmdir(name)
+
+    def _cleanup(self) -> None:
+        """Remove step directories of saves that died (unlocked, without a commit record)."""
+        with self._delete_lock:
+            self._cleanup_locked()
+
+    def _cleanup_locked(self) -> None:
+        busy = self._in_flight_steps()
+        statuses = self.statuses()
+        newest = max((s.step for s in statuses if s.info is not None), default=-1)
+        keep = {r for s in statuses if s.info for r in s.info.references}
+        for s in statuses:
+            if s.info is not None or s.step in busy:
+                continue
+            if s.damaged and s.step > newest:
+                continue  # the newest data there is: leave it for a person to look at
+            locked = is_locked(s.path)
+            if locked or (locked is None and s.step > newest):
+                continue  # a live save (or, without locks, possibly one)
+            self._tidy(s.path, lambda path=s.path: self._delete_step(path, keep))
+        with CheckpointDir.open(self.directory) as run:
+            for name in run.names():
+                full = run.path_of(name)
+                if _TEMP_RE.fullmatch(name) and is_locked(full) is False and _abandoned_temp(name, full):
+                    self._tidy(full, lambda name=name: run.remove_tree(name))
+        # Finish a rotation that a kill between a commit and its rotation (or an error)
+        # left undone.  Otherwise the next rotation comes only after this save's commit,
+        # and every kill that lands in that window again leaves one more checkpoint
+        # than the rules keep (tests/test_manager_crash.py found 4 with keep_last=2).
+        try:
+            self._rotate_locked()
+        except (OSError, CheckpointError) as e:
+            warnings.warn(f"rotation in {self.directory} failed: {e}", CheckpointWarning, stacklevel=3)
+
+    def _tidy(self, path: str, remove: Any) -> None:
+        """Remove a leftover of a dead save; one that cannot be removed (a foreign tree, no
+        permission) is warned about and left, never a reason for this save to fail."""
+        try:
+            remove()
+        except (OSError, CheckpointError) as e:
+            warnings.warn(f"cannot remove {path}: {e}", CheckpointWarning, stacklevel=4)
+
+    def remove(self, step: int) -> None:
+        """Delete checkpoint `step` (files that other checkpoints refer to are kept)."""
+        self._wait_all()
+        for s in self.statuses():
+            if s.step == step:
+                if s.info is not None:
+                    others = {
+                        r for t in self.statuses() if t.info and t.step != step for r in t.info.references
+                    }
+                    self._retire(s.path, others)
+                else:
+                    self._delete_step(s.path, self._referenced())
+                return
+        raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
+
+    # -- loading ----------------------------------------------------------------------------------
+
+    def _first_that_loads(self, step: int | None, fallback: bool, attempt: Any) -> tuple[Any, list[str]]:
+        """attempt(info) on checkpoint `step`, or newest first when step is None; with fallback,
+        a checkpoint whose files turn out damaged is skipped with a warning (a mismatch with
+        the caller's objects is never a reason to go back)."""
+        skipped: list[str] = []
+        for info in self._find(step):
+            try:
+                return attempt(info), skipped
+            except MismatchError:
+                raise
+            except Exception as e:  # with fallback, a step that fails for any reason is skipped
+                if not fallback or step is not None:
+                    raise
+                warnings.warn(f"skipping step {info.step}: {e}", CheckpointWarning, stacklevel=3)
+                skipped.append(f"step {info.step}: {e}")
+        raise CheckpointError(f"no checkpoint in {self.directory} loads: {'; '.join(skipped)[:2000]}")
+
+    def load(self, step: int | None = None, map_location: Any = None, *, fallback: bool = False) -> Any:
+        """The state saved at `step` (the newest complete one when None); stateful objects come
+        back as their state dicts.  fallback=True: when the newest checkpoint fails to load
+        (damaged files), warn and try the next older one."""
+        return self._first_that_loads(step, fallback, lambda info: self._load_one(info, map_location))[0]
+
+    def _load_one(self, info: CheckpointInfo, map_location: Any) -> Any:
+        if info.layout == "dcp":  # saved by several ranks: assembled here with full tensors
+            from . import sharded
+
+            return sharded.load_step(info)
+        devices.check_map_location(map_location)
+        with self._state_file(info) as f:
+            payload = f.load_subtree(f.tree.root, map_location, True)
+        if not isinstance(payload, dict) or "state" not in payload:
+            raise CorruptError("not a checkpoint manager's state file", path=info.state_path)
+        return payload["state"]
+
+    @contextlib.contextmanager
+    def _state_file(self, info: CheckpointInfo) -> Iterator[CheckpointFile]:
+        """The state file of step `info`, as its commit record names it: the step directory and
+        the file are opened without following a link, checked (check_step), and read through
+        the descriptor that was checked; every file it reads chunks from is one the record names."""
+        inflight.wait_for_path(info.state_path)
+        with CheckpointDir.open(self.directory) as run, run.sub(os.path.basename(info.path)) as d:
+            record = self._record(d, info.step)  # check_step: the references and the root too
+            part = record.files[0]
+            with CheckpointFile(d.path_of(part.name), fd=multifile.open_part(d, part, d.path), within=d) as f:
+                yield f
+
+    def load_into(
+        self,
+        state: Any,
+        step: int | None = None,
+        strict: bool = True,
+        *,
+        fallback: bool = False,
+        restore_rng: bool = True,
+    ) -> resume.ResumeReport:
+        """Resume: fill `state` (modules, optimizers, schedulers, scalers, data loaders, tensors and
+        plain values) from checkpoint `step` (the newest complete one when None), then restore
+        every RNG.  Differences from the saved run are returned and warned about once; with
+        strict=True, architecture, shape and key differences raise MismatchError first."""
+        report, skipped = self._first_that_loads(
+            step, fallback, lambda info: self._load_into_one(info, state, strict, restore_rng)
+        )
+        report.skipped = skipped
+        return report
+
+    def _load_into_one(
+        self, info: CheckpointInfo, state: Any, strict: bool, restore_rng: bool
+    ) -> resume.ResumeReport:
+        if info.layout == "dcp":  # saved by several ranks: loaded into this run's sharding
+            from . import sharded
+
+            return sharded.load_step_into(info, state, restore_rng)
+        with self._state_file(info) as f:
+            root = resume.node_items(f, f.tree.root)  # its entries: check_step
+            fp, rng_state = resume_entries(f)
+            differences = resume.check_resume(f, fp, rng_state, state, strict)
+            resume.check_target(f, root["state"], state, strict)  # before anything is filled
+            report = resume.ResumeReport(step=info.step, path=info.path, differences=differences)
+            # every chunk of the state is checked before any of the caller's objects is
+            # filled, so a damaged checkpoint leaves them all as they were
+            inplace.verify_subtree(f, root["state"])
+            resume.restore_into(f, root["state"], state, "", report, strict=strict, verify=True, atomic=False)
+        if restore_rng and rng_state is not None:
+            from .rng import restore_rng as restore
+
+            restore(rng_state)
+            report.rng_restored = True
+        if differences:
+            warnings.warn(
+                f"{info.path}: resuming with {len(differences)} difference(s) from the saved run: "
+                + "; ".join(differences[:3])
+                + (" ..." if len(differences) > 3 else ""),
+                CheckpointWarning,
+                stacklevel=3,
+            )
+        return report
+
+    # -- verifying -------------------------------------------------------------------------------
+
+    def verify(self, step: int | None = None) -> VerifyReport:
+        """Check every file of checkpoint `step` (the newest complete one when None)."""
+        info = self._find(step)[0]
+        return verify_in_run(self.directory, os.path.basename(info.path), info.step)
+
+
+def verify_in_run(run_dir: str, name: str, step: int) -> VerifyReport:
+    """verify_step of step directory `name` of a run, opened beneath the run directory
+    without following a link (the step may have been swapped for one since it was listed)."""
+    from ..files.verify import problem_of
+
+    try:
+        with CheckpointDir.open(run_dir) as run, run.sub(name) as d:
+            return verify_step(d, step)
+    except (CheckpointError, OSError) as e:
+        report = VerifyReport(os.path.join(run_dir, name))
+        report.problems.append(problem_of(e) if isinstance(e, CheckpointError) else _os_problem(e))
+        return report
+
+
+def _os_problem(e: OSError) -> Problem:
+    return Problem("incomplete", f"{e.filename or ''}: {e.strerror}".lstrip(": "))
+
+
+def verify_step(path: str | CheckpointDir, step: int | None = None) -> VerifyReport:
+    """Verify a checkpoint directory with the checks a load makes (check_step), then every
+    chunk of its commit record, of every file it names and of every file they refer to.
+
+    `step`: the step its record must be for; None: the step its name says when it is named
+    like a step directory (step-NNNNNNNNN), so verify fails exactly where latest() skips."""
+    from ..files.verify import problem_of
+
+    where = path.path if isinstance(path, CheckpointDir) else path
+    if step is None:
+        step = parse_step_dirname(os.path.basename(os.path.normpath(where)))
+    report = VerifyReport(where)
+    try:
+        with multifile.opened(path) as d:
+            record = check_step(d, step)
+            _verify_parts(d, record, report)
+            if record.layout == "dcp" and report.ok:
+                report.problems += _dcp_problems(d)
+    except CheckpointError as e:
+        report.problems.append(problem_of(e))
+    return report
+
+
+def _dcp_problems(path: CheckpointDir) -> list[Problem]:
+    """What cdcp.load would refuse in a step of layout "dcp" whose files' bytes verified: its
+    record's dcp member, and every item against its rank file, as load checks them."""
+    from ..dcp.check import verify_directory
+    from ..files.verify import problem_of
+
+    out = []
+    for e in verify_directory(path):
+        name = os.path.basename(e.path or "")  # the record or the rank file it is about
+        text = e.reason if not name or e.reason.startswith(name) else f"{name}: {e.reason}"
+        out.append(Problem(problem_of(e).kind, text, e.key))
+    return out
+
+
+def _verify_parts(d: CheckpointDir, record: multifile.CommitRecord, report: VerifyReport) -> None:
+    """Every chunk of the record and of every part, each read through the descriptor its
+    identity was checked on; a part reading a file the record does not name fails as a load does."""
+    commit = multifile.PartRecord(multifile.COMMIT_NAME, 0, b"", 0)
+    for part in (commit, *record.files, *record.references):
+        holder, leaf = d.walk(part.name)
+        with holder:
+            if part is commit:
+                fd = d.open_file(part.name)
+            else:
+                fd = multifile.open_part(d, part, d.path)
+            one = VerifyReport(d.path_of(part.name))
+            with CheckpointFile(d.path_of(part.name), fd=fd, within=holder) as f:
+                if part in record.files:
+                    multifile.check_references(f, record, d.path)
+                if record.layout == "state" and part in record.files:
+                    _check_resume_entries(f, one)
+                check_file(f, one)
+        report.chunks += one.chunks
+        report.bytes_checked += one.bytes_checked
+        report.problems += [
+            Problem(p.kind, f"{part.name}: {p.message}", p.key, p.chunk, p.offset) for p in one.problems
+        ]
+
+
+def _check_resume_entries(f: CheckpointFile, report: VerifyReport) -> None:
+    """resume_entries' checks, as a problem of `report` (verify fails where load_into refuses)."""
+    from ..files.verify import problem_of
+
+    try:
+        resume_entries(f)
+    except CheckpointError as e:
+        report.problems.append(problem_of(e))
+
+
+def _why(e: CheckpointError | OSError, directory: str) -> str:
+    """An error's reason, naming the file inside the step directory it concerns."""
+    if not isinstance(e, CheckpointError):
+        return f"{e.filename or directory}: {e.strerror}"
+    text = str(e)
+    if e.path and os.path.abspath(e.path) != directory:
+        text = text.replace(e.path, os.path.relpath(e.path, directory), 1)
+    elif e.path:
+        text = text[len(e.path) + 2 :] if text.startswith(e.path + ": ") else text
+    return text
+
+
+#: a temporary step directory this old is abandoned even if its pid is alive (reused,
+#: or a process on another host sharing the filesystem)
+_TEMP_GRACE_S = 3600
+
+
+def _abandoned_temp(name: str, path: str) -> bool:
+    """A temporary step directory is locked only after mkdir: until then its creator is
+    known by the pid in its name, so a live pid (or a young directory) means hands off."""
+    from ..engine.commit import names_a_process
+
+    pid = int(name.split(".")[-2])
+    if not names_a_process(pid):
+        return True  # no process has that pid (0, or more than a pid_t holds): its creator is gone
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    try:
+        age = datetime.datetime.now().timestamp() - os.lstat(path).st_mtime
+    except OSError:
+        return False
+    return age > _TEMP_GRACE_S
+
+
+def _ident(d: CheckpointDir, name: str) -> tuple[int, int, int, int] | None:
+    """What entry `name` is now (kind, inode, size, mtime), a link not followed; None when absent."""
+    st = d.lstat(name) if name != "." else os.fstat(d.fd)
+    return None if st is None else (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _all_files_referenced(run: CheckpointDir, name: str, referenced: set[str]) -> bool:
+    try:
+        with run.sub(name) as d:
+            names = [n for n in d.names() if not n.startswith(".")]
+            return bool(names) and all(d.path_of(n) in referenced for n in names)
+    except (OSError, CheckpointError):
+        return False
+
+
+def _sharded_save(state: Any) -> bool:
+    """Save through DCP (ckptfmt.dcp, a file per rank): a process group is initialised and it
+    runs several ranks, or `state` holds DTensors or sharded tensors (FSDP2 at world size 1),
+    which one state file cannot hold.  Checked without importing torch.distributed."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return False
+    if dist.get_world_size() > 1:
+        return True
+    from .sharded import holds_distributed_tensors
+
+    return holds_distributed_tensors(state)
+
+
+def _check_metrics(metrics: dict[str, float] | None) -> dict[str, float]:
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, dict):
+        raise TypeError("metrics must be a dict of str to int or float")
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        if hasattr(v, "item") and callable(v.item):  # a 0-d tensor or numpy scalar
+            v = v.item()
+        if type(k) is not str or type(v) not in (int, float):
+            raise TypeError(f"metrics must map str to int or float; {k!r} maps to {type(v).__name__}")
+        out[k] = v
+    return out

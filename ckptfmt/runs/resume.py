@@ -1,0 +1,593 @@
+"""Resuming a training run: what a manager's state file holds, and the checks made on resume.
+
+A checkpoint manager's state file is an ordinary ckptfmt file whose root is::
+
+    {"state":  the caller's state; objects with state_dict()/load_state_dict()
+               (modules, optimizers, schedulers, scalers, stateful data loaders)
+               are stored as their state dicts,
+     "rng":    capture_rng() at save time,
+     "resume": {"version": 1, "step": ..., "architecture": ..., "optimizer": ...,
+                "data": ..., "environment": ...}}
+
+"resume" is the fingerprint the five resume checks compare against: module
+parameter names, shapes and dtypes; optimizer hyper-parameters per group; which
+entries hold a data position; that RNG state is present; and the environment
+(versions, devices, world size) the checkpoint was written in.
+"""
+
+from __future__ import annotations
+
+import collections
+import platform
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..errors import CorruptError, UnsupportedError
+from ..files.load_into import LoadReport, MismatchError, fill_from_node
+from ..files.reader import CheckpointFile
+from ..format import dtypes, tree
+from ..format.layout import Limits
+from . import rng
+
+PAYLOAD_VERSION = 1
+#: top-level keys of a state that name a data position by convention (a plain
+#: dict such as {"epoch": 3, "batch": 120} kept under one of these names)
+DATA_KEYS = frozenset({"data", "data_position", "dataloader", "data_loader", "loader", "sampler"})
+#: optimizer hyper-parameters compared on resume: plain values only
+_HPARAM_TYPES = (bool, int, float, str, type(None))
+
+
+def is_stateful(obj: object) -> bool:
+    """Has state_dict() and load_state_dict(), like torch.distributed.checkpoint's Stateful."""
+    return (
+        not isinstance(obj, (dict, list, tuple, torch.Tensor))
+        and callable(getattr(obj, "state_dict", None))
+        and callable(getattr(obj, "load_state_dict", None))
+    )
+
+
+def _join(prefix: str, key: object) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def _walk(state: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(path, object) of every stateful object reachable through dicts and lists."""
+    if is_stateful(state):
+        yield prefix or "state", state
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            yield from _walk(v, _join(prefix, k))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            yield from _walk(v, _join(prefix, i))
+
+
+def to_storable(state: Any) -> Any:
+    """The state with every stateful object replaced by its state_dict() (containers are copied)."""
+    if is_stateful(state):
+        return state.state_dict()
+    if type(state) in (dict, collections.OrderedDict):
+        out = type(state)((k, to_storable(v)) for k, v in state.items())
+        if hasattr(state, "_metadata"):
+            out._metadata = state._metadata  # type: ignore[attr-defined]
+        return out
+    if type(state) is list:
+        return [to_storable(v) for v in state]
+    if type(state) is tuple:
+        return tuple(to_storable(v) for v in state)
+    return state
+
+
+# -- fingerprints ------------------------------------------------------------------
+
+
+def _architecture(module: torch.nn.Module) -> dict[str, list[Any]]:
+    return {
+        name: [list(t.shape), dtypes.TORCH_NAMES.get(t.dtype, str(t.dtype))]
+        for name, t in module.state_dict().items()
+        if isinstance(t, torch.Tensor)
+    }
+
+
+def _hparams(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    groups = []
+    for g in opt.param_groups:
+        hp: dict[str, Any] = {}
+        for k, v in g.items():
+            if k == "params":
+                continue
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if isinstance(v, tuple) and all(isinstance(x, _HPARAM_TYPES) for x in v):
+                hp[k] = list(v)
+            elif isinstance(v, _HPARAM_TYPES):
+                hp[k] = v
+        groups.append(hp)
+    return groups
+
+
+def _is_data_position(path: str, obj: object) -> bool:
+    name = type(obj).__name__
+    return "DataLoader" in name or "Sampler" in name or path in DATA_KEYS
+
+
+def environment() -> dict[str, Any]:
+    """Where a checkpoint is written: versions, devices, world size."""
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices += [f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
+    elif torch.accelerator.is_available():
+        acc = torch.accelerator.current_accelerator()
+        if acc is not None:
+            devices += [f"{acc.type}:{i}" for i in range(torch.accelerator.device_count())]
+    world = 1
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+    return {
+        "ckptfmt": __version__,
+        "torch": str(torch.__version__),
+        "python": platform.python_version(),
+        "cuda": str(torch.version.cuda or "none"),
+        "devices": devices,
+        "world_size": world,
+    }
+
+
+def fingerprint(state: Any, step: int) -> dict[str, Any]:
+    arch: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
+    data: list[str] = []
+    for path, obj in _walk(state):
+        if isinstance(obj, torch.nn.Module):
+            arch[path] = _architecture(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            optim[path] = _hparams(obj)
+        if _is_data_position(path, obj):
+            data.append(path)
+    if isinstance(state, dict):
+        data += [k for k, v in state.items() if k in DATA_KEYS and not is_stateful(v)]
+    return {
+        "version": PAYLOAD_VERSION,
+        "step": step,
+        "architecture": arch,
+        "optimizer": optim,
+        "data": data,
+        "environment": environment(),
+    }
+
+
+def build_payload(state: Any, step: int, rng: dict[str, Any] | None) -> dict[str, Any]:
+    """What a manager writes for `state` at `step` (stateful objects become state dicts)."""
+    return {"state": to_storable(state), "rng": rng, "resume": fingerprint(state, step)}
+
+
+# -- the fingerprint as read: checked before anything uses it ----------------------------
+
+_FP_FIELDS = frozenset({"version", "step", "architecture", "optimizer", "data", "environment"})
+
+
+class _Shape:
+    """Checks of one value read from a file; each failure a CorruptError naming the entry."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def fail(self, where: str, what: str) -> CorruptError:
+        return CorruptError(f"malformed resume fingerprint: {what}", path=self.path, key=where)
+
+    def dict_(self, v: object, where: str) -> dict[Any, Any]:
+        if not isinstance(v, dict):
+            raise self.fail(where, f"is a {type(v).__name__}, expected a dict")
+        return v
+
+    def list_(self, v: object, where: str) -> list[Any]:
+        if type(v) is not list:
+            raise self.fail(where, f"is a {type(v).__name__}, expected a list")
+        return v
+
+    def str_keys(self, d: dict[Any, Any], where: str) -> dict[str, Any]:
+        for k in d:
+            if type(k) is not str:
+                raise self.fail(tree.render_key(where, k), "has a key that is not a str")
+        return d
+
+    def int_(self, v: object, where: str, hi: int) -> int:
+        if type(v) is not int or not 0 <= v <= hi:
+            raise self.fail(where, f"is {tree.short_repr(v, 40)}, expected an int in [0, {hi}]")
+        return v
+
+    def plain(self, v: object, where: str) -> None:
+        """A value compared with == and shown in messages: a scalar, or a list of scalars."""
+        items = v if type(v) is list else [v]
+        for x in items:
+            if not isinstance(x, _HPARAM_TYPES):
+                raise self.fail(where, f"holds a {type(x).__name__}, expected plain values")
+
+
+def check_fingerprint(fp: object, path: str) -> dict[str, Any]:
+    """`fp` (a state file's "resume" entry) when it has the layout fingerprint() writes, every
+    entry of the right kind; else CorruptError naming `path` and the entry (UnsupportedError
+    for a later version).  The resume checks compare and print these values: a tensor, a
+    nested dict or a key of another kind there would raise from `==` or from sorting."""
+    c = _Shape(path)
+    d = c.dict_(fp, "resume")
+    version = d.get("version")
+    if type(version) is int and version != PAYLOAD_VERSION:
+        raise UnsupportedError(
+            f"resume fingerprint version {tree.short_repr(version, 40)}; this ckptfmt reads "
+            f"version {PAYLOAD_VERSION}",
+            path=path,
+            key="resume['version']",
+        )
+    if set(d) != _FP_FIELDS:
+        raise c.fail("resume", "fields must be exactly " + ", ".join(sorted(_FP_FIELDS)))
+    c.int_(d["version"], "resume['version']", PAYLOAD_VERSION)
+    c.int_(d["step"], "resume['step']", 2**64)
+    _check_architecture(c, d["architecture"])
+    _check_optimizers(c, d["optimizer"])
+    for i, name in enumerate(c.list_(d["data"], "resume['data']")):
+        if type(name) is not str:
+            raise c.fail(f"resume['data'][{i}]", f"is a {type(name).__name__}, expected a str")
+    env = c.str_keys(c.dict_(d["environment"], "resume['environment']"), "resume['environment']")
+    for k, v in env.items():
+        c.plain(v, tree.render_key("resume['environment']", k))
+    return d
+
+
+def _check_architecture(c: _Shape, v: object) -> None:
+    """{module path: {parameter name: [shape (ints), dtype name]}}."""
+    top = "resume['architecture']"
+    for path, params in c.str_keys(c.dict_(v, top), top).items():
+        where = tree.render_key(top, path)
+        for name, entry in c.str_keys(c.dict_(params, where), where).items():
+            at = tree.render_key(where, name)
+            pair = c.list_(entry, at)
+            if len(pair) != 2 or type(pair[1]) is not str:
+                raise c.fail(at, "expected [shape, dtype name]")
+            for i, n in enumerate(c.list_(pair[0], f"{at}[0]")):
+                c.int_(n, f"{at}[0][{i}]", Limits.MAX_NUMEL)
+
+
+def _check_optimizers(c: _Shape, v: object) -> None:
+    """{optimizer path: [{hyper-parameter: plain value}, one per parameter group]}."""
+    top = "resume['optimizer']"
+    for path, groups in c.str_keys(c.dict_(v, top), top).items():
+        where = tree.render_key(top, path)
+        for i, group in enumerate(c.list_(groups, where)):
+            at = f"{where}[{i}]"
+            for k, hp in c.str_keys(c.dict_(group, at), at).items():
+                c.plain(hp, tree.render_key(at, k))
+
+
+# -- checks on resume -----------------------------------------------------------------
+
+
+@dataclass
+class ResumeReport(LoadReport):
+    """What a manager's load_into() did: LoadReport's keys, plus where it resumed from and
+    every difference between the checkpoint and the current run."""
+
+    step: int | None = None
+    path: str = ""
+    differences: list[str] = field(default_factory=list)
+    rng_restored: bool = False
+    skipped: list[str] = field(default_factory=list)
+
+
+def _shown(v: object) -> str:
+    """A value or name from the file as a message shows it: bounded, on one line (str() of an
+    int of more than 4300 digits would raise)."""
+    if type(v) is str and len(v) <= 80 and v.isprintable():
+        return v
+    return tree.short_repr(v, 80)
+
+
+def _few(items: list[str], n: int = 3) -> str:
+    return "; ".join(items[:n]) + (f" (and {len(items) - n} more)" if len(items) > n else "")
+
+
+def architecture_problems(saved: dict[str, Any], state: Any) -> list[str]:
+    """Differences in module parameter names, shapes and dtypes (what strict loading refuses)."""
+    out = []
+    for path, obj in _walk(state):
+        if not isinstance(obj, torch.nn.Module):
+            continue
+        before = saved.get(path)
+        if not isinstance(before, dict):
+            out.append(f"{path}: the checkpoint holds no module here")
+            continue
+        now = _architecture(obj)
+        missing = [k for k in now if k not in before]
+        extra = [_shown(k) for k in before if k not in now]
+        if missing:
+            out.append(f"{path}: parameters not in the checkpoint: {', '.join(missing[:5])}")
+        if extra:
+            out.append(f"{path}: checkpoint parameters the model lacks: {', '.join(extra[:5])}")
+        for k in now:
+            if k in before and list(before[k]) != now[k]:
+                (s0, d0), (s1, d1) = before[k], now[k]
+                what = "shape" if s0 != s1 else "dtype"
+                out.append(
+                    f"{path}.{k}: {what} {_shown(s0 if what == 'shape' else d0)} in the checkpoint, "
+                    f"{s1 if what == 'shape' else d1} in the model"
+                )
+    return out
+
+
+def other_differences(resume: dict[str, Any], has_rng: bool, state: Any) -> list[str]:
+    """Differences that do not stop a resume but change what it means."""
+    out = []
+    saved_opt = resume.get("optimizer", {})
+    for path, obj in _walk(state):
+        if isinstance(obj, torch.optim.Optimizer) and isinstance(saved_opt.get(path), list):
+            out += _hparam_differences(path, saved_opt[path], _hparams(obj))
+    if not resume.get("data"):
+        out.append("no data position in the checkpoint: the resumed run will not see the same batches")
+    if not has_rng:
+        out.append("no RNG state in the checkpoint: random draws (dropout, shuffling) will differ")
+    env_then, env_now = resume.get("environment", {}), environment()
+    for k in sorted(set(env_then) | set(env_now)):
+        if env_then.get(k) != env_now.get(k):
+            out.append(
+                f"environment {_shown(k)}: {_shown(env_then.get(k))} in the checkpoint, {env_now.get(k)} now"
+            )
+    return out
+
+
+def _hparam_differences(path: str, saved: list[Any], now: list[dict[str, Any]]) -> list[str]:
+    if len(saved) != len(now):
+        return [f"{path}: {len(saved)} parameter groups in the checkpoint, {len(now)} now"]
+    out = []
+    for i, (g0, g1) in enumerate(zip(saved, now)):
+        if not isinstance(g0, dict):
+            continue
+        # an LR scheduler owns "lr" and records the configured value as "initial_lr"
+        scheduled = "initial_lr" in g0 and "initial_lr" in g1
+        for k in sorted(set(g0) | set(g1)):
+            if scheduled and k == "lr":
+                continue
+            if k in g0 and k in g1 and g0[k] != g1[k]:
+                out.append(
+                    f"{path}.param_groups[{i}].{k}: {_shown(g0[k])} in the checkpoint, {g1[k]} now "
+                    "(the checkpoint's value is used)"
+                )
+    return out
+
+
+def check_resume(
+    f: CheckpointFile, resume: dict[str, Any], rng_state: Any, state: Any, strict: bool
+) -> list[str]:
+    """All differences, most serious first; raise MismatchError for architecture ones when strict.
+
+    First of all, before anything of the caller's changes: CorruptError when the fingerprint
+    or the file's RNG states (`rng_state`, as loaded; None when it has none) are malformed,
+    so that restoring them after the state was filled cannot fail.  The RNG states are
+    checked even when the caller will not restore them: a checkpoint that holds malformed
+    ones is damaged."""
+    resume = check_fingerprint(resume, f.path)
+    has_rng = rng_state is not None
+    if has_rng:
+        rng.check_capture(rng_state, f.path)
+    arch = architecture_problems(resume["architecture"], state)
+    if arch and strict:
+        raise MismatchError(f"the model does not match the checkpoint: {_few(arch)}", path=f.path)
+    return arch + other_differences(resume, has_rng, state)
+
+
+# -- filling the caller's objects ---------------------------------------------------------
+
+
+def node_items(f: CheckpointFile, node: int) -> dict[Any, int]:
+    """key -> node id of a dict node's entries."""
+    n = f.tree.nodes[node]
+    if n[0] not in ("dict", "odict"):
+        return {}
+    return {tree.decode_key(f.tree, k, f.path): v for k, v in n[1]}
+
+
+def _merge(report: LoadReport, sub: LoadReport, prefix: str) -> None:
+    report.missing_keys += [_join(prefix, k) for k in sub.missing_keys]
+    report.unexpected_keys += [_join(prefix, k) for k in sub.unexpected_keys]
+    report.loaded += sub.loaded
+
+
+def _holds_stateful(obj: object) -> bool:
+    return any(True for _ in _walk(obj))
+
+
+# -- checking the caller's objects before any of them changes ---------------------------------
+
+
+def check_target(f: CheckpointFile, node: int, state: Any, strict: bool) -> None:
+    """Raise MismatchError for anything restore_into() would refuse, before it changes anything:
+    tensors whose kind, shape or dtype differ, optimizers whose parameter groups differ, and
+    (strict) keys on one side only.  restore_into() fills objects one after another, so a
+    problem found there would leave the ones before it already overwritten."""
+    problems: list[str] = []
+    _target_problems(f, node, state, "", strict, problems)
+    if problems:
+        raise MismatchError(f"the state does not match the checkpoint: {_few(problems)}", path=f.path)
+
+
+def _target_problems(
+    f: CheckpointFile, node: int, target: Any, path: str, strict: bool, out: list[str]
+) -> None:
+    """restore_into()'s walk, checking instead of filling."""
+    if isinstance(target, torch.nn.Module):
+        _plain_problems(f, node, target.state_dict(), path, strict, out)
+    elif isinstance(target, torch.optim.Optimizer):
+        _optimizer_problems(f, node, target, path, out)
+    elif is_stateful(target):
+        return  # its own load_state_dict() decides
+    elif isinstance(target, dict) and _holds_stateful(target):
+        saved = node_items(f, node)
+        for k in target:
+            if k in saved:
+                _target_problems(f, saved[k], target[k], _join(path, k), strict, out)
+            elif strict:
+                out.append(f"{_join(path, k)}: not in the checkpoint")
+        if strict:
+            out += [
+                f"{_join(path, k)}: in the checkpoint, not in the target" for k in saved if k not in target
+            ]
+    elif isinstance(target, (dict, list)):
+        _plain_problems(f, node, target, path, strict, out)
+    elif isinstance(target, torch.Tensor):
+        problem = _tensor_problem(f, node, target)
+        if problem:
+            out.append(f"{path or 'state'}: {problem}")
+
+
+def _plain_problems(
+    f: CheckpointFile, node: int, target: Any, path: str, strict: bool, out: list[str]
+) -> None:
+    """fill_from_node()'s checks: leaves matched by key path."""
+    from ..files.load_into import _file_items, _target_items
+
+    in_file = dict(_file_items(f, node, ""))
+    seen = set()
+    for key, _, _, value in _target_items(target, ""):
+        seen.add(key)
+        i = in_file.get(key)
+        if i is None:
+            if strict:
+                out.append(f"{_join(path, key)}: not in the checkpoint")
+        elif isinstance(value, torch.Tensor):
+            problem = _tensor_problem(f, i, value)
+            if problem:
+                out.append(f"{_join(path, key)}: {problem}")
+    if strict:
+        out += [f"{_join(path, k)}: in the checkpoint, not in the target" for k in in_file if k not in seen]
+
+
+def _tensor_problem(f: CheckpointFile, node: int, value: torch.Tensor) -> str | None:
+    kind, meta = f.tree.nodes[node][0], f.tree.nodes[node][1]
+    if kind != "tensor":
+        return f"the checkpoint holds a {kind}, the target a tensor"
+    if list(value.shape) != list(meta["shape"]):
+        return f"shape {list(meta['shape'])} in the checkpoint, {list(value.shape)} in the target"
+    if dtypes.TORCH_DTYPES.get(meta["dtype"]) != value.dtype:
+        now = dtypes.TORCH_NAMES.get(value.dtype, str(value.dtype))
+        return f"dtype {meta['dtype']} in the checkpoint, {now} in the target"
+    return None
+
+
+def _optimizer_problems(
+    f: CheckpointFile, node: int, opt: torch.optim.Optimizer, path: str, out: list[str]
+) -> None:
+    """What torch's Optimizer.load_state_dict() would refuse: other numbers of groups or parameters."""
+    where = path or "state"
+    saved = node_items(f, node)
+    groups = f.load_subtree(saved["param_groups"], None, True) if "param_groups" in saved else None
+    now = opt.param_groups
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
+        out.append(f"{where}: the checkpoint holds no optimizer state here")
+    elif len(groups) != len(now):
+        out.append(f"{where}: {len(groups)} parameter groups in the checkpoint, {len(now)} in the optimizer")
+    else:
+        _check_optimizer_ids(f, saved, groups, where)
+        for i, (g0, g1) in enumerate(zip(groups, now)):
+            n0 = len(g0["params"])
+            if n0 != len(g1["params"]):
+                out.append(
+                    f"{where}.param_groups[{i}]: {n0} parameters in the checkpoint, "
+                    f"{len(g1['params'])} in the optimizer"
+                )
+
+
+def _check_optimizer_ids(f: CheckpointFile, saved: dict[Any, int], groups: list[Any], where: str) -> None:
+    """CorruptError for what torch's Optimizer.load_state_dict() would trip over after the
+    objects before it were filled: parameter ids that are not ints (a list is not even
+    hashable), or a "state" that is not a dict keyed by them.  Checked on the node table:
+    the per-parameter tensors are not read here."""
+    for i, g in enumerate(groups):
+        if not all(type(p) is int for p in g["params"]):
+            raise CorruptError(
+                "the optimizer's parameter ids are not all ints",
+                path=f.path,
+                key=f"{where}.param_groups[{i}]",
+            )
+    node = saved.get("state")
+    if node is None or f.tree.nodes[node][0] not in ("dict", "odict"):
+        raise CorruptError("the optimizer's state is not a dict", path=f.path, key=where)
+    if not all(type(k) is int for k in node_items(f, node)):
+        raise CorruptError("the optimizer's state is not keyed by parameter ids", path=f.path, key=where)
+
+
+def _load_state_dict(f: CheckpointFile, target: Any, saved: Any, path: str) -> None:
+    """target.load_state_dict(saved), its refusal a CorruptError naming the entry.  Such an
+    object decides alone what it accepts, so this is found only now: the objects restored
+    before it already hold the checkpoint's values (a manager's fallback then loads an older
+    step into all of them)."""
+    try:
+        target.load_state_dict(saved)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as e:
+        lines = str(e).splitlines()
+        first = (lines[0] if lines else "")[:200]
+        raise CorruptError(
+            f"{type(target).__name__}.load_state_dict() refused the checkpoint's state "
+            f"({type(e).__name__}: {first}); the entries before it were already restored",
+            path=f.path,
+            key=path or "state",
+        ) from e
+
+
+def restore_into(
+    f: CheckpointFile,
+    node: int,
+    target: Any,
+    path: str,
+    report: LoadReport,
+    *,
+    strict: bool,
+    verify: bool,
+    atomic: bool = True,
+) -> Any:
+    """Load the subtree at `node` into `target`; return the value the container should hold.
+
+    atomic=False: the caller has verified the whole subtree already (one pass for
+    every module, instead of one per module)."""
+    if isinstance(target, torch.nn.Module):
+        sub = fill_from_node(f, node, target.state_dict(), strict=strict, verify=verify, atomic=atomic)
+        _merge(report, sub, path)
+        return target
+    if is_stateful(target):
+        _load_state_dict(f, target, f.load_subtree(node, None, verify), path)
+        report.loaded += 1
+        return target
+    if isinstance(target, dict) and _holds_stateful(target):
+        saved = node_items(f, node)
+        for k in list(target):
+            if k not in saved:
+                report.missing_keys.append(_join(path, k))
+                continue
+            target[k] = restore_into(
+                f, saved[k], target[k], _join(path, k), report, strict=strict, verify=verify, atomic=atomic
+            )
+        report.unexpected_keys += [_join(path, k) for k in saved if k not in target]
+        return target
+    if isinstance(target, (dict, list)):
+        _merge(report, fill_from_node(f, node, target, strict=strict, verify=verify, atomic=atomic), path)
+        return target
+    if isinstance(target, torch.Tensor):
+        loaded = f.load_subtree(node, None, verify)
+        if (
+            not isinstance(loaded, torch.Tensor)
+            or loaded.shape != target.shape
+            or loaded.dtype != target.dtype
+        ):
+            raise MismatchError(
+                f"{path}: the checkpoint holds another kind, shape or dtype here", path=f.path
+            )
+        with torch.no_grad():
+            target.copy_(loaded)
+        report.loaded += 1
+        return target
+    report.loaded += 1
+    return f.load_subtree(node, None, verify)

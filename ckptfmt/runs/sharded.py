@@ -1,0 +1,266 @@
+"""The checkpoint manager's steps when a run spans several ranks or holds sharded tensors.
+
+When torch.distributed is initialised with more than one rank, or the state holds
+DTensors or sharded tensors (FSDP2, also at world size 1: a one-process run, or a job
+resumed on fewer ranks), ``CheckpointManager`` saves each step through this module:
+every rank calls ``save(step, state)``; rank 0
+makes and locks the step directory; every rank writes its shard with
+``ckptfmt.dcp.save``; DCP's coordinator writes the step's commit record (layout
+"dcp", with the step and metrics) last.  The step directory is therefore complete
+under exactly the rule a single process's step is (its commit record verifies and
+names files that are there, unchanged), so ``latest()``, rotation, ``ckptfmt ls``
+and ``verify`` treat both alike, and a rank killed mid-save leaves a step without a
+commit record that ``latest()`` skips.
+
+The saved tree is ``{"state": <state dicts>, "rng": {"rank-NNNNN": (<that rank's RNG
+states>,)}}``: each rank that saved restores its own generators on resume (ranks beyond
+the saving world size keep theirs).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.tensor import DTensor
+
+from ..background import copysave as background
+from ..dcp.api import load, save
+from ..dcp.convert import load_full, skeleton
+from ..dcp.storage import Reader
+from ..engine.ckptdir import CheckpointDir
+from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError, UnsupportedError
+from ..files import multifile
+from . import resume
+from .steps import StepJob, held, step_dirname
+
+if TYPE_CHECKING:
+    from .manager import CheckpointManager
+    from .steps import CheckpointInfo
+
+
+def holds_distributed_tensors(state: Any) -> bool:
+    """Whether `state` holds a DTensor or a ShardedTensor: as a module's parameter or buffer, an
+    optimizer's parameter, in another stateful object's state dict, or in its own containers.
+    Such a state saves through DCP whatever the world size (one state file cannot hold it)."""
+    if isinstance(state, torch.nn.Module):
+        return any(_is_distributed(t) for t in itertools.chain(state.parameters(), state.buffers()))
+    if isinstance(state, torch.optim.Optimizer):
+        return any(_is_distributed(p) for g in state.param_groups for p in g["params"])
+    if resume.is_stateful(state):
+        return holds_distributed_tensors(state.state_dict())
+    if isinstance(state, dict):
+        return any(holds_distributed_tensors(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(holds_distributed_tensors(v) for v in state)
+    return _is_distributed(state)
+
+
+def _is_distributed(obj: object) -> bool:
+    if isinstance(obj, DTensor):
+        return True
+    # the deprecated ShardedTensor: only when its module is loaded (importing it warns)
+    api = sys.modules.get("torch.distributed._shard.sharded_tensor.api")
+    return api is not None and isinstance(obj, api.ShardedTensor)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def rng_key(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+def save_step(
+    manager: CheckpointManager, step: int, state: Any, metrics: dict[str, float], meta: dict[str, str]
+) -> None:
+    """Save `state` as step `step` of `manager`'s run; every rank calls it (blocking)."""
+    from .rng import capture_rng
+
+    if manager.incremental:
+        raise UnsupportedError(
+            "incremental saves of a sharded run (several ranks, or DTensors) are not supported"
+        )
+    if not manager.blocking:
+        warnings.warn(
+            "a sharded run (several ranks, or DTensors) saves blocking: non-blocking sharded saves "
+            "are not implemented",
+            CheckpointWarning,
+            stacklevel=3,
+        )
+    rank = dist.get_rank()
+    # a tuple is a leaf to DCP: the RNG states stay one value (DCP would drop their empty dicts)
+    payload = {"state": resume.to_storable(state), "rng": {rng_key(rank): (capture_rng(),)}}
+    job = None
+    problem: list[str | None] = [None]
+    if rank == 0:
+        try:
+            manager._cleanup()
+            path, lock_fd = manager._make_step_dir(step)
+            job = StepJob(step, path, lock_fd, metrics, meta, background.SaveHandle(path))
+        except (OSError, CheckpointError) as e:
+            problem[0] = str(e)
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(f"rank 0 could not make the directory of step {step}: {problem[0]}")
+    path = os.path.join(manager.directory, step_dirname(step))
+    try:
+        # Every write, unlink and listing is made beneath the step directory's descriptor:
+        # rank 0 writes beneath the directory it made and holds locked; the other ranks open
+        # it beneath the run directory without following a link (spec 13.6).
+        save(
+            payload,
+            path,
+            step=step,
+            metrics=metrics,
+            metadata=meta,
+            compression=manager.compression,
+            _within=held(job) if job is not None else None,
+            _step_dir=True,
+        )
+    except BaseException:
+        if job is not None:
+            manager._abandon(job)
+        raise
+    if job is not None:
+        os.close(job.lock_fd)
+        job.lock_fd = -1
+        try:
+            manager._rotate()
+        except (OSError, CheckpointError) as e:
+            warnings.warn(f"rotation in {manager.directory} failed: {e}", CheckpointWarning, stacklevel=3)
+    dist.barrier()  # when save() returns on any rank, the step is committed and rotated
+
+
+def _subset(md: Metadata, prefix: tuple[str, ...]) -> Metadata:
+    """The metadata of the entries whose key path starts with `prefix`."""
+    pd = md.planner_data if isinstance(md.planner_data, dict) else {}
+    keep = {
+        k: v for k, v in md.state_dict_metadata.items() if tuple(pd.get(k, (k,)))[: len(prefix)] == prefix
+    }
+    return Metadata(state_dict_metadata=keep, planner_data={k: pd[k] for k in keep if k in pd})
+
+
+def _open_step(info: CheckpointInfo) -> CheckpointDir:
+    """The step directory, opened beneath its run directory without following a link (a step
+    swapped for a link after the manager checked it is refused, never read through)."""
+    with multifile.opened(os.path.dirname(info.path)) as run:
+        try:
+            return run.sub(os.path.basename(info.path))
+        except FileNotFoundError:
+            raise IncompleteError("the step directory is gone", path=info.path) from None
+        except OSError as e:
+            raise IncompleteError(f"cannot open the step directory: {e.strerror}", path=info.path) from None
+
+
+def _step_reader(info: CheckpointInfo, d: CheckpointDir) -> Reader:
+    """A Reader of step `info` beneath `d`, its record read and checked to be that step's."""
+    reader = Reader(info.path, _within=d)
+    try:
+        reader.read_metadata()
+        record = reader.record
+        if record is None or record.step != info.step:
+            raise CorruptError(
+                f"the commit record is not step {info.step}'s",
+                path=os.path.join(info.path, multifile.COMMIT_NAME),
+            )
+    except BaseException:
+        reader.close()
+        raise
+    return reader
+
+
+def load_step(info: CheckpointInfo) -> Any:
+    """The whole saved state of a sharded step, full tensors, in this process."""
+    with _open_step(info) as d:
+        reader = _step_reader(info, d)
+        try:
+            # bounded and checked as consolidate is; every error a CheckpointError, never DCP's own
+            return load_full(reader, _subset(reader.read_metadata(), ("state",)), info.path).get("state")
+        finally:
+            reader.close()
+
+
+def load_step_into(info: CheckpointInfo, state: Any, restore_rng: bool) -> resume.ResumeReport:
+    """Fill `state` (in place, in this run's sharding) from a sharded step; restore this rank's
+    RNG states when the step holds them (same world size).  Every rank calls it."""
+    from .rng import restore_rng as restore
+
+    rank = _rank()
+    with _open_step(info) as d:  # every read beneath it
+        reader = _step_reader(info, d)
+        try:
+            md = reader.read_metadata()
+        finally:
+            reader.close()
+        for obj in _stateful(state):
+            if isinstance(obj, torch.optim.Optimizer) and not obj.state:
+                _init_optimizer_state(obj)
+        saved = _checked_rng(md, info.path, rank, d)  # before DCP loads into the caller's tensors
+        target: dict[str, Any] = {"state": resume.to_storable(state)}
+        load(target, info.path, _within=d)
+    _push_back(state, target["state"])
+    report = resume.ResumeReport(step=info.step, path=info.path)
+    if restore_rng and saved is not None:
+        restore(saved)
+        report.rng_restored = True
+    return report
+
+
+def _checked_rng(md: Any, path: str, rank: int, d: CheckpointDir) -> Any:
+    """This rank's RNG states from a sharded step (None when it holds none), read and checked
+    to be what restore_rng restores before anything of the caller's is filled: a malformed
+    capture fails the load while the caller's objects are as they were."""
+    from .rng import check_capture
+
+    key = rng_key(rank)
+    rng = skeleton(_subset(md, ("rng", key))).get("rng")
+    # every rank takes part in the load (a collective), a rank the step holds no RNG states
+    # of (a step saved on fewer ranks) with nothing to read
+    target: dict[str, Any] = {"rng": rng} if rng else {}
+    load(target, path, _within=d)
+    if not rng:
+        return None
+    saved = target["rng"][key]
+    if type(saved) is not tuple or len(saved) != 1:
+        raise CorruptError(f"the RNG states of rank {rank} are not what a manager saves", path=path)
+    check_capture(saved[0], path, f"rng.{key}")
+    return saved[0]
+
+
+def _stateful(state: Any) -> list[Any]:
+    return [obj for _, obj in resume._walk(state)]
+
+
+def _init_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """A fresh optimizer has no state tensors for DCP to load into: make them, as DCP's
+    get_optimizer_state_dict does."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(opt)
+
+
+def _push_back(state: Any, loaded: Any) -> None:
+    """Hand the loaded values to `state`: load_state_dict for stateful objects, assignment for
+    plain values in dicts and lists (tensors were filled in place)."""
+    if resume.is_stateful(state):
+        state.load_state_dict(loaded)
+    elif isinstance(state, dict):
+        for k in state:
+            if resume.is_stateful(state[k]) or isinstance(state[k], (dict, list)):
+                _push_back(state[k], loaded[k])
+            elif not isinstance(state[k], torch.Tensor):
+                state[k] = loaded[k]
+    elif isinstance(state, list):
+        for i, v in enumerate(state):
+            if resume.is_stateful(v) or isinstance(v, (dict, list)):
+                _push_back(v, loaded[i])
+            elif not isinstance(v, torch.Tensor):
+                state[i] = loaded[i]

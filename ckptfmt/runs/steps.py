@@ -1,0 +1,91 @@
+"""A run's step directories: their names, what a complete step is, and the save that holds one.
+
+Shared by the manager and its sharded steps (``sharded``), so that neither imports the other
+for these.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from ..background import inflight
+from ..engine.ckptdir import CheckpointDir
+from ..errors import CheckpointError
+
+STATE_NAME = "state.ckpt"
+_STEP_RE = re.compile(r"step-([0-9]{9,20})")
+#: names that look like step directories; those that are not canonical ones are warned about
+_STEP_LIKE_RE = re.compile(r"step-[0-9]+")
+#: the largest step whose directory name parse_step_dirname() accepts (20 digits)
+MAX_STEP = 10**20 - 1
+_TEMP_RE = re.compile(r"\.step-[0-9]{9,20}\.ckptfmt-tmp\.[0-9]+\.[0-9a-f]+")
+
+
+def step_dirname(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    """The step of a canonical step directory name, else None."""
+    m = _STEP_RE.fullmatch(name)
+    if m is None or step_dirname(int(m.group(1))) != name:
+        return None
+    return int(m.group(1))
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint of a run."""
+
+    step: int
+    path: str  # the step directory
+    metrics: dict[str, float]
+    metadata: dict[str, str]
+    size: int  # bytes of the step's own files, commit record included
+    created: datetime.datetime
+    files: tuple[str, ...] = ()  # the step's part files, absolute
+    references: tuple[str, ...] = ()  # files of earlier steps it reads chunks from
+    layout: str = "state"  # "state": one state file; "dcp": one file per rank (ckptfmt.dcp)
+
+    @property
+    def state_path(self) -> str:
+        return os.path.join(self.path, STATE_NAME)
+
+
+@dataclass
+class StepStatus:
+    """What one step directory is: complete (with its info) or why not."""
+
+    step: int
+    path: str
+    info: CheckpointInfo | None = None
+    problem: str | None = None
+    retained: bool = False  # no commit record, kept only for files later steps refer to
+    damaged: bool = False  # it has a commit record, but the record or a file it names is bad
+    locked: bool | None = None  # a live save holds it (None: not checked or unknown)
+    error: type[CheckpointError] = CheckpointError  # the kind of `problem` (CorruptError, ...)
+
+
+@dataclass
+class StepJob:
+    """One save of one step, from its snapshot to its commit."""
+
+    step: int
+    path: str
+    lock_fd: int
+    metrics: dict[str, float]
+    metadata: dict[str, str]
+    handle: inflight.SaveHandle
+    thread: threading.Thread | None = None
+    file_handle: Any = None
+
+
+def held(job: StepJob) -> CheckpointDir:
+    """The step directory a save holds open and locked (job.lock_fd), to write beneath.  It
+    only lends the descriptor: whoever keeps it dups it, and it is never closed through this."""
+    return CheckpointDir(job.lock_fd, job.path)
