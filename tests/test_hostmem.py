@@ -16,6 +16,12 @@ from ckptfmt.files.reader import CheckpointFile
 needs_engine = pytest.mark.skipif(not _native.available(), reason="the C engine is not built")
 
 
+@pytest.fixture(autouse=True)
+def _huge_pages_auto(monkeypatch):
+    """These tests check the host heuristic: a user's CKPTFMT_HUGE_PAGES must not decide for it."""
+    monkeypatch.delenv(hostmem.HUGE_PAGES_ENV, raising=False)
+
+
 def _vm_flags(addr: int) -> list[str]:
     """The VmFlags of the mapping of this process that contains `addr`."""
     inside = False
@@ -186,3 +192,52 @@ def test_where_the_host_reclaims_loads_get_small_pages_and_staging_huge_ones(tmp
     slab = pool.acquire(64 << 20, pinned=False)
     assert huge(slab)
     pool.release(slab)
+
+
+@pytest.mark.parametrize(
+    ("reclaims", "setting", "advised"),
+    [
+        (True, "on", True),  # the host check says no: CKPTFMT_HUGE_PAGES=on overrides it
+        (False, "off", False),  # the host check says yes: off overrides it
+        (True, "auto", False),
+        (False, "auto", True),
+        (False, "", True),  # empty is auto
+        (True, " ON ", True),  # case and spaces do not matter
+    ],
+)
+def test_the_environment_overrides_the_host_check_both_ways(monkeypatch, reclaims, setting, advised):
+    monkeypatch.setenv(hostmem.HUGE_PAGES_ENV, setting)
+    monkeypatch.setattr(hostmem, "_reclaims", reclaims)
+    monkeypatch.setattr(hostmem, "free_huge_blocks", lambda: 1 << 20)
+    monkeypatch.setattr(hostmem, "_read_at", -1e9)
+    calls: list[torch.Tensor] = []
+    monkeypatch.setattr(hostmem._native, "advise_huge", calls.append)
+    hostmem.empty_bytes(8 << 20)
+    assert bool(calls) is advised
+
+
+def test_huge_pages_off_covers_reused_buffers_too(monkeypatch):
+    monkeypatch.setenv(hostmem.HUGE_PAGES_ENV, "off")
+    monkeypatch.setattr(hostmem, "free_huge_blocks", lambda: 1 << 20)
+    monkeypatch.setattr(hostmem, "_read_at", -1e9)
+    calls: list[torch.Tensor] = []
+    monkeypatch.setattr(hostmem._native, "advise_huge", calls.append)
+    hostmem.empty_bytes(8 << 20, reused=True)
+    assert not calls
+
+
+def test_huge_pages_on_still_needs_free_2mib_blocks(monkeypatch):
+    """Forcing huge pages does not force compaction: without free blocks nothing is advised."""
+    monkeypatch.setenv(hostmem.HUGE_PAGES_ENV, "on")
+    monkeypatch.setattr(hostmem, "free_huge_blocks", lambda: 0)
+    monkeypatch.setattr(hostmem, "_read_at", -1e9)
+    calls: list[torch.Tensor] = []
+    monkeypatch.setattr(hostmem._native, "advise_huge", calls.append)
+    hostmem.empty_bytes(8 << 20)
+    assert not calls
+
+
+def test_an_unknown_huge_pages_setting_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv(hostmem.HUGE_PAGES_ENV, "always")
+    with pytest.raises(ValueError, match="CKPTFMT_HUGE_PAGES must be one of auto, on, off"):
+        hostmem.empty_bytes(8 << 20)

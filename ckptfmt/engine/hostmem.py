@@ -29,6 +29,10 @@ process and refilled by every save (staging slabs) still take huge pages: they p
 the first fault once, and every copy into them then takes fewer TLB misses.  Hosts
 that report only larger blocks (a higher order) are left alone; only order 9 was
 measured.
+
+CKPTFMT_HUGE_PAGES overrides the host check: `auto` (the default) decides as
+above, `on` asks for huge pages for every large buffer whatever the host, `off`
+never asks.  `on` still asks only while the kernel has free 2 MiB blocks.
 """
 
 from __future__ import annotations
@@ -64,11 +68,35 @@ def empty_bytes(nbytes: int, *, pinned: bool = False, reused: bool = False) -> t
     if (
         not pinned
         and nbytes >= MIN_HUGE_BYTES
-        and (reused or not host_reclaims_huge_blocks())
+        and _wants_huge_pages(reused)
         and _take_free_blocks(nbytes // HUGE_PAGE)
     ):
         _native.advise_huge(out)
     return out
+
+
+#: the environment variable that overrides the host check: auto, on or off
+HUGE_PAGES_ENV = "CKPTFMT_HUGE_PAGES"
+_SETTINGS = ("auto", "on", "off")
+
+
+def huge_pages_setting() -> str:
+    """CKPTFMT_HUGE_PAGES, read at each call: "auto" (unset or empty), "on" or "off".
+
+    Raises ValueError for any other value.
+    """
+    text = os.environ.get(HUGE_PAGES_ENV, "").strip().lower() or "auto"
+    if text not in _SETTINGS:
+        raise ValueError(f"{HUGE_PAGES_ENV} must be one of {', '.join(_SETTINGS)}, not {text!r}")
+    return text
+
+
+def _wants_huge_pages(reused: bool) -> bool:
+    """Whether a large buffer should ask for huge pages, before counting free 2 MiB blocks."""
+    setting = huge_pages_setting()
+    if setting != "auto":
+        return setting == "on"
+    return reused or not host_reclaims_huge_blocks()
 
 
 _BALLOON = "/sys/bus/virtio/drivers/virtio_balloon"
