@@ -15,7 +15,8 @@ import torch
 
 import ckptfmt
 from ckptfmt.engine import commit
-from ckptfmt.runs.manager import CheckpointManager, step_dirname
+from ckptfmt.runs.manager import CheckpointManager
+from ckptfmt.runs.steps import step_dirname
 
 ABSURD_PIDS = ["0", "2147483648", "4294967296", "9999999999"]
 #: longer than any pid: only the temporary step directories' names allow so many digits

@@ -26,7 +26,8 @@ from hypothesis import strategies as st
 
 import ckptfmt
 from ckptfmt.files import multifile
-from ckptfmt.runs.manager import STATE_NAME, CheckpointManager, step_dirname
+from ckptfmt.runs.manager import CheckpointManager
+from ckptfmt.runs.steps import STATE_NAME, step_dirname
 
 Mutation = Callable[[dict[str, Any]], None]
 

@@ -33,9 +33,9 @@ from ckptfmt.errors import (
 from ckptfmt.files import multifile
 from ckptfmt.files.load_into import MismatchError
 from ckptfmt.files.reader import CheckpointFile
-from ckptfmt.runs import manager as manager_mod
-from ckptfmt.runs import resume
-from ckptfmt.runs.manager import CheckpointManager, step_dirname
+from ckptfmt.runs import locks, resume
+from ckptfmt.runs.manager import CheckpointManager
+from ckptfmt.runs.steps import STATE_NAME, step_dirname
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,7 +60,7 @@ def _step(d, step):
 
 
 def _state_file(d, step):
-    return os.path.join(_step(d, step), manager_mod.STATE_NAME)
+    return os.path.join(_step(d, step), STATE_NAME)
 
 
 def _dirs(d):
@@ -439,7 +439,7 @@ def test_a_step_directory_locked_by_a_live_process_is_never_removed(tmp_path):
         (tmp_path / step_dirname(s) / "state.ckpt").write_bytes(b"partial")
     older, newer = _lock_in_other_process(_step(tmp_path, 0)), _lock_in_other_process(_step(tmp_path, 3))
     try:
-        assert manager_mod.is_locked(_step(tmp_path, 3)) is True
+        assert locks.is_locked(_step(tmp_path, 3)) is True
         mgr.save(4, _tiny(4))
         assert os.path.isdir(_step(tmp_path, 0)) and os.path.isdir(_step(tmp_path, 3))
         assert (tmp_path / step_dirname(3) / "state.ckpt").read_bytes() == b"partial"
@@ -451,7 +451,7 @@ def test_a_step_directory_locked_by_a_live_process_is_never_removed(tmp_path):
     finally:
         _release(older)
         _release(newer)
-    assert manager_mod.is_locked(_step(tmp_path, 3)) is False
+    assert locks.is_locked(_step(tmp_path, 3)) is False
     mgr.save(5, _tiny(5))  # the writers died without committing: now it goes
     assert _dirs(tmp_path) == [step_dirname(s) for s in (1, 2, 5)]
 
@@ -459,7 +459,7 @@ def test_a_step_directory_locked_by_a_live_process_is_never_removed(tmp_path):
 def test_a_step_directory_stays_locked_when_its_lock_was_probed_at_creation(tmp_path, monkeypatch):
     """Another process's cleanup probes a new directory's lock (is_locked takes it for an
     instant): the save must still end up holding its lock, not go on unlocked."""
-    real = manager_mod._try_lock
+    real = locks.try_lock
     probed = []
 
     def busy_once(fd):
@@ -468,7 +468,7 @@ def test_a_step_directory_stays_locked_when_its_lock_was_probed_at_creation(tmp_
             return False  # as if the probe held it right now
         return real(fd)
 
-    monkeypatch.setattr(manager_mod, "_try_lock", busy_once)
+    monkeypatch.setattr(locks, "try_lock", busy_once)
     gate = threading.Event()
     real_commit = multifile.write_commit
 
@@ -481,8 +481,8 @@ def test_a_step_directory_stays_locked_when_its_lock_was_probed_at_creation(tmp_
     h = mgr.save(1, _tiny(1))
     try:
         assert probed
-        monkeypatch.setattr(manager_mod, "_try_lock", real)
-        assert manager_mod.is_locked(_step(tmp_path, 1)) is True
+        monkeypatch.setattr(locks, "try_lock", real)
+        assert locks.is_locked(_step(tmp_path, 1)) is True
     finally:
         gate.set()
         h.wait()
@@ -836,7 +836,7 @@ def test_non_blocking_save_of_a_model_and_optimizer_holds_their_values_at_call_t
 def _delay_first_file(monkeypatch, delay_step, seconds):
     """Make the state file of `delay_step` look slow to finish, and record each commit."""
     commits = []
-    real_write = manager_mod.CheckpointManager._write_state
+    real_write = CheckpointManager._write_state
     real_commit = multifile.write_commit
 
     class Slow:
@@ -864,7 +864,7 @@ def _delay_first_file(monkeypatch, delay_step, seconds):
         commits.append((record.step, sorted(os.listdir(os.path.dirname(directory)))))
         real_commit(directory, record, within)
 
-    monkeypatch.setattr(manager_mod.CheckpointManager, "_write_state", write_state)
+    monkeypatch.setattr(CheckpointManager, "_write_state", write_state)
     monkeypatch.setattr(multifile, "write_commit", commit)
     return commits
 
@@ -898,7 +898,7 @@ def test_a_step_while_saves_are_in_flight_must_still_be_new(tmp_path, monkeypatc
 
 
 def _failing_file(monkeypatch, fail_step):
-    real_write = manager_mod.CheckpointManager._write_state
+    real_write = CheckpointManager._write_state
 
     class Failed:
         def __init__(self, inner):
@@ -925,7 +925,7 @@ def _failing_file(monkeypatch, fail_step):
             raise OSError(errno.ENOSPC, "No space left on device")
         return Failed(handle)
 
-    monkeypatch.setattr(manager_mod.CheckpointManager, "_write_state", write_state)
+    monkeypatch.setattr(CheckpointManager, "_write_state", write_state)
 
 
 def test_a_background_error_surfaces_from_wait_once(tmp_path, monkeypatch):

@@ -42,7 +42,7 @@ from manager_crash_child import IN_FLIGHT, KEEP_LAST, Trainer, flat_state
 
 import ckptfmt
 from ckptfmt.files.multifile import COMMIT_NAME
-from ckptfmt.runs.manager import STATE_NAME, parse_step_dirname
+from ckptfmt.runs.steps import STATE_NAME, parse_step_dirname
 
 KILLS = int(os.environ.get("CKPTFMT_MANAGER_KILLS", "300"))
 #: the kill instants' seed (timing noise makes runs differ anyway; this varies them on purpose)

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 import ckptfmt
 from ckptfmt.files import multifile
-from ckptfmt.runs import manager as manager_mod
 from ckptfmt.runs import retention
-from ckptfmt.runs.manager import CheckpointManager, parse_step_dirname
+from ckptfmt.runs.manager import CheckpointManager
+from ckptfmt.runs.steps import parse_step_dirname, step_dirname
 
 
 def documented(history, keep_last=None, keep_every=None, keep_best=None, best_mode="min"):
@@ -204,7 +204,7 @@ def test_manager_leaves_the_documented_directories(steps, data, rule):
         # NaN metrics are stored too (and are never best): compare them by their text
         assert [repr(c.metrics) for c in mgr.checkpoints()] == [repr(m) for _, m in kept]
         # nothing else is left behind: no temporaries, no stray files
-        assert sorted(os.listdir(d)) == sorted(manager_mod.step_dirname(s) for s in expected)
+        assert sorted(os.listdir(d)) == sorted(step_dirname(s) for s in expected)
 
 
 def test_non_blocking_manager_rotates_the_same_way(tmp_path):

@@ -256,7 +256,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _has_step_dirs(path: str) -> bool:
-    from ..runs.manager import parse_step_dirname
+    from ..runs.steps import parse_step_dirname
 
     try:
         return any(parse_step_dirname(name) is not None for name in os.listdir(path))
@@ -271,7 +271,8 @@ def _verify_dir(path: str, step: int | None) -> list[dict[str, Any]]:
     record nor step directories (spec section 13.2: a directory without a commit record is
     incomplete)."""
     from ..files import multifile
-    from ..runs.manager import CheckpointManager, verify_in_run, verify_step
+    from ..runs.manager import CheckpointManager
+    from ..runs.stepcheck import verify_in_run, verify_step
 
     targets: list[tuple[int | None, str, str | None]] = []
     damaged: set[str] = set()

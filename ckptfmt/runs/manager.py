@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
 import fcntl
 import os
 import secrets
@@ -36,16 +35,16 @@ from typing import Any
 
 from ..background import inflight
 from ..engine.ckptdir import CheckpointDir, LinkError
-from ..engine.commit import NO_LOCKING
-from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError, UnsupportedError
+from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError
 from ..files import load_into as inplace
 from ..files import multifile
 from ..files import save as writer
 from ..files.load_into import MismatchError
 from ..files.reader import CheckpointFile
-from ..files.verify import Problem, VerifyReport, check_file
+from ..files.verify import VerifyReport
 from ..format import devices
-from . import resume, retention
+from . import locks, resume, retention
+from .stepcheck import check_step, resume_entries, verify_in_run
 from .steps import (
     _STEP_LIKE_RE,
     _TEMP_RE,
@@ -85,83 +84,6 @@ def _info(step: int, d: CheckpointDir, record: multifile.CommitRecord) -> Checkp
         references=tuple(os.path.normpath(os.path.join(path, p.name)) for p in record.references),
         layout=record.layout,
     )
-
-
-def check_step(d: CheckpointDir, step: int | None) -> multifile.CommitRecord:
-    """The one check of a run's step directory (spec 13.4), made by latest(), ls, load, load_into
-    and verify alike: complete (13.2), its record for the step its name says (`step`; None for a
-    directory whose name is not a step's, which only verify is given), and parts as its layout
-    requires."""
-    record = multifile.check_complete(d)
-    if step is not None and record.step != step:
-        raise CorruptError(f"the commit record is for step {record.step}, not {step}", path=d.path)
-    if record.layout == "state":
-        if [p.name for p in record.files] != [STATE_NAME]:
-            raise CorruptError(f"a 'state' commit record must name exactly {STATE_NAME}", path=d.path)
-        _check_state_index(d, record)
-    elif record.layout == "dcp":
-        from ..dcp.check import record_metadata
-
-        record_metadata(record, d.path)  # the record's dcp member (it reads no file)
-    elif step is not None:
-        raise UnsupportedError(f"a {record.layout!r} checkpoint is not a step of a run", path=d.path)
-    return record
-
-
-def _check_state_index(d: CheckpointDir, record: multifile.CommitRecord) -> None:
-    """The state file's index (no chunk is read): a manager's state file (a dict with the
-    entries state, rng and resume) that reads chunks only from files the record names."""
-    part = record.files[0]
-    with CheckpointFile(d.path_of(part.name), fd=multifile.open_part(d, part, d.path), within=d) as f:
-        multifile.check_references(f, record, d.path)
-        if not {"state", "rng", "resume"} <= set(resume.node_items(f, f.tree.root)):
-            raise CorruptError("not a checkpoint manager's state file", path=f.path)
-
-
-def resume_entries(f: CheckpointFile) -> tuple[dict[str, Any], Any]:
-    """A state file's resume fingerprint and RNG states, read and checked (CorruptError naming
-    the entry) as load_into checks them before anything of the caller's changes."""
-    from .rng import check_capture
-
-    root = resume.node_items(f, f.tree.root)
-    fp = resume.check_fingerprint(f.load_subtree(root["resume"], None, True), f.path)
-    rng_state = f.load_subtree(root["rng"], None, True)
-    if rng_state is not None:
-        check_capture(rng_state, f.path)
-    return fp, rng_state
-
-
-#: every file a loaded file reads chunks from is one the commit record names (spec 13.1)
-
-
-def _try_lock(fd: int) -> bool | None:
-    """Take the directory's lock without waiting: True taken, False held elsewhere, None unsupported."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError as e:
-        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            return False
-        if e.errno in NO_LOCKING:  # flock unsupported (Lustre without -o flock, some NFS)
-            return None
-        raise
-
-
-def _open_dir(path: str) -> int:
-    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
-
-
-def is_locked(path: str) -> bool | None:
-    """Whether a live process holds the lock of step directory `path` (None: cannot tell)."""
-    try:
-        fd = _open_dir(path)
-    except OSError:
-        return None
-    try:
-        got = _try_lock(fd)
-        return None if got is None else not got
-    finally:
-        os.close(fd)  # closing drops a lock taken here
 
 
 @dataclass
@@ -412,7 +334,7 @@ class CheckpointManager:
         with CheckpointDir.open(self.directory) as run:
             found = run.lstat(name)
             if found is not None and stat.S_ISDIR(found.st_mode):
-                if is_locked(final):
+                if locks.is_locked(final):
                     raise CheckpointError(f"{final} is being written by another process")
                 self._delete_step(final, keep=self._referenced())
             elif found is not None:  # a link or a file squatting on the name: removed as a name
@@ -421,7 +343,7 @@ class CheckpointManager:
             run.mkdir(tmp)
             sub = run.sub(tmp)
             try:
-                if _try_lock(sub.fd) is False:  # another process's cleanup is probing it this instant
+                if locks.try_lock(sub.fd) is False:  # another process's cleanup is probing it this instant
                     fcntl.flock(sub.fd, fcntl.LOCK_EX)  # probes let go at once
                 run.rename(tmp, name)
                 run.fsync()
@@ -608,14 +530,18 @@ class CheckpointManager:
                 continue
             if s.damaged and s.step > newest:
                 continue  # the newest data there is: leave it for a person to look at
-            locked = is_locked(s.path)
+            locked = locks.is_locked(s.path)
             if locked or (locked is None and s.step > newest):
                 continue  # a live save (or, without locks, possibly one)
             self._tidy(s.path, lambda path=s.path: self._delete_step(path, keep))
         with CheckpointDir.open(self.directory) as run:
             for name in run.names():
                 full = run.path_of(name)
-                if _TEMP_RE.fullmatch(name) and is_locked(full) is False and _abandoned_temp(name, full):
+                if (
+                    _TEMP_RE.fullmatch(name)
+                    and locks.is_locked(full) is False
+                    and _abandoned_temp(name, full)
+                ):
                     self._tidy(full, lambda name=name: run.remove_tree(name))
         # Finish a rotation that a kill between a commit and its rotation (or an error)
         # left undone.  Otherwise the next rotation comes only after this save's commit,
@@ -755,96 +681,6 @@ class CheckpointManager:
         """Check every file of checkpoint `step` (the newest complete one when None)."""
         info = self._find(step)[0]
         return verify_in_run(self.directory, os.path.basename(info.path), info.step)
-
-
-def verify_in_run(run_dir: str, name: str, step: int) -> VerifyReport:
-    """verify_step of step directory `name` of a run, opened beneath the run directory
-    without following a link (the step may have been swapped for one since it was listed)."""
-    from ..files.verify import problem_of
-
-    try:
-        with CheckpointDir.open(run_dir) as run, run.sub(name) as d:
-            return verify_step(d, step)
-    except (CheckpointError, OSError) as e:
-        report = VerifyReport(os.path.join(run_dir, name))
-        report.problems.append(problem_of(e) if isinstance(e, CheckpointError) else _os_problem(e))
-        return report
-
-
-def _os_problem(e: OSError) -> Problem:
-    return Problem("incomplete", f"{e.filename or ''}: {e.strerror}".lstrip(": "))
-
-
-def verify_step(path: str | CheckpointDir, step: int | None = None) -> VerifyReport:
-    """Verify a checkpoint directory with the checks a load makes (check_step), then every
-    chunk of its commit record, of every file it names and of every file they refer to.
-
-    `step`: the step its record must be for; None: the step its name says when it is named
-    like a step directory (step-NNNNNNNNN), so verify fails exactly where latest() skips."""
-    from ..files.verify import problem_of
-
-    where = path.path if isinstance(path, CheckpointDir) else path
-    if step is None:
-        step = parse_step_dirname(os.path.basename(os.path.normpath(where)))
-    report = VerifyReport(where)
-    try:
-        with multifile.opened(path) as d:
-            record = check_step(d, step)
-            _verify_parts(d, record, report)
-            if record.layout == "dcp" and report.ok:
-                report.problems += _dcp_problems(d)
-    except CheckpointError as e:
-        report.problems.append(problem_of(e))
-    return report
-
-
-def _dcp_problems(path: CheckpointDir) -> list[Problem]:
-    """What cdcp.load would refuse in a step of layout "dcp" whose files' bytes verified: its
-    record's dcp member, and every item against its rank file, as load checks them."""
-    from ..dcp.check import verify_directory
-    from ..files.verify import problem_of
-
-    out = []
-    for e in verify_directory(path):
-        name = os.path.basename(e.path or "")  # the record or the rank file it is about
-        text = e.reason if not name or e.reason.startswith(name) else f"{name}: {e.reason}"
-        out.append(Problem(problem_of(e).kind, text, e.key))
-    return out
-
-
-def _verify_parts(d: CheckpointDir, record: multifile.CommitRecord, report: VerifyReport) -> None:
-    """Every chunk of the record and of every part, each read through the descriptor its
-    identity was checked on; a part reading a file the record does not name fails as a load does."""
-    commit = multifile.PartRecord(multifile.COMMIT_NAME, 0, b"", 0)
-    for part in (commit, *record.files, *record.references):
-        holder, leaf = d.walk(part.name)
-        with holder:
-            if part is commit:
-                fd = d.open_file(part.name)
-            else:
-                fd = multifile.open_part(d, part, d.path)
-            one = VerifyReport(d.path_of(part.name))
-            with CheckpointFile(d.path_of(part.name), fd=fd, within=holder) as f:
-                if part in record.files:
-                    multifile.check_references(f, record, d.path)
-                if record.layout == "state" and part in record.files:
-                    _check_resume_entries(f, one)
-                check_file(f, one)
-        report.chunks += one.chunks
-        report.bytes_checked += one.bytes_checked
-        report.problems += [
-            Problem(p.kind, f"{part.name}: {p.message}", p.key, p.chunk, p.offset) for p in one.problems
-        ]
-
-
-def _check_resume_entries(f: CheckpointFile, report: VerifyReport) -> None:
-    """resume_entries' checks, as a problem of `report` (verify fails where load_into refuses)."""
-    from ..files.verify import problem_of
-
-    try:
-        resume_entries(f)
-    except CheckpointError as e:
-        report.problems.append(problem_of(e))
 
 
 def _why(e: CheckpointError | OSError, directory: str) -> str:

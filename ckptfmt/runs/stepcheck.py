@@ -1,0 +1,143 @@
+"""The step rule (spec 13.4) and the verification of steps: what makes a step directory of a
+run a checkpoint, made by latest(), ls, load, load_into and verify alike, and the reading of
+every chunk that verify adds to it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..engine.ckptdir import CheckpointDir
+from ..errors import CheckpointError, CorruptError, UnsupportedError
+from ..files import multifile
+from ..files.reader import CheckpointFile
+from ..files.verify import Problem, VerifyReport, check_file, problem_of
+from . import resume
+from .steps import STATE_NAME, parse_step_dirname
+
+
+def check_step(d: CheckpointDir, step: int | None) -> multifile.CommitRecord:
+    """The one check of a run's step directory (spec 13.4), made by latest(), ls, load, load_into
+    and verify alike: complete (13.2), its record for the step its name says (`step`; None for a
+    directory whose name is not a step's, which only verify is given), and parts as its layout
+    requires."""
+    record = multifile.check_complete(d)
+    if step is not None and record.step != step:
+        raise CorruptError(f"the commit record is for step {record.step}, not {step}", path=d.path)
+    if record.layout == "state":
+        if [p.name for p in record.files] != [STATE_NAME]:
+            raise CorruptError(f"a 'state' commit record must name exactly {STATE_NAME}", path=d.path)
+        _check_state_index(d, record)
+    elif record.layout == "dcp":
+        from ..dcp.check import record_metadata
+
+        record_metadata(record, d.path)  # the record's dcp member (it reads no file)
+    elif step is not None:
+        raise UnsupportedError(f"a {record.layout!r} checkpoint is not a step of a run", path=d.path)
+    return record
+
+
+def _check_state_index(d: CheckpointDir, record: multifile.CommitRecord) -> None:
+    """The state file's index (no chunk is read): a manager's state file (a dict with the
+    entries state, rng and resume) that reads chunks only from files the record names."""
+    part = record.files[0]
+    with CheckpointFile(d.path_of(part.name), fd=multifile.open_part(d, part, d.path), within=d) as f:
+        multifile.check_references(f, record, d.path)
+        if not {"state", "rng", "resume"} <= set(resume.node_items(f, f.tree.root)):
+            raise CorruptError("not a checkpoint manager's state file", path=f.path)
+
+
+def resume_entries(f: CheckpointFile) -> tuple[dict[str, Any], Any]:
+    """A state file's resume fingerprint and RNG states, read and checked (CorruptError naming
+    the entry) as load_into checks them before anything of the caller's changes."""
+    from .rng import check_capture
+
+    root = resume.node_items(f, f.tree.root)
+    fp = resume.check_fingerprint(f.load_subtree(root["resume"], None, True), f.path)
+    rng_state = f.load_subtree(root["rng"], None, True)
+    if rng_state is not None:
+        check_capture(rng_state, f.path)
+    return fp, rng_state
+
+
+def verify_in_run(run_dir: str, name: str, step: int) -> VerifyReport:
+    """verify_step of step directory `name` of a run, opened beneath the run directory
+    without following a link (the step may have been swapped for one since it was listed)."""
+    try:
+        with CheckpointDir.open(run_dir) as run, run.sub(name) as d:
+            return verify_step(d, step)
+    except (CheckpointError, OSError) as e:
+        report = VerifyReport(os.path.join(run_dir, name))
+        report.problems.append(problem_of(e) if isinstance(e, CheckpointError) else _os_problem(e))
+        return report
+
+
+def _os_problem(e: OSError) -> Problem:
+    return Problem("incomplete", f"{e.filename or ''}: {e.strerror}".lstrip(": "))
+
+
+def verify_step(path: str | CheckpointDir, step: int | None = None) -> VerifyReport:
+    """Verify a checkpoint directory with the checks a load makes (check_step), then every
+    chunk of its commit record, of every file it names and of every file they refer to.
+
+    `step`: the step its record must be for; None: the step its name says when it is named
+    like a step directory (step-NNNNNNNNN), so verify fails exactly where latest() skips."""
+    where = path.path if isinstance(path, CheckpointDir) else path
+    if step is None:
+        step = parse_step_dirname(os.path.basename(os.path.normpath(where)))
+    report = VerifyReport(where)
+    try:
+        with multifile.opened(path) as d:
+            record = check_step(d, step)
+            _verify_parts(d, record, report)
+            if record.layout == "dcp" and report.ok:
+                report.problems += _dcp_problems(d)
+    except CheckpointError as e:
+        report.problems.append(problem_of(e))
+    return report
+
+
+def _dcp_problems(path: CheckpointDir) -> list[Problem]:
+    """What cdcp.load would refuse in a step of layout "dcp" whose files' bytes verified: its
+    record's dcp member, and every item against its rank file, as load checks them."""
+    from ..dcp.check import verify_directory
+
+    out = []
+    for e in verify_directory(path):
+        name = os.path.basename(e.path or "")  # the record or the rank file it is about
+        text = e.reason if not name or e.reason.startswith(name) else f"{name}: {e.reason}"
+        out.append(Problem(problem_of(e).kind, text, e.key))
+    return out
+
+
+def _verify_parts(d: CheckpointDir, record: multifile.CommitRecord, report: VerifyReport) -> None:
+    """Every chunk of the record and of every part, each read through the descriptor its
+    identity was checked on; a part reading a file the record does not name fails as a load does."""
+    commit = multifile.PartRecord(multifile.COMMIT_NAME, 0, b"", 0)
+    for part in (commit, *record.files, *record.references):
+        holder, leaf = d.walk(part.name)
+        with holder:
+            if part is commit:
+                fd = d.open_file(part.name)
+            else:
+                fd = multifile.open_part(d, part, d.path)
+            one = VerifyReport(d.path_of(part.name))
+            with CheckpointFile(d.path_of(part.name), fd=fd, within=holder) as f:
+                if part in record.files:
+                    multifile.check_references(f, record, d.path)
+                if record.layout == "state" and part in record.files:
+                    _check_resume_entries(f, one)
+                check_file(f, one)
+        report.chunks += one.chunks
+        report.bytes_checked += one.bytes_checked
+        report.problems += [
+            Problem(p.kind, f"{part.name}: {p.message}", p.key, p.chunk, p.offset) for p in one.problems
+        ]
+
+
+def _check_resume_entries(f: CheckpointFile, report: VerifyReport) -> None:
+    """resume_entries' checks, as a problem of `report` (verify fails where load_into refuses)."""
+    try:
+        resume_entries(f)
+    except CheckpointError as e:
+        report.problems.append(problem_of(e))
