@@ -1,5 +1,5 @@
 """Exit codes of the command line: every command gives the documented status for the same kind
-of problem, through the one table in ckptfmt/cli.py (ERROR_EXIT_CODES), prints no traceback,
+of problem, through the one table in ckptfmt/cli/exitcodes.py (ERROR_EXIT_CODES), prints no traceback,
 and names the path in a one-line diagnostic.
 
 Runs in-process (ckptfmt.cli.main) over every file of tests/corpus/, whose expected error
@@ -18,6 +18,7 @@ import torch
 
 import ckptfmt
 from ckptfmt import cli
+from ckptfmt.cli import exitcodes
 from ckptfmt.format.sniff import sniff
 
 CORPUS = os.path.join(os.path.dirname(__file__), "corpus")
@@ -59,19 +60,19 @@ def good(tmp_path_factory):
 
 def test_the_table_gives_the_documented_codes():
     """One table: each error class the reader raises maps to the status EXIT_CODES documents."""
-    assert (cli.EXIT_OK, cli.EXIT_FAILED, cli.EXIT_USAGE) == (0, 1, 2)
+    assert (exitcodes.EXIT_OK, exitcodes.EXIT_FAILED, exitcodes.EXIT_USAGE) == (0, 1, 2)
     for name, code in DOCUMENTED.items():
-        assert cli.exit_code_for(getattr(ckptfmt, name)) == code
-    assert cli.exit_code(ckptfmt.UnsupportedObjectError("x")) == 1
-    assert cli.exit_code(FileNotFoundError(2, "No such file or directory", "p")) == 2
-    assert cli.exit_code(IsADirectoryError(21, "Is a directory", "p")) == 2
-    assert cli.exit_code(cli.NotCheckpointError("p", "not a ckptfmt file")) == 2
-    assert cli.exit_code(cli.UsageError("x")) == 2
-    assert cli.exit_code(cli.ForeignFileError("x")) == 1
+        assert exitcodes.exit_code_for(getattr(ckptfmt, name)) == code
+    assert exitcodes.exit_code(ckptfmt.UnsupportedObjectError("x")) == 1
+    assert exitcodes.exit_code(FileNotFoundError(2, "No such file or directory", "p")) == 2
+    assert exitcodes.exit_code(IsADirectoryError(21, "Is a directory", "p")) == 2
+    assert exitcodes.exit_code(exitcodes.NotCheckpointError("p", "not a ckptfmt file")) == 2
+    assert exitcodes.exit_code(exitcodes.UsageError("x")) == 2
+    assert exitcodes.exit_code(exitcodes.ForeignFileError("x")) == 1
     with pytest.raises(RuntimeError):  # an error without a row is a bug, never a status
-        cli.exit_code(RuntimeError("bug"))
+        exitcodes.exit_code(RuntimeError("bug"))
     for line in ("  0  success", "  1  a file is damaged, incomplete, unsupported", "  2  usage error"):
-        assert line in cli.EXIT_CODES
+        assert line in exitcodes.EXIT_CODES
 
 
 def test_corpus_is_classified():

@@ -2,7 +2,7 @@
 
 Metric names, keys, reasons, names and error messages come from files: anyone who can write
 a checkpoint can put escape sequences in them.  Every human-readable line goes through one
-helper (cli.terminal_safe) that writes C0 and C1 controls, DEL, the bidirectional formatting
+helper (cli.terminal.terminal_safe) that writes C0 and C1 controls, DEL, the bidirectional formatting
 characters, line and paragraph separators and lone surrogates as Python escapes.  --json
 output stays JSON, whose encoder escapes them itself.
 """
@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import ckptfmt
 from ckptfmt import cli
+from ckptfmt.cli.terminal import terminal_safe
 from ckptfmt.files import multifile
 from ckptfmt.runs.manager import CheckpointManager
 
@@ -106,7 +107,7 @@ def test_inspect_diff_and_errors_quote_keys_escaped(tmp_path, capsys):
 
 @given(st.text())
 def test_terminal_safe_leaves_nothing_unsafe_and_keeps_the_rest(text):
-    safe = cli.terminal_safe(text)
+    safe = terminal_safe(text)
     assert not any(c in UNSAFE for c in safe)
     safe.encode("utf-8")  # printable to a UTF-8 terminal: no lone surrogates left
     if not any(c in UNSAFE for c in text):
@@ -117,4 +118,4 @@ def test_terminal_safe_leaves_nothing_unsafe_and_keeps_the_rest(text):
 def test_each_unsafe_character_becomes_an_escape_of_its_code_point(char):
     c = ord(char)
     escape = f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
-    assert cli.terminal_safe(f"a{char}b") == f"a{escape}b"
+    assert terminal_safe(f"a{char}b") == f"a{escape}b"

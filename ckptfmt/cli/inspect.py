@@ -1,0 +1,159 @@
+"""ckptfmt inspect: a file's object tree, index, metadata and referenced files, read without
+its chunk data."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import numpy as np
+
+from ..format import layout as fmt
+from .exitcodes import EXIT_OK, KNOWN_ERRORS, error_text, exit_code, require_ckptfmt
+from .terminal import fail, say
+from .verify import problem_dict
+
+
+def _inspect_tree(f: Any) -> list[dict[str, Any]]:
+    from ..format import dtypes, tree
+    from ..format.decode import decode
+    from ..format.render import short_repr
+
+    rows = []
+    chunks = f.chunks
+    for path, i in tree.iter_paths(f.tree, f.tree.root, "state"):
+        node = f.tree.nodes[i]
+        kind = node[0]
+        row: dict[str, Any] = {"key": path, "type": kind, "depth": f.tree.depth_of(i)}
+        if kind in ("tensor", "ndarray"):
+            m = node[1]
+            rec = f.storages[m["storage"]]
+            own = range(rec.first_chunk, rec.first_chunk + rec.n_chunks)
+            stored = sum(chunks[k].stored_len for k in own)
+            codecs = sorted({fmt.CODEC_NAMES[chunks[k].codec] for k in own}) or ["raw"]
+            itemsize = (
+                dtypes.torch_itemsize(m["dtype"]) if kind == "tensor" else np.dtype(m["dtype"]).itemsize
+            )
+            numel = int(np.prod(m["shape"])) if m["shape"] else 1
+            row.update(
+                dtype=m["dtype"],
+                shape=m["shape"],
+                bytes=numel * itemsize,
+                storage=m["storage"],
+                storage_bytes=rec.nbytes,
+                stored_bytes=stored,
+                codec="+".join(codecs),
+                ratio=round(rec.nbytes / stored, 3) if stored else None,
+                device=rec.device,
+            )
+            if f.has_digests:  # an incremental file: how much of it lies in referenced files
+                row["external_chunks"] = sum(1 for k in own if chunks[k].source >= 0)
+                row["chunks"] = len(own)
+        elif kind in ("list", "tuple"):
+            row["len"] = len(node[1])
+        elif kind in ("dict", "odict"):
+            row["len"] = len(node[1])
+        elif kind in ("int", "float", "bool", "str", "none", "dtype", "device", "complex"):
+            value = decode(f.tree, i, lambda s: None, f.path)  # type: ignore[arg-type, return-value]
+            row["value"] = short_repr(value, 60)
+        rows.append(row)
+    return rows
+
+
+def _inspect_externals(f: Any) -> dict[str, Any]:
+    """The referenced files of an incremental checkpoint and what lies in each (spec section 12)."""
+    per = [{"chunks": 0, "raw_bytes": 0, "stored_bytes": 0} for _ in f.externals]
+    for ch in f.chunks:
+        if ch.source >= 0:
+            per[ch.source]["chunks"] += 1
+            per[ch.source]["raw_bytes"] += ch.raw_len
+            per[ch.source]["stored_bytes"] += ch.stored_len
+    externals = [
+        {"path": ext.rel, "resolved": ext.name, "file_id": ext.file_id.hex(), "file_length": ext.length, **n}
+        for ext, n in zip(f.externals, per)
+    ]
+    return {
+        "content_digests": f.has_digests,
+        "externals": externals,
+        "external_chunks": sum(n["chunks"] for n in per),
+        "external_bytes": sum(n["raw_bytes"] for n in per),
+    }
+
+
+def _print_externals(info: dict[str, Any]) -> None:
+    if not info["externals"]:
+        say("externals: none (self-contained, with content digests for incremental saves)")
+        return
+    say(
+        f"externals: {info['external_chunks']} of {info['chunks']} chunks ({info['external_bytes']} bytes) "
+        f"lie in {len(info['externals'])} referenced file(s)"
+    )
+    for e, x in enumerate(info["externals"]):
+        say(
+            f"  [{e}] {x['path']} (file id {x['file_id']}, {x['file_length']} bytes): "
+            f"{x['chunks']} chunks, {x['raw_bytes']} bytes"
+        )
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """The tree and the index; like verify --quick, the referenced files of an incremental
+    checkpoint are checked too (present, the recorded ones), but no chunk data is read."""
+    from ..files.reader import CheckpointFile
+    from ..files.verify import problem_of
+
+    try:
+        require_ckptfmt(args.path)
+        with CheckpointFile(args.path) as f:
+            rows = _inspect_tree(f)
+            problems = f.external_problems()
+            info = {
+                "path": args.path,
+                "file_bytes": f.prologue.file_length,
+                "format": f"{f.prologue.major}.{f.prologue.minor}",
+                "chunk_size": f.chunk_size,
+                "chunks": len(f.chunks),
+                "storages": len(f.storages),
+                "producer": f.producer,
+                "metadata": f.metadata,
+                "source_devices": f.source_devices,
+                **_inspect_externals(f),
+                "problems": [problem_dict(problem_of(p)) for p in problems],
+                "tree": rows,
+            }
+    except KNOWN_ERRORS as e:
+        return fail(e, args.path)
+    status = exit_code(problems[0]) if problems else EXIT_OK
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return status
+    say(
+        f"{args.path}: ckptfmt {info['format']}, {info['file_bytes']} bytes, {info['storages']} storages "
+        f"in {info['chunks']} chunks of up to {info['chunk_size']} bytes"
+    )
+    say("producer: " + ", ".join(f"{k} {v}" for k, v in info["producer"].items()))
+    say("metadata: " + (json.dumps(info["metadata"]) if info["metadata"] else "(none)"))
+    if info["content_digests"]:
+        _print_externals(info)
+    for r in rows:
+        depth = r["depth"]
+        name = r["key"] if depth == 0 else "  " * (depth - 1) + r["key"][r["key"].rfind("[") :]
+        if r["type"] in ("tensor", "ndarray"):
+            ratio = f" x{r['ratio']:.2f}" if r["codec"] != "raw" and r["ratio"] else ""
+            ext = (
+                f", {r['external_chunks']}/{r['chunks']} chunks external" if r.get("external_chunks") else ""
+            )
+            say(
+                f"{name}: {r['type']} {r['dtype']} {list(r['shape'])} {r['bytes']} B "
+                f"{r['codec']}{ratio} (storage {r['storage']}, {r['device']}{ext})"
+            )
+        elif "len" in r:
+            say(f"{name}: {r['type']} ({r['len']})")
+        elif "value" in r:
+            say(f"{name}: {r['value']}")
+        else:
+            say(f"{name}: {r['type']}")
+    if problems:  # after the tree, which shows what the referenced files should hold
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        say(f"error: {error_text(problems[0], args.path)}{more}", err=True)
+    return status
