@@ -14,7 +14,6 @@ This module knows nothing of temp files or saves in flight: the blocking save
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import platform
@@ -31,6 +30,7 @@ from .. import __version__
 from ..errors import LimitError
 from ..format import layout as fmt
 from ..format import tree
+from ..format.timestamps import format_utc, utc_at, utc_now
 from . import bytesview
 from . import native as _native
 
@@ -51,12 +51,7 @@ def new_file_id() -> bytes:
 
 def _created() -> str:
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    when = (
-        datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
-        if epoch
-        else datetime.datetime.now(datetime.timezone.utc)
-    )
-    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return format_utc(utc_at(int(epoch)) if epoch else utc_now())
 
 
 def producer_info() -> dict[str, str]:

@@ -14,7 +14,6 @@ normative text; this module is that section in code.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from ..engine.ckptdir import CheckpointDir, LinkError
 from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
 from ..fileio import open_regular, pread_exact
 from ..format import layout as fmt
+from ..format.timestamps import MICROSECONDS, format_utc, utc_now
 from .reader import CheckpointFile
 
 COMMIT_NAME = "COMMIT"
@@ -96,7 +96,7 @@ class CommitRecord:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return format_utc(utc_now(), MICROSECONDS)
 
 
 def valid_part_name(name: str, *, reference: bool) -> bool:

@@ -43,6 +43,7 @@ from ..files.load_into import MismatchError
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport
 from ..format import devices
+from ..format.timestamps import parse_utc
 from . import locks, resume, retention
 from .stepcheck import check_step, resume_entries, verify_in_run
 from .steps import (
@@ -59,15 +60,6 @@ from .steps import (
 )
 
 
-def _parse_created(text: str) -> datetime.datetime:
-    for layout in ("%Y-%m-%dT%H:%M:%S.%fZ", "%Y-%m-%dT%H:%M:%SZ"):
-        try:
-            return datetime.datetime.strptime(text, layout).replace(tzinfo=datetime.timezone.utc)
-        except ValueError:
-            continue
-    return datetime.datetime.fromtimestamp(0, datetime.timezone.utc)
-
-
 def _info(step: int, d: CheckpointDir, record: multifile.CommitRecord) -> CheckpointInfo:
     path = d.path
     size = sum(p.length for p in record.files)
@@ -79,7 +71,7 @@ def _info(step: int, d: CheckpointDir, record: multifile.CommitRecord) -> Checkp
         metrics=dict(record.metrics),
         metadata=dict(record.metadata),
         size=size,
-        created=_parse_created(record.created),
+        created=parse_utc(record.created),
         files=tuple(os.path.join(path, p.name) for p in record.files),
         references=tuple(os.path.normpath(os.path.join(path, p.name)) for p in record.references),
         layout=record.layout,
