@@ -38,15 +38,11 @@ import warnings
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+sys.path.insert(0, HERE)
+
+from common import parse_size, walk_tensors  # noqa: E402
+
 TOOLS = ("dcp", "ckptfmt")
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().rstrip("IB")
-    if text[-1:] in UNITS:
-        return int(float(text[:-1]) * UNITS[text[-1]])
-    return int(text)
 
 
 # -- one rank -----------------------------------------------------------------------------------
@@ -82,25 +78,9 @@ def build_state(total: int, dtype_name: str, world: int) -> tuple[Any, Any, dict
 
 def local_tensors(state: Any) -> list[Any]:
     """This rank's tensors (the local shard of each DTensor), in state order."""
-    import torch
     from torch.distributed.tensor import DTensor
 
-    out: list[Any] = []
-
-    def walk(o: Any) -> None:
-        if isinstance(o, DTensor):
-            o = o.to_local()
-        if isinstance(o, torch.Tensor):
-            out.append(o)
-        elif isinstance(o, dict):
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-
-    walk(state)
-    return out
+    return list(walk_tensors(state, lambda o: o.to_local() if isinstance(o, DTensor) else o))
 
 
 def local_bytes(state: dict[str, Any]) -> int:

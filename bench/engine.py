@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import shutil
 import statistics
@@ -34,8 +33,8 @@ sys.path.insert(0, HERE)
 
 import state as bench_state  # noqa: E402
 import torch  # noqa: E402
-from run import parse_size, timed  # noqa: E402
-from run import summarise as med  # noqa: E402
+from common import parse_size, timed, write_json  # noqa: E402
+from common import summarise as med  # noqa: E402
 
 import ckptfmt  # noqa: E402
 from ckptfmt.engine import chunkwrite as chunkio  # noqa: E402
@@ -311,10 +310,7 @@ def main() -> int:
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(json.dumps(result, indent=1))
+    write_json(args.out, result)
     return 0
 
 

@@ -39,15 +39,9 @@ if ROOT not in sys.path:
 import ckptfmt  # noqa: E402
 from ckptfmt.background import staging  # noqa: E402
 
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+sys.path.insert(0, HERE)
 
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    if text and text[-1] in UNITS:
-        return int(float(text[:-1]) * UNITS[text[-1]])
-    return int(text)
-
+from common import parse_size  # noqa: E402
 
 # -- states ---------------------------------------------------------------------------------
 

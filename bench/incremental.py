@@ -35,8 +35,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
-from run import machine_info, parse_size, timed  # noqa: E402
-from run import summarise as med  # noqa: E402
+from common import machine_state, parse_size, timed  # noqa: E402
+from common import summarise as med  # noqa: E402
 
 import ckptfmt  # noqa: E402
 from ckptfmt.runs import incremental  # noqa: E402
@@ -209,7 +209,7 @@ def main() -> int:
         "size_bytes": size,
         "rounds": args.rounds,
         "backend": ckptfmt.backend(),
-        "machine": machine_info({d: d for d in args.dirs.split(",")}),
+        "machine": machine_state({d: d for d in args.dirs.split(",")}),
         "results": results,
         "markdown": markdown(results, size),
     }

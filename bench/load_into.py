@@ -33,13 +33,14 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from common import parse_size  # noqa: E402
+
 MODES = ("fast", "atomic", "verify pass")
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
-    import tools
+    import common
     import torch
-    from worker import _reset_peak, _status, drop_cache
 
     import ckptfmt
     from ckptfmt.files import load_into as inplace
@@ -47,14 +48,14 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(os.cpu_count() or 1)
     path = spec["path"]
-    template = tools.empty_like_state(ckptfmt.load(path, map_location="meta"))
+    template = common.empty_like_state(ckptfmt.load(path, map_location="meta"))
     template = _materialise(template)
-    tools.touch(template)
+    common.read_every_byte(template)
     if spec["cold"]:
-        drop_cache(path)
+        common.evict(path)
     gc.collect()
-    _reset_peak()
-    before = _status("VmRSS")
+    common.reset_peak_rss()
+    before = common.status_bytes("VmRSS")
     t = time.perf_counter()
     if spec["mode"] == "verify pass":
         with CheckpointFile(path) as f:
@@ -62,7 +63,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         ckptfmt.load_into(path, template, atomic=spec["mode"] == "atomic")
     seconds = time.perf_counter() - t
-    return {"seconds": seconds, "rss": max(0, _status("VmHWM") - before)}
+    return {"seconds": seconds, "rss": max(0, common.status_bytes("VmHWM") - before)}
 
 
 def _materialise(obj: Any) -> Any:
@@ -91,12 +92,6 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError(f"{spec['mode']} failed:\n{proc.stderr[-3000:]}")
     out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().rstrip("IB")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
 
 
 def main(argv: list[str] | None = None) -> int:

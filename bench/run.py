@@ -1,13 +1,35 @@
-"""ckptfmt against the tools people use, on the same states, machine and run.
+"""ckptfmt against the tools people use: loads as a resume makes them, the disk's limit, durable saves.
 
-    python bench/run.py --quick                  # 256 MiB fp32 state, disk and tmpfs, 3 rounds
-    python bench/run.py --sizes 1G,4G --dtypes fp32,bf16 --rounds 5
+The full run (1 GiB fp32 training state; about 7 minutes on an idle 2-core machine):
 
-Every figure is a median over rounds (min and max kept). Rounds interleave the
-tools (A B C ... A B C ...), each measurement runs in a fresh process, and every
-comparison is a ratio computed within a round and then reduced to its median.
-dd writing (conv=fsync) and reading the same number of bytes is measured in the
-same rounds as the physical limit.  Writes results/<name>.json, .md and .png.
+    python bench/run.py --size 1G --rounds 5
+
+    python bench/run.py --quick          # 16 MiB state, 1 round: every row, not the speed (CI)
+
+How it measures (the report repeats this, with the machine's state):
+* Every load is the first thing a fresh process does (bench/loads.py), importing
+  torch and the tool under test only; the clock covers the load and the consumer,
+  a multi-threaded int64 sum over every byte of every tensor.  The consumer's own
+  cost on resident memory is a row of the same run ("consumer alone").
+* Each load is labelled a copy (ckptfmt.load, torch.load) or a zero-copy mapping
+  (ckptfmt.load(mmap=True) with every chunk verified, torch.load(mmap=True),
+  safetensors load_file); ratios compare copies with copies and mappings with
+  mappings, each computed within a round and then reduced to its median.
+* Warm rows read from tmpfs (/dev/shm) and from the disk's page cache (each disk
+  file's residency is checked with mincore before its row); a round runs every row
+  once, in an order rotated from round to round.  A second pass re-runs the main
+  comparisons on the first location, to show the spread.
+* Cold rows come last, in their own phase: before each one the file alone is
+  evicted (fsync, then posix_fadvise(DONTNEED)), never the whole page cache
+  (/proc/sys/vm/drop_caches leaves the machine slow to fault pages for a while,
+  which would bias whatever runs next); dd reads the same file cold in the same
+  rounds as the disk's limit.
+* Saves: a fresh process per save, the state loaded from a torch file first; dd
+  writing the same number of bytes (conv=fsync) is the limit.
+* Figures are medians with min and max over rounds; the report records the exact
+  command, the versions and the machine's state (memory free and available, THP
+  mode, the virtio balloon's free page reporting, kernel, CPUs, filesystems)
+  before and after.  Writes results/<name>.json and .md.
 """
 
 from __future__ import annotations
@@ -15,10 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,73 +47,52 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import common  # noqa: E402
+import loads  # noqa: E402
 import state as bench_state  # noqa: E402
 import tools  # noqa: E402
 
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-# operations that are compared across tools (ours -> peers' names for the same thing)
-COMPARE = {
-    "save": "save",
-    "load_cold": "load_cold",
-    "load_warm": "load_warm",
-    "load_into": "load_into",
+FORMATS = {"ckpt": tools.Ckptfmt, "pt": tools.TorchSave, "safetensors": tools.Safetensors}
+# (ours, peer, the issue's target for ours' speed over the peer's): like with like only
+COMPARISONS = [
+    ("ckptfmt", "torch", 2.0),
+    ("ckptfmt-mmap", "torch-mmap", 0.9),
+    ("ckptfmt-mmap", "safetensors", 0.9),
+]
+COLD_TARGET = 0.8  # ckptfmt.load cold, as a share of dd's cold read of the same file
+LABELS = {
+    "dd": "dd read to /dev/null (reference)",
+    "ckptfmt": "ckptfmt.load (verified)",
+    "torch": "torch.load",
+    "ckptfmt-mmap": "ckptfmt.load(mmap=True), verified",
+    "torch-mmap": "torch.load(mmap=True)",
+    "safetensors": "safetensors load_file",
+    "consumer": "consumer alone (resident memory)",
 }
+KINDS = {"dd": "reference", "consumer": "consumer", **{t: k for t, (k, _f, _c) in loads.LOADS.items()}}
 
 
-def parse_size(text: str) -> int:
-    text = text.strip().upper().rstrip("IB")
-    if text[-1:] in UNITS:
-        return int(float(text[:-1]) * UNITS[text[-1]])
-    return int(text)
+# -- one measurement --------------------------------------------------------------------------
 
 
-def machine_info(targets: dict[str, str]) -> dict[str, Any]:
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    fs = {}
-    for name, path in targets.items():
-        out = subprocess.run(["df", "-T", path], capture_output=True, text=True).stdout.splitlines()
-        fs[name] = {"path": path, "df": out[-1] if out else ""}
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_bytes": mem,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "targets": fs,
-    }
-
-
-def versions() -> dict[str, str]:
-    import numpy
-    import torch
-
-    import ckptfmt
-
-    out = {
-        "ckptfmt": ckptfmt.__version__,
-        "ckptfmt_backend": ckptfmt.backend(),
-        "torch": torch.__version__,
-        "numpy": numpy.__version__,
-    }
-    for mod in ("safetensors", "tensorizer", "zstandard", "xxhash"):
-        try:
-            m = __import__(mod)
-            out[mod] = getattr(m, "__version__", "?")
-        except ImportError:
-            out[mod] = "not installed"
-    dd = subprocess.run(["dd", "--version"], capture_output=True, text=True).stdout.splitlines()
-    out["dd"] = dd[0] if dd else "?"
+def dd_write(folder: str, nbytes: int) -> dict[str, Any]:
+    """dd writing nbytes (4 MiB blocks, conv=fsync): the storage's write limit."""
+    path = os.path.join(folder, "dd.bin")
+    t = time.perf_counter()
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", "bs=4M", f"count={max(1, nbytes >> 22)}", "conv=fsync"],
+        check=True,
+        capture_output=True,
+    )
+    out = {"op": "save", "seconds": time.perf_counter() - t, "rss": 0, "bytes": os.path.getsize(path)}
+    os.unlink(path)
     return out
 
 
-def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+def save_worker(tool: str, folders: list[str], source: str) -> dict[str, list[dict[str, Any]]]:
+    """One tool's saves to each folder, in a fresh process (bench/worker.py)."""
+    spec = {"tool": tool, "dirs": folders, "source": source}
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "worker.py"), json.dumps(spec)],
         capture_output=True,
@@ -102,298 +100,398 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         timeout=3600,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"worker {spec['tool']} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"save worker {tool} failed:\n{proc.stderr[-3000:]}")
+    results: dict[str, list[dict[str, Any]]] = json.loads(proc.stdout.strip().splitlines()[-1])["results"]
+    return results
 
 
-def summarise(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+def load_row(tool: str, path: str) -> dict[str, Any]:
+    """One load (or dd read) of a warm or cold file, with the file's residency just before it."""
+    resident = common.resident_fraction(path)
+    out = loads.dd_read(path) if tool == "dd" else loads.measure(tool, path)
+    out["resident_before"] = resident
+    return out
 
 
-def timed(fn: Any, *args: Any) -> float:
-    """Seconds that fn(*args) takes; its result is freed after the clock stops."""
-    t = time.perf_counter()
-    out = fn(*args)
-    took = time.perf_counter() - t
-    del out
-    return took
+# -- the run ----------------------------------------------------------------------------------
 
 
-def build_cache(size: int, dtype: str, folder: str) -> tuple[str, int]:
-    import torch
+class Run:
+    """The files every row reads, the samples gathered, and the order of the phases."""
 
-    import ckptfmt
+    def __init__(self, args: argparse.Namespace, locations: dict[str, str]) -> None:
+        self.args = args
+        self.locations = locations
+        self.files: dict[str, dict[str, str]] = {}
+        self.samples: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
+        self.state_bytes = 0
+        self.t0 = time.perf_counter()
 
-    st, _ = bench_state.build(size, getattr(torch, DTYPES[dtype]))
-    path = os.path.join(folder, f"state-{size}-{dtype}.ckpt")
-    ckptfmt.save(st, path)
-    return path, bench_state.tensor_bytes(st)
+    def add(self, phase: str, location: str, tool: str, op: str, sample: dict[str, Any], r: int) -> None:
+        self.samples.setdefault((phase, location, tool, op), []).append({**sample, "round": r})
+
+    def say(self, text: str) -> None:
+        print(f"[{time.perf_counter() - self.t0:6.0f}s] {text}", flush=True)
+
+    def write_files(self) -> None:
+        """The state, built once, saved in every format to every location (untimed)."""
+        import torch
+
+        self.say(f"building a {self.args.size >> 20} MiB {self.args.dtype} training state")
+        st, _ = bench_state.build(self.args.size, getattr(torch, DTYPES[self.args.dtype]))
+        self.state_bytes = bench_state.tensor_bytes(st)
+        for location, folder in self.locations.items():
+            self.files[location] = {}
+            for fmt, tool in FORMATS.items():
+                path = os.path.join(folder, f"state.{fmt}")
+                tool().save(st, path)
+                self.files[location][fmt] = path
+        del st
+
+    def path(self, location: str, tool: str) -> str:
+        return self.files[location][loads.LOADS[tool][1] if tool in loads.LOADS else "ckpt"]
+
+    def warm_pass(self, phase: str, locations: list[str], tools_: list[str], rounds: int) -> None:
+        for files in self.files.values():
+            for p in files.values():
+                loads.dd_read(p)  # in the page cache, as a checkpoint written minutes ago is
+        rows = [(loc, t) for loc in locations for t in tools_]
+        for r in range(rounds):
+            for location, tool in common.rotated(rows, r * max(1, len(rows) // max(1, rounds))):
+                self.add(phase, location, tool, "load", load_row(tool, self.path(location, tool)), r)
+            self.say(f"{phase}: round {r + 1}/{rounds}")
+
+    def cold_pass(self, rounds: int) -> None:
+        path = self.files["disk"]["ckpt"]
+        for r in range(rounds):
+            for tool in common.rotated(["dd", "ckptfmt"], r):
+                common.evict(path)
+                self.add("cold", "disk", tool, "load", load_row(tool, path), r)
+            self.say(f"cold: round {r + 1}/{rounds}")
+
+    def save_pass(self, rounds: int) -> None:
+        """Per round: dd, then each tool in a process of its own saving to every location in turn."""
+        source = self.files["tmpfs" if "tmpfs" in self.files else "disk"]["pt"]
+        folders = {}
+        for location, folder in self.locations.items():
+            folders[location] = os.path.join(folder, "saves")
+            os.makedirs(folders[location], exist_ok=True)
+        locs = list(self.locations)
+        for r in range(rounds):
+            order = common.rotated(locs, r)
+            for tool in common.rotated(["dd", *self.args.save_tools], r):
+                if tool == "dd":
+                    results = {folders[loc]: [dd_write(folders[loc], self.state_bytes)] for loc in order}
+                else:
+                    results = save_worker(tool, [folders[loc] for loc in order], source)
+                for location in order:
+                    for res in results[folders[location]]:
+                        self.add("saves", location, tool, res.pop("op"), res, r)
+            self.say(f"saves: round {r + 1}/{rounds}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="256M fp32, 3 rounds (a few minutes on 2 cores)")
-    ap.add_argument("--sizes", default=None, help="state sizes, e.g. 256M,1G,4G (default 1G)")
-    ap.add_argument("--dtypes", default=None, help="fp32,bf16 (default fp32,bf16; quick: fp32)")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 5; quick: 3)")
-    ap.add_argument("--targets", default="disk,tmpfs", help="disk,tmpfs")
-    ap.add_argument(
-        "--disk-dir", default=None, help="directory on the local disk (default: a temp dir under bench/)"
-    )
-    ap.add_argument("--tools", default=None, help="comma-separated subset of: " + ",".join(tools.TOOLS))
-    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="where to write the report")
-    ap.add_argument("--name", default=None, help="report file name stem (default: latest)")
-    ap.add_argument("--no-chart", action="store_true")
-    args = ap.parse_args(argv)
+# -- the report -------------------------------------------------------------------------------
 
-    sizes = [parse_size(s) for s in (args.sizes or ("256M" if args.quick else "1G")).split(",")]
-    dtypes = (args.dtypes or ("fp32" if args.quick else "fp32,bf16")).split(",")
-    rounds = args.rounds or (3 if args.quick else 5)
-    names = args.tools.split(",") if args.tools else tools.available()
-    unknown = [n for n in names if n not in tools.TOOLS]
-    if unknown:
-        ap.error(f"unknown tools: {unknown}")
-    os.makedirs(args.out, exist_ok=True)
-    scratch = tempfile.mkdtemp(prefix="ckptfmt-bench-", dir=args.disk_dir or HERE)
-    shm = tempfile.mkdtemp(prefix="ckptfmt-bench-", dir="/dev/shm") if os.path.isdir("/dev/shm") else scratch
-    targets = {"disk": scratch, "tmpfs": shm}
-    targets = {t: targets[t] for t in args.targets.split(",")}
-    # the states the workers start from live in /dev/shm unless that would take more than
-    # a quarter of it or of memory: a worker holds the state and staging or a loaded copy,
-    # and the tmpfs target writes its checkpoints there too
-    room = 0
-    if os.path.isdir("/dev/shm"):
-        shm_fs = os.statvfs("/dev/shm")
-        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        room = min(phys, shm_fs.f_bavail * shm_fs.f_frsize)
-    in_memory = 4 * max(sizes) <= room
-    cache_dir = tempfile.mkdtemp(
-        prefix="ckptfmt-bench-cache-", dir="/dev/shm" if in_memory else args.disk_dir or HERE
-    )
-    report: dict[str, Any] = {
-        "command": "python "
-        + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__)] + (argv or sys.argv[1:])),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine_info(targets),
-        "versions": versions(),
-        "notes": {n: tools.TOOLS[n]().note for n in names},
-        "cache_eviction": "",
-        "cases": [],
+
+def row_summary(
+    key: tuple[str, str, str, str], samples: list[dict[str, Any]], state_bytes: int
+) -> dict[str, Any]:
+    phase, location, tool, op = key
+    nbytes = samples[0].get("bytes", state_bytes) if tool == "dd" and op == "save" else state_bytes
+    secs = [s["seconds"] for s in samples]
+    row: dict[str, Any] = {
+        "id": "/".join(key),
+        "phase": phase,
+        "location": location,
+        "tool": tool,
+        "op": op,
+        "kind": "save" if phase == "saves" else KINDS.get(tool, "?"),
+        "bytes": nbytes,
+        "seconds": common.summarise(secs),
+        "gbps": common.summarise([nbytes / s / 1e9 for s in secs]),
+        "samples": samples,
     }
-    if "tensorizer" not in names:
-        report["notes"]["tensorizer"] = "not installed, not measured"
-    t_start = time.perf_counter()
-    try:
-        for size in sizes:
-            for dtype in dtypes:
-                print(f"building a {size >> 20} MiB {dtype} training state ...", flush=True)
-                cache, nbytes = build_cache(size, dtype, cache_dir)
-                for target, folder in targets.items():
-                    case = {"size": size, "dtype": dtype, "target": target, "state_bytes": nbytes, "runs": {}}
-                    for r in range(rounds):
-                        for name in ["dd", *names]:
-                            spec = {"tool": name, "dir": folder, "cache": cache, "bytes": nbytes}
-                            t = time.perf_counter()
-                            out = run_worker(spec)
-                            report["cache_eviction"] = out.get("evict") or report["cache_eviction"]
-                            for res in out["results"]:
-                                case["runs"].setdefault(name, {}).setdefault(res["op"], []).append(res)
-                            print(
-                                f"  [{size >> 20}M {dtype} {target}] round {r + 1}/{rounds} {name:13s} "
-                                f"{time.perf_counter() - t:6.1f}s  ({time.perf_counter() - t_start:5.0f}s total)",
-                                flush=True,
-                            )
-                    report["cases"].append(finish_case(case))
-                os.unlink(cache)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-        if shm != scratch:
-            shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(cache_dir, ignore_errors=True)
-    report["seconds"] = time.perf_counter() - t_start
-    stem = os.path.join(args.out, args.name or "latest")
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=1)
-    md = markdown(report)
-    with open(stem + ".md", "w") as f:
-        f.write(md)
-    print("\n" + md)
-    if not args.no_chart:
-        chart(report, stem + ".png")
-    print(f"wrote {stem}.json, {stem}.md" + ("" if args.no_chart else f", {stem}.png"))
-    return 0
+    for field in ("load_seconds", "read_seconds", "rss", "peak_rss"):
+        if field in samples[0]:
+            row[field] = common.summarise([s[field] for s in samples])
+    if "bytes" in samples[0] and phase == "saves":
+        row["file_bytes"] = samples[0]["bytes"]
+    return row
 
 
-def finish_case(case: dict[str, Any]) -> dict[str, Any]:
-    """Medians per tool and op, and ratios computed round by round."""
-    nbytes = case["state_bytes"]
-    stats: dict[str, dict[str, Any]] = {}
-    for tool, ops in case["runs"].items():
-        for op, runs in ops.items():
-            secs = [r["seconds"] for r in runs]
-            entry = {
-                "seconds": summarise(secs),
-                "gbps": summarise([nbytes / s / 1e9 for s in secs]),
-                "rss_extra_bytes": summarise([r["rss"] for r in runs]),
-            }
-            if "bytes" in runs[0]:
-                entry["file_bytes"] = runs[0]["bytes"]
-            stats.setdefault(tool, {})[op] = entry
-    ratios: dict[str, dict[str, Any]] = {}
-    ours = case["runs"].get("ckptfmt", {})
-    for peer, ops in case["runs"].items():
-        if peer == "ckptfmt":
-            continue
-        for op, runs in ops.items():
-            mine = ours.get(op)
-            if not mine:
-                continue
-            # peer time / our time, per round: > 1 means ckptfmt is faster
-            per_round = [p["seconds"] / m["seconds"] for p, m in zip(runs, mine)]
-            ratios.setdefault(peer, {})[op] = summarise(per_round)
-    case["stats"] = stats
-    case["ratios"] = ratios
-    del case["runs"]
-    return case
+def consumer_rows(run: Run) -> list[dict[str, Any]]:
+    """The consumer's own cost on resident memory, from the copy loads of ckptfmt of each warm phase."""
+    out = []
+    for (phase, location, tool, op), samples in run.samples.items():
+        if tool == "ckptfmt" and phase in ("warm", "spread") and "consumer_seconds" in samples[0]:
+            alone = [{"seconds": s["consumer_seconds"], "round": s["round"]} for s in samples]
+            out.append(row_summary((phase, location, "consumer", op), alone, run.state_bytes))
+    return out
 
 
-OP_LABELS = {
-    "save": "durable save",
-    "save_nb_blocked": "non-blocking save: caller blocked",
-    "save_nb_durable": "non-blocking save: until durable",
-    "load_cold": "load, cold cache",
-    "load_warm": "load, warm cache",
-    "load_mmap_cold": "load mmap+touch, cold",
-    "load_mmap_warm": "load mmap+touch, warm",
-    "lazy": "lazy open (touches nothing)",
-    "load_into": "load into existing tensors",
-    "verify_cold": "verify, cold",
-    "verify_warm": "verify, warm",
-}
+def per_round_ratios(ours: list[dict[str, Any]], peer: list[dict[str, Any]]) -> list[float]:
+    """peer seconds / our seconds, round by round (above 1: ckptfmt faster)."""
+    theirs = {s["round"]: s["seconds"] for s in peer}
+    return [theirs[s["round"]] / s["seconds"] for s in ours if s["round"] in theirs]
 
 
-def markdown(report: dict[str, Any]) -> str:
-    m = report["machine"]
-    lines = [
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_bytes'] / 2**30:.0f} GiB; "
-        f"torch {report['versions']['torch']}, ckptfmt {report['versions']['ckptfmt']} "
-        f"({report['versions']['ckptfmt_backend']} backend). Command: `{report['command']}`. "
-        f"Cold cache by {report['cache_eviction'] or 'n/a'}.",
-        "",
-    ]
-    for case in report["cases"]:
-        stats, ratios = case["stats"], case["ratios"]
-        tools_ = [t for t in stats if t != "dd"]
-        lines.append(
-            f"**{case['state_bytes'] / 2**20:.0f} MiB {case['dtype']} state on {case['target']}** — "
-            "GB/s, median of rounds (min–max); `xN` = the tool's time / ckptfmt's time, per-round median "
-            "(above 1: ckptfmt faster)"
-        )
-        lines.append("")
-        lines.append("| operation | " + " | ".join(["dd", *tools_]) + " |")
-        lines.append("|---|" + "---|" * (len(tools_) + 1))
-        for op, label in OP_LABELS.items():
-            dd_op = {
-                "save": "save",
-                "load_cold": "load_cold",
-                "load_warm": "load_warm",
-                "verify_cold": "load_cold",
-                "verify_warm": "load_warm",
-            }.get(op)
-            row = [label]
-            dd = stats.get("dd", {}).get(dd_op) if dd_op else None
-            row.append(f"{dd['gbps']['median']:.2f}" if dd else "")
-            any_cell = False
-            for t in tools_:
-                s = stats[t].get(op)
-                if not s:
-                    row.append("")
+def comparisons(run: Run) -> list[dict[str, Any]]:
+    out = []
+    pairs = [(o, p, t) for o, p, t in COMPARISONS] + [("ckptfmt", "dd", COLD_TARGET)]
+    for phase in ("warm", "spread", "cold"):
+        for location in run.locations:
+            for ours, peer, target in pairs:
+                if (peer == "dd") != (phase == "cold"):
                     continue
-                any_cell = True
-                cell = f"{s['gbps']['median']:.2f} ({s['gbps']['min']:.2f}–{s['gbps']['max']:.2f})"
-                r = ratios.get(t, {}).get(op)
-                if r and t != "ckptfmt":
-                    cell += f" x{r['median']:.2f}"
-                row.append(cell)
-            if any_cell:
-                lines.append("| " + " | ".join(row) + " |")
-        sizes = [
-            f"{t} {stats[t]['save']['file_bytes'] / 2**20:.1f} MiB"
-            for t in tools_
-            if "file_bytes" in stats[t].get("save", {})
-        ]
-        lines.append("")
-        lines.append("File sizes: " + ", ".join(sizes) + ".")
-        rss = [
-            f"{t} {stats[t][op]['rss_extra_bytes']['median'] / 2**20:.0f} MiB"
-            for t in tools_
-            for op in ("save",)
-            if op in stats[t]
-        ]
-        lines.append("Peak extra RSS during save: " + ", ".join(rss) + ".")
-        rss = [
-            f"{t} {stats[t]['load_into']['rss_extra_bytes']['median'] / 2**20:.0f} MiB"
-            for t in tools_
-            if "load_into" in stats[t]
-        ]
-        lines.append("Peak extra RSS during load into existing tensors: " + ", ".join(rss) + ".")
-        lines.append("")
-    lines.append("Notes: " + "; ".join(f"**{k}**: {v}" for k, v in report["notes"].items()) + ".")
+                a = run.samples.get((phase, location, ours, "load"))
+                b = run.samples.get((phase, location, peer, "load"))
+                if not a or not b:
+                    continue
+                ratios = per_round_ratios(a, b)
+                out.append(
+                    {
+                        "phase": phase,
+                        "location": location,
+                        "ours": ours,
+                        "peer": peer,
+                        "kind": KINDS[ours],
+                        "target": target,
+                        "per_round": ratios,
+                        "ratio": common.summarise(ratios),
+                    }
+                )
+    return out
+
+
+def huge_pages_choice() -> dict[str, Any]:
+    """ckptfmt's machine-specific choice for its load buffers, which the copy figures depend on."""
+    from ckptfmt.engine import hostmem
+
+    return {
+        "setting": hostmem.huge_pages_setting(),
+        "host_reclaims_huge_blocks": hostmem.host_reclaims_huge_blocks(),
+    }
+
+
+def report_of(run: Run, argv: list[str], before: dict[str, Any], started: str) -> dict[str, Any]:
+    rows = [row_summary(k, v, run.state_bytes) for k, v in run.samples.items()] + consumer_rows(run)
+    return {
+        "command": common.command_line(__file__, argv),
+        "started": started,
+        "seconds": time.perf_counter() - run.t0,
+        "state": {"bytes": run.state_bytes, "size": run.args.size, "dtype": run.args.dtype},
+        "rounds": {"warm": run.args.rounds, "spread": run.args.spread_rounds, "saves": run.args.save_rounds},
+        "machine_before": before,
+        "machine_after": common.machine_state(run.locations),
+        "versions": common.versions(),
+        "ckptfmt_huge_pages": huge_pages_choice(),
+        "loads": {t: {"kind": k, "format": f, "call": c} for t, (k, f, c) in loads.LOADS.items()},
+        "save_notes": {t: tools.TOOLS[t]().note for t in run.args.save_tools},
+        "cold_eviction": "fsync + posix_fadvise(POSIX_FADV_DONTNEED) of the file read, before each cold row",
+        "rows": rows,
+        "comparisons": comparisons(run),
+    }
+
+
+def _cell(row: dict[str, Any] | None) -> str:
+    if not row:
+        return ""
+    g = row["gbps"]
+    return f"{g['median']:.2f} ({g['min']:.2f}–{g['max']:.2f})"
+
+
+def _machine_line(m: dict[str, Any]) -> str:
+    mem = m["memory"]
+    balloon = m["balloon"]
+    return (
+        f"{m['cpu']}, {m['cores']} CPUs, kernel {m['kernel']}; memory free {mem.get('MemFree', 0) / 2**30:.1f} GiB, "
+        f"available {mem.get('MemAvailable', 0) / 2**30:.1f} GiB of {mem.get('MemTotal', 0) / 2**30:.1f}; "
+        f"THP `{m['thp_enabled']}`; virtio balloon {'present' if balloon.get('present') else 'absent'}"
+        + (
+            f", free page reporting {'on' if balloon.get('free_page_reporting') else 'off'}"
+            if balloon.get("present")
+            else ""
+        )
+        + f"; load average {m['loadavg'].split(' ')[:3]}"
+    )
+
+
+def markdown(rep: dict[str, Any]) -> str:
+    rows = {r["id"]: r for r in rep["rows"]}
+    locs = list(rep["machine_before"]["targets"])
+    mib = rep["state"]["bytes"] / 2**20
+    lines = [
+        f"# {mib:.0f} MiB {rep['state']['dtype']} training state",
+        "",
+        f"Command: `{rep['command']}` (started {rep['started']}, {rep['seconds']:.0f} s). "
+        f"torch {rep['versions']['torch']}, safetensors {rep['versions']['safetensors']}, "
+        f"ckptfmt {rep['versions']['ckptfmt']} ({rep['versions'].get('ckptfmt_backend', '?')} backend).",
+        "",
+        f"Machine before: {_machine_line(rep['machine_before'])}.  ",
+        f"Machine after: {_machine_line(rep['machine_after'])}.  ",
+        "Locations: "
+        + ", ".join(
+            f"{n} = {t['path']} ({t['type']} on {t['device']})"
+            for n, t in rep["machine_before"]["targets"].items()
+        )
+        + ".",
+        f"ckptfmt's huge pages for load buffers: setting `{rep['ckptfmt_huge_pages']['setting']}`, "
+        f"host reclaims free huge blocks: {rep['ckptfmt_huge_pages']['host_reclaims_huge_blocks']}.",
+        "",
+        f"## Loads, every byte read: GB/s of tensor bytes, median (min–max) of {rep['rounds']['warm']} rounds",
+        "",
+        "Each load in a fresh process that imports torch and the tool only; the clock covers the load and "
+        "a multi-threaded int64 sum over every byte.  Disk = the disk's page cache (files resident, checked).",
+        "",
+        "| load | kind | " + " | ".join(locs) + " |",
+        "|---|---|" + "---|" * len(locs),
+    ]
+    for tool, label in LABELS.items():
+        cells = [_cell(rows.get(f"warm/{loc}/{tool}/load")) for loc in locs]
+        if any(cells):
+            lines.append(f"| {label} | {KINDS[tool]} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Comparisons, like with like: ckptfmt's speed over the peer's",
+        "",
+        "Per-round ratio of the peer's time to ckptfmt's, median (min–max); pass 2 re-runs the same rows "
+        "later in the run, to show the spread.",
+        "",
+        "| comparison | kind | location | pass | ratio | target | met |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in rep["comparisons"]:
+        r = c["ratio"]
+        name = f"{LABELS[c['ours']]} vs {LABELS[c['peer']]}"
+        pass_ = {"warm": "1", "spread": "2", "cold": "cold"}[c["phase"]]
+        lines.append(
+            f"| {name} | {c['kind']} | {c['location']} | {pass_} | {r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f}) "
+            f"| ≥ {c['target']} | {'yes' if r['median'] >= c['target'] else 'no'} |"
+        )
+    lines += ["", "## Cold from the disk (file evicted with posix_fadvise before each row)", ""]
+    lines += ["| read | GB/s | resident before (max) |", "|---|---|---|"]
+    for tool in ("dd", "ckptfmt"):
+        row = rows.get(f"cold/disk/{tool}/load")
+        if row:
+            res = [s["resident_before"] for s in row["samples"] if s.get("resident_before") is not None]
+            lines.append(
+                f"| {LABELS[tool]} | {_cell(row)} | {max(res):.1%} |"
+                if res
+                else f"| {LABELS[tool]} | {_cell(row)} | ? |"
+            )
+    lines += ["", f"## Durable saves: GB/s, median (min–max) of {rep['rounds']['saves']} rounds", ""]
+    lines += [
+        "| save | " + " | ".join(locs) + " | file | peak extra RSS |",
+        "|---|" + "---|" * (len(locs) + 2),
+    ]
+    save_ops = {
+        "save": "",
+        "save_nb_blocked": ", non-blocking: caller blocked",
+        "save_nb_durable": ", non-blocking: until durable",
+    }
+    for tool in ["dd", *rep["save_notes"]]:
+        for op, suffix in save_ops.items():
+            found = [rows.get(f"saves/{loc}/{tool}/{op}") for loc in locs]
+            any_row = next((r for r in found if r), None)
+            if not any_row:
+                continue
+            size = f"{any_row['file_bytes'] / 2**20:.1f} MiB" if "file_bytes" in any_row else ""
+            rss = f"{any_row['rss']['median'] / 2**20:.0f} MiB" if "rss" in any_row and tool != "dd" else ""
+            lines.append(
+                f"| {tool}{suffix} | " + " | ".join(_cell(r) for r in found) + f" | {size} | {rss} |"
+            )
+    lines += [
+        "",
+        "Loads: "
+        + "; ".join(f"**{t}**: {d['kind']}, `{d['call']}`" for t, d in rep["loads"].items() if t in LABELS)
+        + ".",
+    ]
+    lines += ["Saves: " + "; ".join(f"**{t}**: {n}" for t, n in rep["save_notes"].items()) + "."]
     return "\n".join(lines) + "\n"
 
 
-def chart(report: dict[str, Any], path: str) -> None:
-    try:
-        import matplotlib
+# -- the command line ---------------------------------------------------------------------------
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no chart (pip install matplotlib)")
-        return
-    cases = report["cases"]
-    fig, axes = plt.subplots(len(cases), 1, figsize=(11, 3.6 * len(cases)), squeeze=False)
-    colours = {
-        "dd": "#888888",
-        "ckptfmt": "#d62728",
-        "ckptfmt-zstd": "#ff9896",
-        "torch": "#1f77b4",
-        "safetensors": "#2ca02c",
-        "dcp": "#9467bd",
-        "tensorizer": "#8c564b",
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="16 MiB state, 1 round: every row, for CI")
+    ap.add_argument("--size", default=None, help="state size (default 1G; quick: 16M)")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument(
+        "--rounds", type=int, default=None, help="rounds of the warm and cold rows (default 5; quick: 1)"
+    )
+    ap.add_argument(
+        "--spread-rounds", type=int, default=None, help="rounds of the second pass (default 3; quick: 1)"
+    )
+    ap.add_argument("--save-rounds", type=int, default=None, help="rounds of the saves (default 3; quick: 1)")
+    ap.add_argument("--locations", default="tmpfs,disk", help="tmpfs,disk (cold rows need disk)")
+    ap.add_argument("--loads", default=",".join(loads.MAIN), help="load rows: " + ",".join(loads.MAIN))
+    ap.add_argument(
+        "--spread",
+        default=None,
+        help="load rows the second pass re-runs (default: every compared one; quick: ckptfmt,torch)",
+    )
+    ap.add_argument("--save-tools", default="ckptfmt,torch,safetensors", help="of " + ",".join(tools.TOOLS))
+    ap.add_argument(
+        "--disk-dir", default=None, help="a directory on the disk (default: a temp dir under bench/)"
+    )
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="where the report goes")
+    ap.add_argument("--name", default=None, help="report file stem (default: latest; quick: quick)")
+    args = ap.parse_args(argv)
+    args.size = common.parse_size(args.size or ("16M" if args.quick else "1G"))
+    args.rounds = args.rounds or (1 if args.quick else 5)
+    args.spread_rounds = args.spread_rounds if args.spread_rounds is not None else (1 if args.quick else 3)
+    args.save_rounds = args.save_rounds if args.save_rounds is not None else (1 if args.quick else 3)
+    args.loads = args.loads.split(",")
+    compared = [t for t in args.loads if any(t in (o, p) for o, p, _ in COMPARISONS)]
+    args.spread = (
+        args.spread.split(",") if args.spread else (["ckptfmt", "torch"] if args.quick else compared)
+    )
+    args.save_tools = [t for t in args.save_tools.split(",") if t]
+    args.name = args.name or ("quick" if args.quick else "latest")
+    for name, known in (
+        (args.loads, loads.LOADS),
+        (args.spread, loads.LOADS),
+        (args.save_tools, tools.TOOLS),
+    ):
+        if unknown := [n for n in name if n not in known]:
+            ap.error(f"unknown: {unknown}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    names = args.locations.split(",")
+    made = {
+        "tmpfs": lambda: tempfile.mkdtemp(prefix="ckptfmt-bench-", dir="/dev/shm"),
+        "disk": lambda: tempfile.mkdtemp(prefix="ckptfmt-bench-", dir=args.disk_dir or HERE),
     }
-    ops = ["save", "load_cold", "load_warm", "load_into", "verify_cold", "verify_warm"]
-    dd_for = {
-        "save": "save",
-        "load_cold": "load_cold",
-        "load_warm": "load_warm",
-        "verify_cold": "load_cold",
-        "verify_warm": "load_warm",
-    }
-    for ax, case in zip(axes[:, 0], cases):
-        stats = case["stats"]
-        names = ["dd", *[t for t in stats if t != "dd"]]
-        width = 0.8 / len(names)
-        for i, t in enumerate(names):
-            vals = []
-            for op in ops:
-                s = (
-                    stats.get(t, {}).get(dd_for.get(op) if t == "dd" else op)
-                    if (t != "dd" or op in dd_for)
-                    else None
-                )
-                vals.append(s["gbps"]["median"] if s else 0.0)
-            xs = [j + i * width for j in range(len(ops))]
-            ax.bar(xs, vals, width, label=t, color=colours.get(t))
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ops))])
-        ax.set_xticklabels([OP_LABELS[o] for o in ops], fontsize=8)
-        ax.set_ylabel("GB/s (median)")
-        ax.set_title(
-            f"{case['state_bytes'] / 2**20:.0f} MiB {case['dtype']} training state, {case['target']}"
-        )
-        ax.legend(fontsize=7, ncol=len(names))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    locations = {n: made[n]() for n in names}
+    run = Run(args, locations)
+    try:
+        before = common.machine_state(locations)
+        run.write_files()
+        run.warm_pass("warm", names, ["dd", *args.loads], args.rounds)
+        if args.spread_rounds:
+            run.warm_pass("spread", names[:1], args.spread, args.spread_rounds)
+        if "disk" in locations:
+            run.cold_pass(args.rounds)
+        run.save_pass(args.save_rounds)
+        rep = report_of(run, argv, before, started)
+    finally:
+        for folder in locations.values():
+            shutil.rmtree(folder, ignore_errors=True)
+    stem = os.path.join(args.out, args.name)
+    common.write_json(stem + ".json", rep, echo=False)
+    md = markdown(rep)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+    print("\n" + md)
+    print(f"wrote {stem}.json and {stem}.md")
+    return 0
 
 
 if __name__ == "__main__":

@@ -4,15 +4,14 @@
     python bench/scaling.py --sizes 256M,1G,4G,8G --rounds 5 --disk-dir /mnt/big
 
 Runs the main benchmark (bench/run.py: every measurement in a fresh process, dd in
-the same rounds as the disk's limit) for ckptfmt alone at each size, then plots
-GB/s and peak extra RSS against the state's size.  Throughput that stays level and
+the same rounds as the disk's limit) for ckptfmt alone on the disk at each size, then
+plots GB/s and peak extra RSS against the state's size.  Throughput that stays level and
 memory that stays flat as the state grows are what this shows; load and the
 non-blocking save allocate the state (or its staging) by design, so their memory
 grows with it.  Writes results/scaling.json, .md and .png.
 
-Memory: a measurement process holds the state and its staging while it saves, then
-a loaded copy or load_into's template: a size needs about twice its bytes of RAM
-(the states the workers start from move from /dev/shm to the disk when large).
+Memory: a save process holds the state and its staging; the disk's page cache holds
+the checkpoint files: a size needs about three times its bytes of RAM.
 """
 
 from __future__ import annotations
@@ -29,30 +28,27 @@ sys.path.insert(0, HERE)
 import run  # noqa: E402
 
 THROUGHPUT = {
-    "save": "durable save",
-    "save_nb_durable": "non-blocking save, until durable",
-    "load_cold": "load, cold cache",
-    "load_warm": "load, warm cache",
-    "load_into": "load_into existing tensors",
-    "verify_cold": "verify, cold cache",
-    "verify_warm": "verify, warm cache",
+    "saves/disk/ckptfmt/save": "durable save",
+    "saves/disk/ckptfmt/save_nb_durable": "non-blocking save, until durable",
+    "cold/disk/ckptfmt/load": "load, cold cache",
+    "warm/disk/ckptfmt/load": "load, page cache",
+    "warm/disk/ckptfmt-mmap/load": "load(mmap=True), page cache",
 }
-FLAT_MEMORY = {"save": "durable save", "load_into": "load_into", "verify_cold": "verify"}
+DD = {"saves/disk/dd/save": "dd write (fsync)", "cold/disk/dd/load": "dd read, cold"}
+FLAT_MEMORY = {"saves/disk/ckptfmt/save": "durable save"}
 
 
-def rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+def rows(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per size: GB/s and peak extra RSS per operation, and dd's GB/s."""
     out = []
-    for case in sorted(report["cases"], key=lambda c: c["state_bytes"]):
-        ours, dd = case["stats"]["ckptfmt"], case["stats"].get("dd", {})
-        row: dict[str, Any] = {"state_bytes": case["state_bytes"], "gbps": {}, "rss_bytes": {}}
-        for op in THROUGHPUT:
-            if op in ours:
-                row["gbps"][op] = ours[op]["gbps"]["median"]
-                row["rss_bytes"][op] = ours[op]["rss_extra_bytes"]["median"]
-        for op in ("save", "load_cold", "load_warm"):
-            if op in dd:
-                row["gbps"][f"dd_{op}"] = dd[op]["gbps"]["median"]
+    for report in sorted(reports, key=lambda r: r["state"]["bytes"]):
+        found = {r["id"]: r for r in report["rows"]}
+        row: dict[str, Any] = {"state_bytes": report["state"]["bytes"], "gbps": {}, "rss_bytes": {}}
+        for key in [*THROUGHPUT, *DD]:
+            if key in found:
+                row["gbps"][key] = found[key]["gbps"]["median"]
+                if "rss" in found[key]:
+                    row["rss_bytes"][key] = found[key]["rss"]["median"]
         out.append(row)
     return out
 
@@ -62,11 +58,7 @@ def markdown(table: list[dict[str, Any]], command: str) -> str:
     lines = [f"Command: `{command}` (every figure a median of rounds).", ""]
     lines.append("| GB/s | " + " | ".join(sizes) + " |")
     lines.append("|---|" + "---|" * len(sizes))
-    for op, label in [
-        *THROUGHPUT.items(),
-        ("dd_save", "dd write (fsync)"),
-        ("dd_load_cold", "dd read, cold"),
-    ]:
+    for op, label in [*THROUGHPUT.items(), *DD.items()]:
         cells = [f"{r['gbps'][op]:.2f}" if op in r["gbps"] else "" for r in table]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("")
@@ -94,10 +86,10 @@ def chart(table: list[dict[str, Any]], path: str) -> None:
         return
     mib = [r["state_bytes"] / 2**20 for r in table]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for op, label in [*THROUGHPUT.items(), ("dd_save", "dd write (fsync)")]:
+    for op, label in [*THROUGHPUT.items(), *DD.items()]:
         pts = [(m, r["gbps"][op]) for m, r in zip(mib, table) if op in r["gbps"]]
         if pts:
-            style = "--" if op.startswith("dd") else "-"
+            style = "--" if op in DD else "-"
             left.plot(*zip(*pts), style, marker="o", label=label)
     left.set_xscale("log", base=2)
     left.set_xlabel("state size, MiB")
@@ -127,19 +119,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disk-dir", default=None)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
-    bench_args = ["--sizes", args.sizes, "--tools", "ckptfmt", "--dtypes", "fp32", "--targets", "disk"]
-    bench_args += ["--rounds", str(args.rounds), "--out", args.out, "--name", "scaling-raw", "--no-chart"]
-    if args.disk_dir:
-        bench_args += ["--disk-dir", args.disk_dir]
-    if run.main(bench_args) != 0:
-        return 1
-    with open(os.path.join(args.out, "scaling-raw.json")) as f:
-        report = json.load(f)
+    reports = []
+    for size in args.sizes.split(","):
+        bench_args = [
+            "--size",
+            size,
+            "--locations",
+            "disk",
+            "--loads",
+            "ckptfmt,ckptfmt-mmap",
+            "--spread-rounds",
+            "0",
+        ]
+        bench_args += [
+            "--save-tools",
+            "ckptfmt",
+            "--rounds",
+            str(args.rounds),
+            "--save-rounds",
+            str(args.rounds),
+        ]
+        bench_args += ["--out", args.out, "--name", f"scaling-raw-{size}"]
+        if args.disk_dir:
+            bench_args += ["--disk-dir", args.disk_dir]
+        if run.main(bench_args) != 0:
+            return 1
+        with open(os.path.join(args.out, f"scaling-raw-{size}.json")) as f:
+            reports.append(json.load(f))
     command = "python bench/scaling.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    table = rows(report)
+    table = rows(reports)
     stem = os.path.join(args.out, "scaling")
     with open(stem + ".json", "w") as f:
-        json.dump({"command": command, "machine": report["machine"], "rows": table}, f, indent=1)
+        json.dump({"command": command, "machine": reports[0]["machine_before"], "rows": table}, f, indent=1)
     md = markdown(table, command.strip())
     with open(stem + ".md", "w") as f:
         f.write(md)

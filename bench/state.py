@@ -14,6 +14,7 @@ import random
 from typing import Any
 
 import torch
+from common import walk_tensors
 
 
 class Block(torch.nn.Module):
@@ -96,16 +97,6 @@ def tensor_bytes(obj: Any) -> int:
 def tensors(obj: Any) -> list[torch.Tensor]:
     """The tensors of a state, one per distinct storage (tied weights once)."""
     seen: dict[int, torch.Tensor] = {}
-
-    def walk(o: Any) -> None:
-        if isinstance(o, torch.Tensor):
-            seen.setdefault(o.untyped_storage().data_ptr(), o)
-        elif isinstance(o, dict):
-            for v in o.values():
-                walk(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                walk(v)
-
-    walk(obj)
+    for t in walk_tensors(obj):
+        seen.setdefault(t.untyped_storage().data_ptr(), t)
     return list(seen.values())

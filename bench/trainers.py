@@ -41,6 +41,10 @@ import time
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from common import fsync_tree, machine_state, tree_size  # noqa: E402
+
 METHODS = ("none", "stock", "stock+fsync", "ckptfmt", "ckptfmt-nb")
 BATCH = 4
 MODEL = "GPT-2 shape, 6 layers, width 384, vocabulary 8192 (13.8M parameters, fp32, AdamW)"
@@ -68,23 +72,6 @@ def _dataset(n: int) -> Any:
             return {"input_ids": self.data[i], "labels": self.data[i]}
 
     return Tokens()
-
-
-def _fsync(path: str) -> None:
-    """fsync a file, or every file under a directory, and the directory holding it."""
-    paths = [os.path.join(r, f) for r, _d, fs in os.walk(path) for f in fs] if os.path.isdir(path) else [path]
-    for p in [*paths, os.path.dirname(os.path.abspath(path))]:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _size(path: str) -> int:
-    if os.path.isdir(path):
-        return sum(os.path.getsize(os.path.join(r, f)) for r, _d, fs in os.walk(path) for f in fs)
-    return os.path.getsize(path)
 
 
 class Schedule:
@@ -115,7 +102,7 @@ class Schedule:
             if method in self.segments:
                 self.segments[method].append(now - self.start)
             if os.path.exists(written):
-                self.sizes.setdefault(method, _size(written))
+                self.sizes.setdefault(method, tree_size(written))
                 shutil.rmtree(written) if os.path.isdir(written) else os.unlink(written)
         method = self.plan[min(self.index, len(self.plan) - 1)]
         self.index += 1
@@ -123,7 +110,7 @@ class Schedule:
         if method in METHODS and method != "none":
             save(method)
             if method == "stock+fsync":
-                _fsync(target)
+                fsync_tree(target)
             self.stalls[method].append(time.perf_counter() - self.start)
         self.previous = (method, target)
 
@@ -369,6 +356,7 @@ def main() -> None:
         "rounds": args.rounds,
         "machine": f"{os.cpu_count()} cores ({args.threads} torch threads for training), "
         f"{platform.machine()}, python {platform.python_version()}",
+        "machine_state": machine_state({"work": args.dir or tempfile.gettempdir()}),
         "raw": {},
         "summary": {},
     }

@@ -1,0 +1,106 @@
+"""One load, as a resumed run makes it: the first thing a fresh process does, every byte then read.
+
+    python bench/loads.py TOOL PATH        # prints one JSON line
+
+The process imports torch (every tool returns torch tensors, and the consumer is
+torch's integer sum) and the library of the tool under test only: nothing else is
+loaded, allocated or faulted in before the clock starts.  The clock covers the load
+and the consumer (common.read_every_byte: every byte of every tensor, summed as
+int64 on all cores).  For a copy ("ckptfmt", "torch"), the consumer then runs a second
+time over the now-resident tensors: that is the consumer's own cost ("consumer
+alone"), measured in the same process and run.
+
+Each tool says what its load is: a copy into memory the process owns, or a zero-copy
+mapping of the file, whose pages the consumer faults in.  Only like is compared
+with like (bench/run.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import common
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# tool -> (what the load is, the file format it reads, what it calls)
+LOADS: dict[str, tuple[str, str, str]] = {
+    "ckptfmt": ("copy", "ckpt", "ckptfmt.load(path), every chunk verified"),
+    "torch": ("copy", "pt", "torch.load(path, weights_only=True)"),
+    "ckptfmt-mmap": ("mapping", "ckpt", "ckptfmt.load(path, mmap=True), every chunk verified"),
+    "torch-mmap": ("mapping", "pt", "torch.load(path, weights_only=True, mmap=True)"),
+    "safetensors": ("mapping", "safetensors", "safetensors.torch.load_file(path)"),
+    # bench/resume.py's variants: ckptfmt.load with the huge-page choice forced either way
+    "ckptfmt-huge-pages": ("copy", "ckpt", "ckptfmt.load(path), huge pages wherever free 2 MiB blocks allow"),
+    "ckptfmt-4k-pages": ("copy", "ckpt", "ckptfmt.load(path), 4 KiB pages only"),
+}
+HUGE_PAGES = {"ckptfmt-huge-pages": "on", "ckptfmt-4k-pages": "off"}
+MAIN = ("ckptfmt", "torch", "ckptfmt-mmap", "torch-mmap", "safetensors")
+
+
+def loader(tool: str) -> Callable[[str], Any]:
+    """Import the tool's library (only it) and return its load function."""
+    if tool in ("torch", "torch-mmap"):
+        import torch
+
+        mmap = tool == "torch-mmap"
+        return lambda p: torch.load(p, weights_only=True, mmap=mmap)
+    if tool == "safetensors":
+        from safetensors.torch import load_file
+
+        return load_file  # type: ignore[no-any-return]
+    if tool in HUGE_PAGES:  # before ckptfmt is imported: its switch, read at each allocation
+        os.environ["CKPTFMT_HUGE_PAGES"] = HUGE_PAGES[tool]
+    import ckptfmt
+
+    mmap = tool == "ckptfmt-mmap"
+    return lambda p: ckptfmt.load(p, mmap=mmap)
+
+
+def child(tool: str, path: str) -> dict[str, Any]:
+    """The measurement itself, in this (fresh) process."""
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    load = loader(tool)
+    t0 = time.perf_counter()
+    state = load(path)
+    t1 = time.perf_counter()
+    common.read_every_byte(state)
+    t2 = time.perf_counter()
+    out: dict[str, Any] = {"tool": tool, "seconds": t2 - t0, "load_seconds": t1 - t0, "read_seconds": t2 - t1}
+    if LOADS[tool][0] == "copy":
+        out["consumer_seconds"] = common.timed(common.read_every_byte, state)
+    out["peak_rss"] = common.status_bytes("VmHWM")
+    return out
+
+
+def measure(tool: str, path: str, timeout: float = 900) -> dict[str, Any]:
+    """Run one load in a fresh process; its measurement."""
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), tool, path],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"load {tool} of {path} failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def dd_read(path: str) -> dict[str, Any]:
+    """dd reading a file to /dev/null (4 MiB blocks): what the storage gives a plain reader."""
+    t = time.perf_counter()
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4M"], check=True, capture_output=True)
+    return {"tool": "dd", "seconds": time.perf_counter() - t}
+
+
+if __name__ == "__main__":
+    print(json.dumps(child(sys.argv[1], sys.argv[2])))
