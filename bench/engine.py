@@ -39,11 +39,11 @@ from common import summarise as med  # noqa: E402
 import ckptfmt  # noqa: E402
 from ckptfmt.engine import chunkwrite as chunkio  # noqa: E402
 from ckptfmt.engine import native as _native  # noqa: E402
-from ckptfmt.format import tree  # noqa: E402
+from ckptfmt.format.encode import encode  # noqa: E402
 
 
 def pieces_of(st: Any, chunk: int = 4 << 20) -> list[tuple[memoryview, int]]:
-    return [c for plan in tree.encode(st).storages for c in chunkio.storage_chunks(plan, chunk)]
+    return [c for plan in encode(st).storages for c in chunkio.storage_chunks(plan, chunk)]
 
 
 def write_raw(

@@ -18,7 +18,7 @@ import ckptfmt
 from ckptfmt.engine import native as _native
 from ckptfmt.files.reader import CheckpointFile
 from ckptfmt.format import layout as fmt
-from ckptfmt.format import tree
+from ckptfmt.format import render
 from ckptfmt.format.layout import Limits
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "corpus"))
@@ -186,8 +186,8 @@ def test_character_device_is_not_a_checkpoint():
 
 _MEASURE = """
 import json, sys, tracemalloc
-from ckptfmt import format as fmt
-from ckptfmt.reader import CheckpointFile
+from ckptfmt.format import layout as fmt
+from ckptfmt.files.reader import CheckpointFile
 out = []
 for path in sys.argv[1:]:
     data = open(path, "rb").read()
@@ -277,8 +277,8 @@ def test_wide_and_deep_index_opens_in_bounded_memory(tmp_path):
             vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
         resource.setrlimit(resource.RLIMIT_AS, (vm + (1536 << 20), resource.RLIM_INFINITY))
         import ckptfmt
-        from ckptfmt import tree
-        from ckptfmt.reader import CheckpointFile
+        from ckptfmt.files.reader import CheckpointFile
+        from ckptfmt.format import tree
         t = time.perf_counter()
         f = CheckpointFile(sys.argv[1])
         longest = max(len(p) for p, _ in tree.iter_paths(f.tree, f.tree.root, "state"))
@@ -290,7 +290,7 @@ def test_wide_and_deep_index_opens_in_bounded_memory(tmp_path):
         timeout=300,
     )
     longest, keylen_, ok, seconds = out.split()
-    assert int(longest) <= tree.PATH_CHARS and int(keylen_) <= tree.PATH_CHARS
+    assert int(longest) <= render.PATH_CHARS and int(keylen_) <= render.PATH_CHARS
     assert ok == "True" and float(seconds) < 60
 
 
@@ -467,9 +467,9 @@ def test_short_repr_never_raises():
     for _ in range(5000):
         deep = [deep]
     for value in (10**5000, Bad(), deep, "x" * 10**6, {1: 10**5000}, (10**5000,)):
-        text = tree.short_repr(value, 80)
+        text = render.short_repr(value, 80)
         assert len(text) <= 80
-    assert tree.short_repr(10**5000) == "<int of 4153 hex digits>"
+    assert render.short_repr(10**5000) == "<int of 4153 hex digits>"
 
 
 # -- the prologue: which bytes decide what a file is ------------------------------------------

@@ -15,7 +15,9 @@ import torch
 import ckptfmt
 from ckptfmt.format import layout as fmt
 from ckptfmt.format import tree
+from ckptfmt.format.encode import check_chunks, check_metadata, encode
 from ckptfmt.format.layout import Limits
+from ckptfmt.format.render import PATH_CHARS
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "corpus"))
 import make_corpus as mc  # noqa: E402
@@ -111,18 +113,18 @@ def test_too_many_storages_is_refused_by_save(tmp_path, monkeypatch):
 
 
 def test_too_many_chunks_helper(monkeypatch):
-    """The chunk count depends on the chunk size: the writer checks it (tree.check_chunks)."""
-    enc = tree.encode([torch.ones(1024) for _ in range(3)])
-    tree.check_chunks(enc, 4096)
+    """The chunk count depends on the chunk size: the writer checks it (encode.check_chunks)."""
+    enc = encode([torch.ones(1024) for _ in range(3)])
+    check_chunks(enc, 4096)
     monkeypatch.setattr(Limits, "MAX_CHUNKS", 2)
     with pytest.raises(ckptfmt.LimitError, match="3 chunks of 4096 bytes"):
-        tree.check_chunks(enc, 4096)
+        check_chunks(enc, 4096)
 
 
 def test_metadata_helper():
-    tree.check_metadata({"a": "b"})
+    check_metadata({"a": "b"})
     with pytest.raises(ckptfmt.LimitError, match=r"metadata\['a'\]"):
-        tree.check_metadata({"a": "x" * (MIB16 + 1)})
+        check_metadata({"a": "x" * (MIB16 + 1)})
 
 
 def _nested(depth: int) -> list:
@@ -249,8 +251,8 @@ def test_long_key_paths_are_cut():
     state: dict = {"w": torch.ones(1)}
     for _ in range(50):
         state = {long_key: state}
-    enc = tree.encode(state)
-    assert len(enc.storages[0].key) <= tree.PATH_CHARS
+    enc = encode(state)
+    assert len(enc.storages[0].key) <= PATH_CHARS
     assert enc.storages[0].key.startswith("state['kkk") and enc.storages[0].key.endswith("['w']")
 
 

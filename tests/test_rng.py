@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt.format import tree
+from ckptfmt.format.encode import encode
 from ckptfmt.runs import rng
 from ckptfmt.runs.rng import RNGSkippedWarning, RNGStateError, RNGStateTypeError, capture_rng, restore_rng
 
@@ -110,7 +110,7 @@ def test_capture_holds_storable_values_matching_the_libraries():
     assert torch.equal(c["torch_cpu"], torch.get_rng_state()) and c["torch_cpu"].dtype == torch.uint8
     expected_kinds = {"cuda"} if torch.cuda.is_available() else set()
     assert set(c["accelerators"]) >= expected_kinds
-    tree.encode(c)  # raises UnsupportedObjectError on anything the format cannot store
+    encode(c)  # raises UnsupportedObjectError on anything the format cannot store
 
 
 def test_capture_is_a_snapshot_not_a_view():

@@ -38,7 +38,7 @@ from ..engine import chunkwrite as chunkio
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
-from ..format import tree
+from ..format.encode import Encoded
 from . import forksave, inflight
 from .inflight import SaveHandle, _in_flight, _unobserved, raise_unobserved, wait_for_path  # noqa: F401 - these lived here once; tests and callers still use the names
 from .staging import POOL, StagingPool
@@ -105,7 +105,7 @@ class _Piece:
 
 
 def save_async(
-    encoded: tree.Encoded,
+    encoded: Encoded,
     path: str,
     *,
     compression: str | None,
@@ -147,7 +147,7 @@ def save_async(
 
 
 def _save_copied(
-    encoded: tree.Encoded,
+    encoded: Encoded,
     path: str,
     *,
     compression: str | None,
@@ -194,7 +194,7 @@ def _save_copied(
 
 
 def _snapshot(
-    encoded: tree.Encoded,
+    encoded: Encoded,
     pieces: queue.Queue[Any],
     chunk_size: int,
     on_wait: Any,
@@ -326,7 +326,7 @@ def _take_batch(pieces: queue.Queue[Any]) -> tuple[list[_Piece], Any]:
 def _write_worker(
     handle: SaveHandle,
     atomic: AtomicFile,
-    encoded: tree.Encoded,
+    encoded: Encoded,
     pieces: queue.Queue[Any],
     go: threading.Event,
     compression: str | None,

@@ -53,7 +53,7 @@ from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
 from ..errors import SnapshotError
 from ..format import layout as fmt
-from ..format import tree
+from ..format.encode import Encoded
 from . import inflight
 from .inflight import SaveHandle
 
@@ -76,7 +76,7 @@ def _overlaps(spans: list[tuple[int, int]], starts: list[int], lo: int, hi: int)
     return i >= 0 and spans[i][1] > lo
 
 
-def why_not(encoded: tree.Encoded, dedup: object | None) -> str | None:
+def why_not(encoded: Encoded, dedup: object | None) -> str | None:
     """Why `encoded` cannot be saved from a fork snapshot, or None if it can."""
     if not sys.platform.startswith("linux"):
         return "fork snapshots need Linux"
@@ -111,7 +111,7 @@ def _address(src: torch.UntypedStorage | np.ndarray) -> int:
 
 
 def save_forked(
-    encoded: tree.Encoded,
+    encoded: Encoded,
     path: str,
     *,
     compression: str | None,
@@ -245,7 +245,7 @@ def _finish(
     ready: int,
     alive_w: int,
     file_id: bytes,
-    encoded: tree.Encoded,
+    encoded: Encoded,
     metadata: dict[str, str],
     chunk_size: int,
     owner: threading.Lock,

@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import UnsupportedError
 from ..files.reader import CheckpointFile
-from ..format import dtypes, tree
+from ..format import dtypes
+from ..format.decode import decode
 from . import metadata as mdv
 
 
@@ -62,7 +63,7 @@ def _flatten(
     kind = nodes[node][0]
     if kind in ("dict", "odict"):
         for k, v in nodes[node][1]:
-            key = tree.decode(f.tree, k, _no_storage, f.path)
+            key = decode(f.tree, k, _no_storage, f.path)
             yield from _flatten(f, v, (*path, str(key)))
     elif kind == "list" and not _terminal(f, node):
         for i, v in enumerate(nodes[node][1]):

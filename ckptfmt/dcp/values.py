@@ -21,7 +21,7 @@ from ..fileio import pread_exact
 from ..files import save as writer
 from ..files.reader import CheckpointFile
 from ..format import layout as fmt
-from ..format import tree
+from ..format.encode import encode
 
 
 class ObjectBytes(io.BytesIO):
@@ -44,13 +44,13 @@ def raw_bytes_io(value: object) -> object:
 def check_storable(value: object, fqn: str) -> None:
     """Raise UnsupportedObjectError naming `fqn` unless ckptfmt's object model can store `value`."""
     try:
-        tree.encode(raw_bytes_io(value))
+        encode(raw_bytes_io(value))
     except UnsupportedObjectError as e:
         raise UnsupportedObjectError(_where_in(e.reason), key=fqn) from None
 
 
 def _where_in(reason: str) -> str:
-    """tree.encode's message for a value encoded on its own ("state[...]: cannot store ...")
+    """encode's message for a value encoded on its own ("state[...]: cannot store ...")
     without its root name: the key path inside the value, then the reason."""
     return reason.removeprefix("state").lstrip(": ")
 
@@ -68,7 +68,7 @@ def _scratch_fd() -> tuple[int, str]:
 def encode_value(value: object, fqn: str) -> bytes:
     """`value` as the bytes of a whole ckptfmt file (for storage layers that store bytes)."""
     try:
-        encoded = tree.encode(value)
+        encoded = encode(value)
     except UnsupportedObjectError as e:
         raise UnsupportedObjectError(_where_in(e.reason), key=fqn) from None
     fd, _ = _scratch_fd()

@@ -29,7 +29,7 @@ import zstandard
 from .. import __version__
 from ..errors import LimitError
 from ..format import layout as fmt
-from ..format import tree
+from ..format.encode import Encoded, StoragePlan
 from ..format.timestamps import format_utc, utc_at, utc_now
 from . import bytesview
 from . import native as _native
@@ -65,7 +65,7 @@ def producer_info() -> dict[str, str]:
     }
 
 
-def storage_bytes(plan: tree.StoragePlan) -> memoryview:
+def storage_bytes(plan: StoragePlan) -> memoryview:
     """A byte view of a storage's memory on the CPU (a copy only for device storages)."""
     src = plan.source
     if isinstance(src, np.ndarray):
@@ -195,13 +195,13 @@ def _write_chunks_python(
     return out, pos
 
 
-def storage_chunks(plan: tree.StoragePlan, chunk_size: int) -> list[tuple[memoryview, int]]:
+def storage_chunks(plan: StoragePlan, chunk_size: int) -> list[tuple[memoryview, int]]:
     """A storage's chunks in file order: (bytes, shuffle width) each."""
     data = storage_bytes(plan)
     return [(data[start : start + chunk_size], plan.width) for start in range(0, plan.nbytes, chunk_size)]
 
 
-def _batches(encoded: tree.Encoded, chunk_size: int) -> Iterator[list[tuple[memoryview, int]]]:
+def _batches(encoded: Encoded, chunk_size: int) -> Iterator[list[tuple[memoryview, int]]]:
     """Chunk views in file order, grouped so that device copies stay bounded."""
     batch: list[tuple[memoryview, int]] = []
     held = 0
@@ -295,7 +295,7 @@ class ChunkWriter:
 
 def build_file(
     fd: int,
-    encoded: tree.Encoded,
+    encoded: Encoded,
     *,
     compression: str | None,
     level: int | None,
@@ -328,7 +328,7 @@ def build_file(
 def finish_file(
     fd: int,
     file_id: bytes,
-    encoded: tree.Encoded,
+    encoded: Encoded,
     chunks: list[ChunkRecord],
     pos: int,
     metadata: dict[str, str],

@@ -68,6 +68,7 @@ from ..engine import bytesview
 from ..engine import native as _native
 from ..errors import CheckpointError
 from ..format import dtypes, tree
+from ..format.decode import decode_key
 from ..gcpause import pausing_in_main_thread
 from .reader import CheckpointFile
 
@@ -143,7 +144,7 @@ def _file_items(f: CheckpointFile, i: int, prefix: str) -> Iterator[tuple[str, i
     node = f.tree.nodes[i]
     if node[0] in ("dict", "odict"):
         for k, v in node[1]:
-            key = tree.decode_key(f.tree, k, f.path)
+            key = decode_key(f.tree, k, f.path)
             yield from _file_items(f, v, _join(prefix, key))
     elif node[0] in ("list", "tuple"):
         for n, j in enumerate(node[1]):

@@ -28,6 +28,7 @@ from ..errors import CheckpointError, LimitError, UnsupportedError
 from ..fileio import open_regular
 from ..format import devices, tree
 from ..format import layout as fmt
+from ..format.decode import decode, decode_key
 from ..format.index import Chunk, External, parse_index, parse_index_json
 from ..gcpause import pausing_in_main_thread
 
@@ -133,7 +134,7 @@ class CheckpointFile:
         return [rec.key for rec in self.storages for _ in range(rec.n_chunks)]
 
     def key_of(self, k: int) -> str:
-        """The key path of the first tensor using chunk k, rendered now (at most tree.PATH_CHARS)."""
+        """The key path of the first tensor using chunk k, rendered now (at most render.PATH_CHARS)."""
         return self.index.key_of(k)
 
     def root_items(self) -> list[tuple[object, int]]:
@@ -141,7 +142,7 @@ class CheckpointFile:
         node = self.tree.nodes[self.tree.root]
         if node[0] not in ("dict", "odict"):
             return []
-        return [(tree.decode_key(self.tree, k, self.path), v) for k, v in node[1]]
+        return [(decode_key(self.tree, k, self.path), v) for k, v in node[1]]
 
     # -- chunk reads (chunkread.ChunkReader) ----------------------------------
 
@@ -314,7 +315,7 @@ class CheckpointFile:
                 raise self._device_error(sid, e) from None
         for device, sids in on_device.items():
             loaded.update(self._read_to_device(sids, device, verify, staging_budget()))
-        return tree.decode(self.tree, top, loaded.__getitem__, self.path)
+        return decode(self.tree, top, loaded.__getitem__, self.path)
 
     def _staging_size(self, sids: list[int], budget: int) -> int:
         """Bytes of the host buffer a device load of `sids` stages through: sized to the work."""

@@ -1,7 +1,7 @@
 """save() and remove(): the writing side of the public API.
 
 A save runs in two steps.  First the whole state is encoded into nodes and
-storages (tree.encode), so an object that cannot be stored fails before any
+storages (encode.encode), so an object that cannot be stored fails before any
 byte is written.  Then the file is written to a temp sibling and committed
 (commit.py, spec section 10): blocking saves here, through chunkio.build_file;
 non-blocking ones snapshot the state into staging memory and write it on a
@@ -33,7 +33,7 @@ from ..engine.chunkwrite import (  # noqa: F401 - the chunk writer's names, as t
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import TEMP_MARKER, AtomicFile, iter_temp_files, remove_abandoned_temps, temp_prefix  # noqa: F401 - the commit protocol's names, as they were importable from here
 from ..format import layout as fmt
-from ..format import tree
+from ..format.encode import check_chunks, check_metadata, encode
 from ..gcpause import pausing_in_main_thread
 
 
@@ -52,7 +52,7 @@ def check_save_args(compression: str | None, level: int | None, metadata: object
         type(k) is str and type(v) is str for k, v in metadata.items()
     ):
         raise TypeError("metadata must be a dict of str to str")
-    tree.check_metadata(metadata)  # a reader's limits: entries and value lengths
+    check_metadata(metadata)  # a reader's limits: entries and value lengths
     return dict(metadata)
 
 
@@ -156,8 +156,8 @@ def write_state(
 ) -> Any:
     """Encode and commit `state` at `target` (arguments already checked, earlier saves waited
     for), beneath the open directory `within` when given (AtomicFile)."""
-    encoded = tree.encode(state)  # fails on unsupported objects before any I/O
-    tree.check_chunks(encoded, chunk_size)
+    encoded = encode(state)  # fails on unsupported objects before any I/O
+    check_chunks(encoded, chunk_size)
     if not blocking:
         return background.save_async(
             encoded,

@@ -15,7 +15,7 @@ is read (spec section 9, steps 1 to 7).  This module implements:
 * section 8: every limit checked before anything is allocated for it, among them the
   memory the index may take (`max_bytes`).
 
-The object tree (section 6) is validated by tree.validate_tree, called from here.  The
+The object tree (section 6) is validated by validate.validate_tree, called from here.  The
 result is an `Index` of plain records (`Chunk`, `External`, tree.StorageRecord, the
 tree) that the chunk reader (chunkread.py) and CheckpointFile (reader.py) use as they are.
 """
@@ -32,7 +32,7 @@ from typing import Any
 from ..errors import CorruptError, IncompleteError, LimitError, UnsupportedError
 from ..fileio import pread_exact
 from ..gcpause import pausing
-from . import devices, tree
+from . import devices, tree, validate
 from . import layout as fmt
 from .layout import Limits
 
@@ -146,7 +146,7 @@ def parse_index_json(raw: bytes, path: str, fields: tuple[str, ...] = _INDEX_FIE
     return obj
 
 
-def _str_map(c: tree._Check, v: object, what: str, cap: int) -> dict[str, str]:
+def _str_map(c: validate.Check, v: object, what: str, cap: int) -> dict[str, str]:
     if type(v) is not dict:
         raise c.fail(f"{what} is not an object")
     if len(v) > cap:
@@ -175,7 +175,7 @@ class Index:
     memory: int
 
     def key_of(self, k: int) -> str:
-        """The key path of the first tensor using chunk k, rendered now (at most tree.PATH_CHARS)."""
+        """The key path of the first tensor using chunk k, rendered now (at most render.PATH_CHARS)."""
         firsts = self._first_chunks
         return self.storages[bisect.bisect_right(firsts, k) - 1].key
 
@@ -237,7 +237,7 @@ class _IndexParser:
         external = bool(self.prologue.required_features & fmt.FEATURE_EXTERNAL)
         index = parse_index_json(raw, path, _INDEX_FIELDS_EXTERNAL if external else _INDEX_FIELDS)
         del raw
-        c = tree._Check(path)
+        c = validate.Check(path)
         self.chunk_size = c.bounded_int(index["chunk_size"], "chunk_size", fmt.MAX_CHUNK_SIZE)
         if self.chunk_size < fmt.MIN_CHUNK_SIZE or self.chunk_size & (self.chunk_size - 1):
             raise CorruptError(f"index: chunk_size {self.chunk_size} is not a power of two", path=path)
@@ -251,7 +251,7 @@ class _IndexParser:
         self.externals = self._parse_externals(c, index["externals"]) if external else []
         # the JSON records are dropped as soon as they are parsed: they cost more than the Chunks
         self.chunks = self._parse_chunks(c, index.pop("chunks"))
-        nodes = tree.validate_tree(index.pop("nodes"), self.storages, path)
+        nodes = validate.validate_tree(index.pop("nodes"), self.storages, path)
         return Index(
             self.prologue,
             self.footer,
@@ -267,7 +267,7 @@ class _IndexParser:
             self.index_memory,
         )
 
-    def _parse_storages(self, c: tree._Check, raw: object) -> list[tree.StorageRecord]:
+    def _parse_storages(self, c: validate.Check, raw: object) -> list[tree.StorageRecord]:
         items = c.list_(raw, "storages")
         if len(items) > Limits.MAX_STORAGES:
             raise c.fail(f"{len(items)} storages exceed the limit {Limits.MAX_STORAGES}", limit=True)
@@ -286,7 +286,7 @@ class _IndexParser:
         self._n_chunks_expected = first
         return out
 
-    def _parse_externals(self, c: tree._Check, raw: object) -> list[External]:
+    def _parse_externals(self, c: validate.Check, raw: object) -> list[External]:
         """The `externals` member (section 12): reference paths, file ids and lengths."""
         items = c.list_(raw, "externals")
         if len(items) > Limits.MAX_EXTERNALS:
@@ -314,7 +314,7 @@ class _IndexParser:
             out.append(External(rel, fid, length, os.path.join(here, rel)))
         return out
 
-    def _parse_chunks(self, c: tree._Check, raw: object) -> list[Chunk]:
+    def _parse_chunks(self, c: validate.Check, raw: object) -> list[Chunk]:
         items = c.list_(raw, "chunks")
         if len(items) > Limits.MAX_CHUNKS:
             raise c.fail(f"{len(items)} chunks exceed the limit {Limits.MAX_CHUNKS}", limit=True)
@@ -359,7 +359,7 @@ class _IndexParser:
             raise c.fail(f"external {used.index(False)} is not used by any chunk")
         return self._with_padding(out, end_of_data)
 
-    def _parse_layout(self, c: tree._Check, k: int, item: list[Any], raw_len: int) -> Chunk:
+    def _parse_layout(self, c: validate.Check, k: int, item: list[Any], raw_len: int) -> Chunk:
         """Fields 0-6 (and the digest, field 7, with bit 0): lengths, codec, filter, checksum."""
         off, slen, rlen, codec, filt, width, check = item[:7]
         where = f"chunk {k}"
@@ -393,7 +393,7 @@ class _IndexParser:
             digest = bytes.fromhex(item[7])
         return Chunk(off, slen, rlen, codec, filt, width, int(check, 16), 0, digest)
 
-    def _parse_external_ref(self, c: tree._Check, k: int, item: list[Any], ch: Chunk) -> Chunk:
+    def _parse_external_ref(self, c: validate.Check, k: int, item: list[Any], ch: Chunk) -> Chunk:
         """Fields 8 and 9 of an external record: which file, which chunk of it."""
         where = f"chunk {k}"
         if not self.externals:

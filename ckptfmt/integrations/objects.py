@@ -75,7 +75,7 @@ import torch
 
 from ..errors import CheckpointWarning, CorruptError, UnsupportedError, UnsupportedObjectError
 from ..format.layout import Limits
-from ..format.tree import extend_path, render_key
+from ..format.render import extend_path, render_key
 
 TAG = "__ckptfmt_object__"
 

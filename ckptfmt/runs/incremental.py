@@ -35,8 +35,9 @@ from ..engine.commit import AtomicFile
 from ..errors import CheckpointWarning
 from ..files import save as writer
 from ..files.reader import CheckpointFile
-from ..format import dtypes, tree
+from ..format import dtypes
 from ..format import layout as fmt
+from ..format.encode import Encoded, StoragePlan
 
 #: raw bytes consolidate() reads (verified) and writes per step
 _CONSOLIDATE_WINDOW = 64 << 20
@@ -295,10 +296,10 @@ def consolidate(
     with CheckpointFile(source) as f:
         widths = _storage_widths(f)
         # the index of the copy: the same tree and storages (their bytes come from the file)
-        encoded = tree.Encoded(
+        encoded = Encoded(
             nodes=f.tree.nodes,
             storages=[
-                tree.StoragePlan(r.nbytes, r.device, widths[i], np.empty(0), r.key)
+                StoragePlan(r.nbytes, r.device, widths[i], np.empty(0), r.key)
                 for i, r in enumerate(f.storages)
             ],
             devices=list(f.source_devices),

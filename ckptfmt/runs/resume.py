@@ -29,8 +29,10 @@ from .. import __version__
 from ..errors import CorruptError, UnsupportedError
 from ..files.load_into import LoadReport, MismatchError, fill_from_node
 from ..files.reader import CheckpointFile
-from ..format import dtypes, tree
+from ..format import dtypes
+from ..format.decode import decode_key
 from ..format.layout import Limits
+from ..format.render import render_key, short_repr
 from . import rng
 
 PAYLOAD_VERSION = 1
@@ -192,12 +194,12 @@ class _Shape:
     def str_keys(self, d: dict[Any, Any], where: str) -> dict[str, Any]:
         for k in d:
             if type(k) is not str:
-                raise self.fail(tree.render_key(where, k), "has a key that is not a str")
+                raise self.fail(render_key(where, k), "has a key that is not a str")
         return d
 
     def int_(self, v: object, where: str, hi: int) -> int:
         if type(v) is not int or not 0 <= v <= hi:
-            raise self.fail(where, f"is {tree.short_repr(v, 40)}, expected an int in [0, {hi}]")
+            raise self.fail(where, f"is {short_repr(v, 40)}, expected an int in [0, {hi}]")
         return v
 
     def plain(self, v: object, where: str) -> None:
@@ -218,7 +220,7 @@ def check_fingerprint(fp: object, path: str) -> dict[str, Any]:
     version = d.get("version")
     if type(version) is int and version != PAYLOAD_VERSION:
         raise UnsupportedError(
-            f"resume fingerprint version {tree.short_repr(version, 40)}; this ckptfmt reads "
+            f"resume fingerprint version {short_repr(version, 40)}; this ckptfmt reads "
             f"version {PAYLOAD_VERSION}",
             path=path,
             key="resume['version']",
@@ -234,7 +236,7 @@ def check_fingerprint(fp: object, path: str) -> dict[str, Any]:
             raise c.fail(f"resume['data'][{i}]", f"is a {type(name).__name__}, expected a str")
     env = c.str_keys(c.dict_(d["environment"], "resume['environment']"), "resume['environment']")
     for k, v in env.items():
-        c.plain(v, tree.render_key("resume['environment']", k))
+        c.plain(v, render_key("resume['environment']", k))
     return d
 
 
@@ -242,9 +244,9 @@ def _check_architecture(c: _Shape, v: object) -> None:
     """{module path: {parameter name: [shape (ints), dtype name]}}."""
     top = "resume['architecture']"
     for path, params in c.str_keys(c.dict_(v, top), top).items():
-        where = tree.render_key(top, path)
+        where = render_key(top, path)
         for name, entry in c.str_keys(c.dict_(params, where), where).items():
-            at = tree.render_key(where, name)
+            at = render_key(where, name)
             pair = c.list_(entry, at)
             if len(pair) != 2 or type(pair[1]) is not str:
                 raise c.fail(at, "expected [shape, dtype name]")
@@ -256,11 +258,11 @@ def _check_optimizers(c: _Shape, v: object) -> None:
     """{optimizer path: [{hyper-parameter: plain value}, one per parameter group]}."""
     top = "resume['optimizer']"
     for path, groups in c.str_keys(c.dict_(v, top), top).items():
-        where = tree.render_key(top, path)
+        where = render_key(top, path)
         for i, group in enumerate(c.list_(groups, where)):
             at = f"{where}[{i}]"
             for k, hp in c.str_keys(c.dict_(group, at), at).items():
-                c.plain(hp, tree.render_key(at, k))
+                c.plain(hp, render_key(at, k))
 
 
 # -- checks on resume -----------------------------------------------------------------
@@ -283,7 +285,7 @@ def _shown(v: object) -> str:
     int of more than 4300 digits would raise)."""
     if type(v) is str and len(v) <= 80 and v.isprintable():
         return v
-    return tree.short_repr(v, 80)
+    return short_repr(v, 80)
 
 
 def _few(items: list[str], n: int = 3) -> str:
@@ -386,7 +388,7 @@ def node_items(f: CheckpointFile, node: int) -> dict[Any, int]:
     n = f.tree.nodes[node]
     if n[0] not in ("dict", "odict"):
         return {}
-    return {tree.decode_key(f.tree, k, f.path): v for k, v in n[1]}
+    return {decode_key(f.tree, k, f.path): v for k, v in n[1]}
 
 
 def _merge(report: LoadReport, sub: LoadReport, prefix: str) -> None:

@@ -79,7 +79,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, CheckpointWarning, CorruptError, UnsupportedObjectError
-from ..format.tree import short_repr
+from ..format.render import short_repr
 
 RNG_STATE_VERSION = 1
 

@@ -1,0 +1,101 @@
+"""Decoding: a checked `Tree` -> the objects it describes (the reader's last step).
+
+validate.py has checked every node before anything here runs, so `decode` builds
+without checking again: containers, scalars, dtypes, devices and sizes from their
+nodes, tensors and arrays as views of the storages the caller loaded (`storage(sid)`),
+sharing a storage wherever the saved state shared one.  `decode_key` gives one dict
+key's value, for callers that match keys before building anything.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..gcpause import pausing
+from . import dtypes
+from .tree import Tree, float_value
+from .validate import Check, key_value
+
+
+def decode_key(tree: Tree, node: int, path: str) -> object:
+    """The value of a validated dict key (keys are scalars and tuples of them, never tensors)."""
+    return key_value(Check(path), tree.nodes, node)
+
+
+@pausing
+def decode(tree: Tree, top: int, storage: Callable[[int], torch.UntypedStorage], path: str) -> object:
+    """Build the objects of the subtree at `top`; `storage(sid)` gives loaded storages."""
+    c = Check(path)
+    nodes = tree.nodes
+
+    def build(i: int) -> object:
+        node = nodes[i]
+        kind = node[0]
+        if kind == "none":
+            return None
+        if kind == "bool":
+            return node[1]
+        if kind == "int":
+            return int(node[1], 16)
+        if kind == "float":
+            return float_value(node[1])
+        if kind == "complex":
+            return complex(float_value(node[1]), float_value(node[2]))
+        if kind == "str":
+            return node[1]
+        if kind == "bytes":
+            return base64.b64decode(node[1])
+        if kind == "list":
+            return [build(j) for j in node[1]]
+        if kind == "tuple":
+            return tuple(build(j) for j in node[1])
+        if kind in ("dict", "odict"):
+            d: dict[Any, Any] = {} if kind == "dict" else collections.OrderedDict()
+            for k, v in node[1]:  # keys validated: hashable and distinct
+                d[build(k)] = build(v)
+            if kind == "odict" and node[2] is not None:
+                d._metadata = build(node[2])  # type: ignore[attr-defined]
+            return d
+        if kind == "dtype":
+            return dtypes.TORCH_DTYPES[node[1]]
+        if kind == "device":
+            return torch.device(node[1])
+        if kind == "size":
+            return torch.Size(int(d, 16) for d in node[1])
+        if kind == "tensor":
+            return _build_tensor(node[1], storage)
+        if kind == "ndarray":
+            return _build_ndarray(node[1], storage)
+        if kind == "npscalar":
+            return np.frombuffer(base64.b64decode(node[2]), dtype=np.dtype(node[1]))[0]
+        raise c.fail(f"node {i} has unknown kind {kind!r}")  # validated before; kept for safety
+
+    with torch.no_grad():
+        return build(top)
+
+
+def _build_tensor(m: dict[str, Any], storage: Callable[[int], torch.UntypedStorage]) -> torch.Tensor:
+    st = storage(m["storage"])
+    dt = dtypes.TORCH_DTYPES[m["dtype"]]
+    t = torch.empty(0, dtype=dt, device=st.device).set_(st, m["offset"], m["shape"], m["stride"])
+    if m["conj"]:
+        t = t.conj()
+    if m["param"]:
+        return torch.nn.Parameter(t, requires_grad=m["requires_grad"])
+    if m["requires_grad"]:
+        t.requires_grad_(True)
+    return t
+
+
+def _build_ndarray(m: dict[str, Any], storage: Callable[[int], torch.UntypedStorage]) -> np.ndarray:
+    st = storage(m["storage"])
+    dt = dtypes.numpy_dtype(m["dtype"])
+    assert dt is not None  # validated
+    flat = torch.empty(0, dtype=torch.uint8).set_(st).numpy()
+    return flat.view(dt).reshape(m["shape"], order=m["order"])

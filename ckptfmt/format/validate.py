@@ -1,0 +1,394 @@
+"""Validation: a node table read from a file -> a checked `Tree` (the reader's side of tree.py).
+
+`validate_tree` checks every node once, in table order, before anything is built from
+it (spec section 6): each kind's shape, children before their parent and one parent
+each, dict keys that are keys (`key_problem`) and distinct with few hash collisions,
+tensor and array metadata that stays inside its storage, every limit of spec section 8.
+It returns the `Tree` that decode.py builds objects from without checking again.
+`Check`, the helper that turns a failed check into CorruptError, LimitError or
+UnsupportedError naming the file, is shared with the rest of the index's rules (index.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from array import array
+from typing import Any
+
+import torch
+
+from ..errors import CorruptError, LimitError, UnsupportedError
+from . import devices, dtypes
+from .layout import Limits
+from .render import short_repr
+from .tree import StorageRecord, Tree, float_value, node_text, over_string_limit
+
+_INT_RE = re.compile(r"-?(?:0|[1-9a-f][0-9a-f]*)")
+_FLOAT_RE = re.compile(r"[0-9a-f]{16}")
+#: kinds whose values may be dict keys (a tuple only when its elements are keys too: key_problem)
+_KEY_KINDS = frozenset({"none", "bool", "int", "float", "str", "tuple"})
+#: every kind, interned: validation replaces each node's kind string with one of these,
+#: so the table does not keep one string object per node
+_KINDS = {
+    k: k
+    for k in (
+        "none",
+        "bool",
+        "int",
+        "float",
+        "complex",
+        "str",
+        "bytes",
+        "list",
+        "tuple",
+        "dict",
+        "odict",
+        "dtype",
+        "device",
+        "size",
+        "tensor",
+        "ndarray",
+        "npscalar",
+    )
+}
+_TENSOR_FIELDS = ("dtype", "shape", "stride", "offset", "storage", "requires_grad", "param", "conj")
+_ARRAY_FIELDS = ("dtype", "shape", "order", "storage")
+#: longest base64 text of a bytes value within the limit
+_MAX_B64 = 4 * -(-Limits.MAX_STRING_BYTES // 3)
+
+
+class Check:
+    """Validation helpers that raise CorruptError naming the node."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def fail(self, msg: str, limit: bool = False) -> CorruptError | LimitError:
+        cls = LimitError if limit else CorruptError
+        return cls(f"index: {msg}", path=self.path)
+
+    def unsupported(self, msg: str) -> UnsupportedError:
+        return UnsupportedError(f"index: {msg}", path=self.path)
+
+    def bounded_int(self, v: object, what: str, hi: int) -> int:
+        """A non-negative int; above `hi` is a limit error, not corruption."""
+        if type(v) is not int or v < 0:
+            raise self.fail(f"{what} is {short_repr(v, 40)}, expected a non-negative integer")
+        if v > hi:
+            raise self.fail(f"{what} is {v}, above the limit {hi}", limit=True)
+        return v
+
+    def int_(self, v: object, what: str, lo: int = 0, hi: int | None = None) -> int:
+        if type(v) is not int or v < lo or (hi is not None and v > hi):
+            raise self.fail(f"{what} is {short_repr(v, 40)}, expected an integer in [{lo}, {hi}]")
+        return v
+
+    def str_(self, v: object, what: str) -> str:
+        if type(v) is not str:
+            raise self.fail(f"{what} is not a string")
+        if over_string_limit(v):
+            raise self.fail(f"{what} is longer than {Limits.MAX_STRING_BYTES} bytes", limit=True)
+        return v
+
+    def list_(self, v: object, what: str) -> list[Any]:
+        if type(v) is not list:
+            raise self.fail(f"{what} is not a list")
+        return v
+
+
+def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -> Tree:
+    """Check every node of the table; return the tree with each node's parent."""
+    c = Check(path)
+    nodes = c.list_(nodes_raw, "nodes")
+    if not nodes:
+        raise c.fail("the node table is empty")
+    if len(nodes) > Limits.MAX_NODES:
+        raise c.fail(f"{len(nodes)} nodes exceed the limit of {Limits.MAX_NODES}", limit=True)
+    # compact tables (4, 4 and 2 bytes a node): the memory per node is mostly json's
+    parent = array("i", [-1]) * len(nodes)
+    slot = array("i", [0]) * len(nodes)
+    depth = array("H", [0]) * len(nodes)
+
+    def child(i: int, j: object, s: int) -> int:
+        if type(j) is not int or not 0 <= j < i:
+            raise c.fail(
+                f"node {i} refers to node {short_repr(j, 40)}; children must come before their parent"
+            )
+        if parent[j] != -1:
+            raise c.fail(f"node {j} has two parents ({parent[j]} and {i})")
+        parent[j] = i
+        slot[j] = s
+        return depth[j]
+
+    for i, node in enumerate(nodes):
+        if type(node) is not list or not node or type(node[0]) is not str:
+            raise c.fail(f"node {i} is not a [kind, ...] array")
+        kind = _KINDS.get(node[0])
+        if kind is None:
+            raise c.unsupported(f"node {i} has unknown kind {short_repr(node[0], 40)}")
+        node[0] = kind
+        deepest = -1  # deepest child
+        n = len(node)
+        if kind == "none":
+            ok = n == 1
+        elif kind == "bool":
+            ok = n == 2 and type(node[1]) is bool
+        elif kind == "int":
+            ok = n == 2 and type(node[1]) is str
+            if ok and len(node[1]) - node[1].startswith("-") > Limits.MAX_STRING_BYTES:
+                raise c.fail(
+                    f"node {i} is an int of more than {Limits.MAX_STRING_BYTES} hex digits", limit=True
+                )
+            ok = ok and _INT_RE.fullmatch(node[1]) is not None and node[1] != "-0"
+        elif kind == "float":
+            ok = n == 2 and type(node[1]) is str and _FLOAT_RE.fullmatch(node[1]) is not None
+        elif kind == "complex":
+            ok = n == 3 and all(type(x) is str and _FLOAT_RE.fullmatch(x) for x in node[1:])
+        elif kind == "str":
+            ok = n == 2 and c.str_(node[1], f"node {i}") is not None
+        elif kind == "bytes":
+            ok = n == 2 and type(node[1]) is str
+            if ok and len(node[1]) > _MAX_B64:
+                raise c.fail(f"node {i} holds more than {Limits.MAX_STRING_BYTES} bytes", limit=True)
+            ok = ok and _b64decode(c, i, node[1]) is not None
+        elif kind in ("list", "tuple"):
+            ok = n == 2 and type(node[1]) is list
+            if ok:
+                for s, j in enumerate(node[1]):
+                    deepest = max(deepest, child(i, j, s))
+        elif kind in ("dict", "odict"):
+            ok = (n == 2 if kind == "dict" else n == 3) and type(node[1]) is list
+            if ok:
+                for e, pair in enumerate(node[1]):
+                    if type(pair) is not list or len(pair) != 2:
+                        raise c.fail(f"node {i} has an entry that is not a [key, value] pair")
+                    deepest = max(deepest, child(i, pair[0], 2 * e), child(i, pair[1], 2 * e + 1))
+                    _check_key(c, nodes, i, pair[0])
+                if kind == "odict" and node[2] is not None:
+                    deepest = max(deepest, child(i, node[2], -1))
+                    if nodes[node[2]][0] not in ("dict", "odict"):
+                        raise c.fail(f"node {i} uses a {nodes[node[2]][0]} node as its _metadata")
+                _check_keys(c, nodes, i, node[1])
+        elif kind == "dtype":
+            ok = n == 2 and type(node[1]) is str and node[1] in dtypes.TORCH_DTYPES
+            if not ok and n == 2 and type(node[1]) is str:
+                raise c.unsupported(f"node {i} has dtype {short_repr(node[1], 40)}, unknown to this reader")
+        elif kind == "device":
+            ok = n == 2 and devices.valid_location(node[1])
+            if ok:
+                try:
+                    named = str(torch.device(node[1]))
+                except RuntimeError as e:
+                    raise c.fail(f"node {i} names device {node[1]!r}, unknown to torch") from e
+                if named != node[1]:
+                    raise c.fail(f"node {i} names device {node[1]!r}, which torch reads as {named!r}")
+        elif kind == "size":
+            ok = (
+                n == 2
+                and type(node[1]) is list
+                and len(node[1]) <= Limits.MAX_RANK
+                and all(
+                    type(d) is str
+                    and len(d) <= 16
+                    and _INT_RE.fullmatch(d)
+                    and not d.startswith("-")
+                    and int(d, 16) <= Limits.MAX_SIZE_DIM
+                    for d in node[1]
+                )
+            )
+        elif kind == "tensor":
+            ok = n == 2 and _check_tensor(c, i, node[1], storages)
+        elif kind == "ndarray":
+            ok = n == 2 and _check_ndarray(c, i, node[1], storages)
+        else:  # npscalar
+            ok = n == 3 and type(node[1]) is str and type(node[2]) is str and len(node[2]) <= 32
+            dt = dtypes.numpy_dtype(node[1]) if ok else None
+            if ok and dt is None:  # as for an ndarray of that dtype
+                raise c.unsupported(
+                    f"node {i} has numpy dtype {short_repr(node[1], 40)}, unknown to this reader"
+                )
+            if ok:
+                raw = _b64decode(c, i, node[2])
+                assert dt is not None
+                if len(raw) != dt.itemsize:
+                    raise c.fail(f"node {i} holds {len(raw)} bytes for a {dt.itemsize}-byte scalar")
+        if not ok:
+            raise c.fail(f"node {i} ({kind}) is malformed")
+        if deepest >= 0:
+            if deepest >= Limits.MAX_DEPTH:
+                raise c.fail(f"nesting deeper than {Limits.MAX_DEPTH} levels", limit=True)
+            depth[i] = deepest + 1
+    root = len(nodes) - 1
+    if parent.count(-1) != 1:
+        orphan = parent.index(-1)
+        raise c.fail(f"node {orphan} is not part of the tree")
+    for sid, rec in enumerate(storages):
+        if not rec.kind:
+            raise c.fail(f"storage {sid} is not used by any tensor or array")
+    tree = Tree(nodes, root, storages, parent, slot)
+    for rec in storages:
+        rec.tree = tree
+    return tree
+
+
+def key_problem(nodes: list[list[Any]], j: int) -> str | None:
+    """Why node j cannot be a dict key, or None: the one rule (spec section 6) every path that
+    reads keys relies on.  A key is a none, bool, int, float or str node, or a tuple whose
+    elements are keys, however deep.  Each node has one parent, so over a whole table this
+    visits every node at most once."""
+    stack = [j]
+    while stack:
+        node = nodes[stack.pop()]
+        if node[0] not in _KEY_KINDS:
+            return (
+                f"a dict key contains a {node[0]} node "
+                "(keys are none, bool, int, float, str or tuples of those)"
+            )
+        if node[0] == "tuple":
+            stack.extend(node[1])
+    return None
+
+
+def _check_key(c: Check, nodes: list[list[Any]], i: int, j: int) -> None:
+    problem = key_problem(nodes, j)
+    if problem is not None:
+        raise c.fail(f"node {i}: {problem}")
+
+
+def _check_keys(c: Check, nodes: list[list[Any]], i: int, pairs: list[list[int]]) -> None:
+    """No two keys of dict node i are equal (as Python compares them), and at most
+    MAX_KEY_COLLISIONS share a hash, so the checks here and the dict built on load take
+    time linear in the number of keys even when they are chosen to collide."""
+    if len(pairs) < 2:
+        return
+    seen: set[object] = set()
+    counts: dict[int, int] | None = {} if len(pairs) > Limits.MAX_KEY_COLLISIONS else None
+    for pair in pairs:
+        key = key_value(c, nodes, pair[0])
+        if counts is not None:
+            h = hash(key)
+            n = counts.get(h, 0) + 1
+            if n > Limits.MAX_KEY_COLLISIONS:
+                raise c.fail(
+                    f"node {i} has more than {Limits.MAX_KEY_COLLISIONS} keys with the same hash ({h})",
+                    limit=True,
+                )
+            counts[h] = n
+        if key in seen:
+            raise c.fail(f"node {i} has the key {node_text(nodes, pair[0], 80)} twice")
+        seen.add(key)
+
+
+def _b64decode(c: Check, i: int, text: str) -> bytes:
+    """Strict, canonical base64 (so every value has exactly one encoding)."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise c.fail(f"node {i} has invalid base64") from e
+    if base64.b64encode(raw).decode("ascii") != text:
+        raise c.fail(f"node {i} has non-canonical base64")
+    if len(raw) > Limits.MAX_STRING_BYTES:
+        raise c.fail(f"node {i} holds more than {Limits.MAX_STRING_BYTES} bytes", limit=True)
+    return raw
+
+
+def key_value(c: Check, nodes: list[list[Any]], j: int) -> object:
+    """The value of an already-validated dict-key node (scalars and tuples of them)."""
+    node = nodes[j]
+    kind = node[0]
+    if kind == "none":
+        return None
+    if kind in ("bool", "str"):
+        return node[1]
+    if kind == "int":
+        return int(node[1], 16)
+    if kind == "float":
+        return float_value(node[1])
+    if kind == "tuple":
+        return tuple(key_value(c, nodes, k) for k in node[1])
+    raise c.fail(f"a dict key contains a {kind} node")  # validate_tree refused it already: for safety
+
+
+def _shape(c: Check, i: int, v: object, what: str) -> list[int]:
+    dims = c.list_(v, f"node {i} {what}")
+    if len(dims) > Limits.MAX_RANK:
+        raise c.fail(f"node {i} has rank {len(dims)}, above the limit {Limits.MAX_RANK}", limit=True)
+    for d in dims:
+        c.bounded_int(d, f"node {i} {what} entry", Limits.MAX_NUMEL)
+    return dims
+
+
+def _numel(c: Check, i: int, shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    if n > Limits.MAX_NUMEL:
+        raise c.fail(f"node {i} has {n} elements, above the limit {Limits.MAX_NUMEL}", limit=True)
+    return n
+
+
+def _fields(c: Check, i: int, meta: object, names: tuple[str, ...]) -> dict[str, Any]:
+    # member order carries no meaning (spec section 5): JSON libraries that ignore it must work
+    if type(meta) is not dict or meta.keys() != set(names):
+        raise c.fail(f"node {i} must have exactly the fields {', '.join(names)}")
+    return meta
+
+
+def _use_storage(c: Check, i: int, sid: object, storages: list[StorageRecord], kind: str) -> StorageRecord:
+    sid = c.int_(sid, f"node {i} storage", 0, len(storages) - 1)
+    rec = storages[sid]
+    if rec.kind and (kind == "ndarray" or rec.kind != kind):
+        raise c.fail(f"storage {sid} is used by node {i} and by another {rec.kind}")
+    rec.kind = kind
+    if rec.node < 0:
+        rec.node = i
+    return rec
+
+
+def _check_tensor(c: Check, i: int, meta: object, storages: list[StorageRecord]) -> bool:
+    m = _fields(c, i, meta, _TENSOR_FIELDS)
+    name = m["dtype"]
+    if type(name) is not str:
+        raise c.fail(f"node {i} has dtype {short_repr(name, 40)}, not a string")
+    if name not in dtypes.TORCH_DTYPES:
+        raise c.unsupported(f"node {i} has dtype {short_repr(name, 40)}, unknown to this reader")
+    shape = _shape(c, i, m["shape"], "shape")
+    stride = _shape(c, i, m["stride"], "stride")
+    if len(stride) != len(shape):
+        raise c.fail(f"node {i} has {len(shape)} dimensions but {len(stride)} strides")
+    offset = c.bounded_int(m["offset"], f"node {i} offset", Limits.MAX_STORAGE_BYTES)
+    rec = _use_storage(c, i, m["storage"], storages, "tensor")
+    for f in ("requires_grad", "param", "conj"):
+        if type(m[f]) is not bool:
+            raise c.fail(f"node {i} field {f} is not a boolean")
+    dt = dtypes.TORCH_DTYPES[name]
+    if m["requires_grad"] and not (dt.is_floating_point or dt.is_complex):
+        raise c.fail(f"node {i} asks for requires_grad on a {name} tensor")
+    if m["conj"] and not dt.is_complex:
+        raise c.fail(f"node {i} is a conjugate view of a {name} tensor")
+    itemsize = dtypes.torch_itemsize(name)
+    numel = _numel(c, i, shape)
+    extent = offset + (sum((d - 1) * s for d, s in zip(shape, stride)) + 1 if numel else 0)
+    if extent * itemsize > rec.nbytes:
+        raise c.fail(f"node {i} reaches byte {extent * itemsize} of a storage of {rec.nbytes} bytes")
+    return True
+
+
+def _check_ndarray(c: Check, i: int, meta: object, storages: list[StorageRecord]) -> bool:
+    m = _fields(c, i, meta, _ARRAY_FIELDS)
+    if type(m["dtype"]) is not str:
+        raise c.fail(f"node {i} has numpy dtype {short_repr(m['dtype'], 40)}, not a string")
+    dt = dtypes.numpy_dtype(m["dtype"])
+    if dt is None:
+        raise c.unsupported(f"node {i} has numpy dtype {short_repr(m['dtype'], 40)}, unknown to this reader")
+    shape = _shape(c, i, m["shape"], "shape")
+    if m["order"] not in ("C", "F"):
+        raise c.fail(f"node {i} has order {short_repr(m['order'], 12)}")
+    rec = _use_storage(c, i, m["storage"], storages, "ndarray")
+    if _numel(c, i, shape) * dt.itemsize != rec.nbytes:
+        raise c.fail(
+            f"node {i} needs {_numel(c, i, shape) * dt.itemsize} bytes, its storage has {rec.nbytes}"
+        )
+    return True
