@@ -99,7 +99,7 @@ def dd_read(path: str) -> dict[str, Any]:
     """dd reading a file to /dev/null (4 MiB blocks): what the storage gives a plain reader."""
     t = time.perf_counter()
     subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=4M"], check=True, capture_output=True)
-    return {"tool": "dd", "seconds": time.perf_counter() - t}
+    return {"tool": "dd", "seconds": time.perf_counter() - t, "bytes": os.path.getsize(path)}
 
 
 if __name__ == "__main__":
