@@ -31,6 +31,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from trainer_helpers import Tokens, tiny_gpt2  # noqa: E402
+
 import ckptfmt  # noqa: E402
 from ckptfmt.files import multifile  # noqa: E402
 
@@ -45,22 +47,12 @@ OUTSIDE = ("precious.txt", "victim.json", "state.json", "config.json", "ckpt")
 # a tiny model and trainer
 
 
-class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    def __init__(self, n: int = 8, length: int = 8) -> None:
-        self.data = torch.randint(0, 32, (n, length), generator=torch.Generator().manual_seed(5))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.data[i], "labels": self.data[i]}
+def _tokens() -> Tokens:
+    return Tokens(n=8, length=8, vocab=32, seed=5)
 
 
 def _model() -> Any:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=8, n_layer=1, n_head=1))
+    return tiny_gpt2(vocab_size=32, n_positions=16, n_embd=8, n_layer=1, n_head=1)
 
 
 def _trainer(run: str, limit: int | None = None) -> Any:
@@ -81,7 +73,7 @@ def _trainer(run: str, limit: int | None = None) -> Any:
         seed=1,
         dataloader_num_workers=0,
     )
-    return CkptfmtTrainer(model=_model(), args=args, train_dataset=Tokens())
+    return CkptfmtTrainer(model=_model(), args=args, train_dataset=_tokens())
 
 
 def _save(run: str, step: int, limit: int | None = None) -> Any:

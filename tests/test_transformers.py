@@ -34,6 +34,8 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from trainer_helpers import Tokens, ban_pickle, tiny_gpt2  # noqa: E402
+
 import ckptfmt  # noqa: E402
 from ckptfmt.files import multifile  # noqa: E402
 from ckptfmt.format.sniff import sniff  # noqa: E402
@@ -49,24 +51,12 @@ OURS = ("model.ckpt", "optimizer.ckpt", "scheduler.ckpt", "rng_state.ckpt", "tra
 # the child program
 
 
-class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    def __init__(self, n: int = 24, length: int = 16) -> None:
-        g = torch.Generator().manual_seed(99)
-        self.data = torch.randint(0, 64, (n, length), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.data[i], "labels": self.data[i]}
+def _tokens() -> Tokens:
+    return Tokens(n=24, length=16, vocab=64, seed=99)
 
 
 def _model() -> Any:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
-    return GPT2LMHeadModel(config)
+    return tiny_gpt2(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
 
 
 def _args(out: str, max_steps: int = MAX_STEPS) -> Any:
@@ -110,22 +100,6 @@ def _record(out: str, trainer: Any, extra: dict[str, Any] | None = None) -> None
         json.dump({"losses": [v.hex() for v in trainer.losses], **(extra or {})}, f)
 
 
-def _ban_pickle() -> None:
-    import pickle
-
-    def banned(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("pickle or torch.load was called while resuming")
-
-    class BannedUnpickler(pickle.Unpickler):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            banned()
-
-    pickle.load = pickle.loads = banned  # type: ignore[assignment]
-    pickle.Unpickler = BannedUnpickler  # type: ignore[misc]
-    torch.load = banned
-    torch.serialization.load = banned
-
-
 def _tear_stock(folder: str) -> None:
     """What a crash in the middle of Trainer._save_checkpoint leaves: the model written,
     the optimizer file cut short, the rest missing."""
@@ -148,15 +122,15 @@ def child(argv: list[str]) -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="transformers")
     if what == "reference":
         out = os.path.join(base, "full")
-        trainer = _recording(CkptfmtTrainer)(model=_model(), args=_args(out), train_dataset=Tokens())
+        trainer = _recording(CkptfmtTrainer)(model=_model(), args=_args(out), train_dataset=_tokens())
         trainer.train()
         _record(out, trainer)
         # the control: the stock Trainer picks a torn newest checkpoint
         out = os.path.join(base, "stock")
-        Trainer(model=_model(), args=_args(out, CRASH_AT), train_dataset=Tokens()).train()
+        Trainer(model=_model(), args=_args(out, CRASH_AT), train_dataset=_tokens()).train()
         _tear_stock(os.path.join(out, f"checkpoint-{CRASH_AT}"))
         try:
-            Trainer(model=_model(), args=_args(out), train_dataset=Tokens()).train(
+            Trainer(model=_model(), args=_args(out), train_dataset=_tokens()).train(
                 resume_from_checkpoint=True
             )
             error = ""
@@ -176,14 +150,14 @@ def child(argv: list[str]) -> None:
                 super()._save_rng_state(output_dir)
 
         out = os.path.join(base, "run")
-        trainer = Crashing(model=_model(), args=_args(out), train_dataset=Tokens(), ckptfmt_blocking=False)
+        trainer = Crashing(model=_model(), args=_args(out), train_dataset=_tokens(), ckptfmt_blocking=False)
         trainer.train()
         raise SystemExit("the crash did not happen")
     elif what == "resume":
         out = os.path.join(base, "run")
-        _ban_pickle()
+        ban_pickle()
         trainer = _recording(CkptfmtTrainer)(
-            model=_model(), args=_args(out), train_dataset=Tokens(), ckptfmt_blocking=False
+            model=_model(), args=_args(out), train_dataset=_tokens(), ckptfmt_blocking=False
         )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", ckptfmt.CheckpointWarning)
@@ -360,7 +334,7 @@ def test_damaged_file_in_a_committed_folder_is_skipped(runs: str, tmp_path: Any)
 
 
 def test_trainer_state_json_is_restored_from_the_commit(runs: str, tmp_path: Any) -> None:
-    from ckptfmt.integrations.transformers import _restore_trainer_state_json
+    from ckptfmt.integrations.transformers.trainer_state import restore_trainer_state_json
 
     folder = str(tmp_path / "checkpoint-20")
     _copy_checkpoint(os.path.join(runs, "run", "checkpoint-20"), folder)
@@ -370,7 +344,7 @@ def test_trainer_state_json_is_restored_from_the_commit(runs: str, tmp_path: Any
     with open(path, "w") as f:
         f.write(text[: len(text) // 2])  # written without fsync: cut short by a power loss
     with pytest.warns(ckptfmt.CheckpointWarning, match="trainer_state.json"):
-        _restore_trainer_state_json(folder)
+        restore_trainer_state_json(folder)
     with open(path) as f:
         assert f.read() == text
     multifile.check_complete(folder)
@@ -382,7 +356,7 @@ def test_explicit_incomplete_path_is_refused(runs: str, tmp_path: Any) -> None:
     folder = str(tmp_path / "checkpoint-4")
     _copy_checkpoint(os.path.join(runs, "run", "checkpoint-20"), folder)
     os.unlink(os.path.join(folder, "COMMIT"))
-    trainer = CkptfmtTrainer(model=_model(), args=_args(str(tmp_path)), train_dataset=Tokens())
+    trainer = CkptfmtTrainer(model=_model(), args=_args(str(tmp_path)), train_dataset=_tokens())
     with pytest.raises(ckptfmt.CheckpointError, match="not a complete ckptfmt checkpoint"):
         trainer.train(resume_from_checkpoint=folder)
 
@@ -392,7 +366,7 @@ def test_scaler_optimizer_and_scheduler_round_trip(tmp_path: Any) -> None:
     from ckptfmt.integrations.transformers import CkptfmtTrainer, check_checkpoint
 
     def make(scale: float) -> Any:
-        t = CkptfmtTrainer(model=_model(), args=_args(str(tmp_path)), train_dataset=Tokens())
+        t = CkptfmtTrainer(model=_model(), args=_args(str(tmp_path)), train_dataset=_tokens())
         t.create_optimizer_and_scheduler(num_training_steps=10)
         t.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=scale)
         return t

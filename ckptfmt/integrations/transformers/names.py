@@ -1,0 +1,26 @@
+"""The names in a run directory and in its ``checkpoint-N`` folders: the folder prefix, the
+file each part of a Trainer checkpoint goes to, and the bound on the JSON files read back."""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "checkpoint"
+MODEL_NAME = "model.ckpt"
+OPTIMIZER_NAME = "optimizer.ckpt"
+SCHEDULER_NAME = "scheduler.ckpt"
+SCALER_NAME = "scaler.ckpt"
+RNG_NAME = "rng_state.ckpt"
+TRAINER_STATE_NAME = "trainer_state.ckpt"
+TRAINER_STATE_JSON = "trainer_state.json"
+CONFIG_JSON = "config.json"
+#: the JSON files read from a folder (trainer_state.json, config.json) are bounded: a
+#: hostile folder cannot make a read take unbounded memory
+MAX_JSON_BYTES = 64 << 20
+DIR_RE = re.compile(rf"{PREFIX}-([0-9]+)")
+
+
+def checkpoint_step(name: str) -> int | None:
+    """N for a folder named ``checkpoint-N``, else None."""
+    m = DIR_RE.fullmatch(name)
+    return int(m.group(1)) if m else None

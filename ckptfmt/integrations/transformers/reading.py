@@ -1,0 +1,240 @@
+"""Reading and checking ``checkpoint-N`` folders: a folder opened through its descriptor and
+checked complete (its commit record, every file it names), the newest complete folder of a run
+directory, the model state of one.  Every entry is reached through the folder's descriptor
+(ckptfmt.engine.ckptdir), never through a path string an entry could redirect."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from ...engine.ckptdir import CheckpointDir
+from ...errors import (
+    CheckpointError,
+    CheckpointWarning,
+    CorruptError,
+    IncompleteError,
+)
+from ...files import multifile
+from ...files.reader import CheckpointFile
+from ...files.verify import VerifyReport, check_file
+from .names import (
+    MODEL_NAME,
+    PREFIX,
+    TRAINER_STATE_NAME,
+    checkpoint_step,
+)
+
+
+def open_run(run_dir: str) -> CheckpointDir | None:
+    """The run directory (the caller's path, trusted), or None when there is none yet."""
+    try:
+        return CheckpointDir.open(run_dir)
+    except FileNotFoundError:
+        return None
+
+
+def scan_run(run: CheckpointDir) -> tuple[list[tuple[int, str]], list[str]]:
+    """(step, name) of the ``checkpoint-N`` directories, oldest first, and the names of the
+    ``checkpoint-N`` entries that are not directories (links above all: never followed)."""
+    folders, others = [], []
+    for name in run.names():
+        step = checkpoint_step(name)
+        if step is None:
+            continue
+        if run.is_dir(name):
+            folders.append((step, name))
+        else:
+            others.append(name)
+    return sorted(folders), others
+
+
+def iter_checkpoint_dirs(run_dir: str) -> Iterator[tuple[int, str]]:
+    """(step, path) of every ``checkpoint-N`` folder in `run_dir`, oldest step first (links skipped)."""
+    run = open_run(run_dir)
+    if run is None:
+        return
+    with run:
+        folders, _ = scan_run(run)
+    for step, name in folders:
+        yield step, run.path_of(name)
+
+
+class OpenedFolder:
+    """A checked checkpoint folder held open: its descriptor and its commit record.  Everything
+    read from it afterwards goes through this descriptor, so what is read is what was checked."""
+
+    def __init__(self, folder: CheckpointDir, record: multifile.CommitRecord) -> None:
+        self.dir = folder
+        self.record = record
+
+    @property
+    def path(self) -> str:
+        return self.dir.path
+
+    def part(self, name: str) -> multifile.PartRecord | None:
+        """The record of file `name` when the commit names it (a file it does not name is never read)."""
+        return next((p for p in self.record.files if p.name == name), None)
+
+    @contextlib.contextmanager
+    def open(self, part: multifile.PartRecord) -> Iterator[CheckpointFile]:
+        """The exact file the commit names, checked again as it is opened (length, id, index checksum)."""
+        fd = multifile.open_part(self.dir, part, self.path)
+        with CheckpointFile(self.dir.path_of(part.name), fd=fd, within=self.dir) as f:
+            yield f
+
+    def load(self, name: str, map_location: Any = None) -> Any:
+        """The state in file `name` (checksums verified), or None when the commit does not name it."""
+        part = self.part(name)
+        if part is None:
+            return None
+        with self.open(part) as f:
+            return f.load_subtree(f.tree.root, map_location, True)
+
+    def load_required(self, name: str, map_location: Any = None) -> Any:
+        if self.part(name) is None:
+            raise IncompleteError(f"the commit record names no {name}", path=self.path)
+        return self.load(name, map_location)
+
+    def verify(self) -> None:
+        """Read every chunk of every file the commit names and check its checksum."""
+        for part in self.record.files:
+            report = VerifyReport(self.dir.path_of(part.name))
+            with self.open(part) as f:
+                check_file(f, report)
+            if not report.ok:
+                raise CorruptError(f"{part.name} is damaged: {report.problems[0]}", path=self.path)
+
+    def close(self) -> None:
+        self.dir.close()
+
+    def __enter__(self) -> OpenedFolder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_folder(folder: CheckpointDir, verify: bool) -> OpenedFolder:
+    """`folder` checked complete (and with `verify`, every chunk checked); it is not closed here."""
+    record = multifile.check_complete(folder)
+    opened = OpenedFolder(folder, record)
+    if opened.part(TRAINER_STATE_NAME) is None:
+        raise IncompleteError(f"the commit record names no {TRAINER_STATE_NAME}", path=folder.path)
+    if verify:
+        opened.verify()
+    return opened
+
+
+def open_checked(path: str, verify: bool = False) -> OpenedFolder:
+    """The folder the caller names (its path is the caller's, resolved once), checked complete."""
+    try:
+        folder = CheckpointDir.open(path)
+    except FileNotFoundError:
+        raise IncompleteError("no such checkpoint folder", path=path) from None
+    except OSError as e:
+        raise IncompleteError(f"cannot open the folder: {e.strerror}", path=path) from None
+    try:
+        return check_folder(folder, verify)
+    except BaseException:
+        folder.close()
+        raise
+
+
+def check_checkpoint(path: str, *, verify: bool = False) -> multifile.CommitRecord:
+    """The commit record of a complete checkpoint folder; raises CheckpointError (saying why) otherwise.
+
+    Complete: the commit record verifies and every file it names is there with the recorded
+    length, file id and index checksum.  `verify=True` also reads every chunk of every file
+    and checks its checksum (damage after the save: bit rot, a bad copy).
+    """
+    with open_checked(path, verify) as opened:
+        return opened.record
+
+
+def why(e: BaseException, folder: str | None = None) -> str:
+    """What went wrong, in words; the entry it concerns named when it is one inside `folder`."""
+    if not isinstance(e, CheckpointError):
+        return f"{type(e).__name__}: {e}"
+    if folder is None or e.path is None or os.path.dirname(e.path) != folder:
+        return e.reason
+    return f"{os.path.basename(e.path)}: {e.reason}"
+
+
+def _warn_skip(path: str, why: str) -> None:
+    warnings.warn(f"skipping {path}: {why}", CheckpointWarning, stacklevel=4)
+
+
+def open_latest(run_dir: str, verify: bool, warn: bool) -> OpenedFolder | None:
+    """The newest complete ``checkpoint-N`` folder of `run_dir`, held open, or None."""
+    run = open_run(run_dir)
+    if run is None:
+        return None
+    with run:
+        folders, others = scan_run(run)
+        for name in others if warn else ():
+            _warn_skip(
+                run.path_of(name),
+                "a symbolic link or other entry where a checkpoint folder must be (never followed)",
+            )
+        for _step, name in reversed(folders):
+            try:
+                folder = run.sub(name)  # O_NOFOLLOW: swapped for a link since the scan, it is refused
+            except (CheckpointError, OSError) as e:
+                if warn:
+                    _warn_skip(run.path_of(name), f"not a complete checkpoint ({why(e)})")
+                continue
+            try:
+                return check_folder(folder, verify)
+            except (CheckpointError, OSError) as e:
+                folder.close()
+                if warn:
+                    _warn_skip(folder.path, f"not a complete checkpoint ({why(e, folder.path)})")
+    return None
+
+
+def latest_checkpoint(run_dir: str, *, verify: bool = False, warn: bool = True) -> str | None:
+    """The complete ``checkpoint-N`` folder with the highest N in `run_dir`, or None.
+
+    Newer folders that are not complete (with ``verify=True``: or whose files fail
+    their checksums) are skipped, each with a CheckpointWarning naming it and why
+    (unless ``warn=False``); so are ``checkpoint-N`` entries that are symbolic links
+    (never followed: they may lead anywhere).
+    """
+    found = open_latest(run_dir, verify, warn)
+    if found is None:
+        return None
+    found.close()
+    return found.path
+
+
+def load_model_state(path: str, map_location: Any = None) -> dict[str, Any]:
+    """The model state dict of a complete checkpoint folder (checksums verified)."""
+    with open_checked(path) as opened:
+        state: dict[str, Any] = opened.load_required(MODEL_NAME, map_location)
+    return state
+
+
+def load_best(run_dir: str, name: str) -> Any:
+    """The model state of complete folder `name` of the run directory (never a link)."""
+    if checkpoint_step(name) is None:
+        raise CorruptError(f"the best checkpoint {name[:80]!r} is not a {PREFIX}-N folder", path=run_dir)
+    with CheckpointDir.open(run_dir) as run, run.sub(name) as folder:
+        return check_folder(folder, False).load_required(MODEL_NAME)
+
+
+def sort_folders(run: CheckpointDir) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """(step, name) of the complete and of the incomplete ``checkpoint-N`` folders, oldest first
+    (links are neither: never followed, never deleted)."""
+    complete, incomplete = [], []
+    for step, name in scan_run(run)[0]:
+        try:
+            with run.sub(name) as folder:
+                check_folder(folder, False)
+            complete.append((step, name))
+        except (CheckpointError, OSError):
+            incomplete.append((step, name))
+    return complete, incomplete

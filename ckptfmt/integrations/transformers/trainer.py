@@ -1,0 +1,413 @@
+"""The Trainer subclass: ``CkptfmtTrainerMixin`` overrides the Trainer's checkpoint hooks
+(HOOKS, checked to exist at import) so that ``checkpoint-N`` folders hold ckptfmt files made
+valid by a commit record, and resumes read them back checked."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import ckptfmt
+
+from ...errors import CheckpointError
+from ...files.save import check_save_args
+from .. import objects
+from .names import (
+    MAX_JSON_BYTES,
+    MODEL_NAME,
+    OPTIMIZER_NAME,
+    PREFIX,
+    RNG_NAME,
+    SCALER_NAME,
+    SCHEDULER_NAME,
+    TRAINER_STATE_JSON,
+    TRAINER_STATE_NAME,
+)
+from .reading import (
+    OpenedFolder,
+    load_best,
+    open_checked,
+    open_latest,
+    why,
+)
+from .trainer_state import restore_trainer_state_json
+from .writing import FolderSave, fresh_folder, rotate
+
+try:
+    import transformers
+    from transformers import Trainer
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "ckptfmt.integrations.transformers needs transformers: pip install 'ckptfmt[transformers]'"
+    ) from e
+
+if TYPE_CHECKING:
+    _MixinBase = Trainer
+else:
+    _MixinBase = object
+
+#: the Trainer methods this module overrides or wraps
+HOOKS = (
+    "_save_checkpoint",
+    "save_model",
+    "_save_optimizer_and_scheduler",
+    "_save_scaler",
+    "_save_rng_state",
+    "_load_from_checkpoint",
+    "_load_optimizer_and_scheduler",
+    "_load_scaler",
+    "_load_rng_state",
+    "_load_best_model",
+    "_finalize_training",
+    "_get_output_dir",
+    "train",
+)
+_missing = [h for h in HOOKS if not callable(getattr(Trainer, h, None))]
+if _missing:  # pragma: no cover - depends on the installed transformers
+    raise ImportError(
+        f"transformers {transformers.__version__}: Trainer has no {', '.join(_missing)}; "
+        "ckptfmt.integrations.transformers supports the versions pinned by ckptfmt[transformers]"
+    )
+
+
+logger = logging.getLogger(__name__)
+
+
+def _writer_metadata() -> dict[str, Any]:
+    """What each file and commit record says about its writer."""
+    return {"writer": "ckptfmt.integrations.transformers", "transformers": transformers.__version__}
+
+
+class CkptfmtTrainerMixin(_MixinBase):
+    """Put before a ``transformers.Trainer`` (sub)class: ``class T(CkptfmtTrainerMixin, Trainer)``.
+
+    Extra keyword arguments: ``ckptfmt_blocking`` (default True),
+    ``ckptfmt_compression`` (None or "zstd") and ``ckptfmt_verify_resume``
+    (default True: before resuming, read every chunk of the chosen checkpoint and
+    check its checksum, going on to older ones if it fails).  See the module docstring.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        ckptfmt_blocking: bool = True,
+        ckptfmt_compression: str | None = None,
+        ckptfmt_verify_resume: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        check_save_args(ckptfmt_compression, None, None)
+        self.ckptfmt_blocking = ckptfmt_blocking
+        self.ckptfmt_verify_resume = ckptfmt_verify_resume
+        self.ckptfmt_compression = ckptfmt_compression
+        self._ckptfmt_current: FolderSave | None = None
+        self._ckptfmt_resume: OpenedFolder | None = None  # the checked folder train() resumes from
+        self._ckptfmt_inflight: list[FolderSave] = []
+        self._ckptfmt_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    # -- what is supported ---------------------------------------------------------------
+
+    def _ckptfmt_check_supported(self) -> None:
+        unsupported = [
+            what
+            for what, on in (
+                ("more than one process", self.args.world_size > 1),
+                ("DeepSpeed", getattr(self, "is_deepspeed_enabled", False)),
+                (
+                    "FSDP",
+                    getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_fsdp_xla_enabled", False),
+                ),
+            )
+            if on
+        ]
+        if unsupported:
+            raise NotImplementedError(
+                f"ckptfmt's Trainer integration does not support {', '.join(unsupported)} yet; "
+                "use transformers.Trainer for this run"
+            )
+
+    @property
+    def _ckptfmt_blocking_now(self) -> bool:
+        return self.ckptfmt_blocking or bool(self.args.push_to_hub)
+
+    # -- saving --------------------------------------------------------------------------
+
+    def _ckptfmt_write(self, name: str, state: object) -> None:
+        save = self._ckptfmt_current
+        if save is None:
+            raise RuntimeError(f"{name}: ckptfmt checkpoint files are written only inside _save_checkpoint")
+        if not self.args.should_save:
+            return
+        save.check_in_place()
+        handle = ckptfmt.save(
+            objects.encode(state),
+            os.path.join(save.folder, name),
+            compression=self.ckptfmt_compression,
+            blocking=self._ckptfmt_blocking_now,
+            metadata=_writer_metadata(),
+        )
+        save.names.append(name)
+        if handle is not None:
+            save.handles.append(handle)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        self._ckptfmt_check_supported()
+        self._ckptfmt_raise_failed()
+        run_dir = self._get_output_dir(trial=trial)
+        step = self.state.global_step
+        folder = os.path.join(run_dir, f"{PREFIX}-{step}")
+        if any(s.folder == folder for s in self._ckptfmt_inflight):
+            self.wait_for_checkpoints()
+        limit = self.args.save_total_limit
+        save = FolderSave(folder, run_dir, step, limit)
+        if self.args.should_save:
+            # before anything is written, so no stale file (or link) can survive
+            save.dir = fresh_folder(run_dir, f"{PREFIX}-{step}")
+        self._ckptfmt_current = save
+        self.args.save_total_limit = None  # the Trainer's rotation would run before the commit
+        try:
+            super()._save_checkpoint(model, trial)
+            if self.args.should_save:
+                text = save.check_in_place().read_file(TRAINER_STATE_JSON, MAX_JSON_BYTES)
+                self._ckptfmt_write(TRAINER_STATE_NAME, {"trainer_state_json": text.decode("utf-8")})
+        except BaseException:
+            save.close()
+            raise
+        finally:
+            self.args.save_total_limit = limit
+            self._ckptfmt_current = None
+        if not self.args.should_save:
+            return
+        if self._ckptfmt_blocking_now and not self._ckptfmt_inflight:
+            self._ckptfmt_commit(save)
+            return
+        with self._ckptfmt_lock:
+            before = self._ckptfmt_inflight[-1].thread if self._ckptfmt_inflight else None
+            save.thread = threading.Thread(
+                target=self._ckptfmt_commit_after,
+                args=(save, before),
+                name=f"ckptfmt-commit-{os.path.basename(folder)}",
+            )
+            self._ckptfmt_inflight.append(save)
+        save.thread.start()
+        if self._ckptfmt_blocking_now:
+            self.wait_for_checkpoints()
+
+    def _ckptfmt_commit_after(self, save: FolderSave, before: threading.Thread | None) -> None:
+        if before is not None:
+            before.join()  # commit records in the order of the saves
+        try:
+            self._ckptfmt_commit(save)
+        except BaseException as e:  # kept for the next save or the end of train()
+            save.error = e
+
+    def _ckptfmt_commit(self, save: FolderSave) -> None:
+        save.commit(_writer_metadata())
+        self._ckptfmt_rotate(save.run_dir, save.limit)
+
+    def _ckptfmt_raise_failed(self) -> None:
+        """Raise the error of a finished non-blocking save (the first one), forgetting finished ones."""
+        with self._ckptfmt_lock:
+            finished = [s for s in self._ckptfmt_inflight if s.thread is not None and not s.thread.is_alive()]
+            self._ckptfmt_inflight = [s for s in self._ckptfmt_inflight if s not in finished]
+        for s in finished:
+            if s.error is not None:
+                raise s.error
+
+    def wait_for_checkpoints(self) -> None:
+        """Wait until every checkpoint saved so far is committed; raise the first error."""
+        with self._ckptfmt_lock:
+            pending, self._ckptfmt_inflight = self._ckptfmt_inflight, []
+        for s in pending:
+            if s.thread is not None:
+                s.thread.join()
+        for s in pending:
+            if s.error is not None:
+                raise s.error
+
+    def _ckptfmt_rotate(self, run_dir: str, limit: int | None) -> None:
+        """Keep the newest `limit` complete checkpoints and the best one; remove incomplete folders
+        older than the newest complete one, except those being saved."""
+        if limit is None or limit <= 0:
+            return
+        with self._ckptfmt_lock:
+            busy = {s.folder for s in self._ckptfmt_inflight if s.thread is None or s.thread.is_alive()}
+            if self._ckptfmt_current is not None:
+                busy.add(self._ckptfmt_current.folder)
+        rotate(run_dir, limit, busy, self.state.best_model_checkpoint)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        save = self._ckptfmt_current
+        if save is None or output_dir is None or os.path.abspath(output_dir) != os.path.abspath(save.folder):
+            super().save_model(output_dir, _internal_call)  # the final model: the Trainer's own format
+            return
+        if not self.args.should_save:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        self._ckptfmt_write(MODEL_NAME, unwrapped.state_dict())
+        config = getattr(unwrapped, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(output_dir)
+        generation = getattr(unwrapped, "generation_config", None)
+        if generation is not None and hasattr(generation, "save_pretrained"):
+            generation.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        elif getattr(self.data_collator, "tokenizer", None) is not None:
+            self.data_collator.tokenizer.save_pretrained(output_dir)  # type: ignore[union-attr]
+        import torch
+
+        # as the Trainer does (pickled); never read by a resume
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self.args.should_save:
+            return
+        assert self.optimizer is not None
+        self._ckptfmt_write(OPTIMIZER_NAME, self.optimizer.state_dict())
+        if self.lr_scheduler is not None:
+            self._ckptfmt_write(SCHEDULER_NAME, self.lr_scheduler.state_dict())
+
+    def _save_scaler(self, output_dir: str) -> None:
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and self.args.should_save:
+            self._ckptfmt_write(SCALER_NAME, scaler.state_dict())
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        self._ckptfmt_write(RNG_NAME, ckptfmt.capture_rng())
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        self.wait_for_checkpoints()  # the best model is read from a committed folder
+        limit = self.args.save_total_limit
+        if limit == 1:
+            self.args.save_total_limit = None  # the Trainer would keep only the best checkpoint
+        try:
+            return super()._finalize_training(*args, **kwargs)
+        finally:
+            self.args.save_total_limit = limit
+
+    # -- resuming ------------------------------------------------------------------------
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        self._ckptfmt_check_supported()
+        source = self._ckptfmt_resume_source(resume_from_checkpoint)
+        if source is not None:
+            resume_from_checkpoint = source.path
+        failed = True
+        try:
+            if source is not None:
+                restore_trainer_state_json(source)
+            result = super().train(resume_from_checkpoint, *args, **kwargs)
+            failed = False
+        finally:
+            self._ckptfmt_resume = None
+            if source is not None:
+                source.close()
+            if failed:
+                try:
+                    self.wait_for_checkpoints()
+                except BaseException as e:  # the training error goes first; this one is logged
+                    logger.error(f"a checkpoint save failed too: {e!r}")
+        self.wait_for_checkpoints()
+        return result
+
+    @contextlib.contextmanager
+    def _ckptfmt_source(self, checkpoint: str) -> Iterator[OpenedFolder]:
+        """The checked folder `checkpoint`: the one train() holds open, or (a hook called on its
+        own) opened and checked here.  Only files its commit record names are read."""
+        held = self._ckptfmt_resume
+        if held is not None and held.path == checkpoint:
+            yield held
+            return
+        with open_checked(checkpoint) as opened:
+            yield opened
+
+    def _ckptfmt_resume_source(self, resume_from_checkpoint: str | bool | None) -> OpenedFolder | None:
+        """The checked folder a train() call resumes from, held open until it returns (and
+        remembered for the load hooks), or None when it starts afresh."""
+        if resume_from_checkpoint is True:
+            run_dir = os.fspath(self.args.output_dir or ".")
+            found = open_latest(run_dir, self.ckptfmt_verify_resume, warn=True)
+            if found is None:
+                raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir})")
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            path = os.fspath(resume_from_checkpoint)
+            try:
+                found = open_checked(path, verify=self.ckptfmt_verify_resume)
+            except CheckpointError as e:
+                raise CheckpointError(
+                    f"not a complete ckptfmt checkpoint ({e.reason}); folders written by "
+                    "transformers.Trainer itself are resumed with transformers.Trainer",
+                    path=path,
+                ) from e
+        else:
+            return None
+        self._ckptfmt_resume = found
+        return found
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if model is None:
+            model = self.model
+        logger.info(f"Loading model from {resume_from_checkpoint}.")
+        with self._ckptfmt_source(resume_from_checkpoint) as source:
+            state = source.load_required(MODEL_NAME)
+        self._issue_warnings_after_load(model.load_state_dict(state, False))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        with self._ckptfmt_source(checkpoint) as source:
+            optimizer = source.load(OPTIMIZER_NAME)  # None: not saved (save_only_model)
+            if optimizer is None:
+                return
+            assert self.optimizer is not None
+            self.optimizer.load_state_dict(optimizer)
+            if self.lr_scheduler is None:
+                return
+            scheduler = source.load(SCHEDULER_NAME)
+            if scheduler is not None:
+                where = source.dir.path_of(SCHEDULER_NAME)
+                self.lr_scheduler.load_state_dict(objects.decode(scheduler, source=where))
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        with self._ckptfmt_source(checkpoint) as source:
+            scaler = source.load(SCALER_NAME)
+        if scaler is not None:
+            self.accelerator.scaler.load_state_dict(scaler)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        with self._ckptfmt_source(checkpoint) as source:
+            rng = source.load(RNG_NAME)
+        if rng is None:
+            logger.info(f"{checkpoint} has no {RNG_NAME}: the random number generators are not restored")
+            return
+        ckptfmt.restore_rng(rng)
+
+    def _load_best_model(self) -> None:
+        best = self.state.best_model_checkpoint
+        if best is None:
+            return
+        # the best folder is looked for in this run's directory only, by its name: the recorded
+        # path comes from trainer_state.json, which a folder from elsewhere may point anywhere
+        run_dir = self._get_output_dir(trial=getattr(self, "_trial", None))
+        try:
+            state = load_best(run_dir, os.path.basename(os.path.normpath(best)))
+        except (CheckpointError, OSError) as e:
+            logger.warning(f"Could not load the best model from {best}: {why(e)}")
+            return
+        logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
+        assert self.model is not None
+        self._issue_warnings_after_load(self.model.load_state_dict(state, False))
+
+
+class CkptfmtTrainer(CkptfmtTrainerMixin, Trainer):
+    """``transformers.Trainer`` with ckptfmt checkpoints (see the module docstring)."""
