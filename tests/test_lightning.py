@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 import torch
+from trainer_helpers import ban_pickle
 
 import ckptfmt
 from ckptfmt.format.sniff import sniff
@@ -164,22 +165,6 @@ def _record(out: str, trainer: Any, model: Any) -> None:
         json.dump([v.hex() for v in model.losses], f)
 
 
-def _ban_pickle() -> None:
-    import pickle
-
-    def banned(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("pickle or torch.load was called while resuming")
-
-    class BannedUnpickler(pickle.Unpickler):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            banned()
-
-    pickle.load = pickle.loads = banned  # type: ignore[assignment]
-    pickle.Unpickler = BannedUnpickler  # type: ignore[misc]
-    torch.load = banned
-    torch.serialization.load = banned
-
-
 def child(argv: list[str]) -> None:
     what, package, base = argv
     torch.set_num_threads(1)
@@ -207,7 +192,7 @@ def child(argv: list[str]) -> None:
         out = os.path.join(base, "nonblocking")
         import ckptfmt.integrations.lightning  # noqa: F401 - imported before the ban, as an application would
 
-        _ban_pickle()
+        ban_pickle()
         trainer, model = _fit(pl, out, epochs=EPOCHS, io="ckptfmt", hparams="objects", resume=True)
         _record(os.path.join(out, "resumed"), trainer, model)
     elif what == "resume-default":
