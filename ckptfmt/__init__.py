@@ -15,8 +15,9 @@ from .errors import (  # noqa: E402
     UnsupportedObjectError,
 )
 from .files.load import Reader, load, open  # noqa: E402, A004 - public name is fixed
-from .files.load_into import FileChangedError, LoadReport, MismatchError, PartialLoadError, load_into  # noqa: E402
+from .files.load_into import FileChangedError, PartialLoadError, load_into  # noqa: E402
 from .files.save import remove, save  # noqa: E402
+from .files.targets import LoadReport, MismatchError  # noqa: E402
 from .files.verify import Problem, VerifyReport, verify  # noqa: E402
 from .format.layout import FORMAT_MAJOR, FORMAT_MINOR  # noqa: E402
 from .runs.manager import CheckpointInfo, CheckpointManager  # noqa: E402

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
+from ckptfmt.files import fillplan
 from ckptfmt.files import load_into as inplace
 from ckptfmt.files.load_into import FileChangedError, PartialLoadError
 from ckptfmt.files.reader import CheckpointFile
@@ -230,7 +231,7 @@ def test_read_error_in_the_second_pass_is_a_partial_load(tmp_path, monkeypatch):
     target = {f"t{i}": flat[5 + 1000 * i : 5 + 1000 * (i + 1)] for i in range(6)}
     monkeypatch.setattr(inplace, "_before_write", lambda f: second.append(1))
     monkeypatch.setattr(CheckpointFile, "read_into", failing)
-    monkeypatch.setattr(inplace, "_WINDOW_SHARE", 10**6)  # one chunk per window
+    monkeypatch.setattr(fillplan, "_WINDOW_SHARE", 10**6)  # one chunk per window
     with pytest.raises(PartialLoadError) as info:
         ckptfmt.load_into(p, target)
     e = info.value

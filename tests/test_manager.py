@@ -31,8 +31,8 @@ from ckptfmt.errors import (
     UnsupportedObjectError,
 )
 from ckptfmt.files import multifile
-from ckptfmt.files.load_into import MismatchError
 from ckptfmt.files.reader import CheckpointFile
+from ckptfmt.files.targets import MismatchError
 from ckptfmt.runs import locks, resume
 from ckptfmt.runs.manager import CheckpointManager
 from ckptfmt.runs.steps import STATE_NAME, step_dirname

@@ -39,8 +39,8 @@ from ..errors import CheckpointError, CheckpointWarning, CorruptError, Incomplet
 from ..files import load_into as inplace
 from ..files import multifile
 from ..files import save as writer
-from ..files.load_into import MismatchError
 from ..files.reader import CheckpointFile
+from ..files.targets import MismatchError
 from ..files.verify import VerifyReport
 from ..format import devices
 from ..format.timestamps import parse_utc

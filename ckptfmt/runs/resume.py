@@ -27,8 +27,9 @@ import torch
 
 from .. import __version__
 from ..errors import CorruptError, UnsupportedError
-from ..files.load_into import LoadReport, MismatchError, fill_from_node
+from ..files.load_into import fill_from_node
 from ..files.reader import CheckpointFile
+from ..files.targets import LoadReport, MismatchError
 from ..format import dtypes
 from ..format.decode import decode_key
 from ..format.layout import Limits
@@ -448,11 +449,11 @@ def _plain_problems(
     f: CheckpointFile, node: int, target: Any, path: str, strict: bool, out: list[str]
 ) -> None:
     """fill_from_node()'s checks: leaves matched by key path."""
-    from ..files.load_into import _file_items, _target_items
+    from ..files.targets import file_items, target_items
 
-    in_file = dict(_file_items(f, node, ""))
+    in_file = dict(file_items(f, node, ""))
     seen = set()
-    for key, _, _, value in _target_items(target, ""):
+    for key, _, _, value in target_items(target, ""):
         seen.add(key)
         i = in_file.get(key)
         if i is None:

@@ -1,0 +1,207 @@
+"""The plan of a load_into(): which chunk bytes go where, computed before any is read.
+
+A target whose memory is laid out like the file's tensor (the same strides,
+dense, the same conjugate bit) receives the tensor's byte range of the file's
+storage: chunks that lie wholly inside that range are read straight into the
+target's memory (`Plan.direct`); the one or two chunks at its ends (when the
+tensor shares its storage with others, or the target is a view into a larger
+buffer) are read into a small bounce buffer and only their overlapping bytes are
+copied (`Piece`).  Any other target (transposed, strided, another conjugate bit,
+an accelerator tensor laid out differently) is filled with ``copy_`` from a host
+copy of the chunks its elements lie in (`Strided`).  Only a target's own bytes
+are ever written: the rest of a flat buffer it is a view of is left alone.
+Values that are not tensors, and meta tensors, which have no memory, are replaced
+in their container by what the file holds (`Plan.replace`).
+
+The plan also sizes the one host buffer the reads go through (`Plan.buffer_bytes`).
+fillreads.py carries the plan out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..engine import bytesview
+from ..engine import native as _native
+from .reader import CheckpointFile
+from .targets import LoadReport, Target
+
+#: the bounce buffer holds at most this many bytes (or one chunk, when chunks are larger) ...
+_WINDOW_MAX = 64 << 20
+#: ... and at most 1/_WINDOW_SHARE of the bytes being loaded (at least one chunk)
+_WINDOW_SHARE = 24
+
+
+@dataclass
+class Piece:
+    """Bytes [start, end) of a chunk that belong in a target (a copy through the bounce buffer)."""
+
+    chunk: int
+    start: int
+    end: int
+    dest: torch.Tensor  # uint8, end - start bytes of the target's memory (any device)
+    key: str
+
+
+@dataclass
+class Strided:
+    """A target laid out unlike the file: chunks [first, last) of its storage, then copy_()."""
+
+    key: str
+    value: torch.Tensor
+    meta: dict[str, Any]
+    sid: int
+    first: int
+    last: int
+
+
+@dataclass
+class Plan:
+    """Where each chunk the targets need goes, and which values are replaced instead."""
+
+    direct: list[tuple[int, memoryview]] = field(default_factory=list)  # chunk -> its place in a target
+    direct_keys: list[str] = field(default_factory=list)
+    pieces: list[Piece] = field(default_factory=list)
+    strided: list[Strided] = field(default_factory=list)
+    replace: list[tuple[Any, Any, int]] = field(default_factory=list)  # (container, key, node)
+    aliases: dict[str, list[str]] = field(default_factory=dict)  # key -> later keys, the same memory
+
+    def touch(self, touched: dict[str, None], keys: list[str]) -> None:
+        """Record `keys` (and the keys naming the same memory) as about to be written."""
+        for key in keys:
+            touched[key] = None
+            touched.update(dict.fromkeys(self.aliases.get(key, ())))
+
+    def chunks(self) -> list[int]:
+        """Every chunk the writes read, in file order."""
+        ks = {k for k, _ in self.direct} | {p.chunk for p in self.pieces}
+        for s in self.strided:
+            ks.update(range(s.first, s.last))
+        return sorted(ks)
+
+    def span_bytes(self, f: CheckpointFile) -> int:
+        """The largest host copy a strided target needs."""
+        return max((range_bytes(f, s.first, s.last) for s in self.strided), default=0)
+
+    def buffer_bytes(self, f: CheckpointFile, verifying: bool = False) -> int:
+        """One host buffer serves the verification pass, the pieces and the strided spans."""
+        chunks = self.chunks()
+        needed = sum(f.chunks[k].raw_len for k in chunks)
+        window = window_bytes(f, needed) if (verifying and chunks) or self.pieces else 0
+        return max(window, self.span_bytes(f))
+
+
+def window_bytes(f: CheckpointFile, needed: int) -> int:
+    """The bounce buffer for pieces and the verification pass: a few chunks, bounded."""
+    cs = f.chunk_size
+    threads = _native.default_threads() if _native.available() else 1
+    n = min(2 * threads, _WINDOW_MAX // cs, needed // (_WINDOW_SHARE * cs))
+    return max(1, n) * cs
+
+
+def range_bytes(f: CheckpointFile, first: int, last: int) -> int:
+    """Bytes of chunks [first, last) once decoded."""
+    return sum(f.chunks[k].raw_len for k in range(first, last))
+
+
+def _bytes_of(value: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over a dense target's memory: [data_ptr, data_ptr + nbytes)."""
+    size = value.element_size()
+    return torch.empty(0, dtype=torch.uint8, device=value.device).set_(
+        value.untyped_storage(), value.storage_offset() * size, (value.numel() * size,), (1,)
+    )
+
+
+def _dense(shape: list[int], stride: list[int]) -> bool:
+    """The elements fill exactly numel consecutive slots (no gaps, no overlap)."""
+    expected = 1
+    for st, sz in sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1):
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def _same_bytes(value: torch.Tensor, m: dict[str, Any]) -> bool:
+    """The target's memory is the file tensor's byte range, byte for byte."""
+    return (
+        not value.is_neg()
+        and value.is_conj() == bool(m["conj"])
+        and all(a == b for a, b, n in zip(value.stride(), m["stride"], m["shape"]) if n != 1)
+        and _dense(m["shape"], m["stride"])
+    )
+
+
+def make_plan(f: CheckpointFile, targets: list[Target], in_file: dict[str, int], report: LoadReport) -> Plan:
+    """The plan for matched targets (targets.match); counts each target loaded in `report`."""
+    plan = Plan()
+    cs = f.chunk_size
+    seen: dict[tuple[Any, ...], str] = {}
+    direct_seen: set[tuple[int, int]] = set()
+    for key, container, ckey, value in targets:
+        i = in_file.get(key)
+        if i is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            if not isinstance(container, tuple):
+                plan.replace.append((container, ckey, i))
+                report.loaded += 1
+            continue
+        report.loaded += 1
+        m = f.tree.nodes[i][1]
+        if value.is_meta:
+            plan.replace.append((container, ckey, i))
+            continue
+        if value.numel() == 0:
+            continue
+        sid = m["storage"]
+        same = (
+            value.device,
+            value.data_ptr(),
+            tuple(value.shape),
+            tuple(value.stride()),
+            value.dtype,
+            value.is_conj(),
+            value.is_neg(),
+            sid,
+            m["offset"],
+            tuple(m["stride"]),
+            m["conj"],
+        )
+        if same in seen:  # the same memory from the same bytes (tied weights): once is enough
+            plan.aliases.setdefault(seen[same], []).append(key)
+            continue
+        seen[same] = key
+        rec = f.storages[sid]
+        size = value.element_size()
+        if _same_bytes(value, m):
+            lo = m["offset"] * size
+            hi = lo + value.numel() * size
+            raw = _bytes_of(value)
+            view = bytesview.tensor_bytes(raw) if value.device.type == "cpu" else None
+            in_direct = False
+            for j in range(lo // cs, (hi - 1) // cs + 1):
+                k = rec.first_chunk + j
+                c0 = j * cs
+                c1 = c0 + f.chunks[k].raw_len
+                a, b = max(lo, c0), min(hi, c1)
+                if view is not None and (a, b) == (c0, c1):
+                    where = (k, raw.data_ptr() + c0 - lo)
+                    if where not in direct_seen:  # else another target reads it into this memory
+                        direct_seen.add(where)
+                        plan.direct.append((k, view[c0 - lo : c1 - lo]))
+                    in_direct = True
+                else:
+                    plan.pieces.append(Piece(k, a - c0, b - c0, raw[a - lo : b - lo], key))
+            if in_direct:
+                plan.direct_keys.append(key)
+        else:
+            lo = m["offset"] * size
+            hi = (m["offset"] + sum((n - 1) * st for n, st in zip(m["shape"], m["stride"])) + 1) * size
+            first, last = rec.first_chunk + lo // cs, rec.first_chunk + (hi - 1) // cs + 1
+            plan.strided.append(Strided(key, value, m, sid, first, last))
+    plan.strided.sort(key=lambda s: (s.first, -s.last))
+    return plan

@@ -1,0 +1,103 @@
+"""Carrying out a load_into() plan (fillplan.py): chunk reads into targets and the bounce buffer.
+
+`write_targets` does the writes, in three steps: chunks that land whole in a target
+are read there in one parallel read; chunk ends shared with other tensors, and targets
+on accelerators, go through the bounce buffer; targets laid out unlike the file get a
+host copy of their storage's chunks, then ``copy_``.  Before any target's memory is
+written its key is recorded, so that a failure part way can name what may have changed
+(load_into.PartialLoadError).  `windows` cuts a list of chunks into batches that fit the
+bounce buffer; the verification pass (load_into.verify_chunks) reads through it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from ..engine import bytesview
+from ..format import dtypes
+from .fillplan import Piece, Plan, Strided, range_bytes
+from .reader import CheckpointFile
+
+
+def alloc(f: CheckpointFile, nbytes: int) -> torch.Tensor | None:
+    """A host buffer of `nbytes` for the reads (None when the plan needs none)."""
+    return f._alloc(nbytes, "") if nbytes else None
+
+
+def windows(
+    f: CheckpointFile, chunks: list[int], buf: torch.Tensor
+) -> Iterator[tuple[list[tuple[int, memoryview]], list[int]]]:
+    """Batches of (chunk, its place in `buf`) for `chunks`, as many as `buf` holds, with their offsets."""
+    view = bytesview.tensor_bytes(buf)
+    items: list[tuple[int, memoryview]] = []
+    starts: list[int] = []
+    pos = 0
+    for k in chunks:
+        n = f.chunks[k].raw_len
+        if pos + n > len(view):
+            yield items, starts
+            items, starts, pos = [], [], 0
+        items.append((k, view[pos : pos + n]))
+        starts.append(pos)
+        pos += n
+    if items:
+        yield items, starts
+
+
+def write_targets(
+    f: CheckpointFile, plan: Plan, buf: torch.Tensor | None, verify: bool, touched: dict[str, None]
+) -> None:
+    """Read the planned chunks into the targets; `touched` collects keys before their memory is written."""
+    # 1. chunks that land whole in a target: one parallel read
+    if plan.direct:
+        plan.touch(touched, plan.direct_keys)
+        f.read_into(plan.direct, verify)
+    # 2. chunk ends shared with other tensors, and targets on accelerators: through the bounce buffer
+    if plan.pieces:
+        assert buf is not None
+        by_chunk: dict[int, list[Piece]] = {}
+        for p in plan.pieces:
+            by_chunk.setdefault(p.chunk, []).append(p)
+        for items, starts in windows(f, sorted(by_chunk), buf):
+            f.read_into(items, verify)
+            for (k, _), at in zip(items, starts):
+                for p in by_chunk[k]:
+                    plan.touch(touched, [p.key])
+                    p.dest.copy_(buf[at + p.start : at + p.end])
+    # 3. targets laid out unlike the file: their storage's chunks in host memory, then copy_()
+    loaded: tuple[int, int, int] | None = None  # (storage, first, last) now in buf
+    for s in plan.strided:
+        assert buf is not None
+        if loaded is None or not (loaded[0] == s.sid and loaded[1] <= s.first and s.last <= loaded[2]):
+            n = range_bytes(f, s.first, s.last)
+            f.read_into(_place(f, s.first, s.last, buf[:n]), verify)
+            loaded = (s.sid, s.first, s.last)
+        plan.touch(touched, [s.key])
+        # an inference tensor may only be written in inference mode
+        with torch.inference_mode() if s.value.is_inference() else contextlib.nullcontext():
+            s.value.copy_(_source(f, s, buf, loaded[1]))
+
+
+def _place(f: CheckpointFile, first: int, last: int, dest: torch.Tensor) -> list[tuple[int, memoryview]]:
+    """Chunks [first, last) side by side in `dest`, each with its place there."""
+    view = bytesview.tensor_bytes(dest)
+    out, pos = [], 0
+    for k in range(first, last):
+        n = f.chunks[k].raw_len
+        out.append((k, view[pos : pos + n]))
+        pos += n
+    return out
+
+
+def _source(f: CheckpointFile, s: Strided, buf: torch.Tensor, first: int) -> torch.Tensor:
+    """The file's tensor over buf, which holds its storage's chunks from `first` on."""
+    m = s.meta
+    dt = dtypes.TORCH_DTYPES[m["dtype"]]
+    start = (first - f.storages[s.sid].first_chunk) * f.chunk_size  # byte of the storage at buf[0]
+    size = torch.empty(0, dtype=dt).element_size()
+    offset = (m["offset"] * size - start) // size  # chunk sizes are powers of two >= 4 KiB
+    t = torch.empty(0, dtype=dt).set_(buf.untyped_storage(), offset, m["shape"], m["stride"])
+    return t.conj() if m["conj"] else t

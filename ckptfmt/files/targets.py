@@ -1,0 +1,140 @@
+"""Matching a checkpoint's entries against the live state load_into() fills.
+
+Both sides are flattened to dotted key paths ("model.layers.0.weight"): the file's
+entries from its checked tree, the target's leaves from its dicts, lists and tuples.
+`match` pairs them and checks, before anything is read or written, that every target
+tensor has the shape and dtype of its entry and can be written (no overlapping
+elements, no meta tensor inside a tuple).  What it finds is the caller's `LoadReport`,
+like load_state_dict()'s result; a mismatch, or with strict=True a missing or
+unexpected key, is a `MismatchError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from ..format import dtypes
+from ..format.decode import decode_key
+from .reader import CheckpointFile
+
+#: one leaf of the target: (dotted key, its container, its key in the container, the value)
+Target = tuple[str, Any, Any, Any]
+
+
+class MismatchError(CheckpointError, ValueError):
+    """The checkpoint does not fit the target: keys, shapes or dtypes differ."""
+
+
+@dataclass
+class LoadReport:
+    """What load_into() found, like the result of load_state_dict()."""
+
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    loaded: int = 0
+
+
+@dataclass
+class Matched:
+    """The target's leaves, the file's entries by dotted key, and what the match found."""
+
+    targets: list[Target]
+    in_file: dict[str, int]
+    report: LoadReport
+
+
+def _join(prefix: str, key: object) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def target_items(obj: Any, prefix: str) -> Iterator[Target]:
+    """(dotted key, container, key in container, value) for every leaf of the target."""
+    if isinstance(obj, dict):
+        items: Any = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    else:
+        return
+    for k, v in items:
+        path = _join(prefix, k)
+        if isinstance(v, (dict, list, tuple)) and not isinstance(v, torch.Size):
+            yield from target_items(v, path)
+        else:
+            yield path, obj, k, v
+
+
+def file_items(f: CheckpointFile, i: int, prefix: str) -> Iterator[tuple[str, int]]:
+    """(dotted key, node) for every leaf under node i of the file's tree."""
+    node = f.tree.nodes[i]
+    if node[0] in ("dict", "odict"):
+        for k, v in node[1]:
+            key = decode_key(f.tree, k, f.path)
+            yield from file_items(f, v, _join(prefix, key))
+    elif node[0] in ("list", "tuple"):
+        for n, j in enumerate(node[1]):
+            yield from file_items(f, j, _join(prefix, n))
+    else:
+        yield prefix, i
+
+
+def _tensor_problem(key: str, value: torch.Tensor, node: list[Any], container: Any) -> str | None:
+    """Why target tensor `value` cannot take node's tensor, or None."""
+    if node[0] != "tensor":
+        return f"{key}: the checkpoint holds a {node[0]}, the target a tensor"
+    m = node[1]
+    if list(value.shape) != m["shape"]:
+        return f"{key}: shape mismatch: checkpoint {m['shape']}, target {list(value.shape)}"
+    if dtypes.TORCH_DTYPES[m["dtype"]] != value.dtype:
+        return (
+            f"{key}: dtype mismatch: checkpoint {m['dtype']}, target "
+            f"{dtypes.TORCH_NAMES.get(value.dtype, str(value.dtype))}"
+        )
+    # targets load_into() could not write: found now, not half way through the writes
+    if value.is_meta:
+        if isinstance(container, tuple):
+            return f"{key}: a meta tensor inside a tuple cannot be replaced"
+        return None
+    if value.numel() > 1 and torch._debug_has_internal_overlap(value) == 1:
+        return f"{key}: several elements of the target share memory (an expanded tensor?)"
+    return None
+
+
+def _key_problems(report: LoadReport) -> str:
+    """The first few missing and unexpected keys, for a strict load's error."""
+    parts = []
+    for what, keys in (("missing", report.missing_keys), ("unexpected", report.unexpected_keys)):
+        if keys:
+            parts.append(f"{what} keys {keys[:5]}" + ("..." if len(keys) > 5 else ""))
+    return "; ".join(parts)
+
+
+def match(f: CheckpointFile, top: int, state: Any, *, strict: bool) -> Matched:
+    """Pair the leaves of `state` with the entries under node `top`; MismatchError before any read."""
+    in_file = dict(file_items(f, top, ""))
+    targets = list(target_items(state, ""))
+    report = LoadReport()
+    target_keys = set()
+    problems = []
+    for key, container, _, value in targets:
+        target_keys.add(key)
+        i = in_file.get(key)
+        if i is None:
+            report.missing_keys.append(key)
+            continue
+        if isinstance(value, torch.Tensor):
+            problem = _tensor_problem(key, value, f.tree.nodes[i], container)
+            if problem:
+                problems.append(problem)
+    report.unexpected_keys = [k for k in in_file if k not in target_keys]
+    if problems:
+        raise MismatchError(
+            problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""), path=f.path
+        )
+    if strict and (report.missing_keys or report.unexpected_keys):
+        raise MismatchError(_key_problems(report), path=f.path)
+    return Matched(targets, in_file, report)
