@@ -8,13 +8,13 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 import tempfile
 
 import numpy as np
 import pytest
 import torch
 import xxhash
+from cli_runner import run_cli
 from helpers import assert_same, states
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -571,11 +571,7 @@ def test_spec_example_12_8(tmp_path, monkeypatch):
 
 
 def _cli(*args: str, rc: int) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "ckptfmt", *args], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == rc, (proc.returncode, proc.stdout, proc.stderr)
-    return proc
+    return run_cli(*args, rc=rc)
 
 
 def test_cli_consolidate_inspect_verify(tmp_path):
