@@ -25,7 +25,6 @@ import json
 import os
 import pathlib
 import shutil
-import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +32,7 @@ from typing import Any
 
 import pytest
 import torch
-from trainer_helpers import ban_pickle
+from trainer_helpers import ban_pickle, run_child
 
 import ckptfmt
 from ckptfmt.format.sniff import sniff
@@ -46,7 +45,6 @@ needs_lightning = pytest.mark.skipif(
 
 EPOCHS = 4
 STOP_AFTER = 2
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Mode(enum.Enum):
@@ -216,18 +214,6 @@ def child(argv: list[str]) -> None:
 # the tests
 
 
-def _run_child(*args: str) -> None:
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"child {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     base = str(tmp_path_factory.mktemp("lightning"))
@@ -238,18 +224,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
     def chain_lightning() -> None:
         try:
-            _run_child("train", "lightning", base)
+            run_child(__file__, "train", "lightning", base)
             # the files as the stopped run left them (the resumed run goes on writing there)
             shutil.copytree(os.path.join(base, "nonblocking"), os.path.join(base, "nonblocking-stopped"))
         finally:
             trained.set()
-        _run_child("resume", "lightning", base)
+        run_child(__file__, "resume", "lightning", base)
 
     def chain_pl() -> None:
-        _run_child("train", "pytorch_lightning", pl_base)
-        _run_child("resume", "pytorch_lightning", pl_base)
+        run_child(__file__, "train", "pytorch_lightning", pl_base)
+        run_child(__file__, "resume", "pytorch_lightning", pl_base)
         trained.wait()
-        _run_child("resume-default", "lightning", base)
+        run_child(__file__, "resume-default", "lightning", base)
 
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(chain_lightning), pool.submit(chain_pl)]

@@ -34,7 +34,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from trainer_helpers import Tokens, ban_pickle, tiny_gpt2  # noqa: E402
+from trainer_helpers import Tokens, ban_pickle, run_child, tiny_gpt2  # noqa: E402
 
 import ckptfmt  # noqa: E402
 from ckptfmt.files import multifile  # noqa: E402
@@ -174,33 +174,19 @@ def child(argv: list[str]) -> None:
 # the tests
 
 
-def _run_child(*args: str, expect: int = 0) -> None:
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == expect, (
-        f"child {args}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> str:
     base = str(tmp_path_factory.mktemp("hf"))
 
     def interrupted() -> None:
-        _run_child("crash", base, expect=9)
+        run_child(__file__, "crash", base, expect=9)
         torn = os.path.join(base, "run", f"checkpoint-{CRASH_AT}")
         opt = os.path.join(torn, "optimizer.ckpt")
         os.truncate(opt, os.path.getsize(opt) // 2)  # one file cut short, others never written
-        _run_child("resume", base)
+        run_child(__file__, "resume", base)
 
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(_run_child, "reference", base), pool.submit(interrupted)]
+        futures = [pool.submit(run_child, __file__, "reference", base), pool.submit(interrupted)]
         for f in futures:
             f.result()
     return base

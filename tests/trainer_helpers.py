@@ -1,15 +1,20 @@
 """Helpers the trainer integration tests share (Hugging Face Trainer, Lightning): a seeded
-dataset of token rows, a tiny GPT-2 built from a config, and a ban on pickle for the resumes
-that must not unpickle anything.
+dataset of token rows, a tiny GPT-2 built from a config, a ban on pickle for the resumes
+that must not unpickle anything, and the runner of a test file as its own child program.
 
 transformers is imported only by tiny_gpt2, so a test file that skips without it can still
 import this module first."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -50,3 +55,19 @@ def ban_pickle() -> None:
     pickle.Unpickler = BannedUnpickler  # type: ignore[misc]
     torch.load = banned
     torch.serialization.load = banned
+
+
+def run_child(script: str, *args: str, expect: int = 0) -> None:
+    """Run the test file `script` as a child program with `args` (one thread, warnings off, this
+    checkout first on the path); its exit status must be `expect`."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == expect, (
+        f"child {args}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
