@@ -10,19 +10,26 @@ import sys
 import numpy as np
 import pytest
 import torch
+from cli_runner import run_cli
 
 import ckptfmt
 
 CORPUS = os.path.join(os.path.dirname(__file__), "corpus")
 
 
-def run(*args: str, check_rc: int | None = None) -> subprocess.CompletedProcess:
+def run_entry_point(*args: str, check_rc: int | None = None) -> subprocess.CompletedProcess:
+    """``python -m ckptfmt ARGS`` in a fresh interpreter: the real entry point."""
     proc = subprocess.run(
         [sys.executable, "-m", "ckptfmt", *args], capture_output=True, text=True, timeout=120
     )
     if check_rc is not None:
         assert proc.returncode == check_rc, (proc.returncode, proc.stdout, proc.stderr)
     return proc
+
+
+def run(*args: str, check_rc: int | None = None) -> subprocess.CompletedProcess:
+    """The command line in this process (no interpreter and torch import per call)."""
+    return run_cli(*args, rc=check_rc)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +57,7 @@ def files(tmp_path_factory):
 
 
 def test_verify_ok(files):
-    out = run("verify", str(files["good"]), check_rc=0)
+    out = run_entry_point("verify", str(files["good"]), check_rc=0)
     assert out.stdout == f"{files['good']}: OK\n"
     assert out.stderr == ""
 
@@ -97,11 +104,11 @@ def test_verify_recognises_other_formats_by_magic(files):
 
 
 def test_verify_missing_file_and_usage(files):
-    out = run("verify", str(files["dir"] / "missing"), check_rc=2)
+    out = run_entry_point("verify", str(files["dir"] / "missing"), check_rc=2)
     assert "UNREADABLE" in out.stdout
     run("verify", check_rc=2)
     run("frobnicate", check_rc=2)
-    run(check_rc=2)
+    run_entry_point(check_rc=2)
 
 
 def test_corpus_through_cli():

@@ -5,18 +5,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
+from cli_runner import run_cli
 
 import ckptfmt
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ckptfmt", *args], capture_output=True, text=True, timeout=120
-    )
+    return run_cli(*args)
 
 
 @pytest.fixture()
