@@ -33,7 +33,8 @@ if sys.argv[2] == "noflock":
     def _unsupported(*args, **kwargs):
         raise OSError(errno.ENOLCK, "No locks available")
     fcntl.flock = _unsupported
-from ckptfmt import commit, writer
+from ckptfmt.engine import commit
+from ckptfmt.files import save as writer
 with writer.AtomicFile(sys.argv[1]) as f:
     os.write(f.fd, b"\0" * 65536)
     print(f.tmp, flush=True)
@@ -256,7 +257,7 @@ def _zombie(pid: int) -> bool:
 
 def test_a_dead_saver_not_yet_reaped_owns_nothing(tmp_path):
     code = (
-        "import os, sys\nfrom ckptfmt import commit\n"
+        "import os, sys\nfrom ckptfmt.engine import commit\n"
         "f = commit.AtomicFile(sys.argv[1]).__enter__()\nprint(f.tmp, flush=True)\nos._exit(0)\n"
     )
     proc = subprocess.Popen(
@@ -310,7 +311,7 @@ def test_only_regular_files_are_removed(tmp_path):
 
 _FORKING_OWNER = r"""
 import os, sys, time
-from ckptfmt import commit
+from ckptfmt.engine import commit
 f = commit.AtomicFile(sys.argv[1]).__enter__()
 child = os.fork()
 if child == 0:  # a data loader worker, say: it inherits the locked descriptor

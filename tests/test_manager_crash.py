@@ -51,7 +51,7 @@ SEED = int(os.environ.get("CKPTFMT_MANAGER_SEED", "20240601"))
 #: tens of ms to resume and ~10 ms per step, so this covers startup and many saves
 MAX_DELAY = 0.2
 TEMP_MARK = ".ckptfmt-tmp."
-_TEMP_DIR_RE = re.compile(r"\.step-([0-9]{9,20})\.ckptfmt-tmp\.[0-9]+\.[0-9a-f]+")
+_TEMP_DIR_RE = re.compile(r"\.step-([0-9]{9,20})\.ckptfmt-tmp\.[0-9a-f]{16}\.[0-9]+\.[0-9]+\.[0-9a-f]{8}")
 # spec section 10: .<name>.ckptfmt-tmp.<host>.<pid>.<start>.<random>
 _TEMP_FILE_RE = re.compile(r"\.(state\.ckpt|COMMIT)\.ckptfmt-tmp\.[0-9a-f]{16}\.[0-9]+\.[0-9]+\.[0-9a-f]{8}")
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "manager_crash_child.py")

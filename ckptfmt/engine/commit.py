@@ -43,9 +43,13 @@ a temp file is abandoned when
   as its writers locked right after creating; where locks are not supported,
   by age as above.
 
-Symbolic links, directories (the checkpoint manager's temporary step
-directories share the marker) and anything else are never touched, and a file
-is unlinked only if its name still leads to the inode that was examined.
+Symbolic links, directories and anything else are never touched by that cleanup,
+and a file is unlinked only if its name still leads to the inode that was examined.
+
+Temporary directories.  The checkpoint manager's temporary step directories are
+named and owned the same way (``new_temp``), and ``abandoned_temp_dir`` tells
+when one is abandoned by the same rules, asked of the directory and its lock;
+removing it is the manager's (it holds the run's deletions).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from ..errors import CheckpointError
 from .ckptdir import CheckpointDir
@@ -79,8 +84,10 @@ FOREIGN_GRACE_S = 3600.0
 #: the largest process id a name can hold (pid_t is a C int)
 PID_MAX = 2**31 - 1
 
+_T = TypeVar("_T")
+
 _OWNED_SUFFIX = re.compile(r"([0-9a-f]{16})\.([0-9]{1,10})\.([0-9]{1,20})\.[0-9a-f]{8}")
-_LEGACY_SUFFIX = re.compile(r"[0-9]{1,10}\.[0-9a-f]{1,32}")
+_LEGACY_SUFFIX = re.compile(r"[0-9]+\.[0-9a-f]+")
 
 
 def temp_prefix(path: str) -> str:
@@ -270,17 +277,42 @@ def _abandoned(name: str, owner: tuple[str, int, int] | None, fd: int, mtime: fl
     return now - mtime > FOREIGN_GRACE_S
 
 
-def _remove_if_abandoned(d: CheckpointDir, name: str, now: float) -> bool:
+def abandoned_temp_dir(d: CheckpointDir, name: str, now: float | None = None) -> bool:
+    """Whether entry `name` of `d` is a temporary directory (named as a temp file is) that a
+    dead or failed save left, by the rules for temp files; a link, a file or anything that
+    cannot be examined is not."""
+    if parse_temp_name(name) is None:
+        return False
+    try:
+        sub = d.sub(name)
+    except (OSError, CheckpointError):
+        return False  # gone, a link, or not a directory
+    with sub:  # closing drops the lock the probe may have taken
+        try:
+            return _abandoned_open(name, sub.fd, time.time() if now is None else now) is not None
+        except OSError:
+            return False
+
+
+def _abandoned_open(name: str, fd: int, now: float) -> os.stat_result | None:
+    """The status of temp entry `name`, open at `fd`, when it is abandoned; else None."""
     parsed = parse_temp_name(name)
-    if parsed is None:
+    st = os.fstat(fd)
+    if parsed is None or not _abandoned(name, parsed[1], fd, st.st_mtime, now):
+        return None
+    return st
+
+
+def _remove_if_abandoned(d: CheckpointDir, name: str, now: float) -> bool:
+    if parse_temp_name(name) is None:
         return False
     try:
         fd = d.open_file(name)
     except (OSError, CheckpointError):
         return False  # gone already, a link, a directory (the manager's temporary step directories)
     try:
-        st = os.fstat(fd)
-        if not _abandoned(name, parsed[1], fd, st.st_mtime, now):
+        st = _abandoned_open(name, fd, now)
+        if st is None:
             return False
         cur = d.lstat(name)
         if cur is None or (cur.st_dev, cur.st_ino) != (st.st_dev, st.st_ino):
@@ -308,6 +340,37 @@ def remove_abandoned_temps(directory: str | CheckpointDir, now: float | None = N
         return []
     with d:
         return [n for n in d.names() if _remove_if_abandoned(d, n, when)]
+
+
+# -- creating a temp entry ----------------------------------------------------------------------
+
+
+def new_temp(d: CheckpointDir, target: str, make: Callable[[str], _T]) -> tuple[str, _T]:
+    """Create a temp entry of `target` in `d` with `make(name)` (which must fail with
+    FileExistsError when the name is taken): (its name, what make returned).  The name is
+    this process's and registered as a save in progress before it exists, so no cleanup, in
+    any thread or process, ever takes it for abandoned; ``disown`` it once it is renamed or
+    removed."""
+    prefix = os.path.basename(temp_prefix(target))
+    owner = owner_token()
+    while True:
+        name = f"{prefix}{owner}.{secrets.token_hex(4)}"
+        with _own_lock:
+            _own.add(name)  # before it exists: a cleanup in another thread never sees it unowned
+        try:
+            return name, make(name)
+        except FileExistsError:
+            disown(name)
+        except BaseException:
+            disown(name)
+            raise
+
+
+def disown(name: str) -> None:
+    """Temp entry `name` is no longer a save in progress of this process (renamed or removed;
+    one left behind is then abandoned)."""
+    with _own_lock:
+        _own.discard(name)
 
 
 # -- durability -----------------------------------------------------------------------------------
@@ -352,23 +415,8 @@ class AtomicFile:
     def _create(self, d: CheckpointDir) -> None:
         if d.is_dir(self.name):
             raise IsADirectoryError(errno.EISDIR, "is a directory", self.path)
-        prefix = os.path.basename(temp_prefix(self.path))
-        owner = owner_token()
-        while True:
-            name = f"{prefix}{owner}.{secrets.token_hex(4)}"
-            with _own_lock:
-                _own.add(name)  # before it exists: a cleanup in another thread never sees it unowned
-            try:
-                self.fd = d.create(name)
-            except FileExistsError:
-                _disown(name)
-                continue
-            except BaseException:
-                _disown(name)
-                raise
-            self._tmp_name = name
-            self.tmp = d.path_of(name)
-            return
+        self._tmp_name, self.fd = new_temp(d, self.name, d.create)
+        self.tmp = d.path_of(self._tmp_name)
 
     def commit(self, *, free_replaced: Callable[[int], None] | None = None) -> None:
         """fsync the file, rename it over the target, fsync the directory.
@@ -383,7 +431,7 @@ class AtomicFile:
         finally:
             if replaced >= 0:
                 (free_replaced or _close_later)(replaced)
-        _disown(self._tmp_name)
+        disown(self._tmp_name)
         self._tmp_name = self.tmp = ""
         self._dir.fsync()
 
@@ -396,7 +444,7 @@ class AtomicFile:
                 self._dir.unlink(self._tmp_name)
             except OSError:
                 pass  # left for a later cleanup: no longer registered, so abandoned
-            _disown(self._tmp_name)
+            disown(self._tmp_name)
             self._tmp_name = self.tmp = ""
         if self._dir is not None:
             self._dir.close()
@@ -431,8 +479,3 @@ def _close_later(fd: int) -> None:
         threading.Thread(target=os.close, args=(fd,), name="ckptfmt-free-replaced", daemon=True).start()
     except RuntimeError:  # no new threads (interpreter shutdown): the commit has happened all the same
         os.close(fd)
-
-
-def _disown(name: str) -> None:
-    with _own_lock:
-        _own.discard(name)

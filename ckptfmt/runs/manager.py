@@ -22,20 +22,18 @@ checkpoint.  So:
 from __future__ import annotations
 
 import contextlib
-import datetime
 import fcntl
 import os
-import secrets
 import stat
 import threading
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from ..background import inflight
+from ..engine import commit
 from ..engine.ckptdir import CheckpointDir, LinkError
-from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError
+from ..errors import CheckpointError, CheckpointWarning, CorruptError
 from ..files import load_into as inplace
 from ..files import multifile
 from ..files import save as writer
@@ -43,45 +41,18 @@ from ..files.reader import CheckpointFile
 from ..files.targets import MismatchError
 from ..files.verify import VerifyReport
 from ..format import devices
-from ..format.timestamps import parse_utc
 from . import locks, resume, retention
-from .stepcheck import check_step, resume_entries, verify_in_run
+from .scan import RunScan, StepRecords
+from .stepcheck import resume_entries, verify_in_run
 from .steps import (
-    _STEP_LIKE_RE,
-    _TEMP_RE,
     MAX_STEP,
     STATE_NAME,
     CheckpointInfo,
     StepJob,
     StepStatus,
     held,
-    parse_step_dirname,
     step_dirname,
 )
-
-
-def _info(step: int, d: CheckpointDir, record: multifile.CommitRecord) -> CheckpointInfo:
-    path = d.path
-    size = sum(p.length for p in record.files)
-    st = d.lstat(multifile.COMMIT_NAME)
-    size += st.st_size if st is not None else 0
-    return CheckpointInfo(
-        step=step,
-        path=path,
-        metrics=dict(record.metrics),
-        metadata=dict(record.metadata),
-        size=size,
-        created=parse_utc(record.created),
-        files=tuple(os.path.join(path, p.name) for p in record.files),
-        references=tuple(os.path.normpath(os.path.join(path, p.name)) for p in record.references),
-        layout=record.layout,
-    )
-
-
-@dataclass
-class _Cached:
-    stamp: tuple[Any, ...]
-    record: multifile.CommitRecord
 
 
 class CheckpointManager:
@@ -119,34 +90,12 @@ class CheckpointManager:
         # rotation (on commit threads) and cleanup (in save) both delete step directories
         self._delete_lock = threading.RLock()
         self._jobs: list[StepJob] = []  # in flight, or finished with an error nobody has seen
-        self._cache: dict[str, _Cached] = {}
+        self._records = StepRecords(self.directory)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory!r})"
 
     # -- reading the directory --------------------------------------------------------
-
-    def _stamp(self, d: CheckpointDir, record: multifile.CommitRecord | None) -> tuple[Any, ...]:
-        out: list[tuple[int, int, int, int] | None] = [_ident(d, ".")]
-        out.append(_ident(d, multifile.COMMIT_NAME))
-        for p in record.files + record.references if record else ():
-            holder, name = d.walk(p.name) if "/" in p.name else (d.dup(), p.name)
-            with holder:
-                out.append(_ident(holder, name))
-        return tuple(out)
-
-    def _record(self, d: CheckpointDir, step: int) -> multifile.CommitRecord:
-        """The step's checked commit record (check_step), cached while the directory and the
-        files it names keep their identity (inode, size, mtime) and are not links."""
-        cached = self._cache.get(d.path)
-        try:
-            if cached is not None and cached.stamp == self._stamp(d, cached.record):
-                return cached.record
-        except (OSError, CheckpointError):
-            pass  # a component changed kind: check it all again, which says why
-        record = check_step(d, step)
-        self._cache[d.path] = _Cached(self._stamp(d, record), record)
-        return record
 
     def _in_flight_steps(self) -> set[int]:
         with self._lock:
@@ -154,91 +103,23 @@ class CheckpointManager:
 
     def statuses(self) -> list[StepStatus]:
         """Every step directory, complete or not, by step."""
-        out = []
-        with self._run() as run:
-            if run is None:
-                return []
-            for name in run.names():
-                step = parse_step_dirname(name)
-                if step is not None and run.is_dir(name):
-                    out.append(self._status(run, name, step))
-            out.sort(key=lambda s: s.step)
-            referenced = {r for s in out if s.info for r in s.info.references}
-            for s in out:
-                if s.info is None:
-                    s.retained = _all_files_referenced(run, os.path.basename(s.path), referenced)
-        return out
-
-    def _status(self, run: CheckpointDir, name: str, step: int) -> StepStatus:
-        """What step directory `name` is, by the one check of check_step."""
-        status = StepStatus(step, run.path_of(name))
-        try:
-            with run.sub(name) as d:
-                try:
-                    status.info = _info(step, d, self._record(d, step))
-                except (CheckpointError, OSError) as e:
-                    status.problem = _why(e, d.path)
-                    status.damaged = not isinstance(e, IncompleteError) or d.exists(multifile.COMMIT_NAME)
-                    status.error = type(e) if isinstance(e, CheckpointError) else IncompleteError
-        except (CheckpointError, OSError) as e:  # swapped for a link since it was listed
-            status.problem = _why(e, status.path)
-            status.damaged = True
-            status.error = type(e) if isinstance(e, CheckpointError) else IncompleteError
-        if status.info is None:
-            self._cache.pop(status.path, None)
-        return status
-
-    @contextlib.contextmanager
-    def _run(self) -> Iterator[CheckpointDir | None]:
-        """The run directory, opened once for one pass over it (None when it is gone)."""
-        try:
-            run = CheckpointDir.open(self.directory)
-        except FileNotFoundError:
-            yield None
-            return
-        with run:
-            yield run
+        return self._records.scan().statuses
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """The complete checkpoints, oldest first."""
-        return [s.info for s in self.statuses() if s.info is not None]
+        return self._records.scan().complete()
 
     def latest(self) -> CheckpointInfo | None:
         """The newest complete checkpoint; directories that are not one are skipped with a warning."""
         busy = self._in_flight_steps()
-        newest = None
-        for s in self.statuses():
-            if s.info is not None:
-                newest = s.info
-            elif s.step not in busy and not s.retained:
+        scan = self._records.scan()
+        for s in scan.statuses:
+            if s.info is None and s.step not in busy and not s.retained:
                 warnings.warn(f"skipping {s.path}: {s.problem}", CheckpointWarning, stacklevel=2)
-        for path, why in self._foreign():
+        for path, why in scan.foreign:
             warnings.warn(f"skipping {path}: {why}", CheckpointWarning, stacklevel=2)
-        return newest
-
-    def _foreign(self) -> list[tuple[str, str]]:
-        """Entries named like step directories that are not one (never counted, never deleted)."""
-        out = []
-        with self._run() as run:
-            if run is None:
-                return []
-            for name in run.names():
-                if not _STEP_LIKE_RE.fullmatch(name):
-                    continue
-                path = run.path_of(name)
-                st = run.lstat(name)
-                if parse_step_dirname(name) is None:
-                    out.append(
-                        (
-                            path,
-                            "not a step directory name (step-NNNNNNNNN: at least 9 digits, no extra zeros)",
-                        )
-                    )
-                elif st is not None and stat.S_ISLNK(st.st_mode):
-                    out.append((path, "a symbolic link, not a step directory (never followed)"))
-                elif st is not None and not stat.S_ISDIR(st.st_mode):
-                    out.append((path, "not a directory"))
-        return out
+        done = scan.complete()
+        return done[-1] if done else None
 
     def _find(self, step: int | None) -> list[CheckpointInfo]:
         """The checkpoint of `step`, or every complete one newest first when step is None."""
@@ -276,20 +157,24 @@ class CheckpointManager:
         metrics = _check_metrics(metrics)
         meta = writer.check_save_args(None, None, metadata)
         self._raise_failed()
-        self._check_step_is_new(step)
+        scan = self._scan()  # every decision before the step directory exists reads this one
+        self._check_step_is_new(step, scan)
         if _sharded_save(state):  # every rank saves its shard; the step commits like any other
             from . import sharded
 
-            sharded.save_step(self, step, state, metrics, meta)
+            sharded.save_step(self, step, state, metrics, meta, scan)
             return None
         from .rng import capture_rng
 
         payload = resume.build_payload(state, step, capture_rng())
-        self._cleanup()
+        self._cleanup(scan)
         if self.incremental:
             self._wait_all()  # the next file refers to the previous one: it must be committed
-        path, lock_fd = self._make_step_dir(step)
+            if scan.busy:
+                scan = self._scan()  # those saves have committed (or failed) since the scan
+        path, lock_fd = self._make_step_dir(step, scan)
         job = StepJob(step, path, lock_fd, metrics, meta, inflight.SaveHandle(path))
+        job.base = _newest_state_file(scan) if self.incremental else None
         try:
             job.file_handle = self._write_state(job, payload)
         except BaseException:
@@ -308,10 +193,16 @@ class CheckpointManager:
             job.thread.start()
         return job.handle
 
-    def _check_step_is_new(self, step: int) -> None:
-        with self._lock:
-            pending = [j.step for j in self._jobs if not j.handle.done()]
-        newest = max([s.step for s in self.statuses() if s.info is not None] + pending, default=None)
+    def _scan(self) -> RunScan:
+        """One scan of the run directory, with the steps this manager had in flight before it
+        began (a step in flight is not yet complete, and never a leftover to remove)."""
+        busy = self._in_flight_steps()
+        scan = self._records.scan()
+        scan.busy = busy
+        return scan
+
+    def _check_step_is_new(self, step: int, scan: RunScan) -> None:
+        newest = max([c.step for c in scan.complete()] + list(scan.busy), default=None)
         if newest is not None and step <= newest:
             raise ValueError(
                 f"step {step} is not after the newest checkpoint (step {newest}) in {self.directory}; "
@@ -319,8 +210,9 @@ class CheckpointManager:
                 "(CheckpointManager.remove(step))"
             )
 
-    def _make_step_dir(self, step: int) -> tuple[str, int]:
-        """Create the step directory already locked: made under a temporary name, then renamed."""
+    def _make_step_dir(self, step: int, scan: RunScan | None = None) -> tuple[str, int]:
+        """Create the step directory already locked: made under a temporary name (owned as
+        every temp name is, engine.commit), then renamed; `scan`: the save's scan."""
         name = step_dirname(step)
         final = os.path.join(self.directory, name)
         with CheckpointDir.open(self.directory) as run:
@@ -328,27 +220,26 @@ class CheckpointManager:
             if found is not None and stat.S_ISDIR(found.st_mode):
                 if locks.is_locked(final):
                     raise CheckpointError(f"{final} is being written by another process")
-                self._delete_step(final, keep=self._referenced())
+                self._delete_step(final, keep=(scan or self._scan()).referenced())
             elif found is not None:  # a link or a file squatting on the name: removed as a name
                 run.unlink(name)
-            tmp = f".{name}.ckptfmt-tmp.{os.getpid()}.{secrets.token_hex(4)}"
-            run.mkdir(tmp)
-            sub = run.sub(tmp)
+            tmp, _ = commit.new_temp(run, name, run.mkdir)
             try:
-                if locks.try_lock(sub.fd) is False:  # another process's cleanup is probing it this instant
-                    fcntl.flock(sub.fd, fcntl.LOCK_EX)  # probes let go at once
-                run.rename(tmp, name)
-                run.fsync()
-            except BaseException:
-                sub.close()
-                run.remove_tree(tmp)
-                raise
+                sub = run.sub(tmp)
+                try:
+                    if (
+                        locks.try_lock(sub.fd) is False
+                    ):  # another process's cleanup is probing it this instant
+                        fcntl.flock(sub.fd, fcntl.LOCK_EX)  # probes let go at once
+                    run.rename(tmp, name)
+                    run.fsync()
+                except BaseException:
+                    sub.close()
+                    run.remove_tree(tmp)
+                    raise
+            finally:
+                commit.disown(tmp)
         return final, sub.fd
-
-    def _base_file(self) -> str | None:
-        """The state file an incremental save may refer to: the newest complete one."""
-        found = [s.info for s in self.statuses() if s.info is not None]
-        return found[-1].state_path if found else None
 
     def _write_state(self, job: StepJob, payload: dict[str, Any]) -> Any:
         target = os.path.join(job.path, STATE_NAME)
@@ -358,7 +249,7 @@ class CheckpointManager:
             return incremental.save(
                 payload,
                 target,
-                base=self._base_file(),
+                base=job.base,
                 compression=self.compression,
                 blocking=self.blocking,
                 min_reference_bytes=incremental.MIN_REFERENCE_BYTES,
@@ -420,7 +311,7 @@ class CheckpointManager:
         if job.lock_fd >= 0:
             os.close(job.lock_fd)
             job.lock_fd = -1
-        self._delete_step(job.path, keep=self._referenced())
+        self._delete_step(job.path, keep=self._scan().referenced())
 
     def _raise_failed(self) -> None:
         """Raise the error of an earlier non-blocking save that nobody has waited for."""
@@ -448,16 +339,14 @@ class CheckpointManager:
 
     # -- rotation and cleanup ---------------------------------------------------------------
 
-    def _referenced(self) -> set[str]:
-        """Files that complete checkpoints read chunks from (never deleted)."""
-        return {r for s in self.statuses() if s.info for r in s.info.references}
-
     def _rotate(self) -> None:
+        """Rotation after a commit: it scans the directory afresh, as the commit (on a commit
+        thread for non-blocking saves) has changed it since the save's scan."""
         with self._delete_lock:
-            self._rotate_locked()
+            self._rotate_locked(self._scan())
 
-    def _rotate_locked(self) -> None:
-        done = self.checkpoints()
+    def _rotate_locked(self, scan: RunScan) -> None:
+        done = scan.complete()
         kept = retention.kept_steps(
             [(c.step, c.metrics) for c in done],
             keep_last=self.keep_last,
@@ -469,10 +358,11 @@ class CheckpointManager:
         for c in done:
             if c.step not in kept:
                 self._retire(c.path, keep_files)
+                scan.forget(c.path)
 
     def _retire(self, path: str, keep: set[str]) -> None:
         """Stop a step being a checkpoint (commit record first), then delete what nothing refers to."""
-        self._cache.pop(path, None)
+        self._records.forget(path)
         with CheckpointDir.open(self.directory) as run:
             try:
                 d = run.sub(os.path.basename(path))
@@ -492,7 +382,7 @@ class CheckpointManager:
         """Everything inside is reached through the step directory's own descriptor, opened
         without following a link: a step directory swapped for a link (at any moment) leads
         nowhere outside the run."""
-        self._cache.pop(path, None)
+        self._records.forget(path)
         name = os.path.basename(path)
         with CheckpointDir.open(self.directory) as run:
             try:
@@ -507,18 +397,19 @@ class CheckpointManager:
                         d.remove_tree(entry)
             run.rmdir(name)
 
-    def _cleanup(self) -> None:
-        """Remove step directories of saves that died (unlocked, without a commit record)."""
+    def _cleanup(self, scan: RunScan | None = None) -> None:
+        """Remove step directories of saves that died (unlocked, without a commit record) and
+        abandoned temporary step directories, then finish an interrupted rotation; `scan`:
+        the save's scan (one is taken when not given)."""
         with self._delete_lock:
-            self._cleanup_locked()
+            self._cleanup_locked(scan or self._scan())
 
-    def _cleanup_locked(self) -> None:
-        busy = self._in_flight_steps()
-        statuses = self.statuses()
-        newest = max((s.step for s in statuses if s.info is not None), default=-1)
-        keep = {r for s in statuses if s.info for r in s.info.references}
-        for s in statuses:
-            if s.info is not None or s.step in busy:
+    def _cleanup_locked(self, scan: RunScan) -> None:
+        newest = scan.newest_step()
+        newest = -1 if newest is None else newest
+        keep = scan.referenced()
+        for s in list(scan.statuses):
+            if s.info is not None or s.step in scan.busy:
                 continue
             if s.damaged and s.step > newest:
                 continue  # the newest data there is: leave it for a person to look at
@@ -526,21 +417,17 @@ class CheckpointManager:
             if locked or (locked is None and s.step > newest):
                 continue  # a live save (or, without locks, possibly one)
             self._tidy(s.path, lambda path=s.path: self._delete_step(path, keep))
+            scan.forget(s.path)
         with CheckpointDir.open(self.directory) as run:
-            for name in run.names():
-                full = run.path_of(name)
-                if (
-                    _TEMP_RE.fullmatch(name)
-                    and locks.is_locked(full) is False
-                    and _abandoned_temp(name, full)
-                ):
-                    self._tidy(full, lambda name=name: run.remove_tree(name))
+            for name in scan.temp_names:
+                if commit.abandoned_temp_dir(run, name):
+                    self._tidy(run.path_of(name), lambda name=name: run.remove_tree(name))
         # Finish a rotation that a kill between a commit and its rotation (or an error)
         # left undone.  Otherwise the next rotation comes only after this save's commit,
         # and every kill that lands in that window again leaves one more checkpoint
         # than the rules keep (tests/test_manager_crash.py found 4 with keep_last=2).
         try:
-            self._rotate_locked()
+            self._rotate_locked(scan)
         except (OSError, CheckpointError) as e:
             warnings.warn(f"rotation in {self.directory} failed: {e}", CheckpointWarning, stacklevel=3)
 
@@ -555,15 +442,14 @@ class CheckpointManager:
     def remove(self, step: int) -> None:
         """Delete checkpoint `step` (files that other checkpoints refer to are kept)."""
         self._wait_all()
-        for s in self.statuses():
+        scan = self._scan()
+        for s in scan.statuses:
             if s.step == step:
                 if s.info is not None:
-                    others = {
-                        r for t in self.statuses() if t.info and t.step != step for r in t.info.references
-                    }
+                    others = {r for c in scan.complete() if c.step != step for r in c.references}
                     self._retire(s.path, others)
                 else:
-                    self._delete_step(s.path, self._referenced())
+                    self._delete_step(s.path, scan.referenced())
                 return
         raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
 
@@ -611,7 +497,7 @@ class CheckpointManager:
         the descriptor that was checked; every file it reads chunks from is one the record names."""
         inflight.wait_for_path(info.state_path)
         with CheckpointDir.open(self.directory) as run, run.sub(os.path.basename(info.path)) as d:
-            record = self._record(d, info.step)  # check_step: the references and the root too
+            record = self._records.record(d, info.step)  # check_step: the references and the root too
             part = record.files[0]
             with CheckpointFile(d.path_of(part.name), fd=multifile.open_part(d, part, d.path), within=d) as f:
                 yield f
@@ -675,57 +561,10 @@ class CheckpointManager:
         return verify_in_run(self.directory, os.path.basename(info.path), info.step)
 
 
-def _why(e: CheckpointError | OSError, directory: str) -> str:
-    """An error's reason, naming the file inside the step directory it concerns."""
-    if not isinstance(e, CheckpointError):
-        return f"{e.filename or directory}: {e.strerror}"
-    text = str(e)
-    if e.path and os.path.abspath(e.path) != directory:
-        text = text.replace(e.path, os.path.relpath(e.path, directory), 1)
-    elif e.path:
-        text = text[len(e.path) + 2 :] if text.startswith(e.path + ": ") else text
-    return text
-
-
-#: a temporary step directory this old is abandoned even if its pid is alive (reused,
-#: or a process on another host sharing the filesystem)
-_TEMP_GRACE_S = 3600
-
-
-def _abandoned_temp(name: str, path: str) -> bool:
-    """A temporary step directory is locked only after mkdir: until then its creator is
-    known by the pid in its name, so a live pid (or a young directory) means hands off."""
-    from ..engine.commit import names_a_process
-
-    pid = int(name.split(".")[-2])
-    if not names_a_process(pid):
-        return True  # no process has that pid (0, or more than a pid_t holds): its creator is gone
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        pass
-    try:
-        age = datetime.datetime.now().timestamp() - os.lstat(path).st_mtime
-    except OSError:
-        return False
-    return age > _TEMP_GRACE_S
-
-
-def _ident(d: CheckpointDir, name: str) -> tuple[int, int, int, int] | None:
-    """What entry `name` is now (kind, inode, size, mtime), a link not followed; None when absent."""
-    st = d.lstat(name) if name != "." else os.fstat(d.fd)
-    return None if st is None else (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def _all_files_referenced(run: CheckpointDir, name: str, referenced: set[str]) -> bool:
-    try:
-        with run.sub(name) as d:
-            names = [n for n in d.names() if not n.startswith(".")]
-            return bool(names) and all(d.path_of(n) in referenced for n in names)
-    except (OSError, CheckpointError):
-        return False
+def _newest_state_file(scan: RunScan) -> str | None:
+    """The state file an incremental save may refer to: the newest complete one."""
+    done = scan.complete()
+    return done[-1].state_path if done else None
 
 
 def _sharded_save(state: Any) -> bool:

@@ -42,6 +42,7 @@ from .steps import StepJob, held, step_dirname
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
+    from .scan import RunScan
     from .steps import CheckpointInfo
 
 
@@ -79,9 +80,15 @@ def rng_key(rank: int) -> str:
 
 
 def save_step(
-    manager: CheckpointManager, step: int, state: Any, metrics: dict[str, float], meta: dict[str, str]
+    manager: CheckpointManager,
+    step: int,
+    state: Any,
+    metrics: dict[str, float],
+    meta: dict[str, str],
+    scan: RunScan,
 ) -> None:
-    """Save `state` as step `step` of `manager`'s run; every rank calls it (blocking)."""
+    """Save `state` as step `step` of `manager`'s run; every rank calls it (blocking).  `scan`:
+    the save's scan of the run directory (rank 0 cleans up and makes the step by it)."""
     from .rng import capture_rng
 
     if manager.incremental:
@@ -102,8 +109,8 @@ def save_step(
     problem: list[str | None] = [None]
     if rank == 0:
         try:
-            manager._cleanup()
-            path, lock_fd = manager._make_step_dir(step)
+            manager._cleanup(scan)
+            path, lock_fd = manager._make_step_dir(step, scan)
             job = StepJob(step, path, lock_fd, metrics, meta, background.SaveHandle(path))
         except (OSError, CheckpointError) as e:
             problem[0] = str(e)

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..background import inflight
 from ..engine.ckptdir import CheckpointDir
+from ..engine.commit import parse_temp_name
 from ..errors import CheckpointError
 
 STATE_NAME = "state.ckpt"
@@ -23,11 +24,22 @@ _STEP_RE = re.compile(r"step-([0-9]{9,20})")
 _STEP_LIKE_RE = re.compile(r"step-[0-9]+")
 #: the largest step whose directory name parse_step_dirname() accepts (20 digits)
 MAX_STEP = 10**20 - 1
-_TEMP_RE = re.compile(r"\.step-[0-9]{9,20}\.ckptfmt-tmp\.[0-9]+\.[0-9a-f]+")
 
 
 def step_dirname(step: int) -> str:
     return f"step-{step:09d}"
+
+
+def looks_like_step_dirname(name: str) -> bool:
+    """Whether `name` looks like a step directory's (step-<digits>), canonical or not."""
+    return _STEP_LIKE_RE.fullmatch(name) is not None
+
+
+def is_step_temp_name(name: str) -> bool:
+    """Whether `name` is a temporary step directory's: a temp name (engine.commit) of a
+    step directory name."""
+    parsed = parse_temp_name(name)
+    return parsed is not None and _STEP_RE.fullmatch(parsed[0]) is not None
 
 
 def parse_step_dirname(name: str) -> int | None:
@@ -83,6 +95,7 @@ class StepJob:
     handle: inflight.SaveHandle
     thread: threading.Thread | None = None
     file_handle: Any = None
+    base: str | None = None  # the state file an incremental save refers to
 
 
 def held(job: StepJob) -> CheckpointDir:
