@@ -1,9 +1,10 @@
 """Opening and reading the files a reader is given: the two helpers every reading path shares.
 
-The index parser (index.py), the chunk reader (chunkread.py) and the commit record's
-checks (multifile.py) all open files with `open_regular` (ckptdir.py, which opens files
-beneath a directory's descriptor, with `regular_or_close`) and read their fixed-size
-parts with `pread_exact`; this module imports nothing of the package but its errors.
+The index parser (index.py), the chunk reader (chunkread.py), the commit record's
+checks (multifile.py), format sniffing (sniff.py) and the DCP readers all open files with
+`open_regular` (ckptdir.py, which opens files beneath a directory's descriptor, with
+`regular_or_close`) and read their fixed-size parts with `pread_exact`; this module
+imports nothing of the package but its errors.
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ def _direct_job(
     scratch_bytes = sum(f.chunks[k].raw_len for k in edges)
 
     def make() -> tuple[list[tuple[int, memoryview]], Callable[[], None]]:
-        out = bytesview.tensor_bytes(dest.reshape(-1).view(torch.uint8))
+        out = bytesview.contiguous_bytes(dest)
         reads: list[tuple[int, memoryview]] = []
         copies: list[tuple[memoryview, memoryview]] = []
         for k in chunk_ids:

@@ -107,14 +107,6 @@ def range_bytes(f: CheckpointFile, first: int, last: int) -> int:
     return sum(f.chunks[k].raw_len for k in range(first, last))
 
 
-def _bytes_of(value: torch.Tensor) -> torch.Tensor:
-    """A uint8 tensor over a dense target's memory: [data_ptr, data_ptr + nbytes)."""
-    size = value.element_size()
-    return torch.empty(0, dtype=torch.uint8, device=value.device).set_(
-        value.untyped_storage(), value.storage_offset() * size, (value.numel() * size,), (1,)
-    )
-
-
 def _dense(shape: list[int], stride: list[int]) -> bool:
     """The elements fill exactly numel consecutive slots (no gaps, no overlap)."""
     expected = 1
@@ -180,7 +172,7 @@ def make_plan(f: CheckpointFile, targets: list[Target], in_file: dict[str, int],
         if _same_bytes(value, m):
             lo = m["offset"] * size
             hi = lo + value.numel() * size
-            raw = _bytes_of(value)
+            raw = bytesview.elements_as_uint8(value)
             view = bytesview.tensor_bytes(raw) if value.device.type == "cpu" else None
             in_direct = False
             for j in range(lo // cs, (hi - 1) // cs + 1):

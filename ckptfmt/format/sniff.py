@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
-import stat
 import struct
 
+from ..errors import UnsupportedError
+from ..fileio import open_regular, pread_exact
 from .layout import MAGIC
 
 
@@ -16,17 +16,15 @@ def sniff(path: str | os.PathLike[str]) -> str:
     """One of "ckptfmt", "torch-zip", "torch-legacy", "safetensors", "unknown", or "special"
     (a FIFO, device or socket: opened without blocking and never read).  IsADirectoryError
     for a directory."""
-    # O_NONBLOCK: opening a FIFO must not wait for a writer
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
-        if not stat.S_ISREG(st.st_mode):
-            return "special"
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-        head = os.pread(fd, 64 * 1024, 0)
-        size = st.st_size
+        fd = open_regular(os.fspath(path))  # a FIFO is opened without waiting for a writer
+    except UnsupportedError:
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path)) from None
+        return "special"
+    try:
+        size = os.fstat(fd).st_size
+        head = pread_exact(fd, 0, 64 * 1024)
     finally:
         os.close(fd)
     if MAGIC.startswith(head[:8]) or not any(head[:64]):
