@@ -89,13 +89,16 @@ typedef struct {
  * are not un-shuffled unless their content digest needs it), and a chunk without a
  * content digest may have no destination (dst NULL).
  * chunks[i].index is the chunk number the checksum seed binds (in the file at fd);
- * on failure status->chunk is i, the position of the failing entry in `chunks`. */
+ * on failure status->chunk is i, the position of the failing entry in `chunks`.
+ * Entries are taken in order, each thread asking the kernel to read ahead the chunks
+ * up to about 64 MiB beyond the one it starts (POSIX_FADV_WILLNEED, where not cached). */
 int ckf_read_chunks(int fd, const uint8_t *file_id, ckf_rchunk *chunks, uint64_t n, int verify, int nthreads,
                     ckf_status *status);
 
 /* Verify raw chunks [0, n) where they lie in a mapping of their file (map_len bytes
  * from offset 0): checksums, padding and content digests, on nthreads threads,
- * mapping each piece in one call (MADV_POPULATE_READ) before hashing it; `dst` is
+ * mapping each piece in one call (MADV_POPULATE_READ) before hashing it, with the
+ * read-ahead of ckf_read_chunks through the mapping (MADV_WILLNEED); `dst` is
  * not used.  A file that shrank below the mapping fails with CKF_ERR_SHORT. */
 int ckf_check_mapped(const uint8_t *map, uint64_t map_len, const uint8_t *file_id, ckf_rchunk *chunks, uint64_t n,
                      int nthreads, ckf_status *status);

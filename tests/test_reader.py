@@ -86,6 +86,35 @@ def test_corruption_detected_on_every_path(tmp_path, monkeypatch, compression, p
     assert e.reason == "checksum mismatch"
 
 
+@pytest.mark.parametrize("threads", ["1", "2", "7"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_mmap_checks_all_storages_in_one_parallel_call(tmp_path, monkeypatch, threads, where):
+    # many storages of many chunks, all checked together by the engine's threads: a flipped
+    # byte in any of them is reported for its own key, chunk and offset, and nothing loads
+    g = torch.Generator().manual_seed(2)
+    state = {f"layer{i}.weight": torch.randn(3000 + 500 * i, generator=g) for i in range(12)}
+    p = tmp_path / "many.ckpt"
+    ckptfmt.save(state, p, chunk_size=4096)
+    monkeypatch.setenv("CKPTFMT_THREADS", threads)
+    assert_same(state, ckptfmt.load(p, mmap=True))
+    with ckptfmt.open(p) as r:
+        chunks = r._file.chunks
+        keys = r._file.chunk_keys()
+    target = {"first": 0, "middle": len(chunks) // 2, "last": len(chunks) - 1}[where]
+    data = bytearray(p.read_bytes())
+    data[chunks[target].offset + chunks[target].stored_len - 1] ^= 0x01
+    p.write_bytes(bytes(data))
+    with pytest.raises(ckptfmt.CorruptError) as info:
+        ckptfmt.load(p, mmap=True)
+    e = info.value
+    assert (e.key, e.chunk, e.offset, e.reason) == (
+        keys[target],
+        target,
+        chunks[target].offset,
+        "checksum mismatch",
+    )
+
+
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_truncation_while_open_is_incomplete_on_the_fast_path(tmp_path, compression):
     p, _, chunks = _damaged(tmp_path, compression)

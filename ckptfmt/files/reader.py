@@ -256,19 +256,31 @@ class CheckpointFile:
                     POOL.discard(buf)
         return out
 
-    def _mapped_storage(self, sid: int, verify: bool) -> torch.UntypedStorage | None:
-        """A storage backed by the file itself, when all its chunks are raw and in this file
-        (zero-copy); None otherwise (external chunks are read from their own files)."""
+    def _mappable(self, sid: int) -> bool:
+        """Whether a storage can be backed by the file itself: all its chunks raw and in this
+        file (external chunks are read from their own files)."""
         rec = self.storages[sid]
         chunks = self.chunks[rec.first_chunk : rec.first_chunk + rec.n_chunks]
-        if not chunks or any(c.codec != fmt.CODEC_RAW or c.source >= 0 for c in chunks):
-            return None
+        return bool(chunks) and all(c.codec == fmt.CODEC_RAW and c.source < 0 for c in chunks)
+
+    def _mapped_storages(self, sids: list[int], verify: bool) -> dict[int, torch.UntypedStorage]:
+        """Storages backed by the file itself (zero-copy), for mappable `sids`.  With `verify`
+        every chunk of all of them is checked in one engine call, so that its threads share
+        the whole load, not one storage at a time."""
+        if not sids:
+            return {}
         if self._mm is None:
             self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
         if verify:
-            self._chunk_reader.check_mapped(self._mm, rec.first_chunk, chunks)
-        flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=rec.nbytes, offset=chunks[0].offset)
-        return flat.untyped_storage()
+            ranges = [(self.storages[sid].first_chunk, self.storages[sid].n_chunks) for sid in sids]
+            self._chunk_reader.check_mapped(self._mm, ranges)
+        out = {}
+        for sid in sids:
+            rec = self.storages[sid]
+            offset = self.chunks[rec.first_chunk].offset
+            flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=rec.nbytes, offset=offset)
+            out[sid] = flat.untyped_storage()
+        return out
 
     @pausing_in_main_thread
     def load_subtree(
@@ -297,14 +309,8 @@ class CheckpointFile:
             else:
                 on_device.setdefault(target, []).append(sid)
         if use_mmap:
-            unmapped = []
-            for sid in host:
-                mapped = self._mapped_storage(sid, verify)
-                if mapped is None:
-                    unmapped.append(sid)
-                else:
-                    loaded[sid] = mapped
-            host = unmapped
+            loaded.update(self._mapped_storages([sid for sid in host if self._mappable(sid)], verify))
+            host = [sid for sid in host if sid not in loaded]
         staging = max((self._staging_size(sids, staging_budget()) for sids in on_device.values()), default=0)
         self._check_memory(host + callable_ + [s for sids in on_device.values() for s in sids], staging)
         loaded.update(self.read_storages(host + callable_, verify))
