@@ -10,7 +10,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,10 @@ from ..errors import CheckpointError
 from ..files import multifile
 from ..gcpause import pausing_in_main_thread
 from .planners import LoadPlanner, SavePlanner
-from .storage import Reader, Writer
+from .storage import Reader, SaveOptions, Writer
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 _NO_DIST_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
 #: tensors at least this large are staged by the engine's parallel copy
@@ -100,44 +103,40 @@ def _raise_mapped(doing: str, path: str, e: BaseException) -> None:
         raise mapped from e
 
 
+def _set_up_save(
+    path: str | os.PathLike[str],
+    group: dist.ProcessGroup | None,
+    kind: str,
+    options: SaveOptions,
+    _within: CheckpointDir | None = None,
+    _step_dir: bool = False,
+) -> tuple[Writer, SavePlanner]:
+    """What save and async_save set up alike: the Writer of directory `path` with the
+    caller's options, and the planner of `kind` of save for `group` (see _save_planner)."""
+    return Writer(path, _within=_within, _step_dir=_step_dir, **options), _save_planner(group, kind)
+
+
 @pausing_in_main_thread
 def save(
     state_dict: dict[str, Any],
     path: str | os.PathLike[str],
     *,
     process_group: dist.ProcessGroup | None = None,
-    compression: str | None = None,
-    level: int | None = None,
-    chunk_size: int | None = None,
-    step: int | None = None,
-    metrics: dict[str, float] | None = None,
-    metadata: dict[str, str] | None = None,
-    overwrite: bool = True,
     _within: CheckpointDir | None = None,
     _step_dir: bool = False,
+    **options: Unpack[SaveOptions],
 ) -> Metadata:
     """Save a (sharded) state dict into directory `path`; every rank of the group calls it.
 
     Each rank writes its items into ``rank-NNNNN.ckpt``; the coordinator then writes the
     commit record.  Without an initialised process group this runs in this process alone.
     Errors on any rank are raised on every rank as a CheckpointError naming the ranks.
-    ``overwrite=False`` refuses a `path` that already holds a checkpoint (see ``Writer``).
+    `options` (``SaveOptions``): compression, level, chunk_size, step, metrics, metadata and
+    overwrite; ``overwrite=False`` refuses a `path` that already holds a checkpoint.
     (`_within`, `_step_dir`: the checkpoint manager's step directory, see ``Writer``.)
     """
-    target = os.path.abspath(os.fspath(path))
-    w = Writer(
-        target,
-        compression=compression,
-        level=level,
-        chunk_size=chunk_size,
-        step=step,
-        metrics=metrics,
-        metadata=metadata,
-        overwrite=overwrite,
-        _within=_within,
-        _step_dir=_step_dir,
-    )
-    planner = _save_planner(process_group, "blocking")
+    w, planner = _set_up_save(path, process_group, "blocking", options, _within, _step_dir)
+    target = w.path
     try:
         with _single_process_ok():
             return dcp.save(
@@ -271,8 +270,8 @@ class Stager:
             and not src.is_neg()
             and _native.built()
         ):
-            dst_view = bytesview.contiguous_bytes(buf)
-            src_view = bytesview.contiguous_bytes(src)
+            dst_view = bytesview.tensor_bytes(buf.reshape(-1).view(torch.uint8))
+            src_view = bytesview.tensor_bytes(src.reshape(-1).view(torch.uint8))
             _native.copy(dst_view, src_view, _native.default_threads())
         else:
             buf.copy_(src)
@@ -307,36 +306,20 @@ def async_save(
     path: str | os.PathLike[str],
     *,
     process_group: dist.ProcessGroup | None = None,
-    compression: str | None = None,
-    level: int | None = None,
-    chunk_size: int | None = None,
-    step: int | None = None,
-    metrics: dict[str, float] | None = None,
-    metadata: dict[str, str] | None = None,
-    overwrite: bool = True,
     stager: Stager | None = None,
+    **options: Unpack[SaveOptions],
 ) -> concurrent.futures.Future[Metadata]:
     """Like ``save``, but returns once the state is staged (copied into reused CPU buffers).
 
     The rest runs in DCP's background thread (``dcp.async_save``) on a dedicated gloo
     group.  The future resolves to DCP's Metadata, or raises a CheckpointError.
     """
-    target = os.path.abspath(os.fspath(path))
     st = stager or _DEFAULT_STAGER
     group = _checkpoint_group(process_group)
     if not _distributed():  # DCP warns from its own thread: filter just that message
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-    w = Writer(
-        target,
-        compression=compression,
-        level=level,
-        chunk_size=chunk_size,
-        step=step,
-        metrics=metrics,
-        metadata=metadata,
-        overwrite=overwrite,
-    )
-    planner = _save_planner(group, "async")
+    w, planner = _set_up_save(path, group, "async", options)
+    target = w.path
     inner = dcp.async_save(
         state_dict,
         storage_writer=w,

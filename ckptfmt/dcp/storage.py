@@ -24,7 +24,7 @@ import io
 import os
 import socket
 import uuid
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -109,6 +109,21 @@ class StorageInfo:
     file: str
     key: int
     part: multifile.PartRecord | None = None
+
+
+class SaveOptions(TypedDict, total=False):
+    """The options of a save that its Writer takes, named once for ``save``, ``async_save``
+    and ``Writer``: ckptfmt's `compression` (with its `level`) and `chunk_size`; the commit
+    record's `step`, `metrics` and `metadata` (the checkpoint manager's fields); and
+    `overwrite` (False refuses a directory that already holds a checkpoint)."""
+
+    compression: str | None
+    level: int | None
+    chunk_size: int | None
+    step: int | None
+    metrics: dict[str, float] | None
+    metadata: dict[str, str] | None
+    overwrite: bool
 
 
 class _HeldDirectory:
