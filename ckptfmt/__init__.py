@@ -20,9 +20,10 @@ from .files.save import remove, save  # noqa: E402
 from .files.targets import LoadReport, MismatchError  # noqa: E402
 from .files.verify import Problem, VerifyReport, verify  # noqa: E402
 from .format.layout import FORMAT_MAJOR, FORMAT_MINOR  # noqa: E402
-from .runs.manager import CheckpointInfo, CheckpointManager  # noqa: E402
+from .runs.manager import CheckpointManager  # noqa: E402
 from .runs.resume import ResumeReport  # noqa: E402
 from .runs.rng import capture_rng, restore_rng  # noqa: E402
+from .runs.steps import CheckpointInfo  # noqa: E402
 
 
 def backend() -> str:

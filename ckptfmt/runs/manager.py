@@ -111,10 +111,9 @@ class CheckpointManager:
 
     def latest(self) -> CheckpointInfo | None:
         """The newest complete checkpoint; directories that are not one are skipped with a warning."""
-        busy = self._in_flight_steps()
-        scan = self._records.scan()
+        scan = self._scan()
         for s in scan.statuses:
-            if s.info is None and s.step not in busy and not s.retained:
+            if s.info is None and s.step not in scan.busy and not s.retained:
                 warnings.warn(f"skipping {s.path}: {s.problem}", CheckpointWarning, stacklevel=2)
         for path, why in scan.foreign:
             warnings.warn(f"skipping {path}: {why}", CheckpointWarning, stacklevel=2)
