@@ -270,8 +270,8 @@ class Stager:
             and not src.is_neg()
             and _native.built()
         ):
-            dst_view = bytesview.tensor_bytes(buf.reshape(-1).view(torch.uint8))
-            src_view = bytesview.tensor_bytes(src.reshape(-1).view(torch.uint8))
+            dst_view = bytesview.contiguous_bytes(buf)
+            src_view = bytesview.contiguous_bytes(src)
             _native.copy(dst_view, src_view, _native.default_threads())
         else:
             buf.copy_(src)
