@@ -107,8 +107,8 @@ MANAGER_SAVE = textwrap.dedent(
     dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
     made = ckptfmt.CheckpointManager._make_step_dir
-    def swapped(self, step):
-        path, fd = made(self, step)
+    def swapped(self, step, *args):
+        path, fd = made(self, step, *args)
         os.rename(path, path + ".held")
         os.symlink(victim, path)
         return path, fd
