@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from .background.copysave import SaveHandle  # noqa: E402
+from .background.inflight import SaveHandle  # noqa: E402
 from .background.staging import POOL as _POOL  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,

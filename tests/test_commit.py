@@ -21,7 +21,6 @@ import torch
 
 import ckptfmt
 from ckptfmt.engine import commit
-from ckptfmt.files import save as writer
 
 NO_LOCK_ERRNOS = [errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP]
 
@@ -34,8 +33,8 @@ if sys.argv[2] == "noflock":
         raise OSError(errno.ENOLCK, "No locks available")
     fcntl.flock = _unsupported
 from ckptfmt.engine import commit
-from ckptfmt.files import save as writer
-with writer.AtomicFile(sys.argv[1]) as f:
+from ckptfmt.engine.commit import AtomicFile
+with AtomicFile(sys.argv[1]) as f:
     os.write(f.fd, b"\0" * 65536)
     print(f.tmp, flush=True)
     sys.stdin.read()
@@ -187,7 +186,7 @@ def test_live_savers_temp_survives_saves_in_its_directory(tmp_path, monkeypatch,
         proc.wait(timeout=30)
     assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "b.ckpt"]  # the holder removed its own temp
     assert ckptfmt.load(tmp_path / "a.ckpt")["t"][0].item() == 2.0
-    assert list(writer.iter_temp_files(str(tmp_path / "a.ckpt"))) == []
+    assert list(commit.iter_temp_files(str(tmp_path / "a.ckpt"))) == []
 
 
 # -- the ownership rules, one by one --------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 from crash_server import make_states
 
 import ckptfmt
-from ckptfmt.files import save as writer
+from ckptfmt.engine import commit
 
 KILLS = int(os.environ.get("CKPTFMT_CRASH_KILLS", "120"))
 
@@ -51,7 +51,7 @@ def test_sigkill_during_saves_never_leaves_a_partial_checkpoint(tmp_path):
             for k, v in expected["model"].items():
                 assert torch.equal(loaded["model"][k], v), f"kill {n}: {k} differs"
             assert torch.equal(loaded["step"], expected["step"])
-            temps = list(writer.iter_temp_files(str(path)))
+            temps = list(commit.iter_temp_files(str(path)))
             temps_seen += bool(temps)
             # Temps do not pile up: a save creates its own temp, then removes the ones killed
             # saves left (its temp's mtime is the filesystem's clock for their ages).  A kill
@@ -74,4 +74,4 @@ def test_sigkill_during_saves_never_leaves_a_partial_checkpoint(tmp_path):
     assert temps_seen > 0, "no kill landed inside a save; the test would prove nothing"
     print(f"{KILLS} kills, {temps_seen} inside a save, {temps_whole} after the temp was complete")
     ckptfmt.save(states[1], path)
-    assert list(writer.iter_temp_files(str(path))) == []
+    assert list(commit.iter_temp_files(str(path))) == []

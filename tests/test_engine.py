@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
+from ckptfmt.engine import chunkwrite
 from ckptfmt.engine import native as _native
-from ckptfmt.files import save as writer
 from ckptfmt.format import layout as fmt
 from ckptfmt.format.encode import encode
 
@@ -25,7 +25,7 @@ def _write(tmp_path, name, state, engine, **kw):
     p = tmp_path / name
     fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        writer.build_file(fd, encode(state), engine=engine, metadata={}, path=str(p), **kw)
+        chunkwrite.build_file(fd, encode(state), engine=engine, metadata={}, path=str(p), **kw)
     finally:
         os.close(fd)
     return p.read_bytes()

@@ -19,8 +19,7 @@ from helpers import assert_same, states
 from hypothesis import HealthCheck, given, settings
 
 import ckptfmt
-from ckptfmt.background import copysave as background
-from ckptfmt.background import forksave
+from ckptfmt.background import forksave, inflight
 from ckptfmt.engine import native as _native
 from ckptfmt.errors import SnapshotError
 
@@ -184,7 +183,7 @@ def test_fork_failing_is_an_error_that_leaves_nothing(tmp_path, monkeypatch):
         ckptfmt.save({"v": torch.ones(10)}, tmp_path / "x.ckpt", blocking=False, snapshot="fork")
     assert info.value.errno == errno.ENOMEM and info.value.filename == str(tmp_path / "x.ckpt")
     assert os.listdir(tmp_path) == []
-    assert not background._in_flight
+    assert not inflight._in_flight
 
 
 def test_no_descriptors_left_is_an_error_that_leaves_nothing(tmp_path, monkeypatch):
@@ -202,7 +201,7 @@ def test_no_descriptors_left_is_an_error_that_leaves_nothing(tmp_path, monkeypat
         ckptfmt.save({"v": torch.ones(10)}, tmp_path / "x.ckpt", blocking=False, snapshot="fork")
     assert info.value.errno == errno.EMFILE and info.value.filename == str(tmp_path / "x.ckpt")
     assert os.listdir(tmp_path) == []
-    assert not background._in_flight
+    assert not inflight._in_flight
 
 
 def test_an_interrupt_after_the_fork_stops_and_reaps_the_child(tmp_path, monkeypatch):
@@ -223,7 +222,7 @@ def test_an_interrupt_after_the_fork_stops_and_reaps_the_child(tmp_path, monkeyp
         ckptfmt.save({"v": torch.ones(10)}, tmp_path / "x.ckpt", blocking=False, snapshot="fork")
     assert started and _gone(started[0])  # killed and reaped: not even a zombie
     assert os.listdir(tmp_path) == []
-    assert not background._in_flight
+    assert not inflight._in_flight
 
 
 def test_the_child_keeps_no_other_descriptor_and_ignores_job_signals(tmp_path, monkeypatch):
@@ -266,7 +265,7 @@ def test_a_fork_while_another_thread_holds_the_engine_cache_lock_does_not_hang_t
 
 _CHILD = r"""
 import resource, signal, sys, torch, ckptfmt
-from ckptfmt import _native
+from ckptfmt.engine import native as _native
 import functools
 p, case = sys.argv[1], sys.argv[2]
 if case == "fsize":
@@ -402,7 +401,7 @@ def test_an_interrupt_right_after_fork_returns_stops_and_reaps_the_child(tmp_pat
     with pytest.raises(KeyboardInterrupt):
         ckptfmt.save({"v": torch.ones(10)}, tmp_path / "x.ckpt", blocking=False, snapshot="fork")
     assert raised and os.listdir(tmp_path) == []
-    assert not background._in_flight
+    assert not inflight._in_flight
 
 
 def test_an_interrupt_in_thread_start_cleans_up_once(tmp_path, monkeypatch):
@@ -425,4 +424,4 @@ def test_an_interrupt_in_thread_start_cleans_up_once(tmp_path, monkeypatch):
     assert names in ([], ["x.ckpt"])  # no temp file either way
     if names:
         assert torch.equal(ckptfmt.load(tmp_path / "x.ckpt")["v"], torch.arange(10))
-    assert not background._in_flight
+    assert not inflight._in_flight

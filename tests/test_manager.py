@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt.background import copysave as background
+from ckptfmt.background import inflight
 from ckptfmt.errors import (
     CheckpointError,
     CheckpointWarning,
@@ -46,7 +46,7 @@ def _no_leaks():
     threads = set(threading.enumerate())
     fds = len(os.listdir("/proc/self/fd"))
     yield
-    for h in list(background._in_flight.values()):
+    for h in list(inflight._in_flight.values()):
         h._done.wait(30)
     deadline = time.monotonic() + 5
     while set(threading.enumerate()) - threads and time.monotonic() < deadline:

@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, given, settings
 
 import ckptfmt
 from ckptfmt.background import copysave as background
+from ckptfmt.background import inflight
 from ckptfmt.background.staging import POOL, StagingPool
-from ckptfmt.files import save as writer
+from ckptfmt.engine import commit as commit_mod
 
 BACKENDS = ["c", "python"]
 
@@ -37,7 +38,7 @@ def _no_leaks():
     threads = threading.active_count()
     fds = len(os.listdir("/proc/self/fd"))
     yield
-    for h in list(background._in_flight.values()):
+    for h in list(inflight._in_flight.values()):
         h._done.wait(30)
     for t in threading.enumerate():  # files a save replaced are freed after it is done
         if t.name == "ckptfmt-free-replaced" or t.name.startswith("ckptfmt-save-"):
@@ -117,13 +118,13 @@ def test_many_saves_in_flight(tmp_path, backend):
 def test_directory_that_disappears(tmp_path, backend, monkeypatch):
     d = tmp_path / "gone"
     d.mkdir()
-    commit = writer.AtomicFile.commit
+    commit = commit_mod.AtomicFile.commit
 
     def vanish_then_commit(self, **kwargs):  # the directory goes away between the writes and the rename
         shutil.rmtree(d)
         commit(self, **kwargs)
 
-    monkeypatch.setattr(writer.AtomicFile, "commit", vanish_then_commit)
+    monkeypatch.setattr(commit_mod.AtomicFile, "commit", vanish_then_commit)
     h = ckptfmt.save({"t": torch.randn(1 << 20)}, d / "x.ckpt", blocking=False, chunk_size=1 << 16)
     exc = h.exception(timeout=60)
     assert isinstance(exc, OSError) and exc.errno == 2 and str(d) in exc.filename
@@ -146,7 +147,7 @@ def test_dropped_handle_error_is_raised_by_next_save(tmp_path):
     h._done.wait()
     # simulate a failure nobody waited for
     h._exc, h._observed = OSError(5, "Input/output error", str(d / "x.ckpt")), False
-    background._unobserved.append(h)
+    inflight._unobserved.append(h)
     del h
     gc.collect()
     with pytest.raises(RuntimeError, match="never waited for") as info:
@@ -213,7 +214,7 @@ def test_thread_that_fails_to_start_leaves_nothing_in_flight(tmp_path, monkeypat
     with pytest.raises(RuntimeError, match="can't start new thread"):
         ckptfmt.save(_state(), p, blocking=False)
     monkeypatch.undo()
-    assert not background._in_flight, "the path stays marked in flight: every later save of it hangs"
+    assert not inflight._in_flight, "the path stays marked in flight: every later save of it hangs"
     assert os.listdir(tmp_path) == [], "the temp file leaked"
     ckptfmt.save({"a": 1}, p)  # waits for nothing
     assert ckptfmt.load(p) == {"a": 1}
@@ -238,7 +239,7 @@ def test_exception_mid_snapshot_returns_every_slab(tmp_path, monkeypatch, backen
         with pytest.raises(MemoryError, match="injected"):
             ckptfmt.save(_state(), p, blocking=False, chunk_size=1 << 16)
         assert len(calls) == fail_at
-        assert not background._in_flight
+        assert not inflight._in_flight
         assert os.listdir(tmp_path) == []
         _pool_settled()
         monkeypatch.undo()
@@ -249,7 +250,7 @@ def test_exception_mid_snapshot_returns_every_slab(tmp_path, monkeypatch, backen
         POOL.configure(limit=8 << 30, slab_bytes=64 << 20)
 
 
-class _FinishesBetweenChecks(background.SaveHandle):
+class _FinishesBetweenChecks(inflight.SaveHandle):
     """A failed save whose thread finishes between two of raise_unobserved's looks at it."""
 
     def __init__(self, path: str) -> None:
@@ -265,7 +266,7 @@ class _FinishesBetweenChecks(background.SaveHandle):
 
 def test_an_error_that_lands_between_two_checks_is_not_dropped(tmp_path):
     h = _FinishesBetweenChecks(str(tmp_path / "x.ckpt"))
-    background._unobserved.append(h)
+    inflight._unobserved.append(h)
     raised = []
     for i in range(3):
         try:
@@ -273,7 +274,7 @@ def test_an_error_that_lands_between_two_checks_is_not_dropped(tmp_path):
         except RuntimeError as e:
             raised.append(e)
     assert len(raised) == 1 and isinstance(raised[0].__cause__, OSError)
-    assert h not in background._unobserved
+    assert h not in inflight._unobserved
 
 
 # -- staging accelerator storages (simulated: no accelerator here) ---------------------------------
@@ -403,7 +404,7 @@ def test_device_copy_failing_mid_snapshot_returns_every_slab(tmp_path, monkeypat
     assert pool.in_use == 0, "a staging slab was not returned"
     # fences on one stream: the newest covers the copies before it
     assert not acc.fences or acc.fences[-1].synchronized, "a slab went back while a copy could still run"
-    assert not background._in_flight and os.listdir(tmp_path) == []
+    assert not inflight._in_flight and os.listdir(tmp_path) == []
 
 
 def test_fence_is_recorded_on_the_source_devices_stream(monkeypatch):

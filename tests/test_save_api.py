@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt.files import save as writer
+from ckptfmt.engine import commit
 
 
 class Thing:
@@ -145,7 +145,7 @@ def test_stale_temp_files_are_removed_but_live_ones_kept(tmp_path):
 def test_temp_file_is_not_a_checkpoint(tmp_path):
     """An unfinished temp file has no magic: a reader that is handed one refuses it."""
     p = tmp_path / "x.ckpt"
-    with writer.AtomicFile(str(p)) as f:
+    with commit.AtomicFile(str(p)) as f:
         os.write(f.fd, b"\0" * 4096)
         with pytest.raises(ckptfmt.IncompleteError, match="did not finish"):
             ckptfmt.load(f.tmp)

@@ -33,14 +33,13 @@ from typing import Any
 
 import torch
 
-from ..engine import bytesview
-from ..engine import chunkwrite as chunkio
+from ..engine import bytesview, chunkwrite
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
 from ..format.encode import Encoded
 from . import forksave, inflight
-from .inflight import SaveHandle, _in_flight, _unobserved, raise_unobserved, wait_for_path  # noqa: F401 - these lived here once; tests and callers still use the names
+from .inflight import SaveHandle
 from .staging import POOL, StagingPool
 
 
@@ -112,7 +111,7 @@ def save_async(
     level: int | None,
     metadata: dict[str, str],
     chunk_size: int,
-    dedup: chunkio.Dedup | None = None,
+    dedup: chunkwrite.Dedup | None = None,
     snapshot: str = "copy",
     within: CheckpointDir | None = None,
 ) -> SaveHandle:
@@ -154,7 +153,7 @@ def _save_copied(
     level: int | None,
     metadata: dict[str, str],
     chunk_size: int,
-    dedup: chunkio.Dedup | None,
+    dedup: chunkwrite.Dedup | None,
     within: CheckpointDir | None,
 ) -> SaveHandle:
     handle = SaveHandle(path)
@@ -333,7 +332,7 @@ def _write_worker(
     level: int | None,
     metadata: dict[str, str],
     chunk_size: int,
-    dedup: chunkio.Dedup | None,
+    dedup: chunkwrite.Dedup | None,
     pool: StagingPool,
 ) -> None:
     exc: BaseException | None = None
@@ -341,9 +340,9 @@ def _write_worker(
     replaced: list[int] = []  # the file this save replaced, held open: freed after the save is done
     try:
         go.wait()
-        file_id = chunkio.new_file_id()
+        file_id = chunkwrite.new_file_id()
         # an incremental save (dedup) digests the snapshot here, on this thread, not the caller's
-        out = chunkio.ChunkWriter(
+        out = chunkwrite.ChunkWriter(
             atomic.fd, file_id, compression=compression, level=level, path=handle.path, dedup=dedup
         )
         while not ended:
@@ -364,7 +363,9 @@ def _write_worker(
                 if last is not None:
                     raise last
         if exc is None:
-            chunkio.finish_file(atomic.fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup)
+            chunkwrite.finish_file(
+                atomic.fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup
+            )
             atomic.commit(free_replaced=replaced.append)
     except BaseException as e:
         exc = exc or e

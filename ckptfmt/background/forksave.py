@@ -1,6 +1,6 @@
 """Non-blocking saves by fork: a copy-on-write snapshot, written by a child process.
 
-A copying snapshot (background.py) makes the caller wait while the whole state is
+A copying snapshot (copysave.py) makes the caller wait while the whole state is
 copied into staging memory: about 0.1 s per GiB at memory speed.  On Linux,
 fork() gives a child process this process's memory as it is at that instant
 without copying it: the kernel shares every page and copies one only when this
@@ -47,7 +47,7 @@ import threading
 import numpy as np
 import torch
 
-from ..engine import chunkwrite as chunkio
+from ..engine import chunkwrite
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
@@ -128,7 +128,7 @@ def save_forked(
     handle.snapshot = "fork"
     atomic = AtomicFile(path, within)
     atomic.__enter__()  # creation errors (missing directory, permissions) are raised now
-    file_id = chunkio.new_file_id()
+    file_id = chunkwrite.new_file_id()
     own: list[int] = []  # descriptors this call closes if it fails
     child: _native.ForkedWrite | None = None
     # Whoever takes this cleans up: the waiter thread once it runs, or this call when it
@@ -141,7 +141,7 @@ def save_forked(
             atomic.fd,
             file_id,
             fmt.PROLOGUE_SIZE,
-            [c for plan in encoded.storages for c in chunkio.storage_chunks(plan, chunk_size)],
+            [c for plan in encoded.storages for c in chunkwrite.storage_chunks(plan, chunk_size)],
             compression,
             level,
             _native.default_threads(),
@@ -268,7 +268,7 @@ def _finish(
                 path=handle.path,
             )
         records, end = written
-        chunkio.finish_file(atomic.fd, file_id, encoded, records, end, metadata, chunk_size)
+        chunkwrite.finish_file(atomic.fd, file_id, encoded, records, end, metadata, chunk_size)
         atomic.commit(free_replaced=replaced.append)
     except BaseException as e:
         exc = e

@@ -16,9 +16,9 @@ import os
 import tempfile
 from typing import Any
 
+from ..engine.chunkwrite import build_file
 from ..errors import CheckpointError, UnsupportedError, UnsupportedObjectError
 from ..fileio import pread_exact
-from ..files import save as writer
 from ..files.reader import CheckpointFile
 from ..format import layout as fmt
 from ..format.encode import encode
@@ -73,7 +73,7 @@ def encode_value(value: object, fqn: str) -> bytes:
         raise UnsupportedObjectError(_where_in(e.reason), key=fqn) from None
     fd, _ = _scratch_fd()
     try:
-        n = writer.build_file(
+        n = build_file(
             fd, encoded, compression=None, level=None, metadata={}, chunk_size=fmt.DEFAULT_CHUNK_SIZE
         )
         return pread_exact(fd, 0, n)

@@ -9,7 +9,7 @@ both write identical bytes.  Tensor bytes go from the tensor's memory to
 chunk at a time).
 
 This module knows nothing of temp files or saves in flight: the blocking save
-(writer.py) and the background writer (background.py) both use it.
+(files/save.py) and the background writer (background/copysave.py) both use it.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ RECORD_VERSION = 1
 #: what the parts of a checkpoint mean: "state" is one file holding the whole state;
 #: "dcp" is a torch.distributed.checkpoint save (ckptfmt/dcp/): one file per rank, and
 #: the record carries DCP's global metadata in one more member, named "dcp";
-#: "hf-trainer" is a Hugging Face Trainer checkpoint-N folder (integrations/transformers.py)
+#: "hf-trainer" is a Hugging Face Trainer checkpoint-N folder (integrations/transformers/)
 LAYOUTS = ("state", "dcp", "hf-trainer")
 #: layouts whose record has a member of their own (its value is checked by the layout's code)
 LAYOUT_MEMBERS = {"dcp": "dcp"}

@@ -3,12 +3,10 @@
 A save runs in two steps.  First the whole state is encoded into nodes and
 storages (encode.encode), so an object that cannot be stored fails before any
 byte is written.  Then the file is written to a temp sibling and committed
-(commit.py, spec section 10): blocking saves here, through chunkio.build_file;
+(engine/commit.py, spec section 10): blocking saves here, through chunkwrite.build_file;
 non-blocking ones snapshot the state into staging memory and write it on a
-background thread (background.py).
+background thread (background/copysave.py).
 
-The names that used to live here (the commit protocol, the chunk writer) are
-still importable from this module.
 """
 
 from __future__ import annotations
@@ -16,22 +14,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..background import copysave as background
-from ..background import inflight
-from ..engine.chunkwrite import (  # noqa: F401 - the chunk writer's names, as they were importable from here
-    HOST_BATCH_BYTES,
-    ChunkEncoder,
-    ChunkRecord,
-    ChunkWriter,
-    Dedup,
-    build_file,
-    finish_file,
-    new_file_id,
-    producer_info,
-    storage_bytes,
-)
+from ..background import copysave, inflight
+from ..engine.chunkwrite import Dedup, build_file
 from ..engine.ckptdir import CheckpointDir
-from ..engine.commit import TEMP_MARKER, AtomicFile, iter_temp_files, remove_abandoned_temps, temp_prefix  # noqa: F401 - the commit protocol's names, as they were importable from here
+from ..engine.commit import AtomicFile
 from ..format import layout as fmt
 from ..format.encode import check_chunks, check_metadata, encode
 from ..gcpause import pausing_in_main_thread
@@ -159,7 +145,7 @@ def write_state(
     encoded = encode(state)  # fails on unsupported objects before any I/O
     check_chunks(encoded, chunk_size)
     if not blocking:
-        return background.save_async(
+        return copysave.save_async(
             encoded,
             target,
             compression=compression,

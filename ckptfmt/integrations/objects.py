@@ -3,7 +3,7 @@
 Trainers put more than tensors and plain containers into their checkpoints:
 Lightning's ``hyper_parameters`` hold whatever was passed to ``__init__`` (an
 ``argparse.Namespace``, a ``pathlib.Path``, an enum, a config dataclass) and
-its ``AttributeDict``.  ckptfmt's object model (``ckptfmt/tree.py``) stores
+its ``AttributeDict``.  ckptfmt's object model (``ckptfmt/format/``) stores
 dicts, lists, tuples, scalars, str, bytes, tensors and arrays only.
 :func:`encode` turns the objects of the table below into dicts of the form
 ``{"__ckptfmt_object__": <tag>, ...}`` before a save, and :func:`decode` turns

@@ -26,8 +26,7 @@ import numpy as np
 
 from ..background import inflight
 from ..background.inflight import SaveHandle
-from ..engine import bytesview, hostmem
-from ..engine import chunkwrite as chunkio
+from ..engine import bytesview, chunkwrite, hostmem
 from ..engine import native as _native
 from ..engine.chunkwrite import ChunkRecord
 from ..engine.ckptdir import CheckpointDir
@@ -308,8 +307,8 @@ def consolidate(
         view = bytesview.tensor_bytes(buf)
         chunk_width = [widths[sid] for sid, r in enumerate(f.storages) for _ in range(r.n_chunks)]
         with AtomicFile(target) as out:
-            file_id = chunkio.new_file_id()
-            cw = chunkio.ChunkWriter(out.fd, file_id, compression=compression, level=level, path=target)
+            file_id = chunkwrite.new_file_id()
+            cw = chunkwrite.ChunkWriter(out.fd, file_id, compression=compression, level=level, path=target)
             k = 0
             while k < len(f.chunks):
                 items: list[tuple[int, memoryview]] = []
@@ -320,7 +319,7 @@ def consolidate(
                     k += 1
                 f.read_into(items, True)
                 cw.write([(dest, chunk_width[kk]) for kk, dest in items])
-            length = chunkio.finish_file(
+            length = chunkwrite.finish_file(
                 out.fd, file_id, encoded, cw.chunks, cw.pos, dict(f.metadata), f.chunk_size
             )
             out.commit()

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 
-from ..background import copysave as background
+from ..background.inflight import SaveHandle
 from ..dcp.api import load, save
 from ..dcp.convert import load_full, skeleton
 from ..dcp.storage import Reader
@@ -111,7 +111,7 @@ def save_step(
         try:
             manager._cleanup(scan)
             path, lock_fd = manager._make_step_dir(step, scan)
-            job = StepJob(step, path, lock_fd, metrics, meta, background.SaveHandle(path))
+            job = StepJob(step, path, lock_fd, metrics, meta, SaveHandle(path))
         except (OSError, CheckpointError) as e:
             problem[0] = str(e)
     dist.broadcast_object_list(problem, src=0)
