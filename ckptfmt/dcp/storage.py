@@ -292,14 +292,14 @@ class Writer(_HeldDirectory, StorageWriter):
     def _write_rank_file(self, name: str, state: dict[int, Any]) -> multifile.PartRecord:
         """Write and commit one rank file holding `state` (item number -> value); its identity."""
         d = self._d()
-        writer.save_within(
-            d,
+        writer.save(
             state,
             d.path_of(name),
             compression=self.compression,
             level=self.level,
             metadata={**self.meta, "dcp_rank": str(self.rank), "dcp_save_id": self.save_id},
             chunk_size=self.chunk_size,
+            _within=d,
         )
         return multifile.describe_in(d, name)
 

@@ -210,9 +210,9 @@ def opened(directory: str | os.PathLike[str] | CheckpointDir) -> Iterator[Checkp
 def write_commit(directory: str, record: CommitRecord, within: CheckpointDir | None = None) -> None:
     """Write the commit record last: temp file, fsync, rename, fsync the directory (beneath
     the open directory `within` when given)."""
-    from .save import save_within
+    from .save import save
 
-    save_within(within, record.as_value(), os.path.join(directory, COMMIT_NAME))
+    save(record.as_value(), os.path.join(directory, COMMIT_NAME), _within=within)
 
 
 #: a commit record larger than this is refused before it is parsed (records name at most

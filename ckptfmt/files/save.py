@@ -71,6 +71,7 @@ def save(
     blocking: bool = True,
     chunk_size: int | None = None,
     snapshot: str = "copy",
+    _within: CheckpointDir | None = None,
 ) -> Any:
     """Save `state` at `path` atomically; with blocking=False return a SaveHandle after the snapshot.
 
@@ -78,35 +79,11 @@ def save(
     returning; "fork" takes a copy-on-write snapshot by fork() and writes it from a child
     process (Linux, C engine, host memory not shared with other processes): the caller
     waits only for fork(), but each page it changes before the child is done is copied
-    then, one page fault at a time."""
-    return save_within(
-        None,
-        state,
-        path,
-        compression=compression,
-        level=level,
-        metadata=metadata,
-        blocking=blocking,
-        chunk_size=chunk_size,
-        snapshot=snapshot,
-    )
+    then, one page fault at a time.
 
-
-def save_within(
-    within: CheckpointDir | None,
-    state: object,
-    path: str | os.PathLike[str],
-    *,
-    compression: str | None = None,
-    level: int | None = None,
-    metadata: dict[str, str] | None = None,
-    blocking: bool = True,
-    chunk_size: int | None = None,
-    snapshot: str = "copy",
-) -> Any:
-    """save() into the open directory `within` (which holds `path`): the file is created,
-    renamed and made durable beneath that descriptor, never by resolving `path` again
-    (the checkpoint manager saves into a step directory it holds open and locked)."""
+    `_within` (ckptfmt's own callers): the open directory that holds `path`; the file is
+    created, renamed and made durable beneath that descriptor, never by resolving `path`
+    again (the checkpoint manager saves into a step directory it holds open and locked)."""
     meta = check_save_args(compression, level, metadata)
     check_snapshot(snapshot)
     target = os.fspath(path)
@@ -122,7 +99,7 @@ def save_within(
         chunk_size=size,
         blocking=blocking,
         snapshot=snapshot,
-        within=within,
+        within=_within,
     )
 
 

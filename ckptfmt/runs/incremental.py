@@ -216,7 +216,7 @@ def save(
     chunks of unchanged tensors line up.  blocking=False returns a SaveHandle once the
     state is snapshotted; the digests are computed from the snapshot by the writer.
     Chunks shorter than `min_reference_bytes` are always written here.
-    `within`: the open directory that holds `path` (writer.save_within).
+    `within`: the open directory that holds `path` (files.save.save's _within).
     """
     meta = writer.check_save_args(compression, level, metadata)
     target = os.fspath(path)

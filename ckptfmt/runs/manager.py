@@ -254,13 +254,13 @@ class CheckpointManager:
                 min_reference_bytes=incremental.MIN_REFERENCE_BYTES,
                 within=held(job),
             )
-        return writer.save_within(
-            held(job),
+        return writer.save(
             payload,
             target,
             compression=self.compression,
             blocking=self.blocking,
             snapshot=self.snapshot,
+            _within=held(job),
         )
 
     def _finish(self, job: StepJob, before: threading.Thread | None) -> None:
