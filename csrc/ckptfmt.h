@@ -18,6 +18,7 @@
 #define CKF_ERR_ARG 4     /* an argument is out of range */
 #define CKF_ERR_CORRUPT 5 /* stored bytes do not match their checksum or sizes */
 #define CKF_ERR_SHORT 6   /* the file ended before a chunk did */
+#define CKF_ERR_CRYPTO 7  /* libcrypto failed, or the engine was built without it */
 
 /* level meaning: zstd level 1 tuned for shuffled floating-point data (the default):
  * the fast strategy, minimum match and hash table log below (ckptfmt/format.py has
@@ -45,6 +46,7 @@ typedef struct {
     uint8_t codec;       /* out */
     uint8_t filter;      /* out */
     uint8_t fwidth;      /* out: filter width, 0 without a filter */
+    uint8_t sha[32];     /* out, with checksum & CKF_SHA: the chunk's SHA-256 (spec section 16) */
 } ckf_chunk;
 
 typedef struct {
@@ -69,6 +71,8 @@ typedef struct {
     uint8_t width;
     uint8_t has_digest; /* files with feature bit 0: check the decoded bytes' digest too */
     uint8_t digest[16]; /* XXH3-128 of the raw bytes, canonical (big-endian) order */
+    uint8_t has_sha;    /* signed files read with trusted keys: check the stored bytes' SHA-256 */
+    uint8_t sha[32];    /* the chunk's SHA-256 (spec section 16) */
 } ckf_rchunk;
 
 #define CKF_WHY_CHECKSUM 1 /* checksum mismatch */
@@ -82,6 +86,10 @@ typedef struct {
 #define CKF_WHY_FRAME 9    /* not a standard zstd frame: legacy, skippable or another magic */
 #define CKF_WHY_WINDOW 10  /* the frame needs a window above 2^27 bytes (value: its size) */
 #define CKF_WHY_DICT 11    /* the frame needs a dictionary (value: its id) */
+#define CKF_WHY_SHA 12     /* the stored bytes do not match their SHA-256 (spec section 16) */
+
+/* ckf_write_chunks' checksum argument: bit 0 XXH3 checksums, bit 1 SHA-256 digests too */
+#define CKF_SHA 2
 
 /* Read, verify (when verify != 0) and decode chunks [0, n) on nthreads threads.
  * verify == 2 checks only: every check is made, but the destinations' contents are
@@ -165,6 +173,15 @@ void ckf_copy(uint8_t *dst, const uint8_t *src, uint64_t len, int nthreads);
 void ckf_digest(const uint8_t *src, uint64_t len, uint8_t *out);
 /* content digests of chunks [0, n) on nthreads threads: out[16*i ..] for chunk i */
 void ckf_content_digests(const uint8_t **src, const uint64_t *len, uint64_t n, uint8_t *out, int nthreads);
+
+/* SHA-256 chunk digests (crypto.c): 0 where the engine was built without libcrypto */
+int ckf_crypto_available(void);
+void *ckf_sha_new(void);
+void ckf_sha_free(void *ctx);
+int ckf_sha_begin(void *ctx, const uint8_t *file_id, uint64_t index, uint64_t offset, uint64_t stored_len,
+                  uint64_t raw_len, uint8_t codec, uint8_t filter, uint8_t width);
+int ckf_sha_update(void *ctx, const uint8_t *p, uint64_t len);
+int ckf_sha_end(void *ctx, uint8_t *out);
 
 /* parallel for: calls fn(ctx, i, thread) for i in [0, n) on nthreads threads
  * (the calling thread is one of them); returns 0, or an errno if threads could

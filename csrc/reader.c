@@ -69,6 +69,7 @@ typedef struct {
     size_t *caps;        /* per thread: the sizes of scratch and plain (cache.c) */
     ZSTD_DCtx **dctx;
     XXH3_state_t **hstate; /* per thread, created on first use: checksum and content digest */
+    void **sha;            /* per thread, created on first use: SHA-256 of signed files' chunks */
     atomic_int failed;
     ckf_status *status;
     long page_size;
@@ -288,6 +289,21 @@ static void task_read(void *ctx, uint64_t i, int thread) {
         d = j->hstate[2 * thread + 1];
         XXH3_128bits_reset(d);
     }
+    /* the SHA-256 of the stored bytes (signed files read with trusted keys), taken with the
+     * checksum, piece by piece; checked before anything is decoded */
+    void *s = NULL;
+    if (c->has_sha) {
+        if (!j->sha[thread] && !(j->sha[thread] = ckf_sha_new())) {
+            rfail(j, ckf_crypto_available() ? CKF_ERR_NOMEM : CKF_ERR_CRYPTO, ENOMEM, k, 0, 0);
+            return;
+        }
+        s = j->sha[thread];
+        if (!ckf_sha_begin(s, j->file_id, c->index, c->offset, c->stored_len, c->raw_len, c->codec, c->filter,
+                           c->width)) {
+            rfail(j, CKF_ERR_CRYPTO, 0, k, 0, 0);
+            return;
+        }
+    }
     /* a destination a load writes that is not faulted in yet (a load's fresh memory, not
      * load_into's); below a piece, the pages saved are too few to pay for asking */
     int fresh = c->dst && !j->map && !j->check_only && c->raw_len >= PIECE &&
@@ -304,6 +320,10 @@ static void task_read(void *ctx, uint64_t i, int thread) {
         }
         if (!bad && h) ckf_xxh3_64_update(h, at, (size_t)step);
         if (!bad && d) ckf_xxh3_128_update(d, at, (size_t)step);
+        if (!bad && s && !ckf_sha_update(s, at, step)) {
+            rfail(j, CKF_ERR_CRYPTO, 0, k, 0, 0);
+            bad = 1;
+        }
         done += step;
     }
     uint8_t content[16] = {0};
@@ -327,6 +347,17 @@ static void task_read(void *ctx, uint64_t i, int thread) {
     if (j->verify && digest != c->checksum) {
         rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_CHECKSUM, 0);
         return;
+    }
+    if (s) {
+        uint8_t sha[32];
+        if (!ckf_sha_end(s, sha)) {
+            rfail(j, CKF_ERR_CRYPTO, 0, k, 0, 0);
+            return;
+        }
+        if (memcmp(sha, c->sha, sizeof sha)) {
+            rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_SHA, 0);
+            return;
+        }
     }
     for (uint32_t p = 0; p < c->pad; p++) {
         if (pad[p]) {
@@ -403,7 +434,8 @@ static int run_read(int fd, const uint8_t *map, uint64_t map_len, const uint8_t 
             c->filter > CKF_FILTER_SHUFFLE || c->pad >= CKF_ALIGN || c->offset > (uint64_t)INT64_MAX - CKF_ALIGN ||
             c->stored_len > (uint64_t)INT64_MAX - c->offset - c->pad || c->raw_len > (uint64_t)SIZE_MAX / 2 ||
             (!map && c->raw_len && !c->dst && !(verify == 2 && !c->has_digest)) ||
-            (map && (c->codec != CKF_CODEC_RAW || c->offset + c->stored_len + c->pad > map_len))) {
+            (map && (c->codec != CKF_CODEC_RAW || c->offset + c->stored_len + c->pad > map_len)) ||
+            (c->has_sha && !verify)) {
             status->code = CKF_ERR_ARG;
             status->chunk = (int64_t)i;
             return CKF_ERR_ARG;
@@ -441,7 +473,8 @@ static int run_read(int fd, const uint8_t *map, uint64_t map_len, const uint8_t 
     j.dctx = calloc((size_t)nthreads, sizeof(ZSTD_DCtx *));
     j.hstate = calloc(2 * (size_t)nthreads, sizeof(XXH3_state_t *));
     j.piece = calloc((size_t)nthreads, sizeof(uint8_t *));
-    if (!j.scratch || !j.plain || !j.caps || !j.dctx || !j.hstate || !j.piece) {
+    j.sha = calloc((size_t)nthreads, sizeof(void *));
+    if (!j.scratch || !j.plain || !j.caps || !j.dctx || !j.hstate || !j.piece || !j.sha) {
         status->code = CKF_ERR_NOMEM;
         status->err_no = ENOMEM;
     } else {
@@ -456,6 +489,7 @@ static int run_read(int fd, const uint8_t *map, uint64_t map_len, const uint8_t 
             XXH3_freeState(j.hstate[2 * t + 1]);
         }
         if (j.piece) free(j.piece[t]);
+        if (j.sha) ckf_sha_free(j.sha[t]);
     }
     free(j.scratch);
     free(j.plain);
@@ -463,6 +497,7 @@ static int run_read(int fd, const uint8_t *map, uint64_t map_len, const uint8_t 
     free(j.dctx);
     free(j.hstate);
     free(j.piece);
+    free(j.sha);
     return status->code;
 }
 

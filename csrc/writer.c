@@ -48,6 +48,7 @@ typedef struct {
     uint64_t page;       /* the page size sync_file_range rounds to */
     /* per thread */
     XXH3_state_t **hstate; /* checksum, and content digest of raw chunks (two per thread) */
+    void **sha;            /* checksum & CKF_SHA: a SHA-256 context per thread, else NULL */
     ZSTD_CCtx **cctx;
     uint8_t **scratch;
     size_t *scratch_cap;
@@ -110,6 +111,15 @@ static void write_chunk(job *j, uint64_t k, const uint8_t *p, int thread) {
                                        c->codec, c->filter, c->fwidth);
         XXH3_64bits_reset_withSeed(h, seed);
     }
+    void *s = NULL;
+    if (j->sha) {
+        s = j->sha[thread];
+        if (!ckf_sha_begin(s, j->file_id, j->first_index + k, c->offset, c->stored_len, c->raw_len, c->codec,
+                           c->filter, c->fwidth)) {
+            fail(j, CKF_ERR_CRYPTO, 0, (int64_t)(j->first_index + k));
+            return;
+        }
+    }
     if (j->digests && j->digest_on_write) { /* raw chunks only: stored bytes are the raw bytes */
         d = j->hstate[2 * thread + 1];
         XXH3_128bits_reset(d);
@@ -118,6 +128,10 @@ static void write_chunk(job *j, uint64_t k, const uint8_t *p, int thread) {
         uint64_t step = c->stored_len - done < PIECE ? c->stored_len - done : PIECE;
         if (h) ckf_xxh3_64_update(h, p + done, (size_t)step);
         if (d) ckf_xxh3_128_update(d, p + done, (size_t)step);
+        if (s && !ckf_sha_update(s, p + done, step)) {
+            fail(j, CKF_ERR_CRYPTO, 0, (int64_t)(j->first_index + k));
+            break;
+        }
         int e = pwrite_all(j->fd, p + done, step, c->offset + done);
         if (e) {
             fail(j, CKF_ERR_IO, e, (int64_t)(j->first_index + k));
@@ -136,6 +150,7 @@ static void write_chunk(job *j, uint64_t k, const uint8_t *p, int thread) {
     if (end > first) (void)sync_file_range(j->fd, (off_t)first, (off_t)(end - first), SYNC_FILE_RANGE_WRITE);
 #endif
     c->checksum = h ? XXH3_64bits_digest(h) : 0;
+    if (s && !ckf_sha_end(s, c->sha)) fail(j, CKF_ERR_CRYPTO, 0, (int64_t)(j->first_index + k));
     if (d) {
         XXH128_canonical_t canon;
         XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(d));
@@ -233,6 +248,11 @@ int ckf_write_chunks(int fd, const uint8_t *file_id, uint64_t first_index, uint6
         status->code = CKF_ERR_ARG;
         return CKF_ERR_ARG;
     }
+    if ((checksum & CKF_SHA) && !ckf_crypto_available()) {
+        status->code = CKF_ERR_CRYPTO;
+        *end_offset = first_offset;
+        return CKF_ERR_CRYPTO;
+    }
     /* no more threads than chunks */
     if ((uint64_t)nthreads > n) nthreads = n ? (int)n : 1;
     job j;
@@ -243,7 +263,7 @@ int ckf_write_chunks(int fd, const uint8_t *file_id, uint64_t first_index, uint6
     j.chunks = chunks;
     j.n = n;
     j.level = level;
-    j.checksum = checksum;
+    j.checksum = checksum & 1;
     long page = sysconf(_SC_PAGESIZE);
     j.page = page > 0 ? (uint64_t)page : 4096u;
     j.digests = digests;
@@ -256,6 +276,10 @@ int ckf_write_chunks(int fd, const uint8_t *file_id, uint64_t first_index, uint6
     j.hstate = calloc(2 * (size_t)nthreads, sizeof(XXH3_state_t *));
     int ok = j.hstate != NULL;
     for (int t = 0; ok && t < 2 * nthreads; t++) ok = (j.hstate[t] = XXH3_createState()) != NULL;
+    if (ok && (checksum & CKF_SHA)) {
+        ok = (j.sha = calloc((size_t)nthreads, sizeof(void *))) != NULL;
+        for (int t = 0; ok && t < nthreads; t++) ok = (j.sha[t] = ckf_sha_new()) != NULL;
+    }
     if (ok && !compress) {
         for (uint64_t i = 0; i < n; i++) {
             chunks[i].codec = CKF_CODEC_RAW;
@@ -311,6 +335,8 @@ int ckf_write_chunks(int fd, const uint8_t *file_id, uint64_t first_index, uint6
     }
     for (int t = 0; j.hstate && t < 2 * nthreads; t++) XXH3_freeState(j.hstate[t]);
     free(j.hstate);
+    for (int t = 0; j.sha && t < nthreads; t++) ckf_sha_free(j.sha[t]);
+    free(j.sha);
     if (!ok) {
         status->code = CKF_ERR_NOMEM;
         status->err_no = ENOMEM;
