@@ -73,3 +73,9 @@ class SnapshotError(CheckpointError, RuntimeError):
 class CheckpointWarning(UserWarning):
     """Something a user should know that does not stop the work: a skipped step directory,
     a resume from a run that differs from the current one, a failed rotation."""
+
+
+class SignatureError(CheckpointError, ValueError):
+    """A caller demanded a signature (``trusted_keys``) and the file does not prove it was
+    signed by one of the trusted keys: it is unsigned, signed by another key, or any signed
+    byte changed (its prologue, index, digest table, signature or a chunk)."""

@@ -114,6 +114,7 @@ def save_async(
     dedup: chunkwrite.Dedup | None = None,
     snapshot: str = "copy",
     within: CheckpointDir | None = None,
+    sign: chunkwrite.Signer | None = None,
 ) -> SaveHandle:
     """Snapshot `encoded` (checked already: nothing is written for a state that cannot be)
     and write it in the background; return once the snapshot is taken.
@@ -122,6 +123,8 @@ def save_async(
     copy-on-write snapshot in a child process (forksave.py), ValueError where it cannot."""
     if snapshot == "fork":
         reason = forksave.why_not(encoded, dedup)
+        if sign is not None:
+            reason = "signed saves take each chunk's digest in this process (use snapshot='copy')"
         if reason is not None:
             raise ValueError(f"{path}: snapshot='fork' is not possible: {reason}")
         return forksave.save_forked(
@@ -142,6 +145,7 @@ def save_async(
         chunk_size=chunk_size,
         dedup=dedup,
         within=within,
+        sign=sign,
     )
 
 
@@ -155,6 +159,7 @@ def _save_copied(
     chunk_size: int,
     dedup: chunkwrite.Dedup | None,
     within: CheckpointDir | None,
+    sign: chunkwrite.Signer | None = None,
 ) -> SaveHandle:
     handle = SaveHandle(path)
     pieces: queue.Queue[_Piece | BaseException | None] = queue.Queue()
@@ -166,7 +171,7 @@ def _save_copied(
     pool = POOL
     thread = threading.Thread(
         target=_write_worker,
-        args=(handle, atomic, encoded, pieces, go, compression, level, metadata, chunk_size, dedup, pool),
+        args=(handle, atomic, encoded, pieces, go, compression, level, metadata, chunk_size, dedup, pool, sign),
         name=f"ckptfmt-save-{os.path.basename(path)}",
         daemon=False,
     )
@@ -334,6 +339,7 @@ def _write_worker(
     chunk_size: int,
     dedup: chunkwrite.Dedup | None,
     pool: StagingPool,
+    sign: chunkwrite.Signer | None = None,
 ) -> None:
     exc: BaseException | None = None
     ended = False  # the snapshot's last item (None, or its error) has been taken
@@ -343,7 +349,13 @@ def _write_worker(
         file_id = chunkwrite.new_file_id()
         # an incremental save (dedup) digests the snapshot here, on this thread, not the caller's
         out = chunkwrite.ChunkWriter(
-            atomic.fd, file_id, compression=compression, level=level, path=handle.path, dedup=dedup
+            atomic.fd,
+            file_id,
+            compression=compression,
+            level=level,
+            path=handle.path,
+            dedup=dedup,
+            sha=sign is not None,
         )
         while not ended:
             batch, last = _take_batch(pieces)
@@ -364,7 +376,7 @@ def _write_worker(
                     raise last
         if exc is None:
             chunkwrite.finish_file(
-                atomic.fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup
+                atomic.fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup, sign, out.shas
             )
             atomic.commit(free_replaced=replaced.append)
     except BaseException as e:

@@ -26,9 +26,10 @@ import numpy as np
 import xxhash
 import zstandard
 
-from ..errors import CheckpointError, CorruptError, IncompleteError
+from ..errors import CheckpointError, CorruptError, IncompleteError, SignatureError
 from ..fileio import pread_exact
 from ..format import layout as fmt
+from ..format import signing
 from ..format.index import Chunk, Index
 from . import bytesview, hostmem
 from . import native as _native
@@ -39,6 +40,7 @@ CHECK_WINDOW = 64 << 20
 #: ... and where no chunk needs a destination (no content digests)
 CHECK_WINDOW_UNTOUCHED = 1 << 30
 
+_SHA_MISMATCH = "chunk does not match the SHA-256 digest its signature covers (a byte changed)"
 _DIGEST_MISMATCH = "content digest mismatch (the decoded bytes are not the ones the index describes)"
 #: zstd window limit: frames needing more memory than this are rejected (2**27 = 128 MiB)
 _ZSTD_MAX_WINDOW = 1 << fmt.ZSTD_WINDOW_LOG_MAX
@@ -104,6 +106,9 @@ class ChunkReader:
         ch = self.chunks[k]
         if key is None:
             key = self.key_of(k)
+        if ch.sha and cls in (CorruptError, IncompleteError):
+            # a signature was demanded: any change to a signed chunk is a signature failure
+            cls = SignatureError
         if ch.source < 0:
             return cls(msg, path=self.path, key=key, chunk=k, offset=offset)
         ext = self.externals[ch.source]
@@ -266,6 +271,10 @@ class ChunkReader:
             )
             if xxhash.xxh3_64_intdigest(stored, seed=seed) != ch.checksum:
                 raise self._error(CorruptError, "checksum mismatch", k, key, ch.offset)
+        if ch.sha and ch.sha != signing.chunk_digest(
+            file_id, number, ch.offset, ch.stored_len, ch.raw_len, ch.codec, ch.filter, ch.width, stored
+        ):
+            raise self._error(SignatureError, _SHA_MISMATCH, k, key, ch.offset)
         if any(pad):
             raise self._error(
                 CorruptError, "padding after the chunk is not zero", k, key, ch.offset + ch.stored_len
@@ -392,6 +401,10 @@ class ChunkReader:
             _native.WHY_WINDOW: (_window_msg(value), off),
             _native.WHY_DICT: (_dict_msg(value), off),
         }
+        if reason == _native.WHY_SHA:
+            return self._error(SignatureError, _SHA_MISMATCH, k, key, off)
+        if code == _native.ERR_CRYPTO:
+            return self._error(CheckpointError, "libcrypto failed, or the engine was built without it", k, key, off)
         msg, at = messages.get(reason, ("zstd data does not decode", off))
         return self._error(CorruptError, msg, k, key, at)
 

@@ -14,11 +14,12 @@ This module knows nothing of temp files or saves in flight: the blocking save
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,6 +30,7 @@ import zstandard
 from .. import __version__
 from ..errors import LimitError
 from ..format import layout as fmt
+from ..format import signing
 from ..format.encode import Encoded, StoragePlan
 from ..format.timestamps import format_utc, utc_at, utc_now
 from . import bytesview
@@ -180,6 +182,7 @@ def _write_chunks_python(
     pieces: list[tuple[memoryview, int]],
     coder: ChunkEncoder,
     digests_out: list[bytes] | None = None,
+    sha_out: list[bytes] | None = None,
 ) -> tuple[list[ChunkRecord], int]:
     out: list[ChunkRecord] = []
     for i, (raw, width) in enumerate(pieces):
@@ -189,6 +192,10 @@ def _write_chunks_python(
         stored_len = len(payload)
         seed = fmt.chunk_seed(file_id, first_index + i, pos, stored_len, len(raw), codec, filt, fwidth)
         check = xxhash.xxh3_64_intdigest(payload, seed=seed)
+        if sha_out is not None:
+            sha_out.append(
+                signing.chunk_digest(file_id, first_index + i, pos, stored_len, len(raw), codec, filt, fwidth, payload)
+            )
         _pwrite_all(fd, payload, pos)
         out.append((pos, stored_len, len(raw), codec, filt, fwidth, check))
         pos = fmt.align_up(pos + stored_len)
@@ -235,6 +242,7 @@ class ChunkWriter:
         threads: int | None = None,
         path: str = "",
         dedup: Dedup | None = None,
+        sha: bool = False,
     ) -> None:
         self.fd = fd
         self.file_id = file_id
@@ -247,6 +255,10 @@ class ChunkWriter:
         self.coder = ChunkEncoder(compression, level)
         self.chunks: list[ChunkRecord] = []
         self.pos = fmt.PROLOGUE_SIZE  # where the next local chunk starts
+        #: signed files (spec section 16): each chunk's SHA-256, taken as it is written
+        self.shas: list[bytes] | None = [] if sha else None
+        if sha and dedup is not None:
+            raise ValueError("signed files cannot have external chunks in this version (spec section 16)")
 
     def write(self, pieces: list[tuple[memoryview, int]]) -> None:
         if self.dedup is None:
@@ -285,10 +297,11 @@ class ChunkWriter:
                 self.threads,
                 self.path,
                 digests_out=digests,
+                sha_out=self.shas,
             )
         else:
             records, self.pos = _write_chunks_python(
-                self.fd, self.file_id, len(self.chunks), self.pos, pieces, self.coder, digests
+                self.fd, self.file_id, len(self.chunks), self.pos, pieces, self.coder, digests, self.shas
             )
         self.chunks.extend(records)
 
@@ -305,8 +318,10 @@ def build_file(
     threads: int | None = None,
     path: str = "",
     dedup: Dedup | None = None,
+    sign: Signer | None = None,
 ) -> int:
-    """Write a whole ckptfmt file to `fd` (at offset 0); return its length."""
+    """Write a whole ckptfmt file to `fd` (at offset 0); return its length.  With `sign`, a
+    signed file (spec section 16): chunk digests taken as the chunks are written."""
     if chunk_size & (chunk_size - 1) or not fmt.MIN_CHUNK_SIZE <= chunk_size <= fmt.MAX_CHUNK_SIZE:
         raise ValueError(f"chunk_size must be a power of two in [{fmt.MIN_CHUNK_SIZE}, {fmt.MAX_CHUNK_SIZE}]")
     file_id = new_file_id()
@@ -319,10 +334,11 @@ def build_file(
         threads=threads,
         path=path,
         dedup=dedup,
+        sha=sign is not None,
     )
     for pieces in _batches(encoded, chunk_size):
         out.write(pieces)
-    return finish_file(fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup)
+    return finish_file(fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup, sign, out.shas)
 
 
 def finish_file(
@@ -334,8 +350,11 @@ def finish_file(
     metadata: dict[str, str],
     chunk_size: int,
     dedup: Dedup | None = None,
+    sign: Signer | None = None,
+    shas: list[bytes] | None = None,
 ) -> int:
-    """Write the index, the footer and, last, the prologue."""
+    """Write the index, the footer and, last, the prologue; with `sign` (and each chunk's
+    SHA-256 in `shas`), the signature block between the index and the footer."""
     index: dict[str, Any] = {
         "chunk_size": chunk_size,
         "producer": producer_info(),
@@ -354,14 +373,44 @@ def finish_file(
         raise LimitError(
             f"the index would be {len(blob)} bytes, above the limit {fmt.Limits.MAX_INDEX_BYTES}"
         )
-    index_offset = pos
-    footer_offset = fmt.align_up(index_offset + len(blob))
-    footer = fmt.Footer(index_offset, len(blob), fmt.index_checksum(file_id, index_offset, blob), file_id)
+    return write_tail(fd, file_id, pos, blob, fmt.FEATURE_EXTERNAL if dedup is not None else 0, sign, shas)
+
+
+#: makes a signature block (files/signing.py): (prologue, footer, SHA-256 of the index,
+#: the chunks' digests) -> the block's bytes
+Signer = Callable[[bytes, bytes, bytes, bytes], bytes]
+
+
+def write_tail(
+    fd: int,
+    file_id: bytes,
+    index_offset: int,
+    blob: bytes,
+    required: int,
+    sign: Signer | None = None,
+    shas: list[bytes] | None = None,
+) -> int:
+    """Write the index `blob` at `index_offset`, the signature block (with `sign`), the footer
+    and, last, the prologue; truncate the file to its length and return it."""
+    index_end = fmt.align_up(index_offset + len(blob))
+    block_len = 0
+    if sign is not None:
+        assert shas is not None
+        block_len = signing.block_length(len(shas))
+        required |= fmt.FEATURE_SIGNED
+    footer_offset = index_end + block_len
+    footer = fmt.Footer(
+        index_offset, len(blob), fmt.index_checksum(file_id, index_offset, blob), file_id, block_len
+    )
     length = footer_offset + fmt.FOOTER_SIZE
-    # the zero padding between the index and the footer is written explicitly
-    _pwrite_all(fd, blob + bytes(footer_offset - index_offset - len(blob)) + footer.pack(), index_offset)
-    required = 0 if dedup is None else fmt.FEATURE_EXTERNAL
     prologue = fmt.Prologue(fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR, file_id, length, required, 0)
+    block = b""
+    if sign is not None:
+        assert shas is not None
+        block = sign(prologue.pack(), footer.pack(), hashlib.sha256(blob).digest(), b"".join(shas))
+        assert len(block) == block_len
+    # the zero padding between the index and the block or footer is written explicitly
+    _pwrite_all(fd, blob + bytes(index_end - index_offset - len(blob)) + block + footer.pack(), index_offset)
     _pwrite_all(fd, prologue.pack(), 0)
     os.ftruncate(fd, length)
     return length

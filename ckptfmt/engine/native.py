@@ -73,10 +73,16 @@ def versions() -> dict[str, str]:
     }
 
 
-ERR_IO, ERR_NOMEM, ERR_ZSTD, ERR_ARG, ERR_CORRUPT, ERR_SHORT = 1, 2, 3, 4, 5, 6
+ERR_IO, ERR_NOMEM, ERR_ZSTD, ERR_ARG, ERR_CORRUPT, ERR_SHORT, ERR_CRYPTO = 1, 2, 3, 4, 5, 6, 7
 WHY_CHECKSUM, WHY_PADDING, WHY_ZSTD, WHY_NO_SIZE, WHY_DECLARED, WHY_DECODED, WHY_SHORT = 1, 2, 3, 4, 5, 6, 7
 WHY_DIGEST = 8
 WHY_FRAME, WHY_WINDOW, WHY_DICT = 9, 10, 11
+WHY_SHA = 12
+
+
+def crypto_available() -> bool:
+    """Whether the engine was built with libcrypto (SHA-256 chunk digests for signed files)."""
+    return lib is not None and bool(lib.ckf_crypto_available())
 
 
 _cap = threading.local()  # threads_at_most: a cap for the engine calls of this thread
@@ -116,6 +122,7 @@ def write_chunks(
     path: str,
     *,
     digests_out: list[bytes] | None = None,
+    sha_out: list[bytes] | None = None,
     _checksums: bool = True,
 ) -> tuple[list[tuple[int, int, int, int, int, int, int]], int]:
     """Write chunks (byte views with their shuffle widths); return their records and the end offset.
@@ -123,6 +130,8 @@ def write_chunks(
     Each record is (offset, stored_len, raw_len, codec, filter, width, checksum).
     With `digests_out`, each chunk's content digest (16 bytes) is appended to it,
     computed in the same pass over the bytes as the checksum.
+    With `sha_out`, each chunk's SHA-256 (signed files, spec section 16: 32 bytes over its
+    context and stored bytes) is appended to it, taken in the same pass too.
     ``_checksums=False`` exists only so benchmarks can price the checksums: it
     writes zero checksums, which makes the file invalid.
     """
@@ -145,7 +154,7 @@ def write_chunks(
         1 if compression else 0,
         lvl,
         threads,
-        1 if _checksums else 0,
+        (1 if _checksums else 0) | (lib.CKF_SHA if sha_out is not None else 0),
         digests,
         status,
         end,
@@ -156,6 +165,8 @@ def write_chunks(
     if digests_out is not None and n:
         raw = bytes(ffi.buffer(digests, 16 * n))
         digests_out.extend(raw[16 * i : 16 * i + 16] for i in range(n))
+    if sha_out is not None:
+        sha_out.extend(bytes(ffi.buffer(chunks[i].sha, 32)) for i in range(n))
     return _records(chunks, n), int(end[0])
 
 
@@ -299,6 +310,8 @@ def raise_status(status: Any, path: str, doing: str) -> None:
         raise OSError(err, f"{os.strerror(err)} while {doing}{where}", path)
     if code == lib.CKF_ERR_NOMEM:
         raise MemoryError(f"{path}: out of memory while {doing}{where}")
+    if code == ERR_CRYPTO:
+        raise CheckpointError(f"libcrypto failed while {doing}{where}", path=path)
     raise CheckpointError(
         f"C engine failed while {doing}{where}: code {code}", path=path, chunk=chunk if chunk >= 0 else None
     )
@@ -358,6 +371,9 @@ def _fill_rchunk(c: Any, k: int, ch: Any) -> None:
     if ch.digest:  # files with content digests (feature bit 0)
         c.has_digest = 1
         ffi.memmove(c.digest, ch.digest, 16)
+    if ch.sha:  # signed files read with trusted keys (section 16)
+        c.has_sha = 1
+        ffi.memmove(c.sha, ch.sha, 32)
 
 
 def _outcome(rc: int, status: Any, numbers: list[int]) -> tuple[int, int, int, int, int] | None:

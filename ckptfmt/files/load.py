@@ -40,8 +40,16 @@ def load(
     verify: bool = True,
     mmap: bool = False,
     max_bytes: int | None = None,
+    trusted_keys: Any = None,
 ) -> Any:
     """Load a whole state.  `verify` checks every chunk's checksum as it is read.
+
+    trusted_keys: Ed25519 public keys (``cryptography`` key objects, paths, or the bytes
+    of PEM or OpenSSH public keys): the file must be signed by one of them (spec section
+    16).  The signature is checked over the prologue and index before any chunk is read,
+    and each chunk against its signed SHA-256 as it is read (verify=False is ignored);
+    SignatureError when the file is unsigned, signed by another key, or any byte changed,
+    raised before anything is returned.  Not with mmap=True (ValueError).
 
     max_bytes: raise LimitError, before allocating it, when the load would need more
     memory than this for the index (format.index_memory_bound, computed before the JSON is
@@ -60,7 +68,7 @@ def load(
     """
     devices.check_map_location(map_location)
     inflight.wait_for_path(path)
-    with CheckpointFile(path, max_bytes=max_bytes) as f:
+    with CheckpointFile(path, max_bytes=max_bytes, trusted_keys=trusted_keys) as f:
         return f.load_subtree(f.tree.root, map_location, verify, use_mmap=mmap)
 
 
@@ -71,9 +79,11 @@ class Reader:
     more than that for the index and the storages that call reads (see load()).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, max_bytes: int | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, max_bytes: int | None = None, trusted_keys: Any = None
+    ) -> None:
         inflight.wait_for_path(path)
-        self._file = CheckpointFile(path, max_bytes=max_bytes)
+        self._file = CheckpointFile(path, max_bytes=max_bytes, trusted_keys=trusted_keys)
         self._items = self._file.root_items()
 
     @property
@@ -133,7 +143,10 @@ class Reader:
         self.close()
 
 
-def open(path: str | os.PathLike[str], *, max_bytes: int | None = None) -> Reader:  # noqa: A001 - the public name is fixed
+def open(  # noqa: A001 - the public name is fixed
+    path: str | os.PathLike[str], *, max_bytes: int | None = None, trusted_keys: Any = None
+) -> Reader:
     """Open a checkpoint, parse and validate its index; read data lazily with .get().
-    max_bytes: see load()."""
-    return Reader(path, max_bytes=max_bytes)
+    max_bytes, trusted_keys: see load() (with trusted_keys the signature is checked here,
+    and each chunk a get() reads against its signed digest)."""
+    return Reader(path, max_bytes=max_bytes, trusted_keys=trusted_keys)

@@ -95,6 +95,7 @@ def load_into(
     strict: bool = True,
     verify: bool = True,
     atomic: bool = True,
+    trusted_keys: Any = None,
 ) -> LoadReport:
     """Fill the tensors of `state` from the checkpoint at `path`; return missing/unexpected keys.
 
@@ -107,9 +108,15 @@ def load_into(
     read, which raises PartialLoadError naming the keys that may hold new values.
     atomic=False reads once, straight into the targets: faster, but an error
     found part way leaves the targets filled so far with new values.
+
+    trusted_keys (see load()): the file must be signed by one of these keys; the signature
+    is checked before anything is read, and every chunk against its signed digest in the
+    first pass, before any target is written.  It needs atomic=True (ValueError otherwise).
     """
+    if trusted_keys is not None and not atomic:
+        raise ValueError("trusted_keys needs atomic=True: every chunk is checked before any target is written")
     inflight.wait_for_path(path)
-    with CheckpointFile(path) as f:
+    with CheckpointFile(path, trusted_keys=trusted_keys) as f:
         return fill_from_node(f, f.tree.root, state, strict=strict, verify=verify, atomic=atomic)
 
 

@@ -24,13 +24,21 @@ from ..engine import bytesview, hostmem
 from ..engine import native as _native
 from ..engine.chunkread import ChunkReader
 from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, LimitError, UnsupportedError
+from ..errors import (
+    CheckpointError,
+    CorruptError,
+    IncompleteError,
+    LimitError,
+    SignatureError,
+    UnsupportedError,
+)
 from ..fileio import open_regular
 from ..format import devices, tree
 from ..format import layout as fmt
 from ..format.decode import decode, decode_key
 from ..format.index import Chunk, External, parse_index, parse_index_json
 from ..gcpause import pausing_in_main_thread
+from . import signing
 
 __all__ = [
     "MAX_OPEN_EXTERNALS",
@@ -76,11 +84,16 @@ class CheckpointFile:
         max_bytes: int | None = None,
         fd: int | None = None,
         within: CheckpointDir | None = None,
+        trusted_keys: Any = None,
     ) -> None:
         """`fd`: the file, already opened and checked by the caller (it is owned from here on;
         `path` then only names it in messages).  `within`: the directory holding it, through
-        which its reference paths are resolved (spec 12.3); default the directory of `path`."""
+        which its reference paths are resolved (spec 12.3); default the directory of `path`.
+        `trusted_keys`: the file must be signed by one of these keys (spec section 16): the
+        signature is checked here, before any chunk is read (SignatureError), and every chunk
+        read is then checked against its signed digest, whatever `verify` a caller passes."""
         self.path = os.fspath(path)
+        trusted = signing.trusted_set(trusted_keys)  # bad keys fail before the file is opened
         if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 0):
             if fd is not None:
                 os.close(fd)
@@ -89,10 +102,22 @@ class CheckpointFile:
         if fd is None:
             fd = open_regular(self.path)
         try:
-            index = parse_index(fd, self.path, max_bytes)
+            try:
+                index = parse_index(fd, self.path, max_bytes)
+            except (CorruptError, IncompleteError, UnsupportedError) as e:
+                if trusted is None:
+                    raise
+                # a signature was demanded: a file whose structure fails is not the one signed
+                raise SignatureError(
+                    f"not a file signed by a trusted key: {e.reason}", path=self.path, offset=e.offset
+                ) from e
+            if trusted is not None:
+                index = signing.check(index, trusted, self.path)
         except BaseException:
             os.close(fd)
             raise
+        #: a signature by a trusted key was demanded and checked: every chunk read is verified
+        self.signed = trusted is not None
         self.index = index
         self.prologue = index.prologue
         self.footer = index.footer
@@ -149,8 +174,9 @@ class CheckpointFile:
     def read_into(
         self, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool = False
     ) -> None:
-        """Read chunks into their destinations (exactly raw_len bytes each), checked: ChunkReader.read_into."""
-        self._chunk_reader.read_into(items, verify, check_only)
+        """Read chunks into their destinations (exactly raw_len bytes each), checked: ChunkReader.read_into.
+        A file opened with trusted keys is always verified."""
+        self._chunk_reader.read_into(items, verify or self.signed, check_only)
 
     def external_problem(self, k: int) -> Exception | None:
         """Why external chunk k cannot be read, or None: ChunkReader.external_problem."""
@@ -286,6 +312,11 @@ class CheckpointFile:
     def load_subtree(
         self, top: int, map_location: devices.MapLocation, verify: bool, use_mmap: bool = False
     ) -> object:
+        if use_mmap and self.signed:
+            raise ValueError(
+                f"{self.path}: mmap=True cannot be combined with trusted_keys: a mapping shows later "
+                "changes to the file, after its chunks were checked against their signed digests"
+            )
         needed = tree.storages_under(self.tree, top)
         loaded: dict[int, torch.UntypedStorage] = {}
         host: list[int] = []  # read onto the CPU

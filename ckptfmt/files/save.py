@@ -15,12 +15,15 @@ import os
 from typing import Any
 
 from ..background import copysave, inflight
-from ..engine.chunkwrite import Dedup, build_file
+from ..engine import native as _native
+from ..engine.chunkwrite import Dedup, Signer, build_file
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
+from ..errors import CheckpointError
 from ..format import layout as fmt
 from ..format.encode import check_chunks, check_metadata, encode
 from ..gcpause import pausing_in_main_thread
+from . import signing
 
 
 def check_save_args(compression: str | None, level: int | None, metadata: object) -> dict[str, str]:
@@ -71,6 +74,7 @@ def save(
     blocking: bool = True,
     chunk_size: int | None = None,
     snapshot: str = "copy",
+    sign_with: Any = None,
     _within: CheckpointDir | None = None,
 ) -> Any:
     """Save `state` at `path` atomically; with blocking=False return a SaveHandle after the snapshot.
@@ -83,8 +87,14 @@ def save(
 
     `_within` (ckptfmt's own callers): the open directory that holds `path`; the file is
     created, renamed and made durable beneath that descriptor, never by resolving `path`
-    again (the checkpoint manager saves into a step directory it holds open and locked)."""
+    again (the checkpoint manager saves into a step directory it holds open and locked).
+
+    sign_with: an Ed25519 private key (a ``cryptography`` key object, a path, or the bytes
+    of a PEM or OpenSSH private key): the file is signed (spec section 16), each chunk's
+    SHA-256 taken by the engine as it is written, the signature over the prologue, the
+    index and every chunk's digest.  Loads given ``trusted_keys`` accept only such files."""
     meta = check_save_args(compression, level, metadata)
+    sign = signer(sign_with)
     check_snapshot(snapshot)
     target = os.fspath(path)
     size = check_chunk_size(chunk_size)
@@ -100,7 +110,25 @@ def save(
         blocking=blocking,
         snapshot=snapshot,
         within=_within,
+        sign=sign,
     )
+
+
+def signer(sign_with: Any) -> Signer | None:
+    """The signature-block maker for save()'s `sign_with` (None: an unsigned file); the key
+    is loaded, and the engine checked for libcrypto, before anything is written."""
+    if sign_with is None:
+        return None
+    key = signing.load_private_key(sign_with)
+    if _native.available() and not _native.crypto_available():
+        raise CheckpointError(
+            "signing needs the C engine built with OpenSSL's libcrypto (libssl-dev); this one was built without it"
+        )
+
+    def sign(prologue: bytes, footer: bytes, index_sha256: bytes, digests: bytes) -> bytes:
+        return signing.sign_block(key, prologue, footer, index_sha256, digests)
+
+    return sign
 
 
 @pausing_in_main_thread
@@ -116,6 +144,7 @@ def write_state(
     dedup: Dedup | None = None,
     snapshot: str = "copy",
     within: CheckpointDir | None = None,
+    sign: Signer | None = None,
 ) -> Any:
     """Encode and commit `state` at `target` (arguments already checked, earlier saves waited
     for), beneath the open directory `within` when given (AtomicFile)."""
@@ -132,6 +161,7 @@ def write_state(
             dedup=dedup,
             snapshot=snapshot,
             within=within,
+            sign=sign,
         )
     try:
         with AtomicFile(target, within) as f:
@@ -144,6 +174,7 @@ def write_state(
                 chunk_size=chunk_size,
                 path=target,
                 dedup=dedup,
+                sign=sign,
             )
             f.commit()
     except OSError as e:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..background import inflight
-from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
+from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, SignatureError, UnsupportedError
 from ..gcpause import pausing_in_main_thread
 from .reader import CheckpointFile
 
@@ -16,7 +17,7 @@ from .reader import CheckpointFile
 class Problem:
     """One thing wrong with a file, and where."""
 
-    kind: str  # "corrupt", "incomplete", "unsupported", "limit"
+    kind: str  # "corrupt", "incomplete", "unsupported", "limit", "signature"
     message: str
     key: str | None = None
     chunk: int | None = None
@@ -51,6 +52,8 @@ class VerifyReport:
 
 
 def _kind(e: CheckpointError) -> str:
+    if isinstance(e, SignatureError):
+        return "signature"
     if isinstance(e, IncompleteError):
         return "incomplete"
     if isinstance(e, UnsupportedError):
@@ -72,6 +75,7 @@ def verify(
     *,
     quick: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    trusted_keys: Any = None,
 ) -> VerifyReport:
     """Check structure, index and (unless `quick`) every chunk's checksum and size.
 
@@ -79,11 +83,15 @@ def verify(
     can be trusted); damaged chunks are each reported and the check goes on.
     External chunks (an incremental checkpoint's) are checked in the files they
     lie in; a problem there is reported with both files named.
+
+    trusted_keys (see load()): the file must also be signed by one of these keys; a missing
+    or failing signature is a problem of kind "signature" (and stops the check), a chunk
+    that does not match its signed digest one per chunk.  Bad keys raise ValueError.
     """
     inflight.wait_for_path(path)
     report = VerifyReport(os.fspath(path))
     try:
-        f = CheckpointFile(path)
+        f = CheckpointFile(path, trusted_keys=trusted_keys)
     except CheckpointError as e:
         report.problems.append(problem_of(e))
         return report

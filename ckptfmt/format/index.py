@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from typing import Any
 from ..errors import CorruptError, IncompleteError, LimitError, UnsupportedError
 from ..fileio import pread_exact
 from ..gcpause import pausing
-from . import devices, tree, validate
+from . import devices, signing, tree, validate
 from . import layout as fmt
 from .layout import Limits
 
@@ -55,6 +56,7 @@ class Chunk:
     digest: bytes = b""  # XXH3-128 of the raw bytes (feature bit 0), canonical order
     source: int = -1  # -1: in this file; else the entry of `externals` whose file holds it
     number: int = -1  # for an external chunk: its chunk number in that file
+    sha: bytes = b""  # signed files read with trusted keys: SHA-256 the stored bytes must have (section 16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +175,10 @@ class Index:
     tree: tree.Tree
     #: what the index may take while it is parsed and held (an upper bound)
     memory: int
+    #: signed files (required feature bit 1, section 16): the signature block, its structure
+    #: checked (not its signature: files/signing.py), and the SHA-256 of the index bytes
+    signature: signing.SignatureBlock | None = None
+    index_sha256: bytes = b""
 
     def key_of(self, k: int) -> str:
         """The key path of the first tensor using chunk k, rendered now (at most render.PATH_CHARS)."""
@@ -224,10 +230,12 @@ class _IndexParser:
             self._read(length - fmt.FOOTER_SIZE, fmt.FOOTER_SIZE), self.prologue, path
         )
         ioff, ilen = self.footer.index_offset, self.footer.index_length
+        # signed files: the signature block lies between the index's padding and the footer
+        block_at = length - fmt.FOOTER_SIZE - self.footer.signature_length
         self._charge_index(length - fmt.FOOTER_SIZE - ioff)  # the raw bytes, before they are read
         raw = self._read(ioff, ilen)
-        padding = self._read(ioff + ilen, length - fmt.FOOTER_SIZE - ioff - ilen)
-        if len(raw) + len(padding) != length - fmt.FOOTER_SIZE - ioff:
+        padding = self._read(ioff + ilen, block_at - ioff - ilen)
+        if len(raw) + len(padding) != block_at - ioff:
             raise IncompleteError("file shrank while its index was read", path=path, offset=ioff)
         if fmt.index_checksum(self.prologue.file_id, ioff, raw) != self.footer.index_checksum:
             raise CorruptError("index checksum mismatch", path=path, offset=ioff)
@@ -235,6 +243,9 @@ class _IndexParser:
             raise CorruptError("padding after the index is not zero", path=path, offset=ioff + ilen)
         self._charge_index(fmt.index_memory_bound(raw))  # before json builds anything
         external = bool(self.prologue.required_features & fmt.FEATURE_EXTERNAL)
+        index_sha256 = (
+            hashlib.sha256(raw).digest() if self.prologue.required_features & fmt.FEATURE_SIGNED else b""
+        )
         index = parse_index_json(raw, path, _INDEX_FIELDS_EXTERNAL if external else _INDEX_FIELDS)
         del raw
         c = validate.Check(path)
@@ -252,6 +263,12 @@ class _IndexParser:
         # the JSON records are dropped as soon as they are parsed: they cost more than the Chunks
         self.chunks = self._parse_chunks(c, index.pop("chunks"))
         nodes = validate.validate_tree(index.pop("nodes"), self.storages, path)
+        block = None
+        if index_sha256:
+            raw_block = self._read(block_at, self.footer.signature_length)
+            if len(raw_block) != self.footer.signature_length:
+                raise IncompleteError("file shrank while its signature block was read", path=path, offset=block_at)
+            block = signing.parse_block(raw_block, len(self.chunks), path, block_at)
         return Index(
             self.prologue,
             self.footer,
@@ -265,6 +282,8 @@ class _IndexParser:
             self.chunks,
             nodes,
             self.index_memory,
+            block,
+            index_sha256,
         )
 
     def _parse_storages(self, c: validate.Check, raw: object) -> list[tree.StorageRecord]:

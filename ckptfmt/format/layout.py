@@ -28,8 +28,10 @@ FORMAT_MINOR = 0
 
 #: Required feature bit 0: external chunks and content digests (spec section 12).
 FEATURE_EXTERNAL = 1 << 0
+#: Required feature bit 1: a signature block between the index and the footer (section 16).
+FEATURE_SIGNED = 1 << 1
 #: Required feature bits this reader understands.
-KNOWN_REQUIRED_FEATURES = FEATURE_EXTERNAL
+KNOWN_REQUIRED_FEATURES = FEATURE_EXTERNAL | FEATURE_SIGNED
 
 PROLOGUE_SIZE = 64
 FOOTER_SIZE = 64
@@ -122,6 +124,11 @@ def index_memory_bound(raw: bytes) -> int:
     return n + text + INDEX_MEMORY_PER_BYTE * n + INDEX_MEMORY_PER_CONTAINER * containers
 
 
+#: bounds of a signature block's length (section 16): no chunks, and Limits.MAX_CHUNKS chunks
+MIN_SIGNATURE_BLOCK = 128
+MAX_SIGNATURE_BLOCK = 128 + 32 * Limits.MAX_CHUNKS
+
+
 def align_up(n: int) -> int:
     return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
@@ -200,10 +207,18 @@ class Footer:
     index_length: int
     index_checksum: int
     file_id: bytes
+    #: signed files (required feature bit 1): the signature block's length (offset 40)
+    signature_length: int = 0
 
     def pack(self) -> bytes:
         head = _FOOTER.pack(
-            self.index_offset, self.index_length, self.index_checksum, self.file_id, 0, 0, END_MAGIC
+            self.index_offset,
+            self.index_length,
+            self.index_checksum,
+            self.file_id,
+            self.signature_length,
+            0,
+            END_MAGIC,
         )[:48]
         return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + END_MAGIC
 
@@ -249,6 +264,12 @@ def parse_prologue(raw: bytes, actual_size: int, path: str) -> Prologue:
     unknown = req & ~KNOWN_REQUIRED_FEATURES
     if unknown:
         raise UnsupportedError(f"file requires unknown features {unknown:#x}", path=path, offset=40)
+    if req & FEATURE_EXTERNAL and req & FEATURE_SIGNED:
+        raise UnsupportedError(
+            "file sets feature bits 0 and 1 (signed files with external chunks are not defined in this version)",
+            path=path,
+            offset=40,
+        )
     if length < PROLOGUE_SIZE + FOOTER_SIZE or length % ALIGNMENT:
         raise CorruptError(f"recorded file length {length} is impossible", path=path, offset=32)
     if actual_size < length:
@@ -278,16 +299,21 @@ def parse_footer(raw: bytes, prologue: Prologue, path: str) -> Footer:
         raise CorruptError(
             "footer belongs to another file (file id differs from the prologue)", path=path, offset=at + 24
         )
-    if reserved != 0:
+    signed = prologue.required_features & FEATURE_SIGNED
+    if reserved != 0 and not signed:
         raise CorruptError("reserved footer field is not zero", path=path, offset=at + 40)
+    if signed and (reserved < MIN_SIGNATURE_BLOCK or reserved > MAX_SIGNATURE_BLOCK or reserved % ALIGNMENT):
+        raise CorruptError(f"signature block length {reserved} is impossible", path=path, offset=at + 40)
     if ilen > Limits.MAX_INDEX_BYTES:
         raise LimitError(
             f"index of {ilen} bytes exceeds the limit of {Limits.MAX_INDEX_BYTES}", path=path, offset=at + 8
         )
-    if ioff < PROLOGUE_SIZE or ioff % ALIGNMENT or ilen == 0 or align_up(ioff + ilen) != at:
+    if ioff < PROLOGUE_SIZE or ioff % ALIGNMENT or ilen == 0 or align_up(ioff + ilen) + reserved != at:
         raise CorruptError(
-            f"index range [{ioff}, {ioff + ilen}) does not end where the footer starts ({at})",
+            f"index range [{ioff}, {ioff + ilen}) does not end where the "
+            + ("signature block" if signed else "footer")
+            + f" starts ({at - reserved})",
             path=path,
             offset=at,
         )
-    return Footer(ioff, ilen, icheck, file_id)
+    return Footer(ioff, ilen, icheck, file_id, reserved)
