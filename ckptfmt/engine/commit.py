@@ -418,6 +418,12 @@ class AtomicFile:
         self._tmp_name, self.fd = new_temp(d, self.name, d.create)
         self.tmp = d.path_of(self._tmp_name)
 
+    def open_for_reading(self) -> int:
+        """A new read-only descriptor of the temp file (through the directory it was created in,
+        without following a link): to check what was written before committing it."""
+        assert self._dir is not None and self._tmp_name
+        return os.open(self._tmp_name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir.fd)
+
     def commit(self, *, free_replaced: Callable[[int], None] | None = None) -> None:
         """fsync the file, rename it over the target, fsync the directory.
 

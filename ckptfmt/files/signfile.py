@@ -1,0 +1,109 @@
+"""Signing an existing file (``ckptfmt sign``) without re-encoding its data (spec 16.5).
+
+The signed file is written as a new file through the commit protocol (spec section 10):
+its data section, and the index, are copied from the original with ``copy_file_range``
+(a reflink on filesystems that share extents, an in-kernel copy elsewhere: the bytes
+never pass through this process), then the signature block, the footer and, last, the
+prologue are written, the whole result is checked as a load with the signing key as the
+only trusted key would check it, and only then renamed over the original.  The file id
+and so every chunk's XXH3 checksum are unchanged; an existing signature is replaced.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Any
+
+from ..background import inflight
+from ..engine.chunkwrite import write_tail
+from ..engine.commit import AtomicFile
+from ..errors import UnsupportedError
+from ..fileio import pread_exact
+from ..format import layout as fmt
+from ..format import signing as layout_signing
+from .reader import CheckpointFile
+from .save import signer
+from .signing import load_private_key
+
+
+def _copy_range(src: int, dst: int, length: int) -> None:
+    """Copy bytes [0, length) of src to dst in the kernel (copy_file_range), else by pread/pwrite."""
+    done = 0
+    try:
+        while done < length:
+            n = os.copy_file_range(src, dst, min(length - done, 1 << 30), done, done)
+            if n == 0:
+                raise OSError(errno.EIO, "the file ended while it was copied")
+            done += n
+        return
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+    while done < length:
+        buf = os.pread(src, min(length - done, 64 << 20), done)
+        if not buf:
+            raise OSError(errno.EIO, "the file ended while it was copied")
+        os.pwrite(dst, buf, done)
+        done += len(buf)
+
+
+def _digests(fd: int, f: CheckpointFile, threads: int) -> list[bytes]:
+    """Each chunk's signed digest (SHA-256 over its context and stored bytes), read from `fd`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    fid = f.prologue.file_id
+
+    def one(k: int) -> bytes:
+        ch = f.chunks[k]
+        stored = pread_exact(fd, ch.offset, ch.stored_len)
+        if len(stored) != ch.stored_len:
+            raise OSError(errno.EIO, "the file ended while its chunks were read")
+        return layout_signing.chunk_digest(
+            fid, k, ch.offset, ch.stored_len, ch.raw_len, ch.codec, ch.filter, ch.width, stored
+        )
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:  # hashlib releases the GIL
+        return list(pool.map(one, range(len(f.chunks))))
+
+
+def sign_file(path: str | os.PathLike[str], key: Any) -> None:
+    """Sign the ckptfmt file at `path` with the Ed25519 private key `key` (spec section 16).
+
+    The file's structure is checked first, and the signed result completely (every chunk's
+    checksum and signed digest) before it replaces the original: a damaged file is never
+    signed.  UnsupportedError for an incremental file (external chunks)."""
+    from ..engine import native as _native
+
+    target = os.fspath(path)
+    private = load_private_key(key)
+    sign = signer(private)
+    assert sign is not None
+    inflight.wait_for_path(target)
+    with CheckpointFile(target) as f:
+        if f.prologue.required_features & fmt.FEATURE_EXTERNAL:
+            raise UnsupportedError(
+                "signing files with external chunks (incremental checkpoints) is not defined in this version",
+                path=target,
+            )
+        ioff, ilen = f.footer.index_offset, f.footer.index_length
+        blob = pread_exact(f._fd, ioff, ilen)
+        if len(blob) != ilen:
+            raise OSError(errno.EIO, "the file ended while its index was read", target)
+        with AtomicFile(target) as out:
+            _copy_range(f._fd, out.fd, ioff + ilen)
+            copy = out.open_for_reading()
+            try:
+                # the digests are taken of the copy: the bytes the signature will vouch for
+                shas = _digests(copy, f, _native.default_threads())
+            except BaseException:
+                os.close(copy)
+                raise
+            write_tail(out.fd, f.prologue.file_id, ioff, bytes(blob), 0, sign, shas)
+            # the result, checked as a load that trusts only this key would: every chunk's
+            # checksum, padding, frame and signed digest (CheckpointFile owns `copy` now)
+            with CheckpointFile(target, fd=copy, trusted_keys=[private.public_key()]) as check:
+                for problem in check.iter_chunk_problems():
+                    raise problem
+            out.commit()
+
