@@ -1,4 +1,4 @@
-"""The ckptfmt command line: verify, ls, inspect, consolidate, convert, diff, info.
+"""The ckptfmt command line: verify, ls, inspect, consolidate, convert, diff, info, keygen, sign.
 
 Results go to stdout, diagnostics to stderr (one line naming the path); --json prints
 exactly one JSON document.  Exit status, the same for every command (EXIT_CODES): 0
@@ -7,7 +7,7 @@ differ (diff), 2 usage error or a path that is missing, unreadable or not a ckpt
 file.  ERROR_EXIT_CODES (cli.exitcodes) is the one table from errors to exit statuses.
 
 This module wires the parser; each command group has its module: verify, runs (ls),
-inspect, convert (convert, consolidate), diff, info.  exitcodes and terminal are what
+inspect, convert (convert, consolidate), diff, info, signing (keygen, sign).  exitcodes and terminal are what
 they share: the statuses and the terminal-safe output.
 """
 
@@ -23,6 +23,7 @@ from .exitcodes import EXIT_CODES, EXIT_OK, UsageError, exit_code
 from .info import cmd_info
 from .inspect import cmd_inspect
 from .runs import cmd_ls
+from .signing import cmd_keygen, cmd_sign
 from .terminal import say
 from .verify import cmd_verify
 
@@ -56,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--quick", action="store_true", help="check structure and index only, not the chunks")
     v.add_argument("--json", action="store_true", help="print one JSON document")
     v.add_argument("--step", type=int, default=None, help="with a run directory: only this step")
+    v.add_argument(
+        "--trusted-key",
+        action="append",
+        default=None,
+        metavar="PUB",
+        help="require a signature by this Ed25519 public key (PEM or OpenSSH; repeatable): "
+        "a file that is unsigned, signed by another key or changed fails (exit 1)",
+    )
     v.set_defaults(fn=cmd_verify)
     ls = sub("ls", "List a run directory's checkpoints: step, complete or not, size, age, metrics.")
     ls.add_argument("dir", metavar="DIR")
@@ -94,6 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
     n = sub("info", "Show package, format and library versions and the active backend.")
     n.add_argument("--json", action="store_true", help="print one JSON document")
     n.set_defaults(fn=cmd_info)
+    g = sub("keygen", "Make an Ed25519 key pair for signing: OUT (private, mode 0600) and OUT.pub.")
+    g.add_argument("out", metavar="OUT")
+    g.add_argument("--openssh", action="store_true", help="OpenSSH encodings instead of PEM")
+    g.set_defaults(fn=cmd_keygen)
+    s = sub(
+        "sign",
+        "Sign a file with an Ed25519 private key, in place and atomically, without re-encoding its "
+        "data (an existing signature is replaced).",
+    )
+    s.add_argument("path", metavar="PATH")
+    s.add_argument("--key", required=True, metavar="PRIV", help="the private key (PEM or OpenSSH)")
+    s.set_defaults(fn=cmd_sign)
     return ap
 
 

@@ -9,7 +9,7 @@ import os
 from typing import Any
 
 from ..errors import CheckpointError, IncompleteError
-from .exitcodes import EXIT_OK, FILE_FAILED, NotCheckpointError, exit_code, require_ckptfmt
+from .exitcodes import EXIT_OK, FILE_FAILED, NotCheckpointError, UsageError, exit_code, require_ckptfmt
 from .terminal import Progress, say
 
 
@@ -18,7 +18,7 @@ def problem_dict(p: Any) -> dict[str, Any]:
     return {"kind": p.kind, "message": p.message, "key": p.key, "chunk": p.chunk, "offset": p.offset}
 
 
-def _verify_file(path: str, quick: bool) -> tuple[dict[str, Any], int]:
+def _verify_file(path: str, quick: bool, trusted: list[str] | None = None) -> tuple[dict[str, Any], int]:
     """The entry of one file and its exit status."""
     from ..files.verify import verify
 
@@ -27,7 +27,7 @@ def _verify_file(path: str, quick: bool) -> tuple[dict[str, Any], int]:
         require_ckptfmt(path)
         progress = Progress(f"verifying {path}", os.path.getsize(path))
         try:
-            report = verify(path, quick=quick, progress=progress)
+            report = verify(path, quick=quick, progress=progress, trusted_keys=trusted)
         finally:
             progress.close()
     except NotCheckpointError as e:
@@ -48,7 +48,22 @@ def _verify_file(path: str, quick: bool) -> tuple[dict[str, Any], int]:
 def cmd_verify(args: argparse.Namespace) -> int:
     results = []
     status = EXIT_OK  # the worst status of all entries: 2 over 1 over 0
+    trusted = getattr(args, "trusted_key", None)
+    if trusted:
+        from ..files.signing import trusted_set
+
+        try:
+            trusted_set(trusted)  # every key readable before any file is checked
+        except (OSError, ValueError, TypeError) as e:
+            error = UsageError(f"--trusted-key: {e}")
+            say(f"error: {error}", err=True)
+            return exit_code(error)
     for path in args.paths:
+        if os.path.isdir(path) and trusted:
+            error = UsageError(f"{path}: signatures of directories (commit records) are not implemented yet")
+            say(f"error: {error}", err=True)
+            status = max(status, exit_code(error))
+            continue
         if os.path.isdir(path):
             try:
                 entries = _verify_dir(path, args.step)
@@ -65,7 +80,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 ):
                     status = max(status, FILE_FAILED)
             continue
-        entry, code = _verify_file(path, args.quick)
+        entry, code = _verify_file(path, args.quick, trusted)
         results.append(entry)
         status = max(status, code)
     if args.json:
