@@ -100,6 +100,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     """The tree and the index; like verify --quick, the referenced files of an incremental
     checkpoint are checked too (present, the recorded ones), but no chunk data is read."""
     from ..files.reader import CheckpointFile
+    from ..files.signing import fingerprint
     from ..files.verify import problem_of
 
     try:
@@ -117,6 +118,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "producer": f.producer,
                 "metadata": f.metadata,
                 "source_devices": f.source_devices,
+                # the signer's key as its fingerprint; inspect does not check the signature
+                "signed_by": None if f.index.signature is None else fingerprint(f.index.signature.public_key),
                 **_inspect_externals(f),
                 "problems": [problem_dict(problem_of(p)) for p in problems],
                 "tree": rows,
@@ -133,6 +136,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     )
     say("producer: " + ", ".join(f"{k} {v}" for k, v in info["producer"].items()))
     say("metadata: " + (json.dumps(info["metadata"]) if info["metadata"] else "(none)"))
+    if info["signed_by"]:
+        say(f"signed by key {info['signed_by']} (not checked here: verify --trusted-key checks it)")
     if info["content_digests"]:
         _print_externals(info)
     for r in rows:
