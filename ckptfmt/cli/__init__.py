@@ -7,8 +7,8 @@ differ (diff), 2 usage error or a path that is missing, unreadable or not a ckpt
 file.  ERROR_EXIT_CODES (cli.exitcodes) is the one table from errors to exit statuses.
 
 This module wires the parser; each command group has its module: verify, runs (ls),
-inspect, convert (convert, consolidate), diff, info, signing (keygen, sign).  exitcodes and terminal are what
-they share: the statuses and the terminal-safe output.
+inspect, convert (convert, consolidate), diff, info, signing (keygen, sign).  exitcodes
+and terminal are what they share: the statuses and the terminal-safe output.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Save (``save``), load and open (``load``, with ``reader`` beneath it), verify
 (``verify``), load into live objects (``load_into``, with ``targets`` matching the
 file against them, ``fillplan`` planning and ``fillreads`` reading), and the commit
 records of multi-file checkpoints (``multifile``) that DCP saves, manager steps,
-incremental saves and Hugging Face folders share.
+incremental saves and Hugging Face folders share.  Signed files: keys and signature
+checks (``signing``), and signing an existing file (``signfile``).
 
 May import: ``ckptfmt.background``, ``ckptfmt.engine``, ``ckptfmt.format`` and the base modules.
 """
