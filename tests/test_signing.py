@@ -448,3 +448,62 @@ def test_cli(tmp_path):
     assert run_cli("sign", f, "--key", k).returncode == 1  # a damaged file is not signed
     for out in (r.stdout, r.stderr):
         assert "PRIVATE" not in out
+
+
+# -- the golden signed file, checked from the spec alone ---------------------------
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+
+
+def verify_from_spec(path: str, public_key: bytes) -> int:
+    """Section 16 implemented from the spec's tables, with hashlib, struct, json and
+    cryptography only: a second reader.  Returns the number of chunks checked."""
+    import hashlib
+    import json
+
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89CKF\r\n\x1a\n" and struct.unpack_from("<Q", data, 40)[0] == 2
+    assert struct.unpack_from("<Q", data, 32)[0] == len(data)
+    footer = len(data) - 64
+    ioff, ilen, _, fid, blen = struct.unpack_from("<QQQ16sQ", data, footer)
+    assert fid == data[16:32]
+    index = data[ioff : ioff + ilen]
+    records = json.loads(index)["chunks"]
+    n = len(records)
+    block = footer - blen
+    assert blen == (128 + 32 * n + 63) // 64 * 64 and block == (ioff + ilen + 63) // 64 * 64
+    magic, dalg, salg, reserved, count, key = struct.unpack_from("<16sHHIQ32s", data, block)
+    assert (magic, dalg, salg, reserved, count, key) == (b"ckptfmt-sig" + bytes(5), 1, 1, 0, n, public_key)
+    table = data[block + 64 : block + 64 + 32 * n]
+    signature = data[block + 64 + 32 * n : block + 128 + 32 * n]
+    assert not any(data[block + 128 + 32 * n : footer])
+    message = (
+        b"ckptfmt-signed-file-v1" + bytes(10)
+        + data[:56]
+        + data[footer : footer + 48]
+        + hashlib.sha256(index).digest()
+        + hashlib.sha256(data[block : block + 64 + 32 * n]).digest()
+    )
+    assert len(message) == 200
+    ed25519.Ed25519PublicKey.from_public_bytes(key).verify(signature, message)  # raises if wrong
+    for k, (offset, stored, raw, codec, filt, width, *_rest) in enumerate(records):
+        context = struct.pack("<16s16sQQQQBBB5x", b"ckptfmt-sha256\0\0", fid, k, offset, stored, raw, codec, filt, width)
+        assert hashlib.sha256(context + data[offset : offset + stored]).digest() == table[32 * k : 32 * k + 32], k
+    return n
+
+
+def test_golden_signed_file_verifies_from_the_spec():
+    from golden.make_golden import TEST_KEY_SEED
+
+    path = os.path.join(GOLDEN, "v1_0_signed.ckpt")
+    pub = ed25519.Ed25519PrivateKey.from_private_bytes(TEST_KEY_SEED).public_key()
+    raw = pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    assert verify_from_spec(path, raw) > 10
+    assert ckptfmt.verify(path, trusted_keys=[os.path.join(GOLDEN, "signing_test_key.pem.pub")]).ok
+    # and a file ckptfmt writes now, compressed and not
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        for compression in (None, "zstd"):
+            p = save(os.path.join(d, "a.ckpt"), compression=compression)
+            verify_from_spec(p, PUB.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw))

@@ -265,6 +265,13 @@ class _IndexParser:
         nodes = validate.validate_tree(index.pop("nodes"), self.storages, path)
         block = None
         if index_sha256:
+            want = signing.block_length(len(self.chunks))
+            if self.footer.signature_length != want:  # checked before the block is read
+                raise CorruptError(
+                    f"signature block is {self.footer.signature_length} bytes, {want} for {len(self.chunks)} chunks",
+                    path=path,
+                    offset=length - fmt.FOOTER_SIZE + 40,
+                )
             raw_block = self._read(block_at, self.footer.signature_length)
             if len(raw_block) != self.footer.signature_length:
                 raise IncompleteError("file shrank while its signature block was read", path=path, offset=block_at)

@@ -1,6 +1,6 @@
 """Writes the golden files.  Run only on purpose, when the format gains a version.
 
-    python tests/golden/make_golden.py
+    python tests/golden/make_golden.py [NAME ...]
 
 Files written here are checked in and must keep loading to `expected()` forever.
 """
@@ -67,19 +67,45 @@ def expected() -> dict[str, object]:
 FILES = {
     "v1_0_raw.ckpt": {"compression": None},
     "v1_0_zstd.ckpt": {"compression": "zstd"},
+    # required feature bit 1 (spec section 16), signed with TEST_KEY
+    "v1_0_signed.ckpt": {"compression": "zstd", "sign_with": "signing_test_key.pem"},
 }
 
+#: The golden signed file's key: Ed25519 from the seed bytes 0, 1, ..., 31.  A published
+#: test key, for test vectors only: it proves nothing about who wrote a file.
+TEST_KEY_SEED = bytes(range(32))
 
-def main() -> None:
+
+def write_test_key() -> None:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    key = ed25519.Ed25519PrivateKey.from_private_bytes(TEST_KEY_SEED)
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    pub = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    with open(os.path.join(HERE, "signing_test_key.pem"), "wb") as fh:
+        fh.write(pem)
+    with open(os.path.join(HERE, "signing_test_key.pem.pub"), "wb") as fh:
+        fh.write(pub)
+
+
+def main(only: list[str] | None = None) -> None:
+    """Write the golden files (`only`: just these, e.g. a file a new feature adds)."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
     import ckptfmt
 
     os.environ["SOURCE_DATE_EPOCH"] = "1764460800"
     for i, (name, kw) in enumerate(FILES.items()):
+        if only and name not in only:
+            continue
         os.environ["CKPTFMT_FILE_ID"] = f"{i:02x}" * 16
+        kw = dict(kw)
+        if "sign_with" in kw:
+            write_test_key()
+            kw["sign_with"] = os.path.join(HERE, kw["sign_with"])
         ckptfmt.save(expected(), os.path.join(HERE, name), metadata={"golden": name}, chunk_size=4096, **kw)  # type: ignore[arg-type]
         print("wrote", name)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:] or None)
