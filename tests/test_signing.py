@@ -507,3 +507,35 @@ def test_golden_signed_file_verifies_from_the_spec():
         for compression in (None, "zstd"):
             p = save(os.path.join(d, "a.ckpt"), compression=compression)
             verify_from_spec(p, PUB.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw))
+
+
+# -- any flipped bit -----------------------------------------------------------------
+
+_SMALL: dict[str, bytes] = {}
+
+
+def _small_signed() -> bytes:
+    if not _SMALL:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            p = os.path.join(d, "s.ckpt")
+            s = {"w": torch.arange(3000, dtype=torch.float32), "z": torch.zeros(2000), "n": "x"}
+            ckptfmt.save(s, p, sign_with=KEY, chunk_size=CHUNK, compression="zstd")
+            _SMALL["data"] = open(p, "rb").read()
+    return _SMALL["data"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_flipped_bit_is_refused(tmp_path, data):
+    """Every bit of a signed file is covered: flipping any one makes a load that requires the
+    signature refuse it (SignatureError; a LimitError where the flip makes a length exceed a
+    reader limit), before anything is returned."""
+    raw = bytearray(_small_signed())
+    bit = data.draw(st.integers(0, 8 * len(raw) - 1))
+    raw[bit // 8] ^= 1 << (bit % 8)
+    p = str(tmp_path / "f.ckpt")
+    write(p, raw)
+    with pytest.raises((SignatureError, ckptfmt.LimitError)):
+        ckptfmt.load(p, trusted_keys=[PUB])
