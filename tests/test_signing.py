@@ -539,3 +539,19 @@ def test_any_flipped_bit_is_refused(tmp_path, data):
     write(p, raw)
     with pytest.raises((SignatureError, ckptfmt.LimitError)):
         ckptfmt.load(p, trusted_keys=[PUB])
+
+
+def test_engine_without_libcrypto_says_so(tmp_path, monkeypatch):
+    """An engine built without libcrypto (CKPTFMT_NO_CRYPTO=1, or no headers) refuses to sign
+    or to check signatures with a clear error, before anything is written or read."""
+    p = save(str(tmp_path / "a.ckpt"))
+    if not native.available():
+        pytest.skip("C engine not built")
+    monkeypatch.setattr(native, "crypto_available", lambda: False)
+    with pytest.raises(ckptfmt.CheckpointError, match="libcrypto"):
+        ckptfmt.save(state(), str(tmp_path / "b.ckpt"), sign_with=KEY)
+    assert not os.path.exists(tmp_path / "b.ckpt")
+    with pytest.raises(ckptfmt.CheckpointError, match="libcrypto"):
+        ckptfmt.load(p, trusted_keys=[PUB])
+    monkeypatch.setenv("CKPTFMT_BACKEND", "python")  # the Python path checks them with hashlib
+    assert ckptfmt.verify(p, trusted_keys=[PUB]).ok

@@ -94,6 +94,12 @@ class CheckpointFile:
         read is then checked against its signed digest, whatever `verify` a caller passes."""
         self.path = os.fspath(path)
         trusted = signing.trusted_set(trusted_keys)  # bad keys fail before the file is opened
+        if trusted is not None and _native.available() and not _native.crypto_available():
+            raise CheckpointError(
+                "checking signatures needs the C engine built with OpenSSL's libcrypto (libssl-dev); "
+                "this one was built without it (CKPTFMT_BACKEND=python checks them in Python)",
+                path=self.path,
+            )
         if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 0):
             if fd is not None:
                 os.close(fd)
