@@ -133,7 +133,9 @@ def main() -> None:
     gib = size / (1 << 30)
     print(f"{args.size} fp32, {args.dir}, {cores} cores, {args.rounds} rounds (medians; min-max)")
     for k in KINDS:
-        print(f"  {k:12s} {med[k]:.3f} s  {size / med[k] / 1e9:5.2f} GB/s  ({min(times[k]):.3f}-{max(times[k]):.3f})")
+        print(
+            f"  {k:12s} {med[k]:.3f} s  {size / med[k] / 1e9:5.2f} GB/s  ({min(times[k]):.3f}-{max(times[k]):.3f})"
+        )
     for op in ("save", "load"):
         plain, signed = med[f"{op}_plain"], med[f"{op}_signed"]
         bound = plain + size / (cores * args.sha_speed)

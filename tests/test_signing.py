@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 import xxhash
+from cli_runner import run_cli
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from hypothesis import HealthCheck, given, settings
@@ -30,8 +31,6 @@ from ckptfmt.files.reader import CheckpointFile
 from ckptfmt.files.signfile import sign_file
 from ckptfmt.format import layout as fmt
 from ckptfmt.format import signing as sigfmt
-
-from cli_runner import run_cli
 
 pytestmark = pytest.mark.skipif(
     native.built() and not native.crypto_available(), reason="engine built without libcrypto"
@@ -58,7 +57,11 @@ def save(path: str, *, key: object = KEY, **kw: object) -> str:
 
 
 def targets() -> dict[str, object]:
-    return {"w": torch.zeros(4, 3000), "b": torch.zeros(100, dtype=torch.int64), "meta": {"step": 0, "name": ""}}
+    return {
+        "w": torch.zeros(4, 3000),
+        "b": torch.zeros(100, dtype=torch.int64),
+        "meta": {"step": 0, "name": ""},
+    }
 
 
 def assert_all_refused(path: str, keys: list[object] | None = None, match: str | None = None) -> None:
@@ -93,7 +96,13 @@ def write(path: str, data: bytes) -> None:
 def parts(data: bytearray) -> dict[str, int]:
     length = len(data)
     ioff, ilen, _, _, block_len = struct.unpack_from("<QQQ16sQ", data, length - 64)
-    return {"ioff": ioff, "ilen": ilen, "block": length - 64 - block_len, "block_len": block_len, "footer": length - 64}
+    return {
+        "ioff": ioff,
+        "ilen": ilen,
+        "block": length - 64 - block_len,
+        "block_len": block_len,
+        "footer": length - 64,
+    }
 
 
 def reseal(data: bytearray) -> bytearray:
@@ -102,7 +111,9 @@ def reseal(data: bytearray) -> bytearray:
     fid = bytes(data[16:32])
     index = bytes(data[p["ioff"] : p["ioff"] + p["ilen"]])
     struct.pack_into("<Q", data, p["footer"] + 16, fmt.index_checksum(fid, p["ioff"], index))
-    struct.pack_into("<Q", data, p["footer"] + 48, xxhash.xxh3_64_intdigest(bytes(data[p["footer"] : p["footer"] + 48])))
+    struct.pack_into(
+        "<Q", data, p["footer"] + 48, xxhash.xxh3_64_intdigest(bytes(data[p["footer"] : p["footer"] + 48]))
+    )
     struct.pack_into("<Q", data, 56, xxhash.xxh3_64_intdigest(bytes(data[:56])))
     return data
 
@@ -128,7 +139,11 @@ def test_round_trip(tmp_path, compression):
     p = save(str(tmp_path / "a.ckpt"), compression=compression)
     want = state()
     for got in (ckptfmt.load(p, trusted_keys=[PUB]), ckptfmt.load(p)):  # unsigned readers too
-        assert torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"]) and got["meta"] == want["meta"]
+        assert (
+            torch.equal(got["w"], want["w"])
+            and torch.equal(got["b"], want["b"])
+            and got["meta"] == want["meta"]
+        )
     with ckptfmt.open(p, trusted_keys=[PUB]) as r:
         assert torch.equal(r.get("w"), want["w"])
     t = targets()
@@ -188,7 +203,9 @@ def test_engine_digest_matches_reference():
         if not native.available():
             pytest.skip("C engine not built")
         sha: list[bytes] = []
-        recs, _ = native.write_chunks(fh.fileno(), fid, 5, 64, [(memoryview(data), 4)], None, None, 2, "x", sha_out=sha)
+        recs, _ = native.write_chunks(
+            fh.fileno(), fid, 5, 64, [(memoryview(data), 4)], None, None, 2, "x", sha_out=sha
+        )
         off, stored, raw, codec, filt, width, _ = recs[0]
         assert sha == [sigfmt.chunk_digest(fid, 5, off, stored, raw, codec, filt, width, data)]
 
@@ -330,8 +347,12 @@ def test_mmap_and_nonatomic_refused(tmp_path):
 
 
 def test_key_encodings(tmp_path):
-    pem_priv = KEY.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    ssh_priv = KEY.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption())
+    pem_priv = KEY.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    ssh_priv = KEY.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
     pem_pub = PUB.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     ssh_pub = PUB.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
     (tmp_path / "k.pem").write_bytes(pem_priv)
@@ -478,7 +499,8 @@ def verify_from_spec(path: str, public_key: bytes) -> int:
     signature = data[block + 64 + 32 * n : block + 128 + 32 * n]
     assert not any(data[block + 128 + 32 * n : footer])
     message = (
-        b"ckptfmt-signed-file-v1" + bytes(10)
+        b"ckptfmt-signed-file-v1"
+        + bytes(10)
         + data[:56]
         + data[footer : footer + 48]
         + hashlib.sha256(index).digest()
@@ -487,8 +509,12 @@ def verify_from_spec(path: str, public_key: bytes) -> int:
     assert len(message) == 200
     ed25519.Ed25519PublicKey.from_public_bytes(key).verify(signature, message)  # raises if wrong
     for k, (offset, stored, raw, codec, filt, width, *_rest) in enumerate(records):
-        context = struct.pack("<16s16sQQQQBBB5x", b"ckptfmt-sha256\0\0", fid, k, offset, stored, raw, codec, filt, width)
-        assert hashlib.sha256(context + data[offset : offset + stored]).digest() == table[32 * k : 32 * k + 32], k
+        context = struct.pack(
+            "<16s16sQQQQBBB5x", b"ckptfmt-sha256\0\0", fid, k, offset, stored, raw, codec, filt, width
+        )
+        assert (
+            hashlib.sha256(context + data[offset : offset + stored]).digest() == table[32 * k : 32 * k + 32]
+        ), k
     return n
 
 

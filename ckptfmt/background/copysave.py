@@ -171,7 +171,20 @@ def _save_copied(
     pool = POOL
     thread = threading.Thread(
         target=_write_worker,
-        args=(handle, atomic, encoded, pieces, go, compression, level, metadata, chunk_size, dedup, pool, sign),
+        args=(
+            handle,
+            atomic,
+            encoded,
+            pieces,
+            go,
+            compression,
+            level,
+            metadata,
+            chunk_size,
+            dedup,
+            pool,
+            sign,
+        ),
         name=f"ckptfmt-save-{os.path.basename(path)}",
         daemon=False,
     )

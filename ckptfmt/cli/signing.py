@@ -45,7 +45,9 @@ def cmd_keygen(args: argparse.Namespace) -> int:
         priv = key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
         )
-        pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        pub = key.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+        )
         pub += b" ckptfmt\n"
     else:
         priv = key.private_bytes(

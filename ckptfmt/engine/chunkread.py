@@ -404,7 +404,9 @@ class ChunkReader:
         if reason == _native.WHY_SHA:
             return self._error(SignatureError, _SHA_MISMATCH, k, key, off)
         if code == _native.ERR_CRYPTO:
-            return self._error(CheckpointError, "libcrypto failed, or the engine was built without it", k, key, off)
+            return self._error(
+                CheckpointError, "libcrypto failed, or the engine was built without it", k, key, off
+            )
         msg, at = messages.get(reason, ("zstd data does not decode", off))
         return self._error(CorruptError, msg, k, key, at)
 

@@ -194,7 +194,9 @@ def _write_chunks_python(
         check = xxhash.xxh3_64_intdigest(payload, seed=seed)
         if sha_out is not None:
             sha_out.append(
-                signing.chunk_digest(file_id, first_index + i, pos, stored_len, len(raw), codec, filt, fwidth, payload)
+                signing.chunk_digest(
+                    file_id, first_index + i, pos, stored_len, len(raw), codec, filt, fwidth, payload
+                )
             )
         _pwrite_all(fd, payload, pos)
         out.append((pos, stored_len, len(raw), codec, filt, fwidth, check))

@@ -114,7 +114,9 @@ def load_into(
     first pass, before any target is written.  It needs atomic=True (ValueError otherwise).
     """
     if trusted_keys is not None and not atomic:
-        raise ValueError("trusted_keys needs atomic=True: every chunk is checked before any target is written")
+        raise ValueError(
+            "trusted_keys needs atomic=True: every chunk is checked before any target is written"
+        )
     inflight.wait_for_path(path)
     with CheckpointFile(path, trusted_keys=trusted_keys) as f:
         return fill_from_node(f, f.tree.root, state, strict=strict, verify=verify, atomic=atomic)

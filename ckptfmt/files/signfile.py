@@ -106,4 +106,3 @@ def sign_file(path: str | os.PathLike[str], key: Any) -> None:
                 for problem in check.iter_chunk_problems():
                     raise problem
             out.commit()
-

@@ -39,6 +39,7 @@ def load_private_key(key: KeyLike) -> Any:
     if isinstance(key, ed25519.Ed25519PrivateKey):
         return key
     data = _key_bytes(key, "sign_with")
+    obj: Any
     try:
         if data.lstrip().startswith(b"-----BEGIN OPENSSH PRIVATE KEY"):
             obj = serialization.load_ssh_private_key(data, password=None)
@@ -46,7 +47,9 @@ def load_private_key(key: KeyLike) -> Any:
             obj = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as e:
         # the library's message names the encoding, never the key's bytes
-        raise ValueError(f"sign_with: not an unencrypted PEM or OpenSSH private key ({type(e).__name__})") from None
+        raise ValueError(
+            f"sign_with: not an unencrypted PEM or OpenSSH private key ({type(e).__name__})"
+        ) from None
     if not isinstance(obj, ed25519.Ed25519PrivateKey):
         raise ValueError(f"sign_with: an Ed25519 key is needed, not {type(obj).__name__}")
     return obj
@@ -55,6 +58,7 @@ def load_private_key(key: KeyLike) -> Any:
 def load_public_key(key: KeyLike) -> bytes:
     """The raw 32 bytes of an Ed25519 public key given as a key object (public or private),
     a path, or the bytes of a PEM public key or an OpenSSH ``ssh-ed25519`` line."""
+    from cryptography.exceptions import UnsupportedAlgorithm
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
@@ -67,7 +71,7 @@ def load_public_key(key: KeyLike) -> bytes:
                 key = serialization.load_ssh_public_key(data)
             else:
                 key = serialization.load_pem_public_key(data)
-        except (ValueError, TypeError, serialization.UnsupportedAlgorithm) as e:
+        except (ValueError, TypeError, UnsupportedAlgorithm) as e:
             raise ValueError(f"trusted_keys: not a PEM or OpenSSH public key ({type(e).__name__})") from None
         if not isinstance(key, ed25519.Ed25519PublicKey):
             raise ValueError(f"trusted_keys: an Ed25519 key is needed, not {type(key).__name__}")
@@ -78,11 +82,15 @@ def trusted_set(trusted_keys: Any) -> frozenset[bytes] | None:
     """The raw public keys a caller trusts, or None when no signature is demanded."""
     if trusted_keys is None:
         return None
-    if isinstance(trusted_keys, (str, bytes, bytearray, os.PathLike)) or not isinstance(trusted_keys, Iterable):
+    if isinstance(trusted_keys, (str, bytes, bytearray, os.PathLike)) or not isinstance(
+        trusted_keys, Iterable
+    ):
         trusted_keys = [trusted_keys]
     keys = frozenset(load_public_key(k) for k in trusted_keys)
     if not keys:
-        raise ValueError("trusted_keys is empty: no file could be accepted (pass None to demand no signature)")
+        raise ValueError(
+            "trusted_keys is empty: no file could be accepted (pass None to demand no signature)"
+        )
     return keys
 
 
@@ -120,11 +128,15 @@ def fingerprint(public_key: bytes) -> str:
     return "SHA256:" + hashlib.sha256(public_key).hexdigest()[:16]
 
 
-def sign_block(private_key: Any, prologue: bytes, footer: bytes, index_sha256: bytes, digests: bytes) -> bytes:
+def sign_block(
+    private_key: Any, prologue: bytes, footer: bytes, index_sha256: bytes, digests: bytes
+) -> bytes:
     """The signature block of a file whose prologue, footer and index are final."""
     from cryptography.hazmat.primitives import serialization
 
     pub = private_key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    unsigned = signing.SignatureBlock(signing.DIGEST_SHA256, signing.SIGNATURE_ED25519, pub, digests, bytes(64))
+    unsigned = signing.SignatureBlock(
+        signing.DIGEST_SHA256, signing.SIGNATURE_ED25519, pub, digests, bytes(64)
+    )
     sig = private_key.sign(signing.signed_message(prologue, footer, index_sha256, unsigned))
     return dataclasses.replace(unsigned, signature=sig).pack()

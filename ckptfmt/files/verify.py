@@ -8,7 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..background import inflight
-from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, SignatureError, UnsupportedError
+from ..errors import (
+    CheckpointError,
+    CorruptError,
+    IncompleteError,
+    LimitError,
+    SignatureError,
+    UnsupportedError,
+)
 from ..gcpause import pausing_in_main_thread
 from .reader import CheckpointFile
 

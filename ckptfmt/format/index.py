@@ -274,7 +274,9 @@ class _IndexParser:
                 )
             raw_block = self._read(block_at, self.footer.signature_length)
             if len(raw_block) != self.footer.signature_length:
-                raise IncompleteError("file shrank while its signature block was read", path=path, offset=block_at)
+                raise IncompleteError(
+                    "file shrank while its signature block was read", path=path, offset=block_at
+                )
             block = signing.parse_block(raw_block, len(self.chunks), path, block_at)
         return Index(
             self.prologue,

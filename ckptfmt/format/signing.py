@@ -43,11 +43,20 @@ def block_length(nchunks: int) -> int:
 
 
 def chunk_digest(
-    file_id: bytes, index: int, offset: int, stored_len: int, raw_len: int, codec: int, filt: int, width: int,
+    file_id: bytes,
+    index: int,
+    offset: int,
+    stored_len: int,
+    raw_len: int,
+    codec: int,
+    filt: int,
+    width: int,
     stored: bytes | memoryview,
 ) -> bytes:
     """A chunk's signed digest: SHA-256 of the 72-byte context, then its stored bytes."""
-    h = hashlib.sha256(_SHA_CONTEXT.pack(_SHA_DOMAIN, file_id, index, offset, stored_len, raw_len, codec, filt, width))
+    h = hashlib.sha256(
+        _SHA_CONTEXT.pack(_SHA_DOMAIN, file_id, index, offset, stored_len, raw_len, codec, filt, width)
+    )
     h.update(stored)
     return h.digest()
 
@@ -97,7 +106,9 @@ def parse_block(raw: bytes, nchunks: int, path: str, at: int) -> SignatureBlock:
     if magic != BLOCK_MAGIC:
         raise CorruptError("signature block magic is missing", path=path, offset=at)
     if dalg != DIGEST_SHA256:
-        raise UnsupportedError(f"signature block names unknown digest algorithm {dalg}", path=path, offset=at + 16)
+        raise UnsupportedError(
+            f"signature block names unknown digest algorithm {dalg}", path=path, offset=at + 16
+        )
     if salg != SIGNATURE_ED25519:
         raise UnsupportedError(
             f"signature block names unknown signature algorithm {salg}", path=path, offset=at + 18
@@ -111,7 +122,9 @@ def parse_block(raw: bytes, nchunks: int, path: str, at: int) -> SignatureBlock:
     end = HEADER_SIZE + DIGEST_SIZE * nchunks
     pad = raw[end + SIGNATURE_SIZE :]
     if any(pad):
-        raise CorruptError("padding after the signature is not zero", path=path, offset=at + end + SIGNATURE_SIZE)
+        raise CorruptError(
+            "padding after the signature is not zero", path=path, offset=at + end + SIGNATURE_SIZE
+        )
     return SignatureBlock(dalg, salg, key, raw[HEADER_SIZE:end], raw[end : end + SIGNATURE_SIZE])
 
 

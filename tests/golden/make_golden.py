@@ -81,8 +81,12 @@ def write_test_key() -> None:
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
     key = ed25519.Ed25519PrivateKey.from_private_bytes(TEST_KEY_SEED)
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    pub = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    pub = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     with open(os.path.join(HERE, "signing_test_key.pem"), "wb") as fh:
         fh.write(pem)
     with open(os.path.join(HERE, "signing_test_key.pem.pub"), "wb") as fh:
