@@ -581,3 +581,35 @@ def test_engine_without_libcrypto_says_so(tmp_path, monkeypatch):
         ckptfmt.load(p, trusted_keys=[PUB])
     monkeypatch.setenv("CKPTFMT_BACKEND", "python")  # the Python path checks them with hashlib
     assert ckptfmt.verify(p, trusted_keys=[PUB]).ok
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_file_changed_between_load_into_passes(tmp_path, monkeypatch, which):
+    """A chunk changed after load_into's first pass verified it (the race its atomic mode
+    cannot close for unsigned files) never reaches a target: with trusted keys the second
+    pass checks each window against the signed digests before copying it."""
+    from ckptfmt.files import load_into as inplace
+
+    p = save(str(tmp_path / "a.ckpt"))
+    with CheckpointFile(p) as f:
+        ch = f.chunks[0 if which == "first" else 11]  # chunks of "w", raw
+    monkeypatch.setattr(inplace, "_stamp", lambda f: ())  # a change within one clock tick
+
+    def tamper(f: object) -> None:
+        data = read(p)
+        data[ch.offset + 5] ^= 0x10
+        write(p, data)
+
+    monkeypatch.setattr(inplace, "_before_write", tamper)
+    t = targets()
+    with pytest.raises((SignatureError, inplace.PartialLoadError)) as e:
+        ckptfmt.load_into(p, t, trusted_keys=[PUB])
+    if which == "first":  # nothing was copied yet: the plain error, every target unchanged
+        assert isinstance(e.value, SignatureError) and not t["w"].any()
+    want = state()["w"].reshape(-1).view(torch.uint8)
+    got = t["w"].reshape(-1).view(torch.uint8)
+    # whatever was written is the signed bytes; the tampered chunk's bytes are not there
+    written = got != 0
+    assert torch.equal(got[written], want[written])
+    lo = ch.offset - 64  # "w" is storage 0: its bytes start at offset 64
+    assert not got[lo : lo + ch.raw_len].any()

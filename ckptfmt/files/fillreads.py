@@ -1,7 +1,8 @@
 """Carrying out a load_into() plan (fillplan.py): chunk reads into targets and the bounce buffer.
 
 `write_targets` does the writes, in three steps: chunks that land whole in a target
-are read there in one parallel read; chunk ends shared with other tensors, and targets
+are read there in one parallel read (through the bounce buffer for a file read with
+trusted keys, so that only bytes checked against their signed digests reach a target); chunk ends shared with other tensors, and targets
 on accelerators, go through the bounce buffer; targets laid out unlike the file get a
 host copy of their storage's chunks, then ``copy_``.  Before any target's memory is
 written its key is recorded, so that a failure part way can name what may have changed
@@ -51,8 +52,18 @@ def write_targets(
     f: CheckpointFile, plan: Plan, buf: torch.Tensor | None, verify: bool, touched: dict[str, None]
 ) -> None:
     """Read the planned chunks into the targets; `touched` collects keys before their memory is written."""
-    # 1. chunks that land whole in a target: one parallel read
-    if plan.direct:
+    # 1. chunks that land whole in a target: one parallel read; for a file read with trusted
+    # keys, through the bounce buffer instead, each window's chunks checked against their
+    # signed digests before they are copied: no byte that was not signed reaches a target,
+    # even when the file changes after the first pass verified it
+    if plan.direct and f.signed and buf is not None:
+        dests = dict(plan.direct)
+        for items, _ in windows(f, [k for k, _ in plan.direct], buf):
+            f.read_into(items, verify)
+            plan.touch(touched, plan.direct_keys)
+            for k, src in items:
+                dests[k][:] = src
+    elif plan.direct:
         plan.touch(touched, plan.direct_keys)
         f.read_into(plan.direct, verify)
     # 2. chunk ends shared with other tensors, and targets on accelerators: through the bounce buffer
