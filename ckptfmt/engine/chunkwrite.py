@@ -140,6 +140,11 @@ HOST_BATCH_BYTES = 256 << 20
 ChunkRecord = tuple[int, int, int, int, int, int, int]
 
 
+#: makes a signature block (files/signing.py): (prologue, footer, SHA-256 of the index,
+#: the chunks' digests) -> the block's bytes
+Signer = Callable[[bytes, bytes, bytes, bytes], bytes]
+
+
 class Dedup(Protocol):
     """Finds chunks whose bytes an earlier file already holds (incremental saves, spec section 12).
 
@@ -376,11 +381,6 @@ def finish_file(
             f"the index would be {len(blob)} bytes, above the limit {fmt.Limits.MAX_INDEX_BYTES}"
         )
     return write_tail(fd, file_id, pos, blob, fmt.FEATURE_EXTERNAL if dedup is not None else 0, sign, shas)
-
-
-#: makes a signature block (files/signing.py): (prologue, footer, SHA-256 of the index,
-#: the chunks' digests) -> the block's bytes
-Signer = Callable[[bytes, bytes, bytes, bytes], bytes]
 
 
 def write_tail(
