@@ -89,8 +89,12 @@ def build(
     footer_fid: bytes | None = None,
     length_delta: int = 0,
     trailing: bytes = b"",
+    block: bytes = b"",
+    footer_block_len: int | None = None,
 ) -> bytes:
-    """Lay out payloads (stored, raw_len, codec, filter, width) and seal the file."""
+    """Lay out payloads (stored, raw_len, codec, filter, width) and seal the file; `block`: a
+    signature block (spec section 16) between the index's padding and the footer, whose length
+    the footer records (or `footer_block_len`)."""
     index = base_index() if index is None else index
     payloads = [(RAW16, 16, 0, 0, 0)] if payloads is None else payloads
     data = bytearray(64)
@@ -120,10 +124,16 @@ def build(
     blob = index_bytes if index_bytes is not None else json.dumps(index, separators=(",", ":")).encode()
     data += blob
     data += bytes(a64(len(data)) - len(data))
+    data += block
     ilen = len(blob) if footer_ilen is None else footer_ilen
     iseed = xxhash.xxh3_64_intdigest(b"ckptfmt-index\0\0\0" + fid + struct.pack("<QQ", ioff, len(blob)))
     head = struct.pack(
-        "<QQQ16sQ", ioff, ilen, xxhash.xxh3_64_intdigest(blob, seed=iseed), footer_fid or fid, 0
+        "<QQQ16sQ",
+        ioff,
+        ilen,
+        xxhash.xxh3_64_intdigest(blob, seed=iseed),
+        footer_fid or fid,
+        len(block) if footer_block_len is None else footer_block_len,
     )
     data += head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head)) + END
     length = len(data) + length_delta
@@ -247,6 +257,20 @@ def deep_list_nodes(depth: int) -> list[Any]:
     return nodes
 
 
+def sig_block(
+    n: int = 1,
+    magic: bytes = b"ckptfmt-sig" + bytes(5),
+    dalg: int = 1,
+    salg: int = 1,
+    count: int | None = None,
+) -> bytes:
+    """A signature block (spec section 16) for n chunks, zero digests and signature: its
+    structure alone, which every reader checks (the signature only a reader requiring one)."""
+    head = struct.pack("<16sHHIQ32s", magic, dalg, salg, 0, n if count is None else count, bytes(32))
+    raw = head + bytes(32 * n) + bytes(64)
+    return raw + bytes(a64(len(raw)) - len(raw))
+
+
 CASES: dict[str, tuple[str, Callable[[], bytes]]] = {
     # structure of the container
     "not_ckptfmt": ("UnsupportedError", lambda: b"GGUF" + bytes(200)),
@@ -258,6 +282,19 @@ CASES: dict[str, tuple[str, Callable[[], bytes]]] = {
     "major_version_2": ("UnsupportedError", lambda: build(major=2)),
     "reserved_prologue_flags": ("CorruptError", lambda: build(flags=1)),
     "unknown_required_feature": ("UnsupportedError", lambda: build(required=1 << 5)),
+    # signed files (spec section 16)
+    "signed_and_external": ("UnsupportedError", lambda: build(required=3, block=sig_block())),
+    "signed_without_block": ("CorruptError", lambda: build(required=2)),
+    "signed_block_length_huge": ("CorruptError", lambda: build(required=2, footer_block_len=1 << 40)),
+    "signed_block_length_for_other_count": ("CorruptError", lambda: build(required=2, block=sig_block(3))),
+    "signed_block_count_mismatch": ("CorruptError", lambda: build(required=2, block=sig_block(count=2))),
+    "signed_block_bad_magic": ("CorruptError", lambda: build(required=2, block=sig_block(magic=bytes(16)))),
+    "signed_block_unknown_digest": ("UnsupportedError", lambda: build(required=2, block=sig_block(dalg=2))),
+    "signed_block_unknown_signature": (
+        "UnsupportedError",
+        lambda: build(required=2, block=sig_block(salg=9)),
+    ),
+    "unsigned_with_block": ("CorruptError", lambda: build(block=sig_block())),
     "footer_other_file_id": ("CorruptError", lambda: build(footer_fid=bytes(16))),
     "index_length_huge": ("LimitError", lambda: build(footer_ilen=2**64 - 1)),
     "index_length_past_footer": ("CorruptError", lambda: build(footer_ilen=10**6)),
