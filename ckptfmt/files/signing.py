@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import SignatureError
+from ..fileio import open_regular
 from ..format import layout as fmt
 from ..format import signing
 from ..format.index import Index
@@ -26,8 +27,13 @@ def _key_bytes(key: Any, what: str) -> bytes:
     if isinstance(key, (bytes, bytearray, memoryview)):
         return bytes(key)
     if isinstance(key, (str, os.PathLike)):
-        with open(key, "rb") as fh:
-            return fh.read(1 << 20)
+        # a key path is opened as every file a reader is given: a FIFO or device is refused
+        # unopened instead of blocking the load
+        fd = open_regular(os.fspath(key))
+        try:
+            return os.pread(fd, 1 << 20, 0)
+        finally:
+            os.close(fd)
     raise TypeError(f"{what} must be a path, the bytes of a PEM or OpenSSH key, or a cryptography key object")
 
 
