@@ -614,3 +614,20 @@ def test_file_changed_between_load_into_passes(tmp_path, monkeypatch, which):
     assert torch.equal(got[written], want[written])
     lo = ch.offset - 64  # "w" is storage 0: its bytes start at offset 64
     assert not got[lo : lo + ch.raw_len].any()
+
+
+def test_a_key_given_as_text_is_used_and_never_printed(tmp_path):
+    """A PEM or OpenSSH key passed as a str is the key, not a path: no error message can
+    carry it (a path that does not exist is named in the OSError's text)."""
+    from cryptography.hazmat.primitives import serialization
+
+    pem = KEY.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    ).decode()
+    pub = PUB.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
+    p = tmp_path / "t.ckpt"
+    ckptfmt.save({"w": torch.arange(4.0)}, p, sign_with=pem)
+    assert torch.equal(ckptfmt.load(p, trusted_keys=[pub])["w"], torch.arange(4.0))
+    with pytest.raises(ValueError) as e:
+        ckptfmt.save({"w": 1}, p, sign_with=pem.replace("MC4C", "MC4D", 1))
+    assert "PRIVATE KEY" not in str(e.value) and "MC4" not in str(e.value)

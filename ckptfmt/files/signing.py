@@ -2,7 +2,7 @@
 
 Keys are Ed25519 keys in the encodings the ``cryptography`` package reads: PEM (PKCS#8
 private keys, SubjectPublicKeyInfo public keys), OpenSSH (``-----BEGIN OPENSSH PRIVATE
-KEY-----``, ``ssh-ed25519 AAAA...``), given as a path, as the file's bytes, or as a
+KEY-----``, ``ssh-ed25519 AAAA...``), given as a path, as the file's bytes or text, or as a
 ``cryptography`` key object.  ``cryptography`` is imported only when a key is used, so
 loading unsigned files never imports it.  Nothing here writes a key into a message.
 """
@@ -26,6 +26,8 @@ KeyLike = Any  # a path, PEM/OpenSSH bytes, or a cryptography Ed25519 key object
 def _key_bytes(key: Any, what: str) -> bytes:
     if isinstance(key, (bytes, bytearray, memoryview)):
         return bytes(key)
+    if isinstance(key, str) and key.lstrip().startswith(("-----BEGIN", "ssh-")):
+        return key.encode()  # the key's text itself, never a path: an error would print it
     if isinstance(key, (str, os.PathLike)):
         # a key path is opened as every file a reader is given: a FIFO or device is refused
         # unopened instead of blocking the load
