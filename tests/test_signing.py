@@ -235,6 +235,23 @@ def test_flipped_chunk_byte(tmp_path, compression):
     assert_all_refused(p)
 
 
+def test_quick_verify_with_trusted_keys_checks_the_chunks(tmp_path):
+    """The signature covers the digest table, not the data: a quick verify that was given
+    trusted keys still checks every chunk against its signed digest, as a load would."""
+    p = save(str(tmp_path / "a.ckpt"))
+    assert ckptfmt.verify(p, quick=True, trusted_keys=[PUB]).ok
+    data = read(p)
+    data[64 + 10] ^= 0x01
+    write(p, data)
+    assert ckptfmt.verify(p, quick=True).ok  # no keys: structure and index only, as documented
+    report = ckptfmt.verify(p, quick=True, trusted_keys=[PUB])
+    assert not report.ok and [(q.kind, q.chunk) for q in report.problems] == [("signature", 0)], report
+    pub = str(tmp_path / "k.pub")
+    write(pub, PUB.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    r = run_cli("verify", "--quick", "--trusted-key", pub, p, rc=1)
+    assert "FAILED signature" in r.stdout
+
+
 def test_flipped_index_byte_resealed(tmp_path):
     """An index edited and its XXH3 recomputed reads fine without keys; with keys the signature fails."""
     p = save(str(tmp_path / "a.ckpt"))
