@@ -489,6 +489,18 @@ def test_cli(tmp_path):
         assert "PRIVATE" not in out
 
 
+def test_keygen_is_all_or_nothing(tmp_path):
+    """keygen writes both key files or neither, and never replaces one."""
+    out = tmp_path / ("k" * 252)  # OUT fits a name (255 bytes at most), OUT.pub does not
+    r = run_cli("keygen", out, rc=2)
+    assert "File name too long" in r.stderr
+    assert os.listdir(tmp_path) == []  # the private key written first is gone again
+    k = tmp_path / "k"
+    write(str(k) + ".pub", b"mine")
+    run_cli("keygen", k, rc=2)
+    assert os.listdir(tmp_path) == ["k.pub"] and read(str(k) + ".pub") == b"mine"
+
+
 # -- the golden signed file, checked from the spec alone ---------------------------
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")

@@ -1,10 +1,11 @@
 """ckptfmt keygen and ckptfmt sign: Ed25519 keys and signed files (spec section 16).
 
-``keygen OUT`` writes a new private key to OUT (PEM, PKCS#8, unencrypted, mode 0600, never
-replacing a file) and its public key to OUT.pub (PEM, or an OpenSSH ``ssh-ed25519`` line
-with --openssh).  ``sign PATH --key PRIV`` signs a file in place through the commit
-protocol, without re-encoding its data.  Checking a signature is ``verify --trusted-key``.
-No key material is ever printed.
+``keygen OUT`` writes a new private key to OUT (PEM, PKCS#8, unencrypted, mode 0600) and
+its public key to OUT.pub (PEM, or an OpenSSH ``ssh-ed25519`` line with --openssh): both
+or neither, never replacing a file (what it created is removed when a write fails).
+``sign PATH --key PRIV`` signs a file in place through the commit protocol, without
+re-encoding its data.  Checking a signature is ``verify --trusted-key``.  No key material
+is ever printed.
 """
 
 from __future__ import annotations
@@ -16,13 +17,42 @@ from .exitcodes import EXIT_OK, UsageError, error_text, exit_code, require_ckptf
 from .terminal import say
 
 
-def _write_new(path: str, data: bytes, mode: int) -> None:
+def _write_new(path: str, data: bytes, mode: int) -> tuple[int, int]:
+    """Create `path` (never replacing anything, never through a link) holding `data`, durably:
+    its (device, inode).  On any failure the file is removed again."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    st = os.fstat(fd)
     try:
-        os.write(fd, data)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
-    finally:
+    except BaseException:
         os.close(fd)
+        _remove_created(path, (st.st_dev, st.st_ino))
+        raise
+    os.close(fd)
+    return st.st_dev, st.st_ino
+
+
+def _remove_created(path: str, ident: tuple[int, int]) -> None:
+    """Remove the file this process created at `path`, if that is still what the name holds."""
+    try:
+        st = os.lstat(path)
+        if (st.st_dev, st.st_ino) == ident:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _write_pair(out: str, priv: bytes, pub_path: str, pub: bytes) -> None:
+    """Write both key files or neither: the private key is removed when the public one fails."""
+    ident = _write_new(out, priv, 0o600)
+    try:
+        _write_new(pub_path, pub, 0o644)
+    except BaseException:
+        _remove_created(out, ident)
+        raise
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -57,8 +87,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         )
     try:
-        _write_new(out, priv, 0o600)
-        _write_new(pub_path, pub, 0o644)
+        _write_pair(out, priv, pub_path, pub)
     except OSError as e:
         say(f"error: {error_text(e, out)}", err=True)
         return exit_code(e)
