@@ -489,6 +489,30 @@ def test_cli(tmp_path):
         assert "PRIVATE" not in out
 
 
+def test_sign_with_an_unusable_key_is_a_usage_error(tmp_path):
+    """A --key that is a FIFO, missing or not a private key is a bad argument (2), not a bad
+    checkpoint (1); the file is left as it was and the FIFO is never opened for reading."""
+    f = str(tmp_path / "f.ckpt")
+    ckptfmt.save(state(), f, chunk_size=CHUNK)
+    before = read(f)
+    fifo = str(tmp_path / "key.fifo")
+    os.mkfifo(fifo)
+    r = run_cli("sign", f, "--key", fifo, rc=2)
+    assert r.stderr == f"error: {fifo}: not a regular file\n"
+    run_cli("verify", f, "--trusted-key", fifo, rc=2)
+    run_cli("sign", f, "--key", str(tmp_path / "missing"), rc=2)
+    bad = (
+        KEY.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        .decode()
+        .replace("MC4C", "MC4D", 1)
+    )
+    r = run_cli("sign", f, "--key", bad, rc=2)
+    assert "PRIVATE" not in r.stderr and "MC4" not in r.stderr
+    assert read(f) == before
+
+
 def test_keygen_is_all_or_nothing(tmp_path):
     """keygen writes both key files or neither, and never replaces one."""
     out = tmp_path / ("k" * 252)  # OUT fits a name (255 bytes at most), OUT.pub does not

@@ -100,6 +100,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 def cmd_sign(args: argparse.Namespace) -> int:
     from ..errors import CheckpointError
     from ..files.signfile import sign_file
+    from ..files.signing import load_private_key
 
     path = args.path
     if os.path.isdir(path):
@@ -107,15 +108,21 @@ def cmd_sign(args: argparse.Namespace) -> int:
         say(f"error: {error}", err=True)
         return exit_code(error)
     try:
+        # the key is an argument: one that cannot be read or used (missing, a FIFO, not an
+        # Ed25519 private key) is a usage error (2), never a verdict on the checkpoint (1)
+        key = load_private_key(args.key)
+    except (OSError, ValueError, TypeError) as e:  # a CheckpointError (a FIFO) is a ValueError
+        # a key given as its text (load_private_key accepts that too) is never echoed
+        shown = "--key" if args.key.lstrip().startswith(("-----BEGIN", "ssh-")) else args.key
+        error = UsageError(error_text(e, shown))
+        say(f"error: {error}", err=True)
+        return exit_code(error)
+    try:
         require_ckptfmt(path)
-        sign_file(path, args.key)
+        sign_file(path, key)
     except (CheckpointError, OSError) as e:
         say(f"error: {error_text(e, path)}", err=True)
         return exit_code(e)
-    except (ValueError, TypeError) as e:  # the key: not a PEM/OpenSSH Ed25519 private key
-        error = UsageError(f"{args.key}: {e}")
-        say(f"error: {error}", err=True)
-        return exit_code(error)
     except Exception as e:
         from .exitcodes import NotCheckpointError
 
