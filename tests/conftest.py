@@ -42,3 +42,46 @@ def npu_devices(npu_ext):
         npu_ext.synchronize(-1)
         npu_ext.set_delay_us(0)
         npu_ext.set_enabled(False)
+
+
+# -- object stores: a real local S3 server (tests/s3_server.py) and a fault proxy (tests/s3_faults.py)
+
+
+def _require_s3() -> None:
+    """Skip where moto's server or boto3 is missing, unless CKPTFMT_REQUIRE_S3=1 (CI) makes
+    that a failure."""
+    import importlib.util
+
+    missing = [m for m in ("moto", "flask", "boto3") if importlib.util.find_spec(m) is None]
+    if not missing:
+        return
+    problem = f"the object-store tests need moto[server] and boto3; missing: {', '.join(missing)}"
+    if os.environ.get("CKPTFMT_REQUIRE_S3"):
+        pytest.fail(problem)
+    pytest.skip(problem)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """One moto S3 server on 127.0.0.1 for the whole session (an S3Server)."""
+    _require_s3()
+    from s3_server import S3Server
+
+    with S3Server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A fresh bucket on the session's server: (bucket name, storage_options)."""
+    return s3_server.new_bucket(), s3_server.storage_options()
+
+
+@pytest.fixture
+def s3_faults(s3_server):
+    """A FaultProxy in front of the session's server, its rules and counts fresh; its
+    storage_options() and client() point at the proxy, new_bucket() makes one behind it."""
+    from s3_faults import FaultProxy
+
+    with FaultProxy(s3_server.endpoint_url) as proxy:
+        yield proxy
