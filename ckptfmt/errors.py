@@ -79,3 +79,9 @@ class SignatureError(CheckpointError, ValueError):
     """A caller demanded a signature (``trusted_keys``) and the file does not prove it was
     signed by one of the trusted keys: it is unsigned, signed by another key, or any signed
     byte changed (its prologue, index, digest table, signature or a chunk)."""
+
+
+class StorageError(CheckpointError, OSError):
+    """An object store failed or refused a request (after bounded retries with backoff):
+    connection lost, server errors, credentials refused, or an object that changed between
+    two requests of one read.  The message names the URL and the operation."""

@@ -11,9 +11,18 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import stat
 
 from .errors import UnsupportedError
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(path: object) -> bool:
+    """Whether `path` names an object-store location (a str starting with a scheme and ://),
+    not a local path: such paths are never opened as files (storage/ reads them)."""
+    return isinstance(path, str) and _URL.match(path) is not None
 
 
 def open_regular(path: str, *, follow_symlinks: bool = True) -> int:

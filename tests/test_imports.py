@@ -21,7 +21,7 @@ import ckptfmt
 ROOT = os.path.dirname(os.path.abspath(ckptfmt.__file__))
 
 #: the layers, lowest first: a module may import its own layer and the layers before it
-LAYERS = ["base", "format", "engine", "background", "files", "dcp", "runs", "integrations", "cli", "demo"]
+LAYERS = ["base", "format", "engine", "storage", "background", "files", "dcp", "runs", "integrations", "cli", "demo"]
 #: the base layer: leaves every layer uses
 BASE = {"ckptfmt.errors", "ckptfmt.fileio", "ckptfmt.gcpause"}
 #: the public face, which imports every library layer to re-export its names
@@ -203,7 +203,7 @@ def test_library_layers_take_only_the_version_from_the_public_face():
 def test_layer_folders_import_nothing_when_entered():
     """A layer's ``__init__`` is a docstring, so importing one module of a layer does not drag in
     the rest (readers import ``background.inflight`` without the background writer)."""
-    for layer in ["format", "engine", "background", "files", "runs", "demo"]:
+    for layer in ["format", "engine", "storage", "background", "files", "runs", "demo"]:
         with open(os.path.join(ROOT, layer, "__init__.py"), encoding="utf-8") as f:
             tree = ast.parse(f.read())
         assert [type(n).__name__ for n in tree.body] == ["Expr"], layer
@@ -263,11 +263,12 @@ def test_readers_do_not_import_the_writer(reader):
 
 def test_the_commit_protocol_and_the_registry_import_nothing_of_ckptfmt():
     """...but the commit protocol works inside a directory through the one module that owns
-    filesystem operations there, which imports nothing but the errors."""
+    filesystem operations there, which imports nothing but the errors; the registry of saves
+    in flight imports only fileio (which tells an object-store URL from a path)."""
     graph = _graph(module_level_only=False)
     assert graph["ckptfmt.engine.commit"] == {"ckptfmt.engine.ckptdir", "ckptfmt.errors"}
     assert graph["ckptfmt.engine.ckptdir"] == {"ckptfmt.errors", "ckptfmt.fileio"}
-    assert graph["ckptfmt.background.inflight"] == set()
+    assert graph["ckptfmt.background.inflight"] == {"ckptfmt.fileio"}
     assert graph["ckptfmt.engine.bytesview"] == set()
 
 

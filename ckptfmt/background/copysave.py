@@ -115,9 +115,13 @@ def save_async(
     snapshot: str = "copy",
     within: CheckpointDir | None = None,
     sign: chunkwrite.Signer | None = None,
+    output: Any = None,
 ) -> SaveHandle:
     """Snapshot `encoded` (checked already: nothing is written for a state that cannot be)
     and write it in the background; return once the snapshot is taken.
+
+    output: where the file goes when not an AtomicFile of `path` beneath `within`: an
+    object upload (storage/upload.py's ObjectFile, not yet entered; copy snapshots only).
 
     snapshot: "copy" copies the state into staging memory (below); "fork" takes a
     copy-on-write snapshot in a child process (forksave.py), ValueError where it cannot."""
@@ -146,6 +150,7 @@ def save_async(
         dedup=dedup,
         within=within,
         sign=sign,
+        output=output,
     )
 
 
@@ -160,6 +165,7 @@ def _save_copied(
     dedup: chunkwrite.Dedup | None,
     within: CheckpointDir | None,
     sign: chunkwrite.Signer | None = None,
+    output: Any = None,
 ) -> SaveHandle:
     handle = SaveHandle(path)
     pieces: queue.Queue[_Piece | BaseException | None] = queue.Queue()
@@ -167,7 +173,7 @@ def _save_copied(
     # has to wait for staging memory: until then it would only compete with the
     # caller's copies for cores and memory bandwidth.
     go = threading.Event()
-    atomic = AtomicFile(path, within)
+    atomic = AtomicFile(path, within) if output is None else output
     pool = POOL
     thread = threading.Thread(
         target=_write_worker,
@@ -342,7 +348,7 @@ def _take_batch(pieces: queue.Queue[Any]) -> tuple[list[_Piece], Any]:
 
 def _write_worker(
     handle: SaveHandle,
-    atomic: AtomicFile,
+    atomic: Any,
     encoded: Encoded,
     pieces: queue.Queue[Any],
     go: threading.Event,
@@ -369,6 +375,7 @@ def _write_worker(
             path=handle.path,
             dedup=dedup,
             sha=sign is not None,
+            on_written=getattr(atomic, "written", None),
         )
         while not ended:
             batch, last = _take_batch(pieces)

@@ -5,8 +5,8 @@ flight on it (``wait_for_path``).  A failed save whose handle was dropped
 without ``wait()`` has its error raised by the next save (``raise_unobserved``)
 or printed at interpreter exit, which first waits for every save in flight.
 
-This module imports nothing of ckptfmt, so readers (api, verify, inplace) can
-wait for saves without importing the writer.
+This module imports nothing of ckptfmt but fileio, so readers (api, verify, inplace)
+can wait for saves without importing the writer.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import atexit
 import os
 import sys
 import threading
+
+from ..fileio import is_url
 
 
 class SaveHandle:
@@ -66,7 +68,8 @@ _unobserved: list[SaveHandle] = []
 
 
 def _key(path: str | os.PathLike[str]) -> str:
-    return os.path.realpath(os.fspath(path))
+    text = os.fspath(path)
+    return text if is_url(text) else os.path.realpath(text)
 
 
 def begin(handle: SaveHandle) -> None:

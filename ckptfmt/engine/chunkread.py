@@ -21,6 +21,8 @@ import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import Protocol
 
 import numpy as np
 import xxhash
@@ -58,6 +60,25 @@ def _dict_msg(dict_id: int) -> str:
     return f"zstd frame needs dictionary {dict_id}; the format uses none"
 
 
+#: a remote file's chunks are fetched this many stored bytes at a time (two windows are held)
+FETCH_WINDOW = 64 << 20
+
+
+class Fetcher(Protocol):
+    """A remote object's bytes on demand (storage/download.py's RemoteObject): the chunk
+    reader's descriptor is a spool that holds only what `start` has fetched into it."""
+
+    def start(self, ranges: Sequence[tuple[int, int]]) -> list[Future[None]]: ...
+
+    def wait(self, futures: Sequence[Future[None]]) -> None: ...
+
+    def wait_quietly(self, futures: Sequence[Future[None]]) -> None: ...
+
+    def release(self, ranges: Sequence[tuple[int, int]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class ChunkReader:
     """Reads the chunks of one file, and those of the files its external chunks lie in.
 
@@ -84,6 +105,8 @@ class ChunkReader:
         # and those that could not be used (error class and reason, reported again per chunk)
         self._ext_open: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self._ext_failed: dict[int, tuple[type[CheckpointError], str]] = {}
+        #: where `fd` is a spool of a remote object: fetches chunk bytes before they are read
+        self.remote: Fetcher | None = None
 
     def close(self) -> None:
         """Close the referenced files that are open, then the file itself."""
@@ -95,6 +118,9 @@ class ChunkReader:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
 
     # -- referenced files (feature bit 0) -------------------------------------
 
@@ -335,8 +361,44 @@ class ChunkReader:
         groups: dict[int, list[tuple[int, memoryview | None]]] = {}
         for k, dest in items:
             groups.setdefault(self.chunks[k].source, []).append((k, dest))
-        for group in groups.values():
-            self._read_group(group, verify, check_only)
+        for source, group in groups.items():
+            if source < 0 and self.remote is not None:
+                self._read_fetched(group, verify, check_only)
+            else:
+                self._read_group(group, verify, check_only)
+
+    def _stored_range(self, k: int) -> tuple[int, int]:
+        ch = self.chunks[k]
+        return ch.offset, ch.offset + ch.stored_len + ch.pad
+
+    def _read_fetched(
+        self, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool
+    ) -> None:
+        """Read chunks of a remote file window by window: each window's bytes are fetched
+        while the one before is read, and given back once read, so memory holds two windows."""
+        remote = self.remote
+        assert remote is not None
+        windows: list[list[tuple[int, memoryview | None]]] = [[]]
+        held = 0
+        for k, dest in items:
+            lo, hi = self._stored_range(k)
+            if windows[-1] and held + hi - lo > FETCH_WINDOW:
+                windows.append([])
+                held = 0
+            windows[-1].append((k, dest))
+            held += hi - lo
+        ranges = [[self._stored_range(k) for k, _ in w] for w in windows]
+        pending = remote.start(ranges[0])
+        try:
+            for i, window in enumerate(windows):
+                remote.wait(pending)
+                pending = remote.start(ranges[i + 1]) if i + 1 < len(windows) else []
+                try:
+                    self._read_group(window, verify, check_only)
+                finally:
+                    remote.release(ranges[i])
+        finally:
+            remote.wait_quietly(pending)
 
     def _read_group(
         self, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool = False

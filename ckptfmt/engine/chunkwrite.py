@@ -215,16 +215,20 @@ def storage_chunks(plan: StoragePlan, chunk_size: int) -> list[tuple[memoryview,
     return [(data[start : start + chunk_size], plan.width) for start in range(0, plan.nbytes, chunk_size)]
 
 
-def _batches(encoded: Encoded, chunk_size: int) -> Iterator[list[tuple[memoryview, int]]]:
-    """Chunk views in file order, grouped so that device copies stay bounded."""
+def _batches(
+    encoded: Encoded, chunk_size: int, batch_bytes: int = HOST_BATCH_BYTES
+) -> Iterator[list[tuple[memoryview, int]]]:
+    """Chunk views in file order, grouped so that device copies (and what an object upload
+    holds in its spool) stay bounded."""
     batch: list[tuple[memoryview, int]] = []
     held = 0
     for plan in encoded.storages:
-        batch.extend(storage_chunks(plan, chunk_size))
-        held += plan.nbytes
-        if held >= HOST_BATCH_BYTES:
-            yield batch
-            batch, held = [], 0
+        for piece in storage_chunks(plan, chunk_size):
+            batch.append(piece)
+            held += len(piece[0])
+            if held >= batch_bytes:
+                yield batch
+                batch, held = [], 0
     if batch:
         yield batch
 
@@ -250,8 +254,12 @@ class ChunkWriter:
         path: str = "",
         dedup: Dedup | None = None,
         sha: bool = False,
+        on_written: Callable[[int], None] | None = None,
     ) -> None:
+        """`on_written(pos)`: told after each batch that every byte below `pos` is written
+        (an object upload sends the parts that are complete)."""
         self.fd = fd
+        self.on_written = on_written
         self.file_id = file_id
         self.compression = compression
         self.level = level
@@ -268,6 +276,11 @@ class ChunkWriter:
             raise ValueError("signed files cannot have external chunks in this version (spec section 16)")
 
     def write(self, pieces: list[tuple[memoryview, int]]) -> None:
+        self._write(pieces)
+        if self.on_written is not None:
+            self.on_written(self.pos)
+
+    def _write(self, pieces: list[tuple[memoryview, int]]) -> None:
         if self.dedup is None:
             self._write_run(pieces)
             return
@@ -326,9 +339,12 @@ def build_file(
     path: str = "",
     dedup: Dedup | None = None,
     sign: Signer | None = None,
+    on_written: Callable[[int], None] | None = None,
+    batch_bytes: int = HOST_BATCH_BYTES,
 ) -> int:
     """Write a whole ckptfmt file to `fd` (at offset 0); return its length.  With `sign`, a
-    signed file (spec section 16): chunk digests taken as the chunks are written."""
+    signed file (spec section 16): chunk digests taken as the chunks are written.
+    `on_written`, `batch_bytes`: see ChunkWriter and _batches (object uploads)."""
     if chunk_size & (chunk_size - 1) or not fmt.MIN_CHUNK_SIZE <= chunk_size <= fmt.MAX_CHUNK_SIZE:
         raise ValueError(f"chunk_size must be a power of two in [{fmt.MIN_CHUNK_SIZE}, {fmt.MAX_CHUNK_SIZE}]")
     file_id = new_file_id()
@@ -342,8 +358,9 @@ def build_file(
         path=path,
         dedup=dedup,
         sha=sign is not None,
+        on_written=on_written,
     )
-    for pieces in _batches(encoded, chunk_size):
+    for pieces in _batches(encoded, chunk_size, batch_bytes):
         out.write(pieces)
     return finish_file(fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup, sign, out.shas)
 

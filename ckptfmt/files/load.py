@@ -41,6 +41,7 @@ def load(
     mmap: bool = False,
     max_bytes: int | None = None,
     trusted_keys: Any = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Any:
     """Load a whole state.  `verify` checks every chunk's checksum as it is read.
 
@@ -65,10 +66,17 @@ def load(
     verify=False nothing is read until used, and changes made to the file after
     loading are not detected.  A file truncated while mapped raises SIGBUS on
     access, as with any memory map.
+
+    storage_options: for an object-store URL (``s3://bucket/key``): the client's settings
+    (endpoint_url, region_name, aws_access_key_id, ...; boto3's AWS_* environment variables
+    apply too).  Only the byte ranges a read needs are fetched, each pinned to the object's
+    ETag: an object replaced meanwhile raises StorageError, never mixed data.
     """
     devices.check_map_location(map_location)
     inflight.wait_for_path(path)
-    with CheckpointFile(path, max_bytes=max_bytes, trusted_keys=trusted_keys) as f:
+    with CheckpointFile(
+        path, max_bytes=max_bytes, trusted_keys=trusted_keys, storage_options=storage_options
+    ) as f:
         return f.load_subtree(f.tree.root, map_location, verify, use_mmap=mmap)
 
 
@@ -80,10 +88,17 @@ class Reader:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, max_bytes: int | None = None, trusted_keys: Any = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_bytes: int | None = None,
+        trusted_keys: Any = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         inflight.wait_for_path(path)
-        self._file = CheckpointFile(path, max_bytes=max_bytes, trusted_keys=trusted_keys)
+        self._file = CheckpointFile(
+            path, max_bytes=max_bytes, trusted_keys=trusted_keys, storage_options=storage_options
+        )
         self._items = self._file.root_items()
 
     @property
@@ -144,9 +159,14 @@ class Reader:
 
 
 def open(  # noqa: A001 - the public name is fixed
-    path: str | os.PathLike[str], *, max_bytes: int | None = None, trusted_keys: Any = None
+    path: str | os.PathLike[str],
+    *,
+    max_bytes: int | None = None,
+    trusted_keys: Any = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Reader:
     """Open a checkpoint, parse and validate its index; read data lazily with .get().
-    max_bytes, trusted_keys: see load() (with trusted_keys the signature is checked here,
-    and each chunk a get() reads against its signed digest)."""
-    return Reader(path, max_bytes=max_bytes, trusted_keys=trusted_keys)
+    max_bytes, trusted_keys, storage_options: see load() (with trusted_keys the signature is
+    checked here, and each chunk a get() reads against its signed digest; on an object store
+    a get() fetches only its own chunks)."""
+    return Reader(path, max_bytes=max_bytes, trusted_keys=trusted_keys, storage_options=storage_options)

@@ -96,6 +96,7 @@ def load_into(
     verify: bool = True,
     atomic: bool = True,
     trusted_keys: Any = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> LoadReport:
     """Fill the tensors of `state` from the checkpoint at `path`; return missing/unexpected keys.
 
@@ -118,7 +119,7 @@ def load_into(
             "trusted_keys needs atomic=True: every chunk is checked before any target is written"
         )
     inflight.wait_for_path(path)
-    with CheckpointFile(path, trusted_keys=trusted_keys) as f:
+    with CheckpointFile(path, trusted_keys=trusted_keys, storage_options=storage_options) as f:
         return fill_from_node(f, f.tree.root, state, strict=strict, verify=verify, atomic=atomic)
 
 

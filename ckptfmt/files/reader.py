@@ -38,6 +38,9 @@ from ..format import layout as fmt
 from ..format.decode import decode, decode_key
 from ..format.index import Chunk, External, parse_index, parse_index_json
 from ..gcpause import pausing_in_main_thread
+from ..storage.client import check_options
+from ..storage.download import RemoteObject
+from ..storage.urls import is_url
 from . import signing
 
 __all__ = [
@@ -85,14 +88,18 @@ class CheckpointFile:
         fd: int | None = None,
         within: CheckpointDir | None = None,
         trusted_keys: Any = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         """`fd`: the file, already opened and checked by the caller (it is owned from here on;
         `path` then only names it in messages).  `within`: the directory holding it, through
         which its reference paths are resolved (spec 12.3); default the directory of `path`.
         `trusted_keys`: the file must be signed by one of these keys (spec section 16): the
         signature is checked here, before any chunk is read (SignatureError), and every chunk
-        read is then checked against its signed digest, whatever `verify` a caller passes."""
+        read is then checked against its signed digest, whatever `verify` a caller passes.
+        `storage_options`: for an object-store URL (storage/): the client's settings; the
+        object's bytes are fetched as they are read, each range pinned to its first ETag."""
         self.path = os.fspath(path)
+        options = check_options(storage_options)
         trusted = signing.trusted_set(trusted_keys)  # bad keys fail before the file is opened
         if trusted is not None and _native.available() and not _native.crypto_available():
             raise CheckpointError(
@@ -105,7 +112,11 @@ class CheckpointFile:
                 os.close(fd)
             raise ValueError(f"max_bytes must be None or a non-negative int, not {max_bytes!r}")
         self.max_bytes = max_bytes
-        if fd is None:
+        remote: RemoteObject | None = None
+        if fd is None and is_url(self.path):
+            remote = RemoteObject(self.path, options, max_bytes=max_bytes)
+            fd = os.dup(remote.fd)
+        elif fd is None:
             fd = open_regular(self.path)
         try:
             try:
@@ -119,8 +130,15 @@ class CheckpointFile:
                 ) from e
             if trusted is not None:
                 index = signing.check(index, trusted, self.path)
+            if remote is not None and index.externals:
+                raise UnsupportedError(
+                    "an incremental checkpoint's references to other files are read from local paths only",
+                    path=self.path,
+                )
         except BaseException:
             os.close(fd)
+            if remote is not None:
+                remote.close()
             raise
         #: a signature by a trusted key was demanded and checked: every chunk read is verified
         self.signed = trusted is not None
@@ -140,6 +158,9 @@ class CheckpointFile:
         self.index_memory = index.memory
         base = within.dup() if within is not None else None
         self._chunk_reader = ChunkReader(fd, self.path, index, MAX_OPEN_EXTERNALS, base)
+        self._chunk_reader.remote = remote
+        #: an object-store URL: bytes are fetched as read; nothing can be memory-mapped
+        self.remote = remote is not None
         self._mm: mmap.mmap | None = None
 
     @property
@@ -323,6 +344,8 @@ class CheckpointFile:
                 f"{self.path}: mmap=True cannot be combined with trusted_keys: a mapping shows later "
                 "changes to the file, after its chunks were checked against their signed digests"
             )
+        if use_mmap and self.remote:
+            raise ValueError(f"{self.path}: mmap=True needs a local file; an object is read into memory")
         needed = tree.storages_under(self.tree, top)
         loaded: dict[int, torch.UntypedStorage] = {}
         host: list[int] = []  # read onto the CPU

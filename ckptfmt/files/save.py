@@ -20,9 +20,12 @@ from ..engine.chunkwrite import Dedup, Signer, build_file
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
 from ..errors import CheckpointError
+from ..fileio import is_url
 from ..format import layout as fmt
-from ..format.encode import check_chunks, check_metadata, encode
+from ..format.encode import Encoded, check_chunks, check_metadata, encode
 from ..gcpause import pausing_in_main_thread
+from ..storage.client import check_options
+from ..storage.upload import ObjectFile
 from . import signing
 
 
@@ -75,6 +78,7 @@ def save(
     chunk_size: int | None = None,
     snapshot: str = "copy",
     sign_with: Any = None,
+    storage_options: dict[str, Any] | None = None,
     _within: CheckpointDir | None = None,
 ) -> Any:
     """Save `state` at `path` atomically; with blocking=False return a SaveHandle after the snapshot.
@@ -92,11 +96,21 @@ def save(
     sign_with: an Ed25519 private key (a ``cryptography`` key object, a path, or the bytes
     of a PEM or OpenSSH private key): the file is signed (spec section 16), each chunk's
     SHA-256 taken by the engine as it is written, the signature over the prologue, the
-    index and every chunk's digest.  Loads given ``trusted_keys`` accept only such files."""
+    index and every chunk's digest.  Loads given ``trusted_keys`` accept only such files.
+
+    `path` may be an object-store URL (``s3://bucket/key``), with the client's settings in
+    `storage_options` (endpoint_url, region_name, aws_access_key_id, ...; boto3's AWS_*
+    environment variables apply too): the file is streamed into a multipart upload as it is
+    written, with bounded memory, and appears only when complete."""
     meta = check_save_args(compression, level, metadata)
+    options = check_options(storage_options)
     sign = signer(sign_with)
     check_snapshot(snapshot)
     target = os.fspath(path)
+    if is_url(target) and _within is not None:
+        raise ValueError("an object-store URL is not saved within a local directory")
+    if is_url(target) and not blocking and snapshot == "fork":
+        raise ValueError(f"{target}: snapshot='fork' writes local files only; use snapshot='copy'")
     size = check_chunk_size(chunk_size)
     inflight.raise_unobserved()
     inflight.wait_for_path(target)
@@ -111,6 +125,7 @@ def save(
         snapshot=snapshot,
         within=_within,
         sign=sign,
+        storage_options=options,
     )
 
 
@@ -145,11 +160,26 @@ def write_state(
     snapshot: str = "copy",
     within: CheckpointDir | None = None,
     sign: Signer | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Any:
     """Encode and commit `state` at `target` (arguments already checked, earlier saves waited
-    for), beneath the open directory `within` when given (AtomicFile)."""
+    for), beneath the open directory `within` when given (AtomicFile); an object-store URL
+    through an ObjectFile."""
     encoded = encode(state)  # fails on unsupported objects before any I/O
     check_chunks(encoded, chunk_size)
+    if is_url(target):
+        return _write_object(
+            encoded,
+            target,
+            storage_options or {},
+            compression=compression,
+            level=level,
+            metadata=metadata,
+            chunk_size=chunk_size,
+            blocking=blocking,
+            dedup=dedup,
+            sign=sign,
+        )
     if not blocking:
         return copysave.save_async(
             encoded,
@@ -177,10 +207,73 @@ def write_state(
                 sign=sign,
             )
             f.commit()
+    except CheckpointError:
+        raise
     except OSError as e:
         if e.filename is None:
             raise type(e)(e.errno, e.strerror, target) from e
         raise
+    return None
+
+
+#: an object upload's writer hands over this many bytes at a time (what its spool holds
+#: beyond the parts in flight)
+OBJECT_BATCH_BYTES = 64 << 20
+
+
+def object_capacity(encoded: Encoded, chunk_size: int) -> int:
+    """An upper bound of the file's length: every chunk stored raw and padded, the largest
+    index and signature block a file may have (the spool is sparse: bounds cost nothing)."""
+    data = sum(
+        fmt.align_up(p.nbytes) + fmt.ALIGNMENT * (p.nbytes // chunk_size + 1) for p in encoded.storages
+    )
+    tail = fmt.Limits.MAX_INDEX_BYTES + fmt.MAX_SIGNATURE_BLOCK + fmt.FOOTER_SIZE + fmt.ALIGNMENT
+    return fmt.PROLOGUE_SIZE + data + tail
+
+
+def _write_object(
+    encoded: Encoded,
+    url: str,
+    options: dict[str, Any],
+    *,
+    compression: str | None,
+    level: int | None,
+    metadata: dict[str, str],
+    chunk_size: int,
+    blocking: bool,
+    dedup: Dedup | None,
+    sign: Signer | None,
+) -> Any:
+    """Write `encoded` as the object at `url`: the engine writes into the upload's spool,
+    which sends each part once complete; committed whole, or aborted."""
+    out = ObjectFile(url, options, object_capacity(encoded, chunk_size))
+    if not blocking:
+        return copysave.save_async(
+            encoded,
+            url,
+            compression=compression,
+            level=level,
+            metadata=metadata,
+            chunk_size=chunk_size,
+            dedup=dedup,
+            sign=sign,
+            output=out,
+        )
+    with out:
+        build_file(
+            out.fd,
+            encoded,
+            compression=compression,
+            level=level,
+            metadata=metadata,
+            chunk_size=chunk_size,
+            path=url,
+            dedup=dedup,
+            sign=sign,
+            on_written=out.written,
+            batch_bytes=OBJECT_BATCH_BYTES,
+        )
+        out.commit()
     return None
 
 

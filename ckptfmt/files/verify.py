@@ -83,6 +83,7 @@ def verify(
     quick: bool = False,
     progress: Callable[[int, int], None] | None = None,
     trusted_keys: Any = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> VerifyReport:
     """Check structure, index and (unless `quick`) every chunk's checksum and size.
 
@@ -100,7 +101,7 @@ def verify(
     inflight.wait_for_path(path)
     report = VerifyReport(os.fspath(path))
     try:
-        f = CheckpointFile(path, trusted_keys=trusted_keys)
+        f = CheckpointFile(path, trusted_keys=trusted_keys, storage_options=storage_options)
     except CheckpointError as e:
         report.problems.append(problem_of(e))
         return report

@@ -1,0 +1,196 @@
+"""Reading one object: its bytes fetched by ranged GETs into a Spool just before the engine
+reads them.
+
+``RemoteObject`` asks the store for the object's size and ETag once, then fetches its
+prologue, footer and index (the tail, in one request where it is small), so the index parser
+reads the spool as it reads a local file.  Chunk data is fetched by the chunk reader, window
+by window (``fetch``), in parallel requests, each pinned to the first ETag with ``If-Match``:
+an object replaced while it is read fails the request (StorageError) instead of mixing two
+versions' bytes.  Every range is checked to be the one asked for; a connection that drops
+mid-body is resumed from the byte it reached, a bounded number of times with backoff.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ..errors import CheckpointError, LimitError, StorageError
+from ..format import layout as fmt
+from . import client as s3
+from .spool import Spool
+from .urls import ObjectURL, parse_url
+
+MiB = 1 << 20
+#: the tail fetched with the footer: most indexes lie within it
+TAIL_BYTES = 1 * MiB
+#: one request asks for at most this much: larger ranges are split so they run in parallel
+REQUEST_BYTES = 8 * MiB
+#: adjacent ranges closer than this are fetched in one request
+MERGE_GAP = 64 * 1024
+#: objects larger than this are refused before anything is allocated (256 TiB)
+MAX_OBJECT_BYTES = 1 << 48
+
+Range = tuple[int, int]
+
+
+def plan_requests(
+    ranges: Sequence[Range], max_bytes: int = REQUEST_BYTES, gap: int = MERGE_GAP
+) -> list[Range]:
+    """The requests that fetch `ranges` (half-open): sorted, near neighbours merged, long
+    stretches split into pieces of at most `max_bytes`."""
+    merged: list[list[int]] = []
+    for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
+        if merged and lo <= merged[-1][1] + gap:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    out: list[Range] = []
+    for lo, hi in merged:
+        out.extend((a, min(a + max_bytes, hi)) for a in range(lo, hi, max_bytes))
+    return out
+
+
+class RemoteObject:
+    """One object being read: its size and ETag, and a Spool holding the bytes fetched so far."""
+
+    def __init__(self, url: str, options: dict[str, Any], *, max_bytes: int | None = None) -> None:
+        self.path = url
+        self.url: ObjectURL = parse_url(url)
+        self.options = options
+        self._client = s3.client_for(options)
+        self._attempts = int(options.get("max_attempts", s3.DEFAULT_MAX_ATTEMPTS))
+        self._pool = ThreadPoolExecutor(s3.concurrency(options), thread_name_prefix="ckptfmt-download")
+        self.spool: Spool | None = None
+        try:
+            self.size, self.etag = self._head()
+            self.spool = Spool(self.url.key.rsplit("/", 1)[-1], self.size)
+            self._fetch_index(max_bytes)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def fd(self) -> int:
+        assert self.spool is not None
+        return self.spool.fd
+
+    def _head(self) -> tuple[int, str]:
+        u = self.url
+        reply = s3.request(str(u), "look up", lambda: self._client.head_object(Bucket=u.bucket, Key=u.key))
+        size, etag = reply.get("ContentLength"), reply.get("ETag")
+        if type(size) is not int or size < 0 or not isinstance(etag, str) or not etag:
+            raise StorageError("the store's answer lacks the object's size or ETag", path=str(u))
+        if size > MAX_OBJECT_BYTES:
+            raise LimitError(f"the object is {size} bytes, above the limit {MAX_OBJECT_BYTES}", path=str(u))
+        return size, etag
+
+    def _fetch_index(self, max_bytes: int | None) -> None:
+        """Fetch the prologue and the tail; then the rest of the index if it starts before the
+        tail (unless that is more than `max_bytes`: the index parser then refuses it)."""
+        size = self.size
+        tail = max(0, size - TAIL_BYTES)
+        self.fetch([(0, min(size, fmt.PROLOGUE_SIZE)), (tail, size)])
+        assert self.spool is not None
+        try:
+            prologue = fmt.parse_prologue(
+                bytes(self.spool.view(0, min(size, fmt.PROLOGUE_SIZE))), size, self.path
+            )
+            at = prologue.file_length - fmt.FOOTER_SIZE
+            footer = fmt.parse_footer(bytes(self.spool.view(at, at + fmt.FOOTER_SIZE)), prologue, self.path)
+        except (CheckpointError, ValueError):
+            return  # the parser, reading the spool, says what is wrong
+        start = footer.index_offset
+        if start < tail and (max_bytes is None or tail - start <= max_bytes):
+            self.fetch([(start, tail)])
+
+    # -- data ---------------------------------------------------------------
+
+    def start(self, ranges: Sequence[Range]) -> list[Future[None]]:
+        """Begin fetching `ranges` into the spool; the futures finish when they are there."""
+        return [self._pool.submit(self._get, lo, hi) for lo, hi in plan_requests(ranges)]
+
+    @staticmethod
+    def wait(futures: Sequence[Future[None]]) -> None:
+        """Wait for fetches begun by `start`; the first failure is raised once all are done."""
+        first: BaseException | None = None
+        for f in futures:
+            e = f.exception()
+            if e is not None and first is None:
+                first = e
+        if first is not None:
+            raise first
+
+    @staticmethod
+    def wait_quietly(futures: Sequence[Future[None]]) -> None:
+        """Wait for fetches whose result no longer matters (a read that failed already)."""
+        for f in futures:
+            f.exception()
+
+    def fetch(self, ranges: Sequence[Range]) -> None:
+        self.wait(self.start(ranges))
+
+    def release(self, ranges: Sequence[Range]) -> None:
+        """Give back the memory of ranges already read."""
+        if self.spool is not None:
+            for lo, hi in ranges:
+                self.spool.release(lo, hi)
+
+    def _get(self, lo: int, hi: int) -> None:
+        """Fetch [lo, hi) into the spool, resuming after a dropped connection."""
+        assert self.spool is not None
+        view = self.spool.view(lo, hi)
+        got = 0
+        for attempt in range(1, self._attempts + 1):
+            try:
+                got += self._get_once(lo + got, hi, view[got:])
+                return
+            except s3.transfer_errors() as e:
+                partial = getattr(e, "ckptfmt_got", 0)
+                got += partial
+                if isinstance(e, CheckpointError) and attempt == self._attempts:
+                    raise
+                if s3.error_code(e)[0] or attempt == self._attempts:
+                    # an answer of the store (botocore retried what it retries), or the last try
+                    raise s3.translate(e, self.path, f"read bytes {lo}-{hi - 1}") from e
+                time.sleep(min(2.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.0))
+
+    def _get_once(self, lo: int, hi: int, view: memoryview) -> int:
+        u = self.url
+        what = f"read bytes {lo}-{hi - 1}"
+        reply = self._client.get_object(
+            Bucket=u.bucket, Key=u.key, Range=f"bytes={lo}-{hi - 1}", IfMatch=self.etag
+        )
+        expected = f"bytes {lo}-{hi - 1}/{self.size}"
+        if reply.get("ContentRange") != expected or reply.get("ContentLength") != hi - lo:
+            reply["Body"].close()
+            raise StorageError(
+                f"{what}: the store answered {reply.get('ContentRange')!r} for {expected!r}", path=self.path
+            )
+        body = reply["Body"]
+        got = 0
+        try:
+            while got < len(view):
+                n = body.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+        except BaseException as e:
+            e.ckptfmt_got = got  # type: ignore[attr-defined]
+            raise
+        finally:
+            body.close()
+        if got != len(view):
+            short = StorageError(f"{what}: the body ended after {got} bytes", path=self.path)
+            short.ckptfmt_got = got  # type: ignore[attr-defined]
+            raise short
+        return got
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        if self.spool is not None:
+            self.spool.close()
+            self.spool = None

@@ -1,0 +1,256 @@
+"""Writing one object the way AtomicFile writes one file: all of it, or nothing visible.
+
+The engine writes the file into a Spool at its final offsets.  Each time it reports how far
+it has written (``written(pos)``), every part wholly below that position is handed to a pool
+of upload threads and released from the spool once stored; the writer waits only when more
+than a bounded number of bytes are still in flight.  Part 1 holds the prologue, which the
+engine writes last, so it is uploaded last, by its number: S3 assembles parts by number, not
+by arrival.  ``commit`` uploads what is left and completes the multipart upload (one PUT when
+the whole object fits in one part); the object appears at once, whole, as a rename makes a
+file appear.  Any failure aborts the multipart upload, so no parts are left behind to pay for
+and nothing is committed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import TracebackType
+from typing import Any
+
+from ..errors import StorageError
+from . import client as s3
+from .spool import Spool
+from .urls import ObjectURL, parse_url
+
+MiB = 1 << 20
+MIN_PART = 8 * MiB  # S3's minimum is 5 MiB for every part but the last
+MAX_PARTS = 10_000  # S3's maximum part count
+
+
+def part_size_for(estimate: int, requested: int | None = None) -> int:
+    """Parts of `requested` bytes (MiB multiples, at least 8 MiB), grown so that an object of up
+    to `estimate` bytes needs no more than S3's 10,000 parts."""
+    size = max(MIN_PART, requested or 16 * MiB)
+    need = -(-estimate // (MAX_PARTS - 1))
+    size = max(size, need)
+    return -(-size // MiB) * MiB
+
+
+class _PartBody:
+    """A read-only, seekable file over a part's bytes in the spool (retries re-read it), so a
+    part is sent from the spool's pages without a copy into a Python bytes object."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._pos = 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._view) if n is None or n < 0 else min(len(self._view), self._pos + n)
+        out = bytes(self._view[self._pos : end])
+        self._pos = end
+        return out
+
+    def readinto(self, buf: Any) -> int:
+        target = memoryview(buf).cast("B")
+        n = min(len(target), len(self._view) - self._pos)
+        target[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self._pos, len(self._view))[whence]
+        self._pos = max(0, min(len(self._view), base + offset))
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+
+class ObjectFile:
+    """An object being written through a Spool; committed by `commit`, else aborted on exit.
+
+    `capacity`: an upper bound of the object's length (the spool is that large, sparse).
+    """
+
+    def __init__(self, url: str, options: dict[str, Any], capacity: int, *, if_absent: bool = False) -> None:
+        self.path = url
+        self.url: ObjectURL = parse_url(url)
+        self.options = options
+        self.if_absent = if_absent
+        self.part_size = part_size_for(capacity, options.get("part_size"))
+        self._capacity = capacity
+        self._threads = s3.concurrency(options)
+        self._max_in_flight = self._threads * self.part_size
+        self.spool: Spool | None = None
+        self.fd = -1
+        self._client: Any = None
+        self._upload_id: str | None = None
+        self._next_part = 2  # part 1 (the prologue's) goes last
+        self._done: dict[int, str] = {}  # part number -> ETag
+        self._futures: list[Future[None]] = []
+        self._in_flight = 0
+        self._cond = threading.Condition()
+        self._pool: ThreadPoolExecutor | None = None
+        self._committed = False
+
+    def __enter__(self) -> ObjectFile:
+        self._client = s3.client_for(self.options)
+        self.spool = Spool(self.url.key.rsplit("/", 1)[-1], self._capacity)
+        self.fd = self.spool.fd
+        return self
+
+    # -- parts as the writer goes ------------------------------------------
+
+    def written(self, pos: int) -> None:
+        """The writer has written every byte below `pos`: upload the parts that are complete
+        (never part 1), waiting while too many bytes are in flight."""
+        while self._next_part * self.part_size <= pos:
+            self._submit(self._next_part, pos)
+            self._next_part += 1
+        self._raise_failed()
+
+    def _submit(self, number: int, length: int) -> None:
+        start = (number - 1) * self.part_size
+        end = min(number * self.part_size, length)
+        with self._cond:
+            while self._in_flight and self._in_flight + (end - start) > self._max_in_flight:
+                self._cond.wait()
+            self._in_flight += end - start
+        if self._upload_id is None:
+            self._upload_id = self._create_multipart()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="ckptfmt-upload")
+        self._futures.append(self._pool.submit(self._upload_part, number, start, end))
+
+    def _create_multipart(self) -> str:
+        u = self.url
+        reply = s3.request(
+            str(u),
+            "start multipart upload",
+            lambda: self._client.create_multipart_upload(Bucket=u.bucket, Key=u.key),
+        )
+        return str(reply["UploadId"])
+
+    def _upload_part(self, number: int, start: int, end: int) -> None:
+        assert self.spool is not None
+        u = self.url
+        try:
+            body = _PartBody(self.spool.view(start, end))
+            reply = s3.request(
+                str(u),
+                f"upload part {number} (bytes {start}-{end - 1})",
+                lambda: self._client.upload_part(
+                    Bucket=u.bucket, Key=u.key, UploadId=self._upload_id, PartNumber=number, Body=body
+                ),
+            )
+            self._done[number] = str(reply["ETag"])
+            if number != 1:
+                self.spool.release(start, end)
+        finally:
+            with self._cond:
+                self._in_flight -= end - start
+                self._cond.notify_all()
+
+    def _raise_failed(self) -> None:
+        for f in self._futures:
+            if f.done():
+                f.result()  # raises the part's failure
+
+    def _wait_all(self) -> None:
+        for f in self._futures:
+            f.result()
+
+    # -- the end -----------------------------------------------------------
+
+    def commit(self, *, free_replaced: Callable[[int], None] | None = None) -> None:
+        """Upload what is left and make the object appear, whole (StorageError on failure,
+        FileExistsError where `if_absent` and the object exists).  `free_replaced` is
+        AtomicFile's: an object replaced in the store holds nothing open here."""
+        assert self.spool is not None
+        length = os.fstat(self.fd).st_size
+        if self._upload_id is None and length <= self.part_size:
+            self._put_whole(length)
+        else:
+            self.written(length)
+            if (self._next_part - 1) * self.part_size < length:  # the last, shorter part
+                self._submit(self._next_part, length)
+            self._submit(1, length)
+            self._wait_all()
+            self._complete()
+        self._committed = True
+
+    def _put_whole(self, length: int) -> None:
+        assert self.spool is not None
+        u = self.url
+        body = _PartBody(self.spool.view(0, length)) if length else b""
+        extra = {"IfNoneMatch": "*"} if self.if_absent else {}
+        try:
+            s3.request(
+                str(u),
+                "upload",
+                lambda: self._client.put_object(Bucket=u.bucket, Key=u.key, Body=body, **extra),
+            )
+        except StorageError as e:
+            if self.if_absent and s3.is_precondition_failed(e.__cause__ or e):
+                raise FileExistsError(17, "the object exists already", str(u)) from None
+            raise
+
+    def _complete(self) -> None:
+        u = self.url
+        parts = [{"PartNumber": n, "ETag": self._done[n]} for n in sorted(self._done)]
+        extra = {"IfNoneMatch": "*"} if self.if_absent else {}
+        s3.request(
+            str(u),
+            "complete multipart upload",
+            lambda: self._client.complete_multipart_upload(
+                Bucket=u.bucket,
+                Key=u.key,
+                UploadId=self._upload_id,
+                MultipartUpload={"Parts": parts},
+                **extra,
+            ),
+        )
+        self._upload_id = None
+
+    def abort(self) -> None:
+        """Stop: wait for parts in flight, abort the multipart upload (best effort: a store
+        that cannot be reached leaves it to the bucket's lifecycle rule and `cleanup`)."""
+        for f in self._futures:
+            f.exception()  # waits; failures are the reason we are here
+        if self._upload_id is not None:
+            u, upload_id = self.url, self._upload_id
+            self._upload_id = None
+            try:
+                s3.request(
+                    str(u),
+                    "abort multipart upload",
+                    lambda: self._client.abort_multipart_upload(
+                        Bucket=u.bucket, Key=u.key, UploadId=upload_id
+                    ),
+                )
+            except StorageError:
+                pass
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self.spool is not None:
+            self.spool.close()
+            self.spool = None
+            self.fd = -1
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            if not self._committed:
+                self.abort()
+        finally:
+            self.close()
