@@ -413,6 +413,46 @@ def test_sign_existing_file(tmp_path, compression):
     assert not ckptfmt.verify(p, trusted_keys=[PUB]).ok
 
 
+def test_sign_keeps_mode_and_owner(tmp_path):
+    p = str(tmp_path / "a.ckpt")
+    ckptfmt.save(state(), p, chunk_size=CHUNK)
+    os.chmod(p, 0o600)
+    if os.geteuid() == 0:  # only root can give the file away; then the owner must stay too
+        os.chown(p, 12345, 23456)
+    before = os.stat(p)
+    run_cli("sign", p, "--key", _key_file(tmp_path), rc=0)
+    after = os.stat(p)
+    assert after.st_ino != before.st_ino  # a new file, committed over the old one
+    assert after.st_mode == before.st_mode  # 0600 stays 0600
+    assert (after.st_uid, after.st_gid) == (before.st_uid, before.st_gid)
+    assert ckptfmt.verify(p, trusted_keys=[PUB]).ok
+
+
+def test_sign_through_a_link_signs_the_file_and_keeps_the_link(tmp_path):
+    store, runs = tmp_path / "store", tmp_path / "runs"
+    store.mkdir()
+    runs.mkdir()
+    real = str(store / "step-7.ckpt")
+    ckptfmt.save(state(), real, chunk_size=CHUNK)
+    link = runs / "latest.ckpt"
+    link.symlink_to(os.path.relpath(real, runs))
+    run_cli("sign", link, "--key", _key_file(tmp_path), rc=0)
+    assert link.is_symlink() and os.readlink(link) == os.path.relpath(real, runs)
+    assert ckptfmt.verify(real, trusted_keys=[PUB]).ok
+    assert sorted(os.listdir(store)) == ["step-7.ckpt"] and os.listdir(runs) == ["latest.ckpt"]
+
+
+def _key_file(tmp_path) -> str:
+    k = str(tmp_path / "sign.key")
+    write(
+        k,
+        KEY.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ),
+    )
+    return k
+
+
 def test_sign_refuses_damaged_file(tmp_path):
     p = str(tmp_path / "a.ckpt")
     ckptfmt.save(state(), p, chunk_size=CHUNK)

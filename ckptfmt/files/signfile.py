@@ -7,16 +7,22 @@ never pass through this process), then the signature block, the footer and, last
 prologue are written, the whole result is checked as a load with the signing key as the
 only trusted key would check it, and only then renamed over the original.  The file id
 and so every chunk's XXH3 checksum are unchanged; an existing signature is replaced.
+The new file keeps the original's permission bits, and its owner and group where this
+process may set them.  A path that is a symbolic link signs the file the link names (the
+link is resolved once; that file is read and replaced beneath its directory) and the link
+is kept.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import stat
 from typing import Any
 
 from ..background import inflight
 from ..engine.chunkwrite import write_tail
+from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
 from ..errors import UnsupportedError
 from ..fileio import pread_exact
@@ -72,15 +78,24 @@ def sign_file(path: str | os.PathLike[str], key: Any) -> None:
 
     The file's structure is checked first, and the signed result completely (every chunk's
     checksum and signed digest) before it replaces the original: a damaged file is never
-    signed.  UnsupportedError for an incremental file (external chunks)."""
+    signed.  The signed file keeps the original's mode (and owner, where permitted); a
+    symbolic link at `path` is kept and the file it names is signed.  UnsupportedError for an
+    incremental file (external chunks)."""
     from ..engine import native as _native
 
     target = os.fspath(path)
     private = load_private_key(key)
     sign = signer(private)
     assert sign is not None
+    # a link is resolved once and the file it names signed beneath its directory: the link
+    # stays a link (replacing it with the signed file would cut it from the file it named)
+    real = os.path.realpath(target)
     inflight.wait_for_path(target)
-    with CheckpointFile(target) as f:
+    inflight.wait_for_path(real)
+    with (
+        CheckpointDir.open(os.path.dirname(real)) as d,
+        CheckpointFile(target, fd=d.open_file(os.path.basename(real)), within=d) as f,
+    ):
         if f.prologue.required_features & fmt.FEATURE_EXTERNAL:
             raise UnsupportedError(
                 "signing files with external chunks (incremental checkpoints) is not defined in this version",
@@ -90,7 +105,7 @@ def sign_file(path: str | os.PathLike[str], key: Any) -> None:
         blob = pread_exact(f._fd, ioff, ilen)
         if len(blob) != ilen:
             raise OSError(errno.EIO, "the file ended while its index was read", target)
-        with AtomicFile(target) as out:
+        with AtomicFile(real, within=d) as out:
             _copy_range(f._fd, out.fd, ioff + ilen)
             copy = out.open_for_reading()
             try:
@@ -105,4 +120,18 @@ def sign_file(path: str | os.PathLike[str], key: Any) -> None:
             with CheckpointFile(target, fd=copy, trusted_keys=[private.public_key()]) as check:
                 for problem in check.iter_chunk_problems():
                     raise problem
+            _keep_owner_and_mode(out.fd, os.fstat(f._fd))
             out.commit()
+
+
+def _keep_owner_and_mode(fd: int, original: os.stat_result) -> None:
+    """Give the new file the original's owner and group where this process may, and its
+    permission bits (after the owner: a change of owner clears the set-id bits)."""
+    try:
+        os.fchown(fd, original.st_uid, original.st_gid)
+    except PermissionError:
+        try:
+            os.fchown(fd, -1, original.st_gid)  # a member of the group may still keep that
+        except PermissionError:
+            pass
+    os.fchmod(fd, stat.S_IMODE(original.st_mode))
