@@ -82,7 +82,11 @@ def _before_write(f: CheckpointFile) -> None:
 
 def _stamp(f: CheckpointFile) -> tuple[int, ...]:
     """What says the open file's bytes changed: its size and modification time.  (Not its change
-    time: renaming another file over the path, as every save does, changes that of the old one.)"""
+    time: renaming another file over the path, as every save does, changes that of the old one.)
+    An object's spool changes as its ranges are fetched: there every request is pinned to the
+    ETag instead, and a replaced object fails the read that sees it (StorageError)."""
+    if f.remote:
+        return ()
     st = os.fstat(f._fd)
     return (st.st_size, st.st_mtime_ns)
 

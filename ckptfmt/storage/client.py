@@ -26,7 +26,14 @@ CLIENT_OPTIONS = (
     "aws_session_token",
     "profile_name",
 )
-TUNING_OPTIONS = ("max_attempts", "concurrency", "part_size", "connect_timeout", "read_timeout")
+TUNING_OPTIONS = (
+    "max_attempts",
+    "concurrency",
+    "part_size",
+    "connect_timeout",
+    "read_timeout",
+    "addressing_style",
+)
 _ALIASES = {"region": "region_name", "endpoint": "endpoint_url", "profile": "profile_name"}
 
 DEFAULT_MAX_ATTEMPTS = 5
@@ -93,6 +100,8 @@ def _new_client(options: Mapping[str, Any]) -> Any:
         # payload checksums only where the operation demands them: ours cover every byte
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
+        # "path" for stores reached by address (MinIO, Ceph); botocore's "auto" otherwise
+        s3={"addressing_style": options.get("addressing_style", "auto")},
     )
     kwargs = {k: options[k] for k in CLIENT_OPTIONS if k in options and k != "profile_name"}
     return session.client("s3", config=config, **kwargs)

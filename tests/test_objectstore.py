@@ -1,0 +1,269 @@
+"""Checkpoint files on an object store: a real moto S3 server over HTTP, through boto3.
+
+Round trips through every reading entry point, the bytes of an object equal to those of the
+same save to a local file, multipart uploads that leave nothing behind, partial reads that
+fetch only what they need, an object replaced while read, and faults injected by a proxy
+(resets mid-upload and mid-download, 5xx answers, refused credentials, slow answers).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from helpers import assert_same, states
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ckptfmt
+from ckptfmt.errors import CorruptError, StorageError, UnsupportedError
+from ckptfmt.storage import download
+
+MiB = 1 << 20
+
+
+def _client(options: dict[str, str]):
+    from s3_server import s3_client
+
+    return s3_client(options["endpoint_url"])
+
+
+def _state(n: int = 1000) -> dict[str, object]:
+    g = torch.Generator().manual_seed(n)
+    return {
+        "w": torch.randn(n, generator=g),
+        "b": torch.arange(7, dtype=torch.int16),
+        "half": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "step": 12,
+        "opt": {"lr": 0.1, "betas": (0.9, 0.999)},
+    }
+
+
+def _open_uploads(options: dict[str, str], bucket: str) -> list[object]:
+    return list(_client(options).list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(state=states(max_leaves=8), compression=st.sampled_from([None, "zstd"]))
+def test_round_trip_through_the_store(s3_bucket, state, compression):
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/runs/x.ckpt"
+    ckptfmt.save(state, url, compression=compression, storage_options=options)
+    assert_same(state, ckptfmt.load(url, storage_options=options))
+    assert ckptfmt.verify(url, storage_options=options).ok
+
+
+def test_the_object_holds_the_bytes_a_local_save_writes(s3_bucket, tmp_path, monkeypatch):
+    """Reproducible files (a pinned file id and time): the upload is byte for byte the file,
+    across several multipart parts uploaded out of order (part 1 last)."""
+    bucket, options = s3_bucket
+    monkeypatch.setenv("CKPTFMT_FILE_ID", "00112233445566778899aabbccddeeff")
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    state = {"big": torch.randn(9 * MiB // 4), "small": torch.arange(100)}  # 4 parts of 8 MiB
+    local = tmp_path / "x.ckpt"
+    ckptfmt.save(state, local)
+    ckptfmt.save(state, f"s3://{bucket}/x.ckpt", storage_options={**options, "part_size": 8 * MiB})
+    body = _client(options).get_object(Bucket=bucket, Key="x.ckpt")
+    assert body["ETag"].strip('"').endswith("-2")  # two parts: a multipart upload
+    assert body["Body"].read() == local.read_bytes()
+    assert _open_uploads(options, bucket) == []
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_every_reader_reads_a_url(s3_bucket, blocking):
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/a/b/state.ckpt"
+    state = _state(3 * MiB)
+    handle = ckptfmt.save(state, url, blocking=blocking, storage_options=options)
+    if handle is not None:
+        handle.wait()
+    assert_same(state, ckptfmt.load(url, storage_options=options))
+    with ckptfmt.open(url, storage_options=options) as f:
+        assert f.keys() == list(state)
+        assert torch.equal(f.get("b"), state["b"])
+    target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    ckptfmt.load_into(url, target, storage_options=options)
+    assert all(torch.equal(target[k], state[k]) for k in ("w", "b", "half"))
+    report = ckptfmt.verify(url, storage_options=options)
+    assert report.ok and report.bytes_checked > 3 * MiB
+
+
+def test_signed_and_compressed_objects(s3_bucket, tmp_path):
+    pytest.importorskip("cryptography")
+    from ckptfmt.cli import main
+
+    bucket, options = s3_bucket
+    assert main(["keygen", str(tmp_path / "k")]) == 0
+    url = f"s3://{bucket}/signed.ckpt"
+    state = _state(50_000)
+    ckptfmt.save(state, url, compression="zstd", sign_with=tmp_path / "k", storage_options=options)
+    assert_same(state, ckptfmt.load(url, trusted_keys=[tmp_path / "k.pub"], storage_options=options))
+
+
+def test_a_partial_read_fetches_only_its_chunks(s3_faults):
+    options = s3_faults.storage_options()
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/p.ckpt"
+    state = {"big": torch.zeros(24 * MiB // 4), "small": torch.arange(10)}
+    ckptfmt.save(state, url, storage_options=options)
+    s3_faults.clear_counts()
+    with ckptfmt.open(url, storage_options=options) as f:
+        opened = s3_faults.count("GET")
+        assert torch.equal(f.get("small"), state["small"])
+        assert s3_faults.count("GET") - opened == 1  # one ranged GET, for one chunk
+    s3_faults.clear_counts()
+    ckptfmt.load(url, storage_options=options)
+    assert s3_faults.count("GET") >= 2 + 24 * MiB // download.REQUEST_BYTES
+
+
+def test_an_object_replaced_while_read_is_an_error_not_mixed_data(s3_bucket):
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/r.ckpt"
+    ckptfmt.save({"a": torch.zeros(1000), "b": torch.zeros(1000)}, url, storage_options=options)
+    with ckptfmt.open(url, storage_options=options) as f:
+        ckptfmt.save({"a": torch.ones(1000), "b": torch.ones(1000)}, url, storage_options=options)
+        with pytest.raises(StorageError, match="changed while it was being read") as e:
+            f.get("b")
+        assert url in str(e.value)
+
+
+def test_damaged_object_bytes_are_caught(s3_bucket):
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/d.ckpt"
+    ckptfmt.save({"a": torch.arange(10_000)}, url, storage_options=options)
+    client = _client(options)
+    data = bytearray(client.get_object(Bucket=bucket, Key="d.ckpt")["Body"].read())
+    data[200] ^= 1  # inside the first chunk
+    client.put_object(Bucket=bucket, Key="d.ckpt", Body=bytes(data))
+    with pytest.raises(CorruptError, match="checksum"):
+        ckptfmt.load(url, storage_options=options)
+    report = ckptfmt.verify(url, storage_options=options)
+    assert not report.ok and "chunk 0" in str(report.problems[0])
+
+
+def test_missing_objects_and_buckets_are_file_not_found(s3_bucket):
+    bucket, options = s3_bucket
+    with pytest.raises(FileNotFoundError) as e:
+        ckptfmt.load(f"s3://{bucket}/nothing.ckpt", storage_options=options)
+    assert f"s3://{bucket}/nothing.ckpt" in str(e.value)
+    with pytest.raises(FileNotFoundError):
+        ckptfmt.save({"a": 1}, "s3://no-such-bucket-here/x.ckpt", storage_options=options)
+
+
+def test_refused_forms(s3_bucket):
+    bucket, options = s3_bucket
+    with pytest.raises(UnsupportedError, match="gs:// scheme is not supported"):
+        ckptfmt.load("gs://bucket/x.ckpt")
+    with pytest.raises(UnsupportedError, match="valid bucket name"):
+        ckptfmt.load("s3://B_ad/x.ckpt")
+    with pytest.raises(UnsupportedError, match="'..' segments"):
+        ckptfmt.save({"a": 1}, f"s3://{bucket}/a/../x.ckpt", storage_options=options)
+    with pytest.raises(ValueError, match="unknown storage option 'endpoint_uri'"):
+        ckptfmt.load(f"s3://{bucket}/x.ckpt", storage_options={"endpoint_uri": "http://x"})
+    url = f"s3://{bucket}/m.ckpt"
+    ckptfmt.save({"a": torch.zeros(10)}, url, storage_options=options)
+    with pytest.raises(ValueError, match="mmap=True needs a local file"):
+        ckptfmt.load(url, mmap=True, storage_options=options)
+    with pytest.raises(ValueError, match="snapshot='fork'"):
+        ckptfmt.save({"a": 1}, url, blocking=False, snapshot="fork", storage_options=options)
+
+
+# -- faults, injected by the proxy -------------------------------------------------------
+
+
+def _big_state() -> dict[str, torch.Tensor]:
+    return {"w": torch.randn(20 * MiB // 4, generator=torch.Generator().manual_seed(1))}
+
+
+def test_a_reset_mid_upload_is_retried(s3_faults):
+    options = {**s3_faults.storage_options(), "part_size": 8 * MiB}
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/u.ckpt"
+    s3_faults.reset_on("PUT", "partNumber=2", upload_bytes=MiB)
+    s3_faults.fail_next("PUT", "partNumber=3", status=503, code="SlowDown", count=2)
+    state = _big_state()
+    ckptfmt.save(state, url, storage_options=options)
+    assert s3_faults.pending_rules() == 0  # every fault happened
+    assert_same(state, ckptfmt.load(url, storage_options=options))
+
+
+def test_a_save_that_keeps_failing_commits_nothing_and_aborts_its_upload(s3_faults):
+    options = {**s3_faults.storage_options(), "part_size": 8 * MiB, "max_attempts": 2}
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/f.ckpt"
+    s3_faults.fail_next("PUT", "partNumber=2", status=500, count=10)
+    with pytest.raises(StorageError) as e:
+        ckptfmt.save(_big_state(), url, storage_options=options)
+    assert url in str(e.value) and "upload part 2" in str(e.value)
+    s3_faults.clear_rules()
+    assert s3_faults.count("DELETE", "uploadId") == 1  # AbortMultipartUpload
+    assert _open_uploads(options, bucket) == []
+    with pytest.raises(FileNotFoundError):
+        ckptfmt.load(url, storage_options=options)
+
+
+def test_a_failed_overwrite_keeps_the_committed_object(s3_faults):
+    options = {**s3_faults.storage_options(), "max_attempts": 1}
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/keep.ckpt"
+    ckptfmt.save({"v": torch.ones(10)}, url, storage_options=options)
+    s3_faults.fail_next("PUT", "keep.ckpt", status=500, count=5)
+    with pytest.raises(StorageError):
+        ckptfmt.save({"v": torch.zeros(10)}, url, storage_options=options)
+    s3_faults.clear_rules()
+    assert torch.equal(ckptfmt.load(url, storage_options=options)["v"], torch.ones(10))
+
+
+def test_a_reset_mid_download_resumes(s3_faults):
+    options = s3_faults.storage_options()
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/dl.ckpt"
+    state = _big_state()
+    ckptfmt.save(state, url, storage_options=options)
+    # the fourth GET (a chunk request: the first two fetch the prologue and the tail)
+    s3_faults.reset_on("GET", "dl.ckpt", nth=4, download_bytes=MiB)
+    s3_faults.fail_next("GET", "dl.ckpt", status=503, code="SlowDown", count=1)
+    assert_same(state, ckptfmt.load(url, storage_options=options))
+    assert s3_faults.pending_rules() == 0
+
+
+def test_refused_credentials_name_the_url_and_the_operation(s3_faults):
+    options = s3_faults.storage_options()
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/c.ckpt"
+    ckptfmt.save({"a": torch.zeros(3)}, url, storage_options=options)
+    s3_faults.fail_next(None, "c.ckpt", status=403, code="AccessDenied", count=20)
+    with pytest.raises(StorageError, match=r"look up: access denied") as e:
+        ckptfmt.load(url, storage_options=options)
+    assert str(e.value).startswith(url)
+    assert options["aws_secret_access_key"] not in str(e.value)
+
+
+def test_slow_answers_time_out_then_succeed_on_retry(s3_faults):
+    options = {**s3_faults.storage_options(), "read_timeout": 1}
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/slow.ckpt"
+    ckptfmt.save({"a": torch.arange(100)}, url, storage_options=options)
+    s3_faults.delay("GET", "slow.ckpt", seconds=3, count=1)
+    assert torch.equal(ckptfmt.load(url, storage_options=options)["a"], torch.arange(100))
+    assert s3_faults.pending_rules() == 0
+
+
+def test_request_planning_merges_neighbours_and_splits_long_ranges():
+    plan = download.plan_requests([(0, 10), (20, 30), (10 * MiB, 30 * MiB)], max_bytes=8 * MiB, gap=16)
+    assert plan == [(0, 30), (10 * MiB, 18 * MiB), (18 * MiB, 26 * MiB), (26 * MiB, 30 * MiB)]
+    assert download.plan_requests([(5, 5)]) == []
+
+
+def test_environment_credentials_are_used(s3_bucket, monkeypatch):
+    """boto3's conventions hold: AWS_* variables stand in for storage_options."""
+    bucket, options = s3_bucket
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["aws_access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["aws_secret_access_key"])
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    url = f"s3://{bucket}/env.ckpt"
+    ckptfmt.save({"a": torch.arange(5)}, url)
+    assert torch.equal(ckptfmt.load(url)["a"], torch.arange(5))
+    assert os.environ["AWS_ENDPOINT_URL"] == options["endpoint_url"]
