@@ -20,7 +20,10 @@ What moto 5.2.1's server does, measured with boto3 1.43 (tests/test_s3_server.py
 * Cost: every GET, ranged or not, reads the whole object inside the server (objects over
   ~5 MiB are spooled to a temporary file), so N ranged GETs of an object of size S cost the
   server N * S bytes of copying: ranged reads of large objects are limited by the server,
-  not the client.
+  not the client.  Its HTTP server (Werkzeug's) answers every request with `Connection:
+  close`, so each request pays a new TCP connection (the fault proxy keeps the client's
+  connections alive, as a real store does).  boto3 sends `Expect: 100-continue` with every
+  PutObject and UploadPart.
 """
 
 from __future__ import annotations

@@ -165,3 +165,28 @@ def test_consumer_reads_a_shared_region_once():
     common = _common()
     w = torch.ones(1000, dtype=torch.int64)
     assert common.read_every_byte({"a": w, "b": w, "c": [w]}) == common.read_every_byte({"a": w})
+
+
+def test_object_clients_quick(tmp_path):
+    """bench/object_clients.py --quick: a moto server of its own, every installed client up and
+    down (each download checked against the source's digest inside the bench), a report."""
+    if not os.environ.get("CKPTFMT_REQUIRE_S3"):  # CI requires them: there, their absence fails
+        pytest.importorskip("moto")
+        pytest.importorskip("boto3")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(BENCH, "object_clients.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "object_clients-quick.json").read_text())
+    assert "boto3-parallel" in doc["clients"] and "boto3-managed" in doc["clients"]
+    assert set(doc["clients"]) | set(doc["missing"]) == {"boto3-parallel", "boto3-managed", "obstore", "s3fs"}
+    for client in doc["clients"]:
+        for op in ("up", "down"):
+            row = doc["rows"][f"{client}/{op}/{40 << 20}"]
+            assert row["seconds"]["n"] == 1 and row["gbps"] > 0 and row["peak_rss"] > 0
+    md = (tmp_path / "object_clients-quick.md").read_text()
+    assert "Command: `python bench/object_clients.py --quick" in md
+    assert all(f"| {c} | 40 MiB |" in md for c in doc["clients"])
