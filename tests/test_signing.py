@@ -677,6 +677,20 @@ def test_engine_without_libcrypto_says_so(tmp_path, monkeypatch):
     assert ckptfmt.verify(p, trusted_keys=[PUB]).ok
 
 
+def change_between_passes(monkeypatch: pytest.MonkeyPatch, path: str, offset: int) -> None:
+    """Flip a bit of `path` at `offset` between load_into's two passes, unseen by its stamp
+    (as a change within one clock tick would be)."""
+    from ckptfmt.files import load_into as inplace
+
+    def tamper(f: object) -> None:
+        data = read(path)
+        data[offset] ^= 0x10
+        write(path, data)
+
+    monkeypatch.setattr(inplace, "_stamp", lambda f: ())
+    monkeypatch.setattr(inplace, "_before_write", tamper)
+
+
 @pytest.mark.parametrize("which", ["first", "last"])
 def test_file_changed_between_load_into_passes(tmp_path, monkeypatch, which):
     """A chunk changed after load_into's first pass verified it (the race its atomic mode
@@ -687,14 +701,7 @@ def test_file_changed_between_load_into_passes(tmp_path, monkeypatch, which):
     p = save(str(tmp_path / "a.ckpt"))
     with CheckpointFile(p) as f:
         ch = f.chunks[0 if which == "first" else 11]  # chunks of "w", raw
-    monkeypatch.setattr(inplace, "_stamp", lambda f: ())  # a change within one clock tick
-
-    def tamper(f: object) -> None:
-        data = read(p)
-        data[ch.offset + 5] ^= 0x10
-        write(p, data)
-
-    monkeypatch.setattr(inplace, "_before_write", tamper)
+    change_between_passes(monkeypatch, p, ch.offset + 5)
     t = targets()
     with pytest.raises((SignatureError, inplace.PartialLoadError)) as e:
         ckptfmt.load_into(p, t, trusted_keys=[PUB])
@@ -707,6 +714,47 @@ def test_file_changed_between_load_into_passes(tmp_path, monkeypatch, which):
     assert torch.equal(got[written], want[written])
     lo = ch.offset - 64  # "w" is storage 0: its bytes start at offset 64
     assert not got[lo : lo + ch.raw_len].any()
+
+
+@pytest.mark.parametrize("case", ["signed", "unsigned-c", "unsigned-python"])
+def test_partial_load_names_exactly_the_targets_it_wrote(tmp_path, monkeypatch, case):
+    """A chunk changed after load_into's first pass: PartialLoadError.modified_keys lists every
+    target whose bytes changed and no other (the targets of the reads that had not begun are
+    unchanged and not listed)."""
+    from ckptfmt.files import fillreads
+    from ckptfmt.files import load_into as inplace
+
+    if case == "unsigned-python":
+        monkeypatch.setenv("CKPTFMT_BACKEND", "python")
+    if case == "unsigned-c" and not native.available():
+        pytest.skip("needs the C engine")
+    monkeypatch.setattr(fillreads, "_BATCH_BYTES", 1, raising=False)  # batches of whole targets
+    g = torch.Generator().manual_seed(1)
+    names = ["a", "b", "c", "d", "e"]
+    src = {n: torch.randn(12 * CHUNK // 4, generator=g) for n in names}  # 12 chunks each
+    p = str(tmp_path / "a.ckpt")
+    ckptfmt.save(src, p, chunk_size=CHUNK, sign_with=KEY if case == "signed" else None)
+    with CheckpointFile(p) as f:
+        ch = f.chunks[f.storages[2].first_chunk]  # the first chunk of "c"
+    change_between_passes(monkeypatch, p, ch.offset + 5)
+    t = {n: torch.zeros_like(v) for n, v in src.items()}
+    keys = [PUB] if case == "signed" else None
+    with pytest.raises(inplace.PartialLoadError) as e:
+        ckptfmt.load_into(p, t, trusted_keys=keys)
+    changed = [n for n in names if t[n].any()]
+    assert changed[:2] == ["a", "b"] and "e" not in changed
+    assert e.value.modified_keys == changed
+
+
+def test_load_into_fills_separate_targets_of_tied_tensors(tmp_path):
+    """One tensor saved under two keys, loaded into two separate targets with trusted keys:
+    each chunk is copied to every target that reads it, not only to the last one."""
+    w = torch.randn(12 * CHUNK // 4)
+    p = str(tmp_path / "t.ckpt")
+    ckptfmt.save({"tok": w, "head": w}, p, sign_with=KEY, chunk_size=CHUNK)
+    t = {"tok": torch.zeros_like(w), "head": torch.zeros_like(w)}
+    ckptfmt.load_into(p, t, trusted_keys=[PUB])
+    assert torch.equal(t["tok"], w) and torch.equal(t["head"], w)
 
 
 def test_a_key_given_as_text_is_used_and_never_printed(tmp_path):

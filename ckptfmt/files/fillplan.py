@@ -63,7 +63,7 @@ class Plan:
     """Where each chunk the targets need goes, and which values are replaced instead."""
 
     direct: list[tuple[int, memoryview]] = field(default_factory=list)  # chunk -> its place in a target
-    direct_keys: list[str] = field(default_factory=list)
+    direct_owners: list[list[str]] = field(default_factory=list)  # per direct entry: the keys it writes
     pieces: list[Piece] = field(default_factory=list)
     strided: list[Strided] = field(default_factory=list)
     replace: list[tuple[Any, Any, int]] = field(default_factory=list)  # (container, key, node)
@@ -132,7 +132,7 @@ def make_plan(f: CheckpointFile, targets: list[Target], in_file: dict[str, int],
     plan = Plan()
     cs = f.chunk_size
     seen: dict[tuple[Any, ...], str] = {}
-    direct_seen: set[tuple[int, int]] = set()
+    direct_seen: dict[tuple[int, int], int] = {}  # (chunk, address) -> its entry in plan.direct
     for key, container, ckey, value in targets:
         i = in_file.get(key)
         if i is None:
@@ -174,7 +174,6 @@ def make_plan(f: CheckpointFile, targets: list[Target], in_file: dict[str, int],
             hi = lo + value.numel() * size
             raw = bytesview.elements_as_uint8(value)
             view = bytesview.tensor_bytes(raw) if value.device.type == "cpu" else None
-            in_direct = False
             for j in range(lo // cs, (hi - 1) // cs + 1):
                 k = rec.first_chunk + j
                 c0 = j * cs
@@ -182,14 +181,14 @@ def make_plan(f: CheckpointFile, targets: list[Target], in_file: dict[str, int],
                 a, b = max(lo, c0), min(hi, c1)
                 if view is not None and (a, b) == (c0, c1):
                     where = (k, raw.data_ptr() + c0 - lo)
-                    if where not in direct_seen:  # else another target reads it into this memory
-                        direct_seen.add(where)
+                    if where in direct_seen:  # another target reads it into this memory
+                        plan.direct_owners[direct_seen[where]].append(key)
+                    else:
+                        direct_seen[where] = len(plan.direct)
                         plan.direct.append((k, view[c0 - lo : c1 - lo]))
-                    in_direct = True
+                        plan.direct_owners.append([key])
                 else:
                     plan.pieces.append(Piece(k, a - c0, b - c0, raw[a - lo : b - lo], key))
-            if in_direct:
-                plan.direct_keys.append(key)
         else:
             lo = m["offset"] * size
             hi = (m["offset"] + sum((n - 1) * st for n, st in zip(m["shape"], m["stride"])) + 1) * size

@@ -1,26 +1,32 @@
 """Carrying out a load_into() plan (fillplan.py): chunk reads into targets and the bounce buffer.
 
 `write_targets` does the writes, in three steps: chunks that land whole in a target
-are read there in one parallel read (through the bounce buffer for a file read with
+are read there in parallel reads of whole targets (through the bounce buffer for a file read with
 trusted keys, so that only bytes checked against their signed digests reach a target); chunk ends shared with other tensors, and targets
 on accelerators, go through the bounce buffer; targets laid out unlike the file get a
 host copy of their storage's chunks, then ``copy_``.  Before any target's memory is
 written its key is recorded, so that a failure part way can name what may have changed
-(load_into.PartialLoadError).  `windows` cuts a list of chunks into batches that fit the
+(load_into.PartialLoadError): the targets of the reads begun, not the ones still to come.  `windows` cuts a list of chunks into batches that fit the
 bounce buffer; the verification pass (load_into.verify_chunks) reads through it too.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from ..engine import bytesview
+from ..engine import native as _native
 from ..format import dtypes
 from .fillplan import Piece, Plan, Strided, range_bytes
 from .reader import CheckpointFile
+
+#: an unsigned file's direct reads go in parallel reads of whole targets of at least this
+#: many bytes: large enough that waiting for each read's last chunk costs little, small
+#: enough that a failure part way names few targets that were never written
+_BATCH_BYTES = 256 << 20
 
 
 def alloc(f: CheckpointFile, nbytes: int) -> torch.Tensor | None:
@@ -52,20 +58,24 @@ def write_targets(
     f: CheckpointFile, plan: Plan, buf: torch.Tensor | None, verify: bool, touched: dict[str, None]
 ) -> None:
     """Read the planned chunks into the targets; `touched` collects keys before their memory is written."""
-    # 1. chunks that land whole in a target: one parallel read; for a file read with trusted
-    # keys, through the bounce buffer instead, each window's chunks checked against their
-    # signed digests before they are copied: no byte that was not signed reaches a target,
-    # even when the file changes after the first pass verified it
+    # 1. chunks that land whole in a target: parallel reads, a batch of whole targets at a time,
+    # so that a failure names only the targets of the batches begun; for a file read with
+    # trusted keys, through the bounce buffer instead, each window's chunks checked against
+    # their signed digests before they are copied: no byte that was not signed reaches a
+    # target, even when the file changes after the first pass verified it
     if plan.direct and f.signed and buf is not None:
-        dests = dict(plan.direct)
+        done = 0
         for items, _ in windows(f, [k for k, _ in plan.direct], buf):
             f.read_into(items, verify)
-            plan.touch(touched, plan.direct_keys)
-            for k, src in items:
-                dests[k][:] = src
-    elif plan.direct:
-        plan.touch(touched, plan.direct_keys)
-        f.read_into(plan.direct, verify)
+            entries = range(done, done + len(items))
+            done += len(items)
+            plan.touch(touched, _owners(plan, entries))
+            for i, (_, src) in zip(entries, items):
+                plan.direct[i][1][:] = src
+    else:
+        for batch in _direct_batches(f, plan):
+            plan.touch(touched, _owners(plan, batch))
+            f.read_into([plan.direct[i] for i in batch], verify)
     # 2. chunk ends shared with other tensors, and targets on accelerators: through the bounce buffer
     if plan.pieces:
         assert buf is not None
@@ -90,6 +100,29 @@ def write_targets(
         # an inference tensor may only be written in inference mode
         with torch.inference_mode() if s.value.is_inference() else contextlib.nullcontext():
             s.value.copy_(_source(f, s, buf, loaded[1]))
+
+
+def _owners(plan: Plan, entries: Iterable[int]) -> list[str]:
+    """The keys that the direct entries `entries` write, each once, in order."""
+    return list(dict.fromkeys(key for i in entries for key in plan.direct_owners[i]))
+
+
+def _direct_batches(f: CheckpointFile, plan: Plan) -> Iterator[list[int]]:
+    """plan.direct's entries in batches of whole targets, each one parallel read of at least
+    _BATCH_BYTES (and a few chunks per engine thread); one target a batch where chunks are
+    read one by one anyway (no C engine): a read stops at its first failure, so the targets
+    of later batches are unchanged."""
+    least = max(_BATCH_BYTES, 4 * _native.default_threads() * f.chunk_size) if _native.available() else 0
+    batch: list[int] = []
+    size = 0
+    for i, (k, _) in enumerate(plan.direct):
+        if batch and size >= least and plan.direct_owners[i] != plan.direct_owners[i - 1]:
+            yield batch
+            batch, size = [], 0
+        batch.append(i)
+        size += f.chunks[k].raw_len
+    if batch:
+        yield batch
 
 
 def _place(f: CheckpointFile, first: int, last: int, dest: torch.Tensor) -> list[tuple[int, memoryview]]:
