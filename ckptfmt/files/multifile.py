@@ -156,16 +156,19 @@ def open_part(directory: CheckpointDir, rec: PartRecord, owner: str, label: str 
             found = describe_open_part(fd, directory.path_of(rec.name), rec.name)
         except CheckpointError as e:
             raise CorruptError(f"{what} is damaged: {e}", path=owner) from None
-        if found.length != rec.length:
-            raise CorruptError(
-                f"{what} is {found.length} bytes, the commit record says {rec.length}", path=owner
-            )
-        if found.file_id != rec.file_id or found.index_checksum != rec.index_checksum:
-            raise CorruptError(f"{what} is not the file the commit record names (another save?)", path=owner)
+        check_identity(found, rec, what, owner)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def check_identity(found: PartRecord, rec: PartRecord, what: str, owner: str) -> None:
+    """Raise unless the file found is the one the record names: length, id, index checksum."""
+    if found.length != rec.length:
+        raise CorruptError(f"{what} is {found.length} bytes, the commit record says {rec.length}", path=owner)
+    if found.file_id != rec.file_id or found.index_checksum != rec.index_checksum:
+        raise CorruptError(f"{what} is not the file the commit record names (another save?)", path=owner)
 
 
 def check_references(f: CheckpointFile, record: CommitRecord, owner: str) -> None:
@@ -241,13 +244,22 @@ def read_commit(directory: str | os.PathLike[str] | CheckpointDir) -> CommitReco
         if size > MAX_RECORD_BYTES:
             os.close(fd)
             raise LimitError(f"commit record of {size} bytes exceeds the limit {MAX_RECORD_BYTES}", path=path)
-        limit = RECORD_MEMORY_BASE + RECORD_MEMORY_PER_BYTE * size
-        with CheckpointFile(path, fd=fd, max_bytes=limit, within=d) as f:
-            if f.externals:
-                raise _fail(path, "refers to chunks of other files")
-            _check_members(path, f)
-            value = f.load_subtree(f.tree.root, None, True)
-    return _parse_record(value, path)
+        with CheckpointFile(path, fd=fd, max_bytes=record_memory(size), within=d) as f:
+            return record_from(f)
+
+
+def record_memory(size: int) -> int:
+    """The memory a commit record of `size` bytes may take to parse and decode."""
+    return RECORD_MEMORY_BASE + RECORD_MEMORY_PER_BYTE * size
+
+
+def record_from(f: CheckpointFile) -> CommitRecord:
+    """The commit record in the open file `f` (opened with max_bytes=record_memory(size)),
+    its members checked before any payload is decoded."""
+    if f.externals:
+        raise _fail(f.path, "refers to chunks of other files")
+    _check_members(f.path, f)
+    return _parse_record(f.load_subtree(f.tree.root, None, True), f.path)
 
 
 def _check_members(path: str, f: CheckpointFile) -> None:

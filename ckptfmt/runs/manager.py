@@ -33,7 +33,8 @@ from typing import Any
 from ..background import inflight
 from ..engine import commit
 from ..engine.ckptdir import CheckpointDir, LinkError
-from ..errors import CheckpointError, CheckpointWarning, CorruptError
+from ..errors import CheckpointError, CheckpointWarning, CorruptError, UnsupportedError
+from ..fileio import is_url
 from ..files import load_into as inplace
 from ..files import multifile
 from ..files import save as writer
@@ -42,6 +43,8 @@ from ..files.targets import MismatchError
 from ..files.verify import VerifyReport
 from ..format import devices
 from . import locks, resume, retention
+from .archiver import Archiver
+from .objectrun import ObjectRun
 from .scan import RunScan, StepRecords
 from .stepcheck import resume_entries, verify_in_run
 from .steps import (
@@ -70,7 +73,18 @@ class CheckpointManager:
         blocking: bool = True,
         incremental: bool = False,
         snapshot: str = "copy",
+        archive: str | None = None,
+        archive_keep_last: int | None = None,
+        archive_keep_every: int | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
+        """archive: an object-store URL (``s3://bucket/run``) where every committed step is also
+        copied, in the background and verified after upload; `archive_keep_last` and
+        `archive_keep_every` are that tier's retention rules (the local ones stay those of
+        this directory; a step not yet archived is kept locally until it is).  latest(),
+        load() and load_into() look at both tiers: a new node without the old disk resumes
+        from the archive, and a local copy that is missing or damaged is read from there.
+        storage_options: the object store's client settings (see ckptfmt.save)."""
         retention.check_rules(keep_last, keep_every, keep_best, best_mode)
         writer.check_save_args(compression, None, None)
         writer.check_snapshot(snapshot)
@@ -91,6 +105,21 @@ class CheckpointManager:
         self._delete_lock = threading.RLock()
         self._jobs: list[StepJob] = []  # in flight, or finished with an error nobody has seen
         self._records = StepRecords(self.directory)
+        #: the archive tier (an object-store run), when `archive` is given
+        self.archive: ObjectRun | None = None
+        self._archiver: Archiver | None = None
+        if archive is not None:
+            if incremental:
+                raise ValueError("an archive holds whole steps: it cannot be combined with incremental=True")
+            self.archive = ObjectRun(archive, storage_options)
+            self._archiver = Archiver(
+                self.archive,
+                keep_last=archive_keep_last,
+                keep_every=archive_keep_every,
+                on_archived=self._rotate,
+            )
+        elif archive_keep_last is not None or archive_keep_every is not None or storage_options is not None:
+            raise ValueError("archive_keep_last, archive_keep_every and storage_options need archive=")
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory!r})"
@@ -118,21 +147,41 @@ class CheckpointManager:
         for path, why in scan.foreign:
             warnings.warn(f"skipping {path}: {why}", CheckpointWarning, stacklevel=2)
         done = scan.complete()
-        return done[-1] if done else None
+        local = done[-1] if done else None
+        archived = self._archived()
+        if archived and (local is None or archived[-1].step > local.step):
+            return archived[-1]
+        return local
+
+    def _archived(self) -> list[CheckpointInfo]:
+        """The archive's complete steps, oldest first (none without an archive)."""
+        return self.archive.checkpoints() if self.archive is not None else []
 
     def _find(self, step: int | None) -> list[CheckpointInfo]:
         """The checkpoint of `step`, or every complete one newest first when step is None."""
         statuses = self.statuses()
+        archived = {c.step: c for c in self._archived()}
         if step is None:
-            found = [s.info for s in reversed(statuses) if s.info is not None]
+            local = {s.step: s.info for s in statuses if s.info is not None}
+            # newest first; a step in both tiers: the local copy, then the archived one
+            found = [
+                info
+                for st in sorted(set(local) | set(archived), reverse=True)
+                for info in (local.get(st), archived.get(st))
+                if info is not None
+            ]
             if not found:
                 raise CheckpointError(f"no complete checkpoint in {self.directory}")
             return found
         for s in statuses:
             if s.step == step:
                 if s.info is None:
+                    if step in archived:
+                        return [archived[step]]
                     raise s.error(f"step {step} is not a complete checkpoint: {s.problem}", path=s.path)
-                return [s.info]
+                return [s.info] + ([archived[step]] if step in archived else [])
+        if step in archived:
+            return [archived[step]]
         raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
 
     # -- saving -----------------------------------------------------------------------------
@@ -276,6 +325,8 @@ class CheckpointManager:
             exc = e
         try:
             if exc is None:
+                if self._archiver is not None:
+                    self._archiver.submit(job.step, job.path)
                 self._rotate()
             else:
                 self._abandon(job)
@@ -332,9 +383,17 @@ class CheckpointManager:
             t.join()
 
     def wait(self) -> None:
-        """Wait for every save in flight; raise the first error of a save nobody has seen fail."""
+        """Wait for every save in flight (and for the archive copies of the saves made); raise
+        the first error of a save nobody has seen fail.  A failed archive copy is not raised:
+        it is warned about, kept locally and tried again (see archive_failures())."""
         self._wait_all()
+        if self._archiver is not None:
+            self._archiver.wait()
         self._raise_failed()
+
+    def archive_failures(self) -> dict[int, str]:
+        """Steps whose copy to the archive failed last time, and why (empty without an archive)."""
+        return self._archiver.failures() if self._archiver is not None else {}
 
     # -- rotation and cleanup ---------------------------------------------------------------
 
@@ -353,6 +412,8 @@ class CheckpointManager:
             keep_best=self.keep_best,
             best_mode=self.best_mode,
         )
+        if self._archiver is not None:
+            kept |= self._archiver.pending()  # not yet safe in the archive: kept here until it is
         keep_files = {r for c in done if c.step in kept for r in c.references}
         for c in done:
             if c.step not in kept:
@@ -459,12 +520,20 @@ class CheckpointManager:
         a checkpoint whose files turn out damaged is skipped with a warning (a mismatch with
         the caller's objects is never a reason to go back)."""
         skipped: list[str] = []
-        for info in self._find(step):
+        found = self._find(step)
+        for i, info in enumerate(found):
             try:
                 return attempt(info), skipped
             except MismatchError:
                 raise
             except Exception as e:  # with fallback, a step that fails for any reason is skipped
+                if i + 1 < len(found) and found[i + 1].step == info.step:  # its archived copy
+                    warnings.warn(
+                        f"step {info.step} in {self.directory} does not load ({e}); reading the archived copy",
+                        CheckpointWarning,
+                        stacklevel=3,
+                    )
+                    continue
                 if not fallback or step is not None:
                     raise
                 warnings.warn(f"skipping step {info.step}: {e}", CheckpointWarning, stacklevel=3)
@@ -478,6 +547,7 @@ class CheckpointManager:
         return self._first_that_loads(step, fallback, lambda info: self._load_one(info, map_location))[0]
 
     def _load_one(self, info: CheckpointInfo, map_location: Any) -> Any:
+        _check_readable(info)
         if info.layout == "dcp":  # saved by several ranks: assembled here with full tensors
             from . import sharded
 
@@ -494,6 +564,11 @@ class CheckpointManager:
         """The state file of step `info`, as its commit record names it: the step directory and
         the file are opened without following a link, checked (check_step), and read through
         the descriptor that was checked; every file it reads chunks from is one the record names."""
+        if is_url(info.path):  # the archived copy: opened and checked against its record
+            assert self.archive is not None
+            with self.archive.open_part(info) as remote:
+                yield remote
+            return
         inflight.wait_for_path(info.state_path)
         with CheckpointDir.open(self.directory) as run, run.sub(os.path.basename(info.path)) as d:
             record = self._records.record(d, info.step)  # check_step: the references and the root too
@@ -523,6 +598,7 @@ class CheckpointManager:
     def _load_into_one(
         self, info: CheckpointInfo, state: Any, strict: bool, restore_rng: bool
     ) -> resume.ResumeReport:
+        _check_readable(info)
         if info.layout == "dcp":  # saved by several ranks: loaded into this run's sharding
             from . import sharded
 
@@ -558,6 +634,16 @@ class CheckpointManager:
         """Check every file of checkpoint `step` (the newest complete one when None)."""
         info = self._find(step)[0]
         return verify_in_run(self.directory, os.path.basename(info.path), info.step)
+
+
+def _check_readable(info: CheckpointInfo) -> None:
+    """An archived step is read from the store: one state file, not a multi-rank save."""
+    if is_url(info.path) and info.layout != "state":
+        raise UnsupportedError(
+            f"step {info.step} was saved by several ranks (layout {info.layout!r}); it is read from "
+            "a local copy only in this version",
+            path=info.path,
+        )
 
 
 def _newest_state_file(scan: RunScan) -> str | None:

@@ -254,3 +254,25 @@ class ObjectFile:
                 self.abort()
         finally:
             self.close()
+
+
+def upload_file(fd: int, url: str, options: dict[str, Any], *, if_absent: bool = False) -> int:
+    """Copy the local file open as `fd` to the object `url`, part by part through a spool (its
+    memory bounded by the parts in flight); committed whole or not at all.  Returns its length."""
+    length = os.fstat(fd).st_size
+    with ObjectFile(url, options, length, if_absent=if_absent) as out:
+        assert out.spool is not None
+        pos = 0
+        while pos < length:
+            n = min(out.part_size, length - pos)
+            view = out.spool.view(pos, pos + n)
+            got = 0
+            while got < n:
+                k = os.preadv(fd, [view[got:]], pos + got)
+                if not k:
+                    raise OSError(5, "the file shrank while it was uploaded", url)
+                got += k
+            pos += n
+            out.written(pos)
+        out.commit()
+    return length

@@ -1,0 +1,122 @@
+"""A prefix of a bucket used as a directory: its child "directories" and objects, small
+objects read and written whole, deletion, and multipart uploads left by crashed savers.
+
+Listings are paginated by the store (1000 keys a page) and read to the end; a listing
+that names keys outside the prefix asked for is refused (hostile input: nothing outside
+a checkpoint is ever touched).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+from ..errors import StorageError
+from . import client as s3
+from .urls import ObjectURL
+
+#: a single object read whole (commit records, sidecars) is refused above this size
+MAX_SMALL_OBJECT = 256 << 20
+
+
+def _prefix(url: ObjectURL) -> str:
+    return url.key.rstrip("/") + "/" if url.key else ""
+
+
+def child_names(url: ObjectURL, options: dict[str, Any]) -> list[str]:
+    """The names of the "directories" directly beneath `url` (common prefixes), sorted."""
+    prefix = _prefix(url)
+    out: set[str] = set()
+    for page in _pages_with(url, options, "list", Prefix=prefix, Delimiter="/"):
+        for entry in page.get("CommonPrefixes", []) or []:
+            p = entry.get("Prefix") if isinstance(entry, dict) else None
+            if not isinstance(p, str) or not p.startswith(prefix) or not p.endswith("/"):
+                raise StorageError(f"list: the store answered a prefix outside {prefix!r}", path=str(url))
+            name = p[len(prefix) : -1]
+            if name and "/" not in name:
+                out.add(name)
+    return sorted(out)
+
+
+def objects(url: ObjectURL, options: dict[str, Any]) -> dict[str, tuple[int, datetime.datetime | None]]:
+    """Every object beneath `url` (recursively): its key relative to `url`, its size and when
+    it was last written."""
+    prefix = _prefix(url)
+    out: dict[str, tuple[int, datetime.datetime | None]] = {}
+    for page in _pages_with(url, options, "list", Prefix=prefix):
+        for entry in page.get("Contents", []) or []:
+            key = entry.get("Key") if isinstance(entry, dict) else None
+            size = entry.get("Size") if isinstance(entry, dict) else None
+            if not isinstance(key, str) or not key.startswith(prefix) or type(size) is not int:
+                raise StorageError(f"list: the store answered an entry outside {prefix!r}", path=str(url))
+            when = entry.get("LastModified")
+            out[key[len(prefix) :]] = (size, when if isinstance(when, datetime.datetime) else None)
+    return out
+
+
+def _pages_with(
+    url: ObjectURL, options: dict[str, Any], operation: str, **kwargs: Any
+) -> Iterator[dict[str, Any]]:
+    c = s3.client_for(options)
+    token: dict[str, str] = {}
+    while True:
+        page = s3.request(
+            str(url), operation, partial(c.list_objects_v2, Bucket=url.bucket, **kwargs, **token)
+        )
+        yield page
+        if not page.get("IsTruncated"):
+            return
+        nxt = page.get("NextContinuationToken")
+        if not isinstance(nxt, str) or not nxt:
+            raise StorageError(
+                f"{operation}: a truncated listing without a continuation token", path=str(url)
+            )
+        token = {"ContinuationToken": nxt}
+
+
+def delete_prefix(url: ObjectURL, options: dict[str, Any], first: tuple[str, ...] = ()) -> None:
+    """Delete every object beneath `url`; the keys in `first` (relative) go before the rest,
+    each alone, so that a reader never sees the rest gone while they remain."""
+    c = s3.client_for(options)
+    prefix = _prefix(url)
+    for name in first:
+        key = prefix + name
+        s3.request(str(url), f"delete {name}", partial(c.delete_object, Bucket=url.bucket, Key=key))
+    keys = [prefix + k for k in objects(url, options)]
+    for i in range(0, len(keys), 1000):
+        batch = [{"Key": k} for k in keys[i : i + 1000]]
+        reply = s3.request(
+            str(url),
+            "delete",
+            partial(c.delete_objects, Bucket=url.bucket, Delete={"Objects": batch}),
+        )
+        if reply.get("Errors"):
+            err = reply["Errors"][0]
+            raise StorageError(f"delete {err.get('Key')}: {err.get('Code')}", path=str(url))
+
+
+def abort_stale_uploads(url: ObjectURL, options: dict[str, Any], older_than: datetime.timedelta) -> int:
+    """Abort the multipart uploads beneath `url` begun more than `older_than` ago (savers that
+    crashed: their parts cost storage until aborted); returns how many."""
+    c = s3.client_for(options)
+    prefix = _prefix(url)
+    reply = s3.request(
+        str(url), "list uploads", lambda: c.list_multipart_uploads(Bucket=url.bucket, Prefix=prefix)
+    )
+    now = datetime.datetime.now(datetime.timezone.utc)
+    aborted = 0
+    for up in reply.get("Uploads", []) or []:
+        key, upload_id, began = up.get("Key"), up.get("UploadId"), up.get("Initiated")
+        if not isinstance(key, str) or not key.startswith(prefix) or not isinstance(upload_id, str):
+            continue
+        if not isinstance(began, datetime.datetime) or now - began < older_than:
+            continue
+        s3.request(
+            str(url),
+            "abort a stale upload",
+            partial(c.abort_multipart_upload, Bucket=url.bucket, Key=key, UploadId=upload_id),
+        )
+        aborted += 1
+    return aborted
