@@ -12,6 +12,7 @@ from .errors import (  # noqa: E402
     LimitError,
     SignatureError,
     SnapshotError,
+    StorageError,
     UnsupportedError,
     UnsupportedObjectError,
 )
@@ -21,6 +22,7 @@ from .files.save import remove, save  # noqa: E402
 from .files.targets import LoadReport, MismatchError  # noqa: E402
 from .files.verify import Problem, VerifyReport, verify  # noqa: E402
 from .format.layout import FORMAT_MAJOR, FORMAT_MINOR  # noqa: E402
+from .runs import objectmanager as _objectmanager  # noqa: E402,F401  (registers CheckpointManager(url))
 from .runs.manager import CheckpointManager  # noqa: E402
 from .runs.resume import ResumeReport  # noqa: E402
 from .runs.rng import capture_rng, restore_rng  # noqa: E402
@@ -57,6 +59,7 @@ __all__ = [
     "Problem",
     "Reader",
     "SignatureError",
+    "StorageError",
     "SnapshotError",
     "UnsupportedError",
     "UnsupportedObjectError",

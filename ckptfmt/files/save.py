@@ -80,6 +80,7 @@ def save(
     sign_with: Any = None,
     storage_options: dict[str, Any] | None = None,
     _within: CheckpointDir | None = None,
+    _create_only: bool = False,
 ) -> Any:
     """Save `state` at `path` atomically; with blocking=False return a SaveHandle after the snapshot.
 
@@ -97,6 +98,9 @@ def save(
     of a PEM or OpenSSH private key): the file is signed (spec section 16), each chunk's
     SHA-256 taken by the engine as it is written, the signature over the prologue, the
     index and every chunk's digest.  Loads given ``trusted_keys`` accept only such files.
+
+    `_create_only` (ckptfmt's own callers, object stores): the object is created only if absent
+    (If-None-Match), FileExistsError otherwise: a commit record never replaces another.
 
     `path` may be an object-store URL (``s3://bucket/key``), with the client's settings in
     `storage_options` (endpoint_url, region_name, aws_access_key_id, ...; boto3's AWS_*
@@ -126,6 +130,7 @@ def save(
         within=_within,
         sign=sign,
         storage_options=options,
+        create_only=_create_only,
     )
 
 
@@ -161,6 +166,7 @@ def write_state(
     within: CheckpointDir | None = None,
     sign: Signer | None = None,
     storage_options: dict[str, Any] | None = None,
+    create_only: bool = False,
 ) -> Any:
     """Encode and commit `state` at `target` (arguments already checked, earlier saves waited
     for), beneath the open directory `within` when given (AtomicFile); an object-store URL
@@ -179,6 +185,7 @@ def write_state(
             blocking=blocking,
             dedup=dedup,
             sign=sign,
+            create_only=create_only,
         )
     if not blocking:
         return copysave.save_async(
@@ -243,10 +250,11 @@ def _write_object(
     blocking: bool,
     dedup: Dedup | None,
     sign: Signer | None,
+    create_only: bool = False,
 ) -> Any:
     """Write `encoded` as the object at `url`: the engine writes into the upload's spool,
     which sends each part once complete; committed whole, or aborted."""
-    out = ObjectFile(url, options, object_capacity(encoded, chunk_size))
+    out = ObjectFile(url, options, object_capacity(encoded, chunk_size), if_absent=create_only)
     if not blocking:
         return copysave.save_async(
             encoded,

@@ -59,7 +59,19 @@ from .steps import (
 
 
 class CheckpointManager:
-    """A run's checkpoints in one directory; see the module docstring for the guarantees."""
+    """A run's checkpoints in one directory; see the module docstring for the guarantees.
+
+    Given an object-store URL (``s3://bucket/run``) instead of a directory, the manager is an
+    ObjectRunManager (runs/objectmanager.py): the same layout and guarantees on the store."""
+
+    #: the manager of runs on an object store; runs/objectmanager.py (a subclass of this
+    #: class, so not importable from here) registers itself when ckptfmt is imported
+    url_manager: type[CheckpointManager] | None = None
+
+    def __new__(cls, directory: str | os.PathLike[str], *args: Any, **kwargs: Any) -> CheckpointManager:
+        if cls is CheckpointManager and is_url(os.fspath(directory)) and cls.url_manager is not None:
+            return super().__new__(cls.url_manager)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -90,7 +102,6 @@ class CheckpointManager:
         writer.check_snapshot(snapshot)
         if snapshot == "fork" and incremental:
             raise ValueError("snapshot='fork' cannot be combined with incremental saves")
-        self.directory = os.path.abspath(os.fspath(directory))
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.keep_best = keep_best
@@ -99,27 +110,40 @@ class CheckpointManager:
         self.blocking = bool(blocking)
         self.incremental = bool(incremental)
         self.snapshot = snapshot  # how non-blocking saves snapshot the state: writer.save
-        os.makedirs(self.directory, exist_ok=True)
         self._lock = threading.Lock()
-        # rotation (on commit threads) and cleanup (in save) both delete step directories
-        self._delete_lock = threading.RLock()
         self._jobs: list[StepJob] = []  # in flight, or finished with an error nobody has seen
-        self._records = StepRecords(self.directory)
         #: the archive tier (an object-store run), when `archive` is given
         self.archive: ObjectRun | None = None
         self._archiver: Archiver | None = None
+        self._open(os.fspath(directory), None if archive is not None else storage_options)
         if archive is not None:
-            if incremental:
-                raise ValueError("an archive holds whole steps: it cannot be combined with incremental=True")
-            self.archive = ObjectRun(archive, storage_options)
-            self._archiver = Archiver(
-                self.archive,
-                keep_last=archive_keep_last,
-                keep_every=archive_keep_every,
-                on_archived=self._rotate,
-            )
-        elif archive_keep_last is not None or archive_keep_every is not None or storage_options is not None:
-            raise ValueError("archive_keep_last, archive_keep_every and storage_options need archive=")
+            self._open_archive(archive, archive_keep_last, archive_keep_every, storage_options)
+        elif (archive_keep_last, archive_keep_every) != (None, None):
+            raise ValueError("archive_keep_last and archive_keep_every need archive=")
+
+    def _open(self, directory: str, storage_options: dict[str, Any] | None) -> None:
+        """Take the run's place: here a local directory (made if missing)."""
+        if storage_options is not None:
+            raise ValueError("storage_options need archive= (or a run URL)")
+        self.directory = os.path.abspath(directory)
+        os.makedirs(self.directory, exist_ok=True)
+        # rotation (on commit threads) and cleanup (in save) both delete step directories
+        self._delete_lock = threading.RLock()
+        self._records = StepRecords(self.directory)
+
+    def _open_archive(
+        self,
+        archive: str,
+        keep_last: int | None,
+        keep_every: int | None,
+        storage_options: dict[str, Any] | None,
+    ) -> None:
+        if self.incremental:
+            raise ValueError("an archive holds whole steps: it cannot be combined with incremental=True")
+        self.archive = ObjectRun(archive, storage_options)
+        self._archiver = Archiver(
+            self.archive, keep_last=keep_last, keep_every=keep_every, on_archived=self._rotate
+        )
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory!r})"
@@ -200,14 +224,10 @@ class CheckpointManager:
         Non-blocking: returns a SaveHandle after the snapshot; the commit follows
         in the background, in the order of the save calls.
         """
-        if type(step) is not int or not 0 <= step <= MAX_STEP:
-            raise ValueError(f"step must be an int from 0 to {MAX_STEP}, not {step!r}")
-        metrics = _check_metrics(metrics)
-        meta = writer.check_save_args(None, None, metadata)
-        self._raise_failed()
+        metrics, meta = self._check_save(step, metrics, metadata)
         scan = self._scan()  # every decision before the step directory exists reads this one
         self._check_step_is_new(step, scan)
-        if _sharded_save(state):  # every rank saves its shard; the step commits like any other
+        if is_sharded_save(state):  # every rank saves its shard; the step commits like any other
             from . import sharded
 
             sharded.save_step(self, step, state, metrics, meta, scan)
@@ -228,6 +248,22 @@ class CheckpointManager:
         except BaseException:
             self._abandon(job)
             raise
+        return self._commit_when_written(job)
+
+    def _check_save(
+        self, step: int, metrics: dict[str, float] | None, metadata: dict[str, str] | None
+    ) -> tuple[dict[str, float], dict[str, str]]:
+        """save()'s arguments checked (metrics and metadata as plain dicts), after raising the
+        error of an earlier save nobody has seen fail."""
+        if type(step) is not int or not 0 <= step <= MAX_STEP:
+            raise ValueError(f"step must be an int from 0 to {MAX_STEP}, not {step!r}")
+        checked = check_metrics(metrics), writer.check_save_args(None, None, metadata)
+        self._raise_failed()
+        return checked
+
+    def _commit_when_written(self, job: StepJob) -> inflight.SaveHandle | None:
+        """Commit `job` once its files are written: now when blocking, else on a thread of its
+        own after the commits of earlier saves (commit records go in the order of the saves)."""
         if self.blocking:
             self._finish(job, None)
             job.handle.wait()
@@ -236,7 +272,7 @@ class CheckpointManager:
             before = self._jobs[-1].thread if self._jobs else None
             self._jobs.append(job)
             job.thread = threading.Thread(
-                target=self._finish, args=(job, before), name=f"ckptfmt-commit-{step}", daemon=False
+                target=self._finish, args=(job, before), name=f"ckptfmt-commit-{job.step}", daemon=False
             )
             job.thread.start()
         return job.handle
@@ -652,7 +688,7 @@ def _newest_state_file(scan: RunScan) -> str | None:
     return done[-1].state_path if done else None
 
 
-def _sharded_save(state: Any) -> bool:
+def is_sharded_save(state: Any) -> bool:
     """Save through DCP (ckptfmt.dcp, a file per rank): a process group is initialised and it
     runs several ranks, or `state` holds DTensors or sharded tensors (FSDP2 at world size 1),
     which one state file cannot hold.  Checked without importing torch.distributed."""
@@ -668,7 +704,7 @@ def _sharded_save(state: Any) -> bool:
     return holds_distributed_tensors(state)
 
 
-def _check_metrics(metrics: dict[str, float] | None) -> dict[str, float]:
+def check_metrics(metrics: dict[str, float] | None) -> dict[str, float]:
     if metrics is None:
         return {}
     if not isinstance(metrics, dict):

@@ -13,6 +13,7 @@ and nothing is committed.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections.abc import Callable
@@ -190,23 +191,15 @@ class ObjectFile:
         u = self.url
         body = _PartBody(self.spool.view(0, length)) if length else b""
         extra = {"IfNoneMatch": "*"} if self.if_absent else {}
-        try:
-            s3.request(
-                str(u),
-                "upload",
-                lambda: self._client.put_object(Bucket=u.bucket, Key=u.key, Body=body, **extra),
-            )
-        except StorageError as e:
-            if self.if_absent and s3.is_precondition_failed(e.__cause__ or e):
-                raise FileExistsError(17, "the object exists already", str(u)) from None
-            raise
+        self._creating(
+            "upload", lambda: self._client.put_object(Bucket=u.bucket, Key=u.key, Body=body, **extra)
+        )
 
     def _complete(self) -> None:
         u = self.url
         parts = [{"PartNumber": n, "ETag": self._done[n]} for n in sorted(self._done)]
         extra = {"IfNoneMatch": "*"} if self.if_absent else {}
-        s3.request(
-            str(u),
+        self._creating(
             "complete multipart upload",
             lambda: self._client.complete_multipart_upload(
                 Bucket=u.bucket,
@@ -217,6 +210,16 @@ class ObjectFile:
             ),
         )
         self._upload_id = None
+
+    def _creating(self, operation: str, call: Callable[[], Any]) -> None:
+        """The request that makes the object appear; where `if_absent`, an object already
+        there is FileExistsError (a store without conditional writes replaces it)."""
+        try:
+            s3.request(str(self.url), operation, call)
+        except StorageError as e:
+            if self.if_absent and e.__cause__ is not None and s3.is_precondition_failed(e.__cause__):
+                raise FileExistsError(errno.EEXIST, "the object exists already", str(self.url)) from None
+            raise
 
     def abort(self) -> None:
         """Stop: wait for parts in flight, abort the multipart upload (best effort: a store

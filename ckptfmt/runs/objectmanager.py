@@ -1,0 +1,185 @@
+"""CheckpointManager("s3://bucket/run"): a run kept on an object store, with the guarantees
+of a local run.
+
+Each save writes ``step-N/state.ckpt`` as one object (streamed, committed whole by its
+multipart upload), then the commit record ``step-N/COMMIT``, created only if absent, so a
+step is complete exactly when its record is there and names the state object with its
+length, file id and index checksum.  ``latest()`` never picks an incomplete step; rotation
+deletes a step's record before its files; commit-less steps and multipart uploads left by
+crashed savers are cleaned by later saves once they are a day old (a store has no locks:
+age stands in for "no live process holds it").  Loading, resuming and verifying are the
+local manager's, reading through ranged GETs pinned to each object's ETag.
+
+Not in this version: incremental saves, multi-rank (DCP) saves and an archive tier of an
+object-store run (each raises at construction or save).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from ..background import inflight
+from ..errors import CheckpointError, CheckpointWarning, UnsupportedError
+from ..files import multifile
+from ..files import save as writer
+from ..files.reader import CheckpointFile
+from ..files.verify import VerifyReport, verify
+from . import resume, retention
+from .manager import CheckpointManager, is_sharded_save
+from .objectrun import ObjectRun
+from .steps import STATE_NAME, CheckpointInfo, StepJob, StepStatus
+
+
+class ObjectRunManager(CheckpointManager):
+    """A run's checkpoints under an object-store prefix (made by CheckpointManager(url, ...))."""
+
+    def _open(self, directory: str, storage_options: dict[str, Any] | None) -> None:
+        """Take the run's place: the prefix `directory` (a URL) of an object store."""
+        if self.incremental:
+            raise ValueError("incremental saves are made to local directories only in this version")
+        if self.snapshot == "fork":
+            raise ValueError("snapshot='fork' writes local files only; use snapshot='copy'")
+        self.run = ObjectRun(directory, storage_options)
+        self.directory = self.run.path
+
+    def _open_archive(
+        self,
+        archive: str,
+        keep_last: int | None,
+        keep_every: int | None,
+        storage_options: dict[str, Any] | None,
+    ) -> None:
+        raise ValueError("a run on an object store is an archive already: archive= needs a local directory")
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.directory!r})"
+
+    # -- reading the run --------------------------------------------------------------
+
+    def statuses(self) -> list[StepStatus]:
+        return self.run.statuses()
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        return self.run.checkpoints()
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest complete checkpoint; steps that are not one are skipped with a warning."""
+        busy = self._in_flight_steps()
+        done = []
+        for s in self.statuses():
+            if s.info is not None:
+                done.append(s.info)
+            elif s.step not in busy:
+                warnings.warn(f"skipping {s.path}: {s.problem}", CheckpointWarning, stacklevel=2)
+        return done[-1] if done else None
+
+    @contextlib.contextmanager
+    def _state_file(self, info: CheckpointInfo) -> Iterator[CheckpointFile]:
+        with self.run.open_part(info) as f:
+            yield f
+
+    def verify(self, step: int | None = None) -> VerifyReport:
+        """Check every file of checkpoint `step` (the newest complete one when None)."""
+        info = self._find(step)[0]
+        report = VerifyReport(info.path)
+        for url in info.files:
+            part = verify(url, storage_options=self.run.options)
+            report.problems.extend(part.problems)
+            report.chunks += part.chunks
+            report.bytes_checked += part.bytes_checked
+        return report
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        *,
+        metrics: dict[str, float] | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> inflight.SaveHandle | None:
+        """Save `state` as checkpoint `step` (see CheckpointManager.save)."""
+        metrics, meta = self._check_save(step, metrics, metadata)
+        if is_sharded_save(state):
+            raise UnsupportedError(
+                "multi-rank saves go to local directories only in this version", path=self.directory
+            )
+        statuses = self.statuses()
+        newest = max(
+            [s.step for s in statuses if s.info is not None] + list(self._in_flight_steps()), default=None
+        )
+        if newest is not None and step <= newest:
+            raise ValueError(
+                f"step {step} is not after the newest checkpoint (step {newest}) in {self.directory}"
+            )
+        if any(s.step == step for s in statuses):  # a commit-less leftover of a failed save
+            self.run.delete_step(step)
+        self._tidy(self.directory, self.run.cleanup)
+        from .rng import capture_rng
+
+        payload = resume.build_payload(state, step, capture_rng())
+        path = self.run.step_path(step)
+        job = StepJob(step, path, -1, metrics, meta, inflight.SaveHandle(path))
+        try:
+            job.file_handle = writer.save(
+                payload,
+                f"{path}/{STATE_NAME}",
+                compression=self.compression,
+                blocking=self.blocking,
+                storage_options=self.run.options,
+            )
+        except BaseException:
+            self._abandon(job)
+            raise
+        return self._commit_when_written(job)
+
+    def _commit(self, job: StepJob) -> None:
+        """Write the step's commit record, created only if absent, naming the state object."""
+        with CheckpointFile(f"{job.path}/{STATE_NAME}", storage_options=self.run.options) as f:
+            part = multifile.PartRecord(
+                STATE_NAME, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
+            )
+        record = multifile.CommitRecord(job.step, "state", (part,), (), job.metrics, job.metadata)
+        try:
+            writer.save(
+                record.as_value(),
+                f"{job.path}/{multifile.COMMIT_NAME}",
+                storage_options=self.run.options,
+                _create_only=True,
+            )
+        except FileExistsError:
+            raise CheckpointError(
+                f"step {job.step} was committed by another writer meanwhile", path=job.path
+            ) from None
+
+    def _abandon(self, job: StepJob) -> None:
+        if job.file_handle is not None and not job.file_handle.done():
+            job.file_handle.exception()
+        self._tidy(job.path, lambda: self.run.delete_step(job.step))
+
+    def _rotate(self) -> None:
+        done = self.checkpoints()
+        kept = retention.kept_steps(
+            [(c.step, c.metrics) for c in done],
+            keep_last=self.keep_last,
+            keep_every=self.keep_every,
+            keep_best=self.keep_best,
+            best_mode=self.best_mode,
+        )
+        for c in done:
+            if c.step not in kept:
+                self.run.delete_step(c.step)
+
+    def remove(self, step: int) -> None:
+        """Delete checkpoint `step`."""
+        self._wait_all()
+        if not any(s.step == step for s in self.statuses()):
+            raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
+        self.run.delete_step(step)
+
+
+CheckpointManager.url_manager = ObjectRunManager

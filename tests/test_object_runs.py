@@ -1,0 +1,92 @@
+"""CheckpointManager("s3://bucket/run"): a run on an object store (a real moto S3 server over
+HTTP) with the local manager's guarantees: commit record last, latest() never incomplete,
+rotation, resume, verify, non-blocking saves in order, failed saves leave nothing committed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckptfmt
+from ckptfmt.errors import StorageError
+
+
+def _state(step: int) -> dict[str, object]:
+    return {"w": torch.full((5000,), float(step)), "step": step}
+
+
+def test_a_run_on_the_store_saves_rotates_and_resumes(s3_bucket):
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/runs/a"
+    m = ckptfmt.CheckpointManager(url, keep_last=2, storage_options=options)
+    assert isinstance(m, ckptfmt.CheckpointManager) and repr(m) == f"CheckpointManager({url!r})"
+    for step in (1, 2, 3, 4):
+        m.save(step, _state(step), metrics={"loss": 1.0 / step})
+    assert [c.step for c in m.checkpoints()] == [3, 4]
+    info = m.latest()
+    assert info is not None and info.step == 4 and info.metrics == {"loss": 0.25}
+    assert m.load()["step"] == 4 and m.load(step=3)["step"] == 3
+    target = {"w": torch.zeros(5000), "step": 0}
+    assert m.load_into(target).step == 4 and torch.equal(target["w"], torch.full((5000,), 4.0))
+    assert m.verify().ok
+    with pytest.raises(ValueError, match="not after the newest"):
+        m.save(4, _state(4))
+    m.remove(3)
+    assert [c.step for c in m.checkpoints()] == [4]
+
+
+def test_non_blocking_saves_commit_in_order(s3_bucket):
+    bucket, options = s3_bucket
+    m = ckptfmt.CheckpointManager(f"s3://{bucket}/nb", blocking=False, storage_options=options)
+    handles = [m.save(step, _state(step)) for step in (5, 6, 7)]
+    m.wait()
+    assert all(h is not None and h.done() for h in handles)
+    assert [c.step for c in m.checkpoints()] == [5, 6, 7]
+    assert m.load()["step"] == 7
+
+
+def test_a_step_without_its_record_is_never_latest(s3_bucket):
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/inc"
+    m = ckptfmt.CheckpointManager(url, storage_options=options)
+    m.save(1, _state(1))
+    ckptfmt.save({"state": _state(2)}, f"{url}/step-000000002/state.ckpt", storage_options=options)
+    with pytest.warns(ckptfmt.CheckpointWarning, match="no commit record"):
+        assert m.latest().step == 1
+    m.save(3, _state(3))  # step 2 is left alone: it is younger than a crashed saver's leftovers
+    assert [c.step for c in m.checkpoints()] == [1, 3]
+
+
+def test_a_failed_commit_leaves_no_checkpoint(s3_faults):
+    options = s3_faults.storage_options() | {"max_attempts": 1}
+    bucket = s3_faults.new_bucket()
+    m = ckptfmt.CheckpointManager(f"s3://{bucket}/f", storage_options=options)
+    m.save(1, _state(1))
+    s3_faults.fail_next("PUT", "COMMIT", status=500, count=3)
+    with pytest.raises(StorageError, match="COMMIT"):
+        m.save(2, _state(2))
+    s3_faults.clear_rules()
+    assert [s.step for s in m.statuses()] == [1]  # the failed step's objects are gone
+    assert m.load()["step"] == 1
+
+
+def test_the_archive_of_a_tiered_run_is_a_run(tmp_path, s3_bucket):
+    bucket, options = s3_bucket
+    local = ckptfmt.CheckpointManager(tmp_path / "r", archive=f"s3://{bucket}/t", storage_options=options)
+    local.save(11, _state(11))
+    local.wait()
+    remote = ckptfmt.CheckpointManager(f"s3://{bucket}/t", storage_options=options)
+    assert [c.step for c in remote.checkpoints()] == [11]
+    assert remote.load()["step"] == 11
+    assert remote.verify(11).ok
+
+
+def test_refused_combinations(s3_bucket):
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/x"
+    with pytest.raises(ValueError, match="incremental"):
+        ckptfmt.CheckpointManager(url, incremental=True, storage_options=options)
+    with pytest.raises(ValueError, match="archive"):
+        ckptfmt.CheckpointManager(url, archive=f"s3://{bucket}/y", storage_options=options)
+    with pytest.raises(ValueError, match="need archive="):
+        ckptfmt.CheckpointManager("/tmp/ckptfmt-no-archive", storage_options=options)
