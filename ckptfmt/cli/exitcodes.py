@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StorageError
+from ..fileio import is_url
 from ..format.sniff import DESCRIPTIONS, sniff
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -17,7 +18,8 @@ EXIT_CODES = """exit status:
   1  a file is damaged, incomplete, unsupported (its version, a feature, codec or dtype)
      or over a limit: it failed verification; diff: the files differ
   2  usage error, or a path that is missing, unreadable, a directory where a file is
-     needed, or not a ckptfmt file (another format, a FIFO, a device)
+     needed, or not a ckptfmt file (another format, a FIFO, a device); an object store
+     that refuses or fails a request (s3:// paths)
 Every command gives the same status for the same kind of problem.  inspect and
 verify --quick check structure, index and referenced files, not chunk data.
 """
@@ -47,6 +49,7 @@ class ForeignFileError(Exception):
 ERROR_EXIT_CODES: tuple[tuple[type[Exception], int], ...] = (
     # damaged, incomplete, unsupported version/feature/codec/dtype, over a limit (the four
     # error classes of spec section 9), or a state the format cannot store
+    (StorageError, EXIT_USAGE),  # the store, not the checkpoint: like an unreadable path
     (CheckpointError, EXIT_FAILED),
     (ForeignFileError, EXIT_FAILED),
     (NotCheckpointError, EXIT_USAGE),
@@ -90,7 +93,10 @@ FILE_FAILED = dict(ERROR_EXIT_CODES)[CheckpointError]
 
 def require_ckptfmt(path: str) -> None:
     """NotCheckpointError unless `path`'s first bytes are a ckptfmt file's (or an unfinished
-    one's); OSError when it is missing, unreadable or a directory."""
+    one's); OSError when it is missing, unreadable or a directory.  An object-store URL is
+    left to the reader, which refuses what is not a ckptfmt file (UnsupportedError)."""
+    if is_url(path):
+        return
     kind = sniff(path)
     if kind != "ckptfmt":
         raise NotCheckpointError(path, DESCRIPTIONS[kind], kind)

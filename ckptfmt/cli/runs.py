@@ -9,6 +9,8 @@ import os
 from typing import Any
 
 from ..errors import CheckpointError
+from ..fileio import is_url
+from . import remote
 from .exitcodes import EXIT_OK, KNOWN_ERRORS
 from .terminal import fail, say
 
@@ -59,16 +61,23 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from ..format.timestamps import utc_now
     from ..runs.manager import CheckpointManager
 
-    if not os.path.isdir(args.dir):
+    if is_url(args.dir):
+        try:
+            statuses = remote.run_rows(args.dir)
+        except KNOWN_ERRORS as e:
+            return fail(e, args.dir)
+    elif not os.path.isdir(args.dir):
         return fail(NotADirectoryError(errno.ENOTDIR, "not a directory"), args.dir)
-    if _is_dcp_dir(args.dir):
+    elif _is_dcp_dir(args.dir):
         try:
             return _ls_dcp(args)
         except KNOWN_ERRORS as e:
             return fail(e, args.dir)
+    else:
+        statuses = CheckpointManager(args.dir).statuses()
     now = utc_now()
     rows = []
-    for s in CheckpointManager(args.dir).statuses():
+    for s in statuses:
         row: dict[str, Any] = {"step": s.step, "path": s.path}
         if s.info is not None:
             row.update(

@@ -9,6 +9,8 @@ import os
 from typing import Any
 
 from ..errors import CheckpointError, IncompleteError
+from ..fileio import is_url
+from . import remote
 from .exitcodes import EXIT_OK, FILE_FAILED, NotCheckpointError, UsageError, exit_code, require_ckptfmt
 from .terminal import Progress, say
 
@@ -25,7 +27,7 @@ def _verify_file(path: str, quick: bool, trusted: list[str] | None = None) -> tu
     entry: dict[str, Any] = {"path": path}
     try:
         require_ckptfmt(path)
-        progress = Progress(f"verifying {path}", os.path.getsize(path))
+        progress = Progress(f"verifying {path}", 0 if is_url(path) else os.path.getsize(path))
         try:
             report = verify(path, quick=quick, progress=progress, trusted_keys=trusted)
         finally:
@@ -59,6 +61,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
             say(f"error: {error}", err=True)
             return exit_code(error)
     for path in args.paths:
+        if is_url(path) and not remote.is_object(path):  # a run's prefix
+            entries = remote.run_entries(path, args.step, problem_dict)
+            results += entries
+            if any(
+                e["status"] in ("failed", "damaged") or args.step is not None and e["status"] != "ok"
+                for e in entries
+            ):
+                status = max(status, FILE_FAILED)
+            continue
         if os.path.isdir(path) and trusted:
             error = UsageError(f"{path}: signatures of directories (commit records) are not implemented yet")
             say(f"error: {error}", err=True)

@@ -11,6 +11,7 @@ exponential backoff on throttling, 5xx answers and dropped connections.
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -39,7 +40,7 @@ _ALIASES = {"region": "region_name", "endpoint": "endpoint_url", "profile": "pro
 DEFAULT_MAX_ATTEMPTS = 5
 DEFAULT_CONCURRENCY = 8
 
-_clients: dict[tuple[tuple[str, Any], ...], Any] = {}
+_clients: dict[tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]], Any] = {}
 _lock = threading.Lock()
 
 T = TypeVar("T")
@@ -79,7 +80,9 @@ def _import_boto3() -> Any:
 
 def client_for(options: Mapping[str, Any]) -> Any:
     """The shared boto3 S3 client for these (checked) options."""
-    cache_key = tuple(sorted((k, v) for k, v in options.items()))
+    # boto3 reads AWS_* variables when the client is made: a change to them makes a new one
+    environment = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    cache_key = (tuple(sorted((k, repr(v)) for k, v in options.items())), environment)
     with _lock:
         found = _clients.get(cache_key)
         if found is None:

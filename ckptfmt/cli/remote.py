@@ -1,0 +1,60 @@
+"""The command line on object-store URLs: `ls`, `verify` and `inspect` of ``s3://`` paths.
+
+Credentials, region and endpoint come from boto3's own conventions (``AWS_*`` environment
+variables such as AWS_ENDPOINT_URL, ``~/.aws``), as for the AWS CLI.  A URL names either
+one checkpoint file (an object) or a run (a prefix holding step-N/ "directories").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import CheckpointError
+
+
+def is_object(url: str) -> bool:
+    """Whether `url` names an existing object (else it is taken as a run's prefix)."""
+    from ..storage.download import RemoteObject
+
+    try:
+        RemoteObject(url, {}, max_bytes=0).close()
+    except FileNotFoundError:
+        return False
+    except CheckpointError:
+        return True  # there, but not readable as a checkpoint: the file commands say why
+    return True
+
+
+def run_entries(url: str, step: int | None, problem_dict: Any) -> list[dict[str, Any]]:
+    """verify's entries for the steps of the run at `url` (every step, or `step`)."""
+    from ..runs.manager import CheckpointManager
+
+    manager = CheckpointManager(url)
+    statuses = manager.statuses()
+    if not statuses:
+        return [{"path": url, "status": "incomplete", "error": "no object and no step-N/ prefix here"}]
+    if step is not None:
+        statuses = [s for s in statuses if s.step == step]
+        if not statuses:
+            return [{"path": url, "status": "incomplete", "error": f"no step {step} in this run"}]
+    out = []
+    for s in statuses:
+        entry: dict[str, Any] = {"path": s.path, "step": s.step}
+        if s.info is None:
+            entry.update(status="damaged" if s.damaged else "incomplete", error=s.problem)
+        else:
+            report = manager.verify(s.step)
+            entry.update(
+                status="failed" if report.problems else "ok",
+                chunks=report.chunks,
+                problems=[problem_dict(p) for p in report.problems],
+            )
+        out.append(entry)
+    return out
+
+
+def run_rows(url: str) -> list[Any]:
+    """ls's step statuses of the run at `url`."""
+    from ..runs.manager import CheckpointManager
+
+    return CheckpointManager(url).statuses()
