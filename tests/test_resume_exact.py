@@ -143,3 +143,34 @@ def test_resume_controls(tmp_path, reference, stopped_run, one_thread, left_out)
         assert got == want
     else:
         assert got[0] != want[0], f"resuming without the {left_out} state still matched the uninterrupted run"
+
+
+def test_a_lost_node_resumes_from_the_archive_bit_exact(tmp_path, reference, s3_bucket, monkeypatch):
+    """A run archiving to a real S3 server (moto) is killed and its local directory deleted, as
+    if the node were lost; a run on a new node resumes from the archive, bit for bit."""
+    ref, ref_final = reference
+    bucket, options = s3_bucket
+    for name, key in (
+        ("AWS_ENDPOINT_URL", "endpoint_url"),
+        ("AWS_ACCESS_KEY_ID", "aws_access_key_id"),
+        ("AWS_SECRET_ACCESS_KEY", "aws_secret_access_key"),
+    ):
+        monkeypatch.setenv(name, options[key])  # the children reach the store as users do
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    args = ["--non-blocking", "--archive", f"s3://{bucket}/run"]
+    kill_after = _kill_step()
+    where = f"killed after step {kill_after} (CKPTFMT_TEST_KILL_STEP={kill_after} repeats it)"
+    killed = run_child(str(tmp_path / "node-1"), STEPS, args, kill_after=kill_after, timeout=TIMEOUT)
+    assert killed.returncode == -signal.SIGKILL, f"{where}: {killed.stderr[-2000:]}"
+    shutil.rmtree(tmp_path / "node-1")
+    final = str(tmp_path / "final.ckpt")
+    resumed = _ok(run_child(str(tmp_path / "node-2"), STEPS, [*args, "--final", final], timeout=TIMEOUT))
+    if resumed.resumed_from is None:  # the kill came before the first step reached the archive
+        assert kill_after < 15, f"{where}: nothing reached the archive in {kill_after} steps"
+        assert sorted(resumed.losses) == list(range(1, STEPS + 1)), where
+    else:
+        where += f", resumed from step {resumed.resumed_from} of the archive"
+        assert 1 <= resumed.resumed_from <= kill_after, where
+    for step, loss in resumed.losses.items():
+        assert loss == ref.losses[step], f"{where}: step {step} loss {loss} != {ref.losses[step]}"
+    SameChecker()(ckptfmt.load(final), ckptfmt.load(ref_final))

@@ -1,6 +1,6 @@
 """The main job: a training run killed mid-run resumes bit for bit from its checkpoints.
 
-    python -m ckptfmt.demo [--dir DIR] [--steps N] [--kill-after K]
+    python -m ckptfmt.demo [--dir DIR] [--steps N] [--kill-after K] [--archive]
 
 1. Trains ckptfmt.demo.training's small GPT-like model (dropout, shuffling data loader,
    AdamW, warm-up + cosine LR, bf16 autocast with a GradScaler) in a child process
@@ -13,6 +13,11 @@
    and every tensor of the final state (weights, AdamW moments, ...), bit for bit.
 5. Flips one bit in the newest checkpoint: ``ckptfmt verify`` names the damaged
    tensor, and ``load(fallback=True)`` warns and falls back to the step before.
+
+With --archive, the demo starts a local S3-compatible server (moto) and every step is
+also archived there; after the kill the run's local directory is deleted, as if the node
+were lost, and a new one resumes from the archive.  The damaged local copy of step 5 is
+then read from the archive instead of falling back a step.
 """
 
 from __future__ import annotations
@@ -143,9 +148,9 @@ def flip_one_bit(path: str) -> int:
     return offset
 
 
-def show_fallback(run_dir: str) -> int | None:
+def show_fallback(run_dir: str, archive: str | None = None) -> int | None:
     """Load the newest checkpoint with fallback=True; print the warning; return the step loaded."""
-    mgr = ckptfmt.CheckpointManager(run_dir)
+    mgr = ckptfmt.CheckpointManager(run_dir, archive=archive)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         state = mgr.load(fallback=True)
@@ -195,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--steps", type=int, default=60, help="steps per run (default 60)")
     ap.add_argument("--kill-after", type=int, help="kill the run once it reports this step (default: random)")
+    ap.add_argument(
+        "--archive",
+        action="store_true",
+        help="archive every step to a local S3 server; resume on a 'new node'",
+    )
     args = ap.parse_args(argv)
     if args.steps < 10:
         ap.error("--steps must be at least 10")
@@ -208,14 +218,23 @@ def main(argv: list[str] | None = None) -> int:
         f"(keep_last={KEEP_LAST}, non-blocking)\n"
     )
     with tempfile.TemporaryDirectory(dir=args.dir or ".", prefix="ckptfmt-demo-") as tmp:
-        return _demo(tmp, args.steps, kill_after)
+        if not args.archive:
+            return _demo(tmp, args.steps, kill_after)
+        from .s3server import local_s3
+
+        with local_s3() as bucket:
+            print(
+                f"archive: {bucket}/run on a local S3 server (moto), AWS_ENDPOINT_URL={os.environ['AWS_ENDPOINT_URL']}\n"
+            )
+            return _demo(tmp, args.steps, kill_after, archive=f"{bucket}/run")
 
 
-def _demo(tmp: str, steps: int, kill_after: int) -> int:
+def _demo(tmp: str, steps: int, kill_after: int, archive: str | None = None) -> int:
     run_dir, ref_dir = os.path.join(tmp, "run"), os.path.join(tmp, "uninterrupted")
     final, ref_final = os.path.join(tmp, "final.ckpt"), os.path.join(tmp, "final-uninterrupted.ckpt")
+    save_args = SAVE_ARGS + (["--archive", archive] if archive else [])
 
-    killed = training.run_child(run_dir, steps, SAVE_ARGS, kill_after=kill_after)
+    killed = training.run_child(run_dir, steps, save_args, kill_after=kill_after)
     if killed.killed_after is None:
         raise SystemExit(f"demo: the run ended before step {kill_after}:\n{killed.stderr[-3000:]}")
     print(
@@ -224,8 +243,14 @@ def _demo(tmp: str, steps: int, kill_after: int) -> int:
     )
     print(f"2. ckptfmt ls {_short(run_dir)}")
     show_listing(run_dir)
+    if archive:
+        print(f"   ckptfmt ls {archive}")
+        show_listing(archive)
+        shutil.rmtree(run_dir)
+        run_dir = os.path.join(tmp, "new-node")
+        print(f"   the node is lost: its run directory is deleted; a new node starts in {_short(run_dir)}")
 
-    resumed = _checked(training.run_child(run_dir, steps, [*SAVE_ARGS, "--final", final]), "resumed run")
+    resumed = _checked(training.run_child(run_dir, steps, [*save_args, "--final", final]), "resumed run")
     start = resumed.resumed_from
     in_flight = (
         f" (the kill came before step {killed.killed_after}'s save committed)"
@@ -263,15 +288,19 @@ def _demo(tmp: str, steps: int, kill_after: int) -> int:
         f"    latest() is still step {still.step if still else None}: the commit record, file lengths and "
         "index checksums hold; the chunk checksums catch the damage on load:"
     )
-    fell_back_to = show_fallback(run_dir)
-    print(f"    load(fallback=True) returned step {fell_back_to}")
+    fell_back_to = show_fallback(run_dir, archive)
+    expected = newest.step if archive else newest.step - 1
+    print(
+        f"    load(fallback=True) returned step {fell_back_to}"
+        + (" (the archived copy of the damaged step)" if archive else "")
+    )
 
     t_block, t_return, t_commit = save_timings(os.path.join(tmp, "timing"))
     ok = (
         same_losses == len(resumed.losses) == steps - (start or 0)
         and not diff
         and verified.returncode == 1
-        and fell_back_to == newest.step - 1
+        and fell_back_to == expected
     )
     print(
         f"\nsummary: killed after step {killed.killed_after}, resumed from step {start}; "

@@ -346,6 +346,7 @@ def train(
     restore_rng: bool = True,
     restore_data: bool = True,
     on_step: Callable[[int], None] | None = None,
+    archive: str | None = None,
 ) -> list[float]:
     """Train to `total_steps`, resuming from the newest checkpoint in `run_dir` if there is one.
 
@@ -356,12 +357,15 @@ def train(
     `final_path` receives the final training state as a ckptfmt file.  `on_step(step)`
     runs after each step's save.  `restore_rng=False` and `restore_data=False` resume
     without the RNG states or the data position: they exist to show that a resume
-    without them is not exact.
+    without them is not exact.  `archive`: an object-store URL where every committed step
+    is also copied (keeping as many steps as `keep_last`); a run whose local directory is
+    lost resumes from there.
     """
     torch.set_num_threads(threads)
     say = log or (lambda line: None)
     run = build_run(seed)
-    mgr = CheckpointManager(run_dir, keep_last=keep_last, blocking=blocking)
+    tiers: dict[str, Any] = {} if archive is None else {"archive": archive, "archive_keep_last": keep_last}
+    mgr = CheckpointManager(run_dir, keep_last=keep_last, blocking=blocking, **tiers)
     resumed = _resume(mgr, run, restore_rng, restore_data)
     if resumed:
         say(resumed)
@@ -479,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-at", type=int, help="SIGKILL this process right after step K's save call returns")
     ap.add_argument("--stop-after", type=int, help="stop cleanly after this step")
     ap.add_argument("--final", help="write the final training state to this ckptfmt file")
+    ap.add_argument("--archive", help="also copy every step to this s3:// URL (AWS_* environment)")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (must match across a resume)")
     ap.add_argument("--no-restore-rng", action="store_true", help="resume without the RNG states (inexact)")
     ap.add_argument(
@@ -503,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         restore_rng=not args.no_restore_rng,
         restore_data=not args.no_restore_data,
         on_step=kill_self if args.kill_at is not None else None,
+        archive=args.archive,
     )
     return 0
 
