@@ -16,7 +16,14 @@ checkpoint.  So:
 * a step directory without a commit record is removed by a later save when no
   live process holds its lock (a crashed or failed save);
 * non-blocking saves return after the snapshot; their commit records are
-  written in the order the saves were made, each after its files are durable.
+  written in the order the saves were made, each after its files are durable;
+* with ``sign_with`` every commit record is signed (spec 16.7: it carries the
+  SHA-256 of every file it names); with ``trusted_keys`` ``latest()``, ``load``,
+  ``load_into`` and ``verify`` accept only steps whose record a trusted key
+  signed, and check every file a load reads against it before reading it.  A
+  newest step that is not so signed is skipped like a damaged one; saving,
+  cleanup and rotation never look at signatures, so trusting keys never
+  deletes anything.
 """
 
 from __future__ import annotations
@@ -33,9 +40,9 @@ from typing import Any
 from ..background import inflight
 from ..engine import commit
 from ..engine.ckptdir import CheckpointDir, LinkError
-from ..errors import CheckpointError, CheckpointWarning, CorruptError
+from ..errors import CheckpointError, CheckpointWarning, CorruptError, SignatureError
 from ..files import load_into as inplace
-from ..files import multifile
+from ..files import multifile, recordsign
 from ..files import save as writer
 from ..files.reader import CheckpointFile
 from ..files.targets import MismatchError
@@ -70,7 +77,12 @@ class CheckpointManager:
         blocking: bool = True,
         incremental: bool = False,
         snapshot: str = "copy",
+        sign_with: Any = None,
+        trusted_keys: Any = None,
     ) -> None:
+        """sign_with: an Ed25519 private key (as ``ckptfmt.save`` takes it) that signs every
+        step's commit record; trusted_keys: public keys, one of which must have signed a step
+        for it to be loaded, resumed from, found by latest() or verified (spec 16.7)."""
         retention.check_rules(keep_last, keep_every, keep_best, best_mode)
         writer.check_save_args(compression, None, None)
         writer.check_snapshot(snapshot)
@@ -85,6 +97,9 @@ class CheckpointManager:
         self.blocking = bool(blocking)
         self.incremental = bool(incremental)
         self.snapshot = snapshot  # how non-blocking saves snapshot the state: writer.save
+        self._sign_key = recordsign.private_key(sign_with)  # a bad key fails here, not at a commit
+        writer.signer(self._sign_key)  # and an engine without libcrypto
+        self._trusted = recordsign.public_keys(trusted_keys)
         os.makedirs(self.directory, exist_ok=True)
         self._lock = threading.Lock()
         # rotation (on commit threads) and cleanup (in save) both delete step directories
@@ -117,14 +132,35 @@ class CheckpointManager:
                 warnings.warn(f"skipping {s.path}: {s.problem}", CheckpointWarning, stacklevel=2)
         for path, why in scan.foreign:
             warnings.warn(f"skipping {path}: {why}", CheckpointWarning, stacklevel=2)
-        done = scan.complete()
-        return done[-1] if done else None
+        for info in self._trusted_first(reversed(scan.complete())):
+            return info
+        return None
+
+    def _trusted_first(self, newest_first: Any) -> Iterator[CheckpointInfo]:
+        """The checkpoints of `newest_first` whose commit record a trusted key signed (all of
+        them when no key is trusted); each newer one that is not is skipped with a warning,
+        as a damaged step is."""
+        for info in newest_first:
+            if self._trusted is not None:
+                try:
+                    with self._step_dir(info) as d:
+                        recordsign.read_trusted(d, self._trusted)
+                except (CheckpointError, OSError) as e:
+                    warnings.warn(f"skipping {info.path}: {e}", CheckpointWarning, stacklevel=3)
+                    continue
+            yield info
+
+    @contextlib.contextmanager
+    def _step_dir(self, info: CheckpointInfo) -> Iterator[CheckpointDir]:
+        """Step directory `info`, opened beneath the run directory without following a link."""
+        with CheckpointDir.open(self.directory) as run, run.sub(os.path.basename(info.path)) as d:
+            yield d
 
     def _find(self, step: int | None) -> list[CheckpointInfo]:
         """The checkpoint of `step`, or every complete one newest first when step is None."""
         statuses = self.statuses()
         if step is None:
-            found = [s.info for s in reversed(statuses) if s.info is not None]
+            found = list(self._trusted_first(s.info for s in reversed(statuses) if s.info is not None))
             if not found:
                 raise CheckpointError(f"no complete checkpoint in {self.directory}")
             return found
@@ -301,7 +337,10 @@ class CheckpointManager:
                 rels = [ext.rel for ext in f.externals]
             refs = tuple(multifile.describe_in(d, rel) for rel in rels)
         record = multifile.CommitRecord(job.step, "state", parts, refs, job.metrics, job.metadata)
-        multifile.write_commit(job.path, record, within=d)
+        if self._sign_key is not None:
+            recordsign.write_signed(d, record, self._sign_key)
+        else:
+            multifile.write_commit(job.path, record, within=d)
 
     def _abandon(self, job: StepJob) -> None:
         """A failed save: remove what it wrote (its step never became a checkpoint)."""
@@ -493,12 +532,22 @@ class CheckpointManager:
     def _state_file(self, info: CheckpointInfo) -> Iterator[CheckpointFile]:
         """The state file of step `info`, as its commit record names it: the step directory and
         the file are opened without following a link, checked (check_step), and read through
-        the descriptor that was checked; every file it reads chunks from is one the record names."""
+        the descriptor that was checked; every file it reads chunks from is one the record names.
+        With trusted keys the record must be signed by one and equal the one checked, and every
+        file it names is hashed against it first."""
         inflight.wait_for_path(info.state_path)
-        with CheckpointDir.open(self.directory) as run, run.sub(os.path.basename(info.path)) as d:
+        with self._step_dir(info) as d:
             record = self._records.record(d, info.step)  # check_step: the references and the root too
             part = record.files[0]
-            with CheckpointFile(d.path_of(part.name), fd=multifile.open_part(d, part, d.path), within=d) as f:
+            if self._trusted is None:
+                fd = multifile.open_part(d, part, d.path)
+            else:
+                signed = recordsign.read_trusted(d, self._trusted)
+                if signed != record:
+                    raise SignatureError("the commit record changed while it was read", path=d.path)
+                recordsign.check_files(d, signed.references, d.path)
+                fd = recordsign.open_trusted_part(d, signed.files[0], d.path)
+            with CheckpointFile(d.path_of(part.name), fd=fd, within=d) as f:
                 yield f
 
     def load_into(
@@ -557,7 +606,7 @@ class CheckpointManager:
     def verify(self, step: int | None = None) -> VerifyReport:
         """Check every file of checkpoint `step` (the newest complete one when None)."""
         info = self._find(step)[0]
-        return verify_in_run(self.directory, os.path.basename(info.path), info.step)
+        return verify_in_run(self.directory, os.path.basename(info.path), info.step, self._trusted)
 
 
 def _newest_state_file(scan: RunScan) -> str | None:

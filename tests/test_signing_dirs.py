@@ -1,0 +1,290 @@
+"""Signed multi-file checkpoints (spec/FORMAT.md section 16.7): CheckpointManager(sign_with=,
+trusted_keys=), ckptfmt.dcp with the same arguments, and ckptfmt sign/verify DIR.
+
+Each refusal is checked to happen before anything is returned, and with load_into targets
+unchanged.  Tampering is done as an attacker would: a record's XXH3 checksums are
+recomputed (test_signing.reseal), so only the signature can catch the change.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import warnings
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_signing import pytestmark, read, reseal, strip_signature, write  # noqa: F401 (its skip)
+
+import ckptfmt
+from ckptfmt import CheckpointManager, SignatureError
+from ckptfmt.engine.ckptdir import CheckpointDir
+from ckptfmt.files import multifile, recordsign
+from ckptfmt.files.reader import CheckpointFile
+from ckptfmt.format import layout as fmt
+
+KEY = ed25519.Ed25519PrivateKey.generate()
+OTHER = ed25519.Ed25519PrivateKey.generate()
+PUB = KEY.public_key()
+
+
+def state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 64, generator=g), "frozen": torch.arange(1 << 15, dtype=torch.float32)}
+
+
+def zeros() -> dict[str, torch.Tensor]:
+    return {"w": torch.zeros(64, 64), "frozen": torch.zeros(1 << 15)}
+
+
+def step_dir(run: str, step: int) -> str:
+    return os.path.join(run, f"step-{step:09d}")
+
+
+def signed_run(tmp_path, steps=(1, 2), **kw: object) -> str:
+    run = str(tmp_path / "run")
+    m = CheckpointManager(run, sign_with=KEY, **kw)
+    for s in steps:
+        m.save(s, state(s))
+    m.wait()
+    return run
+
+
+def trusting(run: str, key: object = PUB) -> CheckpointManager:
+    return CheckpointManager(run, trusted_keys=[key])
+
+
+def flip_data_byte(path: str, at: int = 100) -> None:
+    """Change one byte of a chunk, keeping the file's prologue and footer (its identity in
+    the record: length, file id, index checksum) as they were."""
+    data = read(path)
+    data[at] ^= 0x40
+    write(path, data)
+
+
+def assert_step_refused(
+    run: str, step: int, error: type[Exception] = SignatureError, key: object = PUB
+) -> None:
+    """A manager trusting `key` refuses `step`: load and load_into raise (targets unchanged),
+    verify fails (or raises, for a step that is not even complete)."""
+    m = trusting(run, key)
+    with pytest.raises(error):
+        m.load(step)
+    t = zeros()
+    with pytest.raises(error):
+        m.load_into(t, step, restore_rng=False)
+    assert not any(v.any() for v in t.values())
+    try:
+        assert not m.verify(step).ok
+    except ckptfmt.CheckpointError:
+        pass
+
+
+# -- the manager -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["blocking", "nonblocking", "incremental"])
+def test_manager_round_trip(tmp_path, mode):
+    kw = {"blocking": False} if mode == "nonblocking" else {}
+    if mode == "incremental":
+        kw = {"incremental": True}
+    run = signed_run(tmp_path, steps=(1, 2, 3), **kw)
+    m = trusting(run)
+    assert m.latest().step == 3
+    assert torch.equal(m.load()["w"], state(3)["w"])
+    t = zeros()
+    assert m.load_into(t, restore_rng=False).step == 3
+    assert torch.equal(t["frozen"], state(3)["frozen"])
+    assert m.verify().ok
+    with CheckpointDir.open(step_dir(run, 3)) as d:
+        record = recordsign.read_trusted(d, [PUB])
+    assert all(p.sha256 is not None for p in record.files + record.references)
+    if mode == "incremental":  # the base files are bound by the record itself
+        assert record.references
+    with open(os.path.join(step_dir(run, 3), "COMMIT"), "rb") as fh:
+        prologue = fh.read(64)
+    assert struct.unpack_from("<Q", prologue, 40)[0] & fmt.FEATURE_SIGNED
+
+
+def test_unsigned_steps_are_skipped_by_latest_and_refused_by_name(tmp_path):
+    run = str(tmp_path / "run")
+    CheckpointManager(run).save(1, state(1))
+    m = trusting(run)
+    with pytest.warns(ckptfmt.CheckpointWarning, match="not signed"):
+        assert m.latest() is None
+    assert_step_refused(run, 1)
+    with pytest.raises(ckptfmt.CheckpointError), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m.load()
+    assert CheckpointManager(run).load()["w"].shape == (64, 64)  # no key demanded: it loads
+
+
+def test_newest_unsigned_step_falls_back_to_the_signed_one(tmp_path):
+    run = signed_run(tmp_path, steps=(1,))
+    CheckpointManager(run).save(2, state(2))  # unsigned, newer
+    m = trusting(run)
+    with pytest.warns(ckptfmt.CheckpointWarning, match="step-000000002"):
+        assert m.latest().step == 1
+    with pytest.warns(ckptfmt.CheckpointWarning):
+        assert torch.equal(m.load()["w"], state(1)["w"])
+    CheckpointManager(run, keep_last=1, sign_with=KEY, trusted_keys=[PUB]).save(3, state(3))
+    assert os.path.isdir(step_dir(run, 3))  # saving with trusted keys never judged step 2 damaged
+
+
+def test_other_key_refused(tmp_path):
+    run = signed_run(tmp_path)
+    assert_step_refused(run, 2, key=OTHER.public_key())
+    with pytest.warns(ckptfmt.CheckpointWarning, match="not among the trusted keys"):
+        assert trusting(run, OTHER.public_key()).latest() is None
+    m = CheckpointManager(run, trusted_keys=[OTHER.public_key(), PUB])
+    assert m.latest().step == 2
+
+
+def test_changed_byte_of_a_part_is_refused(tmp_path):
+    """The part keeps its identity (length, file id, index checksum): only its SHA-256 differs."""
+    run = signed_run(tmp_path)
+    flip_data_byte(os.path.join(step_dir(run, 2), "state.ckpt"))
+    assert_step_refused(run, 2)
+    report = trusting(run).verify(2)
+    assert report.problems[0].kind == "signature" and "SHA-256" in report.problems[0].message
+    with pytest.warns(ckptfmt.CheckpointWarning, match="skipping step 2"):
+        assert torch.equal(trusting(run).load(fallback=True)["w"], state(1)["w"])
+
+
+def test_part_swapped_between_signed_steps(tmp_path):
+    run = signed_run(tmp_path)
+    a, b = (os.path.join(step_dir(run, s), "state.ckpt") for s in (1, 2))
+    shutil.copyfile(a, b)
+    with pytest.raises(ckptfmt.CheckpointError):
+        trusting(run).load(2)
+    t = zeros()
+    with pytest.raises(ckptfmt.CheckpointError):
+        trusting(run).load_into(t, 2, restore_rng=False)
+    assert not any(v.any() for v in t.values())
+    with CheckpointDir.open(step_dir(run, 2)) as d, pytest.raises(SignatureError):
+        recordsign.check_directory(d, [PUB])
+
+
+def test_part_removed_or_file_added(tmp_path):
+    run = signed_run(tmp_path)
+    with open(os.path.join(step_dir(run, 1), "extra.ckpt"), "wb") as fh:
+        fh.write(b"never read: the record does not name it")
+    assert trusting(run).verify(1).ok
+    os.unlink(os.path.join(step_dir(run, 2), "state.ckpt"))
+    assert_step_refused(run, 2, ckptfmt.CheckpointError)
+    with CheckpointDir.open(step_dir(run, 2)) as d, pytest.raises(SignatureError, match="missing"):
+        recordsign.check_directory(d, [PUB])
+
+
+def test_incremental_base_file_is_bound(tmp_path):
+    """A step's state file reads chunks of an earlier step's: changing a byte of that file
+    (its identity kept) fails the later step too, through the record's own references."""
+    run = signed_run(tmp_path, steps=(1, 2), incremental=True)
+    with CheckpointDir.open(step_dir(run, 2)) as d:
+        refs = recordsign.read_trusted(d, [PUB]).references
+    assert [r.name for r in refs] == ["../step-000000001/state.ckpt"]
+    with CheckpointFile(os.path.join(step_dir(run, 1), "state.ckpt")) as f:
+        frozen_at = f.chunks[-1].offset  # "frozen": stored in step 1, referred to by step 2
+    flip_data_byte(os.path.join(step_dir(run, 1), "state.ckpt"), frozen_at + 8)
+    assert_step_refused(run, 2)
+
+
+def commit_path(run: str, step: int) -> str:
+    return os.path.join(step_dir(run, step), "COMMIT")
+
+
+def test_record_signature_stripped(tmp_path):
+    run = signed_run(tmp_path)
+    p = commit_path(run, 2)
+    write(p, strip_signature(read(p)))
+    assert CheckpointManager(run).load(2)["w"].shape == (64, 64)  # a valid unsigned record now
+    assert_step_refused(run, 2)
+
+
+def test_record_flag_cleared_block_kept(tmp_path):
+    run = signed_run(tmp_path)
+    p = commit_path(run, 2)
+    data = read(p)
+    req = struct.unpack_from("<Q", data, 40)[0]
+    struct.pack_into("<Q", data, 40, req & ~fmt.FEATURE_SIGNED)
+    write(p, reseal(data))
+    assert_step_refused(run, 2, ckptfmt.CheckpointError)
+
+
+@pytest.mark.parametrize("field_at, value", [(16, 2), (18, 2), (16, 0)])
+def test_record_algorithm_changed(tmp_path, field_at, value):
+    run = signed_run(tmp_path)
+    p = commit_path(run, 2)
+    data = read(p)
+    length = len(data)
+    block = length - 64 - struct.unpack_from("<Q", data, length - 64 + 40)[0]
+    struct.pack_into("<H", data, block + field_at, value)
+    write(p, data)
+    assert_step_refused(run, 2, ckptfmt.CheckpointError)
+
+
+def test_record_without_digests_refused(tmp_path):
+    """A record the trusted key signed but whose entries carry no SHA-256 binds no file."""
+    run = signed_run(tmp_path)
+    with CheckpointDir.open(step_dir(run, 2)) as d:
+        record = multifile.read_commit(d)
+    bare = record.as_value()
+    for p in bare["files"] + bare["references"]:
+        del p["sha256"]
+    os.unlink(commit_path(run, 2))
+    ckptfmt.save(bare, commit_path(run, 2), sign_with=KEY)
+    assert_step_refused(run, 2)
+    with CheckpointDir.open(step_dir(run, 2)) as d, pytest.raises(SignatureError, match="no file digests"):
+        recordsign.read_trusted(d, [PUB])
+
+
+def test_record_moved_to_another_step(tmp_path):
+    """A signed record binds its step: put into another step's directory it is refused, even
+    with that step's files (its step differs from the directory's name)."""
+    run = signed_run(tmp_path)
+    shutil.copyfile(commit_path(run, 1), commit_path(run, 2))
+    shutil.copyfile(
+        os.path.join(step_dir(run, 1), "state.ckpt"), os.path.join(step_dir(run, 2), "state.ckpt")
+    )
+    assert_step_refused(run, 2, ckptfmt.CheckpointError)
+
+
+def test_older_step_put_back_is_not_prevented(tmp_path):
+    """Replay is not promised against (spec 16.7): a whole older signed step put back verifies."""
+    run = signed_run(tmp_path, steps=(1,))
+    saved = str(tmp_path / "saved")
+    shutil.copytree(step_dir(run, 1), saved)
+    CheckpointManager(run, sign_with=KEY, keep_last=1).save(2, state(2))
+    assert not os.path.exists(step_dir(run, 1))
+    shutil.copytree(saved, step_dir(run, 1))
+    assert torch.equal(trusting(run).load(1)["w"], state(1)["w"])
+
+
+_RECORD: dict[str, bytes] = {}
+
+
+def _small_record(tmp_path_factory) -> bytes:
+    if not _RECORD:
+        run = signed_run(tmp_path_factory.mktemp("rec"), steps=(1,))
+        _RECORD["run"] = run.encode()
+        _RECORD["data"] = bytes(read(commit_path(run, 1)))
+    return _RECORD["data"]
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_flipped_bit_of_a_signed_record_is_refused(tmp_path_factory, data):
+    """Every bit of a signed commit record is covered: flipping any one makes reading it with
+    the trusted key fail (SignatureError; LimitError where a length exceeds a reader limit)."""
+    raw = bytearray(_small_record(tmp_path_factory))
+    bit = data.draw(st.integers(0, 8 * len(raw) - 1))
+    raw[bit // 8] ^= 1 << (bit % 8)
+    run = _RECORD["run"].decode()
+    write(commit_path(run, 1), raw)
+    with CheckpointDir.open(step_dir(run, 1)) as d:
+        with pytest.raises((SignatureError, ckptfmt.LimitError)):
+            recordsign.read_trusted(d, [PUB])
