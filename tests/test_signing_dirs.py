@@ -15,6 +15,7 @@ import warnings
 
 import pytest
 import torch
+from cli_runner import run_cli
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -262,6 +263,78 @@ def test_older_step_put_back_is_not_prevented(tmp_path):
     assert not os.path.exists(step_dir(run, 1))
     shutil.copytree(saved, step_dir(run, 1))
     assert torch.equal(trusting(run).load(1)["w"], state(1)["w"])
+
+
+# -- ckptfmt sign DIR / verify DIR --------------------------------------------------
+
+
+def keypair(tmp_path, name: str = "k") -> tuple[str, str]:
+    k = str(tmp_path / name)
+    run_cli("keygen", k, rc=0)
+    return k, k + ".pub"
+
+
+def test_verify_dir_exit_codes(tmp_path):
+    run = signed_run(tmp_path)
+    priv, pub = keypair(tmp_path)
+    from cryptography.hazmat.primitives import serialization
+
+    with open(str(tmp_path / "signer.pub"), "wb") as fh:
+        fh.write(
+            PUB.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        )
+    signer = str(tmp_path / "signer.pub")
+    run_cli("verify", run, "--trusted-key", signer, rc=0)  # every step of the run
+    run_cli("verify", step_dir(run, 2), "--trusted-key", signer, rc=0)
+    r = run_cli("verify", step_dir(run, 2), "--trusted-key", pub, rc=1)  # another key
+    assert "not among the trusted keys" in r.stdout
+    run_cli("verify", step_dir(run, 2), rc=0)  # no key demanded
+    unsigned = str(tmp_path / "unsigned")
+    CheckpointManager(unsigned).save(5, state(5))
+    r = run_cli("verify", step_dir(unsigned, 5), "--trusted-key", signer, rc=1)
+    assert "signature" in r.stdout and "not signed" in r.stdout
+    run_cli("verify", unsigned, "--trusted-key", signer, rc=1)
+    flip_data_byte(os.path.join(step_dir(run, 1), "state.ckpt"))
+    r = run_cli("verify", run, "--trusted-key", signer, rc=1)
+    assert "SHA-256" in r.stdout
+    run_cli("verify", step_dir(run, 2), "--trusted-key", signer, rc=0)
+    run_cli("verify", run, "--trusted-key", str(tmp_path / "missing.pub"), rc=2)
+    for out in (r.stdout, r.stderr):
+        assert "PRIVATE" not in out
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_sign_existing_step_then_load(tmp_path, incremental):
+    run = str(tmp_path / "run")
+    m = CheckpointManager(run, incremental=incremental)
+    m.save(1, state(1))
+    m.save(2, state(2))
+    priv, pub = keypair(tmp_path)
+    data_before = read(os.path.join(step_dir(run, 2), "state.ckpt"))
+    run_cli("verify", step_dir(run, 2), "--trusted-key", pub, rc=1)
+    run_cli("sign", step_dir(run, 2), "--key", priv, rc=0)
+    assert read(os.path.join(step_dir(run, 2), "state.ckpt")) == data_before  # no data file rewritten
+    run_cli("verify", step_dir(run, 2), "--trusted-key", pub, rc=0)
+    t = zeros()
+    assert trusting(run, pub).load_into(t, restore_rng=False).step == 2
+    assert torch.equal(t["w"], state(2)["w"])
+    assert trusting(run, pub).latest().step == 2
+    with pytest.raises(SignatureError, match="not signed"):  # step 1 is still unsigned
+        trusting(run, pub).load(1)
+    run_cli("sign", run, "--key", priv, rc=2)  # a run directory: sign its steps one by one
+
+
+def test_sign_refuses_a_damaged_directory(tmp_path):
+    run = str(tmp_path / "run")
+    CheckpointManager(run).save(1, state(1))
+    priv, _ = keypair(tmp_path)
+    flip_data_byte(os.path.join(step_dir(run, 1), "state.ckpt"))
+    r = run_cli("sign", step_dir(run, 1), "--key", priv, rc=1)
+    assert "not signed" in r.stderr
+    with open(commit_path(run, 1), "rb") as fh:
+        assert not struct.unpack_from("<Q", fh.read(64), 40)[0] & fmt.FEATURE_SIGNED
+    os.unlink(commit_path(run, 1))
+    run_cli("sign", step_dir(run, 1), "--key", priv, rc=2)  # no commit record: nothing to sign
 
 
 _RECORD: dict[str, bytes] = {}
