@@ -23,6 +23,7 @@ from test_signing import pytestmark, read, reseal, strip_signature, write  # noq
 
 import ckptfmt
 from ckptfmt import CheckpointManager, SignatureError
+from ckptfmt import dcp as cdcp
 from ckptfmt.engine.ckptdir import CheckpointDir
 from ckptfmt.files import multifile, recordsign
 from ckptfmt.files.reader import CheckpointFile
@@ -335,6 +336,159 @@ def test_sign_refuses_a_damaged_directory(tmp_path):
         assert not struct.unpack_from("<Q", fh.read(64), 40)[0] & fmt.FEATURE_SIGNED
     os.unlink(commit_path(run, 1))
     run_cli("sign", step_dir(run, 1), "--key", priv, rc=2)  # no commit record: nothing to sign
+
+
+# -- ckptfmt.dcp ---------------------------------------------------------------------
+
+
+def pem(key: object) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    if isinstance(key, ed25519.Ed25519PrivateKey):
+        return key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    assert isinstance(key, ed25519.Ed25519PublicKey)
+    return key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+FULL = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)
+
+
+def _rank_main(rank: int, world: int, store: str, out: str, priv: bytes, pub: bytes) -> None:
+    """One rank of the world-size-2 test: signed cdcp.save, async_save and manager steps of a
+    DTensor sharded over both ranks, loaded back with trusted_keys; an unsigned save refused."""
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    results: dict[str, object] = {}
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+
+        def sharded(t: torch.Tensor) -> dict[str, object]:
+            return {"w": distribute_tensor(t.clone(), mesh, [Shard(0)]), "n": 3}
+
+        def full(st: dict[str, object]) -> torch.Tensor:
+            return st["w"].full_tensor()  # type: ignore[attr-defined]
+
+        base = os.path.dirname(out)
+        cdcp.save(sharded(FULL), os.path.join(base, "signed"), sign_with=priv)
+        target = sharded(torch.zeros_like(FULL))
+        cdcp.load(target, os.path.join(base, "signed"), trusted_keys=[pub])
+        results["load"] = bool(torch.equal(full(target), FULL))
+        cdcp.async_save(sharded(FULL * 2), os.path.join(base, "async"), sign_with=priv).result()
+        target = sharded(torch.zeros_like(FULL))
+        cdcp.load(target, os.path.join(base, "async"), trusted_keys=[pub])
+        results["async"] = bool(torch.equal(full(target), FULL * 2))
+        m = CheckpointManager(os.path.join(base, "run"), sign_with=priv, trusted_keys=[pub])
+        m.save(1, sharded(FULL * 3))
+        target = sharded(torch.zeros_like(FULL))
+        m.load_into(target, restore_rng=False)
+        results["manager"] = bool(torch.equal(full(target), FULL * 3))
+        cdcp.save(sharded(FULL), os.path.join(base, "unsigned"))
+        target = sharded(torch.zeros_like(FULL))
+        try:
+            cdcp.load(target, os.path.join(base, "unsigned"), trusted_keys=[pub])
+            results["unsigned"] = "loaded"
+        except SignatureError:
+            results["unsigned"] = "refused" if not full(target).any() else "refused, target written"
+    except Exception as e:  # reported to the test, which prints it
+        results["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        dist.destroy_process_group()
+    with open(f"{out}.{rank}.json", "w") as fh:
+        json.dump(results, fh)
+
+
+def test_dcp_world_size_two(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "result")
+    args = (2, str(tmp_path / "store"), out, pem(KEY), pem(PUB))
+    mp.start_processes(_rank_main, args=args, nprocs=2, join=True, start_method="spawn")
+    for rank in (0, 1):
+        with open(f"{out}.{rank}.json") as fh:
+            got = json.load(fh)
+        assert got == {"load": True, "async": True, "manager": True, "unsigned": "refused"}, got
+    for name in ("signed", "async", os.path.join("run", "step-000000001")):
+        d = str(tmp_path / name)
+        assert sorted(n for n in os.listdir(d) if n.startswith("rank-")) == [
+            "rank-00000.ckpt",
+            "rank-00001.ckpt",
+        ]
+        with CheckpointDir.open(d) as cd:
+            assert all(p.sha256 is not None for p in recordsign.check_directory(cd, [PUB]).files)
+    # the world-size-2 saves, loaded (resharded) in this one process: tampering is refused
+    target = {"w": torch.zeros_like(FULL), "n": 0}
+    cdcp.load(target, str(tmp_path / "signed"), trusted_keys=[PUB])
+    assert torch.equal(target["w"], FULL)
+    flip_data_byte(str(tmp_path / "signed" / "rank-00001.ckpt"))
+    target = {"w": torch.zeros_like(FULL), "n": 0}
+    with pytest.raises(SignatureError, match="rank-00001.ckpt"):
+        cdcp.load(target, str(tmp_path / "signed"), trusted_keys=[PUB])
+    assert not target["w"].any() and target["n"] == 0
+
+
+def dcp_save(path: str, seed: int = 1, **kw: object) -> dict[str, object]:
+    st = {"w": state(seed)["w"], "n": seed, "blob": {"k": "v"}}
+    cdcp.save(st, path, **kw)
+    return st
+
+
+def dcp_target() -> dict[str, object]:
+    return {"w": torch.zeros(64, 64), "n": 0, "blob": {"k": ""}}
+
+
+def assert_dcp_refused(path: str, error: type[Exception] = SignatureError, key: object = PUB) -> None:
+    t = dcp_target()
+    with pytest.raises(error):
+        cdcp.load(t, path, trusted_keys=[key])
+    assert not t["w"].any() and t["n"] == 0 and t["blob"] == {"k": ""}  # type: ignore[attr-defined]
+
+
+def test_dcp_single_process_round_trip_and_refusals(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    saved = dcp_save(a, 1, sign_with=KEY)
+    dcp_save(b, 2, sign_with=KEY)
+    t = dcp_target()
+    cdcp.load(t, a, trusted_keys=[PUB])
+    assert torch.equal(t["w"], saved["w"]) and t["n"] == 1 and t["blob"] == {"k": "v"}
+    reader = cdcp.Reader(a, trusted_keys=[PUB])
+    assert reader.read_metadata() is not None and reader.record.files[0].sha256 is not None
+    reader.close()
+    assert_dcp_refused(a, key=OTHER.public_key())
+    shutil.copyfile(os.path.join(b, "rank-00000.ckpt"), os.path.join(a, "rank-00000.ckpt"))
+    assert_dcp_refused(a)  # a rank file of another signed save
+    c = str(tmp_path / "c")
+    dcp_save(c, 3, sign_with=KEY)
+    write(os.path.join(c, "COMMIT"), strip_signature(read(os.path.join(c, "COMMIT"))))
+    cdcp.load(dcp_target(), c)  # a valid unsigned save now
+    assert_dcp_refused(c)
+    u = str(tmp_path / "u")
+    dcp_save(u, 4)
+    assert_dcp_refused(u)
+
+
+def test_dcp_sign_and_verify_dir(tmp_path):
+    u = str(tmp_path / "u")
+    saved = dcp_save(u, 4)
+    priv, pub = keypair(tmp_path)
+    run_cli("verify", u, "--trusted-key", pub, rc=1)
+    before = read(os.path.join(u, "rank-00000.ckpt"))
+    run_cli("sign", u, "--key", priv, rc=0)
+    assert read(os.path.join(u, "rank-00000.ckpt")) == before
+    run_cli("verify", u, "--trusted-key", pub, rc=0)
+    t = dcp_target()
+    cdcp.load(t, u, trusted_keys=[pub])
+    assert torch.equal(t["w"], saved["w"])
+    flip_data_byte(os.path.join(u, "rank-00000.ckpt"))
+    assert "SHA-256" in run_cli("verify", u, "--trusted-key", pub, rc=1).stdout
 
 
 _RECORD: dict[str, bytes] = {}

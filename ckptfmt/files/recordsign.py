@@ -89,6 +89,11 @@ def _each(d: CheckpointDir, parts: Sequence[multifile.PartRecord], owner: str) -
         return list(pool.map(lambda p: _hash_part(d, p, owner), parts))
 
 
+def part_with_digest(d: CheckpointDir, part: multifile.PartRecord) -> multifile.PartRecord:
+    """`part` with its file's SHA-256 (a DCP rank hashes the file it has just committed)."""
+    return dataclasses.replace(part, sha256=_hash_part(d, part, d.path))
+
+
 def with_digests(d: CheckpointDir, record: multifile.CommitRecord) -> multifile.CommitRecord:
     """`record` with the SHA-256 of every file it names, ready to be signed."""
     parts = record.files + record.references

@@ -520,7 +520,7 @@ class CheckpointManager:
         if info.layout == "dcp":  # saved by several ranks: assembled here with full tensors
             from . import sharded
 
-            return sharded.load_step(info)
+            return sharded.load_step(info, self._trusted)
         devices.check_map_location(map_location)
         with self._state_file(info) as f:
             payload = f.load_subtree(f.tree.root, map_location, True)
@@ -575,7 +575,7 @@ class CheckpointManager:
         if info.layout == "dcp":  # saved by several ranks: loaded into this run's sharding
             from . import sharded
 
-            return sharded.load_step_into(info, state, restore_rng)
+            return sharded.load_step_into(info, state, restore_rng, self._trusted)
         with self._state_file(info) as f:
             root = resume.node_items(f, f.tree.root)  # its entries: check_step
             fp, rng_state = resume_entries(f)
