@@ -491,6 +491,60 @@ def test_dcp_sign_and_verify_dir(tmp_path):
     assert "SHA-256" in run_cli("verify", u, "--trusted-key", pub, rc=1).stdout
 
 
+# -- trainer integrations ------------------------------------------------------------
+
+
+def test_lightning_plugin_signs_and_demands(tmp_path):
+    pytest.importorskip("lightning")
+    from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
+
+    path = str(tmp_path / "last.ckpt")
+    CkptfmtCheckpointIO(sign_with=KEY).save_checkpoint({"state_dict": state(1), "epoch": 3}, path)
+    got = CkptfmtCheckpointIO(trusted_keys=[PUB]).load_checkpoint(path)
+    assert got["epoch"] == 3 and torch.equal(got["state_dict"]["w"], state(1)["w"])
+    with pytest.raises(SignatureError):
+        CkptfmtCheckpointIO(trusted_keys=[OTHER.public_key()]).load_checkpoint(path)
+    CkptfmtCheckpointIO().save_checkpoint({"epoch": 4}, path)  # unsigned now
+    with pytest.raises(SignatureError, match="not signed"):
+        CkptfmtCheckpointIO(trusted_keys=[PUB]).load_checkpoint(path)
+    torch.save({"epoch": 5}, path)
+    with pytest.raises(SignatureError, match="torch.save"):
+        CkptfmtCheckpointIO(trusted_keys=[PUB], read_torch_checkpoints=True).load_checkpoint(path)
+
+
+def test_transformers_trainer_signs_and_demands(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from test_transformers import _args, _model, _tokens
+
+    from ckptfmt.integrations.transformers import CkptfmtTrainer, latest_checkpoint
+
+    def trainer(**kw: object) -> CkptfmtTrainer:
+        return CkptfmtTrainer(model=_model(), args=_args(str(tmp_path)), train_dataset=_tokens(), **kw)
+
+    saver = trainer(ckptfmt_sign_with=KEY)
+    saver.create_optimizer_and_scheduler(num_training_steps=10)
+    saver.state.global_step = 3
+    saver._save_checkpoint(saver.model, None)
+    folder = str(tmp_path / "checkpoint-3")
+    with CheckpointDir.open(folder) as d:
+        assert recordsign.check_directory(d, [PUB]).layout == "hf-trainer"
+    assert latest_checkpoint(str(tmp_path), trusted_keys=[PUB]) == folder
+    loader = trainer(ckptfmt_trusted_keys=[PUB])
+    with torch.no_grad():
+        for p in loader.model.parameters():
+            p.zero_()
+    loader._load_from_checkpoint(folder)
+    assert all(torch.equal(a, b) for a, b in zip(loader.model.parameters(), saver.model.parameters()))
+    with pytest.warns(ckptfmt.CheckpointWarning, match="not among the trusted keys"):
+        assert latest_checkpoint(str(tmp_path), trusted_keys=[OTHER.public_key()]) is None
+    flip_data_byte(os.path.join(folder, "model.ckpt"))
+    before = [p.clone() for p in loader.model.parameters()]
+    with pytest.raises(SignatureError, match="model.ckpt"):
+        loader._load_from_checkpoint(folder)
+    assert all(torch.equal(a, b) for a, b in zip(loader.model.parameters(), before))
+
+
 _RECORD: dict[str, bytes] = {}
 
 
