@@ -473,6 +473,15 @@ def test_dcp_single_process_round_trip_and_refusals(tmp_path):
     u = str(tmp_path / "u")
     dcp_save(u, 4)
     assert_dcp_refused(u)
+    e = str(tmp_path / "e")
+    dcp_save(e, 5, sign_with=KEY)
+    flip_data_byte(os.path.join(e, "rank-00000.ckpt"))
+    reader = cdcp.Reader(e, trusted_keys=[PUB])
+    reader.read_metadata()  # the record itself is intact and signed
+    problems, _ = reader.check_items()  # items are checked against files hashed first
+    reader.close()
+    assert problems and isinstance(problems[0], SignatureError), problems
+    assert_dcp_refused(e)
 
 
 def test_dcp_sign_and_verify_dir(tmp_path):

@@ -531,7 +531,7 @@ class Reader(_HeldDirectory, StorageReader):
                 return [], sum(s.nbytes for s in f.storages)
         d = self._open_dir()
         assert d is not None and self._record is not None
-        return check_items(d, self._record, self._where, fqns)
+        return check_items(d, self._record, self._where, fqns, self._trusted)
 
     def _read_single_file(self) -> None:
         from .singlefile import file_metadata
