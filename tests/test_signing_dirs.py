@@ -554,6 +554,26 @@ def test_transformers_trainer_signs_and_demands(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(loader.model.parameters(), before))
 
 
+def test_signed_step_checked_from_the_spec(tmp_path):
+    """Section 16.7 from the spec alone: the record's section 16 signature (test_signing's
+    second reader), then the SHA-256 of every file its entries name, with hashlib."""
+    import hashlib
+
+    from cryptography.hazmat.primitives import serialization
+    from test_signing import verify_from_spec
+
+    run = signed_run(tmp_path, steps=(1, 2), incremental=True)
+    raw = PUB.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    verify_from_spec(commit_path(run, 2), raw)  # raises unless the signature checks
+    record = ckptfmt.load(commit_path(run, 2))  # the record's values, from the bytes just checked
+    entries = record["files"] + record["references"]
+    assert {e["name"] for e in entries} == {"state.ckpt", "../step-000000001/state.ckpt"}
+    for e in entries:
+        with open(os.path.join(step_dir(run, 2), e["name"]), "rb") as fh:
+            data = fh.read()
+        assert len(data) == e["length"] and hashlib.sha256(data).digest() == e["sha256"], e["name"]
+
+
 _RECORD: dict[str, bytes] = {}
 
 
