@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PUB",
         help="require a signature by this Ed25519 public key (PEM or OpenSSH; repeatable): "
-        "a file that is unsigned, signed by another key or changed fails (exit 1)",
+        "a file that is unsigned, signed by another key or changed fails (exit 1); for a "
+        "directory, each checkpoint's commit record and every file it names",
     )
     v.set_defaults(fn=cmd_verify)
     ls = sub("ls", "List a run directory's checkpoints: step, complete or not, size, age, metrics.")
@@ -110,9 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub(
         "sign",
         "Sign a file with an Ed25519 private key, in place and atomically, without re-encoding its "
-        "data (an existing signature is replaced).",
+        "data (an existing signature is replaced); or a checkpoint directory (a step, a DCP save), "
+        "whose commit record is signed with every file's SHA-256, its data files unchanged.",
     )
-    s.add_argument("path", metavar="PATH")
+    s.add_argument("path", metavar="PATH|DIR")
     s.add_argument("--key", required=True, metavar="PRIV", help="the private key (PEM or OpenSSH)")
     s.set_defaults(fn=cmd_sign)
     return ap

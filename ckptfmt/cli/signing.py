@@ -4,8 +4,9 @@
 its public key to OUT.pub (PEM, or an OpenSSH ``ssh-ed25519`` line with --openssh): both
 or neither, never replacing a file (what it created is removed when a write fails).
 ``sign PATH --key PRIV`` signs a file in place through the commit protocol, without
-re-encoding its data.  Checking a signature is ``verify --trusted-key``.  No key material
-is ever printed.
+re-encoding its data; ``sign DIR --key PRIV`` signs a checkpoint directory's commit record
+(spec 16.7) without rewriting its data files.  Checking a signature is ``verify
+--trusted-key``.  No key material is ever printed.
 """
 
 from __future__ import annotations
@@ -103,8 +104,12 @@ def cmd_sign(args: argparse.Namespace) -> int:
     from ..files.signing import load_private_key
 
     path = args.path
-    if os.path.isdir(path):
-        error = UsageError(f"{path}: signing a directory (a multi-file checkpoint) is not implemented yet")
+    is_dir = os.path.isdir(path)
+    if is_dir and not os.path.lexists(os.path.join(path, "COMMIT")):
+        error = UsageError(
+            f"{path}: no commit record (COMMIT): sign a checkpoint directory (a step, a DCP save), "
+            "not a run directory"
+        )
         say(f"error: {error}", err=True)
         return exit_code(error)
     try:
@@ -118,8 +123,13 @@ def cmd_sign(args: argparse.Namespace) -> int:
         say(f"error: {error}", err=True)
         return exit_code(error)
     try:
-        require_ckptfmt(path)
-        sign_file(path, key)
+        if is_dir:
+            from ..runs.signdir import sign_directory
+
+            sign_directory(path, key)
+        else:
+            require_ckptfmt(path)
+            sign_file(path, key)
     except (CheckpointError, OSError) as e:
         say(f"error: {error_text(e, path)}", err=True)
         return exit_code(e)

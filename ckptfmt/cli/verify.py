@@ -20,7 +20,7 @@ def problem_dict(p: Any) -> dict[str, Any]:
     return {"kind": p.kind, "message": p.message, "key": p.key, "chunk": p.chunk, "offset": p.offset}
 
 
-def _verify_file(path: str, quick: bool, trusted: list[str] | None = None) -> tuple[dict[str, Any], int]:
+def _verify_file(path: str, quick: bool, trusted: list[Any] | None = None) -> tuple[dict[str, Any], int]:
     """The entry of one file and its exit status."""
     from ..files.verify import verify
 
@@ -50,12 +50,12 @@ def _verify_file(path: str, quick: bool, trusted: list[str] | None = None) -> tu
 def cmd_verify(args: argparse.Namespace) -> int:
     results = []
     status = EXIT_OK  # the worst status of all entries: 2 over 1 over 0
-    trusted = getattr(args, "trusted_key", None)
+    trusted = getattr(args, "trusted_key", None) or None
     if trusted:
-        from ..files.signing import trusted_set
+        from ..files.recordsign import public_keys
 
         try:
-            trusted_set(trusted)  # every key readable before any file is checked
+            trusted = public_keys(trusted)  # every key readable before any file is checked
         except (OSError, ValueError, TypeError) as e:
             error = UsageError(f"--trusted-key: {e}")
             say(f"error: {error}", err=True)
@@ -70,14 +70,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             ):
                 status = max(status, FILE_FAILED)
             continue
-        if os.path.isdir(path) and trusted:
-            error = UsageError(f"{path}: signatures of directories (commit records) are not implemented yet")
-            say(f"error: {error}", err=True)
-            status = max(status, exit_code(error))
-            continue
         if os.path.isdir(path):
             try:
-                entries = _verify_dir(path, args.step)
+                entries = _verify_dir(path, args.step, trusted)
             except CheckpointError as err:  # no checkpoint in it at all
                 results.append({"path": path, "status": "incomplete", "error": err.reason})
                 status = max(status, exit_code(err))
@@ -136,12 +131,13 @@ def _has_step_dirs(path: str) -> bool:
         return False
 
 
-def _verify_dir(path: str, step: int | None) -> list[dict[str, Any]]:
+def _verify_dir(path: str, step: int | None, trusted: list[Any] | None = None) -> list[dict[str, Any]]:
     """Entries for a run directory (every step, or `step`) and for a checkpoint directory (one
     with a commit record); a directory that is both is verified as both, so an entry inside a
     run cannot hide its steps.  IncompleteError for a directory that holds neither a commit
     record nor step directories (spec section 13.2: a directory without a commit record is
-    incomplete)."""
+    incomplete).  `trusted`: public keys, one of which must have signed each checkpoint's
+    commit record (spec 16.7)."""
     from ..files import multifile
     from ..runs.manager import CheckpointManager
     from ..runs.stepcheck import verify_in_run, verify_step
@@ -174,7 +170,11 @@ def _verify_dir(path: str, step: int | None) -> list[dict[str, Any]]:
             entry.update(status="incomplete", error=problem)
         else:
             # a run's step is opened beneath the run directory, never through a link
-            report = verify_step(full) if n is None else verify_in_run(path, os.path.basename(full), n)
+            report = (
+                verify_step(full, None, trusted)
+                if n is None
+                else verify_in_run(path, os.path.basename(full), n, trusted)
+            )
             problems = report.problems
             entry.update(
                 status="failed" if problems else "ok",

@@ -131,8 +131,10 @@ def save(
     Each rank writes its items into ``rank-NNNNN.ckpt``; the coordinator then writes the
     commit record.  Without an initialised process group this runs in this process alone.
     Errors on any rank are raised on every rank as a CheckpointError naming the ranks.
-    `options` (``SaveOptions``): compression, level, chunk_size, step, metrics, metadata and
-    overwrite; ``overwrite=False`` refuses a `path` that already holds a checkpoint.
+    `options` (``SaveOptions``): compression, level, chunk_size, step, metrics, metadata,
+    overwrite and sign_with; ``overwrite=False`` refuses a `path` that already holds a
+    checkpoint; ``sign_with`` (an Ed25519 private key) signs the commit record, which then
+    carries every rank file's SHA-256 (spec 16.7).
     (`_within`, `_step_dir`: the checkpoint manager's step directory, see ``Writer``.)
     """
     w, planner = _set_up_save(path, process_group, "blocking", options, _within, _step_dir)
@@ -161,6 +163,7 @@ def load(
     *,
     process_group: dist.ProcessGroup | None = None,
     verify: bool = True,
+    trusted_keys: Any = None,
     _within: CheckpointDir | None = None,
 ) -> None:
     """Load into `state_dict` in place, resharding to this run's layout; every rank calls it.
@@ -168,9 +171,14 @@ def load(
     `path` is a checkpoint directory written by ``save`` (any number of ranks) or a single
     ckptfmt file holding full tensors (each rank reads only its slice).  Stateful values
     (modules, optimizers) get ``load_state_dict`` called, as with ``dcp.load``.
+    `trusted_keys`: Ed25519 public keys; the commit record must be signed by one (a save
+    made with ``sign_with``), and each rank checks every file it reads against the record's
+    SHA-256 before anything of `state_dict` is written (spec 16.7; SignatureError).
     """
     target = os.path.abspath(os.fspath(path))
-    reader = Reader(target, verify=verify, _within=_within)  # `_within`: the directory, opened
+    reader = Reader(
+        target, verify=verify, trusted_keys=trusted_keys, _within=_within
+    )  # `_within`: the directory, opened
     try:
         reader.read_metadata()  # a missing or damaged commit record fails here, on every rank, plainly
         with _single_process_ok():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
@@ -50,11 +51,14 @@ def check_items(
     record: multifile.CommitRecord,
     where: dict[MetadataIndex, mdv.Location],
     fqns: set[str] | None = None,
+    trusted: Any = None,
 ) -> tuple[list[CheckpointError], int]:
     """Check the items of `fqns` (all: None) against their rank files, as a load that reads them
     does (the rank files read beneath the directory's descriptor, each reading chunks only from
     files the record names); the first problem of each rank file, and the bytes of the distinct
-    storages holding their tensor chunks (what a consolidation may allocate, at most)."""
+    storages holding their tensor chunks (what a consolidation may allocate, at most).
+    `trusted`: public keys; `record` was read signed by one, and each rank file is hashed
+    against it before its index is read (spec 16.7)."""
     by_file: dict[str, list[tuple[str, mdv.Location]]] = {}
     for idx, loc in where.items():
         if fqns is None or idx.fqn in fqns:
@@ -68,16 +72,20 @@ def check_items(
             return [e], 0
         for name in sorted(by_file):
             try:
-                held += _check_file(d, name, record, by_file[name])
+                held += _check_file(d, name, record, by_file[name], trusted)
             except CheckpointError as e:
                 problems.append(e)
     return problems, held
 
 
 def _check_file(
-    d: CheckpointDir, name: str, record: multifile.CommitRecord, items: list[tuple[str, mdv.Location]]
+    d: CheckpointDir,
+    name: str,
+    record: multifile.CommitRecord,
+    items: list[tuple[str, mdv.Location]],
+    trusted: Any = None,
 ) -> int:
-    src = Source(d, name, f"{name}{rank_note(name)}", record, keyed=True)
+    src = Source(d, name, f"{name}{rank_note(name)}", record, keyed=True, trusted=trusted)
     try:
         storages: set[int] = set()
         for fqn, loc in items:

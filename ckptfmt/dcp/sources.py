@@ -10,7 +10,7 @@ from typing import Any
 
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CorruptError, IncompleteError
-from ..files import multifile
+from ..files import multifile, recordsign
 from ..files.reader import CheckpointFile
 from . import metadata as mdv
 
@@ -28,23 +28,36 @@ def rank_note(name: str) -> str:
 
 
 def open_source(
-    where: CheckpointDir | str, name: str, label: str, record: multifile.CommitRecord | None
+    where: CheckpointDir | str,
+    name: str,
+    label: str,
+    record: multifile.CommitRecord | None,
+    trusted: Any = None,
 ) -> CheckpointFile:
     """A rank file `name` the commit record names is opened beneath the checkpoint directory's
     descriptor `where` without following a link (spec 13.6) and read through the descriptor
     whose identity was checked; it may read chunks only from files the record names (spec
-    13.1).  A single file the caller names (`where` its path) is opened by its path."""
+    13.1).  A single file the caller names (`where` its path) is opened by its path.
+    `trusted`: public keys; the record was read signed by one of them (recordsign.read_trusted)
+    and the file is hashed against it through the descriptor then read (spec 16.7), and the
+    files it reads chunks from too; a single file must itself be signed by one."""
     if record is None:
         assert isinstance(where, str)
-        return CheckpointFile(where)
+        return CheckpointFile(where, trusted_keys=trusted)
     assert isinstance(where, CheckpointDir)
     part = next((p for p in record.files if p.name == name), None)
     if part is None:
         raise CorruptError(f"the commit record names no file {name!r}", path=where.path)
-    fd = multifile.open_part(where, part, where.path, label)
+    if trusted is None:
+        fd = multifile.open_part(where, part, where.path, label)
+    else:
+        fd = recordsign.open_trusted_part(where, part, where.path)
     f = CheckpointFile(where.path_of(name), fd=fd, within=where)
     try:
         multifile.check_references(f, record, where.path_of(name))
+        if trusted is not None:
+            read = {ext.rel for ext in f.externals}
+            recordsign.check_files(where, [p for p in record.references if p.name in read], where.path)
     except BaseException:
         f.close()
         raise
@@ -63,11 +76,12 @@ class Source:
         label: str,
         record: multifile.CommitRecord | None,
         keyed: bool,
+        trusted: Any = None,
     ) -> None:
         self.label = label
         path = where.path_of(name) if isinstance(where, CheckpointDir) else where
         try:
-            self.f = open_source(where, name, label, record)
+            self.f = open_source(where, name, label, record, trusted)
         except FileNotFoundError:
             raise IncompleteError(f"{label} named by the commit record is missing", path=path) from None
         except OSError as e:

@@ -43,13 +43,13 @@ from ..engine import commit
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir, LinkError
 from ..errors import CheckpointError, CorruptError, IncompleteError, UnsupportedError, UnsupportedObjectError
-from ..files import multifile
+from ..files import multifile, recordsign
 from ..files import save as writer
 from ..files.reader import CheckpointFile
 from ..gcpause import pausing_in_main_thread
 from . import metadata as mdv
 from . import regions
-from .check import check_items, read_record
+from .check import check_items, read_record, record_metadata
 from .sources import LAYOUT, RANK_FILE_RE, Source, rank_file_name, rank_note
 from .values import ObjectBytes, decode_value, encode_value, raw_bytes_io
 
@@ -114,8 +114,9 @@ class StorageInfo:
 class SaveOptions(TypedDict, total=False):
     """The options of a save that its Writer takes, named once for ``save``, ``async_save``
     and ``Writer``: ckptfmt's `compression` (with its `level`) and `chunk_size`; the commit
-    record's `step`, `metrics` and `metadata` (the checkpoint manager's fields); and
-    `overwrite` (False refuses a directory that already holds a checkpoint)."""
+    record's `step`, `metrics` and `metadata` (the checkpoint manager's fields); `overwrite`
+    (False refuses a directory that already holds a checkpoint); and `sign_with`, an Ed25519
+    private key that signs the commit record with every rank file's SHA-256 (spec 16.7)."""
 
     compression: str | None
     level: int | None
@@ -124,6 +125,7 @@ class SaveOptions(TypedDict, total=False):
     metrics: dict[str, float] | None
     metadata: dict[str, str] | None
     overwrite: bool
+    sign_with: Any
 
 
 class _HeldDirectory:
@@ -162,10 +164,13 @@ class Writer(_HeldDirectory, StorageWriter):
         metrics: dict[str, float] | None = None,
         metadata: dict[str, str] | None = None,
         overwrite: bool = True,
+        sign_with: Any = None,
         _within: CheckpointDir | None = None,
         _step_dir: bool = False,
     ) -> None:
         super().__init__()
+        self._sign_key = recordsign.private_key(sign_with)  # a bad key fails before any rank writes
+        writer.signer(self._sign_key)  # and an engine without libcrypto
         self.path = os.path.abspath(os.fspath(path))
         # The directory is opened once per save and every write, unlink and listing is
         # made beneath that descriptor (spec 13.6): `_within` lends an open directory (the
@@ -301,7 +306,9 @@ class Writer(_HeldDirectory, StorageWriter):
             chunk_size=self.chunk_size,
             _within=d,
         )
-        return multifile.describe_in(d, name)
+        part = multifile.describe_in(d, name)
+        # each rank hashes the file it wrote, so the coordinator does not read them all
+        return part if self._sign_key is None else recordsign.part_with_digest(d, part)
 
     @pausing_in_main_thread
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -337,6 +344,12 @@ class Writer(_HeldDirectory, StorageWriter):
                     path=self.path,
                     key=f"{name}{rank_note(name)}",
                 ) from None
+        for name in names:  # digests on every entry of a signed record, on none of another
+            p = parts[name]
+            if self._sign_key is None:
+                parts[name] = dataclasses.replace(p, sha256=None)
+            elif p.sha256 is None:  # a rank that was not given the key
+                parts[name] = recordsign.part_with_digest(d, p)
         number = {n: i for i, n in enumerate(names)}
         # DCP's plan cache hands back the Metadata of the save that filled it: name this one
         modules = metadata.storage_meta.modules if metadata.storage_meta is not None else []
@@ -355,7 +368,7 @@ class Writer(_HeldDirectory, StorageWriter):
             metadata=self.meta,
             layout_data=value,
         )
-        multifile.write_commit(self.path, record, within=d)
+        multifile.write_commit(self.path, record, within=d, sign_with=self._sign_key)
         metadata.version = value["version"]
         metadata.storage_data = {idx: StorageInfo(f, k) for idx, (f, k) in where.items()}
         _remove_stale_rank_files(d, set(names))
@@ -423,13 +436,22 @@ class Reader(_HeldDirectory, StorageReader):
 
     Use with ``planner=cdcp.LoadPlanner()`` when the state holds non-tensor values.
     ``verify`` checks every chunk read against its checksum (on by default);
-    ``stats`` counts what the last ``read_data`` read.
+    ``trusted_keys``: the commit record must be signed by one of these Ed25519 public keys
+    and every file read is hashed against it before it is read (spec 16.7; a single file
+    must be signed itself), and with them every file a rank's plan reads is checked before
+    any value is handed to the planner; ``stats`` counts what the last ``read_data`` read.
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, verify: bool = True, _within: CheckpointDir | None = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        verify: bool = True,
+        trusted_keys: Any = None,
+        _within: CheckpointDir | None = None,
     ) -> None:
         super().__init__()
+        self._trusted = recordsign.public_keys(trusted_keys)
         self.path = os.path.abspath(os.fspath(path))
         # A checkpoint directory is opened once (`_within`: one the caller opened, such as a
         # step directory the manager opened beneath its run without following a link; it is
@@ -490,8 +512,11 @@ class Reader(_HeldDirectory, StorageReader):
         return md
 
     def _read_commit(self, d: CheckpointDir) -> None:
-
-        self._record, self._metadata, self._where = read_record(d)
+        if self._trusted is None:
+            self._record, self._metadata, self._where = read_record(d)
+        else:
+            self._record = recordsign.read_trusted(d, self._trusted)
+            self._metadata, self._where = record_metadata(self._record, d.path)
         self._single = False
 
     def check_items(self, fqns: set[str] | None = None) -> tuple[list[CheckpointError], int]:
@@ -506,12 +531,12 @@ class Reader(_HeldDirectory, StorageReader):
                 return [], sum(s.nbytes for s in f.storages)
         d = self._open_dir()
         assert d is not None and self._record is not None
-        return check_items(d, self._record, self._where, fqns)
+        return check_items(d, self._record, self._where, fqns, self._trusted)
 
     def _read_single_file(self) -> None:
         from .singlefile import file_metadata
 
-        with CheckpointFile(self.path) as f:
+        with CheckpointFile(self.path, trusted_keys=self._trusted) as f:
             self._metadata, self._where = file_metadata(f, os.path.basename(self.path))
         self._single = True
 
@@ -533,12 +558,19 @@ class Reader(_HeldDirectory, StorageReader):
         if src is None:
             if self._single:
                 src = Source(
-                    self.path, os.path.basename(self.path), os.path.basename(self.path), None, keyed=False
+                    self.path,
+                    os.path.basename(self.path),
+                    os.path.basename(self.path),
+                    None,
+                    keyed=False,
+                    trusted=self._trusted,
                 )
             else:
                 d = self._open_dir()
                 assert d is not None and self._record is not None
-                src = Source(d, name, f"{name}{rank_note(name)}", self._record, keyed=True)
+                src = Source(
+                    d, name, f"{name}{rank_note(name)}", self._record, keyed=True, trusted=self._trusted
+                )
             sources[name] = src
         return src
 
@@ -552,6 +584,11 @@ class Reader(_HeldDirectory, StorageReader):
         sources: dict[str, Source] = {}
         jobs: list[regions.RegionJob] = []
         try:
+            if self._trusted is not None:  # every file checked before any value reaches the planner
+                for req in plan.items:
+                    loc = self._where.get(req.storage_index)
+                    if loc is not None:
+                        self._open(loc.file, sources)
             for req in plan.items:
                 fqn = req.storage_index.fqn
                 loc = self._where.get(req.storage_index)

@@ -55,14 +55,19 @@ class PartRecord:
     length: int
     file_id: bytes
     index_checksum: int
+    #: SHA-256 of the file's whole bytes: carried by every entry of a signed record (spec 16.7)
+    sha256: bytes | None = None
 
     def as_value(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "length": self.length,
             "file_id": self.file_id,
             "index_checksum": self.index_checksum,
         }
+        if self.sha256 is not None:
+            out["sha256"] = self.sha256
+        return out
 
 
 @dataclass(frozen=True)
@@ -210,12 +215,15 @@ def opened(directory: str | os.PathLike[str] | CheckpointDir) -> Iterator[Checkp
 # -- the record ------------------------------------------------------------------------
 
 
-def write_commit(directory: str, record: CommitRecord, within: CheckpointDir | None = None) -> None:
+def write_commit(
+    directory: str, record: CommitRecord, within: CheckpointDir | None = None, sign_with: Any = None
+) -> None:
     """Write the commit record last: temp file, fsync, rename, fsync the directory (beneath
-    the open directory `within` when given)."""
+    the open directory `within` when given); `sign_with`: a private key that signs the
+    record file (spec 16.7: its entries must then carry their files' SHA-256)."""
     from .save import save
 
-    save(record.as_value(), os.path.join(directory, COMMIT_NAME), _within=within)
+    save(record.as_value(), os.path.join(directory, COMMIT_NAME), _within=within, sign_with=sign_with)
 
 
 #: a commit record larger than this is refused before it is parsed (records name at most
@@ -227,9 +235,10 @@ RECORD_MEMORY_BASE = 64 << 20
 RECORD_MEMORY_PER_BYTE = 32
 
 
-def read_commit(directory: str | os.PathLike[str] | CheckpointDir) -> CommitRecord:
+def read_commit(directory: str | os.PathLike[str] | CheckpointDir, trusted_keys: Any = None) -> CommitRecord:
     """Read and validate a directory's commit record (checksums verified); its size and the
-    memory it may expand into are bounded before anything in it is decoded."""
+    memory it may expand into are bounded before anything in it is decoded.  `trusted_keys`:
+    the record file must be signed by one of them (spec 16.7; SignatureError otherwise)."""
     with opened(directory) as d:
         path = d.path_of(COMMIT_NAME)
         try:
@@ -244,7 +253,9 @@ def read_commit(directory: str | os.PathLike[str] | CheckpointDir) -> CommitReco
         if size > MAX_RECORD_BYTES:
             os.close(fd)
             raise LimitError(f"commit record of {size} bytes exceeds the limit {MAX_RECORD_BYTES}", path=path)
-        with CheckpointFile(path, fd=fd, max_bytes=record_memory(size), within=d) as f:
+        with CheckpointFile(
+            path, fd=fd, max_bytes=record_memory(size), within=d, trusted_keys=trusted_keys
+        ) as f:
             return record_from(f)
 
 
@@ -286,8 +297,8 @@ def _typed(path: str, value: object, kind: type | tuple[type, ...], what: str) -
 
 def _parse_part(path: str, raw: object, where: str, reference: bool) -> PartRecord:
     d = _typed(path, raw, dict, where)
-    if set(d) != {"name", "length", "file_id", "index_checksum"}:
-        raise _fail(path, f"{where} must have exactly name, length, file_id, index_checksum")
+    if set(d) - {"sha256"} != {"name", "length", "file_id", "index_checksum"}:
+        raise _fail(path, f"{where} must have exactly name, length, file_id, index_checksum (and sha256)")
     name = _typed(path, d["name"], str, f"{where}.name")
     if not valid_part_name(name, reference=reference):
         raise _fail(path, f"{where}.name {name[:80]!r} is not an allowed file name")
@@ -298,7 +309,10 @@ def _parse_part(path: str, raw: object, where: str, reference: bool) -> PartReco
         raise _fail(path, f"{where} has an impossible length or file id")
     if not 0 <= check < 1 << 64:
         raise _fail(path, f"{where}.index_checksum is out of range")
-    return PartRecord(name, length, file_id, check)
+    sha = d.get("sha256")
+    if sha is not None and (type(sha) is not bytes or len(sha) != 32):
+        raise _fail(path, f"{where}.sha256 must be 32 bytes")
+    return PartRecord(name, length, file_id, check, sha)
 
 
 def _parse_record(value: object, path: str) -> CommitRecord:
@@ -325,6 +339,8 @@ def _parse_record(value: object, path: str) -> CommitRecord:
         raise _fail(path, f"names {len(files)} files and {len(refs)} references")
     parts = tuple(_parse_part(path, p, f"files[{i}]", False) for i, p in enumerate(files))
     references = tuple(_parse_part(path, p, f"references[{i}]", True) for i, p in enumerate(refs))
+    if len({p.sha256 is None for p in parts + references}) != 1:
+        raise _fail(path, "sha256 must be on every file and reference, or on none")
     if len({p.name for p in parts}) != len(parts) or any(p.name == COMMIT_NAME for p in parts):
         raise _fail(path, "a file is named twice, or the record names itself")
     # each referenced file once: a name repeated would make every check and verify read it again

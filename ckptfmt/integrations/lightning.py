@@ -93,8 +93,9 @@ import ckptfmt
 
 from ..background import inflight
 from ..engine.commit import temp_prefix
-from ..errors import CheckpointError, CorruptError, UnsupportedError
-from ..files.save import check_save_args
+from ..errors import CheckpointError, CorruptError, SignatureError, UnsupportedError
+from ..files.save import check_save_args, signer
+from ..files.signing import trusted_set
 from ..format.sniff import sniff
 from . import objects
 
@@ -146,6 +147,10 @@ class CkptfmtCheckpointIO(_Base):
             :mod:`ckptfmt.integrations.objects`).
         read_torch_checkpoints: also load files written by ``torch.save`` (Lightning's default
             plugin), with ``torch.load(weights_only=True)``: a run switches to ckptfmt at its next save.
+        sign_with: an Ed25519 private key (as ``ckptfmt.save`` takes it) that signs every
+            checkpoint; give a path or the key's bytes where the plugin is pickled (ddp_spawn).
+        trusted_keys: Ed25519 public keys; a checkpoint is loaded only when one of them signed
+            it (``ckptfmt.load``'s rule; a ``torch.save`` file, never signed, is refused).
     """
 
     def __init__(
@@ -156,9 +161,15 @@ class CkptfmtCheckpointIO(_Base):
         restore_rng: bool = True,
         classes: Iterable[type] = (),
         read_torch_checkpoints: bool = False,
+        sign_with: Any = None,
+        trusted_keys: Any = None,
     ) -> None:
         super().__init__()
         check_save_args(compression, None, None)
+        signer(sign_with)  # a bad key, or an engine without libcrypto, fails here
+        trusted_set(trusted_keys)
+        self.sign_with = sign_with
+        self.trusted_keys = trusted_keys
         self.blocking = blocking
         self.compression = compression
         self.restore_rng = restore_rng
@@ -209,7 +220,7 @@ class CkptfmtCheckpointIO(_Base):
         directory = os.path.dirname(target)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        handle = ckptfmt.save(state, target, blocking=self.blocking, **options)
+        handle = ckptfmt.save(state, target, blocking=self.blocking, sign_with=self.sign_with, **options)
         if handle is not None:
             _IN_FLIGHT.add(target, handle)
             self._saves().add(handle)
@@ -244,6 +255,7 @@ class CkptfmtCheckpointIO(_Base):
             map_location,
             classes=self.classes,
             read_torch_checkpoints=self.read_torch_checkpoints,
+            trusted_keys=self.trusted_keys,
             _keep_rng=True,
         )
         rng = state.pop(RNG_KEY, None)
@@ -501,6 +513,7 @@ def load_checkpoint(
     *,
     classes: Iterable[type] = (),
     read_torch_checkpoints: bool = False,
+    trusted_keys: Any = None,
     _keep_rng: bool = False,
 ) -> dict[str, Any]:
     """The dict a :class:`CkptfmtCheckpointIO` saved, with allow-listed objects rebuilt.
@@ -508,6 +521,7 @@ def load_checkpoint(
     Restores no RNG state (the reserved RNG entry is left out).  `map_location`
     takes torch.load's forms; None loads onto the CPU.  `read_torch_checkpoints`:
     a file written by torch.save is read with ``torch.load(weights_only=True)``.
+    `trusted_keys`: the file must be signed by one of these Ed25519 public keys (SignatureError).
     """
     target = _local_path(path)
     inflight.wait_for_path(target)
@@ -515,6 +529,11 @@ def load_checkpoint(
         raise FileNotFoundError(f"Checkpoint file not found: {target}")
     kind = sniff(target)
     if kind in ("torch-zip", "torch-legacy"):
+        if trusted_keys is not None:
+            raise SignatureError(
+                "written by torch.save, which carries no signature, and a signature by a trusted key is required",
+                path=target,
+            )
         if not read_torch_checkpoints:
             raise UnsupportedError(
                 "written by torch.save (Lightning's default CheckpointIO), not a ckptfmt file; "
@@ -523,7 +542,7 @@ def load_checkpoint(
             )
         state = _load_torch(target, map_location)
     else:
-        state = ckptfmt.load(target, map_location=map_location)
+        state = ckptfmt.load(target, map_location=map_location, trusted_keys=trusted_keys)
         if type(state) is not dict:
             raise CheckpointError(
                 f"holds a {type(state).__name__}, not a Lightning checkpoint dict", path=target

@@ -16,7 +16,14 @@ checkpoint.  So:
 * a step directory without a commit record is removed by a later save when no
   live process holds its lock (a crashed or failed save);
 * non-blocking saves return after the snapshot; their commit records are
-  written in the order the saves were made, each after its files are durable.
+  written in the order the saves were made, each after its files are durable;
+* with ``sign_with`` every commit record is signed (spec 16.7: it carries the
+  SHA-256 of every file it names); with ``trusted_keys`` ``latest()``, ``load``,
+  ``load_into`` and ``verify`` accept only steps whose record a trusted key
+  signed, and check every file a load reads against it before reading it.  A
+  newest step that is not so signed is skipped like a damaged one; saving,
+  cleanup and rotation never look at signatures, so trusting keys never
+  deletes anything.
 """
 
 from __future__ import annotations
@@ -33,10 +40,10 @@ from typing import Any
 from ..background import inflight
 from ..engine import commit
 from ..engine.ckptdir import CheckpointDir, LinkError
-from ..errors import CheckpointError, CheckpointWarning, CorruptError, UnsupportedError
+from ..errors import CheckpointError, CheckpointWarning, CorruptError, SignatureError, UnsupportedError
 from ..fileio import is_url
 from ..files import load_into as inplace
-from ..files import multifile
+from ..files import multifile, recordsign
 from ..files import save as writer
 from ..files.reader import CheckpointFile
 from ..files.targets import MismatchError
@@ -89,6 +96,8 @@ class CheckpointManager:
         archive_keep_last: int | None = None,
         archive_keep_every: int | None = None,
         storage_options: dict[str, Any] | None = None,
+        sign_with: Any = None,
+        trusted_keys: Any = None,
     ) -> None:
         """archive: an object-store URL (``s3://bucket/run``) where every committed step is also
         copied, in the background and verified after upload; `archive_keep_last` and
@@ -96,7 +105,12 @@ class CheckpointManager:
         this directory; a step not yet archived is kept locally until it is).  latest(),
         load() and load_into() look at both tiers: a new node without the old disk resumes
         from the archive, and a local copy that is missing or damaged is read from there.
-        storage_options: the object store's client settings (see ckptfmt.save)."""
+        storage_options: the object store's client settings (see ckptfmt.save).
+
+        sign_with: an Ed25519 private key (as ``ckptfmt.save`` takes it) that signs every
+        step's commit record; trusted_keys: public keys, one of which must have signed a step
+        for it to be loaded, resumed from, found by latest() or verified (spec 16.7).  Signed
+        runs are local runs in this version (not with archive= or a run URL)."""
         retention.check_rules(keep_last, keep_every, keep_best, best_mode)
         writer.check_save_args(compression, None, None)
         writer.check_snapshot(snapshot)
@@ -110,6 +124,15 @@ class CheckpointManager:
         self.blocking = bool(blocking)
         self.incremental = bool(incremental)
         self.snapshot = snapshot  # how non-blocking saves snapshot the state: writer.save
+        self._sign_key = recordsign.private_key(sign_with)  # a bad key fails here, not at a commit
+        writer.signer(self._sign_key)  # and an engine without libcrypto
+        self._trusted = recordsign.public_keys(trusted_keys)
+        if (self._sign_key is not None or self._trusted is not None) and (
+            archive is not None or is_url(os.fspath(directory))
+        ):
+            raise ValueError(
+                "signed runs (sign_with, trusted_keys) are local runs in this version, without archive="
+            )
         self._lock = threading.Lock()
         self._jobs: list[StepJob] = []  # in flight, or finished with an error nobody has seen
         #: the archive tier (an object-store run), when `archive` is given
@@ -170,8 +193,7 @@ class CheckpointManager:
                 warnings.warn(f"skipping {s.path}: {s.problem}", CheckpointWarning, stacklevel=2)
         for path, why in scan.foreign:
             warnings.warn(f"skipping {path}: {why}", CheckpointWarning, stacklevel=2)
-        done = scan.complete()
-        local = done[-1] if done else None
+        local = next(self._trusted_first(reversed(scan.complete())), None)
         archived = self._archived()
         if archived and (local is None or archived[-1].step > local.step):
             return archived[-1]
@@ -181,12 +203,35 @@ class CheckpointManager:
         """The archive's complete steps, oldest first (none without an archive)."""
         return self.archive.checkpoints() if self.archive is not None else []
 
+    def _trusted_first(self, newest_first: Any) -> Iterator[CheckpointInfo]:
+        """The checkpoints of `newest_first` whose commit record a trusted key signed (all of
+        them when no key is trusted); each newer one that is not is skipped with a warning,
+        as a damaged step is."""
+        for info in newest_first:
+            if self._trusted is not None:
+                try:
+                    with self._step_dir(info) as d:
+                        recordsign.read_trusted(d, self._trusted)
+                except (CheckpointError, OSError) as e:
+                    warnings.warn(f"skipping {info.path}: {e}", CheckpointWarning, stacklevel=3)
+                    continue
+            yield info
+
+    @contextlib.contextmanager
+    def _step_dir(self, info: CheckpointInfo) -> Iterator[CheckpointDir]:
+        """Step directory `info`, opened beneath the run directory without following a link."""
+        with CheckpointDir.open(self.directory) as run, run.sub(os.path.basename(info.path)) as d:
+            yield d
+
     def _find(self, step: int | None) -> list[CheckpointInfo]:
         """The checkpoint of `step`, or every complete one newest first when step is None."""
         statuses = self.statuses()
         archived = {c.step: c for c in self._archived()}
         if step is None:
-            local = {s.step: s.info for s in statuses if s.info is not None}
+            local = {
+                info.step: info
+                for info in self._trusted_first(s.info for s in reversed(statuses) if s.info is not None)
+            }
             # newest first; a step in both tiers: the local copy, then the archived one
             found = [
                 info
@@ -388,7 +433,10 @@ class CheckpointManager:
                 rels = [ext.rel for ext in f.externals]
             refs = tuple(multifile.describe_in(d, rel) for rel in rels)
         record = multifile.CommitRecord(job.step, "state", parts, refs, job.metrics, job.metadata)
-        multifile.write_commit(job.path, record, within=d)
+        if self._sign_key is not None:
+            recordsign.write_signed(d, record, self._sign_key)
+        else:
+            multifile.write_commit(job.path, record, within=d)
 
     def _abandon(self, job: StepJob) -> None:
         """A failed save: remove what it wrote (its step never became a checkpoint)."""
@@ -587,7 +635,7 @@ class CheckpointManager:
         if info.layout == "dcp":  # saved by several ranks: assembled here with full tensors
             from . import sharded
 
-            return sharded.load_step(info)
+            return sharded.load_step(info, self._trusted)
         devices.check_map_location(map_location)
         with self._state_file(info) as f:
             payload = f.load_subtree(f.tree.root, map_location, True)
@@ -599,17 +647,27 @@ class CheckpointManager:
     def _state_file(self, info: CheckpointInfo) -> Iterator[CheckpointFile]:
         """The state file of step `info`, as its commit record names it: the step directory and
         the file are opened without following a link, checked (check_step), and read through
-        the descriptor that was checked; every file it reads chunks from is one the record names."""
+        the descriptor that was checked; every file it reads chunks from is one the record names.
+        With trusted keys the record must be signed by one and equal the one checked, and every
+        file it names is hashed against it first."""
         if is_url(info.path):  # the archived copy: opened and checked against its record
             assert self.archive is not None
             with self.archive.open_part(info) as remote:
                 yield remote
             return
         inflight.wait_for_path(info.state_path)
-        with CheckpointDir.open(self.directory) as run, run.sub(os.path.basename(info.path)) as d:
+        with self._step_dir(info) as d:
             record = self._records.record(d, info.step)  # check_step: the references and the root too
             part = record.files[0]
-            with CheckpointFile(d.path_of(part.name), fd=multifile.open_part(d, part, d.path), within=d) as f:
+            if self._trusted is None:
+                fd = multifile.open_part(d, part, d.path)
+            else:
+                signed = recordsign.read_trusted(d, self._trusted)
+                if signed != record:
+                    raise SignatureError("the commit record changed while it was read", path=d.path)
+                recordsign.check_files(d, signed.references, d.path)
+                fd = recordsign.open_trusted_part(d, signed.files[0], d.path)
+            with CheckpointFile(d.path_of(part.name), fd=fd, within=d) as f:
                 yield f
 
     def load_into(
@@ -638,7 +696,7 @@ class CheckpointManager:
         if info.layout == "dcp":  # saved by several ranks: loaded into this run's sharding
             from . import sharded
 
-            return sharded.load_step_into(info, state, restore_rng)
+            return sharded.load_step_into(info, state, restore_rng, self._trusted)
         with self._state_file(info) as f:
             root = resume.node_items(f, f.tree.root)  # its entries: check_step
             fp, rng_state = resume_entries(f)
@@ -669,7 +727,7 @@ class CheckpointManager:
     def verify(self, step: int | None = None) -> VerifyReport:
         """Check every file of checkpoint `step` (the newest complete one when None)."""
         info = self._find(step)[0]
-        return verify_in_run(self.directory, os.path.basename(info.path), info.step)
+        return verify_in_run(self.directory, os.path.basename(info.path), info.step, self._trusted)
 
 
 def _check_readable(info: CheckpointInfo) -> None:

@@ -129,6 +129,7 @@ def save_step(
             metrics=metrics,
             metadata=meta,
             compression=manager.compression,
+            sign_with=manager._sign_key,
             _within=held(job) if job is not None else None,
             _step_dir=True,
         )
@@ -167,9 +168,10 @@ def _open_step(info: CheckpointInfo) -> CheckpointDir:
             raise IncompleteError(f"cannot open the step directory: {e.strerror}", path=info.path) from None
 
 
-def _step_reader(info: CheckpointInfo, d: CheckpointDir) -> Reader:
-    """A Reader of step `info` beneath `d`, its record read and checked to be that step's."""
-    reader = Reader(info.path, _within=d)
+def _step_reader(info: CheckpointInfo, d: CheckpointDir, trusted: Any) -> Reader:
+    """A Reader of step `info` beneath `d`, its record read and checked to be that step's
+    (`trusted`: public keys, one of which must have signed it)."""
+    reader = Reader(info.path, trusted_keys=trusted, _within=d)
     try:
         reader.read_metadata()
         record = reader.record
@@ -184,10 +186,10 @@ def _step_reader(info: CheckpointInfo, d: CheckpointDir) -> Reader:
     return reader
 
 
-def load_step(info: CheckpointInfo) -> Any:
+def load_step(info: CheckpointInfo, trusted: Any = None) -> Any:
     """The whole saved state of a sharded step, full tensors, in this process."""
     with _open_step(info) as d:
-        reader = _step_reader(info, d)
+        reader = _step_reader(info, d, trusted)
         try:
             # bounded and checked as consolidate is; every error a CheckpointError, never DCP's own
             return load_full(reader, _subset(reader.read_metadata(), ("state",)), info.path).get("state")
@@ -195,14 +197,17 @@ def load_step(info: CheckpointInfo) -> Any:
             reader.close()
 
 
-def load_step_into(info: CheckpointInfo, state: Any, restore_rng: bool) -> resume.ResumeReport:
+def load_step_into(
+    info: CheckpointInfo, state: Any, restore_rng: bool, trusted: Any = None
+) -> resume.ResumeReport:
     """Fill `state` (in place, in this run's sharding) from a sharded step; restore this rank's
-    RNG states when the step holds them (same world size).  Every rank calls it."""
+    RNG states when the step holds them (same world size).  Every rank calls it.  `trusted`:
+    public keys, one of which must have signed the step (spec 16.7)."""
     from .rng import restore_rng as restore
 
     rank = _rank()
     with _open_step(info) as d:  # every read beneath it
-        reader = _step_reader(info, d)
+        reader = _step_reader(info, d, trusted)
         try:
             md = reader.read_metadata()
         finally:
@@ -210,9 +215,9 @@ def load_step_into(info: CheckpointInfo, state: Any, restore_rng: bool) -> resum
         for obj in _stateful(state):
             if isinstance(obj, torch.optim.Optimizer) and not obj.state:
                 _init_optimizer_state(obj)
-        saved = _checked_rng(md, info.path, rank, d)  # before DCP loads into the caller's tensors
+        saved = _checked_rng(md, info.path, rank, d, trusted)  # before DCP loads into the caller's
         target: dict[str, Any] = {"state": resume.to_storable(state)}
-        load(target, info.path, _within=d)
+        load(target, info.path, trusted_keys=trusted, _within=d)
     _push_back(state, target["state"])
     report = resume.ResumeReport(step=info.step, path=info.path)
     if restore_rng and saved is not None:
@@ -221,7 +226,7 @@ def load_step_into(info: CheckpointInfo, state: Any, restore_rng: bool) -> resum
     return report
 
 
-def _checked_rng(md: Any, path: str, rank: int, d: CheckpointDir) -> Any:
+def _checked_rng(md: Any, path: str, rank: int, d: CheckpointDir, trusted: Any) -> Any:
     """This rank's RNG states from a sharded step (None when it holds none), read and checked
     to be what restore_rng restores before anything of the caller's is filled: a malformed
     capture fails the load while the caller's objects are as they were."""
@@ -232,7 +237,7 @@ def _checked_rng(md: Any, path: str, rank: int, d: CheckpointDir) -> Any:
     # every rank takes part in the load (a collective), a rank the step holds no RNG states
     # of (a step saved on fewer ranks) with nothing to read
     target: dict[str, Any] = {"rng": rng} if rng else {}
-    load(target, path, _within=d)
+    load(target, path, trusted_keys=trusted, _within=d)
     if not rng:
         return None
     saved = target["rng"][key]

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, CorruptError, UnsupportedError
-from ..files import multifile
+from ..files import multifile, recordsign
 from ..files.reader import CheckpointFile
 from ..files.verify import Problem, VerifyReport, check_file, problem_of
 from . import resume
@@ -60,12 +60,12 @@ def resume_entries(f: CheckpointFile) -> tuple[dict[str, Any], Any]:
     return fp, rng_state
 
 
-def verify_in_run(run_dir: str, name: str, step: int) -> VerifyReport:
+def verify_in_run(run_dir: str, name: str, step: int, trusted: Any = None) -> VerifyReport:
     """verify_step of step directory `name` of a run, opened beneath the run directory
     without following a link (the step may have been swapped for one since it was listed)."""
     try:
         with CheckpointDir.open(run_dir) as run, run.sub(name) as d:
-            return verify_step(d, step)
+            return verify_step(d, step, trusted)
     except (CheckpointError, OSError) as e:
         report = VerifyReport(os.path.join(run_dir, name))
         report.problems.append(problem_of(e) if isinstance(e, CheckpointError) else _os_problem(e))
@@ -76,12 +76,14 @@ def _os_problem(e: OSError) -> Problem:
     return Problem("incomplete", f"{e.filename or ''}: {e.strerror}".lstrip(": "))
 
 
-def verify_step(path: str | CheckpointDir, step: int | None = None) -> VerifyReport:
+def verify_step(path: str | CheckpointDir, step: int | None = None, trusted: Any = None) -> VerifyReport:
     """Verify a checkpoint directory with the checks a load makes (check_step), then every
     chunk of its commit record, of every file it names and of every file they refer to.
 
     `step`: the step its record must be for; None: the step its name says when it is named
-    like a step directory (step-NNNNNNNNN), so verify fails exactly where latest() skips."""
+    like a step directory (step-NNNNNNNNN), so verify fails exactly where latest() skips.
+    `trusted`: public keys, one of which must have signed the commit record, whose SHA-256
+    of every file must then match (spec 16.7); a failure is a "signature" problem."""
     where = path.path if isinstance(path, CheckpointDir) else path
     if step is None:
         step = parse_step_dirname(os.path.basename(os.path.normpath(where)))
@@ -89,6 +91,8 @@ def verify_step(path: str | CheckpointDir, step: int | None = None) -> VerifyRep
     try:
         with multifile.opened(path) as d:
             record = check_step(d, step)
+            if trusted is not None:
+                recordsign.check_directory(d, trusted)
             _verify_parts(d, record, report)
             if record.layout == "dcp" and report.ok:
                 report.problems += _dcp_problems(d)

@@ -17,8 +17,9 @@ from ...errors import (
     CheckpointWarning,
     CorruptError,
     IncompleteError,
+    SignatureError,
 )
-from ...files import multifile
+from ...files import multifile, recordsign
 from ...files.reader import CheckpointFile
 from ...files.verify import VerifyReport, check_file
 from .names import (
@@ -67,9 +68,10 @@ class OpenedFolder:
     """A checked checkpoint folder held open: its descriptor and its commit record.  Everything
     read from it afterwards goes through this descriptor, so what is read is what was checked."""
 
-    def __init__(self, folder: CheckpointDir, record: multifile.CommitRecord) -> None:
+    def __init__(self, folder: CheckpointDir, record: multifile.CommitRecord, trusted: Any = None) -> None:
         self.dir = folder
         self.record = record
+        self.trusted = trusted  # public keys: the record is signed, each file hashed as opened
 
     @property
     def path(self) -> str:
@@ -81,8 +83,12 @@ class OpenedFolder:
 
     @contextlib.contextmanager
     def open(self, part: multifile.PartRecord) -> Iterator[CheckpointFile]:
-        """The exact file the commit names, checked again as it is opened (length, id, index checksum)."""
-        fd = multifile.open_part(self.dir, part, self.path)
+        """The exact file the commit names, checked again as it is opened (length, id, index
+        checksum; and its SHA-256 against a signed record)."""
+        if self.trusted is None:
+            fd = multifile.open_part(self.dir, part, self.path)
+        else:
+            fd = recordsign.open_trusted_part(self.dir, part, self.path)
         with CheckpointFile(self.dir.path_of(part.name), fd=fd, within=self.dir) as f:
             yield f
 
@@ -118,10 +124,15 @@ class OpenedFolder:
         self.close()
 
 
-def check_folder(folder: CheckpointDir, verify: bool) -> OpenedFolder:
-    """`folder` checked complete (and with `verify`, every chunk checked); it is not closed here."""
+def check_folder(folder: CheckpointDir, verify: bool, trusted: Any = None) -> OpenedFolder:
+    """`folder` checked complete (and with `verify`, every chunk checked); it is not closed here.
+    `trusted`: public keys, one of which must have signed its commit record (spec 16.7)."""
     record = multifile.check_complete(folder)
-    opened = OpenedFolder(folder, record)
+    if trusted is not None:
+        signed = recordsign.read_trusted(folder, trusted)
+        if signed != record:
+            raise SignatureError("the commit record changed while it was read", path=folder.path)
+    opened = OpenedFolder(folder, record, trusted)
     if opened.part(TRAINER_STATE_NAME) is None:
         raise IncompleteError(f"the commit record names no {TRAINER_STATE_NAME}", path=folder.path)
     if verify:
@@ -129,7 +140,7 @@ def check_folder(folder: CheckpointDir, verify: bool) -> OpenedFolder:
     return opened
 
 
-def open_checked(path: str, verify: bool = False) -> OpenedFolder:
+def open_checked(path: str, verify: bool = False, trusted: Any = None) -> OpenedFolder:
     """The folder the caller names (its path is the caller's, resolved once), checked complete."""
     try:
         folder = CheckpointDir.open(path)
@@ -138,7 +149,7 @@ def open_checked(path: str, verify: bool = False) -> OpenedFolder:
     except OSError as e:
         raise IncompleteError(f"cannot open the folder: {e.strerror}", path=path) from None
     try:
-        return check_folder(folder, verify)
+        return check_folder(folder, verify, trusted)
     except BaseException:
         folder.close()
         raise
@@ -168,8 +179,9 @@ def _warn_skip(path: str, why: str) -> None:
     warnings.warn(f"skipping {path}: {why}", CheckpointWarning, stacklevel=4)
 
 
-def open_latest(run_dir: str, verify: bool, warn: bool) -> OpenedFolder | None:
-    """The newest complete ``checkpoint-N`` folder of `run_dir`, held open, or None."""
+def open_latest(run_dir: str, verify: bool, warn: bool, trusted: Any = None) -> OpenedFolder | None:
+    """The newest complete ``checkpoint-N`` folder of `run_dir`, held open, or None; with
+    `trusted` public keys, the newest whose commit record one of them signed."""
     run = open_run(run_dir)
     if run is None:
         return None
@@ -188,7 +200,7 @@ def open_latest(run_dir: str, verify: bool, warn: bool) -> OpenedFolder | None:
                     _warn_skip(run.path_of(name), f"not a complete checkpoint ({why(e)})")
                 continue
             try:
-                return check_folder(folder, verify)
+                return check_folder(folder, verify, trusted)
             except (CheckpointError, OSError) as e:
                 folder.close()
                 if warn:
@@ -196,15 +208,18 @@ def open_latest(run_dir: str, verify: bool, warn: bool) -> OpenedFolder | None:
     return None
 
 
-def latest_checkpoint(run_dir: str, *, verify: bool = False, warn: bool = True) -> str | None:
+def latest_checkpoint(
+    run_dir: str, *, verify: bool = False, warn: bool = True, trusted_keys: Any = None
+) -> str | None:
     """The complete ``checkpoint-N`` folder with the highest N in `run_dir`, or None.
 
     Newer folders that are not complete (with ``verify=True``: or whose files fail
     their checksums) are skipped, each with a CheckpointWarning naming it and why
     (unless ``warn=False``); so are ``checkpoint-N`` entries that are symbolic links
-    (never followed: they may lead anywhere).
+    (never followed: they may lead anywhere).  `trusted_keys`: only folders whose commit
+    record one of these Ed25519 public keys signed count (spec 16.7).
     """
-    found = open_latest(run_dir, verify, warn)
+    found = open_latest(run_dir, verify, warn, recordsign.public_keys(trusted_keys))
     if found is None:
         return None
     found.close()
@@ -218,12 +233,12 @@ def load_model_state(path: str, map_location: Any = None) -> dict[str, Any]:
     return state
 
 
-def load_best(run_dir: str, name: str) -> Any:
+def load_best(run_dir: str, name: str, trusted: Any = None) -> Any:
     """The model state of complete folder `name` of the run directory (never a link)."""
     if checkpoint_step(name) is None:
         raise CorruptError(f"the best checkpoint {name[:80]!r} is not a {PREFIX}-N folder", path=run_dir)
     with CheckpointDir.open(run_dir) as run, run.sub(name) as folder:
-        return check_folder(folder, False).load_required(MODEL_NAME)
+        return check_folder(folder, False, trusted).load_required(MODEL_NAME)
 
 
 def sort_folders(run: CheckpointDir) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:

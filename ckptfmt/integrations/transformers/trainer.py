@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 import ckptfmt
 
 from ...errors import CheckpointError
-from ...files.save import check_save_args
+from ...files import recordsign
+from ...files.save import check_save_args, signer
 from .. import objects
 from .names import (
     MAX_JSON_BYTES,
@@ -88,7 +89,11 @@ class CkptfmtTrainerMixin(_MixinBase):
     Extra keyword arguments: ``ckptfmt_blocking`` (default True),
     ``ckptfmt_compression`` (None or "zstd") and ``ckptfmt_verify_resume``
     (default True: before resuming, read every chunk of the chosen checkpoint and
-    check its checksum, going on to older ones if it fails).  See the module docstring.
+    check its checksum, going on to older ones if it fails); ``ckptfmt_sign_with`` (an
+    Ed25519 private key: every checkpoint folder's commit record is signed, spec 16.7) and
+    ``ckptfmt_trusted_keys`` (Ed25519 public keys: only folders one of them signed are
+    resumed from or loaded, the newest unsigned ones skipped with a warning).  See the
+    module docstring.
     """
 
     def __init__(
@@ -97,9 +102,14 @@ class CkptfmtTrainerMixin(_MixinBase):
         ckptfmt_blocking: bool = True,
         ckptfmt_compression: str | None = None,
         ckptfmt_verify_resume: bool = True,
+        ckptfmt_sign_with: Any = None,
+        ckptfmt_trusted_keys: Any = None,
         **kwargs: Any,
     ) -> None:
         check_save_args(ckptfmt_compression, None, None)
+        self._ckptfmt_sign_key = recordsign.private_key(ckptfmt_sign_with)
+        signer(self._ckptfmt_sign_key)  # an engine without libcrypto fails here, not at a commit
+        self._ckptfmt_trusted = recordsign.public_keys(ckptfmt_trusted_keys)
         self.ckptfmt_blocking = ckptfmt_blocking
         self.ckptfmt_verify_resume = ckptfmt_verify_resume
         self.ckptfmt_compression = ckptfmt_compression
@@ -206,7 +216,7 @@ class CkptfmtTrainerMixin(_MixinBase):
             save.error = e
 
     def _ckptfmt_commit(self, save: FolderSave) -> None:
-        save.commit(_writer_metadata())
+        save.commit(_writer_metadata(), self._ckptfmt_sign_key)
         self._ckptfmt_rotate(save.run_dir, save.limit)
 
     def _ckptfmt_raise_failed(self) -> None:
@@ -324,7 +334,7 @@ class CkptfmtTrainerMixin(_MixinBase):
         if held is not None and held.path == checkpoint:
             yield held
             return
-        with open_checked(checkpoint) as opened:
+        with open_checked(checkpoint, trusted=self._ckptfmt_trusted) as opened:
             yield opened
 
     def _ckptfmt_resume_source(self, resume_from_checkpoint: str | bool | None) -> OpenedFolder | None:
@@ -332,13 +342,13 @@ class CkptfmtTrainerMixin(_MixinBase):
         remembered for the load hooks), or None when it starts afresh."""
         if resume_from_checkpoint is True:
             run_dir = os.fspath(self.args.output_dir or ".")
-            found = open_latest(run_dir, self.ckptfmt_verify_resume, warn=True)
+            found = open_latest(run_dir, self.ckptfmt_verify_resume, warn=True, trusted=self._ckptfmt_trusted)
             if found is None:
                 raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir})")
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             path = os.fspath(resume_from_checkpoint)
             try:
-                found = open_checked(path, verify=self.ckptfmt_verify_resume)
+                found = open_checked(path, verify=self.ckptfmt_verify_resume, trusted=self._ckptfmt_trusted)
             except CheckpointError as e:
                 raise CheckpointError(
                     f"not a complete ckptfmt checkpoint ({e.reason}); folders written by "
@@ -400,7 +410,7 @@ class CkptfmtTrainerMixin(_MixinBase):
         # path comes from trainer_state.json, which a folder from elsewhere may point anywhere
         run_dir = self._get_output_dir(trial=getattr(self, "_trial", None))
         try:
-            state = load_best(run_dir, os.path.basename(os.path.normpath(best)))
+            state = load_best(run_dir, os.path.basename(os.path.normpath(best)), self._ckptfmt_trusted)
         except (CheckpointError, OSError) as e:
             logger.warning(f"Could not load the best model from {best}: {why(e)}")
             return

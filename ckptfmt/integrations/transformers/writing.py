@@ -13,7 +13,7 @@ from typing import Any
 from ...background.inflight import SaveHandle
 from ...engine.ckptdir import CheckpointDir, LinkError
 from ...errors import CorruptError
-from ...files import multifile
+from ...files import multifile, recordsign
 from .reading import open_run, sort_folders
 
 logger = logging.getLogger(__name__)
@@ -83,10 +83,10 @@ class FolderSave:
             )
         return self.dir
 
-    def commit(self, metadata: dict[str, Any]) -> None:
+    def commit(self, metadata: dict[str, Any], sign_key: Any = None) -> None:
         """Write the commit record naming this save's files, once every one is written and
         durable (the first error of a non-blocking write is raised instead); the folder is
-        closed either way."""
+        closed either way.  `sign_key`: a private key that signs the record (spec 16.7)."""
         try:
             errors = [e for e in (h.exception() for h in self.handles) if e is not None]
             if errors:
@@ -97,7 +97,10 @@ class FolderSave:
             record = multifile.CommitRecord(
                 step=self.step, layout="hf-trainer", files=parts, metadata=metadata
             )
-            multifile.write_commit(folder.path, record, within=folder)
+            if sign_key is not None:
+                recordsign.write_signed(folder, record, sign_key)
+            else:
+                multifile.write_commit(folder.path, record, within=folder)
         finally:
             self.close()
 
