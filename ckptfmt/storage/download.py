@@ -31,8 +31,9 @@ TAIL_BYTES = 1 * MiB
 REQUEST_BYTES = 8 * MiB
 #: adjacent ranges closer than this are fetched in one request
 MERGE_GAP = 64 * 1024
-#: objects larger than this are refused before anything is allocated (256 TiB)
-MAX_OBJECT_BYTES = 1 << 48
+#: objects larger than this are refused before anything is allocated: the spool maps the
+#: whole object (sparse), and 16 TiB of address space is what a process can always map
+MAX_OBJECT_BYTES = 1 << 44
 
 Range = tuple[int, int]
 
@@ -67,7 +68,10 @@ class RemoteObject:
         self.spool: Spool | None = None
         try:
             self.size, self.etag = self._head()
-            self.spool = Spool(self.url.key.rsplit("/", 1)[-1], self.size)
+            try:
+                self.spool = Spool(self.url.key.rsplit("/", 1)[-1], self.size)
+            except OSError as e:
+                raise LimitError(f"cannot map an object of {self.size} bytes: {e.strerror}", path=url) from None
             self._fetch_index(max_bytes)
         except BaseException:
             self.close()
