@@ -79,3 +79,10 @@ class SignatureError(CheckpointError, ValueError):
     """A caller demanded a signature (``trusted_keys``) and the file does not prove it was
     signed by one of the trusted keys: it is unsigned, signed by another key, or any signed
     byte changed (its prologue, index, digest table, signature or a chunk)."""
+
+
+class DecryptionError(CheckpointError, ValueError):
+    """An encrypted file (spec section 17) cannot be decrypted: no key was given, the key is
+    not the one it was encrypted with, or a byte that its GCM tags cover (the wrapped key, the
+    index, a chunk, the encryption block's header) changed; or a key was given for a file that
+    is not encrypted.  Messages never hold key material."""

@@ -38,6 +38,7 @@ from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
 from ..format.encode import Encoded
+from ..format.encryption import Sealer
 from . import forksave, inflight
 from .inflight import SaveHandle
 from .staging import POOL, StagingPool
@@ -115,6 +116,7 @@ def save_async(
     snapshot: str = "copy",
     within: CheckpointDir | None = None,
     sign: chunkwrite.Signer | None = None,
+    seal: Sealer | None = None,
 ) -> SaveHandle:
     """Snapshot `encoded` (checked already: nothing is written for a state that cannot be)
     and write it in the background; return once the snapshot is taken.
@@ -125,6 +127,8 @@ def save_async(
         reason = forksave.why_not(encoded, dedup)
         if sign is not None:
             reason = "signed saves take each chunk's digest in this process (use snapshot='copy')"
+        if seal is not None:
+            reason = "encrypted saves encrypt each chunk in this process (use snapshot='copy')"
         if reason is not None:
             raise ValueError(f"{path}: snapshot='fork' is not possible: {reason}")
         return forksave.save_forked(
@@ -146,6 +150,7 @@ def save_async(
         dedup=dedup,
         within=within,
         sign=sign,
+        seal=seal,
     )
 
 
@@ -160,6 +165,7 @@ def _save_copied(
     dedup: chunkwrite.Dedup | None,
     within: CheckpointDir | None,
     sign: chunkwrite.Signer | None = None,
+    seal: Sealer | None = None,
 ) -> SaveHandle:
     handle = SaveHandle(path)
     pieces: queue.Queue[_Piece | BaseException | None] = queue.Queue()
@@ -184,6 +190,7 @@ def _save_copied(
             dedup,
             pool,
             sign,
+            seal,
         ),
         name=f"ckptfmt-save-{os.path.basename(path)}",
         daemon=False,
@@ -353,6 +360,7 @@ def _write_worker(
     dedup: chunkwrite.Dedup | None,
     pool: StagingPool,
     sign: chunkwrite.Signer | None = None,
+    seal: Sealer | None = None,
 ) -> None:
     exc: BaseException | None = None
     ended = False  # the snapshot's last item (None, or its error) has been taken
@@ -369,6 +377,7 @@ def _write_worker(
             path=handle.path,
             dedup=dedup,
             sha=sign is not None,
+            key=None if seal is None else seal.data_key,
         )
         while not ended:
             batch, last = _take_batch(pieces)
@@ -389,7 +398,18 @@ def _write_worker(
                     raise last
         if exc is None:
             chunkwrite.finish_file(
-                atomic.fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup, sign, out.shas
+                atomic.fd,
+                file_id,
+                encoded,
+                out.chunks,
+                out.pos,
+                metadata,
+                chunk_size,
+                dedup,
+                sign,
+                out.shas,
+                seal,
+                out.tags,
             )
             atomic.commit(free_replaced=replaced.append)
     except BaseException as e:

@@ -56,7 +56,7 @@ def write_targets(
     # keys, through the bounce buffer instead, each window's chunks checked against their
     # signed digests before they are copied: no byte that was not signed reaches a target,
     # even when the file changes after the first pass verified it
-    if plan.direct and f.signed and buf is not None:
+    if plan.direct and (f.signed or f.encrypted) and buf is not None:
         dests = dict(plan.direct)
         for items, _ in windows(f, [k for k, _ in plan.direct], buf):
             f.read_into(items, verify)

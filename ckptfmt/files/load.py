@@ -41,6 +41,7 @@ def load(
     mmap: bool = False,
     max_bytes: int | None = None,
     trusted_keys: Any = None,
+    decrypt_with: Any = None,
 ) -> Any:
     """Load a whole state.  `verify` checks every chunk's checksum as it is read.
 
@@ -50,6 +51,10 @@ def load(
     and each chunk against its signed SHA-256 as it is read (verify=False is ignored);
     SignatureError when the file is unsigned, signed by another key, or any byte changed,
     raised before anything is returned.  Not with mmap=True (ValueError).
+
+    decrypt_with: the key of an encrypted file (32 bytes, a key file's path, or a key
+    service's callable; spec section 17): DecryptionError without it, with another key, or
+    when a tag fails, never wrong values.  Not with mmap=True (ValueError).
 
     max_bytes: raise LimitError, before allocating it, when the load would need more
     memory than this for the index (format.index_memory_bound, computed before the JSON is
@@ -68,7 +73,7 @@ def load(
     """
     devices.check_map_location(map_location)
     inflight.wait_for_path(path)
-    with CheckpointFile(path, max_bytes=max_bytes, trusted_keys=trusted_keys) as f:
+    with CheckpointFile(path, max_bytes=max_bytes, trusted_keys=trusted_keys, decrypt_with=decrypt_with) as f:
         return f.load_subtree(f.tree.root, map_location, verify, use_mmap=mmap)
 
 
@@ -80,10 +85,17 @@ class Reader:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, max_bytes: int | None = None, trusted_keys: Any = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_bytes: int | None = None,
+        trusted_keys: Any = None,
+        decrypt_with: Any = None,
     ) -> None:
         inflight.wait_for_path(path)
-        self._file = CheckpointFile(path, max_bytes=max_bytes, trusted_keys=trusted_keys)
+        self._file = CheckpointFile(
+            path, max_bytes=max_bytes, trusted_keys=trusted_keys, decrypt_with=decrypt_with
+        )
         self._items = self._file.root_items()
 
     @property
@@ -144,9 +156,13 @@ class Reader:
 
 
 def open(  # noqa: A001 - the public name is fixed
-    path: str | os.PathLike[str], *, max_bytes: int | None = None, trusted_keys: Any = None
+    path: str | os.PathLike[str],
+    *,
+    max_bytes: int | None = None,
+    trusted_keys: Any = None,
+    decrypt_with: Any = None,
 ) -> Reader:
     """Open a checkpoint, parse and validate its index; read data lazily with .get().
     max_bytes, trusted_keys: see load() (with trusted_keys the signature is checked here,
     and each chunk a get() reads against its signed digest)."""
-    return Reader(path, max_bytes=max_bytes, trusted_keys=trusted_keys)
+    return Reader(path, max_bytes=max_bytes, trusted_keys=trusted_keys, decrypt_with=decrypt_with)

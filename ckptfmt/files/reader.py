@@ -38,7 +38,7 @@ from ..format import layout as fmt
 from ..format.decode import decode, decode_key
 from ..format.index import Chunk, External, parse_index, parse_index_json
 from ..gcpause import pausing_in_main_thread
-from . import signing
+from . import encryption, signing
 
 __all__ = [
     "MAX_OPEN_EXTERNALS",
@@ -85,15 +85,21 @@ class CheckpointFile:
         fd: int | None = None,
         within: CheckpointDir | None = None,
         trusted_keys: Any = None,
+        decrypt_with: Any = None,
+        ciphertext_only: bool = False,
     ) -> None:
         """`fd`: the file, already opened and checked by the caller (it is owned from here on;
         `path` then only names it in messages).  `within`: the directory holding it, through
         which its reference paths are resolved (spec 12.3); default the directory of `path`.
         `trusted_keys`: the file must be signed by one of these keys (spec section 16): the
         signature is checked here, before any chunk is read (SignatureError), and every chunk
-        read is then checked against its signed digest, whatever `verify` a caller passes."""
+        read is then checked against its signed digest, whatever `verify` a caller passes.
+        `decrypt_with`: the key of an encrypted file (spec section 17, files/encryption.py):
+        its data key is unwrapped and its index's tag checked here, each chunk's tag as it is
+        read.  `ciphertext_only` (verify without a key): see format.index.parse_index."""
         self.path = os.fspath(path)
         trusted = signing.trusted_set(trusted_keys)  # bad keys fail before the file is opened
+        opener = encryption.opener(decrypt_with)
         if trusted is not None and _native.available() and not _native.crypto_available():
             raise CheckpointError(
                 "checking signatures needs the C engine built with OpenSSL's libcrypto (libssl-dev); "
@@ -109,7 +115,7 @@ class CheckpointFile:
             fd = open_regular(self.path)
         try:
             try:
-                index = parse_index(fd, self.path, max_bytes)
+                index = parse_index(fd, self.path, max_bytes, opener, ciphertext_only)
             except (CorruptError, IncompleteError, UnsupportedError) as e:
                 if trusted is None:
                     raise
@@ -124,6 +130,8 @@ class CheckpointFile:
             raise
         #: a signature by a trusted key was demanded and checked: every chunk read is verified
         self.signed = trusted is not None
+        #: an encrypted file (section 17); its chunks are decrypted when opened with the key
+        self.encrypted = index.encryption is not None
         self.index = index
         self.prologue = index.prologue
         self.footer = index.footer
@@ -318,6 +326,10 @@ class CheckpointFile:
     def load_subtree(
         self, top: int, map_location: devices.MapLocation, verify: bool, use_mmap: bool = False
     ) -> object:
+        if use_mmap and self.encrypted:
+            raise ValueError(
+                f"{self.path}: mmap=True cannot map an encrypted file: its pages hold ciphertext"
+            )
         if use_mmap and self.signed:
             raise ValueError(
                 f"{self.path}: mmap=True cannot be combined with trusted_keys: a mapping shows later "

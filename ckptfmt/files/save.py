@@ -22,8 +22,9 @@ from ..engine.commit import AtomicFile
 from ..errors import CheckpointError
 from ..format import layout as fmt
 from ..format.encode import check_chunks, check_metadata, encode
+from ..format.encryption import Sealer
 from ..gcpause import pausing_in_main_thread
-from . import signing
+from . import encryption, signing
 
 
 def check_save_args(compression: str | None, level: int | None, metadata: object) -> dict[str, str]:
@@ -75,6 +76,8 @@ def save(
     chunk_size: int | None = None,
     snapshot: str = "copy",
     sign_with: Any = None,
+    encrypt_with: Any = None,
+    encrypt_index: bool = True,
     _within: CheckpointDir | None = None,
 ) -> Any:
     """Save `state` at `path` atomically; with blocking=False return a SaveHandle after the snapshot.
@@ -92,8 +95,19 @@ def save(
     sign_with: an Ed25519 private key (a ``cryptography`` key object, a path, or the bytes
     of a PEM or OpenSSH private key): the file is signed (spec section 16), each chunk's
     SHA-256 taken by the engine as it is written, the signature over the prologue, the
-    index and every chunk's digest.  Loads given ``trusted_keys`` accept only such files."""
+    index and every chunk's digest.  Loads given ``trusted_keys`` accept only such files.
+
+    encrypt_with: a key (32 bytes, a key file's path, or a key service's callable: see
+    files/encryption.py): the file is encrypted (spec section 17) with AES-256-GCM under a
+    fresh data key wrapped by it, each chunk by the engine as it is written (after
+    compression), and the index too unless ``encrypt_index=False``.  Not with sign_with
+    (not defined in this version) nor snapshot='fork'."""
     meta = check_save_args(compression, level, metadata)
+    if sign_with is not None and encrypt_with is not None:
+        raise ValueError(
+            "sign_with and encrypt_with together are not defined in this version (spec section 17)"
+        )
+    seal = encryption.sealer(encrypt_with, encrypt_index)
     sign = signer(sign_with)
     check_snapshot(snapshot)
     target = os.fspath(path)
@@ -111,6 +125,7 @@ def save(
         snapshot=snapshot,
         within=_within,
         sign=sign,
+        seal=seal,
     )
 
 
@@ -145,6 +160,7 @@ def write_state(
     snapshot: str = "copy",
     within: CheckpointDir | None = None,
     sign: Signer | None = None,
+    seal: Sealer | None = None,
 ) -> Any:
     """Encode and commit `state` at `target` (arguments already checked, earlier saves waited
     for), beneath the open directory `within` when given (AtomicFile)."""
@@ -162,6 +178,7 @@ def write_state(
             snapshot=snapshot,
             within=within,
             sign=sign,
+            seal=seal,
         )
     try:
         with AtomicFile(target, within) as f:
@@ -175,6 +192,7 @@ def write_state(
                 path=target,
                 dedup=dedup,
                 sign=sign,
+                seal=seal,
             )
             f.commit()
     except OSError as e:
