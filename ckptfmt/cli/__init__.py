@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="require a signature by this Ed25519 public key (PEM or OpenSSH; repeatable): "
         "a file that is unsigned, signed by another key or changed fails (exit 1)",
     )
+    v.add_argument(
+        "--decrypt-key",
+        default=None,
+        metavar="KEYFILE",
+        help="decrypt encrypted files with this key file (32 bytes, or 64 hex digits): every GCM tag is "
+        "checked too; without it an encrypted file is checked only as far as its clear parts allow",
+    )
     v.set_defaults(fn=cmd_verify)
     ls = sub("ls", "List a run directory's checkpoints: step, complete or not, size, age, metrics.")
     ls.add_argument("dir", metavar="DIR")
@@ -73,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub("inspect", "Show the object tree, dtypes, shapes, sizes, codecs and metadata.")
     i.add_argument("path", metavar="PATH")
     i.add_argument("--json", action="store_true", help="print one JSON document")
+    i.add_argument(
+        "--decrypt-key",
+        default=None,
+        metavar="KEYFILE",
+        help="the key file of an encrypted file; without it only what is in clear is shown",
+    )
     i.set_defaults(fn=cmd_inspect)
     c = sub(
         "convert",

@@ -41,11 +41,11 @@ __all__ = [
 #: what verify() without the key leaves unchecked (spec 17.6), by whether the index is encrypted
 UNCHECKED_ENCRYPTED_INDEX = (
     "encrypted file checked without its key: the prologue, footer, encryption block and the index's "
-    "checksum were checked; the index, the chunks and every GCM tag were not (pass decrypt_with)"
+    "checksum were checked; the index, the chunks and every GCM tag were not (pass the key: decrypt_with, --decrypt-key)"
 )
 UNCHECKED_CLEAR_INDEX = (
     "encrypted file checked without its key: its structure, index and each chunk's checksum over the "
-    "ciphertext were checked; the GCM tags, zstd frames and contents were not (pass decrypt_with)"
+    "ciphertext were checked; the GCM tags, zstd frames and contents were not (pass the key: decrypt_with, --decrypt-key)"
 )
 
 #: a key file is at most this long: 64 hex digits and a line feed
