@@ -355,9 +355,10 @@ class _IndexParser:
         if self._decrypt is None:
             if enc.index_encrypted or not self._ciphertext_only:
                 what = " (its index too)" if enc.index_encrypted else ""
-                raise encryption.KeyRequired(
-                    f"file is encrypted{what}: pass decrypt_with=<key> to read it", enc, path=self.path
-                )
+                msg = f"file is encrypted{what}: pass decrypt_with=<key> to read it"
+                if self._ciphertext_only:  # verify and inspect show what is in clear
+                    raise encryption.KeyRequired(msg, enc, path=self.path)
+                raise DecryptionError(msg, path=self.path)
             return enc, b"", raw
         file_id = self.prologue.file_id
         try:
