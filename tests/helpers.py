@@ -80,6 +80,16 @@ def assert_same(a: Any, b: Any, check_sharing: bool = True) -> None:
     SameChecker(check_sharing)(a, b)
 
 
+def read_bytes(path: str) -> bytearray:
+    with open(path, "rb") as fh:
+        return bytearray(fh.read())
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+
+
 _SMALL_FILES: dict[str, bytes] = {}
 
 

@@ -22,6 +22,8 @@ import zstandard
 from cli_runner import run_cli
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from helpers import assert_same, small_file_bytes, states
+from helpers import read_bytes as read
+from helpers import write_bytes as write
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -66,16 +68,6 @@ def targets() -> dict[str, object]:
 def save(path: str, key: object = KEY, **kw: object) -> str:
     ckptfmt.save(state(), path, encrypt_with=key, chunk_size=CHUNK, **kw)
     return path
-
-
-def read(path: str) -> bytearray:
-    with open(path, "rb") as f:
-        return bytearray(f.read())
-
-
-def write(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
 
 
 def use_backend(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:

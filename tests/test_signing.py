@@ -21,7 +21,9 @@ import xxhash
 from cli_runner import run_cli
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
+from helpers import read_bytes as read
 from helpers import small_file_bytes
+from helpers import write_bytes as write
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -83,16 +85,6 @@ def assert_all_refused(path: str, keys: list[object] | None = None, match: str |
 
 
 # -- layout helpers ------------------------------------------------------------
-
-
-def read(path: str) -> bytearray:
-    with open(path, "rb") as fh:
-        return bytearray(fh.read())
-
-
-def write(path: str, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
 
 
 def parts(data: bytearray) -> dict[str, int]:
@@ -538,6 +530,7 @@ def test_golden_signed_file_verifies_from_the_spec():
 
 
 # -- any flipped bit -----------------------------------------------------------------
+
 
 def _small_signed() -> bytes:
     return small_file_bytes("signed", sign_with=KEY, chunk_size=CHUNK)
