@@ -572,6 +572,17 @@ def test_verify_without_key(tmp_path):
     assert not ckptfmt.verify(enc_index).ok
 
 
+def test_keygen_encryption(tmp_path):
+    out = tmp_path / "new.key"
+    run_cli("keygen", out, "--encryption", rc=0)
+    assert os.stat(out).st_mode & 0o777 == 0o600
+    assert run_cli("keygen", out, "--encryption").returncode == 2  # never replaces a key
+    kek = encryption.read_key_file(str(out), "k")
+    assert len(kek) == 32 and out.read_text() == kek.hex() + "\n"
+    p = save(str(tmp_path / "e.ckpt"), key=str(out))
+    assert_same(ckptfmt.load(p, decrypt_with=kek), state())
+
+
 def test_cli(tmp_path):
     keyfile = tmp_path / "k.hex"
     keyfile.write_text(KEY.hex() + "\n")

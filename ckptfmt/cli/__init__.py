@@ -116,9 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
     n = sub("info", "Show package, format and library versions and the active backend.")
     n.add_argument("--json", action="store_true", help="print one JSON document")
     n.set_defaults(fn=cmd_info)
-    g = sub("keygen", "Make an Ed25519 key pair for signing: OUT (private, mode 0600) and OUT.pub.")
+    g = sub(
+        "keygen",
+        "Make an Ed25519 key pair for signing: OUT (private, mode 0600) and OUT.pub; with --encryption "
+        "a key file for encrypted files instead (OUT, mode 0600, 64 hex digits).",
+    )
     g.add_argument("out", metavar="OUT")
     g.add_argument("--openssh", action="store_true", help="OpenSSH encodings instead of PEM")
+    g.add_argument(
+        "--encryption",
+        action="store_true",
+        help="a random 32-byte key-encryption key for encrypt_with / --decrypt-key (spec section 17)",
+    )
     g.set_defaults(fn=cmd_keygen)
     s = sub(
         "sign",
