@@ -20,6 +20,7 @@ import torch
 import xxhash
 import zstandard
 from cli_runner import run_cli
+from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from helpers import assert_same, small_file_bytes, states
 from helpers import read_bytes as read
@@ -32,6 +33,7 @@ from ckptfmt import CheckpointError, CorruptError, DecryptionError, IncompleteEr
 from ckptfmt.engine import chunkwrite, native
 from ckptfmt.files import encryption
 from ckptfmt.files.reader import CheckpointFile
+from ckptfmt.files.signfile import sign_file
 from ckptfmt.format import layout as fmt
 from ckptfmt.format.encode import encode
 
@@ -192,6 +194,10 @@ def test_nonblocking_save_and_fork_refused(tmp_path):
 
 def test_refused_combinations(tmp_path):
     p = save(str(tmp_path / "e.ckpt"))
+    before = read(p)
+    with pytest.raises(ckptfmt.UnsupportedError, match="signing encrypted files"):
+        sign_file(p, ed25519.Ed25519PrivateKey.generate())
+    assert read(p) == before
     with pytest.raises(ValueError, match="mmap"):
         ckptfmt.load(p, decrypt_with=KEY, mmap=True)
     with pytest.raises(ValueError, match="sign_with and encrypt_with"):

@@ -18,7 +18,7 @@ from typing import Any
 from ..background import inflight
 from ..engine.chunkwrite import write_tail
 from ..engine.commit import AtomicFile
-from ..errors import UnsupportedError
+from ..errors import DecryptionError, UnsupportedError
 from ..fileio import pread_exact
 from ..format import layout as fmt
 from ..format import signing as layout_signing
@@ -72,7 +72,7 @@ def sign_file(path: str | os.PathLike[str], key: Any) -> None:
 
     The file's structure is checked first, and the signed result completely (every chunk's
     checksum and signed digest) before it replaces the original: a damaged file is never
-    signed.  UnsupportedError for an incremental file (external chunks)."""
+    signed.  UnsupportedError for an incremental file (external chunks) or an encrypted one."""
     from ..engine import native as _native
 
     target = os.fspath(path)
@@ -80,7 +80,13 @@ def sign_file(path: str | os.PathLike[str], key: Any) -> None:
     sign = signer(private)
     assert sign is not None
     inflight.wait_for_path(target)
-    with CheckpointFile(target) as f:
+    try:
+        f = CheckpointFile(target)
+    except DecryptionError:  # only an encrypted file asks for a key here
+        raise UnsupportedError(
+            "signing encrypted files is not defined in this version (spec section 17)", path=target
+        ) from None
+    with f:
         if f.prologue.required_features & fmt.FEATURE_EXTERNAL:
             raise UnsupportedError(
                 "signing files with external chunks (incremental checkpoints) is not defined in this version",
