@@ -16,6 +16,7 @@ name the key only by its 8-byte hint (17.2), which is public in the file anyway.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import string
@@ -166,8 +167,6 @@ class FileSealer:
 
 
 def _with(block: enc.EncryptionBlock, **changes: Any) -> enc.EncryptionBlock:
-    import dataclasses
-
     return dataclasses.replace(block, **changes)
 
 

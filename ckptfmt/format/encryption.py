@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -208,7 +209,7 @@ class Sealer(Protocol):
 
 #: reads the data key out of a file's encryption block: (block, file id) -> 32 bytes, or
 #: DecryptionError (made by files/encryption.py from the user's key)
-Opener = Any
+Opener = Callable[[EncryptionBlock, bytes], bytes]
 
 
 def seal_index(
