@@ -35,6 +35,16 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
+def normal_state(nbytes: int) -> dict[str, object]:
+    """A model-like state of `nbytes` of fp32 in 8 tensors, normal with std 0.02, from a fixed seed."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    n = nbytes // 4
+    parts = 8
+    return {f"layer{i}.weight": torch.empty(n // parts).normal_(0, 0.02, generator=g) for i in range(parts)}
+
+
 def summarise(values: list[float]) -> dict[str, float]:
     """Median, min, max and count of a list of measurements."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}

@@ -31,23 +31,17 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from common import normal_state  # noqa: E402
+
 KINDS = ["save_plain", "save_signed", "load_plain", "load_signed"]
-
-
-def _state(nbytes: int) -> dict[str, object]:
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    n = nbytes // 4
-    parts = 8
-    return {f"layer{i}.weight": torch.empty(n // parts).normal_(0, 0.02, generator=g) for i in range(parts)}
 
 
 def child(kind: str, path: str, key_path: str, size: int) -> float:
     import ckptfmt
 
     if kind.startswith("save"):
-        state = _state(size)
+        state = normal_state(size)
         kw = {"sign_with": key_path} if kind == "save_signed" else {}
         if kw:  # the key is read before the clock starts, as a trainer holds it
             from ckptfmt.files.signing import load_private_key

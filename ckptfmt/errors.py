@@ -85,3 +85,10 @@ class StorageError(CheckpointError, OSError):
     """An object store failed or refused a request (after bounded retries with backoff):
     connection lost, server errors, credentials refused, or an object that changed between
     two requests of one read.  The message names the URL and the operation."""
+
+
+class DecryptionError(CheckpointError, ValueError):
+    """An encrypted file (spec section 17) cannot be decrypted: no key was given, the key is
+    not the one it was encrypted with, or a byte that its GCM tags cover (the wrapped key, the
+    index, a chunk, the encryption block's header) changed; or a key was given for a file that
+    is not encrypted.  Messages never hold key material."""

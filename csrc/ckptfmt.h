@@ -19,6 +19,7 @@
 #define CKF_ERR_CORRUPT 5 /* stored bytes do not match their checksum or sizes */
 #define CKF_ERR_SHORT 6   /* the file ended before a chunk did */
 #define CKF_ERR_CRYPTO 7  /* libcrypto failed, or the engine was built without it */
+#define CKF_ERR_AUTH 8    /* an encrypted chunk's GCM tag does not match (spec section 17) */
 
 /* level meaning: zstd level 1 tuned for shuffled floating-point data (the default):
  * the fast strategy, minimum match and hash table log below (ckptfmt/format.py has
@@ -47,6 +48,8 @@ typedef struct {
     uint8_t filter;      /* out */
     uint8_t fwidth;      /* out: filter width, 0 without a filter */
     uint8_t sha[32];     /* out, with checksum & CKF_SHA: the chunk's SHA-256 (spec section 16) */
+    const uint8_t *key;  /* encrypted files: the 32-byte data key (spec section 17), else NULL */
+    uint8_t tag[16];     /* out, with key: the GCM tag of the chunk's ciphertext */
 } ckf_chunk;
 
 typedef struct {
@@ -73,6 +76,8 @@ typedef struct {
     uint8_t digest[16]; /* XXH3-128 of the raw bytes, canonical (big-endian) order */
     uint8_t has_sha;    /* signed files read with trusted keys: check the stored bytes' SHA-256 */
     uint8_t sha[32];    /* the chunk's SHA-256 (spec section 16) */
+    const uint8_t *key; /* encrypted files: the 32-byte data key (spec section 17), else NULL */
+    uint8_t tag[16];    /* with key: the GCM tag the ciphertext must have */
 } ckf_rchunk;
 
 #define CKF_WHY_CHECKSUM 1 /* checksum mismatch */
@@ -87,6 +92,7 @@ typedef struct {
 #define CKF_WHY_WINDOW 10  /* the frame needs a window above 2^27 bytes (value: its size) */
 #define CKF_WHY_DICT 11    /* the frame needs a dictionary (value: its id) */
 #define CKF_WHY_SHA 12     /* the stored bytes do not match their SHA-256 (spec section 16) */
+#define CKF_WHY_TAG 13     /* the ciphertext does not match its GCM tag (spec section 17) */
 
 /* ckf_write_chunks' checksum argument: bit 0 XXH3 checksums, bit 1 SHA-256 digests too */
 #define CKF_SHA 2
@@ -182,6 +188,16 @@ int ckf_sha_begin(void *ctx, const uint8_t *file_id, uint64_t index, uint64_t of
                   uint64_t raw_len, uint8_t codec, uint8_t filter, uint8_t width);
 int ckf_sha_update(void *ctx, const uint8_t *p, uint64_t len);
 int ckf_sha_end(void *ctx, uint8_t *out);
+/* AES-256-GCM of encrypted files' chunks (crypto.c, spec section 17.3): begin sets the key, the
+ * nonce of chunk `index` and the 72-byte associated data; update en- or decrypts len bytes
+ * (out may equal in); finish writes the tag (encrypting) or checks it (decrypting).  1 ok, 0 not */
+void *ckf_gcm_new(void);
+void ckf_gcm_free(void *ctx);
+int ckf_gcm_begin(void *ctx, int encrypt, const uint8_t *key, const uint8_t *file_id, uint64_t index,
+                  uint64_t offset, uint64_t stored_len, uint64_t raw_len, uint8_t codec, uint8_t filter,
+                  uint8_t width);
+int ckf_gcm_update(void *ctx, uint8_t *out, const uint8_t *in, uint64_t len);
+int ckf_gcm_finish(void *ctx, uint8_t *tag);
 
 /* parallel for: calls fn(ctx, i, thread) for i in [0, n) on nthreads threads
  * (the calling thread is one of them); returns 0, or an errno if threads could

@@ -14,6 +14,11 @@
  * When asked (digests != NULL), each chunk's content digest (XXH3-128 of its raw
  * bytes, spec section 12) comes out too: for a raw chunk in the same pass as its
  * checksum, piece by piece while in cache; for a compressed one before encoding.
+ *
+ * Chunks of encrypted files (a data key in the chunk, spec section 17) are encrypted with
+ * AES-256-GCM in the same pass, after compression: each piece is encrypted into the
+ * thread's piece buffer, and the ciphertext is hashed and written from there while in cache
+ * (the caller's memory is never changed); the GCM tag comes out with the chunk.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -49,6 +54,8 @@ typedef struct {
     /* per thread */
     XXH3_state_t **hstate; /* checksum, and content digest of raw chunks (two per thread) */
     void **sha;            /* checksum & CKF_SHA: a SHA-256 context per thread, else NULL */
+    void **gcm;            /* encrypted chunks: an AES-256-GCM context per thread, else NULL */
+    uint8_t **cipher;      /* ... and a piece buffer per thread for the ciphertext */
     ZSTD_CCtx **cctx;
     uint8_t **scratch;
     size_t *scratch_cap;
@@ -120,19 +127,36 @@ static void write_chunk(job *j, uint64_t k, const uint8_t *p, int thread) {
             return;
         }
     }
+    void *g = NULL;
+    if (c->key) {
+        g = j->gcm[thread];
+        if (!ckf_gcm_begin(g, 1, c->key, j->file_id, j->first_index + k, c->offset, c->stored_len, c->raw_len,
+                           c->codec, c->filter, c->fwidth)) {
+            fail(j, CKF_ERR_CRYPTO, 0, (int64_t)(j->first_index + k));
+            return;
+        }
+    }
     if (j->digests && j->digest_on_write) { /* raw chunks only: stored bytes are the raw bytes */
         d = j->hstate[2 * thread + 1];
         XXH3_128bits_reset(d);
     }
     for (uint64_t done = 0; done < c->stored_len;) {
         uint64_t step = c->stored_len - done < PIECE ? c->stored_len - done : PIECE;
-        if (h) ckf_xxh3_64_update(h, p + done, (size_t)step);
-        if (d) ckf_xxh3_128_update(d, p + done, (size_t)step);
-        if (s && !ckf_sha_update(s, p + done, step)) {
+        if (d) ckf_xxh3_128_update(d, p + done, (size_t)step); /* of the plaintext */
+        const uint8_t *out = p + done;                         /* the bytes the file gets */
+        if (g) {
+            if (!ckf_gcm_update(g, j->cipher[thread], p + done, step)) {
+                fail(j, CKF_ERR_CRYPTO, 0, (int64_t)(j->first_index + k));
+                break;
+            }
+            out = j->cipher[thread];
+        }
+        if (h) ckf_xxh3_64_update(h, out, (size_t)step);
+        if (s && !ckf_sha_update(s, out, step)) {
             fail(j, CKF_ERR_CRYPTO, 0, (int64_t)(j->first_index + k));
             break;
         }
-        int e = pwrite_all(j->fd, p + done, step, c->offset + done);
+        int e = pwrite_all(j->fd, out, step, c->offset + done);
         if (e) {
             fail(j, CKF_ERR_IO, e, (int64_t)(j->first_index + k));
             break;
@@ -151,6 +175,7 @@ static void write_chunk(job *j, uint64_t k, const uint8_t *p, int thread) {
 #endif
     c->checksum = h ? XXH3_64bits_digest(h) : 0;
     if (s && !ckf_sha_end(s, c->sha)) fail(j, CKF_ERR_CRYPTO, 0, (int64_t)(j->first_index + k));
+    if (g && !ckf_gcm_finish(g, c->tag)) fail(j, CKF_ERR_CRYPTO, 0, (int64_t)(j->first_index + k));
     if (d) {
         XXH128_canonical_t canon;
         XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(d));
@@ -248,7 +273,9 @@ int ckf_write_chunks(int fd, const uint8_t *file_id, uint64_t first_index, uint6
         status->code = CKF_ERR_ARG;
         return CKF_ERR_ARG;
     }
-    if ((checksum & CKF_SHA) && !ckf_crypto_available()) {
+    int encrypt = 0;
+    for (uint64_t i = 0; i < n; i++) encrypt |= chunks[i].key != NULL;
+    if (((checksum & CKF_SHA) || encrypt) && !ckf_crypto_available()) {
         status->code = CKF_ERR_CRYPTO;
         *end_offset = first_offset;
         return CKF_ERR_CRYPTO;
@@ -279,6 +306,12 @@ int ckf_write_chunks(int fd, const uint8_t *file_id, uint64_t first_index, uint6
     if (ok && (checksum & CKF_SHA)) {
         ok = (j.sha = calloc((size_t)nthreads, sizeof(void *))) != NULL;
         for (int t = 0; ok && t < nthreads; t++) ok = (j.sha[t] = ckf_sha_new()) != NULL;
+    }
+    if (ok && encrypt) {
+        ok = (j.gcm = calloc((size_t)nthreads, sizeof(void *))) != NULL &&
+             (j.cipher = calloc((size_t)nthreads, sizeof(uint8_t *))) != NULL;
+        for (int t = 0; ok && t < nthreads; t++)
+            ok = (j.gcm[t] = ckf_gcm_new()) != NULL && (j.cipher[t] = malloc(PIECE)) != NULL;
     }
     if (ok && !compress) {
         for (uint64_t i = 0; i < n; i++) {
@@ -337,6 +370,10 @@ int ckf_write_chunks(int fd, const uint8_t *file_id, uint64_t first_index, uint6
     free(j.hstate);
     for (int t = 0; j.sha && t < nthreads; t++) ckf_sha_free(j.sha[t]);
     free(j.sha);
+    for (int t = 0; j.gcm && t < nthreads; t++) ckf_gcm_free(j.gcm[t]);
+    for (int t = 0; j.cipher && t < nthreads; t++) free(j.cipher[t]);
+    free(j.gcm);
+    free(j.cipher);
     if (!ok) {
         status->code = CKF_ERR_NOMEM;
         status->err_no = ENOMEM;

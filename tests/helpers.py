@@ -80,6 +80,37 @@ def assert_same(a: Any, b: Any, check_sharing: bool = True) -> None:
     SameChecker(check_sharing)(a, b)
 
 
+def read_bytes(path: str) -> bytearray:
+    with open(path, "rb") as fh:
+        return bytearray(fh.read())
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+
+
+_SMALL_FILES: dict[str, bytes] = {}
+
+
+def small_file_bytes(name: str, **save_kw: Any) -> bytes:
+    """The bytes of a small zstd file (3 storages, a few chunks) saved once per `name` with
+    `save_kw` (a signing or encryption key): for tests that flip every bit of a file."""
+    if name not in _SMALL_FILES:
+        import os
+        import tempfile
+
+        import ckptfmt
+
+        with tempfile.TemporaryDirectory() as d:
+            p = os.path.join(d, "s.ckpt")
+            s = {"w": torch.arange(3000, dtype=torch.float32), "z": torch.zeros(2000), "n": "x"}
+            ckptfmt.save(s, p, compression="zstd", **save_kw)
+            with open(p, "rb") as f:
+                _SMALL_FILES[name] = f.read()
+    return _SMALL_FILES[name]
+
+
 # -- hypothesis strategies --------------------------------------------------
 
 ALL_DTYPES = sorted(dtypes.TORCH_DTYPES)

@@ -267,3 +267,15 @@ def test_environment_credentials_are_used(s3_bucket, monkeypatch):
     ckptfmt.save({"a": torch.arange(5)}, url)
     assert torch.equal(ckptfmt.load(url)["a"], torch.arange(5))
     assert os.environ["AWS_ENDPOINT_URL"] == options["endpoint_url"]
+
+
+def test_encrypted_objects(s3_bucket):
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/secret.ckpt"
+    key = bytes(range(32))
+    state = _state(40_000)
+    ckptfmt.save(state, url, encrypt_with=key, compression="zstd", storage_options=options)
+    assert_same(state, ckptfmt.load(url, decrypt_with=key, storage_options=options))
+    with pytest.raises(ckptfmt.DecryptionError):
+        ckptfmt.load(url, decrypt_with=bytes(32), storage_options=options)
+    assert ckptfmt.verify(url, decrypt_with=key, storage_options=options).ok

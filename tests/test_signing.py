@@ -21,6 +21,9 @@ import xxhash
 from cli_runner import run_cli
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
+from helpers import read_bytes as read
+from helpers import small_file_bytes
+from helpers import write_bytes as write
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -82,16 +85,6 @@ def assert_all_refused(path: str, keys: list[object] | None = None, match: str |
 
 
 # -- layout helpers ------------------------------------------------------------
-
-
-def read(path: str) -> bytearray:
-    with open(path, "rb") as fh:
-        return bytearray(fh.read())
-
-
-def write(path: str, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
 
 
 def parts(data: bytearray) -> dict[str, int]:
@@ -631,19 +624,9 @@ def test_golden_signed_file_verifies_from_the_spec():
 
 # -- any flipped bit -----------------------------------------------------------------
 
-_SMALL: dict[str, bytes] = {}
-
 
 def _small_signed() -> bytes:
-    if not _SMALL:
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as d:
-            p = os.path.join(d, "s.ckpt")
-            s = {"w": torch.arange(3000, dtype=torch.float32), "z": torch.zeros(2000), "n": "x"}
-            ckptfmt.save(s, p, sign_with=KEY, chunk_size=CHUNK, compression="zstd")
-            _SMALL["data"] = open(p, "rb").read()
-    return _SMALL["data"]
+    return small_file_bytes("signed", sign_with=KEY, chunk_size=CHUNK)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

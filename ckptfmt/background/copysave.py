@@ -38,6 +38,7 @@ from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
 from ..format.encode import Encoded
+from ..format.encryption import Sealer
 from . import forksave, inflight
 from .inflight import SaveHandle
 from .staging import POOL, StagingPool
@@ -116,6 +117,7 @@ def save_async(
     within: CheckpointDir | None = None,
     sign: chunkwrite.Signer | None = None,
     output: Any = None,
+    seal: Sealer | None = None,
 ) -> SaveHandle:
     """Snapshot `encoded` (checked already: nothing is written for a state that cannot be)
     and write it in the background; return once the snapshot is taken.
@@ -129,6 +131,8 @@ def save_async(
         reason = forksave.why_not(encoded, dedup)
         if sign is not None:
             reason = "signed saves take each chunk's digest in this process (use snapshot='copy')"
+        if seal is not None:
+            reason = "encrypted saves encrypt each chunk in this process (use snapshot='copy')"
         if reason is not None:
             raise ValueError(f"{path}: snapshot='fork' is not possible: {reason}")
         return forksave.save_forked(
@@ -151,6 +155,7 @@ def save_async(
         within=within,
         sign=sign,
         output=output,
+        seal=seal,
     )
 
 
@@ -166,6 +171,7 @@ def _save_copied(
     within: CheckpointDir | None,
     sign: chunkwrite.Signer | None = None,
     output: Any = None,
+    seal: Sealer | None = None,
 ) -> SaveHandle:
     handle = SaveHandle(path)
     pieces: queue.Queue[_Piece | BaseException | None] = queue.Queue()
@@ -190,6 +196,7 @@ def _save_copied(
             dedup,
             pool,
             sign,
+            seal,
         ),
         name=f"ckptfmt-save-{os.path.basename(path)}",
         daemon=False,
@@ -359,6 +366,7 @@ def _write_worker(
     dedup: chunkwrite.Dedup | None,
     pool: StagingPool,
     sign: chunkwrite.Signer | None = None,
+    seal: Sealer | None = None,
 ) -> None:
     exc: BaseException | None = None
     ended = False  # the snapshot's last item (None, or its error) has been taken
@@ -376,6 +384,7 @@ def _write_worker(
             dedup=dedup,
             sha=sign is not None,
             on_written=getattr(atomic, "written", None),
+            key=None if seal is None else seal.data_key,
         )
         while not ended:
             batch, last = _take_batch(pieces)
@@ -396,7 +405,18 @@ def _write_worker(
                     raise last
         if exc is None:
             chunkwrite.finish_file(
-                atomic.fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup, sign, out.shas
+                atomic.fd,
+                file_id,
+                encoded,
+                out.chunks,
+                out.pos,
+                metadata,
+                chunk_size,
+                dedup,
+                sign,
+                out.shas,
+                seal,
+                out.tags,
             )
             atomic.commit(free_replaced=replaced.append)
     except BaseException as e:

@@ -66,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         "a file that is unsigned, signed by another key or changed fails (exit 1); for a "
         "directory, each checkpoint's commit record and every file it names",
     )
+    v.add_argument(
+        "--decrypt-key",
+        default=None,
+        metavar="KEYFILE",
+        help="decrypt encrypted files with this key file (32 bytes, or 64 hex digits): every GCM tag is "
+        "checked too; without it an encrypted file is checked only as far as its clear parts allow",
+    )
     v.set_defaults(fn=cmd_verify)
     ls = sub("ls", "List a run directory's checkpoints: step, complete or not, size, age, metrics.")
     ls.add_argument("dir", metavar="DIR")
@@ -74,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub("inspect", "Show the object tree, dtypes, shapes, sizes, codecs and metadata.")
     i.add_argument("path", metavar="PATH")
     i.add_argument("--json", action="store_true", help="print one JSON document")
+    i.add_argument(
+        "--decrypt-key",
+        default=None,
+        metavar="KEYFILE",
+        help="the key file of an encrypted file; without it only what is in clear is shown",
+    )
     i.set_defaults(fn=cmd_inspect)
     c = sub(
         "convert",
@@ -104,9 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
     n = sub("info", "Show package, format and library versions and the active backend.")
     n.add_argument("--json", action="store_true", help="print one JSON document")
     n.set_defaults(fn=cmd_info)
-    g = sub("keygen", "Make an Ed25519 key pair for signing: OUT (private, mode 0600) and OUT.pub.")
+    g = sub(
+        "keygen",
+        "Make an Ed25519 key pair for signing: OUT (private, mode 0600) and OUT.pub; with --encryption "
+        "a key file for encrypted files instead (OUT, mode 0600, 64 hex digits).",
+    )
     g.add_argument("out", metavar="OUT")
     g.add_argument("--openssh", action="store_true", help="OpenSSH encodings instead of PEM")
+    g.add_argument(
+        "--encryption",
+        action="store_true",
+        help="a random 32-byte key-encryption key for encrypt_with / --decrypt-key (spec section 17)",
+    )
     g.set_defaults(fn=cmd_keygen)
     s = sub(
         "sign",

@@ -10,9 +10,50 @@ from typing import Any
 import numpy as np
 
 from ..format import layout as fmt
+from ..format.encryption import EncryptionBlock, KeyRequired
 from .exitcodes import EXIT_OK, KNOWN_ERRORS, error_text, exit_code, require_ckptfmt
 from .terminal import fail, say
 from .verify import problem_dict
+
+
+def encryption_info(block: EncryptionBlock | None, with_key: bool) -> dict[str, Any] | None:
+    """What an encrypted file's block shows in clear (spec 17.2): never key material but the hint."""
+    if block is None:
+        return None
+    return {
+        "cipher": "AES-256-GCM",
+        "key_wrap": "key" if block.wrap == 1 else "key service",
+        "key_hint": block.hint.hex() if block.wrap == 1 else None,
+        "index_encrypted": block.index_encrypted,
+        "chunks": block.nchunks,
+        "decrypted": with_key,
+    }
+
+
+def encryption_line(e: dict[str, Any]) -> str:
+    by = f"a key with hint {e['key_hint']}" if e["key_hint"] else "a key service"
+    index = "index encrypted" if e["index_encrypted"] else "index in clear"
+    checked = "decrypted with the key given" if e["decrypted"] else "not decrypted: pass --decrypt-key"
+    return f"encrypted: {e['cipher']} under {by}, {index}, {e['chunks']} chunks ({checked})"
+
+
+def _inspect_encrypted(args: argparse.Namespace, block: EncryptionBlock) -> int:
+    """inspect without the key of a file whose index is encrypted: the clear parts only."""
+    import os
+
+    info = {
+        "path": args.path,
+        "file_bytes": os.path.getsize(args.path),
+        "encryption": encryption_info(block, False),
+        "index": "encrypted: names, shapes, dtypes and metadata need the key (--decrypt-key)",
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return EXIT_OK
+    say(f"{args.path}: ckptfmt, {info['file_bytes']} bytes")
+    say(encryption_line(info["encryption"]))  # type: ignore[arg-type]
+    say(f"index: {info['index']}")
+    return EXIT_OK
 
 
 def _inspect_tree(f: Any) -> list[dict[str, Any]]:
@@ -103,9 +144,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from ..files.signing import fingerprint
     from ..files.verify import problem_of
 
+    decrypt = getattr(args, "decrypt_key", None)
     try:
         require_ckptfmt(args.path)
-        with CheckpointFile(args.path) as f:
+        with CheckpointFile(args.path, decrypt_with=decrypt, ciphertext_only=decrypt is None) as f:
             rows = _inspect_tree(f)
             problems = f.external_problems()
             info = {
@@ -120,10 +162,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "source_devices": f.source_devices,
                 # the signer's key as its fingerprint; inspect does not check the signature
                 "signed_by": None if f.index.signature is None else fingerprint(f.index.signature.public_key),
+                "encryption": encryption_info(f.index.encryption, decrypt is not None),
                 **_inspect_externals(f),
                 "problems": [problem_dict(problem_of(p)) for p in problems],
                 "tree": rows,
             }
+    except KeyRequired as e:  # an encrypted index, no key: what is in clear
+        return _inspect_encrypted(args, e.block)
     except KNOWN_ERRORS as e:
         return fail(e, args.path)
     status = exit_code(problems[0]) if problems else EXIT_OK
@@ -136,6 +181,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     )
     say("producer: " + ", ".join(f"{k} {v}" for k, v in info["producer"].items()))
     say("metadata: " + (json.dumps(info["metadata"]) if info["metadata"] else "(none)"))
+    if info["encryption"]:
+        say(encryption_line(info["encryption"]))
     if info["signed_by"]:
         say(f"signed by key {info['signed_by']} (not checked here: verify --trusted-key checks it)")
     if info["content_digests"]:

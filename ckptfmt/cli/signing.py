@@ -56,7 +56,23 @@ def _write_pair(out: str, priv: bytes, pub_path: str, pub: bytes) -> None:
         raise
 
 
+def _keygen_encryption(out: str) -> int:
+    """A key file for encrypted files (files/encryption.py): never replaces a file."""
+    from ..files.encryption import generate_key_file
+
+    try:
+        generate_key_file(out)
+    except FileExistsError:
+        error = UsageError(f"{out}: exists; keygen never replaces a file")
+        say(f"error: {error}", err=True)
+        return exit_code(error)
+    say(f"wrote {out} (a key-encryption key for encrypt_with / --decrypt-key; keep it secret)")
+    return EXIT_OK
+
+
 def cmd_keygen(args: argparse.Namespace) -> int:
+    if getattr(args, "encryption", False):
+        return _keygen_encryption(args.out)
     try:
         from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric import ed25519

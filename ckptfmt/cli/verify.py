@@ -20,7 +20,9 @@ def problem_dict(p: Any) -> dict[str, Any]:
     return {"kind": p.kind, "message": p.message, "key": p.key, "chunk": p.chunk, "offset": p.offset}
 
 
-def _verify_file(path: str, quick: bool, trusted: list[Any] | None = None) -> tuple[dict[str, Any], int]:
+def _verify_file(
+    path: str, quick: bool, trusted: list[Any] | None = None, decrypt: str | None = None
+) -> tuple[dict[str, Any], int]:
     """The entry of one file and its exit status."""
     from ..files.verify import verify
 
@@ -29,7 +31,7 @@ def _verify_file(path: str, quick: bool, trusted: list[Any] | None = None) -> tu
         require_ckptfmt(path)
         progress = Progress(f"verifying {path}", 0 if is_url(path) else os.path.getsize(path))
         try:
-            report = verify(path, quick=quick, progress=progress, trusted_keys=trusted)
+            report = verify(path, quick=quick, progress=progress, trusted_keys=trusted, decrypt_with=decrypt)
         finally:
             progress.close()
     except NotCheckpointError as e:
@@ -43,6 +45,8 @@ def _verify_file(path: str, quick: bool, trusted: list[Any] | None = None) -> tu
         chunks=report.chunks,
         problems=[problem_dict(p) for p in report.problems],
     )
+    if report.not_checked:
+        entry["not_checked"] = report.not_checked
     # each problem verify reports is a CheckpointError it caught (verify.problem_of)
     return entry, EXIT_OK if report.ok else FILE_FAILED
 
@@ -58,6 +62,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
             trusted = public_keys(trusted)  # every key readable before any file is checked
         except (OSError, ValueError, TypeError) as e:
             error = UsageError(f"--trusted-key: {e}")
+            say(f"error: {error}", err=True)
+            return exit_code(error)
+    decrypt = getattr(args, "decrypt_key", None)
+    if decrypt:
+        from ..files.encryption import load_key
+
+        try:
+            load_key(decrypt, "--decrypt-key")  # readable before any file is checked
+        except (OSError, ValueError, TypeError) as e:
+            error = UsageError(str(e) if str(e).startswith("--decrypt-key") else f"--decrypt-key: {e}")
             say(f"error: {error}", err=True)
             return exit_code(error)
     for path in args.paths:
@@ -86,7 +100,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 ):
                     status = max(status, FILE_FAILED)
             continue
-        entry, code = _verify_file(path, args.quick, trusted)
+        entry, code = _verify_file(path, args.quick, trusted, decrypt)
         results.append(entry)
         status = max(status, code)
     if args.json:
@@ -94,7 +108,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return status
     for res in results:
         if res["status"] == "ok":
-            say(f"{res['path']}: OK")
+            say(f"{res['path']}: OK" + (f" ({res['not_checked']})" if res.get("not_checked") else ""))
         elif res["status"] == "failed":
             first = res["problems"][0]
             where = ", ".join(f"{k} {first[k]}" for k in ("key", "chunk", "offset") if first[k] is not None)

@@ -12,6 +12,10 @@ hold them: each is opened on first use and checked to be the file the index reco
 (section 12.5), a bounded set of descriptors stays open, and the chunk is verified with
 that file's checksum context and the content digest (section 12.6); errors name both files.
 
+Chunks of encrypted files (section 17) opened with their key are decrypted after their
+checksum (over the ciphertext) and padding are checked and before they are decoded; a chunk
+whose GCM tag fails is a DecryptionError and its bytes are not decoded.
+
 The records read here come from a validated index (index.py) and are trusted as they are.
 """
 
@@ -28,10 +32,10 @@ import numpy as np
 import xxhash
 import zstandard
 
-from ..errors import CheckpointError, CorruptError, IncompleteError, SignatureError
+from ..errors import CheckpointError, CorruptError, DecryptionError, IncompleteError, SignatureError
 from ..fileio import pread_exact
+from ..format import encryption, signing
 from ..format import layout as fmt
-from ..format import signing
 from ..format.index import Chunk, Index
 from . import bytesview, hostmem
 from . import native as _native
@@ -44,6 +48,7 @@ CHECK_WINDOW_UNTOUCHED = 1 << 30
 
 _SHA_MISMATCH = "chunk does not match the SHA-256 digest its signature covers (a byte changed)"
 _DIGEST_MISMATCH = "content digest mismatch (the decoded bytes are not the ones the index describes)"
+_TAG_MISMATCH = "chunk does not match its GCM tag (a byte of it or of its tag changed, or it was moved)"
 #: zstd window limit: frames needing more memory than this are rejected (2**27 = 128 MiB)
 _ZSTD_MAX_WINDOW = 1 << fmt.ZSTD_WINDOW_LOG_MAX
 #: the magic number of a zstd frame (RFC 8878); legacy (pre-1.0) and skippable frames differ
@@ -97,6 +102,8 @@ class ChunkReader:
         self.file_id = index.prologue.file_id
         self.chunks = index.chunks
         self.externals = index.externals
+        #: encrypted files opened with their key: the data key (spec section 17)
+        self._data_key = index.data_key
         #: the key path of chunk k's storage, for messages
         self.key_of = index.key_of
         self.max_open = max_open
@@ -305,10 +312,32 @@ class ChunkReader:
             raise self._error(
                 CorruptError, "padding after the chunk is not zero", k, key, ch.offset + ch.stored_len
             )
+        if ch.tag:
+            stored = self._decrypt(k, ch, stored, key)
+            if ch.codec == fmt.CODEC_RAW:
+                dest[:] = stored
         if ch.codec == fmt.CODEC_ZSTD:
             self._decompress(k, ch, stored, dest, key)
         if verify and ch.digest and fmt.content_digest(dest) != ch.digest:
             raise self._error(CorruptError, _DIGEST_MISMATCH, k, key, ch.offset)
+
+    def _decrypt(self, k: int, ch: Chunk, stored: memoryview, key: str | None) -> memoryview:
+        """The plaintext of encrypted chunk k's stored bytes; DecryptionError when its tag fails."""
+        plain = encryption.open_chunk(
+            self._data_key,
+            self.file_id,
+            k,
+            ch.offset,
+            ch.raw_len,
+            ch.codec,
+            ch.filter,
+            ch.width,
+            stored,
+            ch.tag,
+        )
+        if plain is None:
+            raise self._error(DecryptionError, _TAG_MISMATCH, k, key, ch.offset)
+        return memoryview(plain)
 
     def _decompress(self, k: int, ch: Chunk, stored: memoryview, dest: memoryview, key: str | None) -> None:
         def bad(msg: str) -> CheckpointError:
@@ -422,6 +451,7 @@ class ChunkReader:
             verify,
             _native.default_threads(),
             check_only=verify and check_only,
+            key=self._data_key or None,
         )
         if status is not None:
             raise self._native_error(status, items)
@@ -465,6 +495,8 @@ class ChunkReader:
         }
         if reason == _native.WHY_SHA:
             return self._error(SignatureError, _SHA_MISMATCH, k, key, off)
+        if code == _native.ERR_AUTH:
+            return self._error(DecryptionError, _TAG_MISMATCH, k, key, off)
         if code == _native.ERR_CRYPTO:
             return self._error(
                 CheckpointError, "libcrypto failed, or the engine was built without it", k, key, off

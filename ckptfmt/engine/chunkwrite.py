@@ -29,8 +29,8 @@ import zstandard
 
 from .. import __version__
 from ..errors import LimitError
+from ..format import encryption, signing
 from ..format import layout as fmt
-from ..format import signing
 from ..format.encode import Encoded, StoragePlan
 from ..format.timestamps import format_utc, utc_at, utc_now
 from . import bytesview
@@ -188,6 +188,8 @@ def _write_chunks_python(
     coder: ChunkEncoder,
     digests_out: list[bytes] | None = None,
     sha_out: list[bytes] | None = None,
+    key: bytes | None = None,
+    tags_out: list[bytes] | None = None,
 ) -> tuple[list[ChunkRecord], int]:
     out: list[ChunkRecord] = []
     for i, (raw, width) in enumerate(pieces):
@@ -195,6 +197,11 @@ def _write_chunks_python(
             digests_out.append(fmt.content_digest(raw))
         codec, filt, fwidth, payload = coder.encode(raw, width)
         stored_len = len(payload)
+        if key is not None and tags_out is not None:  # encrypted after compression (spec 17.3)
+            payload, tag = encryption.seal_chunk(
+                key, file_id, first_index + i, pos, len(raw), codec, filt, fwidth, payload
+            )
+            tags_out.append(tag)
         seed = fmt.chunk_seed(file_id, first_index + i, pos, stored_len, len(raw), codec, filt, fwidth)
         check = xxhash.xxh3_64_intdigest(payload, seed=seed)
         if sha_out is not None:
@@ -255,6 +262,7 @@ class ChunkWriter:
         dedup: Dedup | None = None,
         sha: bool = False,
         on_written: Callable[[int], None] | None = None,
+        key: bytes | None = None,
     ) -> None:
         """`on_written(pos)`: told after each batch that every byte below `pos` is written
         (an object upload sends the parts that are complete)."""
@@ -274,6 +282,11 @@ class ChunkWriter:
         self.shas: list[bytes] | None = [] if sha else None
         if sha and dedup is not None:
             raise ValueError("signed files cannot have external chunks in this version (spec section 16)")
+        #: encrypted files (spec section 17): the data key, and each chunk's GCM tag as written
+        self.key = key
+        self.tags: list[bytes] | None = [] if key is not None else None
+        if key is not None and (sha or dedup is not None):
+            raise ValueError("encrypted files cannot be signed or have external chunks in this version")
 
     def write(self, pieces: list[tuple[memoryview, int]]) -> None:
         self._write(pieces)
@@ -318,10 +331,21 @@ class ChunkWriter:
                 self.path,
                 digests_out=digests,
                 sha_out=self.shas,
+                key=self.key,
+                tags_out=self.tags,
             )
         else:
             records, self.pos = _write_chunks_python(
-                self.fd, self.file_id, len(self.chunks), self.pos, pieces, self.coder, digests, self.shas
+                self.fd,
+                self.file_id,
+                len(self.chunks),
+                self.pos,
+                pieces,
+                self.coder,
+                digests,
+                self.shas,
+                self.key,
+                self.tags,
             )
         self.chunks.extend(records)
 
@@ -341,9 +365,11 @@ def build_file(
     sign: Signer | None = None,
     on_written: Callable[[int], None] | None = None,
     batch_bytes: int = HOST_BATCH_BYTES,
+    seal: encryption.Sealer | None = None,
 ) -> int:
     """Write a whole ckptfmt file to `fd` (at offset 0); return its length.  With `sign`, a
-    signed file (spec section 16): chunk digests taken as the chunks are written.
+    signed file (spec section 16): chunk digests taken as the chunks are written.  With
+    `seal`, an encrypted file (section 17): chunks encrypted as they are written.
     `on_written`, `batch_bytes`: see ChunkWriter and _batches (object uploads)."""
     if chunk_size & (chunk_size - 1) or not fmt.MIN_CHUNK_SIZE <= chunk_size <= fmt.MAX_CHUNK_SIZE:
         raise ValueError(f"chunk_size must be a power of two in [{fmt.MIN_CHUNK_SIZE}, {fmt.MAX_CHUNK_SIZE}]")
@@ -359,10 +385,13 @@ def build_file(
         dedup=dedup,
         sha=sign is not None,
         on_written=on_written,
+        key=None if seal is None else seal.data_key,
     )
     for pieces in _batches(encoded, chunk_size, batch_bytes):
         out.write(pieces)
-    return finish_file(fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup, sign, out.shas)
+    return finish_file(
+        fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup, sign, out.shas, seal, out.tags
+    )
 
 
 def finish_file(
@@ -376,9 +405,12 @@ def finish_file(
     dedup: Dedup | None = None,
     sign: Signer | None = None,
     shas: list[bytes] | None = None,
+    seal: encryption.Sealer | None = None,
+    tags: list[bytes] | None = None,
 ) -> int:
     """Write the index, the footer and, last, the prologue; with `sign` (and each chunk's
-    SHA-256 in `shas`), the signature block between the index and the footer."""
+    SHA-256 in `shas`), the signature block between the index and the footer; with `seal`
+    (and each chunk's GCM tag in `tags`) the encryption block there, the index sealed."""
     index: dict[str, Any] = {
         "chunk_size": chunk_size,
         "producer": producer_info(),
@@ -397,7 +429,8 @@ def finish_file(
         raise LimitError(
             f"the index would be {len(blob)} bytes, above the limit {fmt.Limits.MAX_INDEX_BYTES}"
         )
-    return write_tail(fd, file_id, pos, blob, fmt.FEATURE_EXTERNAL if dedup is not None else 0, sign, shas)
+    required = fmt.FEATURE_EXTERNAL if dedup is not None else 0
+    return write_tail(fd, file_id, pos, blob, required, sign, shas, seal, tags)
 
 
 def write_tail(
@@ -408,11 +441,20 @@ def write_tail(
     required: int,
     sign: Signer | None = None,
     shas: list[bytes] | None = None,
+    seal: encryption.Sealer | None = None,
+    tags: list[bytes] | None = None,
 ) -> int:
-    """Write the index `blob` at `index_offset`, the signature block (with `sign`), the footer
-    and, last, the prologue; truncate the file to its length and return it."""
+    """Write the index `blob` at `index_offset`, the signature block (with `sign`) or the
+    encryption block (with `seal`, the index sealed), the footer and, last, the prologue;
+    truncate the file to its length and return it."""
     index_end = fmt.align_up(index_offset + len(blob))
     block_len = 0
+    block = b""
+    if seal is not None:
+        assert tags is not None and sign is None
+        blob, block = seal.seal(file_id, index_offset, blob, b"".join(tags))
+        block_len = len(block)
+        required |= fmt.FEATURE_ENCRYPTED
     if sign is not None:
         assert shas is not None
         block_len = signing.block_length(len(shas))
@@ -423,7 +465,6 @@ def write_tail(
     )
     length = footer_offset + fmt.FOOTER_SIZE
     prologue = fmt.Prologue(fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR, file_id, length, required, 0)
-    block = b""
     if sign is not None:
         assert shas is not None
         block = sign(prologue.pack(), footer.pack(), hashlib.sha256(blob).digest(), b"".join(shas))

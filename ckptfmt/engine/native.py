@@ -74,14 +74,17 @@ def versions() -> dict[str, str]:
 
 
 ERR_IO, ERR_NOMEM, ERR_ZSTD, ERR_ARG, ERR_CORRUPT, ERR_SHORT, ERR_CRYPTO = 1, 2, 3, 4, 5, 6, 7
+ERR_AUTH = 8  # an encrypted chunk's GCM tag failed (spec section 17)
 WHY_CHECKSUM, WHY_PADDING, WHY_ZSTD, WHY_NO_SIZE, WHY_DECLARED, WHY_DECODED, WHY_SHORT = 1, 2, 3, 4, 5, 6, 7
 WHY_DIGEST = 8
 WHY_FRAME, WHY_WINDOW, WHY_DICT = 9, 10, 11
 WHY_SHA = 12
+WHY_TAG = 13
 
 
 def crypto_available() -> bool:
-    """Whether the engine was built with libcrypto (SHA-256 chunk digests for signed files)."""
+    """Whether the engine was built with libcrypto (SHA-256 chunk digests for signed files,
+    AES-256-GCM for encrypted ones)."""
     return lib is not None and bool(lib.ckf_crypto_available())
 
 
@@ -123,6 +126,8 @@ def write_chunks(
     *,
     digests_out: list[bytes] | None = None,
     sha_out: list[bytes] | None = None,
+    key: bytes | None = None,
+    tags_out: list[bytes] | None = None,
     _checksums: bool = True,
 ) -> tuple[list[tuple[int, int, int, int, int, int, int]], int]:
     """Write chunks (byte views with their shuffle widths); return their records and the end offset.
@@ -132,6 +137,8 @@ def write_chunks(
     computed in the same pass over the bytes as the checksum.
     With `sha_out`, each chunk's SHA-256 (signed files, spec section 16: 32 bytes over its
     context and stored bytes) is appended to it, taken in the same pass too.
+    With `key` (a data key, spec section 17) each chunk is encrypted with AES-256-GCM after
+    compression, in the same pass, and its tag appended to `tags_out`.
     ``_checksums=False`` exists only so benchmarks can price the checksums: it
     writes zero checksums, which makes the file invalid.
     """
@@ -139,6 +146,11 @@ def write_chunks(
     n = len(pieces)
     chunks = ffi.new("ckf_chunk[]", max(n, 1))
     keep = _fill_chunks(chunks, pieces)
+    if key is not None:
+        kbuf = ffi.new("uint8_t[32]", key)
+        keep.append(kbuf)
+        for i in range(n):
+            chunks[i].key = kbuf
     status = ffi.new("ckf_status *")
     end = ffi.new("uint64_t *")
     fid = ffi.new("uint8_t[16]", file_id)
@@ -167,6 +179,8 @@ def write_chunks(
         digests_out.extend(raw[16 * i : 16 * i + 16] for i in range(n))
     if sha_out is not None:
         sha_out.extend(bytes(ffi.buffer(chunks[i].sha, 32)) for i in range(n))
+    if tags_out is not None:
+        tags_out.extend(bytes(ffi.buffer(chunks[i].tag, 16)) for i in range(n))
     return _records(chunks, n), int(end[0])
 
 
@@ -324,23 +338,26 @@ def read_chunks(
     verify: bool,
     threads: int,
     check_only: bool = False,
+    key: bytes | None = None,
 ) -> tuple[int, int, int, int, int] | None:
     """Read (chunk number, chunk record, destination) in parallel; None, or the failure's
     (code, errno, position in `items`, reason, value) for the caller to turn into an exception.
     The chunk number is the one the checksum seed binds in the file at `fd`.  check_only:
     verify every chunk but leave the destinations' contents undefined (faster: raw chunks
     are not copied into them, shuffled ones not un-shuffled); a chunk without a content
-    digest then needs no destination (None)."""
+    digest then needs no destination (None).  `key`: the data key of an encrypted file
+    (spec section 17): chunks with a tag are decrypted, their tags checked."""
     assert lib is not None and ffi is not None
     n = len(items)
     arr = ffi.new("ckf_rchunk[]", max(n, 1))
+    kbuf = ffi.new("uint8_t[32]", key) if key else ffi.NULL
     keep: list[Any] = []
     for i, (k, ch, dest) in enumerate(items):
         if dest is None:
             if not check_only or ch.digest:
                 _release(keep)
                 raise ValueError(f"chunk {k} needs a destination: it is read or its digest taken")
-            _fill_rchunk(arr[i], k, ch)  # dst stays NULL
+            _fill_rchunk(arr[i], k, ch, kbuf)  # dst stays NULL
             continue
         buf = ffi.from_buffer("uint8_t[]", dest, require_writable=True)
         if len(buf) != ch.raw_len:
@@ -348,7 +365,7 @@ def read_chunks(
             raise ValueError(f"destination of chunk {k} holds {len(buf)} bytes, the chunk {ch.raw_len}")
         keep.append(buf)
         arr[i].dst = buf
-        _fill_rchunk(arr[i], k, ch)
+        _fill_rchunk(arr[i], k, ch, kbuf)
     status = ffi.new("ckf_status *")
     fid = ffi.new("uint8_t[16]", file_id)
     mode = 2 if check_only else 1 if verify else 0
@@ -357,7 +374,7 @@ def read_chunks(
     return _outcome(rc, status, [k for k, _, _ in items])
 
 
-def _fill_rchunk(c: Any, k: int, ch: Any) -> None:
+def _fill_rchunk(c: Any, k: int, ch: Any, key: Any = None) -> None:
     assert ffi is not None
     c.index = k
     c.offset = ch.offset
@@ -374,6 +391,11 @@ def _fill_rchunk(c: Any, k: int, ch: Any) -> None:
     if ch.sha:  # signed files read with trusted keys (section 16)
         c.has_sha = 1
         ffi.memmove(c.sha, ch.sha, 32)
+    if ch.tag:  # encrypted files read with the key (section 17)
+        if not key:
+            raise ValueError(f"chunk {k} is encrypted and no data key was given")
+        c.key = key
+        ffi.memmove(c.tag, ch.tag, 16)
 
 
 def _outcome(rc: int, status: Any, numbers: list[int]) -> tuple[int, int, int, int, int] | None:

@@ -60,10 +60,11 @@ def write_targets(
     """Read the planned chunks into the targets; `touched` collects keys before their memory is written."""
     # 1. chunks that land whole in a target: parallel reads, a batch of whole targets at a time,
     # so that a failure names only the targets of the batches begun; for a file read with
-    # trusted keys, through the bounce buffer instead, each window's chunks checked against
-    # their signed digests before they are copied: no byte that was not signed reaches a
-    # target, even when the file changes after the first pass verified it
-    if plan.direct and f.signed and buf is not None:
+    # trusted keys (or an encrypted one), through the bounce buffer instead, each window's
+    # chunks checked against their signed digests (or GCM tags) before they are copied: no
+    # byte that was not signed reaches a target, even when the file changes after the first
+    # pass verified it
+    if plan.direct and (f.signed or f.encrypted) and buf is not None:
         done = 0
         for items, _ in windows(f, [k for k, _ in plan.direct], buf):
             f.read_into(items, verify)

@@ -42,6 +42,7 @@ def load(
     max_bytes: int | None = None,
     trusted_keys: Any = None,
     storage_options: dict[str, Any] | None = None,
+    decrypt_with: Any = None,
 ) -> Any:
     """Load a whole state.  `verify` checks every chunk's checksum as it is read.
 
@@ -51,6 +52,10 @@ def load(
     and each chunk against its signed SHA-256 as it is read (verify=False is ignored);
     SignatureError when the file is unsigned, signed by another key, or any byte changed,
     raised before anything is returned.  Not with mmap=True (ValueError).
+
+    decrypt_with: the key of an encrypted file (32 bytes, a key file's path, or a key
+    service's callable; spec section 17): DecryptionError without it, with another key, or
+    when a tag fails, never wrong values.  Not with mmap=True (ValueError).
 
     max_bytes: raise LimitError, before allocating it, when the load would need more
     memory than this for the index (format.index_memory_bound, computed before the JSON is
@@ -75,7 +80,11 @@ def load(
     devices.check_map_location(map_location)
     inflight.wait_for_path(path)
     with CheckpointFile(
-        path, max_bytes=max_bytes, trusted_keys=trusted_keys, storage_options=storage_options
+        path,
+        max_bytes=max_bytes,
+        trusted_keys=trusted_keys,
+        storage_options=storage_options,
+        decrypt_with=decrypt_with,
     ) as f:
         return f.load_subtree(f.tree.root, map_location, verify, use_mmap=mmap)
 
@@ -94,10 +103,15 @@ class Reader:
         max_bytes: int | None = None,
         trusted_keys: Any = None,
         storage_options: dict[str, Any] | None = None,
+        decrypt_with: Any = None,
     ) -> None:
         inflight.wait_for_path(path)
         self._file = CheckpointFile(
-            path, max_bytes=max_bytes, trusted_keys=trusted_keys, storage_options=storage_options
+            path,
+            max_bytes=max_bytes,
+            trusted_keys=trusted_keys,
+            storage_options=storage_options,
+            decrypt_with=decrypt_with,
         )
         self._items = self._file.root_items()
 
@@ -164,9 +178,17 @@ def open(  # noqa: A001 - the public name is fixed
     max_bytes: int | None = None,
     trusted_keys: Any = None,
     storage_options: dict[str, Any] | None = None,
+    decrypt_with: Any = None,
 ) -> Reader:
     """Open a checkpoint, parse and validate its index; read data lazily with .get().
-    max_bytes, trusted_keys, storage_options: see load() (with trusted_keys the signature is
-    checked here, and each chunk a get() reads against its signed digest; on an object store
-    a get() fetches only its own chunks)."""
-    return Reader(path, max_bytes=max_bytes, trusted_keys=trusted_keys, storage_options=storage_options)
+    max_bytes, trusted_keys, storage_options, decrypt_with: see load() (with trusted_keys the
+    signature is checked here, and each chunk a get() reads against its signed digest; on an
+    object store a get() fetches only its own chunks; an encrypted file's get() decrypts only
+    its own chunks)."""
+    return Reader(
+        path,
+        max_bytes=max_bytes,
+        trusted_keys=trusted_keys,
+        storage_options=storage_options,
+        decrypt_with=decrypt_with,
+    )

@@ -101,6 +101,7 @@ def load_into(
     atomic: bool = True,
     trusted_keys: Any = None,
     storage_options: dict[str, Any] | None = None,
+    decrypt_with: Any = None,
 ) -> LoadReport:
     """Fill the tensors of `state` from the checkpoint at `path`; return missing/unexpected keys.
 
@@ -117,13 +118,19 @@ def load_into(
     trusted_keys (see load()): the file must be signed by one of these keys; the signature
     is checked before anything is read, and every chunk against its signed digest in the
     first pass, before any target is written.  It needs atomic=True (ValueError otherwise).
+
+    decrypt_with (see load()): the key of an encrypted file; every chunk's tag is checked in
+    the first pass, and the second decrypts through the bounce buffer: no byte whose tag
+    failed reaches a target.
     """
     if trusted_keys is not None and not atomic:
         raise ValueError(
             "trusted_keys needs atomic=True: every chunk is checked before any target is written"
         )
     inflight.wait_for_path(path)
-    with CheckpointFile(path, trusted_keys=trusted_keys, storage_options=storage_options) as f:
+    with CheckpointFile(
+        path, trusted_keys=trusted_keys, storage_options=storage_options, decrypt_with=decrypt_with
+    ) as f:
         return fill_from_node(f, f.tree.root, state, strict=strict, verify=verify, atomic=atomic)
 
 

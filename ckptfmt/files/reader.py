@@ -41,7 +41,7 @@ from ..gcpause import pausing_in_main_thread
 from ..storage.client import check_options
 from ..storage.download import RemoteObject
 from ..storage.urls import is_url
-from . import signing
+from . import encryption, signing
 
 __all__ = [
     "MAX_OPEN_EXTERNALS",
@@ -89,6 +89,8 @@ class CheckpointFile:
         within: CheckpointDir | None = None,
         trusted_keys: Any = None,
         storage_options: dict[str, Any] | None = None,
+        decrypt_with: Any = None,
+        ciphertext_only: bool = False,
     ) -> None:
         """`fd`: the file, already opened and checked by the caller (it is owned from here on;
         `path` then only names it in messages).  `within`: the directory holding it, through
@@ -97,10 +99,14 @@ class CheckpointFile:
         signature is checked here, before any chunk is read (SignatureError), and every chunk
         read is then checked against its signed digest, whatever `verify` a caller passes.
         `storage_options`: for an object-store URL (storage/): the client's settings; the
-        object's bytes are fetched as they are read, each range pinned to its first ETag."""
+        object's bytes are fetched as they are read, each range pinned to its first ETag.
+        `decrypt_with`: the key of an encrypted file (spec section 17, files/encryption.py):
+        its data key is unwrapped and its index's tag checked here, each chunk's tag as it is
+        read.  `ciphertext_only` (verify without a key): see format.index.parse_index."""
         self.path = os.fspath(path)
         options = check_options(storage_options)
         trusted = signing.trusted_set(trusted_keys)  # bad keys fail before the file is opened
+        opener = encryption.opener(decrypt_with)
         if trusted is not None and _native.available() and not _native.crypto_available():
             raise CheckpointError(
                 "checking signatures needs the C engine built with OpenSSL's libcrypto (libssl-dev); "
@@ -120,7 +126,7 @@ class CheckpointFile:
             fd = open_regular(self.path)
         try:
             try:
-                index = parse_index(fd, self.path, max_bytes)
+                index = parse_index(fd, self.path, max_bytes, opener, ciphertext_only)
             except (CorruptError, IncompleteError, UnsupportedError) as e:
                 if trusted is None:
                     raise
@@ -142,6 +148,8 @@ class CheckpointFile:
             raise
         #: a signature by a trusted key was demanded and checked: every chunk read is verified
         self.signed = trusted is not None
+        #: an encrypted file (section 17); its chunks are decrypted when opened with the key
+        self.encrypted = index.encryption is not None
         self.index = index
         self.prologue = index.prologue
         self.footer = index.footer
@@ -339,6 +347,10 @@ class CheckpointFile:
     def load_subtree(
         self, top: int, map_location: devices.MapLocation, verify: bool, use_mmap: bool = False
     ) -> object:
+        if use_mmap and self.encrypted:
+            raise ValueError(
+                f"{self.path}: mmap=True cannot map an encrypted file: its pages hold ciphertext"
+            )
         if use_mmap and self.signed:
             raise ValueError(
                 f"{self.path}: mmap=True cannot be combined with trusted_keys: a mapping shows later "

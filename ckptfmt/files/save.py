@@ -23,10 +23,11 @@ from ..errors import CheckpointError
 from ..fileio import is_url
 from ..format import layout as fmt
 from ..format.encode import Encoded, check_chunks, check_metadata, encode
+from ..format.encryption import Sealer
 from ..gcpause import pausing_in_main_thread
 from ..storage.client import check_options
 from ..storage.upload import ObjectFile
-from . import signing
+from . import encryption, signing
 
 
 def check_save_args(compression: str | None, level: int | None, metadata: object) -> dict[str, str]:
@@ -79,6 +80,8 @@ def save(
     snapshot: str = "copy",
     sign_with: Any = None,
     storage_options: dict[str, Any] | None = None,
+    encrypt_with: Any = None,
+    encrypt_index: bool = True,
     _within: CheckpointDir | None = None,
     _create_only: bool = False,
 ) -> Any:
@@ -105,9 +108,20 @@ def save(
     `path` may be an object-store URL (``s3://bucket/key``), with the client's settings in
     `storage_options` (endpoint_url, region_name, aws_access_key_id, ...; boto3's AWS_*
     environment variables apply too): the file is streamed into a multipart upload as it is
-    written, with bounded memory, and appears only when complete."""
+    written, with bounded memory, and appears only when complete.
+
+    encrypt_with: a key (32 bytes, a key file's path, or a key service's callable: see
+    files/encryption.py): the file is encrypted (spec section 17) with AES-256-GCM under a
+    fresh data key wrapped by it, each chunk by the engine as it is written (after
+    compression), and the index too unless ``encrypt_index=False``.  Not with sign_with
+    (not defined in this version) nor snapshot='fork'."""
     meta = check_save_args(compression, level, metadata)
     options = check_options(storage_options)
+    if sign_with is not None and encrypt_with is not None:
+        raise ValueError(
+            "sign_with and encrypt_with together are not defined in this version (spec section 17)"
+        )
+    seal = encryption.sealer(encrypt_with, encrypt_index)
     sign = signer(sign_with)
     check_snapshot(snapshot)
     target = os.fspath(path)
@@ -131,6 +145,7 @@ def save(
         sign=sign,
         storage_options=options,
         create_only=_create_only,
+        seal=seal,
     )
 
 
@@ -167,6 +182,7 @@ def write_state(
     sign: Signer | None = None,
     storage_options: dict[str, Any] | None = None,
     create_only: bool = False,
+    seal: Sealer | None = None,
 ) -> Any:
     """Encode and commit `state` at `target` (arguments already checked, earlier saves waited
     for), beneath the open directory `within` when given (AtomicFile); an object-store URL
@@ -186,6 +202,7 @@ def write_state(
             dedup=dedup,
             sign=sign,
             create_only=create_only,
+            seal=seal,
         )
     if not blocking:
         return copysave.save_async(
@@ -199,6 +216,7 @@ def write_state(
             snapshot=snapshot,
             within=within,
             sign=sign,
+            seal=seal,
         )
     try:
         with AtomicFile(target, within) as f:
@@ -212,6 +230,7 @@ def write_state(
                 path=target,
                 dedup=dedup,
                 sign=sign,
+                seal=seal,
             )
             f.commit()
     except CheckpointError:
@@ -230,11 +249,12 @@ OBJECT_BATCH_BYTES = 64 << 20
 
 def object_capacity(encoded: Encoded, chunk_size: int) -> int:
     """An upper bound of the file's length: every chunk stored raw and padded, the largest
-    index and signature block a file may have (the spool is sparse: bounds cost nothing)."""
+    index and signature or encryption block a file may have (the spool is sparse: bounds cost nothing)."""
     data = sum(
         fmt.align_up(p.nbytes) + fmt.ALIGNMENT * (p.nbytes // chunk_size + 1) for p in encoded.storages
     )
-    tail = fmt.Limits.MAX_INDEX_BYTES + fmt.MAX_SIGNATURE_BLOCK + fmt.FOOTER_SIZE + fmt.ALIGNMENT
+    blocks = max(fmt.MAX_SIGNATURE_BLOCK, fmt.MAX_ENCRYPTION_BLOCK)  # one or the other, never both
+    tail = fmt.Limits.MAX_INDEX_BYTES + blocks + fmt.FOOTER_SIZE + 2 * fmt.ALIGNMENT
     return fmt.PROLOGUE_SIZE + data + tail
 
 
@@ -251,6 +271,7 @@ def _write_object(
     dedup: Dedup | None,
     sign: Signer | None,
     create_only: bool = False,
+    seal: Sealer | None = None,
 ) -> Any:
     """Write `encoded` as the object at `url`: the engine writes into the upload's spool,
     which sends each part once complete; committed whole, or aborted."""
@@ -265,6 +286,7 @@ def _write_object(
             chunk_size=chunk_size,
             dedup=dedup,
             sign=sign,
+            seal=seal,
             output=out,
         )
     with out:
@@ -278,6 +300,7 @@ def _write_object(
             path=url,
             dedup=dedup,
             sign=sign,
+            seal=seal,
             on_written=out.written,
             batch_bytes=OBJECT_BATCH_BYTES,
         )

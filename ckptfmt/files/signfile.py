@@ -15,16 +15,18 @@ is kept.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+from collections.abc import Iterator
 from typing import Any
 
 from ..background import inflight
 from ..engine.chunkwrite import write_tail
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
-from ..errors import UnsupportedError
+from ..errors import DecryptionError, UnsupportedError
 from ..fileio import pread_exact
 from ..format import layout as fmt
 from ..format import signing as layout_signing
@@ -80,7 +82,7 @@ def sign_file(path: str | os.PathLike[str], key: Any) -> None:
     checksum and signed digest) before it replaces the original: a damaged file is never
     signed.  The signed file keeps the original's mode (and owner, where permitted); a
     symbolic link at `path` is kept and the file it names is signed.  UnsupportedError for an
-    incremental file (external chunks)."""
+    incremental file (external chunks) or an encrypted one."""
     from ..engine import native as _native
 
     target = os.fspath(path)
@@ -92,10 +94,13 @@ def sign_file(path: str | os.PathLike[str], key: Any) -> None:
     real = os.path.realpath(target)
     inflight.wait_for_path(target)
     inflight.wait_for_path(real)
-    with (
-        CheckpointDir.open(os.path.dirname(real)) as d,
-        CheckpointFile(target, fd=d.open_file(os.path.basename(real)), within=d) as f,
-    ):
+    with contextlib.ExitStack() as stack:
+        try:
+            d, f = stack.enter_context(_open_to_sign(target, real))
+        except DecryptionError:  # only an encrypted file asks for a key here
+            raise UnsupportedError(
+                "signing encrypted files is not defined in this version (spec section 17)", path=target
+            ) from None
         if f.prologue.required_features & fmt.FEATURE_EXTERNAL:
             raise UnsupportedError(
                 "signing files with external chunks (incremental checkpoints) is not defined in this version",
@@ -122,6 +127,17 @@ def sign_file(path: str | os.PathLike[str], key: Any) -> None:
                     raise problem
             _keep_owner_and_mode(out.fd, os.fstat(f._fd))
             out.commit()
+
+
+@contextlib.contextmanager
+def _open_to_sign(target: str, real: str) -> Iterator[tuple[CheckpointDir, CheckpointFile]]:
+    """The directory of the file `real` names and the file, opened beneath it (`target` names
+    it in messages)."""
+    with (
+        CheckpointDir.open(os.path.dirname(real)) as d,
+        CheckpointFile(target, fd=d.open_file(os.path.basename(real)), within=d) as f,
+    ):
+        yield d, f
 
 
 def _keep_owner_and_mode(fd: int, original: os.stat_result) -> None:

@@ -11,12 +11,14 @@ from ..background import inflight
 from ..errors import (
     CheckpointError,
     CorruptError,
+    DecryptionError,
     IncompleteError,
     LimitError,
     SignatureError,
     UnsupportedError,
 )
 from ..gcpause import pausing_in_main_thread
+from .encryption import UNCHECKED_CLEAR_INDEX, UNCHECKED_ENCRYPTED_INDEX, KeyRequired, ciphertext_problems
 from .reader import CheckpointFile
 
 
@@ -24,7 +26,7 @@ from .reader import CheckpointFile
 class Problem:
     """One thing wrong with a file, and where."""
 
-    kind: str  # "corrupt", "incomplete", "unsupported", "limit", "signature"
+    kind: str  # "corrupt", "incomplete", "unsupported", "limit", "signature", "decryption"
     message: str
     key: str | None = None
     chunk: int | None = None
@@ -49,6 +51,8 @@ class VerifyReport:
     problems: list[Problem] = field(default_factory=list)
     chunks: int = 0
     bytes_checked: int = 0
+    #: what could not be checked (an encrypted file verified without its key), else empty
+    not_checked: str = ""
 
     @property
     def ok(self) -> bool:
@@ -61,6 +65,8 @@ class VerifyReport:
 def _kind(e: CheckpointError) -> str:
     if isinstance(e, SignatureError):
         return "signature"
+    if isinstance(e, DecryptionError):
+        return "decryption"
     if isinstance(e, IncompleteError):
         return "incomplete"
     if isinstance(e, UnsupportedError):
@@ -84,6 +90,7 @@ def verify(
     progress: Callable[[int, int], None] | None = None,
     trusted_keys: Any = None,
     storage_options: dict[str, Any] | None = None,
+    decrypt_with: Any = None,
 ) -> VerifyReport:
     """Check structure, index and (unless `quick`) every chunk's checksum and size.
 
@@ -97,16 +104,36 @@ def verify(
     that does not match its signed digest one per chunk.  Every chunk is then checked even
     when `quick`: the signature covers the digest table, not the data, and verify never
     says OK to a file a load with the same keys refuses.  Bad keys raise ValueError.
+
+    decrypt_with (see load()): the key of an encrypted file (spec section 17): every tag is
+    checked too.  Without it, an encrypted file is checked as far as its clear parts allow
+    (17.6) and `report.not_checked` says what was not.
     """
     inflight.wait_for_path(path)
     report = VerifyReport(os.fspath(path))
     try:
-        f = CheckpointFile(path, trusted_keys=trusted_keys, storage_options=storage_options)
+        f = CheckpointFile(
+            path,
+            trusted_keys=trusted_keys,
+            storage_options=storage_options,
+            decrypt_with=decrypt_with,
+            ciphertext_only=True,
+        )
+    except KeyRequired:
+        report.not_checked = UNCHECKED_ENCRYPTED_INDEX
+        return report
     except CheckpointError as e:
         report.problems.append(problem_of(e))
         return report
     with f:
-        check_file(f, report, quick=quick, progress=progress)
+        if f.encrypted and decrypt_with is None:
+            report.chunks = len(f.chunks)
+            report.not_checked = UNCHECKED_CLEAR_INDEX
+            if not quick:
+                report.problems.extend(problem_of(e) for e in ciphertext_problems(f))
+                report.bytes_checked = f.prologue.file_length
+        else:
+            check_file(f, report, quick=quick, progress=progress)
     return report
 
 

@@ -13,7 +13,9 @@ is read (spec section 9, steps 1 to 7).  This module implements:
 * sections 12.1 to 12.4 (required feature bit 0): content digests, the `externals` member,
   its reference paths and external chunk records;
 * section 8: every limit checked before anything is allocated for it, among them the
-  memory the index may take (`max_bytes`).
+  memory the index may take (`max_bytes`);
+* section 17 (required feature bit 2): the encryption block's structure, and, given an
+  opener for the data key, the index's GCM tag and its decryption before it is parsed.
 
 The object tree (section 6) is validated by validate.validate_tree, called from here.  The
 result is an `Index` of plain records (`Chunk`, `External`, tree.StorageRecord, the
@@ -27,13 +29,13 @@ import functools
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..errors import CorruptError, IncompleteError, LimitError, UnsupportedError
+from ..errors import CorruptError, DecryptionError, IncompleteError, LimitError, UnsupportedError
 from ..fileio import pread_exact
 from ..gcpause import pausing
-from . import devices, signing, tree, validate
+from . import devices, encryption, signing, tree, validate
 from . import layout as fmt
 from .layout import Limits
 
@@ -57,6 +59,7 @@ class Chunk:
     source: int = -1  # -1: in this file; else the entry of `externals` whose file holds it
     number: int = -1  # for an external chunk: its chunk number in that file
     sha: bytes = b""  # signed files read with trusted keys: SHA-256 the stored bytes must have (section 16)
+    tag: bytes = b""  # encrypted files read with the key: the GCM tag of the stored bytes (section 17)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +182,10 @@ class Index:
     #: checked (not its signature: files/signing.py), and the SHA-256 of the index bytes
     signature: signing.SignatureBlock | None = None
     index_sha256: bytes = b""
+    #: encrypted files (required feature bit 2, section 17): the encryption block, and the
+    #: data key when the file was opened with its key (b"" without; never in a repr)
+    encryption: encryption.EncryptionBlock | None = None
+    data_key: bytes = field(default=b"", repr=False, compare=False)
 
     def key_of(self, k: int) -> str:
         """The key path of the first tensor using chunk k, rendered now (at most render.PATH_CHARS)."""
@@ -191,23 +198,43 @@ class Index:
 
 
 @pausing
-def parse_index(fd: int, path: str, max_bytes: int | None) -> Index:
+def parse_index(
+    fd: int,
+    path: str,
+    max_bytes: int | None,
+    decrypt: encryption.Opener | None = None,
+    ciphertext_only: bool = False,
+) -> Index:
     """Read and validate the prologue, footer and index of the file open at `fd`.
 
     `max_bytes` bounds the memory the index may take (estimated before it is parsed,
     fmt.index_memory_bound): LimitError before anything above it is allocated.
+    `decrypt` (an encryption.Opener): the file must be encrypted (section 17); its data
+    key is unwrapped and the index's tag checked before the index is parsed, and each
+    chunk record gets its tag.  Without it an encrypted file raises encryption.KeyRequired
+    once what is in clear is checked, unless `ciphertext_only` and its index is in clear:
+    then the index is parsed unauthenticated, for checks of the ciphertext alone.
     """
-    return _IndexParser(fd, path, max_bytes).parse()
+    return _IndexParser(fd, path, max_bytes, decrypt, ciphertext_only).parse()
 
 
 class _IndexParser:
     """One parse: the members read so far, which the rules of the later ones depend on."""
 
-    def __init__(self, fd: int, path: str, max_bytes: int | None) -> None:
+    def __init__(
+        self,
+        fd: int,
+        path: str,
+        max_bytes: int | None,
+        decrypt: encryption.Opener | None = None,
+        ciphertext_only: bool = False,
+    ) -> None:
         self._fd = fd
         self.path = path
         self.max_bytes = max_bytes
         self.index_memory = 0
+        self._decrypt = decrypt
+        self._ciphertext_only = ciphertext_only
 
     def _charge_index(self, nbytes: int) -> None:
         if self.max_bytes is not None and nbytes > self.max_bytes:
@@ -241,6 +268,15 @@ class _IndexParser:
             raise CorruptError("index checksum mismatch", path=path, offset=ioff)
         if any(padding):
             raise CorruptError("padding after the index is not zero", path=path, offset=ioff + ilen)
+        enc, data_key = None, b""
+        if self.prologue.required_features & fmt.FEATURE_ENCRYPTED:
+            enc, data_key, raw = self._decrypted_index(block_at, raw)
+        elif self._decrypt is not None:
+            raise DecryptionError(
+                "file is not encrypted (required feature bit 2 is clear), and a key was given to decrypt it",
+                path=path,
+                offset=40,
+            )
         self._charge_index(fmt.index_memory_bound(raw))  # before json builds anything
         external = bool(self.prologue.required_features & fmt.FEATURE_EXTERNAL)
         index_sha256 = (
@@ -278,6 +314,15 @@ class _IndexParser:
                     "file shrank while its signature block was read", path=path, offset=block_at
                 )
             block = signing.parse_block(raw_block, len(self.chunks), path, block_at)
+        if enc is not None:
+            if enc.nchunks != len(self.chunks):
+                raise CorruptError(
+                    f"encryption block lists {enc.nchunks} chunks, the index {len(self.chunks)}",
+                    path=path,
+                    offset=block_at + 24,
+                )
+            if data_key:
+                self.chunks = [replace(ch, tag=enc.tag_of(k)) for k, ch in enumerate(self.chunks)]
         return Index(
             self.prologue,
             self.footer,
@@ -293,6 +338,39 @@ class _IndexParser:
             self.index_memory,
             block,
             index_sha256,
+            enc,
+            data_key,
+        )
+
+    def _decrypted_index(self, block_at: int, raw: bytes) -> tuple[encryption.EncryptionBlock, bytes, bytes]:
+        """Encrypted files: the encryption block (structure checked), the data key (b"" without
+        an opener) and the index's plaintext, its tag checked (section 17.6)."""
+        size = self.footer.signature_length
+        raw_block = self._read(block_at, size)
+        if len(raw_block) != size:
+            raise IncompleteError(
+                "file shrank while its encryption block was read", path=self.path, offset=block_at
+            )
+        enc = encryption.parse_block(raw_block, self.path, block_at)
+        if self._decrypt is None:
+            if enc.index_encrypted or not self._ciphertext_only:
+                what = " (its index too)" if enc.index_encrypted else ""
+                msg = f"file is encrypted{what}: pass decrypt_with=<key> to read it"
+                if self._ciphertext_only:  # verify and inspect show what is in clear
+                    raise encryption.KeyRequired(msg, enc, path=self.path)
+                raise DecryptionError(msg, path=self.path)
+            return enc, b"", raw
+        file_id = self.prologue.file_id
+        try:
+            data_key = self._decrypt(enc, file_id)
+        except DecryptionError as e:
+            if e.path is not None:
+                raise
+            raise DecryptionError(e.reason, path=self.path, offset=block_at) from None
+        return (
+            enc,
+            data_key,
+            encryption.open_index(data_key, enc, file_id, self.footer.index_offset, raw, self.path),
         )
 
     def _parse_storages(self, c: validate.Check, raw: object) -> list[tree.StorageRecord]:

@@ -30,8 +30,10 @@ FORMAT_MINOR = 0
 FEATURE_EXTERNAL = 1 << 0
 #: Required feature bit 1: a signature block between the index and the footer (section 16).
 FEATURE_SIGNED = 1 << 1
+#: Required feature bit 2: encrypted chunks and index, an encryption block before the footer (section 17).
+FEATURE_ENCRYPTED = 1 << 2
 #: Required feature bits this reader understands.
-KNOWN_REQUIRED_FEATURES = FEATURE_EXTERNAL | FEATURE_SIGNED
+KNOWN_REQUIRED_FEATURES = FEATURE_EXTERNAL | FEATURE_SIGNED | FEATURE_ENCRYPTED
 
 PROLOGUE_SIZE = 64
 FOOTER_SIZE = 64
@@ -127,6 +129,9 @@ def index_memory_bound(raw: bytes) -> int:
 #: bounds of a signature block's length (section 16): no chunks, and Limits.MAX_CHUNKS chunks
 MIN_SIGNATURE_BLOCK = 128
 MAX_SIGNATURE_BLOCK = 128 + 32 * Limits.MAX_CHUNKS
+#: bounds of an encryption block's length (section 17.1): header, wrapped key, tags
+MIN_ENCRYPTION_BLOCK = 128
+MAX_ENCRYPTION_BLOCK = 64 + 1024 + 16 * Limits.MAX_CHUNKS
 
 
 def align_up(n: int) -> int:
@@ -207,7 +212,8 @@ class Footer:
     index_length: int
     index_checksum: int
     file_id: bytes
-    #: signed files (required feature bit 1): the signature block's length (offset 40)
+    #: signed files (required feature bit 1): the signature block's length (offset 40);
+    #: encrypted files (bit 2): the encryption block's length, in the same field
     signature_length: int = 0
 
     def pack(self) -> bytes:
@@ -264,6 +270,13 @@ def parse_prologue(raw: bytes, actual_size: int, path: str) -> Prologue:
     unknown = req & ~KNOWN_REQUIRED_FEATURES
     if unknown:
         raise UnsupportedError(f"file requires unknown features {unknown:#x}", path=path, offset=40)
+    if req & FEATURE_ENCRYPTED and req & (FEATURE_EXTERNAL | FEATURE_SIGNED):
+        raise UnsupportedError(
+            "file sets feature bit 2 with bit 0 or 1 (encrypted files with external chunks or a "
+            "signature are not defined in this version)",
+            path=path,
+            offset=40,
+        )
     if req & FEATURE_EXTERNAL and req & FEATURE_SIGNED:
         raise UnsupportedError(
             "file sets feature bits 0 and 1 (signed files with external chunks are not defined in this version)",
@@ -300,10 +313,15 @@ def parse_footer(raw: bytes, prologue: Prologue, path: str) -> Footer:
             "footer belongs to another file (file id differs from the prologue)", path=path, offset=at + 24
         )
     signed = prologue.required_features & FEATURE_SIGNED
-    if reserved != 0 and not signed:
+    encrypted = prologue.required_features & FEATURE_ENCRYPTED
+    if reserved != 0 and not signed and not encrypted:
         raise CorruptError("reserved footer field is not zero", path=path, offset=at + 40)
     if signed and (reserved < MIN_SIGNATURE_BLOCK or reserved > MAX_SIGNATURE_BLOCK or reserved % ALIGNMENT):
         raise CorruptError(f"signature block length {reserved} is impossible", path=path, offset=at + 40)
+    if encrypted and (
+        reserved < MIN_ENCRYPTION_BLOCK or reserved > MAX_ENCRYPTION_BLOCK or reserved % ALIGNMENT
+    ):
+        raise CorruptError(f"encryption block length {reserved} is impossible", path=path, offset=at + 40)
     if ilen > Limits.MAX_INDEX_BYTES:
         raise LimitError(
             f"index of {ilen} bytes exceeds the limit of {Limits.MAX_INDEX_BYTES}", path=path, offset=at + 8
@@ -311,7 +329,7 @@ def parse_footer(raw: bytes, prologue: Prologue, path: str) -> Footer:
     if ioff < PROLOGUE_SIZE or ioff % ALIGNMENT or ilen == 0 or align_up(ioff + ilen) + reserved != at:
         raise CorruptError(
             f"index range [{ioff}, {ioff + ilen}) does not end where the "
-            + ("signature block" if signed else "footer")
+            + ("signature block" if signed else "encryption block" if encrypted else "footer")
             + f" starts ({at - reserved})",
             path=path,
             offset=at,

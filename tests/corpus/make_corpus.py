@@ -271,6 +271,40 @@ def sig_block(
     return raw + bytes(a64(len(raw)) - len(raw))
 
 
+def enc_block(
+    n: int = 1,
+    magic: bytes = b"ckptfmt-enc" + bytes(5),
+    cipher: int = 1,
+    wrap: int = 1,
+    flags: int = 1,
+    count: int | None = None,
+    hint: bytes = b"\x01" * 8,
+    wlen: int = 60,
+    reserved: int = 0,
+    pad: bytes = b"",
+) -> bytes:
+    """An encryption block (spec section 17.2) for n chunks with zero wrapped key and tags: its
+    structure alone, which every reader checks before it asks for a key; `pad` replaces the
+    first bytes of the padding after the wrapped key."""
+    head = struct.pack(
+        "<16sHHIQ8sII16s",
+        magic,
+        cipher,
+        wrap,
+        flags,
+        n if count is None else count,
+        hint,
+        wlen,
+        reserved,
+        bytes(16),
+    )
+    raw = bytearray(head + bytes(wlen))
+    raw += bytes(a64(len(raw)) - len(raw))
+    raw[64 + wlen : 64 + wlen + len(pad)] = pad
+    raw += bytes(16 * n)
+    return bytes(raw + bytes(a64(len(raw)) - len(raw)))
+
+
 CASES: dict[str, tuple[str, Callable[[], bytes]]] = {
     # structure of the container
     "not_ckptfmt": ("UnsupportedError", lambda: b"GGUF" + bytes(200)),
@@ -295,6 +329,33 @@ CASES: dict[str, tuple[str, Callable[[], bytes]]] = {
         lambda: build(required=2, block=sig_block(salg=9)),
     ),
     "unsigned_with_block": ("CorruptError", lambda: build(block=sig_block())),
+    # encrypted files (spec section 17): the block's structure is checked before any key is asked for
+    "encrypted_and_signed": ("UnsupportedError", lambda: build(required=6, block=enc_block())),
+    "encrypted_and_external": ("UnsupportedError", lambda: build(required=5, block=enc_block())),
+    "encrypted_without_block": ("CorruptError", lambda: build(required=4)),
+    "encrypted_block_length_huge": ("CorruptError", lambda: build(required=4, footer_block_len=1 << 40)),
+    "encrypted_block_bad_magic": (
+        "CorruptError",
+        lambda: build(required=4, block=enc_block(magic=bytes(16))),
+    ),
+    "encrypted_block_unknown_cipher": (
+        "UnsupportedError",
+        lambda: build(required=4, block=enc_block(cipher=2)),
+    ),
+    "encrypted_block_unknown_wrap": ("UnsupportedError", lambda: build(required=4, block=enc_block(wrap=3))),
+    "encrypted_block_reserved_flag": ("CorruptError", lambda: build(required=4, block=enc_block(flags=3))),
+    "encrypted_block_reserved_field": (
+        "CorruptError",
+        lambda: build(required=4, block=enc_block(reserved=1)),
+    ),
+    "encrypted_block_wrapped_length": ("CorruptError", lambda: build(required=4, block=enc_block(wlen=59))),
+    "encrypted_block_for_other_count": ("CorruptError", lambda: build(required=4, block=enc_block(count=5))),
+    "encrypted_block_padding": ("CorruptError", lambda: build(required=4, block=enc_block(pad=b"\x01"))),
+    "encrypted_block_service_with_hint": (
+        "CorruptError",
+        lambda: build(required=4, block=enc_block(wrap=2, wlen=100)),
+    ),
+    "unencrypted_with_block": ("CorruptError", lambda: build(block=enc_block())),
     "footer_other_file_id": ("CorruptError", lambda: build(footer_fid=bytes(16))),
     "index_length_huge": ("LimitError", lambda: build(footer_ilen=2**64 - 1)),
     "index_length_past_footer": ("CorruptError", lambda: build(footer_ilen=10**6)),

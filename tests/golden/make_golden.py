@@ -69,7 +69,13 @@ FILES = {
     "v1_0_zstd.ckpt": {"compression": "zstd"},
     # required feature bit 1 (spec section 16), signed with TEST_KEY
     "v1_0_signed.ckpt": {"compression": "zstd", "sign_with": "signing_test_key.pem"},
+    # required feature bit 2 (spec section 17), encrypted under ENCRYPTION_TEST_KEY, index too
+    "v1_0_encrypted.ckpt": {"compression": "zstd", "encrypt_with": "encryption_test_key.hex"},
 }
+
+#: The golden encrypted file's key-encryption key: the bytes 32, 33, ..., 63, in
+#: encryption_test_key.hex as 64 hex digits.  A published test key, for test vectors only.
+ENCRYPTION_TEST_KEY = bytes(range(32, 64))
 
 #: The golden signed file's key: Ed25519 from the seed bytes 0, 1, ..., 31.  A published
 #: test key, for test vectors only: it proves nothing about who wrote a file.
@@ -107,6 +113,10 @@ def main(only: list[str] | None = None) -> None:
         if "sign_with" in kw:
             write_test_key()
             kw["sign_with"] = os.path.join(HERE, kw["sign_with"])
+        if "encrypt_with" in kw:
+            kw["encrypt_with"] = os.path.join(HERE, kw["encrypt_with"])
+            with open(kw["encrypt_with"], "w") as fh:
+                fh.write(ENCRYPTION_TEST_KEY.hex() + "\n")
         ckptfmt.save(expected(), os.path.join(HERE, name), metadata={"golden": name}, chunk_size=4096, **kw)  # type: ignore[arg-type]
         print("wrote", name)
 
