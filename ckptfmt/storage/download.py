@@ -71,7 +71,9 @@ class RemoteObject:
             try:
                 self.spool = Spool(self.url.key.rsplit("/", 1)[-1], self.size)
             except OSError as e:
-                raise LimitError(f"cannot map an object of {self.size} bytes: {e.strerror}", path=url) from None
+                raise LimitError(
+                    f"cannot map an object of {self.size} bytes: {e.strerror}", path=url
+                ) from None
             self._fetch_index(max_bytes)
         except BaseException:
             self.close()
