@@ -42,8 +42,8 @@ from ..engine import commit
 from ..engine.ckptdir import CheckpointDir, LinkError
 from ..errors import CheckpointError, CheckpointWarning, CorruptError, SignatureError, UnsupportedError
 from ..fileio import is_url
+from ..files import encryption, multifile, recordsign
 from ..files import load_into as inplace
-from ..files import multifile, recordsign
 from ..files import save as writer
 from ..files.reader import CheckpointFile
 from ..files.targets import MismatchError
@@ -98,6 +98,8 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         sign_with: Any = None,
         trusted_keys: Any = None,
+        encrypt_with: Any = None,
+        decrypt_with: Any = None,
     ) -> None:
         """archive: an object-store URL (``s3://bucket/run``) where every committed step is also
         copied, in the background and verified after upload; `archive_keep_last` and
@@ -110,7 +112,13 @@ class CheckpointManager:
         sign_with: an Ed25519 private key (as ``ckptfmt.save`` takes it) that signs every
         step's commit record; trusted_keys: public keys, one of which must have signed a step
         for it to be loaded, resumed from, found by latest() or verified (spec 16.7).  Signed
-        runs are local runs in this version (not with archive= or a run URL)."""
+        runs are local runs in this version (not with archive= or a run URL).
+
+        encrypt_with: a key (as ``ckptfmt.save`` takes it) that encrypts every step's state file
+        (spec section 17; the commit record, with the metrics, stays in clear); decrypt_with:
+        the key that reads them (default `encrypt_with`, unless that is a key service's
+        callable).  latest(), ls and verify need it too: they read each state file's index.
+        Archived copies stay encrypted.  Not with incremental saves, signing or several ranks."""
         retention.check_rules(keep_last, keep_every, keep_best, best_mode)
         writer.check_save_args(compression, None, None)
         writer.check_snapshot(snapshot)
@@ -133,6 +141,7 @@ class CheckpointManager:
             raise ValueError(
                 "signed runs (sign_with, trusted_keys) are local runs in this version, without archive="
             )
+        self._encrypt, self._decrypt = _run_keys(encrypt_with, decrypt_with, incremental, sign_with)
         self._lock = threading.Lock()
         self._jobs: list[StepJob] = []  # in flight, or finished with an error nobody has seen
         #: the archive tier (an object-store run), when `archive` is given
@@ -152,7 +161,7 @@ class CheckpointManager:
         os.makedirs(self.directory, exist_ok=True)
         # rotation (on commit threads) and cleanup (in save) both delete step directories
         self._delete_lock = threading.RLock()
-        self._records = StepRecords(self.directory)
+        self._records = StepRecords(self.directory, self._decrypt)
 
     def _open_archive(
         self,
@@ -163,7 +172,7 @@ class CheckpointManager:
     ) -> None:
         if self.incremental:
             raise ValueError("an archive holds whole steps: it cannot be combined with incremental=True")
-        self.archive = ObjectRun(archive, storage_options)
+        self.archive = ObjectRun(archive, storage_options, decrypt=self._decrypt)
         self._archiver = Archiver(
             self.archive, keep_last=keep_last, keep_every=keep_every, on_archived=self._rotate
         )
@@ -275,6 +284,10 @@ class CheckpointManager:
         if is_sharded_save(state):  # every rank saves its shard; the step commits like any other
             from . import sharded
 
+            if self._encrypt is not None:
+                raise UnsupportedError(
+                    "encrypted runs are saved by one process in this version", path=self.directory
+                )
             sharded.save_step(self, step, state, metrics, meta, scan)
             return None
         from .rng import capture_rng
@@ -390,6 +403,7 @@ class CheckpointManager:
             compression=self.compression,
             blocking=self.blocking,
             snapshot=self.snapshot,
+            encrypt_with=self._encrypt,
             _within=held(job),
         )
 
@@ -667,7 +681,7 @@ class CheckpointManager:
                     raise SignatureError("the commit record changed while it was read", path=d.path)
                 recordsign.check_files(d, signed.references, d.path)
                 fd = recordsign.open_trusted_part(d, signed.files[0], d.path)
-            with CheckpointFile(d.path_of(part.name), fd=fd, within=d) as f:
+            with CheckpointFile(d.path_of(part.name), fd=fd, within=d, decrypt_with=self._decrypt) as f:
                 yield f
 
     def load_into(
@@ -727,7 +741,25 @@ class CheckpointManager:
     def verify(self, step: int | None = None) -> VerifyReport:
         """Check every file of checkpoint `step` (the newest complete one when None)."""
         info = self._find(step)[0]
-        return verify_in_run(self.directory, os.path.basename(info.path), info.step, self._trusted)
+        return verify_in_run(
+            self.directory, os.path.basename(info.path), info.step, self._trusted, self._decrypt
+        )
+
+
+def _run_keys(encrypt_with: Any, decrypt_with: Any, incremental: bool, sign_with: Any) -> tuple[Any, Any]:
+    """The keys an encrypted run saves and reads with, checked before anything is written."""
+    if encrypt_with is None:
+        return None, decrypt_with
+    if incremental:
+        raise ValueError("encrypted runs cannot be incremental in this version (spec section 17)")
+    if sign_with is not None:
+        raise ValueError(
+            "sign_with and encrypt_with together are not defined in this version (spec section 17)"
+        )
+    encryption.sealer(encrypt_with)  # a bad key, or an engine without libcrypto, fails here
+    if decrypt_with is None and callable(encrypt_with):
+        raise ValueError("a key service encrypts: give the callable that unwraps as decrypt_with")
+    return encrypt_with, encrypt_with if decrypt_with is None else decrypt_with
 
 
 def _check_readable(info: CheckpointInfo) -> None:

@@ -42,7 +42,7 @@ class ObjectRunManager(CheckpointManager):
             raise ValueError("incremental saves are made to local directories only in this version")
         if self.snapshot == "fork":
             raise ValueError("snapshot='fork' writes local files only; use snapshot='copy'")
-        self.run = ObjectRun(directory, storage_options)
+        self.run = ObjectRun(directory, storage_options, decrypt=self._decrypt)
         self.directory = self.run.path
 
     def _open_archive(
@@ -86,7 +86,7 @@ class ObjectRunManager(CheckpointManager):
         info = self._find(step)[0]
         report = VerifyReport(info.path)
         for url in info.files:
-            part = verify(url, storage_options=self.run.options)
+            part = verify(url, storage_options=self.run.options, decrypt_with=self._decrypt)
             report.problems.extend(part.problems)
             report.chunks += part.chunks
             report.bytes_checked += part.bytes_checked
@@ -131,6 +131,7 @@ class ObjectRunManager(CheckpointManager):
                 compression=self.compression,
                 blocking=self.blocking,
                 storage_options=self.run.options,
+                encrypt_with=self._encrypt,
             )
         except BaseException:
             self._abandon(job)
@@ -139,7 +140,9 @@ class ObjectRunManager(CheckpointManager):
 
     def _commit(self, job: StepJob) -> None:
         """Write the step's commit record, created only if absent, naming the state object."""
-        with CheckpointFile(f"{job.path}/{STATE_NAME}", storage_options=self.run.options) as f:
+        with CheckpointFile(
+            f"{job.path}/{STATE_NAME}", storage_options=self.run.options, decrypt_with=self._decrypt
+        ) as f:
             part = multifile.PartRecord(
                 STATE_NAME, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
             )

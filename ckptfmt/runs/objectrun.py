@@ -35,8 +35,12 @@ STALE_AFTER = datetime.timedelta(hours=24)
 class ObjectRun:
     """The steps of a run kept under an object-store prefix."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, url: str, storage_options: dict[str, Any] | None = None, *, decrypt: Any = None
+    ) -> None:
+        """`decrypt`: the key of an encrypted run's state files (they are read with it)."""
         self.url: ObjectURL = parse_url(url, need_key=False)
+        self.decrypt = decrypt
         self.path = str(self.url).rstrip("/")
         self.options = check_options(storage_options)
 
@@ -135,7 +139,7 @@ class ObjectRun:
         part = next((p for p in record.files if p.name == name), None)
         if part is None:
             raise CorruptError(f"the commit record names no {name}", path=info.path)
-        f = CheckpointFile(f"{info.path}/{name}", storage_options=self.options)
+        f = CheckpointFile(f"{info.path}/{name}", storage_options=self.options, decrypt_with=self.decrypt)
         try:
             found = multifile.PartRecord(
                 name, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
@@ -150,7 +154,7 @@ class ObjectRun:
         """Every file of a complete step verified chunk by chunk: the problems, one per line."""
         problems: list[str] = []
         for url in info.files:
-            report = verify(url, storage_options=self.options)
+            report = verify(url, storage_options=self.options, decrypt_with=self.decrypt)
             problems.extend(f"{url}: {p}" for p in report.problems)
         return problems
 
@@ -202,10 +206,10 @@ class ObjectRun:
             upload_file(fd, url, self.options)
         finally:
             os.close(fd)
-        report = verify(url, storage_options=self.options)
+        report = verify(url, storage_options=self.options, decrypt_with=self.decrypt)
         if not report.ok:
             raise CorruptError(f"the uploaded copy fails verification: {report.problems[0]}", path=url)
-        with CheckpointFile(url, storage_options=self.options) as f:
+        with CheckpointFile(url, storage_options=self.options, decrypt_with=self.decrypt) as f:
             found = multifile.PartRecord(
                 part.name, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
             )

@@ -63,8 +63,10 @@ class StepRecords:
     """The checked commit records of a run's steps, cached while the directory and the files
     each names keep their identity (inode, size, mtime) and are not links."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, decrypt: Any = None) -> None:
+        """`decrypt`: the key of an encrypted run's state files (check_step reads their index)."""
         self.directory = directory
+        self.decrypt = decrypt
         self._cache: dict[str, _Cached] = {}
 
     def record(self, d: CheckpointDir, step: int) -> multifile.CommitRecord:
@@ -75,7 +77,7 @@ class StepRecords:
                 return cached.record
         except (OSError, CheckpointError):
             pass  # a component changed kind: check it all again, which says why
-        record = check_step(d, step)
+        record = check_step(d, step, self.decrypt)
         self._cache[d.path] = _Cached(_stamp(d, record), record)
         return record
 

@@ -16,18 +16,18 @@ from . import resume
 from .steps import STATE_NAME, parse_step_dirname
 
 
-def check_step(d: CheckpointDir, step: int | None) -> multifile.CommitRecord:
+def check_step(d: CheckpointDir, step: int | None, decrypt: Any = None) -> multifile.CommitRecord:
     """The one check of a run's step directory (spec 13.4), made by latest(), ls, load, load_into
     and verify alike: complete (13.2), its record for the step its name says (`step`; None for a
     directory whose name is not a step's, which only verify is given), and parts as its layout
-    requires."""
+    requires.  `decrypt`: the key of an encrypted run's state files (their index is read)."""
     record = multifile.check_complete(d)
     if step is not None and record.step != step:
         raise CorruptError(f"the commit record is for step {record.step}, not {step}", path=d.path)
     if record.layout == "state":
         if [p.name for p in record.files] != [STATE_NAME]:
             raise CorruptError(f"a 'state' commit record must name exactly {STATE_NAME}", path=d.path)
-        _check_state_index(d, record)
+        _check_state_index(d, record, decrypt)
     elif record.layout == "dcp":
         from ..dcp.check import record_metadata
 
@@ -37,11 +37,12 @@ def check_step(d: CheckpointDir, step: int | None) -> multifile.CommitRecord:
     return record
 
 
-def _check_state_index(d: CheckpointDir, record: multifile.CommitRecord) -> None:
+def _check_state_index(d: CheckpointDir, record: multifile.CommitRecord, decrypt: Any = None) -> None:
     """The state file's index (no chunk is read): a manager's state file (a dict with the
     entries state, rng and resume) that reads chunks only from files the record names."""
     part = record.files[0]
-    with CheckpointFile(d.path_of(part.name), fd=multifile.open_part(d, part, d.path), within=d) as f:
+    fd = multifile.open_part(d, part, d.path)
+    with CheckpointFile(d.path_of(part.name), fd=fd, within=d, decrypt_with=decrypt) as f:
         multifile.check_references(f, record, d.path)
         if not {"state", "rng", "resume"} <= set(resume.node_items(f, f.tree.root)):
             raise CorruptError("not a checkpoint manager's state file", path=f.path)
@@ -60,12 +61,14 @@ def resume_entries(f: CheckpointFile) -> tuple[dict[str, Any], Any]:
     return fp, rng_state
 
 
-def verify_in_run(run_dir: str, name: str, step: int, trusted: Any = None) -> VerifyReport:
+def verify_in_run(
+    run_dir: str, name: str, step: int, trusted: Any = None, decrypt: Any = None
+) -> VerifyReport:
     """verify_step of step directory `name` of a run, opened beneath the run directory
     without following a link (the step may have been swapped for one since it was listed)."""
     try:
         with CheckpointDir.open(run_dir) as run, run.sub(name) as d:
-            return verify_step(d, step, trusted)
+            return verify_step(d, step, trusted, decrypt)
     except (CheckpointError, OSError) as e:
         report = VerifyReport(os.path.join(run_dir, name))
         report.problems.append(problem_of(e) if isinstance(e, CheckpointError) else _os_problem(e))
@@ -76,24 +79,27 @@ def _os_problem(e: OSError) -> Problem:
     return Problem("incomplete", f"{e.filename or ''}: {e.strerror}".lstrip(": "))
 
 
-def verify_step(path: str | CheckpointDir, step: int | None = None, trusted: Any = None) -> VerifyReport:
+def verify_step(
+    path: str | CheckpointDir, step: int | None = None, trusted: Any = None, decrypt: Any = None
+) -> VerifyReport:
     """Verify a checkpoint directory with the checks a load makes (check_step), then every
     chunk of its commit record, of every file it names and of every file they refer to.
 
     `step`: the step its record must be for; None: the step its name says when it is named
     like a step directory (step-NNNNNNNNN), so verify fails exactly where latest() skips.
     `trusted`: public keys, one of which must have signed the commit record, whose SHA-256
-    of every file must then match (spec 16.7); a failure is a "signature" problem."""
+    of every file must then match (spec 16.7); a failure is a "signature" problem.
+    `decrypt`: the key of an encrypted run's state files (every GCM tag is then checked)."""
     where = path.path if isinstance(path, CheckpointDir) else path
     if step is None:
         step = parse_step_dirname(os.path.basename(os.path.normpath(where)))
     report = VerifyReport(where)
     try:
         with multifile.opened(path) as d:
-            record = check_step(d, step)
+            record = check_step(d, step, decrypt)
             if trusted is not None:
                 recordsign.check_directory(d, trusted)
-            _verify_parts(d, record, report)
+            _verify_parts(d, record, report, decrypt)
             if record.layout == "dcp" and report.ok:
                 report.problems += _dcp_problems(d)
     except CheckpointError as e:
@@ -114,7 +120,9 @@ def _dcp_problems(path: CheckpointDir) -> list[Problem]:
     return out
 
 
-def _verify_parts(d: CheckpointDir, record: multifile.CommitRecord, report: VerifyReport) -> None:
+def _verify_parts(
+    d: CheckpointDir, record: multifile.CommitRecord, report: VerifyReport, decrypt: Any = None
+) -> None:
     """Every chunk of the record and of every part, each read through the descriptor its
     identity was checked on; a part reading a file the record does not name fails as a load does."""
     commit = multifile.PartRecord(multifile.COMMIT_NAME, 0, b"", 0)
@@ -126,7 +134,8 @@ def _verify_parts(d: CheckpointDir, record: multifile.CommitRecord, report: Veri
             else:
                 fd = multifile.open_part(d, part, d.path)
             one = VerifyReport(d.path_of(part.name))
-            with CheckpointFile(d.path_of(part.name), fd=fd, within=holder) as f:
+            key = decrypt if part in record.files and record.layout == "state" else None
+            with CheckpointFile(d.path_of(part.name), fd=fd, within=holder, decrypt_with=key) as f:
                 if part in record.files:
                     multifile.check_references(f, record, d.path)
                 if record.layout == "state" and part in record.files:
