@@ -11,7 +11,8 @@ The bench starts moto's S3 server (tests/s3_server.py) on 127.0.0.1 for the run.
 * obstore: obstore.put (multipart, 16 MiB chunks, max_concurrency 8); download by 8 threads of
   obstore.get_range copied into the buffer (get_ranges would coalesce adjacent ranges into one
   request)
-* s3fs: pipe_file (16 MiB chunks, max_concurrency 8); cat_ranges of 16 MiB ranges
+* s3fs: pipe_file (16 MiB chunks, max_concurrency 8); cat_ranges of 16 MiB ranges, 8 at a time
+  (batch_size; by default fsspec sends them all at once)
 
 Each measurement is one fresh process: the payload (random bytes) or the destination buffer is
 made and the client built before the clock starts; peak RSS is the process's high-water mark,
@@ -200,7 +201,9 @@ def download(client: str, c: Any, bucket: str, key: str, buf: bytearray) -> None
             list(pool.map(oget, parts))
     else:
         starts, ends = [a for a, _ in parts], [b for _, b in parts]
-        for (a, b), got in zip(parts, c.cat_ranges([f"{bucket}/{key}"] * len(parts), starts, ends)):
+        # batch_size: fsspec would otherwise send every range at once
+        got_all = c.cat_ranges([f"{bucket}/{key}"] * len(parts), starts, ends, batch_size=THREADS)
+        for (a, b), got in zip(parts, got_all):
             if isinstance(got, Exception):
                 raise got
             view[a:b] = got
