@@ -76,3 +76,84 @@ def test_encrypted_tiers_and_store_runs(tmp_path, s3_bucket):
     remote = ckptfmt.CheckpointManager(f"s3://{bucket}/r", storage_options=options, encrypt_with=KEY)
     remote.save(1, _state(1))
     assert remote.load()["step"] == 1 and remote.verify().ok
+
+
+# -- ckptfmt.dcp ---------------------------------------------------------------------------
+
+FULL = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)
+
+
+def test_an_encrypted_dcp_save_loads_only_with_its_key(tmp_path):
+    from ckptfmt import dcp as cdcp
+
+    path = str(tmp_path / "dcp")
+    cdcp.save({"w": FULL.clone(), "n": 3}, path, encrypt_with=KEY)
+    target = {"w": torch.zeros_like(FULL), "n": 0}
+    cdcp.load(target, path, decrypt_with=KEY)
+    assert torch.equal(target["w"], FULL) and target["n"] == 3
+    for key in (None, bytes(32)):
+        target = {"w": torch.zeros_like(FULL), "n": 0}
+        with pytest.raises(ckptfmt.DecryptionError):
+            cdcp.load(target, path, decrypt_with=key)
+        assert not target["w"].any()
+    with pytest.raises(ValueError, match="together"):
+        cdcp.save({"w": FULL}, str(tmp_path / "x"), encrypt_with=KEY, sign_with=b"k")
+
+
+def _rank_main(rank: int, world: int, store: str, base: str) -> None:
+    """One rank of the world-size-2 test: an encrypted save and async save of a DTensor sharded
+    over both ranks, loaded back with the key."""
+    import json
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ckptfmt import dcp as cdcp
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    results: dict[str, object] = {}
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+
+        def sharded(t: torch.Tensor) -> dict[str, object]:
+            return {"w": distribute_tensor(t.clone(), mesh, [Shard(0)]), "n": 3}
+
+        cdcp.save(sharded(FULL), os.path.join(base, "enc"), encrypt_with=KEY)
+        cdcp.async_save(sharded(FULL * 2), os.path.join(base, "async"), encrypt_with=KEY).result()
+        for name, want in (("enc", FULL), ("async", FULL * 2)):
+            target = sharded(torch.zeros_like(FULL))
+            cdcp.load(target, os.path.join(base, name), decrypt_with=KEY)
+            results[name] = bool(torch.equal(target["w"].full_tensor(), want))  # type: ignore[attr-defined]
+    except Exception as e:  # reported to the test, which prints it
+        results["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(base, f"result.{rank}.json"), "w") as fh:
+        json.dump(results, fh)
+
+
+def test_an_encrypted_dcp_save_of_two_ranks(tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    from ckptfmt import dcp as cdcp
+
+    mp.start_processes(
+        _rank_main,
+        args=(2, str(tmp_path / "store"), str(tmp_path)),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"result.{rank}.json").read_text())
+        assert got == {"enc": True, "async": True}, got
+    target = {"w": torch.zeros_like(FULL), "n": 0}  # resharded into one process
+    cdcp.load(target, str(tmp_path / "enc"), decrypt_with=KEY)
+    assert torch.equal(target["w"], FULL)
+    for rank_file in ("rank-00000.ckpt", "rank-00001.ckpt"):
+        with pytest.raises(ckptfmt.DecryptionError):
+            ckptfmt.load(tmp_path / "enc" / rank_file)

@@ -132,9 +132,10 @@ def save(
     commit record.  Without an initialised process group this runs in this process alone.
     Errors on any rank are raised on every rank as a CheckpointError naming the ranks.
     `options` (``SaveOptions``): compression, level, chunk_size, step, metrics, metadata,
-    overwrite and sign_with; ``overwrite=False`` refuses a `path` that already holds a
-    checkpoint; ``sign_with`` (an Ed25519 private key) signs the commit record, which then
-    carries every rank file's SHA-256 (spec 16.7).
+    overwrite, sign_with and encrypt_with; ``overwrite=False`` refuses a `path` that already
+    holds a checkpoint; ``sign_with`` (an Ed25519 private key) signs the commit record, which
+    then carries every rank file's SHA-256 (spec 16.7); ``encrypt_with`` (a key) encrypts every
+    rank file (spec section 17).
     (`_within`, `_step_dir`: the checkpoint manager's step directory, see ``Writer``.)
     """
     w, planner = _set_up_save(path, process_group, "blocking", options, _within, _step_dir)
@@ -164,6 +165,7 @@ def load(
     process_group: dist.ProcessGroup | None = None,
     verify: bool = True,
     trusted_keys: Any = None,
+    decrypt_with: Any = None,
     _within: CheckpointDir | None = None,
 ) -> None:
     """Load into `state_dict` in place, resharding to this run's layout; every rank calls it.
@@ -174,10 +176,11 @@ def load(
     `trusted_keys`: Ed25519 public keys; the commit record must be signed by one (a save
     made with ``sign_with``), and each rank checks every file it reads against the record's
     SHA-256 before anything of `state_dict` is written (spec 16.7; SignatureError).
+    `decrypt_with`: the key of a save made with ``encrypt_with`` (DecryptionError without it).
     """
     target = os.path.abspath(os.fspath(path))
     reader = Reader(
-        target, verify=verify, trusted_keys=trusted_keys, _within=_within
+        target, verify=verify, trusted_keys=trusted_keys, decrypt_with=decrypt_with, _within=_within
     )  # `_within`: the directory, opened
     try:
         reader.read_metadata()  # a missing or damaged commit record fails here, on every rank, plainly

@@ -52,6 +52,7 @@ def check_items(
     where: dict[MetadataIndex, mdv.Location],
     fqns: set[str] | None = None,
     trusted: Any = None,
+    decrypt: Any = None,
 ) -> tuple[list[CheckpointError], int]:
     """Check the items of `fqns` (all: None) against their rank files, as a load that reads them
     does (the rank files read beneath the directory's descriptor, each reading chunks only from
@@ -72,7 +73,7 @@ def check_items(
             return [e], 0
         for name in sorted(by_file):
             try:
-                held += _check_file(d, name, record, by_file[name], trusted)
+                held += _check_file(d, name, record, by_file[name], trusted, decrypt)
             except CheckpointError as e:
                 problems.append(e)
     return problems, held
@@ -84,8 +85,9 @@ def _check_file(
     record: multifile.CommitRecord,
     items: list[tuple[str, mdv.Location]],
     trusted: Any = None,
+    decrypt: Any = None,
 ) -> int:
-    src = Source(d, name, f"{name}{rank_note(name)}", record, keyed=True, trusted=trusted)
+    src = Source(d, name, f"{name}{rank_note(name)}", record, keyed=True, trusted=trusted, decrypt=decrypt)
     try:
         storages: set[int] = set()
         for fqn, loc in items:

@@ -33,6 +33,7 @@ def open_source(
     label: str,
     record: multifile.CommitRecord | None,
     trusted: Any = None,
+    decrypt: Any = None,
 ) -> CheckpointFile:
     """A rank file `name` the commit record names is opened beneath the checkpoint directory's
     descriptor `where` without following a link (spec 13.6) and read through the descriptor
@@ -40,10 +41,11 @@ def open_source(
     13.1).  A single file the caller names (`where` its path) is opened by its path.
     `trusted`: public keys; the record was read signed by one of them (recordsign.read_trusted)
     and the file is hashed against it through the descriptor then read (spec 16.7), and the
-    files it reads chunks from too; a single file must itself be signed by one."""
+    files it reads chunks from too; a single file must itself be signed by one.  `decrypt`:
+    the key of an encrypted save (spec section 17)."""
     if record is None:
         assert isinstance(where, str)
-        return CheckpointFile(where, trusted_keys=trusted)
+        return CheckpointFile(where, trusted_keys=trusted, decrypt_with=decrypt)
     assert isinstance(where, CheckpointDir)
     part = next((p for p in record.files if p.name == name), None)
     if part is None:
@@ -52,7 +54,7 @@ def open_source(
         fd = multifile.open_part(where, part, where.path, label)
     else:
         fd = recordsign.open_trusted_part(where, part, where.path)
-    f = CheckpointFile(where.path_of(name), fd=fd, within=where)
+    f = CheckpointFile(where.path_of(name), fd=fd, within=where, decrypt_with=decrypt)
     try:
         multifile.check_references(f, record, where.path_of(name))
         if trusted is not None:
@@ -77,11 +79,12 @@ class Source:
         record: multifile.CommitRecord | None,
         keyed: bool,
         trusted: Any = None,
+        decrypt: Any = None,
     ) -> None:
         self.label = label
         path = where.path_of(name) if isinstance(where, CheckpointDir) else where
         try:
-            self.f = open_source(where, name, label, record, trusted)
+            self.f = open_source(where, name, label, record, trusted, decrypt)
         except FileNotFoundError:
             raise IncompleteError(f"{label} named by the commit record is missing", path=path) from None
         except OSError as e:

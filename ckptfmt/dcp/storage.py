@@ -43,7 +43,7 @@ from ..engine import commit
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir, LinkError
 from ..errors import CheckpointError, CorruptError, IncompleteError, UnsupportedError, UnsupportedObjectError
-from ..files import multifile, recordsign
+from ..files import encryption, multifile, recordsign
 from ..files import save as writer
 from ..files.reader import CheckpointFile
 from ..gcpause import pausing_in_main_thread
@@ -115,8 +115,10 @@ class SaveOptions(TypedDict, total=False):
     """The options of a save that its Writer takes, named once for ``save``, ``async_save``
     and ``Writer``: ckptfmt's `compression` (with its `level`) and `chunk_size`; the commit
     record's `step`, `metrics` and `metadata` (the checkpoint manager's fields); `overwrite`
-    (False refuses a directory that already holds a checkpoint); and `sign_with`, an Ed25519
-    private key that signs the commit record with every rank file's SHA-256 (spec 16.7)."""
+    (False refuses a directory that already holds a checkpoint); `sign_with`, an Ed25519
+    private key that signs the commit record with every rank file's SHA-256 (spec 16.7); and
+    `encrypt_with`, a key that encrypts every rank file (spec section 17; the record, DCP's
+    metadata with the names and shapes, stays in clear)."""
 
     compression: str | None
     level: int | None
@@ -126,6 +128,7 @@ class SaveOptions(TypedDict, total=False):
     metadata: dict[str, str] | None
     overwrite: bool
     sign_with: Any
+    encrypt_with: Any
 
 
 class _HeldDirectory:
@@ -165,10 +168,17 @@ class Writer(_HeldDirectory, StorageWriter):
         metadata: dict[str, str] | None = None,
         overwrite: bool = True,
         sign_with: Any = None,
+        encrypt_with: Any = None,
         _within: CheckpointDir | None = None,
         _step_dir: bool = False,
     ) -> None:
         super().__init__()
+        if sign_with is not None and encrypt_with is not None:
+            raise ValueError(
+                "sign_with and encrypt_with together are not defined in this version (spec section 17)"
+            )
+        encryption.sealer(encrypt_with)  # a bad key, or an engine without libcrypto, fails here
+        self._encrypt = encrypt_with
         self._sign_key = recordsign.private_key(sign_with)  # a bad key fails before any rank writes
         writer.signer(self._sign_key)  # and an engine without libcrypto
         self.path = os.path.abspath(os.fspath(path))
@@ -304,6 +314,7 @@ class Writer(_HeldDirectory, StorageWriter):
             level=self.level,
             metadata={**self.meta, "dcp_rank": str(self.rank), "dcp_save_id": self.save_id},
             chunk_size=self.chunk_size,
+            encrypt_with=self._encrypt,
             _within=d,
         )
         part = multifile.describe_in(d, name)
@@ -440,6 +451,8 @@ class Reader(_HeldDirectory, StorageReader):
     and every file read is hashed against it before it is read (spec 16.7; a single file
     must be signed itself), and with them every file a rank's plan reads is checked before
     any value is handed to the planner; ``stats`` counts what the last ``read_data`` read.
+    ``decrypt_with``: the key of a save made with ``encrypt_with`` (every rank file is read
+    with it; spec section 17).
     """
 
     def __init__(
@@ -448,10 +461,12 @@ class Reader(_HeldDirectory, StorageReader):
         *,
         verify: bool = True,
         trusted_keys: Any = None,
+        decrypt_with: Any = None,
         _within: CheckpointDir | None = None,
     ) -> None:
         super().__init__()
         self._trusted = recordsign.public_keys(trusted_keys)
+        self._decrypt = decrypt_with
         self.path = os.path.abspath(os.fspath(path))
         # A checkpoint directory is opened once (`_within`: one the caller opened, such as a
         # step directory the manager opened beneath its run without following a link; it is
@@ -531,7 +546,7 @@ class Reader(_HeldDirectory, StorageReader):
                 return [], sum(s.nbytes for s in f.storages)
         d = self._open_dir()
         assert d is not None and self._record is not None
-        return check_items(d, self._record, self._where, fqns, self._trusted)
+        return check_items(d, self._record, self._where, fqns, self._trusted, self._decrypt)
 
     def _read_single_file(self) -> None:
         from .singlefile import file_metadata
@@ -564,12 +579,19 @@ class Reader(_HeldDirectory, StorageReader):
                     None,
                     keyed=False,
                     trusted=self._trusted,
+                    decrypt=self._decrypt,
                 )
             else:
                 d = self._open_dir()
                 assert d is not None and self._record is not None
                 src = Source(
-                    d, name, f"{name}{rank_note(name)}", self._record, keyed=True, trusted=self._trusted
+                    d,
+                    name,
+                    f"{name}{rank_note(name)}",
+                    self._record,
+                    keyed=True,
+                    trusted=self._trusted,
+                    decrypt=self._decrypt,
                 )
             sources[name] = src
         return src
