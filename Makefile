@@ -7,7 +7,7 @@ setup:
 	bash .ci/setup
 
 test:
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 lint:
 	$(PY) -m ruff check ckptfmt tests bench examples
