@@ -21,7 +21,19 @@ import ckptfmt
 ROOT = os.path.dirname(os.path.abspath(ckptfmt.__file__))
 
 #: the layers, lowest first: a module may import its own layer and the layers before it
-LAYERS = ["base", "format", "engine", "storage", "background", "files", "dcp", "runs", "integrations", "cli", "demo"]
+LAYERS = [
+    "base",
+    "format",
+    "engine",
+    "storage",
+    "background",
+    "files",
+    "dcp",
+    "runs",
+    "integrations",
+    "cli",
+    "demo",
+]
 #: the base layer: leaves every layer uses
 BASE = {"ckptfmt.errors", "ckptfmt.fileio", "ckptfmt.gcpause"}
 #: the public face, which imports every library layer to re-export its names
