@@ -59,6 +59,14 @@ What the plugin changes, compared with Lightning's default ``TorchCheckpointIO``
   ``torch.load(weights_only=True)`` only; the next save writes ckptfmt.
 * The plugin is picklable (``ddp_spawn``, ``deepcopy``): its saves in flight
   and their lock belong to one process and are created anew after unpickling.
+* ``s3://`` paths (``default_root_dir``, ``dirpath``, ``ckpt_path``, ``load_from_checkpoint``)
+  are written and read by ckptfmt itself (``storage_options=`` here: the client's settings,
+  else the ``AWS_*`` environment): a streaming multipart upload that appears whole or not
+  at all, ETag-pinned, checked ranged reads; ``remove_checkpoint`` deletes the one object.
+  Lightning itself asks what exists through fsspec, that is s3fs (configured as usual,
+  e.g. ``AWS_ENDPOINT_URL``): the plugin registers s3fs's filesystem with no listings cache
+  (it writes behind s3fs's back) that sees an object in flight as the object it will be.
+  Other fsspec protocols raise :class:`RemotePathError`.
 * ``weights_only`` is accepted and needs nothing: loading never runs code.
 * ``storage_options`` may be a dict with ckptfmt's save options ``compression``,
   ``level`` and ``metadata``; anything else is refused like Lightning's own
@@ -69,16 +77,17 @@ which has no extension point: :func:`enable` teaches that loader (in
 ``lightning`` and ``pytorch_lightning``) to read ckptfmt files, recognised by
 their first bytes; other files go to Lightning's loader as before.
 :func:`load_from_checkpoint` here does the same without :func:`enable`, and
-:func:`load_checkpoint` gives the dict.  Local paths only: object-store URLs
-raise :class:`RemotePathError`.  Sharded strategies (FSDP's sharded state,
+:func:`load_checkpoint` gives the dict.  Sharded strategies (FSDP's sharded state,
 DeepSpeed) bypass ``CheckpointIO`` and are not affected by this plugin.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import importlib.util
+import io
 import os
 import sys
 import threading
@@ -88,15 +97,22 @@ from typing import TYPE_CHECKING, Any
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.registry import known_implementations
+from fsspec.registry import registry as fsspec_classes
 
 import ckptfmt
 
 from ..background import inflight
 from ..engine.commit import temp_prefix
 from ..errors import CheckpointError, CorruptError, SignatureError, UnsupportedError
+from ..fileio import is_url
 from ..files.save import check_save_args, signer
 from ..files.signing import trusted_set
 from ..format.sniff import sniff
+from ..storage.client import check_options
+from ..storage.download import RemoteObject
+from ..storage.listing import delete_object
+from ..storage.urls import parse_url
 from . import objects
 
 if TYPE_CHECKING:
@@ -133,7 +149,7 @@ _HPARAMS_KEYS = (
 
 
 class RemotePathError(UnsupportedError):
-    """A URL (``s3://`` and other fsspec protocols) where ckptfmt needs a local path."""
+    """A URL of an fsspec protocol ckptfmt does not serve (anything but local paths and ``s3://``)."""
 
 
 class CkptfmtCheckpointIO(_Base):
@@ -151,6 +167,10 @@ class CkptfmtCheckpointIO(_Base):
             checkpoint; give a path or the key's bytes where the plugin is pickled (ddp_spawn).
         trusted_keys: Ed25519 public keys; a checkpoint is loaded only when one of them signed
             it (``ckptfmt.load``'s rule; a ``torch.save`` file, never signed, is refused).
+        storage_options: the object-store client's settings for ``s3://`` paths (``ckptfmt.save``'s
+            `storage_options`: endpoint_url, region_name, credentials ...; the ``AWS_*``
+            environment applies too).  Not the per-call ``storage_options`` Lightning passes to
+            ``save_checkpoint``, which are ckptfmt's save options.
     """
 
     def __init__(
@@ -163,9 +183,11 @@ class CkptfmtCheckpointIO(_Base):
         read_torch_checkpoints: bool = False,
         sign_with: Any = None,
         trusted_keys: Any = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         check_save_args(compression, None, None)
+        self.storage_options = check_options(storage_options)
         signer(sign_with)  # a bad key, or an engine without libcrypto, fails here
         trusted_set(trusted_keys)
         self.sign_with = sign_with
@@ -178,8 +200,7 @@ class CkptfmtCheckpointIO(_Base):
         for cls in self.classes:
             objects._check_registrable(cls)
         self._process: _ProcessSaves | None = None
-        if not blocking:
-            _show_saves_in_flight()
+        _show_saves_in_flight(blocking)
 
     # -- pickling: the saves in flight and their lock stay in the process that started them --
 
@@ -190,8 +211,7 @@ class CkptfmtCheckpointIO(_Base):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        if not self.blocking:
-            _show_saves_in_flight()
+        _show_saves_in_flight(self.blocking)
 
     def _saves(self) -> _ProcessSaves:
         """This process's saves in flight (created here after unpickling, or in a forked child)."""
@@ -206,7 +226,7 @@ class CkptfmtCheckpointIO(_Base):
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         self._raise_finished()
-        target = _local_path(path)
+        target = _target(path)
         options = _save_options(storage_options, self.compression)
         for key in _RESERVED:
             if key in checkpoint:
@@ -218,9 +238,16 @@ class CkptfmtCheckpointIO(_Base):
             state[RNG_KEY] = ckptfmt.capture_rng()
         state = objects.encode(state)
         directory = os.path.dirname(target)
-        if directory:
+        if directory and not is_url(target):  # an object store has no directories to make
             os.makedirs(directory, exist_ok=True)
-        handle = ckptfmt.save(state, target, blocking=self.blocking, sign_with=self.sign_with, **options)
+        handle = ckptfmt.save(
+            state,
+            target,
+            blocking=self.blocking,
+            sign_with=self.sign_with,
+            storage_options=self.storage_options,
+            **options,
+        )
         if handle is not None:
             _IN_FLIGHT.add(target, handle)
             self._saves().add(handle)
@@ -256,6 +283,7 @@ class CkptfmtCheckpointIO(_Base):
             classes=self.classes,
             read_torch_checkpoints=self.read_torch_checkpoints,
             trusted_keys=self.trusted_keys,
+            storage_options=self.storage_options,
             _keep_rng=True,
         )
         rng = state.pop(RNG_KEY, None)
@@ -264,8 +292,13 @@ class CkptfmtCheckpointIO(_Base):
         return state
 
     def remove_checkpoint(self, path: Any) -> None:
+        target = _target(path)
+        if is_url(target):
+            inflight.wait_for_path(target)
+            delete_object(parse_url(target), self.storage_options)  # an absent object is no error
+            return
         try:
-            ckptfmt.remove(_local_path(path))  # waits for a save in flight on that path
+            ckptfmt.remove(target)  # waits for a save in flight on that path
         except FileNotFoundError:
             pass
 
@@ -308,7 +341,8 @@ class _ProcessSaves:
 
 
 class _SavesInFlight:
-    """The files this process's non-blocking plugins are writing, by real path."""
+    """The files this process's non-blocking plugins are writing, by real path, and the objects
+    by URL."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -316,7 +350,7 @@ class _SavesInFlight:
 
     def add(self, path: str, handle: ckptfmt.SaveHandle) -> None:
         with self._lock:
-            self._handles[os.path.realpath(path)] = handle
+            self._handles[_in_flight_key(path)] = handle
 
     def running(self) -> dict[str, ckptfmt.SaveHandle]:
         """The saves still running (finished ones are dropped: the file answers for itself)."""
@@ -380,28 +414,127 @@ class _LocalFileSystem(LocalFileSystem):  # type: ignore[misc]  # fsspec has no 
         return _IN_FLIGHT.running().get(key)
 
 
-def _show_saves_in_flight() -> None:
-    """Register the filesystem above for local paths with fsspec, where fsspec's own is in use
-    (one that someone else registered is left alone).  Lightning asks every question about a
-    local path through fsspec's ``url_to_fs``, which looks the protocol up there."""
-    for protocol in ("file", "local"):
-        current = fsspec.get_filesystem_class(protocol)
-        if current is LocalFileSystem:
-            fsspec.register_implementation(protocol, _LocalFileSystem, clobber=True)
+def _in_flight_key(path: str) -> str:
+    """A local file by its real path; an object by its URL (as _target wrote it)."""
+    return path if is_url(path) else os.path.realpath(path)
+
+
+@functools.cache
+def _s3_filesystem_class() -> type:
+    """s3fs's filesystem, seeing a non-blocking save in flight as the object it will be, and
+    keeping no listings cache: the plugin writes and deletes objects through ckptfmt's own
+    client, behind s3fs's back, so a cached listing would show a taken name as free (and
+    ModelCheckpoint would give a second save the name of the first).  Made on first use, so
+    that s3fs (and aiobotocore) are imported only where ``s3://`` paths are used."""
+    import s3fs
+    from fsspec.asyn import sync_wrapper
+
+    class _S3FileSystem(s3fs.S3FileSystem):  # type: ignore[misc]  # s3fs has no type hints
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("use_listings_cache", False)
+            super().__init__(*args, **kwargs)
+
+        async def _exists(self, path: Any, **kwargs: Any) -> bool:
+            if self._in_flight(path) is not None or self._in_flight_beneath(path):
+                return True
+            return bool(await super()._exists(path, **kwargs))
+
+        async def _isfile(self, path: Any) -> bool:
+            return self._in_flight(path) is not None or bool(await super()._isfile(path))
+
+        async def _info(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            handle = self._in_flight(path)
+            if handle is not None:  # details are the written object's; its error is the plugin's
+                await asyncio.to_thread(handle.exception)
+            return dict(await super()._info(path, *args, **kwargs))
+
+        async def _ls(self, path: Any, detail: bool = False, **kwargs: Any) -> list[Any]:
+            running = self._in_flight_beneath(path, directly=True)
+            if detail:  # sizes and times of objects being written: those they will have
+                for handle in running.values():
+                    await asyncio.to_thread(handle.exception)
+                return list(await super()._ls(path, detail=True, **kwargs))
+            try:
+                names = list(await super()._ls(path, detail=False, **kwargs))
+            except FileNotFoundError:
+                if not running:
+                    raise
+                names = []  # only saves in flight there yet
+            present = set(names)
+            return names + [n for n in (k[len("s3://") :] for k in running) if n not in present]
+
+        def _in_flight(self, path: Any) -> ckptfmt.SaveHandle | None:
+            return _IN_FLIGHT.running().get(self._url(path))
+
+        def _in_flight_beneath(self, path: Any, *, directly: bool = False) -> dict[str, ckptfmt.SaveHandle]:
+            prefix = self._url(path).rstrip("/") + "/"
+            return {
+                k: h
+                for k, h in _IN_FLIGHT.running().items()
+                if k.startswith(prefix) and not (directly and "/" in k[len(prefix) :])
+            }
+
+        def _url(self, path: Any) -> str:
+            return "s3://" + str(self._strip_protocol(path))
+
+        # s3fs binds some blocking methods to its own coroutines: bind them to those above
+        exists = sync_wrapper(_exists)
+        isfile = sync_wrapper(_isfile)
+        info = sync_wrapper(_info)
+        ls = sync_wrapper(_ls)
+
+    return _S3FileSystem
+
+
+#: where fsspec finds the class above (imported, and so made, when s3:// is first used)
+_S3_CLASS_PATH = f"{__name__}:_S3FileSystem"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "_S3FileSystem":
+        return _s3_filesystem_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _show_saves_in_flight(blocking: bool) -> None:
+    """Register the filesystems above with fsspec where fsspec's own are in use (one that
+    someone else registered is left alone): for ``s3://`` always (objects this plugin writes
+    must never hide behind a cached listing), for local paths when saves do not block.
+    Lightning asks every question about a path through fsspec's ``url_to_fs``, which looks
+    the protocol up there."""
+    if not blocking:
+        for protocol in ("file", "local"):
+            current = fsspec.get_filesystem_class(protocol)
+            if current is LocalFileSystem:
+                fsspec.register_implementation(protocol, _LocalFileSystem, clobber=True)
+    _show_objects_in_flight()
+
+
+def _show_objects_in_flight() -> None:
+    known = known_implementations.get("s3", {}).get("class")
+    current = fsspec_classes.get("s3")
+    if current is None and known == "s3fs.S3FileSystem":
+        # s3fs not imported yet: fsspec imports the class named here when s3:// is first used
+        fsspec.register_implementation("s3", _S3_CLASS_PATH, clobber=True)
+    elif current is not None and f"{current.__module__}.{current.__qualname__}" == "s3fs.core.S3FileSystem":
+        fsspec.register_implementation("s3", _s3_filesystem_class(), clobber=True)
 
 
 # -- paths and options -------------------------------------------------------------------
 
 
-def _local_path(path: Any) -> str:
+def _target(path: Any) -> str:
+    """The local path or the ``s3://`` URL that a path Lightning gives names."""
     text = os.fspath(path)
     if text.startswith("file://"):
         return text[len("file://") :]
+    if text.startswith("s3://"):
+        return str(parse_url(text))
     if "://" in text:
         raise RemotePathError(
-            "ckptfmt reads and writes local files only, not object-store URLs (not yet); "
-            "give a local dirpath/default_root_dir, or use Lightning's default CheckpointIO "
-            "(no CkptfmtCheckpointIO plugin) for remote storage",
+            f"ckptfmt reads and writes local files and s3:// URLs (S3 and S3-compatible stores), "
+            f"not {text.split('://', 1)[0]}:// ones; give a local or s3:// dirpath/default_root_dir, "
+            "or use Lightning's default CheckpointIO (no CkptfmtCheckpointIO plugin) for this store",
             path=text,
         )
     return text
@@ -499,12 +632,40 @@ def _expect(value: object, kind: type, key: str, source: str) -> None:
         raise CorruptError(f"must be a {kind.__name__}, not {type(value).__name__}", path=source, key=key)
 
 
-def _load_torch(target: str, map_location: Any) -> dict[str, Any]:
-    """A checkpoint written by torch.save (Lightning's default plugin), read without running code."""
-    state = torch.load(target, map_location=map_location or "cpu", weights_only=True)
+def _load_torch(target: str, map_location: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint written by torch.save (Lightning's default plugin), read without running
+    code; an object is fetched whole first (torch.load reads a zip archive's end first)."""
+    source: Any = io.BytesIO(_object_bytes(target, options)) if is_url(target) else target
+    state = torch.load(source, map_location=map_location or "cpu", weights_only=True)
     if type(state) is not dict:
         raise CheckpointError(f"holds a {type(state).__name__}, not a Lightning checkpoint dict", path=target)
     return state
+
+
+def _object_bytes(url: str, options: dict[str, Any]) -> bytes:
+    """All of the object at `url` (ETag-pinned, checked ranged reads)."""
+    remote = RemoteObject(url, options)
+    try:
+        remote.fetch([(0, remote.size)])
+        assert remote.spool is not None
+        with remote.spool.view(0, remote.size) as view:
+            return bytes(view)
+    finally:
+        remote.close()
+
+
+def _sniff_target(target: str, options: dict[str, Any]) -> str:
+    """:func:`sniff` of a local file, or of an object: its prologue is fetched into a spool
+    (as for a load) and sniffed there (FileNotFoundError for an absent one)."""
+    if not is_url(target):
+        if not os.path.exists(target):
+            raise FileNotFoundError(f"Checkpoint file not found: {target}")
+        return sniff(target)
+    remote = RemoteObject(target, options)
+    try:
+        return sniff(f"/proc/self/fd/{remote.fd}")
+    finally:
+        remote.close()
 
 
 def load_checkpoint(
@@ -514,6 +675,7 @@ def load_checkpoint(
     classes: Iterable[type] = (),
     read_torch_checkpoints: bool = False,
     trusted_keys: Any = None,
+    storage_options: dict[str, Any] | None = None,
     _keep_rng: bool = False,
 ) -> dict[str, Any]:
     """The dict a :class:`CkptfmtCheckpointIO` saved, with allow-listed objects rebuilt.
@@ -522,12 +684,12 @@ def load_checkpoint(
     takes torch.load's forms; None loads onto the CPU.  `read_torch_checkpoints`:
     a file written by torch.save is read with ``torch.load(weights_only=True)``.
     `trusted_keys`: the file must be signed by one of these Ed25519 public keys (SignatureError).
+    `path` may be an ``s3://`` URL, reached with `storage_options` (see ``ckptfmt.load``).
     """
-    target = _local_path(path)
+    target = _target(path)
+    options = check_options(storage_options)
     inflight.wait_for_path(target)
-    if not os.path.exists(target):
-        raise FileNotFoundError(f"Checkpoint file not found: {target}")
-    kind = sniff(target)
+    kind = _sniff_target(target, options)
     if kind in ("torch-zip", "torch-legacy"):
         if trusted_keys is not None:
             raise SignatureError(
@@ -540,9 +702,11 @@ def load_checkpoint(
                 "CkptfmtCheckpointIO(read_torch_checkpoints=True) reads it (torch.load(weights_only=True))",
                 path=target,
             )
-        state = _load_torch(target, map_location)
+        state = _load_torch(target, map_location, options)
     else:
-        state = ckptfmt.load(target, map_location=map_location, trusted_keys=trusted_keys)
+        state = ckptfmt.load(
+            target, map_location=map_location, trusted_keys=trusted_keys, storage_options=options
+        )
         if type(state) is not dict:
             raise CheckpointError(
                 f"holds a {type(state).__name__}, not a Lightning checkpoint dict", path=target
@@ -562,12 +726,14 @@ def load_from_checkpoint(
     *,
     strict: bool | None = None,
     classes: Iterable[type] = (),
+    storage_options: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> Any:
     """``cls.load_from_checkpoint(path, ...)`` for a ckptfmt file: a LightningModule (or
     LightningDataModule) built from the saved hyper-parameters (`kwargs` override them),
-    its weights loaded.  Uses Lightning's own instantiation (``core.saving._load_state``)."""
-    checkpoint = load_checkpoint(path, map_location, classes=classes)
+    its weights loaded.  Uses Lightning's own instantiation (``core.saving._load_state``).
+    `path` may be an ``s3://`` URL, reached with `storage_options`."""
+    checkpoint = load_checkpoint(path, map_location, classes=classes, storage_options=storage_options)
     saving, is_datamodule = _saving_module(cls)
     hparams_key = cls.CHECKPOINT_HYPER_PARAMS_KEY  # type: ignore[attr-defined]
     checkpoint.setdefault(hparams_key, {})
@@ -606,13 +772,22 @@ _LOADERS = (
 )
 
 
-def enable() -> None:
+#: the object-store client's settings of the loader enable() wraps (the last enable() call's)
+_LOADER_STORAGE_OPTIONS: dict[str, Any] = {}
+
+
+def enable(storage_options: dict[str, Any] | None = None) -> None:
     """Make Lightning's loader read ckptfmt files: ``LitModel.load_from_checkpoint(path)``,
     and Lightning's default CheckpointIO, in ``lightning`` and ``pytorch_lightning``.
 
-    Lightning offers no extension point there, so its loader is wrapped: a local file that
+    Lightning offers no extension point there, so its loader is wrapped: a local file or an
+    ``s3://`` object (reached with `storage_options`, or the ``AWS_*`` environment) that
     starts with ckptfmt's magic bytes is read by :func:`load_checkpoint` (no pickle, no RNG
-    restored); anything else goes to Lightning's loader unchanged.  Calling it again does nothing."""
+    restored); anything else goes to Lightning's loader unchanged.  Calling it again wraps
+    nothing more (it replaces the storage options)."""
+    options = check_options(storage_options)
+    _LOADER_STORAGE_OPTIONS.clear()
+    _LOADER_STORAGE_OPTIONS.update(options)
     for package, module_name, attr in _LOADERS:
         if importlib.util.find_spec(package) is None:
             continue
@@ -626,7 +801,7 @@ def _reading_ckptfmt(load: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(load)
     def _load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
         if _is_ckptfmt_file(path_or_url):
-            return load_checkpoint(path_or_url, map_location)
+            return load_checkpoint(path_or_url, map_location, storage_options=dict(_LOADER_STORAGE_OPTIONS))
         return load(path_or_url, map_location=map_location, weights_only=weights_only)
 
     _load.__ckptfmt_wraps__ = load  # type: ignore[attr-defined]
@@ -637,12 +812,12 @@ def _is_ckptfmt_file(path: Any) -> bool:
     if not isinstance(path, (str, os.PathLike)):
         return False  # a file object: Lightning's loader
     text = os.fspath(path)
-    if not isinstance(text, str) or ("://" in text and not text.startswith("file://")):
+    if not isinstance(text, str) or ("://" in text and not text.startswith(("file://", "s3://"))):
         return False
-    local = _local_path(text)
-    inflight.wait_for_path(local)
+    target = _target(text)
+    inflight.wait_for_path(target)
     try:
-        return sniff(local) == "ckptfmt"
+        return _sniff_target(target, _LOADER_STORAGE_OPTIONS) == "ckptfmt"
     except OSError:
         return False  # missing or a directory: Lightning's loader says so in its words
 

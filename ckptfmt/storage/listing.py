@@ -76,6 +76,12 @@ def _pages_with(
         token = {"ContinuationToken": nxt}
 
 
+def delete_object(url: ObjectURL, options: dict[str, Any]) -> None:
+    """Delete the one object at `url` (nothing else beneath it); an absent object is no error."""
+    c = s3.client_for(options)
+    s3.request(str(url), "delete", partial(c.delete_object, Bucket=url.bucket, Key=url.key))
+
+
 def delete_prefix(url: ObjectURL, options: dict[str, Any], first: tuple[str, ...] = ()) -> None:
     """Delete every object beneath `url`; the keys in `first` (relative) go before the rest,
     each alone, so that a reader never sees the rest gone while they remain."""
