@@ -34,6 +34,7 @@ TUNING_OPTIONS = (
     "connect_timeout",
     "read_timeout",
     "addressing_style",
+    "request_size",
 )
 _ALIASES = {"region": "region_name", "endpoint": "endpoint_url", "profile": "profile_name"}
 
@@ -62,6 +63,11 @@ def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     for name in ("max_attempts", "concurrency"):
         if name in out and (type(out[name]) is not int or not 1 <= out[name] <= 64):
             raise ValueError(f"storage option {name} must be an int from 1 to 64, not {out[name]!r}")
+    for name in ("part_size", "request_size"):
+        if name in out and (type(out[name]) is not int or not 1 << 20 <= out[name] <= 5 << 30):
+            raise ValueError(
+                f"storage option {name} must be an int of bytes from 1 MiB to 5 GiB, not {out[name]!r}"
+            )
     return out
 
 

@@ -27,8 +27,10 @@ from .urls import ObjectURL, parse_url
 MiB = 1 << 20
 #: the tail fetched with the footer: most indexes lie within it
 TAIL_BYTES = 1 * MiB
-#: one request asks for at most this much: larger ranges are split so they run in parallel
-REQUEST_BYTES = 8 * MiB
+#: one request asks for at most this much (storage option request_size): larger ranges are
+#: split so they run in parallel; 8-16 MiB is the usual advice for S3, and every request
+#: costs a round trip (and, on some servers, a pass over the whole object)
+REQUEST_BYTES = 16 * MiB
 #: adjacent ranges closer than this are fetched in one request
 MERGE_GAP = 64 * 1024
 #: objects larger than this are refused before anything is allocated: the spool maps the
@@ -64,6 +66,7 @@ class RemoteObject:
         self.options = options
         self._client = s3.client_for(options)
         self._attempts = int(options.get("max_attempts", s3.DEFAULT_MAX_ATTEMPTS))
+        self._request_bytes = int(options.get("request_size", REQUEST_BYTES))
         self._pool = ThreadPoolExecutor(s3.concurrency(options), thread_name_prefix="ckptfmt-download")
         self.spool: Spool | None = None
         try:
@@ -117,7 +120,8 @@ class RemoteObject:
 
     def start(self, ranges: Sequence[Range]) -> list[Future[None]]:
         """Begin fetching `ranges` into the spool; the futures finish when they are there."""
-        return [self._pool.submit(self._get, lo, hi) for lo, hi in plan_requests(ranges)]
+        requests = plan_requests(ranges, self._request_bytes)
+        return [self._pool.submit(self._get, lo, hi) for lo, hi in requests]
 
     @staticmethod
     def wait(futures: Sequence[Future[None]]) -> None:
