@@ -332,6 +332,32 @@ def test_plugin_with_storage_options_pickles(store: dict[str, Any]) -> None:
     assert torch.equal(io.load_checkpoint(f"{store['root']}/a.ckpt")["w"], torch.ones(1 << 18))
 
 
+def test_model_checkpoint_on_the_store_pickles_with_its_filesystem(store: dict[str, Any]) -> None:
+    """ddp_spawn pickles the Trainer's callbacks: ModelCheckpoint's s3:// filesystem (the
+    plugin's s3fs subclass) pickles by name and still sees saves in flight afterwards."""
+    import copy
+    import pickle
+
+    import lightning.pytorch as pl
+    from lightning.fabric.utilities.cloud_io import get_filesystem
+
+    from ckptfmt.integrations import lightning as plugin
+
+    _plugin(store)
+    dirpath = f"{store['root']}/ckpts"
+    mc = pl.callbacks.ModelCheckpoint(dirpath=dirpath)
+    mc._fs = get_filesystem(dirpath)
+    for other in (pickle.loads(pickle.dumps(mc)), copy.deepcopy(mc)):
+        assert type(other._fs) is type(mc._fs) and type(mc._fs).__name__ == "_S3FileSystem"
+    url = f"{dirpath}/last.ckpt"
+    handle = ckptfmt.SaveHandle(url)
+    plugin._IN_FLIGHT.add(url, handle)
+    try:
+        assert pickle.loads(pickle.dumps(mc))._fs.isfile(url)
+    finally:
+        handle._finish(None)
+
+
 def test_bad_storage_options_are_refused_at_construction() -> None:
     from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
 

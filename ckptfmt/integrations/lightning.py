@@ -483,6 +483,10 @@ def _s3_filesystem_class() -> type:
         info = sync_wrapper(_info)
         ls = sync_wrapper(_ls)
 
+    # pickled by name (ddp_spawn pickles ModelCheckpoint and its filesystem): found again
+    # through this module's __getattr__
+    _S3FileSystem.__qualname__ = "_S3FileSystem"
+    _S3FileSystem.__module__ = __name__
     return _S3FileSystem
 
 
@@ -515,7 +519,8 @@ def _show_objects_in_flight() -> None:
     current = fsspec_classes.get("s3")
     if current is None and known == "s3fs.S3FileSystem":
         # s3fs not imported yet: fsspec imports the class named here when s3:// is first used
-        fsspec.register_implementation("s3", _S3_CLASS_PATH, clobber=True)
+        errtxt = known_implementations["s3"].get("err")  # "Install s3fs ..." where it is missing
+        fsspec.register_implementation("s3", _S3_CLASS_PATH, clobber=True, errtxt=errtxt)
     elif current is not None and f"{current.__module__}.{current.__qualname__}" == "s3fs.core.S3FileSystem":
         fsspec.register_implementation("s3", _s3_filesystem_class(), clobber=True)
 
