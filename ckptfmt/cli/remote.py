@@ -13,11 +13,13 @@ from ..errors import CheckpointError
 
 
 def is_object(url: str) -> bool:
-    """Whether `url` names an existing object (else it is taken as a run's prefix)."""
-    from ..storage.download import RemoteObject
+    """Whether `url` names an existing object (else it is taken as a run's prefix): one HEAD
+    request, nothing fetched."""
+    from ..storage.download import head
+    from ..storage.urls import parse_url
 
     try:
-        RemoteObject(url, {}, max_bytes=0).close()
+        head(parse_url(url), {})
     except FileNotFoundError:
         return False
     except CheckpointError:

@@ -57,6 +57,18 @@ def plan_requests(
     return out
 
 
+def head(url: ObjectURL, options: dict[str, Any]) -> tuple[int, str]:
+    """The object's size and ETag, checked (one HEAD request; FileNotFoundError when absent)."""
+    client = s3.client_for(options)
+    reply = s3.request(str(url), "look up", lambda: client.head_object(Bucket=url.bucket, Key=url.key))
+    size, etag = reply.get("ContentLength"), reply.get("ETag")
+    if type(size) is not int or size < 0 or not isinstance(etag, str) or not etag:
+        raise StorageError("the store's answer lacks the object's size or ETag", path=str(url))
+    if size > MAX_OBJECT_BYTES:
+        raise LimitError(f"the object is {size} bytes, above the limit {MAX_OBJECT_BYTES}", path=str(url))
+    return size, etag
+
+
 class RemoteObject:
     """One object being read: its size and ETag, and a Spool holding the bytes fetched so far."""
 
@@ -88,14 +100,7 @@ class RemoteObject:
         return self.spool.fd
 
     def _head(self) -> tuple[int, str]:
-        u = self.url
-        reply = s3.request(str(u), "look up", lambda: self._client.head_object(Bucket=u.bucket, Key=u.key))
-        size, etag = reply.get("ContentLength"), reply.get("ETag")
-        if type(size) is not int or size < 0 or not isinstance(etag, str) or not etag:
-            raise StorageError("the store's answer lacks the object's size or ETag", path=str(u))
-        if size > MAX_OBJECT_BYTES:
-            raise LimitError(f"the object is {size} bytes, above the limit {MAX_OBJECT_BYTES}", path=str(u))
-        return size, etag
+        return head(self.url, self.options)
 
     def _fetch_index(self, max_bytes: int | None) -> None:
         """Fetch the prologue and the tail; then the rest of the index if it starts before the
