@@ -28,6 +28,7 @@
  * until the chunk ends: callers that must not expose it (load_into) check first.
  */
 #include <errno.h>
+#include <pthread.h>
 #include <fcntl.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -77,7 +78,10 @@ typedef struct {
     XXH3_state_t **hstate; /* per thread, created on first use: checksum and content digest */
     void **sha;            /* per thread, created on first use: SHA-256 of signed files' chunks */
     void **gcm;            /* per thread, created on first use: AES-256-GCM of encrypted chunks */
-    atomic_int failed;
+    /* the lowest entry that failed (n while none has): errors are reported for the first
+     * damaged entry in order whatever thread finds one first, and entries above it are skipped */
+    atomic_uint_fast64_t fail_at;
+    pthread_mutex_t fail_lock;
     ckf_status *status;
     long page_size;
     uint64_t n;                  /* entries in chunks */
@@ -86,14 +90,17 @@ typedef struct {
 } rjob;
 
 static void rfail(rjob *j, int code, int err_no, int64_t chunk, int reason, uint64_t value) {
-    int expected = 0;
-    if (atomic_compare_exchange_strong(&j->failed, &expected, 1)) {
+    uint64_t at = chunk < 0 ? 0 : (uint64_t)chunk;
+    pthread_mutex_lock(&j->fail_lock);
+    if (at < atomic_load(&j->fail_at) || !j->status->code) {
         j->status->code = code;
         j->status->err_no = err_no;
         j->status->chunk = chunk;
         j->status->reason = reason;
         j->status->value = value;
+        if (at < atomic_load(&j->fail_at)) atomic_store(&j->fail_at, at);
     }
+    pthread_mutex_unlock(&j->fail_lock);
 }
 
 /* read exactly len bytes at off; 0 ok, -1 end of file, else errno */
@@ -258,7 +265,7 @@ static int check_frame(rjob *j, const ckf_rchunk *c, const uint8_t *stored, int6
 
 static void task_read(void *ctx, uint64_t i, int thread) {
     rjob *j = (rjob *)ctx;
-    if (atomic_load(&j->failed)) return;
+    if (i > atomic_load(&j->fail_at)) return;
     ckf_rchunk *c = &j->chunks[i];
     int64_t k = (int64_t)i; /* errors name the entry; the caller knows its chunk */
     read_ahead(j, i);
@@ -498,7 +505,8 @@ static int run_read(int fd, const uint8_t *map, uint64_t map_len, const uint8_t 
     j.ahead = mean ? LOOKAHEAD / mean : n;
     if (j.ahead < (uint64_t)nthreads) j.ahead = (uint64_t)nthreads;
     atomic_init(&j.advised, 0);
-    atomic_init(&j.failed, 0);
+    atomic_init(&j.fail_at, n);
+    pthread_mutex_init(&j.fail_lock, NULL);
     j.scratch = calloc((size_t)nthreads, sizeof(uint8_t *));
     j.plain = calloc((size_t)nthreads, sizeof(uint8_t *));
     j.caps = calloc(2 * (size_t)nthreads, sizeof(size_t));
@@ -533,6 +541,7 @@ static int run_read(int fd, const uint8_t *map, uint64_t map_len, const uint8_t 
     free(j.piece);
     free(j.sha);
     free(j.gcm);
+    pthread_mutex_destroy(&j.fail_lock);
     return status->code;
 }
 

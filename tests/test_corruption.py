@@ -222,3 +222,23 @@ def test_verify_reports_exactly_the_damaged_chunks_in_order(tmp_path, damaged, c
     report = ckptfmt.verify(p)
     assert [x.chunk for x in report.problems] == sorted(damaged)
     assert all(x.kind == "corrupt" for x in report.problems)
+
+
+def test_load_names_the_first_damaged_chunk_whichever_thread_finds_one(tmp_path):
+    """The engine checks chunks on several threads; with every chunk damaged the error is
+    still the first one's, although a thread finds a small later chunk's damage long before
+    another has hashed the large first chunk: the same file always gives the same message."""
+    g = torch.Generator().manual_seed(1)
+    state = {"big": torch.randn(1 << 20, generator=g)} | {
+        f"s{i}": torch.randn(16, generator=g) for i in range(8)
+    }
+    p = tmp_path / "many.ckpt"
+    ckptfmt.save(state, p, chunk_size=4 << 20)
+    chunks = _chunks(p)
+    assert chunks[0].stored_len == 4 << 20 and len(chunks) == 9
+    data = bytearray(p.read_bytes())
+    for ch in chunks:
+        data[ch.offset] ^= 0xFF
+    p.write_bytes(bytes(data))
+    seen = {_load_or_error(p).chunk for _ in range(20)}
+    assert seen == {0}
