@@ -90,19 +90,3 @@ def test_refused_combinations(s3_bucket):
         ckptfmt.CheckpointManager(url, archive=f"s3://{bucket}/y", storage_options=options)
     with pytest.raises(ValueError, match="need archive="):
         ckptfmt.CheckpointManager("/tmp/ckptfmt-no-archive", storage_options=options)
-
-
-def test_signed_runs_stay_local_in_this_version(tmp_path, s3_bucket):
-    pytest.importorskip("cryptography")
-    from ckptfmt.cli import main
-
-    bucket, options = s3_bucket
-    assert main(["keygen", str(tmp_path / "k")]) == 0
-    with pytest.raises(ValueError, match="signed runs"):
-        ckptfmt.CheckpointManager(
-            tmp_path / "r", archive=f"s3://{bucket}/a", storage_options=options, sign_with=tmp_path / "k"
-        )
-    with pytest.raises(ValueError, match="signed runs"):
-        ckptfmt.CheckpointManager(
-            f"s3://{bucket}/b", storage_options=options, trusted_keys=[tmp_path / "k.pub"]
-        )

@@ -169,6 +169,8 @@ class CheckpointFile:
         self._chunk_reader.remote = remote
         #: an object-store URL: bytes are fetched as read; nothing can be memory-mapped
         self.remote = remote is not None
+        #: the version of the object every range is read from (an object-store URL), else None
+        self.etag = remote.etag if remote is not None else None
         self._mm: mmap.mmap | None = None
 
     @property

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, LimitError, SignatureError
+from ..storage.download import RemoteObject
 from . import multifile
 from .signing import load_private_key, trusted_set
 
@@ -111,10 +112,33 @@ def write_signed(d: CheckpointDir, record: multifile.CommitRecord, key: Any) -> 
 def read_trusted(d: CheckpointDir, trusted: Any) -> multifile.CommitRecord:
     """`d`'s commit record, signed by one of `trusted` and carrying every file's SHA-256;
     SignatureError otherwise (an unsigned record, another key, a changed byte)."""
-    record = multifile.read_commit(d, trusted_keys=trusted)
-    if record.files[0].sha256 is None:
-        raise SignatureError("the signed commit record carries no file digests", path=d.path)
+    return require_digests(multifile.read_commit(d, trusted_keys=trusted), d.path)
+
+
+def require_digests(record: multifile.CommitRecord, owner: str) -> multifile.CommitRecord:
+    """`record` (read with trusted keys), if every entry carries its file's SHA-256."""
+    if any(p.sha256 is None for p in record.files + record.references):
+        raise SignatureError("the signed commit record carries no file digests", path=owner)
     return record
+
+
+def object_sha256(url: str, options: dict[str, Any], etag: str | None = None) -> bytes:
+    """SHA-256 of an object's whole bytes (`etag`: of that version only, StorageError if
+    another one is there now)."""
+    remote = RemoteObject(url, options, etag=etag, fetch_index=False)
+    try:
+        return remote.sha256()
+    finally:
+        remote.close()
+
+
+def check_object(url: str, part: multifile.PartRecord, options: dict[str, Any], etag: str | None) -> None:
+    """Raise SignatureError unless version `etag` of the object `url` has the SHA-256 the
+    signed record gives `part` (a reader then reads that version only: its ranges are pinned)."""
+    if object_sha256(url, options, etag) != part.sha256:
+        raise SignatureError(
+            f"{part.name} is not the file the signed commit record names (its SHA-256 differs)", path=url
+        )
 
 
 def check_part(fd: int, d: CheckpointDir, part: multifile.PartRecord, owner: str) -> None:

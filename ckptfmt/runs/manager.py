@@ -111,8 +111,10 @@ class CheckpointManager:
 
         sign_with: an Ed25519 private key (as ``ckptfmt.save`` takes it) that signs every
         step's commit record; trusted_keys: public keys, one of which must have signed a step
-        for it to be loaded, resumed from, found by latest() or verified (spec 16.7).  Signed
-        runs are local runs in this version (not with archive= or a run URL).
+        for it to be loaded, resumed from, found by latest() or verified (spec 16.7).  An
+        archive keeps the signed records as they are, and its steps are read with the same
+        checks; on a store every file a load reads is hashed against the record first (one
+        more pass over its bytes).
 
         encrypt_with: a key (as ``ckptfmt.save`` takes it) that encrypts every step's state file
         (spec section 17; the commit record, with the metrics, stays in clear); decrypt_with:
@@ -135,12 +137,6 @@ class CheckpointManager:
         self._sign_key = recordsign.private_key(sign_with)  # a bad key fails here, not at a commit
         writer.signer(self._sign_key)  # and an engine without libcrypto
         self._trusted = recordsign.public_keys(trusted_keys)
-        if (self._sign_key is not None or self._trusted is not None) and (
-            archive is not None or is_url(os.fspath(directory))
-        ):
-            raise ValueError(
-                "signed runs (sign_with, trusted_keys) are local runs in this version, without archive="
-            )
         self._encrypt, self._decrypt = _run_keys(encrypt_with, decrypt_with, incremental, sign_with)
         self._lock = threading.Lock()
         self._jobs: list[StepJob] = []  # in flight, or finished with an error nobody has seen
@@ -172,7 +168,7 @@ class CheckpointManager:
     ) -> None:
         if self.incremental:
             raise ValueError("an archive holds whole steps: it cannot be combined with incremental=True")
-        self.archive = ObjectRun(archive, storage_options, decrypt=self._decrypt)
+        self.archive = ObjectRun(archive, storage_options, decrypt=self._decrypt, trusted=self._trusted)
         self._archiver = Archiver(
             self.archive, keep_last=keep_last, keep_every=keep_every, on_archived=self._rotate
         )
@@ -209,8 +205,11 @@ class CheckpointManager:
         return local
 
     def _archived(self) -> list[CheckpointInfo]:
-        """The archive's complete steps, oldest first (none without an archive)."""
-        return self.archive.checkpoints() if self.archive is not None else []
+        """The archive's complete steps, oldest first (none without an archive); with trusted
+        keys only those a trusted key signed, the others skipped with a warning."""
+        if self.archive is None:
+            return []
+        return list(reversed(list(self._trusted_first(reversed(self.archive.checkpoints())))))
 
     def _trusted_first(self, newest_first: Any) -> Iterator[CheckpointInfo]:
         """The checkpoints of `newest_first` whose commit record a trusted key signed (all of
@@ -219,12 +218,20 @@ class CheckpointManager:
         for info in newest_first:
             if self._trusted is not None:
                 try:
-                    with self._step_dir(info) as d:
-                        recordsign.read_trusted(d, self._trusted)
+                    self._check_trusted(info)
                 except (CheckpointError, OSError) as e:
                     warnings.warn(f"skipping {info.path}: {e}", CheckpointWarning, stacklevel=3)
                     continue
             yield info
+
+    def _check_trusted(self, info: CheckpointInfo) -> None:
+        """Raise unless a trusted key signed the commit record of `info` (either tier)."""
+        if is_url(info.path):
+            assert self.archive is not None
+            self.archive.trusted_record(info.step)
+            return
+        with self._step_dir(info) as d:
+            recordsign.read_trusted(d, self._trusted)
 
     @contextlib.contextmanager
     def _step_dir(self, info: CheckpointInfo) -> Iterator[CheckpointDir]:
@@ -741,6 +748,9 @@ class CheckpointManager:
     def verify(self, step: int | None = None) -> VerifyReport:
         """Check every file of checkpoint `step` (the newest complete one when None)."""
         info = self._find(step)[0]
+        if is_url(info.path):  # only the archive holds it
+            assert self.archive is not None
+            return self.archive.verify_step(info)
         return verify_in_run(
             self.directory, os.path.basename(info.path), info.step, self._trusted, self._decrypt
         )

@@ -8,7 +8,10 @@ length, file id and index checksum.  ``latest()`` never picks an incomplete step
 deletes a step's record before its files; commit-less steps and multipart uploads left by
 crashed savers are cleaned by later saves once they are a day old (a store has no locks:
 age stands in for "no live process holds it").  Loading, resuming and verifying are the
-local manager's, reading through ranged GETs pinned to each object's ETag.
+local manager's, reading through ranged GETs pinned to each object's ETag.  With sign_with
+the record carries the state object's SHA-256, read back after upload, and is signed; with
+trusted_keys a step is read only when a trusted key signed it, each object hashed against
+its record first (spec 13.7, 16.7).
 
 Not in this version: incremental saves, multi-rank (DCP) saves and an archive tier of an
 object-store run (each raises at construction or save).
@@ -17,16 +20,17 @@ object-store run (each raises at construction or save).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from ..background import inflight
 from ..errors import CheckpointError, CheckpointWarning, UnsupportedError
-from ..files import multifile
+from ..files import multifile, recordsign
 from ..files import save as writer
 from ..files.reader import CheckpointFile
-from ..files.verify import VerifyReport, verify
+from ..files.verify import VerifyReport
 from . import resume, retention
 from .manager import CheckpointManager, is_sharded_save
 from .objectrun import ObjectRun
@@ -42,7 +46,7 @@ class ObjectRunManager(CheckpointManager):
             raise ValueError("incremental saves are made to local directories only in this version")
         if self.snapshot == "fork":
             raise ValueError("snapshot='fork' writes local files only; use snapshot='copy'")
-        self.run = ObjectRun(directory, storage_options, decrypt=self._decrypt)
+        self.run = ObjectRun(directory, storage_options, decrypt=self._decrypt, trusted=self._trusted)
         self.directory = self.run.path
 
     def _open_archive(
@@ -74,7 +78,10 @@ class ObjectRunManager(CheckpointManager):
                 done.append(s.info)
             elif s.step not in busy:
                 warnings.warn(f"skipping {s.path}: {s.problem}", CheckpointWarning, stacklevel=2)
-        return done[-1] if done else None
+        return next(self._trusted_first(reversed(done)), None)
+
+    def _check_trusted(self, info: CheckpointInfo) -> None:
+        self.run.trusted_record(info.step)
 
     @contextlib.contextmanager
     def _state_file(self, info: CheckpointInfo) -> Iterator[CheckpointFile]:
@@ -83,14 +90,7 @@ class ObjectRunManager(CheckpointManager):
 
     def verify(self, step: int | None = None) -> VerifyReport:
         """Check every file of checkpoint `step` (the newest complete one when None)."""
-        info = self._find(step)[0]
-        report = VerifyReport(info.path)
-        for url in info.files:
-            part = verify(url, storage_options=self.run.options, decrypt_with=self._decrypt)
-            report.problems.extend(part.problems)
-            report.chunks += part.chunks
-            report.bytes_checked += part.bytes_checked
-        return report
+        return self.run.verify_step(self._find(step)[0])
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -139,19 +139,25 @@ class ObjectRunManager(CheckpointManager):
         return self._commit_when_written(job)
 
     def _commit(self, job: StepJob) -> None:
-        """Write the step's commit record, created only if absent, naming the state object."""
-        with CheckpointFile(
-            f"{job.path}/{STATE_NAME}", storage_options=self.run.options, decrypt_with=self._decrypt
-        ) as f:
+        """Write the step's commit record, created only if absent, naming the state object;
+        with sign_with the record carries the object's SHA-256 (read back whole, pinned to
+        the version named) and is signed (spec 16.7)."""
+        url = f"{job.path}/{STATE_NAME}"
+        with CheckpointFile(url, storage_options=self.run.options, decrypt_with=self._decrypt) as f:
             part = multifile.PartRecord(
                 STATE_NAME, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
             )
+            if self._sign_key is not None:
+                part = dataclasses.replace(
+                    part, sha256=recordsign.object_sha256(url, self.run.options, f.etag)
+                )
         record = multifile.CommitRecord(job.step, "state", (part,), (), job.metrics, job.metadata)
         try:
             writer.save(
                 record.as_value(),
                 f"{job.path}/{multifile.COMMIT_NAME}",
                 storage_options=self.run.options,
+                sign_with=self._sign_key,
                 _create_only=True,
             )
         except FileExistsError:

@@ -18,9 +18,9 @@ from typing import Any
 
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
-from ..files import multifile
+from ..files import multifile, recordsign
 from ..files.reader import CheckpointFile
-from ..files.verify import verify
+from ..files.verify import VerifyReport, problem_of, verify
 from ..format.timestamps import parse_utc
 from ..storage import listing
 from ..storage.client import check_options
@@ -36,11 +36,20 @@ class ObjectRun:
     """The steps of a run kept under an object-store prefix."""
 
     def __init__(
-        self, url: str, storage_options: dict[str, Any] | None = None, *, decrypt: Any = None
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        decrypt: Any = None,
+        trusted: list[Any] | None = None,
     ) -> None:
-        """`decrypt`: the key of an encrypted run's state files (they are read with it)."""
+        """`decrypt`: the key of an encrypted run's state files (they are read with it).
+        `trusted`: public keys (recordsign.public_keys) one of which must have signed a step's
+        commit record before its files are read (spec 16.7); listing, rotation and cleanup do
+        not look at signatures."""
         self.url: ObjectURL = parse_url(url, need_key=False)
         self.decrypt = decrypt
+        self.trusted = trusted
         self.path = str(self.url).rstrip("/")
         self.options = check_options(storage_options)
 
@@ -89,18 +98,21 @@ class ObjectRun:
         except FileNotFoundError as e:  # deleted between the listing and the read
             return StepStatus(step, path, problem=f"{e.filename} vanished", error=IncompleteError)
 
-    def record(self, step: int, size: int | None = None) -> multifile.CommitRecord:
-        """Step `step`'s commit record, bounded by its size before it is decoded."""
+    def record(self, step: int, size: int | None = None, *, trusted: Any = None) -> multifile.CommitRecord:
+        """Step `step`'s commit record, bounded by its size before it is decoded; with
+        `trusted` keys it must be signed by one of them and carry every file's SHA-256."""
         url = f"{self.step_path(step)}/{multifile.COMMIT_NAME}"
         if size is not None and size > multifile.MAX_RECORD_BYTES:
             raise LimitError(
                 f"commit record of {size} bytes exceeds the limit {multifile.MAX_RECORD_BYTES}", path=url
             )
         bound = multifile.record_memory(size if size is not None else multifile.MAX_RECORD_BYTES)
-        with CheckpointFile(url, max_bytes=bound, storage_options=self.options) as f:
+        with CheckpointFile(url, max_bytes=bound, storage_options=self.options, trusted_keys=trusted) as f:
             if f.prologue.file_length > multifile.MAX_RECORD_BYTES:
                 raise LimitError("commit record exceeds the limit", path=url)
             record = multifile.record_from(f)
+        if trusted is not None:
+            recordsign.require_digests(record, url)
         if record.step != step:
             raise CorruptError(f"the commit record is for step {record.step}, not {step}", path=url)
         if record.references:
@@ -132,10 +144,17 @@ class ObjectRun:
             layout=record.layout,
         )
 
+    def trusted_record(self, step: int) -> multifile.CommitRecord:
+        """Step `step`'s commit record as a reader demanding signatures takes it (SignatureError
+        unless a trusted key signed it); without trusted keys, the record as it is."""
+        return self.record(step, trusted=self.trusted)
+
     def open_part(self, info: CheckpointInfo, name: str = STATE_NAME) -> CheckpointFile:
         """Part `name` of a complete step, opened and checked against its commit record (the
-        open pins the object's ETag: what is checked is what is read)."""
-        record = self.record(info.step)
+        open pins the object's ETag: what is checked is what is read).  With trusted keys the
+        record must be signed by one, and the object is hashed against it (the version the
+        reads are pinned to) before any chunk is read."""
+        record = self.trusted_record(info.step)
         part = next((p for p in record.files if p.name == name), None)
         if part is None:
             raise CorruptError(f"the commit record names no {name}", path=info.path)
@@ -145,18 +164,31 @@ class ObjectRun:
                 name, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
             )
             multifile.check_identity(found, part, name, info.path)
+            if self.trusted is not None:
+                recordsign.check_object(f.path, part, self.options, f.etag)
         except BaseException:
             f.close()
             raise
         return f
 
-    def verify_step(self, info: CheckpointInfo) -> list[str]:
-        """Every file of a complete step verified chunk by chunk: the problems, one per line."""
-        problems: list[str] = []
+    def verify_step(self, info: CheckpointInfo) -> VerifyReport:
+        """Every file of a complete step verified chunk by chunk, after the checks a load makes:
+        with trusted keys, the record's signature and each file's SHA-256 against it."""
+        report = VerifyReport(info.path)
+        try:
+            record = self.trusted_record(info.step)
+            if self.trusted is not None:
+                for part in record.files:
+                    recordsign.check_object(f"{info.path}/{part.name}", part, self.options, None)
+        except CheckpointError as e:
+            report.problems.append(problem_of(e))
+            return report
         for url in info.files:
-            report = verify(url, storage_options=self.options, decrypt_with=self.decrypt)
-            problems.extend(f"{url}: {p}" for p in report.problems)
-        return problems
+            part_report = verify(url, storage_options=self.options, decrypt_with=self.decrypt)
+            report.problems.extend(part_report.problems)
+            report.chunks += part_report.chunks
+            report.bytes_checked += part_report.bytes_checked
+        return report
 
     # -- writing -------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ mid-body is resumed from the byte it reached, a bounded number of times with bac
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
 from collections.abc import Sequence
@@ -36,6 +37,9 @@ MERGE_GAP = 64 * 1024
 #: objects larger than this are refused before anything is allocated: the spool maps the
 #: whole object (sparse), and 16 TiB of address space is what a process can always map
 MAX_OBJECT_BYTES = 1 << 44
+
+#: bytes hashed per step when an object is read whole (sha256): several requests in parallel
+HASH_WINDOW = 64 * MiB
 
 Range = tuple[int, int]
 
@@ -72,7 +76,17 @@ def head(url: ObjectURL, options: dict[str, Any]) -> tuple[int, str]:
 class RemoteObject:
     """One object being read: its size and ETag, and a Spool holding the bytes fetched so far."""
 
-    def __init__(self, url: str, options: dict[str, Any], *, max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        options: dict[str, Any],
+        *,
+        max_bytes: int | None = None,
+        etag: str | None = None,
+        fetch_index: bool = True,
+    ) -> None:
+        """`etag`: the version the caller checked before: another one is refused (StorageError);
+        fetch_index=False: nothing is fetched until asked (for reading the object whole)."""
         self.path = url
         self.url: ObjectURL = parse_url(url)
         self.options = options
@@ -83,13 +97,19 @@ class RemoteObject:
         self.spool: Spool | None = None
         try:
             self.size, self.etag = self._head()
+            if etag is not None and self.etag != etag:
+                raise StorageError(
+                    f"the object was replaced after it was checked (ETag {etag}, now {self.etag})",
+                    path=url,
+                )
             try:
                 self.spool = Spool(self.url.key.rsplit("/", 1)[-1], self.size)
             except OSError as e:
                 raise LimitError(
                     f"cannot map an object of {self.size} bytes: {e.strerror}", path=url
                 ) from None
-            self._fetch_index(max_bytes)
+            if fetch_index:
+                self._fetch_index(max_bytes)
         except BaseException:
             self.close()
             raise
@@ -203,6 +223,24 @@ class RemoteObject:
             short.ckptfmt_got = got  # type: ignore[attr-defined]
             raise short
         return got
+
+    def sha256(self) -> bytes:
+        """SHA-256 of the object's whole bytes, fetched window by window (the next one while
+        this one is hashed, each given back once hashed: memory holds two windows)."""
+        windows = [(lo, min(lo + HASH_WINDOW, self.size)) for lo in range(0, self.size, HASH_WINDOW)]
+        digest = hashlib.sha256()
+        assert self.spool is not None
+        pending = self.start(windows[:1])
+        try:
+            for i, (lo, hi) in enumerate(windows):
+                self.wait(pending)
+                pending = self.start(windows[i + 1 : i + 2])
+                with self.spool.view(lo, hi) as window:
+                    digest.update(window)
+                self.release([(lo, hi)])
+        finally:
+            self.wait_quietly(pending)
+        return digest.digest()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
