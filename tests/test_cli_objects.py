@@ -36,6 +36,27 @@ def test_ls_and_verify_a_run_on_the_store(env_bucket):
     assert [f["status"] for f in res["files"]] == ["ok"]
 
 
+def test_verify_of_a_run_on_the_store_demands_what_load_demands(env_bucket, tmp_path):
+    """--trusted-key on a run's URL: a step no trusted key signed fails verify as load refuses
+    it; --decrypt-key reads an encrypted run."""
+    pytest.importorskip("cryptography")
+    run_cli("keygen", str(tmp_path / "k"), rc=0)
+    url = f"s3://{env_bucket}/signed"
+    ckptfmt.CheckpointManager(url, sign_with=tmp_path / "k").save(1, {"w": torch.zeros(10)})
+    ckptfmt.CheckpointManager(url).save(2, {"w": torch.ones(10)})
+    res = json.loads(run_cli("verify", url, "--trusted-key", str(tmp_path / "k.pub"), "--json", rc=1).stdout)
+    assert [(f["step"], f["status"]) for f in res["files"]] == [(1, "ok"), (2, "failed")]
+    assert res["files"][1]["problems"][0]["kind"] == "signature"
+    with pytest.raises(ckptfmt.SignatureError):
+        ckptfmt.CheckpointManager(url, trusted_keys=[tmp_path / "k.pub"]).load(2)
+
+    key = tmp_path / "data.key"
+    key.write_bytes(bytes(range(32)))
+    enc = f"s3://{env_bucket}/encrypted"
+    ckptfmt.CheckpointManager(enc, encrypt_with=key).save(1, {"w": torch.ones(10)})
+    assert "OK" in run_cli("verify", enc, "--decrypt-key", str(key), rc=0).stdout
+
+
 def test_verify_and_inspect_a_file_on_the_store(env_bucket):
     url = f"s3://{env_bucket}/one.ckpt"
     ckptfmt.save({"a": torch.arange(1000), "meta": {"epoch": 3}}, url)

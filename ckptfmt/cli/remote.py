@@ -27,11 +27,15 @@ def is_object(url: str) -> bool:
     return True
 
 
-def run_entries(url: str, step: int | None, problem_dict: Any) -> list[dict[str, Any]]:
-    """verify's entries for the steps of the run at `url` (every step, or `step`)."""
+def run_entries(
+    url: str, step: int | None, problem_dict: Any, trusted: Any = None, decrypt: Any = None
+) -> list[dict[str, Any]]:
+    """verify's entries for the steps of the run at `url` (every step, or `step`), with the
+    checks a load makes: `trusted` keys one of which must have signed each step, `decrypt`
+    the key of an encrypted run."""
     from ..runs.manager import CheckpointManager
 
-    manager = CheckpointManager(url)
+    manager = CheckpointManager(url, trusted_keys=trusted, decrypt_with=decrypt)
     statuses = manager.statuses()
     if not statuses:
         return [{"path": url, "status": "incomplete", "error": "no object and no step-N/ prefix here"}]

@@ -76,7 +76,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             return exit_code(error)
     for path in args.paths:
         if is_url(path) and not remote.is_object(path):  # a run's prefix
-            entries = remote.run_entries(path, args.step, problem_dict)
+            entries = remote.run_entries(path, args.step, problem_dict, trusted, decrypt or None)
             results += entries
             if any(
                 e["status"] in ("failed", "damaged") or args.step is not None and e["status"] != "ok"
