@@ -16,13 +16,14 @@ import stat
 
 from .errors import UnsupportedError
 
-_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+#: a scheme and "://": group 1 is the scheme
+URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def is_url(path: object) -> bool:
     """Whether `path` names an object-store location (a str starting with a scheme and ://),
     not a local path: such paths are never opened as files (storage/ reads them)."""
-    return isinstance(path, str) and _URL.match(path) is not None
+    return isinstance(path, str) and URL_SCHEME.match(path) is not None
 
 
 def open_regular(path: str, *, follow_symlinks: bool = True) -> int:

@@ -12,11 +12,10 @@ import re
 from dataclasses import dataclass
 
 from ..errors import UnsupportedError
-from ..fileio import is_url
+from ..fileio import URL_SCHEME, is_url
 
 __all__ = ["SCHEMES", "ObjectURL", "is_url", "parse_url"]
 
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 #: S3's own rules for bucket names (3-63 of lowercase letters, digits, dots, hyphens)
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 SCHEMES = ("s3",)
@@ -43,7 +42,7 @@ def parse_url(url: str | os.PathLike[str], *, need_key: bool = True) -> ObjectUR
     `need_key`) no object key, or a key with empty, ``.`` or ``..`` segments, which stores
     treat differently from each other and from local paths."""
     text = os.fspath(url)
-    m = _SCHEME.match(text)
+    m = URL_SCHEME.match(text)
     if m is None:
         raise UnsupportedError("not an object-store URL", path=text)
     scheme = m.group(1).lower()
