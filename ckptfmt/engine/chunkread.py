@@ -32,7 +32,14 @@ import numpy as np
 import xxhash
 import zstandard
 
-from ..errors import CheckpointError, CorruptError, DecryptionError, IncompleteError, SignatureError
+from ..errors import (
+    CheckpointError,
+    CorruptError,
+    DecryptionError,
+    IncompleteError,
+    SignatureError,
+    StorageError,
+)
 from ..fileio import pread_exact
 from ..format import encryption, signing
 from ..format import layout as fmt
@@ -84,6 +91,17 @@ class Fetcher(Protocol):
     def close(self) -> None: ...
 
 
+class References(Protocol):
+    """Where a file's reference paths are opened (spec 12.3): a CheckpointDir, or the prefix
+    of an object on a store (storage/references.py), whose objects' bytes a Fetcher brings."""
+
+    def open_ref(self, relpath: str) -> int: ...
+
+    def fetcher_of(self, fd: int) -> Fetcher | None: ...
+
+    def close(self) -> None: ...
+
+
 class ChunkReader:
     """Reads the chunks of one file, and those of the files its external chunks lie in.
 
@@ -92,7 +110,7 @@ class ChunkReader:
     """
 
     def __init__(
-        self, fd: int, path: str, index: Index, max_open: int, base: CheckpointDir | None = None
+        self, fd: int, path: str, index: Index, max_open: int, base: References | None = None
     ) -> None:
         self.fd = fd
         self.path = path
@@ -162,6 +180,8 @@ class ChunkReader:
             fd = self._base_dir().open_ref(ext.rel)
         except FileNotFoundError:
             raise IncompleteError(f"{what} is missing", path=self.path) from None
+        except StorageError:  # a store that failed to answer: not a damaged checkpoint
+            raise
         except CheckpointError as err:  # a link on the way, not a regular file
             raise CorruptError(f"{what}: {err}", path=self.path) from None
         except OSError as err:
@@ -191,7 +211,7 @@ class ChunkReader:
             raise
         return fd, foot.index_offset
 
-    def _base_dir(self) -> CheckpointDir:
+    def _base_dir(self) -> References:
         if self._base is None:
             self._base = CheckpointDir.open(os.path.dirname(self.path) or ".")
         return self._base
@@ -391,22 +411,32 @@ class ChunkReader:
         for k, dest in items:
             groups.setdefault(self.chunks[k].source, []).append((k, dest))
         for source, group in groups.items():
-            if source < 0 and self.remote is not None:
-                self._read_fetched(group, verify, check_only)
+            fetcher = self._fetcher(source, group[0][0])
+            if fetcher is not None:
+                self._read_fetched(fetcher, group, verify, check_only)
             else:
                 self._read_group(group, verify, check_only)
+
+    def _fetcher(self, source: int, k: int) -> Fetcher | None:
+        """What brings the bytes of file `source` (-1: this one) in, where it is an object on a
+        store; None for a local file.  Opens a referenced file (`k`: a chunk in it, named in
+        errors) if it is not open."""
+        if source < 0:
+            return self.remote
+        if self._base is None and self.remote is None:
+            return None  # a local file's references are local files
+        fd, _ = self._external(source, k, None)
+        return self._base_dir().fetcher_of(fd)
 
     def _stored_range(self, k: int) -> tuple[int, int]:
         ch = self.chunks[k]
         return ch.offset, ch.offset + ch.stored_len + ch.pad
 
     def _read_fetched(
-        self, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool
+        self, remote: Fetcher, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool
     ) -> None:
         """Read chunks of a remote file window by window: each window's bytes are fetched
         while the one before is read, and given back once read, so memory holds two windows."""
-        remote = self.remote
-        assert remote is not None
         windows: list[list[tuple[int, memoryview | None]]] = [[]]
         held = 0
         for k, dest in items:

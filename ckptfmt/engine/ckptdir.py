@@ -247,6 +247,10 @@ class CheckpointDir:
             if e.errno not in (errno.EINVAL, errno.ENOTSUP):
                 raise
 
+    def fetcher_of(self, fd: int) -> None:
+        """Nothing: a local file's bytes need no fetching (chunkread.References)."""
+        return None
+
     # -- lifetime --------------------------------------------------------------------
 
     def dup(self) -> CheckpointDir:

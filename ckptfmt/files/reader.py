@@ -22,7 +22,7 @@ import torch
 from ..background.staging import POOL
 from ..engine import bytesview, hostmem
 from ..engine import native as _native
-from ..engine.chunkread import ChunkReader
+from ..engine.chunkread import ChunkReader, References
 from ..engine.ckptdir import CheckpointDir
 from ..errors import (
     CheckpointError,
@@ -40,6 +40,7 @@ from ..format.index import Chunk, External, parse_index, parse_index_json
 from ..gcpause import pausing_in_main_thread
 from ..storage.client import check_options
 from ..storage.download import RemoteObject
+from ..storage.references import ObjectReferences
 from ..storage.urls import is_url
 from . import encryption, signing
 
@@ -91,6 +92,7 @@ class CheckpointFile:
         storage_options: dict[str, Any] | None = None,
         decrypt_with: Any = None,
         ciphertext_only: bool = False,
+        reference_etags: dict[str, str] | None = None,
     ) -> None:
         """`fd`: the file, already opened and checked by the caller (it is owned from here on;
         `path` then only names it in messages).  `within`: the directory holding it, through
@@ -102,7 +104,9 @@ class CheckpointFile:
         object's bytes are fetched as they are read, each range pinned to its first ETag.
         `decrypt_with`: the key of an encrypted file (spec section 17, files/encryption.py):
         its data key is unwrapped and its index's tag checked here, each chunk's tag as it is
-        read.  `ciphertext_only` (verify without a key): see format.index.parse_index."""
+        read.  `ciphertext_only` (verify without a key): see format.index.parse_index.
+        `reference_etags`: on a store, the versions referenced objects must be read at (by
+        reference path; storage/references.py)."""
         self.path = os.fspath(path)
         options = check_options(storage_options)
         trusted = signing.trusted_set(trusted_keys)  # bad keys fail before the file is opened
@@ -136,11 +140,6 @@ class CheckpointFile:
                 ) from e
             if trusted is not None:
                 index = signing.check(index, trusted, self.path)
-            if remote is not None and index.externals:
-                raise UnsupportedError(
-                    "an incremental checkpoint's references to other files are read from local paths only",
-                    path=self.path,
-                )
         except BaseException:
             os.close(fd)
             if remote is not None:
@@ -164,7 +163,9 @@ class CheckpointFile:
         self.tree = index.tree
         #: what the index may take while it is parsed and held (an upper bound)
         self.index_memory = index.memory
-        base = within.dup() if within is not None else None
+        base: References | None = within.dup() if within is not None else None
+        if remote is not None:  # references are objects beside it (an incremental run's steps)
+            base = ObjectReferences(self.path.rsplit("/", 1)[0], options, reference_etags)
         self._chunk_reader = ChunkReader(fd, self.path, index, MAX_OPEN_EXTERNALS, base)
         self._chunk_reader.remote = remote
         #: an object-store URL: bytes are fetched as read; nothing can be memory-mapped

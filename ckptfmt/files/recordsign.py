@@ -122,23 +122,26 @@ def require_digests(record: multifile.CommitRecord, owner: str) -> multifile.Com
     return record
 
 
-def object_sha256(url: str, options: dict[str, Any], etag: str | None = None) -> bytes:
-    """SHA-256 of an object's whole bytes (`etag`: of that version only, StorageError if
-    another one is there now)."""
+def object_sha256(url: str, options: dict[str, Any], etag: str | None = None) -> tuple[bytes, str]:
+    """SHA-256 of an object's whole bytes, and the version (ETag) hashed (`etag`: that
+    version only, StorageError if another one is there now)."""
     remote = RemoteObject(url, options, etag=etag, fetch_index=False)
     try:
-        return remote.sha256()
+        return remote.sha256(), remote.etag
     finally:
         remote.close()
 
 
-def check_object(url: str, part: multifile.PartRecord, options: dict[str, Any], etag: str | None) -> None:
-    """Raise SignatureError unless version `etag` of the object `url` has the SHA-256 the
-    signed record gives `part` (a reader then reads that version only: its ranges are pinned)."""
-    if object_sha256(url, options, etag) != part.sha256:
+def check_object(url: str, part: multifile.PartRecord, options: dict[str, Any], etag: str | None) -> str:
+    """Raise SignatureError unless version `etag` (None: the current one) of the object `url`
+    has the SHA-256 the signed record gives `part`; the version checked, which a reader then
+    pins its range requests to."""
+    digest, checked = object_sha256(url, options, etag)
+    if digest != part.sha256:
         raise SignatureError(
             f"{part.name} is not the file the signed commit record names (its SHA-256 differs)", path=url
         )
+    return checked
 
 
 def check_part(fd: int, d: CheckpointDir, part: multifile.PartRecord, owner: str) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
+import posixpath
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -32,11 +33,14 @@ from ..engine.chunkwrite import ChunkRecord
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
 from ..errors import CheckpointWarning
+from ..fileio import is_url
 from ..files import save as writer
 from ..files.reader import CheckpointFile
 from ..format import dtypes
 from ..format import layout as fmt
 from ..format.encode import Encoded, StoragePlan
+from ..storage import references
+from ..storage.urls import parse_url
 
 #: raw bytes consolidate() reads (verified) and writes per step
 _CONSOLIDATE_WINDOW = 64 << 20
@@ -74,6 +78,8 @@ def _reference_path(target: str, held: str) -> str | None:
     the target's directory (symbolic links on the way), cannot be a reference; nor can
     the target itself, which the save is about to replace.
     """
+    if is_url(target) or is_url(held):
+        return _object_reference_path(target, held)
     here = os.path.dirname(os.path.abspath(target))
     rel = os.path.relpath(held, here)
     if fmt.REF_PATH_RE.fullmatch(rel) is None or os.path.abspath(target) == held:
@@ -88,6 +94,26 @@ def _reference_path(target: str, held: str) -> str | None:
     return rel
 
 
+def _object_reference_path(target: str, held: str) -> str | None:
+    """_reference_path between two objects: of one bucket, resolved as storage.references
+    resolves it (no links on a store)."""
+    if not (is_url(target) and is_url(held)):
+        return None
+    t, h = parse_url(target), parse_url(held)
+    if (t.scheme, t.bucket) != (h.scheme, h.bucket) or t.key == h.key:
+        return None
+    rel = posixpath.relpath("/" + h.key, posixpath.dirname("/" + t.key))
+    return rel if fmt.REF_PATH_RE.fullmatch(rel) is not None else None
+
+
+def _referenced_path(f: CheckpointFile, rel: str) -> str:
+    """Where reference `rel` of the open file `f` leads: a normalised path or URL."""
+    if f.remote:
+        prefix = parse_url(f.path.rsplit("/", 1)[0], need_key=False)
+        return str(references.resolve(prefix, rel))
+    return os.path.abspath(os.path.join(os.path.dirname(f.path), rel))
+
+
 class ContentIndex:
     """The chunks an incremental save may refer to, by (raw length, content digest).
 
@@ -95,8 +121,15 @@ class ContentIndex:
     the digest and either finds where the same bytes already lie or asks for a write.
     """
 
-    def __init__(self, target: str, base: str | None, min_reference_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        target: str,
+        base: str | None,
+        min_reference_bytes: int = 0,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
         self.min_reference_bytes = min_reference_bytes
+        self.storage_options = storage_options
         self.files: list[_Candidate] = []
         self.held: dict[tuple[int, bytes], _Held] = {}
         self.entries: dict[int, int] = {}  # candidate file -> its entry in `externals`
@@ -107,9 +140,9 @@ class ContentIndex:
             self._add_base(target, base)
 
     def _add_base(self, target: str, base: str) -> None:
-        with CheckpointFile(base) as f:
+        with CheckpointFile(base, storage_options=self.storage_options) as f:
             self.base_chunk_size = f.chunk_size
-            rel = _reference_path(target, os.path.abspath(base))
+            rel = _reference_path(target, base if is_url(base) else os.path.abspath(base))
             if not f.has_digests or rel is None:
                 # still a correct save, only not an incremental one; the next save can refer to it
                 why = (
@@ -129,7 +162,7 @@ class ContentIndex:
             # files and can be referred to from the new file's directory
             theirs: dict[int, int] = {}
             for e, ext in enumerate(f.externals):
-                ref = _reference_path(target, os.path.abspath(ext.path))
+                ref = _reference_path(target, _referenced_path(f, ext.rel))
                 if ref is not None:
                     theirs[e] = self._add_file(ref, ext.file_id, ext.length)
             for k, ch in enumerate(f.chunks):
@@ -203,6 +236,7 @@ def save(
     chunk_size: int | None = None,
     min_reference_bytes: int = 0,
     within: CheckpointDir | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> SaveHandle | None:
     """Write `state` to `path` with content digests (feature bit 0).
 
@@ -217,18 +251,19 @@ def save(
     state is snapshotted; the digests are computed from the snapshot by the writer.
     Chunks shorter than `min_reference_bytes` are always written here.
     `within`: the open directory that holds `path` (files.save.save's _within).
+    An object-store URL `path` (with `storage_options`) refers to objects of its bucket.
     """
     meta = writer.check_save_args(compression, level, metadata)
     target = os.fspath(path)
     here = os.path.dirname(os.path.abspath(target))
-    if not os.path.isdir(here):  # before the references, which are relative to it
+    if not is_url(target) and not os.path.isdir(here):  # before the references, relative to it
         raise FileNotFoundError(errno.ENOENT, "no such directory", here)
     inflight.raise_unobserved()
     inflight.wait_for_path(target)
     base_path = None if base is None else os.fspath(base)
     if base_path is not None:
         inflight.wait_for_path(base_path)  # a non-blocking save of the base may still run
-    index = ContentIndex(target, base_path, min_reference_bytes)
+    index = ContentIndex(target, base_path, min_reference_bytes, storage_options)
     if chunk_size is None and index.base_chunk_size is not None and not os.environ.get("CKPTFMT_CHUNK_SIZE"):
         chunk_size = index.base_chunk_size
     size = writer.check_chunk_size(chunk_size)
@@ -242,6 +277,7 @@ def save(
         blocking=blocking,
         dedup=index,
         within=within,
+        storage_options=storage_options,
     )
     return result
 

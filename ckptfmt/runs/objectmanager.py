@@ -13,8 +13,11 @@ the record carries the state object's SHA-256, read back after upload, and is si
 trusted_keys a step is read only when a trusted key signed it, each object hashed against
 its record first (spec 13.7, 16.7).
 
-Not in this version: incremental saves, multi-rank (DCP) saves and an archive tier of an
-object-store run (each raises at construction or save).
+Incremental saves refer to objects of earlier steps (spec 12 on a store, 13.7); rotation
+retires a step later ones read from (its record deleted, its objects kept while referred to).
+
+Not in this version: multi-rank (DCP) saves and an archive tier of an object-store run (each
+raises at construction or save).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from ..files import multifile, recordsign
 from ..files import save as writer
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport
+from ..storage import references
+from ..storage.urls import parse_url
 from . import resume, retention
 from .manager import CheckpointManager, is_sharded_save
 from .objectrun import ObjectRun
@@ -42,8 +47,6 @@ class ObjectRunManager(CheckpointManager):
 
     def _open(self, directory: str, storage_options: dict[str, Any] | None) -> None:
         """Take the run's place: the prefix `directory` (a URL) of an object store."""
-        if self.incremental:
-            raise ValueError("incremental saves are made to local directories only in this version")
         if self.snapshot == "fork":
             raise ValueError("snapshot='fork' writes local files only; use snapshot='copy'")
         self.run = ObjectRun(directory, storage_options, decrypt=self._decrypt, trusted=self._trusted)
@@ -76,7 +79,7 @@ class ObjectRunManager(CheckpointManager):
         for s in self.statuses():
             if s.info is not None:
                 done.append(s.info)
-            elif s.step not in busy:
+            elif s.step not in busy and not s.retained:
                 warnings.warn(f"skipping {s.path}: {s.problem}", CheckpointWarning, stacklevel=2)
         return next(self._trusted_first(reversed(done)), None)
 
@@ -125,18 +128,37 @@ class ObjectRunManager(CheckpointManager):
         path = self.run.step_path(step)
         job = StepJob(step, path, -1, metrics, meta, inflight.SaveHandle(path))
         try:
-            job.file_handle = writer.save(
-                payload,
-                f"{path}/{STATE_NAME}",
-                compression=self.compression,
-                blocking=self.blocking,
-                storage_options=self.run.options,
-                encrypt_with=self._encrypt,
-            )
+            job.file_handle = self._upload_state(job, payload, statuses)
         except BaseException:
             self._abandon(job)
             raise
         return self._commit_when_written(job)
+
+    def _upload_state(self, job: StepJob, payload: dict[str, Any], statuses: list[StepStatus]) -> Any:
+        """Upload the step's state object; an incremental run's refers to the chunks the newest
+        complete step already holds (its own or those it refers to)."""
+        target = f"{job.path}/{STATE_NAME}"
+        if self.incremental:
+            from . import incremental
+
+            done = [s.info for s in statuses if s.info is not None]
+            return incremental.save(
+                payload,
+                target,
+                base=f"{done[-1].path}/{STATE_NAME}" if done else None,
+                compression=self.compression,
+                blocking=self.blocking,
+                min_reference_bytes=incremental.MIN_REFERENCE_BYTES,
+                storage_options=self.run.options,
+            )
+        return writer.save(
+            payload,
+            target,
+            compression=self.compression,
+            blocking=self.blocking,
+            storage_options=self.run.options,
+            encrypt_with=self._encrypt,
+        )
 
     def _commit(self, job: StepJob) -> None:
         """Write the step's commit record, created only if absent, naming the state object;
@@ -147,11 +169,10 @@ class ObjectRunManager(CheckpointManager):
             part = multifile.PartRecord(
                 STATE_NAME, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
             )
+            refs = tuple(self._describe(ext.rel, self.run.step_path(job.step)) for ext in f.externals)
             if self._sign_key is not None:
-                part = dataclasses.replace(
-                    part, sha256=recordsign.object_sha256(url, self.run.options, f.etag)
-                )
-        record = multifile.CommitRecord(job.step, "state", (part,), (), job.metrics, job.metadata)
+                part = self._with_digest(part, url, f.etag)
+        record = multifile.CommitRecord(job.step, "state", (part,), refs, job.metrics, job.metadata)
         try:
             writer.save(
                 record.as_value(),
@@ -164,6 +185,20 @@ class ObjectRunManager(CheckpointManager):
             raise CheckpointError(
                 f"step {job.step} was committed by another writer meanwhile", path=job.path
             ) from None
+
+    def _describe(self, rel: str, step_path: str) -> multifile.PartRecord:
+        """The commit record's entry for the object `rel` leads to from `step_path` (a step
+        the new one refers to), with its digest when the record is signed."""
+        url = str(references.resolve(parse_url(step_path, need_key=False), rel))
+        with CheckpointFile(url, storage_options=self.run.options) as f:
+            part = multifile.PartRecord(
+                rel, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
+            )
+            return self._with_digest(part, url, f.etag) if self._sign_key is not None else part
+
+    def _with_digest(self, part: multifile.PartRecord, url: str, etag: str | None) -> multifile.PartRecord:
+        digest, _ = recordsign.object_sha256(url, self.run.options, etag)
+        return dataclasses.replace(part, sha256=digest)
 
     def _abandon(self, job: StepJob) -> None:
         if job.file_handle is not None and not job.file_handle.done():
@@ -179,16 +214,30 @@ class ObjectRunManager(CheckpointManager):
             keep_best=self.keep_best,
             best_mode=self.best_mode,
         )
+        needed = {url for c in done if c.step in kept for url in c.references}
         for c in done:
             if c.step not in kept:
-                self.run.delete_step(c.step)
+                self._drop(c, needed)
+
+    def _drop(self, info: CheckpointInfo, needed: set[str]) -> None:
+        """Delete step `info`, or only retire it where kept steps read objects of it."""
+        if any(url.startswith(info.path + "/") for url in needed):
+            self.run.retire_step(info.step)
+        else:
+            self.run.delete_step(info.step)
 
     def remove(self, step: int) -> None:
         """Delete checkpoint `step`."""
         self._wait_all()
-        if not any(s.step == step for s in self.statuses()):
+        statuses = self.statuses()
+        found = next((s for s in statuses if s.step == step), None)
+        if found is None:
             raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
-        self.run.delete_step(step)
+        others = {url for s in statuses if s.info is not None and s.step != step for url in s.info.references}
+        if found.info is not None:
+            self._drop(found.info, others)
+        elif not any(url.startswith(found.path + "/") for url in others):
+            self.run.delete_step(step)
 
 
 CheckpointManager.url_manager = ObjectRunManager

@@ -75,24 +75,35 @@ class ObjectRun:
         return out
 
     def statuses(self) -> list[StepStatus]:
-        """Every step under the prefix, complete or not, by step."""
-        out = []
-        for step, names in sorted(self._listing().items()):
-            out.append(self._status(step, names))
+        """Every step under the prefix, complete or not, by step.  A step without its record
+        that holds an object a complete step refers to is `retained` (an incremental run's
+        rotated step, kept for its chunks)."""
+        found = self._listing()
+        out = [self._status(step, names, found) for step, names in sorted(found.items())]
+        referenced = {url for s in out if s.info is not None for url in s.info.references}
+        for s in out:
+            if s.info is None and not s.damaged and any(u.startswith(s.path + "/") for u in referenced):
+                s.retained = True
+                s.problem = "no commit record: kept for the objects later steps refer to"
         return out
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """The complete steps, oldest first."""
         return [s.info for s in self.statuses() if s.info is not None]
 
-    def _status(self, step: int, names: dict[str, tuple[int, datetime.datetime | None]]) -> StepStatus:
+    def _status(
+        self,
+        step: int,
+        names: dict[str, tuple[int, datetime.datetime | None]],
+        found: dict[int, dict[str, tuple[int, datetime.datetime | None]]],
+    ) -> StepStatus:
         path = self.step_path(step)
         if multifile.COMMIT_NAME not in names:
             return StepStatus(
                 step, path, problem="no commit record: the save did not finish", error=IncompleteError
             )
         try:
-            return StepStatus(step, path, info=self._info(step, names))
+            return StepStatus(step, path, info=self._info(step, names, found))
         except CheckpointError as e:
             return StepStatus(step, path, problem=e.reason, damaged=True, error=type(e))
         except FileNotFoundError as e:  # deleted between the listing and the read
@@ -115,24 +126,23 @@ class ObjectRun:
             recordsign.require_digests(record, url)
         if record.step != step:
             raise CorruptError(f"the commit record is for step {record.step}, not {step}", path=url)
-        if record.references:
-            raise UnsupportedError(
-                "a step that reads chunks of earlier steps (incremental) is not read from an object store",
-                path=url,
-            )
+        for ref in record.references:
+            _referenced_step(ref.name, url)  # a reference names a step of this run, or none
         return record
 
-    def _info(self, step: int, names: dict[str, tuple[int, datetime.datetime | None]]) -> CheckpointInfo:
+    def _info(
+        self,
+        step: int,
+        names: dict[str, tuple[int, datetime.datetime | None]],
+        found: dict[int, dict[str, tuple[int, datetime.datetime | None]]],
+    ) -> CheckpointInfo:
         record = self.record(step, names[multifile.COMMIT_NAME][0])
         path = self.step_path(step)
         for part in record.files:
-            listed = names.get(part.name)
-            if listed is None:
-                raise IncompleteError(f"{part.name} named by the commit record is missing", path=path)
-            if listed[0] != part.length:
-                raise CorruptError(
-                    f"{part.name} is {listed[0]} bytes, the commit record says {part.length}", path=path
-                )
+            _check_listed(names.get(part.name), part, path)
+        for ref in record.references:
+            other, name = _referenced_step(ref.name, path)
+            _check_listed(found.get(other, {}).get(name), ref, path)
         return CheckpointInfo(
             step=step,
             path=path,
@@ -141,8 +151,13 @@ class ObjectRun:
             size=sum(p.length for p in record.files) + names[multifile.COMMIT_NAME][0],
             created=parse_utc(record.created),
             files=tuple(f"{path}/{p.name}" for p in record.files),
+            references=tuple(self._reference_url(ref.name) for ref in record.references),
             layout=record.layout,
         )
+
+    def _reference_url(self, name: str) -> str:
+        other, part = _referenced_step(name, self.path)
+        return f"{self.step_path(other)}/{part}"
 
     def trusted_record(self, step: int) -> multifile.CommitRecord:
         """Step `step`'s commit record as a reader demanding signatures takes it (SignatureError
@@ -151,19 +166,39 @@ class ObjectRun:
 
     def open_part(self, info: CheckpointInfo, name: str = STATE_NAME) -> CheckpointFile:
         """Part `name` of a complete step, opened and checked against its commit record (the
-        open pins the object's ETag: what is checked is what is read).  With trusted keys the
-        record must be signed by one, and the object is hashed against it (the version the
-        reads are pinned to) before any chunk is read."""
+        open pins the object's ETag: what is checked is what is read); the objects of earlier
+        steps it reads chunks from must be ones the record names.  With trusted keys the
+        record must be signed by one, and each object read is hashed against it first, at
+        the version its reads are then pinned to."""
         record = self.trusted_record(info.step)
         part = next((p for p in record.files if p.name == name), None)
         if part is None:
             raise CorruptError(f"the commit record names no {name}", path=info.path)
-        f = CheckpointFile(f"{info.path}/{name}", storage_options=self.options, decrypt_with=self.decrypt)
+        pins = {}
+        if self.trusted is not None:
+            for ref in record.references:
+                pins[ref.name] = recordsign.check_object(
+                    self._reference_url(ref.name), ref, self.options, None
+                )
+        f = CheckpointFile(
+            f"{info.path}/{name}",
+            storage_options=self.options,
+            decrypt_with=self.decrypt,
+            reference_etags=pins,
+        )
         try:
             found = multifile.PartRecord(
                 name, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
             )
             multifile.check_identity(found, part, name, info.path)
+            named = {ref.name: ref for ref in record.references}
+            for ext in f.externals:
+                named_ref = named.get(ext.rel)
+                if named_ref is None or (named_ref.file_id, named_ref.length) != (ext.file_id, ext.length):
+                    raise CorruptError(
+                        f"{name} reads chunks of {ext.rel}, which the commit record does not name",
+                        path=info.path,
+                    )
             if self.trusted is not None:
                 recordsign.check_object(f.path, part, self.options, f.etag)
         except BaseException:
@@ -225,7 +260,8 @@ class ObjectRun:
             return None
 
     def _complete_info(self, step: int) -> CheckpointInfo:
-        status = self._status(step, self._listing().get(step, {}))
+        found = self._listing()
+        status = self._status(step, found.get(step, {}), found)
         if status.info is None:
             raise status.error(
                 f"step {step} is not complete in the archive: {status.problem}", path=status.path
@@ -252,14 +288,49 @@ class ObjectRun:
         files go."""
         listing.delete_prefix(self._step_url(step), self.options, first=(multifile.COMMIT_NAME,))
 
+    def retire_step(self, step: int) -> None:
+        """Make a step stop being a checkpoint (its commit record deleted) while keeping the
+        objects later steps refer to; cleanup leaves it while they do."""
+        listing.delete_object(self._step_url(step).child(multifile.COMMIT_NAME), self.options)
+
+    def referenced(self) -> set[str]:
+        """The objects complete steps refer to (an incremental run's): never deleted."""
+        return {url for s in self.statuses() if s.info is not None for url in s.info.references}
+
     def cleanup(self, older_than: datetime.timedelta = STALE_AFTER) -> None:
         """Abort multipart uploads of crashed savers and delete commit-less steps whose newest
         object is older than `older_than` (a live saver writes more often than that)."""
         listing.abort_stale_uploads(self.url, self.options, older_than)
         now = datetime.datetime.now(datetime.timezone.utc)
+        referenced: set[str] | None = None  # read only when a step is stale: it costs a GET a step
         for step, names in self._listing().items():
             if multifile.COMMIT_NAME in names:
                 continue
             times = [t for _, t in names.values() if t is not None]
             if times and now - max(times) > older_than:
-                self.delete_step(step)
+                referenced = self.referenced() if referenced is None else referenced
+                if not any(u.startswith(self.step_path(step) + "/") for u in referenced):
+                    self.delete_step(step)
+
+
+def _referenced_step(name: str, owner: str) -> tuple[int, str]:
+    """(step, name in it) of a commit record's reference ``../step-N/NAME``; CorruptError for
+    anything else (on a store a reference never leaves the run's prefix)."""
+    up, _, rest = name.partition("/")
+    top, _, part = rest.partition("/")
+    step = parse_step_dirname(top)
+    if up != ".." or step is None or not part or "/" in part or part.startswith("."):
+        raise CorruptError(
+            f"the commit record refers to {name[:80]!r}, not to a step of this run", path=owner
+        )
+    return step, part
+
+
+def _check_listed(listed: tuple[int, Any] | None, part: multifile.PartRecord, owner: str) -> None:
+    """The listing's entry for a file the commit record names: there, of the recorded length."""
+    if listed is None:
+        raise IncompleteError(f"{part.name} named by the commit record is missing", path=owner)
+    if listed[0] != part.length:
+        raise CorruptError(
+            f"{part.name} is {listed[0]} bytes, the commit record says {part.length}", path=owner
+        )

@@ -1,0 +1,63 @@
+"""The objects an incremental checkpoint on a store refers to (spec 12.3 on a store, 13.7).
+
+A reference path (``NAME``, ``DIR/NAME``, ``../NAME`` or ``../DIR/NAME``, checked by the
+index parser) is resolved against the referencing object's prefix as a path is against a
+directory, so it reaches at most the prefix above: never another bucket, never a key the
+grammar does not allow.  Each referenced object is read as the file itself is, through a
+RemoteObject whose ranges are pinned to the ETag it had when opened; the chunk reader asks
+for that object's fetcher to bring chunk bytes in before it reads them.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from typing import Any
+
+from ..errors import CorruptError
+from .download import RemoteObject
+from .urls import ObjectURL, parse_url
+
+
+def resolve(prefix: ObjectURL, rel: str) -> ObjectURL:
+    """The object `rel` names from the prefix `prefix` (a reference path, already checked
+    against the grammar): the same bucket, and a key without empty, '.' or '..' segments."""
+    key = posixpath.normpath(posixpath.join(prefix.key.strip("/"), rel))
+    if key in (".", "..") or key.startswith(("../", "/")):
+        raise CorruptError(f"the reference {rel!r} leads above the bucket", path=str(prefix))
+    return ObjectURL(prefix.scheme, prefix.bucket, key)
+
+
+class ObjectReferences:
+    """The objects referenced from one object-store prefix, opened on demand; owns them all."""
+
+    def __init__(self, prefix: str, options: dict[str, Any], etags: dict[str, str] | None = None) -> None:
+        """`etags`: the versions some references must be read at (by reference path): those
+        a caller checked before (a signed record's digests)."""
+        self.path = prefix
+        self.url = parse_url(prefix, need_key=False)
+        self.options = options
+        self.etags = etags or {}
+        self._objects: dict[int, RemoteObject] = {}  # by the descriptor handed out
+
+    def open_ref(self, rel: str) -> int:
+        """A descriptor of the spool of the object `rel` names (FileNotFoundError when there
+        is none); its bytes come in through fetcher_of(descriptor)."""
+        remote = RemoteObject(str(resolve(self.url, rel)), self.options, etag=self.etags.get(rel))
+        try:
+            fd = os.dup(remote.fd)
+        except BaseException:
+            remote.close()
+            raise
+        stale = self._objects.pop(fd, None)  # its descriptor was closed and the number reused
+        if stale is not None:
+            stale.close()
+        self._objects[fd] = remote
+        return fd
+
+    def fetcher_of(self, fd: int) -> RemoteObject | None:
+        return self._objects.get(fd)
+
+    def close(self) -> None:
+        while self._objects:
+            self._objects.popitem()[1].close()
