@@ -91,6 +91,34 @@ def test_a_signed_incremental_run_hashes_every_object_it_reads(s3_server, s3_buc
     assert not target["frozen"].any()
 
 
+def test_an_incremental_local_run_archives_and_a_new_node_resumes_from_it(tmp_path, s3_server, s3_bucket):
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/archive"
+    m = CheckpointManager(
+        tmp_path / "run",
+        incremental=True,
+        keep_last=1,
+        archive=url,
+        archive_keep_last=1,
+        storage_options=options,
+    )
+    for step in (1, 2, 3):
+        m.save(step, _state(step))
+    m.wait()
+    assert m.archive_failures() == {}
+    sizes = _sizes(s3_server, bucket, "archive/")
+    # the archive holds step 3 and the object of step 1 it reads from, retired
+    assert "step-000000003/COMMIT" in sizes and "step-000000001/state.ckpt" in sizes
+    assert "step-000000001/COMMIT" not in sizes
+    assert sizes["step-000000003/state.ckpt"] < FROZEN.nbytes // 8
+
+    node = CheckpointManager(tmp_path / "new-node", archive=url, storage_options=options)
+    target = _zeros()
+    assert node.load_into(target, restore_rng=False).step == 3
+    assert torch.equal(target["frozen"], FROZEN) and torch.equal(target["head"], torch.full((1000,), 3.0))
+    assert node.verify(3).ok
+
+
 def test_references_never_leave_the_run(s3_bucket):
     bucket, _ = s3_bucket
     prefix = parse_url(f"s3://{bucket}/run/step-000000002", need_key=False)

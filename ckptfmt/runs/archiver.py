@@ -125,6 +125,4 @@ class Archiver:
         kept = retention.kept_steps(
             [(c.step, c.metrics) for c in done], keep_last=self.keep_last, keep_every=self.keep_every
         )
-        for c in done:
-            if c.step not in kept:
-                self.run.delete_step(c.step)
+        self.run.rotate(done, kept)

@@ -107,6 +107,7 @@ class CheckpointManager:
         this directory; a step not yet archived is kept locally until it is).  latest(),
         load() and load_into() look at both tiers: a new node without the old disk resumes
         from the archive, and a local copy that is missing or damaged is read from there.
+        An incremental step is archived with the objects of earlier steps it reads from.
         storage_options: the object store's client settings (see ckptfmt.save).
 
         sign_with: an Ed25519 private key (as ``ckptfmt.save`` takes it) that signs every
@@ -166,8 +167,6 @@ class CheckpointManager:
         keep_every: int | None,
         storage_options: dict[str, Any] | None,
     ) -> None:
-        if self.incremental:
-            raise ValueError("an archive holds whole steps: it cannot be combined with incremental=True")
         self.archive = ObjectRun(archive, storage_options, decrypt=self._decrypt, trusted=self._trusted)
         self._archiver = Archiver(
             self.archive, keep_last=keep_last, keep_every=keep_every, on_archived=self._rotate

@@ -214,17 +214,7 @@ class ObjectRunManager(CheckpointManager):
             keep_best=self.keep_best,
             best_mode=self.best_mode,
         )
-        needed = {url for c in done if c.step in kept for url in c.references}
-        for c in done:
-            if c.step not in kept:
-                self._drop(c, needed)
-
-    def _drop(self, info: CheckpointInfo, needed: set[str]) -> None:
-        """Delete step `info`, or only retire it where kept steps read objects of it."""
-        if any(url.startswith(info.path + "/") for url in needed):
-            self.run.retire_step(info.step)
-        else:
-            self.run.delete_step(info.step)
+        self.run.rotate(done, kept)
 
     def remove(self, step: int) -> None:
         """Delete checkpoint `step`."""
@@ -235,7 +225,7 @@ class ObjectRunManager(CheckpointManager):
             raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
         others = {url for s in statuses if s.info is not None and s.step != step for url in s.info.references}
         if found.info is not None:
-            self._drop(found.info, others)
+            self.run.drop(found.info, others)
         elif not any(url.startswith(found.path + "/") for url in others):
             self.run.delete_step(step)
 

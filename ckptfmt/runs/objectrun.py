@@ -12,12 +12,13 @@ and records are bounded before they are decoded.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from typing import Any
 
 from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
+from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError
 from ..files import multifile, recordsign
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport, problem_of, verify
@@ -230,18 +231,18 @@ class ObjectRun:
     def put_step(self, step: int, local: str) -> CheckpointInfo:
         """Copy the complete local step directory `local` here: each file it names, verified
         after upload, then its commit record, uploaded only if absent.  A step already here
-        with the same record is left as it is; one with another record is an error."""
+        with the same record is left as it is; one with another record is an error.  The
+        objects of earlier steps an incremental step reads from are uploaded first where the
+        archive does not hold them yet (without their records: they are kept for this one)."""
         with CheckpointDir.open(local) as d:
             record = multifile.check_complete(d)
-            if record.references:
-                raise UnsupportedError(
-                    "an incremental step (it reads chunks of earlier steps) cannot be archived", path=local
-                )
             existing = self._existing(step)
             if existing is not None:
-                if existing.files != record.files:
+                if (existing.files, existing.references) != (record.files, record.references):
                     raise CheckpointError(f"{self.step_path(step)} holds another save of step {step}")
                 return self._complete_info(step)
+            for ref in record.references:
+                self._put_reference(d, ref)
             for part in record.files:
                 self._put_file(d, part, f"{self.step_path(step)}/{part.name}")
             commit_fd = d.open_file(multifile.COMMIT_NAME)
@@ -252,6 +253,25 @@ class ObjectRun:
             finally:
                 os.close(commit_fd)
         return self._complete_info(step)
+
+    def _put_reference(self, d: CheckpointDir, ref: multifile.PartRecord) -> None:
+        """Make sure the archive holds the object reference `ref` of local step `d` names (the
+        same file: length, file id, index checksum), uploading it if absent.  Its chunks are
+        verified through the step that reads them, once that is uploaded."""
+        url = self._reference_url(ref.name)
+        try:
+            with CheckpointFile(url, storage_options=self.options, decrypt_with=self.decrypt) as f:
+                found = multifile.PartRecord(
+                    ref.name, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
+                )
+        except FileNotFoundError:
+            fd = multifile.open_part(d, ref, d.path)
+            try:
+                upload_file(fd, url, self.options)
+            finally:
+                os.close(fd)
+            return
+        multifile.check_identity(found, dataclasses.replace(ref, sha256=None), ref.name, url)
 
     def _existing(self, step: int) -> multifile.CommitRecord | None:
         try:
@@ -287,6 +307,22 @@ class ObjectRun:
         """Delete a step: its commit record first, so it stops being a checkpoint before its
         files go."""
         listing.delete_prefix(self._step_url(step), self.options, first=(multifile.COMMIT_NAME,))
+
+    def rotate(self, done: list[CheckpointInfo], kept: set[int]) -> None:
+        """Delete the complete steps `done` not in `kept`; one that a kept step reads objects
+        of is only retired."""
+        needed = {url for c in done if c.step in kept for url in c.references}
+        for c in done:
+            if c.step not in kept:
+                self.drop(c, needed)
+
+    def drop(self, info: CheckpointInfo, needed: set[str]) -> None:
+        """Delete complete step `info`, or only retire it where `needed` (objects that steps
+        kept read from) holds objects of it."""
+        if any(url.startswith(info.path + "/") for url in needed):
+            self.retire_step(info.step)
+        else:
+            self.delete_step(info.step)
 
     def retire_step(self, step: int) -> None:
         """Make a step stop being a checkpoint (its commit record deleted) while keeping the
