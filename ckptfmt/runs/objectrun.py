@@ -24,6 +24,7 @@ from ..files.verify import verify
 from ..format.timestamps import parse_utc
 from ..storage import listing
 from ..storage.client import check_options
+from ..storage.download import head
 from ..storage.upload import upload_file
 from ..storage.urls import ObjectURL, parse_url
 from .steps import STATE_NAME, CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
@@ -220,6 +221,28 @@ class ObjectRun:
         files go."""
         listing.delete_prefix(self._step_url(step), self.options, first=(multifile.COMMIT_NAME,))
 
+    def has_record(self, step: int) -> bool:
+        """Whether step `step`'s commit record is an object, asked by one HEAD: a listing that
+        leaves it out (a lying or lagging store) must not make a complete step look abandoned.
+        Anything there, readable or not, counts as a record."""
+        try:
+            head(self._step_url(step).child(multifile.COMMIT_NAME), self.options)
+        except FileNotFoundError:
+            return False
+        except CheckpointError:
+            return True
+        return True
+
+    def delete_leftover(self, step: int) -> None:
+        """Delete step `step`, which the listing shows without a commit record (a failed save's
+        leftover); CheckpointError, deleting nothing, when its record is there after all."""
+        if self.has_record(step):
+            raise CheckpointError(
+                f"step {step} has a commit record that the store's listing did not show; not deleted",
+                path=self.step_path(step),
+            )
+        self.delete_step(step)
+
     def cleanup(self, older_than: datetime.timedelta = STALE_AFTER) -> None:
         """Abort multipart uploads of crashed savers and delete commit-less steps whose newest
         object is older than `older_than` (a live saver writes more often than that)."""
@@ -229,5 +252,5 @@ class ObjectRun:
             if multifile.COMMIT_NAME in names:
                 continue
             times = [t for _, t in names.values() if t is not None]
-            if times and now - max(times) > older_than:
+            if times and now - max(times) > older_than and not self.has_record(step):
                 self.delete_step(step)

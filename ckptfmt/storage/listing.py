@@ -2,23 +2,30 @@
 objects read and written whole, deletion, and multipart uploads left by crashed savers.
 
 Listings are paginated by the store (1000 keys a page) and read to the end; a listing
-that names keys outside the prefix asked for is refused (hostile input: nothing outside
-a checkpoint is ever touched).
+that names keys outside the prefix asked for, repeats a continuation token or names more
+than MAX_LISTED entries is refused (hostile input: nothing outside a checkpoint is ever
+touched, and no listing is followed forever).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
-from ..errors import StorageError
+from ..errors import LimitError, StorageError
 from . import client as s3
 from .urls import ObjectURL
 
 #: a single object read whole (commit records, sidecars) is refused above this size
 MAX_SMALL_OBJECT = 256 << 20
+#: a listing naming more entries than this is refused (a run of a million steps has 2
+#: million objects; a store that pages forever must not keep a reader listing forever)
+MAX_LISTED = 4 << 20
+#: and one of more pages than this (S3 pages hold up to 1000 entries)
+MAX_PAGES = 1 << 16
 
 
 def _prefix(url: ObjectURL) -> str:
@@ -59,12 +66,23 @@ def objects(url: ObjectURL, options: dict[str, Any]) -> dict[str, tuple[int, dat
 def _pages_with(
     url: ObjectURL, options: dict[str, Any], operation: str, **kwargs: Any
 ) -> Iterator[dict[str, Any]]:
+    """The listing's pages to the end; a store that never ends it (a token it gave before,
+    or more entries than MAX_LISTED) is refused rather than followed forever."""
     c = s3.client_for(options)
     token: dict[str, str] = {}
+    seen_tokens: set[bytes] = set()  # digests: a token's length is the store's to choose
+    listed = pages = 0
     while True:
         page = s3.request(
             str(url), operation, partial(c.list_objects_v2, Bucket=url.bucket, **kwargs, **token)
         )
+        listed += len(page.get("Contents") or ()) + len(page.get("CommonPrefixes") or ())
+        pages += 1
+        if listed > MAX_LISTED or pages > MAX_PAGES:
+            raise LimitError(
+                f"{operation}: the listing names more than {MAX_LISTED} entries or {MAX_PAGES} pages",
+                path=str(url),
+            )
         yield page
         if not page.get("IsTruncated"):
             return
@@ -73,6 +91,13 @@ def _pages_with(
             raise StorageError(
                 f"{operation}: a truncated listing without a continuation token", path=str(url)
             )
+        digest = hashlib.blake2b(nxt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        if digest in seen_tokens:
+            raise StorageError(
+                f"{operation}: the listing repeats a continuation token (it would never end)",
+                path=str(url),
+            )
+        seen_tokens.add(digest)
         token = {"ContinuationToken": nxt}
 
 
