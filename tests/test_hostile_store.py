@@ -288,3 +288,23 @@ def test_a_save_never_deletes_a_step_whose_record_the_listing_left_out(store):
     with pytest.raises(CheckpointError, match="commit record"):
         manager.save(1, {"w": torch.ones(3)})
     assert store.deletes() == []
+
+
+def test_a_store_ignoring_if_match_cannot_mix_two_versions(store, tmp_path):
+    # the object is replaced by another save of the same size after the reader's HEAD; a store
+    # that ignores If-Match answers the later ranges from the new version, under its new ETag
+    ckptfmt.save({"a": torch.arange(3000) + 1, "b": torch.ones(10)}, tmp_path / "y.ckpt")
+    newer = (tmp_path / "y.ckpt").read_bytes()
+    assert len(newer) == len(store.data)
+    served = iter(range(10**9))
+
+    def replaced(h):
+        lo, hi = store.ranged(h)
+        data, etag = (store.data, '"v1"') if next(served) == 0 else (newer, '"v2"')
+        headers = {"Content-Length": str(hi - lo), "Content-Range": f"bytes {lo}-{hi - 1}/{len(data)}"}
+        _reply(h, 206, headers | {"ETag": etag}, data[lo:hi])
+
+    store.get = replaced
+    with pytest.raises(StorageError, match="changed while it was being read") as e:
+        ckptfmt.load(URL, storage_options=store.options)
+    assert URL in str(e.value)
