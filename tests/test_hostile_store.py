@@ -308,3 +308,19 @@ def test_a_store_ignoring_if_match_cannot_mix_two_versions(store, tmp_path):
     with pytest.raises(StorageError, match="changed while it was being read") as e:
         ckptfmt.load(URL, storage_options=store.options)
     assert URL in str(e.value)
+
+
+def test_cleanup_aborts_only_uploads_of_the_runs_steps(s3_bucket):
+    # a run at the bucket's root, or with other things beneath its prefix: another program's
+    # multipart upload there is not a crashed saver's leftover of this run
+    import datetime
+
+    from s3_server import s3_client
+
+    bucket, options = s3_bucket
+    c = s3_client(options["endpoint_url"])
+    for key in ("step-000000003/state.ckpt", "uploads/video.mp4", "run/step-000000001/state.ckpt"):
+        c.create_multipart_upload(Bucket=bucket, Key=key)
+    ObjectRun(f"s3://{bucket}", options).cleanup(older_than=datetime.timedelta(hours=1))
+    left = sorted(u["Key"] for u in c.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+    assert left == ["run/step-000000001/state.ckpt", "uploads/video.mp4"]

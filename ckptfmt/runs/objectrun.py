@@ -246,7 +246,7 @@ class ObjectRun:
     def cleanup(self, older_than: datetime.timedelta = STALE_AFTER) -> None:
         """Abort multipart uploads of crashed savers and delete commit-less steps whose newest
         object is older than `older_than` (a live saver writes more often than that)."""
-        listing.abort_stale_uploads(self.url, self.options, older_than)
+        listing.abort_stale_uploads(self.url, self.options, older_than, _in_a_step)
         now = datetime.datetime.now(datetime.timezone.utc)
         for step, names in self._listing().items():
             if multifile.COMMIT_NAME in names:
@@ -254,3 +254,10 @@ class ObjectRun:
             times = [t for _, t in names.values() if t is not None]
             if times and now - max(times) > older_than and not self.has_record(step):
                 self.delete_step(step)
+
+
+def _in_a_step(name: str) -> bool:
+    """Whether `name` (a key relative to the run) lies in a step's "directory": only those
+    are the run's (a run may share its prefix, even a whole bucket, with other things)."""
+    top, sep, rest = name.partition("/")
+    return bool(sep and rest) and parse_step_dirname(top) is not None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -128,9 +128,15 @@ def delete_prefix(url: ObjectURL, options: dict[str, Any], first: tuple[str, ...
             raise StorageError(f"delete {err.get('Key')}: {err.get('Code')}", path=str(url))
 
 
-def abort_stale_uploads(url: ObjectURL, options: dict[str, Any], older_than: datetime.timedelta) -> int:
+def abort_stale_uploads(
+    url: ObjectURL,
+    options: dict[str, Any],
+    older_than: datetime.timedelta,
+    ours: Callable[[str], bool] = lambda name: True,
+) -> int:
     """Abort the multipart uploads beneath `url` begun more than `older_than` ago (savers that
-    crashed: their parts cost storage until aborted); returns how many."""
+    crashed: their parts cost storage until aborted) whose key relative to `url` is `ours`
+    (another program's upload beneath the same prefix is not a leftover); returns how many."""
     c = s3.client_for(options)
     prefix = _prefix(url)
     reply = s3.request(
@@ -141,6 +147,8 @@ def abort_stale_uploads(url: ObjectURL, options: dict[str, Any], older_than: dat
     for up in reply.get("Uploads", []) or []:
         key, upload_id, began = up.get("Key"), up.get("UploadId"), up.get("Initiated")
         if not isinstance(key, str) or not key.startswith(prefix) or not isinstance(upload_id, str):
+            continue
+        if not ours(key[len(prefix) :]):
             continue
         if not isinstance(began, datetime.datetime) or now - began < older_than:
             continue
