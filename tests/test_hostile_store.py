@@ -324,3 +324,19 @@ def test_cleanup_aborts_only_uploads_of_the_runs_steps(s3_bucket):
     ObjectRun(f"s3://{bucket}", options).cleanup(older_than=datetime.timedelta(hours=1))
     left = sorted(u["Key"] for u in c.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
     assert left == ["run/step-000000001/state.ckpt", "uploads/video.mp4"]
+
+
+def test_an_uploaded_part_answered_without_an_etag_is_a_storage_error(s3_faults):
+    # a multipart upload whose part answers lack the ETag the completion must name: a
+    # StorageError naming the URL (it was a KeyError), and no object, no upload left behind
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/x.ckpt"
+    s3_faults.drop_header("PUT", "partNumber=2", "ETag")
+    state = {"w": torch.arange(6 << 20, dtype=torch.int32)}  # 24 MiB: parts of 8 MiB
+    options = s3_faults.storage_options() | {"part_size": 8 << 20}
+    with pytest.raises(StorageError, match="no ETag") as e:
+        ckptfmt.save(state, url, storage_options=options)
+    assert url in str(e.value)
+    c = s3_faults.client()
+    assert "Contents" not in c.list_objects_v2(Bucket=bucket)
+    assert not c.list_multipart_uploads(Bucket=bucket).get("Uploads")
