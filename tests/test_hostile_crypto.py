@@ -62,3 +62,17 @@ def test_a_failing_key_service_never_repeats_the_data_key(tmp_path):
         ckptfmt.save({"a": torch.ones(4)}, tmp_path / "e.ckpt", encrypt_with=service)
     assert seen and seen[0].hex() not in _texts(e.value)
     assert not (tmp_path / "e.ckpt").exists()
+
+
+def test_misplaced_store_credentials_are_not_repeated_by_the_lightning_plugin(tmp_path):
+    # Lightning's per-call storage_options are ckptfmt's save options; credentials passed
+    # there by mistake are refused by name, their values never shown
+    pytest.importorskip("lightning")
+    from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
+
+    secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+    with pytest.raises(TypeError, match="aws_secret_access_key") as e:
+        CkptfmtCheckpointIO().save_checkpoint(
+            {"w": torch.ones(2)}, str(tmp_path / "c.ckpt"), storage_options={"aws_secret_access_key": secret}
+        )
+    assert secret not in _texts(e.value)
