@@ -340,3 +340,26 @@ def test_an_uploaded_part_answered_without_an_etag_is_a_storage_error(s3_faults)
     c = s3_faults.client()
     assert "Contents" not in c.list_objects_v2(Bucket=bucket)
     assert not c.list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+
+@pytest.mark.parametrize("when", ["2000-01-01T00:00:00", "2000-01-01T00:00:00+05:00", "not a time"])
+def test_listing_times_of_any_form_never_crash_cleanup(store, when):
+    # a time without a zone (botocore then gives a naive datetime), with another zone, or
+    # none it can parse: cleanup compares them to now, or leaves the step alone
+    store.head = lambda h: _reply(h, 404, {}) if h.path.endswith("/COMMIT") else store.honest_head(h)
+    store.listing = _listing(["run/step-000000001/state.ckpt"], modified=when)
+    e = _within(20, lambda: ObjectRun("s3://bucket/run", store.options).cleanup())
+    assert e is None or isinstance(e, CheckpointError), repr(e)
+
+
+def test_an_unreadable_header_in_a_ranged_answer_is_a_storage_error(store):
+    # botocore parses Last-Modified; one it cannot parse raised a plain ValueError mid-load
+    def garbled(h):
+        lo, hi = store.ranged(h)
+        headers = {"Content-Length": str(hi - lo), "Content-Range": f"bytes {lo}-{hi - 1}/{len(store.data)}"}
+        _reply(h, 206, headers | {"ETag": '"v1"', "Last-Modified": "not a time"}, store.data[lo:hi])
+
+    store.get = garbled
+    with pytest.raises(StorageError) as e:
+        ckptfmt.load(URL, storage_options=store.options)
+    assert URL in str(e.value)

@@ -58,9 +58,16 @@ def objects(url: ObjectURL, options: dict[str, Any]) -> dict[str, tuple[int, dat
             size = entry.get("Size") if isinstance(entry, dict) else None
             if not isinstance(key, str) or not key.startswith(prefix) or type(size) is not int:
                 raise StorageError(f"list: the store answered an entry outside {prefix!r}", path=str(url))
-            when = entry.get("LastModified")
-            out[key[len(prefix) :]] = (size, when if isinstance(when, datetime.datetime) else None)
+            out[key[len(prefix) :]] = (size, _utc(entry.get("LastModified")))
     return out
+
+
+def _utc(when: Any) -> datetime.datetime | None:
+    """A time from a store's answer, made comparable with now: one without a zone (botocore
+    gives those when the store sends none) is taken as UTC, as S3 means it."""
+    if not isinstance(when, datetime.datetime):
+        return None
+    return when if when.tzinfo is not None else when.replace(tzinfo=datetime.timezone.utc)
 
 
 def _pages_with(
@@ -145,12 +152,12 @@ def abort_stale_uploads(
     now = datetime.datetime.now(datetime.timezone.utc)
     aborted = 0
     for up in reply.get("Uploads", []) or []:
-        key, upload_id, began = up.get("Key"), up.get("UploadId"), up.get("Initiated")
+        key, upload_id, began = up.get("Key"), up.get("UploadId"), _utc(up.get("Initiated"))
         if not isinstance(key, str) or not key.startswith(prefix) or not isinstance(upload_id, str):
             continue
         if not ours(key[len(prefix) :]):
             continue
-        if not isinstance(began, datetime.datetime) or now - began < older_than:
+        if began is None or now - began < older_than:
             continue
         s3.request(
             str(url),
