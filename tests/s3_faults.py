@@ -16,6 +16,8 @@ query as sent (`/bucket/key?partNumber=2&uploadId=...`):
 * `fail_next(...)`: the next `count` matches are answered with `status` and an S3 XML error
   (500 InternalError, 503 SlowDown, 403 AccessDenied, ...) without reaching the server.
 * `delay(...)`: matches wait `seconds` before they are forwarded.
+* `drop_header(...)`: the server's answer to the next `count` matches comes back without
+  the named header (a store that leaves out an ETag, say).
 * `count(method, contains)`: how many requests matched since the last `clear_counts()`.
 """
 
@@ -27,7 +29,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
@@ -62,7 +64,7 @@ class Request:
 
 @dataclass
 class Rule:
-    kind: str  # "reset", "fail", "delay"
+    kind: str  # "reset", "fail", "delay", "drop"
     method: str | None
     contains: str
     nth: int = 1  # reset: the match that fires
@@ -73,6 +75,7 @@ class Rule:
     upload_bytes: int | None = None
     download_bytes: int | None = None
     answered: bool = False
+    header: str = ""  # drop: the answer's header left out
     seen: int = 0
 
     def at_once(self) -> bool:
@@ -90,6 +93,7 @@ class Plan:
     reset: Rule | None = None
     fail: Rule | None = None
     delay: float = 0.0
+    dropped: set[str] = field(default_factory=set)  # answer headers left out (lower case)
 
 
 # -- HTTP/1.1 framing ---------------------------------------------------------------------------
@@ -317,6 +321,10 @@ class FaultProxy:
         """Hold matching requests `seconds` before forwarding them (the next `count`, or all)."""
         self._add(Rule("delay", method, contains, remaining=count, seconds=seconds))
 
+    def drop_header(self, method: str | None, contains: str, header: str, count: int | None = None) -> None:
+        """Leave `header` out of the answers to matching requests (the next `count`, or all)."""
+        self._add(Rule("drop", method, contains, remaining=count, header=header.lower()))
+
     def clear_rules(self) -> None:
         with self._lock:
             self._rules.clear()
@@ -362,6 +370,9 @@ class FaultProxy:
                     self._use(rule)
                 elif rule.kind == "delay":
                     plan.delay += rule.seconds
+                    self._use(rule)
+                elif rule.kind == "drop":
+                    plan.dropped.add(rule.header)
                     self._use(rule)
         return plan
 
@@ -458,11 +469,16 @@ class FaultProxy:
         up = upstream.connect()
         up.sendall(encode_head(start, [(k, v) for k, v in headers if k.lower() != "expect"]))
         copy_body(rfile, up, headers, plan.reset.upload_bytes if plan.reset is not None else None)
-        client_keeps = self._relay_answer(req, upstream, client, plan.reset)
+        client_keeps = self._relay_answer(req, upstream, client, plan.reset, plan.dropped)
         return client_keeps and (req.header("connection") or "").lower() != "close"
 
     def _relay_answer(
-        self, req: Request, upstream: Upstream, client: socket.socket, rule: Rule | None
+        self,
+        req: Request,
+        upstream: Upstream,
+        client: socket.socket,
+        rule: Rule | None,
+        dropped: set[str] = frozenset(),  # type: ignore[assignment]
     ) -> bool:
         """Copy the server's answer to req back to the client (as far as a reset rule lets it);
         whether the client's connection can carry another request.
@@ -489,7 +505,7 @@ class FaultProxy:
             or header_of(headers, "content-length") is not None
             or "chunked" in (header_of(headers, "transfer-encoding") or "").lower()
         )
-        kept = [(k, v) for k, v in headers if k.lower() not in ("connection", "keep-alive")]
+        kept = [(k, v) for k, v in headers if k.lower() not in ("connection", "keep-alive", *dropped)]
         client.sendall(encode_head(start, kept if framed else [*kept, ("Connection", "close")]))
         limit = rule.download_bytes if rule is not None else None
         if no_body:

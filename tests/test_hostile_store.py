@@ -16,6 +16,8 @@ import torch
 import ckptfmt
 from ckptfmt.errors import CheckpointError, LimitError, StorageError
 from ckptfmt.runs.objectrun import ObjectRun
+from ckptfmt.storage import listing
+from ckptfmt.storage.urls import parse_url
 
 Answer = Callable[[BaseHTTPRequestHandler], None]
 
@@ -38,6 +40,8 @@ class HostileStore:
         self.head: Answer | None = None
         self.get: Answer | None = None
         self.listing: Answer | None = None
+        #: every request as (method, path with query), in the order they came
+        self.seen: list[tuple[str, str]] = []
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -45,13 +49,28 @@ class HostileStore:
                 pass
 
             def do_HEAD(self) -> None:  # noqa: N802 - http.server's names
+                outer.seen.append(("HEAD", self.path))
                 (outer.head or outer.honest_head)(self)
 
             def do_GET(self) -> None:  # noqa: N802
-                if "list-type" in parse_qs(urlsplit(self.path).query):
+                outer.seen.append(("GET", self.path))
+                query = parse_qs(urlsplit(self.path).query, keep_blank_values=True)
+                if "list-type" in query:
                     (outer.listing or outer.empty_listing)(self)
+                elif "uploads" in query:
+                    outer.no_uploads(self)
                 else:
                     (outer.get or outer.honest_get)(self)
+
+            def do_DELETE(self) -> None:  # noqa: N802
+                outer.seen.append(("DELETE", self.path))
+                _reply(self, 204, {})
+
+            def do_POST(self) -> None:  # noqa: N802
+                outer.seen.append(("POST", self.path))
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                body = b'<?xml version="1.0"?><DeleteResult></DeleteResult>'
+                _reply(self, 200, {"Content-Length": str(len(body)), "Content-Type": "application/xml"}, body)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -71,6 +90,14 @@ class HostileStore:
     def empty_listing(self, h: BaseHTTPRequestHandler) -> None:
         body = b'<?xml version="1.0"?><ListBucketResult><IsTruncated>false</IsTruncated></ListBucketResult>'
         _reply(h, 200, {"Content-Length": str(len(body)), "Content-Type": "application/xml"}, body)
+
+    def no_uploads(self, h: BaseHTTPRequestHandler) -> None:
+        body = b'<?xml version="1.0"?><ListMultipartUploadsResult><IsTruncated>false</IsTruncated></ListMultipartUploadsResult>'
+        _reply(h, 200, {"Content-Length": str(len(body)), "Content-Type": "application/xml"}, body)
+
+    def deletes(self) -> list[tuple[str, str]]:
+        """The requests that delete something (DELETE, and POST ?delete of many keys)."""
+        return [(m, p) for m, p in self.seen if m in ("DELETE", "POST")]
 
     @property
     def options(self) -> dict[str, object]:
@@ -167,8 +194,11 @@ def test_an_empty_object_is_not_a_checkpoint(store):
         ckptfmt.load(URL, storage_options=store.options)
 
 
-def _listing(keys: list[str], truncated: bool = False, token: str | None = None) -> Answer:
-    contents = "".join(f"<Contents><Key>{k}</Key><Size>1</Size></Contents>" for k in keys)
+def _listing(
+    keys: list[str], truncated: bool = False, token: str | None = None, modified: str | None = None
+) -> Answer:
+    when = f"<LastModified>{modified}</LastModified>" if modified else ""
+    contents = "".join(f"<Contents><Key>{k}</Key><Size>1</Size>{when}</Contents>" for k in keys)
     more = f"<NextContinuationToken>{token}</NextContinuationToken>" if token else ""
     body = (
         f'<?xml version="1.0"?><ListBucketResult><IsTruncated>{str(truncated).lower()}</IsTruncated>'
@@ -194,3 +224,142 @@ def test_a_truncated_listing_without_a_token_is_refused(store):
 def test_names_that_are_not_steps_are_ignored(store):
     store.listing = _listing(["run/step-x/COMMIT", "run/../COMMIT", "run/COMMIT", "run/step-000000001/"])
     assert ObjectRun("s3://bucket/run", store.options).statuses() == []
+
+
+def _within(seconds: float, call: Callable[[], object]) -> BaseException | None:
+    """Run `call` on a thread and return what it raised (None if nothing); fail the test when
+    it has not finished in `seconds` (the thread is left to the store's shutdown)."""
+    box: list[BaseException | None] = [None]
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as e:
+            box[0] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still running after {seconds} s"
+    return box[0]
+
+
+def test_a_listing_that_repeats_its_continuation_token_is_refused(store):
+    # a store (or a proxy) answering "more to come" with the same token forever
+    store.listing = _listing(["run/step-000000001/COMMIT"], truncated=True, token="again")
+    e = _within(10, lambda: ObjectRun("s3://bucket/run", store.options).statuses())
+    assert isinstance(e, StorageError) and "repeats" in str(e), e
+    assert "s3://bucket/run" in str(e)
+
+
+def test_an_endless_listing_is_bounded(store, monkeypatch):
+    # fresh tokens forever, each page naming the same keys: refused once the listing names
+    # more entries than any run holds
+    monkeypatch.setattr(listing, "MAX_LISTED", 50)
+    pages = iter(range(10**9))
+    store.listing = lambda h: _listing(
+        ["run/step-000000001/COMMIT"], truncated=True, token=f"t{next(pages)}"
+    )(h)
+    e = _within(10, lambda: ObjectRun("s3://bucket/run", store.options).statuses())
+    assert isinstance(e, LimitError) and "entries" in str(e), e
+    assert "s3://bucket/run" in str(e)
+    e = _within(10, lambda: listing.child_names(parse_url("s3://bucket/run"), store.options))
+    assert isinstance(e, LimitError), e
+
+
+STALE = "2000-01-01T00:00:00.000Z"
+
+
+def test_cleanup_keeps_a_step_whose_record_the_listing_left_out(store):
+    # the listing names step 1's state but not its COMMIT (a lying or lagging store), all
+    # written long ago: a complete step looks like a crashed saver's leftover
+    store.listing = _listing(["run/step-000000001/state.ckpt"], modified=STALE)
+    ObjectRun("s3://bucket/run", store.options).cleanup()
+    assert store.deletes() == []
+    # where the record is truly absent, the leftover goes (commit record first, alone)
+    store.head = lambda h: _reply(h, 404, {}) if h.path.endswith("/COMMIT") else store.honest_head(h)
+    ObjectRun("s3://bucket/run", store.options).cleanup()
+    assert store.deletes()[0] == ("DELETE", "/bucket/run/step-000000001/COMMIT")
+
+
+def test_a_save_never_deletes_a_step_whose_record_the_listing_left_out(store):
+    store.listing = _listing(["run/step-000000001/state.ckpt"], modified=STALE)
+    manager = ckptfmt.CheckpointManager("s3://bucket/run", storage_options=store.options)
+    with pytest.raises(CheckpointError, match="commit record"):
+        manager.save(1, {"w": torch.ones(3)})
+    assert store.deletes() == []
+
+
+def test_a_store_ignoring_if_match_cannot_mix_two_versions(store, tmp_path):
+    # the object is replaced by another save of the same size after the reader's HEAD; a store
+    # that ignores If-Match answers the later ranges from the new version, under its new ETag
+    ckptfmt.save({"a": torch.arange(3000) + 1, "b": torch.ones(10)}, tmp_path / "y.ckpt")
+    newer = (tmp_path / "y.ckpt").read_bytes()
+    assert len(newer) == len(store.data)
+    served = iter(range(10**9))
+
+    def replaced(h):
+        lo, hi = store.ranged(h)
+        data, etag = (store.data, '"v1"') if next(served) == 0 else (newer, '"v2"')
+        headers = {"Content-Length": str(hi - lo), "Content-Range": f"bytes {lo}-{hi - 1}/{len(data)}"}
+        _reply(h, 206, headers | {"ETag": etag}, data[lo:hi])
+
+    store.get = replaced
+    with pytest.raises(StorageError, match="changed while it was being read") as e:
+        ckptfmt.load(URL, storage_options=store.options)
+    assert URL in str(e.value)
+
+
+def test_cleanup_aborts_only_uploads_of_the_runs_steps(s3_bucket):
+    # a run at the bucket's root, or with other things beneath its prefix: another program's
+    # multipart upload there is not a crashed saver's leftover of this run
+    import datetime
+
+    from s3_server import s3_client
+
+    bucket, options = s3_bucket
+    c = s3_client(options["endpoint_url"])
+    for key in ("step-000000003/state.ckpt", "uploads/video.mp4", "run/step-000000001/state.ckpt"):
+        c.create_multipart_upload(Bucket=bucket, Key=key)
+    ObjectRun(f"s3://{bucket}", options).cleanup(older_than=datetime.timedelta(hours=1))
+    left = sorted(u["Key"] for u in c.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+    assert left == ["run/step-000000001/state.ckpt", "uploads/video.mp4"]
+
+
+def test_an_uploaded_part_answered_without_an_etag_is_a_storage_error(s3_faults):
+    # a multipart upload whose part answers lack the ETag the completion must name: a
+    # StorageError naming the URL (it was a KeyError), and no object, no upload left behind
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/x.ckpt"
+    s3_faults.drop_header("PUT", "partNumber=2", "ETag")
+    state = {"w": torch.arange(6 << 20, dtype=torch.int32)}  # 24 MiB: parts of 8 MiB
+    options = s3_faults.storage_options() | {"part_size": 8 << 20}
+    with pytest.raises(StorageError, match="no ETag") as e:
+        ckptfmt.save(state, url, storage_options=options)
+    assert url in str(e.value)
+    c = s3_faults.client()
+    assert "Contents" not in c.list_objects_v2(Bucket=bucket)
+    assert not c.list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+
+@pytest.mark.parametrize("when", ["2000-01-01T00:00:00", "2000-01-01T00:00:00+05:00", "not a time"])
+def test_listing_times_of_any_form_never_crash_cleanup(store, when):
+    # a time without a zone (botocore then gives a naive datetime), with another zone, or
+    # none it can parse: cleanup compares them to now, or leaves the step alone
+    store.head = lambda h: _reply(h, 404, {}) if h.path.endswith("/COMMIT") else store.honest_head(h)
+    store.listing = _listing(["run/step-000000001/state.ckpt"], modified=when)
+    e = _within(20, lambda: ObjectRun("s3://bucket/run", store.options).cleanup())
+    assert e is None or isinstance(e, CheckpointError), repr(e)
+
+
+def test_an_unreadable_header_in_a_ranged_answer_is_a_storage_error(store):
+    # botocore parses Last-Modified; one it cannot parse raised a plain ValueError mid-load
+    def garbled(h):
+        lo, hi = store.ranged(h)
+        headers = {"Content-Length": str(hi - lo), "Content-Range": f"bytes {lo}-{hi - 1}/{len(store.data)}"}
+        _reply(h, 206, headers | {"ETag": '"v1"', "Last-Modified": "not a time"}, store.data[lo:hi])
+
+    store.get = garbled
+    with pytest.raises(StorageError) as e:
+        ckptfmt.load(URL, storage_options=store.options)
+    assert URL in str(e.value)

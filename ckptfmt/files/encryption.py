@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import native as _native
-from ..errors import CheckpointError, CorruptError, DecryptionError
+from ..errors import CheckpointError, CorruptError, DecryptionError, UnsupportedError
 from ..fileio import open_regular
 from ..format import encryption as enc
 from ..format.encryption import KeyRequired
@@ -88,7 +88,14 @@ def load_key(key: Any, what: str) -> Key:
 
 def read_key_file(path: str, what: str) -> bytes:
     """The KEK a key file holds: exactly 32 bytes, or 64 hex digits and at most one line feed."""
-    fd = open_regular(path)  # a FIFO or device is refused unopened
+    try:
+        fd = open_regular(path)  # a FIFO or device is refused unopened
+    except UnsupportedError as e:
+        raise UnsupportedError(f"{what}: the key file given is {e.reason}") from None
+    except OSError as e:
+        # the text given may be a key mistyped as a path (base64, hex with a line feed or a
+        # typo): it is never repeated in the message
+        raise type(e)(e.errno, f"{what}: cannot open the key file given (the path is not shown)") from None
     try:
         data = os.pread(fd, _KEY_FILE_MAX + 1, 0)
     finally:
@@ -171,7 +178,12 @@ def _with(block: enc.EncryptionBlock, **changes: Any) -> enc.EncryptionBlock:
 
 
 def _service_wrap(service: Callable[[bytes], bytes], data_key: bytes) -> bytes:
-    wrapped = service(data_key)
+    try:
+        wrapped = service(data_key)
+    except Exception as e:  # the service's own failure: its type only, its text may hold the key
+        raise CheckpointError(
+            f"encrypt_with: the key service failed to wrap the data key ({type(e).__name__})"
+        ) from None
     if not isinstance(wrapped, (bytes, bytearray)) or not 1 <= len(wrapped) <= enc.MAX_WRAPPED:
         raise CheckpointError(
             f"encrypt_with: the key service must return 1 to {enc.MAX_WRAPPED} bytes for a data key"

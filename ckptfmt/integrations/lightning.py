@@ -545,6 +545,14 @@ def _target(path: Any) -> str:
     return text
 
 
+def _names_only(options: Any) -> str:
+    """What a message shows of misplaced storage_options: the names, never the values (they
+    may be credentials meant for the store)."""
+    if isinstance(options, dict):
+        return "a dict of " + ", ".join(sorted(repr(k)[:40] for k in options))
+    return f"a {type(options).__name__}"
+
+
 def _save_options(storage_options: Any, compression: str | None) -> dict[str, Any]:
     options: dict[str, Any] = {"compression": compression}
     if storage_options is None:
@@ -552,7 +560,7 @@ def _save_options(storage_options: Any, compression: str | None) -> dict[str, An
     if not isinstance(storage_options, dict) or set(storage_options) - {"compression", "level", "metadata"}:
         raise TypeError(
             "storage_options must be None or a dict with ckptfmt's save options "
-            f"compression, level and metadata; got {storage_options!r}"
+            f"compression, level and metadata; got {_names_only(storage_options)}"
         )
     options.update(storage_options)
     return options

@@ -120,7 +120,7 @@ class ObjectRunManager(CheckpointManager):
                 f"step {step} is not after the newest checkpoint (step {newest}) in {self.directory}"
             )
         if any(s.step == step for s in statuses):  # a commit-less leftover of a failed save
-            self.run.delete_step(step)
+            self.run.delete_leftover(step)
         self._tidy(self.directory, self.run.cleanup)
         from .rng import capture_rng
 

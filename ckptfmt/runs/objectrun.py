@@ -25,6 +25,7 @@ from ..files.verify import VerifyReport, problem_of, verify
 from ..format.timestamps import parse_utc
 from ..storage import listing
 from ..storage.client import check_options
+from ..storage.download import head
 from ..storage.upload import upload_file
 from ..storage.urls import ObjectURL, parse_url
 from .steps import STATE_NAME, CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
@@ -333,17 +334,39 @@ class ObjectRun:
         """The objects complete steps refer to (an incremental run's): never deleted."""
         return {url for s in self.statuses() if s.info is not None for url in s.info.references}
 
+    def has_record(self, step: int) -> bool:
+        """Whether step `step`'s commit record is an object, asked by one HEAD: a listing that
+        leaves it out (a lying or lagging store) must not make a complete step look abandoned.
+        Anything there, readable or not, counts as a record."""
+        try:
+            head(self._step_url(step).child(multifile.COMMIT_NAME), self.options)
+        except FileNotFoundError:
+            return False
+        except CheckpointError:
+            return True
+        return True
+
+    def delete_leftover(self, step: int) -> None:
+        """Delete step `step`, which the listing shows without a commit record (a failed save's
+        leftover); CheckpointError, deleting nothing, when its record is there after all."""
+        if self.has_record(step):
+            raise CheckpointError(
+                f"step {step} has a commit record that the store's listing did not show; not deleted",
+                path=self.step_path(step),
+            )
+        self.delete_step(step)
+
     def cleanup(self, older_than: datetime.timedelta = STALE_AFTER) -> None:
         """Abort multipart uploads of crashed savers and delete commit-less steps whose newest
         object is older than `older_than` (a live saver writes more often than that)."""
-        listing.abort_stale_uploads(self.url, self.options, older_than)
+        listing.abort_stale_uploads(self.url, self.options, older_than, _in_a_step)
         now = datetime.datetime.now(datetime.timezone.utc)
         referenced: set[str] | None = None  # read only when a step is stale: it costs a GET a step
         for step, names in self._listing().items():
             if multifile.COMMIT_NAME in names:
                 continue
             times = [t for _, t in names.values() if t is not None]
-            if times and now - max(times) > older_than:
+            if times and now - max(times) > older_than and not self.has_record(step):
                 referenced = self.referenced() if referenced is None else referenced
                 if not any(u.startswith(self.step_path(step) + "/") for u in referenced):
                     self.delete_step(step)
@@ -370,3 +393,10 @@ def _check_listed(listed: tuple[int, Any] | None, part: multifile.PartRecord, ow
         raise CorruptError(
             f"{part.name} is {listed[0]} bytes, the commit record says {part.length}", path=owner
         )
+
+
+def _in_a_step(name: str) -> bool:
+    """Whether `name` (a key relative to the run) lies in a step's "directory": only those
+    are the run's (a run may share its prefix, even a whole bucket, with other things)."""
+    top, sep, rest = name.partition("/")
+    return bool(sep and rest) and parse_step_dirname(top) is not None

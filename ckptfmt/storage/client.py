@@ -157,10 +157,12 @@ def request(url: str, operation: str, call: Callable[[], T]) -> T:
 
 
 def transfer_errors() -> tuple[type[BaseException], ...]:
-    """What a request can fail with: botocore's errors (after its retries) and socket errors."""
+    """What a request can fail with: botocore's errors (after its retries), socket errors, and
+    ValueError, which botocore raises for an answer it cannot parse (a date in a header or a
+    listing that is not one)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    return (BotoCoreError, ClientError, OSError)
+    return (BotoCoreError, ClientError, OSError, ValueError)
 
 
 def is_precondition_failed(e: BaseException) -> bool:

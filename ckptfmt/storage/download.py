@@ -205,6 +205,10 @@ class RemoteObject:
             raise StorageError(
                 f"{what}: the store answered {reply.get('ContentRange')!r} for {expected!r}", path=self.path
             )
+        if reply.get("ETag", self.etag) != self.etag:
+            # a store that ignores If-Match (some S3-compatible ones do) serves the new version
+            reply["Body"].close()
+            raise StorageError(f"{what}: the object changed while it was being read", path=self.path)
         body = reply["Body"]
         got = 0
         try:

@@ -2,23 +2,30 @@
 objects read and written whole, deletion, and multipart uploads left by crashed savers.
 
 Listings are paginated by the store (1000 keys a page) and read to the end; a listing
-that names keys outside the prefix asked for is refused (hostile input: nothing outside
-a checkpoint is ever touched).
+that names keys outside the prefix asked for, repeats a continuation token or names more
+than MAX_LISTED entries is refused (hostile input: nothing outside a checkpoint is ever
+touched, and no listing is followed forever).
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
-from ..errors import StorageError
+from ..errors import LimitError, StorageError
 from . import client as s3
 from .urls import ObjectURL
 
 #: a single object read whole (commit records, sidecars) is refused above this size
 MAX_SMALL_OBJECT = 256 << 20
+#: a listing naming more entries than this is refused (a run of a million steps has 2
+#: million objects; a store that pages forever must not keep a reader listing forever)
+MAX_LISTED = 4 << 20
+#: and one of more pages than this (S3 pages hold up to 1000 entries)
+MAX_PAGES = 1 << 16
 
 
 def _prefix(url: ObjectURL) -> str:
@@ -51,20 +58,38 @@ def objects(url: ObjectURL, options: dict[str, Any]) -> dict[str, tuple[int, dat
             size = entry.get("Size") if isinstance(entry, dict) else None
             if not isinstance(key, str) or not key.startswith(prefix) or type(size) is not int:
                 raise StorageError(f"list: the store answered an entry outside {prefix!r}", path=str(url))
-            when = entry.get("LastModified")
-            out[key[len(prefix) :]] = (size, when if isinstance(when, datetime.datetime) else None)
+            out[key[len(prefix) :]] = (size, _utc(entry.get("LastModified")))
     return out
+
+
+def _utc(when: Any) -> datetime.datetime | None:
+    """A time from a store's answer, made comparable with now: one without a zone (botocore
+    gives those when the store sends none) is taken as UTC, as S3 means it."""
+    if not isinstance(when, datetime.datetime):
+        return None
+    return when if when.tzinfo is not None else when.replace(tzinfo=datetime.timezone.utc)
 
 
 def _pages_with(
     url: ObjectURL, options: dict[str, Any], operation: str, **kwargs: Any
 ) -> Iterator[dict[str, Any]]:
+    """The listing's pages to the end; a store that never ends it (a token it gave before,
+    or more entries than MAX_LISTED) is refused rather than followed forever."""
     c = s3.client_for(options)
     token: dict[str, str] = {}
+    seen_tokens: set[bytes] = set()  # digests: a token's length is the store's to choose
+    listed = pages = 0
     while True:
         page = s3.request(
             str(url), operation, partial(c.list_objects_v2, Bucket=url.bucket, **kwargs, **token)
         )
+        listed += len(page.get("Contents") or ()) + len(page.get("CommonPrefixes") or ())
+        pages += 1
+        if listed > MAX_LISTED or pages > MAX_PAGES:
+            raise LimitError(
+                f"{operation}: the listing names more than {MAX_LISTED} entries or {MAX_PAGES} pages",
+                path=str(url),
+            )
         yield page
         if not page.get("IsTruncated"):
             return
@@ -73,6 +98,13 @@ def _pages_with(
             raise StorageError(
                 f"{operation}: a truncated listing without a continuation token", path=str(url)
             )
+        digest = hashlib.blake2b(nxt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        if digest in seen_tokens:
+            raise StorageError(
+                f"{operation}: the listing repeats a continuation token (it would never end)",
+                path=str(url),
+            )
+        seen_tokens.add(digest)
         token = {"ContinuationToken": nxt}
 
 
@@ -103,9 +135,15 @@ def delete_prefix(url: ObjectURL, options: dict[str, Any], first: tuple[str, ...
             raise StorageError(f"delete {err.get('Key')}: {err.get('Code')}", path=str(url))
 
 
-def abort_stale_uploads(url: ObjectURL, options: dict[str, Any], older_than: datetime.timedelta) -> int:
+def abort_stale_uploads(
+    url: ObjectURL,
+    options: dict[str, Any],
+    older_than: datetime.timedelta,
+    ours: Callable[[str], bool] = lambda name: True,
+) -> int:
     """Abort the multipart uploads beneath `url` begun more than `older_than` ago (savers that
-    crashed: their parts cost storage until aborted); returns how many."""
+    crashed: their parts cost storage until aborted) whose key relative to `url` is `ours`
+    (another program's upload beneath the same prefix is not a leftover); returns how many."""
     c = s3.client_for(options)
     prefix = _prefix(url)
     reply = s3.request(
@@ -114,10 +152,12 @@ def abort_stale_uploads(url: ObjectURL, options: dict[str, Any], older_than: dat
     now = datetime.datetime.now(datetime.timezone.utc)
     aborted = 0
     for up in reply.get("Uploads", []) or []:
-        key, upload_id, began = up.get("Key"), up.get("UploadId"), up.get("Initiated")
+        key, upload_id, began = up.get("Key"), up.get("UploadId"), _utc(up.get("Initiated"))
         if not isinstance(key, str) or not key.startswith(prefix) or not isinstance(upload_id, str):
             continue
-        if not isinstance(began, datetime.datetime) or now - began < older_than:
+        if not ours(key[len(prefix) :]):
+            continue
+        if began is None or now - began < older_than:
             continue
         s3.request(
             str(url),

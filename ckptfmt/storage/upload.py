@@ -150,7 +150,10 @@ class ObjectFile:
                     Bucket=u.bucket, Key=u.key, UploadId=self._upload_id, PartNumber=number, Body=body
                 ),
             )
-            self._done[number] = str(reply["ETag"])
+            etag = reply.get("ETag")
+            if not isinstance(etag, str) or not etag:
+                raise StorageError(f"upload part {number}: the store's answer has no ETag", path=str(u))
+            self._done[number] = etag
             if number != 1:
                 self.spool.release(start, end)
         finally:
