@@ -126,7 +126,14 @@ class CheckpointFile:
             fd = open_regular(self.path)
         try:
             try:
-                index = parse_index(fd, self.path, max_bytes, opener, ciphertext_only)
+                index = parse_index(
+                    fd,
+                    self.path,
+                    max_bytes,
+                    opener,
+                    ciphertext_only,
+                    signing.authenticator(trusted, self.path),
+                )
             except (CorruptError, IncompleteError, UnsupportedError) as e:
                 if trusted is None:
                     raise
