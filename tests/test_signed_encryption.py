@@ -66,7 +66,8 @@ def save(path: str, **kw: object) -> str:
 
 
 class Tail:
-    """Where the blocks of a signed encrypted file lie (spec 17.8)."""
+    """Where the blocks of a signed encrypted file lie (spec 17.8); `sig` is the footer's offset
+    in an encrypted file without a signature."""
 
     def __init__(self, data: bytes) -> None:
         self.footer = len(data) - 64
@@ -76,7 +77,7 @@ class Tail:
         self.wlen = struct.unpack_from("<I", data, self.enc + 40)[0]
         self.tags = self.enc + 64 + (self.wlen + 63) // 64 * 64
         self.sig = (self.tags + 16 * self.n + 63) // 64 * 64
-        assert self.sig + (128 + 32 * self.n + 63) // 64 * 64 == self.footer
+        assert self.footer in (self.sig, self.sig + (128 + 32 * self.n + 63) // 64 * 64)
 
 
 def reseal(data: bytearray) -> None:
@@ -389,3 +390,76 @@ def test_golden_signed_encrypted_file_verifies_from_the_spec(tmp_path):
     mine = PUB.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     for compression in (None, "zstd"):
         assert len(verify_from_spec(save(str(tmp_path / "a.ckpt"), compression=compression), mine, KEY)) == 13
+
+
+# -- runs and DCP saves: encrypted files under a signed commit record (16.7) --------------
+
+
+def _run_state(step: int) -> dict[str, object]:
+    return {"w": torch.full((2000,), float(step)), "step": step}
+
+
+def test_a_signed_encrypted_run(tmp_path):
+    """CheckpointManager(sign_with=, encrypt_with=): every state file encrypted, every record
+    signed with the state file's SHA-256.  A state file whose wrapped key changed (its file id,
+    length and index checksum, which the record's identity check compares, unchanged) is
+    refused, as is one swapped in from another step, with no target written; without the data
+    key a trusted load is refused once the record's signature held.  (The step scan reads the
+    state file's index with the key before the record's digests are checked, so a changed
+    wrapped key is reported by its GCM tag, DecryptionError, when the scan meets it first.)"""
+    run = tmp_path / "run"
+    m = ckptfmt.CheckpointManager(run, sign_with=PRIV, encrypt_with=KEY, trusted_keys=[PUB])
+    for step in (1, 2):
+        m.save(step, _run_state(step))
+    assert m.latest().step == 2 and m.load()["step"] == 2
+    assert m.verify().ok
+    keyfile = tmp_path / "kek"
+    keyfile.write_text(KEY.hex())
+    pub = tmp_path / "id.pub"
+    pub.write_bytes(
+        PUB.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    r = run_cli("verify", str(run), "--trusted-key", str(pub), "--decrypt-key", str(keyfile))
+    assert r.returncode == 0 and r.stdout.count(": OK") == 2, r.stdout + r.stderr
+    assert struct.unpack_from("<Q", (run / "step-000000002" / "state.ckpt").read_bytes(), 40)[0] == 4
+    with pytest.raises(DecryptionError):
+        ckptfmt.CheckpointManager(run, trusted_keys=[PUB]).load(step=2)
+    state2 = run / "step-000000002" / "state.ckpt"
+    data = bytearray(state2.read_bytes())
+    data[Tail(data).enc + 64] ^= 1  # the wrapped key's nonce: no checksum covers it
+    state2.write_bytes(bytes(data))
+    target = {"w": torch.zeros(2000), "step": 0}
+    with pytest.raises((SignatureError, DecryptionError)):
+        m.load_into(target, step=2)
+    assert not target["w"].any()
+    with pytest.raises((SignatureError, DecryptionError)):
+        m.load(step=2)
+    with pytest.raises((SignatureError, DecryptionError)):
+        m.verify(step=2)
+    state2.write_bytes((run / "step-000000001" / "state.ckpt").read_bytes())
+    with pytest.raises((SignatureError, ckptfmt.CorruptError)):  # its identity differs first
+        m.load(step=2)
+
+
+def test_a_signed_encrypted_dcp_save(tmp_path):
+    from ckptfmt import dcp as cdcp
+
+    full = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)
+    path = str(tmp_path / "dcp")
+    cdcp.save({"w": full.clone(), "n": 3}, path, sign_with=PRIV, encrypt_with=KEY)
+    target = {"w": torch.zeros_like(full), "n": 0}
+    cdcp.load(target, path, trusted_keys=[PUB], decrypt_with=KEY)
+    assert torch.equal(target["w"], full) and target["n"] == 3
+    for keys, key, cls in (([PUB], None, DecryptionError), ([STRANGER.public_key()], KEY, SignatureError)):
+        target = {"w": torch.zeros_like(full), "n": 0}
+        with pytest.raises(cls):
+            cdcp.load(target, path, trusted_keys=keys, decrypt_with=key)
+        assert not target["w"].any()
+    keyfile = tmp_path / "kek"
+    keyfile.write_text(KEY.hex())
+    pub = tmp_path / "id.pub"
+    pub.write_bytes(
+        PUB.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    r = run_cli("verify", path, "--trusted-key", str(pub), "--decrypt-key", str(keyfile))
+    assert r.returncode == 0, r.stdout + r.stderr
