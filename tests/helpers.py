@@ -111,6 +111,14 @@ def small_file_bytes(name: str, **save_kw: Any) -> bytes:
     return _SMALL_FILES[name]
 
 
+def use_backend(monkeypatch: Any, backend: str) -> None:
+    """Run the rest of a test on the engine `backend` ("c" or "python")."""
+    if backend == "python":
+        monkeypatch.setenv("CKPTFMT_BACKEND", "python")
+    else:
+        monkeypatch.delenv("CKPTFMT_BACKEND", raising=False)
+
+
 # -- hypothesis strategies --------------------------------------------------
 
 ALL_DTYPES = sorted(dtypes.TORCH_DTYPES)

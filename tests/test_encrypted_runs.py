@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import ckptfmt
-from ckptfmt.cli import main
 
 KEY = bytes(range(32))
 
@@ -52,9 +51,6 @@ def test_refused_combinations(tmp_path):
     with pytest.raises(ValueError, match="incremental"):
         ckptfmt.CheckpointManager(tmp_path / "a", encrypt_with=KEY, incremental=True)
     pytest.importorskip("cryptography")
-    assert main(["keygen", str(tmp_path / "k")]) == 0
-    with pytest.raises(ValueError, match="together"):
-        ckptfmt.CheckpointManager(tmp_path / "b", encrypt_with=KEY, sign_with=tmp_path / "k")
     with pytest.raises(ValueError, match="callable that unwraps"):
         ckptfmt.CheckpointManager(tmp_path / "c", encrypt_with=lambda data_key: data_key)
 
@@ -96,8 +92,6 @@ def test_an_encrypted_dcp_save_loads_only_with_its_key(tmp_path):
         with pytest.raises(ckptfmt.DecryptionError):
             cdcp.load(target, path, decrypt_with=key)
         assert not target["w"].any()
-    with pytest.raises(ValueError, match="together"):
-        cdcp.save({"w": FULL}, str(tmp_path / "x"), encrypt_with=KEY, sign_with=b"k")
 
 
 def _rank_main(rank: int, world: int, store: str, base: str) -> None:

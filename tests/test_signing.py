@@ -344,10 +344,32 @@ def test_replay_under_another_name_is_not_prevented(tmp_path):
     assert ckptfmt.verify(q, trusted_keys=[PUB]).ok
 
 
-def test_mmap_and_nonatomic_refused(tmp_path):
+@pytest.mark.parametrize("backend", ["c", "python"])
+def test_mmap_checks_every_mapped_chunk_before_returning(tmp_path, monkeypatch, backend):
+    """mmap=True with trusted keys: the mapped chunks are checked against their signed digests
+    through the mapping (verify=False is ignored) before any tensor is returned."""
+    if backend == "python":
+        monkeypatch.setenv("CKPTFMT_BACKEND", "python")
+    elif not native.built():
+        pytest.skip("needs the C engine")
     p = save(str(tmp_path / "a.ckpt"))
-    with pytest.raises(ValueError, match="mmap"):
-        ckptfmt.load(p, mmap=True, trusted_keys=[PUB])
+    out = ckptfmt.load(p, mmap=True, trusted_keys=[PUB])
+    assert torch.equal(out["w"], state()["w"]) and torch.equal(out["b"], state()["b"])  # type: ignore[arg-type]
+    del out
+    with CheckpointFile(p) as f:
+        off = f.chunks[5].offset  # a chunk of "w", mapped
+    data = read(p)
+    data[off + 7] ^= 0x10
+    write(p, data)
+    with pytest.raises(SignatureError) as e:
+        ckptfmt.load(p, mmap=True, verify=False, trusted_keys=[PUB])
+    assert e.value.chunk == 5
+    # the same load without trusted keys does not read the chunk at all
+    assert not torch.equal(ckptfmt.load(p, mmap=True, verify=False)["w"], state()["w"])  # type: ignore[arg-type]
+
+
+def test_nonatomic_refused(tmp_path):
+    p = save(str(tmp_path / "a.ckpt"))
     with pytest.raises(ValueError, match="atomic"):
         ckptfmt.load_into(p, targets(), atomic=False, trusted_keys=[PUB])
     with pytest.raises(ValueError, match="empty"):

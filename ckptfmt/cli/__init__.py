@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("path", metavar="PATH|DIR")
     s.add_argument("--key", required=True, metavar="PRIV", help="the private key (PEM or OpenSSH)")
+    s.add_argument(
+        "--decrypt-key",
+        default=None,
+        metavar="KEYFILE",
+        help="an encrypted file whose index is encrypted: its key file, to find its chunks (the file "
+        "is signed over its ciphertext, not re-encrypted); not needed when its index is in clear",
+    )
     s.set_defaults(fn=cmd_sign)
     return ap
 

@@ -145,7 +145,7 @@ def cmd_sign(args: argparse.Namespace) -> int:
             sign_directory(path, key)
         else:
             require_ckptfmt(path)
-            sign_file(path, key)
+            sign_file(path, key, decrypt_with=args.decrypt_key)
     except (CheckpointError, OSError) as e:
         say(f"error: {error_text(e, path)}", err=True)
         return exit_code(e)

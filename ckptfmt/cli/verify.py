@@ -86,7 +86,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             continue
         if os.path.isdir(path):
             try:
-                entries = _verify_dir(path, args.step, trusted)
+                entries = _verify_dir(path, args.step, trusted, decrypt)
             except CheckpointError as err:  # no checkpoint in it at all
                 results.append({"path": path, "status": "incomplete", "error": err.reason})
                 status = max(status, exit_code(err))
@@ -145,13 +145,15 @@ def _has_step_dirs(path: str) -> bool:
         return False
 
 
-def _verify_dir(path: str, step: int | None, trusted: list[Any] | None = None) -> list[dict[str, Any]]:
+def _verify_dir(
+    path: str, step: int | None, trusted: list[Any] | None = None, decrypt: str | None = None
+) -> list[dict[str, Any]]:
     """Entries for a run directory (every step, or `step`) and for a checkpoint directory (one
     with a commit record); a directory that is both is verified as both, so an entry inside a
     run cannot hide its steps.  IncompleteError for a directory that holds neither a commit
     record nor step directories (spec section 13.2: a directory without a commit record is
     incomplete).  `trusted`: public keys, one of which must have signed each checkpoint's
-    commit record (spec 16.7)."""
+    commit record (spec 16.7).  `decrypt`: the key file of encrypted saves (state and rank files)."""
     from ..files import multifile
     from ..runs.manager import CheckpointManager
     from ..runs.stepcheck import verify_in_run, verify_step
@@ -159,7 +161,9 @@ def _verify_dir(path: str, step: int | None, trusted: list[Any] | None = None) -
     targets: list[tuple[int | None, str, str | None]] = []
     damaged: set[str] = set()
     own = os.path.lexists(os.path.join(path, multifile.COMMIT_NAME))
-    statuses = CheckpointManager(path).statuses() if not own or _has_step_dirs(path) else []
+    statuses = (
+        CheckpointManager(path, decrypt_with=decrypt).statuses() if not own or _has_step_dirs(path) else []
+    )
     if not own and not statuses:
         raise IncompleteError("no commit record (COMMIT) and no step directories", path=path)
     if own and (step is None or not statuses):
@@ -185,9 +189,9 @@ def _verify_dir(path: str, step: int | None, trusted: list[Any] | None = None) -
         else:
             # a run's step is opened beneath the run directory, never through a link
             report = (
-                verify_step(full, None, trusted)
+                verify_step(full, None, trusted, decrypt)
                 if n is None
-                else verify_in_run(path, os.path.basename(full), n, trusted)
+                else verify_in_run(path, os.path.basename(full), n, trusted, decrypt)
             )
             problems = report.problems
             entry.update(

@@ -99,10 +99,13 @@ def _check_file(
         src.f.close()
 
 
-def verify_directory(directory: str | os.PathLike[str] | CheckpointDir) -> list[CheckpointError]:
+def verify_directory(
+    directory: str | os.PathLike[str] | CheckpointDir, decrypt: Any = None
+) -> list[CheckpointError]:
     """Everything ``cdcp.load`` checks, for every item of the checkpoint: the problems found
     (the record's, else the first of each rank file); chunk data is verify's checksums' job.
-    The directory is opened once; the record and rank files are read beneath it."""
+    The directory is opened once; the record and rank files are read beneath it.  `decrypt`:
+    the key of an encrypted save's rank files."""
     if not isinstance(directory, CheckpointDir):
         directory = os.path.abspath(os.fspath(directory))
     with contextlib.ExitStack() as stack:
@@ -111,4 +114,4 @@ def verify_directory(directory: str | os.PathLike[str] | CheckpointDir) -> list[
             record, _, where = read_record(d)
         except CheckpointError as e:
             return [e]
-        return check_items(d, record, where)[0]
+        return check_items(d, record, where, decrypt=decrypt)[0]

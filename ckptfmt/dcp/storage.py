@@ -173,10 +173,6 @@ class Writer(_HeldDirectory, StorageWriter):
         _step_dir: bool = False,
     ) -> None:
         super().__init__()
-        if sign_with is not None and encrypt_with is not None:
-            raise ValueError(
-                "sign_with and encrypt_with together are not defined in this version (spec section 17)"
-            )
         encryption.sealer(encrypt_with)  # a bad key, or an engine without libcrypto, fails here
         self._encrypt = encrypt_with
         self._sign_key = recordsign.private_key(sign_with)  # a bad key fails before any rank writes

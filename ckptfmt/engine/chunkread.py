@@ -538,7 +538,8 @@ class ChunkReader:
 
     def check_mapped(self, mm: mmap.mmap, ranges: Sequence[tuple[int, int]]) -> None:
         """Verify the raw chunks of `ranges` ((first chunk, count) each) where they lie in `mm`,
-        the file's mapping; with the C engine all of them in one parallel call."""
+        the file's mapping; with the C engine all of them in one parallel call.  A file opened
+        with trusted keys has each chunk's SHA-256 checked too, through the mapping."""
         ks = [k for first, count in ranges for k in range(first, first + count)]
         if _native.available():
             items = [(k, self.chunks[k]) for k in ks]
@@ -561,6 +562,10 @@ class ChunkReader:
         )
         if xxhash.xxh3_64_intdigest(stored, seed=seed) != ch.checksum:
             raise self._error(CorruptError, "checksum mismatch", k, key, ch.offset)
+        if ch.sha and ch.sha != signing.chunk_digest(
+            self.file_id, k, ch.offset, ch.stored_len, ch.raw_len, ch.codec, ch.filter, ch.width, stored
+        ):
+            raise self._error(SignatureError, _SHA_MISMATCH, k, key, ch.offset)
         if any(mv[ch.offset + ch.stored_len : ch.offset + ch.stored_len + ch.pad]):
             raise self._error(
                 CorruptError, "padding after the chunk is not zero", k, key, ch.offset + ch.stored_len

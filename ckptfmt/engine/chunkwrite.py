@@ -140,9 +140,9 @@ HOST_BATCH_BYTES = 256 << 20
 ChunkRecord = tuple[int, int, int, int, int, int, int]
 
 
-#: makes a signature block (files/signing.py): (prologue, footer, SHA-256 of the index,
-#: the chunks' digests) -> the block's bytes
-Signer = Callable[[bytes, bytes, bytes, bytes], bytes]
+#: makes a signature block (files/signing.py): (prologue, footer, SHA-256 of the index as
+#: stored, the chunks' digests, SHA-256 of the encryption block or b"") -> the block's bytes
+Signer = Callable[[bytes, bytes, bytes, bytes, bytes], bytes]
 
 
 class Dedup(Protocol):
@@ -285,8 +285,8 @@ class ChunkWriter:
         #: encrypted files (spec section 17): the data key, and each chunk's GCM tag as written
         self.key = key
         self.tags: list[bytes] | None = [] if key is not None else None
-        if key is not None and (sha or dedup is not None):
-            raise ValueError("encrypted files cannot be signed or have external chunks in this version")
+        if key is not None and dedup is not None:
+            raise ValueError("encrypted files cannot have external chunks in this version")
 
     def write(self, pieces: list[tuple[memoryview, int]]) -> None:
         self._write(pieces)
@@ -444,20 +444,36 @@ def write_tail(
     seal: encryption.Sealer | None = None,
     tags: list[bytes] | None = None,
 ) -> int:
-    """Write the index `blob` at `index_offset`, the signature block (with `sign`) or the
-    encryption block (with `seal`, the index sealed), the footer and, last, the prologue;
-    truncate the file to its length and return it."""
-    index_end = fmt.align_up(index_offset + len(blob))
-    block_len = 0
+    """Write the index `blob` at `index_offset`, the encryption block (with `seal`, the index
+    sealed) and the signature block (with `sign`, after the encryption block when both: the
+    file is encrypted, then signed, spec 17.8), the footer and, last, the prologue; truncate
+    the file to its length and return it."""
     block = b""
     if seal is not None:
-        assert tags is not None and sign is None
+        assert tags is not None
         blob, block = seal.seal(file_id, index_offset, blob, b"".join(tags))
-        block_len = len(block)
         required |= fmt.FEATURE_ENCRYPTED
+    return write_signed_tail(fd, file_id, index_offset, blob, required, block, sign, shas)
+
+
+def write_signed_tail(
+    fd: int,
+    file_id: bytes,
+    index_offset: int,
+    blob: bytes,
+    required: int,
+    enc_block: bytes,
+    sign: Signer | None,
+    shas: list[bytes] | None,
+) -> int:
+    """write_tail once the index is as stored and the encryption block (of an encrypted file,
+    else b"") made: the signature block, the footer and the prologue."""
+    index_end = fmt.align_up(index_offset + len(blob))
+    block = enc_block
+    block_len = len(enc_block)
     if sign is not None:
         assert shas is not None
-        block_len = signing.block_length(len(shas))
+        block_len += signing.block_length(len(shas))
         required |= fmt.FEATURE_SIGNED
     footer_offset = index_end + block_len
     footer = fmt.Footer(
@@ -467,7 +483,10 @@ def write_tail(
     prologue = fmt.Prologue(fmt.FORMAT_MAJOR, fmt.FORMAT_MINOR, file_id, length, required, 0)
     if sign is not None:
         assert shas is not None
-        block = sign(prologue.pack(), footer.pack(), hashlib.sha256(blob).digest(), b"".join(shas))
+        enc_sha256 = hashlib.sha256(enc_block).digest() if enc_block else b""
+        block += sign(
+            prologue.pack(), footer.pack(), hashlib.sha256(blob).digest(), b"".join(shas), enc_sha256
+        )
         assert len(block) == block_len
     # the zero padding between the index and the block or footer is written explicitly
     _pwrite_all(fd, blob + bytes(index_end - index_offset - len(blob)) + block + footer.pack(), index_offset)

@@ -33,6 +33,8 @@ from ..format.encryption import KeyRequired
 __all__ = [
     "UNCHECKED_CLEAR_INDEX",
     "UNCHECKED_ENCRYPTED_INDEX",
+    "UNCHECKED_SIGNED_CLEAR_INDEX",
+    "UNCHECKED_SIGNED_ENCRYPTED_INDEX",
     "KeyRequired",
     "load_key",
     "opener",
@@ -47,6 +49,18 @@ UNCHECKED_ENCRYPTED_INDEX = (
 UNCHECKED_CLEAR_INDEX = (
     "encrypted file checked without its key: its structure, index and each chunk's checksum over the "
     "ciphertext were checked; the GCM tags, zstd frames and contents were not (pass the key: decrypt_with, --decrypt-key)"
+)
+
+#: verify() of a signed encrypted file with trusted keys and without its data key (17.8)
+UNCHECKED_SIGNED_ENCRYPTED_INDEX = (
+    "signed encrypted file checked without its key: the signature (over the prologue, footer, encrypted "
+    "index, encryption block and digest table) was checked; the index, the chunks' digests and every GCM "
+    "tag were not (pass the key: decrypt_with, --decrypt-key)"
+)
+UNCHECKED_SIGNED_CLEAR_INDEX = (
+    "signed encrypted file checked without its key: the signature, structure, index and each chunk's "
+    "checksum and signed SHA-256 over the ciphertext were checked; the GCM tags, zstd frames and "
+    "contents were not (pass the key: decrypt_with, --decrypt-key)"
 )
 
 #: a key file is at most this long: 64 hex digits and a line feed
@@ -249,9 +263,10 @@ def ciphertext_problems(f: Any) -> list[CheckpointError]:
     ciphertext) and zero padding, one problem per damaged chunk (17.6)."""
     import xxhash
 
-    from ..errors import IncompleteError
+    from ..errors import IncompleteError, SignatureError
     from ..fileio import pread_exact
     from ..format import layout as fmt
+    from ..format import signing
 
     problems: list[CheckpointError] = []
     for k, ch in enumerate(f.chunks):
@@ -264,11 +279,26 @@ def ciphertext_problems(f: Any) -> list[CheckpointError]:
         seed = fmt.chunk_seed(
             f.prologue.file_id, k, ch.offset, ch.stored_len, ch.raw_len, ch.codec, ch.filter, ch.width
         )
+        bad = SignatureError if ch.sha else CorruptError  # a signature was demanded (17.8)
         if xxhash.xxh3_64_intdigest(data[: ch.stored_len], seed=seed) != ch.checksum:
-            problems.append(CorruptError("checksum mismatch", path=f.path, chunk=k, offset=ch.offset))
+            problems.append(bad("checksum mismatch", path=f.path, chunk=k, offset=ch.offset))
+        elif ch.sha and ch.sha != signing.chunk_digest(
+            f.prologue.file_id,
+            k,
+            ch.offset,
+            ch.stored_len,
+            ch.raw_len,
+            ch.codec,
+            ch.filter,
+            ch.width,
+            data[: ch.stored_len],
+        ):
+            problems.append(
+                SignatureError(
+                    "chunk does not match its signed SHA-256", path=f.path, chunk=k, offset=ch.offset
+                )
+            )
         elif any(data[ch.stored_len :]):
             at = ch.offset + ch.stored_len
-            problems.append(
-                CorruptError("padding after the chunk is not zero", path=f.path, chunk=k, offset=at)
-            )
+            problems.append(bad("padding after the chunk is not zero", path=f.path, chunk=k, offset=at))
     return problems

@@ -51,11 +51,15 @@ def load(
     16).  The signature is checked over the prologue and index before any chunk is read,
     and each chunk against its signed SHA-256 as it is read (verify=False is ignored);
     SignatureError when the file is unsigned, signed by another key, or any byte changed,
-    raised before anything is returned.  Not with mmap=True (ValueError).
+    raised before anything is returned.  With mmap=True every mapped chunk's SHA-256 is
+    checked through the mapping (in parallel) before any tensor is returned; a change made
+    to the file after that shows through the mapping unchecked (spec 16.4).
 
     decrypt_with: the key of an encrypted file (32 bytes, a key file's path, or a key
     service's callable; spec section 17): DecryptionError without it, with another key, or
-    when a tag fails, never wrong values.  Not with mmap=True (ValueError).
+    when a tag fails, never wrong values.  Not with mmap=True (ValueError): an encrypted
+    file's pages hold ciphertext, so a mapping would expose ciphertext, not tensors; a load
+    without mmap decrypts into memory.
 
     max_bytes: raise LimitError, before allocating it, when the load would need more
     memory than this for the index (format.index_memory_bound, computed before the JSON is

@@ -130,7 +130,14 @@ class CheckpointFile:
             fd = open_regular(self.path)
         try:
             try:
-                index = parse_index(fd, self.path, max_bytes, opener, ciphertext_only)
+                index = parse_index(
+                    fd,
+                    self.path,
+                    max_bytes,
+                    opener,
+                    ciphertext_only,
+                    signing.authenticator(trusted, self.path),
+                )
             except (CorruptError, IncompleteError, UnsupportedError) as e:
                 if trusted is None:
                     raise
@@ -352,12 +359,9 @@ class CheckpointFile:
     ) -> object:
         if use_mmap and self.encrypted:
             raise ValueError(
-                f"{self.path}: mmap=True cannot map an encrypted file: its pages hold ciphertext"
-            )
-        if use_mmap and self.signed:
-            raise ValueError(
-                f"{self.path}: mmap=True cannot be combined with trusted_keys: a mapping shows later "
-                "changes to the file, after its chunks were checked against their signed digests"
+                f"{self.path}: mmap=True cannot map an encrypted file: its pages hold ciphertext, so a "
+                "mapping would expose ciphertext, not tensors (spec 17.6); load it without mmap, which "
+                "decrypts into memory"
             )
         if use_mmap and self.remote:
             raise ValueError(f"{self.path}: mmap=True needs a local file; an object is read into memory")
@@ -383,8 +387,9 @@ class CheckpointFile:
                 host.append(sid)
             else:
                 on_device.setdefault(target, []).append(sid)
-        if use_mmap:
-            loaded.update(self._mapped_storages([sid for sid in host if self._mappable(sid)], verify))
+        if use_mmap:  # a signed file's chunks are checked against their digests through the mapping
+            mappable = [sid for sid in host if self._mappable(sid)]
+            loaded.update(self._mapped_storages(mappable, verify or self.signed))
             host = [sid for sid in host if sid not in loaded]
         staging = max((self._staging_size(sids, staging_budget()) for sids in on_device.values()), default=0)
         self._check_memory(host + callable_ + [s for sids in on_device.values() for s in sids], staging)

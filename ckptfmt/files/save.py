@@ -113,14 +113,11 @@ def save(
     encrypt_with: a key (32 bytes, a key file's path, or a key service's callable: see
     files/encryption.py): the file is encrypted (spec section 17) with AES-256-GCM under a
     fresh data key wrapped by it, each chunk by the engine as it is written (after
-    compression), and the index too unless ``encrypt_index=False``.  Not with sign_with
-    (not defined in this version) nor snapshot='fork'."""
+    compression), and the index too unless ``encrypt_index=False``.  Not with snapshot='fork'.
+    With sign_with too, the file is encrypted, then signed (spec 17.8): the signature binds
+    the ciphertext, the encryption block and the wrapped key, and is checked without the key."""
     meta = check_save_args(compression, level, metadata)
     options = check_options(storage_options)
-    if sign_with is not None and encrypt_with is not None:
-        raise ValueError(
-            "sign_with and encrypt_with together are not defined in this version (spec section 17)"
-        )
     seal = encryption.sealer(encrypt_with, encrypt_index)
     sign = signer(sign_with)
     check_snapshot(snapshot)
@@ -160,8 +157,8 @@ def signer(sign_with: Any) -> Signer | None:
             "signing needs the C engine built with OpenSSL's libcrypto (libssl-dev); this one was built without it"
         )
 
-    def sign(prologue: bytes, footer: bytes, index_sha256: bytes, digests: bytes) -> bytes:
-        return signing.sign_block(key, prologue, footer, index_sha256, digests)
+    def sign(prologue: bytes, footer: bytes, index_sha256: bytes, digests: bytes, enc_sha256: bytes) -> bytes:
+        return signing.sign_block(key, prologue, footer, index_sha256, digests, enc_sha256)
 
     return sign
 
@@ -253,7 +250,7 @@ def object_capacity(encoded: Encoded, chunk_size: int) -> int:
     data = sum(
         fmt.align_up(p.nbytes) + fmt.ALIGNMENT * (p.nbytes // chunk_size + 1) for p in encoded.storages
     )
-    blocks = max(fmt.MAX_SIGNATURE_BLOCK, fmt.MAX_ENCRYPTION_BLOCK)  # one or the other, never both
+    blocks = fmt.MAX_SIGNATURE_BLOCK + fmt.MAX_ENCRYPTION_BLOCK
     tail = fmt.Limits.MAX_INDEX_BYTES + blocks + fmt.FOOTER_SIZE + 2 * fmt.ALIGNMENT
     return fmt.PROLOGUE_SIZE + data + tail
 

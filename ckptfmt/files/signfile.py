@@ -23,13 +23,15 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..background import inflight
-from ..engine.chunkwrite import write_tail
+from ..engine.chunkwrite import write_signed_tail
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
 from ..errors import DecryptionError, UnsupportedError
 from ..fileio import pread_exact
+from ..format import encryption as layout_encryption
 from ..format import layout as fmt
 from ..format import signing as layout_signing
+from .encryption import KeyRequired, ciphertext_problems
 from .reader import CheckpointFile
 from .save import signer
 from .signing import load_private_key
@@ -75,14 +77,18 @@ def _digests(fd: int, f: CheckpointFile, threads: int) -> list[bytes]:
         return list(pool.map(one, range(len(f.chunks))))
 
 
-def sign_file(path: str | os.PathLike[str], key: Any) -> None:
+def sign_file(path: str | os.PathLike[str], key: Any, *, decrypt_with: Any = None) -> None:
     """Sign the ckptfmt file at `path` with the Ed25519 private key `key` (spec section 16).
 
     The file's structure is checked first, and the signed result completely (every chunk's
     checksum and signed digest) before it replaces the original: a damaged file is never
     signed.  The signed file keeps the original's mode (and owner, where permitted); a
     symbolic link at `path` is kept and the file it names is signed.  UnsupportedError for an
-    incremental file (external chunks) or an encrypted one."""
+    incremental file (external chunks).
+
+    An encrypted file is signed over its ciphertext and encryption block (spec 17.8), without
+    its data key when its index is in clear; an encrypted index holds the chunks' places, so
+    signing one needs `decrypt_with` (the key is used to read the index, never to re-encrypt)."""
     from ..engine import native as _native
 
     target = os.fspath(path)
@@ -96,10 +102,12 @@ def sign_file(path: str | os.PathLike[str], key: Any) -> None:
     inflight.wait_for_path(real)
     with contextlib.ExitStack() as stack:
         try:
-            d, f = stack.enter_context(_open_to_sign(target, real))
-        except DecryptionError:  # only an encrypted file asks for a key here
-            raise UnsupportedError(
-                "signing encrypted files is not defined in this version (spec section 17)", path=target
+            d, f = stack.enter_context(_open_to_sign(target, real, decrypt_with))
+        except KeyRequired:  # only an encrypted index asks for a key here
+            raise DecryptionError(
+                "file's index is encrypted, and the chunks' places are in it: pass its key "
+                "(decrypt_with, --decrypt-key) to sign it",
+                path=target,
             ) from None
         if f.prologue.required_features & fmt.FEATURE_EXTERNAL:
             raise UnsupportedError(
@@ -107,7 +115,8 @@ def sign_file(path: str | os.PathLike[str], key: Any) -> None:
                 path=target,
             )
         ioff, ilen = f.footer.index_offset, f.footer.index_length
-        blob = pread_exact(f._fd, ioff, ilen)
+        blob = pread_exact(f._fd, ioff, ilen)  # as stored: the ciphertext of an encrypted index
+        enc_block = _encryption_block(f)
         if len(blob) != ilen:
             raise OSError(errno.EIO, "the file ended while its index was read", target)
         with AtomicFile(real, within=d) as out:
@@ -119,23 +128,57 @@ def sign_file(path: str | os.PathLike[str], key: Any) -> None:
             except BaseException:
                 os.close(copy)
                 raise
-            write_tail(out.fd, f.prologue.file_id, ioff, bytes(blob), 0, sign, shas)
+            required = f.prologue.required_features & fmt.FEATURE_ENCRYPTED
+            write_signed_tail(out.fd, f.prologue.file_id, ioff, bytes(blob), required, enc_block, sign, shas)
             # the result, checked as a load that trusts only this key would: every chunk's
             # checksum, padding, frame and signed digest (CheckpointFile owns `copy` now)
-            with CheckpointFile(target, fd=copy, trusted_keys=[private.public_key()]) as check:
-                for problem in check.iter_chunk_problems():
+            with CheckpointFile(
+                target,
+                fd=copy,
+                trusted_keys=[private.public_key()],
+                decrypt_with=decrypt_with,
+                ciphertext_only=True,
+            ) as check:
+                problems = (
+                    ciphertext_problems(check)
+                    if check.encrypted and decrypt_with is None
+                    else check.iter_chunk_problems()
+                )
+                for problem in problems:
                     raise problem
             _keep_owner_and_mode(out.fd, os.fstat(f._fd))
             out.commit()
 
 
+def _encryption_block(f: CheckpointFile) -> bytes:
+    """An encrypted file's encryption block as it lies in the file (kept as it is: the
+    signature binds it, wrapped key and tags included), else b""."""
+    enc = f.index.encryption
+    if enc is None:
+        return b""
+    at = fmt.align_up(f.footer.index_offset + f.footer.index_length)
+    n = layout_encryption.block_length(enc.nchunks, len(enc.wrapped))
+    raw = pread_exact(f._fd, at, n)
+    if len(raw) != n:
+        raise OSError(errno.EIO, "the file ended while its encryption block was read", f.path)
+    return bytes(raw)
+
+
 @contextlib.contextmanager
-def _open_to_sign(target: str, real: str) -> Iterator[tuple[CheckpointDir, CheckpointFile]]:
+def _open_to_sign(
+    target: str, real: str, decrypt_with: Any = None
+) -> Iterator[tuple[CheckpointDir, CheckpointFile]]:
     """The directory of the file `real` names and the file, opened beneath it (`target` names
-    it in messages)."""
+    it in messages); an encrypted file's clear index is read without its key."""
     with (
         CheckpointDir.open(os.path.dirname(real)) as d,
-        CheckpointFile(target, fd=d.open_file(os.path.basename(real)), within=d) as f,
+        CheckpointFile(
+            target,
+            fd=d.open_file(os.path.basename(real)),
+            within=d,
+            decrypt_with=decrypt_with,
+            ciphertext_only=True,
+        ) as f,
     ):
         yield d, f
 

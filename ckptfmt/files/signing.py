@@ -18,7 +18,7 @@ from ..errors import SignatureError
 from ..fileio import open_regular
 from ..format import layout as fmt
 from ..format import signing
-from ..format.index import Index
+from ..format.index import Authenticator, Index
 
 KeyLike = Any  # a path, PEM/OpenSSH bytes, or a cryptography Ed25519 key object
 
@@ -106,27 +106,62 @@ def check(index: Index, trusted: frozenset[bytes], path: str) -> Index:
     """Check the signature of a file's validated index against the trusted keys; return the
     index with each chunk's signed digest attached (checked as each chunk is read).
     SignatureError when the file is unsigned, signed by another key, or its signature fails."""
-    from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives.asymmetric import ed25519
-
     block = index.signature
     if block is None or not index.prologue.required_features & fmt.FEATURE_SIGNED:
         raise SignatureError("file is not signed, and a signature by a trusted key is required", path=path)
+    check_signature(
+        trusted, path, index.prologue, index.footer, index.index_sha256, block, index.encryption_sha256
+    )
+    chunks = [dataclasses.replace(ch, sha=block.digest_of(k)) for k, ch in enumerate(index.chunks)]
+    return dataclasses.replace(index, chunks=chunks)
+
+
+def check_signature(
+    trusted: frozenset[bytes],
+    path: str,
+    prologue: fmt.Prologue,
+    footer: fmt.Footer,
+    index_sha256: bytes,
+    block: signing.SignatureBlock,
+    encryption_sha256: bytes = b"",
+) -> None:
+    """Check a signature block's key and signature (section 16.4; with the SHA-256 of an
+    encryption block, the message of section 17.8).  SignatureError when either fails."""
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
     if block.public_key not in trusted:
         raise SignatureError(
             f"file is signed by key {fingerprint(block.public_key)}, which is not among the trusted keys",
             path=path,
         )
-    msg = signing.signed_message(index.prologue.pack(), index.footer.pack(), index.index_sha256, block)
+    msg = signing.signed_message(prologue.pack(), footer.pack(), index_sha256, block, encryption_sha256)
     try:
         ed25519.Ed25519PublicKey.from_public_bytes(block.public_key).verify(block.signature, msg)
     except InvalidSignature:
+        what = ", encryption block" if encryption_sha256 else ""
         raise SignatureError(
-            "signature does not match the file (its prologue, index or digest table changed, or the signature)",
+            f"signature does not match the file (its prologue, index{what} or digest table changed, "
+            "or the signature)",
             path=path,
         ) from None
-    chunks = [dataclasses.replace(ch, sha=block.digest_of(k)) for k, ch in enumerate(index.chunks)]
-    return dataclasses.replace(index, chunks=chunks)
+
+
+def authenticator(trusted: frozenset[bytes] | None, path: str) -> Authenticator | None:
+    """What the index parser calls to check a signed encrypted file before any key is used."""
+    if trusted is None:
+        return None
+
+    def authenticate(
+        prologue: fmt.Prologue,
+        footer: fmt.Footer,
+        index_sha256: bytes,
+        block: signing.SignatureBlock,
+        enc: bytes,
+    ) -> None:
+        check_signature(trusted, path, prologue, footer, index_sha256, block, enc)
+
+    return authenticate
 
 
 def fingerprint(public_key: bytes) -> str:
@@ -137,14 +172,22 @@ def fingerprint(public_key: bytes) -> str:
 
 
 def sign_block(
-    private_key: Any, prologue: bytes, footer: bytes, index_sha256: bytes, digests: bytes
+    private_key: Any,
+    prologue: bytes,
+    footer: bytes,
+    index_sha256: bytes,
+    digests: bytes,
+    encryption_sha256: bytes = b"",
 ) -> bytes:
-    """The signature block of a file whose prologue, footer and index are final."""
+    """The signature block of a file whose prologue, footer and index (and encryption block,
+    whose SHA-256 is given for an encrypted file) are final."""
     from cryptography.hazmat.primitives import serialization
 
     pub = private_key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     unsigned = signing.SignatureBlock(
         signing.DIGEST_SHA256, signing.SIGNATURE_ED25519, pub, digests, bytes(64)
     )
-    sig = private_key.sign(signing.signed_message(prologue, footer, index_sha256, unsigned))
+    sig = private_key.sign(
+        signing.signed_message(prologue, footer, index_sha256, unsigned, encryption_sha256)
+    )
     return dataclasses.replace(unsigned, signature=sig).pack()

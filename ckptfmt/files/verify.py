@@ -18,7 +18,14 @@ from ..errors import (
     UnsupportedError,
 )
 from ..gcpause import pausing_in_main_thread
-from .encryption import UNCHECKED_CLEAR_INDEX, UNCHECKED_ENCRYPTED_INDEX, KeyRequired, ciphertext_problems
+from .encryption import (
+    UNCHECKED_CLEAR_INDEX,
+    UNCHECKED_ENCRYPTED_INDEX,
+    UNCHECKED_SIGNED_CLEAR_INDEX,
+    UNCHECKED_SIGNED_ENCRYPTED_INDEX,
+    KeyRequired,
+    ciphertext_problems,
+)
 from .reader import CheckpointFile
 
 
@@ -107,7 +114,8 @@ def verify(
 
     decrypt_with (see load()): the key of an encrypted file (spec section 17): every tag is
     checked too.  Without it, an encrypted file is checked as far as its clear parts allow
-    (17.6) and `report.not_checked` says what was not.
+    (17.6) and `report.not_checked` says what was not; a signed encrypted file's signature is
+    checked without the key (17.8).
     """
     inflight.wait_for_path(path)
     report = VerifyReport(os.fspath(path))
@@ -120,7 +128,10 @@ def verify(
             ciphertext_only=True,
         )
     except KeyRequired:
-        report.not_checked = UNCHECKED_ENCRYPTED_INDEX
+        # with trusted keys, only a signed file whose signature held gets this far (17.8)
+        report.not_checked = (
+            UNCHECKED_ENCRYPTED_INDEX if trusted_keys is None else UNCHECKED_SIGNED_ENCRYPTED_INDEX
+        )
         return report
     except CheckpointError as e:
         report.problems.append(problem_of(e))
@@ -128,7 +139,7 @@ def verify(
     with f:
         if f.encrypted and decrypt_with is None:
             report.chunks = len(f.chunks)
-            report.not_checked = UNCHECKED_CLEAR_INDEX
+            report.not_checked = UNCHECKED_SIGNED_CLEAR_INDEX if f.signed else UNCHECKED_CLEAR_INDEX
             if not quick:
                 report.problems.extend(problem_of(e) for e in ciphertext_problems(f))
                 report.bytes_checked = f.prologue.file_length

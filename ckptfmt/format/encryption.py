@@ -61,6 +61,18 @@ def block_length(nchunks: int, wrapped_len: int) -> int:
     return _align64(tags_offset(wrapped_len) + TAG_SIZE * nchunks)
 
 
+def block_length_from_header(raw: bytes) -> int | None:
+    """The length an encryption block starting `raw` claims (from its chunk count and wrapped
+    key length), or None when its header is too short or the wrapped key length impossible;
+    the block's other fields are checked by parse_block."""
+    if len(raw) < HEADER_SIZE:
+        return None
+    n, wlen = struct.unpack_from("<Q", raw, 24)[0], struct.unpack_from("<I", raw, 40)[0]
+    if not 1 <= wlen <= MAX_WRAPPED or n > 1 << 40:
+        return None
+    return block_length(n, wlen)
+
+
 def chunk_nonce(k: int) -> bytes:
     return struct.pack("<Q", k) + bytes(4)
 

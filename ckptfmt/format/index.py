@@ -15,7 +15,9 @@ is read (spec section 9, steps 1 to 7).  This module implements:
 * section 8: every limit checked before anything is allocated for it, among them the
   memory the index may take (`max_bytes`);
 * section 17 (required feature bit 2): the encryption block's structure, and, given an
-  opener for the data key, the index's GCM tag and its decryption before it is parsed.
+  opener for the data key, the index's GCM tag and its decryption before it is parsed;
+  with bit 1 too (17.8), the signature block after it, handed to an authenticator before
+  any key is used.
 
 The object tree (section 6) is validated by validate.validate_tree, called from here.  The
 result is an `Index` of plain records (`Chunk`, `External`, tree.StorageRecord, the
@@ -29,10 +31,18 @@ import functools
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..errors import CorruptError, DecryptionError, IncompleteError, LimitError, UnsupportedError
+from ..errors import (
+    CorruptError,
+    DecryptionError,
+    IncompleteError,
+    LimitError,
+    SignatureError,
+    UnsupportedError,
+)
 from ..fileio import pread_exact
 from ..gcpause import pausing
 from . import devices, encryption, signing, tree, validate
@@ -186,6 +196,9 @@ class Index:
     #: data key when the file was opened with its key (b"" without; never in a repr)
     encryption: encryption.EncryptionBlock | None = None
     data_key: bytes = field(default=b"", repr=False, compare=False)
+    #: signed encrypted files (bits 1 and 2, section 17.8): SHA-256 of the whole encryption
+    #: block, which their signed message binds
+    encryption_sha256: bytes = b""
 
     def key_of(self, k: int) -> str:
         """The key path of the first tensor using chunk k, rendered now (at most render.PATH_CHARS)."""
@@ -197,6 +210,11 @@ class Index:
         return [rec.first_chunk for rec in self.storages]
 
 
+#: checks a signed encrypted file's signature before its key is used: (prologue, footer,
+#: SHA-256 of the stored index, signature block, SHA-256 of the encryption block) -> None
+Authenticator = Callable[[fmt.Prologue, fmt.Footer, bytes, signing.SignatureBlock, bytes], None]
+
+
 @pausing
 def parse_index(
     fd: int,
@@ -204,6 +222,7 @@ def parse_index(
     max_bytes: int | None,
     decrypt: encryption.Opener | None = None,
     ciphertext_only: bool = False,
+    authenticate: Authenticator | None = None,
 ) -> Index:
     """Read and validate the prologue, footer and index of the file open at `fd`.
 
@@ -214,8 +233,12 @@ def parse_index(
     chunk record gets its tag.  Without it an encrypted file raises encryption.KeyRequired
     once what is in clear is checked, unless `ciphertext_only` and its index is in clear:
     then the index is parsed unauthenticated, for checks of the ciphertext alone.
+    `authenticate` (signed encrypted files, section 17.8): called with the prologue, the
+    footer, the SHA-256 of the stored index, the signature block and the SHA-256 of the
+    encryption block once their structure is checked, before any key is used: it raises to
+    refuse the file (a signed file without encryption is checked by its caller, after this).
     """
-    return _IndexParser(fd, path, max_bytes, decrypt, ciphertext_only).parse()
+    return _IndexParser(fd, path, max_bytes, decrypt, ciphertext_only, authenticate).parse()
 
 
 class _IndexParser:
@@ -228,8 +251,10 @@ class _IndexParser:
         max_bytes: int | None,
         decrypt: encryption.Opener | None = None,
         ciphertext_only: bool = False,
+        authenticate: Authenticator | None = None,
     ) -> None:
         self._fd = fd
+        self._authenticate = authenticate
         self.path = path
         self.max_bytes = max_bytes
         self.index_memory = 0
@@ -268,9 +293,21 @@ class _IndexParser:
             raise CorruptError("index checksum mismatch", path=path, offset=ioff)
         if any(padding):
             raise CorruptError("padding after the index is not zero", path=path, offset=ioff + ilen)
-        enc, data_key = None, b""
-        if self.prologue.required_features & fmt.FEATURE_ENCRYPTED:
-            enc, data_key, raw = self._decrypted_index(block_at, raw)
+        required = self.prologue.required_features
+        # SHA-256 of the index bytes as stored (ciphertext when encrypted): what a signature binds
+        index_sha256 = hashlib.sha256(raw).digest() if required & fmt.FEATURE_SIGNED else b""
+        enc, data_key, early_block, enc_sha256 = None, b"", None, b""
+        if required & fmt.FEATURE_ENCRYPTED:
+            enc, early_block, enc_sha256 = self._encrypted_tail(block_at)
+            if early_block is None and self._authenticate is not None:
+                raise SignatureError(
+                    "file is not signed, and a signature by a trusted key is required", path=path
+                )
+            if early_block is not None and self._authenticate is not None:
+                # signed encrypted files: the signature is checked before the data key is
+                # unwrapped or anything decrypted (section 17.8)
+                self._authenticate(self.prologue, self.footer, index_sha256, early_block, enc_sha256)
+            data_key, raw = self._decrypted_index(enc, block_at, raw)
         elif self._decrypt is not None:
             raise DecryptionError(
                 "file is not encrypted (required feature bit 2 is clear), and a key was given to decrypt it",
@@ -279,9 +316,6 @@ class _IndexParser:
             )
         self._charge_index(fmt.index_memory_bound(raw))  # before json builds anything
         external = bool(self.prologue.required_features & fmt.FEATURE_EXTERNAL)
-        index_sha256 = (
-            hashlib.sha256(raw).digest() if self.prologue.required_features & fmt.FEATURE_SIGNED else b""
-        )
         index = parse_index_json(raw, path, _INDEX_FIELDS_EXTERNAL if external else _INDEX_FIELDS)
         del raw
         c = validate.Check(path)
@@ -299,8 +333,8 @@ class _IndexParser:
         # the JSON records are dropped as soon as they are parsed: they cost more than the Chunks
         self.chunks = self._parse_chunks(c, index.pop("chunks"))
         nodes = validate.validate_tree(index.pop("nodes"), self.storages, path)
-        block = None
-        if index_sha256:
+        block = early_block
+        if index_sha256 and block is None:
             want = signing.block_length(len(self.chunks))
             if self.footer.signature_length != want:  # checked before the block is read
                 raise CorruptError(
@@ -340,18 +374,38 @@ class _IndexParser:
             index_sha256,
             enc,
             data_key,
+            enc_sha256,
         )
 
-    def _decrypted_index(self, block_at: int, raw: bytes) -> tuple[encryption.EncryptionBlock, bytes, bytes]:
-        """Encrypted files: the encryption block (structure checked), the data key (b"" without
-        an opener) and the index's plaintext, its tag checked (section 17.6)."""
+    def _encrypted_tail(
+        self, block_at: int
+    ) -> tuple[encryption.EncryptionBlock, signing.SignatureBlock | None, bytes]:
+        """Encrypted files: the encryption block (structure checked); for a signed one (section
+        17.8) also the signature block after it and the SHA-256 of the whole encryption block."""
         size = self.footer.signature_length
-        raw_block = self._read(block_at, size)
-        if len(raw_block) != size:
+        tail = self._read(block_at, size)
+        if len(tail) != size:
             raise IncompleteError(
                 "file shrank while its encryption block was read", path=self.path, offset=block_at
             )
-        enc = encryption.parse_block(raw_block, self.path, block_at)
+        if not self.prologue.required_features & fmt.FEATURE_SIGNED:
+            return encryption.parse_block(tail, self.path, block_at), None, b""
+        enc_len = encryption.block_length_from_header(tail)
+        if enc_len is None or enc_len >= size:
+            raise CorruptError(
+                "encryption block's header does not leave room for the signature block after it",
+                path=self.path,
+                offset=block_at,
+            )
+        enc = encryption.parse_block(tail[:enc_len], self.path, block_at)
+        sig = signing.parse_block(tail[enc_len:], enc.nchunks, self.path, block_at + enc_len)
+        return enc, sig, hashlib.sha256(tail[:enc_len]).digest()
+
+    def _decrypted_index(
+        self, enc: encryption.EncryptionBlock, block_at: int, raw: bytes
+    ) -> tuple[bytes, bytes]:
+        """Encrypted files: the data key (b"" without an opener) and the index's plaintext, its
+        tag checked (section 17.6)."""
         if self._decrypt is None:
             if enc.index_encrypted or not self._ciphertext_only:
                 what = " (its index too)" if enc.index_encrypted else ""
@@ -359,7 +413,7 @@ class _IndexParser:
                 if self._ciphertext_only:  # verify and inspect show what is in clear
                     raise encryption.KeyRequired(msg, enc, path=self.path)
                 raise DecryptionError(msg, path=self.path)
-            return enc, b"", raw
+            return b"", raw
         file_id = self.prologue.file_id
         try:
             data_key = self._decrypt(enc, file_id)
@@ -367,10 +421,8 @@ class _IndexParser:
             if e.path is not None:
                 raise
             raise DecryptionError(e.reason, path=self.path, offset=block_at) from None
-        return (
-            enc,
-            data_key,
-            encryption.open_index(data_key, enc, file_id, self.footer.index_offset, raw, self.path),
+        return data_key, encryption.open_index(
+            data_key, enc, file_id, self.footer.index_offset, raw, self.path
         )
 
     def _parse_storages(self, c: validate.Check, raw: object) -> list[tree.StorageRecord]:

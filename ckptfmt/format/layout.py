@@ -213,7 +213,8 @@ class Footer:
     index_checksum: int
     file_id: bytes
     #: signed files (required feature bit 1): the signature block's length (offset 40);
-    #: encrypted files (bit 2): the encryption block's length, in the same field
+    #: encrypted files (bit 2): the encryption block's length, in the same field; signed
+    #: encrypted files (bits 1 and 2): both blocks' lengths together (section 17.8)
     signature_length: int = 0
 
     def pack(self) -> bytes:
@@ -270,10 +271,10 @@ def parse_prologue(raw: bytes, actual_size: int, path: str) -> Prologue:
     unknown = req & ~KNOWN_REQUIRED_FEATURES
     if unknown:
         raise UnsupportedError(f"file requires unknown features {unknown:#x}", path=path, offset=40)
-    if req & FEATURE_ENCRYPTED and req & (FEATURE_EXTERNAL | FEATURE_SIGNED):
+    if req & FEATURE_ENCRYPTED and req & FEATURE_EXTERNAL:
         raise UnsupportedError(
-            "file sets feature bit 2 with bit 0 or 1 (encrypted files with external chunks or a "
-            "signature are not defined in this version)",
+            "file sets feature bits 0 and 2 (encrypted files with external chunks are not defined "
+            "in this version)",
             path=path,
             offset=40,
         )
@@ -316,9 +317,20 @@ def parse_footer(raw: bytes, prologue: Prologue, path: str) -> Footer:
     encrypted = prologue.required_features & FEATURE_ENCRYPTED
     if reserved != 0 and not signed and not encrypted:
         raise CorruptError("reserved footer field is not zero", path=path, offset=at + 40)
-    if signed and (reserved < MIN_SIGNATURE_BLOCK or reserved > MAX_SIGNATURE_BLOCK or reserved % ALIGNMENT):
+    if signed and encrypted:  # section 17.8: the encryption block, then the signature block
+        if (
+            reserved < MIN_SIGNATURE_BLOCK + MIN_ENCRYPTION_BLOCK
+            or reserved > MAX_SIGNATURE_BLOCK + MAX_ENCRYPTION_BLOCK
+            or reserved % ALIGNMENT
+        ):
+            raise CorruptError(
+                f"encryption and signature blocks' length {reserved} is impossible", path=path, offset=at + 40
+            )
+    elif signed and (
+        reserved < MIN_SIGNATURE_BLOCK or reserved > MAX_SIGNATURE_BLOCK or reserved % ALIGNMENT
+    ):
         raise CorruptError(f"signature block length {reserved} is impossible", path=path, offset=at + 40)
-    if encrypted and (
+    elif encrypted and (
         reserved < MIN_ENCRYPTION_BLOCK or reserved > MAX_ENCRYPTION_BLOCK or reserved % ALIGNMENT
     ):
         raise CorruptError(f"encryption block length {reserved} is impossible", path=path, offset=at + 40)
@@ -329,7 +341,7 @@ def parse_footer(raw: bytes, prologue: Prologue, path: str) -> Footer:
     if ioff < PROLOGUE_SIZE or ioff % ALIGNMENT or ilen == 0 or align_up(ioff + ilen) + reserved != at:
         raise CorruptError(
             f"index range [{ioff}, {ioff + ilen}) does not end where the "
-            + ("signature block" if signed else "encryption block" if encrypted else "footer")
+            + ("encryption block" if encrypted else "signature block" if signed else "footer")
             + f" starts ({at - reserved})",
             path=path,
             offset=at,

@@ -31,6 +31,10 @@ assert _HEADER.size == HEADER_SIZE
 
 MESSAGE_DOMAIN = b"ckptfmt-signed-file-v1" + bytes(10)  # 32 bytes
 MESSAGE_SIZE = 200
+#: signed encrypted files (bits 1 and 2, section 17.8): another domain, and the SHA-256 of the
+#: whole encryption block between the index's and the block's digests
+ENCRYPTED_MESSAGE_DOMAIN = b"ckptfmt-signed-encrypted-file-v1"  # 32 bytes
+ENCRYPTED_MESSAGE_SIZE = 232
 
 _SHA_CONTEXT = struct.Struct("<16s16sQQQQBBB5x")  # 72 bytes, like the XXH3 chunk seed's
 _SHA_DOMAIN = b"ckptfmt-sha256\x00\x00"
@@ -128,8 +132,16 @@ def parse_block(raw: bytes, nchunks: int, path: str, at: int) -> SignatureBlock:
     return SignatureBlock(dalg, salg, key, raw[HEADER_SIZE:end], raw[end : end + SIGNATURE_SIZE])
 
 
-def signed_message(prologue: bytes, footer: bytes, index_sha256: bytes, block: SignatureBlock) -> bytes:
-    """The 200 bytes the Ed25519 signature is over (section 16.3)."""
+def signed_message(
+    prologue: bytes, footer: bytes, index_sha256: bytes, block: SignatureBlock, encryption_sha256: bytes = b""
+) -> bytes:
+    """The bytes the Ed25519 signature is over: 200 (section 16.3), or 232 for an encrypted
+    file, given the SHA-256 of its whole encryption block (section 17.8)."""
+    if encryption_sha256:
+        msg = ENCRYPTED_MESSAGE_DOMAIN + prologue[:56] + footer[:48] + index_sha256
+        msg += encryption_sha256 + block.body_digest()
+        assert len(msg) == ENCRYPTED_MESSAGE_SIZE
+        return msg
     msg = MESSAGE_DOMAIN + prologue[:56] + footer[:48] + index_sha256 + block.body_digest()
     assert len(msg) == MESSAGE_SIZE
     return msg

@@ -138,7 +138,7 @@ class CheckpointManager:
         self._sign_key = recordsign.private_key(sign_with)  # a bad key fails here, not at a commit
         writer.signer(self._sign_key)  # and an engine without libcrypto
         self._trusted = recordsign.public_keys(trusted_keys)
-        self._encrypt, self._decrypt = _run_keys(encrypt_with, decrypt_with, incremental, sign_with)
+        self._encrypt, self._decrypt = _run_keys(encrypt_with, decrypt_with, incremental)
         self._lock = threading.Lock()
         self._jobs: list[StepJob] = []  # in flight, or finished with an error nobody has seen
         #: the archive tier (an object-store run), when `archive` is given
@@ -755,16 +755,12 @@ class CheckpointManager:
         )
 
 
-def _run_keys(encrypt_with: Any, decrypt_with: Any, incremental: bool, sign_with: Any) -> tuple[Any, Any]:
+def _run_keys(encrypt_with: Any, decrypt_with: Any, incremental: bool) -> tuple[Any, Any]:
     """The keys an encrypted run saves and reads with, checked before anything is written."""
     if encrypt_with is None:
         return None, decrypt_with
     if incremental:
         raise ValueError("encrypted runs cannot be incremental in this version (spec section 17)")
-    if sign_with is not None:
-        raise ValueError(
-            "sign_with and encrypt_with together are not defined in this version (spec section 17)"
-        )
     encryption.sealer(encrypt_with)  # a bad key, or an engine without libcrypto, fails here
     if decrypt_with is None and callable(encrypt_with):
         raise ValueError("a key service encrypts: give the callable that unwraps as decrypt_with")

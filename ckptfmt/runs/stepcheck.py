@@ -101,19 +101,19 @@ def verify_step(
                 recordsign.check_directory(d, trusted)
             _verify_parts(d, record, report, decrypt)
             if record.layout == "dcp" and report.ok:
-                report.problems += _dcp_problems(d)
+                report.problems += _dcp_problems(d, decrypt)
     except CheckpointError as e:
         report.problems.append(problem_of(e))
     return report
 
 
-def _dcp_problems(path: CheckpointDir) -> list[Problem]:
+def _dcp_problems(path: CheckpointDir, decrypt: Any = None) -> list[Problem]:
     """What cdcp.load would refuse in a step of layout "dcp" whose files' bytes verified: its
     record's dcp member, and every item against its rank file, as load checks them."""
     from ..dcp.check import verify_directory
 
     out = []
-    for e in verify_directory(path):
+    for e in verify_directory(path, decrypt):
         name = os.path.basename(e.path or "")  # the record or the rank file it is about
         text = e.reason if not name or e.reason.startswith(name) else f"{name}: {e.reason}"
         out.append(Problem(problem_of(e).kind, text, e.key))
@@ -134,7 +134,8 @@ def _verify_parts(
             else:
                 fd = multifile.open_part(d, part, d.path)
             one = VerifyReport(d.path_of(part.name))
-            key = decrypt if part in record.files and record.layout == "state" else None
+            # the files a record names are encrypted in an encrypted save (a state file, rank files)
+            key = decrypt if part in record.files else None
             with CheckpointFile(d.path_of(part.name), fd=fd, within=holder, decrypt_with=key) as f:
                 if part in record.files:
                     multifile.check_references(f, record, d.path)

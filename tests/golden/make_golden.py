@@ -71,6 +71,13 @@ FILES = {
     "v1_0_signed.ckpt": {"compression": "zstd", "sign_with": "signing_test_key.pem"},
     # required feature bit 2 (spec section 17), encrypted under ENCRYPTION_TEST_KEY, index too
     "v1_0_encrypted.ckpt": {"compression": "zstd", "encrypt_with": "encryption_test_key.hex"},
+    # required feature bits 1 and 2 (spec section 17.8): encrypted under ENCRYPTION_TEST_KEY,
+    # then signed with TEST_KEY
+    "v1_0_signed_encrypted.ckpt": {
+        "compression": "zstd",
+        "sign_with": "signing_test_key.pem",
+        "encrypt_with": "encryption_test_key.hex",
+    },
 }
 
 #: The golden encrypted file's key-encryption key: the bytes 32, 33, ..., 63, in
