@@ -11,6 +11,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from test_signing import pytestmark  # noqa: F401 (its skip)
 
+import ckptfmt
 from ckptfmt import CheckpointManager, CheckpointWarning, SignatureError
 from ckptfmt.files import multifile
 from ckptfmt.files.reader import CheckpointFile
@@ -106,3 +107,24 @@ def test_a_signed_local_run_archives_and_a_new_node_resumes_trusting_its_key(tmp
 
     _flip_object_byte(s3_server, bucket, "archive/step-000000002/state.ckpt")
     _assert_refused(node, 2)
+
+
+def test_a_signed_encrypted_run_on_the_store(s3_bucket):
+    """Both together: the state objects encrypted, the records signed over the ciphertext's
+    digests; a reader needs the public key and the data key, and refuses without either."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/sealed"
+    data_key = bytes(range(32))
+    m = CheckpointManager(url, sign_with=KEY, encrypt_with=data_key, storage_options=options)
+    m.save(1, _state(1))
+    reader = CheckpointManager(url, trusted_keys=[PUB], decrypt_with=data_key, storage_options=options)
+    target = _zeros()
+    assert reader.load_into(target, restore_rng=False).step == 1
+    assert torch.equal(target["w"], _state(1)["w"])
+    assert reader.verify(1).ok
+    with pytest.raises(ckptfmt.DecryptionError):
+        CheckpointManager(url, trusted_keys=[PUB], storage_options=options).load(1)
+    with pytest.raises(SignatureError):
+        CheckpointManager(
+            url, trusted_keys=[OTHER.public_key()], decrypt_with=data_key, storage_options=options
+        ).load(1)
