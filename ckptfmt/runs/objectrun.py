@@ -17,8 +17,9 @@ import os
 from typing import Any
 
 from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
+from ..errors import CheckpointError, CorruptError, IncompleteError, UnsupportedError
 from ..files import multifile
+from ..files.places import STALE_AFTER, ObjectPlace
 from ..files.reader import CheckpointFile
 from ..files.verify import verify
 from ..format.timestamps import parse_utc
@@ -27,9 +28,6 @@ from ..storage.client import check_options
 from ..storage.upload import upload_file
 from ..storage.urls import ObjectURL, parse_url
 from .steps import STATE_NAME, CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
-
-#: multipart uploads and commit-less steps older than this are a crashed saver's leftovers
-STALE_AFTER = datetime.timedelta(hours=24)
 
 
 class ObjectRun:
@@ -52,6 +50,10 @@ class ObjectRun:
 
     def _step_url(self, step: int) -> ObjectURL:
         return self.url.child(step_dirname(step))
+
+    def _place(self, step: int) -> ObjectPlace:
+        """Step `step` as the place of a multi-file checkpoint (files/places.py)."""
+        return ObjectPlace(self._step_url(step), self.options)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -92,15 +94,7 @@ class ObjectRun:
     def record(self, step: int, size: int | None = None) -> multifile.CommitRecord:
         """Step `step`'s commit record, bounded by its size before it is decoded."""
         url = f"{self.step_path(step)}/{multifile.COMMIT_NAME}"
-        if size is not None and size > multifile.MAX_RECORD_BYTES:
-            raise LimitError(
-                f"commit record of {size} bytes exceeds the limit {multifile.MAX_RECORD_BYTES}", path=url
-            )
-        bound = multifile.record_memory(size if size is not None else multifile.MAX_RECORD_BYTES)
-        with CheckpointFile(url, max_bytes=bound, storage_options=self.options) as f:
-            if f.prologue.file_length > multifile.MAX_RECORD_BYTES:
-                raise LimitError("commit record exceeds the limit", path=url)
-            record = multifile.record_from(f)
+        record = self._place(step).record_sized(size)
         if record.step != step:
             raise CorruptError(f"the commit record is for step {record.step}, not {step}", path=url)
         if record.references:
@@ -139,16 +133,7 @@ class ObjectRun:
         part = next((p for p in record.files if p.name == name), None)
         if part is None:
             raise CorruptError(f"the commit record names no {name}", path=info.path)
-        f = CheckpointFile(f"{info.path}/{name}", storage_options=self.options, decrypt_with=self.decrypt)
-        try:
-            found = multifile.PartRecord(
-                name, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
-            )
-            multifile.check_identity(found, part, name, info.path)
-        except BaseException:
-            f.close()
-            raise
-        return f
+        return self._place(info.step).open_part(part, name, decrypt=self.decrypt)
 
     def verify_step(self, info: CheckpointInfo) -> list[str]:
         """Every file of a complete step verified chunk by chunk: the problems, one per line."""
