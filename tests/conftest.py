@@ -78,6 +78,18 @@ def s3_bucket(s3_server):
 
 
 @pytest.fixture
+def env_bucket(s3_bucket, monkeypatch):
+    """A fresh bucket reached through the AWS_* environment, as the AWS CLI and ckptfmt's
+    command line reach a store: its name."""
+    bucket, options = s3_bucket
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["aws_access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["aws_secret_access_key"])
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    return bucket
+
+
+@pytest.fixture
 def s3_faults(s3_server):
     """A FaultProxy in front of the session's server, its rules and counts fresh; its
     storage_options() and client() point at the proxy, new_bucket() makes one behind it."""

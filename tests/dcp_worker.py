@@ -13,7 +13,10 @@ Joins a gloo group through a FileStore, runs the tasks in order and writes
   state again and compare every value with ``ref``, bit for bit;
 * ``async``: cdcp.async_save, change the parameters at once, wait, load back and compare
   with the values at call time;
-* ``kill``: save into ``dir`` with rank ``victim`` SIGKILLed half way through writing its file.
+* ``kill``: save into ``dir`` with rank ``victim`` SIGKILLed half way through writing its file;
+* ``fail``: a save that is expected to fail (the store refuses it); its error is reported.
+
+``dir`` and ``src`` may be object-store URLs, with the task's ``storage_options``.
 
 Scenarios: ``ddp`` (DistributedDataParallel, replicated), ``dtensor`` (DTensor parameters
 sharded on dim 0 and dim 1, one replicated; a 1 MiB tensor saved with 64 KiB chunks),
@@ -136,7 +139,7 @@ def do_save(rank: int, world: int, t: dict[str, Any]) -> dict[str, Any]:
     state = state_of(model, opt, extra)
     chunk = SMALL_CHUNKS if t["scenario"] == "dtensor" else None
     start = time.perf_counter()
-    cdcp.save(state, t["dir"], chunk_size=chunk)
+    cdcp.save(state, t["dir"], chunk_size=chunk, storage_options=t.get("storage_options"))
     took = time.perf_counter() - start
     flat = full_flat(state)
     if rank == 0:
@@ -150,7 +153,7 @@ def do_save(rank: int, world: int, t: dict[str, Any]) -> dict[str, Any]:
 def do_load(rank: int, world: int, t: dict[str, Any]) -> dict[str, Any]:
     model, opt, extra = build(t["scenario"], t["seed"], world)
     state = state_of(model, opt, extra)
-    reader = cdcp.Reader(t["src"])
+    reader = cdcp.Reader(t["src"], storage_options=t.get("storage_options"))
     import torch.distributed.checkpoint as dcp
 
     dcp.load(state, storage_reader=reader, planner=cdcp.LoadPlanner())
@@ -165,7 +168,7 @@ def do_async(rank: int, world: int, t: dict[str, Any]) -> dict[str, Any]:
     state = state_of(model, opt, extra)
     expected = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in full_flat(state).items()}
     start = time.perf_counter()
-    fut = cdcp.async_save(state, t["dir"])
+    fut = cdcp.async_save(state, t["dir"], storage_options=t.get("storage_options"))
     blocked = time.perf_counter() - start
     with torch.no_grad():
         for p in model.parameters():
@@ -174,7 +177,7 @@ def do_async(rank: int, world: int, t: dict[str, Any]) -> dict[str, Any]:
     total = time.perf_counter() - start
     model2, opt2, extra2 = build(t["scenario"], t["seed"] + 1000, world)
     loaded = state_of(model2, opt2, extra2)
-    cdcp.load(loaded, t["dir"])
+    cdcp.load(loaded, t["dir"], storage_options=t.get("storage_options"))
     got = full_flat(loaded)
     for k, v in expected.items():
         w = got[k]
@@ -205,6 +208,19 @@ def do_kill(rank: int, world: int, t: dict[str, Any]) -> dict[str, Any]:
         cdcp.save(state, t["dir"])
     except ckptfmt.CheckpointError as e:
         return {"error": str(e), "error_type": type(e).__name__, "seconds": time.perf_counter() - start}
+    return {"error": None}
+
+
+def do_fail(rank: int, world: int, t: dict[str, Any]) -> dict[str, Any]:
+    """A save the store refuses (the test's fault proxy answers its uploads with errors), with
+    `pad_mib` MiB more state so that a rank file is a multipart upload."""
+    model, opt, extra = build(t["scenario"], t["seed"], world)
+    state = state_of(model, opt, extra)
+    state["pad"] = torch.ones(t["pad_mib"] << 18)
+    try:
+        cdcp.save(state, t["dir"], storage_options=t["storage_options"])
+    except ckptfmt.CheckpointError as e:
+        return {"error": str(e), "error_type": type(e).__name__}
     return {"error": None}
 
 
@@ -255,6 +271,7 @@ TASKS = {
     "load": do_load,
     "async": do_async,
     "kill": do_kill,
+    "fail": do_fail,
     "msave": do_manager_save,
     "mload": do_manager_load,
 }

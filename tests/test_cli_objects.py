@@ -13,16 +13,6 @@ from cli_runner import run_cli
 import ckptfmt
 
 
-@pytest.fixture
-def env_bucket(s3_bucket, monkeypatch):
-    bucket, options = s3_bucket
-    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["aws_access_key_id"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["aws_secret_access_key"])
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    return bucket
-
-
 def test_ls_and_verify_a_run_on_the_store(env_bucket):
     url = f"s3://{env_bucket}/run"
     m = ckptfmt.CheckpointManager(url)

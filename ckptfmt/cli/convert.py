@@ -4,15 +4,18 @@ format (torch.save, safetensors, a torch.distributed.checkpoint directory)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsupportedError
+from ..fileio import is_url
 from ..format.render import short_repr
 from ..format.sniff import DESCRIPTIONS, sniff
+from . import remote
 from .exitcodes import (
     EXIT_OK,
     KNOWN_ERRORS,
@@ -26,26 +29,55 @@ from .exitcodes import (
 from .terminal import fail, say
 
 
-def cmd_consolidate(args: argparse.Namespace) -> int:
+def _consolidation_source(src: str) -> tuple[str, str]:
+    """What `src` is to consolidate: ("dcp", src) for a DCP checkpoint (a directory or object
+    prefix with a commit record of layout "dcp"), ("file", path) for a checkpoint file, or a
+    run's step (a directory or prefix with a record of layout "state": its state file)."""
+    from ..files import multifile
+    from ..files.places import place_at
+    from ..runs.steps import STATE_NAME
+
+    if is_url(src):
+        multi = not remote.is_object(src) and remote.has_record(src)
+    else:
+        multi = os.path.isdir(src) and os.path.lexists(os.path.join(src, multifile.COMMIT_NAME))
+    if not multi:  # a file, or what the file commands refuse as one
+        return "file", src
+    with place_at(src) as place:
+        record = place.read_record()
+        if record.layout == "dcp":
+            return "dcp", src
+        if record.layout == "state" and [p.name for p in record.files] == [STATE_NAME]:
+            place.check_part(record.files[0])
+            return "file", place.path_of(STATE_NAME)
+    raise UnsupportedError(f"a {record.layout!r} checkpoint: not one consolidate reads", path=src)
+
+
+def _consolidate_dcp(src: str, dst: str, args: argparse.Namespace) -> dict[str, Any]:
+    from ..dcp import consolidate
+
+    return dataclasses.asdict(consolidate(src, dst, compression=args.compression, level=args.level))
+
+
+def _consolidate_file(src: str, dst: str, args: argparse.Namespace) -> dict[str, Any]:
     from ..runs.incremental import consolidate
 
+    require_ckptfmt(src)
+    return dataclasses.asdict(consolidate(src, dst, compression=args.compression, level=args.level))
+
+
+def cmd_consolidate(args: argparse.Namespace) -> int:
     entry: dict[str, Any] = {"src": args.src, "dst": args.dst, "ok": False}
     status = EXIT_OK
     try:
-        require_ckptfmt(args.src)
+        kind, source = _consolidation_source(args.src)
         try:
-            report = consolidate(args.src, args.dst, compression=args.compression, level=args.level)
+            found = (_consolidate_dcp if kind == "dcp" else _consolidate_file)(source, args.dst, args)
         except CheckpointError:  # the file or one it refers to failed while read
             raise
         except ValueError as e:  # the output would replace the input
             raise UsageError(str(e)) from None
-        entry.update(
-            ok=True,
-            chunks=report.chunks,
-            external_chunks=report.external_chunks,
-            referenced_files=report.referenced_files,
-            file_bytes=report.file_bytes,
-        )
+        entry.update(ok=True, **found)
     except KNOWN_ERRORS as e:
         entry["error"] = error_text(e, args.src)
         status = exit_code(e)
@@ -53,6 +85,11 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
         print(json.dumps(entry, indent=2))
     elif status != EXIT_OK:
         say(f"error: {entry['error']}", err=True)
+    elif "tensors" in entry:
+        say(
+            f"{args.src} -> {args.dst}: one file with full tensors ({entry['source_format']}), "
+            f"{entry['tensors']} tensors, {entry['values']} values, {entry['file_bytes']} bytes"
+        )
     else:
         say(
             f"{args.src} -> {args.dst}: self-contained copy, {entry['chunks']} chunks "

@@ -9,9 +9,12 @@ from typing import Any
 
 import numpy as np
 
+from ..fileio import is_url
 from ..format import layout as fmt
 from ..format.encryption import EncryptionBlock, KeyRequired
+from . import remote
 from .exitcodes import EXIT_OK, KNOWN_ERRORS, error_text, exit_code, require_ckptfmt
+from .runs import show_dcp
 from .terminal import fail, say
 from .verify import problem_dict
 
@@ -146,6 +149,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     decrypt = getattr(args, "decrypt_key", None)
     try:
+        if is_url(args.path) and not remote.is_object(args.path) and remote.has_record(args.path):
+            return show_dcp(args.path, args.json)  # a DCP checkpoint's prefix: its files and record
         require_ckptfmt(args.path)
         with CheckpointFile(args.path, decrypt_with=decrypt, ciphertext_only=decrypt is None) as f:
             rows = _inspect_tree(f)

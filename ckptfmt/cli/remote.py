@@ -1,8 +1,10 @@
-"""The command line on object-store URLs: `ls`, `verify` and `inspect` of ``s3://`` paths.
+"""The command line on object-store URLs: `ls`, `verify`, `inspect` and `consolidate` of
+``s3://`` paths.
 
 Credentials, region and endpoint come from boto3's own conventions (``AWS_*`` environment
-variables such as AWS_ENDPOINT_URL, ``~/.aws``), as for the AWS CLI.  A URL names either
-one checkpoint file (an object) or a run (a prefix holding step-N/ "directories").
+variables such as AWS_ENDPOINT_URL, ``~/.aws``), as for the AWS CLI.  A URL names one
+checkpoint file (an object), one multi-file checkpoint (a prefix holding a commit record:
+a DCP checkpoint, or a run's step), or a run (a prefix holding step-N/ "directories").
 """
 
 from __future__ import annotations
@@ -64,3 +66,26 @@ def run_rows(url: str) -> list[Any]:
     from ..runs.manager import CheckpointManager
 
     return CheckpointManager(url).statuses()
+
+
+def has_record(url: str) -> bool:
+    """Whether `url` is the prefix of a multi-file checkpoint: one HEAD of its commit record."""
+    from ..files import multifile
+    from ..files.places import ObjectPlace
+
+    return ObjectPlace(url).exists(multifile.COMMIT_NAME)
+
+
+def checkpoint_entry(url: str, problem_dict: Any, decrypt: Any = None) -> dict[str, Any]:
+    """verify's entry for the multi-file checkpoint under the prefix `url`."""
+    from ..files.places import ObjectPlace
+    from ..runs.stepcheck import verify_objects
+
+    report = verify_objects(ObjectPlace(url), decrypt)
+    return {
+        "path": report.path,
+        "step": None,
+        "status": "failed" if report.problems else "ok",
+        "chunks": report.chunks,
+        "problems": [problem_dict(p) for p in report.problems],
+    }

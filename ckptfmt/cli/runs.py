@@ -43,11 +43,12 @@ def _is_dcp_dir(path: str) -> bool:
         return False
 
 
-def _ls_dcp(args: argparse.Namespace) -> int:
+def show_dcp(path: str, as_json: bool) -> int:
+    """A DCP checkpoint (a directory or object prefix) at a glance: ls's and inspect's output."""
     from ..dcp import describe
 
-    info = describe(args.dir)
-    if args.json:
+    info = describe(path)
+    if as_json:
         print(json.dumps(info, indent=2, default=str))
         return EXIT_OK
     state = "complete" if info["complete"] else f"incomplete: {info['problem']}"
@@ -63,6 +64,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     if is_url(args.dir):
         try:
+            if remote.has_record(args.dir):  # one checkpoint's prefix
+                return show_dcp(args.dir, args.json)
             statuses = remote.run_rows(args.dir)
         except KNOWN_ERRORS as e:
             return fail(e, args.dir)
@@ -70,7 +73,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return fail(NotADirectoryError(errno.ENOTDIR, "not a directory"), args.dir)
     elif _is_dcp_dir(args.dir):
         try:
-            return _ls_dcp(args)
+            return show_dcp(args.dir, args.json)
         except KNOWN_ERRORS as e:
             return fail(e, args.dir)
     else:

@@ -75,6 +75,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             say(f"error: {error}", err=True)
             return exit_code(error)
     for path in args.paths:
+        if is_url(path) and not remote.is_object(path) and args.step is None and remote.has_record(path):
+            entry = remote.checkpoint_entry(path, problem_dict, decrypt)  # one checkpoint's prefix
+            results.append(entry)
+            status = max(status, FILE_FAILED if entry["problems"] else EXIT_OK)
+            continue
         if is_url(path) and not remote.is_object(path):  # a run's prefix
             entries = remote.run_entries(path, args.step, problem_dict, trusted, decrypt or None)
             results += entries

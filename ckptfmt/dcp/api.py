@@ -23,7 +23,9 @@ from ..engine import bytesview
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError
-from ..files import multifile
+from ..fileio import is_url
+from ..files import multifile, places
+from ..files.places import ObjectPlace
 from ..gcpause import pausing_in_main_thread
 from .planners import LoadPlanner, SavePlanner
 from .storage import Reader, SaveOptions, Writer
@@ -61,10 +63,22 @@ def _save_planner(process_group: dist.ProcessGroup | None, kind: str) -> SavePla
     return SavePlanner(enable_plan_caching=True, cache_key=key)
 
 
-def _failure(doing: str, path: str, e: BaseException) -> CheckpointError:
+def _record_left(path: str, storage_options: dict[str, Any] | None) -> bool:
+    """Whether a commit record is still at `path` (False where the store cannot say)."""
+    if not is_url(path):
+        return os.path.lexists(os.path.join(path, multifile.COMMIT_NAME))
+    try:
+        return ObjectPlace(path, storage_options).exists(multifile.COMMIT_NAME)
+    except CheckpointError:
+        return False
+
+
+def _failure(
+    doing: str, path: str, e: BaseException, storage_options: dict[str, Any] | None = None
+) -> CheckpointError:
     """One CheckpointError for a failed save or load, naming the ranks that failed and why."""
     note = ""
-    if doing == "save" and os.path.lexists(os.path.join(path, multifile.COMMIT_NAME)):
+    if doing == "save" and _record_left(path, storage_options):
         # it failed before the coordinator removed the old record (while planning): still there
         note = f"; the checkpoint already in {path} was left as it was"
     elif doing == "save":
@@ -87,18 +101,22 @@ def _failure(doing: str, path: str, e: BaseException) -> CheckpointError:
     )
 
 
-def _mapped(doing: str, path: str, e: BaseException) -> BaseException:
+def _mapped(
+    doing: str, path: str, e: BaseException, storage_options: dict[str, Any] | None = None
+) -> BaseException:
     """What to raise for `e` from DCP: a CheckpointError naming the ranks for DCP's own
     failures and, with several ranks, for the RuntimeErrors its collectives raise; any
     other error as it is."""
     if isinstance(e, CheckpointException) or (isinstance(e, RuntimeError) and _distributed()):
-        return _failure(doing, path, e)
+        return _failure(doing, path, e, storage_options)
     return e
 
 
-def _raise_mapped(doing: str, path: str, e: BaseException) -> None:
+def _raise_mapped(
+    doing: str, path: str, e: BaseException, storage_options: dict[str, Any] | None = None
+) -> None:
     """Raise `_mapped`'s error for `e` when it is another one (the caller re-raises `e` itself)."""
-    mapped = _mapped(doing, path, e)
+    mapped = _mapped(doing, path, e, storage_options)
     if mapped is not e:
         raise mapped from e
 
@@ -135,7 +153,9 @@ def save(
     overwrite, sign_with and encrypt_with; ``overwrite=False`` refuses a `path` that already
     holds a checkpoint; ``sign_with`` (an Ed25519 private key) signs the commit record, which
     then carries every rank file's SHA-256 (spec 16.7); ``encrypt_with`` (a key) encrypts every
-    rank file (spec section 17).
+    rank file (spec section 17).  `path` may be an object-store URL (``s3://bucket/prefix``,
+    with ``storage_options``): each rank streams its file into its own object, the commit
+    record is created last, only if absent.
     (`_within`, `_step_dir`: the checkpoint manager's step directory, see ``Writer``.)
     """
     w, planner = _set_up_save(path, process_group, "blocking", options, _within, _step_dir)
@@ -151,7 +171,7 @@ def save(
             )
     except BaseException as e:
         planner.forget_cached_plans()  # every rank gets the error: all caches start over
-        _raise_mapped("save", target, e)
+        _raise_mapped("save", target, e, w.storage_options)
         raise
     finally:
         w.close()
@@ -166,6 +186,7 @@ def load(
     verify: bool = True,
     trusted_keys: Any = None,
     decrypt_with: Any = None,
+    storage_options: dict[str, Any] | None = None,
     _within: CheckpointDir | None = None,
 ) -> None:
     """Load into `state_dict` in place, resharding to this run's layout; every rank calls it.
@@ -177,10 +198,17 @@ def load(
     made with ``sign_with``), and each rank checks every file it reads against the record's
     SHA-256 before anything of `state_dict` is written (spec 16.7; SignatureError).
     `decrypt_with`: the key of a save made with ``encrypt_with`` (DecryptionError without it).
+    `path` may be an object-store URL (``s3://bucket/prefix``, the client's settings in
+    `storage_options`): each rank fetches only the byte ranges it needs.
     """
-    target = os.path.abspath(os.fspath(path))
+    target = places.normalized(path)
     reader = Reader(
-        target, verify=verify, trusted_keys=trusted_keys, decrypt_with=decrypt_with, _within=_within
+        target,
+        verify=verify,
+        trusted_keys=trusted_keys,
+        decrypt_with=decrypt_with,
+        storage_options=storage_options,
+        _within=_within,
     )  # `_within`: the directory, opened
     try:
         reader.read_metadata()  # a missing or damaged commit record fails here, on every rank, plainly
@@ -195,7 +223,7 @@ def load(
     except CheckpointError:
         raise
     except BaseException as e:
-        _raise_mapped("load", target, e)
+        _raise_mapped("load", target, e, storage_options)
         raise
     finally:
         reader.close()
@@ -349,7 +377,7 @@ def async_save(
         try:
             out.set_result(f.result())
         except BaseException as e:
-            out.set_exception(_mapped("save", target, e))
+            out.set_exception(_mapped("save", target, e, w.storage_options))
 
     inner.add_done_callback(done)
     st.track(out)

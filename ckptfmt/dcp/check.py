@@ -19,18 +19,20 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, UnsupportedError
-from ..files import multifile
+from ..files import multifile, places
+from ..files.places import Place
 from . import metadata as mdv
 from .sources import LAYOUT, Source, rank_note
 
 
 def read_record(
-    directory: str | CheckpointDir,
+    directory: Place | CheckpointDir | str, trusted: Any = None
 ) -> tuple[multifile.CommitRecord, Metadata, dict[MetadataIndex, mdv.Location]]:
-    """The directory's commit record, checked as layout "dcp", its Metadata and item locations."""
-    record = multifile.read_commit(directory)
-    where = directory.path if isinstance(directory, CheckpointDir) else directory
-    return (record, *record_metadata(record, where))
+    """The checkpoint's commit record, checked as layout "dcp", its Metadata and item
+    locations; `trusted`: public keys, one of which must have signed the record."""
+    with places.held(directory) as p:
+        record = p.read_record(trusted)
+        return (record, *record_metadata(record, p.path))
 
 
 def record_metadata(
@@ -38,7 +40,7 @@ def record_metadata(
 ) -> tuple[Metadata, dict[MetadataIndex, mdv.Location]]:
     """The Metadata and item locations of a commit record read from `directory` (its dcp member
     checked: metadata.from_value); UnsupportedError for another layout."""
-    commit = os.path.join(directory, multifile.COMMIT_NAME)
+    commit = f"{directory}/{multifile.COMMIT_NAME}"
     if record.layout != LAYOUT:
         raise UnsupportedError(
             f"a {record.layout!r} checkpoint, not a DCP one (load it with ckptfmt.load)", path=commit
@@ -47,7 +49,7 @@ def record_metadata(
 
 
 def check_items(
-    directory: str | CheckpointDir,
+    directory: Place | CheckpointDir | str,
     record: multifile.CommitRecord,
     where: dict[MetadataIndex, mdv.Location],
     fqns: set[str] | None = None,
@@ -56,7 +58,8 @@ def check_items(
 ) -> tuple[list[CheckpointError], int]:
     """Check the items of `fqns` (all: None) against their rank files, as a load that reads them
     does (the rank files read beneath the directory's descriptor, each reading chunks only from
-    files the record names); the first problem of each rank file, and the bytes of the distinct
+    files the record names; `directory` a local one or an object prefix); the first problem of
+    each rank file, and the bytes of the distinct
     storages holding their tensor chunks (what a consolidation may allocate, at most).
     `trusted`: public keys; `record` was read signed by one, and each rank file is hashed
     against it before its index is read (spec 16.7)."""
@@ -68,7 +71,7 @@ def check_items(
     held = 0
     with contextlib.ExitStack() as stack:
         try:
-            d = stack.enter_context(multifile.opened(directory))
+            d = stack.enter_context(places.held(directory))
         except CheckpointError as e:
             return [e], 0
         for name in sorted(by_file):
@@ -80,7 +83,7 @@ def check_items(
 
 
 def _check_file(
-    d: CheckpointDir,
+    d: Place,
     name: str,
     record: multifile.CommitRecord,
     items: list[tuple[str, mdv.Location]],
@@ -100,17 +103,17 @@ def _check_file(
 
 
 def verify_directory(
-    directory: str | os.PathLike[str] | CheckpointDir, decrypt: Any = None
+    directory: str | os.PathLike[str] | CheckpointDir | Place,
+    decrypt: Any = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> list[CheckpointError]:
     """Everything ``cdcp.load`` checks, for every item of the checkpoint: the problems found
     (the record's, else the first of each rank file); chunk data is verify's checksums' job.
-    The directory is opened once; the record and rank files are read beneath it.  `decrypt`:
-    the key of an encrypted save's rank files."""
-    if not isinstance(directory, CheckpointDir):
-        directory = os.path.abspath(os.fspath(directory))
+    The directory (or object prefix) is opened once; the record and rank files are read
+    beneath it.  `decrypt`: the key of an encrypted save's rank files."""
     with contextlib.ExitStack() as stack:
         try:
-            d = stack.enter_context(multifile.opened(directory))
+            d = stack.enter_context(places.held(directory, storage_options))
             record, _, where = read_record(d)
         except CheckpointError as e:
             return [e]

@@ -39,11 +39,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from torch.distributed.checkpoint.planner import LoadPlanner as _BaseLoadPlanner
 from torch.futures import Future
 
-from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
-from ..fileio import open_regular, pread_exact
-from ..files import multifile
+from ..fileio import is_url, open_regular, pread_exact
+from ..files import multifile, places
 from ..files import save as writer
+from ..files.places import Place
 from ..format import dtypes
 from ..format import layout as fmt
 from . import metadata as mdv
@@ -78,19 +78,25 @@ def consolidate(
     level: int | None = None,
     chunk_size: int | None = None,
     verify: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> ConsolidateReport:
     """Write the checkpoint in directory `src` as one ckptfmt file `out` with full tensors.
 
     The whole state is assembled in memory first (as ``dcp_to_torch_save`` does).  A
     smaller `chunk_size` lets a later sharded ``load`` of the file read closer to just
-    each rank's slice (a chunk is the unit that is read and verified).
+    each rank's slice (a chunk is the unit that is read and verified).  `src` and `out` may
+    be object-store URLs (a ckptfmt DCP checkpoint under a prefix; the file as an object),
+    with the client's settings in `storage_options`.
     """
-    source = os.path.abspath(os.fspath(src))
-    target = os.path.abspath(os.fspath(out))
-    if not os.path.isdir(source):
+    source = places.normalized(src)
+    target = places.normalized(out)
+    if is_url(source):
+        reader: Any = Reader(source, verify=verify, storage_options=storage_options)
+        kind = "ckptfmt-dcp"
+    elif not os.path.isdir(source):
         raise UnsupportedError("not a directory: consolidate reads a sharded DCP checkpoint", path=source)
-    if os.path.exists(os.path.join(source, multifile.COMMIT_NAME)):
-        reader: Any = Reader(source, verify=verify)
+    elif os.path.exists(os.path.join(source, multifile.COMMIT_NAME)):
+        reader = Reader(source, verify=verify)
         kind = "ckptfmt-dcp"
     elif os.path.exists(os.path.join(source, DCP_METADATA_NAME)):
         reader = DCPFormatReader(source)
@@ -114,10 +120,26 @@ def consolidate(
         level=level,
         chunk_size=chunk_size,
         metadata={"consolidated_from": kind},
+        storage_options=storage_options if is_url(target) else None,
     )
     return ConsolidateReport(
-        kind, len(tensors), len(md.state_dict_metadata) - len(tensors), nbytes, os.path.getsize(target)
+        kind,
+        len(tensors),
+        len(md.state_dict_metadata) - len(tensors),
+        nbytes,
+        _size_of(target, storage_options),
     )
+
+
+def _size_of(path: str, storage_options: dict[str, Any] | None) -> int:
+    """The length of the file (or object) just written."""
+    if not is_url(path):
+        return os.path.getsize(path)
+    from ..storage.client import check_options
+    from ..storage.download import head
+    from ..storage.urls import parse_url
+
+    return head(parse_url(path), check_options(storage_options))[0]
 
 
 def tensor_bytes(md: Metadata) -> int:
@@ -572,26 +594,32 @@ def _check_slices(directory: str, files: list[str], infos: list[_StorageInfo], p
 # -- describing a directory (for `ckptfmt ls` / `verify`) ---------------------------------------------
 
 
-def describe(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """A DCP checkpoint directory at a glance: complete or why not, its rank files, its contents.
+def describe(
+    directory: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A DCP checkpoint directory (or object prefix, with `storage_options`) at a glance:
+    complete or why not, its rank files, its contents.
 
     Reads the commit record (its dcp member checked as a load checks it) and each rank file's
     prologue, footer and index (each item checked against the record, check.check_items), no
     chunk data: complete here means every check a load makes before reading data passes.
     """
-    path = os.path.abspath(os.fspath(directory))
+    path = places.normalized(directory)
     out: dict[str, Any] = {"path": path, "complete": False, "problem": None, "files": []}
-    if not os.path.lexists(os.path.join(path, multifile.COMMIT_NAME)) and os.path.lexists(
-        os.path.join(path, DCP_METADATA_NAME)
+    if (
+        not is_url(path)
+        and not os.path.lexists(os.path.join(path, multifile.COMMIT_NAME))
+        and os.path.lexists(os.path.join(path, DCP_METADATA_NAME))
     ):
         return _describe_dcp_format(path, out)
     out["format"] = "ckptfmt-dcp"
     with contextlib.ExitStack() as stack:
         present: list[str] = []
         try:
-            d = stack.enter_context(multifile.opened(path))  # the record and rank files read beneath it
+            # the record and rank files read beneath the directory (or prefix)
+            d = stack.enter_context(places.place_at(path, storage_options))
             present = [n for n in d.names() if RANK_FILE_RE.fullmatch(n)]
-            record = multifile.read_commit(d)
+            record = d.read_record()
         except CheckpointError as e:
             out["problem"] = str(e)
             out["files"] = [{"name": n, "rank": _rank(n), "status": "unnamed"} for n in present]
@@ -600,7 +628,7 @@ def describe(directory: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _describe_record(
-    d: CheckpointDir, record: multifile.CommitRecord, present: list[str], out: dict[str, Any]
+    d: Place, record: multifile.CommitRecord, present: list[str], out: dict[str, Any]
 ) -> dict[str, Any]:
     path = d.path
     out.update(step=record.step, layout=record.layout, created=record.created)
@@ -616,7 +644,7 @@ def _describe_record(
     for part in record.files:
         entry: dict[str, Any] = {"name": part.name, "rank": _rank(part.name), "length": part.length}
         try:
-            multifile.check_part(d, part, path)
+            d.check_part(part)
             entry["status"] = "ok"
         except CheckpointError as e:
             entry["status"] = "missing" if isinstance(e, IncompleteError) else "damaged"

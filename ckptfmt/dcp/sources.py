@@ -8,9 +8,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..engine.ckptdir import CheckpointDir
 from ..errors import CorruptError, IncompleteError
-from ..files import multifile, recordsign
+from ..files import multifile
+from ..files.places import Place
 from ..files.reader import CheckpointFile
 from . import metadata as mdv
 
@@ -28,63 +28,51 @@ def rank_note(name: str) -> str:
 
 
 def open_source(
-    where: CheckpointDir | str,
+    where: Place | str,
     name: str,
     label: str,
     record: multifile.CommitRecord | None,
     trusted: Any = None,
     decrypt: Any = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> CheckpointFile:
-    """A rank file `name` the commit record names is opened beneath the checkpoint directory's
-    descriptor `where` without following a link (spec 13.6) and read through the descriptor
-    whose identity was checked; it may read chunks only from files the record names (spec
-    13.1).  A single file the caller names (`where` its path) is opened by its path.
-    `trusted`: public keys; the record was read signed by one of them (recordsign.read_trusted)
-    and the file is hashed against it through the descriptor then read (spec 16.7), and the
-    files it reads chunks from too; a single file must itself be signed by one.  `decrypt`:
+    """A rank file `name` the commit record names, opened in the checkpoint's place `where`
+    (a local directory: beneath its descriptor without following a link, spec 13.6; an object
+    prefix: pinned to the ETag it was checked with, spec 13.7) and checked against the record;
+    it may read chunks only from files the record names (spec 13.1).  A single file the caller
+    names (`where` its path or URL, with `storage_options`) is opened by its path.
+    `trusted`: public keys; the record was read signed by one of them and the file is hashed
+    against it then read (spec 16.7); a single file must itself be signed by one.  `decrypt`:
     the key of an encrypted save (spec section 17)."""
     if record is None:
         assert isinstance(where, str)
-        return CheckpointFile(where, trusted_keys=trusted, decrypt_with=decrypt)
-    assert isinstance(where, CheckpointDir)
-    part = next((p for p in record.files if p.name == name), None)
-    if part is None:
-        raise CorruptError(f"the commit record names no file {name!r}", path=where.path)
-    if trusted is None:
-        fd = multifile.open_part(where, part, where.path, label)
-    else:
-        fd = recordsign.open_trusted_part(where, part, where.path)
-    f = CheckpointFile(where.path_of(name), fd=fd, within=where, decrypt_with=decrypt)
-    try:
-        multifile.check_references(f, record, where.path_of(name))
-        if trusted is not None:
-            read = {ext.rel for ext in f.externals}
-            recordsign.check_files(where, [p for p in record.references if p.name in read], where.path)
-    except BaseException:
-        f.close()
-        raise
-    return f
+        return CheckpointFile(
+            where, trusted_keys=trusted, decrypt_with=decrypt, storage_options=storage_options
+        )
+    assert isinstance(where, Place)
+    return where.open_named(record, name, label, trusted=trusted, decrypt=decrypt)
 
 
 class Source:
-    """An open ckptfmt file that items are read from: a rank file `name` of the checkpoint
-    directory open as `where`, checked against the commit record `record`, or (record None)
-    a single checkpoint file, `where` its path."""
+    """An open ckptfmt file that items are read from: a rank file `name` of the checkpoint in
+    place `where`, checked against the commit record `record`, or (record None) a single
+    checkpoint file, `where` its path or URL."""
 
     def __init__(
         self,
-        where: CheckpointDir | str,
+        where: Place | str,
         name: str,
         label: str,
         record: multifile.CommitRecord | None,
         keyed: bool,
         trusted: Any = None,
         decrypt: Any = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         self.label = label
-        path = where.path_of(name) if isinstance(where, CheckpointDir) else where
+        path = where.path_of(name) if isinstance(where, Place) else where
         try:
-            self.f = open_source(where, name, label, record, trusted, decrypt)
+            self.f = open_source(where, name, label, record, trusted, decrypt, storage_options)
         except FileNotFoundError:
             raise IncompleteError(f"{label} named by the commit record is missing", path=path) from None
         except OSError as e:

@@ -39,17 +39,21 @@ from torch.distributed.checkpoint.planner import SavePlanner as _BaseSavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..engine import commit
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir, LinkError
 from ..errors import CheckpointError, CorruptError, IncompleteError, UnsupportedError, UnsupportedObjectError
-from ..files import encryption, multifile, recordsign
+from ..fileio import is_url
+from ..files import encryption, multifile, places, recordsign
 from ..files import save as writer
+from ..files.places import LocalPlace, ObjectPlace, Place
 from ..files.reader import CheckpointFile
 from ..gcpause import pausing_in_main_thread
+from ..storage.client import check_options
+from ..storage.download import head
+from ..storage.urls import parse_url
 from . import metadata as mdv
 from . import regions
-from .check import check_items, read_record, record_metadata
+from .check import check_items, read_record
 from .sources import LAYOUT, RANK_FILE_RE, Source, rank_file_name, rank_note
 from .values import ObjectBytes, decode_value, encode_value, raw_bytes_io
 
@@ -118,7 +122,8 @@ class SaveOptions(TypedDict, total=False):
     (False refuses a directory that already holds a checkpoint); `sign_with`, an Ed25519
     private key that signs the commit record with every rank file's SHA-256 (spec 16.7); and
     `encrypt_with`, a key that encrypts every rank file (spec section 17; the record, DCP's
-    metadata with the names and shapes, stays in clear)."""
+    metadata with the names and shapes, stays in clear); `storage_options`, the object-store
+    client's settings when the checkpoint is a URL (``s3://bucket/prefix``)."""
 
     compression: str | None
     level: int | None
@@ -129,24 +134,26 @@ class SaveOptions(TypedDict, total=False):
     overwrite: bool
     sign_with: Any
     encrypt_with: Any
+    storage_options: dict[str, Any] | None
 
 
-class _HeldDirectory:
-    """The checkpoint directory a Writer or Reader opened once (`_dir`), closed with it."""
+class _HeldPlace:
+    """The checkpoint's place a Writer or Reader opened once (`_place`: a local directory held
+    open, or an object prefix), closed with it."""
 
-    _dir: CheckpointDir | None = None
+    _place: Place | None = None
 
     def close(self) -> None:
-        """Close the directory's descriptor (the next save or read opens it again)."""
-        if self._dir is not None:
-            self._dir.close()
-            self._dir = None
+        """Close the place (a directory's descriptor; the next save or read opens it again)."""
+        if self._place is not None:
+            self._place.close()
+            self._place = None
 
     def __del__(self) -> None:
         self.close()
 
 
-class Writer(_HeldDirectory, StorageWriter):
+class Writer(_HeldPlace, StorageWriter):
     """Writes a DCP save as one ckptfmt file per rank plus a commit record (see the module doc).
 
     Use with ``planner=cdcp.SavePlanner()``: DCP's default planner pickles non-tensor
@@ -154,6 +161,10 @@ class Writer(_HeldDirectory, StorageWriter):
     record (the checkpoint manager's fields); `compression` and `chunk_size` are ckptfmt's.
     ``overwrite=False`` refuses to save into a directory that holds a commit record (DCP's
     FileSystemWriter option; True by default, as there).
+
+    `path` may be an object-store URL (``s3://bucket/prefix``, the client's settings in
+    `storage_options`): each rank streams its file into a multipart upload of its own object,
+    and the coordinator creates the commit record last, only if absent (spec 13.7).
     """
 
     def __init__(
@@ -169,22 +180,24 @@ class Writer(_HeldDirectory, StorageWriter):
         overwrite: bool = True,
         sign_with: Any = None,
         encrypt_with: Any = None,
+        storage_options: dict[str, Any] | None = None,
         _within: CheckpointDir | None = None,
         _step_dir: bool = False,
     ) -> None:
         super().__init__()
+        self.path = places.normalized(path)
+        self.storage_options = _check_place_options(self.path, storage_options)
         encryption.sealer(encrypt_with)  # a bad key, or an engine without libcrypto, fails here
         self._encrypt = encrypt_with
         self._sign_key = recordsign.private_key(sign_with)  # a bad key fails before any rank writes
         writer.signer(self._sign_key)  # and an engine without libcrypto
-        self.path = os.path.abspath(os.fspath(path))
         # The directory is opened once per save and every write, unlink and listing is
         # made beneath that descriptor (spec 13.6): `_within` lends an open directory (the
         # checkpoint manager's held, locked step directory); `_step_dir` says the directory
         # exists (a manager made it) and is opened beneath its parent without following a link.
         self._within = _within
         self._step_dir = _step_dir
-        self._dir: CheckpointDir | None = None
+        self._place: Place | None = None
         self.overwrite = overwrite
         self.compression = compression
         self.level = level
@@ -198,29 +211,30 @@ class Writer(_HeldDirectory, StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            path = os.path.abspath(os.fspath(checkpoint_id))
+            path = places.normalized(checkpoint_id)
             if path != self.path:
                 self._within = None
                 self._step_dir = False
+                _check_place_options(path, self.storage_options)
             self.path = path
         self.close()  # each save opens the directory afresh
         self.save_id = uuid.uuid4().hex
 
-    def _d(self) -> CheckpointDir:
-        """The checkpoint directory, opened on first use in this save (created when absent,
-        unless a manager made it)."""
-        if self._dir is None:
+    def _d(self) -> Place:
+        """The checkpoint's place, opened on first use in this save (a directory is created
+        when absent, unless a manager made it)."""
+        if self._place is None:
             if self._within is not None:
-                self._dir = self._within.dup()
+                self._place = LocalPlace(self._within.dup())
             elif self._step_dir:
                 with multifile.opened(os.path.dirname(self.path)) as parent:
                     try:
-                        self._dir = parent.sub(os.path.basename(self.path))
+                        self._place = LocalPlace(parent.sub(os.path.basename(self.path)))
                     except FileNotFoundError:
                         raise IncompleteError("the step directory is gone", path=self.path) from None
             else:
-                self._dir = CheckpointDir.open(self.path, create=True)
-        return self._dir
+                self._place = places.place_at(self.path, self.storage_options, create=True)
+        return self._place
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -246,9 +260,7 @@ class Writer(_HeldDirectory, StorageWriter):
         # Runs on the coordinator before any rank writes: an older checkpoint in this
         # directory stops being one now, so a save that dies half way never leaves a
         # commit record next to a mix of old and new rank files.
-        d = self._d()
-        if d.unlink(multifile.COMMIT_NAME):
-            d.fsync()
+        self._d().withdraw_record()
         shares = _thread_shares([p.storage_data for p in plans])
         return [
             dataclasses.replace(p, storage_data=_RankPlan(rank_file_name(i), t))
@@ -303,19 +315,18 @@ class Writer(_HeldDirectory, StorageWriter):
     def _write_rank_file(self, name: str, state: dict[int, Any]) -> multifile.PartRecord:
         """Write and commit one rank file holding `state` (item number -> value); its identity."""
         d = self._d()
-        writer.save(
+        d.save(
+            name,
             state,
-            d.path_of(name),
             compression=self.compression,
             level=self.level,
             metadata={**self.meta, "dcp_rank": str(self.rank), "dcp_save_id": self.save_id},
             chunk_size=self.chunk_size,
             encrypt_with=self._encrypt,
-            _within=d,
         )
-        part = multifile.describe_in(d, name)
+        part = d.describe(name)
         # each rank hashes the file it wrote, so the coordinator does not read them all
-        return part if self._sign_key is None else recordsign.part_with_digest(d, part)
+        return part if self._sign_key is None else d.with_digest(part)
 
     @pausing_in_main_thread
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -343,7 +354,7 @@ class Writer(_HeldDirectory, StorageWriter):
         names = sorted(parts)
         for name in names:
             try:
-                multifile.check_part(d, parts[name], self.path)
+                d.check_part(parts[name])
             except CheckpointError as e:
                 raise type(e)(
                     f"{e.reason}; the coordinator must see every rank's file "
@@ -356,7 +367,7 @@ class Writer(_HeldDirectory, StorageWriter):
             if self._sign_key is None:
                 parts[name] = dataclasses.replace(p, sha256=None)
             elif p.sha256 is None:  # a rank that was not given the key
-                parts[name] = recordsign.part_with_digest(d, p)
+                parts[name] = d.with_digest(p)
         number = {n: i for i, n in enumerate(names)}
         # DCP's plan cache hands back the Metadata of the save that filled it: name this one
         modules = metadata.storage_meta.modules if metadata.storage_meta is not None else []
@@ -375,7 +386,7 @@ class Writer(_HeldDirectory, StorageWriter):
             metadata=self.meta,
             layout_data=value,
         )
-        multifile.write_commit(self.path, record, within=d, sign_with=self._sign_key)
+        d.write_record(record, sign_with=self._sign_key)
         metadata.version = value["version"]
         metadata.storage_data = {idx: StorageInfo(f, k) for idx, (f, k) in where.items()}
         _remove_stale_rank_files(d, set(names))
@@ -426,19 +437,26 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return t.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
 
 
-def _remove_stale_rank_files(d: CheckpointDir, keep: set[str]) -> None:
+def _remove_stale_rank_files(d: Place, keep: set[str]) -> None:
     """Rank files an earlier save (with more ranks) left that the new record does not name
-    (a link is removed as a name, never followed)."""
+    (a link is removed as a name, never followed), and what crashed saves left."""
     for name in d.names():
         if RANK_FILE_RE.fullmatch(name) and name not in keep:
-            d.unlink(name)
-    commit.remove_abandoned_temps(d)  # of crashed saves, never one a live save owns
+            d.remove(name)
+    d.remove_leftovers()
+
+
+def _check_place_options(path: str, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`storage_options`, which only an object-store URL takes."""
+    if storage_options and not is_url(path):
+        raise ValueError(f"{path}: storage_options are for object-store URLs (s3://...)")
+    return storage_options
 
 
 # -- reading --------------------------------------------------------------------------------------
 
 
-class Reader(_HeldDirectory, StorageReader):
+class Reader(_HeldPlace, StorageReader):
     """Reads a ckptfmt DCP checkpoint directory, or a single ckptfmt file, into any sharding.
 
     Use with ``planner=cdcp.LoadPlanner()`` when the state holds non-tensor values.
@@ -448,7 +466,9 @@ class Reader(_HeldDirectory, StorageReader):
     must be signed itself), and with them every file a rank's plan reads is checked before
     any value is handed to the planner; ``stats`` counts what the last ``read_data`` read.
     ``decrypt_with``: the key of a save made with ``encrypt_with`` (every rank file is read
-    with it; spec section 17).
+    with it; spec section 17).  `path` may be an object-store URL (the client's settings in
+    `storage_options`): each rank fetches only the byte ranges of the chunks it needs, every
+    read pinned to the ETag its object was checked with.
     """
 
     def __init__(
@@ -458,16 +478,18 @@ class Reader(_HeldDirectory, StorageReader):
         verify: bool = True,
         trusted_keys: Any = None,
         decrypt_with: Any = None,
+        storage_options: dict[str, Any] | None = None,
         _within: CheckpointDir | None = None,
     ) -> None:
         super().__init__()
         self._trusted = recordsign.public_keys(trusted_keys)
         self._decrypt = decrypt_with
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = places.normalized(path)
+        self.storage_options = _check_place_options(self.path, storage_options)
         # A checkpoint directory is opened once (`_within`: one the caller opened, such as a
         # step directory the manager opened beneath its run without following a link; it is
         # dup'ed, not taken): the record and every rank file are read beneath that descriptor.
-        self._dir: CheckpointDir | None = _within.dup() if _within is not None else None
+        self._place: Place | None = LocalPlace(_within.dup()) if _within is not None else None
         self.verify = verify
         self.load_id = uuid.uuid4().hex
         self.stats = regions.ReadStats()
@@ -478,8 +500,9 @@ class Reader(_HeldDirectory, StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
-            path = os.path.abspath(os.fspath(checkpoint_id))
+            path = places.normalized(checkpoint_id)
             if path != self.path:
+                _check_place_options(path, self.storage_options)
                 self._metadata = None
                 self._where = None
                 self.close()
@@ -491,18 +514,26 @@ class Reader(_HeldDirectory, StorageReader):
         """The commit record read_metadata read (None before, or for a single file)."""
         return self._record
 
-    def _open_dir(self) -> CheckpointDir | None:
-        """The checkpoint directory, opened once; None when the path is a single file."""
-        if self._dir is None:
+    def _open_dir(self) -> Place | None:
+        """The checkpoint's place, opened once; None when the path is a single file."""
+        if self._place is None:
+            if is_url(self.path):
+                place = ObjectPlace(self.path, self.storage_options)
+                if not place.exists(multifile.COMMIT_NAME) and _object_exists(
+                    self.path, self.storage_options
+                ):
+                    return None  # no commit record beneath it, an object at it: a single file
+                self._place = place
+                return place
             try:
-                self._dir = CheckpointDir.open(self.path)
+                self._place = LocalPlace(CheckpointDir.open(self.path))
             except LinkError:  # not a directory: a single checkpoint file
                 return None
             except FileNotFoundError:
                 return None  # the single-file path says it is missing
             except OSError as e:
                 raise IncompleteError(f"cannot open the directory: {e.strerror}", path=self.path) from None
-        return self._dir
+        return self._place
 
     @pausing_in_main_thread
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -522,12 +553,8 @@ class Reader(_HeldDirectory, StorageReader):
         md.storage_meta = dataclasses.replace(md.storage_meta or StorageMeta(), load_id=self.load_id)
         return md
 
-    def _read_commit(self, d: CheckpointDir) -> None:
-        if self._trusted is None:
-            self._record, self._metadata, self._where = read_record(d)
-        else:
-            self._record = recordsign.read_trusted(d, self._trusted)
-            self._metadata, self._where = record_metadata(self._record, d.path)
+    def _read_commit(self, d: Place) -> None:
+        self._record, self._metadata, self._where = read_record(d, self._trusted)
         self._single = False
 
     def check_items(self, fqns: set[str] | None = None) -> tuple[list[CheckpointError], int]:
@@ -538,7 +565,7 @@ class Reader(_HeldDirectory, StorageReader):
             self.read_metadata()
         assert self._where is not None
         if self._single:  # one file, already checked whole when opened: its tensors are its own
-            with CheckpointFile(self.path) as f:
+            with CheckpointFile(self.path, storage_options=self.storage_options) as f:
                 return [], sum(s.nbytes for s in f.storages)
         d = self._open_dir()
         assert d is not None and self._record is not None
@@ -547,7 +574,12 @@ class Reader(_HeldDirectory, StorageReader):
     def _read_single_file(self) -> None:
         from .singlefile import file_metadata
 
-        with CheckpointFile(self.path, trusted_keys=self._trusted) as f:
+        with CheckpointFile(
+            self.path,
+            trusted_keys=self._trusted,
+            decrypt_with=self._decrypt,
+            storage_options=self.storage_options,
+        ) as f:
             self._metadata, self._where = file_metadata(f, os.path.basename(self.path))
         self._single = True
 
@@ -576,6 +608,7 @@ class Reader(_HeldDirectory, StorageReader):
                     keyed=False,
                     trusted=self._trusted,
                     decrypt=self._decrypt,
+                    storage_options=self.storage_options,
                 )
             else:
                 d = self._open_dir()
@@ -656,6 +689,14 @@ class Reader(_HeldDirectory, StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def _object_exists(url: str, storage_options: dict[str, Any] | None) -> bool:
+    try:
+        head(parse_url(url), check_options(storage_options))
+    except (FileNotFoundError, UnsupportedError):
+        return False
+    return True
 
 
 def _committer(planner: _BaseLoadPlanner, req: Any, dest: torch.Tensor) -> Any:

@@ -40,6 +40,8 @@ from ..format import dtypes
 from ..format import layout as fmt
 from ..format.encode import Encoded, StoragePlan
 from ..storage import references
+from ..storage.client import check_options
+from ..storage.upload import ObjectFile
 from ..storage.urls import parse_url
 
 #: raw bytes consolidate() reads (verified) and writes per step
@@ -315,20 +317,24 @@ def consolidate(
     *,
     compression: str | None = None,
     level: int | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> ConsolidateReport:
     """Write a self-contained copy of `src` at `dst`: every chunk local, no feature bit.
 
     The copy has the same object tree, storages (with their device tags), metadata and
     chunk size.  Chunks are read and verified (checksums and digests, in the files they
-    lie in) a window at a time, so memory stays bounded whatever the state's size.
+    lie in) a window at a time, so memory stays bounded whatever the state's size.  Either
+    may be an object-store URL (``storage_options``: the client's settings): the source is
+    read by ranged GETs, the copy streamed into a multipart upload as it is written.
     """
     writer.check_save_args(compression, level, None)
     source, target = os.fspath(src), os.fspath(dst)
+    options = check_options(storage_options)
     inflight.wait_for_path(source)
     inflight.wait_for_path(target)
-    if os.path.exists(target) and os.path.samefile(source, target):
+    if source == target or (os.path.exists(target) and os.path.samefile(source, target)):
         raise ValueError(f"{target}: consolidate writes a new file; it cannot replace the file it reads")
-    with CheckpointFile(source) as f:
+    with CheckpointFile(source, storage_options=options if is_url(source) else None) as f:
         widths = _storage_widths(f)
         # the index of the copy: the same tree and storages (their bytes come from the file)
         encoded = Encoded(
@@ -342,7 +348,13 @@ def consolidate(
         buf = hostmem.empty_bytes(max(_CONSOLIDATE_WINDOW, f.chunk_size))
         view = bytesview.tensor_bytes(buf)
         chunk_width = [widths[sid] for sid, r in enumerate(f.storages) for _ in range(r.n_chunks)]
-        with AtomicFile(target) as out:
+        to_store = is_url(target)
+        output: Any = (
+            ObjectFile(target, options, writer.object_capacity(encoded, f.chunk_size))
+            if to_store
+            else AtomicFile(target)
+        )
+        with output as out:
             file_id = chunkwrite.new_file_id()
             cw = chunkwrite.ChunkWriter(out.fd, file_id, compression=compression, level=level, path=target)
             k = 0
@@ -355,6 +367,8 @@ def consolidate(
                     k += 1
                 f.read_into(items, True)
                 cw.write([(dest, chunk_width[kk]) for kk, dest in items])
+                if to_store:  # the parts written so far go up while the next window is read
+                    out.written(cw.pos)
             length = chunkwrite.finish_file(
                 out.fd, file_id, encoded, cw.chunks, cw.pos, dict(f.metadata), f.chunk_size
             )

@@ -18,8 +18,9 @@ import os
 from typing import Any
 
 from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError
+from ..errors import CheckpointError, CorruptError, IncompleteError
 from ..files import multifile, recordsign
+from ..files.places import STALE_AFTER, ObjectPlace
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport, problem_of, verify
 from ..format.timestamps import parse_utc
@@ -29,9 +30,6 @@ from ..storage.download import head
 from ..storage.upload import upload_file
 from ..storage.urls import ObjectURL, parse_url
 from .steps import STATE_NAME, CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
-
-#: multipart uploads and commit-less steps older than this are a crashed saver's leftovers
-STALE_AFTER = datetime.timedelta(hours=24)
 
 
 class ObjectRun:
@@ -63,6 +61,10 @@ class ObjectRun:
 
     def _step_url(self, step: int) -> ObjectURL:
         return self.url.child(step_dirname(step))
+
+    def _place(self, step: int) -> ObjectPlace:
+        """Step `step` as the place of a multi-file checkpoint (files/places.py)."""
+        return ObjectPlace(self._step_url(step), self.options)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -115,17 +117,7 @@ class ObjectRun:
         """Step `step`'s commit record, bounded by its size before it is decoded; with
         `trusted` keys it must be signed by one of them and carry every file's SHA-256."""
         url = f"{self.step_path(step)}/{multifile.COMMIT_NAME}"
-        if size is not None and size > multifile.MAX_RECORD_BYTES:
-            raise LimitError(
-                f"commit record of {size} bytes exceeds the limit {multifile.MAX_RECORD_BYTES}", path=url
-            )
-        bound = multifile.record_memory(size if size is not None else multifile.MAX_RECORD_BYTES)
-        with CheckpointFile(url, max_bytes=bound, storage_options=self.options, trusted_keys=trusted) as f:
-            if f.prologue.file_length > multifile.MAX_RECORD_BYTES:
-                raise LimitError("commit record exceeds the limit", path=url)
-            record = multifile.record_from(f)
-        if trusted is not None:
-            recordsign.require_digests(record, url)
+        record = self._place(step).record_sized(size, trusted)
         if record.step != step:
             raise CorruptError(f"the commit record is for step {record.step}, not {step}", path=url)
         for ref in record.references:

@@ -1,0 +1,388 @@
+"""Where the files of a multi-file checkpoint lie: a local directory or an object-store prefix.
+
+A multi-file checkpoint (spec section 13) is a set of ckptfmt files and a commit record
+written last.  Its writers and readers need the same few operations wherever it lies: create
+a file, describe one (its identity for the record), open one checked against the record,
+list, delete, read the record, and write the record last and only once.  ``LocalPlace``
+does them beneath one open directory descriptor (engine/ckptdir.py: nothing is resolved
+through a link, spec 13.6); ``ObjectPlace`` under a prefix of an object store (storage/:
+each file one object, streamed into a multipart upload; the record created only if absent
+with If-None-Match; every read pinned to the ETag it first saw, spec 13.7).
+
+``place_at(path, storage_options)`` picks one.  Everything read from either is hostile
+input: records are bounded before they are decoded, files are checked against the record
+(length, file id, index checksum) before anything else is read from them, and a listing
+naming keys outside the prefix is refused (storage/listing.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any
+
+from ..engine import commit
+from ..engine.ckptdir import CheckpointDir
+from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError
+from ..fileio import is_url
+from ..storage import listing
+from ..storage.client import check_options
+from ..storage.download import RemoteObject, head
+from ..storage.urls import ObjectURL, parse_url
+from . import multifile, recordsign
+from .reader import CheckpointFile
+
+#: multipart uploads older than this are a crashed saver's leftovers (a live saver writes
+#: more often: it has no lock on a store, so age stands for "no live process holds it")
+STALE_AFTER = datetime.timedelta(hours=24)
+
+
+def normalized(path: str | os.PathLike[str]) -> str:
+    """How a checkpoint's place is named in messages and records: a URL without a trailing
+    slash, a local path made absolute."""
+    text = os.fspath(path)
+    return text.rstrip("/") if is_url(text) else os.path.abspath(text)
+
+
+class Place:
+    """The files of one checkpoint (see the module doc); a context manager."""
+
+    path: str
+
+    def path_of(self, name: str) -> str:
+        return f"{self.path}/{name}"
+
+    def exists(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def names(self) -> list[str]:
+        """The names of the files directly in the place."""
+        raise NotImplementedError
+
+    def remove(self, name: str) -> None:
+        """Delete file `name` (an absent one is no error)."""
+        raise NotImplementedError
+
+    def save(self, name: str, state: object, **options: Any) -> None:
+        """Write `state` as the ckptfmt file `name` (files.save's options), atomically."""
+        raise NotImplementedError
+
+    def describe(self, name: str) -> multifile.PartRecord:
+        """The identity of the committed file `name`, for a commit record."""
+        raise NotImplementedError
+
+    def open_part(
+        self, rec: multifile.PartRecord, label: str, *, trusted: Any = None, decrypt: Any = None
+    ) -> CheckpointFile:
+        """The file `rec` names, opened and checked to be it (length, file id, index checksum);
+        what is read through it is what was checked.  `trusted`: public keys the record was
+        read signed with (the file is hashed against its digest first); `decrypt`: the key of
+        an encrypted file."""
+        raise NotImplementedError
+
+    def open_named(
+        self,
+        record: multifile.CommitRecord,
+        name: str,
+        label: str,
+        *,
+        trusted: Any = None,
+        decrypt: Any = None,
+    ) -> CheckpointFile:
+        """File `name` of the checkpoint whose commit record is `record`, opened by open_part;
+        it may read chunks only from files the record names (spec 13.1), and with `trusted`
+        those files are hashed against the record too."""
+        part = next((p for p in record.files if p.name == name), None)
+        if part is None:
+            raise CorruptError(f"the commit record names no file {name!r}", path=self.path)
+        f = self.open_part(part, label, trusted=trusted, decrypt=decrypt)
+        try:
+            multifile.check_references(f, record, self.path_of(name))
+            if trusted is not None:
+                read = {ext.rel for ext in f.externals}
+                self.check_digests([p for p in record.references if p.name in read])
+        except BaseException:
+            f.close()
+            raise
+        return f
+
+    def check_digests(self, parts: list[multifile.PartRecord]) -> None:
+        """Hash each file of `parts` against its recorded SHA-256 (spec 16.7)."""
+        raise NotImplementedError
+
+    def check_part(self, rec: multifile.PartRecord) -> None:
+        """Raise unless the file `rec` names is there, as recorded."""
+        self.open_part(rec, rec.name).close()
+
+    def read_record(self, trusted: Any = None) -> multifile.CommitRecord:
+        """The commit record, bounded before it is decoded (IncompleteError when absent);
+        `trusted`: it must be signed by one of these public keys."""
+        raise NotImplementedError
+
+    def write_record(self, record: multifile.CommitRecord, sign_with: Any = None) -> None:
+        """Write the commit record, last (on a store: only if absent)."""
+        raise NotImplementedError
+
+    def withdraw_record(self) -> None:
+        """Remove the commit record before files under it are replaced: from now on the place
+        holds no checkpoint, so a save that dies half way leaves none."""
+        raise NotImplementedError
+
+    def with_digest(self, part: multifile.PartRecord) -> multifile.PartRecord:
+        """`part` with its file's SHA-256 (for a signed record, spec 16.7)."""
+        raise NotImplementedError
+
+    def remove_leftovers(self) -> None:
+        """Remove what crashed saves left (temporaries, unfinished uploads); never a live save's."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> Place:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class LocalPlace(Place):
+    """A local checkpoint directory, held open: every name resolved beneath its descriptor
+    (closed with the place unless `owned` is False: a directory the caller lends)."""
+
+    def __init__(self, d: CheckpointDir, *, owned: bool = True) -> None:
+        self.dir: CheckpointDir | None = d
+        self.path = d.path
+        self._owned = owned
+
+    @property
+    def d(self) -> CheckpointDir:
+        if self.dir is None:
+            raise ValueError(f"{self.path}: the place is closed")
+        return self.dir
+
+    def path_of(self, name: str) -> str:
+        return self.d.path_of(name)
+
+    def exists(self, name: str) -> bool:
+        return self.d.exists(name)
+
+    def names(self) -> list[str]:
+        return self.d.names()
+
+    def remove(self, name: str) -> None:
+        self.d.unlink(name)
+
+    def save(self, name: str, state: object, **options: Any) -> None:
+        from .save import save
+
+        save(state, self.d.path_of(name), _within=self.d, **options)
+
+    def describe(self, name: str) -> multifile.PartRecord:
+        return multifile.describe_in(self.d, name)
+
+    def open_part(
+        self, rec: multifile.PartRecord, label: str, *, trusted: Any = None, decrypt: Any = None
+    ) -> CheckpointFile:
+        d = self.d
+        if trusted is None:
+            fd = multifile.open_part(d, rec, d.path, label)
+        else:
+            fd = recordsign.open_trusted_part(d, rec, d.path)
+        return CheckpointFile(d.path_of(rec.name), fd=fd, within=d, decrypt_with=decrypt)
+
+    def check_digests(self, parts: list[multifile.PartRecord]) -> None:
+        recordsign.check_files(self.d, parts, self.path)
+
+    def check_part(self, rec: multifile.PartRecord) -> None:
+        multifile.check_part(self.d, rec, self.path)
+
+    def read_record(self, trusted: Any = None) -> multifile.CommitRecord:
+        if trusted is None:
+            return multifile.read_commit(self.d)
+        return recordsign.read_trusted(self.d, trusted)
+
+    def write_record(self, record: multifile.CommitRecord, sign_with: Any = None) -> None:
+        multifile.write_commit(self.path, record, within=self.d, sign_with=sign_with)
+
+    def withdraw_record(self) -> None:
+        if self.d.unlink(multifile.COMMIT_NAME):
+            self.d.fsync()
+
+    def with_digest(self, part: multifile.PartRecord) -> multifile.PartRecord:
+        return recordsign.part_with_digest(self.d, part)
+
+    def remove_leftovers(self) -> None:
+        commit.remove_abandoned_temps(self.d)  # of crashed saves, never one a live save owns
+
+    def close(self) -> None:
+        if self.dir is not None:
+            if self._owned:
+                self.dir.close()
+            self.dir = None
+
+
+class ObjectPlace(Place):
+    """A prefix of an object store: each file one object beneath it (``PREFIX/NAME``)."""
+
+    def __init__(self, url: str | ObjectURL, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = url if isinstance(url, ObjectURL) else parse_url(url, need_key=False)
+        self.path = str(self.url).rstrip("/")
+        self.options = check_options(storage_options)
+
+    def __repr__(self) -> str:
+        return f"ObjectPlace({self.path!r})"
+
+    def _url(self, name: str) -> ObjectURL:
+        if not multifile.valid_part_name(name, reference=False) and name != multifile.COMMIT_NAME:
+            raise CorruptError(f"{name[:80]!r} is not a name of a checkpoint's file", path=self.path)
+        return self.url.child(name)
+
+    def exists(self, name: str) -> bool:
+        try:
+            head(self._url(name), self.options)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def names(self) -> list[str]:
+        return sorted(k for k in listing.objects(self.url, self.options) if "/" not in k)
+
+    def remove(self, name: str) -> None:
+        listing.delete_object(self._url(name), self.options)
+
+    def save(self, name: str, state: object, **options: Any) -> None:
+        from .save import save
+
+        save(state, str(self._url(name)), storage_options=self.options, **options)
+
+    def describe(self, name: str) -> multifile.PartRecord:
+        """Read from the object's prologue and tail (one HEAD and ranged GETs, not the object)."""
+        url = str(self._url(name))
+        remote = RemoteObject(url, self.options)
+        try:
+            return multifile.describe_open_part(remote.fd, url, name)
+        finally:
+            remote.close()
+
+    def open_part(
+        self, rec: multifile.PartRecord, label: str, *, trusted: Any = None, decrypt: Any = None
+    ) -> CheckpointFile:
+        """With `trusted`, the object is read whole and hashed against the record's digest at
+        the version (ETag) the file's reads are then pinned to: one more pass over it."""
+        url = str(self._url(rec.name))
+        try:
+            f = CheckpointFile(url, storage_options=self.options, decrypt_with=decrypt)
+        except FileNotFoundError:
+            raise IncompleteError(f"{label} named by the commit record is missing", path=self.path) from None
+        try:  # the open pinned the object's ETag: what is checked is what is read
+            found = multifile.PartRecord(
+                rec.name, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
+            )
+            multifile.check_identity(found, rec, label, self.path)
+            if trusted is not None:
+                recordsign.check_object(url, rec, self.options, f.etag)
+        except BaseException:
+            f.close()
+            raise
+        return f
+
+    def check_part(self, rec: multifile.PartRecord) -> None:
+        try:
+            found = self.describe(rec.name)
+        except FileNotFoundError:
+            raise IncompleteError(
+                f"{rec.name} named by the commit record is missing", path=self.path
+            ) from None
+        except CheckpointError as e:
+            raise CorruptError(f"{rec.name} is damaged: {e}", path=self.path) from None
+        multifile.check_identity(found, rec, rec.name, self.path)
+
+    def read_record(self, trusted: Any = None) -> multifile.CommitRecord:
+        try:
+            return self.record_sized(None, trusted)
+        except FileNotFoundError:
+            raise IncompleteError("no commit record: the save did not finish", path=self.path) from None
+
+    def record_sized(self, size: int | None, trusted: Any = None) -> multifile.CommitRecord:
+        """The commit record, its size as a listing gave it (None: unknown, the open bounds it),
+        refused above the limit before it is decoded; FileNotFoundError when absent.  With
+        `trusted` keys it must be signed by one and carry every file's SHA-256."""
+        url = str(self._url(multifile.COMMIT_NAME))
+        if size is not None and size > multifile.MAX_RECORD_BYTES:
+            raise LimitError(
+                f"commit record of {size} bytes exceeds the limit {multifile.MAX_RECORD_BYTES}", path=url
+            )
+        bound = multifile.record_memory(size if size is not None else multifile.MAX_RECORD_BYTES)
+        with CheckpointFile(url, max_bytes=bound, storage_options=self.options, trusted_keys=trusted) as f:
+            if f.prologue.file_length > multifile.MAX_RECORD_BYTES:
+                raise LimitError("commit record exceeds the limit", path=url)
+            record = multifile.record_from(f)
+        return record if trusted is None else recordsign.require_digests(record, url)
+
+    def write_record(self, record: multifile.CommitRecord, sign_with: Any = None) -> None:
+        url = self._url(multifile.COMMIT_NAME)
+        try:
+            self.save(multifile.COMMIT_NAME, record.as_value(), sign_with=sign_with, _create_only=True)
+        except FileExistsError:
+            raise CheckpointError(
+                "another save committed here while this one ran (the commit record is created only "
+                "if absent)",
+                path=str(url),
+            ) from None
+
+    def withdraw_record(self) -> None:
+        self.remove(multifile.COMMIT_NAME)
+
+    def check_digests(self, parts: list[multifile.PartRecord]) -> None:
+        for part in parts:
+            recordsign.check_object(str(self._url(part.name)), part, self.options, None)
+
+    def with_digest(self, part: multifile.PartRecord) -> multifile.PartRecord:
+        """The object is read back whole to hash it: one more pass over its bytes."""
+        digest, _ = recordsign.object_sha256(str(self._url(part.name)), self.options)
+        return dataclasses.replace(part, sha256=digest)
+
+    def remove_leftovers(self) -> None:
+        listing.abort_stale_uploads(self.url, self.options, STALE_AFTER)
+
+
+def place_at(
+    path: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *, create: bool = False
+) -> Place:
+    """The place `path` names: an object-store prefix for a URL, else a local directory opened
+    (created first when `create`; IncompleteError when absent, LinkError when not a directory)."""
+    text = normalized(path)
+    if is_url(text):
+        return ObjectPlace(text, storage_options)
+    if storage_options:
+        raise ValueError(f"{text}: storage_options are for object-store URLs")
+    try:
+        return LocalPlace(CheckpointDir.open(text, create=create))
+    except FileNotFoundError:
+        raise IncompleteError("no such checkpoint directory", path=text) from None
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise IncompleteError(f"cannot open the directory: {e.strerror}", path=text) from None
+
+
+@contextlib.contextmanager
+def held(
+    where: Place | CheckpointDir | str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> Iterator[Place]:
+    """`where` as a Place: one given (or a CheckpointDir) is lent, not closed here; a path or
+    URL is opened here (place_at) and closed after."""
+    if isinstance(where, Place):
+        yield where
+    elif isinstance(where, CheckpointDir):
+        yield LocalPlace(where, owned=False)
+    else:
+        with place_at(where, storage_options) as p:
+            yield p
