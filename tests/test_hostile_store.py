@@ -5,6 +5,7 @@ ckptfmt error naming the URL, in bounded time and memory, never wrong data or a 
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -406,3 +407,26 @@ def test_a_listing_of_uploads_that_never_ends_is_refused(store):
     store.uploads = _uploads([], next_marker="run/step-000000001/state.ckpt")
     e = _within(10, lambda: ObjectRun("s3://bucket/run", store.options).cleanup())
     assert isinstance(e, StorageError) and "repeats" in str(e), e
+
+
+def test_verify_of_a_run_on_a_refusing_store_is_exit_2_naming_the_url(s3_faults, monkeypatch):
+    # `ckptfmt verify s3://bucket/run` whose listing is refused: an error line and exit 2,
+    # as `ls` and a file's verify give, not a traceback
+    from cli_runner import run_cli
+
+    options = s3_faults.storage_options()
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/run"
+    ckptfmt.CheckpointManager(url, storage_options=options).save(1, {"w": torch.zeros(3)})
+    for name, var in (
+        ("endpoint_url", "AWS_ENDPOINT_URL"),
+        ("aws_access_key_id", "AWS_ACCESS_KEY_ID"),
+        ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+    ):
+        monkeypatch.setenv(var, options[name])
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    s3_faults.fail_next("GET", "list-type", status=403, code="AccessDenied", count=50)
+    out = run_cli("verify", url, rc=2)
+    assert url in out.stdout + out.stderr and "access denied" in out.stdout + out.stderr
+    res = json.loads(run_cli("verify", url, "--json", rc=2).stdout)
+    assert [f["status"] for f in res["files"]] == ["unreadable"]

@@ -76,7 +76,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
             return exit_code(error)
     for path in args.paths:
         if is_url(path) and not remote.is_object(path):  # a run's prefix
-            entries = remote.run_entries(path, args.step, problem_dict)
+            try:
+                entries = remote.run_entries(path, args.step, problem_dict)
+            except (OSError, CheckpointError) as err:  # the store refused, or its listing
+                results.append({"path": path, "status": "unreadable", "error": str(err)})
+                status = max(status, exit_code(err))
+                continue
             results += entries
             if any(
                 e["status"] in ("failed", "damaged") or args.step is not None and e["status"] != "ok"
