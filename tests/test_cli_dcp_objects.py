@@ -69,3 +69,18 @@ def test_a_damaged_rank_object_fails_verify_and_ls(env_bucket):
     info = json.loads(run_cli("ls", url, "--json", rc=0).stdout)
     assert not info["complete"] and info["files"][0]["status"] == "missing"
     assert "missing" in run_cli("consolidate", url, f"s3://{env_bucket}/x.ckpt", rc=1).stderr
+
+
+def test_verify_of_a_dcp_prefix_demands_what_load_demands(env_bucket, tmp_path):
+    """--trusted-key on a DCP checkpoint's prefix: unsigned fails as cdcp.load refuses it,
+    signed by the key is OK."""
+    run_cli("keygen", str(tmp_path / "k"), rc=0)
+    plain, signed = f"s3://{env_bucket}/plain", f"s3://{env_bucket}/signed"
+    cdcp.save(_state(), plain)
+    cdcp.save(_state(), signed, sign_with=tmp_path / "k")
+    pub = str(tmp_path / "k.pub")
+    res = json.loads(run_cli("verify", plain, "--trusted-key", pub, "--json", rc=1).stdout)
+    assert res["files"][0]["problems"][0]["kind"] == "signature"
+    with pytest.raises(ckptfmt.SignatureError):
+        cdcp.load(_state(), plain, trusted_keys=[pub])
+    assert run_cli("verify", signed, "--trusted-key", pub, rc=0).stdout.strip() == f"{signed}: OK"

@@ -5,6 +5,7 @@ ckptfmt error naming the URL, in bounded time and memory, never wrong data or a 
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -40,6 +41,7 @@ class HostileStore:
         self.head: Answer | None = None
         self.get: Answer | None = None
         self.listing: Answer | None = None
+        self.uploads: Answer | None = None
         #: every request as (method, path with query), in the order they came
         self.seen: list[tuple[str, str]] = []
         outer = self
@@ -58,7 +60,7 @@ class HostileStore:
                 if "list-type" in query:
                     (outer.listing or outer.empty_listing)(self)
                 elif "uploads" in query:
-                    outer.no_uploads(self)
+                    (outer.uploads or outer.no_uploads)(self)
                 else:
                     (outer.get or outer.honest_get)(self)
 
@@ -363,3 +365,68 @@ def test_an_unreadable_header_in_a_ranged_answer_is_a_storage_error(store):
     with pytest.raises(StorageError) as e:
         ckptfmt.load(URL, storage_options=store.options)
     assert URL in str(e.value)
+
+
+def _uploads(keys: list[str], next_marker: str | None = None) -> Answer:
+    """A ListMultipartUploads answer naming uploads of `keys` begun long ago; truncated, with
+    `next_marker` as its next key marker, when one is given."""
+    ups = "".join(
+        f"<Upload><Key>{k}</Key><UploadId>u-{k}</UploadId><Initiated>{STALE}</Initiated></Upload>"
+        for k in keys
+    )
+    more = (
+        f"<IsTruncated>true</IsTruncated><NextKeyMarker>{next_marker}</NextKeyMarker>"
+        f"<NextUploadIdMarker>u-{next_marker}</NextUploadIdMarker>"
+        if next_marker
+        else "<IsTruncated>false</IsTruncated>"
+    )
+    body = (
+        f'<?xml version="1.0"?><ListMultipartUploadsResult>{more}{ups}</ListMultipartUploadsResult>'.encode()
+    )
+    return lambda h: _reply(
+        h, 200, {"Content-Length": str(len(body)), "Content-Type": "application/xml"}, body
+    )
+
+
+def test_cleanup_reads_every_page_of_uploads(store):
+    # a crashed saver's upload on the second page of the listing of uploads is aborted too
+    def paged(h):
+        first = "key-marker" not in parse_qs(urlsplit(h.path).query)
+        if first:
+            _uploads(["run/step-000000001/state.ckpt"], next_marker="run/step-000000001/state.ckpt")(h)
+        else:
+            _uploads(["run/step-000000002/state.ckpt"])(h)
+
+    store.uploads = paged
+    ObjectRun("s3://bucket/run", store.options).cleanup()
+    aborted = sorted(p for m, p in store.deletes() if "uploadId=" in p)
+    assert len(aborted) == 2 and "step-000000002" in aborted[1], aborted
+
+
+def test_a_listing_of_uploads_that_never_ends_is_refused(store):
+    store.uploads = _uploads([], next_marker="run/step-000000001/state.ckpt")
+    e = _within(10, lambda: ObjectRun("s3://bucket/run", store.options).cleanup())
+    assert isinstance(e, StorageError) and "repeats" in str(e), e
+
+
+def test_verify_of_a_run_on_a_refusing_store_is_exit_2_naming_the_url(s3_faults, monkeypatch):
+    # `ckptfmt verify s3://bucket/run` whose listing is refused: an error line and exit 2,
+    # as `ls` and a file's verify give, not a traceback
+    from cli_runner import run_cli
+
+    options = s3_faults.storage_options()
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/run"
+    ckptfmt.CheckpointManager(url, storage_options=options).save(1, {"w": torch.zeros(3)})
+    for name, var in (
+        ("endpoint_url", "AWS_ENDPOINT_URL"),
+        ("aws_access_key_id", "AWS_ACCESS_KEY_ID"),
+        ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+    ):
+        monkeypatch.setenv(var, options[name])
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    s3_faults.fail_next("GET", "list-type", status=403, code="AccessDenied", count=50)
+    out = run_cli("verify", url, rc=2)
+    assert url in out.stdout + out.stderr and "access denied" in out.stdout + out.stderr
+    res = json.loads(run_cli("verify", url, "--json", rc=2).stdout)
+    assert [f["status"] for f in res["files"]] == ["unreadable"]

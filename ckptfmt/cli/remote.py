@@ -76,12 +76,13 @@ def has_record(url: str) -> bool:
     return ObjectPlace(url).exists(multifile.COMMIT_NAME)
 
 
-def checkpoint_entry(url: str, problem_dict: Any, decrypt: Any = None) -> dict[str, Any]:
-    """verify's entry for the multi-file checkpoint under the prefix `url`."""
+def checkpoint_entry(url: str, problem_dict: Any, decrypt: Any = None, trusted: Any = None) -> dict[str, Any]:
+    """verify's entry for the multi-file checkpoint under the prefix `url`, with the checks
+    a load makes (`trusted` keys, `decrypt` key)."""
     from ..files.places import ObjectPlace
     from ..runs.stepcheck import verify_objects
 
-    report = verify_objects(ObjectPlace(url), decrypt)
+    report = verify_objects(ObjectPlace(url), decrypt, trusted)
     return {
         "path": report.path,
         "step": None,

@@ -76,12 +76,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
             return exit_code(error)
     for path in args.paths:
         if is_url(path) and not remote.is_object(path) and args.step is None and remote.has_record(path):
-            entry = remote.checkpoint_entry(path, problem_dict, decrypt)  # one checkpoint's prefix
+            entry = remote.checkpoint_entry(path, problem_dict, decrypt, trusted)  # one checkpoint's prefix
             results.append(entry)
             status = max(status, FILE_FAILED if entry["problems"] else EXIT_OK)
             continue
         if is_url(path) and not remote.is_object(path):  # a run's prefix
-            entries = remote.run_entries(path, args.step, problem_dict, trusted, decrypt or None)
+            try:
+                entries = remote.run_entries(path, args.step, problem_dict, trusted, decrypt or None)
+            except (OSError, CheckpointError) as err:  # the store refused, or its listing
+                results.append({"path": path, "status": "unreadable", "error": str(err)})
+                status = max(status, exit_code(err))
+                continue
             results += entries
             if any(
                 e["status"] in ("failed", "damaged") or args.step is not None and e["status"] != "ok"

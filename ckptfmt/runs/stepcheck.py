@@ -108,16 +108,16 @@ def verify_step(
     return report
 
 
-def verify_objects(place: ObjectPlace, decrypt: Any = None) -> VerifyReport:
+def verify_objects(place: ObjectPlace, decrypt: Any = None, trusted: Any = None) -> VerifyReport:
     """verify_step of a checkpoint under an object-store prefix (spec 13.7): its commit record
     (for the step its name says, its layout's member checked), every chunk of the record and of
     every file it names, each file read through the open its identity was checked on (pinned to
-    that object's ETag), then, for layout "dcp", everything cdcp.load checks.  Signed records
-    are not read from a store in this version (UnsupportedError, as a problem)."""
+    that object's ETag), then, for layout "dcp", everything cdcp.load checks.  With `trusted`
+    keys the record must be signed by one, and each file is hashed against it, as a load does."""
     report = VerifyReport(place.path)
     step = parse_step_dirname(place.path.rsplit("/", 1)[-1])
     try:
-        record = place.read_record()
+        record = place.read_record(trusted)
         if step is not None and record.step != step:
             raise CorruptError(f"the commit record is for step {record.step}, not {step}", path=place.path)
         if record.layout == "dcp":
@@ -128,7 +128,7 @@ def verify_objects(place: ObjectPlace, decrypt: Any = None) -> VerifyReport:
         with CheckpointFile(commit, storage_options=place.options) as f:
             _add_part(report, multifile.COMMIT_NAME, f, None)
         for part in record.files:
-            with place.open_part(part, part.name, decrypt=decrypt) as f:
+            with place.open_part(part, part.name, trusted=trusted, decrypt=decrypt) as f:
                 _add_part(report, part.name, f, record.layout)
         if record.layout == "dcp" and report.ok:
             report.problems += _dcp_problems(place, decrypt)

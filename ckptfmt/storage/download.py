@@ -73,6 +73,14 @@ def head(url: ObjectURL, options: dict[str, Any]) -> tuple[int, str]:
     return size, etag
 
 
+def _tag_value(etag: object) -> object:
+    """An ETag as compared between answers: a weak marker and the quotes, which a proxy may
+    add or drop, set aside."""
+    if not isinstance(etag, str):
+        return etag
+    return etag.removeprefix("W/").strip('"')
+
+
 class RemoteObject:
     """One object being read: its size and ETag, and a Spool holding the bytes fetched so far."""
 
@@ -205,7 +213,7 @@ class RemoteObject:
             raise StorageError(
                 f"{what}: the store answered {reply.get('ContentRange')!r} for {expected!r}", path=self.path
             )
-        if reply.get("ETag", self.etag) != self.etag:
+        if _tag_value(reply.get("ETag", self.etag)) != _tag_value(self.etag):
             # a store that ignores If-Match (some S3-compatible ones do) serves the new version
             reply["Body"].close()
             raise StorageError(f"{what}: the object changed while it was being read", path=self.path)

@@ -62,6 +62,41 @@ def objects(url: ObjectURL, options: dict[str, Any]) -> dict[str, tuple[int, dat
     return out
 
 
+def _uploads(url: ObjectURL, options: dict[str, Any], prefix: str) -> Iterator[Any]:
+    """The multipart uploads beneath `prefix`, every page of them, with the bounds that
+    _pages_with puts on a listing of objects."""
+    c = s3.client_for(options)
+    markers: dict[str, str] = {}
+    seen: set[bytes] = set()
+    for _ in range(MAX_PAGES):
+        reply = s3.request(
+            str(url),
+            "list uploads",
+            partial(c.list_multipart_uploads, Bucket=url.bucket, Prefix=prefix, **markers),
+        )
+        yield from reply.get("Uploads", []) or []
+        if not reply.get("IsTruncated"):
+            return
+        key, upload = reply.get("NextKeyMarker"), reply.get("NextUploadIdMarker")
+        if not isinstance(key, str) or not key:
+            raise StorageError("list uploads: a truncated listing without a next marker", path=str(url))
+        markers = {"KeyMarker": key} | (
+            {"UploadIdMarker": upload} if isinstance(upload, str) and upload else {}
+        )
+        digest = _digest(repr(sorted(markers.items())))
+        if digest in seen:
+            raise StorageError(
+                "list uploads: the listing repeats a marker (it would never end)", path=str(url)
+            )
+        seen.add(digest)
+    raise LimitError(f"list uploads: the listing has more than {MAX_PAGES} pages", path=str(url))
+
+
+def _digest(token: str) -> bytes:
+    """A short digest of a continuation token or marker (their length is the store's to choose)."""
+    return hashlib.blake2b(token.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 def _utc(when: Any) -> datetime.datetime | None:
     """A time from a store's answer, made comparable with now: one without a zone (botocore
     gives those when the store sends none) is taken as UTC, as S3 means it."""
@@ -98,7 +133,7 @@ def _pages_with(
             raise StorageError(
                 f"{operation}: a truncated listing without a continuation token", path=str(url)
             )
-        digest = hashlib.blake2b(nxt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        digest = _digest(nxt)
         if digest in seen_tokens:
             raise StorageError(
                 f"{operation}: the listing repeats a continuation token (it would never end)",
@@ -146,12 +181,9 @@ def abort_stale_uploads(
     (another program's upload beneath the same prefix is not a leftover); returns how many."""
     c = s3.client_for(options)
     prefix = _prefix(url)
-    reply = s3.request(
-        str(url), "list uploads", lambda: c.list_multipart_uploads(Bucket=url.bucket, Prefix=prefix)
-    )
     now = datetime.datetime.now(datetime.timezone.utc)
     aborted = 0
-    for up in reply.get("Uploads", []) or []:
+    for up in _uploads(url, options, prefix):
         key, upload_id, began = up.get("Key"), up.get("UploadId"), _utc(up.get("Initiated"))
         if not isinstance(key, str) or not key.startswith(prefix) or not isinstance(upload_id, str):
             continue
