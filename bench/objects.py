@@ -57,18 +57,13 @@ from common import (  # noqa: E402
 from object_clients import download, payload, prepare, server_peak_rss, upload  # noqa: E402
 from object_clients import summary as client_summary  # noqa: E402
 
-TOOLS = ["ckptfmt", "ckptfmt-16M", "s3torchconnector", "dcp-s3fs", "floor"]
+TOOLS = ["ckptfmt", "s3torchconnector", "dcp-s3fs", "floor"]
 MODULES = {
     "ckptfmt": "ckptfmt",
-    "ckptfmt-16M": "ckptfmt",
     "s3torchconnector": "s3torchconnector",
     "dcp-s3fs": "s3fs",
     "floor": "boto3",
 }
-#: loads only, a diagnostic: ckptfmt's load with its ranged GETs made 16 MiB (the floor's size)
-#: instead of storage/download.py's REQUEST_BYTES, to show what the request size costs on moto
-DIAGNOSTIC = "ckptfmt-16M"
-DIAGNOSTIC_REQUEST = 16 << 20
 PEERS = ["s3torchconnector", "dcp-s3fs"]
 FLOOR_CLIENT = "boto3-parallel"
 S3TORCH_SAVE_BLOCKED = (
@@ -210,13 +205,6 @@ def save(tool: str, state: Any, url: str, opts: dict[str, str], ctx: Any) -> Non
 
 
 def load(tool: str, url: str, opts: dict[str, str], ctx: Any, into: Any) -> Any:
-    if tool == DIAGNOSTIC:
-        from ckptfmt.storage import download as ckptfmt_download
-
-        # plan_requests binds its request size as a default argument: change that default
-        plan = ckptfmt_download.plan_requests
-        plan.__defaults__ = (DIAGNOSTIC_REQUEST, *(plan.__defaults__ or ())[1:])
-        tool = "ckptfmt"
     if tool == "ckptfmt":
         import ckptfmt
 
@@ -239,7 +227,6 @@ def load(tool: str, url: str, opts: dict[str, str], ctx: Any, into: Any) -> Any:
 
 IMPORTS = {
     "ckptfmt": ["torch", "boto3", "ckptfmt", "ckptfmt.storage.client"],
-    DIAGNOSTIC: ["torch", "boto3", "ckptfmt", "ckptfmt.storage.client", "ckptfmt.storage.download"],
     "s3torchconnector": ["torch", "s3torchconnector"],
     "dcp-s3fs": [
         "torch",
@@ -366,7 +353,6 @@ def delete_prefix(s3: Any, bucket: str, prefix: str) -> None:
 def loadable(tool: str) -> str:
     return {
         "ckptfmt": "src.ckpt",
-        DIAGNOSTIC: "src.ckpt",
         "s3torchconnector": "src.pt",
         "dcp-s3fs": "src-dcp",
         "floor": "src.bin",
@@ -376,7 +362,7 @@ def loadable(tool: str) -> str:
 def prepare_sources(tools: list[str], size: int, opts: dict[str, str], bucket: str) -> dict[str, Any]:
     """The objects every load reads (saved once, untimed), and the digest each load must match."""
     want: dict[str, Any] = {}
-    for tool in dict.fromkeys("ckptfmt" if t == DIAGNOSTIC else t for t in tools):
+    for tool in tools:
         url = f"s3://{bucket}/{loadable(tool)}"
         op = "put-torch" if tool == "s3torchconnector" else "save"
         arg = state_bytes(size) if tool == "floor" else size
@@ -393,7 +379,6 @@ def measure(size: int, rounds: int, tools: list[str]) -> dict[str, Any]:
         bucket = server.new_bucket()
         s3 = server.client()
         want = prepare_sources(tools, size, opts, bucket)
-        want[DIAGNOSTIC] = want.get("ckptfmt")
         sizes = {t: object_bytes(s3, bucket, loadable(t)) for t in tools}
         nbytes = state_bytes(size)
         log = RequestLog(server)
@@ -401,7 +386,7 @@ def measure(size: int, rounds: int, tools: list[str]) -> dict[str, Any]:
             for tool in rotated(tools, r):
                 ops = ["save", "load"] if r % 2 == 0 else ["load", "save"]
                 for op in ops:
-                    if op == "save" and tool in ("s3torchconnector", DIAGNOSTIC):
+                    if op == "save" and tool == "s3torchconnector":
                         continue
                     key = (
                         loadable(tool)
@@ -446,8 +431,6 @@ def ratios(rows: dict[str, Any], tools: list[str]) -> dict[str, Any]:
         if ours is None:
             continue
         for other in tools:
-            if other == DIAGNOSTIC:
-                continue
             theirs = rows.get(f"{other}/{op}")
             if other != "ckptfmt" and theirs is not None:
                 out[f"{op}/{other}"] = theirs["seconds"]["median"] / ours["seconds"]["median"]
@@ -480,8 +463,7 @@ def markdown(doc: dict[str, Any]) -> str:
         for op in ("save", "load"):
             row = doc["rows"].get(f"{tool}/{op}")
             if row is None:
-                why = "not measured (its save is ckptfmt's)" if tool == DIAGNOSTIC else "not measured"
-                lines.append(f"| {tool} | {op} | {why} | | | | | |")
+                lines.append(f"| {tool} | {op} | not measured | | | | | |")
                 continue
             s = row["seconds"]
             reqs = ", ".join(f"{k} {v}" for k, v in sorted(row["requests"].items()))
@@ -492,12 +474,6 @@ def markdown(doc: dict[str, Any]) -> str:
             )
     lines += ["", "| ckptfmt against | ratio (other's seconds / ckptfmt's) |", "|---|---|"]
     lines += [f"| {k} | {v:.2f} |" for k, v in doc["ratios"].items()]
-    if DIAGNOSTIC in doc["tools"]:
-        lines += [
-            "",
-            f"{DIAGNOSTIC}: a diagnostic, not a product row: ckptfmt.load with its ranged GETs made"
-            f" {DIAGNOSTIC_REQUEST >> 20} MiB (the floor's) instead of storage/download.py's REQUEST_BYTES.",
-        ]
     if "s3torchconnector" in doc["tools"]:
         lines += ["", f"s3torchconnector save: not measured. {S3TORCH_SAVE_BLOCKED}."]
     return "\n".join(lines) + "\n"

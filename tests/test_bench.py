@@ -206,7 +206,6 @@ def test_objects_quick(tmp_path):
     assert {"ckptfmt", "floor"} <= set(doc["tools"])
     assert set(doc["tools"]) | set(doc["missing"]) == {
         "ckptfmt",
-        "ckptfmt-16M",
         "s3torchconnector",
         "dcp-s3fs",
         "floor",
@@ -214,8 +213,8 @@ def test_objects_quick(tmp_path):
     rows = doc["rows"]
     for tool in doc["tools"]:
         for op in ("save", "load"):
-            # s3torchconnector's save cannot complete against moto (reported); ckptfmt-16M loads only
-            if op == "save" and tool in ("s3torchconnector", "ckptfmt-16M"):
+            # s3torchconnector's save cannot complete against moto (reported)
+            if op == "save" and tool == "s3torchconnector":
                 assert f"{tool}/{op}" not in rows
                 continue
             row = rows[f"{tool}/{op}"]
