@@ -236,7 +236,9 @@ def do_manager_save(rank: int, world: int, t: dict[str, Any]) -> dict[str, Any]:
         ckptfmt.save(flat, t["ref"])
     if rank == t.get("victim"):
         die_at_first_fsync()
-    manager = ckptfmt.CheckpointManager(t["run"], keep_last=t.get("keep_last"))
+    manager = ckptfmt.CheckpointManager(
+        t["run"], keep_last=t.get("keep_last"), storage_options=t.get("storage_options")
+    )
     torch.manual_seed(1234 + rank)  # per-rank generators, restored by load_into
     expected_draw = torch.rand(3).tolist()
     torch.manual_seed(1234 + rank)
@@ -249,7 +251,7 @@ def do_manager_save(rank: int, world: int, t: dict[str, Any]) -> dict[str, Any]:
 
 def do_manager_load(rank: int, world: int, t: dict[str, Any]) -> dict[str, Any]:
     model, opt, _ = build(t["scenario"], t["seed"], world)
-    manager = ckptfmt.CheckpointManager(t["run"])
+    manager = ckptfmt.CheckpointManager(t["run"], storage_options=t.get("storage_options"))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         latest = manager.latest()

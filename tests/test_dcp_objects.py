@@ -66,6 +66,22 @@ def group(s3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
                 **common,
             },
         ]
+        # a checkpoint manager's run on the store, saved by both ranks (step 3 after step 2,
+        # keep_last=1), then resumed by both
+        run = {"scenario": "dtensor", "run": f"{url}/run", **common}
+        tasks += [
+            {"op": "msave", "name": "msave2", "seed": 11, "step": 2, "keep_last": 1, "ref": None, **run},
+            {
+                "op": "msave",
+                "name": "msave3",
+                "seed": 12,
+                "step": 3,
+                "keep_last": 1,
+                "ref": str(work / "m.ref"),
+                **run,
+            },
+            {"op": "mload", "name": "mload", "seed": 13, "ref": str(work / "m.ref"), **run},
+        ]
         tasks[0]["ref"] = str(work / "dt.ref")
         results = run_group(2, tasks, work, "objects")
         left = proxy.pending_rules()
@@ -246,3 +262,18 @@ def _signing_key() -> Any:
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
     return ed25519.Ed25519PrivateKey.generate()
+
+
+def test_a_two_rank_run_of_the_manager_on_the_store(group, s3_server):
+    """CheckpointManager("s3://...") with two ranks: each step a DCP checkpoint on the store
+    (each rank its own object, the record last), rotated, resumed by both ranks bit-exactly,
+    each rank's RNG restored."""
+    r = group["results"]
+    assert [x["error"] for x in r["msave2"] + r["msave3"]] == [None] * 4
+    assert r["msave3"][0]["steps"] == [3]  # keep_last=1 rotated step 2 away
+    for rank, got in enumerate(r["mload"]):
+        assert got["latest"] == 3 and got["layout"] == "dcp" and got["values"] > 0  # every value equal
+        assert got["rng_restored"] and got["draw"] == r["msave3"][rank]["draw"]
+    run = ckptfmt.CheckpointManager(f"{group['url']}/run", storage_options=s3_server.storage_options())
+    assert run.verify().ok
+    assert set(run.load()) == {"model", "optim"}  # both ranks' state, as full tensors, in this process

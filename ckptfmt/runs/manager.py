@@ -203,6 +203,10 @@ class CheckpointManager:
             return archived[-1]
         return local
 
+    def _store_options(self) -> dict[str, Any] | None:
+        """The object store's client settings where steps may lie on one (the archive's)."""
+        return self.archive.options if self.archive is not None else None
+
     def _archived(self) -> list[CheckpointInfo]:
         """The archive's complete steps, oldest first (none without an archive); with trusted
         keys only those a trusted key signed, the others skipped with a warning."""
@@ -651,11 +655,10 @@ class CheckpointManager:
         return self._first_that_loads(step, fallback, lambda info: self._load_one(info, map_location))[0]
 
     def _load_one(self, info: CheckpointInfo, map_location: Any) -> Any:
-        _check_readable(info)
         if info.layout == "dcp":  # saved by several ranks: assembled here with full tensors
             from . import sharded
 
-            return sharded.load_step(info, self._trusted)
+            return sharded.load_step(info, self._trusted, self._store_options())
         devices.check_map_location(map_location)
         with self._state_file(info) as f:
             payload = f.load_subtree(f.tree.root, map_location, True)
@@ -712,11 +715,10 @@ class CheckpointManager:
     def _load_into_one(
         self, info: CheckpointInfo, state: Any, strict: bool, restore_rng: bool
     ) -> resume.ResumeReport:
-        _check_readable(info)
         if info.layout == "dcp":  # saved by several ranks: loaded into this run's sharding
             from . import sharded
 
-            return sharded.load_step_into(info, state, restore_rng, self._trusted)
+            return sharded.load_step_into(info, state, restore_rng, self._trusted, self._store_options())
         with self._state_file(info) as f:
             root = resume.node_items(f, f.tree.root)  # its entries: check_step
             fp, rng_state = resume_entries(f)
@@ -765,16 +767,6 @@ def _run_keys(encrypt_with: Any, decrypt_with: Any, incremental: bool) -> tuple[
     if decrypt_with is None and callable(encrypt_with):
         raise ValueError("a key service encrypts: give the callable that unwraps as decrypt_with")
     return encrypt_with, encrypt_with if decrypt_with is None else decrypt_with
-
-
-def _check_readable(info: CheckpointInfo) -> None:
-    """An archived step is read from the store: one state file, not a multi-rank save."""
-    if is_url(info.path) and info.layout != "state":
-        raise UnsupportedError(
-            f"step {info.step} was saved by several ranks (layout {info.layout!r}); it is read from "
-            "a local copy only in this version",
-            path=info.path,
-        )
 
 
 def _newest_state_file(scan: RunScan) -> str | None:

@@ -16,8 +16,11 @@ its record first (spec 13.7, 16.7).
 Incremental saves refer to objects of earlier steps (spec 12 on a store, 13.7); rotation
 retires a step later ones read from (its record deleted, its objects kept while referred to).
 
-Not in this version: multi-rank (DCP) saves and an archive tier of an object-store run (each
-raises at construction or save).
+Several ranks (or DTensors) save a step as a DCP checkpoint on the store, each rank its own
+object, the commit record (layout "dcp") created last by DCP's coordinator.
+
+Not in this version: an archive tier of an object-store run, and encrypted multi-rank runs
+(each raises at construction or save).
 """
 
 from __future__ import annotations
@@ -107,21 +110,16 @@ class ObjectRunManager(CheckpointManager):
     ) -> inflight.SaveHandle | None:
         """Save `state` as checkpoint `step` (see CheckpointManager.save)."""
         metrics, meta = self._check_save(step, metrics, metadata)
-        if is_sharded_save(state):
-            raise UnsupportedError(
-                "multi-rank saves go to local directories only in this version", path=self.directory
-            )
-        statuses = self.statuses()
-        newest = max(
-            [s.step for s in statuses if s.info is not None] + list(self._in_flight_steps()), default=None
-        )
-        if newest is not None and step <= newest:
-            raise ValueError(
-                f"step {step} is not after the newest checkpoint (step {newest}) in {self.directory}"
-            )
-        if any(s.step == step for s in statuses):  # a commit-less leftover of a failed save
-            self.run.delete_leftover(step)
-        self._tidy(self.directory, self.run.cleanup)
+        if is_sharded_save(state):  # every rank uploads its shard (sharded.py)
+            from . import sharded
+
+            if self._encrypt is not None:
+                raise UnsupportedError(
+                    "encrypted runs are saved by one process in this version", path=self.directory
+                )
+            sharded.save_object_step(self, step, state, metrics, meta)
+            return None
+        statuses = self._prepare_step(step)
         from .rng import capture_rng
 
         payload = resume.build_payload(state, step, capture_rng())
@@ -133,6 +131,25 @@ class ObjectRunManager(CheckpointManager):
             self._abandon(job)
             raise
         return self._commit_when_written(job)
+
+    def _prepare_step(self, step: int) -> list[StepStatus]:
+        """Check that `step` is after the newest checkpoint (ValueError), delete a failed save's
+        leftover of it, clean stale uploads and steps; the run's statuses before the save."""
+        statuses = self.statuses()
+        newest = max(
+            [s.step for s in statuses if s.info is not None] + list(self._in_flight_steps()), default=None
+        )
+        if newest is not None and step <= newest:
+            raise ValueError(
+                f"step {step} is not after the newest checkpoint (step {newest}) in {self.directory}"
+            )
+        if any(s.step == step for s in statuses):  # a commit-less leftover of a failed save
+            self.run.delete_leftover(step)
+        self._tidy(self.directory, self.run.cleanup)
+        return statuses
+
+    def _store_options(self) -> dict[str, Any] | None:
+        return self.run.options
 
     def _upload_state(self, job: StepJob, payload: dict[str, Any], statuses: list[StepStatus]) -> Any:
         """Upload the step's state object; an incremental run's refers to the chunks the newest

@@ -19,10 +19,12 @@ the saving world size keep theirs).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,12 +38,14 @@ from ..dcp.convert import load_full, skeleton
 from ..dcp.storage import Reader
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError, UnsupportedError
+from ..fileio import is_url
 from ..files import multifile
 from . import resume
 from .steps import StepJob, held, step_dirname
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
+    from .objectmanager import ObjectRunManager
     from .scan import RunScan
     from .steps import CheckpointInfo
 
@@ -147,6 +151,47 @@ def save_step(
     dist.barrier()  # when save() returns on any rank, the step is committed and rotated
 
 
+def save_object_step(
+    manager: ObjectRunManager, step: int, state: Any, metrics: dict[str, float], meta: dict[str, str]
+) -> None:
+    """save_step for a run on an object store: rank 0 checks the step is new and cleans up;
+    every rank uploads its shard; DCP's coordinator creates the step's commit record (layout
+    "dcp", only if absent) last; rank 0 rotates."""
+    from .rng import capture_rng
+
+    if manager.incremental:
+        raise UnsupportedError(
+            "incremental saves of a sharded run (several ranks, or DTensors) are not supported"
+        )
+    rank = dist.get_rank()
+    payload = {"state": resume.to_storable(state), "rng": {rng_key(rank): (capture_rng(),)}}
+    problem: list[str | None] = [None]
+    if rank == 0:
+        try:
+            manager._prepare_step(step)
+        except (OSError, CheckpointError, ValueError) as e:
+            problem[0] = str(e)
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(f"rank 0 cannot save step {step}: {problem[0]}", path=manager.directory)
+    save(
+        payload,
+        manager.run.step_path(step),
+        step=step,
+        metrics=metrics,
+        metadata=meta,
+        compression=manager.compression,
+        sign_with=manager._sign_key,
+        storage_options=manager.run.options,
+    )
+    if rank == 0:
+        try:
+            manager._rotate()
+        except (OSError, CheckpointError) as e:
+            warnings.warn(f"rotation in {manager.directory} failed: {e}", CheckpointWarning, stacklevel=3)
+    dist.barrier()  # when save() returns on any rank, the step is committed and rotated
+
+
 def _subset(md: Metadata, prefix: tuple[str, ...]) -> Metadata:
     """The metadata of the entries whose key path starts with `prefix`."""
     pd = md.planner_data if isinstance(md.planner_data, dict) else {}
@@ -168,10 +213,21 @@ def _open_step(info: CheckpointInfo) -> CheckpointDir:
             raise IncompleteError(f"cannot open the step directory: {e.strerror}", path=info.path) from None
 
 
-def _step_reader(info: CheckpointInfo, d: CheckpointDir, trusted: Any) -> Reader:
-    """A Reader of step `info` beneath `d`, its record read and checked to be that step's
-    (`trusted`: public keys, one of which must have signed it)."""
-    reader = Reader(info.path, trusted_keys=trusted, _within=d)
+@contextlib.contextmanager
+def _reading(info: CheckpointInfo, storage_options: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
+    """What makes ckptfmt.dcp read step `info` where it lies: beneath its directory, opened
+    without following a link, or on an object store with `storage_options`."""
+    if is_url(info.path):
+        yield {"storage_options": storage_options}
+        return
+    with _open_step(info) as d:
+        yield {"_within": d}
+
+
+def _step_reader(info: CheckpointInfo, where: dict[str, Any], trusted: Any) -> Reader:
+    """A Reader of step `info` (`where`: _reading's), its record read and checked to be that
+    step's (`trusted`: public keys, one of which must have signed it)."""
+    reader = Reader(info.path, trusted_keys=trusted, **where)
     try:
         reader.read_metadata()
         record = reader.record
@@ -186,10 +242,12 @@ def _step_reader(info: CheckpointInfo, d: CheckpointDir, trusted: Any) -> Reader
     return reader
 
 
-def load_step(info: CheckpointInfo, trusted: Any = None) -> Any:
+def load_step(
+    info: CheckpointInfo, trusted: Any = None, storage_options: dict[str, Any] | None = None
+) -> Any:
     """The whole saved state of a sharded step, full tensors, in this process."""
-    with _open_step(info) as d:
-        reader = _step_reader(info, d, trusted)
+    with _reading(info, storage_options) as where:
+        reader = _step_reader(info, where, trusted)
         try:
             # bounded and checked as consolidate is; every error a CheckpointError, never DCP's own
             return load_full(reader, _subset(reader.read_metadata(), ("state",)), info.path).get("state")
@@ -198,7 +256,11 @@ def load_step(info: CheckpointInfo, trusted: Any = None) -> Any:
 
 
 def load_step_into(
-    info: CheckpointInfo, state: Any, restore_rng: bool, trusted: Any = None
+    info: CheckpointInfo,
+    state: Any,
+    restore_rng: bool,
+    trusted: Any = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> resume.ResumeReport:
     """Fill `state` (in place, in this run's sharding) from a sharded step; restore this rank's
     RNG states when the step holds them (same world size).  Every rank calls it.  `trusted`:
@@ -206,8 +268,8 @@ def load_step_into(
     from .rng import restore_rng as restore
 
     rank = _rank()
-    with _open_step(info) as d:  # every read beneath it
-        reader = _step_reader(info, d, trusted)
+    with _reading(info, storage_options) as where:  # every local read beneath the step directory
+        reader = _step_reader(info, where, trusted)
         try:
             md = reader.read_metadata()
         finally:
@@ -215,9 +277,9 @@ def load_step_into(
         for obj in _stateful(state):
             if isinstance(obj, torch.optim.Optimizer) and not obj.state:
                 _init_optimizer_state(obj)
-        saved = _checked_rng(md, info.path, rank, d, trusted)  # before DCP loads into the caller's
+        saved = _checked_rng(md, info.path, rank, where, trusted)  # before DCP loads into the caller's
         target: dict[str, Any] = {"state": resume.to_storable(state)}
-        load(target, info.path, trusted_keys=trusted, _within=d)
+        load(target, info.path, trusted_keys=trusted, **where)
     _push_back(state, target["state"])
     report = resume.ResumeReport(step=info.step, path=info.path)
     if restore_rng and saved is not None:
@@ -226,7 +288,7 @@ def load_step_into(
     return report
 
 
-def _checked_rng(md: Any, path: str, rank: int, d: CheckpointDir, trusted: Any) -> Any:
+def _checked_rng(md: Any, path: str, rank: int, where: dict[str, Any], trusted: Any) -> Any:
     """This rank's RNG states from a sharded step (None when it holds none), read and checked
     to be what restore_rng restores before anything of the caller's is filled: a malformed
     capture fails the load while the caller's objects are as they were."""
@@ -237,7 +299,7 @@ def _checked_rng(md: Any, path: str, rank: int, d: CheckpointDir, trusted: Any) 
     # every rank takes part in the load (a collective), a rank the step holds no RNG states
     # of (a step saved on fewer ranks) with nothing to read
     target: dict[str, Any] = {"rng": rng} if rng else {}
-    load(target, path, trusted_keys=trusted, _within=d)
+    load(target, path, trusted_keys=trusted, **where)
     if not rng:
         return None
     saved = target["rng"][key]
