@@ -19,7 +19,13 @@ from test_dcp import run_group
 
 import ckptfmt
 from ckptfmt import dcp as cdcp
-from ckptfmt.errors import CheckpointError, CorruptError, IncompleteError, SignatureError
+from ckptfmt.errors import (
+    CheckpointError,
+    CorruptError,
+    IncompleteError,
+    SignatureError,
+    StorageError,
+)
 from ckptfmt.files import multifile
 from ckptfmt.files.places import ObjectPlace
 
@@ -277,3 +283,38 @@ def test_a_two_rank_run_of_the_manager_on_the_store(group, s3_server):
     run = ckptfmt.CheckpointManager(f"{group['url']}/run", storage_options=s3_server.storage_options())
     assert run.verify().ok
     assert set(run.load()) == {"model", "optim"}  # both ranks' state, as full tensors, in this process
+
+
+def test_a_rank_object_replaced_mid_load_is_an_error(s3_faults, s3_server):
+    """The rank object is replaced after the load looked it up (its HEAD) and before its bytes
+    are fetched: every GET is pinned to that ETag, so the load fails, never mixing versions."""
+    import threading
+
+    bucket = s3_faults.new_bucket()
+    options = s3_faults.storage_options() | {"request_size": MiB}
+    url = f"s3://{bucket}/swap"
+    _two_tensor_checkpoint(url, options)
+    _two_tensor_checkpoint(f"s3://{bucket}/other", options)  # the same bytes but another file id
+    client = s3_server.client()
+    other = client.get_object(Bucket=bucket, Key="other/rank-00000.ckpt")["Body"].read()
+    s3_faults.clear_counts()
+    s3_faults.delay("GET", "swap/rank-00000.ckpt", seconds=0.5)
+    failure: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            cdcp.load({"big": torch.zeros(6 * MiB // 4)}, url, storage_options=options)
+        except BaseException as e:
+            failure.append(e)
+
+    t = threading.Thread(target=load)
+    t.start()
+    for _ in range(400):  # the load has looked the object up: replace it while its GETs wait
+        if s3_faults.count("HEAD", "swap/rank-00000.ckpt"):
+            break
+        threading.Event().wait(0.01)
+    client.put_object(Bucket=bucket, Key="swap/rank-00000.ckpt", Body=other)
+    t.join(60)
+    s3_faults.clear_rules()
+    assert failure and isinstance(failure[0], StorageError), failure
+    assert "swap/rank-00000.ckpt" in str(failure[0]) and "changed while it was being read" in str(failure[0])

@@ -23,9 +23,7 @@ from ..engine import bytesview
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError
-from ..fileio import is_url
 from ..files import multifile, places
-from ..files.places import ObjectPlace
 from ..gcpause import pausing_in_main_thread
 from .planners import LoadPlanner, SavePlanner
 from .storage import Reader, SaveOptions, Writer
@@ -64,12 +62,11 @@ def _save_planner(process_group: dist.ProcessGroup | None, kind: str) -> SavePla
 
 
 def _record_left(path: str, storage_options: dict[str, Any] | None) -> bool:
-    """Whether a commit record is still at `path` (False where the store cannot say)."""
-    if not is_url(path):
-        return os.path.lexists(os.path.join(path, multifile.COMMIT_NAME))
+    """Whether a commit record is still at `path` (False where the place cannot say)."""
     try:
-        return ObjectPlace(path, storage_options).exists(multifile.COMMIT_NAME)
-    except CheckpointError:
+        with places.place_at(path, storage_options) as p:
+            return p.exists(multifile.COMMIT_NAME)
+    except (CheckpointError, OSError, ValueError):
         return False
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..errors import CorruptError, IncompleteError
+from ..errors import CheckpointError, CorruptError, IncompleteError
 from ..files import multifile
 from ..files.places import Place
 from ..files.reader import CheckpointFile
@@ -75,6 +75,8 @@ class Source:
             self.f = open_source(where, name, label, record, trusted, decrypt, storage_options)
         except FileNotFoundError:
             raise IncompleteError(f"{label} named by the commit record is missing", path=path) from None
+        except CheckpointError:  # a store's failure (a StorageError is an OSError too) says why itself
+            raise
         except OSError as e:
             raise IncompleteError(f"{label} cannot be read: {e.strerror}", path=path) from None
         part = next((p for p in record.files if p.name == name), None) if record is not None else None

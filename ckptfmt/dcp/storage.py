@@ -40,17 +40,13 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ..engine import native as _native
-from ..engine.ckptdir import CheckpointDir, LinkError
+from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, CorruptError, IncompleteError, UnsupportedError, UnsupportedObjectError
-from ..fileio import is_url
 from ..files import encryption, multifile, places, recordsign
 from ..files import save as writer
-from ..files.places import LocalPlace, ObjectPlace, Place
+from ..files.places import LocalPlace, Place
 from ..files.reader import CheckpointFile
 from ..gcpause import pausing_in_main_thread
-from ..storage.client import check_options
-from ..storage.download import head
-from ..storage.urls import parse_url
 from . import metadata as mdv
 from . import regions
 from .check import check_items, read_record
@@ -186,7 +182,7 @@ class Writer(_HeldPlace, StorageWriter):
     ) -> None:
         super().__init__()
         self.path = places.normalized(path)
-        self.storage_options = _check_place_options(self.path, storage_options)
+        self.storage_options = places.check_place_options(self.path, storage_options)
         encryption.sealer(encrypt_with)  # a bad key, or an engine without libcrypto, fails here
         self._encrypt = encrypt_with
         self._sign_key = recordsign.private_key(sign_with)  # a bad key fails before any rank writes
@@ -215,7 +211,7 @@ class Writer(_HeldPlace, StorageWriter):
             if path != self.path:
                 self._within = None
                 self._step_dir = False
-                _check_place_options(path, self.storage_options)
+                places.check_place_options(path, self.storage_options)
             self.path = path
         self.close()  # each save opens the directory afresh
         self.save_id = uuid.uuid4().hex
@@ -446,13 +442,6 @@ def _remove_stale_rank_files(d: Place, keep: set[str]) -> None:
     d.remove_leftovers()
 
 
-def _check_place_options(path: str, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`storage_options`, which only an object-store URL takes."""
-    if storage_options and not is_url(path):
-        raise ValueError(f"{path}: storage_options are for object-store URLs (s3://...)")
-    return storage_options
-
-
 # -- reading --------------------------------------------------------------------------------------
 
 
@@ -485,7 +474,7 @@ class Reader(_HeldPlace, StorageReader):
         self._trusted = recordsign.public_keys(trusted_keys)
         self._decrypt = decrypt_with
         self.path = places.normalized(path)
-        self.storage_options = _check_place_options(self.path, storage_options)
+        self.storage_options = places.check_place_options(self.path, storage_options)
         # A checkpoint directory is opened once (`_within`: one the caller opened, such as a
         # step directory the manager opened beneath its run without following a link; it is
         # dup'ed, not taken): the record and every rank file are read beneath that descriptor.
@@ -502,7 +491,7 @@ class Reader(_HeldPlace, StorageReader):
         if checkpoint_id:
             path = places.normalized(checkpoint_id)
             if path != self.path:
-                _check_place_options(path, self.storage_options)
+                places.check_place_options(path, self.storage_options)
                 self._metadata = None
                 self._where = None
                 self.close()
@@ -517,22 +506,7 @@ class Reader(_HeldPlace, StorageReader):
     def _open_dir(self) -> Place | None:
         """The checkpoint's place, opened once; None when the path is a single file."""
         if self._place is None:
-            if is_url(self.path):
-                place = ObjectPlace(self.path, self.storage_options)
-                if not place.exists(multifile.COMMIT_NAME) and _object_exists(
-                    self.path, self.storage_options
-                ):
-                    return None  # no commit record beneath it, an object at it: a single file
-                self._place = place
-                return place
-            try:
-                self._place = LocalPlace(CheckpointDir.open(self.path))
-            except LinkError:  # not a directory: a single checkpoint file
-                return None
-            except FileNotFoundError:
-                return None  # the single-file path says it is missing
-            except OSError as e:
-                raise IncompleteError(f"cannot open the directory: {e.strerror}", path=self.path) from None
+            self._place = places.checkpoint_place(self.path, self.storage_options)
         return self._place
 
     @pausing_in_main_thread
@@ -689,14 +663,6 @@ class Reader(_HeldPlace, StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
-
-
-def _object_exists(url: str, storage_options: dict[str, Any] | None) -> bool:
-    try:
-        head(parse_url(url), check_options(storage_options))
-    except (FileNotFoundError, UnsupportedError):
-        return False
-    return True
 
 
 def _committer(planner: _BaseLoadPlanner, req: Any, dest: torch.Tensor) -> Any:

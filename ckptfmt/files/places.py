@@ -26,8 +26,8 @@ from types import TracebackType
 from typing import Any
 
 from ..engine import commit
-from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError
+from ..engine.ckptdir import CheckpointDir, LinkError
+from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
 from ..fileio import is_url
 from ..storage import listing
 from ..storage.client import check_options
@@ -361,8 +361,7 @@ def place_at(
     text = normalized(path)
     if is_url(text):
         return ObjectPlace(text, storage_options)
-    if storage_options:
-        raise ValueError(f"{text}: storage_options are for object-store URLs")
+    check_place_options(text, storage_options)
     try:
         return LocalPlace(CheckpointDir.open(text, create=create))
     except FileNotFoundError:
@@ -371,6 +370,36 @@ def place_at(
         raise
     except OSError as e:
         raise IncompleteError(f"cannot open the directory: {e.strerror}", path=text) from None
+
+
+def checkpoint_place(path: str, storage_options: dict[str, Any] | None = None) -> Place | None:
+    """The place of the multi-file checkpoint at `path`, or None where `path` is a single file
+    (an object with no commit record beneath it; a local path that is not a directory) or
+    nothing at all (the file reader then says what is missing)."""
+    if is_url(path):
+        place = ObjectPlace(path, storage_options)
+        if place.exists(multifile.COMMIT_NAME):
+            return place
+        try:
+            head(parse_url(path), place.options)
+        except (FileNotFoundError, UnsupportedError):
+            return place  # neither: read as a checkpoint prefix, which says its record is missing
+        return None
+    try:
+        return LocalPlace(CheckpointDir.open(path))
+    except LinkError:  # not a directory: a single checkpoint file
+        return None
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise IncompleteError(f"cannot open the directory: {e.strerror}", path=path) from None
+
+
+def check_place_options(path: str, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`storage_options`, which only an object-store URL takes (ValueError for a local path)."""
+    if storage_options and not is_url(path):
+        raise ValueError(f"{path}: storage_options are for object-store URLs (s3://...)")
+    return storage_options
 
 
 @contextlib.contextmanager
