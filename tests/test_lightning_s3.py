@@ -354,3 +354,26 @@ def test_a_missing_bucket_is_named(store: dict[str, Any]) -> None:
         io.load_checkpoint(missing_bucket)
     with pytest.raises((ckptfmt.CheckpointError, FileNotFoundError), match="-absent"):
         io.save_checkpoint({"w": torch.ones(3)}, missing_bucket)
+
+
+def test_per_call_storage_options_reach_the_client(store: dict[str, Any]) -> None:
+    """Trainer.save_checkpoint(url, storage_options=...) on s3://: client settings over the
+    plugin's own (another endpoint is used: it fails, naming the URL), ckptfmt's save options
+    (compression), and an unknown setting refused naming the URL."""
+    import re
+
+    io = _plugin(store)
+    url = f"{store['root']}/a.ckpt"
+    io.save_checkpoint(
+        {"w": torch.zeros(1 << 16)}, url, storage_options={"compression": "zstd", "max_attempts": 2}
+    )
+    assert len(_objects(store)["run/a.ckpt"]) < (1 << 16)
+    other = f"{store['root']}/b.ckpt"
+    with pytest.raises(ckptfmt.StorageError, match=re.escape(other)):
+        io.save_checkpoint(
+            {"w": torch.zeros(3)}, other, storage_options={"endpoint_url": "http://127.0.0.1:9"}
+        )
+    with pytest.raises(ValueError, match=re.escape(url) + ": unknown storage option 'bogus'"):
+        io.save_checkpoint({}, url, storage_options={"bogus": 1})
+    assert set(_objects(store)) == {"run/a.ckpt"}
+    assert torch.equal(io.load_checkpoint(url)["w"], torch.zeros(1 << 16))
