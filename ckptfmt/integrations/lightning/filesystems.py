@@ -258,8 +258,9 @@ def _original_class(protocol: str) -> type:
 
 
 def __getattr__(name: str) -> Any:
-    if name.startswith(_VIEW_PREFIX):
-        return view_class(name[len(_VIEW_PREFIX) :])
+    protocol = name[len(_VIEW_PREFIX) :]
+    if name.startswith(_VIEW_PREFIX) and (protocol in known_implementations or protocol in fsspec_classes):
+        return view_class(protocol)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

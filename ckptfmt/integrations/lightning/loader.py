@@ -89,6 +89,18 @@ def _is_ckptfmt_file(path: Any) -> bool:
 
 
 def _fs_head_kind(url: str) -> str:
+    """:func:`sniff_head` of a file on an fsspec filesystem; "unknown" where it cannot be read
+    (Lightning's loader then says why, in its words) and for http(s) URLs, which Lightning
+    fetches itself (torch.hub)."""
+    if url.startswith(("http://", "https://")):
+        return "unknown"
+    try:
+        return _read_head_kind(url)
+    except Exception:
+        return "unknown"
+
+
+def _read_head_kind(url: str) -> str:
     fs, path = transfer.open_fs(url)
     inflight.wait_for_path(filesystems.url_key(fs, path))
     with fs.open(path, "rb") as f:
