@@ -71,7 +71,7 @@ def test_misplaced_store_credentials_are_not_repeated_by_the_lightning_plugin(tm
     from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
 
     secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
-    with pytest.raises(TypeError, match="aws_secret_access_key") as e:
+    with pytest.raises(ValueError, match="aws_secret_access_key") as e:
         CkptfmtCheckpointIO().save_checkpoint(
             {"w": torch.ones(2)}, str(tmp_path / "c.ckpt"), storage_options={"aws_secret_access_key": secret}
         )

@@ -16,7 +16,15 @@ from typing import Any
 
 import pytest
 import torch
-from test_lightning import _boring_trainer, _diff, _hparams, _loaders, _make_module_class
+from test_lightning import (
+    _boring_trainer,
+    _diff,
+    _final_state,
+    _fit_net,
+    _hparams,
+    _loaders,
+    _make_module_class,
+)
 
 import ckptfmt
 
@@ -120,35 +128,6 @@ def test_remove_checkpoint_deletes_the_object_after_its_save(store: dict[str, An
 # resume bit-exactly from an s3:// ckpt_path
 
 
-def _fit_net(pl: Any, plugin: Any, dirpath: str, *, epochs: int, ckpt_path: str | None = None) -> Any:
-    pl.seed_everything(7, verbose=False)
-    model = _make_module_class(pl)(**_hparams("objects"))
-    train, val = _loaders()
-    mc = pl.callbacks.ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=2, save_last=True)
-    trainer = _boring_trainer(
-        pl,
-        dirpath,
-        max_epochs=epochs,
-        callbacks=[mc],
-        plugins=[plugin],
-        limit_train_batches=None,
-        limit_val_batches=None,
-        num_sanity_val_steps=2,
-    )
-    trainer.fit(model, train, val, ckpt_path=ckpt_path)
-    return trainer, model
-
-
-def _final(trainer: Any, model: Any) -> dict[str, Any]:
-    return {
-        "model": model.state_dict(),
-        "optimizer": trainer.optimizers[0].state_dict(),
-        "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
-        "loops": {"global_step": trainer.global_step, "epoch": trainer.current_epoch},
-        "rng": ckptfmt.capture_rng(),
-    }
-
-
 @pytest.mark.parametrize("package", PACKAGES)
 def test_fit_resumes_bit_exactly_from_an_s3_checkpoint(
     store: dict[str, Any], tmp_path: pathlib.Path, package: str
@@ -159,7 +138,7 @@ def test_fit_resumes_bit_exactly_from_an_s3_checkpoint(
     pl = importlib.import_module(package)
     torch.set_num_threads(1)
     full_trainer, full = _fit_net(pl, _plugin(store), str(tmp_path / "full"), epochs=4)
-    expected = _final(full_trainer, full)
+    expected = _final_state(full_trainer, full)
     dirpath = f"{store['root']}/ckpts"
     _fit_net(pl, _plugin(store, blocking=False), dirpath, epochs=2)
     assert _no_save_threads()
@@ -168,7 +147,7 @@ def test_fit_resumes_bit_exactly_from_an_s3_checkpoint(
     done = 2 * 8  # 2 epochs of 8 batches
     assert resumed.losses == full.losses[done:]
     assert len(resumed.losses) == 2 * 8
-    problems = _diff(expected, _final(trainer, resumed))
+    problems = _diff(expected, _final_state(trainer, resumed))
     assert problems == [], problems[:10]
 
 
@@ -234,7 +213,7 @@ def test_a_save_in_flight_is_seen_as_the_object_it_will_be(store: dict[str, Any]
     import lightning.pytorch as pl
     from lightning.fabric.utilities.cloud_io import get_filesystem
 
-    from ckptfmt.integrations import lightning as plugin
+    from ckptfmt.integrations.lightning import filesystems
 
     io = _plugin(store, blocking=False)
     dirpath = f"{store['root']}/ckpts"
@@ -242,11 +221,11 @@ def test_a_save_in_flight_is_seen_as_the_object_it_will_be(store: dict[str, Any]
     mc = pl.callbacks.ModelCheckpoint(dirpath=dirpath)
     mc._fs = get_filesystem(dirpath)
     fs = fsspec.filesystem("s3")
-    assert type(mc._fs).__name__ == "_S3FileSystem" and isinstance(fs, type(mc._fs))
+    assert type(mc._fs).__name__ == "_InFlight_s3" and isinstance(fs, type(mc._fs))
     url = f"{dirpath}/last.ckpt"
     assert not fs.exists(dirpath)
     handle = ckptfmt.SaveHandle(url)
-    plugin._IN_FLIGHT.add(url, handle)
+    filesystems.IN_FLIGHT.add(url, handle)
     bare = f"{store['bucket']}/run/ckpts/last.ckpt"
     try:
         assert mc.file_exists(url, trainer) and fs.isfile(url) and fs.exists(bare)
@@ -341,17 +320,17 @@ def test_model_checkpoint_on_the_store_pickles_with_its_filesystem(store: dict[s
     import lightning.pytorch as pl
     from lightning.fabric.utilities.cloud_io import get_filesystem
 
-    from ckptfmt.integrations import lightning as plugin
+    from ckptfmt.integrations.lightning import filesystems
 
     _plugin(store)
     dirpath = f"{store['root']}/ckpts"
     mc = pl.callbacks.ModelCheckpoint(dirpath=dirpath)
     mc._fs = get_filesystem(dirpath)
     for other in (pickle.loads(pickle.dumps(mc)), copy.deepcopy(mc)):
-        assert type(other._fs) is type(mc._fs) and type(mc._fs).__name__ == "_S3FileSystem"
+        assert type(other._fs) is type(mc._fs) and type(mc._fs).__name__ == "_InFlight_s3"
     url = f"{dirpath}/last.ckpt"
     handle = ckptfmt.SaveHandle(url)
-    plugin._IN_FLIGHT.add(url, handle)
+    filesystems.IN_FLIGHT.add(url, handle)
     try:
         assert pickle.loads(pickle.dumps(mc))._fs.isfile(url)
     finally:
@@ -375,3 +354,26 @@ def test_a_missing_bucket_is_named(store: dict[str, Any]) -> None:
         io.load_checkpoint(missing_bucket)
     with pytest.raises((ckptfmt.CheckpointError, FileNotFoundError), match="-absent"):
         io.save_checkpoint({"w": torch.ones(3)}, missing_bucket)
+
+
+def test_per_call_storage_options_reach_the_client(store: dict[str, Any]) -> None:
+    """Trainer.save_checkpoint(url, storage_options=...) on s3://: client settings over the
+    plugin's own (another endpoint is used: it fails, naming the URL), ckptfmt's save options
+    (compression), and an unknown setting refused naming the URL."""
+    import re
+
+    io = _plugin(store)
+    url = f"{store['root']}/a.ckpt"
+    io.save_checkpoint(
+        {"w": torch.zeros(1 << 16)}, url, storage_options={"compression": "zstd", "max_attempts": 2}
+    )
+    assert len(_objects(store)["run/a.ckpt"]) < (1 << 16)
+    other = f"{store['root']}/b.ckpt"
+    with pytest.raises(ckptfmt.StorageError, match=re.escape(other)):
+        io.save_checkpoint(
+            {"w": torch.zeros(3)}, other, storage_options={"endpoint_url": "http://127.0.0.1:9"}
+        )
+    with pytest.raises(ValueError, match=re.escape(url) + ": unknown storage option 'bogus'"):
+        io.save_checkpoint({}, url, storage_options={"bogus": 1})
+    assert set(_objects(store)) == {"run/a.ckpt"}
+    assert torch.equal(io.load_checkpoint(url)["w"], torch.zeros(1 << 16))

@@ -11,6 +11,9 @@ from ..errors import UnsupportedError
 from ..fileio import open_regular, pread_exact
 from .layout import MAGIC
 
+#: how many first bytes recognise a file (sniff_head's `head`)
+HEAD_BYTES = 64 * 1024
+
 
 def sniff(path: str | os.PathLike[str]) -> str:
     """One of "ckptfmt", "torch-zip", "torch-legacy", "safetensors", "unknown", or "special"
@@ -24,9 +27,15 @@ def sniff(path: str | os.PathLike[str]) -> str:
         return "special"
     try:
         size = os.fstat(fd).st_size
-        head = pread_exact(fd, 0, 64 * 1024)
+        head = pread_exact(fd, 0, HEAD_BYTES)
     finally:
         os.close(fd)
+    return sniff_head(head, size)
+
+
+def sniff_head(head: bytes, size: int) -> str:
+    """:func:`sniff` of a file of `size` bytes whose first bytes (up to HEAD_BYTES) are `head`:
+    for bytes that are not in a local file (an object's first range)."""
     if MAGIC.startswith(head[:8]) or not any(head[:64]):
         return "ckptfmt"  # empty, a prefix of the magic or zeros: an unfinished or truncated save
     if head[:4] == b"PK\x03\x04":

@@ -1,0 +1,217 @@
+"""Reading the checkpoints the plugin wrote: the dict Lightning expects, and a module built
+from one (``load_from_checkpoint``), from a local file, an ``s3://`` object or another
+fsspec URL; ``torch.save`` files too, where allowed, with ``torch.load(weights_only=True)``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import ckptfmt
+
+from ...background import inflight
+from ...errors import CheckpointError, CorruptError, SignatureError, UnsupportedError
+from ...format.sniff import HEAD_BYTES, sniff, sniff_head
+from ...storage.client import check_options
+from ...storage.download import RemoteObject
+from .. import objects
+from . import filesystems, transfer
+from .callback_keys import with_class_keys_restored
+from .paths import FSSPEC, LOCAL, Target, target
+
+#: the key under which the RNG state travels in the saved dict
+RNG_KEY = "__ckptfmt_rng__"
+#: the hyper-parameter entries of a LightningModule and a LightningDataModule: (values, name, type)
+_HPARAMS_KEYS = (
+    ("hyper_parameters", "hparams_name", "hparams_type"),
+    ("datamodule_hyper_parameters", "datamodule_hparams_name", "datamodule_hparams_type"),
+)
+_TORCH_KINDS = ("torch-zip", "torch-legacy")
+
+
+@dataclass(frozen=True)
+class _Reading:
+    """How to read one checkpoint (load_checkpoint's arguments)."""
+
+    map_location: Any
+    classes: tuple[type, ...]
+    read_torch_checkpoints: bool
+    trusted_keys: Any
+    storage_options: dict[str, Any]
+    decrypt_with: Any
+
+
+def load_checkpoint(
+    path: Any,
+    map_location: Any | None = None,
+    *,
+    classes: Iterable[type] = (),
+    read_torch_checkpoints: bool = False,
+    trusted_keys: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    decrypt_with: Any = None,
+    _keep_rng: bool = False,
+) -> dict[str, Any]:
+    """The dict a :class:`CkptfmtCheckpointIO` saved, with allow-listed objects rebuilt.
+
+    Restores no RNG state (the reserved RNG entry is left out).  `map_location`
+    takes torch.load's forms; None loads onto the CPU.  `read_torch_checkpoints`:
+    a file written by torch.save is read with ``torch.load(weights_only=True)``.
+    `trusted_keys`: the file must be signed by one of these Ed25519 public keys (SignatureError).
+    `decrypt_with`: the key of an encrypted checkpoint (DecryptionError without it).
+    `path` may be an ``s3://`` URL, reached with `storage_options` (see ``ckptfmt.load``),
+    or a URL of another fsspec protocol, fetched with its filesystem into a local temporary file.
+    """
+    where = target(path)
+    how = _Reading(
+        map_location,
+        tuple(classes),
+        read_torch_checkpoints,
+        trusted_keys,
+        check_options(storage_options),
+        decrypt_with,
+    )
+    if where.kind == FSSPEC:
+        fs, fs_path = transfer.open_fs(where.path)
+        inflight.wait_for_path(filesystems.url_key(fs, fs_path))
+        with transfer.fetched(fs, fs_path, where.path) as local:
+            state = _read(Target(LOCAL, local), where.path, how)
+    else:
+        inflight.wait_for_path(where.path)
+        state = _read(where, where.path, how)
+    _check_hparams(state, where.path)
+    if not _keep_rng:
+        state.pop(RNG_KEY, None)
+    return state
+
+
+def _read(where: Target, name: str, how: _Reading) -> dict[str, Any]:
+    """The dict in the local file or ``s3://`` object `where`; errors name `name`."""
+    kind = sniff_target(where, how.storage_options)
+    if kind in _TORCH_KINDS:
+        _check_torch_allowed(name, how)
+        if where.kind == LOCAL:
+            return _load_torch(where.path, name, how.map_location)
+        with transfer.object_copy(where.path, how.storage_options) as local:
+            return _load_torch(local, name, how.map_location)
+    state = ckptfmt.load(
+        where.path,
+        map_location=how.map_location,
+        trusted_keys=how.trusted_keys,
+        storage_options=how.storage_options if where.kind != LOCAL else None,
+        decrypt_with=how.decrypt_with,
+    )
+    if type(state) is not dict:
+        raise CheckpointError(f"holds a {type(state).__name__}, not a Lightning checkpoint dict", path=name)
+    state = objects.decode(state, classes=how.classes, source=name)
+    with_class_keys_restored(state, name)
+    return state
+
+
+def _check_torch_allowed(name: str, how: _Reading) -> None:
+    if how.trusted_keys is not None:
+        raise SignatureError(
+            "written by torch.save, which carries no signature, and a signature by a trusted key is required",
+            path=name,
+        )
+    if not how.read_torch_checkpoints:
+        raise UnsupportedError(
+            "written by torch.save (Lightning's default CheckpointIO), not a ckptfmt file; "
+            "CkptfmtCheckpointIO(read_torch_checkpoints=True) reads it (torch.load(weights_only=True))",
+            path=name,
+        )
+
+
+def _load_torch(local: str, name: str, map_location: Any) -> dict[str, Any]:
+    """A checkpoint written by torch.save (Lightning's default plugin), read without running code."""
+    state = torch.load(local, map_location=map_location or "cpu", weights_only=True)
+    if type(state) is not dict:
+        raise CheckpointError(f"holds a {type(state).__name__}, not a Lightning checkpoint dict", path=name)
+    return state
+
+
+def sniff_target(where: Target, options: dict[str, Any]) -> str:
+    """:func:`sniff` of a local file, or of an ``s3://`` object from its first bytes (one
+    ranged read); FileNotFoundError for an absent one."""
+    if where.kind == LOCAL:
+        if not os.path.exists(where.path):
+            raise FileNotFoundError(f"Checkpoint file not found: {where.path}")
+        return sniff(where.path)
+    remote = RemoteObject(where.path, options)
+    try:
+        end = min(remote.size, HEAD_BYTES)
+        remote.fetch([(0, end)])
+        assert remote.spool is not None
+        with remote.spool.view(0, end) as head:
+            return sniff_head(bytes(head), remote.size)
+    finally:
+        remote.close()
+
+
+def _check_hparams(state: dict[str, Any], source: str) -> None:
+    """Refuse hyper-parameter entries that Lightning would fail on with a TypeError or an
+    AttributeError, or pass to a constructor as dunder names: a dict of str names, and a str
+    (or nothing) for the name and the type (a type itself cannot be stored by this plugin)."""
+    for values_key, name_key, type_key in _HPARAMS_KEYS:
+        values = state.get(values_key)
+        if values is not None:
+            _expect(values, dict, values_key, source)
+            for name in values:
+                if type(name) is not str or (name.startswith("__") and name.endswith("__")):
+                    raise CorruptError(f"{name!r} is not a hyper-parameter name", path=source, key=values_key)
+        for key in (name_key, type_key):
+            if state.get(key) is not None:
+                _expect(state[key], str, key, source)
+
+
+def _expect(value: object, kind: type, key: str, source: str) -> None:
+    if not isinstance(value, kind):
+        raise CorruptError(f"must be a {kind.__name__}, not {type(value).__name__}", path=source, key=key)
+
+
+def load_from_checkpoint(
+    cls: type,
+    path: Any,
+    map_location: Any | None = None,
+    *,
+    strict: bool | None = None,
+    classes: Iterable[type] = (),
+    storage_options: dict[str, Any] | None = None,
+    decrypt_with: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """``cls.load_from_checkpoint(path, ...)`` for a ckptfmt file: a LightningModule (or
+    LightningDataModule) built from the saved hyper-parameters (`kwargs` override them),
+    its weights loaded.  Uses Lightning's own instantiation (``core.saving._load_state``).
+    `path` may be an ``s3://`` URL, reached with `storage_options`, or another fsspec URL;
+    `decrypt_with`: the key of an encrypted checkpoint."""
+    checkpoint = load_checkpoint(
+        path, map_location, classes=classes, storage_options=storage_options, decrypt_with=decrypt_with
+    )
+    saving, is_datamodule = _saving_module(cls)
+    hparams_key = cls.CHECKPOINT_HYPER_PARAMS_KEY  # type: ignore[attr-defined]
+    checkpoint.setdefault(hparams_key, {})
+    checkpoint[hparams_key].update(kwargs)
+    if is_datamodule:
+        return saving._load_state(cls, checkpoint, **kwargs)
+    return saving._load_state(cls, checkpoint, strict=strict, **kwargs)
+
+
+def _saving_module(cls: type) -> tuple[Any, bool]:
+    """Lightning's `core.saving` module of the package `cls` comes from, and whether `cls`
+    is a data module."""
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            module = __import__(f"{package}.core.saving", fromlist=["_load_state"])
+            base = __import__(package, fromlist=["LightningModule", "LightningDataModule"])
+        except ImportError:
+            continue
+        if issubclass(cls, base.LightningDataModule):
+            return module, True
+        if issubclass(cls, base.LightningModule):
+            return module, False
+    raise TypeError(f"{cls!r} is not a LightningModule or LightningDataModule class")

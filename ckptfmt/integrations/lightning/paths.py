@@ -1,0 +1,89 @@
+"""Where a path Lightning gives lives: a local file, an ``s3://`` object (ckptfmt's own
+client) or a URL of another fsspec protocol (that protocol's filesystem).
+
+Also the ``storage_options`` Lightning passes to ``save_checkpoint``, which mean something
+different at each kind of place: split here into ckptfmt's save options and the place's own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fsspec.core import split_protocol
+from fsspec.registry import known_implementations
+from fsspec.registry import registry as fsspec_classes
+
+from ...errors import UnsupportedError
+from ...storage.client import check_options
+from ...storage.urls import parse_url
+
+#: a local path, written by ckptfmt's atomic local commit
+LOCAL = "local"
+#: an ``s3://`` URL, written and read by ckptfmt's object-store client
+OBJECT = "object"
+#: a URL of any other fsspec protocol, moved through a local temporary file
+FSSPEC = "fsspec"
+
+#: the keys of a per-call ``storage_options`` that are ckptfmt's save options, at any place
+SAVE_OPTIONS = ("compression", "level", "metadata")
+
+
+class RemotePathError(UnsupportedError):
+    """A URL of a protocol that fsspec knows no filesystem for."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A checkpoint's place: its kind (LOCAL, OBJECT or FSSPEC) and its path or URL."""
+
+    kind: str
+    path: str
+
+
+def target(path: Any) -> Target:
+    """The place a path Lightning gives names (``file://`` URLs are local paths)."""
+    text = os.fsdecode(os.fspath(path))
+    if text.startswith("file://"):
+        return Target(LOCAL, text[len("file://") :])
+    if text.startswith("s3://"):
+        return Target(OBJECT, str(parse_url(text)))
+    if "://" in text or "::" in text:  # "::" chains protocols: simplecache::gs://...
+        protocol = split_protocol(text.split("::", 1)[0])[0] or text.split("::", 1)[0]
+        if protocol not in known_implementations and protocol not in fsspec_classes:
+            raise RemotePathError(
+                f"fsspec knows no filesystem for the {protocol}:// protocol; give a local path, an "
+                "s3:// URL or a URL of a protocol fsspec serves (gs://, az://, hdfs://, memory://, ...)",
+                path=text,
+            )
+        return Target(FSSPEC, text)
+    return Target(LOCAL, text)
+
+
+def split_storage_options(storage_options: Any, where: Target) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``save_checkpoint``'s `storage_options` as (ckptfmt save options, the place's options):
+    compression, level and metadata apply anywhere; the rest are the object-store client's
+    settings on ``s3://`` (checked here) and the filesystem's options on other fsspec URLs.
+    ValueError where they make no sense: not a dict, or place options for a local path."""
+    if storage_options is None:
+        return {}, {}
+    if not isinstance(storage_options, Mapping) or not all(isinstance(k, str) for k in storage_options):
+        raise ValueError(
+            f"{where.path}: storage_options must be None or a dict with str keys, not "
+            f"{type(storage_options).__name__}"
+        )
+    save = {k: v for k, v in storage_options.items() if k in SAVE_OPTIONS}
+    place = {k: v for k, v in storage_options.items() if k not in SAVE_OPTIONS}
+    if place and where.kind == LOCAL:
+        raise ValueError(
+            f"{where.path}: storage_options {sorted(place)} apply to s3:// and other fsspec URLs, not "
+            f"to a local path, where only {', '.join(SAVE_OPTIONS)} do"
+        )
+    if where.kind == OBJECT:
+        try:
+            place = check_options(place)
+        except ValueError as e:
+            raise ValueError(f"{where.path}: {e}") from None
+    return save, place

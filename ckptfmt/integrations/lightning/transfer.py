@@ -1,0 +1,183 @@
+"""Checkpoints on a store ckptfmt has no client for, through the store's fsspec filesystem.
+
+ckptfmt writes and reads local files (and ``s3://`` objects itself); for any other fsspec
+protocol (``gs://``, ``az://``, ``hdfs://``, ``memory://`` ...) a save is written by ckptfmt
+to a local temporary file and uploaded with the filesystem's ``put_file``, and a load
+fetches the file with ``get_file`` into a local temporary file that ckptfmt reads (every
+chunk verified as usual).  Temporary files live in the default temporary folder
+(``TMPDIR``) and are removed whatever happens.  A non-blocking save returns after
+ckptfmt's snapshot; a thread waits for the local file, uploads it, and only then finishes
+the save's handle.  Also the local copy of an ``s3://`` object that torch.load must read
+(a ``torch.save`` file, which is read from its end first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from fsspec.core import url_to_fs
+
+import ckptfmt
+
+from ...background import inflight
+from ...errors import CheckpointError, StorageError
+from ...storage.download import RemoteObject
+
+#: the bytes of an object fetched by one request, and held in memory at once, when copied
+COPY_BYTES = 16 << 20
+
+
+def open_fs(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """The filesystem of `url` (made with `options`) and the path on it."""
+    try:
+        return url_to_fs(url, **(options or {}))
+    except TypeError as e:
+        raise ValueError(
+            f"{url}: the filesystem refused storage_options {sorted(options or {})}: {e}"
+        ) from None
+
+
+def save(
+    write: Callable[[str, bool], ckptfmt.SaveHandle | None],
+    fs: Any,
+    path: str,
+    url: str,
+    key: str,
+    *,
+    blocking: bool,
+) -> ckptfmt.SaveHandle | None:
+    """Save with `write(local_path, blocking)` (ckptfmt.save bound to the state), then upload
+    to `path` on `fs`; `url` names the checkpoint in errors, `key` in the saves in flight (as
+    url_key spells it).  Non-blocking: a handle that finishes once the upload is done."""
+    inflight.wait_for_path(key)  # an upload still running there must not land after this one
+    workdir = tempfile.mkdtemp(prefix="ckptfmt-upload-")
+    local = os.path.join(workdir, posixpath.basename(path.rstrip("/")) or "checkpoint")
+    try:
+        handle = write(local, blocking)
+        if handle is not None:
+            return _upload_after(handle, fs, local, path, url, key, workdir)
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    try:
+        _upload(fs, local, path, url)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return None
+
+
+def _upload_after(
+    local_save: ckptfmt.SaveHandle, fs: Any, local: str, path: str, url: str, key: str, workdir: str
+) -> ckptfmt.SaveHandle:
+    handle = ckptfmt.SaveHandle(key)
+
+    def finish() -> None:
+        error: BaseException | None = None
+        try:
+            error = local_save.exception()
+            if local_save._thread is not None:
+                local_save._thread.join()  # it frees what the local save held
+            if error is None:
+                _upload(fs, local, path, url)
+        except BaseException as e:  # the save's error, raised by whoever waits for it
+            error = e
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+            inflight.end(handle)
+            handle._finish(error)
+
+    thread = threading.Thread(target=finish, name=f"ckptfmt-save-upload-{posixpath.basename(path)}")
+    handle._thread = thread
+    inflight.begin(handle)
+    try:
+        thread.start()
+    except BaseException as e:
+        inflight.end(handle)
+        handle._finish(e)
+        raise
+    return handle
+
+
+def _upload(fs: Any, local: str, path: str, url: str) -> None:
+    try:
+        parent = posixpath.dirname(path.rstrip("/"))
+        if parent:
+            fs.makedirs(parent, exist_ok=True)  # as Lightning's own plugin does; a no-op on stores
+        fs.put_file(local, path)
+    except Exception as e:
+        raise StorageError(f"uploading the checkpoint failed: {_one_line(e)}", path=url) from e
+
+
+@contextlib.contextmanager
+def fetched(fs: Any, path: str, url: str) -> Iterator[str]:
+    """A local copy of the file at `path` on `fs` (removed on exit); FileNotFoundError naming
+    `url` where there is none."""
+    with tempfile.TemporaryDirectory(prefix="ckptfmt-download-") as workdir:
+        local = os.path.join(workdir, posixpath.basename(path.rstrip("/")) or "checkpoint")
+        try:
+            if not fs.isfile(path):
+                raise FileNotFoundError(f"Checkpoint file not found: {url}")
+            fs.get_file(path, local)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"Checkpoint file not found: {url}") from None
+        except Exception as e:
+            raise StorageError(f"downloading the checkpoint failed: {_one_line(e)}", path=url) from e
+        with naming(url, local):
+            yield local
+
+
+@contextlib.contextmanager
+def object_copy(url: str, options: dict[str, Any]) -> Iterator[str]:
+    """A local copy of the ``s3://`` object at `url` (removed on exit), fetched COPY_BYTES at
+    a time with ETag-pinned ranged reads: memory stays bounded whatever the object's size."""
+    with tempfile.TemporaryDirectory(prefix="ckptfmt-download-") as workdir:
+        local = os.path.join(workdir, posixpath.basename(url) or "checkpoint")
+        remote = RemoteObject(url, options)
+        try:
+            with open(local, "wb") as out:
+                for start in range(0, remote.size, COPY_BYTES):
+                    end = min(remote.size, start + COPY_BYTES)
+                    remote.fetch([(start, end)])
+                    assert remote.spool is not None
+                    with remote.spool.view(start, end) as view:
+                        out.write(view)
+                    remote.spool.release(start, end)
+        finally:
+            remote.close()
+        with naming(url, local):
+            yield local
+
+
+@contextlib.contextmanager
+def naming(url: str, local: str) -> Iterator[None]:
+    """Errors about the local copy `local` name `url`, where the checkpoint really is."""
+    try:
+        yield
+    except CheckpointError as e:
+        if e.path == local:
+            e.path = url
+            e.args = (e._render(),)
+        raise
+    except OSError as e:
+        if e.filename == local:
+            e.filename = url
+        raise
+
+
+def remove(fs: Any, path: str) -> None:
+    """Delete the file at `path` on `fs`; an absent one is no error, and a folder is never removed."""
+    with contextlib.suppress(FileNotFoundError):
+        if fs.isfile(path):
+            fs.rm_file(path)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
