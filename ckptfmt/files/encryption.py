@@ -204,6 +204,18 @@ def sealer(encrypt_with: Any, encrypt_index: bool = True) -> FileSealer | None:
     return FileSealer(key, encrypt_index)
 
 
+def save_and_read_keys(encrypt_with: Any, decrypt_with: Any) -> tuple[Any, Any]:
+    """The keys a writer that also reads back (a run, a trainer) saves and reads with, checked
+    before anything is written: reading defaults to `encrypt_with`, except for a key service,
+    whose wrapping callable cannot unwrap."""
+    if encrypt_with is None:
+        return None, decrypt_with
+    sealer(encrypt_with)  # a bad key, or an engine without libcrypto, fails here
+    if decrypt_with is None and callable(encrypt_with):
+        raise ValueError("a key service encrypts: give the callable that unwraps as decrypt_with")
+    return encrypt_with, encrypt_with if decrypt_with is None else decrypt_with
+
+
 def opener(decrypt_with: Any) -> Callable[[enc.EncryptionBlock, bytes], bytes] | None:
     """The reader's way to the data key of a file's encryption block (None without a key)."""
     if decrypt_with is None:

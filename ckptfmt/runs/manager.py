@@ -748,14 +748,9 @@ class CheckpointManager:
 
 def _run_keys(encrypt_with: Any, decrypt_with: Any, incremental: bool) -> tuple[Any, Any]:
     """The keys an encrypted run saves and reads with, checked before anything is written."""
-    if encrypt_with is None:
-        return None, decrypt_with
-    if incremental:
+    if encrypt_with is not None and incremental:
         raise ValueError("encrypted runs cannot be incremental in this version (spec section 17)")
-    encryption.sealer(encrypt_with)  # a bad key, or an engine without libcrypto, fails here
-    if decrypt_with is None and callable(encrypt_with):
-        raise ValueError("a key service encrypts: give the callable that unwraps as decrypt_with")
-    return encrypt_with, encrypt_with if decrypt_with is None else decrypt_with
+    return encryption.save_and_read_keys(encrypt_with, decrypt_with)
 
 
 def _check_readable(info: CheckpointInfo) -> None:
