@@ -32,7 +32,10 @@ from ..engine.chunkwrite import ChunkRecord
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
 from ..errors import CheckpointWarning
+from ..fileio import open_regular, pread_exact
+from ..files import encryption
 from ..files import save as writer
+from ..files.encryption import save_and_read_keys
 from ..files.reader import CheckpointFile
 from ..format import dtypes
 from ..format import layout as fmt
@@ -95,8 +98,13 @@ class ContentIndex:
     the digest and either finds where the same bytes already lie or asks for a write.
     """
 
-    def __init__(self, target: str, base: str | None, min_reference_bytes: int = 0) -> None:
+    def __init__(
+        self, target: str, base: str | None, min_reference_bytes: int = 0, decrypt: Any = None
+    ) -> None:
+        """`decrypt`: the key of an encrypted save: the base is read with it, and referred to
+        only when it is encrypted too (spec 17.9)."""
         self.min_reference_bytes = min_reference_bytes
+        self.decrypt = decrypt
         self.files: list[_Candidate] = []
         self.held: dict[tuple[int, bytes], _Held] = {}
         self.entries: dict[int, int] = {}  # candidate file -> its entry in `externals`
@@ -107,14 +115,26 @@ class ContentIndex:
             self._add_base(target, base)
 
     def _add_base(self, target: str, base: str) -> None:
-        with CheckpointFile(base) as f:
+        encrypted = _is_encrypted(base)
+        if encrypted and self.decrypt is None:
+            warnings.warn(
+                f"{target} cannot refer to {base}: one of the two is encrypted and the other is not; "
+                "every chunk is written",
+                CheckpointWarning,
+                stacklevel=4,
+            )
+            return
+        with CheckpointFile(base, decrypt_with=self.decrypt if encrypted else None) as f:
             self.base_chunk_size = f.chunk_size
             rel = _reference_path(target, os.path.abspath(base))
-            if not f.has_digests or rel is None:
+            crossing = f.encrypted != (self.decrypt is not None)
+            if not f.has_digests or rel is None or crossing:
                 # still a correct save, only not an incremental one; the next save can refer to it
                 why = (
                     "it was written without content digests (by ckptfmt.save)"
                     if not f.has_digests
+                    else "one of the two is encrypted and the other is not"
+                    if crossing
                     else "a reference is NAME, DIR/NAME, ../NAME or ../DIR/NAME from the new file's "
                     "directory, each name without a leading dot, and not the file being written"
                 )
@@ -191,6 +211,19 @@ class ContentIndex:
         return out
 
 
+def _is_encrypted(path: str) -> bool:
+    """Whether the ckptfmt file at `path` says it is encrypted (its prologue's bit 2; the
+    file is checked in full when it is opened)."""
+    fd = open_regular(path)
+    try:
+        head = pread_exact(fd, 0, fmt.PROLOGUE_SIZE)
+    finally:
+        os.close(fd)
+    return len(head) == fmt.PROLOGUE_SIZE and bool(
+        int.from_bytes(head[40:48], "little") & fmt.FEATURE_ENCRYPTED
+    )
+
+
 def save(
     state: object,
     path: str | os.PathLike[str],
@@ -203,6 +236,8 @@ def save(
     chunk_size: int | None = None,
     min_reference_bytes: int = 0,
     within: CheckpointDir | None = None,
+    encrypt_with: Any = None,
+    decrypt_with: Any = None,
 ) -> SaveHandle | None:
     """Write `state` to `path` with content digests (feature bit 0).
 
@@ -217,8 +252,12 @@ def save(
     state is snapshotted; the digests are computed from the snapshot by the writer.
     Chunks shorter than `min_reference_bytes` are always written here.
     `within`: the open directory that holds `path` (files.save.save's _within).
+    `encrypt_with`: the file is encrypted (spec 17.9): its external chunks lie in encrypted
+    files whose data keys the same key unwraps; `decrypt_with` reads the base (default
+    `encrypt_with`, except a key service's wrapping callable).
     """
     meta = writer.check_save_args(compression, level, metadata)
+    encrypt_with, decrypt_with = save_and_read_keys(encrypt_with, decrypt_with)
     target = os.fspath(path)
     here = os.path.dirname(os.path.abspath(target))
     if not os.path.isdir(here):  # before the references, which are relative to it
@@ -228,7 +267,7 @@ def save(
     base_path = None if base is None else os.fspath(base)
     if base_path is not None:
         inflight.wait_for_path(base_path)  # a non-blocking save of the base may still run
-    index = ContentIndex(target, base_path, min_reference_bytes)
+    index = ContentIndex(target, base_path, min_reference_bytes, decrypt_with if encrypt_with else None)
     if chunk_size is None and index.base_chunk_size is not None and not os.environ.get("CKPTFMT_CHUNK_SIZE"):
         chunk_size = index.base_chunk_size
     size = writer.check_chunk_size(chunk_size)
@@ -242,14 +281,16 @@ def save(
         blocking=blocking,
         dedup=index,
         within=within,
+        seal=encryption.sealer(encrypt_with),
     )
     return result
 
 
-def referenced_files(path: str | os.PathLike[str]) -> list[str]:
-    """Absolute paths of the files whose chunks `path` refers to (empty when self-contained)."""
+def referenced_files(path: str | os.PathLike[str], *, decrypt_with: Any = None) -> list[str]:
+    """Absolute paths of the files whose chunks `path` refers to (empty when self-contained);
+    `decrypt_with`: the key of an encrypted file (its index lists them)."""
     inflight.wait_for_path(path)
-    with CheckpointFile(path) as f:
+    with CheckpointFile(path, decrypt_with=decrypt_with) as f:
         return [os.path.abspath(ext.path) for ext in f.externals]
 
 
@@ -279,20 +320,29 @@ def consolidate(
     *,
     compression: str | None = None,
     level: int | None = None,
+    decrypt_with: Any = None,
+    encrypt_with: Any = None,
 ) -> ConsolidateReport:
-    """Write a self-contained copy of `src` at `dst`: every chunk local, no feature bit.
+    """Write a self-contained copy of `src` at `dst`: every chunk local, no feature bit 0.
 
     The copy has the same object tree, storages (with their device tags), metadata and
     chunk size.  Chunks are read and verified (checksums and digests, in the files they
     lie in) a window at a time, so memory stays bounded whatever the state's size.
+    `decrypt_with`: the key of an encrypted `src` (its referenced files are unwrapped by the
+    same key); `encrypt_with`: the copy is encrypted under this key (default `decrypt_with`:
+    an encrypted checkpoint stays encrypted; a key service's unwrapping callable cannot
+    encrypt, so pass its wrapping one).
     """
     writer.check_save_args(compression, level, None)
+    if encrypt_with is None and decrypt_with is not None and not callable(decrypt_with):
+        encrypt_with = decrypt_with
+    seal = encryption.sealer(encrypt_with)
     source, target = os.fspath(src), os.fspath(dst)
     inflight.wait_for_path(source)
     inflight.wait_for_path(target)
     if os.path.exists(target) and os.path.samefile(source, target):
         raise ValueError(f"{target}: consolidate writes a new file; it cannot replace the file it reads")
-    with CheckpointFile(source) as f:
+    with CheckpointFile(source, decrypt_with=decrypt_with) as f:
         widths = _storage_widths(f)
         # the index of the copy: the same tree and storages (their bytes come from the file)
         encoded = Encoded(
@@ -308,7 +358,14 @@ def consolidate(
         chunk_width = [widths[sid] for sid, r in enumerate(f.storages) for _ in range(r.n_chunks)]
         with AtomicFile(target) as out:
             file_id = chunkwrite.new_file_id()
-            cw = chunkwrite.ChunkWriter(out.fd, file_id, compression=compression, level=level, path=target)
+            cw = chunkwrite.ChunkWriter(
+                out.fd,
+                file_id,
+                compression=compression,
+                level=level,
+                path=target,
+                key=None if seal is None else seal.data_key,
+            )
             k = 0
             while k < len(f.chunks):
                 items: list[tuple[int, memoryview]] = []
@@ -320,7 +377,15 @@ def consolidate(
                 f.read_into(items, True)
                 cw.write([(dest, chunk_width[kk]) for kk, dest in items])
             length = chunkwrite.finish_file(
-                out.fd, file_id, encoded, cw.chunks, cw.pos, dict(f.metadata), f.chunk_size
+                out.fd,
+                file_id,
+                encoded,
+                cw.chunks,
+                cw.pos,
+                dict(f.metadata),
+                f.chunk_size,
+                seal=seal,
+                tags=cw.tags,
             )
             out.commit()
         external = sum(1 for ch in f.chunks if ch.source >= 0)
