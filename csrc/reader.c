@@ -292,8 +292,9 @@ static void task_read(void *ctx, uint64_t i, int thread) {
     uint8_t *stored = c->codec == CKF_CODEC_RAW ? c->dst : j->scratch[thread];
     /* the bytes as read: the destination or scratch, or the mapping itself */
     const uint8_t *in = j->map ? j->map + c->offset : stored;
-    /* the content digest of a raw chunk is taken piece by piece with its checksum,
-     * while the piece is still in cache; a zstd chunk's after it is decoded */
+    /* the content digest of a raw chunk is taken piece by piece with its checksum (after
+     * decryption when encrypted), while the piece is still in cache; a zstd chunk's after it
+     * is decoded */
     XXH3_state_t *d = NULL;
     if (j->verify && c->has_digest && c->codec == CKF_CODEC_RAW) {
         if (!j->hstate[2 * thread + 1] && !(j->hstate[2 * thread + 1] = XXH3_createState())) {
@@ -347,7 +348,7 @@ static void task_read(void *ctx, uint64_t i, int thread) {
             bad = read_or_fail(j, k, through ? through : stored + done, step, c->offset + done);
         }
         if (!bad && h) ckf_xxh3_64_update(h, at, (size_t)step);
-        if (!bad && d) ckf_xxh3_128_update(d, at, (size_t)step);
+        if (!bad && d && !g) ckf_xxh3_128_update(d, at, (size_t)step);
         if (!bad && s && !ckf_sha_update(s, at, step)) {
             rfail(j, CKF_ERR_CRYPTO, 0, k, 0, 0);
             bad = 1;
@@ -358,6 +359,8 @@ static void task_read(void *ctx, uint64_t i, int thread) {
                 rfail(j, CKF_ERR_CRYPTO, 0, k, 0, 0);
                 bad = 1;
             }
+            /* an encrypted raw chunk's content digest is of its plaintext (incremental files) */
+            if (!bad && d) ckf_xxh3_128_update(d, w, (size_t)step);
         }
         done += step;
     }

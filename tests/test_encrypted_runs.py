@@ -48,8 +48,6 @@ def test_without_the_key_no_step_is_complete_and_a_wrong_key_is_refused(tmp_path
 
 
 def test_refused_combinations(tmp_path):
-    with pytest.raises(ValueError, match="incremental"):
-        ckptfmt.CheckpointManager(tmp_path / "a", encrypt_with=KEY, incremental=True)
     pytest.importorskip("cryptography")
     with pytest.raises(ValueError, match="callable that unwraps"):
         ckptfmt.CheckpointManager(tmp_path / "c", encrypt_with=lambda data_key: data_key)
@@ -151,3 +149,90 @@ def test_an_encrypted_dcp_save_of_two_ranks(tmp_path):
     for rank_file in ("rank-00000.ckpt", "rank-00001.ckpt"):
         with pytest.raises(ckptfmt.DecryptionError):
             ckptfmt.load(tmp_path / "enc" / rank_file)
+
+
+# -- encrypted incremental runs (spec 17.9) ----------------------------------------------
+
+
+def _big(step: int) -> dict[str, object]:
+    """A frozen table (1 MiB, referred to by later steps) and a changing tensor."""
+    return {"frozen": torch.arange(1 << 18, dtype=torch.float32), "w": torch.full((2000,), float(step))}
+
+
+def test_an_encrypted_incremental_run_refers_to_earlier_encrypted_steps(tmp_path):
+    """A step reuses the frozen table's chunks from the first step's encrypted file (no tensor
+    bytes in clear anywhere), and a load decrypts them with that file's own data key, unwrapped
+    by the run's key; consolidate with the key makes a self-contained encrypted copy."""
+    from ckptfmt.runs.incremental import consolidate, referenced_files
+
+    run = tmp_path / "run"
+    m = ckptfmt.CheckpointManager(run, encrypt_with=KEY, incremental=True)
+    for step in (1, 2):
+        m.save(step, _big(step))
+    first = run / "step-000000001" / "state.ckpt"
+    second = run / "step-000000002" / "state.ckpt"
+    assert second.stat().st_size < first.stat().st_size // 4  # the table is referred to
+    assert referenced_files(second, decrypt_with=KEY) == [str(first)]
+    for data in (first.read_bytes(), second.read_bytes()):
+        assert data[40] == 5  # required features: external chunks and encryption
+        assert torch.arange(1 << 18, dtype=torch.float32).numpy().tobytes()[4096:4160] not in data
+    got = m.load()
+    assert torch.equal(got["frozen"], _big(2)["frozen"]) and torch.equal(got["w"], _big(2)["w"])
+    assert m.verify().ok
+    flat = tmp_path / "flat.ckpt"
+    report = consolidate(second, flat, decrypt_with=KEY)
+    assert report.external_chunks >= 1
+    assert flat.read_bytes()[40] == 4  # encrypted, self-contained
+    assert torch.equal(ckptfmt.load(flat, decrypt_with=KEY)["state"]["frozen"], _big(2)["frozen"])
+    with pytest.raises(ckptfmt.DecryptionError):
+        ckptfmt.load(second, decrypt_with=bytes(32))
+
+
+def test_a_swapped_base_file_is_refused(tmp_path, monkeypatch):
+    """The base file of an encrypted incremental step replaced by another encrypted file under
+    the same key, even one whose file id and length were forged to match the reference (and its
+    checksums recomputed): its wrapped key is bound to its real file id, so it is refused, and
+    no load_into target is written."""
+    import struct
+
+    import xxhash
+
+    from ckptfmt.format import layout as fmt
+
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1764460800")  # equal index lengths below
+    run = tmp_path / "run"
+    m = ckptfmt.CheckpointManager(run, encrypt_with=KEY, incremental=True)
+    for step in (1, 2):
+        m.save(step, _big(step))
+    other = ckptfmt.CheckpointManager(tmp_path / "other", encrypt_with=KEY, incremental=True)
+    forged_state = _big(1)
+    forged_state["frozen"] = -forged_state["frozen"]  # type: ignore[operator]
+    other.save(1, forged_state)
+    base = run / "step-000000001" / "state.ckpt"
+    genuine = base.read_bytes()
+    forged = bytearray((tmp_path / "other" / "step-000000001" / "state.ckpt").read_bytes())
+    assert len(forged) == len(genuine)
+    fid = genuine[16:32]
+    forged[16:32] = fid
+    footer = len(forged) - 64
+    forged[footer + 24 : footer + 40] = fid
+    ioff, ilen = struct.unpack_from("<QQ", forged, footer)
+    struct.pack_into(
+        "<Q", forged, footer + 16, fmt.index_checksum(fid, ioff, bytes(forged[ioff : ioff + ilen]))
+    )
+    forged[56:64] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(forged[:56])))
+    forged[footer + 48 : footer + 56] = struct.pack(
+        "<Q", xxhash.xxh3_64_intdigest(bytes(forged[footer : footer + 48]))
+    )
+    second = run / "step-000000002" / "state.ckpt"
+    for replacement, cls in (
+        (bytes(forged), ckptfmt.DecryptionError),
+        (genuine[:-64], ckptfmt.CheckpointError),
+    ):
+        base.write_bytes(replacement)
+        with pytest.raises(cls):
+            ckptfmt.load(second, decrypt_with=KEY)
+        target = {"frozen": torch.zeros(1 << 18), "w": torch.zeros(2000)}
+        with pytest.raises(cls):
+            ckptfmt.load_into(second, {"state": target}, decrypt_with=KEY, strict=False)
+        assert not target["frozen"].any() and not target["w"].any()

@@ -470,9 +470,11 @@ def test_feature_bit_forged(tmp_path):
 @pytest.mark.parametrize(
     ("bits", "cls"),
     [
-        (fmt.FEATURE_ENCRYPTED | 1, ckptfmt.UnsupportedError),
+        # bits 0 and 2 are defined together (17.9): a set bit 0 without externals is corrupt
+        (fmt.FEATURE_ENCRYPTED | 1, CorruptError),
         # bits 1 and 2 are defined together (17.8): a set bit 1 without a signature block is corrupt
         (fmt.FEATURE_ENCRYPTED | fmt.FEATURE_SIGNED, CorruptError),
+        (fmt.FEATURE_ENCRYPTED | fmt.FEATURE_SIGNED | 1, ckptfmt.UnsupportedError),
     ],
 )
 def test_feature_bit_combinations_refused(tmp_path, bits, cls):

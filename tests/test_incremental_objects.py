@@ -147,3 +147,24 @@ class warnings_as_errors:
 
     def __exit__(self, *exc):
         return self._cm.__exit__(*exc)
+
+
+def test_an_encrypted_incremental_run_on_the_store(s3_server, s3_bucket):
+    """incremental=True with encrypt_with on a store: step 2 refers to step 1's encrypted
+    object (spec 17.9), no plaintext lies on the store, and a load needs the key."""
+    bucket, options = s3_bucket
+    key = bytes(range(32))
+    url = f"s3://{bucket}/enc-inc"
+    m = CheckpointManager(url, incremental=True, encrypt_with=key, storage_options=options)
+    m.save(1, _state(1))
+    m.save(2, _state(2))
+    sizes = _sizes(s3_server, bucket, "enc-inc/")
+    assert sizes["step-000000002/state.ckpt"] < FROZEN.nbytes // 8
+    client = s3_server.client()
+    stored = client.get_object(Bucket=bucket, Key="enc-inc/step-000000001/state.ckpt")["Body"].read()
+    assert FROZEN.numpy().tobytes()[:4096] not in stored
+    target = _zeros()
+    assert m.load_into(target, restore_rng=False).step == 2
+    assert torch.equal(target["frozen"], FROZEN)
+    with pytest.raises(ckptfmt.DecryptionError):
+        CheckpointManager(url, storage_options=options).load(2)

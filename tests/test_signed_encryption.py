@@ -463,3 +463,18 @@ def test_a_signed_encrypted_dcp_save(tmp_path):
     )
     r = run_cli("verify", path, "--trusted-key", str(pub), "--decrypt-key", str(keyfile))
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_cli_signs_an_encrypted_step_with_its_key(tmp_path):
+    run = tmp_path / "run"
+    ckptfmt.CheckpointManager(run, encrypt_with=KEY).save(1, _run_state(1))
+    step = str(run / "step-000000001")
+    keyfile = tmp_path / "kek"
+    keyfile.write_text(KEY.hex())
+    priv = tmp_path / "id"
+    assert run_cli("keygen", str(priv)).returncode == 0
+    assert run_cli("sign", step, "--key", str(priv)).returncode == 1  # its files cannot be verified
+    r = run_cli("sign", step, "--key", str(priv), "--decrypt-key", str(keyfile))
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run_cli("verify", str(run), "--trusted-key", f"{priv}.pub", "--decrypt-key", str(keyfile))
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -397,3 +397,40 @@ if __name__ == "__main__":
     import test_transformers  # the classes above, under the module name the tests see
 
     test_transformers.child(sys.argv[1:])
+
+
+def test_encrypted_checkpoints_resume_with_the_key_only(tmp_path: Any) -> None:
+    """ckptfmt_encrypt_with: every ckptfmt file of a folder is encrypted (no tensor bytes in
+    clear); a trainer with the key resumes from it; one without finds no checkpoint it can
+    read and one with another key neither, and an explicit path is refused."""
+    import struct
+
+    from ckptfmt.integrations.transformers import CkptfmtTrainer, latest_checkpoint, load_model_state
+
+    key = bytes(range(32))
+    out = str(tmp_path / "run")
+
+    def trainer(steps: int, **kw: Any) -> Any:
+        return CkptfmtTrainer(model=_model(), args=_args(out, max_steps=steps), train_dataset=_tokens(), **kw)
+
+    trainer(4, ckptfmt_encrypt_with=key).train()  # the one real save of this test: step 4
+    folder = os.path.join(out, "checkpoint-4")
+    for name in OURS:
+        with open(os.path.join(folder, name), "rb") as fh:
+            assert struct.unpack("<Q", fh.read(48)[40:48])[0] & 4, name  # required feature bit 2
+    weights = load_model_state(folder, decrypt_with=key)
+    raw = next(iter(weights.values())).numpy().tobytes()[:64]
+    with open(os.path.join(folder, "model.ckpt"), "rb") as fh:
+        assert raw not in fh.read()
+    assert latest_checkpoint(out, verify=True, decrypt_with=key) == folder
+    resumed = trainer(5, ckptfmt_encrypt_with=key)
+    resumed.train(resume_from_checkpoint=True)  # one step, from step 4
+    assert resumed.state.global_step == 5
+    for kw in ({}, {"ckptfmt_decrypt_with": bytes(32)}):
+        with (
+            pytest.warns(ckptfmt.CheckpointWarning),
+            pytest.raises(ValueError, match="No complete checkpoint"),
+        ):
+            trainer(5, **kw).train(resume_from_checkpoint=True)
+    with pytest.raises(ckptfmt.CheckpointError):
+        trainer(5).train(resume_from_checkpoint=folder)

@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="KEYFILE",
         help="an encrypted file whose index is encrypted: its key file, to find its chunks (the file "
-        "is signed over its ciphertext, not re-encrypted); not needed when its index is in clear",
+        "is signed over its ciphertext, not re-encrypted; not needed when its index is in clear); "
+        "for an encrypted checkpoint directory, the key its files are verified with before signing",
     )
     s.set_defaults(fn=cmd_sign)
     return ap

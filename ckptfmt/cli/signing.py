@@ -142,7 +142,7 @@ def cmd_sign(args: argparse.Namespace) -> int:
         if is_dir:
             from ..runs.signdir import sign_directory
 
-            sign_directory(path, key)
+            sign_directory(path, key, decrypt_with=args.decrypt_key)
         else:
             require_ckptfmt(path)
             sign_file(path, key, decrypt_with=args.decrypt_key)

@@ -26,6 +26,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
@@ -122,6 +123,11 @@ class ChunkReader:
         self.externals = index.externals
         #: encrypted files opened with their key: the data key (spec section 17)
         self._data_key = index.data_key
+        #: an encrypted file: the files its external chunks lie in must be encrypted too, each
+        #: read with its own data key, unwrapped by `_opener` (spec 17.9)
+        self._encrypted = index.encryption is not None
+        self._opener = index.opener
+        self._ext_keys: dict[int, tuple[bytes, encryption.EncryptionBlock]] = {}
         #: the key path of chunk k's storage, for messages
         self.key_of = index.key_of
         self.max_open = max_open
@@ -206,10 +212,48 @@ class ChunkReader:
                 raise CorruptError(
                     f"{what} is {pro.file_length} bytes, the reference records {ext.length}", path=self.path
                 )
+            if bool(pro.required_features & fmt.FEATURE_ENCRYPTED) != self._encrypted:
+                raise CorruptError(
+                    f"{what} is {'not ' if self._encrypted else ''}encrypted, and this file is "
+                    f"{'' if self._encrypted else 'not'}: references never cross that line (spec 17.9)",
+                    path=self.path,
+                )
+            if self._data_key:
+                self._ext_keys[e] = self._external_key(fd, pro, foot, what)
         except BaseException:
             os.close(fd)
             raise
         return fd, foot.index_offset
+
+    def _external_key(
+        self, fd: int, pro: fmt.Prologue, foot: fmt.Footer, what: str
+    ) -> tuple[bytes, encryption.EncryptionBlock]:
+        """An encrypted referenced file's data key, unwrapped by this file's key, and its
+        encryption block (whose tag table holds its chunks' tags)."""
+        at = fmt.align_up(foot.index_offset + foot.index_length)
+        head = pread_exact(fd, at, encryption.HEADER_SIZE)
+        size = encryption.block_length_from_header(head)
+        if size is None or size > foot.signature_length:
+            raise CorruptError(f"{what}: its encryption block's header is impossible", path=self.path)
+        try:
+            block = encryption.parse_block(pread_exact(fd, at, size), self.path, at)
+            assert self._opener is not None
+            return self._opener(block, pro.file_id), block
+        except CheckpointError as err:
+            cls = DecryptionError if isinstance(err, DecryptionError) else CorruptError
+            raise cls(f"{what}: {err.reason}", path=self.path) from None
+
+    def _crypto_of(self, k: int) -> tuple[bytes, bytes, int, bytes]:
+        """(data key, file id, chunk number, GCM tag) that decrypt chunk k where it lies."""
+        ch = self.chunks[k]
+        if ch.source < 0:
+            return self._data_key, self.file_id, k, ch.tag
+        key, block = self._ext_keys[ch.source]
+        return key, self.externals[ch.source].file_id, ch.number, block.tag_of(ch.number)
+
+    def _decrypts(self, k: int) -> bool:
+        """Whether chunk k is decrypted as it is read (a file opened with its key)."""
+        return bool(self._data_key) and (self.chunks[k].source >= 0 or bool(self.chunks[k].tag))
 
     def _base_dir(self) -> References:
         if self._base is None:
@@ -332,7 +376,7 @@ class ChunkReader:
             raise self._error(
                 CorruptError, "padding after the chunk is not zero", k, key, ch.offset + ch.stored_len
             )
-        if ch.tag:
+        if self._decrypts(k):
             stored = self._decrypt(k, ch, stored, key)
             if ch.codec == fmt.CODEC_RAW:
                 dest[:] = stored
@@ -343,17 +387,9 @@ class ChunkReader:
 
     def _decrypt(self, k: int, ch: Chunk, stored: memoryview, key: str | None) -> memoryview:
         """The plaintext of encrypted chunk k's stored bytes; DecryptionError when its tag fails."""
+        data_key, file_id, number, tag = self._crypto_of(k)
         plain = encryption.open_chunk(
-            self._data_key,
-            self.file_id,
-            k,
-            ch.offset,
-            ch.raw_len,
-            ch.codec,
-            ch.filter,
-            ch.width,
-            stored,
-            ch.tag,
+            data_key, file_id, number, ch.offset, ch.raw_len, ch.codec, ch.filter, ch.width, stored, tag
         )
         if plain is None:
             raise self._error(DecryptionError, _TAG_MISMATCH, k, key, ch.offset)
@@ -471,17 +507,22 @@ class ChunkReader:
             return
         where = [self._source(k, None) for k, _ in items]
         fd, file_id = where[0][0], where[0][1]
+        data_key = self._data_key or None
+        records = [self.chunks[k] for k, _ in items]
+        if data_key and records[0].source >= 0:  # an encrypted referenced file: its key and tags
+            data_key = self._crypto_of(items[0][0])[0]
+            records = [replace(ch, tag=self._crypto_of(k)[3]) for (k, _), ch in zip(items, records)]
         # No readahead advice for the whole range here: one POSIX_FADV_WILLNEED for all of
         # it blocks until all of it is queued (cold 1 GiB loads ran at 0.84 GB/s with it).
         # The engine's threads advise a sliding window of chunks ahead of theirs instead.
         status = _native.read_chunks(
             fd,
             file_id,
-            [(number, self.chunks[k], d) for (k, d), (_, _, number) in zip(items, where)],
+            [(number, ch, d) for (_, d), ch, (_, _, number) in zip(items, records, where)],
             verify,
             _native.default_threads(),
             check_only=verify and check_only,
-            key=self._data_key or None,
+            key=data_key,
         )
         if status is not None:
             raise self._native_error(status, items)

@@ -285,8 +285,6 @@ class ChunkWriter:
         #: encrypted files (spec section 17): the data key, and each chunk's GCM tag as written
         self.key = key
         self.tags: list[bytes] | None = [] if key is not None else None
-        if key is not None and dedup is not None:
-            raise ValueError("encrypted files cannot have external chunks in this version")
 
     def write(self, pieces: list[tuple[memoryview, int]]) -> None:
         self._write(pieces)
@@ -309,6 +307,8 @@ class ChunkWriter:
             held = found[i]
             if held is not None:  # an external record: no bytes, no offset here
                 self.chunks.append(held)
+                if self.tags is not None:  # its tag is in the file that holds it (spec 17.9)
+                    self.tags.append(bytes(encryption.TAG_SIZE))
                 i += 1
                 continue
             j = i

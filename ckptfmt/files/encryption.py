@@ -216,14 +216,13 @@ def sealer(encrypt_with: Any, encrypt_index: bool = True) -> FileSealer | None:
     return FileSealer(key, encrypt_index)
 
 
-def key_pair(encrypt_with: Any, decrypt_with: Any) -> tuple[Any, Any]:
-    """The keys a writer of many files (a run, a trainer's checkpoints) saves and reads them
-    with: `decrypt_with` defaults to `encrypt_with`, except for a key service, whose unwrapping
-    callable must be given.  Checked before anything is written (a bad key, or an engine
-    without libcrypto, fails here)."""
+def save_and_read_keys(encrypt_with: Any, decrypt_with: Any) -> tuple[Any, Any]:
+    """The keys a writer that also reads back (a run, a trainer) saves and reads with, checked
+    before anything is written: reading defaults to `encrypt_with`, except for a key service,
+    whose wrapping callable cannot unwrap."""
     if encrypt_with is None:
         return None, decrypt_with
-    sealer(encrypt_with)
+    sealer(encrypt_with)  # a bad key, or an engine without libcrypto, fails here
     if decrypt_with is None and callable(encrypt_with):
         raise ValueError("a key service encrypts: give the callable that unwraps as decrypt_with")
     return encrypt_with, encrypt_with if decrypt_with is None else decrypt_with

@@ -47,6 +47,7 @@ from ..fileio import pread_exact
 from ..gcpause import pausing
 from . import devices, encryption, signing, tree, validate
 from . import layout as fmt
+from .encryption import Opener
 from .layout import Limits
 
 _INDEX_FIELDS = ("chunk_size", "producer", "source_devices", "metadata", "storages", "chunks", "nodes")
@@ -199,6 +200,9 @@ class Index:
     #: signed encrypted files (bits 1 and 2, section 17.8): SHA-256 of the whole encryption
     #: block, which their signed message binds
     encryption_sha256: bytes = b""
+    #: encrypted files opened with their key: what unwraps a data key, for the files external
+    #: chunks lie in (section 17.9: they are unwrapped by the same key)
+    opener: Opener | None = field(default=None, repr=False, compare=False)
 
     def key_of(self, k: int) -> str:
         """The key path of the first tensor using chunk k, rendered now (at most render.PATH_CHARS)."""
@@ -355,8 +359,14 @@ class _IndexParser:
                     path=path,
                     offset=block_at + 24,
                 )
+            for k, ch in enumerate(self.chunks):
+                if ch.source >= 0 and any(enc.tag_of(k)):  # its tag is its own file's (17.9)
+                    raise CorruptError("tag table entry of an external chunk is not zero", path=path, chunk=k)
             if data_key:
-                self.chunks = [replace(ch, tag=enc.tag_of(k)) for k, ch in enumerate(self.chunks)]
+                self.chunks = [
+                    replace(ch, tag=enc.tag_of(k)) if ch.source < 0 else ch
+                    for k, ch in enumerate(self.chunks)
+                ]
         return Index(
             self.prologue,
             self.footer,
@@ -375,6 +385,7 @@ class _IndexParser:
             enc,
             data_key,
             enc_sha256,
+            self._decrypt if data_key else None,
         )
 
     def _encrypted_tail(

@@ -271,13 +271,6 @@ def parse_prologue(raw: bytes, actual_size: int, path: str) -> Prologue:
     unknown = req & ~KNOWN_REQUIRED_FEATURES
     if unknown:
         raise UnsupportedError(f"file requires unknown features {unknown:#x}", path=path, offset=40)
-    if req & FEATURE_ENCRYPTED and req & FEATURE_EXTERNAL:
-        raise UnsupportedError(
-            "file sets feature bits 0 and 2 (encrypted files with external chunks are not defined "
-            "in this version)",
-            path=path,
-            offset=40,
-        )
     if req & FEATURE_EXTERNAL and req & FEATURE_SIGNED:
         raise UnsupportedError(
             "file sets feature bits 0 and 1 (signed files with external chunks are not defined in this version)",

@@ -33,14 +33,17 @@ from ..engine.chunkwrite import ChunkRecord
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
 from ..errors import CheckpointWarning
-from ..fileio import is_url
+from ..fileio import is_url, open_regular, pread_exact
+from ..files import encryption
 from ..files import save as writer
+from ..files.encryption import save_and_read_keys
 from ..files.reader import CheckpointFile
 from ..format import dtypes
 from ..format import layout as fmt
 from ..format.encode import Encoded, StoragePlan
 from ..storage import references
 from ..storage.client import check_options
+from ..storage.download import RemoteObject
 from ..storage.upload import ObjectFile
 from ..storage.urls import parse_url
 
@@ -128,9 +131,13 @@ class ContentIndex:
         target: str,
         base: str | None,
         min_reference_bytes: int = 0,
+        decrypt: Any = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
+        """`decrypt`: the key of an encrypted save: the base is read with it, and referred to
+        only when it is encrypted too (spec 17.9).  `storage_options`: for a base on a store."""
         self.min_reference_bytes = min_reference_bytes
+        self.decrypt = decrypt
         self.storage_options = storage_options
         self.files: list[_Candidate] = []
         self.held: dict[tuple[int, bytes], _Held] = {}
@@ -142,14 +149,28 @@ class ContentIndex:
             self._add_base(target, base)
 
     def _add_base(self, target: str, base: str) -> None:
-        with CheckpointFile(base, storage_options=self.storage_options) as f:
+        encrypted = _is_encrypted(base, self.storage_options)
+        if encrypted and self.decrypt is None:
+            warnings.warn(
+                f"{target} cannot refer to {base}: one of the two is encrypted and the other is not; "
+                "every chunk is written",
+                CheckpointWarning,
+                stacklevel=4,
+            )
+            return
+        with CheckpointFile(
+            base, decrypt_with=self.decrypt if encrypted else None, storage_options=self.storage_options
+        ) as f:
             self.base_chunk_size = f.chunk_size
             rel = _reference_path(target, base if is_url(base) else os.path.abspath(base))
-            if not f.has_digests or rel is None:
+            crossing = f.encrypted != (self.decrypt is not None)
+            if not f.has_digests or rel is None or crossing:
                 # still a correct save, only not an incremental one; the next save can refer to it
                 why = (
                     "it was written without content digests (by ckptfmt.save)"
                     if not f.has_digests
+                    else "one of the two is encrypted and the other is not"
+                    if crossing
                     else "a reference is NAME, DIR/NAME, ../NAME or ../DIR/NAME from the new file's "
                     "directory, each name without a leading dot, and not the file being written"
                 )
@@ -226,6 +247,27 @@ class ContentIndex:
         return out
 
 
+def _is_encrypted(path: str, storage_options: dict[str, Any] | None = None) -> bool:
+    """Whether the ckptfmt file at `path` (or object, with `storage_options`) says it is
+    encrypted (its prologue's bit 2; the file is checked in full when it is opened)."""
+    if is_url(path):
+        remote = RemoteObject(path, check_options(storage_options), fetch_index=False)
+        try:
+            remote.fetch([(0, min(remote.size, fmt.PROLOGUE_SIZE))])
+            head = pread_exact(remote.fd, 0, min(remote.size, fmt.PROLOGUE_SIZE))
+        finally:
+            remote.close()
+    else:
+        fd = open_regular(path)
+        try:
+            head = pread_exact(fd, 0, fmt.PROLOGUE_SIZE)
+        finally:
+            os.close(fd)
+    return len(head) == fmt.PROLOGUE_SIZE and bool(
+        int.from_bytes(head[40:48], "little") & fmt.FEATURE_ENCRYPTED
+    )
+
+
 def save(
     state: object,
     path: str | os.PathLike[str],
@@ -238,6 +280,8 @@ def save(
     chunk_size: int | None = None,
     min_reference_bytes: int = 0,
     within: CheckpointDir | None = None,
+    encrypt_with: Any = None,
+    decrypt_with: Any = None,
     storage_options: dict[str, Any] | None = None,
 ) -> SaveHandle | None:
     """Write `state` to `path` with content digests (feature bit 0).
@@ -253,9 +297,13 @@ def save(
     state is snapshotted; the digests are computed from the snapshot by the writer.
     Chunks shorter than `min_reference_bytes` are always written here.
     `within`: the open directory that holds `path` (files.save.save's _within).
+    `encrypt_with`: the file is encrypted (spec 17.9): its external chunks lie in encrypted
+    files whose data keys the same key unwraps; `decrypt_with` reads the base (default
+    `encrypt_with`, except a key service's wrapping callable).
     An object-store URL `path` (with `storage_options`) refers to objects of its bucket.
     """
     meta = writer.check_save_args(compression, level, metadata)
+    encrypt_with, decrypt_with = save_and_read_keys(encrypt_with, decrypt_with)
     target = os.fspath(path)
     here = os.path.dirname(os.path.abspath(target))
     if not is_url(target) and not os.path.isdir(here):  # before the references, relative to it
@@ -265,7 +313,9 @@ def save(
     base_path = None if base is None else os.fspath(base)
     if base_path is not None:
         inflight.wait_for_path(base_path)  # a non-blocking save of the base may still run
-    index = ContentIndex(target, base_path, min_reference_bytes, storage_options)
+    index = ContentIndex(
+        target, base_path, min_reference_bytes, decrypt_with if encrypt_with else None, storage_options
+    )
     if chunk_size is None and index.base_chunk_size is not None and not os.environ.get("CKPTFMT_CHUNK_SIZE"):
         chunk_size = index.base_chunk_size
     size = writer.check_chunk_size(chunk_size)
@@ -280,14 +330,16 @@ def save(
         dedup=index,
         within=within,
         storage_options=storage_options,
+        seal=encryption.sealer(encrypt_with),
     )
     return result
 
 
-def referenced_files(path: str | os.PathLike[str]) -> list[str]:
-    """Absolute paths of the files whose chunks `path` refers to (empty when self-contained)."""
+def referenced_files(path: str | os.PathLike[str], *, decrypt_with: Any = None) -> list[str]:
+    """Absolute paths of the files whose chunks `path` refers to (empty when self-contained);
+    `decrypt_with`: the key of an encrypted file (its index lists them)."""
     inflight.wait_for_path(path)
-    with CheckpointFile(path) as f:
+    with CheckpointFile(path, decrypt_with=decrypt_with) as f:
         return [os.path.abspath(ext.path) for ext in f.externals]
 
 
@@ -317,24 +369,35 @@ def consolidate(
     *,
     compression: str | None = None,
     level: int | None = None,
+    decrypt_with: Any = None,
+    encrypt_with: Any = None,
     storage_options: dict[str, Any] | None = None,
 ) -> ConsolidateReport:
-    """Write a self-contained copy of `src` at `dst`: every chunk local, no feature bit.
+    """Write a self-contained copy of `src` at `dst`: every chunk local, no feature bit 0.
 
     The copy has the same object tree, storages (with their device tags), metadata and
     chunk size.  Chunks are read and verified (checksums and digests, in the files they
     lie in) a window at a time, so memory stays bounded whatever the state's size.  Either
     may be an object-store URL (``storage_options``: the client's settings): the source is
     read by ranged GETs, the copy streamed into a multipart upload as it is written.
+    `decrypt_with`: the key of an encrypted `src` (its referenced files are unwrapped by the
+    same key); `encrypt_with`: the copy is encrypted under this key (default `decrypt_with`:
+    an encrypted checkpoint stays encrypted; a key service's unwrapping callable cannot
+    encrypt, so pass its wrapping one).
     """
     writer.check_save_args(compression, level, None)
+    if encrypt_with is None and decrypt_with is not None and not callable(decrypt_with):
+        encrypt_with = decrypt_with
+    seal = encryption.sealer(encrypt_with)
     source, target = os.fspath(src), os.fspath(dst)
     options = check_options(storage_options)
     inflight.wait_for_path(source)
     inflight.wait_for_path(target)
     if source == target or (os.path.exists(target) and os.path.samefile(source, target)):
         raise ValueError(f"{target}: consolidate writes a new file; it cannot replace the file it reads")
-    with CheckpointFile(source, storage_options=options if is_url(source) else None) as f:
+    with CheckpointFile(
+        source, decrypt_with=decrypt_with, storage_options=options if is_url(source) else None
+    ) as f:
         widths = _storage_widths(f)
         # the index of the copy: the same tree and storages (their bytes come from the file)
         encoded = Encoded(
@@ -356,7 +419,14 @@ def consolidate(
         )
         with output as out:
             file_id = chunkwrite.new_file_id()
-            cw = chunkwrite.ChunkWriter(out.fd, file_id, compression=compression, level=level, path=target)
+            cw = chunkwrite.ChunkWriter(
+                out.fd,
+                file_id,
+                compression=compression,
+                level=level,
+                path=target,
+                key=None if seal is None else seal.data_key,
+            )
             k = 0
             while k < len(f.chunks):
                 items: list[tuple[int, memoryview]] = []
@@ -370,7 +440,15 @@ def consolidate(
                 if to_store:  # the parts written so far go up while the next window is read
                     out.written(cw.pos)
             length = chunkwrite.finish_file(
-                out.fd, file_id, encoded, cw.chunks, cw.pos, dict(f.metadata), f.chunk_size
+                out.fd,
+                file_id,
+                encoded,
+                cw.chunks,
+                cw.pos,
+                dict(f.metadata),
+                f.chunk_size,
+                seal=seal,
+                tags=cw.tags,
             )
             out.commit()
         external = sum(1 for ch in f.chunks if ch.source >= 0)

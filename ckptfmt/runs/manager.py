@@ -138,7 +138,8 @@ class CheckpointManager:
         self._sign_key = recordsign.private_key(sign_with)  # a bad key fails here, not at a commit
         writer.signer(self._sign_key)  # and an engine without libcrypto
         self._trusted = recordsign.public_keys(trusted_keys)
-        self._encrypt, self._decrypt = _run_keys(encrypt_with, decrypt_with, incremental)
+        # a bad key, or an engine without libcrypto, fails here, not at the first save
+        self._encrypt, self._decrypt = encryption.save_and_read_keys(encrypt_with, decrypt_with)
         self._lock = threading.Lock()
         self._jobs: list[StepJob] = []  # in flight, or finished with an error nobody has seen
         #: the archive tier (an object-store run), when `archive` is given
@@ -406,6 +407,8 @@ class CheckpointManager:
                 blocking=self.blocking,
                 min_reference_bytes=incremental.MIN_REFERENCE_BYTES,
                 within=held(job),
+                encrypt_with=self._encrypt,
+                decrypt_with=self._decrypt,
             )
         return writer.save(
             payload,
@@ -453,7 +456,8 @@ class CheckpointManager:
         parts = (multifile.describe_in(d, STATE_NAME),)
         refs: tuple[multifile.PartRecord, ...] = ()
         if self.incremental:
-            with CheckpointFile(d.path_of(STATE_NAME), fd=d.open_file(STATE_NAME), within=d) as f:
+            fd = d.open_file(STATE_NAME)
+            with CheckpointFile(d.path_of(STATE_NAME), fd=fd, within=d, decrypt_with=self._decrypt) as f:
                 rels = [ext.rel for ext in f.externals]
             refs = tuple(multifile.describe_in(d, rel) for rel in rels)
         record = multifile.CommitRecord(job.step, "state", parts, refs, job.metrics, job.metadata)
@@ -755,13 +759,6 @@ class CheckpointManager:
         return verify_in_run(
             self.directory, os.path.basename(info.path), info.step, self._trusted, self._decrypt
         )
-
-
-def _run_keys(encrypt_with: Any, decrypt_with: Any, incremental: bool) -> tuple[Any, Any]:
-    """The keys an encrypted run saves and reads with, checked before anything is written."""
-    if encrypt_with is not None and incremental:
-        raise ValueError("encrypted runs cannot be incremental in this version (spec section 17)")
-    return encryption.key_pair(encrypt_with, decrypt_with)
 
 
 def _newest_state_file(scan: RunScan) -> str | None:

@@ -167,6 +167,8 @@ class ObjectRunManager(CheckpointManager):
                 blocking=self.blocking,
                 min_reference_bytes=incremental.MIN_REFERENCE_BYTES,
                 storage_options=self.run.options,
+                encrypt_with=self._encrypt,
+                decrypt_with=self._decrypt,
             )
         return writer.save(
             payload,

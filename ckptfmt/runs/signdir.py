@@ -19,12 +19,16 @@ from ..files import multifile, recordsign
 from .stepcheck import verify_step
 
 
-def sign_directory(path: str | os.PathLike[str], key: Any) -> multifile.CommitRecord:
+def sign_directory(
+    path: str | os.PathLike[str], key: Any, *, decrypt_with: Any = None
+) -> multifile.CommitRecord:
     """Sign the checkpoint directory `path` (one holding a COMMIT) with the Ed25519 private key
-    `key`; return the signed record.  CheckpointError when it does not verify."""
+    `key`; return the signed record.  CheckpointError when it does not verify.  `decrypt_with`:
+    the key of an encrypted checkpoint's files, which are verified with it (every tag) before
+    the record binds their SHA-256 over their ciphertext."""
     where = os.fspath(path)
     private = recordsign.private_key(key)
-    report = verify_step(where)
+    report = verify_step(where, None, None, decrypt_with)
     if not report.ok:
         first = report.problems[0]
         if first.kind == "incomplete":

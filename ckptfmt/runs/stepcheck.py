@@ -177,8 +177,9 @@ def _verify_parts(
                 fd = d.open_file(part.name)
             else:
                 fd = multifile.open_part(d, part, d.path)
-            # the files a record names are encrypted in an encrypted save (a state file, rank files)
-            key = decrypt if part in record.files else None
+            # every file a record names is encrypted in an encrypted save (a state file, rank
+            # files, and the files an incremental state file reads chunks from)
+            key = None if part is commit else decrypt
             with CheckpointFile(d.path_of(part.name), fd=fd, within=holder, decrypt_with=key) as f:
                 if part in record.files:
                     multifile.check_references(f, record, d.path)

@@ -330,8 +330,11 @@ CASES: dict[str, tuple[str, Callable[[], bytes]]] = {
     ),
     "unsigned_with_block": ("CorruptError", lambda: build(block=sig_block())),
     # encrypted files (spec section 17): the block's structure is checked before any key is asked for
-    "encrypted_and_signed": ("UnsupportedError", lambda: build(required=6, block=enc_block())),
-    "encrypted_and_external": ("UnsupportedError", lambda: build(required=5, block=enc_block())),
+    # bits 1 and 2 (spec 17.8): an encryption block alone is too short for both blocks
+    "encrypted_and_signed": ("CorruptError", lambda: build(required=6, block=enc_block())),
+    # bits 0 and 2 (spec 17.9), the index in clear but lacking the externals member bit 0
+    # requires: a load without the key is refused for the key, verify finds the index corrupt
+    "encrypted_and_external": ("DecryptionError", lambda: build(required=5, block=enc_block(flags=0))),
     "encrypted_without_block": ("CorruptError", lambda: build(required=4)),
     "encrypted_block_length_huge": ("CorruptError", lambda: build(required=4, footer_block_len=1 << 40)),
     "encrypted_block_bad_magic": (

@@ -13,7 +13,7 @@ import ckptfmt
 
 from ...background import inflight
 from ...errors import CheckpointWarning
-from ...files.encryption import key_pair
+from ...files.encryption import save_and_read_keys
 from ...files.save import check_save_args, signer
 from ...files.signing import trusted_set
 from ...storage.client import check_options
@@ -95,7 +95,7 @@ class CkptfmtCheckpointIO(_Base):
         trusted_set(trusted_keys)
         # the checkpoint manager's rule: checked before anything is written, decrypt_with
         # defaulting to encrypt_with
-        self.encrypt_with, self.decrypt_with = key_pair(encrypt_with, decrypt_with)
+        self.encrypt_with, self.decrypt_with = save_and_read_keys(encrypt_with, decrypt_with)
         self.sign_with = sign_with
         self.trusted_keys = trusted_keys
         self.blocking = blocking

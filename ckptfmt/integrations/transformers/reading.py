@@ -68,10 +68,13 @@ class OpenedFolder:
     """A checked checkpoint folder held open: its descriptor and its commit record.  Everything
     read from it afterwards goes through this descriptor, so what is read is what was checked."""
 
-    def __init__(self, folder: CheckpointDir, record: multifile.CommitRecord, trusted: Any = None) -> None:
+    def __init__(
+        self, folder: CheckpointDir, record: multifile.CommitRecord, trusted: Any = None, decrypt: Any = None
+    ) -> None:
         self.dir = folder
         self.record = record
         self.trusted = trusted  # public keys: the record is signed, each file hashed as opened
+        self.decrypt = decrypt  # the key of an encrypted checkpoint's files (spec section 17)
 
     @property
     def path(self) -> str:
@@ -89,7 +92,9 @@ class OpenedFolder:
             fd = multifile.open_part(self.dir, part, self.path)
         else:
             fd = recordsign.open_trusted_part(self.dir, part, self.path)
-        with CheckpointFile(self.dir.path_of(part.name), fd=fd, within=self.dir) as f:
+        with CheckpointFile(
+            self.dir.path_of(part.name), fd=fd, within=self.dir, decrypt_with=self.decrypt
+        ) as f:
             yield f
 
     def load(self, name: str, map_location: Any = None) -> Any:
@@ -124,15 +129,18 @@ class OpenedFolder:
         self.close()
 
 
-def check_folder(folder: CheckpointDir, verify: bool, trusted: Any = None) -> OpenedFolder:
+def check_folder(
+    folder: CheckpointDir, verify: bool, trusted: Any = None, decrypt: Any = None
+) -> OpenedFolder:
     """`folder` checked complete (and with `verify`, every chunk checked); it is not closed here.
-    `trusted`: public keys, one of which must have signed its commit record (spec 16.7)."""
+    `trusted`: public keys, one of which must have signed its commit record (spec 16.7).
+    `decrypt`: the key its files are read with (an encrypted checkpoint)."""
     record = multifile.check_complete(folder)
     if trusted is not None:
         signed = recordsign.read_trusted(folder, trusted)
         if signed != record:
             raise SignatureError("the commit record changed while it was read", path=folder.path)
-    opened = OpenedFolder(folder, record, trusted)
+    opened = OpenedFolder(folder, record, trusted, decrypt)
     if opened.part(TRAINER_STATE_NAME) is None:
         raise IncompleteError(f"the commit record names no {TRAINER_STATE_NAME}", path=folder.path)
     if verify:
@@ -140,7 +148,7 @@ def check_folder(folder: CheckpointDir, verify: bool, trusted: Any = None) -> Op
     return opened
 
 
-def open_checked(path: str, verify: bool = False, trusted: Any = None) -> OpenedFolder:
+def open_checked(path: str, verify: bool = False, trusted: Any = None, decrypt: Any = None) -> OpenedFolder:
     """The folder the caller names (its path is the caller's, resolved once), checked complete."""
     try:
         folder = CheckpointDir.open(path)
@@ -149,7 +157,7 @@ def open_checked(path: str, verify: bool = False, trusted: Any = None) -> Opened
     except OSError as e:
         raise IncompleteError(f"cannot open the folder: {e.strerror}", path=path) from None
     try:
-        return check_folder(folder, verify, trusted)
+        return check_folder(folder, verify, trusted, decrypt)
     except BaseException:
         folder.close()
         raise
@@ -179,7 +187,9 @@ def _warn_skip(path: str, why: str) -> None:
     warnings.warn(f"skipping {path}: {why}", CheckpointWarning, stacklevel=4)
 
 
-def open_latest(run_dir: str, verify: bool, warn: bool, trusted: Any = None) -> OpenedFolder | None:
+def open_latest(
+    run_dir: str, verify: bool, warn: bool, trusted: Any = None, decrypt: Any = None
+) -> OpenedFolder | None:
     """The newest complete ``checkpoint-N`` folder of `run_dir`, held open, or None; with
     `trusted` public keys, the newest whose commit record one of them signed."""
     run = open_run(run_dir)
@@ -200,7 +210,7 @@ def open_latest(run_dir: str, verify: bool, warn: bool, trusted: Any = None) -> 
                     _warn_skip(run.path_of(name), f"not a complete checkpoint ({why(e)})")
                 continue
             try:
-                return check_folder(folder, verify, trusted)
+                return check_folder(folder, verify, trusted, decrypt)
             except (CheckpointError, OSError) as e:
                 folder.close()
                 if warn:
@@ -209,7 +219,12 @@ def open_latest(run_dir: str, verify: bool, warn: bool, trusted: Any = None) -> 
 
 
 def latest_checkpoint(
-    run_dir: str, *, verify: bool = False, warn: bool = True, trusted_keys: Any = None
+    run_dir: str,
+    *,
+    verify: bool = False,
+    warn: bool = True,
+    trusted_keys: Any = None,
+    decrypt_with: Any = None,
 ) -> str | None:
     """The complete ``checkpoint-N`` folder with the highest N in `run_dir`, or None.
 
@@ -217,28 +232,30 @@ def latest_checkpoint(
     their checksums) are skipped, each with a CheckpointWarning naming it and why
     (unless ``warn=False``); so are ``checkpoint-N`` entries that are symbolic links
     (never followed: they may lead anywhere).  `trusted_keys`: only folders whose commit
-    record one of these Ed25519 public keys signed count (spec 16.7).
+    record one of these Ed25519 public keys signed count (spec 16.7).  `decrypt_with`: the key
+    of encrypted checkpoints, which ``verify=True`` reads (spec section 17).
     """
-    found = open_latest(run_dir, verify, warn, recordsign.public_keys(trusted_keys))
+    found = open_latest(run_dir, verify, warn, recordsign.public_keys(trusted_keys), decrypt_with)
     if found is None:
         return None
     found.close()
     return found.path
 
 
-def load_model_state(path: str, map_location: Any = None) -> dict[str, Any]:
-    """The model state dict of a complete checkpoint folder (checksums verified)."""
-    with open_checked(path) as opened:
+def load_model_state(path: str, map_location: Any = None, *, decrypt_with: Any = None) -> dict[str, Any]:
+    """The model state dict of a complete checkpoint folder (checksums verified); `decrypt_with`:
+    the key of an encrypted checkpoint."""
+    with open_checked(path, decrypt=decrypt_with) as opened:
         state: dict[str, Any] = opened.load_required(MODEL_NAME, map_location)
     return state
 
 
-def load_best(run_dir: str, name: str, trusted: Any = None) -> Any:
+def load_best(run_dir: str, name: str, trusted: Any = None, decrypt: Any = None) -> Any:
     """The model state of complete folder `name` of the run directory (never a link)."""
     if checkpoint_step(name) is None:
         raise CorruptError(f"the best checkpoint {name[:80]!r} is not a {PREFIX}-N folder", path=run_dir)
     with CheckpointDir.open(run_dir) as run, run.sub(name) as folder:
-        return check_folder(folder, False, trusted).load_required(MODEL_NAME)
+        return check_folder(folder, False, trusted, decrypt).load_required(MODEL_NAME)
 
 
 def sort_folders(run: CheckpointDir) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:

@@ -15,6 +15,7 @@ import ckptfmt
 
 from ...errors import CheckpointError
 from ...files import recordsign
+from ...files.encryption import save_and_read_keys
 from ...files.save import check_save_args, signer
 from .. import objects
 from .names import (
@@ -92,8 +93,10 @@ class CkptfmtTrainerMixin(_MixinBase):
     check its checksum, going on to older ones if it fails); ``ckptfmt_sign_with`` (an
     Ed25519 private key: every checkpoint folder's commit record is signed, spec 16.7) and
     ``ckptfmt_trusted_keys`` (Ed25519 public keys: only folders one of them signed are
-    resumed from or loaded, the newest unsigned ones skipped with a warning).  See the
-    module docstring.
+    resumed from or loaded, the newest unsigned ones skipped with a warning);
+    ``ckptfmt_encrypt_with`` (a key as ``ckptfmt.save`` takes it: every ckptfmt file of a
+    checkpoint folder is encrypted, spec section 17) and ``ckptfmt_decrypt_with`` (the key
+    resumes and loads read with; default ``ckptfmt_encrypt_with``).  See the module docstring.
     """
 
     def __init__(
@@ -104,9 +107,15 @@ class CkptfmtTrainerMixin(_MixinBase):
         ckptfmt_verify_resume: bool = True,
         ckptfmt_sign_with: Any = None,
         ckptfmt_trusted_keys: Any = None,
+        ckptfmt_encrypt_with: Any = None,
+        ckptfmt_decrypt_with: Any = None,
         **kwargs: Any,
     ) -> None:
         check_save_args(ckptfmt_compression, None, None)
+        # a bad key, or an engine without libcrypto, fails here, not at the first save
+        self._ckptfmt_encrypt, self._ckptfmt_decrypt = save_and_read_keys(
+            ckptfmt_encrypt_with, ckptfmt_decrypt_with
+        )
         self._ckptfmt_sign_key = recordsign.private_key(ckptfmt_sign_with)
         signer(self._ckptfmt_sign_key)  # an engine without libcrypto fails here, not at a commit
         self._ckptfmt_trusted = recordsign.public_keys(ckptfmt_trusted_keys)
@@ -159,6 +168,7 @@ class CkptfmtTrainerMixin(_MixinBase):
             compression=self.ckptfmt_compression,
             blocking=self._ckptfmt_blocking_now,
             metadata=_writer_metadata(),
+            encrypt_with=self._ckptfmt_encrypt,
         )
         save.names.append(name)
         if handle is not None:
@@ -334,7 +344,7 @@ class CkptfmtTrainerMixin(_MixinBase):
         if held is not None and held.path == checkpoint:
             yield held
             return
-        with open_checked(checkpoint, trusted=self._ckptfmt_trusted) as opened:
+        with open_checked(checkpoint, trusted=self._ckptfmt_trusted, decrypt=self._ckptfmt_decrypt) as opened:
             yield opened
 
     def _ckptfmt_resume_source(self, resume_from_checkpoint: str | bool | None) -> OpenedFolder | None:
@@ -342,13 +352,24 @@ class CkptfmtTrainerMixin(_MixinBase):
         remembered for the load hooks), or None when it starts afresh."""
         if resume_from_checkpoint is True:
             run_dir = os.fspath(self.args.output_dir or ".")
-            found = open_latest(run_dir, self.ckptfmt_verify_resume, warn=True, trusted=self._ckptfmt_trusted)
+            found = open_latest(
+                run_dir,
+                self.ckptfmt_verify_resume,
+                warn=True,
+                trusted=self._ckptfmt_trusted,
+                decrypt=self._ckptfmt_decrypt,
+            )
             if found is None:
                 raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir})")
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             path = os.fspath(resume_from_checkpoint)
             try:
-                found = open_checked(path, verify=self.ckptfmt_verify_resume, trusted=self._ckptfmt_trusted)
+                found = open_checked(
+                    path,
+                    verify=self.ckptfmt_verify_resume,
+                    trusted=self._ckptfmt_trusted,
+                    decrypt=self._ckptfmt_decrypt,
+                )
             except CheckpointError as e:
                 raise CheckpointError(
                     f"not a complete ckptfmt checkpoint ({e.reason}); folders written by "
@@ -410,7 +431,8 @@ class CkptfmtTrainerMixin(_MixinBase):
         # path comes from trainer_state.json, which a folder from elsewhere may point anywhere
         run_dir = self._get_output_dir(trial=getattr(self, "_trial", None))
         try:
-            state = load_best(run_dir, os.path.basename(os.path.normpath(best)), self._ckptfmt_trusted)
+            name = os.path.basename(os.path.normpath(best))
+            state = load_best(run_dir, name, self._ckptfmt_trusted, self._ckptfmt_decrypt)
         except (CheckpointError, OSError) as e:
             logger.warning(f"Could not load the best model from {best}: {why(e)}")
             return
