@@ -224,6 +224,7 @@ class ObjectRunManager(CheckpointManager):
         if found is None:
             raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
         others = {url for s in statuses if s.info is not None and s.step != step for url in s.info.references}
+        others |= self.run.references_of_incomplete([s for s in statuses if s.step != step])
         if found.info is not None:
             self.run.drop(found.info, others)
         elif not any(url.startswith(found.path + "/") for url in others):

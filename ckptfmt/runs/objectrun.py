@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError
+from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, StorageError
 from ..files import multifile, recordsign
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport, problem_of, verify
@@ -312,10 +312,13 @@ class ObjectRun:
     def rotate(self, done: list[CheckpointInfo], kept: set[int]) -> None:
         """Delete the complete steps `done` not in `kept`; one that a kept step reads objects
         of is only retired."""
+        dropped = [c for c in done if c.step not in kept]
+        if not dropped:
+            return
         needed = {url for c in done if c.step in kept for url in c.references}
-        for c in done:
-            if c.step not in kept:
-                self.drop(c, needed)
+        needed |= self.references_of_incomplete(self.statuses())
+        for c in dropped:
+            self.drop(c, needed)
 
     def drop(self, info: CheckpointInfo, needed: set[str]) -> None:
         """Delete complete step `info`, or only retire it where `needed` (objects that steps
@@ -331,8 +334,34 @@ class ObjectRun:
         listing.delete_object(self._step_url(step).child(multifile.COMMIT_NAME), self.options)
 
     def referenced(self) -> set[str]:
-        """The objects complete steps refer to (an incremental run's): never deleted."""
-        return {url for s in self.statuses() if s.info is not None for url in s.info.references}
+        """The objects steps with a commit record refer to (an incremental run's): never
+        deleted.  Counts the records a listing leaves out (references_of_incomplete)."""
+        statuses = self.statuses()
+        listed = {url for s in statuses if s.info is not None for url in s.info.references}
+        return listed | self.references_of_incomplete(statuses)
+
+    def references_of_incomplete(self, statuses: list[StepStatus]) -> set[str]:
+        """The objects referred to by the steps `statuses` shows as not complete but whose
+        record is there all the same: one a HEAD finds though the listing left it out, or a
+        damaged step's (a listing that leaves out or misstates a file it names); deleting
+        what they read would break them once the store answers truly.  CheckpointError when
+        a record the listing hid cannot be read (what it refers to is unknown)."""
+        out: set[str] = set()
+        for s in statuses:
+            if s.info is not None or not (s.damaged or self.has_record(s.step)):
+                continue
+            try:
+                record = self.record(s.step)
+            except FileNotFoundError:  # deleted since the listing or the HEAD
+                continue
+            except StorageError:
+                raise
+            except CheckpointError:
+                if s.damaged:  # a record that cannot be read: nothing it names can be loaded
+                    continue
+                raise
+            out.update(self._reference_url(ref.name) for ref in record.references)
+        return out
 
     def has_record(self, step: int) -> bool:
         """Whether step `step`'s commit record is an object, asked by one HEAD: a listing that

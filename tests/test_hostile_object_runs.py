@@ -1,0 +1,80 @@
+"""Incremental and signed runs on a store that an attacker controls (a real moto S3 server,
+behind the fault proxy where the store must lie): listings that leave out the commit record
+of the step that refers to an older one, referenced objects replaced or forged, more
+referenced objects than a reader may hold open.  Nothing a kept step reads is deleted,
+nothing the record does not vouch for is loaded, and every refusal is a ckptfmt error."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+
+from ckptfmt import CheckpointManager
+
+FROZEN = torch.arange(1 << 16, dtype=torch.float32)  # 256 KiB: referred to, never written again
+
+
+def _state(step: int) -> dict[str, object]:
+    return {"frozen": FROZEN, "head": torch.full((1000,), float(step)), "step": step}
+
+
+def _keys(client, bucket: str, prefix: str) -> set[str]:
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    return {o["Key"][len(prefix) :] for o in listed}
+
+
+def _run_of_two_steps(s3_faults, **kw) -> tuple[str, str, CheckpointManager]:
+    """A run whose step 2 reads the frozen tensor's chunks from step 1's object."""
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/run"
+    m = CheckpointManager(url, incremental=True, storage_options=s3_faults.storage_options(), **kw)
+    m.save(1, _state(1))
+    m.save(2, _state(2))
+    assert m.latest().references == (f"{url}/step-000000001/state.ckpt",)
+    return bucket, url, m
+
+
+@pytest.mark.parametrize(
+    "hidden",
+    [
+        "COMMIT",  # step 2 looks commit-less: its record is there to HEAD
+        "state.ckpt",  # step 2 looks damaged (a file it names missing): its record is readable
+    ],
+)
+def test_cleanup_keeps_objects_a_step_the_listing_misstates_reads(s3_faults, hidden):
+    bucket, url, m = _run_of_two_steps(s3_faults, keep_last=1)
+    # rotation retired step 1: its record is gone, its object kept for step 2
+    assert _keys(s3_faults.client(), bucket, "run/") == {
+        "step-000000001/state.ckpt",
+        "step-000000002/state.ckpt",
+        "step-000000002/COMMIT",
+    }
+    # every time stale, and no step the listing shows complete refers to step 1's object
+    s3_faults.hide_listed(f"run/step-000000002/{hidden}")
+    m.run.cleanup(older_than=datetime.timedelta(0))
+    s3_faults.clear_rules()
+    assert "step-000000001/state.ckpt" in _keys(s3_faults.client(), bucket, "run/")
+    assert torch.equal(m.load(2)["frozen"], FROZEN)
+
+
+def test_remove_keeps_objects_a_step_the_listing_hides_reads(s3_faults):
+    bucket, url, m = _run_of_two_steps(s3_faults)
+    s3_faults.hide_listed("run/step-000000002/COMMIT")
+    m.remove(1)  # step 1 is retired, not deleted: step 2 reads its object
+    s3_faults.clear_rules()
+    assert _keys(s3_faults.client(), bucket, "run/step-000000001/") == {"state.ckpt"}
+    assert [c.step for c in m.checkpoints()] == [2]
+    assert torch.equal(m.load(2)["frozen"], FROZEN)
+
+
+def test_rotation_keeps_objects_a_step_the_listing_hides_reads(s3_faults):
+    bucket, url, _ = _run_of_two_steps(s3_faults)
+    s3_faults.hide_listed("run/step-000000002/COMMIT")
+    # a writer that sees steps 1 and 3 only keeps the last: step 1 goes, but step 2 reads it
+    m = CheckpointManager(url, keep_last=1, storage_options=s3_faults.storage_options())
+    m.save(3, _state(3))
+    s3_faults.clear_rules()
+    assert _keys(s3_faults.client(), bucket, "run/step-000000001/") == {"state.ckpt"}
+    assert torch.equal(m.load(2)["frozen"], FROZEN)
