@@ -7,11 +7,16 @@ nothing the record does not vouch for is loaded, and every refusal is a ckptfmt 
 from __future__ import annotations
 
 import datetime
+import os
 
 import pytest
 import torch
 
+import ckptfmt
 from ckptfmt import CheckpointManager
+from ckptfmt.files import reader as reader_module
+from ckptfmt.files.reader import CheckpointFile
+from ckptfmt.runs import incremental
 
 FROZEN = torch.arange(1 << 16, dtype=torch.float32)  # 256 KiB: referred to, never written again
 
@@ -78,3 +83,36 @@ def test_rotation_keeps_objects_a_step_the_listing_hides_reads(s3_faults):
     s3_faults.clear_rules()
     assert _keys(s3_faults.client(), bucket, "run/step-000000001/") == {"state.ckpt"}
     assert torch.equal(m.load(2)["frozen"], FROZEN)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_a_reader_holds_a_bounded_number_of_referenced_objects_open(s3_bucket, monkeypatch):
+    # file k reads tensor j < k from file j: the last one reads from every earlier object, and
+    # a reader keeps at most MAX_OPEN_EXTERNALS of them open (the least recently used closed)
+    monkeypatch.setattr(reader_module, "MAX_OPEN_EXTERNALS", 2)
+    bucket, options = s3_bucket
+    n = 8
+    tensors = {f"t{j}": torch.full((1 << 14,), float(j)) for j in range(n)}
+    base = None
+    for k in range(n):
+        state = dict(tensors, **{f"t{k}": torch.full((1 << 14,), -float(k))})
+        url = f"s3://{bucket}/files/f{k}/state.ckpt"
+        incremental.save(state, url, base=base, min_reference_bytes=1024, storage_options=options)
+        tensors = state
+        base = url
+    before = _open_fds()
+    with CheckpointFile(base, storage_options=options) as f:
+        opened = _open_fds()
+        assert len(f.externals) == n - 1
+        assert f.external_problems() == []
+        assert list(f.iter_chunk_problems()) == []
+        # two referenced objects open: a descriptor, a spool and its mapping each (7 before)
+        assert _open_fds() - opened <= 2 * 3
+    assert _open_fds() <= before
+    loaded = ckptfmt.load(base, storage_options=options)
+    for j in range(n):
+        assert torch.equal(loaded[f"t{j}"], tensors[f"t{j}"])
