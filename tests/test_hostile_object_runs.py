@@ -116,3 +116,32 @@ def test_a_reader_holds_a_bounded_number_of_referenced_objects_open(s3_bucket, m
     loaded = ckptfmt.load(base, storage_options=options)
     for j in range(n):
         assert torch.equal(loaded[f"t{j}"], tensors[f"t{j}"])
+
+
+def _flip_a_chunk_step_2_never_reads(client, bucket: str, key: str, options: dict) -> None:
+    """Change one byte of step 1's object `key` in the chunk of its own `head` tensor (step 2
+    holds its own): neither a load nor a verify of step 2 reads it."""
+    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    with CheckpointFile(f"s3://{bucket}/{key}", storage_options=options) as f:
+        k = next(k for k in range(len(f.chunks)) if f.key_of(k).endswith("['head']"))
+        data[f.chunks[k].offset + 8] ^= 0x01
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+
+
+def test_verify_with_trusted_keys_hashes_the_objects_a_step_reads_from(s3_server, s3_bucket):
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/signed"
+    m = CheckpointManager(url, incremental=True, sign_with=key, storage_options=options)
+    m.save(1, _state(1))
+    m.save(2, _state(2))
+    m.remove(1)  # retired: step 2 reads its object
+    reader = CheckpointManager(url, trusted_keys=[key.public_key()], storage_options=options)
+    assert reader.verify(2).ok
+    _flip_a_chunk_step_2_never_reads(s3_server.client(), bucket, "signed/step-000000001/state.ckpt", options)
+    with pytest.raises(ckptfmt.SignatureError):
+        reader.load(2)
+    report = reader.verify(2)
+    assert not report.ok and report.problems[0].kind == "signature"

@@ -217,6 +217,8 @@ class ObjectRun:
             if self.trusted is not None:
                 for part in record.files:
                     recordsign.check_object(f"{info.path}/{part.name}", part, self.options, None)
+                for ref in record.references:  # a load hashes these too: verify demands as much
+                    recordsign.check_object(self._reference_url(ref.name), ref, self.options, None)
         except CheckpointError as e:
             report.problems.append(problem_of(e))
             return report
