@@ -145,3 +145,29 @@ def test_verify_with_trusted_keys_hashes_the_objects_a_step_reads_from(s3_server
         reader.load(2)
     report = reader.verify(2)
     assert not report.ok and report.problems[0].kind == "signature"
+
+
+def test_archiving_refuses_a_present_referenced_object_other_than_the_signed_one(
+    tmp_path, s3_server, s3_bucket
+):
+    # the archive already holds an object where step 2 reads step 1's from: same length, file
+    # id and index, one byte of another chunk changed.  A signed step is not archived onto it
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from ckptfmt.runs.objectrun import ObjectRun
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    bucket, options = s3_bucket
+    local = CheckpointManager(tmp_path / "run", incremental=True, sign_with=key)
+    local.save(1, _state(1))
+    local.save(2, _state(2))
+    client = s3_server.client()
+    forged = "archive/step-000000001/state.ckpt"
+    client.put_object(
+        Bucket=bucket, Key=forged, Body=(tmp_path / "run/step-000000001/state.ckpt").read_bytes()
+    )
+    _flip_a_chunk_step_2_never_reads(client, bucket, forged, options)
+    run = ObjectRun(f"s3://{bucket}/archive", options)
+    with pytest.raises(ckptfmt.SignatureError):
+        run.put_step(2, str(tmp_path / "run/step-000000002"))
+    assert "step-000000002/COMMIT" not in _keys(client, bucket, "archive/")

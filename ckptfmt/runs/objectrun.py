@@ -259,7 +259,8 @@ class ObjectRun:
 
     def _put_reference(self, d: CheckpointDir, ref: multifile.PartRecord) -> None:
         """Make sure the archive holds the object reference `ref` of local step `d` names (the
-        same file: length, file id, index checksum), uploading it if absent.  Its chunks are
+        same file: length, file id, index checksum, and the signed record's SHA-256 where it
+        gives one), uploading it if absent.  Its chunks are
         verified through the step that reads them, once that is uploaded."""
         url = self._reference_url(ref.name)
         try:
@@ -275,6 +276,8 @@ class ObjectRun:
                 os.close(fd)
             return
         multifile.check_identity(found, dataclasses.replace(ref, sha256=None), ref.name, url)
+        if ref.sha256 is not None:  # a signed step: the very bytes its record vouches for
+            recordsign.check_object(url, ref, self.options, None)
 
     def _existing(self, step: int) -> multifile.CommitRecord | None:
         try:
