@@ -171,3 +171,24 @@ def test_archiving_refuses_a_present_referenced_object_other_than_the_signed_one
     with pytest.raises(ckptfmt.SignatureError):
         run.put_step(2, str(tmp_path / "run/step-000000002"))
     assert "step-000000002/COMMIT" not in _keys(client, bucket, "archive/")
+
+
+def test_a_commit_names_only_the_objects_the_state_was_written_against(s3_server, s3_bucket):
+    # step 1's object replaced by another save (another file id) after step 2's state object
+    # was written against it: the commit record must not name (nor a signature vouch for)
+    # the new object as the one step 2 reads
+    from ckptfmt.background import inflight
+    from ckptfmt.runs.steps import StepJob
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/run"
+    m = CheckpointManager(url, incremental=True, storage_options=options)
+    m.save(1, _state(1))
+    m.save(2, _state(2))
+    client = s3_server.client()
+    client.delete_object(Bucket=bucket, Key="run/step-000000002/COMMIT")
+    ckptfmt.save(_state(1), f"{url}/step-000000001/state.ckpt", storage_options=options)
+    job = StepJob(2, m.run.step_path(2), -1, {}, {}, inflight.SaveHandle(m.run.step_path(2)))
+    with pytest.raises(ckptfmt.CorruptError, match="file id"):
+        m._commit(job)
+    assert "step-000000002/COMMIT" not in _keys(client, bucket, "run/")
