@@ -18,12 +18,15 @@ query as sent (`/bucket/key?partNumber=2&uploadId=...`):
 * `delay(...)`: matches wait `seconds` before they are forwarded.
 * `drop_header(...)`: the server's answer to the next `count` matches comes back without
   the named header (a store that leaves out an ETag, say).
+* `hide_listed(key)`: listings (ListObjectsV2 answers) leave out the object `key` (a lying
+  or lagging store); the object itself is still there to HEAD and GET.
 * `count(method, contains)`: how many requests matched since the last `clear_counts()`.
 """
 
 from __future__ import annotations
 
 import io
+import re
 import socket
 import struct
 import threading
@@ -258,6 +261,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._rules: list[Rule] = []
         self._seen: list[tuple[str, str]] = []
+        self._hidden: set[str] = set()  # keys listings leave out
         self._conns: set[socket.socket] = set()
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -325,9 +329,15 @@ class FaultProxy:
         """Leave `header` out of the answers to matching requests (the next `count`, or all)."""
         self._add(Rule("drop", method, contains, remaining=count, header=header.lower()))
 
+    def hide_listed(self, key: str) -> None:
+        """Leave the object `key` out of every listing from now on (until clear_rules)."""
+        with self._lock:
+            self._hidden.add(key)
+
     def clear_rules(self) -> None:
         with self._lock:
             self._rules.clear()
+            self._hidden.clear()
 
     def pending_rules(self) -> int:
         """Rules that have not yet fired (or, for fail/delay with a count, not used up)."""
@@ -506,8 +516,15 @@ class FaultProxy:
             or "chunked" in (header_of(headers, "transfer-encoding") or "").lower()
         )
         kept = [(k, v) for k, v in headers if k.lower() not in ("connection", "keep-alive", *dropped)]
-        client.sendall(encode_head(start, kept if framed else [*kept, ("Connection", "close")]))
         limit = rule.download_bytes if rule is not None else None
+        with self._lock:
+            hidden = set(self._hidden)
+        if hidden and req.method == "GET" and "list-type=2" in req.target and status == 200 and framed:
+            body = _without_keys(_read_body(urfile, headers), hidden)
+            kept = [(k, v) for k, v in kept if k.lower() not in ("content-length", "transfer-encoding")]
+            client.sendall(encode_head(start, [*kept, ("Content-Length", str(len(body)))]) + body)
+            return True
+        client.sendall(encode_head(start, kept if framed else [*kept, ("Connection", "close")]))
         if no_body:
             if limit is not None:
                 raise Reset()
@@ -517,6 +534,40 @@ class FaultProxy:
             copy_to_end(urfile, client)
             upstream.closing = True
         return framed
+
+
+def _read_body(rfile: BinaryIO, headers: list[tuple[str, str]]) -> bytes:
+    """A framed answer body, whole."""
+    out = io.BytesIO()
+
+    class _Into:
+        def sendall(self, data: bytes) -> None:
+            out.write(data)
+
+    raw_headers = headers
+    if "chunked" in (header_of(headers, "transfer-encoding") or "").lower():
+        # decode the chunks: copy_body copies the framing as it is
+        data = b""
+        while True:
+            size = int(rfile.readline(MAX_HEAD).split(b";", 1)[0].strip(), 16)
+            if size == 0:
+                while rfile.readline(MAX_HEAD) not in (b"\r\n", b"\n", b""):
+                    pass
+                return data
+            data += rfile.read(size)
+            rfile.read(2)
+    copy_body(rfile, _Into(), raw_headers)  # type: ignore[arg-type]
+    return out.getvalue()
+
+
+def _without_keys(body: bytes, hidden: set[str]) -> bytes:
+    """A ListObjectsV2 answer without the <Contents> entries of the keys `hidden`."""
+
+    def keep(m: re.Match[bytes]) -> bytes:
+        key = re.search(rb"<Key>(.*?)</Key>", m.group(0))
+        return b"" if key is not None and key.group(1).decode() in hidden else m.group(0)
+
+    return re.sub(rb"<Contents>.*?</Contents>", keep, body, flags=re.S)
 
 
 class Upstream:

@@ -100,6 +100,9 @@ class References(Protocol):
 
     def fetcher_of(self, fd: int) -> Fetcher | None: ...
 
+    def release(self, fd: int) -> None:
+        """Close descriptor `fd` that open_ref gave, with what it holds."""
+
     def close(self) -> None: ...
 
 
@@ -142,7 +145,7 @@ class ChunkReader:
     def close(self) -> None:
         """Close the referenced files that are open, then the file itself."""
         while self._ext_open:
-            os.close(self._ext_open.popitem()[1][0])
+            self._release(self._ext_open.popitem()[1][0])
         if self._base is not None:
             self._base.close()
             self._base = None
@@ -221,7 +224,7 @@ class ChunkReader:
             if self._data_key:
                 self._ext_keys[e] = self._external_key(fd, pro, foot, what)
         except BaseException:
-            os.close(fd)
+            self._release(fd)
             raise
         return fd, foot.index_offset
 
@@ -255,6 +258,14 @@ class ChunkReader:
         """Whether chunk k is decrypted as it is read (a file opened with its key)."""
         return bool(self._data_key) and (self.chunks[k].source >= 0 or bool(self.chunks[k].tag))
 
+    def _release(self, fd: int) -> None:
+        """Close a referenced file's descriptor through what opened it: an object's spool
+        is given back with it, so at most max_open are held."""
+        if self._base is not None:
+            self._base.release(fd)
+        else:
+            os.close(fd)
+
     def _base_dir(self) -> References:
         if self._base is None:
             self._base = CheckpointDir.open(os.path.dirname(self.path) or ".")
@@ -277,7 +288,7 @@ class ChunkReader:
                 err.reason, path=self.path, key=self.key_of(k) if key is None else key, chunk=k
             ) from err
         if len(self._ext_open) >= self.max_open:
-            os.close(self._ext_open.popitem(last=False)[1][0])
+            self._release(self._ext_open.popitem(last=False)[1][0])
         self._ext_open[e] = got
         return got
 

@@ -251,6 +251,10 @@ class CheckpointDir:
         """Nothing: a local file's bytes need no fetching (chunkread.References)."""
         return None
 
+    def release(self, fd: int) -> None:
+        """Close a descriptor open_ref gave (chunkread.References)."""
+        os.close(fd)
+
     # -- lifetime --------------------------------------------------------------------
 
     def dup(self) -> CheckpointDir:

@@ -32,11 +32,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..background import inflight
-from ..errors import CheckpointError, CheckpointWarning, UnsupportedError
+from ..errors import CheckpointError, CheckpointWarning, CorruptError, UnsupportedError
 from ..files import multifile, recordsign
 from ..files import save as writer
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport
+from ..format.index import External
 from ..storage import references
 from ..storage.urls import parse_url
 from . import resume, retention
@@ -188,7 +189,7 @@ class ObjectRunManager(CheckpointManager):
             part = multifile.PartRecord(
                 STATE_NAME, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
             )
-            refs = tuple(self._describe(ext.rel, self.run.step_path(job.step)) for ext in f.externals)
+            refs = tuple(self._describe(ext, self.run.step_path(job.step)) for ext in f.externals)
             if self._sign_key is not None:
                 part = self._with_digest(part, url, f.etag)
         record = multifile.CommitRecord(job.step, "state", (part,), refs, job.metrics, job.metadata)
@@ -205,14 +206,22 @@ class ObjectRunManager(CheckpointManager):
                 f"step {job.step} was committed by another writer meanwhile", path=job.path
             ) from None
 
-    def _describe(self, rel: str, step_path: str) -> multifile.PartRecord:
-        """The commit record's entry for the object `rel` leads to from `step_path` (a step
-        the new one refers to), with its digest when the record is signed."""
-        url = str(references.resolve(parse_url(step_path, need_key=False), rel))
-        with CheckpointFile(url, storage_options=self.run.options) as f:
+    def _describe(self, ext: External, step_path: str) -> multifile.PartRecord:
+        """The commit record's entry for the object the reference `ext` leads to from
+        `step_path` (a step the new one refers to), with its digest when the record is
+        signed; CorruptError unless it is the file the state object was written against
+        (its file id and length): another object there now is not named, nor vouched for."""
+        url = str(references.resolve(parse_url(step_path, need_key=False), ext.rel))
+        with CheckpointFile(url, storage_options=self.run.options, decrypt_with=self._decrypt) as f:
             part = multifile.PartRecord(
-                rel, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
+                ext.rel, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
             )
+            if (part.file_id, part.length) != (ext.file_id, ext.length):
+                raise CorruptError(
+                    f"{ext.rel} has file id {part.file_id.hex()} and {part.length} bytes, the state "
+                    f"object was written against {ext.file_id.hex()} and {ext.length} bytes",
+                    path=url,
+                )
             return self._with_digest(part, url, f.etag) if self._sign_key is not None else part
 
     def _with_digest(self, part: multifile.PartRecord, url: str, etag: str | None) -> multifile.PartRecord:
@@ -243,6 +252,7 @@ class ObjectRunManager(CheckpointManager):
         if found is None:
             raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
         others = {url for s in statuses if s.info is not None and s.step != step for url in s.info.references}
+        others |= self.run.references_of_incomplete([s for s in statuses if s.step != step])
         if found.info is not None:
             self.run.drop(found.info, others)
         elif not any(url.startswith(found.path + "/") for url in others):

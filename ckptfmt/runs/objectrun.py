@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, CorruptError, IncompleteError
+from ..errors import CheckpointError, CorruptError, IncompleteError, StorageError
 from ..files import multifile, recordsign
 from ..files.places import STALE_AFTER, ObjectPlace
 from ..files.reader import CheckpointFile
@@ -209,6 +209,8 @@ class ObjectRun:
             if self.trusted is not None:
                 for part in record.files:
                     recordsign.check_object(f"{info.path}/{part.name}", part, self.options, None)
+                for ref in record.references:  # a load hashes these too: verify demands as much
+                    recordsign.check_object(self._reference_url(ref.name), ref, self.options, None)
         except CheckpointError as e:
             report.problems.append(problem_of(e))
             return report
@@ -249,7 +251,8 @@ class ObjectRun:
 
     def _put_reference(self, d: CheckpointDir, ref: multifile.PartRecord) -> None:
         """Make sure the archive holds the object reference `ref` of local step `d` names (the
-        same file: length, file id, index checksum), uploading it if absent.  Its chunks are
+        same file: length, file id, index checksum, and the signed record's SHA-256 where it
+        gives one), uploading it if absent.  Its chunks are
         verified through the step that reads them, once that is uploaded."""
         url = self._reference_url(ref.name)
         try:
@@ -265,6 +268,8 @@ class ObjectRun:
                 os.close(fd)
             return
         multifile.check_identity(found, dataclasses.replace(ref, sha256=None), ref.name, url)
+        if ref.sha256 is not None:  # a signed step: the very bytes its record vouches for
+            recordsign.check_object(url, ref, self.options, None)
 
     def _existing(self, step: int) -> multifile.CommitRecord | None:
         try:
@@ -304,10 +309,13 @@ class ObjectRun:
     def rotate(self, done: list[CheckpointInfo], kept: set[int]) -> None:
         """Delete the complete steps `done` not in `kept`; one that a kept step reads objects
         of is only retired."""
+        dropped = [c for c in done if c.step not in kept]
+        if not dropped:
+            return
         needed = {url for c in done if c.step in kept for url in c.references}
-        for c in done:
-            if c.step not in kept:
-                self.drop(c, needed)
+        needed |= self.references_of_incomplete(self.statuses())
+        for c in dropped:
+            self.drop(c, needed)
 
     def drop(self, info: CheckpointInfo, needed: set[str]) -> None:
         """Delete complete step `info`, or only retire it where `needed` (objects that steps
@@ -323,8 +331,34 @@ class ObjectRun:
         listing.delete_object(self._step_url(step).child(multifile.COMMIT_NAME), self.options)
 
     def referenced(self) -> set[str]:
-        """The objects complete steps refer to (an incremental run's): never deleted."""
-        return {url for s in self.statuses() if s.info is not None for url in s.info.references}
+        """The objects steps with a commit record refer to (an incremental run's): never
+        deleted.  Counts the records a listing leaves out (references_of_incomplete)."""
+        statuses = self.statuses()
+        listed = {url for s in statuses if s.info is not None for url in s.info.references}
+        return listed | self.references_of_incomplete(statuses)
+
+    def references_of_incomplete(self, statuses: list[StepStatus]) -> set[str]:
+        """The objects referred to by the steps `statuses` shows as not complete but whose
+        record is there all the same: one a HEAD finds though the listing left it out, or a
+        damaged step's (a listing that leaves out or misstates a file it names); deleting
+        what they read would break them once the store answers truly.  CheckpointError when
+        a record the listing hid cannot be read (what it refers to is unknown)."""
+        out: set[str] = set()
+        for s in statuses:
+            if s.info is not None or not (s.damaged or self.has_record(s.step)):
+                continue
+            try:
+                record = self.record(s.step)
+            except FileNotFoundError:  # deleted since the listing or the HEAD
+                continue
+            except StorageError:
+                raise
+            except CheckpointError:
+                if s.damaged:  # a record that cannot be read: nothing it names can be loaded
+                    continue
+                raise
+            out.update(self._reference_url(ref.name) for ref in record.references)
+        return out
 
     def has_record(self, step: int) -> bool:
         """Whether step `step`'s commit record is an object, asked by one HEAD: a listing that

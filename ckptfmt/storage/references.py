@@ -49,14 +49,18 @@ class ObjectReferences:
         except BaseException:
             remote.close()
             raise
-        stale = self._objects.pop(fd, None)  # its descriptor was closed and the number reused
-        if stale is not None:
-            stale.close()
         self._objects[fd] = remote
         return fd
 
     def fetcher_of(self, fd: int) -> RemoteObject | None:
         return self._objects.get(fd)
+
+    def release(self, fd: int) -> None:
+        """Close descriptor `fd` open_ref gave and the object it reads (its spool)."""
+        remote = self._objects.pop(fd, None)
+        os.close(fd)
+        if remote is not None:
+            remote.close()
 
     def close(self) -> None:
         while self._objects:

@@ -1,0 +1,194 @@
+"""Incremental and signed runs on a store that an attacker controls (a real moto S3 server,
+behind the fault proxy where the store must lie): listings that leave out the commit record
+of the step that refers to an older one, referenced objects replaced or forged, more
+referenced objects than a reader may hold open.  Nothing a kept step reads is deleted,
+nothing the record does not vouch for is loaded, and every refusal is a ckptfmt error."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import pytest
+import torch
+
+import ckptfmt
+from ckptfmt import CheckpointManager
+from ckptfmt.files import reader as reader_module
+from ckptfmt.files.reader import CheckpointFile
+from ckptfmt.runs import incremental
+
+FROZEN = torch.arange(1 << 16, dtype=torch.float32)  # 256 KiB: referred to, never written again
+
+
+def _state(step: int) -> dict[str, object]:
+    return {"frozen": FROZEN, "head": torch.full((1000,), float(step)), "step": step}
+
+
+def _keys(client, bucket: str, prefix: str) -> set[str]:
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    return {o["Key"][len(prefix) :] for o in listed}
+
+
+def _run_of_two_steps(s3_faults, **kw) -> tuple[str, str, CheckpointManager]:
+    """A run whose step 2 reads the frozen tensor's chunks from step 1's object."""
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/run"
+    m = CheckpointManager(url, incremental=True, storage_options=s3_faults.storage_options(), **kw)
+    m.save(1, _state(1))
+    m.save(2, _state(2))
+    assert m.latest().references == (f"{url}/step-000000001/state.ckpt",)
+    return bucket, url, m
+
+
+@pytest.mark.parametrize(
+    "hidden",
+    [
+        "COMMIT",  # step 2 looks commit-less: its record is there to HEAD
+        "state.ckpt",  # step 2 looks damaged (a file it names missing): its record is readable
+    ],
+)
+def test_cleanup_keeps_objects_a_step_the_listing_misstates_reads(s3_faults, hidden):
+    bucket, url, m = _run_of_two_steps(s3_faults, keep_last=1)
+    # rotation retired step 1: its record is gone, its object kept for step 2
+    assert _keys(s3_faults.client(), bucket, "run/") == {
+        "step-000000001/state.ckpt",
+        "step-000000002/state.ckpt",
+        "step-000000002/COMMIT",
+    }
+    # every time stale, and no step the listing shows complete refers to step 1's object
+    s3_faults.hide_listed(f"run/step-000000002/{hidden}")
+    m.run.cleanup(older_than=datetime.timedelta(0))
+    s3_faults.clear_rules()
+    assert "step-000000001/state.ckpt" in _keys(s3_faults.client(), bucket, "run/")
+    assert torch.equal(m.load(2)["frozen"], FROZEN)
+
+
+def test_remove_keeps_objects_a_step_the_listing_hides_reads(s3_faults):
+    bucket, url, m = _run_of_two_steps(s3_faults)
+    s3_faults.hide_listed("run/step-000000002/COMMIT")
+    m.remove(1)  # step 1 is retired, not deleted: step 2 reads its object
+    s3_faults.clear_rules()
+    assert _keys(s3_faults.client(), bucket, "run/step-000000001/") == {"state.ckpt"}
+    assert [c.step for c in m.checkpoints()] == [2]
+    assert torch.equal(m.load(2)["frozen"], FROZEN)
+
+
+def test_rotation_keeps_objects_a_step_the_listing_hides_reads(s3_faults):
+    bucket, url, _ = _run_of_two_steps(s3_faults)
+    s3_faults.hide_listed("run/step-000000002/COMMIT")
+    # a writer that sees steps 1 and 3 only keeps the last: step 1 goes, but step 2 reads it
+    m = CheckpointManager(url, keep_last=1, storage_options=s3_faults.storage_options())
+    m.save(3, _state(3))
+    s3_faults.clear_rules()
+    assert _keys(s3_faults.client(), bucket, "run/step-000000001/") == {"state.ckpt"}
+    assert torch.equal(m.load(2)["frozen"], FROZEN)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_a_reader_holds_a_bounded_number_of_referenced_objects_open(s3_bucket, monkeypatch):
+    # file k reads tensor j < k from file j: the last one reads from every earlier object, and
+    # a reader keeps at most MAX_OPEN_EXTERNALS of them open (the least recently used closed)
+    monkeypatch.setattr(reader_module, "MAX_OPEN_EXTERNALS", 2)
+    bucket, options = s3_bucket
+    n = 8
+    tensors = {f"t{j}": torch.full((1 << 14,), float(j)) for j in range(n)}
+    base = None
+    for k in range(n):
+        state = dict(tensors, **{f"t{k}": torch.full((1 << 14,), -float(k))})
+        url = f"s3://{bucket}/files/f{k}/state.ckpt"
+        incremental.save(state, url, base=base, min_reference_bytes=1024, storage_options=options)
+        tensors = state
+        base = url
+    before = _open_fds()
+    with CheckpointFile(base, storage_options=options) as f:
+        opened = _open_fds()
+        assert len(f.externals) == n - 1
+        assert f.external_problems() == []
+        assert list(f.iter_chunk_problems()) == []
+        # two referenced objects open: a descriptor, a spool and its mapping each (7 before)
+        assert _open_fds() - opened <= 2 * 3
+    assert _open_fds() <= before
+    loaded = ckptfmt.load(base, storage_options=options)
+    for j in range(n):
+        assert torch.equal(loaded[f"t{j}"], tensors[f"t{j}"])
+
+
+def _flip_a_chunk_step_2_never_reads(client, bucket: str, key: str, options: dict) -> None:
+    """Change one byte of step 1's object `key` in the chunk of its own `head` tensor (step 2
+    holds its own): neither a load nor a verify of step 2 reads it."""
+    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    with CheckpointFile(f"s3://{bucket}/{key}", storage_options=options) as f:
+        k = next(k for k in range(len(f.chunks)) if f.key_of(k).endswith("['head']"))
+        data[f.chunks[k].offset + 8] ^= 0x01
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+
+
+def test_verify_with_trusted_keys_hashes_the_objects_a_step_reads_from(s3_server, s3_bucket):
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/signed"
+    m = CheckpointManager(url, incremental=True, sign_with=key, storage_options=options)
+    m.save(1, _state(1))
+    m.save(2, _state(2))
+    m.remove(1)  # retired: step 2 reads its object
+    reader = CheckpointManager(url, trusted_keys=[key.public_key()], storage_options=options)
+    assert reader.verify(2).ok
+    _flip_a_chunk_step_2_never_reads(s3_server.client(), bucket, "signed/step-000000001/state.ckpt", options)
+    with pytest.raises(ckptfmt.SignatureError):
+        reader.load(2)
+    report = reader.verify(2)
+    assert not report.ok and report.problems[0].kind == "signature"
+
+
+def test_archiving_refuses_a_present_referenced_object_other_than_the_signed_one(
+    tmp_path, s3_server, s3_bucket
+):
+    # the archive already holds an object where step 2 reads step 1's from: same length, file
+    # id and index, one byte of another chunk changed.  A signed step is not archived onto it
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from ckptfmt.runs.objectrun import ObjectRun
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    bucket, options = s3_bucket
+    local = CheckpointManager(tmp_path / "run", incremental=True, sign_with=key)
+    local.save(1, _state(1))
+    local.save(2, _state(2))
+    client = s3_server.client()
+    forged = "archive/step-000000001/state.ckpt"
+    client.put_object(
+        Bucket=bucket, Key=forged, Body=(tmp_path / "run/step-000000001/state.ckpt").read_bytes()
+    )
+    _flip_a_chunk_step_2_never_reads(client, bucket, forged, options)
+    run = ObjectRun(f"s3://{bucket}/archive", options)
+    with pytest.raises(ckptfmt.SignatureError):
+        run.put_step(2, str(tmp_path / "run/step-000000002"))
+    assert "step-000000002/COMMIT" not in _keys(client, bucket, "archive/")
+
+
+def test_a_commit_names_only_the_objects_the_state_was_written_against(s3_server, s3_bucket):
+    # step 1's object replaced by another save (another file id) after step 2's state object
+    # was written against it: the commit record must not name (nor a signature vouch for)
+    # the new object as the one step 2 reads
+    from ckptfmt.background import inflight
+    from ckptfmt.runs.steps import StepJob
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/run"
+    m = CheckpointManager(url, incremental=True, storage_options=options)
+    m.save(1, _state(1))
+    m.save(2, _state(2))
+    client = s3_server.client()
+    client.delete_object(Bucket=bucket, Key="run/step-000000002/COMMIT")
+    ckptfmt.save(_state(1), f"{url}/step-000000001/state.ckpt", storage_options=options)
+    job = StepJob(2, m.run.step_path(2), -1, {}, {}, inflight.SaveHandle(m.run.step_path(2)))
+    with pytest.raises(ckptfmt.CorruptError, match="file id"):
+        m._commit(job)
+    assert "step-000000002/COMMIT" not in _keys(client, bucket, "run/")
