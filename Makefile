@@ -21,11 +21,11 @@ demo:
 golden:
 	$(PY) tests/golden/make_golden.py
 
-# the SIGKILL crash loop, long version (CI runs 120 kills)
+# the SIGKILL crash loop, long version (CI runs 80 kills)
 crash:
 	CKPTFMT_CRASH_KILLS=2000 $(PY) -m pytest -q -s tests/test_crash.py
 
-# the checkpoint manager's SIGKILL campaign, long version (the test suite runs 300 kills)
+# the checkpoint manager's SIGKILL campaign, long version (the test suite runs 150 kills)
 soak:
 	CKPTFMT_MANAGER_KILLS=10000 $(PY) -m pytest -q -s tests/test_manager_crash.py
 

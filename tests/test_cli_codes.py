@@ -28,6 +28,8 @@ NAMES = sorted(EXPECTED)
 #: The statuses EXIT_CODES documents: 1 for a file that is damaged, incomplete, unsupported
 #: or over a limit (the four error classes of spec section 9) ...
 DOCUMENTED = {"CorruptError": 1, "IncompleteError": 1, "UnsupportedError": 1, "LimitError": 1}
+#: ... and so is an encrypted file read without its key (a CheckpointError too)
+DOCUMENTED["DecryptionError"] = 1
 #: ... and 2 for a path that is not a ckptfmt file at all (recognised by its first bytes)
 NOT_CKPTFMT = {"not_ckptfmt.ckpt"}
 

@@ -15,7 +15,7 @@ from crash_server import make_states
 import ckptfmt
 from ckptfmt.engine import commit
 
-KILLS = int(os.environ.get("CKPTFMT_CRASH_KILLS", "120"))
+KILLS = int(os.environ.get("CKPTFMT_CRASH_KILLS", "80"))
 
 
 def test_sigkill_during_saves_never_leaves_a_partial_checkpoint(tmp_path):

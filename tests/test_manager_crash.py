@@ -18,7 +18,7 @@ model and saves every step with ``keep_last=2`` and non-blocking saves, at most
 * none of the unfinished entries seen after the previous kill, once the next
   worker has completed a save (a save removes what crashed saves left).
 
-CKPTFMT_MANAGER_KILLS sets the number of kills (300 by default; ``make soak``
+CKPTFMT_MANAGER_KILLS sets the number of kills (150 by default; ``make soak``
 runs 10,000), CKPTFMT_MANAGER_SEED the seed of the kill instants.
 """
 
@@ -44,7 +44,7 @@ import ckptfmt
 from ckptfmt.files.multifile import COMMIT_NAME
 from ckptfmt.runs.steps import STATE_NAME, parse_step_dirname
 
-KILLS = int(os.environ.get("CKPTFMT_MANAGER_KILLS", "300"))
+KILLS = int(os.environ.get("CKPTFMT_MANAGER_KILLS", "150"))
 #: the kill instants' seed (timing noise makes runs differ anyway; this varies them on purpose)
 SEED = int(os.environ.get("CKPTFMT_MANAGER_SEED", "20240601"))
 #: a kill lands uniformly in [0, MAX_DELAY) s after the fork: a worker takes
