@@ -8,7 +8,11 @@ loaded, allocated or faulted in before the clock starts.  The clock covers the l
 and the consumer (common.read_every_byte: every byte of every tensor, summed as
 int64 on all cores).  For a copy ("ckptfmt", "torch"), the consumer then runs a second
 time over the now-resident tensors: that is the consumer's own cost ("consumer
-alone"), measured in the same process and run.
+alone"), measured in the same process and run.  After a verified mapping
+("ckptfmt-mmap") the process also times one XXH3 pass over the same, now resident,
+bytes on all cores ("verification pass"): the work that verifying adds to a mapping,
+which a mapping that verifies nothing does not do.  bench/run.py adds it to each
+peer's mapping time to state the limit a verified mapping can reach.
 
 Each tool says what its load is: a copy into memory the process owns, or a zero-copy
 mapping of the file, whose pages the consumer faults in.  Only like is compared
@@ -63,6 +67,30 @@ def loader(tool: str) -> Callable[[str], Any]:
     return lambda p: ckptfmt.load(p, mmap=mmap)
 
 
+def regions(state: Any) -> list[Any]:
+    """Every tensor's bytes once (tied weights once), as uint8 tensors."""
+    import torch
+
+    out, seen = [], set()
+    for t in common.walk_tensors(state):
+        if t.numel() and t.is_contiguous():
+            flat = t.detach().reshape(-1).view(torch.uint8)
+            if (flat.data_ptr(), flat.numel()) not in seen:
+                seen.add((flat.data_ptr(), flat.numel()))
+                out.append(flat)
+    return out
+
+
+def verification_pass(state: Any) -> None:
+    """One XXH3 pass over every byte of `state` with ckptfmt's engine on all its threads,
+    in 4 MiB pieces so that the threads share the work evenly."""
+    from ckptfmt.engine import native
+
+    piece = 4 << 20
+    views = [r[i : i + piece].numpy() for r in regions(state) for i in range(0, r.numel(), piece)]
+    native.content_digests(views, native.default_threads())
+
+
 def child(tool: str, path: str) -> dict[str, Any]:
     """The measurement itself, in this (fresh) process."""
     import torch
@@ -77,6 +105,8 @@ def child(tool: str, path: str) -> dict[str, Any]:
     out: dict[str, Any] = {"tool": tool, "seconds": t2 - t0, "load_seconds": t1 - t0, "read_seconds": t2 - t1}
     if LOADS[tool][0] == "copy":
         out["consumer_seconds"] = common.timed(common.read_every_byte, state)
+    if tool == "ckptfmt-mmap":
+        out["hash_seconds"] = common.timed(verification_pass, state)
     out["peak_rss"] = common.status_bytes("VmHWM")
     return out
 

@@ -111,7 +111,8 @@ int ckf_read_chunks(int fd, const uint8_t *file_id, ckf_rchunk *chunks, uint64_t
 
 /* Verify raw chunks [0, n) where they lie in a mapping of their file (map_len bytes
  * from offset 0): checksums, padding and content digests, on nthreads threads,
- * mapping each piece in one call (MADV_POPULATE_READ) before hashing it, with the
+ * the hash faulting the pages in (each piece's last page is mapped first, so that a
+ * file shrunk below it is an error, not SIGBUS), with the
  * read-ahead of ckf_read_chunks through the mapping (MADV_WILLNEED); `dst` is
  * not used.  A file that shrank below the mapping fails with CKF_ERR_SHORT. */
 int ckf_check_mapped(const uint8_t *map, uint64_t map_len, const uint8_t *file_id, ckf_rchunk *chunks, uint64_t n,

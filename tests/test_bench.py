@@ -47,7 +47,7 @@ def test_every_row_is_produced(report):
     rows = _rows(report)
     want = set()
     for loc in ("tmpfs", "disk"):
-        want |= {f"warm/{loc}/{t}/load" for t in ("dd", *LOADS, "consumer")}
+        want |= {f"warm/{loc}/{t}/load" for t in ("dd", *LOADS, "consumer", "hash")}
         want |= {f"saves/{loc}/{t}/save" for t in ("dd", "ckptfmt", "torch", "safetensors")}
         want |= {f"saves/{loc}/ckptfmt/{op}" for op in ("save_nb_blocked", "save_nb_durable")}
     want |= {f"spread/tmpfs/{t}/load" for t in ("ckptfmt", "torch", "consumer")}
@@ -83,6 +83,10 @@ def test_comparisons_are_like_with_like(report):
             ("warm", loc, "ckptfmt-mmap", "torch-mmap"),
             ("warm", loc, "ckptfmt-mmap", "safetensors"),
         } <= pairs
+        limits = {
+            (c["ours"], c["peer"]) for c in report["comparisons"] if c["limit"] and c["location"] == loc
+        }
+        assert limits == {("ckptfmt-mmap", "torch-mmap"), ("ckptfmt-mmap", "safetensors")}
     assert ("spread", "tmpfs", "ckptfmt", "torch") in pairs
     assert ("cold", "disk", "ckptfmt", "dd") in pairs
     kinds = {t: k["kind"] for t, k in report["loads"].items()}
@@ -96,7 +100,11 @@ def test_ratios_agree_with_raw_figures(report):
     for c in report["comparisons"]:
         ours = rows[f"{c['phase']}/{c['location']}/{c['ours']}/load"]["samples"]
         peer = rows[f"{c['phase']}/{c['location']}/{c['peer']}/load"]["samples"]
-        want = [p["seconds"] / o["seconds"] for o, p in zip(ours, peer)]
+        # the limit rows add the verification pass timed in our process of the same round
+        want = [
+            (p["seconds"] + (o["hash_seconds"] if c["limit"] else 0)) / o["seconds"]
+            for o, p in zip(ours, peer)
+        ]
         assert c["per_round"] == pytest.approx(want)
         assert c["ratio"]["min"] <= c["ratio"]["median"] <= c["ratio"]["max"]
 
@@ -127,6 +135,8 @@ def test_markdown_has_every_section(report):
         "Machine before:",
         "THP",
         "consumer alone",
+        "verification pass",
+        "safetensors load_file + verification pass (the limit)",
         "| copy |",
     ):
         assert text in md
