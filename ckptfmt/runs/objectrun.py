@@ -159,46 +159,15 @@ class ObjectRun:
         return self.record(step, trusted=self.trusted)
 
     def open_part(self, info: CheckpointInfo, name: str = STATE_NAME) -> CheckpointFile:
-        """Part `name` of a complete step, opened and checked against its commit record (the
-        open pins the object's ETag: what is checked is what is read); the objects of earlier
-        steps it reads chunks from must be ones the record names.  With trusted keys the
-        record must be signed by one, and each object read is hashed against it first, at
-        the version its reads are then pinned to."""
+        """Part `name` of a complete step, opened and checked against its commit record
+        (ObjectPlace.open_named: the open pins the object's ETag, so what is checked is what is
+        read); the objects of earlier steps it reads chunks from must be ones the record
+        names.  With trusted keys the record must be signed by one, and each object read is
+        hashed against it first, at the version its reads are then pinned to."""
         record = self.trusted_record(info.step)
-        part = next((p for p in record.files if p.name == name), None)
-        if part is None:
-            raise CorruptError(f"the commit record names no {name}", path=info.path)
-        pins = {}
-        if self.trusted is not None:
-            for ref in record.references:
-                pins[ref.name] = recordsign.check_object(
-                    self._reference_url(ref.name), ref, self.options, None
-                )
-        f = CheckpointFile(
-            f"{info.path}/{name}",
-            storage_options=self.options,
-            decrypt_with=self.decrypt,
-            reference_etags=pins,
+        return self._place(info.step).open_named(
+            record, name, name, trusted=self.trusted, decrypt=self.decrypt
         )
-        try:
-            found = multifile.PartRecord(
-                name, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
-            )
-            multifile.check_identity(found, part, name, info.path)
-            named = {ref.name: ref for ref in record.references}
-            for ext in f.externals:
-                named_ref = named.get(ext.rel)
-                if named_ref is None or (named_ref.file_id, named_ref.length) != (ext.file_id, ext.length):
-                    raise CorruptError(
-                        f"{name} reads chunks of {ext.rel}, which the commit record does not name",
-                        path=info.path,
-                    )
-            if self.trusted is not None:
-                recordsign.check_object(f.path, part, self.options, f.etag)
-        except BaseException:
-            f.close()
-            raise
-        return f
 
     def verify_step(self, info: CheckpointInfo) -> VerifyReport:
         """Every file of a complete step verified chunk by chunk, after the checks a load makes:
