@@ -22,13 +22,14 @@ from ..errors import CheckpointError, CorruptError, IncompleteError, StorageErro
 from ..files import multifile, recordsign
 from ..files.places import STALE_AFTER, ObjectPlace
 from ..files.reader import CheckpointFile
-from ..files.verify import VerifyReport, problem_of, verify
+from ..files.verify import VerifyReport, verify
 from ..format.timestamps import parse_utc
 from ..storage import listing
 from ..storage.client import check_options
 from ..storage.download import head
 from ..storage.upload import upload_file
 from ..storage.urls import ObjectURL, parse_url
+from .stepcheck import verify_objects
 from .steps import STATE_NAME, CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
 
 
@@ -62,9 +63,9 @@ class ObjectRun:
     def _step_url(self, step: int) -> ObjectURL:
         return self.url.child(step_dirname(step))
 
-    def _place(self, step: int) -> ObjectPlace:
+    def _place(self, step: int) -> StepPlace:
         """Step `step` as the place of a multi-file checkpoint (files/places.py)."""
-        return ObjectPlace(self._step_url(step), self.options)
+        return StepPlace(self._step_url(step), self.options, step)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -116,13 +117,7 @@ class ObjectRun:
     def record(self, step: int, size: int | None = None, *, trusted: Any = None) -> multifile.CommitRecord:
         """Step `step`'s commit record, bounded by its size before it is decoded; with
         `trusted` keys it must be signed by one of them and carry every file's SHA-256."""
-        url = f"{self.step_path(step)}/{multifile.COMMIT_NAME}"
-        record = self._place(step).record_sized(size, trusted)
-        if record.step != step:
-            raise CorruptError(f"the commit record is for step {record.step}, not {step}", path=url)
-        for ref in record.references:
-            _referenced_step(ref.name, url)  # a reference names a step of this run, or none
-        return record
+        return self._place(step).record_sized(size, trusted)
 
     def _info(
         self,
@@ -170,25 +165,10 @@ class ObjectRun:
         )
 
     def verify_step(self, info: CheckpointInfo) -> VerifyReport:
-        """Every file of a complete step verified chunk by chunk, after the checks a load makes:
-        with trusted keys, the record's signature and each file's SHA-256 against it."""
-        report = VerifyReport(info.path)
-        try:
-            record = self.trusted_record(info.step)
-            if self.trusted is not None:
-                for part in record.files:
-                    recordsign.check_object(f"{info.path}/{part.name}", part, self.options, None)
-                for ref in record.references:  # a load hashes these too: verify demands as much
-                    recordsign.check_object(self._reference_url(ref.name), ref, self.options, None)
-        except CheckpointError as e:
-            report.problems.append(problem_of(e))
-            return report
-        for url in info.files:
-            part_report = verify(url, storage_options=self.options, decrypt_with=self.decrypt)
-            report.problems.extend(part_report.problems)
-            report.chunks += part_report.chunks
-            report.bytes_checked += part_report.bytes_checked
-        return report
+        """Every file of a complete step verified chunk by chunk, after the checks a load makes
+        (stepcheck.verify_objects): with trusted keys, the record's signature and each file's
+        SHA-256 against it."""
+        return verify_objects(self._place(info.step), self.decrypt, self.trusted)
 
     # -- writing -------------------------------------------------------------------------
 
@@ -365,6 +345,24 @@ class ObjectRun:
                 referenced = self.referenced() if referenced is None else referenced
                 if not any(u.startswith(self.step_path(step) + "/") for u in referenced):
                     self.delete_step(step)
+
+
+class StepPlace(ObjectPlace):
+    """A step of a run on a store as the place of its checkpoint: its commit record must be
+    for that step and refer only to objects of the run's steps (``../step-N/NAME``)."""
+
+    def __init__(self, url: ObjectURL, storage_options: dict[str, Any] | None, step: int) -> None:
+        super().__init__(url, storage_options)
+        self.step = step
+
+    def record_sized(self, size: int | None, trusted: Any = None) -> multifile.CommitRecord:
+        record = super().record_sized(size, trusted)
+        url = self.path_of(multifile.COMMIT_NAME)
+        if record.step != self.step:
+            raise CorruptError(f"the commit record is for step {record.step}, not {self.step}", path=url)
+        for ref in record.references:
+            _referenced_step(ref.name, url)  # a reference names a step of this run, or none
+        return record
 
 
 def _referenced_step(name: str, owner: str) -> tuple[int, str]:
