@@ -276,10 +276,15 @@ class ObjectPlace(Place):
 
     def describe(self, name: str) -> multifile.PartRecord:
         """Read from the object's prologue and tail (one HEAD and ranged GETs, not the object)."""
-        url = str(self._url(name))
+        return self.described(name)[0]
+
+    def described(self, name: str) -> tuple[multifile.PartRecord, str]:
+        """The identity of the object `name` (a file, or a reference path of the record) and
+        the version (ETag) it was read from, for with_digest to hash that version."""
+        url = str(self.object_url(name))
         remote = RemoteObject(url, self.options)
         try:
-            return multifile.describe_open_part(remote.fd, url, name)
+            return multifile.describe_open_part(remote.fd, url, name), remote.etag
         finally:
             remote.close()
 
@@ -386,11 +391,11 @@ class ObjectPlace(Place):
         """Hash each object of `parts` (files or references) against its recorded SHA-256;
         the version (ETag) of each that was hashed, by name, for reads to be pinned to."""
         return {
-            part.name: recordsign.check_object(str(self._object_url(part.name)), part, self.options, None)
+            part.name: recordsign.check_object(str(self.object_url(part.name)), part, self.options, None)
             for part in parts
         }
 
-    def _object_url(self, name: str) -> ObjectURL:
+    def object_url(self, name: str) -> ObjectURL:
         """The object a file name or a reference path (spec section 12) of the record names."""
         if "/" not in name:
             return self._url(name)
@@ -398,9 +403,10 @@ class ObjectPlace(Place):
             raise CorruptError(f"{name[:80]!r} is not a reference path", path=self.path)
         return references.resolve(self.url, name)
 
-    def with_digest(self, part: multifile.PartRecord) -> multifile.PartRecord:
-        """The object is read back whole to hash it: one more pass over its bytes."""
-        digest, _ = recordsign.object_sha256(str(self._url(part.name)), self.options)
+    def with_digest(self, part: multifile.PartRecord, etag: str | None = None) -> multifile.PartRecord:
+        """The object is read back whole to hash it: one more pass over its bytes.  `etag`:
+        the version that was described (StorageError if another one is there now)."""
+        digest, _ = recordsign.object_sha256(str(self.object_url(part.name)), self.options, etag)
         return dataclasses.replace(part, sha256=digest)
 
     def remove_leftovers(self) -> None:

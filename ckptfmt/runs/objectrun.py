@@ -63,7 +63,7 @@ class ObjectRun:
     def _step_url(self, step: int) -> ObjectURL:
         return self.url.child(step_dirname(step))
 
-    def _place(self, step: int) -> StepPlace:
+    def step_place(self, step: int) -> StepPlace:
         """Step `step` as the place of a multi-file checkpoint (files/places.py)."""
         return StepPlace(self._step_url(step), self.options, step)
 
@@ -117,7 +117,7 @@ class ObjectRun:
     def record(self, step: int, size: int | None = None, *, trusted: Any = None) -> multifile.CommitRecord:
         """Step `step`'s commit record, bounded by its size before it is decoded; with
         `trusted` keys it must be signed by one of them and carry every file's SHA-256."""
-        return self._place(step).record_sized(size, trusted)
+        return self.step_place(step).record_sized(size, trusted)
 
     def _info(
         self,
@@ -160,7 +160,7 @@ class ObjectRun:
         names.  With trusted keys the record must be signed by one, and each object read is
         hashed against it first, at the version its reads are then pinned to."""
         record = self.trusted_record(info.step)
-        return self._place(info.step).open_named(
+        return self.step_place(info.step).open_named(
             record, name, name, trusted=self.trusted, decrypt=self.decrypt
         )
 
@@ -168,7 +168,7 @@ class ObjectRun:
         """Every file of a complete step verified chunk by chunk, after the checks a load makes
         (stepcheck.verify_objects): with trusted keys, the record's signature and each file's
         SHA-256 against it."""
-        return verify_objects(self._place(info.step), self.decrypt, self.trusted)
+        return verify_objects(self.step_place(info.step), self.decrypt, self.trusted)
 
     # -- writing -------------------------------------------------------------------------
 
