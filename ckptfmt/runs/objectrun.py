@@ -368,14 +368,13 @@ class StepPlace(ObjectPlace):
 def _referenced_step(name: str, owner: str) -> tuple[int, str]:
     """(step, name in it) of a commit record's reference ``../step-N/NAME``; CorruptError for
     anything else (on a store a reference never leaves the run's prefix)."""
-    up, _, rest = name.partition("/")
-    top, _, part = rest.partition("/")
-    step = parse_step_dirname(top)
-    if up != ".." or step is None or not part or "/" in part or part.startswith("."):
+    ref = multifile.reference_parts(name)
+    step = parse_step_dirname(ref.directory) if ref is not None and ref.up and ref.directory else None
+    if ref is None or step is None:
         raise CorruptError(
             f"the commit record refers to {name[:80]!r}, not to a step of this run", path=owner
         )
-    return step, part
+    return step, ref.name
 
 
 def _check_listed(listed: tuple[int, Any] | None, part: multifile.PartRecord, owner: str) -> None:
