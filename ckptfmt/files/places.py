@@ -31,7 +31,7 @@ from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError,
 from ..fileio import is_url
 from ..storage import listing, references
 from ..storage.client import check_options
-from ..storage.download import RemoteObject, head
+from ..storage.download import RemoteObject, fetch_whole, head
 from ..storage.urls import ObjectURL, parse_url
 from . import multifile, recordsign
 from .reader import CheckpointFile
@@ -363,8 +363,15 @@ class ObjectPlace(Place):
             raise LimitError(
                 f"commit record of {size} bytes exceeds the limit {multifile.MAX_RECORD_BYTES}", path=url
             )
-        bound = multifile.record_memory(size if size is not None else multifile.MAX_RECORD_BYTES)
-        with CheckpointFile(url, max_bytes=bound, storage_options=self.options, trusted_keys=trusted) as f:
+        # one GET: a record is small, and a HEAD and ranged GETs would double the requests
+        # that listing a run's steps makes
+        spool = fetch_whole(url, self.options, multifile.MAX_RECORD_BYTES)
+        try:
+            fd = os.dup(spool.fd)
+            bound = multifile.record_memory(spool.size)
+        finally:
+            spool.close()
+        with CheckpointFile(url, fd=fd, max_bytes=bound, trusted_keys=trusted) as f:
             if f.prologue.file_length > multifile.MAX_RECORD_BYTES:
                 raise LimitError("commit record exceeds the limit", path=url)
             record = multifile.record_from(f)

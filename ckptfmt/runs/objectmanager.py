@@ -225,7 +225,8 @@ class ObjectRunManager(CheckpointManager):
         self._tidy(job.path, lambda: self.run.delete_step(job.step))
 
     def _rotate(self) -> None:
-        done = self.checkpoints()
+        statuses = self.statuses()  # once: the records are read by one GET each
+        done = [s.info for s in statuses if s.info is not None]
         kept = retention.kept_steps(
             [(c.step, c.metrics) for c in done],
             keep_last=self.keep_last,
@@ -233,7 +234,7 @@ class ObjectRunManager(CheckpointManager):
             keep_best=self.keep_best,
             best_mode=self.best_mode,
         )
-        self.run.rotate(done, kept)
+        self.run.rotate(done, kept, statuses)
 
     def remove(self, step: int) -> None:
         """Delete checkpoint `step`."""

@@ -255,14 +255,16 @@ class ObjectRun:
         files go."""
         listing.delete_prefix(self._step_url(step), self.options, first=(multifile.COMMIT_NAME,))
 
-    def rotate(self, done: list[CheckpointInfo], kept: set[int]) -> None:
+    def rotate(
+        self, done: list[CheckpointInfo], kept: set[int], statuses: list[StepStatus] | None = None
+    ) -> None:
         """Delete the complete steps `done` not in `kept`; one that a kept step reads objects
-        of is only retired."""
+        of is only retired.  `statuses`: the run's, read with `done` (None: read here)."""
         dropped = [c for c in done if c.step not in kept]
         if not dropped:
             return
         needed = {url for c in done if c.step in kept for url in c.references}
-        needed |= self.references_of_incomplete(self.statuses())
+        needed |= self.references_of_incomplete(self.statuses() if statuses is None else statuses)
         for c in dropped:
             self.drop(c, needed)
 
