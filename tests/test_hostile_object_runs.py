@@ -192,3 +192,25 @@ def test_a_commit_names_only_the_objects_the_state_was_written_against(s3_server
     with pytest.raises(ckptfmt.CorruptError, match="file id"):
         m._commit(job)
     assert "step-000000002/COMMIT" not in _keys(client, bucket, "run/")
+
+
+def test_verify_refuses_a_step_reading_an_object_its_record_does_not_name(s3_server, s3_bucket):
+    # step 2's record rewritten without its reference: a load refuses the state object (it
+    # reads step 1's), and verify fails where the load does, though every chunk is sound
+    import dataclasses
+
+    from ckptfmt.files import multifile
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/run"
+    m = CheckpointManager(url, incremental=True, storage_options=options)
+    m.save(1, _state(1))
+    m.save(2, _state(2))
+    unbound = dataclasses.replace(m.run.record(2), references=())
+    s3_server.client().delete_object(Bucket=bucket, Key="run/step-000000002/COMMIT")
+    ckptfmt.save(unbound.as_value(), f"{url}/step-000000002/{multifile.COMMIT_NAME}", storage_options=options)
+    assert [c.step for c in m.checkpoints()] == [1, 2]
+    with pytest.raises(ckptfmt.CorruptError, match="does not name"):
+        m.load(2)
+    report = m.verify(2)
+    assert not report.ok and "does not name" in report.problems[0].message

@@ -90,3 +90,38 @@ def test_refused_combinations(s3_bucket):
         ckptfmt.CheckpointManager(url, archive=f"s3://{bucket}/y", storage_options=options)
     with pytest.raises(ValueError, match="need archive="):
         ckptfmt.CheckpointManager("/tmp/ckptfmt-no-archive", storage_options=options)
+
+
+def _run_of_three(s3_faults) -> ckptfmt.CheckpointManager:
+    url = f"s3://{s3_faults.new_bucket()}/run"
+    m = ckptfmt.CheckpointManager(url, storage_options=s3_faults.storage_options())
+    for step in (1, 2, 3):
+        m.save(step, {"w": torch.full((100,), float(step))})
+    return m
+
+
+def test_listing_a_run_reads_each_commit_record_with_one_get(s3_faults):
+    m = _run_of_three(s3_faults)
+    s3_faults.clear_counts()
+    assert [s.step for s in m.statuses() if s.info is not None] == [1, 2, 3]
+    assert s3_faults.count("GET", "COMMIT") == 3
+    assert s3_faults.count("HEAD") == 0
+    # a connection dropped in the middle of a record's body is tried again
+    s3_faults.clear_counts()
+    s3_faults.reset_on("GET", "step-000000002/COMMIT", download_bytes=100)
+    assert m.run.record(2).step == 2
+    assert s3_faults.count("GET", "step-000000002/COMMIT") == 2
+
+
+def test_an_oversized_commit_record_on_the_store_is_refused_before_it_is_read(s3_faults, monkeypatch):
+    from ckptfmt.files import multifile
+
+    m = _run_of_three(s3_faults)
+    monkeypatch.setattr(multifile, "MAX_RECORD_BYTES", 100)
+    s3_faults.clear_counts()
+    with pytest.raises(ckptfmt.LimitError, match="above the limit 100") as e:
+        m.run.record(2)  # its size unknown: the GET's answer says it
+    assert e.value.path.endswith("/step-000000002/COMMIT")
+    assert s3_faults.count("GET", "COMMIT") == 1
+    statuses = m.statuses()  # the listing's sizes: refused unread
+    assert all(s.damaged and "exceeds the limit" in s.problem for s in statuses)

@@ -108,8 +108,27 @@ def valid_part_name(name: str, *, reference: bool) -> bool:
     """A part is a plain name; a reference is a reference path of the spec's section 12
     (NAME, DIR/NAME, ../NAME or ../DIR/NAME)."""
     if reference:
-        return fmt.REF_PATH_RE.fullmatch(name) is not None
+        return reference_parts(name) is not None
     return _NAME_RE.fullmatch(name) is not None
+
+
+@dataclass(frozen=True)
+class ReferencePath:
+    """A reference path (spec section 12) taken apart: whether it leads up (``../``), the
+    directory it names (None when none) and the file's name."""
+
+    up: bool
+    directory: str | None
+    name: str
+
+
+def reference_parts(path: str) -> ReferencePath | None:
+    """`path` taken apart as a reference path, or None when it is not one."""
+    if fmt.REF_PATH_RE.fullmatch(path) is None:
+        return None
+    up = path.startswith("../")
+    directory, _, name = path.removeprefix("../").rpartition("/")
+    return ReferencePath(up, directory or None, name)
 
 
 # -- reading one part's identity ---------------------------------------------------

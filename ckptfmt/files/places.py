@@ -29,9 +29,9 @@ from ..engine import commit
 from ..engine.ckptdir import CheckpointDir, LinkError
 from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
 from ..fileio import is_url
-from ..storage import listing
+from ..storage import listing, references
 from ..storage.client import check_options
-from ..storage.download import RemoteObject, head
+from ..storage.download import RemoteObject, fetch_whole, head
 from ..storage.urls import ObjectURL, parse_url
 from . import multifile, recordsign
 from .reader import CheckpointFile
@@ -96,13 +96,25 @@ class Place:
         """File `name` of the checkpoint whose commit record is `record`, opened by open_part;
         it may read chunks only from files the record names (spec 13.1), and with `trusted`
         those files are hashed against the record too."""
+        f = self.open_part(self.named_part(record, name), label, trusted=trusted, decrypt=decrypt)
+        return self._reading_named(f, record, name, hash_references=trusted is not None)
+
+    def named_part(self, record: multifile.CommitRecord, name: str) -> multifile.PartRecord:
+        """The entry of file `name` in `record` (CorruptError when it names none)."""
         part = next((p for p in record.files if p.name == name), None)
         if part is None:
             raise CorruptError(f"the commit record names no file {name!r}", path=self.path)
-        f = self.open_part(part, label, trusted=trusted, decrypt=decrypt)
+        return part
+
+    def _reading_named(
+        self, f: CheckpointFile, record: multifile.CommitRecord, name: str, *, hash_references: bool
+    ) -> CheckpointFile:
+        """`f` (file `name`, open) once it is seen to read chunks only from files `record`
+        names, those it reads hashed against the record when `hash_references`; closed on
+        failure."""
         try:
             multifile.check_references(f, record, self.path_of(name))
-            if trusted is not None:
+            if hash_references:
                 read = {ext.rel for ext in f.externals}
                 self.check_digests([p for p in record.references if p.name in read])
         except BaseException:
@@ -264,21 +276,36 @@ class ObjectPlace(Place):
 
     def describe(self, name: str) -> multifile.PartRecord:
         """Read from the object's prologue and tail (one HEAD and ranged GETs, not the object)."""
-        url = str(self._url(name))
+        return self.described(name)[0]
+
+    def described(self, name: str) -> tuple[multifile.PartRecord, str]:
+        """The identity of the object `name` (a file, or a reference path of the record) and
+        the version (ETag) it was read from, for with_digest to hash that version."""
+        url = str(self.object_url(name))
         remote = RemoteObject(url, self.options)
         try:
-            return multifile.describe_open_part(remote.fd, url, name)
+            return multifile.describe_open_part(remote.fd, url, name), remote.etag
         finally:
             remote.close()
 
     def open_part(
-        self, rec: multifile.PartRecord, label: str, *, trusted: Any = None, decrypt: Any = None
+        self,
+        rec: multifile.PartRecord,
+        label: str,
+        *,
+        trusted: Any = None,
+        decrypt: Any = None,
+        reference_etags: dict[str, str] | None = None,
     ) -> CheckpointFile:
         """With `trusted`, the object is read whole and hashed against the record's digest at
-        the version (ETag) the file's reads are then pinned to: one more pass over it."""
+        the version (ETag) the file's reads are then pinned to: one more pass over it.
+        `reference_etags`: the versions the objects it refers to must be read at (by
+        reference path), those their digests were checked on."""
         url = str(self._url(rec.name))
         try:
-            f = CheckpointFile(url, storage_options=self.options, decrypt_with=decrypt)
+            f = CheckpointFile(
+                url, storage_options=self.options, decrypt_with=decrypt, reference_etags=reference_etags
+            )
         except FileNotFoundError:
             raise IncompleteError(f"{label} named by the commit record is missing", path=self.path) from None
         try:  # the open pinned the object's ETag: what is checked is what is read
@@ -292,6 +319,23 @@ class ObjectPlace(Place):
             f.close()
             raise
         return f
+
+    def open_named(
+        self,
+        record: multifile.CommitRecord,
+        name: str,
+        label: str,
+        *,
+        trusted: Any = None,
+        decrypt: Any = None,
+    ) -> CheckpointFile:
+        """With `trusted`, every object the record refers to is hashed against it before the
+        file is opened, and the file reads them at the versions hashed (their ETags pinned):
+        what was checked is what is read."""
+        part = self.named_part(record, name)
+        pins = self.pinned_digests(list(record.references)) if trusted is not None else None
+        f = self.open_part(part, label, trusted=trusted, decrypt=decrypt, reference_etags=pins)
+        return self._reading_named(f, record, name, hash_references=False)
 
     def check_part(self, rec: multifile.PartRecord) -> None:
         try:
@@ -319,8 +363,15 @@ class ObjectPlace(Place):
             raise LimitError(
                 f"commit record of {size} bytes exceeds the limit {multifile.MAX_RECORD_BYTES}", path=url
             )
-        bound = multifile.record_memory(size if size is not None else multifile.MAX_RECORD_BYTES)
-        with CheckpointFile(url, max_bytes=bound, storage_options=self.options, trusted_keys=trusted) as f:
+        # one GET: a record is small, and a HEAD and ranged GETs would double the requests
+        # that listing a run's steps makes
+        spool = fetch_whole(url, self.options, multifile.MAX_RECORD_BYTES)
+        try:
+            fd = os.dup(spool.fd)
+            bound = multifile.record_memory(spool.size)
+        finally:
+            spool.close()
+        with CheckpointFile(url, fd=fd, max_bytes=bound, trusted_keys=trusted) as f:
             if f.prologue.file_length > multifile.MAX_RECORD_BYTES:
                 raise LimitError("commit record exceeds the limit", path=url)
             record = multifile.record_from(f)
@@ -341,12 +392,28 @@ class ObjectPlace(Place):
         self.remove(multifile.COMMIT_NAME)
 
     def check_digests(self, parts: list[multifile.PartRecord]) -> None:
-        for part in parts:
-            recordsign.check_object(str(self._url(part.name)), part, self.options, None)
+        self.pinned_digests(parts)
 
-    def with_digest(self, part: multifile.PartRecord) -> multifile.PartRecord:
-        """The object is read back whole to hash it: one more pass over its bytes."""
-        digest, _ = recordsign.object_sha256(str(self._url(part.name)), self.options)
+    def pinned_digests(self, parts: list[multifile.PartRecord]) -> dict[str, str]:
+        """Hash each object of `parts` (files or references) against its recorded SHA-256;
+        the version (ETag) of each that was hashed, by name, for reads to be pinned to."""
+        return {
+            part.name: recordsign.check_object(str(self.object_url(part.name)), part, self.options, None)
+            for part in parts
+        }
+
+    def object_url(self, name: str) -> ObjectURL:
+        """The object a file name or a reference path (spec section 12) of the record names."""
+        if "/" not in name:
+            return self._url(name)
+        if not multifile.valid_part_name(name, reference=True):
+            raise CorruptError(f"{name[:80]!r} is not a reference path", path=self.path)
+        return references.resolve(self.url, name)
+
+    def with_digest(self, part: multifile.PartRecord, etag: str | None = None) -> multifile.PartRecord:
+        """The object is read back whole to hash it: one more pass over its bytes.  `etag`:
+        the version that was described (StorageError if another one is there now)."""
+        digest, _ = recordsign.object_sha256(str(self.object_url(part.name)), self.options, etag)
         return dataclasses.replace(part, sha256=digest)
 
     def remove_leftovers(self) -> None:

@@ -26,20 +26,18 @@ Not in this version: an archive tier of an object-store run, and encrypted multi
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from ..background import inflight
 from ..errors import CheckpointError, CheckpointWarning, CorruptError, UnsupportedError
-from ..files import multifile, recordsign
+from ..files import multifile
 from ..files import save as writer
+from ..files.places import ObjectPlace
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport
 from ..format.index import External
-from ..storage import references
-from ..storage.urls import parse_url
 from . import resume, retention
 from .manager import CheckpointManager, is_sharded_save
 from .objectrun import ObjectRun
@@ -185,13 +183,14 @@ class ObjectRunManager(CheckpointManager):
         with sign_with the record carries the object's SHA-256 (read back whole, pinned to
         the version named) and is signed (spec 16.7)."""
         url = f"{job.path}/{STATE_NAME}"
+        place = self.run.step_place(job.step)
         with CheckpointFile(url, storage_options=self.run.options, decrypt_with=self._decrypt) as f:
             part = multifile.PartRecord(
                 STATE_NAME, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
             )
-            refs = tuple(self._describe(ext, self.run.step_path(job.step)) for ext in f.externals)
+            refs = tuple(self._describe(place, ext) for ext in f.externals)
             if self._sign_key is not None:
-                part = self._with_digest(part, url, f.etag)
+                part = place.with_digest(part, f.etag)
         record = multifile.CommitRecord(job.step, "state", (part,), refs, job.metrics, job.metadata)
         try:
             writer.save(
@@ -206,27 +205,19 @@ class ObjectRunManager(CheckpointManager):
                 f"step {job.step} was committed by another writer meanwhile", path=job.path
             ) from None
 
-    def _describe(self, ext: External, step_path: str) -> multifile.PartRecord:
-        """The commit record's entry for the object the reference `ext` leads to from
-        `step_path` (a step the new one refers to), with its digest when the record is
-        signed; CorruptError unless it is the file the state object was written against
-        (its file id and length): another object there now is not named, nor vouched for."""
-        url = str(references.resolve(parse_url(step_path, need_key=False), ext.rel))
-        with CheckpointFile(url, storage_options=self.run.options, decrypt_with=self._decrypt) as f:
-            part = multifile.PartRecord(
-                ext.rel, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
+    def _describe(self, place: ObjectPlace, ext: External) -> multifile.PartRecord:
+        """The commit record's entry for the object the reference `ext` of the new step (at
+        `place`) leads to, with its digest when the record is signed; CorruptError unless it
+        is the file the state object was written against (its file id and length): another
+        object there now is not named, nor vouched for."""
+        part, etag = place.described(ext.rel)
+        if (part.file_id, part.length) != (ext.file_id, ext.length):
+            raise CorruptError(
+                f"{ext.rel} has file id {part.file_id.hex()} and {part.length} bytes, the state "
+                f"object was written against {ext.file_id.hex()} and {ext.length} bytes",
+                path=str(place.object_url(ext.rel)),
             )
-            if (part.file_id, part.length) != (ext.file_id, ext.length):
-                raise CorruptError(
-                    f"{ext.rel} has file id {part.file_id.hex()} and {part.length} bytes, the state "
-                    f"object was written against {ext.file_id.hex()} and {ext.length} bytes",
-                    path=url,
-                )
-            return self._with_digest(part, url, f.etag) if self._sign_key is not None else part
-
-    def _with_digest(self, part: multifile.PartRecord, url: str, etag: str | None) -> multifile.PartRecord:
-        digest, _ = recordsign.object_sha256(url, self.run.options, etag)
-        return dataclasses.replace(part, sha256=digest)
+        return place.with_digest(part, etag) if self._sign_key is not None else part
 
     def _abandon(self, job: StepJob) -> None:
         if job.file_handle is not None and not job.file_handle.done():
@@ -234,7 +225,8 @@ class ObjectRunManager(CheckpointManager):
         self._tidy(job.path, lambda: self.run.delete_step(job.step))
 
     def _rotate(self) -> None:
-        done = self.checkpoints()
+        statuses = self.statuses()  # once: the records are read by one GET each
+        done = [s.info for s in statuses if s.info is not None]
         kept = retention.kept_steps(
             [(c.step, c.metrics) for c in done],
             keep_last=self.keep_last,
@@ -242,7 +234,7 @@ class ObjectRunManager(CheckpointManager):
             keep_best=self.keep_best,
             best_mode=self.best_mode,
         )
-        self.run.rotate(done, kept)
+        self.run.rotate(done, kept, statuses)
 
     def remove(self, step: int) -> None:
         """Delete checkpoint `step`."""

@@ -22,13 +22,14 @@ from ..errors import CheckpointError, CorruptError, IncompleteError, StorageErro
 from ..files import multifile, recordsign
 from ..files.places import STALE_AFTER, ObjectPlace
 from ..files.reader import CheckpointFile
-from ..files.verify import VerifyReport, problem_of, verify
+from ..files.verify import VerifyReport, verify
 from ..format.timestamps import parse_utc
 from ..storage import listing
 from ..storage.client import check_options
 from ..storage.download import head
 from ..storage.upload import upload_file
 from ..storage.urls import ObjectURL, parse_url
+from .stepcheck import verify_objects
 from .steps import STATE_NAME, CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
 
 
@@ -62,9 +63,9 @@ class ObjectRun:
     def _step_url(self, step: int) -> ObjectURL:
         return self.url.child(step_dirname(step))
 
-    def _place(self, step: int) -> ObjectPlace:
+    def step_place(self, step: int) -> StepPlace:
         """Step `step` as the place of a multi-file checkpoint (files/places.py)."""
-        return ObjectPlace(self._step_url(step), self.options)
+        return StepPlace(self._step_url(step), self.options, step)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -116,13 +117,7 @@ class ObjectRun:
     def record(self, step: int, size: int | None = None, *, trusted: Any = None) -> multifile.CommitRecord:
         """Step `step`'s commit record, bounded by its size before it is decoded; with
         `trusted` keys it must be signed by one of them and carry every file's SHA-256."""
-        url = f"{self.step_path(step)}/{multifile.COMMIT_NAME}"
-        record = self._place(step).record_sized(size, trusted)
-        if record.step != step:
-            raise CorruptError(f"the commit record is for step {record.step}, not {step}", path=url)
-        for ref in record.references:
-            _referenced_step(ref.name, url)  # a reference names a step of this run, or none
-        return record
+        return self.step_place(step).record_sized(size, trusted)
 
     def _info(
         self,
@@ -159,67 +154,21 @@ class ObjectRun:
         return self.record(step, trusted=self.trusted)
 
     def open_part(self, info: CheckpointInfo, name: str = STATE_NAME) -> CheckpointFile:
-        """Part `name` of a complete step, opened and checked against its commit record (the
-        open pins the object's ETag: what is checked is what is read); the objects of earlier
-        steps it reads chunks from must be ones the record names.  With trusted keys the
-        record must be signed by one, and each object read is hashed against it first, at
-        the version its reads are then pinned to."""
+        """Part `name` of a complete step, opened and checked against its commit record
+        (ObjectPlace.open_named: the open pins the object's ETag, so what is checked is what is
+        read); the objects of earlier steps it reads chunks from must be ones the record
+        names.  With trusted keys the record must be signed by one, and each object read is
+        hashed against it first, at the version its reads are then pinned to."""
         record = self.trusted_record(info.step)
-        part = next((p for p in record.files if p.name == name), None)
-        if part is None:
-            raise CorruptError(f"the commit record names no {name}", path=info.path)
-        pins = {}
-        if self.trusted is not None:
-            for ref in record.references:
-                pins[ref.name] = recordsign.check_object(
-                    self._reference_url(ref.name), ref, self.options, None
-                )
-        f = CheckpointFile(
-            f"{info.path}/{name}",
-            storage_options=self.options,
-            decrypt_with=self.decrypt,
-            reference_etags=pins,
+        return self.step_place(info.step).open_named(
+            record, name, name, trusted=self.trusted, decrypt=self.decrypt
         )
-        try:
-            found = multifile.PartRecord(
-                name, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
-            )
-            multifile.check_identity(found, part, name, info.path)
-            named = {ref.name: ref for ref in record.references}
-            for ext in f.externals:
-                named_ref = named.get(ext.rel)
-                if named_ref is None or (named_ref.file_id, named_ref.length) != (ext.file_id, ext.length):
-                    raise CorruptError(
-                        f"{name} reads chunks of {ext.rel}, which the commit record does not name",
-                        path=info.path,
-                    )
-            if self.trusted is not None:
-                recordsign.check_object(f.path, part, self.options, f.etag)
-        except BaseException:
-            f.close()
-            raise
-        return f
 
     def verify_step(self, info: CheckpointInfo) -> VerifyReport:
-        """Every file of a complete step verified chunk by chunk, after the checks a load makes:
-        with trusted keys, the record's signature and each file's SHA-256 against it."""
-        report = VerifyReport(info.path)
-        try:
-            record = self.trusted_record(info.step)
-            if self.trusted is not None:
-                for part in record.files:
-                    recordsign.check_object(f"{info.path}/{part.name}", part, self.options, None)
-                for ref in record.references:  # a load hashes these too: verify demands as much
-                    recordsign.check_object(self._reference_url(ref.name), ref, self.options, None)
-        except CheckpointError as e:
-            report.problems.append(problem_of(e))
-            return report
-        for url in info.files:
-            part_report = verify(url, storage_options=self.options, decrypt_with=self.decrypt)
-            report.problems.extend(part_report.problems)
-            report.chunks += part_report.chunks
-            report.bytes_checked += part_report.bytes_checked
-        return report
+        """Every file of a complete step verified chunk by chunk, after the checks a load makes
+        (stepcheck.verify_objects): with trusted keys, the record's signature and each file's
+        SHA-256 against it."""
+        return verify_objects(self.step_place(info.step), self.decrypt, self.trusted)
 
     # -- writing -------------------------------------------------------------------------
 
@@ -306,14 +255,16 @@ class ObjectRun:
         files go."""
         listing.delete_prefix(self._step_url(step), self.options, first=(multifile.COMMIT_NAME,))
 
-    def rotate(self, done: list[CheckpointInfo], kept: set[int]) -> None:
+    def rotate(
+        self, done: list[CheckpointInfo], kept: set[int], statuses: list[StepStatus] | None = None
+    ) -> None:
         """Delete the complete steps `done` not in `kept`; one that a kept step reads objects
-        of is only retired."""
+        of is only retired.  `statuses`: the run's, read with `done` (None: read here)."""
         dropped = [c for c in done if c.step not in kept]
         if not dropped:
             return
         needed = {url for c in done if c.step in kept for url in c.references}
-        needed |= self.references_of_incomplete(self.statuses())
+        needed |= self.references_of_incomplete(self.statuses() if statuses is None else statuses)
         for c in dropped:
             self.drop(c, needed)
 
@@ -398,17 +349,34 @@ class ObjectRun:
                     self.delete_step(step)
 
 
+class StepPlace(ObjectPlace):
+    """A step of a run on a store as the place of its checkpoint: its commit record must be
+    for that step and refer only to objects of the run's steps (``../step-N/NAME``)."""
+
+    def __init__(self, url: ObjectURL, storage_options: dict[str, Any] | None, step: int) -> None:
+        super().__init__(url, storage_options)
+        self.step = step
+
+    def record_sized(self, size: int | None, trusted: Any = None) -> multifile.CommitRecord:
+        record = super().record_sized(size, trusted)
+        url = self.path_of(multifile.COMMIT_NAME)
+        if record.step != self.step:
+            raise CorruptError(f"the commit record is for step {record.step}, not {self.step}", path=url)
+        for ref in record.references:
+            _referenced_step(ref.name, url)  # a reference names a step of this run, or none
+        return record
+
+
 def _referenced_step(name: str, owner: str) -> tuple[int, str]:
     """(step, name in it) of a commit record's reference ``../step-N/NAME``; CorruptError for
     anything else (on a store a reference never leaves the run's prefix)."""
-    up, _, rest = name.partition("/")
-    top, _, part = rest.partition("/")
-    step = parse_step_dirname(top)
-    if up != ".." or step is None or not part or "/" in part or part.startswith("."):
+    ref = multifile.reference_parts(name)
+    step = parse_step_dirname(ref.directory) if ref is not None and ref.up and ref.directory else None
+    if ref is None or step is None:
         raise CorruptError(
             f"the commit record refers to {name[:80]!r}, not to a step of this run", path=owner
         )
-    return step, part
+    return step, ref.name
 
 
 def _check_listed(listed: tuple[int, Any] | None, part: multifile.PartRecord, owner: str) -> None:

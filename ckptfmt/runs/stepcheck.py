@@ -112,8 +112,9 @@ def verify_objects(place: ObjectPlace, decrypt: Any = None, trusted: Any = None)
     """verify_step of a checkpoint under an object-store prefix (spec 13.7): its commit record
     (for the step its name says, its layout's member checked), every chunk of the record and of
     every file it names, each file read through the open its identity was checked on (pinned to
-    that object's ETag), then, for layout "dcp", everything cdcp.load checks.  With `trusted`
-    keys the record must be signed by one, and each file is hashed against it, as a load does."""
+    that object's ETag) and reading chunks only from files the record names, then, for layout
+    "dcp", everything cdcp.load checks.  With `trusted` keys the record must be signed by one,
+    and each file and each object it refers to is hashed against it, as a load does."""
     report = VerifyReport(place.path)
     step = parse_step_dirname(place.path.rsplit("/", 1)[-1])
     try:
@@ -128,7 +129,7 @@ def verify_objects(place: ObjectPlace, decrypt: Any = None, trusted: Any = None)
         with CheckpointFile(commit, storage_options=place.options) as f:
             _add_part(report, multifile.COMMIT_NAME, f, None)
         for part in record.files:
-            with place.open_part(part, part.name, trusted=trusted, decrypt=decrypt) as f:
+            with place.open_named(record, part.name, part.name, trusted=trusted, decrypt=decrypt) as f:
                 _add_part(report, part.name, f, record.layout)
         if record.layout == "dcp" and report.ok:
             report.problems += _dcp_problems(place, decrypt)

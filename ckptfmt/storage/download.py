@@ -259,3 +259,65 @@ class RemoteObject:
         if self.spool is not None:
             self.spool.close()
             self.spool = None
+
+
+def fetch_whole(url: str, options: dict[str, Any], limit: int) -> Spool:
+    """The object `url` read whole by one GET into a spool: for a small object read in full
+    (a commit record), where a HEAD and ranged GETs would cost more requests than its bytes.
+    LimitError before its body is read when it is over `limit` bytes; FileNotFoundError when
+    absent; a dropped connection is tried again, a bounded number of times with backoff."""
+    u = parse_url(url)
+    client = s3.client_for(options)
+    attempts = int(options.get("max_attempts", s3.DEFAULT_MAX_ATTEMPTS))
+    for attempt in range(1, attempts + 1):
+        try:
+            return _fetch_whole_once(client, u, url, limit)
+        except StorageError as e:
+            if not getattr(e, "ckptfmt_short", False) or attempt == attempts:
+                raise
+        except (CheckpointError, FileNotFoundError):
+            raise
+        except s3.transfer_errors() as e:
+            if s3.error_code(e)[0] or attempt == attempts:
+                # an answer of the store (botocore retried what it retries), or the last try
+                raise s3.translate(e, url, "read") from e
+        time.sleep(min(2.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.0))
+    raise AssertionError("unreachable: the last attempt raises")
+
+
+def _fetch_whole_once(client: Any, u: ObjectURL, url: str, limit: int) -> Spool:
+    reply = client.get_object(Bucket=u.bucket, Key=u.key)
+    body = reply["Body"]
+    try:
+        size = reply.get("ContentLength")
+        if type(size) is not int or size < 0:
+            raise StorageError("the store's answer lacks the object's size", path=url)
+        if size > limit:
+            raise LimitError(f"the object is {size} bytes, above the limit {limit}", path=url)
+        spool = Spool(u.key.rsplit("/", 1)[-1], size)
+        try:
+            got = _read_body(body, spool, size)
+            if got != size:
+                short = StorageError(f"read: the body ended after {got} of {size} bytes", path=url)
+                short.ckptfmt_short = True  # type: ignore[attr-defined]
+                raise short
+        except BaseException:
+            spool.close()
+            raise
+        return spool
+    finally:
+        body.close()
+
+
+def _read_body(body: Any, spool: Spool, size: int) -> int:
+    """Read `body` into the spool's first `size` bytes; how many came."""
+    if size == 0:
+        return 0
+    got = 0
+    with spool.view(0, size) as view:
+        while got < size:
+            n = body.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    return got
