@@ -30,6 +30,9 @@ from ...background import inflight
 from ...errors import CheckpointError, StorageError
 from ...storage.download import RemoteObject
 
+#: the name of the local copy in its private temporary folder: never the remote file's name,
+#: which may be '..', '.' or anything else a store allows
+LOCAL_NAME = "checkpoint"
 #: the bytes of an object fetched by one request, and held in memory at once, when copied
 COPY_BYTES = 16 << 20
 
@@ -58,9 +61,10 @@ def save(
     url_key spells it).  Non-blocking: a handle that finishes once the upload is done."""
     inflight.wait_for_path(key)  # an upload still running there must not land after this one
     workdir = tempfile.mkdtemp(prefix="ckptfmt-upload-")
-    local = os.path.join(workdir, posixpath.basename(path.rstrip("/")) or "checkpoint")
+    local = os.path.join(workdir, LOCAL_NAME)
     try:
-        handle = write(local, blocking)
+        with naming(url, local):
+            handle = write(local, blocking)
         if handle is not None:
             return _upload_after(handle, fs, local, path, url, key, workdir)
     except BaseException:
@@ -82,6 +86,8 @@ def _upload_after(
         error: BaseException | None = None
         try:
             error = local_save.exception()
+            if error is not None:
+                error = renamed(error, url, local)
             if local_save._thread is not None:
                 local_save._thread.join()  # it frees what the local save held
             if error is None:
@@ -120,7 +126,7 @@ def fetched(fs: Any, path: str, url: str) -> Iterator[str]:
     """A local copy of the file at `path` on `fs` (removed on exit); FileNotFoundError naming
     `url` where there is none."""
     with tempfile.TemporaryDirectory(prefix="ckptfmt-download-") as workdir:
-        local = os.path.join(workdir, posixpath.basename(path.rstrip("/")) or "checkpoint")
+        local = os.path.join(workdir, LOCAL_NAME)
         try:
             if not fs.isfile(path):
                 raise FileNotFoundError(f"Checkpoint file not found: {url}")
@@ -138,7 +144,7 @@ def object_copy(url: str, options: dict[str, Any]) -> Iterator[str]:
     """A local copy of the ``s3://`` object at `url` (removed on exit), fetched COPY_BYTES at
     a time with ETag-pinned ranged reads: memory stays bounded whatever the object's size."""
     with tempfile.TemporaryDirectory(prefix="ckptfmt-download-") as workdir:
-        local = os.path.join(workdir, posixpath.basename(url) or "checkpoint")
+        local = os.path.join(workdir, LOCAL_NAME)
         remote = RemoteObject(url, options)
         try:
             with open(local, "wb") as out:
@@ -160,15 +166,19 @@ def naming(url: str, local: str) -> Iterator[None]:
     """Errors about the local copy `local` name `url`, where the checkpoint really is."""
     try:
         yield
-    except CheckpointError as e:
-        if e.path == local:
-            e.path = url
-            e.args = (e._render(),)
+    except (CheckpointError, OSError) as e:
+        renamed(e, url, local)
         raise
-    except OSError as e:
-        if e.filename == local:
-            e.filename = url
-        raise
+
+
+def renamed(e: BaseException, url: str, local: str) -> BaseException:
+    """`e`, naming `url` where it named the local copy `local`."""
+    if isinstance(e, CheckpointError) and e.path == local:
+        e.path = url
+        e.args = (e._render(),)
+    elif isinstance(e, OSError) and e.filename == local:
+        e.filename = url
+    return e
 
 
 def remove(fs: Any, path: str) -> None:
