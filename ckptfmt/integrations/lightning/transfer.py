@@ -27,7 +27,7 @@ from fsspec.core import url_to_fs
 import ckptfmt
 
 from ...background import inflight
-from ...errors import CheckpointError, StorageError
+from ...errors import CheckpointError, LimitError, StorageError
 from ...storage.download import RemoteObject
 
 #: the name of the local copy in its private temporary folder: never the remote file's name,
@@ -124,19 +124,65 @@ def _upload(fs: Any, local: str, path: str, url: str) -> None:
 @contextlib.contextmanager
 def fetched(fs: Any, path: str, url: str) -> Iterator[str]:
     """A local copy of the file at `path` on `fs` (removed on exit); FileNotFoundError naming
-    `url` where there is none."""
+    `url` where there is none.  Disk and memory stay bounded whatever the store sends: the copy
+    is read COPY_BYTES at a time, never past the size the filesystem gave for the file, and
+    refused before a byte is fetched when that size is unknown or larger than the room left
+    in the temporary folder."""
     with tempfile.TemporaryDirectory(prefix="ckptfmt-download-") as workdir:
         local = os.path.join(workdir, LOCAL_NAME)
         try:
-            if not fs.isfile(path):
-                raise FileNotFoundError(f"Checkpoint file not found: {url}")
-            fs.get_file(path, local)
+            size = _file_size(fs, path, url)
+            _check_room(workdir, size, url)
+            _copy(fs, path, local, size, url)
         except FileNotFoundError:
             raise FileNotFoundError(f"Checkpoint file not found: {url}") from None
+        except CheckpointError:
+            raise
         except Exception as e:
             raise StorageError(f"downloading the checkpoint failed: {_one_line(e)}", path=url) from e
         with naming(url, local):
             yield local
+
+
+def _file_size(fs: Any, path: str, url: str) -> int:
+    """The size of the file at `path`; FileNotFoundError where there is no file."""
+    info = fs.info(path)
+    if info.get("type") != "file":
+        raise FileNotFoundError(path)
+    size = info.get("size")
+    if type(size) is not int or size < 0:
+        raise StorageError(
+            f"the filesystem gives no size for it ({size!r}): a file of unknown length is not downloaded",
+            path=url,
+        )
+    return size
+
+
+def _check_room(workdir: str, size: int, url: str) -> None:
+    free = shutil.disk_usage(workdir).free
+    if size > free:
+        raise LimitError(
+            f"a file of {size} bytes does not fit in the temporary folder {os.path.dirname(workdir)} "
+            f"({free} bytes free; TMPDIR chooses it)",
+            path=url,
+        )
+
+
+def _copy(fs: Any, path: str, local: str, size: int, url: str) -> None:
+    """Copy exactly `size` bytes of `path` to `local`, COPY_BYTES at a time."""
+    done = 0
+    with fs.open(path, "rb") as source, open(local, "wb") as out:
+        while done < size:
+            want = min(COPY_BYTES, size - done)
+            piece = source.read(want)
+            if not piece or len(piece) > want:
+                raise StorageError(
+                    f"the file changed while it was downloaded: {done} of its {size} bytes read, "
+                    f"then {len(piece)} where {want} were asked for",
+                    path=url,
+                )
+            out.write(piece)
+            done += len(piece)
 
 
 @contextlib.contextmanager
