@@ -6,8 +6,14 @@ for a store that misbehaves, never for ckptfmt's own code."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import importlib.util
 import io
+import pathlib
+import tempfile
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -140,3 +146,107 @@ def test_a_file_larger_than_the_free_disk_is_refused_before_a_byte_is_fetched(
 
 def _never_opened(*args: Any, **kwargs: Any) -> Any:
     raise AssertionError("the file was opened")
+
+
+# ---------------------------------------------------------------------------
+# http: a file without an end; credentials in URLs
+
+
+@pytest.fixture
+def http_root(tmp_path: pathlib.Path) -> Iterator[str]:
+    """http://user:PASSWORD@127.0.0.1:PORT serving tmp_path/served, and /endless: a response
+    with no length that goes on (1 GiB) for as long as it is read."""
+    served = tmp_path / "served"
+    served.mkdir()
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, directory=str(served), **kwargs)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_HEAD(self) -> None:
+            if self.path.startswith("/endless"):
+                self.send_response(200)
+                self.end_headers()
+                return
+            super().do_HEAD()
+
+        def do_GET(self) -> None:
+            if not self.path.startswith("/endless"):
+                return super().do_GET()
+            self.send_response(200)
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                for _ in range(1024):
+                    self.wfile.write(MAGIC + bytes(1 << 20))
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://user:PASSWORD@127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+MAGIC = b"\x89CKF\r\n\x1a\n"
+
+
+def test_credentials_in_a_url_never_appear_in_errors(
+    http_root: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A URL's password and its query string (a signed URL's signature, a SAS token) are
+    hidden wherever an error names the URL: a missing file, a damaged one, one of unknown
+    length (never downloaded: an endless response would fill the disk), an unknown protocol."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    served = tmp_path / "served"
+    ckptfmt.save({"w": torch.arange(4096.0)}, served / "a.ckpt")
+    data = bytearray((served / "a.ckpt").read_bytes())
+    data[len(data) // 3] ^= 0x40
+    (served / "bad.ckpt").write_bytes(data)
+    query = "?sig=SIGNATURE%2Bx&se=2030"
+    plugin = _plugin()
+    assert torch.equal(plugin.load_checkpoint(f"{http_root}/a.ckpt{query}")["w"], torch.arange(4096.0))
+    shown = http_root.replace("PASSWORD", "***")
+    cases = [
+        ("none.ckpt", FileNotFoundError, "Checkpoint file not found"),
+        ("bad.ckpt", ckptfmt.CorruptError, "checksum mismatch"),
+        ("endless", ckptfmt.StorageError, "a file of unknown length is not downloaded"),
+    ]
+    for name, kind, words in cases:
+        with pytest.raises(kind) as info:
+            plugin.load_checkpoint(f"{http_root}/{name}{query}")
+        text = str(info.value)
+        assert words in text and f"{shown}/{name}?***" in text, text
+        assert "PASSWORD" not in text and "SIGNATURE" not in text and "se=2030" not in text
+    with pytest.raises(ckptfmt.StorageError) as refused:  # the server's refusal quotes the URL
+        plugin.save_checkpoint({"w": torch.ones(2)}, f"{http_root}/up.ckpt{query}")
+    text = str(refused.value)
+    assert text.startswith(f"{shown}/up.ckpt?***: uploading the checkpoint failed: ") and "\n" not in text
+    assert "PASSWORD" not in text and "SIGNATURE" not in text and "se=2030" not in text
+    assert [p.name for p in temp.iterdir() if p.name.startswith("ckptfmt")] == []
+    from ckptfmt.integrations.lightning.paths import RemotePathError
+
+    with pytest.raises(RemotePathError) as unknown:
+        plugin.load_checkpoint("nosuchproto://user:PASSWORD@host/a.ckpt?token=SIGNATURE")
+    assert "PASSWORD" not in str(unknown.value) and "SIGNATURE" not in str(unknown.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("memory://a/b.ckpt", "memory://a/b.ckpt"),
+        ("sftp://me:hunter22@host:22/x/p.ckpt", "sftp://me:***@host:22/x/p.ckpt"),
+        ("ftp://me@host/p", "ftp://me@host/p"),
+        ("simplecache::gs://b/k?X-Goog-Signature=ab", "simplecache::gs://b/k?***"),
+        ("abfs://c@acct.dfs.core.windows.net/x?sv=2&sig=Z", "abfs://c@acct.dfs.core.windows.net/x?***"),
+    ],
+)
+def test_a_url_is_shown_without_its_password_and_query(url: str, expected: str) -> None:
+    from ckptfmt.integrations.lightning.paths import shown
+
+    assert shown(url) == expected

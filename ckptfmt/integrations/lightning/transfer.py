@@ -29,6 +29,7 @@ import ckptfmt
 from ...background import inflight
 from ...errors import CheckpointError, LimitError, StorageError
 from ...storage.download import RemoteObject
+from .paths import shown, without_secrets
 
 #: the name of the local copy in its private temporary folder: never the remote file's name,
 #: which may be '..', '.' or anything else a store allows
@@ -43,7 +44,8 @@ def open_fs(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
         return url_to_fs(url, **(options or {}))
     except TypeError as e:
         raise ValueError(
-            f"{url}: the filesystem refused storage_options {sorted(options or {})}: {e}"
+            f"{shown(url)}: the filesystem refused storage_options {sorted(options or {})}: "
+            f"{without_secrets(str(e), url)}"
         ) from None
 
 
@@ -57,8 +59,9 @@ def save(
     blocking: bool,
 ) -> ckptfmt.SaveHandle | None:
     """Save with `write(local_path, blocking)` (ckptfmt.save bound to the state), then upload
-    to `path` on `fs`; `url` names the checkpoint in errors, `key` in the saves in flight (as
-    url_key spells it).  Non-blocking: a handle that finishes once the upload is done."""
+    to `path` on `fs`; `url` names the checkpoint in errors (its credentials hidden), `key` in
+    the saves in flight (as url_key spells it).  Non-blocking: a handle that finishes once the
+    upload is done."""
     inflight.wait_for_path(key)  # an upload still running there must not land after this one
     workdir = tempfile.mkdtemp(prefix="ckptfmt-upload-")
     local = os.path.join(workdir, LOCAL_NAME)
@@ -87,7 +90,7 @@ def _upload_after(
         try:
             error = local_save.exception()
             if error is not None:
-                error = renamed(error, url, local)
+                error = renamed(error, shown(url), local)
             if local_save._thread is not None:
                 local_save._thread.join()  # it frees what the local save held
             if error is None:
@@ -99,7 +102,7 @@ def _upload_after(
             inflight.end(handle)
             handle._finish(error)
 
-    thread = threading.Thread(target=finish, name=f"ckptfmt-save-upload-{posixpath.basename(path)}")
+    thread = threading.Thread(target=finish, name=f"ckptfmt-save-upload-{shown(posixpath.basename(path))}")
     handle._thread = thread
     inflight.begin(handle)
     try:
@@ -118,7 +121,7 @@ def _upload(fs: Any, local: str, path: str, url: str) -> None:
             fs.makedirs(parent, exist_ok=True)  # as Lightning's own plugin does; a no-op on stores
         fs.put_file(local, path)
     except Exception as e:
-        raise StorageError(f"uploading the checkpoint failed: {_one_line(e)}", path=url) from e
+        raise StorageError(f"uploading the checkpoint failed: {_one_line(e, url)}", path=shown(url)) from e
 
 
 @contextlib.contextmanager
@@ -135,11 +138,13 @@ def fetched(fs: Any, path: str, url: str) -> Iterator[str]:
             _check_room(workdir, size, url)
             _copy(fs, path, local, size, url)
         except FileNotFoundError:
-            raise FileNotFoundError(f"Checkpoint file not found: {url}") from None
+            raise FileNotFoundError(f"Checkpoint file not found: {shown(url)}") from None
         except CheckpointError:
             raise
         except Exception as e:
-            raise StorageError(f"downloading the checkpoint failed: {_one_line(e)}", path=url) from e
+            raise StorageError(
+                f"downloading the checkpoint failed: {_one_line(e, url)}", path=shown(url)
+            ) from e
         with naming(url, local):
             yield local
 
@@ -153,7 +158,7 @@ def _file_size(fs: Any, path: str, url: str) -> int:
     if type(size) is not int or size < 0:
         raise StorageError(
             f"the filesystem gives no size for it ({size!r}): a file of unknown length is not downloaded",
-            path=url,
+            path=shown(url),
         )
     return size
 
@@ -164,7 +169,7 @@ def _check_room(workdir: str, size: int, url: str) -> None:
         raise LimitError(
             f"a file of {size} bytes does not fit in the temporary folder {os.path.dirname(workdir)} "
             f"({free} bytes free; TMPDIR chooses it)",
-            path=url,
+            path=shown(url),
         )
 
 
@@ -179,7 +184,7 @@ def _copy(fs: Any, path: str, local: str, size: int, url: str) -> None:
                 raise StorageError(
                     f"the file changed while it was downloaded: {done} of its {size} bytes read, "
                     f"then {len(piece)} where {want} were asked for",
-                    path=url,
+                    path=shown(url),
                 )
             out.write(piece)
             done += len(piece)
@@ -209,11 +214,12 @@ def object_copy(url: str, options: dict[str, Any]) -> Iterator[str]:
 
 @contextlib.contextmanager
 def naming(url: str, local: str) -> Iterator[None]:
-    """Errors about the local copy `local` name `url`, where the checkpoint really is."""
+    """Errors about the local copy `local` name `url` (its credentials hidden), where the
+    checkpoint really is."""
     try:
         yield
     except (CheckpointError, OSError) as e:
-        renamed(e, url, local)
+        renamed(e, shown(url), local)
         raise
 
 
@@ -234,6 +240,7 @@ def remove(fs: Any, path: str) -> None:
             fs.rm_file(path)
 
 
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
+def _one_line(e: BaseException, url: str) -> str:
+    """`e` in one line, without the credentials `url` may carry (a store's message may quote it)."""
+    text = without_secrets(" ".join(str(e).split()), url)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
