@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import test_lightning_fsspec
 import torch
-from fsspec.implementations.memory import MemoryFileSystem
+from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 from test_lightning_fsspec import _plugin
 
 import ckptfmt
@@ -250,3 +250,71 @@ def test_a_url_is_shown_without_its_password_and_query(url: str, expected: str) 
     from ckptfmt.integrations.lightning.paths import shown
 
     assert shown(url) == expected
+
+
+# ---------------------------------------------------------------------------
+# uploads that fail half way
+
+
+class _FailingMemory(MemoryFileSystem):
+    """fsspec's memory filesystem (files shared with memory://) standing for a store whose
+    upload dies after `fail_after` bytes with `error` (the bytes before stay, as on a
+    filesystem that writes in place)."""
+
+    protocol = "failingmem"
+    fail_after = 0
+    error: type[BaseException] = ConnectionResetError
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> str:
+        return str(super()._strip_protocol(str(path).replace("failingmem://", "memory://", 1)))
+
+    def _open(self, path: Any, mode: str = "rb", **kwargs: Any) -> Any:
+        f = super()._open(path, mode, **kwargs)
+        if mode != "wb":
+            return f
+        failing = _FailingFile(self, f.path, self.fail_after, self.error)
+        failing.commit()
+        return failing
+
+
+class _FailingFile(MemoryFile):
+    def __init__(self, fs: Any, path: str, budget: int, error: type[BaseException]) -> None:
+        super().__init__(fs, path)
+        self.budget = budget
+        self.error = error
+
+    def write(self, data: Any) -> int:
+        room = max(0, self.budget - self.tell())
+        if len(data) > room:
+            super().write(bytes(data[:room]))
+            raise self.error("the connection dropped")
+        return super().write(data)
+
+
+@pytest.mark.parametrize("error", [ConnectionResetError, KeyboardInterrupt])
+def test_an_upload_that_dies_half_way_is_never_read_as_a_checkpoint(
+    root: str, monkeypatch: pytest.MonkeyPatch, error: type[BaseException]
+) -> None:
+    """put_file fails after 1000 bytes (an error, or an interrupt): the save raises, the local
+    temporary file is gone, and the half file the store kept is refused by the loader; the
+    next save there is whole."""
+    import fsspec
+
+    fsspec.register_implementation("failingmem", _FailingMemory, clobber=True)
+    monkeypatch.setattr(_FailingMemory, "fail_after", 1000)
+    monkeypatch.setattr(_FailingMemory, "error", error)
+    url = f"{root}/last.ckpt"
+    failing = url.replace("memory://", "failingmem://")
+    state = {"w": torch.arange(1 << 12, dtype=torch.float32)}
+    with pytest.raises(ckptfmt.StorageError if error is ConnectionResetError else error) as info:
+        _plugin().save_checkpoint(state, failing)
+    if error is ConnectionResetError:
+        assert str(info.value).startswith(f"{failing}: uploading the checkpoint failed: ConnectionResetError")
+    assert len(fsspec.filesystem("memory").cat_file(url)) == 1000
+    with pytest.raises((ckptfmt.IncompleteError, ckptfmt.CorruptError), match=f"^{url}: "):
+        _plugin().load_checkpoint(url)
+    plugin = _plugin(blocking=False)
+    plugin.save_checkpoint(state, url)
+    plugin.teardown()
+    assert torch.equal(_plugin().load_checkpoint(url)["w"], state["w"])
