@@ -10,7 +10,9 @@ import contextlib
 import http.server
 import importlib.util
 import io
+import os
 import pathlib
+import signal
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -318,3 +320,31 @@ def test_an_upload_that_dies_half_way_is_never_read_as_a_checkpoint(
     plugin.save_checkpoint(state, url)
     plugin.teardown()
     assert torch.equal(_plugin().load_checkpoint(url)["w"], state["w"])
+
+
+class _Blocked(BaseException):
+    """Raised by the alarm: a BaseException, which no `except Exception` on the way swallows."""
+
+
+@pytest.mark.parametrize("scheme", ["local://", "simplecache::file://"])
+def test_a_fifo_on_an_fsspec_url_is_never_opened(tmp_path: pathlib.Path, scheme: str) -> None:
+    """enable()'s loader asks whether a file is ckptfmt's by reading its head: a FIFO is not a
+    file and is never opened (opening one waits for a writer, forever); the plugin's load says
+    there is no checkpoint file."""
+    from ckptfmt.integrations.lightning import loader
+
+    os.mkfifo(tmp_path / "fifo")
+    url = f"{scheme}{tmp_path}/fifo"
+
+    def blocked(*_: object) -> None:
+        raise _Blocked("blocked on the FIFO")
+
+    old = signal.signal(signal.SIGALRM, blocked)
+    signal.alarm(20)
+    try:
+        assert loader._is_ckptfmt_file(url) is False
+        with pytest.raises(FileNotFoundError, match="Checkpoint file not found"):
+            _plugin().load_checkpoint(url)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

@@ -134,7 +134,7 @@ def fetched(fs: Any, path: str, url: str) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="ckptfmt-download-") as workdir:
         local = os.path.join(workdir, LOCAL_NAME)
         try:
-            size = _file_size(fs, path, url)
+            size = file_size(fs, path, url)
             _check_room(workdir, size, url)
             _copy(fs, path, local, size, url)
         except FileNotFoundError:
@@ -149,8 +149,9 @@ def fetched(fs: Any, path: str, url: str) -> Iterator[str]:
             yield local
 
 
-def _file_size(fs: Any, path: str, url: str) -> int:
-    """The size of the file at `path`; FileNotFoundError where there is no file."""
+def file_size(fs: Any, path: str, url: str) -> int:
+    """The size of the file at `path`, from its details; FileNotFoundError where there is no
+    file (a folder, a FIFO or a device is never opened: opening a FIFO waits for a writer)."""
     info = fs.info(path)
     if info.get("type") != "file":
         raise FileNotFoundError(path)
