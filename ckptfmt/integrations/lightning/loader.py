@@ -103,6 +103,7 @@ def _fs_head_kind(url: str) -> str:
 def _read_head_kind(url: str) -> str:
     fs, path = transfer.open_fs(url)
     inflight.wait_for_path(filesystems.url_key(fs, path))
+    size = transfer.file_size(fs, path, url)
     with fs.open(path, "rb") as f:
         head = f.read(HEAD_BYTES)
-    return sniff_head(head, int(fs.size(path)))
+    return sniff_head(head, size)

@@ -79,11 +79,11 @@ def load_checkpoint(
         fs, fs_path = transfer.open_fs(where.path)
         inflight.wait_for_path(filesystems.url_key(fs, fs_path))
         with transfer.fetched(fs, fs_path, where.path) as local:
-            state = _read(Target(LOCAL, local), where.path, how)
+            state = _read(Target(LOCAL, local), where.name, how)
     else:
         inflight.wait_for_path(where.path)
-        state = _read(where, where.path, how)
-    _check_hparams(state, where.path)
+        state = _read(where, where.name, how)
+    _check_hparams(state, where.name)
     if not _keep_rng:
         state.pop(RNG_KEY, None)
     return state

@@ -27,9 +27,13 @@ from fsspec.core import url_to_fs
 import ckptfmt
 
 from ...background import inflight
-from ...errors import CheckpointError, StorageError
+from ...errors import CheckpointError, LimitError, StorageError
 from ...storage.download import RemoteObject
+from .paths import shown, without_secrets
 
+#: the name of the local copy in its private temporary folder: never the remote file's name,
+#: which may be '..', '.' or anything else a store allows
+LOCAL_NAME = "checkpoint"
 #: the bytes of an object fetched by one request, and held in memory at once, when copied
 COPY_BYTES = 16 << 20
 
@@ -40,7 +44,8 @@ def open_fs(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
         return url_to_fs(url, **(options or {}))
     except TypeError as e:
         raise ValueError(
-            f"{url}: the filesystem refused storage_options {sorted(options or {})}: {e}"
+            f"{shown(url)}: the filesystem refused storage_options {sorted(options or {})}: "
+            f"{without_secrets(str(e), url)}"
         ) from None
 
 
@@ -54,13 +59,15 @@ def save(
     blocking: bool,
 ) -> ckptfmt.SaveHandle | None:
     """Save with `write(local_path, blocking)` (ckptfmt.save bound to the state), then upload
-    to `path` on `fs`; `url` names the checkpoint in errors, `key` in the saves in flight (as
-    url_key spells it).  Non-blocking: a handle that finishes once the upload is done."""
+    to `path` on `fs`; `url` names the checkpoint in errors (its credentials hidden), `key` in
+    the saves in flight (as url_key spells it).  Non-blocking: a handle that finishes once the
+    upload is done."""
     inflight.wait_for_path(key)  # an upload still running there must not land after this one
     workdir = tempfile.mkdtemp(prefix="ckptfmt-upload-")
-    local = os.path.join(workdir, posixpath.basename(path.rstrip("/")) or "checkpoint")
+    local = os.path.join(workdir, LOCAL_NAME)
     try:
-        handle = write(local, blocking)
+        with naming(url, local):
+            handle = write(local, blocking)
         if handle is not None:
             return _upload_after(handle, fs, local, path, url, key, workdir)
     except BaseException:
@@ -82,6 +89,8 @@ def _upload_after(
         error: BaseException | None = None
         try:
             error = local_save.exception()
+            if error is not None:
+                error = renamed(error, shown(url), local)
             if local_save._thread is not None:
                 local_save._thread.join()  # it frees what the local save held
             if error is None:
@@ -93,7 +102,7 @@ def _upload_after(
             inflight.end(handle)
             handle._finish(error)
 
-    thread = threading.Thread(target=finish, name=f"ckptfmt-save-upload-{posixpath.basename(path)}")
+    thread = threading.Thread(target=finish, name=f"ckptfmt-save-upload-{shown(posixpath.basename(path))}")
     handle._thread = thread
     inflight.begin(handle)
     try:
@@ -112,25 +121,74 @@ def _upload(fs: Any, local: str, path: str, url: str) -> None:
             fs.makedirs(parent, exist_ok=True)  # as Lightning's own plugin does; a no-op on stores
         fs.put_file(local, path)
     except Exception as e:
-        raise StorageError(f"uploading the checkpoint failed: {_one_line(e)}", path=url) from e
+        raise StorageError(f"uploading the checkpoint failed: {_one_line(e, url)}", path=shown(url)) from e
 
 
 @contextlib.contextmanager
 def fetched(fs: Any, path: str, url: str) -> Iterator[str]:
     """A local copy of the file at `path` on `fs` (removed on exit); FileNotFoundError naming
-    `url` where there is none."""
+    `url` where there is none.  Disk and memory stay bounded whatever the store sends: the copy
+    is read COPY_BYTES at a time, never past the size the filesystem gave for the file, and
+    refused before a byte is fetched when that size is unknown or larger than the room left
+    in the temporary folder."""
     with tempfile.TemporaryDirectory(prefix="ckptfmt-download-") as workdir:
-        local = os.path.join(workdir, posixpath.basename(path.rstrip("/")) or "checkpoint")
+        local = os.path.join(workdir, LOCAL_NAME)
         try:
-            if not fs.isfile(path):
-                raise FileNotFoundError(f"Checkpoint file not found: {url}")
-            fs.get_file(path, local)
+            size = file_size(fs, path, url)
+            _check_room(workdir, size, url)
+            _copy(fs, path, local, size, url)
         except FileNotFoundError:
-            raise FileNotFoundError(f"Checkpoint file not found: {url}") from None
+            raise FileNotFoundError(f"Checkpoint file not found: {shown(url)}") from None
+        except CheckpointError:
+            raise
         except Exception as e:
-            raise StorageError(f"downloading the checkpoint failed: {_one_line(e)}", path=url) from e
+            raise StorageError(
+                f"downloading the checkpoint failed: {_one_line(e, url)}", path=shown(url)
+            ) from e
         with naming(url, local):
             yield local
+
+
+def file_size(fs: Any, path: str, url: str) -> int:
+    """The size of the file at `path`, from its details; FileNotFoundError where there is no
+    file (a folder, a FIFO or a device is never opened: opening a FIFO waits for a writer)."""
+    info = fs.info(path)
+    if info.get("type") != "file":
+        raise FileNotFoundError(path)
+    size = info.get("size")
+    if type(size) is not int or size < 0:
+        raise StorageError(
+            f"the filesystem gives no size for it ({size!r}): a file of unknown length is not downloaded",
+            path=shown(url),
+        )
+    return size
+
+
+def _check_room(workdir: str, size: int, url: str) -> None:
+    free = shutil.disk_usage(workdir).free
+    if size > free:
+        raise LimitError(
+            f"a file of {size} bytes does not fit in the temporary folder {os.path.dirname(workdir)} "
+            f"({free} bytes free; TMPDIR chooses it)",
+            path=shown(url),
+        )
+
+
+def _copy(fs: Any, path: str, local: str, size: int, url: str) -> None:
+    """Copy exactly `size` bytes of `path` to `local`, COPY_BYTES at a time."""
+    done = 0
+    with fs.open(path, "rb") as source, open(local, "wb") as out:
+        while done < size:
+            want = min(COPY_BYTES, size - done)
+            piece = source.read(want)
+            if not piece or len(piece) > want:
+                raise StorageError(
+                    f"the file changed while it was downloaded: {done} of its {size} bytes read, "
+                    f"then {len(piece)} where {want} were asked for",
+                    path=shown(url),
+                )
+            out.write(piece)
+            done += len(piece)
 
 
 @contextlib.contextmanager
@@ -138,7 +196,7 @@ def object_copy(url: str, options: dict[str, Any]) -> Iterator[str]:
     """A local copy of the ``s3://`` object at `url` (removed on exit), fetched COPY_BYTES at
     a time with ETag-pinned ranged reads: memory stays bounded whatever the object's size."""
     with tempfile.TemporaryDirectory(prefix="ckptfmt-download-") as workdir:
-        local = os.path.join(workdir, posixpath.basename(url) or "checkpoint")
+        local = os.path.join(workdir, LOCAL_NAME)
         remote = RemoteObject(url, options)
         try:
             with open(local, "wb") as out:
@@ -157,18 +215,23 @@ def object_copy(url: str, options: dict[str, Any]) -> Iterator[str]:
 
 @contextlib.contextmanager
 def naming(url: str, local: str) -> Iterator[None]:
-    """Errors about the local copy `local` name `url`, where the checkpoint really is."""
+    """Errors about the local copy `local` name `url` (its credentials hidden), where the
+    checkpoint really is."""
     try:
         yield
-    except CheckpointError as e:
-        if e.path == local:
-            e.path = url
-            e.args = (e._render(),)
+    except (CheckpointError, OSError) as e:
+        renamed(e, shown(url), local)
         raise
-    except OSError as e:
-        if e.filename == local:
-            e.filename = url
-        raise
+
+
+def renamed(e: BaseException, url: str, local: str) -> BaseException:
+    """`e`, naming `url` where it named the local copy `local`."""
+    if isinstance(e, CheckpointError) and e.path == local:
+        e.path = url
+        e.args = (e._render(),)
+    elif isinstance(e, OSError) and e.filename == local:
+        e.filename = url
+    return e
 
 
 def remove(fs: Any, path: str) -> None:
@@ -178,6 +241,7 @@ def remove(fs: Any, path: str) -> None:
             fs.rm_file(path)
 
 
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
+def _one_line(e: BaseException, url: str) -> str:
+    """`e` in one line, without the credentials `url` may carry (a store's message may quote it)."""
+    text = without_secrets(" ".join(str(e).split()), url)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
