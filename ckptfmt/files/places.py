@@ -278,7 +278,9 @@ class ObjectPlace(Place):
         the version (ETag) the file's reads are then pinned to: one more pass over it."""
         url = str(self._url(rec.name))
         try:
-            f = CheckpointFile(url, storage_options=self.options, decrypt_with=decrypt)
+            # signed: hashed before the object is opened with a key, and read at the version hashed
+            etag = None if trusted is None else recordsign.check_object(url, rec, self.options, None)
+            f = CheckpointFile(url, storage_options=self.options, decrypt_with=decrypt, etag=etag)
         except FileNotFoundError:
             raise IncompleteError(f"{label} named by the commit record is missing", path=self.path) from None
         try:  # the open pinned the object's ETag: what is checked is what is read
@@ -286,8 +288,6 @@ class ObjectPlace(Place):
                 rec.name, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
             )
             multifile.check_identity(found, rec, label, self.path)
-            if trusted is not None:
-                recordsign.check_object(url, rec, self.options, f.etag)
         except BaseException:
             f.close()
             raise

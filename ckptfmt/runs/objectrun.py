@@ -169,16 +169,19 @@ class ObjectRun:
         if part is None:
             raise CorruptError(f"the commit record names no {name}", path=info.path)
         pins = {}
-        if self.trusted is not None:
+        etag = None
+        if self.trusted is not None:  # every object hashed before any is opened with a key
             for ref in record.references:
                 pins[ref.name] = recordsign.check_object(
                     self._reference_url(ref.name), ref, self.options, None
                 )
+            etag = recordsign.check_object(f"{info.path}/{name}", part, self.options, None)
         f = CheckpointFile(
             f"{info.path}/{name}",
             storage_options=self.options,
             decrypt_with=self.decrypt,
             reference_etags=pins,
+            etag=etag,
         )
         try:
             found = multifile.PartRecord(
@@ -193,8 +196,6 @@ class ObjectRun:
                         f"{name} reads chunks of {ext.rel}, which the commit record does not name",
                         path=info.path,
                     )
-            if self.trusted is not None:
-                recordsign.check_object(f.path, part, self.options, f.etag)
         except BaseException:
             f.close()
             raise
