@@ -434,3 +434,52 @@ def test_encrypted_checkpoints_resume_with_the_key_only(tmp_path: Any) -> None:
             trainer(5, **kw).train(resume_from_checkpoint=True)
     with pytest.raises(ckptfmt.CheckpointError):
         trainer(5).train(resume_from_checkpoint=folder)
+
+
+def test_signed_encrypted_folders_load_with_both_keys(tmp_path: Any) -> None:
+    """ckptfmt_sign_with + ckptfmt_encrypt_with: every public load entry takes decrypt_with and
+    trusted_keys; a folder is read with the key only after its signed record and the file's
+    SHA-256 held, so a changed wrapped key is a SignatureError, a missing key a DecryptionError."""
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+    from transformers import GPT2LMHeadModel
+
+    from ckptfmt.integrations.transformers import (
+        CkptfmtTrainer,
+        check_checkpoint,
+        latest_checkpoint,
+        load_model,
+        load_model_state,
+    )
+
+    key, signer = bytes(range(32)), ed25519.Ed25519PrivateKey.generate()
+    pub, stranger = signer.public_key(), ed25519.Ed25519PrivateKey.generate().public_key()
+    out = str(tmp_path / "run")
+    CkptfmtTrainer(
+        model=_model(),
+        args=_args(out, max_steps=4),
+        train_dataset=_tokens(),
+        ckptfmt_sign_with=signer,
+        ckptfmt_encrypt_with=key,
+    ).train()  # one save: checkpoint-4
+    folder = os.path.join(out, "checkpoint-4")
+    both = {"decrypt_with": key, "trusted_keys": [pub]}
+    assert latest_checkpoint(out, verify=True, **both) == folder
+    assert check_checkpoint(folder, verify=True, **both).step == 4
+    expected = load_model_state(folder, **both)
+    model = load_model(folder, GPT2LMHeadModel, **both)
+    assert _same(dict(model.state_dict()), dict(expected)) == []
+    with pytest.raises(ckptfmt.DecryptionError):
+        load_model(folder, GPT2LMHeadModel, trusted_keys=[pub])
+    for load in (load_model_state, lambda f, **kw: load_model(f, GPT2LMHeadModel, **kw)):
+        with pytest.raises(ckptfmt.SignatureError, match="not among the trusted keys"):
+            load(folder, decrypt_with=key, trusted_keys=[stranger])
+    data = bytearray(open(os.path.join(folder, "model.ckpt"), "rb").read())
+    ioff, ilen = (int.from_bytes(data[len(data) - 64 + i : len(data) - 56 + i], "little") for i in (0, 8))
+    data[(ioff + ilen + 63) // 64 * 64 + 64] ^= 1  # the wrapped data key (its identity unchanged)
+    with open(os.path.join(folder, "model.ckpt"), "wb") as fh:
+        fh.write(data)
+    for load in (load_model_state, lambda f, **kw: load_model(f, GPT2LMHeadModel, **kw)):
+        with pytest.raises(ckptfmt.SignatureError, match="SHA-256"):
+            load(folder, **both)
+    with pytest.raises(ckptfmt.SignatureError):
+        check_checkpoint(folder, verify=True, **both)

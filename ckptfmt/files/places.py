@@ -303,8 +303,14 @@ class ObjectPlace(Place):
         reference path), those their digests were checked on."""
         url = str(self._url(rec.name))
         try:
+            # signed: hashed before the object is opened with a key, and read at the version hashed
+            etag = None if trusted is None else recordsign.check_object(url, rec, self.options, None)
             f = CheckpointFile(
-                url, storage_options=self.options, decrypt_with=decrypt, reference_etags=reference_etags
+                url,
+                storage_options=self.options,
+                decrypt_with=decrypt,
+                etag=etag,
+                reference_etags=reference_etags,
             )
         except FileNotFoundError:
             raise IncompleteError(f"{label} named by the commit record is missing", path=self.path) from None
@@ -313,8 +319,6 @@ class ObjectPlace(Place):
                 rec.name, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
             )
             multifile.check_identity(found, rec, label, self.path)
-            if trusted is not None:
-                recordsign.check_object(url, rec, self.options, f.etag)
         except BaseException:
             f.close()
             raise

@@ -159,7 +159,7 @@ class CheckpointManager:
         os.makedirs(self.directory, exist_ok=True)
         # rotation (on commit threads) and cleanup (in save) both delete step directories
         self._delete_lock = threading.RLock()
-        self._records = StepRecords(self.directory, self._decrypt)
+        self._records = StepRecords(self.directory, self._decrypt, self._trusted)
 
     def _open_archive(
         self,

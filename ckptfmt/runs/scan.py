@@ -63,10 +63,12 @@ class StepRecords:
     """The checked commit records of a run's steps, cached while the directory and the files
     each names keep their identity (inode, size, mtime) and are not links."""
 
-    def __init__(self, directory: str, decrypt: Any = None) -> None:
-        """`decrypt`: the key of an encrypted run's state files (check_step reads their index)."""
+    def __init__(self, directory: str, decrypt: Any = None, trusted: Any = None) -> None:
+        """`decrypt`: the key of an encrypted run's state files (check_step reads their index);
+        `trusted`: the public keys a run demands (check_step checks signatures first)."""
         self.directory = directory
         self.decrypt = decrypt
+        self.trusted = trusted
         self._cache: dict[str, _Cached] = {}
 
     def record(self, d: CheckpointDir, step: int) -> multifile.CommitRecord:
@@ -77,7 +79,7 @@ class StepRecords:
                 return cached.record
         except (OSError, CheckpointError):
             pass  # a component changed kind: check it all again, which says why
-        record = check_step(d, step, self.decrypt)
+        record = check_step(d, step, self.decrypt, self.trusted)
         self._cache[d.path] = _Cached(_stamp(d, record), record)
         return record
 

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, CorruptError, UnsupportedError
+from ..errors import CheckpointError, CorruptError, LimitError, SignatureError, UnsupportedError
 from ..files import multifile, recordsign
 from ..files.places import ObjectPlace
 from ..files.reader import CheckpointFile
@@ -17,18 +17,26 @@ from . import resume
 from .steps import STATE_NAME, parse_step_dirname
 
 
-def check_step(d: CheckpointDir, step: int | None, decrypt: Any = None) -> multifile.CommitRecord:
+def check_step(
+    d: CheckpointDir, step: int | None, decrypt: Any = None, trusted: Any = None
+) -> multifile.CommitRecord:
     """The one check of a run's step directory (spec 13.4), made by latest(), ls, load, load_into
     and verify alike: complete (13.2), its record for the step its name says (`step`; None for a
     directory whose name is not a step's, which only verify is given), and parts as its layout
-    requires.  `decrypt`: the key of an encrypted run's state files (their index is read)."""
-    record = multifile.check_complete(d)
+    requires.  `decrypt`: the key of an encrypted run's state files (their index is read).
+    `trusted`: public keys (recordsign.public_keys); a state file is then read only once a
+    trusted key is found to have signed the record and every file it names matches its signed
+    SHA-256, so that a changed byte anywhere is a SignatureError, never a failure of a key or
+    of a file's structure met first (a step whose record no trusted key signed is not read:
+    loads refuse it on its record alone)."""
+    record = _complete(d, trusted)
     if step is not None and record.step != step:
         raise CorruptError(f"the commit record is for step {record.step}, not {step}", path=d.path)
     if record.layout == "state":
         if [p.name for p in record.files] != [STATE_NAME]:
             raise CorruptError(f"a 'state' commit record must name exactly {STATE_NAME}", path=d.path)
-        _check_state_index(d, record, decrypt)
+        if trusted is None or _signed_files_match(d, record, trusted):
+            _check_state_index(d, record, decrypt)
     elif record.layout == "dcp":
         from ..dcp.check import record_metadata
 
@@ -36,6 +44,34 @@ def check_step(d: CheckpointDir, step: int | None, decrypt: Any = None) -> multi
     elif step is not None:
         raise UnsupportedError(f"a {record.layout!r} checkpoint is not a step of a run", path=d.path)
     return record
+
+
+def _complete(d: CheckpointDir, trusted: Any) -> multifile.CommitRecord:
+    """multifile.check_complete; once a commit record is there, a damaged record or file is,
+    to a reader that demands a signature, not what a trusted key signed (SignatureError, as
+    spec 16.4 reports a signed file whose structure fails); without one the save is incomplete."""
+    try:
+        return multifile.check_complete(d)
+    except LimitError:
+        raise
+    except CheckpointError as e:
+        if trusted is None or isinstance(e, SignatureError) or not d.exists(multifile.COMMIT_NAME):
+            raise
+        raise SignatureError(f"not a checkpoint a trusted key signed: {e.reason}", path=d.path) from e
+
+
+def _signed_files_match(d: CheckpointDir, record: multifile.CommitRecord, trusted: Any) -> bool:
+    """False when no trusted key signed `d`'s record; True when one did and every file the
+    record names has its signed SHA-256; SignatureError when a file differs or the signed
+    record is not the one checked."""
+    try:
+        signed = recordsign.read_trusted(d, trusted)
+    except SignatureError:
+        return False
+    if signed != record:
+        raise SignatureError("the commit record changed while it was read", path=d.path)
+    recordsign.check_files(d, record.files + record.references, d.path)
+    return True
 
 
 def _check_state_index(d: CheckpointDir, record: multifile.CommitRecord, decrypt: Any = None) -> None:
@@ -97,9 +133,9 @@ def verify_step(
     report = VerifyReport(where)
     try:
         with multifile.opened(path) as d:
-            record = check_step(d, step, decrypt)
-            if trusted is not None:
+            if trusted is not None:  # before any file is read with the key
                 recordsign.check_directory(d, trusted)
+            record = check_step(d, step, decrypt)
             _verify_parts(d, record, report, decrypt)
             if record.layout == "dcp" and report.ok:
                 report.problems += _dcp_problems(d, decrypt)

@@ -97,7 +97,10 @@ The final model (``trainer.save_model()``) is still written by the Trainer
 (safetensors, for ``from_pretrained``).  ``from_pretrained`` does not read
 checkpoint folders; :func:`load_model` builds the model of one
 (``load_model(folder, AutoModelForCausalLM)``), :func:`load_model_state` gives
-its state dict.
+its state dict.  Both, with :func:`check_checkpoint` and :func:`latest_checkpoint`, take
+``decrypt_with`` (the key of an encrypted folder) and ``trusted_keys`` (Ed25519 public keys,
+one of which must have signed its commit record: each file is hashed against it before it is
+read with the key).
 
 The modules: ``trainer`` (the mixin and its Trainer hooks), ``reading`` (a
 ``checkpoint-N`` folder opened and checked, the newest complete one), ``writing``

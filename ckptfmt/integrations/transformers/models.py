@@ -17,6 +17,7 @@ from ...errors import (
     IncompleteError,
     UnsupportedError,
 )
+from ...files import recordsign
 from ...files.reader import CheckpointFile
 from .names import (
     CONFIG_JSON,
@@ -169,11 +170,16 @@ def _nbytes(shape: list[int], dtype: Any) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
-def load_model(path: str, model_class: Any = None) -> Any:
+def load_model(
+    path: str, model_class: Any = None, *, decrypt_with: Any = None, trusted_keys: Any = None
+) -> Any:
     """A model built from a complete checkpoint folder: its ``config.json`` and ``model.ckpt``.
 
     `model_class`: an ``AutoModel...`` class (default ``AutoModel``) or a model class
     (``GPT2LMHeadModel``).  The model is on the CPU, in training mode as saved.
+    `decrypt_with`: the key of an encrypted checkpoint (spec section 17); `trusted_keys`:
+    Ed25519 public keys, one of which must have signed the folder's commit record (spec
+    16.7): ``model.ckpt`` is hashed against it before its index is read.
 
     ``config.json`` is not covered by the commit record: the model it makes is first built on
     the meta device (nothing allocated) and every parameter and buffer of its state dict
@@ -186,7 +192,7 @@ def load_model(path: str, model_class: Any = None) -> Any:
     from transformers import AutoModel
 
     cls = AutoModel if model_class is None else model_class
-    with open_checked(path) as opened:
+    with open_checked(path, False, recordsign.public_keys(trusted_keys), decrypt_with) as opened:
         part = opened.part(MODEL_NAME)
         if part is None:
             raise IncompleteError(f"the commit record names no {MODEL_NAME}", path=opened.path)

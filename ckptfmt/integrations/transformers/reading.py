@@ -135,11 +135,11 @@ def check_folder(
     """`folder` checked complete (and with `verify`, every chunk checked); it is not closed here.
     `trusted`: public keys, one of which must have signed its commit record (spec 16.7).
     `decrypt`: the key its files are read with (an encrypted checkpoint)."""
+    # signed: the record's signature first, so that a changed record is a SignatureError
+    signed = None if trusted is None else recordsign.read_trusted(folder, trusted)
     record = multifile.check_complete(folder)
-    if trusted is not None:
-        signed = recordsign.read_trusted(folder, trusted)
-        if signed != record:
-            raise SignatureError("the commit record changed while it was read", path=folder.path)
+    if signed is not None and signed != record:
+        raise SignatureError("the commit record changed while it was read", path=folder.path)
     opened = OpenedFolder(folder, record, trusted, decrypt)
     if opened.part(TRAINER_STATE_NAME) is None:
         raise IncompleteError(f"the commit record names no {TRAINER_STATE_NAME}", path=folder.path)
@@ -163,14 +163,19 @@ def open_checked(path: str, verify: bool = False, trusted: Any = None, decrypt: 
         raise
 
 
-def check_checkpoint(path: str, *, verify: bool = False) -> multifile.CommitRecord:
+def check_checkpoint(
+    path: str, *, verify: bool = False, trusted_keys: Any = None, decrypt_with: Any = None
+) -> multifile.CommitRecord:
     """The commit record of a complete checkpoint folder; raises CheckpointError (saying why) otherwise.
 
     Complete: the commit record verifies and every file it names is there with the recorded
     length, file id and index checksum.  `verify=True` also reads every chunk of every file
-    and checks its checksum (damage after the save: bit rot, a bad copy).
+    and checks its checksum (damage after the save: bit rot, a bad copy).  `trusted_keys`:
+    the record must be signed by one of these Ed25519 public keys (spec 16.7; with `verify`,
+    every file is hashed against it); `decrypt_with`: the key of an encrypted checkpoint,
+    which `verify` reads with it (every GCM tag checked).
     """
-    with open_checked(path, verify) as opened:
+    with open_checked(path, verify, recordsign.public_keys(trusted_keys), decrypt_with) as opened:
         return opened.record
 
 
@@ -242,10 +247,13 @@ def latest_checkpoint(
     return found.path
 
 
-def load_model_state(path: str, map_location: Any = None, *, decrypt_with: Any = None) -> dict[str, Any]:
+def load_model_state(
+    path: str, map_location: Any = None, *, decrypt_with: Any = None, trusted_keys: Any = None
+) -> dict[str, Any]:
     """The model state dict of a complete checkpoint folder (checksums verified); `decrypt_with`:
-    the key of an encrypted checkpoint."""
-    with open_checked(path, decrypt=decrypt_with) as opened:
+    the key of an encrypted checkpoint; `trusted_keys`: Ed25519 public keys, one of which must
+    have signed its commit record (``model.ckpt`` is hashed against it before it is read)."""
+    with open_checked(path, False, recordsign.public_keys(trusted_keys), decrypt_with) as opened:
         state: dict[str, Any] = opened.load_required(MODEL_NAME, map_location)
     return state
 
