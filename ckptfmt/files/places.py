@@ -264,12 +264,7 @@ class ObjectPlace(Place):
 
     def describe(self, name: str) -> multifile.PartRecord:
         """Read from the object's prologue and tail (one HEAD and ranged GETs, not the object)."""
-        url = str(self._url(name))
-        remote = RemoteObject(url, self.options)
-        try:
-            return multifile.describe_open_part(remote.fd, url, name)
-        finally:
-            remote.close()
+        return describe_object(str(self._url(name)), self.options, name)[0]
 
     def open_part(
         self, rec: multifile.PartRecord, label: str, *, trusted: Any = None, decrypt: Any = None
@@ -415,3 +410,16 @@ def held(
     else:
         with place_at(where, storage_options) as p:
             yield p
+
+
+def describe_object(url: str, options: dict[str, Any], name: str) -> tuple[multifile.PartRecord, str]:
+    """The identity of the ckptfmt object at `url` (a part or a referenced object), from its
+    prologue and footer only: one HEAD and two small ranged GETs, never its index, whatever
+    size its footer claims for it (FileNotFoundError when there is none); and the ETag of the
+    version read."""
+    remote = RemoteObject(url, options, fetch_index=False)
+    try:
+        remote.fetch_structure()
+        return multifile.describe_open_part(remote.fd, url, name), remote.etag
+    finally:
+        remote.close()

@@ -35,6 +35,7 @@ from ..background import inflight
 from ..errors import CheckpointError, CheckpointWarning, CorruptError, UnsupportedError
 from ..files import multifile, recordsign
 from ..files import save as writer
+from ..files.places import describe_object
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport
 from ..format.index import External
@@ -212,17 +213,15 @@ class ObjectRunManager(CheckpointManager):
         signed; CorruptError unless it is the file the state object was written against
         (its file id and length): another object there now is not named, nor vouched for."""
         url = str(references.resolve(parse_url(step_path, need_key=False), ext.rel))
-        with CheckpointFile(url, storage_options=self.run.options, decrypt_with=self._decrypt) as f:
-            part = multifile.PartRecord(
-                ext.rel, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
+        # its prologue and footer only: an older object's index is never read, whatever it claims
+        part, etag = describe_object(url, self.run.options, ext.rel)
+        if (part.file_id, part.length) != (ext.file_id, ext.length):
+            raise CorruptError(
+                f"{ext.rel} has file id {part.file_id.hex()} and {part.length} bytes, the state "
+                f"object was written against {ext.file_id.hex()} and {ext.length} bytes",
+                path=url,
             )
-            if (part.file_id, part.length) != (ext.file_id, ext.length):
-                raise CorruptError(
-                    f"{ext.rel} has file id {part.file_id.hex()} and {part.length} bytes, the state "
-                    f"object was written against {ext.file_id.hex()} and {ext.length} bytes",
-                    path=url,
-                )
-            return self._with_digest(part, url, f.etag) if self._sign_key is not None else part
+        return self._with_digest(part, url, etag) if self._sign_key is not None else part
 
     def _with_digest(self, part: multifile.PartRecord, url: str, etag: str | None) -> multifile.PartRecord:
         digest, _ = recordsign.object_sha256(url, self.run.options, etag)
