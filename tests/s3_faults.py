@@ -18,9 +18,13 @@ query as sent (`/bucket/key?partNumber=2&uploadId=...`):
 * `delay(...)`: matches wait `seconds` before they are forwarded.
 * `drop_header(...)`: the server's answer to the next `count` matches comes back without
   the named header (a store that leaves out an ETag, say).
+* `trickle(...)`: the answers to the next `count` matches send their head and `after_bytes`
+  of their body, then one byte every `interval` seconds (a stalling connection that never
+  goes quiet long enough for a read timeout).
 * `hide_listed(key)`: listings (ListObjectsV2 answers) leave out the object `key` (a lying
   or lagging store); the object itself is still there to HEAD and GET.
-* `count(method, contains)`: how many requests matched since the last `clear_counts()`.
+* `count(method, contains)`: how many requests matched since the last `clear_counts()`;
+  `ranges(contains)`: the byte ranges the matching GETs asked for.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ class Request:
 
 @dataclass
 class Rule:
-    kind: str  # "reset", "fail", "delay", "drop"
+    kind: str  # "reset", "fail", "delay", "drop", "trickle"
     method: str | None
     contains: str
     nth: int = 1  # reset: the match that fires
@@ -79,6 +83,8 @@ class Rule:
     download_bytes: int | None = None
     answered: bool = False
     header: str = ""  # drop: the answer's header left out
+    after_bytes: int = 0  # trickle: body bytes sent at full speed first
+    interval: float = 1.0  # trickle: seconds between the bytes after those
     seen: int = 0
 
     def at_once(self) -> bool:
@@ -97,6 +103,7 @@ class Plan:
     fail: Rule | None = None
     delay: float = 0.0
     dropped: set[str] = field(default_factory=set)  # answer headers left out (lower case)
+    trickle: Rule | None = None
 
 
 # -- HTTP/1.1 framing ---------------------------------------------------------------------------
@@ -261,6 +268,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._rules: list[Rule] = []
         self._seen: list[tuple[str, str]] = []
+        self._ranges: list[tuple[str, str]] = []  # (target, Range header) of GETs with one
         self._hidden: set[str] = set()  # keys listings leave out
         self._conns: set[socket.socket] = set()
         self._listener: socket.socket | None = None
@@ -329,6 +337,20 @@ class FaultProxy:
         """Leave `header` out of the answers to matching requests (the next `count`, or all)."""
         self._add(Rule("drop", method, contains, remaining=count, header=header.lower()))
 
+    def trickle(
+        self,
+        method: str | None,
+        contains: str,
+        after_bytes: int = 0,
+        interval: float = 1.0,
+        count: int | None = None,
+    ) -> None:
+        """Answers to matching requests (the next `count`, or all) send `after_bytes` of
+        their body, then a byte every `interval` seconds."""
+        self._add(
+            Rule("trickle", method, contains, remaining=count, after_bytes=after_bytes, interval=interval)
+        )
+
     def hide_listed(self, key: str) -> None:
         """Leave the object `key` out of every listing from now on (until clear_rules)."""
         with self._lock:
@@ -354,9 +376,21 @@ class FaultProxy:
         with self._lock:
             return list(self._seen)
 
+    def ranges(self, contains: str = "") -> list[tuple[int, int]]:
+        """The byte ranges [lo, hi) of the GETs seen (since clear_counts) whose target holds
+        `contains`, in order of arrival."""
+        with self._lock:
+            asked = [r for t, r in self._ranges if contains in t]
+        out = []
+        for r in asked:
+            lo, hi = r.removeprefix("bytes=").split("-")
+            out.append((int(lo), int(hi) + 1))
+        return out
+
     def clear_counts(self) -> None:
         with self._lock:
             self._seen.clear()
+            self._ranges.clear()
 
     def _add(self, rule: Rule) -> None:
         with self._lock:
@@ -367,6 +401,8 @@ class FaultProxy:
         plan = Plan()
         with self._lock:
             self._seen.append((req.method, req.target))
+            if req.method == "GET" and req.header("range"):
+                self._ranges.append((req.target, req.header("range") or ""))
             for rule in list(self._rules):
                 if not rule.matches(req):
                     continue
@@ -383,6 +419,9 @@ class FaultProxy:
                     self._use(rule)
                 elif rule.kind == "drop":
                     plan.dropped.add(rule.header)
+                    self._use(rule)
+                elif rule.kind == "trickle" and plan.trickle is None:
+                    plan.trickle = rule
                     self._use(rule)
         return plan
 
@@ -479,7 +518,7 @@ class FaultProxy:
         up = upstream.connect()
         up.sendall(encode_head(start, [(k, v) for k, v in headers if k.lower() != "expect"]))
         copy_body(rfile, up, headers, plan.reset.upload_bytes if plan.reset is not None else None)
-        client_keeps = self._relay_answer(req, upstream, client, plan.reset, plan.dropped)
+        client_keeps = self._relay_answer(req, upstream, client, plan.reset, plan.dropped, plan.trickle)
         return client_keeps and (req.header("connection") or "").lower() != "close"
 
     def _relay_answer(
@@ -489,6 +528,7 @@ class FaultProxy:
         client: socket.socket,
         rule: Rule | None,
         dropped: set[str] = frozenset(),  # type: ignore[assignment]
+        trickle: Rule | None = None,
     ) -> bool:
         """Copy the server's answer to req back to the client (as far as a reset rule lets it);
         whether the client's connection can carry another request.
@@ -523,6 +563,15 @@ class FaultProxy:
             body = _without_keys(_read_body(urfile, headers), hidden)
             kept = [(k, v) for k, v in kept if k.lower() not in ("content-length", "transfer-encoding")]
             client.sendall(encode_head(start, [*kept, ("Content-Length", str(len(body)))]) + body)
+            return True
+        if trickle is not None and framed and not no_body:
+            body = _read_body(urfile, headers)
+            kept = [(k, v) for k, v in kept if k.lower() not in ("content-length", "transfer-encoding")]
+            client.sendall(encode_head(start, [*kept, ("Content-Length", str(len(body)))]))
+            client.sendall(body[: trickle.after_bytes])
+            for at in range(trickle.after_bytes, len(body)):
+                time.sleep(trickle.interval)
+                client.sendall(body[at : at + 1])  # OSError once the client has given up
             return True
         client.sendall(encode_head(start, kept if framed else [*kept, ("Connection", "close")]))
         if no_body:

@@ -16,6 +16,7 @@ from ckptfmt.files import multifile
 from ckptfmt.storage.references import resolve
 from ckptfmt.storage.urls import parse_url
 
+MiB = 1 << 20
 FROZEN = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB: referred to, never written again
 
 
@@ -168,3 +169,53 @@ def test_an_encrypted_incremental_run_on_the_store(s3_server, s3_bucket):
     assert torch.equal(target["frozen"], FROZEN)
     with pytest.raises(ckptfmt.DecryptionError):
         CheckpointManager(url, storage_options=options).load(2)
+
+
+def _hostile_reference(original: bytes, length: int, index_length: int) -> bytes:
+    """An object of `length` bytes with `original`'s prologue (its file id) and a footer that
+    gives it an index of `index_length` bytes from byte 64: as much as the object holds, or
+    more.  Both checksums hold."""
+    import struct
+
+    import xxhash
+
+    prologue = bytearray(original[:64])
+    struct.pack_into("<Q", prologue, 32, length)
+    struct.pack_into("<Q", prologue, 56, xxhash.xxh3_64_intdigest(bytes(prologue[:56])))
+    footer = bytearray(original[-64:])
+    struct.pack_into("<QQ", footer, 0, 64, index_length)
+    struct.pack_into("<Q", footer, 48, xxhash.xxh3_64_intdigest(bytes(footer[:48])))
+    return bytes(prologue) + bytes(length - 128) + bytes(footer)
+
+
+@pytest.mark.parametrize(
+    ("length", "index_length", "message"),
+    [
+        (24 * MiB, 24 * MiB - 128, "is 25165824 bytes, the reference records"),
+        (4 * MiB, 1 << 40, "exceeds the limit"),
+    ],
+)
+def test_a_referenced_object_is_never_read_for_its_index(s3_faults, length, index_length, message):
+    """A referenced object replaced by one whose footer gives it a huge index (one it holds:
+    24 MiB, or one it only claims: 1 TiB): loading the step that refers to it fetches its
+    prologue and tail and no more, and refuses it at once; so do the next save, which cannot
+    build on it, and listing the run, which passes over the steps that read it."""
+    options = s3_faults.storage_options()
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/inc"
+    m = CheckpointManager(url, incremental=True, storage_options=options)
+    m.save(1, _state(1))
+    m.save(2, _state(2))
+    client = s3_faults.client()
+    key = "inc/step-000000001/state.ckpt"
+    original = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    client.put_object(Bucket=bucket, Key=key, Body=_hostile_reference(original, length, index_length))
+    s3_faults.clear_counts()
+    with pytest.raises(ckptfmt.CorruptError, match=message) as e:
+        ckptfmt.load(f"{url}/step-000000002/state.ckpt", storage_options=options)
+    assert "step-000000001/state.ckpt" in str(e.value)
+    m.save(3, _state(3))  # a whole one: it cannot build on a step reading the replaced object
+    with pytest.warns(CheckpointWarning, match=f"{length} bytes, the commit record says"):
+        assert m.latest().step == 3 and m.latest().references == ()
+    fetched = s3_faults.ranges("step-000000001")
+    assert fetched and sum(hi - lo for lo, hi in fetched) <= 2 * 2 * (MiB + 64)

@@ -9,6 +9,7 @@ fetch only what they need, an object replaced while read, and faults injected by
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -105,26 +106,52 @@ def test_a_partial_read_fetches_only_its_chunks(s3_faults):
     options = s3_faults.storage_options()
     bucket = s3_faults.new_bucket()
     url = f"s3://{bucket}/p.ckpt"
-    state = {"big": torch.zeros(24 * MiB // 4), "small": torch.arange(10)}
+    state = {"first": torch.arange(10), "big": torch.zeros(24 * MiB // 4), "small": torch.arange(10)}
     ckptfmt.save(state, url, storage_options=options)
     s3_faults.clear_counts()
     with ckptfmt.open(url, storage_options=options) as f:
-        opened = s3_faults.count("GET")
+        assert s3_faults.count("GET") == 2  # the prologue and the tail (footer and index)
+        assert torch.equal(f.get("first"), state["first"])
+        assert s3_faults.count("GET") == 3  # one ranged GET, for one chunk
         assert torch.equal(f.get("small"), state["small"])
-        assert s3_faults.count("GET") - opened == 1  # one ranged GET, for one chunk
+        assert s3_faults.count("GET") == 3  # its chunk came with the tail: reused, not asked again
+    assert sum(hi - lo for lo, hi in s3_faults.ranges("p.ckpt")) < download.TAIL_BYTES + 64 * 1024
+
+
+def _object_size(options: dict[str, str], url: str) -> int:
+    bucket, key = url.removeprefix("s3://").split("/", 1)
+    return int(_client(options).head_object(Bucket=bucket, Key=key)["ContentLength"])
+
+
+def test_a_load_makes_one_request_per_cell_like_a_plain_download(s3_faults):
+    """A whole load asks for each request_size cell of the object once, as a plain parallel
+    download of it does: the prologue, footer and index come with the first and the last
+    cells, and the chunks in those cells are read from them, not asked for again."""
+    options = s3_faults.storage_options() | {"request_size": MiB}
+    url = f"s3://{s3_faults.new_bucket()}/cells.ckpt"
+    g = torch.Generator().manual_seed(3)
+    state = {f"t{i}": torch.randn(300_000 + 1000 * i, generator=g) for i in range(6)}  # chunks cross cells
+    ckptfmt.save(state, url, storage_options=options)
+    size = _object_size(options, url)
+    cells = [(lo, min(lo + MiB, size)) for lo in range(0, size, MiB)]
     s3_faults.clear_counts()
-    ckptfmt.load(url, storage_options=options)
-    assert s3_faults.count("GET") >= 2 + 24 * MiB // download.REQUEST_BYTES
+    assert_same(state, ckptfmt.load(url, storage_options=options))
+    assert s3_faults.count("HEAD") == 1
+    assert sorted(s3_faults.ranges("cells.ckpt")) == cells
+    s3_faults.clear_counts()
+    assert ckptfmt.verify(url, storage_options=options).ok
+    assert sorted(s3_faults.ranges("cells.ckpt")) == cells
 
 
 def test_an_object_replaced_while_read_is_an_error_not_mixed_data(s3_bucket):
     bucket, options = s3_bucket
     url = f"s3://{bucket}/r.ckpt"
-    ckptfmt.save({"a": torch.zeros(1000), "b": torch.zeros(1000)}, url, storage_options=options)
+    # "a" lies before the tail an open fetches: reading it asks the store again
+    ckptfmt.save({"a": torch.zeros(1000), "b": torch.zeros(MiB // 2)}, url, storage_options=options)
     with ckptfmt.open(url, storage_options=options) as f:
-        ckptfmt.save({"a": torch.ones(1000), "b": torch.ones(1000)}, url, storage_options=options)
+        ckptfmt.save({"a": torch.ones(1000), "b": torch.ones(MiB // 2)}, url, storage_options=options)
         with pytest.raises(StorageError, match="changed while it was being read") as e:
-            f.get("b")
+            f.get("a")
         assert url in str(e.value)
 
 
@@ -216,12 +243,13 @@ def test_a_failed_overwrite_keeps_the_committed_object(s3_faults):
 
 
 def test_a_reset_mid_download_resumes(s3_faults):
-    options = s3_faults.storage_options()
+    options = s3_faults.storage_options() | {"request_size": 4 * MiB}
     bucket = s3_faults.new_bucket()
     url = f"s3://{bucket}/dl.ckpt"
     state = _big_state()
     ckptfmt.save(state, url, storage_options=options)
-    # the fourth GET (a chunk request: the first two fetch the prologue and the tail)
+    # the fourth GET, a chunk request: the first two fetch the first and the last 4 MiB (the
+    # prologue, the tail) and one of them is answered 503 and asked again
     s3_faults.reset_on("GET", "dl.ckpt", nth=4, download_bytes=MiB)
     s3_faults.fail_next("GET", "dl.ckpt", status=503, code="SlowDown", count=1)
     assert_same(state, ckptfmt.load(url, storage_options=options))
@@ -250,10 +278,49 @@ def test_slow_answers_time_out_then_succeed_on_retry(s3_faults):
     assert s3_faults.pending_rules() == 0
 
 
-def test_request_planning_merges_neighbours_and_splits_long_ranges():
+def test_request_planning_merges_neighbours_and_cuts_long_ranges_at_the_grid():
     plan = download.plan_requests([(0, 10), (20, 30), (10 * MiB, 30 * MiB)], max_bytes=8 * MiB, gap=16)
-    assert plan == [(0, 30), (10 * MiB, 18 * MiB), (18 * MiB, 26 * MiB), (26 * MiB, 30 * MiB)]
+    assert plan == [(0, 30), (10 * MiB, 16 * MiB), (16 * MiB, 24 * MiB), (24 * MiB, 30 * MiB)]
     assert download.plan_requests([(5, 5)]) == []
+
+
+_spans = st.lists(st.tuples(st.integers(0, 60), st.integers(0, 60)), max_size=6)
+
+
+@given(_spans, _spans)
+def test_range_arithmetic_matches_sets_of_bytes(ranges, held):
+    def of(rs):
+        return {b for lo, hi in rs for b in range(lo, hi)}
+
+    merged = download.merge_ranges(held)
+    assert of(merged) == of(held)
+    assert all(a[1] < b[0] for a, b in zip(merged, merged[1:]))  # sorted, apart
+    left = download.subtract_ranges(ranges, merged)
+    assert of(left) == of(ranges) - of(held)
+    assert left == download.merge_ranges(left)
+
+
+def test_a_trickling_answer_is_cut_off_at_the_request_deadline(s3_faults):
+    """A store that answers and then sends a byte every few tenths of a second never lets
+    read_timeout fire; request_timeout bounds each request: the load fails in about
+    attempts x timeout, naming the object and the range, or succeeds where a retry does."""
+    options = s3_faults.storage_options() | {"request_timeout": 0.5, "max_attempts": 2}
+    url = f"s3://{s3_faults.new_bucket()}/trickle.ckpt"
+    ckptfmt.save(_state(), url, storage_options=options)
+    s3_faults.trickle("GET", "trickle.ckpt", after_bytes=100, interval=0.2)
+    started = time.monotonic()
+    with pytest.raises(
+        StorageError, match=r"read bytes \d+-\d+: the answer did not arrive within 0.5 s"
+    ) as e:
+        ckptfmt.load(url, storage_options=options)
+    assert time.monotonic() - started < 5
+    assert url in str(e.value) and "request_timeout" in str(e.value)
+    s3_faults.clear_rules()
+    s3_faults.trickle("GET", "trickle.ckpt", after_bytes=100, interval=0.2, count=1)
+    assert_same(_state(), ckptfmt.load(url, storage_options=options))  # resumed from byte 100
+    assert s3_faults.pending_rules() == 0
+    with pytest.raises(ValueError, match="request_timeout must be seconds"):
+        ckptfmt.load(url, storage_options=options | {"request_timeout": 0})
 
 
 def test_environment_credentials_are_used(s3_bucket, monkeypatch):

@@ -21,6 +21,7 @@ The records read here come from a validated index (index.py) and are trusted as 
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 from collections import OrderedDict
@@ -77,9 +78,25 @@ def _dict_msg(dict_id: int) -> str:
 FETCH_WINDOW = 64 << 20
 
 
+def _request_windows(requests: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """`requests` in consecutive groups of at most FETCH_WINDOW bytes (one request at least)."""
+    windows: list[list[tuple[int, int]]] = []
+    held = 0
+    for lo, hi in requests:
+        if not windows or held + hi - lo > FETCH_WINDOW:
+            windows.append([])
+            held = 0
+        windows[-1].append((lo, hi))
+        held += hi - lo
+    return windows
+
+
 class Fetcher(Protocol):
     """A remote object's bytes on demand (storage/download.py's RemoteObject): the chunk
     reader's descriptor is a spool that holds only what `start` has fetched into it."""
+
+    def plan(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The requests `start` would make for `ranges` (sorted; bytes held left out)."""
 
     def start(self, ranges: Sequence[tuple[int, int]]) -> list[Future[None]]: ...
 
@@ -482,27 +499,31 @@ class ChunkReader:
     def _read_fetched(
         self, remote: Fetcher, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool
     ) -> None:
-        """Read chunks of a remote file window by window: each window's bytes are fetched
-        while the one before is read, and given back once read, so memory holds two windows."""
-        windows: list[list[tuple[int, memoryview | None]]] = [[]]
-        held = 0
+        """Read chunks of a remote file window by window: each window's requests are made
+        while the one before is read, and its chunks' bytes given back once read, so memory
+        holds about two windows.  The requests are planned for all the chunks at once, so
+        that a window's edge never splits one; a chunk is read in the window whose requests
+        bring its last bytes in."""
+        requests = remote.plan([self._stored_range(k) for k, _ in items])
+        windows = _request_windows(requests)
+        starts = [lo for lo, _ in requests]
+        window_of = [i for i, w in enumerate(windows) for _ in w]
+        chunks: list[list[tuple[int, memoryview | None]]] = [[] for _ in windows] or [[]]
         for k, dest in items:
             lo, hi = self._stored_range(k)
-            if windows[-1] and held + hi - lo > FETCH_WINDOW:
-                windows.append([])
-                held = 0
-            windows[-1].append((k, dest))
-            held += hi - lo
-        ranges = [[self._stored_range(k) for k, _ in w] for w in windows]
-        pending = remote.start(ranges[0])
+            j = bisect.bisect_left(starts, hi) - 1  # the last request before the chunk's end
+            chunks[window_of[j] if j >= 0 and requests[j][1] > lo else 0].append((k, dest))
+        windows = windows or [[]]
+        pending = remote.start(windows[0])
         try:
-            for i, window in enumerate(windows):
+            for i, window in enumerate(chunks):
                 remote.wait(pending)
-                pending = remote.start(ranges[i + 1]) if i + 1 < len(windows) else []
+                pending = remote.start(windows[i + 1]) if i + 1 < len(windows) else []
                 try:
-                    self._read_group(window, verify, check_only)
+                    if window:
+                        self._read_group(window, verify, check_only)
                 finally:
-                    remote.release(ranges[i])
+                    remote.release([self._stored_range(k) for k, _ in window])
         finally:
             remote.wait_quietly(pending)
 

@@ -89,6 +89,7 @@ def load(
         trusted_keys=trusted_keys,
         storage_options=storage_options,
         decrypt_with=decrypt_with,
+        read_ahead=True,
     ) as f:
         return f.load_subtree(f.tree.root, map_location, verify, use_mmap=mmap)
 

@@ -280,13 +280,9 @@ class ObjectPlace(Place):
 
     def described(self, name: str) -> tuple[multifile.PartRecord, str]:
         """The identity of the object `name` (a file, or a reference path of the record) and
-        the version (ETag) it was read from, for with_digest to hash that version."""
-        url = str(self.object_url(name))
-        remote = RemoteObject(url, self.options)
-        try:
-            return multifile.describe_open_part(remote.fd, url, name), remote.etag
-        finally:
-            remote.close()
+        the version (ETag) it was read from, for with_digest to hash that version: from its
+        prologue and footer only, so an older object's index is never read, whatever it claims."""
+        return describe_object(str(self.object_url(name)), self.options, name)
 
     def open_part(
         self,
@@ -486,3 +482,16 @@ def held(
     else:
         with place_at(where, storage_options) as p:
             yield p
+
+
+def describe_object(url: str, options: dict[str, Any], name: str) -> tuple[multifile.PartRecord, str]:
+    """The identity of the ckptfmt object at `url` (a part or a referenced object), from its
+    prologue and footer only: one HEAD and two small ranged GETs, never its index, whatever
+    size its footer claims for it (FileNotFoundError when there is none); and the ETag of the
+    version read."""
+    remote = RemoteObject(url, options, fetch_index=False)
+    try:
+        remote.fetch_structure()
+        return multifile.describe_open_part(remote.fd, url, name), remote.etag
+    finally:
+        remote.close()

@@ -94,6 +94,7 @@ class CheckpointFile:
         ciphertext_only: bool = False,
         reference_etags: dict[str, str] | None = None,
         etag: str | None = None,
+        read_ahead: bool = False,
     ) -> None:
         """`fd`: the file, already opened and checked by the caller (it is owned from here on;
         `path` then only names it in messages).  `within`: the directory holding it, through
@@ -108,7 +109,9 @@ class CheckpointFile:
         read.  `ciphertext_only` (verify without a key): see format.index.parse_index.
         `reference_etags`: on a store, the versions referenced objects must be read at (by
         reference path; storage/references.py).  `etag`: on a store, the version of the object
-        the caller checked (hashed against a signed record) before: another one is refused."""
+        the caller checked (hashed against a signed record) before: another one is refused.
+        `read_ahead` (an object-store URL): the caller reads every chunk (a load, a verify): the
+        first reads take whole requests, whose bytes the chunk reads reuse (storage/download.py)."""
         self.path = os.fspath(path)
         options = check_options(storage_options)
         trusted = signing.trusted_set(trusted_keys)  # bad keys fail before the file is opened
@@ -126,7 +129,7 @@ class CheckpointFile:
         self.max_bytes = max_bytes
         remote: RemoteObject | None = None
         if fd is None and is_url(self.path):
-            remote = RemoteObject(self.path, options, max_bytes=max_bytes, etag=etag)
+            remote = RemoteObject(self.path, options, max_bytes=max_bytes, etag=etag, read_ahead=read_ahead)
             fd = os.dup(remote.fd)
         elif fd is None:
             fd = open_regular(self.path)

@@ -126,6 +126,7 @@ def verify(
             storage_options=storage_options,
             decrypt_with=decrypt_with,
             ciphertext_only=True,
+            read_ahead=True,
         )
     except KeyRequired:
         # with trusted keys, only a signed file whose signature held gets this far (17.8)

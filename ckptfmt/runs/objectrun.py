@@ -20,7 +20,7 @@ from typing import Any
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, CorruptError, IncompleteError, StorageError
 from ..files import multifile, recordsign
-from ..files.places import STALE_AFTER, ObjectPlace
+from ..files.places import STALE_AFTER, ObjectPlace, describe_object
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport, verify
 from ..format.timestamps import parse_utc
@@ -205,10 +205,7 @@ class ObjectRun:
         verified through the step that reads them, once that is uploaded."""
         url = self._reference_url(ref.name)
         try:
-            with CheckpointFile(url, storage_options=self.options, decrypt_with=self.decrypt) as f:
-                found = multifile.PartRecord(
-                    ref.name, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
-                )
+            found = describe_object(url, self.options, ref.name)[0]  # never its index
         except FileNotFoundError:
             fd = multifile.open_part(d, ref, d.path)
             try:

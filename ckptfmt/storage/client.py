@@ -35,6 +35,7 @@ TUNING_OPTIONS = (
     "read_timeout",
     "addressing_style",
     "request_size",
+    "request_timeout",
 )
 _ALIASES = {"region": "region_name", "endpoint": "endpoint_url", "profile": "profile_name"}
 
@@ -68,6 +69,12 @@ def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
             raise ValueError(
                 f"storage option {name} must be an int of bytes from 1 MiB to 5 GiB, not {out[name]!r}"
             )
+    if "request_timeout" in out and (
+        type(out["request_timeout"]) not in (int, float) or not 0 < out["request_timeout"] <= 86400
+    ):
+        raise ValueError(
+            f"storage option request_timeout must be seconds above 0, at most a day, not {out['request_timeout']!r}"
+        )
     return out
 
 

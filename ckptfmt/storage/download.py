@@ -4,16 +4,29 @@ reads them.
 ``RemoteObject`` asks the store for the object's size and ETag once, then fetches its
 prologue, footer and index (the tail, in one request where it is small), so the index parser
 reads the spool as it reads a local file.  Chunk data is fetched by the chunk reader, window
-by window (``fetch``), in parallel requests, each pinned to the first ETag with ``If-Match``:
-an object replaced while it is read fails the request (StorageError) instead of mixing two
-versions' bytes.  Every range is checked to be the one asked for; a connection that drops
-mid-body is resumed from the byte it reached, a bounded number of times with backoff.
+by window (``plan`` then ``start``), in parallel requests, each pinned to the first ETag with
+``If-Match``: an object replaced while it is read fails the request (StorageError) instead of
+mixing two versions' bytes.  Every range is checked to be the one asked for; a connection
+that drops mid-body is resumed from the byte it reached, a bounded number of times with
+backoff, and a body that trickles in is cut off at a deadline per request.
+
+Requests follow a grid: the object is cut into cells of ``request_size`` bytes from its
+start, and no request crosses a cell's edge, so a load's requests are the cells it touches,
+as a plain parallel download's are.  The bytes fetched and not yet given back are kept
+track of, and a later plan leaves them out: a reader that will read the whole object
+(``read_ahead``) fetches the first cell and the last ones, whose prologue, footer and index
+it needs at once, and the chunk reads then reuse their data instead of asking again (on
+some servers every request costs a pass over the whole object).  A reader of one key pays
+for it: its first reads are up to a few cells, not a few bytes, so it is not the default.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import random
+import socket
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,6 +53,13 @@ MAX_OBJECT_BYTES = 1 << 44
 
 #: bytes hashed per step when an object is read whole (sha256): several requests in parallel
 HASH_WINDOW = 64 * MiB
+#: seconds one ranged GET may take from its answer's head to its last byte (storage option
+#: request_timeout): a body that trickles in (a byte every few seconds keeps read_timeout,
+#: which bounds each wait for a byte, from ever firing) is cut off and the request retried
+REQUEST_TIMEOUT = 120.0
+#: what a reader of another object's chunks may fetch of that object's blocks between its
+#: index and footer (the encryption block's tag table, 16 bytes a chunk: 4M chunks)
+MAX_REFERENCE_BLOCKS = 64 * MiB
 
 Range = tuple[int, int]
 
@@ -48,17 +68,44 @@ def plan_requests(
     ranges: Sequence[Range], max_bytes: int = REQUEST_BYTES, gap: int = MERGE_GAP
 ) -> list[Range]:
     """The requests that fetch `ranges` (half-open): sorted, near neighbours merged, long
-    stretches split into pieces of at most `max_bytes`."""
+    stretches cut at the multiples of `max_bytes` (the grid), so none crosses a cell."""
+    out: list[Range] = []
+    for lo, hi in merge_ranges(ranges, gap):
+        edges = [lo, *range((lo // max_bytes + 1) * max_bytes, hi, max_bytes), hi]
+        out.extend(zip(edges, edges[1:]))
+    return out
+
+
+def merge_ranges(ranges: Sequence[Range], gap: int = 0) -> list[Range]:
+    """`ranges` sorted, empty ones dropped, those overlapping or closer than `gap` joined."""
     merged: list[list[int]] = []
     for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
         if merged and lo <= merged[-1][1] + gap:
             merged[-1][1] = max(merged[-1][1], hi)
         else:
             merged.append([lo, hi])
+    return [(lo, hi) for lo, hi in merged]
+
+
+def subtract_ranges(ranges: Sequence[Range], held: Sequence[Range]) -> list[Range]:
+    """The parts of `ranges` outside `held` (sorted and disjoint, as merge_ranges gives)."""
     out: list[Range] = []
-    for lo, hi in merged:
-        out.extend((a, min(a + max_bytes, hi)) for a in range(lo, hi, max_bytes))
+    for lo, hi in merge_ranges(ranges):
+        i = max(0, bisect.bisect_right(held, (lo, lo)) - 1)
+        while lo < hi and i < len(held) and held[i][0] < hi:
+            a, b = held[i]
+            if a > lo:
+                out.append((lo, a))
+            lo = max(lo, b)
+            i += 1
+        if lo < hi:
+            out.append((lo, hi))
     return out
+
+
+def grid_cells(lo: int, hi: int, cell: int, size: int) -> Range:
+    """[lo, hi) widened to the edges of the grid cells it touches, within [0, size)."""
+    return lo // cell * cell, min(size, -(-hi // cell) * cell)
 
 
 def head(url: ObjectURL, options: dict[str, Any]) -> tuple[int, str]:
@@ -92,17 +139,24 @@ class RemoteObject:
         max_bytes: int | None = None,
         etag: str | None = None,
         fetch_index: bool = True,
+        read_ahead: bool = False,
     ) -> None:
         """`etag`: the version the caller checked before: another one is refused (StorageError);
-        fetch_index=False: nothing is fetched until asked (for reading the object whole)."""
+        fetch_index=False: nothing is fetched until asked (for reading the object whole).
+        read_ahead: the caller will read all of the object: the first reads take whole grid
+        cells, whose data the chunk reads then reuse (fewer requests in all)."""
         self.path = url
         self.url: ObjectURL = parse_url(url)
         self.options = options
         self._client = s3.client_for(options)
         self._attempts = int(options.get("max_attempts", s3.DEFAULT_MAX_ATTEMPTS))
         self._request_bytes = int(options.get("request_size", REQUEST_BYTES))
+        self._timeout = float(options.get("request_timeout", REQUEST_TIMEOUT))
         self._pool = ThreadPoolExecutor(s3.concurrency(options), thread_name_prefix="ckptfmt-download")
         self.spool: Spool | None = None
+        # the ranges fetched and not given back since (sorted, disjoint): plans leave them out
+        self._held: list[Range] = []
+        self._held_lock = threading.Lock()
         try:
             self.size, self.etag = self._head()
             if etag is not None and self.etag != etag:
@@ -117,7 +171,7 @@ class RemoteObject:
                     f"cannot map an object of {self.size} bytes: {e.strerror}", path=url
                 ) from None
             if fetch_index:
-                self._fetch_index(max_bytes)
+                self._fetch_index(max_bytes, read_ahead)
         except BaseException:
             self.close()
             raise
@@ -130,31 +184,79 @@ class RemoteObject:
     def _head(self) -> tuple[int, str]:
         return head(self.url, self.options)
 
-    def _fetch_index(self, max_bytes: int | None) -> None:
+    def _fetch_index(self, max_bytes: int | None, read_ahead: bool) -> None:
         """Fetch the prologue and the tail; then the rest of the index if it starts before the
-        tail (unless that is more than `max_bytes`: the index parser then refuses it)."""
-        size = self.size
-        tail = max(0, size - TAIL_BYTES)
-        self.fetch([(0, min(size, fmt.PROLOGUE_SIZE)), (tail, size)])
-        assert self.spool is not None
-        try:
-            prologue = fmt.parse_prologue(
-                bytes(self.spool.view(0, min(size, fmt.PROLOGUE_SIZE))), size, self.path
-            )
-            at = prologue.file_length - fmt.FOOTER_SIZE
-            footer = fmt.parse_footer(bytes(self.spool.view(at, at + fmt.FOOTER_SIZE)), prologue, self.path)
-        except (CheckpointError, ValueError):
+        tail (unless that is more than `max_bytes`: the index parser then refuses it).  With
+        read_ahead, whole grid cells: the first one and those the tail and the index lie in."""
+        tail = self._fetch_ends(read_ahead)
+        footer = self._footer()
+        if footer is None:
             return  # the parser, reading the spool, says what is wrong
         start = footer.index_offset
         if start < tail and (max_bytes is None or tail - start <= max_bytes):
+            if read_ahead:
+                start = grid_cells(start, tail, self._request_bytes, self.size)[0]
             self.fetch([(start, tail)])
+
+    def _fetch_ends(self, read_ahead: bool = False) -> int:
+        """Fetch the prologue and the last TAIL_BYTES (with read_ahead: the grid cells they lie
+        in) in parallel; where the tail fetched begins."""
+        size = self.size
+        head = (0, min(size, fmt.PROLOGUE_SIZE))
+        tail = (max(0, size - TAIL_BYTES), size)
+        if read_ahead:
+            head = grid_cells(*head, self._request_bytes, size)
+            tail = grid_cells(*tail, self._request_bytes, size)
+        self.fetch([head, tail])
+        return tail[0]
+
+    def _footer(self) -> fmt.Footer | None:
+        """The footer the fetched prologue and tail hold, checked; None if they hold none."""
+        assert self.spool is not None
+        try:
+            head = bytes(self.spool.view(0, min(self.size, fmt.PROLOGUE_SIZE)))
+            prologue = fmt.parse_prologue(head, self.size, self.path)
+            at = prologue.file_length - fmt.FOOTER_SIZE
+            return fmt.parse_footer(bytes(self.spool.view(at, at + fmt.FOOTER_SIZE)), prologue, self.path)
+        except (CheckpointError, ValueError):
+            return None
+
+    def fetch_structure(self, *, tag_table: bool = False, max_blocks: int = MAX_REFERENCE_BLOCKS) -> None:
+        """Fetch the prologue and the footer (with the tail they lie in), never the index,
+        whatever size the footer gives it: what identifies the object (its length, file id
+        and index checksum).  tag_table: also an encrypted object's blocks between its index
+        and its footer, which a reader of its chunks from another file's index needs (spec
+        17.9), at most `max_blocks` bytes (LimitError)."""
+        tail = self._fetch_ends()
+        footer = self._footer()
+        assert self.spool is not None
+        if footer is None or not tag_table:
+            return  # a reader of the spool says what is wrong
+        features = int.from_bytes(self.spool.view(40, 48), "little")
+        blocks = fmt.align_up(footer.index_offset + footer.index_length)
+        if not features & fmt.FEATURE_ENCRYPTED or blocks >= tail:
+            return
+        if self.size - blocks > max_blocks:
+            raise LimitError(
+                f"its encryption block and the blocks after it are {self.size - blocks} bytes, "
+                f"above the limit {max_blocks} for a referenced object",
+                path=self.path,
+            )
+        self.fetch([(blocks, tail)])
 
     # -- data ---------------------------------------------------------------
 
+    def plan(self, ranges: Sequence[Range]) -> list[Range]:
+        """The requests that would fetch `ranges`: the bytes held already left out, the rest
+        merged and cut at the grid (plan_requests)."""
+        with self._held_lock:
+            missing = subtract_ranges(ranges, self._held)
+        return plan_requests(missing, self._request_bytes)
+
     def start(self, ranges: Sequence[Range]) -> list[Future[None]]:
-        """Begin fetching `ranges` into the spool; the futures finish when they are there."""
-        requests = plan_requests(ranges, self._request_bytes)
-        return [self._pool.submit(self._get, lo, hi) for lo, hi in requests]
+        """Begin fetching `ranges` into the spool (those bytes not held already); the futures
+        finish when they are there."""
+        return [self._pool.submit(self._get, lo, hi) for lo, hi in self.plan(ranges)]
 
     @staticmethod
     def wait(futures: Sequence[Future[None]]) -> None:
@@ -177,10 +279,16 @@ class RemoteObject:
         self.wait(self.start(ranges))
 
     def release(self, ranges: Sequence[Range]) -> None:
-        """Give back the memory of ranges already read."""
+        """Give back the memory of ranges already read (fetched again if asked for again)."""
         if self.spool is not None:
+            with self._held_lock:
+                self._held = subtract_ranges(self._held, ranges)
             for lo, hi in ranges:
                 self.spool.release(lo, hi)
+
+    def _hold(self, lo: int, hi: int) -> None:
+        with self._held_lock:
+            self._held = merge_ranges([*self._held, (lo, hi)])
 
     def _get(self, lo: int, hi: int) -> None:
         """Fetch [lo, hi) into the spool, resuming after a dropped connection."""
@@ -190,6 +298,7 @@ class RemoteObject:
         for attempt in range(1, self._attempts + 1):
             try:
                 got += self._get_once(lo + got, hi, view[got:])
+                self._hold(lo, hi)
                 return
             except s3.transfer_errors() as e:
                 partial = getattr(e, "ckptfmt_got", 0)
@@ -219,6 +328,17 @@ class RemoteObject:
             raise StorageError(f"{what}: the object changed while it was being read", path=self.path)
         body = reply["Body"]
         got = 0
+        # readinto blocks until its buffer is full: a watchdog cuts the connection at the
+        # deadline, so that the read returns and the request fails (or is resumed)
+        cut = threading.Event()
+
+        def cut_off() -> None:
+            cut.set()
+            _cut_connection(body)
+
+        watchdog = threading.Timer(self._timeout, cut_off)
+        watchdog.daemon = True
+        watchdog.start()
         try:
             while got < len(view):
                 n = body.readinto(view[got:])
@@ -226,15 +346,29 @@ class RemoteObject:
                     break
                 got += n
         except BaseException as e:
+            if cut.is_set():
+                raise self._too_slow(what, got) from None
             e.ckptfmt_got = got  # type: ignore[attr-defined]
             raise
         finally:
+            watchdog.cancel()
             body.close()
+        if got != len(view) and cut.is_set():
+            raise self._too_slow(what, got)
         if got != len(view):
             short = StorageError(f"{what}: the body ended after {got} bytes", path=self.path)
             short.ckptfmt_got = got  # type: ignore[attr-defined]
             raise short
         return got
+
+    def _too_slow(self, what: str, got: int) -> StorageError:
+        slow = StorageError(
+            f"{what}: the answer did not arrive within {self._timeout:g} s (storage option "
+            f"request_timeout; {got} of its bytes came)",
+            path=self.path,
+        )
+        slow.ckptfmt_got = got  # type: ignore[attr-defined]
+        return slow
 
     def sha256(self) -> bytes:
         """SHA-256 of the object's whole bytes, fetched window by window (the next one while
@@ -321,3 +455,17 @@ def _read_body(body: Any, spool: Spool, size: int) -> int:
                 break
             got += n
     return got
+
+
+def _cut_connection(body: Any) -> None:
+    """End the connection an answer's body is read from, so that a read blocked on it returns
+    (shutting the socket down wakes a thread waiting in recv; closing it may not)."""
+    raw = getattr(body, "_raw_stream", None)
+    sock = getattr(getattr(raw, "connection", None), "sock", None)
+    if isinstance(sock, socket.socket):
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            return
+        except OSError:
+            pass
+    body.close()

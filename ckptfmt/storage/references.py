@@ -3,9 +3,12 @@
 A reference path (``NAME``, ``DIR/NAME``, ``../NAME`` or ``../DIR/NAME``, checked by the
 index parser) is resolved against the referencing object's prefix as a path is against a
 directory, so it reaches at most the prefix above: never another bucket, never a key the
-grammar does not allow.  Each referenced object is read as the file itself is, through a
-RemoteObject whose ranges are pinned to the ETag it had when opened; the chunk reader asks
-for that object's fetcher to bring chunk bytes in before it reads them.
+grammar does not allow.  Each referenced object is read through a RemoteObject whose ranges
+are pinned to the ETag it had when opened; the chunk reader asks for that object's fetcher
+to bring chunk bytes in before it reads them.  Of its own structure only what the chunk
+reader checks is fetched (its prologue, footer and tag table): never its index, which the
+referencing file's index stands in for, so a referenced object's claims about its index
+cost nothing to read.
 """
 
 from __future__ import annotations
@@ -43,8 +46,11 @@ class ObjectReferences:
     def open_ref(self, rel: str) -> int:
         """A descriptor of the spool of the object `rel` names (FileNotFoundError when there
         is none); its bytes come in through fetcher_of(descriptor)."""
-        remote = RemoteObject(str(resolve(self.url, rel)), self.options, etag=self.etags.get(rel))
+        remote = RemoteObject(
+            str(resolve(self.url, rel)), self.options, etag=self.etags.get(rel), fetch_index=False
+        )
         try:
+            remote.fetch_structure(tag_table=True)
             fd = os.dup(remote.fd)
         except BaseException:
             remote.close()

@@ -206,7 +206,7 @@ def object_copy(url: str, options: dict[str, Any]) -> Iterator[str]:
                     assert remote.spool is not None
                     with remote.spool.view(start, end) as view:
                         out.write(view)
-                    remote.spool.release(start, end)
+                    remote.release([(start, end)])
         finally:
             remote.close()
         with naming(url, local):
