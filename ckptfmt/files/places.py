@@ -365,7 +365,7 @@ class ObjectPlace(Place):
             )
         # one GET: a record is small, and a HEAD and ranged GETs would double the requests
         # that listing a run's steps makes
-        spool = fetch_whole(url, self.options, multifile.MAX_RECORD_BYTES)
+        spool = fetch_whole(url, self.options, multifile.MAX_RECORD_BYTES, "the commit record")
         try:
             fd = os.dup(spool.fd)
             bound = multifile.record_memory(spool.size)
