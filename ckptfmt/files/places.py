@@ -309,9 +309,7 @@ class ObjectPlace(Place):
         except FileNotFoundError:
             raise IncompleteError(f"{label} named by the commit record is missing", path=self.path) from None
         try:  # the open pinned the object's ETag: what is checked is what is read
-            found = multifile.PartRecord(
-                rec.name, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
-            )
+            found = multifile.identity_of(f, rec.name)
             multifile.check_identity(found, rec, label, self.path)
             if trusted is not None:
                 recordsign.check_object(url, rec, self.options, f.etag)

@@ -157,9 +157,7 @@ class ObjectRunManager(CheckpointManager):
         url = f"{job.path}/{STATE_NAME}"
         place = self.run.step_place(job.step)
         with CheckpointFile(url, storage_options=self.run.options, decrypt_with=self._decrypt) as f:
-            part = multifile.PartRecord(
-                STATE_NAME, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
-            )
+            part = multifile.identity_of(f, STATE_NAME)
             refs = tuple(self._describe(place, ext) for ext in f.externals)
             if self._sign_key is not None:
                 part = place.with_digest(part, f.etag)
