@@ -143,6 +143,11 @@ def describe_open_part(fd: int, path: str, name: str) -> PartRecord:
     return PartRecord(name, prologue.file_length, prologue.file_id, footer.index_checksum)
 
 
+def identity_of(f: CheckpointFile, name: str) -> PartRecord:
+    """The identity of the open file `f`, as a record names it by `name`."""
+    return PartRecord(name, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum)
+
+
 def describe_in(d: CheckpointDir, name: str) -> PartRecord:
     """The identity of file `name` (a part name or reference path) beneath `d`, for a record."""
     fd = d.open_ref(name)

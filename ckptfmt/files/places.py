@@ -311,9 +311,7 @@ class ObjectPlace(Place):
         except FileNotFoundError:
             raise IncompleteError(f"{label} named by the commit record is missing", path=self.path) from None
         try:  # the open pinned the object's ETag: what is checked is what is read
-            found = multifile.PartRecord(
-                rec.name, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
-            )
+            found = multifile.identity_of(f, rec.name)
             multifile.check_identity(found, rec, label, self.path)
         except BaseException:
             f.close()
@@ -365,7 +363,7 @@ class ObjectPlace(Place):
             )
         # one GET: a record is small, and a HEAD and ranged GETs would double the requests
         # that listing a run's steps makes
-        spool = fetch_whole(url, self.options, multifile.MAX_RECORD_BYTES)
+        spool = fetch_whole(url, self.options, multifile.MAX_RECORD_BYTES, "the commit record")
         try:
             fd = os.dup(spool.fd)
             bound = multifile.record_memory(spool.size)

@@ -121,8 +121,9 @@ class Archiver:
         return True
 
     def _rotate(self) -> None:
-        done = self.run.checkpoints()
+        statuses = self.run.statuses()  # once: rotate reads the records they show
+        done = [s.info for s in statuses if s.info is not None]
         kept = retention.kept_steps(
             [(c.step, c.metrics) for c in done], keep_last=self.keep_last, keep_every=self.keep_every
         )
-        self.run.rotate(done, kept)
+        self.run.rotate(done, kept, statuses)

@@ -34,7 +34,7 @@ import os
 import stat
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..background import inflight
@@ -193,16 +193,26 @@ class CheckpointManager:
     def latest(self) -> CheckpointInfo | None:
         """The newest complete checkpoint; directories that are not one are skipped with a warning."""
         scan = self._scan()
-        for s in scan.statuses:
-            if s.info is None and s.step not in scan.busy and not s.retained:
-                warnings.warn(f"skipping {s.path}: {s.problem}", CheckpointWarning, stacklevel=2)
-        for path, why in scan.foreign:
-            warnings.warn(f"skipping {path}: {why}", CheckpointWarning, stacklevel=2)
-        local = next(self._trusted_first(reversed(scan.complete())), None)
+        local = self._newest_complete(scan.statuses, scan.busy, scan.foreign)
         archived = self._archived()
         if archived and (local is None or archived[-1].step > local.step):
             return archived[-1]
         return local
+
+    def _newest_complete(
+        self, statuses: list[StepStatus], busy: set[int], foreign: Iterable[tuple[str, str]] = ()
+    ) -> CheckpointInfo | None:
+        """latest() of a run whose steps are `statuses`: the newest complete checkpoint (with
+        trusted keys, the newest a trusted key signed).  Steps that are not one are skipped
+        with a warning, but for those in flight (`busy`) and those kept for the objects later
+        steps read (retained); so are the `foreign` entries (path, why) of the run directory."""
+        for s in statuses:
+            if s.info is None and s.step not in busy and not s.retained:
+                warnings.warn(f"skipping {s.path}: {s.problem}", CheckpointWarning, stacklevel=3)
+        for path, why in foreign:
+            warnings.warn(f"skipping {path}: {why}", CheckpointWarning, stacklevel=3)
+        done = [s.info for s in statuses if s.info is not None]
+        return next(self._trusted_first(reversed(done)), None)
 
     def _store_options(self) -> dict[str, Any] | None:
         """The object store's client settings where steps may lie on one (the archive's)."""
@@ -395,18 +405,33 @@ class CheckpointManager:
         return final, sub.fd
 
     def _write_state(self, job: StepJob, payload: dict[str, Any]) -> Any:
-        target = os.path.join(job.path, STATE_NAME)
+        return self._save_state(payload, os.path.join(job.path, STATE_NAME), job.base, within=held(job))
+
+    def _save_state(
+        self,
+        payload: dict[str, Any],
+        target: str,
+        base: str | None,
+        *,
+        within: CheckpointDir | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> Any:
+        """Write a step's state file `target` as this run saves them; an incremental run's
+        refers to the chunks of `base` (the newest complete step's state file, or None).
+        `within`: the locked step directory it is written beneath; `storage_options`: the
+        client's settings where `target` lies on an object store."""
         if self.incremental:
             from . import incremental
 
             return incremental.save(
                 payload,
                 target,
-                base=job.base,
+                base=base,
                 compression=self.compression,
                 blocking=self.blocking,
                 min_reference_bytes=incremental.MIN_REFERENCE_BYTES,
-                within=held(job),
+                within=within,
+                storage_options=storage_options,
                 encrypt_with=self._encrypt,
                 decrypt_with=self._decrypt,
             )
@@ -416,8 +441,9 @@ class CheckpointManager:
             compression=self.compression,
             blocking=self.blocking,
             snapshot=self.snapshot,
+            storage_options=storage_options,
             encrypt_with=self._encrypt,
-            _within=held(job),
+            _within=within,
         )
 
     def _finish(self, job: StepJob, before: threading.Thread | None) -> None:

@@ -26,12 +26,11 @@ Not in this version: an archive tier of an object-store run, and encrypted multi
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from ..background import inflight
-from ..errors import CheckpointError, CheckpointWarning, CorruptError, UnsupportedError
+from ..errors import CheckpointError, CorruptError, UnsupportedError
 from ..files import multifile
 from ..files import save as writer
 from ..files.places import ObjectPlace
@@ -77,13 +76,7 @@ class ObjectRunManager(CheckpointManager):
     def latest(self) -> CheckpointInfo | None:
         """The newest complete checkpoint; steps that are not one are skipped with a warning."""
         busy = self._in_flight_steps()
-        done = []
-        for s in self.statuses():
-            if s.info is not None:
-                done.append(s.info)
-            elif s.step not in busy and not s.retained:
-                warnings.warn(f"skipping {s.path}: {s.problem}", CheckpointWarning, stacklevel=2)
-        return next(self._trusted_first(reversed(done)), None)
+        return self._newest_complete(self.statuses(), busy)
 
     def _check_trusted(self, info: CheckpointInfo) -> None:
         self.run.trusted_record(info.step)
@@ -153,30 +146,9 @@ class ObjectRunManager(CheckpointManager):
     def _upload_state(self, job: StepJob, payload: dict[str, Any], statuses: list[StepStatus]) -> Any:
         """Upload the step's state object; an incremental run's refers to the chunks the newest
         complete step already holds (its own or those it refers to)."""
-        target = f"{job.path}/{STATE_NAME}"
-        if self.incremental:
-            from . import incremental
-
-            done = [s.info for s in statuses if s.info is not None]
-            return incremental.save(
-                payload,
-                target,
-                base=f"{done[-1].path}/{STATE_NAME}" if done else None,
-                compression=self.compression,
-                blocking=self.blocking,
-                min_reference_bytes=incremental.MIN_REFERENCE_BYTES,
-                storage_options=self.run.options,
-                encrypt_with=self._encrypt,
-                decrypt_with=self._decrypt,
-            )
-        return writer.save(
-            payload,
-            target,
-            compression=self.compression,
-            blocking=self.blocking,
-            storage_options=self.run.options,
-            encrypt_with=self._encrypt,
-        )
+        done = [s.info for s in statuses if s.info is not None]
+        base = f"{done[-1].path}/{STATE_NAME}" if done else None
+        return self._save_state(payload, f"{job.path}/{STATE_NAME}", base, storage_options=self.run.options)
 
     def _commit(self, job: StepJob) -> None:
         """Write the step's commit record, created only if absent, naming the state object;
@@ -185,9 +157,7 @@ class ObjectRunManager(CheckpointManager):
         url = f"{job.path}/{STATE_NAME}"
         place = self.run.step_place(job.step)
         with CheckpointFile(url, storage_options=self.run.options, decrypt_with=self._decrypt) as f:
-            part = multifile.PartRecord(
-                STATE_NAME, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
-            )
+            part = multifile.identity_of(f, STATE_NAME)
             refs = tuple(self._describe(place, ext) for ext in f.externals)
             if self._sign_key is not None:
                 part = place.with_digest(part, f.etag)

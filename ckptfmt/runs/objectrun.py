@@ -242,9 +242,7 @@ class ObjectRun:
         if not report.ok:
             raise CorruptError(f"the uploaded copy fails verification: {report.problems[0]}", path=url)
         with CheckpointFile(url, storage_options=self.options, decrypt_with=self.decrypt) as f:
-            found = multifile.PartRecord(
-                part.name, f.prologue.file_length, f.prologue.file_id, f.footer.index_checksum
-            )
+            found = multifile.identity_of(f, part.name)
         multifile.check_identity(found, part, part.name, url)
 
     def delete_step(self, step: int) -> None:

@@ -395,17 +395,18 @@ class RemoteObject:
             self.spool = None
 
 
-def fetch_whole(url: str, options: dict[str, Any], limit: int) -> Spool:
+def fetch_whole(url: str, options: dict[str, Any], limit: int, what: str = "the object") -> Spool:
     """The object `url` read whole by one GET into a spool: for a small object read in full
     (a commit record), where a HEAD and ranged GETs would cost more requests than its bytes.
-    LimitError before its body is read when it is over `limit` bytes; FileNotFoundError when
-    absent; a dropped connection is tried again, a bounded number of times with backoff."""
+    LimitError (naming it `what`) before its body is read when it is over `limit` bytes;
+    FileNotFoundError when absent; a dropped connection is tried again, a bounded number of
+    times with backoff."""
     u = parse_url(url)
     client = s3.client_for(options)
     attempts = int(options.get("max_attempts", s3.DEFAULT_MAX_ATTEMPTS))
     for attempt in range(1, attempts + 1):
         try:
-            return _fetch_whole_once(client, u, url, limit)
+            return _fetch_whole_once(client, u, url, limit, what)
         except StorageError as e:
             if not getattr(e, "ckptfmt_short", False) or attempt == attempts:
                 raise
@@ -419,7 +420,7 @@ def fetch_whole(url: str, options: dict[str, Any], limit: int) -> Spool:
     raise AssertionError("unreachable: the last attempt raises")
 
 
-def _fetch_whole_once(client: Any, u: ObjectURL, url: str, limit: int) -> Spool:
+def _fetch_whole_once(client: Any, u: ObjectURL, url: str, limit: int, what: str) -> Spool:
     reply = client.get_object(Bucket=u.bucket, Key=u.key)
     body = reply["Body"]
     try:
@@ -427,7 +428,7 @@ def _fetch_whole_once(client: Any, u: ObjectURL, url: str, limit: int) -> Spool:
         if type(size) is not int or size < 0:
             raise StorageError("the store's answer lacks the object's size", path=url)
         if size > limit:
-            raise LimitError(f"the object is {size} bytes, above the limit {limit}", path=url)
+            raise LimitError(f"{what} is {size} bytes, above the limit {limit}", path=url)
         spool = Spool(u.key.rsplit("/", 1)[-1], size)
         try:
             got = _read_body(body, spool, size)
