@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
+from ckptfmt.engine import chunkread
 from ckptfmt.errors import CorruptError, StorageError, UnsupportedError
 from ckptfmt.storage import download
 
@@ -123,10 +124,13 @@ def _object_size(options: dict[str, str], url: str) -> int:
     return int(_client(options).head_object(Bucket=bucket, Key=key)["ContentLength"])
 
 
-def test_a_load_makes_one_request_per_cell_like_a_plain_download(s3_faults):
+@pytest.mark.parametrize("window", [chunkread.FETCH_WINDOW, 2 * MiB + 12345])
+def test_a_load_makes_one_request_per_cell_like_a_plain_download(s3_faults, monkeypatch, window):
     """A whole load asks for each request_size cell of the object once, as a plain parallel
     download of it does: the prologue, footer and index come with the first and the last
-    cells, and the chunks in those cells are read from them, not asked for again."""
+    cells, and the chunks in those cells are read from them, not asked for again.  With read
+    windows smaller than the object too, whose edges fall inside chunks."""
+    monkeypatch.setattr(chunkread, "FETCH_WINDOW", window)
     options = s3_faults.storage_options() | {"request_size": MiB}
     url = f"s3://{s3_faults.new_bucket()}/cells.ckpt"
     g = torch.Generator().manual_seed(3)

@@ -141,7 +141,7 @@ def sniff_target(where: Target, options: dict[str, Any]) -> str:
         if not os.path.exists(where.path):
             raise FileNotFoundError(f"Checkpoint file not found: {where.path}")
         return sniff(where.path)
-    remote = RemoteObject(where.path, options)
+    remote = RemoteObject(where.path, options, fetch_index=False)  # its first bytes only
     try:
         end = min(remote.size, HEAD_BYTES)
         remote.fetch([(0, end)])
