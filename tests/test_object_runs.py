@@ -4,6 +4,8 @@ rotation, resume, verify, non-blocking saves in order, failed saves leave nothin
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -111,6 +113,28 @@ def test_listing_a_run_reads_each_commit_record_with_one_get(s3_faults):
     s3_faults.reset_on("GET", "step-000000002/COMMIT", download_bytes=100)
     assert m.run.record(2).step == 2
     assert s3_faults.count("GET", "step-000000002/COMMIT") == 2
+
+
+def test_a_trickling_commit_record_is_cut_off_at_the_request_deadline(s3_faults):
+    """A record's body that trickles in is bounded by request_timeout as a ranged GET is:
+    tried again, then a StorageError naming the record and the option, in about attempts x
+    timeout; a record that trickles once is read on the next try."""
+    url = f"s3://{s3_faults.new_bucket()}/run"
+    options = s3_faults.storage_options() | {"request_timeout": 0.5, "max_attempts": 2}
+    m = ckptfmt.CheckpointManager(url, storage_options=options)
+    m.save(1, {"w": torch.ones(100)})
+    s3_faults.trickle("GET", "step-000000001/COMMIT", after_bytes=10, interval=0.2)
+    started = time.monotonic()
+    with pytest.raises(
+        StorageError, match=r"did not arrive within 0.5 s \(storage option request_timeout\)"
+    ) as e:
+        m.run.record(1)
+    assert time.monotonic() - started < 5
+    assert e.value.path.endswith("/step-000000001/COMMIT")
+    s3_faults.clear_rules()
+    s3_faults.trickle("GET", "step-000000001/COMMIT", after_bytes=10, interval=0.2, count=1)
+    assert m.run.record(1).step == 1
+    assert s3_faults.pending_rules() == 0
 
 
 def test_an_oversized_commit_record_on_the_store_is_refused_before_it_is_read(s3_faults, monkeypatch):

@@ -327,33 +327,13 @@ class RemoteObject:
             reply["Body"].close()
             raise StorageError(f"{what}: the object changed while it was being read", path=self.path)
         body = reply["Body"]
-        got = 0
-        # readinto blocks until its buffer is full: a watchdog cuts the connection at the
-        # deadline, so that the read returns and the request fails (or is resumed)
-        cut = threading.Event()
-
-        def cut_off() -> None:
-            cut.set()
-            _cut_connection(body)
-
-        watchdog = threading.Timer(self._timeout, cut_off)
-        watchdog.daemon = True
-        watchdog.start()
         try:
-            while got < len(view):
-                n = body.readinto(view[got:])
-                if not n:
-                    break
-                got += n
+            got, cut = read_body(body, view, self._timeout)
         except BaseException as e:
-            if cut.is_set():
-                raise self._too_slow(what, got) from None
-            e.ckptfmt_got = got  # type: ignore[attr-defined]
+            if getattr(e, "ckptfmt_cut", False):
+                raise self._too_slow(what, e.ckptfmt_got) from None  # type: ignore[attr-defined]
             raise
-        finally:
-            watchdog.cancel()
-            body.close()
-        if got != len(view) and cut.is_set():
+        if got != len(view) and cut:
             raise self._too_slow(what, got)
         if got != len(view):
             short = StorageError(f"{what}: the body ended after {got} bytes", path=self.path)
@@ -399,14 +379,16 @@ def fetch_whole(url: str, options: dict[str, Any], limit: int, what: str = "the 
     """The object `url` read whole by one GET into a spool: for a small object read in full
     (a commit record), where a HEAD and ranged GETs would cost more requests than its bytes.
     LimitError (naming it `what`) before its body is read when it is over `limit` bytes;
-    FileNotFoundError when absent; a dropped connection is tried again, a bounded number of
-    times with backoff."""
+    FileNotFoundError when absent; a dropped connection or a body that misses the request
+    deadline (storage option request_timeout) is tried again, a bounded number of times with
+    backoff."""
     u = parse_url(url)
     client = s3.client_for(options)
     attempts = int(options.get("max_attempts", s3.DEFAULT_MAX_ATTEMPTS))
+    timeout = float(options.get("request_timeout", REQUEST_TIMEOUT))
     for attempt in range(1, attempts + 1):
         try:
-            return _fetch_whole_once(client, u, url, limit, what)
+            return _fetch_whole_once(client, u, url, limit, what, timeout)
         except StorageError as e:
             if not getattr(e, "ckptfmt_short", False) or attempt == attempts:
                 raise
@@ -420,7 +402,7 @@ def fetch_whole(url: str, options: dict[str, Any], limit: int, what: str = "the 
     raise AssertionError("unreachable: the last attempt raises")
 
 
-def _fetch_whole_once(client: Any, u: ObjectURL, url: str, limit: int, what: str) -> Spool:
+def _fetch_whole_once(client: Any, u: ObjectURL, url: str, limit: int, what: str, timeout: float) -> Spool:
     reply = client.get_object(Bucket=u.bucket, Key=u.key)
     body = reply["Body"]
     try:
@@ -431,31 +413,63 @@ def _fetch_whole_once(client: Any, u: ObjectURL, url: str, limit: int, what: str
             raise LimitError(f"{what} is {size} bytes, above the limit {limit}", path=url)
         spool = Spool(u.key.rsplit("/", 1)[-1], size)
         try:
-            got = _read_body(body, spool, size)
+            with spool.view(0, size) as view:
+                got, cut = read_body(body, view, timeout) if size else (0, False)
             if got != size:
-                short = StorageError(f"read: the body ended after {got} of {size} bytes", path=url)
+                why = (
+                    f"did not arrive within {timeout:g} s (storage option request_timeout)"
+                    if cut
+                    else "ended"
+                )
+                short = StorageError(f"read: the body {why} after {got} of {size} bytes", path=url)
                 short.ckptfmt_short = True  # type: ignore[attr-defined]
                 raise short
-        except BaseException:
+        except BaseException as e:
             spool.close()
+            if getattr(e, "ckptfmt_cut", False):  # tried again, as a short body is
+                slow = StorageError(
+                    f"read: the body did not arrive within {timeout:g} s (storage option request_timeout)",
+                    path=url,
+                )
+                slow.ckptfmt_short = True  # type: ignore[attr-defined]
+                raise slow from None
             raise
         return spool
     finally:
         body.close()
 
 
-def _read_body(body: Any, spool: Spool, size: int) -> int:
-    """Read `body` into the spool's first `size` bytes; how many came."""
-    if size == 0:
-        return 0
+def read_body(body: Any, view: memoryview, timeout: float) -> tuple[int, bool]:
+    """Read an answer's `body` into `view` until it is full or the body ends, within `timeout`
+    seconds: how many bytes came, and whether the deadline cut the connection.  readinto
+    blocks until its buffer is full, and a body that trickles in (a byte every few seconds)
+    never trips the client's read timeout, so a watchdog shuts the connection down at the
+    deadline and the read returns.  An exception raised meanwhile carries ckptfmt_got (the
+    bytes that came) and ckptfmt_cut."""
     got = 0
-    with spool.view(0, size) as view:
-        while got < size:
+    cut = threading.Event()
+
+    def cut_off() -> None:
+        cut.set()
+        _cut_connection(body)
+
+    watchdog = threading.Timer(timeout, cut_off)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        while got < len(view):
             n = body.readinto(view[got:])
             if not n:
                 break
             got += n
-    return got
+    except BaseException as e:
+        e.ckptfmt_got = got  # type: ignore[attr-defined]
+        e.ckptfmt_cut = cut.is_set()  # type: ignore[attr-defined]
+        raise
+    finally:
+        watchdog.cancel()
+        body.close()
+    return got, cut.is_set()
 
 
 def _cut_connection(body: Any) -> None:
