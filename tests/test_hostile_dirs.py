@@ -294,6 +294,8 @@ CASES: dict[str, Callable[[Run], None]] = {
     )
 }
 
+#: step 2 refused by every entry point: step 1 is the latest and what loads, verify fails both
+STEP2_REFUSED: dict[str, object] = dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1)
 # latest: the step latest() returns; load: the step load() returns, or the error it raises;
 # fallback: the same with fallback=True; verify_run / verify_step: exit codes of `ckptfmt verify`
 # on the run and on `target` (the directory the case concerns)
@@ -328,14 +330,14 @@ EXPECTED: dict[str, dict[str, object]] = {
     "reference_is_a_socket": dict(
         target=S2, latest=None, load=CheckpointError, fallback=CheckpointError, verify_run=1, verify_step=1
     ),
-    "commit_is_a_link": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
-    "state_is_a_link_to_its_copy": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
-    "commit_is_a_fifo": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
-    "commit_is_a_directory": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
-    "commit_is_huge": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
-    "part_name_climbs_out": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
-    "part_name_is_absolute": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
-    "reference_climbs_out": dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1),
+    "commit_is_a_link": STEP2_REFUSED,
+    "state_is_a_link_to_its_copy": STEP2_REFUSED,
+    "commit_is_a_fifo": STEP2_REFUSED,
+    "commit_is_a_directory": STEP2_REFUSED,
+    "commit_is_huge": STEP2_REFUSED,
+    "part_name_climbs_out": STEP2_REFUSED,
+    "part_name_is_absolute": STEP2_REFUSED,
+    "reference_climbs_out": STEP2_REFUSED,
 }
 
 
