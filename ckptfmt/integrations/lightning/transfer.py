@@ -177,7 +177,7 @@ def _check_room(workdir: str, size: int, url: str) -> None:
 def _copy(fs: Any, path: str, local: str, size: int, url: str) -> None:
     """Copy exactly `size` bytes of `path` to `local`, COPY_BYTES at a time."""
     done = 0
-    with fs.open(path, "rb") as source, open(local, "wb") as out:
+    with fs.open(path, "rb", **_sequential(fs)) as source, open(local, "wb") as out:
         while done < size:
             want = min(COPY_BYTES, size - done)
             piece = source.read(want)
@@ -189,6 +189,14 @@ def _copy(fs: Any, path: str, local: str, size: int, url: str) -> None:
                 )
             out.write(piece)
             done += len(piece)
+
+
+def _sequential(fs: Any) -> dict[str, Any]:
+    """How to open a file of `fs` to read it once from start to end: HTTP files as a stream
+    (fsspec's random-access HTTP file reads blocks at offsets, which a server without range
+    requests refuses after the first)."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return {"block_size": 0} if {"http", "https"} & set(protocols) else {}
 
 
 @contextlib.contextmanager
