@@ -12,6 +12,7 @@ import importlib.util
 import io
 import os
 import pathlib
+import shutil
 import signal
 import tempfile
 import threading
@@ -359,3 +360,26 @@ def test_a_fifo_on_an_fsspec_url_is_never_opened(tmp_path: pathlib.Path, scheme:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def test_an_s3_torch_file_larger_than_the_free_disk_is_refused_before_it_is_fetched(
+    s3_bucket: tuple[str, dict[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torch.save object on s3:// is copied to a local file for torch.load: with less room
+    in the temporary folder than the object's size, LimitError names the URL and nothing is
+    fetched (the disk is never filled)."""
+    from s3_server import s3_client
+
+    bucket, options = s3_bucket
+    buffer = io.BytesIO()
+    torch.save({"state_dict": {"w": torch.arange(5.0)}}, buffer)
+    s3_client(options["endpoint_url"]).put_object(Bucket=bucket, Key="old.ckpt", Body=buffer.getvalue())
+    url = f"s3://{bucket}/old.ckpt"
+    plugin = _plugin(storage_options=options, read_torch_checkpoints=True)
+    assert torch.equal(plugin.load_checkpoint(url)["state_dict"]["w"], torch.arange(5.0))
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=100))
+    with pytest.raises(
+        ckptfmt.LimitError, match=f"^{url}: a file of {len(buffer.getvalue())} bytes does not fit"
+    ):
+        plugin.load_checkpoint(url)

@@ -202,11 +202,14 @@ def _sequential(fs: Any) -> dict[str, Any]:
 @contextlib.contextmanager
 def object_copy(url: str, options: dict[str, Any]) -> Iterator[str]:
     """A local copy of the ``s3://`` object at `url` (removed on exit), fetched COPY_BYTES at
-    a time with ETag-pinned ranged reads: memory stays bounded whatever the object's size."""
+    a time with ETag-pinned ranged reads: memory stays bounded whatever the object's size, and
+    an object larger than the room left in the temporary folder is refused before a byte is
+    fetched."""
     with tempfile.TemporaryDirectory(prefix="ckptfmt-download-") as workdir:
         local = os.path.join(workdir, LOCAL_NAME)
         remote = RemoteObject(url, options)
         try:
+            _check_room(workdir, remote.size, url)
             with open(local, "wb") as out:
                 for start in range(0, remote.size, COPY_BYTES):
                     end = min(remote.size, start + COPY_BYTES)
