@@ -231,7 +231,7 @@ def test_credentials_in_a_url_never_appear_in_errors(
     text = str(refused.value)
     assert text.startswith(f"{shown}/up.ckpt?***: uploading the checkpoint failed: ") and "\n" not in text
     assert "PASSWORD" not in text and "SIGNATURE" not in text and "se=2030" not in text
-    assert [p.name for p in temp.iterdir() if p.name.startswith("ckptfmt")] == []
+    assert [p.name for p in temp.iterdir() if "ckptfmt" in p.name] == []
     from ckptfmt.integrations.lightning.paths import RemotePathError
 
     with pytest.raises(RemotePathError) as unknown:
@@ -383,3 +383,43 @@ def test_an_s3_torch_file_larger_than_the_free_disk_is_refused_before_it_is_fetc
         ckptfmt.LimitError, match=f"^{url}: a file of {len(buffer.getvalue())} bytes does not fit"
     ):
         plugin.load_checkpoint(url)
+
+
+def test_the_folders_a_killed_process_left_are_removed_by_the_next_save(root: str) -> None:
+    """A process killed during an upload or a download removes nothing: its private folder
+    (with a checkpoint-sized file) is removed by the next save or load of any process, and
+    nothing else in the shared temporary folder is touched (another live process's folder, a
+    name like ours that is not one, a link)."""
+    import subprocess
+    import sys
+
+    from ckptfmt.engine import commit
+
+    temp = pathlib.Path(tempfile.gettempdir())
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    dead_pid = int(dead.stdout)
+    host = commit.host_token()
+    left = [
+        temp / f".{kind}{commit.TEMP_MARKER}{host}.{dead_pid}.0.0123abcd"
+        for kind in ("ckptfmt-upload", "ckptfmt-download")
+    ]
+    for folder in left:
+        folder.mkdir()
+        (folder / "checkpoint").write_bytes(b"x" * 4096)
+    kept = [
+        temp / f".ckptfmt-upload{commit.TEMP_MARKER}{host}.1.0.0123abcd",  # pid 1 lives
+        temp / f".ckptfmt-upload{commit.TEMP_MARKER}{host}.{dead_pid}.0.nothex",
+        temp / f".ckptfmt-other{commit.TEMP_MARKER}{host}.{dead_pid}.0.0123abcd",
+    ]
+    for folder in kept:
+        folder.mkdir()
+        (folder / "file").write_bytes(b"y")
+    link = temp / f".ckptfmt-download{commit.TEMP_MARKER}{host}.{dead_pid}.0.00000000"
+    link.symlink_to(kept[0])
+    _plugin().save_checkpoint({"w": torch.ones(3)}, f"{root}/a.ckpt")
+    assert not any(folder.exists() for folder in left)
+    assert all((folder / "file").read_bytes() == b"y" for folder in kept)
+    assert link.is_symlink()
+    for folder in kept:
+        shutil.rmtree(folder)
+    link.unlink()

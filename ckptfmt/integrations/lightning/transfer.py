@@ -4,8 +4,9 @@ ckptfmt writes and reads local files (and ``s3://`` objects itself); for any oth
 protocol (``gs://``, ``az://``, ``hdfs://``, ``memory://`` ...) a save is written by ckptfmt
 to a local temporary file and uploaded with the filesystem's ``put_file``, and a load
 fetches the file with ``get_file`` into a local temporary file that ckptfmt reads (every
-chunk verified as usual).  Temporary files live in the default temporary folder
-(``TMPDIR``) and are removed whatever happens.  A non-blocking save returns after
+chunk verified as usual).  Temporary files live in private folders of the default temporary
+folder (``TMPDIR``, workdirs.py) and are removed whatever happens; those of a killed process
+by the next one.  A non-blocking save returns after
 ckptfmt's snapshot; a thread waits for the local file, uploads it, and only then finishes
 the save's handle.  Also the local copy of an ``s3://`` object that torch.load must read
 (a ``torch.save`` file, which is read from its end first).
@@ -17,7 +18,6 @@ import contextlib
 import os
 import posixpath
 import shutil
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,6 +29,7 @@ import ckptfmt
 from ...background import inflight
 from ...errors import CheckpointError, LimitError, StorageError
 from ...storage.download import RemoteObject
+from . import workdirs
 from .paths import shown, without_secrets
 
 #: the name of the local copy in its private temporary folder: never the remote file's name,
@@ -63,7 +64,7 @@ def save(
     the saves in flight (as url_key spells it).  Non-blocking: a handle that finishes once the
     upload is done."""
     inflight.wait_for_path(key)  # an upload still running there must not land after this one
-    workdir = tempfile.mkdtemp(prefix="ckptfmt-upload-")
+    workdir = workdirs.make(workdirs.UPLOAD)
     local = os.path.join(workdir, LOCAL_NAME)
     try:
         with naming(url, local):
@@ -71,12 +72,12 @@ def save(
         if handle is not None:
             return _upload_after(handle, fs, local, path, url, key, workdir)
     except BaseException:
-        shutil.rmtree(workdir, ignore_errors=True)
+        workdirs.remove(workdir)
         raise
     try:
         _upload(fs, local, path, url)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        workdirs.remove(workdir)
     return None
 
 
@@ -98,7 +99,7 @@ def _upload_after(
         except BaseException as e:  # the save's error, raised by whoever waits for it
             error = e
         finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+            workdirs.remove(workdir)
             inflight.end(handle)
             handle._finish(error)
 
@@ -131,7 +132,7 @@ def fetched(fs: Any, path: str, url: str) -> Iterator[str]:
     is read COPY_BYTES at a time, never past the size the filesystem gave for the file, and
     refused before a byte is fetched when that size is unknown or larger than the room left
     in the temporary folder."""
-    with tempfile.TemporaryDirectory(prefix="ckptfmt-download-") as workdir:
+    with workdirs.held(workdirs.DOWNLOAD) as workdir:
         local = os.path.join(workdir, LOCAL_NAME)
         try:
             size = file_size(fs, path, url)
@@ -205,7 +206,7 @@ def object_copy(url: str, options: dict[str, Any]) -> Iterator[str]:
     a time with ETag-pinned ranged reads: memory stays bounded whatever the object's size, and
     an object larger than the room left in the temporary folder is refused before a byte is
     fetched."""
-    with tempfile.TemporaryDirectory(prefix="ckptfmt-download-") as workdir:
+    with workdirs.held(workdirs.DOWNLOAD) as workdir:
         local = os.path.join(workdir, LOCAL_NAME)
         remote = RemoteObject(url, options)
         try:
