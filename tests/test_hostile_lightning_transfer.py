@@ -423,3 +423,24 @@ def test_the_folders_a_killed_process_left_are_removed_by_the_next_save(root: st
     for folder in kept:
         shutil.rmtree(folder)
     link.unlink()
+
+
+def test_an_upload_thread_that_cannot_start_leaves_nothing_behind(
+    root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-blocking save whose upload thread cannot start (the process is out of threads)
+    raises; the local save writing into the private folder is waited for before the folder
+    goes, so no thread, no file and no folder is left (the root fixture checks)."""
+    start = threading.Thread.start
+
+    def refuse_uploads(thread: threading.Thread) -> None:
+        if thread.name.startswith("ckptfmt-save-upload"):
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse_uploads)
+    plugin = _plugin(blocking=False)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        plugin.save_checkpoint({"w": torch.zeros(1 << 22)}, f"{root}/a.ckpt")
+    monkeypatch.undo()
+    plugin.teardown()

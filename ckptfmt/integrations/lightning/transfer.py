@@ -89,12 +89,11 @@ def _upload_after(
     def finish() -> None:
         error: BaseException | None = None
         try:
+            _finished(local_save)
             error = local_save.exception()
             if error is not None:
                 error = renamed(error, shown(url), local)
-            if local_save._thread is not None:
-                local_save._thread.join()  # it frees what the local save held
-            if error is None:
+            else:
                 _upload(fs, local, path, url)
         except BaseException as e:  # the save's error, raised by whoever waits for it
             error = e
@@ -109,10 +108,18 @@ def _upload_after(
     try:
         thread.start()
     except BaseException as e:
+        _finished(local_save)  # it writes into the folder the caller removes next
         inflight.end(handle)
         handle._finish(e)
         raise
     return handle
+
+
+def _finished(local_save: ckptfmt.SaveHandle) -> None:
+    """Wait for the local save and its thread, whatever it ends in."""
+    local_save.exception()
+    if local_save._thread is not None:
+        local_save._thread.join()  # it frees what the local save held
 
 
 def _upload(fs: Any, local: str, path: str, url: str) -> None:
