@@ -444,3 +444,22 @@ def test_an_upload_thread_that_cannot_start_leaves_nothing_behind(
         plugin.save_checkpoint({"w": torch.zeros(1 << 22)}, f"{root}/a.ckpt")
     monkeypatch.undo()
     plugin.teardown()
+
+
+def test_a_live_folder_is_locked_for_processes_that_cannot_ask_about_its_owner(root: str) -> None:
+    """A process of another host or pid namespace sharing the temporary folder cannot tell
+    whether the owner of a folder lives: the folder is locked while it is held (the engine's
+    rule then keeps it), and unlocked once removed."""
+    import fcntl
+
+    from ckptfmt.integrations.lightning import workdirs
+
+    path = workdirs.make(workdirs.UPLOAD)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+        workdirs.remove(path)
+    assert not os.path.exists(path)

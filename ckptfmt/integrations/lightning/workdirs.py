@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 
 from ...engine import commit
@@ -26,13 +27,28 @@ DOWNLOAD = "ckptfmt-download"
 _KINDS = (UPLOAD, DOWNLOAD)
 
 
+#: the folders this process holds, open and locked until removed: a process of another host
+#: or pid namespace sharing the temporary folder cannot ask whether this one lives, and the
+#: lock tells it (engine/commit.py's rule for temp entries)
+_HELD: dict[str, CheckpointDir] = {}
+_HELD_LOCK = threading.Lock()
+
+
 def make(kind: str) -> str:
-    """A new folder (mode 0700) of `kind` in the temporary folder, after removing the folders
-    that dead processes left there; its path."""
+    """A new folder (mode 0700) of `kind` in the temporary folder, locked while this process
+    holds it, after removing the folders that dead processes left there; its path."""
     with CheckpointDir.open(tempfile.gettempdir()) as d:
         remove_abandoned(d)
         name, _ = commit.new_temp(d, kind, lambda n: d.mkdir(n, 0o700))
-        return d.path_of(name)
+        try:
+            folder = d.sub(name)
+            commit.lock_exclusive(folder.fd)
+        except BaseException:
+            remove(d.path_of(name))
+            raise
+        with _HELD_LOCK:
+            _HELD[folder.path] = folder
+        return folder.path
 
 
 def remove(path: str) -> None:
@@ -40,6 +56,10 @@ def remove(path: str) -> None:
     parent, name = os.path.split(path)
     with contextlib.suppress(OSError, CheckpointError), CheckpointDir.open(parent) as d:
         d.remove_tree(name)
+    with _HELD_LOCK:
+        folder = _HELD.pop(path, None)
+    if folder is not None:
+        folder.close()  # the lock goes with the folder
     commit.disown(name)
 
 
