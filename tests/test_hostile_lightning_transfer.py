@@ -463,3 +463,19 @@ def test_a_live_folder_is_locked_for_processes_that_cannot_ask_about_its_owner(r
         os.close(fd)
         workdirs.remove(path)
     assert not os.path.exists(path)
+
+
+def test_an_upload_in_flight_is_named_without_the_credentials_of_its_url(root: str) -> None:
+    """A non-blocking save's handle (printed at exit when its failure was never seen) and its
+    upload thread name the URL with its query string hidden; a load there still waits for it."""
+    from ckptfmt.background import inflight
+
+    plugin = _plugin(blocking=False)
+    url = f"{root}/a.ckpt?sig=SECRETSIG"
+    state = {"w": torch.zeros(1 << 22)}
+    plugin.save_checkpoint(state, url)
+    names = [repr(h) for h in plugin._saves()._handles] + [t.name for t in threading.enumerate()]
+    names += [repr(h) for h in list(inflight._in_flight.values())]
+    assert any("a.ckpt?***" in n for n in names) and not [n for n in names if "SECRETSIG" in n]
+    assert torch.equal(_plugin().load_checkpoint(url)["w"], state["w"])  # waited for the upload
+    plugin.teardown()

@@ -30,6 +30,7 @@ from ...background import inflight
 from ...errors import CheckpointError, LimitError, StorageError
 from ...storage.download import RemoteObject
 from . import workdirs
+from .filesystems import url_key
 from .paths import shown, without_secrets
 
 #: the name of the local copy in its private temporary folder: never the remote file's name,
@@ -50,6 +51,12 @@ def open_fs(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
         ) from None
 
 
+def inflight_key(fs: Any, path: str) -> str:
+    """The name of an upload to `path` on `fs` among ckptfmt's saves in flight: its URL as
+    url_key spells it, credentials hidden (a handle's name shows in messages)."""
+    return shown(url_key(fs, path))
+
+
 def save(
     write: Callable[[str, bool], ckptfmt.SaveHandle | None],
     fs: Any,
@@ -61,8 +68,9 @@ def save(
 ) -> ckptfmt.SaveHandle | None:
     """Save with `write(local_path, blocking)` (ckptfmt.save bound to the state), then upload
     to `path` on `fs`; `url` names the checkpoint in errors (its credentials hidden), `key` in
-    the saves in flight (as url_key spells it).  Non-blocking: a handle that finishes once the
-    upload is done."""
+    the saves in flight (url_key's spelling, shown by inflight_key).  Non-blocking: a handle
+    that finishes once the upload is done."""
+    key = shown(key)
     inflight.wait_for_path(key)  # an upload still running there must not land after this one
     workdir = workdirs.make(workdirs.UPLOAD)
     local = os.path.join(workdir, LOCAL_NAME)
@@ -102,7 +110,7 @@ def _upload_after(
             inflight.end(handle)
             handle._finish(error)
 
-    thread = threading.Thread(target=finish, name=f"ckptfmt-save-upload-{shown(posixpath.basename(path))}")
+    thread = threading.Thread(target=finish, name=f"ckptfmt-save-upload-{posixpath.basename(shown(url))}")
     handle._thread = thread
     inflight.begin(handle)
     try:
