@@ -210,6 +210,59 @@ def reference_is_a_socket(r: Run) -> None:
     sock.close()
 
 
+def commit_is_a_link(r: Run) -> None:
+    """Step 2's commit record moved outside and a link left in its place."""
+    shutil.copy(r.step(S2) / "COMMIT", r.outside / "COMMIT")
+    os.unlink(r.step(S2) / "COMMIT")
+    os.symlink(r.outside / "COMMIT", r.step(S2) / "COMMIT")
+
+
+def state_is_a_link_to_its_copy(r: Run) -> None:
+    """Step 2's state file moved outside (the same bytes) and a link left in its place."""
+    shutil.copy(r.step(S2) / "state.ckpt", r.outside / "state.ckpt")
+    os.unlink(r.step(S2) / "state.ckpt")
+    os.symlink(r.outside / "state.ckpt", r.step(S2) / "state.ckpt")
+
+
+def commit_is_a_fifo(r: Run) -> None:
+    os.unlink(r.step(S2) / "COMMIT")
+    os.mkfifo(r.step(S2) / "COMMIT")
+
+
+def commit_is_a_directory(r: Run) -> None:
+    os.unlink(r.step(S2) / "COMMIT")
+    os.mkdir(r.step(S2) / "COMMIT")
+
+
+def commit_is_huge(r: Run) -> None:
+    """A sparse commit record beyond the record limit (never read to find that out)."""
+    with open(r.step(S2) / "COMMIT", "r+b") as f:
+        f.truncate(multifile.MAX_RECORD_BYTES + (1 << 20))
+
+
+def part_name_climbs_out(r: Run) -> None:
+    """Step 2's record names its state file as ../../outside/state.ckpt (a valid copy there)."""
+    shutil.copy(r.step(S2) / "state.ckpt", r.outside / "state.ckpt")
+    value = ckptfmt.load(r.step(S2) / "COMMIT")
+    value["files"][0]["name"] = "../../outside/state.ckpt"
+    _rewrite_record(r, S2, files=value["files"])
+
+
+def part_name_is_absolute(r: Run) -> None:
+    shutil.copy(r.step(S2) / "state.ckpt", r.outside / "state.ckpt")
+    value = ckptfmt.load(r.step(S2) / "COMMIT")
+    value["files"][0]["name"] = str(r.outside / "state.ckpt")
+    _rewrite_record(r, S2, files=value["files"])
+
+
+def reference_climbs_out(r: Run) -> None:
+    """Step 2's record names its reference as ../../outside/step1/state.ckpt (a copy of step 1)."""
+    shutil.copytree(r.step(S1), r.outside / "step1")
+    value = ckptfmt.load(r.step(S2) / "COMMIT")
+    value["references"][0]["name"] = "../../outside/step1/state.ckpt"
+    _rewrite_record(r, S2, references=value["references"])
+
+
 CASES: dict[str, Callable[[Run], None]] = {
     f.__name__: f
     for f in (
@@ -230,9 +283,19 @@ CASES: dict[str, Callable[[Run], None]] = {
         deep_tree_in_a_step,
         commit_at_the_run_level,
         reference_is_a_socket,
+        commit_is_a_link,
+        state_is_a_link_to_its_copy,
+        commit_is_a_fifo,
+        commit_is_a_directory,
+        commit_is_huge,
+        part_name_climbs_out,
+        part_name_is_absolute,
+        reference_climbs_out,
     )
 }
 
+#: step 2 refused by every entry point: step 1 is the latest and what loads, verify fails both
+STEP2_REFUSED: dict[str, object] = dict(target=S2, latest=1, load=1, fallback=1, verify_run=1, verify_step=1)
 # latest: the step latest() returns; load: the step load() returns, or the error it raises;
 # fallback: the same with fallback=True; verify_run / verify_step: exit codes of `ckptfmt verify`
 # on the run and on `target` (the directory the case concerns)
@@ -267,6 +330,14 @@ EXPECTED: dict[str, dict[str, object]] = {
     "reference_is_a_socket": dict(
         target=S2, latest=None, load=CheckpointError, fallback=CheckpointError, verify_run=1, verify_step=1
     ),
+    "commit_is_a_link": STEP2_REFUSED,
+    "state_is_a_link_to_its_copy": STEP2_REFUSED,
+    "commit_is_a_fifo": STEP2_REFUSED,
+    "commit_is_a_directory": STEP2_REFUSED,
+    "commit_is_huge": STEP2_REFUSED,
+    "part_name_climbs_out": STEP2_REFUSED,
+    "part_name_is_absolute": STEP2_REFUSED,
+    "reference_climbs_out": STEP2_REFUSED,
 }
 
 
@@ -458,6 +529,22 @@ def test_a_save_writes_into_the_step_directory_it_made_even_if_it_is_swapped_for
     CheckpointManager(r.run).save(3, _state(3))
     assert sorted(os.listdir(r.outside)) == ["precious.txt"]
     assert sorted(os.listdir(r.root / "moved")) == ["COMMIT", "state.ckpt"]
+
+
+def test_a_state_file_replaced_after_verify_is_never_loaded_as_its_step(tmp_path):
+    """verify says step 2 is whole; then its state file is replaced by another whole file (the
+    same state, saved again: a new file id).  The load checks the file against the record it
+    reads, not against what verify saw: step 2 is refused, and the fallback is step 1."""
+    r = _make_run(tmp_path)
+    assert cli(["verify", str(r.step(S2))]) == 0
+    os.unlink(r.step(S2) / "state.ckpt")
+    ckptfmt.save({"state": _state(2), "rng": None, "resume": {}}, r.step(S2) / "state.ckpt")
+    mgr = CheckpointManager(r.run)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert _outcome(lambda: mgr.load(2)) is CorruptError
+        assert _outcome(lambda: mgr.load(fallback=True)) == 1
+    assert cli(["verify", str(r.step(S2))]) == 1
 
 
 def test_load_into_refuses_what_verify_refuses(tmp_path):

@@ -12,6 +12,7 @@ import importlib.util
 import io
 import os
 import pathlib
+import shutil
 import signal
 import tempfile
 import threading
@@ -230,12 +231,23 @@ def test_credentials_in_a_url_never_appear_in_errors(
     text = str(refused.value)
     assert text.startswith(f"{shown}/up.ckpt?***: uploading the checkpoint failed: ") and "\n" not in text
     assert "PASSWORD" not in text and "SIGNATURE" not in text and "se=2030" not in text
-    assert [p.name for p in temp.iterdir() if p.name.startswith("ckptfmt")] == []
+    assert [p.name for p in temp.iterdir() if "ckptfmt" in p.name] == []
     from ckptfmt.integrations.lightning.paths import RemotePathError
 
     with pytest.raises(RemotePathError) as unknown:
         plugin.load_checkpoint("nosuchproto://user:PASSWORD@host/a.ckpt?token=SIGNATURE")
     assert "PASSWORD" not in str(unknown.value) and "SIGNATURE" not in str(unknown.value)
+
+
+def test_a_file_from_a_server_without_ranges_is_downloaded_whole(
+    http_root: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A download reads the file once, a piece at a time, as a stream: an HTTP server that
+    ignores range requests (Python's own) serves a file longer than fsspec's 5 MiB blocks."""
+    monkeypatch.setattr(transfer, "COPY_BYTES", 4 << 20)
+    big = torch.arange(float(3 << 20))  # 12 MiB
+    ckptfmt.save({"w": big}, tmp_path / "served" / "big.ckpt")
+    assert torch.equal(_plugin().load_checkpoint(f"{http_root}/big.ckpt")["w"], big)
 
 
 @pytest.mark.parametrize(
@@ -348,3 +360,122 @@ def test_a_fifo_on_an_fsspec_url_is_never_opened(tmp_path: pathlib.Path, scheme:
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def test_an_s3_torch_file_larger_than_the_free_disk_is_refused_before_it_is_fetched(
+    s3_bucket: tuple[str, dict[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torch.save object on s3:// is copied to a local file for torch.load: with less room
+    in the temporary folder than the object's size, LimitError names the URL and nothing is
+    fetched (the disk is never filled)."""
+    from s3_server import s3_client
+
+    bucket, options = s3_bucket
+    buffer = io.BytesIO()
+    torch.save({"state_dict": {"w": torch.arange(5.0)}}, buffer)
+    s3_client(options["endpoint_url"]).put_object(Bucket=bucket, Key="old.ckpt", Body=buffer.getvalue())
+    url = f"s3://{bucket}/old.ckpt"
+    plugin = _plugin(storage_options=options, read_torch_checkpoints=True)
+    assert torch.equal(plugin.load_checkpoint(url)["state_dict"]["w"], torch.arange(5.0))
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=100))
+    with pytest.raises(
+        ckptfmt.LimitError, match=f"^{url}: a file of {len(buffer.getvalue())} bytes does not fit"
+    ):
+        plugin.load_checkpoint(url)
+
+
+def test_the_folders_a_killed_process_left_are_removed_by_the_next_save(root: str) -> None:
+    """A process killed during an upload or a download removes nothing: its private folder
+    (with a checkpoint-sized file) is removed by the next save or load of any process, and
+    nothing else in the shared temporary folder is touched (another live process's folder, a
+    name like ours that is not one, a link)."""
+    import subprocess
+    import sys
+
+    from ckptfmt.engine import commit
+
+    temp = pathlib.Path(tempfile.gettempdir())
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    dead_pid = int(dead.stdout)
+    host = commit.host_token()
+    left = [
+        temp / f".{kind}{commit.TEMP_MARKER}{host}.{dead_pid}.0.0123abcd"
+        for kind in ("ckptfmt-upload", "ckptfmt-download")
+    ]
+    for folder in left:
+        folder.mkdir()
+        (folder / "checkpoint").write_bytes(b"x" * 4096)
+    kept = [
+        temp / f".ckptfmt-upload{commit.TEMP_MARKER}{host}.1.0.0123abcd",  # pid 1 lives
+        temp / f".ckptfmt-upload{commit.TEMP_MARKER}{host}.{dead_pid}.0.nothex",
+        temp / f".ckptfmt-other{commit.TEMP_MARKER}{host}.{dead_pid}.0.0123abcd",
+    ]
+    for folder in kept:
+        folder.mkdir()
+        (folder / "file").write_bytes(b"y")
+    link = temp / f".ckptfmt-download{commit.TEMP_MARKER}{host}.{dead_pid}.0.00000000"
+    link.symlink_to(kept[0])
+    _plugin().save_checkpoint({"w": torch.ones(3)}, f"{root}/a.ckpt")
+    assert not any(folder.exists() for folder in left)
+    assert all((folder / "file").read_bytes() == b"y" for folder in kept)
+    assert link.is_symlink()
+    for folder in kept:
+        shutil.rmtree(folder)
+    link.unlink()
+
+
+def test_an_upload_thread_that_cannot_start_leaves_nothing_behind(
+    root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-blocking save whose upload thread cannot start (the process is out of threads)
+    raises; the local save writing into the private folder is waited for before the folder
+    goes, so no thread, no file and no folder is left (the root fixture checks)."""
+    start = threading.Thread.start
+
+    def refuse_uploads(thread: threading.Thread) -> None:
+        if thread.name.startswith("ckptfmt-save-upload"):
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse_uploads)
+    plugin = _plugin(blocking=False)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        plugin.save_checkpoint({"w": torch.zeros(1 << 22)}, f"{root}/a.ckpt")
+    monkeypatch.undo()
+    plugin.teardown()
+
+
+def test_a_live_folder_is_locked_for_processes_that_cannot_ask_about_its_owner(root: str) -> None:
+    """A process of another host or pid namespace sharing the temporary folder cannot tell
+    whether the owner of a folder lives: the folder is locked while it is held (the engine's
+    rule then keeps it), and unlocked once removed."""
+    import fcntl
+
+    from ckptfmt.integrations.lightning import workdirs
+
+    path = workdirs.make(workdirs.UPLOAD)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+        workdirs.remove(path)
+    assert not os.path.exists(path)
+
+
+def test_an_upload_in_flight_is_named_without_the_credentials_of_its_url(root: str) -> None:
+    """A non-blocking save's handle (printed at exit when its failure was never seen) and its
+    upload thread name the URL with its query string hidden; a load there still waits for it."""
+    from ckptfmt.background import inflight
+
+    plugin = _plugin(blocking=False)
+    url = f"{root}/a.ckpt?sig=SECRETSIG"
+    state = {"w": torch.zeros(1 << 22)}
+    plugin.save_checkpoint(state, url)
+    names = [repr(h) for h in plugin._saves()._handles] + [t.name for t in threading.enumerate()]
+    names += [repr(h) for h in list(inflight._in_flight.values())]
+    assert any("a.ckpt?***" in n for n in names) and not [n for n in names if "SECRETSIG" in n]
+    assert torch.equal(_plugin().load_checkpoint(url)["w"], state["w"])  # waited for the upload
+    plugin.teardown()

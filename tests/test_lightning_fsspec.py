@@ -55,7 +55,7 @@ def root(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[st
     fs = fsspec.filesystem("memory")
     if fs.exists(url):
         fs.rm(url, recursive=True)
-    assert [p.name for p in temp.iterdir() if p.name.startswith("ckptfmt")] == []
+    assert [p.name for p in temp.iterdir() if "ckptfmt" in p.name] == []
     assert _no_save_threads()
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from ...background import inflight
 from ...format.sniff import HEAD_BYTES, sniff_head
 from ...storage.client import check_options
-from . import filesystems, transfer
+from . import transfer
 from .loading import load_checkpoint, sniff_target
 from .paths import FSSPEC, RemotePathError, target
 
@@ -102,7 +102,7 @@ def _fs_head_kind(url: str) -> str:
 
 def _read_head_kind(url: str) -> str:
     fs, path = transfer.open_fs(url)
-    inflight.wait_for_path(filesystems.url_key(fs, path))
+    inflight.wait_for_path(transfer.inflight_key(fs, path))
     size = transfer.file_size(fs, path, url)
     with fs.open(path, "rb") as f:
         head = f.read(HEAD_BYTES)

@@ -19,7 +19,7 @@ from ...format.sniff import HEAD_BYTES, sniff, sniff_head
 from ...storage.client import check_options
 from ...storage.download import RemoteObject
 from .. import objects
-from . import filesystems, transfer
+from . import transfer
 from .callback_keys import with_class_keys_restored
 from .paths import FSSPEC, LOCAL, Target, target
 
@@ -77,7 +77,7 @@ def load_checkpoint(
     )
     if where.kind == FSSPEC:
         fs, fs_path = transfer.open_fs(where.path)
-        inflight.wait_for_path(filesystems.url_key(fs, fs_path))
+        inflight.wait_for_path(transfer.inflight_key(fs, fs_path))
         with transfer.fetched(fs, fs_path, where.path) as local:
             state = _read(Target(LOCAL, local), where.name, how)
     else:

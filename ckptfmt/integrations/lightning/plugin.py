@@ -237,7 +237,7 @@ class CkptfmtCheckpointIO(_Base):
         where = target(path)
         if where.kind == FSSPEC:
             fs, fs_path = transfer.open_fs(where.path)
-            inflight.wait_for_path(filesystems.url_key(fs, fs_path))
+            inflight.wait_for_path(transfer.inflight_key(fs, fs_path))
             transfer.remove(fs, fs_path)
         elif where.kind == OBJECT:
             inflight.wait_for_path(where.path)

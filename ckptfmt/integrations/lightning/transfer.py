@@ -4,8 +4,9 @@ ckptfmt writes and reads local files (and ``s3://`` objects itself); for any oth
 protocol (``gs://``, ``az://``, ``hdfs://``, ``memory://`` ...) a save is written by ckptfmt
 to a local temporary file and uploaded with the filesystem's ``put_file``, and a load
 fetches the file with ``get_file`` into a local temporary file that ckptfmt reads (every
-chunk verified as usual).  Temporary files live in the default temporary folder
-(``TMPDIR``) and are removed whatever happens.  A non-blocking save returns after
+chunk verified as usual).  Temporary files live in private folders of the default temporary
+folder (``TMPDIR``, workdirs.py) and are removed whatever happens; those of a killed process
+by the next one.  A non-blocking save returns after
 ckptfmt's snapshot; a thread waits for the local file, uploads it, and only then finishes
 the save's handle.  Also the local copy of an ``s3://`` object that torch.load must read
 (a ``torch.save`` file, which is read from its end first).
@@ -17,7 +18,6 @@ import contextlib
 import os
 import posixpath
 import shutil
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,6 +29,8 @@ import ckptfmt
 from ...background import inflight
 from ...errors import CheckpointError, LimitError, StorageError
 from ...storage.download import RemoteObject
+from . import workdirs
+from .filesystems import url_key
 from .paths import shown, without_secrets
 
 #: the name of the local copy in its private temporary folder: never the remote file's name,
@@ -49,6 +51,12 @@ def open_fs(url: str, options: dict[str, Any] | None = None) -> tuple[Any, str]:
         ) from None
 
 
+def inflight_key(fs: Any, path: str) -> str:
+    """The name of an upload to `path` on `fs` among ckptfmt's saves in flight: its URL as
+    url_key spells it, credentials hidden (a handle's name shows in messages)."""
+    return shown(url_key(fs, path))
+
+
 def save(
     write: Callable[[str, bool], ckptfmt.SaveHandle | None],
     fs: Any,
@@ -60,10 +68,11 @@ def save(
 ) -> ckptfmt.SaveHandle | None:
     """Save with `write(local_path, blocking)` (ckptfmt.save bound to the state), then upload
     to `path` on `fs`; `url` names the checkpoint in errors (its credentials hidden), `key` in
-    the saves in flight (as url_key spells it).  Non-blocking: a handle that finishes once the
-    upload is done."""
+    the saves in flight (url_key's spelling, shown by inflight_key).  Non-blocking: a handle
+    that finishes once the upload is done."""
+    key = shown(key)
     inflight.wait_for_path(key)  # an upload still running there must not land after this one
-    workdir = tempfile.mkdtemp(prefix="ckptfmt-upload-")
+    workdir = workdirs.make(workdirs.UPLOAD)
     local = os.path.join(workdir, LOCAL_NAME)
     try:
         with naming(url, local):
@@ -71,12 +80,12 @@ def save(
         if handle is not None:
             return _upload_after(handle, fs, local, path, url, key, workdir)
     except BaseException:
-        shutil.rmtree(workdir, ignore_errors=True)
+        workdirs.remove(workdir)
         raise
     try:
         _upload(fs, local, path, url)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        workdirs.remove(workdir)
     return None
 
 
@@ -88,30 +97,37 @@ def _upload_after(
     def finish() -> None:
         error: BaseException | None = None
         try:
+            _finished(local_save)
             error = local_save.exception()
             if error is not None:
                 error = renamed(error, shown(url), local)
-            if local_save._thread is not None:
-                local_save._thread.join()  # it frees what the local save held
-            if error is None:
+            else:
                 _upload(fs, local, path, url)
         except BaseException as e:  # the save's error, raised by whoever waits for it
             error = e
         finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+            workdirs.remove(workdir)
             inflight.end(handle)
             handle._finish(error)
 
-    thread = threading.Thread(target=finish, name=f"ckptfmt-save-upload-{shown(posixpath.basename(path))}")
+    thread = threading.Thread(target=finish, name=f"ckptfmt-save-upload-{posixpath.basename(shown(url))}")
     handle._thread = thread
     inflight.begin(handle)
     try:
         thread.start()
     except BaseException as e:
+        _finished(local_save)  # it writes into the folder the caller removes next
         inflight.end(handle)
         handle._finish(e)
         raise
     return handle
+
+
+def _finished(local_save: ckptfmt.SaveHandle) -> None:
+    """Wait for the local save and its thread, whatever it ends in."""
+    local_save.exception()
+    if local_save._thread is not None:
+        local_save._thread.join()  # it frees what the local save held
 
 
 def _upload(fs: Any, local: str, path: str, url: str) -> None:
@@ -131,7 +147,7 @@ def fetched(fs: Any, path: str, url: str) -> Iterator[str]:
     is read COPY_BYTES at a time, never past the size the filesystem gave for the file, and
     refused before a byte is fetched when that size is unknown or larger than the room left
     in the temporary folder."""
-    with tempfile.TemporaryDirectory(prefix="ckptfmt-download-") as workdir:
+    with workdirs.held(workdirs.DOWNLOAD) as workdir:
         local = os.path.join(workdir, LOCAL_NAME)
         try:
             size = file_size(fs, path, url)
@@ -177,7 +193,7 @@ def _check_room(workdir: str, size: int, url: str) -> None:
 def _copy(fs: Any, path: str, local: str, size: int, url: str) -> None:
     """Copy exactly `size` bytes of `path` to `local`, COPY_BYTES at a time."""
     done = 0
-    with fs.open(path, "rb") as source, open(local, "wb") as out:
+    with fs.open(path, "rb", **_sequential(fs)) as source, open(local, "wb") as out:
         while done < size:
             want = min(COPY_BYTES, size - done)
             piece = source.read(want)
@@ -191,14 +207,25 @@ def _copy(fs: Any, path: str, local: str, size: int, url: str) -> None:
             done += len(piece)
 
 
+def _sequential(fs: Any) -> dict[str, Any]:
+    """How to open a file of `fs` to read it once from start to end: HTTP files as a stream
+    (fsspec's random-access HTTP file reads blocks at offsets, which a server without range
+    requests refuses after the first)."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return {"block_size": 0} if {"http", "https"} & set(protocols) else {}
+
+
 @contextlib.contextmanager
 def object_copy(url: str, options: dict[str, Any]) -> Iterator[str]:
     """A local copy of the ``s3://`` object at `url` (removed on exit), fetched COPY_BYTES at
-    a time with ETag-pinned ranged reads: memory stays bounded whatever the object's size."""
-    with tempfile.TemporaryDirectory(prefix="ckptfmt-download-") as workdir:
+    a time with ETag-pinned ranged reads: memory stays bounded whatever the object's size, and
+    an object larger than the room left in the temporary folder is refused before a byte is
+    fetched."""
+    with workdirs.held(workdirs.DOWNLOAD) as workdir:
         local = os.path.join(workdir, LOCAL_NAME)
         remote = RemoteObject(url, options)
         try:
+            _check_room(workdir, remote.size, url)
             with open(local, "wb") as out:
                 for start in range(0, remote.size, COPY_BYTES):
                     end = min(remote.size, start + COPY_BYTES)
