@@ -689,3 +689,41 @@ def test_golden_encrypted_file_decrypts_from_the_spec(tmp_path):
         q = str(tmp_path / "b.ckpt")
         ckptfmt.save(state(), q, chunk_size=CHUNK, compression=compression)
         assert decrypt_from_spec(p, KEY)[1] == plain_chunks_from_spec(q)[1]
+
+
+# -- the save's small seals by the engine (no cryptography import on the save path) ------------
+
+ENGINE_CRYPTO = pytest.mark.skipif(not native.crypto_available(), reason="engine built without libcrypto")
+
+
+@ENGINE_CRYPTO
+@settings(max_examples=60, deadline=None)
+@given(
+    key=st.binary(min_size=32, max_size=32),
+    nonce=st.binary(min_size=12, max_size=12),
+    data=st.binary(max_size=3000),
+    aad=st.binary(max_size=200),
+)
+def test_engine_gcm_is_aes_gcm(key, nonce, data, aad):
+    """The engine's one-shot seal (key wrap, index) gives cryptography's bytes exactly."""
+    assert native.EngineGCM(key).encrypt(nonce, data, aad) == AESGCM(key).encrypt(nonce, data, aad)
+    assert key.hex() not in repr(native.EngineGCM(key))
+
+
+@ENGINE_CRYPTO
+def test_an_encrypted_save_does_not_import_cryptography(tmp_path):
+    """Its first import costs a save a tenth of a second or more: the engine seals the key wrap
+    and the index itself; the file then opens with the key as any other."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "x.ckpt")
+    code = (
+        "import sys, torch, ckptfmt\n"
+        f"ckptfmt.save({{'w': torch.arange(10.)}}, {path!r}, encrypt_with=bytes(range(32)))\n"
+        "print(sorted(m for m in sys.modules if m.startswith('cryptography')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CKPTFMT_BACKEND"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "[]", out.stdout
+    assert torch.equal(ckptfmt.load(path, decrypt_with=bytes(range(32)))["w"], torch.arange(10.0))

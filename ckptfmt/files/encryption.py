@@ -179,12 +179,21 @@ class FileSealer:
                 tags,
             )
             nonce = secrets.token_bytes(enc.NONCE_SIZE)
-            sealed = enc.aesgcm(self._key.kek).encrypt(
+            sealed = sealing_gcm(self._key.kek).encrypt(
                 nonce, self._data_key, enc.wrap_aad(file_id, draft.fields())
             )
             block = _with(draft, wrapped=nonce + sealed)
-        stored, index_tag = enc.seal_index(self._data_key, block, file_id, index_offset, index)
+        stored, index_tag = enc.seal_index(self._data_key, block, file_id, index_offset, index, sealing_gcm)
         return stored, _with(block, index_tag=index_tag).pack()
+
+
+def sealing_gcm(key: bytes) -> Any:
+    """The AES-256-GCM a save seals its key wrap and index with: the engine's libcrypto where it
+    has it (a save then never imports ``cryptography``: its import alone costs about as much as
+    encrypting a few hundred MiB), else ``cryptography``'s."""
+    if _native.crypto_available():
+        return _native.EngineGCM(key)
+    return enc.aesgcm(key)
 
 
 def _with(block: enc.EncryptionBlock, **changes: Any) -> enc.EncryptionBlock:
@@ -212,7 +221,7 @@ def sealer(encrypt_with: Any, encrypt_index: bool = True) -> FileSealer | None:
         return None
     key = load_key(encrypt_with, "encrypt_with")
     require_engine_crypto()
-    enc.aesgcm(bytes(enc.KEY_SIZE))  # cryptography present (key wrap and index)
+    sealing_gcm(bytes(enc.KEY_SIZE))  # the key wrap's and index's GCM there (cryptography without the engine)
     return FileSealer(key, encrypt_index)
 
 

@@ -225,11 +225,17 @@ Opener = Callable[[EncryptionBlock, bytes], bytes]
 
 
 def seal_index(
-    data_key: bytes, block: EncryptionBlock, file_id: bytes, index_offset: int, index: bytes
+    data_key: bytes,
+    block: EncryptionBlock,
+    file_id: bytes,
+    index_offset: int,
+    index: bytes,
+    gcm_of: Callable[[bytes], Any] = aesgcm,
 ) -> tuple[bytes, bytes]:
-    """(index bytes to write, index tag) for a block whose other fields are final."""
+    """(index bytes to write, index tag) for a block whose other fields are final; `gcm_of`:
+    makes the AES-256-GCM of a key (an AESGCM-like object, default ``cryptography``'s)."""
     ctx = index_context(file_id, index_offset, len(index), block.fields())
-    gcm = aesgcm(data_key)
+    gcm = gcm_of(data_key)
     if block.index_encrypted:
         sealed = gcm.encrypt(INDEX_NONCE, index, ctx)
         return sealed[:-TAG_SIZE], sealed[-TAG_SIZE:]
