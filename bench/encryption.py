@@ -13,6 +13,11 @@ Each round runs, in rotating order, one fresh process per measurement:
   chunk encrypted and the SHA-256 of its ciphertext taken in the same pass (spec 17.8)
 * load_signed_encrypted: ckptfmt.load(path, trusted_keys=[pub], decrypt_with=kek): the
   signature checked, then each chunk's SHA-256 and tag as it is read
+* save_tensorizer_plain / save_tensorizer_encrypted (when the ``tensorizer`` package is
+  installed): tensorizer's TensorSerializer.write_state_dict of the same state, without and
+  with its encryption (``EncryptionParams(kek)``: libsodium, per chunk), then an fsync of the
+  file, as ckptfmt's saves are durable; load_tensorizer_*: TensorDeserializer (lazy_load=False,
+  ``DecryptionParams.from_key(kek)``), every tensor read into memory
 
 Saves are blocking and durable (fsync, rename, directory fsync); the state is built in the
 child before the clock starts (fp32, normal with std 0.02).  Loads read a file the page cache
@@ -23,6 +28,7 @@ reach plain / (plain + bytes / (c * a)) of the plain one's speed; signed and enc
 SHA-256 at `h` bytes/s a core, plain / (plain + bytes / (c * a) + bytes / (c * h)).
 
     python bench/encryption.py [--size 1G] [--rounds 5] [--dirs /dev/shm,/tmp] [--out FILE]
+                               [--variants plain,encrypted,...]
 """
 
 from __future__ import annotations
@@ -39,7 +45,45 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import command_line, normal_state, parse_size, rotated, summarise, write_json  # noqa: E402
 
 VARIANTS = ["plain", "encrypted", "signed_encrypted"]
-KINDS = [f"{op}_{v}" for op in ("save", "load") for v in VARIANTS]
+#: tensorizer's own format, plain and encrypted (measured when the package is installed)
+TENSORIZER = ["tensorizer_plain", "tensorizer_encrypted"]
+KINDS = [f"{op}_{v}" for op in ("save", "load") for v in VARIANTS + TENSORIZER]
+
+
+def have_tensorizer() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tensorizer") is not None
+
+
+def tensorizer_child(kind: str, path: str, kek: bytes, size: int) -> float:
+    """One tensorizer save (then an fsync of the file) or load of the same state."""
+    from tensorizer import DecryptionParams, EncryptionParams, TensorDeserializer, TensorSerializer
+
+    encrypted = kind.endswith("_encrypted")
+    if kind.startswith("save"):
+        state = normal_state(size)
+        t = time.perf_counter()
+        writer = TensorSerializer(path, encryption=EncryptionParams(kek) if encrypted else None)
+        writer.write_state_dict(state)
+        writer.close()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return time.perf_counter() - t
+    t = time.perf_counter()
+    reader = TensorDeserializer(
+        path, device="cpu", encryption=DecryptionParams.from_key(kek) if encrypted else None
+    )
+    out = dict(reader)
+    took = time.perf_counter() - t
+    reader.close()
+    del out
+    return took
+
+
 #: the signing key of the signed variant: a fixed test seed (the bench proves nothing about who wrote it)
 SIGNING_SEED = bytes(range(32))
 
@@ -50,6 +94,8 @@ def child(kind: str, path: str, key_path: str, size: int) -> float:
 
     with open(key_path, "rb") as fh:  # the keys are read before the clock starts, as a trainer holds them
         kek = fh.read()
+    if "tensorizer" in kind:
+        return tensorizer_child(kind, path, kek, size)
     encrypted = kind.endswith("encrypted")
     priv = pub = None
     if kind.endswith("signed_encrypted"):
@@ -95,14 +141,14 @@ def sha256_speed(seconds: float = 1.0) -> float:
     return done / (time.perf_counter() - t)
 
 
-def measure_dir(directory: str, size_text: str, rounds: int) -> dict[str, list[float]]:
+def measure_dir(directory: str, size_text: str, rounds: int, variants: list[str]) -> dict[str, list[float]]:
     """Interleaved rounds (round 0 warms up) on one directory: every kind's seconds."""
     work = tempfile.mkdtemp(dir=directory, prefix="ckptfmt-encbench-")
     key = os.path.join(work, "kek")
     with open(key, "wb") as fh:
         fh.write(os.urandom(32))
-    paths = {v: os.path.join(work, f"{v}.ckpt") for v in VARIANTS}
-    times: dict[str, list[float]] = {k: [] for k in KINDS}
+    paths = {v: os.path.join(work, f"{v}.ckpt") for v in variants}
+    times: dict[str, list[float]] = {f"{op}_{v}": [] for op in ("save", "load") for v in variants}
 
     def run(kind: str) -> float:
         path = paths[kind.split("_", 1)[1]]
@@ -113,7 +159,7 @@ def measure_dir(directory: str, size_text: str, rounds: int) -> dict[str, list[f
     try:
         for r in range(rounds + 1):
             # each save is followed by the load of the file it wrote (in the page cache)
-            for variant in rotated(VARIANTS, r):
+            for variant in rotated(variants, r):
                 s = run(f"save_{variant}")
                 lo = run(f"load_{variant}")
                 if r:
@@ -133,13 +179,30 @@ def report(
     med = {k: summarise(v)["median"] for k, v in times.items()}
     gib = size / (1 << 30)
     print(f"{size >> 20} MiB fp32, {directory}, {cores} cores, {rounds} rounds (medians; min-max)")
-    for k in KINDS:
+    for k in (k for k in KINDS if k in times):
         print(
             f"  {k:15s} {med[k]:.3f} s  {size / med[k] / 1e9:5.2f} GB/s  ({min(times[k]):.3f}-{max(times[k]):.3f})"
         )
     out = {"dir": directory, "median": med, "times": times}
     for op in ("save", "load"):
+        if f"{op}_plain" not in med:
+            continue
+        if f"{op}_tensorizer_encrypted" in med:
+            t_enc = med[f"{op}_tensorizer_encrypted"]
+            t_plain = med.get(f"{op}_tensorizer_plain")
+            own = f", its own plain {t_plain / t_enc:.2f}" if t_plain else ""
+            print(
+                f"  {op} tensorizer encrypted: ckptfmt plain/tensorizer encrypted speed "
+                f"{med[f'{op}_plain'] / t_enc:.2f}{own}"
+                + (
+                    f"; ckptfmt encrypted is {t_enc / med[f'{op}_encrypted']:.2f}x its speed"
+                    if f"{op}_encrypted" in med
+                    else ""
+                )
+            )
         for variant, primitives in (("encrypted", [aes]), ("signed_encrypted", [aes, sha])):
+            if f"{op}_{variant}" not in med:
+                continue
             plain, enc = med[f"{op}_plain"], med[f"{op}_{variant}"]
             # the issue's model: each primitive's work spread over all cores
             best = plain + sum(size / (cores * p) for p in primitives)
@@ -168,17 +231,30 @@ def main() -> None:
     ap.add_argument("--child", default=None)
     ap.add_argument("--path", default=None)
     ap.add_argument("--key", default=None)
+    ap.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated, of "
+        + ",".join(VARIANTS + TENSORIZER)
+        + " (default: all; tensorizer's when installed)",
+    )
     args = ap.parse_args()
     size = parse_size(args.size)
     if args.child:
         print(json.dumps(child(args.child, args.path, args.key, size)))
         return
+    variants = VARIANTS + (TENSORIZER if have_tensorizer() else [])
+    if args.variants:
+        variants = args.variants.split(",")
+        unknown = set(variants) - set(VARIANTS + TENSORIZER)
+        if unknown or "plain" not in variants:
+            ap.error(f"--variants: plain and some of {VARIANTS + TENSORIZER} (not {sorted(unknown)})")
     aes = primitive_speed()
     sha = sha256_speed()
     print(f"AES-256-GCM, one core, 4 MiB buffers: {aes / 1e9:.2f} GB/s; SHA-256 {sha / 1e9:.2f} GB/s")
     results = []
     for directory in args.dirs.split(","):
-        times = measure_dir(directory, args.size, args.rounds)
+        times = measure_dir(directory, args.size, args.rounds, variants)
         results.append(report(directory, size, args.rounds, times, aes, sha))
     if args.out:
         doc = {

@@ -199,6 +199,13 @@ int ckf_gcm_begin(void *ctx, int encrypt, const uint8_t *key, const uint8_t *fil
                   uint8_t width);
 int ckf_gcm_update(void *ctx, uint8_t *out, const uint8_t *in, uint64_t len);
 int ckf_gcm_finish(void *ctx, uint8_t *tag);
+/* one AES-256-GCM encryption or decryption (12-byte nonce, any associated data): the small
+ * messages of a file (the key wrap, the index) without loading a second crypto library; 0 on
+ * failure (for ckf_gcm_open: also when `tag` does not match) */
+int ckf_gcm_seal(const uint8_t *key, const uint8_t *nonce, const uint8_t *aad, uint64_t aad_len, const uint8_t *in,
+                 uint64_t len, uint8_t *out, uint8_t *tag);
+int ckf_gcm_open(const uint8_t *key, const uint8_t *nonce, const uint8_t *aad, uint64_t aad_len, const uint8_t *in,
+                 uint64_t len, uint8_t *out, uint8_t *tag);
 
 /* parallel for: calls fn(ctx, i, thread) for i in [0, n) on nthreads threads
  * (the calling thread is one of them); returns 0, or an errno if threads could

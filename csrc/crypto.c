@@ -100,6 +100,30 @@ int ckf_gcm_finish(void *ctx, uint8_t *tag) {
     return EVP_CIPHER_CTX_ctrl(x, EVP_CTRL_GCM_SET_TAG, 16, tag) == 1 && EVP_CipherFinal_ex(x, none, &n) == 1;
 }
 
+static int gcm_oneshot(int encrypt, const uint8_t *key, const uint8_t *nonce, const uint8_t *aad, uint64_t aad_len,
+                       const uint8_t *in, uint64_t len, uint8_t *out, uint8_t *tag) {
+    if (aad_len > (uint64_t)(INT_MAX / 2)) return 0;
+    EVP_CIPHER_CTX *x = EVP_CIPHER_CTX_new();
+    if (!x) return 0;
+    int n = 0;
+    /* the default GCM nonce length is 12 bytes */
+    int ok = EVP_CipherInit_ex(x, EVP_aes_256_gcm(), NULL, key, nonce, encrypt) == 1 &&
+             (aad_len == 0 || EVP_CipherUpdate(x, NULL, &n, aad, (int)aad_len) == 1) &&
+             ckf_gcm_update(x, out, in, len) && ckf_gcm_finish(x, tag);
+    EVP_CIPHER_CTX_free(x);
+    return ok;
+}
+
+int ckf_gcm_seal(const uint8_t *key, const uint8_t *nonce, const uint8_t *aad, uint64_t aad_len, const uint8_t *in,
+                 uint64_t len, uint8_t *out, uint8_t *tag) {
+    return gcm_oneshot(1, key, nonce, aad, aad_len, in, len, out, tag);
+}
+
+int ckf_gcm_open(const uint8_t *key, const uint8_t *nonce, const uint8_t *aad, uint64_t aad_len, const uint8_t *in,
+                 uint64_t len, uint8_t *out, uint8_t *tag) {
+    return gcm_oneshot(0, key, nonce, aad, aad_len, in, len, out, tag);
+}
+
 #else
 
 int ckf_crypto_available(void) { return 0; }
@@ -136,6 +160,15 @@ int ckf_gcm_update(void *ctx, uint8_t *out, const uint8_t *in, uint64_t len) {
 int ckf_gcm_finish(void *ctx, uint8_t *tag) {
     (void)ctx, (void)tag;
     return 0;
+}
+int ckf_gcm_seal(const uint8_t *key, const uint8_t *nonce, const uint8_t *aad, uint64_t aad_len, const uint8_t *in,
+                 uint64_t len, uint8_t *out, uint8_t *tag) {
+    (void)key, (void)nonce, (void)aad, (void)aad_len, (void)in, (void)len, (void)out, (void)tag;
+    return 0;
+}
+int ckf_gcm_open(const uint8_t *key, const uint8_t *nonce, const uint8_t *aad, uint64_t aad_len, const uint8_t *in,
+                 uint64_t len, uint8_t *out, uint8_t *tag) {
+    return ckf_gcm_seal(key, nonce, aad, aad_len, in, len, out, tag);
 }
 
 #endif

@@ -689,3 +689,50 @@ def test_golden_encrypted_file_decrypts_from_the_spec(tmp_path):
         q = str(tmp_path / "b.ckpt")
         ckptfmt.save(state(), q, chunk_size=CHUNK, compression=compression)
         assert decrypt_from_spec(p, KEY)[1] == plain_chunks_from_spec(q)[1]
+
+
+# -- the save's small seals by the engine (no cryptography import on the save path) ------------
+
+ENGINE_CRYPTO = pytest.mark.skipif(not native.crypto_available(), reason="engine built without libcrypto")
+
+
+@ENGINE_CRYPTO
+@settings(max_examples=60, deadline=None)
+@given(
+    key=st.binary(min_size=32, max_size=32),
+    nonce=st.binary(min_size=12, max_size=12),
+    data=st.binary(max_size=3000),
+    aad=st.binary(max_size=200),
+)
+def test_engine_gcm_is_aes_gcm(key, nonce, data, aad):
+    """The engine's one-shot seal and opening (key wrap, index) are cryptography's AES-GCM
+    exactly: the same bytes, and a changed bit refused with its InvalidTag."""
+    from cryptography.exceptions import InvalidTag
+
+    sealed = native.EngineGCM(key).encrypt(nonce, data, aad)
+    assert sealed == AESGCM(key).encrypt(nonce, data, aad)
+    assert native.EngineGCM(key).decrypt(nonce, sealed, aad) == data
+    for bad in (bytes([sealed[0] ^ 1]) + sealed[1:], sealed[:-1] + bytes([sealed[-1] ^ 0x80]), sealed[:15]):
+        with pytest.raises(InvalidTag):
+            native.EngineGCM(key).decrypt(nonce, bad, aad)
+    assert key.hex() not in repr(native.EngineGCM(key))
+
+
+@ENGINE_CRYPTO
+def test_an_encrypted_save_and_load_do_not_import_cryptography(tmp_path):
+    """Its first import costs a save or a load a tenth of a second or more: the engine seals
+    and opens the key wrap and the index itself."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "x.ckpt")
+    code = (
+        "import sys, torch, ckptfmt\n"
+        f"ckptfmt.save({{'w': torch.arange(10.)}}, {path!r}, encrypt_with=bytes(range(32)))\n"
+        f"assert ckptfmt.load({path!r}, decrypt_with=bytes(range(32)))['w'][9] == 9\n"
+        "print(sorted(m for m in sys.modules if m.startswith('cryptography')))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CKPTFMT_BACKEND"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "[]", out.stdout
+    assert torch.equal(ckptfmt.load(path, decrypt_with=bytes(range(32)))["w"], torch.arange(10.0))

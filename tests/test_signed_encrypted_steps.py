@@ -151,3 +151,19 @@ def test_any_flipped_bit_of_a_signed_encrypted_dcp_save_is_a_signature_error(tmp
     assert not target["w"].any() and not target["frozen"].any()  # type: ignore[union-attr]
     report = verify_step(path, None, recordsign.public_keys([PUB]), KEY)  # ckptfmt verify DIR
     assert not report.ok and report.problems[0].kind in ("signature", "limit"), report.problems
+
+
+def test_a_trusting_manager_never_deletes_a_step_whose_digest_fails(tmp_path_factory):
+    """Reads refuse an older step whose state file changed (a SignatureError, the scan's), but
+    a save's cleanup and rotation judge steps without signatures: the step stays on disk."""
+    run = str(tmp_path_factory.mktemp("keep") / "run")
+    shutil.copytree(_pristine(tmp_path_factory, "run"), run)
+    state1 = os.path.join(run, "step-000000001", "state.ckpt")
+    _flip(state1, 8 * 100)  # a chunk's byte: its identity in the record unchanged
+    m = CheckpointManager(run, sign_with=PRIV, encrypt_with=KEY, trusted_keys=[PUB])
+    with pytest.raises(SignatureError, match="SHA-256"):
+        m.load(step=1)
+    m.save(3, _state(3))
+    m.wait()
+    assert os.path.exists(state1) and m.latest().step == 3
+    assert [c.step for c in m.checkpoints()] == [2, 3]

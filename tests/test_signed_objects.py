@@ -128,3 +128,24 @@ def test_a_signed_encrypted_run_on_the_store(s3_bucket):
         CheckpointManager(
             url, trusted_keys=[OTHER.public_key()], decrypt_with=data_key, storage_options=options
         ).load(1)
+
+
+def test_a_changed_wrapped_key_on_the_store_is_a_signature_error(s3_server, s3_bucket):
+    """A state object's wrapped data key changed (no checksum covers it, its identity in the
+    record unchanged): the object is hashed against the signed record before it is opened with
+    the key, so the reader says SignatureError, not the wrapped key's GCM failure."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/wrapped"
+    data_key = bytes(range(32))
+    CheckpointManager(url, sign_with=KEY, encrypt_with=data_key, storage_options=options).save(1, _state(1))
+    key = next(
+        o["Key"]
+        for o in s3_server.client().list_objects_v2(Bucket=bucket)["Contents"]
+        if o["Key"].endswith("/state.ckpt")
+    )
+    data = s3_server.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+    ioff, ilen = (int.from_bytes(data[len(data) - 64 + i : len(data) - 56 + i], "little") for i in (0, 8))
+    _flip_object_byte(s3_server, bucket, key, at=(ioff + ilen + 63) // 64 * 64 + 64)
+    _assert_refused(
+        CheckpointManager(url, trusted_keys=[PUB], decrypt_with=data_key, storage_options=options), 1
+    )

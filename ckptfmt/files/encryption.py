@@ -179,12 +179,24 @@ class FileSealer:
                 tags,
             )
             nonce = secrets.token_bytes(enc.NONCE_SIZE)
-            sealed = enc.aesgcm(self._key.kek).encrypt(
+            sealed = small_gcm(self._key.kek).encrypt(
                 nonce, self._data_key, enc.wrap_aad(file_id, draft.fields())
             )
             block = _with(draft, wrapped=nonce + sealed)
         stored, index_tag = enc.seal_index(self._data_key, block, file_id, index_offset, index)
         return stored, _with(block, index_tag=index_tag).pack()
+
+
+def small_gcm(key: bytes) -> Any:
+    """The AES-256-GCM of a file's key wrap and index: the engine's libcrypto where it has it
+    (a save or a load then never imports ``cryptography``: its import alone costs about as
+    much as encrypting a few hundred MiB), else ``cryptography``'s."""
+    if _native.crypto_available():
+        return _native.EngineGCM(key)
+    return enc.aesgcm(key)
+
+
+enc.small_gcm = small_gcm  # the index's seal and opening (format.encryption) use it too
 
 
 def _with(block: enc.EncryptionBlock, **changes: Any) -> enc.EncryptionBlock:
@@ -212,7 +224,7 @@ def sealer(encrypt_with: Any, encrypt_index: bool = True) -> FileSealer | None:
         return None
     key = load_key(encrypt_with, "encrypt_with")
     require_engine_crypto()
-    enc.aesgcm(bytes(enc.KEY_SIZE))  # cryptography present (key wrap and index)
+    small_gcm(bytes(enc.KEY_SIZE))  # the key wrap's and index's GCM there (cryptography without the engine)
     return FileSealer(key, encrypt_index)
 
 
@@ -263,7 +275,7 @@ def unwrap(key: Key, block: enc.EncryptionBlock, file_id: bytes) -> bytes:
         )
     nonce, sealed = block.wrapped[: enc.NONCE_SIZE], block.wrapped[enc.NONCE_SIZE :]
     try:
-        return bytes(enc.aesgcm(key.kek).decrypt(nonce, sealed, enc.wrap_aad(file_id, block.fields())))
+        return bytes(small_gcm(key.kek).decrypt(nonce, sealed, enc.wrap_aad(file_id, block.fields())))
     except enc.invalid_tag():
         raise DecryptionError(
             "wrapped data key does not match its GCM tag (the wrapped key or the encryption block's header changed)"

@@ -109,6 +109,13 @@ def aesgcm(key: bytes) -> Any:
     return AESGCM(key)
 
 
+#: makes the AES-256-GCM of a key for a file's small messages (the key wrap, the index):
+#: ``cryptography``'s by default; files/encryption.py puts the engine's here where the engine
+#: has libcrypto, so that opening or saving a file never imports ``cryptography`` (whose
+#: first import costs a tenth of a second or more)
+small_gcm: Callable[[bytes], Any] = aesgcm
+
+
 def invalid_tag() -> type[Exception]:
     from cryptography.exceptions import InvalidTag
 
@@ -225,11 +232,15 @@ Opener = Callable[[EncryptionBlock, bytes], bytes]
 
 
 def seal_index(
-    data_key: bytes, block: EncryptionBlock, file_id: bytes, index_offset: int, index: bytes
+    data_key: bytes,
+    block: EncryptionBlock,
+    file_id: bytes,
+    index_offset: int,
+    index: bytes,
 ) -> tuple[bytes, bytes]:
     """(index bytes to write, index tag) for a block whose other fields are final."""
     ctx = index_context(file_id, index_offset, len(index), block.fields())
-    gcm = aesgcm(data_key)
+    gcm = small_gcm(data_key)
     if block.index_encrypted:
         sealed = gcm.encrypt(INDEX_NONCE, index, ctx)
         return sealed[:-TAG_SIZE], sealed[-TAG_SIZE:]
@@ -241,7 +252,7 @@ def open_index(
 ) -> bytes:
     """The index's plaintext, its tag checked (DecryptionError when it fails)."""
     ctx = index_context(file_id, index_offset, len(stored), block.fields())
-    gcm = aesgcm(data_key)
+    gcm = small_gcm(data_key)
     try:
         if block.index_encrypted:
             return bytes(gcm.decrypt(INDEX_NONCE, stored + block.index_tag, ctx))

@@ -159,7 +159,15 @@ class CheckpointManager:
         os.makedirs(self.directory, exist_ok=True)
         # rotation (on commit threads) and cleanup (in save) both delete step directories
         self._delete_lock = threading.RLock()
-        self._records = StepRecords(self.directory, self._decrypt, self._trusted)
+        # saves, cleanup and rotation judge steps without signatures (trusting keys never
+        # deletes a step); reads judge them as a trusting reader does: a state file is read
+        # with the key only once its record's signature and its signed SHA-256 held
+        self._records = StepRecords(self.directory, self._decrypt)
+        self._read_records = (
+            self._records
+            if self._trusted is None
+            else StepRecords(self.directory, self._decrypt, self._trusted)
+        )
 
     def _open_archive(
         self,
@@ -184,15 +192,15 @@ class CheckpointManager:
 
     def statuses(self) -> list[StepStatus]:
         """Every step directory, complete or not, by step."""
-        return self._records.scan().statuses
+        return self._read_records.scan().statuses
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """The complete checkpoints, oldest first."""
-        return self._records.scan().complete()
+        return self._read_records.scan().complete()
 
     def latest(self) -> CheckpointInfo | None:
         """The newest complete checkpoint; directories that are not one are skipped with a warning."""
-        scan = self._scan()
+        scan = self._scan(self._read_records)
         local = self._newest_complete(scan.statuses, scan.busy, scan.foreign)
         archived = self._archived()
         if archived and (local is None or archived[-1].step > local.step):
@@ -356,11 +364,12 @@ class CheckpointManager:
             job.thread.start()
         return job.handle
 
-    def _scan(self) -> RunScan:
+    def _scan(self, records: StepRecords | None = None) -> RunScan:
         """One scan of the run directory, with the steps this manager had in flight before it
-        began (a step in flight is not yet complete, and never a leftover to remove)."""
+        began (a step in flight is not yet complete, and never a leftover to remove);
+        `records`: the reads' records (default the saves', which never consider signatures)."""
         busy = self._in_flight_steps()
-        scan = self._records.scan()
+        scan = (records or self._records).scan()
         scan.busy = busy
         return scan
 
@@ -561,6 +570,7 @@ class CheckpointManager:
     def _retire(self, path: str, keep: set[str]) -> None:
         """Stop a step being a checkpoint (commit record first), then delete what nothing refers to."""
         self._records.forget(path)
+        self._read_records.forget(path)
         with CheckpointDir.open(self.directory) as run:
             try:
                 d = run.sub(os.path.basename(path))
@@ -581,6 +591,7 @@ class CheckpointManager:
         without following a link: a step directory swapped for a link (at any moment) leads
         nowhere outside the run."""
         self._records.forget(path)
+        self._read_records.forget(path)
         name = os.path.basename(path)
         with CheckpointDir.open(self.directory) as run:
             try:
@@ -710,7 +721,7 @@ class CheckpointManager:
             return
         inflight.wait_for_path(info.state_path)
         with self._step_dir(info) as d:
-            record = self._records.record(d, info.step)  # check_step: the references and the root too
+            record = self._read_records.record(d, info.step)  # check_step: the references and the root too
             part = record.files[0]
             if self._trusted is None:
                 fd = multifile.open_part(d, part, d.path)
