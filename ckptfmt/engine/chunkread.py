@@ -499,9 +499,10 @@ class ChunkReader:
     def _read_fetched(
         self, remote: Fetcher, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool
     ) -> None:
-        """Read chunks of a remote file window by window: each window's requests are made
-        while the one before is read, and its chunks' bytes given back once read, so memory
-        holds about two windows.  The requests are planned for all the chunks at once, so
+        """Read chunks of a remote file window by window: the requests of the next window are
+        in flight with those of the one waited for, so the store always has about two windows
+        of requests to answer (as a plain parallel download keeps its threads busy), and a
+        window's chunks' bytes are given back once read, so memory holds about two windows.  The requests are planned for all the chunks at once, so
         that a window's edge never splits one; a chunk is read in the window whose requests
         bring its last bytes in."""
         requests = remote.plan([self._stored_range(k) for k, _ in items])
@@ -514,18 +515,20 @@ class ChunkReader:
             j = bisect.bisect_left(starts, hi) - 1  # the last request before the chunk's end
             chunks[window_of[j] if j >= 0 and requests[j][1] > lo else 0].append((k, dest))
         windows = windows or [[]]
-        pending = remote.start(windows[0])
+        pending = [remote.start(w) for w in windows[:2]]
         try:
             for i, window in enumerate(chunks):
-                remote.wait(pending)
-                pending = remote.start(windows[i + 1]) if i + 1 < len(windows) else []
+                remote.wait(pending.pop(0))
                 try:
                     if window:
                         self._read_group(window, verify, check_only)
                 finally:
                     remote.release([self._stored_range(k) for k, _ in window])
+                if i + 2 < len(windows):
+                    pending.append(remote.start(windows[i + 2]))
         finally:
-            remote.wait_quietly(pending)
+            for futures in pending:
+                remote.wait_quietly(futures)
 
     def _read_group(
         self, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool = False
