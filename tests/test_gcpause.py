@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -150,3 +150,43 @@ def test_a_child_forked_during_a_section_gets_its_collector_back() -> None:
         t.join(10)
     assert os.waitstatus_to_exitcode(status) == 0
     assert gc.isenabled()
+
+
+def _unreachable_after(fn: Callable[[], object]) -> int:
+    """Objects in reference cycles that `fn` leaves behind: run it with the collector off, drop
+    its result, and count what a full collection then frees."""
+    gc.collect()
+    gc.disable()
+    try:
+        fn()
+        return gc.collect()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize(
+    "op", ["save", "load", "load mmap", "open get", "load_into", "verify", "dcp", "manager"]
+)
+def test_calls_leave_no_reference_cycles(tmp_path: Path, op: str) -> None:
+    """Every index a call parses is freed by reference counting as soon as the call returns.
+    A cycle (a storage record pointing back at its tree, a decoder calling itself through its
+    closure) would leave the whole index for a collection that walks the whole heap: in a
+    process that has imported torch, 0.1 s or more, paid by whatever allocates next, often the
+    load itself."""
+    state = _state(300)
+    path = tmp_path / "a.ckpt"
+    ckptfmt.save(state, path)
+    cdcp.save(state, tmp_path / "d")
+    run = ckptfmt.CheckpointManager(tmp_path / "run")
+    run.save(1, state)
+    calls: dict[str, Callable[[], object]] = {
+        "save": lambda: ckptfmt.save(state, tmp_path / "b.ckpt"),
+        "load": lambda: ckptfmt.load(path),
+        "load mmap": lambda: ckptfmt.load(path, mmap=True),
+        "open get": lambda: ckptfmt.open(path).get("layer7"),
+        "load_into": lambda: ckptfmt.load_into(path, _state(300)),
+        "verify": lambda: ckptfmt.verify(path),
+        "dcp": lambda: cdcp.load(_state(300), tmp_path / "d"),
+        "manager": lambda: run.load(),
+    }
+    assert _unreachable_after(calls[op]) == 0

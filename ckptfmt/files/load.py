@@ -9,6 +9,7 @@ from typing import Any
 
 from ..background import inflight
 from ..format import devices
+from ..gcpause import pausing_in_main_thread
 from .reader import CheckpointFile
 
 _DOUBLE = struct.Struct("<d")
@@ -33,6 +34,7 @@ def same_key(a: object, b: object) -> bool:
         return False
 
 
+@pausing_in_main_thread
 def load(
     path: str | os.PathLike[str],
     map_location: devices.MapLocation = None,

@@ -31,11 +31,22 @@ def decode_key(tree: Tree, node: int, path: str) -> object:
 @pausing
 def decode(tree: Tree, top: int, storage: Callable[[int], torch.UntypedStorage], path: str) -> object:
     """Build the objects of the subtree at `top`; `storage(sid)` gives loaded storages."""
-    c = Check(path)
-    nodes = tree.nodes
+    with torch.no_grad():
+        return _Builder(tree.nodes, storage, path).build(top)
 
-    def build(i: int) -> object:
-        node = nodes[i]
+
+class _Builder:
+    """Builds decoded objects node by node.  A method, not a nested function that calls itself:
+    such a closure is a reference cycle (function -> cell -> function) holding the whole tree
+    and every storage, which only a collection of the whole heap would free."""
+
+    def __init__(self, nodes: list[Any], storage: Callable[[int], torch.UntypedStorage], path: str) -> None:
+        self.nodes = nodes
+        self.storage = storage
+        self.path = path
+
+    def build(self, i: int) -> object:
+        node = self.nodes[i]
         kind = node[0]
         if kind == "none":
             return None
@@ -52,15 +63,15 @@ def decode(tree: Tree, top: int, storage: Callable[[int], torch.UntypedStorage],
         if kind == "bytes":
             return base64.b64decode(node[1])
         if kind == "list":
-            return [build(j) for j in node[1]]
+            return [self.build(j) for j in node[1]]
         if kind == "tuple":
-            return tuple(build(j) for j in node[1])
+            return tuple(self.build(j) for j in node[1])
         if kind in ("dict", "odict"):
             d: dict[Any, Any] = {} if kind == "dict" else collections.OrderedDict()
             for k, v in node[1]:  # keys validated: hashable and distinct
-                d[build(k)] = build(v)
+                d[self.build(k)] = self.build(v)
             if kind == "odict" and node[2] is not None:
-                d._metadata = build(node[2])  # type: ignore[attr-defined]
+                d._metadata = self.build(node[2])  # type: ignore[attr-defined]
             return d
         if kind == "dtype":
             return dtypes.TORCH_DTYPES[node[1]]
@@ -69,15 +80,13 @@ def decode(tree: Tree, top: int, storage: Callable[[int], torch.UntypedStorage],
         if kind == "size":
             return torch.Size(int(d, 16) for d in node[1])
         if kind == "tensor":
-            return _build_tensor(node[1], storage)
+            return _build_tensor(node[1], self.storage)
         if kind == "ndarray":
-            return _build_ndarray(node[1], storage)
+            return _build_ndarray(node[1], self.storage)
         if kind == "npscalar":
             return np.frombuffer(base64.b64decode(node[2]), dtype=np.dtype(node[1]))[0]
-        raise c.fail(f"node {i} has unknown kind {kind!r}")  # validated before; kept for safety
-
-    with torch.no_grad():
-        return build(top)
+        # validated before; kept for safety
+        raise Check(self.path).fail(f"node {i} has unknown kind {kind!r}")
 
 
 def _build_tensor(m: dict[str, Any], storage: Callable[[int], torch.UntypedStorage]) -> torch.Tensor:

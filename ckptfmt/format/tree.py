@@ -18,6 +18,7 @@ storage records, and the walks over it (key paths, subtrees, storages needed).
 from __future__ import annotations
 
 import struct
+import weakref
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -63,14 +64,21 @@ class StorageRecord:
     n_chunks: int
     kind: str = ""  # "tensor" or "ndarray" once referenced
     node: int = -1  # the first tensor or array node that uses it (names it in messages)
-    tree: Tree | None = field(default=None, repr=False, compare=False)
+    # weak: the tree holds its records, and a strong reference back would make every index a
+    # reference cycle that outlives its file until a collection of the whole heap finds it
+    _tree: weakref.ref[Tree] | None = field(default=None, repr=False, compare=False)
     _key: str | None = field(default=None, repr=False, compare=False)
+
+    def names_keys_from(self, tree: Tree) -> None:
+        """Render this storage's key (see `key`) from `tree`, the tree holding it."""
+        self._tree = weakref.ref(tree)
 
     @property
     def key(self) -> str:
         """The key path of the first tensor using this storage, rendered on first use."""
         if self._key is None:
-            self._key = "" if self.tree is None or self.node < 0 else self.tree.key_path(self.node)
+            tree = self._tree() if self._tree is not None else None
+            self._key = "" if tree is None or self.node < 0 else tree.key_path(self.node)
         return self._key
 
 

@@ -229,7 +229,7 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
             raise c.fail(f"storage {sid} is not used by any tensor or array")
     tree = Tree(nodes, root, storages, parent, slot)
     for rec in storages:
-        rec.tree = tree
+        rec.names_keys_from(tree)
     return tree
 
 

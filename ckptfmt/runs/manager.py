@@ -49,6 +49,7 @@ from ..files.reader import CheckpointFile
 from ..files.targets import MismatchError
 from ..files.verify import VerifyReport
 from ..format import devices
+from ..gcpause import pausing_in_main_thread
 from . import locks, resume, retention
 from .archiver import Archiver
 from .objectrun import ObjectRun
@@ -689,6 +690,7 @@ class CheckpointManager:
                 skipped.append(f"step {info.step}: {e}")
         raise CheckpointError(f"no checkpoint in {self.directory} loads: {'; '.join(skipped)[:2000]}")
 
+    @pausing_in_main_thread
     def load(self, step: int | None = None, map_location: Any = None, *, fallback: bool = False) -> Any:
         """The state saved at `step` (the newest complete one when None); stateful objects come
         back as their state dicts.  fallback=True: when the newest checkpoint fails to load
