@@ -22,17 +22,46 @@ RUN = os.path.join(BENCH, "run.py")
 LOADS = ("ckptfmt", "torch", "ckptfmt-mmap", "torch-mmap", "safetensors")
 
 
+def _s3_benches_can_run() -> bool:
+    if os.environ.get("CKPTFMT_REQUIRE_S3"):  # CI requires them: there, their absence fails
+        return True
+    return all(importlib.util.find_spec(m) is not None for m in ("moto", "boto3"))
+
+
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench")
-    proc = subprocess.run(
-        [sys.executable, RUN, "--quick", "--out", str(out), "--disk-dir", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "saves: round 1/1" in proc.stdout  # progress is printed
+def quick_runs(tmp_path_factory):
+    """The module's three --quick bench runs, started side by side: each is mostly one process
+    on one core at a time (fresh processes one after another), and none checks speed, so
+    together they take about as long as the longest alone.  name -> (process, output folder)."""
+    names = ["run"] + (["objects", "object_clients"] if _s3_benches_can_run() else [])
+    runs = {}
+    for name in names:
+        out = tmp_path_factory.mktemp(name)
+        script = RUN if name == "run" else os.path.join(BENCH, f"{name}.py")
+        argv = [sys.executable, script, "--quick", "--out", str(out)]
+        if name == "run":
+            argv += ["--disk-dir", str(out)]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        runs[name] = (proc, out)
+    yield runs
+    for proc, _ in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def _finished(quick_runs, name, timeout):
+    """Wait for one of the quick runs; its stdout and output folder (it must have succeeded)."""
+    proc, out = quick_runs[name]
+    stdout, stderr = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, stderr[-3000:]
+    return stdout, out
+
+
+@pytest.fixture(scope="module")
+def report(quick_runs):
+    stdout, out = _finished(quick_runs, "run", 900)
+    assert "saves: round 1/1" in stdout  # progress is printed
     doc = json.loads((out / "quick.json").read_text())
     doc["_md"] = (out / "quick.md").read_text()
     doc["_left"] = [p for p in os.listdir(out) if p.startswith("ckptfmt-bench-")]
@@ -177,27 +206,20 @@ def test_consumer_reads_a_shared_region_once():
     assert common.read_every_byte({"a": w, "b": w, "c": [w]}) == common.read_every_byte({"a": w})
 
 
-def _object_bench_quick(name, tmp_path):
-    """Run bench/<name>.py --quick (it starts its own moto server) and return its report: the
-    JSON document and the markdown."""
-    if not os.environ.get("CKPTFMT_REQUIRE_S3"):  # CI requires them: there, their absence fails
-        pytest.importorskip("moto")
-        pytest.importorskip("boto3")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(BENCH, f"{name}.py"), "--quick", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads((tmp_path / f"{name}-quick.json").read_text())
-    return doc, (tmp_path / f"{name}-quick.md").read_text()
+def _object_bench_quick(name, quick_runs):
+    """The report of bench/<name>.py --quick (it starts its own moto server): the JSON document
+    and the markdown."""
+    if name not in quick_runs:
+        pytest.skip("moto and boto3 are not installed")
+    _, out = _finished(quick_runs, name, 600)
+    doc = json.loads((out / f"{name}-quick.json").read_text())
+    return doc, (out / f"{name}-quick.md").read_text()
 
 
-def test_object_clients_quick(tmp_path):
+def test_object_clients_quick(quick_runs):
     """bench/object_clients.py --quick: a moto server of its own, every installed client up and
     down (each download checked against the source's digest inside the bench), a report."""
-    doc, md = _object_bench_quick("object_clients", tmp_path)
+    doc, md = _object_bench_quick("object_clients", quick_runs)
     assert "boto3-parallel" in doc["clients"] and "boto3-managed" in doc["clients"]
     assert set(doc["clients"]) | set(doc["missing"]) == {"boto3-parallel", "boto3-managed", "obstore", "s3fs"}
     for client in doc["clients"]:
@@ -208,11 +230,11 @@ def test_object_clients_quick(tmp_path):
     assert all(f"| {c} | 40 MiB |" in md for c in doc["clients"])
 
 
-def test_objects_quick(tmp_path):
+def test_objects_quick(quick_runs):
     """bench/objects.py --quick: a moto server of its own, ckptfmt's s3:// save and load, every
     installed peer and the raw floor, each load checked against the saved state's digest inside
     the bench; ratios agree with the rows they come from."""
-    doc, md = _object_bench_quick("objects", tmp_path)
+    doc, md = _object_bench_quick("objects", quick_runs)
     assert {"ckptfmt", "floor"} <= set(doc["tools"])
     assert set(doc["tools"]) | set(doc["missing"]) == {
         "ckptfmt",
