@@ -12,7 +12,10 @@ alone"), measured in the same process and run.  After a verified mapping
 ("ckptfmt-mmap") the process also times one XXH3 pass over the same, now resident,
 bytes on all cores ("verification pass"): the work that verifying adds to a mapping,
 which a mapping that verifies nothing does not do.  bench/run.py adds it to each
-peer's mapping time to state the limit a verified mapping can reach.
+peer's mapping time to state the limit a verified mapping can reach.  After a copy by
+ckptfmt it times faulting in as many bytes of fresh memory, on all cores and on one
+("fresh memory"): the floor of any copy into fresh memory, on as many threads as it
+faults with.
 
 Each tool says what its load is: a copy into memory the process owns, or a zero-copy
 mapping of the file, whose pages the consumer faults in.  Only like is compared
@@ -96,6 +99,45 @@ def verification_pass(views: list[Any]) -> None:
     native.content_digests(views, native.default_threads())
 
 
+MADV_POPULATE_WRITE = 23  # Linux 5.14 and later
+
+
+def fault_in(nbytes: int, threads: int) -> float:
+    """Seconds to fault in `nbytes` of fresh anonymous memory on `threads` threads, each faulting
+    its share 256 KiB at a time with MADV_POPULATE_WRITE (a write of one byte per page where the
+    kernel lacks it): what a copy into fresh memory cannot avoid paying.  The memory is unmapped
+    after the clock stops."""
+    import ctypes
+    import mmap
+    import threading
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    m = mmap.mmap(-1, nbytes)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    step = 256 << 10
+    share = -(-nbytes // threads // page) * page
+
+    def fault(lo: int, hi: int) -> None:
+        for at in range(lo, hi, step):
+            n = min(step, hi - at)
+            if libc.madvise(base + at, n, MADV_POPULATE_WRITE) != 0:
+                ctypes.memset(base + at, 0, n)  # old kernel: touch the pages instead
+
+    workers = [
+        threading.Thread(target=fault, args=(lo, min(lo + share, nbytes))) for lo in range(0, nbytes, share)
+    ]
+    t = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    took = time.perf_counter() - t
+    m.close()
+    return took
+
+
 def child(tool: str, path: str) -> dict[str, Any]:
     """The measurement itself, in this (fresh) process."""
     import torch
@@ -110,6 +152,10 @@ def child(tool: str, path: str) -> dict[str, Any]:
     out: dict[str, Any] = {"tool": tool, "seconds": t2 - t0, "load_seconds": t1 - t0, "read_seconds": t2 - t1}
     if LOADS[tool][0] == "copy":
         out["consumer_seconds"] = common.timed(common.read_every_byte, state)
+    if tool == "ckptfmt":  # the floor of a copy: its bytes of fresh memory, faulted in
+        nbytes = sum(r.numel() for r in regions(state))
+        out["fault_seconds"] = fault_in(nbytes, os.cpu_count() or 1)
+        out["fault_one_seconds"] = fault_in(nbytes, 1)
     if tool == "ckptfmt-mmap":
         # the views are made, and the collector's pending work done, before the clock starts:
         # the pass times hashing only

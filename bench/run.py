@@ -16,6 +16,10 @@ How it measures (the report repeats this, with the machine's state):
   (ckptfmt.load(mmap=True) with every chunk verified, torch.load(mmap=True),
   safetensors load_file); ratios compare copies with copies and mappings with
   mappings, each computed within a round and then reduced to its median.
+* The limits are timed in the same processes: one XXH3 pass over a verified
+  mapping's resident bytes (what checking adds), and after ckptfmt's copy, as many
+  bytes of fresh memory faulted in on all cores and on one (what any copy into fresh
+  memory pays); the report states the copy comparison's bound from them.
 * Warm rows read from tmpfs (/dev/shm) and from the disk's page cache (each disk
   file's residency is checked with mincore before its row); a round runs every row
   once, in an order rotated from round to round.  A second pass re-runs the main
@@ -76,12 +80,25 @@ LABELS = {
     "safetensors": "safetensors load_file",
     "consumer": "consumer alone (resident memory)",
     "hash": "verification pass: XXH3 over the resident bytes, all cores",
+    "fresh-memory": "fresh memory faulted in, all cores (no copy)",
+    "fresh-memory-1": "fresh memory faulted in, one core (no copy)",
 }
 LIMIT_LABEL = "{peer} + verification pass (the limit)"
+# costs timed inside a tool's processes, reported as rows of their own: field -> row name
+REFERENCE_SOURCES = {
+    "ckptfmt": [
+        ("consumer_seconds", "consumer"),
+        ("fault_seconds", "fresh-memory"),
+        ("fault_one_seconds", "fresh-memory-1"),
+    ],
+    "ckptfmt-mmap": [("hash_seconds", "hash")],
+}
 KINDS = {
     "dd": "reference",
     "consumer": "consumer",
     "hash": "reference",
+    "fresh-memory": "reference",
+    "fresh-memory-1": "reference",
     **{t: k for t, (k, _f, _c) in loads.LOADS.items()},
 }
 
@@ -236,12 +253,34 @@ def reference_rows(run: Run) -> list[dict[str, Any]]:
     """Costs measured inside the loads' processes, each as a row of its own: the consumer on
     resident memory (from ckptfmt's copy loads) and the verification pass (from its mappings)."""
     out = []
-    sources = {"ckptfmt": ("consumer_seconds", "consumer"), "ckptfmt-mmap": ("hash_seconds", "hash")}
     for (phase, location, tool, op), samples in run.samples.items():
-        field, name = sources.get(tool, ("", ""))
-        if phase in ("warm", "spread") and field and field in samples[0]:
-            alone = [{"seconds": s[field], "round": s["round"]} for s in samples]
-            out.append(row_summary((phase, location, name, op), alone, run.state_bytes))
+        for field, name in REFERENCE_SOURCES.get(tool, []):
+            if phase in ("warm", "spread") and field in samples[0]:
+                alone = [{"seconds": s[field], "round": s["round"]} for s in samples]
+                out.append(row_summary((phase, location, name, op), alone, run.state_bytes))
+    return out
+
+
+def copy_floors(rows: dict[str, dict[str, Any]], locations: list[str]) -> list[dict[str, Any]]:
+    """Per location, the least a copy into fresh memory costs with its consumer, faulting on all
+    cores and on one (medians), and the most a copy that faults on all cores can gain over
+    one that faults on one: the bound the copy comparison can reach on this machine."""
+    out = []
+    for loc in locations:
+        parts = [
+            rows.get(f"warm/{loc}/{name}/load") for name in ("fresh-memory", "fresh-memory-1", "consumer")
+        ]
+        if not all(parts):
+            continue
+        all_cores, one_core, consumer = (p["seconds"]["median"] for p in parts)  # type: ignore[index]
+        out.append(
+            {
+                "location": loc,
+                "all_cores": all_cores + consumer,
+                "one_core": one_core + consumer,
+                "bound": (one_core + consumer) / (all_cores + consumer),
+            }
+        )
     return out
 
 
@@ -315,6 +354,7 @@ def report_of(run: Run, argv: list[str], before: dict[str, Any], started: str) -
         "cold_eviction": "fsync + posix_fadvise(POSIX_FADV_DONTNEED) of the file read, before each cold row",
         "rows": rows,
         "comparisons": comparisons(run),
+        "copy_floors": copy_floors({r["id"]: r for r in rows}, list(run.locations)),
     }
 
 
@@ -397,6 +437,14 @@ def markdown(rep: dict[str, Any]) -> str:
             f"| {name} | {c['kind']} | {c['location']} | {pass_} | {r['median']:.2f} ({r['min']:.2f}–{r['max']:.2f}) "
             f"| ≥ {c['target']} | {'yes' if r['median'] >= c['target'] else 'no'} |"
         )
+    for f in rep.get("copy_floors", []):
+        lines += [
+            "",
+            f"The copies' floor, {f['location']}: faulting in the state's bytes of fresh memory and reading "
+            f"them once takes {f['all_cores']:.3f} s on all cores and {f['one_core']:.3f} s on one (medians, "
+            "timed in ckptfmt.load's processes), so a copy that faults on all cores can be at most "
+            f"**{f['bound']:.2f}x** as fast as one that faults on one, as torch.load does.",
+        ]
     lines += ["", "## Cold from the disk (file evicted with posix_fadvise before each row)", ""]
     lines += ["| read | GB/s | resident before (max) |", "|---|---|---|"]
     for tool in ("dd", "ckptfmt"):

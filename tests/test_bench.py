@@ -76,7 +76,10 @@ def test_every_row_is_produced(report):
     rows = _rows(report)
     want = set()
     for loc in ("tmpfs", "disk"):
-        want |= {f"warm/{loc}/{t}/load" for t in ("dd", *LOADS, "consumer", "hash")}
+        want |= {
+            f"warm/{loc}/{t}/load"
+            for t in ("dd", *LOADS, "consumer", "hash", "fresh-memory", "fresh-memory-1")
+        }
         want |= {f"saves/{loc}/{t}/save" for t in ("dd", "ckptfmt", "torch", "safetensors")}
         want |= {f"saves/{loc}/ckptfmt/{op}" for op in ("save_nb_blocked", "save_nb_durable")}
     want |= {f"spread/tmpfs/{t}/load" for t in ("ckptfmt", "torch", "consumer")}
@@ -122,6 +125,23 @@ def test_comparisons_are_like_with_like(report):
     for c in report["comparisons"]:
         if c["peer"] != "dd":
             assert kinds[c["ours"]] == kinds[c["peer"]] == c["kind"]
+
+
+def test_copy_floors_agree_with_their_rows(report):
+    """The copies' floor (fresh memory faulted in, plus the consumer) is stated per location and
+    computed from the medians of its rows."""
+    rows = _rows(report)
+    floors = {f["location"]: f for f in report["copy_floors"]}
+    assert set(floors) == {"tmpfs", "disk"}
+    for loc, f in floors.items():
+        med = {
+            n: rows[f"warm/{loc}/{n}/load"]["seconds"]["median"]
+            for n in ("fresh-memory", "fresh-memory-1", "consumer")
+        }
+        assert f["all_cores"] == pytest.approx(med["fresh-memory"] + med["consumer"])
+        assert f["one_core"] == pytest.approx(med["fresh-memory-1"] + med["consumer"])
+        assert f["bound"] == pytest.approx(f["one_core"] / f["all_cores"])
+        assert f"The copies' floor, {loc}:" in report["_md"]
 
 
 def test_ratios_agree_with_raw_figures(report):
