@@ -12,10 +12,13 @@ alone"), measured in the same process and run.  After a verified mapping
 ("ckptfmt-mmap") the process also times one XXH3 pass over the same, now resident,
 bytes on all cores ("verification pass"): the work that verifying adds to a mapping,
 which a mapping that verifies nothing does not do.  bench/run.py adds it to each
-peer's mapping time to state the limit a verified mapping can reach.  After a copy by
-ckptfmt it times faulting in as many bytes of fresh memory, on all cores and on one
-("fresh memory"): the floor of any copy into fresh memory, on as many threads as it
-faults with.
+peer's mapping time to state the limit a verified mapping can reach.
+
+    python bench/loads.py fresh-memory NBYTES      # also fresh-memory-1
+
+times what any copy into fresh memory pays, in a process as fresh as a load's: faulting
+in NBYTES of fresh memory on all cores ("fresh-memory") or on one ("fresh-memory-1"), no
+file read.
 
 Each tool says what its load is: a copy into memory the process owns, or a zero-copy
 mapping of the file, whose pages the consumer faults in.  Only like is compared
@@ -49,6 +52,12 @@ LOADS: dict[str, tuple[str, str, str]] = {
     "ckptfmt-4k-pages": ("copy", "ckpt", "ckptfmt.load(path), 4 KiB pages only"),
 }
 HUGE_PAGES = {"ckptfmt-huge-pages": "on", "ckptfmt-4k-pages": "off"}
+# the floor of a copy (no file: the argument is a byte count) -> the threads that fault
+FRESH = {"fresh-memory": 0, "fresh-memory-1": 1}
+FRESH_CALLS = {
+    "fresh-memory": "the state's bytes of fresh memory faulted in on all cores (MADV_POPULATE_WRITE), no file read",
+    "fresh-memory-1": "the same on one core",
+}
 MAIN = ("ckptfmt", "torch", "ckptfmt-mmap", "torch-mmap", "safetensors")
 
 
@@ -142,6 +151,10 @@ def child(tool: str, path: str) -> dict[str, Any]:
     """The measurement itself, in this (fresh) process."""
     import torch
 
+    if tool in FRESH:  # `path` is the byte count
+        threads = FRESH[tool] or os.cpu_count() or 1
+        return {"tool": tool, "seconds": fault_in(int(path), threads), "threads": threads}
+
     torch.set_num_threads(os.cpu_count() or 1)
     load = loader(tool)
     t0 = time.perf_counter()
@@ -152,10 +165,6 @@ def child(tool: str, path: str) -> dict[str, Any]:
     out: dict[str, Any] = {"tool": tool, "seconds": t2 - t0, "load_seconds": t1 - t0, "read_seconds": t2 - t1}
     if LOADS[tool][0] == "copy":
         out["consumer_seconds"] = common.timed(common.read_every_byte, state)
-    if tool == "ckptfmt":  # the floor of a copy: its bytes of fresh memory, faulted in
-        nbytes = sum(r.numel() for r in regions(state))
-        out["fault_seconds"] = fault_in(nbytes, os.cpu_count() or 1)
-        out["fault_one_seconds"] = fault_in(nbytes, 1)
     if tool == "ckptfmt-mmap":
         # the views are made, and the collector's pending work done, before the clock starts:
         # the pass times hashing only

@@ -129,19 +129,26 @@ def test_comparisons_are_like_with_like(report):
 
 def test_copy_floors_agree_with_their_rows(report):
     """The copies' floor (fresh memory faulted in, plus the consumer) is stated per location and
-    computed from the medians of its rows."""
+    computed from the medians of its rows, with the share of it each copy reaches."""
     rows = _rows(report)
     floors = {f["location"]: f for f in report["copy_floors"]}
     assert set(floors) == {"tmpfs", "disk"}
     for loc, f in floors.items():
         med = {
             n: rows[f"warm/{loc}/{n}/load"]["seconds"]["median"]
-            for n in ("fresh-memory", "fresh-memory-1", "consumer")
+            for n in ("fresh-memory", "fresh-memory-1", "consumer", "ckptfmt", "torch")
         }
         assert f["all_cores"] == pytest.approx(med["fresh-memory"] + med["consumer"])
         assert f["one_core"] == pytest.approx(med["fresh-memory-1"] + med["consumer"])
-        assert f["bound"] == pytest.approx(f["one_core"] / f["all_cores"])
+        assert f["ckptfmt_share"] == pytest.approx(f["all_cores"] / med["ckptfmt"])
+        assert f["torch_share"] == pytest.approx(f["one_core"] / med["torch"])
         assert f"The copies' floor, {loc}:" in report["_md"]
+    threads = {
+        s["threads"]
+        for n in ("fresh-memory", "fresh-memory-1")
+        for s in rows[f"warm/tmpfs/{n}/load"]["samples"]
+    }
+    assert threads == {os.cpu_count(), 1}
 
 
 def test_ratios_agree_with_raw_figures(report):
