@@ -123,7 +123,7 @@ def fault_in(nbytes: int, threads: int) -> float:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = mmap.PAGESIZE
-    m = mmap.mmap(-1, nbytes)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as malloc maps it
     base = ctypes.addressof(ctypes.c_char.from_buffer(m))
     step = 256 << 10
     share = -(-nbytes // threads // page) * page
