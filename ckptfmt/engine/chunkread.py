@@ -502,9 +502,9 @@ class ChunkReader:
         """Read chunks of a remote file window by window: the requests of the next window are
         in flight with those of the one waited for, so the store always has about two windows
         of requests to answer (as a plain parallel download keeps its threads busy), and a
-        window's chunks' bytes are given back once read, so memory holds about two windows.  The requests are planned for all the chunks at once, so
-        that a window's edge never splits one; a chunk is read in the window whose requests
-        bring its last bytes in."""
+        window's chunks' bytes are given back once read, so memory holds about two windows.
+        The requests are planned for all the chunks at once, so that a window's edge never
+        splits one; a chunk is read in the window whose requests bring its last bytes in."""
         requests = remote.plan([self._stored_range(k) for k, _ in items])
         windows = _request_windows(requests)
         starts = [lo for lo, _ in requests]

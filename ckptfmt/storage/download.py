@@ -326,29 +326,17 @@ class RemoteObject:
             # a store that ignores If-Match (some S3-compatible ones do) serves the new version
             reply["Body"].close()
             raise StorageError(f"{what}: the object changed while it was being read", path=self.path)
-        body = reply["Body"]
-        try:
-            got, cut = read_body(body, view, self._timeout)
-        except BaseException as e:
-            if getattr(e, "ckptfmt_cut", False):
-                raise self._too_slow(what, e.ckptfmt_got) from None  # type: ignore[attr-defined]
-            raise
-        if got != len(view) and cut:
-            raise self._too_slow(what, got)
+        got, cut = read_body(reply["Body"], view, self._timeout)
         if got != len(view):
-            short = StorageError(f"{what}: the body ended after {got} bytes", path=self.path)
+            why = (
+                f"the answer {_missed_deadline(self._timeout, f'; {got} of its bytes came')}"
+                if cut
+                else f"the body ended after {got} bytes"
+            )
+            short = StorageError(f"{what}: {why}", path=self.path)
             short.ckptfmt_got = got  # type: ignore[attr-defined]
             raise short
         return got
-
-    def _too_slow(self, what: str, got: int) -> StorageError:
-        slow = StorageError(
-            f"{what}: the answer did not arrive within {self._timeout:g} s (storage option "
-            f"request_timeout; {got} of its bytes came)",
-            path=self.path,
-        )
-        slow.ckptfmt_got = got  # type: ignore[attr-defined]
-        return slow
 
     def sha256(self) -> bytes:
         """SHA-256 of the object's whole bytes, fetched window by window (the next one while
@@ -416,23 +404,12 @@ def _fetch_whole_once(client: Any, u: ObjectURL, url: str, limit: int, what: str
             with spool.view(0, size) as view:
                 got, cut = read_body(body, view, timeout) if size else (0, False)
             if got != size:
-                why = (
-                    f"did not arrive within {timeout:g} s (storage option request_timeout)"
-                    if cut
-                    else "ended"
-                )
+                why = _missed_deadline(timeout) if cut else "ended"
                 short = StorageError(f"read: the body {why} after {got} of {size} bytes", path=url)
                 short.ckptfmt_short = True  # type: ignore[attr-defined]
                 raise short
-        except BaseException as e:
+        except BaseException:
             spool.close()
-            if getattr(e, "ckptfmt_cut", False):  # tried again, as a short body is
-                slow = StorageError(
-                    f"read: the body did not arrive within {timeout:g} s (storage option request_timeout)",
-                    path=url,
-                )
-                slow.ckptfmt_short = True  # type: ignore[attr-defined]
-                raise slow from None
             raise
         return spool
     finally:
@@ -444,8 +421,8 @@ def read_body(body: Any, view: memoryview, timeout: float) -> tuple[int, bool]:
     seconds: how many bytes came, and whether the deadline cut the connection.  readinto
     blocks until its buffer is full, and a body that trickles in (a byte every few seconds)
     never trips the client's read timeout, so a watchdog shuts the connection down at the
-    deadline and the read returns.  An exception raised meanwhile carries ckptfmt_got (the
-    bytes that came) and ckptfmt_cut."""
+    deadline and the read returns (or fails: either way, what came and True).  Another
+    exception raised meanwhile carries ckptfmt_got, the bytes that came."""
     got = 0
     cut = threading.Event()
 
@@ -462,14 +439,19 @@ def read_body(body: Any, view: memoryview, timeout: float) -> tuple[int, bool]:
             if not n:
                 break
             got += n
-    except BaseException as e:
-        e.ckptfmt_got = got  # type: ignore[attr-defined]
-        e.ckptfmt_cut = cut.is_set()  # type: ignore[attr-defined]
-        raise
+    except Exception as e:
+        if not cut.is_set():
+            e.ckptfmt_got = got  # type: ignore[attr-defined]
+            raise
     finally:
         watchdog.cancel()
         body.close()
     return got, cut.is_set()
+
+
+def _missed_deadline(timeout: float, detail: str = "") -> str:
+    """How an answer that the deadline cut off is described in errors."""
+    return f"did not arrive within {timeout:g} s (storage option request_timeout{detail})"
 
 
 def _cut_connection(body: Any) -> None:
