@@ -736,3 +736,35 @@ def test_an_encrypted_save_and_load_do_not_import_cryptography(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "[]", out.stdout
     assert torch.equal(ckptfmt.load(path, decrypt_with=bytes(range(32)))["w"], torch.arange(10.0))
+
+
+@ENGINE_CRYPTO
+def test_a_damaged_encrypted_file_is_a_decryption_error_without_cryptography(tmp_path):
+    """With the engine, encrypted files need no ``cryptography``: every flipped bit of one is
+    still a CheckpointError (a changed index or wrapped key a DecryptionError), never an
+    ImportError from reaching for cryptography's InvalidTag."""
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "x.ckpt")
+    ckptfmt.save({"w": torch.arange(10.0)}, path, encrypt_with=bytes(range(32)))
+    code = (
+        "import sys\n"
+        "for m in ('cryptography', 'cryptography.exceptions', 'cryptography.hazmat'):\n"
+        "    sys.modules[m] = None  # as if not installed\n"
+        "import ckptfmt\n"
+        f"good = open({path!r}, 'rb').read()\n"
+        "seen = set()\n"
+        "for off in range(len(good)):\n"
+        "    bad = bytearray(good); bad[off] ^= 1\n"
+        f"    open({path!r}, 'wb').write(bad)\n"
+        "    try:\n"
+        f"        ckptfmt.load({path!r}, decrypt_with=bytes(range(32)))\n"
+        "    except ckptfmt.CheckpointError as e:\n"
+        "        seen.add(type(e).__name__)\n"
+        "print(sorted(seen))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CKPTFMT_BACKEND"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "DecryptionError" in out.stdout, out.stdout

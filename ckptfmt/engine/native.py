@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointWarning
+from ..format.encryption import TagMismatch
 
 #: why the engine could not be imported (None when it was)
 NOT_BUILT: str | None = None
@@ -116,7 +117,8 @@ class EngineGCM:
 
     def decrypt(self, nonce: bytes, data: bytes, aad: bytes | None) -> bytes:
         """The plaintext of `data` (ciphertext then its 16-byte tag); cryptography's InvalidTag
-        (imported only then) when the tag does not match."""
+        (imported only then) when the tag does not match, or format.encryption.TagMismatch
+        where cryptography is not installed."""
         assert lib is not None and ffi is not None
         if len(nonce) != 12:
             raise ValueError("EngineGCM takes 12-byte nonces")
@@ -126,8 +128,10 @@ class EngineGCM:
         if n < 0 or not lib.ckf_gcm_open(
             self._key, nonce, aad, len(aad), bytes(data[:n]), n, out, ffi.new("uint8_t[16]", bytes(data[n:]))
         ):
-            from cryptography.exceptions import InvalidTag
-
+            try:
+                from cryptography.exceptions import InvalidTag
+            except ImportError:
+                raise TagMismatch from None
             raise InvalidTag
         return bytes(ffi.buffer(out, n))
 

@@ -116,10 +116,19 @@ def aesgcm(key: bytes) -> Any:
 small_gcm: Callable[[bytes], Any] = aesgcm
 
 
-def invalid_tag() -> type[Exception]:
-    from cryptography.exceptions import InvalidTag
+class TagMismatch(Exception):
+    """A GCM tag did not match, from the engine's GCM where ``cryptography`` (whose InvalidTag
+    it would otherwise raise) is not installed: with the engine, encrypted files need no
+    ``cryptography``, and a damaged one must still be a DecryptionError."""
 
-    return InvalidTag
+
+def invalid_tag() -> tuple[type[Exception], ...]:
+    """The exceptions a failed GCM tag raises (for an except clause: evaluated only then)."""
+    try:
+        from cryptography.exceptions import InvalidTag
+    except ImportError:
+        return (TagMismatch,)
+    return (TagMismatch, InvalidTag)
 
 
 @dataclass(frozen=True)
