@@ -223,7 +223,7 @@ def object_copy(url: str, options: dict[str, Any]) -> Iterator[str]:
     fetched."""
     with workdirs.held(workdirs.DOWNLOAD) as workdir:
         local = os.path.join(workdir, LOCAL_NAME)
-        remote = RemoteObject(url, options)
+        remote = RemoteObject(url, options, fetch_index=False)  # copied whole, never parsed
         try:
             _check_room(workdir, remote.size, url)
             with open(local, "wb") as out:
