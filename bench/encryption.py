@@ -42,7 +42,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import command_line, normal_state, parse_size, rotated, summarise, write_json  # noqa: E402
+from common import command_line, fsync_path, normal_state, parse_size, rotated, summarise, write_json  # noqa: E402
 
 VARIANTS = ["plain", "encrypted", "signed_encrypted"]
 #: tensorizer's own format, plain and encrypted (measured when the package is installed)
@@ -67,11 +67,7 @@ def tensorizer_child(kind: str, path: str, kek: bytes, size: int) -> float:
         writer = TensorSerializer(path, encryption=EncryptionParams(kek) if encrypted else None)
         writer.write_state_dict(state)
         writer.close()
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path)
         return time.perf_counter() - t
     t = time.perf_counter()
     reader = TensorDeserializer(

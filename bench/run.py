@@ -20,7 +20,7 @@ How it measures (the report repeats this, with the machine's state):
   resident bytes, in its own process (what checking adds), and, in fresh processes
   of their own among the load rows, the state's bytes of fresh memory faulted in on
   all cores and on one (what any copy into fresh memory pays); the report states the
-  copy comparison's bound from them.
+  share of its floor each copy reaches.
 * Warm rows read from tmpfs (/dev/shm) and from the disk's page cache (each disk
   file's residency is checked with mincore before its row); a round runs every row
   once, in an order rotated from round to round.  A second pass re-runs the main
@@ -449,7 +449,7 @@ def markdown(rep: dict[str, Any]) -> str:
             f"The copies' floor, {f['location']}: the state's bytes of fresh memory faulted in (fresh "
             f"processes) and read once by the consumer take {f['all_cores']:.3f} s on all cores and "
             f"{f['one_core']:.3f} s on one (medians).  ckptfmt.load, which faults on all cores, reaches "
-            f"**{f['ckptfmt_share']:.2f}** of the first (its time over the floor's); torch.load, which "
+            f"**{f['ckptfmt_share']:.2f}** of the first (the floor's time over its own); torch.load, which "
             f"faults on one thread, **{f['torch_share']:.2f}** of the second.",
         ]
     lines += ["", "## Cold from the disk (file evicted with posix_fadvise before each row)", ""]
