@@ -6,7 +6,8 @@ scheduler's SIGKILL) can remove nothing, so each folder is named as the engine n
 temp entries (engine/commit.py: ``.<kind>.ckptfmt-tmp.<host>.<pid>.<start>.<random>``), and
 every new folder first removes those whose process is gone.  The temporary folder
 (``TMPDIR``) may be shared with other users: it is read through a CheckpointDir (no link
-followed, only these names touched) and a folder that cannot be examined or removed is left.
+followed, only these names touched), and a folder of another user (made by none of our
+processes, whatever its name says) or one that cannot be examined or removed is left.
 """
 
 from __future__ import annotations
@@ -74,13 +75,27 @@ def held(kind: str) -> Iterator[str]:
 
 
 def remove_abandoned(d: CheckpointDir) -> list[str]:
-    """Remove the folders of these kinds in `d` that no live process owns; their names."""
+    """Remove the folders of these kinds in `d`, made by this user, that no live process owns;
+    their names."""
     removed = []
     for name in d.names():
         parsed = commit.parse_temp_name(name)
-        if parsed is None or parsed[0] not in _KINDS or not commit.abandoned_temp_dir(d, name):
+        if parsed is None or parsed[0] not in _KINDS or not _made_by_us(d, name):
+            continue
+        if not commit.abandoned_temp_dir(d, name):
             continue
         with contextlib.suppress(OSError, CheckpointError):
             if d.remove_tree(name):
                 removed.append(name)
     return removed
+
+
+def _made_by_us(d: CheckpointDir, name: str) -> bool:
+    """Whether entry `name` of `d` belongs to this process's user: in a shared temporary
+    folder anyone can give a folder our names, and a process that may remove any folder
+    (root) must not remove another user's."""
+    try:
+        st = d.lstat(name)
+    except OSError:
+        return False
+    return st is not None and st.st_uid == os.geteuid()
