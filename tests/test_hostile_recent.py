@@ -37,3 +37,49 @@ def test_a_dead_processs_folder_of_another_user_is_left(tmp_path: pathlib.Path) 
     with CheckpointDir.open(tmp_path) as d:
         assert workdirs.remove_abandoned(d) == [ours.name]
     assert (theirs / "their-file").read_bytes() == b"y"
+
+
+def _encrypted_file(tmp_path: pathlib.Path) -> tuple[pathlib.Path, bytes, int]:
+    """(an encrypted file, its key, where its encryption block starts)."""
+    import torch
+
+    import ckptfmt
+    from ckptfmt.format import layout as fmt
+
+    key = bytes(range(32))
+    path = tmp_path / "e.ckpt"
+    ckptfmt.save({"w": torch.ones(4)}, path, encrypt_with=key)
+    data = path.read_bytes()
+    prologue = fmt.parse_prologue(data[: fmt.PROLOGUE_SIZE], len(data), str(path))
+    footer = fmt.parse_footer(data[-fmt.FOOTER_SIZE :], prologue, str(path))
+    return path, key, len(data) - fmt.FOOTER_SIZE - footer.signature_length
+
+
+@pytest.mark.parametrize("part", ["wrapped key", "index tag"])
+def test_a_tampered_key_wrap_or_index_is_refused_without_cryptography(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, part: str
+) -> None:
+    """Where the engine's libcrypto seals and opens the key wrap and the index, the
+    ``cryptography`` package need not be installed: a changed wrapped key or index tag is
+    then a DecryptionError naming the file, never an ImportError."""
+    import ckptfmt
+    from ckptfmt.engine import native
+    from ckptfmt.format import encryption as enc
+
+    if not native.crypto_available():
+        pytest.skip("needs the engine built with libcrypto")
+    path, key, block_at = _encrypted_file(tmp_path)
+    # the wrapped key follows the block's header and its nonce; the index tag ends the header
+    at = (
+        block_at + enc.HEADER_SIZE + enc.NONCE_SIZE
+        if part == "wrapped key"
+        else block_at + enc.HEADER_SIZE - 1
+    )
+    data = bytearray(path.read_bytes())
+    data[at] ^= 1
+    path.write_bytes(data)
+    for name in [m for m in sys.modules if m == "cryptography" or m.startswith("cryptography.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "cryptography", None)
+    with pytest.raises(ckptfmt.DecryptionError, match=f"^{path}: .*GCM tag"):
+        ckptfmt.load(path, decrypt_with=key)
