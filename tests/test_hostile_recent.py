@@ -83,3 +83,30 @@ def test_a_tampered_key_wrap_or_index_is_refused_without_cryptography(
     monkeypatch.setitem(sys.modules, "cryptography", None)
     with pytest.raises(ckptfmt.DecryptionError, match=f"^{path}: .*GCM tag"):
         ckptfmt.load(path, decrypt_with=key)
+
+
+def test_a_temporary_folder_that_leads_to_a_fifo_is_named_for_what_it_is(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TMPDIR is the user's choice, and a link in it is followed: one that leads to a FIFO
+    is refused as not a directory, not as a link that was never followed (it was)."""
+    import tempfile
+
+    from ckptfmt.engine.ckptdir import LinkError
+    from ckptfmt.integrations.lightning import workdirs
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "link").symlink_to(tmp_path / "fifo")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "link"))
+    with pytest.raises(LinkError, match=f"^{tmp_path / 'link'}: not a directory where a directory must be$"):
+        workdirs.make(workdirs.UPLOAD)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "link").unlink()
+    (tmp_path / "link").symlink_to(tmp_path / "dir")
+    path = workdirs.make(workdirs.DOWNLOAD)
+    try:
+        assert os.path.dirname(path) == str(tmp_path / "link")
+        assert [p.name for p in (tmp_path / "dir").iterdir()] == [os.path.basename(path)]
+    finally:
+        workdirs.remove(path)
+    assert list((tmp_path / "dir").iterdir()) == []

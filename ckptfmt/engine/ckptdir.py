@@ -78,7 +78,7 @@ class CheckpointDir:
         try:
             fd = os.open(path, _DIR_FLAGS & ~os.O_NOFOLLOW)
         except OSError as e:
-            raise _open_error(e, path, "directory") from None
+            raise _open_error(e, path, "directory", followed=True) from None
         return cls(fd, path)
 
     def sub(self, name: str) -> CheckpointDir:
@@ -287,14 +287,20 @@ def _naming(where: str) -> Iterator[None]:
         raise
 
 
-def _open_error(e: OSError, where: str, kind: str) -> OSError | CorruptError | UnsupportedError:
+def _open_error(
+    e: OSError, where: str, kind: str, *, followed: bool = False
+) -> OSError | CorruptError | UnsupportedError:
     """What a failed open of an entry means to a user: a link or the wrong kind of entry is
-    refused as LinkError; a missing one stays FileNotFoundError; others keep their errno."""
+    refused as LinkError; a missing one stays FileNotFoundError; others keep their errno.
+    `followed`: the open followed links (a path the caller trusts), so a link that failed led
+    to something else, which the message names."""
     if e.errno == errno.ELOOP:
         return LinkError(f"a symbolic link where a {kind} must be (never followed)", path=where)
     if e.errno == errno.ENXIO:  # a socket (or a device without its driver) put there meanwhile
         return UnsupportedError(f"not a regular {kind}", path=where)
     if e.errno == errno.ENOTDIR:  # O_DIRECTORY | O_NOFOLLOW on a link fails this way too
+        if followed:
+            return LinkError(f"not a directory where a {kind} must be", path=where)
         link = os.path.islink(where)  # only to word the message: nothing is opened through it
         what = "a symbolic link" if link else "not a directory"
         return LinkError(f"{what} where a {kind} must be (never followed)", path=where)
