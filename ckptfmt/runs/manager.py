@@ -40,7 +40,7 @@ from typing import Any
 from ..background import inflight
 from ..engine import commit
 from ..engine.ckptdir import CheckpointDir, LinkError
-from ..errors import CheckpointError, CheckpointWarning, CorruptError, SignatureError, UnsupportedError
+from ..errors import CheckpointError, CheckpointWarning, CorruptError, SignatureError
 from ..fileio import is_url
 from ..files import encryption, multifile, recordsign
 from ..files import load_into as inplace
@@ -314,10 +314,6 @@ class CheckpointManager:
         if is_sharded_save(state):  # every rank saves its shard; the step commits like any other
             from . import sharded
 
-            if self._encrypt is not None:
-                raise UnsupportedError(
-                    "encrypted runs are saved by one process in this version", path=self.directory
-                )
             sharded.save_step(self, step, state, metrics, meta, scan)
             return None
         from .rng import capture_rng
@@ -701,7 +697,7 @@ class CheckpointManager:
         if info.layout == "dcp":  # saved by several ranks: assembled here with full tensors
             from . import sharded
 
-            return sharded.load_step(info, self._trusted, self._store_options())
+            return sharded.load_step(info, self._trusted, self._store_options(), self._decrypt)
         devices.check_map_location(map_location)
         with self._state_file(info) as f:
             payload = f.load_subtree(f.tree.root, map_location, True)
@@ -761,7 +757,9 @@ class CheckpointManager:
         if info.layout == "dcp":  # saved by several ranks: loaded into this run's sharding
             from . import sharded
 
-            return sharded.load_step_into(info, state, restore_rng, self._trusted, self._store_options())
+            return sharded.load_step_into(
+                info, state, restore_rng, self._trusted, self._store_options(), self._decrypt
+            )
         with self._state_file(info) as f:
             root = resume.node_items(f, f.tree.root)  # its entries: check_step
             fp, rng_state = resume_entries(f)

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..background import inflight
-from ..errors import CheckpointError, CorruptError, UnsupportedError
+from ..errors import CheckpointError, CorruptError
 from ..files import multifile
 from ..files import save as writer
 from ..files.places import ObjectPlace
@@ -105,10 +105,6 @@ class ObjectRunManager(CheckpointManager):
         if is_sharded_save(state):  # every rank uploads its shard (sharded.py)
             from . import sharded
 
-            if self._encrypt is not None:
-                raise UnsupportedError(
-                    "encrypted runs are saved by one process in this version", path=self.directory
-                )
             sharded.save_object_step(self, step, state, metrics, meta)
             return None
         statuses = self._prepare_step(step)

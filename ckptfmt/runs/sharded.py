@@ -134,6 +134,7 @@ def save_step(
             metadata=meta,
             compression=manager.compression,
             sign_with=manager._sign_key,
+            encrypt_with=manager._encrypt,
             _within=held(job) if job is not None else None,
             _step_dir=True,
         )
@@ -182,6 +183,7 @@ def save_object_step(
         metadata=meta,
         compression=manager.compression,
         sign_with=manager._sign_key,
+        encrypt_with=manager._encrypt,
         storage_options=manager.run.options,
     )
     if rank == 0:
@@ -224,10 +226,11 @@ def _reading(info: CheckpointInfo, storage_options: dict[str, Any] | None) -> It
         yield {"_within": d}
 
 
-def _step_reader(info: CheckpointInfo, where: dict[str, Any], trusted: Any) -> Reader:
+def _step_reader(info: CheckpointInfo, where: dict[str, Any], trusted: Any, decrypt: Any) -> Reader:
     """A Reader of step `info` (`where`: _reading's), its record read and checked to be that
-    step's (`trusted`: public keys, one of which must have signed it)."""
-    reader = Reader(info.path, trusted_keys=trusted, **where)
+    step's (`trusted`: public keys, one of which must have signed it; `decrypt`: the key of an
+    encrypted run)."""
+    reader = Reader(info.path, trusted_keys=trusted, decrypt_with=decrypt, **where)
     try:
         reader.read_metadata()
         record = reader.record
@@ -243,11 +246,14 @@ def _step_reader(info: CheckpointInfo, where: dict[str, Any], trusted: Any) -> R
 
 
 def load_step(
-    info: CheckpointInfo, trusted: Any = None, storage_options: dict[str, Any] | None = None
+    info: CheckpointInfo,
+    trusted: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    decrypt: Any = None,
 ) -> Any:
     """The whole saved state of a sharded step, full tensors, in this process."""
     with _reading(info, storage_options) as where:
-        reader = _step_reader(info, where, trusted)
+        reader = _step_reader(info, where, trusted, decrypt)
         try:
             # bounded and checked as consolidate is; every error a CheckpointError, never DCP's own
             return load_full(reader, _subset(reader.read_metadata(), ("state",)), info.path).get("state")
@@ -261,15 +267,17 @@ def load_step_into(
     restore_rng: bool,
     trusted: Any = None,
     storage_options: dict[str, Any] | None = None,
+    decrypt: Any = None,
 ) -> resume.ResumeReport:
     """Fill `state` (in place, in this run's sharding) from a sharded step; restore this rank's
     RNG states when the step holds them (same world size).  Every rank calls it.  `trusted`:
-    public keys, one of which must have signed the step (spec 16.7)."""
+    public keys, one of which must have signed the step (spec 16.7); `decrypt`: the key of an
+    encrypted run."""
     from .rng import restore_rng as restore
 
     rank = _rank()
     with _reading(info, storage_options) as where:  # every local read beneath the step directory
-        reader = _step_reader(info, where, trusted)
+        reader = _step_reader(info, where, trusted, decrypt)
         try:
             md = reader.read_metadata()
         finally:
@@ -277,9 +285,9 @@ def load_step_into(
         for obj in _stateful(state):
             if isinstance(obj, torch.optim.Optimizer) and not obj.state:
                 _init_optimizer_state(obj)
-        saved = _checked_rng(md, info.path, rank, where, trusted)  # before DCP loads into the caller's
+        saved = _checked_rng(md, info.path, rank, where, trusted, decrypt)  # before DCP fills the caller's
         target: dict[str, Any] = {"state": resume.to_storable(state)}
-        load(target, info.path, trusted_keys=trusted, **where)
+        load(target, info.path, trusted_keys=trusted, decrypt_with=decrypt, **where)
     _push_back(state, target["state"])
     report = resume.ResumeReport(step=info.step, path=info.path)
     if restore_rng and saved is not None:
@@ -288,7 +296,7 @@ def load_step_into(
     return report
 
 
-def _checked_rng(md: Any, path: str, rank: int, where: dict[str, Any], trusted: Any) -> Any:
+def _checked_rng(md: Any, path: str, rank: int, where: dict[str, Any], trusted: Any, decrypt: Any) -> Any:
     """This rank's RNG states from a sharded step (None when it holds none), read and checked
     to be what restore_rng restores before anything of the caller's is filled: a malformed
     capture fails the load while the caller's objects are as they were."""
@@ -299,7 +307,7 @@ def _checked_rng(md: Any, path: str, rank: int, where: dict[str, Any], trusted: 
     # every rank takes part in the load (a collective), a rank the step holds no RNG states
     # of (a step saved on fewer ranks) with nothing to read
     target: dict[str, Any] = {"rng": rng} if rng else {}
-    load(target, path, trusted_keys=trusted, **where)
+    load(target, path, trusted_keys=trusted, decrypt_with=decrypt, **where)
     if not rng:
         return None
     saved = target["rng"][key]
