@@ -350,11 +350,26 @@ def async_save(
     The rest runs in DCP's background thread (``dcp.async_save``) on a dedicated gloo
     group.  The future resolves to DCP's Metadata, or raises a CheckpointError.
     """
+    return save_in_background(state_dict, path, process_group=process_group, stager=stager, **options)
+
+
+def save_in_background(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    stager: Stager | None = None,
+    within: CheckpointDir | None = None,
+    step_dir: bool = False,
+    **options: Unpack[SaveOptions],
+) -> concurrent.futures.Future[Metadata]:
+    """async_save for ckptfmt's own callers: `within` and `step_dir` as for ``Writer`` (the
+    checkpoint manager's step directory, held open and locked by rank 0)."""
     st = stager or _DEFAULT_STAGER
     group = _checkpoint_group(process_group)
     if not _distributed():  # DCP warns from its own thread: filter just that message
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-    w, planner = _set_up_save(path, group, "async", options)
+    w, planner = _set_up_save(path, group, "async", options, within, step_dir)
     target = w.path
     inner = dcp.async_save(
         state_dict,

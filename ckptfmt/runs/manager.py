@@ -314,8 +314,7 @@ class CheckpointManager:
         if is_sharded_save(state):  # every rank saves its shard; the step commits like any other
             from . import sharded
 
-            sharded.save_step(self, step, state, metrics, meta, scan)
-            return None
+            return sharded.save_step(self, step, state, metrics, meta, scan)
         from .rng import capture_rng
 
         payload = resume.build_payload(state, step, capture_rng())
@@ -460,12 +459,15 @@ class CheckpointManager:
                 before.join()  # commits happen in the order of the saves
             if job.file_handle is not None:
                 job.file_handle.wait()
-            self._commit(job)
+            if job.layout == "state":  # a save of several ranks: DCP's coordinator wrote it
+                self._commit(job)
         except BaseException as e:
             exc = e
         try:
-            if exc is None:
-                if self._archiver is not None:
+            if not job.coordinator:
+                pass  # another rank holds the step directory, and rotates or removes it
+            elif exc is None:
+                if self._archiver is not None and job.layout == "state":
                     self._archiver.submit(job.step, job.path)
                 self._rotate()
             else:

@@ -105,8 +105,7 @@ class ObjectRunManager(CheckpointManager):
         if is_sharded_save(state):  # every rank uploads its shard (sharded.py)
             from . import sharded
 
-            sharded.save_object_step(self, step, state, metrics, meta)
-            return None
+            return sharded.save_object_step(self, step, state, metrics, meta)
         statuses = self._prepare_step(step)
         from .rng import capture_rng
 
@@ -188,6 +187,8 @@ class ObjectRunManager(CheckpointManager):
     def _abandon(self, job: StepJob) -> None:
         if job.file_handle is not None and not job.file_handle.done():
             job.file_handle.exception()
+        if job.layout == "dcp":  # the ranks' objects: no rank knows all of them to be its own,
+            return  # the next save of the step removes them as a leftover without a record
         self._tidy(job.path, lambda: self.run.delete_step(job.step))
 
     def _rotate(self) -> None:

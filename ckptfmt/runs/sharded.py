@@ -19,6 +19,7 @@ the saving world size keep theirs).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import os
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 
 from ..background.inflight import SaveHandle
-from ..dcp.api import load, save
+from ..dcp.api import load, save, save_in_background
 from ..dcp.convert import load_full, skeleton
 from ..dcp.storage import Reader
 from ..engine.ckptdir import CheckpointDir
@@ -90,84 +91,37 @@ def save_step(
     metrics: dict[str, float],
     meta: dict[str, str],
     scan: RunScan,
-) -> None:
-    """Save `state` as step `step` of `manager`'s run; every rank calls it (blocking).  `scan`:
-    the save's scan of the run directory (rank 0 cleans up and makes the step by it)."""
-    from .rng import capture_rng
-
-    if manager.incremental:
-        raise UnsupportedError(
-            "incremental saves of a sharded run (several ranks, or DTensors) are not supported"
-        )
-    if not manager.blocking:
-        warnings.warn(
-            "a sharded run (several ranks, or DTensors) saves blocking: non-blocking sharded saves "
-            "are not implemented",
-            CheckpointWarning,
-            stacklevel=3,
-        )
-    rank = dist.get_rank()
-    # a tuple is a leaf to DCP: the RNG states stay one value (DCP would drop their empty dicts)
-    payload = {"state": resume.to_storable(state), "rng": {rng_key(rank): (capture_rng(),)}}
-    job = None
+) -> SaveHandle | None:
+    """Save `state` as step `step` of `manager`'s run; every rank calls it.  `scan`: the save's
+    scan of the run directory (rank 0 cleans up and makes the step by it).  See _save_shards."""
+    job = _job(manager, step, os.path.join(manager.directory, step_dirname(step)), metrics, meta)
+    payload = _payload(state)
     problem: list[str | None] = [None]
-    if rank == 0:
+    if job.coordinator:
         try:
             manager._cleanup(scan)
-            path, lock_fd = manager._make_step_dir(step, scan)
-            job = StepJob(step, path, lock_fd, metrics, meta, SaveHandle(path))
+            job.path, job.lock_fd = manager._make_step_dir(step, scan)
         except (OSError, CheckpointError) as e:
             problem[0] = str(e)
     dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
         raise CheckpointError(f"rank 0 could not make the directory of step {step}: {problem[0]}")
-    path = os.path.join(manager.directory, step_dirname(step))
-    try:
-        # Every write, unlink and listing is made beneath the step directory's descriptor:
-        # rank 0 writes beneath the directory it made and holds locked; the other ranks open
-        # it beneath the run directory without following a link (spec 13.6).
-        save(
-            payload,
-            path,
-            step=step,
-            metrics=metrics,
-            metadata=meta,
-            compression=manager.compression,
-            sign_with=manager._sign_key,
-            encrypt_with=manager._encrypt,
-            _within=held(job) if job is not None else None,
-            _step_dir=True,
-        )
-    except BaseException:
-        if job is not None:
-            manager._abandon(job)
-        raise
-    if job is not None:
-        os.close(job.lock_fd)
-        job.lock_fd = -1
-        try:
-            manager._rotate()
-        except (OSError, CheckpointError) as e:
-            warnings.warn(f"rotation in {manager.directory} failed: {e}", CheckpointWarning, stacklevel=3)
-    dist.barrier()  # when save() returns on any rank, the step is committed and rotated
+    # Every write, unlink and listing is made beneath the step directory's descriptor: rank 0
+    # writes beneath the directory it made and holds locked; the other ranks open it beneath
+    # the run directory without following a link (spec 13.6).
+    return _save_shards(manager, job, payload, held(job) if job.coordinator else None, None)
 
 
 def save_object_step(
     manager: ObjectRunManager, step: int, state: Any, metrics: dict[str, float], meta: dict[str, str]
-) -> None:
+) -> SaveHandle | None:
     """save_step for a run on an object store: rank 0 checks the step is new and cleans up;
     every rank uploads its shard; DCP's coordinator creates the step's commit record (layout
     "dcp", only if absent) last; rank 0 rotates."""
-    from .rng import capture_rng
-
-    if manager.incremental:
-        raise UnsupportedError(
-            "incremental saves of a sharded run (several ranks, or DTensors) are not supported"
-        )
-    rank = dist.get_rank()
-    payload = {"state": resume.to_storable(state), "rng": {rng_key(rank): (capture_rng(),)}}
+    job = _job(manager, step, manager.run.step_path(step), metrics, meta)
+    payload = _payload(state)
     problem: list[str | None] = [None]
-    if rank == 0:
+    if job.coordinator:
         try:
             manager._prepare_step(step)
         except (OSError, CheckpointError, ValueError) as e:
@@ -175,23 +129,89 @@ def save_object_step(
     dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
         raise CheckpointError(f"rank 0 cannot save step {step}: {problem[0]}", path=manager.directory)
-    save(
-        payload,
-        manager.run.step_path(step),
-        step=step,
-        metrics=metrics,
-        metadata=meta,
-        compression=manager.compression,
-        sign_with=manager._sign_key,
-        encrypt_with=manager._encrypt,
-        storage_options=manager.run.options,
-    )
-    if rank == 0:
+    return _save_shards(manager, job, payload, None, manager.run.options)
+
+
+def _job(
+    manager: CheckpointManager, step: int, path: str, metrics: dict[str, float], meta: dict[str, str]
+) -> StepJob:
+    """This rank's part of the save of `step`: rank 0 is its coordinator (it holds the step
+    directory, rotates and removes a failed step); DCP's coordinator writes the record."""
+    if manager.incremental:
+        raise UnsupportedError(
+            "incremental saves of a sharded run (several ranks, or DTensors) are not supported"
+        )
+    job = StepJob(step, path, -1, metrics, meta, SaveHandle(path))
+    job.layout = "dcp"
+    job.coordinator = dist.get_rank() == 0
+    return job
+
+
+def _payload(state: Any) -> dict[str, Any]:
+    """What a rank saves: its part of the state, and its RNG states (a tuple is a leaf to DCP:
+    the RNG states stay one value, DCP would drop their empty dicts)."""
+    from .rng import capture_rng
+
+    return {"state": resume.to_storable(state), "rng": {rng_key(dist.get_rank()): (capture_rng(),)}}
+
+
+def _save_shards(
+    manager: CheckpointManager,
+    job: StepJob,
+    payload: dict[str, Any],
+    within: CheckpointDir | None,
+    storage_options: dict[str, Any] | None,
+) -> SaveHandle | None:
+    """Write this rank's shard of `job`'s step.  Blocking: returns once the step is committed
+    and rotated on every rank.  Non-blocking: returns a SaveHandle once the shard is staged;
+    the rest runs in DCP's background thread, and the coordinator rotates (or removes the
+    failed step) after the commit, in the order of the saves, as a single process does."""
+    options: dict[str, Any] = {
+        "step": job.step,
+        "metrics": job.metrics,
+        "metadata": job.metadata,
+        "compression": manager.compression,
+        "sign_with": manager._sign_key,
+        "encrypt_with": manager._encrypt,
+        "storage_options": storage_options,
+    }
+    local = storage_options is None
+    try:
+        if not manager.blocking:
+            future = save_in_background(payload, job.path, within=within, step_dir=local, **options)
+            job.file_handle = _FutureHandle(future)
+            return manager._commit_when_written(job)
+        save(payload, job.path, _within=within, _step_dir=local, **options)
+    except BaseException:
+        if job.coordinator and job.file_handle is None:
+            manager._abandon(job)
+        raise
+    if job.coordinator:
+        if job.lock_fd >= 0:
+            os.close(job.lock_fd)
+            job.lock_fd = -1
         try:
             manager._rotate()
         except (OSError, CheckpointError) as e:
-            warnings.warn(f"rotation in {manager.directory} failed: {e}", CheckpointWarning, stacklevel=3)
+            warnings.warn(f"rotation in {manager.directory} failed: {e}", CheckpointWarning, stacklevel=4)
     dist.barrier()  # when save() returns on any rank, the step is committed and rotated
+    return None
+
+
+class _FutureHandle:
+    """A background DCP save seen as the file handle a manager's commit thread waits for."""
+
+    def __init__(self, future: concurrent.futures.Future[Any]) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> None:
+        self._future.result()
+
+    def exception(self) -> BaseException | None:
+        return self._future.exception()
 
 
 def _subset(md: Metadata, prefix: tuple[str, ...]) -> Metadata:

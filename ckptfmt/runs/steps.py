@@ -96,6 +96,12 @@ class StepJob:
     thread: threading.Thread | None = None
     file_handle: Any = None
     base: str | None = None  # the state file an incremental save refers to
+    #: who writes the commit record: "state", the manager once the state file is written;
+    #: "dcp", DCP's coordinator as the last act of a save of several ranks
+    layout: str = "state"
+    #: whether this process holds the step directory: it archives and rotates after the
+    #: commit, or removes the step when the save fails (rank 0 of a save of several ranks)
+    coordinator: bool = True
 
 
 def held(job: StepJob) -> CheckpointDir:
