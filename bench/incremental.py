@@ -5,8 +5,8 @@ bytes are frozen (base weights under LoRA, embedding tables) and 5% change befor
 every save.  Each round measures, in rotating order (the incremental save after its base):
 
 * plain:       ckptfmt.save, the ordinary full save (no digests), for reference;
-* full:        ckptfmt.runs.incremental.save without a base (every chunk, with digests);
-* incremental: ckptfmt.runs.incremental.save against that round's full file;
+* full:        ckptfmt.files.incremental.save without a base (every chunk, with digests);
+* incremental: ckptfmt.files.incremental.save against that round's full file;
 * manager_full, manager_incremental: the same two saves through
   CheckpointManager(incremental=True), commit record and RNG capture included.
 
@@ -39,7 +39,7 @@ from common import machine_state, parse_size, timed  # noqa: E402
 from common import summarise as med  # noqa: E402
 
 import ckptfmt  # noqa: E402
-from ckptfmt.runs import incremental  # noqa: E402
+from ckptfmt.files import incremental  # noqa: E402
 
 TENSOR_BYTES = 16 << 20  # each frozen tensor; trainable ones are smaller
 TARGET_BYTES, TARGET_TIME = 0.10, 0.20

@@ -248,7 +248,7 @@ def test_a_foreign_file_its_reader_refuses_is_1(tmp_path):
 
 def test_inspect_of_an_incremental_file_whose_base_is_gone(tmp_path):
     """The tree is shown, then one line on stderr names the missing file; 1, as verify --quick."""
-    from ckptfmt.runs import incremental
+    from ckptfmt.files import incremental
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

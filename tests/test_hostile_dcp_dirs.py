@@ -30,8 +30,8 @@ from ckptfmt.dcp import check as dcp_check
 from ckptfmt.dcp import storage
 from ckptfmt.engine.ckptdir import CheckpointDir, LinkError
 from ckptfmt.errors import CheckpointError, CorruptError
-from ckptfmt.files import multifile
-from ckptfmt.runs import incremental, sharded
+from ckptfmt.files import incremental, multifile
+from ckptfmt.runs import sharded
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -14,9 +14,9 @@ import torch
 
 import ckptfmt
 from ckptfmt import CheckpointManager
+from ckptfmt.files import incremental
 from ckptfmt.files import reader as reader_module
 from ckptfmt.files.reader import CheckpointFile
-from ckptfmt.runs import incremental
 
 FROZEN = torch.arange(1 << 16, dtype=torch.float32)  # 256 KiB: referred to, never written again
 

@@ -21,10 +21,9 @@ from hypothesis import strategies as st
 
 import ckptfmt
 from ckptfmt.engine import native as _native
-from ckptfmt.files import reader
+from ckptfmt.files import incremental, reader
 from ckptfmt.files.reader import CheckpointFile
 from ckptfmt.format import layout as fmt
-from ckptfmt.runs import incremental
 
 BACKENDS = ["c", "python"]
 CORPUS = os.path.join(os.path.dirname(__file__), "corpus")

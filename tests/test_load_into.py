@@ -18,11 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt.files import fillplan
+from ckptfmt.files import fillplan, incremental
 from ckptfmt.files import load_into as inplace
 from ckptfmt.files.load_into import FileChangedError, PartialLoadError
 from ckptfmt.files.reader import CheckpointFile
-from ckptfmt.runs import incremental
 
 BACKENDS = pytest.mark.parametrize("backend", ["c", "python"])
 

@@ -60,7 +60,7 @@ def _consolidate_dcp(src: str, dst: str, args: argparse.Namespace) -> dict[str, 
 
 
 def _consolidate_file(src: str, dst: str, args: argparse.Namespace) -> dict[str, Any]:
-    from ..runs.incremental import consolidate
+    from ..files.incremental import consolidate
 
     require_ckptfmt(src)
     return dataclasses.asdict(consolidate(src, dst, compression=args.compression, level=args.level))

@@ -426,7 +426,7 @@ class CheckpointManager:
         `within`: the locked step directory it is written beneath; `storage_options`: the
         client's settings where `target` lies on an object store."""
         if self.incremental:
-            from . import incremental
+            from ..files import incremental
 
             return incremental.save(
                 payload,

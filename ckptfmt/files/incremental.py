@@ -34,10 +34,6 @@ from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
 from ..errors import CheckpointWarning
 from ..fileio import is_url, open_regular, pread_exact
-from ..files import encryption
-from ..files import save as writer
-from ..files.encryption import save_and_read_keys
-from ..files.reader import CheckpointFile
 from ..format import dtypes
 from ..format import layout as fmt
 from ..format.encode import Encoded, StoragePlan
@@ -46,6 +42,10 @@ from ..storage.client import check_options
 from ..storage.download import RemoteObject
 from ..storage.upload import ObjectFile
 from ..storage.urls import parse_url
+from . import encryption
+from . import save as writer
+from .encryption import save_and_read_keys
+from .reader import CheckpointFile
 
 #: raw bytes consolidate() reads (verified) and writes per step
 _CONSOLIDATE_WINDOW = 64 << 20
