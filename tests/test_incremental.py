@@ -635,3 +635,39 @@ def test_consolidate_keeps_device_tags_and_tree(tmp_path):
     assert _index(out)["nodes"] == _index(b)["nodes"]
     assert _index(out)["storages"] == _index(b)["storages"]
     assert_same(state, ckptfmt.load(out))
+
+
+# -- DCP saves against a base (cdcp.save(..., incremental=True / base=)) --------------------------
+
+
+def test_dcp_saves_against_a_base(tmp_path):
+    """A DCP save with base= writes only what changed, its record names the base's files it
+    reads from, it loads and verifies; with the base's file gone, the load fails naming it."""
+    from ckptfmt import dcp as cdcp
+    from ckptfmt.files import multifile
+
+    frozen = torch.arange(1 << 18, dtype=torch.float32)
+    first, second = tmp_path / "d1", tmp_path / "d2"
+    cdcp.save({"frozen": frozen.clone(), "lora": torch.zeros(100), "n": 1}, str(first), incremental=True)
+    cdcp.save({"frozen": frozen.clone(), "lora": torch.ones(100), "n": 2}, str(second), base=str(first))
+    assert (first / "rank-00000.ckpt").stat().st_size > frozen.numel() * 4
+    assert (second / "rank-00000.ckpt").stat().st_size < 16 << 10
+    record = multifile.check_complete(str(second))
+    assert [p.name for p in record.references] == ["../d1/rank-00000.ckpt"]
+    target = {"frozen": torch.zeros(1 << 18), "lora": torch.zeros(100), "n": 0}
+    cdcp.load(target, str(second))
+    assert torch.equal(target["frozen"], frozen) and torch.equal(target["lora"], torch.ones(100))
+    assert target["n"] == 2
+    assert "OK" in run_cli("verify", second, rc=0).stdout
+    # a base saved without digests (incremental=False) cannot be referred to: every chunk written
+    plain, third = tmp_path / "plain", tmp_path / "d3"
+    cdcp.save({"frozen": frozen.clone(), "lora": torch.zeros(100), "n": 1}, str(plain))
+    with pytest.warns(ckptfmt.CheckpointWarning):
+        cdcp.save({"frozen": frozen.clone(), "lora": torch.ones(100), "n": 3}, str(third), base=str(plain))
+    assert (third / "rank-00000.ckpt").stat().st_size > frozen.numel() * 4
+    assert multifile.check_complete(str(third)).references == ()
+    os.unlink(first / "rank-00000.ckpt")
+    with pytest.raises(ckptfmt.IncompleteError, match="d1/rank-00000.ckpt"):
+        cdcp.load(target, str(second))
+    with pytest.raises(ValueError, match="must lie where the checkpoint does"):
+        cdcp.save({"n": 1}, str(tmp_path / "d4"), base="s3://bucket/d1")

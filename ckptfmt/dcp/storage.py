@@ -42,8 +42,10 @@ from torch.futures import Future
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, CorruptError, IncompleteError, UnsupportedError, UnsupportedObjectError
+from ..fileio import is_url
 from ..files import encryption, multifile, places, recordsign
 from ..files import save as writer
+from ..files.incremental import MIN_REFERENCE_BYTES
 from ..files.places import LocalPlace, Place
 from ..files.reader import CheckpointFile
 from ..gcpause import pausing_in_main_thread
@@ -109,6 +111,7 @@ class StorageInfo:
     file: str
     key: int
     part: multifile.PartRecord | None = None
+    refs: tuple[multifile.PartRecord, ...] = ()  # the files of earlier saves it reads chunks from
 
 
 class SaveOptions(TypedDict, total=False):
@@ -119,7 +122,11 @@ class SaveOptions(TypedDict, total=False):
     private key that signs the commit record with every rank file's SHA-256 (spec 16.7); and
     `encrypt_with`, a key that encrypts every rank file (spec section 17; the record, DCP's
     metadata with the names and shapes, stays in clear); `storage_options`, the object-store
-    client's settings when the checkpoint is a URL (``s3://bucket/prefix``)."""
+    client's settings when the checkpoint is a URL (``s3://bucket/prefix``); `incremental`,
+    rank files with content digests (spec section 12), which later saves can refer to; `base`
+    (implies `incremental`), an earlier such checkpoint (a directory, or a prefix of the same
+    bucket) each rank file is saved against: chunks its file of the same name already stores
+    (or a file that one refers to) are referred to, not written again; the record names them."""
 
     compression: str | None
     level: int | None
@@ -131,6 +138,8 @@ class SaveOptions(TypedDict, total=False):
     sign_with: Any
     encrypt_with: Any
     storage_options: dict[str, Any] | None
+    incremental: bool
+    base: str | os.PathLike[str] | None
 
 
 class _HeldPlace:
@@ -177,12 +186,18 @@ class Writer(_HeldPlace, StorageWriter):
         sign_with: Any = None,
         encrypt_with: Any = None,
         storage_options: dict[str, Any] | None = None,
+        incremental: bool = False,
+        base: str | os.PathLike[str] | None = None,
         _within: CheckpointDir | None = None,
         _step_dir: bool = False,
     ) -> None:
         super().__init__()
         self.path = places.normalized(path)
         self.storage_options = places.check_place_options(self.path, storage_options)
+        self.base = None if base is None else places.normalized(base)
+        self.incremental = incremental or base is not None
+        if self.base is not None and is_url(self.base) != is_url(self.path):
+            raise ValueError(f"{self.path}: base {self.base} must lie where the checkpoint does")
         encryption.sealer(encrypt_with)  # a bad key, or an engine without libcrypto, fails here
         self._encrypt = encrypt_with
         self._sign_key = recordsign.private_key(sign_with)  # a bad key fails before any rank writes
@@ -296,33 +311,56 @@ class Writer(_HeldPlace, StorageWriter):
             return fut
         try:
             with _native.threads_at_most(_plan_threads(plan.storage_data)):
-                part = self._write_rank_file(name, state)
+                part, refs = self._write_rank_file(name, state)
         finally:
             if not self.is_coordinator:  # the coordinator's finish uses the directory still
                 self.close()
         fut.set_result(
             [
-                WriteResult(index=item.index, size_in_bytes=size, storage_data=StorageInfo(name, n, part))
+                WriteResult(
+                    index=item.index, size_in_bytes=size, storage_data=StorageInfo(name, n, part, refs)
+                )
                 for n, (item, size) in enumerate(zip(plan.items, sizes))
             ]
         )
         return fut
 
-    def _write_rank_file(self, name: str, state: dict[int, Any]) -> multifile.PartRecord:
-        """Write and commit one rank file holding `state` (item number -> value); its identity."""
+    def _write_rank_file(
+        self, name: str, state: dict[int, Any]
+    ) -> tuple[multifile.PartRecord, tuple[multifile.PartRecord, ...]]:
+        """Write and commit one rank file holding `state` (item number -> value): its identity,
+        and those of the files of earlier checkpoints it reads chunks from."""
         d = self._d()
-        d.save(
-            name,
-            state,
-            compression=self.compression,
-            level=self.level,
-            metadata={**self.meta, "dcp_rank": str(self.rank), "dcp_save_id": self.save_id},
-            chunk_size=self.chunk_size,
-            encrypt_with=self._encrypt,
-        )
+        options: dict[str, Any] = {
+            "compression": self.compression,
+            "level": self.level,
+            "metadata": {**self.meta, "dcp_rank": str(self.rank), "dcp_save_id": self.save_id},
+            "chunk_size": self.chunk_size,
+            "encrypt_with": self._encrypt,
+        }
+        if not self.incremental:
+            d.save(name, state, **options)
+            refs: tuple[multifile.PartRecord, ...] = ()
+        else:
+            base = self._base_file(name)
+            d.save_against(name, state, base, min_reference_bytes=MIN_REFERENCE_BYTES, **options)
+            key = encryption.save_and_read_keys(self._encrypt, None)[1]
+            refs = tuple(d.describe(rel) for rel in d.references_of(name, key))
         part = d.describe(name)
-        # each rank hashes the file it wrote, so the coordinator does not read them all
-        return part if self._sign_key is None else d.with_digest(part)
+        if self._sign_key is not None:  # each rank hashes its files, so the coordinator reads none
+            part, refs = d.with_digest(part), tuple(d.with_digest(r) for r in refs)
+        return part, refs
+
+    def _base_file(self, name: str) -> str | None:
+        """The file of `base` that rank file `name` is saved against: the one of that name its
+        commit record names, or None (no base, or a base saved by fewer ranks)."""
+        if self.base is None:
+            return None
+        with places.place_at(self.base, self.storage_options) as base:
+            record = base.read_record()
+            if not any(p.name == name for p in record.files):
+                return None
+            return str(base.path_of(name))
 
     @pausing_in_main_thread
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -334,6 +372,7 @@ class Writer(_HeldPlace, StorageWriter):
     def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         d = self._d()
         parts: dict[str, multifile.PartRecord] = {}
+        refs: dict[str, multifile.PartRecord] = {}
         where: dict[MetadataIndex, tuple[str, int]] = {}
         for rank, rank_results in enumerate(results):
             for wr in rank_results:
@@ -344,9 +383,14 @@ class Writer(_HeldPlace, StorageWriter):
                     )
                 parts.setdefault(info.file, info.part)
                 where[wr.index] = (info.file, info.key)
+                for ref in info.refs:
+                    if refs.setdefault(ref.name, ref).file_id != ref.file_id:
+                        raise CheckpointError(
+                            f"ranks read chunks from two different files at {ref.name}", path=self.path
+                        )
         if not parts:  # no rank had an item: a record names at least one file (spec 13.1, 13.5)
             name = rank_file_name(self.rank)
-            parts[name] = self._write_rank_file(name, {})
+            parts[name] = self._write_rank_file(name, {})[0]  # no chunk: it refers to no file
         names = sorted(parts)
         for name in names:
             try:
@@ -358,12 +402,8 @@ class Writer(_HeldPlace, StorageWriter):
                     path=self.path,
                     key=f"{name}{rank_note(name)}",
                 ) from None
-        for name in names:  # digests on every entry of a signed record, on none of another
-            p = parts[name]
-            if self._sign_key is None:
-                parts[name] = dataclasses.replace(p, sha256=None)
-            elif p.sha256 is None:  # a rank that was not given the key
-                parts[name] = d.with_digest(p)
+        parts = {name: self._digested(d, parts[name]) for name in names}
+        refs = {name: self._digested(d, refs[name]) for name in sorted(refs)}
         number = {n: i for i, n in enumerate(names)}
         # DCP's plan cache hands back the Metadata of the save that filled it: name this one
         modules = metadata.storage_meta.modules if metadata.storage_meta is not None else []
@@ -378,6 +418,7 @@ class Writer(_HeldPlace, StorageWriter):
             step=self.step,
             layout=LAYOUT,
             files=tuple(parts[n] for n in names),
+            references=tuple(refs.values()),
             metrics=self.metrics,
             metadata=self.meta,
             layout_data=value,
@@ -386,6 +427,12 @@ class Writer(_HeldPlace, StorageWriter):
         metadata.version = value["version"]
         metadata.storage_data = {idx: StorageInfo(f, k) for idx, (f, k) in where.items()}
         _remove_stale_rank_files(d, set(names))
+
+    def _digested(self, d: Place, p: multifile.PartRecord) -> multifile.PartRecord:
+        """Digests on every entry of a signed record, on none of another."""
+        if self._sign_key is None:
+            return dataclasses.replace(p, sha256=None)
+        return p if p.sha256 is not None else d.with_digest(p)  # None: a rank not given the key
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -71,6 +71,21 @@ class Place:
         """Write `state` as the ckptfmt file `name` (files.save's options), atomically."""
         raise NotImplementedError
 
+    def save_against(self, name: str, state: object, base: str | None, **options: Any) -> None:
+        """save with content digests, against the file `base` (a path or URL; None: the first
+        of a series): chunks it already stores are referred to (files.incremental.save)."""
+        raise NotImplementedError
+
+    def references_of(self, name: str, key: Any = None) -> list[str]:
+        """The reference paths of the committed file `name` (the files it reads chunks from);
+        `key`: its encryption key, which its index needs."""
+        with self.open_file(name, key) as f:
+            return sorted({ext.rel for ext in f.externals})
+
+    def open_file(self, name: str, key: Any = None) -> CheckpointFile:
+        """The file `name` as it is now, opened (its writer describes what it just wrote)."""
+        raise NotImplementedError
+
     def describe(self, name: str) -> multifile.PartRecord:
         """The identity of the committed file `name`, for a commit record."""
         raise NotImplementedError
@@ -196,6 +211,16 @@ class LocalPlace(Place):
 
         save(state, self.d.path_of(name), _within=self.d, **options)
 
+    def save_against(self, name: str, state: object, base: str | None, **options: Any) -> None:
+        from .incremental import save
+
+        save(state, self.d.path_of(name), base=base, within=self.d, **options)
+
+    def open_file(self, name: str, key: Any = None) -> CheckpointFile:
+        return CheckpointFile(
+            self.d.path_of(name), fd=self.d.open_file(name), within=self.d, decrypt_with=key
+        )
+
     def describe(self, name: str) -> multifile.PartRecord:
         return multifile.describe_in(self.d, name)
 
@@ -273,6 +298,14 @@ class ObjectPlace(Place):
         from .save import save
 
         save(state, str(self._url(name)), storage_options=self.options, **options)
+
+    def save_against(self, name: str, state: object, base: str | None, **options: Any) -> None:
+        from .incremental import save
+
+        save(state, str(self._url(name)), base=base, storage_options=self.options, **options)
+
+    def open_file(self, name: str, key: Any = None) -> CheckpointFile:
+        return CheckpointFile(str(self._url(name)), storage_options=self.options, decrypt_with=key)
 
     def describe(self, name: str) -> multifile.PartRecord:
         """Read from the object's prologue and tail (one HEAD and ranged GETs, not the object)."""

@@ -38,7 +38,7 @@ from ..dcp.api import load, save, save_in_background
 from ..dcp.convert import load_full, skeleton
 from ..dcp.storage import Reader
 from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError, UnsupportedError
+from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError
 from ..fileio import is_url
 from ..files import multifile
 from . import resume
@@ -96,20 +96,25 @@ def save_step(
     scan of the run directory (rank 0 cleans up and makes the step by it).  See _save_shards."""
     job = _job(manager, step, os.path.join(manager.directory, step_dirname(step)), metrics, meta)
     payload = _payload(state)
-    problem: list[str | None] = [None]
+    if manager.incremental:  # the step to refer to must be committed: every rank's save of it
+        manager._wait_all()
+    told: list[Any] = [None, None]  # what went wrong on rank 0, the step to save against
     if job.coordinator:
         try:
+            if manager.incremental and scan.busy:
+                scan = manager._scan()  # those saves have committed (or failed) since the scan
             manager._cleanup(scan)
             job.path, job.lock_fd = manager._make_step_dir(step, scan)
+            told[1] = _base_step(scan.complete())
         except (OSError, CheckpointError) as e:
-            problem[0] = str(e)
-    dist.broadcast_object_list(problem, src=0)
-    if problem[0] is not None:
-        raise CheckpointError(f"rank 0 could not make the directory of step {step}: {problem[0]}")
+            told[0] = str(e)
+    dist.broadcast_object_list(told, src=0)
+    if told[0] is not None:
+        raise CheckpointError(f"rank 0 could not make the directory of step {step}: {told[0]}")
     # Every write, unlink and listing is made beneath the step directory's descriptor: rank 0
     # writes beneath the directory it made and holds locked; the other ranks open it beneath
     # the run directory without following a link (spec 13.6).
-    return _save_shards(manager, job, payload, held(job) if job.coordinator else None, None)
+    return _save_shards(manager, job, payload, held(job) if job.coordinator else None, None, told[1])
 
 
 def save_object_step(
@@ -120,16 +125,25 @@ def save_object_step(
     "dcp", only if absent) last; rank 0 rotates."""
     job = _job(manager, step, manager.run.step_path(step), metrics, meta)
     payload = _payload(state)
-    problem: list[str | None] = [None]
+    if manager.incremental:  # the step to refer to must be committed: every rank's save of it
+        manager._wait_all()
+    told: list[Any] = [None, None]  # what went wrong on rank 0, the step to save against
     if job.coordinator:
         try:
-            manager._prepare_step(step)
+            statuses = manager._prepare_step(step)
+            told[1] = _base_step([s.info for s in statuses if s.info is not None])
         except (OSError, CheckpointError, ValueError) as e:
-            problem[0] = str(e)
-    dist.broadcast_object_list(problem, src=0)
-    if problem[0] is not None:
-        raise CheckpointError(f"rank 0 cannot save step {step}: {problem[0]}", path=manager.directory)
-    return _save_shards(manager, job, payload, None, manager.run.options)
+            told[0] = str(e)
+    dist.broadcast_object_list(told, src=0)
+    if told[0] is not None:
+        raise CheckpointError(f"rank 0 cannot save step {step}: {told[0]}", path=manager.directory)
+    return _save_shards(manager, job, payload, None, manager.run.options, told[1])
+
+
+def _base_step(complete: list[CheckpointInfo]) -> str | None:
+    """The step an incremental save of several ranks refers to: the newest complete one when
+    it was saved by ranks (each rank file is saved against the one of the same name)."""
+    return complete[-1].path if complete and complete[-1].layout == "dcp" else None
 
 
 def _job(
@@ -137,10 +151,6 @@ def _job(
 ) -> StepJob:
     """This rank's part of the save of `step`: rank 0 is its coordinator (it holds the step
     directory, rotates and removes a failed step); DCP's coordinator writes the record."""
-    if manager.incremental:
-        raise UnsupportedError(
-            "incremental saves of a sharded run (several ranks, or DTensors) are not supported"
-        )
     job = StepJob(step, path, -1, metrics, meta, SaveHandle(path))
     job.layout = "dcp"
     job.coordinator = dist.get_rank() == 0
@@ -161,11 +171,13 @@ def _save_shards(
     payload: dict[str, Any],
     within: CheckpointDir | None,
     storage_options: dict[str, Any] | None,
+    base: str | None,
 ) -> SaveHandle | None:
     """Write this rank's shard of `job`'s step.  Blocking: returns once the step is committed
     and rotated on every rank.  Non-blocking: returns a SaveHandle once the shard is staged;
     the rest runs in DCP's background thread, and the coordinator rotates (or removes the
-    failed step) after the commit, in the order of the saves, as a single process does."""
+    failed step) after the commit, in the order of the saves, as a single process does.  An
+    incremental run saves each rank file against the same rank's file of step `base`."""
     options: dict[str, Any] = {
         "step": job.step,
         "metrics": job.metrics,
@@ -174,6 +186,8 @@ def _save_shards(
         "sign_with": manager._sign_key,
         "encrypt_with": manager._encrypt,
         "storage_options": storage_options,
+        "incremental": manager.incremental,
+        "base": base,
     }
     local = storage_options is None
     try:
