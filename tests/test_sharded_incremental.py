@@ -38,11 +38,15 @@ def _rank_main(rank: int, world: int, store: str, base: str, options: dict[str, 
 
         url = options.pop("url")
         runs = {
-            "local": (os.path.join(base, "run"), {"blocking": True}),
-            "store": (url, {"storage_options": options, "encrypt_with": KEY, "blocking": False}),
+            "local": (os.path.join(base, "run"), {"blocking": True, "incremental": True}),
+            "store": (
+                url,
+                {"storage_options": options, "encrypt_with": KEY, "incremental": True, "blocking": False},
+            ),
+            "full": (os.path.join(base, "full"), {"blocking": True}),  # not incremental: for contrast
         }
         for name, (where, extra) in runs.items():
-            m = ckptfmt.CheckpointManager(where, keep_last=1, incremental=True, **extra)
+            m = ckptfmt.CheckpointManager(where, keep_last=1, **extra)
             for step in (1, 2, 3):
                 m.save(step, state(step))
             m.wait()
@@ -74,7 +78,7 @@ def test_incremental_saves_of_two_ranks(tmp_path, s3_bucket):
     mp.start_processes(_rank_main, args=args, nprocs=2, join=True, start_method="spawn")
     for rank in (0, 1):
         got = json.loads((tmp_path / f"result.{rank}.json").read_text())
-        assert got == {"local": [3, True, True, 3], "store": [3, True, True, 3]}, got
+        assert got == {name: [3, True, True, 3] for name in ("local", "store", "full")}, got
     run = tmp_path / "run"
     first = sum(f.stat().st_size for f in (run / "step-000000001").glob("rank-*.ckpt"))
     last = sum(f.stat().st_size for f in (run / "step-000000003").glob("rank-*.ckpt"))
@@ -87,6 +91,11 @@ def test_incremental_saves_of_two_ranks(tmp_path, s3_bucket):
     ]
     # keep_last=1: step 2 is gone, step 1 stays only for the files step 3 reads from
     assert sorted(os.listdir(run)) == ["step-000000001", "step-000000003"]
+    # a run that is not incremental writes every chunk of every step and refers to nothing
+    full = tmp_path / "full"
+    assert sorted(os.listdir(full)) == ["step-000000003"]
+    assert multifile.check_complete(str(full / "step-000000003")).references == ()
+    assert sum(f.stat().st_size for f in (full / "step-000000003").glob("rank-*.ckpt")) > FROZEN.numel() * 4
     for m in (
         ckptfmt.CheckpointManager(run),
         ckptfmt.CheckpointManager(url, storage_options=options, decrypt_with=KEY),

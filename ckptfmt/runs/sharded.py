@@ -105,7 +105,7 @@ def save_step(
                 scan = manager._scan()  # those saves have committed (or failed) since the scan
             manager._cleanup(scan)
             job.path, job.lock_fd = manager._make_step_dir(step, scan)
-            told[1] = _base_step(scan.complete())
+            told[1] = _base_step(scan.complete()) if manager.incremental else None
         except (OSError, CheckpointError) as e:
             told[0] = str(e)
     dist.broadcast_object_list(told, src=0)
@@ -131,7 +131,8 @@ def save_object_step(
     if job.coordinator:
         try:
             statuses = manager._prepare_step(step)
-            told[1] = _base_step([s.info for s in statuses if s.info is not None])
+            if manager.incremental:
+                told[1] = _base_step([s.info for s in statuses if s.info is not None])
         except (OSError, CheckpointError, ValueError) as e:
             told[0] = str(e)
     dist.broadcast_object_list(told, src=0)
