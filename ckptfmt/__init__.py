@@ -2,7 +2,9 @@
 
 __version__ = "0.1.0"
 
-from .background.inflight import SaveHandle  # noqa: E402
+import logging as _logging  # noqa: E402
+
+from .background.inflight import SaveCost, SaveHandle  # noqa: E402
 from .background.staging import POOL as _POOL  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
@@ -28,6 +30,9 @@ from .runs.manager import CheckpointManager  # noqa: E402
 from .runs.resume import ResumeReport  # noqa: E402
 from .runs.rng import capture_rng, restore_rng  # noqa: E402
 from .runs.steps import CheckpointInfo  # noqa: E402
+
+# a library is silent unless its user configures logging: each save's cost is logged at INFO
+_logging.getLogger("ckptfmt").addHandler(_logging.NullHandler())
 
 
 def backend() -> str:
@@ -66,6 +71,7 @@ __all__ = [
     "UnsupportedError",
     "UnsupportedObjectError",
     "VerifyReport",
+    "SaveCost",
     "SaveHandle",
     "__version__",
     "configure_staging",

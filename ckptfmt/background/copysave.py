@@ -404,7 +404,7 @@ def _write_worker(
                 if last is not None:
                     raise last
         if exc is None:
-            chunkwrite.finish_file(
+            length = chunkwrite.finish_file(
                 atomic.fd,
                 file_id,
                 encoded,
@@ -419,6 +419,7 @@ def _write_worker(
                 out.tags,
             )
             atomic.commit(free_replaced=replaced.append)
+            handle._durable_now(length)
     except BaseException as e:
         exc = exc or e
         while not ended:  # the snapshot is still handing over pieces: give their slabs back

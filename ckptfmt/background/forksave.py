@@ -268,8 +268,9 @@ def _finish(
                 path=handle.path,
             )
         records, end = written
-        chunkwrite.finish_file(atomic.fd, file_id, encoded, records, end, metadata, chunk_size)
+        length = chunkwrite.finish_file(atomic.fd, file_id, encoded, records, end, metadata, chunk_size)
         atomic.commit(free_replaced=replaced.append)
+        handle._durable_now(length)
     except BaseException as e:
         exc = e
     finally:

@@ -12,18 +12,59 @@ can wait for saves without importing the writer.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import threading
+import time
+from dataclasses import dataclass
 
 from ..fileio import is_url
 
+log = logging.getLogger("ckptfmt")
+
+
+@dataclass(frozen=True)
+class SaveCost:
+    """What one save cost, for charting checkpoint stalls beside the loss.
+
+    ``blocked_s``: seconds the caller waited in the save call (the whole save when blocking,
+    the snapshot when not); ``durable_s``: seconds from the call until the file was durable at
+    its path (committed: fsync, rename, directory fsync; uploaded whole on a store);
+    ``bytes``: the bytes written (the file's length); ``throughput``: bytes per second of
+    ``durable_s``; ``archived_s``: seconds from the call until an archive tier held it (the
+    checkpoint manager's steps with ``archive=``; None otherwise or not yet)."""
+
+    path: str
+    bytes: int
+    blocked_s: float
+    durable_s: float
+    archived_s: float | None = None
+
+    @property
+    def throughput(self) -> float:
+        return self.bytes / self.durable_s if self.durable_s > 0 else float("inf")
+
+    def line(self) -> str:
+        """One line for a log: where, how much, how long the caller waited, how long to durable."""
+        archived = "" if self.archived_s is None else f", archived after {self.archived_s:.3f} s"
+        return (
+            f"saved {self.path}: {self.bytes} bytes, caller blocked {self.blocked_s:.3f} s, "
+            f"durable after {self.durable_s:.3f} s ({self.throughput / 1e9:.2f} GB/s){archived}"
+        )
+
 
 class SaveHandle:
-    """The result of a non-blocking save."""
+    """The result of a save: running (non-blocking) or done; ``cost`` once it succeeded."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, began: float | None = None) -> None:
         self.path = path
+        #: perf_counter() at the save call; when it returned to the caller; when durable
+        self._began = time.perf_counter() if began is None else began
+        self._returned: float | None = None
+        self._durable: float | None = None
+        self._bytes = 0
+        self._logged = threading.Lock()  # the cost is logged once, when both ends are known
         self._done = threading.Event()
         self._exc: BaseException | None = None
         self._observed = False
@@ -51,9 +92,41 @@ class SaveHandle:
         self._observed = True
         return self._exc
 
+    @property
+    def cost(self) -> SaveCost | None:
+        """What the save cost (SaveCost), once it is durable; None while it runs or if it failed."""
+        return self._cost() if self._done.is_set() else None
+
+    def _cost(self) -> SaveCost | None:
+        if self._exc is not None or self._durable is None:
+            return None
+        returned = self._durable if self._returned is None else min(self._returned, self._durable)
+        return SaveCost(self.path, self._bytes, returned - self._began, self._durable - self._began)
+
+    def _returning(self, began: float) -> SaveHandle:
+        """The save call that began at `began` returns this handle to its caller now."""
+        self._began = began
+        self._returned = time.perf_counter()
+        if self._done.is_set():
+            self._log_cost()
+        return self
+
+    def _durable_now(self, nbytes: int) -> None:
+        """The file is durable at its path now, `nbytes` long."""
+        self._durable = time.perf_counter()
+        self._bytes = nbytes
+
     def _finish(self, exc: BaseException | None) -> None:
         self._exc = exc  # set before done: whoever sees done() sees the final error
+        if self._returned is not None:
+            self._log_cost()  # before done: whoever waited for the save finds it logged
         self._done.set()
+
+    def _log_cost(self) -> None:
+        """One INFO line on the "ckptfmt" logger with the cost (silent unless configured)."""
+        cost = self._cost()
+        if cost is not None and log.isEnabledFor(logging.INFO) and self._logged.acquire(blocking=False):
+            log.info("%s", cost.line())
 
     def __repr__(self) -> str:
         state = "running" if not self.done() else ("failed" if self._exc else "done")

@@ -12,9 +12,11 @@ background thread (background/copysave.py).
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from ..background import copysave, inflight
+from ..background.inflight import SaveHandle
 from ..engine import native as _native
 from ..engine.chunkwrite import Dedup, Signer, build_file
 from ..engine.ckptdir import CheckpointDir
@@ -84,8 +86,10 @@ def save(
     encrypt_index: bool = True,
     _within: CheckpointDir | None = None,
     _create_only: bool = False,
-) -> Any:
-    """Save `state` at `path` atomically; with blocking=False return a SaveHandle after the snapshot.
+) -> SaveHandle:
+    """Save `state` at `path` atomically; return its SaveHandle: done when blocking, after the
+    snapshot with blocking=False.  ``handle.cost`` says what the save cost once it is durable
+    (inflight.SaveCost), and each save logs it at INFO on the "ckptfmt" logger.
 
     snapshot (non-blocking saves only): "copy" copies the state into staging memory before
     returning; "fork" takes a copy-on-write snapshot by fork() and writes it from a child
@@ -116,6 +120,7 @@ def save(
     compression), and the index too unless ``encrypt_index=False``.  Not with snapshot='fork'.
     With sign_with too, the file is encrypted, then signed (spec 17.8): the signature binds
     the ciphertext, the encryption block and the wrapped key, and is checked without the key."""
+    began = time.perf_counter()
     meta = check_save_args(compression, level, metadata)
     options = check_options(storage_options)
     seal = encryption.sealer(encrypt_with, encrypt_index)
@@ -129,7 +134,7 @@ def save(
     size = check_chunk_size(chunk_size)
     inflight.raise_unobserved()
     inflight.wait_for_path(target)
-    return write_state(
+    handle = write_state(
         state,
         target,
         compression=compression,
@@ -144,6 +149,16 @@ def save(
         create_only=_create_only,
         seal=seal,
     )
+    return handle._returning(began)
+
+
+def done_handle(path: str, nbytes: int) -> SaveHandle:
+    """The handle of a blocking save whose file of `nbytes` bytes is durable at `path` now."""
+    handle = SaveHandle(path)
+    handle._durable_now(nbytes)
+    handle._observed = True  # its outcome is the caller's already
+    handle._finish(None)
+    return handle
 
 
 def signer(sign_with: Any) -> Signer | None:
@@ -180,7 +195,7 @@ def write_state(
     storage_options: dict[str, Any] | None = None,
     create_only: bool = False,
     seal: Sealer | None = None,
-) -> Any:
+) -> SaveHandle:
     """Encode and commit `state` at `target` (arguments already checked, earlier saves waited
     for), beneath the open directory `within` when given (AtomicFile); an object-store URL
     through an ObjectFile."""
@@ -217,7 +232,7 @@ def write_state(
         )
     try:
         with AtomicFile(target, within) as f:
-            build_file(
+            length = build_file(
                 f.fd,
                 encoded,
                 compression=compression,
@@ -230,13 +245,13 @@ def write_state(
                 seal=seal,
             )
             f.commit()
+        return done_handle(target, length)
     except CheckpointError:
         raise
     except OSError as e:
         if e.filename is None:
             raise type(e)(e.errno, e.strerror, target) from e
         raise
-    return None
 
 
 #: an object upload's writer hands over this many bytes at a time (what its spool holds
@@ -269,7 +284,7 @@ def _write_object(
     sign: Signer | None,
     create_only: bool = False,
     seal: Sealer | None = None,
-) -> Any:
+) -> SaveHandle:
     """Write `encoded` as the object at `url`: the engine writes into the upload's spool,
     which sends each part once complete; committed whole, or aborted."""
     out = ObjectFile(url, options, object_capacity(encoded, chunk_size), if_absent=create_only)
@@ -287,7 +302,7 @@ def _write_object(
             output=out,
         )
     with out:
-        build_file(
+        length = build_file(
             out.fd,
             encoded,
             compression=compression,
@@ -302,7 +317,7 @@ def _write_object(
             batch_bytes=OBJECT_BATCH_BYTES,
         )
         out.commit()
-    return None
+    return done_handle(url, length)
 
 
 def remove(path: str | os.PathLike[str]) -> None:

@@ -158,7 +158,8 @@ class CkptfmtCheckpointIO(_Base):
                 os.makedirs(os.path.dirname(where.path), exist_ok=True)
             if where.kind == OBJECT:  # an object store has no directories to make
                 options["storage_options"] = {**self.storage_options, **place_options}
-            handle = ckptfmt.save(state, where.path, blocking=self.blocking, **options)
+            saved = ckptfmt.save(state, where.path, blocking=self.blocking, **options)
+            handle = None if self.blocking else saved  # a blocking save is committed: not in flight
             key = filesystems.local_key(where.path) if where.kind == LOCAL else where.path
         if handle is not None:
             filesystems.IN_FLIGHT.add(key, handle)
@@ -187,8 +188,8 @@ class CkptfmtCheckpointIO(_Base):
             blocking = True
         key = filesystems.url_key(fs, fs_path)
 
-        def write(local: str, block: bool) -> ckptfmt.SaveHandle | None:
-            return ckptfmt.save(state, local, blocking=block, **options)  # type: ignore[no-any-return]
+        def write(local: str, block: bool) -> ckptfmt.SaveHandle:
+            return ckptfmt.save(state, local, blocking=block, **options)
 
         return transfer.save(write, fs, fs_path, where.path, key, blocking=blocking), key
 

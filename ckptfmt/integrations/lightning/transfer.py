@@ -58,7 +58,7 @@ def inflight_key(fs: Any, path: str) -> str:
 
 
 def save(
-    write: Callable[[str, bool], ckptfmt.SaveHandle | None],
+    write: Callable[[str, bool], ckptfmt.SaveHandle],
     fs: Any,
     path: str,
     url: str,
@@ -77,7 +77,7 @@ def save(
     try:
         with naming(url, local):
             handle = write(local, blocking)
-        if handle is not None:
+        if not blocking:
             return _upload_after(handle, fs, local, path, url, key, workdir)
     except BaseException:
         workdirs.remove(workdir)
