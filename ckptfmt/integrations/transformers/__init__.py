@@ -65,15 +65,27 @@ directory only.  A save writes into a directory it has just
 created, checked before each write to be still the one it created (the Trainer's own
 files are written by path).
 
-Rotation (``save_total_limit``) runs after each commit and keeps the newest
-``save_total_limit`` complete checkpoints and the best one
-(``state.best_model_checkpoint``); the newest complete checkpoint is never
-deleted, and incomplete folders never count.  Incomplete folders older than the
-newest complete one are removed; newer ones are left alone (a later save of that
-step replaces them).  A folder is deleted ``COMMIT`` first, so an interrupted
-deletion leaves an incomplete folder, never a damaged "complete" one.  At the
-end of training, the Trainer's own ``save_total_limit=1`` clean-up (which keeps
-only the best checkpoint) is replaced by the same rule.
+What ckptfmt may delete.  Every ``checkpoint-N`` folder ckptfmt creates bears its mark,
+``.ckptfmt-folder``, from the moment it has its name (it is made under a temporary name,
+the mark written inside, then renamed).  ckptfmt deletes only a folder whose commit record
+verifies, one holding its mark (a save or a deletion cut short), an empty one, and its
+own temporary folders whose process is gone.  Anything else in ``output_dir`` (the stock
+Trainer's ``checkpoint-N``, another tool's folder) is never deleted: rotation leaves it with
+a warning, and a save whose ``checkpoint-N`` name such a folder holds raises
+:class:`ckptfmt.UnsupportedError` (move it away) rather than write into it.
+
+Rotation (``save_total_limit``) runs after each commit and follows the Trainer's own rule
+(``transformers.trainer_utils.rotate_checkpoints``: folders ordered as ``sort_checkpoints``
+orders them, by modification time or else by step, the newest and the best one
+(``state.best_model_checkpoint``) kept, the oldest others deleted until
+``save_total_limit`` are left).  Folders ckptfmt did not write count as the Trainer counts
+them, but are left; the newest complete checkpoint is never deleted.  ckptfmt's incomplete
+folders do not count: those older than the newest complete one are removed, newer ones are
+left alone (a later save of that step replaces them).  A folder is deleted ``COMMIT`` first
+and its mark last, so an interrupted deletion leaves an incomplete folder that is still
+provably ckptfmt's, never a damaged "complete" one.  At the end of training with
+``save_total_limit=1`` and a best checkpoint, every folder but the best is deleted, as the
+Trainer does (ckptfmt's only).
 
 ``ckptfmt_blocking=False``: the ckptfmt files are written while training goes
 on (each holds the values at the time of the save); ``COMMIT`` and rotation

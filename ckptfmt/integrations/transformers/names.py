@@ -14,6 +14,12 @@ RNG_NAME = "rng_state.ckpt"
 TRAINER_STATE_NAME = "trainer_state.ckpt"
 TRAINER_STATE_JSON = "trainer_state.json"
 CONFIG_JSON = "config.json"
+#: ckptfmt's mark: the first entry of every ``checkpoint-N`` folder ckptfmt creates (made under
+#: a temporary name with the mark inside, then renamed), the last one a deletion removes.  A
+#: folder without a valid commit record is ckptfmt's, and may be removed, only when it holds
+#: this file; any other folder (the stock Trainer's, another tool's) is never deleted.
+MARK_NAME = ".ckptfmt-folder"
+MARK_TEXT = b'{"writer": "ckptfmt.integrations.transformers"}\n'
 #: the JSON files read from a folder (trainer_state.json, config.json) are bounded: a
 #: hostile folder cannot make a read take unbounded memory
 MAX_JSON_BYTES = 64 << 20

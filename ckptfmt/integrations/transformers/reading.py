@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +24,7 @@ from ...files import multifile, recordsign
 from ...files.reader import CheckpointFile
 from ...files.verify import VerifyReport, check_file
 from .names import (
+    MARK_NAME,
     MODEL_NAME,
     PREFIX,
     TRAINER_STATE_NAME,
@@ -266,15 +268,35 @@ def load_best(run_dir: str, name: str, trusted: Any = None, decrypt: Any = None)
         return check_folder(folder, False, trusted, decrypt).load_required(MODEL_NAME)
 
 
-def sort_folders(run: CheckpointDir) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
-    """(step, name) of the complete and of the incomplete ``checkpoint-N`` folders, oldest first
-    (links are neither: never followed, never deleted)."""
-    complete, incomplete = [], []
+#: what a ``checkpoint-N`` folder of a run directory is to ckptfmt
+COMPLETE = "complete"  # its commit record verifies: a checkpoint ckptfmt wrote
+ABANDONED = "abandoned"  # ckptfmt's mark and no valid commit record: a save or a deletion cut short
+EMPTY = "empty"  # no entry at all: removing it loses nothing
+FOREIGN = "foreign"  # anything else (the stock Trainer's, another tool's): never deleted
+
+
+def folder_kind(folder: CheckpointDir) -> str:
+    """COMPLETE, ABANDONED, EMPTY or FOREIGN (see above) for an open ``checkpoint-N`` folder."""
+    try:
+        check_folder(folder, False)
+        return COMPLETE
+    except (CheckpointError, OSError):
+        pass
+    mark = folder.lstat(MARK_NAME)
+    if mark is not None and stat.S_ISREG(mark.st_mode):
+        return ABANDONED
+    return FOREIGN if folder.names() else EMPTY
+
+
+def classify_folders(run: CheckpointDir) -> list[tuple[int, str, str]]:
+    """(step, name, kind) of the ``checkpoint-N`` directories, oldest step first (links are
+    not among them: never followed, never deleted); one that cannot be opened is FOREIGN."""
+    out = []
     for step, name in scan_run(run)[0]:
         try:
             with run.sub(name) as folder:
-                check_folder(folder, False)
-            complete.append((step, name))
+                kind = folder_kind(folder)
         except (CheckpointError, OSError):
-            incomplete.append((step, name))
-    return complete, incomplete
+            kind = FOREIGN
+        out.append((step, name, kind))
+    return out

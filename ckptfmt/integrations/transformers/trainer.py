@@ -37,7 +37,7 @@ from .reading import (
     why,
 )
 from .trainer_state import restore_trainer_state_json
-from .writing import FolderSave, fresh_folder, rotate
+from .writing import FolderSave, fresh_folder, keep_only_best, rotate
 
 try:
     import transformers
@@ -249,16 +249,19 @@ class CkptfmtTrainerMixin(_MixinBase):
             if s.error is not None:
                 raise s.error
 
-    def _ckptfmt_rotate(self, run_dir: str, limit: int | None) -> None:
-        """Keep the newest `limit` complete checkpoints and the best one; remove incomplete folders
-        older than the newest complete one, except those being saved."""
-        if limit is None or limit <= 0:
-            return
+    def _ckptfmt_busy(self) -> set[str]:
+        """The folders being saved (never counted nor touched by a rotation)."""
         with self._ckptfmt_lock:
             busy = {s.folder for s in self._ckptfmt_inflight if s.thread is None or s.thread.is_alive()}
             if self._ckptfmt_current is not None:
                 busy.add(self._ckptfmt_current.folder)
-        rotate(run_dir, limit, busy, self.state.best_model_checkpoint)
+        return busy
+
+    def _ckptfmt_rotate(self, run_dir: str, limit: int | None) -> None:
+        """save_total_limit by the Trainer's rules, deleting only ckptfmt's folders (writing.rotate)."""
+        if limit is None or limit <= 0:
+            return
+        rotate(run_dir, limit, self._ckptfmt_busy(), self.state.best_model_checkpoint)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         save = self._ckptfmt_current
@@ -301,15 +304,19 @@ class CkptfmtTrainerMixin(_MixinBase):
     def _save_rng_state(self, output_dir: str) -> None:
         self._ckptfmt_write(RNG_NAME, ckptfmt.capture_rng())
 
-    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+    def _finalize_training(self, trial: Any, *args: Any, **kwargs: Any) -> Any:
         self.wait_for_checkpoints()  # the best model is read from a committed folder
         limit = self.args.save_total_limit
         if limit == 1:
-            self.args.save_total_limit = None  # the Trainer would keep only the best checkpoint
+            self.args.save_total_limit = None  # the Trainer's clean-up deletes by path: ours follows
         try:
-            return super()._finalize_training(*args, **kwargs)
+            result = super()._finalize_training(trial, *args, **kwargs)
         finally:
             self.args.save_total_limit = limit
+        best = self.state.best_model_checkpoint
+        if self.args.should_save and best is not None and limit == 1:
+            keep_only_best(self._get_output_dir(trial=trial), best, self._ckptfmt_busy())
+        return result
 
     # -- resuming ------------------------------------------------------------------------
 

@@ -1,0 +1,163 @@
+"""CkptfmtTrainer beside the stock ``transformers.Trainer``, in this process, on a two-parameter
+regression model whose config class transformers does not know (as transformers' own tests
+use it): a folder ckptfmt did not write is never deleted, rotation follows the Trainer's own
+rules (the same folders are left), a stock run switches to ckptfmt, the errors the Trainer's
+users catch, and no pickle in a checkpoint folder.  Each run takes well under a second."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from torch import nn  # noqa: E402
+from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments  # noqa: E402
+
+import ckptfmt  # noqa: E402
+from ckptfmt.files import multifile  # noqa: E402
+from ckptfmt.integrations.transformers import CkptfmtTrainer  # noqa: E402
+from ckptfmt.integrations.transformers.names import MARK_NAME  # noqa: E402
+
+
+class RegressionConfig(PretrainedConfig):
+    model_type = "ckptfmt-test-regression"  # registered nowhere: only the class knows it
+
+    def __init__(self, a: float = 0.0, b: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.a = a
+        self.b = b
+
+
+class RegressionModel(PreTrainedModel):
+    config_class = RegressionConfig
+
+    def __init__(self, config: RegressionConfig) -> None:
+        super().__init__(config)
+        self.a = nn.Parameter(torch.tensor(float(config.a)))
+        self.b = nn.Parameter(torch.tensor(float(config.b)))
+        self.post_init()
+
+    def forward(self, input_x: torch.Tensor, labels: torch.Tensor | None = None, **_: Any) -> Any:
+        y = input_x * self.a + self.b
+        if labels is None:
+            return (y,)
+        return (nn.functional.mse_loss(y, labels), y)
+
+
+class Line(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """y = 2x + 3 at `n` points drawn from seed 0."""
+
+    def __init__(self, n: int = 16) -> None:
+        self.x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+        self.y = 2 * self.x + 3
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_x": self.x[i], "labels": self.y[i]}
+
+
+def _args(out: str, **kw: Any) -> TrainingArguments:
+    base: dict[str, Any] = dict(
+        max_steps=6,
+        save_steps=1,
+        per_device_train_batch_size=4,
+        learning_rate=0.1,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_strategy="no",
+        seed=7,
+    )
+    if kw.get("load_best_model_at_end"):
+        base.update(eval_strategy="steps", eval_steps=1, metric_for_best_model="loss")
+    base.update(kw)
+    return TrainingArguments(out, **base)
+
+
+def _trainer(cls: type, out: str, **kw: Any) -> Any:
+    torch.manual_seed(0)
+    extra = kw.pop("ckptfmt", {})
+    return cls(
+        model=RegressionModel(RegressionConfig()),
+        args=_args(out, **kw),
+        train_dataset=Line(),
+        eval_dataset=Line(8),
+        **extra,
+    )
+
+
+def _folders(out: str) -> list[str]:
+    return sorted((n for n in os.listdir(out) if n.startswith("checkpoint-")), key=lambda n: int(n[11:]))
+
+
+def _stock_run(out: str, **kw: Any) -> list[str]:
+    _trainer(Trainer, out, **kw).train()
+    return _folders(out)
+
+
+def _tree(folder: str) -> dict[str, bytes]:
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+# -- 1. a folder ckptfmt did not write is never deleted --------------------------------------------
+
+
+def test_stock_checkpoints_in_output_dir_are_never_deleted(tmp_path: Any) -> None:
+    out = str(tmp_path / "run")
+    _stock_run(out, max_steps=3)  # checkpoint-1..3, the stock Trainer's
+    before = {n: _tree(os.path.join(out, n)) for n in _folders(out)}
+    _trainer(CkptfmtTrainer, out, max_steps=5, save_steps=5, save_total_limit=5).train()
+    assert _folders(out) == ["checkpoint-1", "checkpoint-2", "checkpoint-3", "checkpoint-5"]
+    assert {n: _tree(os.path.join(out, n)) for n in before} == before
+    ckptfmt.integrations.transformers.check_checkpoint(os.path.join(out, "checkpoint-5"))
+
+
+def test_rotation_counts_stock_folders_as_the_trainer_does_and_leaves_them(tmp_path: Any) -> None:
+    stock, ours = str(tmp_path / "stock"), str(tmp_path / "ours")
+    for out, cls in ((stock, Trainer), (ours, CkptfmtTrainer)):
+        _stock_run(out, max_steps=3)
+        _trainer(cls, out, max_steps=5, save_steps=5, save_total_limit=2).train()
+    # the Trainer deletes checkpoint-1 and -2; ckptfmt leaves them (not its own) and keeps
+    # what the Trainer keeps
+    assert _folders(stock) == ["checkpoint-3", "checkpoint-5"]
+    assert _folders(ours) == ["checkpoint-1", "checkpoint-2", "checkpoint-3", "checkpoint-5"]
+
+
+def test_a_stock_folder_at_the_name_of_a_save_is_refused_untouched(tmp_path: Any) -> None:
+    out = str(tmp_path / "run")
+    _stock_run(out, max_steps=2)
+    before = _tree(os.path.join(out, "checkpoint-1"))
+    with pytest.raises(ckptfmt.UnsupportedError, match="checkpoint-1 exists and ckptfmt did not write it"):
+        _trainer(CkptfmtTrainer, out, max_steps=2).train()
+    assert _tree(os.path.join(out, "checkpoint-1")) == before
+
+
+def test_only_marked_incomplete_folders_are_removed(tmp_path: Any) -> None:
+    out = str(tmp_path / "run")
+    _trainer(CkptfmtTrainer, out, max_steps=2).train()
+    # checkpoint-1 as a ckptfmt save cut short (its commit record never written): removed
+    os.unlink(os.path.join(out, "checkpoint-1", multifile.COMMIT_NAME))
+    # another tool's folders, incomplete by ckptfmt's rules: left
+    shutil.copytree(os.path.join(out, "checkpoint-2"), os.path.join(out, "checkpoint-0"))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(out, "checkpoint-0", MARK_NAME))
+    os.unlink(os.path.join(out, "checkpoint-0", multifile.COMMIT_NAME))
+    os.makedirs(os.path.join(out, "checkpoint-3-notes"))
+    with open(os.path.join(out, "checkpoint-3-notes", "eval.txt"), "w") as f:
+        f.write("mine")
+    _trainer(CkptfmtTrainer, out, max_steps=4, save_steps=4, save_total_limit=3).train()
+    assert sorted(os.listdir(out)) == ["checkpoint-0", "checkpoint-2", "checkpoint-3-notes", "checkpoint-4"]
+    assert os.path.isfile(os.path.join(out, "checkpoint-3-notes", "eval.txt"))
