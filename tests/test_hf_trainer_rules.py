@@ -161,3 +161,31 @@ def test_only_marked_incomplete_folders_are_removed(tmp_path: Any) -> None:
     _trainer(CkptfmtTrainer, out, max_steps=4, save_steps=4, save_total_limit=3).train()
     assert sorted(os.listdir(out)) == ["checkpoint-0", "checkpoint-2", "checkpoint-3-notes", "checkpoint-4"]
     assert os.path.isfile(os.path.join(out, "checkpoint-3-notes", "eval.txt"))
+
+
+# -- 5. rotation: the Trainer's own rules, side by side ---------------------------------------------
+
+ROTATIONS = {
+    "limit-2": dict(save_total_limit=2),
+    "limit-1": dict(save_total_limit=1),
+    # the best folder is the first (the highest loss is "best"): kept beside the newest, and at
+    # the end of training with save_total_limit=1 the only one left
+    "best-limit-1": dict(save_total_limit=1, load_best_model_at_end=True, greater_is_better=True),
+    "best-limit-2": dict(save_total_limit=2, load_best_model_at_end=True, greater_is_better=True),
+    "best-limit-3-lowest": dict(save_total_limit=3, load_best_model_at_end=True),
+    "save-only-model": dict(save_total_limit=2, save_only_model=True),
+    "save-only-model-best": dict(
+        save_total_limit=1, save_only_model=True, load_best_model_at_end=True, greater_is_better=True
+    ),
+}
+
+
+@pytest.mark.parametrize("rules", sorted(ROTATIONS))
+def test_rotation_leaves_the_folders_the_trainer_leaves(rules: str, tmp_path: Any) -> None:
+    kw = ROTATIONS[rules]
+    stock = _stock_run(str(tmp_path / "stock"), **kw)
+    trainer = _trainer(CkptfmtTrainer, str(tmp_path / "ours"), **kw)
+    trainer.train()
+    assert _folders(str(tmp_path / "ours")) == stock
+    for name in stock:
+        ckptfmt.integrations.transformers.check_checkpoint(str(tmp_path / "ours" / name))
