@@ -189,3 +189,20 @@ def test_rotation_leaves_the_folders_the_trainer_leaves(rules: str, tmp_path: An
     assert _folders(str(tmp_path / "ours")) == stock
     for name in stock:
         ckptfmt.integrations.transformers.check_checkpoint(str(tmp_path / "ours" / name))
+
+
+# -- 6. errors a Trainer user catches as ValueError ------------------------------------------------
+
+
+@pytest.mark.parametrize("resume", ["missing", "", "empty-dir", True])
+def test_nothing_to_resume_is_a_value_error_as_with_the_trainer(resume: Any, tmp_path: Any) -> None:
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    os.makedirs(tmp_path / "empty-dir")
+    given = resume if resume in ("", True) else str(tmp_path / resume)
+    with pytest.raises(ValueError):
+        _trainer(Trainer, out).train(resume_from_checkpoint=given)
+    with pytest.raises(ValueError) as caught:
+        _trainer(CkptfmtTrainer, out).train(resume_from_checkpoint=given)
+    assert isinstance(caught.value, ckptfmt.CheckpointError)
+    assert caught.value.path is not None

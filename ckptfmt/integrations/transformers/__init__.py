@@ -40,7 +40,9 @@ crash mid-save, a file missing, cut short or replaced) or that fail their
 checksums (``ckptfmt_verify_resume=True``, the default, reads every chunk of
 the candidate first) are skipped with a :class:`ckptfmt.CheckpointWarning`
 that names them and says why.  An explicit
-path must be a complete checkpoint (else :class:`ckptfmt.CheckpointError`).
+path must be a complete checkpoint.  Nothing to resume from (no complete folder, a path that
+is missing, empty or incomplete) raises a ckptfmt error that is also a ``ValueError`` (as the
+Trainer raises), mostly :class:`ckptfmt.IncompleteError`.
 Every file is read by ckptfmt, checksums verified: resuming calls neither
 pickle nor ``torch.load``.  The RNG state is restored at the moment the
 Trainer restores its own (after fast-forwarding the data loader), so a resume

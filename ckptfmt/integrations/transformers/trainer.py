@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import ckptfmt
 
-from ...errors import CheckpointError
+from ...errors import CheckpointError, IncompleteError
 from ...files import recordsign
 from ...files.encryption import save_and_read_keys
 from ...files.save import check_save_args, signer
@@ -366,8 +366,8 @@ class CkptfmtTrainerMixin(_MixinBase):
                 trusted=self._ckptfmt_trusted,
                 decrypt=self._ckptfmt_decrypt,
             )
-            if found is None:
-                raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir})")
+            if found is None:  # a ValueError, as the Trainer's
+                raise IncompleteError("no complete checkpoint in the output directory", path=run_dir)
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             path = os.fspath(resume_from_checkpoint)
             try:
@@ -377,8 +377,9 @@ class CkptfmtTrainerMixin(_MixinBase):
                     trusted=self._ckptfmt_trusted,
                     decrypt=self._ckptfmt_decrypt,
                 )
-            except CheckpointError as e:
-                raise CheckpointError(
+            except CheckpointError as e:  # a ValueError, as the Trainer's, whatever the reason
+                kind = type(e) if isinstance(e, ValueError) else IncompleteError
+                raise kind(
                     f"not a complete ckptfmt checkpoint ({e.reason}); folders written by "
                     "transformers.Trainer itself are resumed with transformers.Trainer",
                     path=path,
