@@ -206,3 +206,34 @@ def test_nothing_to_resume_is_a_value_error_as_with_the_trainer(resume: Any, tmp
         _trainer(CkptfmtTrainer, out).train(resume_from_checkpoint=given)
     assert isinstance(caught.value, ckptfmt.CheckpointError)
     assert caught.value.path is not None
+
+
+# -- 4. load_model with a model class whose config type transformers does not register -------------
+
+
+class BareConfig(PretrainedConfig):  # no model_type at all, as transformers' own test models
+    def __init__(self, a: float = 0.0, b: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.a = a
+        self.b = b
+
+
+class BareModel(RegressionModel):
+    config_class = BareConfig  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("model_class", [RegressionModel, BareModel])
+def test_load_model_reads_the_config_with_the_class_config_class(model_class: type, tmp_path: Any) -> None:
+    out = str(tmp_path / "run")
+
+    torch.manual_seed(0)
+    trainer = CkptfmtTrainer(
+        model=model_class(model_class.config_class(a=0.5)), args=_args(out, max_steps=2), train_dataset=Line()
+    )
+    trainer.train()
+    model = ckptfmt.integrations.transformers.load_model(os.path.join(out, "checkpoint-2"), model_class)
+    assert type(model) is model_class and model.config.a == 0.5
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    with pytest.raises(ckptfmt.CheckpointError, match="model_type"):
+        ckptfmt.integrations.transformers.load_model(os.path.join(out, "checkpoint-2"))

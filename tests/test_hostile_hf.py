@@ -597,7 +597,7 @@ CASES = [
         "config",
         config_bytes("not_an_object", b"[1, 2]"),
         do_load_model,
-        r"CorruptError: .*checkpoint-8: config.json is not a model config: no model_type",
+        r"CorruptError: .*checkpoint-8: config.json is not a model config: not an object",
     ),
 ]
 
