@@ -7,6 +7,7 @@ users catch, and no pickle in a checkpoint folder.  Each run takes well under a 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from typing import Any
@@ -237,3 +238,36 @@ def test_load_model_reads_the_config_with_the_class_config_class(model_class: ty
         assert torch.equal(model.state_dict()[name], value), name
     with pytest.raises(ckptfmt.CheckpointError, match="model_type"):
         ckptfmt.integrations.transformers.load_model(os.path.join(out, "checkpoint-2"))
+
+
+# -- 7. no pickle in a checkpoint folder ----------------------------------------------------------
+
+
+def _is_pickle_or_torch_save(path: str) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head[:1] == b"\x80" or head == b"PK\x03\x04"  # a pickle's PROTO opcode; torch.save's zip
+
+
+def test_checkpoint_folders_hold_no_pickle(tmp_path: Any) -> None:
+    out = str(tmp_path / "run")
+    trainer = _trainer(CkptfmtTrainer, out, max_steps=2, save_total_limit=1)
+    trainer.train()
+    folder = os.path.join(out, "checkpoint-2")
+    names = sorted(os.listdir(folder))
+    assert "training_args.bin" not in names
+    assert not [n for n in names if _is_pickle_or_torch_save(os.path.join(folder, n))]
+    args = ckptfmt.integrations.transformers.load_training_args(folder)
+    assert args == json.loads(trainer.args.to_json_string())
+    assert args["max_steps"] == 2 and args["save_total_limit"] == 1
+    # hostile: read bounded, never through a link, only a JSON object
+    path = os.path.join(folder, "training_args.json")
+    for make, error in (
+        (lambda: os.symlink(os.path.join(folder, "config.json"), path), ckptfmt.CheckpointError),
+        (lambda: open(path, "w").write("[1]"), ckptfmt.CorruptError),
+        (lambda: open(path, "wb").write(b"\xff{"), ckptfmt.CorruptError),
+    ):
+        os.unlink(path)
+        make()
+        with pytest.raises(error):
+            ckptfmt.integrations.transformers.load_training_args(folder)

@@ -21,9 +21,11 @@ What changes in each ``output_dir/checkpoint-N/`` folder:
                        file id and index checksum (``ckptfmt.multifile``)
 =====================  =============================================================
 
-plus what the Trainer writes itself, unchanged: ``config.json`` (and
-``generation_config.json``), the tokenizer or processor files,
-``training_args.bin`` and ``trainer_state.json``.
+plus ``training_args.json`` (the training arguments, ``TrainingArguments.to_json_string()``,
+read back with :func:`load_training_args`; in place of the Trainer's pickled
+``training_args.bin``: a checkpoint folder holds no pickle) and what the Trainer writes
+itself, unchanged: ``config.json`` (and ``generation_config.json``), the tokenizer or
+processor files and ``trainer_state.json``.
 
 Completeness.  A folder is a complete checkpoint exactly when its ``COMMIT``
 verifies and every file it names is there, unchanged.  ``COMMIT`` is written
@@ -126,7 +128,13 @@ The modules: ``trainer`` (the mixin and its Trainer hooks), ``reading`` (a
 from __future__ import annotations
 
 from .models import load_model
-from .reading import check_checkpoint, iter_checkpoint_dirs, latest_checkpoint, load_model_state
+from .reading import (
+    check_checkpoint,
+    iter_checkpoint_dirs,
+    latest_checkpoint,
+    load_model_state,
+    load_training_args,
+)
 from .trainer import HOOKS, CkptfmtTrainer, CkptfmtTrainerMixin
 
 __all__ = [
@@ -138,4 +146,5 @@ __all__ = [
     "latest_checkpoint",
     "load_model",
     "load_model_state",
+    "load_training_args",
 ]

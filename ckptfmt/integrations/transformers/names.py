@@ -14,6 +14,9 @@ RNG_NAME = "rng_state.ckpt"
 TRAINER_STATE_NAME = "trainer_state.ckpt"
 TRAINER_STATE_JSON = "trainer_state.json"
 CONFIG_JSON = "config.json"
+#: the training arguments as JSON (TrainingArguments.to_json_string), in place of the
+#: Trainer's pickled ``training_args.bin``
+TRAINING_ARGS_JSON = "training_args.json"
 #: ckptfmt's mark: the first entry of every ``checkpoint-N`` folder ckptfmt creates (made under
 #: a temporary name with the mark inside, then renamed), the last one a deletion removes.  A
 #: folder without a valid commit record is ckptfmt's, and may be removed, only when it holds

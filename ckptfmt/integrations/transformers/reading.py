@@ -6,6 +6,7 @@ directory, the model state of one.  Every entry is reached through the folder's 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import stat
 import warnings
@@ -25,9 +26,11 @@ from ...files.reader import CheckpointFile
 from ...files.verify import VerifyReport, check_file
 from .names import (
     MARK_NAME,
+    MAX_JSON_BYTES,
     MODEL_NAME,
     PREFIX,
     TRAINER_STATE_NAME,
+    TRAINING_ARGS_JSON,
     checkpoint_step,
 )
 
@@ -300,3 +303,22 @@ def classify_folders(run: CheckpointDir) -> list[tuple[int, str, str]]:
             kind = FOREIGN
         out.append((step, name, kind))
     return out
+
+
+def load_training_args(path: str) -> dict[str, Any]:
+    """The training arguments a checkpoint folder was saved with (``training_args.json``, the
+    pickle-free form of the Trainer's ``training_args.bin``: ``TrainingArguments.to_dict()``,
+    tokens redacted).  The commit record does not cover it: it is read bounded, without
+    following a link; anything but a JSON object is a CorruptError."""
+    try:
+        with CheckpointDir.open(path) as folder:
+            raw = folder.read_file(TRAINING_ARGS_JSON, MAX_JSON_BYTES)
+    except FileNotFoundError:
+        raise IncompleteError(f"no {TRAINING_ARGS_JSON}", path=path) from None
+    try:
+        values = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CorruptError(f"{TRAINING_ARGS_JSON} is not JSON: {why(e)[:200]}", path=path) from None
+    if not isinstance(values, dict):
+        raise CorruptError(f"{TRAINING_ARGS_JSON} is not a JSON object", path=path)
+    return values

@@ -5,6 +5,7 @@ valid by a commit record, and resumes read them back checked."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import threading
@@ -28,6 +29,7 @@ from .names import (
     SCHEDULER_NAME,
     TRAINER_STATE_JSON,
     TRAINER_STATE_NAME,
+    TRAINING_ARGS_JSON,
 )
 from .reading import (
     OpenedFolder,
@@ -283,10 +285,17 @@ class CkptfmtTrainerMixin(_MixinBase):
             self.processing_class.save_pretrained(output_dir)
         elif getattr(self.data_collator, "tokenizer", None) is not None:
             self.data_collator.tokenizer.save_pretrained(output_dir)  # type: ignore[union-attr]
-        import torch
+        # the Trainer pickles its arguments (training_args.bin); a checkpoint folder holds no pickle
+        save.check_in_place()
+        with open(os.path.join(output_dir, TRAINING_ARGS_JSON), "w", encoding="utf-8") as f:
+            f.write(self._ckptfmt_args_json(save.limit))
 
-        # as the Trainer does (pickled); never read by a resume
-        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+    def _ckptfmt_args_json(self, limit: int | None) -> str:
+        """The training arguments as JSON, save_total_limit as the user set it (while a folder is
+        saved the Trainer's own rotation is switched off by setting it to None)."""
+        args = copy.copy(self.args)
+        args.save_total_limit = limit
+        return str(args.to_json_string())
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self.args.should_save:
