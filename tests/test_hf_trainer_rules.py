@@ -30,10 +30,11 @@ from ckptfmt.integrations.transformers.names import MARK_NAME  # noqa: E402
 class RegressionConfig(PretrainedConfig):
     model_type = "ckptfmt-test-regression"  # registered nowhere: only the class knows it
 
-    def __init__(self, a: float = 0.0, b: float = 0.0, **kwargs: Any) -> None:
+    def __init__(self, a: float = 0.0, b: float = 0.0, noise: float = 0.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.a = a
         self.b = b
+        self.noise = noise  # drawn in training: a resume matches only with the RNG restored
 
 
 class RegressionModel(PreTrainedModel):
@@ -47,6 +48,8 @@ class RegressionModel(PreTrainedModel):
 
     def forward(self, input_x: torch.Tensor, labels: torch.Tensor | None = None, **_: Any) -> Any:
         y = input_x * self.a + self.b
+        if self.training and getattr(self.config, "noise", 0.0):
+            y = y + self.config.noise * torch.randn_like(y)
         if labels is None:
             return (y,)
         return (nn.functional.mse_loss(y, labels), y)
@@ -88,7 +91,7 @@ def _trainer(cls: type, out: str, **kw: Any) -> Any:
     torch.manual_seed(0)
     extra = kw.pop("ckptfmt", {})
     return cls(
-        model=RegressionModel(RegressionConfig()),
+        model=RegressionModel(RegressionConfig(noise=kw.pop("noise", 0.0))),
         args=_args(out, **kw),
         train_dataset=Line(),
         eval_dataset=Line(8),
@@ -271,3 +274,70 @@ def test_checkpoint_folders_hold_no_pickle(tmp_path: Any) -> None:
         make()
         with pytest.raises(error):
             ckptfmt.integrations.transformers.load_training_args(folder)
+
+
+# -- 2. an existing run switches: resuming from a folder of the stock Trainer ----------------------
+
+
+def _torch_load_spy(monkeypatch: Any) -> list[Any]:
+    """torch.load, unchanged, recording the weights_only each call passes."""
+    calls: list[Any] = []
+    real = torch.load
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs.get("weights_only"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    return calls
+
+
+@pytest.mark.parametrize("how", ["latest", "path"])
+def test_a_stock_run_switches_to_ckptfmt_without_losing_its_state(
+    how: str, tmp_path: Any, monkeypatch: Any
+) -> None:
+    reference, switched = str(tmp_path / "stock"), str(tmp_path / "switched")
+    stock = _trainer(Trainer, reference, max_steps=6, save_steps=3, noise=0.1)
+    stock.train()
+    shutil.copytree(os.path.join(reference, "checkpoint-3"), os.path.join(switched, "checkpoint-3"))
+    before = _tree(os.path.join(switched, "checkpoint-3"))
+    calls = _torch_load_spy(monkeypatch)
+    trainer = _trainer(
+        CkptfmtTrainer,
+        switched,
+        max_steps=6,
+        save_steps=3,
+        noise=0.1,
+        ckptfmt={"ckptfmt_read_trainer_checkpoints": True},
+    )
+    trainer.train(resume_from_checkpoint=True if how == "latest" else os.path.join(switched, "checkpoint-3"))
+    assert calls and all(w is True for w in calls)  # optimizer, scheduler, RNG: weights_only only
+    # the uninterrupted stock run, bit for bit: step, weights (the noise needs the RNG), optimizer
+    assert trainer.state.global_step == 6
+    for name, value in stock.model.state_dict().items():
+        assert torch.equal(trainer.model.state_dict()[name], value), name
+    folder = os.path.join(switched, "checkpoint-6")
+    ckptfmt.integrations.transformers.check_checkpoint(folder)
+    saved = ckptfmt.load(os.path.join(folder, "optimizer.ckpt"))
+    expected = torch.load(os.path.join(reference, "checkpoint-6", "optimizer.pt"), weights_only=True)
+    for key, state in expected["state"].items():
+        for k, v in state.items():
+            assert torch.equal(saved["state"][key][k], v), (key, k)
+    assert _tree(os.path.join(switched, "checkpoint-3")) == before
+    # the next resume takes ckptfmt's newer folder
+    again = _trainer(
+        CkptfmtTrainer, switched, max_steps=6, ckptfmt={"ckptfmt_read_trainer_checkpoints": True}
+    )
+    assert again._ckptfmt_resume_source(True).path == folder
+
+
+def test_a_stock_folder_is_not_resumed_from_without_the_opt_in(tmp_path: Any) -> None:
+    out = str(tmp_path / "run")
+    _stock_run(out, max_steps=2)
+    for given in (True, os.path.join(out, "checkpoint-2")):
+        with pytest.raises(ckptfmt.UnsupportedError, match="ckptfmt_read_trainer_checkpoints=True"):
+            _trainer(CkptfmtTrainer, out, max_steps=3).train(resume_from_checkpoint=given)
+    os.unlink(os.path.join(out, "checkpoint-2", "model.safetensors"))
+    trainer = _trainer(CkptfmtTrainer, out, max_steps=3, ckptfmt={"ckptfmt_read_trainer_checkpoints": True})
+    with pytest.raises(ckptfmt.UnsupportedError, match="no model.safetensors"):
+        trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))

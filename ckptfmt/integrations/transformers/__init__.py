@@ -51,6 +51,18 @@ Trainer restores its own (after fast-forwarding the data loader), so a resume
 continues the uninterrupted run's losses bit-exactly where the Trainer's data
 order is deterministic (its default seedable sampler).
 
+Switching an existing run.  ``CkptfmtTrainer(..., ckptfmt_read_trainer_checkpoints=True)``
+resumes from a ``checkpoint-N`` folder the stock Trainer wrote (an explicit path, or with
+``resume_from_checkpoint=True`` the newest folder of either kind): the model's weights are
+read through safetensors only (a folder holding only ``pytorch_model.bin`` is refused), the
+optimizer, scheduler, scaler and RNG state by the Trainer's own code, which calls
+``torch.load(weights_only=True)`` only; the next save is ckptfmt's.  Without the opt-in such
+a resume raises :class:`ckptfmt.UnsupportedError` saying how to opt in (with a newer stock
+folder beside an older complete ckptfmt one, a warning says so and the ckptfmt one is
+taken).  The opt-in cannot be combined with ``ckptfmt_trusted_keys``.  A stock folder is
+one that is not ckptfmt's (no valid commit record, no mark) and holds a regular
+``trainer_state.json``.
+
 Folders from anywhere.  A run directory may hold folders downloaded or written by
 others; nothing in one makes this module touch anything outside it.  Every entry of
 a ``checkpoint-N`` folder is reached through the folder's descriptor

@@ -10,7 +10,7 @@ import json
 import os
 import stat
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from ...engine.ckptdir import CheckpointDir
@@ -20,6 +20,7 @@ from ...errors import (
     CorruptError,
     IncompleteError,
     SignatureError,
+    UnsupportedError,
 )
 from ...files import multifile, recordsign
 from ...files.reader import CheckpointFile
@@ -29,6 +30,7 @@ from .names import (
     MAX_JSON_BYTES,
     MODEL_NAME,
     PREFIX,
+    TRAINER_STATE_JSON,
     TRAINER_STATE_NAME,
     TRAINING_ARGS_JSON,
     checkpoint_step,
@@ -198,10 +200,16 @@ def _warn_skip(path: str, why: str) -> None:
 
 
 def open_latest(
-    run_dir: str, verify: bool, warn: bool, trusted: Any = None, decrypt: Any = None
+    run_dir: str,
+    verify: bool,
+    warn: bool,
+    trusted: Any = None,
+    decrypt: Any = None,
+    quiet: Collection[str] = (),
 ) -> OpenedFolder | None:
     """The newest complete ``checkpoint-N`` folder of `run_dir`, held open, or None; with
-    `trusted` public keys, the newest whose commit record one of them signed."""
+    `trusted` public keys, the newest whose commit record one of them signed.  Folders named
+    in `quiet` are passed over without a warning."""
     run = open_run(run_dir)
     if run is None:
         return None
@@ -223,9 +231,33 @@ def open_latest(
                 return check_folder(folder, verify, trusted, decrypt)
             except (CheckpointError, OSError) as e:
                 folder.close()
-                if warn:
+                if warn and name not in quiet:
                     _warn_skip(folder.path, f"not a complete checkpoint ({why(e, folder.path)})")
     return None
+
+
+def is_trainer_folder(folder: CheckpointDir) -> bool:
+    """Whether an open ``checkpoint-N`` folder is one the stock Trainer wrote, as far as can be
+    told: not ckptfmt's (folder_kind FOREIGN) and holding a regular ``trainer_state.json``."""
+    if folder_kind(folder) != FOREIGN:
+        return False
+    st = folder.lstat(TRAINER_STATE_JSON)
+    return st is not None and stat.S_ISREG(st.st_mode)
+
+
+def trainer_folders(run_dir: str) -> list[tuple[int, str]]:
+    """(step, name) of the run directory's ``checkpoint-N`` folders the stock Trainer wrote
+    (is_trainer_folder), oldest step first."""
+    run = open_run(run_dir)
+    if run is None:
+        return []
+    out = []
+    with run:
+        for step, name in scan_run(run)[0]:
+            with contextlib.suppress(CheckpointError, OSError), run.sub(name) as folder:
+                if is_trainer_folder(folder):
+                    out.append((step, name))
+    return out
 
 
 def latest_checkpoint(
@@ -322,3 +354,22 @@ def load_training_args(path: str) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise CorruptError(f"{TRAINING_ARGS_JSON} is not a JSON object", path=path)
     return values
+
+
+#: the files the stock Trainer keeps a model's weights in, in safetensors
+SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+
+
+def check_safetensors_weights(path: str) -> None:
+    """A folder of the stock Trainer resumed from must hold its weights in safetensors (never a
+    pickled ``pytorch_model.bin``): UnsupportedError otherwise."""
+    with CheckpointDir.open(path) as folder:
+        for name in SAFETENSORS_WEIGHTS:
+            st = folder.lstat(name)
+            if st is not None and stat.S_ISREG(st.st_mode):
+                return
+    raise UnsupportedError(
+        "this folder of transformers.Trainer holds no model.safetensors: only weights in "
+        "safetensors are read",
+        path=path,
+    )
