@@ -341,3 +341,45 @@ def test_a_stock_folder_is_not_resumed_from_without_the_opt_in(tmp_path: Any) ->
     trainer = _trainer(CkptfmtTrainer, out, max_steps=3, ckptfmt={"ckptfmt_read_trainer_checkpoints": True})
     with pytest.raises(ckptfmt.UnsupportedError, match="no model.safetensors"):
         trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+
+
+# -- 3. from_pretrained on a ckptfmt checkpoint folder (enable()) ----------------------------------
+
+
+def test_from_pretrained_opens_ckptfmt_folders_once_enabled(tmp_path: Any) -> None:
+    from trainer_helpers import Tokens, tiny_gpt2
+    from transformers import AutoModelForCausalLM
+
+    from ckptfmt.integrations.transformers import disable, enable
+
+    out = str(tmp_path / "gpt2")
+    args = _args(out, max_steps=2, save_steps=2)
+    gpt2 = tiny_gpt2(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    trainer = CkptfmtTrainer(model=gpt2, args=args, train_dataset=Tokens(n=8, length=16, vocab=64, seed=1))
+    trainer.train()
+    folder = os.path.join(out, "checkpoint-2")
+    with pytest.raises(OSError):  # transformers alone finds no weights there
+        AutoModelForCausalLM.from_pretrained(folder)
+    enable()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        assert type(model) is type(gpt2)
+        for name, value in gpt2.state_dict().items():
+            assert torch.equal(model.state_dict()[name], value), name
+        assert model.generation_config is not None
+        # a model class of its own, its config type registered nowhere
+        reg = _trainer(CkptfmtTrainer, str(tmp_path / "reg"), max_steps=1)
+        reg.train()
+        loaded = RegressionModel.from_pretrained(str(tmp_path / "reg" / "checkpoint-1"))
+        assert torch.equal(loaded.a, reg.model.a) and torch.equal(loaded.b, reg.model.b)
+        # a damaged folder is refused with ckptfmt's error, never read
+        with open(os.path.join(folder, "model.ckpt"), "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
+        with pytest.raises(ckptfmt.CheckpointError):
+            AutoModelForCausalLM.from_pretrained(folder)
+        # transformers' own folders are transformers' business, as before
+        trainer.save_model(str(tmp_path / "final"))
+        assert type(AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))) is type(gpt2)
+    finally:
+        disable()

@@ -122,8 +122,14 @@ and ``train`` (resolves ``resume_from_checkpoint``).  Supported: one process
 SageMaker are refused with ``NotImplementedError``.
 
 The final model (``trainer.save_model()``) is still written by the Trainer
-(safetensors, for ``from_pretrained``).  ``from_pretrained`` does not read
-checkpoint folders; :func:`load_model` builds the model of one
+(safetensors, for ``from_pretrained``).  ``from_pretrained`` reads checkpoint folders once
+:func:`enable` has been called (module ``pretrained``: ``model.ckpt`` checked against the
+commit record, then given to transformers' own ``from_pretrained`` as its ``state_dict``;
+:func:`disable` undoes it).  Keeping a ``model.safetensors`` in each folder instead was
+measured (bench/hf_from_pretrained.py, GPT-2 6x512, 2 shared cores: +33% bytes and about
++20-33% save time of the folder's ckptfmt files when written beside ``model.ckpt``; in its
+place it would need a commit record part that is not a ckptfmt file) and not chosen.
+:func:`load_model` builds the model of one
 (``load_model(folder, AutoModelForCausalLM)``), :func:`load_model_state` gives
 its state dict.  Both, with :func:`check_checkpoint` and :func:`latest_checkpoint`, take
 ``decrypt_with`` (the key of an encrypted folder) and ``trusted_keys`` (Ed25519 public keys,
@@ -140,6 +146,7 @@ The modules: ``trainer`` (the mixin and its Trainer hooks), ``reading`` (a
 from __future__ import annotations
 
 from .models import load_model
+from .pretrained import disable, enable
 from .reading import (
     check_checkpoint,
     iter_checkpoint_dirs,
@@ -154,6 +161,8 @@ __all__ = [
     "CkptfmtTrainerMixin",
     "HOOKS",
     "check_checkpoint",
+    "disable",
+    "enable",
     "iter_checkpoint_dirs",
     "latest_checkpoint",
     "load_model",
