@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Collection, Iterator
 from typing import Any
 
+from ...engine import marks
 from ...engine.ckptdir import CheckpointDir
 from ...errors import (
     CheckpointError,
@@ -26,7 +27,6 @@ from ...files import multifile, recordsign
 from ...files.reader import CheckpointFile
 from ...files.verify import VerifyReport, check_file
 from .names import (
-    MARK_NAME,
     MAX_JSON_BYTES,
     MODEL_NAME,
     PREFIX,
@@ -317,8 +317,7 @@ def folder_kind(folder: CheckpointDir) -> str:
         return COMPLETE
     except (CheckpointError, OSError):
         pass
-    mark = folder.lstat(MARK_NAME)
-    if mark is not None and stat.S_ISREG(mark.st_mode):
+    if marks.is_marked(folder):
         return ABANDONED
     return FOREIGN if folder.names() else EMPTY
 

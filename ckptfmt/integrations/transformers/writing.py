@@ -13,30 +13,14 @@ import threading
 from typing import Any
 
 from ...background.inflight import SaveHandle
-from ...engine import commit
+from ...engine import commit, marks
 from ...engine.ckptdir import CheckpointDir, LinkError
 from ...errors import CheckpointError, CorruptError, UnsupportedError
 from ...files import multifile, recordsign
-from .names import MARK_NAME, MARK_TEXT, checkpoint_step
+from .names import MARK_NAME, WRITER, checkpoint_step
 from .reading import ABANDONED, COMPLETE, FOREIGN, classify_folders, folder_kind, open_run
 
 logger = logging.getLogger(__name__)
-
-
-def put_mark(folder: CheckpointDir) -> None:
-    """ckptfmt's mark in `folder` (names.MARK_NAME), written and made durable; kept if there."""
-    try:
-        fd = folder.create(MARK_NAME)
-    except FileExistsError:
-        return
-    try:
-        view = memoryview(MARK_TEXT)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    folder.fsync()
 
 
 def delete_folder(run: CheckpointDir, name: str) -> None:
@@ -50,13 +34,13 @@ def delete_folder(run: CheckpointDir, name: str) -> None:
     except (LinkError, FileNotFoundError):
         return
     with folder:
-        put_mark(folder)
+        marks.put_mark(folder, WRITER)
         if folder.unlink(multifile.COMMIT_NAME):
             folder.fsync()
         for entry in folder.names():
             if entry != MARK_NAME:
                 folder.remove_tree(entry)
-        folder.unlink(MARK_NAME)
+        marks.remove_mark_if_alone(folder)
     run.rmdir(name)
 
 
@@ -95,7 +79,7 @@ def fresh_folder(run_dir: str, name: str) -> CheckpointDir:
         tmp, _ = commit.new_temp(run, name, run.mkdir)
         try:
             with run.sub(tmp) as made:
-                put_mark(made)
+                marks.put_mark(made, WRITER)
                 made_id = os.fstat(made.fd)
             run.rename(tmp, name)  # fails if a non-empty entry took the name meanwhile
             run.fsync()
