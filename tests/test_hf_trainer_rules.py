@@ -204,12 +204,15 @@ def test_nothing_to_resume_is_a_value_error_as_with_the_trainer(resume: Any, tmp
     os.makedirs(out)
     os.makedirs(tmp_path / "empty-dir")
     given = resume if resume in ("", True) else str(tmp_path / resume)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError) as stock:
         _trainer(Trainer, out).train(resume_from_checkpoint=given)
     with pytest.raises(ValueError) as caught:
         _trainer(CkptfmtTrainer, out).train(resume_from_checkpoint=given)
     assert isinstance(caught.value, ckptfmt.CheckpointError)
     assert caught.value.path is not None
+    # the Trainer's own words are there too (transformers' tests match them)
+    words = "No valid checkpoint found" if resume is True else "Can't find a valid checkpoint at"
+    assert words in str(stock.value) and words in str(caught.value)
 
 
 # -- 4. load_model with a model class whose config type transformers does not register -------------

@@ -459,7 +459,10 @@ CASES = [
     Case("folder-link", link_folder, do_save_newer, "ok", after=real_complete(NEWER)),
     Case("folder-link", link_dangling_folder, do_save_newer, "ok", after=real_complete(NEWER)),
     Case(
-        "folder-link", link_only, do_resume_latest, r"IncompleteError: .*no complete checkpoint in the output"
+        "folder-link",
+        link_only,
+        do_resume_latest,
+        r"IncompleteError: .*No valid checkpoint found in output directory",
     ),
     Case("folder-link", link_older_folder, do_save_and_rotate, "ok", after=link_left_alone),
     # links inside a folder: never followed

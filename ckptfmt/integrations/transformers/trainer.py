@@ -413,7 +413,10 @@ class CkptfmtTrainerMixin(_MixinBase):
                 if self._ckptfmt_take_stock(path):
                     return None
                 kind = type(e) if isinstance(e, ValueError) else IncompleteError  # as the Trainer's
-                raise kind(f"not a complete ckptfmt checkpoint ({e.reason})", path=path) from e
+                raise kind(  # the Trainer's words first: code that matches them keeps working
+                    f"Can't find a valid checkpoint at this path: not a complete ckptfmt checkpoint ({e.reason})",
+                    path=path,
+                ) from e
         else:
             return None
         self._ckptfmt_resume = found
@@ -435,7 +438,10 @@ class CkptfmtTrainerMixin(_MixinBase):
         newest = stock[-1] if stock else None
         if newest is None or (found is not None and _step_of(found.path) >= newest[0]):
             if found is None:
-                raise IncompleteError("no complete checkpoint in the output directory", path=run_dir)
+                raise IncompleteError(
+                    "No valid checkpoint found in output directory: no complete ckptfmt checkpoint",
+                    path=run_dir,
+                )
             return found
         newest_path = os.path.join(run_dir, newest[1])
         if self.ckptfmt_read_trainer_checkpoints:
