@@ -139,7 +139,7 @@ def test_a_sharded_manager_save_writes_beneath_the_step_directory_it_holds(tmp_p
     )
     assert p.returncode == 0, p.stdout + p.stderr
     _unchanged(victim, files)
-    assert "held: ['COMMIT', 'rank-00000.ckpt']" in p.stdout, p.stdout + p.stderr
+    assert "held: ['.ckptfmt-folder', 'COMMIT', 'rank-00000.ckpt']" in p.stdout, p.stdout + p.stderr
 
 
 # -- loading a manager's sharded step (F6) ----------------------------------------------------------

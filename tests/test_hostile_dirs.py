@@ -528,7 +528,7 @@ def test_a_save_writes_into_the_step_directory_it_made_even_if_it_is_swapped_for
     monkeypatch.setattr(manager_mod.CheckpointManager, "_write_state", swap_then_write)
     CheckpointManager(r.run).save(3, _state(3))
     assert sorted(os.listdir(r.outside)) == ["precious.txt"]
-    assert sorted(os.listdir(r.root / "moved")) == ["COMMIT", "state.ckpt"]
+    assert sorted(os.listdir(r.root / "moved")) == [".ckptfmt-folder", "COMMIT", "state.ckpt"]
 
 
 def test_a_state_file_replaced_after_verify_is_never_loaded_as_its_step(tmp_path):

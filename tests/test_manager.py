@@ -120,7 +120,7 @@ def test_save_list_load_round_trip(tmp_path):
     assert mgr.save(1, _tiny(1), metrics={"loss": 0.5, "acc": 1}, metadata={"run": "a"}) is None
     mgr.save(20, _tiny(20), metrics={"loss": torch.tensor(0.25)})
     assert _dirs(tmp_path) == [step_dirname(1), step_dirname(20)]
-    assert sorted(os.listdir(_step(tmp_path, 1))) == ["COMMIT", "state.ckpt"]
+    assert sorted(os.listdir(_step(tmp_path, 1))) == [".ckptfmt-folder", "COMMIT", "state.ckpt"]
     infos = mgr.checkpoints()
     assert [c.step for c in infos] == [1, 20]
     first, last = infos
@@ -128,7 +128,8 @@ def test_save_list_load_round_trip(tmp_path):
     assert first.path == _step(tmp_path, 1)
     assert first.metrics == {"loss": 0.5, "acc": 1} and first.metadata == {"run": "a"}
     assert last.metrics == {"loss": 0.25} and last.metadata == {}
-    assert first.size == sum(os.path.getsize(os.path.join(first.path, n)) for n in os.listdir(first.path))
+    own = [n for n in os.listdir(first.path) if not n.startswith(".")]  # not ckptfmt's mark
+    assert first.size == sum(os.path.getsize(os.path.join(first.path, n)) for n in own)
     assert before <= first.created <= last.created <= datetime.datetime.now(datetime.timezone.utc)
     assert mgr.latest() == last
     got = mgr.load()
@@ -401,7 +402,7 @@ def test_a_symlinked_step_directory_is_never_deleted_through(tmp_path):
     keep = CheckpointManager(run, keep_last=1)
     keep.save(5, _tiny(5))
     keep.save(6, _tiny(6))
-    assert sorted(os.listdir(outside / "copy")) == ["COMMIT", "state.ckpt"]
+    assert sorted(os.listdir(outside / "copy")) == [".ckptfmt-folder", "COMMIT", "state.ckpt"]
 
 
 LOCKER = textwrap.dedent(
@@ -437,6 +438,7 @@ def test_a_step_directory_locked_by_a_live_process_is_never_removed(tmp_path):
     for s in (0, 3):
         os.mkdir(_step(tmp_path, s))
         (tmp_path / step_dirname(s) / "state.ckpt").write_bytes(b"partial")
+        (tmp_path / step_dirname(s) / ".ckptfmt-folder").write_bytes(b"{}\n")  # made by ckptfmt
     older, newer = _lock_in_other_process(_step(tmp_path, 0)), _lock_in_other_process(_step(tmp_path, 3))
     try:
         assert locks.is_locked(_step(tmp_path, 3)) is True
@@ -1099,7 +1101,7 @@ def test_rotation_keeps_only_the_referenced_files(tmp_path, blocking):
     # step 1 holds the frozen bytes that step 3 refers to: its commit record is gone, its file
     # stays; step 2 held nothing step 3 needs and is gone entirely
     assert sorted(os.listdir(run)) == ["step-000000001", "step-000000003"]
-    assert os.listdir(run / "step-000000001") == ["state.ckpt"]
+    assert sorted(os.listdir(run / "step-000000001")) == [".ckptfmt-folder", "state.ckpt"]
     info = mgr.latest()
     assert info.step == 3 and info.references == (str(run / "step-000000001" / "state.ckpt"),)
     assert info.size < frozen.nbytes // 4  # step 3 did not write the frozen tensor again

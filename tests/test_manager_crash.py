@@ -41,6 +41,7 @@ import torch
 from manager_crash_child import IN_FLIGHT, KEEP_LAST, Trainer, flat_state
 
 import ckptfmt
+from ckptfmt.engine.marks import MARK_NAME
 from ckptfmt.files.multifile import COMMIT_NAME
 from ckptfmt.runs.steps import STATE_NAME, parse_step_dirname
 
@@ -192,7 +193,7 @@ def scan(run_dir: str, mgr: ckptfmt.CheckpointManager) -> Scan:
     for name in sorted(os.listdir(run_dir)):
         path = os.path.join(run_dir, name)
         assert os.path.isdir(path) and not os.path.islink(path), f"stray file {name}"
-        inside = set(os.listdir(path))
+        inside = set(os.listdir(path)) - {MARK_NAME}  # ckptfmt's mark: in every folder it makes
         if name in complete_names:
             assert inside == {STATE_NAME, COMMIT_NAME}, f"{name} is complete but holds {sorted(inside)}"
             continue
@@ -200,6 +201,8 @@ def scan(run_dir: str, mgr: ckptfmt.CheckpointManager) -> Scan:
         step = int(temp_dir.group(1)) if temp_dir else parse_step_dirname(name)
         assert step is not None, f"stray directory {name}"
         assert temp_dir is None or not inside, f"{name}: files in a directory not yet renamed into place"
+        # named, a folder bears the mark (removed last by a deletion): it stays provably ckptfmt's
+        assert temp_dir or not inside or MARK_NAME in os.listdir(path), f"{name}: files but no mark"
         # a commit record is renamed in last and unlinked first: never in an unfinished step
         for n in inside:
             assert n == STATE_NAME or _TEMP_FILE_RE.fullmatch(n), f"stray file {name}/{n}"

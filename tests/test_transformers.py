@@ -429,7 +429,7 @@ def test_encrypted_checkpoints_resume_with_the_key_only(tmp_path: Any) -> None:
     for kw in ({}, {"ckptfmt_decrypt_with": bytes(32)}):
         with (
             pytest.warns(ckptfmt.CheckpointWarning),
-            pytest.raises(ValueError, match="No complete checkpoint"),
+            pytest.raises(ValueError, match="No valid checkpoint found in output directory"),
         ):
             trainer(5, **kw).train(resume_from_checkpoint=True)
     with pytest.raises(ckptfmt.CheckpointError):

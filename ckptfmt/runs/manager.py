@@ -6,15 +6,16 @@ multifile.py).  A step is complete exactly when its commit record verifies and
 names files that are there unchanged; nothing else ever counts as a
 checkpoint.  So:
 
-* a save writes its step directory under a temporary name, locks it, renames
-  it into place, writes the state file (atomically, like any save), and only
-  then writes the commit record;
+* a save writes its step directory under a temporary name, locks it, marks it
+  (engine.marks), renames it into place, writes the state file (atomically, like
+  any save), and only then writes the commit record;
 * ``latest()`` is the newest complete step; incomplete, damaged or foreign
   step directories are skipped with a warning that says why;
 * rotation runs after a commit, never deletes the newest complete checkpoint,
   and never deletes a file that a kept checkpoint refers to (incremental runs);
-* a step directory without a commit record is removed by a later save when no
-  live process holds its lock (a crashed or failed save);
+* a step directory without a commit record is removed by a later save when it
+  bears ckptfmt's mark (or is empty) and no live process holds its lock (a
+  crashed or failed save); one without the mark is another tool's, never deleted;
 * non-blocking saves return after the snapshot; their commit records are
   written in the order the saves were made, each after its files are durable;
 * with ``sign_with`` every commit record is signed (spec 16.7: it carries the
@@ -38,7 +39,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..background import inflight
-from ..engine import commit
+from ..engine import commit, marks
 from ..engine.ckptdir import CheckpointDir, LinkError
 from ..errors import CheckpointError, CheckpointWarning, CorruptError, SignatureError
 from ..fileio import is_url
@@ -388,13 +389,21 @@ class CheckpointManager:
             if found is not None and stat.S_ISDIR(found.st_mode):
                 if locks.is_locked(final):
                     raise CheckpointError(f"{final} is being written by another process")
-                self._delete_step(final, keep=(scan or self._scan()).referenced())
+                scan = scan or self._scan()
+                if any(s.step == step and not s.ours for s in scan.statuses):
+                    raise UnsupportedError(
+                        "a folder ckptfmt did not make (no commit record, no mark) has this step's "
+                        "name: it is never deleted nor written into; move it away to save this step",
+                        path=final,
+                    )
+                self._delete_step(final, keep=scan.referenced())
             elif found is not None:  # a link or a file squatting on the name: removed as a name
                 run.unlink(name)
             tmp, _ = commit.new_temp(run, name, run.mkdir)
             try:
                 sub = run.sub(tmp)
                 try:
+                    marks.put_mark(sub, "ckptfmt.CheckpointManager")  # before it has its name
                     if (
                         locks.try_lock(sub.fd) is False
                     ):  # another process's cleanup is probing it this instant
@@ -598,11 +607,13 @@ class CheckpointManager:
             except (FileNotFoundError, LinkError):
                 return  # gone, or a link: never delete what a link points to
             with d:
+                marks.put_mark(d, "ckptfmt.CheckpointManager")  # cut short, it is still ours
                 if d.unlink(multifile.COMMIT_NAME):  # never leave files that a commit record still names
                     d.fsync()
                 for entry in d.names():
-                    if d.path_of(entry) not in keep:
+                    if entry != marks.MARK_NAME and d.path_of(entry) not in keep:
                         d.remove_tree(entry)
+                marks.remove_mark_if_alone(d)
             run.rmdir(name)
 
     def _cleanup(self, scan: RunScan | None = None) -> None:
@@ -617,8 +628,8 @@ class CheckpointManager:
         newest = -1 if newest is None else newest
         keep = scan.referenced()
         for s in list(scan.statuses):
-            if s.info is not None or s.step in scan.busy:
-                continue
+            if s.info is not None or s.step in scan.busy or not s.ours:
+                continue  # complete, being saved, or not ckptfmt's (never deleted)
             if s.damaged and s.step > newest:
                 continue  # the newest data there is: leave it for a person to look at
             locked = locks.is_locked(s.path)

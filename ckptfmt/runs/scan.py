@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine import marks
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, IncompleteError
 from ..files import multifile
@@ -131,8 +132,12 @@ class StepRecords:
                     status.problem = _why(e, d.path)
                     status.damaged = not isinstance(e, IncompleteError) or d.exists(multifile.COMMIT_NAME)
                     status.error = type(e) if isinstance(e, CheckpointError) else IncompleteError
+                    status.ours = marks.ours_without_record(d)
+                    if not status.ours:
+                        status.problem += " (ckptfmt did not make this folder: it is never deleted)"
         except (CheckpointError, OSError) as e:  # swapped for a link since it was listed
             status.problem = _why(e, status.path)
+            status.ours = False
             status.damaged = True
             status.error = type(e) if isinstance(e, CheckpointError) else IncompleteError
         if status.info is None:

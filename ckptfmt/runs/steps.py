@@ -81,6 +81,9 @@ class StepStatus:
     damaged: bool = False  # it has a commit record, but the record or a file it names is bad
     locked: bool | None = None  # a live save holds it (None: not checked or unknown)
     error: type[CheckpointError] = CheckpointError  # the kind of `problem` (CorruptError, ...)
+    #: without a valid commit record, whether ckptfmt may delete it: it bears ckptfmt's mark
+    #: (engine.marks) or is empty; another tool's folder never is
+    ours: bool = True
 
 
 @dataclass

@@ -33,13 +33,39 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _read_config(folder: CheckpointDir) -> Any:
+def _config_class(cls: Any, model_type: Any, where: str) -> Any:
+    """The config class for `model_type`: the model class's own ``config_class`` when the type
+    is not one transformers registers (or is not given) and the class's config is of that
+    type; else transformers' registered one; UnsupportedError when neither is."""
+    import transformers
+    from transformers import CONFIG_MAPPING, PretrainedConfig
+
+    own = getattr(cls, "config_class", None)
+    own = own if isinstance(own, type) and issubclass(own, PretrainedConfig) else None
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        if own is None or not own.model_type or own.model_type == model_type:
+            return CONFIG_MAPPING[model_type]
+    if own is not None and (not model_type or own.model_type == model_type):
+        return own
+    if not isinstance(model_type, str) or not model_type:
+        raise CorruptError(
+            f"{CONFIG_JSON} is not a model config: no model_type (give the model class, whose "
+            "config_class reads it)",
+            path=where,
+        )
+    named = "" if own is None else f", nor of {cls.__name__}'s config class ({own.model_type!r})"
+    raise UnsupportedError(
+        f"{CONFIG_JSON}: model_type {model_type[:80]!r} is not a model type transformers "
+        f"{transformers.__version__} knows{named}",
+        path=where,
+    )
+
+
+def _read_config(folder: CheckpointDir, cls: Any) -> Any:
     """The model config in ``config.json``, read through the folder (no link, no FIFO, bounded).
     The commit record does not cover it: any value that does not make a config of a model type
-    transformers knows is refused (UnsupportedError for an unknown type, else CorruptError)."""
-    import transformers
-    from transformers import CONFIG_MAPPING
-
+    transformers knows, or of the model class's own ``config_class``, is refused
+    (UnsupportedError for an unknown type, else CorruptError)."""
     try:
         raw = folder.read_file(CONFIG_JSON, MAX_JSON_BYTES)
     except FileNotFoundError:
@@ -48,20 +74,17 @@ def _read_config(folder: CheckpointDir) -> Any:
         values = json.loads(raw)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError included; nested too deep
         raise CorruptError(f"{CONFIG_JSON} is not JSON: {_one_line(e)}", path=folder.path) from None
-    model_type = values.get("model_type") if isinstance(values, dict) else None
-    if not isinstance(model_type, str):
-        raise CorruptError(f"{CONFIG_JSON} is not a model config: no model_type", path=folder.path)
-    if model_type not in CONFIG_MAPPING:
-        raise UnsupportedError(
-            f"{CONFIG_JSON}: model_type {model_type[:80]!r} is not a model type transformers "
-            f"{transformers.__version__} knows",
-            path=folder.path,
-        )
+    if not isinstance(values, dict):
+        raise CorruptError(f"{CONFIG_JSON} is not a model config: not an object", path=folder.path)
+    model_type = values.get("model_type")
+    config_class = _config_class(cls, model_type, folder.path)
     try:
-        return CONFIG_MAPPING[model_type].from_dict(values)
+        return config_class.from_dict(values)
     except Exception as e:  # transformers' and huggingface_hub's validation errors, any kind
         raise CorruptError(
-            f"{CONFIG_JSON} is not a {model_type} config: {_one_line(e)}", path=folder.path
+            f"{CONFIG_JSON} is not a {config_class.model_type or config_class.__name__} config: "
+            f"{_one_line(e)}",
+            path=folder.path,
         ) from None
 
 
@@ -176,7 +199,8 @@ def load_model(
     """A model built from a complete checkpoint folder: its ``config.json`` and ``model.ckpt``.
 
     `model_class`: an ``AutoModel...`` class (default ``AutoModel``) or a model class
-    (``GPT2LMHeadModel``).  The model is on the CPU, in training mode as saved.
+    (``GPT2LMHeadModel``, or your own ``PreTrainedModel`` subclass: its ``config_class`` reads
+    a ``config.json`` whose model_type transformers does not register, or that has none).  The model is on the CPU, in training mode as saved.
     `decrypt_with`: the key of an encrypted checkpoint (spec section 17); `trusted_keys`:
     Ed25519 public keys, one of which must have signed the folder's commit record (spec
     16.7): ``model.ckpt`` is hashed against it before its index is read.
@@ -196,7 +220,7 @@ def load_model(
         part = opened.part(MODEL_NAME)
         if part is None:
             raise IncompleteError(f"the commit record names no {MODEL_NAME}", path=opened.path)
-        config = _read_config(opened.dir)
+        config = _read_config(opened.dir, cls)
         with opened.open(part) as f:
             committed = _committed_tensors(f, opened.path)
             limit = MODULES_PER_TENSOR * len(committed) + SLACK

@@ -6,11 +6,14 @@ directory, the model state of one.  Every entry is reached through the folder's 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import stat
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
+from ...engine import marks
 from ...engine.ckptdir import CheckpointDir
 from ...errors import (
     CheckpointError,
@@ -18,14 +21,18 @@ from ...errors import (
     CorruptError,
     IncompleteError,
     SignatureError,
+    UnsupportedError,
 )
 from ...files import multifile, recordsign
 from ...files.reader import CheckpointFile
 from ...files.verify import VerifyReport, check_file
 from .names import (
+    MAX_JSON_BYTES,
     MODEL_NAME,
     PREFIX,
+    TRAINER_STATE_JSON,
     TRAINER_STATE_NAME,
+    TRAINING_ARGS_JSON,
     checkpoint_step,
 )
 
@@ -193,10 +200,16 @@ def _warn_skip(path: str, why: str) -> None:
 
 
 def open_latest(
-    run_dir: str, verify: bool, warn: bool, trusted: Any = None, decrypt: Any = None
+    run_dir: str,
+    verify: bool,
+    warn: bool,
+    trusted: Any = None,
+    decrypt: Any = None,
+    quiet: Collection[str] = (),
 ) -> OpenedFolder | None:
     """The newest complete ``checkpoint-N`` folder of `run_dir`, held open, or None; with
-    `trusted` public keys, the newest whose commit record one of them signed."""
+    `trusted` public keys, the newest whose commit record one of them signed.  Folders named
+    in `quiet` are passed over without a warning."""
     run = open_run(run_dir)
     if run is None:
         return None
@@ -218,9 +231,33 @@ def open_latest(
                 return check_folder(folder, verify, trusted, decrypt)
             except (CheckpointError, OSError) as e:
                 folder.close()
-                if warn:
+                if warn and name not in quiet:
                     _warn_skip(folder.path, f"not a complete checkpoint ({why(e, folder.path)})")
     return None
+
+
+def is_trainer_folder(folder: CheckpointDir) -> bool:
+    """Whether an open ``checkpoint-N`` folder is one the stock Trainer wrote, as far as can be
+    told: not ckptfmt's (folder_kind FOREIGN) and holding a regular ``trainer_state.json``."""
+    if folder_kind(folder) != FOREIGN:
+        return False
+    st = folder.lstat(TRAINER_STATE_JSON)
+    return st is not None and stat.S_ISREG(st.st_mode)
+
+
+def trainer_folders(run_dir: str) -> list[tuple[int, str]]:
+    """(step, name) of the run directory's ``checkpoint-N`` folders the stock Trainer wrote
+    (is_trainer_folder), oldest step first."""
+    run = open_run(run_dir)
+    if run is None:
+        return []
+    out = []
+    with run:
+        for step, name in scan_run(run)[0]:
+            with contextlib.suppress(CheckpointError, OSError), run.sub(name) as folder:
+                if is_trainer_folder(folder):
+                    out.append((step, name))
+    return out
 
 
 def latest_checkpoint(
@@ -266,15 +303,72 @@ def load_best(run_dir: str, name: str, trusted: Any = None, decrypt: Any = None)
         return check_folder(folder, False, trusted, decrypt).load_required(MODEL_NAME)
 
 
-def sort_folders(run: CheckpointDir) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
-    """(step, name) of the complete and of the incomplete ``checkpoint-N`` folders, oldest first
-    (links are neither: never followed, never deleted)."""
-    complete, incomplete = [], []
+#: what a ``checkpoint-N`` folder of a run directory is to ckptfmt
+COMPLETE = "complete"  # its commit record verifies: a checkpoint ckptfmt wrote
+ABANDONED = "abandoned"  # ckptfmt's mark and no valid commit record: a save or a deletion cut short
+EMPTY = "empty"  # no entry at all: removing it loses nothing
+FOREIGN = "foreign"  # anything else (the stock Trainer's, another tool's): never deleted
+
+
+def folder_kind(folder: CheckpointDir) -> str:
+    """COMPLETE, ABANDONED, EMPTY or FOREIGN (see above) for an open ``checkpoint-N`` folder."""
+    try:
+        check_folder(folder, False)
+        return COMPLETE
+    except (CheckpointError, OSError):
+        pass
+    if marks.is_marked(folder):
+        return ABANDONED
+    return FOREIGN if folder.names() else EMPTY
+
+
+def classify_folders(run: CheckpointDir) -> list[tuple[int, str, str]]:
+    """(step, name, kind) of the ``checkpoint-N`` directories, oldest step first (links are
+    not among them: never followed, never deleted); one that cannot be opened is FOREIGN."""
+    out = []
     for step, name in scan_run(run)[0]:
         try:
             with run.sub(name) as folder:
-                check_folder(folder, False)
-            complete.append((step, name))
+                kind = folder_kind(folder)
         except (CheckpointError, OSError):
-            incomplete.append((step, name))
-    return complete, incomplete
+            kind = FOREIGN
+        out.append((step, name, kind))
+    return out
+
+
+def load_training_args(path: str) -> dict[str, Any]:
+    """The training arguments a checkpoint folder was saved with (``training_args.json``, the
+    pickle-free form of the Trainer's ``training_args.bin``: ``TrainingArguments.to_dict()``,
+    tokens redacted).  The commit record does not cover it: it is read bounded, without
+    following a link; anything but a JSON object is a CorruptError."""
+    try:
+        with CheckpointDir.open(path) as folder:
+            raw = folder.read_file(TRAINING_ARGS_JSON, MAX_JSON_BYTES)
+    except FileNotFoundError:
+        raise IncompleteError(f"no {TRAINING_ARGS_JSON}", path=path) from None
+    try:
+        values = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise CorruptError(f"{TRAINING_ARGS_JSON} is not JSON: {why(e)[:200]}", path=path) from None
+    if not isinstance(values, dict):
+        raise CorruptError(f"{TRAINING_ARGS_JSON} is not a JSON object", path=path)
+    return values
+
+
+#: the files the stock Trainer keeps a model's weights in, in safetensors
+SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+
+
+def check_safetensors_weights(path: str) -> None:
+    """A folder of the stock Trainer resumed from must hold its weights in safetensors (never a
+    pickled ``pytorch_model.bin``): UnsupportedError otherwise."""
+    with CheckpointDir.open(path) as folder:
+        for name in SAFETENSORS_WEIGHTS:
+            st = folder.lstat(name)
+            if st is not None and stat.S_ISREG(st.st_mode):
+                return
+    raise UnsupportedError(
+        "this folder of transformers.Trainer holds no model.safetensors: only weights in "
+        "safetensors are read",
+        path=path,
+    )

@@ -5,15 +5,18 @@ valid by a commit record, and resumes read them back checked."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import ckptfmt
 
-from ...errors import CheckpointError
+from ...engine.ckptdir import CheckpointDir
+from ...errors import CheckpointError, CheckpointWarning, IncompleteError, UnsupportedError
 from ...files import recordsign
 from ...files.encryption import save_and_read_keys
 from ...files.save import check_save_args, signer
@@ -28,16 +31,21 @@ from .names import (
     SCHEDULER_NAME,
     TRAINER_STATE_JSON,
     TRAINER_STATE_NAME,
+    TRAINING_ARGS_JSON,
+    checkpoint_step,
 )
 from .reading import (
     OpenedFolder,
+    check_safetensors_weights,
+    is_trainer_folder,
     load_best,
     open_checked,
     open_latest,
+    trainer_folders,
     why,
 )
 from .trainer_state import restore_trainer_state_json
-from .writing import FolderSave, fresh_folder, rotate
+from .writing import FolderSave, fresh_folder, keep_only_best, rotate
 
 try:
     import transformers
@@ -78,10 +86,20 @@ if _missing:  # pragma: no cover - depends on the installed transformers
 
 logger = logging.getLogger(__name__)
 
+_OPT_IN = (
+    "pass ckptfmt_read_trainer_checkpoints=True to CkptfmtTrainer to resume from it (its weights "
+    "read through safetensors, the rest through torch.load(weights_only=True))"
+)
+
 
 def _writer_metadata() -> dict[str, Any]:
     """What each file and commit record says about its writer."""
     return {"writer": "ckptfmt.integrations.transformers", "transformers": transformers.__version__}
+
+
+def _step_of(folder: str) -> int:
+    """N of a ``checkpoint-N`` folder's path (0 for any other name)."""
+    return checkpoint_step(os.path.basename(os.path.normpath(folder))) or 0
 
 
 class CkptfmtTrainerMixin(_MixinBase):
@@ -96,7 +114,11 @@ class CkptfmtTrainerMixin(_MixinBase):
     resumed from or loaded, the newest unsigned ones skipped with a warning);
     ``ckptfmt_encrypt_with`` (a key as ``ckptfmt.save`` takes it: every ckptfmt file of a
     checkpoint folder is encrypted, spec section 17) and ``ckptfmt_decrypt_with`` (the key
-    resumes and loads read with; default ``ckptfmt_encrypt_with``).  See the module docstring.
+    resumes and loads read with; default ``ckptfmt_encrypt_with``);
+    ``ckptfmt_read_trainer_checkpoints`` (default False: a resume from a folder the stock
+    Trainer wrote raises, saying so; True: it resumes from one, its weights read through
+    safetensors only and the rest by the Trainer's own code, ``torch.load(weights_only=True)``,
+    and the run goes on in ckptfmt from its next save).  See the module docstring.
     """
 
     def __init__(
@@ -109,6 +131,7 @@ class CkptfmtTrainerMixin(_MixinBase):
         ckptfmt_trusted_keys: Any = None,
         ckptfmt_encrypt_with: Any = None,
         ckptfmt_decrypt_with: Any = None,
+        ckptfmt_read_trainer_checkpoints: bool = False,
         **kwargs: Any,
     ) -> None:
         check_save_args(ckptfmt_compression, None, None)
@@ -119,6 +142,13 @@ class CkptfmtTrainerMixin(_MixinBase):
         self._ckptfmt_sign_key = recordsign.private_key(ckptfmt_sign_with)
         signer(self._ckptfmt_sign_key)  # an engine without libcrypto fails here, not at a commit
         self._ckptfmt_trusted = recordsign.public_keys(ckptfmt_trusted_keys)
+        if ckptfmt_read_trainer_checkpoints and self._ckptfmt_trusted is not None:
+            raise UnsupportedError(
+                "ckptfmt_read_trainer_checkpoints=True cannot be honoured with ckptfmt_trusted_keys: "
+                "a folder of transformers.Trainer has no signed commit record"
+            )
+        self.ckptfmt_read_trainer_checkpoints = ckptfmt_read_trainer_checkpoints
+        self._ckptfmt_stock: str | None = None  # the stock Trainer's folder train() resumes from
         self.ckptfmt_blocking = ckptfmt_blocking
         self.ckptfmt_verify_resume = ckptfmt_verify_resume
         self.ckptfmt_compression = ckptfmt_compression
@@ -249,16 +279,19 @@ class CkptfmtTrainerMixin(_MixinBase):
             if s.error is not None:
                 raise s.error
 
-    def _ckptfmt_rotate(self, run_dir: str, limit: int | None) -> None:
-        """Keep the newest `limit` complete checkpoints and the best one; remove incomplete folders
-        older than the newest complete one, except those being saved."""
-        if limit is None or limit <= 0:
-            return
+    def _ckptfmt_busy(self) -> set[str]:
+        """The folders being saved (never counted nor touched by a rotation)."""
         with self._ckptfmt_lock:
             busy = {s.folder for s in self._ckptfmt_inflight if s.thread is None or s.thread.is_alive()}
             if self._ckptfmt_current is not None:
                 busy.add(self._ckptfmt_current.folder)
-        rotate(run_dir, limit, busy, self.state.best_model_checkpoint)
+        return busy
+
+    def _ckptfmt_rotate(self, run_dir: str, limit: int | None) -> None:
+        """save_total_limit by the Trainer's rules, deleting only ckptfmt's folders (writing.rotate)."""
+        if limit is None or limit <= 0:
+            return
+        rotate(run_dir, limit, self._ckptfmt_busy(), self.state.best_model_checkpoint)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         save = self._ckptfmt_current
@@ -280,10 +313,17 @@ class CkptfmtTrainerMixin(_MixinBase):
             self.processing_class.save_pretrained(output_dir)
         elif getattr(self.data_collator, "tokenizer", None) is not None:
             self.data_collator.tokenizer.save_pretrained(output_dir)  # type: ignore[union-attr]
-        import torch
+        # the Trainer pickles its arguments (training_args.bin); a checkpoint folder holds no pickle
+        save.check_in_place()
+        with open(os.path.join(output_dir, TRAINING_ARGS_JSON), "w", encoding="utf-8") as f:
+            f.write(self._ckptfmt_args_json(save.limit))
 
-        # as the Trainer does (pickled); never read by a resume
-        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+    def _ckptfmt_args_json(self, limit: int | None) -> str:
+        """The training arguments as JSON, save_total_limit as the user set it (while a folder is
+        saved the Trainer's own rotation is switched off by setting it to None)."""
+        args = copy.copy(self.args)
+        args.save_total_limit = limit
+        return str(args.to_json_string())
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self.args.should_save:
@@ -301,15 +341,19 @@ class CkptfmtTrainerMixin(_MixinBase):
     def _save_rng_state(self, output_dir: str) -> None:
         self._ckptfmt_write(RNG_NAME, ckptfmt.capture_rng())
 
-    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+    def _finalize_training(self, trial: Any, *args: Any, **kwargs: Any) -> Any:
         self.wait_for_checkpoints()  # the best model is read from a committed folder
         limit = self.args.save_total_limit
         if limit == 1:
-            self.args.save_total_limit = None  # the Trainer would keep only the best checkpoint
+            self.args.save_total_limit = None  # the Trainer's clean-up deletes by path: ours follows
         try:
-            return super()._finalize_training(*args, **kwargs)
+            result = super()._finalize_training(trial, *args, **kwargs)
         finally:
             self.args.save_total_limit = limit
+        best = self.state.best_model_checkpoint
+        if self.args.should_save and best is not None and limit == 1:
+            keep_only_best(self._get_output_dir(trial=trial), best, self._ckptfmt_busy())
+        return result
 
     # -- resuming ------------------------------------------------------------------------
 
@@ -318,6 +362,8 @@ class CkptfmtTrainerMixin(_MixinBase):
         source = self._ckptfmt_resume_source(resume_from_checkpoint)
         if source is not None:
             resume_from_checkpoint = source.path
+        elif self._ckptfmt_stock is not None:
+            resume_from_checkpoint = self._ckptfmt_stock
         failed = True
         try:
             if source is not None:
@@ -326,6 +372,7 @@ class CkptfmtTrainerMixin(_MixinBase):
             failed = False
         finally:
             self._ckptfmt_resume = None
+            self._ckptfmt_stock = None
             if source is not None:
                 source.close()
             if failed:
@@ -349,18 +396,10 @@ class CkptfmtTrainerMixin(_MixinBase):
 
     def _ckptfmt_resume_source(self, resume_from_checkpoint: str | bool | None) -> OpenedFolder | None:
         """The checked folder a train() call resumes from, held open until it returns (and
-        remembered for the load hooks), or None when it starts afresh."""
+        remembered for the load hooks), or None when it starts afresh or resumes from a folder
+        of the stock Trainer (``_ckptfmt_stock``, with ckptfmt_read_trainer_checkpoints)."""
         if resume_from_checkpoint is True:
-            run_dir = os.fspath(self.args.output_dir or ".")
-            found = open_latest(
-                run_dir,
-                self.ckptfmt_verify_resume,
-                warn=True,
-                trusted=self._ckptfmt_trusted,
-                decrypt=self._ckptfmt_decrypt,
-            )
-            if found is None:
-                raise ValueError(f"No complete checkpoint found in output directory ({self.args.output_dir})")
+            found = self._ckptfmt_open_latest(os.fspath(self.args.output_dir or "."))
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             path = os.fspath(resume_from_checkpoint)
             try:
@@ -371,9 +410,11 @@ class CkptfmtTrainerMixin(_MixinBase):
                     decrypt=self._ckptfmt_decrypt,
                 )
             except CheckpointError as e:
-                raise CheckpointError(
-                    f"not a complete ckptfmt checkpoint ({e.reason}); folders written by "
-                    "transformers.Trainer itself are resumed with transformers.Trainer",
+                if self._ckptfmt_take_stock(path):
+                    return None
+                kind = type(e) if isinstance(e, ValueError) else IncompleteError  # as the Trainer's
+                raise kind(  # the Trainer's words first: code that matches them keeps working
+                    f"Can't find a valid checkpoint at this path: not a complete ckptfmt checkpoint ({e.reason})",
                     path=path,
                 ) from e
         else:
@@ -381,7 +422,70 @@ class CkptfmtTrainerMixin(_MixinBase):
         self._ckptfmt_resume = found
         return found
 
+    def _ckptfmt_open_latest(self, run_dir: str) -> OpenedFolder | None:
+        """The newest complete ckptfmt folder of `run_dir`, held open; None (``_ckptfmt_stock``
+        set) when a folder of the stock Trainer is newer and may be read; IncompleteError (a
+        ValueError, as the Trainer's) when there is neither."""
+        stock = trainer_folders(run_dir)
+        found = open_latest(
+            run_dir,
+            self.ckptfmt_verify_resume,
+            warn=True,
+            trusted=self._ckptfmt_trusted,
+            decrypt=self._ckptfmt_decrypt,
+            quiet={name for _, name in stock},
+        )
+        newest = stock[-1] if stock else None
+        if newest is None or (found is not None and _step_of(found.path) >= newest[0]):
+            if found is None:
+                raise IncompleteError(
+                    "No valid checkpoint found in output directory: no complete ckptfmt checkpoint",
+                    path=run_dir,
+                )
+            return found
+        newest_path = os.path.join(run_dir, newest[1])
+        if self.ckptfmt_read_trainer_checkpoints:
+            if found is not None:
+                found.close()
+            self._ckptfmt_stock = newest_path
+            return None
+        if found is None:
+            raise UnsupportedError(
+                f"no complete ckptfmt checkpoint in the output directory; {newest[1]} was written by "
+                f"transformers.Trainer: {_OPT_IN}",
+                path=run_dir,
+            )
+        warnings.warn(
+            f"resuming from {found.path}, not from the newer {newest_path}, which transformers.Trainer "
+            f"wrote: {_OPT_IN}",
+            CheckpointWarning,
+            stacklevel=4,
+        )
+        return found
+
+    def _ckptfmt_take_stock(self, path: str) -> bool:
+        """Whether `path` is a folder of the stock Trainer that this run resumes from (then
+        ``_ckptfmt_stock``); UnsupportedError when it is one and reading it was not asked for."""
+        try:
+            with CheckpointDir.open(path) as folder:
+                stock = is_trainer_folder(folder)
+        except (CheckpointError, OSError):
+            return False
+        if stock and not self.ckptfmt_read_trainer_checkpoints:
+            raise UnsupportedError(f"written by transformers.Trainer, not ckptfmt: {_OPT_IN}", path=path)
+        if stock:
+            self._ckptfmt_stock = path
+        return stock
+
+    def _ckptfmt_is_stock(self, checkpoint: str | None) -> bool:
+        """Whether a load hook is asked for the stock Trainer's folder this run resumes from."""
+        return checkpoint is not None and checkpoint == self._ckptfmt_stock
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if self._ckptfmt_is_stock(resume_from_checkpoint):
+            check_safetensors_weights(resume_from_checkpoint)
+            super()._load_from_checkpoint(resume_from_checkpoint, model)  # safetensors
+            return
         if model is None:
             model = self.model
         logger.info(f"Loading model from {resume_from_checkpoint}.")
@@ -390,6 +494,9 @@ class CkptfmtTrainerMixin(_MixinBase):
         self._issue_warnings_after_load(model.load_state_dict(state, False))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if self._ckptfmt_is_stock(checkpoint):
+            super()._load_optimizer_and_scheduler(checkpoint)  # torch.load(weights_only=True) only
+            return
         if checkpoint is None:
             return
         with self._ckptfmt_source(checkpoint) as source:
@@ -406,6 +513,9 @@ class CkptfmtTrainerMixin(_MixinBase):
                 self.lr_scheduler.load_state_dict(objects.decode(scheduler, source=where))
 
     def _load_scaler(self, checkpoint: str | None) -> None:
+        if self._ckptfmt_is_stock(checkpoint):
+            super()._load_scaler(checkpoint)  # torch.load(weights_only=True) only
+            return
         if checkpoint is None:
             return
         with self._ckptfmt_source(checkpoint) as source:
@@ -414,6 +524,9 @@ class CkptfmtTrainerMixin(_MixinBase):
             self.accelerator.scaler.load_state_dict(scaler)
 
     def _load_rng_state(self, checkpoint: str | None) -> None:
+        if self._ckptfmt_is_stock(checkpoint):
+            super()._load_rng_state(checkpoint)  # torch.load(weights_only=True) only
+            return
         if checkpoint is None:
             return
         with self._ckptfmt_source(checkpoint) as source:
@@ -430,8 +543,10 @@ class CkptfmtTrainerMixin(_MixinBase):
         # the best folder is looked for in this run's directory only, by its name: the recorded
         # path comes from trainer_state.json, which a folder from elsewhere may point anywhere
         run_dir = self._get_output_dir(trial=getattr(self, "_trial", None))
+        name = os.path.basename(os.path.normpath(best))
+        if self.ckptfmt_read_trainer_checkpoints and self._ckptfmt_stock_best(run_dir, name):
+            return
         try:
-            name = os.path.basename(os.path.normpath(best))
             state = load_best(run_dir, name, self._ckptfmt_trusted, self._ckptfmt_decrypt)
         except (CheckpointError, OSError) as e:
             logger.warning(f"Could not load the best model from {best}: {why(e)}")
@@ -439,6 +554,24 @@ class CkptfmtTrainerMixin(_MixinBase):
         logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
         assert self.model is not None
         self._issue_warnings_after_load(self.model.load_state_dict(state, False))
+
+    def _ckptfmt_stock_best(self, run_dir: str, name: str) -> bool:
+        """Whether the best model was folder `name` of the stock Trainer in this run's directory,
+        now loaded by the Trainer's own code (safetensors weights only)."""
+        path = os.path.join(run_dir, name)
+        try:
+            with CheckpointDir.open(run_dir) as run, run.sub(name) as folder:
+                if checkpoint_step(name) is None or not is_trainer_folder(folder):
+                    return False
+            check_safetensors_weights(path)
+        except (CheckpointError, OSError):
+            return False
+        recorded, self.state.best_model_checkpoint = self.state.best_model_checkpoint, path
+        try:
+            super()._load_best_model()
+        finally:
+            self.state.best_model_checkpoint = recorded
+        return True
 
 
 class CkptfmtTrainer(CkptfmtTrainerMixin, Trainer):

@@ -1,9 +1,11 @@
-"""Writing and removing ``checkpoint-N`` folders: a fresh folder for a save, the save in
-progress (its files, checked to be still in the folder it created, then its commit record),
-deletion commit record first, and rotation (save_total_limit)."""
+"""Writing and removing ``checkpoint-N`` folders: a fresh folder for a save (bearing ckptfmt's
+mark), the save in progress (its files, checked to be still in the folder it created, then its
+commit record), deletion commit record first and mark last, and rotation (save_total_limit) by
+the Trainer's own rules, deleting only what ckptfmt wrote."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
@@ -11,39 +13,88 @@ import threading
 from typing import Any
 
 from ...background.inflight import SaveHandle
+from ...engine import commit, marks
 from ...engine.ckptdir import CheckpointDir, LinkError
-from ...errors import CorruptError
+from ...errors import CheckpointError, CorruptError, UnsupportedError
 from ...files import multifile, recordsign
-from .reading import open_run, sort_folders
+from .names import MARK_NAME, WRITER, checkpoint_step
+from .reading import ABANDONED, COMPLETE, FOREIGN, classify_folders, folder_kind, open_run
 
 logger = logging.getLogger(__name__)
 
 
 def delete_folder(run: CheckpointDir, name: str) -> None:
-    """Delete entry `name` of the run directory: a checkpoint folder its commit record first (an
-    interrupted deletion leaves an incomplete folder, never one whose record names missing
-    files); a link or anything else as a name only, never followed."""
+    """Delete ckptfmt's folder `name` (COMPLETE, ABANDONED or EMPTY: the caller has looked).
+    The mark is made sure of first (a folder of an older ckptfmt has none), then the commit
+    record goes, then every other entry, the mark last: an interrupted deletion leaves a
+    folder that is still provably ckptfmt's and no longer a checkpoint, never one whose
+    record names missing files.  Swapped for a link since it was looked at, it is left."""
+    try:
+        folder = run.sub(name)
+    except (LinkError, FileNotFoundError):
+        return
+    with folder:
+        marks.put_mark(folder, WRITER)
+        if folder.unlink(multifile.COMMIT_NAME):
+            folder.fsync()
+        for entry in folder.names():
+            if entry != MARK_NAME:
+                folder.remove_tree(entry)
+        marks.remove_mark_if_alone(folder)
+    run.rmdir(name)
+
+
+def clear_name(run: CheckpointDir, name: str) -> None:
+    """Make entry `name` of the run directory free for a new save of its step: ckptfmt's
+    folder (an earlier save of this step, crashed or from a run resumed from an older step)
+    and an empty one are deleted, a link or a FIFO is removed as a name (what a link points to
+    is never emptied nor written into; neither holds data); a regular file or any other folder
+    is not ckptfmt's and is never deleted: an UnsupportedError says so."""
     st = run.lstat(name)
     if st is None:
         return
+    if not stat.S_ISDIR(st.st_mode) and not stat.S_ISREG(st.st_mode):
+        run.unlink(name)
+        return
+    kind = FOREIGN
     if stat.S_ISDIR(st.st_mode):
-        try:
-            with run.sub(name) as folder:
-                if folder.unlink(multifile.COMMIT_NAME):
-                    folder.fsync()
-        except (LinkError, FileNotFoundError):
-            pass  # swapped for something else since the lstat: removed below as a name
-    run.remove_tree(name)
+        with contextlib.suppress(CheckpointError, OSError), run.sub(name) as folder:
+            kind = folder_kind(folder)
+    if kind == FOREIGN:
+        raise UnsupportedError(
+            f"{name} exists and ckptfmt did not write it (no commit record, no {MARK_NAME}): it is "
+            "never deleted nor written into; move it away to save this step here",
+            path=run.path_of(name),
+        )
+    delete_folder(run, name)
 
 
 def fresh_folder(run_dir: str, name: str) -> CheckpointDir:
-    """A new, empty directory `name` in the run directory, held open.  Whatever had that name
-    goes first (an earlier save of this step, crashed or from a run resumed from an older
-    step; a link, removed as a name: what it points to is never emptied nor written into)."""
+    """A new directory `name` in the run directory, held open, holding only ckptfmt's mark:
+    made under a temporary name (engine.commit's, owned by this process) with the mark inside,
+    then renamed, so that every ``checkpoint-N`` folder ckptfmt makes bears the mark from
+    the moment it has its name.  Whatever had the name goes first (clear_name)."""
     with CheckpointDir.open(run_dir, create=True) as run:
-        delete_folder(run, name)
-        run.mkdir(name)  # fails if anything took the name meanwhile
-        return run.sub(name)
+        clear_name(run, name)
+        tmp, _ = commit.new_temp(run, name, run.mkdir)
+        try:
+            with run.sub(tmp) as made:
+                marks.put_mark(made, WRITER)
+                made_id = os.fstat(made.fd)
+            run.rename(tmp, name)  # fails if a non-empty entry took the name meanwhile
+            run.fsync()
+        except BaseException:
+            with contextlib.suppress(CheckpointError, OSError):
+                run.remove_tree(tmp)
+            raise
+        finally:
+            commit.disown(tmp)
+        folder = run.sub(name)
+        now = os.fstat(folder.fd)
+        if (now.st_dev, now.st_ino) != (made_id.st_dev, made_id.st_ino):
+            folder.close()
+            raise CorruptError("the new checkpoint folder was replaced as it was named", path=folder.path)
+        return folder
 
 
 class FolderSave:
@@ -111,30 +162,118 @@ class FolderSave:
 
 def remove_quietly(run: CheckpointDir, name: str) -> None:
     """Rotation's deletion: a folder that cannot be removed is logged, training goes on."""
+    logger.info(f"Deleting older checkpoint [{run.path_of(name)}] due to args.save_total_limit")
     try:
         delete_folder(run, name)
     except OSError as e:
         logger.warning(f"could not delete {run.path_of(name)}: {e}")
 
 
+def _leave(run: CheckpointDir, name: str) -> None:
+    logger.warning(
+        f"not deleting {run.path_of(name)} (save_total_limit): ckptfmt did not write it "
+        f"(no commit record, no {MARK_NAME})"
+    )
+
+
+def trainer_order(run: CheckpointDir, kinds: dict[str, str], best: str | None = None) -> list[str]:
+    """The names of the run directory's checkpoint folders in the order the Trainer's rotation
+    takes them (transformers' sort_checkpoints: by modification time, by step where times are
+    too close), links left out; `kinds` gains FOREIGN for folders that sort_checkpoints counts
+    without a ``checkpoint-N`` name (``checkpoint-3-old``)."""
+    from transformers.trainer_utils import sort_checkpoints
+
+    names = []
+    for path in sort_checkpoints(run.path, use_mtime=best is None, best_model_checkpoint=best):
+        name = os.path.basename(path)
+        if name not in kinds and run.is_dir(name):
+            kinds[name] = FOREIGN
+        if name in kinds:
+            names.append(name)
+    return names
+
+
+def trainer_deletions(ordered: list[str], limit: int, protected: set[str]) -> list[str]:
+    """The folders transformers' rotate_checkpoints deletes from `ordered` (oldest first): the
+    oldest ones not protected (the newest, the best) until `limit` are left, or as many as
+    are protected."""
+    if len(ordered) <= limit:
+        return []
+    protected = protected | {ordered[-1]}
+    remaining, out = len(ordered), []
+    for name in ordered:
+        if remaining <= max(limit, len(protected)):
+            break
+        if name not in protected:
+            out.append(name)
+            remaining -= 1
+    return out
+
+
+def _remove_abandoned(run: CheckpointDir, kinds: dict[str, str], busy: set[str]) -> None:
+    """Remove ckptfmt's abandoned folders older than the newest complete one and the temporary
+    folders of saves whose process is gone; none being saved."""
+    steps = [checkpoint_step(n) or 0 for n, k in kinds.items() if k == COMPLETE]
+    newest = max(steps, default=-1)
+    for name, kind in kinds.items():
+        if kind == ABANDONED and (checkpoint_step(name) or 0) < newest and run.path_of(name) not in busy:
+            remove_quietly(run, name)
+    for name in run.names():
+        parsed = commit.parse_temp_name(name)
+        if (
+            parsed is not None
+            and checkpoint_step(parsed[0]) is not None
+            and commit.abandoned_temp_dir(run, name)
+        ):
+            with contextlib.suppress(CheckpointError, OSError):
+                run.remove_tree(name)
+
+
 def rotate(run_dir: str, limit: int, busy: set[str], best: str | None) -> None:
-    """Keep the newest `limit` complete checkpoints and the best one (`best`, a folder path);
-    remove incomplete folders older than the newest complete one, except those being saved
-    (`busy`, folder paths)."""
+    """save_total_limit by the Trainer's own rule (trainer_order, trainer_deletions; the best
+    folder `best` and the newest complete one kept), deleting only ckptfmt's folders: one it did
+    not write counts as the Trainer counts it and is left with a warning.  ckptfmt's abandoned
+    folders do not count; those older than the newest complete one are removed.  Folders being
+    saved (`busy`, paths) are neither counted nor touched."""
     run = open_run(run_dir)
     if run is None:
         return
     with run:
-        complete, incomplete = sort_folders(run)
-        if not complete:
-            return
-        keep = {name for _, name in complete[-limit:]}
-        if best is not None:
-            keep.add(os.path.basename(os.path.normpath(best)))
-        newest_step = complete[-1][0]
-        old = [name for _, name in complete if name not in keep]
-        old += [name for step, name in incomplete if step < newest_step]
-        for name in old:
-            if run.path_of(name) not in busy:
-                logger.info(f"Deleting older checkpoint [{run.path_of(name)}] due to args.save_total_limit")
+        kinds = {name: kind for _, name, kind in classify_folders(run)}
+        _remove_abandoned(run, kinds, busy)
+        ordered = [
+            n for n in trainer_order(run, kinds) if kinds[n] != ABANDONED and run.path_of(n) not in busy
+        ]
+        protected = {n for n in (_best_name(best), _newest_complete(kinds)) if n is not None}
+        for name in trainer_deletions(ordered, limit, protected):
+            if kinds[name] == FOREIGN:
+                _leave(run, name)
+            else:
                 remove_quietly(run, name)
+
+
+def keep_only_best(run_dir: str, best: str, busy: set[str]) -> None:
+    """The Trainer's end of training with save_total_limit=1 and a best checkpoint: every
+    checkpoint folder but the best one deleted (ckptfmt's only; others left with a warning)."""
+    run = open_run(run_dir)
+    if run is None:
+        return
+    with run:
+        kinds = {name: kind for _, name, kind in classify_folders(run)}
+        keep = _best_name(best)
+        for name in trainer_order(run, kinds, best):
+            if name == keep or run.path_of(name) in busy:
+                continue
+            if kinds[name] == FOREIGN:
+                _leave(run, name)
+            else:
+                remove_quietly(run, name)
+
+
+def _best_name(best: str | None) -> str | None:
+    return None if best is None else os.path.basename(os.path.normpath(best))
+
+
+def _newest_complete(kinds: dict[str, str]) -> str | None:
+    complete = [(checkpoint_step(n) or 0, n) for n, k in kinds.items() if k == COMPLETE]
+    return max(complete)[1] if complete else None

@@ -1,0 +1,102 @@
+"""``from_pretrained`` on ckptfmt's ``checkpoint-N`` folders: :func:`enable` wraps
+``PreTrainedModel.from_pretrained`` (which ``AutoModel...from_pretrained`` and pipelines call)
+so that a local folder holding a ckptfmt commit record and no weights of transformers' own
+(``model.safetensors``, ``pytorch_model.bin``, their sharded indexes) is read through
+ckptfmt: ``model.ckpt`` checked against the commit record (length, file id, index checksum,
+every chunk's checksum), then handed to the original ``from_pretrained`` as its
+``state_dict`` with the folder's config.  Every other call goes to transformers unchanged."""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from typing import Any
+
+from ...engine.ckptdir import CheckpointDir
+from ...files import multifile, recordsign
+from .names import MODEL_NAME
+from .reading import load_model_state
+
+#: transformers' own weight files: a folder holding one is left to transformers
+HF_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+_LOCK = threading.Lock()
+_ORIGINAL: Any = None
+_KEYS: dict[str, Any] = {}
+
+
+def is_ckptfmt_folder(path: Any) -> bool:
+    """Whether `path` is a local folder with a ckptfmt commit record and ``model.ckpt`` and
+    none of transformers' own weight files (links are not followed inside it)."""
+    if not isinstance(path, (str, os.PathLike)):
+        return False
+    try:
+        with CheckpointDir.open(path) as folder:
+            return (
+                folder.exists(multifile.COMMIT_NAME)
+                and folder.exists(MODEL_NAME)
+                and not any(folder.exists(n) for n in HF_WEIGHTS)
+            )
+    except (OSError, ValueError):  # not a directory, no such path; CheckpointError is a ValueError
+        return False
+
+
+def _from_ckptfmt_folder(
+    original: Any, cls: Any, path: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    path = os.fspath(path)
+    state = load_model_state(path, decrypt_with=_KEYS.get("decrypt"), trusted_keys=_KEYS.get("trusted"))
+    config = kwargs.pop("config", None)
+    if config is None or isinstance(config, (str, os.PathLike)):
+        config = cls.config_class.from_pretrained(path if config is None else config)
+    model = original.__func__(cls, None, *args, config=config, state_dict=state, **kwargs)
+    if os.path.isfile(os.path.join(path, "generation_config.json")) and getattr(model, "can_generate", None):
+        if model.can_generate():
+            from transformers import GenerationConfig
+
+            model.generation_config = GenerationConfig.from_pretrained(path)
+    return model
+
+
+def enable(*, decrypt_with: Any = None, trusted_keys: Any = None) -> None:
+    """Make ``from_pretrained(folder)`` (any model class, ``AutoModel...``, pipelines) open
+    ckptfmt ``checkpoint-N`` folders, checked as :func:`load_model_state` checks them.
+    `decrypt_with`: the key of encrypted folders; `trusted_keys`: Ed25519 public keys, one of
+    which must have signed a folder's commit record.  Calling it again replaces the keys."""
+    global _ORIGINAL
+    from transformers import PreTrainedModel
+
+    with _LOCK:
+        _KEYS.update(decrypt=decrypt_with, trusted=recordsign.public_keys(trusted_keys))
+        if _ORIGINAL is not None:
+            return
+        original = PreTrainedModel.__dict__["from_pretrained"]
+
+        @functools.wraps(original.__func__)
+        def from_pretrained(
+            cls: Any, pretrained_model_name_or_path: Any = None, *args: Any, **kwargs: Any
+        ) -> Any:
+            if is_ckptfmt_folder(pretrained_model_name_or_path):
+                return _from_ckptfmt_folder(original, cls, pretrained_model_name_or_path, args, kwargs)
+            return original.__func__(cls, pretrained_model_name_or_path, *args, **kwargs)
+
+        PreTrainedModel.from_pretrained = classmethod(from_pretrained)  # type: ignore[assignment,method-assign]
+        _ORIGINAL = original
+
+
+def disable() -> None:
+    """Undo :func:`enable`: ``from_pretrained`` is transformers' own again."""
+    global _ORIGINAL
+    from transformers import PreTrainedModel
+
+    with _LOCK:
+        if _ORIGINAL is not None:
+            PreTrainedModel.from_pretrained = _ORIGINAL  # type: ignore[method-assign]
+            _ORIGINAL = None
+            _KEYS.clear()
