@@ -768,3 +768,33 @@ def test_a_damaged_encrypted_file_is_a_decryption_error_without_cryptography(tmp
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "DecryptionError" in out.stdout, out.stdout
+
+
+def test_the_index_is_sealed_and_opened_with_the_gcm_handed_down(tmp_path):
+    """The engine's choice of GCM travels down to the format's index sealing and opening (the
+    reader's opener carries it): no module of a higher layer sets it in format.encryption, and
+    the GCM the opener carries is the one the index is opened with."""
+    import dataclasses
+
+    from ckptfmt.format import encryption as layout_encryption
+    from ckptfmt.format.index import parse_index
+
+    key = tmp_path / "k"
+    key.write_bytes(os.urandom(32))
+    path = tmp_path / "e.ckpt"
+    ckptfmt.save({"w": torch.arange(8.0)}, path, encrypt_with=str(key))
+    assert not hasattr(layout_encryption, "small_gcm")  # nothing injected
+    given = encryption.opener(str(key))
+    assert given is not None and given.gcm is encryption.small_gcm
+    made: list[int] = []
+
+    def recording_gcm(data_key: bytes) -> object:
+        made.append(len(data_key))
+        return given.gcm(data_key)
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        index = parse_index(fd, str(path), None, dataclasses.replace(given, gcm=recording_gcm))
+    finally:
+        os.close(fd)
+    assert made == [32] and index.encryption is not None and index.encryption.index_encrypted

@@ -256,7 +256,7 @@ class ChunkReader:
         try:
             block = encryption.parse_block(pread_exact(fd, at, size), self.path, at)
             assert self._opener is not None
-            return self._opener(block, pro.file_id), block
+            return self._opener.data_key(block, pro.file_id), block
         except CheckpointError as err:
             cls = DecryptionError if isinstance(err, DecryptionError) else CorruptError
             raise cls(f"{what}: {err.reason}", path=self.path) from None

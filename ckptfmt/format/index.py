@@ -427,13 +427,13 @@ class _IndexParser:
             return b"", raw
         file_id = self.prologue.file_id
         try:
-            data_key = self._decrypt(enc, file_id)
+            data_key = self._decrypt.data_key(enc, file_id)
         except DecryptionError as e:
             if e.path is not None:
                 raise
             raise DecryptionError(e.reason, path=self.path, offset=block_at) from None
         return data_key, encryption.open_index(
-            data_key, enc, file_id, self.footer.index_offset, raw, self.path
+            self._decrypt.gcm, data_key, enc, file_id, self.footer.index_offset, raw, self.path
         )
 
     def _parse_storages(self, c: validate.Check, raw: object) -> list[tree.StorageRecord]:
