@@ -250,6 +250,10 @@ def test_key_files(tmp_path):
     rawfile.write_bytes(KEY)
     for k in (str(hexfile), rawfile, KEY, bytearray(KEY)):
         assert_same(ckptfmt.load(p, decrypt_with=k), state())
+    mixed = "".join(c.upper() if i % 2 else c for i, c in enumerate(KEY.hex()))
+    for text in (KEY.hex().upper(), mixed + "\n"):  # hex digits in either case (spec 17.5)
+        hexfile.write_text(text)
+        assert_same(ckptfmt.load(p, decrypt_with=str(hexfile)), state())
     for bad in (KEY.hex()[:-2] + "\n", KEY.hex() + "\n\n", KEY.hex().upper() + "zz", ""):
         hexfile.write_text(bad)
         with pytest.raises(ValueError, match="key file"):
