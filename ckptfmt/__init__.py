@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 #: the public names that need torch, and the module each comes from: imported on first use, so
 #: that ``import ckptfmt`` (and ``python -m ckptfmt verify``, which builds no tensor) does not
-#: import torch (issue 33 item 5); the first one asked for imports them all, as before
+#: import torch; the first one asked for imports them all, as before
 _LAZY = {
     "SaveHandle": "background.inflight",
     "Reader": "files.load",
@@ -74,6 +74,10 @@ def __getattr__(name: str) -> Any:
         _import_public_api()
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def backend() -> str:

@@ -297,7 +297,7 @@ def test_the_layer_check_sees_an_upward_import():
         _layer("ckptfmt.loose")
 
 
-# -- commands that build no tensor import neither torch nor numpy (issue 33 item 5) --------------
+# -- commands that build no tensor import neither torch nor numpy -----------------------------------
 
 #: ``python -m ckptfmt ARGS`` in a process where ``import torch`` and ``import numpy`` fail
 #: (a None in sys.modules makes any import of them raise ImportError)

@@ -28,7 +28,7 @@ __all__ = ["build_parser", "main"]
 def _command(module: str, name: str) -> Callable[[argparse.Namespace], int]:
     """The function of a command, its module imported only when the command runs: commands
     that build tensors (convert, consolidate, diff, info) import torch, and the others (verify,
-    ls, inspect, keygen, sign) must not pay for it (issue 33 item 5)."""
+    ls, inspect, keygen, sign) must not pay for it."""
 
     def run(args: argparse.Namespace) -> int:
         fn: Callable[[argparse.Namespace], int] = getattr(
