@@ -3,9 +3,9 @@
 __version__ = "0.1.0"
 
 import logging as _logging  # noqa: E402
+from typing import TYPE_CHECKING, Any
 
-from .background.inflight import SaveCost, SaveHandle  # noqa: E402
-from .background.staging import POOL as _POOL  # noqa: E402
+from .engine import native as _native  # noqa: E402  (loaded, or its absence reported, on import)
 from .errors import (  # noqa: E402
     CheckpointError,
     CheckpointWarning,
@@ -19,17 +19,67 @@ from .errors import (  # noqa: E402
     UnsupportedError,
     UnsupportedObjectError,
 )
-from .files.load import Reader, load, open  # noqa: E402, A004 - public name is fixed
-from .files.load_into import FileChangedError, PartialLoadError, load_into  # noqa: E402
-from .files.save import remove, save  # noqa: E402
-from .files.targets import LoadReport, MismatchError  # noqa: E402
-from .files.verify import Problem, VerifyReport, verify  # noqa: E402
 from .format.layout import FORMAT_MAJOR, FORMAT_MINOR  # noqa: E402
-from .runs import objectmanager as _objectmanager  # noqa: E402,F401  (registers CheckpointManager(url))
-from .runs.manager import CheckpointManager  # noqa: E402
-from .runs.resume import ResumeReport  # noqa: E402
-from .runs.rng import capture_rng, restore_rng  # noqa: E402
-from .runs.steps import CheckpointInfo  # noqa: E402
+
+if TYPE_CHECKING:
+    from .background.inflight import SaveCost, SaveHandle
+    from .files.load import Reader, load, open  # noqa: A004 - public name is fixed
+    from .files.load_into import FileChangedError, PartialLoadError, load_into
+    from .files.save import remove, save
+    from .files.targets import LoadReport, MismatchError
+    from .files.verify import Problem, VerifyReport, verify
+    from .runs.manager import CheckpointManager
+    from .runs.resume import ResumeReport
+    from .runs.rng import capture_rng, restore_rng
+    from .runs.steps import CheckpointInfo
+
+#: the public names that need torch, and the module each comes from: imported on first use, so
+#: that ``import ckptfmt`` (and ``python -m ckptfmt verify``, which builds no tensor) does not
+#: import torch; the first one asked for imports them all, as before
+_LAZY = {
+    "SaveCost": "background.inflight",
+    "SaveHandle": "background.inflight",
+    "Reader": "files.load",
+    "load": "files.load",
+    "open": "files.load",
+    "FileChangedError": "files.load_into",
+    "PartialLoadError": "files.load_into",
+    "load_into": "files.load_into",
+    "remove": "files.save",
+    "save": "files.save",
+    "LoadReport": "files.targets",
+    "MismatchError": "files.targets",
+    "Problem": "files.verify",
+    "VerifyReport": "files.verify",
+    "verify": "files.verify",
+    "CheckpointManager": "runs.manager",
+    "ResumeReport": "runs.resume",
+    "capture_rng": "runs.rng",
+    "restore_rng": "runs.rng",
+    "CheckpointInfo": "runs.steps",
+}
+
+
+def _import_public_api() -> None:
+    """Import every module behind _LAZY and bind its names here (module globals, so that
+    __getattr__ is not asked again); runs.objectmanager registers CheckpointManager(url)."""
+    import importlib
+
+    importlib.import_module(".runs.objectmanager", __name__)
+    names = globals()
+    for name, module in _LAZY.items():
+        names[name] = getattr(importlib.import_module(f".{module}", __name__), name)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        _import_public_api()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 # a library is silent unless its user configures logging: each save's cost is logged at INFO
 _logging.getLogger("ckptfmt").addHandler(_logging.NullHandler())
@@ -40,8 +90,6 @@ def backend() -> str:
 
     Set CKPTFMT_BACKEND=python to force the reference path.
     """
-    from .engine import native as _native
-
     return "c" if _native.available() else "python"
 
 
@@ -88,4 +136,6 @@ __all__ = [
 def configure_staging(limit_bytes: int | None = None, slab_bytes: int | None = None) -> None:
     """Set the staging memory non-blocking saves may use (default: a quarter of RAM, at most 8 GiB;
     also CKPTFMT_STAGING_BYTES).  A state larger than the limit is saved in pieces."""
-    _POOL.configure(limit_bytes, slab_bytes)
+    from .background.staging import POOL
+
+    POOL.configure(limit_bytes, slab_bytes)

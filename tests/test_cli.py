@@ -120,6 +120,22 @@ def test_corpus_through_cli():
     assert set(statuses.values()) == {"failed"}
 
 
+def test_inspect_shows_the_first_nodes_and_says_so(tmp_path):
+    """A file of many nodes: inspect lists the first 1000 (--max-nodes N, 0 for all) and says
+    how many there are, instead of printing them all (10^6 small nodes took over 20 s)."""
+    p = tmp_path / "many.ckpt"
+    ckptfmt.save({"l": list(range(5000))}, p)
+    out = run("inspect", str(p), check_rc=0).stdout
+    assert "  [997]: 997" in out and "[998]" not in out
+    assert "the first 1000 nodes shown, of 5003 in the file" in out and "--max-nodes 0 all" in out
+    assert "  [4999]: 4999" in run("inspect", "--max-nodes", "0", str(p), check_rc=0).stdout
+    doc = json.loads(run("inspect", "--json", "--max-nodes", "10", str(p), check_rc=0).stdout)
+    assert len(doc["tree"]) == 10 and doc["tree_truncated"] and doc["nodes"] == 5003
+    doc = json.loads(run("inspect", "--json", "--max-nodes", "0", str(p), check_rc=0).stdout)
+    assert len(doc["tree"]) == 5002 and not doc["tree_truncated"]
+    assert "non-negative" in run("inspect", "--max-nodes", "-1", str(p), check_rc=2).stderr
+
+
 @pytest.mark.parametrize("cmd", ["verify", "inspect", "convert", "diff", "info"])
 def test_help_documents_exit_codes(cmd):
     out = run(cmd, "--help", check_rc=0)

@@ -26,6 +26,32 @@ def test_ls_and_verify_a_run_on_the_store(env_bucket):
     assert [f["status"] for f in res["files"]] == ["ok"]
 
 
+def test_a_fresh_process_lists_and_verifies_a_run_on_the_store(env_bucket, tmp_path):
+    """python -m ckptfmt imports no manager until a command needs one: a run's URL still
+    reaches the object-store manager (CheckpointManager(url)), not a local directory."""
+    import os
+    import subprocess
+    import sys
+
+    url = f"s3://{env_bucket}/fresh"
+    ckptfmt.CheckpointManager(url).save(3, {"w": torch.zeros(4)})
+    out = {}
+    for command in ("ls", "verify"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "ckptfmt", command, url, "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(ckptfmt.__file__))},
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out[command] = json.loads(proc.stdout)
+    assert [(r["step"], r["status"]) for r in out["ls"]["steps"]] == [(3, "complete")]
+    assert [f["status"] for f in out["verify"]["files"]] == ["ok"]
+    assert os.listdir(tmp_path) == []  # nothing made a local directory of the URL
+
+
 def test_verify_of_a_run_on_the_store_demands_what_load_demands(env_bucket, tmp_path):
     """--trusted-key on a run's URL: a step no trusted key signed fails verify as load refuses
     it; --decrypt-key reads an encrypted run."""

@@ -250,6 +250,10 @@ def test_key_files(tmp_path):
     rawfile.write_bytes(KEY)
     for k in (str(hexfile), rawfile, KEY, bytearray(KEY)):
         assert_same(ckptfmt.load(p, decrypt_with=k), state())
+    mixed = "".join(c.upper() if i % 2 else c for i, c in enumerate(KEY.hex()))
+    for text in (KEY.hex().upper(), mixed + "\n"):  # hex digits in either case (spec 17.5)
+        hexfile.write_text(text)
+        assert_same(ckptfmt.load(p, decrypt_with=str(hexfile)), state())
     for bad in (KEY.hex()[:-2] + "\n", KEY.hex() + "\n\n", KEY.hex().upper() + "zz", ""):
         hexfile.write_text(bad)
         with pytest.raises(ValueError, match="key file"):
@@ -768,3 +772,33 @@ def test_a_damaged_encrypted_file_is_a_decryption_error_without_cryptography(tmp
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "DecryptionError" in out.stdout, out.stdout
+
+
+def test_the_index_is_sealed_and_opened_with_the_gcm_handed_down(tmp_path):
+    """The engine's choice of GCM travels down to the format's index sealing and opening (the
+    reader's opener carries it): no module of a higher layer sets it in format.encryption, and
+    the GCM the opener carries is the one the index is opened with."""
+    import dataclasses
+
+    from ckptfmt.format import encryption as layout_encryption
+    from ckptfmt.format.index import parse_index
+
+    key = tmp_path / "k"
+    key.write_bytes(os.urandom(32))
+    path = tmp_path / "e.ckpt"
+    ckptfmt.save({"w": torch.arange(8.0)}, path, encrypt_with=str(key))
+    assert not hasattr(layout_encryption, "small_gcm")  # nothing injected
+    given = encryption.opener(str(key))
+    assert given is not None and given.gcm is encryption.small_gcm
+    made: list[int] = []
+
+    def recording_gcm(data_key: bytes) -> object:
+        made.append(len(data_key))
+        return given.gcm(data_key)
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        index = parse_index(fd, str(path), None, dataclasses.replace(given, gcm=recording_gcm))
+    finally:
+        os.close(fd)
+    assert made == [32] and index.encryption is not None and index.encryption.index_encrypted

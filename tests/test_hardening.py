@@ -353,6 +353,7 @@ def test_one_big_chunk_does_not_allocate_scratch_for_every_thread(tmp_path):
         """
         import os, resource, sys
         import ckptfmt
+        import torch  # mapped before the limit is taken: import ckptfmt leaves it for the first load
         with open("/proc/self/statm") as f:
             vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
         # the storage and one thread's decode buffer fit; 16 threads' buffers (1 GiB) do not
@@ -373,6 +374,7 @@ def test_buffers_are_sized_to_the_chunks_not_the_chunk_size(tmp_path):
         """
         import os, resource, sys
         import ckptfmt
+        import torch  # mapped before the limit is taken: import ckptfmt leaves it for the first load
         with open("/proc/self/statm") as f:
             vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
         resource.setrlimit(resource.RLIMIT_AS, (vm + (512 << 20), resource.RLIM_INFINITY))

@@ -12,6 +12,7 @@ and checked on their own.
 from __future__ import annotations
 
 import ast
+import json
 import os
 
 import pytest
@@ -294,3 +295,90 @@ def test_the_layer_check_sees_an_upward_import():
     assert LAYERS.index(_layer("ckptfmt.engine.native")) > LAYERS.index(_layer("ckptfmt.format.tree"))
     with pytest.raises(AssertionError, match="in no layer"):
         _layer("ckptfmt.loose")
+
+
+# -- commands that build no tensor import neither torch nor numpy -----------------------------------
+
+#: ``python -m ckptfmt ARGS`` in a process where ``import torch`` and ``import numpy`` fail
+#: (a None in sys.modules makes any import of them raise ImportError)
+_WITHOUT_TORCH = """
+import runpy, sys
+for name in ("torch", "numpy"):
+    sys.modules[name] = None
+sys.argv = ["ckptfmt", *sys.argv[1:]]
+runpy.run_module("ckptfmt", run_name="__main__", alter_sys=True)
+"""
+
+
+def _cli_without_torch(*args: object, rc: int = 0) -> str:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TORCH, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(ROOT)},
+    )
+    assert proc.returncode == rc, (args, proc.returncode, proc.stdout, proc.stderr[-2000:])
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Files and a run written with torch, for the commands to read without it."""
+    import torch
+
+    d = tmp_path_factory.mktemp("torchless")
+    state = {"w": torch.arange(4096.0).reshape(64, 64), "step": 3, "device": torch.device("cpu")}
+    ckptfmt.save(state, d / "plain.ckpt", compression="zstd", chunk_size=1 << 12)
+    (d / "key.bin").write_text("ab" * 32)
+    ckptfmt.save(state, d / "encrypted.ckpt", encrypt_with=str(d / "key.bin"))
+    damaged = bytearray((d / "plain.ckpt").read_bytes())
+    with ckptfmt.open(d / "plain.ckpt") as r:
+        damaged[r._file.chunks[1].offset + 3] ^= 1
+    (d / "damaged.ckpt").write_bytes(bytes(damaged))
+    run = ckptfmt.CheckpointManager(d / "run")
+    for step in (1, 2):
+        run.save(step, {"w": torch.ones(8) * step})
+    return d
+
+
+def test_commands_that_build_no_tensor_run_without_torch_or_numpy(saved):
+    """verify, ls, inspect, keygen and sign, end to end, where torch and numpy cannot be imported:
+    a plain, a damaged, a signed and an encrypted file (with and without its key), a run."""
+    d = saved
+    assert "plain.ckpt: OK" in _cli_without_torch("verify", d / "plain.ckpt")
+    assert "FAILED corrupt: checksum mismatch" in _cli_without_torch("verify", d / "damaged.ckpt", rc=1)
+    assert "['w']: tensor float32 [64, 64]" in _cli_without_torch("inspect", d / "plain.ckpt")
+    assert "device(type='cpu')" in _cli_without_torch("inspect", d / "plain.ckpt")
+    _cli_without_torch("keygen", d / "signer")
+    _cli_without_torch("keygen", "--encryption", d / "other.key")
+    assert len((d / "other.key").read_text().strip()) == 64
+    assert "signed" in _cli_without_torch("sign", d / "plain.ckpt", "--key", d / "signer")
+    assert "OK" in _cli_without_torch("verify", d / "plain.ckpt", "--trusted-key", d / "signer.pub")
+    assert "FAILED signature" in _cli_without_torch(
+        "verify", d / "encrypted.ckpt", "--trusted-key", d / "signer.pub", rc=1
+    )
+    assert "encrypted.ckpt: OK" in _cli_without_torch(
+        "verify", d / "encrypted.ckpt", "--decrypt-key", d / "key.bin"
+    )
+    assert "checked without its key" in _cli_without_torch("verify", d / "encrypted.ckpt")
+    assert "['w']: tensor float32" in _cli_without_torch(
+        "inspect", d / "encrypted.ckpt", "--decrypt-key", d / "key.bin"
+    )
+    assert "signed" in _cli_without_torch(
+        "sign", d / "encrypted.ckpt", "--key", d / "signer", "--decrypt-key", d / "key.bin"
+    )
+    assert "OK" in _cli_without_torch("verify", d / "encrypted.ckpt", "--trusted-key", d / "signer.pub")
+    steps = json.loads(_cli_without_torch("ls", "--json", d / "run"))["steps"]
+    assert [(s["step"], s["status"]) for s in steps] == [(1, "complete"), (2, "complete")]
+
+
+def test_the_shim_stops_torch():
+    """The check itself can fail: a command that builds tensors (info reports torch's version)
+    cannot run where torch cannot be imported."""
+    assert "ModuleNotFoundError" not in _cli_without_torch("--version")
+    with pytest.raises(AssertionError, match="import of (torch|numpy) halted"):
+        _cli_without_torch("info")

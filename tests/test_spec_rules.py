@@ -577,3 +577,47 @@ def test_json_nesting(tmp_path):
     # ... nesting the JSON parser cannot recurse into is a limit error, before any structure check
     bomb = edit(BASE, '"metadata":{}', '"metadata":{"k":' + "[" * 100_000 + "]" * 100_000 + "}")
     refused(tmp_path, bomb, ckptfmt.LimitError, "nested too deeply")
+
+
+# -- the tree is checked without torch: dtypes by the format's table, devices by the grammar ------
+
+
+def test_the_dtype_table_agrees_with_torch():
+    """format/dtypes.py answers without torch (validation needs no torch); every answer is
+    torch's, and the torch this package requires has every dtype of the table."""
+    from ckptfmt.format import dtypes
+
+    for name, (attr, _, _) in dtypes._TORCH_TABLE.items():
+        dt = getattr(torch, attr)
+        assert dtypes.TORCH_DTYPES[name] is dt and dtypes.TORCH_NAMES[dt] == name
+        assert dtypes.is_tensor_dtype(name)
+        assert dtypes.is_floating_point(name) == dt.is_floating_point, name
+        assert dtypes.is_complex(name) == dt.is_complex, name
+        assert dtypes.torch_itemsize(name) == dt.itemsize, name
+    assert not dtypes.is_tensor_dtype("float128")
+
+
+@pytest.mark.parametrize("text", ["<i08", "|i4", "<b1", ">f4", "<c16", "|u1", "<f16", "=i4", "<U4"])
+def test_numpy_item_sizes_without_numpy_agree_with_numpy(text):
+    from ckptfmt.format import dtypes
+
+    dt = dtypes.numpy_dtype(text)
+    assert dtypes.numpy_itemsize(text) == (None if dt is None else dt.itemsize)
+
+
+def test_a_device_torch_does_not_know_fails_where_it_is_built(tmp_path):
+    """A device node of the format's grammar passes the tree's checks (made without torch: a
+    backend's name exists only where its extension is loaded, spec section 6); building it asks
+    torch, and a name torch does not know is a CorruptError naming it."""
+    nodes = [
+        ["str", "w"],
+        mc.tensor_node(),
+        ["str", "d"],
+        ["device", "nosuchdevice:0"],
+        ["dict", [[0, 1], [2, 3]]],
+    ]
+    path = tmp_path / "device.ckpt"
+    path.write_bytes(mc.build(mc.idx(nodes=nodes)))
+    assert ckptfmt.verify(path).ok
+    with pytest.raises(ckptfmt.CorruptError, match="names device 'nosuchdevice:0', unknown to torch"):
+        ckptfmt.load(path)

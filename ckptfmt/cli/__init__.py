@@ -14,20 +14,41 @@ and terminal are what they share: the statuses and the terminal-safe output.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Callable
 
 from .. import __version__
-from .convert import cmd_consolidate, cmd_convert
-from .diff import cmd_diff
 from .exitcodes import EXIT_CODES, EXIT_OK, UsageError, exit_code
-from .info import cmd_info
-from .inspect import cmd_inspect
-from .runs import cmd_ls
-from .signing import cmd_keygen, cmd_sign
 from .terminal import say
-from .verify import cmd_verify
 
 __all__ = ["build_parser", "main"]
+
+
+def _command(module: str, name: str) -> Callable[[argparse.Namespace], int]:
+    """The function of a command, its module imported only when the command runs: commands
+    that build tensors (convert, consolidate, diff, info) import torch, and the others (verify,
+    ls, inspect, keygen, sign) must not pay for it."""
+
+    def run(args: argparse.Namespace) -> int:
+        fn: Callable[[argparse.Namespace], int] = getattr(
+            importlib.import_module(f".{module}", __name__), name
+        )
+        return fn(args)
+
+    run.__name__ = name
+    return run
+
+
+def _count(text: str) -> int:
+    """A non-negative integer option (argparse's type)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, not {text!r}")
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,11 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="decrypt encrypted files with this key file (32 bytes, or 64 hex digits): every GCM tag is "
         "checked too; without it an encrypted file is checked only as far as its clear parts allow",
     )
-    v.set_defaults(fn=cmd_verify)
+    v.set_defaults(fn=_command("verify", "cmd_verify"))
     ls = sub("ls", "List a run directory's checkpoints: step, complete or not, size, age, metrics.")
     ls.add_argument("dir", metavar="DIR")
     ls.add_argument("--json", action="store_true", help="print one JSON document")
-    ls.set_defaults(fn=cmd_ls)
+    ls.set_defaults(fn=_command("runs", "cmd_ls"))
     i = sub("inspect", "Show the object tree, dtypes, shapes, sizes, codecs and metadata.")
     i.add_argument("path", metavar="PATH")
     i.add_argument("--json", action="store_true", help="print one JSON document")
@@ -87,7 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEYFILE",
         help="the key file of an encrypted file; without it only what is in clear is shown",
     )
-    i.set_defaults(fn=cmd_inspect)
+    i.add_argument(
+        "--max-nodes",
+        type=_count,
+        default=1000,  # a file may hold millions of nodes: all of 10^6 took over 20 s to show
+        metavar="N",
+        help="show the first N nodes of the tree (default 1000; 0: all of them)",
+    )
+    i.set_defaults(fn=_command("inspect", "cmd_inspect"))
     c = sub(
         "convert",
         "Convert torch.save or safetensors files to ckptfmt, or ckptfmt to safetensors "
@@ -97,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dst", metavar="DST")
     c.add_argument("--compression", choices=["zstd"], default=None, help="compress chunks (to ckptfmt)")
     c.add_argument("--level", type=int, default=None, help="zstd level (default 1)")
-    c.set_defaults(fn=cmd_convert)
+    c.set_defaults(fn=_command("convert", "cmd_convert"))
     k = sub(
         "consolidate",
         "Write a self-contained copy of a checkpoint: the chunks an incremental checkpoint refers to "
@@ -108,15 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--compression", choices=["zstd"], default=None, help="compress the copy's chunks")
     k.add_argument("--level", type=int, default=None, help="zstd level (default 1)")
     k.add_argument("--json", action="store_true", help="print one JSON document")
-    k.set_defaults(fn=cmd_consolidate)
+    k.set_defaults(fn=_command("convert", "cmd_consolidate"))
     d = sub("diff", "Compare two checkpoints: keys, types, shapes, dtypes and values.")
     d.add_argument("a", metavar="A")
     d.add_argument("b", metavar="B")
     d.add_argument("--json", action="store_true", help="print one JSON document")
-    d.set_defaults(fn=cmd_diff)
+    d.set_defaults(fn=_command("diff", "cmd_diff"))
     n = sub("info", "Show package, format and library versions and the active backend.")
     n.add_argument("--json", action="store_true", help="print one JSON document")
-    n.set_defaults(fn=cmd_info)
+    n.set_defaults(fn=_command("info", "cmd_info"))
     g = sub(
         "keygen",
         "Make an Ed25519 key pair for signing: OUT (private, mode 0600) and OUT.pub; with --encryption "
@@ -129,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a random 32-byte key-encryption key for encrypt_with / --decrypt-key (spec section 17)",
     )
-    g.set_defaults(fn=cmd_keygen)
+    g.set_defaults(fn=_command("signing", "cmd_keygen"))
     s = sub(
         "sign",
         "Sign a file with an Ed25519 private key, in place and atomically, without re-encoding its "
@@ -146,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         "is signed over its ciphertext, not re-encrypted; not needed when its index is in clear); "
         "for an encrypted checkpoint directory, the key its files are verified with before signing",
     )
-    s.set_defaults(fn=cmd_sign)
+    s.set_defaults(fn=_command("signing", "cmd_sign"))
     return ap
 
 

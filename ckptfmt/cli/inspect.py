@@ -4,10 +4,10 @@ its chunk data."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 from typing import Any
-
-import numpy as np
 
 from ..fileio import is_url
 from ..format import layout as fmt
@@ -59,14 +59,30 @@ def _inspect_encrypted(args: argparse.Namespace, block: EncryptionBlock) -> int:
     return EXIT_OK
 
 
-def _inspect_tree(f: Any) -> list[dict[str, Any]]:
-    from ..format import dtypes, tree
+def _value_text(f: Any, i: int) -> str:
+    """A scalar node's value as inspect shows it, built without torch: a dtype and a device as
+    torch prints them."""
     from ..format.decode import decode
     from ..format.render import short_repr
 
+    node = f.tree.nodes[i]
+    if node[0] == "dtype":
+        return f"torch.{node[1]}"
+    if node[0] == "device":
+        kind, _, index = node[1].partition(":")
+        return f"device(type={kind!r}" + (f", index={index})" if index else ")")
+    return short_repr(decode(f.tree, i, lambda s: None, f.path), 60)  # type: ignore[arg-type, return-value]
+
+
+def _inspect_tree(f: Any, max_nodes: int) -> tuple[list[dict[str, Any]], bool]:
+    """A row for each of the first `max_nodes` nodes (all when 0), parents before children, and
+    whether there are more."""
+    from ..format import dtypes, tree
+
     rows = []
     chunks = f.chunks
-    for path, i in tree.iter_paths(f.tree, f.tree.root, "state"):
+    paths = tree.iter_paths(f.tree, f.tree.root, "state")
+    for path, i in itertools.islice(paths, max_nodes or None):
         node = f.tree.nodes[i]
         kind = node[0]
         row: dict[str, Any] = {"key": path, "type": kind, "depth": f.tree.depth_of(i)}
@@ -77,9 +93,9 @@ def _inspect_tree(f: Any) -> list[dict[str, Any]]:
             stored = sum(chunks[k].stored_len for k in own)
             codecs = sorted({fmt.CODEC_NAMES[chunks[k].codec] for k in own}) or ["raw"]
             itemsize = (
-                dtypes.torch_itemsize(m["dtype"]) if kind == "tensor" else np.dtype(m["dtype"]).itemsize
+                dtypes.torch_itemsize(m["dtype"]) if kind == "tensor" else dtypes.numpy_itemsize(m["dtype"])
             )
-            numel = int(np.prod(m["shape"])) if m["shape"] else 1
+            numel = math.prod(m["shape"])
             row.update(
                 dtype=m["dtype"],
                 shape=m["shape"],
@@ -99,10 +115,9 @@ def _inspect_tree(f: Any) -> list[dict[str, Any]]:
         elif kind in ("dict", "odict"):
             row["len"] = len(node[1])
         elif kind in ("int", "float", "bool", "str", "none", "dtype", "device", "complex"):
-            value = decode(f.tree, i, lambda s: None, f.path)  # type: ignore[arg-type, return-value]
-            row["value"] = short_repr(value, 60)
+            row["value"] = _value_text(f, i)
         rows.append(row)
-    return rows
+    return rows, next(paths, None) is not None
 
 
 def _inspect_externals(f: Any) -> dict[str, Any]:
@@ -153,7 +168,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             return show_dcp(args.path, args.json)  # a DCP checkpoint's prefix: its files and record
         require_ckptfmt(args.path)
         with CheckpointFile(args.path, decrypt_with=decrypt, ciphertext_only=decrypt is None) as f:
-            rows = _inspect_tree(f)
+            rows, truncated = _inspect_tree(f, args.max_nodes)
             problems = f.external_problems()
             info = {
                 "path": args.path,
@@ -170,7 +185,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 "encryption": encryption_info(f.index.encryption, decrypt is not None),
                 **_inspect_externals(f),
                 "problems": [problem_dict(problem_of(p)) for p in problems],
+                "nodes": len(f.tree.nodes),
                 "tree": rows,
+                # only the first --max-nodes nodes are listed
+                "tree_truncated": truncated,
             }
     except KeyRequired as e:  # an encrypted index, no key: what is in clear
         return _inspect_encrypted(args, e.block)
@@ -210,6 +228,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             say(f"{name}: {r['value']}")
         else:
             say(f"{name}: {r['type']}")
+    if truncated:
+        say(
+            f"... the first {len(rows)} nodes shown, of {info['nodes']} in the file (dict keys "
+            "included): --max-nodes N shows more, --max-nodes 0 all"
+        )
     if problems:  # after the tree, which shows what the referenced files should hold
         more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
         say(f"error: {error_text(problems[0], args.path)}{more}", err=True)

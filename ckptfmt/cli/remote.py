@@ -35,9 +35,9 @@ def run_entries(
     """verify's entries for the steps of the run at `url` (every step, or `step`), with the
     checks a load makes: `trusted` keys one of which must have signed each step, `decrypt`
     the key of an encrypted run."""
-    from ..runs.manager import CheckpointManager
+    from ..runs.objectmanager import ObjectRunManager  # CheckpointManager(url)
 
-    manager = CheckpointManager(url, trusted_keys=trusted, decrypt_with=decrypt)
+    manager = ObjectRunManager(url, trusted_keys=trusted, decrypt_with=decrypt)
     statuses = manager.statuses()
     if not statuses:
         return [{"path": url, "status": "incomplete", "error": "no object and no step-N/ prefix here"}]
@@ -63,9 +63,9 @@ def run_entries(
 
 def run_rows(url: str) -> list[Any]:
     """ls's step statuses of the run at `url`."""
-    from ..runs.manager import CheckpointManager
+    from ..runs.objectmanager import ObjectRunManager  # CheckpointManager(url)
 
-    return CheckpointManager(url).statuses()
+    return ObjectRunManager(url).statuses()
 
 
 def has_record(url: str) -> bool:

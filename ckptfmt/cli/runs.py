@@ -60,7 +60,7 @@ def show_dcp(path: str, as_json: bool) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from ..format.timestamps import utc_now
-    from ..runs.manager import CheckpointManager
+    from ..runs.scan import StepRecords
 
     if is_url(args.dir):
         try:
@@ -77,7 +77,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         except KNOWN_ERRORS as e:
             return fail(e, args.dir)
     else:
-        statuses = CheckpointManager(args.dir).statuses()
+        statuses = StepRecords(os.path.abspath(args.dir)).scan().statuses  # CheckpointManager.statuses()
     now = utc_now()
     rows = []
     for s in statuses:

@@ -165,14 +165,16 @@ def _verify_dir(
     incomplete).  `trusted`: public keys, one of which must have signed each checkpoint's
     commit record (spec 16.7).  `decrypt`: the key file of encrypted saves (state and rank files)."""
     from ..files import multifile
-    from ..runs.manager import CheckpointManager
+    from ..runs.scan import StepRecords
     from ..runs.stepcheck import verify_in_run, verify_step
 
     targets: list[tuple[int | None, str, str | None]] = []
     damaged: set[str] = set()
     own = os.path.lexists(os.path.join(path, multifile.COMMIT_NAME))
     statuses = (
-        CheckpointManager(path, decrypt_with=decrypt).statuses() if not own or _has_step_dirs(path) else []
+        # the run's steps as its manager lists them (CheckpointManager.statuses), without the
+        # manager, which imports torch
+        StepRecords(os.path.abspath(path), decrypt).scan().statuses if not own or _has_step_dirs(path) else []
     )
     if not own and not statuses:
         raise IncompleteError("no commit record (COMMIT) and no step directories", path=path)

@@ -30,7 +30,6 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Protocol
 
-import numpy as np
 import xxhash
 import zstandard
 
@@ -46,7 +45,6 @@ from ..fileio import pread_exact
 from ..format import encryption, signing
 from ..format import layout as fmt
 from ..format.index import Chunk, Index
-from . import bytesview, hostmem
 from . import native as _native
 from .ckptdir import CheckpointDir
 
@@ -258,7 +256,7 @@ class ChunkReader:
         try:
             block = encryption.parse_block(pread_exact(fd, at, size), self.path, at)
             assert self._opener is not None
-            return self._opener(block, pro.file_id), block
+            return self._opener.data_key(block, pro.file_id), block
         except CheckpointError as err:
             cls = DecryptionError if isinstance(err, DecryptionError) else CorruptError
             raise cls(f"{what}: {err.reason}", path=self.path) from None
@@ -452,6 +450,8 @@ class ChunkReader:
         if len(out) != ch.raw_len:
             raise bad(f"zstd data decodes to {len(out)} bytes, expected {ch.raw_len}")
         if ch.filter == fmt.FILTER_SHUFFLE:
+            import numpy as np  # the reference path un-shuffles with numpy; the C engine needs none
+
             planes = np.frombuffer(out, dtype=np.uint8).reshape(ch.width, ch.raw_len // ch.width)
             np.frombuffer(dest, dtype=np.uint8).reshape(ch.raw_len // ch.width, ch.width)[...] = planes.T
         else:
@@ -671,7 +671,9 @@ class ChunkReader:
         # the cap, or the largest chunk when larger, but never more than all chunks together
         raw = [ch.raw_len for ch in self.chunks]
         window = min(max(cap, max(raw, default=0)), max(1, sum(raw)))
-        view = None if untouched else bytesview.tensor_bytes(hostmem.empty_bytes(window))
+        # an anonymous mapping: pages on first touch, like a fresh tensor, without torch (verify
+        # imports neither torch nor numpy)
+        view = None if untouched else memoryview(mmap.mmap(-1, window))
         k = 0
         n = len(self.chunks)
         while k < n:

@@ -8,6 +8,9 @@ both write identical bytes.  Tensor bytes go from the tensor's memory to
 ``pwrite`` through memoryviews: no full-size copies (compression works one
 chunk at a time).
 
+Rewriting a file's tail (signing an existing file: write_signed_tail) needs neither
+torch nor numpy; what turns tensors and arrays into bytes imports them when it runs.
+
 This module knows nothing of temp files or saves in flight: the blocking save
 (files/save.py) and the background writer (background/copysave.py) both use it.
 """
@@ -20,10 +23,8 @@ import os
 import platform
 import secrets
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
-import torch
 import xxhash
 import zstandard
 
@@ -31,10 +32,11 @@ from .. import __version__
 from ..errors import LimitError
 from ..format import encryption, signing
 from ..format import layout as fmt
-from ..format.encode import Encoded, StoragePlan
 from ..format.timestamps import format_utc, utc_at, utc_now
-from . import bytesview
 from . import native as _native
+
+if TYPE_CHECKING:
+    from ..format.encode import Encoded, StoragePlan
 
 
 def new_file_id() -> bytes:
@@ -57,6 +59,9 @@ def _created() -> str:
 
 
 def producer_info() -> dict[str, str]:
+    import numpy as np
+    import torch
+
     return {
         "ckptfmt": __version__,
         "format": f"{fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR}",
@@ -69,6 +74,10 @@ def producer_info() -> dict[str, str]:
 
 def storage_bytes(plan: StoragePlan) -> memoryview:
     """A byte view of a storage's memory on the CPU (a copy only for device storages)."""
+    import numpy as np
+
+    from . import bytesview
+
     src = plan.source
     if isinstance(src, np.ndarray):
         return bytesview.array_bytes(src)
@@ -99,6 +108,8 @@ class ChunkEncoder:
             return fmt.CODEC_RAW, fmt.FILTER_NONE, 0, raw
         shuffle = width > 1 and len(raw) % width == 0
         if shuffle:
+            import numpy as np
+
             packed = self.compress(np.frombuffer(raw, dtype=np.uint8).reshape(-1, width).T.tobytes())
         else:
             packed = self.compress(raw)

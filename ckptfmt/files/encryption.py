@@ -183,7 +183,7 @@ class FileSealer:
                 nonce, self._data_key, enc.wrap_aad(file_id, draft.fields())
             )
             block = _with(draft, wrapped=nonce + sealed)
-        stored, index_tag = enc.seal_index(self._data_key, block, file_id, index_offset, index)
+        stored, index_tag = enc.seal_index(small_gcm, self._data_key, block, file_id, index_offset, index)
         return stored, _with(block, index_tag=index_tag).pack()
 
 
@@ -194,9 +194,6 @@ def small_gcm(key: bytes) -> Any:
     if _native.crypto_available():
         return _native.EngineGCM(key)
     return enc.aesgcm(key)
-
-
-enc.small_gcm = small_gcm  # the index's seal and opening (format.encryption) use it too
 
 
 def _with(block: enc.EncryptionBlock, **changes: Any) -> enc.EncryptionBlock:
@@ -240,8 +237,9 @@ def save_and_read_keys(encrypt_with: Any, decrypt_with: Any) -> tuple[Any, Any]:
     return encrypt_with, encrypt_with if decrypt_with is None else decrypt_with
 
 
-def opener(decrypt_with: Any) -> Callable[[enc.EncryptionBlock, bytes], bytes] | None:
-    """The reader's way to the data key of a file's encryption block (None without a key)."""
+def opener(decrypt_with: Any) -> enc.Opener | None:
+    """The reader's way into encrypted files (None without a key): the data key of a file's
+    encryption block, and the GCM its index is opened with (small_gcm)."""
     if decrypt_with is None:
         return None
     key = load_key(decrypt_with, "decrypt_with")
@@ -250,7 +248,7 @@ def opener(decrypt_with: Any) -> Callable[[enc.EncryptionBlock, bytes], bytes] |
     def open_block(block: enc.EncryptionBlock, file_id: bytes) -> bytes:
         return unwrap(key, block, file_id)
 
-    return open_block
+    return enc.Opener(open_block, small_gcm)
 
 
 def unwrap(key: Key, block: enc.EncryptionBlock, file_id: bytes) -> bytes:

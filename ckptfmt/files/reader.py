@@ -8,6 +8,9 @@ storages are placed (host memory, a mapping of the file, a device through a boun
 staging buffer), the memory a load may take, and navigation of the object tree.
 Every number taken from the file is validated before use; every failure is a
 CheckpointError that names the path, key, chunk and offset.
+
+Opening a file and checking its chunks (verify, inspect, sign) needs neither torch nor
+numpy; the methods that place storages import torch and what builds on it when they run.
 """
 
 from __future__ import annotations
@@ -15,12 +18,8 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ..background.staging import POOL
-from ..engine import bytesview, hostmem
 from ..engine import native as _native
 from ..engine.chunkread import ChunkReader, References
 from ..engine.ckptdir import CheckpointDir
@@ -33,9 +32,8 @@ from ..errors import (
     UnsupportedError,
 )
 from ..fileio import open_regular
-from ..format import devices, tree
 from ..format import layout as fmt
-from ..format.decode import decode, decode_key
+from ..format import tree
 from ..format.index import Chunk, External, parse_index, parse_index_json
 from ..gcpause import pausing_in_main_thread
 from ..storage.client import check_options
@@ -43,6 +41,11 @@ from ..storage.download import RemoteObject
 from ..storage.references import ObjectReferences
 from ..storage.urls import is_url
 from . import encryption, signing
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..format import devices
 
 __all__ = [
     "MAX_OPEN_EXTERNALS",
@@ -66,6 +69,8 @@ def _force_staging() -> bool:
 
 def staging_budget() -> int:
     """Host bytes a load onto an accelerator may stage at once (the staging pool's limit)."""
+    from ..background.staging import POOL
+
     return POOL.limit
 
 
@@ -214,6 +219,8 @@ class CheckpointFile:
 
     def root_items(self) -> list[tuple[object, int]]:
         """(key, node id) of each entry when the root is a dict; empty otherwise."""
+        from ..format.decode import decode_key
+
         node = self.tree.nodes[self.tree.root]
         if node[0] not in ("dict", "odict"):
             return []
@@ -246,6 +253,8 @@ class CheckpointFile:
 
     def _alloc(self, nbytes: int, key: str, *, sid: int | None = None) -> torch.Tensor:
         """`nbytes` of host memory; LimitError naming `key` (or storage `sid`'s key) if it fails."""
+        from ..engine import hostmem
+
         try:
             return hostmem.empty_bytes(nbytes)
         except (RuntimeError, MemoryError) as e:
@@ -259,6 +268,8 @@ class CheckpointFile:
         self, sid: int, flat: torch.Tensor, first: int = 0, count: int | None = None
     ) -> list[tuple[int, memoryview]]:
         """(chunk, destination) for chunks [first, first+count) of a storage, placed from the start of `flat`."""
+        from ..engine import bytesview
+
         rec = self.storages[sid]
         count = rec.n_chunks - first if count is None else count
         view = bytesview.tensor_bytes(flat)
@@ -291,6 +302,10 @@ class CheckpointFile:
         without blocking, the next chunks are read into the other.  A buffer is refilled
         only after the event recorded behind its copy has completed.
         """
+        import torch
+
+        from ..background.staging import POOL
+
         pinned = device.type not in ("cpu", "meta") and torch.accelerator.is_available()
         size = self._staging_size(sids, budget)
         # two buffers of whole chunks when the budget holds two chunks; one otherwise
@@ -343,6 +358,8 @@ class CheckpointFile:
         """Storages backed by the file itself (zero-copy), for mappable `sids`.  With `verify`
         every chunk of all of them is checked in one engine call, so that its threads share
         the whole load, not one storage at a time."""
+        import torch
+
         if not sids:
             return {}
         if self._mm is None:
@@ -362,6 +379,8 @@ class CheckpointFile:
     def load_subtree(
         self, top: int, map_location: devices.MapLocation, verify: bool, use_mmap: bool = False
     ) -> object:
+        from ..format.decode import decode
+
         if use_mmap and self.encrypted:
             raise ValueError(
                 f"{self.path}: mmap=True cannot map an encrypted file: its pages hold ciphertext, so a "
@@ -371,6 +390,12 @@ class CheckpointFile:
         if use_mmap and self.remote:
             raise ValueError(f"{self.path}: mmap=True needs a local file; an object is read into memory")
         needed = tree.storages_under(self.tree, top)
+        if not needed:  # plain values (a commit record, a resume entry): no torch needed
+            return decode(self.tree, top, {}.__getitem__, self.path)  # type: ignore[arg-type]
+        import torch
+
+        from ..format import devices
+
         loaded: dict[int, torch.UntypedStorage] = {}
         host: list[int] = []  # read onto the CPU
         callable_: list[int] = []  # read onto the CPU, then handed to map_location

@@ -17,7 +17,6 @@ from typing import Any
 
 from ..background import copysave, inflight
 from ..background.inflight import SaveHandle
-from ..engine import native as _native
 from ..engine.chunkwrite import Dedup, Signer, build_file
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
@@ -29,7 +28,8 @@ from ..format.encryption import Sealer
 from ..gcpause import pausing_in_main_thread
 from ..storage.client import check_options
 from ..storage.upload import ObjectFile
-from . import encryption, signing
+from . import encryption
+from .signing import signer
 
 
 def check_save_args(compression: str | None, level: int | None, metadata: object) -> dict[str, str]:
@@ -159,23 +159,6 @@ def done_handle(path: str, nbytes: int) -> SaveHandle:
     handle._observed = True  # its outcome is the caller's already
     handle._finish(None)
     return handle
-
-
-def signer(sign_with: Any) -> Signer | None:
-    """The signature-block maker for save()'s `sign_with` (None: an unsigned file); the key
-    is loaded, and the engine checked for libcrypto, before anything is written."""
-    if sign_with is None:
-        return None
-    key = signing.load_private_key(sign_with)
-    if _native.available() and not _native.crypto_available():
-        raise CheckpointError(
-            "signing needs the C engine built with OpenSSL's libcrypto (libssl-dev); this one was built without it"
-        )
-
-    def sign(prologue: bytes, footer: bytes, index_sha256: bytes, digests: bytes, enc_sha256: bytes) -> bytes:
-        return signing.sign_block(key, prologue, footer, index_sha256, digests, enc_sha256)
-
-    return sign
 
 
 @pausing_in_main_thread

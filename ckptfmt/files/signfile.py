@@ -33,8 +33,7 @@ from ..format import layout as fmt
 from ..format import signing as layout_signing
 from .encryption import KeyRequired, ciphertext_problems
 from .reader import CheckpointFile
-from .save import signer
-from .signing import load_private_key
+from .signing import load_private_key, signer
 
 
 def _copy_range(src: int, dst: int, length: int) -> None:

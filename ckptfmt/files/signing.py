@@ -12,13 +12,17 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import SignatureError
+from ..engine import native as _native
+from ..errors import CheckpointError, SignatureError
 from ..fileio import open_regular
 from ..format import layout as fmt
 from ..format import signing
 from ..format.index import Authenticator, Index
+
+if TYPE_CHECKING:
+    from ..engine.chunkwrite import Signer
 
 KeyLike = Any  # a path, PEM/OpenSSH bytes, or a cryptography Ed25519 key object
 
@@ -191,3 +195,20 @@ def sign_block(
         signing.signed_message(prologue, footer, index_sha256, unsigned, encryption_sha256)
     )
     return dataclasses.replace(unsigned, signature=sig).pack()
+
+
+def signer(sign_with: Any) -> Signer | None:
+    """The signature-block maker for save()'s `sign_with` (None: an unsigned file); the key
+    is loaded, and the engine checked for libcrypto, before anything is written."""
+    if sign_with is None:
+        return None
+    key = load_private_key(sign_with)
+    if _native.available() and not _native.crypto_available():
+        raise CheckpointError(
+            "signing needs the C engine built with OpenSSL's libcrypto (libssl-dev); this one was built without it"
+        )
+
+    def sign(prologue: bytes, footer: bytes, index_sha256: bytes, digests: bytes, enc_sha256: bytes) -> bytes:
+        return sign_block(key, prologue, footer, index_sha256, digests, enc_sha256)
+
+    return sign

@@ -5,22 +5,28 @@ without checking again: containers, scalars, dtypes, devices and sizes from thei
 nodes, tensors and arrays as views of the storages the caller loaded (`storage(sid)`),
 sharing a storage wherever the saved state shared one.  `decode_key` gives one dict
 key's value, for callers that match keys before building anything.
+
+A tree of plain values (a commit record, a resume fingerprint) is built without torch
+or numpy: each is imported by the first node that needs it.
 """
 
 from __future__ import annotations
 
 import base64
 import collections
+import contextlib
+import sys
 from collections.abc import Callable
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..gcpause import pausing
 from . import dtypes
 from .tree import Tree, float_value
 from .validate import Check, key_value
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 
 def decode_key(tree: Tree, node: int, path: str) -> object:
@@ -31,7 +37,10 @@ def decode_key(tree: Tree, node: int, path: str) -> object:
 @pausing
 def decode(tree: Tree, top: int, storage: Callable[[int], torch.UntypedStorage], path: str) -> object:
     """Build the objects of the subtree at `top`; `storage(sid)` gives loaded storages."""
-    with torch.no_grad():
+    # storages come loaded, so torch is imported wherever a tensor is built; a tree of plain
+    # values is built without it
+    torch = sys.modules.get("torch")
+    with torch.no_grad() if torch is not None else contextlib.nullcontext():
         return _Builder(tree.nodes, storage, path).build(top)
 
 
@@ -76,20 +85,42 @@ class _Builder:
         if kind == "dtype":
             return dtypes.TORCH_DTYPES[node[1]]
         if kind == "device":
-            return torch.device(node[1])
+            return self.device(i, node[1])
         if kind == "size":
+            import torch
+
             return torch.Size(int(d, 16) for d in node[1])
         if kind == "tensor":
             return _build_tensor(node[1], self.storage)
         if kind == "ndarray":
             return _build_ndarray(node[1], self.storage)
         if kind == "npscalar":
+            import numpy as np
+
             return np.frombuffer(base64.b64decode(node[2]), dtype=np.dtype(node[1]))[0]
         # validated before; kept for safety
         raise Check(self.path).fail(f"node {i} has unknown kind {kind!r}")
 
+    def device(self, i: int, text: str) -> torch.device:
+        """The torch device of a device node: validation checked its grammar (locations.py);
+        whether torch knows it, and reads it back as the same string, is asked here, where
+        torch is (a backend's name exists only where its extension is loaded)."""
+        import torch
+
+        try:
+            device = torch.device(text)
+        except RuntimeError as e:
+            raise Check(self.path).fail(f"node {i} names device {text!r}, unknown to torch") from e
+        if str(device) != text:
+            raise Check(self.path).fail(
+                f"node {i} names device {text!r}, which torch reads as {str(device)!r}"
+            )
+        return device
+
 
 def _build_tensor(m: dict[str, Any], storage: Callable[[int], torch.UntypedStorage]) -> torch.Tensor:
+    import torch
+
     st = storage(m["storage"])
     dt = dtypes.TORCH_DTYPES[m["dtype"]]
     t = torch.empty(0, dtype=dt, device=st.device).set_(st, m["offset"], m["shape"], m["stride"])
@@ -103,6 +134,8 @@ def _build_tensor(m: dict[str, Any], storage: Callable[[int], torch.UntypedStora
 
 
 def _build_ndarray(m: dict[str, Any], storage: Callable[[int], torch.UntypedStorage]) -> np.ndarray:
+    import torch
+
     st = storage(m["storage"])
     dt = dtypes.numpy_dtype(m["dtype"])
     assert dt is not None  # validated

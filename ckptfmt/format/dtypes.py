@@ -3,14 +3,21 @@
 Names are the format's, not torch's repr: a file written by one torch version
 must load with another, so the table maps names to torch attributes and skips
 those a given torch lacks.
+
+The names, item sizes and kinds need neither torch nor numpy: the index and the
+object tree are checked with them alone (verify, inspect and sign build no tensor
+and import neither).  The torch dtypes (TORCH_DTYPES, TORCH_NAMES) are built when
+first asked for, and numpy is imported by the functions that return its dtypes.
 """
 
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 # name in the file -> (torch attribute, itemsize, shuffle width)
 # The shuffle width is the size of the unit whose bytes are grouped by the
@@ -41,13 +48,41 @@ _TORCH_TABLE: dict[str, tuple[str, int, int]] = {
     "uint64": ("uint64", 8, 8),
 }
 
-TORCH_DTYPES: dict[str, torch.dtype] = {}
-TORCH_NAMES: dict[torch.dtype, str] = {}
-for _name, (_attr, _size, _width) in _TORCH_TABLE.items():
-    _dt = getattr(torch, _attr, None)
-    if isinstance(_dt, torch.dtype):
-        TORCH_DTYPES[_name] = _dt
-        TORCH_NAMES[_dt] = _name
+if TYPE_CHECKING:
+    #: name -> torch dtype, for the names the installed torch has (built on first use: __getattr__)
+    TORCH_DTYPES: dict[str, torch.dtype]
+    #: torch dtype -> name
+    TORCH_NAMES: dict[torch.dtype, str]
+
+
+def __getattr__(name: str) -> Any:
+    """TORCH_DTYPES and TORCH_NAMES, built (and torch imported) the first time one is asked for."""
+    if name not in ("TORCH_DTYPES", "TORCH_NAMES"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+
+    by_name: dict[str, torch.dtype] = {}
+    for key, (attr, _, _) in _TORCH_TABLE.items():
+        dt = getattr(torch, attr, None)
+        if isinstance(dt, torch.dtype):
+            by_name[key] = dt
+    globals().update(TORCH_DTYPES=by_name, TORCH_NAMES={dt: key for key, dt in by_name.items()})
+    return globals()[name]
+
+
+def is_tensor_dtype(name: str) -> bool:
+    """Whether `name` is one of the format's tensor dtypes (spec section 6)."""
+    return name in _TORCH_TABLE
+
+
+def is_floating_point(name: str) -> bool:
+    """Whether a tensor dtype is a floating-point one (as torch's dtype.is_floating_point)."""
+    return name.startswith(("float", "bfloat"))
+
+
+def is_complex(name: str) -> bool:
+    """Whether a tensor dtype is a complex one (as torch's dtype.is_complex)."""
+    return name.startswith("complex")
 
 
 def torch_itemsize(name: str) -> int:
@@ -77,10 +112,24 @@ def numpy_name(dtype: np.dtype) -> str | None:
     return dtype.str
 
 
+def numpy_itemsize(name: str) -> int | None:
+    """The item size of a numpy dtype name read from a file, or None when the name is not
+    valid: of the grammar, a size numpy has for its kind, and spelled as numpy's dtype.str
+    spells it ("|" exactly for one-byte types, no leading zero).  Needs no numpy."""
+    m = _NUMPY_RE.fullmatch(name)
+    if m is None or m.group(2).startswith("0"):
+        return None
+    size = int(m.group(2))
+    if size not in _NUMPY_SIZES[m.group(1)] or (name[0] == "|") != (size == 1):
+        return None
+    return size
+
+
 def numpy_dtype(name: str) -> np.dtype | None:
     """The numpy dtype of a name read from a file, or None when it is not valid."""
-    m = _NUMPY_RE.fullmatch(name)
-    if m is None or int(m.group(2)) not in _NUMPY_SIZES[m.group(1)]:
+    import numpy as np
+
+    if numpy_itemsize(name) is None:
         return None
     dt = np.dtype(name)
     return dt if dt.str == name else None

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import LimitError, UnsupportedObjectError
 from ..gcpause import pausing
-from . import devices, dtypes
+from . import dtypes, locations
 from .layout import Limits
 from .render import extend_path, key_text, short_repr
 from .tree import float_text, over_string_limit
@@ -173,7 +173,7 @@ class _Encoder:
             return self._emit(["dtype", name], path)
         if t is torch.device:
             text = str(obj)
-            if not devices.valid_location(text):
+            if not locations.valid_location(text):
                 raise self._fail(path, obj, "not a device the format can name")
             return self._emit(["device", text], path)
         if t is torch.Tensor or t is torch.nn.Parameter:
@@ -251,7 +251,7 @@ class _Encoder:
             # tensor without elements means nothing, so it is clamped to the storage's end
             offset = min(offset, nbytes // dtypes.torch_itemsize(name))
         device = str(t.device)
-        if not devices.valid_location(device):
+        if not locations.valid_location(device):
             raise self._fail(path, t, f"device {device!r} cannot be named in the format")
         key = (device, storage.data_ptr(), nbytes) if nbytes else None
         sid = self._storage(

@@ -109,11 +109,11 @@ def aesgcm(key: bytes) -> Any:
     return AESGCM(key)
 
 
-#: makes the AES-256-GCM of a key for a file's small messages (the key wrap, the index):
-#: ``cryptography``'s by default; files/encryption.py puts the engine's here where the engine
-#: has libcrypto, so that opening or saving a file never imports ``cryptography`` (whose
-#: first import costs a tenth of a second or more)
-small_gcm: Callable[[bytes], Any] = aesgcm
+#: makes the AES-256-GCM of a key (``encrypt``/``decrypt`` as ``cryptography``'s AESGCM) for a
+#: file's small messages, the key wrap and the index: the engine chooses it and hands it down
+#: (files/encryption.py: the engine's libcrypto where it has it, so that opening or saving a
+#: file never imports ``cryptography``, whose first import costs a tenth of a second or more)
+GcmMaker = Callable[[bytes], Any]
 
 
 class TagMismatch(Exception):
@@ -235,21 +235,29 @@ class Sealer(Protocol):
         ...
 
 
-#: reads the data key out of a file's encryption block: (block, file id) -> 32 bytes, or
-#: DecryptionError (made by files/encryption.py from the user's key)
-Opener = Callable[[EncryptionBlock, bytes], bytes]
+@dataclass(frozen=True)
+class Opener:
+    """A reader's way into encrypted files (made by files/encryption.py from the user's key)."""
+
+    #: reads the data key out of a file's encryption block: (block, file id) -> 32 bytes, or
+    #: DecryptionError
+    data_key: Callable[[EncryptionBlock, bytes], bytes]
+    #: the AES-256-GCM the index is opened with
+    gcm: GcmMaker
 
 
 def seal_index(
+    gcm_of: GcmMaker,
     data_key: bytes,
     block: EncryptionBlock,
     file_id: bytes,
     index_offset: int,
     index: bytes,
 ) -> tuple[bytes, bytes]:
-    """(index bytes to write, index tag) for a block whose other fields are final."""
+    """(index bytes to write, index tag) for a block whose other fields are final, sealed with
+    the GCM `gcm_of` makes."""
     ctx = index_context(file_id, index_offset, len(index), block.fields())
-    gcm = small_gcm(data_key)
+    gcm = gcm_of(data_key)
     if block.index_encrypted:
         sealed = gcm.encrypt(INDEX_NONCE, index, ctx)
         return sealed[:-TAG_SIZE], sealed[-TAG_SIZE:]
@@ -257,11 +265,18 @@ def seal_index(
 
 
 def open_index(
-    data_key: bytes, block: EncryptionBlock, file_id: bytes, index_offset: int, stored: bytes, path: str
+    gcm_of: GcmMaker,
+    data_key: bytes,
+    block: EncryptionBlock,
+    file_id: bytes,
+    index_offset: int,
+    stored: bytes,
+    path: str,
 ) -> bytes:
-    """The index's plaintext, its tag checked (DecryptionError when it fails)."""
+    """The index's plaintext, its tag checked with the GCM `gcm_of` makes (DecryptionError when
+    it fails)."""
     ctx = index_context(file_id, index_offset, len(stored), block.fields())
-    gcm = small_gcm(data_key)
+    gcm = gcm_of(data_key)
     try:
         if block.index_encrypted:
             return bytes(gcm.decrypt(INDEX_NONCE, stored + block.index_tag, ctx))

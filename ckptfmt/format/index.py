@@ -45,7 +45,7 @@ from ..errors import (
 )
 from ..fileio import pread_exact
 from ..gcpause import pausing
-from . import devices, encryption, signing, tree, validate
+from . import encryption, locations, signing, tree, validate
 from . import layout as fmt
 from .encryption import Opener
 from .layout import Limits
@@ -427,13 +427,13 @@ class _IndexParser:
             return b"", raw
         file_id = self.prologue.file_id
         try:
-            data_key = self._decrypt(enc, file_id)
+            data_key = self._decrypt.data_key(enc, file_id)
         except DecryptionError as e:
             if e.path is not None:
                 raise
             raise DecryptionError(e.reason, path=self.path, offset=block_at) from None
         return data_key, encryption.open_index(
-            data_key, enc, file_id, self.footer.index_offset, raw, self.path
+            self._decrypt.gcm, data_key, enc, file_id, self.footer.index_offset, raw, self.path
         )
 
     def _parse_storages(self, c: validate.Check, raw: object) -> list[tree.StorageRecord]:
@@ -447,7 +447,7 @@ class _IndexParser:
                 raise c.fail(f"storage {sid} is not a [nbytes, device] pair")
             nbytes = c.bounded_int(item[0], f"storage {sid} size", Limits.MAX_STORAGE_BYTES)
             device = c.str_(item[1], f"storage {sid} device")
-            if not devices.valid_location(device):
+            if not locations.valid_location(device):
                 raise c.fail(f"storage {sid} has invalid device {device[:40]!r}")
             n = -(-nbytes // self.chunk_size)
             out.append(tree.StorageRecord(nbytes, device, first, n))

@@ -41,7 +41,7 @@ from typing import Any
 from ..background import inflight
 from ..engine import commit, marks
 from ..engine.ckptdir import CheckpointDir, LinkError
-from ..errors import CheckpointError, CheckpointWarning, CorruptError, SignatureError
+from ..errors import CheckpointError, CheckpointWarning, CorruptError, SignatureError, UnsupportedError
 from ..fileio import is_url
 from ..files import encryption, multifile, recordsign
 from ..files import load_into as inplace

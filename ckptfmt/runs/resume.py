@@ -35,6 +35,7 @@ from ..format.decode import decode_key
 from ..format.layout import Limits
 from ..format.render import render_key, short_repr
 from . import rng
+from .steps import MAX_STEP
 
 PAYLOAD_VERSION = 1
 #: top-level keys of a state that name a data position by convention (a plain
@@ -229,7 +230,7 @@ def check_fingerprint(fp: object, path: str) -> dict[str, Any]:
     if set(d) != _FP_FIELDS:
         raise c.fail("resume", "fields must be exactly " + ", ".join(sorted(_FP_FIELDS)))
     c.int_(d["version"], "resume['version']", PAYLOAD_VERSION)
-    c.int_(d["step"], "resume['step']", 2**64)
+    c.int_(d["step"], "resume['step']", MAX_STEP)  # every step a run's directory can be named for
     _check_architecture(c, d["architecture"])
     _check_optimizers(c, d["optimizer"])
     for i, name in enumerate(c.list_(d["data"], "resume['data']")):

@@ -13,7 +13,6 @@ from ..files import multifile, recordsign
 from ..files.places import ObjectPlace
 from ..files.reader import CheckpointFile
 from ..files.verify import Problem, VerifyReport, check_file, problem_of
-from . import resume
 from .steps import STATE_NAME, parse_step_dirname
 
 
@@ -81,17 +80,20 @@ def _check_state_index(d: CheckpointDir, record: multifile.CommitRecord, decrypt
     fd = multifile.open_part(d, part, d.path)
     with CheckpointFile(d.path_of(part.name), fd=fd, within=d, decrypt_with=decrypt) as f:
         multifile.check_references(f, record, d.path)
-        if not {"state", "rng", "resume"} <= set(resume.node_items(f, f.tree.root)):
+        if not {"state", "rng", "resume"} <= {key for key, _ in f.root_items()}:
             raise CorruptError("not a checkpoint manager's state file", path=f.path)
 
 
 def resume_entries(f: CheckpointFile) -> tuple[dict[str, Any], Any]:
     """A state file's resume fingerprint and RNG states, read and checked (CorruptError naming
-    the entry) as load_into checks them before anything of the caller's changes."""
+    the entry) as load_into checks them before anything of the caller's changes.  The RNG
+    states are tensors and arrays that torch and numpy themselves check (rng.check_capture):
+    this, alone of a step's checks, imports them."""
+    from .resume import check_fingerprint
     from .rng import check_capture
 
-    root = resume.node_items(f, f.tree.root)
-    fp = resume.check_fingerprint(f.load_subtree(root["resume"], None, True), f.path)
+    root = dict(f.root_items())
+    fp = check_fingerprint(f.load_subtree(root["resume"], None, True), f.path)
     rng_state = f.load_subtree(root["rng"], None, True)
     if rng_state is not None:
         check_capture(rng_state, f.path)
