@@ -122,6 +122,7 @@ class ObjectRunManager(CheckpointManager):
         except BaseException:
             self._abandon(job)
             raise
+        job.written = True  # begun (or, when blocking, done): what it made is this save's
         return self._commit_when_written(job)
 
     def _prepare_step(self, step: int) -> list[StepStatus]:
@@ -190,9 +191,16 @@ class ObjectRunManager(CheckpointManager):
         return place.with_digest(part, etag) if self._sign_key is not None else part
 
     def _abandon(self, job: StepJob) -> None:
-        if job.file_handle is not None and not job.file_handle.done():
-            job.file_handle.exception()
-        self._tidy(job.path, lambda: self.run.delete_step(job.step))
+        """A failed save: remove the state object it uploaded, and nothing else.  A save whose
+        upload failed made no object (the uploader aborts its multipart upload; cleanup
+        aborts what a crash left).  A step that holds a commit record now (another writer's,
+        which won the race to commit, or this save's own that landed although its request
+        failed) is a checkpoint: nothing in it is this save's to delete."""
+        uploaded = job.written
+        if job.file_handle is not None:
+            uploaded = uploaded and job.file_handle.exception() is None  # waits for it
+        if uploaded:
+            self._tidy(job.path, lambda: self.run.delete_uncommitted(job.step, STATE_NAME))
 
     def _rotate(self) -> None:
         statuses = self.statuses()  # once: the records are read by one GET each

@@ -20,7 +20,7 @@ from typing import Any
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, CorruptError, IncompleteError, StorageError
 from ..files import multifile, recordsign
-from ..files.places import STALE_AFTER, ObjectPlace, describe_object
+from ..files.places import STALE_AFTER, ObjectPlace, describe_object, is_own_name
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport, verify
 from ..format.timestamps import parse_utc
@@ -247,8 +247,9 @@ class ObjectRun:
 
     def delete_step(self, step: int) -> None:
         """Delete a step: its commit record first, so it stops being a checkpoint before its
-        files go."""
-        listing.delete_prefix(self._step_url(step), self.options, first=(multifile.COMMIT_NAME,))
+        files go; only the objects ckptfmt writes in a step (is_own_name): another program's
+        object beneath it stays."""
+        listing.delete_prefix(self._step_url(step), self.options, is_own_name, first=(multifile.COMMIT_NAME,))
 
     def rotate(
         self, done: list[CheckpointInfo], kept: set[int], statuses: list[StepStatus] | None = None
@@ -328,6 +329,12 @@ class ObjectRun:
             )
         self.delete_step(step)
 
+    def delete_uncommitted(self, step: int, name: str) -> None:
+        """Delete object `name` of step `step`, which a failed save wrote, unless the step has
+        a commit record now (one HEAD): a record this save did not write may name it."""
+        if not self.has_record(step):
+            listing.delete_object(self._step_url(step).child(name), self.options)
+
     def cleanup(self, older_than: datetime.timedelta = STALE_AFTER) -> None:
         """Abort multipart uploads of crashed savers and delete commit-less steps whose newest
         object is older than `older_than` (a live saver writes more often than that)."""
@@ -385,7 +392,8 @@ def _check_listed(listed: tuple[int, Any] | None, part: multifile.PartRecord, ow
 
 
 def _in_a_step(name: str) -> bool:
-    """Whether `name` (a key relative to the run) lies in a step's "directory": only those
-    are the run's (a run may share its prefix, even a whole bucket, with other things)."""
+    """Whether `name` (a key relative to the run) is one ckptfmt writes in a step's
+    "directory": only those are the run's (a run may share its prefix, even a whole bucket,
+    with other things, and a step's with another program's objects)."""
     top, sep, rest = name.partition("/")
-    return bool(sep and rest) and parse_step_dirname(top) is not None
+    return sep == "/" and is_own_name(rest) and parse_step_dirname(top) is not None

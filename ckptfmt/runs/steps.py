@@ -96,6 +96,7 @@ class StepJob:
     thread: threading.Thread | None = None
     file_handle: Any = None
     base: str | None = None  # the state file an incremental save refers to
+    written: bool = False  # the save's state file was begun (object stores: it made the object)
 
 
 def held(job: StepJob) -> CheckpointDir:

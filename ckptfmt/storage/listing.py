@@ -149,15 +149,20 @@ def delete_object(url: ObjectURL, options: dict[str, Any]) -> None:
     s3.request(str(url), "delete", partial(c.delete_object, Bucket=url.bucket, Key=url.key))
 
 
-def delete_prefix(url: ObjectURL, options: dict[str, Any], first: tuple[str, ...] = ()) -> None:
-    """Delete every object beneath `url`; the keys in `first` (relative) go before the rest,
-    each alone, so that a reader never sees the rest gone while they remain."""
+def delete_prefix(
+    url: ObjectURL, options: dict[str, Any], ours: Callable[[str], bool], first: tuple[str, ...] = ()
+) -> None:
+    """Delete the objects beneath `url` whose key relative to `url` is `ours` (what ckptfmt
+    writes there: an object another program left beneath the same prefix is never deleted);
+    the keys in `first` (relative) go before the rest, each alone, so that a reader never
+    sees the rest gone while they remain."""
     c = s3.client_for(options)
     prefix = _prefix(url)
     for name in first:
-        key = prefix + name
-        s3.request(str(url), f"delete {name}", partial(c.delete_object, Bucket=url.bucket, Key=key))
-    keys = [prefix + k for k in objects(url, options)]
+        if ours(name):
+            key = prefix + name
+            s3.request(str(url), f"delete {name}", partial(c.delete_object, Bucket=url.bucket, Key=key))
+    keys = [prefix + k for k in objects(url, options) if ours(k) and k not in first]
     for i in range(0, len(keys), 1000):
         batch = [{"Key": k} for k in keys[i : i + 1000]]
         reply = s3.request(
@@ -174,7 +179,7 @@ def abort_stale_uploads(
     url: ObjectURL,
     options: dict[str, Any],
     older_than: datetime.timedelta,
-    ours: Callable[[str], bool] = lambda name: True,
+    ours: Callable[[str], bool],
 ) -> int:
     """Abort the multipart uploads beneath `url` begun more than `older_than` ago (savers that
     crashed: their parts cost storage until aborted) whose key relative to `url` is `ours`
