@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, CorruptError, IncompleteError, StorageError
+from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, StorageError
 from ..files import multifile, recordsign
 from ..files.places import STALE_AFTER, ObjectPlace, describe_object, is_own_name
 from ..files.reader import CheckpointFile
@@ -31,6 +32,10 @@ from ..storage.upload import upload_file
 from ..storage.urls import ObjectURL, parse_url
 from .stepcheck import verify_objects
 from .steps import STATE_NAME, CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
+
+#: the commit records latest() and a resume read at most, newest first (spec 13.7): each is a
+#: GET, and a run whose newest steps are this many damaged ones needs a person anyway
+MAX_CANDIDATES = 64
 
 
 class ObjectRun:
@@ -91,6 +96,26 @@ class ObjectRun:
                 s.retained = True
                 s.problem = "no commit record: kept for the objects later steps refer to"
         return out
+
+    def newest_first(self, limit: int = MAX_CANDIDATES) -> Iterator[StepStatus]:
+        """The run's steps, newest first, each read when reached (one listing, then one GET a
+        step with a commit record): a reader that stops at the first sound step reads no
+        other record.  At most `limit` records are read: LimitError when the next step
+        would need one more (a listing naming thousands of commit records that are not
+        checkpoints must not keep a resume reading for minutes)."""
+        found = self._listing()
+        reads = 0
+        for step in sorted(found, reverse=True):
+            names = found[step]
+            if multifile.COMMIT_NAME in names:
+                reads += 1
+                if reads > limit:
+                    raise LimitError(
+                        f"the newest {limit} steps with a commit record hold no checkpoint that "
+                        f"could be used; older ones are not read (MAX_CANDIDATES)",
+                        path=self.path,
+                    )
+            yield self._status(step, names, found)
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """The complete steps, oldest first."""
