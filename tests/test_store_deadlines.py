@@ -142,3 +142,26 @@ def test_latest_reads_steps_newest_first_and_stops_at_the_first_complete_one(s3_
     s3_faults.fail_next("GET", "step-000000004/state.ckpt", status=403, count=50)
     with pytest.warns(ckptfmt.CheckpointWarning, match="skipping step 4"):
         assert m.load(fallback=True)["w"][0] == 3
+
+
+@pytest.mark.parametrize(
+    "method, contains, operation",
+    [
+        ("PUT", "step-000000002/COMMIT", lambda m: m.save(2, {"w": torch.ones(100)})),  # an upload
+        ("GET", "step-000000001/state.ckpt", lambda m: m.load(1)),  # a ranged read
+        (
+            "HEAD",
+            "step-000000001/state.ckpt",
+            lambda m: ckptfmt.open(m.run.step_path(1) + "/state.ckpt", storage_options=m.run.options).close(),
+        ),
+        ("DELETE", "step-000000001", lambda m: m.remove(1)),
+    ],
+    ids=["upload", "ranged-read", "head", "delete"],
+)
+def test_every_kind_of_request_the_store_holds_ends_at_the_deadline(s3_faults, method, contains, operation):
+    m = _run(s3_faults, deadline=3, read_timeout=2)
+    s3_faults.delay(method, contains, seconds=60)
+    e, took = _outcome_within(40, lambda: operation(m))
+    assert isinstance(e, StorageError), repr(e)
+    assert took < 3 + 2 + 3, took  # the deadline, and at most one socket wait begun before it
+    assert "deadline 3 s" in str(e), str(e)
