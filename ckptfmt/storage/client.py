@@ -245,10 +245,11 @@ def retryable(e: BaseException) -> bool:
     return not isinstance(e, ValueError)
 
 
-def request(url: str, operation: str, call: Callable[[], T], options: Mapping[str, Any]) -> T:
+def request(url: str, operation: str, call: Callable[[], T], options: Mapping[str, Any] | None = None) -> T:
     """Run one client call, translating its failure; what may succeed when tried again is
-    tried again within the operation's Budget (the only retries: botocore's are off)."""
-    budget = Budget(options)
+    tried again within the operation's Budget (the only retries: botocore's are off), by
+    the storage `options` (None: the defaults)."""
+    budget = Budget(options or {})
     while True:
         _current.budget = budget
         try:
