@@ -81,6 +81,7 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
+
 # a library is silent unless its user configures logging: each save's cost is logged at INFO
 _logging.getLogger("ckptfmt").addHandler(_logging.NullHandler())
 

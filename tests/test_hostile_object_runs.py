@@ -214,3 +214,72 @@ def test_verify_refuses_a_step_reading_an_object_its_record_does_not_name(s3_ser
         m.load(2)
     report = m.verify(2)
     assert not report.ok and "does not name" in report.problems[0].message
+
+
+def test_a_save_that_loses_the_commit_race_leaves_the_winners_checkpoint(s3_faults):
+    """Two managers save step 5 of one run (a restarted job while the old one still runs):
+    the loser's commit record finds the winner's there and raises, and deletes nothing the
+    winner's checkpoint holds: its commit record and the state object it names stay."""
+    import threading
+    import time
+
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/run"
+    old = CheckpointManager(url, storage_options=s3_faults.storage_options())
+    new = CheckpointManager(url, storage_options=s3_faults.storage_options())
+    # the old job's commit record is held on its way while the new job saves the same step
+    s3_faults.delay("PUT", "step-000000005/COMMIT", seconds=3.0, count=1)
+    failure: list[BaseException] = []
+
+    def old_save() -> None:
+        try:
+            old.save(5, _state(-5))
+        except BaseException as e:
+            failure.append(e)
+
+    t = threading.Thread(target=old_save, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while s3_faults.pending_rules() and time.monotonic() < deadline:
+        time.sleep(0.02)  # until the old job's PUT of its record is being held
+    assert s3_faults.pending_rules() == 0
+    new.save(5, _state(5))
+    t.join(30)
+    assert not t.is_alive()
+    assert len(failure) == 1 and "committed by another writer meanwhile" in str(failure[0])
+    assert _keys(s3_faults.client(), bucket, "run/") == {"step-000000005/state.ckpt", "step-000000005/COMMIT"}
+    assert new.load(5)["step"] == 5
+    assert torch.equal(
+        CheckpointManager(url, storage_options=s3_faults.storage_options()).load()["head"], _state(5)["head"]
+    )
+
+
+def test_cleanup_and_rotation_delete_only_what_ckptfmt_wrote(s3_bucket):
+    """Another program's objects beneath a run's prefix and its steps' (a note, a copy made by
+    another tool, its multipart upload) survive rotation, a failed save's cleanup and the
+    cleanup of stale steps and uploads: none is an object ckptfmt can show it wrote."""
+    from s3_server import s3_client
+
+    bucket, options = s3_bucket
+    c = s3_client(options["endpoint_url"])
+    url = f"s3://{bucket}/run"
+    foreign = {
+        "step-000000001/notes.txt",
+        "step-000000001/state.ckpt.bak",
+        "step-000000004/model.safetensors",
+        "README",
+    }
+    for key in foreign:
+        c.put_object(Bucket=bucket, Key=f"run/{key}", Body=b"not ckptfmt's")
+    c.put_object(Bucket=bucket, Key="run/step-000000004/state.ckpt", Body=b"a crashed save's")
+    c.create_multipart_upload(Bucket=bucket, Key="run/step-000000004/upload.tmp")
+    c.create_multipart_upload(Bucket=bucket, Key="run/step-000000004/rank-00001.ckpt")
+    m = CheckpointManager(url, keep_last=1, storage_options=options)
+    m.save(1, _state(1))
+    m.save(2, _state(2))  # rotation deletes step 1
+    m.run.cleanup(older_than=datetime.timedelta(0))  # step 4 is a stale leftover
+    assert _keys(c, bucket, "run/") == foreign | {"step-000000002/state.ckpt", "step-000000002/COMMIT"}
+    uploads = {u["Key"] for u in c.list_multipart_uploads(Bucket=bucket).get("Uploads", [])}
+    assert uploads == {"run/step-000000004/upload.tmp"}
+    m.remove(2)
+    assert _keys(c, bucket, "run/") == foreign

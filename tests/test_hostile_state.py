@@ -436,3 +436,28 @@ def test_restore_rng_refuses_a_state_torch_would_refuse_before_any_generator_cha
         ckptfmt.restore_rng(bad)
     # refused by the probe, not rolled back after python and numpy were set
     assert _same([random.getstate(), np.random.get_state(legacy=False), torch.get_rng_state()], before)
+
+
+@pytest.mark.parametrize("path", [("state", "optimizer"), ("state", "optimizer", "param_groups")])
+def test_a_state_without_the_optimizer_its_fingerprint_names_is_damage_fallback_skips(tmp_path, path):
+    """The fingerprint says an optimizer was saved at "optimizer", the state holds an int
+    there: the file contradicts itself (CorruptError naming the entry), which a fallback
+    skips for the older step, as for any damaged step."""
+    _saved_run(str(tmp_path), steps=(1, 2))
+    _forge(str(tmp_path), 2, _Edit(path, 5))
+    target, _, report = _load_into(str(tmp_path), fallback=True)
+    assert not isinstance(report, Exception), report
+    assert report.step == 1 and target["step"] == 1
+    assert "names an optimizer saved here" in report.skipped[0]
+    e = _refusal(str(tmp_path), lambda p: None, step=2)
+    assert isinstance(e, ckptfmt.CorruptError) and e.key == "optimizer", repr(e)
+
+
+def test_an_optimizer_the_checkpoint_never_saved_is_the_callers_mismatch(tmp_path):
+    # saved without an optimizer (the fingerprint names none), resumed with one: the caller's
+    # state differs from the run's, which a fallback does not paper over
+    mgr = CheckpointManager(tmp_path)
+    state = _training_state(1)
+    mgr.save(1, {"model": state["model"], "optimizer": 5, "step": 1})
+    outcome = _load_into(str(tmp_path), fallback=True)[2]
+    assert isinstance(outcome, ckptfmt.MismatchError) and "no optimizer state here" in str(outcome)

@@ -17,6 +17,7 @@ import torch
 import ckptfmt
 from ckptfmt.errors import CheckpointError, LimitError, StorageError
 from ckptfmt.runs.objectrun import ObjectRun
+from ckptfmt.runs.steps import step_dirname
 from ckptfmt.storage import listing
 from ckptfmt.storage.urls import parse_url
 
@@ -433,3 +434,68 @@ def test_verify_of_a_run_on_a_refusing_store_is_exit_2_naming_the_url(s3_faults,
     assert url in out.stdout + out.stderr and "access denied" in out.stdout + out.stderr
     res = json.loads(run_cli("verify", url, "--json", rc=2).stdout)
     assert [f["status"] for f in res["files"]] == ["unreadable"]
+
+
+def _endless_listing(declared: int | None) -> Answer:
+    """A listing's answer that never ends (declaring `declared` bytes, or no length at all):
+    XML of fake keys, written until the client hangs up (or 256 MiB: the test's own bound)."""
+
+    def answer(h: BaseHTTPRequestHandler) -> None:
+        h.send_response(200)
+        h.send_header("Content-Type", "application/xml")
+        if declared is not None:
+            h.send_header("Content-Length", str(declared))
+        h.send_header("Connection", "close")
+        h.end_headers()
+        page = b"".join(
+            b"<Contents><Key>run/step-000000001/COMMIT</Key><Size>1</Size></Contents>" for _ in range(1000)
+        )
+        h.wfile.write(b'<?xml version="1.0"?><ListBucketResult><IsTruncated>false</IsTruncated>')
+        try:
+            for _ in range((256 << 20) // len(page)):
+                h.wfile.write(page)
+        except OSError:
+            pass  # the client hung up
+
+    return answer
+
+
+@pytest.mark.parametrize("declared", [None, 10 << 30], ids=["no-length", "declares-10-GiB"])
+def test_an_endless_listing_body_is_refused_before_it_is_parsed(store, declared):
+    # the body is read to at most MAX_LISTING_BODY bytes: an answer that never ends (held whole
+    # before, 1.5 GiB and growing) is a LimitError naming the URL, in bounded time and memory
+    from ckptfmt.storage import client
+
+    store.listing = _endless_listing(declared)
+    e = _within(20, lambda: ObjectRun("s3://bucket/run", store.options).statuses())
+    assert isinstance(e, LimitError) and str(client.MAX_LISTING_BODY) in str(e), repr(e)
+    assert "s3://bucket/run" in str(e)
+
+
+def test_empty_pages_with_fresh_tokens_forever_are_bounded(store):
+    # every page empty and "more to come", each with a new token: refused after the pages a
+    # run can plausibly fill (MAX_PAGES), not after 65 536 requests
+    pages = iter(range(10**9))
+    store.listing = lambda h: _listing([], truncated=True, token=f"t{next(pages)}")(h)
+    e = _within(60, lambda: ObjectRun("s3://bucket/run", store.options).statuses())
+    assert isinstance(e, LimitError) and "pages" in str(e), e
+    assert len(store.seen) <= listing.MAX_PAGES + 1
+
+
+def test_latest_reads_a_bounded_number_of_records_of_a_listing_full_of_fake_ones(store):
+    # 20 000 steps whose COMMIT the listing names and whose records are junk: latest() reads
+    # at most MAX_CANDIDATES of them, newest first, then says why it stopped
+    from ckptfmt.runs import objectrun
+
+    keys = [f"run/{step_dirname(s)}/COMMIT" for s in range(1, 20_001)]
+    store.listing = _listing(keys)
+    store.get = lambda h: _reply(h, 200, {"Content-Length": "4", "ETag": '"j"'}, b"junk")
+    manager = ckptfmt.CheckpointManager("s3://bucket/run", storage_options=store.options)
+    with pytest.warns(ckptfmt.CheckpointWarning, match="step-000020000"):
+        e = _within(60, manager.latest)
+    assert isinstance(e, LimitError) and "MAX_CANDIDATES" in str(e), e
+    gets = [p for m, p in store.seen if m == "GET" and p.endswith("/COMMIT")]
+    assert len(gets) == objectrun.MAX_CANDIDATES
+    assert gets[0].endswith("/step-000020000/COMMIT")
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        manager.load()

@@ -142,7 +142,8 @@ def test_stale_uploads_and_commitless_steps_are_cleaned(s3_bucket):
 
     c = s3_client(options["endpoint_url"])
     c.create_multipart_upload(Bucket=bucket, Key="run/step-000000009/state.ckpt")
-    c.put_object(Bucket=bucket, Key="run/step-000000009/state.ckpt.part", Body=b"x")
+    c.put_object(Bucket=bucket, Key="run/step-000000009/state.ckpt", Body=b"x")  # a crashed save's
+    c.put_object(Bucket=bucket, Key="run/step-000000009/notes.txt", Body=b"x")  # not ckptfmt's
     c.create_multipart_upload(Bucket=bucket, Key="elsewhere/x.ckpt")  # outside the run
     run = ObjectRun(f"s3://{bucket}/run", options)
     # moto reports every upload as begun in 2010: old enough for any limit
@@ -150,6 +151,7 @@ def test_stale_uploads_and_commitless_steps_are_cleaned(s3_bucket):
     assert [u["Key"] for u in c.list_multipart_uploads(Bucket=bucket).get("Uploads", [])] == [
         "elsewhere/x.ckpt"
     ]
-    assert set(listing.objects(run.url, options)) == {"step-000000009/state.ckpt.part"}  # written just now
-    run.cleanup(older_than=datetime.timedelta(seconds=-1))
-    assert listing.objects(run.url, options) == {}
+    written_now = {"step-000000009/state.ckpt", "step-000000009/notes.txt"}
+    assert set(listing.objects(run.url, options)) == written_now
+    run.cleanup(older_than=datetime.timedelta(seconds=-1))  # only what ckptfmt writes goes
+    assert set(listing.objects(run.url, options)) == {"step-000000009/notes.txt"}

@@ -76,6 +76,15 @@ class _Candidate:
     length: int
 
 
+def _lexical_reference(target: str, held: str) -> str | None:
+    """The reference path from local file `target` to `held` by their names alone (section
+    12's grammar), or None; nothing on the way is looked up."""
+    rel = os.path.relpath(os.path.abspath(held), os.path.dirname(os.path.abspath(target)))
+    if fmt.REF_PATH_RE.fullmatch(rel) is None or os.path.abspath(target) == os.path.abspath(held):
+        return None
+    return rel
+
+
 def _reference_path(target: str, held: str) -> str | None:
     """The path a reader of `target` resolves to `held` (section 12's grammar), or None.
 
@@ -133,12 +142,17 @@ class ContentIndex:
         min_reference_bytes: int = 0,
         decrypt: Any = None,
         storage_options: dict[str, Any] | None = None,
+        within: CheckpointDir | None = None,
     ) -> None:
         """`decrypt`: the key of an encrypted save: the base is read with it, and referred to
-        only when it is encrypted too (spec 17.9).  `storage_options`: for a base on a store."""
+        only when it is encrypted too (spec 17.9).  `storage_options`: for a base on a store.
+        `within`: the open directory the new file is written beneath: a local base is then
+        opened through it by its reference path, never by resolving its path again (a step
+        directory swapped for a link meanwhile is refused, not followed)."""
         self.min_reference_bytes = min_reference_bytes
         self.decrypt = decrypt
         self.storage_options = storage_options
+        self.within = within
         self.files: list[_Candidate] = []
         self.held: dict[tuple[int, bytes], _Held] = {}
         self.entries: dict[int, int] = {}  # candidate file -> its entry in `externals`
@@ -149,8 +163,15 @@ class ContentIndex:
             self._add_base(target, base)
 
     def _add_base(self, target: str, base: str) -> None:
-        encrypted = _is_encrypted(base, self.storage_options)
+        opened = self._open_beneath(target, base)
+        fd, holder = opened if opened is not None else (None, None)
+        try:
+            encrypted = _is_encrypted(base, self.storage_options, fd)
+        except BaseException:
+            _close(fd, holder)
+            raise
         if encrypted and self.decrypt is None:
+            _close(fd, holder)
             warnings.warn(
                 f"{target} cannot refer to {base}: one of the two is encrypted and the other is not; "
                 "every chunk is written",
@@ -158,11 +179,25 @@ class ContentIndex:
                 stacklevel=4,
             )
             return
-        with CheckpointFile(
-            base, decrypt_with=self.decrypt if encrypted else None, storage_options=self.storage_options
-        ) as f:
+        try:
+            base_file = CheckpointFile(
+                base,
+                fd=fd,  # owned by the file from here on
+                within=holder,
+                decrypt_with=self.decrypt if encrypted else None,
+                storage_options=self.storage_options,
+            )
+        finally:
+            _close(None, holder)
+        with base_file as f:
             self.base_chunk_size = f.chunk_size
-            rel = _reference_path(target, base if is_url(base) else os.path.abspath(base))
+            # opened beneath `within` by its reference path: that path is the reference (no
+            # name is resolved again); else the path that leads to the same file, if any
+            rel = (
+                _lexical_reference(target, base)
+                if fd is not None
+                else _reference_path(target, base if is_url(base) else os.path.abspath(base))
+            )
             crossing = f.encrypted != (self.decrypt is not None)
             if not f.has_digests or rel is None or crossing:
                 # still a correct save, only not an incremental one; the next save can refer to it
@@ -195,6 +230,23 @@ class ContentIndex:
                 elif ch.source in theirs and f.external_problem(k) is None:
                     held = _Held(theirs[ch.source], ch.number, record)
                     self.held.setdefault((ch.raw_len, ch.digest), held)
+
+    def _open_beneath(self, target: str, base: str) -> tuple[int, CheckpointDir] | None:
+        """The local base opened beneath `within` by its reference path from `target` (each
+        directory on the way without following a link), with the directory holding it; None
+        where there is no `within`, the base is on a store, or it is out of a reference's
+        reach (then opened by its path, and refused as a base below)."""
+        if self.within is None or is_url(base):
+            return None
+        rel = _lexical_reference(target, base)
+        if rel is None:
+            return None
+        holder, name = self.within.walk(rel)
+        try:
+            return holder.open_file(name), holder
+        except BaseException:
+            holder.close()
+            raise
 
     def _add_file(self, rel: str, file_id: bytes, length: int) -> int:
         self.files.append(_Candidate(rel, file_id, length))
@@ -247,10 +299,19 @@ class ContentIndex:
         return out
 
 
-def _is_encrypted(path: str, storage_options: dict[str, Any] | None = None) -> bool:
-    """Whether the ckptfmt file at `path` (or object, with `storage_options`) says it is
-    encrypted (its prologue's bit 2; the file is checked in full when it is opened)."""
-    if is_url(path):
+def _close(fd: int | None, holder: CheckpointDir | None) -> None:
+    if fd is not None:
+        os.close(fd)
+    if holder is not None:
+        holder.close()
+
+
+def _is_encrypted(path: str, storage_options: dict[str, Any] | None = None, fd: int | None = None) -> bool:
+    """Whether the ckptfmt file at `path` (or object, with `storage_options`; or open as `fd`)
+    says it is encrypted (its prologue's bit 2; the file is checked in full when it is opened)."""
+    if fd is not None:
+        head = pread_exact(fd, 0, fmt.PROLOGUE_SIZE)
+    elif is_url(path):
         remote = RemoteObject(path, check_options(storage_options), fetch_index=False)
         try:
             remote.fetch([(0, min(remote.size, fmt.PROLOGUE_SIZE))])
@@ -314,7 +375,12 @@ def save(
     if base_path is not None:
         inflight.wait_for_path(base_path)  # a non-blocking save of the base may still run
     index = ContentIndex(
-        target, base_path, min_reference_bytes, decrypt_with if encrypt_with else None, storage_options
+        target,
+        base_path,
+        min_reference_bytes,
+        decrypt_with if encrypt_with else None,
+        storage_options,
+        within,
     )
     if chunk_size is None and index.base_chunk_size is not None and not os.environ.get("CKPTFMT_CHUNK_SIZE"):
         chunk_size = index.base_chunk_size

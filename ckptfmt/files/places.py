@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import re
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
@@ -39,6 +40,16 @@ from .reader import CheckpointFile
 #: multipart uploads older than this are a crashed saver's leftovers (a live saver writes
 #: more often: it has no lock on a store, so age stands for "no live process holds it")
 STALE_AFTER = datetime.timedelta(hours=24)
+#: the names ckptfmt gives the objects of a place on a store: the commit record, a manager
+#: step's state file (runs/steps.py) and DCP's rank files (dcp/sources.py).  Cleanup deletes,
+#: and aborts the uploads of, nothing else: another program's object beneath the same prefix
+#: is not ckptfmt's to remove
+OWN_NAME_RE = re.compile(r"COMMIT|state\.ckpt|rank-[0-9]{5,9}\.ckpt")
+
+
+def is_own_name(name: str) -> bool:
+    """Whether `name` (relative to a place) is one ckptfmt writes there (OWN_NAME_RE)."""
+    return OWN_NAME_RE.fullmatch(name) is not None
 
 
 def normalized(path: str | os.PathLike[str]) -> str:
@@ -448,7 +459,7 @@ class ObjectPlace(Place):
         return dataclasses.replace(part, sha256=digest)
 
     def remove_leftovers(self) -> None:
-        listing.abort_stale_uploads(self.url, self.options, STALE_AFTER)
+        listing.abort_stale_uploads(self.url, self.options, STALE_AFTER, is_own_name)
 
 
 def place_at(

@@ -777,7 +777,7 @@ class CheckpointManager:
             root = resume.node_items(f, f.tree.root)  # its entries: check_step
             fp, rng_state = resume_entries(f)
             differences = resume.check_resume(f, fp, rng_state, state, strict)
-            resume.check_target(f, root["state"], state, strict)  # before anything is filled
+            resume.check_target(f, root["state"], state, strict, fp)  # before anything is filled
             report = resume.ResumeReport(step=info.step, path=info.path, differences=differences)
             # every chunk of the state is checked before any of the caller's objects is
             # filled, so a damaged checkpoint leaves them all as they were

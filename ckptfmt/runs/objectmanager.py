@@ -26,11 +26,12 @@ Not in this version: an archive tier of an object-store run, and encrypted multi
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from ..background import inflight
-from ..errors import CheckpointError, CorruptError
+from ..errors import CheckpointError, CheckpointWarning, CorruptError, LimitError
 from ..files import multifile
 from ..files import save as writer
 from ..files.places import ObjectPlace
@@ -74,9 +75,37 @@ class ObjectRunManager(CheckpointManager):
         return self.run.checkpoints()
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest complete checkpoint; steps that are not one are skipped with a warning."""
+        """The newest complete checkpoint, the steps read newest first and the reading
+        stopped at it (ObjectRun.newest_first: at most MAX_CANDIDATES records); the newer
+        steps that are not one are skipped with a warning."""
+        return next(self._trusted_first(self._complete_newest_first()), None)
+
+    def _complete_newest_first(self, warn: bool = True) -> Iterator[CheckpointInfo]:
+        """The complete steps newest first, read as they are reached; with `warn`, the others
+        met on the way are warned about, but for saves in flight (no step newer than a
+        complete one is kept for a later step's objects: those refer to older steps)."""
         busy = self._in_flight_steps()
-        return self._newest_complete(self.statuses(), busy)
+        for s in self.run.newest_first():
+            if s.info is not None:
+                yield s.info
+            elif warn and s.step not in busy:
+                warnings.warn(f"skipping {s.path}: {s.problem}", CheckpointWarning, stacklevel=4)
+
+    def _find(self, step: int | None) -> list[CheckpointInfo]:
+        """The checkpoint of `step`; with None, the complete ones a resume may fall back on,
+        newest first: those among the newest MAX_CANDIDATES steps with a commit record
+        (ObjectRun.newest_first), so that no listing keeps a resume reading records for long."""
+        if step is not None:
+            return super()._find(step)
+        found: list[CheckpointInfo] = []
+        try:
+            found.extend(self._trusted_first(self._complete_newest_first(warn=False)))
+        except LimitError as e:
+            if not found:
+                raise CheckpointError(f"no complete checkpoint in {self.directory}: {e.reason}") from e
+        if not found:
+            raise CheckpointError(f"no complete checkpoint in {self.directory}")
+        return found
 
     def _check_trusted(self, info: CheckpointInfo) -> None:
         self.run.trusted_record(info.step)
@@ -117,6 +146,7 @@ class ObjectRunManager(CheckpointManager):
         except BaseException:
             self._abandon(job)
             raise
+        job.written = True  # begun (or, when blocking, done): what it made is this save's
         return self._commit_when_written(job)
 
     def _prepare_step(self, step: int) -> list[StepStatus]:
@@ -185,11 +215,20 @@ class ObjectRunManager(CheckpointManager):
         return place.with_digest(part, etag) if self._sign_key is not None else part
 
     def _abandon(self, job: StepJob) -> None:
-        if job.file_handle is not None and not job.file_handle.done():
-            job.file_handle.exception()
-        if job.layout == "dcp":  # the ranks' objects: no rank knows all of them to be its own,
-            return  # the next save of the step removes them as a leftover without a record
-        self._tidy(job.path, lambda: self.run.delete_step(job.step))
+        """A failed save: remove the state object it uploaded, and nothing else.  A save whose
+        upload failed made no object (the uploader aborts its multipart upload; cleanup
+        aborts what a crash left).  A step that holds a commit record now (another writer's,
+        which won the race to commit, or this save's own that landed although its request
+        failed) is a checkpoint: nothing in it is this save's to delete."""
+        if job.layout == "dcp":  # no rank knows all of the step's objects to be its own: the
+            if job.file_handle is not None:  # next save of the step removes them as a leftover
+                job.file_handle.exception()  # without a record (waits for the upload)
+            return
+        uploaded = job.written
+        if job.file_handle is not None:
+            uploaded = uploaded and job.file_handle.exception() is None  # waits for it
+        if uploaded:
+            self._tidy(job.path, lambda: self.run.delete_uncommitted(job.step, STATE_NAME))
 
     def _rotate(self) -> None:
         statuses = self.statuses()  # once: the records are read by one GET each

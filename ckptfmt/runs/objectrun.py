@@ -15,12 +15,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, CorruptError, IncompleteError, StorageError
+from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, StorageError
 from ..files import multifile, recordsign
-from ..files.places import STALE_AFTER, ObjectPlace, describe_object
+from ..files.places import STALE_AFTER, ObjectPlace, describe_object, is_own_name
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport, verify
 from ..format.timestamps import parse_utc
@@ -31,6 +32,10 @@ from ..storage.upload import upload_file
 from ..storage.urls import ObjectURL, parse_url
 from .stepcheck import verify_objects
 from .steps import STATE_NAME, CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
+
+#: the commit records latest() and a resume read at most, newest first (spec 13.7): each is a
+#: GET, and a run whose newest steps are this many damaged ones needs a person anyway
+MAX_CANDIDATES = 64
 
 
 class ObjectRun:
@@ -91,6 +96,26 @@ class ObjectRun:
                 s.retained = True
                 s.problem = "no commit record: kept for the objects later steps refer to"
         return out
+
+    def newest_first(self, limit: int = MAX_CANDIDATES) -> Iterator[StepStatus]:
+        """The run's steps, newest first, each read when reached (one listing, then one GET a
+        step with a commit record): a reader that stops at the first sound step reads no
+        other record.  At most `limit` records are read: LimitError when the next step
+        would need one more (a listing naming thousands of commit records that are not
+        checkpoints must not keep a resume reading for minutes)."""
+        found = self._listing()
+        reads = 0
+        for step in sorted(found, reverse=True):
+            names = found[step]
+            if multifile.COMMIT_NAME in names:
+                reads += 1
+                if reads > limit:
+                    raise LimitError(
+                        f"the newest {limit} steps with a commit record hold no checkpoint that "
+                        f"could be used; older ones are not read (MAX_CANDIDATES)",
+                        path=self.path,
+                    )
+            yield self._status(step, names, found)
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """The complete steps, oldest first."""
@@ -247,8 +272,9 @@ class ObjectRun:
 
     def delete_step(self, step: int) -> None:
         """Delete a step: its commit record first, so it stops being a checkpoint before its
-        files go."""
-        listing.delete_prefix(self._step_url(step), self.options, first=(multifile.COMMIT_NAME,))
+        files go; only the objects ckptfmt writes in a step (is_own_name): another program's
+        object beneath it stays."""
+        listing.delete_prefix(self._step_url(step), self.options, is_own_name, first=(multifile.COMMIT_NAME,))
 
     def rotate(
         self, done: list[CheckpointInfo], kept: set[int], statuses: list[StepStatus] | None = None
@@ -328,6 +354,12 @@ class ObjectRun:
             )
         self.delete_step(step)
 
+    def delete_uncommitted(self, step: int, name: str) -> None:
+        """Delete object `name` of step `step`, which a failed save wrote, unless the step has
+        a commit record now (one HEAD): a record this save did not write may name it."""
+        if not self.has_record(step):
+            listing.delete_object(self._step_url(step).child(name), self.options)
+
     def cleanup(self, older_than: datetime.timedelta = STALE_AFTER) -> None:
         """Abort multipart uploads of crashed savers and delete commit-less steps whose newest
         object is older than `older_than` (a live saver writes more often than that)."""
@@ -385,7 +417,8 @@ def _check_listed(listed: tuple[int, Any] | None, part: multifile.PartRecord, ow
 
 
 def _in_a_step(name: str) -> bool:
-    """Whether `name` (a key relative to the run) lies in a step's "directory": only those
-    are the run's (a run may share its prefix, even a whole bucket, with other things)."""
+    """Whether `name` (a key relative to the run) is one ckptfmt writes in a step's
+    "directory": only those are the run's (a run may share its prefix, even a whole bucket,
+    with other things, and a step's with another program's objects)."""
     top, sep, rest = name.partition("/")
-    return bool(sep and rest) and parse_step_dirname(top) is not None
+    return sep == "/" and is_own_name(rest) and parse_step_dirname(top) is not None

@@ -406,12 +406,16 @@ def _holds_stateful(obj: object) -> bool:
 # -- checking the caller's objects before any of them changes ---------------------------------
 
 
-def check_target(f: CheckpointFile, node: int, state: Any, strict: bool) -> None:
+def check_target(f: CheckpointFile, node: int, state: Any, strict: bool, fp: dict[str, Any]) -> None:
     """Raise MismatchError for anything restore_into() would refuse, before it changes anything:
     tensors whose kind, shape or dtype differ, optimizers whose parameter groups differ, and
     (strict) keys on one side only.  restore_into() fills objects one after another, so a
-    problem found there would leave the ones before it already overwritten."""
+    problem found there would leave the ones before it already overwritten.  `fp`: the file's
+    checked fingerprint: where it names a saved optimizer, a state that holds none there is
+    the file contradicting itself (CorruptError: damage, which a fallback skips), not the
+    caller's mistake."""
     problems: list[str] = []
+    _check_saved_optimizers(f, node, state, "", fp)
     _target_problems(f, node, state, "", strict, problems)
     if problems:
         raise MismatchError(f"the state does not match the checkpoint: {_few(problems)}", path=f.path)
@@ -480,22 +484,50 @@ def _tensor_problem(f: CheckpointFile, node: int, value: torch.Tensor) -> str | 
     return None
 
 
+def _check_saved_optimizers(f: CheckpointFile, node: int, target: Any, path: str, fp: dict[str, Any]) -> None:
+    """CorruptError where the fingerprint says an optimizer was saved (at the path of one of
+    the target's optimizers) and the state holds no optimizer's state dict there: the walk
+    follows the target's dicts as _walk does, entries the file lacks left to check_target."""
+    if isinstance(target, torch.optim.Optimizer):
+        where = path or "state"
+        if where in fp["optimizer"] and _saved_groups(f, node) is None:
+            raise CorruptError(
+                "the resume fingerprint names an optimizer saved here; the state holds no optimizer state",
+                path=f.path,
+                key=where,
+            )
+    elif isinstance(target, dict) and not is_stateful(target):
+        saved = node_items(f, node)
+        for k, v in target.items():
+            if k in saved:
+                _check_saved_optimizers(f, saved[k], v, _join(path, k), fp)
+
+
+def _saved_groups(f: CheckpointFile, node: int) -> list[dict[Any, Any]] | None:
+    """The parameter groups of the optimizer state dict at `node`; None when it is not one
+    (not a dict, or no list of groups each with its list of params)."""
+    saved = node_items(f, node)
+    groups = f.load_subtree(saved["param_groups"], None, True) if "param_groups" in saved else None
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
+        return None
+    return groups
+
+
 def _optimizer_problems(
     f: CheckpointFile, node: int, opt: torch.optim.Optimizer, path: str, out: list[str]
 ) -> None:
     """What torch's Optimizer.load_state_dict() would refuse: other numbers of groups or parameters."""
     where = path or "state"
-    saved = node_items(f, node)
-    groups = f.load_subtree(saved["param_groups"], None, True) if "param_groups" in saved else None
+    groups = _saved_groups(f, node)
     now = opt.param_groups
-    if not isinstance(groups, list) or not all(
-        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
-    ):
+    if groups is None:
         out.append(f"{where}: the checkpoint holds no optimizer state here")
     elif len(groups) != len(now):
         out.append(f"{where}: {len(groups)} parameter groups in the checkpoint, {len(now)} in the optimizer")
     else:
-        _check_optimizer_ids(f, saved, groups, where)
+        _check_optimizer_ids(f, node_items(f, node), groups, where)
         for i, (g0, g1) in enumerate(zip(groups, now)):
             n0 = len(g0["params"])
             if n0 != len(g1["params"]):

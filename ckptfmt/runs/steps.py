@@ -105,6 +105,7 @@ class StepJob:
     #: whether this process holds the step directory: it archives and rotates after the
     #: commit, or removes the step when the save fails (rank 0 of a save of several ranks)
     coordinator: bool = True
+    written: bool = False  # the save's state file was begun (object stores: it made the object)
 
 
 def held(job: StepJob) -> CheckpointDir:

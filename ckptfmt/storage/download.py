@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import random
-import socket
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -111,7 +108,9 @@ def grid_cells(lo: int, hi: int, cell: int, size: int) -> Range:
 def head(url: ObjectURL, options: dict[str, Any]) -> tuple[int, str]:
     """The object's size and ETag, checked (one HEAD request; FileNotFoundError when absent)."""
     client = s3.client_for(options)
-    reply = s3.request(str(url), "look up", lambda: client.head_object(Bucket=url.bucket, Key=url.key))
+    reply = s3.request(
+        str(url), "look up", lambda: client.head_object(Bucket=url.bucket, Key=url.key), options
+    )
     size, etag = reply.get("ContentLength"), reply.get("ETag")
     if type(size) is not int or size < 0 or not isinstance(etag, str) or not etag:
         raise StorageError("the store's answer lacks the object's size or ETag", path=str(url))
@@ -149,7 +148,6 @@ class RemoteObject:
         self.url: ObjectURL = parse_url(url)
         self.options = options
         self._client = s3.client_for(options)
-        self._attempts = int(options.get("max_attempts", s3.DEFAULT_MAX_ATTEMPTS))
         self._request_bytes = int(options.get("request_size", REQUEST_BYTES))
         self._timeout = float(options.get("request_timeout", REQUEST_TIMEOUT))
         self._pool = ThreadPoolExecutor(s3.concurrency(options), thread_name_prefix="ckptfmt-download")
@@ -291,26 +289,27 @@ class RemoteObject:
             self._held = merge_ranges([*self._held, (lo, hi)])
 
     def _get(self, lo: int, hi: int) -> None:
-        """Fetch [lo, hi) into the spool, resuming after a dropped connection."""
+        """Fetch [lo, hi) into the spool, resuming after a dropped connection or a body cut at
+        its deadline from the byte it reached, within one Budget (attempts and deadline)."""
         assert self.spool is not None
         view = self.spool.view(lo, hi)
+        what = f"read bytes {lo}-{hi - 1}"
+        budget = s3.Budget(self.options)
         got = 0
-        for attempt in range(1, self._attempts + 1):
+        while True:
             try:
-                got += self._get_once(lo + got, hi, view[got:])
+                got += self._get_once(lo + got, hi, view[got:], budget)
                 self._hold(lo, hi)
                 return
             except s3.transfer_errors() as e:
-                partial = getattr(e, "ckptfmt_got", 0)
-                got += partial
-                if isinstance(e, CheckpointError) and attempt == self._attempts:
-                    raise
-                if s3.error_code(e)[0] or attempt == self._attempts:
-                    # an answer of the store (botocore retried what it retries), or the last try
-                    raise s3.translate(e, self.path, f"read bytes {lo}-{hi - 1}") from e
-                time.sleep(min(2.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.0))
+                got += getattr(e, "ckptfmt_got", 0)
+                if isinstance(e, CheckpointError):  # an answer refused here: tried again
+                    if not budget.retry():
+                        raise
+                elif not s3.retryable(e) or not budget.retry():
+                    raise s3.translate(e, self.path, what, budget) from e
 
-    def _get_once(self, lo: int, hi: int, view: memoryview) -> int:
+    def _get_once(self, lo: int, hi: int, view: memoryview, budget: s3.Budget) -> int:
         u = self.url
         what = f"read bytes {lo}-{hi - 1}"
         reply = self._client.get_object(
@@ -326,10 +325,11 @@ class RemoteObject:
             # a store that ignores If-Match (some S3-compatible ones do) serves the new version
             reply["Body"].close()
             raise StorageError(f"{what}: the object changed while it was being read", path=self.path)
-        got, cut = read_body(reply["Body"], view, self._timeout)
+        timeout, option = _body_deadline(self._timeout, budget)
+        got, cut = read_body(reply["Body"], view, timeout)
         if got != len(view):
             why = (
-                f"the answer {_missed_deadline(self._timeout, f'; {got} of its bytes came')}"
+                f"the answer {s3.missed_deadline(timeout, option, f'; {got} of its bytes came')}"
                 if cut
                 else f"the body ended after {got} bytes"
             )
@@ -367,32 +367,41 @@ def fetch_whole(url: str, options: dict[str, Any], limit: int, what: str = "the 
     """The object `url` read whole by one GET into a spool: for a small object read in full
     (a commit record), where a HEAD and ranged GETs would cost more requests than its bytes.
     LimitError (naming it `what`) before its body is read when it is over `limit` bytes;
-    FileNotFoundError when absent; a dropped connection or a body that misses the request
-    deadline (storage option request_timeout) is tried again, a bounded number of times with
-    backoff."""
+    FileNotFoundError when absent; a dropped connection, an error the store may not make
+    again or a body that misses its deadline (storage option request_timeout) is tried
+    again, within one Budget (attempts and deadline)."""
     u = parse_url(url)
     client = s3.client_for(options)
-    attempts = int(options.get("max_attempts", s3.DEFAULT_MAX_ATTEMPTS))
     timeout = float(options.get("request_timeout", REQUEST_TIMEOUT))
-    for attempt in range(1, attempts + 1):
+    budget = s3.Budget(options)
+    while True:
         try:
-            return _fetch_whole_once(client, u, url, limit, what, timeout)
+            return _fetch_whole_once(client, u, url, limit, what, _body_deadline(timeout, budget))
         except StorageError as e:
-            if not getattr(e, "ckptfmt_short", False) or attempt == attempts:
+            if not getattr(e, "ckptfmt_short", False) or not budget.retry():
                 raise
         except (CheckpointError, FileNotFoundError):
             raise
         except s3.transfer_errors() as e:
-            if s3.error_code(e)[0] or attempt == attempts:
-                # an answer of the store (botocore retried what it retries), or the last try
-                raise s3.translate(e, url, "read") from e
-        time.sleep(min(2.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.0))
-    raise AssertionError("unreachable: the last attempt raises")
+            if not s3.retryable(e) or not budget.retry():
+                raise s3.translate(e, url, "read", budget) from e
 
 
-def _fetch_whole_once(client: Any, u: ObjectURL, url: str, limit: int, what: str, timeout: float) -> Spool:
+def _body_deadline(request_timeout: float, budget: s3.Budget) -> tuple[float, str]:
+    """How long an answer's body may take, and the storage option that says so: the request's
+    own deadline, or what remains of the operation's where that is sooner."""
+    remaining = budget.remaining()
+    if request_timeout <= remaining:
+        return request_timeout, "request_timeout"
+    return max(remaining, 0.001), "deadline"
+
+
+def _fetch_whole_once(
+    client: Any, u: ObjectURL, url: str, limit: int, what: str, deadline: tuple[float, str]
+) -> Spool:
     reply = client.get_object(Bucket=u.bucket, Key=u.key)
     body = reply["Body"]
+    timeout, option = deadline
     try:
         size = reply.get("ContentLength")
         if type(size) is not int or size < 0:
@@ -404,7 +413,7 @@ def _fetch_whole_once(client: Any, u: ObjectURL, url: str, limit: int, what: str
             with spool.view(0, size) as view:
                 got, cut = read_body(body, view, timeout) if size else (0, False)
             if got != size:
-                why = _missed_deadline(timeout) if cut else "ended"
+                why = s3.missed_deadline(timeout, option) if cut else "ended"
                 short = StorageError(f"read: the body {why} after {got} of {size} bytes", path=url)
                 short.ckptfmt_short = True  # type: ignore[attr-defined]
                 raise short
@@ -424,45 +433,18 @@ def read_body(body: Any, view: memoryview, timeout: float) -> tuple[int, bool]:
     deadline and the read returns (or fails: either way, what came and True).  Another
     exception raised meanwhile carries ckptfmt_got, the bytes that came."""
     got = 0
-    cut = threading.Event()
-
-    def cut_off() -> None:
-        cut.set()
-        _cut_connection(body)
-
-    watchdog = threading.Timer(timeout, cut_off)
-    watchdog.daemon = True
-    watchdog.start()
-    try:
-        while got < len(view):
-            n = body.readinto(view[got:])
-            if not n:
-                break
-            got += n
-    except Exception as e:
-        if not cut.is_set():
-            e.ckptfmt_got = got  # type: ignore[attr-defined]
-            raise
-    finally:
-        watchdog.cancel()
-        body.close()
-    return got, cut.is_set()
-
-
-def _missed_deadline(timeout: float, detail: str = "") -> str:
-    """How an answer that the deadline cut off is described in errors."""
-    return f"did not arrive within {timeout:g} s (storage option request_timeout{detail})"
-
-
-def _cut_connection(body: Any) -> None:
-    """End the connection an answer's body is read from, so that a read blocked on it returns
-    (shutting the socket down wakes a thread waiting in recv; closing it may not)."""
-    raw = getattr(body, "_raw_stream", None)
-    sock = getattr(getattr(raw, "connection", None), "sock", None)
-    if isinstance(sock, socket.socket):
+    raw = getattr(body, "_raw_stream", body)
+    with s3.Watchdog(raw, timeout) as dog:
         try:
-            sock.shutdown(socket.SHUT_RDWR)
-            return
-        except OSError:
-            pass
-    body.close()
+            while got < len(view):
+                n = body.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+        except Exception as e:
+            if not dog.fired.is_set():
+                e.ckptfmt_got = got  # type: ignore[attr-defined]
+                raise
+        finally:
+            body.close()
+    return got, dog.fired.is_set()

@@ -21,11 +21,14 @@ from .urls import ObjectURL
 
 #: a single object read whole (commit records, sidecars) is refused above this size
 MAX_SMALL_OBJECT = 256 << 20
-#: a listing naming more entries than this is refused (a run of a million steps has 2
-#: million objects; a store that pages forever must not keep a reader listing forever)
-MAX_LISTED = 4 << 20
-#: and one of more pages than this (S3 pages hold up to 1000 entries)
-MAX_PAGES = 1 << 16
+#: a listing naming more entries than this is refused: what a run plausibly holds (a run of
+#: half a million steps has a million objects; rotation keeps runs far smaller), and a store
+#: that pages forever must not keep a reader listing forever
+MAX_LISTED = 1 << 20
+#: and one of more pages than this: the pages MAX_LISTED entries fill (S3 pages hold up to
+#: 1000), and a few more; a store answering empty pages with a continuation token reaches it
+#: after MAX_PAGES requests
+MAX_PAGES = MAX_LISTED // 1000 + 64
 
 
 def _prefix(url: ObjectURL) -> str:
@@ -73,6 +76,7 @@ def _uploads(url: ObjectURL, options: dict[str, Any], prefix: str) -> Iterator[A
             str(url),
             "list uploads",
             partial(c.list_multipart_uploads, Bucket=url.bucket, Prefix=prefix, **markers),
+            options,
         )
         yield from reply.get("Uploads", []) or []
         if not reply.get("IsTruncated"):
@@ -114,9 +118,16 @@ def _pages_with(
     token: dict[str, str] = {}
     seen_tokens: set[bytes] = set()  # digests: a token's length is the store's to choose
     listed = pages = 0
+    whole = s3.Budget(options)  # each page is an operation; the listing as a whole has a deadline too
     while True:
+        if whole.remaining() <= 0:
+            raise StorageError(
+                f"{operation}: the listing took more than {whole.deadline:g} s (storage option deadline) "
+                f"after {pages} pages and {listed} entries",
+                path=str(url),
+            )
         page = s3.request(
-            str(url), operation, partial(c.list_objects_v2, Bucket=url.bucket, **kwargs, **token)
+            str(url), operation, partial(c.list_objects_v2, Bucket=url.bucket, **kwargs, **token), options
         )
         listed += len(page.get("Contents") or ()) + len(page.get("CommonPrefixes") or ())
         pages += 1
@@ -146,24 +157,32 @@ def _pages_with(
 def delete_object(url: ObjectURL, options: dict[str, Any]) -> None:
     """Delete the one object at `url` (nothing else beneath it); an absent object is no error."""
     c = s3.client_for(options)
-    s3.request(str(url), "delete", partial(c.delete_object, Bucket=url.bucket, Key=url.key))
+    s3.request(str(url), "delete", partial(c.delete_object, Bucket=url.bucket, Key=url.key), options)
 
 
-def delete_prefix(url: ObjectURL, options: dict[str, Any], first: tuple[str, ...] = ()) -> None:
-    """Delete every object beneath `url`; the keys in `first` (relative) go before the rest,
-    each alone, so that a reader never sees the rest gone while they remain."""
+def delete_prefix(
+    url: ObjectURL, options: dict[str, Any], ours: Callable[[str], bool], first: tuple[str, ...] = ()
+) -> None:
+    """Delete the objects beneath `url` whose key relative to `url` is `ours` (what ckptfmt
+    writes there: an object another program left beneath the same prefix is never deleted);
+    the keys in `first` (relative) go before the rest, each alone, so that a reader never
+    sees the rest gone while they remain."""
     c = s3.client_for(options)
     prefix = _prefix(url)
     for name in first:
-        key = prefix + name
-        s3.request(str(url), f"delete {name}", partial(c.delete_object, Bucket=url.bucket, Key=key))
-    keys = [prefix + k for k in objects(url, options)]
+        if ours(name):
+            key = prefix + name
+            s3.request(
+                str(url), f"delete {name}", partial(c.delete_object, Bucket=url.bucket, Key=key), options
+            )
+    keys = [prefix + k for k in objects(url, options) if ours(k) and k not in first]
     for i in range(0, len(keys), 1000):
         batch = [{"Key": k} for k in keys[i : i + 1000]]
         reply = s3.request(
             str(url),
             "delete",
             partial(c.delete_objects, Bucket=url.bucket, Delete={"Objects": batch}),
+            options,
         )
         if reply.get("Errors"):
             err = reply["Errors"][0]
@@ -174,7 +193,7 @@ def abort_stale_uploads(
     url: ObjectURL,
     options: dict[str, Any],
     older_than: datetime.timedelta,
-    ours: Callable[[str], bool] = lambda name: True,
+    ours: Callable[[str], bool],
 ) -> int:
     """Abort the multipart uploads beneath `url` begun more than `older_than` ago (savers that
     crashed: their parts cost storage until aborted) whose key relative to `url` is `ours`
@@ -195,6 +214,7 @@ def abort_stale_uploads(
             str(url),
             "abort a stale upload",
             partial(c.abort_multipart_upload, Bucket=url.bucket, Key=key, UploadId=upload_id),
+            options,
         )
         aborted += 1
     return aborted

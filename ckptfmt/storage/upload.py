@@ -135,6 +135,7 @@ class ObjectFile:
             str(u),
             "start multipart upload",
             lambda: self._client.create_multipart_upload(Bucket=u.bucket, Key=u.key),
+            self.options,
         )
         return str(reply["UploadId"])
 
@@ -142,13 +143,18 @@ class ObjectFile:
         assert self.spool is not None
         u = self.url
         try:
-            body = _PartBody(self.spool.view(start, end))
+            view = self.spool.view(start, end)
             reply = s3.request(
                 str(u),
                 f"upload part {number} (bytes {start}-{end - 1})",
-                lambda: self._client.upload_part(
-                    Bucket=u.bucket, Key=u.key, UploadId=self._upload_id, PartNumber=number, Body=body
+                lambda: self._client.upload_part(  # each attempt reads the part from its start
+                    Bucket=u.bucket,
+                    Key=u.key,
+                    UploadId=self._upload_id,
+                    PartNumber=number,
+                    Body=_PartBody(view),
                 ),
+                self.options,
             )
             etag = reply.get("ETag")
             if not isinstance(etag, str) or not etag:
@@ -192,10 +198,13 @@ class ObjectFile:
     def _put_whole(self, length: int) -> None:
         assert self.spool is not None
         u = self.url
-        body = _PartBody(self.spool.view(0, length)) if length else b""
+        view = self.spool.view(0, length)
         extra = {"IfNoneMatch": "*"} if self.if_absent else {}
-        self._creating(
-            "upload", lambda: self._client.put_object(Bucket=u.bucket, Key=u.key, Body=body, **extra)
+        self._creating(  # each attempt reads the object from its start
+            "upload",
+            lambda: self._client.put_object(
+                Bucket=u.bucket, Key=u.key, Body=_PartBody(view) if length else b"", **extra
+            ),
         )
 
     def _complete(self) -> None:
@@ -218,7 +227,7 @@ class ObjectFile:
         """The request that makes the object appear; where `if_absent`, an object already
         there is FileExistsError (a store without conditional writes replaces it)."""
         try:
-            s3.request(str(self.url), operation, call)
+            s3.request(str(self.url), operation, call, self.options)
         except StorageError as e:
             if self.if_absent and e.__cause__ is not None and s3.is_precondition_failed(e.__cause__):
                 raise FileExistsError(errno.EEXIST, "the object exists already", str(self.url)) from None
@@ -239,6 +248,7 @@ class ObjectFile:
                     lambda: self._client.abort_multipart_upload(
                         Bucket=u.bucket, Key=u.key, UploadId=upload_id
                     ),
+                    self.options,
                 )
             except StorageError:
                 pass
