@@ -35,6 +35,7 @@ from test_hostile_dcp import set_chunks as _chunks
 
 import ckptfmt
 from ckptfmt import dcp as cdcp
+from ckptfmt.engine import marks
 from ckptfmt.errors import (
     CheckpointError,
     CorruptError,
@@ -337,13 +338,17 @@ def test_async_save_holds_the_values_at_call_time(groups: dict[str, Any], name: 
 
 def test_every_file_is_ckptfmt(groups: dict[str, Any]) -> None:
     """No pickle: every file of every saved directory starts with ckptfmt's magic; the
-    directory holds the rank files and the commit record, nothing else."""
+    directory holds the rank files and the commit record, nothing else (a manager's step
+    directory also its mark, engine/marks.py: plain JSON naming the writer)."""
     work = Path(groups["_work"][0]["path"])
     dirs = [p for p in work.iterdir() if p.is_dir() and not p.name.startswith(("results", "run"))]
-    dirs += list((work / "run").iterdir())  # the manager's step directories
-    assert len(dirs) >= 14
-    for d in dirs:
+    steps = list((work / "run").iterdir())  # the manager's step directories
+    assert len(dirs) + len(steps) >= 14
+    for d in dirs + steps:
         names = sorted(os.listdir(d))
+        if d in steps:
+            assert names[0] == marks.MARK_NAME and "writer" in json.loads((d / names[0]).read_text())
+            names = names[1:]
         assert names[0] == "COMMIT" and all(n.startswith("rank-") for n in names[1:]), (d, names)
         for n in names:
             assert (d / n).read_bytes()[:8] == fmt.MAGIC, d / n
