@@ -129,6 +129,7 @@ def main() -> None:
     # No save here: it would start threads, and fork keeps only the calling one.
     Trainer().train_step()
     capture_rng()
+    ckptfmt.CheckpointManager  # noqa: B018  (the public API is imported on first use: here, once)
     for _line in sys.stdin:
         pid = os.fork()
         if pid == 0:
