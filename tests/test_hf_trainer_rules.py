@@ -19,7 +19,13 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from torch import nn  # noqa: E402
-from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments  # noqa: E402
+from transformers import (  # noqa: E402
+    PretrainedConfig,
+    PreTrainedModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 import ckptfmt  # noqa: E402
 from ckptfmt.files import multifile  # noqa: E402
@@ -147,6 +153,37 @@ def test_a_stock_folder_at_the_name_of_a_save_is_refused_untouched(tmp_path: Any
     with pytest.raises(ckptfmt.UnsupportedError, match="checkpoint-1 exists and ckptfmt did not write it"):
         _trainer(CkptfmtTrainer, out, max_steps=2).train()
     assert _tree(os.path.join(out, "checkpoint-1")) == before
+
+
+def test_a_resume_that_would_save_into_stock_folders_is_refused_before_any_step(tmp_path: Any) -> None:
+    # a switched run resumed from an older stock folder, the stock run's later folders still
+    # there (as transformers' own resume tests leave them): refused up front, not after
+    # training up to the first save that would meet one
+    out = str(tmp_path / "run")
+    _stock_run(out, max_steps=6)  # checkpoint-1..6, the stock Trainer's
+    before = {n: _tree(os.path.join(out, n)) for n in _folders(out)}
+    opt_in = {"ckptfmt_read_trainer_checkpoints": True}
+    trainer = _trainer(CkptfmtTrainer, out, max_steps=6, ckptfmt=opt_in)
+    steps: list[int] = []
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            steps.append(state.global_step)
+
+    trainer.add_callback(Steps())
+    # the save steps are the resumed state's (save_steps 1, the stock run's), as the Trainer's are
+    with pytest.raises(
+        ckptfmt.UnsupportedError, match=r"checkpoint-4 exists .*\(nor checkpoint-5, checkpoint-6, "
+    ):
+        trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-3"))
+    assert steps == []
+    assert {n: _tree(os.path.join(out, n)) for n in _folders(out)} == before
+    # saves that meet no stock folder go ahead: from the newest, checkpoint-6, to step 8
+    trainer = _trainer(CkptfmtTrainer, out, max_steps=8, ckptfmt=opt_in)
+    trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == 8
+    for name in ("checkpoint-7", "checkpoint-8"):
+        ckptfmt.integrations.transformers.check_checkpoint(os.path.join(out, name))
 
 
 def test_only_marked_incomplete_folders_are_removed(tmp_path: Any) -> None:

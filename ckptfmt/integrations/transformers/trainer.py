@@ -45,7 +45,7 @@ from .reading import (
     why,
 )
 from .trainer_state import restore_trainer_state_json
-from .writing import FolderSave, fresh_folder, keep_only_best, rotate
+from .writing import FolderSave, foreign_save_names, fresh_folder, keep_only_best, rotate
 
 try:
     import transformers
@@ -74,6 +74,7 @@ HOOKS = (
     "_load_best_model",
     "_finalize_training",
     "_get_output_dir",
+    "_prepare_for_training",
     "train",
 )
 _missing = [h for h in HOOKS if not callable(getattr(Trainer, h, None))]
@@ -382,6 +383,35 @@ class CkptfmtTrainerMixin(_MixinBase):
                     logger.error(f"a checkpoint save failed too: {e!r}")
         self.wait_for_checkpoints()
         return result
+
+    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
+        # the training state is set (step resumed from, max_steps, save_steps); no step taken yet
+        self._ckptfmt_refuse_foreign_save_names()
+        return super()._prepare_for_training(*args, **kwargs)
+
+    def _ckptfmt_refuse_foreign_save_names(self) -> None:
+        """Before the first step: UnsupportedError when a step this run is set to save
+        (save_strategy "steps": every save_steps steps and the last) has its ``checkpoint-N``
+        name held by a folder ckptfmt did not write (a resume from an older step of a run the
+        stock Trainer wrote), rather than after training up to that step, whose save would
+        refuse the name (writing.clear_name) and end the run."""
+        args, state = self.args, self.state
+        if not args.should_save or args.save_strategy != "steps" or not state.save_steps:
+            return
+        run_dir = self._get_output_dir(trial=getattr(self, "_trial", None))
+        names = foreign_save_names(run_dir, state.global_step, state.max_steps, state.save_steps)
+        if not names:
+            return
+        more = ""
+        if len(names) > 1:
+            more = f" (nor {', '.join(names[1:4])}{', ...' if len(names) > 4 else ''}, saved too)"
+        raise UnsupportedError(
+            f"{names[0]} exists and ckptfmt did not write it{more}: this run from step "
+            f"{state.global_step} saves that step (every {state.save_steps} steps and step "
+            f"{state.max_steps}) and never deletes nor writes into such a folder; move it away "
+            "before training",
+            path=run_dir,
+        )
 
     @contextlib.contextmanager
     def _ckptfmt_source(self, checkpoint: str) -> Iterator[OpenedFolder]:

@@ -69,6 +69,21 @@ def clear_name(run: CheckpointDir, name: str) -> None:
     delete_folder(run, name)
 
 
+def foreign_save_names(run_dir: str, start: int, end: int, every: int) -> list[str]:
+    """The ``checkpoint-N`` folders of `run_dir` that ckptfmt did not write (FOREIGN: clear_name
+    refuses them) at the steps a run from step `start` to `end` saving every `every` steps
+    saves: N in (start, end], a multiple of `every` or `end` itself; oldest first."""
+    run = open_run(run_dir)
+    if run is None:
+        return []
+    with run:
+        return [
+            name
+            for step, name, kind in classify_folders(run)
+            if kind == FOREIGN and start < step <= end and (step % every == 0 or step == end)
+        ]
+
+
 def fresh_folder(run_dir: str, name: str) -> CheckpointDir:
     """A new directory `name` in the run directory, held open, holding only ckptfmt's mark:
     made under a temporary name (engine.commit's, owned by this process) with the mark inside,
