@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import stat
 import threading
@@ -40,7 +41,14 @@ from typing import Any
 from ..background import inflight
 from ..engine import commit
 from ..engine.ckptdir import CheckpointDir, LinkError
-from ..errors import CheckpointError, CheckpointWarning, CorruptError, SignatureError, UnsupportedError
+from ..errors import (
+    CheckpointError,
+    CheckpointWarning,
+    CorruptError,
+    SignatureError,
+    StorageError,
+    UnsupportedError,
+)
 from ..fileio import is_url
 from ..files import encryption, multifile, recordsign
 from ..files import load_into as inplace
@@ -51,7 +59,7 @@ from ..files.verify import VerifyReport
 from ..format import devices
 from ..gcpause import pausing_in_main_thread
 from . import locks, resume, retention
-from .archiver import Archiver
+from .archiver import ArchiveLag, Archiver
 from .objectrun import ObjectRun
 from .scan import RunScan, StepRecords
 from .stepcheck import resume_entries, verify_in_run
@@ -64,6 +72,10 @@ from .steps import (
     held,
     step_dirname,
 )
+
+#: one INFO line per committed save (with a tiered run's archive lag); silent unless the
+#: application configures logging
+logger = logging.getLogger("ckptfmt")
 
 
 class CheckpointManager:
@@ -179,8 +191,14 @@ class CheckpointManager:
     ) -> None:
         self.archive = ObjectRun(archive, storage_options, decrypt=self._decrypt, trusted=self._trusted)
         self._archiver = Archiver(
-            self.archive, keep_last=keep_last, keep_every=keep_every, on_archived=self._rotate
+            self.archive,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            local_steps=lambda: self._scan().complete(),
+            on_archived=self._rotate,
         )
+        if self._scan().complete():  # steps an earlier process left unarchived: copied now
+            self._archiver.kick()
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory!r})"
@@ -203,7 +221,7 @@ class CheckpointManager:
         """The newest complete checkpoint; directories that are not one are skipped with a warning."""
         scan = self._scan(self._read_records)
         local = self._newest_complete(scan.statuses, scan.busy, scan.foreign)
-        archived = self._archived()
+        archived = self._archived_if_readable(None if local is None else local.step)
         if archived and (local is None or archived[-1].step > local.step):
             return archived[-1]
         return local
@@ -232,7 +250,35 @@ class CheckpointManager:
         keys only those a trusted key signed, the others skipped with a warning."""
         if self.archive is None:
             return []
-        return list(reversed(list(self._trusted_first(reversed(self.archive.checkpoints())))))
+        listed = self.archive.checkpoints()
+        if self._archiver is not None:
+            self._archiver.saw(c.step for c in listed)
+        return list(reversed(list(self._trusted_first(reversed(listed)))))
+
+    def _archived_if_readable(self, local_newest: int | None) -> list[CheckpointInfo]:
+        """_archived(), or none with a warning when the archive cannot be listed (down, stalling
+        or answering nonsense): a resume goes on from the local tier.  Unless the archive was
+        seen (by this process) holding a step newer than `local_newest`, the local tier's
+        newest complete step: resuming from an older one would fork the run, so that is a
+        StorageError naming both steps."""
+        try:
+            return self._archived()
+        except (CheckpointError, OSError) as e:
+            assert self.archive is not None and self._archiver is not None
+            known = self._archiver.known_newest()
+            if known is not None and (local_newest is None or known > local_newest):
+                raise StorageError(
+                    f"the archive cannot be read ({e}) and was seen holding step {known}, newer than "
+                    f"the local tier's newest ({local_newest}); not resuming from an older step",
+                    path=self.archive.path,
+                ) from e
+            warnings.warn(
+                f"the archive {self.archive.path} could not be checked ({e}); using the local tier "
+                f"only (its newest complete step: {local_newest})",
+                CheckpointWarning,
+                stacklevel=3,
+            )
+            return []
 
     def _trusted_first(self, newest_first: Any) -> Iterator[CheckpointInfo]:
         """The checkpoints of `newest_first` whose commit record a trusted key signed (all of
@@ -265,7 +311,8 @@ class CheckpointManager:
     def _find(self, step: int | None) -> list[CheckpointInfo]:
         """The checkpoint of `step`, or every complete one newest first when step is None."""
         statuses = self.statuses()
-        archived = {c.step: c for c in self._archived()}
+        local_newest = max((s.step for s in statuses if s.info is not None), default=None)
+        archived = {c.step: c for c in self._archived_if_readable(local_newest)}
         if step is None:
             local = {
                 info.step: info
@@ -470,8 +517,9 @@ class CheckpointManager:
         try:
             if exc is None:
                 if self._archiver is not None:
-                    self._archiver.submit(job.step, job.path)
+                    self._archiver.kick()
                 self._rotate()
+                self._log_commit(job)
             else:
                 self._abandon(job)
         except (OSError, CheckpointError) as e:
@@ -484,6 +532,28 @@ class CheckpointManager:
                 if exc is None and job in self._jobs:
                     self._jobs.remove(job)
             job.handle._finish(exc)
+
+    def _log_commit(self, job: StepJob) -> None:
+        """The INFO line of a committed save (with the archive's lag in a tiered run)."""
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        lag = self.archive_lag
+        logger.info(
+            "step %d committed in %s%s",
+            job.step,
+            self.directory,
+            ""
+            if lag is None
+            else f"; archive lag: {lag.steps} step(s), {lag.seconds:.1f} s (archive at step {lag.archived})",
+        )
+
+    @property
+    def archive_lag(self) -> ArchiveLag | None:
+        """How far the archive is behind this directory: complete local steps newer than its
+        newest, and for how long the oldest of them has waited (None without an archive)."""
+        if self._archiver is None:
+            return None
+        return self._archiver.lag(self._scan().complete())
 
     def _commit(self, job: StepJob) -> None:
         """Write the step's commit record, naming the state file and every file it reads
@@ -560,8 +630,8 @@ class CheckpointManager:
             keep_best=self.keep_best,
             best_mode=self.best_mode,
         )
-        if self._archiver is not None:
-            kept |= self._archiver.pending()  # not yet safe in the archive: kept here until it is
+        if self._archiver is not None:  # not yet safe in the archive: kept here until it is
+            kept |= self._archiver.keeps_locally(c.step for c in done)
         keep_files = {r for c in done if c.step in kept for r in c.references}
         for c in done:
             if c.step not in kept:
