@@ -164,16 +164,20 @@ class Archiver:
                 )
 
     def _pass(self) -> None:
-        """List the archive, remove interrupted copies, finish an interrupted rotation, then
-        copy what the tiers say is missing, one step at a time."""
+        """Remove what interrupted copies left, list the archive, finish an interrupted
+        rotation, then copy what the tiers say is missing, one step at a time."""
         self.run.remove_interrupted_copies()
         with self._cond:
             self._held = {c.step for c in self.run.checkpoints()}
+        self._local_rotation()  # first: what an earlier process kept for the archive may go now
         self._rotate(None)
-        self._local_rotation()
+        copied = False
         while (nxt := self._next()) is not None:
             if not self._copy(nxt):
                 return
+            copied = True
+        if copied:  # their rotations may have left objects no step refers to any more
+            self.run.remove_interrupted_copies()
 
     def _next(self) -> CheckpointInfo | None:
         """The local step to copy next: a kept-by-rule step the archive skipped, else the newest

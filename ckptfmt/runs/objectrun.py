@@ -257,8 +257,11 @@ class ObjectRun:
                 )
             finally:
                 os.close(commit_fd)
-            for url in claimed:
-                listing.delete_object(url, self.options)
+            # the step's own marker goes; those in the prefixes of objects it refers to stay, so
+            # that once no step refers to them they are known as ours (remove_interrupted_copies)
+            own = self._step_url(step).child(claim) if claim is not None else None
+            if own in claimed:
+                listing.delete_object(own, self.options)
         return self._complete_info(step)
 
     def _put_reference(
@@ -341,16 +344,13 @@ class ObjectRun:
     def drop(self, info: CheckpointInfo, needed: set[str], claim: str | None = None) -> None:
         """Delete complete step `info`, or only retire it where `needed` (objects that steps
         kept read from) holds objects of it; `claim`: as for rotate."""
+        if claim is not None:  # a deletion cut short, or a retired step's objects, stay known as ours
+            marker = self._step_url(info.step).child(claim)
+            upload_bytes(b"a ckptfmt archive step being retired\n", str(marker), self.options)
         if any(url.startswith(info.path + "/") for url in needed):
             self.retire_step(info.step)
-            return
-        if claim is not None:
-            upload_bytes(
-                b"a ckptfmt archive step being deleted\n",
-                str(self._step_url(info.step).child(claim)),
-                self.options,
-            )
-        self.delete_step(info.step)
+        else:
+            self.delete_step(info.step)
 
     def retire_step(self, step: int) -> None:
         """Make a step stop being a checkpoint (its commit record deleted) while keeping the
@@ -416,7 +416,8 @@ class ObjectRun:
         ended, or (written elsewhere, where that cannot be asked) it is older than
         `older_than`.  Such a prefix without a commit record (by the listing and by a HEAD)
         whose objects no step refers to is deleted, its markers last, so that a deletion cut
-        short stays recognisable; in any other step only the dead markers go.  A prefix with
+        short stays recognisable; one that a step refers to is left whole (its markers say it
+        is ours once nothing does); in a complete step only the dead markers go.  A prefix with
         no marker, or with a live writer's, is never touched here (ObjectRun.cleanup)."""
         found = self._listing()
         now = datetime.datetime.now(datetime.timezone.utc)
@@ -437,18 +438,15 @@ class ObjectRun:
         removed: list[int] = []
         for step, markers in sorted(dead.items()):
             names = found[step]
-            prefix = self.step_path(step) + "/"
-            whole = (
-                step not in live
-                and multifile.COMMIT_NAME not in names
-                and not any(u.startswith(prefix) for u in referenced)
-                and not self.has_record(step)
-            )
-            doomed = [n for n in names if not n.startswith(COPY_MARKER)] if whole else []
-            for name in doomed + markers:
-                listing.delete_object(self._step_url(step).child(name), self.options)
-            if whole:
+            if step in live or any(u.startswith(self.step_path(step) + "/") for u in referenced):
+                continue  # in use, or kept for a later step's objects (its markers with it)
+            if multifile.COMMIT_NAME in names or self.has_record(step):
+                doomed = markers  # a complete step: only the markers of a copy that ended
+            else:
+                doomed = [n for n in names if not n.startswith(COPY_MARKER)] + markers
                 removed.append(step)
+            for name in doomed:
+                listing.delete_object(self._step_url(step).child(name), self.options)
         if removed:
             gone = {step_dirname(s) for s in removed}
             listing.abort_stale_uploads(
