@@ -117,9 +117,11 @@ class CheckpointManager:
         """archive: an object-store URL (``s3://bucket/run``) where every committed step is also
         copied, in the background and verified after upload; `archive_keep_last` and
         `archive_keep_every` are that tier's retention rules (the local ones stay those of
-        this directory; a step not yet archived is kept locally until it is).  latest(),
-        load() and load_into() look at both tiers: a new node without the old disk resumes
-        from the archive, and a local copy that is missing or damaged is read from there.
+        this directory; a step is kept locally until the archive holds it or a newer step
+        its rules keep instead: runs/archiver.py).  latest(), load() and load_into() look at
+        both tiers: a new node without the old disk resumes from the archive, and a local
+        copy that is missing or damaged is read from there; an archive that cannot be read
+        is warned about and the local tier used (see _archived_if_readable).
         An incremental step is archived with the objects of earlier steps it reads from.
         storage_options: the object store's client settings (see ckptfmt.save).
 
