@@ -245,3 +245,50 @@ def test_an_archive_known_to_hold_a_newer_step_is_not_bypassed(tmp_path, s3_faul
         stale.latest()
     with pytest.raises(StorageError, match="seen holding step 3"):
         stale.load()
+
+
+def test_only_markers_of_ended_writers_make_a_prefix_removable(tmp_path, s3_bucket):
+    """Issue 38 item 2, the proof rule (spec 13.7): a prefix goes only when all its copy markers
+    are dead (a process of this host that has ended) and no step refers to its objects; a live
+    or foreign writer's fresh marker, and a prefix without a marker, are left alone."""
+    bucket, options = s3_bucket
+    from s3_server import s3_client
+
+    from ckptfmt.engine import commit
+
+    m = _manager(tmp_path / "run", bucket, options)
+    m.save(1, _state(1))
+    m.wait()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a process of this host that has ended
+    dead = f"{COPY_MARKER}{commit.host_token()}.{gone.pid}.0.0badcafe"
+    live = f"{COPY_MARKER}{commit.host_token()}.{os.getppid()}.0.0badcafe"
+    foreign = f"{COPY_MARKER}{'f' * 16}.{gone.pid}.0.0badcafe"
+    c = s3_client(options["endpoint_url"])
+    for key in (
+        f"step-000000005/{dead}",  # an interrupted copy: removed
+        "step-000000005/state.ckpt",
+        f"step-000000006/{dead}",  # a dead and a live writer: left
+        f"step-000000006/{live}",
+        "step-000000006/state.ckpt",
+        f"step-000000007/{foreign}",  # another host's, written just now: left
+        "step-000000007/state.ckpt",
+        "step-000000008/state.ckpt",  # no marker: not provably ours
+        f"step-000000001/{dead}",  # a complete step: only the marker goes
+    ):
+        c.put_object(Bucket=bucket, Key=f"run/{key}", Body=b"x")
+    removed = ObjectRun(f"s3://{bucket}/run", options).remove_interrupted_copies()
+    assert removed == [5]
+    assert {k for k in _keys(bucket, options) if not k.startswith("step-000000001/")} == {
+        f"step-000000006/{dead}",
+        f"step-000000006/{live}",
+        "step-000000006/state.ckpt",
+        f"step-000000007/{foreign}",
+        "step-000000007/state.ckpt",
+        "step-000000008/state.ckpt",
+    }
+    assert {k for k in _keys(bucket, options) if k.startswith("step-000000001/")} == {
+        "step-000000001/state.ckpt",
+        "step-000000001/COMMIT",
+    }
+    assert _archived(bucket, options) == [1]

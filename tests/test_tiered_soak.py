@@ -17,8 +17,8 @@ non-blocking, incremental but for the encrypted run).  After every kill:
   where the worker completed a save: one killed sooner may not have listed the archive).
 
 After a clean end (a worker that saves a few more steps, waits and exits) the archive holds
-no prefix that is neither a complete step nor kept for one's objects, and no copy marker, and
-both tiers' newest step is the uninterrupted run's.
+no prefix that is neither a complete step nor kept for one's objects, no copy marker but in
+those kept, and both tiers' newest step is the uninterrupted run's.
 
 CKPTFMT_TIERED_KILLS: kills per mode (6 by default: about a minute for the four modes on two
 busy cores; ``make soak-tiered`` runs 500 a mode); CKPTFMT_TIERED_SEED: the seed of the
@@ -46,6 +46,7 @@ from test_manager_crash import Reference
 from tiered_soak_child import (
     ARCHIVE_KEEP_EVERY,
     ARCHIVE_KEEP_LAST,
+    FROZEN,
     KEEP_LAST,
     MODES,
     tiered_options,
@@ -140,7 +141,8 @@ class Tiers:
     archived: list[int]
     lag_s: float  # how long the oldest local step newer than the archive's newest has waited
     strays: list[int]  # archive prefixes neither complete nor kept for a complete step's objects
-    markers: int
+    markers: int  # copy markers but in prefixes kept for a complete step's objects
+    retained: int
 
     @property
     def newest(self) -> int:
@@ -181,9 +183,16 @@ class Checker:
         now = datetime.datetime.now(datetime.timezone.utc)
         lag_s = (now - behind[0]).total_seconds() if behind else 0.0
         strays = [s.step for s in statuses if s.info is None and not s.retained]
+        retained = {s.step for s in statuses if s.retained}
         keys = self.run._listing()
-        markers = sum(1 for names in keys.values() for n in names if n.startswith(COPY_MARKER))
-        return Tiers(local, archived, lag_s, strays, markers)
+        markers = sum(
+            1
+            for step, names in keys.items()
+            if step not in retained
+            for n in names
+            if n.startswith(COPY_MARKER)
+        )
+        return Tiers(local, archived, lag_s, strays, markers, len(retained))
 
     def check_state(self, where: str, mgr: ckptfmt.CheckpointManager, step: int) -> None:
         with warnings.catch_warnings():
@@ -195,6 +204,7 @@ class Checker:
         for k, v in expected.items():
             assert torch.equal(got[k], v), f"{where}: step {step}: {k} differs from the uninterrupted run"
         assert state["step"] == step and state["data"] == {"batch": step}, where
+        assert torch.equal(state["frozen"], FROZEN), f"{where}: step {step}: the frozen tensor differs"
 
 
 def _kept_locally(t: Tiers, archive_before: int) -> set[int]:
@@ -301,6 +311,7 @@ def soak(tmp_path: Any, s3_server: Any, mode: str, kills: int, seed: int) -> dic
     check.check_state(f"{mode}: the end", check.local_manager(), final)
     check.check_state(f"{mode}: the end", check.archive, final)
     stats["final_step"] = final
+    stats["retained_at_end"] = t.retained
     return stats
 
 

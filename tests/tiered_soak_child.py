@@ -33,6 +33,10 @@ KEEP_LAST = 2
 ARCHIVE_KEEP_LAST = 4
 ARCHIVE_KEEP_EVERY = 25
 MODES = ("plain", "signed", "encrypted", "zstd")
+#: a frozen tensor saved with every step, large enough (128 KiB) that an incremental step
+#: refers to the previous step's copy of it: the archive then holds objects of steps it keeps
+#: only for a later step's sake
+FROZEN = torch.arange(32768, dtype=torch.float32)
 #: warnings a kill explains: the previous worker's unfinished step, a copy it cut short
 EXPECTED = ("skipping ",)
 
@@ -89,10 +93,11 @@ def worker(run_dir: str, progress: str, kw: dict[str, Any], until: int | None) -
     trainer = Trainer()
     mgr = ckptfmt.CheckpointManager(run_dir, **kw)
     if mgr.latest() is not None:
-        state = trainer.state()
+        state = trainer.state() | {"frozen": torch.zeros_like(FROZEN)}
         report = mgr.load_into(state)
         trainer.step = state["step"]
         assert report.step == trainer.step and state["data"]["batch"] == trainer.step
+        assert torch.equal(state["frozen"], FROZEN)
     record("resume", trainer.step)
     pending: collections.deque[tuple[int, ckptfmt.SaveHandle]] = collections.deque()
     while until is None or trainer.step < until:
@@ -102,7 +107,7 @@ def worker(run_dir: str, progress: str, kw: dict[str, Any], until: int | None) -
             oldest.wait()
             record("done", step)
         record("begin", trainer.step)
-        handle = mgr.save(trainer.step, trainer.state(), metrics={"loss": loss})
+        handle = mgr.save(trainer.step, trainer.state() | {"frozen": FROZEN}, metrics={"loss": loss})
         assert handle is not None
         pending.append((trainer.step, handle))
     mgr.wait()
