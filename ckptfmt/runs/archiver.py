@@ -37,7 +37,7 @@ from ..errors import CheckpointWarning
 from ..files import multifile
 from . import retention
 from .objectrun import ObjectRun, copy_marker
-from .steps import CheckpointInfo
+from .steps import CheckpointInfo, StepStatus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,10 +167,11 @@ class Archiver:
         """Remove what interrupted copies left, list the archive, finish an interrupted
         rotation, then copy what the tiers say is missing, one step at a time."""
         self.run.remove_interrupted_copies()
+        statuses = self.run.statuses()
         with self._cond:
-            self._held = {c.step for c in self.run.checkpoints()}
+            self._held = {s.step for s in statuses if s.info is not None}
         self._local_rotation()  # first: what an earlier process kept for the archive may go now
-        self._rotate(None)
+        self._rotate(None, statuses)
         copied = False
         while (nxt := self._next()) is not None:
             if not self._copy(nxt):
@@ -224,11 +225,14 @@ class Archiver:
         except Exception as e:
             warnings.warn(f"local rotation after archiving failed: {e}", CheckpointWarning, stacklevel=1)
 
-    def _rotate(self, adding: multifile.CommitRecord | None) -> None:
+    def _rotate(
+        self, adding: multifile.CommitRecord | None, statuses: list[StepStatus] | None = None
+    ) -> None:
         """The archive's rotation, by its rules over the steps it holds and the step `adding`
         (a commit record about to be uploaded, or None): a step the rules drop goes before
-        the new step commits, so the archive never holds more than they keep."""
-        statuses = self.run.statuses()  # once: rotate reads the records they show
+        the new step commits, so the archive never holds more than they keep.  `statuses`:
+        the archive's, just read (None: read here)."""
+        statuses = self.run.statuses() if statuses is None else statuses  # rotate reads the same
         done = [s.info for s in statuses if s.info is not None]
         entries = [(c.step, c.metrics) for c in done]
         needed: set[str] = set()

@@ -12,6 +12,7 @@ and records are bounded before they are decoded.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -49,22 +50,25 @@ def copy_marker() -> str:
 
 # this process's copy markers whose copy (or deletion) is under way: one of this process's
 # markers that is not here was left by a copy that failed
-_claims_in_use: set[str] = set()
+_claims_in_use: collections.Counter[str] = collections.Counter()
 _claims_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def _claiming(claim: str | None) -> Iterator[None]:
+    """Marker `claim` is in use (by a copy or a rotation, which may nest) while this lasts."""
     if claim is None:
         yield
         return
     with _claims_lock:
-        _claims_in_use.add(claim)
+        _claims_in_use[claim] += 1
     try:
         yield
     finally:
         with _claims_lock:
-            _claims_in_use.discard(claim)
+            _claims_in_use[claim] -= 1
+            if not _claims_in_use[claim]:
+                del _claims_in_use[claim]
 
 
 class ObjectRun:
@@ -438,10 +442,14 @@ class ObjectRun:
         removed: list[int] = []
         for step, markers in sorted(dead.items()):
             names = found[step]
-            if step in live or any(u.startswith(self.step_path(step) + "/") for u in referenced):
-                continue  # in use, or kept for a later step's objects (its markers with it)
-            if multifile.COMMIT_NAME in names or self.has_record(step):
-                doomed = markers  # a complete step: only the markers of a copy that ended
+            if step in live:
+                continue  # a live writer's (the dead markers go with its own, or later)
+            if multifile.COMMIT_NAME in names:
+                doomed = markers  # a step with its record: only the markers of a copy that ended
+            elif any(u.startswith(self.step_path(step) + "/") for u in referenced):
+                continue  # kept for a later step's objects: its markers say it is ours once not
+            elif self.has_record(step):
+                doomed = markers  # a record the listing left out
             else:
                 doomed = [n for n in names if not n.startswith(COPY_MARKER)] + markers
                 removed.append(step)
