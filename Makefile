@@ -1,7 +1,7 @@
 # Targets use the virtual environment made by .ci/setup unless PY is given.
 PY ?= .venv/bin/python
 
-.PHONY: setup test lint demo golden corpus crash soak fuzz fuzz-smoke bench bench-quick bench-incremental asan
+.PHONY: setup test lint demo golden corpus crash soak soak-tiered fuzz fuzz-smoke bench bench-quick bench-incremental asan
 
 setup:
 	bash .ci/setup
@@ -28,6 +28,11 @@ crash:
 # the checkpoint manager's SIGKILL campaign, long version (the test suite runs 150 kills)
 soak:
 	CKPTFMT_MANAGER_KILLS=10000 $(PY) -m pytest -q -s tests/test_manager_crash.py
+
+# the tiered run's SIGKILL soak (local disk + archive on a local S3 server), long version:
+# 500 kills in each of the plain, signed, encrypted and zstd runs (the test suite runs 6 each)
+soak-tiered:
+	CKPTFMT_TIERED_KILLS=500 $(PY) -m pytest -q -s tests/test_tiered_soak.py
 
 # rewrite tests/corpus/*.ckpt (the malicious-file corpus) from make_corpus.py
 corpus:

@@ -189,6 +189,28 @@ def _alive(pid: int, start: int) -> bool:
     return start == 0 or started == start
 
 
+def owned_suffix() -> str:
+    """A name suffix owned by this process: ``<host>.<pid>.<start>.<random>`` (as temp names end)."""
+    return f"{owner_token()}.{secrets.token_hex(4)}"
+
+
+def parse_owned_suffix(suffix: str) -> tuple[str, int, int] | None:
+    """(host, pid, start) of a suffix made by owned_suffix(), else None."""
+    m = _OWNED_SUFFIX.fullmatch(suffix)
+    return None if m is None else (m.group(1), int(m.group(2)), int(m.group(3)))
+
+
+def owner_dead(host: str, pid: int, start: int) -> bool | None:
+    """Whether the process an owner token names (``<host>.<pid>.<start>``, owner_token) has
+    ended: True or False where it ran on this host and pid namespace, None elsewhere (it
+    cannot be asked from here)."""
+    if host != host_token():
+        return None
+    if (pid, start) == _self():
+        return False
+    return not _alive(pid, start)
+
+
 # temp files of this process's saves in progress, by name: registered before the file is
 # created and dropped after it is renamed or removed, so one of this process's temp files
 # that is not here was left by a save that failed and could not remove it

@@ -1,27 +1,55 @@
 """The archive tier of a run: committed local steps copied to an object store in the
 background, and the archive's own retention.
 
-A step is handed over after its commit record is durable on disk.  One thread copies the
-steps in commit order (ObjectRun.put_step: each file verified after upload, the commit
-record last), then applies the archive's retention rules, which never delete the newest
-archived step.  Until a step is in the archive it is "pending", and the local rotation
-spares pending steps, so no step is lost between the tiers; a failed copy is warned about
-and tried again after the next commit.  Training never waits for any of it: the thread
-runs while there is work and ends when there is none (a process exiting waits for the copy
-in progress, as it waits for saves in flight).
+What still needs archiving is derived from the two tiers, never remembered: each pass of
+the archive thread (when a manager starts with local steps, after every commit) lists the
+archive, then copies
+
+* first a step the archive's `keep_every` rule keeps that it does not hold yet and that is
+  older than its newest (such a step is never skipped), else
+* the newest complete local step, when it is newer than the archive's newest: steps in
+  between that no rule keeps are skipped, so a lagging archive costs local disk only the
+  steps saved while one copy runs;
+
+each with ObjectRun.put_step (every file verified after upload, the archive's rotation
+right before the commit record, so it never holds more steps than its rules keep), until
+nothing is left.  A local step is "pending" (kept on local disk whatever the local rules
+say) until the archive holds it or holds a newer step and its rules would not keep this one
+(`keeps_locally`); while the archive has not been listed yet, every local step is.
+
+Every object an archiver writes into a step's prefix comes after a copy marker
+(objectrun.COPY_MARKER), deleted once the step's commit record is in: a copy or deletion
+cut short is recognisably ckptfmt's, and the next pass removes it once its writer is
+provably gone (ObjectRun.remove_interrupted_copies).  A failed pass is warned about and
+tried again after the next save.  Training never waits for any of it; a process exiting
+waits for the copy in progress, as it waits for saves in flight.
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
+import datetime
 import threading
 import warnings
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ..errors import CheckpointWarning
+from ..files import multifile
 from . import retention
-from .objectrun import ObjectRun
+from .objectrun import ObjectRun, copy_marker
+from .steps import CheckpointInfo, StepStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class ArchiveLag:
+    """How far the archive is behind the local tier."""
+
+    #: complete local steps newer than the archive's newest (all of them while not known)
+    steps: int
+    #: how long the oldest of them has waited (0 when none)
+    seconds: float
+    #: the archive's newest complete step as last listed (None: not listed yet, or empty)
+    archived: int | None
 
 
 class Archiver:
@@ -33,51 +61,86 @@ class Archiver:
         *,
         keep_last: int | None,
         keep_every: int | None,
+        local_steps: Callable[[], list[CheckpointInfo]],
         on_archived: Callable[[], None] | None = None,
     ) -> None:
-        """`on_archived`: called (on the archive thread) after steps were copied, so the local
-        rotation can now drop what it kept for the archive."""
+        """`local_steps`: the local tier's complete steps, oldest first, read afresh;
+        `on_archived`: called (on the archive thread) once the archive was listed or a step
+        copied, so the local rotation can drop what it kept for the archive."""
         retention.check_rules(keep_last, keep_every, None, "min")
         self.run = run
+        self.local_steps = local_steps
         self.on_archived = on_archived
         self.keep_last = keep_last
         self.keep_every = keep_every
-        self._queue: deque[tuple[int, str]] = deque()
-        self._pending: set[int] = set()
-        self._failed: dict[int, tuple[str, str]] = {}  # step -> (local path, why)
+        self._claim = copy_marker()
+        self._held: set[int] | None = None  # the archive's complete steps; None: not listed yet
+        self._failed: dict[int, str] = {}  # step -> why its last copy failed
+        self._wanted = False
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def submit(self, step: int, path: str) -> None:
-        """Archive the committed local step `step` (its directory `path`); steps whose copy
-        failed before are tried again first."""
+    # -- what the tiers say ------------------------------------------------------------------
+
+    def _owed(self, step: int) -> bool:
+        """Whether the archive's rules keep `step` whatever is newer (it is never skipped):
+        `keep_every` keeps it, or no rule is set (the archive keeps every step)."""
+        if self.keep_last is None and self.keep_every is None:
+            return True
+        return self.keep_every is not None and step % self.keep_every == 0
+
+    def keeps_locally(self, steps: Iterable[int]) -> set[int]:
+        """The steps among `steps` (complete local ones) that the local tier must keep for the
+        archive: not held there, and neither superseded by a newer archived step nor skippable
+        (kept by `keep_every`); every one while the archive has not been listed."""
         with self._cond:
-            retry = sorted(self._failed.items())
-            self._failed.clear()
-            for s, (p, _) in retry:
-                if os.path.isdir(p):
-                    self._queue.append((s, p))
-                else:
-                    self._pending.discard(s)
-            self._queue.append((step, path))
-            self._pending.add(step)
+            held = None if self._held is None else set(self._held)
+        if held is None:
+            return set(steps)
+        newest = max(held, default=-1)
+        return {s for s in steps if s not in held and (s > newest or self._owed(s))}
+
+    def saw(self, archived: Iterable[int]) -> None:
+        """The archive was found holding the complete steps `archived` (a listing made
+        elsewhere, by latest()): what it holds is known from now on."""
+        with self._cond:
+            self._held = set(archived) | (self._held or set())
+
+    def known_newest(self) -> int | None:
+        """The newest step the archive was last seen holding (None: not seen)."""
+        with self._cond:
+            return max(self._held, default=None) if self._held is not None else None
+
+    def lag(self, local: list[CheckpointInfo]) -> ArchiveLag:
+        """How far the archive is behind the complete local steps `local` (oldest first)."""
+        newest = self.known_newest()
+        with self._cond:
+            listed = self._held is not None
+        behind = [c for c in local if not listed or newest is None or c.step > newest]
+        seconds = 0.0
+        if behind:
+            waited = datetime.datetime.now(datetime.timezone.utc) - behind[0].created
+            seconds = max(0.0, waited.total_seconds())
+        return ArchiveLag(steps=len(behind), seconds=seconds, archived=newest)
+
+    def failures(self) -> dict[int, str]:
+        """Steps whose last copy failed and that are still to be copied, and why (they are
+        tried again after the next save)."""
+        with self._cond:
+            return dict(self._failed)
+
+    # -- the archive thread --------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Bring the archive up to date with the local tier, in the background."""
+        with self._cond:
+            self._wanted = True
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="ckptfmt-archive", daemon=False)
                 self._thread.start()
 
-    def pending(self) -> set[int]:
-        """Steps not yet safely in the archive (queued, being copied, or failed): the local
-        rotation keeps them."""
-        with self._cond:
-            return set(self._pending)
-
-    def failures(self) -> dict[int, str]:
-        """Steps whose last copy failed, and why (they are tried again after the next commit)."""
-        with self._cond:
-            return {s: why for s, (_, why) in self._failed.items()}
-
     def wait(self) -> None:
-        """Wait until every step handed over has been copied or has failed."""
+        """Wait until the archive thread has nothing left to do (or failed)."""
         with self._cond:
             while self._thread is not None:
                 self._cond.wait()
@@ -85,45 +148,96 @@ class Archiver:
     def _work(self) -> None:
         while True:
             with self._cond:
-                if not self._queue:
+                if not self._wanted:
                     self._thread = None
                     self._cond.notify_all()
                     return
-                step, path = self._queue.popleft()
-            if self._archive(step, path) and self.on_archived is not None:
-                try:
-                    self.on_archived()
-                except Exception as e:
-                    warnings.warn(
-                        f"rotation after archiving step {step} failed: {e}", CheckpointWarning, stacklevel=1
-                    )
+                self._wanted = False
+            try:
+                self._pass()
+            except Exception as e:  # the archive is down or lies: local disk keeps every step
+                warnings.warn(
+                    f"archiving to {self.run.path} failed (steps not yet archived stay on local disk; "
+                    f"tried again after the next save): {e}",
+                    CheckpointWarning,
+                    stacklevel=1,
+                )
 
-    def _archive(self, step: int, path: str) -> bool:
-        """Copy one step; whether it is now in the archive."""
+    def _pass(self) -> None:
+        """Remove what interrupted copies left, list the archive, finish an interrupted
+        rotation, then copy what the tiers say is missing, one step at a time."""
+        self.run.remove_interrupted_copies()
+        statuses = self.run.statuses()
+        with self._cond:
+            self._held = {s.step for s in statuses if s.info is not None}
+        self._local_rotation()  # first: what an earlier process kept for the archive may go now
+        self._rotate(None, statuses)
+        copied = False
+        while (nxt := self._next()) is not None:
+            if not self._copy(nxt):
+                return
+            copied = True
+        if copied:  # their rotations may have left objects no step refers to any more
+            self.run.remove_interrupted_copies()
+
+    def _next(self) -> CheckpointInfo | None:
+        """The local step to copy next: a kept-by-rule step the archive skipped, else the newest
+        local step when the archive is behind it; None when the archive is up to date."""
+        local = self.local_steps()
+        with self._cond:
+            held = set(self._held or ())
+        newest = max(held, default=-1)
+        owed = [c for c in local if c.step < newest and c.step not in held and self._owed(c.step)]
+        if owed:
+            return owed[-1]
+        if local and local[-1].step > newest:
+            return local[-1]
+        return None
+
+    def _copy(self, info: CheckpointInfo) -> bool:
+        """Copy one local step; whether it is now in the archive."""
         try:
-            self.run.put_step(step, path)
+            self.run.put_step(info.step, info.path, claim=self._claim, before_commit=self._rotate)
         except Exception as e:  # any failure: kept locally and tried again later
             with self._cond:
-                self._failed[step] = (path, str(e))
+                self._failed[info.step] = str(e)
             warnings.warn(
-                f"archiving step {step} to {self.run.path} failed (kept on local disk, tried again "
+                f"archiving step {info.step} to {self.run.path} failed (kept on local disk, tried again "
                 f"after the next save): {e}",
                 CheckpointWarning,
                 stacklevel=1,
             )
             return False
         with self._cond:
-            self._pending.discard(step)
-        try:
-            self._rotate()
-        except Exception as e:
-            warnings.warn(f"rotation in {self.run.path} failed: {e}", CheckpointWarning, stacklevel=1)
+            assert self._held is not None
+            self._held.add(info.step)
+            newest = max(self._held)
+            self._failed = {s: why for s, why in self._failed.items() if s > newest or self._owed(s)}
+            self._failed.pop(info.step, None)
+        self._local_rotation()
         return True
 
-    def _rotate(self) -> None:
-        statuses = self.run.statuses()  # once: rotate reads the records they show
+    def _local_rotation(self) -> None:
+        if self.on_archived is None:
+            return
+        try:
+            self.on_archived()
+        except Exception as e:
+            warnings.warn(f"local rotation after archiving failed: {e}", CheckpointWarning, stacklevel=1)
+
+    def _rotate(
+        self, adding: multifile.CommitRecord | None, statuses: list[StepStatus] | None = None
+    ) -> None:
+        """The archive's rotation, by its rules over the steps it holds and the step `adding`
+        (a commit record about to be uploaded, or None): a step the rules drop goes before
+        the new step commits, so the archive never holds more than they keep.  `statuses`:
+        the archive's, just read (None: read here)."""
+        statuses = self.run.statuses() if statuses is None else statuses  # rotate reads the same
         done = [s.info for s in statuses if s.info is not None]
-        kept = retention.kept_steps(
-            [(c.step, c.metrics) for c in done], keep_last=self.keep_last, keep_every=self.keep_every
-        )
-        self.run.rotate(done, kept, statuses)
+        entries = [(c.step, c.metrics) for c in done]
+        needed: set[str] = set()
+        if adding is not None and adding.step is not None:  # put_step checked it is this step's
+            entries.append((adding.step, dict(adding.metrics)))
+            needed = {self.run.reference_url(ref.name) for ref in adding.references}
+        kept = retention.kept_steps(entries, keep_last=self.keep_last, keep_every=self.keep_every)
+        self.run.rotate(done, kept, statuses, needed=needed, claim=self._claim)

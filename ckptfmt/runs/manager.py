@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import stat
 import threading
@@ -41,7 +42,14 @@ from typing import Any
 from ..background import inflight
 from ..engine import commit, marks
 from ..engine.ckptdir import CheckpointDir, LinkError
-from ..errors import CheckpointError, CheckpointWarning, CorruptError, SignatureError, UnsupportedError
+from ..errors import (
+    CheckpointError,
+    CheckpointWarning,
+    CorruptError,
+    SignatureError,
+    StorageError,
+    UnsupportedError,
+)
 from ..fileio import is_url
 from ..files import encryption, multifile, recordsign
 from ..files import load_into as inplace
@@ -52,7 +60,7 @@ from ..files.verify import VerifyReport
 from ..format import devices
 from ..gcpause import pausing_in_main_thread
 from . import locks, resume, retention
-from .archiver import Archiver
+from .archiver import ArchiveLag, Archiver
 from .objectrun import ObjectRun
 from .scan import RunScan, StepRecords
 from .stepcheck import resume_entries, verify_in_run
@@ -65,6 +73,10 @@ from .steps import (
     held,
     step_dirname,
 )
+
+#: one INFO line per committed save (with a tiered run's archive lag); silent unless the
+#: application configures logging
+logger = logging.getLogger("ckptfmt")
 
 
 class CheckpointManager:
@@ -106,9 +118,11 @@ class CheckpointManager:
         """archive: an object-store URL (``s3://bucket/run``) where every committed step is also
         copied, in the background and verified after upload; `archive_keep_last` and
         `archive_keep_every` are that tier's retention rules (the local ones stay those of
-        this directory; a step not yet archived is kept locally until it is).  latest(),
-        load() and load_into() look at both tiers: a new node without the old disk resumes
-        from the archive, and a local copy that is missing or damaged is read from there.
+        this directory; a step is kept locally until the archive holds it or a newer step
+        its rules keep instead: runs/archiver.py).  latest(), load() and load_into() look at
+        both tiers: a new node without the old disk resumes from the archive, and a local
+        copy that is missing or damaged is read from there; an archive that cannot be read
+        is warned about and the local tier used (see _archived_if_readable).
         An incremental step is archived with the objects of earlier steps it reads from.
         storage_options: the object store's client settings (see ckptfmt.save).
 
@@ -180,8 +194,14 @@ class CheckpointManager:
     ) -> None:
         self.archive = ObjectRun(archive, storage_options, decrypt=self._decrypt, trusted=self._trusted)
         self._archiver = Archiver(
-            self.archive, keep_last=keep_last, keep_every=keep_every, on_archived=self._rotate
+            self.archive,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            local_steps=lambda: self._scan().complete(),
+            on_archived=self._rotate,
         )
+        if self._scan().complete():  # steps an earlier process left unarchived: copied now
+            self._archiver.kick()
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory!r})"
@@ -204,7 +224,7 @@ class CheckpointManager:
         """The newest complete checkpoint; directories that are not one are skipped with a warning."""
         scan = self._scan(self._read_records)
         local = self._newest_complete(scan.statuses, scan.busy, scan.foreign)
-        archived = self._archived()
+        archived = self._archived_if_readable(None if local is None else local.step)
         if archived and (local is None or archived[-1].step > local.step):
             return archived[-1]
         return local
@@ -233,7 +253,35 @@ class CheckpointManager:
         keys only those a trusted key signed, the others skipped with a warning."""
         if self.archive is None:
             return []
-        return list(reversed(list(self._trusted_first(reversed(self.archive.checkpoints())))))
+        listed = self.archive.checkpoints()
+        if self._archiver is not None:
+            self._archiver.saw(c.step for c in listed)
+        return list(reversed(list(self._trusted_first(reversed(listed)))))
+
+    def _archived_if_readable(self, local_newest: int | None) -> list[CheckpointInfo]:
+        """_archived(), or none with a warning when the archive cannot be listed (down, stalling
+        or answering nonsense): a resume goes on from the local tier.  Unless the archive was
+        seen (by this process) holding a step newer than `local_newest`, the local tier's
+        newest complete step: resuming from an older one would fork the run, so that is a
+        StorageError naming both steps."""
+        try:
+            return self._archived()
+        except (CheckpointError, OSError) as e:
+            assert self.archive is not None and self._archiver is not None
+            known = self._archiver.known_newest()
+            if known is not None and (local_newest is None or known > local_newest):
+                raise StorageError(
+                    f"the archive cannot be read ({e}) and was seen holding step {known}, newer than "
+                    f"the local tier's newest ({local_newest}); not resuming from an older step",
+                    path=self.archive.path,
+                ) from e
+            warnings.warn(
+                f"the archive {self.archive.path} could not be checked ({e}); using the local tier "
+                f"only (its newest complete step: {local_newest})",
+                CheckpointWarning,
+                stacklevel=3,
+            )
+            return []
 
     def _trusted_first(self, newest_first: Any) -> Iterator[CheckpointInfo]:
         """The checkpoints of `newest_first` whose commit record a trusted key signed (all of
@@ -266,7 +314,8 @@ class CheckpointManager:
     def _find(self, step: int | None) -> list[CheckpointInfo]:
         """The checkpoint of `step`, or every complete one newest first when step is None."""
         statuses = self.statuses()
-        archived = {c.step: c for c in self._archived()}
+        local_newest = max((s.step for s in statuses if s.info is not None), default=None)
+        archived = {c.step: c for c in self._archived_if_readable(local_newest)}
         if step is None:
             local = {
                 info.step: info
@@ -476,9 +525,10 @@ class CheckpointManager:
             if not job.coordinator:
                 pass  # another rank holds the step directory, and rotates or removes it
             elif exc is None:
-                if self._archiver is not None and job.layout == "state":
-                    self._archiver.submit(job.step, job.path)
+                if self._archiver is not None:
+                    self._archiver.kick()
                 self._rotate()
+                self._log_commit(job)
             else:
                 self._abandon(job)
         except (OSError, CheckpointError) as e:
@@ -491,6 +541,28 @@ class CheckpointManager:
                 if exc is None and job in self._jobs:
                     self._jobs.remove(job)
             job.handle._finish(exc)
+
+    def _log_commit(self, job: StepJob) -> None:
+        """The INFO line of a committed save (with the archive's lag in a tiered run)."""
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        lag = self.archive_lag
+        logger.info(
+            "step %d committed in %s%s",
+            job.step,
+            self.directory,
+            ""
+            if lag is None
+            else f"; archive lag: {lag.steps} step(s), {lag.seconds:.1f} s (archive at step {lag.archived})",
+        )
+
+    @property
+    def archive_lag(self) -> ArchiveLag | None:
+        """How far the archive is behind this directory: complete local steps newer than its
+        newest, and for how long the oldest of them has waited (None without an archive)."""
+        if self._archiver is None:
+            return None
+        return self._archiver.lag(self._scan().complete())
 
     def _commit(self, job: StepJob) -> None:
         """Write the step's commit record, naming the state file and every file it reads
@@ -567,8 +639,8 @@ class CheckpointManager:
             keep_best=self.keep_best,
             best_mode=self.best_mode,
         )
-        if self._archiver is not None:
-            kept |= self._archiver.pending()  # not yet safe in the archive: kept here until it is
+        if self._archiver is not None:  # not yet safe in the archive: kept here until it is
+            kept |= self._archiver.keeps_locally(c.step for c in done)
         keep_files = {r for c in done if c.step in kept for r in c.references}
         for c in done:
             if c.step not in kept:

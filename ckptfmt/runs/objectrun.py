@@ -12,12 +12,16 @@ and records are bounded before they are decoded.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import datetime
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..engine import commit
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, StorageError
 from ..files import multifile, recordsign
@@ -28,7 +32,7 @@ from ..format.timestamps import parse_utc
 from ..storage import listing
 from ..storage.client import check_options
 from ..storage.download import head
-from ..storage.upload import upload_file
+from ..storage.upload import upload_bytes, upload_file
 from ..storage.urls import ObjectURL, parse_url
 from .stepcheck import verify_objects
 from .steps import STATE_NAME, CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
@@ -36,6 +40,40 @@ from .steps import STATE_NAME, CheckpointInfo, StepStatus, parse_step_dirname, s
 #: the commit records latest() and a resume read at most, newest first (spec 13.7): each is a
 #: GET, and a run whose newest steps are this many damaged ones needs a person anyway
 MAX_CANDIDATES = 64
+
+
+#: the start of the name of a copy marker: ``step-N/ARCHIVING.<host>.<pid>.<start>.<random>``,
+#: written by an archiver before anything else it writes into a step's prefix and deleted
+#: after the step's commit record (or the step) is; see remove_interrupted_copies
+COPY_MARKER = "ARCHIVING."
+
+
+def copy_marker() -> str:
+    """A copy marker name owned by this process (engine/commit.py's owner rule)."""
+    return COPY_MARKER + commit.owned_suffix()
+
+
+# this process's copy markers whose copy (or deletion) is under way: one of this process's
+# markers that is not here was left by a copy that failed
+_claims_in_use: collections.Counter[str] = collections.Counter()
+_claims_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _claiming(claim: str | None) -> Iterator[None]:
+    """Marker `claim` is in use (by a copy or a rotation, which may nest) while this lasts."""
+    if claim is None:
+        yield
+        return
+    with _claims_lock:
+        _claims_in_use[claim] += 1
+    try:
+        yield
+    finally:
+        with _claims_lock:
+            _claims_in_use[claim] -= 1
+            if not _claims_in_use[claim]:
+                del _claims_in_use[claim]
 
 
 class ObjectRun:
@@ -84,11 +122,13 @@ class ObjectRun:
                 out.setdefault(step, {})[name] = entry
         return out
 
-    def statuses(self) -> list[StepStatus]:
+    def statuses(
+        self, found: dict[int, dict[str, tuple[int, datetime.datetime | None]]] | None = None
+    ) -> list[StepStatus]:
         """Every step under the prefix, complete or not, by step.  A step without its record
         that holds an object a complete step refers to is `retained` (an incremental run's
-        rotated step, kept for its chunks)."""
-        found = self._listing()
+        rotated step, kept for its chunks).  `found`: the listing to judge (None: listed here)."""
+        found = self._listing() if found is None else found
         out = [self._status(step, names, found) for step, names in sorted(found.items())]
         referenced = {url for s in out if s.info is not None for url in s.info.references}
         for s in out:
@@ -169,6 +209,10 @@ class ObjectRun:
             layout=record.layout,
         )
 
+    def reference_url(self, name: str) -> str:
+        """The URL of the object a commit record's reference ``../step-N/NAME`` names."""
+        return self._reference_url(name)
+
     def _reference_url(self, name: str) -> str:
         other, part = _referenced_step(name, self.path)
         return f"{self.step_path(other)}/{part}"
@@ -197,13 +241,31 @@ class ObjectRun:
 
     # -- writing -------------------------------------------------------------------------
 
-    def put_step(self, step: int, local: str) -> CheckpointInfo:
+    def put_step(
+        self,
+        step: int,
+        local: str,
+        *,
+        claim: str | None = None,
+        before_commit: Callable[[multifile.CommitRecord], None] | None = None,
+    ) -> CheckpointInfo:
         """Copy the complete local step directory `local` here: each file it names, verified
         after upload, then its commit record, uploaded only if absent.  A step already here
         with the same record is left as it is; one with another record is an error.  The
         objects of earlier steps an incremental step reads from are uploaded first where the
-        archive does not hold them yet (without their records: they are kept for this one)."""
-        with CheckpointDir.open(local) as d:
+        archive does not hold them yet (without their records: they are kept for this one).
+        `claim`: a copy marker name (copy_marker()) put into each step prefix before anything
+        is written there, deleted once the commit record is in; `before_commit(record)`: runs
+        once every file is uploaded and verified, right before the commit record goes up."""
+        claimed: list[ObjectURL] = []
+
+        def claim_prefix(of: int) -> None:
+            url = self._step_url(of).child(claim) if claim is not None else None
+            if url is not None and url not in claimed:
+                upload_bytes(b"a ckptfmt archive copy in progress\n", str(url), self.options)
+                claimed.append(url)
+
+        with _claiming(claim), CheckpointDir.open(local) as d:
             record = multifile.check_complete(d)
             existing = self._existing(step)
             if existing is not None:
@@ -211,9 +273,12 @@ class ObjectRun:
                     raise CheckpointError(f"{self.step_path(step)} holds another save of step {step}")
                 return self._complete_info(step)
             for ref in record.references:
-                self._put_reference(d, ref)
+                self._put_reference(d, ref, claim_prefix)
+            claim_prefix(step)
             for part in record.files:
                 self._put_file(d, part, f"{self.step_path(step)}/{part.name}")
+            if before_commit is not None:
+                before_commit(record)
             commit_fd = d.open_file(multifile.COMMIT_NAME)
             try:
                 upload_file(
@@ -221,9 +286,16 @@ class ObjectRun:
                 )
             finally:
                 os.close(commit_fd)
+            # the step's own marker goes; those in the prefixes of objects it refers to stay, so
+            # that once no step refers to them they are known as ours (remove_interrupted_copies)
+            own = self._step_url(step).child(claim) if claim is not None else None
+            if own in claimed:
+                listing.delete_object(own, self.options)
         return self._complete_info(step)
 
-    def _put_reference(self, d: CheckpointDir, ref: multifile.PartRecord) -> None:
+    def _put_reference(
+        self, d: CheckpointDir, ref: multifile.PartRecord, claim: Callable[[int], None]
+    ) -> None:
         """Make sure the archive holds the object reference `ref` of local step `d` names (the
         same file: length, file id, index checksum, and the signed record's SHA-256 where it
         gives one), uploading it if absent.  Its chunks are
@@ -232,6 +304,7 @@ class ObjectRun:
         try:
             found = describe_object(url, self.options, ref.name)[0]  # never its index
         except FileNotFoundError:
+            claim(_referenced_step(ref.name, self.path)[0])
             fd = multifile.open_part(d, ref, d.path)
             try:
                 upload_file(fd, url, self.options)
@@ -274,24 +347,38 @@ class ObjectRun:
         """Delete a step: its commit record first, so it stops being a checkpoint before its
         files go; only the objects ckptfmt writes in a step (is_own_name): another program's
         object beneath it stays."""
-        listing.delete_prefix(self._step_url(step), self.options, is_own_name, first=(multifile.COMMIT_NAME,))
+        listing.delete_prefix(
+            self._step_url(step), self.options, _written_here, first=(multifile.COMMIT_NAME,)
+        )
 
     def rotate(
-        self, done: list[CheckpointInfo], kept: set[int], statuses: list[StepStatus] | None = None
+        self,
+        done: list[CheckpointInfo],
+        kept: set[int],
+        statuses: list[StepStatus] | None = None,
+        *,
+        needed: set[str] | None = None,
+        claim: str | None = None,
     ) -> None:
         """Delete the complete steps `done` not in `kept`; one that a kept step reads objects
-        of is only retired.  `statuses`: the run's, read with `done` (None: read here)."""
+        of (or one of `needed`, objects of a step about to commit) is only retired.
+        `statuses`: the run's, read with `done` (None: read here); `claim`: a copy marker put
+        into each step before it is deleted (so a deletion cut short is known as ours)."""
         dropped = [c for c in done if c.step not in kept]
         if not dropped:
             return
-        needed = {url for c in done if c.step in kept for url in c.references}
+        needed = {url for c in done if c.step in kept for url in c.references} | (needed or set())
         needed |= self.references_of_incomplete(self.statuses() if statuses is None else statuses)
-        for c in dropped:
-            self.drop(c, needed)
+        with _claiming(claim):
+            for c in dropped:
+                self.drop(c, needed, claim)
 
-    def drop(self, info: CheckpointInfo, needed: set[str]) -> None:
+    def drop(self, info: CheckpointInfo, needed: set[str], claim: str | None = None) -> None:
         """Delete complete step `info`, or only retire it where `needed` (objects that steps
-        kept read from) holds objects of it."""
+        kept read from) holds objects of it; `claim`: as for rotate."""
+        if claim is not None:  # a deletion cut short, or a retired step's objects, stay known as ours
+            marker = self._step_url(info.step).child(claim)
+            upload_bytes(b"a ckptfmt archive step being retired\n", str(marker), self.options)
         if any(url.startswith(info.path + "/") for url in needed):
             self.retire_step(info.step)
         else:
@@ -360,6 +447,55 @@ class ObjectRun:
         if not self.has_record(step):
             listing.delete_object(self._step_url(step).child(name), self.options)
 
+    def remove_interrupted_copies(self, older_than: datetime.timedelta = STALE_AFTER) -> list[int]:
+        """Remove what archive copies (and deletions) that died left; returns the steps whose
+        prefix was deleted.  A step prefix is such a leftover when it holds copy markers
+        (COPY_MARKER) and every one is dead: its writer ran on this host and its process has
+        ended, or (written elsewhere, where that cannot be asked) it is older than
+        `older_than`.  Such a prefix without a commit record (by the listing and by a HEAD)
+        whose objects no step refers to is deleted, its markers last, so that a deletion cut
+        short stays recognisable; one that a step refers to is left whole (its markers say it
+        is ours once nothing does); in a complete step only the dead markers go.  A prefix with
+        no marker, or with a live writer's, is never touched here (ObjectRun.cleanup)."""
+        found = self._listing()
+        now = datetime.datetime.now(datetime.timezone.utc)
+        dead: dict[int, list[str]] = {}
+        live: set[int] = set()
+        for step, names in found.items():
+            for name, (_, when) in names.items():
+                if name.startswith(COPY_MARKER) and "/" not in name:
+                    if _marker_dead(name, when, now, older_than):
+                        dead.setdefault(step, []).append(name)
+                    else:
+                        live.add(step)
+        if not dead:
+            return []
+        statuses = self.statuses(found)
+        referenced = {url for s in statuses if s.info is not None for url in s.info.references}
+        referenced |= self.references_of_incomplete(statuses)
+        removed: list[int] = []
+        for step, markers in sorted(dead.items()):
+            names = found[step]
+            if step in live:
+                continue  # a live writer's (the dead markers go with its own, or later)
+            if multifile.COMMIT_NAME in names:
+                doomed = markers  # a step with its record: only the markers of a copy that ended
+            elif any(u.startswith(self.step_path(step) + "/") for u in referenced):
+                continue  # kept for a later step's objects: its markers say it is ours once not
+            elif self.has_record(step):
+                doomed = markers  # a record the listing left out
+            else:
+                doomed = [n for n in names if not n.startswith(COPY_MARKER)] + markers
+                removed.append(step)
+            for name in doomed:
+                listing.delete_object(self._step_url(step).child(name), self.options)
+        if removed:
+            gone = {step_dirname(s) for s in removed}
+            listing.abort_stale_uploads(
+                self.url, self.options, datetime.timedelta(0), lambda n: _in_steps(n, gone)
+            )
+        return removed
+
     def cleanup(self, older_than: datetime.timedelta = STALE_AFTER) -> None:
         """Abort multipart uploads of crashed savers and delete commit-less steps whose newest
         object is older than `older_than` (a live saver writes more often than that)."""
@@ -414,6 +550,33 @@ def _check_listed(listed: tuple[int, Any] | None, part: multifile.PartRecord, ow
         raise CorruptError(
             f"{part.name} is {listed[0]} bytes, the commit record says {part.length}", path=owner
         )
+
+
+def _written_here(name: str) -> bool:
+    """Whether `name`, in a step's prefix, is an object ckptfmt writes there: its files and
+    record (places.is_own_name) or an archiver's copy marker."""
+    return is_own_name(name) or (name.startswith(COPY_MARKER) and "/" not in name)
+
+
+def _in_steps(name: str, steps: set[str]) -> bool:
+    """Whether `name` (relative to the run) is an object ckptfmt writes in one of `steps`."""
+    step, _, rest = name.partition("/")
+    return step in steps and _written_here(rest)
+
+
+def _marker_dead(
+    name: str, when: datetime.datetime | None, now: datetime.datetime, older_than: datetime.timedelta
+) -> bool:
+    """Whether copy marker `name` (written at `when`) was left by a writer that has ended: one
+    of this host whose process is gone, or one older than `older_than`."""
+    if name.startswith(COPY_MARKER + commit.owner_token() + "."):  # this process's
+        with _claims_lock:
+            return name not in _claims_in_use
+    owner = commit.parse_owned_suffix(name[len(COPY_MARKER) :])
+    verdict = None if owner is None else commit.owner_dead(*owner)
+    if verdict is not None:
+        return verdict
+    return when is not None and now - when > older_than
 
 
 def _in_a_step(name: str) -> bool:

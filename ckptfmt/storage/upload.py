@@ -292,3 +292,11 @@ def upload_file(fd: int, url: str, options: dict[str, Any], *, if_absent: bool =
             out.written(pos)
         out.commit()
     return length
+
+
+def upload_bytes(data: bytes, url: str, options: dict[str, Any]) -> None:
+    """Write the small object `url` holding `data` (not empty), whole, in one request."""
+    with ObjectFile(url, options, len(data)) as out:
+        assert out.spool is not None
+        out.spool.view(0, len(data))[:] = data
+        out.commit()

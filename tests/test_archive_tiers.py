@@ -1,0 +1,294 @@
+"""The archive tier across restarts and while it lags or is down (a real moto S3 server, through
+the fault proxy where a fault is needed): what still needs archiving comes from the two tiers,
+not from a process's memory; a lagging archive gets the newest step next; an interrupted copy
+is removed by the next archiver; the archive never holds more than its rules; an archive that
+cannot be read does not stop a resume from the local tier."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+
+import ckptfmt
+from ckptfmt.errors import CheckpointWarning, StorageError
+from ckptfmt.runs.objectrun import COPY_MARKER, ObjectRun
+from ckptfmt.storage import listing
+
+
+def _state(step: int) -> dict[str, object]:
+    return {"w": torch.full((1000,), float(step)), "step": step}
+
+
+def _manager(run_dir, bucket, options, **kw):
+    return ckptfmt.CheckpointManager(run_dir, archive=f"s3://{bucket}/run", storage_options=options, **kw)
+
+
+def _local(m) -> list[int]:
+    return [c.step for c in m.checkpoints()]
+
+
+def _archived(bucket, options) -> list[int]:
+    return [c.step for c in ObjectRun(f"s3://{bucket}/run", options).checkpoints()]
+
+
+def _keys(bucket, options) -> set[str]:
+    return set(listing.objects(ObjectRun(f"s3://{bucket}/run", options).url, options))
+
+
+def test_steps_left_unarchived_by_a_dead_process_are_archived_by_the_next(tmp_path, s3_faults):
+    """Issue 38 item 1: the steps a process could not archive are known to the next process
+    from the tiers themselves: kept on local disk until archived (or superseded), and a step
+    archive_keep_every keeps is archived, never skipped."""
+    options = s3_faults.storage_options() | {"max_attempts": 1}
+    bucket = s3_faults.new_bucket()
+    rules = dict(keep_last=1, archive_keep_last=1, archive_keep_every=2)
+    s3_faults.fail_next("PUT", "", status=503, code="SlowDown", count=10**6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)  # the failed copies
+        first = _manager(tmp_path / "run", bucket, options, **rules)
+        for step in range(1, 6):
+            first.save(step, _state(step))
+        first.wait()
+        assert _local(first) == [1, 2, 3, 4, 5]
+        # a new process while the archive still fails: it must not drop what was never archived
+        second = _manager(tmp_path / "run", bucket, options, **rules)
+        second.save(6, _state(6))
+        second.wait()
+        assert _local(second) == [1, 2, 3, 4, 5, 6]
+    s3_faults.clear_rules()
+    third = _manager(tmp_path / "run", bucket, options, **rules)  # starts archiving by itself
+    third.wait()
+    assert third.archive_failures() == {}
+    # 2 and 4 are kept by archive_keep_every; 6 is the newest; 1, 3 and 5 are superseded by 6
+    assert _archived(bucket, options) == [2, 4, 6]
+    assert _local(third) == [6]
+
+
+def test_a_lagging_archive_gets_the_newest_step_next(tmp_path, s3_faults, caplog):
+    """Issue 38 item 3: while one copy runs, the steps saved meanwhile wait; the next copy is
+    the newest of them (the others, kept by no rule, are skipped), and the lag is reported by
+    the manager and in each save's log line."""
+    options = s3_faults.storage_options()
+    bucket = s3_faults.new_bucket()
+    m = _manager(tmp_path / "run", bucket, options, keep_last=1, archive_keep_last=2)
+    s3_faults.delay("PUT", "/state.ckpt", seconds=1.5, count=1)  # the first copy is slow
+    caplog.set_level(logging.INFO, logger="ckptfmt")
+    m.save(1, _state(1))
+    deadline = time.monotonic() + 30
+    while s3_faults.count("PUT", "/step-000000001/state.ckpt") == 0:  # step 1's copy is under way
+        assert time.monotonic() < deadline, "step 1 was never copied"
+        time.sleep(0.01)
+    for step in range(2, 7):
+        m.save(step, _state(step))
+    lag = m.archive_lag
+    assert lag is not None and lag.steps >= 5 and lag.seconds > 0, lag
+    assert any(
+        "archive lag:" in r.getMessage() and "step 6 committed" in r.getMessage() for r in caplog.records
+    )
+    assert _local(m) == [1, 2, 3, 4, 5, 6]  # none archived yet: all kept
+    m.wait()
+    assert _archived(bucket, options) == [1, 6]
+    assert s3_faults.count("PUT", "/state.ckpt") == 2  # steps 2-5 were never copied
+    assert _local(m) == [6]
+    lag = m.archive_lag
+    assert lag is not None and (lag.steps, lag.seconds, lag.archived) == (0, 0.0, 6)
+
+
+_KILLED_MID_COPY = textwrap.dedent(
+    """
+    import sys, torch, ckptfmt
+    run_dir, url, endpoint = sys.argv[1:4]
+    options = {"endpoint_url": endpoint, "aws_access_key_id": "k", "aws_secret_access_key": "s",
+               "region": "us-east-1"}
+    m = ckptfmt.CheckpointManager(run_dir, archive=url, storage_options=options)
+    m.save(1, {"w": torch.ones(1000)})
+    m.wait()
+    """
+)
+
+
+def test_a_copy_killed_midway_is_removed_by_the_next_archiver(tmp_path, s3_faults):
+    """Issue 38 item 2: a process SIGKILLed while its copy of a step waits for the commit
+    record's upload leaves objects without a commit record; the next archiver (here on a new
+    node) removes them, and leaves alone what it cannot prove abandoned."""
+    options = s3_faults.storage_options()
+    bucket = s3_faults.new_bucket()
+    c = s3_faults.client()
+    c.put_object(Bucket=bucket, Key="run/step-000000007/state.ckpt", Body=b"someone else's")  # no marker
+    s3_faults.delay("PUT", "/step-000000001/COMMIT", seconds=60)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _KILLED_MID_COPY,
+            str(tmp_path / "old"),
+            f"s3://{bucket}/run",
+            s3_faults.endpoint_url,
+        ],
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while s3_faults.count("PUT", "/step-000000001/COMMIT") == 0:
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                "the copy never reached its commit record"
+            )
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    s3_faults.clear_rules()
+    left = _keys(bucket, options)
+    assert "step-000000001/state.ckpt" in left and "step-000000001/COMMIT" not in left
+    assert any(k.startswith("step-000000001/" + COPY_MARKER) for k in left)
+    m = _manager(tmp_path / "new-node", bucket, options, archive_keep_last=1)
+    m.save(2, _state(2))
+    m.wait()
+    assert _keys(bucket, options) == {
+        "step-000000002/state.ckpt",
+        "step-000000002/COMMIT",
+        "step-000000007/state.ckpt",  # not provably an abandoned copy of ours: left
+    }
+
+
+def test_the_archive_never_holds_more_than_its_rules(tmp_path, s3_faults):
+    """Issue 38 item 4: the step the archive's rules drop goes before the new step's commit
+    record, so no listing ever shows more complete steps than archive_keep_last."""
+    options = s3_faults.storage_options()
+    bucket = s3_faults.new_bucket()
+    m = _manager(tmp_path / "run", bucket, options, archive_keep_last=2)
+    for step in (1, 2):
+        m.save(step, _state(step))
+        m.wait()
+    s3_faults.delay("DELETE", "/step-000000001/COMMIT", seconds=1.0)  # rotation is slow
+    seen: list[list[int]] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        direct = ObjectRun(f"s3://{bucket}/run", options)
+        while not stop.is_set():
+            seen.append([c.step for c in direct.checkpoints()])
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        m.save(3, _state(3))
+        m.wait()
+    finally:
+        stop.set()
+        watcher.join()
+    assert _archived(bucket, options) == [2, 3]
+    assert seen and max(len(s) for s in seen) <= 2, [s for s in seen if len(s) > 2][:3]
+
+
+@pytest.mark.parametrize("fault", ["503", "stall"])
+def test_an_archive_outage_does_not_stop_a_resume(tmp_path, s3_faults, fault):
+    """Issue 37 item 6: with the archive failing every request, latest()/load()/load_into()
+    resume from the local tier with a warning, saves go on, and the steps are archived once
+    it is back."""
+    options = s3_faults.storage_options() | {"max_attempts": 1, "request_timeout": 1, "read_timeout": 1}
+    bucket = s3_faults.new_bucket()
+    m = _manager(tmp_path / "run", bucket, options, keep_last=1, archive_keep_last=1)
+    m.save(1, _state(1))
+    m.wait()
+    if fault == "503":
+        s3_faults.fail_next(None, "", status=503, code="SlowDown", count=10**6)
+    else:
+        s3_faults.delay(None, "", seconds=5)
+    m2 = _manager(tmp_path / "run", bucket, options, keep_last=1, archive_keep_last=1)  # a restart
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert m2.latest().step == 1
+        assert m2.load()["step"] == 1
+        target = {"w": torch.zeros(1000), "step": 0}
+        assert m2.load_into(target).step == 1 and target["step"] == 1
+        m2.save(2, _state(2))
+        m2.wait()
+    assert any("could not be checked" in str(w.message) for w in caught)
+    assert _local(m2) == [1, 2] or _local(m2) == [2]
+    s3_faults.clear_rules()
+    m2.save(3, _state(3))
+    m2.wait()
+    assert _archived(bucket, options) == [3]
+    assert _local(m2) == [3]
+
+
+def test_an_archive_known_to_hold_a_newer_step_is_not_bypassed(tmp_path, s3_faults):
+    """Issue 37 item 6, decided: when this process saw the archive hold a step newer than the
+    local tier's newest and the archive then cannot be read, resuming from the older local
+    step would fork the run: a StorageError naming both steps."""
+    options = s3_faults.storage_options() | {"max_attempts": 1}
+    bucket = s3_faults.new_bucket()
+    old = _manager(tmp_path / "old", bucket, options)
+    for step in (1, 2, 3):
+        old.save(step, _state(step))
+    old.wait()
+    stale = _manager(tmp_path / "stale", bucket, options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        stale.save(1, _state(1))  # the same step 1 as the archive's is another save of it
+        stale.wait()
+    assert stale.latest().step == 3  # the archive, listed: newer than this disk
+    s3_faults.fail_next(None, "", status=503, code="SlowDown", count=10**6)
+    with pytest.raises(StorageError, match="seen holding step 3, newer than the local tier's newest \\(1\\)"):
+        stale.latest()
+    with pytest.raises(StorageError, match="seen holding step 3"):
+        stale.load()
+
+
+def test_only_markers_of_ended_writers_make_a_prefix_removable(tmp_path, s3_bucket):
+    """Issue 38 item 2, the proof rule (spec 13.7): a prefix goes only when all its copy markers
+    are dead (a process of this host that has ended) and no step refers to its objects; a live
+    or foreign writer's fresh marker, and a prefix without a marker, are left alone."""
+    bucket, options = s3_bucket
+    from s3_server import s3_client
+
+    from ckptfmt.engine import commit
+
+    m = _manager(tmp_path / "run", bucket, options)
+    m.save(1, _state(1))
+    m.wait()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a process of this host that has ended
+    dead = f"{COPY_MARKER}{commit.host_token()}.{gone.pid}.0.0badcafe"
+    live = f"{COPY_MARKER}{commit.host_token()}.{os.getppid()}.0.0badcafe"
+    foreign = f"{COPY_MARKER}{'f' * 16}.{gone.pid}.0.0badcafe"
+    c = s3_client(options["endpoint_url"])
+    for key in (
+        f"step-000000005/{dead}",  # an interrupted copy: removed
+        "step-000000005/state.ckpt",
+        f"step-000000006/{dead}",  # a dead and a live writer: left
+        f"step-000000006/{live}",
+        "step-000000006/state.ckpt",
+        f"step-000000007/{foreign}",  # another host's, written just now: left
+        "step-000000007/state.ckpt",
+        "step-000000008/state.ckpt",  # no marker: not provably ours
+        f"step-000000001/{dead}",  # a complete step: only the marker goes
+    ):
+        c.put_object(Bucket=bucket, Key=f"run/{key}", Body=b"x")
+    removed = ObjectRun(f"s3://{bucket}/run", options).remove_interrupted_copies()
+    assert removed == [5]
+    assert {k for k in _keys(bucket, options) if not k.startswith("step-000000001/")} == {
+        f"step-000000006/{dead}",
+        f"step-000000006/{live}",
+        "step-000000006/state.ckpt",
+        f"step-000000007/{foreign}",
+        "step-000000007/state.ckpt",
+        "step-000000008/state.ckpt",
+    }
+    assert {k for k in _keys(bucket, options) if k.startswith("step-000000001/")} == {
+        "step-000000001/state.ckpt",
+        "step-000000001/COMMIT",
+    }
+    assert _archived(bucket, options) == [1]
