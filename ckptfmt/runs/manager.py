@@ -200,7 +200,7 @@ class CheckpointManager:
             local_steps=lambda: self._scan().complete(),
             on_archived=self._rotate,
         )
-        if self._scan().complete():  # steps an earlier process left unarchived: copied now
+        if _archives_here() and self._scan().complete():  # steps an earlier process left unarchived
             self._archiver.kick()
 
     def __repr__(self) -> str:
@@ -881,6 +881,14 @@ class CheckpointManager:
         return verify_in_run(
             self.directory, os.path.basename(info.path), info.step, self._trusted, self._decrypt
         )
+
+
+def _archives_here() -> bool:
+    """Whether this process copies steps to the archive: in a job of several ranks, rank 0
+    only (it holds each step directory while saving, and rotates); the others read it."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
 
 
 def _newest_state_file(scan: RunScan) -> str | None:

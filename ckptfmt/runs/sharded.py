@@ -206,6 +206,8 @@ def _save_shards(
             os.close(job.lock_fd)
             job.lock_fd = -1
         try:
+            if manager._archiver is not None:
+                manager._archiver.kick()  # copies the step in the background, as for one process
             manager._rotate()
         except (OSError, CheckpointError) as e:
             warnings.warn(f"rotation in {manager.directory} failed: {e}", CheckpointWarning, stacklevel=4)
