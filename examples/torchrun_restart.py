@@ -12,6 +12,13 @@ checkpoint (step N), RNG included, and trains to the end.  Rank 0 prints one lin
 save and one on resume, with a digest of the full weights: the digest on resume is the
 one saved at step N.
 
+Options make it the job people run at scale: ``--archive s3://bucket/run`` keeps every
+step on an object store too (credentials and endpoint from the ``AWS_*`` environment),
+``--key-file`` encrypts every rank file, ``--incremental`` writes only what changed since
+the previous step, ``--non-blocking`` returns from each save once the shards are staged,
+and ``--fresh-node`` deletes the local checkpoint directory before the restart resumes,
+as on a new machine: the new attempt resumes from the archive.
+
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is needed for the restart: torch 2.13's torchrun
 hands its workers the rendezvous's own TCP store, which outlives them, so a restarted
 worker can read the dead attempt's gloo addresses there, and its ``init_process_group``
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import signal
 import sys
 
@@ -78,6 +86,11 @@ def main() -> None:
     parser.add_argument("--ckpt-dir", required=True, help="the run's checkpoint directory")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--crash-after", type=int, default=None, help="rank 1 dies after saving this step")
+    parser.add_argument("--archive", default=None, help="an object-store URL every step is also copied to")
+    parser.add_argument("--key-file", default=None, help="encrypt every rank file with this key file")
+    parser.add_argument("--incremental", action="store_true", help="write only the chunks that changed")
+    parser.add_argument("--non-blocking", action="store_true", help="return from a save after the snapshot")
+    parser.add_argument("--fresh-node", action="store_true", help="a restart loses the local directory")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -85,10 +98,21 @@ def main() -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if rank == 0:
         warn_about_shared_store()
+        if attempt > 0 and args.fresh_node and os.path.isdir(args.ckpt_dir):
+            shutil.rmtree(args.ckpt_dir)  # a new machine: only the archive holds the run
+    dist.barrier()
     model = build_model(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = {"model": model, "optim": opt}
-    manager = ckptfmt.CheckpointManager(args.ckpt_dir, keep_last=2)
+    manager = ckptfmt.CheckpointManager(
+        args.ckpt_dir,
+        keep_last=2,
+        archive=args.archive,
+        archive_keep_last=2 if args.archive else None,
+        encrypt_with=args.key_file,
+        incremental=args.incremental,
+        blocking=not args.non_blocking,
+    )
 
     start = 0
     if manager.latest() is not None:
@@ -106,9 +130,12 @@ def main() -> None:
         digest = weights_digest(model)
         if rank == 0:
             print(f"attempt {attempt}: saved step {step} weights {digest}", flush=True)
-        if attempt == 0 and step == args.crash_after and rank == 1:
-            os.kill(os.getpid(), signal.SIGKILL)  # a crash just after a committed save
-
+        if attempt == 0 and step == args.crash_after:
+            manager.wait()  # committed (and, on rank 0, archived) before the crash
+            dist.barrier()
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # a crash just after a committed save
+    manager.wait()
     dist.destroy_process_group()
 
 

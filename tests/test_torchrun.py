@@ -26,7 +26,7 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "torchrun_restar
 JOB_TIMEOUT_S = 300
 
 
-def _run_job(run: Path) -> subprocess.CompletedProcess[str]:
+def _run_job(run: Path, *options: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable,
@@ -46,6 +46,7 @@ def _run_job(run: Path) -> subprocess.CompletedProcess[str]:
         "4",
         "--crash-after",
         "2",
+        *options,
     ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
 
@@ -69,3 +70,32 @@ def test_torchrun_restart_resumes_from_the_checkpoint(tmp_path: Path) -> None:
     assert [c.step for c in manager.checkpoints()] == [3, 4]  # keep_last=2
     assert all(multifile.read_commit(c.path).layout == "dcp" for c in manager.checkpoints())
     assert manager.verify().ok
+
+
+def test_a_tiered_encrypted_incremental_nonblocking_job_resumes_on_a_fresh_node(
+    tmp_path: Path, env_bucket: str
+) -> None:
+    """The same job with every option a large run combines: archived to a local S3 server,
+    encrypted, incremental, non-blocking; the restart finds its local directory gone (a new
+    machine) and resumes from the archive with exactly the weights saved at step 2."""
+    from ckptfmt.files.encryption import generate_key_file
+
+    run, key = tmp_path / "run", tmp_path / "run.key"
+    generate_key_file(str(key))
+    url = f"s3://{env_bucket}/run"
+    options = ("--archive", url, "--key-file", str(key), "--incremental", "--non-blocking", "--fresh-node")
+    job = _run_job(run, *options)
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-5000:]
+    events = re.findall(r"attempt (\d): (saved|resumed from) step (\d) weights ([0-9a-f]{16})", job.stdout)
+    digest = {(int(a), what, int(s)): d for a, what, s, d in events}
+    assert (1, "resumed from", 2) in digest, job.stdout
+    assert digest[(1, "resumed from", 2)] == digest[(0, "saved", 2)]  # from the archive, bit for bit
+    assert sorted(
+        c.step for c in ckptfmt.CheckpointManager(str(run), decrypt_with=str(key)).checkpoints()
+    ) == [
+        3,
+        4,
+    ]  # the new node's own steps: steps 1 and 2 were on the lost one
+    archive = ckptfmt.CheckpointManager(url, decrypt_with=str(key))
+    assert [c.step for c in archive.checkpoints()] == [3, 4]  # archive_keep_last=2
+    assert archive.verify(4).ok
