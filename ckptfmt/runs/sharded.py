@@ -38,7 +38,7 @@ from ..dcp.api import load, save, save_in_background
 from ..dcp.convert import load_full, skeleton
 from ..dcp.storage import Reader
 from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError
+from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError, UnsupportedError
 from ..fileio import is_url
 from ..files import multifile
 from . import resume
@@ -152,6 +152,12 @@ def _job(
 ) -> StepJob:
     """This rank's part of the save of `step`: rank 0 is its coordinator (it holds the step
     directory, rotates and removes a failed step); DCP's coordinator writes the record."""
+    if manager.snapshot == "fork" and not manager.blocking:
+        raise UnsupportedError(
+            "snapshot='fork' is not available in a run of several ranks (or with DTensors): DCP "
+            "stages each shard itself; use snapshot='copy'",
+            path=manager.directory,
+        )
     job = StepJob(step, path, -1, metrics, meta, SaveHandle(path))
     job.layout = "dcp"
     job.coordinator = dist.get_rank() == 0
