@@ -40,8 +40,6 @@ SEED = bytes(range(1, 33))  # the Ed25519 signing key's seed
 REFUSALS: list[tuple[dict[str, Any], str]] = [
     ({"mode": "fork", "where": "store"}, r"snapshot='fork' writes local files only"),
     ({"mode": "fork", "incremental": True}, r"snapshot='fork' cannot be combined with incremental"),
-    ({"mode": "fork", "security": "encrypted"}, r"snapshot='fork' cannot be combined with encryption"),
-    ({"mode": "fork", "security": "both"}, r"snapshot='fork' cannot be combined with encryption"),
     ({"mode": "fork", "ranks": 2}, r"snapshot='fork' is not available in a run of several ranks"),
 ]
 

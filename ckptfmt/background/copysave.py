@@ -131,8 +131,6 @@ def save_async(
         reason = forksave.why_not(encoded, dedup)
         if sign is not None:
             reason = "signed saves take each chunk's digest in this process (use snapshot='copy')"
-        if seal is not None:
-            reason = "encrypted saves encrypt each chunk in this process (use snapshot='copy')"
         if reason is not None:
             raise ValueError(f"{path}: snapshot='fork' is not possible: {reason}")
         return forksave.save_forked(
@@ -143,6 +141,7 @@ def save_async(
             metadata=metadata,
             chunk_size=chunk_size,
             within=within,
+            seal=seal,
         )
     return _save_copied(
         encoded,

@@ -15,8 +15,9 @@ the index, footer and prologue and commits exactly as a blocking save does.
 snapshot is refused with a ValueError saying why (see `why_not`): storages on an
 accelerator or in pinned memory (a driver may keep its mappings out of a child),
 memory shared with other processes (``share_memory_()``, a MAP_SHARED numpy
-memmap: later writes would reach the child), incremental saves (their digests
-are taken in this process) and builds without the C engine.
+memmap: later writes would reach the child), incremental and signed saves (their
+digests are taken in this process) and builds without the C engine.  Encrypted saves
+are written by the child too: it encrypts each chunk in C with the file's data key.
 
 The cost moves rather than vanishes, which is why this is not the default: each
 4 KiB page of the process written while the child runs is copied then, by a page
@@ -54,6 +55,7 @@ from ..engine.commit import AtomicFile
 from ..errors import SnapshotError
 from ..format import layout as fmt
 from ..format.encode import Encoded
+from ..format.encryption import Sealer
 from . import inflight
 from .inflight import SaveHandle
 
@@ -119,8 +121,12 @@ def save_forked(
     metadata: dict[str, str],
     chunk_size: int,
     within: CheckpointDir | None = None,
+    seal: Sealer | None = None,
 ) -> SaveHandle:
     """Fork a child that writes `encoded`'s chunks to a temp file; return once it runs.
+    With `seal` the child encrypts each chunk with the file's data key (the engine's
+    AES-256-GCM, in C) and leaves its tag where this process reads it; the index is sealed
+    here, once the child is done.
 
     A failure here (fork() refused, no descriptors left, an interrupt) leaves nothing
     behind: no temp file, no descriptor, no child, no save in flight."""
@@ -147,6 +153,7 @@ def save_forked(
             _native.default_threads(),
             ready_w,
             alive,
+            key=None if seal is None else seal.data_key,
         )
         for fd in (ready_w, alive):  # the child's ends
             own.remove(fd)
@@ -154,7 +161,7 @@ def save_forked(
         handle._pid = child.pid
         thread = threading.Thread(
             target=_finish,
-            args=(handle, atomic, child, ready, alive_w, file_id, encoded, metadata, chunk_size, owner),
+            args=(handle, atomic, child, ready, alive_w, file_id, encoded, metadata, chunk_size, owner, seal),
             name=f"ckptfmt-save-{os.path.basename(path)}",
             daemon=False,
         )
@@ -249,6 +256,7 @@ def _finish(
     metadata: dict[str, str],
     chunk_size: int,
     owner: threading.Lock,
+    seal: Sealer | None = None,
 ) -> None:
     """Wait for the child, then write the index, footer and prologue and commit."""
     if not owner.acquire(blocking=False):
@@ -268,7 +276,10 @@ def _finish(
                 path=handle.path,
             )
         records, end = written
-        length = chunkwrite.finish_file(atomic.fd, file_id, encoded, records, end, metadata, chunk_size)
+        tags = child.tags() if seal is not None else None
+        length = chunkwrite.finish_file(
+            atomic.fd, file_id, encoded, records, end, metadata, chunk_size, seal=seal, tags=tags
+        )
         atomic.commit(free_replaced=replaced.append)
         handle._durable_now(length)
     except BaseException as e:

@@ -285,6 +285,11 @@ class ForkedWrite:
             raise_status(r.status, path, "writing")
         return _records(self._chunks, self._n), int(r.end_offset)
 
+    def tags(self) -> list[bytes]:
+        """The GCM tag of each chunk of a finished child given a key (fork_write's `key`)."""
+        assert ffi is not None
+        return [bytes(ffi.buffer(self._chunks[i].tag, 16)) for i in range(self._n)]
+
     def close(self) -> None:
         if self._base is not None:
             assert ffi is not None
@@ -304,6 +309,7 @@ def fork_write(
     ready_fd: int,
     parent_fd: int,
     *,
+    key: bytes | None = None,
     _fault: int = 0,
 ) -> ForkedWrite:
     """Fork a child that writes `pieces` as chunks 0.. of the file at `fd` (checksums on) from
@@ -321,6 +327,11 @@ def fork_write(
     result = ffi.cast("ckf_fork_result *", base)
     chunks = ffi.cast("ckf_chunk *", base + head)
     keep = _fill_chunks(chunks, pieces)
+    if key is not None:  # the child encrypts each chunk with it; its tags land in `chunks`
+        kbuf = ffi.new("uint8_t[32]", key)
+        keep.append(kbuf)
+        for i in range(n):
+            chunks[i].key = kbuf
     fid = ffi.new("uint8_t[16]", file_id)
     lvl = lib.CKF_LEVEL_FAST_PROFILE if level is None else level
     args = (fd, fid, 0, first_offset, chunks, n, 1 if compression else 0, lvl, threads, ready_fd, parent_fd)

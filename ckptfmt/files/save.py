@@ -117,7 +117,8 @@ def save(
     encrypt_with: a key (32 bytes, a key file's path, or a key service's callable: see
     files/encryption.py): the file is encrypted (spec section 17) with AES-256-GCM under a
     fresh data key wrapped by it, each chunk by the engine as it is written (after
-    compression), and the index too unless ``encrypt_index=False``.  Not with snapshot='fork'.
+    compression), and the index too unless ``encrypt_index=False``; with snapshot='fork' the
+    forked child encrypts the chunks.
     With sign_with too, the file is encrypted, then signed (spec 17.8): the signature binds
     the ciphertext, the encryption block and the wrapped key, and is checked without the key."""
     began = time.perf_counter()

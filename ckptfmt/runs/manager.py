@@ -141,17 +141,15 @@ class CheckpointManager:
         archives, stores and several ranks.
 
         snapshot="fork" (non-blocking saves, see ckptfmt.save) is refused where the child that
-        writes a fork snapshot cannot do the work: with incremental saves and encryption (their
-        digests, keys and tags are taken in this process), on an object store (the child only
-        writes a local file), and, at the first save, in a run of several ranks (DCP stages
-        each shard itself)."""
+        writes a fork snapshot cannot do the work: with incremental saves (their digests are
+        compared with the base's in this process), on an object store (the child only writes a
+        local file), and, at the first save, in a run of several ranks (DCP stages each shard
+        itself).  Encrypted runs take fork snapshots: the child encrypts each chunk."""
         retention.check_rules(keep_last, keep_every, keep_best, best_mode)
         writer.check_save_args(compression, None, None)
         writer.check_snapshot(snapshot)
         if snapshot == "fork" and incremental:
             raise ValueError("snapshot='fork' cannot be combined with incremental saves")
-        if snapshot == "fork" and encrypt_with is not None:
-            raise ValueError("snapshot='fork' cannot be combined with encryption (use snapshot='copy')")
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.keep_best = keep_best
