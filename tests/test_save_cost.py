@@ -75,3 +75,27 @@ def test_the_log_is_silent_unless_configured(tmp_path):
     code = f"import torch, ckptfmt; ckptfmt.save({{'w': torch.ones(4)}}, {str(tmp_path / 'e.ckpt')!r})"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stderr == "" and out.stdout == ""
+
+
+def test_a_manager_reports_each_step(tmp_path, s3_bucket, caplog):
+    """CheckpointManager.save_cost(step): blocked, durable, bytes of the step's files and, in
+    a tiered run, the time until the archive held it; one INFO line per committed step."""
+    bucket, options = s3_bucket
+    with caplog.at_level(logging.INFO, logger="ckptfmt"):
+        m = ckptfmt.CheckpointManager(
+            tmp_path / "run", archive=f"s3://{bucket}/run", storage_options=options, blocking=False
+        )
+        m.save(1, STATE)
+        m.wait()
+    cost = m.save_cost(1)
+    state_file = tmp_path / "run" / "step-000000001" / "state.ckpt"
+    assert cost is not None and cost.bytes == state_file.stat().st_size
+    assert 0 < cost.blocked_s <= cost.durable_s <= cost.archived_s < 60
+    assert m.save_cost(2) is None
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "ckptfmt" and "step 1 committed" in r.getMessage()
+    ]
+    assert len(lines) == 1 and f"{cost.bytes} bytes" in lines[0] and "archive lag" in lines[0]
+    blocking = ckptfmt.CheckpointManager(tmp_path / "b")
+    assert blocking.save(1, STATE) is None  # a blocking save returns once committed
+    assert blocking.save_cost(1).blocked_s == blocking.save_cost(1).durable_s

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -76,6 +77,7 @@ class Archiver:
         self._claim = copy_marker()
         self._held: set[int] | None = None  # the archive's complete steps; None: not listed yet
         self._failed: dict[int, str] = {}  # step -> why its last copy failed
+        self._archived_at: dict[int, float] = {}  # step -> perf_counter() when it was copied
         self._wanted = False
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -122,6 +124,11 @@ class Archiver:
             waited = datetime.datetime.now(datetime.timezone.utc) - behind[0].created
             seconds = max(0.0, waited.total_seconds())
         return ArchiveLag(steps=len(behind), seconds=seconds, archived=newest)
+
+    def archived_at(self, step: int) -> float | None:
+        """When (perf_counter) this process copied `step` to the archive, if it did lately."""
+        with self._cond:
+            return self._archived_at.get(step)
 
     def failures(self) -> dict[int, str]:
         """Steps whose last copy failed and that are still to be copied, and why (they are
@@ -211,6 +218,9 @@ class Archiver:
         with self._cond:
             assert self._held is not None
             self._held.add(info.step)
+            self._archived_at[info.step] = time.perf_counter()
+            while len(self._archived_at) > 1024:
+                del self._archived_at[next(iter(self._archived_at))]
             newest = max(self._held)
             self._failed = {s: why for s, why in self._failed.items() if s > newest or self._owed(s)}
             self._failed.pop(info.step, None)

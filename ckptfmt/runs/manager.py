@@ -30,11 +30,13 @@ checkpoint.  So:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
 import stat
 import threading
+import time
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -73,6 +75,9 @@ from .steps import (
     held,
     step_dirname,
 )
+
+#: the saves whose cost save_cost() answers for
+COSTS_KEPT = 1024
 
 #: one INFO line per committed save (with a tiered run's archive lag); silent unless the
 #: application configures logging
@@ -164,6 +169,7 @@ class CheckpointManager:
         # a bad key, or an engine without libcrypto, fails here, not at the first save
         self._encrypt, self._decrypt = encryption.save_and_read_keys(encrypt_with, decrypt_with)
         self._lock = threading.Lock()
+        self._saves: dict[int, inflight.SaveHandle] = {}  # the latest saves' handles, by step
         self._jobs: list[StepJob] = []  # in flight, or finished with an error nobody has seen
         #: the archive tier (an object-store run), when `archive` is given
         self.archive: ObjectRun | None = None
@@ -404,10 +410,13 @@ class CheckpointManager:
     def _commit_when_written(self, job: StepJob) -> inflight.SaveHandle | None:
         """Commit `job` once its files are written: now when blocking, else on a thread of its
         own after the commits of earlier saves (commit records go in the order of the saves)."""
+        self._remember(job)
         if self.blocking:
             self._finish(job, None)
             job.handle.wait()
+            job.handle._returning(job.began)
             return None
+        job.handle._returning(job.began)
         with self._lock:
             before = self._jobs[-1].thread if self._jobs else None
             self._jobs.append(job)
@@ -532,6 +541,7 @@ class CheckpointManager:
             if not job.coordinator:
                 pass  # another rank holds the step directory, and rotates or removes it
             elif exc is None:
+                job.handle._durable_now(self._step_bytes(job))
                 if self._archiver is not None:
                     self._archiver.kick()
                 self._rotate()
@@ -554,14 +564,48 @@ class CheckpointManager:
         if not logger.isEnabledFor(logging.INFO):
             return
         lag = self.archive_lag
+        durable = time.perf_counter() - job.began
         logger.info(
-            "step %d committed in %s%s",
+            "step %d committed in %s: %d bytes, durable after %.3f s%s",
             job.step,
             self.directory,
+            job.handle._bytes,
+            durable,
             ""
             if lag is None
             else f"; archive lag: {lag.steps} step(s), {lag.seconds:.1f} s (archive at step {lag.archived})",
         )
+
+    def _step_bytes(self, job: StepJob) -> int:
+        """The bytes of the files step `job` committed, by its record (0 on a rank that does not
+        hold the step directory)."""
+        if job.lock_fd < 0:
+            return 0
+        return sum(p.length for p in multifile.read_commit(held(job)).files)
+
+    def _remember(self, job: StepJob) -> None:
+        """Keep the handle of a save for save_cost() (the last COSTS_KEPT saves)."""
+        with self._lock:
+            self._saves[job.step] = job.handle
+            while len(self._saves) > COSTS_KEPT:
+                del self._saves[next(iter(self._saves))]
+
+    def save_cost(self, step: int) -> inflight.SaveCost | None:
+        """What the save of `step` by this manager cost (inflight.SaveCost: the time the caller
+        was blocked, the time to durable, the bytes of the step's files, the throughput and, in
+        a tiered run, the time until the archive held it); None while it runs, if it failed, or
+        for a step this manager did not save lately."""
+        with self._lock:
+            handle = self._saves.get(step)
+        if handle is None or handle.cost is None:
+            return None
+        cost = handle.cost
+        if self._archiver is None:
+            return cost
+        archived = self._archiver.archived_at(step)
+        if archived is None:
+            return cost
+        return dataclasses.replace(cost, archived_s=max(archived - handle._began, cost.durable_s))
 
     @property
     def archive_lag(self) -> ArchiveLag | None:

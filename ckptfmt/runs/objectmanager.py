@@ -230,6 +230,12 @@ class ObjectRunManager(CheckpointManager):
         if uploaded:
             self._tidy(job.path, lambda: self.run.delete_uncommitted(job.step, STATE_NAME))
 
+    def _step_bytes(self, job: StepJob) -> int:
+        """The bytes of the objects step `job` committed, by its record (one GET)."""
+        if not job.coordinator:
+            return 0
+        return sum(p.length for p in self.run.step_place(job.step).read_record().files)
+
     def _rotate(self) -> None:
         statuses = self.statuses()  # once: the records are read by one GET each
         done = [s.info for s in statuses if s.info is not None]

@@ -6,10 +6,12 @@ for these.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +108,7 @@ class StepJob:
     #: commit, or removes the step when the save fails (rank 0 of a save of several ranks)
     coordinator: bool = True
     written: bool = False  # the save's state file was begun (object stores: it made the object)
+    began: float = dataclasses.field(default_factory=time.perf_counter)  # the save call, roughly
 
 
 def held(job: StepJob) -> CheckpointDir:
