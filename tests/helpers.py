@@ -220,3 +220,50 @@ def states(max_leaves: int = 20) -> st.SearchStrategy[Any]:
     return st.tuples(tree, st.lists(tensor_groups(), max_size=3)).map(
         lambda p: {"tree": p[0], "tensors": p[1]}
     )
+
+
+def run_ranks(target: Any, world: int, where: Any, *args: Any) -> list[dict[str, Any]]:
+    """Run ``target(rank, world, *args)`` (a module-level function returning a JSON-able dict)
+    on `world` spawned processes joined in a gloo group, and return each rank's dict; a rank
+    whose target raised returns ``{"error": "<type>: <message> <traceback>"}``.  `where`: a
+    directory for the group's store and the results."""
+    import os
+    import uuid
+
+    import torch.multiprocessing as mp
+
+    tag = uuid.uuid4().hex[:8]
+    mp.start_processes(
+        _rank_entry,
+        args=(target, world, str(where), tag, args),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
+    )
+    import json
+
+    out = []
+    for rank in range(world):
+        with open(os.path.join(str(where), f"ranks-{tag}.{rank}.json")) as fh:
+            out.append(json.load(fh))
+    return out
+
+
+def _rank_entry(rank: int, target: Any, world: int, where: str, tag: str, args: tuple[Any, ...]) -> None:
+    import json
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(os.path.join(where, f"store-{tag}"), world), rank=rank, world_size=world
+    )
+    try:
+        result = target(rank, world, *args)
+    except Exception as e:  # reported to the test, which prints it
+        result = {"error": f"{type(e).__name__}: {e} {traceback.format_exc()}"}
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(where, f"ranks-{tag}.{rank}.json"), "w") as fh:
+        json.dump(result, fh)

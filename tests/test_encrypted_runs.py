@@ -241,18 +241,15 @@ def test_a_swapped_base_file_is_refused(tmp_path, monkeypatch):
 # -- encrypted runs of several ranks (the manager's DCP backend) -------------------------------
 
 
-def _manager_rank_main(rank: int, world: int, store: str, base: str, options: dict[str, str]) -> None:
+def _manager_rank_main(rank: int, world: int, base: str, options: dict[str, str]) -> dict[str, object]:
     """One rank of an encrypted (and a signed encrypted) manager run on 2 ranks, locally and on
     the store: two steps saved, the newest resumed into a fresh sharded state with the key."""
-    import json
     import os
 
-    import torch.distributed as dist
     from cryptography.hazmat.primitives.asymmetric import ed25519
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     priv = ed25519.Ed25519PrivateKey.from_private_bytes(bytes(range(1, 33)))
     runs = {
         "local": (os.path.join(base, "run"), {}),
@@ -260,47 +257,33 @@ def _manager_rank_main(rank: int, world: int, store: str, base: str, options: di
         "store": (options.pop("url"), {"storage_options": options}),
     }
     results: dict[str, object] = {}
-    try:
-        mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world,))
 
-        def sharded(t: torch.Tensor, n: int) -> dict[str, object]:
-            return {"w": distribute_tensor(t.clone(), mesh, [Shard(0)]), "n": n}
+    def sharded(t: torch.Tensor, n: int) -> dict[str, object]:
+        return {"w": distribute_tensor(t.clone(), mesh, [Shard(0)]), "n": n}
 
-        for name, (where, extra) in runs.items():
-            m = ckptfmt.CheckpointManager(where, keep_last=1, encrypt_with=KEY, **extra)
-            m.save(1, sharded(FULL, 1))
-            m.save(2, sharded(FULL * 2, 2))
-            target = sharded(torch.zeros_like(FULL), 0)
-            report = m.load_into(target)
-            got = target["w"].full_tensor()  # type: ignore[attr-defined]
-            results[name] = [report.step, bool(torch.equal(got, FULL * 2)), target["n"]]
-    except Exception as e:  # reported to the test, which prints it
-        results["error"] = f"{type(e).__name__}: {e}"
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(base, f"manager.{rank}.json"), "w") as fh:
-        json.dump(results, fh)
+    for name, (where, extra) in runs.items():
+        m = ckptfmt.CheckpointManager(where, keep_last=1, encrypt_with=KEY, **extra)
+        m.save(1, sharded(FULL, 1))
+        m.save(2, sharded(FULL * 2, 2))
+        target = sharded(torch.zeros_like(FULL), 0)
+        report = m.load_into(target)
+        got = target["w"].full_tensor()  # type: ignore[attr-defined]
+        results[name] = [report.step, bool(torch.equal(got, FULL * 2)), target["n"]]
+    return results
 
 
 def test_an_encrypted_manager_run_of_two_ranks(tmp_path, s3_bucket):
     """CheckpointManager(encrypt_with=) on 2 ranks saves every rank file encrypted (locally, on
     a store, and signed too), resumes with the key on 2 ranks and in one process, verifies; a
     rank file alone and a manager without the key read nothing."""
-    import json
-
-    import torch.multiprocessing as mp
     from cryptography.hazmat.primitives.asymmetric import ed25519
+    from helpers import run_ranks
 
     bucket, options = s3_bucket
-    mp.start_processes(
-        _manager_rank_main,
-        args=(2, str(tmp_path / "store"), str(tmp_path), {**options, "url": f"s3://{bucket}/enc"}),
-        nprocs=2,
-        join=True,
-        start_method="spawn",
-    )
-    for rank in (0, 1):
-        got = json.loads((tmp_path / f"manager.{rank}.json").read_text())
+    for got in run_ranks(
+        _manager_rank_main, 2, tmp_path, str(tmp_path), {**options, "url": f"s3://{bucket}/enc"}
+    ):
         assert got == {name: [2, True, 2] for name in ("local", "signed", "store")}, got
     pub = ed25519.Ed25519PrivateKey.from_private_bytes(bytes(range(1, 33))).public_key()
     readers = [

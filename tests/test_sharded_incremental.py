@@ -6,10 +6,10 @@ ranks and resharded into one process, locally and encrypted on a store, blocking
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
+from helpers import run_ranks
 
 import ckptfmt
 from ckptfmt.files import multifile
@@ -18,66 +18,52 @@ FROZEN = torch.arange(1 << 18, dtype=torch.float32).reshape(512, 512)  # 1 MiB, 
 KEY = bytes(range(32))
 
 
-def _rank_main(rank: int, world: int, store: str, base: str, options: dict[str, str]) -> None:
+def _rank_main(rank: int, world: int, base: str, options: dict[str, str]) -> dict[str, object]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     results: dict[str, object] = {}
-    try:
-        mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world,))
 
-        def state(step: int) -> dict[str, object]:
-            adapter = torch.full((64, 8), float(step))
-            return {
-                "frozen": distribute_tensor(FROZEN.clone(), mesh, [Shard(0)]),
-                "adapter": distribute_tensor(adapter, mesh, [Shard(0)]),
-                "step": step,
-            }
-
-        url = options.pop("url")
-        runs = {
-            "local": (os.path.join(base, "run"), {"blocking": True, "incremental": True}),
-            "store": (
-                url,
-                {"storage_options": options, "encrypt_with": KEY, "incremental": True, "blocking": False},
-            ),
-            "full": (os.path.join(base, "full"), {"blocking": True}),  # not incremental: for contrast
+    def state(step: int) -> dict[str, object]:
+        adapter = torch.full((64, 8), float(step))
+        return {
+            "frozen": distribute_tensor(FROZEN.clone(), mesh, [Shard(0)]),
+            "adapter": distribute_tensor(adapter, mesh, [Shard(0)]),
+            "step": step,
         }
-        for name, (where, extra) in runs.items():
-            m = ckptfmt.CheckpointManager(where, keep_last=1, **extra)
-            for step in (1, 2, 3):
-                m.save(step, state(step))
-            m.wait()
-            dist.barrier()
-            target = {k: (v * 0 if isinstance(v, torch.Tensor) else 0) for k, v in state(0).items()}
-            report = m.load_into(target)
-            results[name] = [
-                report.step,
-                bool(torch.equal(target["frozen"].full_tensor(), FROZEN)),  # type: ignore[union-attr]
-                bool(torch.equal(target["adapter"].full_tensor(), torch.full((64, 8), 3.0))),  # type: ignore[union-attr]
-                target["step"],
-            ]
-    except Exception as e:  # reported to the test, which prints it
-        import traceback
 
-        results["error"] = f"{type(e).__name__}: {e} {traceback.format_exc()}"
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(base, f"result.{rank}.json"), "w") as fh:
-        json.dump(results, fh)
+    url = options.pop("url")
+    runs = {
+        "local": (os.path.join(base, "run"), {"blocking": True, "incremental": True}),
+        "store": (
+            url,
+            {"storage_options": options, "encrypt_with": KEY, "incremental": True, "blocking": False},
+        ),
+        "full": (os.path.join(base, "full"), {"blocking": True}),  # not incremental: for contrast
+    }
+    for name, (where, extra) in runs.items():
+        m = ckptfmt.CheckpointManager(where, keep_last=1, **extra)
+        for step in (1, 2, 3):
+            m.save(step, state(step))
+        m.wait()
+        dist.barrier()
+        target = {k: (v * 0 if isinstance(v, torch.Tensor) else 0) for k, v in state(0).items()}
+        report = m.load_into(target)
+        results[name] = [
+            report.step,
+            bool(torch.equal(target["frozen"].full_tensor(), FROZEN)),  # type: ignore[union-attr]
+            bool(torch.equal(target["adapter"].full_tensor(), torch.full((64, 8), 3.0))),  # type: ignore[union-attr]
+            target["step"],
+        ]
+    return results
 
 
 def test_incremental_saves_of_two_ranks(tmp_path, s3_bucket):
-    import torch.multiprocessing as mp
-
     bucket, options = s3_bucket
     url = f"s3://{bucket}/run"
-    args = (2, str(tmp_path / "store"), str(tmp_path), {**options, "url": url})
-    mp.start_processes(_rank_main, args=args, nprocs=2, join=True, start_method="spawn")
-    for rank in (0, 1):
-        got = json.loads((tmp_path / f"result.{rank}.json").read_text())
+    for got in run_ranks(_rank_main, 2, tmp_path, str(tmp_path), {**options, "url": url}):
         assert got == {name: [3, True, True, 3] for name in ("local", "store", "full")}, got
     run = tmp_path / "run"
     first = sum(f.stat().st_size for f in (run / "step-000000001").glob("rank-*.ckpt"))

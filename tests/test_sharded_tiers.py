@@ -5,12 +5,12 @@ archive bit for bit; encrypted, incremental and non-blocking together."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
 import pytest
 import torch
+from helpers import run_ranks
 
 import ckptfmt
 
@@ -19,72 +19,59 @@ KEY = bytes(range(32))
 
 
 def _rank_main(
-    rank: int, world: int, store: str, base: str, options: dict[str, str], phase: str, blocking: bool
-) -> None:
+    rank: int, world: int, base: str, options: dict[str, str], phase: str, blocking: bool
+) -> dict[str, object]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     results: dict[str, object] = {}
-    try:
-        mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", (world,))
 
-        def state(step: int) -> dict[str, object]:
-            return {
-                "frozen": distribute_tensor(FROZEN.clone(), mesh, [Shard(0)]),
-                "adapter": distribute_tensor(torch.full((64, 8), float(step)), mesh, [Shard(0)]),
-                "step": step,
-            }
+    def state(step: int) -> dict[str, object]:
+        return {
+            "frozen": distribute_tensor(FROZEN.clone(), mesh, [Shard(0)]),
+            "adapter": distribute_tensor(torch.full((64, 8), float(step)), mesh, [Shard(0)]),
+            "step": step,
+        }
 
-        archive = options.pop("url")
-        m = ckptfmt.CheckpointManager(
-            os.path.join(base, "node"),
-            keep_last=1,
-            archive=archive,
-            archive_keep_last=2,
-            storage_options=options,
-            encrypt_with=KEY,
-            incremental=True,
-            blocking=blocking,
-        )
-        if phase == "save":
-            for step in (1, 2, 3):
-                m.save(step, state(step))
-            m.wait()  # the saves, and on rank 0 the archive copies
-            dist.barrier()
-            results["archived"] = [c.step for c in m.archive.checkpoints()] if m.archive else None
-        else:  # a fresh node: nothing local, the archive only
-            latest = m.latest()
-            target = {k: (v * 0 if isinstance(v, torch.Tensor) else 0) for k, v in state(0).items()}
-            report = m.load_into(target)
-            results["resumed"] = [
-                None if latest is None else latest.step,
-                report.step,
-                bool(torch.equal(target["frozen"].full_tensor(), FROZEN)),  # type: ignore[union-attr]
-                bool(torch.equal(target["adapter"].full_tensor(), torch.full((64, 8), 3.0))),  # type: ignore[union-attr]
-                target["step"],
-            ]
-            m.save(4, state(4))  # the run goes on, on the new node
-            m.wait()
-            dist.barrier()
-            results["archived"] = [c.step for c in m.archive.checkpoints()] if m.archive else None
-    except Exception as e:  # reported to the test, which prints it
-        import traceback
-
-        results["error"] = f"{type(e).__name__}: {e} {traceback.format_exc()}"
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(base, f"{phase}.{rank}.json"), "w") as fh:
-        json.dump(results, fh)
+    archive = options.pop("url")
+    m = ckptfmt.CheckpointManager(
+        os.path.join(base, "node"),
+        keep_last=1,
+        archive=archive,
+        archive_keep_last=2,
+        storage_options=options,
+        encrypt_with=KEY,
+        incremental=True,
+        blocking=blocking,
+    )
+    if phase == "save":
+        for step in (1, 2, 3):
+            m.save(step, state(step))
+        m.wait()  # the saves, and on rank 0 the archive copies
+        dist.barrier()
+        results["archived"] = [c.step for c in m.archive.checkpoints()] if m.archive else None
+    else:  # a fresh node: nothing local, the archive only
+        latest = m.latest()
+        target = {k: (v * 0 if isinstance(v, torch.Tensor) else 0) for k, v in state(0).items()}
+        report = m.load_into(target)
+        results["resumed"] = [
+            None if latest is None else latest.step,
+            report.step,
+            bool(torch.equal(target["frozen"].full_tensor(), FROZEN)),  # type: ignore[union-attr]
+            bool(torch.equal(target["adapter"].full_tensor(), torch.full((64, 8), 3.0))),  # type: ignore[union-attr]
+            target["step"],
+        ]
+        m.save(4, state(4))  # the run goes on, on the new node
+        m.wait()
+        dist.barrier()
+        results["archived"] = [c.step for c in m.archive.checkpoints()] if m.archive else None
+    return results
 
 
 def _run(phase: str, tmp_path, options: dict[str, str], blocking: bool) -> list[dict[str, object]]:
-    import torch.multiprocessing as mp
-
-    args = (2, str(tmp_path / f"store-{phase}"), str(tmp_path), options, phase, blocking)
-    mp.start_processes(_rank_main, args=args, nprocs=2, join=True, start_method="spawn")
-    return [json.loads((tmp_path / f"{phase}.{r}.json").read_text()) for r in (0, 1)]
+    return run_ranks(_rank_main, 2, tmp_path, str(tmp_path), options, phase, blocking)
 
 
 @pytest.mark.parametrize("blocking", [True, False])

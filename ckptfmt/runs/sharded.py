@@ -25,7 +25,7 @@ import itertools
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,25 +96,18 @@ def save_step(
     scan of the run directory (rank 0 cleans up and makes the step by it).  See _save_shards."""
     job = _job(manager, step, os.path.join(manager.directory, step_dirname(step)), metrics, meta)
     payload = _payload(state)
-    if manager.incremental:  # the step to refer to must be committed: every rank's save of it
-        manager._wait_all()
-    told: list[Any] = [None, None]  # what went wrong on rank 0, the step to save against
-    if job.coordinator:
-        try:
-            if manager.incremental and scan.busy:
-                scan = manager._scan()  # those saves have committed (or failed) since the scan
-            manager._cleanup(scan)
-            job.path, job.lock_fd = manager._make_step_dir(step, scan)
-            told[1] = _base_step(scan.complete()) if manager.incremental else None
-        except (OSError, CheckpointError) as e:
-            told[0] = str(e)
-    dist.broadcast_object_list(told, src=0)
-    if told[0] is not None:
-        raise CheckpointError(f"rank 0 could not make the directory of step {step}: {told[0]}")
+
+    def make_step_dir() -> list[CheckpointInfo]:
+        now = manager._scan() if manager.incremental and scan.busy else scan  # those saves are done
+        manager._cleanup(now)
+        job.path, job.lock_fd = manager._make_step_dir(step, now)
+        return now.complete()
+
+    base = _prepared(manager, job, make_step_dir, f"rank 0 could not make the directory of step {step}")
     # Every write, unlink and listing is made beneath the step directory's descriptor: rank 0
     # writes beneath the directory it made and holds locked; the other ranks open it beneath
     # the run directory without following a link (spec 13.6).
-    return _save_shards(manager, job, payload, held(job) if job.coordinator else None, None, told[1])
+    return _save_shards(manager, job, payload, held(job) if job.coordinator else None, None, base)
 
 
 def save_object_step(
@@ -125,20 +118,33 @@ def save_object_step(
     "dcp", only if absent) last; rank 0 rotates."""
     job = _job(manager, step, manager.run.step_path(step), metrics, meta)
     payload = _payload(state)
+
+    def prepare_step() -> list[CheckpointInfo]:
+        return [s.info for s in manager._prepare_step(step) if s.info is not None]
+
+    base = _prepared(manager, job, prepare_step, f"rank 0 cannot save step {step}")
+    return _save_shards(manager, job, payload, None, manager.run.options, base)
+
+
+def _prepared(
+    manager: CheckpointManager, job: StepJob, prepare: Callable[[], list[CheckpointInfo]], failing: str
+) -> str | None:
+    """Run `prepare` (which readies the step and returns the run's complete steps) on rank 0,
+    then tell every rank how it went: CheckpointError (`failing`, and why) on every rank if it
+    failed, else the step an incremental save refers to (None: none, or not incremental)."""
     if manager.incremental:  # the step to refer to must be committed: every rank's save of it
         manager._wait_all()
     told: list[Any] = [None, None]  # what went wrong on rank 0, the step to save against
     if job.coordinator:
         try:
-            statuses = manager._prepare_step(step)
-            if manager.incremental:
-                told[1] = _base_step([s.info for s in statuses if s.info is not None])
+            complete = prepare()
+            told[1] = _base_step(complete) if manager.incremental else None
         except (OSError, CheckpointError, ValueError) as e:
             told[0] = str(e)
     dist.broadcast_object_list(told, src=0)
     if told[0] is not None:
-        raise CheckpointError(f"rank 0 cannot save step {step}: {told[0]}", path=manager.directory)
-    return _save_shards(manager, job, payload, None, manager.run.options, told[1])
+        raise CheckpointError(f"{failing}: {told[0]}", path=manager.directory)
+    return told[1]  # type: ignore[no-any-return]
 
 
 def _base_step(complete: list[CheckpointInfo]) -> str | None:
