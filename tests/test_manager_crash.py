@@ -134,6 +134,11 @@ class Progress:
     def unfinished(self, pid: int) -> set[int]:
         return self.begun[pid] - self.done[pid]
 
+    def started(self, pid: int) -> None:
+        """A worker with this pid starts: pids are reused, an earlier worker's steps are not its."""
+        self.begun.pop(pid, None)
+        self.done.pop(pid, None)
+
 
 class Reference:
     """The uninterrupted run: the same trainer from scratch, on its own RNG stream."""
@@ -295,6 +300,7 @@ def test_sigkill_campaign_on_a_rotating_run(tmp_path):
     try:
         for n in range(KILLS):
             pid = server.start()
+            progress.started(pid)
             time.sleep(rng.uniform(0.0, MAX_DELAY))
             server.kill()
             progress.read()
@@ -328,6 +334,7 @@ def test_next_save_removes_a_save_abandoned_unseen(tmp_path):
     try:
         for _attempt in range(50):
             pid = server.start()
+            progress.started(pid)
             time.sleep(0.1)  # past the resume, into the saves
             deadline = time.monotonic() + 10
             # wait until a save is writing its state file, then kill at once
@@ -348,6 +355,7 @@ def test_next_save_removes_a_save_abandoned_unseen(tmp_path):
         progress.read()
         # the next worker: wait until its first save has returned complete
         pid = server.start()
+        progress.started(pid)
         deadline = time.monotonic() + 30
         while not progress.done[pid]:
             assert time.monotonic() < deadline, "the next worker completed no save in 30 s"

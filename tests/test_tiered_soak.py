@@ -241,6 +241,7 @@ def soak(tmp_path: Any, s3_server: Any, mode: str, kills: int, seed: int) -> dic
     try:
         for n in range(kills):
             pid = server.start()
+            progress.resumed.pop(pid, None)  # pids are reused: an earlier worker's is not this one's
             time.sleep(rng.uniform(0.0, MAX_DELAY))
             server.kill()
             progress.read()
