@@ -100,7 +100,8 @@ def main() -> None:
         warn_about_shared_store()
         if attempt > 0 and args.fresh_node and os.path.isdir(args.ckpt_dir):
             shutil.rmtree(args.ckpt_dir)  # a new machine: only the archive holds the run
-    dist.barrier()
+    if args.fresh_node:
+        dist.barrier()  # no rank opens the directory before rank 0 has removed it
     model = build_model(world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state = {"model": model, "optim": opt}
@@ -131,11 +132,13 @@ def main() -> None:
         if rank == 0:
             print(f"attempt {attempt}: saved step {step} weights {digest}", flush=True)
         if attempt == 0 and step == args.crash_after:
-            manager.wait()  # committed (and, on rank 0, archived) before the crash
-            dist.barrier()
+            if args.non_blocking or args.archive:
+                manager.wait()  # committed (and, on rank 0, archived) before the crash
+                dist.barrier()
             if rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)  # a crash just after a committed save
-    manager.wait()
+    if args.non_blocking or args.archive:
+        manager.wait()
     dist.destroy_process_group()
 
 
