@@ -528,20 +528,21 @@ class CheckpointManager:
     def _finish(self, job: StepJob, before: threading.Thread | None) -> None:
         """Wait for the files, write the commit record, rotate; report through job.handle."""
         exc: BaseException | None = None
+        record: multifile.CommitRecord | None = None
         try:
             if before is not None:
                 before.join()  # commits happen in the order of the saves
             if job.file_handle is not None:
                 job.file_handle.wait()
             if job.layout == "state":  # a save of several ranks: DCP's coordinator wrote it
-                self._commit(job)
+                record = self._commit(job)
         except BaseException as e:
             exc = e
         try:
             if not job.coordinator:
                 pass  # another rank holds the step directory, and rotates or removes it
             elif exc is None:
-                job.handle._durable_now(self._step_bytes(job))
+                job.handle._durable_now(self._step_bytes(job, record))
                 if self._archiver is not None:
                     self._archiver.kick()
                 self._rotate()
@@ -576,12 +577,13 @@ class CheckpointManager:
             else f"; archive lag: {lag.steps} step(s), {lag.seconds:.1f} s (archive at step {lag.archived})",
         )
 
-    def _step_bytes(self, job: StepJob) -> int:
-        """The bytes of the files step `job` committed, by its record (0 on a rank that does not
-        hold the step directory)."""
-        if job.lock_fd < 0:
-            return 0
-        return sum(p.length for p in multifile.read_commit(held(job)).files)
+    def _step_bytes(self, job: StepJob, record: multifile.CommitRecord | None) -> int:
+        """The bytes of the files step `job` committed, by its record: the one this process
+        wrote, else (DCP's coordinator wrote it) read back; 0 on a rank that does not hold the
+        step directory."""
+        if record is None and job.lock_fd >= 0:
+            record = multifile.read_commit(held(job))
+        return 0 if record is None else sum(p.length for p in record.files)
 
     def _remember(self, job: StepJob) -> None:
         """Keep the handle of a save for save_cost() (the last COSTS_KEPT saves)."""
@@ -615,7 +617,7 @@ class CheckpointManager:
             return None
         return self._archiver.lag(self._scan().complete())
 
-    def _commit(self, job: StepJob) -> None:
+    def _commit(self, job: StepJob) -> multifile.CommitRecord:
         """Write the step's commit record, naming the state file and every file it reads
         chunks from, each described through the step directory this save holds."""
         d = held(job)
@@ -631,6 +633,7 @@ class CheckpointManager:
             recordsign.write_signed(d, record, self._sign_key)
         else:
             multifile.write_commit(job.path, record, within=d)
+        return record
 
     def _abandon(self, job: StepJob) -> None:
         """A failed save: remove what it wrote (its step never became a checkpoint)."""

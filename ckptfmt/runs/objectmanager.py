@@ -175,7 +175,7 @@ class ObjectRunManager(CheckpointManager):
         base = f"{done[-1].path}/{STATE_NAME}" if done else None
         return self._save_state(payload, f"{job.path}/{STATE_NAME}", base, storage_options=self.run.options)
 
-    def _commit(self, job: StepJob) -> None:
+    def _commit(self, job: StepJob) -> multifile.CommitRecord:
         """Write the step's commit record, created only if absent, naming the state object;
         with sign_with the record carries the object's SHA-256 (read back whole, pinned to
         the version named) and is signed (spec 16.7)."""
@@ -199,6 +199,7 @@ class ObjectRunManager(CheckpointManager):
             raise CheckpointError(
                 f"step {job.step} was committed by another writer meanwhile", path=job.path
             ) from None
+        return record
 
     def _describe(self, place: ObjectPlace, ext: External) -> multifile.PartRecord:
         """The commit record's entry for the object the reference `ext` of the new step (at
@@ -230,11 +231,12 @@ class ObjectRunManager(CheckpointManager):
         if uploaded:
             self._tidy(job.path, lambda: self.run.delete_uncommitted(job.step, STATE_NAME))
 
-    def _step_bytes(self, job: StepJob) -> int:
-        """The bytes of the objects step `job` committed, by its record (one GET)."""
-        if not job.coordinator:
-            return 0
-        return sum(p.length for p in self.run.step_place(job.step).read_record().files)
+    def _step_bytes(self, job: StepJob, record: multifile.CommitRecord | None) -> int:
+        """The bytes of the objects step `job` committed, by its record (read back with one
+        GET only where DCP's coordinator wrote it)."""
+        if record is None and job.coordinator:
+            record = self.run.step_place(job.step).read_record()
+        return 0 if record is None else sum(p.length for p in record.files)
 
     def _rotate(self) -> None:
         statuses = self.statuses()  # once: the records are read by one GET each
