@@ -8,6 +8,7 @@ import copy
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -319,7 +320,14 @@ class Stager:
 
 
 _DEFAULT_STAGER = Stager()
-_GROUPS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}  # id(base) -> (base, group)
+# base group -> weak reference to its checkpoint group.  Weak on both sides: once
+# destroy_process_group() drops torch's references, the groups must be freed then, by the
+# thread that destroys them.  A group kept alive here would be freed at interpreter exit,
+# where gloo's threads may need the GIL and the process aborts ("terminate called without an
+# active exception").
+_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, weakref.ref[dist.ProcessGroup]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _checkpoint_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -329,12 +337,13 @@ def _checkpoint_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGr
         return None
     base = process_group or dist.group.WORLD
     assert base is not None
-    found = _GROUPS.get(id(base))
-    if found is None or found[0] is not base:
+    found = _GROUPS.get(base)
+    group = None if found is None else found()
+    if group is None:
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-        found = (base, dist.new_group(ranks=ranks, backend="gloo"))
-        _GROUPS[id(base)] = found
-    return found[1]
+        group = dist.new_group(ranks=ranks, backend="gloo")
+        _GROUPS[base] = weakref.ref(group)
+    return group
 
 
 def async_save(
