@@ -45,6 +45,18 @@ class SaveCost:
     def throughput(self) -> float:
         return self.bytes / self.durable_s if self.durable_s > 0 else float("inf")
 
+    def metrics(self, prefix: str = "ckptfmt/") -> dict[str, float]:
+        """The cost as numbers for a metrics logger (TensorBoard, W&B): seconds, bytes, GB/s."""
+        out = {
+            f"{prefix}save_blocked_s": self.blocked_s,
+            f"{prefix}save_durable_s": self.durable_s,
+            f"{prefix}save_bytes": float(self.bytes),
+            f"{prefix}save_GBps": self.throughput / 1e9,
+        }
+        if self.archived_s is not None:
+            out[f"{prefix}save_archived_s"] = self.archived_s
+        return out
+
     def line(self) -> str:
         """One line for a log: where, how much, how long the caller waited, how long to durable."""
         archived = "" if self.archived_s is None else f", archived after {self.archived_s:.3f} s"

@@ -5,6 +5,7 @@ Usage (``lightning.pytorch`` or ``pytorch_lightning``, and Fabric)::
     from ckptfmt.integrations.lightning import CkptfmtCheckpointIO, enable
 
     trainer = Trainer(plugins=[CkptfmtCheckpointIO()], callbacks=[ModelCheckpoint(save_last=True)])
+    # callbacks=[..., SaveCostMonitor()] charts each save's stall, bytes and GB/s in the loggers
     trainer.fit(model)
     trainer.fit(model, ckpt_path="last")          # a later process: resumes bit-exactly
     enable()                                      # once: LitModel.load_from_checkpoint(path) reads them
@@ -107,7 +108,18 @@ __all__ = [
     "RNG_KEY",
     "CkptfmtCheckpointIO",
     "RemotePathError",
+    "SaveCostMonitor",
     "enable",
     "load_checkpoint",
     "load_from_checkpoint",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # SaveCostMonitor subclasses the Trainer's Callback: imported on use, so that Fabric alone
+    # (lightning_fabric without the Trainer) can use the plugin
+    if name == "SaveCostMonitor":
+        from .costs import SaveCostMonitor
+
+        return SaveCostMonitor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

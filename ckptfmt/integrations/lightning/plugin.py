@@ -151,19 +151,27 @@ class CkptfmtCheckpointIO(_Base):
             "encrypt_with": self.encrypt_with,
             **save_options,
         }
+        blocking = self.blocking
         if where.kind == FSSPEC:
-            handle, key = self._save_through_fs(state, where, place_options, options)
+            handle, key, blocking = self._save_through_fs(state, where, place_options, options)
         else:
             if where.kind == LOCAL and os.path.dirname(where.path):
                 os.makedirs(os.path.dirname(where.path), exist_ok=True)
             if where.kind == OBJECT:  # an object store has no directories to make
                 options["storage_options"] = {**self.storage_options, **place_options}
-            saved = ckptfmt.save(state, where.path, blocking=self.blocking, **options)
-            handle = None if self.blocking else saved  # a blocking save is committed: not in flight
+            handle = ckptfmt.save(state, where.path, blocking=self.blocking, **options)
             key = filesystems.local_key(where.path) if where.kind == LOCAL else where.path
-        if handle is not None:
+        step = checkpoint.get("global_step")
+        self._saves().costed(step if isinstance(step, int) else None, handle)
+        if not blocking:  # a blocking save is committed: not in flight
             filesystems.IN_FLIGHT.add(key, handle)
             self._saves().add(handle)
+
+    def finished_costs(self) -> list[tuple[int | None, ckptfmt.SaveCost]]:
+        """The costs of this process's saves that finished since the last call, in the order
+        of the saves, with the trainer's global step at each (see SaveCostMonitor); failed
+        saves have none and are left out."""
+        return self._saves().finished_costs()
 
     def _encoded(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """What is saved of Lightning's dict: callback class keys named, the RNG state added,
@@ -180,7 +188,9 @@ class CkptfmtCheckpointIO(_Base):
 
     def _save_through_fs(
         self, state: Any, where: Target, fs_options: dict[str, Any], options: dict[str, Any]
-    ) -> tuple[ckptfmt.SaveHandle | None, str]:
+    ) -> tuple[ckptfmt.SaveHandle, str, bool]:
+        """Save through a local file uploaded with fsspec: the handle, its in-flight key, and
+        whether it was blocking (a filesystem that cannot show saves in flight makes it so)."""
         fs, fs_path = transfer.open_fs(where.path, fs_options)
         blocking = self.blocking
         if not blocking and not filesystems.shows_in_flight(fs):
@@ -191,7 +201,7 @@ class CkptfmtCheckpointIO(_Base):
         def write(local: str, block: bool) -> ckptfmt.SaveHandle:
             return ckptfmt.save(state, local, blocking=block, **options)
 
-        return transfer.save(write, fs, fs_path, where.path, key, blocking=blocking), key
+        return transfer.save(write, fs, fs_path, where.path, key, blocking=blocking), key, blocking
 
     def _raise_finished(self) -> None:
         """Raise the error of an earlier non-blocking save that has finished (the first one)."""
@@ -265,6 +275,10 @@ def _warn_blocking(fs: Any) -> None:
         )
 
 
+#: saves whose cost waits for finished_costs(), at most
+_COSTS_KEPT = 1024
+
+
 class _ProcessSaves:
     """One plugin's non-blocking saves in flight in one process, and their threads.
 
@@ -276,6 +290,19 @@ class _ProcessSaves:
         self._lock = threading.Lock()
         self._handles: list[ckptfmt.SaveHandle] = []
         self._threads: list[threading.Thread] = []
+        self._costed: list[tuple[int | None, ckptfmt.SaveHandle]] = []  # costs not yet reported
+
+    def costed(self, step: int | None, handle: ckptfmt.SaveHandle) -> None:
+        with self._lock:
+            self._costed.append((step, handle))
+            del self._costed[:-_COSTS_KEPT]  # nobody asking: keep the newest only
+
+    def finished_costs(self) -> list[tuple[int | None, ckptfmt.SaveCost]]:
+        with self._lock:
+            # the finished prefix only, so costs are reported in the order of the saves
+            n = next((i for i, (_, h) in enumerate(self._costed) if not h.done()), len(self._costed))
+            done, self._costed = self._costed[:n], self._costed[n:]
+        return [(step, cost) for step, h in done if (cost := h.cost) is not None]
 
     def add(self, handle: ckptfmt.SaveHandle) -> None:
         with self._lock:

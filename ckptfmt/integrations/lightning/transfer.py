@@ -19,6 +19,7 @@ import os
 import posixpath
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -65,11 +66,12 @@ def save(
     key: str,
     *,
     blocking: bool,
-) -> ckptfmt.SaveHandle | None:
+) -> ckptfmt.SaveHandle:
     """Save with `write(local_path, blocking)` (ckptfmt.save bound to the state), then upload
     to `path` on `fs`; `url` names the checkpoint in errors (its credentials hidden), `key` in
-    the saves in flight (url_key's spelling, shown by inflight_key).  Non-blocking: a handle
-    that finishes once the upload is done."""
+    the saves in flight (url_key's spelling, shown by inflight_key).  Returns a handle whose
+    cost counts the upload: done when blocking, else one that finishes once the upload is."""
+    began = time.perf_counter()
     key = shown(key)
     inflight.wait_for_path(key)  # an upload still running there must not land after this one
     workdir = workdirs.make(workdirs.UPLOAD)
@@ -78,15 +80,19 @@ def save(
         with naming(url, local):
             handle = write(local, blocking)
         if not blocking:
-            return _upload_after(handle, fs, local, path, url, key, workdir)
+            return _upload_after(handle, fs, local, path, url, key, workdir)._returning(began)
     except BaseException:
         workdirs.remove(workdir)
         raise
     try:
+        nbytes = os.path.getsize(local)
         _upload(fs, local, path, url)
     finally:
         workdirs.remove(workdir)
-    return None
+    uploaded = ckptfmt.SaveHandle(key, began)
+    uploaded._durable_now(nbytes)
+    uploaded._finish(None)
+    return uploaded._returning(began)
 
 
 def _upload_after(
@@ -102,7 +108,9 @@ def _upload_after(
             if error is not None:
                 error = renamed(error, shown(url), local)
             else:
+                nbytes = os.path.getsize(local)
                 _upload(fs, local, path, url)
+                handle._durable_now(nbytes)
         except BaseException as e:  # the save's error, raised by whoever waits for it
             error = e
         finally:

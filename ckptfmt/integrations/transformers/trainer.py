@@ -9,6 +9,7 @@ import copy
 import logging
 import os
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -119,7 +120,12 @@ class CkptfmtTrainerMixin(_MixinBase):
     ``ckptfmt_read_trainer_checkpoints`` (default False: a resume from a folder the stock
     Trainer wrote raises, saying so; True: it resumes from one, its weights read through
     safetensors only and the rest by the Trainer's own code, ``torch.load(weights_only=True)``,
-    and the run goes on in ckptfmt from its next save).  See the module docstring.
+    and the run goes on in ckptfmt from its next save); ``ckptfmt_report_cost`` (default True:
+    each checkpoint's cost, ``ckptfmt/save_blocked_s``, ``save_durable_s``, ``save_bytes``,
+    ``save_GBps`` and ``ckptfmt/save_step``, goes to the Trainer's callbacks' ``on_log``, so
+    TensorBoard, W&B and the other ``report_to`` integrations chart it like any metric; it is
+    not added to ``state.log_history``, which resumed and uninterrupted runs compare).  See the
+    module docstring.
     """
 
     def __init__(
@@ -133,6 +139,7 @@ class CkptfmtTrainerMixin(_MixinBase):
         ckptfmt_encrypt_with: Any = None,
         ckptfmt_decrypt_with: Any = None,
         ckptfmt_read_trainer_checkpoints: bool = False,
+        ckptfmt_report_cost: bool = True,
         **kwargs: Any,
     ) -> None:
         check_save_args(ckptfmt_compression, None, None)
@@ -149,6 +156,8 @@ class CkptfmtTrainerMixin(_MixinBase):
                 "a folder of transformers.Trainer has no signed commit record"
             )
         self.ckptfmt_read_trainer_checkpoints = ckptfmt_read_trainer_checkpoints
+        self.ckptfmt_report_cost = ckptfmt_report_cost
+        self._ckptfmt_unreported: list[FolderSave] = []  # committed saves whose cost is not yet logged
         self._ckptfmt_stock: str | None = None  # the stock Trainer's folder train() resumes from
         self.ckptfmt_blocking = ckptfmt_blocking
         self.ckptfmt_verify_resume = ckptfmt_verify_resume
@@ -233,8 +242,11 @@ class CkptfmtTrainerMixin(_MixinBase):
             self._ckptfmt_current = None
         if not self.args.should_save:
             return
+        save.returned = time.perf_counter()
         if self._ckptfmt_blocking_now and not self._ckptfmt_inflight:
             self._ckptfmt_commit(save)
+            save.returned = time.perf_counter()
+            self._ckptfmt_report_costs()
             return
         with self._ckptfmt_lock:
             before = self._ckptfmt_inflight[-1].thread if self._ckptfmt_inflight else None
@@ -247,6 +259,8 @@ class CkptfmtTrainerMixin(_MixinBase):
         save.thread.start()
         if self._ckptfmt_blocking_now:
             self.wait_for_checkpoints()
+            save.returned = time.perf_counter()
+        self._ckptfmt_report_costs()
 
     def _ckptfmt_commit_after(self, save: FolderSave, before: threading.Thread | None) -> None:
         if before is not None:
@@ -258,7 +272,27 @@ class CkptfmtTrainerMixin(_MixinBase):
 
     def _ckptfmt_commit(self, save: FolderSave) -> None:
         save.commit(_writer_metadata(), self._ckptfmt_sign_key)
+        with self._ckptfmt_lock:
+            self._ckptfmt_unreported.append(save)
         self._ckptfmt_rotate(save.run_dir, save.limit)
+
+    def _ckptfmt_report_costs(self) -> None:
+        """Hand each committed save's cost to the callbacks' on_log (main thread only: the
+        callbacks are not thread-safe), in the order of the saves."""
+        with self._ckptfmt_lock:
+            ready = [s for s in self._ckptfmt_unreported if s.returned is not None]
+            self._ckptfmt_unreported = [s for s in self._ckptfmt_unreported if s not in ready]
+        if not self.ckptfmt_report_cost:
+            return
+        for save in ready:
+            cost = save.cost()
+            if cost is not None:
+                logs: dict[str, float] = {**cost.metrics(), "ckptfmt/save_step": float(save.step)}
+                self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        super().log(logs, *args, **kwargs)
+        self._ckptfmt_report_costs()  # a non-blocking save's cost goes out with the next logs
 
     def _ckptfmt_raise_failed(self) -> None:
         """Raise the error of a finished non-blocking save (the first one), forgetting finished ones."""
@@ -276,6 +310,8 @@ class CkptfmtTrainerMixin(_MixinBase):
         for s in pending:
             if s.thread is not None:
                 s.thread.join()
+        if threading.current_thread() is threading.main_thread():
+            self._ckptfmt_report_costs()
         for s in pending:
             if s.error is not None:
                 raise s.error

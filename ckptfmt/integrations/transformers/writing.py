@@ -10,9 +10,10 @@ import logging
 import os
 import stat
 import threading
+import time
 from typing import Any
 
-from ...background.inflight import SaveHandle
+from ...background.inflight import SaveCost, SaveHandle
 from ...engine import commit, marks
 from ...engine.ckptdir import CheckpointDir, LinkError
 from ...errors import CheckpointError, CorruptError, UnsupportedError
@@ -127,6 +128,20 @@ class FolderSave:
         self.handles: list[SaveHandle] = []
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        #: perf_counter() when the save began, when _save_checkpoint returned, when committed
+        self.began = time.perf_counter()
+        self.returned: float | None = None
+        self.committed: float | None = None
+
+    def cost(self) -> SaveCost | None:
+        """What the folder's save cost, once committed: the caller's wait, the time until the
+        commit record was durable, the bytes of its ckptfmt files."""
+        if self.committed is None or self.returned is None:
+            return None
+        costs = [h.cost for h in self.handles]
+        nbytes = sum(c.bytes for c in costs if c is not None)
+        returned = min(self.returned, self.committed)
+        return SaveCost(self.folder, nbytes, returned - self.began, self.committed - self.began)
 
     def check_in_place(self) -> CheckpointDir:
         """The folder, once its path is seen to still lead to it.  The Trainer and ckptfmt.save
@@ -167,6 +182,7 @@ class FolderSave:
                 recordsign.write_signed(folder, record, sign_key)
             else:
                 multifile.write_commit(folder.path, record, within=folder)
+            self.committed = time.perf_counter()
         finally:
             self.close()
 
