@@ -29,6 +29,7 @@ rank 0 of each attempt hosts a store of its own.  The script warns when it is no
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import os
 import shutil
@@ -139,6 +140,12 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)  # a crash just after a committed save
     if args.non_blocking or args.archive:
         manager.wait()
+    # FSDP keeps the process group in the model: free the model first, so that destroying the
+    # group ends its gloo threads now.  A gloo thread still releasing a collective's tensors
+    # while the interpreter exits aborts the process ("terminate called without an active
+    # exception"), which torchrun would take for a failed worker.
+    del state, opt, model, manager
+    gc.collect()
     dist.destroy_process_group()
 
 

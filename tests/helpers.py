@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import struct
 from typing import Any
 
@@ -264,6 +265,7 @@ def _rank_entry(rank: int, target: Any, world: int, where: str, tag: str, args: 
     except Exception as e:  # reported to the test, which prints it
         result = {"error": f"{type(e).__name__}: {e} {traceback.format_exc()}"}
     finally:
+        gc.collect()  # free what holds the groups (FSDP modules are cycles) before they go
         dist.destroy_process_group()
     with open(os.path.join(where, f"ranks-{tag}.{rank}.json"), "w") as fh:
         json.dump(result, fh)

@@ -12,6 +12,7 @@ saved: nothing is silently ignored."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import os
@@ -165,6 +166,7 @@ def _group(rank: int, world: int, store: str, base: str, options: dict[str, Any]
         if world > 1:
             dist.barrier()
     if world > 1:
+        gc.collect()  # free what holds the groups (FSDP modules are cycles) before they go
         dist.destroy_process_group()
     with open(os.path.join(base, f"{phase}-{world}.{rank}.json"), "w") as fh:
         json.dump(out, fh)

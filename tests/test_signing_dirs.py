@@ -8,6 +8,7 @@ recomputed (test_signing.reseal), so only the signature can catch the change.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import struct
@@ -401,6 +402,7 @@ def _rank_main(rank: int, world: int, store: str, out: str, priv: bytes, pub: by
     except Exception as e:  # reported to the test, which prints it
         results["error"] = f"{type(e).__name__}: {e}"
     finally:
+        gc.collect()  # free what holds the groups (FSDP modules are cycles) before they go
         dist.destroy_process_group()
     with open(f"{out}.{rank}.json", "w") as fh:
         json.dump(results, fh)

@@ -1,0 +1,62 @@
+"""ckptfmt keeps no process group alive past destroy_process_group().
+
+A group that outlives it is freed at interpreter exit, where a gloo thread still releasing
+a collective's tensors needs the GIL and aborts the process ("terminate called without an
+active exception"): a torchrun worker that finished its work would then count as failed.
+Once the caller has destroyed the groups, no gloo thread may be left in the process."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
+
+
+def _thread_names() -> list[str]:
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as fh:
+                names.append(fh.read().strip())
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+    return names
+
+
+def _rank(rank: int, world: int, where: str) -> None:
+    import ckptfmt
+    from ckptfmt import dcp as cdcp
+
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(os.path.join(where, "store"), world), rank=rank, world_size=world
+    )
+    state = {"w": torch.arange(1 << 12, dtype=torch.float32) + rank, "n": rank}
+    cdcp.async_save(state, os.path.join(where, "async")).result()  # on a group of its own
+    cdcp.save(state, os.path.join(where, "blocking"))
+    cdcp.load(state, os.path.join(where, "async"))
+    manager = ckptfmt.CheckpointManager(os.path.join(where, "run"), blocking=False)
+    manager.save(1, {"model": torch.nn.Linear(4, 4)})
+    manager.wait()
+    during = [n for n in _thread_names() if n in GLOO_THREADS]
+    del manager, state
+    gc.collect()
+    dist.destroy_process_group()
+    gc.collect()
+    after = [n for n in _thread_names() if n in GLOO_THREADS]
+    with open(os.path.join(where, f"threads.{rank}.json"), "w") as fh:
+        json.dump({"during": during, "after": after}, fh)
+
+
+def test_no_gloo_thread_outlives_destroy_process_group(tmp_path: Any) -> None:
+    mp.start_processes(_rank, args=(2, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"threads.{rank}.json").read_text())
+        assert seen["during"], seen  # the probe sees gloo's threads while the groups exist
+        assert seen["after"] == [], seen
