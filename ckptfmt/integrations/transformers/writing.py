@@ -275,7 +275,7 @@ def rotate(run_dir: str, limit: int, busy: set[str], best: str | None) -> None:
         ordered = [
             n for n in trainer_order(run, kinds) if kinds[n] != ABANDONED and run.path_of(n) not in busy
         ]
-        protected = {n for n in (_best_name(best), _newest_complete(kinds)) if n is not None}
+        protected = {n for n in (_best_name(run_dir, best), _newest_complete(kinds)) if n is not None}
         for name in trainer_deletions(ordered, limit, protected):
             if kinds[name] == FOREIGN:
                 _leave(run, name)
@@ -285,13 +285,15 @@ def rotate(run_dir: str, limit: int, busy: set[str], best: str | None) -> None:
 
 def keep_only_best(run_dir: str, best: str, busy: set[str]) -> None:
     """The Trainer's end of training with save_total_limit=1 and a best checkpoint: every
-    checkpoint folder but the best one deleted (ckptfmt's only; others left with a warning)."""
+    checkpoint folder but the best one deleted (ckptfmt's only; others left with a warning).
+    Where the best checkpoint is in another run (training went on from its folder), the
+    newest complete folder is kept instead: the Trainer would leave this run none."""
     run = open_run(run_dir)
     if run is None:
         return
     with run:
         kinds = {name: kind for _, name, kind in classify_folders(run)}
-        keep = _best_name(best)
+        keep = _best_name(run_dir, best) or _newest_complete(kinds)
         for name in trainer_order(run, kinds, best):
             if name == keep or run.path_of(name) in busy:
                 continue
@@ -301,8 +303,17 @@ def keep_only_best(run_dir: str, best: str, busy: set[str]) -> None:
                 remove_quietly(run, name)
 
 
-def _best_name(best: str | None) -> str | None:
-    return None if best is None else os.path.basename(os.path.normpath(best))
+def _best_name(run_dir: str, best: str | None) -> str | None:
+    """The name of the best checkpoint's folder where it is in `run_dir`, else None (a folder
+    of another run that happens to have the same name is not the best one)."""
+    if best is None:
+        return None
+    parent, name = os.path.split(os.path.normpath(best))
+    try:
+        same = os.path.samefile(parent or ".", run_dir)
+    except OSError:
+        same = os.path.normpath(os.path.abspath(parent or ".")) == os.path.normpath(os.path.abspath(run_dir))
+    return name if same else None
 
 
 def _newest_complete(kinds: dict[str, str]) -> str | None:
