@@ -1,14 +1,16 @@
-"""The README and docs/ say what the code does: every Python example in them runs, every link
-inside the repository resolves, and the README's chart is the one bench/run.py draws from the
-results its table quotes.
+"""The README and docs/ say what the code does: every example in them runs, every link inside
+the repository resolves, and the README's chart is the one bench/run.py draws from the results
+its table quotes.
 
-Examples: every fenced block opened with ```` ```python run ```` or ```` ```sh run ```` is run,
-the blocks of one page in order (Python ones in one namespace: a later block uses what an
-earlier one made; shell ones by bash -e, with `ckptfmt` the command line of this checkout), in
-a fresh process whose working directory is an empty temporary folder; an `s3://bucket/...` example reaches
-the tests' local S3 server (tests/s3_server.py) through the AWS_* environment, as a user's
-program reaches a store, with the bucket `bucket` emptied first.  A ```` ```python ```` block
-without `run` fails the test: nothing a page shows as Python goes untested.
+Examples: every fenced block opened with ```` ```python run ```` or ```` ```sh run ```` runs, the
+blocks of one page in order (Python ones in one namespace: a later block uses what an earlier
+one made; shell ones by bash -e, where `ckptfmt` is this checkout's command line), in a fresh
+process whose working directory is an empty temporary folder.  That process, and each
+`ckptfmt` command, is forked from one that imported torch once (tests/docs_zygote.py): a page
+costs its own work, not seconds of imports.  An `s3://bucket/...` example reaches the tests'
+local S3 server (tests/s3_server.py) through the AWS_* environment, as a user's program
+reaches a store, with the bucket `bucket` emptied first.  A ```` ```python ```` block without
+`run` fails the test: nothing a page shows as Python goes untested.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import docs_zygote
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,18 +70,25 @@ def test_every_python_example_is_run():
     assert not unmarked, f"Python blocks not marked `python run` (so not tested): {unmarked}"
 
 
-# Each block is compiled under its page's name with its own line numbers, so a traceback points
-# at the line of the page that failed.
-RUNNER = """
-import subprocess
-ns = {"__name__": "__main__"}
-for path, line, lang, code in BLOCKS:
-    print(f"--- {path}:{line}", flush=True)
-    if lang == "python":
-        exec(compile("\\n" * (line - 1) + code, path, "exec"), ns)
-    else:
-        subprocess.run(["bash", "-e", "-o", "pipefail", "-c", code], check=True)
-"""
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory):
+    """tests/docs_zygote.py serving on a socket: every page's examples, and every `ckptfmt`
+    command they run, in a fresh child forked from one process that imported torch once."""
+    path = str(tmp_path_factory.mktemp("zygote") / "socket")
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "docs_zygote.py"), path],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", (
+            "the zygote did not start"
+        )
+        yield path
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.fixture
@@ -99,30 +109,38 @@ def docs_bucket(s3_server, monkeypatch):
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if runnable(p)], ids=lambda p: str(p.relative_to(ROOT)))
-def test_page_examples_run(page, tmp_path, request):
+def test_page_examples_run(page, tmp_path, request, zygote):
     name = str(page.relative_to(ROOT))
     if "s3://" in "".join(code for _, _, code in runnable(page)):
         request.getfixturevalue("docs_bucket")
-    blocks = [(name, line, lang, code) for line, lang, code in runnable(page)]
-    script = tmp_path / "run_examples.py"
-    script.write_text(f"BLOCKS = {blocks!r}\n{RUNNER}")
     work = tmp_path / "work"
     work.mkdir()
-    bin_dir = tmp_path / "bin"  # `ckptfmt` in the shell examples: this checkout's command line
+    bin_dir = tmp_path / "bin"  # `ckptfmt` in the shell examples: this checkout's, through the zygote
     bin_dir.mkdir()
-    (bin_dir / "ckptfmt").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m ckptfmt "$@"\n')
-    (bin_dir / "ckptfmt").chmod(0o755)
+    shim = bin_dir / "ckptfmt"
+    shim.write_text(
+        f'#!/bin/sh\nexec "{sys.executable}" -S "{ROOT / "tests" / "docs_zygote.py"}" --cli "$@"\n'
+    )
+    shim.chmod(0o755)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=EXAMPLE_TIMEOUT,
-    )
-    assert proc.returncode == 0, f"{name}: its examples failed\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    env[docs_zygote.SOCKET_ENV] = zygote
+    header = {
+        "kind": "page",
+        "blocks": [(name, line, lang, code) for line, lang, code in runnable(page)],
+        "cwd": str(work),
+        "env": env,
+        "root": str(ROOT),
+    }
+    out = tmp_path / "output"
+    with open(os.devnull) as stdin, open(out, "w") as sink:
+        try:
+            _, status = docs_zygote.request(
+                zygote, header, [stdin.fileno(), sink.fileno(), sink.fileno()], EXAMPLE_TIMEOUT
+            )
+        except TimeoutError as e:
+            pytest.fail(f"{name}: {e}\n{out.read_text()[-6000:]}")
+    assert status == 0, f"{name}: its examples failed\n{out.read_text()[-8000:]}"
 
 
 # -- links -----------------------------------------------------------------------------------
