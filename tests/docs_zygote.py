@@ -43,9 +43,17 @@ def _recv_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     return json.loads(data), list(fds)
 
 
+class ChildTimeout(TimeoutError):
+    """A child ran past its time; `pid` is the child's (the caller kills it)."""
+
+    def __init__(self, pid: int, timeout: float | None) -> None:
+        super().__init__(f"child {pid} ran past {timeout} s")
+        self.pid = pid
+
+
 def request(path: str, header: dict[str, Any], fds: list[int], timeout: float | None) -> tuple[int, int]:
     """Send one request to the zygote at `path`; (the child's pid, its exit status).  Raises
-    TimeoutError past `timeout` seconds (the child's pid is in the message)."""
+    ChildTimeout past `timeout` seconds."""
     data = json.dumps(header).encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(timeout)
@@ -56,7 +64,7 @@ def request(path: str, header: dict[str, Any], fds: list[int], timeout: float | 
         try:
             status = WORD.unpack(_recv_exact(conn, 4))[0]
         except TimeoutError:
-            raise TimeoutError(f"child {pid} ran past {timeout} s") from None
+            raise ChildTimeout(pid, timeout) from None
     return pid, status
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -138,7 +139,8 @@ def test_page_examples_run(page, tmp_path, request, zygote):
             _, status = docs_zygote.request(
                 zygote, header, [stdin.fileno(), sink.fileno(), sink.fileno()], EXAMPLE_TIMEOUT
             )
-        except TimeoutError as e:
+        except docs_zygote.ChildTimeout as e:
+            os.kill(e.pid, signal.SIGKILL)
             pytest.fail(f"{name}: {e}\n{out.read_text()[-6000:]}")
     assert status == 0, f"{name}: its examples failed\n{out.read_text()[-8000:]}"
 
