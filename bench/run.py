@@ -35,7 +35,8 @@ How it measures (the report repeats this, with the machine's state):
 * Figures are medians with min and max over rounds; the report records the exact
   command, the versions and the machine's state (memory free and available, THP
   mode, the virtio balloon's free page reporting, kernel, CPUs, filesystems)
-  before and after.  Writes results/<name>.json and .md.
+  before and after.  Writes results/<name>.json and .md, and the chart results/<name>.svg
+  (bench/chart.py); `--chart-from results/<name>.json` redraws a chart without measuring.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import chart  # noqa: E402
 import common  # noqa: E402
 import loads  # noqa: E402
 import state as bench_state  # noqa: E402
@@ -522,6 +524,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     ap.add_argument("--out", default=os.path.join(HERE, "results"), help="where the report goes")
     ap.add_argument("--name", default=None, help="report file stem (default: latest; quick: quick)")
+    ap.add_argument(
+        "--chart-from",
+        default=None,
+        metavar="JSON",
+        help="measure nothing: draw the chart of this results file beside it (<stem>.svg)",
+    )
     args = ap.parse_args(argv)
     args.size = common.parse_size(args.size or ("16M" if args.quick else "1G"))
     args.rounds = args.rounds or (1 if args.quick else 5)
@@ -547,6 +555,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.chart_from:
+        return redraw_chart(args.chart_from)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     names = args.locations.split(",")
     made = {
@@ -573,8 +583,19 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(rep)
     with open(stem + ".md", "w") as f:
         f.write(md)
+    chart.write(rep, stem + ".svg")
     print("\n" + md)
-    print(f"wrote {stem}.json and {stem}.md")
+    print(f"wrote {stem}.json, {stem}.md and {stem}.svg")
+    return 0
+
+
+def redraw_chart(results: str) -> int:
+    """Draw the chart of a results file this script wrote, beside it: <stem>.json -> <stem>.svg."""
+    with open(results) as f:
+        rep = json.load(f)
+    out = os.path.splitext(results)[0] + ".svg"
+    chart.write(rep, out)
+    print(f"wrote {out}")
     return 0
 
 
