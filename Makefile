@@ -1,7 +1,7 @@
 # Targets use the virtual environment made by .ci/setup unless PY is given.
 PY ?= .venv/bin/python
 
-.PHONY: setup test lint demo golden corpus crash soak soak-tiered torchrun-tiered fuzz fuzz-smoke bench bench-quick bench-incremental asan
+.PHONY: setup test lint demo golden corpus crash soak soak-tiered fuzz fuzz-smoke bench bench-quick bench-incremental asan
 
 setup:
 	bash .ci/setup
@@ -35,9 +35,6 @@ soak-tiered:
 	CKPTFMT_TIERED_KILLS=500 $(PY) -m pytest -q -s tests/test_tiered_soak.py
 
 # a torchrun job archived, encrypted, incremental and non-blocking, restarted on a fresh node
-torchrun-tiered:
-	CKPTFMT_TORCHRUN_TIERED=1 $(PY) -m pytest -q tests/test_torchrun.py
-
 # rewrite tests/corpus/*.ckpt (the malicious-file corpus) from make_corpus.py
 corpus:
 	$(PY) tests/corpus/make_corpus.py
