@@ -152,6 +152,18 @@ class Archiver:
             while self._thread is not None:
                 self._cond.wait()
 
+    def remove(self, step: int) -> bool:
+        """Remove the archive's copy of `step` (the run goes back to an earlier step), once the
+        archive thread is idle (no copy of it under way); whether the archive held it."""
+        self.wait()
+        removed = self.run.remove_step(step, claim=self._claim)
+        with self._cond:
+            if self._held is not None:
+                self._held.discard(step)
+            self._archived_at.pop(step, None)
+            self._failed.pop(step, None)
+        return removed
+
     def _work(self) -> None:
         while True:
             with self._cond:

@@ -785,8 +785,16 @@ class CheckpointManager:
             warnings.warn(f"cannot remove {path}: {e}", CheckpointWarning, stacklevel=4)
 
     def remove(self, step: int) -> None:
-        """Delete checkpoint `step` (files that other checkpoints refer to are kept)."""
+        """Delete checkpoint `step` (files that other checkpoints refer to are kept); in a
+        tiered run its archived copy too, so that neither tier resumes from it."""
         self._wait_all()
+        removed = self._remove_local(step)
+        if self._archiver is not None:
+            removed = self._archiver.remove(step) or removed
+        if not removed:
+            raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
+
+    def _remove_local(self, step: int) -> bool:
         scan = self._scan()
         for s in scan.statuses:
             if s.step == step:
@@ -795,8 +803,8 @@ class CheckpointManager:
                     self._retire(s.path, others)
                 else:
                     self._delete_step(s.path, scan.referenced())
-                return
-        raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
+                return True
+        return False
 
     # -- loading ----------------------------------------------------------------------------------
 

@@ -253,16 +253,8 @@ class ObjectRunManager(CheckpointManager):
     def remove(self, step: int) -> None:
         """Delete checkpoint `step`."""
         self._wait_all()
-        statuses = self.statuses()
-        found = next((s for s in statuses if s.step == step), None)
-        if found is None:
+        if not self.run.remove_step(step):
             raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
-        others = {url for s in statuses if s.info is not None and s.step != step for url in s.info.references}
-        others |= self.run.references_of_incomplete([s for s in statuses if s.step != step])
-        if found.info is not None:
-            self.run.drop(found.info, others)
-        elif not any(url.startswith(found.path + "/") for url in others):
-            self.run.delete_step(step)
 
 
 CheckpointManager.url_manager = ObjectRunManager

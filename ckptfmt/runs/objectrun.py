@@ -384,6 +384,22 @@ class ObjectRun:
         else:
             self.delete_step(info.step)
 
+    def remove_step(self, step: int, claim: str | None = None) -> bool:
+        """Remove step `step` (the run goes back to an earlier step): deleted, or only retired
+        where other steps read objects of it; whether the run held it at all."""
+        statuses = self.statuses()
+        found = next((s for s in statuses if s.step == step), None)
+        if found is None:
+            return False
+        others = {url for s in statuses if s.info is not None and s.step != step for url in s.info.references}
+        others |= self.references_of_incomplete([s for s in statuses if s.step != step])
+        if found.info is not None:
+            with _claiming(claim):
+                self.drop(found.info, others, claim)
+        elif not any(url.startswith(found.path + "/") for url in others):
+            self.delete_step(step)
+        return True
+
     def retire_step(self, step: int) -> None:
         """Make a step stop being a checkpoint (its commit record deleted) while keeping the
         objects later steps refer to; cleanup leaves it while they do."""
@@ -485,7 +501,8 @@ class ObjectRun:
             elif self.has_record(step):
                 doomed = markers  # a record the listing left out
             else:
-                doomed = [n for n in names if not n.startswith(COPY_MARKER)] + markers
+                # ckptfmt's own objects only: another program may keep its own in the prefix
+                doomed = [n for n in names if is_own_name(n)] + markers
                 removed.append(step)
             for name in doomed:
                 listing.delete_object(self._step_url(step).child(name), self.options)
