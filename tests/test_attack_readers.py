@@ -1,0 +1,200 @@
+"""Attacks on the readers added last: DCP saves against a base (the base step's record and rank
+files), the archive tier's copy markers on a store, the Trainer folders' mark, and the JSON
+sidecars read back.  A defect found is an xfail(strict=True) test naming it in one line: it
+flips to a failure once fixed, so the marker goes with the fix.  Cases that hold are plain
+tests where they are cheap."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from cli_runner import run_cli
+
+import ckptfmt
+from ckptfmt import dcp as cdcp
+from ckptfmt.errors import CheckpointError, CorruptError, LimitError
+from ckptfmt.files import incremental, multifile
+from ckptfmt.runs.objectrun import COPY_MARKER, ObjectRun
+from ckptfmt.storage import listing
+
+FROZEN = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB: chunks a save against a base refers to
+
+
+def _state(n: int, frozen: torch.Tensor = FROZEN) -> dict[str, object]:
+    return {"frozen": frozen.clone(), "lora": torch.full((100,), float(n)), "n": n}
+
+
+def _loaded(path: str) -> dict[str, object]:
+    target: dict[str, object] = {"frozen": torch.zeros(1 << 18), "lora": torch.zeros(100), "n": 0}
+    cdcp.load(target, path)
+    return target
+
+
+def _assert_loads(path: str, n: int, frozen: torch.Tensor = FROZEN) -> None:
+    got = _loaded(path)
+    assert torch.equal(got["frozen"], frozen)  # type: ignore[arg-type]
+    assert torch.equal(got["lora"], torch.full((100,), float(n)))  # type: ignore[arg-type]
+    assert got["n"] == n
+
+
+# -- 1. DCP saves against a base -----------------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="cdcp.save(path, base=path) withdraws path's commit record before reading it as the base: "
+    "the save fails and the base checkpoint is destroyed",
+)
+def test_a_save_against_its_own_directory_is_refused_before_the_base_is_touched(tmp_path):
+    """base= the directory being saved (or a link to it) cannot be honoured: the coordinator
+    withdraws the directory's record (prepare_global_plan) before any rank reads it as the base
+    (_base_file).  It must be refused before anything is touched, and the checkpoint there stay
+    one; today the save fails with "no commit record" and says "earlier checkpoints are
+    untouched" while the base's record is gone."""
+    d1 = tmp_path / "d1"
+    cdcp.save(_state(1), str(d1), incremental=True)
+    alias = tmp_path / "alias"
+    alias.symlink_to(d1, target_is_directory=True)
+    for base in (d1, alias):
+        with pytest.raises((ValueError, CheckpointError)):
+            cdcp.save(_state(2), str(d1), base=str(base))
+        multifile.check_complete(str(d1))  # still a checkpoint ...
+        _assert_loads(str(d1), 1)  # ... and the one saved first
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a DCP save against a base that is saved again meanwhile commits a step whose record names "
+    "the new base file while its rank file reads chunks of the old one: it never loads",
+)
+def test_a_base_saved_again_during_the_save_fails_the_save_not_the_load(tmp_path, monkeypatch):
+    """Another job saves the base directory again after this save indexed the base's chunks (the
+    window between ContentIndex and the rank's commit).  The new rank file refers to the old base
+    file (its file id); the rank then describes whatever the reference path holds now (the new
+    base file) and the coordinator writes that into the record.  The save returns, COMMIT is
+    there, and every load and ``ckptfmt verify`` fails.  The save must fail instead (or write
+    every chunk); it must not commit a step that cannot be read."""
+    d1, d2 = tmp_path / "d1", tmp_path / "d2"
+    cdcp.save(_state(1), str(d1), incremental=True)
+    indexed = incremental.ContentIndex._add_base
+
+    def index_then_resave(self, target, base):
+        indexed(self, target, base)
+        # base is saved afresh (other bytes) by another job once this save has read it
+        cdcp.save(_state(9, FROZEN + 1), str(d1), incremental=True)
+
+    monkeypatch.setattr(incremental.ContentIndex, "_add_base", index_then_resave)
+    try:
+        cdcp.save(_state(2), str(d2), base=str(d1))
+    except CheckpointError:  # refused (what a fix may do): then no record may be left
+        assert not (d2 / "COMMIT").exists()
+        return
+    _assert_loads(str(d2), 2)
+    assert run_cli("verify", d2).returncode == 0
+
+
+def test_a_base_rank_file_swapped_for_a_link_fails_the_save_naming_it(tmp_path):
+    """Holds: a base rank file that is a symbolic link (to a good ckptfmt file elsewhere) is
+    never followed; the save fails with a LinkError naming it, and writes no record."""
+    d1, d2 = tmp_path / "d1", tmp_path / "d2"
+    cdcp.save(_state(1), str(d1), incremental=True)
+    (d1 / "rank-00000.ckpt").rename(tmp_path / "elsewhere.ckpt")
+    (d1 / "rank-00000.ckpt").symlink_to(tmp_path / "elsewhere.ckpt")
+    with pytest.raises(CorruptError, match="d1/rank-00000.ckpt: a symbolic link"):
+        cdcp.save(_state(2), str(d2), base=str(d1))
+    assert not (d2 / "COMMIT").exists()
+
+
+def test_an_encrypted_base_read_with_another_key_fails_the_save(tmp_path):
+    """Holds: the base is read with the save's key; one encrypted under another key is a
+    DecryptionError naming the base's rank file, and no record is written."""
+    d1, d2 = tmp_path / "d1", tmp_path / "d2"
+    cdcp.save(_state(1), str(d1), incremental=True, encrypt_with=bytes(range(32)))
+    with pytest.raises(ckptfmt.DecryptionError, match="d1/rank-00000.ckpt"):
+        cdcp.save(_state(2), str(d2), base=str(d1), encrypt_with=bytes(range(1, 33)))
+    assert not (d2 / "COMMIT").exists()
+
+
+# -- 2. the archive tier's copy markers ----------------------------------------------------------
+
+
+def _dead_marker() -> str:
+    """A copy marker of a process of this host that has ended (its writer provably gone)."""
+    from ckptfmt.engine import commit
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return f"{COPY_MARKER}{commit.host_token()}.{gone.pid}.0.0badcafe"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ObjectRun.remove_interrupted_copies deletes every object in a step prefix with a dead copy "
+    "marker, another program's included (not only COMMIT/state.ckpt/rank-N.ckpt)",
+)
+def test_removing_an_interrupted_copy_leaves_another_programs_objects(s3_bucket):
+    """Spec 13.7: a prefix is shared with other writers; only objects whose names ckptfmt writes
+    in a checkpoint's prefix are deleted, anything else there is left (delete_step and cleanup
+    keep to it).  An archive copy that died leaves its marker and a partial state.ckpt in
+    step-5; an evaluation job wrote its results beneath the same step prefix.  The next archive
+    pass removes the interrupted copy: state.ckpt and the marker, never the evaluation's
+    objects."""
+    bucket, options = s3_bucket
+    from s3_server import s3_client
+
+    c = s3_client(options["endpoint_url"])
+    dead = _dead_marker()
+    ours = [f"step-000000005/{dead}", "step-000000005/state.ckpt"]
+    theirs = ["step-000000005/eval/metrics.json", "step-000000005/notes.txt", "step-000000005/COMMIT.bak"]
+    for key in ours + theirs:
+        c.put_object(Bucket=bucket, Key=f"run/{key}", Body=b"x")
+    run = ObjectRun(f"s3://{bucket}/run", options)
+    run.remove_interrupted_copies()
+    left = set(listing.objects(run.url, options))
+    assert not left & set(ours)
+    assert left == set(theirs)
+
+
+# -- 4. the JSON sidecars read back ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 200_000 + b"]" * 200_000,  # nesting deeper than the decoder's recursion
+        b'{"a":' * 200_000 + b"1" + b"}" * 200_000,
+        b'{"a": ' + b"9" * 100_000 + b"}",  # an integer past int_max_str_digits
+        b'{"a": "\xff"}',  # not UTF-8
+        b"[1, 2]",  # JSON, not an object
+    ],
+    ids=["deep-array", "deep-object", "huge-int", "not-utf8", "not-an-object"],
+)
+def test_hostile_training_args_json_is_a_corrupt_error(tmp_path, raw):
+    """Holds: load_training_args turns every hostile training_args.json into a CorruptError
+    naming the folder, at once (no RecursionError, ValueError or UnicodeDecodeError escapes)."""
+    from ckptfmt.integrations.transformers import load_training_args
+
+    (tmp_path / "training_args.json").write_bytes(raw)
+    with pytest.raises(CorruptError, match="training_args.json"):
+        load_training_args(str(tmp_path))
+
+
+def test_training_args_json_is_read_bounded_and_never_through_a_fifo(tmp_path):
+    """Holds: a file past the bound is a LimitError before it is decoded; a FIFO in its place is
+    refused without waiting for a writer."""
+    from ckptfmt.integrations.transformers import load_training_args
+    from ckptfmt.integrations.transformers.names import MAX_JSON_BYTES
+
+    path = tmp_path / "training_args.json"
+    with open(path, "wb") as f:
+        f.truncate(MAX_JSON_BYTES + 1)  # sparse: no disk written
+    with pytest.raises(LimitError, match="training_args.json"):
+        load_training_args(str(tmp_path))
+    os.unlink(path)
+    os.mkfifo(path)
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        load_training_args(str(tmp_path))
