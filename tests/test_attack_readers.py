@@ -119,6 +119,21 @@ def test_an_encrypted_base_read_with_another_key_fails_the_save(tmp_path):
     assert not (d2 / "COMMIT").exists()
 
 
+def test_a_base_whose_own_references_were_saved_over_is_not_referred_through(tmp_path):
+    """Holds: d1 was saved against d0, then d0 was saved again (other bytes): d1's references no
+    longer hold what it recorded.  A save against d1 refers to none of those chunks (they are
+    written), and the new step loads the right values and verifies."""
+    d0, d1, d2 = tmp_path / "d0", tmp_path / "d1", tmp_path / "d2"
+    cdcp.save(_state(0), str(d0), incremental=True)
+    cdcp.save(_state(1), str(d1), base=str(d0))
+    assert [p.name for p in multifile.read_commit(str(d1)).references] == ["../d0/rank-00000.ckpt"]
+    cdcp.save(_state(5, FROZEN + 3), str(d0), incremental=True)
+    cdcp.save(_state(2), str(d2), base=str(d1))
+    assert multifile.check_complete(str(d2)).references == ()
+    _assert_loads(str(d2), 2)
+    assert run_cli("verify", d2).returncode == 0
+
+
 # -- 2. the archive tier's copy markers ----------------------------------------------------------
 
 
@@ -157,6 +172,46 @@ def test_removing_an_interrupted_copy_leaves_another_programs_objects(s3_bucket)
     left = set(listing.objects(run.url, options))
     assert not left & set(ours)
     assert left == set(theirs)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the archiver knows archived steps by number only: after remove(step) and a new save of that "
+    "step, the archive's older save counts as its copy; the new one is rotated away locally unarchived "
+    "and load(step) returns the old save",
+)
+def test_a_step_saved_again_after_a_rollback_is_never_taken_for_its_older_archived_copy(tmp_path, s3_bucket):
+    """The documented way back to an earlier step (ValueError of a save that is not newer: "remove
+    the later ones first"): remove(4) locally, then save 3, 4, 5 again.  The archive still holds
+    the first save of step 4 (archive_keep_every=2).  The archiver decides by step number
+    (Archiver.keeps_locally, _next): the new step 4 is "held", so it is neither copied nor kept
+    locally, keep_last=1 deletes it at step 5, and ``load(step=4)`` reads the first timeline's
+    step 4 from the archive, silently.  The new step 4 must reach the archive, or stay on local
+    disk with a failure saying the archive holds another save of it (put_step's own check)."""
+    bucket, options = s3_bucket
+
+    def state(step: int, timeline: int) -> dict[str, object]:
+        return {"w": torch.full((1000,), float(10 * step + timeline)), "step": step}
+
+    m = ckptfmt.CheckpointManager(
+        tmp_path / "run",
+        archive=f"s3://{bucket}/run",
+        storage_options=options,
+        keep_last=1,
+        archive_keep_last=1,
+        archive_keep_every=2,
+    )
+    for step in (1, 2, 3, 4):
+        m.save(step, state(step, 0))
+    m.wait()
+    assert [c.step for c in ObjectRun(f"s3://{bucket}/run", options).checkpoints()] == [2, 4]
+    for c in m.checkpoints():  # back to step 2: the later ones go first
+        if c.step > 2:
+            m.remove(c.step)
+    for step in (3, 4, 5):
+        m.save(step, state(step, 1))
+    m.wait()
+    assert m.load(step=4)["w"][0].item() == 41.0  # the second save of step 4, not the first (40)
 
 
 # -- 4. the JSON sidecars read back ---------------------------------------------------------------
