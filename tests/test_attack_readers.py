@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -132,6 +133,32 @@ def test_a_base_whose_own_references_were_saved_over_is_not_referred_through(tmp
     assert multifile.check_complete(str(d2)).references == ()
     _assert_loads(str(d2), 2)
     assert run_cli("verify", d2).returncode == 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="cdcp.save(base=) silently writes every chunk when the base's record names no rank file "
+    "(another layout: a CheckpointManager step), where incremental.save warns",
+)
+def test_a_base_that_is_not_a_dcp_checkpoint_is_not_silently_ignored(tmp_path):
+    """A base given that no rank file can be saved against (a CheckpointManager step: layout
+    "state", its one file state.ckpt) cannot be honoured: Writer._base_file finds no file of the
+    rank's name and the save writes every chunk without a word.  incremental.save warns for a base
+    it cannot refer to (CheckpointWarning); an option that cannot be honoured is never silently
+    ignored."""
+    m = ckptfmt.CheckpointManager(tmp_path / "run", incremental=True)
+    m.save(1, {"frozen": FROZEN.clone(), "n": 1})
+    step = m.latest().path
+    assert multifile.read_commit(step).layout == "state"
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            cdcp.save({"frozen": FROZEN.clone(), "n": 2}, str(tmp_path / "d2"), base=step)
+        except CheckpointError:
+            return  # refused: also honest
+    assert any(issubclass(w.category, ckptfmt.CheckpointWarning) for w in said), [
+        str(w.message) for w in said
+    ]
 
 
 # -- 2. the archive tier's copy markers ----------------------------------------------------------
