@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -239,6 +240,69 @@ def test_a_step_saved_again_after_a_rollback_is_never_taken_for_its_older_archiv
         m.save(step, state(step, 1))
     m.wait()
     assert m.load(step=4)["w"][0].item() == 41.0  # the second save of step 4, not the first (40)
+
+
+# -- 3. the Trainer's checkpoint-N folders ---------------------------------------------------------
+
+
+def _scored_trainer(out: str, max_steps: int, score: float, limit: int | None = None) -> Any:
+    """A CkptfmtTrainer saving and evaluating every 2 steps, keeping the best model by a fixed
+    `score` (the same at every evaluation: a later run never beats an earlier one's)."""
+    from trainer_helpers import Tokens, tiny_gpt2
+    from transformers import TrainingArguments
+
+    from ckptfmt.integrations.transformers import CkptfmtTrainer
+
+    args = TrainingArguments(
+        output_dir=out,
+        max_steps=max_steps,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=4,
+        save_strategy="steps",
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="score",
+        greater_is_better=True,
+        save_total_limit=limit,
+        logging_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=1,
+        dataloader_num_workers=0,
+    )
+    tokens = Tokens(n=8, length=8, vocab=32, seed=5)
+    return CkptfmtTrainer(
+        model=tiny_gpt2(vocab_size=32, n_positions=16, n_embd=8, n_layer=1, n_head=1),
+        args=args,
+        train_dataset=tokens,
+        eval_dataset=tokens,
+        compute_metrics=lambda _: {"score": score},
+    )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="save_total_limit=1 with the best checkpoint in another run (a resumed folder's trainer state): "
+    "keep_only_best deletes every checkpoint of this run, the final one included",
+)
+def test_a_best_checkpoint_in_another_run_never_empties_this_run(tmp_path):
+    """Fine-tuning goes on from another run's folder: its trainer state names that run's
+    checkpoint-2 as the best (best_metric 1.0, which this run never beats).  At the end of
+    training with save_total_limit=1, writing.keep_only_best keeps the folder of this run named
+    like the best one (there is none) and deletes every other: this run is left with no
+    checkpoint at all.  (The stock Trainer does the same: no folder of this run is samefile with
+    the other run's.)  rotate() always keeps the newest complete folder; keep_only_best must too,
+    and keep nothing by name when the best is not this run's."""
+    pytest.importorskip("transformers")
+    first, second = tmp_path / "first", tmp_path / "second"
+    _scored_trainer(str(first), 2, 1.0).train()
+    trainer = _scored_trainer(str(second), 4, 0.5, limit=1)
+    trainer.train(resume_from_checkpoint=str(first / "checkpoint-2"))
+    assert trainer.state.best_model_checkpoint == str(first / "checkpoint-2")  # the other run's, kept
+    assert "checkpoint-4" in os.listdir(second)  # this run's final checkpoint survives
 
 
 # -- 4. the JSON sidecars read back ---------------------------------------------------------------
