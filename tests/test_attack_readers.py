@@ -6,6 +6,7 @@ tests where they are cheap."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -338,6 +339,60 @@ def _scored_trainer(out: str, max_steps: int, score: float, limit: int | None = 
         eval_dataset=tokens,
         compute_metrics=lambda _: {"score": score},
     )
+
+
+def test_a_link_named_like_the_mark_proves_nothing(tmp_path):
+    """Holds: a folder whose ``.ckptfmt-folder`` is a symbolic link (to a real mark elsewhere) is
+    not ckptfmt's: rotation and clean-up leave it, its files and the link's target unchanged."""
+    from ckptfmt.engine.marks import MARK_NAME
+    from ckptfmt.runs.steps import step_dirname
+
+    run = tmp_path / "run"
+    m = ckptfmt.CheckpointManager(run, keep_last=1)
+    m.save(1, {"w": torch.zeros(3), "step": 1})
+    mark = tmp_path / "elsewhere" / MARK_NAME
+    mark.parent.mkdir()
+    mark.write_text(json.dumps({"writer": "ckptfmt"}) + "\n")
+    folder = run / step_dirname(2)
+    folder.mkdir()
+    (folder / "notes.txt").write_bytes(b"a person's notes\n")
+    (folder / MARK_NAME).symlink_to(mark)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckptfmt.CheckpointWarning)  # "did not make this folder"
+        for step in (3, 4):
+            m.save(step, {"w": torch.zeros(3), "step": step})
+    assert sorted(os.listdir(folder)) == [MARK_NAME, "notes.txt"]
+    assert (folder / MARK_NAME).is_symlink() and mark.read_text().startswith("{")
+    assert [c.step for c in m.checkpoints()] == [4]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="marks.is_marked trusts any regular file named .ckptfmt-folder (an empty one included): a "
+    "person's folder holding one is deleted whole, without a warning",
+)
+def test_an_empty_file_named_like_the_mark_proves_nothing(tmp_path):
+    """The mark is "the proof that a folder without a valid commit record is ckptfmt's to
+    delete" (engine/marks.py), and ckptfmt writes it as JSON naming its writer.  is_marked looks
+    only at the entry's type: a regular file of that name, even empty, makes a folder of a
+    person's files ckptfmt's, and the CheckpointManager's clean-up (as the Trainer's rotation,
+    through the same marks) deletes it whole.  At least the content ckptfmt writes (bounded,
+    JSON with a known writer) should be required."""
+    from ckptfmt.engine.marks import MARK_NAME
+    from ckptfmt.runs.steps import step_dirname
+
+    run = tmp_path / "run"
+    m = ckptfmt.CheckpointManager(run, keep_last=1)
+    m.save(1, {"w": torch.zeros(3), "step": 1})
+    folder = run / step_dirname(2)
+    folder.mkdir()
+    (folder / "notes.txt").write_bytes(b"a person's notes\n")
+    (folder / MARK_NAME).write_bytes(b"")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckptfmt.CheckpointWarning)
+        for step in (3, 4):
+            m.save(step, {"w": torch.zeros(3), "step": step})
+    assert (folder / "notes.txt").read_bytes() == b"a person's notes\n"
 
 
 @pytest.mark.xfail(
