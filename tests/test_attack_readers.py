@@ -175,11 +175,6 @@ def _dead_marker() -> str:
     return f"{COPY_MARKER}{commit.host_token()}.{gone.pid}.0.0badcafe"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ObjectRun.remove_interrupted_copies deletes every object in a step prefix with a dead copy "
-    "marker, another program's included (not only COMMIT/state.ckpt/rank-N.ckpt)",
-)
 def test_removing_an_interrupted_copy_leaves_another_programs_objects(s3_bucket):
     """Spec 13.7: a prefix is shared with other writers; only objects whose names ckptfmt writes
     in a checkpoint's prefix are deleted, anything else there is left (delete_step and cleanup
@@ -203,12 +198,6 @@ def test_removing_an_interrupted_copy_leaves_another_programs_objects(s3_bucket)
     assert left == set(theirs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the archiver knows archived steps by number only: after remove(step) and a new save of that "
-    "step, the archive's older save counts as its copy; the new one is rotated away locally unarchived "
-    "and load(step) returns the old save",
-)
 def test_a_step_saved_again_after_a_rollback_is_never_taken_for_its_older_archived_copy(tmp_path, s3_bucket):
     """The documented way back to an earlier step (ValueError of a save that is not newer: "remove
     the later ones first"): remove(4) locally, then save 3, 4, 5 again.  The archive still holds
@@ -243,11 +232,6 @@ def test_a_step_saved_again_after_a_rollback_is_never_taken_for_its_older_archiv
     assert m.load(step=4)["w"][0].item() == 41.0  # the second save of step 4, not the first (40)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="CheckpointManager.remove(step) in a tiered run leaves the archived copy: latest() and load() "
-    "at once return the step just removed, from the archive",
-)
 def test_a_removed_step_is_not_resumed_from_the_archive(tmp_path, s3_bucket):
     """remove(step) is how a run goes back to an earlier step (the ValueError of a save that is
     not newer says so).  In a tiered run it deletes the local step only; the archive still holds
@@ -366,11 +350,6 @@ def test_a_link_named_like_the_mark_proves_nothing(tmp_path):
     assert [c.step for c in m.checkpoints()] == [4]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="marks.is_marked trusts any regular file named .ckptfmt-folder (an empty one included): a "
-    "person's folder holding one is deleted whole, without a warning",
-)
 def test_an_empty_file_named_like_the_mark_proves_nothing(tmp_path):
     """The mark is "the proof that a folder without a valid commit record is ckptfmt's to
     delete" (engine/marks.py), and ckptfmt writes it as JSON naming its writer.  is_marked looks
@@ -395,11 +374,6 @@ def test_an_empty_file_named_like_the_mark_proves_nothing(tmp_path):
     assert (folder / "notes.txt").read_bytes() == b"a person's notes\n"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="save_total_limit=1 with the best checkpoint in another run (a resumed folder's trainer state): "
-    "keep_only_best deletes every checkpoint of this run, the final one included",
-)
 def test_a_best_checkpoint_in_another_run_never_empties_this_run(tmp_path):
     """Fine-tuning goes on from another run's folder: its trainer state names that run's
     checkpoint-2 as the best (best_metric 1.0, which this run never beats).  At the end of

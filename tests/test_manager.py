@@ -443,7 +443,9 @@ def test_a_step_directory_locked_by_a_live_process_is_never_removed(tmp_path):
     for s in (0, 3):
         os.mkdir(_step(tmp_path, s))
         (tmp_path / step_dirname(s) / "state.ckpt").write_bytes(b"partial")
-        (tmp_path / step_dirname(s) / ".ckptfmt-folder").write_bytes(b"{}\n")  # made by ckptfmt
+        (tmp_path / step_dirname(s) / ".ckptfmt-folder").write_bytes(
+            b'{"writer": "ckptfmt"}\n'
+        )  # made by ckptfmt
     older, newer = _lock_in_other_process(_step(tmp_path, 0)), _lock_in_other_process(_step(tmp_path, 3))
     try:
         assert locks.is_locked(_step(tmp_path, 3)) is True

@@ -16,6 +16,7 @@ import json
 import os
 import stat
 
+from ..errors import CheckpointError
 from .ckptdir import CheckpointDir
 
 MARK_NAME = ".ckptfmt-folder"
@@ -37,10 +38,22 @@ def put_mark(folder: CheckpointDir, writer: str) -> None:
     folder.fsync()
 
 
+#: the most a mark may hold (put_mark writes a few dozen bytes)
+MAX_MARK_BYTES = 4096
+
+
 def is_marked(folder: CheckpointDir) -> bool:
-    """Whether `folder` holds the mark (a regular file; a link there is not the mark)."""
+    """Whether `folder` holds the mark: a regular file (a link there is not the mark) holding
+    what put_mark writes, a JSON object naming its writer.  A file of that name holding
+    anything else (empty, a person's) proves nothing, and the folder is not ckptfmt's."""
     st = folder.lstat(MARK_NAME)
-    return st is not None and stat.S_ISREG(st.st_mode)
+    if st is None or not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MARK_BYTES:
+        return False
+    try:
+        content = json.loads(folder.read_file(MARK_NAME, MAX_MARK_BYTES))
+    except (CheckpointError, OSError, ValueError, RecursionError):
+        return False
+    return isinstance(content, dict) and isinstance(content.get("writer"), str)
 
 
 def ours_without_record(folder: CheckpointDir) -> bool:
