@@ -292,3 +292,30 @@ def test_only_markers_of_ended_writers_make_a_prefix_removable(tmp_path, s3_buck
         "step-000000001/COMMIT",
     }
     assert _archived(bucket, options) == [1]
+
+
+def test_a_step_saved_again_is_never_taken_for_the_archives_older_save(tmp_path, s3_bucket):
+    """A local step deleted by hand and saved again under its number is another save than the
+    archive's step of that number: it is not copied over it, stays on local disk whatever the
+    local rules say (reported in archive_failures), and load(step) reads it, not the old copy."""
+    import shutil
+
+    bucket, options = s3_bucket
+    m = _manager(tmp_path / "run", bucket, options, keep_last=1)
+    for step in (1, 2, 3, 4):
+        m.save(step, _state(step))
+    m.wait()
+    assert _archived(bucket, options) == [1, 2, 3, 4] and _local(m) == [4]
+    shutil.rmtree(tmp_path / "run" / "step-000000004")
+    again = {"w": torch.full((1000,), 44.0), "step": 4}
+    with pytest.warns(CheckpointWarning, match="archive holds another save of step 4"):
+        m.save(4, again)
+        m.wait()
+        m.save(5, _state(5))
+        m.wait()
+    assert _archived(bucket, options) == [1, 2, 3, 4, 5]
+    assert _local(m) == [4, 5]  # keep_last=1, but the new step 4 is nowhere else
+    assert 4 in m.archive_failures()
+    assert m.load(step=4)["w"][0].item() == 44.0
+    m.remove(4)  # both tiers: the way back
+    assert 4 not in _archived(bucket, options) and _local(m) == [5]

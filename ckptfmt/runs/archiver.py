@@ -75,8 +75,12 @@ class Archiver:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self._claim = copy_marker()
-        self._held: set[int] | None = None  # the archive's complete steps; None: not listed yet
+        # the archive's complete steps, each with when its record was written (the same in
+        # both tiers: the archive's record is the local one's bytes), so a step saved again
+        # after a rollback is not taken for the older save of that number; None: not listed yet
+        self._held: dict[int, datetime.datetime] | None = None
         self._failed: dict[int, str] = {}  # step -> why its last copy failed
+        self._conflicts: set[int] = set()  # local steps another save of which the archive holds (warned)
         self._archived_at: dict[int, float] = {}  # step -> perf_counter() when it was copied
         self._wanted = False
         self._cond = threading.Condition()
@@ -91,22 +95,27 @@ class Archiver:
             return True
         return self.keep_every is not None and step % self.keep_every == 0
 
-    def keeps_locally(self, steps: Iterable[int]) -> set[int]:
+    def keeps_locally(self, steps: Iterable[CheckpointInfo]) -> set[int]:
         """The steps among `steps` (complete local ones) that the local tier must keep for the
-        archive: not held there, and neither superseded by a newer archived step nor skippable
-        (kept by `keep_every`); every one while the archive has not been listed."""
+        archive: not held there (another save of the same step number is not this one), and
+        neither superseded by a newer archived step nor skippable (kept by `keep_every`);
+        every one while the archive has not been listed."""
         with self._cond:
-            held = None if self._held is None else set(self._held)
+            held = None if self._held is None else dict(self._held)
         if held is None:
-            return set(steps)
+            return {c.step for c in steps}
         newest = max(held, default=-1)
-        return {s for s in steps if s not in held and (s > newest or self._owed(s))}
+        return {
+            c.step
+            for c in steps
+            if not _holds(held, c) and (c.step > newest or self._owed(c.step) or c.step in held)
+        }
 
-    def saw(self, archived: Iterable[int]) -> None:
+    def saw(self, archived: Iterable[CheckpointInfo]) -> None:
         """The archive was found holding the complete steps `archived` (a listing made
         elsewhere, by latest()): what it holds is known from now on."""
         with self._cond:
-            self._held = set(archived) | (self._held or set())
+            self._held = {**(self._held or {}), **{c.step: c.created for c in archived}}
 
     def known_newest(self) -> int | None:
         """The newest step the archive was last seen holding (None: not seen)."""
@@ -159,9 +168,10 @@ class Archiver:
         removed = self.run.remove_step(step, claim=self._claim)
         with self._cond:
             if self._held is not None:
-                self._held.discard(step)
+                self._held.pop(step, None)
             self._archived_at.pop(step, None)
             self._failed.pop(step, None)
+            self._conflicts.discard(step)
         return removed
 
     def _work(self) -> None:
@@ -188,7 +198,7 @@ class Archiver:
         self.run.remove_interrupted_copies()
         statuses = self.run.statuses()
         with self._cond:
-            self._held = {s.step for s in statuses if s.info is not None}
+            self._held = {s.step: s.info.created for s in statuses if s.info is not None}
         self._local_rotation()  # first: what an earlier process kept for the archive may go now
         self._rotate(None, statuses)
         copied = False
@@ -204,14 +214,30 @@ class Archiver:
         local step when the archive is behind it; None when the archive is up to date."""
         local = self.local_steps()
         with self._cond:
-            held = set(self._held or ())
+            held = dict(self._held or {})
         newest = max(held, default=-1)
+        for c in local:
+            if c.step in held and not _holds(held, c):
+                self._conflict(c.step)
         owed = [c for c in local if c.step < newest and c.step not in held and self._owed(c.step)]
         if owed:
             return owed[-1]
         if local and local[-1].step > newest:
             return local[-1]
         return None
+
+    def _conflict(self, step: int) -> None:
+        """Local step `step` is another save than the archive's step of that number (the run
+        went back without remove()): it is never copied over it, and stays on local disk."""
+        why = (
+            f"the archive holds another save of step {step} (kept on local disk; remove({step}) retires both)"
+        )
+        with self._cond:
+            self._failed[step] = why
+            if step in self._conflicts:
+                return
+            self._conflicts.add(step)
+        warnings.warn(f"not archiving step {step} to {self.run.path}: {why}", CheckpointWarning, stacklevel=2)
 
     def _copy(self, info: CheckpointInfo) -> bool:
         """Copy one local step; whether it is now in the archive."""
@@ -229,7 +255,7 @@ class Archiver:
             return False
         with self._cond:
             assert self._held is not None
-            self._held.add(info.step)
+            self._held[info.step] = info.created
             self._archived_at[info.step] = time.perf_counter()
             while len(self._archived_at) > 1024:
                 del self._archived_at[next(iter(self._archived_at))]
@@ -263,3 +289,9 @@ class Archiver:
             needed = {self.run.reference_url(ref.name) for ref in adding.references}
         kept = retention.kept_steps(entries, keep_last=self.keep_last, keep_every=self.keep_every)
         self.run.rotate(done, kept, statuses, needed=needed, claim=self._claim)
+
+
+def _holds(held: dict[int, datetime.datetime], local: CheckpointInfo) -> bool:
+    """Whether the archive's step of `local`'s number is this very save (its record written
+    at the same instant)."""
+    return held.get(local.step) == local.created

@@ -268,7 +268,7 @@ class CheckpointManager:
             return []
         listed = self.archive.checkpoints()
         if self._archiver is not None:
-            self._archiver.saw(c.step for c in listed)
+            self._archiver.saw(listed)
         return list(reversed(list(self._trusted_first(reversed(listed)))))
 
     def _archived_if_readable(self, local_newest: int | None) -> list[CheckpointInfo]:
@@ -694,7 +694,7 @@ class CheckpointManager:
             best_mode=self.best_mode,
         )
         if self._archiver is not None:  # not yet safe in the archive: kept here until it is
-            kept |= self._archiver.keeps_locally(c.step for c in done)
+            kept |= self._archiver.keeps_locally(done)
         keep_files = {r for c in done if c.step in kept for r in c.references}
         for c in done:
             if c.step not in kept:
