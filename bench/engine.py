@@ -59,7 +59,15 @@ def write_raw(
     try:
         t = time.perf_counter()
         records, end = _native.write_chunks(
-            fd, bytes(16), 0, 64, pieces, compression, None, threads, path, _checksums=checksums
+            fd,
+            bytes(16),
+            0,
+            64,
+            pieces,
+            chunkio.WriteOptions(compression),
+            threads,
+            path,
+            _checksums=checksums,
         )
         elapsed = time.perf_counter() - t
     finally:

@@ -220,16 +220,8 @@ def test_engines_write_identical_bytes(tmp_path, monkeypatch, compression):
         fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             sealer = encryption.FileSealer(key, True, data_key=bytes(range(32)))
-            chunkwrite.build_file(
-                fd,
-                encode(state()),
-                compression=compression,
-                level=None,
-                metadata={},
-                chunk_size=CHUNK,
-                engine=engine,
-                seal=sealer,
-            )
+            options = chunkwrite.WriteOptions(compression, chunk_size=CHUNK, seal=sealer)
+            chunkwrite.build_file(fd, encode(state()), options, engine=engine)
         finally:
             os.close(fd)
         out[engine] = read(p)

@@ -16,7 +16,7 @@ import os
 import tempfile
 from typing import Any
 
-from ..engine.chunkwrite import build_file
+from ..engine.chunkwrite import WriteOptions, build_file
 from ..errors import CheckpointError, UnsupportedError, UnsupportedObjectError
 from ..fileio import pread_exact
 from ..files.reader import CheckpointFile
@@ -73,9 +73,7 @@ def encode_value(value: object, fqn: str) -> bytes:
         raise UnsupportedObjectError(_where_in(e.reason), key=fqn) from None
     fd, _ = _scratch_fd()
     try:
-        n = build_file(
-            fd, encoded, compression=None, level=None, metadata={}, chunk_size=fmt.DEFAULT_CHUNK_SIZE
-        )
+        n = build_file(fd, encoded, WriteOptions())
         return pread_exact(fd, 0, n)
     finally:
         os.close(fd)

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..background import copysave, inflight
 from ..background.inflight import SaveHandle
-from ..engine.chunkwrite import Dedup, Signer, build_file
+from ..engine.chunkwrite import WriteOptions, build_file
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
 from ..errors import CheckpointError
 from ..fileio import is_url
 from ..format import layout as fmt
 from ..format.encode import Encoded, check_chunks, check_metadata, encode
-from ..format.encryption import Sealer
 from ..gcpause import pausing_in_main_thread
 from ..storage.client import check_options
 from ..storage.upload import ObjectFile
@@ -68,6 +68,42 @@ def check_chunk_size(chunk_size: int | None) -> int:
     if size & (size - 1) or not fmt.MIN_CHUNK_SIZE <= size <= fmt.MAX_CHUNK_SIZE:
         raise ValueError(f"chunk_size must be a power of two in [{fmt.MIN_CHUNK_SIZE}, {fmt.MAX_CHUNK_SIZE}]")
     return size
+
+
+@dataclass(frozen=True)
+class FileSaveOptions:
+    """save()'s keywords, checked once (`save_options`): how the file's bytes are written
+    (`write`, taken whole by the engine's writers), whether the call waits (`blocking`), how a
+    non-blocking save takes its snapshot, and the object-store client's settings."""
+
+    write: WriteOptions
+    blocking: bool = True
+    snapshot: str = "copy"
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+
+def save_options(
+    *,
+    compression: str | None = None,
+    level: int | None = None,
+    metadata: dict[str, str] | None = None,
+    blocking: bool = True,
+    chunk_size: int | None = None,
+    snapshot: str = "copy",
+    sign_with: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    encrypt_with: Any = None,
+    encrypt_index: bool = True,
+) -> FileSaveOptions:
+    """Check save()'s keywords (the same names and defaults) and make them one value."""
+    meta = check_save_args(compression, level, metadata)
+    options = check_options(storage_options)
+    seal = encryption.sealer(encrypt_with, encrypt_index)
+    sign = signer(sign_with)
+    check_snapshot(snapshot)
+    size = check_chunk_size(chunk_size)
+    write = WriteOptions(compression, level, size, meta, sign=sign, seal=seal)
+    return FileSaveOptions(write, blocking, snapshot, options)
 
 
 def save(
@@ -122,34 +158,26 @@ def save(
     With sign_with too, the file is encrypted, then signed (spec 17.8): the signature binds
     the ciphertext, the encryption block and the wrapped key, and is checked without the key."""
     began = time.perf_counter()
-    meta = check_save_args(compression, level, metadata)
-    options = check_options(storage_options)
-    seal = encryption.sealer(encrypt_with, encrypt_index)
-    sign = signer(sign_with)
-    check_snapshot(snapshot)
+    options = save_options(
+        compression=compression,
+        level=level,
+        metadata=metadata,
+        blocking=blocking,
+        chunk_size=chunk_size,
+        snapshot=snapshot,
+        sign_with=sign_with,
+        storage_options=storage_options,
+        encrypt_with=encrypt_with,
+        encrypt_index=encrypt_index,
+    )
     target = os.fspath(path)
     if is_url(target) and _within is not None:
         raise ValueError("an object-store URL is not saved within a local directory")
     if is_url(target) and not blocking and snapshot == "fork":
         raise ValueError(f"{target}: snapshot='fork' writes local files only; use snapshot='copy'")
-    size = check_chunk_size(chunk_size)
     inflight.raise_unobserved()
     inflight.wait_for_path(target)
-    handle = write_state(
-        state,
-        target,
-        compression=compression,
-        level=level,
-        metadata=meta,
-        chunk_size=size,
-        blocking=blocking,
-        snapshot=snapshot,
-        within=_within,
-        sign=sign,
-        storage_options=options,
-        create_only=_create_only,
-        seal=seal,
-    )
+    handle = write_state(state, target, options, within=_within, create_only=_create_only)
     return handle._returning(began)
 
 
@@ -166,68 +194,24 @@ def done_handle(path: str, nbytes: int) -> SaveHandle:
 def write_state(
     state: object,
     target: str,
+    options: FileSaveOptions,
     *,
-    compression: str | None,
-    level: int | None,
-    metadata: dict[str, str],
-    chunk_size: int,
-    blocking: bool,
-    dedup: Dedup | None = None,
-    snapshot: str = "copy",
     within: CheckpointDir | None = None,
-    sign: Signer | None = None,
-    storage_options: dict[str, Any] | None = None,
     create_only: bool = False,
-    seal: Sealer | None = None,
 ) -> SaveHandle:
-    """Encode and commit `state` at `target` (arguments already checked, earlier saves waited
-    for), beneath the open directory `within` when given (AtomicFile); an object-store URL
-    through an ObjectFile."""
+    """Encode and commit `state` at `target` as `options` say (checked already, earlier saves
+    waited for), beneath the open directory `within` when given (AtomicFile); an object-store
+    URL through an ObjectFile, created only if absent with `create_only`."""
     encoded = encode(state)  # fails on unsupported objects before any I/O
-    check_chunks(encoded, chunk_size)
+    write = options.write
+    check_chunks(encoded, write.chunk_size)
     if is_url(target):
-        return _write_object(
-            encoded,
-            target,
-            storage_options or {},
-            compression=compression,
-            level=level,
-            metadata=metadata,
-            chunk_size=chunk_size,
-            blocking=blocking,
-            dedup=dedup,
-            sign=sign,
-            create_only=create_only,
-            seal=seal,
-        )
-    if not blocking:
-        return copysave.save_async(
-            encoded,
-            target,
-            compression=compression,
-            level=level,
-            metadata=metadata,
-            chunk_size=chunk_size,
-            dedup=dedup,
-            snapshot=snapshot,
-            within=within,
-            sign=sign,
-            seal=seal,
-        )
+        return _write_object(encoded, target, options, create_only)
+    if not options.blocking:
+        return copysave.save_async(encoded, target, write, snapshot=options.snapshot, within=within)
     try:
         with AtomicFile(target, within) as f:
-            length = build_file(
-                f.fd,
-                encoded,
-                compression=compression,
-                level=level,
-                metadata=metadata,
-                chunk_size=chunk_size,
-                path=target,
-                dedup=dedup,
-                sign=sign,
-                seal=seal,
-            )
+            length = build_file(f.fd, encoded, write, path=target)
             f.commit()
         return done_handle(target, length)
     except CheckpointError:
@@ -254,51 +238,17 @@ def object_capacity(encoded: Encoded, chunk_size: int) -> int:
     return fmt.PROLOGUE_SIZE + data + tail
 
 
-def _write_object(
-    encoded: Encoded,
-    url: str,
-    options: dict[str, Any],
-    *,
-    compression: str | None,
-    level: int | None,
-    metadata: dict[str, str],
-    chunk_size: int,
-    blocking: bool,
-    dedup: Dedup | None,
-    sign: Signer | None,
-    create_only: bool = False,
-    seal: Sealer | None = None,
-) -> SaveHandle:
+def _write_object(encoded: Encoded, url: str, options: FileSaveOptions, create_only: bool) -> SaveHandle:
     """Write `encoded` as the object at `url`: the engine writes into the upload's spool,
     which sends each part once complete; committed whole, or aborted."""
-    out = ObjectFile(url, options, object_capacity(encoded, chunk_size), if_absent=create_only)
-    if not blocking:
-        return copysave.save_async(
-            encoded,
-            url,
-            compression=compression,
-            level=level,
-            metadata=metadata,
-            chunk_size=chunk_size,
-            dedup=dedup,
-            sign=sign,
-            seal=seal,
-            output=out,
-        )
+    write = options.write
+    capacity = object_capacity(encoded, write.chunk_size)
+    out = ObjectFile(url, options.storage_options, capacity, if_absent=create_only)
+    if not options.blocking:
+        return copysave.save_async(encoded, url, write, output=out)
     with out:
         length = build_file(
-            out.fd,
-            encoded,
-            compression=compression,
-            level=level,
-            metadata=metadata,
-            chunk_size=chunk_size,
-            path=url,
-            dedup=dedup,
-            sign=sign,
-            seal=seal,
-            on_written=out.written,
-            batch_bytes=OBJECT_BATCH_BYTES,
+            out.fd, encoded, write, path=url, on_written=out.written, batch_bytes=OBJECT_BATCH_BYTES
         )
         out.commit()
     return done_handle(url, length)
