@@ -297,6 +297,56 @@ def test_the_layer_check_sees_an_upward_import():
         _layer("ckptfmt.loose")
 
 
+# -- public calls take only public parameters -----------------------------------------------------
+
+#: the public faces whose names (``__all__``) users call
+PUBLIC = ["ckptfmt", "ckptfmt.dcp", "ckptfmt.integrations.lightning", "ckptfmt.integrations.transformers"]
+#: parameters a framework's own signature fixes (an override must keep them)
+FRAMEWORK_PARAMETERS = {"ckptfmt.integrations.transformers.CkptfmtTrainerMixin.save_model(_internal_call)"}
+
+
+def _private_parameters() -> list[str]:
+    """``module.name(parameter)`` for each parameter starting with ``_`` of a public function,
+    class constructor or public method."""
+    import importlib
+    import inspect
+
+    def private(qual: str, fn: object) -> list[str]:
+        try:
+            names = inspect.signature(fn).parameters  # type: ignore[arg-type]
+        except (TypeError, ValueError):  # a builtin without a signature
+            return []
+        return [f"{qual}({p})" for p in names if p.startswith("_")]
+
+    found = []
+    for module in PUBLIC:
+        mod = importlib.import_module(module)
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if isinstance(obj, type):
+                for attr, value in vars(obj).items():
+                    if callable(value) and (attr == "__init__" or not attr.startswith("_")):
+                        found += private(f"{module}.{name}.{attr}", value)
+            elif callable(obj):
+                found += private(f"{module}.{name}", obj)
+    return found
+
+
+def test_no_public_call_takes_a_private_parameter():
+    """ckptfmt's own callers (the manager, the DCP backend, the integrations) use internal entry
+    points that take what they need (an open directory, a create-only flag): no public function
+    has a parameter no user may pass."""
+    assert [p for p in _private_parameters() if p not in FRAMEWORK_PARAMETERS] == []
+
+
+def test_the_parameter_check_sees_every_public_face():
+    """The check itself can fail: it reads save's parameters, and the exception it allows exists."""
+    import inspect
+
+    assert "sign_with" in inspect.signature(ckptfmt.save).parameters
+    assert set(FRAMEWORK_PARAMETERS) <= set(_private_parameters())
+
+
 # -- commands that build no tensor import neither torch nor numpy -----------------------------------
 
 #: ``python -m ckptfmt ARGS`` in a process where ``import torch`` and ``import numpy`` fail

@@ -188,8 +188,6 @@ class Writer(_HeldPlace, StorageWriter):
         storage_options: dict[str, Any] | None = None,
         incremental: bool = False,
         base: str | os.PathLike[str] | None = None,
-        _within: CheckpointDir | None = None,
-        _step_dir: bool = False,
     ) -> None:
         super().__init__()
         self.path = places.normalized(path)
@@ -203,11 +201,10 @@ class Writer(_HeldPlace, StorageWriter):
         self._sign_key = recordsign.private_key(sign_with)  # a bad key fails before any rank writes
         writer.signer(self._sign_key)  # and an engine without libcrypto
         # The directory is opened once per save and every write, unlink and listing is
-        # made beneath that descriptor (spec 13.6): `_within` lends an open directory (the
-        # checkpoint manager's held, locked step directory); `_step_dir` says the directory
-        # exists (a manager made it) and is opened beneath its parent without following a link.
-        self._within = _within
-        self._step_dir = _step_dir
+        # made beneath that descriptor (spec 13.6); held_writer lends one (`_within`) or says
+        # a manager made it (`_step_dir`).
+        self._within: CheckpointDir | None = None
+        self._step_dir = False
         self._place: Place | None = None
         self.overwrite = overwrite
         self.compression = compression
@@ -439,6 +436,22 @@ class Writer(_HeldPlace, StorageWriter):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
+def held_writer(
+    path: str | os.PathLike[str],
+    *,
+    within: CheckpointDir | None = None,
+    step_dir: bool = False,
+    **options: Any,
+) -> Writer:
+    """A Writer for ckptfmt's own callers (the checkpoint manager's step directory): `within`
+    lends an open directory (the manager's held, locked step directory; dup'ed, not taken);
+    `step_dir` says the directory exists (a manager made it) and is opened beneath its parent
+    without following a link.  `options`: Writer's."""
+    w = Writer(path, **options)
+    w._within, w._step_dir = within, step_dir
+    return w
+
+
 def _byte_value(planner: _BaseSavePlanner, item: Any) -> Any:
     """The object behind a byte item: straight from our planner, else decoded from its bytes.
     An io.BytesIO is stored as its bytes (spec 13.5), also behind DCP's default planner, whose
@@ -515,17 +528,15 @@ class Reader(_HeldPlace, StorageReader):
         trusted_keys: Any = None,
         decrypt_with: Any = None,
         storage_options: dict[str, Any] | None = None,
-        _within: CheckpointDir | None = None,
     ) -> None:
         super().__init__()
         self._trusted = recordsign.public_keys(trusted_keys)
         self._decrypt = decrypt_with
         self.path = places.normalized(path)
         self.storage_options = places.check_place_options(self.path, storage_options)
-        # A checkpoint directory is opened once (`_within`: one the caller opened, such as a
-        # step directory the manager opened beneath its run without following a link; it is
-        # dup'ed, not taken): the record and every rank file are read beneath that descriptor.
-        self._place: Place | None = LocalPlace(_within.dup()) if _within is not None else None
+        # A checkpoint directory is opened once (or lent: held_reader): the record and every
+        # rank file are read beneath that descriptor.
+        self._place: Place | None = None
         self.verify = verify
         self.load_id = uuid.uuid4().hex
         self.stats = regions.ReadStats()
@@ -710,6 +721,18 @@ class Reader(_HeldPlace, StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def held_reader(
+    path: str | os.PathLike[str], *, within: CheckpointDir | None = None, **options: Any
+) -> Reader:
+    """A Reader for ckptfmt's own callers: `within`, the checkpoint's directory the caller
+    opened (a step directory the manager opened beneath its run without following a link;
+    dup'ed, not taken).  `options`: Reader's."""
+    r = Reader(path, **options)
+    if within is not None:
+        r._place = LocalPlace(within.dup())
+    return r
 
 
 def _committer(planner: _BaseLoadPlanner, req: Any, dest: torch.Tensor) -> Any:

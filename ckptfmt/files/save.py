@@ -120,8 +120,6 @@ def save(
     storage_options: dict[str, Any] | None = None,
     encrypt_with: Any = None,
     encrypt_index: bool = True,
-    _within: CheckpointDir | None = None,
-    _create_only: bool = False,
 ) -> SaveHandle:
     """Save `state` at `path` atomically; return its SaveHandle: done when blocking, after the
     snapshot with blocking=False.  ``handle.cost`` says what the save cost once it is durable
@@ -133,17 +131,10 @@ def save(
     waits only for fork(), but each page it changes before the child is done is copied
     then, one page fault at a time.
 
-    `_within` (ckptfmt's own callers): the open directory that holds `path`; the file is
-    created, renamed and made durable beneath that descriptor, never by resolving `path`
-    again (the checkpoint manager saves into a step directory it holds open and locked).
-
     sign_with: an Ed25519 private key (a ``cryptography`` key object, a path, or the bytes
     of a PEM or OpenSSH private key): the file is signed (spec section 16), each chunk's
     SHA-256 taken by the engine as it is written, the signature over the prologue, the
     index and every chunk's digest.  Loads given ``trusted_keys`` accept only such files.
-
-    `_create_only` (ckptfmt's own callers, object stores): the object is created only if absent
-    (If-None-Match), FileExistsError otherwise: a commit record never replaces another.
 
     `path` may be an object-store URL (``s3://bucket/key``), with the client's settings in
     `storage_options` (endpoint_url, region_name, aws_access_key_id, ...; boto3's AWS_*
@@ -170,14 +161,35 @@ def save(
         encrypt_with=encrypt_with,
         encrypt_index=encrypt_index,
     )
+    return save_file(state, path, options, began=began)
+
+
+def save_file(
+    state: object,
+    path: str | os.PathLike[str],
+    options: FileSaveOptions,
+    *,
+    within: CheckpointDir | None = None,
+    create_only: bool = False,
+    began: float | None = None,
+) -> SaveHandle:
+    """save() for ckptfmt's own callers, its keywords already checked into `options`.
+
+    `within`: the open directory that holds `path`; the file is created, renamed and made
+    durable beneath that descriptor, never by resolving `path` again (the checkpoint manager
+    saves into a step directory it holds open and locked).
+    `create_only` (object stores): the object is created only if absent (If-None-Match),
+    FileExistsError otherwise: a commit record never replaces another.
+    `began`: when the save began (its cost is counted from there; default now)."""
+    began = time.perf_counter() if began is None else began
     target = os.fspath(path)
-    if is_url(target) and _within is not None:
+    if is_url(target) and within is not None:
         raise ValueError("an object-store URL is not saved within a local directory")
-    if is_url(target) and not blocking and snapshot == "fork":
+    if is_url(target) and not options.blocking and options.snapshot == "fork":
         raise ValueError(f"{target}: snapshot='fork' writes local files only; use snapshot='copy'")
     inflight.raise_unobserved()
     inflight.wait_for_path(target)
-    handle = write_state(state, target, options, within=_within, create_only=_create_only)
+    handle = write_state(state, target, options, within=within, create_only=create_only)
     return handle._returning(began)
 
 

@@ -514,16 +514,14 @@ class CheckpointManager:
                 encrypt_with=self._encrypt,
                 decrypt_with=self._decrypt,
             )
-        return writer.save(
-            payload,
-            target,
+        options = writer.save_options(
             compression=self.compression,
             blocking=self.blocking,
             snapshot=self.snapshot,
             storage_options=storage_options,
             encrypt_with=self._encrypt,
-            _within=within,
         )
+        return writer.save_file(payload, target, options, within=within)
 
     def _finish(self, job: StepJob, before: threading.Thread | None) -> None:
         """Wait for the files, write the commit record, rotate; report through job.handle."""

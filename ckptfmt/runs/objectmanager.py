@@ -188,12 +188,9 @@ class ObjectRunManager(CheckpointManager):
                 part = place.with_digest(part, f.etag)
         record = multifile.CommitRecord(job.step, "state", (part,), refs, job.metrics, job.metadata)
         try:
-            writer.save(
-                record.as_value(),
-                f"{job.path}/{multifile.COMMIT_NAME}",
-                storage_options=self.run.options,
-                sign_with=self._sign_key,
-                _create_only=True,
+            options = writer.save_options(storage_options=self.run.options, sign_with=self._sign_key)
+            writer.save_file(
+                record.as_value(), f"{job.path}/{multifile.COMMIT_NAME}", options, create_only=True
             )
         except FileExistsError:
             raise CheckpointError(

@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 
 from ..background.inflight import SaveHandle
-from ..dcp.api import load, save, save_in_background
+from ..dcp.api import load_within, save_in_background, save_within
 from ..dcp.convert import load_full, skeleton
-from ..dcp.storage import Reader
+from ..dcp.storage import Reader, held_reader
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError, UnsupportedError
 from ..fileio import is_url
@@ -208,7 +208,7 @@ def _save_shards(
             future = save_in_background(payload, job.path, within=within, step_dir=local, **options)
             job.file_handle = _FutureHandle(future)
             return manager._commit_when_written(job)
-        save(payload, job.path, _within=within, _step_dir=local, **options)
+        save_within(payload, job.path, within=within, step_dir=local, **options)
     except BaseException:
         if job.coordinator and job.file_handle is None:
             manager._abandon(job)
@@ -272,14 +272,14 @@ def _reading(info: CheckpointInfo, storage_options: dict[str, Any] | None) -> It
         yield {"storage_options": storage_options}
         return
     with _open_step(info) as d:
-        yield {"_within": d}
+        yield {"within": d}
 
 
 def _step_reader(info: CheckpointInfo, where: dict[str, Any], trusted: Any, decrypt: Any) -> Reader:
     """A Reader of step `info` (`where`: _reading's), its record read and checked to be that
     step's (`trusted`: public keys, one of which must have signed it; `decrypt`: the key of an
     encrypted run)."""
-    reader = Reader(info.path, trusted_keys=trusted, decrypt_with=decrypt, **where)
+    reader = held_reader(info.path, trusted_keys=trusted, decrypt_with=decrypt, **where)
     try:
         reader.read_metadata()
         record = reader.record
@@ -336,7 +336,7 @@ def load_step_into(
                 _init_optimizer_state(obj)
         saved = _checked_rng(md, info.path, rank, where, trusted, decrypt)  # before DCP fills the caller's
         target: dict[str, Any] = {"state": resume.to_storable(state)}
-        load(target, info.path, trusted_keys=trusted, decrypt_with=decrypt, **where)
+        load_within(target, info.path, trusted_keys=trusted, decrypt_with=decrypt, **where)
     _push_back(state, target["state"])
     report = resume.ResumeReport(step=info.step, path=info.path)
     if restore_rng and saved is not None:
@@ -356,7 +356,7 @@ def _checked_rng(md: Any, path: str, rank: int, where: dict[str, Any], trusted: 
     # every rank takes part in the load (a collective), a rank the step holds no RNG states
     # of (a step saved on fewer ranks) with nothing to read
     target: dict[str, Any] = {"rng": rng} if rng else {}
-    load(target, path, trusted_keys=trusted, decrypt_with=decrypt, **where)
+    load_within(target, path, trusted_keys=trusted, decrypt_with=decrypt, **where)
     if not rng:
         return None
     saved = target["rng"][key]
