@@ -39,6 +39,7 @@ from common import summarise as med  # noqa: E402
 import ckptfmt  # noqa: E402
 from ckptfmt.engine import chunkwrite as chunkio  # noqa: E402
 from ckptfmt.engine import native as _native  # noqa: E402
+from ckptfmt.engine.writeoptions import WriteOptions  # noqa: E402
 from ckptfmt.format.encode import encode  # noqa: E402
 
 
@@ -64,7 +65,7 @@ def write_raw(
             0,
             64,
             pieces,
-            chunkio.WriteOptions(compression),
+            WriteOptions(compression),
             threads,
             path,
             _checksums=checksums,

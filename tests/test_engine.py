@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import ckptfmt
 from ckptfmt.engine import chunkwrite
 from ckptfmt.engine import native as _native
+from ckptfmt.engine.writeoptions import WriteOptions
 from ckptfmt.format import layout as fmt
 from ckptfmt.format.encode import encode
 
@@ -25,7 +26,7 @@ def _write(tmp_path, name, state, engine, threads=None, **kw):
     p = tmp_path / name
     fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        options = chunkwrite.WriteOptions(**kw)
+        options = WriteOptions(**kw)
         chunkwrite.build_file(fd, encode(state), options, engine=engine, threads=threads, path=str(p))
     finally:
         os.close(fd)
@@ -125,7 +126,7 @@ def test_io_error_reaches_caller_with_errno(tmp_path):
         data = np.ones(1 << 20, dtype=np.uint8)
         with pytest.raises(OSError) as info:
             pieces = [(memoryview(data), 1)]
-            _native.write_chunks(fd, bytes(16), 0, 64, pieces, chunkwrite.WriteOptions(), 4, "/dev/full")
+            _native.write_chunks(fd, bytes(16), 0, 64, pieces, WriteOptions(), 4, "/dev/full")
         assert info.value.errno == 28 and info.value.filename == "/dev/full"  # ENOSPC
         assert "chunk 0" in str(info.value)
     finally:

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 import ckptfmt
 from ckptfmt import SignatureError
 from ckptfmt.engine import native
-from ckptfmt.engine.chunkwrite import WriteOptions
+from ckptfmt.engine.writeoptions import WriteOptions
 from ckptfmt.files.reader import CheckpointFile
 from ckptfmt.files.signfile import sign_file
 from ckptfmt.format import layout as fmt

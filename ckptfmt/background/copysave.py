@@ -37,6 +37,7 @@ from ..engine import bytesview, chunkwrite
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
+from ..engine.writeoptions import WriteOptions
 from ..format.encode import Encoded
 from . import forksave, inflight
 from .inflight import SaveHandle
@@ -106,7 +107,7 @@ class _Piece:
 def save_async(
     encoded: Encoded,
     path: str,
-    options: chunkwrite.WriteOptions,
+    options: WriteOptions,
     *,
     snapshot: str = "copy",
     within: CheckpointDir | None = None,
@@ -133,7 +134,7 @@ def save_async(
 def _save_copied(
     encoded: Encoded,
     path: str,
-    options: chunkwrite.WriteOptions,
+    options: WriteOptions,
     *,
     within: CheckpointDir | None,
     output: Any = None,
@@ -310,7 +311,7 @@ def _write_worker(
     encoded: Encoded,
     pieces: queue.Queue[Any],
     go: threading.Event,
-    options: chunkwrite.WriteOptions,
+    options: WriteOptions,
     pool: StagingPool,
 ) -> None:
     exc: BaseException | None = None

@@ -52,6 +52,7 @@ from ..engine import chunkwrite
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
+from ..engine.writeoptions import WriteOptions
 from ..errors import SnapshotError
 from ..format import layout as fmt
 from ..format.encode import Encoded
@@ -114,7 +115,7 @@ def _address(src: torch.UntypedStorage | np.ndarray) -> int:
 def save_forked(
     encoded: Encoded,
     path: str,
-    options: chunkwrite.WriteOptions,
+    options: WriteOptions,
     *,
     within: CheckpointDir | None = None,
 ) -> SaveHandle:
@@ -246,7 +247,7 @@ def _finish(
     alive_w: int,
     file_id: bytes,
     encoded: Encoded,
-    options: chunkwrite.WriteOptions,
+    options: WriteOptions,
     owner: threading.Lock,
 ) -> None:
     """Wait for the child, then write the index, footer and prologue and commit."""

@@ -16,7 +16,8 @@ import os
 import tempfile
 from typing import Any
 
-from ..engine.chunkwrite import WriteOptions, build_file
+from ..engine.chunkwrite import build_file
+from ..engine.writeoptions import WriteOptions
 from ..errors import CheckpointError, UnsupportedError, UnsupportedObjectError
 from ..fileio import pread_exact
 from ..files.reader import CheckpointFile

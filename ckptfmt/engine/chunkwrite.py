@@ -22,10 +22,8 @@ import json
 import os
 import platform
 import secrets
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 import zstandard
@@ -36,6 +34,7 @@ from ..format import encryption, signing
 from ..format import layout as fmt
 from ..format.timestamps import format_utc, utc_at, utc_now
 from . import native as _native
+from .writeoptions import ChunkRecord, Signer, WriteOptions
 
 if TYPE_CHECKING:
     from ..format.encode import Encoded, StoragePlan
@@ -150,76 +149,6 @@ def _pwrite_all(fd: int, data: Any, offset: int) -> None:
 
 #: device storages are copied to the host this many bytes at a time (blocking saves)
 HOST_BATCH_BYTES = 256 << 20
-
-ChunkRecord = tuple[int, int, int, int, int, int, int]
-
-
-#: makes a signature block (files/signing.py): (prologue, footer, SHA-256 of the index as
-#: stored, the chunks' digests, SHA-256 of the encryption block or b"") -> the block's bytes
-Signer = Callable[[bytes, bytes, bytes, bytes, bytes], bytes]
-
-
-class Dedup(Protocol):
-    """Finds chunks whose bytes an earlier file already holds (incremental saves, spec section 12).
-
-    Given to build_file / finish_file / the background writer, it turns the file into
-    one with content digests (required feature bit 0) whose unchanged chunks are
-    external records instead of bytes.
-    """
-
-    @property
-    def can_refer(self) -> bool:
-        """False when no chunk can be referred to (no base): the writer then writes every
-        chunk and takes the digests in the same pass, reporting them to `written`."""
-        ...
-
-    def written(self, first_index: int, digests: list[bytes]) -> None:
-        """The digests of chunks first_index.., all written here (used when not can_refer)."""
-        ...
-
-    def classify(
-        self, first_index: int, pieces: list[tuple[memoryview, int]], engine: str, threads: int
-    ) -> list[ChunkRecord | None]:
-        """Digest chunks first_index.. (the bytes being saved) and return, per chunk, the record
-        of the chunk in an earlier file that holds the same bytes, or None to write it here."""
-        ...
-
-    def externals(self) -> list[list[Any]]:
-        """The index's `externals` member: the files the external records name."""
-        ...
-
-    def record(self, k: int, rec: ChunkRecord) -> list[Any]:
-        """The index record of chunk k (8 fields when local, 10 when external)."""
-        ...
-
-
-@dataclass(frozen=True)
-class WriteOptions:
-    """How the bytes of one file are written: one value, checked where it is made (the public
-    call, files/save.py), taken whole by every writer below it (ChunkWriter, finish_file, the
-    background writers, the engine).
-
-    compression, level: zstd per chunk (level None: the engine's fast profile);
-    chunk_size: a power of two within the format's limits; metadata: the index's string
-    pairs (held read-only); sign: makes the signature block (spec section 16); seal: the
-    file's data key and the sealing of its index (section 17); dedup: an incremental save's
-    chunk finder (section 12)."""
-
-    compression: str | None = None
-    level: int | None = None
-    chunk_size: int = fmt.DEFAULT_CHUNK_SIZE
-    metadata: Mapping[str, str] = field(default_factory=dict)
-    sign: Signer | None = None
-    seal: encryption.Sealer | None = None
-    dedup: Dedup | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
-
-    @property
-    def key(self) -> bytes | None:
-        """The data key each chunk is encrypted with (None: a clear file)."""
-        return None if self.seal is None else self.seal.data_key
 
 
 def _write_chunks_python(

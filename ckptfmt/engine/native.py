@@ -19,7 +19,7 @@ from ..errors import CheckpointError, CheckpointWarning
 from ..format.encryption import TagMismatch
 
 if TYPE_CHECKING:
-    from .chunkwrite import WriteOptions
+    from .writeoptions import WriteOptions
 
 #: why the engine could not be imported (None when it was)
 NOT_BUILT: str | None = None

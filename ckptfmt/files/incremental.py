@@ -29,9 +29,9 @@ from ..background import inflight
 from ..background.inflight import SaveHandle
 from ..engine import bytesview, chunkwrite, hostmem
 from ..engine import native as _native
-from ..engine.chunkwrite import ChunkRecord
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
+from ..engine.writeoptions import ChunkRecord, WriteOptions
 from ..errors import CheckpointWarning
 from ..fileio import is_url, open_regular, pread_exact
 from ..format import dtypes
@@ -385,9 +385,7 @@ def save(
     if chunk_size is None and index.base_chunk_size is not None and not os.environ.get("CKPTFMT_CHUNK_SIZE"):
         chunk_size = index.base_chunk_size
     size = writer.check_chunk_size(chunk_size)
-    write = chunkwrite.WriteOptions(
-        compression, level, size, meta, seal=encryption.sealer(encrypt_with), dedup=index
-    )
+    write = WriteOptions(compression, level, size, meta, seal=encryption.sealer(encrypt_with), dedup=index)
     options = writer.FileSaveOptions(write, blocking, storage_options=dict(storage_options or {}))
     result: SaveHandle | None = writer.write_state(state, target, options, within=within)
     return result
@@ -478,7 +476,7 @@ def consolidate(
         with output as out:
             file_id = chunkwrite.new_file_id()
             # the copy keeps the source's chunk size and metadata
-            write = chunkwrite.WriteOptions(compression, level, f.chunk_size, f.metadata, seal=seal)
+            write = WriteOptions(compression, level, f.chunk_size, f.metadata, seal=seal)
             cw = chunkwrite.ChunkWriter(out.fd, file_id, write, path=target)
             k = 0
             while k < len(f.chunks):

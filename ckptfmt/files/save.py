@@ -18,9 +18,10 @@ from typing import Any
 
 from ..background import copysave, inflight
 from ..background.inflight import SaveHandle
-from ..engine.chunkwrite import WriteOptions, build_file
+from ..engine.chunkwrite import build_file
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
+from ..engine.writeoptions import WriteOptions
 from ..errors import CheckpointError
 from ..fileio import is_url
 from ..format import layout as fmt
