@@ -3,7 +3,9 @@ readers that do not import the writer.
 
 Imports are read from the source (module level and inside functions alike), so an
 upward or cyclic import hidden in a function is found too; imports only a type
-checker runs (``if TYPE_CHECKING:``) are left out.  ``from . import __version__``
+checker runs (``if TYPE_CHECKING:``) are left out of the layer rules, but not of the
+search for cycles: a module that names another's type and is imported by it (inside a
+function or not) depends on it both ways.  ``from . import __version__``
 is an edge to the package's ``__init__``, which defines the version before
 importing anything; edges into ``__init__`` are therefore left out of the graph
 and checked on their own.
@@ -80,14 +82,19 @@ def _walk_runtime(tree: ast.AST) -> list[ast.AST]:
     return out
 
 
-def _graph(module_level_only: bool) -> dict[str, set[str]]:
+def _graph(module_level_only: bool, typing_too: bool = False) -> dict[str, set[str]]:
+    """Each module's imports of the package: at module level only, or anywhere (inside
+    functions too); with `typing_too`, those under ``if TYPE_CHECKING:`` as well."""
     mods = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), path)
         package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
-        nodes = tree.body if module_level_only else _walk_runtime(tree)
+        if module_level_only:
+            nodes: list[ast.AST] = list(tree.body)
+        else:
+            nodes = list(ast.walk(tree)) if typing_too else _walk_runtime(tree)
         deps: set[str] = set()
         for node in nodes:
             if isinstance(node, ast.ImportFrom):
@@ -246,6 +253,15 @@ def test_every_relative_import_names_a_module_of_the_package():
 
 def test_no_import_cycle_anywhere():
     assert _cycles(_graph(module_level_only=False)) == []
+
+
+def test_no_cycle_even_through_imports_inside_functions_or_for_types():
+    """Every import counts: inside functions, and those only a type checker runs.  A step saved
+    across ranks (runs/sharded.py) reaches its run through the step-saving protocol
+    (runs/stepsave.py), not the manager's private methods."""
+    graph = _graph(module_level_only=False, typing_too=True)
+    assert _cycles(graph) == []
+    assert "ckptfmt.runs.manager" not in _reach(graph, "ckptfmt.runs.sharded")
 
 
 def test_module_level_imports_have_no_cycle():

@@ -75,6 +75,7 @@ from .steps import (
     held,
     step_dirname,
 )
+from .stepsave import StepOptions
 
 #: the saves whose cost save_cost() answers for
 COSTS_KEPT = 1024
@@ -377,7 +378,7 @@ class CheckpointManager:
         if is_sharded_save(state):  # every rank saves its shard; the step commits like any other
             from . import sharded
 
-            return sharded.save_step(self, step, state, metrics, meta, scan)
+            return sharded.save_step(self._steps(), step, state, metrics, meta, scan)
         from .rng import capture_rng
 
         payload = resume.build_payload(state, step, capture_rng())
@@ -395,6 +396,10 @@ class CheckpointManager:
             self._abandon(job)
             raise
         return self._commit_when_written(job)
+
+    def _steps(self) -> RunSteps:
+        """This run as a save of several ranks sees it (runs/stepsave.py)."""
+        return RunSteps(self)
 
     def _check_save(
         self, step: int, metrics: dict[str, float] | None, metadata: dict[str, str] | None
@@ -933,6 +938,53 @@ class CheckpointManager:
         return verify_in_run(
             self.directory, os.path.basename(info.path), info.step, self._trusted, self._decrypt
         )
+
+
+class RunSteps:
+    """A local run's side of the step-saving protocol (runs/stepsave.py): the manager's own
+    save machinery, lent to a save of several ranks."""
+
+    def __init__(self, manager: CheckpointManager) -> None:
+        self.manager = manager
+
+    @property
+    def directory(self) -> str:
+        return self.manager.directory
+
+    @property
+    def options(self) -> StepOptions:
+        m = self.manager
+        return StepOptions(m.compression, m.blocking, m.incremental, m.snapshot, m._sign_key, m._encrypt)
+
+    @property
+    def storage_options(self) -> dict[str, Any] | None:
+        return None
+
+    def step_path(self, step: int) -> str:
+        return os.path.join(self.manager.directory, step_dirname(step))
+
+    def prepare_step(self, job: StepJob, scan: RunScan | None) -> list[CheckpointInfo]:
+        m = self.manager
+        # an incremental save has waited for the saves in flight: they are done since the scan
+        now = m._scan() if scan is None or (m.incremental and scan.busy) else scan
+        m._cleanup(now)
+        job.path, job.lock_fd = m._make_step_dir(job.step, now)
+        return now.complete()
+
+    def wait_all(self) -> None:
+        self.manager._wait_all()
+
+    def commit_when_written(self, job: StepJob) -> inflight.SaveHandle | None:
+        return self.manager._commit_when_written(job)
+
+    def abandon(self, job: StepJob) -> None:
+        self.manager._abandon(job)
+
+    def committed(self) -> None:
+        m = self.manager
+        if m._archiver is not None:
+            m._archiver.kick()
+        m._rotate()
 
 
 def _archives_here() -> bool:
