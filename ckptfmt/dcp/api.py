@@ -27,7 +27,8 @@ from ..errors import CheckpointError
 from ..files import multifile, places
 from ..gcpause import pausing_in_main_thread
 from .planners import LoadPlanner, SavePlanner
-from .storage import SaveOptions, Writer, held_reader, held_writer
+from .reader import held_reader
+from .storage import SaveOptions, Writer, held_writer
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

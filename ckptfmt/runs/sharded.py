@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from ..background.inflight import SaveHandle
 from ..dcp.api import load_within, save_in_background, save_within
 from ..dcp.convert import load_full, skeleton
-from ..dcp.storage import Reader, held_reader
+from ..dcp.reader import Reader, held_reader
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError, UnsupportedError
 from ..fileio import is_url
