@@ -39,6 +39,7 @@ from common import summarise as med  # noqa: E402
 import ckptfmt  # noqa: E402
 from ckptfmt.engine import chunkwrite as chunkio  # noqa: E402
 from ckptfmt.engine import native as _native  # noqa: E402
+from ckptfmt.engine.writeoptions import WriteOptions  # noqa: E402
 from ckptfmt.format.encode import encode  # noqa: E402
 
 
@@ -59,7 +60,15 @@ def write_raw(
     try:
         t = time.perf_counter()
         records, end = _native.write_chunks(
-            fd, bytes(16), 0, 64, pieces, compression, None, threads, path, _checksums=checksums
+            fd,
+            bytes(16),
+            0,
+            64,
+            pieces,
+            WriteOptions(compression),
+            threads,
+            path,
+            _checksums=checksums,
         )
         elapsed = time.perf_counter() - t
     finally:

@@ -911,7 +911,9 @@ def test_ranks_of_one_host_share_its_cores() -> None:
     """Each rank's engine threads are its host's cores split among that host's ranks."""
     from torch.distributed.checkpoint.planner import SavePlan
 
-    from ckptfmt.dcp.storage import _Host, _RankPlan, _thread_shares
+    from ckptfmt.dcp.rankplan import Host as _Host
+    from ckptfmt.dcp.rankplan import RankPlan as _RankPlan
+    from ckptfmt.dcp.rankplan import thread_shares as _thread_shares
     from ckptfmt.engine.native import default_threads, threads_at_most
 
     hosts = [_Host("a", 16), _Host("a", 16), _Host("b", 8), _Host("a", 16), None]

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 import ckptfmt
 from ckptfmt import CheckpointError, CorruptError, DecryptionError, IncompleteError
 from ckptfmt.engine import chunkwrite, native
+from ckptfmt.engine.writeoptions import WriteOptions
 from ckptfmt.files import encryption
 from ckptfmt.files.reader import CheckpointFile
 from ckptfmt.files.signfile import sign_file
@@ -220,16 +221,8 @@ def test_engines_write_identical_bytes(tmp_path, monkeypatch, compression):
         fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             sealer = encryption.FileSealer(key, True, data_key=bytes(range(32)))
-            chunkwrite.build_file(
-                fd,
-                encode(state()),
-                compression=compression,
-                level=None,
-                metadata={},
-                chunk_size=CHUNK,
-                engine=engine,
-                seal=sealer,
-            )
+            options = WriteOptions(compression, chunk_size=CHUNK, seal=sealer)
+            chunkwrite.build_file(fd, encode(state()), options, engine=engine)
         finally:
             os.close(fd)
         out[engine] = read(p)

@@ -15,17 +15,19 @@ from hypothesis import strategies as st
 import ckptfmt
 from ckptfmt.engine import chunkwrite
 from ckptfmt.engine import native as _native
+from ckptfmt.engine.writeoptions import WriteOptions
 from ckptfmt.format import layout as fmt
 from ckptfmt.format.encode import encode
 
 pytestmark = pytest.mark.skipif(not _native.built(), reason="the C engine is not built")
 
 
-def _write(tmp_path, name, state, engine, **kw):
+def _write(tmp_path, name, state, engine, threads=None, **kw):
     p = tmp_path / name
     fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        chunkwrite.build_file(fd, encode(state), engine=engine, metadata={}, path=str(p), **kw)
+        options = WriteOptions(**kw)
+        chunkwrite.build_file(fd, encode(state), options, engine=engine, threads=threads, path=str(p))
     finally:
         os.close(fd)
     return p.read_bytes()
@@ -123,7 +125,8 @@ def test_io_error_reaches_caller_with_errno(tmp_path):
     try:
         data = np.ones(1 << 20, dtype=np.uint8)
         with pytest.raises(OSError) as info:
-            _native.write_chunks(fd, bytes(16), 0, 64, [(memoryview(data), 1)], None, None, 4, "/dev/full")
+            pieces = [(memoryview(data), 1)]
+            _native.write_chunks(fd, bytes(16), 0, 64, pieces, WriteOptions(), 4, "/dev/full")
         assert info.value.errno == 28 and info.value.filename == "/dev/full"  # ENOSPC
         assert "chunk 0" in str(info.value)
     finally:

@@ -28,6 +28,7 @@ from ckptfmt import dcp as cdcp
 from ckptfmt.cli import main as cli
 from ckptfmt.dcp import check as dcp_check
 from ckptfmt.dcp import storage
+from ckptfmt.dcp.api import save_within
 from ckptfmt.engine.ckptdir import CheckpointDir, LinkError
 from ckptfmt.errors import CheckpointError, CorruptError
 from ckptfmt.files import incremental, multifile
@@ -87,11 +88,11 @@ def test_a_save_within_a_held_directory_never_follows_its_path(tmp_path: Path) -
     with CheckpointDir.open(step) as held:
         os.rename(step, str(step) + ".held")
         os.symlink(victim, step)
-        cdcp.save({"w": torch.ones(4)}, str(step), step=1, _within=held, _step_dir=True)
+        save_within({"w": torch.ones(4)}, str(step), step=1, within=held, step_dir=True)
     _unchanged(victim, files)
     assert multifile.check_complete(str(step) + ".held").step == 1
     with pytest.raises(CheckpointError, match="symbolic link"):
-        cdcp.save({"w": torch.ones(4)}, str(step), step=1, _step_dir=True)
+        save_within({"w": torch.ones(4)}, str(step), step=1, step_dir=True)
     _unchanged(victim, files)
 
 

@@ -3,7 +3,9 @@ readers that do not import the writer.
 
 Imports are read from the source (module level and inside functions alike), so an
 upward or cyclic import hidden in a function is found too; imports only a type
-checker runs (``if TYPE_CHECKING:``) are left out.  ``from . import __version__``
+checker runs (``if TYPE_CHECKING:``) are left out of the layer rules, but not of the
+search for cycles: a module that names another's type and is imported by it (inside a
+function or not) depends on it both ways.  ``from . import __version__``
 is an edge to the package's ``__init__``, which defines the version before
 importing anything; edges into ``__init__`` are therefore left out of the graph
 and checked on their own.
@@ -80,14 +82,19 @@ def _walk_runtime(tree: ast.AST) -> list[ast.AST]:
     return out
 
 
-def _graph(module_level_only: bool) -> dict[str, set[str]]:
+def _graph(module_level_only: bool, typing_too: bool = False) -> dict[str, set[str]]:
+    """Each module's imports of the package: at module level only, or anywhere (inside
+    functions too); with `typing_too`, those under ``if TYPE_CHECKING:`` as well."""
     mods = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read(), path)
         package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
-        nodes = tree.body if module_level_only else _walk_runtime(tree)
+        if module_level_only:
+            nodes: list[ast.AST] = list(tree.body)
+        else:
+            nodes = list(ast.walk(tree)) if typing_too else _walk_runtime(tree)
         deps: set[str] = set()
         for node in nodes:
             if isinstance(node, ast.ImportFrom):
@@ -248,6 +255,15 @@ def test_no_import_cycle_anywhere():
     assert _cycles(_graph(module_level_only=False)) == []
 
 
+def test_no_cycle_even_through_imports_inside_functions_or_for_types():
+    """Every import counts: inside functions, and those only a type checker runs.  A step saved
+    across ranks (runs/sharded.py) reaches its run through the step-saving protocol
+    (runs/stepsave.py), not the manager's private methods."""
+    graph = _graph(module_level_only=False, typing_too=True)
+    assert _cycles(graph) == []
+    assert "ckptfmt.runs.manager" not in _reach(graph, "ckptfmt.runs.sharded")
+
+
 def test_module_level_imports_have_no_cycle():
     assert _cycles(_graph(module_level_only=True)) == []
 
@@ -295,6 +311,89 @@ def test_the_layer_check_sees_an_upward_import():
     assert LAYERS.index(_layer("ckptfmt.engine.native")) > LAYERS.index(_layer("ckptfmt.format.tree"))
     with pytest.raises(AssertionError, match="in no layer"):
         _layer("ckptfmt.loose")
+
+
+# -- modules small enough to read ----------------------------------------------------------------
+
+#: no module of the package is longer than this many lines: a longer one is split where its
+#: concepts part (issue 33)
+MAX_MODULE_LINES = 700
+#: modules still longer, each with the work that splits it
+LONG_MODULES = {
+    "ckptfmt/engine/chunkread.py": "split by the load-path work of issue 33 (another branch); drop on merge",
+}
+
+
+def _module_lengths() -> dict[str, int]:
+    out = {}
+    for path in _modules().values():
+        with open(path, encoding="utf-8") as f:
+            out[os.path.relpath(path, os.path.dirname(ROOT))] = sum(1 for _ in f)
+    return out
+
+
+def test_no_module_is_longer_than_the_limit():
+    lengths = _module_lengths()
+    long = {p: n for p, n in lengths.items() if n > MAX_MODULE_LINES and p not in LONG_MODULES}
+    assert long == {}, f"split these where their concepts part: {long}"
+
+
+def test_the_length_check_counts_every_module():
+    """The check itself can fail: it sees every module, each as long as it is."""
+    lengths = _module_lengths()
+    assert len(lengths) == len(_modules())
+    with open(os.path.join(ROOT, "runs", "manager.py"), encoding="utf-8") as f:
+        assert lengths[os.path.join("ckptfmt", "runs", "manager.py")] == len(f.read().splitlines())
+
+
+# -- public calls take only public parameters -----------------------------------------------------
+
+#: the public faces whose names (``__all__``) users call
+PUBLIC = ["ckptfmt", "ckptfmt.dcp", "ckptfmt.integrations.lightning", "ckptfmt.integrations.transformers"]
+#: parameters a framework's own signature fixes (an override must keep them)
+FRAMEWORK_PARAMETERS = {"ckptfmt.integrations.transformers.CkptfmtTrainerMixin.save_model(_internal_call)"}
+
+
+def _private_parameters() -> list[str]:
+    """``module.name(parameter)`` for each parameter starting with ``_`` of a public function,
+    class constructor or public method."""
+    import importlib
+    import inspect
+
+    def private(qual: str, fn: object) -> list[str]:
+        try:
+            names = inspect.signature(fn).parameters  # type: ignore[arg-type]
+        except (TypeError, ValueError):  # a builtin without a signature
+            return []
+        return [f"{qual}({p})" for p in names if p.startswith("_")]
+
+    found = []
+    for module in PUBLIC:
+        mod = importlib.import_module(module)
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if isinstance(obj, type):
+                for attr, value in vars(obj).items():
+                    if callable(value) and (attr == "__init__" or not attr.startswith("_")):
+                        found += private(f"{module}.{name}.{attr}", value)
+            elif callable(obj):
+                found += private(f"{module}.{name}", obj)
+    return found
+
+
+def test_no_public_call_takes_a_private_parameter():
+    """ckptfmt's own callers (the manager, the DCP backend, the integrations) use internal entry
+    points that take what they need (an open directory, a create-only flag): no public function
+    has a parameter no user may pass."""
+    assert [p for p in _private_parameters() if p not in FRAMEWORK_PARAMETERS] == []
+
+
+def test_the_parameter_check_sees_every_public_face():
+    """The check itself can fail: it reads save's parameters, and the exception it allows exists."""
+    import inspect
+
+    assert "sign_with" in inspect.signature(ckptfmt.save).parameters
+    assert set(FRAMEWORK_PARAMETERS) <= set(_private_parameters())
 
 
 # -- commands that build no tensor import neither torch nor numpy -----------------------------------

@@ -10,6 +10,7 @@ import torch
 
 import ckptfmt
 from ckptfmt.engine import commit
+from ckptfmt.format import layout as fmt
 
 
 class Thing:
@@ -71,6 +72,27 @@ def test_bad_arguments(tmp_path, kw, exc):
     with pytest.raises(exc):
         ckptfmt.save({"a": 1}, tmp_path / "x", **kw)
     assert os.listdir(tmp_path) == []
+
+
+def test_save_options_are_checked_once_into_one_frozen_value(tmp_path):
+    """save()'s keywords become one immutable value the writers below take whole: a save made
+    from it writes what the keywords asked, and the value cannot be changed in between."""
+    import dataclasses
+
+    from ckptfmt.files.save import save_file, save_options
+
+    options = save_options(compression="zstd", level=3, metadata={"run": "a"}, chunk_size=1 << 12)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.write.level = 5  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        options.write.metadata["run"] = "b"  # type: ignore[index]
+    with pytest.raises(ValueError, match="compression"):
+        save_options(compression="gzip")
+    save_file({"w": torch.zeros(1 << 12)}, tmp_path / "x.ckpt", options)
+    with ckptfmt.open(tmp_path / "x.ckpt") as r:
+        assert r.metadata == {"run": "a"}
+        assert r._file.chunk_size == 1 << 12
+        assert {c.codec for c in r._file.chunks} == {fmt.CODEC_ZSTD}
 
 
 def test_save_to_directory_fails(tmp_path):

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 import ckptfmt
 from ckptfmt import SignatureError
 from ckptfmt.engine import native
+from ckptfmt.engine.writeoptions import WriteOptions
 from ckptfmt.files.reader import CheckpointFile
 from ckptfmt.files.signfile import sign_file
 from ckptfmt.format import layout as fmt
@@ -198,7 +199,7 @@ def test_engine_digest_matches_reference():
             pytest.skip("C engine not built")
         sha: list[bytes] = []
         recs, _ = native.write_chunks(
-            fh.fileno(), fid, 5, 64, [(memoryview(data), 4)], None, None, 2, "x", sha_out=sha
+            fh.fileno(), fid, 5, 64, [(memoryview(data), 4)], WriteOptions(), 2, "x", sha_out=sha
         )
         off, stored, raw, codec, filt, width, _ = recs[0]
         assert sha == [sigfmt.chunk_digest(fid, 5, off, stored, raw, codec, filt, width, data)]

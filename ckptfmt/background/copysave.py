@@ -37,8 +37,8 @@ from ..engine import bytesview, chunkwrite
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
+from ..engine.writeoptions import WriteOptions
 from ..format.encode import Encoded
-from ..format.encryption import Sealer
 from . import forksave, inflight
 from .inflight import SaveHandle
 from .staging import POOL, StagingPool
@@ -107,20 +107,14 @@ class _Piece:
 def save_async(
     encoded: Encoded,
     path: str,
+    options: WriteOptions,
     *,
-    compression: str | None,
-    level: int | None,
-    metadata: dict[str, str],
-    chunk_size: int,
-    dedup: chunkwrite.Dedup | None = None,
     snapshot: str = "copy",
     within: CheckpointDir | None = None,
-    sign: chunkwrite.Signer | None = None,
     output: Any = None,
-    seal: Sealer | None = None,
 ) -> SaveHandle:
     """Snapshot `encoded` (checked already: nothing is written for a state that cannot be)
-    and write it in the background; return once the snapshot is taken.
+    and write it in the background as `options` say; return once the snapshot is taken.
 
     output: where the file goes when not an AtomicFile of `path` beneath `within`: an
     object upload (storage/upload.py's ObjectFile, not yet entered; copy snapshots only).
@@ -128,49 +122,22 @@ def save_async(
     snapshot: "copy" copies the state into staging memory (below); "fork" takes a
     copy-on-write snapshot in a child process (forksave.py), ValueError where it cannot."""
     if snapshot == "fork":
-        reason = forksave.why_not(encoded, dedup)
-        if sign is not None:
+        reason = forksave.why_not(encoded, options.dedup)
+        if options.sign is not None:
             reason = "signed saves take each chunk's digest in this process (use snapshot='copy')"
         if reason is not None:
             raise ValueError(f"{path}: snapshot='fork' is not possible: {reason}")
-        return forksave.save_forked(
-            encoded,
-            path,
-            compression=compression,
-            level=level,
-            metadata=metadata,
-            chunk_size=chunk_size,
-            within=within,
-            seal=seal,
-        )
-    return _save_copied(
-        encoded,
-        path,
-        compression=compression,
-        level=level,
-        metadata=metadata,
-        chunk_size=chunk_size,
-        dedup=dedup,
-        within=within,
-        sign=sign,
-        output=output,
-        seal=seal,
-    )
+        return forksave.save_forked(encoded, path, options, within=within)
+    return _save_copied(encoded, path, options, within=within, output=output)
 
 
 def _save_copied(
     encoded: Encoded,
     path: str,
+    options: WriteOptions,
     *,
-    compression: str | None,
-    level: int | None,
-    metadata: dict[str, str],
-    chunk_size: int,
-    dedup: chunkwrite.Dedup | None,
     within: CheckpointDir | None,
-    sign: chunkwrite.Signer | None = None,
     output: Any = None,
-    seal: Sealer | None = None,
 ) -> SaveHandle:
     handle = SaveHandle(path)
     pieces: queue.Queue[_Piece | BaseException | None] = queue.Queue()
@@ -182,21 +149,7 @@ def _save_copied(
     pool = POOL
     thread = threading.Thread(
         target=_write_worker,
-        args=(
-            handle,
-            atomic,
-            encoded,
-            pieces,
-            go,
-            compression,
-            level,
-            metadata,
-            chunk_size,
-            dedup,
-            pool,
-            sign,
-            seal,
-        ),
+        args=(handle, atomic, encoded, pieces, go, options, pool),
         name=f"ckptfmt-save-{os.path.basename(path)}",
         daemon=False,
     )
@@ -211,7 +164,7 @@ def _save_copied(
         handle._finish(e)
         raise
     try:
-        _snapshot(encoded, pieces, chunk_size, go.set, pool)
+        _snapshot(encoded, pieces, options.chunk_size, go.set, pool)
     except BaseException as e:
         pieces.put(e)
         go.set()
@@ -358,14 +311,8 @@ def _write_worker(
     encoded: Encoded,
     pieces: queue.Queue[Any],
     go: threading.Event,
-    compression: str | None,
-    level: int | None,
-    metadata: dict[str, str],
-    chunk_size: int,
-    dedup: chunkwrite.Dedup | None,
+    options: WriteOptions,
     pool: StagingPool,
-    sign: chunkwrite.Signer | None = None,
-    seal: Sealer | None = None,
 ) -> None:
     exc: BaseException | None = None
     ended = False  # the snapshot's last item (None, or its error) has been taken
@@ -375,15 +322,7 @@ def _write_worker(
         file_id = chunkwrite.new_file_id()
         # an incremental save (dedup) digests the snapshot here, on this thread, not the caller's
         out = chunkwrite.ChunkWriter(
-            atomic.fd,
-            file_id,
-            compression=compression,
-            level=level,
-            path=handle.path,
-            dedup=dedup,
-            sha=sign is not None,
-            on_written=getattr(atomic, "written", None),
-            key=None if seal is None else seal.data_key,
+            atomic.fd, file_id, options, path=handle.path, on_written=getattr(atomic, "written", None)
         )
         while not ended:
             batch, last = _take_batch(pieces)
@@ -403,20 +342,7 @@ def _write_worker(
                 if last is not None:
                     raise last
         if exc is None:
-            length = chunkwrite.finish_file(
-                atomic.fd,
-                file_id,
-                encoded,
-                out.chunks,
-                out.pos,
-                metadata,
-                chunk_size,
-                dedup,
-                sign,
-                out.shas,
-                seal,
-                out.tags,
-            )
+            length = out.finish(encoded)
             atomic.commit(free_replaced=replaced.append)
             handle._durable_now(length)
     except BaseException as e:

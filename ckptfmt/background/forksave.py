@@ -52,10 +52,10 @@ from ..engine import chunkwrite
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
+from ..engine.writeoptions import WriteOptions
 from ..errors import SnapshotError
 from ..format import layout as fmt
 from ..format.encode import Encoded
-from ..format.encryption import Sealer
 from . import inflight
 from .inflight import SaveHandle
 
@@ -115,16 +115,12 @@ def _address(src: torch.UntypedStorage | np.ndarray) -> int:
 def save_forked(
     encoded: Encoded,
     path: str,
+    options: WriteOptions,
     *,
-    compression: str | None,
-    level: int | None,
-    metadata: dict[str, str],
-    chunk_size: int,
     within: CheckpointDir | None = None,
-    seal: Sealer | None = None,
 ) -> SaveHandle:
-    """Fork a child that writes `encoded`'s chunks to a temp file; return once it runs.
-    With `seal` the child encrypts each chunk with the file's data key (the engine's
+    """Fork a child that writes `encoded`'s chunks to a temp file as `options` say; return
+    once it runs.  Encrypted (options.seal), the child encrypts each chunk with the file's data key (the engine's
     AES-256-GCM, in C) and leaves its tag where this process reads it; the index is sealed
     here, once the child is done.
 
@@ -147,13 +143,11 @@ def save_forked(
             atomic.fd,
             file_id,
             fmt.PROLOGUE_SIZE,
-            [c for plan in encoded.storages for c in chunkwrite.storage_chunks(plan, chunk_size)],
-            compression,
-            level,
+            [c for plan in encoded.storages for c in chunkwrite.storage_chunks(plan, options.chunk_size)],
+            options,
             _native.default_threads(),
             ready_w,
             alive,
-            key=None if seal is None else seal.data_key,
         )
         for fd in (ready_w, alive):  # the child's ends
             own.remove(fd)
@@ -161,7 +155,7 @@ def save_forked(
         handle._pid = child.pid
         thread = threading.Thread(
             target=_finish,
-            args=(handle, atomic, child, ready, alive_w, file_id, encoded, metadata, chunk_size, owner, seal),
+            args=(handle, atomic, child, ready, alive_w, file_id, encoded, options, owner),
             name=f"ckptfmt-save-{os.path.basename(path)}",
             daemon=False,
         )
@@ -253,10 +247,8 @@ def _finish(
     alive_w: int,
     file_id: bytes,
     encoded: Encoded,
-    metadata: dict[str, str],
-    chunk_size: int,
+    options: WriteOptions,
     owner: threading.Lock,
-    seal: Sealer | None = None,
 ) -> None:
     """Wait for the child, then write the index, footer and prologue and commit."""
     if not owner.acquire(blocking=False):
@@ -276,10 +268,8 @@ def _finish(
                 path=handle.path,
             )
         records, end = written
-        tags = child.tags() if seal is not None else None
-        length = chunkwrite.finish_file(
-            atomic.fd, file_id, encoded, records, end, metadata, chunk_size, seal=seal, tags=tags
-        )
+        tags = child.tags() if options.seal is not None else None
+        length = chunkwrite.finish_file(atomic.fd, file_id, encoded, records, end, options, tags=tags)
         atomic.commit(free_replaced=replaced.append)
         handle._durable_now(length)
     except BaseException as e:

@@ -25,7 +25,9 @@ from __future__ import annotations
 from .api import Stager, async_save, load, save
 from .convert import consolidate, describe
 from .planners import LoadPlanner, SavePlanner
-from .storage import Reader, StorageInfo, Writer
+from .rankplan import StorageInfo
+from .reader import Reader
+from .storage import Writer
 
 __all__ = [
     "LoadPlanner",

@@ -27,7 +27,8 @@ from ..errors import CheckpointError
 from ..files import multifile, places
 from ..gcpause import pausing_in_main_thread
 from .planners import LoadPlanner, SavePlanner
-from .storage import Reader, SaveOptions, Writer
+from .reader import held_reader
+from .storage import SaveOptions, Writer, held_writer
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -124,22 +125,21 @@ def _set_up_save(
     group: dist.ProcessGroup | None,
     kind: str,
     options: SaveOptions,
-    _within: CheckpointDir | None = None,
-    _step_dir: bool = False,
+    within: CheckpointDir | None = None,
+    step_dir: bool = False,
 ) -> tuple[Writer, SavePlanner]:
     """What save and async_save set up alike: the Writer of directory `path` with the
-    caller's options, and the planner of `kind` of save for `group` (see _save_planner)."""
-    return Writer(path, _within=_within, _step_dir=_step_dir, **options), _save_planner(group, kind)
+    caller's options (`within`, `step_dir`: see held_writer), and the planner of `kind` of
+    save for `group` (see _save_planner)."""
+    w = held_writer(path, within=within, step_dir=step_dir, **options)
+    return w, _save_planner(group, kind)
 
 
-@pausing_in_main_thread
 def save(
     state_dict: dict[str, Any],
     path: str | os.PathLike[str],
     *,
     process_group: dist.ProcessGroup | None = None,
-    _within: CheckpointDir | None = None,
-    _step_dir: bool = False,
     **options: Unpack[SaveOptions],
 ) -> Metadata:
     """Save a (sharded) state dict into directory `path`; every rank of the group calls it.
@@ -154,9 +154,23 @@ def save(
     rank file (spec section 17).  `path` may be an object-store URL (``s3://bucket/prefix``,
     with ``storage_options``): each rank streams its file into its own object, the commit
     record is created last, only if absent.
-    (`_within`, `_step_dir`: the checkpoint manager's step directory, see ``Writer``.)
     """
-    w, planner = _set_up_save(path, process_group, "blocking", options, _within, _step_dir)
+    return save_within(state_dict, path, process_group=process_group, **options)
+
+
+@pausing_in_main_thread
+def save_within(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    within: CheckpointDir | None = None,
+    step_dir: bool = False,
+    **options: Unpack[SaveOptions],
+) -> Metadata:
+    """save for ckptfmt's own callers: `within` and `step_dir` as for held_writer (the
+    checkpoint manager's step directory)."""
+    w, planner = _set_up_save(path, process_group, "blocking", options, within, step_dir)
     target = w.path
     try:
         with _single_process_ok():
@@ -175,7 +189,6 @@ def save(
         w.close()
 
 
-@pausing_in_main_thread
 def load(
     state_dict: dict[str, Any],
     path: str | os.PathLike[str],
@@ -185,7 +198,6 @@ def load(
     trusted_keys: Any = None,
     decrypt_with: Any = None,
     storage_options: dict[str, Any] | None = None,
-    _within: CheckpointDir | None = None,
 ) -> None:
     """Load into `state_dict` in place, resharding to this run's layout; every rank calls it.
 
@@ -199,15 +211,31 @@ def load(
     `path` may be an object-store URL (``s3://bucket/prefix``, the client's settings in
     `storage_options`): each rank fetches only the byte ranges it needs.
     """
-    target = places.normalized(path)
-    reader = Reader(
-        target,
+    load_within(
+        state_dict,
+        path,
+        process_group=process_group,
         verify=verify,
         trusted_keys=trusted_keys,
         decrypt_with=decrypt_with,
         storage_options=storage_options,
-        _within=_within,
-    )  # `_within`: the directory, opened
+    )
+
+
+@pausing_in_main_thread
+def load_within(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    within: CheckpointDir | None = None,
+    **options: Any,
+) -> None:
+    """load for ckptfmt's own callers: `within`, the checkpoint's directory they opened (see
+    held_reader); `options`: load's."""
+    target = places.normalized(path)
+    storage_options = options.get("storage_options")
+    reader = held_reader(target, within=within, **options)
     try:
         reader.read_metadata()  # a missing or damaged commit record fails here, on every rank, plainly
         with _single_process_ok():

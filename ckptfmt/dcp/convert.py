@@ -50,8 +50,8 @@ from . import metadata as mdv
 from .api import _mapped, _single_process_ok
 from .check import check_items, record_metadata
 from .planners import LoadPlanner
+from .reader import Reader
 from .sources import RANK_FILE_RE
-from .storage import Reader
 from .values import ObjectBytes
 
 DCP_METADATA_NAME = ".metadata"

@@ -1,4 +1,4 @@
-"""DCP's StorageWriter and StorageReader on ckptfmt files.
+"""DCP's StorageWriter on ckptfmt files (its StorageReader: reader.py).
 
 A checkpoint is a directory (spec/FORMAT.md, "Multi-file checkpoints", layout "dcp")::
 
@@ -12,106 +12,46 @@ Each rank writes and commits its own file in parallel (temp file, fsync, rename,
 directory fsync) with the C engine; the coordinator then checks that every file the
 ranks reported is there, unchanged, and writes the commit record the same way.
 A directory without a commit record that verifies is not a checkpoint.  The
-Reader also accepts a single ckptfmt file (one with full tensors, as
+Reader (reader.py) also accepts a single ckptfmt file (one with full tensors, as
 ``consolidate`` writes) and serves each rank just its slice.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import io
 import os
-import socket
 import uuid
 from typing import Any, TypedDict
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     Metadata,
     MetadataIndex,
     StorageMeta,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, WriteItemType
-from torch.distributed.checkpoint.planner import LoadPlanner as _BaseLoadPlanner
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.planner import SavePlanner as _BaseSavePlanner
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, CorruptError, IncompleteError, UnsupportedError, UnsupportedObjectError
+from ..errors import CheckpointError, IncompleteError, UnsupportedError, UnsupportedObjectError
 from ..fileio import is_url
 from ..files import encryption, multifile, places, recordsign
 from ..files import save as writer
 from ..files.incremental import MIN_REFERENCE_BYTES
 from ..files.places import LocalPlace, Place
-from ..files.reader import CheckpointFile
 from ..gcpause import pausing_in_main_thread
 from . import metadata as mdv
-from . import regions
-from .check import check_items, read_record
-from .sources import LAYOUT, RANK_FILE_RE, Source, rank_file_name, rank_note
-from .values import ObjectBytes, decode_value, encode_value, raw_bytes_io
+from .rankplan import HeldPlace, RankPlan, StorageInfo, plan_threads, this_host, thread_shares
+from .sources import LAYOUT, RANK_FILE_RE, rank_file_name, rank_note
+from .values import ObjectBytes, decode_value, raw_bytes_io
 
 #: DCP's default planner's value transform: torch.save (a pickle)
 _STOCK_TRANSFORM = DefaultSavePlanner.transform_object
-
-
-@dataclasses.dataclass(frozen=True)
-class _Host:
-    """A rank's local plan storage_data: where it runs and how many cores it may use."""
-
-    name: str
-    cores: int
-
-
-@dataclasses.dataclass(frozen=True)
-class _RankPlan:
-    """A rank's global plan storage_data: its file (saves) and its share of its host's cores."""
-
-    file: str | None
-    threads: int | None
-
-
-def _this_host() -> _Host:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return _Host(socket.gethostname(), cores)
-
-
-#: a rank keeps at least this many engine threads: while one waits in pwrite or fsync,
-#: another hashes (on 2 cores, 2 ranks saved 1 GiB in 0.57 s with two threads each and
-#: in 0.72 s with one)
-MIN_RANK_THREADS = 2
-
-
-def _thread_shares(hosts: list[object]) -> list[int | None]:
-    """Each rank's engine threads: its host's cores split between the ranks on that host
-    (ranks of one machine that each started a thread per core would fight for the cores),
-    at least MIN_RANK_THREADS."""
-    per_host = collections.Counter(h.name for h in hosts if isinstance(h, _Host))
-    return [
-        max(MIN_RANK_THREADS, h.cores // per_host[h.name]) if isinstance(h, _Host) else None for h in hosts
-    ]
-
-
-def _plan_threads(storage_data: object) -> int | None:
-    return storage_data.threads if isinstance(storage_data, _RankPlan) else None
-
-
-@dataclasses.dataclass(frozen=True)
-class StorageInfo:
-    """A WriteResult's storage_data: the rank file holding the item, its key there, and the
-    file's identity as its writer committed it (the coordinator checks it before the commit)."""
-
-    file: str
-    key: int
-    part: multifile.PartRecord | None = None
-    refs: tuple[multifile.PartRecord, ...] = ()  # the files of earlier saves it reads chunks from
 
 
 class SaveOptions(TypedDict, total=False):
@@ -142,23 +82,7 @@ class SaveOptions(TypedDict, total=False):
     base: str | os.PathLike[str] | None
 
 
-class _HeldPlace:
-    """The checkpoint's place a Writer or Reader opened once (`_place`: a local directory held
-    open, or an object prefix), closed with it."""
-
-    _place: Place | None = None
-
-    def close(self) -> None:
-        """Close the place (a directory's descriptor; the next save or read opens it again)."""
-        if self._place is not None:
-            self._place.close()
-            self._place = None
-
-    def __del__(self) -> None:
-        self.close()
-
-
-class Writer(_HeldPlace, StorageWriter):
+class Writer(HeldPlace, StorageWriter):
     """Writes a DCP save as one ckptfmt file per rank plus a commit record (see the module doc).
 
     Use with ``planner=cdcp.SavePlanner()``: DCP's default planner pickles non-tensor
@@ -188,8 +112,6 @@ class Writer(_HeldPlace, StorageWriter):
         storage_options: dict[str, Any] | None = None,
         incremental: bool = False,
         base: str | os.PathLike[str] | None = None,
-        _within: CheckpointDir | None = None,
-        _step_dir: bool = False,
     ) -> None:
         super().__init__()
         self.path = places.normalized(path)
@@ -203,11 +125,10 @@ class Writer(_HeldPlace, StorageWriter):
         self._sign_key = recordsign.private_key(sign_with)  # a bad key fails before any rank writes
         writer.signer(self._sign_key)  # and an engine without libcrypto
         # The directory is opened once per save and every write, unlink and listing is
-        # made beneath that descriptor (spec 13.6): `_within` lends an open directory (the
-        # checkpoint manager's held, locked step directory); `_step_dir` says the directory
-        # exists (a manager made it) and is opened beneath its parent without following a link.
-        self._within = _within
-        self._step_dir = _step_dir
+        # made beneath that descriptor (spec 13.6); held_writer lends one (`_within`) or says
+        # a manager made it (`_step_dir`).
+        self._within: CheckpointDir | None = None
+        self._step_dir = False
         self._place: Place | None = None
         self.overwrite = overwrite
         self.compression = compression
@@ -265,21 +186,21 @@ class Writer(_HeldPlace, StorageWriter):
         # every rank checks, before the coordinator removes the old record (prepare_global_plan)
         if not self.overwrite and d.exists(multifile.COMMIT_NAME):
             raise CheckpointError("a checkpoint is already there (overwrite=False)", path=self.path)
-        return dataclasses.replace(plan, storage_data=_this_host())
+        return dataclasses.replace(plan, storage_data=this_host())
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Runs on the coordinator before any rank writes: an older checkpoint in this
         # directory stops being one now, so a save that dies half way never leaves a
         # commit record next to a mix of old and new rank files.
         self._d().withdraw_record()
-        shares = _thread_shares([p.storage_data for p in plans])
+        shares = thread_shares([p.storage_data for p in plans])
         return [
-            dataclasses.replace(p, storage_data=_RankPlan(rank_file_name(i), t))
+            dataclasses.replace(p, storage_data=RankPlan(rank_file_name(i), t))
             for i, (p, t) in enumerate(zip(plans, shares))
         ]
 
     def write_data(self, plan: SavePlan, planner: _BaseSavePlanner) -> Future[list[WriteResult]]:
-        name = plan.storage_data.file if isinstance(plan.storage_data, _RankPlan) else None
+        name = plan.storage_data.file if isinstance(plan.storage_data, RankPlan) else None
         if not isinstance(name, str) or RANK_FILE_RE.fullmatch(name) is None:
             raise CheckpointError(f"the save plan names no rank file ({name!r})", path=self.path)
         state: dict[int, Any] = {}
@@ -310,7 +231,7 @@ class Writer(_HeldPlace, StorageWriter):
                 self.close()
             return fut
         try:
-            with _native.threads_at_most(_plan_threads(plan.storage_data)):
+            with _native.threads_at_most(plan_threads(plan.storage_data)):
                 part, refs = self._write_rank_file(name, state)
         finally:
             if not self.is_coordinator:  # the coordinator's finish uses the directory still
@@ -439,6 +360,22 @@ class Writer(_HeldPlace, StorageWriter):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
+def held_writer(
+    path: str | os.PathLike[str],
+    *,
+    within: CheckpointDir | None = None,
+    step_dir: bool = False,
+    **options: Any,
+) -> Writer:
+    """A Writer for ckptfmt's own callers (the checkpoint manager's step directory): `within`
+    lends an open directory (the manager's held, locked step directory; dup'ed, not taken);
+    `step_dir` says the directory exists (a manager made it) and is opened beneath its parent
+    without following a link.  `options`: Writer's."""
+    w = Writer(path, **options)
+    w._within, w._step_dir = within, step_dir
+    return w
+
+
 def _byte_value(planner: _BaseSavePlanner, item: Any) -> Any:
     """The object behind a byte item: straight from our planner, else decoded from its bytes.
     An io.BytesIO is stored as its bytes (spec 13.5), also behind DCP's default planner, whose
@@ -490,227 +427,3 @@ def _remove_stale_rank_files(d: Place, keep: set[str]) -> None:
 
 
 # -- reading --------------------------------------------------------------------------------------
-
-
-class Reader(_HeldPlace, StorageReader):
-    """Reads a ckptfmt DCP checkpoint directory, or a single ckptfmt file, into any sharding.
-
-    Use with ``planner=cdcp.LoadPlanner()`` when the state holds non-tensor values.
-    ``verify`` checks every chunk read against its checksum (on by default);
-    ``trusted_keys``: the commit record must be signed by one of these Ed25519 public keys
-    and every file read is hashed against it before it is read (spec 16.7; a single file
-    must be signed itself), and with them every file a rank's plan reads is checked before
-    any value is handed to the planner; ``stats`` counts what the last ``read_data`` read.
-    ``decrypt_with``: the key of a save made with ``encrypt_with`` (every rank file is read
-    with it; spec section 17).  `path` may be an object-store URL (the client's settings in
-    `storage_options`): each rank fetches only the byte ranges of the chunks it needs, every
-    read pinned to the ETag its object was checked with.
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        verify: bool = True,
-        trusted_keys: Any = None,
-        decrypt_with: Any = None,
-        storage_options: dict[str, Any] | None = None,
-        _within: CheckpointDir | None = None,
-    ) -> None:
-        super().__init__()
-        self._trusted = recordsign.public_keys(trusted_keys)
-        self._decrypt = decrypt_with
-        self.path = places.normalized(path)
-        self.storage_options = places.check_place_options(self.path, storage_options)
-        # A checkpoint directory is opened once (`_within`: one the caller opened, such as a
-        # step directory the manager opened beneath its run without following a link; it is
-        # dup'ed, not taken): the record and every rank file are read beneath that descriptor.
-        self._place: Place | None = LocalPlace(_within.dup()) if _within is not None else None
-        self.verify = verify
-        self.load_id = uuid.uuid4().hex
-        self.stats = regions.ReadStats()
-        self._where: dict[MetadataIndex, mdv.Location] | None = None
-        self._record: multifile.CommitRecord | None = None
-        self._metadata: Metadata | None = None
-        self._single = False
-
-    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id:
-            path = places.normalized(checkpoint_id)
-            if path != self.path:
-                places.check_place_options(path, self.storage_options)
-                self._metadata = None
-                self._where = None
-                self.close()
-            self.path = path
-        self.load_id = uuid.uuid4().hex
-
-    @property
-    def record(self) -> multifile.CommitRecord | None:
-        """The commit record read_metadata read (None before, or for a single file)."""
-        return self._record
-
-    def _open_dir(self) -> Place | None:
-        """The checkpoint's place, opened once; None when the path is a single file."""
-        if self._place is None:
-            self._place = places.checkpoint_place(self.path, self.storage_options)
-        return self._place
-
-    @pausing_in_main_thread
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if self._metadata is None:
-            d = self._open_dir()
-            if d is not None:
-                self._read_commit(d)
-            else:
-                self._read_single_file()
-            assert self._metadata is not None and self._where is not None
-            # built once: cdcp.load reads the metadata before DCP does
-            self._metadata.storage_data = {
-                idx: StorageInfo(loc.file, loc.key) for idx, loc in self._where.items()
-            }
-        assert self._metadata is not None
-        md = dataclasses.replace(self._metadata)
-        md.storage_meta = dataclasses.replace(md.storage_meta or StorageMeta(), load_id=self.load_id)
-        return md
-
-    def _read_commit(self, d: Place) -> None:
-        self._record, self._metadata, self._where = read_record(d, self._trusted)
-        self._single = False
-
-    def check_items(self, fqns: set[str] | None = None) -> tuple[list[CheckpointError], int]:
-        """Every item of `fqns` (all: None) checked against its rank file as read_data checks the
-        items it reads (check.check_items); and the bytes their tensors' storages hold."""
-
-        if self._where is None:
-            self.read_metadata()
-        assert self._where is not None
-        if self._single:  # one file, already checked whole when opened: its tensors are its own
-            with CheckpointFile(self.path, storage_options=self.storage_options) as f:
-                return [], sum(s.nbytes for s in f.storages)
-        d = self._open_dir()
-        assert d is not None and self._record is not None
-        return check_items(d, self._record, self._where, fqns, self._trusted, self._decrypt)
-
-    def _read_single_file(self) -> None:
-        from .singlefile import file_metadata
-
-        with CheckpointFile(
-            self.path,
-            trusted_keys=self._trusted,
-            decrypt_with=self._decrypt,
-            storage_options=self.storage_options,
-        ) as f:
-            self._metadata, self._where = file_metadata(f, os.path.basename(self.path))
-        self._single = True
-
-    def set_up_storage_reader(
-        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
-    ) -> None:
-        if self._metadata is None:  # DCP always reads the metadata through this reader first
-            self.read_metadata()
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return dataclasses.replace(plan, storage_data=_this_host())
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        shares = _thread_shares([p.storage_data for p in plans])
-        return [dataclasses.replace(p, storage_data=_RankPlan(None, t)) for p, t in zip(plans, shares)]
-
-    def _open(self, name: str, sources: dict[str, Source]) -> Source:
-        src = sources.get(name)
-        if src is None:
-            if self._single:
-                src = Source(
-                    self.path,
-                    os.path.basename(self.path),
-                    os.path.basename(self.path),
-                    None,
-                    keyed=False,
-                    trusted=self._trusted,
-                    decrypt=self._decrypt,
-                    storage_options=self.storage_options,
-                )
-            else:
-                d = self._open_dir()
-                assert d is not None and self._record is not None
-                src = Source(
-                    d,
-                    name,
-                    f"{name}{rank_note(name)}",
-                    self._record,
-                    keyed=True,
-                    trusted=self._trusted,
-                    decrypt=self._decrypt,
-                )
-            sources[name] = src
-        return src
-
-    def read_data(self, plan: LoadPlan, planner: _BaseLoadPlanner) -> Future[None]:
-        from .planners import LoadPlanner
-
-        if self._where is None:
-            self.read_metadata()
-        assert self._where is not None
-        self.stats = regions.ReadStats()
-        sources: dict[str, Source] = {}
-        jobs: list[regions.RegionJob] = []
-        try:
-            if self._trusted is not None:  # every file checked before any value reaches the planner
-                for req in plan.items:
-                    loc = self._where.get(req.storage_index)
-                    if loc is not None:
-                        self._open(loc.file, sources)
-            for req in plan.items:
-                fqn = req.storage_index.fqn
-                loc = self._where.get(req.storage_index)
-                if loc is None:
-                    raise CorruptError(
-                        f"no saved item at offsets {list(req.storage_index.offset or [])}",
-                        path=self.path,
-                        key=fqn,
-                    )
-                src = self._open(loc.file, sources)
-                node = src.node(loc.key, fqn)
-                if req.type == LoadItemType.BYTE_IO:
-                    value = src.f.load_subtree(node, None, self.verify)
-                    if isinstance(planner, LoadPlanner):
-                        planner.load_bytes(req, ObjectBytes(value))
-                    elif type(planner).load_bytes is DefaultLoadPlanner.load_bytes:
-                        raise UnsupportedError(
-                            "DCP's default load planner would unpickle this value: "
-                            "pass planner=ckptfmt.dcp.LoadPlanner()",
-                            key=fqn,
-                        )
-                    else:
-                        planner.load_bytes(req, ObjectBytes(value, encode_value(value, fqn)))
-                    continue
-                meta = src.tensor_meta(node, loc, fqn)
-                dest = planner.resolve_tensor(req).detach()
-                job = regions.plan_box(
-                    src.f,
-                    meta,
-                    list(req.storage_offsets),
-                    list(req.lengths),
-                    dest,
-                    _committer(planner, req, dest),
-                    fqn,
-                )
-                if job is not None:
-                    jobs.append(job)
-            with _native.threads_at_most(_plan_threads(plan.storage_data)):
-                regions.run_jobs(jobs, self.verify, self.stats)
-        finally:
-            for src in sources.values():
-                src.f.close()
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
-
-
-def _committer(planner: _BaseLoadPlanner, req: Any, dest: torch.Tensor) -> Any:
-    return lambda: planner.commit_tensor(req, dest)

@@ -17,6 +17,7 @@ import tempfile
 from typing import Any
 
 from ..engine.chunkwrite import build_file
+from ..engine.writeoptions import WriteOptions
 from ..errors import CheckpointError, UnsupportedError, UnsupportedObjectError
 from ..fileio import pread_exact
 from ..files.reader import CheckpointFile
@@ -73,9 +74,7 @@ def encode_value(value: object, fqn: str) -> bytes:
         raise UnsupportedObjectError(_where_in(e.reason), key=fqn) from None
     fd, _ = _scratch_fd()
     try:
-        n = build_file(
-            fd, encoded, compression=None, level=None, metadata={}, chunk_size=fmt.DEFAULT_CHUNK_SIZE
-        )
+        n = build_file(fd, encoded, WriteOptions())
         return pread_exact(fd, 0, n)
     finally:
         os.close(fd)

@@ -23,7 +23,7 @@ import os
 import platform
 import secrets
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 import zstandard
@@ -34,6 +34,7 @@ from ..format import encryption, signing
 from ..format import layout as fmt
 from ..format.timestamps import format_utc, utc_at, utc_now
 from . import native as _native
+from .writeoptions import ChunkRecord, Signer, WriteOptions
 
 if TYPE_CHECKING:
     from ..format.encode import Encoded, StoragePlan
@@ -94,9 +95,10 @@ class ChunkEncoder:
     paths write identical bytes; without it, the zstandard package.
     """
 
-    def __init__(self, compression: str | None, level: int | None) -> None:
+    def __init__(self, options: WriteOptions) -> None:
         self.compress: Any = None
-        if compression == "zstd":
+        if options.compression == "zstd":
+            level = options.level
             if _native.built():
                 lvl = _native.FAST_PROFILE if level is None else level
                 self.compress = lambda data: _native.zstd_compress(data, lvl)
@@ -147,47 +149,6 @@ def _pwrite_all(fd: int, data: Any, offset: int) -> None:
 
 #: device storages are copied to the host this many bytes at a time (blocking saves)
 HOST_BATCH_BYTES = 256 << 20
-
-ChunkRecord = tuple[int, int, int, int, int, int, int]
-
-
-#: makes a signature block (files/signing.py): (prologue, footer, SHA-256 of the index as
-#: stored, the chunks' digests, SHA-256 of the encryption block or b"") -> the block's bytes
-Signer = Callable[[bytes, bytes, bytes, bytes, bytes], bytes]
-
-
-class Dedup(Protocol):
-    """Finds chunks whose bytes an earlier file already holds (incremental saves, spec section 12).
-
-    Given to build_file / finish_file / the background writer, it turns the file into
-    one with content digests (required feature bit 0) whose unchanged chunks are
-    external records instead of bytes.
-    """
-
-    @property
-    def can_refer(self) -> bool:
-        """False when no chunk can be referred to (no base): the writer then writes every
-        chunk and takes the digests in the same pass, reporting them to `written`."""
-        ...
-
-    def written(self, first_index: int, digests: list[bytes]) -> None:
-        """The digests of chunks first_index.., all written here (used when not can_refer)."""
-        ...
-
-    def classify(
-        self, first_index: int, pieces: list[tuple[memoryview, int]], engine: str, threads: int
-    ) -> list[ChunkRecord | None]:
-        """Digest chunks first_index.. (the bytes being saved) and return, per chunk, the record
-        of the chunk in an earlier file that holds the same bytes, or None to write it here."""
-        ...
-
-    def externals(self) -> list[list[Any]]:
-        """The index's `externals` member: the files the external records name."""
-        ...
-
-    def record(self, k: int, rec: ChunkRecord) -> list[Any]:
-        """The index record of chunk k (8 fields when local, 10 when external)."""
-        ...
 
 
 def _write_chunks_python(
@@ -264,38 +225,32 @@ class ChunkWriter:
         self,
         fd: int,
         file_id: bytes,
+        options: WriteOptions,
         *,
-        compression: str | None,
-        level: int | None,
         engine: str | None = None,
         threads: int | None = None,
         path: str = "",
-        dedup: Dedup | None = None,
-        sha: bool = False,
         on_written: Callable[[int], None] | None = None,
-        key: bytes | None = None,
     ) -> None:
         """`on_written(pos)`: told after each batch that every byte below `pos` is written
         (an object upload sends the parts that are complete)."""
         self.fd = fd
         self.on_written = on_written
         self.file_id = file_id
-        self.compression = compression
-        self.level = level
+        self.options = options
         self.engine = engine or ("c" if _native.available() else "python")
         self.threads = threads or _native.default_threads()
         self.path = path
-        self.dedup = dedup
-        self.coder = ChunkEncoder(compression, level)
+        self.dedup = options.dedup
+        self.coder = ChunkEncoder(options)
         self.chunks: list[ChunkRecord] = []
         self.pos = fmt.PROLOGUE_SIZE  # where the next local chunk starts
         #: signed files (spec section 16): each chunk's SHA-256, taken as it is written
-        self.shas: list[bytes] | None = [] if sha else None
-        if sha and dedup is not None:
+        self.shas: list[bytes] | None = [] if options.sign is not None else None
+        if options.sign is not None and options.dedup is not None:
             raise ValueError("signed files cannot have external chunks in this version (spec section 16)")
-        #: encrypted files (spec section 17): the data key, and each chunk's GCM tag as written
-        self.key = key
-        self.tags: list[bytes] | None = [] if key is not None else None
+        #: encrypted files (spec section 17): each chunk's GCM tag as written
+        self.tags: list[bytes] | None = [] if options.seal is not None else None
 
     def write(self, pieces: list[tuple[memoryview, int]]) -> None:
         self._write(pieces)
@@ -336,13 +291,11 @@ class ChunkWriter:
                 len(self.chunks),
                 self.pos,
                 pieces,
-                self.compression,
-                self.level,
+                self.options,
                 self.threads,
                 self.path,
                 digests_out=digests,
                 sha_out=self.shas,
-                key=self.key,
                 tags_out=self.tags,
             )
         else:
@@ -355,54 +308,43 @@ class ChunkWriter:
                 self.coder,
                 digests,
                 self.shas,
-                self.key,
+                self.options.key,
                 self.tags,
             )
         self.chunks.extend(records)
+
+    def finish(self, encoded: Encoded) -> int:
+        """Write the index, the footer and the prologue after the chunks written so far; the
+        file's length."""
+        return finish_file(
+            self.fd, self.file_id, encoded, self.chunks, self.pos, self.options, self.shas, self.tags
+        )
 
 
 def build_file(
     fd: int,
     encoded: Encoded,
+    options: WriteOptions,
     *,
-    compression: str | None,
-    level: int | None,
-    metadata: dict[str, str],
-    chunk_size: int = fmt.DEFAULT_CHUNK_SIZE,
     engine: str | None = None,
     threads: int | None = None,
     path: str = "",
-    dedup: Dedup | None = None,
-    sign: Signer | None = None,
     on_written: Callable[[int], None] | None = None,
     batch_bytes: int = HOST_BATCH_BYTES,
-    seal: encryption.Sealer | None = None,
 ) -> int:
-    """Write a whole ckptfmt file to `fd` (at offset 0); return its length.  With `sign`, a
-    signed file (spec section 16): chunk digests taken as the chunks are written.  With
-    `seal`, an encrypted file (section 17): chunks encrypted as they are written.
+    """Write a whole ckptfmt file to `fd` (at offset 0) as `options` say; return its length.
+    Signed (options.sign, spec section 16): chunk digests taken as the chunks are written.
+    Encrypted (options.seal, section 17): chunks encrypted as they are written.
     `on_written`, `batch_bytes`: see ChunkWriter and _batches (object uploads)."""
-    if chunk_size & (chunk_size - 1) or not fmt.MIN_CHUNK_SIZE <= chunk_size <= fmt.MAX_CHUNK_SIZE:
+    size = options.chunk_size
+    if size & (size - 1) or not fmt.MIN_CHUNK_SIZE <= size <= fmt.MAX_CHUNK_SIZE:
         raise ValueError(f"chunk_size must be a power of two in [{fmt.MIN_CHUNK_SIZE}, {fmt.MAX_CHUNK_SIZE}]")
-    file_id = new_file_id()
     out = ChunkWriter(
-        fd,
-        file_id,
-        compression=compression,
-        level=level,
-        engine=engine,
-        threads=threads,
-        path=path,
-        dedup=dedup,
-        sha=sign is not None,
-        on_written=on_written,
-        key=None if seal is None else seal.data_key,
+        fd, new_file_id(), options, engine=engine, threads=threads, path=path, on_written=on_written
     )
-    for pieces in _batches(encoded, chunk_size, batch_bytes):
+    for pieces in _batches(encoded, size, batch_bytes):
         out.write(pieces)
-    return finish_file(
-        fd, file_id, encoded, out.chunks, out.pos, metadata, chunk_size, dedup, sign, out.shas, seal, out.tags
-    )
+    return out.finish(encoded)
 
 
 def finish_file(
@@ -411,22 +353,19 @@ def finish_file(
     encoded: Encoded,
     chunks: list[ChunkRecord],
     pos: int,
-    metadata: dict[str, str],
-    chunk_size: int,
-    dedup: Dedup | None = None,
-    sign: Signer | None = None,
+    options: WriteOptions,
     shas: list[bytes] | None = None,
-    seal: encryption.Sealer | None = None,
     tags: list[bytes] | None = None,
 ) -> int:
-    """Write the index, the footer and, last, the prologue; with `sign` (and each chunk's
-    SHA-256 in `shas`), the signature block between the index and the footer; with `seal`
-    (and each chunk's GCM tag in `tags`) the encryption block there, the index sealed."""
+    """Write the index, the footer and, last, the prologue; signed (options.sign, each chunk's
+    SHA-256 in `shas`), the signature block between the index and the footer; encrypted
+    (options.seal, each chunk's GCM tag in `tags`) the encryption block there, the index sealed."""
+    dedup = options.dedup
     index: dict[str, Any] = {
-        "chunk_size": chunk_size,
+        "chunk_size": options.chunk_size,
         "producer": producer_info(),
         "source_devices": encoded.devices,
-        "metadata": metadata,
+        "metadata": dict(options.metadata),
         "storages": [[p.nbytes, p.device] for p in encoded.storages],
     }
     if dedup is None:
@@ -441,7 +380,7 @@ def finish_file(
             f"the index would be {len(blob)} bytes, above the limit {fmt.Limits.MAX_INDEX_BYTES}"
         )
     required = fmt.FEATURE_EXTERNAL if dedup is not None else 0
-    return write_tail(fd, file_id, pos, blob, required, sign, shas, seal, tags)
+    return write_tail(fd, file_id, pos, blob, required, options.sign, shas, options.seal, tags)
 
 
 def write_tail(

@@ -13,10 +13,13 @@ import signal
 import threading
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, CheckpointWarning
 from ..format.encryption import TagMismatch
+
+if TYPE_CHECKING:
+    from .writeoptions import WriteOptions
 
 #: why the engine could not be imported (None when it was)
 NOT_BUILT: str | None = None
@@ -167,42 +170,36 @@ def write_chunks(
     first_index: int,
     first_offset: int,
     pieces: list[tuple[Any, int]],
-    compression: str | None,
-    level: int | None,
+    options: WriteOptions,
     threads: int,
     path: str,
     *,
     digests_out: list[bytes] | None = None,
     sha_out: list[bytes] | None = None,
-    key: bytes | None = None,
     tags_out: list[bytes] | None = None,
     _checksums: bool = True,
 ) -> tuple[list[tuple[int, int, int, int, int, int, int]], int]:
-    """Write chunks (byte views with their shuffle widths); return their records and the end offset.
+    """Write chunks (byte views with their shuffle widths) compressed and encrypted as
+    `options` say; return their records and the end offset.
 
     Each record is (offset, stored_len, raw_len, codec, filter, width, checksum).
     With `digests_out`, each chunk's content digest (16 bytes) is appended to it,
     computed in the same pass over the bytes as the checksum.
     With `sha_out`, each chunk's SHA-256 (signed files, spec section 16: 32 bytes over its
     context and stored bytes) is appended to it, taken in the same pass too.
-    With `key` (a data key, spec section 17) each chunk is encrypted with AES-256-GCM after
-    compression, in the same pass, and its tag appended to `tags_out`.
+    With options.key (a data key, spec section 17) each chunk is encrypted with AES-256-GCM
+    after compression, in the same pass, and its tag appended to `tags_out`.
     ``_checksums=False`` exists only so benchmarks can price the checksums: it
     writes zero checksums, which makes the file invalid.
     """
     assert lib is not None and ffi is not None
     n = len(pieces)
     chunks = ffi.new("ckf_chunk[]", max(n, 1))
-    keep = _fill_chunks(chunks, pieces)
-    if key is not None:
-        kbuf = ffi.new("uint8_t[32]", key)
-        keep.append(kbuf)
-        for i in range(n):
-            chunks[i].key = kbuf
+    keep = _fill_chunks(chunks, pieces, options.key)
     status = ffi.new("ckf_status *")
     end = ffi.new("uint64_t *")
     fid = ffi.new("uint8_t[16]", file_id)
-    lvl = lib.CKF_LEVEL_FAST_PROFILE if level is None else level
+    compress, lvl = _codec(options)
     digests = ffi.new("uint8_t[]", 16 * n) if digests_out is not None and n else ffi.NULL
     rc = lib.ckf_write_chunks(
         fd,
@@ -211,7 +208,7 @@ def write_chunks(
         first_offset,
         chunks,
         n,
-        1 if compression else 0,
+        compress,
         lvl,
         threads,
         (1 if _checksums else 0) | (lib.CKF_SHA if sha_out is not None else 0),
@@ -232,8 +229,17 @@ def write_chunks(
     return _records(chunks, n), int(end[0])
 
 
-def _fill_chunks(chunks: Any, pieces: list[tuple[Any, int]]) -> list[Any]:
-    """Point the writer's chunk entries at `pieces`; return the buffer exports to release."""
+def _codec(options: WriteOptions) -> tuple[int, int]:
+    """The engine's compression switch and zstd level for `options`."""
+    assert lib is not None
+    return (1 if options.compression else 0), (
+        lib.CKF_LEVEL_FAST_PROFILE if options.level is None else options.level
+    )
+
+
+def _fill_chunks(chunks: Any, pieces: list[tuple[Any, int]], key: bytes | None) -> list[Any]:
+    """Point the writer's chunk entries at `pieces` (and at the data `key` each chunk is
+    encrypted with); return the buffers to release."""
     assert ffi is not None
     keep = []
     for i, (view, width) in enumerate(pieces):
@@ -242,6 +248,11 @@ def _fill_chunks(chunks: Any, pieces: list[tuple[Any, int]]) -> list[Any]:
         chunks[i].src = buf
         chunks[i].raw_len = len(buf)
         chunks[i].width = width
+    if key is not None:
+        kbuf = ffi.new("uint8_t[32]", key)
+        keep.append(kbuf)
+        for i in range(len(pieces)):
+            chunks[i].key = kbuf
     return keep
 
 
@@ -286,7 +297,7 @@ class ForkedWrite:
         return _records(self._chunks, self._n), int(r.end_offset)
 
     def tags(self) -> list[bytes]:
-        """The GCM tag of each chunk of a finished child given a key (fork_write's `key`)."""
+        """The GCM tag of each chunk of a finished child given a data key (fork_write's options.key)."""
         assert ffi is not None
         return [bytes(ffi.buffer(self._chunks[i].tag, 16)) for i in range(self._n)]
 
@@ -303,13 +314,11 @@ def fork_write(
     file_id: bytes,
     first_offset: int,
     pieces: list[tuple[Any, int]],
-    compression: str | None,
-    level: int | None,
+    options: WriteOptions,
     threads: int,
     ready_fd: int,
     parent_fd: int,
     *,
-    key: bytes | None = None,
     _fault: int = 0,
 ) -> ForkedWrite:
     """Fork a child that writes `pieces` as chunks 0.. of the file at `fd` (checksums on) from
@@ -326,15 +335,11 @@ def fork_write(
     base = ffi.from_buffer(shared)
     result = ffi.cast("ckf_fork_result *", base)
     chunks = ffi.cast("ckf_chunk *", base + head)
-    keep = _fill_chunks(chunks, pieces)
-    if key is not None:  # the child encrypts each chunk with it; its tags land in `chunks`
-        kbuf = ffi.new("uint8_t[32]", key)
-        keep.append(kbuf)
-        for i in range(n):
-            chunks[i].key = kbuf
+    # with a data key the child encrypts each chunk; its tags land in `chunks`
+    keep = _fill_chunks(chunks, pieces, options.key)
     fid = ffi.new("uint8_t[16]", file_id)
-    lvl = lib.CKF_LEVEL_FAST_PROFILE if level is None else level
-    args = (fd, fid, 0, first_offset, chunks, n, 1 if compression else 0, lvl, threads, ready_fd, parent_fd)
+    compress, lvl = _codec(options)
+    args = (fd, fid, 0, first_offset, chunks, n, compress, lvl, threads, ready_fd, parent_fd)
     pid = -1
     try:
         pid = lib.ckf_fork_write(*args, result, _fault)

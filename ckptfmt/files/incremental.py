@@ -29,9 +29,9 @@ from ..background import inflight
 from ..background.inflight import SaveHandle
 from ..engine import bytesview, chunkwrite, hostmem
 from ..engine import native as _native
-from ..engine.chunkwrite import ChunkRecord
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
+from ..engine.writeoptions import ChunkRecord, WriteOptions
 from ..errors import CheckpointWarning
 from ..fileio import is_url, open_regular, pread_exact
 from ..format import dtypes
@@ -385,19 +385,9 @@ def save(
     if chunk_size is None and index.base_chunk_size is not None and not os.environ.get("CKPTFMT_CHUNK_SIZE"):
         chunk_size = index.base_chunk_size
     size = writer.check_chunk_size(chunk_size)
-    result: SaveHandle | None = writer.write_state(
-        state,
-        target,
-        compression=compression,
-        level=level,
-        metadata=meta,
-        chunk_size=size,
-        blocking=blocking,
-        dedup=index,
-        within=within,
-        storage_options=storage_options,
-        seal=encryption.sealer(encrypt_with),
-    )
+    write = WriteOptions(compression, level, size, meta, seal=encryption.sealer(encrypt_with), dedup=index)
+    options = writer.FileSaveOptions(write, blocking, storage_options=dict(storage_options or {}))
+    result: SaveHandle | None = writer.write_state(state, target, options, within=within)
     return result
 
 
@@ -485,14 +475,9 @@ def consolidate(
         )
         with output as out:
             file_id = chunkwrite.new_file_id()
-            cw = chunkwrite.ChunkWriter(
-                out.fd,
-                file_id,
-                compression=compression,
-                level=level,
-                path=target,
-                key=None if seal is None else seal.data_key,
-            )
+            # the copy keeps the source's chunk size and metadata
+            write = WriteOptions(compression, level, f.chunk_size, f.metadata, seal=seal)
+            cw = chunkwrite.ChunkWriter(out.fd, file_id, write, path=target)
             k = 0
             while k < len(f.chunks):
                 items: list[tuple[int, memoryview]] = []
@@ -505,17 +490,7 @@ def consolidate(
                 cw.write([(dest, chunk_width[kk]) for kk, dest in items])
                 if to_store:  # the parts written so far go up while the next window is read
                     out.written(cw.pos)
-            length = chunkwrite.finish_file(
-                out.fd,
-                file_id,
-                encoded,
-                cw.chunks,
-                cw.pos,
-                dict(f.metadata),
-                f.chunk_size,
-                seal=seal,
-                tags=cw.tags,
-            )
+            length = cw.finish(encoded)
             out.commit()
         external = sum(1 for ch in f.chunks if ch.source >= 0)
         return ConsolidateReport(len(f.chunks), external, len(f.externals), length)

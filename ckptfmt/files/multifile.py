@@ -245,9 +245,10 @@ def write_commit(
     """Write the commit record last: temp file, fsync, rename, fsync the directory (beneath
     the open directory `within` when given); `sign_with`: a private key that signs the
     record file (spec 16.7: its entries must then carry their files' SHA-256)."""
-    from .save import save
+    from .save import save_file, save_options
 
-    save(record.as_value(), os.path.join(directory, COMMIT_NAME), _within=within, sign_with=sign_with)
+    path = os.path.join(directory, COMMIT_NAME)
+    save_file(record.as_value(), path, save_options(sign_with=sign_with), within=within)
 
 
 #: a commit record larger than this is refused before it is parsed (records name at most

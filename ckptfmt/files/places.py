@@ -218,9 +218,9 @@ class LocalPlace(Place):
         self.d.unlink(name)
 
     def save(self, name: str, state: object, **options: Any) -> None:
-        from .save import save
+        from .save import save_file, save_options
 
-        save(state, self.d.path_of(name), _within=self.d, **options)
+        save_file(state, self.d.path_of(name), save_options(**options), within=self.d)
 
     def save_against(self, name: str, state: object, base: str | None, **options: Any) -> None:
         from .incremental import save
@@ -422,7 +422,10 @@ class ObjectPlace(Place):
     def write_record(self, record: multifile.CommitRecord, sign_with: Any = None) -> None:
         url = self._url(multifile.COMMIT_NAME)
         try:
-            self.save(multifile.COMMIT_NAME, record.as_value(), sign_with=sign_with, _create_only=True)
+            from .save import save_file, save_options
+
+            options = save_options(sign_with=sign_with, storage_options=self.options)
+            save_file(record.as_value(), str(url), options, create_only=True)
         except FileExistsError:
             raise CheckpointError(
                 "another save committed here while this one ran (the commit record is created only "

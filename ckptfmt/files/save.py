@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..background import copysave, inflight
 from ..background.inflight import SaveHandle
-from ..engine.chunkwrite import Dedup, Signer, build_file
+from ..engine.chunkwrite import build_file
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
+from ..engine.writeoptions import WriteOptions
 from ..errors import CheckpointError
 from ..fileio import is_url
 from ..format import layout as fmt
 from ..format.encode import Encoded, check_chunks, check_metadata, encode
-from ..format.encryption import Sealer
 from ..gcpause import pausing_in_main_thread
 from ..storage.client import check_options
 from ..storage.upload import ObjectFile
@@ -70,6 +71,42 @@ def check_chunk_size(chunk_size: int | None) -> int:
     return size
 
 
+@dataclass(frozen=True)
+class FileSaveOptions:
+    """save()'s keywords, checked once (`save_options`): how the file's bytes are written
+    (`write`, taken whole by the engine's writers), whether the call waits (`blocking`), how a
+    non-blocking save takes its snapshot, and the object-store client's settings."""
+
+    write: WriteOptions
+    blocking: bool = True
+    snapshot: str = "copy"
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+
+def save_options(
+    *,
+    compression: str | None = None,
+    level: int | None = None,
+    metadata: dict[str, str] | None = None,
+    blocking: bool = True,
+    chunk_size: int | None = None,
+    snapshot: str = "copy",
+    sign_with: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    encrypt_with: Any = None,
+    encrypt_index: bool = True,
+) -> FileSaveOptions:
+    """Check save()'s keywords (the same names and defaults) and make them one value."""
+    meta = check_save_args(compression, level, metadata)
+    options = check_options(storage_options)
+    seal = encryption.sealer(encrypt_with, encrypt_index)
+    sign = signer(sign_with)
+    check_snapshot(snapshot)
+    size = check_chunk_size(chunk_size)
+    write = WriteOptions(compression, level, size, meta, sign=sign, seal=seal)
+    return FileSaveOptions(write, blocking, snapshot, options)
+
+
 def save(
     state: object,
     path: str | os.PathLike[str],
@@ -84,8 +121,6 @@ def save(
     storage_options: dict[str, Any] | None = None,
     encrypt_with: Any = None,
     encrypt_index: bool = True,
-    _within: CheckpointDir | None = None,
-    _create_only: bool = False,
 ) -> SaveHandle:
     """Save `state` at `path` atomically; return its SaveHandle: done when blocking, after the
     snapshot with blocking=False.  ``handle.cost`` says what the save cost once it is durable
@@ -97,17 +132,10 @@ def save(
     waits only for fork(), but each page it changes before the child is done is copied
     then, one page fault at a time.
 
-    `_within` (ckptfmt's own callers): the open directory that holds `path`; the file is
-    created, renamed and made durable beneath that descriptor, never by resolving `path`
-    again (the checkpoint manager saves into a step directory it holds open and locked).
-
     sign_with: an Ed25519 private key (a ``cryptography`` key object, a path, or the bytes
     of a PEM or OpenSSH private key): the file is signed (spec section 16), each chunk's
     SHA-256 taken by the engine as it is written, the signature over the prologue, the
     index and every chunk's digest.  Loads given ``trusted_keys`` accept only such files.
-
-    `_create_only` (ckptfmt's own callers, object stores): the object is created only if absent
-    (If-None-Match), FileExistsError otherwise: a commit record never replaces another.
 
     `path` may be an object-store URL (``s3://bucket/key``), with the client's settings in
     `storage_options` (endpoint_url, region_name, aws_access_key_id, ...; boto3's AWS_*
@@ -122,34 +150,47 @@ def save(
     With sign_with too, the file is encrypted, then signed (spec 17.8): the signature binds
     the ciphertext, the encryption block and the wrapped key, and is checked without the key."""
     began = time.perf_counter()
-    meta = check_save_args(compression, level, metadata)
-    options = check_options(storage_options)
-    seal = encryption.sealer(encrypt_with, encrypt_index)
-    sign = signer(sign_with)
-    check_snapshot(snapshot)
-    target = os.fspath(path)
-    if is_url(target) and _within is not None:
-        raise ValueError("an object-store URL is not saved within a local directory")
-    if is_url(target) and not blocking and snapshot == "fork":
-        raise ValueError(f"{target}: snapshot='fork' writes local files only; use snapshot='copy'")
-    size = check_chunk_size(chunk_size)
-    inflight.raise_unobserved()
-    inflight.wait_for_path(target)
-    handle = write_state(
-        state,
-        target,
+    options = save_options(
         compression=compression,
         level=level,
-        metadata=meta,
-        chunk_size=size,
+        metadata=metadata,
         blocking=blocking,
+        chunk_size=chunk_size,
         snapshot=snapshot,
-        within=_within,
-        sign=sign,
-        storage_options=options,
-        create_only=_create_only,
-        seal=seal,
+        sign_with=sign_with,
+        storage_options=storage_options,
+        encrypt_with=encrypt_with,
+        encrypt_index=encrypt_index,
     )
+    return save_file(state, path, options, began=began)
+
+
+def save_file(
+    state: object,
+    path: str | os.PathLike[str],
+    options: FileSaveOptions,
+    *,
+    within: CheckpointDir | None = None,
+    create_only: bool = False,
+    began: float | None = None,
+) -> SaveHandle:
+    """save() for ckptfmt's own callers, its keywords already checked into `options`.
+
+    `within`: the open directory that holds `path`; the file is created, renamed and made
+    durable beneath that descriptor, never by resolving `path` again (the checkpoint manager
+    saves into a step directory it holds open and locked).
+    `create_only` (object stores): the object is created only if absent (If-None-Match),
+    FileExistsError otherwise: a commit record never replaces another.
+    `began`: when the save began (its cost is counted from there; default now)."""
+    began = time.perf_counter() if began is None else began
+    target = os.fspath(path)
+    if is_url(target) and within is not None:
+        raise ValueError("an object-store URL is not saved within a local directory")
+    if is_url(target) and not options.blocking and options.snapshot == "fork":
+        raise ValueError(f"{target}: snapshot='fork' writes local files only; use snapshot='copy'")
+    inflight.raise_unobserved()
+    inflight.wait_for_path(target)
+    handle = write_state(state, target, options, within=within, create_only=create_only)
     return handle._returning(began)
 
 
@@ -166,68 +207,24 @@ def done_handle(path: str, nbytes: int) -> SaveHandle:
 def write_state(
     state: object,
     target: str,
+    options: FileSaveOptions,
     *,
-    compression: str | None,
-    level: int | None,
-    metadata: dict[str, str],
-    chunk_size: int,
-    blocking: bool,
-    dedup: Dedup | None = None,
-    snapshot: str = "copy",
     within: CheckpointDir | None = None,
-    sign: Signer | None = None,
-    storage_options: dict[str, Any] | None = None,
     create_only: bool = False,
-    seal: Sealer | None = None,
 ) -> SaveHandle:
-    """Encode and commit `state` at `target` (arguments already checked, earlier saves waited
-    for), beneath the open directory `within` when given (AtomicFile); an object-store URL
-    through an ObjectFile."""
+    """Encode and commit `state` at `target` as `options` say (checked already, earlier saves
+    waited for), beneath the open directory `within` when given (AtomicFile); an object-store
+    URL through an ObjectFile, created only if absent with `create_only`."""
     encoded = encode(state)  # fails on unsupported objects before any I/O
-    check_chunks(encoded, chunk_size)
+    write = options.write
+    check_chunks(encoded, write.chunk_size)
     if is_url(target):
-        return _write_object(
-            encoded,
-            target,
-            storage_options or {},
-            compression=compression,
-            level=level,
-            metadata=metadata,
-            chunk_size=chunk_size,
-            blocking=blocking,
-            dedup=dedup,
-            sign=sign,
-            create_only=create_only,
-            seal=seal,
-        )
-    if not blocking:
-        return copysave.save_async(
-            encoded,
-            target,
-            compression=compression,
-            level=level,
-            metadata=metadata,
-            chunk_size=chunk_size,
-            dedup=dedup,
-            snapshot=snapshot,
-            within=within,
-            sign=sign,
-            seal=seal,
-        )
+        return _write_object(encoded, target, options, create_only)
+    if not options.blocking:
+        return copysave.save_async(encoded, target, write, snapshot=options.snapshot, within=within)
     try:
         with AtomicFile(target, within) as f:
-            length = build_file(
-                f.fd,
-                encoded,
-                compression=compression,
-                level=level,
-                metadata=metadata,
-                chunk_size=chunk_size,
-                path=target,
-                dedup=dedup,
-                sign=sign,
-                seal=seal,
-            )
+            length = build_file(f.fd, encoded, write, path=target)
             f.commit()
         return done_handle(target, length)
     except CheckpointError:
@@ -254,51 +251,17 @@ def object_capacity(encoded: Encoded, chunk_size: int) -> int:
     return fmt.PROLOGUE_SIZE + data + tail
 
 
-def _write_object(
-    encoded: Encoded,
-    url: str,
-    options: dict[str, Any],
-    *,
-    compression: str | None,
-    level: int | None,
-    metadata: dict[str, str],
-    chunk_size: int,
-    blocking: bool,
-    dedup: Dedup | None,
-    sign: Signer | None,
-    create_only: bool = False,
-    seal: Sealer | None = None,
-) -> SaveHandle:
+def _write_object(encoded: Encoded, url: str, options: FileSaveOptions, create_only: bool) -> SaveHandle:
     """Write `encoded` as the object at `url`: the engine writes into the upload's spool,
     which sends each part once complete; committed whole, or aborted."""
-    out = ObjectFile(url, options, object_capacity(encoded, chunk_size), if_absent=create_only)
-    if not blocking:
-        return copysave.save_async(
-            encoded,
-            url,
-            compression=compression,
-            level=level,
-            metadata=metadata,
-            chunk_size=chunk_size,
-            dedup=dedup,
-            sign=sign,
-            seal=seal,
-            output=out,
-        )
+    write = options.write
+    capacity = object_capacity(encoded, write.chunk_size)
+    out = ObjectFile(url, options.storage_options, capacity, if_absent=create_only)
+    if not options.blocking:
+        return copysave.save_async(encoded, url, write, output=out)
     with out:
         length = build_file(
-            out.fd,
-            encoded,
-            compression=compression,
-            level=level,
-            metadata=metadata,
-            chunk_size=chunk_size,
-            path=url,
-            dedup=dedup,
-            sign=sign,
-            seal=seal,
-            on_written=out.written,
-            batch_bytes=OBJECT_BATCH_BYTES,
+            out.fd, encoded, write, path=url, on_written=out.written, batch_bytes=OBJECT_BATCH_BYTES
         )
         out.commit()
     return done_handle(url, length)

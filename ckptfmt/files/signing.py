@@ -22,7 +22,7 @@ from ..format import signing
 from ..format.index import Authenticator, Index
 
 if TYPE_CHECKING:
-    from ..engine.chunkwrite import Signer
+    from ..engine.writeoptions import Signer
 
 KeyLike = Any  # a path, PEM/OpenSSH bytes, or a cryptography Ed25519 key object
 

@@ -29,7 +29,6 @@ checkpoint.  So:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import fcntl
 import logging
@@ -38,43 +37,34 @@ import stat
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..background import inflight
 from ..engine import commit, marks
-from ..engine.ckptdir import CheckpointDir, LinkError
+from ..engine.ckptdir import CheckpointDir
 from ..errors import (
     CheckpointError,
     CheckpointWarning,
-    CorruptError,
-    SignatureError,
-    StorageError,
     UnsupportedError,
 )
 from ..fileio import is_url
 from ..files import encryption, multifile, recordsign
-from ..files import load_into as inplace
 from ..files import save as writer
 from ..files.reader import CheckpointFile
-from ..files.targets import MismatchError
-from ..files.verify import VerifyReport
-from ..format import devices
-from ..gcpause import pausing_in_main_thread
 from . import locks, resume, retention
 from .archiver import ArchiveLag, Archiver
 from .objectrun import ObjectRun
+from .rotation import RunRotation
 from .scan import RunScan, StepRecords
-from .stepcheck import resume_entries, verify_in_run
 from .steps import (
     MAX_STEP,
     STATE_NAME,
     CheckpointInfo,
     StepJob,
-    StepStatus,
     held,
     step_dirname,
 )
+from .stepsave import StepOptions
 
 #: the saves whose cost save_cost() answers for
 COSTS_KEPT = 1024
@@ -84,7 +74,7 @@ COSTS_KEPT = 1024
 logger = logging.getLogger("ckptfmt")
 
 
-class CheckpointManager:
+class CheckpointManager(RunRotation):
     """A run's checkpoints in one directory; see the module docstring for the guarantees.
 
     Given an object-store URL (``s3://bucket/run``) instead of a directory, the manager is an
@@ -219,142 +209,6 @@ class CheckpointManager:
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory!r})"
 
-    # -- reading the directory --------------------------------------------------------
-
-    def _in_flight_steps(self) -> set[int]:
-        with self._lock:
-            return {j.step for j in self._jobs if not j.handle.done()}
-
-    def statuses(self) -> list[StepStatus]:
-        """Every step directory, complete or not, by step."""
-        return self._read_records.scan().statuses
-
-    def checkpoints(self) -> list[CheckpointInfo]:
-        """The complete checkpoints, oldest first."""
-        return self._read_records.scan().complete()
-
-    def latest(self) -> CheckpointInfo | None:
-        """The newest complete checkpoint; directories that are not one are skipped with a warning."""
-        scan = self._scan(self._read_records)
-        local = self._newest_complete(scan.statuses, scan.busy, scan.foreign)
-        archived = self._archived_if_readable(None if local is None else local.step)
-        if archived and (local is None or archived[-1].step > local.step):
-            return archived[-1]
-        return local
-
-    def _newest_complete(
-        self, statuses: list[StepStatus], busy: set[int], foreign: Iterable[tuple[str, str]] = ()
-    ) -> CheckpointInfo | None:
-        """latest() of a run whose steps are `statuses`: the newest complete checkpoint (with
-        trusted keys, the newest a trusted key signed).  Steps that are not one are skipped
-        with a warning, but for those in flight (`busy`) and those kept for the objects later
-        steps read (retained); so are the `foreign` entries (path, why) of the run directory."""
-        for s in statuses:
-            if s.info is None and s.step not in busy and not s.retained:
-                warnings.warn(f"skipping {s.path}: {s.problem}", CheckpointWarning, stacklevel=3)
-        for path, why in foreign:
-            warnings.warn(f"skipping {path}: {why}", CheckpointWarning, stacklevel=3)
-        done = [s.info for s in statuses if s.info is not None]
-        return next(self._trusted_first(reversed(done)), None)
-
-    def _store_options(self) -> dict[str, Any] | None:
-        """The object store's client settings where steps may lie on one (the archive's)."""
-        return self.archive.options if self.archive is not None else None
-
-    def _archived(self) -> list[CheckpointInfo]:
-        """The archive's complete steps, oldest first (none without an archive); with trusted
-        keys only those a trusted key signed, the others skipped with a warning."""
-        if self.archive is None:
-            return []
-        listed = self.archive.checkpoints()
-        if self._archiver is not None:
-            self._archiver.saw(listed)
-        return list(reversed(list(self._trusted_first(reversed(listed)))))
-
-    def _archived_if_readable(self, local_newest: int | None) -> list[CheckpointInfo]:
-        """_archived(), or none with a warning when the archive cannot be listed (down, stalling
-        or answering nonsense): a resume goes on from the local tier.  Unless the archive was
-        seen (by this process) holding a step newer than `local_newest`, the local tier's
-        newest complete step: resuming from an older one would fork the run, so that is a
-        StorageError naming both steps."""
-        try:
-            return self._archived()
-        except (CheckpointError, OSError) as e:
-            assert self.archive is not None and self._archiver is not None
-            known = self._archiver.known_newest()
-            if known is not None and (local_newest is None or known > local_newest):
-                raise StorageError(
-                    f"the archive cannot be read ({e}) and was seen holding step {known}, newer than "
-                    f"the local tier's newest ({local_newest}); not resuming from an older step",
-                    path=self.archive.path,
-                ) from e
-            warnings.warn(
-                f"the archive {self.archive.path} could not be checked ({e}); using the local tier "
-                f"only (its newest complete step: {local_newest})",
-                CheckpointWarning,
-                stacklevel=3,
-            )
-            return []
-
-    def _trusted_first(self, newest_first: Any) -> Iterator[CheckpointInfo]:
-        """The checkpoints of `newest_first` whose commit record a trusted key signed (all of
-        them when no key is trusted); each newer one that is not is skipped with a warning,
-        as a damaged step is."""
-        for info in newest_first:
-            if self._trusted is not None:
-                try:
-                    self._check_trusted(info)
-                except (CheckpointError, OSError) as e:
-                    warnings.warn(f"skipping {info.path}: {e}", CheckpointWarning, stacklevel=3)
-                    continue
-            yield info
-
-    def _check_trusted(self, info: CheckpointInfo) -> None:
-        """Raise unless a trusted key signed the commit record of `info` (either tier)."""
-        if is_url(info.path):
-            assert self.archive is not None
-            self.archive.trusted_record(info.step)
-            return
-        with self._step_dir(info) as d:
-            recordsign.read_trusted(d, self._trusted)
-
-    @contextlib.contextmanager
-    def _step_dir(self, info: CheckpointInfo) -> Iterator[CheckpointDir]:
-        """Step directory `info`, opened beneath the run directory without following a link."""
-        with CheckpointDir.open(self.directory) as run, run.sub(os.path.basename(info.path)) as d:
-            yield d
-
-    def _find(self, step: int | None) -> list[CheckpointInfo]:
-        """The checkpoint of `step`, or every complete one newest first when step is None."""
-        statuses = self.statuses()
-        local_newest = max((s.step for s in statuses if s.info is not None), default=None)
-        archived = {c.step: c for c in self._archived_if_readable(local_newest)}
-        if step is None:
-            local = {
-                info.step: info
-                for info in self._trusted_first(s.info for s in reversed(statuses) if s.info is not None)
-            }
-            # newest first; a step in both tiers: the local copy, then the archived one
-            found = [
-                info
-                for st in sorted(set(local) | set(archived), reverse=True)
-                for info in (local.get(st), archived.get(st))
-                if info is not None
-            ]
-            if not found:
-                raise CheckpointError(f"no complete checkpoint in {self.directory}")
-            return found
-        for s in statuses:
-            if s.step == step:
-                if s.info is None:
-                    if step in archived:
-                        return [archived[step]]
-                    raise s.error(f"step {step} is not a complete checkpoint: {s.problem}", path=s.path)
-                return [s.info] + ([archived[step]] if step in archived else [])
-        if step in archived:
-            return [archived[step]]
-        raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
-
     # -- saving -----------------------------------------------------------------------------
 
     def save(
@@ -377,7 +231,7 @@ class CheckpointManager:
         if is_sharded_save(state):  # every rank saves its shard; the step commits like any other
             from . import sharded
 
-            return sharded.save_step(self, step, state, metrics, meta, scan)
+            return sharded.save_step(self._steps(), step, state, metrics, meta, scan)
         from .rng import capture_rng
 
         payload = resume.build_payload(state, step, capture_rng())
@@ -395,6 +249,10 @@ class CheckpointManager:
             self._abandon(job)
             raise
         return self._commit_when_written(job)
+
+    def _steps(self) -> RunSteps:
+        """This run as a save of several ranks sees it (runs/stepsave.py)."""
+        return RunSteps(self)
 
     def _check_save(
         self, step: int, metrics: dict[str, float] | None, metadata: dict[str, str] | None
@@ -425,15 +283,6 @@ class CheckpointManager:
             )
             job.thread.start()
         return job.handle
-
-    def _scan(self, records: StepRecords | None = None) -> RunScan:
-        """One scan of the run directory, with the steps this manager had in flight before it
-        began (a step in flight is not yet complete, and never a leftover to remove);
-        `records`: the reads' records (default the saves', which never consider signatures)."""
-        busy = self._in_flight_steps()
-        scan = (records or self._records).scan()
-        scan.busy = busy
-        return scan
 
     def _check_step_is_new(self, step: int, scan: RunScan) -> None:
         newest = max([c.step for c in scan.complete()] + list(scan.busy), default=None)
@@ -514,16 +363,14 @@ class CheckpointManager:
                 encrypt_with=self._encrypt,
                 decrypt_with=self._decrypt,
             )
-        return writer.save(
-            payload,
-            target,
+        options = writer.save_options(
             compression=self.compression,
             blocking=self.blocking,
             snapshot=self.snapshot,
             storage_options=storage_options,
             encrypt_with=self._encrypt,
-            _within=within,
         )
+        return writer.save_file(payload, target, options, within=within)
 
     def _finish(self, job: StepJob, before: threading.Thread | None) -> None:
         """Wait for the files, write the commit record, rotate; report through job.handle."""
@@ -676,114 +523,6 @@ class CheckpointManager:
         """Steps whose copy to the archive failed last time, and why (empty without an archive)."""
         return self._archiver.failures() if self._archiver is not None else {}
 
-    # -- rotation and cleanup ---------------------------------------------------------------
-
-    def _rotate(self) -> None:
-        """Rotation after a commit: it scans the directory afresh, as the commit (on a commit
-        thread for non-blocking saves) has changed it since the save's scan."""
-        with self._delete_lock:
-            self._rotate_locked(self._scan())
-
-    def _rotate_locked(self, scan: RunScan) -> None:
-        done = scan.complete()
-        kept = retention.kept_steps(
-            [(c.step, c.metrics) for c in done],
-            keep_last=self.keep_last,
-            keep_every=self.keep_every,
-            keep_best=self.keep_best,
-            best_mode=self.best_mode,
-        )
-        if self._archiver is not None:  # not yet safe in the archive: kept here until it is
-            kept |= self._archiver.keeps_locally(done)
-        keep_files = {r for c in done if c.step in kept for r in c.references}
-        for c in done:
-            if c.step not in kept:
-                self._retire(c.path, keep_files)
-                scan.forget(c.path)
-
-    def _retire(self, path: str, keep: set[str]) -> None:
-        """Stop a step being a checkpoint (commit record first), then delete what nothing refers to."""
-        self._records.forget(path)
-        self._read_records.forget(path)
-        with CheckpointDir.open(self.directory) as run:
-            try:
-                d = run.sub(os.path.basename(path))
-            except (FileNotFoundError, LinkError):
-                return  # gone, or not a directory of ours any more: nothing to retire
-            with d:
-                d.unlink(multifile.COMMIT_NAME)
-                d.fsync()
-        self._delete_step(path, keep)
-
-    def _delete_step(self, path: str, keep: set[str]) -> None:
-        """Delete a step directory that is not (or no longer) a checkpoint, sparing `keep`."""
-        with self._delete_lock:
-            self._delete_step_locked(path, keep)
-
-    def _delete_step_locked(self, path: str, keep: set[str]) -> None:
-        """Everything inside is reached through the step directory's own descriptor, opened
-        without following a link: a step directory swapped for a link (at any moment) leads
-        nowhere outside the run."""
-        self._records.forget(path)
-        self._read_records.forget(path)
-        name = os.path.basename(path)
-        with CheckpointDir.open(self.directory) as run:
-            try:
-                d = run.sub(name)
-            except (FileNotFoundError, LinkError):
-                return  # gone, or a link: never delete what a link points to
-            with d:
-                marks.put_mark(d, "ckptfmt.CheckpointManager")  # cut short, it is still ours
-                if d.unlink(multifile.COMMIT_NAME):  # never leave files that a commit record still names
-                    d.fsync()
-                for entry in d.names():
-                    if entry != marks.MARK_NAME and d.path_of(entry) not in keep:
-                        d.remove_tree(entry)
-                marks.remove_mark_if_alone(d)
-            run.rmdir(name)
-
-    def _cleanup(self, scan: RunScan | None = None) -> None:
-        """Remove step directories of saves that died (unlocked, without a commit record) and
-        abandoned temporary step directories, then finish an interrupted rotation; `scan`:
-        the save's scan (one is taken when not given)."""
-        with self._delete_lock:
-            self._cleanup_locked(scan or self._scan())
-
-    def _cleanup_locked(self, scan: RunScan) -> None:
-        newest = scan.newest_step()
-        newest = -1 if newest is None else newest
-        keep = scan.referenced()
-        for s in list(scan.statuses):
-            if s.info is not None or s.step in scan.busy or not s.ours:
-                continue  # complete, being saved, or not ckptfmt's (never deleted)
-            if s.damaged and s.step > newest:
-                continue  # the newest data there is: leave it for a person to look at
-            locked = locks.is_locked(s.path)
-            if locked or (locked is None and s.step > newest):
-                continue  # a live save (or, without locks, possibly one)
-            self._tidy(s.path, lambda path=s.path: self._delete_step(path, keep))
-            scan.forget(s.path)
-        with CheckpointDir.open(self.directory) as run:
-            for name in scan.temp_names:
-                if commit.abandoned_temp_dir(run, name):
-                    self._tidy(run.path_of(name), lambda name=name: run.remove_tree(name))
-        # Finish a rotation that a kill between a commit and its rotation (or an error)
-        # left undone.  Otherwise the next rotation comes only after this save's commit,
-        # and every kill that lands in that window again leaves one more checkpoint
-        # than the rules keep (tests/test_manager_crash.py found 4 with keep_last=2).
-        try:
-            self._rotate_locked(scan)
-        except (OSError, CheckpointError) as e:
-            warnings.warn(f"rotation in {self.directory} failed: {e}", CheckpointWarning, stacklevel=3)
-
-    def _tidy(self, path: str, remove: Any) -> None:
-        """Remove a leftover of a dead save; one that cannot be removed (a foreign tree, no
-        permission) is warned about and left, never a reason for this save to fail."""
-        try:
-            remove()
-        except (OSError, CheckpointError) as e:
-            warnings.warn(f"cannot remove {path}: {e}", CheckpointWarning, stacklevel=4)
-
     def remove(self, step: int) -> None:
         """Delete checkpoint `step` (files that other checkpoints refer to are kept); in a
         tiered run its archived copy too, so that neither tier resumes from it."""
@@ -806,143 +545,52 @@ class CheckpointManager:
                 return True
         return False
 
-    # -- loading ----------------------------------------------------------------------------------
 
-    def _first_that_loads(self, step: int | None, fallback: bool, attempt: Any) -> tuple[Any, list[str]]:
-        """attempt(info) on checkpoint `step`, or newest first when step is None; with fallback,
-        a checkpoint whose files turn out damaged is skipped with a warning (a mismatch with
-        the caller's objects is never a reason to go back)."""
-        skipped: list[str] = []
-        found = self._find(step)
-        for i, info in enumerate(found):
-            try:
-                return attempt(info), skipped
-            except MismatchError:
-                raise
-            except Exception as e:  # with fallback, a step that fails for any reason is skipped
-                if i + 1 < len(found) and found[i + 1].step == info.step:  # its archived copy
-                    warnings.warn(
-                        f"step {info.step} in {self.directory} does not load ({e}); reading the archived copy",
-                        CheckpointWarning,
-                        stacklevel=3,
-                    )
-                    continue
-                if not fallback or step is not None:
-                    raise
-                warnings.warn(f"skipping step {info.step}: {e}", CheckpointWarning, stacklevel=3)
-                skipped.append(f"step {info.step}: {e}")
-        raise CheckpointError(f"no checkpoint in {self.directory} loads: {'; '.join(skipped)[:2000]}")
+class RunSteps:
+    """A local run's side of the step-saving protocol (runs/stepsave.py): the manager's own
+    save machinery, lent to a save of several ranks."""
 
-    @pausing_in_main_thread
-    def load(self, step: int | None = None, map_location: Any = None, *, fallback: bool = False) -> Any:
-        """The state saved at `step` (the newest complete one when None); stateful objects come
-        back as their state dicts.  fallback=True: when the newest checkpoint fails to load
-        (damaged files), warn and try the next older one."""
-        return self._first_that_loads(step, fallback, lambda info: self._load_one(info, map_location))[0]
+    def __init__(self, manager: CheckpointManager) -> None:
+        self.manager = manager
 
-    def _load_one(self, info: CheckpointInfo, map_location: Any) -> Any:
-        if info.layout == "dcp":  # saved by several ranks: assembled here with full tensors
-            from . import sharded
+    @property
+    def directory(self) -> str:
+        return self.manager.directory
 
-            return sharded.load_step(info, self._trusted, self._store_options(), self._decrypt)
-        devices.check_map_location(map_location)
-        with self._state_file(info) as f:
-            payload = f.load_subtree(f.tree.root, map_location, True)
-        if not isinstance(payload, dict) or "state" not in payload:
-            raise CorruptError("not a checkpoint manager's state file", path=info.state_path)
-        return payload["state"]
+    @property
+    def options(self) -> StepOptions:
+        m = self.manager
+        return StepOptions(m.compression, m.blocking, m.incremental, m.snapshot, m._sign_key, m._encrypt)
 
-    @contextlib.contextmanager
-    def _state_file(self, info: CheckpointInfo) -> Iterator[CheckpointFile]:
-        """The state file of step `info`, as its commit record names it: the step directory and
-        the file are opened without following a link, checked (check_step), and read through
-        the descriptor that was checked; every file it reads chunks from is one the record names.
-        With trusted keys the record must be signed by one and equal the one checked, and every
-        file it names is hashed against it first."""
-        if is_url(info.path):  # the archived copy: opened and checked against its record
-            assert self.archive is not None
-            with self.archive.open_part(info) as remote:
-                yield remote
-            return
-        inflight.wait_for_path(info.state_path)
-        with self._step_dir(info) as d:
-            record = self._read_records.record(d, info.step)  # check_step: the references and the root too
-            part = record.files[0]
-            if self._trusted is None:
-                fd = multifile.open_part(d, part, d.path)
-            else:
-                signed = recordsign.read_trusted(d, self._trusted)
-                if signed != record:
-                    raise SignatureError("the commit record changed while it was read", path=d.path)
-                recordsign.check_files(d, signed.references, d.path)
-                fd = recordsign.open_trusted_part(d, signed.files[0], d.path)
-            with CheckpointFile(d.path_of(part.name), fd=fd, within=d, decrypt_with=self._decrypt) as f:
-                yield f
+    @property
+    def storage_options(self) -> dict[str, Any] | None:
+        return None
 
-    def load_into(
-        self,
-        state: Any,
-        step: int | None = None,
-        strict: bool = True,
-        *,
-        fallback: bool = False,
-        restore_rng: bool = True,
-    ) -> resume.ResumeReport:
-        """Resume: fill `state` (modules, optimizers, schedulers, scalers, data loaders, tensors and
-        plain values) from checkpoint `step` (the newest complete one when None), then restore
-        every RNG.  Differences from the saved run are returned and warned about once; with
-        strict=True, architecture, shape and key differences raise MismatchError first."""
-        report, skipped = self._first_that_loads(
-            step, fallback, lambda info: self._load_into_one(info, state, strict, restore_rng)
-        )
-        report.skipped = skipped
-        return report
+    def step_path(self, step: int) -> str:
+        return os.path.join(self.manager.directory, step_dirname(step))
 
-    def _load_into_one(
-        self, info: CheckpointInfo, state: Any, strict: bool, restore_rng: bool
-    ) -> resume.ResumeReport:
-        if info.layout == "dcp":  # saved by several ranks: loaded into this run's sharding
-            from . import sharded
+    def prepare_step(self, job: StepJob, scan: RunScan | None) -> list[CheckpointInfo]:
+        m = self.manager
+        # an incremental save has waited for the saves in flight: they are done since the scan
+        now = m._scan() if scan is None or (m.incremental and scan.busy) else scan
+        m._cleanup(now)
+        job.path, job.lock_fd = m._make_step_dir(job.step, now)
+        return now.complete()
 
-            return sharded.load_step_into(
-                info, state, restore_rng, self._trusted, self._store_options(), self._decrypt
-            )
-        with self._state_file(info) as f:
-            root = resume.node_items(f, f.tree.root)  # its entries: check_step
-            fp, rng_state = resume_entries(f)
-            differences = resume.check_resume(f, fp, rng_state, state, strict)
-            resume.check_target(f, root["state"], state, strict, fp)  # before anything is filled
-            report = resume.ResumeReport(step=info.step, path=info.path, differences=differences)
-            # every chunk of the state is checked before any of the caller's objects is
-            # filled, so a damaged checkpoint leaves them all as they were
-            inplace.verify_subtree(f, root["state"])
-            resume.restore_into(f, root["state"], state, "", report, strict=strict, verify=True, atomic=False)
-        if restore_rng and rng_state is not None:
-            from .rng import restore_rng as restore
+    def wait_all(self) -> None:
+        self.manager._wait_all()
 
-            restore(rng_state)
-            report.rng_restored = True
-        if differences:
-            warnings.warn(
-                f"{info.path}: resuming with {len(differences)} difference(s) from the saved run: "
-                + "; ".join(differences[:3])
-                + (" ..." if len(differences) > 3 else ""),
-                CheckpointWarning,
-                stacklevel=3,
-            )
-        return report
+    def commit_when_written(self, job: StepJob) -> inflight.SaveHandle | None:
+        return self.manager._commit_when_written(job)
 
-    # -- verifying -------------------------------------------------------------------------------
+    def abandon(self, job: StepJob) -> None:
+        self.manager._abandon(job)
 
-    def verify(self, step: int | None = None) -> VerifyReport:
-        """Check every file of checkpoint `step` (the newest complete one when None)."""
-        info = self._find(step)[0]
-        if is_url(info.path):  # only the archive holds it
-            assert self.archive is not None
-            return self.archive.verify_step(info)
-        return verify_in_run(
-            self.directory, os.path.basename(info.path), info.step, self._trusted, self._decrypt
-        )
+    def committed(self) -> None:
+        m = self.manager
+        if m._archiver is not None:
+            m._archiver.kick()
+        m._rotate()
 
 
 def _archives_here() -> bool:

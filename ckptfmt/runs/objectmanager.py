@@ -39,8 +39,9 @@ from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport
 from ..format.index import External
 from . import resume, retention
-from .manager import CheckpointManager, is_sharded_save
+from .manager import CheckpointManager, RunSteps, is_sharded_save
 from .objectrun import ObjectRun
+from .scan import RunScan
 from .steps import STATE_NAME, CheckpointInfo, StepJob, StepStatus
 
 
@@ -134,7 +135,7 @@ class ObjectRunManager(CheckpointManager):
         if is_sharded_save(state):  # every rank uploads its shard (sharded.py)
             from . import sharded
 
-            return sharded.save_object_step(self, step, state, metrics, meta)
+            return sharded.save_step(self._steps(), step, state, metrics, meta)
         statuses = self._prepare_step(step)
         from .rng import capture_rng
 
@@ -148,6 +149,9 @@ class ObjectRunManager(CheckpointManager):
             raise
         job.written = True  # begun (or, when blocking, done): what it made is this save's
         return self._commit_when_written(job)
+
+    def _steps(self) -> ObjectRunSteps:
+        return ObjectRunSteps(self)
 
     def _prepare_step(self, step: int) -> list[StepStatus]:
         """Check that `step` is after the newest checkpoint (ValueError), delete a failed save's
@@ -188,12 +192,9 @@ class ObjectRunManager(CheckpointManager):
                 part = place.with_digest(part, f.etag)
         record = multifile.CommitRecord(job.step, "state", (part,), refs, job.metrics, job.metadata)
         try:
-            writer.save(
-                record.as_value(),
-                f"{job.path}/{multifile.COMMIT_NAME}",
-                storage_options=self.run.options,
-                sign_with=self._sign_key,
-                _create_only=True,
+            options = writer.save_options(storage_options=self.run.options, sign_with=self._sign_key)
+            writer.save_file(
+                record.as_value(), f"{job.path}/{multifile.COMMIT_NAME}", options, create_only=True
             )
         except FileExistsError:
             raise CheckpointError(
@@ -258,3 +259,19 @@ class ObjectRunManager(CheckpointManager):
 
 
 CheckpointManager.url_manager = ObjectRunManager
+
+
+class ObjectRunSteps(RunSteps):
+    """A run on an object store's side of the step-saving protocol (runs/stepsave.py)."""
+
+    manager: ObjectRunManager
+
+    @property
+    def storage_options(self) -> dict[str, Any] | None:
+        return self.manager.run.options
+
+    def step_path(self, step: int) -> str:
+        return self.manager.run.step_path(step)
+
+    def prepare_step(self, job: StepJob, scan: RunScan | None) -> list[CheckpointInfo]:
+        return [s.info for s in self.manager._prepare_step(job.step) if s.info is not None]

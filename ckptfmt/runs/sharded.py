@@ -34,19 +34,18 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 
 from ..background.inflight import SaveHandle
-from ..dcp.api import load, save, save_in_background
+from ..dcp.api import load_within, save_in_background, save_within
 from ..dcp.convert import load_full, skeleton
-from ..dcp.storage import Reader
+from ..dcp.reader import Reader, held_reader
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError, UnsupportedError
 from ..fileio import is_url
 from ..files import multifile
 from . import resume
-from .steps import StepJob, held, step_dirname
+from .steps import StepJob, held
+from .stepsave import StepSaver
 
 if TYPE_CHECKING:
-    from .manager import CheckpointManager
-    from .objectmanager import ObjectRunManager
     from .scan import RunScan
     from .steps import CheckpointInfo
 
@@ -85,65 +84,48 @@ def rng_key(rank: int) -> str:
 
 
 def save_step(
-    manager: CheckpointManager,
+    steps: StepSaver,
     step: int,
     state: Any,
     metrics: dict[str, float],
     meta: dict[str, str],
-    scan: RunScan,
+    scan: RunScan | None = None,
 ) -> SaveHandle | None:
-    """Save `state` as step `step` of `manager`'s run; every rank calls it.  `scan`: the save's
-    scan of the run directory (rank 0 cleans up and makes the step by it).  See _save_shards."""
-    job = _job(manager, step, os.path.join(manager.directory, step_dirname(step)), metrics, meta)
+    """Save `state` as step `step` of the run `steps` saves into; every rank calls it.  Rank 0
+    readies the step (`scan`: the save's scan of a local run directory); every rank writes its
+    shard; DCP's coordinator writes the step's commit record (layout "dcp"; on an object store
+    created only if absent) last; rank 0 rotates.  See _save_shards."""
+    job = _job(steps, step, steps.step_path(step), metrics, meta)
     payload = _payload(state)
 
-    def make_step_dir() -> list[CheckpointInfo]:
-        now = manager._scan() if manager.incremental and scan.busy else scan  # those saves are done
-        manager._cleanup(now)
-        job.path, job.lock_fd = manager._make_step_dir(step, now)
-        return now.complete()
-
-    base = _prepared(manager, job, make_step_dir, f"rank 0 could not make the directory of step {step}")
+    failing = "could not make the directory of" if steps.storage_options is None else "cannot save"
+    base = _prepared(steps, job, lambda: steps.prepare_step(job, scan), f"rank 0 {failing} step {step}")
     # Every write, unlink and listing is made beneath the step directory's descriptor: rank 0
     # writes beneath the directory it made and holds locked; the other ranks open it beneath
     # the run directory without following a link (spec 13.6).
-    return _save_shards(manager, job, payload, held(job) if job.coordinator else None, None, base)
-
-
-def save_object_step(
-    manager: ObjectRunManager, step: int, state: Any, metrics: dict[str, float], meta: dict[str, str]
-) -> SaveHandle | None:
-    """save_step for a run on an object store: rank 0 checks the step is new and cleans up;
-    every rank uploads its shard; DCP's coordinator creates the step's commit record (layout
-    "dcp", only if absent) last; rank 0 rotates."""
-    job = _job(manager, step, manager.run.step_path(step), metrics, meta)
-    payload = _payload(state)
-
-    def prepare_step() -> list[CheckpointInfo]:
-        return [s.info for s in manager._prepare_step(step) if s.info is not None]
-
-    base = _prepared(manager, job, prepare_step, f"rank 0 cannot save step {step}")
-    return _save_shards(manager, job, payload, None, manager.run.options, base)
+    local = steps.storage_options is None
+    return _save_shards(steps, job, payload, held(job) if job.coordinator and local else None, base)
 
 
 def _prepared(
-    manager: CheckpointManager, job: StepJob, prepare: Callable[[], list[CheckpointInfo]], failing: str
+    steps: StepSaver, job: StepJob, prepare: Callable[[], list[CheckpointInfo]], failing: str
 ) -> str | None:
     """Run `prepare` (which readies the step and returns the run's complete steps) on rank 0,
     then tell every rank how it went: CheckpointError (`failing`, and why) on every rank if it
     failed, else the step an incremental save refers to (None: none, or not incremental)."""
-    if manager.incremental:  # the step to refer to must be committed: every rank's save of it
-        manager._wait_all()
+    incremental = steps.options.incremental
+    if incremental:  # the step to refer to must be committed: every rank's save of it
+        steps.wait_all()
     told: list[Any] = [None, None]  # what went wrong on rank 0, the step to save against
     if job.coordinator:
         try:
             complete = prepare()
-            told[1] = _base_step(complete) if manager.incremental else None
+            told[1] = _base_step(complete) if incremental else None
         except (OSError, CheckpointError, ValueError) as e:
             told[0] = str(e)
     dist.broadcast_object_list(told, src=0)
     if told[0] is not None:
-        raise CheckpointError(f"{failing}: {told[0]}", path=manager.directory)
+        raise CheckpointError(f"{failing}: {told[0]}", path=steps.directory)
     return told[1]  # type: ignore[no-any-return]
 
 
@@ -153,16 +135,14 @@ def _base_step(complete: list[CheckpointInfo]) -> str | None:
     return complete[-1].path if complete and complete[-1].layout == "dcp" else None
 
 
-def _job(
-    manager: CheckpointManager, step: int, path: str, metrics: dict[str, float], meta: dict[str, str]
-) -> StepJob:
+def _job(steps: StepSaver, step: int, path: str, metrics: dict[str, float], meta: dict[str, str]) -> StepJob:
     """This rank's part of the save of `step`: rank 0 is its coordinator (it holds the step
     directory, rotates and removes a failed step); DCP's coordinator writes the record."""
-    if manager.snapshot == "fork" and not manager.blocking:
+    if steps.options.snapshot == "fork" and not steps.options.blocking:
         raise UnsupportedError(
             "snapshot='fork' is not available in a run of several ranks (or with DTensors): DCP "
             "stages each shard itself; use snapshot='copy'",
-            path=manager.directory,
+            path=steps.directory,
         )
     job = StepJob(step, path, -1, metrics, meta, SaveHandle(path))
     job.layout = "dcp"
@@ -179,50 +159,44 @@ def _payload(state: Any) -> dict[str, Any]:
 
 
 def _save_shards(
-    manager: CheckpointManager,
-    job: StepJob,
-    payload: dict[str, Any],
-    within: CheckpointDir | None,
-    storage_options: dict[str, Any] | None,
-    base: str | None,
+    steps: StepSaver, job: StepJob, payload: dict[str, Any], within: CheckpointDir | None, base: str | None
 ) -> SaveHandle | None:
     """Write this rank's shard of `job`'s step.  Blocking: returns once the step is committed
     and rotated on every rank.  Non-blocking: returns a SaveHandle once the shard is staged;
     the rest runs in DCP's background thread, and the coordinator rotates (or removes the
     failed step) after the commit, in the order of the saves, as a single process does.  An
     incremental run saves each rank file against the same rank's file of step `base`."""
+    run = steps.options
     options: dict[str, Any] = {
         "step": job.step,
         "metrics": job.metrics,
         "metadata": job.metadata,
-        "compression": manager.compression,
-        "sign_with": manager._sign_key,
-        "encrypt_with": manager._encrypt,
-        "storage_options": storage_options,
-        "incremental": manager.incremental,
+        "compression": run.compression,
+        "sign_with": run.sign_key,
+        "encrypt_with": run.encrypt,
+        "storage_options": steps.storage_options,
+        "incremental": run.incremental,
         "base": base,
     }
-    local = storage_options is None
+    local = steps.storage_options is None
     try:
-        if not manager.blocking:
+        if not run.blocking:
             future = save_in_background(payload, job.path, within=within, step_dir=local, **options)
             job.file_handle = _FutureHandle(future)
-            return manager._commit_when_written(job)
-        save(payload, job.path, _within=within, _step_dir=local, **options)
+            return steps.commit_when_written(job)
+        save_within(payload, job.path, within=within, step_dir=local, **options)
     except BaseException:
         if job.coordinator and job.file_handle is None:
-            manager._abandon(job)
+            steps.abandon(job)
         raise
     if job.coordinator:
         if job.lock_fd >= 0:
             os.close(job.lock_fd)
             job.lock_fd = -1
         try:
-            if manager._archiver is not None:
-                manager._archiver.kick()  # copies the step in the background, as for one process
-            manager._rotate()
+            steps.committed()  # the archive copies the step in the background, as for one process
         except (OSError, CheckpointError) as e:
-            warnings.warn(f"rotation in {manager.directory} failed: {e}", CheckpointWarning, stacklevel=4)
+            warnings.warn(f"rotation in {steps.directory} failed: {e}", CheckpointWarning, stacklevel=4)
     dist.barrier()  # when save() returns on any rank, the step is committed and rotated
     return None
 
@@ -272,14 +246,14 @@ def _reading(info: CheckpointInfo, storage_options: dict[str, Any] | None) -> It
         yield {"storage_options": storage_options}
         return
     with _open_step(info) as d:
-        yield {"_within": d}
+        yield {"within": d}
 
 
 def _step_reader(info: CheckpointInfo, where: dict[str, Any], trusted: Any, decrypt: Any) -> Reader:
     """A Reader of step `info` (`where`: _reading's), its record read and checked to be that
     step's (`trusted`: public keys, one of which must have signed it; `decrypt`: the key of an
     encrypted run)."""
-    reader = Reader(info.path, trusted_keys=trusted, decrypt_with=decrypt, **where)
+    reader = held_reader(info.path, trusted_keys=trusted, decrypt_with=decrypt, **where)
     try:
         reader.read_metadata()
         record = reader.record
@@ -336,7 +310,7 @@ def load_step_into(
                 _init_optimizer_state(obj)
         saved = _checked_rng(md, info.path, rank, where, trusted, decrypt)  # before DCP fills the caller's
         target: dict[str, Any] = {"state": resume.to_storable(state)}
-        load(target, info.path, trusted_keys=trusted, decrypt_with=decrypt, **where)
+        load_within(target, info.path, trusted_keys=trusted, decrypt_with=decrypt, **where)
     _push_back(state, target["state"])
     report = resume.ResumeReport(step=info.step, path=info.path)
     if restore_rng and saved is not None:
@@ -356,7 +330,7 @@ def _checked_rng(md: Any, path: str, rank: int, where: dict[str, Any], trusted: 
     # every rank takes part in the load (a collective), a rank the step holds no RNG states
     # of (a step saved on fewer ranks) with nothing to read
     target: dict[str, Any] = {"rng": rng} if rng else {}
-    load(target, path, trusted_keys=trusted, decrypt_with=decrypt, **where)
+    load_within(target, path, trusted_keys=trusted, decrypt_with=decrypt, **where)
     if not rng:
         return None
     saved = target["rng"][key]

@@ -54,7 +54,6 @@ def load_checkpoint(
     trusted_keys: Any = None,
     storage_options: dict[str, Any] | None = None,
     decrypt_with: Any = None,
-    _keep_rng: bool = False,
 ) -> dict[str, Any]:
     """The dict a :class:`CkptfmtCheckpointIO` saved, with allow-listed objects rebuilt.
 
@@ -66,6 +65,31 @@ def load_checkpoint(
     `path` may be an ``s3://`` URL, reached with `storage_options` (see ``ckptfmt.load``),
     or a URL of another fsspec protocol, fetched with its filesystem into a local temporary file.
     """
+    state = load_with_rng(
+        path,
+        map_location,
+        classes=classes,
+        read_torch_checkpoints=read_torch_checkpoints,
+        trusted_keys=trusted_keys,
+        storage_options=storage_options,
+        decrypt_with=decrypt_with,
+    )
+    state.pop(RNG_KEY, None)
+    return state
+
+
+def load_with_rng(
+    path: Any,
+    map_location: Any | None = None,
+    *,
+    classes: Iterable[type] = (),
+    read_torch_checkpoints: bool = False,
+    trusted_keys: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    decrypt_with: Any = None,
+) -> dict[str, Any]:
+    """load_checkpoint for the plugin, which restores the RNG state: the dict keeps its
+    reserved RNG entry."""
     where = target(path)
     how = _Reading(
         map_location,
@@ -84,8 +108,6 @@ def load_checkpoint(
         inflight.wait_for_path(where.path)
         state = _read(where, where.name, how)
     _check_hparams(state, where.name)
-    if not _keep_rng:
-        state.pop(RNG_KEY, None)
     return state
 
 

@@ -22,7 +22,7 @@ from ...storage.urls import parse_url
 from .. import objects
 from . import filesystems, transfer
 from .callback_keys import CLASS_KEYS_KEY, with_class_keys_named
-from .loading import RNG_KEY, load_checkpoint
+from .loading import RNG_KEY, load_with_rng
 from .paths import FSSPEC, LOCAL, OBJECT, Target, split_storage_options, target
 
 if TYPE_CHECKING:
@@ -228,7 +228,7 @@ class CkptfmtCheckpointIO(_Base):
         """Load a ckptfmt checkpoint (every chunk verified), rebuild allow-listed objects and restore
         the RNG state it holds (unless ``restore_rng=False``).  `weights_only` changes nothing:
         loading never runs code (a torch file, where allowed, is read with weights_only=True)."""
-        state = load_checkpoint(
+        state = load_with_rng(
             path,
             map_location,
             classes=self.classes,
@@ -236,7 +236,6 @@ class CkptfmtCheckpointIO(_Base):
             trusted_keys=self.trusted_keys,
             storage_options=self.storage_options,
             decrypt_with=self.decrypt_with,
-            _keep_rng=True,
         )
         rng = state.pop(RNG_KEY, None)
         if rng is not None and self.restore_rng:

@@ -1,0 +1,84 @@
+"""What the writers of one file are told (engine/chunkwrite.py, the background writers, the C
+engine's binding): the options of a file's bytes, and the interfaces of the signer and of an
+incremental save's chunk finder that the layers above hand down.  Imports no writer, so the
+engine binding (engine/native.py) names these types without a cycle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Protocol
+
+from ..format import encryption
+from ..format import layout as fmt
+
+ChunkRecord = tuple[int, int, int, int, int, int, int]
+
+
+#: makes a signature block (files/signing.py): (prologue, footer, SHA-256 of the index as
+#: stored, the chunks' digests, SHA-256 of the encryption block or b"") -> the block's bytes
+Signer = Callable[[bytes, bytes, bytes, bytes, bytes], bytes]
+
+
+class Dedup(Protocol):
+    """Finds chunks whose bytes an earlier file already holds (incremental saves, spec section 12).
+
+    Given to build_file / finish_file / the background writer, it turns the file into
+    one with content digests (required feature bit 0) whose unchanged chunks are
+    external records instead of bytes.
+    """
+
+    @property
+    def can_refer(self) -> bool:
+        """False when no chunk can be referred to (no base): the writer then writes every
+        chunk and takes the digests in the same pass, reporting them to `written`."""
+        ...
+
+    def written(self, first_index: int, digests: list[bytes]) -> None:
+        """The digests of chunks first_index.., all written here (used when not can_refer)."""
+        ...
+
+    def classify(
+        self, first_index: int, pieces: list[tuple[memoryview, int]], engine: str, threads: int
+    ) -> list[ChunkRecord | None]:
+        """Digest chunks first_index.. (the bytes being saved) and return, per chunk, the record
+        of the chunk in an earlier file that holds the same bytes, or None to write it here."""
+        ...
+
+    def externals(self) -> list[list[Any]]:
+        """The index's `externals` member: the files the external records name."""
+        ...
+
+    def record(self, k: int, rec: ChunkRecord) -> list[Any]:
+        """The index record of chunk k (8 fields when local, 10 when external)."""
+        ...
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """How the bytes of one file are written: one value, checked where it is made (the public
+    call, files/save.py), taken whole by every writer below it (ChunkWriter, finish_file, the
+    background writers, the engine).
+
+    compression, level: zstd per chunk (level None: the engine's fast profile);
+    chunk_size: a power of two within the format's limits; metadata: the index's string
+    pairs (held read-only); sign: makes the signature block (spec section 16); seal: the
+    file's data key and the sealing of its index (section 17); dedup: an incremental save's
+    chunk finder (section 12)."""
+
+    compression: str | None = None
+    level: int | None = None
+    chunk_size: int = fmt.DEFAULT_CHUNK_SIZE
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    sign: Signer | None = None
+    seal: encryption.Sealer | None = None
+    dedup: Dedup | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
+
+    @property
+    def key(self) -> bytes | None:
+        """The data key each chunk is encrypted with (None: a clear file)."""
+        return None if self.seal is None else self.seal.data_key
