@@ -47,11 +47,6 @@ def _assert_loads(path: str, n: int, frozen: torch.Tensor = FROZEN) -> None:
 # -- 1. DCP saves against a base -----------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cdcp.save(path, base=path) withdraws path's commit record before reading it as the base: "
-    "the save fails and the base checkpoint is destroyed",
-)
 def test_a_save_against_its_own_directory_is_refused_before_the_base_is_touched(tmp_path):
     """base= the directory being saved (or a link to it) cannot be honoured: the coordinator
     withdraws the directory's record (prepare_global_plan) before any rank reads it as the base
@@ -69,11 +64,6 @@ def test_a_save_against_its_own_directory_is_refused_before_the_base_is_touched(
         _assert_loads(str(d1), 1)  # ... and the one saved first
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a DCP save against a base that is saved again meanwhile commits a step whose record names "
-    "the new base file while its rank file reads chunks of the old one: it never loads",
-)
 def test_a_base_saved_again_during_the_save_fails_the_save_not_the_load(tmp_path, monkeypatch):
     """Another job saves the base directory again after this save indexed the base's chunks (the
     window between ContentIndex and the rank's commit).  The new rank file refers to the old base
@@ -137,11 +127,6 @@ def test_a_base_whose_own_references_were_saved_over_is_not_referred_through(tmp
     assert run_cli("verify", d2).returncode == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cdcp.save(base=) silently writes every chunk when the base's record names no rank file "
-    "(another layout: a CheckpointManager step), where incremental.save warns",
-)
 def test_a_base_that_is_not_a_dcp_checkpoint_is_not_silently_ignored(tmp_path):
     """A base given that no rank file can be saved against (a CheckpointManager step: layout
     "state", its one file state.ckpt) cannot be honoured: Writer._base_file finds no file of the

@@ -22,6 +22,7 @@ import dataclasses
 import io
 import os
 import uuid
+import warnings
 from typing import Any, TypedDict
 
 import torch
@@ -38,7 +39,13 @@ from torch.futures import Future
 
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, IncompleteError, UnsupportedError, UnsupportedObjectError
+from ..errors import (
+    CheckpointError,
+    CheckpointWarning,
+    IncompleteError,
+    UnsupportedError,
+    UnsupportedObjectError,
+)
 from ..fileio import is_url
 from ..files import encryption, multifile, places, recordsign
 from ..files import save as writer
@@ -183,6 +190,7 @@ class Writer(HeldPlace, StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         d = self._d()
+        self._refuse_self_as_base()
         # every rank checks, before the coordinator removes the old record (prepare_global_plan)
         if not self.overwrite and d.exists(multifile.COMMIT_NAME):
             raise CheckpointError("a checkpoint is already there (overwrite=False)", path=self.path)
@@ -267,21 +275,64 @@ class Writer(HeldPlace, StorageWriter):
             d.save_against(name, state, base, min_reference_bytes=MIN_REFERENCE_BYTES, **options)
             key = encryption.save_and_read_keys(self._encrypt, None)[1]
             refs = tuple(d.describe(rel) for rel in d.references_of(name, key))
+            self._check_unchanged(d, name, key, refs)
         part = d.describe(name)
         if self._sign_key is not None:  # each rank hashes its files, so the coordinator reads none
             part, refs = d.with_digest(part), tuple(d.with_digest(r) for r in refs)
         return part, refs
 
+    def _refuse_self_as_base(self) -> None:
+        """A save against its own directory cannot be honoured: the coordinator withdraws that
+        directory's record before any rank reads it as the base.  Refused on every rank before
+        anything is touched (a link to the directory is the directory)."""
+        if self.base is None:
+            return
+        if is_url(self.path):
+            same = self.base.rstrip("/") == self.path.rstrip("/")
+        else:
+            try:
+                same = os.path.samefile(self.base, self.path)
+            except OSError:  # no base there: the save says so when it reads it
+                same = False
+        if same:
+            raise ValueError(f"{self.path}: a checkpoint cannot be saved against itself (base={self.base})")
+
     def _base_file(self, name: str) -> str | None:
         """The file of `base` that rank file `name` is saved against: the one of that name its
-        commit record names, or None (no base, or a base saved by fewer ranks)."""
+        commit record names, or None (no base, or a base saved by fewer ranks).  A base of
+        another layout (one state file: a CheckpointManager step, ckptfmt.save) has no rank
+        file to refer to: every chunk is written, with a warning."""
         if self.base is None:
             return None
         with places.place_at(self.base, self.storage_options) as base:
             record = base.read_record()
+            if record.layout != LAYOUT:
+                warnings.warn(
+                    f"{self.path} cannot refer to {self.base}: it is not a checkpoint of ckptfmt.dcp "
+                    f"(its layout is {record.layout!r}); every chunk is written",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
+                return None
             if not any(p.name == name for p in record.files):
                 return None
             return str(base.path_of(name))
+
+    @staticmethod
+    def _check_unchanged(d: Place, name: str, key: Any, refs: tuple[multifile.PartRecord, ...]) -> None:
+        """The files rank file `name` reads chunks from are still the ones it was written
+        against (a base saved again meanwhile would give a record naming files whose chunks
+        are not the ones referred to: a step that never loads).  Then the save fails."""
+        with d.open_file(name, key) as f:
+            recorded = {ext.rel: ext for ext in f.externals}
+        for ref in refs:
+            ext = recorded.get(ref.name)
+            if ext is None or (ext.file_id, ext.length) != (ref.file_id, ref.length):
+                raise CheckpointError(
+                    f"{ref.name}, which this save refers to, was replaced while the save read it "
+                    "(saved again meanwhile); nothing is committed",
+                    path=d.path_of(name),
+                )
 
     @pausing_in_main_thread
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
