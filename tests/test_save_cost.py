@@ -99,3 +99,33 @@ def test_a_manager_reports_each_step(tmp_path, s3_bucket, caplog):
     blocking = ckptfmt.CheckpointManager(tmp_path / "b")
     assert blocking.save(1, STATE) is None  # a blocking save returns once committed
     assert blocking.save_cost(1).blocked_s == blocking.save_cost(1).durable_s
+
+
+def _two_rank_costs(rank: int, world: int, base: str, blocking: bool) -> dict[str, object]:
+    m = ckptfmt.CheckpointManager(os.path.join(base, f"run-{blocking}"), blocking=blocking)
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32) + rank}
+    m.save(1, {"model": state})
+    m.wait()
+    cost = m.save_cost(1)
+    return {"cost": None if cost is None else [cost.bytes, cost.blocked_s, cost.durable_s]}
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_save_of_several_ranks_reports_its_cost(tmp_path, blocking):
+    """A step saved by two ranks (the manager's DCP path) has a cost on every rank, blocking or
+    not: the coordinator's bytes are those of the step's files by its record, another rank's
+    those of its own rank file."""
+    from helpers import run_ranks
+
+    from ckptfmt.files import multifile
+
+    got = run_ranks(_two_rank_costs, 2, tmp_path, str(tmp_path), blocking)
+    record = multifile.read_commit(str(tmp_path / f"run-{blocking}" / "step-000000001"))
+    for rank, out in enumerate(got):
+        assert out.get("cost") is not None, out
+        nbytes, blocked, durable = out["cost"]
+        assert 0 < blocked <= durable < 120
+        if rank == 0:
+            assert nbytes == sum(p.length for p in record.files) > 1 << 18
+        else:  # a rank that does not hold the step directory: its own rank file
+            assert nbytes == next(p.length for p in record.files if p.name == "rank-00001.ckpt")

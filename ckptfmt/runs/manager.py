@@ -386,8 +386,9 @@ class CheckpointManager(RunRotation):
         except BaseException as e:
             exc = e
         try:
-            if not job.coordinator:
-                pass  # another rank holds the step directory, and rotates or removes it
+            if not job.coordinator:  # another rank holds the step directory, and rotates or removes it
+                if exc is None:
+                    job.handle._durable_now(_own_rank_file_bytes(job))
             elif exc is None:
                 job.handle._durable_now(self._step_bytes(job, record))
                 if self._archiver is not None:
@@ -426,11 +427,13 @@ class CheckpointManager(RunRotation):
 
     def _step_bytes(self, job: StepJob, record: multifile.CommitRecord | None) -> int:
         """The bytes of the files step `job` committed, by its record: the one this process
-        wrote, else (DCP's coordinator wrote it) read back; 0 on a rank that does not hold the
-        step directory."""
+        wrote, else (DCP's coordinator wrote it) read back; on a rank that does not hold the
+        step directory, its own rank file's."""
         if record is None and job.lock_fd >= 0:
             record = multifile.read_commit(held(job))
-        return 0 if record is None else sum(p.length for p in record.files)
+        if record is not None:
+            return sum(p.length for p in record.files)
+        return _own_rank_file_bytes(job)
 
     def _remember(self, job: StepJob) -> None:
         """Keep the handle of a save for save_cost() (the last COSTS_KEPT saves)."""
@@ -443,7 +446,9 @@ class CheckpointManager(RunRotation):
         """What the save of `step` by this manager cost (inflight.SaveCost: the time the caller
         was blocked, the time to durable, the bytes of the step's files, the throughput and, in
         a tiered run, the time until the archive held it); None while it runs, if it failed, or
-        for a step this manager did not save lately."""
+        for a step this manager did not save lately.  In a run of several ranks each rank has
+        one: its bytes are the step's on rank 0, which holds the step, and the rank's own
+        file's on the others."""
         with self._lock:
             handle = self._saves.get(step)
         if handle is None or handle.cost is None:
@@ -591,6 +596,33 @@ class RunSteps:
         if m._archiver is not None:
             m._archiver.kick()
         m._rotate()
+
+    def cost_known(self, job: StepJob) -> None:
+        m = self.manager
+        job.handle._durable_now(self.step_bytes(job))
+        job.handle._finish(None)
+        job.handle._returning(job.began)
+        m._remember(job)
+
+    def step_bytes(self, job: StepJob) -> int:
+        """The bytes of the files of `job`'s step, by its record (DCP's coordinator wrote it);
+        0 on a rank that does not hold the step directory."""
+        return self.manager._step_bytes(job, None)
+
+
+def _own_rank_file_bytes(job: StepJob) -> int:
+    """The length of the rank file this process wrote into `job`'s local step directory (0
+    where there is none: a single-process save, a step on a store)."""
+    if job.layout != "dcp" or is_url(job.path):
+        return 0
+    import torch.distributed as dist
+
+    from ..dcp.sources import rank_file_name
+
+    try:
+        return os.stat(os.path.join(job.path, rank_file_name(dist.get_rank()))).st_size
+    except OSError:
+        return 0
 
 
 def _archives_here() -> bool:

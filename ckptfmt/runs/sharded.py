@@ -189,6 +189,7 @@ def _save_shards(
         if job.coordinator and job.file_handle is None:
             steps.abandon(job)
         raise
+    steps.cost_known(job)
     if job.coordinator:
         if job.lock_fd >= 0:
             os.close(job.lock_fd)

@@ -77,3 +77,8 @@ class StepSaver(Protocol):
     def committed(self) -> None:
         """After a blocking save committed on every rank: archive its copy, rotate."""
         ...
+
+    def cost_known(self, job: StepJob) -> None:
+        """A blocking save of `job` committed (its record written; on the coordinator, still
+        held): its handle's cost is known now, for the manager's save_cost()."""
+        ...
