@@ -34,8 +34,8 @@ _TORCH_KINDS = ("torch-zip", "torch-legacy")
 
 
 @dataclass(frozen=True)
-class _Reading:
-    """How to read one checkpoint (load_checkpoint's arguments)."""
+class Reading:
+    """How to read one checkpoint (load_checkpoint's arguments, checked: `reading`)."""
 
     map_location: Any
     classes: tuple[type, ...]
@@ -65,33 +65,22 @@ def load_checkpoint(
     `path` may be an ``s3://`` URL, reached with `storage_options` (see ``ckptfmt.load``),
     or a URL of another fsspec protocol, fetched with its filesystem into a local temporary file.
     """
-    state = load_with_rng(
-        path,
-        map_location,
-        classes=classes,
-        read_torch_checkpoints=read_torch_checkpoints,
-        trusted_keys=trusted_keys,
-        storage_options=storage_options,
-        decrypt_with=decrypt_with,
-    )
+    how = reading(map_location, classes, read_torch_checkpoints, trusted_keys, storage_options, decrypt_with)
+    state = load_with_rng(path, how)
     state.pop(RNG_KEY, None)
     return state
 
 
-def load_with_rng(
-    path: Any,
-    map_location: Any | None = None,
-    *,
-    classes: Iterable[type] = (),
-    read_torch_checkpoints: bool = False,
-    trusted_keys: Any = None,
-    storage_options: dict[str, Any] | None = None,
-    decrypt_with: Any = None,
-) -> dict[str, Any]:
-    """load_checkpoint for the plugin, which restores the RNG state: the dict keeps its
-    reserved RNG entry."""
-    where = target(path)
-    how = _Reading(
+def reading(
+    map_location: Any,
+    classes: Iterable[type],
+    read_torch_checkpoints: bool,
+    trusted_keys: Any,
+    storage_options: dict[str, Any] | None,
+    decrypt_with: Any,
+) -> Reading:
+    """load_checkpoint's arguments, checked, as one value."""
+    return Reading(
         map_location,
         tuple(classes),
         read_torch_checkpoints,
@@ -99,6 +88,12 @@ def load_with_rng(
         check_options(storage_options),
         decrypt_with,
     )
+
+
+def load_with_rng(path: Any, how: Reading) -> dict[str, Any]:
+    """load_checkpoint for the plugin, which restores the RNG state: the dict keeps its
+    reserved RNG entry."""
+    where = target(path)
     if where.kind == FSSPEC:
         fs, fs_path = transfer.open_fs(where.path)
         inflight.wait_for_path(transfer.inflight_key(fs, fs_path))
@@ -111,7 +106,7 @@ def load_with_rng(
     return state
 
 
-def _read(where: Target, name: str, how: _Reading) -> dict[str, Any]:
+def _read(where: Target, name: str, how: Reading) -> dict[str, Any]:
     """The dict in the local file or ``s3://`` object `where`; errors name `name`."""
     kind = sniff_target(where, how.storage_options)
     if kind in _TORCH_KINDS:
@@ -134,7 +129,7 @@ def _read(where: Target, name: str, how: _Reading) -> dict[str, Any]:
     return state
 
 
-def _check_torch_allowed(name: str, how: _Reading) -> None:
+def _check_torch_allowed(name: str, how: Reading) -> None:
     if how.trusted_keys is not None:
         raise SignatureError(
             "written by torch.save, which carries no signature, and a signature by a trusted key is required",

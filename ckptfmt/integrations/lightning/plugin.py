@@ -22,7 +22,7 @@ from ...storage.urls import parse_url
 from .. import objects
 from . import filesystems, transfer
 from .callback_keys import CLASS_KEYS_KEY, with_class_keys_named
-from .loading import RNG_KEY, load_with_rng
+from .loading import RNG_KEY, load_with_rng, reading
 from .paths import FSSPEC, LOCAL, OBJECT, Target, split_storage_options, target
 
 if TYPE_CHECKING:
@@ -228,15 +228,15 @@ class CkptfmtCheckpointIO(_Base):
         """Load a ckptfmt checkpoint (every chunk verified), rebuild allow-listed objects and restore
         the RNG state it holds (unless ``restore_rng=False``).  `weights_only` changes nothing:
         loading never runs code (a torch file, where allowed, is read with weights_only=True)."""
-        state = load_with_rng(
-            path,
+        how = reading(
             map_location,
-            classes=self.classes,
-            read_torch_checkpoints=self.read_torch_checkpoints,
-            trusted_keys=self.trusted_keys,
-            storage_options=self.storage_options,
-            decrypt_with=self.decrypt_with,
+            self.classes,
+            self.read_torch_checkpoints,
+            self.trusted_keys,
+            self.storage_options,
+            self.decrypt_with,
         )
+        state = load_with_rng(path, how)
         rng = state.pop(RNG_KEY, None)
         if rng is not None and self.restore_rng:
             ckptfmt.restore_rng(rng)
