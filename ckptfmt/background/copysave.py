@@ -418,6 +418,7 @@ def _write_worker(
                 out.tags,
             )
             atomic.commit(free_replaced=replaced.append)
+            handle.version = getattr(atomic, "etag", None)  # an object upload's
             handle._durable_now(length)
     except BaseException as e:
         exc = exc or e

@@ -344,6 +344,7 @@ def save(
     encrypt_with: Any = None,
     decrypt_with: Any = None,
     storage_options: dict[str, Any] | None = None,
+    _create_only: bool = False,
 ) -> SaveHandle | None:
     """Write `state` to `path` with content digests (feature bit 0).
 
@@ -361,7 +362,8 @@ def save(
     `encrypt_with`: the file is encrypted (spec 17.9): its external chunks lie in encrypted
     files whose data keys the same key unwraps; `decrypt_with` reads the base (default
     `encrypt_with`, except a key service's wrapping callable).
-    An object-store URL `path` (with `storage_options`) refers to objects of its bucket.
+    An object-store URL `path` (with `storage_options`) refers to objects of its bucket;
+    `_create_only`: as for files.save.save.
     """
     meta = writer.check_save_args(compression, level, metadata)
     encrypt_with, decrypt_with = save_and_read_keys(encrypt_with, decrypt_with)
@@ -396,6 +398,7 @@ def save(
         dedup=index,
         within=within,
         storage_options=storage_options,
+        create_only=_create_only,
         seal=encryption.sealer(encrypt_with),
     )
     return result

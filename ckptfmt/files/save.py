@@ -301,7 +301,9 @@ def _write_object(
             batch_bytes=OBJECT_BATCH_BYTES,
         )
         out.commit()
-    return done_handle(url, length)
+    handle = done_handle(url, length)
+    handle.version = out.etag
+    return handle
 
 
 def remove(path: str | os.PathLike[str]) -> None:

@@ -494,11 +494,13 @@ class CheckpointManager:
         *,
         within: CheckpointDir | None = None,
         storage_options: dict[str, Any] | None = None,
+        create_only: bool = False,
     ) -> Any:
         """Write a step's state file `target` as this run saves them; an incremental run's
         refers to the chunks of `base` (the newest complete step's state file, or None).
         `within`: the locked step directory it is written beneath; `storage_options`: the
-        client's settings where `target` lies on an object store."""
+        client's settings where `target` lies on an object store; `create_only`: an object
+        created only if absent (ObjectExistsError otherwise)."""
         if self.incremental:
             from ..files import incremental
 
@@ -513,6 +515,7 @@ class CheckpointManager:
                 storage_options=storage_options,
                 encrypt_with=self._encrypt,
                 decrypt_with=self._decrypt,
+                _create_only=create_only,
             )
         return writer.save(
             payload,
@@ -523,6 +526,7 @@ class CheckpointManager:
             storage_options=storage_options,
             encrypt_with=self._encrypt,
             _within=within,
+            _create_only=create_only,
         )
 
     def _finish(self, job: StepJob, before: threading.Thread | None) -> None:

@@ -441,11 +441,15 @@ class ObjectRun:
             )
         self.delete_step(step)
 
-    def delete_uncommitted(self, step: int, name: str) -> None:
-        """Delete object `name` of step `step`, which a failed save wrote, unless the step has
-        a commit record now (one HEAD): a record this save did not write may name it."""
+    def delete_uncommitted(self, step: int, name: str, version: str) -> None:
+        """Delete object `name` of step `step`, which a failed save wrote as `version` (the
+        ETag its upload got), unless the step has a commit record now (one HEAD: this save's
+        own record may have landed although its request failed).  The delete is conditional
+        on `version` (If-Match): whatever happens between the HEAD and the delete, another
+        writer's object of that name is never deleted, and no record but this save's own can
+        name this version (a save commits only the version it uploaded)."""
         if not self.has_record(step):
-            listing.delete_object(self._step_url(step).child(name), self.options)
+            listing.delete_object(self._step_url(step).child(name), self.options, if_match=version)
 
     def remove_interrupted_copies(self, older_than: datetime.timedelta = STALE_AFTER) -> list[int]:
         """Remove what archive copies (and deletions) that died left; returns the steps whose

@@ -154,10 +154,22 @@ def _pages_with(
         token = {"ContinuationToken": nxt}
 
 
-def delete_object(url: ObjectURL, options: dict[str, Any]) -> None:
-    """Delete the one object at `url` (nothing else beneath it); an absent object is no error."""
+def delete_object(url: ObjectURL, options: dict[str, Any], *, if_match: str | None = None) -> bool:
+    """Delete the one object at `url` (nothing else beneath it); an absent object is no error.
+    `if_match`: only the version with this ETag (S3's conditional DeleteObject): another
+    version there is left, and False returned."""
     c = s3.client_for(options)
-    s3.request(str(url), "delete", partial(c.delete_object, Bucket=url.bucket, Key=url.key), options)
+    condition = {} if if_match is None else {"IfMatch": if_match}
+    call = partial(c.delete_object, Bucket=url.bucket, Key=url.key, **condition)
+    try:
+        s3.request(str(url), "delete", call, options)
+    except StorageError as e:
+        if if_match is not None and e.__cause__ is not None and s3.is_precondition_failed(e.__cause__):
+            return False
+        raise
+    except FileNotFoundError:  # a conditional delete of an object that is gone
+        return True
+    return True
 
 
 def delete_prefix(
