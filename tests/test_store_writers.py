@@ -35,6 +35,26 @@ def _check_loads(url: str, options: dict, expected: dict[str, object]) -> None:
     assert got["step"] == expected["step"] and torch.equal(got["w"], expected["w"])
 
 
+def _save_while_held(s3_faults, manager, state: dict[str, object]) -> tuple[threading.Thread, list]:
+    """Start `manager`'s save of step 5 on a thread and return once the proxy holds the
+    request its rule is waiting for: (the thread, the list its failure goes into)."""
+    failure: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            manager.save(5, state)
+        except BaseException as e:
+            failure.append(e)
+
+    t = threading.Thread(target=save, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while s3_faults.pending_rules() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert s3_faults.pending_rules() == 0
+    return t, failure
+
+
 @pytest.mark.parametrize("weights", [SMALL, LARGE], ids=["put", "multipart"])
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "background"])
 def test_the_losers_state_upload_never_replaces_the_winners(s3_bucket, weights, blocking):
@@ -74,25 +94,39 @@ def test_a_failed_saves_cleanup_never_deletes_the_next_writers_object(s3_faults)
     failing = CheckpointManager(url, storage_options={**options, "max_attempts": 1})
     s3_faults.fail_next("PUT", "step-000000005/COMMIT", status=500, count=1)
     s3_faults.delay("DELETE", "step-000000005/state.ckpt", seconds=6.0, count=1)
-    failure: list[BaseException] = []
-
-    def failing_save() -> None:
-        try:
-            failing.save(5, _state(-5, SMALL))
-        except BaseException as e:
-            failure.append(e)
-
-    t = threading.Thread(target=failing_save, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 30
-    while s3_faults.pending_rules() and time.monotonic() < deadline:
-        time.sleep(0.02)  # until the failed save's DELETE of its state object is being held
-    assert s3_faults.pending_rules() == 0
+    # until the failed save's DELETE of its state object is being held
+    t, failure = _save_while_held(s3_faults, failing, _state(-5, SMALL))
     won = _state(5, SMALL)
     CheckpointManager(url, storage_options=options).save(5, won)
     t.join(30)
     assert not t.is_alive()
     assert len(failure) == 1 and isinstance(failure[0], ckptfmt.StorageError)
-    assert s3_faults.count("DELETE", "step-000000005/state.ckpt") == 1  # it did reach the store
+    # the held one did reach the store, after the next writer's (of the leftover it listed)
+    assert s3_faults.count("DELETE", "step-000000005/state.ckpt") == 2
+    assert _keys(s3_faults.client(), bucket, "run/") == {"step-000000005/state.ckpt", "step-000000005/COMMIT"}
+    _check_loads(url, options, won)
+
+
+def test_a_leftovers_deletion_never_deletes_what_another_writer_commits_meanwhile(s3_faults):
+    """A crashed save left step 5's state object.  A restarted job deletes that leftover; its
+    DELETE is held while another job deletes the leftover too, saves step 5 and commits it.
+    The held DELETE names the leftover's version (not the new object's) and no commit record
+    is ever deleted as a leftover: the committed step loads bit-exactly, the restarted job's
+    save of the step fails."""
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/run"
+    options = s3_faults.storage_options()
+    s3_faults.client().put_object(
+        Bucket=bucket, Key="run/step-000000005/state.ckpt", Body=b"a crashed save's"
+    )
+    s3_faults.delay("DELETE", "step-000000005/", seconds=6.0, count=1)
+    restarted = CheckpointManager(url, storage_options=options)
+    # until the restarted job's first DELETE in step 5 is being held
+    t, failure = _save_while_held(s3_faults, restarted, _state(-5, SMALL))
+    won = _state(5, SMALL)
+    CheckpointManager(url, storage_options=options).save(5, won)
+    t.join(30)
+    assert not t.is_alive()
+    assert len(failure) == 1 and isinstance(failure[0], ckptfmt.CheckpointError), failure
     assert _keys(s3_faults.client(), bucket, "run/") == {"step-000000005/state.ckpt", "step-000000005/COMMIT"}
     _check_loads(url, options, won)

@@ -451,13 +451,26 @@ class ObjectRun:
 
     def delete_leftover(self, step: int) -> None:
         """Delete step `step`, which the listing shows without a commit record (a failed save's
-        leftover); CheckpointError, deleting nothing, when its record is there after all."""
+        leftover); CheckpointError, deleting nothing, when its record is there after all.
+        Only the versions listed after that check are deleted (If-Match; unconditionally
+        where the listing gives no ETag), never a commit record: an object another writer
+        puts there meanwhile stays, and so does its record (CheckpointError when one
+        appeared: the step is that writer's now)."""
         if self.has_record(step):
             raise CheckpointError(
                 f"step {step} has a commit record that the store's listing did not show; not deleted",
                 path=self.step_path(step),
             )
-        self.delete_step(step)
+        url = self._step_url(step)
+        listed = {n: v for n, v in listing.versions(url, self.options).items() if _written_here(n)}
+        for name, version in listed.items():
+            if name != multifile.COMMIT_NAME:
+                listing.delete_object(url.child(name), self.options, if_match=version)
+        if self.has_record(step):
+            raise CheckpointError(
+                f"step {step} was committed by another writer while its leftover was deleted",
+                path=self.step_path(step),
+            )
 
     def delete_uncommitted(self, step: int, name: str, version: str) -> None:
         """Delete object `name` of step `step`, which a failed save wrote as `version` (the

@@ -65,6 +65,21 @@ def objects(url: ObjectURL, options: dict[str, Any]) -> dict[str, tuple[int, dat
     return out
 
 
+def versions(url: ObjectURL, options: dict[str, Any]) -> dict[str, str | None]:
+    """Every object beneath `url` with the version the listing gives it: {key relative to
+    `url`: ETag, or None where the store gives none} (what a conditional delete names)."""
+    prefix = _prefix(url)
+    out: dict[str, str | None] = {}
+    for page in _pages_with(url, options, "list", Prefix=prefix):
+        for entry in page.get("Contents", []) or []:
+            key = entry.get("Key") if isinstance(entry, dict) else None
+            if not isinstance(key, str) or not key.startswith(prefix):
+                raise StorageError(f"list: the store answered an entry outside {prefix!r}", path=str(url))
+            etag = entry.get("ETag")
+            out[key[len(prefix) :]] = etag if isinstance(etag, str) and etag else None
+    return out
+
+
 def _uploads(url: ObjectURL, options: dict[str, Any], prefix: str) -> Iterator[Any]:
     """The multipart uploads beneath `prefix`, every page of them, with the bounds that
     _pages_with puts on a listing of objects."""
