@@ -87,6 +87,11 @@ class StorageError(CheckpointError, OSError):
     two requests of one read.  The message names the URL and the operation."""
 
 
+class ObjectExistsError(StorageError, FileExistsError):
+    """An object written only if absent (a commit record, a run's state object) exists
+    already: another writer created it first.  Nothing of it was replaced."""
+
+
 class DecryptionError(CheckpointError, ValueError):
     """An encrypted file (spec section 17) cannot be decrypted: no key was given, the key is
     not the one it was encrypted with, or a byte that its GCM tags cover (the wrapped key, the

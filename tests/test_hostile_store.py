@@ -499,3 +499,24 @@ def test_latest_reads_a_bounded_number_of_records_of_a_listing_full_of_fake_ones
     assert gets[0].endswith("/step-000020000/COMMIT")
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         manager.load()
+
+
+def test_statuses_read_a_bounded_number_of_records_of_a_listing_full_of_fake_ones(store):
+    # ls, rotation and a save's preparation judge every step: of 20 000 steps whose COMMIT the
+    # listing names, the newest MAX_STATUS_RECORDS records are read (one GET each), the older
+    # steps are reported unread, and a save's cleanup deletes none of them
+    from ckptfmt.runs import objectrun
+
+    keys = [f"run/{step_dirname(s)}/COMMIT" for s in range(1, 20_001)]
+    store.listing = _listing(keys)
+    store.get = lambda h: _reply(h, 200, {"Content-Length": "4", "ETag": '"j"'}, b"junk")
+    run = ObjectRun("s3://bucket/run", store.options)
+    statuses = run.statuses()
+    assert len(statuses) == 20_000
+    gets = [p for m, p in store.seen if m == "GET" and p.endswith("/COMMIT")]
+    assert len(gets) == 1024 == objectrun.MAX_STATUS_RECORDS  # 20 000 before the bound
+    assert gets[0].endswith("/step-000020000/COMMIT")
+    unread = [s for s in statuses if s.unread]
+    assert [s.step for s in unread] == list(range(1, 20_001 - objectrun.MAX_STATUS_RECORDS))
+    assert all(s.info is None and "MAX_STATUS_RECORDS" in (s.problem or "") for s in unread)
+    assert all(s.damaged for s in statuses if not s.unread)

@@ -165,3 +165,26 @@ def test_every_kind_of_request_the_store_holds_ends_at_the_deadline(s3_faults, m
     assert isinstance(e, StorageError), repr(e)
     assert took < 3 + 2 + 3, took  # the deadline, and at most one socket wait begun before it
     assert "deadline 3 s" in str(e), str(e)
+
+
+def test_waiting_for_an_archive_that_stalls_ends_at_the_waits_deadline(s3_faults, tmp_path):
+    """A tiered manager's archive copy is held by a store that does not answer its uploads:
+    waiting for the archive ends at the wait's deadline with an error naming the step being
+    copied and the deadline; the copy goes on, and lands once the store answers."""
+    bucket = s3_faults.new_bucket()
+    m = ckptfmt.CheckpointManager(
+        str(tmp_path / "run"), archive=f"s3://{bucket}/run", storage_options=s3_faults.storage_options()
+    )
+    s3_faults.delay("PUT", "step-000000001/", seconds=6.0, count=1)  # the step's first upload
+    m.save(1, {"w": torch.ones(1000), "step": 1})
+    assert m._archiver is not None
+    held_by = time.monotonic() + 30
+    while s3_faults.pending_rules() and time.monotonic() < held_by:
+        time.sleep(0.02)  # until the archive thread's upload is being held
+    assert s3_faults.pending_rules() == 0
+    error, took = _outcome_within(20, lambda: m._archiver.wait(timeout=1.5))
+    assert isinstance(error, StorageError), error
+    assert "step 1" in str(error) and "deadline of 1.5 s" in str(error)
+    assert 1.5 <= took < 5
+    m._archiver.wait()  # the held upload goes through: the copy completes
+    assert 1 in m._archiver._held

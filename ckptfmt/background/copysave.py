@@ -344,6 +344,7 @@ def _write_worker(
         if exc is None:
             length = out.finish(encoded)
             atomic.commit(free_replaced=replaced.append)
+            handle.version = getattr(atomic, "etag", None)  # an object upload's
             handle._durable_now(length)
     except BaseException as e:
         exc = exc or e

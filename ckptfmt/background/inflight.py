@@ -84,6 +84,9 @@ class SaveHandle:
         self.snapshot = "copy"
         self._pid: int | None = None  # the child writing a fork snapshot
         self._thread: threading.Thread | None = None  # the thread that finishes the save (joinable)
+        #: the version (ETag) the store gave the object a save to a URL created, once done: what
+        #: this save, and no other writer, wrote there
+        self.version: str | None = None
 
     def done(self) -> bool:
         """True once the file is committed (or the save failed)."""
@@ -180,7 +183,10 @@ def watch(handle: SaveHandle) -> None:
 def settle(handle: SaveHandle, exc: BaseException | None, replaced: list[int]) -> None:
     """End a background save: unmark its path, hand `exc` (or success) to its handle, then
     close the descriptors of files it replaced (freeing them is off the caller's wait)."""
-    if isinstance(exc, OSError) and exc.filename is None:
+    # an OSError of the system is given the path; one of ckptfmt's (a StorageError: no errno)
+    # names its URL already, and its class takes no errno (rebuilding it would raise here
+    # and leave the handle never done)
+    if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
         exc = type(exc)(exc.errno, exc.strerror, handle.path)
     end(handle)
     try:

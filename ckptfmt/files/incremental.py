@@ -344,6 +344,7 @@ def save(
     encrypt_with: Any = None,
     decrypt_with: Any = None,
     storage_options: dict[str, Any] | None = None,
+    create_only: bool = False,
 ) -> SaveHandle | None:
     """Write `state` to `path` with content digests (feature bit 0).
 
@@ -361,7 +362,8 @@ def save(
     `encrypt_with`: the file is encrypted (spec 17.9): its external chunks lie in encrypted
     files whose data keys the same key unwraps; `decrypt_with` reads the base (default
     `encrypt_with`, except a key service's wrapping callable).
-    An object-store URL `path` (with `storage_options`) refers to objects of its bucket.
+    An object-store URL `path` (with `storage_options`) refers to objects of its bucket;
+    `create_only`: an object-store URL is created only if absent (files.save.write_state).
     """
     meta = writer.check_save_args(compression, level, metadata)
     encrypt_with, decrypt_with = save_and_read_keys(encrypt_with, decrypt_with)
@@ -387,7 +389,9 @@ def save(
     size = writer.check_chunk_size(chunk_size)
     write = WriteOptions(compression, level, size, meta, seal=encryption.sealer(encrypt_with), dedup=index)
     options = writer.FileSaveOptions(write, blocking, storage_options=dict(storage_options or {}))
-    result: SaveHandle | None = writer.write_state(state, target, options, within=within)
+    result: SaveHandle | None = writer.write_state(
+        state, target, options, within=within, create_only=create_only
+    )
     return result
 
 

@@ -264,7 +264,9 @@ def _write_object(encoded: Encoded, url: str, options: FileSaveOptions, create_o
             out.fd, encoded, write, path=url, on_written=out.written, batch_bytes=OBJECT_BATCH_BYTES
         )
         out.commit()
-    return done_handle(url, length)
+    handle = done_handle(url, length)
+    handle.version = out.etag
+    return handle
 
 
 def remove(path: str | os.PathLike[str]) -> None:

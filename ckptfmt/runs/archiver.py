@@ -34,11 +34,16 @@ import time
 import warnings
 from collections.abc import Callable, Iterable
 
-from ..errors import CheckpointWarning
+from ..errors import CheckpointWarning, StorageError
 from ..files import multifile
 from . import retention
 from .objectrun import ObjectRun, copy_marker
 from .steps import CheckpointInfo, StepStatus
+
+#: seconds Archiver.wait() waits for the archive thread by default: a copy of a large step over
+#: a slow link may take this long; a store that stalls has each request cut by its own deadline
+#: far sooner, and a wait is never unbounded whatever the store does
+DEFAULT_WAIT = 3600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +90,7 @@ class Archiver:
         self._wanted = False
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._copying: int | None = None  # the step the archive thread is copying now
 
     # -- what the tiers say ------------------------------------------------------------------
 
@@ -155,11 +161,24 @@ class Archiver:
                 self._thread = threading.Thread(target=self._work, name="ckptfmt-archive", daemon=False)
                 self._thread.start()
 
-    def wait(self) -> None:
-        """Wait until the archive thread has nothing left to do (or failed)."""
+    def wait(self, timeout: float = DEFAULT_WAIT) -> None:
+        """Wait until the archive thread has nothing left to do (or failed), at most `timeout`
+        seconds: StorageError naming the step being copied and the deadline when it is still
+        busy then (it goes on; a later wait may find it done)."""
+        if not 0 < timeout <= 86400 * 7:
+            raise ValueError(f"timeout must be seconds above 0, at most a week, not {timeout!r}")
+        end = time.monotonic() + timeout
         with self._cond:
             while self._thread is not None:
-                self._cond.wait()
+                left = end - time.monotonic()
+                if left <= 0:
+                    doing = "its listing or rotation" if self._copying is None else f"step {self._copying}"
+                    raise StorageError(
+                        f"the archive is still busy with {doing} after the wait's deadline of "
+                        f"{timeout:g} s (Archiver.wait timeout); it goes on in the background",
+                        path=self.run.path,
+                    )
+                self._cond.wait(left)
 
     def remove(self, step: int) -> bool:
         """Remove the archive's copy of `step` (the run goes back to an earlier step), once the
@@ -241,6 +260,8 @@ class Archiver:
 
     def _copy(self, info: CheckpointInfo) -> bool:
         """Copy one local step; whether it is now in the archive."""
+        with self._cond:
+            self._copying = info.step
         try:
             self.run.put_step(info.step, info.path, claim=self._claim, before_commit=self._rotate)
         except Exception as e:  # any failure: kept locally and tried again later
@@ -253,6 +274,9 @@ class Archiver:
                 stacklevel=1,
             )
             return False
+        finally:
+            with self._cond:
+                self._copying = None
         with self._cond:
             assert self._held is not None
             self._held[info.step] = info.created

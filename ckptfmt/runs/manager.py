@@ -343,11 +343,13 @@ class CheckpointManager(RunRotation):
         *,
         within: CheckpointDir | None = None,
         storage_options: dict[str, Any] | None = None,
+        create_only: bool = False,
     ) -> Any:
         """Write a step's state file `target` as this run saves them; an incremental run's
         refers to the chunks of `base` (the newest complete step's state file, or None).
         `within`: the locked step directory it is written beneath; `storage_options`: the
-        client's settings where `target` lies on an object store."""
+        client's settings where `target` lies on an object store; `create_only`: an object
+        created only if absent (ObjectExistsError otherwise)."""
         if self.incremental:
             from ..files import incremental
 
@@ -362,6 +364,7 @@ class CheckpointManager(RunRotation):
                 storage_options=storage_options,
                 encrypt_with=self._encrypt,
                 decrypt_with=self._decrypt,
+                create_only=create_only,
             )
         options = writer.save_options(
             compression=self.compression,
@@ -370,7 +373,7 @@ class CheckpointManager(RunRotation):
             storage_options=storage_options,
             encrypt_with=self._encrypt,
         )
-        return writer.save_file(payload, target, options, within=within)
+        return writer.save_file(payload, target, options, within=within, create_only=create_only)
 
     def _finish(self, job: StepJob, before: threading.Thread | None) -> None:
         """Wait for the files, write the commit record, rotate; report through job.handle."""

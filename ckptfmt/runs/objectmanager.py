@@ -173,11 +173,14 @@ class ObjectRunManager(CheckpointManager):
         return self.run.options
 
     def _upload_state(self, job: StepJob, payload: dict[str, Any], statuses: list[StepStatus]) -> Any:
-        """Upload the step's state object; an incremental run's refers to the chunks the newest
-        complete step already holds (its own or those it refers to)."""
+        """Upload the step's state object, created only if absent (another writer's of the same
+        step is never replaced: ObjectExistsError); an incremental run's refers to the chunks
+        the newest complete step already holds (its own or those it refers to)."""
         done = [s.info for s in statuses if s.info is not None]
         base = f"{done[-1].path}/{STATE_NAME}" if done else None
-        return self._save_state(payload, f"{job.path}/{STATE_NAME}", base, storage_options=self.run.options)
+        return self._save_state(
+            payload, f"{job.path}/{STATE_NAME}", base, storage_options=self.run.options, create_only=True
+        )
 
     def _commit(self, job: StepJob) -> multifile.CommitRecord:
         """Write the step's commit record, created only if absent, naming the state object;
@@ -186,6 +189,7 @@ class ObjectRunManager(CheckpointManager):
         url = f"{job.path}/{STATE_NAME}"
         place = self.run.step_place(job.step)
         with CheckpointFile(url, storage_options=self.run.options, decrypt_with=self._decrypt) as f:
+            _check_uploaded_here(f.etag, job, url)
             part = multifile.identity_of(f, STATE_NAME)
             refs = tuple(self._describe(place, ext) for ext in f.externals)
             if self._sign_key is not None:
@@ -229,8 +233,9 @@ class ObjectRunManager(CheckpointManager):
         uploaded = job.written
         if job.file_handle is not None:
             uploaded = uploaded and job.file_handle.exception() is None  # waits for it
-        if uploaded:
-            self._tidy(job.path, lambda: self.run.delete_uncommitted(job.step, STATE_NAME))
+        version = None if job.file_handle is None else job.file_handle.version
+        if uploaded and version is not None:  # no version: not provably ours (cleanup's, once stale)
+            self._tidy(job.path, lambda: self.run.delete_uncommitted(job.step, STATE_NAME, version))
 
     def _step_bytes(self, job: StepJob, record: multifile.CommitRecord | None) -> int:
         """The bytes of the objects step `job` committed, by its record (read back with one
@@ -256,6 +261,19 @@ class ObjectRunManager(CheckpointManager):
         self._wait_all()
         if not self.run.remove_step(step):
             raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
+
+
+def _check_uploaded_here(etag: str | None, job: StepJob, url: str) -> None:
+    """The state object about to be committed is the version this save uploaded (its
+    handle's): CheckpointError when another writer's is there now (it deleted this save's as
+    a leftover and wrote its own), which this save's record must not name."""
+    version = None if job.file_handle is None else job.file_handle.version
+    if version is not None and (etag or "").strip('"') != version.strip('"'):
+        raise CheckpointError(
+            f"step {job.step}: the state object is not the one this save uploaded (another "
+            "writer replaced it meanwhile); not committed",
+            path=url,
+        )
 
 
 CheckpointManager.url_manager = ObjectRunManager

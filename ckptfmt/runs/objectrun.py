@@ -40,6 +40,10 @@ from .steps import STATE_NAME, CheckpointInfo, StepStatus, parse_step_dirname, s
 #: the commit records latest() and a resume read at most, newest first (spec 13.7): each is a
 #: GET, and a run whose newest steps are this many damaged ones needs a person anyway
 MAX_CANDIDATES = 64
+#: the commit records statuses() (ls, rotation, a save's preparation) reads at most, newest
+#: first (spec 13.7): steps with a record beyond them are reported unread, never deleted,
+#: and nothing older than them is deleted either (what they refer to is not known)
+MAX_STATUS_RECORDS = 1024
 
 
 #: the start of the name of a copy marker: ``step-N/ARCHIVING.<host>.<pid>.<start>.<random>``,
@@ -127,9 +131,21 @@ class ObjectRun:
     ) -> list[StepStatus]:
         """Every step under the prefix, complete or not, by step.  A step without its record
         that holds an object a complete step refers to is `retained` (an incremental run's
-        rotated step, kept for its chunks).  `found`: the listing to judge (None: listed here)."""
+        rotated step, kept for its chunks).  `found`: the listing to judge (None: listed here).
+        Records are read newest first, at most MAX_STATUS_RECORDS of them (one GET each):
+        older steps with a record are `unread` (a listing naming thousands of records must
+        not cost thousands of requests)."""
         found = self._listing() if found is None else found
-        out = [self._status(step, names, found) for step, names in sorted(found.items())]
+        out: list[StepStatus] = []
+        reads = 0
+        for step in sorted(found, reverse=True):
+            names = found[step]
+            reads += multifile.COMMIT_NAME in names
+            if reads > MAX_STATUS_RECORDS and multifile.COMMIT_NAME in names:
+                out.append(_unread(step, self.step_path(step)))
+            else:
+                out.append(self._status(step, names, found))
+        out.reverse()
         referenced = {url for s in out if s.info is not None for url in s.info.references}
         for s in out:
             if s.info is None and not s.damaged and any(u.startswith(s.path + "/") for u in referenced):
@@ -408,7 +424,9 @@ class ObjectRun:
     def referenced(self) -> set[str]:
         """The objects steps with a commit record refer to (an incremental run's): never
         deleted.  Counts the records a listing leaves out (references_of_incomplete)."""
-        statuses = self.statuses()
+        return self._referenced_by(self.statuses())
+
+    def _referenced_by(self, statuses: list[StepStatus]) -> set[str]:
         listed = {url for s in statuses if s.info is not None for url in s.info.references}
         return listed | self.references_of_incomplete(statuses)
 
@@ -420,7 +438,7 @@ class ObjectRun:
         a record the listing hid cannot be read (what it refers to is unknown)."""
         out: set[str] = set()
         for s in statuses:
-            if s.info is not None or not (s.damaged or self.has_record(s.step)):
+            if s.info is not None or s.unread or not (s.damaged or self.has_record(s.step)):
                 continue
             try:
                 record = self.record(s.step)
@@ -449,19 +467,36 @@ class ObjectRun:
 
     def delete_leftover(self, step: int) -> None:
         """Delete step `step`, which the listing shows without a commit record (a failed save's
-        leftover); CheckpointError, deleting nothing, when its record is there after all."""
+        leftover); CheckpointError, deleting nothing, when its record is there after all.
+        Only the versions listed after that check are deleted (If-Match; unconditionally
+        where the listing gives no ETag), never a commit record: an object another writer
+        puts there meanwhile stays, and so does its record (CheckpointError when one
+        appeared: the step is that writer's now)."""
         if self.has_record(step):
             raise CheckpointError(
                 f"step {step} has a commit record that the store's listing did not show; not deleted",
                 path=self.step_path(step),
             )
-        self.delete_step(step)
+        url = self._step_url(step)
+        listed = {n: v for n, v in listing.versions(url, self.options).items() if _written_here(n)}
+        for name, version in listed.items():
+            if name != multifile.COMMIT_NAME:
+                listing.delete_object(url.child(name), self.options, if_match=version)
+        if self.has_record(step):
+            raise CheckpointError(
+                f"step {step} was committed by another writer while its leftover was deleted",
+                path=self.step_path(step),
+            )
 
-    def delete_uncommitted(self, step: int, name: str) -> None:
-        """Delete object `name` of step `step`, which a failed save wrote, unless the step has
-        a commit record now (one HEAD): a record this save did not write may name it."""
+    def delete_uncommitted(self, step: int, name: str, version: str) -> None:
+        """Delete object `name` of step `step`, which a failed save wrote as `version` (the
+        ETag its upload got), unless the step has a commit record now (one HEAD: this save's
+        own record may have landed although its request failed).  The delete is conditional
+        on `version` (If-Match): whatever happens between the HEAD and the delete, another
+        writer's object of that name is never deleted, and no record but this save's own can
+        name this version (a save commits only the version it uploaded)."""
         if not self.has_record(step):
-            listing.delete_object(self._step_url(step).child(name), self.options)
+            listing.delete_object(self._step_url(step).child(name), self.options, if_match=version)
 
     def remove_interrupted_copies(self, older_than: datetime.timedelta = STALE_AFTER) -> list[int]:
         """Remove what archive copies (and deletions) that died left; returns the steps whose
@@ -487,13 +522,15 @@ class ObjectRun:
         if not dead:
             return []
         statuses = self.statuses(found)
-        referenced = {url for s in statuses if s.info is not None for url in s.info.references}
-        referenced |= self.references_of_incomplete(statuses)
+        referenced = self._referenced_by(statuses)
+        below = _oldest_known(statuses)
         removed: list[int] = []
         for step, markers in sorted(dead.items()):
             names = found[step]
             if step in live:
                 continue  # a live writer's (the dead markers go with its own, or later)
+            if step < below and multifile.COMMIT_NAME not in names:
+                continue  # an unread newer step may refer to its objects
             if multifile.COMMIT_NAME in names:
                 doomed = markers  # a step with its record: only the markers of a copy that ended
             elif any(u.startswith(self.step_path(step) + "/") for u in referenced):
@@ -518,14 +555,19 @@ class ObjectRun:
         object is older than `older_than` (a live saver writes more often than that)."""
         listing.abort_stale_uploads(self.url, self.options, older_than, _in_a_step)
         now = datetime.datetime.now(datetime.timezone.utc)
+        found = self._listing()
         referenced: set[str] | None = None  # read only when a step is stale: it costs a GET a step
-        for step, names in self._listing().items():
+        below = -1  # steps older than an unread one may hold what it refers to: never deleted
+        for step, names in sorted(found.items()):
             if multifile.COMMIT_NAME in names:
                 continue
             times = [t for _, t in names.values() if t is not None]
             if times and now - max(times) > older_than and not self.has_record(step):
-                referenced = self.referenced() if referenced is None else referenced
-                if not any(u.startswith(self.step_path(step) + "/") for u in referenced):
+                if referenced is None:
+                    statuses = self.statuses(found)
+                    referenced = self._referenced_by(statuses)
+                    below = _oldest_known(statuses)
+                if step > below and not any(u.startswith(self.step_path(step) + "/") for u in referenced):
                     self.delete_step(step)
 
 
@@ -545,6 +587,23 @@ class StepPlace(ObjectPlace):
         for ref in record.references:
             _referenced_step(ref.name, url)  # a reference names a step of this run, or none
         return record
+
+
+def _unread(step: int, path: str) -> StepStatus:
+    """The status of a step whose commit record statuses() does not read (MAX_STATUS_RECORDS)."""
+    return StepStatus(
+        step,
+        path,
+        problem=f"not read: only the newest {MAX_STATUS_RECORDS} commit records are (MAX_STATUS_RECORDS)",
+        error=LimitError,
+        unread=True,
+    )
+
+
+def _oldest_known(statuses: list[StepStatus]) -> int:
+    """The newest unread step of `statuses` (-1 when none): a step older than it may hold
+    objects it refers to (references lead to older steps only), so none is deleted."""
+    return max((s.step for s in statuses if s.unread), default=-1)
 
 
 def _referenced_step(name: str, owner: str) -> tuple[int, str]:

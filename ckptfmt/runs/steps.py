@@ -86,6 +86,9 @@ class StepStatus:
     #: without a valid commit record, whether ckptfmt may delete it: it bears ckptfmt's mark
     #: (engine.marks) or is empty; another tool's folder never is
     ours: bool = True
+    #: on a store, a step with a commit record beyond the newest that statuses() reads
+    #: (objectrun.MAX_STATUS_RECORDS): neither judged nor deleted, nor anything older
+    unread: bool = False
 
 
 @dataclass

@@ -65,6 +65,21 @@ def objects(url: ObjectURL, options: dict[str, Any]) -> dict[str, tuple[int, dat
     return out
 
 
+def versions(url: ObjectURL, options: dict[str, Any]) -> dict[str, str | None]:
+    """Every object beneath `url` with the version the listing gives it: {key relative to
+    `url`: ETag, or None where the store gives none} (what a conditional delete names)."""
+    prefix = _prefix(url)
+    out: dict[str, str | None] = {}
+    for page in _pages_with(url, options, "list", Prefix=prefix):
+        for entry in page.get("Contents", []) or []:
+            key = entry.get("Key") if isinstance(entry, dict) else None
+            if not isinstance(key, str) or not key.startswith(prefix):
+                raise StorageError(f"list: the store answered an entry outside {prefix!r}", path=str(url))
+            etag = entry.get("ETag")
+            out[key[len(prefix) :]] = etag if isinstance(etag, str) and etag else None
+    return out
+
+
 def _uploads(url: ObjectURL, options: dict[str, Any], prefix: str) -> Iterator[Any]:
     """The multipart uploads beneath `prefix`, every page of them, with the bounds that
     _pages_with puts on a listing of objects."""
@@ -154,10 +169,22 @@ def _pages_with(
         token = {"ContinuationToken": nxt}
 
 
-def delete_object(url: ObjectURL, options: dict[str, Any]) -> None:
-    """Delete the one object at `url` (nothing else beneath it); an absent object is no error."""
+def delete_object(url: ObjectURL, options: dict[str, Any], *, if_match: str | None = None) -> bool:
+    """Delete the one object at `url` (nothing else beneath it); an absent object is no error.
+    `if_match`: only the version with this ETag (S3's conditional DeleteObject): another
+    version there is left, and False returned."""
     c = s3.client_for(options)
-    s3.request(str(url), "delete", partial(c.delete_object, Bucket=url.bucket, Key=url.key), options)
+    condition = {} if if_match is None else {"IfMatch": if_match}
+    call = partial(c.delete_object, Bucket=url.bucket, Key=url.key, **condition)
+    try:
+        s3.request(str(url), "delete", call, options)
+    except StorageError as e:
+        if if_match is not None and e.__cause__ is not None and s3.is_precondition_failed(e.__cause__):
+            return False
+        raise
+    except FileNotFoundError:  # a conditional delete of an object that is gone
+        return True
+    return True
 
 
 def delete_prefix(

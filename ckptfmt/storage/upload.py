@@ -13,7 +13,6 @@ and nothing is committed.
 
 from __future__ import annotations
 
-import errno
 import os
 import threading
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
-from ..errors import StorageError
+from ..errors import ObjectExistsError, StorageError
 from . import client as s3
 from .spool import Spool
 from .urls import ObjectURL, parse_url
@@ -99,6 +98,9 @@ class ObjectFile:
         self._cond = threading.Condition()
         self._pool: ThreadPoolExecutor | None = None
         self._committed = False
+        #: the ETag the store gave the object once committed (None before, or if it gave none):
+        #: what this writer, and no other, wrote at the URL (a conditional delete's If-Match)
+        self.etag: str | None = None
 
     def __enter__(self) -> ObjectFile:
         self._client = s3.client_for(self.options)
@@ -224,14 +226,21 @@ class ObjectFile:
         self._upload_id = None
 
     def _creating(self, operation: str, call: Callable[[], Any]) -> None:
-        """The request that makes the object appear; where `if_absent`, an object already
-        there is FileExistsError (a store without conditional writes replaces it)."""
+        """The request that makes the object appear, its ETag kept; where `if_absent`, an
+        object already there is ObjectExistsError (a FileExistsError; a store without
+        conditional writes replaces it)."""
         try:
-            s3.request(str(self.url), operation, call, self.options)
+            reply = s3.request(str(self.url), operation, call, self.options)
         except StorageError as e:
             if self.if_absent and e.__cause__ is not None and s3.is_precondition_failed(e.__cause__):
-                raise FileExistsError(errno.EEXIST, "the object exists already", str(self.url)) from None
+                raise ObjectExistsError(
+                    f"{operation}: the object exists already (written only if absent: another "
+                    "writer created it)",
+                    path=str(self.url),
+                ) from None
             raise
+        etag = reply.get("ETag") if isinstance(reply, dict) else None
+        self.etag = etag if isinstance(etag, str) and etag else None
 
     def abort(self) -> None:
         """Stop: wait for parts in flight, abort the multipart upload (best effort: a store

@@ -1,0 +1,132 @@
+"""Two writers of one step of a run on a store (a restarted job while the old one still runs,
+two jobs pointed at one prefix), on the real local S3 server, through the fault proxy where a
+request must be held: whichever commits first keeps a checkpoint that loads bit-exactly,
+whatever the other does.  A step's state object is created only if absent, a save commits
+only the version it uploaded, and a failed save deletes only that version."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import ckptfmt
+from ckptfmt import CheckpointManager
+
+SMALL = torch.arange(1000, dtype=torch.float32)  # one PUT
+LARGE = torch.arange(5 << 20, dtype=torch.float32)  # 20 MiB: a multipart upload
+
+
+def _state(step: int, weights: torch.Tensor) -> dict[str, object]:
+    return {"w": weights * step, "step": step}
+
+
+def _keys(client, bucket: str, prefix: str) -> set[str]:
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    return {o["Key"][len(prefix) :] for o in listed}
+
+
+def _check_loads(url: str, options: dict, expected: dict[str, object]) -> None:
+    fresh = CheckpointManager(url, storage_options=options)
+    assert fresh.verify(5).ok
+    got = fresh.load(5)
+    assert got["step"] == expected["step"] and torch.equal(got["w"], expected["w"])
+
+
+def _save_while_held(s3_faults, manager, state: dict[str, object]) -> tuple[threading.Thread, list]:
+    """Start `manager`'s save of step 5 on a thread and return once the proxy holds the
+    request its rule is waiting for: (the thread, the list its failure goes into)."""
+    failure: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            manager.save(5, state)
+        except BaseException as e:
+            failure.append(e)
+
+    t = threading.Thread(target=save, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while s3_faults.pending_rules() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert s3_faults.pending_rules() == 0
+    return t, failure
+
+
+@pytest.mark.parametrize("weights", [SMALL, LARGE], ids=["put", "multipart"])
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "background"])
+def test_the_losers_state_upload_never_replaces_the_winners(s3_bucket, weights, blocking):
+    """The loser prepared the step before the winner saved it, and uploads its state object
+    after the winner's commit: its upload is refused (created only if absent), the winner's
+    object stays the one its record names."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/run"
+    winner = CheckpointManager(url, storage_options=options)
+    loser = CheckpointManager(url, storage_options=options, blocking=blocking)
+    won = _state(5, weights)
+    prepare = loser._prepare_step
+
+    def prepare_then_lose(step: int):
+        statuses = prepare(step)  # the step is new: nothing of it is there yet
+        winner.save(step, won)  # the other job saves and commits it meanwhile
+        return statuses
+
+    loser._prepare_step = prepare_then_lose
+    with pytest.raises(ckptfmt.CheckpointError) as caught:
+        handle = loser.save(5, _state(-5, weights))
+        if handle is not None:
+            handle.wait()
+    _check_loads(url, options, won)
+    assert isinstance(caught.value, ckptfmt.StorageError) and isinstance(caught.value, FileExistsError)
+    assert "exists already" in str(caught.value)
+
+
+def test_a_failed_saves_cleanup_never_deletes_the_next_writers_object(s3_faults):
+    """A save whose commit failed deletes the state object it uploaded; its DELETE is held
+    while another writer deletes that leftover, saves the step and commits it.  The held
+    DELETE then reaches the store: it names the failed save's version, so the committed
+    object of the same name stays."""
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/run"
+    options = s3_faults.storage_options()
+    failing = CheckpointManager(url, storage_options={**options, "max_attempts": 1})
+    s3_faults.fail_next("PUT", "step-000000005/COMMIT", status=500, count=1)
+    s3_faults.delay("DELETE", "step-000000005/state.ckpt", seconds=6.0, count=1)
+    # until the failed save's DELETE of its state object is being held
+    t, failure = _save_while_held(s3_faults, failing, _state(-5, SMALL))
+    won = _state(5, SMALL)
+    CheckpointManager(url, storage_options=options).save(5, won)
+    t.join(30)
+    assert not t.is_alive()
+    assert len(failure) == 1 and isinstance(failure[0], ckptfmt.StorageError)
+    # the held one did reach the store, after the next writer's (of the leftover it listed)
+    assert s3_faults.count("DELETE", "step-000000005/state.ckpt") == 2
+    assert _keys(s3_faults.client(), bucket, "run/") == {"step-000000005/state.ckpt", "step-000000005/COMMIT"}
+    _check_loads(url, options, won)
+
+
+def test_a_leftovers_deletion_never_deletes_what_another_writer_commits_meanwhile(s3_faults):
+    """A crashed save left step 5's state object.  A restarted job deletes that leftover; its
+    DELETE is held while another job deletes the leftover too, saves step 5 and commits it.
+    The held DELETE names the leftover's version (not the new object's) and no commit record
+    is ever deleted as a leftover: the committed step loads bit-exactly, the restarted job's
+    save of the step fails."""
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/run"
+    options = s3_faults.storage_options()
+    s3_faults.client().put_object(
+        Bucket=bucket, Key="run/step-000000005/state.ckpt", Body=b"a crashed save's"
+    )
+    s3_faults.delay("DELETE", "step-000000005/", seconds=6.0, count=1)
+    restarted = CheckpointManager(url, storage_options=options)
+    # until the restarted job's first DELETE in step 5 is being held
+    t, failure = _save_while_held(s3_faults, restarted, _state(-5, SMALL))
+    won = _state(5, SMALL)
+    CheckpointManager(url, storage_options=options).save(5, won)
+    t.join(30)
+    assert not t.is_alive()
+    assert len(failure) == 1 and isinstance(failure[0], ckptfmt.CheckpointError), failure
+    assert _keys(s3_faults.client(), bucket, "run/") == {"step-000000005/state.ckpt", "step-000000005/COMMIT"}
+    _check_loads(url, options, won)
