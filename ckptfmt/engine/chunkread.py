@@ -27,7 +27,6 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
 from typing import Protocol
 
 import xxhash
@@ -87,6 +86,12 @@ def _request_windows(requests: Sequence[tuple[int, int]]) -> list[list[tuple[int
         windows[-1].append((lo, hi))
         held += hi - lo
     return windows
+
+
+#: where a chunk's raw bytes go: a buffer of exactly raw_len bytes; with the C engine also the
+#: address (an int) of raw_len bytes of host memory its caller keeps alive (native.read_chunks),
+#: or None when only checked (read_into's check_only)
+Destination = memoryview | int | None
 
 
 class Fetcher(Protocol):
@@ -460,7 +465,7 @@ class ChunkReader:
     # -- batched, parallel reads ---------------------------------------------
 
     def read_into(
-        self, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool = False
+        self, items: Sequence[tuple[int, Destination]], verify: bool, check_only: bool = False
     ) -> None:
         """Read chunks into their destinations (exactly raw_len bytes each).
 
@@ -471,7 +476,7 @@ class ChunkReader:
         which spares the engine copying raw chunks into them and un-shuffling; with the
         C engine, a chunk without a content digest then needs no destination (None).
         """
-        groups: dict[int, list[tuple[int, memoryview | None]]] = {}
+        groups: dict[int, list[tuple[int, Destination]]] = {}
         for k, dest in items:
             groups.setdefault(self.chunks[k].source, []).append((k, dest))
         for source, group in groups.items():
@@ -497,7 +502,7 @@ class ChunkReader:
         return ch.offset, ch.offset + ch.stored_len + ch.pad
 
     def _read_fetched(
-        self, remote: Fetcher, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool
+        self, remote: Fetcher, items: Sequence[tuple[int, Destination]], verify: bool, check_only: bool
     ) -> None:
         """Read chunks of a remote file window by window: the requests of the next window are
         in flight with those of the one waited for, so the store always has about two windows
@@ -509,7 +514,7 @@ class ChunkReader:
         windows = _request_windows(requests)
         starts = [lo for lo, _ in requests]
         window_of = [i for i, w in enumerate(windows) for _ in w]
-        chunks: list[list[tuple[int, memoryview | None]]] = [[] for _ in windows] or [[]]
+        chunks: list[list[tuple[int, Destination]]] = [[] for _ in windows] or [[]]
         for k, dest in items:
             lo, hi = self._stored_range(k)
             j = bisect.bisect_left(starts, hi) - 1  # the last request before the chunk's end
@@ -531,13 +536,13 @@ class ChunkReader:
                 remote.wait_quietly(futures)
 
     def _read_group(
-        self, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool = False
+        self, items: Sequence[tuple[int, Destination]], verify: bool, check_only: bool = False
     ) -> None:
         """Read chunks that all lie in one file."""
         if not _native.available():
             for k, dest in items:
-                if dest is None:
-                    raise ValueError(f"chunk {k}: reading without a destination needs the C engine")
+                if not isinstance(dest, memoryview):
+                    raise ValueError(f"chunk {k}: reading without a buffer as destination needs the C engine")
                 self.read_chunk(k, dest, verify, None)
             return
         where = [self._source(k, None) for k, _ in items]
@@ -546,7 +551,7 @@ class ChunkReader:
         records = [self.chunks[k] for k, _ in items]
         if data_key and records[0].source >= 0:  # an encrypted referenced file: its key and tags
             data_key = self._crypto_of(items[0][0])[0]
-            records = [replace(ch, tag=self._crypto_of(k)[3]) for (k, _), ch in zip(items, records)]
+            records = [ch._replace(tag=self._crypto_of(k)[3]) for (k, _), ch in zip(items, records)]
         # No readahead advice for the whole range here: one POSIX_FADV_WILLNEED for all of
         # it blocks until all of it is queued (cold 1 GiB loads ran at 0.84 GB/s with it).
         # The engine's threads advise a sliding window of chunks ahead of theirs instead.
@@ -563,7 +568,7 @@ class ChunkReader:
             raise self._native_error(status, items)
 
     def _native_error(
-        self, status: tuple[int, int, int, int, int], items: Sequence[tuple[int, memoryview | None]]
+        self, status: tuple[int, int, int, int, int], items: Sequence[tuple[int, Destination]]
     ) -> Exception:
         code, err, pos, reason, value = status
         if code == _native.ERR_NOMEM or not 0 <= pos < len(items):
@@ -679,7 +684,7 @@ class ChunkReader:
         while k < n:
             if progress is not None:
                 progress(k, n)
-            items: list[tuple[int, memoryview | None]] = []
+            items: list[tuple[int, Destination]] = []
             pos = 0
             while k < n and (not items or pos + self.chunks[k].raw_len <= window):
                 if self.chunks[k].source not in unusable:
@@ -689,7 +694,7 @@ class ChunkReader:
             yield from self._check_halving(items, unusable)
 
     def _check_halving(
-        self, items: list[tuple[int, memoryview | None]], unusable: set[int]
+        self, items: list[tuple[int, Destination]], unusable: set[int]
     ) -> Iterator[CheckpointError]:
         """Check `items` in one call; where that fails, each half again, down to single chunks.
         A chunk of a referenced file that cannot be used marks that file `unusable`."""
