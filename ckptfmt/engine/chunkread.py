@@ -26,8 +26,6 @@ import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
-from typing import Protocol
 
 import xxhash
 import zstandard
@@ -46,6 +44,7 @@ from ..format import layout as fmt
 from ..format.index import Chunk, Index
 from . import native as _native
 from .ckptdir import CheckpointDir
+from .sources import Fetcher, References
 
 #: verify: bytes of chunks per engine call, decoded into a window of this size
 CHECK_WINDOW = 64 << 20
@@ -92,38 +91,6 @@ def _request_windows(requests: Sequence[tuple[int, int]]) -> list[list[tuple[int
 #: address (an int) of raw_len bytes of host memory its caller keeps alive (native.read_chunks),
 #: or None when only checked (read_into's check_only)
 Destination = memoryview | int | None
-
-
-class Fetcher(Protocol):
-    """A remote object's bytes on demand (storage/download.py's RemoteObject): the chunk
-    reader's descriptor is a spool that holds only what `start` has fetched into it."""
-
-    def plan(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The requests `start` would make for `ranges` (sorted; bytes held left out)."""
-
-    def start(self, ranges: Sequence[tuple[int, int]]) -> list[Future[None]]: ...
-
-    def wait(self, futures: Sequence[Future[None]]) -> None: ...
-
-    def wait_quietly(self, futures: Sequence[Future[None]]) -> None: ...
-
-    def release(self, ranges: Sequence[tuple[int, int]]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class References(Protocol):
-    """Where a file's reference paths are opened (spec 12.3): a CheckpointDir, or the prefix
-    of an object on a store (storage/references.py), whose objects' bytes a Fetcher brings."""
-
-    def open_ref(self, relpath: str) -> int: ...
-
-    def fetcher_of(self, fd: int) -> Fetcher | None: ...
-
-    def release(self, fd: int) -> None:
-        """Close descriptor `fd` that open_ref gave, with what it holds."""
-
-    def close(self) -> None: ...
 
 
 class ChunkReader:
@@ -477,8 +444,11 @@ class ChunkReader:
         C engine, a chunk without a content digest then needs no destination (None).
         """
         groups: dict[int, list[tuple[int, Destination]]] = {}
-        for k, dest in items:
-            groups.setdefault(self.chunks[k].source, []).append((k, dest))
+        if not self.externals:  # every chunk lies in this file
+            groups = {-1: list(items)} if items else {}
+        else:
+            for k, dest in items:
+                groups.setdefault(self.chunks[k].source, []).append((k, dest))
         for source, group in groups.items():
             fetcher = self._fetcher(source, group[0][0])
             if fetcher is not None:
@@ -545,20 +515,26 @@ class ChunkReader:
                     raise ValueError(f"chunk {k}: reading without a buffer as destination needs the C engine")
                 self.read_chunk(k, dest, verify, None)
             return
-        where = [self._source(k, None) for k, _ in items]
-        fd, file_id = where[0][0], where[0][1]
+        chunks = self.chunks
         data_key = self._data_key or None
-        records = [self.chunks[k] for k, _ in items]
-        if data_key and records[0].source >= 0:  # an encrypted referenced file: its key and tags
-            data_key = self._crypto_of(items[0][0])[0]
-            records = [ch._replace(tag=self._crypto_of(k)[3]) for (k, _), ch in zip(items, records)]
+        if chunks[items[0][0]].source < 0:  # this file: a chunk's number here is its own
+            fd, file_id = self.fd, self.file_id
+            triples = [(k, chunks[k], d) for k, d in items]
+        else:
+            where = [self._source(k, None) for k, _ in items]
+            fd, file_id = where[0][0], where[0][1]
+            records = [chunks[k] for k, _ in items]
+            if data_key:  # an encrypted referenced file: its key and tags
+                data_key = self._crypto_of(items[0][0])[0]
+                records = [ch._replace(tag=self._crypto_of(k)[3]) for (k, _), ch in zip(items, records)]
+            triples = [(number, ch, d) for (_, d), ch, (_, _, number) in zip(items, records, where)]
         # No readahead advice for the whole range here: one POSIX_FADV_WILLNEED for all of
         # it blocks until all of it is queued (cold 1 GiB loads ran at 0.84 GB/s with it).
         # The engine's threads advise a sliding window of chunks ahead of theirs instead.
         status = _native.read_chunks(
             fd,
             file_id,
-            [(number, ch, d) for (_, d), ch, (_, _, number) in zip(items, records, where)],
+            triples,
             verify,
             _native.default_threads(),
             check_only=verify and check_only,

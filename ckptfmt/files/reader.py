@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..engine import native as _native
-from ..engine.chunkread import ChunkReader, Destination, References
+from ..engine.chunkread import ChunkReader, Destination
 from ..engine.ckptdir import CheckpointDir
+from ..engine.sources import References
 from ..errors import (
     CheckpointError,
     CorruptError,
