@@ -122,25 +122,48 @@ def run_one(tool: str, path: str, n: int, pycache: str) -> float:
     return float(json.loads(done.stdout.strip().splitlines()[-1])["seconds"])
 
 
-def report(counts: list[int], times: dict[tuple[str, int], list[float]], rounds: int) -> list[str]:
-    """The table: per-tensor microseconds (median) and ratios against ckptfmt's row of the group."""
+#: the safetensors row each ckptfmt row is also compared with
+SAFETENSORS = {
+    "copy": "safetensors.load_file",
+    "map": "safetensors.load_file",
+    "into": "safetensors.load_file+copy_",
+}
+
+
+def _ratio(times: dict[tuple[str, int], list[float]], peer: str, ours: str, n: int) -> float:
+    """The median over rounds of peer time / ckptfmt time (above 1: ckptfmt is faster)."""
+    return statistics.median(p / o for p, o in zip(times[(peer, n)], times[(ours, n)]))
+
+
+def report(counts: list[int], times: dict[tuple[str, int], list[float]]) -> list[str]:
+    """The table: per-tensor microseconds (median) and ratios (peer time / ckptfmt time, the
+    median of per-round ratios): each peer against ckptfmt's row of its group, and each
+    ckptfmt row against safetensors' row (its load_file, or load_file + copy_ for `into`)."""
     lines = [
-        "| tool | group | " + " | ".join(f"{n} tensors: us/tensor (x ckptfmt)" for n in counts) + " |",
+        "| tool | group | " + " | ".join(f"{n} tensors: us/tensor (ratio)" for n in counts) + " |",
         "|---|---|" + "---|" * len(counts),
     ]
     for tool, (group, _) in TOOLS.items():
         cells = []
         for n in counts:
-            ts = times[(tool, n)]
-            us = statistics.median(ts) / n * 1e6
+            us = statistics.median(times[(tool, n)]) / n * 1e6
             if tool == OURS[group]:
-                cells.append(f"{us:.1f}")
+                cells.append(f"{us:.1f} (safetensors {_ratio(times, SAFETENSORS[group], tool, n):.2f}x)")
             else:
-                ours = times[(OURS[group], n)]
-                ratio = statistics.median(p / o for p, o in zip(ts, ours))
-                cells.append(f"{us:.1f} ({ratio:.2f}x)")
+                cells.append(f"{us:.1f} ({_ratio(times, tool, OURS[group], n):.2f}x)")
         lines.append(f"| {tool} | {group} | " + " | ".join(cells) + " |")
     return lines
+
+
+def reprint(path: str) -> None:
+    """The table of a saved result (--table)."""
+    with open(path) as f:
+        doc = json.load(f)
+    times: dict[tuple[str, int], list[float]] = {}
+    for name, ts in doc["seconds"].items():
+        tool, n = name.rsplit(" @ ", 1)
+        times[(tool, int(n))] = ts
+    print("\n".join(report(sorted({n for _, n in times}), times)))
 
 
 def main() -> None:
@@ -149,11 +172,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/dev/shm")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "small_tensors.json"))
+    ap.add_argument("--table", metavar="JSON", help="print the table of a saved result and exit")
     ap.add_argument("--measure", nargs=3, metavar=("TOOL", "PATH", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.measure:
         tool, path, n = args.measure
         print(json.dumps({"seconds": measure(tool, path, int(n))}))
+        return
+    if args.table:
+        reprint(args.table)
         return
     counts = [int(c) for c in args.counts.split(",")]
     folder = os.path.join(args.dir, "ckptfmt-small-tensors")
@@ -169,7 +196,7 @@ def main() -> None:
         for tool, n in rotated(runs, r * (len(TOOLS) + 1)):
             times[(tool, n)].append(run_one(tool, files[n][TOOLS[tool][1]], n, pycache))
         print(f"round {r + 1} of {args.rounds} done", file=sys.stderr)
-    lines = report(counts, times, args.rounds)
+    lines = report(counts, times)
     print("\n".join(lines))
     write_json(
         args.out,
