@@ -28,7 +28,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
 import xxhash
-import zstandard
 
 from ..errors import (
     CheckpointError,
@@ -394,6 +393,8 @@ class ChunkReader:
         return memoryview(plain)
 
     def _decompress(self, k: int, ch: Chunk, stored: memoryview, dest: memoryview, key: str | None) -> None:
+        import zstandard  # the reference path's only: the C engine decodes zstd itself (5 ms to import)
+
         def bad(msg: str) -> CheckpointError:
             return self._error(CorruptError, msg, k, key, ch.offset)
 
