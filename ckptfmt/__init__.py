@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 #: the public names that need torch, and the module each comes from: imported on first use, so
 #: that ``import ckptfmt`` (and ``python -m ckptfmt verify``, which builds no tensor) does not
-#: import torch; the first one asked for imports them all, as before
+#: import torch; each imports its own module only (a first load in a fresh process, a
+#: resume, does not wait for the manager's and the writer's modules)
 _LAZY = {
     "SaveCost": "background.inflight",
     "SaveHandle": "background.inflight",
@@ -60,20 +61,25 @@ _LAZY = {
 }
 
 
-def _import_public_api() -> None:
-    """Import every module behind _LAZY and bind its names here (module globals, so that
-    __getattr__ is not asked again); runs.objectmanager registers CheckpointManager(url)."""
+def _import_public_name(name: str) -> None:
+    """Import the module behind _LAZY[name] and bind its public names here (module globals, so
+    that __getattr__ is not asked again); with runs.manager, runs.objectmanager, which
+    registers CheckpointManager(url)."""
     import importlib
 
-    importlib.import_module(".runs.objectmanager", __name__)
+    module = _LAZY[name]
+    if module == "runs.manager":
+        importlib.import_module(".runs.objectmanager", __name__)
+    imported = importlib.import_module(f".{module}", __name__)
     names = globals()
-    for name, module in _LAZY.items():
-        names[name] = getattr(importlib.import_module(f".{module}", __name__), name)
+    for other, where in _LAZY.items():
+        if where == module:
+            names[other] = getattr(imported, other)
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        _import_public_api()
+        _import_public_name(name)
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -184,7 +184,7 @@ def test_chunk_digest_is_checked(tmp_path, monkeypatch, backend):
         reader = f._chunk_reader
         reader.chunks = list(reader.chunks)
         ch = reader.chunks[3]
-        reader.chunks[3] = type(ch)(**{**{s: getattr(ch, s) for s in ch.__slots__}, "sha": bytes(32)})
+        reader.chunks[3] = ch._replace(sha=bytes(32))
         with pytest.raises(SignatureError, match="SHA-256"):
             f.load_subtree(f.tree.root, None, verify=False)  # verify=False is overridden
 

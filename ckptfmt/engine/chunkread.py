@@ -26,12 +26,8 @@ import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
-from dataclasses import replace
-from typing import Protocol
 
 import xxhash
-import zstandard
 
 from ..errors import (
     CheckpointError,
@@ -47,6 +43,7 @@ from ..format import layout as fmt
 from ..format.index import Chunk, Index
 from . import native as _native
 from .ckptdir import CheckpointDir
+from .sources import Fetcher, References
 
 #: verify: bytes of chunks per engine call, decoded into a window of this size
 CHECK_WINDOW = 64 << 20
@@ -89,36 +86,10 @@ def _request_windows(requests: Sequence[tuple[int, int]]) -> list[list[tuple[int
     return windows
 
 
-class Fetcher(Protocol):
-    """A remote object's bytes on demand (storage/download.py's RemoteObject): the chunk
-    reader's descriptor is a spool that holds only what `start` has fetched into it."""
-
-    def plan(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The requests `start` would make for `ranges` (sorted; bytes held left out)."""
-
-    def start(self, ranges: Sequence[tuple[int, int]]) -> list[Future[None]]: ...
-
-    def wait(self, futures: Sequence[Future[None]]) -> None: ...
-
-    def wait_quietly(self, futures: Sequence[Future[None]]) -> None: ...
-
-    def release(self, ranges: Sequence[tuple[int, int]]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class References(Protocol):
-    """Where a file's reference paths are opened (spec 12.3): a CheckpointDir, or the prefix
-    of an object on a store (storage/references.py), whose objects' bytes a Fetcher brings."""
-
-    def open_ref(self, relpath: str) -> int: ...
-
-    def fetcher_of(self, fd: int) -> Fetcher | None: ...
-
-    def release(self, fd: int) -> None:
-        """Close descriptor `fd` that open_ref gave, with what it holds."""
-
-    def close(self) -> None: ...
+#: where a chunk's raw bytes go: a buffer of exactly raw_len bytes; with the C engine also the
+#: address (an int) of raw_len bytes of host memory its caller keeps alive (native.read_chunks),
+#: or None when only checked (read_into's check_only)
+Destination = memoryview | int | None
 
 
 class ChunkReader:
@@ -422,6 +393,8 @@ class ChunkReader:
         return memoryview(plain)
 
     def _decompress(self, k: int, ch: Chunk, stored: memoryview, dest: memoryview, key: str | None) -> None:
+        import zstandard  # the reference path's only: the C engine decodes zstd itself (5 ms to import)
+
         def bad(msg: str) -> CheckpointError:
             return self._error(CorruptError, msg, k, key, ch.offset)
 
@@ -460,7 +433,7 @@ class ChunkReader:
     # -- batched, parallel reads ---------------------------------------------
 
     def read_into(
-        self, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool = False
+        self, items: Sequence[tuple[int, Destination]], verify: bool, check_only: bool = False
     ) -> None:
         """Read chunks into their destinations (exactly raw_len bytes each).
 
@@ -471,9 +444,12 @@ class ChunkReader:
         which spares the engine copying raw chunks into them and un-shuffling; with the
         C engine, a chunk without a content digest then needs no destination (None).
         """
-        groups: dict[int, list[tuple[int, memoryview | None]]] = {}
-        for k, dest in items:
-            groups.setdefault(self.chunks[k].source, []).append((k, dest))
+        groups: dict[int, list[tuple[int, Destination]]] = {}
+        if not self.externals:  # every chunk lies in this file
+            groups = {-1: list(items)} if items else {}
+        else:
+            for k, dest in items:
+                groups.setdefault(self.chunks[k].source, []).append((k, dest))
         for source, group in groups.items():
             fetcher = self._fetcher(source, group[0][0])
             if fetcher is not None:
@@ -497,7 +473,7 @@ class ChunkReader:
         return ch.offset, ch.offset + ch.stored_len + ch.pad
 
     def _read_fetched(
-        self, remote: Fetcher, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool
+        self, remote: Fetcher, items: Sequence[tuple[int, Destination]], verify: bool, check_only: bool
     ) -> None:
         """Read chunks of a remote file window by window: the requests of the next window are
         in flight with those of the one waited for, so the store always has about two windows
@@ -509,7 +485,7 @@ class ChunkReader:
         windows = _request_windows(requests)
         starts = [lo for lo, _ in requests]
         window_of = [i for i, w in enumerate(windows) for _ in w]
-        chunks: list[list[tuple[int, memoryview | None]]] = [[] for _ in windows] or [[]]
+        chunks: list[list[tuple[int, Destination]]] = [[] for _ in windows] or [[]]
         for k, dest in items:
             lo, hi = self._stored_range(k)
             j = bisect.bisect_left(starts, hi) - 1  # the last request before the chunk's end
@@ -531,29 +507,35 @@ class ChunkReader:
                 remote.wait_quietly(futures)
 
     def _read_group(
-        self, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool = False
+        self, items: Sequence[tuple[int, Destination]], verify: bool, check_only: bool = False
     ) -> None:
         """Read chunks that all lie in one file."""
         if not _native.available():
             for k, dest in items:
-                if dest is None:
-                    raise ValueError(f"chunk {k}: reading without a destination needs the C engine")
+                if not isinstance(dest, memoryview):
+                    raise ValueError(f"chunk {k}: reading without a buffer as destination needs the C engine")
                 self.read_chunk(k, dest, verify, None)
             return
-        where = [self._source(k, None) for k, _ in items]
-        fd, file_id = where[0][0], where[0][1]
+        chunks = self.chunks
         data_key = self._data_key or None
-        records = [self.chunks[k] for k, _ in items]
-        if data_key and records[0].source >= 0:  # an encrypted referenced file: its key and tags
-            data_key = self._crypto_of(items[0][0])[0]
-            records = [replace(ch, tag=self._crypto_of(k)[3]) for (k, _), ch in zip(items, records)]
+        if chunks[items[0][0]].source < 0:  # this file: a chunk's number here is its own
+            fd, file_id = self.fd, self.file_id
+            triples = [(k, chunks[k], d) for k, d in items]
+        else:
+            where = [self._source(k, None) for k, _ in items]
+            fd, file_id = where[0][0], where[0][1]
+            records = [chunks[k] for k, _ in items]
+            if data_key:  # an encrypted referenced file: its key and tags
+                data_key = self._crypto_of(items[0][0])[0]
+                records = [ch._replace(tag=self._crypto_of(k)[3]) for (k, _), ch in zip(items, records)]
+            triples = [(number, ch, d) for (_, d), ch, (_, _, number) in zip(items, records, where)]
         # No readahead advice for the whole range here: one POSIX_FADV_WILLNEED for all of
         # it blocks until all of it is queued (cold 1 GiB loads ran at 0.84 GB/s with it).
         # The engine's threads advise a sliding window of chunks ahead of theirs instead.
         status = _native.read_chunks(
             fd,
             file_id,
-            [(number, ch, d) for (_, d), ch, (_, _, number) in zip(items, records, where)],
+            triples,
             verify,
             _native.default_threads(),
             check_only=verify and check_only,
@@ -563,7 +545,7 @@ class ChunkReader:
             raise self._native_error(status, items)
 
     def _native_error(
-        self, status: tuple[int, int, int, int, int], items: Sequence[tuple[int, memoryview | None]]
+        self, status: tuple[int, int, int, int, int], items: Sequence[tuple[int, Destination]]
     ) -> Exception:
         code, err, pos, reason, value = status
         if code == _native.ERR_NOMEM or not 0 <= pos < len(items):
@@ -679,7 +661,7 @@ class ChunkReader:
         while k < n:
             if progress is not None:
                 progress(k, n)
-            items: list[tuple[int, memoryview | None]] = []
+            items: list[tuple[int, Destination]] = []
             pos = 0
             while k < n and (not items or pos + self.chunks[k].raw_len <= window):
                 if self.chunks[k].source not in unusable:
@@ -689,7 +671,7 @@ class ChunkReader:
             yield from self._check_halving(items, unusable)
 
     def _check_halving(
-        self, items: list[tuple[int, memoryview | None]], unusable: set[int]
+        self, items: list[tuple[int, Destination]], unusable: set[int]
     ) -> Iterator[CheckpointError]:
         """Check `items` in one call; where that fails, each half again, down to single chunks.
         A chunk of a referenced file that cannot be used marks that file `unusable`."""

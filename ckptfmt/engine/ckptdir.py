@@ -248,11 +248,11 @@ class CheckpointDir:
                 raise
 
     def fetcher_of(self, fd: int) -> None:
-        """Nothing: a local file's bytes need no fetching (chunkread.References)."""
+        """Nothing: a local file's bytes need no fetching (sources.References)."""
         return None
 
     def release(self, fd: int) -> None:
-        """Close a descriptor open_ref gave (chunkread.References)."""
+        """Close a descriptor open_ref gave (sources.References)."""
         os.close(fd)
 
     # -- lifetime --------------------------------------------------------------------

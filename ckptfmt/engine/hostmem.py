@@ -75,6 +75,17 @@ def empty_bytes(nbytes: int, *, pinned: bool = False, reused: bool = False) -> t
     return out
 
 
+def empty_storage(nbytes: int) -> torch.UntypedStorage:
+    """A CPU storage of `nbytes` uninitialised bytes: one allocation, no tensor, for a small
+    one (a load of many small tensors makes one per tensor); empty_bytes' pages for a large one.
+
+    Raises RuntimeError or MemoryError when the memory cannot be had, as torch.empty does.
+    """
+    if nbytes < MIN_HUGE_BYTES:
+        return torch.UntypedStorage(nbytes)
+    return empty_bytes(nbytes).untyped_storage()
+
+
 #: the environment variable that overrides the host check: auto, on or off
 HUGE_PAGES_ENV = "CKPTFMT_HUGE_PAGES"
 _SETTINGS = ("auto", "on", "off")

@@ -398,7 +398,7 @@ def raise_status(status: Any, path: str, doing: str) -> None:
 def read_chunks(
     fd: int,
     file_id: bytes,
-    items: list[tuple[int, Any, memoryview | None]],
+    items: list[tuple[int, Any, memoryview | int | None]],
     verify: bool,
     threads: int,
     check_only: bool = False,
@@ -406,49 +406,68 @@ def read_chunks(
 ) -> tuple[int, int, int, int, int] | None:
     """Read (chunk number, chunk record, destination) in parallel; None, or the failure's
     (code, errno, position in `items`, reason, value) for the caller to turn into an exception.
-    The chunk number is the one the checksum seed binds in the file at `fd`.  check_only:
-    verify every chunk but leave the destinations' contents undefined (faster: raw chunks
-    are not copied into them, shuffled ones not un-shuffled); a chunk without a content
-    digest then needs no destination (None).  `key`: the data key of an encrypted file
-    (spec section 17): chunks with a tag are decrypted, their tags checked."""
+    The chunk number is the one the checksum seed binds in the file at `fd`.  A destination
+    is a writable buffer of exactly raw_len bytes, or the address (an int) of raw_len bytes
+    of host memory the caller owns and keeps alive for the call (a storage it just allocated:
+    no buffer export per chunk).  check_only: verify every chunk but leave the destinations'
+    contents undefined (faster: raw chunks are not copied into them, shuffled ones not
+    un-shuffled); a chunk without a content digest then needs no destination (None).  `key`:
+    the data key of an encrypted file (spec section 17): chunks with a tag are decrypted,
+    their tags checked."""
     assert lib is not None and ffi is not None
-    n = len(items)
-    arr = ffi.new("ckf_rchunk[]", max(n, 1))
     kbuf = ffi.new("uint8_t[32]", key) if key else ffi.NULL
     keep: list[Any] = []
-    for i, (k, ch, dest) in enumerate(items):
-        if dest is None:
-            if not check_only or ch.digest:
-                _release(keep)
-                raise ValueError(f"chunk {k} needs a destination: it is read or its digest taken")
-            _fill_rchunk(arr[i], k, ch, kbuf)  # dst stays NULL
-            continue
-        buf = ffi.from_buffer("uint8_t[]", dest, require_writable=True)
-        if len(buf) != ch.raw_len:
-            _release(keep + [buf])
-            raise ValueError(f"destination of chunk {k} holds {len(buf)} bytes, the chunk {ch.raw_len}")
-        keep.append(buf)
-        arr[i].dst = buf
-        _fill_rchunk(arr[i], k, ch, kbuf)
-    status = ffi.new("ckf_status *")
-    fid = ffi.new("uint8_t[16]", file_id)
-    mode = 2 if check_only else 1 if verify else 0
-    rc = lib.ckf_read_chunks(fd, fid, arr, n, mode, threads, status)
-    _release(keep)
+    rows = []
+    extras = []  # positions of records with a digest, a signed SHA-256 or a tag
+    cast = ffi.cast
+    try:
+        for i, (k, ch, dest) in enumerate(items):
+            if dest is None:
+                if not check_only or ch.digest:
+                    raise ValueError(f"chunk {k} needs a destination: it is read or its digest taken")
+                dst = ffi.NULL
+            elif type(dest) is int:
+                dst = cast("uint8_t *", dest)
+            else:
+                dst = ffi.from_buffer("uint8_t[]", dest, require_writable=True)
+                keep.append(dst)
+                if len(dst) != ch.raw_len:
+                    raise ValueError(
+                        f"destination of chunk {k} holds {len(dst)} bytes, the chunk {ch.raw_len}"
+                    )
+            # the leading fields of ckf_rchunk, in order: cffi fills the array from these in C
+            rows.append(
+                (
+                    dst,
+                    k,
+                    ch.offset,
+                    ch.stored_len,
+                    ch.raw_len,
+                    ch.checksum,
+                    ch.pad,
+                    ch.codec,
+                    ch.filter,
+                    ch.width,
+                )
+            )
+            if ch.digest or ch.sha or ch.tag:
+                extras.append(i)
+        arr = ffi.new("ckf_rchunk[]", rows or 1)
+        for i in extras:
+            k, ch, _ = items[i]
+            _fill_extras(arr[i], k, ch, kbuf)
+        status = ffi.new("ckf_status *")
+        fid = ffi.new("uint8_t[16]", file_id)
+        mode = 2 if check_only else 1 if verify else 0
+        rc = lib.ckf_read_chunks(fd, fid, arr, len(rows), mode, threads, status)
+    finally:
+        _release(keep)
     return _outcome(rc, status, [k for k, _, _ in items])
 
 
-def _fill_rchunk(c: Any, k: int, ch: Any, key: Any = None) -> None:
+def _fill_extras(c: Any, k: int, ch: Any, key: Any = None) -> None:
+    """The optional fields of a chunk's engine record: content digest, signed SHA-256, GCM tag."""
     assert ffi is not None
-    c.index = k
-    c.offset = ch.offset
-    c.stored_len = ch.stored_len
-    c.raw_len = ch.raw_len
-    c.checksum = ch.checksum
-    c.pad = ch.pad
-    c.codec = ch.codec
-    c.filter = ch.filter
-    c.width = ch.width
     if ch.digest:  # files with content digests (feature bit 0)
         c.has_digest = 1
         ffi.memmove(c.digest, ch.digest, 16)
@@ -480,9 +499,25 @@ def check_mapped(
     e.g. an mmap), in parallel; None, or the failure as read_chunks reports it."""
     assert lib is not None and ffi is not None
     n = len(items)
-    arr = ffi.new("ckf_rchunk[]", max(n, 1))
+    rows = [
+        (
+            ffi.NULL,
+            k,
+            ch.offset,
+            ch.stored_len,
+            ch.raw_len,
+            ch.checksum,
+            ch.pad,
+            ch.codec,
+            ch.filter,
+            ch.width,
+        )
+        for k, ch in items
+    ]
+    arr = ffi.new("ckf_rchunk[]", rows or 1)
     for i, (k, ch) in enumerate(items):
-        _fill_rchunk(arr[i], k, ch)
+        if ch.digest or ch.sha or ch.tag:
+            _fill_extras(arr[i], k, ch)
     status = ffi.new("ckf_status *")
     fid = ffi.new("uint8_t[16]", file_id)
     src = ffi.from_buffer("uint8_t[]", mapping)

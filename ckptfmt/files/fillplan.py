@@ -62,7 +62,9 @@ class Strided:
 class Plan:
     """Where each chunk the targets need goes, and which values are replaced instead."""
 
-    direct: list[tuple[int, memoryview]] = field(default_factory=list)  # chunk -> its place in a target
+    #: chunk -> its place in a target: a byte view, or (for a file whose chunks are not copied
+    #: through the bounce buffer: unsigned, unencrypted) its address (native.read_chunks)
+    direct: list[tuple[int, memoryview | int]] = field(default_factory=list)
     direct_owners: list[list[str]] = field(default_factory=list)  # per direct entry: the keys it writes
     pieces: list[Piece] = field(default_factory=list)
     strided: list[Strided] = field(default_factory=list)
@@ -119,6 +121,8 @@ def _dense(shape: list[int], stride: list[int]) -> bool:
 
 def _same_bytes(value: torch.Tensor, m: dict[str, Any]) -> bool:
     """The target's memory is the file tensor's byte range, byte for byte."""
+    if value.is_contiguous() and tuple(m["stride"]) == value.stride():  # the common case, at once
+        return not value.is_neg() and value.is_conj() == m["conj"]
     return (
         not value.is_neg()
         and value.is_conj() == bool(m["conj"])
@@ -133,6 +137,9 @@ def make_plan(f: CheckpointFile, targets: list[Target], in_file: dict[str, int],
     cs = f.chunk_size
     seen: dict[tuple[Any, ...], str] = {}
     direct_seen: dict[tuple[int, int], int] = {}  # (chunk, address) -> its entry in plan.direct
+    # chunks read straight into a target go by address, except where the engine is missing or
+    # write_targets copies them from the bounce buffer (signed or encrypted files)
+    by_address = _native.available() and not (f.signed or f.encrypted)
     for key, container, ckey, value in targets:
         i = in_file.get(key)
         if i is None:
@@ -172,22 +179,27 @@ def make_plan(f: CheckpointFile, targets: list[Target], in_file: dict[str, int],
         if _same_bytes(value, m):
             lo = m["offset"] * size
             hi = lo + value.numel() * size
-            raw = bytesview.elements_as_uint8(value)
-            view = bytesview.tensor_bytes(raw) if value.device.type == "cpu" else None
+            on_cpu = value.device.type == "cpu"
+            raw = None if on_cpu and by_address else bytesview.elements_as_uint8(value)
+            view = bytesview.tensor_bytes(raw) if on_cpu and raw is not None else None
+            base = value.data_ptr()  # the first byte of the target's elements
             for j in range(lo // cs, (hi - 1) // cs + 1):
                 k = rec.first_chunk + j
                 c0 = j * cs
                 c1 = c0 + f.chunks[k].raw_len
                 a, b = max(lo, c0), min(hi, c1)
-                if view is not None and (a, b) == (c0, c1):
-                    where = (k, raw.data_ptr() + c0 - lo)
+                if on_cpu and (a, b) == (c0, c1):
+                    where = (k, base + c0 - lo)
                     if where in direct_seen:  # another target reads it into this memory
                         plan.direct_owners[direct_seen[where]].append(key)
                     else:
                         direct_seen[where] = len(plan.direct)
-                        plan.direct.append((k, view[c0 - lo : c1 - lo]))
+                        # the engine writes raw_len bytes there, all inside the target's elements
+                        plan.direct.append((k, where[1] if view is None else view[c0 - lo : c1 - lo]))
                         plan.direct_owners.append([key])
                 else:
+                    if raw is None:
+                        raw = bytesview.elements_as_uint8(value)
                     plan.pieces.append(Piece(k, a - c0, b - c0, raw[a - lo : b - lo], key))
         else:
             lo = m["offset"] * size

@@ -72,7 +72,9 @@ def write_targets(
             done += len(items)
             plan.touch(touched, _owners(plan, entries))
             for i, (_, src) in zip(entries, items):
-                plan.direct[i][1][:] = src
+                dest = plan.direct[i][1]
+                assert isinstance(dest, memoryview)  # make_plan gives views for these files
+                dest[:] = src
     else:
         for batch in _direct_batches(f, plan):
             plan.touch(touched, _owners(plan, batch))

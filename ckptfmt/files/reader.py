@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..engine import native as _native
-from ..engine.chunkread import ChunkReader, References
+from ..engine.chunkread import ChunkReader, Destination
 from ..engine.ckptdir import CheckpointDir
+from ..engine.sources import References
 from ..errors import (
     CheckpointError,
     CorruptError,
@@ -229,7 +230,7 @@ class CheckpointFile:
     # -- chunk reads (chunkread.ChunkReader) ----------------------------------
 
     def read_into(
-        self, items: Sequence[tuple[int, memoryview | None]], verify: bool, check_only: bool = False
+        self, items: Sequence[tuple[int, Destination]], verify: bool, check_only: bool = False
     ) -> None:
         """Read chunks into their destinations (exactly raw_len bytes each), checked: ChunkReader.read_into.
         A file opened with trusted keys is always verified."""
@@ -258,11 +259,27 @@ class CheckpointFile:
         try:
             return hostmem.empty_bytes(nbytes)
         except (RuntimeError, MemoryError) as e:
-            raise LimitError(
-                f"cannot allocate {nbytes} bytes for this storage: {str(e)[:100]}",
-                path=self.path,
-                key=key if sid is None else self.storages[sid].key,
-            ) from e
+            raise self._alloc_error(nbytes, key if sid is None else self.storages[sid].key, e) from e
+
+    def _alloc_error(self, nbytes: int, key: str, e: BaseException) -> LimitError:
+        return LimitError(
+            f"cannot allocate {nbytes} bytes for this storage: {str(e)[:100]}", path=self.path, key=key
+        )
+
+    def _alloc_storages(self, sids: list[int]) -> dict[int, torch.UntypedStorage]:
+        """A fresh CPU storage for each of `sids` (one allocation each, no tensor); LimitError
+        naming the storage's key if one fails."""
+        from ..engine import hostmem
+
+        out = {}
+        empty = hostmem.empty_storage
+        for sid in sids:
+            nbytes = self.storages[sid].nbytes
+            try:
+                out[sid] = empty(nbytes)
+            except (RuntimeError, MemoryError) as e:
+                raise self._alloc_error(nbytes, self.storages[sid].key, e) from e
+        return out
 
     def _chunk_views(
         self, sid: int, flat: torch.Tensor, first: int = 0, count: int | None = None
@@ -283,10 +300,39 @@ class CheckpointFile:
 
     def read_storages(self, sids: list[int], verify: bool) -> dict[int, torch.UntypedStorage]:
         """CPU storages for `sids`, all their chunks read (in parallel) and checked."""
-        flats = {sid: self._alloc(self.storages[sid].nbytes, "", sid=sid) for sid in sids}
-        items = [it for sid in sids for it in self._chunk_views(sid, flats[sid])]
-        self.read_into(items, verify)
-        return {sid: flat.untyped_storage() for sid, flat in flats.items()}
+        storages = self._alloc_storages(sids)
+        self.read_into(self._destinations(sids, storages), verify)
+        return storages
+
+    def _destinations(
+        self, sids: list[int], storages: dict[int, torch.UntypedStorage]
+    ) -> list[tuple[int, Destination]]:
+        """(chunk, destination) for every chunk of `sids`, placed in order in their storages.
+        With the C engine a destination is the address of the chunk's place: the engine writes
+        there directly, without a buffer export per chunk (many small storages make many);
+        each storage holds exactly its chunks' raw bytes (index.py checks every raw length
+        against the storage's size), and `storages` keeps them alive for the read."""
+        chunks = self.chunks
+        records = self.storages
+        out: list[tuple[int, Destination]] = []
+        if not _native.available():
+            from ..engine import bytesview
+
+            for sid in sids:
+                out.extend(self._chunk_views(sid, bytesview.storage_as_uint8(storages[sid])))
+            return out
+        for sid in sids:
+            rec = records[sid]
+            if not rec.n_chunks:
+                continue
+            addr = storages[sid].data_ptr()
+            if rec.n_chunks == 1:
+                out.append((rec.first_chunk, addr))
+                continue
+            for k in range(rec.first_chunk, rec.first_chunk + rec.n_chunks):
+                out.append((k, addr))
+                addr += chunks[k].raw_len
+        return out
 
     def read_storage(self, sid: int, verify: bool) -> torch.UntypedStorage:
         return self.read_storages([sid], verify)[sid]
@@ -389,7 +435,10 @@ class CheckpointFile:
             )
         if use_mmap and self.remote:
             raise ValueError(f"{self.path}: mmap=True needs a local file; an object is read into memory")
-        needed = tree.storages_under(self.tree, top)
+        # every storage is used by some node of the tree (validate.py): the root needs them all
+        needed = (
+            list(range(len(self.storages))) if top == self.tree.root else tree.storages_under(self.tree, top)
+        )
         if not needed:  # plain values (a commit record, a resume entry): no torch needed
             return decode(self.tree, top, {}.__getitem__, self.path)  # type: ignore[arg-type]
         import torch
@@ -400,20 +449,25 @@ class CheckpointFile:
         host: list[int] = []  # read onto the CPU
         callable_: list[int] = []  # read onto the CPU, then handed to map_location
         on_device: dict[torch.device, list[int]] = {}
+        targets: dict[str, torch.device | None] = {}  # by saved device: the same for each storage
+        cpu = not _force_staging()
         for sid in needed:
             rec = self.storages[sid]
             if rec.kind == "ndarray":  # numpy arrays always live on the CPU
                 host.append(sid)
                 continue
-            try:
-                target = devices.planned_device(map_location, rec.device)
-            except devices.DeviceError as e:
-                raise self._device_error(sid, e) from None
+            if rec.device in targets:
+                target = targets[rec.device]
+            else:
+                try:
+                    target = targets[rec.device] = devices.planned_device(map_location, rec.device)
+                except devices.DeviceError as e:
+                    raise self._device_error(sid, e) from None
             if target is None:
                 callable_.append(sid)
             elif target.type == "meta":
                 loaded[sid] = torch.UntypedStorage(rec.nbytes, device="meta")
-            elif target.type == "cpu" and not _force_staging():
+            elif cpu and target.type == "cpu":
                 host.append(sid)
             else:
                 on_device.setdefault(target, []).append(sid)

@@ -116,7 +116,7 @@ def check(index: Index, trusted: frozenset[bytes], path: str) -> Index:
     check_signature(
         trusted, path, index.prologue, index.footer, index.index_sha256, block, index.encryption_sha256
     )
-    chunks = [dataclasses.replace(ch, sha=block.digest_of(k)) for k, ch in enumerate(index.chunks)]
+    chunks = [ch._replace(sha=block.digest_of(k)) for k, ch in enumerate(index.chunks)]
     return dataclasses.replace(index, chunks=chunks)
 
 

@@ -72,9 +72,13 @@ def file_items(f: CheckpointFile, i: int, prefix: str) -> Iterator[tuple[str, in
     """(dotted key, node) for every leaf under node i of the file's tree."""
     node = f.tree.nodes[i]
     if node[0] in ("dict", "odict"):
+        nodes = f.tree.nodes
         for k, v in node[1]:
-            key = decode_key(f.tree, k, f.path)
-            yield from file_items(f, v, _join(prefix, key))
+            key = nodes[k][1] if nodes[k][0] == "str" else decode_key(f.tree, k, f.path)
+            if nodes[v][0] == "tensor":  # a leaf: no generator of its own
+                yield _join(prefix, key), v
+            else:
+                yield from file_items(f, v, _join(prefix, key))
     elif node[0] in ("list", "tuple"):
         for n, j in enumerate(node[1]):
             yield from file_items(f, j, _join(prefix, n))
@@ -99,7 +103,8 @@ def _tensor_problem(key: str, value: torch.Tensor, node: list[Any], container: A
         if isinstance(container, tuple):
             return f"{key}: a meta tensor inside a tuple cannot be replaced"
         return None
-    if value.numel() > 1 and torch._debug_has_internal_overlap(value) == 1:
+    # a contiguous tensor's elements never share memory: the overlap check only for the others
+    if value.numel() > 1 and not value.is_contiguous() and torch._debug_has_internal_overlap(value) == 1:
         return f"{key}: several elements of the target share memory (an expanded tensor?)"
     return None
 

@@ -57,6 +57,11 @@ class _Builder:
     def build(self, i: int) -> object:
         node = self.nodes[i]
         kind = node[0]
+        # the commonest kinds first (the order only saves comparisons)
+        if kind == "tensor":
+            return _build_tensor(node[1], self.storage)
+        if kind == "str":
+            return node[1]
         if kind == "none":
             return None
         if kind == "bool":
@@ -67,8 +72,6 @@ class _Builder:
             return float_value(node[1])
         if kind == "complex":
             return complex(float_value(node[1]), float_value(node[2]))
-        if kind == "str":
-            return node[1]
         if kind == "bytes":
             return base64.b64decode(node[1])
         if kind == "list":
@@ -77,8 +80,10 @@ class _Builder:
             return tuple(self.build(j) for j in node[1])
         if kind in ("dict", "odict"):
             d: dict[Any, Any] = {} if kind == "dict" else collections.OrderedDict()
+            nodes = self.nodes
             for k, v in node[1]:  # keys validated: hashable and distinct
-                d[self.build(k)] = self.build(v)
+                key = nodes[k]
+                d[key[1] if key[0] == "str" else self.build(k)] = self.build(v)
             if kind == "odict" and node[2] is not None:
                 d._metadata = self.build(node[2])  # type: ignore[attr-defined]
             return d
@@ -90,8 +95,6 @@ class _Builder:
             import torch
 
             return torch.Size(int(d, 16) for d in node[1])
-        if kind == "tensor":
-            return _build_tensor(node[1], self.storage)
         if kind == "ndarray":
             return _build_ndarray(node[1], self.storage)
         if kind == "npscalar":

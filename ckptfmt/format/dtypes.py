@@ -48,6 +48,9 @@ _TORCH_TABLE: dict[str, tuple[str, int, int]] = {
     "uint64": ("uint64", 8, 8),
 }
 
+#: name -> itemsize of every tensor dtype of the format (one lookup checks a name and sizes it)
+TENSOR_ITEMSIZES: dict[str, int] = {key: size for key, (_, size, _) in _TORCH_TABLE.items()}
+
 if TYPE_CHECKING:
     #: name -> torch dtype, for the names the installed torch has (built on first use: __getattr__)
     TORCH_DTYPES: dict[str, torch.dtype]

@@ -52,6 +52,7 @@ _KINDS = {
     )
 }
 _TENSOR_FIELDS = ("dtype", "shape", "stride", "offset", "storage", "requires_grad", "param", "conj")
+_TENSOR_KEYS = frozenset(_TENSOR_FIELDS)
 _ARRAY_FIELDS = ("dtype", "shape", "order", "storage")
 #: longest base64 text of a bytes value within the limit
 _MAX_B64 = 4 * -(-Limits.MAX_STRING_BYTES // 3)
@@ -86,7 +87,7 @@ class Check:
     def str_(self, v: object, what: str) -> str:
         if type(v) is not str:
             raise self.fail(f"{what} is not a string")
-        if over_string_limit(v):
+        if len(v) > Limits.MAX_STRING_BYTES // 4 and over_string_limit(v):  # shorter: within it, unmeasured
             raise self.fail(f"{what} is longer than {Limits.MAX_STRING_BYTES} bytes", limit=True)
         return v
 
@@ -129,7 +130,12 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
         node[0] = kind
         deepest = -1  # deepest child
         n = len(node)
-        if kind == "none":
+        # the commonest kinds first (the order only saves comparisons)
+        if kind == "tensor":
+            ok = n == 2 and _check_tensor(c, i, node[1], storages)
+        elif kind == "str":
+            ok = n == 2 and c.str_(node[1], f"node {i}") is not None
+        elif kind == "none":
             ok = n == 1
         elif kind == "bool":
             ok = n == 2 and type(node[1]) is bool
@@ -144,8 +150,6 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
             ok = n == 2 and type(node[1]) is str and _FLOAT_RE.fullmatch(node[1]) is not None
         elif kind == "complex":
             ok = n == 3 and all(type(x) is str and _FLOAT_RE.fullmatch(x) for x in node[1:])
-        elif kind == "str":
-            ok = n == 2 and c.str_(node[1], f"node {i}") is not None
         elif kind == "bytes":
             ok = n == 2 and type(node[1]) is str
             if ok and len(node[1]) > _MAX_B64:
@@ -163,7 +167,8 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
                     if type(pair) is not list or len(pair) != 2:
                         raise c.fail(f"node {i} has an entry that is not a [key, value] pair")
                     deepest = max(deepest, child(i, pair[0], 2 * e), child(i, pair[1], 2 * e + 1))
-                    _check_key(c, nodes, i, pair[0])
+                    if nodes[pair[0]][0] != "str":  # a str node is a key
+                        _check_key(c, nodes, i, pair[0])
                 if kind == "odict" and node[2] is not None:
                     deepest = max(deepest, child(i, node[2], -1))
                     if nodes[node[2]][0] not in ("dict", "odict"):
@@ -192,8 +197,6 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
                     for d in node[1]
                 )
             )
-        elif kind == "tensor":
-            ok = n == 2 and _check_tensor(c, i, node[1], storages)
         elif kind == "ndarray":
             ok = n == 2 and _check_ndarray(c, i, node[1], storages)
         else:  # npscalar
@@ -259,7 +262,8 @@ def _check_keys(c: Check, nodes: list[list[Any]], i: int, pairs: list[list[int]]
     seen: set[object] = set()
     counts: dict[int, int] | None = {} if len(pairs) > Limits.MAX_KEY_COLLISIONS else None
     for pair in pairs:
-        key = key_value(c, nodes, pair[0])
+        node = nodes[pair[0]]
+        key = node[1] if node[0] == "str" else key_value(c, nodes, pair[0])
         if counts is not None:
             h = hash(key)
             n = counts.get(h, 0) + 1
@@ -309,7 +313,8 @@ def _shape(c: Check, i: int, v: object, what: str) -> list[int]:
     if len(dims) > Limits.MAX_RANK:
         raise c.fail(f"node {i} has rank {len(dims)}, above the limit {Limits.MAX_RANK}", limit=True)
     for d in dims:
-        c.bounded_int(d, f"node {i} {what} entry", Limits.MAX_NUMEL)
+        if type(d) is not int or not 0 <= d <= Limits.MAX_NUMEL:
+            c.bounded_int(d, f"node {i} {what} entry", Limits.MAX_NUMEL)  # raises, naming the entry
     return dims
 
 
@@ -330,7 +335,8 @@ def _fields(c: Check, i: int, meta: object, names: tuple[str, ...]) -> dict[str,
 
 
 def _use_storage(c: Check, i: int, sid: object, storages: list[StorageRecord], kind: str) -> StorageRecord:
-    sid = c.int_(sid, f"node {i} storage", 0, len(storages) - 1)
+    if type(sid) is not int or not 0 <= sid < len(storages):
+        sid = c.int_(sid, f"node {i} storage", 0, len(storages) - 1)  # raises
     rec = storages[sid]
     if rec.kind and (kind == "ndarray" or rec.kind != kind):
         raise c.fail(f"storage {sid} is used by node {i} and by another {rec.kind}")
@@ -341,28 +347,40 @@ def _use_storage(c: Check, i: int, sid: object, storages: list[StorageRecord], k
 
 
 def _check_tensor(c: Check, i: int, meta: object, storages: list[StorageRecord]) -> bool:
-    m = _fields(c, i, meta, _TENSOR_FIELDS)
+    if type(meta) is not dict or meta.keys() != _TENSOR_KEYS:
+        _fields(c, i, meta, _TENSOR_FIELDS)  # raises
+    m: dict[str, Any] = meta  # type: ignore[assignment]
     name = m["dtype"]
     if type(name) is not str:
         raise c.fail(f"node {i} has dtype {short_repr(name, 40)}, not a string")
-    if not dtypes.is_tensor_dtype(name):
+    itemsize = dtypes.TENSOR_ITEMSIZES.get(name)
+    if itemsize is None:
         raise c.unsupported(f"node {i} has dtype {short_repr(name, 40)}, unknown to this reader")
     shape = _shape(c, i, m["shape"], "shape")
     stride = _shape(c, i, m["stride"], "stride")
     if len(stride) != len(shape):
         raise c.fail(f"node {i} has {len(shape)} dimensions but {len(stride)} strides")
-    offset = c.bounded_int(m["offset"], f"node {i} offset", Limits.MAX_STORAGE_BYTES)
+    offset = m["offset"]
+    if type(offset) is not int or not 0 <= offset <= Limits.MAX_STORAGE_BYTES:
+        c.bounded_int(offset, f"node {i} offset", Limits.MAX_STORAGE_BYTES)  # raises
     rec = _use_storage(c, i, m["storage"], storages, "tensor")
-    for f in ("requires_grad", "param", "conj"):
-        if type(m[f]) is not bool:
-            raise c.fail(f"node {i} field {f} is not a boolean")
-    if m["requires_grad"] and not (dtypes.is_floating_point(name) or dtypes.is_complex(name)):
+    requires_grad, conj = m["requires_grad"], m["conj"]
+    if type(requires_grad) is not bool or type(m["param"]) is not bool or type(conj) is not bool:
+        for f in ("requires_grad", "param", "conj"):
+            if type(m[f]) is not bool:
+                raise c.fail(f"node {i} field {f} is not a boolean")
+    if requires_grad and not (dtypes.is_floating_point(name) or dtypes.is_complex(name)):
         raise c.fail(f"node {i} asks for requires_grad on a {name} tensor")
-    if m["conj"] and not dtypes.is_complex(name):
+    if conj and not dtypes.is_complex(name):
         raise c.fail(f"node {i} is a conjugate view of a {name} tensor")
-    itemsize = dtypes.torch_itemsize(name)
-    numel = _numel(c, i, shape)
-    extent = offset + (sum((d - 1) * s for d, s in zip(shape, stride)) + 1 if numel else 0)
+    numel = 1
+    last = offset  # the element furthest into the storage
+    for d, step in zip(shape, stride):
+        numel *= d
+        last += (d - 1) * step
+    if numel > Limits.MAX_NUMEL:
+        raise c.fail(f"node {i} has {numel} elements, above the limit {Limits.MAX_NUMEL}", limit=True)
+    extent = last + 1 if numel else offset
     if extent * itemsize > rec.nbytes:
         raise c.fail(f"node {i} reaches byte {extent * itemsize} of a storage of {rec.nbytes} bytes")
     return True

@@ -1,0 +1,44 @@
+"""Where a chunk reader's bytes come from, besides a local file: the two protocols that
+`chunkread.ChunkReader` reads through.  A `Fetcher` brings a remote object's byte ranges
+into the spool the reader's descriptor reads (storage/download.py's RemoteObject); a
+`References` opens the files a file's external chunks lie in (spec 12.3): a
+`ckptdir.CheckpointDir`, or the prefix of an object on a store (storage/references.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Protocol
+
+
+class Fetcher(Protocol):
+    """A remote object's bytes on demand (storage/download.py's RemoteObject): the chunk
+    reader's descriptor is a spool that holds only what `start` has fetched into it."""
+
+    def plan(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The requests `start` would make for `ranges` (sorted; bytes held left out)."""
+
+    def start(self, ranges: Sequence[tuple[int, int]]) -> list[Future[None]]: ...
+
+    def wait(self, futures: Sequence[Future[None]]) -> None: ...
+
+    def wait_quietly(self, futures: Sequence[Future[None]]) -> None: ...
+
+    def release(self, ranges: Sequence[tuple[int, int]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class References(Protocol):
+    """Where a file's reference paths are opened (spec 12.3): a CheckpointDir, or the prefix
+    of an object on a store (storage/references.py), whose objects' bytes a Fetcher brings."""
+
+    def open_ref(self, relpath: str) -> int: ...
+
+    def fetcher_of(self, fd: int) -> Fetcher | None: ...
+
+    def release(self, fd: int) -> None:
+        """Close descriptor `fd` that open_ref gave, with what it holds."""
+
+    def close(self) -> None: ...

@@ -1,0 +1,110 @@
+"""Loads of many small tensors: what each tensor costs, and that nothing is skipped for it.
+
+A state of thousands of 4 KiB tensors (MoE experts, per-parameter optimizer states, LoRA
+adapters) is dominated by the work done per tensor, not per byte.  These tests pin down the
+per-tensor work that was removed (a uint8 tensor, a numpy-backed byte view and a buffer
+export per storage on load, and per target on load_into; a first load importing the
+writer's and the manager's modules) while the values, the sharing of storages and every
+check stay as they were.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import assert_same, read_bytes, write_bytes
+
+import ckptfmt
+from ckptfmt.engine import bytesview, hostmem
+
+N = 2000
+
+
+@pytest.fixture(scope="module")
+def small_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    state = {f"layers.{i // 64}.experts.{i % 64}.w": torch.randn(8, 8, generator=g) for i in range(N)}
+    state["tied"] = state["layers.0.experts.0.w"]  # a storage shared by two entries stays shared
+    return state
+
+
+@pytest.fixture
+def small_file(tmp_path, small_state) -> str:
+    path = str(tmp_path / "small.ckpt")
+    ckptfmt.save(small_state, path)
+    return path
+
+
+@pytest.fixture
+def byte_views(monkeypatch) -> dict[str, int]:
+    """Counts of the per-storage helpers a load used to call once per tensor."""
+    counts = {"tensor_bytes": 0, "empty_bytes": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(bytesview, "tensor_bytes", counted("tensor_bytes", bytesview.tensor_bytes))
+    monkeypatch.setattr(hostmem, "empty_bytes", counted("empty_bytes", hostmem.empty_bytes))
+    return counts
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_load_makes_no_byte_view_per_storage(small_file, small_state, byte_views, mmap):
+    loaded = ckptfmt.load(small_file, mmap=mmap)
+    assert_same(loaded, small_state)
+    assert (
+        loaded["tied"].untyped_storage().data_ptr()
+        == loaded["layers.0.experts.0.w"].untyped_storage().data_ptr()
+    )
+    # each storage is its own allocation, written by the engine where it lies
+    assert byte_views == {"tensor_bytes": 0, "empty_bytes": 0}
+
+
+def test_load_into_makes_no_byte_view_per_target(small_file, small_state, byte_views):
+    targets = {k: torch.zeros_like(v) for k, v in small_state.items() if k != "tied"}
+    targets["tied"] = targets["layers.0.experts.0.w"]
+    report = ckptfmt.load_into(small_file, targets)
+    assert report.missing_keys == [] and report.unexpected_keys == []
+    assert_same(targets, small_state)
+    # the verification pass reads through one bounce buffer: one view, not one per target
+    assert byte_views["tensor_bytes"] <= 2
+
+
+def test_damaged_small_chunk_is_still_found(small_file, small_state):
+    """The short paths check what the long ones did: a flipped byte in any tensor is refused."""
+    data = read_bytes(small_file)
+    data[64 + 256 * 1000 + 17] ^= 1  # inside the bytes of a tensor in the middle (256 bytes each)
+    write_bytes(small_file, data)
+    with pytest.raises(ckptfmt.CorruptError, match="checksum mismatch"):
+        ckptfmt.load(small_file)
+    with pytest.raises(ckptfmt.CorruptError, match="checksum mismatch"):
+        ckptfmt.load(small_file, mmap=True)
+    targets = {k: torch.zeros_like(v) for k, v in small_state.items()}
+    with pytest.raises(ckptfmt.CorruptError, match="checksum mismatch"):
+        ckptfmt.load_into(small_file, targets)
+    assert all(not t.any() for t in targets.values())  # atomic: nothing written
+
+
+def test_first_load_imports_neither_writer_nor_manager(small_file):
+    """A resume's first load in a fresh process waits only for the modules a load needs."""
+    code = (
+        "import sys, ckptfmt\n"
+        f"ckptfmt.load({small_file!r})\n"
+        "print(sorted(m for m in ('ckptfmt.files.save', 'ckptfmt.runs.manager', 'ckptfmt.engine.chunkwrite',"
+        " 'ckptfmt.background.copysave') if m in sys.modules))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "[]"
+    # and every public name is still there when asked for
+    code = "import ckptfmt\nprint(all(getattr(ckptfmt, n) is not None for n in ckptfmt.__all__))\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "True"
