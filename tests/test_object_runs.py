@@ -104,10 +104,15 @@ def _run_of_three(s3_faults) -> ckptfmt.CheckpointManager:
 
 def test_listing_a_run_reads_each_commit_record_with_one_get(s3_faults):
     m = _run_of_three(s3_faults)
+    m = ckptfmt.CheckpointManager(m.directory, storage_options=m.run.options)  # another process's
     s3_faults.clear_counts()
     assert [s.step for s in m.statuses() if s.info is not None] == [1, 2, 3]
     assert s3_faults.count("GET", "COMMIT") == 3
     assert s3_faults.count("HEAD") == 0
+    # listed again unchanged (records are create-only): known, not read again
+    s3_faults.clear_counts()
+    assert [s.step for s in m.statuses() if s.info is not None] == [1, 2, 3]
+    assert s3_faults.count("GET", "COMMIT") == 0
     # a connection dropped in the middle of a record's body is tried again
     s3_faults.clear_counts()
     s3_faults.reset_on("GET", "step-000000002/COMMIT", download_bytes=100)
@@ -141,6 +146,7 @@ def test_an_oversized_commit_record_on_the_store_is_refused_before_it_is_read(s3
     from ckptfmt.files import multifile
 
     m = _run_of_three(s3_faults)
+    m = ckptfmt.CheckpointManager(m.directory, storage_options=m.run.options)  # reads afresh
     monkeypatch.setattr(multifile, "MAX_RECORD_BYTES", 100)
     s3_faults.clear_counts()
     with pytest.raises(ckptfmt.LimitError, match="the commit record is .* bytes, above the limit 100") as e:

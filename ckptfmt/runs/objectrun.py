@@ -50,6 +50,8 @@ MAX_STATUS_RECORDS = 1024
 #: written by an archiver before anything else it writes into a step's prefix and deleted
 #: after the step's commit record (or the step) is; see remove_interrupted_copies
 COPY_MARKER = "ARCHIVING."
+#: commit records an ObjectRun keeps as read (statuses() reads at most MAX_STATUS_RECORDS)
+MAX_KNOWN_RECORDS = 4096
 
 
 def copy_marker() -> str:
@@ -100,6 +102,11 @@ class ObjectRun:
         self.trusted = trusted
         self.path = str(self.url).rstrip("/")
         self.options = check_options(storage_options)
+        # commit records read (or refused) by this run's statuses, by the step and the record's
+        # size and time as listed: a record is create-only, so one listed again the same is
+        # the same; the archiver lists and judges the archive several times per copy
+        self._records: dict[tuple[int, int, datetime.datetime], multifile.CommitRecord | CheckpointError] = {}
+        self._records_lock = threading.Lock()  # the archive thread and the caller's share a run
 
     def __repr__(self) -> str:
         return f"ObjectRun({self.path!r})"
@@ -206,7 +213,7 @@ class ObjectRun:
         names: dict[str, tuple[int, datetime.datetime | None]],
         found: dict[int, dict[str, tuple[int, datetime.datetime | None]]],
     ) -> CheckpointInfo:
-        record = self.record(step, names[multifile.COMMIT_NAME][0])
+        record = self._listed_record(step, names[multifile.COMMIT_NAME])
         path = self.step_path(step)
         for part in record.files:
             _check_listed(names.get(part.name), part, path)
@@ -224,6 +231,32 @@ class ObjectRun:
             references=tuple(self._reference_url(ref.name) for ref in record.references),
             layout=record.layout,
         )
+
+    def _listed_record(
+        self, step: int, listed: tuple[int, datetime.datetime | None]
+    ) -> multifile.CommitRecord:
+        """Step `step`'s commit record as `listed` (size, last written): read once, then known
+        while the listing shows it unchanged (refused ones too: junk is not read again)."""
+        size, when = listed
+        if when is None:
+            return self.record(step, size)
+        key = (step, size, when)
+        with self._records_lock:
+            known = self._records.get(key)
+        if known is None:
+            try:
+                known = self.record(step, size)
+            except StorageError:  # the store failed, not the record: asked again next time
+                raise
+            except CheckpointError as e:
+                known = e
+            with self._records_lock:
+                self._records[key] = known
+                while len(self._records) > MAX_KNOWN_RECORDS:
+                    del self._records[next(iter(self._records))]
+        if isinstance(known, CheckpointError):
+            raise known
+        return known
 
     def reference_url(self, name: str) -> str:
         """The URL of the object a commit record's reference ``../step-N/NAME`` names."""
