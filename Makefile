@@ -61,7 +61,7 @@ bench-incremental:
 # tests that reach C (engine, non-blocking saves, corpus, corruption) run against it
 ASAN_LIB = $(shell gcc -print-file-name=libasan.so)
 PYABS = $(if $(findstring /,$(PY)),$(abspath $(PY)),$(shell command -v $(PY)))
-ASAN_TESTS = tests/test_engine.py tests/test_nonblocking.py tests/test_reader.py tests/test_hostile.py tests/test_corruption.py tests/test_incremental.py tests/test_forksave.py tests/test_signing.py tests/test_encryption.py
+ASAN_TESTS = tests/test_engine.py tests/test_nonblocking.py tests/test_reader.py tests/test_small_tensors.py tests/test_load_into.py tests/test_hostile.py tests/test_corruption.py tests/test_incremental.py tests/test_forksave.py tests/test_signing.py tests/test_encryption.py
 asan:
 	rm -rf build/asan && mkdir -p build/asan/pkg
 	cp -r ckptfmt build/asan/pkg/ && rm -f build/asan/pkg/ckptfmt/*.so

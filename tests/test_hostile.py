@@ -23,6 +23,9 @@ _RUNNER = r"""
 import json, os, resource, sys, time
 import ckptfmt
 from ckptfmt import verify
+# what a load imports (torch among it), before the cap: the cap bounds what a file costs
+import torch
+import ckptfmt.files.load, ckptfmt.files.reader
 soft = 0
 with open("/proc/self/statm") as f:
     vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
