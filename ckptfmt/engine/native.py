@@ -435,21 +435,7 @@ def read_chunks(
                     raise ValueError(
                         f"destination of chunk {k} holds {len(dst)} bytes, the chunk {ch.raw_len}"
                     )
-            # the leading fields of ckf_rchunk, in order: cffi fills the array from these in C
-            rows.append(
-                (
-                    dst,
-                    k,
-                    ch.offset,
-                    ch.stored_len,
-                    ch.raw_len,
-                    ch.checksum,
-                    ch.pad,
-                    ch.codec,
-                    ch.filter,
-                    ch.width,
-                )
-            )
+            rows.append(_rchunk_row(dst, k, ch))
             if ch.digest or ch.sha or ch.tag:
                 extras.append(i)
         arr = ffi.new("ckf_rchunk[]", rows or 1)
@@ -499,21 +485,7 @@ def check_mapped(
     e.g. an mmap), in parallel; None, or the failure as read_chunks reports it."""
     assert lib is not None and ffi is not None
     n = len(items)
-    rows = [
-        (
-            ffi.NULL,
-            k,
-            ch.offset,
-            ch.stored_len,
-            ch.raw_len,
-            ch.checksum,
-            ch.pad,
-            ch.codec,
-            ch.filter,
-            ch.width,
-        )
-        for k, ch in items
-    ]
+    rows = [_rchunk_row(ffi.NULL, k, ch) for k, ch in items]
     arr = ffi.new("ckf_rchunk[]", rows or 1)
     for i, (k, ch) in enumerate(items):
         if ch.digest or ch.sha or ch.tag:
@@ -586,3 +558,8 @@ __all__ = [
     "write_chunks",
     "zstd_compress",
 ]
+
+
+def _rchunk_row(dst: Any, k: int, ch: Any) -> tuple[Any, ...]:
+    """The leading fields of a ckf_rchunk, in order: cffi fills the array from these in C."""
+    return (dst, k, ch.offset, ch.stored_len, ch.raw_len, ch.checksum, ch.pad, ch.codec, ch.filter, ch.width)
