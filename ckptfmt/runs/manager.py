@@ -521,7 +521,8 @@ class CheckpointManager(RunRotation):
     def wait(self) -> None:
         """Wait for every save in flight (and for the archive copies of the saves made); raise
         the first error of a save nobody has seen fail.  A failed archive copy is not raised:
-        it is warned about, kept locally and tried again (see archive_failures())."""
+        it is warned about, kept locally and tried again (see archive_failures()); an archive
+        copy still running after an hour is (StorageError naming the step and the deadline)."""
         self._wait_all()
         if self._archiver is not None:
             self._archiver.wait()
