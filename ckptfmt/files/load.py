@@ -163,7 +163,8 @@ class Reader:
         for k, node in self._items:
             if same_key(k, key):
                 return self._file.load_subtree(node, map_location, verify)
-        raise KeyError(key)
+        # a missing key is the caller's, as for a dict; the message says where it was looked for
+        raise KeyError(f"{key!r}: no such top-level entry in {self._file.path} (keys() lists them)")
 
     def load(self, map_location: devices.MapLocation = None, *, verify: bool = True) -> Any:
         devices.check_map_location(map_location)
