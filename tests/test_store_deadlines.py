@@ -134,6 +134,7 @@ def test_latest_reads_steps_newest_first_and_stops_at_the_first_complete_one(s3_
     for step in (1, 2, 3, 4):
         m.save(step, {"w": torch.full((10,), float(step))})
     ckptfmt.save({"w": torch.zeros(1)}, f"{url}/step-000000005/state.ckpt", storage_options=m.run.options)
+    m = ckptfmt.CheckpointManager(url, storage_options=m.run.options)  # a resume: no record read yet
     s3_faults.clear_counts()
     with pytest.warns(ckptfmt.CheckpointWarning, match="step-000000005: no commit record"):
         assert m.latest().step == 4
