@@ -1,8 +1,7 @@
 """Attacks on the readers added last: DCP saves against a base (the base step's record and rank
 files), the archive tier's copy markers on a store, the Trainer folders' mark, and the JSON
-sidecars read back.  A defect found is an xfail(strict=True) test naming it in one line: it
-flips to a failure once fixed, so the marker goes with the fix.  Cases that hold are plain
-tests where they are cheap."""
+sidecars read back.  Each defect found was first a strict xfail naming it, and lost its marker
+with its fix; the cases that held from the start are here too, where they are cheap."""
 
 from __future__ import annotations
 
