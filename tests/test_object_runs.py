@@ -155,3 +155,18 @@ def test_an_oversized_commit_record_on_the_store_is_refused_before_it_is_read(s3
     assert s3_faults.count("GET", "COMMIT") == 1
     statuses = m.statuses()  # the listing's sizes: refused unread
     assert all(s.damaged and "exceeds the limit" in s.problem for s in statuses)
+
+
+def test_a_step_past_the_records_read_is_not_removed(s3_faults, monkeypatch):
+    """remove(step) of a step older than the newest MAX_STATUS_RECORDS records: what the unread
+    steps refer to is unknown, so it is refused (LimitError) and nothing is deleted."""
+    from ckptfmt.runs import objectrun
+
+    m = _run_of_three(s3_faults)
+    monkeypatch.setattr(objectrun, "MAX_STATUS_RECORDS", 1)
+    with pytest.raises(ckptfmt.LimitError, match="not removed"):
+        m.remove(1)
+    monkeypatch.undo()
+    assert [c.step for c in m.checkpoints()] == [1, 2, 3]
+    m.remove(1)
+    assert [c.step for c in m.checkpoints()] == [2, 3]

@@ -51,6 +51,7 @@ from ..files import encryption, multifile, places, recordsign
 from ..files import save as writer
 from ..files.incremental import MIN_REFERENCE_BYTES
 from ..files.places import LocalPlace, Place
+from ..format.index import External
 from ..gcpause import pausing_in_main_thread
 from . import metadata as mdv
 from .rankplan import HeldPlace, RankPlan, StorageInfo, plan_threads, this_host, thread_shares
@@ -274,8 +275,9 @@ class Writer(HeldPlace, StorageWriter):
             base = self._base_file(name)
             d.save_against(name, state, base, min_reference_bytes=MIN_REFERENCE_BYTES, **options)
             key = encryption.save_and_read_keys(self._encrypt, None)[1]
-            refs = tuple(d.describe(rel) for rel in d.references_of(name, key))
-            self._check_unchanged(d, name, key, refs)
+            recorded = d.externals_of(name, key)
+            refs = tuple(d.describe(rel) for rel in sorted(recorded))
+            _check_unchanged(d.path_of(name), recorded, refs)
         part = d.describe(name)
         if self._sign_key is not None:  # each rank hashes its files, so the coordinator reads none
             part, refs = d.with_digest(part), tuple(d.with_digest(r) for r in refs)
@@ -317,22 +319,6 @@ class Writer(HeldPlace, StorageWriter):
             if not any(p.name == name for p in record.files):
                 return None
             return str(base.path_of(name))
-
-    @staticmethod
-    def _check_unchanged(d: Place, name: str, key: Any, refs: tuple[multifile.PartRecord, ...]) -> None:
-        """The files rank file `name` reads chunks from are still the ones it was written
-        against (a base saved again meanwhile would give a record naming files whose chunks
-        are not the ones referred to: a step that never loads).  Then the save fails."""
-        with d.open_file(name, key) as f:
-            recorded = {ext.rel: ext for ext in f.externals}
-        for ref in refs:
-            ext = recorded.get(ref.name)
-            if ext is None or (ext.file_id, ext.length) != (ref.file_id, ref.length):
-                raise CheckpointError(
-                    f"{ref.name}, which this save refers to, was replaced while the save read it "
-                    "(saved again meanwhile); nothing is committed",
-                    path=d.path_of(name),
-                )
 
     @pausing_in_main_thread
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -478,3 +464,20 @@ def _remove_stale_rank_files(d: Place, keep: set[str]) -> None:
 
 
 # -- reading --------------------------------------------------------------------------------------
+
+
+def _check_unchanged(
+    path: str, recorded: dict[str, External], refs: tuple[multifile.PartRecord, ...]
+) -> None:
+    """The files the rank file at `path` reads chunks from (`recorded`, from its index) are still
+    the ones its record will name (`refs`, described now): a base saved again meanwhile would
+    give a record naming files whose chunks are not the ones referred to, a step that never
+    loads.  Then the save fails."""
+    for ref in refs:
+        ext = recorded.get(ref.name)
+        if ext is None or (ext.file_id, ext.length) != (ref.file_id, ref.length):
+            raise CheckpointError(
+                f"{ref.name}, which this save refers to, was replaced while the save read it "
+                "(saved again meanwhile); nothing is committed",
+                path=path,
+            )

@@ -451,6 +451,11 @@ def read_chunks(
     return _outcome(rc, status, [k for k, _, _ in items])
 
 
+def _rchunk_row(dst: Any, k: int, ch: Any) -> tuple[Any, ...]:
+    """The leading fields of a ckf_rchunk, in order: cffi fills the array from these in C."""
+    return (dst, k, ch.offset, ch.stored_len, ch.raw_len, ch.checksum, ch.pad, ch.codec, ch.filter, ch.width)
+
+
 def _fill_extras(c: Any, k: int, ch: Any, key: Any = None) -> None:
     """The optional fields of a chunk's engine record: content digest, signed SHA-256, GCM tag."""
     assert ffi is not None
@@ -558,8 +563,3 @@ __all__ = [
     "write_chunks",
     "zstd_compress",
 ]
-
-
-def _rchunk_row(dst: Any, k: int, ch: Any) -> tuple[Any, ...]:
-    """The leading fields of a ckf_rchunk, in order: cffi fills the array from these in C."""
-    return (dst, k, ch.offset, ch.stored_len, ch.raw_len, ch.checksum, ch.pad, ch.codec, ch.filter, ch.width)

@@ -30,6 +30,7 @@ from ..engine import commit
 from ..engine.ckptdir import CheckpointDir, LinkError
 from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
 from ..fileio import is_url
+from ..format.index import External
 from ..storage import listing, references
 from ..storage.client import check_options
 from ..storage.download import RemoteObject, fetch_whole, head
@@ -87,11 +88,11 @@ class Place:
         of a series): chunks it already stores are referred to (files.incremental.save)."""
         raise NotImplementedError
 
-    def references_of(self, name: str, key: Any = None) -> list[str]:
-        """The reference paths of the committed file `name` (the files it reads chunks from);
-        `key`: its encryption key, which its index needs."""
+    def externals_of(self, name: str, key: Any = None) -> dict[str, External]:
+        """The files the committed file `name` reads chunks from, by reference path, as its
+        index records them (file id, length); `key`: its encryption key, which its index needs."""
         with self.open_file(name, key) as f:
-            return sorted({ext.rel for ext in f.externals})
+            return {ext.rel: ext for ext in f.externals}
 
     def open_file(self, name: str, key: Any = None) -> CheckpointFile:
         """The file `name` as it is now, opened (its writer describes what it just wrote)."""

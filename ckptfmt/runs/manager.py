@@ -536,6 +536,8 @@ class CheckpointManager(RunRotation):
         """Delete checkpoint `step` (files that other checkpoints refer to are kept); in a
         tiered run its archived copy too, so that neither tier resumes from it."""
         self._wait_all()
+        if self._archiver is not None:
+            self._archiver.wait()  # no copy reads the step while it goes; a stalled archive fails first
         removed = self._remove_local(step)
         if self._archiver is not None:
             removed = self._archiver.remove(step) or removed

@@ -291,10 +291,5 @@ class ObjectRunSteps(RunSteps):
     def step_path(self, step: int) -> str:
         return self.manager.run.step_path(step)
 
-    def step_bytes(self, job: StepJob) -> int:
-        if not job.coordinator:
-            return 0
-        return sum(p.length for p in self.manager.run.record(job.step).files)
-
     def prepare_step(self, job: StepJob, scan: RunScan | None) -> list[CheckpointInfo]:
         return [s.info for s in self.manager._prepare_step(job.step) if s.info is not None]

@@ -440,6 +440,12 @@ class ObjectRun:
         found = next((s for s in statuses if s.step == step), None)
         if found is None:
             return False
+        if found.unread or step < _oldest_known(statuses):  # what unread steps refer to is unknown
+            raise LimitError(
+                f"step {step} is older than the {MAX_STATUS_RECORDS} newest steps with a commit "
+                "record (spec 13.7): what newer steps read of it is not known, so it is not removed",
+                path=self.step_path(step),
+            )
         others = {url for s in statuses if s.info is not None and s.step != step for url in s.info.references}
         others |= self.references_of_incomplete([s for s in statuses if s.step != step])
         if found.info is not None:
@@ -501,8 +507,8 @@ class ObjectRun:
     def delete_leftover(self, step: int) -> None:
         """Delete step `step`, which the listing shows without a commit record (a failed save's
         leftover); CheckpointError, deleting nothing, when its record is there after all.
-        Only the versions listed after that check are deleted (If-Match; unconditionally
-        where the listing gives no ETag), never a commit record: an object another writer
+        Only the versions listed after that check are deleted (If-Match; an object listed
+        without an ETag is left, for cleanup once stale), never a commit record: an object another writer
         puts there meanwhile stays, and so does its record (CheckpointError when one
         appeared: the step is that writer's now)."""
         if self.has_record(step):
@@ -513,7 +519,7 @@ class ObjectRun:
         url = self._step_url(step)
         listed = {n: v for n, v in listing.versions(url, self.options).items() if _written_here(n)}
         for name, version in listed.items():
-            if name != multifile.COMMIT_NAME:
+            if name != multifile.COMMIT_NAME and version is not None:
                 listing.delete_object(url.child(name), self.options, if_match=version)
         if self.has_record(step):
             raise CheckpointError(
