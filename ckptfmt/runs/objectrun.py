@@ -441,11 +441,8 @@ class ObjectRun:
         if found is None:
             return False
         if found.unread or step < _oldest_known(statuses):  # what unread steps refer to is unknown
-            raise LimitError(
-                f"step {step} is older than the {MAX_STATUS_RECORDS} newest steps with a commit "
-                "record (spec 13.7): what newer steps read of it is not known, so it is not removed",
-                path=self.step_path(step),
-            )
+            why = f"past the {MAX_STATUS_RECORDS} newest records read (spec 13.7): not removed"
+            raise LimitError(f"step {step} is {why}", path=self.step_path(step))
         others = {url for s in statuses if s.info is not None and s.step != step for url in s.info.references}
         others |= self.references_of_incomplete([s for s in statuses if s.step != step])
         if found.info is not None:
