@@ -437,7 +437,9 @@ def _layout(path: object, key: bytes | None) -> tuple[list[tuple[int, int, bytes
         return [(ch.source, ch.number, ch.digest) for ch in f.chunks], names
 
 
-@pytest.mark.parametrize("compression, key", [(None, None), ("zstd", bytes(range(32)))])
+@pytest.mark.parametrize(
+    "compression, key", [(None, None), ("zstd", bytes(range(32)))], ids=["raw", "zstd-encrypted"]
+)
 def test_an_incremental_fork_save_writes_only_what_the_base_does_not_hold(
     tmp_path, monkeypatch, compression, key
 ):
@@ -503,7 +505,7 @@ def test_a_signed_fork_save_is_signed_by_the_child(tmp_path):
 # -- fork saves to an object store: the child writes the spool, this process uploads it ------
 
 
-@pytest.mark.parametrize("key", [None, bytes(range(32))])
+@pytest.mark.parametrize("key", [None, bytes(range(32))], ids=["clear", "encrypted"])
 def test_a_fork_save_to_a_store_is_uploaded_once_the_child_is_done(s3_bucket, monkeypatch, key):
     bucket, options = s3_bucket
     url = f"s3://{bucket}/a.ckpt"
