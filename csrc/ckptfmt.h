@@ -144,9 +144,22 @@ typedef struct {
     uint64_t end_offset;
 } ckf_fork_result;
 
-/* Fork a child that runs ckf_write_chunks (checksums on, no digests) over `chunks`
+/* A chunk an incremental save may refer to instead of writing it (spec section 12): its raw
+ * length and content digest (canonical order).  Arrays of these are sorted by raw_len, then
+ * by the digest's bytes (memcmp). */
+typedef struct {
+    uint64_t raw_len;
+    uint8_t digest[16];
+} ckf_held;
+
+/* Fork a child that runs ckf_write_chunks (`checksum` as there: 1, or 1 | CKF_SHA) over `chunks`
  * from its copy-on-write view of this process's memory, writes one byte to ready_fd
- * and exits.  It keeps no other descriptor than fd, ready_fd and parent_fd (stdin and
+ * and exits.  With `digests` (16 * n bytes) and `match` (n entries), both MAP_SHARED, the
+ * save is incremental: the child takes every chunk's content digest into `digests`, sets
+ * match[k] to the position in `held` (nheld entries, sorted as ckf_held says) of the same
+ * (raw length, digest), or -1, and writes only the chunks not found, each at the chunk
+ * number it has in the file, one after another from first_offset; the records of found
+ * chunks are left as they were (the parent fills them in from the file that holds them).  It keeps no other descriptor than fd, ready_fd and parent_fd (stdin and
  * stdout become /dev/null, stderr too outside sanitizer builds), and exits at once
  * when parent_fd, the read end of a pipe whose write end only the parent holds,
  * reaches end-of-file.  `chunks` and `result` must lie in MAP_SHARED memory.
@@ -155,7 +168,8 @@ typedef struct {
  * (the child kills itself with SIGKILL), 2 (it exits with status 3), 3 or 4 (it
  * sleeps 2 or 30 s before writing). */
 int64_t ckf_fork_write(int fd, const uint8_t *file_id, uint64_t first_index, uint64_t first_offset,
-                       ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads, int ready_fd,
+                       ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads, int checksum,
+                       const ckf_held *held, uint64_t nheld, uint8_t *digests, int64_t *match, int ready_fd,
                        int parent_fd, ckf_fork_result *result, int test_fault);
 
 /* Helpers shared by the engine and exposed for tests. */

@@ -22,6 +22,7 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -133,8 +134,78 @@ static void sort3(int *a) {
             }
 }
 
+/* The content digest of each chunk (spec section 12), one chunk per task. */
+typedef struct {
+    const ckf_chunk *chunks;
+    uint8_t *digests;
+} digest_job;
+
+static void task_digest(void *ctx, uint64_t i, int thread) {
+    digest_job *j = (digest_job *)ctx;
+    (void)thread;
+    ckf_digest(j->chunks[i].src, j->chunks[i].raw_len, j->digests + 16 * i);
+}
+
+static int held_cmp(uint64_t raw_len, const uint8_t *digest, const ckf_held *h) {
+    if (raw_len != h->raw_len) return raw_len < h->raw_len ? -1 : 1;
+    return memcmp(digest, h->digest, 16);
+}
+
+/* The position of (raw_len, digest) in `held` (sorted by raw length, then digest bytes), or -1. */
+static int64_t find_held(const ckf_held *held, uint64_t nheld, uint64_t raw_len, const uint8_t *digest) {
+    uint64_t lo = 0, hi = nheld;
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        int c = held_cmp(raw_len, digest, &held[mid]);
+        if (c == 0) return (int64_t)mid;
+        if (c < 0)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return -1;
+}
+
+/* An incremental save's chunks: digest every chunk, look each up in `held` (match[k]: its
+ * position there, or -1), and write the chunks not found, each run of them between found
+ * ones as the chunk numbers and at the offsets it has in the file (what the parent's writer
+ * does, engine/chunkwrite.py's ChunkWriter).  With nothing held, one pass writes every chunk
+ * and takes its digest on the way. */
+static int write_against(int fd, const uint8_t *file_id, uint64_t first_index, uint64_t first_offset,
+                         ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads, int checksum,
+                         const ckf_held *held, uint64_t nheld, uint8_t *digests, int64_t *match,
+                         ckf_status *status, uint64_t *end_offset) {
+    for (uint64_t k = 0; k < n; k++) match[k] = -1;
+    if (nheld == 0)
+        return ckf_write_chunks(fd, file_id, first_index, first_offset, chunks, n, compress, level, nthreads,
+                                checksum, digests, status, end_offset);
+    digest_job dj = {chunks, digests};
+    ckf_parallel_for(nthreads, n, task_digest, &dj);
+    for (uint64_t k = 0; k < n; k++) match[k] = find_held(held, nheld, chunks[k].raw_len, digests + 16 * k);
+    uint64_t pos = first_offset;
+    status->code = CKF_OK;
+    status->err_no = 0;
+    status->chunk = -1;
+    *end_offset = pos;
+    for (uint64_t i = 0; i < n;) {
+        if (match[i] >= 0) {
+            i++;
+            continue;
+        }
+        uint64_t j = i;
+        while (j < n && match[j] < 0) j++;
+        int rc = ckf_write_chunks(fd, file_id, first_index + i, pos, chunks + i, j - i, compress, level, nthreads,
+                                  checksum, NULL, status, &pos);
+        *end_offset = pos;
+        if (rc != CKF_OK) return rc;
+        i = j;
+    }
+    return CKF_OK;
+}
+
 int64_t ckf_fork_write(int fd, const uint8_t *file_id, uint64_t first_index, uint64_t first_offset,
-                       ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads, int ready_fd,
+                       ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads, int checksum,
+                       const ckf_held *held, uint64_t nheld, uint8_t *digests, int64_t *match, int ready_fd,
                        int parent_fd, ckf_fork_result *result, int test_fault) {
     atomic_store(&result->finished, 0);
     result->rc = CKF_ERR_ARG;
@@ -169,8 +240,12 @@ int64_t ckf_fork_write(int fd, const uint8_t *file_id, uint64_t first_index, uin
     if (test_fault == 2) _exit(3);                /* tests: a child that exits without a result */
     if (test_fault == 3) sleep(2);                /* tests: a child slow enough to look at */
     if (test_fault == 4) sleep(30);               /* tests: a child that outlives its parent */
-    result->rc = ckf_write_chunks(fd, file_id, first_index, first_offset, chunks, n, compress, level, nthreads,
-                                  1, NULL, &result->status, &result->end_offset);
+    if (digests)
+        result->rc = write_against(fd, file_id, first_index, first_offset, chunks, n, compress, level, nthreads,
+                                   checksum, held, nheld, digests, match, &result->status, &result->end_offset);
+    else
+        result->rc = ckf_write_chunks(fd, file_id, first_index, first_offset, chunks, n, compress, level,
+                                      nthreads, checksum, NULL, &result->status, &result->end_offset);
     atomic_store(&result->finished, 1);
     /* the parent may commit now, while this process's exit still unmaps its memory */
     ssize_t w;

@@ -316,8 +316,6 @@ def test_exit_with_a_fork_save_in_flight_finishes_it(tmp_path):
 
 
 def test_a_manager_takes_fork_snapshots_when_asked(tmp_path, forked):
-    with pytest.raises(ValueError, match="incremental"):
-        ckptfmt.CheckpointManager(tmp_path / "i", incremental=True, snapshot="fork")
     with pytest.raises(ValueError, match="snapshot must be"):
         ckptfmt.CheckpointManager(tmp_path / "i", snapshot="cow")
     mgr = ckptfmt.CheckpointManager(tmp_path / "run", blocking=False, snapshot="fork", keep_last=2)
@@ -425,3 +423,150 @@ def test_an_interrupt_in_thread_start_cleans_up_once(tmp_path, monkeypatch):
     if names:
         assert torch.equal(ckptfmt.load(tmp_path / "x.ckpt")["v"], torch.arange(10))
     assert not inflight._in_flight
+
+
+# -- incremental fork saves: the child finds the chunks the base holds and writes the rest ---
+
+
+def _layout(path: object, key: bytes | None) -> tuple[list[tuple[int, int, bytes]], list[str]]:
+    """Each chunk's (file it lies in, number there, digest), and the files it refers to."""
+    from ckptfmt.files.reader import CheckpointFile
+
+    with CheckpointFile(str(path), decrypt_with=key) as f:
+        names = [os.path.basename(e.path) for e in f.externals]
+        return [(ch.source, ch.number, ch.digest) for ch in f.chunks], names
+
+
+@pytest.mark.parametrize(
+    "compression, key", [(None, None), ("zstd", bytes(range(32)))], ids=["raw", "zstd-encrypted"]
+)
+def test_an_incremental_fork_save_writes_only_what_the_base_does_not_hold(
+    tmp_path, monkeypatch, compression, key
+):
+    """A chain of three saves: 0 whole, 1 against 0 (copy snapshot), 2 against 1 by fork. The
+    child finds the chunks 0 and 1 hold, writes only the changed ones, and the file refers to
+    where each lies exactly as a copy snapshot's save of the same state does; changes made
+    after the fork do not reach it."""
+    from ckptfmt.files import incremental
+
+    kw = {"compression": compression, "encrypt_with": key, "chunk_size": 1 << 16}
+    state = _state()
+    incremental.save(state, tmp_path / "0.ckpt", **kw)
+    state["model"]["l0"].add_(1)  # type: ignore[index]
+    incremental.save(state, tmp_path / "1.ckpt", base=tmp_path / "0.ckpt", **kw)
+    state["model"]["l1"].add_(1)  # type: ignore[index]
+    expected = _copy(state)
+    monkeypatch.setattr(_native, "fork_write", functools.partial(_native.fork_write, _fault=3))
+    h = incremental.save(
+        state, tmp_path / "2.ckpt", base=tmp_path / "1.ckpt", blocking=False, snapshot="fork", **kw
+    )
+    assert h is not None and h.snapshot == "fork"
+    for t in state["model"].values():  # type: ignore[attr-defined]
+        t.fill_(-7)  # the child sleeps before it reads: these changes come first
+    h.wait()
+    monkeypatch.undo()
+    incremental.save(expected, tmp_path / "c.ckpt", base=tmp_path / "1.ckpt", blocking=False, **kw).wait()
+    assert _layout(tmp_path / "2.ckpt", key) == _layout(tmp_path / "c.ckpt", key)
+    chunks, files = _layout(tmp_path / "2.ckpt", key)
+    assert sorted(files) == ["0.ckpt", "1.ckpt"]
+    assert sum(source < 0 for source, _, _ in chunks) == 4  # l1's 256 KiB: all it wrote
+    assert os.path.getsize(tmp_path / "2.ckpt") < os.path.getsize(tmp_path / "0.ckpt") // 4
+    assert ckptfmt.verify(tmp_path / "2.ckpt", decrypt_with=key).ok
+    assert_same(expected, ckptfmt.load(tmp_path / "2.ckpt", decrypt_with=key), check_sharing=False)
+
+
+def test_an_incremental_fork_save_without_a_usable_base_writes_every_chunk_with_digests(tmp_path):
+    from ckptfmt.files import incremental
+
+    state = _state()
+    h = incremental.save(state, tmp_path / "0.ckpt", blocking=False, snapshot="fork", chunk_size=1 << 16)
+    assert h is not None
+    h.wait()
+    chunks, files = _layout(tmp_path / "0.ckpt", None)
+    assert files == [] and all(source < 0 and len(digest) == 16 for source, _, digest in chunks)
+    # the digests the child took are those a later save matches against
+    state["model"]["l2"].add_(1)  # type: ignore[index]
+    incremental.save(state, tmp_path / "1.ckpt", base=tmp_path / "0.ckpt", chunk_size=1 << 16)
+    assert sum(source < 0 for source, _, _ in _layout(tmp_path / "1.ckpt", None)[0]) == 4
+
+
+def test_a_signed_fork_save_is_signed_by_the_child(tmp_path):
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    key = ed25519.Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
+    state = _state()
+    for compression in (None, "zstd"):
+        p = tmp_path / f"{compression}.ckpt"
+        ckptfmt.save(state, p, sign_with=key, blocking=False, snapshot="fork", compression=compression).wait()
+        assert ckptfmt.verify(p, trusted_keys=[key.public_key()]).ok
+        assert_same(state, ckptfmt.load(p, trusted_keys=[key.public_key()]), check_sharing=False)
+
+
+# -- fork saves to an object store: the child writes the spool, this process uploads it ------
+
+
+@pytest.mark.parametrize("key", [None, bytes(range(32))], ids=["clear", "encrypted"])
+def test_a_fork_save_to_a_store_is_uploaded_once_the_child_is_done(s3_bucket, monkeypatch, key):
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/a.ckpt"
+    state = _state()
+    expected = _copy(state)
+    monkeypatch.setattr(_native, "fork_write", functools.partial(_native.fork_write, _fault=3))
+    h = ckptfmt.save(
+        state,
+        url,
+        blocking=False,
+        snapshot="fork",
+        encrypt_with=key,
+        storage_options=options,
+        chunk_size=1 << 16,
+    )
+    assert h.snapshot == "fork"
+    for t in state["model"].values():  # type: ignore[attr-defined]
+        t.fill_(-7)
+    h.wait()
+    assert h.version is not None  # the ETag of what this save uploaded
+    assert ckptfmt.verify(url, decrypt_with=key, storage_options=options).ok
+    assert_same(expected, ckptfmt.load(url, decrypt_with=key, storage_options=options), check_sharing=False)
+
+
+def test_a_fork_save_to_a_store_whose_child_dies_uploads_nothing(s3_server, s3_bucket, monkeypatch):
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/dead.ckpt"
+    monkeypatch.setattr(_native, "fork_write", functools.partial(_native.fork_write, _fault=1))
+    h = ckptfmt.save(_state(), url, blocking=False, snapshot="fork", storage_options=options)
+    with pytest.raises(SnapshotError, match="was killed by signal 9"):
+        h.wait()
+    s3 = s3_server.client()
+    assert "Contents" not in s3.list_objects_v2(Bucket=bucket)
+    assert not s3.list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+
+@pytest.mark.parametrize("where, snapshot", [("local", "fork"), ("store", "fork"), ("store", "copy")])
+def test_an_incremental_run_keeps_what_later_steps_refer_to(tmp_path, s3_bucket, forked, where, snapshot):
+    """keep_last=1 over three non-blocking steps that change one layer each: the newest step
+    refers to the first two's files, which rotation keeps (on a store, each save waits for
+    the one in flight to commit and rotate before it picks its base: else that rotation
+    deletes what it refers to); a fresh manager resumes it bit for bit."""
+    bucket, options = s3_bucket
+    run = str(tmp_path / "run") if where == "local" else f"s3://{bucket}/run"
+    kw = {"storage_options": options} if where == "store" else {}
+    mgr = ckptfmt.CheckpointManager(
+        run, blocking=False, snapshot=snapshot, incremental=True, keep_last=1, **kw
+    )
+    model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(3)))
+    for step in range(3):
+        with torch.no_grad():
+            model[step].weight.add_(1)
+        mgr.save(step, {"model": model})
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(3.0)  # after the last snapshot: not in the checkpoint
+    mgr.wait()
+    assert [f.snapshot for f in forked] == ["fork"] * 3 * (snapshot == "fork")
+    fresh = ckptfmt.CheckpointManager(run, incremental=True, **kw)
+    assert [c.step for c in fresh.checkpoints()] == [2]
+    assert fresh.verify().ok
+    got = fresh.load()["model"]
+    assert all(torch.equal(got[k], v) for k, v in expected.items())

@@ -196,8 +196,6 @@ def test_refused_forms(s3_bucket):
     ckptfmt.save({"a": torch.zeros(10)}, url, storage_options=options)
     with pytest.raises(ValueError, match="mmap=True needs a local file"):
         ckptfmt.load(url, mmap=True, storage_options=options)
-    with pytest.raises(ValueError, match="snapshot='fork'"):
-        ckptfmt.save({"a": 1}, url, blocking=False, snapshot="fork", storage_options=options)
 
 
 # -- faults, injected by the proxy -------------------------------------------------------

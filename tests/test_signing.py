@@ -155,8 +155,6 @@ def test_nonblocking_save_is_signed(tmp_path):
     p = str(tmp_path / "a.ckpt")
     ckptfmt.save(state(), p, sign_with=KEY, chunk_size=CHUNK, blocking=False).wait()
     assert ckptfmt.verify(p, trusted_keys=[PUB]).ok
-    with pytest.raises(ValueError, match="fork"):
-        ckptfmt.save(state(), p, sign_with=KEY, blocking=False, snapshot="fork")
 
 
 def test_python_engine_writes_the_same_file(tmp_path, monkeypatch):

@@ -117,17 +117,15 @@ def save_async(
     and write it in the background as `options` say; return once the snapshot is taken.
 
     output: where the file goes when not an AtomicFile of `path` beneath `within`: an
-    object upload (storage/upload.py's ObjectFile, not yet entered; copy snapshots only).
+    object upload (storage/upload.py's ObjectFile, not yet entered).
 
     snapshot: "copy" copies the state into staging memory (below); "fork" takes a
     copy-on-write snapshot in a child process (forksave.py), ValueError where it cannot."""
     if snapshot == "fork":
-        reason = forksave.why_not(encoded, options.dedup)
-        if options.sign is not None:
-            reason = "signed saves take each chunk's digest in this process (use snapshot='copy')"
+        reason = forksave.why_not(encoded)
         if reason is not None:
             raise ValueError(f"{path}: snapshot='fork' is not possible: {reason}")
-        return forksave.save_forked(encoded, path, options, within=within)
+        return forksave.save_forked(encoded, path, options, within=within, output=output)
     return _save_copied(encoded, path, options, within=within, output=output)
 
 

@@ -15,9 +15,13 @@ the index, footer and prologue and commits exactly as a blocking save does.
 snapshot is refused with a ValueError saying why (see `why_not`): storages on an
 accelerator or in pinned memory (a driver may keep its mappings out of a child),
 memory shared with other processes (``share_memory_()``, a MAP_SHARED numpy
-memmap: later writes would reach the child), incremental and signed saves (their
-digests are taken in this process) and builds without the C engine.  Encrypted saves
-are written by the child too: it encrypts each chunk in C with the file's data key.
+memmap: later writes would reach the child) and builds without the C engine.  The
+child does in C what the writer thread of a copy snapshot does: it encrypts each chunk
+with the file's data key, takes each chunk's SHA-256 for a signed file, and for an
+incremental save digests every chunk and writes only those the base does not hold
+(the parent gives it the base's (length, digest) table and records the references
+afterwards).  To an object store, the child writes the whole file into the upload's
+spool (memory) and this process uploads it once the child is done.
 
 The cost moves rather than vanishes, which is why this is not the default: each
 4 KiB page of the process written while the child runs is copied then, by a page
@@ -44,6 +48,7 @@ import select
 import signal
 import sys
 import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,7 +57,7 @@ from ..engine import chunkwrite
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
-from ..engine.writeoptions import WriteOptions
+from ..engine.writeoptions import ChunkRecord, Dedup, WriteOptions
 from ..errors import SnapshotError
 from ..format import layout as fmt
 from ..format.encode import Encoded
@@ -78,14 +83,12 @@ def _overlaps(spans: list[tuple[int, int]], starts: list[int], lo: int, hi: int)
     return i >= 0 and spans[i][1] > lo
 
 
-def why_not(encoded: Encoded, dedup: object | None) -> str | None:
+def why_not(encoded: Encoded) -> str | None:
     """Why `encoded` cannot be saved from a fork snapshot, or None if it can."""
     if not sys.platform.startswith("linux"):
         return "fork snapshots need Linux"
     if not _native.available():
         return "fork snapshots need the C engine"
-    if dedup is not None:
-        return "incremental saves take their digests in this process"
     spans = _shared_mappings()
     starts = [s for s, _ in spans]
     for plan in encoded.storages:
@@ -118,17 +121,25 @@ def save_forked(
     options: WriteOptions,
     *,
     within: CheckpointDir | None = None,
+    output: Any = None,
 ) -> SaveHandle:
     """Fork a child that writes `encoded`'s chunks to a temp file as `options` say; return
     once it runs.  Encrypted (options.seal), the child encrypts each chunk with the file's data key (the engine's
     AES-256-GCM, in C) and leaves its tag where this process reads it; the index is sealed
-    here, once the child is done.
+    here, once the child is done.  Signed (options.sign), the child takes each chunk's
+    SHA-256 the same way.  Incremental (options.dedup), the child digests every chunk,
+    looks it up among the chunks the base holds (dedup.held_keys) and writes only those not
+    found; this process then records the others as references (dedup.adopt).
+
+    output: an object upload (storage/upload.py's ObjectFile, not yet entered) instead of
+    an AtomicFile of `path` beneath `within`: the child writes the whole file into its spool
+    (memory, until the upload), which this process's waiting thread uploads and commits.
 
     A failure here (fork() refused, no descriptors left, an interrupt) leaves nothing
     behind: no temp file, no descriptor, no child, no save in flight."""
     handle = SaveHandle(path)
     handle.snapshot = "fork"
-    atomic = AtomicFile(path, within)
+    atomic = AtomicFile(path, within) if output is None else output
     atomic.__enter__()  # creation errors (missing directory, permissions) are raised now
     file_id = chunkwrite.new_file_id()
     own: list[int] = []  # descriptors this call closes if it fails
@@ -148,6 +159,7 @@ def save_forked(
             _native.default_threads(),
             ready_w,
             alive,
+            held=None if options.dedup is None else options.dedup.held_keys(),
         )
         for fd in (ready_w, alive):  # the child's ends
             own.remove(fd)
@@ -239,6 +251,21 @@ def _how_it_ended(status: int | None) -> str:
     return f"exited with status {os.waitstatus_to_exitcode(status)}"
 
 
+def _with_references(
+    dedup: Dedup, child: _native.ForkedWrite, records: list[ChunkRecord], tags: list[bytes] | None
+) -> list[ChunkRecord]:
+    """The file's chunk records once an incremental child is done: the record of each chunk it
+    found in an earlier file in place of the (unwritten) one it left; an encrypted file's tag
+    of such a chunk is in the file that holds it (spec 17.9), zero here as ChunkWriter leaves it."""
+    found = dedup.adopt(*child.findings())
+    for k, held in enumerate(found):
+        if held is not None:
+            records[k] = held
+            if tags is not None:
+                tags[k] = bytes(len(tags[k]))
+    return records
+
+
 def _finish(
     handle: SaveHandle,
     atomic: AtomicFile,
@@ -269,8 +296,12 @@ def _finish(
             )
         records, end = written
         tags = child.tags() if options.seal is not None else None
-        length = chunkwrite.finish_file(atomic.fd, file_id, encoded, records, end, options, tags=tags)
+        shas = child.shas() if options.sign is not None else None
+        if options.dedup is not None:
+            records = _with_references(options.dedup, child, records, tags)
+        length = chunkwrite.finish_file(atomic.fd, file_id, encoded, records, end, options, shas, tags)
         atomic.commit(free_replaced=replaced.append)
+        handle.version = getattr(atomic, "etag", None)  # an object upload's
         handle._durable_now(length)
     except BaseException as e:
         exc = e

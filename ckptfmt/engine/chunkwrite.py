@@ -247,8 +247,6 @@ class ChunkWriter:
         self.pos = fmt.PROLOGUE_SIZE  # where the next local chunk starts
         #: signed files (spec section 16): each chunk's SHA-256, taken as it is written
         self.shas: list[bytes] | None = [] if options.sign is not None else None
-        if options.sign is not None and options.dedup is not None:
-            raise ValueError("signed files cannot have external chunks in this version (spec section 16)")
         #: encrypted files (spec section 17): each chunk's GCM tag as written
         self.tags: list[bytes] | None = [] if options.seal is not None else None
 

@@ -278,13 +278,23 @@ class ForkedWrite:
     Its records and result live in a MAP_SHARED mapping this object owns: read them
     with `outcome` once the child has been reaped, then `close`."""
 
-    def __init__(self, pid: int, shared: mmap.mmap, base: Any, result: Any, chunks: Any, n: int) -> None:
+    def __init__(
+        self,
+        pid: int,
+        shared: mmap.mmap,
+        base: Any,
+        result: Any,
+        chunks: Any,
+        n: int,
+        found: tuple[Any, Any] | None = None,
+    ) -> None:
         self.pid = pid
         self._shared = shared
         self._base = base
         self._result = result
         self._chunks = chunks
         self._n = n
+        self._found = found  # an incremental save's (digests, match) arrays
 
     def outcome(self, path: str) -> tuple[list[tuple[int, int, int, int, int, int, int]], int] | None:
         """(records, end offset) of a child that finished; None if it ended before it did.
@@ -300,6 +310,19 @@ class ForkedWrite:
         """The GCM tag of each chunk of a finished child given a data key (fork_write's options.key)."""
         assert ffi is not None
         return [bytes(ffi.buffer(self._chunks[i].tag, 16)) for i in range(self._n)]
+
+    def shas(self) -> list[bytes]:
+        """The SHA-256 of each chunk of a finished child told to sign (fork_write's options.sign)."""
+        assert ffi is not None
+        return [bytes(ffi.buffer(self._chunks[i].sha, 32)) for i in range(self._n)]
+
+    def findings(self) -> tuple[list[bytes], list[int]]:
+        """A finished incremental child's content digest of each chunk, and where each was found
+        in fork_write's `held` (-1: written here)."""
+        assert ffi is not None and self._found is not None
+        digests, match = self._found
+        raw = bytes(ffi.buffer(digests, 16 * self._n))
+        return [raw[16 * i : 16 * i + 16] for i in range(self._n)], [int(match[i]) for i in range(self._n)]
 
     def close(self) -> None:
         if self._base is not None:
@@ -319,19 +342,28 @@ def fork_write(
     ready_fd: int,
     parent_fd: int,
     *,
+    held: list[tuple[int, bytes]] | None = None,
     _fault: int = 0,
 ) -> ForkedWrite:
     """Fork a child that writes `pieces` as chunks 0.. of the file at `fd` (checksums on) from
     its copy-on-write view of this process's memory, then one byte to `ready_fd`, and return
     it; OSError if fork() fails.  The child exits early when `parent_fd` (the read end of a
     pipe whose write end only this process holds) reaches end-of-file.
+    `held` (an incremental save, spec section 12): the (raw length, content digest) pairs,
+    sorted, of the chunks the file may refer to; the child digests every chunk and writes
+    only those not found there (ForkedWrite.findings).  With options.sign it takes each
+    chunk's SHA-256 (ForkedWrite.shas).
     Once this returns the caller may change or free the pieces' memory.  ``_fault`` exists
     for tests only (1: the child kills itself, 2: it exits without a result, 3 or 4:
     it sleeps 2 or 30 s before writing)."""
     assert lib is not None and ffi is not None
     n = len(pieces)
     head = -(-ffi.sizeof("ckf_fork_result") // 64) * 64
-    shared = mmap.mmap(-1, head + ffi.sizeof("ckf_chunk") * max(n, 1))  # anonymous, MAP_SHARED
+    size = head + ffi.sizeof("ckf_chunk") * max(n, 1)
+    found_at = size
+    if held is not None:  # the child's findings: 16 digest bytes and a match per chunk
+        size += (16 + 8) * max(n, 1)
+    shared = mmap.mmap(-1, size)  # anonymous, MAP_SHARED
     base = ffi.from_buffer(shared)
     result = ffi.cast("ckf_fork_result *", base)
     chunks = ffi.cast("ckf_chunk *", base + head)
@@ -339,7 +371,20 @@ def fork_write(
     keep = _fill_chunks(chunks, pieces, options.key)
     fid = ffi.new("uint8_t[16]", file_id)
     compress, lvl = _codec(options)
-    args = (fd, fid, 0, first_offset, chunks, n, compress, lvl, threads, ready_fd, parent_fd)
+    checksum = 1 | (lib.CKF_SHA if options.sign is not None else 0)
+    found = None
+    table: Any = ffi.NULL
+    if held is not None:
+        match = ffi.cast("int64_t *", base + found_at)
+        found = (ffi.cast("uint8_t *", base + found_at + 8 * max(n, 1)), match)
+        table = ffi.new("ckf_held[]", max(len(held), 1))
+        for i, (raw_len, digest) in enumerate(held):
+            table[i].raw_len = raw_len
+            table[i].digest = digest
+        keep.append(table)
+    digests, match_out = found if found is not None else (ffi.NULL, ffi.NULL)
+    args: list[Any] = [fd, fid, 0, first_offset, chunks, n, compress, lvl, threads, checksum]
+    args += [table, len(held or ()), digests, match_out, ready_fd, parent_fd]
     pid = -1
     try:
         pid = lib.ckf_fork_write(*args, result, _fault)
@@ -347,7 +392,7 @@ def fork_write(
         _release(keep)
         if pid < 0:
             raise OSError(err, f"fork failed: {os.strerror(err)}")
-        return ForkedWrite(int(pid), shared, base, result, chunks, n)
+        return ForkedWrite(int(pid), shared, base, result, chunks, n, found)
     except BaseException:
         # fork() ran with signals blocked: a ^C pressed meanwhile is raised right after it
         # returns, before the caller holds the child, which must not be left behind

@@ -46,6 +46,18 @@ class Dedup(Protocol):
         of the chunk in an earlier file that holds the same bytes, or None to write it here."""
         ...
 
+    def held_keys(self) -> list[tuple[int, bytes]]:
+        """For a writer that cannot call `classify` (a forked child, csrc/snapshot.c): the
+        (raw length, content digest) of every chunk it may refer to, sorted, the limits
+        `classify` applies already applied; [] when not can_refer."""
+        ...
+
+    def adopt(self, digests: list[bytes], matches: list[int]) -> list[ChunkRecord | None]:
+        """What that writer found, for every chunk of the file: its digest and the position in
+        held_keys() of the same bytes (-1: written).  Returns what `classify` would have: the
+        record of each chunk found, None for those written."""
+        ...
+
     def externals(self) -> list[list[Any]]:
         """The index's `externals` member: the files the external records name."""
         ...
@@ -77,6 +89,8 @@ class WriteOptions:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
+        if self.sign is not None and self.dedup is not None:  # checked here for every writer
+            raise ValueError("signed files cannot have external chunks in this version (spec section 16)")
 
     @property
     def key(self) -> bytes | None:

@@ -159,6 +159,7 @@ class ContentIndex:
         self.digests: list[bytes] = []  # per chunk of the new file
         self.refs: dict[int, tuple[int, int]] = {}  # chunk -> (externals entry, chunk number there)
         self.base_chunk_size: int | None = None
+        self._keys: list[tuple[int, bytes]] = []  # held_keys(), as a forked writer was given them
         if base is not None:
             self._add_base(target, base)
 
@@ -287,6 +288,32 @@ class ContentIndex:
             out.append(held.record)
         return out
 
+    def held_keys(self) -> list[tuple[int, bytes]]:
+        # a chunk is referred to only from the first MAX_EXTERNALS candidate files, so no
+        # choice of matches can name more files than an index may list (classify counts them
+        # as it goes instead); short chunks are written, as classify writes them
+        self._keys = sorted(
+            key
+            for key, held in self.held.items()
+            if key[0] >= self.min_reference_bytes and held.file < fmt.Limits.MAX_EXTERNALS
+        )
+        return self._keys
+
+    def adopt(self, digests: list[bytes], matches: list[int]) -> list[ChunkRecord | None]:
+        if self.digests:
+            raise RuntimeError(f"a forked writer's findings after {len(self.digests)} chunks were classified")
+        out: list[ChunkRecord | None] = []
+        for k, (digest, m) in enumerate(zip(digests, matches, strict=True)):
+            self.digests.append(digest)
+            if m < 0:
+                out.append(None)
+                continue
+            held = self.held[self._keys[m]]
+            entry = self.entries.setdefault(held.file, len(self.entries))
+            self.refs[k] = (entry, held.number)
+            out.append(held.record)
+        return out
+
     def externals(self) -> list[list[Any]]:
         order = sorted(self.entries, key=self.entries.__getitem__)
         return [[self.files[f].rel, self.files[f].file_id.hex(), self.files[f].length] for f in order]
@@ -338,6 +365,7 @@ def save(
     level: int | None = None,
     metadata: dict[str, str] | None = None,
     blocking: bool = True,
+    snapshot: str = "copy",
     chunk_size: int | None = None,
     min_reference_bytes: int = 0,
     within: CheckpointDir | None = None,
@@ -356,7 +384,9 @@ def save(
     base raises (OSError, CheckpointError).
     Without `chunk_size`, a save against a base uses the base's chunk size, so the
     chunks of unchanged tensors line up.  blocking=False returns a SaveHandle once the
-    state is snapshotted; the digests are computed from the snapshot by the writer.
+    state is snapshotted (`snapshot` as for ckptfmt.save); the digests are computed from
+    the snapshot by the writer (for snapshot="fork", by the child, which writes only the
+    chunks it does not find in the base or the files it refers to).
     Chunks shorter than `min_reference_bytes` are always written here.
     `within`: the open directory that holds `path` (files.save.save's _within).
     `encrypt_with`: the file is encrypted (spec 17.9): its external chunks lie in encrypted
@@ -366,6 +396,7 @@ def save(
     `create_only`: an object-store URL is created only if absent (files.save.write_state).
     """
     meta = writer.check_save_args(compression, level, metadata)
+    writer.check_snapshot(snapshot)
     encrypt_with, decrypt_with = save_and_read_keys(encrypt_with, decrypt_with)
     target = os.fspath(path)
     here = os.path.dirname(os.path.abspath(target))
@@ -388,7 +419,7 @@ def save(
         chunk_size = index.base_chunk_size
     size = writer.check_chunk_size(chunk_size)
     write = WriteOptions(compression, level, size, meta, seal=encryption.sealer(encrypt_with), dedup=index)
-    options = writer.FileSaveOptions(write, blocking, storage_options=dict(storage_options or {}))
+    options = writer.FileSaveOptions(write, blocking, snapshot, dict(storage_options or {}))
     result: SaveHandle | None = writer.write_state(
         state, target, options, within=within, create_only=create_only
     )

@@ -130,7 +130,8 @@ def save(
     returning; "fork" takes a copy-on-write snapshot by fork() and writes it from a child
     process (Linux, C engine, host memory not shared with other processes): the caller
     waits only for fork(), but each page it changes before the child is done is copied
-    then, one page fault at a time.
+    then, one page fault at a time.  The child encrypts and signs the chunks as asked; to
+    an object-store URL it writes the whole file into memory, which is then uploaded.
 
     sign_with: an Ed25519 private key (a ``cryptography`` key object, a path, or the bytes
     of a PEM or OpenSSH private key): the file is signed (spec section 16), each chunk's
@@ -145,8 +146,7 @@ def save(
     encrypt_with: a key (32 bytes, a key file's path, or a key service's callable: see
     files/encryption.py): the file is encrypted (spec section 17) with AES-256-GCM under a
     fresh data key wrapped by it, each chunk by the engine as it is written (after
-    compression), and the index too unless ``encrypt_index=False``; with snapshot='fork' the
-    forked child encrypts the chunks.
+    compression), and the index too unless ``encrypt_index=False``.
     With sign_with too, the file is encrypted, then signed (spec 17.8): the signature binds
     the ciphertext, the encryption block and the wrapped key, and is checked without the key."""
     began = time.perf_counter()
@@ -186,8 +186,6 @@ def save_file(
     target = os.fspath(path)
     if is_url(target) and within is not None:
         raise ValueError("an object-store URL is not saved within a local directory")
-    if is_url(target) and not options.blocking and options.snapshot == "fork":
-        raise ValueError(f"{target}: snapshot='fork' writes local files only; use snapshot='copy'")
     inflight.raise_unobserved()
     inflight.wait_for_path(target)
     handle = write_state(state, target, options, within=within, create_only=create_only)
@@ -258,7 +256,7 @@ def _write_object(encoded: Encoded, url: str, options: FileSaveOptions, create_o
     capacity = object_capacity(encoded, write.chunk_size)
     out = ObjectFile(url, options.storage_options, capacity, if_absent=create_only)
     if not options.blocking:
-        return copysave.save_async(encoded, url, write, output=out)
+        return copysave.save_async(encoded, url, write, snapshot=options.snapshot, output=out)
     with out:
         length = build_file(
             out.fd, encoded, write, path=url, on_written=out.written, batch_bytes=OBJECT_BATCH_BYTES

@@ -135,16 +135,13 @@ class CheckpointManager(RunRotation):
         Archived copies stay encrypted.  Encrypted runs combine with incremental saves, signing,
         archives, stores and several ranks.
 
-        snapshot="fork" (non-blocking saves, see ckptfmt.save) is refused where the child that
-        writes a fork snapshot cannot do the work: with incremental saves (their digests are
-        compared with the base's in this process), on an object store (the child only writes a
-        local file), and, at the first save, in a run of several ranks (DCP stages each shard
-        itself).  Encrypted runs take fork snapshots: the child encrypts each chunk."""
+        snapshot="fork" (non-blocking saves, see ckptfmt.save): the child writes each state file,
+        encrypting it, or (incremental) writing only the chunks it does not find in the base; on
+        an object store this process uploads what it wrote.  Refused, at the first save, in a
+        run of several ranks (DCP stages each shard itself)."""
         retention.check_rules(keep_last, keep_every, keep_best, best_mode)
         writer.check_save_args(compression, None, None)
         writer.check_snapshot(snapshot)
-        if snapshot == "fork" and incremental:
-            raise ValueError("snapshot='fork' cannot be combined with incremental saves")
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.keep_best = keep_best
@@ -359,6 +356,7 @@ class CheckpointManager(RunRotation):
                 base=base,
                 compression=self.compression,
                 blocking=self.blocking,
+                snapshot=self.snapshot,
                 min_reference_bytes=incremental.MIN_REFERENCE_BYTES,
                 within=within,
                 storage_options=storage_options,

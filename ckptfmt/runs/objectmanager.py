@@ -50,8 +50,6 @@ class ObjectRunManager(CheckpointManager):
 
     def _open(self, directory: str, storage_options: dict[str, Any] | None) -> None:
         """Take the run's place: the prefix `directory` (a URL) of an object store."""
-        if self.snapshot == "fork":
-            raise ValueError("snapshot='fork' writes local files only; use snapshot='copy'")
         self.run = ObjectRun(directory, storage_options, decrypt=self._decrypt, trusted=self._trusted)
         self.directory = self.run.path
 
@@ -136,6 +134,11 @@ class ObjectRunManager(CheckpointManager):
             from . import sharded
 
             return sharded.save_step(self._steps(), step, state, metrics, meta)
+        if self.incremental:
+            # the next object refers to the newest committed step's (or to what that one refers
+            # to): a save in flight must commit, and rotate, before that base is chosen, or its
+            # rotation deletes what this save is about to refer to
+            self._wait_all()
         statuses = self._prepare_step(step)
         from .rng import capture_rng
 
