@@ -51,7 +51,6 @@ from ..files import encryption, multifile, places, recordsign
 from ..files import save as writer
 from ..files.incremental import MIN_REFERENCE_BYTES
 from ..files.places import LocalPlace, Place
-from ..format.index import External
 from ..gcpause import pausing_in_main_thread
 from . import metadata as mdv
 from .rankplan import HeldPlace, RankPlan, StorageInfo, plan_threads, this_host, thread_shares
@@ -277,7 +276,8 @@ class Writer(HeldPlace, StorageWriter):
             key = encryption.save_and_read_keys(self._encrypt, None)[1]
             recorded = d.externals_of(name, key)
             refs = tuple(d.describe(rel) for rel in sorted(recorded))
-            _check_unchanged(d.path_of(name), recorded, refs)
+            # a base saved again while this save read it: its record would name other files
+            multifile.check_named(name, recorded.values(), refs, d.path_of(name))
         part = d.describe(name)
         if self._sign_key is not None:  # each rank hashes its files, so the coordinator reads none
             part, refs = d.with_digest(part), tuple(d.with_digest(r) for r in refs)
@@ -461,23 +461,3 @@ def _remove_stale_rank_files(d: Place, keep: set[str]) -> None:
         if RANK_FILE_RE.fullmatch(name) and name not in keep:
             d.remove(name)
     d.remove_leftovers()
-
-
-# -- reading --------------------------------------------------------------------------------------
-
-
-def _check_unchanged(
-    path: str, recorded: dict[str, External], refs: tuple[multifile.PartRecord, ...]
-) -> None:
-    """The files the rank file at `path` reads chunks from (`recorded`, from its index) are still
-    the ones its record will name (`refs`, described now): a base saved again meanwhile would
-    give a record naming files whose chunks are not the ones referred to, a step that never
-    loads.  Then the save fails."""
-    for ref in refs:
-        ext = recorded.get(ref.name)
-        if ext is None or (ext.file_id, ext.length) != (ref.file_id, ref.length):
-            raise CheckpointError(
-                f"{ref.name}, which this save refers to, was replaced while the save read it "
-                "(saved again meanwhile); nothing is committed",
-                path=path,
-            )

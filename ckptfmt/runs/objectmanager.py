@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..background import inflight
-from ..errors import CheckpointError, CheckpointWarning, CorruptError, LimitError
+from ..errors import CheckpointError, CheckpointWarning, LimitError
 from ..files import multifile
 from ..files import save as writer
 from ..files.places import ObjectPlace
@@ -212,12 +212,7 @@ class ObjectRunManager(CheckpointManager):
         is the file the state object was written against (its file id and length): another
         object there now is not named, nor vouched for."""
         part, etag = place.described(ext.rel)
-        if (part.file_id, part.length) != (ext.file_id, ext.length):
-            raise CorruptError(
-                f"{ext.rel} has file id {part.file_id.hex()} and {part.length} bytes, the state "
-                f"object was written against {ext.file_id.hex()} and {ext.length} bytes",
-                path=str(place.object_url(ext.rel)),
-            )
+        multifile.check_named(STATE_NAME, [ext], [part], str(place.object_url(ext.rel)))
         return place.with_digest(part, etag) if self._sign_key is not None else part
 
     def _abandon(self, job: StepJob) -> None:
