@@ -54,6 +54,8 @@ class ObjectRunManager(CheckpointManager):
             raise ValueError("snapshot='fork' writes local files only; use snapshot='copy'")
         self.run = ObjectRun(directory, storage_options, decrypt=self._decrypt, trusted=self._trusted)
         self.directory = self.run.path
+        # how every commit record is written (signed with the key loaded once, at __init__)
+        self._record_options = writer.save_options(storage_options=self.run.options, sign_with=self._sign_key)
 
     def _open_archive(
         self,
@@ -196,9 +198,11 @@ class ObjectRunManager(CheckpointManager):
                 part = place.with_digest(part, f.etag)
         record = multifile.CommitRecord(job.step, "state", (part,), refs, job.metrics, job.metadata)
         try:
-            options = writer.save_options(storage_options=self.run.options, sign_with=self._sign_key)
             writer.save_file(
-                record.as_value(), f"{job.path}/{multifile.COMMIT_NAME}", options, create_only=True
+                record.as_value(),
+                f"{job.path}/{multifile.COMMIT_NAME}",
+                self._record_options,
+                create_only=True,
             )
         except FileExistsError:
             raise CheckpointError(
