@@ -243,15 +243,19 @@ def opened(directory: str | os.PathLike[str] | CheckpointDir) -> Iterator[Checkp
     if isinstance(directory, CheckpointDir):
         yield directory
         return
-    path = os.fspath(directory)
-    try:
-        d = CheckpointDir.open(path)
-    except FileNotFoundError:
-        raise IncompleteError("no such checkpoint directory", path=path) from None
-    except OSError as e:
-        raise IncompleteError(f"cannot open the directory: {e.strerror}", path=path) from None
-    with d:
+    with open_dir(os.fspath(directory)) as d:
         yield d
+
+
+def open_dir(path: str, noun: str = "checkpoint directory") -> CheckpointDir:
+    """The checkpoint directory at `path`, opened (no link followed); IncompleteError naming it
+    (a `noun`: what the caller calls it) when it is absent or cannot be opened."""
+    try:
+        return CheckpointDir.open(path)
+    except FileNotFoundError:
+        raise IncompleteError(f"no such {noun}", path=path) from None
+    except OSError as e:
+        raise IncompleteError(f"cannot open the {noun.split()[-1]}: {e.strerror}", path=path) from None
 
 
 # -- the record ------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from ..files.places import ObjectPlace
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport
 from ..format.index import External
-from . import resume, retention
+from . import resume
 from .manager import CheckpointManager, RunSteps, is_sharded_save
 from .objectrun import ObjectRun
 from .scan import RunScan
@@ -246,14 +246,7 @@ class ObjectRunManager(CheckpointManager):
     def _rotate(self) -> None:
         statuses = self.statuses()  # once: the records are read by one GET each
         done = [s.info for s in statuses if s.info is not None]
-        kept = retention.kept_steps(
-            [(c.step, c.metrics) for c in done],
-            keep_last=self.keep_last,
-            keep_every=self.keep_every,
-            keep_best=self.keep_best,
-            best_mode=self.best_mode,
-        )
-        self.run.rotate(done, kept, statuses)
+        self.run.rotate(done, self._kept_steps(done), statuses)
 
     def remove(self, step: int) -> None:
         """Delete checkpoint `step`."""
