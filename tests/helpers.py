@@ -269,3 +269,25 @@ def _rank_entry(rank: int, target: Any, world: int, where: str, tag: str, args: 
         dist.destroy_process_group()
     with open(os.path.join(where, f"ranks-{tag}.{rank}.json"), "w") as fh:
         json.dump(result, fh)
+
+
+def forge_state_file(run_dir: str, step: int, mutate: Any) -> None:
+    """Rewrite step `step`'s state file of a manager's run with mutate(payload), and its commit
+    record to name it: a damaged step as someone else would make one."""
+    import dataclasses
+    import os
+
+    import ckptfmt
+    from ckptfmt.files import multifile
+    from ckptfmt.runs.steps import STATE_NAME, step_dirname
+
+    step_dir = os.path.join(run_dir, step_dirname(step))
+    state_path = os.path.join(step_dir, STATE_NAME)
+    payload = ckptfmt.load(state_path)
+    mutate(payload)
+    ckptfmt.save(payload, state_path)
+    record = multifile.read_commit(step_dir)
+    files = tuple(
+        multifile.describe_part(state_path, STATE_NAME) if p.name == STATE_NAME else p for p in record.files
+    )
+    multifile.write_commit(step_dir, dataclasses.replace(record, files=files))

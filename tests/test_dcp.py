@@ -1014,3 +1014,24 @@ def test_tiling_check_of_many_chunks_is_a_sweep_not_every_pair() -> None:
         mdv._check_tiling(fail, "v", np.zeros((m, 1), np.int64), np.ones((m, 1), np.int64), m)
     grid = np.array([[r, c] for r in range(0, 64, 8) for c in range(0, 64, 16)], dtype=np.int64)
     mdv._check_tiling(fail, "g", grid, np.tile([[8, 16]], (len(grid), 1)), 64 * 64)  # 2-D shards
+
+
+def test_a_writers_options_are_one_value_checked_once(tmp_path):
+    """Writer checks its options once into a frozen WriterOptions that every rank file and the
+    commit record are written from: what the caller changes afterwards changes nothing."""
+    import dataclasses
+
+    from ckptfmt.dcp.storage import Writer
+
+    meta, metrics = {"run": "a"}, {"loss": 1.0}
+    w = Writer(tmp_path / "ck", metadata=meta, metrics=metrics, step=7, chunk_size=1 << 16)
+    meta["run"], metrics["loss"] = "b", 2.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        w.options.step = 8  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        w.options.metadata["run"] = "c"  # type: ignore[index]
+    dcp.save({"x": torch.arange(10)}, storage_writer=w, planner=cdcp.SavePlanner())
+    record = multifile.read_commit(str(tmp_path / "ck"))
+    assert (record.step, record.metadata, record.metrics) == (7, {"run": "a"}, {"loss": 1.0})
+    with pytest.raises(ValueError, match="chunk_size"):
+        Writer(tmp_path / "other", chunk_size=3)

@@ -21,18 +21,18 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import forge_state_file
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt.files import multifile
 from ckptfmt.runs.manager import CheckpointManager
 from ckptfmt.runs.steps import STATE_NAME, step_dirname
 
 Mutation = Callable[[dict[str, Any]], None]
 
 
-# -- a run, and forging its state file -------------------------------------------------------
+# -- a run, and forging its state file (helpers.forge_state_file) -------------------------------------------------------
 
 
 def _training_state(seed: int) -> dict[str, Any]:
@@ -48,20 +48,6 @@ def _saved_run(run_dir: str, steps: tuple[int, ...] = (1,)) -> None:
     mgr = CheckpointManager(run_dir)
     for s in steps:
         mgr.save(s, _training_state(s))
-
-
-def _forge(run_dir: str, step: int, mutate: Mutation) -> None:
-    """Rewrite step `step`'s state file with mutate(payload), and its commit record to match."""
-    step_dir = os.path.join(run_dir, step_dirname(step))
-    state_path = os.path.join(step_dir, STATE_NAME)
-    payload = ckptfmt.load(state_path)
-    mutate(payload)
-    ckptfmt.save(payload, state_path)
-    record = multifile.read_commit(step_dir)
-    files = tuple(
-        multifile.describe_part(state_path, STATE_NAME) if p.name == STATE_NAME else p for p in record.files
-    )
-    multifile.write_commit(step_dir, dataclasses.replace(record, files=files))
 
 
 def _snapshot(target: dict[str, Any]) -> list[Any]:
@@ -275,7 +261,7 @@ def test_mangled_entries_are_refused_before_anything_changes(paths, data):
     edits = data.draw(_edits(paths))
     with tempfile.TemporaryDirectory() as run_dir:
         _saved_run(run_dir)
-        _forge(run_dir, 1, lambda p: [e(p) for e in edits])
+        forge_state_file(run_dir, 1, lambda p: [e(p) for e in edits])
         _assert_refused_cleanly_or_loaded(run_dir)
         _assert_refused_cleanly_or_loaded(run_dir, strict=False, restore_rng=False)
 
@@ -284,7 +270,7 @@ def test_mangled_entries_are_refused_before_anything_changes(paths, data):
 
 
 def _refusal(run_dir: str, mutate: Mutation, **kw: Any) -> ckptfmt.CheckpointError:
-    _forge(run_dir, 1, mutate)
+    forge_state_file(run_dir, 1, mutate)
     outcome = _assert_refused_cleanly_or_loaded(run_dir, **kw)
     assert isinstance(outcome, ckptfmt.CheckpointError), outcome
     return outcome
@@ -339,7 +325,9 @@ def test_a_later_fingerprint_version_is_unsupported(tmp_path):
 
 def test_a_step_with_malformed_rng_is_skipped_by_fallback(tmp_path):
     _saved_run(str(tmp_path), steps=(1, 2))
-    _forge(str(tmp_path), 2, _Edit(("rng", "torch_cpu"), torch.zeros(STATE_SIZE, dtype=torch.uint8)))
+    forge_state_file(
+        str(tmp_path), 2, _Edit(("rng", "torch_cpu"), torch.zeros(STATE_SIZE, dtype=torch.uint8))
+    )
     target, _, report = _load_into(str(tmp_path), fallback=True)
     assert not isinstance(report, Exception), report
     assert report.step == 1 and report.rng_restored
@@ -349,8 +337,8 @@ def test_a_step_with_malformed_rng_is_skipped_by_fallback(tmp_path):
 
 def test_huge_plain_values_are_differences_shown_bounded(tmp_path):
     _saved_run(str(tmp_path))
-    _forge(str(tmp_path), 1, _Edit(("resume", "optimizer", "optimizer", 0, "lr"), 10**5000))
-    _forge(str(tmp_path), 1, _Edit(("resume", "environment", "torch"), ["x" * 10_000, 10**5000]))
+    forge_state_file(str(tmp_path), 1, _Edit(("resume", "optimizer", "optimizer", 0, "lr"), 10**5000))
+    forge_state_file(str(tmp_path), 1, _Edit(("resume", "environment", "torch"), ["x" * 10_000, 10**5000]))
     _, _, report = _load_into(str(tmp_path))
     assert not isinstance(report, Exception), report
     lr = [d for d in report.differences if ".lr:" in d]
@@ -387,7 +375,7 @@ def test_a_state_an_object_refuses_is_corrupt_and_fallback_restores_the_older_st
     mgr = CheckpointManager(tmp_path)
     mgr.save(1, _with_scheduler(1))
     mgr.save(2, _with_scheduler(2))
-    _forge(str(tmp_path), 2, _Edit(("state", "scheduler"), 5))  # StepLR.load_state_dict: TypeError
+    forge_state_file(str(tmp_path), 2, _Edit(("state", "scheduler"), 5))  # StepLR.load_state_dict: TypeError
     target = _with_scheduler(99)
     with pytest.raises(ckptfmt.CorruptError, match=r"StepLR\.load_state_dict\(\) refused") as info:
         CheckpointManager(tmp_path).load_into(target)
@@ -444,7 +432,7 @@ def test_a_state_without_the_optimizer_its_fingerprint_names_is_damage_fallback_
     there: the file contradicts itself (CorruptError naming the entry), which a fallback
     skips for the older step, as for any damaged step."""
     _saved_run(str(tmp_path), steps=(1, 2))
-    _forge(str(tmp_path), 2, _Edit(path, 5))
+    forge_state_file(str(tmp_path), 2, _Edit(path, 5))
     target, _, report = _load_into(str(tmp_path), fallback=True)
     assert not isinstance(report, Exception), report
     assert report.step == 1 and target["step"] == 1
@@ -461,3 +449,70 @@ def test_an_optimizer_the_checkpoint_never_saved_is_the_callers_mismatch(tmp_pat
     mgr.save(1, {"model": state["model"], "optimizer": 5, "step": 1})
     outcome = _load_into(str(tmp_path), fallback=True)[2]
     assert isinstance(outcome, ckptfmt.MismatchError) and "no optimizer state here" in str(outcome)
+
+
+# -- verify makes the same checks without torch ------------------------------------------------
+
+
+def _entries_outcome(run_dir: str, build_rng: bool) -> Any:
+    """stepcheck.resume_entries of step 1's state file: what it returned, or what it raised."""
+    from ckptfmt.files.reader import CheckpointFile
+    from ckptfmt.runs.stepcheck import resume_entries
+
+    with CheckpointFile(os.path.join(run_dir, step_dirname(1), STATE_NAME)) as f:
+        if not {"resume", "rng"} <= {k for k, _ in f.root_items()}:
+            return "not a state file"  # what the step check refuses first, for both
+        try:
+            return resume_entries(f, build_rng=build_rng)[0]
+        except ckptfmt.CheckpointError as e:
+            return e
+
+
+@pytest.mark.parametrize("paths", [RESUME_PATHS, RNG_PATHS], ids=["resume", "rng"])
+@_SETTINGS
+@given(data=st.data())
+def test_verify_refuses_the_entries_a_load_refuses(paths, data):
+    """Verify checks the entries as stored, without torch or numpy (resumecheck); a load then
+    builds the RNG states and adds this machine's own checks, which must find nothing more on a
+    CPU machine: torch's CPU generator and numpy refuse no state the plain checks let through."""
+    edits = data.draw(_edits(paths))
+    with tempfile.TemporaryDirectory() as run_dir:
+        _saved_run(run_dir)
+        forge_state_file(run_dir, 1, lambda p: [e(p) for e in edits])
+        plain, built = _entries_outcome(run_dir, False), _entries_outcome(run_dir, True)
+        if isinstance(plain, Exception) or isinstance(built, Exception):
+            assert repr(plain) == repr(built), (plain, built)
+        else:
+            assert plain == built
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    left=st.integers(-(2**31), 2**31 - 1),
+    seeded=st.sampled_from([0, 1, 7, -1]),
+    next_=st.integers(0, 2**64 - 1),
+)
+def test_the_plain_check_of_torchs_cpu_state_is_torchs(left, seeded, next_):
+    """resumecheck reads the fields torch's CPU generator checks from the state's bytes: it
+    refuses exactly the states torch refuses."""
+    import struct
+
+    from ckptfmt.format.decode import RawArray
+    from ckptfmt.runs import resumecheck
+
+    assert resumecheck.TORCH_CPU_STATE_BYTES == torch.get_rng_state().numel()
+    raw = bytearray(torch.get_rng_state().numpy().tobytes())
+    struct.pack_into("=iiQ", raw, 8, left, seeded, next_)
+    meta = {"storage": 0, "offset": 0, "stride": [1]}
+    value = RawArray("tensor", "uint8", (len(raw),), meta, lambda sid: bytes(raw))
+    try:
+        resumecheck._check_torch_cpu(value)
+        plain_ok = True
+    except resumecheck.RNGStateError:
+        plain_ok = False
+    try:
+        torch.Generator().set_state(torch.frombuffer(raw, dtype=torch.uint8))
+        torch_ok = True
+    except RuntimeError:
+        torch_ok = False
+    assert plain_ok == torch_ok, (left, seeded, next_)

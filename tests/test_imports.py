@@ -18,6 +18,7 @@ import json
 import os
 
 import pytest
+from helpers import forge_state_file
 
 import ckptfmt
 
@@ -439,6 +440,12 @@ def saved(tmp_path_factory):
     run = ckptfmt.CheckpointManager(d / "run")
     for step in (1, 2):
         run.save(step, {"w": torch.ones(8) * step})
+    ckptfmt.CheckpointManager(d / "encrypted-run", encrypt_with=str(d / "key.bin")).save(
+        1, {"w": torch.ones(8)}
+    )
+    ckptfmt.CheckpointManager(d / "damaged-run").save(1, {"w": torch.ones(8)})
+    # a state torch's CPU generator refuses ("left" 0): found from the bytes as stored
+    forge_state_file(str(d / "damaged-run"), 1, lambda p: p["rng"]["torch_cpu"][8:12].zero_())
     return d
 
 
@@ -471,6 +478,22 @@ def test_commands_that_build_no_tensor_run_without_torch_or_numpy(saved):
     assert "OK" in _cli_without_torch("verify", d / "encrypted.ckpt", "--trusted-key", d / "signer.pub")
     steps = json.loads(_cli_without_torch("ls", "--json", d / "run"))["steps"]
     assert [(s["step"], s["status"]) for s in steps] == [(1, "complete"), (2, "complete")]
+
+
+def test_verify_of_steps_runs_without_torch_or_numpy(saved):
+    """A manager's steps, plain, signed and encrypted, verified where torch and numpy cannot be
+    imported, with the checks a resume makes on the state file's entries (a malformed RNG state
+    is found from its bytes)."""
+    d = saved
+    step = d / "run" / "step-000000002"
+    assert _cli_without_torch("verify", d / "run").count(": OK") == 2
+    assert f"{step}: OK" in _cli_without_torch("verify", step)
+    _cli_without_torch("keygen", d / "step-signer")
+    assert "signed" in _cli_without_torch("sign", step, "--key", d / "step-signer")
+    assert f"{step}: OK" in _cli_without_torch("verify", step, "--trusted-key", d / "step-signer.pub")
+    assert "OK" in _cli_without_torch("verify", d / "encrypted-run", "--decrypt-key", d / "key.bin")
+    out = _cli_without_torch("verify", d / "damaged-run", rc=1)
+    assert "FAILED corrupt" in out and "rng.torch_cpu" in out, out
 
 
 def test_the_shim_stops_torch():

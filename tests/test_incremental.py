@@ -671,3 +671,14 @@ def test_dcp_saves_against_a_base(tmp_path):
         cdcp.load(target, str(second))
     with pytest.raises(ValueError, match="must lie where the checkpoint does"):
         cdcp.save({"n": 1}, str(tmp_path / "d4"), base="s3://bucket/d1")
+
+
+def test_an_incremental_save_checks_its_keywords_as_save_does(tmp_path):
+    """Its keywords go through save()'s one check (files.save.save_options) before any file is
+    read or written: an option it cannot honour is refused, not ignored."""
+    a = tmp_path / "a.ckpt"
+    with pytest.raises(ValueError, match="unknown storage option 'bogus'"):
+        incremental.save({"w": torch.ones(4)}, a, storage_options={"bogus": 1})
+    with pytest.raises(ValueError, match="level is only meaningful"):
+        incremental.save({"w": torch.ones(4)}, a, level=3)
+    assert not a.exists() and os.listdir(tmp_path) == []

@@ -1361,3 +1361,29 @@ def test_load_into_leaves_every_object_untouched_when_a_later_part_is_damaged(tm
     with pytest.raises(ckptfmt.CorruptError):
         mgr.load_into({"model": fresh, "optimizer": torch.optim.AdamW(fresh.parameters())}, restore_rng=False)
     assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_a_commit_names_only_the_files_the_state_was_written_against(tmp_path):
+    """Step 1's state file saved again (another file id) after step 2's state file was written
+    against it: the record of step 2 must not name the new file, whose chunks are not the ones
+    step 2 refers to (the check every writer and every load makes: multifile.check_named)."""
+
+    from ckptfmt.runs.steps import StepJob
+
+    mgr = CheckpointManager(tmp_path, incremental=True)
+    frozen = torch.randn(256 * 1024)  # about 1 MiB: chunks worth referring to
+    mgr.save(1, {"frozen": frozen, "w": torch.zeros(3)})
+    mgr.save(2, {"frozen": frozen, "w": torch.ones(3)})
+    step2 = tmp_path / "step-000000002"
+    record = multifile.read_commit(str(step2))
+    assert record.references, "step 2 reads chunks from step 1"
+    os.remove(step2 / multifile.COMMIT_NAME)
+    ckptfmt.save({"frozen": frozen}, tmp_path / "step-000000001" / "state.ckpt")
+    fd = os.open(step2, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        job = StepJob(2, str(step2), fd, {}, {}, inflight.SaveHandle(str(step2)))
+        with pytest.raises(ckptfmt.CorruptError, match="file id"):
+            mgr._commit(job)
+    finally:
+        os.close(fd)
+    assert not (step2 / multifile.COMMIT_NAME).exists()

@@ -149,3 +149,23 @@ def test_a_changed_wrapped_key_on_the_store_is_a_signature_error(s3_server, s3_b
     _assert_refused(
         CheckpointManager(url, trusted_keys=[PUB], decrypt_with=data_key, storage_options=options), 1
     )
+
+
+def test_a_run_on_the_store_builds_its_record_options_once(s3_bucket, monkeypatch):
+    """The commit records' options (the signer, the storage options) are checked once, when the
+    manager is made, not again at every commit: each save signs with the signer built then."""
+    from ckptfmt.files import save as writer
+
+    made = []
+    real = writer.signer
+    # signers made with the run's key (the state objects themselves are not signed: sign_with=None)
+    monkeypatch.setattr(writer, "signer", lambda key: (key is not None and made.append(key)) or real(key))
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/signed-once"
+    m = CheckpointManager(url, sign_with=KEY, storage_options=options)
+    built = len(made)
+    for step in (1, 2, 3):
+        m.save(step, _state(step))
+    assert len(made) == built, "a commit built its save options again"
+    reader = CheckpointManager(url, trusted_keys=[PUB], storage_options=options)
+    assert reader.latest().step == 3 and reader.verify(3).ok

@@ -23,6 +23,8 @@ import io
 import os
 import uuid
 import warnings
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, TypedDict
 
 import torch
@@ -51,7 +53,6 @@ from ..files import encryption, multifile, places, recordsign
 from ..files import save as writer
 from ..files.incremental import MIN_REFERENCE_BYTES
 from ..files.places import LocalPlace, Place
-from ..format.index import External
 from ..gcpause import pausing_in_main_thread
 from . import metadata as mdv
 from .rankplan import HeldPlace, RankPlan, StorageInfo, plan_threads, this_host, thread_shares
@@ -90,6 +91,83 @@ class SaveOptions(TypedDict, total=False):
     base: str | os.PathLike[str] | None
 
 
+@dataclasses.dataclass(frozen=True)
+class WriterOptions:
+    """A Writer's options (SaveOptions' names), checked once by `writer_options` before any
+    rank writes: how each rank file is written (`compression`, `level`, `chunk_size`,
+    `encrypt_with`, `incremental` against `base`, the object store's `storage_options`), what
+    the commit record holds (`step`, `metrics`, `metadata`, signed with `sign_key`, the loaded
+    private key), and whether a checkpoint already there may be replaced (`overwrite`)."""
+
+    compression: str | None = None
+    level: int | None = None
+    chunk_size: int = 0
+    metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    step: int | None = None
+    metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    overwrite: bool = True
+    sign_key: Any = None
+    encrypt_with: Any = None
+    storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    incremental: bool = False
+    base: str | None = None
+
+    def __post_init__(self) -> None:  # held read-only: the options of every rank file of a save
+        for name in ("metadata", "metrics", "storage_options"):
+            object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+
+    def rank_file_options(self, rank: int, save_id: str) -> dict[str, Any]:
+        """files.save's keywords for one rank's file (its metadata names the rank and the save)."""
+        return {
+            "compression": self.compression,
+            "level": self.level,
+            "metadata": {**self.metadata, "dcp_rank": str(rank), "dcp_save_id": save_id},
+            "chunk_size": self.chunk_size,
+            "encrypt_with": self.encrypt_with,
+        }
+
+
+def writer_options(
+    path: str,
+    *,
+    compression: str | None = None,
+    level: int | None = None,
+    chunk_size: int | None = None,
+    step: int | None = None,
+    metrics: dict[str, float] | None = None,
+    metadata: dict[str, str] | None = None,
+    overwrite: bool = True,
+    sign_with: Any = None,
+    encrypt_with: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    incremental: bool = False,
+    base: str | os.PathLike[str] | None = None,
+) -> WriterOptions:
+    """Check a save's options (SaveOptions) for the checkpoint at `path` (normalized) and make
+    them one value: a bad key, an engine without libcrypto, a base elsewhere fail here."""
+    store = places.check_place_options(path, storage_options)
+    base_path = None if base is None else places.normalized(base)
+    if base_path is not None and is_url(base_path) != is_url(path):
+        raise ValueError(f"{path}: base {base_path} must lie where the checkpoint does")
+    encryption.sealer(encrypt_with)  # a bad key, or an engine without libcrypto, fails here
+    sign_key = recordsign.private_key(sign_with)  # a bad key fails before any rank writes
+    writer.signer(sign_key)  # and an engine without libcrypto
+    return WriterOptions(
+        compression=compression,
+        level=level,
+        chunk_size=writer.check_chunk_size(chunk_size),
+        metadata=writer.check_save_args(compression, level, metadata),
+        step=step,
+        metrics=dict(metrics or {}),
+        overwrite=overwrite,
+        sign_key=sign_key,
+        encrypt_with=encrypt_with,
+        storage_options=store or {},
+        incremental=incremental or base_path is not None,
+        base=base_path,
+    )
+
+
 class Writer(HeldPlace, StorageWriter):
     """Writes a DCP save as one ckptfmt file per rank plus a commit record (see the module doc).
 
@@ -102,6 +180,7 @@ class Writer(HeldPlace, StorageWriter):
     `path` may be an object-store URL (``s3://bucket/prefix``, the client's settings in
     `storage_options`): each rank streams its file into a multipart upload of its own object,
     and the coordinator creates the commit record last, only if absent (spec 13.7).
+    The options are checked once, into `self.options` (WriterOptions).
     """
 
     def __init__(
@@ -123,31 +202,35 @@ class Writer(HeldPlace, StorageWriter):
     ) -> None:
         super().__init__()
         self.path = places.normalized(path)
-        self.storage_options = places.check_place_options(self.path, storage_options)
-        self.base = None if base is None else places.normalized(base)
-        self.incremental = incremental or base is not None
-        if self.base is not None and is_url(self.base) != is_url(self.path):
-            raise ValueError(f"{self.path}: base {self.base} must lie where the checkpoint does")
-        encryption.sealer(encrypt_with)  # a bad key, or an engine without libcrypto, fails here
-        self._encrypt = encrypt_with
-        self._sign_key = recordsign.private_key(sign_with)  # a bad key fails before any rank writes
-        writer.signer(self._sign_key)  # and an engine without libcrypto
+        self.options = writer_options(
+            self.path,
+            compression=compression,
+            level=level,
+            chunk_size=chunk_size,
+            step=step,
+            metrics=metrics,
+            metadata=metadata,
+            overwrite=overwrite,
+            sign_with=sign_with,
+            encrypt_with=encrypt_with,
+            storage_options=storage_options,
+            incremental=incremental,
+            base=base,
+        )
         # The directory is opened once per save and every write, unlink and listing is
         # made beneath that descriptor (spec 13.6); held_writer lends one (`_within`) or says
         # a manager made it (`_step_dir`).
         self._within: CheckpointDir | None = None
         self._step_dir = False
         self._place: Place | None = None
-        self.overwrite = overwrite
-        self.compression = compression
-        self.level = level
-        self.meta = writer.check_save_args(compression, level, metadata)
-        self.chunk_size = writer.check_chunk_size(chunk_size)
-        self.step = step
-        self.metrics = dict(metrics or {})
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """The object-store client's settings (checked: WriterOptions)."""
+        return dict(self.options.storage_options)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
@@ -193,7 +276,7 @@ class Writer(HeldPlace, StorageWriter):
         d = self._d()
         self._refuse_self_as_base()
         # every rank checks, before the coordinator removes the old record (prepare_global_plan)
-        if not self.overwrite and d.exists(multifile.COMMIT_NAME):
+        if not self.options.overwrite and d.exists(multifile.COMMIT_NAME):
             raise CheckpointError("a checkpoint is already there (overwrite=False)", path=self.path)
         return dataclasses.replace(plan, storage_data=this_host())
 
@@ -261,25 +344,20 @@ class Writer(HeldPlace, StorageWriter):
         """Write and commit one rank file holding `state` (item number -> value): its identity,
         and those of the files of earlier checkpoints it reads chunks from."""
         d = self._d()
-        options: dict[str, Any] = {
-            "compression": self.compression,
-            "level": self.level,
-            "metadata": {**self.meta, "dcp_rank": str(self.rank), "dcp_save_id": self.save_id},
-            "chunk_size": self.chunk_size,
-            "encrypt_with": self._encrypt,
-        }
-        if not self.incremental:
+        options = self.options.rank_file_options(self.rank, self.save_id)
+        if not self.options.incremental:
             d.save(name, state, **options)
             refs: tuple[multifile.PartRecord, ...] = ()
         else:
             base = self._base_file(name)
             d.save_against(name, state, base, min_reference_bytes=MIN_REFERENCE_BYTES, **options)
-            key = encryption.save_and_read_keys(self._encrypt, None)[1]
+            key = encryption.save_and_read_keys(self.options.encrypt_with, None)[1]
             recorded = d.externals_of(name, key)
             refs = tuple(d.describe(rel) for rel in sorted(recorded))
-            _check_unchanged(d.path_of(name), recorded, refs)
+            # a base saved again while this save read it: its record would name other files
+            multifile.check_named(name, recorded.values(), refs, d.path_of(name))
         part = d.describe(name)
-        if self._sign_key is not None:  # each rank hashes its files, so the coordinator reads none
+        if self.options.sign_key is not None:  # each rank hashes its files, so the coordinator reads none
             part, refs = d.with_digest(part), tuple(d.with_digest(r) for r in refs)
         return part, refs
 
@@ -287,30 +365,31 @@ class Writer(HeldPlace, StorageWriter):
         """A save against its own directory cannot be honoured: the coordinator withdraws that
         directory's record before any rank reads it as the base.  Refused on every rank before
         anything is touched (a link to the directory is the directory)."""
-        if self.base is None:
+        base = self.options.base
+        if base is None:
             return
         if is_url(self.path):
-            same = self.base.rstrip("/") == self.path.rstrip("/")
+            same = base.rstrip("/") == self.path.rstrip("/")
         else:
             try:
-                same = os.path.samefile(self.base, self.path)
+                same = os.path.samefile(base, self.path)
             except OSError:  # no base there: the save says so when it reads it
                 same = False
         if same:
-            raise ValueError(f"{self.path}: a checkpoint cannot be saved against itself (base={self.base})")
+            raise ValueError(f"{self.path}: a checkpoint cannot be saved against itself (base={base})")
 
     def _base_file(self, name: str) -> str | None:
         """The file of `base` that rank file `name` is saved against: the one of that name its
         commit record names, or None (no base, or a base saved by fewer ranks).  A base of
         another layout (one state file: a CheckpointManager step, ckptfmt.save) has no rank
         file to refer to: every chunk is written, with a warning."""
-        if self.base is None:
+        if self.options.base is None:
             return None
-        with places.place_at(self.base, self.storage_options) as base:
+        with places.place_at(self.options.base, self.storage_options) as base:
             record = base.read_record()
             if record.layout != LAYOUT:
                 warnings.warn(
-                    f"{self.path} cannot refer to {self.base}: it is not a checkpoint of ckptfmt.dcp "
+                    f"{self.path} cannot refer to {self.options.base}: it is not a checkpoint of ckptfmt.dcp "
                     f"(its layout is {record.layout!r}); every chunk is written",
                     CheckpointWarning,
                     stacklevel=2,
@@ -373,22 +452,22 @@ class Writer(HeldPlace, StorageWriter):
             self.path,
         )
         record = multifile.CommitRecord(
-            step=self.step,
+            step=self.options.step,
             layout=LAYOUT,
             files=tuple(parts[n] for n in names),
             references=tuple(refs.values()),
-            metrics=self.metrics,
-            metadata=self.meta,
+            metrics=dict(self.options.metrics),
+            metadata=dict(self.options.metadata),
             layout_data=value,
         )
-        d.write_record(record, sign_with=self._sign_key)
+        d.write_record(record, sign_with=self.options.sign_key)
         metadata.version = value["version"]
         metadata.storage_data = {idx: StorageInfo(f, k) for idx, (f, k) in where.items()}
         _remove_stale_rank_files(d, set(names))
 
     def _digested(self, d: Place, p: multifile.PartRecord) -> multifile.PartRecord:
         """Digests on every entry of a signed record, on none of another."""
-        if self._sign_key is None:
+        if self.options.sign_key is None:
             return dataclasses.replace(p, sha256=None)
         return p if p.sha256 is not None else d.with_digest(p)  # None: a rank not given the key
 
@@ -461,23 +540,3 @@ def _remove_stale_rank_files(d: Place, keep: set[str]) -> None:
         if RANK_FILE_RE.fullmatch(name) and name not in keep:
             d.remove(name)
     d.remove_leftovers()
-
-
-# -- reading --------------------------------------------------------------------------------------
-
-
-def _check_unchanged(
-    path: str, recorded: dict[str, External], refs: tuple[multifile.PartRecord, ...]
-) -> None:
-    """The files the rank file at `path` reads chunks from (`recorded`, from its index) are still
-    the ones its record will name (`refs`, described now): a base saved again meanwhile would
-    give a record naming files whose chunks are not the ones referred to, a step that never
-    loads.  Then the save fails."""
-    for ref in refs:
-        ext = recorded.get(ref.name)
-        if ext is None or (ext.file_id, ext.length) != (ref.file_id, ref.length):
-            raise CheckpointError(
-                f"{ref.name}, which this save refers to, was replaced while the save read it "
-                "(saved again meanwhile); nothing is committed",
-                path=path,
-            )

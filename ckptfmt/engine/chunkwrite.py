@@ -18,10 +18,12 @@ This module knows nothing of temp files or saves in flight: the blocking save
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
 import secrets
+import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -59,18 +61,30 @@ def _created() -> str:
     return format_utc(utc_at(int(epoch)) if epoch else utc_now())
 
 
-def producer_info() -> dict[str, str]:
-    import numpy as np
-    import torch
+def _library_version(name: str) -> str | None:
+    """The version of torch or numpy, read without importing it where it is not imported (a
+    commit record signed by `ckptfmt sign` builds no tensor); None where it is not installed."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return str(module.__version__)
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
-    return {
+
+def producer_info() -> dict[str, str]:
+    info = {
         "ckptfmt": __version__,
         "format": f"{fmt.FORMAT_MAJOR}.{fmt.FORMAT_MINOR}",
         "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "created": _created(),
     }
+    for name in ("torch", "numpy"):
+        version = _library_version(name)
+        if version is not None:
+            info[name] = version
+    info["created"] = _created()
+    return info
 
 
 def storage_bytes(plan: StoragePlan) -> memoryview:

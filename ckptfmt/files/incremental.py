@@ -16,6 +16,7 @@ files a checkpoint needs.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import posixpath
@@ -395,9 +396,18 @@ def save(
     An object-store URL `path` (with `storage_options`) refers to objects of its bucket;
     `create_only`: an object-store URL is created only if absent (files.save.write_state).
     """
-    meta = writer.check_save_args(compression, level, metadata)
-    writer.check_snapshot(snapshot)
     encrypt_with, decrypt_with = save_and_read_keys(encrypt_with, decrypt_with)
+    # every keyword checked once, as save() checks them, before any file is read
+    options = writer.save_options(
+        compression=compression,
+        level=level,
+        metadata=metadata,
+        blocking=blocking,
+        chunk_size=chunk_size,
+        snapshot=snapshot,
+        storage_options=storage_options,
+        encrypt_with=encrypt_with,
+    )
     target = os.fspath(path)
     here = os.path.dirname(os.path.abspath(target))
     if not is_url(target) and not os.path.isdir(here):  # before the references, relative to it
@@ -412,14 +422,13 @@ def save(
         base_path,
         min_reference_bytes,
         decrypt_with if encrypt_with else None,
-        storage_options,
+        options.storage_options,
         within,
     )
+    write = dataclasses.replace(options.write, dedup=index)
     if chunk_size is None and index.base_chunk_size is not None and not os.environ.get("CKPTFMT_CHUNK_SIZE"):
-        chunk_size = index.base_chunk_size
-    size = writer.check_chunk_size(chunk_size)
-    write = WriteOptions(compression, level, size, meta, seal=encryption.sealer(encrypt_with), dedup=index)
-    options = writer.FileSaveOptions(write, blocking, snapshot, dict(storage_options or {}))
+        write = dataclasses.replace(write, chunk_size=writer.check_chunk_size(index.base_chunk_size))
+    options = dataclasses.replace(options, write=write)
     result: SaveHandle | None = writer.write_state(
         state, target, options, within=within, create_only=create_only
     )

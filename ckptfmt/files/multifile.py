@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from ..engine.ckptdir import CheckpointDir, LinkError
 from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
 from ..fileio import open_regular, pread_exact
 from ..format import layout as fmt
+from ..format.index import External
 from ..format.timestamps import MICROSECONDS, format_utc, utc_now
 from .reader import CheckpointFile
 
@@ -203,11 +204,28 @@ def check_identity(found: PartRecord, rec: PartRecord, what: str, owner: str) ->
 def check_references(f: CheckpointFile, record: CommitRecord, owner: str) -> None:
     """Every file `f` reads chunks from is one the commit record names (spec 13.1): a load
     never reads a file the record does not bind by name, length and file id."""
-    named = {(p.name, p.file_id, p.length) for p in record.references}
-    for ext in f.externals:
-        if (ext.rel, ext.file_id, ext.length) not in named:
+    check_named(os.path.basename(f.path), f.externals, record.references, owner)
+
+
+def check_named(
+    reader: str, externals: Iterable[External], references: Iterable[PartRecord], owner: str
+) -> None:
+    """The one check of a file's references against a commit record, made by loads (through
+    check_references) and by each writer before it commits: every file `reader` reads chunks
+    from (`externals`, from its index) is one of `references` by name, file id and length.
+    A writer that meets another file there (a base saved again while the save read it) would
+    otherwise commit a record naming a file whose chunks are not the ones referred to."""
+    named = {p.name: p for p in references}  # names are unique in a record (_parse_record)
+    for ext in externals:
+        part = named.get(ext.rel)
+        if part is None:
             raise CorruptError(
-                f"{os.path.basename(f.path)} reads chunks from {ext.rel}, which the commit record does not name",
+                f"{reader} reads chunks from {ext.rel}, which the commit record does not name", path=owner
+            )
+        if (part.file_id, part.length) != (ext.file_id, ext.length):
+            raise CorruptError(
+                f"{reader} reads chunks from {ext.rel} of file id {ext.file_id.hex()} and {ext.length} "
+                f"bytes; the commit record names one of file id {part.file_id.hex()} and {part.length} bytes",
                 path=owner,
             )
 
@@ -225,15 +243,19 @@ def opened(directory: str | os.PathLike[str] | CheckpointDir) -> Iterator[Checkp
     if isinstance(directory, CheckpointDir):
         yield directory
         return
-    path = os.fspath(directory)
-    try:
-        d = CheckpointDir.open(path)
-    except FileNotFoundError:
-        raise IncompleteError("no such checkpoint directory", path=path) from None
-    except OSError as e:
-        raise IncompleteError(f"cannot open the directory: {e.strerror}", path=path) from None
-    with d:
+    with open_dir(os.fspath(directory)) as d:
         yield d
+
+
+def open_dir(path: str, noun: str = "checkpoint directory") -> CheckpointDir:
+    """The checkpoint directory at `path`, opened (no link followed); IncompleteError naming it
+    (a `noun`: what the caller calls it) when it is absent or cannot be opened."""
+    try:
+        return CheckpointDir.open(path)
+    except FileNotFoundError:
+        raise IncompleteError(f"no such {noun}", path=path) from None
+    except OSError as e:
+        raise IncompleteError(f"cannot open the {noun.split()[-1]}: {e.strerror}", path=path) from None
 
 
 # -- the record ------------------------------------------------------------------------

@@ -334,6 +334,28 @@ class CheckpointFile:
                 addr += chunks[k].raw_len
         return out
 
+    def storage_bytes(self, sid: int, verify: bool) -> bytes:
+        """Storage `sid`'s bytes, its chunks read and checked, without torch (decode_raw's
+        reads: small storages only, such as RNG states; a load places storages instead)."""
+        rec = self.storages[sid]
+        buf = bytearray(rec.nbytes)
+        view = memoryview(buf)
+        items: list[tuple[int, Destination]] = []
+        pos = 0
+        for k in range(rec.first_chunk, rec.first_chunk + rec.n_chunks):
+            n = self.chunks[k].raw_len
+            items.append((k, view[pos : pos + n]))
+            pos += n
+        self.read_into(items, verify)
+        return bytes(buf)
+
+    def load_raw(self, top: int, verify: bool) -> object:
+        """The subtree at `top` as decode_raw builds it (no torch, no numpy): tensors and arrays
+        as RawArrays whose bytes are read, and checked, only when asked for."""
+        from ..format.decode import decode_raw
+
+        return decode_raw(self.tree, top, lambda sid: self.storage_bytes(sid, verify), self.path)
+
     def read_storage(self, sid: int, verify: bool) -> torch.UntypedStorage:
         return self.read_storages([sid], verify)[sid]
 

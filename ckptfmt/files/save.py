@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..background import copysave, inflight
+from ..background import inflight
 from ..background.inflight import SaveHandle
 from ..engine.chunkwrite import build_file
 from ..engine.ckptdir import CheckpointDir
@@ -219,6 +219,8 @@ def write_state(
     if is_url(target):
         return _write_object(encoded, target, options, create_only)
     if not options.blocking:
+        from ..background import copysave  # staging memory is torch's: a blocking save needs none
+
         return copysave.save_async(encoded, target, write, snapshot=options.snapshot, within=within)
     try:
         with AtomicFile(target, within) as f:
@@ -256,6 +258,8 @@ def _write_object(encoded: Encoded, url: str, options: FileSaveOptions, create_o
     capacity = object_capacity(encoded, write.chunk_size)
     out = ObjectFile(url, options.storage_options, capacity, if_absent=create_only)
     if not options.blocking:
+        from ..background import copysave
+
         return copysave.save_async(encoded, url, write, snapshot=options.snapshot, output=out)
     with out:
         length = build_file(

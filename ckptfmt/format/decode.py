@@ -7,7 +7,10 @@ sharing a storage wherever the saved state shared one.  `decode_key` gives one d
 key's value, for callers that match keys before building anything.
 
 A tree of plain values (a commit record, a resume fingerprint) is built without torch
-or numpy: each is imported by the first node that needs it.
+or numpy: each is imported by the first node that needs it.  `decode_raw` builds any
+subtree without either: tensors and arrays become `RawArray`s whose elements are read as
+bytes when asked for, and numpy scalars, dtypes, devices and sizes `RawValue`s, so that
+checks made on decoded values (a manager's RNG states) run where neither is installed.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import collections
 import contextlib
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..gcpause import pausing
@@ -119,6 +123,59 @@ class _Builder:
                 f"node {i} names device {text!r}, which torch reads as {str(device)!r}"
             )
         return device
+
+
+@dataclass(frozen=True)
+class RawArray:
+    """A tensor or array node as `decode_raw` builds it: its validated fields (the meta of
+    spec section 5) and the elements' bytes, read on demand."""
+
+    kind: str  # "tensor" or "ndarray"
+    dtype: str  # the format's name: a tensor dtype name, or a numpy dtype.str such as "<u4"
+    shape: tuple[int, ...]
+    meta: dict[str, Any]
+    storage: Callable[[int], bytes]  # storage id -> its bytes, read and checked
+
+    def vector_bytes(self) -> bytes:
+        """The bytes of a 1-D array's elements in order (a tensor's offset and stride applied),
+        as `.contiguous()` would hold them; the storage is read now."""
+        if len(self.shape) != 1:
+            raise ValueError(f"vector_bytes of a {len(self.shape)}-D {self.kind}")
+        data = self.storage(self.meta["storage"])
+        if self.kind == "ndarray":
+            return data  # validated: its storage holds exactly its elements
+        size = dtypes.TENSOR_ITEMSIZES[self.dtype]
+        start, step = self.meta["offset"] * size, self.meta["stride"][0] * size
+        if step == size:
+            return data[start : start + self.shape[0] * size]
+        return b"".join(data[start + i * step : start + i * step + size] for i in range(self.shape[0]))
+
+
+@dataclass(frozen=True)
+class RawValue:
+    """A node whose value needs torch or numpy (npscalar, dtype, device, size), as stored."""
+
+    kind: str
+    fields: tuple[Any, ...]
+
+
+@pausing
+def decode_raw(tree: Tree, top: int, storage: Callable[[int], bytes], path: str) -> object:
+    """The subtree at `top` built without torch or numpy (see the module docstring)."""
+    return _RawBuilder(tree.nodes, storage, path).build(top)  # type: ignore[arg-type]
+
+
+class _RawBuilder(_Builder):
+    def build(self, i: int) -> object:
+        node = self.nodes[i]
+        kind = node[0]
+        if kind in ("tensor", "ndarray"):
+            m = node[1]
+            return RawArray(kind, m["dtype"], tuple(m["shape"]), m, self.storage)  # type: ignore[arg-type]
+        if kind in ("npscalar", "dtype", "device", "size"):
+            # a size's dims as a tuple: a dict key may be one of these, so it must hash
+            return RawValue(kind, tuple(tuple(f) if type(f) is list else f for f in node[1:]))
+        return super().build(i)  # containers and scalars, whose entries come back here
 
 
 def _build_tensor(m: dict[str, Any], storage: Callable[[int], torch.UntypedStorage]) -> torch.Tensor:

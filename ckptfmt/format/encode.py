@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
+import sys
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import LimitError, UnsupportedObjectError
 from ..gcpause import pausing
@@ -25,6 +24,10 @@ from . import dtypes, locations
 from .layout import Limits
 from .render import extend_path, key_text, short_repr
 from .tree import float_text, over_string_limit
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 
 @dataclass
@@ -160,31 +163,40 @@ class _Encoder:
             if mid is not None and self.out.nodes[mid][0] not in ("dict", "odict"):
                 raise self._fail(where, meta, "_metadata must be a dict")
             return self._emit(["odict", pairs, mid], path)
-        if t is torch.Size:
-            if len(obj) > Limits.MAX_RANK:
-                raise self._limit(path, f"a torch.Size of {len(obj)} dimensions, above {Limits.MAX_RANK}")
-            if any(not 0 <= d <= Limits.MAX_SIZE_DIM for d in obj):
-                raise self._fail(path, obj, "torch.Size dimensions must be non-negative int64 values")
-            return self._emit(["size", [format(int(d), "x") for d in obj]], path)
-        if t is torch.dtype:
-            name = dtypes.TORCH_NAMES.get(obj)
-            if name is None:
-                raise self._fail(path, obj, "dtype not supported by the format")
-            return self._emit(["dtype", name], path)
-        if t is torch.device:
-            text = str(obj)
-            if not locations.valid_location(text):
-                raise self._fail(path, obj, "not a device the format can name")
-            return self._emit(["device", text], path)
-        if t is torch.Tensor or t is torch.nn.Parameter:
-            return self._tensor(obj, path)
-        if t is np.ndarray:
-            return self._ndarray(obj, path)
-        if isinstance(obj, np.generic):
-            name = dtypes.numpy_name(obj.dtype)
-            if name is None:
-                raise self._fail(path, obj, f"numpy dtype {obj.dtype} is not supported")
-            return self._emit(["npscalar", name, _b64(obj.tobytes())], path)
+        return self._library_value(obj, t, path)
+
+    def _library_value(self, obj: Any, t: type, path: _Path) -> int:
+        """A value of torch or numpy: one exists only where its library was imported, so a
+        state of plain values (a commit record) is encoded without either."""
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            if t is torch.Size:
+                if len(obj) > Limits.MAX_RANK:
+                    raise self._limit(path, f"a torch.Size of {len(obj)} dimensions, above {Limits.MAX_RANK}")
+                if any(not 0 <= d <= Limits.MAX_SIZE_DIM for d in obj):
+                    raise self._fail(path, obj, "torch.Size dimensions must be non-negative int64 values")
+                return self._emit(["size", [format(int(d), "x") for d in obj]], path)
+            if t is torch.dtype:
+                name = dtypes.TORCH_NAMES.get(obj)
+                if name is None:
+                    raise self._fail(path, obj, "dtype not supported by the format")
+                return self._emit(["dtype", name], path)
+            if t is torch.device:
+                text = str(obj)
+                if not locations.valid_location(text):
+                    raise self._fail(path, obj, "not a device the format can name")
+                return self._emit(["device", text], path)
+            if t is torch.Tensor or t is torch.nn.Parameter:
+                return self._tensor(obj, path)
+        np = sys.modules.get("numpy")
+        if np is not None:
+            if t is np.ndarray:
+                return self._ndarray(obj, path)
+            if isinstance(obj, np.generic):
+                name = dtypes.numpy_name(obj.dtype)
+                if name is None:
+                    raise self._fail(path, obj, f"numpy dtype {obj.dtype} is not supported")
+                return self._emit(["npscalar", name, _b64(obj.tobytes())], path)
         raise self._fail(path, obj)
 
     def _check_collisions(self, d: dict[Any, Any], path: _Path) -> None:
@@ -224,6 +236,8 @@ class _Encoder:
             )
 
     def _tensor(self, t: torch.Tensor, path: _Path) -> int:
+        import torch
+
         if t.layout != torch.strided or t.is_sparse:
             raise self._fail(path, t, f"layout {t.layout} is not supported; only dense tensors")
         if t.is_quantized:
@@ -270,6 +284,8 @@ class _Encoder:
         return self._emit(["tensor", meta], path)
 
     def _ndarray(self, a: np.ndarray, path: _Path) -> int:
+        import numpy as np
+
         name = dtypes.numpy_name(a.dtype)
         if name is None:
             raise self._fail(path, a, f"numpy dtype {a.dtype} is not supported")
@@ -296,7 +312,8 @@ def encode(state: object) -> Encoded:
     section 8).  Checks every limit but the index length and the chunk count, which depend
     on how the file is written (writer.finish_file, check_chunks)."""
     enc = _Encoder()
-    with torch.no_grad():
+    torch = sys.modules.get("torch")
+    with torch.no_grad() if torch is not None else contextlib.nullcontext():
         enc.add(state, None, 0)
     return enc.out
 

@@ -479,8 +479,8 @@ class CheckpointManager(RunRotation):
         if self.incremental:
             fd = d.open_file(STATE_NAME)
             with CheckpointFile(d.path_of(STATE_NAME), fd=fd, within=d, decrypt_with=self._decrypt) as f:
-                rels = [ext.rel for ext in f.externals]
-            refs = tuple(multifile.describe_in(d, rel) for rel in rels)
+                refs = tuple(multifile.describe_in(d, ext.rel) for ext in f.externals)
+                multifile.check_named(STATE_NAME, f.externals, refs, job.path)
         record = multifile.CommitRecord(job.step, "state", parts, refs, job.metrics, job.metadata)
         if self._sign_key is not None:
             recordsign.write_signed(d, record, self._sign_key)

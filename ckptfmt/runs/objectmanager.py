@@ -31,14 +31,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..background import inflight
-from ..errors import CheckpointError, CheckpointWarning, CorruptError, LimitError
+from ..errors import CheckpointError, CheckpointWarning, LimitError
 from ..files import multifile
 from ..files import save as writer
 from ..files.places import ObjectPlace
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport
 from ..format.index import External
-from . import resume, retention
+from . import resume
 from .manager import CheckpointManager, RunSteps, is_sharded_save
 from .objectrun import ObjectRun
 from .scan import RunScan
@@ -52,6 +52,8 @@ class ObjectRunManager(CheckpointManager):
         """Take the run's place: the prefix `directory` (a URL) of an object store."""
         self.run = ObjectRun(directory, storage_options, decrypt=self._decrypt, trusted=self._trusted)
         self.directory = self.run.path
+        # how every commit record is written (signed with the key loaded once, at __init__)
+        self._record_options = writer.save_options(storage_options=self.run.options, sign_with=self._sign_key)
 
     def _open_archive(
         self,
@@ -199,9 +201,11 @@ class ObjectRunManager(CheckpointManager):
                 part = place.with_digest(part, f.etag)
         record = multifile.CommitRecord(job.step, "state", (part,), refs, job.metrics, job.metadata)
         try:
-            options = writer.save_options(storage_options=self.run.options, sign_with=self._sign_key)
             writer.save_file(
-                record.as_value(), f"{job.path}/{multifile.COMMIT_NAME}", options, create_only=True
+                record.as_value(),
+                f"{job.path}/{multifile.COMMIT_NAME}",
+                self._record_options,
+                create_only=True,
             )
         except FileExistsError:
             raise CheckpointError(
@@ -215,12 +219,7 @@ class ObjectRunManager(CheckpointManager):
         is the file the state object was written against (its file id and length): another
         object there now is not named, nor vouched for."""
         part, etag = place.described(ext.rel)
-        if (part.file_id, part.length) != (ext.file_id, ext.length):
-            raise CorruptError(
-                f"{ext.rel} has file id {part.file_id.hex()} and {part.length} bytes, the state "
-                f"object was written against {ext.file_id.hex()} and {ext.length} bytes",
-                path=str(place.object_url(ext.rel)),
-            )
+        multifile.check_named(STATE_NAME, [ext], [part], str(place.object_url(ext.rel)))
         return place.with_digest(part, etag) if self._sign_key is not None else part
 
     def _abandon(self, job: StepJob) -> None:
@@ -250,14 +249,7 @@ class ObjectRunManager(CheckpointManager):
     def _rotate(self) -> None:
         statuses = self.statuses()  # once: the records are read by one GET each
         done = [s.info for s in statuses if s.info is not None]
-        kept = retention.kept_steps(
-            [(c.step, c.metrics) for c in done],
-            keep_last=self.keep_last,
-            keep_every=self.keep_every,
-            keep_best=self.keep_best,
-            best_mode=self.best_mode,
-        )
-        self.run.rotate(done, kept, statuses)
+        self.run.rotate(done, self._kept_steps(done), statuses)
 
     def remove(self, step: int) -> None:
         """Delete checkpoint `step`."""

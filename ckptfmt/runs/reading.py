@@ -304,7 +304,7 @@ class RunReading:
         with self._state_file(info) as f:
             root = resume.node_items(f, f.tree.root)  # its entries: check_step
             fp, rng_state = resume_entries(f)
-            differences = resume.check_resume(f, fp, rng_state, state, strict)
+            differences = resume.check_resume(fp, rng_state is not None, state, strict, f.path)
             resume.check_target(f, root["state"], state, strict, fp)  # before anything is filled
             report = resume.ResumeReport(step=info.step, path=info.path, differences=differences)
             # every chunk of the state is checked before any of the caller's objects is

@@ -26,23 +26,18 @@ from typing import Any
 import torch
 
 from .. import __version__
-from ..errors import CorruptError, UnsupportedError
+from ..errors import CorruptError
 from ..files.load_into import fill_from_node
 from ..files.reader import CheckpointFile
 from ..files.targets import LoadReport, MismatchError
 from ..format import dtypes
 from ..format.decode import decode_key
-from ..format.layout import Limits
-from ..format.render import render_key, short_repr
-from . import rng
-from .steps import MAX_STEP
+from ..format.render import short_repr
+from .resumecheck import HPARAM_TYPES, PAYLOAD_VERSION
 
-PAYLOAD_VERSION = 1
 #: top-level keys of a state that name a data position by convention (a plain
 #: dict such as {"epoch": 3, "batch": 120} kept under one of these names)
 DATA_KEYS = frozenset({"data", "data_position", "dataloader", "data_loader", "loader", "sampler"})
-#: optimizer hyper-parameters compared on resume: plain values only
-_HPARAM_TYPES = (bool, int, float, str, type(None))
 
 
 def is_stateful(obj: object) -> bool:
@@ -106,9 +101,9 @@ def _hparams(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
                 continue
             if isinstance(v, torch.Tensor) and v.numel() == 1:
                 v = v.item()
-            if isinstance(v, tuple) and all(isinstance(x, _HPARAM_TYPES) for x in v):
+            if isinstance(v, tuple) and all(isinstance(x, HPARAM_TYPES) for x in v):
                 hp[k] = list(v)
-            elif isinstance(v, _HPARAM_TYPES):
+            elif isinstance(v, HPARAM_TYPES):
                 hp[k] = v
         groups.append(hp)
     return groups
@@ -167,104 +162,6 @@ def fingerprint(state: Any, step: int) -> dict[str, Any]:
 def build_payload(state: Any, step: int, rng: dict[str, Any] | None) -> dict[str, Any]:
     """What a manager writes for `state` at `step` (stateful objects become state dicts)."""
     return {"state": to_storable(state), "rng": rng, "resume": fingerprint(state, step)}
-
-
-# -- the fingerprint as read: checked before anything uses it ----------------------------
-
-_FP_FIELDS = frozenset({"version", "step", "architecture", "optimizer", "data", "environment"})
-
-
-class _Shape:
-    """Checks of one value read from a file; each failure a CorruptError naming the entry."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def fail(self, where: str, what: str) -> CorruptError:
-        return CorruptError(f"malformed resume fingerprint: {what}", path=self.path, key=where)
-
-    def dict_(self, v: object, where: str) -> dict[Any, Any]:
-        if not isinstance(v, dict):
-            raise self.fail(where, f"is a {type(v).__name__}, expected a dict")
-        return v
-
-    def list_(self, v: object, where: str) -> list[Any]:
-        if type(v) is not list:
-            raise self.fail(where, f"is a {type(v).__name__}, expected a list")
-        return v
-
-    def str_keys(self, d: dict[Any, Any], where: str) -> dict[str, Any]:
-        for k in d:
-            if type(k) is not str:
-                raise self.fail(render_key(where, k), "has a key that is not a str")
-        return d
-
-    def int_(self, v: object, where: str, hi: int) -> int:
-        if type(v) is not int or not 0 <= v <= hi:
-            raise self.fail(where, f"is {short_repr(v, 40)}, expected an int in [0, {hi}]")
-        return v
-
-    def plain(self, v: object, where: str) -> None:
-        """A value compared with == and shown in messages: a scalar, or a list of scalars."""
-        items = v if type(v) is list else [v]
-        for x in items:
-            if not isinstance(x, _HPARAM_TYPES):
-                raise self.fail(where, f"holds a {type(x).__name__}, expected plain values")
-
-
-def check_fingerprint(fp: object, path: str) -> dict[str, Any]:
-    """`fp` (a state file's "resume" entry) when it has the layout fingerprint() writes, every
-    entry of the right kind; else CorruptError naming `path` and the entry (UnsupportedError
-    for a later version).  The resume checks compare and print these values: a tensor, a
-    nested dict or a key of another kind there would raise from `==` or from sorting."""
-    c = _Shape(path)
-    d = c.dict_(fp, "resume")
-    version = d.get("version")
-    if type(version) is int and version != PAYLOAD_VERSION:
-        raise UnsupportedError(
-            f"resume fingerprint version {short_repr(version, 40)}; this ckptfmt reads "
-            f"version {PAYLOAD_VERSION}",
-            path=path,
-            key="resume['version']",
-        )
-    if set(d) != _FP_FIELDS:
-        raise c.fail("resume", "fields must be exactly " + ", ".join(sorted(_FP_FIELDS)))
-    c.int_(d["version"], "resume['version']", PAYLOAD_VERSION)
-    c.int_(d["step"], "resume['step']", MAX_STEP)  # every step a run's directory can be named for
-    _check_architecture(c, d["architecture"])
-    _check_optimizers(c, d["optimizer"])
-    for i, name in enumerate(c.list_(d["data"], "resume['data']")):
-        if type(name) is not str:
-            raise c.fail(f"resume['data'][{i}]", f"is a {type(name).__name__}, expected a str")
-    env = c.str_keys(c.dict_(d["environment"], "resume['environment']"), "resume['environment']")
-    for k, v in env.items():
-        c.plain(v, render_key("resume['environment']", k))
-    return d
-
-
-def _check_architecture(c: _Shape, v: object) -> None:
-    """{module path: {parameter name: [shape (ints), dtype name]}}."""
-    top = "resume['architecture']"
-    for path, params in c.str_keys(c.dict_(v, top), top).items():
-        where = render_key(top, path)
-        for name, entry in c.str_keys(c.dict_(params, where), where).items():
-            at = render_key(where, name)
-            pair = c.list_(entry, at)
-            if len(pair) != 2 or type(pair[1]) is not str:
-                raise c.fail(at, "expected [shape, dtype name]")
-            for i, n in enumerate(c.list_(pair[0], f"{at}[0]")):
-                c.int_(n, f"{at}[0][{i}]", Limits.MAX_NUMEL)
-
-
-def _check_optimizers(c: _Shape, v: object) -> None:
-    """{optimizer path: [{hyper-parameter: plain value}, one per parameter group]}."""
-    top = "resume['optimizer']"
-    for path, groups in c.str_keys(c.dict_(v, top), top).items():
-        where = render_key(top, path)
-        for i, group in enumerate(c.list_(groups, where)):
-            at = f"{where}[{i}]"
-            for k, hp in c.str_keys(c.dict_(group, at), at).items():
-                c.plain(hp, render_key(at, k))
 
 
 # -- checks on resume -----------------------------------------------------------------
@@ -362,23 +259,14 @@ def _hparam_differences(path: str, saved: list[Any], now: list[dict[str, Any]]) 
     return out
 
 
-def check_resume(
-    f: CheckpointFile, resume: dict[str, Any], rng_state: Any, state: Any, strict: bool
-) -> list[str]:
-    """All differences, most serious first; raise MismatchError for architecture ones when strict.
-
-    First of all, before anything of the caller's changes: CorruptError when the fingerprint
-    or the file's RNG states (`rng_state`, as loaded; None when it has none) are malformed,
-    so that restoring them after the state was filled cannot fail.  The RNG states are
-    checked even when the caller will not restore them: a checkpoint that holds malformed
-    ones is damaged."""
-    resume = check_fingerprint(resume, f.path)
-    has_rng = rng_state is not None
-    if has_rng:
-        rng.check_capture(rng_state, f.path)
+def check_resume(resume: dict[str, Any], has_rng: bool, state: Any, strict: bool, path: str) -> list[str]:
+    """All differences between the run saved in file `path` and `state`, most serious first;
+    raise MismatchError for architecture ones when strict.  `resume`: the file's fingerprint,
+    and its RNG states, checked already (stepcheck.resume_entries) before anything of the
+    caller's changes."""
     arch = architecture_problems(resume["architecture"], state)
     if arch and strict:
-        raise MismatchError(f"the model does not match the checkpoint: {_few(arch)}", path=f.path)
+        raise MismatchError(f"the model does not match the checkpoint: {_few(arch)}", path=path)
     return arch + other_differences(resume, has_rng, state)
 
 

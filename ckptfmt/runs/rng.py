@@ -68,7 +68,6 @@ GPUs) are skipped with one :class:`RNGSkippedWarning`.
 from __future__ import annotations
 
 import random
-import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -78,32 +77,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CheckpointError, CheckpointWarning, CorruptError, UnsupportedObjectError
+from ..errors import CheckpointWarning, UnsupportedObjectError
 from ..format.render import short_repr
+from . import resumecheck
+from .resumecheck import RNGStateError, RNGStateTypeError
 
-RNG_STATE_VERSION = 1
-
-_TOP_FIELDS = ("version", "python", "numpy", "torch_cpu", "accelerators")
-_PYTHON_FIELDS = ("version", "state", "gauss_next")
-_NUMPY_FIELDS = ("bit_generator", "keys", "pos", "has_gauss", "cached_gaussian")
-_MT_WORDS = 624  # the Mersenne Twister state both `random` and numpy's RandomState use
-_PYTHON_STATE_VERSION = 3  # what random.getstate() has returned since Python 2.3
-_DEVICE_TYPE_RE = re.compile(r"[a-z_][a-z0-9_]{0,31}")
-
-
-class RNGStateError(CheckpointError, ValueError):
-    """A dict given to :func:`restore_rng` is not a valid capture (missing field,
-    wrong length, wrong dtype, value out of range)."""
-
-    def __init__(self, field_name: str, problem: str) -> None:
-        self.field = field_name  # "" for the dict itself
-        self.problem = problem
-        where = f"field {field_name}" if field_name else "the capture"
-        super().__init__(f"malformed RNG state: {where} {problem}")
-
-
-class RNGStateTypeError(RNGStateError, TypeError):
-    """A field of a dict given to :func:`restore_rng` has the wrong Python type."""
+#: the layout of a capture, shared with the checks of a file's RNG entry (resumecheck.py)
+RNG_STATE_VERSION = resumecheck.RNG_STATE_VERSION
+_MT_WORDS = resumecheck.MT_WORDS
+_fields = resumecheck.fields
 
 
 class RNGSkippedWarning(CheckpointWarning):
@@ -193,26 +175,6 @@ def _type_name(v: object) -> str:
     return type(v).__name__
 
 
-def _shown(key: object) -> str:
-    """A field name as a message shows it: a str as it is, anything else as a bounded repr."""
-    return key[:40] if type(key) is str else short_repr(key, 40)
-
-
-def _fields(d: object, name: str, names: tuple[str, ...]) -> Mapping[str, Any]:
-    """`d` as a mapping with exactly the fields `names`; `name` is "" for the capture itself."""
-    if not isinstance(d, Mapping):
-        raise RNGStateTypeError(name, f"is a {_type_name(d)}, expected a dict")
-    prefix = f"{name}." if name else ""
-    for n in names:
-        if n not in d:
-            raise RNGStateError(prefix + n, "is missing")
-    # An unknown field is refused rather than ignored: it means a layout this code does not know.
-    for k in d:
-        if k not in names:
-            raise RNGStateError(f"{prefix}{_shown(k)}", "is not part of an RNG state of version 1")
-    return d
-
-
 def _int(v: object, name: str, lo: int, hi: int) -> int:
     # bool is an int subclass, but True as a position is a bug, not a value
     if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
@@ -257,8 +219,10 @@ def _byte_tensor(v: object, name: str, numel: int | None) -> torch.Tensor:
 
 
 def _check_python(d: object) -> tuple[int, tuple[int, ...], float | None]:
-    f = _fields(d, "python", _PYTHON_FIELDS)
-    version = _int(f["version"], "python.version", _PYTHON_STATE_VERSION, _PYTHON_STATE_VERSION)
+    f = _fields(d, "python", resumecheck.PYTHON_FIELDS)
+    version = _int(
+        f["version"], "python.version", resumecheck.PYTHON_STATE_VERSION, resumecheck.PYTHON_STATE_VERSION
+    )
     words = _words(f["state"], "python.state", _MT_WORDS + 1)
     if words[-1] > _MT_WORDS:
         raise RNGStateError("python.state", f"ends with position {words[-1]}, expected at most {_MT_WORDS}")
@@ -266,7 +230,7 @@ def _check_python(d: object) -> tuple[int, tuple[int, ...], float | None]:
 
 
 def _check_numpy(d: object) -> tuple[str, np.ndarray, int, int, float]:
-    f = _fields(d, "numpy", _NUMPY_FIELDS)
+    f = _fields(d, "numpy", resumecheck.NUMPY_FIELDS)
     name = f["bit_generator"]
     # The type first: an array compared with a str gives an array, not a bool.
     if not isinstance(name, str):
@@ -298,7 +262,7 @@ def _check_devices(d: object, plan: _Plan) -> None:
         raise RNGStateTypeError("accelerators", f"is a {_type_name(d)}, expected a dict")
     for kind, states in d.items():
         name = f"accelerators.{kind}"
-        if not isinstance(kind, str) or _DEVICE_TYPE_RE.fullmatch(kind) is None:
+        if not isinstance(kind, str) or resumecheck.DEVICE_TYPE_RE.fullmatch(kind) is None:
             raise RNGStateError(f"accelerators[{short_repr(kind, 40)}]", "is not a device type name")
         if not isinstance(states, (list, tuple)):
             raise RNGStateTypeError(name, f"is a {_type_name(states)}, expected a list of tensors")
@@ -326,7 +290,7 @@ def _check(d: object) -> _Plan:
         version = _int(d["version"], "version", 0, 2**31)
         if version != RNG_STATE_VERSION:
             raise RNGStateError("version", f"is {version}; this ckptfmt reads version {RNG_STATE_VERSION}")
-    f = _fields(d, "", _TOP_FIELDS)
+    f = _fields(d, "", resumecheck.TOP_FIELDS)
     plan = _Plan(
         python=_check_python(f["python"]),
         numpy=_check_numpy(f["numpy"]),
@@ -378,8 +342,7 @@ def check_capture(d: object, path: str, key: str = "rng") -> None:
     try:
         _check(d)
     except RNGStateError as e:
-        where = f"{key}.{e.field}" if e.field else key
-        raise CorruptError(f"malformed RNG state: {e.problem}", path=path, key=where) from None
+        raise resumecheck.entry_error(e, path, key) from None
 
 
 # ---------------------------------------------------------------------------

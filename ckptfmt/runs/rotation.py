@@ -20,6 +20,7 @@ from ..files import multifile
 from . import locks, retention
 from .reading import RunReading
 from .scan import RunScan
+from .steps import CheckpointInfo
 
 
 class RunRotation(RunReading):
@@ -40,15 +41,19 @@ class RunRotation(RunReading):
         with self._delete_lock:
             self._rotate_locked(self._scan())
 
-    def _rotate_locked(self, scan: RunScan) -> None:
-        done = scan.complete()
-        kept = retention.kept_steps(
+    def _kept_steps(self, done: list[CheckpointInfo]) -> set[int]:
+        """The steps of `done` (complete checkpoints) this run's retention rules keep."""
+        return retention.kept_steps(
             [(c.step, c.metrics) for c in done],
             keep_last=self.keep_last,
             keep_every=self.keep_every,
             keep_best=self.keep_best,
             best_mode=self.best_mode,
         )
+
+    def _rotate_locked(self, scan: RunScan) -> None:
+        done = scan.complete()
+        kept = self._kept_steps(done)
         if self._archiver is not None:  # not yet safe in the archive: kept here until it is
             kept |= self._archiver.keeps_locally(done)
         keep_files = {r for c in done if c.step in kept for r in c.references}

@@ -13,6 +13,7 @@ from ..files import multifile, recordsign
 from ..files.places import ObjectPlace
 from ..files.reader import CheckpointFile
 from ..files.verify import Problem, VerifyReport, check_file, problem_of
+from . import resumecheck
 from .steps import STATE_NAME, parse_step_dirname
 
 
@@ -84,16 +85,19 @@ def _check_state_index(d: CheckpointDir, record: multifile.CommitRecord, decrypt
             raise CorruptError("not a checkpoint manager's state file", path=f.path)
 
 
-def resume_entries(f: CheckpointFile) -> tuple[dict[str, Any], Any]:
-    """A state file's resume fingerprint and RNG states, read and checked (CorruptError naming
-    the entry) as load_into checks them before anything of the caller's changes.  The RNG
-    states are tensors and arrays that torch and numpy themselves check (rng.check_capture):
-    this, alone of a step's checks, imports them."""
-    from .resume import check_fingerprint
+def resume_entries(f: CheckpointFile, build_rng: bool = True) -> tuple[dict[str, Any], Any]:
+    """A state file's resume fingerprint and RNG states, checked (CorruptError naming the entry)
+    as load_into checks them before anything of the caller's changes: on the values as stored
+    (resumecheck: no torch, no numpy), which is all verify asks (`build_rng` False: the RNG
+    states come back as None).  A load then builds the RNG states, and rng.check_capture adds
+    what only this machine can tell: the sizes of its own devices' states."""
+    root = dict(f.root_items())
+    fp = resumecheck.check_fingerprint(f.load_raw(root["resume"], True), f.path)
+    resumecheck.check_rng_entry(f.load_raw(root["rng"], True), f.path)
+    if not build_rng:
+        return fp, None
     from .rng import check_capture
 
-    root = dict(f.root_items())
-    fp = check_fingerprint(f.load_subtree(root["resume"], None, True), f.path)
     rng_state = f.load_subtree(root["rng"], None, True)
     if rng_state is not None:
         check_capture(rng_state, f.path)
@@ -228,6 +232,6 @@ def _verify_parts(
 def _check_resume_entries(f: CheckpointFile, report: VerifyReport) -> None:
     """resume_entries' checks, as a problem of `report` (verify fails where load_into refuses)."""
     try:
-        resume_entries(f)
+        resume_entries(f, build_rng=False)
     except CheckpointError as e:
         report.problems.append(problem_of(e))

@@ -157,12 +157,7 @@ def check_folder(
 
 def open_checked(path: str, verify: bool = False, trusted: Any = None, decrypt: Any = None) -> OpenedFolder:
     """The folder the caller names (its path is the caller's, resolved once), checked complete."""
-    try:
-        folder = CheckpointDir.open(path)
-    except FileNotFoundError:
-        raise IncompleteError("no such checkpoint folder", path=path) from None
-    except OSError as e:
-        raise IncompleteError(f"cannot open the folder: {e.strerror}", path=path) from None
+    folder = multifile.open_dir(path, "checkpoint folder")
     try:
         return check_folder(folder, verify, trusted, decrypt)
     except BaseException:
