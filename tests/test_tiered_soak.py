@@ -54,7 +54,8 @@ from tiered_soak_child import (
 
 import ckptfmt
 from ckptfmt.runs import retention
-from ckptfmt.runs.objectrun import COPY_MARKER, ObjectRun
+from ckptfmt.runs.objectnames import COPY_MARKER
+from ckptfmt.runs.objectrun import ObjectRun
 
 KILLS = int(os.environ.get("CKPTFMT_TIERED_KILLS", "6"))
 SEED = int(os.environ.get("CKPTFMT_TIERED_SEED", "20261206"))

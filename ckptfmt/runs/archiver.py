@@ -37,7 +37,8 @@ from collections.abc import Callable, Iterable
 from ..errors import CheckpointWarning, StorageError
 from ..files import multifile
 from . import retention
-from .objectrun import ObjectRun, copy_marker
+from .objectnames import copy_marker
+from .objectrun import ObjectRun
 from .steps import CheckpointInfo, StepStatus
 
 #: seconds Archiver.wait() waits for the archive thread by default: a copy of a large step over

@@ -12,8 +12,6 @@ and records are bounded before they are decoded.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import datetime
 import os
@@ -21,7 +19,6 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..engine import commit
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, StorageError
 from ..files import multifile, recordsign
@@ -34,6 +31,16 @@ from ..storage.client import check_options
 from ..storage.download import head
 from ..storage.upload import upload_bytes, upload_file
 from ..storage.urls import ObjectURL, parse_url
+from .objectnames import (
+    COPY_MARKER,
+    check_listed,
+    claiming,
+    in_a_step,
+    in_steps,
+    marker_dead,
+    referenced_step,
+    written_here,
+)
 from .stepcheck import verify_objects
 from .steps import STATE_NAME, CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
 
@@ -46,40 +53,8 @@ MAX_CANDIDATES = 64
 MAX_STATUS_RECORDS = 1024
 
 
-#: the start of the name of a copy marker: ``step-N/ARCHIVING.<host>.<pid>.<start>.<random>``,
-#: written by an archiver before anything else it writes into a step's prefix and deleted
-#: after the step's commit record (or the step) is; see remove_interrupted_copies
-COPY_MARKER = "ARCHIVING."
 #: commit records an ObjectRun keeps as read (statuses() reads at most MAX_STATUS_RECORDS)
 MAX_KNOWN_RECORDS = 4096
-
-
-def copy_marker() -> str:
-    """A copy marker name owned by this process (engine/commit.py's owner rule)."""
-    return COPY_MARKER + commit.owned_suffix()
-
-
-# this process's copy markers whose copy (or deletion) is under way: one of this process's
-# markers that is not here was left by a copy that failed
-_claims_in_use: collections.Counter[str] = collections.Counter()
-_claims_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _claiming(claim: str | None) -> Iterator[None]:
-    """Marker `claim` is in use (by a copy or a rotation, which may nest) while this lasts."""
-    if claim is None:
-        yield
-        return
-    with _claims_lock:
-        _claims_in_use[claim] += 1
-    try:
-        yield
-    finally:
-        with _claims_lock:
-            _claims_in_use[claim] -= 1
-            if not _claims_in_use[claim]:
-                del _claims_in_use[claim]
 
 
 class ObjectRun:
@@ -216,10 +191,10 @@ class ObjectRun:
         record = self._listed_record(step, names[multifile.COMMIT_NAME])
         path = self.step_path(step)
         for part in record.files:
-            _check_listed(names.get(part.name), part, path)
+            check_listed(names.get(part.name), part, path)
         for ref in record.references:
-            other, name = _referenced_step(ref.name, path)
-            _check_listed(found.get(other, {}).get(name), ref, path)
+            other, name = referenced_step(ref.name, path)
+            check_listed(found.get(other, {}).get(name), ref, path)
         return CheckpointInfo(
             step=step,
             path=path,
@@ -263,7 +238,7 @@ class ObjectRun:
         return self._reference_url(name)
 
     def _reference_url(self, name: str) -> str:
-        other, part = _referenced_step(name, self.path)
+        other, part = referenced_step(name, self.path)
         return f"{self.step_path(other)}/{part}"
 
     def trusted_record(self, step: int) -> multifile.CommitRecord:
@@ -314,7 +289,7 @@ class ObjectRun:
                 upload_bytes(b"a ckptfmt archive copy in progress\n", str(url), self.options)
                 claimed.append(url)
 
-        with _claiming(claim), CheckpointDir.open(local) as d:
+        with claiming(claim), CheckpointDir.open(local) as d:
             record = multifile.check_complete(d)
             existing = self._existing(step)
             if existing is not None:
@@ -353,7 +328,7 @@ class ObjectRun:
         try:
             found = describe_object(url, self.options, ref.name)[0]  # never its index
         except FileNotFoundError:
-            claim(_referenced_step(ref.name, self.path)[0])
+            claim(referenced_step(ref.name, self.path)[0])
             fd = multifile.open_part(d, ref, d.path)
             try:
                 upload_file(fd, url, self.options)
@@ -397,7 +372,7 @@ class ObjectRun:
         files go; only the objects ckptfmt writes in a step (is_own_name): another program's
         object beneath it stays."""
         listing.delete_prefix(
-            self._step_url(step), self.options, _written_here, first=(multifile.COMMIT_NAME,)
+            self._step_url(step), self.options, written_here, first=(multifile.COMMIT_NAME,)
         )
 
     def rotate(
@@ -418,7 +393,7 @@ class ObjectRun:
             return
         needed = {url for c in done if c.step in kept for url in c.references} | (needed or set())
         needed |= self.references_of_incomplete(self.statuses() if statuses is None else statuses)
-        with _claiming(claim):
+        with claiming(claim):
             for c in dropped:
                 self.drop(c, needed, claim)
 
@@ -446,7 +421,7 @@ class ObjectRun:
         others = {url for s in statuses if s.info is not None and s.step != step for url in s.info.references}
         others |= self.references_of_incomplete([s for s in statuses if s.step != step])
         if found.info is not None:
-            with _claiming(claim):
+            with claiming(claim):
                 self.drop(found.info, others, claim)
         elif not any(url.startswith(found.path + "/") for url in others):
             self.delete_step(step)
@@ -514,7 +489,7 @@ class ObjectRun:
                 path=self.step_path(step),
             )
         url = self._step_url(step)
-        listed = {n: v for n, v in listing.versions(url, self.options).items() if _written_here(n)}
+        listed = {n: v for n, v in listing.versions(url, self.options).items() if written_here(n)}
         for name, version in listed.items():
             if name != multifile.COMMIT_NAME and version is not None:
                 listing.delete_object(url.child(name), self.options, if_match=version)
@@ -551,7 +526,7 @@ class ObjectRun:
         for step, names in found.items():
             for name, (_, when) in names.items():
                 if name.startswith(COPY_MARKER) and "/" not in name:
-                    if _marker_dead(name, when, now, older_than):
+                    if marker_dead(name, when, now, older_than):
                         dead.setdefault(step, []).append(name)
                     else:
                         live.add(step)
@@ -582,14 +557,14 @@ class ObjectRun:
         if removed:
             gone = {step_dirname(s) for s in removed}
             listing.abort_stale_uploads(
-                self.url, self.options, datetime.timedelta(0), lambda n: _in_steps(n, gone)
+                self.url, self.options, datetime.timedelta(0), lambda n: in_steps(n, gone)
             )
         return removed
 
     def cleanup(self, older_than: datetime.timedelta = STALE_AFTER) -> None:
         """Abort multipart uploads of crashed savers and delete commit-less steps whose newest
         object is older than `older_than` (a live saver writes more often than that)."""
-        listing.abort_stale_uploads(self.url, self.options, older_than, _in_a_step)
+        listing.abort_stale_uploads(self.url, self.options, older_than, in_a_step)
         now = datetime.datetime.now(datetime.timezone.utc)
         found = self._listing()
         referenced: set[str] | None = None  # read only when a step is stale: it costs a GET a step
@@ -621,7 +596,7 @@ class StepPlace(ObjectPlace):
         if record.step != self.step:
             raise CorruptError(f"the commit record is for step {record.step}, not {self.step}", path=url)
         for ref in record.references:
-            _referenced_step(ref.name, url)  # a reference names a step of this run, or none
+            referenced_step(ref.name, url)  # a reference names a step of this run, or none
         return record
 
 
@@ -640,60 +615,3 @@ def _oldest_known(statuses: list[StepStatus]) -> int:
     """The newest unread step of `statuses` (-1 when none): a step older than it may hold
     objects it refers to (references lead to older steps only), so none is deleted."""
     return max((s.step for s in statuses if s.unread), default=-1)
-
-
-def _referenced_step(name: str, owner: str) -> tuple[int, str]:
-    """(step, name in it) of a commit record's reference ``../step-N/NAME``; CorruptError for
-    anything else (on a store a reference never leaves the run's prefix)."""
-    ref = multifile.reference_parts(name)
-    step = parse_step_dirname(ref.directory) if ref is not None and ref.up and ref.directory else None
-    if ref is None or step is None:
-        raise CorruptError(
-            f"the commit record refers to {name[:80]!r}, not to a step of this run", path=owner
-        )
-    return step, ref.name
-
-
-def _check_listed(listed: tuple[int, Any] | None, part: multifile.PartRecord, owner: str) -> None:
-    """The listing's entry for a file the commit record names: there, of the recorded length."""
-    if listed is None:
-        raise IncompleteError(f"{part.name} named by the commit record is missing", path=owner)
-    if listed[0] != part.length:
-        raise CorruptError(
-            f"{part.name} is {listed[0]} bytes, the commit record says {part.length}", path=owner
-        )
-
-
-def _written_here(name: str) -> bool:
-    """Whether `name`, in a step's prefix, is an object ckptfmt writes there: its files and
-    record (places.is_own_name) or an archiver's copy marker."""
-    return is_own_name(name) or (name.startswith(COPY_MARKER) and "/" not in name)
-
-
-def _in_steps(name: str, steps: set[str]) -> bool:
-    """Whether `name` (relative to the run) is an object ckptfmt writes in one of `steps`."""
-    step, _, rest = name.partition("/")
-    return step in steps and _written_here(rest)
-
-
-def _marker_dead(
-    name: str, when: datetime.datetime | None, now: datetime.datetime, older_than: datetime.timedelta
-) -> bool:
-    """Whether copy marker `name` (written at `when`) was left by a writer that has ended: one
-    of this host whose process is gone, or one older than `older_than`."""
-    if name.startswith(COPY_MARKER + commit.owner_token() + "."):  # this process's
-        with _claims_lock:
-            return name not in _claims_in_use
-    owner = commit.parse_owned_suffix(name[len(COPY_MARKER) :])
-    verdict = None if owner is None else commit.owner_dead(*owner)
-    if verdict is not None:
-        return verdict
-    return when is not None and now - when > older_than
-
-
-def _in_a_step(name: str) -> bool:
-    """Whether `name` (a key relative to the run) is one ckptfmt writes in a step's
-    "directory": only those are the run's (a run may share its prefix, even a whole bucket,
-    with other things, and a step's with another program's objects)."""
-    top, sep, rest = name.partition("/")
-    return sep == "/" and is_own_name(rest) and parse_step_dirname(top) is not None
