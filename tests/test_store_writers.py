@@ -14,6 +14,7 @@ import torch
 
 import ckptfmt
 from ckptfmt import CheckpointManager
+from ckptfmt.runs.steps import STATE_NAME_RE
 
 SMALL = torch.arange(1000, dtype=torch.float32)  # one PUT
 LARGE = torch.arange(5 << 20, dtype=torch.float32)  # 20 MiB: a multipart upload
@@ -28,6 +29,19 @@ def _keys(client, bucket: str, prefix: str) -> set[str]:
     return {o["Key"][len(prefix) :] for o in listed}
 
 
+def _assert_only_the_committed_step(s3_faults, bucket: str) -> None:
+    """The run holds step 5's record and the one state object it names, nothing else (what
+    other saves left there is deleted once the step is committed)."""
+    client = s3_faults.client()
+    keys = _keys(client, bucket, "run/step-000000005/")
+    record = CheckpointManager(f"s3://{bucket}/run", storage_options=s3_faults.storage_options()).run.record(
+        5
+    )
+    assert keys == {"COMMIT", record.files[0].name}, keys
+    assert STATE_NAME_RE.fullmatch(record.files[0].name)
+    assert _keys(client, bucket, "run/") == {f"step-000000005/{k}" for k in keys}
+
+
 def _check_loads(url: str, options: dict, expected: dict[str, object]) -> None:
     fresh = CheckpointManager(url, storage_options=options)
     assert fresh.verify(5).ok
@@ -35,9 +49,12 @@ def _check_loads(url: str, options: dict, expected: dict[str, object]) -> None:
     assert got["step"] == expected["step"] and torch.equal(got["w"], expected["w"])
 
 
-def _save_while_held(s3_faults, manager, state: dict[str, object]) -> tuple[threading.Thread, list]:
+def _save_while_held(
+    s3_faults, manager, state: dict[str, object], rules_left: int = 0
+) -> tuple[threading.Thread, list]:
     """Start `manager`'s save of step 5 on a thread and return once the proxy holds the
-    request its rule is waiting for: (the thread, the list its failure goes into)."""
+    request its rule is waiting for (`rules_left`: the rules set that are to stay unused):
+    (the thread, the list its failure goes into)."""
     failure: list[BaseException] = []
 
     def save() -> None:
@@ -49,9 +66,9 @@ def _save_while_held(s3_faults, manager, state: dict[str, object]) -> tuple[thre
     t = threading.Thread(target=save, daemon=True)
     t.start()
     deadline = time.monotonic() + 30
-    while s3_faults.pending_rules() and time.monotonic() < deadline:
+    while s3_faults.pending_rules() > rules_left and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert s3_faults.pending_rules() == 0
+    assert s3_faults.pending_rules() == rules_left
     return t, failure
 
 
@@ -103,30 +120,73 @@ def test_a_failed_saves_cleanup_never_deletes_the_next_writers_object(s3_faults)
     assert len(failure) == 1 and isinstance(failure[0], ckptfmt.StorageError)
     # the held one did reach the store, after the next writer's (of the leftover it listed)
     assert s3_faults.count("DELETE", "step-000000005/state.ckpt") == 2
-    assert _keys(s3_faults.client(), bucket, "run/") == {"step-000000005/state.ckpt", "step-000000005/COMMIT"}
+    _assert_only_the_committed_step(s3_faults, bucket)
     _check_loads(url, options, won)
 
 
-def test_a_leftovers_deletion_never_deletes_what_another_writer_commits_meanwhile(s3_faults):
-    """A crashed save left step 5's state object.  A restarted job deletes that leftover; its
-    DELETE is held while another job deletes the leftover too, saves step 5 and commits it.
-    The held DELETE names the leftover's version (not the new object's) and no commit record
-    is ever deleted as a leftover: the committed step loads bit-exactly, the restarted job's
-    save of the step fails."""
+def test_a_leftover_is_deleted_only_once_the_step_is_committed(s3_faults):
+    """A crashed save (or a live one: the store cannot tell) left step 5's state object.  A
+    restarted job's save of step 5 writes a state object of its own beside it, commits, and
+    only then deletes the leftover, by the version it listed: no DELETE in the step comes
+    before its commit record, and the step holds its record and state object alone."""
     bucket = s3_faults.new_bucket()
     url = f"s3://{bucket}/run"
     options = s3_faults.storage_options()
     s3_faults.client().put_object(
         Bucket=bucket, Key="run/step-000000005/state.ckpt", Body=b"a crashed save's"
     )
-    s3_faults.delay("DELETE", "step-000000005/", seconds=6.0, count=1)
-    restarted = CheckpointManager(url, storage_options=options)
-    # until the restarted job's first DELETE in step 5 is being held
-    t, failure = _save_while_held(s3_faults, restarted, _state(-5, SMALL))
+    s3_faults.clear_counts()
     won = _state(5, SMALL)
     CheckpointManager(url, storage_options=options).save(5, won)
+    sent = [(m, t) for m, t in s3_faults.requests() if "step-000000005/" in t and m in ("PUT", "DELETE")]
+    committed = sent.index(next(r for r in sent if r[0] == "PUT" and "/COMMIT" in r[1]))
+    assert [m for m, _ in sent[:committed]] == ["PUT"], sent  # the state object of its own
+    assert sent[committed + 1 :] and all(m == "DELETE" for m, _ in sent[committed + 1 :]), sent
+    _assert_only_the_committed_step(s3_faults, bucket)
+    _check_loads(url, options, won)
+
+
+def test_a_save_never_deletes_the_state_object_a_live_writer_commits_meanwhile(s3_faults):
+    """A live job has uploaded step 5's state object and is about to commit it when another
+    job (restarted while the live one still runs) begins its save of step 5 and finds the
+    step without a commit record.  The proxy holds the second job's first deletion or state
+    upload in the step while the live job commits: the live job's checkpoint loads
+    bit-exactly afterwards, the second job's save of the step fails.  (A save's preparation
+    used to delete the "leftover" by the version it listed, the live job's committed one.)"""
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/run"
+    options = s3_faults.storage_options()
+    live = CheckpointManager(url, storage_options=options)
+    uploaded, go = threading.Event(), threading.Event()
+    commit = live._commit
+
+    def commit_when_told(job):
+        uploaded.set()
+        assert go.wait(60)
+        return commit(job)
+
+    live._commit = commit_when_told
+    won = _state(5, SMALL)
+    live_failure: list[BaseException] = []
+
+    def live_save() -> None:
+        try:
+            live.save(5, won)
+        except BaseException as e:
+            live_failure.append(e)
+
+    live_thread = threading.Thread(target=live_save, daemon=True)
+    live_thread.start()
+    assert uploaded.wait(60)  # the live job's state object is there, its record not yet
+    s3_faults.delay("DELETE", "step-000000005/", seconds=5.0, count=1)
+    s3_faults.delay("PUT", "step-000000005/state", seconds=5.0, count=1)
+    second = CheckpointManager(url, storage_options=options)
+    t, failure = _save_while_held(s3_faults, second, _state(-5, SMALL), rules_left=1)
+    go.set()  # the live job commits while the second job's request is held
+    live_thread.join(30)
     t.join(30)
-    assert not t.is_alive()
+    assert not live_thread.is_alive() and not t.is_alive()
+    s3_faults.clear_rules()
+    assert not live_failure, live_failure
     assert len(failure) == 1 and isinstance(failure[0], ckptfmt.CheckpointError), failure
-    assert _keys(s3_faults.client(), bucket, "run/") == {"step-000000005/state.ckpt", "step-000000005/COMMIT"}
     _check_loads(url, options, won)

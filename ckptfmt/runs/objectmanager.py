@@ -42,7 +42,7 @@ from . import resume, retention
 from .manager import CheckpointManager, RunSteps, is_sharded_save
 from .objectrun import ObjectRun
 from .scan import RunScan
-from .steps import STATE_NAME, CheckpointInfo, StepJob, StepStatus
+from .steps import CheckpointInfo, StepJob, StepStatus, own_state_name
 
 
 class ObjectRunManager(CheckpointManager):
@@ -142,6 +142,8 @@ class ObjectRunManager(CheckpointManager):
         payload = resume.build_payload(state, step, capture_rng())
         path = self.run.step_path(step)
         job = StepJob(step, path, -1, metrics, meta, inflight.SaveHandle(path))
+        if any(s.step == step for s in statuses):  # objects of another save: never written over
+            job.state_name, job.sweep = own_state_name(), True
         try:
             job.file_handle = self._upload_state(job, payload, statuses)
         except BaseException:
@@ -154,8 +156,11 @@ class ObjectRunManager(CheckpointManager):
         return ObjectRunSteps(self)
 
     def _prepare_step(self, step: int) -> list[StepStatus]:
-        """Check that `step` is after the newest checkpoint (ValueError), delete a failed save's
-        leftover of it, clean stale uploads and steps; the run's statuses before the save."""
+        """Check that `step` is after the newest checkpoint (ValueError) and holds no commit
+        record, clean stale uploads and steps; the run's statuses before the save.  Objects
+        the step holds without a record are left: they may be a live writer's about to commit
+        (a save of the step writes a state object of its own beside them, and deletes them
+        once it has committed, spec 13.7)."""
         statuses = self.statuses()
         newest = max(
             [s.step for s in statuses if s.info is not None] + list(self._in_flight_steps()), default=None
@@ -164,8 +169,13 @@ class ObjectRunManager(CheckpointManager):
             raise ValueError(
                 f"step {step} is not after the newest checkpoint (step {newest}) in {self.directory}"
             )
-        if any(s.step == step for s in statuses):  # a commit-less leftover of a failed save
-            self.run.delete_leftover(step)
+        found = next((s for s in statuses if s.step == step), None)
+        if found is not None and (found.damaged or found.unread):
+            raise CheckpointError(
+                f"step {step} holds a commit record that is not a checkpoint ({found.problem}); it is "
+                f"not saved over: remove({step}) deletes it",
+                path=found.path,
+            )
         self._tidy(self.directory, self.run.cleanup)
         return statuses
 
@@ -174,23 +184,24 @@ class ObjectRunManager(CheckpointManager):
 
     def _upload_state(self, job: StepJob, payload: dict[str, Any], statuses: list[StepStatus]) -> Any:
         """Upload the step's state object, created only if absent (another writer's of the same
-        step is never replaced: ObjectExistsError); an incremental run's refers to the chunks
-        the newest complete step already holds (its own or those it refers to)."""
+        step is never replaced: ObjectExistsError), under a name of this save's own where the
+        step held objects already; an incremental run's refers to the chunks the newest
+        complete step already holds (its own or those it refers to)."""
         done = [s.info for s in statuses if s.info is not None]
-        base = f"{done[-1].path}/{STATE_NAME}" if done else None
+        base = done[-1].state_path if done else None
         return self._save_state(
-            payload, f"{job.path}/{STATE_NAME}", base, storage_options=self.run.options, create_only=True
+            payload, f"{job.path}/{job.state_name}", base, storage_options=self.run.options, create_only=True
         )
 
     def _commit(self, job: StepJob) -> multifile.CommitRecord:
         """Write the step's commit record, created only if absent, naming the state object;
         with sign_with the record carries the object's SHA-256 (read back whole, pinned to
         the version named) and is signed (spec 16.7)."""
-        url = f"{job.path}/{STATE_NAME}"
+        url = f"{job.path}/{job.state_name}"
         place = self.run.step_place(job.step)
         with CheckpointFile(url, storage_options=self.run.options, decrypt_with=self._decrypt) as f:
             _check_uploaded_here(f.etag, job, url)
-            part = multifile.identity_of(f, STATE_NAME)
+            part = multifile.identity_of(f, job.state_name)
             refs = tuple(self._describe(place, ext) for ext in f.externals)
             if self._sign_key is not None:
                 part = place.with_digest(part, f.etag)
@@ -204,6 +215,8 @@ class ObjectRunManager(CheckpointManager):
             raise CheckpointError(
                 f"step {job.step} was committed by another writer meanwhile", path=job.path
             ) from None
+        if job.sweep:  # what other saves left in the step is nobody's now
+            self._tidy(job.path, lambda: self.run.sweep_step(job.step, record))
         return record
 
     def _describe(self, place: ObjectPlace, ext: External) -> multifile.PartRecord:
@@ -235,7 +248,7 @@ class ObjectRunManager(CheckpointManager):
             uploaded = uploaded and job.file_handle.exception() is None  # waits for it
         version = None if job.file_handle is None else job.file_handle.version
         if uploaded and version is not None:  # no version: not provably ours (cleanup's, once stale)
-            self._tidy(job.path, lambda: self.run.delete_uncommitted(job.step, STATE_NAME, version))
+            self._tidy(job.path, lambda: self.run.delete_uncommitted(job.step, job.state_name, version))
 
     def _step_bytes(self, job: StepJob, record: multifile.CommitRecord | None) -> int:
         """The bytes of the objects step `job` committed, by its record (read back with one

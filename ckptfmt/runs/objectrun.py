@@ -42,7 +42,7 @@ from .objectnames import (
     written_here,
 )
 from .stepcheck import verify_objects
-from .steps import STATE_NAME, CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
+from .steps import STATE_NAME_RE, CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
 
 #: the commit records latest() and a resume read at most, newest first (spec 13.7): each is a
 #: GET, and a run whose newest steps are this many damaged ones needs a person anyway
@@ -246,13 +246,15 @@ class ObjectRun:
         unless a trusted key signed it); without trusted keys, the record as it is."""
         return self.record(step, trusted=self.trusted)
 
-    def open_part(self, info: CheckpointInfo, name: str = STATE_NAME) -> CheckpointFile:
-        """Part `name` of a complete step, opened and checked against its commit record
-        (ObjectPlace.open_named: the open pins the object's ETag, so what is checked is what is
-        read); the objects of earlier steps it reads chunks from must be ones the record
-        names.  With trusted keys the record must be signed by one, and each object read is
-        hashed against it first, at the version its reads are then pinned to."""
+    def open_part(self, info: CheckpointInfo, name: str | None = None) -> CheckpointFile:
+        """Part `name` of a complete step (None: its first, a "state" step's state object),
+        opened and checked against its commit record (ObjectPlace.open_named: the open pins the
+        object's ETag, so what is checked is what is read); the objects of earlier steps it
+        reads chunks from must be ones the record names.  With trusted keys the record must be
+        signed by one, and each object read is hashed against it first, at the version its
+        reads are then pinned to."""
         record = self.trusted_record(info.step)
+        name = record.files[0].name if name is None else name  # a "state" step's one state object
         return self.step_place(info.step).open_named(
             record, name, name, trusted=self.trusted, decrypt=self.decrypt
         )
@@ -477,36 +479,43 @@ class ObjectRun:
         return True
 
     def delete_leftover(self, step: int) -> None:
-        """Delete step `step`, which the listing shows without a commit record (a failed save's
-        leftover); CheckpointError, deleting nothing, when its record is there after all.
-        Only the versions listed after that check are deleted (If-Match; an object listed
-        without an ETag is left, for cleanup once stale), never a commit record: an object another writer
-        puts there meanwhile stays, and so does its record (CheckpointError when one
-        appeared: the step is that writer's now)."""
-        if self.has_record(step):
-            raise CheckpointError(
-                f"step {step} has a commit record that the store's listing did not show; not deleted",
-                path=self.step_path(step),
-            )
+        """Delete what a dead save left in step `step` (cleanup: no commit record by the listing
+        and a HEAD, its newest object older than the cleanup bound): only the versions listed
+        now (If-Match; an object listed without an ETag is left), never a commit record, so that
+        an object another writer puts there meanwhile stays, and so does its record."""
         url = self._step_url(step)
         listed = {n: v for n, v in listing.versions(url, self.options).items() if written_here(n)}
         for name, version in listed.items():
             if name != multifile.COMMIT_NAME and version is not None:
                 listing.delete_object(url.child(name), self.options, if_match=version)
-        if self.has_record(step):
-            raise CheckpointError(
-                f"step {step} was committed by another writer while its leftover was deleted",
-                path=self.step_path(step),
-            )
+
+    def sweep_step(self, step: int, record: multifile.CommitRecord) -> None:
+        """Delete what other saves left in step `step`, which this process has just committed
+        with `record`: objects ckptfmt writes in a step (never a copy marker, never the record)
+        that the record does not name, each by the version listed (If-Match).  No record can
+        name them: a step's record is created only once, and names only objects its own writer
+        uploaded (spec 13.7)."""
+        url = self._step_url(step)
+        named = {p.name for p in record.files} | {multifile.COMMIT_NAME}
+        for name, version in listing.versions(url, self.options).items():
+            if is_own_name(name) and name not in named and version is not None:
+                listing.delete_object(url.child(name), self.options, if_match=version)
 
     def delete_uncommitted(self, step: int, name: str, version: str) -> None:
         """Delete object `name` of step `step`, which a failed save wrote as `version` (the
-        ETag its upload got), unless the step has a commit record now (one HEAD: this save's
+        ETag its upload got), unless the step's commit record names it (one GET: this save's
         own record may have landed although its request failed).  The delete is conditional
-        on `version` (If-Match): whatever happens between the HEAD and the delete, another
+        on `version` (If-Match): whatever happens between the read and the delete, another
         writer's object of that name is never deleted, and no record but this save's own can
-        name this version (a save commits only the version it uploaded)."""
-        if not self.has_record(step):
+        name this version (a save commits only the version it uploaded).  A record that cannot
+        be read now leaves the object (cleanup's, with its step)."""
+        try:
+            record: multifile.CommitRecord | None = self.record(step)
+        except FileNotFoundError:
+            record = None
+        except CheckpointError:
+            return
+        if record is None or all(p.name != name for p in record.files):
             listing.delete_object(self._step_url(step).child(name), self.options, if_match=version)
 
     def remove_interrupted_copies(self, older_than: datetime.timedelta = STALE_AFTER) -> list[int]:
@@ -579,7 +588,7 @@ class ObjectRun:
                     referenced = self._referenced_by(statuses)
                     below = _oldest_known(statuses)
                 if step > below and not any(u.startswith(self.step_path(step) + "/") for u in referenced):
-                    self.delete_step(step)
+                    self.delete_leftover(step)
 
 
 class StepPlace(ObjectPlace):
@@ -595,6 +604,14 @@ class StepPlace(ObjectPlace):
         url = self.path_of(multifile.COMMIT_NAME)
         if record.step != self.step:
             raise CorruptError(f"the commit record is for step {record.step}, not {self.step}", path=url)
+        if record.layout == "state" and [
+            STATE_NAME_RE.fullmatch(p.name) is not None for p in record.files
+        ] != [True]:
+            raise CorruptError(
+                "a 'state' commit record must name exactly one state object (state.ckpt, or "
+                "state.<16 hex digits>.ckpt)",
+                path=url,
+            )
         for ref in record.references:
             referenced_step(ref.name, url)  # a reference names a step of this run, or none
         return record
