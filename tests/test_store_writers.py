@@ -190,3 +190,96 @@ def test_a_save_never_deletes_the_state_object_a_live_writer_commits_meanwhile(s
     assert not live_failure, live_failure
     assert len(failure) == 1 and isinstance(failure[0], ckptfmt.CheckpointError), failure
     _check_loads(url, options, won)
+
+
+FULL = torch.arange(1 << 16, dtype=torch.float32).reshape(256, 256)
+
+
+def _two_jobs_race_for_step_5(rank: int, world: int, url: str, options: dict[str, str]) -> dict[str, object]:
+    """On each of 2 ranks: job b readies step 5 (it is empty), job a saves and commits it, then
+    job b goes on with its save from that preparation."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def state(sign: int) -> dict[str, object]:
+        return {"w": distribute_tensor(FULL * sign, mesh, [Shard(0)]), "step": 5 * sign}
+
+    a = CheckpointManager(url, storage_options=options)
+    b = CheckpointManager(url, storage_options=options)
+    prepared = b._prepare_step(5) if rank == 0 else []
+    a.save(5, state(1))
+    b._prepare_step = lambda step: prepared  # b's save goes on from its earlier preparation
+    lost = None
+    try:
+        b.save(5, state(-1))
+    except ckptfmt.CheckpointError as e:
+        lost = str(e)
+    dist.barrier()
+    return {"lost": lost}
+
+
+def test_two_jobs_of_two_ranks_never_replace_each_others_step(tmp_path, s3_bucket):
+    """Two jobs of 2 ranks each save step 5 of one run on a store; the second readied the step
+    before the first committed it.  Its ranks write rank files of its own names and its record
+    loses (created only if absent): the first job's step loads bit-exactly, and the second's
+    rank files are gone from it.  (Its coordinator used to withdraw the first job's record and
+    its ranks wrote over the first job's rank files, then committed its own step.)"""
+    from helpers import run_ranks
+    from s3_server import s3_client
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/run"
+    results = run_ranks(_two_jobs_race_for_step_5, 2, tmp_path, url, options)
+    assert all("error" not in got for got in results), results
+    reader = CheckpointManager(url, storage_options=options)
+    assert reader.verify(5).ok
+    full = reader.load(5)
+    assert torch.equal(full["w"], FULL) and full["step"] == 5
+    assert all(got["lost"] is not None for got in results), results
+    named = {p.name for p in reader.run.record(5).files}
+    assert _keys(s3_client(options["endpoint_url"]), bucket, "run/step-000000005/") == named | {"COMMIT"}
+
+
+def test_two_archivers_of_one_step_never_replace_each_others_objects(tmp_path, s3_bucket):
+    """Two jobs archive their own step 5 to one archive.  The second's copy runs while the
+    first's is about to upload its commit record (its files uploaded and verified): its upload
+    of the state file is refused (created only if absent), and the first's step loads
+    bit-exactly from the archive.  (The second's upload used to replace the first's state
+    object, which the first's record then named by the old file id: a damaged step.)"""
+    from ckptfmt.runs.objectnames import copy_marker
+    from ckptfmt.runs.objectrun import ObjectRun
+
+    bucket, options = s3_bucket
+    saved = {}
+    for job, sign in (("a", 1), ("b", -1)):
+        saved[job] = _state(5 * sign, SMALL)
+        CheckpointManager(str(tmp_path / job)).save(5, saved[job])
+    archive = ObjectRun(f"s3://{bucket}/archive", options)
+    second: list[BaseException] = []
+
+    def b_stops_before_its_record(record) -> None:
+        raise RuntimeError("job b has not committed yet")
+
+    def b_copies_meanwhile(record) -> None:
+        try:
+            archive.put_step(
+                5,
+                str(tmp_path / "b" / "step-000000005"),
+                claim=copy_marker(),
+                before_commit=b_stops_before_its_record,
+            )
+        except Exception as e:
+            second.append(e)
+
+    archive.put_step(
+        5, str(tmp_path / "a" / "step-000000005"), claim=copy_marker(), before_commit=b_copies_meanwhile
+    )
+    reader = CheckpointManager(f"s3://{bucket}/archive", storage_options=options)
+    assert reader.verify(5).ok
+    got = reader.load(5)
+    assert got["step"] == 5 and torch.equal(got["w"], saved["a"]["w"])
+    assert len(second) == 1 and isinstance(second[0], ckptfmt.StorageError), second
+    assert "exists already" in str(second[0])

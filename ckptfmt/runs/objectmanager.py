@@ -236,12 +236,15 @@ class ObjectRunManager(CheckpointManager):
     def _abandon(self, job: StepJob) -> None:
         """A failed save: remove the state object it uploaded, and nothing else.  A save whose
         upload failed made no object (the uploader aborts its multipart upload; cleanup
-        aborts what a crash left).  A step that holds a commit record now (another writer's,
-        which won the race to commit, or this save's own that landed although its request
-        failed) is a checkpoint: nothing in it is this save's to delete."""
-        if job.layout == "dcp":  # no rank knows all of the step's objects to be its own: the
-            if job.file_handle is not None:  # next save of the step removes them as a leftover
-                job.file_handle.exception()  # without a record (waits for the upload)
+        aborts what a crash left).  A step whose commit record names the object (this save's
+        own record, landed although its request failed) keeps it.  A save of several ranks
+        (no rank knows every rank file to be this save's) removes its rank files only once
+        another writer's record is in the step, which cannot name them; without one, the next
+        save of the step that commits deletes them, or cleanup once stale."""
+        if job.layout == "dcp":
+            if job.file_handle is not None:
+                job.file_handle.exception()  # waits for the upload
+            self._tidy(job.path, lambda: self.run.sweep_committed(job.step))
             return
         uploaded = job.written
         if job.file_handle is not None:

@@ -20,7 +20,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, StorageError
+from ..errors import (
+    CheckpointError,
+    CorruptError,
+    IncompleteError,
+    LimitError,
+    ObjectExistsError,
+    StorageError,
+)
 from ..files import multifile, recordsign
 from ..files.places import STALE_AFTER, ObjectPlace, describe_object, is_own_name
 from ..files.reader import CheckpointFile
@@ -333,10 +340,12 @@ class ObjectRun:
             claim(referenced_step(ref.name, self.path)[0])
             fd = multifile.open_part(d, ref, d.path)
             try:
-                upload_file(fd, url, self.options)
+                upload_file(fd, url, self.options, if_absent=True)
+                return
+            except ObjectExistsError:  # another archiver's copy meanwhile: checked as found
+                found = describe_object(url, self.options, ref.name)[0]
             finally:
                 os.close(fd)
-            return
         multifile.check_identity(found, dataclasses.replace(ref, sha256=None), ref.name, url)
         if ref.sha256 is not None:  # a signed step: the very bytes its record vouches for
             recordsign.check_object(url, ref, self.options, None)
@@ -357,9 +366,12 @@ class ObjectRun:
         return status.info
 
     def _put_file(self, d: CheckpointDir, part: multifile.PartRecord, url: str) -> None:
+        """Upload one file of the step being copied, created only if absent: an object already
+        there (another archiver's copy of a step of this number, or what a copy cut short
+        left, removed once its markers are dead) is never replaced (ObjectExistsError)."""
         fd = multifile.open_part(d, part, d.path)
         try:
-            upload_file(fd, url, self.options)
+            upload_file(fd, url, self.options, if_absent=True)
         finally:
             os.close(fd)
         report = verify(url, storage_options=self.options, decrypt_with=self.decrypt)
@@ -500,6 +512,14 @@ class ObjectRun:
         for name, version in listing.versions(url, self.options).items():
             if is_own_name(name) and name not in named and version is not None:
                 listing.delete_object(url.child(name), self.options, if_match=version)
+
+    def sweep_committed(self, step: int) -> None:
+        """sweep_step of step `step` by the commit record there now, if one can be read."""
+        try:
+            record = self.record(step)
+        except (FileNotFoundError, CheckpointError):  # none, or none to go by: nothing is swept
+            return
+        self.sweep_step(step, record)
 
     def delete_uncommitted(self, step: int, name: str, version: str) -> None:
         """Delete object `name` of step `step`, which a failed save wrote as `version` (the
