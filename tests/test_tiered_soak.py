@@ -185,7 +185,7 @@ class Checker:
         lag_s = (now - behind[0]).total_seconds() if behind else 0.0
         strays = [s.step for s in statuses if s.info is None and not s.retained]
         retained = {s.step for s in statuses if s.retained}
-        keys = self.run._listing()
+        keys = self.run.listing()
         markers = sum(
             1
             for step, names in keys.items()

@@ -161,7 +161,8 @@ class ObjectRunManager(CheckpointManager):
         the step holds without a record are left: they may be a live writer's about to commit
         (a save of the step writes a state object of its own beside them, and deletes them
         once it has committed, spec 13.7)."""
-        statuses = self.statuses()
+        found = self.run.listing()  # one listing for the checks and the cleanup of the same moment
+        statuses = self.run.statuses(found)
         newest = max(
             [s.step for s in statuses if s.info is not None] + list(self._in_flight_steps()), default=None
         )
@@ -169,14 +170,14 @@ class ObjectRunManager(CheckpointManager):
             raise ValueError(
                 f"step {step} is not after the newest checkpoint (step {newest}) in {self.directory}"
             )
-        found = next((s for s in statuses if s.step == step), None)
-        if found is not None and (found.damaged or found.unread):
+        this = next((s for s in statuses if s.step == step), None)
+        if this is not None and (this.damaged or this.unread):
             raise CheckpointError(
-                f"step {step} holds a commit record that is not a checkpoint ({found.problem}); it is "
+                f"step {step} holds a commit record that is not a checkpoint ({this.problem}); it is "
                 f"not saved over: remove({step}) deletes it",
-                path=found.path,
+                path=this.path,
             )
-        self._tidy(self.directory, self.run.cleanup)
+        self._tidy(self.directory, lambda: self.run.cleanup(found=found))
         return statuses
 
     def _store_options(self) -> dict[str, Any] | None:
@@ -261,6 +262,12 @@ class ObjectRunManager(CheckpointManager):
         return 0 if record is None else sum(p.length for p in record.files)
 
     def _rotate(self) -> None:
+        """Retention after a commit, by a listing made now: the commit, and other writers, have
+        changed the run since the save's preparation listed it, and what rotation deletes must
+        be judged on what is there (a step another writer committed meanwhile may refer to an
+        older one).  No rule set: nothing to delete, and nothing listed."""
+        if self.keep_last is None and self.keep_every is None and self.keep_best is None:
+            return
         statuses = self.statuses()  # once: the records are read by one GET each
         done = [s.info for s in statuses if s.info is not None]
         kept = retention.kept_steps(

@@ -62,6 +62,8 @@ MAX_STATUS_RECORDS = 1024
 
 #: commit records an ObjectRun keeps as read (statuses() reads at most MAX_STATUS_RECORDS)
 MAX_KNOWN_RECORDS = 4096
+#: a listing of a run: {step: {name in the step: (size, last written)}}
+Listed = dict[int, dict[str, tuple[int, datetime.datetime | None]]]
 
 
 class ObjectRun:
@@ -105,9 +107,11 @@ class ObjectRun:
 
     # -- reading -------------------------------------------------------------------------
 
-    def _listing(self) -> dict[int, dict[str, tuple[int, datetime.datetime | None]]]:
-        """The run's objects by step: {step: {name in the step: (size, last written)}}."""
-        out: dict[int, dict[str, tuple[int, datetime.datetime | None]]] = {}
+    def listing(self) -> Listed:
+        """The run's objects by step: {step: {name in the step: (size, last written)}}: one
+        listing of the prefix, which statuses(), cleanup() and remove_interrupted_copies()
+        also take, so that what one moment's listing serves is not listed again."""
+        out: Listed = {}
         for key, entry in listing.objects(self.url, self.options).items():
             top, _, name = key.partition("/")
             step = parse_step_dirname(top)
@@ -115,16 +119,14 @@ class ObjectRun:
                 out.setdefault(step, {})[name] = entry
         return out
 
-    def statuses(
-        self, found: dict[int, dict[str, tuple[int, datetime.datetime | None]]] | None = None
-    ) -> list[StepStatus]:
+    def statuses(self, found: Listed | None = None) -> list[StepStatus]:
         """Every step under the prefix, complete or not, by step.  A step without its record
         that holds an object a complete step refers to is `retained` (an incremental run's
         rotated step, kept for its chunks).  `found`: the listing to judge (None: listed here).
         Records are read newest first, at most MAX_STATUS_RECORDS of them (one GET each):
         older steps with a record are `unread` (a listing naming thousands of records must
         not cost thousands of requests)."""
-        found = self._listing() if found is None else found
+        found = self.listing() if found is None else found
         out: list[StepStatus] = []
         reads = 0
         for step in sorted(found, reverse=True):
@@ -148,7 +150,7 @@ class ObjectRun:
         other record.  At most `limit` records are read: LimitError when the next step
         would need one more (a listing naming thousands of commit records that are not
         checkpoints must not keep a resume reading for minutes)."""
-        found = self._listing()
+        found = self.listing()
         reads = 0
         for step in sorted(found, reverse=True):
             names = found[step]
@@ -170,7 +172,7 @@ class ObjectRun:
         self,
         step: int,
         names: dict[str, tuple[int, datetime.datetime | None]],
-        found: dict[int, dict[str, tuple[int, datetime.datetime | None]]],
+        found: Listed,
     ) -> StepStatus:
         path = self.step_path(step)
         if multifile.COMMIT_NAME not in names:
@@ -193,7 +195,7 @@ class ObjectRun:
         self,
         step: int,
         names: dict[str, tuple[int, datetime.datetime | None]],
-        found: dict[int, dict[str, tuple[int, datetime.datetime | None]]],
+        found: Listed,
     ) -> CheckpointInfo:
         record = self._listed_record(step, names[multifile.COMMIT_NAME])
         path = self.step_path(step)
@@ -202,12 +204,18 @@ class ObjectRun:
         for ref in record.references:
             other, name = referenced_step(ref.name, path)
             check_listed(found.get(other, {}).get(name), ref, path)
+        return self._info_of(step, record, names[multifile.COMMIT_NAME][0])
+
+    def _info_of(self, step: int, record: multifile.CommitRecord, record_size: int) -> CheckpointInfo:
+        """The CheckpointInfo of complete step `step`, whose record (of `record_size` bytes) is
+        `record`."""
+        path = self.step_path(step)
         return CheckpointInfo(
             step=step,
             path=path,
             metrics=dict(record.metrics),
             metadata=dict(record.metadata),
-            size=sum(p.length for p in record.files) + names[multifile.COMMIT_NAME][0],
+            size=sum(p.length for p in record.files) + record_size,
             created=parse_utc(record.created),
             files=tuple(f"{path}/{p.name}" for p in record.files),
             references=tuple(self._reference_url(ref.name) for ref in record.references),
@@ -314,7 +322,7 @@ class ObjectRun:
                 before_commit(record)
             commit_fd = d.open_file(multifile.COMMIT_NAME)
             try:
-                upload_file(
+                record_size = upload_file(
                     commit_fd, f"{self.step_path(step)}/{multifile.COMMIT_NAME}", self.options, if_absent=True
                 )
             finally:
@@ -324,7 +332,8 @@ class ObjectRun:
             own = self._step_url(step).child(claim) if claim is not None else None
             if own in claimed:
                 listing.delete_object(own, self.options)
-        return self._complete_info(step)
+        # every file was verified after its upload: the step is complete without a listing
+        return self._info_of(step, record, record_size)
 
     def _put_reference(
         self, d: CheckpointDir, ref: multifile.PartRecord, claim: Callable[[int], None]
@@ -357,7 +366,7 @@ class ObjectRun:
             return None
 
     def _complete_info(self, step: int) -> CheckpointInfo:
-        found = self._listing()
+        found = self.listing()
         status = self._status(step, found.get(step, {}), found)
         if status.info is None:
             raise status.error(
@@ -397,19 +406,20 @@ class ObjectRun:
         *,
         needed: set[str] | None = None,
         claim: str | None = None,
-    ) -> None:
-        """Delete the complete steps `done` not in `kept`; one that a kept step reads objects
+    ) -> list[int]:
+        """Delete the complete steps `done` not in `kept` (returned); one that a kept step reads objects
         of (or one of `needed`, objects of a step about to commit) is only retired.
         `statuses`: the run's, read with `done` (None: read here); `claim`: a copy marker put
         into each step before it is deleted (so a deletion cut short is known as ours)."""
         dropped = [c for c in done if c.step not in kept]
         if not dropped:
-            return
+            return []
         needed = {url for c in done if c.step in kept for url in c.references} | (needed or set())
         needed |= self.references_of_incomplete(self.statuses() if statuses is None else statuses)
         with claiming(claim):
             for c in dropped:
                 self.drop(c, needed, claim)
+        return [c.step for c in dropped]
 
     def drop(self, info: CheckpointInfo, needed: set[str], claim: str | None = None) -> None:
         """Delete complete step `info`, or only retire it where `needed` (objects that steps
@@ -538,7 +548,9 @@ class ObjectRun:
         if record is None or all(p.name != name for p in record.files):
             listing.delete_object(self._step_url(step).child(name), self.options, if_match=version)
 
-    def remove_interrupted_copies(self, older_than: datetime.timedelta = STALE_AFTER) -> list[int]:
+    def remove_interrupted_copies(
+        self, older_than: datetime.timedelta = STALE_AFTER, found: Listed | None = None
+    ) -> list[int]:
         """Remove what archive copies (and deletions) that died left; returns the steps whose
         prefix was deleted.  A step prefix is such a leftover when it holds copy markers
         (COPY_MARKER) and every one is dead: its writer ran on this host and its process has
@@ -547,8 +559,9 @@ class ObjectRun:
         whose objects no step refers to is deleted, its markers last, so that a deletion cut
         short stays recognisable; one that a step refers to is left whole (its markers say it
         is ours once nothing does); in a complete step only the dead markers go.  A prefix with
-        no marker, or with a live writer's, is never touched here (ObjectRun.cleanup)."""
-        found = self._listing()
+        no marker, or with a live writer's, is never touched here (ObjectRun.cleanup).
+        `found`: the run's listing to go by (None: listed here)."""
+        found = self.listing() if found is None else found
         now = datetime.datetime.now(datetime.timezone.utc)
         dead: dict[int, list[str]] = {}
         live: set[int] = set()
@@ -590,12 +603,14 @@ class ObjectRun:
             )
         return removed
 
-    def cleanup(self, older_than: datetime.timedelta = STALE_AFTER) -> None:
+    def cleanup(self, older_than: datetime.timedelta = STALE_AFTER, found: Listed | None = None) -> None:
         """Abort multipart uploads of crashed savers and delete commit-less steps whose newest
-        object is older than `older_than` (a live saver writes more often than that)."""
+        object is older than `older_than` (a live saver writes more often than that).
+        `found`: the run's listing to go by (None: listed here); one a little old serves, as
+        a step is deleted only by a HEAD's word and the versions then listed."""
         listing.abort_stale_uploads(self.url, self.options, older_than, in_a_step)
         now = datetime.datetime.now(datetime.timezone.utc)
-        found = self._listing()
+        found = self.listing() if found is None else found
         referenced: set[str] | None = None  # read only when a step is stale: it costs a GET a step
         below = -1  # steps older than an unread one may hold what it refers to: never deleted
         for step, names in sorted(found.items()):
