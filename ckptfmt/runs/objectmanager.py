@@ -177,6 +177,11 @@ class ObjectRunManager(CheckpointManager):
                 f"not saved over: remove({step}) deletes it",
                 path=this.path,
             )
+        if this is not None and self.run.has_record(step):  # one HEAD, where the step is not empty
+            raise CheckpointError(
+                f"step {step} has a commit record that the store's listing did not show; not saved over",
+                path=this.path,
+            )
         self._tidy(self.directory, lambda: self.run.cleanup(found=found))
         return statuses
 
