@@ -4,7 +4,10 @@ of a local run.
 Each save writes ``step-N/state.ckpt`` as one object (streamed, committed whole by its
 multipart upload), then the commit record ``step-N/COMMIT``, created only if absent, so a
 step is complete exactly when its record is there and names the state object with its
-length, file id and index checksum.  ``latest()`` never picks an incomplete step; rotation
+length, file id and index checksum.  Both are created only if absent, and a save deletes
+nothing in its step before its record is in: where the step holds objects already (a
+crashed save's, or a live writer's about to commit) its state object gets a name of its own
+(``state.<16 hex>.ckpt``), and those objects go once it has committed (spec 13.7).  ``latest()`` never picks an incomplete step; rotation
 deletes a step's record before its files; commit-less steps and multipart uploads left by
 crashed savers are cleaned by later saves once they are a day old (a store has no locks:
 age stands in for "no live process holds it").  Loading, resuming and verifying are the
@@ -17,7 +20,8 @@ Incremental saves refer to objects of earlier steps (spec 12 on a store, 13.7); 
 retires a step later ones read from (its record deleted, its objects kept while referred to).
 
 Several ranks (or DTensors) save a step as a DCP checkpoint on the store, each rank its own
-object, the commit record (layout "dcp") created last by DCP's coordinator.
+object (``rank-NNNNN.<16 hex>.ckpt``, named by the rank for this save), the commit record
+(layout "dcp") created last, only if absent, by DCP's coordinator.
 
 Not in this version: an archive tier of an object-store run, and encrypted multi-rank runs
 (each raises at construction or save).
