@@ -49,12 +49,8 @@ def _check_loads(url: str, options: dict, expected: dict[str, object]) -> None:
     assert got["step"] == expected["step"] and torch.equal(got["w"], expected["w"])
 
 
-def _save_while_held(
-    s3_faults, manager, state: dict[str, object], rules_left: int = 0
-) -> tuple[threading.Thread, list]:
-    """Start `manager`'s save of step 5 on a thread and return once the proxy holds the
-    request its rule is waiting for (`rules_left`: the rules set that are to stay unused):
-    (the thread, the list its failure goes into)."""
+def _saving(manager, state: dict[str, object]) -> tuple[threading.Thread, list]:
+    """`manager`'s save of step 5, started on a thread: (the thread, the list its failure goes into)."""
     failure: list[BaseException] = []
 
     def save() -> None:
@@ -65,11 +61,41 @@ def _save_while_held(
 
     t = threading.Thread(target=save, daemon=True)
     t.start()
+    return t, failure
+
+
+def _save_while_held(
+    s3_faults, manager, state: dict[str, object], rules_left: int = 0
+) -> tuple[threading.Thread, list]:
+    """Start `manager`'s save of step 5 on a thread and return once the proxy holds the
+    request its rule is waiting for (`rules_left`: the rules set that are to stay unused):
+    (the thread, the list its failure goes into)."""
+    t, failure = _saving(manager, state)
     deadline = time.monotonic() + 30
     while s3_faults.pending_rules() > rules_left and time.monotonic() < deadline:
         time.sleep(0.02)
     assert s3_faults.pending_rules() == rules_left
     return t, failure
+
+
+def _save_paused_before_commit(
+    manager, state: dict[str, object]
+) -> tuple[threading.Thread, list, threading.Event]:
+    """Start `manager`'s save of step 5 on a thread and return once its state object is
+    uploaded and it waits to commit: (the thread, the list its failure goes into, the event
+    that lets it commit)."""
+    uploaded, go = threading.Event(), threading.Event()
+    commit = manager._commit
+
+    def commit_when_told(job):
+        uploaded.set()
+        assert go.wait(60)
+        return commit(job)
+
+    manager._commit = commit_when_told
+    t, failure = _saving(manager, state)
+    assert uploaded.wait(60)
+    return t, failure, go
 
 
 @pytest.mark.parametrize("weights", [SMALL, LARGE], ids=["put", "multipart"])
@@ -156,28 +182,10 @@ def test_a_save_never_deletes_the_state_object_a_live_writer_commits_meanwhile(s
     bucket = s3_faults.new_bucket()
     url = f"s3://{bucket}/run"
     options = s3_faults.storage_options()
-    live = CheckpointManager(url, storage_options=options)
-    uploaded, go = threading.Event(), threading.Event()
-    commit = live._commit
-
-    def commit_when_told(job):
-        uploaded.set()
-        assert go.wait(60)
-        return commit(job)
-
-    live._commit = commit_when_told
     won = _state(5, SMALL)
-    live_failure: list[BaseException] = []
-
-    def live_save() -> None:
-        try:
-            live.save(5, won)
-        except BaseException as e:
-            live_failure.append(e)
-
-    live_thread = threading.Thread(target=live_save, daemon=True)
-    live_thread.start()
-    assert uploaded.wait(60)  # the live job's state object is there, its record not yet
+    live = CheckpointManager(url, storage_options=options)
+    # the live job's state object is there, its record not yet
+    live_thread, live_failure, go = _save_paused_before_commit(live, won)
     s3_faults.delay("DELETE", "step-000000005/", seconds=5.0, count=1)
     s3_faults.delay("PUT", "step-000000005/state", seconds=5.0, count=1)
     second = CheckpointManager(url, storage_options=options)
@@ -190,6 +198,31 @@ def test_a_save_never_deletes_the_state_object_a_live_writer_commits_meanwhile(s
     assert not live_failure, live_failure
     assert len(failure) == 1 and isinstance(failure[0], ckptfmt.CheckpointError), failure
     _check_loads(url, options, won)
+
+
+def test_a_save_whose_object_the_winner_deleted_fails_naming_the_other_writer(s3_bucket):
+    """Job a has uploaded step 5's state object and waits to commit it; job b saves step 5 (a
+    state object of its own name beside a's), commits, and deletes a's object, which no record
+    can name any more.  Job a's commit then fails as a CheckpointError that says so, and b's
+    step loads bit-exactly, its record and state object alone in the step."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/run"
+    t, failure, go = _save_paused_before_commit(
+        CheckpointManager(url, storage_options=options), _state(-5, SMALL)
+    )
+    won = _state(5, SMALL)
+    CheckpointManager(url, storage_options=options).save(5, won)
+    go.set()
+    t.join(30)
+    assert not t.is_alive()
+    assert len(failure) == 1 and isinstance(failure[0], ckptfmt.CheckpointError), failure
+    assert "another writer" in str(failure[0])
+    _check_loads(url, options, won)
+    record = CheckpointManager(url, storage_options=options).run.record(5)
+    from s3_server import s3_client
+
+    keys = _keys(s3_client(options["endpoint_url"]), bucket, "run/step-000000005/")
+    assert keys == {"COMMIT", record.files[0].name} and record.files[0].name != "state.ckpt"
 
 
 FULL = torch.arange(1 << 16, dtype=torch.float32).reshape(256, 256)

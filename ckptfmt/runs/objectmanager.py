@@ -209,7 +209,7 @@ class ObjectRunManager(CheckpointManager):
         the version named) and is signed (spec 16.7)."""
         url = f"{job.path}/{job.state_name}"
         place = self.run.step_place(job.step)
-        with CheckpointFile(url, storage_options=self.run.options, decrypt_with=self._decrypt) as f:
+        with self._uploaded_state(job, url) as f:
             _check_uploaded_here(f.etag, job, url)
             part = multifile.identity_of(f, job.state_name)
             refs = tuple(self._describe(place, ext) for ext in f.externals)
@@ -228,6 +228,18 @@ class ObjectRunManager(CheckpointManager):
         if job.sweep:  # what other saves left in the step is nobody's now
             self._tidy(job.path, lambda: self.run.sweep_step(job.step, record))
         return record
+
+    def _uploaded_state(self, job: StepJob, url: str) -> CheckpointFile:
+        """The state object this save uploaded, opened to be described; CheckpointError when it
+        is gone: a writer that committed the step since deletes what its record does not name."""
+        try:
+            return CheckpointFile(url, storage_options=self.run.options, decrypt_with=self._decrypt)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"step {job.step}: the state object this save uploaded is gone (another writer "
+                "committed the step meanwhile and deleted it, or someone else did); not committed",
+                path=url,
+            ) from None
 
     def _describe(self, place: ObjectPlace, ext: External) -> multifile.PartRecord:
         """The commit record's entry for the object the reference `ext` of the new step (at
