@@ -4,13 +4,14 @@ of a local run.
 Each save writes ``step-N/state.ckpt`` as one object (streamed, committed whole by its
 multipart upload), then the commit record ``step-N/COMMIT``, created only if absent, so a
 step is complete exactly when its record is there and names the state object with its
-length, file id and index checksum.  Both are created only if absent, and a save deletes
-nothing in its step before its record is in: where the step holds objects already (a
-crashed save's, or a live writer's about to commit) its state object gets a name of its own
-(``state.<16 hex>.ckpt``), and those objects go once it has committed (spec 13.7).  ``latest()`` never picks an incomplete step; rotation
-deletes a step's record before its files; commit-less steps and multipart uploads left by
-crashed savers are cleaned by later saves once they are a day old (a store has no locks:
-age stands in for "no live process holds it").  Loading, resuming and verifying are the
+length, file id and index checksum.  The state object is created only if absent too, and a
+save deletes nothing in its step before its record is in: where the step holds objects
+already (a crashed save's, or a live writer's about to commit) its state object gets a name
+of its own (``state.<16 hex>.ckpt``), and those objects go once it has committed (spec
+13.7).  ``latest()`` never picks an incomplete step; rotation deletes a step's record
+before its files; commit-less steps and multipart uploads left by crashed savers are
+cleaned by later saves once they are a day old (a store has no locks: age stands in for
+"no live process holds it").  Loading, resuming and verifying are the
 local manager's, reading through ranged GETs pinned to each object's ETag.  With sign_with
 the record carries the state object's SHA-256, read back after upload, and is signed; with
 trusted_keys a step is read only when a trusted key signed it, each object hashed against
