@@ -21,7 +21,8 @@ import torch
 
 import ckptfmt
 from ckptfmt.errors import CheckpointWarning, StorageError
-from ckptfmt.runs.objectrun import COPY_MARKER, ObjectRun
+from ckptfmt.runs.objectnames import COPY_MARKER
+from ckptfmt.runs.objectrun import ObjectRun
 from ckptfmt.storage import listing
 
 

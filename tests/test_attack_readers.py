@@ -20,7 +20,8 @@ import ckptfmt
 from ckptfmt import dcp as cdcp
 from ckptfmt.errors import CheckpointError, CorruptError, LimitError
 from ckptfmt.files import incremental, multifile
-from ckptfmt.runs.objectrun import COPY_MARKER, ObjectRun
+from ckptfmt.runs.objectnames import COPY_MARKER
+from ckptfmt.runs.objectrun import ObjectRun
 from ckptfmt.storage import listing
 
 FROZEN = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB: chunks a save against a base refers to

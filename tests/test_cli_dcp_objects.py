@@ -52,6 +52,15 @@ def test_consolidate_a_step_of_a_run_on_the_store(env_bucket, tmp_path):
     run_cli("consolidate", step, remote, rc=0)
     assert torch.equal(ckptfmt.load(remote)["state"]["w"], torch.arange(5000.0))
     assert "OK" in run_cli("verify", step, rc=0).stdout  # a step's prefix is one checkpoint too
+    # a step saved where a crashed save left its state object: its own is named for the save
+    from s3_server import s3_client
+
+    c = s3_client(os.environ["AWS_ENDPOINT_URL"])
+    c.put_object(Bucket=env_bucket, Key="run/step-000000002/state.ckpt", Body=b"a crashed save's")
+    m.save(2, {"w": torch.arange(7.0)})
+    assert m.run.record(2).files[0].name != "state.ckpt"
+    run_cli("consolidate", m.latest().path, tmp_path / "s2.ckpt", rc=0)
+    assert torch.equal(ckptfmt.load(tmp_path / "s2.ckpt")["state"]["w"], torch.arange(7.0))
 
 
 def test_a_damaged_rank_object_fails_verify_and_ls(env_bucket):

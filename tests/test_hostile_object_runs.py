@@ -219,7 +219,8 @@ def test_verify_refuses_a_step_reading_an_object_its_record_does_not_name(s3_ser
 def test_a_save_that_loses_the_commit_race_leaves_the_winners_checkpoint(s3_faults):
     """Two managers save step 5 of one run (a restarted job while the old one still runs):
     the loser's commit record finds the winner's there and raises, and deletes nothing the
-    winner's checkpoint holds: its commit record and the state object it names stay."""
+    winner's checkpoint holds: its commit record and the state object it names stay, and the
+    loser's state object goes."""
     import threading
     import time
 
@@ -247,7 +248,10 @@ def test_a_save_that_loses_the_commit_race_leaves_the_winners_checkpoint(s3_faul
     t.join(30)
     assert not t.is_alive()
     assert len(failure) == 1 and "committed by another writer meanwhile" in str(failure[0])
-    assert _keys(s3_faults.client(), bucket, "run/") == {"step-000000005/state.ckpt", "step-000000005/COMMIT"}
+    # the winner wrote a state object of its own beside the old job's, which it deleted once committed
+    named = new.run.record(5).files[0].name
+    assert named != "state.ckpt"
+    assert _keys(s3_faults.client(), bucket, "run/") == {f"step-000000005/{named}", "step-000000005/COMMIT"}
     assert new.load(5)["step"] == 5
     assert torch.equal(
         CheckpointManager(url, storage_options=s3_faults.storage_options()).load()["head"], _state(5)["head"]

@@ -198,9 +198,14 @@ def test_an_empty_object_is_not_a_checkpoint(store):
 
 
 def _listing(
-    keys: list[str], truncated: bool = False, token: str | None = None, modified: str | None = None
+    keys: list[str],
+    truncated: bool = False,
+    token: str | None = None,
+    modified: str | None = None,
+    etag: str | None = None,
 ) -> Answer:
     when = f"<LastModified>{modified}</LastModified>" if modified else ""
+    when += f"<ETag>&quot;{etag}&quot;</ETag>" if etag else ""
     contents = "".join(f"<Contents><Key>{k}</Key><Size>1</Size>{when}</Contents>" for k in keys)
     more = f"<NextContinuationToken>{token}</NextContinuationToken>" if token else ""
     body = (
@@ -276,13 +281,13 @@ STALE = "2000-01-01T00:00:00.000Z"
 def test_cleanup_keeps_a_step_whose_record_the_listing_left_out(store):
     # the listing names step 1's state but not its COMMIT (a lying or lagging store), all
     # written long ago: a complete step looks like a crashed saver's leftover
-    store.listing = _listing(["run/step-000000001/state.ckpt"], modified=STALE)
+    store.listing = _listing(["run/step-000000001/state.ckpt"], modified=STALE, etag="v1")
     ObjectRun("s3://bucket/run", store.options).cleanup()
     assert store.deletes() == []
-    # where the record is truly absent, the leftover goes (commit record first, alone)
+    # where the record is truly absent, the leftover goes: the versions listed, never a record
     store.head = lambda h: _reply(h, 404, {}) if h.path.endswith("/COMMIT") else store.honest_head(h)
     ObjectRun("s3://bucket/run", store.options).cleanup()
-    assert store.deletes()[0] == ("DELETE", "/bucket/run/step-000000001/COMMIT")
+    assert store.deletes() == [("DELETE", "/bucket/run/step-000000001/state.ckpt")]
 
 
 def test_a_save_never_deletes_a_step_whose_record_the_listing_left_out(store):

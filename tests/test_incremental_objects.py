@@ -130,7 +130,7 @@ def test_references_never_leave_the_run(s3_bucket):
     top = parse_url(f"s3://{bucket}/step-000000002", need_key=False)
     with pytest.raises(ckptfmt.CorruptError, match="above the bucket"):
         resolve(top, "../../x")
-    from ckptfmt.runs.objectrun import _referenced_step
+    from ckptfmt.runs.objectnames import referenced_step as _referenced_step
 
     for bad in ("../other/state.ckpt", "state.ckpt", "../step-000000001/a/b", "../../step-000000001/x"):
         with pytest.raises(ckptfmt.CorruptError, match="not to a step of this run"):

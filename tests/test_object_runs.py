@@ -100,6 +100,42 @@ def _run_of_three(s3_faults) -> ckptfmt.CheckpointManager:
     return m
 
 
+def _listings_of(s3_faults, prefix: str) -> int:
+    """ListObjectsV2 requests of exactly the run's prefix `prefix` seen since clear_counts."""
+    want = f"prefix={prefix.replace('/', '%2F')}%2F&"
+    return sum(1 for m, t in s3_faults.requests() if m == "GET" and "list-type=2" in t and want in t)
+
+
+def test_a_save_lists_the_run_once_and_rotation_once_more(s3_faults, tmp_path):
+    """A save on a store lists the run once for its preparation and the cleanup of stale steps
+    (the same moment's listing serves both), and once more for the rotation after the commit
+    (the run has changed since: the commit, maybe other writers), only where a rule may delete
+    a step.  A tiered run's archive pass lists the archive once for its cleanup of interrupted
+    copies, its listing and its first rotation, and once more for the rotation right before the
+    copy's commit record.  (They listed 3 and 5 times.)"""
+    bucket, options = s3_faults.new_bucket(), s3_faults.storage_options()
+    for rules, per_save in (({}, 1), ({"keep_last": 2}, 2)):
+        m = ckptfmt.CheckpointManager(f"s3://{bucket}/r{per_save}", storage_options=options, **rules)
+        for step in (1, 2):
+            s3_faults.clear_counts()
+            m.save(step, _state(step))
+            assert _listings_of(s3_faults, f"r{per_save}") == per_save, (rules, s3_faults.requests())
+    tiered = ckptfmt.CheckpointManager(
+        tmp_path / "run",
+        keep_last=1,
+        archive=f"s3://{bucket}/archive",
+        archive_keep_last=3,
+        storage_options=options,
+    )
+    for step in (1, 2):
+        s3_faults.clear_counts()
+        tiered.save(step, _state(step))
+        tiered.wait()
+        assert _listings_of(s3_faults, "archive") == 2, s3_faults.requests()
+    assert [c.step for c in tiered.archive.checkpoints()] == [1, 2]
+    assert [c.step for c in m.checkpoints()] == [1, 2]
+
+
 def test_listing_a_run_reads_each_commit_record_with_one_get(s3_faults):
     m = _run_of_three(s3_faults)
     m = ckptfmt.CheckpointManager(m.directory, storage_options=m.run.options)  # another process's

@@ -82,6 +82,14 @@ def test_incremental_saves_of_two_ranks(tmp_path, s3_bucket):
     assert sorted(os.listdir(full)) == ["step-000000003"]
     assert multifile.check_complete(str(full / "step-000000003")).references == ()
     assert sum(f.stat().st_size for f in (full / "step-000000003").glob("rank-*.ckpt")) > FROZEN.numel() * 4
+    # on the store each save names its rank files with digits of its own (spec 13.7): step 3's
+    # still read from step 1's file of the same rank
+    from ckptfmt.dcp.sources import rank_of
+
+    store = ckptfmt.CheckpointManager(url, storage_options=options, decrypt_with=KEY)
+    refs = [r.name.rsplit("/", 1) for r in store.run.record(3).references]
+    assert sorted((d, rank_of(n)) for d, n in refs) == [("../step-000000001", 0), ("../step-000000001", 1)]
+    assert all(n.count(".") == 2 for _, n in refs), refs
     for m in (
         ckptfmt.CheckpointManager(run),
         ckptfmt.CheckpointManager(url, storage_options=options, decrypt_with=KEY),

@@ -14,6 +14,7 @@ import torch
 
 import ckptfmt
 from ckptfmt import CheckpointManager
+from ckptfmt.runs.steps import STATE_NAME_RE
 
 SMALL = torch.arange(1000, dtype=torch.float32)  # one PUT
 LARGE = torch.arange(5 << 20, dtype=torch.float32)  # 20 MiB: a multipart upload
@@ -28,6 +29,19 @@ def _keys(client, bucket: str, prefix: str) -> set[str]:
     return {o["Key"][len(prefix) :] for o in listed}
 
 
+def _assert_only_the_committed_step(s3_faults, bucket: str) -> None:
+    """The run holds step 5's record and the one state object it names, nothing else (what
+    other saves left there is deleted once the step is committed)."""
+    client = s3_faults.client()
+    keys = _keys(client, bucket, "run/step-000000005/")
+    record = CheckpointManager(f"s3://{bucket}/run", storage_options=s3_faults.storage_options()).run.record(
+        5
+    )
+    assert keys == {"COMMIT", record.files[0].name}, keys
+    assert STATE_NAME_RE.fullmatch(record.files[0].name)
+    assert _keys(client, bucket, "run/") == {f"step-000000005/{k}" for k in keys}
+
+
 def _check_loads(url: str, options: dict, expected: dict[str, object]) -> None:
     fresh = CheckpointManager(url, storage_options=options)
     assert fresh.verify(5).ok
@@ -35,9 +49,8 @@ def _check_loads(url: str, options: dict, expected: dict[str, object]) -> None:
     assert got["step"] == expected["step"] and torch.equal(got["w"], expected["w"])
 
 
-def _save_while_held(s3_faults, manager, state: dict[str, object]) -> tuple[threading.Thread, list]:
-    """Start `manager`'s save of step 5 on a thread and return once the proxy holds the
-    request its rule is waiting for: (the thread, the list its failure goes into)."""
+def _saving(manager, state: dict[str, object]) -> tuple[threading.Thread, list]:
+    """`manager`'s save of step 5, started on a thread: (the thread, the list its failure goes into)."""
     failure: list[BaseException] = []
 
     def save() -> None:
@@ -48,11 +61,41 @@ def _save_while_held(s3_faults, manager, state: dict[str, object]) -> tuple[thre
 
     t = threading.Thread(target=save, daemon=True)
     t.start()
-    deadline = time.monotonic() + 30
-    while s3_faults.pending_rules() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert s3_faults.pending_rules() == 0
     return t, failure
+
+
+def _save_while_held(
+    s3_faults, manager, state: dict[str, object], rules_left: int = 0
+) -> tuple[threading.Thread, list]:
+    """Start `manager`'s save of step 5 on a thread and return once the proxy holds the
+    request its rule is waiting for (`rules_left`: the rules set that are to stay unused):
+    (the thread, the list its failure goes into)."""
+    t, failure = _saving(manager, state)
+    deadline = time.monotonic() + 30
+    while s3_faults.pending_rules() > rules_left and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert s3_faults.pending_rules() == rules_left
+    return t, failure
+
+
+def _save_paused_before_commit(
+    manager, state: dict[str, object]
+) -> tuple[threading.Thread, list, threading.Event]:
+    """Start `manager`'s save of step 5 on a thread and return once its state object is
+    uploaded and it waits to commit: (the thread, the list its failure goes into, the event
+    that lets it commit)."""
+    uploaded, go = threading.Event(), threading.Event()
+    commit = manager._commit
+
+    def commit_when_told(job):
+        uploaded.set()
+        assert go.wait(60)
+        return commit(job)
+
+    manager._commit = commit_when_told
+    t, failure = _saving(manager, state)
+    assert uploaded.wait(60)
+    return t, failure, go
 
 
 @pytest.mark.parametrize("weights", [SMALL, LARGE], ids=["put", "multipart"])
@@ -103,30 +146,173 @@ def test_a_failed_saves_cleanup_never_deletes_the_next_writers_object(s3_faults)
     assert len(failure) == 1 and isinstance(failure[0], ckptfmt.StorageError)
     # the held one did reach the store, after the next writer's (of the leftover it listed)
     assert s3_faults.count("DELETE", "step-000000005/state.ckpt") == 2
-    assert _keys(s3_faults.client(), bucket, "run/") == {"step-000000005/state.ckpt", "step-000000005/COMMIT"}
+    _assert_only_the_committed_step(s3_faults, bucket)
     _check_loads(url, options, won)
 
 
-def test_a_leftovers_deletion_never_deletes_what_another_writer_commits_meanwhile(s3_faults):
-    """A crashed save left step 5's state object.  A restarted job deletes that leftover; its
-    DELETE is held while another job deletes the leftover too, saves step 5 and commits it.
-    The held DELETE names the leftover's version (not the new object's) and no commit record
-    is ever deleted as a leftover: the committed step loads bit-exactly, the restarted job's
-    save of the step fails."""
+def test_a_leftover_is_deleted_only_once_the_step_is_committed(s3_faults):
+    """A crashed save (or a live one: the store cannot tell) left step 5's state object.  A
+    restarted job's save of step 5 writes a state object of its own beside it, commits, and
+    only then deletes the leftover, by the version it listed: no DELETE in the step comes
+    before its commit record, and the step holds its record and state object alone."""
     bucket = s3_faults.new_bucket()
     url = f"s3://{bucket}/run"
     options = s3_faults.storage_options()
     s3_faults.client().put_object(
         Bucket=bucket, Key="run/step-000000005/state.ckpt", Body=b"a crashed save's"
     )
-    s3_faults.delay("DELETE", "step-000000005/", seconds=6.0, count=1)
-    restarted = CheckpointManager(url, storage_options=options)
-    # until the restarted job's first DELETE in step 5 is being held
-    t, failure = _save_while_held(s3_faults, restarted, _state(-5, SMALL))
+    s3_faults.clear_counts()
     won = _state(5, SMALL)
     CheckpointManager(url, storage_options=options).save(5, won)
+    sent = [(m, t) for m, t in s3_faults.requests() if "step-000000005/" in t and m in ("PUT", "DELETE")]
+    committed = sent.index(next(r for r in sent if r[0] == "PUT" and "/COMMIT" in r[1]))
+    assert [m for m, _ in sent[:committed]] == ["PUT"], sent  # the state object of its own
+    assert sent[committed + 1 :] and all(m == "DELETE" for m, _ in sent[committed + 1 :]), sent
+    _assert_only_the_committed_step(s3_faults, bucket)
+    _check_loads(url, options, won)
+
+
+def test_a_save_never_deletes_the_state_object_a_live_writer_commits_meanwhile(s3_faults):
+    """A live job has uploaded step 5's state object and is about to commit it when another
+    job (restarted while the live one still runs) begins its save of step 5 and finds the
+    step without a commit record.  The proxy holds the second job's first deletion or state
+    upload in the step while the live job commits: the live job's checkpoint loads
+    bit-exactly afterwards, the second job's save of the step fails.  (A save's preparation
+    used to delete the "leftover" by the version it listed, the live job's committed one.)"""
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/run"
+    options = s3_faults.storage_options()
+    won = _state(5, SMALL)
+    live = CheckpointManager(url, storage_options=options)
+    # the live job's state object is there, its record not yet
+    live_thread, live_failure, go = _save_paused_before_commit(live, won)
+    s3_faults.delay("DELETE", "step-000000005/", seconds=5.0, count=1)
+    s3_faults.delay("PUT", "step-000000005/state", seconds=5.0, count=1)
+    second = CheckpointManager(url, storage_options=options)
+    t, failure = _save_while_held(s3_faults, second, _state(-5, SMALL), rules_left=1)
+    go.set()  # the live job commits while the second job's request is held
+    live_thread.join(30)
+    t.join(30)
+    assert not live_thread.is_alive() and not t.is_alive()
+    s3_faults.clear_rules()
+    assert not live_failure, live_failure
+    assert len(failure) == 1 and isinstance(failure[0], ckptfmt.CheckpointError), failure
+    _check_loads(url, options, won)
+
+
+def test_a_save_whose_object_the_winner_deleted_fails_naming_the_other_writer(s3_bucket):
+    """Job a has uploaded step 5's state object and waits to commit it; job b saves step 5 (a
+    state object of its own name beside a's), commits, and deletes a's object, which no record
+    can name any more.  Job a's commit then fails as a CheckpointError that says so, and b's
+    step loads bit-exactly, its record and state object alone in the step."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/run"
+    t, failure, go = _save_paused_before_commit(
+        CheckpointManager(url, storage_options=options), _state(-5, SMALL)
+    )
+    won = _state(5, SMALL)
+    CheckpointManager(url, storage_options=options).save(5, won)
+    go.set()
     t.join(30)
     assert not t.is_alive()
     assert len(failure) == 1 and isinstance(failure[0], ckptfmt.CheckpointError), failure
-    assert _keys(s3_faults.client(), bucket, "run/") == {"step-000000005/state.ckpt", "step-000000005/COMMIT"}
+    assert "another writer" in str(failure[0])
     _check_loads(url, options, won)
+    record = CheckpointManager(url, storage_options=options).run.record(5)
+    from s3_server import s3_client
+
+    keys = _keys(s3_client(options["endpoint_url"]), bucket, "run/step-000000005/")
+    assert keys == {"COMMIT", record.files[0].name} and record.files[0].name != "state.ckpt"
+
+
+FULL = torch.arange(1 << 16, dtype=torch.float32).reshape(256, 256)
+
+
+def _two_jobs_race_for_step_5(rank: int, world: int, url: str, options: dict[str, str]) -> dict[str, object]:
+    """On each of 2 ranks: job b readies step 5 (it is empty), job a saves and commits it, then
+    job b goes on with its save from that preparation."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def state(sign: int) -> dict[str, object]:
+        return {"w": distribute_tensor(FULL * sign, mesh, [Shard(0)]), "step": 5 * sign}
+
+    a = CheckpointManager(url, storage_options=options)
+    b = CheckpointManager(url, storage_options=options)
+    prepared = b._prepare_step(5) if rank == 0 else []
+    a.save(5, state(1))
+    b._prepare_step = lambda step: prepared  # b's save goes on from its earlier preparation
+    lost = None
+    try:
+        b.save(5, state(-1))
+    except ckptfmt.CheckpointError as e:
+        lost = str(e)
+    dist.barrier()
+    return {"lost": lost}
+
+
+def test_two_jobs_of_two_ranks_never_replace_each_others_step(tmp_path, s3_bucket):
+    """Two jobs of 2 ranks each save step 5 of one run on a store; the second readied the step
+    before the first committed it.  Its ranks write rank files of its own names and its record
+    loses (created only if absent): the first job's step loads bit-exactly, and the second's
+    rank files are gone from it.  (Its coordinator used to withdraw the first job's record and
+    its ranks wrote over the first job's rank files, then committed its own step.)"""
+    from helpers import run_ranks
+    from s3_server import s3_client
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/run"
+    results = run_ranks(_two_jobs_race_for_step_5, 2, tmp_path, url, options)
+    assert all("error" not in got for got in results), results
+    reader = CheckpointManager(url, storage_options=options)
+    assert reader.verify(5).ok
+    full = reader.load(5)
+    assert torch.equal(full["w"], FULL) and full["step"] == 5
+    assert all(got["lost"] is not None for got in results), results
+    named = {p.name for p in reader.run.record(5).files}
+    assert _keys(s3_client(options["endpoint_url"]), bucket, "run/step-000000005/") == named | {"COMMIT"}
+
+
+def test_two_archivers_of_one_step_never_replace_each_others_objects(tmp_path, s3_bucket):
+    """Two jobs archive their own step 5 to one archive.  The second's copy runs while the
+    first's is about to upload its commit record (its files uploaded and verified): its upload
+    of the state file is refused (created only if absent), and the first's step loads
+    bit-exactly from the archive.  (The second's upload used to replace the first's state
+    object, which the first's record then named by the old file id: a damaged step.)"""
+    from ckptfmt.runs.objectnames import copy_marker
+    from ckptfmt.runs.objectrun import ObjectRun
+
+    bucket, options = s3_bucket
+    saved = {}
+    for job, sign in (("a", 1), ("b", -1)):
+        saved[job] = _state(5 * sign, SMALL)
+        CheckpointManager(str(tmp_path / job)).save(5, saved[job])
+    archive = ObjectRun(f"s3://{bucket}/archive", options)
+    second: list[BaseException] = []
+
+    def b_stops_before_its_record(record) -> None:
+        raise RuntimeError("job b has not committed yet")
+
+    def b_copies_meanwhile(record) -> None:
+        try:
+            archive.put_step(
+                5,
+                str(tmp_path / "b" / "step-000000005"),
+                claim=copy_marker(),
+                before_commit=b_stops_before_its_record,
+            )
+        except Exception as e:
+            second.append(e)
+
+    archive.put_step(
+        5, str(tmp_path / "a" / "step-000000005"), claim=copy_marker(), before_commit=b_copies_meanwhile
+    )
+    reader = CheckpointManager(f"s3://{bucket}/archive", storage_options=options)
+    assert reader.verify(5).ok
+    got = reader.load(5)
+    assert got["step"] == 5 and torch.equal(got["w"], saved["a"]["w"])
+    assert len(second) == 1 and isinstance(second[0], ckptfmt.StorageError), second
+    assert "exists already" in str(second[0])

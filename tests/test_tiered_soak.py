@@ -54,7 +54,8 @@ from tiered_soak_child import (
 
 import ckptfmt
 from ckptfmt.runs import retention
-from ckptfmt.runs.objectrun import COPY_MARKER, ObjectRun
+from ckptfmt.runs.objectnames import COPY_MARKER
+from ckptfmt.runs.objectrun import ObjectRun
 
 KILLS = int(os.environ.get("CKPTFMT_TIERED_KILLS", "6"))
 SEED = int(os.environ.get("CKPTFMT_TIERED_SEED", "20261206"))
@@ -184,7 +185,7 @@ class Checker:
         lag_s = (now - behind[0]).total_seconds() if behind else 0.0
         strays = [s.step for s in statuses if s.info is None and not s.retained]
         retained = {s.step for s in statuses if s.retained}
-        keys = self.run._listing()
+        keys = self.run.listing()
         markers = sum(
             1
             for step, names in keys.items()

@@ -35,7 +35,7 @@ def _consolidation_source(src: str) -> tuple[str, str]:
     run's step (a directory or prefix with a record of layout "state": its state file)."""
     from ..files import multifile
     from ..files.places import place_at
-    from ..runs.steps import STATE_NAME
+    from ..runs.steps import STATE_NAME, STATE_NAME_RE
 
     if is_url(src):
         multi = not remote.is_object(src) and remote.has_record(src)
@@ -47,9 +47,13 @@ def _consolidation_source(src: str) -> tuple[str, str]:
         record = place.read_record()
         if record.layout == "dcp":
             return "dcp", src
-        if record.layout == "state" and [p.name for p in record.files] == [STATE_NAME]:
+        names = [p.name for p in record.files]
+        # a run's step: on a store its state object may have its save's own name (spec 13.7)
+        if record.layout == "state" and (
+            names == [STATE_NAME] or (is_url(src) and len(names) == 1 and STATE_NAME_RE.fullmatch(names[0]))
+        ):
             place.check_part(record.files[0])
-            return "file", place.path_of(STATE_NAME)
+            return "file", place.path_of(names[0])
     raise UnsupportedError(f"a {record.layout!r} checkpoint: not one consolidate reads", path=src)
 
 

@@ -15,16 +15,25 @@ from ..files.reader import CheckpointFile
 from . import metadata as mdv
 
 LAYOUT = "dcp"
-RANK_FILE_RE = re.compile(r"rank-([0-9]{5,9})\.ckpt")
+#: a rank file's name: ``rank-NNNNN.ckpt``, or, in a manager's step on a store, with the 16 hex
+#: digits of its save (``rank-NNNNN.<h>.ckpt``, spec 13.7): a save never writes over another's
+RANK_FILE_RE = re.compile(r"rank-([0-9]{5,9})(?:\.[0-9a-f]{16})?\.ckpt")
 
 
-def rank_file_name(rank: int) -> str:
-    return f"rank-{rank:05d}.ckpt"
+def rank_file_name(rank: int, token: str | None = None) -> str:
+    """Rank `rank`'s file name; `token`: 16 hex digits of the save's own (None: none)."""
+    return f"rank-{rank:05d}.ckpt" if token is None else f"rank-{rank:05d}.{token}.ckpt"
+
+
+def rank_of(name: str) -> int | None:
+    """The rank whose file `name` is (None: not a rank file's name)."""
+    m = RANK_FILE_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
 
 
 def rank_note(name: str) -> str:
-    m = RANK_FILE_RE.fullmatch(name)
-    return f" (rank {int(m.group(1))})" if m else ""
+    rank = rank_of(name)
+    return f" (rank {rank})" if rank is not None else ""
 
 
 def open_source(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import secrets
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -56,7 +57,7 @@ from ..files.places import LocalPlace, Place
 from ..gcpause import pausing_in_main_thread
 from . import metadata as mdv
 from .rankplan import HeldPlace, RankPlan, StorageInfo, plan_threads, this_host, thread_shares
-from .sources import LAYOUT, RANK_FILE_RE, rank_file_name, rank_note
+from .sources import LAYOUT, RANK_FILE_RE, rank_file_name, rank_note, rank_of
 from .values import ObjectBytes, decode_value, raw_bytes_io
 
 #: DCP's default planner's value transform: torch.save (a pickle)
@@ -249,7 +250,7 @@ class Writer(HeldPlace, StorageWriter):
         if self._place is None:
             if self._within is not None:
                 self._place = LocalPlace(self._within.dup())
-            elif self._step_dir:
+            elif self._step_dir and not is_url(self.path):
                 with multifile.opened(os.path.dirname(self.path)) as parent:
                     try:
                         self._place = LocalPlace(parent.sub(os.path.basename(self.path)))
@@ -283,18 +284,36 @@ class Writer(HeldPlace, StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Runs on the coordinator before any rank writes: an older checkpoint in this
         # directory stops being one now, so a save that dies half way never leaves a
-        # commit record next to a mix of old and new rank files.
-        self._d().withdraw_record()
+        # commit record next to a mix of old and new rank files.  A manager's step on a
+        # store is never withdrawn: a record there is another writer's, which this save's
+        # record (created only if absent) then loses to, and each rank names its file itself
+        # (_own_name), so no object another record names is written over (spec 13.7).
+        if not self._own_names:
+            self._d().withdraw_record()
         shares = thread_shares([p.storage_data for p in plans])
         return [
             dataclasses.replace(p, storage_data=RankPlan(rank_file_name(i), t))
             for i, (p, t) in enumerate(zip(plans, shares))
         ]
 
+    @property
+    def _own_names(self) -> bool:
+        """Whether each rank names its file with digits of its own: a manager's step on a store
+        (held_writer's `step_dir` with a URL)."""
+        return self._step_dir and is_url(self.path)
+
+    def _own_name(self, rank: int) -> str:
+        """Rank `rank`'s file name in this save: in a manager's step on a store, with 16 random
+        hex digits drawn now (the plan's names may come from DCP's plan cache, the same for
+        every save); plain elsewhere."""
+        return rank_file_name(rank, secrets.token_hex(8) if self._own_names else None)
+
     def write_data(self, plan: SavePlan, planner: _BaseSavePlanner) -> Future[list[WriteResult]]:
-        name = plan.storage_data.file if isinstance(plan.storage_data, RankPlan) else None
-        if not isinstance(name, str) or RANK_FILE_RE.fullmatch(name) is None:
-            raise CheckpointError(f"the save plan names no rank file ({name!r})", path=self.path)
+        planned = plan.storage_data.file if isinstance(plan.storage_data, RankPlan) else None
+        m = RANK_FILE_RE.fullmatch(planned) if isinstance(planned, str) else None
+        if m is None:
+            raise CheckpointError(f"the save plan names no rank file ({planned!r})", path=self.path)
+        name = self._own_name(int(m.group(1)))
         state: dict[int, Any] = {}
         sizes: list[int] = []
         for n, item in enumerate(plan.items):
@@ -379,8 +398,9 @@ class Writer(HeldPlace, StorageWriter):
             raise ValueError(f"{self.path}: a checkpoint cannot be saved against itself (base={base})")
 
     def _base_file(self, name: str) -> str | None:
-        """The file of `base` that rank file `name` is saved against: the one of that name its
-        commit record names, or None (no base, or a base saved by fewer ranks).  A base of
+        """The file of `base` that rank file `name` is saved against: the one of the same rank
+        its commit record names (a name may hold its save's own digits), or None (no base, or
+        a base saved by fewer ranks).  A base of
         another layout (one state file: a CheckpointManager step, ckptfmt.save) has no rank
         file to refer to: every chunk is written, with a warning."""
         if self.options.base is None:
@@ -395,9 +415,9 @@ class Writer(HeldPlace, StorageWriter):
                     stacklevel=2,
                 )
                 return None
-            if not any(p.name == name for p in record.files):
-                return None
-            return str(base.path_of(name))
+            rank = rank_of(name)
+            same = [p.name for p in record.files if rank_of(p.name) == rank]  # names may differ by save
+            return str(base.path_of(same[0])) if rank is not None and len(same) == 1 else None
 
     @pausing_in_main_thread
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -426,7 +446,7 @@ class Writer(HeldPlace, StorageWriter):
                             f"ranks read chunks from two different files at {ref.name}", path=self.path
                         )
         if not parts:  # no rank had an item: a record names at least one file (spec 13.1, 13.5)
-            name = rank_file_name(self.rank)
+            name = self._own_name(self.rank)
             parts[name] = self._write_rank_file(name, {})[0]  # no chunk: it refers to no file
         names = sorted(parts)
         for name in names:
@@ -485,8 +505,10 @@ def held_writer(
 ) -> Writer:
     """A Writer for ckptfmt's own callers (the checkpoint manager's step directory): `within`
     lends an open directory (the manager's held, locked step directory; dup'ed, not taken);
-    `step_dir` says the directory exists (a manager made it) and is opened beneath its parent
-    without following a link.  `options`: Writer's."""
+    `step_dir` says the place is a step a manager readied: a directory that exists, opened
+    beneath its parent without following a link, or a prefix on a store, whose record is
+    never withdrawn and whose rank files are named with this save's own token (spec 13.7).
+    `options`: Writer's."""
     w = Writer(path, **options)
     w._within, w._step_dir = within, step_dir
     return w

@@ -42,10 +42,10 @@ from .reader import CheckpointFile
 #: more often: it has no lock on a store, so age stands for "no live process holds it")
 STALE_AFTER = datetime.timedelta(hours=24)
 #: the names ckptfmt gives the objects of a place on a store: the commit record, a manager
-#: step's state file (runs/steps.py) and DCP's rank files (dcp/sources.py).  Cleanup deletes,
-#: and aborts the uploads of, nothing else: another program's object beneath the same prefix
-#: is not ckptfmt's to remove
-OWN_NAME_RE = re.compile(r"COMMIT|state\.ckpt|rank-[0-9]{5,9}\.ckpt")
+#: step's state file (runs/steps.py) and DCP's rank files (dcp/sources.py), each with or
+#: without a save's own 16 hex digits (spec 13.7).  Cleanup deletes, and aborts the uploads
+#: of, nothing else: another program's object beneath the same prefix is not ckptfmt's to remove
+OWN_NAME_RE = re.compile(r"COMMIT|state(\.[0-9a-f]{16})?\.ckpt|rank-[0-9]{5,9}(\.[0-9a-f]{16})?\.ckpt")
 
 
 def is_own_name(name: str) -> bool:

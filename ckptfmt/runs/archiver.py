@@ -37,7 +37,8 @@ from collections.abc import Callable, Iterable
 from ..errors import CheckpointWarning, StorageError
 from ..files import multifile
 from . import retention
-from .objectrun import ObjectRun, copy_marker
+from .objectnames import copy_marker
+from .objectrun import ObjectRun
 from .steps import CheckpointInfo, StepStatus
 
 #: seconds Archiver.wait() waits for the archive thread by default: a copy of a large step over
@@ -91,6 +92,7 @@ class Archiver:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._copying: int | None = None  # the step the archive thread is copying now
+        self._dropped = False  # a rotation of this pass deleted or retired a step
 
     # -- what the tiers say ------------------------------------------------------------------
 
@@ -214,18 +216,18 @@ class Archiver:
     def _pass(self) -> None:
         """Remove what interrupted copies left, list the archive, finish an interrupted
         rotation, then copy what the tiers say is missing, one step at a time."""
-        self.run.remove_interrupted_copies()
-        statuses = self.run.statuses()
+        found = self.run.listing()  # one listing serves both: what the first deletes is left out
+        removed = set(self.run.remove_interrupted_copies(found=found))
+        statuses = self.run.statuses({step: names for step, names in found.items() if step not in removed})
         with self._cond:
             self._held = {s.step: s.info.created for s in statuses if s.info is not None}
         self._local_rotation()  # first: what an earlier process kept for the archive may go now
         self._rotate(None, statuses)
-        copied = False
+        self._dropped = False
         while (nxt := self._next()) is not None:
             if not self._copy(nxt):
                 return
-            copied = True
-        if copied:  # their rotations may have left objects no step refers to any more
+        if self._dropped:  # the copies' rotations may have left objects no step refers to any more
             self.run.remove_interrupted_copies()
 
     def _next(self) -> CheckpointInfo | None:
@@ -303,7 +305,8 @@ class Archiver:
         """The archive's rotation, by its rules over the steps it holds and the step `adding`
         (a commit record about to be uploaded, or None): a step the rules drop goes before
         the new step commits, so the archive never holds more than they keep.  `statuses`:
-        the archive's, just read (None: read here)."""
+        the archive's, just read (None: read here: before a commit, the archive as this pass's
+        earlier copies and rotations left it, which deleted steps)."""
         statuses = self.run.statuses() if statuses is None else statuses  # rotate reads the same
         done = [s.info for s in statuses if s.info is not None]
         entries = [(c.step, c.metrics) for c in done]
@@ -312,7 +315,8 @@ class Archiver:
             entries.append((adding.step, dict(adding.metrics)))
             needed = {self.run.reference_url(ref.name) for ref in adding.references}
         kept = retention.kept_steps(entries, keep_last=self.keep_last, keep_every=self.keep_every)
-        self.run.rotate(done, kept, statuses, needed=needed, claim=self._claim)
+        if self.run.rotate(done, kept, statuses, needed=needed, claim=self._claim):
+            self._dropped = True
 
 
 def _holds(held: dict[int, datetime.datetime], local: CheckpointInfo) -> bool:

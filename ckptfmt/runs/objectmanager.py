@@ -4,10 +4,14 @@ of a local run.
 Each save writes ``step-N/state.ckpt`` as one object (streamed, committed whole by its
 multipart upload), then the commit record ``step-N/COMMIT``, created only if absent, so a
 step is complete exactly when its record is there and names the state object with its
-length, file id and index checksum.  ``latest()`` never picks an incomplete step; rotation
-deletes a step's record before its files; commit-less steps and multipart uploads left by
-crashed savers are cleaned by later saves once they are a day old (a store has no locks:
-age stands in for "no live process holds it").  Loading, resuming and verifying are the
+length, file id and index checksum.  The state object is created only if absent too, and a
+save deletes nothing in its step before its record is in: where the step holds objects
+already (a crashed save's, or a live writer's about to commit) its state object gets a name
+of its own (``state.<16 hex>.ckpt``), and those objects go once it has committed (spec
+13.7).  ``latest()`` never picks an incomplete step; rotation deletes a step's record
+before its files; commit-less steps and multipart uploads left by crashed savers are
+cleaned by later saves once they are a day old (a store has no locks: age stands in for
+"no live process holds it").  Loading, resuming and verifying are the
 local manager's, reading through ranged GETs pinned to each object's ETag.  With sign_with
 the record carries the state object's SHA-256, read back after upload, and is signed; with
 trusted_keys a step is read only when a trusted key signed it, each object hashed against
@@ -17,7 +21,8 @@ Incremental saves refer to objects of earlier steps (spec 12 on a store, 13.7); 
 retires a step later ones read from (its record deleted, its objects kept while referred to).
 
 Several ranks (or DTensors) save a step as a DCP checkpoint on the store, each rank its own
-object, the commit record (layout "dcp") created last by DCP's coordinator.
+object (``rank-NNNNN.<16 hex>.ckpt``, named by the rank for this save), the commit record
+(layout "dcp") created last, only if absent, by DCP's coordinator.
 
 Not in this version: an archive tier of an object-store run, and encrypted multi-rank runs
 (each raises at construction or save).
@@ -42,7 +47,7 @@ from . import resume
 from .manager import CheckpointManager, RunSteps, is_sharded_save
 from .objectrun import ObjectRun
 from .scan import RunScan
-from .steps import STATE_NAME, CheckpointInfo, StepJob, StepStatus
+from .steps import CheckpointInfo, StepJob, StepStatus, own_state_name
 
 
 class ObjectRunManager(CheckpointManager):
@@ -147,6 +152,8 @@ class ObjectRunManager(CheckpointManager):
         payload = resume.build_payload(state, step, capture_rng())
         path = self.run.step_path(step)
         job = StepJob(step, path, -1, metrics, meta, inflight.SaveHandle(path))
+        if any(s.step == step for s in statuses):  # objects of another save: never written over
+            job.state_name, job.sweep = own_state_name(), True
         try:
             job.file_handle = self._upload_state(job, payload, statuses)
         except BaseException:
@@ -159,9 +166,13 @@ class ObjectRunManager(CheckpointManager):
         return ObjectRunSteps(self)
 
     def _prepare_step(self, step: int) -> list[StepStatus]:
-        """Check that `step` is after the newest checkpoint (ValueError), delete a failed save's
-        leftover of it, clean stale uploads and steps; the run's statuses before the save."""
-        statuses = self.statuses()
+        """Check that `step` is after the newest checkpoint (ValueError) and holds no commit
+        record, clean stale uploads and steps; the run's statuses before the save.  Objects
+        the step holds without a record are left: they may be a live writer's about to commit
+        (a save of the step writes a state object of its own beside them, and deletes them
+        once it has committed, spec 13.7)."""
+        found = self.run.listing()  # one listing for the checks and the cleanup of the same moment
+        statuses = self.run.statuses(found)
         newest = max(
             [s.step for s in statuses if s.info is not None] + list(self._in_flight_steps()), default=None
         )
@@ -169,9 +180,19 @@ class ObjectRunManager(CheckpointManager):
             raise ValueError(
                 f"step {step} is not after the newest checkpoint (step {newest}) in {self.directory}"
             )
-        if any(s.step == step for s in statuses):  # a commit-less leftover of a failed save
-            self.run.delete_leftover(step)
-        self._tidy(self.directory, self.run.cleanup)
+        this = next((s for s in statuses if s.step == step), None)
+        if this is not None and (this.damaged or this.unread):
+            raise CheckpointError(
+                f"step {step} holds a commit record that is not a checkpoint ({this.problem}); it is "
+                f"not saved over: remove({step}) deletes it",
+                path=this.path,
+            )
+        if this is not None and self.run.has_record(step):  # one HEAD, where the step is not empty
+            raise CheckpointError(
+                f"step {step} has a commit record that the store's listing did not show; not saved over",
+                path=this.path,
+            )
+        self._tidy(self.directory, lambda: self.run.cleanup(found=found))
         return statuses
 
     def _store_options(self) -> dict[str, Any] | None:
@@ -179,24 +200,25 @@ class ObjectRunManager(CheckpointManager):
 
     def _upload_state(self, job: StepJob, payload: dict[str, Any], statuses: list[StepStatus]) -> Any:
         """Upload the step's state object, created only if absent (another writer's of the same
-        step is never replaced: ObjectExistsError); an incremental run's refers to the chunks
-        the newest complete step already holds (its own or those it refers to)."""
+        step is never replaced: ObjectExistsError), under a name of this save's own where the
+        step held objects already; an incremental run's refers to the chunks the newest
+        complete step already holds (its own or those it refers to)."""
         done = [s.info for s in statuses if s.info is not None]
-        base = f"{done[-1].path}/{STATE_NAME}" if done else None
+        base = done[-1].state_path if done else None
         return self._save_state(
-            payload, f"{job.path}/{STATE_NAME}", base, storage_options=self.run.options, create_only=True
+            payload, f"{job.path}/{job.state_name}", base, storage_options=self.run.options, create_only=True
         )
 
     def _commit(self, job: StepJob) -> multifile.CommitRecord:
         """Write the step's commit record, created only if absent, naming the state object;
         with sign_with the record carries the object's SHA-256 (read back whole, pinned to
         the version named) and is signed (spec 16.7)."""
-        url = f"{job.path}/{STATE_NAME}"
+        url = f"{job.path}/{job.state_name}"
         place = self.run.step_place(job.step)
-        with CheckpointFile(url, storage_options=self.run.options, decrypt_with=self._decrypt) as f:
+        with self._uploaded_state(job, url) as f:
             _check_uploaded_here(f.etag, job, url)
-            part = multifile.identity_of(f, STATE_NAME)
-            refs = tuple(self._describe(place, ext) for ext in f.externals)
+            part = multifile.identity_of(f, job.state_name)
+            refs = tuple(self._describe(place, job.state_name, ext) for ext in f.externals)
             if self._sign_key is not None:
                 part = place.with_digest(part, f.etag)
         record = multifile.CommitRecord(job.step, "state", (part,), refs, job.metrics, job.metadata)
@@ -211,33 +233,50 @@ class ObjectRunManager(CheckpointManager):
             raise CheckpointError(
                 f"step {job.step} was committed by another writer meanwhile", path=job.path
             ) from None
+        if job.sweep:  # what other saves left in the step is nobody's now
+            self._tidy(job.path, lambda: self.run.sweep_step(job.step, record))
         return record
 
-    def _describe(self, place: ObjectPlace, ext: External) -> multifile.PartRecord:
+    def _uploaded_state(self, job: StepJob, url: str) -> CheckpointFile:
+        """The state object this save uploaded, opened to be described; CheckpointError when it
+        is gone: a writer that committed the step since deletes what its record does not name."""
+        try:
+            return CheckpointFile(url, storage_options=self.run.options, decrypt_with=self._decrypt)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"step {job.step}: the state object this save uploaded is gone (another writer "
+                "committed the step meanwhile and deleted it, or someone else did); not committed",
+                path=url,
+            ) from None
+
+    def _describe(self, place: ObjectPlace, state_name: str, ext: External) -> multifile.PartRecord:
         """The commit record's entry for the object the reference `ext` of the new step (at
         `place`) leads to, with its digest when the record is signed; CorruptError unless it
         is the file the state object was written against (its file id and length): another
         object there now is not named, nor vouched for."""
         part, etag = place.described(ext.rel)
-        multifile.check_named(STATE_NAME, [ext], [part], str(place.object_url(ext.rel)))
+        multifile.check_named(state_name, [ext], [part], str(place.object_url(ext.rel)))
         return place.with_digest(part, etag) if self._sign_key is not None else part
 
     def _abandon(self, job: StepJob) -> None:
         """A failed save: remove the state object it uploaded, and nothing else.  A save whose
         upload failed made no object (the uploader aborts its multipart upload; cleanup
-        aborts what a crash left).  A step that holds a commit record now (another writer's,
-        which won the race to commit, or this save's own that landed although its request
-        failed) is a checkpoint: nothing in it is this save's to delete."""
-        if job.layout == "dcp":  # no rank knows all of the step's objects to be its own: the
-            if job.file_handle is not None:  # next save of the step removes them as a leftover
-                job.file_handle.exception()  # without a record (waits for the upload)
+        aborts what a crash left).  A step whose commit record names the object (this save's
+        own record, landed although its request failed) keeps it.  A save of several ranks
+        (no rank knows every rank file to be this save's) removes its rank files only once
+        another writer's record is in the step, which cannot name them; without one, the next
+        save of the step that commits deletes them, or cleanup once stale."""
+        if job.layout == "dcp":
+            if job.file_handle is not None:
+                job.file_handle.exception()  # waits for the upload
+            self._tidy(job.path, lambda: self.run.sweep_committed(job.step))
             return
         uploaded = job.written
         if job.file_handle is not None:
             uploaded = uploaded and job.file_handle.exception() is None  # waits for it
         version = None if job.file_handle is None else job.file_handle.version
         if uploaded and version is not None:  # no version: not provably ours (cleanup's, once stale)
-            self._tidy(job.path, lambda: self.run.delete_uncommitted(job.step, STATE_NAME, version))
+            self._tidy(job.path, lambda: self.run.delete_uncommitted(job.step, job.state_name, version))
 
     def _step_bytes(self, job: StepJob, record: multifile.CommitRecord | None) -> int:
         """The bytes of the objects step `job` committed, by its record (read back with one
@@ -247,6 +286,12 @@ class ObjectRunManager(CheckpointManager):
         return 0 if record is None else sum(p.length for p in record.files)
 
     def _rotate(self) -> None:
+        """Retention after a commit, by a listing made now: the commit, and other writers, have
+        changed the run since the save's preparation listed it, and what rotation deletes must
+        be judged on what is there (a step another writer committed meanwhile may refer to an
+        older one).  No rule set: nothing to delete, and nothing listed."""
+        if self.keep_last is None and self.keep_every is None and self.keep_best is None:
+            return
         statuses = self.statuses()  # once: the records are read by one GET each
         done = [s.info for s in statuses if s.info is not None]
         self.run.rotate(done, self._kept_steps(done), statuses)

@@ -12,8 +12,6 @@ and records are bounded before they are decoded.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import dataclasses
 import datetime
 import os
@@ -21,9 +19,15 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..engine import commit
 from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, StorageError
+from ..errors import (
+    CheckpointError,
+    CorruptError,
+    IncompleteError,
+    LimitError,
+    ObjectExistsError,
+    StorageError,
+)
 from ..files import multifile, recordsign
 from ..files.places import STALE_AFTER, ObjectPlace, describe_object, is_own_name
 from ..files.reader import CheckpointFile
@@ -34,8 +38,18 @@ from ..storage.client import check_options
 from ..storage.download import head
 from ..storage.upload import upload_bytes, upload_file
 from ..storage.urls import ObjectURL, parse_url
+from .objectnames import (
+    COPY_MARKER,
+    check_listed,
+    claiming,
+    in_a_step,
+    in_steps,
+    marker_dead,
+    referenced_step,
+    written_here,
+)
 from .stepcheck import verify_objects
-from .steps import STATE_NAME, CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
+from .steps import STATE_NAME_RE, CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
 
 #: the commit records latest() and a resume read at most, newest first (spec 13.7): each is a
 #: GET, and a run whose newest steps are this many damaged ones needs a person anyway
@@ -46,40 +60,10 @@ MAX_CANDIDATES = 64
 MAX_STATUS_RECORDS = 1024
 
 
-#: the start of the name of a copy marker: ``step-N/ARCHIVING.<host>.<pid>.<start>.<random>``,
-#: written by an archiver before anything else it writes into a step's prefix and deleted
-#: after the step's commit record (or the step) is; see remove_interrupted_copies
-COPY_MARKER = "ARCHIVING."
 #: commit records an ObjectRun keeps as read (statuses() reads at most MAX_STATUS_RECORDS)
 MAX_KNOWN_RECORDS = 4096
-
-
-def copy_marker() -> str:
-    """A copy marker name owned by this process (engine/commit.py's owner rule)."""
-    return COPY_MARKER + commit.owned_suffix()
-
-
-# this process's copy markers whose copy (or deletion) is under way: one of this process's
-# markers that is not here was left by a copy that failed
-_claims_in_use: collections.Counter[str] = collections.Counter()
-_claims_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _claiming(claim: str | None) -> Iterator[None]:
-    """Marker `claim` is in use (by a copy or a rotation, which may nest) while this lasts."""
-    if claim is None:
-        yield
-        return
-    with _claims_lock:
-        _claims_in_use[claim] += 1
-    try:
-        yield
-    finally:
-        with _claims_lock:
-            _claims_in_use[claim] -= 1
-            if not _claims_in_use[claim]:
-                del _claims_in_use[claim]
+#: a listing of a run: {step: {name in the step: (size, last written)}}
+Listed = dict[int, dict[str, tuple[int, datetime.datetime | None]]]
 
 
 class ObjectRun:
@@ -123,9 +107,11 @@ class ObjectRun:
 
     # -- reading -------------------------------------------------------------------------
 
-    def _listing(self) -> dict[int, dict[str, tuple[int, datetime.datetime | None]]]:
-        """The run's objects by step: {step: {name in the step: (size, last written)}}."""
-        out: dict[int, dict[str, tuple[int, datetime.datetime | None]]] = {}
+    def listing(self) -> Listed:
+        """The run's objects by step: {step: {name in the step: (size, last written)}}: one
+        listing of the prefix, which statuses(), cleanup() and remove_interrupted_copies()
+        also take, so that what one moment's listing serves is not listed again."""
+        out: Listed = {}
         for key, entry in listing.objects(self.url, self.options).items():
             top, _, name = key.partition("/")
             step = parse_step_dirname(top)
@@ -133,16 +119,14 @@ class ObjectRun:
                 out.setdefault(step, {})[name] = entry
         return out
 
-    def statuses(
-        self, found: dict[int, dict[str, tuple[int, datetime.datetime | None]]] | None = None
-    ) -> list[StepStatus]:
+    def statuses(self, found: Listed | None = None) -> list[StepStatus]:
         """Every step under the prefix, complete or not, by step.  A step without its record
         that holds an object a complete step refers to is `retained` (an incremental run's
         rotated step, kept for its chunks).  `found`: the listing to judge (None: listed here).
         Records are read newest first, at most MAX_STATUS_RECORDS of them (one GET each):
         older steps with a record are `unread` (a listing naming thousands of records must
         not cost thousands of requests)."""
-        found = self._listing() if found is None else found
+        found = self.listing() if found is None else found
         out: list[StepStatus] = []
         reads = 0
         for step in sorted(found, reverse=True):
@@ -166,7 +150,7 @@ class ObjectRun:
         other record.  At most `limit` records are read: LimitError when the next step
         would need one more (a listing naming thousands of commit records that are not
         checkpoints must not keep a resume reading for minutes)."""
-        found = self._listing()
+        found = self.listing()
         reads = 0
         for step in sorted(found, reverse=True):
             names = found[step]
@@ -188,7 +172,7 @@ class ObjectRun:
         self,
         step: int,
         names: dict[str, tuple[int, datetime.datetime | None]],
-        found: dict[int, dict[str, tuple[int, datetime.datetime | None]]],
+        found: Listed,
     ) -> StepStatus:
         path = self.step_path(step)
         if multifile.COMMIT_NAME not in names:
@@ -211,21 +195,27 @@ class ObjectRun:
         self,
         step: int,
         names: dict[str, tuple[int, datetime.datetime | None]],
-        found: dict[int, dict[str, tuple[int, datetime.datetime | None]]],
+        found: Listed,
     ) -> CheckpointInfo:
         record = self._listed_record(step, names[multifile.COMMIT_NAME])
         path = self.step_path(step)
         for part in record.files:
-            _check_listed(names.get(part.name), part, path)
+            check_listed(names.get(part.name), part, path)
         for ref in record.references:
-            other, name = _referenced_step(ref.name, path)
-            _check_listed(found.get(other, {}).get(name), ref, path)
+            other, name = referenced_step(ref.name, path)
+            check_listed(found.get(other, {}).get(name), ref, path)
+        return self._info_of(step, record, names[multifile.COMMIT_NAME][0])
+
+    def _info_of(self, step: int, record: multifile.CommitRecord, record_size: int) -> CheckpointInfo:
+        """The CheckpointInfo of complete step `step`, whose record (of `record_size` bytes) is
+        `record`."""
+        path = self.step_path(step)
         return CheckpointInfo(
             step=step,
             path=path,
             metrics=dict(record.metrics),
             metadata=dict(record.metadata),
-            size=sum(p.length for p in record.files) + names[multifile.COMMIT_NAME][0],
+            size=sum(p.length for p in record.files) + record_size,
             created=parse_utc(record.created),
             files=tuple(f"{path}/{p.name}" for p in record.files),
             references=tuple(self._reference_url(ref.name) for ref in record.references),
@@ -263,7 +253,7 @@ class ObjectRun:
         return self._reference_url(name)
 
     def _reference_url(self, name: str) -> str:
-        other, part = _referenced_step(name, self.path)
+        other, part = referenced_step(name, self.path)
         return f"{self.step_path(other)}/{part}"
 
     def trusted_record(self, step: int) -> multifile.CommitRecord:
@@ -271,13 +261,15 @@ class ObjectRun:
         unless a trusted key signed it); without trusted keys, the record as it is."""
         return self.record(step, trusted=self.trusted)
 
-    def open_part(self, info: CheckpointInfo, name: str = STATE_NAME) -> CheckpointFile:
-        """Part `name` of a complete step, opened and checked against its commit record
-        (ObjectPlace.open_named: the open pins the object's ETag, so what is checked is what is
-        read); the objects of earlier steps it reads chunks from must be ones the record
-        names.  With trusted keys the record must be signed by one, and each object read is
-        hashed against it first, at the version its reads are then pinned to."""
+    def open_part(self, info: CheckpointInfo, name: str | None = None) -> CheckpointFile:
+        """Part `name` of a complete step (None: its first, a "state" step's state object),
+        opened and checked against its commit record (ObjectPlace.open_named: the open pins the
+        object's ETag, so what is checked is what is read); the objects of earlier steps it
+        reads chunks from must be ones the record names.  With trusted keys the record must be
+        signed by one, and each object read is hashed against it first, at the version its
+        reads are then pinned to."""
         record = self.trusted_record(info.step)
+        name = record.files[0].name if name is None else name  # a "state" step's one state object
         return self.step_place(info.step).open_named(
             record, name, name, trusted=self.trusted, decrypt=self.decrypt
         )
@@ -314,7 +306,7 @@ class ObjectRun:
                 upload_bytes(b"a ckptfmt archive copy in progress\n", str(url), self.options)
                 claimed.append(url)
 
-        with _claiming(claim), CheckpointDir.open(local) as d:
+        with claiming(claim), CheckpointDir.open(local) as d:
             record = multifile.check_complete(d)
             existing = self._existing(step)
             if existing is not None:
@@ -330,7 +322,7 @@ class ObjectRun:
                 before_commit(record)
             commit_fd = d.open_file(multifile.COMMIT_NAME)
             try:
-                upload_file(
+                record_size = upload_file(
                     commit_fd, f"{self.step_path(step)}/{multifile.COMMIT_NAME}", self.options, if_absent=True
                 )
             finally:
@@ -340,7 +332,8 @@ class ObjectRun:
             own = self._step_url(step).child(claim) if claim is not None else None
             if own in claimed:
                 listing.delete_object(own, self.options)
-        return self._complete_info(step)
+        # every file was verified after its upload: the step is complete without a listing
+        return self._info_of(step, record, record_size)
 
     def _put_reference(
         self, d: CheckpointDir, ref: multifile.PartRecord, claim: Callable[[int], None]
@@ -353,13 +346,15 @@ class ObjectRun:
         try:
             found = describe_object(url, self.options, ref.name)[0]  # never its index
         except FileNotFoundError:
-            claim(_referenced_step(ref.name, self.path)[0])
+            claim(referenced_step(ref.name, self.path)[0])
             fd = multifile.open_part(d, ref, d.path)
             try:
-                upload_file(fd, url, self.options)
+                upload_file(fd, url, self.options, if_absent=True)
+                return
+            except ObjectExistsError:  # another archiver's copy meanwhile: checked as found
+                found = describe_object(url, self.options, ref.name)[0]
             finally:
                 os.close(fd)
-            return
         multifile.check_identity(found, dataclasses.replace(ref, sha256=None), ref.name, url)
         if ref.sha256 is not None:  # a signed step: the very bytes its record vouches for
             recordsign.check_object(url, ref, self.options, None)
@@ -371,7 +366,7 @@ class ObjectRun:
             return None
 
     def _complete_info(self, step: int) -> CheckpointInfo:
-        found = self._listing()
+        found = self.listing()
         status = self._status(step, found.get(step, {}), found)
         if status.info is None:
             raise status.error(
@@ -380,9 +375,12 @@ class ObjectRun:
         return status.info
 
     def _put_file(self, d: CheckpointDir, part: multifile.PartRecord, url: str) -> None:
+        """Upload one file of the step being copied, created only if absent: an object already
+        there (another archiver's copy of a step of this number, or what a copy cut short
+        left, removed once its markers are dead) is never replaced (ObjectExistsError)."""
         fd = multifile.open_part(d, part, d.path)
         try:
-            upload_file(fd, url, self.options)
+            upload_file(fd, url, self.options, if_absent=True)
         finally:
             os.close(fd)
         report = verify(url, storage_options=self.options, decrypt_with=self.decrypt)
@@ -397,7 +395,7 @@ class ObjectRun:
         files go; only the objects ckptfmt writes in a step (is_own_name): another program's
         object beneath it stays."""
         listing.delete_prefix(
-            self._step_url(step), self.options, _written_here, first=(multifile.COMMIT_NAME,)
+            self._step_url(step), self.options, written_here, first=(multifile.COMMIT_NAME,)
         )
 
     def rotate(
@@ -408,19 +406,20 @@ class ObjectRun:
         *,
         needed: set[str] | None = None,
         claim: str | None = None,
-    ) -> None:
-        """Delete the complete steps `done` not in `kept`; one that a kept step reads objects
+    ) -> list[int]:
+        """Delete the complete steps `done` not in `kept` (returned); one that a kept step reads objects
         of (or one of `needed`, objects of a step about to commit) is only retired.
         `statuses`: the run's, read with `done` (None: read here); `claim`: a copy marker put
         into each step before it is deleted (so a deletion cut short is known as ours)."""
         dropped = [c for c in done if c.step not in kept]
         if not dropped:
-            return
+            return []
         needed = {url for c in done if c.step in kept for url in c.references} | (needed or set())
         needed |= self.references_of_incomplete(self.statuses() if statuses is None else statuses)
-        with _claiming(claim):
+        with claiming(claim):
             for c in dropped:
                 self.drop(c, needed, claim)
+        return [c.step for c in dropped]
 
     def drop(self, info: CheckpointInfo, needed: set[str], claim: str | None = None) -> None:
         """Delete complete step `info`, or only retire it where `needed` (objects that steps
@@ -446,7 +445,7 @@ class ObjectRun:
         others = {url for s in statuses if s.info is not None and s.step != step for url in s.info.references}
         others |= self.references_of_incomplete([s for s in statuses if s.step != step])
         if found.info is not None:
-            with _claiming(claim):
+            with claiming(claim):
                 self.drop(found.info, others, claim)
         elif not any(url.startswith(found.path + "/") for url in others):
             self.delete_step(step)
@@ -502,39 +501,56 @@ class ObjectRun:
         return True
 
     def delete_leftover(self, step: int) -> None:
-        """Delete step `step`, which the listing shows without a commit record (a failed save's
-        leftover); CheckpointError, deleting nothing, when its record is there after all.
-        Only the versions listed after that check are deleted (If-Match; an object listed
-        without an ETag is left, for cleanup once stale), never a commit record: an object another writer
-        puts there meanwhile stays, and so does its record (CheckpointError when one
-        appeared: the step is that writer's now)."""
-        if self.has_record(step):
-            raise CheckpointError(
-                f"step {step} has a commit record that the store's listing did not show; not deleted",
-                path=self.step_path(step),
-            )
+        """Delete what a dead save left in step `step` (cleanup: no commit record by the listing
+        and a HEAD, its newest object older than the cleanup bound): only the versions listed
+        now (If-Match; an object listed without an ETag is left), never a commit record, so that
+        an object another writer puts there meanwhile stays, and so does its record."""
         url = self._step_url(step)
-        listed = {n: v for n, v in listing.versions(url, self.options).items() if _written_here(n)}
+        listed = {n: v for n, v in listing.versions(url, self.options).items() if written_here(n)}
         for name, version in listed.items():
             if name != multifile.COMMIT_NAME and version is not None:
                 listing.delete_object(url.child(name), self.options, if_match=version)
-        if self.has_record(step):
-            raise CheckpointError(
-                f"step {step} was committed by another writer while its leftover was deleted",
-                path=self.step_path(step),
-            )
+
+    def sweep_step(self, step: int, record: multifile.CommitRecord) -> None:
+        """Delete what other saves left in step `step`, which this process has just committed
+        with `record`: objects ckptfmt writes in a step (never a copy marker, never the record)
+        that the record does not name, each by the version listed (If-Match).  No record can
+        name them: a step's record is created only once, and names only objects its own writer
+        uploaded (spec 13.7)."""
+        url = self._step_url(step)
+        named = {p.name for p in record.files} | {multifile.COMMIT_NAME}
+        for name, version in listing.versions(url, self.options).items():
+            if is_own_name(name) and name not in named and version is not None:
+                listing.delete_object(url.child(name), self.options, if_match=version)
+
+    def sweep_committed(self, step: int) -> None:
+        """sweep_step of step `step` by the commit record there now, if one can be read."""
+        try:
+            record = self.record(step)
+        except (FileNotFoundError, CheckpointError):  # none, or none to go by: nothing is swept
+            return
+        self.sweep_step(step, record)
 
     def delete_uncommitted(self, step: int, name: str, version: str) -> None:
         """Delete object `name` of step `step`, which a failed save wrote as `version` (the
-        ETag its upload got), unless the step has a commit record now (one HEAD: this save's
+        ETag its upload got), unless the step's commit record names it (one GET: this save's
         own record may have landed although its request failed).  The delete is conditional
-        on `version` (If-Match): whatever happens between the HEAD and the delete, another
+        on `version` (If-Match): whatever happens between the read and the delete, another
         writer's object of that name is never deleted, and no record but this save's own can
-        name this version (a save commits only the version it uploaded)."""
-        if not self.has_record(step):
+        name this version (a save commits only the version it uploaded).  A record that cannot
+        be read now leaves the object (cleanup's, with its step)."""
+        try:
+            record: multifile.CommitRecord | None = self.record(step)
+        except FileNotFoundError:
+            record = None
+        except CheckpointError:
+            return
+        if record is None or all(p.name != name for p in record.files):
             listing.delete_object(self._step_url(step).child(name), self.options, if_match=version)
 
-    def remove_interrupted_copies(self, older_than: datetime.timedelta = STALE_AFTER) -> list[int]:
+    def remove_interrupted_copies(
+        self, older_than: datetime.timedelta = STALE_AFTER, found: Listed | None = None
+    ) -> list[int]:
         """Remove what archive copies (and deletions) that died left; returns the steps whose
         prefix was deleted.  A step prefix is such a leftover when it holds copy markers
         (COPY_MARKER) and every one is dead: its writer ran on this host and its process has
@@ -543,15 +559,16 @@ class ObjectRun:
         whose objects no step refers to is deleted, its markers last, so that a deletion cut
         short stays recognisable; one that a step refers to is left whole (its markers say it
         is ours once nothing does); in a complete step only the dead markers go.  A prefix with
-        no marker, or with a live writer's, is never touched here (ObjectRun.cleanup)."""
-        found = self._listing()
+        no marker, or with a live writer's, is never touched here (ObjectRun.cleanup).
+        `found`: the run's listing to go by (None: listed here)."""
+        found = self.listing() if found is None else found
         now = datetime.datetime.now(datetime.timezone.utc)
         dead: dict[int, list[str]] = {}
         live: set[int] = set()
         for step, names in found.items():
             for name, (_, when) in names.items():
                 if name.startswith(COPY_MARKER) and "/" not in name:
-                    if _marker_dead(name, when, now, older_than):
+                    if marker_dead(name, when, now, older_than):
                         dead.setdefault(step, []).append(name)
                     else:
                         live.add(step)
@@ -582,16 +599,18 @@ class ObjectRun:
         if removed:
             gone = {step_dirname(s) for s in removed}
             listing.abort_stale_uploads(
-                self.url, self.options, datetime.timedelta(0), lambda n: _in_steps(n, gone)
+                self.url, self.options, datetime.timedelta(0), lambda n: in_steps(n, gone)
             )
         return removed
 
-    def cleanup(self, older_than: datetime.timedelta = STALE_AFTER) -> None:
+    def cleanup(self, older_than: datetime.timedelta = STALE_AFTER, found: Listed | None = None) -> None:
         """Abort multipart uploads of crashed savers and delete commit-less steps whose newest
-        object is older than `older_than` (a live saver writes more often than that)."""
-        listing.abort_stale_uploads(self.url, self.options, older_than, _in_a_step)
+        object is older than `older_than` (a live saver writes more often than that).
+        `found`: the run's listing to go by (None: listed here); one a little old serves, as
+        a step is deleted only by a HEAD's word and the versions then listed."""
+        listing.abort_stale_uploads(self.url, self.options, older_than, in_a_step)
         now = datetime.datetime.now(datetime.timezone.utc)
-        found = self._listing()
+        found = self.listing() if found is None else found
         referenced: set[str] | None = None  # read only when a step is stale: it costs a GET a step
         below = -1  # steps older than an unread one may hold what it refers to: never deleted
         for step, names in sorted(found.items()):
@@ -604,7 +623,7 @@ class ObjectRun:
                     referenced = self._referenced_by(statuses)
                     below = _oldest_known(statuses)
                 if step > below and not any(u.startswith(self.step_path(step) + "/") for u in referenced):
-                    self.delete_step(step)
+                    self.delete_leftover(step)
 
 
 class StepPlace(ObjectPlace):
@@ -620,8 +639,16 @@ class StepPlace(ObjectPlace):
         url = self.path_of(multifile.COMMIT_NAME)
         if record.step != self.step:
             raise CorruptError(f"the commit record is for step {record.step}, not {self.step}", path=url)
+        if record.layout == "state" and [
+            STATE_NAME_RE.fullmatch(p.name) is not None for p in record.files
+        ] != [True]:
+            raise CorruptError(
+                "a 'state' commit record must name exactly one state object (state.ckpt, or "
+                "state.<16 hex digits>.ckpt)",
+                path=url,
+            )
         for ref in record.references:
-            _referenced_step(ref.name, url)  # a reference names a step of this run, or none
+            referenced_step(ref.name, url)  # a reference names a step of this run, or none
         return record
 
 
@@ -640,60 +667,3 @@ def _oldest_known(statuses: list[StepStatus]) -> int:
     """The newest unread step of `statuses` (-1 when none): a step older than it may hold
     objects it refers to (references lead to older steps only), so none is deleted."""
     return max((s.step for s in statuses if s.unread), default=-1)
-
-
-def _referenced_step(name: str, owner: str) -> tuple[int, str]:
-    """(step, name in it) of a commit record's reference ``../step-N/NAME``; CorruptError for
-    anything else (on a store a reference never leaves the run's prefix)."""
-    ref = multifile.reference_parts(name)
-    step = parse_step_dirname(ref.directory) if ref is not None and ref.up and ref.directory else None
-    if ref is None or step is None:
-        raise CorruptError(
-            f"the commit record refers to {name[:80]!r}, not to a step of this run", path=owner
-        )
-    return step, ref.name
-
-
-def _check_listed(listed: tuple[int, Any] | None, part: multifile.PartRecord, owner: str) -> None:
-    """The listing's entry for a file the commit record names: there, of the recorded length."""
-    if listed is None:
-        raise IncompleteError(f"{part.name} named by the commit record is missing", path=owner)
-    if listed[0] != part.length:
-        raise CorruptError(
-            f"{part.name} is {listed[0]} bytes, the commit record says {part.length}", path=owner
-        )
-
-
-def _written_here(name: str) -> bool:
-    """Whether `name`, in a step's prefix, is an object ckptfmt writes there: its files and
-    record (places.is_own_name) or an archiver's copy marker."""
-    return is_own_name(name) or (name.startswith(COPY_MARKER) and "/" not in name)
-
-
-def _in_steps(name: str, steps: set[str]) -> bool:
-    """Whether `name` (relative to the run) is an object ckptfmt writes in one of `steps`."""
-    step, _, rest = name.partition("/")
-    return step in steps and _written_here(rest)
-
-
-def _marker_dead(
-    name: str, when: datetime.datetime | None, now: datetime.datetime, older_than: datetime.timedelta
-) -> bool:
-    """Whether copy marker `name` (written at `when`) was left by a writer that has ended: one
-    of this host whose process is gone, or one older than `older_than`."""
-    if name.startswith(COPY_MARKER + commit.owner_token() + "."):  # this process's
-        with _claims_lock:
-            return name not in _claims_in_use
-    owner = commit.parse_owned_suffix(name[len(COPY_MARKER) :])
-    verdict = None if owner is None else commit.owner_dead(*owner)
-    if verdict is not None:
-        return verdict
-    return when is not None and now - when > older_than
-
-
-def _in_a_step(name: str) -> bool:
-    """Whether `name` (a key relative to the run) is one ckptfmt writes in a step's
-    "directory": only those are the run's (a run may share its prefix, even a whole bucket,
-    with other things, and a step's with another program's objects)."""
-    top, sep, rest = name.partition("/")
-    return sep == "/" and is_own_name(rest) and parse_step_dirname(top) is not None

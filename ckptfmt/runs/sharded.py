@@ -178,13 +178,12 @@ def _save_shards(
         "incremental": run.incremental,
         "base": base,
     }
-    local = steps.storage_options is None
     try:
         if not run.blocking:
-            future = save_in_background(payload, job.path, within=within, step_dir=local, **options)
+            future = save_in_background(payload, job.path, within=within, step_dir=True, **options)
             job.file_handle = _FutureHandle(future)
             return steps.commit_when_written(job)
-        save_within(payload, job.path, within=within, step_dir=local, **options)
+        save_within(payload, job.path, within=within, step_dir=True, **options)
     except BaseException:
         if job.coordinator and job.file_handle is None:
             steps.abandon(job)

@@ -10,6 +10,7 @@ import dataclasses
 import datetime
 import os
 import re
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ from ..engine.commit import parse_temp_name
 from ..errors import CheckpointError
 
 STATE_NAME = "state.ckpt"
+#: the names of a step's state object on a store (spec 13.7): STATE_NAME, or, where the step
+#: held another save's objects when the save began, a name of that save's own (own_state_name)
+STATE_NAME_RE = re.compile(r"state(\.[0-9a-f]{16})?\.ckpt")
 _STEP_RE = re.compile(r"step-([0-9]{9,20})")
 #: names that look like step directories; those that are not canonical ones are warned about
 _STEP_LIKE_RE = re.compile(r"step-[0-9]+")
@@ -30,6 +34,12 @@ MAX_STEP = 10**20 - 1
 
 def step_dirname(step: int) -> str:
     return f"step-{step:09d}"
+
+
+def own_state_name() -> str:
+    """A state object name no other save uses (64 random bits): a save never writes over, nor
+    needs to delete, an object another writer may commit (spec 13.7)."""
+    return f"state.{secrets.token_hex(8)}.ckpt"
 
 
 def looks_like_step_dirname(name: str) -> bool:
@@ -68,6 +78,9 @@ class CheckpointInfo:
 
     @property
     def state_path(self) -> str:
+        """The state file's path or URL (on a store its name may be a save's own, spec 13.7)."""
+        if self.layout == "state" and len(self.files) == 1:
+            return self.files[0]
         return os.path.join(self.path, STATE_NAME)
 
 
@@ -111,6 +124,11 @@ class StepJob:
     #: commit, or removes the step when the save fails (rank 0 of a save of several ranks)
     coordinator: bool = True
     written: bool = False  # the save's state file was begun (object stores: it made the object)
+    #: the state file's name in the step (on a store, own_state_name() where the step was not empty)
+    state_name: str = STATE_NAME
+    #: on a store, the step held objects of other saves when this one began: once committed, the
+    #: save deletes those its record does not name (no record can name them any more)
+    sweep: bool = False
     began: float = dataclasses.field(default_factory=time.perf_counter)  # the save call, roughly
 
 

@@ -1,0 +1,109 @@
+"""What the names in a run's prefix on an object store mean (runs/objectrun.py): a commit
+record's references to other steps, the objects ckptfmt writes in a step, and the copy
+markers an archiver puts into a step's prefix before it writes there (spec 13.7).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from ..engine import commit
+from ..errors import CorruptError, IncompleteError
+from ..files import multifile
+from ..files.places import is_own_name
+from .steps import parse_step_dirname
+
+#: the start of the name of a copy marker: ``step-N/ARCHIVING.<host>.<pid>.<start>.<random>``,
+#: written by an archiver before anything else it writes into a step's prefix and deleted
+#: after the step's commit record (or the step) is; see remove_interrupted_copies
+COPY_MARKER = "ARCHIVING."
+
+
+def copy_marker() -> str:
+    """A copy marker name owned by this process (engine/commit.py's owner rule)."""
+    return COPY_MARKER + commit.owned_suffix()
+
+
+# this process's copy markers whose copy (or deletion) is under way: one of this process's
+# markers that is not here was left by a copy that failed
+_claims_in_use: collections.Counter[str] = collections.Counter()
+_claims_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def claiming(claim: str | None) -> Iterator[None]:
+    """Marker `claim` is in use (by a copy or a rotation, which may nest) while this lasts."""
+    if claim is None:
+        yield
+        return
+    with _claims_lock:
+        _claims_in_use[claim] += 1
+    try:
+        yield
+    finally:
+        with _claims_lock:
+            _claims_in_use[claim] -= 1
+            if not _claims_in_use[claim]:
+                del _claims_in_use[claim]
+
+
+def referenced_step(name: str, owner: str) -> tuple[int, str]:
+    """(step, name in it) of a commit record's reference ``../step-N/NAME``; CorruptError for
+    anything else (on a store a reference never leaves the run's prefix)."""
+    ref = multifile.reference_parts(name)
+    step = parse_step_dirname(ref.directory) if ref is not None and ref.up and ref.directory else None
+    if ref is None or step is None:
+        raise CorruptError(
+            f"the commit record refers to {name[:80]!r}, not to a step of this run", path=owner
+        )
+    return step, ref.name
+
+
+def check_listed(listed: tuple[int, Any] | None, part: multifile.PartRecord, owner: str) -> None:
+    """The listing's entry for a file the commit record names: there, of the recorded length."""
+    if listed is None:
+        raise IncompleteError(f"{part.name} named by the commit record is missing", path=owner)
+    if listed[0] != part.length:
+        raise CorruptError(
+            f"{part.name} is {listed[0]} bytes, the commit record says {part.length}", path=owner
+        )
+
+
+def written_here(name: str) -> bool:
+    """Whether `name`, in a step's prefix, is an object ckptfmt writes there: its files and
+    record (places.is_own_name) or an archiver's copy marker."""
+    return is_own_name(name) or (name.startswith(COPY_MARKER) and "/" not in name)
+
+
+def in_steps(name: str, steps: set[str]) -> bool:
+    """Whether `name` (relative to the run) is an object ckptfmt writes in one of `steps`."""
+    step, _, rest = name.partition("/")
+    return step in steps and written_here(rest)
+
+
+def marker_dead(
+    name: str, when: datetime.datetime | None, now: datetime.datetime, older_than: datetime.timedelta
+) -> bool:
+    """Whether copy marker `name` (written at `when`) was left by a writer that has ended: one
+    of this host whose process is gone, or one older than `older_than`."""
+    if name.startswith(COPY_MARKER + commit.owner_token() + "."):  # this process's
+        with _claims_lock:
+            return name not in _claims_in_use
+    owner = commit.parse_owned_suffix(name[len(COPY_MARKER) :])
+    verdict = None if owner is None else commit.owner_dead(*owner)
+    if verdict is not None:
+        return verdict
+    return when is not None and now - when > older_than
+
+
+def in_a_step(name: str) -> bool:
+    """Whether `name` (a key relative to the run) is one ckptfmt writes in a step's
+    "directory": only those are the run's (a run may share its prefix, even a whole bucket,
+    with other things, and a step's with another program's objects)."""
+    top, sep, rest = name.partition("/")
+    return sep == "/" and is_own_name(rest) and parse_step_dirname(top) is not None
