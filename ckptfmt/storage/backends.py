@@ -39,6 +39,10 @@ def store_for(url: ObjectURL, options: Mapping[str, Any]) -> Store:
 
 def _module(scheme: str) -> Any:
     """The module of `scheme`'s store (urls.parse_url admits only the schemes served)."""
+    if scheme == "gs":
+        from . import gcs
+
+        return gcs
     from . import s3
 
     return s3
