@@ -181,3 +181,44 @@ def test_a_trickling_answer_is_cut_off_at_its_deadline(gcs_faults):
     options = {"request_timeout": 1, "deadline": 4, "max_attempts": 2}
     with pytest.raises(StorageError, match="did not arrive within"):
         ckptfmt.load(url, storage_options=options)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_cdcp_save_and_a_partial_load_on_gs(gcs_faults):
+    from ckptfmt import dcp as cdcp
+
+    url = f"gs://{gcs_faults.bucket}/dcp"
+    options = {"request_size": MiB}
+    state = {"big": torch.arange(6 * MiB // 4, dtype=torch.float32), "small": torch.arange(10.0)}
+    cdcp.save(state, url, storage_options=options)
+    gcs_faults.clear_counts()
+    small = {"small": torch.zeros(10)}
+    cdcp.load(small, url, storage_options=options)
+    assert torch.equal(small["small"], state["small"])
+    # the small tensor needs the rank file's head and tail only, not its 6 MiB
+    assert 1 <= gcs_faults.count("GET", "rank-00000.ckpt?alt=media") <= 3
+    big = {"big": torch.zeros(6 * MiB // 4)}
+    cdcp.load(big, url, storage_options=options)
+    assert torch.equal(big["big"], state["big"])
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "non-blocking"])
+def test_the_lightning_plugin_saves_loads_and_removes_gs_objects(gcs_bucket, gcs_server, blocking):
+    # the plugin's own calls (Lightning's CheckpointIO); Lightning's questions about a
+    # directory (ModelCheckpoint's) go through fsspec, which serves gs:// with gcsfs
+    pytest.importorskip("lightning")
+    from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
+
+    io = CkptfmtCheckpointIO(blocking=blocking)
+    url = f"gs://{gcs_bucket}/run/a.ckpt"
+    state = {"state_dict": {"w": torch.randn(1 << 18)}, "global_step": 7}
+    io.save_checkpoint(state, url)
+    io.save_checkpoint({"w": torch.zeros(3)}, f"gs://{gcs_bucket}/run/b.ckpt")
+    io.teardown()
+    got = io.load_checkpoint(url)
+    assert got["global_step"] == 7 and torch.equal(got["state_dict"]["w"], state["state_dict"]["w"])
+    io.remove_checkpoint(url)
+    io.remove_checkpoint(url)  # an absent object: nothing to do
+    assert _names(gcs_server, gcs_bucket) == ["run/b.ckpt"]
+    with pytest.raises(FileNotFoundError, match="a.ckpt"):
+        io.load_checkpoint(url)
