@@ -287,14 +287,26 @@ def missed_deadline(timeout: float, option: str, detail: str = "") -> str:
 def cut_connection(raw: Any) -> None:
     """End the connection a urllib3 answer `raw` is read from, so that a read blocked on it
     returns (shutting the socket down wakes a thread waiting in recv; closing it may not)."""
-    sock = getattr(getattr(raw, "connection", None), "sock", None)
-    if isinstance(sock, socket.socket):
+    sock = _socket_of(raw)
+    if sock is not None:
         try:
             sock.shutdown(socket.SHUT_RDWR)
             return
         except OSError:
             pass
     raw.close()
+
+
+def _socket_of(raw: Any) -> socket.socket | None:
+    """The socket a urllib3 answer is read from: its connection's, or, where the connection
+    let go of it (an answer that ends the connection: http.client detaches the socket and
+    the answer's buffered reader alone holds it), the one beneath that reader."""
+    sock = getattr(getattr(raw, "connection", None), "sock", None)
+    if isinstance(sock, socket.socket):
+        return sock
+    reader = getattr(getattr(raw, "_fp", None), "fp", None)  # http.client's answer's file
+    sock = getattr(getattr(reader, "raw", None), "_sock", None)  # socket.SocketIO's socket
+    return sock if isinstance(sock, socket.socket) else None
 
 
 class Watchdog:
@@ -319,15 +331,16 @@ class Watchdog:
         self._timer.cancel()
 
 
-def read_listing(raw: Any, timeout: float) -> bytes:
-    """The body of a listing's answer `raw` (urllib3, not yet read), read whole within
-    `timeout` seconds and refused above MAX_LISTING_BODY bytes (LimitError) before it is
-    parsed: AnswerCut when the deadline cut it."""
+def read_listing(raw: Any, timeout: float, what: str = "a listing's answer") -> bytes:
+    """The body of a listing's answer `raw` (or of another answer to be parsed whole, named
+    `what` in errors; urllib3, not yet read), read whole within `timeout` seconds and refused
+    above MAX_LISTING_BODY bytes (LimitError) before it is parsed: AnswerCut when the deadline
+    cut it."""
     limit = MAX_LISTING_BODY
     declared = getattr(raw, "headers", {}).get("Content-Length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raw.close()
-        raise LimitError(f"a listing's answer of {declared} bytes is above the limit {limit}")
+        raise LimitError(f"{what} of {declared} bytes is above the limit {limit}")
     pieces: list[bytes] = []
     got = 0
     with Watchdog(raw, timeout) as dog:
@@ -335,7 +348,7 @@ def read_listing(raw: Any, timeout: float) -> bytes:
             for piece in _pieces(raw):
                 got += len(piece)
                 if got > limit:
-                    raise LimitError(f"a listing's answer is above the limit of {limit} bytes")
+                    raise LimitError(f"{what} is above the limit of {limit} bytes")
                 pieces.append(piece)
         except LimitError:
             raw.close()
@@ -345,7 +358,7 @@ def read_listing(raw: Any, timeout: float) -> bytes:
                 raise
     if dog.fired.is_set():
         raw.close()
-        raise AnswerCut(f"a listing's answer {missed_deadline(timeout, 'deadline', f'; {got} bytes came')}")
+        raise AnswerCut(f"{what} {missed_deadline(timeout, 'deadline', f'; {got} bytes came')}")
     return b"".join(pieces)
 
 

@@ -170,7 +170,8 @@ class GCSStore:
         budget = client.current_budget()
         timeout = budget.remaining() if budget is not None else client.DEFAULT_DEADLINE
         try:
-            body = client.read_listing(answer.raw, max(timeout, 0.001))
+            what = "a listing's answer" if method == "GET" and path.endswith("/o") else "the store's answer"
+            body = client.read_listing(answer.raw, max(timeout, 0.001), what)
         finally:
             answer.close()
         return _object(body)
