@@ -38,7 +38,7 @@ STORE_OPTIONS: dict[str, tuple[str, ...]] = {
         "addressing_style",
     ),
     # token: a service account's JSON key file, or "anon" (no credentials: public buckets)
-    "gs": ("token", "project"),
+    "gs": ("token",),
 }
 CLIENT_OPTIONS = tuple(dict.fromkeys(name for names in STORE_OPTIONS.values() for name in names))
 #: ... and ckptfmt's own tuning, for every store
