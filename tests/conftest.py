@@ -142,3 +142,29 @@ def gcs_faults(gcs_server, monkeypatch):
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.endpoint_url)
         proxy.bucket = gcs_server.new_bucket()
         yield proxy
+
+
+# -- Azure Blob Storage: Azurite (tests/azure_server.py), reached through AZURE_STORAGE_CONNECTION_STRING
+
+
+@pytest.fixture(scope="session")
+def azure_server():
+    """One Azurite blob service on 127.0.0.1 for the whole session (an AzureServer); skipped
+    where Azurite is not installed, unless CKPTFMT_REQUIRE_S3=1 (CI) makes that a failure."""
+    import azure_server as servers
+
+    if servers.binary() is None:
+        problem = "the Azure tests need Azurite (npm install azurite; .ci/setup installs it)"
+        if os.environ.get("CKPTFMT_REQUIRE_S3"):
+            pytest.fail(problem)
+        pytest.skip(problem)
+    with servers.AzureServer() as server:
+        yield server
+
+
+@pytest.fixture
+def azure_container(azure_server, monkeypatch):
+    """A fresh container on the session's Azurite, reached as Azure's tools reach it
+    (AZURE_STORAGE_CONNECTION_STRING): its name."""
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azure_server.connection_string)
+    return azure_server.new_container()

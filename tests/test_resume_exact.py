@@ -165,6 +165,11 @@ def test_a_lost_node_resumes_from_a_gcs_archive_bit_exact(tmp_path, reference, g
     _resume_on_a_new_node(tmp_path, reference, f"gs://{gcs_bucket}/run")
 
 
+def test_a_lost_node_resumes_from_an_azure_archive_bit_exact(tmp_path, reference, azure_container):
+    """The same on az:// (Azurite, reached through AZURE_STORAGE_CONNECTION_STRING)."""
+    _resume_on_a_new_node(tmp_path, reference, f"az://{azure_container}/run")
+
+
 def _resume_on_a_new_node(tmp_path, reference, archive: str) -> None:
     """Kill a run archiving to `archive`, delete its local directory, resume on a new node."""
     ref, ref_final = reference

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import UnsupportedError
+from ..errors import StorageError, UnsupportedError
 from . import client
 from .store import Store
 from .urls import ObjectURL
@@ -33,7 +33,12 @@ def store_for(url: ObjectURL, options: Mapping[str, Any]) -> Store:
     with _lock:
         found = _stores.get(cache_key)
         if found is None:
-            found = _stores[cache_key] = module.new_store(options)
+            try:
+                found = _stores[cache_key] = module.new_store(options)
+            except StorageError as e:
+                if e.path is not None:
+                    raise
+                raise StorageError(e.reason, path=str(url)) from None  # credentials: where needed
         return found
 
 
@@ -43,6 +48,10 @@ def _module(scheme: str) -> Any:
         from . import gcs
 
         return gcs
+    if scheme in ("az", "abfs"):
+        from . import azure
+
+        return azure
     from . import s3
 
     return s3

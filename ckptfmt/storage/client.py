@@ -39,7 +39,9 @@ STORE_OPTIONS: dict[str, tuple[str, ...]] = {
     ),
     # token: a service account's JSON key file, or "anon" (no credentials: public buckets)
     "gs": ("token",),
+    "az": ("connection_string", "account_name", "account_key", "sas_token"),
 }
+STORE_OPTIONS["abfs"] = STORE_OPTIONS["az"]
 CLIENT_OPTIONS = tuple(dict.fromkeys(name for names in STORE_OPTIONS.values() for name in names))
 #: ... and ckptfmt's own tuning, for every store
 TUNING_OPTIONS = (
@@ -268,8 +270,10 @@ def transfer_errors() -> tuple[type[BaseException], ...]:
 
 
 def is_precondition_failed(e: BaseException) -> bool:
+    """Whether a store refused a request's condition (Azure answers a create-only write of a
+    blob that exists with 409 BlobAlreadyExists)."""
     code, status = error_code(e)
-    return code == "PreconditionFailed" or status == 412
+    return code in ("PreconditionFailed", "BlobAlreadyExists") or status == 412
 
 
 # -- answers read within a deadline ----------------------------------------------------------

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CheckpointError, StorageError
-from . import client
+from . import client, http
 from .store import Entry, Page, Reply, Upload, UploadPage, ViewFile
 from .urls import ObjectURL
 
@@ -63,34 +63,14 @@ def environment() -> tuple[tuple[str, str], ...]:
 
 
 def new_store(options: Mapping[str, Any]) -> GCSStore:
-    requests = _import_requests()
-    import urllib3
-
-    client.add_transfer_errors(requests.RequestException, urllib3.exceptions.HTTPError)
     emulator = os.environ.get(EMULATOR_VARIABLE)
     if emulator:
         endpoint = emulator if "://" in emulator else f"http://{emulator}"
-        session = requests.Session()
+        session = http.new_session(options, "gs")
     else:
         endpoint = API_ENDPOINT
-        session = _authorized_session(options)
-    size = max(10, 2 * client.concurrency(options))
-    adapter = requests.adapters.HTTPAdapter(pool_connections=size, pool_maxsize=size, max_retries=0)
-    session.mount("http://", adapter)
-    session.mount("https://", adapter)
-    # the bodies are read raw (bounded, within deadlines): not compressed in transit
-    session.headers["Accept-Encoding"] = "identity"
+        session = http.new_session(options, "gs", _authorized_session(options))
     return GCSStore(session, endpoint.rstrip("/"), client.timeouts(options))
-
-
-def _import_requests() -> Any:
-    try:
-        import requests
-    except ImportError:
-        raise CheckpointError(
-            "gs:// URLs need requests and google-auth: pip install 'ckptfmt[gcs]'"
-        ) from None
-    return requests
 
 
 def _authorized_session(options: Mapping[str, Any]) -> Any:
@@ -98,7 +78,7 @@ def _authorized_session(options: Mapping[str, Any]) -> Any:
     chain; StorageError naming the chain when there are none."""
     token = options.get("token")
     if token == "anon":
-        return _import_requests().Session()
+        return None  # a plain session
     try:
         import google.auth
         from google.auth.transport.requests import AuthorizedSession
@@ -145,36 +125,18 @@ class GCSStore:
         data: Any = None,
         headers: dict[str, str] | None = None,
     ) -> Any:
-        """One request (its answer's body not yet read); AnswerError for a status of 300 or
-        more, naming GCS's reason."""
-        answer = self.session.request(
-            method,
-            self.endpoint + path,
-            params=params,
-            data=data,
-            headers=headers,
-            timeout=self.timeouts,
-            stream=True,
-            allow_redirects=False,
+        """One request (its answer's body not yet read); AnswerError naming GCS's reason."""
+        url = self.endpoint + path
+        return http.send(
+            self.session, method, url, self.timeouts, _reason, params=params, data=data, headers=headers
         )
-        if answer.status_code >= 300:
-            reason = _reason(answer)
-            answer.close()
-            raise client.AnswerError(reason, answer.status_code)
-        return answer
 
     def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
         """A request whose answer is a JSON object, read within the operation's deadline and
         bounded before it is parsed."""
         answer = self._call(method, path, **kwargs)
-        budget = client.current_budget()
-        timeout = budget.remaining() if budget is not None else client.DEFAULT_DEADLINE
-        try:
-            what = "a listing's answer" if method == "GET" and path.endswith("/o") else "the store's answer"
-            body = client.read_listing(answer.raw, max(timeout, 0.001), what)
-        finally:
-            answer.close()
-        return _object(body)
+        what = "a listing's answer" if method == "GET" and path.endswith("/o") else "the store's answer"
+        return _object(http.read_answer(answer, what))
 
     @staticmethod
     def _object_path(url: ObjectURL, key: str | None = None) -> str:
@@ -189,7 +151,7 @@ class GCSStore:
 
     def head(self, url: ObjectURL) -> tuple[object, object]:
         meta = self._json("GET", self._object_path(url))
-        return _size(meta.get("size")), meta.get("generation")
+        return http.size_of(meta.get("size")), meta.get("generation")
 
     def get(self, url: ObjectURL, byte_range: tuple[int, int] | None, version: str | None) -> Reply:
         params = {"alt": "media"} | ({"generation": version} if version is not None else {})
@@ -202,10 +164,10 @@ class GCSStore:
             raise
         length = answer.headers.get("Content-Length")
         return Reply(
-            _size(length),
+            http.size_of(length),
             answer.headers.get("Content-Range"),
             answer.headers.get("x-goog-generation"),
-            _Body(answer),
+            http.Body(answer),
         )
 
     # -- writing ---------------------------------------------------------------------
@@ -367,21 +329,6 @@ class GCSStore:
         return UploadPage(uploads, page.truncated, following)
 
 
-class _Body:
-    """An answer's body as download.read_body reads it: readinto, close, and the urllib3
-    answer (``_raw_stream``) its watchdog cuts."""
-
-    def __init__(self, answer: Any) -> None:
-        self._answer = answer
-        self._raw_stream = answer.raw
-
-    def readinto(self, view: memoryview) -> int:
-        return int(self._raw_stream.readinto(view))
-
-    def close(self) -> None:
-        self._answer.close()
-
-
 def _part_key(key: str, upload_id: str, label: str) -> str:
     return f"{key}{PART_MARK}{upload_id}-{label}" if label else f"{key}{PART_MARK}{upload_id}-"
 
@@ -412,14 +359,6 @@ def _object(body: bytes) -> dict[str, Any]:
     return value
 
 
-def _size(value: object) -> object:
-    """A size GCS gives as a decimal string, as an int; any other value as it came (refused by
-    the caller's checks)."""
-    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 20:
-        return int(value)
-    return value
-
-
 def _generation(meta: dict[str, Any]) -> str | None:
     generation = meta.get("generation")
     return generation if isinstance(generation, str) and generation.isdigit() else None
@@ -429,7 +368,7 @@ def _entry(item: object) -> Entry:
     if not isinstance(item, dict):
         return Entry(None, None, None, None)
     return Entry(
-        item.get("name"), _size(item.get("size")), _time(item.get("updated")), item.get("generation")
+        item.get("name"), http.size_of(item.get("size")), _time(item.get("updated")), item.get("generation")
     )
 
 

@@ -1,8 +1,9 @@
 """Object-store URLs: recognising them and splitting them into bucket and key.
 
 A checkpoint path is a URL when it starts with a scheme and ``://``; ``s3://`` (S3 and
-S3-compatible stores: MinIO, Ceph, OSS ...) and ``gs://`` (Google Cloud Storage) are served,
-any other scheme is refused by name rather than taken for a local relative path.
+S3-compatible stores: MinIO, Ceph, OSS ...), ``gs://`` (Google Cloud Storage) and ``az://``
+or ``abfs://`` (Azure Blob Storage: ``az://CONTAINER/BLOB``) are served, any other scheme is
+refused by name rather than taken for a local relative path.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ __all__ = ["SCHEMES", "ObjectURL", "is_url", "parse_url"]
 _BUCKETS = {
     "s3": re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"),
     "gs": re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$"),
+    # Azure's containers: 3-63 lowercase letters, digits and single hyphens
+    "az": re.compile(r"^(?!.*--)[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$"),
 }
+#: the URL forms of a store that its own tools accept besides its scheme: adlfs's abfs://
+_BUCKETS["abfs"] = _BUCKETS["az"]
 SCHEMES = tuple(_BUCKETS)
 
 
@@ -53,8 +58,8 @@ def parse_url(url: str | os.PathLike[str], *, need_key: bool = True) -> ObjectUR
     if scheme not in SCHEMES:
         raise UnsupportedError(
             f"the {scheme}:// scheme is not supported; object stores are reached through s3:// URLs "
-            "(S3 and S3-compatible stores, with storage_options={'endpoint_url': ...}) and gs:// "
-            "URLs (Google Cloud Storage)",
+            "(S3 and S3-compatible stores, with storage_options={'endpoint_url': ...}), gs:// "
+            "URLs (Google Cloud Storage) and az:// or abfs:// URLs (Azure Blob Storage)",
             path=text,
         )
     bucket, _, key = text[m.end() :].partition("/")

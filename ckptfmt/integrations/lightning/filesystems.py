@@ -9,9 +9,9 @@ subclass fsspec's own for a protocol, registered in its place with fsspec's
 file; ``info`` (sizes, times) waits for it, so details are those of the written file.
 
 Which protocols: local files, and every store in :data:`VIEWED` when a non-blocking plugin
-is made (a save to another protocol is written blocking); ``s3://`` and ``gs://`` always,
-with s3fs's and gcsfs's listings caches off, since the plugin writes those objects behind
-their backs.  A filesystem
+is made (a save to another protocol is written blocking); ``s3://``, ``gs://``, ``az://``
+and ``abfs://`` always, with their filesystems' listings caches off (s3fs, gcsfs, adlfs),
+since the plugin writes those objects behind their backs.  A filesystem
 someone else registered for a protocol is left alone.  The classes pickle by name
 (``ddp_spawn`` pickles ``ModelCheckpoint`` with its filesystem): this module's
 ``__getattr__`` makes them again in a new process.
@@ -38,9 +38,9 @@ from ...engine.commit import temp_prefix
 
 #: fsspec protocols whose filesystem a non-blocking plugin replaces by a view of its saves
 #: in flight (besides local files and OWN): the stores Lightning users write checkpoints to
-VIEWED = ("memory", "gcs", "abfs", "az", "hdfs", "webhdfs", "sftp", "ftp", "oss")
+VIEWED = ("memory", "gcs", "hdfs", "webhdfs", "sftp", "ftp", "oss")
 #: the protocols whose objects the plugin writes with ckptfmt's own clients (storage/urls.py)
-OWN = ("s3", "gs")
+OWN = ("s3", "gs", "az", "abfs")
 #: the name prefix of the view classes (pickled by name, made again by __getattr__)
 _VIEW_PREFIX = "_InFlight_"
 
@@ -226,7 +226,7 @@ class _AsyncView(_View):
 
 
 class _NoListingsCache:
-    """ckptfmt writes s3 and gs objects itself, behind fsspec's back: a cached listing would show a
+    """ckptfmt writes OWN objects itself, behind fsspec's back: a cached listing would show a
     taken name as free (and ModelCheckpoint would give a second save the name of the first)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
