@@ -168,3 +168,17 @@ def azure_container(azure_server, monkeypatch):
     (AZURE_STORAGE_CONNECTION_STRING): its name."""
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azure_server.connection_string)
     return azure_server.new_container()
+
+
+@pytest.fixture
+def azure_faults(azure_server, monkeypatch):
+    """A FaultProxy (tests/s3_faults.py: plain HTTP) in front of the session's Azurite, which
+    AZURE_STORAGE_CONNECTION_STRING names; `.container` is a fresh container made directly."""
+    from s3_faults import FaultProxy
+
+    upstream = azure_server.endpoint.rsplit("/", 1)[0]
+    with FaultProxy(upstream) as proxy:
+        through = azure_server.connection_string.replace(upstream, proxy.endpoint_url)
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", through)
+        proxy.container = azure_server.new_container()
+        yield proxy

@@ -14,7 +14,7 @@ from cli_runner import run_cli
 from helpers import assert_same
 
 import ckptfmt
-from ckptfmt.errors import ObjectExistsError, StorageError, UnsupportedError
+from ckptfmt.errors import LimitError, ObjectExistsError, StorageError, UnsupportedError
 from ckptfmt.storage import listing
 from ckptfmt.storage.download import fetch_whole
 from ckptfmt.storage.upload import ObjectFile
@@ -171,3 +171,68 @@ def test_cdcp_and_the_lightning_plugin_on_azure(azure_container):
     io.remove_checkpoint(url)
     with pytest.raises(FileNotFoundError):
         io.load_checkpoint(url)
+
+
+def test_a_reset_mid_download_is_resumed_and_5xx_answers_are_retried(azure_faults):
+    url = f"az://{azure_faults.container}/x.ckpt"
+    state = {"w": torch.randn(3 * MiB)}
+    azure_faults.fail_next("PUT", "x.ckpt", status=503, count=2)
+    ckptfmt.save(state, url)  # two refusals, then stored
+    azure_faults.reset_on("GET", "x.ckpt", nth=3, download_bytes=100_000)
+    assert_same(state, ckptfmt.load(url, storage_options={"request_size": 4 * MiB}))
+    assert azure_faults.pending_rules() == 0
+    azure_faults.fail_next("GET", "", status=503, count=10**6)
+    with pytest.raises(StorageError, match=r"max_attempts 2.*HTTP 503") as e:
+        ckptfmt.load(url, storage_options={"max_attempts": 2})
+    assert url in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'<?xml version="1.0"?><!DOCTYPE x [<!ENTITY a "aaaa">]><EnumerationResults/>',
+        b"<EnumerationResults><Blobs><Blob><Name>other/secret</Name><Properties>"
+        b"<Content-Length>1</Content-Length></Properties></Blob></Blobs></EnumerationResults>",
+        b"<EnumerationResults><Blobs>" + b"<Blob><Name>run/x</Name></Blob>" * 600_000,
+    ],
+    ids=["declares-a-dtd", "outside-the-prefix", "above-the-limit"],
+)
+def test_a_hostile_listing_is_refused_and_nothing_deleted(body, monkeypatch):
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's names
+            seen.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_DELETE(self) -> None:  # noqa: N802
+            seen.append("DELETE " + self.path)
+            self.send_response(202)
+            self.end_headers()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}/devstoreaccount1"
+        monkeypatch.setenv(
+            "AZURE_STORAGE_CONNECTION_STRING",
+            f"AccountName=devstoreaccount1;AccountKey=a2V5;BlobEndpoint={endpoint}",
+        )
+        from ckptfmt.runs.objectrun import ObjectRun
+
+        with pytest.raises((StorageError, LimitError)) as e:
+            ObjectRun("az://container/run", {"max_attempts": 1}).remove_interrupted_copies()
+        assert "az://container/run" in str(e.value)
+        assert not [p for p in seen if p.startswith("DELETE")]
+    finally:
+        server.shutdown()
+        server.server_close()
