@@ -222,3 +222,13 @@ def test_the_lightning_plugin_saves_loads_and_removes_gs_objects(gcs_bucket, gcs
     assert _names(gcs_server, gcs_bucket) == ["run/b.ckpt"]
     with pytest.raises(FileNotFoundError, match="a.ckpt"):
         io.load_checkpoint(url)
+
+
+def test_a_compose_refused_once_is_retried_with_its_parts_still_there(gcs_faults, gcs_server):
+    url = f"gs://{gcs_faults.bucket}/big.ckpt"
+    state = {"w": torch.randn(5 * MiB)}  # three parts of 8 MiB
+    gcs_faults.fail_next("POST", "/compose", status=503, count=1)
+    ckptfmt.save(state, url, storage_options={"part_size": 8 * MiB})
+    assert gcs_faults.pending_rules() == 0
+    assert_same(state, ckptfmt.load(url))
+    assert _names(gcs_server, gcs_faults.bucket) == ["big.ckpt"]

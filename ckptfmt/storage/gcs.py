@@ -213,23 +213,24 @@ class GCSStore:
         self, url: ObjectURL, upload_id: str, parts: dict[int, str], *, if_absent: bool
     ) -> str | None:
         """Compose the parts, MAX_COMPOSE at a time, into composites of composites until one
-        compose makes the object; then delete the parts and composites (a failure to is
-        left to abort_stale_uploads: the object is complete)."""
+        compose makes the object; then delete the parts and composites (a failure to is left
+        to abort_stale_uploads: the object is complete).  A failed compose deletes nothing:
+        the attempt that retries it composes the same parts (ObjectFile's abort deletes them
+        where none succeeds)."""
         sources = [(_part_key(url.key, upload_id, f"{n:05d}"), parts[n]) for n in sorted(parts)]
         made: list[str] = [name for name, _ in sources]
         level = 0
-        try:
-            while len(sources) > MAX_COMPOSE:
-                level += 1
-                groups = [sources[i : i + MAX_COMPOSE] for i in range(0, len(sources), MAX_COMPOSE)]
-                sources = []
-                for i, group in enumerate(groups):
-                    name = _part_key(url.key, upload_id, f"c{level}x{i:05d}")
-                    made.append(name)
-                    sources.append((name, self._compose(url, name, group, if_absent=False)))
-            return self._compose(url, url.key, sources, if_absent=if_absent)
-        finally:
-            self._delete_quietly(url, made)
+        while len(sources) > MAX_COMPOSE:
+            level += 1
+            groups = [sources[i : i + MAX_COMPOSE] for i in range(0, len(sources), MAX_COMPOSE)]
+            sources = []
+            for i, group in enumerate(groups):
+                name = _part_key(url.key, upload_id, f"c{level}x{i:05d}")
+                made.append(name)
+                sources.append((name, self._compose(url, name, group, if_absent=False)))
+        generation = self._compose(url, url.key, sources, if_absent=if_absent)
+        self._delete_quietly(url, made)
+        return generation
 
     def _compose(self, url: ObjectURL, key: str, sources: list[tuple[str, str]], *, if_absent: bool) -> str:
         request = {
