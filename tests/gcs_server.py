@@ -27,11 +27,13 @@ ckptfmt's guarantees.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from types import TracebackType
@@ -100,8 +102,16 @@ class GCSServer:
         except urllib.error.HTTPError as e:
             return e.code, e.read()
 
-    def new_bucket(self) -> str:
-        name = f"ckptfmt-test-{uuid.uuid4().hex[:16]}"
+    def new_bucket(self, name: str | None = None, *, empty: bool = False) -> str:
+        """A bucket (`name`, or a fresh one); with `empty`, one that may exist already, its
+        objects deleted."""
+        name = name or f"ckptfmt-test-{uuid.uuid4().hex[:16]}"
+        if empty and self.call("GET", f"/storage/v1/b/{name}")[0] == 200:
+            status, body = self.call("GET", f"/storage/v1/b/{name}/o")
+            for item in json.loads(body).get("items", []):
+                quoted = urllib.parse.quote(item["name"], safe="")
+                self.call("DELETE", f"/storage/v1/b/{name}/o/{quoted}")
+            return name
         status, _ = self.call(
             "POST",
             "/storage/v1/b?project=test",

@@ -95,7 +95,7 @@ def test_a_damaged_object_fails_and_a_missing_one_is_a_usage_error(env_bucket):
     assert "FAILED corrupt: checksum mismatch" in run_cli("verify", url, rc=1).stdout
     assert "no object and no step" in run_cli("verify", f"s3://{env_bucket}/nothing", rc=0).stdout
     run_cli("inspect", f"s3://{env_bucket}/nothing.ckpt", rc=2)
-    run_cli("inspect", "gs://bucket/x.ckpt", rc=1)
+    run_cli("inspect", "hdfs://bucket/x.ckpt", rc=1)
 
 
 def test_a_refusing_store_is_exit_2_naming_the_url(s3_faults, monkeypatch):
@@ -110,3 +110,21 @@ def test_a_refusing_store_is_exit_2_naming_the_url(s3_faults, monkeypatch):
     s3_faults.fail_next(None, "x.ckpt", status=403, code="AccessDenied", count=50)
     err = run_cli("inspect", url, rc=2).stderr
     assert url in err and "access denied" in err
+
+
+def test_ls_verify_and_inspect_on_gs(gcs_bucket):
+    """The same commands on gs:// URLs, the emulator reached through STORAGE_EMULATOR_HOST as
+    gcloud reaches it."""
+    url = f"gs://{gcs_bucket}/run"
+    m = ckptfmt.CheckpointManager(url)
+    m.save(1, {"w": torch.zeros(10)}, metrics={"loss": 2.0})
+    m.save(2, {"w": torch.ones(10)}, metrics={"loss": 1.0})
+    out = json.loads(run_cli("ls", url, "--json", rc=0).stdout)
+    assert [(r["step"], r["status"]) for r in out["steps"]] == [(1, "complete"), (2, "complete")]
+    res = json.loads(run_cli("verify", url, "--json", rc=0).stdout)
+    assert [f["status"] for f in res["files"]] == ["ok", "ok"]
+    one = f"gs://{gcs_bucket}/one.ckpt"
+    ckptfmt.save({"w": torch.arange(6)}, one)
+    assert "OK" in run_cli("verify", one, rc=0).stdout
+    assert "w" in run_cli("inspect", one, rc=0).stdout
+    run_cli("inspect", f"gs://{gcs_bucket}/nothing.ckpt", rc=2)

@@ -109,11 +109,22 @@ def docs_bucket(s3_server, monkeypatch):
     return "bucket"
 
 
+@pytest.fixture
+def docs_gcs_bucket(gcs_server, monkeypatch):
+    """The bucket `bucket` on the session's GCS emulator, empty, reached through
+    STORAGE_EMULATOR_HOST."""
+    gcs_server.new_bucket("bucket", empty=True)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.endpoint)
+    return "bucket"
+
+
 @pytest.mark.parametrize("page", [p for p in PAGES if runnable(p)], ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_examples_run(page, tmp_path, request, zygote):
     name = str(page.relative_to(ROOT))
     if "s3://" in "".join(code for _, _, code in runnable(page)):
         request.getfixturevalue("docs_bucket")
+    if "gs://" in "".join(code for _, _, code in runnable(page)):
+        request.getfixturevalue("docs_gcs_bucket")
     work = tmp_path / "work"
     work.mkdir()
     bin_dir = tmp_path / "bin"  # `ckptfmt` in the shell examples: this checkout's, through the zygote

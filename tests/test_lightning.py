@@ -758,7 +758,7 @@ def test_unknown_protocols_are_refused_and_missing_filesystems_named(tmp_path: p
         assert isinstance(info.value, ckptfmt.CheckpointError) and isinstance(info.value, ValueError)
     if importlib.util.find_spec("gcsfs") is None:
         with pytest.raises(ImportError, match="install gcsfs"):
-            io.save_checkpoint({}, "gs://bucket/run/last.ckpt")
+            io.save_checkpoint({}, "gcs://bucket/run/last.ckpt")  # gcsfs's form (gs:// is ckptfmt's)
     io.save_checkpoint({"x": 1}, f"file://{tmp_path}/local.ckpt")  # a local URL is a local path
     assert io.load_checkpoint(tmp_path / "local.ckpt") == {"x": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["local.ckpt"]

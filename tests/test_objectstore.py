@@ -184,8 +184,8 @@ def test_missing_objects_and_buckets_are_file_not_found(s3_bucket):
 
 def test_refused_forms(s3_bucket):
     bucket, options = s3_bucket
-    with pytest.raises(UnsupportedError, match="gs:// scheme is not supported"):
-        ckptfmt.load("gs://bucket/x.ckpt")
+    with pytest.raises(UnsupportedError, match="hdfs:// scheme is not supported"):
+        ckptfmt.load("hdfs://bucket/x.ckpt")
     with pytest.raises(UnsupportedError, match="valid bucket name"):
         ckptfmt.load("s3://B_ad/x.ckpt")
     with pytest.raises(UnsupportedError, match="'..' segments"):

@@ -148,7 +148,6 @@ def test_resume_controls(tmp_path, reference, stopped_run, one_thread, left_out)
 def test_a_lost_node_resumes_from_the_archive_bit_exact(tmp_path, reference, s3_bucket, monkeypatch):
     """A run archiving to a real S3 server (moto) is killed and its local directory deleted, as
     if the node were lost; a run on a new node resumes from the archive, bit for bit."""
-    ref, ref_final = reference
     bucket, options = s3_bucket
     for name, key in (
         ("AWS_ENDPOINT_URL", "endpoint_url"),
@@ -157,7 +156,24 @@ def test_a_lost_node_resumes_from_the_archive_bit_exact(tmp_path, reference, s3_
     ):
         monkeypatch.setenv(name, options[key])  # the children reach the store as users do
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    args = ["--non-blocking", "--archive", f"s3://{bucket}/run"]
+    _resume_on_a_new_node(tmp_path, reference, f"s3://{bucket}/run")
+
+
+def test_a_lost_node_resumes_from_a_gcs_archive_bit_exact(tmp_path, reference, gcs_bucket):
+    """The same on gs:// (fake-gcs-server, reached through STORAGE_EMULATOR_HOST as the
+    children reach it)."""
+    _resume_on_a_new_node(tmp_path, reference, f"gs://{gcs_bucket}/run")
+
+
+def test_a_lost_node_resumes_from_an_azure_archive_bit_exact(tmp_path, reference, azure_container):
+    """The same on az:// (Azurite, reached through AZURE_STORAGE_CONNECTION_STRING)."""
+    _resume_on_a_new_node(tmp_path, reference, f"az://{azure_container}/run")
+
+
+def _resume_on_a_new_node(tmp_path, reference, archive: str) -> None:
+    """Kill a run archiving to `archive`, delete its local directory, resume on a new node."""
+    ref, ref_final = reference
+    args = ["--non-blocking", "--archive", archive]
     kill_after = _kill_step()
     where = f"killed after step {kill_after} (CKPTFMT_TEST_KILL_STEP={kill_after} repeats it)"
     killed = run_child(str(tmp_path / "node-1"), STEPS, args, kill_after=kill_after, timeout=TIMEOUT)

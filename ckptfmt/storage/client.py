@@ -1,19 +1,16 @@
-"""The S3 client behind every object-store URL, and the translation of its failures.
+"""What every object store's requests share: storage options, one retry loop, one deadline
+per operation, and the translation of failures into ckptfmt's errors.
 
-One boto3 client per distinct set of storage options, shared by the threads of this process
-(boto3 clients are thread-safe; sessions are not, so a client is made once under a lock).
-Credentials, region and endpoint follow boto3's own conventions: ``AWS_*`` environment
-variables, ``~/.aws`` files and instance roles work as users expect; ``storage_options``
-overrides them per call.
-
-Retries are made here, in one place (botocore's own are off): an operation (one request,
-or one ranged read, or one page of a listing) is tried at most ``max_attempts`` times, with
-exponential backoff, on throttling, 5xx answers, dropped connections and answers that miss
-their deadline, all within one deadline (storage option ``deadline``, environment variable
-CKPTFMT_STORAGE_DEADLINE, 300 s by default) that covers every attempt and wait; the error
-says what was tried for how long.  No socket wait is longer than the deadline (connect and
-read timeouts are capped by it), and a listing's answer is read within what remains of it
-and refused above MAX_LISTING_BODY bytes before it is parsed.
+The stores themselves (``s3``: boto3; ``gcs``: Google's JSON API) make single attempts and
+raise their clients' errors; ``request`` is the only place that retries (the clients' own
+retries are off): an operation (one request, or one ranged read, or one page of a listing)
+is tried at most ``max_attempts`` times, with exponential backoff, on throttling, 5xx
+answers, dropped connections and answers that miss their deadline, all within one deadline
+(storage option ``deadline``, environment variable CKPTFMT_STORAGE_DEADLINE, 300 s by
+default) that covers every attempt and wait; the error says what was tried for how long.
+No socket wait is longer than the deadline (connect and read timeouts are capped by it),
+and a listing's answer is read within what remains of it and refused above
+MAX_LISTING_BODY bytes before it is parsed (``read_listing``).
 """
 
 from __future__ import annotations
@@ -29,22 +26,30 @@ from typing import Any, TypeVar
 
 from ..errors import CheckpointError, LimitError, StorageError
 
-#: what storage_options may hold: boto3 client arguments and ckptfmt's own tuning
-CLIENT_OPTIONS = (
-    "endpoint_url",
-    "region_name",
-    "aws_access_key_id",
-    "aws_secret_access_key",
-    "aws_session_token",
-    "profile_name",
-)
+#: what storage_options may hold for each scheme: its client's arguments ...
+STORE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "s3": (
+        "endpoint_url",
+        "region_name",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+        "profile_name",
+        "addressing_style",
+    ),
+    # token: a service account's JSON key file, or "anon" (no credentials: public buckets)
+    "gs": ("token",),
+    "az": ("connection_string", "account_name", "account_key", "sas_token"),
+}
+STORE_OPTIONS["abfs"] = STORE_OPTIONS["az"]
+CLIENT_OPTIONS = tuple(dict.fromkeys(name for names in STORE_OPTIONS.values() for name in names))
+#: ... and ckptfmt's own tuning, for every store
 TUNING_OPTIONS = (
     "max_attempts",
     "concurrency",
     "part_size",
     "connect_timeout",
     "read_timeout",
-    "addressing_style",
     "request_size",
     "request_timeout",
     "deadline",
@@ -57,14 +62,17 @@ DEFAULT_CONCURRENCY = 8
 #: deadline; the environment variable CKPTFMT_STORAGE_DEADLINE where the option is not given)
 DEFAULT_DEADLINE = 300.0
 DEADLINE_VARIABLE = "CKPTFMT_STORAGE_DEADLINE"
+#: seconds to wait for a connection, and for each piece of an answer (storage options
+#: connect_timeout, read_timeout), capped by the deadline
+DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_READ_TIMEOUT = 60.0
 #: the answer to one listing request (a page of at most 1000 keys of at most 1 KiB each, as
-#: XML) is refused above this many bytes, before it is parsed
+#: XML or JSON) is refused above this many bytes, before it is parsed
 MAX_LISTING_BODY = 16 << 20
-#: the operations whose answers are read by the listing guard (_guard_listings)
-LISTING_OPERATIONS = ("ListObjectsV2", "ListMultipartUploads")
 
-_clients: dict[tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]], Any] = {}
-_lock = threading.Lock()
+#: the errors the stores in use raise for a failed request (each store adds its client's)
+_transfer_errors: tuple[type[BaseException], ...] = ()
+_errors_lock = threading.Lock()
 
 T = TypeVar("T")
 
@@ -121,54 +129,35 @@ def concurrency(options: Mapping[str, Any]) -> int:
     return int(options.get("concurrency", DEFAULT_CONCURRENCY))
 
 
-def _import_boto3() -> Any:
-    try:
-        import boto3
-    except ImportError:
-        raise CheckpointError("object-store URLs need boto3: pip install 'ckptfmt[s3]'") from None
-    return boto3
-
-
-def client_for(options: Mapping[str, Any]) -> Any:
-    """The shared boto3 S3 client for these (checked) options."""
-    # boto3 reads AWS_* variables when the client is made: a change to them makes a new one
-    environment = tuple(
-        sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_") or k == DEADLINE_VARIABLE)
-    )
-    cache_key = (tuple(sorted((k, repr(v)) for k, v in options.items())), environment)
-    with _lock:
-        found = _clients.get(cache_key)
-        if found is None:
-            found = _clients[cache_key] = _new_client(options)
-        return found
-
-
-def _new_client(options: Mapping[str, Any]) -> Any:
-    boto3 = _import_boto3()
-    from botocore.config import Config
-
-    session = boto3.session.Session(profile_name=options.get("profile_name"))
+def timeouts(options: Mapping[str, Any]) -> tuple[float, float]:
+    """The connect and read timeouts of one request, neither above the deadline."""
     limit = deadline(options)
-    config = Config(
-        # one attempt: ckptfmt retries (Budget), under the operation's deadline
-        retries={"mode": "standard", "total_max_attempts": 1},
-        max_pool_connections=max(10, 2 * concurrency(options)),
-        connect_timeout=min(options.get("connect_timeout", 10), limit),
-        read_timeout=min(options.get("read_timeout", 60), limit),
-        # payload checksums only where the operation demands them: ours cover every byte
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-        # "path" for stores reached by address (MinIO, Ceph); botocore's "auto" otherwise
-        s3={"addressing_style": options.get("addressing_style", "auto")},
-    )
-    kwargs = {k: options[k] for k in CLIENT_OPTIONS if k in options and k != "profile_name"}
-    client = session.client("s3", config=config, **kwargs)
-    _guard_listings(client)
-    return client
+    connect = float(options.get("connect_timeout", DEFAULT_CONNECT_TIMEOUT))
+    return min(connect, limit), min(float(options.get("read_timeout", DEFAULT_READ_TIMEOUT)), limit)
+
+
+class AnswerError(Exception):
+    """A store's answer refusing a request (an HTTP status of 300 or more), for stores whose
+    client raises nothing of its own: the store's error code (reason) and the status."""
+
+    def __init__(self, code: str, status: int, message: str = "") -> None:
+        super().__init__(f"{code} (HTTP {status}){': ' + message if message else ''}")
+        self.code = code
+        self.status = status
+
+
+def add_transfer_errors(*kinds: type[BaseException]) -> None:
+    """Count `kinds` among the errors a request can fail with (a store's client's own)."""
+    global _transfer_errors
+    with _errors_lock:
+        _transfer_errors = tuple(dict.fromkeys(_transfer_errors + kinds))
 
 
 def error_code(e: BaseException) -> tuple[str, int]:
-    """A botocore ClientError's S3 error code and HTTP status ("", 0 for other errors)."""
+    """A store's error code and HTTP status for a refused request ("", 0 for other errors):
+    an AnswerError's, or a botocore ClientError's."""
+    if isinstance(e, AnswerError):
+        return e.code, e.status
     response = getattr(e, "response", None)
     if not isinstance(response, dict):
         return "", 0
@@ -177,7 +166,7 @@ def error_code(e: BaseException) -> tuple[str, int]:
     return code, int(status) if isinstance(status, int) else 0
 
 
-_MISSING = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}
+_MISSING = {"NoSuchKey", "NoSuchBucket", "404", "NotFound", "notFound"}
 _DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"}
 
 
@@ -231,8 +220,14 @@ class Budget:
         )
 
 
-#: the budget of the operation the current thread is carrying out (read by the listing guard)
+#: the budget of the operation the current thread is carrying out (read by the stores, for
+#: the deadline of a listing's answer)
 _current = threading.local()
+
+
+def current_budget() -> Budget | None:
+    """The Budget of the operation this thread is carrying out, if any."""
+    return getattr(_current, "budget", None)
 
 
 def retryable(e: BaseException) -> bool:
@@ -241,7 +236,7 @@ def retryable(e: BaseException) -> bool:
     answer that cannot be parsed, would come again."""
     code, status = error_code(e)
     if code or status:
-        return status >= 500 or status == 429 or code in ("SlowDown", "Throttling", "RequestTimeout")
+        return status >= 500 or status in (408, 429) or code in ("SlowDown", "Throttling", "RequestTimeout")
     return not isinstance(e, ValueError)
 
 
@@ -268,17 +263,17 @@ def request(url: str, operation: str, call: Callable[[], T], options: Mapping[st
 
 
 def transfer_errors() -> tuple[type[BaseException], ...]:
-    """What a request can fail with: botocore's errors, socket errors, and ValueError, which
-    botocore raises for an answer it cannot parse (a date in a header or a listing that is
-    not one)."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    return (BotoCoreError, ClientError, OSError, ValueError)
+    """What a request can fail with: the errors of the stores' clients in use, AnswerError,
+    socket errors, and ValueError, which clients raise for an answer they cannot parse (a
+    date in a header or a listing that is not one)."""
+    return (*_transfer_errors, AnswerError, OSError, ValueError)
 
 
 def is_precondition_failed(e: BaseException) -> bool:
+    """Whether a store refused a request's condition (Azure answers a create-only write of a
+    blob that exists with 409 BlobAlreadyExists)."""
     code, status = error_code(e)
-    return code == "PreconditionFailed" or status == 412
+    return code in ("PreconditionFailed", "BlobAlreadyExists") or status == 412
 
 
 # -- answers read within a deadline ----------------------------------------------------------
@@ -296,14 +291,26 @@ def missed_deadline(timeout: float, option: str, detail: str = "") -> str:
 def cut_connection(raw: Any) -> None:
     """End the connection a urllib3 answer `raw` is read from, so that a read blocked on it
     returns (shutting the socket down wakes a thread waiting in recv; closing it may not)."""
-    sock = getattr(getattr(raw, "connection", None), "sock", None)
-    if isinstance(sock, socket.socket):
+    sock = _socket_of(raw)
+    if sock is not None:
         try:
             sock.shutdown(socket.SHUT_RDWR)
             return
         except OSError:
             pass
     raw.close()
+
+
+def _socket_of(raw: Any) -> socket.socket | None:
+    """The socket a urllib3 answer is read from: its connection's, or, where the connection
+    let go of it (an answer that ends the connection: http.client detaches the socket and
+    the answer's buffered reader alone holds it), the one beneath that reader."""
+    sock = getattr(getattr(raw, "connection", None), "sock", None)
+    if isinstance(sock, socket.socket):
+        return sock
+    reader = getattr(getattr(raw, "_fp", None), "fp", None)  # http.client's answer's file
+    sock = getattr(getattr(reader, "raw", None), "_sock", None)  # socket.SocketIO's socket
+    return sock if isinstance(sock, socket.socket) else None
 
 
 class Watchdog:
@@ -328,15 +335,16 @@ class Watchdog:
         self._timer.cancel()
 
 
-def read_listing(raw: Any, timeout: float) -> bytes:
-    """The body of a listing's answer `raw` (urllib3, not yet read), read whole within
-    `timeout` seconds and refused above MAX_LISTING_BODY bytes (LimitError) before it is
-    parsed: AnswerCut when the deadline cut it."""
+def read_listing(raw: Any, timeout: float, what: str = "a listing's answer") -> bytes:
+    """The body of a listing's answer `raw` (or of another answer to be parsed whole, named
+    `what` in errors; urllib3, not yet read), read whole within `timeout` seconds and refused
+    above MAX_LISTING_BODY bytes (LimitError) before it is parsed: AnswerCut when the deadline
+    cut it."""
     limit = MAX_LISTING_BODY
     declared = getattr(raw, "headers", {}).get("Content-Length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raw.close()
-        raise LimitError(f"a listing's answer of {declared} bytes is above the limit {limit}")
+        raise LimitError(f"{what} of {declared} bytes is above the limit {limit}")
     pieces: list[bytes] = []
     got = 0
     with Watchdog(raw, timeout) as dog:
@@ -344,7 +352,7 @@ def read_listing(raw: Any, timeout: float) -> bytes:
             for piece in _pieces(raw):
                 got += len(piece)
                 if got > limit:
-                    raise LimitError(f"a listing's answer is above the limit of {limit} bytes")
+                    raise LimitError(f"{what} is above the limit of {limit} bytes")
                 pieces.append(piece)
         except LimitError:
             raw.close()
@@ -354,7 +362,7 @@ def read_listing(raw: Any, timeout: float) -> bytes:
                 raise
     if dog.fired.is_set():
         raw.close()
-        raise AnswerCut(f"a listing's answer {missed_deadline(timeout, 'deadline', f'; {got} bytes came')}")
+        raise AnswerCut(f"{what} {missed_deadline(timeout, 'deadline', f'; {got} bytes came')}")
     return b"".join(pieces)
 
 
@@ -364,33 +372,3 @@ def _pieces(raw: Any) -> Iterator[bytes]:
         if not piece:
             return
         yield piece
-
-
-class _Bytes:
-    """What botocore reads an answer's content from (its raw.stream())."""
-
-    def __init__(self, data: bytes) -> None:
-        self._data = data
-
-    def stream(self, **kwargs: Any) -> Iterator[bytes]:
-        yield self._data
-
-
-def _guard_listings(client: Any) -> None:
-    """Have `client` send listing requests itself (botocore's before-send event) and read
-    their answers with read_listing: within what remains of the operation's deadline, and
-    bounded before botocore parses them (it would read a body of any length, at any pace)."""
-    from botocore.awsrequest import AWSResponse
-
-    session = client._endpoint.http_session  # botocore's own: its pool, proxies and TLS
-
-    def send(request: Any, **kwargs: Any) -> Any:
-        budget: Budget | None = getattr(_current, "budget", None)
-        timeout = budget.remaining() if budget is not None else DEFAULT_DEADLINE
-        request.stream_output = True  # the body is read here, not by the session
-        answer = session.send(request)
-        body = read_listing(answer.raw, max(timeout, 0.001))
-        return AWSResponse(answer.url, answer.status_code, answer.headers, _Bytes(body))
-
-    for name in LISTING_OPERATIONS:
-        client.meta.events.register(f"before-send.s3.{name}", send)

@@ -1,12 +1,13 @@
 """Reading one object: its bytes fetched by ranged GETs into a Spool just before the engine
 reads them.
 
-``RemoteObject`` asks the store for the object's size and ETag once, then fetches its
-prologue, footer and index (the tail, in one request where it is small), so the index parser
-reads the spool as it reads a local file.  Chunk data is fetched by the chunk reader, window
-by window (``plan`` then ``start``), in parallel requests, each pinned to the first ETag with
-``If-Match``: an object replaced while it is read fails the request (StorageError) instead of
-mixing two versions' bytes.  Every range is checked to be the one asked for; a connection
+``RemoteObject`` asks the store for the object's size and version (S3's ETag, GCS's
+generation) once, then fetches its prologue, footer and index (the tail, in one request
+where it is small), so the index parser reads the spool as it reads a local file.  Chunk
+data is fetched by the chunk reader, window by window (``plan`` then ``start``), in
+parallel requests, each pinned to the first version (S3's ``If-Match``, GCS's
+``generation=``): an object replaced while it is read fails the request (StorageError)
+instead of mixing two versions' bytes.  Every range is checked to be the one asked for; a connection
 that drops mid-body is resumed from the byte it reached, a bounded number of times with
 backoff, and a body that trickles in is cut off at a deadline per request.
 
@@ -32,7 +33,9 @@ from typing import Any
 from ..errors import CheckpointError, LimitError, StorageError
 from ..format import layout as fmt
 from . import client as s3
+from .backends import store_for
 from .spool import Spool
+from .store import Store
 from .urls import ObjectURL, parse_url
 
 MiB = 1 << 20
@@ -106,14 +109,14 @@ def grid_cells(lo: int, hi: int, cell: int, size: int) -> Range:
 
 
 def head(url: ObjectURL, options: dict[str, Any]) -> tuple[int, str]:
-    """The object's size and ETag, checked (one HEAD request; FileNotFoundError when absent)."""
-    client = s3.client_for(options)
-    reply = s3.request(
-        str(url), "look up", lambda: client.head_object(Bucket=url.bucket, Key=url.key), options
-    )
-    size, etag = reply.get("ContentLength"), reply.get("ETag")
+    """The object's size and version (S3's ETag, GCS's generation), checked (one request;
+    FileNotFoundError when absent)."""
+    store = store_for(url, options)
+    size, etag = s3.request(str(url), "look up", lambda: store.head(url), options)
     if type(size) is not int or size < 0 or not isinstance(etag, str) or not etag:
-        raise StorageError("the store's answer lacks the object's size or ETag", path=str(url))
+        raise StorageError(
+            f"the store's answer lacks the object's size or {store.version_name}", path=str(url)
+        )
     if size > MAX_OBJECT_BYTES:
         raise LimitError(f"the object is {size} bytes, above the limit {MAX_OBJECT_BYTES}", path=str(url))
     return size, etag
@@ -147,7 +150,7 @@ class RemoteObject:
         self.path = url
         self.url: ObjectURL = parse_url(url)
         self.options = options
-        self._client = s3.client_for(options)
+        self._store: Store = store_for(self.url, options)
         self._request_bytes = int(options.get("request_size", REQUEST_BYTES))
         self._timeout = float(options.get("request_timeout", REQUEST_TIMEOUT))
         self._pool = ThreadPoolExecutor(s3.concurrency(options), thread_name_prefix="ckptfmt-download")
@@ -159,7 +162,8 @@ class RemoteObject:
             self.size, self.etag = self._head()
             if etag is not None and self.etag != etag:
                 raise StorageError(
-                    f"the object was replaced after it was checked (ETag {etag}, now {self.etag})",
+                    f"the object was replaced after it was checked ({self._store.version_name} "
+                    f"{etag}, now {self.etag})",
                     path=url,
                 )
             try:
@@ -310,23 +314,21 @@ class RemoteObject:
                     raise s3.translate(e, self.path, what, budget) from e
 
     def _get_once(self, lo: int, hi: int, view: memoryview, budget: s3.Budget) -> int:
-        u = self.url
         what = f"read bytes {lo}-{hi - 1}"
-        reply = self._client.get_object(
-            Bucket=u.bucket, Key=u.key, Range=f"bytes={lo}-{hi - 1}", IfMatch=self.etag
-        )
+        reply = self._store.get(self.url, (lo, hi), self.etag)
         expected = f"bytes {lo}-{hi - 1}/{self.size}"
-        if reply.get("ContentRange") != expected or reply.get("ContentLength") != hi - lo:
-            reply["Body"].close()
+        if reply.content_range != expected or reply.length != hi - lo:
+            reply.body.close()
             raise StorageError(
-                f"{what}: the store answered {reply.get('ContentRange')!r} for {expected!r}", path=self.path
+                f"{what}: the store answered {reply.content_range!r} for {expected!r}", path=self.path
             )
-        if _tag_value(reply.get("ETag", self.etag)) != _tag_value(self.etag):
+        served = self.etag if reply.version is None else reply.version
+        if _tag_value(served) != _tag_value(self.etag):
             # a store that ignores If-Match (some S3-compatible ones do) serves the new version
-            reply["Body"].close()
+            reply.body.close()
             raise StorageError(f"{what}: the object changed while it was being read", path=self.path)
         timeout, option = _body_deadline(self._timeout, budget)
-        got, cut = read_body(reply["Body"], view, timeout)
+        got, cut = read_body(reply.body, view, timeout)
         if got != len(view):
             why = (
                 f"the answer {s3.missed_deadline(timeout, option, f'; {got} of its bytes came')}"
@@ -371,12 +373,12 @@ def fetch_whole(url: str, options: dict[str, Any], limit: int, what: str = "the 
     again or a body that misses its deadline (storage option request_timeout) is tried
     again, within one Budget (attempts and deadline)."""
     u = parse_url(url)
-    client = s3.client_for(options)
+    store = store_for(u, options)
     timeout = float(options.get("request_timeout", REQUEST_TIMEOUT))
     budget = s3.Budget(options)
     while True:
         try:
-            return _fetch_whole_once(client, u, url, limit, what, _body_deadline(timeout, budget))
+            return _fetch_whole_once(store, u, url, limit, what, _body_deadline(timeout, budget))
         except StorageError as e:
             if not getattr(e, "ckptfmt_short", False) or not budget.retry():
                 raise
@@ -397,13 +399,13 @@ def _body_deadline(request_timeout: float, budget: s3.Budget) -> tuple[float, st
 
 
 def _fetch_whole_once(
-    client: Any, u: ObjectURL, url: str, limit: int, what: str, deadline: tuple[float, str]
+    store: Store, u: ObjectURL, url: str, limit: int, what: str, deadline: tuple[float, str]
 ) -> Spool:
-    reply = client.get_object(Bucket=u.bucket, Key=u.key)
-    body = reply["Body"]
+    reply = store.get(u, None, None)
+    body = reply.body
     timeout, option = deadline
     try:
-        size = reply.get("ContentLength")
+        size = reply.length
         if type(size) is not int or size < 0:
             raise StorageError("the store's answer lacks the object's size", path=url)
         if size > limit:

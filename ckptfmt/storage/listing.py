@@ -13,10 +13,12 @@ import datetime
 import hashlib
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import LimitError, StorageError
 from . import client as s3
+from .backends import store_for
+from .store import Page, Upload
 from .urls import ObjectURL
 
 #: a single object read whole (commit records, sidecars) is refused above this size
@@ -25,8 +27,8 @@ MAX_SMALL_OBJECT = 256 << 20
 #: half a million steps has a million objects; rotation keeps runs far smaller), and a store
 #: that pages forever must not keep a reader listing forever
 MAX_LISTED = 1 << 20
-#: and one of more pages than this: the pages MAX_LISTED entries fill (S3 pages hold up to
-#: 1000), and a few more; a store answering empty pages with a continuation token reaches it
+#: and one of more pages than this: the pages MAX_LISTED entries fill (S3 and GCS pages hold
+#: up to 1000), and a few more; a store answering empty pages with a continuation token reaches it
 #: after MAX_PAGES requests
 MAX_PAGES = MAX_LISTED // 1000 + 64
 
@@ -39,9 +41,8 @@ def child_names(url: ObjectURL, options: dict[str, Any]) -> list[str]:
     """The names of the "directories" directly beneath `url` (common prefixes), sorted."""
     prefix = _prefix(url)
     out: set[str] = set()
-    for page in _pages_with(url, options, "list", Prefix=prefix, Delimiter="/"):
-        for entry in page.get("CommonPrefixes", []) or []:
-            p = entry.get("Prefix") if isinstance(entry, dict) else None
+    for page in _pages_with(url, options, "list", prefix, "/"):
+        for p in page.prefixes:
             if not isinstance(p, str) or not p.startswith(prefix) or not p.endswith("/"):
                 raise StorageError(f"list: the store answered a prefix outside {prefix!r}", path=str(url))
             name = p[len(prefix) : -1]
@@ -50,59 +51,57 @@ def child_names(url: ObjectURL, options: dict[str, Any]) -> list[str]:
     return sorted(out)
 
 
+class Listed(NamedTuple):
+    """What a listing says of one object: its size, when it was last written, and its version
+    (S3's ETag, GCS's generation; None where the store gives none)."""
+
+    size: int
+    modified: datetime.datetime | None
+    version: str | None
+
+
+def listed(url: ObjectURL, options: dict[str, Any]) -> dict[str, Listed]:
+    """Every object beneath `url` (recursively), by its key relative to `url`, checked: a key
+    outside the prefix, or an entry without a size, is refused."""
+    prefix = _prefix(url)
+    out: dict[str, Listed] = {}
+    for page in _pages_with(url, options, "list", prefix, None):
+        for entry in page.entries:
+            key, size, version = entry.key, entry.size, entry.version
+            if not isinstance(key, str) or not key.startswith(prefix) or type(size) is not int:
+                raise StorageError(f"list: the store answered an entry outside {prefix!r}", path=str(url))
+            kept = version if isinstance(version, str) and version else None
+            out[key[len(prefix) :]] = Listed(size, _utc(entry.modified), kept)
+    return out
+
+
 def objects(url: ObjectURL, options: dict[str, Any]) -> dict[str, tuple[int, datetime.datetime | None]]:
     """Every object beneath `url` (recursively): its key relative to `url`, its size and when
     it was last written."""
-    prefix = _prefix(url)
-    out: dict[str, tuple[int, datetime.datetime | None]] = {}
-    for page in _pages_with(url, options, "list", Prefix=prefix):
-        for entry in page.get("Contents", []) or []:
-            key = entry.get("Key") if isinstance(entry, dict) else None
-            size = entry.get("Size") if isinstance(entry, dict) else None
-            if not isinstance(key, str) or not key.startswith(prefix) or type(size) is not int:
-                raise StorageError(f"list: the store answered an entry outside {prefix!r}", path=str(url))
-            out[key[len(prefix) :]] = (size, _utc(entry.get("LastModified")))
-    return out
+    return {key: (e.size, e.modified) for key, e in listed(url, options).items()}
 
 
 def versions(url: ObjectURL, options: dict[str, Any]) -> dict[str, str | None]:
     """Every object beneath `url` with the version the listing gives it: {key relative to
-    `url`: ETag, or None where the store gives none} (what a conditional delete names)."""
-    prefix = _prefix(url)
-    out: dict[str, str | None] = {}
-    for page in _pages_with(url, options, "list", Prefix=prefix):
-        for entry in page.get("Contents", []) or []:
-            key = entry.get("Key") if isinstance(entry, dict) else None
-            if not isinstance(key, str) or not key.startswith(prefix):
-                raise StorageError(f"list: the store answered an entry outside {prefix!r}", path=str(url))
-            etag = entry.get("ETag")
-            out[key[len(prefix) :]] = etag if isinstance(etag, str) and etag else None
-    return out
+    `url`: version, or None where the store gives none} (what a conditional delete names)."""
+    return {key: e.version for key, e in listed(url, options).items()}
 
 
-def _uploads(url: ObjectURL, options: dict[str, Any], prefix: str) -> Iterator[Any]:
-    """The multipart uploads beneath `prefix`, every page of them, with the bounds that
-    _pages_with puts on a listing of objects."""
-    c = s3.client_for(options)
-    markers: dict[str, str] = {}
+def _uploads(url: ObjectURL, options: dict[str, Any], prefix: str) -> Iterator[Upload]:
+    """The uploads begun beneath `prefix` and not completed, every page of them, with the
+    bounds that _pages_with puts on a listing of objects."""
+    store = store_for(url, options)
+    marker: dict[str, str] = {}
     seen: set[bytes] = set()
     for _ in range(MAX_PAGES):
-        reply = s3.request(
-            str(url),
-            "list uploads",
-            partial(c.list_multipart_uploads, Bucket=url.bucket, Prefix=prefix, **markers),
-            options,
-        )
-        yield from reply.get("Uploads", []) or []
-        if not reply.get("IsTruncated"):
+        page = s3.request(str(url), "list uploads", partial(store.list_uploads, url, prefix, marker), options)
+        yield from page.uploads
+        if not page.truncated:
             return
-        key, upload = reply.get("NextKeyMarker"), reply.get("NextUploadIdMarker")
-        if not isinstance(key, str) or not key:
+        marker = page.marker
+        if not marker:
             raise StorageError("list uploads: a truncated listing without a next marker", path=str(url))
-        markers = {"KeyMarker": key} | (
-            {"UploadIdMarker": upload} if isinstance(upload, str) and upload else {}
-        )
-        digest = _digest(repr(sorted(markers.items())))
+        digest = _digest(repr(sorted(marker.items())))
         if digest in seen:
             raise StorageError(
                 "list uploads: the listing repeats a marker (it would never end)", path=str(url)
@@ -125,12 +124,12 @@ def _utc(when: Any) -> datetime.datetime | None:
 
 
 def _pages_with(
-    url: ObjectURL, options: dict[str, Any], operation: str, **kwargs: Any
-) -> Iterator[dict[str, Any]]:
+    url: ObjectURL, options: dict[str, Any], operation: str, prefix: str, delimiter: str | None
+) -> Iterator[Page]:
     """The listing's pages to the end; a store that never ends it (a token it gave before,
     or more entries than MAX_LISTED) is refused rather than followed forever."""
-    c = s3.client_for(options)
-    token: dict[str, str] = {}
+    store = store_for(url, options)
+    token: object = None
     seen_tokens: set[bytes] = set()  # digests: a token's length is the store's to choose
     listed = pages = 0
     whole = s3.Budget(options)  # each page is an operation; the listing as a whole has a deadline too
@@ -142,9 +141,9 @@ def _pages_with(
                 path=str(url),
             )
         page = s3.request(
-            str(url), operation, partial(c.list_objects_v2, Bucket=url.bucket, **kwargs, **token), options
+            str(url), operation, partial(store.list_page, url, prefix, delimiter, token), options
         )
-        listed += len(page.get("Contents") or ()) + len(page.get("CommonPrefixes") or ())
+        listed += len(page.entries) + len(page.prefixes)
         pages += 1
         if listed > MAX_LISTED or pages > MAX_PAGES:
             raise LimitError(
@@ -152,32 +151,29 @@ def _pages_with(
                 path=str(url),
             )
         yield page
-        if not page.get("IsTruncated"):
+        if not page.truncated:
             return
-        nxt = page.get("NextContinuationToken")
-        if not isinstance(nxt, str) or not nxt:
+        token = page.token
+        if not isinstance(token, str) or not token:
             raise StorageError(
                 f"{operation}: a truncated listing without a continuation token", path=str(url)
             )
-        digest = _digest(nxt)
+        digest = _digest(token)
         if digest in seen_tokens:
             raise StorageError(
                 f"{operation}: the listing repeats a continuation token (it would never end)",
                 path=str(url),
             )
         seen_tokens.add(digest)
-        token = {"ContinuationToken": nxt}
 
 
 def delete_object(url: ObjectURL, options: dict[str, Any], *, if_match: str | None = None) -> bool:
     """Delete the one object at `url` (nothing else beneath it); an absent object is no error.
-    `if_match`: only the version with this ETag (S3's conditional DeleteObject): another
-    version there is left, and False returned."""
-    c = s3.client_for(options)
-    condition = {} if if_match is None else {"IfMatch": if_match}
-    call = partial(c.delete_object, Bucket=url.bucket, Key=url.key, **condition)
+    `if_match`: only that version (S3's ETag, by a conditional DeleteObject; GCS's generation,
+    by ifGenerationMatch): another version there is left, and False returned."""
+    store = store_for(url, options)
     try:
-        s3.request(str(url), "delete", call, options)
+        s3.request(str(url), "delete", lambda: store.delete(url, if_match), options)
     except StorageError as e:
         if if_match is not None and e.__cause__ is not None and s3.is_precondition_failed(e.__cause__):
             return False
@@ -194,26 +190,16 @@ def delete_prefix(
     writes there: an object another program left beneath the same prefix is never deleted);
     the keys in `first` (relative) go before the rest, each alone, so that a reader never
     sees the rest gone while they remain."""
-    c = s3.client_for(options)
+    store = store_for(url, options)
     prefix = _prefix(url)
     for name in first:
         if ours(name):
-            key = prefix + name
-            s3.request(
-                str(url), f"delete {name}", partial(c.delete_object, Bucket=url.bucket, Key=key), options
-            )
+            one = ObjectURL(url.scheme, url.bucket, prefix + name)
+            s3.request(str(url), f"delete {name}", partial(store.delete, one, None), options)
     keys = [prefix + k for k in objects(url, options) if ours(k) and k not in first]
     for i in range(0, len(keys), 1000):
-        batch = [{"Key": k} for k in keys[i : i + 1000]]
-        reply = s3.request(
-            str(url),
-            "delete",
-            partial(c.delete_objects, Bucket=url.bucket, Delete={"Objects": batch}),
-            options,
-        )
-        if reply.get("Errors"):
-            err = reply["Errors"][0]
-            raise StorageError(f"delete {err.get('Key')}: {err.get('Code')}", path=str(url))
+        batch = keys[i : i + 1000]
+        s3.request(str(url), "delete", partial(store.delete_many, url, batch), options)
 
 
 def abort_stale_uploads(
@@ -222,26 +208,22 @@ def abort_stale_uploads(
     older_than: datetime.timedelta,
     ours: Callable[[str], bool],
 ) -> int:
-    """Abort the multipart uploads beneath `url` begun more than `older_than` ago (savers that
-    crashed: their parts cost storage until aborted) whose key relative to `url` is `ours`
-    (another program's upload beneath the same prefix is not a leftover); returns how many."""
-    c = s3.client_for(options)
+    """Abort the uploads beneath `url` begun more than `older_than` ago (savers that crashed:
+    their parts cost storage until aborted) whose key relative to `url` is `ours` (another
+    program's upload beneath the same prefix is not a leftover); returns how many."""
+    store = store_for(url, options)
     prefix = _prefix(url)
     now = datetime.datetime.now(datetime.timezone.utc)
     aborted = 0
     for up in _uploads(url, options, prefix):
-        key, upload_id, began = up.get("Key"), up.get("UploadId"), _utc(up.get("Initiated"))
+        key, upload_id, began = up.key, up.upload_id, _utc(up.initiated)
         if not isinstance(key, str) or not key.startswith(prefix) or not isinstance(upload_id, str):
             continue
         if not ours(key[len(prefix) :]):
             continue
         if began is None or now - began < older_than:
             continue
-        s3.request(
-            str(url),
-            "abort a stale upload",
-            partial(c.abort_multipart_upload, Bucket=url.bucket, Key=key, UploadId=upload_id),
-            options,
-        )
+        one = ObjectURL(url.scheme, url.bucket, key)
+        s3.request(str(url), "abort a stale upload", partial(store.abort_upload, one, upload_id), options)
         aborted += 1
     return aborted

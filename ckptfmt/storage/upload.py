@@ -5,10 +5,12 @@ it has written (``written(pos)``), every part wholly below that position is hand
 of upload threads and released from the spool once stored; the writer waits only when more
 than a bounded number of bytes are still in flight.  Part 1 holds the prologue, which the
 engine writes last, so it is uploaded last, by its number: S3 assembles parts by number, not
-by arrival.  ``commit`` uploads what is left and completes the multipart upload (one PUT when
-the whole object fits in one part); the object appears at once, whole, as a rename makes a
-file appear.  Any failure aborts the multipart upload, so no parts are left behind to pay for
-and nothing is committed.
+by arrival (GCS composes its parts by the order named).  ``commit`` uploads what is left and
+completes the upload (one request when the whole object fits in one part); the object appears
+at once, whole, as a rename makes a file appear.  Any failure aborts the upload, so no parts
+are left behind to pay for and nothing is committed.  The requests are the store's
+(storage/store.py: S3's multipart upload, GCS's parts composed), the order, bounds and
+retries are written here once.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from typing import Any
 
 from ..errors import ObjectExistsError, StorageError
 from . import client as s3
+from .backends import store_for
 from .spool import Spool
+from .store import Store
 from .urls import ObjectURL, parse_url
 
 MiB = 1 << 20
@@ -37,39 +41,6 @@ def part_size_for(estimate: int, requested: int | None = None) -> int:
     need = -(-estimate // (MAX_PARTS - 1))
     size = max(size, need)
     return -(-size // MiB) * MiB
-
-
-class _PartBody:
-    """A read-only, seekable file over a part's bytes in the spool (retries re-read it), so a
-    part is sent from the spool's pages without a copy into a Python bytes object."""
-
-    def __init__(self, view: memoryview) -> None:
-        self._view = view
-        self._pos = 0
-
-    def read(self, n: int = -1) -> bytes:
-        end = len(self._view) if n is None or n < 0 else min(len(self._view), self._pos + n)
-        out = bytes(self._view[self._pos : end])
-        self._pos = end
-        return out
-
-    def readinto(self, buf: Any) -> int:
-        target = memoryview(buf).cast("B")
-        n = min(len(target), len(self._view) - self._pos)
-        target[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = (0, self._pos, len(self._view))[whence]
-        self._pos = max(0, min(len(self._view), base + offset))
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def __len__(self) -> int:
-        return len(self._view)
 
 
 class ObjectFile:
@@ -89,21 +60,22 @@ class ObjectFile:
         self._max_in_flight = self._threads * self.part_size
         self.spool: Spool | None = None
         self.fd = -1
-        self._client: Any = None
+        self._store: Store | None = None
         self._upload_id: str | None = None
         self._next_part = 2  # part 1 (the prologue's) goes last
-        self._done: dict[int, str] = {}  # part number -> ETag
+        self._done: dict[int, str] = {}  # part number -> what completing the upload names
         self._futures: list[Future[None]] = []
         self._in_flight = 0
         self._cond = threading.Condition()
         self._pool: ThreadPoolExecutor | None = None
         self._committed = False
-        #: the ETag the store gave the object once committed (None before, or if it gave none):
-        #: what this writer, and no other, wrote at the URL (a conditional delete's If-Match)
+        #: the version the store gave the object once committed (S3's ETag, GCS's generation;
+        #: None before, or if it gave none): what this writer, and no other, wrote at the URL
+        #: (what a conditional delete names)
         self.etag: str | None = None
 
     def __enter__(self) -> ObjectFile:
-        self._client = s3.client_for(self.options)
+        self._store = store_for(self.url, self.options)
         self.spool = Spool(self.url.key.rsplit("/", 1)[-1], self._capacity)
         self.fd = self.spool.fd
         return self
@@ -132,36 +104,21 @@ class ObjectFile:
         self._futures.append(self._pool.submit(self._upload_part, number, start, end))
 
     def _create_multipart(self) -> str:
-        u = self.url
-        reply = s3.request(
-            str(u),
-            "start multipart upload",
-            lambda: self._client.create_multipart_upload(Bucket=u.bucket, Key=u.key),
-            self.options,
-        )
-        return str(reply["UploadId"])
+        store, u = self._store, self.url
+        assert store is not None
+        return s3.request(str(u), "start multipart upload", lambda: store.start_upload(u), self.options)
 
     def _upload_part(self, number: int, start: int, end: int) -> None:
-        assert self.spool is not None
-        u = self.url
+        assert self.spool is not None and self._store is not None and self._upload_id is not None
+        store, u, upload_id = self._store, self.url, self._upload_id
         try:
             view = self.spool.view(start, end)
-            reply = s3.request(
+            self._done[number] = s3.request(
                 str(u),
                 f"upload part {number} (bytes {start}-{end - 1})",
-                lambda: self._client.upload_part(  # each attempt reads the part from its start
-                    Bucket=u.bucket,
-                    Key=u.key,
-                    UploadId=self._upload_id,
-                    PartNumber=number,
-                    Body=_PartBody(view),
-                ),
+                lambda: store.put_part(u, upload_id, number, view),  # each attempt sends all of it
                 self.options,
             )
-            etag = reply.get("ETag")
-            if not isinstance(etag, str) or not etag:
-                raise StorageError(f"upload part {number}: the store's answer has no ETag", path=str(u))
-            self._done[number] = etag
             if number != 1:
                 self.spool.release(start, end)
         finally:
@@ -198,39 +155,25 @@ class ObjectFile:
         self._committed = True
 
     def _put_whole(self, length: int) -> None:
-        assert self.spool is not None
-        u = self.url
-        view = self.spool.view(0, length)
-        extra = {"IfNoneMatch": "*"} if self.if_absent else {}
-        self._creating(  # each attempt reads the object from its start
-            "upload",
-            lambda: self._client.put_object(
-                Bucket=u.bucket, Key=u.key, Body=_PartBody(view) if length else b"", **extra
-            ),
-        )
+        assert self.spool is not None and self._store is not None
+        store, u, view = self._store, self.url, self.spool.view(0, length)
+        self._creating("upload", lambda: store.put(u, view, if_absent=self.if_absent))
 
     def _complete(self) -> None:
-        u = self.url
-        parts = [{"PartNumber": n, "ETag": self._done[n]} for n in sorted(self._done)]
-        extra = {"IfNoneMatch": "*"} if self.if_absent else {}
+        assert self._store is not None and self._upload_id is not None
+        store, u, upload_id, parts = self._store, self.url, self._upload_id, dict(self._done)
         self._creating(
             "complete multipart upload",
-            lambda: self._client.complete_multipart_upload(
-                Bucket=u.bucket,
-                Key=u.key,
-                UploadId=self._upload_id,
-                MultipartUpload={"Parts": parts},
-                **extra,
-            ),
+            lambda: store.complete_upload(u, upload_id, parts, if_absent=self.if_absent),
         )
         self._upload_id = None
 
-    def _creating(self, operation: str, call: Callable[[], Any]) -> None:
+    def _creating(self, operation: str, call: Callable[[], str | None]) -> None:
         """The request that makes the object appear, its ETag kept; where `if_absent`, an
         object already there is ObjectExistsError (a FileExistsError; a store without
         conditional writes replaces it)."""
         try:
-            reply = s3.request(str(self.url), operation, call, self.options)
+            self.etag = s3.request(str(self.url), operation, call, self.options)
         except StorageError as e:
             if self.if_absent and e.__cause__ is not None and s3.is_precondition_failed(e.__cause__):
                 raise ObjectExistsError(
@@ -239,25 +182,18 @@ class ObjectFile:
                     path=str(self.url),
                 ) from None
             raise
-        etag = reply.get("ETag") if isinstance(reply, dict) else None
-        self.etag = etag if isinstance(etag, str) and etag else None
 
     def abort(self) -> None:
         """Stop: wait for parts in flight, abort the multipart upload (best effort: a store
         that cannot be reached leaves it to the bucket's lifecycle rule and `cleanup`)."""
         for f in self._futures:
             f.exception()  # waits; failures are the reason we are here
-        if self._upload_id is not None:
-            u, upload_id = self.url, self._upload_id
+        if self._upload_id is not None and self._store is not None:
+            store, u, upload_id = self._store, self.url, self._upload_id
             self._upload_id = None
             try:
                 s3.request(
-                    str(u),
-                    "abort multipart upload",
-                    lambda: self._client.abort_multipart_upload(
-                        Bucket=u.bucket, Key=u.key, UploadId=upload_id
-                    ),
-                    self.options,
+                    str(u), "abort multipart upload", lambda: store.abort_upload(u, upload_id), self.options
                 )
             except StorageError:
                 pass

@@ -1,8 +1,9 @@
 """Object-store URLs: recognising them and splitting them into bucket and key.
 
-A checkpoint path is a URL when it starts with a scheme and ``://``; only ``s3://`` is
-served (S3 and S3-compatible stores: MinIO, Ceph, OSS ...), any other scheme is refused
-by name rather than taken for a local relative path.
+A checkpoint path is a URL when it starts with a scheme and ``://``; ``s3://`` (S3 and
+S3-compatible stores: MinIO, Ceph, OSS ...), ``gs://`` (Google Cloud Storage) and ``az://``
+or ``abfs://`` (Azure Blob Storage: ``az://CONTAINER/BLOB``) are served, any other scheme is
+refused by name rather than taken for a local relative path.
 """
 
 from __future__ import annotations
@@ -16,14 +17,22 @@ from ..fileio import URL_SCHEME, is_url
 
 __all__ = ["SCHEMES", "ObjectURL", "is_url", "parse_url"]
 
-#: S3's own rules for bucket names (3-63 of lowercase letters, digits, dots, hyphens)
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-SCHEMES = ("s3",)
+#: each store's own rules for bucket names: S3's 3-63 lowercase letters, digits, dots and
+#: hyphens; GCS's also underscores, and up to 222 characters where dots separate its parts
+_BUCKETS = {
+    "s3": re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"),
+    "gs": re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$"),
+    # Azure's containers: 3-63 lowercase letters, digits and single hyphens
+    "az": re.compile(r"^(?!.*--)[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$"),
+}
+#: the URL forms of a store that its own tools accept besides its scheme: adlfs's abfs://
+_BUCKETS["abfs"] = _BUCKETS["az"]
+SCHEMES = tuple(_BUCKETS)
 
 
 @dataclass(frozen=True)
 class ObjectURL:
-    """One object (or a prefix) in a bucket: ``s3://bucket/key``."""
+    """One object (or a prefix) in a bucket: ``s3://bucket/key``, ``gs://bucket/key``."""
 
     scheme: str
     bucket: str
@@ -38,7 +47,7 @@ class ObjectURL:
 
 
 def parse_url(url: str | os.PathLike[str], *, need_key: bool = True) -> ObjectURL:
-    """Split `url`; UnsupportedError for a scheme other than s3, a bad bucket name, or (with
+    """Split `url`; UnsupportedError for a scheme not served, a bad bucket name, or (with
     `need_key`) no object key, or a key with empty, ``.`` or ``..`` segments, which stores
     treat differently from each other and from local paths."""
     text = os.fspath(url)
@@ -49,11 +58,12 @@ def parse_url(url: str | os.PathLike[str], *, need_key: bool = True) -> ObjectUR
     if scheme not in SCHEMES:
         raise UnsupportedError(
             f"the {scheme}:// scheme is not supported; object stores are reached through s3:// URLs "
-            "(S3 and S3-compatible stores, with storage_options={'endpoint_url': ...})",
+            "(S3 and S3-compatible stores, with storage_options={'endpoint_url': ...}), gs:// "
+            "URLs (Google Cloud Storage) and az:// or abfs:// URLs (Azure Blob Storage)",
             path=text,
         )
     bucket, _, key = text[m.end() :].partition("/")
-    if not _BUCKET.match(bucket):
+    if not _BUCKETS[scheme].match(bucket):
         raise UnsupportedError(f"{bucket!r} is not a valid bucket name", path=text)
     if need_key and not key:
         raise UnsupportedError("the URL names a bucket but no object in it", path=text)

@@ -67,7 +67,10 @@ What the plugin changes, compared with Lightning's default ``TorchCheckpointIO``
   Lightning itself asks what exists through fsspec, that is s3fs (configured as usual,
   e.g. ``AWS_ENDPOINT_URL``): the plugin registers s3fs's filesystem with no listings cache
   (it writes behind s3fs's back) that sees an object in flight as the object it will be.
-* Every other fsspec protocol (``gs://``, ``az://``, ``hdfs://``, ``memory://`` ...) goes
+  ``gs://``, ``az://`` and ``abfs://`` paths the same way (the client's settings, else the
+  store's usual credentials: google-auth's chain, AZURE_STORAGE_CONNECTION_STRING),
+  Lightning's questions through gcsfs and adlfs.
+* Every other fsspec protocol (``hdfs://``, ``memory://`` ...) goes
   through that protocol's filesystem, configured as for Lightning: a save is written by
   ckptfmt to a local temporary file (``TMPDIR``) and uploaded with the filesystem's
   ``put_file`` (atomic where the store's upload is); a load fetches the file into a local

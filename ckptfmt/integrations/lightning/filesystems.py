@@ -9,8 +9,9 @@ subclass fsspec's own for a protocol, registered in its place with fsspec's
 file; ``info`` (sizes, times) waits for it, so details are those of the written file.
 
 Which protocols: local files, and every store in :data:`VIEWED` when a non-blocking plugin
-is made (a save to another protocol is written blocking); ``s3://`` always, with s3fs's
-listings cache off, since the plugin writes objects behind s3fs's back.  A filesystem
+is made (a save to another protocol is written blocking); ``s3://``, ``gs://``, ``az://``
+and ``abfs://`` always, with their filesystems' listings caches off (s3fs, gcsfs, adlfs),
+since the plugin writes those objects behind their backs.  A filesystem
 someone else registered for a protocol is left alone.  The classes pickle by name
 (``ddp_spawn`` pickles ``ModelCheckpoint`` with its filesystem): this module's
 ``__getattr__`` makes them again in a new process.
@@ -36,8 +37,10 @@ import ckptfmt
 from ...engine.commit import temp_prefix
 
 #: fsspec protocols whose filesystem a non-blocking plugin replaces by a view of its saves
-#: in flight (besides local files and s3): the stores Lightning users write checkpoints to
-VIEWED = ("memory", "gs", "gcs", "abfs", "az", "hdfs", "webhdfs", "sftp", "ftp", "oss")
+#: in flight (besides local files and OWN): the stores Lightning users write checkpoints to
+VIEWED = ("memory", "gcs", "hdfs", "webhdfs", "sftp", "ftp", "oss")
+#: the protocols whose objects the plugin writes with ckptfmt's own clients (storage/urls.py)
+OWN = ("s3", "gs", "az", "abfs")
 #: the name prefix of the view classes (pickled by name, made again by __getattr__)
 _VIEW_PREFIX = "_InFlight_"
 
@@ -223,7 +226,7 @@ class _AsyncView(_View):
 
 
 class _NoListingsCache:
-    """ckptfmt writes s3 objects itself, behind s3fs's back: a cached listing would show a
+    """ckptfmt writes OWN objects itself, behind fsspec's back: a cached listing would show a
     taken name as free (and ModelCheckpoint would give a second save the name of the first)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -237,7 +240,7 @@ def view_class(protocol: str) -> type:
     with fsspec's own advice, where its package is missing)."""
     base = _original_class(protocol)
     mixin = _AsyncView if issubclass(base, AsyncFileSystem) else _SyncView
-    bases = (mixin, _NoListingsCache, base) if protocol == "s3" else (mixin, base)
+    bases = (mixin, _NoListingsCache, base) if protocol in OWN else (mixin, base)
     namespace = {"__module__": __name__, "__qualname__": _VIEW_PREFIX + protocol}
     return type(_VIEW_PREFIX + protocol, bases, namespace)
 
@@ -268,9 +271,9 @@ def __getattr__(name: str) -> Any:
 
 
 def show_saves_in_flight(blocking: bool) -> None:
-    """Register the views where fsspec's own filesystems are in use: s3 always, local files
+    """Register the views where fsspec's own filesystems are in use: OWN always, local files
     and the stores of VIEWED when saves do not block."""
-    protocols = ("s3",) if blocking else ("s3", *VIEWED)
+    protocols = OWN if blocking else (*OWN, *VIEWED)
     if not blocking:
         for protocol in ("file", "local"):
             if fsspec.get_filesystem_class(protocol) is LocalFileSystem:

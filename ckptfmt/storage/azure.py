@@ -1,0 +1,326 @@
+"""The Azure Blob Storage store (az:// and abfs:// URLs) over the Blob service's REST API,
+through requests, signed with the account's Shared Key (or a SAS token).
+
+Why this client: the Blob REST API is a handful of requests ckptfmt already makes of S3 and
+GCS (a ranged GET, a PUT, blocks and a block list, a DELETE, a listing page), and requests is
+already the GCS client; the azure-storage-blob SDK would add its own retries, buffering and
+a large dependency for the same requests.  Credentials as Azure's own tools take them: the
+connection string in AZURE_STORAGE_CONNECTION_STRING (what Azurite, the emulator, is reached
+through), else AZURE_STORAGE_ACCOUNT with AZURE_STORAGE_KEY or AZURE_STORAGE_SAS_TOKEN; storage
+options ``connection_string``, ``account_name``, ``account_key``, ``sas_token`` override them.
+
+Each guarantee by Azure's own mechanism: the version of a blob is its ETag; ranged reads name
+it (``If-Match``); a commit record is created only if absent (``If-None-Match: *``); a
+conditional delete names the ETag listed.  An upload in parts stores each part as an
+uncommitted block of the blob (block ids carry the upload's id) and commits the block list,
+which makes the blob appear whole, or not at all, in one request (``If-None-Match: *`` where
+created only if absent).  Uncommitted blocks cost nothing to list or abort: Azure discards
+them a week after their last block, so ``list_uploads`` is empty.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import email.utils
+import hashlib
+import hmac
+import os
+import urllib.parse
+import uuid
+import xml.etree.ElementTree as ET
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import StorageError
+from . import client, http
+from .store import Entry, Page, Reply, UploadPage, ViewFile
+from .urls import ObjectURL
+
+CONNECTION_VARIABLE = "AZURE_STORAGE_CONNECTION_STRING"
+API_VERSION = "2021-08-06"
+#: the environment Azure's tools read (az CLI, the SDKs)
+ENVIRONMENT = (
+    CONNECTION_VARIABLE,
+    "AZURE_STORAGE_ACCOUNT",
+    "AZURE_STORAGE_KEY",
+    "AZURE_STORAGE_SAS_TOKEN",
+)
+
+
+def environment() -> tuple[tuple[str, str], ...]:
+    names = (*ENVIRONMENT, client.DEADLINE_VARIABLE)
+    return tuple((k, os.environ[k]) for k in names if k in os.environ)
+
+
+class Account:
+    """Where a storage account's blob service is and how requests to it are signed."""
+
+    def __init__(self, endpoint: str, name: str, key: bytes | None, sas: str | None) -> None:
+        self.endpoint = endpoint.rstrip("/")
+        self.name = name
+        self.key = key
+        self.sas = sas.lstrip("?") if sas else None
+        # the path of the endpoint (Azurite's /devstoreaccount1) is part of what is signed
+        self.base_path = urllib.parse.urlsplit(self.endpoint).path
+
+
+def account_from(options: Mapping[str, Any]) -> Account:
+    """The account of the storage options, else of the environment (StorageError naming
+    what is missing or malformed)."""
+    text = options.get("connection_string") or (
+        None
+        if {"account_name", "account_key", "sas_token"} & set(options)
+        else os.environ.get(CONNECTION_VARIABLE)
+    )
+    if text:
+        fields = _connection_fields(str(text))
+        name = fields.get("AccountName", "")
+        endpoint = fields.get("BlobEndpoint") or (
+            f"{fields.get('DefaultEndpointsProtocol', 'https')}://{name}.blob."
+            f"{fields.get('EndpointSuffix', 'core.windows.net')}"
+        )
+        key, sas = fields.get("AccountKey"), fields.get("SharedAccessSignature")
+    else:
+        name = str(options.get("account_name") or os.environ.get("AZURE_STORAGE_ACCOUNT", ""))
+        endpoint = f"https://{name}.blob.core.windows.net"
+        key = options.get("account_key") or os.environ.get("AZURE_STORAGE_KEY")
+        sas = options.get("sas_token") or os.environ.get("AZURE_STORAGE_SAS_TOKEN")
+    if not name and not sas:
+        raise StorageError(
+            "az:// URLs need an account: AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_ACCOUNT "
+            "with AZURE_STORAGE_KEY or AZURE_STORAGE_SAS_TOKEN, or the storage options "
+            "connection_string, account_name, account_key, sas_token"
+        )
+    if not key and not sas:
+        raise StorageError(f"az:// URLs of the account {name!r} need its key or a SAS token")
+    try:
+        secret = base64.b64decode(str(key), validate=True) if key else None
+    except ValueError:
+        raise StorageError(f"the key of the account {name!r} is not base64") from None
+    return Account(endpoint, name, secret, str(sas) if sas else None)
+
+
+def _connection_fields(text: str) -> dict[str, str]:
+    fields = {}
+    for part in text.split(";"):
+        name, sep, value = part.strip().partition("=")
+        if sep:
+            fields[name.strip()] = value.strip()
+    return fields
+
+
+def new_store(options: Mapping[str, Any]) -> AzureStore:
+    return AzureStore(http.new_session(options, "az"), account_from(options), client.timeouts(options))
+
+
+class AzureStore:
+    """The Store interface (storage/store.py) over the Blob service's REST API."""
+
+    scheme = "az"
+    version_name = "ETag"
+
+    def __init__(self, session: Any, account: Account, timeouts: tuple[float, float]) -> None:
+        self.session = session
+        self.account = account
+        self.timeouts = timeouts
+
+    # -- requests ----------------------------------------------------------------------
+
+    def _call(
+        self,
+        method: str,
+        url: ObjectURL,
+        key: str | None = None,
+        params: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+        data: Any = None,
+        length: int = 0,
+    ) -> Any:
+        """One signed request to the blob `key` of `url`'s container (None: the container
+        itself); AnswerError for a status of 300 or more, naming Azure's error code."""
+        path = f"/{urllib.parse.quote(url.bucket, safe='')}"
+        if key is not None:
+            path += "/" + urllib.parse.quote(key, safe="/")
+        params = dict(params or {})
+        headers = {"x-ms-version": API_VERSION, "x-ms-date": email.utils.formatdate(usegmt=True)} | (
+            headers or {}
+        )
+        if method in ("PUT", "POST"):
+            headers["Content-Length"] = str(length)
+        if self.account.key is not None:
+            headers["Authorization"] = self._signature(method, path, params, headers)
+        query = urllib.parse.urlencode(sorted(params.items()))
+        if self.account.sas and self.account.key is None:
+            query = f"{query}&{self.account.sas}" if query else self.account.sas
+        target = f"{self.account.endpoint}{path}" + (f"?{query}" if query else "")
+        return http.send(self.session, method, target, self.timeouts, _code, data=data, headers=headers)
+
+    def _signature(self, method: str, path: str, params: dict[str, str], headers: dict[str, str]) -> str:
+        """The Authorization header of a request signed with the account's Shared Key."""
+        assert self.account.key is not None
+        h = {k.lower(): v for k, v in headers.items()}
+        length = h.get("content-length", "")
+        standard = [
+            method,
+            h.get("content-encoding", ""),
+            h.get("content-language", ""),
+            "" if length == "0" else length,
+            h.get("content-md5", ""),
+            h.get("content-type", ""),
+            "",  # Date: x-ms-date is sent instead
+            h.get("if-modified-since", ""),
+            h.get("if-match", ""),
+            h.get("if-none-match", ""),
+            h.get("if-unmodified-since", ""),
+            h.get("range", ""),
+        ]
+        ms = "".join(f"{k}:{v.strip()}\n" for k, v in sorted(h.items()) if k.startswith("x-ms-"))
+        resource = f"/{self.account.name}{self.account.base_path}{path}"
+        resource += "".join(f"\n{k.lower()}:{v}" for k, v in sorted(params.items()))
+        text = "\n".join(standard) + "\n" + ms + resource
+        digest = hmac.new(self.account.key, text.encode("utf-8"), hashlib.sha256).digest()
+        return f"SharedKey {self.account.name}:{base64.b64encode(digest).decode()}"
+
+    def _listing(self, url: ObjectURL, params: dict[str, str]) -> ET.Element:
+        """A listing's XML, read within the operation's deadline, bounded, and refused where it
+        declares a DTD (entities are never expanded)."""
+        body = http.read_answer(self._call("GET", url, None, params), "a listing's answer")
+        if b"<!DOCTYPE" in body or b"<!ENTITY" in body:
+            raise ValueError("a listing that declares a DTD")
+        try:
+            return ET.fromstring(body)
+        except ET.ParseError:
+            raise ValueError("a listing that is not XML") from None
+
+    # -- reading ---------------------------------------------------------------------
+
+    def head(self, url: ObjectURL) -> tuple[object, object]:
+        answer = self._call("HEAD", url, url.key)
+        answer.close()
+        return http.size_of(answer.headers.get("Content-Length")), answer.headers.get("ETag")
+
+    def get(self, url: ObjectURL, byte_range: tuple[int, int] | None, version: str | None) -> Reply:
+        headers = {}
+        if byte_range is not None:
+            headers["x-ms-range"] = f"bytes={byte_range[0]}-{byte_range[1] - 1}"
+        if version is not None:
+            headers["If-Match"] = version
+        answer = self._call("GET", url, url.key, headers=headers)
+        return Reply(
+            http.size_of(answer.headers.get("Content-Length")),
+            answer.headers.get("Content-Range"),
+            answer.headers.get("ETag"),
+            http.Body(answer),
+        )
+
+    # -- writing ---------------------------------------------------------------------
+
+    def put(self, url: ObjectURL, body: memoryview, *, if_absent: bool) -> str | None:
+        headers = {"x-ms-blob-type": "BlockBlob", "Content-Type": "application/octet-stream"}
+        if if_absent:
+            headers["If-None-Match"] = "*"
+        answer = self._call("PUT", url, url.key, headers=headers, data=ViewFile(body), length=len(body))
+        answer.close()
+        return _etag(answer.headers.get("ETag"))
+
+    def start_upload(self, url: ObjectURL) -> str:
+        return uuid.uuid4().hex[:16]  # the block ids carry it: nothing to ask the store
+
+    def put_part(self, url: ObjectURL, upload_id: str, number: int, body: memoryview) -> str:
+        block = _block_id(upload_id, number)
+        params = {"comp": "block", "blockid": block}
+        answer = self._call("PUT", url, url.key, params, data=ViewFile(body), length=len(body))
+        answer.close()
+        return block
+
+    def complete_upload(
+        self, url: ObjectURL, upload_id: str, parts: dict[int, str], *, if_absent: bool
+    ) -> str | None:
+        listed = "".join(f"<Latest>{parts[n]}</Latest>" for n in sorted(parts))
+        data = f'<?xml version="1.0" encoding="utf-8"?><BlockList>{listed}</BlockList>'.encode()
+        headers = {"Content-Type": "application/xml"} | ({"If-None-Match": "*"} if if_absent else {})
+        answer = self._call("PUT", url, url.key, {"comp": "blocklist"}, headers, data, len(data))
+        answer.close()
+        return _etag(answer.headers.get("ETag"))
+
+    def abort_upload(self, url: ObjectURL, upload_id: str) -> None:
+        pass  # uncommitted blocks are discarded by Azure; nothing is visible meanwhile
+
+    # -- deleting --------------------------------------------------------------------
+
+    def delete(self, url: ObjectURL, version: str | None) -> None:
+        self._delete(url, url.key, version)
+
+    def _delete(self, url: ObjectURL, key: str, version: str | None) -> None:
+        headers = {"If-Match": version} if version is not None else {}
+        try:
+            self._call("DELETE", url, key, headers=headers).close()
+        except client.AnswerError as e:
+            if e.status != 404:  # absent is no error
+                raise
+
+    def delete_many(self, url: ObjectURL, keys: list[str]) -> None:
+        for key in keys:
+            self._delete(url, key, None)
+
+    # -- listing ---------------------------------------------------------------------
+
+    def list_page(self, url: ObjectURL, prefix: str, delimiter: str | None, token: object) -> Page:
+        params = {"restype": "container", "comp": "list", "prefix": prefix, "maxresults": "1000"}
+        if delimiter:
+            params["delimiter"] = delimiter
+        if token is not None:
+            params["marker"] = str(token)
+        root = self._listing(url, params)
+        blobs = root.find("Blobs")
+        entries: list[Entry] = []
+        prefixes: list[object] = []
+        for node in list(blobs) if blobs is not None else []:
+            if node.tag == "BlobPrefix":
+                prefixes.append(node.findtext("Name"))
+            elif node.tag == "Blob":
+                props = node.find("Properties")
+                entries.append(
+                    Entry(
+                        node.findtext("Name"),
+                        http.size_of(props.findtext("Content-Length") if props is not None else None),
+                        _time(props.findtext("Last-Modified") if props is not None else None),
+                        _quoted(props.findtext("Etag") if props is not None else None),
+                    )
+                )
+        following = root.findtext("NextMarker") or None
+        return Page(entries, prefixes, following is not None, following)
+
+    def list_uploads(self, url: ObjectURL, prefix: str, marker: dict[str, str]) -> UploadPage:
+        return UploadPage([], False)  # see abort_upload
+
+
+def _code(answer: Any) -> str:
+    """Azure's error code for a refused request (its x-ms-error-code header, which HEAD
+    answers carry too); the status where there is none."""
+    return str(answer.headers.get("x-ms-error-code") or answer.status_code)[:100]
+
+
+def _block_id(upload_id: str, number: int) -> str:
+    """A block's id: of one length for every block of a blob (Azure's rule), naming the
+    upload, so two uploads of one blob never commit each other's blocks."""
+    return base64.b64encode(f"{upload_id}-{number:05d}".encode()).decode()
+
+
+def _quoted(etag: str | None) -> str | None:
+    """A listing's ETag in the form its headers give (quoted), which conditions name."""
+    return f'"{etag}"' if etag and not etag.startswith('"') else etag
+
+
+def _etag(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _time(value: str | None) -> datetime.datetime | None:
+    if not value or len(value) > 64:
+        return None
+    try:
+        return email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
