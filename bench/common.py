@@ -17,6 +17,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -80,6 +81,37 @@ def write_json(path: str, doc: Any, echo: bool = True) -> None:
         json.dump(doc, f, indent=1)
     if echo:
         print(json.dumps(doc, indent=1))
+
+
+# -- fresh processes -------------------------------------------------------------------------
+
+#: where fresh measurement processes keep the bytecode of the modules they import
+PYCACHE = os.path.join(tempfile.gettempdir(), "ckptfmt-bench-pycache")
+
+
+def installed_env(pycache: str = PYCACHE) -> dict[str, str]:
+    """The environment of a fresh measurement process: its modules' bytecode cached (under
+    `pycache`, out of the source tree) as an installed package's is.  Where
+    PYTHONDONTWRITEBYTECODE is set, ckptfmt's modules (imported by the first save or load)
+    would otherwise be compiled anew in every process, while torch's and safetensors' were
+    compiled when they were installed."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = pycache
+    return env
+
+
+def cache_bytecode(pycache: str = PYCACHE) -> None:
+    """Compile ckptfmt's modules into `pycache` before any process is timed, as installing a
+    wheel does."""
+    import ckptfmt
+
+    package = os.path.dirname(os.path.abspath(ckptfmt.__file__))
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", package],
+        check=True,
+        capture_output=True,
+        env=installed_env(pycache),
+    )
 
 
 # -- files -----------------------------------------------------------------------------------

@@ -182,6 +182,7 @@ def measure(tool: str, path: str, timeout: float = 900) -> dict[str, Any]:
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=common.installed_env(),
     )
     if proc.returncode != 0:
         raise RuntimeError(f"load {tool} of {path} failed:\n{proc.stderr[-3000:]}")

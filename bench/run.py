@@ -9,7 +9,8 @@ fresh processes of 3-5 s each, and building and writing the state):
 
 How it measures (the report repeats this, with the machine's state):
 * Every load is the first thing a fresh process does (bench/loads.py), importing
-  torch and the tool under test only; the clock covers the load and the consumer,
+  torch and the tool under test only (its modules' bytecode cached beforehand, as an
+  installed package's is: common.installed_env); the clock covers the load and the consumer,
   a multi-threaded int64 sum over every byte of every tensor.  The consumer's own
   cost on resident memory is a row of the same run ("consumer alone").
 * Each load is labelled a copy (ckptfmt.load, torch.load) or a zero-copy mapping
@@ -73,6 +74,7 @@ COMPARISONS = [
 # mapping's process).  A peer that verifies nothing skips that pass; this is the share of
 # what verification could at best cost that ckptfmt reaches.
 LIMIT_COMPARISONS = [("ckptfmt-mmap", "torch-mmap", 0.9), ("ckptfmt-mmap", "safetensors", 0.9)]
+PHASES = ("warm", "spread", "cold", "saves")
 COLD_TARGET = 0.8  # ckptfmt.load cold, as a share of dd's cold read of the same file
 LABELS = {
     "dd": "dd read to /dev/null (reference)",
@@ -126,6 +128,7 @@ def save_worker(tool: str, folders: list[str], source: str) -> dict[str, list[di
         capture_output=True,
         text=True,
         timeout=3600,
+        env=common.installed_env(),
     )
     if proc.returncode != 0:
         raise RuntimeError(f"save worker {tool} failed:\n{proc.stderr[-3000:]}")
@@ -512,6 +515,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     ap.add_argument("--save-rounds", type=int, default=None, help="rounds of the saves (default 3; quick: 1)")
     ap.add_argument("--locations", default="tmpfs,disk", help="tmpfs,disk (cold rows need disk)")
+    ap.add_argument(
+        "--phases",
+        default=",".join(PHASES),
+        help="the phases to run, of " + ",".join(PHASES) + " (e.g. saves alone: --phases saves)",
+    )
     ap.add_argument("--loads", default=",".join(loads.MAIN), help="load rows: " + ",".join(loads.MAIN))
     ap.add_argument(
         "--spread",
@@ -541,6 +549,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.spread.split(",") if args.spread else (["ckptfmt", "torch"] if args.quick else compared)
     )
     args.save_tools = [t for t in args.save_tools.split(",") if t]
+    args.phases = [p for p in args.phases.split(",") if p]
+    if unknown_phases := [p for p in args.phases if p not in PHASES]:
+        ap.error(f"unknown phases: {unknown_phases}")
     args.name = args.name or ("quick" if args.quick else "latest")
     for name, known in (
         (args.loads, loads.LOADS),
@@ -567,13 +578,16 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(args, locations)
     try:
         before = common.machine_state(locations)
+        common.cache_bytecode()
         run.write_files()
-        run.warm_pass("warm", names, ["dd", *args.loads, *loads.FRESH], args.rounds)
-        if args.spread_rounds:
+        if "warm" in args.phases:
+            run.warm_pass("warm", names, ["dd", *args.loads, *loads.FRESH], args.rounds)
+        if args.spread_rounds and "spread" in args.phases:
             run.warm_pass("spread", names[:1], args.spread, args.spread_rounds)
-        if "disk" in locations:
+        if "disk" in locations and "cold" in args.phases:
             run.cold_pass(args.rounds)
-        run.save_pass(args.save_rounds)
+        if "saves" in args.phases:
+            run.save_pass(args.save_rounds)
         rep = report_of(run, argv, before, started)
     finally:
         for folder in locations.values():

@@ -36,7 +36,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from common import command_line, machine_state, rotated, versions, write_json  # noqa: E402
+from common import command_line, installed_env, machine_state, rotated, versions, write_json  # noqa: E402
 
 #: tool -> (peer group, the file it reads)
 TOOLS = {
@@ -115,8 +115,7 @@ def run_one(tool: str, path: str, n: int, pycache: str) -> float:
     out of the source tree) as an installed package's is: where PYTHONDONTWRITEBYTECODE is
     set, ckptfmt's modules (lazily imported by the first load) would otherwise be compiled
     anew in every process, while torch's and safetensors' were compiled when installed."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env["PYTHONPYCACHEPREFIX"] = pycache
+    env = installed_env(pycache)
     cmd = [sys.executable, os.path.abspath(__file__), "--measure", tool, path, str(n)]
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return float(json.loads(done.stdout.strip().splitlines()[-1])["seconds"])

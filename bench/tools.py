@@ -83,6 +83,16 @@ class CkptfmtZstd(Ckptfmt):
     compression = "zstd"
 
 
+class CkptfmtOneThread(Ckptfmt):
+    name = "ckptfmt-1thread"
+    suffix = "1thread.ckpt"
+    note = "ckptfmt.save with CKPTFMT_THREADS=1 (one engine thread: the thread count's effect)"
+
+    def save(self, state: Any, path: str) -> None:
+        os.environ["CKPTFMT_THREADS"] = "1"  # read by each engine call
+        super().save(state, path)
+
+
 class TorchSave(Tool):
     name = "torch"
     suffix = "pt"
@@ -123,6 +133,7 @@ class DCP(Tool):
 TOOLS: dict[str, Callable[[], Tool]] = {
     "ckptfmt": Ckptfmt,
     "ckptfmt-zstd": CkptfmtZstd,
+    "ckptfmt-1thread": CkptfmtOneThread,
     "torch": TorchSave,
     "safetensors": Safetensors,
     "dcp": DCP,

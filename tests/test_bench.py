@@ -200,6 +200,46 @@ def test_markdown_has_every_section(report):
         assert section in md
 
 
+def test_saves_alone(tmp_path):
+    """--phases saves runs the durable saves and nothing else (no load row is measured)."""
+    argv = [sys.executable, RUN, "--phases", "saves", "--size", "1M", "--locations", "tmpfs"]
+    argv += ["--save-tools", "ckptfmt", "--save-rounds", "1", "--out", str(tmp_path), "--name", "saves"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "saves.json").read_text())
+    assert {r["phase"] for r in doc["rows"]} == {"saves"}
+    assert {"saves/tmpfs/dd/save", "saves/tmpfs/ckptfmt/save"} <= {r["id"] for r in doc["rows"]}
+    bad = subprocess.run([*argv[:2], "--phases", "saves,nope"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "unknown phases: ['nope']" in bad.stderr
+
+
+def test_measured_processes_compile_nothing(tmp_path, monkeypatch):
+    """A measured process finds ckptfmt's modules compiled beforehand, as an installed wheel's
+    are, even where PYTHONDONTWRITEBYTECODE is set: importing the save and load paths compiles
+    no source (torch's and safetensors' bytecode was written when they were installed)."""
+    common = _common()
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    pycache = str(tmp_path / "pycache")
+    common.cache_bytecode(pycache)
+    probe = (
+        "import importlib._bootstrap_external as b, json\n"
+        "seen = []\n"
+        "compile_source = b.SourceLoader.source_to_code\n"
+        "def spy(self, data, path, *a, **k):\n"
+        "    seen.append(path)\n"
+        "    return compile_source(self, data, path, *a, **k)\n"
+        "b.SourceLoader.source_to_code = spy\n"
+        "import ckptfmt, ckptfmt.files.save, ckptfmt.files.load\n"
+        "print(json.dumps([p for p in seen if 'ckptfmt' in p]))\n"
+    )
+    env = common.installed_env(pycache)
+    assert "PYTHONDONTWRITEBYTECODE" not in env
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300, check=True
+    )
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
 def _common():
     """bench/common.py, loaded by its path (bench/ is not a package)."""
     spec = importlib.util.spec_from_file_location("bench_common", os.path.join(BENCH, "common.py"))

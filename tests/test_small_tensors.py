@@ -101,10 +101,34 @@ def test_first_load_imports_neither_writer_nor_manager(small_file):
         "print(sorted(m for m in ('ckptfmt.files.save', 'ckptfmt.runs.manager', 'ckptfmt.engine.chunkwrite',"
         " 'ckptfmt.background.copysave') if m in sys.modules))\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert out.stdout.strip() == "[]"
+    assert _printed_by_fresh_process(code) == "[]"
     # and every public name is still there when asked for
     code = "import ckptfmt\nprint(all(getattr(ckptfmt, n) is not None for n in ckptfmt.__all__))\n"
+    assert _printed_by_fresh_process(code) == "True"
+
+
+def _printed_by_fresh_process(code: str) -> str:
+    """What `code` prints, run in a fresh interpreter with this one's import path."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    assert out.stdout.strip() == "True"
+    return out.stdout.strip()
+
+
+def test_local_load_imports_no_object_store_or_key_module(small_file):
+    """A load of a local, clear file imports neither the object-store modules (storage/) nor
+    the handling of users' keys (files/encryption.py): each import is paid by a process's
+    first load, which a state of many small tensors makes short."""
+    code = (
+        "import sys, ckptfmt\n"
+        f"ckptfmt.load({small_file!r})\n"
+        f"ckptfmt.load({small_file!r}, mmap=True)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('ckptfmt.storage')"
+        " or m == 'ckptfmt.files.encryption'))\n"
+    )
+    assert _printed_by_fresh_process(code) == "[]"
+
+
+def test_local_load_still_checks_storage_options(small_file):
+    """storage_options given for a local path are still checked (not silently ignored)."""
+    with pytest.raises(ValueError, match="unknown storage option 'nope'"):
+        ckptfmt.load(small_file, storage_options={"nope": 1})

@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import xxhash
-import zstandard
 
 from .. import __version__
 from ..errors import LimitError
@@ -39,6 +38,8 @@ from . import native as _native
 from .writeoptions import ChunkRecord, Signer, WriteOptions
 
 if TYPE_CHECKING:
+    import zstandard
+
     from ..format.encode import Encoded, StoragePlan
 
 
@@ -138,7 +139,10 @@ class ChunkEncoder:
 
 def _zstandard_compressor(level: int | None) -> zstandard.ZstdCompressor:
     """The zstandard package with the engine's parameters (used where the engine is not built);
-    without a level, format.ZSTD_FAST_PROFILE."""
+    without a level, format.ZSTD_FAST_PROFILE.  Imported here: a save through the engine
+    never needs it, and a process's first save pays every import on its path."""
+    import zstandard
+
     if level is None:
         profile = fmt.ZSTD_FAST_PROFILE
         params = zstandard.ZstdCompressionParameters.from_level(

@@ -32,21 +32,19 @@ from ..errors import (
     SignatureError,
     UnsupportedError,
 )
-from ..fileio import open_regular
+from ..fileio import is_url, open_regular
 from ..format import layout as fmt
 from ..format import tree
 from ..format.index import Chunk, External, parse_index, parse_index_json
 from ..gcpause import pausing_in_main_thread
-from ..storage.client import check_options
-from ..storage.download import RemoteObject
-from ..storage.references import ObjectReferences
-from ..storage.urls import is_url
-from . import encryption, signing
+from . import signing
 
 if TYPE_CHECKING:
     import torch
 
     from ..format import devices
+    from ..format.encryption import Opener
+    from ..storage.download import RemoteObject
 
 __all__ = [
     "MAX_OPEN_EXTERNALS",
@@ -66,6 +64,27 @@ MAX_OPEN_EXTERNALS = 16
 def _force_staging() -> bool:
     """CKPTFMT_FORCE_STAGING=1 routes CPU loads through the staged device path (tests use it without a GPU)."""
     return bool(os.environ.get("CKPTFMT_FORCE_STAGING"))
+
+
+def _checked_storage_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """storage_options checked (storage.client.check_options); the object-store modules are
+    imported only when options are given: a local load of many small tensors is short, and
+    a process's first load pays every import on its path."""
+    if options is None:
+        return {}
+    from ..storage.client import check_options
+
+    return check_options(options)
+
+
+def _opener(decrypt_with: Any) -> Opener | None:
+    """The reader's way into encrypted files, from the user's key (files.encryption.opener);
+    None, without importing the key handling, when no key is given."""
+    if decrypt_with is None:
+        return None
+    from . import encryption
+
+    return encryption.opener(decrypt_with)
 
 
 def staging_budget() -> int:
@@ -119,9 +138,9 @@ class CheckpointFile:
         `read_ahead` (an object-store URL): the caller reads every chunk (a load, a verify): the
         first reads take whole requests, whose bytes the chunk reads reuse (storage/download.py)."""
         self.path = os.fspath(path)
-        options = check_options(storage_options)
+        options = _checked_storage_options(storage_options)
         trusted = signing.trusted_set(trusted_keys)  # bad keys fail before the file is opened
-        opener = encryption.opener(decrypt_with)
+        opener = _opener(decrypt_with)
         if trusted is not None and _native.available() and not _native.crypto_available():
             raise CheckpointError(
                 "checking signatures needs the C engine built with OpenSSL's libcrypto (libssl-dev); "
@@ -135,6 +154,8 @@ class CheckpointFile:
         self.max_bytes = max_bytes
         remote: RemoteObject | None = None
         if fd is None and is_url(self.path):
+            from ..storage.download import RemoteObject
+
             remote = RemoteObject(self.path, options, max_bytes=max_bytes, etag=etag, read_ahead=read_ahead)
             fd = os.dup(remote.fd)
         elif fd is None:
@@ -183,6 +204,8 @@ class CheckpointFile:
         self.index_memory = index.memory
         base: References | None = within.dup() if within is not None else None
         if remote is not None:  # references are objects beside it (an incremental run's steps)
+            from ..storage.references import ObjectReferences
+
             base = ObjectReferences(self.path.rsplit("/", 1)[0], options, reference_etags)
         self._chunk_reader = ChunkReader(fd, self.path, index, MAX_OPEN_EXTERNALS, base)
         self._chunk_reader.remote = remote
