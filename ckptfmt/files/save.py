@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..background import copysave, inflight
+from ..background import copysave, forksave, inflight
 from ..background.inflight import SaveHandle
 from ..engine.chunkwrite import build_file
 from ..engine.ckptdir import CheckpointDir
@@ -53,7 +53,10 @@ def check_save_args(compression: str | None, level: int | None, metadata: object
 
 
 def check_snapshot(snapshot: object) -> None:
-    """Check save()'s snapshot argument: how a non-blocking save takes its snapshot."""
+    """Check save()'s snapshot argument: how a non-blocking save takes its snapshot ("copy",
+    "fork", or for ckptfmt's own callers a forksave.ForkSnapshot taken earlier)."""
+    if isinstance(snapshot, forksave.ForkSnapshot):
+        return
     if snapshot not in ("copy", "fork"):
         raise ValueError(f"snapshot must be 'copy' or 'fork', not {snapshot!r}")
 
@@ -79,7 +82,7 @@ class FileSaveOptions:
 
     write: WriteOptions
     blocking: bool = True
-    snapshot: str = "copy"
+    snapshot: str | forksave.ForkSnapshot = "copy"
     storage_options: dict[str, Any] = field(default_factory=dict)
 
 
