@@ -420,6 +420,8 @@ def save_in_background(
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
     w, planner = _set_up_save(path, group, "async", options, within, step_dir)
     st: Stager | ForkStager = ForkStager(w) if snapshot == "fork" else (stager or _DEFAULT_STAGER)
+    # one background save at a time, whichever way the last was staged (see ForkStager)
+    (_DEFAULT_STAGER if snapshot == "fork" else ForkStager).wait()
     target = w.path
     try:
         inner = dcp.async_save(
@@ -447,6 +449,5 @@ def save_in_background(
             out.set_exception(_mapped("save", target, e, w.storage_options))
 
     inner.add_done_callback(done)
-    if isinstance(st, Stager):
-        st.track(out)
+    st.track(out)
     return out

@@ -21,8 +21,10 @@ its padded buffer) is written from that buffer's bytes, without a copy.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import copy
 import ctypes
+import threading
 from typing import Any
 
 import numpy as np
@@ -36,10 +38,31 @@ from ..format.render import render_key
 
 class ForkStager:
     """DCP's AsyncStager for one save through `writer` (storage.py's Writer): ``stage`` forks
-    the child that will write this rank's file and gives it to the writer."""
+    the child that will write this rank's file and gives it to the writer.
+
+    Like the copying Stager, it first waits for the previous save it staged (`track`): two
+    background saves in flight would run their collectives on the same group in threads of
+    their own, interleaved differently on each rank (a deadlock)."""
+
+    _previous: concurrent.futures.Future[Any] | None = None
+    _lock = threading.Lock()
 
     def __init__(self, writer: Any) -> None:
         self._writer = writer
+
+    @classmethod
+    def track(cls, future: concurrent.futures.Future[Any]) -> None:
+        """The save just staged: the next stage() waits for it."""
+        with cls._lock:
+            cls._previous = future
+
+    @classmethod
+    def wait(cls) -> None:
+        """Wait for the save last staged by fork (its error stays with its future)."""
+        with cls._lock:
+            previous = cls._previous
+        if previous is not None:
+            concurrent.futures.wait([previous])
 
     @property
     def should_synchronize_after_execute(self) -> bool:
@@ -49,6 +72,7 @@ class ForkStager:
         pass
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        self.wait()
         sources: list[tuple[str, Any]] = []
         with torch.no_grad():
             staged = _aliased(state_dict, (), sources)
