@@ -112,6 +112,22 @@ def _rank_main(rank: int, world: int, base: str) -> dict[str, object]:
         bool(torch.equal(target["view"], (BUFFER * 5)[16:48])),  # type: ignore[arg-type]
         target["n"],
     ]
+    # a child killed on rank 0: the future fails with SnapshotError on every rank
+    if rank == 0:
+        _held_back(1)
+    try:
+        cdcp.async_save(state_at(6), os.path.join(base, "killed"), snapshot="fork").result()
+        results["killed"] = None
+    except ckptfmt.CheckpointError as e:
+        results["killed"] = f"{type(e).__name__}: {e}"
+    _held_back(3)
+    # a save that fails while DCP plans (overwrite=False onto a checkpoint): its child, never
+    # handed a file, is killed and reaped (results["children"] below)
+    try:
+        cdcp.async_save(state, os.path.join(base, "direct"), snapshot="fork", overwrite=False).result()
+        results["refused"] = None
+    except ckptfmt.CheckpointError as e:
+        results["refused"] = str(e)
     # memory another process shares cannot be snapshotted by fork: refused before anything runs
     try:
         cdcp.async_save({"s": torch.zeros(8).share_memory_()}, os.path.join(base, "shared"), snapshot="fork")
@@ -135,6 +151,10 @@ def test_fork_snapshots_of_two_ranks(tmp_path):
         assert got["after_failure"] == [1, 2], got
         assert got["resumed"] == [2, True, True, 2], got  # the values at the call, not the later change
         assert got["direct"] == [True, True, 5], got
+        killed = got["killed"]
+        assert killed is not None and killed.startswith("SnapshotError") and "rank 0" in killed, got
+        assert "killed by signal 9" in killed and "no commit record was written" in killed, got
+        assert got["refused"] is not None and "overwrite=False" in got["refused"], got
         assert got["shared"] is not None and "snapshot='fork' is not possible" in got["shared"], got
         assert "shared with other processes" in got["shared"], got
         assert got["children"] == [], got  # every child reaped, the killed one too
@@ -148,3 +168,8 @@ def test_fork_snapshots_of_two_ranks(tmp_path):
             n == "COMMIT" or n.startswith("rank-") or n.startswith(".ckptfmt") for n in os.listdir(run / step)
         )
     assert not (tmp_path / "shared").exists() or not os.listdir(tmp_path / "shared")
+    # the killed save: no commit record, no temp file of rank 0's child (rank 1's file, committed
+    # before the failure, lies in a directory that is no checkpoint, as after any failed rank)
+    left = os.listdir(tmp_path / "killed")
+    assert "COMMIT" not in left and not any(".ckptfmt-tmp." in n for n in left), left
+    assert "rank-00000.ckpt" not in left, left
