@@ -142,6 +142,10 @@ class ForkSnapshot:
         self._starts = [lo for lo, _, _ in held]
         self._lock = threading.Lock()
 
+    def spent(self) -> bool:
+        """Whether the child was handed its file already, or discarded."""
+        return self._sock is None
+
     def covers(self, start: int, nbytes: int) -> bool:
         """Whether [start, start + nbytes) lies within one piece of the memory snapshotted."""
         i = bisect.bisect_right(self._starts, start) - 1
@@ -180,7 +184,7 @@ class ForkSnapshot:
             raise
         sock.close()  # the child has its job: it reads no more
         ready, alive_w, self._ready, self._alive_w = self._ready, self._alive_w, -1, -1
-        self._held = []
+        self._held, self._starts = [], []
         return child, ready, alive_w
 
     def discard(self) -> None:
@@ -199,7 +203,7 @@ class ForkSnapshot:
             if fd >= 0:
                 os.close(fd)
         self._ready = self._alive_w = -1
-        self._held = []
+        self._held, self._starts = [], []
 
 
 def take_snapshot(sources: list[tuple[str, Any]]) -> ForkSnapshot:
@@ -326,6 +330,8 @@ def save_forked(
 def _check_covered(staged: ForkSnapshot, encoded: Encoded, path: str) -> None:
     """Every storage of `encoded` lies in memory `staged` snapshotted: one made after it (a
     copy the planner made) would be read by the child at an address it never held."""
+    if staged.spent():
+        raise SnapshotError("this fork snapshot was used or discarded already", path=path)
     for plan in encoded.storages:
         src = plan.source
         if not isinstance(src, (torch.UntypedStorage, np.ndarray)) or not staged.covers(
