@@ -172,6 +172,44 @@ int64_t ckf_fork_write(int fd, const uint8_t *file_id, uint64_t first_index, uin
                        const ckf_held *held, uint64_t nheld, uint8_t *digests, int64_t *match, int ready_fd,
                        int parent_fd, ckf_fork_result *result, int test_fault);
 
+/* The job a staged child (ckf_fork_stage) is handed: what ckf_fork_write takes, in one memfd
+ * the parent fills and passes over the child's socket with the file's descriptor.  The
+ * arrays lie at byte offsets from the job's start (the two processes map it at different
+ * addresses): `n` ckf_chunk at chunks_at (their `key` is set by the child: `key` when has_key),
+ * `nheld` ckf_held at held_at, and with `find` (an incremental save) 16 * n digest bytes at
+ * digests_at and n int64_t matches at match_at.  `size` is the memfd's length. */
+typedef struct {
+    uint64_t size;
+    uint64_t first_index;
+    uint64_t first_offset;
+    uint64_t n;
+    uint64_t nheld;
+    uint64_t chunks_at;
+    uint64_t held_at;
+    uint64_t digests_at;
+    uint64_t match_at;
+    int32_t compress;
+    int32_t level;
+    int32_t nthreads;
+    int32_t checksum;
+    int32_t has_key;
+    int32_t find;
+    int32_t test_fault;
+    int32_t unused;
+    uint8_t file_id[16];
+    uint8_t key[32];
+    ckf_fork_result result;
+} ckf_fork_job;
+
+/* Fork a child that holds this process's memory as it is now (copy-on-write) and waits to be
+ * told what to write of it: one message on `sock` (a Unix socket) with two descriptors, the
+ * file to write and a memfd holding a ckf_fork_job.  It then does what ckf_fork_write's child
+ * does with the job's arguments, and sets the job's `result`.  It exits without writing when
+ * `sock` reaches end-of-file (the parent needs nothing written) or parent_fd does (the parent
+ * is gone), and without a result when the job is malformed.  Descriptors and signals as for
+ * ckf_fork_write.  Returns the child's pid, or -1 with errno set. */
+int64_t ckf_fork_stage(int sock, int ready_fd, int parent_fd);
+
 /* Helpers shared by the engine and exposed for tests. */
 /* tests only: hold the engine cache's lock for ms milliseconds (cache.c) */
 void ckf_test_hold_cache(unsigned ms);

@@ -23,6 +23,9 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -203,18 +206,15 @@ static int write_against(int fd, const uint8_t *file_id, uint64_t first_index, u
     return CKF_OK;
 }
 
-int64_t ckf_fork_write(int fd, const uint8_t *file_id, uint64_t first_index, uint64_t first_offset,
-                       ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads, int checksum,
-                       const ckf_held *held, uint64_t nheld, uint8_t *digests, int64_t *match, int ready_fd,
-                       int parent_fd, ckf_fork_result *result, int test_fault) {
-    atomic_store(&result->finished, 0);
-    result->rc = CKF_ERR_ARG;
-    /* Signals meant for the job (a terminal's ^C, a scheduler's SIGTERM) are the
-     * parent's to act on: it decides whether this save still matters.  They are
-     * blocked across fork() so the child is born with them blocked (no moment in
-     * which one could kill it or run a handler of the parent's); they stay blocked
-     * on the writer's threads too, so a write past RLIMIT_FSIZE fails with EFBIG
-     * instead of killing the child.  The parent's mask comes back at once. */
+/* fork() with every signal blocked, as the caller's mask comes back at once in the parent:
+ * signals meant for the job (a terminal's ^C, a scheduler's SIGTERM) are the parent's to act
+ * on, since it decides whether this save still matters.  The child is born with them blocked
+ * (no moment in which one could kill it or run a handler of the parent's); they stay blocked
+ * on the writer's threads too, so a write past RLIMIT_FSIZE fails with EFBIG instead of
+ * killing the child.  In the child, `keep` (three descriptors) are moved above 2 and every
+ * other descriptor is closed, stdio goes to /dev/null, and a thread makes it exit once the
+ * parent is gone (keep[2] is the read end of the parent's pipe).  Returns what fork() does. */
+static pid_t fork_quiet(int keep[3]) {
     sigset_t all, before;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &before);
@@ -224,22 +224,36 @@ int64_t ckf_fork_write(int fd, const uint8_t *file_id, uint64_t first_index, uin
         int err = errno;
         pthread_sigmask(SIG_SETMASK, &before, NULL);
         errno = err;
-        return (int64_t)pid;
+        return pid;
     }
-    fd = above_stdio(fd);
-    ready_fd = above_stdio(ready_fd);
-    parent_fd = above_stdio(parent_fd);
-    int keep[3] = {fd, ready_fd, parent_fd};
-    sort3(keep);
-    close_all_but(keep, 3);
+    for (int i = 0; i < 3; i++) keep[i] = above_stdio(keep[i]);
+    int sorted[3] = {keep[0], keep[1], keep[2]};
+    sort3(sorted);
+    close_all_but(sorted, 3);
     quiet_stdio();
-    watch_arg watch = {parent_fd, parent}; /* this frame lasts until _exit */
+    static watch_arg watch; /* the child's only copy: it lasts until _exit */
+    watch.fd = keep[2];
+    watch.parent = parent;
     pthread_t watcher;
     if (pthread_create(&watcher, NULL, watch_parent, &watch) == 0) pthread_detach(watcher);
-    if (test_fault == 1) kill(getpid(), SIGKILL); /* tests: a child that dies part-way */
-    if (test_fault == 2) _exit(3);                /* tests: a child that exits without a result */
-    if (test_fault == 3) sleep(2);                /* tests: a child slow enough to look at */
-    if (test_fault == 4) sleep(30);               /* tests: a child that outlives its parent */
+    return 0;
+}
+
+/* A child's test faults: 1 it kills itself, 2 it exits without a result, 3 or 4 it sleeps 2 or
+ * 30 s (slow enough to look at, or to outlive its parent). */
+static void test_faults(int test_fault) {
+    if (test_fault == 1) kill(getpid(), SIGKILL);
+    if (test_fault == 2) _exit(3);
+    if (test_fault == 3) sleep(2);
+    if (test_fault == 4) sleep(30);
+}
+
+/* The child's work once it knows it: write the chunks, publish the result, tell the parent
+ * (which may commit then, while this process's exit still unmaps its memory), exit. */
+static void write_and_exit(int fd, const uint8_t *file_id, uint64_t first_index, uint64_t first_offset,
+                           ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads, int checksum,
+                           const ckf_held *held, uint64_t nheld, uint8_t *digests, int64_t *match, int ready_fd,
+                           ckf_fork_result *result) {
     if (digests)
         result->rc = write_against(fd, file_id, first_index, first_offset, chunks, n, compress, level, nthreads,
                                    checksum, held, nheld, digests, match, &result->status, &result->end_offset);
@@ -247,10 +261,91 @@ int64_t ckf_fork_write(int fd, const uint8_t *file_id, uint64_t first_index, uin
         result->rc = ckf_write_chunks(fd, file_id, first_index, first_offset, chunks, n, compress, level,
                                       nthreads, checksum, NULL, &result->status, &result->end_offset);
     atomic_store(&result->finished, 1);
-    /* the parent may commit now, while this process's exit still unmaps its memory */
     ssize_t w;
     do {
         w = write(ready_fd, "", 1);
     } while (w < 0 && errno == EINTR);
     _exit(0);
+}
+
+int64_t ckf_fork_write(int fd, const uint8_t *file_id, uint64_t first_index, uint64_t first_offset,
+                       ckf_chunk *chunks, uint64_t n, int compress, int level, int nthreads, int checksum,
+                       const ckf_held *held, uint64_t nheld, uint8_t *digests, int64_t *match, int ready_fd,
+                       int parent_fd, ckf_fork_result *result, int test_fault) {
+    atomic_store(&result->finished, 0);
+    result->rc = CKF_ERR_ARG;
+    int keep[3] = {fd, ready_fd, parent_fd};
+    pid_t pid = fork_quiet(keep);
+    if (pid != 0) return (int64_t)pid;
+    test_faults(test_fault);
+    write_and_exit(keep[0], file_id, first_index, first_offset, chunks, n, compress, level, nthreads, checksum,
+                   held, nheld, digests, match, keep[1], result);
+    return 0; /* not reached */
+}
+
+/* The job of a staged child (ckf_fork_stage): one message on its socket carrying the file's
+ * descriptor and a memfd that holds a ckf_fork_job, whose arrays lie at offsets within it (the
+ * parent and the child map it at different addresses).  Whatever is wrong with it, the child
+ * exits without a result, which fails the save. */
+static ckf_fork_job *receive_job(int sock, int *file_fd) {
+    char byte;
+    struct iovec iov = {&byte, 1};
+    union {
+        char buf[CMSG_SPACE(2 * sizeof(int))];
+        struct cmsghdr align;
+    } u;
+    struct msghdr msg;
+    memset(&msg, 0, sizeof msg);
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = u.buf;
+    msg.msg_controllen = sizeof u.buf;
+    ssize_t got;
+    do {
+        got = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+    } while (got < 0 && errno == EINTR);
+    if (got <= 0) _exit(0); /* the parent closed its end: it needs nothing written */
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    if (!c || c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS || c->cmsg_len != CMSG_LEN(2 * sizeof(int)))
+        _exit(5);
+    int fds[2];
+    memcpy(fds, CMSG_DATA(c), sizeof fds);
+    struct stat st;
+    if (fstat(fds[1], &st) != 0 || (uint64_t)st.st_size < sizeof(ckf_fork_job)) _exit(5);
+    void *map = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fds[1], 0);
+    close(fds[1]);
+    if (map == MAP_FAILED) _exit(5);
+    ckf_fork_job *job = (ckf_fork_job *)map;
+    if (job->size != (uint64_t)st.st_size) _exit(5);
+    *file_fd = fds[0];
+    return job;
+}
+
+/* Whether [at, at + count * width) lies within the job's region (overflow checked). */
+static int fits(const ckf_fork_job *job, uint64_t at, uint64_t count, uint64_t width) {
+    if (count && width > (UINT64_MAX - at) / count) return 0;
+    return at + count * width <= job->size;
+}
+
+static void *at_offset(ckf_fork_job *job, uint64_t at) { return (uint8_t *)job + at; }
+
+int64_t ckf_fork_stage(int sock, int ready_fd, int parent_fd) {
+    int keep[3] = {sock, ready_fd, parent_fd};
+    pid_t pid = fork_quiet(keep);
+    if (pid != 0) return (int64_t)pid;
+    int fd;
+    ckf_fork_job *job = receive_job(keep[0], &fd);
+    close(keep[0]);
+    uint64_t n = job->n, nheld = job->nheld;
+    if (!fits(job, job->chunks_at, n, sizeof(ckf_chunk)) || !fits(job, job->held_at, nheld, sizeof(ckf_held)) ||
+        (job->find && (!fits(job, job->digests_at, n, 16) || !fits(job, job->match_at, n, 8))))
+        _exit(5);
+    ckf_chunk *chunks = (ckf_chunk *)at_offset(job, job->chunks_at);
+    for (uint64_t k = 0; k < n; k++) chunks[k].key = job->has_key ? job->key : NULL;
+    test_faults(job->test_fault);
+    write_and_exit(fd, job->file_id, job->first_index, job->first_offset, chunks, n, job->compress, job->level,
+                   job->nthreads, job->checksum, (const ckf_held *)at_offset(job, job->held_at), nheld,
+                   job->find ? (uint8_t *)at_offset(job, job->digests_at) : NULL,
+                   job->find ? (int64_t *)at_offset(job, job->match_at) : NULL, keep[1], &job->result);
+    return 0; /* not reached */
 }

@@ -570,3 +570,78 @@ def test_an_incremental_run_keeps_what_later_steps_refer_to(tmp_path, s3_bucket,
     assert fresh.verify().ok
     got = fresh.load()["model"]
     assert all(torch.equal(got[k], v) for k, v in expected.items())
+
+
+# -- a snapshot taken before the save is planned (DCP's stager): the child waits for its job --
+
+
+def _sources(state: dict[str, object]) -> list[tuple[str, object]]:
+    tensors = [*state["model"].values(), *state["opt"].values()]  # type: ignore[attr-defined]
+    return [(f"t{i}", t.untyped_storage()) for i, t in enumerate(tensors)] + [("arr", state["arr"])]
+
+
+def _change(state: dict[str, object]) -> None:
+    for t in [*state["model"].values(), *state["opt"].values()]:  # type: ignore[attr-defined]
+        t.add_(1)
+    state["arr"] += 1  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("keys", [False, True], ids=["plain", "encrypted-signed"])
+def test_a_staged_child_writes_the_state_as_it_was_when_forked(tmp_path, keys):
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    signer = ed25519.Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
+    kw = {"encrypt_with": bytes(range(32)), "sign_with": signer, "compression": "zstd"} if keys else {}
+    state = _state()
+    want = _copy(state)
+    snapshot = forksave.take_snapshot(_sources(state))
+    _change(state)  # after the snapshot, before the save is planned
+    p = tmp_path / "staged.ckpt"
+    handle = ckptfmt.save(state, p, blocking=False, snapshot=snapshot, **kw)
+    handle.wait()
+    assert handle.snapshot == "fork"  # the fixture checks the child is reaped
+    read = {"decrypt_with": kw["encrypt_with"], "trusted_keys": [signer.public_key()]} if keys else {}
+    assert ckptfmt.verify(p, **read).ok
+    assert_same(want, ckptfmt.load(p, **read), check_sharing=False)
+    with pytest.raises(SnapshotError, match="used or discarded already"):  # one file per child
+        ckptfmt.save(state, tmp_path / "again.ckpt", blocking=False, snapshot=snapshot)
+
+
+def test_a_storage_the_staged_child_does_not_hold_is_refused_and_the_child_killed(tmp_path):
+    a = torch.arange(1000.0)
+    snapshot = forksave.take_snapshot([("a", a.untyped_storage())])
+    with pytest.raises(SnapshotError, match="not in the memory the fork snapshot holds"):
+        ckptfmt.save({"a": a, "b": torch.ones(100)}, tmp_path / "x.ckpt", blocking=False, snapshot=snapshot)
+    assert _gone(snapshot.pid) and os.listdir(tmp_path) == []
+    unused = forksave.take_snapshot([("a", a.untyped_storage())])
+    unused.discard()  # a save that never came: killed and reaped
+    unused.discard()
+    assert _gone(unused.pid)
+
+
+def test_a_staged_child_that_dies_fails_the_save_and_keeps_the_previous_file(tmp_path, monkeypatch):
+    p = tmp_path / "x.ckpt"
+    ckptfmt.save({"a": torch.zeros(10)}, p)
+    a = torch.arange(1000.0)
+    monkeypatch.setattr(_native, "hand_job", functools.partial(_native.hand_job, _fault=1))
+    snapshot = forksave.take_snapshot([("a", a.untyped_storage())])
+    handle = ckptfmt.save({"a": a}, p, blocking=False, snapshot=snapshot)
+    with pytest.raises(SnapshotError, match=r"killed by signal 9 \(SIGKILL\).*nothing was committed"):
+        handle.wait()
+    assert torch.equal(ckptfmt.load(p)["a"], torch.zeros(10)) and os.listdir(tmp_path) == ["x.ckpt"]
+
+
+def test_dcp_async_save_in_one_process_snapshots_by_fork(tmp_path):
+    import ckptfmt.dcp as cdcp
+
+    state = {"w": torch.arange(4096.0).reshape(64, 64), "view": torch.arange(100.0)[10:60], "n": 3}
+    want = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    future = cdcp.async_save(state, tmp_path / "ckpt", snapshot="fork")
+    state["w"].add_(1)  # type: ignore[attr-defined]
+    state["view"].add_(1)  # type: ignore[attr-defined]
+    future.result()
+    got = {"w": torch.zeros(64, 64), "view": torch.zeros(50), "n": 0}
+    cdcp.load(got, tmp_path / "ckpt")
+    assert_same(want, got, check_sharing=False)
+    with pytest.raises(ValueError, match="snapshot must be 'copy' or 'fork'"):
+        cdcp.async_save(state, tmp_path / "other", snapshot="later")

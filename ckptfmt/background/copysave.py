@@ -109,7 +109,7 @@ def save_async(
     path: str,
     options: WriteOptions,
     *,
-    snapshot: str = "copy",
+    snapshot: str | forksave.ForkSnapshot = "copy",
     within: CheckpointDir | None = None,
     output: Any = None,
 ) -> SaveHandle:
@@ -120,7 +120,10 @@ def save_async(
     object upload (storage/upload.py's ObjectFile, not yet entered).
 
     snapshot: "copy" copies the state into staging memory (below); "fork" takes a
-    copy-on-write snapshot in a child process (forksave.py), ValueError where it cannot."""
+    copy-on-write snapshot in a child process (forksave.py), ValueError where it cannot; a
+    ForkSnapshot taken earlier (forksave.take_snapshot) has its child write it."""
+    if isinstance(snapshot, forksave.ForkSnapshot):
+        return forksave.save_forked(encoded, path, options, within=within, output=output, staged=snapshot)
     if snapshot == "fork":
         reason = forksave.why_not(encoded)
         if reason is not None:

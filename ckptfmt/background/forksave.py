@@ -46,6 +46,7 @@ import bisect
 import os
 import select
 import signal
+import socket
 import sys
 import threading
 from typing import Any
@@ -85,26 +86,30 @@ def _overlaps(spans: list[tuple[int, int]], starts: list[int], lo: int, hi: int)
 
 def why_not(encoded: Encoded) -> str | None:
     """Why `encoded` cannot be saved from a fork snapshot, or None if it can."""
+    return why_not_sources([(plan.key, plan.source, plan.nbytes) for plan in encoded.storages])
+
+
+def why_not_sources(sources: list[tuple[str, Any, int]]) -> str | None:
+    """Why memory (key, storage or array, bytes) cannot be written from a fork snapshot, or None."""
     if not sys.platform.startswith("linux"):
         return "fork snapshots need Linux"
     if not _native.available():
         return "fork snapshots need the C engine"
     spans = _shared_mappings()
     starts = [s for s, _ in spans]
-    for plan in encoded.storages:
-        src = plan.source
+    for key, src, nbytes in sources:
         if isinstance(src, torch.UntypedStorage):
             if src.device.type != "cpu":
-                return f"{plan.key} is on {src.device}"
+                return f"{key} is on {src.device}"
             if src.is_shared():
-                return f"{plan.key} is in memory shared with other processes"
+                return f"{key} is in memory shared with other processes"
             if src.is_pinned():
-                return f"{plan.key} is in pinned memory"
+                return f"{key} is in pinned memory"
         elif not isinstance(src, np.ndarray):
-            return f"{plan.key} is not host memory"
+            return f"{key} is not host memory"
         start = _address(src)
-        if plan.nbytes and _overlaps(spans, starts, start, start + plan.nbytes):
-            return f"{plan.key} is in a shared mapping"
+        if nbytes and _overlaps(spans, starts, start, start + nbytes):
+            return f"{key} is in a shared mapping"
     return None
 
 
@@ -115,6 +120,124 @@ def _address(src: torch.UntypedStorage | np.ndarray) -> int:
     return int(src.__array_interface__["data"][0])
 
 
+class ForkSnapshot:
+    """A child process that holds this process's memory as it was when `take_snapshot` forked
+    it, waiting to be told which of it to write: one file, by save_forked(..., staged=this).
+
+    This is how a save whose plan is made after its snapshot (DCP's: the ranks agree on the
+    plan while training goes on) snapshots by fork: the child is forked when the save is
+    called, the plan is made from the staged state (the same addresses), and the child, still
+    running only C code, receives the job (csrc/snapshot.c, ckf_fork_stage).  `discard` kills
+    a child that was never handed a job (the save failed first, or had nothing to write)."""
+
+    def __init__(
+        self, pid: int, sock: socket.socket, ready: int, alive_w: int, held: list[tuple[int, int, Any]]
+    ) -> None:
+        self.pid = pid
+        self._sock: socket.socket | None = sock
+        self._ready, self._alive_w = ready, alive_w
+        # (start, end, source) of the memory snapshotted, sorted: the sources stay referenced, so
+        # no address of the staged state is freed and reused while the save plans
+        self._held = held
+        self._starts = [lo for lo, _, _ in held]
+        self._lock = threading.Lock()
+
+    def spent(self) -> bool:
+        """Whether the child was handed its file already, or discarded."""
+        return self._sock is None
+
+    def covers(self, start: int, nbytes: int) -> bool:
+        """Whether [start, start + nbytes) lies within one piece of the memory snapshotted."""
+        i = bisect.bisect_right(self._starts, start) - 1
+        return nbytes == 0 or (i >= 0 and start + nbytes <= self._held[i][1])
+
+    def _hand(
+        self,
+        fd: int,
+        file_id: bytes,
+        pieces: list[tuple[Any, int]],
+        options: WriteOptions,
+        path: str,
+    ) -> tuple[_native.ForkedWrite, int, int]:
+        """Give the child its job; return it with the read end of its ready pipe and the write
+        end of its parent pipe, both now the caller's to close."""
+        with self._lock:
+            if self._sock is None:
+                raise SnapshotError("this fork snapshot was used or discarded already", path=path)
+            sock, self._sock = self._sock, None
+        try:
+            held = None if options.dedup is None else options.dedup.held_keys()
+            child = _native.hand_job(
+                self.pid,
+                sock,
+                fd,
+                file_id,
+                fmt.PROLOGUE_SIZE,
+                pieces,
+                options,
+                _native.default_threads(),
+                held=held,
+            )
+        except BaseException:
+            sock.close()
+            self._end()
+            raise
+        sock.close()  # the child has its job: it reads no more
+        ready, alive_w, self._ready, self._alive_w = self._ready, self._alive_w, -1, -1
+        self._held, self._starts = [], []
+        return child, ready, alive_w
+
+    def discard(self) -> None:
+        """Kill and reap the child unless it was handed a job (then the save's thread waits for
+        it); idempotent.  SIGKILL rather than closing its socket: a process forked here
+        meanwhile may hold our end of it too."""
+        with self._lock:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+            self._end()
+
+    def _end(self) -> None:
+        _native.stop_child(self.pid)
+        for fd in (self._ready, self._alive_w):
+            if fd >= 0:
+                os.close(fd)
+        self._ready = self._alive_w = -1
+        self._held, self._starts = [], []
+
+
+def take_snapshot(sources: list[tuple[str, Any]]) -> ForkSnapshot:
+    """Fork a child that holds this process's memory as it is now, for a save of `sources`
+    ((key, host storage or array) pairs, the memory the save may write) planned later.
+    ValueError where fork cannot snapshot them (see why_not), OSError where fork() fails."""
+    items = [(key, src, _nbytes(src)) for key, src in sources]
+    reason = why_not_sources(items)
+    if reason is not None:
+        raise ValueError(f"snapshot='fork' is not possible: {reason}")
+    held = sorted((_address(src), _address(src) + n, src) for _, src, n in items if n)
+    own: list[int] = []
+    pair: tuple[socket.socket, socket.socket] | None = None
+    try:
+        ready, ready_w = _pipe(own)
+        alive, alive_w = _pipe(own)
+        pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        pid = _native.fork_stage(pair[1].fileno(), ready_w, alive)
+    except BaseException:
+        for fd in own:
+            os.close(fd)
+        for end in pair or ():
+            end.close()
+        raise
+    pair[1].close()
+    os.close(ready_w)
+    os.close(alive)
+    return ForkSnapshot(pid, pair[0], ready, alive_w, held)
+
+
+def _nbytes(src: torch.UntypedStorage | np.ndarray) -> int:
+    return int(src.nbytes()) if isinstance(src, torch.UntypedStorage) else int(src.nbytes)
+
+
 def save_forked(
     encoded: Encoded,
     path: str,
@@ -122,6 +245,7 @@ def save_forked(
     *,
     within: CheckpointDir | None = None,
     output: Any = None,
+    staged: ForkSnapshot | None = None,
 ) -> SaveHandle:
     """Fork a child that writes `encoded`'s chunks to a temp file as `options` say; return
     once it runs.  Encrypted (options.seal), the child encrypts each chunk with the file's data key (the engine's
@@ -135,8 +259,13 @@ def save_forked(
     an AtomicFile of `path` beneath `within`: the child writes the whole file into its spool
     (memory, until the upload), which this process's waiting thread uploads and commits.
 
+    staged: a child forked earlier (take_snapshot) writes the chunks instead of one forked
+    now; every storage of `encoded` must lie in the memory it snapshotted (SnapshotError).
+
     A failure here (fork() refused, no descriptors left, an interrupt) leaves nothing
     behind: no temp file, no descriptor, no child, no save in flight."""
+    if staged is not None:
+        _check_covered(staged, encoded, path)
     handle = SaveHandle(path)
     handle.snapshot = "fork"
     atomic = AtomicFile(path, within) if output is None else output
@@ -148,22 +277,27 @@ def save_forked(
     # fails before that (an interrupt can land in Thread.start() after the thread began).
     owner = threading.Lock()
     try:
-        ready, ready_w = _pipe(own)  # the child writes a byte when it is done
-        alive, alive_w = _pipe(own)  # the child exits when this reads end-of-file: we are gone
-        child = _native.fork_write(
-            atomic.fd,
-            file_id,
-            fmt.PROLOGUE_SIZE,
-            [c for plan in encoded.storages for c in chunkwrite.storage_chunks(plan, options.chunk_size)],
-            options,
-            _native.default_threads(),
-            ready_w,
-            alive,
-            held=None if options.dedup is None else options.dedup.held_keys(),
-        )
-        for fd in (ready_w, alive):  # the child's ends
-            own.remove(fd)
-            os.close(fd)
+        pieces = [c for plan in encoded.storages for c in chunkwrite.storage_chunks(plan, options.chunk_size)]
+        if staged is not None:
+            child, ready, alive_w = staged._hand(atomic.fd, file_id, pieces, options, path)
+            own += [ready, alive_w]
+        else:
+            ready, ready_w = _pipe(own)  # the child writes a byte when it is done
+            alive, alive_w = _pipe(own)  # the child exits when this reads end-of-file: we are gone
+            child = _native.fork_write(
+                atomic.fd,
+                file_id,
+                fmt.PROLOGUE_SIZE,
+                pieces,
+                options,
+                _native.default_threads(),
+                ready_w,
+                alive,
+                held=None if options.dedup is None else options.dedup.held_keys(),
+            )
+            for fd in (ready_w, alive):  # the child's ends
+                own.remove(fd)
+                os.close(fd)
         handle._pid = child.pid
         thread = threading.Thread(
             target=_finish,
@@ -191,6 +325,24 @@ def save_forked(
         raise
     inflight.watch(handle)
     return handle
+
+
+def _check_covered(staged: ForkSnapshot, encoded: Encoded, path: str) -> None:
+    """Every storage of `encoded` lies in memory `staged` snapshotted: one made after it (a
+    copy the planner made) would be read by the child at an address it never held."""
+    if staged.spent():
+        raise SnapshotError("this fork snapshot was used or discarded already", path=path)
+    for plan in encoded.storages:
+        src = plan.source
+        if not isinstance(src, (torch.UntypedStorage, np.ndarray)) or not staged.covers(
+            _address(src), plan.nbytes
+        ):
+            staged.discard()
+            raise SnapshotError(
+                f"{plan.key or 'a storage'} is not in the memory the fork snapshot holds "
+                "(made after the snapshot was taken); nothing was written",
+                path=path,
+            )
 
 
 def _pipe(own: list[int]) -> tuple[int, int]:

@@ -26,6 +26,7 @@ from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError
 from ..files import multifile, places
 from ..gcpause import pausing_in_main_thread
+from .forkstage import ForkStager
 from .planners import LoadPlanner, SavePlanner
 from .reader import held_reader
 from .storage import SaveOptions, Writer, held_writer
@@ -380,14 +381,21 @@ def async_save(
     *,
     process_group: dist.ProcessGroup | None = None,
     stager: Stager | None = None,
+    snapshot: str = "copy",
     **options: Unpack[SaveOptions],
 ) -> concurrent.futures.Future[Metadata]:
     """Like ``save``, but returns once the state is staged (copied into reused CPU buffers).
 
     The rest runs in DCP's background thread (``dcp.async_save``) on a dedicated gloo
     group.  The future resolves to DCP's Metadata, or raises a CheckpointError.
+    ``snapshot="fork"`` stages by fork instead of a copy (forkstage.py: Linux, the C engine,
+    host memory not shared with other processes, else ValueError): each rank returns once
+    fork() has, and a child process writes its file from a copy-on-write view of the rank's
+    memory as it was then.
     """
-    return save_in_background(state_dict, path, process_group=process_group, stager=stager, **options)
+    return save_in_background(
+        state_dict, path, process_group=process_group, stager=stager, snapshot=snapshot, **options
+    )
 
 
 def save_in_background(
@@ -398,28 +406,40 @@ def save_in_background(
     stager: Stager | None = None,
     within: CheckpointDir | None = None,
     step_dir: bool = False,
+    snapshot: str = "copy",
     **options: Unpack[SaveOptions],
 ) -> concurrent.futures.Future[Metadata]:
     """async_save for ckptfmt's own callers: `within` and `step_dir` as for ``Writer`` (the
     checkpoint manager's step directory, held open and locked by rank 0)."""
-    st = stager or _DEFAULT_STAGER
+    if snapshot not in ("copy", "fork"):
+        raise ValueError(f"snapshot must be 'copy' or 'fork', not {snapshot!r}")
+    if snapshot == "fork" and stager is not None:
+        raise ValueError("snapshot='fork' stages by fork: it takes no stager")
     group = _checkpoint_group(process_group)
     if not _distributed():  # DCP warns from its own thread: filter just that message
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
     w, planner = _set_up_save(path, group, "async", options, within, step_dir)
+    st: Stager | ForkStager = ForkStager(w) if snapshot == "fork" else (stager or _DEFAULT_STAGER)
+    # one background save at a time, whichever way the last was staged (see ForkStager)
+    (_DEFAULT_STAGER if snapshot == "fork" else ForkStager).wait()
     target = w.path
-    inner = dcp.async_save(
-        state_dict,
-        storage_writer=w,
-        planner=planner,
-        process_group=group,
-        async_stager=st,  # type: ignore[arg-type]
-        no_dist=not _distributed(),
-    )
+    try:
+        inner = dcp.async_save(
+            state_dict,
+            storage_writer=w,
+            planner=planner,
+            process_group=group,
+            async_stager=st,  # type: ignore[arg-type]
+            no_dist=not _distributed(),
+        )
+    except BaseException:
+        w.drop_fork_snapshot()
+        raise
     assert isinstance(inner, concurrent.futures.Future)
     out: concurrent.futures.Future[Metadata] = concurrent.futures.Future()
 
     def done(f: concurrent.futures.Future[Any]) -> None:
+        w.drop_fork_snapshot()
         w.close()
         if f.exception() is not None:
             planner.forget_cached_plans()

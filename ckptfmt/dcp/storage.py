@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.planner import SavePlanner as _BaseSavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ..background.forksave import ForkSnapshot
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..errors import (
@@ -55,6 +56,7 @@ from ..files import save as writer
 from ..files.incremental import MIN_REFERENCE_BYTES
 from ..files.places import LocalPlace, Place
 from ..gcpause import pausing_in_main_thread
+from . import forkstage
 from . import metadata as mdv
 from .rankplan import HeldPlace, RankPlan, StorageInfo, plan_threads, this_host, thread_shares
 from .sources import LAYOUT, RANK_FILE_RE, rank_file_name, rank_note, rank_of
@@ -227,6 +229,19 @@ class Writer(HeldPlace, StorageWriter):
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
+        self._snapshot: ForkSnapshot | None = None  # forkstage.ForkStager's, for this save
+
+    def take_fork_snapshot(self, snapshot: ForkSnapshot) -> None:
+        """The child that will write this rank's file from a fork snapshot (forkstage.py)."""
+        self.drop_fork_snapshot()
+        self._snapshot = snapshot
+
+    def drop_fork_snapshot(self) -> None:
+        """Kill the fork snapshot's child unless it was handed its file (a save that failed
+        before writing, or had nothing to write on this rank)."""
+        snapshot, self._snapshot = self._snapshot, None
+        if snapshot is not None:
+            snapshot.discard()
 
     @property
     def storage_options(self) -> dict[str, Any]:
@@ -309,6 +324,16 @@ class Writer(HeldPlace, StorageWriter):
         return rank_file_name(rank, secrets.token_hex(8) if self._own_names else None)
 
     def write_data(self, plan: SavePlan, planner: _BaseSavePlanner) -> Future[list[WriteResult]]:
+        snapshot, self._snapshot = self._snapshot, None
+        try:
+            return self._write_data(plan, planner, snapshot)
+        finally:
+            if snapshot is not None:
+                snapshot.discard()  # a child handed its file is the save's to wait for
+
+    def _write_data(
+        self, plan: SavePlan, planner: _BaseSavePlanner, snapshot: ForkSnapshot | None
+    ) -> Future[list[WriteResult]]:
         planned = plan.storage_data.file if isinstance(plan.storage_data, RankPlan) else None
         m = RANK_FILE_RE.fullmatch(planned) if isinstance(planned, str) else None
         if m is None:
@@ -325,7 +350,7 @@ class Writer(HeldPlace, StorageWriter):
                 t = planner.resolve_data(item)
                 if not isinstance(t, torch.Tensor):
                     raise UnsupportedObjectError(f"the planner resolved a {type(t).__name__}", key=fqn)
-                t = _compact(t.detach())
+                t = _compact(t.detach()) if snapshot is None else forkstage.exact(t.detach(), fqn)
                 if item.tensor_data is not None and tuple(t.shape) != tuple(item.tensor_data.chunk.sizes):
                     raise CheckpointError(
                         f"the planner resolved shape {list(t.shape)} for a chunk of "
@@ -343,7 +368,7 @@ class Writer(HeldPlace, StorageWriter):
             return fut
         try:
             with _native.threads_at_most(plan_threads(plan.storage_data)):
-                part, refs = self._write_rank_file(name, state)
+                part, refs = self._write_rank_file(name, state, snapshot)
         finally:
             if not self.is_coordinator:  # the coordinator's finish uses the directory still
                 self.close()
@@ -358,18 +383,24 @@ class Writer(HeldPlace, StorageWriter):
         return fut
 
     def _write_rank_file(
-        self, name: str, state: dict[int, Any]
+        self, name: str, state: dict[int, Any], snapshot: ForkSnapshot | None = None
     ) -> tuple[multifile.PartRecord, tuple[multifile.PartRecord, ...]]:
         """Write and commit one rank file holding `state` (item number -> value): its identity,
-        and those of the files of earlier checkpoints it reads chunks from."""
+        and those of the files of earlier checkpoints it reads chunks from.  `snapshot`: the
+        child that writes its chunks from a fork snapshot (this thread waits for it)."""
         d = self._d()
         options = self.options.rank_file_options(self.rank, self.save_id)
+        if snapshot is not None:
+            options.update(blocking=False, snapshot=snapshot)
         if not self.options.incremental:
-            d.save(name, state, **options)
+            handle = d.save(name, state, **options)
             refs: tuple[multifile.PartRecord, ...] = ()
         else:
             base = self._base_file(name)
-            d.save_against(name, state, base, min_reference_bytes=MIN_REFERENCE_BYTES, **options)
+            handle = d.save_against(name, state, base, min_reference_bytes=MIN_REFERENCE_BYTES, **options)
+        if snapshot is not None and handle is not None:
+            handle.wait()  # the child's failure (SnapshotError) fails this rank's write
+        if self.options.incremental:
             key = encryption.save_and_read_keys(self.options.encrypt_with, None)[1]
             recorded = d.externals_of(name, key)
             refs = tuple(d.describe(rel) for rel in sorted(recorded))

@@ -10,6 +10,7 @@ import contextlib
 import mmap
 import os
 import signal
+import socket
 import threading
 import warnings
 from collections.abc import Iterator
@@ -402,6 +403,88 @@ def fork_write(
         ffi.release(base)
         shared.close()
         raise
+
+
+def fork_stage(sock: int, ready_fd: int, parent_fd: int) -> int:
+    """Fork a child that holds this process's memory as it is now (copy-on-write) and waits
+    for one job on `sock` (hand_job); return its pid, OSError if fork() fails.  It writes a
+    byte to `ready_fd` when its job is done, exits without writing when `sock` reaches
+    end-of-file, and exits at once when `parent_fd` does (see fork_write)."""
+    assert lib is not None and ffi is not None
+    pid = lib.ckf_fork_stage(sock, ready_fd, parent_fd)
+    if pid < 0:
+        err = ffi.errno
+        raise OSError(err, f"fork failed: {os.strerror(err)}")
+    return int(pid)
+
+
+def hand_job(
+    pid: int,
+    sock: socket.socket,
+    fd: int,
+    file_id: bytes,
+    first_offset: int,
+    pieces: list[tuple[Any, int]],
+    options: WriteOptions,
+    threads: int,
+    *,
+    held: list[tuple[int, bytes]] | None = None,
+    _fault: int = 0,
+) -> ForkedWrite:
+    """Tell the staged child `pid` (fork_stage; `sock`, this process's end of its socket) to
+    write `pieces` to the file at `fd` as fork_write's child would; return it as a ForkedWrite.
+    Every piece must lie in memory that existed, as it is to be written, when the child was
+    forked: the child reads the same addresses in its own view.  The job goes over in a memfd
+    both map (csrc/ckptfmt.h, ckf_fork_job).  ``_fault``: as for fork_write, tests only."""
+    assert lib is not None and ffi is not None
+    n, nheld = len(pieces), len(held or ())
+    chunks_at = -(-ffi.sizeof("ckf_fork_job") // 64) * 64
+    held_at = chunks_at + ffi.sizeof("ckf_chunk") * max(n, 1)
+    digests_at = held_at + ffi.sizeof("ckf_held") * max(nheld, 1)
+    match_at = digests_at + 16 * max(n, 1)
+    size = match_at + 8 * max(n, 1)
+    memfd = os.memfd_create("ckptfmt-fork-job", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(memfd, size)
+        shared = mmap.mmap(memfd, size)
+    except BaseException:
+        os.close(memfd)
+        raise
+    base = ffi.from_buffer(shared)
+    keep: list[Any] = []
+    try:
+        job = ffi.cast("ckf_fork_job *", base)
+        job.size, job.first_index, job.first_offset, job.n, job.nheld = size, 0, first_offset, n, nheld
+        job.chunks_at, job.held_at, job.digests_at, job.match_at = chunks_at, held_at, digests_at, match_at
+        job.compress, job.level = _codec(options)
+        job.nthreads = threads
+        job.checksum = 1 | (lib.CKF_SHA if options.sign is not None else 0)
+        job.has_key = 0 if options.key is None else 1
+        if options.key is not None:
+            job.key = options.key
+        job.find = 0 if held is None else 1
+        job.test_fault = _fault
+        job.file_id = file_id
+        chunks = ffi.cast("ckf_chunk *", base + chunks_at)
+        keep = _fill_chunks(chunks, pieces, None)  # the child points each chunk at job.key
+        table = ffi.cast("ckf_held *", base + held_at)
+        for i, (raw_len, digest) in enumerate(held or ()):
+            table[i].raw_len = raw_len
+            table[i].digest = digest
+        found = None
+        if held is not None:
+            found = (ffi.cast("uint8_t *", base + digests_at), ffi.cast("int64_t *", base + match_at))
+        result = ffi.addressof(job[0], "result")
+        socket.send_fds(sock, [b"j"], [fd, memfd])
+        _release(keep)
+        return ForkedWrite(pid, shared, base, result, chunks, n, found)
+    except BaseException:
+        _release(keep)
+        ffi.release(base)
+        shared.close()
+        raise
+    finally:
+        os.close(memfd)
 
 
 def stop_child(pid: int) -> None:

@@ -22,7 +22,7 @@ import os
 import posixpath
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,6 +47,9 @@ from . import encryption
 from . import save as writer
 from .encryption import save_and_read_keys
 from .reader import CheckpointFile
+
+if TYPE_CHECKING:
+    from ..background.forksave import ForkSnapshot
 
 #: raw bytes consolidate() reads (verified) and writes per step
 _CONSOLIDATE_WINDOW = 64 << 20
@@ -366,7 +369,7 @@ def save(
     level: int | None = None,
     metadata: dict[str, str] | None = None,
     blocking: bool = True,
-    snapshot: str = "copy",
+    snapshot: str | ForkSnapshot = "copy",
     chunk_size: int | None = None,
     min_reference_bytes: int = 0,
     within: CheckpointDir | None = None,

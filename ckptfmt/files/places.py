@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
+from ..background.inflight import SaveHandle
 from ..engine import commit
 from ..engine.ckptdir import CheckpointDir, LinkError
 from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
@@ -79,11 +80,12 @@ class Place:
         """Delete file `name` (an absent one is no error)."""
         raise NotImplementedError
 
-    def save(self, name: str, state: object, **options: Any) -> None:
-        """Write `state` as the ckptfmt file `name` (files.save's options), atomically."""
+    def save(self, name: str, state: object, **options: Any) -> SaveHandle | None:
+        """Write `state` as the ckptfmt file `name` (files.save's options), atomically; the
+        save's handle (running still with blocking=False)."""
         raise NotImplementedError
 
-    def save_against(self, name: str, state: object, base: str | None, **options: Any) -> None:
+    def save_against(self, name: str, state: object, base: str | None, **options: Any) -> SaveHandle | None:
         """save with content digests, against the file `base` (a path or URL; None: the first
         of a series): chunks it already stores are referred to (files.incremental.save)."""
         raise NotImplementedError
@@ -218,15 +220,15 @@ class LocalPlace(Place):
     def remove(self, name: str) -> None:
         self.d.unlink(name)
 
-    def save(self, name: str, state: object, **options: Any) -> None:
+    def save(self, name: str, state: object, **options: Any) -> SaveHandle | None:
         from .save import save_file, save_options
 
-        save_file(state, self.d.path_of(name), save_options(**options), within=self.d)
+        return save_file(state, self.d.path_of(name), save_options(**options), within=self.d)
 
-    def save_against(self, name: str, state: object, base: str | None, **options: Any) -> None:
+    def save_against(self, name: str, state: object, base: str | None, **options: Any) -> SaveHandle | None:
         from .incremental import save
 
-        save(state, self.d.path_of(name), base=base, within=self.d, **options)
+        return save(state, self.d.path_of(name), base=base, within=self.d, **options)
 
     def open_file(self, name: str, key: Any = None) -> CheckpointFile:
         return CheckpointFile(
@@ -306,15 +308,15 @@ class ObjectPlace(Place):
     def remove(self, name: str) -> None:
         listing.delete_object(self._url(name), self.options)
 
-    def save(self, name: str, state: object, **options: Any) -> None:
+    def save(self, name: str, state: object, **options: Any) -> SaveHandle | None:
         from .save import save
 
-        save(state, str(self._url(name)), storage_options=self.options, **options)
+        return save(state, str(self._url(name)), storage_options=self.options, **options)
 
-    def save_against(self, name: str, state: object, base: str | None, **options: Any) -> None:
+    def save_against(self, name: str, state: object, base: str | None, **options: Any) -> SaveHandle | None:
         from .incremental import save
 
-        save(state, str(self._url(name)), base=base, storage_options=self.options, **options)
+        return save(state, str(self._url(name)), base=base, storage_options=self.options, **options)
 
     def open_file(self, name: str, key: Any = None) -> CheckpointFile:
         return CheckpointFile(str(self._url(name)), storage_options=self.options, decrypt_with=key)

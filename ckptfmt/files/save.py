@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..background import inflight
 from ..background.inflight import SaveHandle
@@ -31,6 +31,9 @@ from ..storage.client import check_options
 from ..storage.upload import ObjectFile
 from . import encryption
 from .signing import signer
+
+if TYPE_CHECKING:
+    from ..background import forksave
 
 
 def check_save_args(compression: str | None, level: int | None, metadata: object) -> dict[str, str]:
@@ -53,8 +56,13 @@ def check_save_args(compression: str | None, level: int | None, metadata: object
 
 
 def check_snapshot(snapshot: object) -> None:
-    """Check save()'s snapshot argument: how a non-blocking save takes its snapshot."""
-    if snapshot not in ("copy", "fork"):
+    """Check save()'s snapshot argument: how a non-blocking save takes its snapshot ("copy",
+    "fork", or for ckptfmt's own callers a forksave.ForkSnapshot taken earlier)."""
+    if isinstance(snapshot, str) and snapshot in ("copy", "fork"):
+        return
+    from ..background import forksave  # only what forksave took gets here: torch is loaded
+
+    if not isinstance(snapshot, forksave.ForkSnapshot):
         raise ValueError(f"snapshot must be 'copy' or 'fork', not {snapshot!r}")
 
 
@@ -79,7 +87,7 @@ class FileSaveOptions:
 
     write: WriteOptions
     blocking: bool = True
-    snapshot: str = "copy"
+    snapshot: str | forksave.ForkSnapshot = "copy"
     storage_options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -90,7 +98,7 @@ def save_options(
     metadata: dict[str, str] | None = None,
     blocking: bool = True,
     chunk_size: int | None = None,
-    snapshot: str = "copy",
+    snapshot: str | forksave.ForkSnapshot = "copy",
     sign_with: Any = None,
     storage_options: dict[str, Any] | None = None,
     encrypt_with: Any = None,

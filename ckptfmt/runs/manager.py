@@ -137,8 +137,9 @@ class CheckpointManager(RunRotation):
 
         snapshot="fork" (non-blocking saves, see ckptfmt.save): the child writes each state file,
         encrypting it, or (incremental) writing only the chunks it does not find in the base; on
-        an object store this process uploads what it wrote.  Refused, at the first save, in a
-        run of several ranks (DCP stages each shard itself)."""
+        an object store this process uploads what it wrote.  In a run of several ranks each
+        rank forks when save() is called and its child writes that rank's file once DCP has
+        planned the save (ckptfmt/dcp/forkstage.py)."""
         retention.check_rules(keep_last, keep_every, keep_best, best_mode)
         writer.check_save_args(compression, None, None)
         writer.check_snapshot(snapshot)

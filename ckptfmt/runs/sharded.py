@@ -38,7 +38,7 @@ from ..dcp.api import load_within, save_in_background, save_within
 from ..dcp.convert import load_full, skeleton
 from ..dcp.reader import Reader, held_reader
 from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError, UnsupportedError
+from ..errors import CheckpointError, CheckpointWarning, CorruptError, IncompleteError
 from ..fileio import is_url
 from ..files import multifile
 from . import resume
@@ -138,12 +138,6 @@ def _base_step(complete: list[CheckpointInfo]) -> str | None:
 def _job(steps: StepSaver, step: int, path: str, metrics: dict[str, float], meta: dict[str, str]) -> StepJob:
     """This rank's part of the save of `step`: rank 0 is its coordinator (it holds the step
     directory, rotates and removes a failed step); DCP's coordinator writes the record."""
-    if steps.options.snapshot == "fork" and not steps.options.blocking:
-        raise UnsupportedError(
-            "snapshot='fork' is not available in a run of several ranks (or with DTensors): DCP "
-            "stages each shard itself; use snapshot='copy'",
-            path=steps.directory,
-        )
     job = StepJob(step, path, -1, metrics, meta, SaveHandle(path))
     job.layout = "dcp"
     job.coordinator = dist.get_rank() == 0
@@ -180,7 +174,9 @@ def _save_shards(
     }
     try:
         if not run.blocking:
-            future = save_in_background(payload, job.path, within=within, step_dir=True, **options)
+            future = save_in_background(
+                payload, job.path, within=within, step_dir=True, snapshot=run.snapshot, **options
+            )
             job.file_handle = _FutureHandle(future)
             return steps.commit_when_written(job)
         save_within(payload, job.path, within=within, step_dir=True, **options)
