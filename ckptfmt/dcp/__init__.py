@@ -22,12 +22,33 @@ file and gives each rank only its slice.
 
 from __future__ import annotations
 
-from .api import Stager, async_save, load, save
-from .convert import consolidate, describe
-from .planners import LoadPlanner, SavePlanner
-from .rankplan import StorageInfo
-from .reader import Reader
-from .storage import Writer
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .api import Stager, async_save, load, save
+    from .convert import consolidate
+    from .planners import LoadPlanner, SavePlanner
+    from .rankplan import StorageInfo
+    from .reader import Reader
+    from .storage import Writer
+    from .summary import describe
+
+#: the public names and the module each comes from, imported on first use: they import torch,
+#: and ``ckptfmt verify`` of a DCP directory runs this package's checks (check, metadata,
+#: sources) where torch is not installed
+_LAZY = {
+    "Stager": "api",
+    "async_save": "api",
+    "load": "api",
+    "save": "api",
+    "consolidate": "convert",
+    "describe": "summary",
+    "LoadPlanner": "planners",
+    "SavePlanner": "planners",
+    "StorageInfo": "rankplan",
+    "Reader": "reader",
+    "Writer": "storage",
+}
 
 __all__ = [
     "LoadPlanner",
@@ -42,3 +63,17 @@ __all__ = [
     "load",
     "save",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -15,6 +15,8 @@ from ..files.reader import CheckpointFile
 from . import metadata as mdv
 
 LAYOUT = "dcp"
+#: the file that marks a directory in DCP's own FileSystemWriter format (read by convert.py)
+DCP_METADATA_NAME = ".metadata"
 RANK_FILE_RE = re.compile(r"rank-([0-9]{5,9})\.ckpt")
 
 
