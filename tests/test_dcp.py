@@ -972,7 +972,9 @@ def _tiles_exactly(size: list[int], table: list[list[int]], n_files: int) -> boo
 
 @settings(max_examples=600, deadline=None)
 @given(_chunk_tables())
-def test_chunk_rows_tile_the_tensor_as_counting_elements_says(case: tuple[list[int], list[list[int]]]) -> None:
+def test_chunk_rows_tile_the_tensor_as_counting_elements_says(
+    case: tuple[list[int], list[list[int]]],
+) -> None:
     """The plain-Python check of a tensor's chunk rows (the one load and verify make, without
     numpy) accepts exactly the tables whose chunks cover every element once, counted element
     by element, and refuses the others with a CorruptError."""
