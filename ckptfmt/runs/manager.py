@@ -179,6 +179,8 @@ class CheckpointManager(RunRotation):
         # deletes a step); reads judge them as a trusting reader does: a state file is read
         # with the key only once its record's signature and its signed SHA-256 held
         self._records = StepRecords(self.directory, self._decrypt)
+        # how every commit record is written (signed with the key loaded once, at __init__)
+        self._record_options = writer.save_options(sign_with=self._sign_key)
         self._read_records = (
             self._records
             if self._trusted is None
@@ -483,9 +485,9 @@ class CheckpointManager(RunRotation):
                 multifile.check_named(STATE_NAME, f.externals, refs, job.path)
         record = multifile.CommitRecord(job.step, "state", parts, refs, job.metrics, job.metadata)
         if self._sign_key is not None:
-            recordsign.write_signed(d, record, self._sign_key)
+            recordsign.write_signed(d, record, None, self._record_options)
         else:
-            multifile.write_commit(job.path, record, within=d)
+            multifile.write_commit(job.path, record, within=d, options=self._record_options)
         return record
 
     def _abandon(self, job: StepJob) -> None:
