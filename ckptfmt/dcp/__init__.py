@@ -22,6 +22,7 @@ file and gives each rank only its slice.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -33,9 +34,9 @@ if TYPE_CHECKING:
     from .storage import Writer
     from .summary import describe
 
-#: the public names and the module each comes from, imported on first use: they import torch,
-#: and ``ckptfmt verify`` of a DCP directory runs this package's checks (check, metadata,
-#: sources) where torch is not installed
+#: the public names and the module each comes from, imported on first use where torch is not
+#: imported yet: they import torch, and ``ckptfmt verify`` of a DCP directory runs this
+#: package's checks (check, metadata, sources) where torch is not installed
 _LAZY = {
     "Stager": "api",
     "async_save": "api",
@@ -77,3 +78,11 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
+
+
+if sys.modules.get("torch") is not None:
+    # a process that uses torch imports them now, as it always did: torch's DCP imported only
+    # after init_process_group() keeps gloo threads alive past destroy_process_group(), which
+    # then abort the process at exit (tests/test_process_groups.py)
+    for _name in _LAZY:
+        __getattr__(_name)
