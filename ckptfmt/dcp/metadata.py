@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -384,33 +386,31 @@ def check_rows(
     fail: _Fail, fqn: str, table: list[list[int]], size: list[int], numel: int, n_files: int
 ) -> None:
     """A tensor's chunk rows: each inside the tensor, naming a file and key that can exist, and
-    together tiling the tensor exactly (no overlap, no hole), at different offsets."""
+    together tiling the tensor exactly (no overlap, no hole), at different offsets.  Column by
+    column (map and zip run in C: a record of 10^5 chunks is checked on every load)."""
     ndim = len(size)
-    if not table or any(v < 0 for row in table for v in row):
+    if not table or min(map(min, table)) < 0:
         raise fail("chunks must be at least one row of non-negative ints", fqn)
-    for row in table:
-        for d in range(ndim):
-            if row[ndim + d] > size[d] or row[d] > size[d] - row[ndim + d]:
-                raise fail("a chunk lies outside the tensor", fqn)
-    if any(row[2 * ndim] >= n_files or row[2 * ndim + 1] > MAX_KEY for row in table):
+    cols = list(zip(*table))
+    offs, sizes = cols[:ndim], cols[ndim : 2 * ndim]
+    ends = [list(map(operator.add, o, z)) for o, z in zip(offs, sizes)]
+    if any(max(e) > n for e, n in zip(ends, size)):
+        raise fail("a chunk lies outside the tensor", fqn)
+    if max(cols[2 * ndim]) >= n_files or max(cols[2 * ndim + 1]) > MAX_KEY:
         raise fail("a chunk names a file or key that does not exist", fqn)
-    volumes = [math.prod(row[ndim : 2 * ndim]) for row in table]
+    volumes = list(map(math.prod, zip(*sizes))) if ndim else [1] * len(table)
     total = sum(volumes)
     if total != numel:
         raise fail(f"the chunks hold {total} elements, the tensor has {numel}", fqn)
-    boxes = [
-        (row[:ndim], [o + z for o, z in zip(row[:ndim], row[ndim : 2 * ndim])])
-        for row, v in zip(table, volumes)
-        if v
-    ]
+    boxes = [box for box, v in zip(zip(zip(*offs), zip(*ends)), volumes) if v]
     if len(boxes) > 1 and ndim == 0:  # several non-empty chunks of a 0-d tensor
         raise fail("chunks overlap", fqn)
     _check_disjoint(fail, fqn, boxes)
-    if ndim and len({tuple(row[:ndim]) for row in table}) != len(table):
+    if ndim and len(set(zip(*offs))) != len(table):
         raise fail(_SAME_OFFSETS, fqn)
 
 
-def _check_disjoint(fail: _Fail, fqn: str, boxes: list[tuple[list[int], list[int]]]) -> None:
+def _check_disjoint(fail: _Fail, fqn: str, boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
     """No two boxes (start, end) share an element.  With their volumes adding up to the
     tensor's and each inside it, disjoint means they tile it exactly.
 
@@ -439,7 +439,7 @@ def _check_disjoint(fail: _Fail, fqn: str, boxes: list[tuple[list[int], list[int
     for i, (a_off, a_end) in enumerate(boxes):
         for b_off, b_end in boxes[i + 1 : reach[i]]:
             if all(a_off[d] < b_end[d] and b_off[d] < a_end[d] for d in range(ndim)):
-                raise fail(f"chunks at offsets {a_off} and {b_off} overlap", fqn)
+                raise fail(f"chunks at offsets {list(a_off)} and {list(b_off)} overlap", fqn)
 
 
 def _check_planner_data(fail: _Fail, pd: object, keys: list[str]) -> None:
