@@ -179,7 +179,7 @@ class CheckpointManager(RunRotation):
         # deletes a step); reads judge them as a trusting reader does: a state file is read
         # with the key only once its record's signature and its signed SHA-256 held
         self._records = StepRecords(self.directory, self._decrypt)
-        # how every commit record is written (signed with the key loaded once, at __init__)
+        # how every signed commit record is written (with the key loaded once, at __init__)
         self._record_options = writer.save_options(sign_with=self._sign_key)
         self._read_records = (
             self._records
@@ -487,7 +487,7 @@ class CheckpointManager(RunRotation):
         if self._sign_key is not None:
             recordsign.write_signed(d, record, None, self._record_options)
         else:
-            multifile.write_commit(job.path, record, within=d, options=self._record_options)
+            multifile.write_commit(job.path, record, within=d)
         return record
 
     def _abandon(self, job: StepJob) -> None:
