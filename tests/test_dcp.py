@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
 import shutil
@@ -30,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_hostile_dcp import edit as _edit
+from test_hostile_dcp import read_record as _read_record
 from test_hostile_dcp import rewrite as _rewrite
 from test_hostile_dcp import set_chunks as _chunks
 
@@ -746,7 +748,7 @@ def test_missing_and_damaged_rank_files_are_named(tmp_path: Path, capsys: pytest
 
 def _two_ranks(directory: Path, w: torch.Tensor) -> None:
     """Rewrite a one-rank checkpoint of {"w", "step"} as two rank files, w split in halves."""
-    record = multifile.read_commit(str(directory))
+    record = _read_record(directory)
     v = record.layout_data
     half = w.numel() // 2
     ckptfmt.save({0: w[:half].clone(), 1: 3}, str(directory / "rank-00000.ckpt"))
@@ -945,28 +947,47 @@ def _chunk_tables(draw: Any) -> tuple[list[int], list[list[int]]]:
     return size, draw(st.lists(row, min_size=0, max_size=6))
 
 
-@settings(max_examples=400, deadline=None)
+def _tiles_exactly(size: list[int], table: list[list[int]], n_files: int) -> bool:
+    """The reference: every row in range and inside the tensor, every element covered by exactly
+    one chunk (counted element by element), no two rows at the same offsets."""
+    import itertools
+
+    ndim = len(size)
+    if not table or any(v < 0 for row in table for v in row):
+        return False
+    if any(row[2 * ndim] >= n_files for row in table):
+        return False
+    if any(row[d] + row[ndim + d] > size[d] for row in table for d in range(ndim)):
+        return False
+    count: dict[tuple[int, ...], int] = {}
+    for row in table:
+        ranges = [range(row[d], row[d] + row[ndim + d]) for d in range(ndim)]
+        for element in itertools.product(*ranges):
+            count[element] = count.get(element, 0) + 1
+    every = list(itertools.product(*(range(n) for n in size)))
+    if any(count.get(e, 0) != 1 for e in every) or len(count) != len(every):
+        return False
+    return not ndim or len({tuple(row[:ndim]) for row in table}) == len(table)
+
+
+@settings(max_examples=600, deadline=None)
 @given(_chunk_tables())
-def test_chunk_rows_are_checked_alike_in_python_and_numpy(case: tuple[list[int], list[list[int]]]) -> None:
-    """The plain-Python check of a few chunk rows accepts and refuses exactly what the numpy
-    check (used for many rows) does, with the same error."""
+def test_chunk_rows_tile_the_tensor_as_counting_elements_says(
+    case: tuple[list[int], list[list[int]]],
+) -> None:
+    """The plain-Python check of a tensor's chunk rows (the one load and verify make, without
+    numpy) accepts exactly the tables whose chunks cover every element once, counted element
+    by element, and refuses the others with a CorruptError."""
     from ckptfmt.dcp import metadata as mdv
 
     size, table = case
-    numel = int(np.prod(size)) if size else 1
-    rows = np.array(table, dtype=np.int64).reshape(len(table), 2 * len(size) + 2)
-    fail = mdv._Fail("p")
-    outcomes = []
-    for check in (
-        lambda: mdv._check_rows(fail, "k", rows, size, numel, 2),
-        lambda: mdv._check_few_rows(fail, "k", table, size, numel, 2),
-    ):
-        try:
-            check()
-            outcomes.append("ok")
-        except CorruptError as e:
-            outcomes.append(str(e).split(" at offsets")[0])
-    assert outcomes[0] == outcomes[1], (size, table, outcomes)
+    numel = math.prod(size)
+    try:
+        mdv.check_rows(mdv._Fail("p"), "k", table, size, numel, 2)
+        ok = True
+    except CorruptError:
+        ok = False
+    assert ok == _tiles_exactly(size, table, 2), (size, table)
 
 
 def test_cached_plans_follow_dtype_changes_and_failed_saves(tmp_path: Path) -> None:
@@ -997,23 +1018,25 @@ def test_tiling_check_of_many_chunks_is_a_sweep_not_every_pair() -> None:
     """200k one-element chunks of a vector (a hostile record could hold millions) are checked
     by sorting, not by comparing every pair; chunks that pile up where a sweep cannot tell
     them apart stop at a limit with a LimitError, never a hang."""
+    import random
+
     from ckptfmt.dcp import metadata as mdv
     from ckptfmt.errors import LimitError
 
     fail = mdv._Fail("p")
     n = 200_000
-    offs = np.random.default_rng(0).permutation(n).astype(np.int64).reshape(n, 1)
-    sizes = np.ones((n, 1), dtype=np.int64)
-    mdv._check_tiling(fail, "v", offs, sizes, n)  # exact: passes
-    bad = offs.copy()
-    bad[7, 0] = bad[8, 0]  # two chunks at one element, another element uncovered
+    starts = list(range(n))
+    random.Random(0).shuffle(starts)
+    table = [[o, 1, 0, k] for k, o in enumerate(starts)]
+    mdv.check_rows(fail, "v", table, [n], n, 1)  # exact: passes
+    table[7][0] = table[8][0]  # two chunks at one element, another element uncovered
     with pytest.raises(CorruptError, match="overlap"):
-        mdv._check_tiling(fail, "v", bad, sizes, n)
+        mdv.check_rows(fail, "v", table, [n], n, 1)
     m = 3000  # every chunk on element 0: volumes add up, 4.5M pairs to compare
     with pytest.raises(LimitError, match="too often to check"):
-        mdv._check_tiling(fail, "v", np.zeros((m, 1), np.int64), np.ones((m, 1), np.int64), m)
-    grid = np.array([[r, c] for r in range(0, 64, 8) for c in range(0, 64, 16)], dtype=np.int64)
-    mdv._check_tiling(fail, "g", grid, np.tile([[8, 16]], (len(grid), 1)), 64 * 64)  # 2-D shards
+        mdv._check_disjoint(fail, "v", [([0], [1])] * m)
+    grid = [[r, c, 8, 16, 0, 0] for r in range(0, 64, 8) for c in range(0, 64, 16)]
+    mdv.check_rows(fail, "g", grid, [64, 64], 64 * 64, 1)  # 2-D shards
 
 
 def test_a_writers_options_are_one_value_checked_once(tmp_path):

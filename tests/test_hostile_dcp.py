@@ -66,9 +66,20 @@ def fresh(value: Any) -> Any:
 
 def rewrite(directory: Path, change: Callable[[dict[str, Any]], Any]) -> None:
     """Rewrite the commit record with `change` applied to its `dcp` member."""
-    record = multifile.read_commit(str(directory))
+    record = read_record(directory)
     change(record.layout_data)
     multifile.write_commit(str(directory), record)
+
+
+def read_record(directory: Path) -> multifile.CommitRecord:
+    """The commit record, its dcp member's columns (read as their stored bytes) as numpy arrays
+    to edit."""
+    record = multifile.read_commit(str(directory))
+    columns = record.layout_data["tensors"]
+    for name in ("props", "sizes", "chunks"):
+        a = columns[name]
+        columns[name] = np.frombuffer(a.data, dtype=a.dtype).reshape(a.shape, order=a.order).copy()
+    return record
 
 
 def entries(t: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -161,7 +172,7 @@ RANK0 = "rank-00000.ckpt"
 
 def _recommit(directory: Path, change: Callable[[dict[str, Any]], Any] | None = None) -> None:
     """A new commit record naming the rank files as they are now (and `change` applied)."""
-    record = multifile.read_commit(str(directory))
+    record = read_record(directory)
     if change is not None:
         change(record.layout_data)
     parts = tuple(multifile.describe_part(str(directory / p.name), p.name) for p in record.files)
@@ -186,7 +197,7 @@ def _rank_dtype(fqn: str, dtype: torch.dtype) -> Callable[[Path], None]:
     """The rank file holds `fqn` as `dtype`; the record still says what was saved."""
 
     def build(directory: Path) -> None:
-        key = _item(multifile.read_commit(str(directory)).layout_data, fqn)
+        key = _item(read_record(directory).layout_data, fqn)
         _rank_root(lambda root: root.__setitem__(key, root[key].to(dtype)))(directory)
 
     return build

@@ -496,6 +496,101 @@ def test_verify_of_steps_runs_without_torch_or_numpy(saved):
     assert "FAILED corrupt" in out and "rng.torch_cpu" in out, out
 
 
+def _two_rank_run(rank: int, world: int, run_dir: str) -> dict[str, object]:
+    """A manager's step saved by 2 ranks (through DCP: a rank file each and a "dcp" record)."""
+    import torch
+
+    ckptfmt.CheckpointManager(run_dir).save(1, {"w": torch.arange(16.0), "step": 1})
+    return {}
+
+
+@pytest.fixture(scope="module")
+def dcp_saved(tmp_path_factory):
+    """DCP directories (plain, signed, encrypted, with damaged records) and a run of 2 ranks,
+    written with torch, for the commands to read without it."""
+    import torch
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+    from helpers import run_ranks
+    from test_hostile_dcp import rewrite, set_chunks
+
+    from ckptfmt import dcp as cdcp
+
+    d = tmp_path_factory.mktemp("torchless-dcp")
+    state = {"m": torch.arange(48.0).reshape(8, 6), "v": torch.ones(10), "lr": 0.5}
+    cdcp.save(state, d / "plain")
+    (d / "key.bin").write_text("cd" * 32)
+    cdcp.save(state, d / "encrypted", encrypt_with=str(d / "key.bin"))
+    signer = ed25519.Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
+    cdcp.save(state, d / "signed", sign_with=signer)
+    for name, rows in (
+        ("overlap", [[0, 0, 5, 6, 0, 0], [4, 0, 4, 6, 0, 0]]),  # rows 4 held twice, as many elements
+        ("gap", [[0, 0, 4, 6, 0, 0], [5, 0, 3, 6, 0, 0]]),  # row 4 held by no chunk
+    ):
+        cdcp.save(state, d / name)
+        rewrite(d / name, lambda v, rows=rows: set_chunks(v, "m", rows))
+    assert run_ranks(_two_rank_run, 2, d, str(d / "ranks")) == [{}, {}]
+    return d, signer
+
+
+def test_verify_ls_and_sign_of_dcp_directories_run_without_torch_or_numpy(dcp_saved):
+    """A DCP directory (plain, signed, encrypted), signed and verified where torch and numpy
+    cannot be imported, with every check a load makes of its record and rank files; a record
+    whose shards overlap or leave a gap is corrupt; a run of 2 ranks lists and verifies."""
+    d, signer = dcp_saved
+    from cryptography.hazmat.primitives import serialization
+
+    assert f"{d / 'plain'}: OK" in _cli_without_torch("verify", d / "plain")
+    info = json.loads(_cli_without_torch("ls", "--json", d / "plain"))
+    assert (info["complete"], info["tensors"], info["values"], info["world_size"]) == (True, 2, 1, 1)
+    pub = signer.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    (d / "signer.pub").write_bytes(pub)
+    assert "OK" in _cli_without_torch("verify", d / "signed", "--trusted-key", d / "signer.pub")
+    assert "FAILED signature" in _cli_without_torch(
+        "verify", d / "plain", "--trusted-key", d / "signer.pub", rc=1
+    )
+    assert "OK" in _cli_without_torch("verify", d / "encrypted", "--decrypt-key", d / "key.bin")
+    _cli_without_torch("keygen", d / "dir-signer")
+    assert "signed" in _cli_without_torch("sign", d / "plain", "--key", d / "dir-signer")
+    assert "OK" in _cli_without_torch("verify", d / "plain", "--trusted-key", d / "dir-signer.pub")
+    assert "signed" in _cli_without_torch(
+        "sign", d / "encrypted", "--key", d / "dir-signer", "--decrypt-key", d / "key.bin"
+    )
+    out = _cli_without_torch(
+        "verify", d / "encrypted", "--trusted-key", d / "dir-signer.pub", "--decrypt-key", d / "key.bin"
+    )
+    assert "OK" in out, out
+    for name, why in (("overlap", "overlap"), ("gap", "the chunks hold 42 elements, the tensor has 48")):
+        out = _cli_without_torch("verify", d / name, rc=1)
+        assert "FAILED corrupt" in out and why in out, out
+    steps = json.loads(_cli_without_torch("ls", "--json", d / "ranks"))["steps"]
+    assert [(s["step"], s["status"]) for s in steps] == [(1, "complete")]
+    assert _cli_without_torch("verify", d / "ranks").count(": OK") == 1
+
+
+def test_a_dcp_record_signed_without_numpy_keeps_its_arrays_and_loads(dcp_saved):
+    """The record ``sign`` wrote where numpy cannot be imported holds the same arrays, byte
+    for byte (a record read twice compares equal), and loads, trusted, into the saved state."""
+    import torch
+
+    from ckptfmt import dcp as cdcp
+    from ckptfmt.files import multifile
+
+    d, _ = dcp_saved
+    saved = {"m": torch.arange(48.0).reshape(8, 6), "v": torch.ones(10), "lr": 0.5}
+    cdcp.save(saved, d / "to-sign")
+    before = multifile.read_commit(str(d / "to-sign"))
+    assert before == multifile.read_commit(str(d / "to-sign"))
+    _cli_without_torch("keygen", d / "load-signer")
+    assert "signed" in _cli_without_torch("sign", d / "to-sign", "--key", d / "load-signer")
+    after = multifile.read_commit(str(d / "to-sign"))
+    assert after.layout_data == before.layout_data and after.files[0].sha256 is not None
+    back = {"m": torch.zeros(8, 6), "v": torch.zeros(10), "lr": 0.0}
+    cdcp.load(back, d / "to-sign", trusted_keys=str(d / "load-signer.pub"))
+    assert torch.equal(back["m"], saved["m"]) and torch.equal(back["v"], saved["v"]) and back["lr"] == 0.5
+
+
 def test_the_shim_stops_torch():
     """The check itself can fail: a command that builds tensors (info reports torch's version)
     cannot run where torch cannot be imported."""

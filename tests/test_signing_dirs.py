@@ -113,6 +113,24 @@ def test_manager_round_trip(tmp_path, mode):
     assert struct.unpack_from("<Q", prologue, 40)[0] & fmt.FEATURE_SIGNED
 
 
+def test_a_local_run_builds_its_record_options_once(tmp_path, monkeypatch):
+    """A local run's signed commit records are written with the options (the signer) built
+    when the manager is made, not again at every commit, as a run on a store does."""
+    from ckptfmt.files import save as writer
+
+    made = []
+    real = writer.signer
+    # signers made with the run's key (the state files themselves are not signed: sign_with=None)
+    monkeypatch.setattr(writer, "signer", lambda key: (key is not None and made.append(key)) or real(key))
+    m = CheckpointManager(str(tmp_path / "run"), sign_with=KEY)
+    built = len(made)
+    for step in (1, 2, 3):
+        m.save(step, state(step))
+    assert len(made) == built, "a commit built its save options again"
+    reader = trusting(str(tmp_path / "run"))
+    assert reader.latest().step == 3 and reader.verify(3).ok
+
+
 def test_unsigned_steps_are_skipped_by_latest_and_refused_by_name(tmp_path):
     run = str(tmp_path / "run")
     CheckpointManager(run).save(1, state(1))

@@ -71,6 +71,8 @@ def _copy_into_slab(
 
 def _host_bytes(src: torch.UntypedStorage | Any) -> memoryview | None:
     """A byte view of a CPU storage or array, None for device storages."""
+    if isinstance(src, bytes):  # an array as its stored bytes (format/arrays.py)
+        return memoryview(src)
     if isinstance(src, torch.UntypedStorage):
         if src.device.type != "cpu":
             return None
@@ -221,7 +223,7 @@ def _snapshot(
         for plan in encoded.storages:
             src = plan.source
             host = _host_bytes(src)
-            device = None if host is not None else torch.device(src.device)
+            device = None if host is not None else torch.device(src.device)  # type: ignore[union-attr]
             pinned = device is not None and device.type == accel
             start = 0
             while start < plan.nbytes:

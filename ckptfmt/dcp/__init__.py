@@ -22,12 +22,34 @@ file and gives each rank only its slice.
 
 from __future__ import annotations
 
-from .api import Stager, async_save, load, save
-from .convert import consolidate, describe
-from .planners import LoadPlanner, SavePlanner
-from .rankplan import StorageInfo
-from .reader import Reader
-from .storage import Writer
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .api import Stager, async_save, load, save
+    from .convert import consolidate
+    from .planners import LoadPlanner, SavePlanner
+    from .rankplan import StorageInfo
+    from .reader import Reader
+    from .storage import Writer
+    from .summary import describe
+
+#: the public names and the module each comes from, imported on first use where torch is not
+#: imported yet: they import torch, and ``ckptfmt verify`` of a DCP directory runs this
+#: package's checks (check, metadata, sources) where torch is not installed
+_LAZY = {
+    "Stager": "api",
+    "async_save": "api",
+    "load": "api",
+    "save": "api",
+    "consolidate": "convert",
+    "describe": "summary",
+    "LoadPlanner": "planners",
+    "SavePlanner": "planners",
+    "StorageInfo": "rankplan",
+    "Reader": "reader",
+    "Writer": "storage",
+}
 
 __all__ = [
     "LoadPlanner",
@@ -42,3 +64,25 @@ __all__ = [
     "load",
     "save",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if sys.modules.get("torch") is not None:
+    # a process that uses torch imports them now, as it always did: torch's DCP imported only
+    # after init_process_group() keeps gloo threads alive past destroy_process_group(), which
+    # then abort the process at exit (tests/test_process_groups.py)
+    for _name in _LAZY:
+        __getattr__(_name)

@@ -1,6 +1,6 @@
 """The one validator of a ckptfmt DCP checkpoint directory (spec/FORMAT.md 13.5).
 
-Two halves: the commit record's ``dcp`` member (``read_record``: metadata.from_value) and the
+Two halves: the commit record's ``dcp`` member (``checked_record``: metadata.check_value) and the
 rank files' agreement with it (``check_items``: each item's key exists in its rank file, and a
 tensor chunk's node is a tensor of the record's dtype and the row's shape).  ``cdcp.load``
 runs the first on every load and the second on each item it reads (storage.Reader, through
@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
-
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, UnsupportedError
@@ -23,6 +22,9 @@ from ..files import multifile, places
 from ..files.places import Place
 from . import metadata as mdv
 from .sources import LAYOUT, Source, rank_note
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 
 def read_record(
@@ -38,35 +40,41 @@ def read_record(
 def record_metadata(
     record: multifile.CommitRecord, directory: str
 ) -> tuple[Metadata, dict[MetadataIndex, mdv.Location]]:
-    """The Metadata and item locations of a commit record read from `directory` (its dcp member
-    checked: metadata.from_value); UnsupportedError for another layout."""
+    """The Metadata and item locations of a commit record read from `directory` (checked_record,
+    then torch's Metadata built for a load)."""
+    return mdv.to_metadata(checked_record(record, directory))
+
+
+def checked_record(record: multifile.CommitRecord, directory: str) -> mdv.CheckedRecord:
+    """The dcp member of a commit record read from `directory`, checked as a load checks it
+    (metadata.check_value: no torch); UnsupportedError for another layout."""
     commit = f"{directory}/{multifile.COMMIT_NAME}"
     if record.layout != LAYOUT:
         raise UnsupportedError(
             f"a {record.layout!r} checkpoint, not a DCP one (load it with ckptfmt.load)", path=commit
         )
-    return mdv.from_value(record.layout_data, [p.name for p in record.files], commit)
+    return mdv.check_value(record.layout_data, [p.name for p in record.files], commit)
 
 
 def check_items(
     directory: Place | CheckpointDir | str,
     record: multifile.CommitRecord,
-    where: dict[MetadataIndex, mdv.Location],
+    items: Iterable[tuple[str, mdv.Location]],
     fqns: set[str] | None = None,
     trusted: Any = None,
     decrypt: Any = None,
 ) -> tuple[list[CheckpointError], int]:
-    """Check the items of `fqns` (all: None) against their rank files, as a load that reads them
-    does (the rank files read beneath the directory's descriptor, each reading chunks only from
-    files the record names; `directory` a local one or an object prefix); the first problem of
-    each rank file, and the bytes of the distinct
+    """Check the `items` ((key, location) pairs) of `fqns` (all: None) against their rank files,
+    as a load that reads them does (the rank files read beneath the directory's descriptor, each
+    reading chunks only from files the record names; `directory` a local one or an object
+    prefix); the first problem of each rank file, and the bytes of the distinct
     storages holding their tensor chunks (what a consolidation may allocate, at most).
     `trusted`: public keys; `record` was read signed by one, and each rank file is hashed
     against it before its index is read (spec 16.7)."""
     by_file: dict[str, list[tuple[str, mdv.Location]]] = {}
-    for idx, loc in where.items():
-        if fqns is None or idx.fqn in fqns:
-            by_file.setdefault(loc.file, []).append((idx.fqn, loc))
+    for fqn, loc in items:
+        if fqns is None or fqn in fqns:
+            by_file.setdefault(loc.file, []).append((fqn, loc))
     problems: list[CheckpointError] = []
     held = 0
     with contextlib.ExitStack() as stack:
@@ -114,7 +122,8 @@ def verify_directory(
     with contextlib.ExitStack() as stack:
         try:
             d = stack.enter_context(places.held(directory, storage_options))
-            record, _, where = read_record(d)
+            record = d.read_record()
+            checked = checked_record(record, d.path)
         except CheckpointError as e:
             return [e]
-        return check_items(d, record, where, decrypt=decrypt)[0]
+        return check_items(d, record, checked.items(), decrypt=decrypt)[0]

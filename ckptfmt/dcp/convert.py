@@ -12,7 +12,6 @@ load the file back into any sharding.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import math
@@ -43,18 +42,15 @@ from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError,
 from ..fileio import is_url, open_regular, pread_exact
 from ..files import multifile, places
 from ..files import save as writer
-from ..files.places import Place
 from ..format import dtypes
 from ..format import layout as fmt
 from . import metadata as mdv
 from .api import _mapped, _single_process_ok
-from .check import check_items, record_metadata
 from .planners import LoadPlanner
 from .reader import Reader
-from .sources import RANK_FILE_RE
+from .sources import DCP_METADATA_NAME
 from .values import ObjectBytes
 
-DCP_METADATA_NAME = ".metadata"
 #: DCP's .metadata is read into memory whole; unpickling it costs some tens of bytes per byte
 MAX_DCP_METADATA_BYTES = 256 << 20
 
@@ -591,82 +587,11 @@ def _check_slices(directory: str, files: list[str], infos: list[_StorageInfo], p
         end[name] = max(end[name], info.offset + info.length)
 
 
-# -- describing a directory (for `ckptfmt ls` / `verify`) ---------------------------------------------
+# -- DCP's own format at a glance (for describe) ----------------------------------------------------
 
 
-def describe(
-    directory: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """A DCP checkpoint directory (or object prefix, with `storage_options`) at a glance:
-    complete or why not, its rank files, its contents.
-
-    Reads the commit record (its dcp member checked as a load checks it) and each rank file's
-    prologue, footer and index (each item checked against the record, check.check_items), no
-    chunk data: complete here means every check a load makes before reading data passes.
-    """
-    path = places.normalized(directory)
-    out: dict[str, Any] = {"path": path, "complete": False, "problem": None, "files": []}
-    if (
-        not is_url(path)
-        and not os.path.lexists(os.path.join(path, multifile.COMMIT_NAME))
-        and os.path.lexists(os.path.join(path, DCP_METADATA_NAME))
-    ):
-        return _describe_dcp_format(path, out)
-    out["format"] = "ckptfmt-dcp"
-    with contextlib.ExitStack() as stack:
-        present: list[str] = []
-        try:
-            # the record and rank files read beneath the directory (or prefix)
-            d = stack.enter_context(places.place_at(path, storage_options))
-            present = [n for n in d.names() if RANK_FILE_RE.fullmatch(n)]
-            record = d.read_record()
-        except CheckpointError as e:
-            out["problem"] = str(e)
-            out["files"] = [{"name": n, "rank": _rank(n), "status": "unnamed"} for n in present]
-            return out
-        return _describe_record(d, record, present, out)
-
-
-def _describe_record(
-    d: Place, record: multifile.CommitRecord, present: list[str], out: dict[str, Any]
-) -> dict[str, Any]:
-    path = d.path
-    out.update(step=record.step, layout=record.layout, created=record.created)
-    problems = []
-    try:
-        md, where = record_metadata(record, path)
-    except CheckpointError as e:
-        problems.append(str(e))
-    else:
-        tensors = sum(isinstance(v, TensorStorageMetadata) for v in md.state_dict_metadata.values())
-        world = record.layout_data["world_size"]
-        out.update(world_size=world, tensors=tensors, values=len(md.state_dict_metadata) - tensors)
-    for part in record.files:
-        entry: dict[str, Any] = {"name": part.name, "rank": _rank(part.name), "length": part.length}
-        try:
-            d.check_part(part)
-            entry["status"] = "ok"
-        except CheckpointError as e:
-            entry["status"] = "missing" if isinstance(e, IncompleteError) else "damaged"
-            entry["problem"] = e.reason
-            problems.append(e.reason)
-        out["files"].append(entry)
-    if not problems:
-        for bad in check_items(d, record, where)[0]:
-            for entry in out["files"]:
-                if entry["name"] == os.path.basename(bad.path or ""):
-                    entry.update(status="damaged", problem=bad.reason)
-            problems.append(str(bad))
-    named = {p.name for p in record.files}
-    out["files"] += [{"name": n, "rank": _rank(n), "status": "unnamed"} for n in present if n not in named]
-    out["complete"] = not problems
-    out["problem"] = "; ".join(problems) or None
-    out["bytes"] = sum(p.length for p in record.files)
-    return out
-
-
-def _describe_dcp_format(path: str, out: dict[str, Any]) -> dict[str, Any]:
-    """describe() for DCP's own format: its .metadata checked as consolidate checks it."""
+def describe_dcp_format(path: str, out: dict[str, Any]) -> dict[str, Any]:
+    """summary.describe() for DCP's own format: its .metadata checked as consolidate checks it."""
     out["format"] = "dcp-filesystem"
     reader = DCPFormatReader(path)
     try:
@@ -683,8 +608,3 @@ def _describe_dcp_format(path: str, out: dict[str, Any]) -> dict[str, Any]:
         files=[{"name": n, "rank": None, "status": "ok"} for n in names],
     )
     return out
-
-
-def _rank(name: str) -> int | None:
-    m = RANK_FILE_RE.fullmatch(name)
-    return int(m.group(1)) if m else None

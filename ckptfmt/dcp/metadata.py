@@ -22,30 +22,34 @@ checks every field's type and range, that each tensor's chunks lie inside it and
 tile it exactly (no overlap, no hole: a hole would leave part of a loaded tensor
 unwritten without an error), and raises CorruptError naming the key; a damaged or
 hostile record never surfaces as a KeyError, an IndexError or a crash.
+
+The arrays are read as their stored bytes (format/arrays.py) and every check is plain
+Python (`check_value`, which ``verify`` runs without torch or numpy); `to_metadata` then
+builds torch's Metadata for a load from the checked values (`from_value` does both).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
-from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
-import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, CorruptError, LimitError, UnsupportedError, UnsupportedObjectError
 from ..format import dtypes
+from ..format.arrays import INT64, StoredArray
 from ..format.layout import Limits
 from ..gcpause import pausing
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import (
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorStorageMetadata,
+    )
 
 #: DCP's metadata version written by this torch's own FileSystemWriter (filesystem.CURRENT_DCP_VERSION)
 DCP_VERSION = "1.0.0"
@@ -62,12 +66,14 @@ MAX_ROWS = 1 << 24
 _MAX_PAIRS = 1 << 22
 #: an empty chunk at a saved chunk's offsets would hide where that chunk lives
 _SAME_OFFSETS = "two chunks have the same offsets"
-#: up to this many chunks a tensor's rows are checked in plain Python, above it with numpy
-_FEW_CHUNKS = 16
 #: keys in a planner_data path: the saved structure nests no deeper than an object tree may
 MAX_PATH = Limits.MAX_DEPTH - 1
 #: list elements the planner data may describe, in all: an object tree holds at most this many nodes
 MAX_LIST_SLOTS = Limits.MAX_NODES
+
+#: an item of the record as plain values: its key and, for a tensor's chunk, the chunk's
+#: offsets (None for a non-tensor value); DCP's MetadataIndex(fqn, offsets) for a load
+ItemKey = tuple[str, "tuple[int, ...] | None"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,35 @@ class Location:
     dtype: str | None = None  # the dtype name the record gives (None for non-tensors)
 
 
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the record, checked: its chunks tile it exactly."""
+
+    fqn: str
+    dtype: str
+    requires_grad: bool
+    size: tuple[int, ...]
+    offsets: list[tuple[int, ...]]  # each chunk's offsets; its sizes are its Location's
+
+
+@dataclass
+class CheckedRecord:
+    """A record's ``dcp`` member with every check a load makes passed, as plain values (no
+    torch): what ``verify`` needs, and what `to_metadata` turns into DCP's Metadata for a load."""
+
+    version: str | None
+    world_size: int
+    tensors: list[TensorEntry] = field(default_factory=list)
+    values: list[str] = field(default_factory=list)  # the keys of non-tensor items
+    planner_data: dict[str, tuple[str | int, ...]] | None = None
+    storage_meta: dict[str, Any] | None = None
+    where: dict[ItemKey, Location] = field(default_factory=dict)
+
+    def items(self) -> list[tuple[str, Location]]:
+        """Every saved item: its key and where it lies (a tensor once per chunk)."""
+        return [(key[0], loc) for key, loc in self.where.items()]
+
+
 # -- Metadata -> value ----------------------------------------------------------------------
 
 
@@ -93,6 +128,12 @@ def to_value(
     md: Metadata, where: dict[MetadataIndex, tuple[int, int]], world_size: int, fail_path: str
 ) -> dict[str, Any]:
     """The record's ``dcp`` member for `md`; `where` maps each saved item to (file index, key)."""
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
+
     columns = _TensorColumns()
     byte_items: dict[str, list[int]] = {}
     for fqn, sm in md.state_dict_metadata.items():
@@ -121,13 +162,16 @@ class _TensorColumns:
     def __init__(self) -> None:
         self.keys: list[str] = []
         self.dtypes: dict[str, int] = {}
-        self.props: list[list[int]] = []
+        self.props: list[int] = []
         self.sizes: list[int] = []
         self.chunks: list[int] = []
 
     def add(
         self, fqn: str, sm: TensorStorageMetadata, where: dict[MetadataIndex, tuple[int, int]], fail_path: str
     ) -> None:
+        import torch
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
         name = dtypes.TORCH_NAMES.get(sm.properties.dtype)
         if name is None:
             raise UnsupportedObjectError(f"dtype {sm.properties.dtype} is not supported by ckptfmt", key=fqn)
@@ -144,16 +188,16 @@ class _TensorColumns:
             self.chunks += [*ch.offsets, *ch.sizes, *loc]
         index = self.dtypes.setdefault(name, len(self.dtypes))
         self.keys.append(fqn)
-        self.props.append([index, int(bool(sm.properties.requires_grad)), len(sm.size), len(sm.chunks)])
+        self.props += [index, int(bool(sm.properties.requires_grad)), len(sm.size), len(sm.chunks)]
         self.sizes += [int(d) for d in sm.size]
 
     def value(self) -> dict[str, Any]:
         return {
             "keys": self.keys,
             "dtypes": list(self.dtypes),
-            "props": np.array(self.props, dtype=np.int64).reshape(len(self.props), 4),
-            "sizes": np.array(self.sizes, dtype=np.int64),
-            "chunks": np.array(self.chunks, dtype=np.int64),
+            "props": StoredArray.of_ints(self.props, (len(self.keys), 4)),
+            "sizes": StoredArray.of_ints(self.sizes),
+            "chunks": StoredArray.of_ints(self.chunks),
         }
 
 
@@ -168,7 +212,7 @@ def _storage_meta_value(sm: StorageMeta | None) -> dict[str, Any] | None:
     }
 
 
-# -- value -> Metadata ------------------------------------------------------------------------
+# -- value -> checked plain values -> Metadata ---------------------------------------------------
 
 
 class _Fail:
@@ -194,59 +238,96 @@ def _int(fail: _Fail, v: object, what: str, lo: int, hi: int, key: str | None = 
     return v
 
 
-@pausing
 def from_value(value: object, files: list[str], path: str) -> tuple[Metadata, dict[MetadataIndex, Location]]:
-    """DCP's Metadata from a record's ``dcp`` member, and where each item lies (by file name)."""
+    """DCP's Metadata from a record's ``dcp`` member, and where each item lies (by file name):
+    `check_value`'s checks, then `to_metadata`."""
+    return to_metadata(check_value(value, files, path))
+
+
+@pausing
+def check_value(value: object, files: list[str], path: str) -> CheckedRecord:
+    """A record's ``dcp`` member checked as a load checks it (CorruptError, LimitError or
+    UnsupportedError naming the key), without torch: the one check that loads and verify make."""
     fail = _Fail(path)
     d = _exact(fail, value, _FIELDS, "the dcp member")
     version = d["version"]
     if version is not None and type(version) is not str:
         raise fail("version must be a str or None")
-    _int(fail, d["world_size"], "world_size", 1, MAX_WORLD)
+    out = CheckedRecord(version, _int(fail, d["world_size"], "world_size", 1, MAX_WORLD))
     tensors = d["tensors"]
     byte_items = d["bytes"]
     if type(tensors) is not dict or type(byte_items) is not dict:
         raise fail("tensors and bytes must be dicts")
-    sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-    where: dict[MetadataIndex, Location] = {}
-    _tensors_from_value(fail, tensors, files, sdm, where)
+    _check_tensors(fail, tensors, files, out)
+    tensor_keys = [t.fqn for t in out.tensors]
+    seen = set(tensor_keys)
     for fqn, loc in byte_items.items():
         if type(fqn) is not str:
             raise fail("a value key is not a str")
-        if fqn in sdm:
+        if fqn in seen:
             raise fail("the key is both a tensor and a value", fqn)
         if type(loc) is not list or len(loc) != 2:
             raise fail("a value's location must be [file, key]", fqn)
         f = _int(fail, loc[0], "file index", 0, len(files) - 1, fqn)
         k = _int(fail, loc[1], "item key", 0, MAX_KEY, fqn)
+        out.values.append(fqn)
+        out.where[(fqn, None)] = Location(files[f], k)
+    out.planner_data = d["planner_data"]
+    _check_planner_data(fail, out.planner_data, [*tensor_keys, *out.values])
+    out.storage_meta = _check_storage_meta(fail, d["storage_meta"])
+    return out
+
+
+@pausing
+def to_metadata(checked: CheckedRecord) -> tuple[Metadata, dict[MetadataIndex, Location]]:
+    """DCP's Metadata of a checked record, and where each item lies (what a load needs)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    where: dict[MetadataIndex, Location] = {}
+    for t in checked.tensors:
+        chunks = []
+        for offsets in t.offsets:
+            loc = checked.where[(t.fqn, offsets)]
+            o = torch.Size(offsets)
+            chunks.append(ChunkStorageMetadata(offsets=o, sizes=torch.Size(loc.sizes or ())))
+            where[MetadataIndex(t.fqn, o)] = loc
+        dtype = dtypes.TORCH_DTYPES.get(t.dtype)
+        if dtype is None:  # a name of the format this torch lacks
+            raise UnsupportedError(f"DCP metadata: dtype {t.dtype!r} is unknown to this torch", key=t.fqn)
+        props = TensorProperties(dtype=dtype, requires_grad=t.requires_grad)
+        sdm[t.fqn] = TensorStorageMetadata(properties=props, size=torch.Size(t.size), chunks=chunks)
+    for fqn in checked.values:
         sdm[fqn] = BytesStorageMetadata()
-        where[MetadataIndex(fqn)] = Location(files[f], k)
-    planner_data = d["planner_data"]
-    _check_planner_data(fail, planner_data, sdm)
+        where[MetadataIndex(fqn)] = checked.where[(fqn, None)]
+    sm = checked.storage_meta
     md = Metadata(
         state_dict_metadata=sdm,
-        planner_data=planner_data,
+        planner_data=checked.planner_data,
         storage_data=None,
-        storage_meta=_storage_meta_from_value(fail, d["storage_meta"]),
-        version=version,
+        storage_meta=None if sm is None else StorageMeta(**sm),
+        version=checked.version,
     )
     return md, where
 
 
-def _int64_array(fail: _Fail, v: object, ndim: int, what: str) -> np.ndarray:
-    if type(v) is not np.ndarray or v.dtype != np.dtype("<i8") or v.ndim != ndim:
+def _int64_column(fail: _Fail, v: object, ndim: int, what: str) -> StoredArray:
+    if type(v) is not StoredArray or v.dtype != INT64 or v.ndim != ndim:
         raise fail(f"{what} must be an int64 array of {ndim} dimension{'s' if ndim > 1 else ''}")
     return v
 
 
-def _tensors_from_value(
-    fail: _Fail,
-    value: object,
-    files: list[str],
-    sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata],
-    where: dict[MetadataIndex, Location],
-) -> None:
-    """Every tensor's TensorStorageMetadata (into `sdm`) and its chunks' locations (into `where`)."""
+def _check_tensors(fail: _Fail, value: object, files: list[str], out: CheckedRecord) -> None:
+    """Every tensor's entry (into `out.tensors`) and its chunks' locations (into `out.where`)."""
     t = _exact(fail, value, _TENSOR_FIELDS, "the tensors member")
     keys, names = t["keys"], t["dtypes"]
     if type(keys) is not list or any(type(k) is not str for k in keys):
@@ -255,17 +336,19 @@ def _tensors_from_value(
         raise fail("tensors.keys has a key twice")
     if type(names) is not list or any(type(n) is not str for n in names):
         raise fail("tensors.dtypes must be a list of str")
-    props = _int64_array(fail, t["props"], 2, "tensors.props")
-    if props.shape != (len(keys), 4):
+    props_column = _int64_column(fail, t["props"], 2, "tensors.props")
+    if props_column.shape != (len(keys), 4):
         raise fail(f"tensors.props must have shape [{len(keys)}, 4]")
-    sizes_flat = _int64_array(fail, t["sizes"], 1, "tensors.sizes").tolist()
-    chunks_flat = _int64_array(fail, t["chunks"], 1, "tensors.chunks")
+    props = props_column.ints()
+    sizes_flat = _int64_column(fail, t["sizes"], 1, "tensors.sizes").ints()
+    chunks_flat = _int64_column(fail, t["chunks"], 1, "tensors.chunks").ints()
     size_at = row_at = 0
-    for fqn, (dt, grad, ndim, n_rows) in zip(keys, props.tolist()):
+    for i, fqn in enumerate(keys):
+        dt, grad, ndim, n_rows = props[4 * i : 4 * i + 4]
         if not 0 <= dt < len(names):
             raise fail(f"dtype index {dt} is not in tensors.dtypes", fqn)
         name = names[dt]
-        if name not in dtypes.TORCH_DTYPES:
+        if not dtypes.is_tensor_dtype(name):
             raise UnsupportedError(f"DCP metadata: dtype {name[:40]!r} is unknown to this reader", key=fqn)
         if grad not in (0, 1):
             raise fail("requires_grad must be 0 or 1", fqn)
@@ -281,101 +364,71 @@ def _tensors_from_value(
         if numel > Limits.MAX_NUMEL:
             raise fail(f"{numel} elements exceed the limit {Limits.MAX_NUMEL}", fqn, limit=True)
         width = 2 * ndim + 2
-        rows = chunks_flat[row_at : row_at + n_rows * width]
-        if len(rows) != n_rows * width:
+        flat = chunks_flat[row_at : row_at + n_rows * width]
+        if len(flat) != n_rows * width:
             raise fail("tensors.chunks is shorter than the tensors' chunk rows", fqn)
         row_at += n_rows * width
-        rows = rows.reshape(n_rows, width)
-        table: list[list[int]] = rows.tolist()
-        if n_rows <= _FEW_CHUNKS:
-            _check_few_rows(fail, fqn, table, size, numel, len(files))
-        else:
-            _check_rows(fail, fqn, rows, size, numel, len(files))
-        chunks = []
+        table = [flat[r : r + width] for r in range(0, len(flat), width)]
+        check_rows(fail, fqn, table, size, numel, len(files))
+        offsets = []
         for row in table:
-            o, s = torch.Size(row[:ndim]), torch.Size(row[ndim : 2 * ndim])
-            chunks.append(ChunkStorageMetadata(offsets=o, sizes=s))
-            where[MetadataIndex(fqn, o)] = Location(files[row[2 * ndim]], row[2 * ndim + 1], tuple(s), name)
-        props_ = TensorProperties(dtype=dtypes.TORCH_DTYPES[name], requires_grad=bool(grad))
-        sdm[fqn] = TensorStorageMetadata(properties=props_, size=torch.Size(size), chunks=chunks)
+            o = tuple(row[:ndim])
+            offsets.append(o)
+            out.where[(fqn, o)] = Location(
+                files[row[2 * ndim]], row[2 * ndim + 1], tuple(row[ndim : 2 * ndim]), name
+            )
+        out.tensors.append(TensorEntry(fqn, name, bool(grad), tuple(size), offsets))
     if size_at != len(sizes_flat) or row_at != len(chunks_flat):
         raise fail("tensors.sizes or tensors.chunks holds more than the tensors' sizes and chunk rows")
 
 
-def _check_rows(fail: _Fail, fqn: str, rows: np.ndarray, size: list[int], numel: int, n_files: int) -> None:
-    """A tensor's chunk rows: each inside the tensor, naming a file and key that can exist, and
-    together tiling the tensor exactly (numpy, for many rows)."""
-    ndim = len(size)
-    if rows.shape[0] < 1 or (rows < 0).any():
-        raise fail("chunks must be at least one row of non-negative ints", fqn)
-    offs, sizes = rows[:, :ndim], rows[:, ndim : 2 * ndim]
-    files_col, keys_col = rows[:, 2 * ndim], rows[:, 2 * ndim + 1]
-    dims = np.array(size, dtype=np.int64)
-    if ndim and ((sizes > dims).any() or (offs > dims - sizes).any()):
-        raise fail("a chunk lies outside the tensor", fqn)
-    if (files_col >= n_files).any() or (keys_col > MAX_KEY).any():
-        raise fail("a chunk names a file or key that does not exist", fqn)
-    _check_tiling(fail, fqn, offs, sizes, numel)
-    if ndim and len(np.unique(offs, axis=0)) != len(offs):
-        raise fail(_SAME_OFFSETS, fqn)
-
-
-def _check_few_rows(
+def check_rows(
     fail: _Fail, fqn: str, table: list[list[int]], size: list[int], numel: int, n_files: int
 ) -> None:
-    """_check_rows for a handful of rows, in plain Python: the same checks and errors, without
-    a dozen numpy calls per tensor (a state has thousands of tensors of one to a few chunks)."""
+    """A tensor's chunk rows: each inside the tensor, naming a file and key that can exist, and
+    together tiling the tensor exactly (no overlap, no hole), at different offsets.  Column by
+    column (map and zip run in C: a record of 10^5 chunks is checked on every load)."""
     ndim = len(size)
-    if not table or any(v < 0 for row in table for v in row):
+    if not table or min(map(min, table)) < 0:
         raise fail("chunks must be at least one row of non-negative ints", fqn)
-    for row in table:
-        for d in range(ndim):
-            if row[ndim + d] > size[d] or row[d] > size[d] - row[ndim + d]:
-                raise fail("a chunk lies outside the tensor", fqn)
-    if any(row[2 * ndim] >= n_files or row[2 * ndim + 1] > MAX_KEY for row in table):
+    cols = list(zip(*table))
+    offs, sizes = cols[:ndim], cols[ndim : 2 * ndim]
+    ends = [list(map(operator.add, o, z)) for o, z in zip(offs, sizes)]
+    if any(max(e) > n for e, n in zip(ends, size)):
+        raise fail("a chunk lies outside the tensor", fqn)
+    if max(cols[2 * ndim]) >= n_files or max(cols[2 * ndim + 1]) > MAX_KEY:
         raise fail("a chunk names a file or key that does not exist", fqn)
-    volumes = [math.prod(row[ndim : 2 * ndim]) for row in table]
+    volumes = list(map(math.prod, zip(*sizes))) if ndim else [1] * len(table)
     total = sum(volumes)
     if total != numel:
         raise fail(f"the chunks hold {total} elements, the tensor has {numel}", fqn)
-    boxes = [
-        (row[:ndim], [o + z for o, z in zip(row[:ndim], row[ndim : 2 * ndim])])
-        for row, v in zip(table, volumes)
-        if v
-    ]
-    if len(boxes) > 1 and ndim == 0:
+    boxes = [box for box, v in zip(zip(zip(*offs), zip(*ends)), volumes) if v]
+    if len(boxes) > 1 and ndim == 0:  # several non-empty chunks of a 0-d tensor
         raise fail("chunks overlap", fqn)
-    for i, (a_off, a_end) in enumerate(boxes):
-        for b_off, b_end in boxes[i + 1 :]:
-            if all(a_off[d] < b_end[d] and b_off[d] < a_end[d] for d in range(ndim)):
-                raise fail(f"chunks at offsets {a_off} and {b_off} overlap", fqn)
-    if ndim and len({tuple(row[:ndim]) for row in table}) != len(table):
+    _check_disjoint(fail, fqn, boxes)
+    if ndim and len(set(zip(*offs))) != len(table):
         raise fail(_SAME_OFFSETS, fqn)
 
 
-def _check_tiling(fail: _Fail, fqn: str, offs: np.ndarray, sizes: np.ndarray, numel: int) -> None:
-    """The chunks (inside the tensor, checked before) cover every element exactly once."""
-    volumes = np.prod(sizes, axis=1, dtype=np.int64) if sizes.shape[1] else np.ones(len(sizes), np.int64)
-    total = sum(volumes.tolist())  # Python ints: no overflow however many chunks
-    if total != numel:
-        raise fail(f"the chunks hold {total} elements, the tensor has {numel}", fqn)
-    keep = volumes > 0
-    offs, ends = offs[keep], offs[keep] + sizes[keep]
-    n = len(offs)
-    if n < 2 or offs.shape[1] == 0:
-        if n > 1:  # several non-empty chunks of a 0-d tensor
-            raise fail("chunks overlap", fqn)
+def _check_disjoint(fail: _Fail, fqn: str, boxes: Sequence[tuple[Sequence[int], Sequence[int]]]) -> None:
+    """No two boxes (start, end) share an element.  With their volumes adding up to the
+    tensor's and each inside it, disjoint means they tile it exactly.
+
+    A sweep along the dimension with the most distinct starts: sorted by their start there,
+    a box can only meet the boxes that start before it ends, so only those pairs are compared
+    (for row or column shards, each box's neighbour).  The pairs are counted first (a binary
+    search per box) and a LimitError stops a hostile record whose boxes pile up where the
+    sweep cannot tell them apart: comparing every pair of millions of one-element chunks
+    would take hours."""
+    n = len(boxes)
+    if n < 2 or not boxes[0][0]:
         return
-    # Sweep along the dimension with the most distinct offsets: sorted by their start there,
-    # a chunk can only meet the chunks that start before it ends, so only those pairs are
-    # compared (for row or column shards, each chunk's neighbour).  Comparing every pair
-    # would take hours for a hostile tensor of millions of one-element chunks.
-    axis = max(range(offs.shape[1]), key=lambda d: len(np.unique(offs[:, d])))
-    order = np.argsort(offs[:, axis], kind="stable")
-    offs, ends = offs[order], ends[order]
-    reach = np.searchsorted(offs[:, axis], ends[:, axis], side="left")  # chunks starting before i ends
-    counts = np.maximum(reach - np.arange(1, n + 1), 0)
-    pairs = int(counts.sum())
+    ndim = len(boxes[0][0])
+    axis = max(range(ndim), key=lambda d: len({b[0][d] for b in boxes}))
+    boxes = sorted(boxes, key=lambda b: b[0][axis])
+    starts = [b[0][axis] for b in boxes]
+    reach = [bisect.bisect_left(starts, b[1][axis]) for b in boxes]  # boxes starting before it ends
+    pairs = sum(max(r - i - 1, 0) for i, r in enumerate(reach))
     if pairs > _MAX_PAIRS:
         raise fail(
             f"{n} chunks overlap along every dimension too often to check ({pairs} pairs, "
@@ -383,20 +436,13 @@ def _check_tiling(fail: _Fail, fqn: str, offs: np.ndarray, sizes: np.ndarray, nu
             fqn,
             limit=True,
         )
-    if not pairs:
-        return
-    first = np.repeat(np.arange(n), counts)
-    starts = np.repeat(np.cumsum(counts) - counts, counts)
-    second = first + 1 + (np.arange(pairs) - starts)
-    hit = np.ones(pairs, dtype=bool)
-    for d in range(offs.shape[1]):
-        hit &= (offs[first, d] < ends[second, d]) & (offs[second, d] < ends[first, d])
-    if hit.any():
-        k = int(np.argmax(hit))
-        raise fail(f"chunks at offsets {offs[first[k]].tolist()} and {offs[second[k]].tolist()} overlap", fqn)
+    for i, (a_off, a_end) in enumerate(boxes):
+        for b_off, b_end in boxes[i + 1 : reach[i]]:
+            if all(a_off[d] < b_end[d] and b_off[d] < a_end[d] for d in range(ndim)):
+                raise fail(f"chunks at offsets {list(a_off)} and {list(b_off)} overlap", fqn)
 
 
-def _check_planner_data(fail: _Fail, pd: object, keys: dict[str, Any]) -> None:
+def _check_planner_data(fail: _Fail, pd: object, keys: list[str]) -> None:
     """DCP's default planners keep {flattened key: the path of keys it came from} here; consolidate
     rebuilds the saved structure from it, so every path is checked before anything is built."""
     if pd is None:
@@ -465,7 +511,8 @@ def _check_paths(fail: _Fail, paths: list[tuple[str, tuple[str | int, ...]]]) ->
                 node = child
 
 
-def _storage_meta_from_value(fail: _Fail, v: object) -> StorageMeta | None:
+def _check_storage_meta(fail: _Fail, v: object) -> dict[str, Any] | None:
+    """The storage_meta member, checked: the keyword arguments of DCP's StorageMeta."""
     if v is None:
         return None
     d = _exact(fail, v, _STORAGE_META_FIELDS, "storage_meta")
@@ -474,4 +521,4 @@ def _storage_meta_from_value(fail: _Fail, v: object) -> StorageMeta | None:
             raise fail(f"storage_meta.{f} must be a str or None")
     if type(d["modules"]) is not list or any(type(m) is not str for m in d["modules"]):
         raise fail("storage_meta.modules must be a list of str")
-    return StorageMeta(checkpoint_id=d["checkpoint_id"], save_id=d["save_id"], modules=list(d["modules"]))
+    return {"checkpoint_id": d["checkpoint_id"], "save_id": d["save_id"], "modules": list(d["modules"])}

@@ -133,7 +133,8 @@ class Reader(HeldPlace, StorageReader):
                 return [], sum(s.nbytes for s in f.storages)
         d = self._open_dir()
         assert d is not None and self._record is not None
-        return check_items(d, self._record, self._where, fqns, self._trusted, self._decrypt)
+        items = ((idx.fqn, loc) for idx, loc in self._where.items())
+        return check_items(d, self._record, items, fqns, self._trusted, self._decrypt)
 
     def _read_single_file(self) -> None:
         from .singlefile import file_metadata

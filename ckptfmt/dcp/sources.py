@@ -15,6 +15,8 @@ from ..files.reader import CheckpointFile
 from . import metadata as mdv
 
 LAYOUT = "dcp"
+#: the file that marks a directory in DCP's own FileSystemWriter format (read by convert.py)
+DCP_METADATA_NAME = ".metadata"
 #: a rank file's name: ``rank-NNNNN.ckpt``, or, in a manager's step on a store, with the 16 hex
 #: digits of its save (``rank-NNNNN.<h>.ckpt``, spec 13.7): a save never writes over another's
 RANK_FILE_RE = re.compile(r"rank-([0-9]{5,9})(?:\.[0-9a-f]{16})?\.ckpt")

@@ -90,11 +90,13 @@ def producer_info() -> dict[str, str]:
 
 def storage_bytes(plan: StoragePlan) -> memoryview:
     """A byte view of a storage's memory on the CPU (a copy only for device storages)."""
+    src = plan.source
+    if isinstance(src, bytes):  # an array as its stored bytes (format/arrays.py): no numpy
+        return memoryview(src)
     import numpy as np
 
     from . import bytesview
 
-    src = plan.source
     if isinstance(src, np.ndarray):
         return bytesview.array_bytes(src)
     flat = bytesview.storage_as_uint8(src)

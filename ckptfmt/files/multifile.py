@@ -17,7 +17,7 @@ import contextlib
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..engine.ckptdir import CheckpointDir, LinkError
 from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
@@ -26,6 +26,9 @@ from ..format import layout as fmt
 from ..format.index import External
 from ..format.timestamps import MICROSECONDS, format_utc, utc_now
 from .reader import CheckpointFile
+
+if TYPE_CHECKING:
+    from .save import FileSaveOptions
 
 COMMIT_NAME = "COMMIT"
 #: the record's own layout version; a reader rejects versions it does not know
@@ -262,15 +265,25 @@ def open_dir(path: str, noun: str = "checkpoint directory") -> CheckpointDir:
 
 
 def write_commit(
-    directory: str, record: CommitRecord, within: CheckpointDir | None = None, sign_with: Any = None
+    directory: str,
+    record: CommitRecord,
+    within: CheckpointDir | None = None,
+    sign_with: Any = None,
+    options: FileSaveOptions | None = None,
 ) -> None:
     """Write the commit record last: temp file, fsync, rename, fsync the directory (beneath
     the open directory `within` when given); `sign_with`: a private key that signs the
-    record file (spec 16.7: its entries must then carry their files' SHA-256)."""
+    record file (spec 16.7: its entries must then carry their files' SHA-256).  `options`:
+    the record's save options, built once by a writer that commits many records (a run's
+    manager: save.save_options(sign_with=key)), instead of `sign_with`."""
     from .save import save_file, save_options
 
+    if options is None:
+        options = save_options(sign_with=sign_with)
+    elif sign_with is not None:
+        raise ValueError("write_commit takes sign_with or options, not both")
     path = os.path.join(directory, COMMIT_NAME)
-    save_file(record.as_value(), path, save_options(sign_with=sign_with), within=within)
+    save_file(record.as_value(), path, options, within=within)
 
 
 #: a commit record larger than this is refused before it is parsed (records name at most
@@ -317,7 +330,9 @@ def record_from(f: CheckpointFile) -> CommitRecord:
     if f.externals:
         raise _fail(f.path, "refers to chunks of other files")
     _check_members(f.path, f)
-    return _parse_record(f.load_subtree(f.tree.root, None, True), f.path)
+    # arrays (a DCP record's columns) as their stored bytes: no torch or numpy, and a record
+    # read twice compares equal
+    return _parse_record(f.load_plain(f.tree.root, True), f.path)
 
 
 def _check_members(path: str, f: CheckpointFile) -> None:

@@ -379,6 +379,14 @@ class CheckpointFile:
 
         return decode_raw(self.tree, top, lambda sid: self.storage_bytes(sid, verify), self.path)
 
+    def load_plain(self, top: int, verify: bool) -> object:
+        """The subtree at `top` as decode_plain builds it (no torch, no numpy): arrays as
+        StoredArrays, their bytes read and checked now, within max_bytes (a commit record)."""
+        from ..format.decode import decode_plain
+
+        self._check_memory(tree.storages_under(self.tree, top), 0)
+        return decode_plain(self.tree, top, lambda sid: self.storage_bytes(sid, verify), self.path)
+
     def read_storage(self, sid: int, verify: bool) -> torch.UntypedStorage:
         return self.read_storages([sid], verify)[sid]
 

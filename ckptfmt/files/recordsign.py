@@ -104,9 +104,10 @@ def with_digests(d: CheckpointDir, record: multifile.CommitRecord) -> multifile.
     return dataclasses.replace(record, files=tuple(named[:n]), references=tuple(named[n:]))
 
 
-def write_signed(d: CheckpointDir, record: multifile.CommitRecord, key: Any) -> None:
-    """Write `record` as the signed commit record of `d` (spec 16.7); `key`: a private key."""
-    multifile.write_commit(d.path, with_digests(d, record), within=d, sign_with=key)
+def write_signed(d: CheckpointDir, record: multifile.CommitRecord, key: Any, options: Any = None) -> None:
+    """Write `record` as the signed commit record of `d` (spec 16.7); `key`: a private key, or
+    `options`: save options built once with it (multifile.write_commit)."""
+    multifile.write_commit(d.path, with_digests(d, record), within=d, sign_with=key, options=options)
 
 
 def read_trusted(d: CheckpointDir, trusted: Any) -> multifile.CommitRecord:

@@ -11,6 +11,9 @@ or numpy: each is imported by the first node that needs it.  `decode_raw` builds
 subtree without either: tensors and arrays become `RawArray`s whose elements are read as
 bytes when asked for, and numpy scalars, dtypes, devices and sizes `RawValue`s, so that
 checks made on decoded values (a manager's RNG states) run where neither is installed.
+`decode_plain` is `decode_raw` with every array's bytes read at once into a `StoredArray`
+(arrays.py): what a commit record holds, a value that compares equal to its copy and is
+written back byte for byte.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..gcpause import pausing
 from . import dtypes
+from .arrays import StoredArray
 from .tree import Tree, float_value
 from .validate import Check, key_value
 
@@ -176,6 +180,23 @@ class _RawBuilder(_Builder):
             # a size's dims as a tuple: a dict key may be one of these, so it must hash
             return RawValue(kind, tuple(tuple(f) if type(f) is list else f for f in node[1:]))
         return super().build(i)  # containers and scalars, whose entries come back here
+
+
+@pausing
+def decode_plain(tree: Tree, top: int, storage: Callable[[int], bytes], path: str) -> object:
+    """The subtree at `top` built without torch or numpy, ndarrays as `StoredArray`s whose
+    bytes `storage` reads now (see the module docstring)."""
+    return _PlainBuilder(tree.nodes, storage, path).build(top)  # type: ignore[arg-type]
+
+
+class _PlainBuilder(_RawBuilder):
+    def build(self, i: int) -> object:
+        node = self.nodes[i]
+        if node[0] == "ndarray":  # validated: a valid dtype name, its storage holds its elements
+            m = node[1]
+            data = bytes(self.storage(m["storage"]))  # type: ignore[arg-type]
+            return StoredArray(m["dtype"], tuple(m["shape"]), m["order"], data)
+        return super().build(i)
 
 
 def _build_tensor(m: dict[str, Any], storage: Callable[[int], torch.UntypedStorage]) -> torch.Tensor:

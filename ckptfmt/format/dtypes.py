@@ -140,3 +140,9 @@ def numpy_dtype(name: str) -> np.dtype | None:
 
 def numpy_shuffle_width(dtype: np.dtype) -> int:
     return dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize
+
+
+def numpy_stored_width(name: str) -> int:
+    """numpy_shuffle_width of a valid numpy dtype name, without numpy."""
+    size = numpy_itemsize(name) or 1
+    return size // 2 if name[1] == "c" else size

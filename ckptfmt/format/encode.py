@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import LimitError, UnsupportedObjectError
 from ..gcpause import pausing
 from . import dtypes, locations
+from .arrays import StoredArray
 from .layout import Limits
 from .render import extend_path, key_text, short_repr
 from .tree import float_text, over_string_limit
@@ -37,7 +38,7 @@ class StoragePlan:
     nbytes: int
     device: str
     width: int
-    source: torch.UntypedStorage | np.ndarray
+    source: torch.UntypedStorage | np.ndarray | bytes  # bytes: a StoredArray's
     key: str
 
 
@@ -163,7 +164,20 @@ class _Encoder:
             if mid is not None and self.out.nodes[mid][0] not in ("dict", "odict"):
                 raise self._fail(where, meta, "_metadata must be a dict")
             return self._emit(["odict", pairs, mid], path)
+        if t is StoredArray:
+            return self._stored_array(obj, path)
         return self._library_value(obj, t, path)
+
+    def _stored_array(self, a: StoredArray, path: _Path) -> int:
+        """An array as its stored bytes (a commit record read without numpy, written again)."""
+        numel = len(a.data) // (dtypes.numpy_itemsize(a.dtype) or 1)
+        self._check_shape(path, list(a.shape), numel, "an array")
+        if len(a.data) > Limits.MAX_STORAGE_BYTES:
+            raise self._limit(path, f"an array of {len(a.data)} bytes, above {Limits.MAX_STORAGE_BYTES}")
+        width = dtypes.numpy_stored_width(a.dtype)
+        sid = self._storage(None, StoragePlan(len(a.data), "cpu", width, a.data, ""), path)
+        meta = {"dtype": a.dtype, "shape": list(a.shape), "order": a.order, "storage": sid}
+        return self._emit(["ndarray", meta], path)
 
     def _library_value(self, obj: Any, t: type, path: _Path) -> int:
         """A value of torch or numpy: one exists only where its library was imported, so a

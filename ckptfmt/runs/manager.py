@@ -180,6 +180,8 @@ class CheckpointManager(RunRotation):
         # deletes a step); reads judge them as a trusting reader does: a state file is read
         # with the key only once its record's signature and its signed SHA-256 held
         self._records = StepRecords(self.directory, self._decrypt)
+        # how every signed commit record is written (with the key loaded once, at __init__)
+        self._record_options = writer.save_options(sign_with=self._sign_key)
         self._read_records = (
             self._records
             if self._trusted is None
@@ -484,7 +486,7 @@ class CheckpointManager(RunRotation):
                 multifile.check_named(STATE_NAME, f.externals, refs, job.path)
         record = multifile.CommitRecord(job.step, "state", parts, refs, job.metrics, job.metadata)
         if self._sign_key is not None:
-            recordsign.write_signed(d, record, self._sign_key)
+            recordsign.write_signed(d, record, None, self._record_options)
         else:
             multifile.write_commit(job.path, record, within=d)
         return record

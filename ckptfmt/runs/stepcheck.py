@@ -38,9 +38,9 @@ def check_step(
         if trusted is None or _signed_files_match(d, record, trusted):
             _check_state_index(d, record, decrypt)
     elif record.layout == "dcp":
-        from ..dcp.check import record_metadata
+        from ..dcp.check import checked_record
 
-        record_metadata(record, d.path)  # the record's dcp member (it reads no file)
+        checked_record(record, d.path)  # the record's dcp member, as a load checks it (no file read)
     elif step is not None:
         raise UnsupportedError(f"a {record.layout!r} checkpoint is not a step of a run", path=d.path)
     return record
@@ -164,9 +164,9 @@ def verify_objects(place: ObjectPlace, decrypt: Any = None, trusted: Any = None)
         if step is not None and record.step != step:
             raise CorruptError(f"the commit record is for step {record.step}, not {step}", path=place.path)
         if record.layout == "dcp":
-            from ..dcp.check import record_metadata
+            from ..dcp.check import checked_record
 
-            record_metadata(record, place.path)
+            checked_record(record, place.path)
         commit = place.path_of(multifile.COMMIT_NAME)
         with CheckpointFile(commit, storage_options=place.options) as f:
             _add_part(report, multifile.COMMIT_NAME, f, None)
