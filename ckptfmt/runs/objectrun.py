@@ -514,14 +514,35 @@ class ObjectRun:
     def sweep_step(self, step: int, record: multifile.CommitRecord) -> None:
         """Delete what other saves left in step `step`, which this process has just committed
         with `record`: objects ckptfmt writes in a step (never a copy marker, never the record)
-        that the record does not name, each by the version listed (If-Match).  No record can
-        name them: a step's record is created only once, and names only objects its own writer
-        uploaded (spec 13.7)."""
+        that the record does not name, each by the version listed (If-Match).  No record of
+        the step can name them: a step's record is created only once, and names only objects
+        its own writer uploaded (spec 13.7).  A later step's record can: the step may have been
+        committed by another writer and retired by its rotation (its record deleted, its
+        object kept for a later step) between this save's preparation and its commit, so the
+        objects later steps read are left."""
         url = self._step_url(step)
         named = {p.name for p in record.files} | {multifile.COMMIT_NAME}
+        read_later = self._read_by_later_steps(step)
         for name, version in listing.versions(url, self.options).items():
-            if is_own_name(name) and name not in named and version is not None:
+            if is_own_name(name) and name not in named | read_later and version is not None:
                 listing.delete_object(url.child(name), self.options, if_match=version)
+
+    def _read_by_later_steps(self, step: int) -> set[str]:
+        """The names of step `step`'s objects that the records of later steps refer to (only
+        later steps refer to a step's objects); one listing of the run, one GET a later record
+        (usually none: the step swept is the newest).  LimitError past MAX_STATUS_RECORDS of
+        them: what the others refer to is not known, so nothing is swept."""
+        found = self.listing()
+        later = {s: names for s, names in found.items() if s > step}
+        if sum(multifile.COMMIT_NAME in names for names in later.values()) > MAX_STATUS_RECORDS:
+            raise LimitError(
+                f"more than {MAX_STATUS_RECORDS} later steps may read objects of step {step}: "
+                "none of them is deleted",
+                path=self.step_path(step),
+            )
+        statuses = [self._status(s, names, found) for s, names in sorted(later.items())]
+        prefix = self.step_path(step) + "/"
+        return {u[len(prefix) :] for u in self._referenced_by(statuses) if u.startswith(prefix)}
 
     def sweep_committed(self, step: int) -> None:
         """sweep_step of step `step` by the commit record there now, if one can be read."""
