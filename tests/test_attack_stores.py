@@ -8,6 +8,7 @@ import threading
 
 import torch
 
+import ckptfmt
 from ckptfmt import CheckpointManager
 
 WEIGHTS = torch.arange(1 << 14, dtype=torch.float32)
@@ -71,3 +72,50 @@ def test_a_late_commit_never_sweeps_the_object_a_later_step_reads(s3_bucket):
     assert fresh.verify(2).ok
     got = fresh.load(2)
     assert got["step"] == 2 and torch.equal(got["w"], WEIGHTS)
+
+
+FULL = torch.arange(1 << 16, dtype=torch.float32).reshape(256, 256)
+
+
+def _dcp_jobs_race_for_step_1(rank: int, world: int, url: str, options: dict[str, str]) -> dict[str, object]:
+    """On each of 2 ranks: job b readies step 1; job a (incremental, keep_last=1) saves and
+    commits step 1, then step 2 (the same shards: it reads step 1's rank files), retiring
+    step 1; then job b goes on with its save of step 1 from that preparation."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def state(step: int, sign: int) -> dict[str, object]:
+        return {"w": distribute_tensor(FULL * sign, mesh, [Shard(0)]), "step": step}
+
+    a = CheckpointManager(url, storage_options=options, incremental=True, keep_last=1)
+    b = CheckpointManager(url, storage_options=options)
+    prepared = b._prepare_step(1) if rank == 0 else []
+    a.save(1, state(1, 1))
+    a.save(2, state(2, 1))
+    b._prepare_step = lambda step: prepared  # b's save goes on from its earlier preparation
+    lost = None
+    try:
+        b.save(1, state(1, -1))
+    except ckptfmt.CheckpointError as e:
+        lost = str(e)
+    dist.barrier()
+    return {"lost": lost}
+
+
+def test_a_late_dcp_commit_never_deletes_the_rank_files_a_later_step_reads(tmp_path, s3_bucket):
+    """The race above with two jobs of 2 ranks each: job b's coordinator commits step 1 after
+    job a retired it, and must leave a's rank files, which a's step 2 reads."""
+    from helpers import run_ranks
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/run"
+    results = run_ranks(_dcp_jobs_race_for_step_1, 2, tmp_path, url, options)
+    assert all("error" not in got for got in results), results
+    reader = CheckpointManager(url, storage_options=options)
+    assert reader.checkpoints()[-1].step == 2 and reader.checkpoints()[-1].references
+    assert reader.verify(2).ok
+    full = reader.load(2)
+    assert torch.equal(full["w"], FULL) and full["step"] == 2

@@ -483,7 +483,10 @@ class Writer(HeldPlace, StorageWriter):
         d.write_record(record, sign_with=self.options.sign_key)
         metadata.version = value["version"]
         metadata.storage_data = {idx: StorageInfo(f, k) for idx, (f, k) in where.items()}
-        _remove_stale_rank_files(d, set(names))
+        if self._own_names:  # a manager's step on a store: its manager deletes what others left
+            d.remove_leftovers()  # (later steps may read it: ObjectRun.sweep_step)
+        else:
+            _remove_stale_rank_files(d, set(names))
 
     def _digested(self, d: Place, p: multifile.PartRecord) -> multifile.PartRecord:
         """Digests on every entry of a signed record, on none of another."""

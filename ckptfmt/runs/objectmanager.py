@@ -279,10 +279,14 @@ class ObjectRunManager(CheckpointManager):
             self._tidy(job.path, lambda: self.run.delete_uncommitted(job.step, job.state_name, version))
 
     def _step_bytes(self, job: StepJob, record: multifile.CommitRecord | None) -> int:
-        """The bytes of the objects step `job` committed, by its record (read back with one
-        GET only where DCP's coordinator wrote it)."""
+        """The bytes of the objects step `job` committed, by its record.  Where DCP's
+        coordinator wrote it, the coordinator reads it back (one GET) and deletes what other
+        saves left in the step by it (ObjectRun.sweep_step, which keeps what later steps read:
+        the DCP writer leaves that to the run)."""
         if record is None and job.coordinator:
             record = self.run.step_place(job.step).read_record()
+            committed = record
+            self._tidy(job.path, lambda: self.run.sweep_step(job.step, committed))
         return 0 if record is None else sum(p.length for p in record.files)
 
     def _rotate(self) -> None:
