@@ -522,9 +522,14 @@ class ObjectRun:
         objects later steps read are left."""
         url = self._step_url(step)
         named = {p.name for p in record.files} | {multifile.COMMIT_NAME}
-        read_later = self._read_by_later_steps(step)
-        for name, version in listing.versions(url, self.options).items():
-            if is_own_name(name) and name not in named | read_later and version is not None:
+        others = {
+            name: version
+            for name, version in listing.versions(url, self.options).items()
+            if is_own_name(name) and name not in named and version is not None
+        }
+        read_later = self._read_by_later_steps(step) if others else set()  # listed only then
+        for name, version in others.items():
+            if name not in read_later:
                 listing.delete_object(url.child(name), self.options, if_match=version)
 
     def _read_by_later_steps(self, step: int) -> set[str]:
