@@ -119,3 +119,36 @@ def test_a_late_dcp_commit_never_deletes_the_rank_files_a_later_step_reads(tmp_p
     assert reader.verify(2).ok
     full = reader.load(2)
     assert torch.equal(full["w"], FULL) and full["step"] == 2
+
+
+def test_a_copy_cut_short_on_another_host_does_not_stop_the_next_copy_of_the_step(tmp_path, s3_bucket):
+    """An archive copy of step 5 died on another node (a restarted container: its copy marker
+    cannot be judged dead before a day) after uploading the state object, before the record.
+    The next process's copy of the same step finds that object, the very file it is copying
+    (created only if absent, it is not uploaded again): it checks it as it checks its own
+    upload and commits the step, instead of failing every pass for a day."""
+    import warnings
+
+    from s3_server import s3_client
+
+    from ckptfmt.runs.objectrun import ObjectRun
+
+    bucket, options = s3_bucket
+    run_dir = tmp_path / "run"
+    saved = _state(5)
+    CheckpointManager(run_dir).save(5, saved)
+    client = s3_client(options["endpoint_url"])
+    step_key = "run/step-000000005"
+    client.put_object(Bucket=bucket, Key=f"{step_key}/ARCHIVING.0123456789abcdef.42.77.0badcafe", Body=b"x")
+    client.put_object(
+        Bucket=bucket, Key=f"{step_key}/state.ckpt", Body=(run_dir / "step-000000005/state.ckpt").read_bytes()
+    )
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always", ckptfmt.CheckpointWarning)
+        m = CheckpointManager(run_dir, archive=f"s3://{bucket}/run", storage_options=options)
+        m._archiver.kick()
+        m._archiver.wait(60)
+    assert not [str(w.message) for w in warned if issubclass(w.category, ckptfmt.CheckpointWarning)]
+    assert [c.step for c in ObjectRun(f"s3://{bucket}/run", options).checkpoints()] == [5]
+    got = CheckpointManager(f"s3://{bucket}/run", storage_options=options).load(5)
+    assert got["step"] == 5 and torch.equal(got["w"], saved["w"])

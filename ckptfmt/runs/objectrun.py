@@ -376,11 +376,16 @@ class ObjectRun:
 
     def _put_file(self, d: CheckpointDir, part: multifile.PartRecord, url: str) -> None:
         """Upload one file of the step being copied, created only if absent: an object already
-        there (another archiver's copy of a step of this number, or what a copy cut short
-        left, removed once its markers are dead) is never replaced (ObjectExistsError)."""
+        there is never replaced.  One that is this very file (what a copy of the step cut
+        short left, on another node whose marker is not judged dead for a day) is checked as
+        an upload is; any other (another archiver's copy of a step of this number) is an
+        ObjectExistsError."""
         fd = multifile.open_part(d, part, d.path)
         try:
             upload_file(fd, url, self.options, if_absent=True)
+        except ObjectExistsError:
+            if not self._is_the_file(url, part):
+                raise
         finally:
             os.close(fd)
         report = verify(url, storage_options=self.options, decrypt_with=self.decrypt)
@@ -389,6 +394,18 @@ class ObjectRun:
         with CheckpointFile(url, storage_options=self.options, decrypt_with=self.decrypt) as f:
             found = multifile.identity_of(f, part.name)
         multifile.check_identity(found, part, part.name, url)
+
+    def _is_the_file(self, url: str, part: multifile.PartRecord) -> bool:
+        """Whether the object at `url` is the file `part` names, by its prologue and footer
+        (length, file id, index checksum); anything else there, or nothing, is not."""
+        try:
+            found = describe_object(url, self.options, part.name)[0]
+            multifile.check_identity(found, part, part.name, url)
+        except StorageError:  # the store failed, not the object: the copy fails, tried again later
+            raise
+        except (FileNotFoundError, CheckpointError):
+            return False
+        return True
 
     def delete_step(self, step: int) -> None:
         """Delete a step: its commit record first, so it stops being a checkpoint before its
