@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 import ckptfmt
@@ -152,3 +153,36 @@ def test_a_copy_cut_short_on_another_host_does_not_stop_the_next_copy_of_the_ste
     assert [c.step for c in ObjectRun(f"s3://{bucket}/run", options).checkpoints()] == [5]
     got = CheckpointManager(f"s3://{bucket}/run", storage_options=options).load(5)
     assert got["step"] == 5 and torch.equal(got["w"], saved["w"])
+
+
+def test_an_archive_pass_that_raises_leaves_the_archiver_idle(tmp_path, s3_bucket):
+    """Under warnings turned into errors (a test suite's `-W error`), an archive copy's failure
+    warning raises out of the archive thread.  The archiver must not stay busy with a thread
+    that is gone: wait() returns at once (not after its hour) and the next save's pass
+    archives the step once the store lets it."""
+    import time
+    import warnings
+
+    from s3_server import s3_client
+
+    from ckptfmt.runs.objectrun import ObjectRun
+
+    bucket, options = s3_bucket
+    client = s3_client(options["endpoint_url"])
+    # another save's object where step 1's state object goes: the copy of step 1 fails
+    client.put_object(Bucket=bucket, Key="run/step-000000001/state.ckpt", Body=b"not this save's")
+    m = CheckpointManager(tmp_path / "run", archive=f"s3://{bucket}/run", storage_options=options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ckptfmt.CheckpointWarning)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", pytest.PytestUnhandledThreadExceptionWarning)
+            m.save(1, _state(1))
+            began = time.monotonic()
+            m._archiver.wait(30)
+    assert time.monotonic() - began < 20
+    client.delete_object(Bucket=bucket, Key="run/step-000000001/state.ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ckptfmt.CheckpointWarning)
+        m.save(2, _state(2))
+        m._archiver.wait(60)
+    assert [c.step for c in ObjectRun(f"s3://{bucket}/run", options).checkpoints()][-1] == 2
