@@ -186,3 +186,69 @@ def test_an_archive_pass_that_raises_leaves_the_archiver_idle(tmp_path, s3_bucke
         m.save(2, _state(2))
         m._archiver.wait(60)
     assert [c.step for c in ObjectRun(f"s3://{bucket}/run", options).checkpoints()][-1] == 2
+
+
+_SAVER = """
+import json, sys, torch
+from ckptfmt import CheckpointManager
+url, options, step = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+CheckpointManager(url, storage_options=options).save(step, {"w": torch.full((1000,), float(-step)), "step": -step})
+"""
+
+
+@pytest.mark.parametrize("held", ["COMMIT", "sweep"])
+def test_a_saver_killed_before_or_after_its_commit_costs_at_most_its_checkpoint(s3_faults, held):
+    """Step 5 holds a crashed save's state object, so the next save of it names its own.  That
+    saver is SIGKILLed while the proxy holds its commit record's PUT (before the commit) or its
+    first DELETE in the step (after the commit, before its sweep).  A restart finds either no
+    step 5 (and saves it, deleting both leftovers once committed) or step 5 complete (and saves
+    step 6); every committed step loads."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/run"
+    options = s3_faults.storage_options()
+    client = s3_faults.client()
+    client.put_object(Bucket=bucket, Key="run/step-000000005/state.ckpt", Body=b"a crashed save's")
+    if held == "COMMIT":
+        s3_faults.delay("PUT", "step-000000005/COMMIT", seconds=60.0, count=1)
+    else:
+        s3_faults.delay("DELETE", "step-000000005/", seconds=60.0, count=1)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    saver = subprocess.Popen([sys.executable, "-c", _SAVER, url, json.dumps(options), "5"], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while s3_faults.pending_rules() and time.monotonic() < deadline and saver.poll() is None:
+            time.sleep(0.05)
+        assert s3_faults.pending_rules() == 0 and saver.poll() is None
+    finally:
+        saver.send_signal(signal.SIGKILL)
+        saver.wait(30)
+    s3_faults.clear_rules()
+    restarted = CheckpointManager(url, storage_options=options)
+    expected = {5: WEIGHTS, 6: WEIGHTS}
+    killed = set() if held == "COMMIT" else {5}  # the killed saver's step 5 committed
+    if killed:
+        expected[5] = torch.full((1000,), -5.0)
+    if held == "COMMIT":
+        assert restarted.latest() is None
+        restarted.save(5, _state(5))
+        keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="run/")["Contents"]}
+        named = {f"run/step-000000005/{f.rsplit('/', 1)[1]}" for f in restarted.latest().files}
+        assert keys == {"run/step-000000005/COMMIT"} | named, keys
+    else:
+        assert restarted.latest().step == 5
+        assert restarted.load(5)["step"] == -5
+        restarted.save(6, _state(6))
+    fresh = CheckpointManager(url, storage_options=options)
+    for c in fresh.checkpoints():
+        assert fresh.verify(c.step).ok
+        got = fresh.load(c.step)
+        assert torch.equal(got["w"], expected[c.step]) and got["step"] == c.step * (
+            -1 if c.step in killed else 1
+        )
