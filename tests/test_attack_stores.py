@@ -252,3 +252,20 @@ def test_a_saver_killed_before_or_after_its_commit_costs_at_most_its_checkpoint(
         assert torch.equal(got["w"], expected[c.step]) and got["step"] == c.step * (
             -1 if c.step in killed else 1
         )
+
+
+def test_a_base_deleted_before_the_commit_fails_the_save_as_a_checkpoint_error(s3_bucket):
+    """Job a's incremental save of step 2 has uploaded its state object (reading chunks from
+    step 1's) and waits to commit when another job removes step 1.  a's commit must fail as a
+    CheckpointError naming the object its save reads from, not a bare FileNotFoundError, and
+    leave no step 2."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/run"
+    a = CheckpointManager(url, storage_options=options, incremental=True)
+    a.save(1, _state(1))
+    t, failure, go = _paused_before_commit(a, 2, _state(2))
+    CheckpointManager(url, storage_options=options).remove(1)
+    _finish(t, go)
+    assert len(failure) == 1 and isinstance(failure[0], ckptfmt.CheckpointError), failure
+    assert "step-000000001/state.ckpt" in str(failure[0])
+    assert CheckpointManager(url, storage_options=options).checkpoints() == []

@@ -253,9 +253,18 @@ class ObjectRunManager(CheckpointManager):
         """The commit record's entry for the object the reference `ext` of the new step (at
         `place`) leads to, with its digest when the record is signed; CorruptError unless it
         is the file the state object was written against (its file id and length): another
-        object there now is not named, nor vouched for."""
-        part, etag = place.described(ext.rel)
-        multifile.check_named(state_name, [ext], [part], str(place.object_url(ext.rel)))
+        object there now is not named, nor vouched for; CheckpointError when none is there
+        (another writer removed or rotated that step meanwhile)."""
+        url = str(place.object_url(ext.rel))
+        try:
+            part, etag = place.described(ext.rel)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{state_name} reads chunks from {url}, which is gone (another writer removed or rotated "
+                "its step meanwhile); not committed",
+                path=place.path,
+            ) from None
+        multifile.check_named(state_name, [ext], [part], url)
         return place.with_digest(part, etag) if self._sign_key is not None else part
 
     def _abandon(self, job: StepJob) -> None:
