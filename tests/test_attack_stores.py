@@ -269,3 +269,50 @@ def test_a_base_deleted_before_the_commit_fails_the_save_as_a_checkpoint_error(s
     assert len(failure) == 1 and isinstance(failure[0], ckptfmt.CheckpointError), failure
     assert "step-000000001/state.ckpt" in str(failure[0])
     assert CheckpointManager(url, storage_options=options).checkpoints() == []
+
+
+def _dcp_base_removed_before_the_record(rank: int, world: int, url: str, options: dict[str, str]) -> dict:
+    """On each of 2 ranks: an incremental job saves step 1, then step 2 against it; another
+    job deletes step 1 once every rank file of step 2 is written, before the coordinator
+    writes step 2's record."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ckptfmt.dcp import storage
+    from ckptfmt.runs.objectrun import ObjectRun
+
+    mesh = init_device_mesh("cpu", (world,))
+    a = CheckpointManager(url, storage_options=options, incremental=True)
+    a.save(1, {"w": distribute_tensor(FULL, mesh, [Shard(0)]), "step": 1})
+    finish = storage.Writer._finish
+
+    def another_job_deletes_step_1_first(self, metadata, results):
+        ObjectRun(url, options).delete_step(1)
+        return finish(self, metadata, results)
+
+    storage.Writer._finish = another_job_deletes_step_1_first  # runs on the coordinator only
+    lost = None
+    try:
+        a.save(2, {"w": distribute_tensor(FULL, mesh, [Shard(0)]), "step": 2})
+    except Exception as e:
+        lost = f"{type(e).__module__}.{type(e).__name__}: {e}"
+    dist.barrier()
+    return {"lost": lost}
+
+
+def test_a_dcp_step_is_never_committed_naming_a_base_that_is_gone(tmp_path, s3_bucket):
+    """The coordinator of a save of 2 ranks on a store checks the objects of earlier steps its
+    record will name before writing it: a base another job deleted meanwhile fails the save
+    (a CheckpointError naming it) instead of committing a step that cannot be loaded."""
+    from helpers import run_ranks
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/run"
+    results = run_ranks(_dcp_base_removed_before_the_record, 2, tmp_path, url, options)
+    assert all("error" not in got for got in results), results
+    assert all(
+        "ckptfmt.errors." in (got["lost"] or "") and "step-000000001/rank-" in got["lost"] for got in results
+    ), results
+    reader = CheckpointManager(url, storage_options=options)
+    assert [s.step for s in reader.statuses() if s.damaged] == [], reader.statuses()

@@ -459,6 +459,16 @@ class Writer(HeldPlace, StorageWriter):
                     path=self.path,
                     key=f"{name}{rank_note(name)}",
                 ) from None
+        for name in sorted(refs):  # an earlier step another job removed meanwhile: never named
+            try:
+                d.check_part(refs[name])
+            except CheckpointError as e:
+                raise type(e)(
+                    f"a file of an earlier checkpoint this save reads chunks from was removed or saved "
+                    f"again meanwhile ({e.reason}): not committed",
+                    path=self.path,
+                    key=name,
+                ) from None
         parts = {name: self._digested(d, parts[name]) for name in names}
         refs = {name: self._digested(d, refs[name]) for name in sorted(refs)}
         number = {n: i for i, n in enumerate(names)}
