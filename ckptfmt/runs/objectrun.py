@@ -29,7 +29,7 @@ from ..errors import (
     StorageError,
 )
 from ..files import multifile, recordsign
-from ..files.places import STALE_AFTER, ObjectPlace, describe_object, is_own_name
+from ..files.places import STALE_AFTER, ObjectPlace, describe_object, holds_file, is_own_name
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport, verify
 from ..format.timestamps import parse_utc
@@ -384,7 +384,7 @@ class ObjectRun:
         try:
             upload_file(fd, url, self.options, if_absent=True)
         except ObjectExistsError:
-            if not self._is_the_file(url, part):
+            if not holds_file(url, self.options, part):
                 raise
         finally:
             os.close(fd)
@@ -394,18 +394,6 @@ class ObjectRun:
         with CheckpointFile(url, storage_options=self.options, decrypt_with=self.decrypt) as f:
             found = multifile.identity_of(f, part.name)
         multifile.check_identity(found, part, part.name, url)
-
-    def _is_the_file(self, url: str, part: multifile.PartRecord) -> bool:
-        """Whether the object at `url` is the file `part` names, by its prologue and footer
-        (length, file id, index checksum); anything else there, or nothing, is not."""
-        try:
-            found = describe_object(url, self.options, part.name)[0]
-            multifile.check_identity(found, part, part.name, url)
-        except StorageError:  # the store failed, not the object: the copy fails, tried again later
-            raise
-        except (FileNotFoundError, CheckpointError):
-            return False
-        return True
 
     def delete_step(self, step: int) -> None:
         """Delete a step: its commit record first, so it stops being a checkpoint before its
@@ -533,10 +521,8 @@ class ObjectRun:
         with `record`: objects ckptfmt writes in a step (never a copy marker, never the record)
         that the record does not name, each by the version listed (If-Match).  No record of
         the step can name them: a step's record is created only once, and names only objects
-        its own writer uploaded (spec 13.7).  A later step's record can: the step may have been
-        committed by another writer and retired by its rotation (its record deleted, its
-        object kept for a later step) between this save's preparation and its commit, so the
-        objects later steps read are left."""
+        its own writer uploaded (spec 13.7).  A later step's record can (the step committed by
+        another writer and retired by its rotation before this commit): those are left."""
         url = self._step_url(step)
         named = {p.name for p in record.files} | {multifile.COMMIT_NAME}
         others = {
