@@ -490,6 +490,16 @@ class Writer(HeldPlace, StorageWriter):
                     path=self.path,
                     key=f"{name}{rank_note(name)}",
                 ) from None
+        for name in sorted(refs):  # an earlier step another job removed meanwhile: never named
+            try:
+                d.check_part(refs[name])
+            except CheckpointError as e:
+                raise type(e)(
+                    f"a file of an earlier checkpoint this save reads chunks from was removed or saved "
+                    f"again meanwhile ({e.reason}): not committed",
+                    path=self.path,
+                    key=name,
+                ) from None
         parts = {name: self._digested(d, parts[name]) for name in names}
         refs = {name: self._digested(d, refs[name]) for name in sorted(refs)}
         number = {n: i for i, n in enumerate(names)}
@@ -514,7 +524,10 @@ class Writer(HeldPlace, StorageWriter):
         d.write_record(record, sign_with=self.options.sign_key)
         metadata.version = value["version"]
         metadata.storage_data = {idx: StorageInfo(f, k) for idx, (f, k) in where.items()}
-        _remove_stale_rank_files(d, set(names))
+        if self._own_names:  # a manager's step on a store: its manager deletes what others left
+            d.remove_leftovers()  # (later steps may read it: ObjectRun.sweep_step)
+        else:
+            _remove_stale_rank_files(d, set(names))
 
     def _digested(self, d: Place, p: multifile.PartRecord) -> multifile.PartRecord:
         """Digests on every entry of a signed record, on none of another."""

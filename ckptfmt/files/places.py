@@ -29,7 +29,14 @@ from typing import Any
 from ..background.inflight import SaveHandle
 from ..engine import commit
 from ..engine.ckptdir import CheckpointDir, LinkError
-from ..errors import CheckpointError, CorruptError, IncompleteError, LimitError, UnsupportedError
+from ..errors import (
+    CheckpointError,
+    CorruptError,
+    IncompleteError,
+    LimitError,
+    StorageError,
+    UnsupportedError,
+)
 from ..fileio import is_url
 from ..format.index import External
 from ..storage import listing, references
@@ -466,6 +473,20 @@ class ObjectPlace(Place):
 
     def remove_leftovers(self) -> None:
         listing.abort_stale_uploads(self.url, self.options, STALE_AFTER, is_own_name)
+
+
+def holds_file(url: str, options: dict[str, Any], part: multifile.PartRecord) -> bool:
+    """Whether the object at `url` is the file `part` names, by its prologue and footer
+    (length, file id, index checksum); anything else there, or nothing, is not.  A failing
+    store is a StorageError, not an answer."""
+    try:
+        found = describe_object(url, options, part.name)[0]
+        multifile.check_identity(found, part, part.name, url)
+    except StorageError:
+        raise
+    except (FileNotFoundError, CheckpointError):
+        return False
+    return True
 
 
 def place_at(

@@ -196,22 +196,25 @@ class Archiver:
         return removed
 
     def _work(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._cond:
+                    if not self._wanted:
+                        return
+                    self._wanted = False
+                try:
+                    self._pass()
+                except Exception as e:  # the archive is down or lies: local disk keeps every step
+                    warnings.warn(
+                        f"archiving to {self.run.path} failed (steps not yet archived stay on local "
+                        f"disk; tried again after the next save): {e}",
+                        CheckpointWarning,
+                        stacklevel=1,
+                    )
+        finally:  # also when a warning raises (warnings as errors): never busy without a thread
             with self._cond:
-                if not self._wanted:
-                    self._thread = None
-                    self._cond.notify_all()
-                    return
-                self._wanted = False
-            try:
-                self._pass()
-            except Exception as e:  # the archive is down or lies: local disk keeps every step
-                warnings.warn(
-                    f"archiving to {self.run.path} failed (steps not yet archived stay on local disk; "
-                    f"tried again after the next save): {e}",
-                    CheckpointWarning,
-                    stacklevel=1,
-                )
+                self._thread = None
+                self._cond.notify_all()
 
     def _pass(self) -> None:
         """Remove what interrupted copies left, list the archive, finish an interrupted

@@ -253,9 +253,18 @@ class ObjectRunManager(CheckpointManager):
         """The commit record's entry for the object the reference `ext` of the new step (at
         `place`) leads to, with its digest when the record is signed; CorruptError unless it
         is the file the state object was written against (its file id and length): another
-        object there now is not named, nor vouched for."""
-        part, etag = place.described(ext.rel)
-        multifile.check_named(state_name, [ext], [part], str(place.object_url(ext.rel)))
+        object there now is not named, nor vouched for; CheckpointError when none is there
+        (another writer removed or rotated that step meanwhile)."""
+        url = str(place.object_url(ext.rel))
+        try:
+            part, etag = place.described(ext.rel)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{state_name} reads chunks from {url}, which is gone (another writer removed or rotated "
+                "its step meanwhile); not committed",
+                path=place.path,
+            ) from None
+        multifile.check_named(state_name, [ext], [part], url)
         return place.with_digest(part, etag) if self._sign_key is not None else part
 
     def _abandon(self, job: StepJob) -> None:
@@ -279,10 +288,14 @@ class ObjectRunManager(CheckpointManager):
             self._tidy(job.path, lambda: self.run.delete_uncommitted(job.step, job.state_name, version))
 
     def _step_bytes(self, job: StepJob, record: multifile.CommitRecord | None) -> int:
-        """The bytes of the objects step `job` committed, by its record (read back with one
-        GET only where DCP's coordinator wrote it)."""
+        """The bytes of the objects step `job` committed, by its record.  Where DCP's
+        coordinator wrote it, the coordinator reads it back (one GET) and deletes what other
+        saves left in the step by it (ObjectRun.sweep_step, which keeps what later steps read:
+        the DCP writer leaves that to the run)."""
         if record is None and job.coordinator:
             record = self.run.step_place(job.step).read_record()
+            committed = record
+            self._tidy(job.path, lambda: self.run.sweep_step(job.step, committed))
         return 0 if record is None else sum(p.length for p in record.files)
 
     def _rotate(self) -> None:

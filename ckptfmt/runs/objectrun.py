@@ -29,7 +29,7 @@ from ..errors import (
     StorageError,
 )
 from ..files import multifile, recordsign
-from ..files.places import STALE_AFTER, ObjectPlace, describe_object, is_own_name
+from ..files.places import STALE_AFTER, ObjectPlace, describe_object, holds_file, is_own_name
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport, verify
 from ..format.timestamps import parse_utc
@@ -376,11 +376,16 @@ class ObjectRun:
 
     def _put_file(self, d: CheckpointDir, part: multifile.PartRecord, url: str) -> None:
         """Upload one file of the step being copied, created only if absent: an object already
-        there (another archiver's copy of a step of this number, or what a copy cut short
-        left, removed once its markers are dead) is never replaced (ObjectExistsError)."""
+        there is never replaced.  One that is this very file (what a copy of the step cut
+        short left, on another node whose marker is not judged dead for a day) is checked as
+        an upload is; any other (another archiver's copy of a step of this number) is an
+        ObjectExistsError."""
         fd = multifile.open_part(d, part, d.path)
         try:
             upload_file(fd, url, self.options, if_absent=True)
+        except ObjectExistsError:
+            if not holds_file(url, self.options, part):
+                raise
         finally:
             os.close(fd)
         report = verify(url, storage_options=self.options, decrypt_with=self.decrypt)
@@ -514,14 +519,38 @@ class ObjectRun:
     def sweep_step(self, step: int, record: multifile.CommitRecord) -> None:
         """Delete what other saves left in step `step`, which this process has just committed
         with `record`: objects ckptfmt writes in a step (never a copy marker, never the record)
-        that the record does not name, each by the version listed (If-Match).  No record can
-        name them: a step's record is created only once, and names only objects its own writer
-        uploaded (spec 13.7)."""
+        that the record does not name, each by the version listed (If-Match).  No record of
+        the step can name them: a step's record is created only once, and names only objects
+        its own writer uploaded (spec 13.7).  A later step's record can (the step committed by
+        another writer and retired by its rotation before this commit): those are left."""
         url = self._step_url(step)
         named = {p.name for p in record.files} | {multifile.COMMIT_NAME}
-        for name, version in listing.versions(url, self.options).items():
-            if is_own_name(name) and name not in named and version is not None:
+        others = {
+            name: version
+            for name, version in listing.versions(url, self.options).items()
+            if is_own_name(name) and name not in named and version is not None
+        }
+        read_later = self._read_by_later_steps(step) if others else set()  # listed only then
+        for name, version in others.items():
+            if name not in read_later:
                 listing.delete_object(url.child(name), self.options, if_match=version)
+
+    def _read_by_later_steps(self, step: int) -> set[str]:
+        """The names of step `step`'s objects that the records of later steps refer to (only
+        later steps refer to a step's objects); one listing of the run, one GET a later record
+        (usually none: the step swept is the newest).  LimitError past MAX_STATUS_RECORDS of
+        them: what the others refer to is not known, so nothing is swept."""
+        found = self.listing()
+        later = {s: names for s, names in found.items() if s > step}
+        if sum(multifile.COMMIT_NAME in names for names in later.values()) > MAX_STATUS_RECORDS:
+            raise LimitError(
+                f"more than {MAX_STATUS_RECORDS} later steps may read objects of step {step}: "
+                "none of them is deleted",
+                path=self.step_path(step),
+            )
+        statuses = [self._status(s, names, found) for s, names in sorted(later.items())]
+        prefix = self.step_path(step) + "/"
+        return {u[len(prefix) :] for u in self._referenced_by(statuses) if u.startswith(prefix)}
 
     def sweep_committed(self, step: int) -> None:
         """sweep_step of step `step` by the commit record there now, if one can be read."""
