@@ -199,6 +199,12 @@ def test_only_marked_incomplete_folders_are_removed(tmp_path: Any) -> None:
     os.makedirs(os.path.join(out, "checkpoint-3-notes"))
     with open(os.path.join(out, "checkpoint-3-notes", "eval.txt"), "w") as f:
         f.write("mine")
+    # the Trainer orders folders by modification time once they span a second or more (by step
+    # otherwise): times set apart, so the oldest, the one its rule deletes, is the foreign
+    # checkpoint-0 in every run, however long the runs take
+    t2 = os.path.getmtime(os.path.join(out, "checkpoint-2"))
+    os.utime(os.path.join(out, "checkpoint-0"), (t2 - 20, t2 - 20))
+    os.utime(os.path.join(out, "checkpoint-3-notes"), (t2 + 1, t2 + 1))
     _trainer(CkptfmtTrainer, out, max_steps=4, save_steps=4, save_total_limit=3).train()
     assert sorted(os.listdir(out)) == ["checkpoint-0", "checkpoint-2", "checkpoint-3-notes", "checkpoint-4"]
     assert os.path.isfile(os.path.join(out, "checkpoint-3-notes", "eval.txt"))

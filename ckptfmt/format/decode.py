@@ -23,7 +23,7 @@ import collections
 import contextlib
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..gcpause import pausing
@@ -138,7 +138,9 @@ class RawArray:
     dtype: str  # the format's name: a tensor dtype name, or a numpy dtype.str such as "<u4"
     shape: tuple[int, ...]
     meta: dict[str, Any]
-    storage: Callable[[int], bytes]  # storage id -> its bytes, read and checked
+    # storage id -> its bytes, read and checked; left out of repr (messages show a RawArray,
+    # and a bound method's repr holds an address)
+    storage: Callable[[int], bytes] = field(repr=False)
 
     def vector_bytes(self) -> bytes:
         """The bytes of a 1-D array's elements in order (a tensor's offset and stride applied),
