@@ -73,25 +73,30 @@ def test_ls_verify_inspect_and_consolidate_on_the_store(root, tmp_path):
     run_cli("inspect", f"{root}/nothing.ckpt", rc=2)
 
 
-def _save_and_load_on_two_ranks(rank: int, world: int, url: str) -> dict[str, object]:
-    """Each rank saves its row shard of FULL, then loads the checkpoint into fresh shards."""
+def _save_and_load_on_two_ranks(rank: int, world: int, urls: list[str]) -> dict[str, object]:
+    """At each URL, each rank saves its row shard of FULL, then loads the checkpoint into
+    fresh shards: whether each came back whole."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
-    cdcp.save({"w": distribute_tensor(FULL, mesh, [Shard(0)]), "step": 5}, url)
-    got: dict[str, object] = {"w": distribute_tensor(torch.zeros_like(FULL), mesh, [Shard(0)]), "step": 0}
-    cdcp.load(got, url)
-    w = got["w"].full_tensor()  # type: ignore[union-attr]
-    return {"same": bool(torch.equal(w, FULL)), "step": got["step"]}
+    out: dict[str, object] = {}
+    for url in urls:
+        cdcp.save({"w": distribute_tensor(FULL, mesh, [Shard(0)]), "step": 5}, url)
+        got: dict[str, object] = {"w": distribute_tensor(torch.zeros_like(FULL), mesh, [Shard(0)]), "step": 0}
+        cdcp.load(got, url)
+        out[url] = bool(torch.equal(got["w"].full_tensor(), FULL)) and got["step"] == 5  # type: ignore[union-attr]
+    return out
 
 
-def test_two_ranks_save_and_load_a_dcp_checkpoint_on_the_store(root, tmp_path):
-    url = f"{root}/dcp2"
-    results = run_ranks(_save_and_load_on_two_ranks, 2, tmp_path, url)
-    assert results == [{"same": True, "step": 5}] * 2, results
-    names = sorted(listing.objects(parse_url(url, need_key=False), {}))
-    assert names == ["COMMIT", "rank-00000.ckpt", "rank-00001.ckpt"]
+def test_two_ranks_save_and_load_a_dcp_checkpoint_on_gs_and_az(gcs_bucket, azure_container, tmp_path):
+    """One gloo group of two ranks (its start costs seconds) for both stores."""
+    urls = [f"gs://{gcs_bucket}/dcp2", f"az://{azure_container}/dcp2"]
+    results = run_ranks(_save_and_load_on_two_ranks, 2, tmp_path, urls)
+    assert results == [dict.fromkeys(urls, True)] * 2, results
+    for url in urls:
+        names = sorted(listing.objects(parse_url(url, need_key=False), {}))
+        assert names == ["COMMIT", "rank-00000.ckpt", "rank-00001.ckpt"], url
 
 
 @pytest.fixture(params=["gs", "az"])
@@ -140,3 +145,16 @@ def _every_name(proxy, root: str) -> list[str]:
         with urlopen(f"{proxy.upstream}/storage/v1/b/{root[5:]}/o") as answer:
             return [item["name"] for item in json.loads(answer.read()).get("items", [])]
     return list(listing.objects(parse_url(root, need_key=False), {}))
+
+
+def test_a_dcp_save_refused_half_way_leaves_no_record_and_no_object(faults):
+    root, proxy, (part, _) = faults
+    url = f"{root}/dcp"
+    proxy.fail_next(None, part, status=403, count=1000)
+    with pytest.raises(ckptfmt.CheckpointError, match="no commit record was written"):
+        cdcp.save({"w": torch.randn(5 * MiB)}, url, storage_options={"part_size": 8 * MiB})
+    proxy.clear_rules()
+    assert proxy.count(None, part) > 0
+    assert not any(k.startswith("dcp/") for k in _every_name(proxy, root))
+    with pytest.raises(ckptfmt.CheckpointError):
+        cdcp.load({"w": torch.zeros(5 * MiB)}, url)
