@@ -76,8 +76,8 @@ class AzureServer:
     ) -> None:
         if self._process is not None:
             self._process.terminate()
-            try:
-                self._process.wait(10)
+            try:  # Azurite (in memory: nothing to lose) often outlives SIGTERM: killed soon after
+                self._process.wait(2)
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait()
