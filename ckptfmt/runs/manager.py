@@ -604,6 +604,9 @@ class RunSteps:
             m._archiver.kick()
         m._rotate()
 
+    def step_committed(self, job: StepJob) -> None:
+        """Nothing: rank 0 made the step's directory afresh, so no other save left files in it."""
+
     def cost_known(self, job: StepJob) -> None:
         m = self.manager
         job.handle._durable_now(self.step_bytes(job))
