@@ -320,3 +320,53 @@ def test_a_step_saved_again_is_never_taken_for_the_archives_older_save(tmp_path,
     assert m.load(step=4)["w"][0].item() == 44.0
     m.remove(4)  # both tiers: the way back
     assert 4 not in _archived(bucket, options) and _local(m) == [5]
+
+
+def _until(done, what: str, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_an_archive_wait_past_its_deadline_says_what_the_archive_is_doing(tmp_path, s3_faults):
+    """Archiver.wait's deadline error says what the live archive thread is doing: listing (or
+    rotating) the archive while its pass lists it, copying the step named while it copies."""
+    options = s3_faults.storage_options()
+    bucket = s3_faults.new_bucket()
+    m = _manager(tmp_path / "run", bucket, options)
+    m.wait()  # the archiver's first pass, made when the manager opens
+    s3_faults.clear_counts()
+    s3_faults.delay("GET", "list-type", seconds=3, count=1)  # the next pass's listing of the archive
+    s3_faults.delay("PUT", "/step-000000001/", seconds=3, count=1)  # then step 1's copy
+    m.save(1, _state(1))
+    _until(lambda: s3_faults.count("GET", "list-type") > 0, "the archive was never listed")
+    with pytest.raises(StorageError, match=r"still listing or rotating the archive \(no step being copied\)"):
+        m._archiver.wait(0.2)
+    _until(lambda: s3_faults.count("PUT", "/step-000000001/") > 0, "step 1 was never copied")
+    with pytest.raises(StorageError, match=r"still copying step 1 after the wait's deadline of 0.2 s") as e:
+        m._archiver.wait(0.2)
+    assert f"s3://{bucket}/run" in str(e.value)
+    m.wait()
+    assert _archived(bucket, options) == [1]
+
+
+def test_an_archive_thread_that_ended_without_its_pass_is_not_waited_for(tmp_path, s3_bucket):
+    """A thread that ended without marking the archiver idle (what a fork leaves the child: the
+    parent's archive thread, not running there) is said to have ended, at once rather than at
+    the deadline, and the next save's pass archives what it left."""
+    bucket, options = s3_bucket
+    m = _manager(tmp_path / "run", bucket, options)
+    m.save(1, _state(1))
+    m.wait()
+    ended = threading.Thread(target=lambda: None)
+    ended.start()
+    ended.join()
+    m._archiver._thread = ended
+    began = time.monotonic()
+    with pytest.raises(StorageError, match="the archive thread ended without finishing its pass"):
+        m._archiver.wait(30)
+    assert time.monotonic() - began < 15
+    m.save(2, _state(2))
+    m.wait()
+    assert _archived(bucket, options) == [1, 2]

@@ -165,22 +165,36 @@ class Archiver:
 
     def wait(self, timeout: float = DEFAULT_WAIT) -> None:
         """Wait until the archive thread has nothing left to do (or failed), at most `timeout`
-        seconds: StorageError naming the step being copied and the deadline when it is still
-        busy then (it goes on; a later wait may find it done)."""
+        seconds: StorageError saying what it is doing (copying a step, named, or listing and
+        rotating) and the deadline when it is still busy then (it goes on; a later wait may
+        find it done).  A thread that ended without marking the archiver idle (one a fork left
+        behind) is never waited for: StorageError at once, and the next kick() starts another."""
         if not 0 < timeout <= 86400 * 7:
             raise ValueError(f"timeout must be seconds above 0, at most a week, not {timeout!r}")
         end = time.monotonic() + timeout
         with self._cond:
             while self._thread is not None:
+                if not self._thread.is_alive():  # started under the lock: it has ended
+                    self._thread = None
+                    raise StorageError(
+                        "the archive thread ended without finishing its pass (steps not yet archived "
+                        "stay on local disk; the next save archives them)",
+                        path=self.run.path,
+                    )
                 left = end - time.monotonic()
                 if left <= 0:
-                    doing = "its listing or rotation" if self._copying is None else f"step {self._copying}"
                     raise StorageError(
-                        f"the archive is still busy with {doing} after the wait's deadline of "
+                        f"the archive is still {self._doing()} after the wait's deadline of "
                         f"{timeout:g} s (Archiver.wait timeout); it goes on in the background",
                         path=self.run.path,
                     )
-                self._cond.wait(left)
+                self._cond.wait(min(left, 1.0))  # a second at most: a thread that ended is seen
+
+    def _doing(self) -> str:
+        """What the live archive thread is doing, as wait's error says it (under the lock)."""
+        if self._copying is not None:
+            return f"copying step {self._copying}"
+        return "listing or rotating the archive (no step being copied)"
 
     def remove(self, step: int) -> bool:
         """Remove the archive's copy of `step` (the run goes back to an earlier step), once the

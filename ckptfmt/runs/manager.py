@@ -523,7 +523,7 @@ class CheckpointManager(RunRotation):
         """Wait for every save in flight (and for the archive copies of the saves made); raise
         the first error of a save nobody has seen fail.  A failed archive copy is not raised:
         it is warned about, kept locally and tried again (see archive_failures()); an archive
-        copy still running after an hour is (StorageError naming the step and the deadline)."""
+        copy still running after an hour is (StorageError saying what it does, and the deadline)."""
         self._wait_all()
         if self._archiver is not None:
             self._archiver.wait()
@@ -603,6 +603,9 @@ class RunSteps:
         if m._archiver is not None:
             m._archiver.kick()
         m._rotate()
+
+    def step_committed(self, job: StepJob) -> None:
+        """Nothing: rank 0 made the step's directory afresh, so no other save left files in it."""
 
     def cost_known(self, job: StepJob) -> None:
         m = self.manager

@@ -288,15 +288,23 @@ class ObjectRunManager(CheckpointManager):
             self._tidy(job.path, lambda: self.run.delete_uncommitted(job.step, job.state_name, version))
 
     def _step_bytes(self, job: StepJob, record: multifile.CommitRecord | None) -> int:
-        """The bytes of the objects step `job` committed, by its record.  Where DCP's
-        coordinator wrote it, the coordinator reads it back (one GET) and deletes what other
-        saves left in the step by it (ObjectRun.sweep_step, which keeps what later steps read:
-        the DCP writer leaves that to the run)."""
+        """The bytes of the objects step `job` committed, by its record: the one this save
+        wrote, else (DCP's coordinator wrote it) the one _dcp_committed read, else read now."""
         if record is None and job.coordinator:
-            record = self.run.step_place(job.step).read_record()
-            committed = record
-            self._tidy(job.path, lambda: self.run.sweep_step(job.step, committed))
+            record = job.record or self.run.step_place(job.step).read_record()
         return 0 if record is None else sum(p.length for p in record.files)
+
+    def _dcp_committed(self, job: StepJob) -> None:
+        """Step `job`, saved by several ranks, is committed: read its record back (one GET,
+        kept for _step_bytes) and delete what other saves left in the step by it
+        (ObjectRun.sweep_step, which keeps what later steps read: the DCP writer leaves that
+        to the run).  What cannot be read or deleted is warned about, the step committed."""
+
+        def sweep() -> None:
+            job.record = self.run.step_place(job.step).read_record()
+            self.run.sweep_step(job.step, job.record)
+
+        self._tidy(job.path, sweep)
 
     def _rotate(self) -> None:
         """Retention after a commit, by a listing made now: the commit, and other writers, have
@@ -346,3 +354,6 @@ class ObjectRunSteps(RunSteps):
 
     def prepare_step(self, job: StepJob, scan: RunScan | None) -> list[CheckpointInfo]:
         return [s.info for s in self.manager._prepare_step(job.step) if s.info is not None]
+
+    def step_committed(self, job: StepJob) -> None:
+        self.manager._dcp_committed(job)

@@ -6,7 +6,8 @@ resumed on fewer ranks), ``CheckpointManager`` saves each step through this modu
 every rank calls ``save(step, state)``; rank 0
 makes and locks the step directory; every rank writes its shard with
 ``ckptfmt.dcp.save``; DCP's coordinator writes the step's commit record (layout
-"dcp", with the step and metrics) last.  The step directory is therefore complete
+"dcp", with the step and metrics) last, and rank 0 then tells the run the step is
+committed (StepSaver.step_committed).  The step directory is therefore complete
 under exactly the rule a single process's step is (its commit record verifies and
 names files that are there, unchanged), so ``latest()``, rotation, ``ckptfmt ls``
 and ``verify`` treat both alike, and a rank killed mid-save leaves a step without a
@@ -177,13 +178,16 @@ def _save_shards(
             future = save_in_background(
                 payload, job.path, within=within, step_dir=True, snapshot=run.snapshot, **options
             )
-            job.file_handle = _FutureHandle(future)
+            told = (lambda: steps.step_committed(job)) if job.coordinator else None
+            job.file_handle = _FutureHandle(future, told)
             return steps.commit_when_written(job)
         save_within(payload, job.path, within=within, step_dir=True, **options)
     except BaseException:
         if job.coordinator and job.file_handle is None:
             steps.abandon(job)
         raise
+    if job.coordinator:
+        steps.step_committed(job)
     steps.cost_known(job)
     if job.coordinator:
         if job.lock_fd >= 0:
@@ -198,16 +202,23 @@ def _save_shards(
 
 
 class _FutureHandle:
-    """A background DCP save seen as the file handle a manager's commit thread waits for."""
+    """A background DCP save seen as the file handle a manager's commit thread waits for.
+    `committed` (rank 0's StepSaver.step_committed) runs once, on the first wait() that sees
+    the save done (DCP's coordinator wrote the record): in the commit thread, before the
+    manager's bookkeeping and rotation, in the order of the saves."""
 
-    def __init__(self, future: concurrent.futures.Future[Any]) -> None:
+    def __init__(self, future: concurrent.futures.Future[Any], committed: Callable[[], None] | None) -> None:
         self._future = future
+        self._committed = committed
 
     def done(self) -> bool:
         return self._future.done()
 
     def wait(self) -> None:
         self._future.result()
+        told, self._committed = self._committed, None
+        if told is not None:
+            told()
 
     def exception(self) -> BaseException | None:
         return self._future.exception()

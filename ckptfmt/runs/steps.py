@@ -129,6 +129,8 @@ class StepJob:
     #: on a store, the step held objects of other saves when this one began: once committed, the
     #: save deletes those its record does not name (no record can name them any more)
     sweep: bool = False
+    #: the step's commit record, once its saver has read it (a save of several ranks on a store)
+    record: Any = None
     began: float = dataclasses.field(default_factory=time.perf_counter)  # the save call, roughly
 
 

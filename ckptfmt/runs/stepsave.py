@@ -2,8 +2,8 @@
 run it saves into.
 
 A save of several ranks is readied by rank 0 (old steps cleaned up, the step's place made),
-written by every rank through DCP, committed by DCP's coordinator, then archived and rotated
-by rank 0, or removed when it fails.  The run does the readying, the commit bookkeeping and
+written by every rank through DCP, committed by DCP's coordinator, told committed, then
+archived and rotated by rank 0, or removed when it fails.  The run does the readying, the commit bookkeeping and
 the rotation; runs/sharded.py does the rest through this protocol alone, so it imports no
 manager: ``CheckpointManager._steps()`` (a local directory, runs/manager.py) and
 ``ObjectRunManager._steps()`` (an object store, runs/objectmanager.py) each hand one out.
@@ -76,6 +76,12 @@ class StepSaver(Protocol):
 
     def committed(self) -> None:
         """After a blocking save committed on every rank: archive its copy, rotate."""
+        ...
+
+    def step_committed(self, job: StepJob) -> None:
+        """On rank 0, once the coordinator's commit record of `job`'s step is in (blocking or
+        not; before cost_known and rotation): what the run does with a committed step.  Never
+        raises: what it cannot do it warns about, the step being committed whatever it does."""
         ...
 
     def cost_known(self, job: StepJob) -> None:
