@@ -621,3 +621,78 @@ def test_a_device_torch_does_not_know_fails_where_it_is_built(tmp_path):
     assert ckptfmt.verify(path).ok
     with pytest.raises(ckptfmt.CorruptError, match="names device 'nosuchdevice:0', unknown to torch"):
         ckptfmt.load(path)
+
+
+# -- section 6: the tree check's messages, each fault one the common node's fast check passes on ---
+
+_NODES = BASE[BASE.index('"nodes":') :]
+#: the keys 1 and 1.0, equal as Python compares them (so sharing a hash), before "w"
+_KEYS_1_AND_1_0 = '"nodes":[["int","1"],["float","000000000000f03f"],["str","a"],["str","b"],' + _NODES[
+    len('"nodes":[') :
+].replace('["dict",[[0,1]]]', '["dict",[[0,2],[1,3],[4,5]]]')
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "cls", "match"),
+    [
+        ('"dict",[[0,1]]', '"dict",[[1,1]]', ckptfmt.CorruptError, r"node 1 has two parents \(2 and 2\)"),
+        (
+            '"dict",[[0,1]]',
+            '"dict",[[0,2]]',
+            ckptfmt.CorruptError,
+            "node 2 refers to node 2; children must come",
+        ),
+        (_NODES, _KEYS_1_AND_1_0, ckptfmt.CorruptError, "node 6 has the key 1.0 twice"),
+        (
+            '"shape":[4]',
+            '"shape":[true]',
+            ckptfmt.CorruptError,
+            "node 1 shape entry is True, expected a non-neg",
+        ),
+        ('"stride":[1]', '"stride":[1,1]', ckptfmt.CorruptError, "node 1 has 1 dimensions but 2 strides"),
+        (
+            '"stride":[1]',
+            '"stride":[-1]',
+            ckptfmt.CorruptError,
+            "node 1 stride entry is -1, expected a non-neg",
+        ),
+        (
+            '"shape":[4]',
+            '"shape":[5]',
+            ckptfmt.CorruptError,
+            "node 1 reaches byte 20 of a storage of 16 bytes",
+        ),
+        ('"offset":0', '"offset":1', ckptfmt.CorruptError, "node 1 reaches byte 20 of a storage of 16 bytes"),
+        (
+            '"storage":0',
+            '"storage":1',
+            ckptfmt.CorruptError,
+            r"node 1 storage is 1, expected an integer in \[0, 0\]",
+        ),
+        ('"param":false', '"param":0', ckptfmt.CorruptError, "node 1 field param is not a boolean"),
+        (
+            '"conj":false',
+            '"conj":true',
+            ckptfmt.CorruptError,
+            "node 1 is a conjugate view of a float32 tensor",
+        ),
+        (
+            '"dtype":"float32"',
+            '"dtype":"float8"',
+            ckptfmt.UnsupportedError,
+            "node 1 has dtype 'float8', unknown",
+        ),
+        (',"conj":false', "", ckptfmt.CorruptError, "node 1 must have exactly the fields dtype, shape"),
+        ('["str","w"]', '["str","w",1]', ckptfmt.CorruptError, r"node 0 \(str\) is malformed"),
+        ('["str","w"]', '["str",1]', ckptfmt.CorruptError, "node 0 is not a string"),
+    ],
+)
+def test_tree_check_names_each_fault_of_a_common_node(tmp_path, old, new, cls, match):
+    refused(tmp_path, edit(BASE, old, new), cls, match)
+
+
+def test_tree_check_refuses_requires_grad_on_an_integer_tensor(tmp_path):
+    blob = edit(
+        edit(BASE, '"dtype":"float32"', '"dtype":"int32"'), '"requires_grad":false', '"requires_grad":true'
+    )
+    refused(tmp_path, blob, ckptfmt.CorruptError, "node 1 asks for requires_grad on a int32 tensor")

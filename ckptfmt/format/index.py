@@ -480,10 +480,13 @@ class _IndexParser:
         out = []
         first = 0
         valid: set[str] = set()  # devices checked already: a file names few, each many times
+        max_nbytes = Limits.MAX_STORAGE_BYTES
         for sid, item in enumerate(items):
             if type(item) is not list or len(item) != 2:
                 raise c.fail(f"storage {sid} is not a [nbytes, device] pair")
-            nbytes = c.bounded_int(item[0], f"storage {sid} size", Limits.MAX_STORAGE_BYTES)
+            nbytes = item[0]
+            if type(nbytes) is not int or not 0 <= nbytes <= max_nbytes:  # the message built only here
+                c.bounded_int(nbytes, f"storage {sid} size", max_nbytes)  # raises
             device = item[1]
             if type(device) is not str or device not in valid:
                 c.str_(device, f"storage {sid} device")

@@ -53,6 +53,12 @@ _KINDS = {
 }
 _TENSOR_FIELDS = ("dtype", "shape", "stride", "offset", "storage", "requires_grad", "param", "conj")
 _TENSOR_KEYS = frozenset(_TENSOR_FIELDS)
+#: tensor dtypes that may require grad (floating point and complex), and the complex ones
+_GRAD_DTYPES = frozenset(
+    n for n in dtypes.TENSOR_ITEMSIZES if dtypes.is_floating_point(n) or dtypes.is_complex(n)
+)
+_COMPLEX_DTYPES = frozenset(n for n in dtypes.TENSOR_ITEMSIZES if dtypes.is_complex(n))
+_TENSOR_ITEMSIZES = dtypes.TENSOR_ITEMSIZES
 _ARRAY_FIELDS = ("dtype", "shape", "order", "storage")
 #: longest base64 text of a bytes value within the limit
 _MAX_B64 = 4 * -(-Limits.MAX_STRING_BYTES // 3)
@@ -109,6 +115,7 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
     parent = array("i", [-1]) * len(nodes)
     slot = array("i", [0]) * len(nodes)
     depth = array("H", [0]) * len(nodes)
+    short_str = Limits.MAX_STRING_BYTES // 4  # UTF-8 takes at most 4 bytes a character
 
     def child(i: int, j: object, s: int) -> int:
         if type(j) is not int or not 0 <= j < i:
@@ -134,7 +141,11 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
         if kind == "tensor":
             ok = n == 2 and _check_tensor(c, i, node[1], storages)
         elif kind == "str":
-            ok = n == 2 and c.str_(node[1], f"node {i}") is not None
+            text = node[1] if n == 2 else None
+            # a short string is within the limit unmeasured (Check.str_, which names the fault)
+            ok = n == 2 and (
+                (type(text) is str and len(text) <= short_str) or c.str_(text, f"node {i}") is not None
+            )
         elif kind == "none":
             ok = n == 1
         elif kind == "bool":
@@ -166,9 +177,24 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
                 for e, pair in enumerate(node[1]):
                     if type(pair) is not list or len(pair) != 2:
                         raise c.fail(f"node {i} has an entry that is not a [key, value] pair")
-                    deepest = max(deepest, child(i, pair[0], 2 * e), child(i, pair[1], 2 * e + 1))
-                    if nodes[pair[0]][0] != "str":  # a str node is a key
-                        _check_key(c, nodes, i, pair[0])
+                    k, v = pair
+                    if (
+                        type(k) is int
+                        and type(v) is int
+                        and 0 <= k < i
+                        and 0 <= v < i
+                        and k != v
+                        and parent[k] == -1
+                        and parent[v] == -1
+                    ):  # two sound children: `child`'s work without its calls
+                        parent[k] = parent[v] = i
+                        slot[k] = 2 * e
+                        slot[v] = 2 * e + 1
+                        deepest = max(deepest, depth[k], depth[v])
+                    else:  # child raises, naming the fault
+                        deepest = max(deepest, child(i, k, 2 * e), child(i, v, 2 * e + 1))
+                    if nodes[k][0] != "str":  # a str node is a key
+                        _check_key(c, nodes, i, k)
                 if kind == "odict" and node[2] is not None:
                     deepest = max(deepest, child(i, node[2], -1))
                     if nodes[node[2]][0] not in ("dict", "odict"):
@@ -259,11 +285,12 @@ def _check_keys(c: Check, nodes: list[list[Any]], i: int, pairs: list[list[int]]
     time linear in the number of keys even when they are chosen to collide."""
     if len(pairs) < 2:
         return
+    keys = [nodes[k][1] if nodes[k][0] == "str" else key_value(c, nodes, k) for k, _ in pairs]
+    if len(set(map(hash, keys))) == len(keys):
+        return  # no two keys share a hash, so none is equal to another either
     seen: set[object] = set()
     counts: dict[int, int] | None = {} if len(pairs) > Limits.MAX_KEY_COLLISIONS else None
-    for pair in pairs:
-        node = nodes[pair[0]]
-        key = node[1] if node[0] == "str" else key_value(c, nodes, pair[0])
+    for pair, key in zip(pairs, keys):
         if counts is not None:
             h = hash(key)
             n = counts.get(h, 0) + 1
@@ -347,6 +374,60 @@ def _use_storage(c: Check, i: int, sid: object, storages: list[StorageRecord], k
 
 
 def _check_tensor(c: Check, i: int, meta: object, storages: list[StorageRecord]) -> bool:
+    """Tensor node i's metadata is sound and stays inside its storage, which it claims.  One
+    pass of plain comparisons accepts the common, sound node; anything it does not accept goes
+    to `_tensor_problem`, which checks again field by field and raises naming the first fault."""
+    if type(meta) is not dict or meta.keys() != _TENSOR_KEYS:
+        return _tensor_problem(c, i, meta, storages)
+    name, shape, stride, offset, sid = (
+        meta["dtype"],
+        meta["shape"],
+        meta["stride"],
+        meta["offset"],
+        meta["storage"],
+    )
+    requires_grad, conj = meta["requires_grad"], meta["conj"]
+    itemsize = _TENSOR_ITEMSIZES.get(name) if type(name) is str else None
+    max_numel = Limits.MAX_NUMEL
+    if not (
+        itemsize is not None
+        and type(shape) is list
+        and type(stride) is list
+        and len(shape) == len(stride) <= Limits.MAX_RANK
+        and type(offset) is int
+        and 0 <= offset <= Limits.MAX_STORAGE_BYTES
+        and type(sid) is int
+        and 0 <= sid < len(storages)
+        and type(requires_grad) is bool
+        and type(meta["param"]) is bool
+        and type(conj) is bool
+        and (not requires_grad or name in _GRAD_DTYPES)
+        and (not conj or name in _COMPLEX_DTYPES)
+    ):
+        return _tensor_problem(c, i, meta, storages)
+    numel = 1
+    last = offset  # the element furthest into the storage
+    for d, step in zip(shape, stride):
+        if (
+            type(d) is not int
+            or type(step) is not int
+            or not (0 <= d <= max_numel and 0 <= step <= max_numel)
+        ):
+            return _tensor_problem(c, i, meta, storages)
+        numel *= d
+        last += (d - 1) * step
+    rec = storages[sid]
+    extent = last + 1 if numel else offset
+    if numel > max_numel or extent * itemsize > rec.nbytes or (rec.kind and rec.kind != "tensor"):
+        return _tensor_problem(c, i, meta, storages)
+    rec.kind = "tensor"
+    if rec.node < 0:
+        rec.node = i
+    return True
+
+
+def _tensor_problem(c: Check, i: int, meta: object, storages: list[StorageRecord]) -> bool:
+    """`_check_tensor` field by field, in the order of its messages: raises naming the first fault."""
     if type(meta) is not dict or meta.keys() != _TENSOR_KEYS:
         _fields(c, i, meta, _TENSOR_FIELDS)  # raises
     m: dict[str, Any] = meta  # type: ignore[assignment]
