@@ -6,8 +6,10 @@ PY ?= .venv/bin/python
 setup:
 	bash .ci/setup
 
+# two workers, each given whole test files (their module fixtures, servers and process groups
+# stay on one worker): the suite in about half the time on a 2-core machine
 test:
-	$(PY) -m pytest -q --durations=20
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20
 
 lint:
 	$(PY) -m ruff check ckptfmt tests bench examples

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -152,9 +152,22 @@ def test_a_child_forked_during_a_section_gets_its_collector_back() -> None:
     assert gc.isenabled()
 
 
-def _unreachable_after(fn: Callable[[], object]) -> int:
-    """Objects in reference cycles that `fn` leaves behind: run it with the collector off, drop
-    its result, and count what a full collection then frees."""
+_CYCLE_PROBE = r"""
+import gc, json, sys
+from pathlib import Path
+
+import torch
+
+import ckptfmt
+from ckptfmt import dcp as cdcp
+
+
+def state(n):
+    return {f"layer{i}": {"w": torch.full((4,), float(i)), "lr": 0.1 * i, "name": str(i)} for i in range(n)}
+
+
+def unreachable_after(fn):
+    # run fn with the collector off, drop its result, and count what a full collection frees
     gc.collect()
     gc.disable()
     try:
@@ -164,29 +177,51 @@ def _unreachable_after(fn: Callable[[], object]) -> int:
         gc.enable()
 
 
+where = Path(sys.argv[1])
+full = state(300)
+path = where / "a.ckpt"
+ckptfmt.save(full, path)
+cdcp.save(full, where / "d")
+run = ckptfmt.CheckpointManager(where / "run")
+run.save(1, full)
+calls = {
+    "save": lambda: ckptfmt.save(full, where / "b.ckpt"),
+    "load": lambda: ckptfmt.load(path),
+    "load mmap": lambda: ckptfmt.load(path, mmap=True),
+    "open get": lambda: ckptfmt.open(path).get("layer7"),
+    "load_into": lambda: ckptfmt.load_into(path, state(300)),
+    "verify": lambda: ckptfmt.verify(path),
+    "dcp": lambda: cdcp.load(state(300), where / "d"),
+    "manager": lambda: run.load(),
+}
+print(json.dumps({op: unreachable_after(fn) for op, fn in calls.items()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def cycles_left(tmp_path_factory: pytest.TempPathFactory) -> dict[str, int]:
+    """Objects in reference cycles each call leaves behind, counted in a process of its own:
+    in the test process, threads that earlier tests left (servers, trainers' workers) allocate
+    and drop cycles of their own while a call runs, and a full collection cannot tell whose."""
+    import json
+    import subprocess
+    import sys
+
+    where = tmp_path_factory.mktemp("cycles")
+    done = subprocess.run(
+        [sys.executable, "-c", _CYCLE_PROBE, str(where)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
 @pytest.mark.parametrize(
     "op", ["save", "load", "load mmap", "open get", "load_into", "verify", "dcp", "manager"]
 )
-def test_calls_leave_no_reference_cycles(tmp_path: Path, op: str) -> None:
+def test_calls_leave_no_reference_cycles(cycles_left: dict[str, int], op: str) -> None:
     """Every index a call parses is freed by reference counting as soon as the call returns.
     A cycle (a storage record pointing back at its tree, a decoder calling itself through its
     closure) would leave the whole index for a collection that walks the whole heap: in a
     process that has imported torch, 0.1 s or more, paid by whatever allocates next, often the
     load itself."""
-    state = _state(300)
-    path = tmp_path / "a.ckpt"
-    ckptfmt.save(state, path)
-    cdcp.save(state, tmp_path / "d")
-    run = ckptfmt.CheckpointManager(tmp_path / "run")
-    run.save(1, state)
-    calls: dict[str, Callable[[], object]] = {
-        "save": lambda: ckptfmt.save(state, tmp_path / "b.ckpt"),
-        "load": lambda: ckptfmt.load(path),
-        "load mmap": lambda: ckptfmt.load(path, mmap=True),
-        "open get": lambda: ckptfmt.open(path).get("layer7"),
-        "load_into": lambda: ckptfmt.load_into(path, _state(300)),
-        "verify": lambda: ckptfmt.verify(path),
-        "dcp": lambda: cdcp.load(_state(300), tmp_path / "d"),
-        "manager": lambda: run.load(),
-    }
-    assert _unreachable_after(calls[op]) == 0
+    assert cycles_left[op] == 0
