@@ -79,12 +79,29 @@ def send(
     return answer
 
 
+def _time_left() -> float:
+    """What remains of the deadline of the operation this thread carries out."""
+    budget = client.current_budget()
+    return max(budget.remaining() if budget is not None else client.DEFAULT_DEADLINE, 0.001)
+
+
 def read_answer(answer: Any, what: str) -> bytes:
     """The whole body of `answer`, read within what remains of the operation's deadline and
     refused above client.MAX_LISTING_BODY before it is parsed (client.read_listing)."""
-    budget = client.current_budget()
-    timeout = budget.remaining() if budget is not None else client.DEFAULT_DEADLINE
     try:
-        return client.read_listing(answer.raw, max(timeout, 0.001), what)
+        return client.read_listing(answer.raw, _time_left(), what)
     finally:
         answer.close()
+
+
+def read_refusal(answer: Any, limit: int = 64 * 1024) -> bytes:
+    """At most `limit` bytes of a refused request's answer, read within what remains of the
+    operation's deadline (one that trickles in is cut there: b"", and the status alone names
+    the refusal).  A read timeout bounds each wait for a byte, not the body."""
+    with client.Watchdog(answer.raw, _time_left()) as dog:
+        try:
+            body = bytes(answer.raw.read(limit))
+        except Exception:
+            if not dog.fired.is_set():
+                raise
+    return b"" if dog.fired.is_set() else body

@@ -1,0 +1,150 @@
+"""Attacks on the parsers added last session: the gs:// and az:// answers and listings (a hostile
+HTTP server on 127.0.0.1 pretending to be the store) and the fork child protocol.  Each test
+failed before the fix it names; each answer must end, within its deadline, as a ckptfmt error
+naming the URL, and nothing beyond what ckptfmt wrote may be deleted."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from test_hostile_gcs import HostileGCS, _json, _reply, _within
+
+import ckptfmt
+from ckptfmt.errors import StorageError
+from ckptfmt.storage import listing
+from ckptfmt.storage.backends import store_for
+from ckptfmt.storage.urls import parse_url
+
+# -- gs:// -------------------------------------------------------------------------------------------
+
+GS_URL = "gs://bucket/x.ckpt"
+
+
+@pytest.fixture
+def gcs(tmp_path, monkeypatch) -> Iterator[HostileGCS]:
+    ckptfmt.save({"a": torch.arange(100)}, tmp_path / "x.ckpt")
+    s = HostileGCS((tmp_path / "x.ckpt").read_bytes())
+    s.thread.start()
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", s.endpoint)
+    try:
+        yield s
+    finally:
+        s.server.shutdown()
+        s.server.server_close()
+
+
+def test_a_refusal_whose_body_trickles_in_ends_at_the_deadline(gcs):
+    """A 503 whose error body comes a byte every 0.3 s: GCS's reason was read from it with no
+    deadline (a read timeout bounds each byte's wait, never the body), so the load waited for
+    the whole trickle (here 15 s; 64 KiB of it: hours) whatever the deadline said."""
+
+    def trickle(h, query):
+        h.send_response(503)
+        h.send_header("Content-Length", "100000")
+        h.send_header("Content-Type", "application/json")
+        h.end_headers()
+        try:
+            for _ in range(50):
+                h.wfile.write(b" ")
+                h.wfile.flush()
+                time.sleep(0.3)
+        except OSError:
+            pass  # the client hung up
+
+    gcs.meta = trickle
+    e = _within(10, lambda: ckptfmt.load(GS_URL, storage_options={"max_attempts": 1, "deadline": 2}))
+    assert isinstance(e, StorageError) and "HTTP 503" in str(e) and GS_URL in str(e), repr(e)
+
+
+def test_aborting_an_upload_deletes_only_its_own_parts(gcs):
+    """abort_upload lists the parts beneath its upload's stem and deleted every part object the
+    listing named: a listing that also names another upload's parts (a live writer's, beside
+    the same object) or a part elsewhere in the bucket made the abort delete them."""
+    upload = "0123456789abcdef"
+    own = f"x.ckpt.ckptfmt-part-{upload}-00001"
+    others = ["x.ckpt.ckptfmt-part-fedcba9876543210-00001", "run/y.ckpt.ckptfmt-part-00000000aaaaaaaa-00001"]
+    gcs.listing = lambda h, q: _json(h, {"items": [{"name": n, "size": "1"} for n in [own, *others]]})
+    url = parse_url(GS_URL)
+    store_for(url, {"max_attempts": 1}).abort_upload(url, upload)
+    deleted = gcs.deletes()
+    assert any(own in p for p in deleted), deleted
+    assert not [p for p in deleted if any(o.replace("/", "%2F") in p for o in others)], deleted
+
+
+# -- az:// -------------------------------------------------------------------------------------------
+
+
+class HostileAzure:
+    """A Blob service endpoint whose every GET answers `body` (a listing) and whose DELETEs are
+    recorded."""
+
+    def __init__(self) -> None:
+        self.body = b""
+        self.seen: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's names
+                outer.seen.append("GET " + self.path)
+                _reply(self, 200, {"Content-Length": str(len(outer.body))}, outer.body)
+
+            def do_DELETE(self) -> None:  # noqa: N802
+                outer.seen.append("DELETE " + self.path)
+                _reply(self, 202, {})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/devstoreaccount1"
+
+
+@pytest.fixture
+def azure(monkeypatch) -> Iterator[HostileAzure]:
+    s = HostileAzure()
+    monkeypatch.setenv(
+        "AZURE_STORAGE_CONNECTION_STRING",
+        f"AccountName=devstoreaccount1;AccountKey=a2V5;BlobEndpoint={s.endpoint}",
+    )
+    try:
+        yield s
+    finally:
+        s.server.shutdown()
+        s.server.server_close()
+
+
+def _blob_listing(names: list[str], dtd: str = "", encoding: str = "utf-8") -> bytes:
+    blobs = "".join(
+        f"<Blob><Name>{n}</Name><Properties><Content-Length>1</Content-Length></Properties></Blob>"
+        for n in names
+    )
+    text = (
+        f'<?xml version="1.0" encoding="{encoding}"?>{dtd}'
+        f"<EnumerationResults><Blobs>{blobs}</Blobs></EnumerationResults>"
+    )
+    return text.encode(encoding)
+
+
+def test_an_honest_listing_of_blobs_is_read(azure):
+    azure.body = _blob_listing(["run/a", "run/b"])
+    assert sorted(listing.objects(parse_url("az://container/run"), {"max_attempts": 1})) == ["a", "b"]
+
+
+def test_a_listing_declaring_a_dtd_in_utf16_is_refused(azure):
+    """The DTD guard searched the bytes for "<!DOCTYPE": in UTF-16 they are not there, and expat
+    expanded the entities (an answer of 12 MiB, under the listing's 16 MiB bound, became 1 GB of
+    names).  Here the entity spells a name inside the prefix, which the listing returned."""
+    dtd = '<!DOCTYPE x [<!ENTITY a "run/aaaa">]>'
+    azure.body = _blob_listing(["&a;"], dtd, "utf-16")
+    e = _within(10, lambda: listing.objects(parse_url("az://container/run"), {"max_attempts": 1}))
+    assert isinstance(e, StorageError) and "DTD" in str(e) and "az://container/run" in str(e), repr(e)
+    assert not [p for p in azure.seen if p.startswith("DELETE")]
