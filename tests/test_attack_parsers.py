@@ -38,6 +38,17 @@ def gcs(tmp_path, monkeypatch) -> Iterator[HostileGCS]:
         s.server.server_close()
 
 
+def _slowly(h: BaseHTTPRequestHandler, data: bytes) -> None:
+    """Send `data` a byte every 0.3 s, until the client hangs up."""
+    try:
+        for c in data:
+            h.wfile.write(bytes([c]))
+            h.wfile.flush()
+            time.sleep(0.3)
+    except OSError:
+        pass
+
+
 def test_a_refusal_whose_body_trickles_in_ends_at_the_deadline(gcs):
     """A 503 whose error body comes a byte every 0.3 s: GCS's reason was read from it with no
     deadline (a read timeout bounds each byte's wait, never the body), so the load waited for
@@ -48,17 +59,21 @@ def test_a_refusal_whose_body_trickles_in_ends_at_the_deadline(gcs):
         h.send_header("Content-Length", "100000")
         h.send_header("Content-Type", "application/json")
         h.end_headers()
-        try:
-            for _ in range(50):
-                h.wfile.write(b" ")
-                h.wfile.flush()
-                time.sleep(0.3)
-        except OSError:
-            pass  # the client hung up
+        _slowly(h, b" " * 50)
 
     gcs.meta = trickle
     e = _within(10, lambda: ckptfmt.load(GS_URL, storage_options={"max_attempts": 1, "deadline": 2}))
     assert isinstance(e, StorageError) and "HTTP 503" in str(e) and GS_URL in str(e), repr(e)
+
+
+def test_an_answer_whose_head_trickles_in_ends_at_the_deadline(gcs):
+    """The status line and headers a byte every 0.3 s: every wait for a byte is within the read
+    timeout, so the request waited until the head was whole (here 17 s; 64 KiB a line, 100
+    lines: days) whatever the deadline said."""
+
+    gcs.meta = lambda h, query: _slowly(h, b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 40)
+    e = _within(10, lambda: ckptfmt.load(GS_URL, storage_options={"max_attempts": 2, "deadline": 2}))
+    assert isinstance(e, StorageError) and "did not arrive within" in str(e) and GS_URL in str(e), repr(e)
 
 
 def test_aborting_an_upload_deletes_only_its_own_parts(gcs):
