@@ -5,6 +5,8 @@ naming the URL, and nothing beyond what ckptfmt wrote may be deleted."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +17,8 @@ import torch
 from test_hostile_gcs import HostileGCS, _json, _reply, _within
 
 import ckptfmt
-from ckptfmt.errors import StorageError
+from ckptfmt.background import forksave
+from ckptfmt.errors import SnapshotError, StorageError
 from ckptfmt.storage import listing
 from ckptfmt.storage.backends import store_for
 from ckptfmt.storage.urls import parse_url
@@ -163,3 +166,26 @@ def test_a_listing_declaring_a_dtd_in_utf16_is_refused(azure):
     e = _within(10, lambda: listing.objects(parse_url("az://container/run"), {"max_attempts": 1}))
     assert isinstance(e, StorageError) and "DTD" in str(e) and "az://container/run" in str(e), repr(e)
     assert not [p for p in azure.seen if p.startswith("DELETE")]
+
+
+# -- the fork child protocol ---------------------------------------------------------------------------
+
+
+def test_a_staged_child_killed_before_its_job_fails_the_save_as_a_snapshot_error(tmp_path):
+    """A staged child (take_snapshot) that died before the save handed it its job (the OOM
+    killer, an operator's kill): sending it the job failed, and the save raised a bare
+    BrokenPipeError ("cannot take a fork snapshot: Broken pipe"), not ckptfmt's SnapshotError
+    saying which process ended how.  Nothing is written and the child is reaped."""
+    p = tmp_path / "x.ckpt"
+    ckptfmt.save({"a": torch.zeros(10)}, p)
+    a = torch.arange(1000.0)
+    snapshot = forksave.take_snapshot([("a", a.untyped_storage())])
+    os.kill(snapshot.pid, signal.SIGKILL)
+    os.waitid(os.P_PID, snapshot.pid, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped
+    with pytest.raises(
+        SnapshotError, match=r"pid \d+\) was killed by signal 9 \(SIGKILL\) before it was handed"
+    ):
+        ckptfmt.save({"a": a}, p, blocking=False, snapshot=snapshot)
+    assert torch.equal(ckptfmt.load(p)["a"], torch.zeros(10)) and os.listdir(tmp_path) == ["x.ckpt"]
+    with pytest.raises(ChildProcessError):  # reaped
+        os.waitpid(snapshot.pid, os.WNOHANG)

@@ -178,9 +178,15 @@ class ForkSnapshot:
                 _native.default_threads(),
                 held=held,
             )
-        except BaseException:
+        except BaseException as e:
             sock.close()
-            self._end()
+            status = self._end()
+            if isinstance(e, (BrokenPipeError, ConnectionResetError)):  # its end of the socket closed
+                raise SnapshotError(
+                    f"the process holding this save's fork snapshot (pid {self.pid}) {_how_it_ended(status)} "
+                    "before it was handed its job; nothing was written",
+                    path=path,
+                ) from None
             raise
         sock.close()  # the child has its job: it reads no more
         ready, alive_w, self._ready, self._alive_w = self._ready, self._alive_w, -1, -1
@@ -197,13 +203,15 @@ class ForkSnapshot:
             sock.close()
             self._end()
 
-    def _end(self) -> None:
-        _native.stop_child(self.pid)
+    def _end(self) -> int | None:
+        """Kill and reap the child, close our ends of its pipes: its wait status (_reap's)."""
+        status = _native.stop_child(self.pid)
         for fd in (self._ready, self._alive_w):
             if fd >= 0:
                 os.close(fd)
         self._ready = self._alive_w = -1
         self._held, self._starts = [], []
+        return status
 
 
 def take_snapshot(sources: list[tuple[str, Any]]) -> ForkSnapshot:

@@ -487,13 +487,14 @@ def hand_job(
         os.close(memfd)
 
 
-def stop_child(pid: int) -> None:
-    """Kill a child nobody will wait for, and reap it."""
+def stop_child(pid: int) -> int | None:
+    """Kill a child nobody will wait for, and reap it: its wait status (how it ended, if it had
+    ended already), or None where something else reaped it."""
     try:
         os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        return os.waitpid(pid, 0)[1]
     except (ProcessLookupError, ChildProcessError):
-        pass
+        return None
 
 
 def _release(bufs: list[Any]) -> None:
