@@ -18,6 +18,7 @@ from test_hostile_gcs import HostileGCS, _json, _reply, _within
 
 import ckptfmt
 from ckptfmt.background import forksave
+from ckptfmt.engine import native
 from ckptfmt.errors import SnapshotError, StorageError
 from ckptfmt.storage import listing
 from ckptfmt.storage.backends import store_for
@@ -189,3 +190,39 @@ def test_a_staged_child_killed_before_its_job_fails_the_save_as_a_snapshot_error
     assert torch.equal(ckptfmt.load(p)["a"], torch.zeros(10)) and os.listdir(tmp_path) == ["x.ckpt"]
     with pytest.raises(ChildProcessError):  # reaped
         os.waitpid(snapshot.pid, os.WNOHANG)
+
+
+def _garbled(change):
+    """ForkedWrite.outcome reading what a child left in the memory it shares with the parent,
+    then `change`d (records, end) -> (records, end): a child that wrote garbage there."""
+    real = native.ForkedWrite.outcome
+
+    def outcome(self, path):
+        got = real(self, path)
+        return None if got is None else change(*got)
+
+    return outcome
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda recs, end: ([recs[0], (recs[1][0] + 64, *recs[1][1:]), *recs[2:]], end + 64),
+        lambda recs, end: ([(recs[0][0], recs[0][1] - 1, *recs[0][2:]), *recs[1:]], end),
+        lambda recs, end: (recs[:-1], end),
+        lambda recs, end: (recs, end + (1 << 40)),
+    ],
+    ids=["hole-between-chunks", "stored-shorter-than-raw", "a-record-missing", "end-beyond"],
+)
+def test_a_child_reporting_garbage_commits_nothing(tmp_path, monkeypatch, change):
+    """The parent built the index from whatever records and end the child left in shared memory
+    and committed it: a child that reported garbage replaced the previous file with one no
+    load reads.  Now the report is checked against the chunks the child was given first."""
+    p = tmp_path / "x.ckpt"
+    ckptfmt.save({"a": torch.zeros(10)}, p)
+    monkeypatch.setattr(native.ForkedWrite, "outcome", _garbled(change))
+    state = {"a": torch.arange(3 * 1024 * 1024, dtype=torch.uint8)}
+    handle = ckptfmt.save(state, p, blocking=False, snapshot="fork", chunk_size=1 << 20)
+    with pytest.raises(SnapshotError, match="nothing was committed"):
+        handle.wait()
+    assert torch.equal(ckptfmt.load(p)["a"], torch.zeros(10)) and os.listdir(tmp_path) == ["x.ckpt"]

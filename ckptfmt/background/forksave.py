@@ -411,13 +411,59 @@ def _how_it_ended(status: int | None) -> str:
     return f"exited with status {os.waitstatus_to_exitcode(status)}"
 
 
+def _check_report(
+    records: list[ChunkRecord],
+    end: int,
+    encoded: Encoded,
+    chunk_size: int,
+    matches: list[int] | None,
+    path: str,
+    pid: int,
+) -> None:
+    """SnapshotError unless the records the child reported (through memory it shares with this
+    process) describe the chunks it was given as the writer lays them out: each written chunk
+    (an incremental child's found ones are not: `matches`) of its piece's length, stored raw
+    or smaller compressed, back to back from the prologue on, the last one ending where the
+    child says the chunks end.  A file is committed only when it is: an index built from
+    garbage would replace the previous file with one no load can read."""
+    pos, k = fmt.PROLOGUE_SIZE, 0
+    for plan in encoded.storages:
+        for start in range(0, plan.nbytes, chunk_size):
+            if k >= len(records):
+                break
+            raw = min(chunk_size, plan.nbytes - start)
+            offset, stored, raw_len, codec = records[k][:4]
+            if matches is None or matches[k] < 0:
+                sized = (
+                    stored == raw if codec == fmt.CODEC_RAW else codec == fmt.CODEC_ZSTD and 0 < stored < raw
+                )
+                if offset != pos or raw_len != raw or not sized:
+                    raise SnapshotError(
+                        f"the process writing this save's snapshot (pid {pid}) reported chunk {k} at offset "
+                        f"{offset}, {stored} of {raw_len} bytes stored, codec {codec}: not the chunk of "
+                        f"{raw} bytes at {pos} it was given; nothing was committed",
+                        path=path,
+                    )
+                pos = fmt.align_up(pos + stored)
+            k += 1
+    if k != len(records) or end != pos:
+        raise SnapshotError(
+            f"the process writing this save's snapshot (pid {pid}) reported {len(records)} chunks ending "
+            f"at {end}, not the {k} it was given ending at {pos}; nothing was committed",
+            path=path,
+        )
+
+
 def _with_references(
-    dedup: Dedup, child: _native.ForkedWrite, records: list[ChunkRecord], tags: list[bytes] | None
+    dedup: Dedup,
+    findings: tuple[list[bytes], list[int]],
+    records: list[ChunkRecord],
+    tags: list[bytes] | None,
 ) -> list[ChunkRecord]:
     """The file's chunk records once an incremental child is done: the record of each chunk it
     found in an earlier file in place of the (unwritten) one it left; an encrypted file's tag
     of such a chunk is in the file that holds it (spec 17.9), zero here as ChunkWriter leaves it."""
-    found = dedup.adopt(*child.findings())
+    found = dedup.adopt(*findings)
     for k, held in enumerate(found):
         if held is not None:
             records[k] = held
@@ -455,10 +501,13 @@ def _finish(
                 path=handle.path,
             )
         records, end = written
+        findings = child.findings() if options.dedup is not None else None
+        matches = None if findings is None else findings[1]
+        _check_report(records, end, encoded, options.chunk_size, matches, handle.path, child.pid)
         tags = child.tags() if options.seal is not None else None
         shas = child.shas() if options.sign is not None else None
-        if options.dedup is not None:
-            records = _with_references(options.dedup, child, records, tags)
+        if options.dedup is not None and findings is not None:
+            records = _with_references(options.dedup, findings, records, tags)
         length = chunkwrite.finish_file(atomic.fd, file_id, encoded, records, end, options, shas, tags)
         atomic.commit(free_replaced=replaced.append)
         handle.version = getattr(atomic, "etag", None)  # an object upload's
