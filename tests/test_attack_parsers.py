@@ -226,3 +226,33 @@ def test_a_child_reporting_garbage_commits_nothing(tmp_path, monkeypatch, change
     with pytest.raises(SnapshotError, match="nothing was committed"):
         handle.wait()
     assert torch.equal(ckptfmt.load(p)["a"], torch.zeros(10)) and os.listdir(tmp_path) == ["x.ckpt"]
+
+
+@pytest.mark.parametrize("wrong", ["beyond-the-table", "other-bytes"])
+def test_an_incremental_child_reporting_a_wrong_match_commits_nothing(tmp_path, monkeypatch, wrong):
+    """An incremental child reports, per chunk, where in the held table it was given it found the
+    same bytes; the parent took that as it came: a match beyond the table escaped as a bare
+    IndexError, and one naming another held chunk committed a file whose chunk refers to other
+    bytes than the state's.  Now each match is checked against the table (length and digest)."""
+    from ckptfmt.files import incremental
+
+    state = {"a": torch.arange(1 << 20, dtype=torch.int32), "b": torch.ones(1 << 18, dtype=torch.uint8)}
+    kw = {"chunk_size": 1 << 20}
+    incremental.save(state, tmp_path / "0.ckpt", **kw)
+    state["b"].add_(1)
+    real = native.ForkedWrite.findings
+
+    def findings(self):
+        digests, matches = real(self)
+        assert matches[0] >= 0  # a's first chunk is held by 0.ckpt
+        m = matches[0]  # the held table holds a's four chunks, each other bytes
+        matches[0] = 1 << 40 if wrong == "beyond-the-table" else (m - 1 if m > 0 else m + 1)
+        return digests, matches
+
+    monkeypatch.setattr(native.ForkedWrite, "findings", findings)
+    h = incremental.save(
+        state, tmp_path / "1.ckpt", base=tmp_path / "0.ckpt", blocking=False, snapshot="fork", **kw
+    )
+    with pytest.raises(SnapshotError, match="reported chunk 0 found as held chunk .* nothing was committed"):
+        h.wait()
+    assert sorted(os.listdir(tmp_path)) == ["0.ckpt"]

@@ -416,24 +416,40 @@ def _check_report(
     end: int,
     encoded: Encoded,
     chunk_size: int,
-    matches: list[int] | None,
+    child: _native.ForkedWrite,
+    findings: tuple[list[bytes], list[int]] | None,
     path: str,
-    pid: int,
 ) -> None:
     """SnapshotError unless the records the child reported (through memory it shares with this
     process) describe the chunks it was given as the writer lays them out: each written chunk
-    (an incremental child's found ones are not: `matches`) of its piece's length, stored raw
-    or smaller compressed, back to back from the prologue on, the last one ending where the
-    child says the chunks end.  A file is committed only when it is: an index built from
-    garbage would replace the previous file with one no load can read."""
-    pos, k = fmt.PROLOGUE_SIZE, 0
+    of its piece's length, stored raw or smaller compressed, back to back from the prologue on,
+    the last one ending where the child says the chunks end; and each chunk an incremental
+    child says it found (`findings`) one of the held table it was given, of that length and
+    digest.  A file is committed only when it is: an index built from garbage would replace
+    the previous file with one no load can read, or refer to other bytes than the state's."""
+    pos, k, pid = fmt.PROLOGUE_SIZE, 0, child.pid
+    given = sum(-(-plan.nbytes // chunk_size) for plan in encoded.storages)
+    if len(records) != given:
+        raise SnapshotError(
+            f"the process writing this save's snapshot (pid {pid}) reported {len(records)} chunks, "
+            f"not the {given} it was given; nothing was committed",
+            path=path,
+        )
+    digests, matches = findings if findings is not None else ([], [])
+    held = child.held or []
     for plan in encoded.storages:
         for start in range(0, plan.nbytes, chunk_size):
-            if k >= len(records):
-                break
             raw = min(chunk_size, plan.nbytes - start)
             offset, stored, raw_len, codec = records[k][:4]
-            if matches is None or matches[k] < 0:
+            m = matches[k] if findings is not None else -1
+            if m >= 0:
+                if m >= len(held) or held[m] != (raw, digests[k]):
+                    raise SnapshotError(
+                        f"the process writing this save's snapshot (pid {pid}) reported chunk {k} found "
+                        f"as held chunk {m}, which holds other bytes; nothing was committed",
+                        path=path,
+                    )
+            else:
                 sized = (
                     stored == raw if codec == fmt.CODEC_RAW else codec == fmt.CODEC_ZSTD and 0 < stored < raw
                 )
@@ -446,10 +462,10 @@ def _check_report(
                     )
                 pos = fmt.align_up(pos + stored)
             k += 1
-    if k != len(records) or end != pos:
+    if end != pos:
         raise SnapshotError(
-            f"the process writing this save's snapshot (pid {pid}) reported {len(records)} chunks ending "
-            f"at {end}, not the {k} it was given ending at {pos}; nothing was committed",
+            f"the process writing this save's snapshot (pid {pid}) reported its chunks ending at {end}, "
+            f"not at {pos}; nothing was committed",
             path=path,
         )
 
@@ -502,8 +518,7 @@ def _finish(
             )
         records, end = written
         findings = child.findings() if options.dedup is not None else None
-        matches = None if findings is None else findings[1]
-        _check_report(records, end, encoded, options.chunk_size, matches, handle.path, child.pid)
+        _check_report(records, end, encoded, options.chunk_size, child, findings, handle.path)
         tags = child.tags() if options.seal is not None else None
         shas = child.shas() if options.sign is not None else None
         if options.dedup is not None and findings is not None:
