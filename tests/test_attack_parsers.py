@@ -1,5 +1,6 @@
-"""Attacks on the parsers added last session: the gs:// and az:// answers and listings (a hostile
-HTTP server on 127.0.0.1 pretending to be the store) and the fork child protocol.  Each test
+"""Attacks on the parsers added last session: the torch-free verify of a run's sharded (DCP)
+step, the gs:// and az:// answers and listings (a hostile HTTP server on 127.0.0.1 pretending
+to be the store) and the fork child protocol.  Each test
 failed before the fix it names; each answer must end, within its deadline, as a ckptfmt error
 naming the URL, and nothing beyond what ckptfmt wrote may be deleted."""
 
@@ -17,12 +18,61 @@ import torch
 from test_hostile_gcs import HostileGCS, _json, _reply, _within
 
 import ckptfmt
+from ckptfmt import dcp as cdcp
 from ckptfmt.background import forksave
+from ckptfmt.cli import main as cli
 from ckptfmt.engine import native
-from ckptfmt.errors import SnapshotError, StorageError
+from ckptfmt.errors import CorruptError, SnapshotError, StorageError
 from ckptfmt.storage import listing
 from ckptfmt.storage.backends import store_for
 from ckptfmt.storage.urls import parse_url
+
+# -- a run's sharded step: verify refuses what a resume refuses -------------------------------------------
+
+
+def _python_v2(cap):
+    cap["python"]["version"] = 2
+    return (cap,)
+
+
+def _short_torch_state(cap):
+    cap["torch_cpu"] = cap["torch_cpu"][:100].clone()
+    return (cap,)
+
+
+@pytest.mark.parametrize(
+    "saved",
+    [_python_v2, _short_torch_state, lambda cap: (cap, cap)],
+    ids=["python-state-version-2", "torch-cpu-state-short", "two-captures"],
+)
+def test_verify_of_a_sharded_step_refuses_rng_states_its_resume_refuses(tmp_path, capsys, saved):
+    """A sharded step ({"state": ..., "rng": {"rank-00000": (capture,)}}) whose RNG states its
+    rank's resume refuses (sharded._checked_rng, before anything is filled): ``ckptfmt verify``
+    of the run said OK, checking the record and every item but never the RNG states."""
+    from ckptfmt.runs.rng import capture_rng
+
+    run = tmp_path / "run"
+    ckptfmt.CheckpointManager(str(run)).save(1, {"w": torch.ones(1)})
+    step = run / "step-000000002"
+    cdcp.save({"state": {"w": torch.ones(1)}, "rng": {"rank-00000": saved(capture_rng())}}, str(step), step=2)
+    with pytest.raises(CorruptError, match="RNG state"):
+        ckptfmt.CheckpointManager(str(run)).load_into({"w": torch.zeros(1)}, step=2)
+    assert cli(["verify", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert (
+        "step-000000001: OK" in out and "step-000000002: FAILED corrupt" in out and "rng.rank-00000" in out
+    ), out
+
+
+def test_verify_of_a_sharded_step_with_sound_rng_states_is_ok(tmp_path, capsys):
+    from ckptfmt.runs.rng import capture_rng
+
+    run = tmp_path / "run"
+    step = run / "step-000000002"
+    cdcp.save({"state": {"w": torch.ones(1)}, "rng": {"rank-00000": (capture_rng(),)}}, str(step), step=2)
+    ckptfmt.CheckpointManager(str(run)).load_into({"w": torch.zeros(1)}, step=2)
+    assert cli(["verify", str(run)]) == 0, capsys.readouterr().out
+
 
 # -- gs:// -------------------------------------------------------------------------------------------
 
