@@ -64,6 +64,16 @@ def test_verify_of_a_sharded_step_refuses_rng_states_its_resume_refuses(tmp_path
     ), out
 
 
+def test_verify_of_a_sharded_step_on_a_store_refuses_rng_states_its_resume_refuses(env_bucket, capsys):
+    from ckptfmt.runs.rng import capture_rng
+
+    step = f"s3://{env_bucket}/run/step-000000002"
+    cdcp.save({"state": {"w": torch.ones(1)}, "rng": {"rank-00000": _python_v2(capture_rng())}}, step, step=2)
+    assert cli(["verify", f"s3://{env_bucket}/run"]) == 1
+    out = capsys.readouterr().out
+    assert "step-000000002" in out and "rng.rank-00000" in out, out
+
+
 def test_verify_of_a_sharded_step_with_sound_rng_states_is_ok(tmp_path, capsys):
     from ckptfmt.runs.rng import capture_rng
 
