@@ -57,15 +57,21 @@ class HeadWatch:
         self.timeout = timeout
         self.fired = threading.Event()
         self._conn: Any = None
+        # once the request is over its connection may serve another thread's: no cut after that
+        self._lock = threading.Lock()
+        self._over = False
         self._timer = threading.Timer(timeout, self._fire)
         self._timer.daemon = True
 
     def _fire(self) -> None:
-        self.fired.set()
-        sock = getattr(self._conn, "sock", None)
-        if isinstance(sock, socket.socket):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked on it
+        with self._lock:
+            if self._over:
+                return
+            self.fired.set()
+            sock = getattr(self._conn, "sock", None)
+            if isinstance(sock, socket.socket):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked on it
 
     def sending_on(self, conn: Any) -> None:
         """`conn` is about to send the request or read its answer's head."""
@@ -82,6 +88,8 @@ class HeadWatch:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._over = True
         self._timer.cancel()
         _sending.watch = None
 
