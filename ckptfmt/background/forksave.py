@@ -178,9 +178,15 @@ class ForkSnapshot:
                 _native.default_threads(),
                 held=held,
             )
-        except BaseException:
+        except BaseException as e:
             sock.close()
-            self._end()
+            status = self._end()
+            if isinstance(e, (BrokenPipeError, ConnectionResetError)):  # its end of the socket closed
+                raise SnapshotError(
+                    f"the process holding this save's fork snapshot (pid {self.pid}) {_how_it_ended(status)} "
+                    "before it was handed its job; nothing was written",
+                    path=path,
+                ) from None
             raise
         sock.close()  # the child has its job: it reads no more
         ready, alive_w, self._ready, self._alive_w = self._ready, self._alive_w, -1, -1
@@ -197,13 +203,15 @@ class ForkSnapshot:
             sock.close()
             self._end()
 
-    def _end(self) -> None:
-        _native.stop_child(self.pid)
+    def _end(self) -> int | None:
+        """Kill and reap the child, close our ends of its pipes: its wait status (_reap's)."""
+        status = _native.stop_child(self.pid)
         for fd in (self._ready, self._alive_w):
             if fd >= 0:
                 os.close(fd)
         self._ready = self._alive_w = -1
         self._held, self._starts = [], []
+        return status
 
 
 def take_snapshot(sources: list[tuple[str, Any]]) -> ForkSnapshot:
@@ -403,13 +411,75 @@ def _how_it_ended(status: int | None) -> str:
     return f"exited with status {os.waitstatus_to_exitcode(status)}"
 
 
+def _check_report(
+    records: list[ChunkRecord],
+    end: int,
+    encoded: Encoded,
+    chunk_size: int,
+    child: _native.ForkedWrite,
+    findings: tuple[list[bytes], list[int]] | None,
+    path: str,
+) -> None:
+    """SnapshotError unless the records the child reported (through memory it shares with this
+    process) describe the chunks it was given as the writer lays them out: each written chunk
+    of its piece's length, stored raw or smaller compressed, back to back from the prologue on,
+    the last one ending where the child says the chunks end; and each chunk an incremental
+    child says it found (`findings`) one of the held table it was given, of that length and
+    digest.  A file is committed only when it is: an index built from garbage would replace
+    the previous file with one no load can read, or refer to other bytes than the state's."""
+    pos, k, pid = fmt.PROLOGUE_SIZE, 0, child.pid
+    given = sum(-(-plan.nbytes // chunk_size) for plan in encoded.storages)
+    if len(records) != given:
+        raise SnapshotError(
+            f"the process writing this save's snapshot (pid {pid}) reported {len(records)} chunks, "
+            f"not the {given} it was given; nothing was committed",
+            path=path,
+        )
+    digests, matches = findings if findings is not None else ([], [])
+    held = child.held or []
+    for plan in encoded.storages:
+        for start in range(0, plan.nbytes, chunk_size):
+            raw = min(chunk_size, plan.nbytes - start)
+            offset, stored, raw_len, codec = records[k][:4]
+            m = matches[k] if findings is not None else -1
+            if m >= 0:
+                if m >= len(held) or held[m] != (raw, digests[k]):
+                    raise SnapshotError(
+                        f"the process writing this save's snapshot (pid {pid}) reported chunk {k} found "
+                        f"as held chunk {m}, which holds other bytes; nothing was committed",
+                        path=path,
+                    )
+            else:
+                sized = (
+                    stored == raw if codec == fmt.CODEC_RAW else codec == fmt.CODEC_ZSTD and 0 < stored < raw
+                )
+                if offset != pos or raw_len != raw or not sized:
+                    raise SnapshotError(
+                        f"the process writing this save's snapshot (pid {pid}) reported chunk {k} at offset "
+                        f"{offset}, {stored} of {raw_len} bytes stored, codec {codec}: not the chunk of "
+                        f"{raw} bytes at {pos} it was given; nothing was committed",
+                        path=path,
+                    )
+                pos = fmt.align_up(pos + stored)
+            k += 1
+    if end != pos:
+        raise SnapshotError(
+            f"the process writing this save's snapshot (pid {pid}) reported its chunks ending at {end}, "
+            f"not at {pos}; nothing was committed",
+            path=path,
+        )
+
+
 def _with_references(
-    dedup: Dedup, child: _native.ForkedWrite, records: list[ChunkRecord], tags: list[bytes] | None
+    dedup: Dedup,
+    findings: tuple[list[bytes], list[int]],
+    records: list[ChunkRecord],
+    tags: list[bytes] | None,
 ) -> list[ChunkRecord]:
     """The file's chunk records once an incremental child is done: the record of each chunk it
     found in an earlier file in place of the (unwritten) one it left; an encrypted file's tag
     of such a chunk is in the file that holds it (spec 17.9), zero here as ChunkWriter leaves it."""
-    found = dedup.adopt(*child.findings())
+    found = dedup.adopt(*findings)
     for k, held in enumerate(found):
         if held is not None:
             records[k] = held
@@ -447,10 +517,12 @@ def _finish(
                 path=handle.path,
             )
         records, end = written
+        findings = child.findings() if options.dedup is not None else None
+        _check_report(records, end, encoded, options.chunk_size, child, findings, handle.path)
         tags = child.tags() if options.seal is not None else None
         shas = child.shas() if options.sign is not None else None
-        if options.dedup is not None:
-            records = _with_references(options.dedup, child, records, tags)
+        if options.dedup is not None and findings is not None:
+            records = _with_references(options.dedup, findings, records, tags)
         length = chunkwrite.finish_file(atomic.fd, file_id, encoded, records, end, options, shas, tags)
         atomic.commit(free_replaced=replaced.append)
         handle.version = getattr(atomic, "etag", None)  # an object upload's

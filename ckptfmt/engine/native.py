@@ -288,8 +288,10 @@ class ForkedWrite:
         chunks: Any,
         n: int,
         found: tuple[Any, Any] | None = None,
+        held: list[tuple[int, bytes]] | None = None,
     ) -> None:
         self.pid = pid
+        self.held = held  # an incremental child's table (raw length, digest) its matches index
         self._shared = shared
         self._base = base
         self._result = result
@@ -393,7 +395,7 @@ def fork_write(
         _release(keep)
         if pid < 0:
             raise OSError(err, f"fork failed: {os.strerror(err)}")
-        return ForkedWrite(int(pid), shared, base, result, chunks, n, found)
+        return ForkedWrite(int(pid), shared, base, result, chunks, n, found, held)
     except BaseException:
         # fork() ran with signals blocked: a ^C pressed meanwhile is raised right after it
         # returns, before the caller holds the child, which must not be left behind
@@ -477,7 +479,7 @@ def hand_job(
         result = ffi.addressof(job[0], "result")
         socket.send_fds(sock, [b"j"], [fd, memfd])
         _release(keep)
-        return ForkedWrite(pid, shared, base, result, chunks, n, found)
+        return ForkedWrite(pid, shared, base, result, chunks, n, found, held)
     except BaseException:
         _release(keep)
         ffi.release(base)
@@ -487,13 +489,14 @@ def hand_job(
         os.close(memfd)
 
 
-def stop_child(pid: int) -> None:
-    """Kill a child nobody will wait for, and reap it."""
+def stop_child(pid: int) -> int | None:
+    """Kill a child nobody will wait for, and reap it: its wait status (how it ended, if it had
+    ended already), or None where something else reaped it."""
     try:
         os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        return os.waitpid(pid, 0)[1]
     except (ProcessLookupError, ChildProcessError):
-        pass
+        return None
 
 
 def _release(bufs: list[Any]) -> None:

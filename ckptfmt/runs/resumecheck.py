@@ -34,6 +34,8 @@ NUMPY_FIELDS = ("bit_generator", "keys", "pos", "has_gauss", "cached_gaussian")
 MT_WORDS = 624  # the Mersenne Twister state both `random` and numpy's RandomState use
 PYTHON_STATE_VERSION = 3  # what random.getstate() has returned since Python 2.3
 DEVICE_TYPE_RE = re.compile(r"[a-z_][a-z0-9_]{0,31}")
+#: the key of one rank's RNG states in a sharded step ({"rng": {key: (capture,)}}, runs/sharded.py)
+RANK_KEY_RE = re.compile(r"rank-[0-9]{5,}")
 #: torch.get_rng_state().numel(): sizeof(CPUGeneratorImplState) (ATen/CPUGeneratorImpl.h), its
 #: layout the one below since torch 1.x; tests/test_resume_entries.py checks it against torch
 TORCH_CPU_STATE_BYTES = 5056
@@ -43,6 +45,11 @@ TORCH_CPU_STATE_BYTES = 5056
 _TORCH_CPU_HEAD = struct.Struct("=QiiQ")
 _NATIVE = "<" if sys.byteorder == "little" else ">"
 _WORD = _NATIVE + "u4"  # numpy's dtype.str of np.uint32 on this machine
+
+
+def rng_key(rank: int) -> str:
+    """The key of rank `rank`'s RNG states in a sharded step (RANK_KEY_RE)."""
+    return f"rank-{rank:05d}"
 
 
 # -- errors (raised by restore_rng too, runs/rng.py, on a dict the caller gives it) ---------------

@@ -43,6 +43,7 @@ from ..errors import CheckpointError, CheckpointWarning, CorruptError, Incomplet
 from ..fileio import is_url
 from ..files import multifile
 from . import resume
+from .resumecheck import rng_key
 from .steps import StepJob, held
 from .stepsave import StepSaver
 
@@ -78,10 +79,6 @@ def _is_distributed(obj: object) -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def rng_key(rank: int) -> str:
-    return f"rank-{rank:05d}"
 
 
 def save_step(

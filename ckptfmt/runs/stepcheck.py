@@ -145,6 +145,8 @@ def verify_step(
             _verify_parts(d, record, report, decrypt)
             if record.layout == "dcp" and report.ok:
                 report.problems += _dcp_problems(d, decrypt)
+            if record.layout == "dcp" and report.ok and step is not None:  # a run's sharded step
+                report.problems += _sharded_rng_problems(d, decrypt)
     except CheckpointError as e:
         report.problems.append(problem_of(e))
     return report
@@ -175,6 +177,8 @@ def verify_objects(place: ObjectPlace, decrypt: Any = None, trusted: Any = None)
                 _add_part(report, part.name, f, record.layout)
         if record.layout == "dcp" and report.ok:
             report.problems += _dcp_problems(place, decrypt)
+        if record.layout == "dcp" and report.ok and step is not None:  # a run's sharded step
+            report.problems += _sharded_rng_problems(place, decrypt)
     except CheckpointError as e:
         report.problems.append(problem_of(e))
     return report
@@ -205,6 +209,50 @@ def _dcp_problems(path: CheckpointDir | ObjectPlace, decrypt: Any = None) -> lis
         text = e.reason if not name or e.reason.startswith(name) else f"{name}: {e.reason}"
         out.append(Problem(problem_of(e).kind, text, e.key))
     return out
+
+
+def _sharded_rng_problems(path: CheckpointDir | ObjectPlace, decrypt: Any = None) -> list[Problem]:
+    """The RNG states of a run's sharded step (runs/sharded.py saves {"rng": {"rank-NNNNN":
+    (capture,)}}: a value item per rank), each checked as that rank's resume checks its own
+    before anything of the caller's is filled (sharded._checked_rng), on the values as stored
+    (no torch): verify fails where a resume on any rank would."""
+    from ..dcp.check import checked_record
+    from ..dcp.sources import Source, rank_note
+    from ..files import places
+
+    try:
+        with places.held(path) as d:
+            record = d.read_record()
+            checked = checked_record(record, d.path)
+            paths = checked.planner_data or {}
+            for fqn, loc in checked.items():
+                p = tuple(paths.get(fqn, (fqn,)))
+                if (
+                    len(p) < 2
+                    or p[0] != "rng"
+                    or type(p[1]) is not str
+                    or not resumecheck.RANK_KEY_RE.fullmatch(p[1])
+                ):
+                    continue  # no rank's resume reads it
+                if len(p) != 2 or loc.sizes is not None:
+                    raise CorruptError(
+                        f"the RNG states of {p[1]} are not what a manager saves", path=d.path, key=fqn
+                    )
+                src = Source(
+                    d, loc.file, f"{loc.file}{rank_note(loc.file)}", record, keyed=True, decrypt=decrypt
+                )
+                try:  # its arrays' bytes are read as they are checked
+                    saved = src.f.load_raw(src.node(loc.key, fqn), True)
+                    if type(saved) is not tuple or len(saved) != 1:
+                        raise CorruptError(
+                            f"the RNG states of {p[1]} are not what a manager saves", path=d.path, key=fqn
+                        )
+                    resumecheck.check_rng_entry(saved[0], d.path, f"rng.{p[1]}")
+                finally:
+                    src.f.close()
+    except CheckpointError as e:
+        return [problem_of(e)]
+    return []
 
 
 def _verify_parts(

@@ -254,7 +254,11 @@ class GCSStore:
         token: object = None
         for _ in range(MAX_ABORT_PAGES):
             page = self._page(url, stem, None, token, parts=True)
-            self._delete_quietly(url, [e.key for e in page.entries if isinstance(e.key, str)])
+            # only this upload's parts: a listing naming another upload's (a live writer's) or
+            # any other object beyond the prefix asked for deletes nothing of it
+            self._delete_quietly(
+                url, [e.key for e in page.entries if isinstance(e.key, str) and e.key.startswith(stem)]
+            )
             if not page.truncated or not isinstance(page.token, str) or page.token == token:
                 return
             token = page.token
@@ -336,10 +340,9 @@ def _part_key(key: str, upload_id: str, label: str) -> str:
 
 def _reason(answer: Any) -> str:
     """GCS's reason for a refused request (its JSON error's first reason), from at most 64 KiB
-    of the answer; the status where there is none."""
+    of the answer read within the operation's deadline; the status where there is none."""
     try:
-        body = answer.raw.read(64 * 1024)
-        error = _object(body).get("error")
+        error = _object(http.read_refusal(answer)).get("error")
         reasons = error.get("errors") if isinstance(error, dict) else None
         reason = reasons[0].get("reason") if isinstance(reasons, list) and reasons else None
         if isinstance(reason, str) and reason:

@@ -3,6 +3,10 @@ ckptfmt's requests, and an answer's body as download.read_body reads it."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import socket
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,10 +35,100 @@ def new_session(options: Mapping[str, Any], scheme: str, session: Any = None) ->
     session = requests.Session() if session is None else session
     size = max(10, 2 * client.concurrency(options))
     adapter = requests.adapters.HTTPAdapter(pool_connections=size, pool_maxsize=size, max_retries=0)
+    adapter.poolmanager.pool_classes_by_scheme = _watched_pools()
     session.mount("http://", adapter)
     session.mount("https://", adapter)
     session.headers["Accept-Encoding"] = "identity"
     return session
+
+
+#: the HeadWatch of the request this thread is sending (send sets it)
+_sending = threading.local()
+
+
+class HeadWatch:
+    """Cuts the connection a request is sent on unless its answer's head has come within
+    `timeout` seconds.  A read timeout bounds each wait for a byte, not the head: a store that
+    sends its status line a byte at a time (or reads the request so) would hold the request
+    for hours whatever the deadline said.  The connection is the one the pool hands the
+    request (noted by _watched_pools' connections as they send)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.fired = threading.Event()
+        self._conn: Any = None
+        # once the request is over its connection may serve another thread's: no cut after that
+        self._lock = threading.Lock()
+        self._over = False
+        self._timer = threading.Timer(timeout, self._fire)
+        self._timer.daemon = True
+
+    def _fire(self) -> None:
+        with self._lock:
+            if self._over:
+                return
+            self.fired.set()
+            sock = getattr(self._conn, "sock", None)
+            if isinstance(sock, socket.socket):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked on it
+
+    def sending_on(self, conn: Any) -> None:
+        """`conn` is about to send the request or read its answer's head."""
+        self._conn = conn
+        if self.fired.is_set():
+            raise client.AnswerCut(self.missed())
+
+    def missed(self) -> str:
+        return f"the answer's head {client.missed_deadline(self.timeout, 'deadline')}"
+
+    def __enter__(self) -> HeadWatch:
+        _sending.watch = self
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._over = True
+        self._timer.cancel()
+        _sending.watch = None
+
+
+def _note_sending(conn: Any) -> None:
+    watch = getattr(_sending, "watch", None)
+    if watch is not None:
+        watch.sending_on(conn)
+
+
+@functools.cache
+def _watched_pools() -> dict[str, type]:
+    """urllib3's connection pools, their connections telling this thread's HeadWatch which
+    connection a request goes out on."""
+    from urllib3.connection import HTTPConnection, HTTPSConnection
+    from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+    class Watched:
+        def request(self, *args: Any, **kwargs: Any) -> Any:
+            _note_sending(self)
+            return super().request(*args, **kwargs)  # type: ignore[misc]
+
+        def getresponse(self, *args: Any, **kwargs: Any) -> Any:
+            _note_sending(self)
+            return super().getresponse(*args, **kwargs)  # type: ignore[misc]
+
+    class WatchedHTTP(Watched, HTTPConnection):
+        pass
+
+    class WatchedHTTPS(Watched, HTTPSConnection):
+        pass
+
+    class Pool(HTTPConnectionPool):
+        ConnectionCls = WatchedHTTP
+
+    class HTTPSPool(HTTPSConnectionPool):
+        ConnectionCls = WatchedHTTPS
+
+    return {"http": Pool, "https": HTTPSPool}
 
 
 class Body:
@@ -69,9 +163,21 @@ def send(
     **kwargs: Any,
 ) -> Any:
     """One request, its answer's body not yet read (streamed, never redirected: a store
-    answers where it was asked); AnswerError for a status of 300 or more, with the store's
-    `reason` for it."""
-    answer = session.request(method, url, timeout=timeouts, stream=True, allow_redirects=False, **kwargs)
+    answers where it was asked), its answer's head within what remains of the operation's
+    deadline (AnswerCut); AnswerError for a status of 300 or more, with the store's `reason`
+    for it."""
+    with HeadWatch(_time_left()) as watch:
+        try:
+            answer = session.request(
+                method, url, timeout=timeouts, stream=True, allow_redirects=False, **kwargs
+            )
+        except Exception:
+            if watch.fired.is_set():
+                raise client.AnswerCut(watch.missed()) from None
+            raise
+    if watch.fired.is_set():  # the head came as the connection was cut: its body cannot
+        answer.close()
+        raise client.AnswerCut(watch.missed())
     if answer.status_code >= 300:
         why = reason(answer)
         answer.close()
@@ -79,12 +185,29 @@ def send(
     return answer
 
 
+def _time_left() -> float:
+    """What remains of the deadline of the operation this thread carries out."""
+    budget = client.current_budget()
+    return max(budget.remaining() if budget is not None else client.DEFAULT_DEADLINE, 0.001)
+
+
 def read_answer(answer: Any, what: str) -> bytes:
     """The whole body of `answer`, read within what remains of the operation's deadline and
     refused above client.MAX_LISTING_BODY before it is parsed (client.read_listing)."""
-    budget = client.current_budget()
-    timeout = budget.remaining() if budget is not None else client.DEFAULT_DEADLINE
     try:
-        return client.read_listing(answer.raw, max(timeout, 0.001), what)
+        return client.read_listing(answer.raw, _time_left(), what)
     finally:
         answer.close()
+
+
+def read_refusal(answer: Any, limit: int = 64 * 1024) -> bytes:
+    """At most `limit` bytes of a refused request's answer, read within what remains of the
+    operation's deadline (one that trickles in is cut there: b"", and the status alone names
+    the refusal).  A read timeout bounds each wait for a byte, not the body."""
+    with client.Watchdog(answer.raw, _time_left()) as dog:
+        try:
+            body = bytes(answer.raw.read(limit))
+        except Exception:
+            if not dog.fired.is_set():
+                raise
+    return b"" if dog.fired.is_set() else body
