@@ -67,7 +67,8 @@ class UnsupportedObjectError(CheckpointError, TypeError):
 
 class SnapshotError(CheckpointError, RuntimeError):
     """The child process writing a non-blocking save's copy-on-write snapshot ended
-    before it finished (killed, or out of memory): nothing was committed."""
+    before it finished (killed, or out of memory), or was not done by its deadline (then
+    killed): nothing was committed."""
 
 
 class CheckpointWarning(UserWarning):

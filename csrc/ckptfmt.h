@@ -206,9 +206,10 @@ typedef struct {
  * file to write and a memfd holding a ckf_fork_job.  It then does what ckf_fork_write's child
  * does with the job's arguments, and sets the job's `result`.  It exits without writing when
  * `sock` reaches end-of-file (the parent needs nothing written) or parent_fd does (the parent
- * is gone), and without a result when the job is malformed.  Descriptors and signals as for
+ * is gone), and without a result when the job is malformed (status 5) or has not come within
+ * job_wait_ms milliseconds of the fork (status 6).  Descriptors and signals as for
  * ckf_fork_write.  Returns the child's pid, or -1 with errno set. */
-int64_t ckf_fork_stage(int sock, int ready_fd, int parent_fd);
+int64_t ckf_fork_stage(int sock, int ready_fd, int parent_fd, int job_wait_ms);
 
 /* Helpers shared by the engine and exposed for tests. */
 /* tests only: hold the engine cache's lock for ms milliseconds (cache.c) */

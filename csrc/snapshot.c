@@ -27,6 +27,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "ckptfmt.h"
@@ -283,6 +284,27 @@ int64_t ckf_fork_write(int fd, const uint8_t *file_id, uint64_t first_index, uin
     return 0; /* not reached */
 }
 
+static int64_t now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* Wait at most `wait_ms` for the job to arrive on `sock`: a parent that never hands one over
+ * (nor closes its end) must not keep this child, and the memory it holds, for ever.  Past
+ * the deadline the child exits with status 6, which the parent names (background/forksave.py). */
+static void await_job(int sock, int wait_ms) {
+    const int64_t end = now_ms() + wait_ms;
+    for (;;) {
+        int64_t left = end - now_ms();
+        if (left <= 0) _exit(6);
+        struct pollfd pf = {sock, POLLIN, 0};
+        int rc = poll(&pf, 1, left > INT32_MAX ? INT32_MAX : (int)left);
+        if (rc > 0) return; /* a message, or end-of-file: recvmsg tells which */
+        if (rc < 0 && errno != EINTR) _exit(5);
+    }
+}
+
 /* The job of a staged child (ckf_fork_stage): one message on its socket carrying the file's
  * descriptor and a memfd that holds a ckf_fork_job, whose arrays lie at offsets within it (the
  * parent and the child map it at different addresses).  Whatever is wrong with it, the child
@@ -329,10 +351,11 @@ static int fits(const ckf_fork_job *job, uint64_t at, uint64_t count, uint64_t w
 
 static void *at_offset(ckf_fork_job *job, uint64_t at) { return (uint8_t *)job + at; }
 
-int64_t ckf_fork_stage(int sock, int ready_fd, int parent_fd) {
+int64_t ckf_fork_stage(int sock, int ready_fd, int parent_fd, int job_wait_ms) {
     int keep[3] = {sock, ready_fd, parent_fd};
     pid_t pid = fork_quiet(keep);
     if (pid != 0) return (int64_t)pid;
+    await_job(keep[0], job_wait_ms);
     int fd;
     ckf_fork_job *job = receive_job(keep[0], &fd);
     close(keep[0]);

@@ -243,10 +243,15 @@ def test_a_staged_child_killed_before_its_job_fails_the_save_as_a_snapshot_error
     snapshot = forksave.take_snapshot([("a", a.untyped_storage())])
     os.kill(snapshot.pid, signal.SIGKILL)
     os.waitid(os.P_PID, snapshot.pid, os.WEXITED | os.WNOWAIT)  # dead, not yet reaped
+    from ckptfmt.files.save import save_file, save_options, staged_by
+
     with pytest.raises(
-        SnapshotError, match=r"pid \d+\) was killed by signal 9 \(SIGKILL\) before it was handed"
+        SnapshotError,
+        match=r"pid \d+\) could not be handed its job .*: it was killed by signal 9 \(SIGKILL\)",
     ):
-        ckptfmt.save({"a": a}, p, blocking=False, snapshot=snapshot)
+        save_file(
+            {"a": a}, str(p), staged_by(save_options(blocking=False), snapshot)
+        )  # the DCP writer's path
     assert torch.equal(ckptfmt.load(p)["a"], torch.zeros(10)) and os.listdir(tmp_path) == ["x.ckpt"]
     with pytest.raises(ChildProcessError):  # reaped
         os.waitpid(snapshot.pid, os.WNOHANG)

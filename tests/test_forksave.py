@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import errno
 import functools
 import os
@@ -21,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 import ckptfmt
 from ckptfmt.background import forksave, inflight
 from ckptfmt.engine import native as _native
-from ckptfmt.errors import SnapshotError
+from ckptfmt.errors import CheckpointError, SnapshotError, UnsupportedError
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or ckptfmt.backend() != "c",
@@ -52,7 +54,8 @@ def _gone(pid: int) -> bool:
 @pytest.fixture(autouse=True)
 def forked():
     """The handles of the fork snapshots a test took; after it, no thread, descriptor or child left."""
-    threads = threading.active_count()
+    # the threads alive before: another test file's threads (a server's, a timer's) may end meanwhile
+    threads = set(threading.enumerate())
     fds = len(os.listdir("/proc/self/fd"))
     children = _children()
     handles: list[ckptfmt.SaveHandle] = []
@@ -76,7 +79,8 @@ def forked():
         # the handle said done: each is given time to end, and must end
         if t.name.startswith("ckptfmt-") and t is not threading.current_thread():
             t.join(30)
-    assert threading.active_count() == threads, "a waiter thread outlived its save"
+    left = [t.name for t in threading.enumerate() if t not in threads]
+    assert not left, f"a waiter thread outlived its save: {left}"
     assert len(os.listdir("/proc/self/fd")) <= fds, "a file descriptor leaked"
     for h in handles:
         assert h._pid is not None and _gone(h._pid), "a child was not reaped"
@@ -582,6 +586,16 @@ def _sources(state: dict[str, object]) -> list[tuple[str, object]]:
     return [(f"t{i}", t.untyped_storage()) for i, t in enumerate(tensors)] + [("arr", state["arr"])]
 
 
+def _save_staged(
+    state: object, path: object, snapshot: forksave.ForkSnapshot, **kw: object
+) -> ckptfmt.SaveHandle:
+    """Save `state` with its chunks written by the child of `snapshot`: ckptfmt's own save path,
+    the one the DCP writer takes (the public snapshot= takes only "copy" and "fork")."""
+    from ckptfmt.files.save import save_file, save_options, staged_by
+
+    return save_file(state, str(path), staged_by(save_options(**kw), snapshot))  # type: ignore[arg-type]
+
+
 def _change(state: dict[str, object]) -> None:
     for t in [*state["model"].values(), *state["opt"].values()]:  # type: ignore[attr-defined]
         t.add_(1)
@@ -599,21 +613,21 @@ def test_a_staged_child_writes_the_state_as_it_was_when_forked(tmp_path, keys):
     snapshot = forksave.take_snapshot(_sources(state))
     _change(state)  # after the snapshot, before the save is planned
     p = tmp_path / "staged.ckpt"
-    handle = ckptfmt.save(state, p, blocking=False, snapshot=snapshot, **kw)
+    handle = _save_staged(state, p, snapshot, **kw)
     handle.wait()
     assert handle.snapshot == "fork"  # the fixture checks the child is reaped
     read = {"decrypt_with": kw["encrypt_with"], "trusted_keys": [signer.public_key()]} if keys else {}
     assert ckptfmt.verify(p, **read).ok
     assert_same(want, ckptfmt.load(p, **read), check_sharing=False)
     with pytest.raises(SnapshotError, match="used or discarded already"):  # one file per child
-        ckptfmt.save(state, tmp_path / "again.ckpt", blocking=False, snapshot=snapshot)
+        _save_staged(state, tmp_path / "again.ckpt", snapshot)
 
 
 def test_a_storage_the_staged_child_does_not_hold_is_refused_and_the_child_killed(tmp_path):
     a = torch.arange(1000.0)
     snapshot = forksave.take_snapshot([("a", a.untyped_storage())])
     with pytest.raises(SnapshotError, match="not in the memory the fork snapshot holds"):
-        ckptfmt.save({"a": a, "b": torch.ones(100)}, tmp_path / "x.ckpt", blocking=False, snapshot=snapshot)
+        _save_staged({"a": a, "b": torch.ones(100)}, tmp_path / "x.ckpt", snapshot)
     assert _gone(snapshot.pid) and os.listdir(tmp_path) == []
     unused = forksave.take_snapshot([("a", a.untyped_storage())])
     unused.discard()  # a save that never came: killed and reaped
@@ -627,7 +641,7 @@ def test_a_staged_child_that_dies_fails_the_save_and_keeps_the_previous_file(tmp
     a = torch.arange(1000.0)
     monkeypatch.setattr(_native, "hand_job", functools.partial(_native.hand_job, _fault=1))
     snapshot = forksave.take_snapshot([("a", a.untyped_storage())])
-    handle = ckptfmt.save({"a": a}, p, blocking=False, snapshot=snapshot)
+    handle = _save_staged({"a": a}, p, snapshot)
     with pytest.raises(SnapshotError, match=r"killed by signal 9 \(SIGKILL\).*nothing was committed"):
         handle.wait()
     assert torch.equal(ckptfmt.load(p)["a"], torch.zeros(10)) and os.listdir(tmp_path) == ["x.ckpt"]
@@ -647,3 +661,207 @@ def test_dcp_async_save_in_one_process_snapshots_by_fork(tmp_path):
     assert_same(want, got, check_sharing=False)
     with pytest.raises(ValueError, match="snapshot must be 'copy' or 'fork'"):
         cdcp.async_save(state, tmp_path / "other", snapshot="later")
+
+
+def test_the_public_calls_refuse_a_fork_snapshot_object(tmp_path):
+    """A fork snapshot taken earlier is ckptfmt's own (the DCP writer hands it down the internal
+    save path): the public snapshot= takes only "copy" and "fork", and says so as a typed error."""
+    import ckptfmt.dcp as cdcp
+    from ckptfmt.files import incremental
+    from ckptfmt.files.save import save_options
+
+    a = torch.arange(10.0)
+    snapshot = forksave.take_snapshot([("a", a.untyped_storage())])
+    p = tmp_path / "x.ckpt"
+    try:
+        calls = (
+            functools.partial(ckptfmt.save, {"a": a}, p, blocking=False),
+            functools.partial(incremental.save, {"a": a}, p, blocking=False),
+            functools.partial(save_options, blocking=False),
+            functools.partial(ckptfmt.CheckpointManager, tmp_path / "run", blocking=False),
+            functools.partial(cdcp.async_save, {"a": a}, tmp_path / "dcp"),
+        )
+        for value in (snapshot, "cow"):
+            for call in calls:
+                with pytest.raises(
+                    UnsupportedError, match=r"snapshot must be 'copy' or 'fork', not "
+                ) as info:
+                    call(snapshot=value)
+                assert repr(value) in str(info.value)
+        assert not snapshot.spent()  # refused before anything used it
+    finally:
+        snapshot.discard()
+    assert _gone(snapshot.pid) and os.listdir(tmp_path) == []
+
+
+# -- deadlines: a child that hangs fails its save by inflight.DEADLINE, killed and reaped ----
+
+
+def _stopping(real, stopped: list[int]):  # type: ignore[no-untyped-def]
+    """`real` (fork_write or hand_job) whose child hangs: held back before it writes (fault 3)
+    and stopped (SIGSTOP) as soon as it is forked or handed its job; its pid goes to `stopped`."""
+
+    def hang(*args, **kwargs):  # type: ignore[no-untyped-def]
+        child = real(*args, **kwargs, _fault=3)
+        os.kill(child.pid, signal.SIGSTOP)
+        stopped.append(child.pid)
+        return child
+
+    return hang
+
+
+@pytest.fixture
+def stopped(monkeypatch):
+    """A deadline of 2 s for every background wait; the children a test stops (pids appended
+    here) are killed after it whatever happened, so code without a deadline fails, not hangs."""
+    monkeypatch.setattr(inflight, "DEADLINE", 2.0)
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _within(seconds: float, call):  # type: ignore[no-untyped-def]
+    """call() on a thread of its own: its result, or its error raised here; pytest.fail if it
+    has not returned after `seconds` (a wait without a deadline)."""
+    out: list[object] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except BaseException as e:
+            failed.append(e)
+
+    t = threading.Thread(target=run, name="test-waiter", daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        pytest.fail(f"still waiting after {seconds} s: the wait has no deadline")
+    if failed:
+        raise failed[0]
+    return out[0]
+
+
+def _late(exc: BaseException | None, pid: int, path: object) -> None:
+    """`exc` is the deadline's SnapshotError for the child `pid` saving `path`, which is reaped."""
+    assert isinstance(exc, SnapshotError), exc
+    text = str(exc)
+    assert text.startswith(f"{path}: ") and f"(pid {pid}) was not done within the deadline of 2 s" in text, (
+        text
+    )
+    assert "it was killed and nothing was committed" in text, text
+    assert _gone(pid)  # killed and reaped: not even a zombie
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["forked-at-save", "staged"])
+def test_a_child_that_hangs_fails_the_save_by_the_deadline_and_the_next_save_works(
+    tmp_path, monkeypatch, stopped, staged
+):
+    p = tmp_path / "x.ckpt"
+    ckptfmt.save({"a": torch.ones(10)}, p)
+    a = torch.arange(100_000.0)
+    real = (_native.fork_write, _native.hand_job)
+    began = time.monotonic()
+    if staged:
+        monkeypatch.setattr(_native, "hand_job", _stopping(_native.hand_job, stopped))
+        handle = _save_staged({"a": a}, p, forksave.take_snapshot([("a", a.untyped_storage())]))
+    else:
+        monkeypatch.setattr(_native, "fork_write", _stopping(_native.fork_write, stopped))
+        handle = ckptfmt.save({"a": a}, p, blocking=False, snapshot="fork")
+    exc = handle.exception(timeout=60)
+    assert 2.0 <= time.monotonic() - began < 30
+    _late(exc, stopped[0], p)
+    assert os.listdir(tmp_path) == ["x.ckpt"]  # no temp file
+    assert torch.equal(ckptfmt.load(p)["a"], torch.ones(10))  # the previous file
+    _native.fork_write, _native.hand_job = real  # the next save's child is left alone
+    ckptfmt.save({"a": a}, p, blocking=False, snapshot="fork").wait(60)
+    assert torch.equal(ckptfmt.load(p)["a"], a)
+
+
+def _waitable(pid: int) -> bool:
+    """Whether the child `pid` has exited, every thread of it (so its descriptors are closed), and
+    is not reaped yet (a zombie's main thread can show as one while another still exits)."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def test_a_staged_child_whose_job_does_not_come_exits_and_the_late_save_fails(tmp_path, monkeypatch):
+    """The child of a snapshot taken before its save was planned waits for its job until the
+    deadline, then exits (it holds the process's memory as it was); a save that hands it one
+    later fails naming that, and leaves nothing."""
+    monkeypatch.setattr(inflight, "DEADLINE", 1.0)
+    a = torch.arange(1000.0)
+    snapshot = forksave.take_snapshot([("a", a.untyped_storage())])
+    try:
+        end = time.monotonic() + 30
+        while not _waitable(snapshot.pid) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert _waitable(snapshot.pid), "the staged child still waits for its job past its deadline"
+        with pytest.raises(SnapshotError) as info:
+            _save_staged({"a": a}, tmp_path / "x.ckpt", snapshot)
+    finally:
+        snapshot.discard()
+    text = str(info.value)
+    assert text.startswith(f"{tmp_path / 'x.ckpt'}: ") and f"(pid {snapshot.pid}) could not be handed" in text
+    assert "exited with status 6 (its job did not come within its deadline of 1 s)" in text, text
+    assert _gone(snapshot.pid) and os.listdir(tmp_path) == []
+    assert not inflight._in_flight
+
+
+def test_a_manager_step_whose_child_hangs_fails_by_the_deadline_and_the_next_step_saves(
+    tmp_path, monkeypatch, stopped
+):
+    mgr = ckptfmt.CheckpointManager(tmp_path / "run", blocking=False, snapshot="fork")
+    mgr.save(1, {"v": torch.ones(10)})
+    mgr.wait()
+    real = _native.fork_write
+    monkeypatch.setattr(_native, "fork_write", _stopping(real, stopped))
+    mgr.save(2, {"v": torch.zeros(10)})
+    with pytest.raises(CheckpointError, match="an earlier save of step 2 failed") as info:
+        _within(60, mgr.wait)
+    _late(info.value.__cause__, stopped[0], tmp_path / "run" / "step-000000002" / "state.ckpt")
+    assert "deadline of 2 s" in str(info.value)
+    assert not (tmp_path / "run" / "step-000000002").exists()  # the step and its temp file removed
+    _native.fork_write = real
+    mgr.save(3, {"v": torch.full((10,), 3.0)})
+    mgr.wait()
+    assert [c.step for c in mgr.checkpoints()] == [1, 3]
+    assert torch.equal(mgr.load()["v"], torch.full((10,), 3.0))
+
+
+@pytest.mark.parametrize(
+    "before, now", [("fork", "fork"), ("copy", "fork"), ("fork", "copy")], ids=lambda v: str(v)
+)
+def test_a_dcp_save_waits_for_the_save_staged_before_it_until_the_deadline(
+    tmp_path, monkeypatch, before, now
+):
+    """A background DCP save waits for the one staged before it (two would interleave their
+    collectives): at most the deadline, then a CheckpointError naming both, with nothing
+    forked or written; once that save is done, the next one runs."""
+    import ckptfmt.dcp as cdcp
+    from ckptfmt.dcp import api
+    from ckptfmt.dcp.forkstage import ForkStager
+
+    monkeypatch.setattr(inflight, "DEADLINE", 1.0)
+    stuck: concurrent.futures.Future[object] = concurrent.futures.Future()  # a save stuck elsewhere
+    stager = ForkStager if before == "fork" else api._DEFAULT_STAGER
+    stager.track(stuck, str(tmp_path / "before"))
+    state = {"w": torch.arange(256.0).reshape(16, 16), "n": 1}
+    children = _children()
+    try:
+        began = time.monotonic()
+        with pytest.raises(CheckpointError) as info:
+            _within(60, lambda: cdcp.async_save(state, tmp_path / "next", snapshot=now))
+        assert 1.0 <= time.monotonic() - began < 30
+        assert str(info.value) == (
+            f"{tmp_path / 'next'}: the background save of {tmp_path / 'before'} staged before this "
+            "one is still running after the deadline of 1 s; this save was not started"
+        )
+        assert _children() <= children and not os.listdir(tmp_path)
+    finally:
+        stuck.set_result(None)
+    cdcp.async_save(state, tmp_path / "next", snapshot=now).result()
+    got = {"w": torch.zeros(16, 16), "n": 0}
+    cdcp.load(got, tmp_path / "next")
+    assert torch.equal(got["w"], state["w"]) and got["n"] == 1

@@ -35,7 +35,8 @@ def backend(request, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _no_leaks():
-    threads = threading.active_count()
+    # the threads alive before: another test file's threads (a server's, a timer's) may end meanwhile
+    threads = set(threading.enumerate())
     fds = len(os.listdir("/proc/self/fd"))
     yield
     for h in list(inflight._in_flight.values()):
@@ -43,7 +44,8 @@ def _no_leaks():
     for t in threading.enumerate():  # files a save replaced are freed after it is done
         if t.name == "ckptfmt-free-replaced" or t.name.startswith("ckptfmt-save-"):
             t.join(30)
-    assert threading.active_count() == threads, "a writer thread outlived its save"
+    left = [t.name for t in threading.enumerate() if t not in threads]
+    assert not left, f"a writer thread outlived its save: {left}"
     assert len(os.listdir("/proc/self/fd")) <= fds, "a file descriptor leaked"
     assert POOL.free_bytes == POOL.allocated, "a staging slab was not returned"
 

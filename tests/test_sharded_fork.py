@@ -173,3 +173,88 @@ def test_fork_snapshots_of_two_ranks(tmp_path):
     left = os.listdir(tmp_path / "killed")
     assert "COMMIT" not in left and not any(".ckptfmt-tmp." in n for n in left), left
     assert "rank-00000.ckpt" not in left, left
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _hanging_rank_main(rank: int, world: int, base: str) -> dict[str, object]:
+    """A manager of 2 ranks with fork snapshots whose step 2 child hangs on rank 1 (stopped with
+    SIGSTOP once handed its job): every rank's wait() fails by the deadline (5 s: the staged
+    children wait for their jobs that long too, while the ranks plan), the child is killed and
+    reaped, and step 3 saves.  The test bounds the wait itself: code without a deadline fails."""
+    import signal
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from ckptfmt.background import inflight
+    from ckptfmt.engine import native
+
+    inflight.DEADLINE = 5.0
+    results: dict[str, object] = {}
+    m = ckptfmt.CheckpointManager(os.path.join(base, "run"), blocking=False, snapshot="fork")
+    m.save(1, {"w": torch.full((64,), float(rank)), "n": 1})
+    m.wait()
+
+    real, stopped = native.hand_job, []
+
+    def hang(*args, **kwargs):  # type: ignore[no-untyped-def]
+        child = real(*args, **kwargs, _fault=3)  # held back before it writes, then stopped
+        os.kill(child.pid, signal.SIGSTOP)
+        stopped.append(child.pid)
+        return child
+
+    if rank == 1:
+        native.hand_job = hang
+    m.save(2, {"w": torch.zeros(64), "n": 2})
+    failed: list[str] = []
+
+    def wait() -> None:
+        try:
+            m.wait()
+        except ckptfmt.CheckpointError as e:
+            failed.append(str(e))
+
+    began = time.monotonic()
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(90)
+    results["hung"] = waiter.is_alive()
+    results["elapsed"] = time.monotonic() - began
+    for pid in stopped:  # no deadline: the test ends the hang itself
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+    waiter.join(60)
+    results["wait"] = failed[0] if failed else None
+    results["stopped_reaped"] = bool(stopped) and all(_gone(pid) for pid in stopped)
+    native.hand_job = real
+    dist.barrier()
+    m.save(3, {"w": torch.full((64,), 3.0 + rank), "n": 3})
+    m.wait()
+    results["steps"] = [c.step for c in m.checkpoints()]
+    results["children"] = _children()
+    return results
+
+
+def test_a_rank_whose_child_hangs_fails_the_step_on_every_rank_by_the_deadline(tmp_path):
+    for rank, got in enumerate(run_ranks(_hanging_rank_main, 2, tmp_path, str(tmp_path))):
+        assert "error" not in got, got
+        assert got["hung"] is False, got  # the wait ended by itself
+        assert 5.0 <= got["elapsed"] < 60, got
+        wait = got["wait"]
+        assert wait is not None and "an earlier save of step 2 failed" in wait and "rank 1" in wait, got
+        assert "was not done within the deadline of 5 s" in wait and "nothing was committed" in wait, got
+        if rank == 1:
+            assert got["stopped_reaped"], got
+        assert got["steps"] == [1, 3], got
+        assert got["children"] == [], got
+    run = tmp_path / "run"
+    assert sorted(os.listdir(run)) == ["step-000000001", "step-000000003"]  # step 2 removed
+    assert ckptfmt.CheckpointManager(run).verify().ok

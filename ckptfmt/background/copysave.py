@@ -111,7 +111,8 @@ def save_async(
     path: str,
     options: WriteOptions,
     *,
-    snapshot: str | forksave.ForkSnapshot = "copy",
+    snapshot: str = "copy",
+    staged: forksave.ForkSnapshot | None = None,
     within: CheckpointDir | None = None,
     output: Any = None,
 ) -> SaveHandle:
@@ -122,10 +123,10 @@ def save_async(
     object upload (storage/upload.py's ObjectFile, not yet entered).
 
     snapshot: "copy" copies the state into staging memory (below); "fork" takes a
-    copy-on-write snapshot in a child process (forksave.py), ValueError where it cannot; a
-    ForkSnapshot taken earlier (forksave.take_snapshot) has its child write it."""
-    if isinstance(snapshot, forksave.ForkSnapshot):
-        return forksave.save_forked(encoded, path, options, within=within, output=output, staged=snapshot)
+    copy-on-write snapshot in a child process (forksave.py), ValueError where it cannot.
+    staged: a ForkSnapshot taken earlier (forksave.take_snapshot), whose child writes it."""
+    if staged is not None:
+        return forksave.save_forked(encoded, path, options, within=within, output=output, staged=staged)
     if snapshot == "fork":
         reason = forksave.why_not(encoded)
         if reason is not None:

@@ -38,6 +38,12 @@ tensors do not live in such memory unless a library put them there.
 
 The child exits as soon as this process is gone (a pipe whose write end only this
 process holds reaches end-of-file), and keeps no descriptor of ours but the file.
+
+Every wait here has a deadline, inflight.DEADLINE seconds (an hour, as the archive's wait):
+a child that has not said it is done by then (stopped, or stuck writing) is killed and
+reaped, and the save fails with a SnapshotError naming its pid and the deadline (its temp
+file removed, nothing committed); a staged child whose job has not come by then exits
+(csrc/snapshot.c), and the save that hands it one later fails the same way.
 """
 
 from __future__ import annotations
@@ -49,12 +55,13 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..engine import chunkwrite
+from ..engine import children, chunkwrite
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
@@ -131,9 +138,16 @@ class ForkSnapshot:
     a child that was never handed a job (the save failed first, or had nothing to write)."""
 
     def __init__(
-        self, pid: int, sock: socket.socket, ready: int, alive_w: int, held: list[tuple[int, int, Any]]
+        self,
+        pid: int,
+        sock: socket.socket,
+        ready: int,
+        alive_w: int,
+        held: list[tuple[int, int, Any]],
+        job_wait: float,
     ) -> None:
         self.pid = pid
+        self.job_wait = job_wait  # seconds after the fork the child waits for its job, then exits
         self._sock: socket.socket | None = sock
         self._ready, self._alive_w = ready, alive_w
         # (start, end, source) of the memory snapshotted, sorted: the sources stay referenced, so
@@ -178,16 +192,19 @@ class ForkSnapshot:
                 _native.default_threads(),
                 held=held,
             )
-        except BaseException as e:
+        except ConnectionError as e:  # the child is gone (its end closed): say how it ended
             sock.close()
             status = self._end()
-            if isinstance(e, (BrokenPipeError, ConnectionResetError)):  # its end of the socket closed
-                raise SnapshotError(
-                    f"the process holding this save's fork snapshot (pid {self.pid}) {_how_it_ended(status)} "
-                    "before it was handed its job; nothing was written",
-                    path=path,
-                ) from None
+            raise SnapshotError(
+                f"the process holding this save's fork snapshot (pid {self.pid}) could not be handed "
+                f"its job ({e.strerror}): it {_how_it_ended(status, self.job_wait)}; nothing was written",
+                path=path,
+            ) from e
+        except BaseException:
+            sock.close()
+            self._end()
             raise
+        # the job went over in one message the socket's buffer took whole: no wait for the child
         sock.close()  # the child has its job: it reads no more
         ready, alive_w, self._ready, self._alive_w = self._ready, self._alive_w, -1, -1
         self._held, self._starts = [], []
@@ -204,8 +221,8 @@ class ForkSnapshot:
             self._end()
 
     def _end(self) -> int | None:
-        """Kill and reap the child, close our ends of its pipes: its wait status (_reap's)."""
-        status = _native.stop_child(self.pid)
+        """Kill and reap the child, close our ends of its pipes: its wait status (None: unknown)."""
+        status = children.stop_child(self.pid)
         for fd in (self._ready, self._alive_w):
             if fd >= 0:
                 os.close(fd)
@@ -217,8 +234,10 @@ class ForkSnapshot:
 def take_snapshot(sources: list[tuple[str, Any]]) -> ForkSnapshot:
     """Fork a child that holds this process's memory as it is now, for a save of `sources`
     ((key, host storage or array) pairs, the memory the save may write) planned later.
-    ValueError where fork cannot snapshot them (see why_not), OSError where fork() fails."""
+    ValueError where fork cannot snapshot them (see why_not), OSError where fork() fails.
+    The child waits inflight.DEADLINE seconds for its job, then exits."""
     items = [(key, src, _nbytes(src)) for key, src in sources]
+    job_wait = inflight.DEADLINE
     reason = why_not_sources(items)
     if reason is not None:
         raise ValueError(f"snapshot='fork' is not possible: {reason}")
@@ -229,7 +248,7 @@ def take_snapshot(sources: list[tuple[str, Any]]) -> ForkSnapshot:
         ready, ready_w = _pipe(own)
         alive, alive_w = _pipe(own)
         pair = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        pid = _native.fork_stage(pair[1].fileno(), ready_w, alive)
+        pid = _native.fork_stage(pair[1].fileno(), ready_w, alive, job_wait)
     except BaseException:
         for fd in own:
             os.close(fd)
@@ -239,7 +258,7 @@ def take_snapshot(sources: list[tuple[str, Any]]) -> ForkSnapshot:
     pair[1].close()
     os.close(ready_w)
     os.close(alive)
-    return ForkSnapshot(pid, pair[0], ready, alive_w, held)
+    return ForkSnapshot(pid, pair[0], ready, alive_w, held, job_wait)
 
 
 def _nbytes(src: torch.UntypedStorage | np.ndarray) -> int:
@@ -270,12 +289,16 @@ def save_forked(
     staged: a child forked earlier (take_snapshot) writes the chunks instead of one forked
     now; every storage of `encoded` must lie in the memory it snapshotted (SnapshotError).
 
+    The child has inflight.DEADLINE seconds from now to say it is done; past them it is
+    killed and the save fails (SnapshotError naming its pid and the deadline).
+
     A failure here (fork() refused, no descriptors left, an interrupt) leaves nothing
     behind: no temp file, no descriptor, no child, no save in flight."""
     if staged is not None:
         _check_covered(staged, encoded, path)
     handle = SaveHandle(path)
     handle.snapshot = "fork"
+    deadline = _Deadline(inflight.DEADLINE)
     atomic = AtomicFile(path, within) if output is None else output
     atomic.__enter__()  # creation errors (missing directory, permissions) are raised now
     file_id = chunkwrite.new_file_id()
@@ -309,7 +332,7 @@ def save_forked(
         handle._pid = child.pid
         thread = threading.Thread(
             target=_finish,
-            args=(handle, atomic, child, ready, alive_w, file_id, encoded, options, owner),
+            args=(handle, atomic, child, ready, alive_w, file_id, encoded, options, owner, deadline),
             name=f"ckptfmt-save-{os.path.basename(path)}",
             daemon=False,
         )
@@ -361,7 +384,7 @@ def _pipe(own: list[int]) -> tuple[int, int]:
 
 def _kill(child: _native.ForkedWrite) -> None:
     """Stop a child this process will not wait for, and reap it."""
-    _native.stop_child(child.pid)
+    children.stop_child(child.pid)
     child.close()
 
 
@@ -369,38 +392,60 @@ def _kill(child: _native.ForkedWrite) -> None:
 _POLL_MS = 100
 
 
-def _await(pid: int, ready: int) -> tuple[bool, int | None]:
-    """Wait until the child says it is done (a byte on `ready`) or has exited.
+class _Deadline:
+    """When a save's child must be done by: `seconds` from its making."""
 
-    Returns (reaped, wait status): a child found dead is reaped here; one that
-    wrote its byte (or whose end of the pipe closed) is reaped later, after the
-    commit, as its exit unmaps its memory, which takes a while.  A status of None:
-    something else reaped it (SIGCHLD ignored, or a handler that waits for any child).
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+
+#: how _await's wait ended: the child said it is done, it ended, it was late (killed and reaped)
+_DONE, _ENDED, _LATE = "done", "ended", "late"
+
+
+def _await(pid: int, ready: int, deadline: _Deadline) -> tuple[str, int | None]:
+    """Wait until the child says it is done (a byte on `ready`) or has exited, until `deadline`.
+
+    Returns how it ended (_DONE, _ENDED, _LATE) and its wait status: a child found dead
+    is reaped here; one that wrote its byte (or whose end of the pipe closed) is reaped
+    later, after the commit, as its exit unmaps its memory, which takes a while; one still
+    at it past the deadline (stopped, or stuck writing) is killed and reaped.  A status of
+    None: something else reaped it (SIGCHLD ignored, or a handler that waits for any child).
     The pipe alone would do where no other process holds its write end; polling
     waitpid covers a process forked elsewhere in the moment that end was open."""
     poller = select.poll()
     poller.register(ready, select.POLLIN)
-    while not poller.poll(_POLL_MS):
+    while not poller.poll(max(0, min(_POLL_MS, int(deadline.left() * 1000)))):
         try:
             done, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
-            return True, None
+            return _ENDED, None
         if done:
-            return True, status
-    return False, None
+            return _ENDED, status
+        if deadline.left() <= 0:
+            return _LATE, children.stop_child(pid)
+    return _DONE, None
 
 
-def _reap(pid: int) -> int | None:
-    """Wait for the child to exit: its wait status, or None where something else reaped it."""
-    try:
-        return os.waitpid(pid, 0)[1]
-    except ChildProcessError:
-        return None
+def _reap(pid: int, deadline: _Deadline) -> int | None:
+    """Wait for a child that said it is done to exit (what is left of the deadline, and at
+    least KILL_GRACE: its exit unmaps its memory), else kill it: its wait status, or None
+    where something else reaped it."""
+    reaped, status = children.wait_child(pid, max(deadline.left(), children.KILL_GRACE))
+    return status if reaped else children.stop_child(pid)
 
 
-def _how_it_ended(status: int | None) -> str:
+def _how_it_ended(status: int | None, job_wait: float | None = None) -> str:
+    """How a child ended, from its wait status; `job_wait`: a staged child's deadline for its job."""
     if status is None:
         return "ended"
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == _native.NO_JOB_STATUS:
+        within = "its deadline" if job_wait is None else f"its deadline of {job_wait:g} s"
+        return f"exited with status {_native.NO_JOB_STATUS} (its job did not come within {within})"
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         try:
@@ -498,19 +543,27 @@ def _finish(
     encoded: Encoded,
     options: WriteOptions,
     owner: threading.Lock,
+    deadline: _Deadline,
 ) -> None:
-    """Wait for the child, then write the index, footer and prologue and commit."""
+    """Wait for the child (until `deadline`), then write the index, footer and prologue and commit."""
     if not owner.acquire(blocking=False):
         return  # save_forked failed first and has cleaned up
     exc: BaseException | None = None
     replaced: list[int] = []
     reaped = False
     try:
-        reaped, status = _await(child.pid, ready)
+        how, status = _await(child.pid, ready, deadline)
+        reaped = how != _DONE
+        if how == _LATE:
+            raise SnapshotError(
+                f"the process writing this save's snapshot (pid {child.pid}) was not done within "
+                f"the deadline of {deadline.seconds:g} s; it was killed and nothing was committed",
+                path=handle.path,
+            )
         written = child.outcome(handle.path)
         if written is None:
             if not reaped:  # its end closed the pipe
-                status, reaped = _reap(child.pid), True
+                status, reaped = _reap(child.pid, deadline), True
             raise SnapshotError(
                 f"the process writing this save's snapshot (pid {child.pid}) {_how_it_ended(status)} "
                 "before it finished; nothing was committed",
@@ -536,4 +589,4 @@ def _finish(
         atomic.__exit__(None, None, None)
         inflight.settle(handle, exc, replaced)
         if not reaped:
-            _reap(child.pid)
+            _reap(child.pid, deadline)

@@ -23,6 +23,12 @@ from ..fileio import is_url
 
 log = logging.getLogger("ckptfmt")
 
+#: seconds a background save's own waits last at most before the save fails: a forked
+#: child's write (background/forksave.py: the child is killed), a staged child's wait for its
+#: job, a save's wait for the one staged before it (dcp/forkstage.py).  The hour the
+#: archive's wait allows too (runs/archiver.DEFAULT_WAIT); read when each wait begins.
+DEADLINE = 3600.0
+
 
 @dataclass(frozen=True)
 class SaveCost:

@@ -25,8 +25,9 @@ from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError
 from ..files import multifile, places
+from ..files.save import check_snapshot
 from ..gcpause import pausing_in_main_thread
-from .forkstage import ForkStager
+from .forkstage import ForkStager, wait_previous
 from .planners import LoadPlanner, SavePlanner
 from .reader import held_reader
 from .storage import SaveOptions, Writer, held_writer
@@ -270,7 +271,7 @@ class Stager:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
-        self._pending: concurrent.futures.Future[Any] | None = None
+        self._pending: tuple[concurrent.futures.Future[Any], str] | None = None
         self._lock = threading.Lock()
 
     @property
@@ -280,16 +281,18 @@ class Stager:
     def synchronize_staging(self) -> None:
         pass
 
-    def wait(self) -> None:
-        """Wait for the save that last used the buffers (its error stays with its future)."""
+    def wait(self, path: str | None = None) -> None:
+        """Wait for the save that last used the buffers, before a save of `path` (its error
+        stays with its future; the wait has a deadline: forkstage.wait_previous)."""
         with self._lock:
             pending = self._pending
         if pending is not None:
-            concurrent.futures.wait([pending])
+            wait_previous(*pending, path)
 
-    def track(self, fut: concurrent.futures.Future[Any]) -> None:
+    def track(self, fut: concurrent.futures.Future[Any], path: str) -> None:
+        """The save of `path` just staged into the buffers: the next stage() waits for it."""
         with self._lock:
-            self._pending = fut
+            self._pending = (fut, path)
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         self.wait()
@@ -411,8 +414,7 @@ def save_in_background(
 ) -> concurrent.futures.Future[Metadata]:
     """async_save for ckptfmt's own callers: `within` and `step_dir` as for ``Writer`` (the
     checkpoint manager's step directory, held open and locked by rank 0)."""
-    if snapshot not in ("copy", "fork"):
-        raise ValueError(f"snapshot must be 'copy' or 'fork', not {snapshot!r}")
+    check_snapshot(snapshot)
     if snapshot == "fork" and stager is not None:
         raise ValueError("snapshot='fork' stages by fork: it takes no stager")
     group = _checkpoint_group(process_group)
@@ -421,8 +423,9 @@ def save_in_background(
     w, planner = _set_up_save(path, group, "async", options, within, step_dir)
     st: Stager | ForkStager = ForkStager(w) if snapshot == "fork" else (stager or _DEFAULT_STAGER)
     # one background save at a time, whichever way the last was staged (see ForkStager)
-    (_DEFAULT_STAGER if snapshot == "fork" else ForkStager).wait()
     target = w.path
+    for before in (ForkStager, stager or _DEFAULT_STAGER):  # its wait in stage() is then at once
+        before.wait(target)
     try:
         inner = dcp.async_save(
             state_dict,
@@ -449,5 +452,5 @@ def save_in_background(
             out.set_exception(_mapped("save", target, e, w.storage_options))
 
     inner.add_done_callback(done)
-    st.track(out)
+    st.track(out, target)
     return out

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..background import forksave
-from ..errors import UnsupportedError
+from ..background import forksave, inflight
+from ..errors import CheckpointError, UnsupportedError
 from ..format.render import render_key
 
 
@@ -42,27 +42,28 @@ class ForkStager:
 
     Like the copying Stager, it first waits for the previous save it staged (`track`): two
     background saves in flight would run their collectives on the same group in threads of
-    their own, interleaved differently on each rank (a deadlock)."""
+    their own, interleaved differently on each rank (a deadlock).  That wait has a deadline
+    (wait_previous)."""
 
-    _previous: concurrent.futures.Future[Any] | None = None
+    _previous: tuple[concurrent.futures.Future[Any], str] | None = None
     _lock = threading.Lock()
 
     def __init__(self, writer: Any) -> None:
         self._writer = writer
 
     @classmethod
-    def track(cls, future: concurrent.futures.Future[Any]) -> None:
-        """The save just staged: the next stage() waits for it."""
+    def track(cls, future: concurrent.futures.Future[Any], path: str) -> None:
+        """The save of `path` just staged: the next stage() waits for it."""
         with cls._lock:
-            cls._previous = future
+            cls._previous = (future, path)
 
     @classmethod
-    def wait(cls) -> None:
-        """Wait for the save last staged by fork (its error stays with its future)."""
+    def wait(cls, path: str | None = None) -> None:
+        """Wait for the save last staged by fork, before a save of `path` (wait_previous)."""
         with cls._lock:
             previous = cls._previous
         if previous is not None:
-            concurrent.futures.wait([previous])
+            wait_previous(*previous, path)
 
     @property
     def should_synchronize_after_execute(self) -> bool:
@@ -72,7 +73,7 @@ class ForkStager:
         pass
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        self.wait()
+        self.wait(self._writer.path)
         sources: list[tuple[str, Any]] = []
         with torch.no_grad():
             staged = _aliased(state_dict, (), sources)
@@ -81,6 +82,22 @@ class ForkStager:
 
     def close(self) -> None:
         pass
+
+
+def wait_previous(future: concurrent.futures.Future[Any], previous: str, path: str | None) -> None:
+    """Wait for the background save of `previous` staged before the save of `path` (its error
+    stays with its future), at most inflight.DEADLINE seconds: past that, CheckpointError
+    naming both and the deadline (the save of `path` is not started; the other goes on).
+    Its own waits have that deadline too, so only a save stuck elsewhere (a collective
+    another rank never joins) is still running then."""
+    seconds = inflight.DEADLINE
+    done, _ = concurrent.futures.wait([future], timeout=seconds)
+    if not done:
+        raise CheckpointError(
+            f"the background save of {previous} staged before this one is still running after "
+            f"the deadline of {seconds:g} s; this save was not started",
+            path=path,
+        )
 
 
 def _aliased(obj: Any, path: tuple[Any, ...], sources: list[tuple[str, Any]]) -> Any:

@@ -390,16 +390,18 @@ class Writer(HeldPlace, StorageWriter):
         child that writes its chunks from a fork snapshot (this thread waits for it)."""
         d = self._d()
         options = self.options.rank_file_options(self.rank, self.save_id)
-        if snapshot is not None:
-            options.update(blocking=False, snapshot=snapshot)
         if not self.options.incremental:
-            handle = d.save(name, state, **options)
+            handle = d.save(name, state, snapshot, **options)
             refs: tuple[multifile.PartRecord, ...] = ()
         else:
             base = self._base_file(name)
-            handle = d.save_against(name, state, base, min_reference_bytes=MIN_REFERENCE_BYTES, **options)
+            handle = d.save_against(
+                name, state, base, snapshot, min_reference_bytes=MIN_REFERENCE_BYTES, **options
+            )
         if snapshot is not None and handle is not None:
-            handle.wait()  # the child's failure (SnapshotError) fails this rank's write
+            # the child's failure (SnapshotError) fails this rank's write; a bounded wait: the
+            # save's thread waits for the child until inflight.DEADLINE, then kills it
+            handle.wait()
         if self.options.incremental:
             key = encryption.save_and_read_keys(self.options.encrypt_with, None)[1]
             recorded = d.externals_of(name, key)

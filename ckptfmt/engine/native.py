@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import signal
 import socket
 import threading
 import warnings
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, CheckpointWarning
 from ..format.encryption import TagMismatch
+from .children import stop_child
 
 if TYPE_CHECKING:
     from .writeoptions import WriteOptions
@@ -407,13 +407,19 @@ def fork_write(
         raise
 
 
-def fork_stage(sock: int, ready_fd: int, parent_fd: int) -> int:
+#: the exit status of a staged child whose job did not come within its deadline (snapshot.c)
+NO_JOB_STATUS = 6
+
+
+def fork_stage(sock: int, ready_fd: int, parent_fd: int, job_wait: float) -> int:
     """Fork a child that holds this process's memory as it is now (copy-on-write) and waits
     for one job on `sock` (hand_job); return its pid, OSError if fork() fails.  It writes a
     byte to `ready_fd` when its job is done, exits without writing when `sock` reaches
-    end-of-file, and exits at once when `parent_fd` does (see fork_write)."""
+    end-of-file, and exits at once when `parent_fd` does (see fork_write).  A job that has not
+    come `job_wait` seconds after the fork never will: the child exits with NO_JOB_STATUS."""
     assert lib is not None and ffi is not None
-    pid = lib.ckf_fork_stage(sock, ready_fd, parent_fd)
+    wait_ms = max(1, min(int(job_wait * 1000), 2**31 - 1))
+    pid = lib.ckf_fork_stage(sock, ready_fd, parent_fd, wait_ms)
     if pid < 0:
         err = ffi.errno
         raise OSError(err, f"fork failed: {os.strerror(err)}")
@@ -487,16 +493,6 @@ def hand_job(
         raise
     finally:
         os.close(memfd)
-
-
-def stop_child(pid: int) -> int | None:
-    """Kill a child nobody will wait for, and reap it: its wait status (how it ended, if it had
-    ended already), or None where something else reaped it."""
-    try:
-        os.kill(pid, signal.SIGKILL)
-        return os.waitpid(pid, 0)[1]
-    except (ProcessLookupError, ChildProcessError):
-        return None
 
 
 def _release(bufs: list[Any]) -> None:

@@ -22,7 +22,7 @@ import os
 import posixpath
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -47,9 +47,6 @@ from . import encryption
 from . import save as writer
 from .encryption import save_and_read_keys
 from .reader import CheckpointFile
-
-if TYPE_CHECKING:
-    from ..background.forksave import ForkSnapshot
 
 #: raw bytes consolidate() reads (verified) and writes per step
 _CONSOLIDATE_WINDOW = 64 << 20
@@ -369,7 +366,7 @@ def save(
     level: int | None = None,
     metadata: dict[str, str] | None = None,
     blocking: bool = True,
-    snapshot: str | ForkSnapshot = "copy",
+    snapshot: str = "copy",
     chunk_size: int | None = None,
     min_reference_bytes: int = 0,
     within: CheckpointDir | None = None,
@@ -411,6 +408,35 @@ def save(
         storage_options=storage_options,
         encrypt_with=encrypt_with,
     )
+    return save_checked(
+        state,
+        path,
+        options,
+        base=base,
+        base_chunks=chunk_size is None,
+        min_reference_bytes=min_reference_bytes,
+        within=within,
+        decrypt_with=decrypt_with,
+        create_only=create_only,
+    )
+
+
+def save_checked(
+    state: object,
+    path: str | os.PathLike[str],
+    options: writer.FileSaveOptions,
+    *,
+    base: str | os.PathLike[str] | None = None,
+    base_chunks: bool = True,
+    min_reference_bytes: int = 0,
+    within: CheckpointDir | None = None,
+    decrypt_with: Any = None,
+    create_only: bool = False,
+) -> SaveHandle | None:
+    """save() for ckptfmt's own callers, its keywords already checked into `options` (a fork
+    snapshot taken earlier in options.staged: files.save.staged_by).  `base_chunks`: the save
+    takes its base's chunk size (save() was given no chunk_size); `decrypt_with`: the key the
+    base is read with (save_and_read_keys's)."""
     target = os.fspath(path)
     here = os.path.dirname(os.path.abspath(target))
     if not is_url(target) and not os.path.isdir(here):  # before the references, relative to it
@@ -424,12 +450,12 @@ def save(
         target,
         base_path,
         min_reference_bytes,
-        decrypt_with if encrypt_with else None,
+        decrypt_with if options.write.seal is not None else None,
         options.storage_options,
         within,
     )
     write = dataclasses.replace(options.write, dedup=index)
-    if chunk_size is None and index.base_chunk_size is not None and not os.environ.get("CKPTFMT_CHUNK_SIZE"):
+    if base_chunks and index.base_chunk_size is not None and not os.environ.get("CKPTFMT_CHUNK_SIZE"):
         write = dataclasses.replace(write, chunk_size=writer.check_chunk_size(index.base_chunk_size))
     options = dataclasses.replace(options, write=write)
     result: SaveHandle | None = writer.write_state(

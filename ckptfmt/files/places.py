@@ -24,7 +24,7 @@ import os
 import re
 from collections.abc import Iterator
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..background.inflight import SaveHandle
 from ..engine import commit
@@ -44,7 +44,11 @@ from ..storage.client import check_options
 from ..storage.download import RemoteObject, fetch_whole, head
 from ..storage.urls import ObjectURL, parse_url
 from . import multifile, recordsign
+from .encryption import save_and_read_keys
 from .reader import CheckpointFile
+
+if TYPE_CHECKING:
+    from ..background.forksave import ForkSnapshot
 
 #: multipart uploads older than this are a crashed saver's leftovers (a live saver writes
 #: more often: it has no lock on a store, so age stands for "no live process holds it")
@@ -87,15 +91,51 @@ class Place:
         """Delete file `name` (an absent one is no error)."""
         raise NotImplementedError
 
-    def save(self, name: str, state: object, **options: Any) -> SaveHandle | None:
-        """Write `state` as the ckptfmt file `name` (files.save's options), atomically; the
-        save's handle (running still with blocking=False)."""
+    def save_target(self, name: str) -> tuple[str, CheckpointDir | None, dict[str, Any] | None]:
+        """Where a save of file `name` goes: its path or URL, the open directory it is made
+        beneath (None on a store), the store's client settings (None for a local file)."""
         raise NotImplementedError
 
-    def save_against(self, name: str, state: object, base: str | None, **options: Any) -> SaveHandle | None:
+    def save(
+        self, name: str, state: object, staged: ForkSnapshot | None = None, **options: Any
+    ) -> SaveHandle | None:
+        """Write `state` as the ckptfmt file `name` (files.save's options), atomically; the
+        save's handle (running still with blocking=False).  `staged`: a fork snapshot taken
+        before the save was planned, whose child writes the file (files.save.staged_by)."""
+        from .save import save_file, save_options, staged_by
+
+        target, within, storage = self.save_target(name)
+        checked = staged_by(save_options(storage_options=storage, **options), staged)
+        return save_file(state, target, checked, within=within)
+
+    def save_against(
+        self,
+        name: str,
+        state: object,
+        base: str | None,
+        staged: ForkSnapshot | None = None,
+        *,
+        min_reference_bytes: int = 0,
+        **options: Any,
+    ) -> SaveHandle | None:
         """save with content digests, against the file `base` (a path or URL; None: the first
         of a series): chunks it already stores are referred to (files.incremental.save)."""
-        raise NotImplementedError
+        from .incremental import save_checked
+        from .save import save_options, staged_by
+
+        target, within, storage = self.save_target(name)
+        encrypt, decrypt = save_and_read_keys(options.pop("encrypt_with", None), None)
+        checked = staged_by(save_options(storage_options=storage, encrypt_with=encrypt, **options), staged)
+        return save_checked(
+            state,
+            target,
+            checked,
+            base=base,
+            base_chunks=options.get("chunk_size") is None,
+            min_reference_bytes=min_reference_bytes,
+            within=within,
+            decrypt_with=decrypt,
+        )
 
     def externals_of(self, name: str, key: Any = None) -> dict[str, External]:
         """The files the committed file `name` reads chunks from, by reference path, as its
@@ -227,15 +267,8 @@ class LocalPlace(Place):
     def remove(self, name: str) -> None:
         self.d.unlink(name)
 
-    def save(self, name: str, state: object, **options: Any) -> SaveHandle | None:
-        from .save import save_file, save_options
-
-        return save_file(state, self.d.path_of(name), save_options(**options), within=self.d)
-
-    def save_against(self, name: str, state: object, base: str | None, **options: Any) -> SaveHandle | None:
-        from .incremental import save
-
-        return save(state, self.d.path_of(name), base=base, within=self.d, **options)
+    def save_target(self, name: str) -> tuple[str, CheckpointDir | None, dict[str, Any] | None]:
+        return self.d.path_of(name), self.d, None
 
     def open_file(self, name: str, key: Any = None) -> CheckpointFile:
         return CheckpointFile(
@@ -315,15 +348,8 @@ class ObjectPlace(Place):
     def remove(self, name: str) -> None:
         listing.delete_object(self._url(name), self.options)
 
-    def save(self, name: str, state: object, **options: Any) -> SaveHandle | None:
-        from .save import save
-
-        return save(state, str(self._url(name)), storage_options=self.options, **options)
-
-    def save_against(self, name: str, state: object, base: str | None, **options: Any) -> SaveHandle | None:
-        from .incremental import save
-
-        return save(state, str(self._url(name)), base=base, storage_options=self.options, **options)
+    def save_target(self, name: str) -> tuple[str, CheckpointDir | None, dict[str, Any] | None]:
+        return str(self._url(name)), None, self.options
 
     def open_file(self, name: str, key: Any = None) -> CheckpointFile:
         return CheckpointFile(str(self._url(name)), storage_options=self.options, decrypt_with=key)

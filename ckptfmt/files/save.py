@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..background import inflight
@@ -22,7 +22,7 @@ from ..engine.chunkwrite import build_file
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
 from ..engine.writeoptions import WriteOptions
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsupportedError
 from ..fileio import is_url
 from ..format import layout as fmt
 from ..format.encode import Encoded, check_chunks, check_metadata, encode
@@ -56,14 +56,11 @@ def check_save_args(compression: str | None, level: int | None, metadata: object
 
 
 def check_snapshot(snapshot: object) -> None:
-    """Check save()'s snapshot argument: how a non-blocking save takes its snapshot ("copy",
-    "fork", or for ckptfmt's own callers a forksave.ForkSnapshot taken earlier)."""
-    if isinstance(snapshot, str) and snapshot in ("copy", "fork"):
-        return
-    from ..background import forksave  # only what forksave took gets here: torch is loaded
-
-    if not isinstance(snapshot, forksave.ForkSnapshot):
-        raise ValueError(f"snapshot must be 'copy' or 'fork', not {snapshot!r}")
+    """Check save()'s snapshot argument: how a non-blocking save takes its snapshot, "copy" or
+    "fork" (UnsupportedError otherwise: a fork snapshot taken earlier comes to ckptfmt's own
+    save path in FileSaveOptions.staged, never through this keyword)."""
+    if not (isinstance(snapshot, str) and snapshot in ("copy", "fork")):
+        raise UnsupportedError(f"snapshot must be 'copy' or 'fork', not {snapshot!r}")
 
 
 def _chunk_size_override() -> int:
@@ -83,12 +80,23 @@ def check_chunk_size(chunk_size: int | None) -> int:
 class FileSaveOptions:
     """save()'s keywords, checked once (`save_options`): how the file's bytes are written
     (`write`, taken whole by the engine's writers), whether the call waits (`blocking`), how a
-    non-blocking save takes its snapshot, and the object-store client's settings."""
+    non-blocking save takes its snapshot, and the object-store client's settings.
+    `staged`: for ckptfmt's own callers only (`staged_by`), a fork snapshot taken before the
+    save was planned, whose child writes the file (DCP's fork stager)."""
 
     write: WriteOptions
     blocking: bool = True
-    snapshot: str | forksave.ForkSnapshot = "copy"
+    snapshot: str = "copy"
     storage_options: dict[str, Any] = field(default_factory=dict)
+    staged: forksave.ForkSnapshot | None = None
+
+
+def staged_by(options: FileSaveOptions, staged: forksave.ForkSnapshot | None) -> FileSaveOptions:
+    """`options` for a save whose chunks the child of `staged` writes (forksave.take_snapshot:
+    non-blocking, by fork); `options` themselves when `staged` is None."""
+    if staged is None:
+        return options
+    return replace(options, blocking=False, snapshot="fork", staged=staged)
 
 
 def save_options(
@@ -98,7 +106,7 @@ def save_options(
     metadata: dict[str, str] | None = None,
     blocking: bool = True,
     chunk_size: int | None = None,
-    snapshot: str | forksave.ForkSnapshot = "copy",
+    snapshot: str = "copy",
     sign_with: Any = None,
     storage_options: dict[str, Any] | None = None,
     encrypt_with: Any = None,
@@ -229,7 +237,9 @@ def write_state(
     if not options.blocking:
         from ..background import copysave  # staging memory is torch's: a blocking save needs none
 
-        return copysave.save_async(encoded, target, write, snapshot=options.snapshot, within=within)
+        return copysave.save_async(
+            encoded, target, write, snapshot=options.snapshot, staged=options.staged, within=within
+        )
     try:
         with AtomicFile(target, within) as f:
             length = build_file(f.fd, encoded, write, path=target)
@@ -268,7 +278,9 @@ def _write_object(encoded: Encoded, url: str, options: FileSaveOptions, create_o
     if not options.blocking:
         from ..background import copysave
 
-        return copysave.save_async(encoded, url, write, snapshot=options.snapshot, output=out)
+        return copysave.save_async(
+            encoded, url, write, snapshot=options.snapshot, staged=options.staged, output=out
+        )
     with out:
         length = build_file(
             out.fd, encoded, write, path=url, on_written=out.written, batch_bytes=OBJECT_BATCH_BYTES

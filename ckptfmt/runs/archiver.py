@@ -34,6 +34,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable
 
+from ..background import inflight
 from ..errors import CheckpointWarning, StorageError
 from ..files import multifile
 from . import retention
@@ -43,8 +44,9 @@ from .steps import CheckpointInfo, StepStatus
 
 #: seconds Archiver.wait() waits for the archive thread by default: a copy of a large step over
 #: a slow link may take this long; a store that stalls has each request cut by its own deadline
-#: far sooner, and a wait is never unbounded whatever the store does
-DEFAULT_WAIT = 3600.0
+#: far sooner, and a wait is never unbounded whatever the store does (the bound of every wait
+#: for a background save's work)
+DEFAULT_WAIT = inflight.DEADLINE
 
 
 @dataclasses.dataclass(frozen=True)
