@@ -14,7 +14,7 @@ import torch
 
 import ckptfmt
 from ckptfmt import CheckpointManager
-from ckptfmt.runs.steps import STATE_NAME_RE
+from ckptfmt.files.names import STATE_NAME_RE
 
 SMALL = torch.arange(1000, dtype=torch.float32)  # one PUT
 LARGE = torch.arange(5 << 20, dtype=torch.float32)  # 20 MiB: a multipart upload

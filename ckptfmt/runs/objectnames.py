@@ -15,7 +15,7 @@ from typing import Any
 from ..engine import commit
 from ..errors import CorruptError, IncompleteError
 from ..files import multifile
-from ..files.places import is_own_name
+from ..files.names import is_own_name
 from .steps import parse_step_dirname
 
 #: the start of the name of a copy marker: ``step-N/ARCHIVING.<host>.<pid>.<start>.<random>``,
@@ -76,7 +76,7 @@ def check_listed(listed: tuple[int, Any] | None, part: multifile.PartRecord, own
 
 def written_here(name: str) -> bool:
     """Whether `name`, in a step's prefix, is an object ckptfmt writes there: its files and
-    record (places.is_own_name) or an archiver's copy marker."""
+    record (files/names.py is_own_name) or an archiver's copy marker."""
     return is_own_name(name) or (name.startswith(COPY_MARKER) and "/" not in name)
 
 

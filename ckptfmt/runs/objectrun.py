@@ -29,7 +29,8 @@ from ..errors import (
     StorageError,
 )
 from ..files import multifile, recordsign
-from ..files.places import STALE_AFTER, ObjectPlace, describe_object, holds_file, is_own_name
+from ..files.names import STATE_NAME_RE, is_own_name
+from ..files.places import STALE_AFTER, ObjectPlace, describe_object, holds_file
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport, verify
 from ..format.timestamps import parse_utc
@@ -49,7 +50,7 @@ from .objectnames import (
     written_here,
 )
 from .stepcheck import verify_objects
-from .steps import STATE_NAME_RE, CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
+from .steps import CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
 
 #: the commit records latest() and a resume read at most, newest first (spec 13.7): each is a
 #: GET, and a run whose newest steps are this many damaged ones needs a person anyway
