@@ -10,12 +10,12 @@ import contextlib
 import datetime
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 from ..engine import commit
 from ..errors import CorruptError, IncompleteError
 from ..files import multifile
 from ..files.names import is_own_name
+from ..storage.listing import Listed
 from .steps import parse_step_dirname
 
 #: the start of the name of a copy marker: ``step-N/ARCHIVING.<host>.<pid>.<start>.<random>``,
@@ -64,13 +64,13 @@ def referenced_step(name: str, owner: str) -> tuple[int, str]:
     return step, ref.name
 
 
-def check_listed(listed: tuple[int, Any] | None, part: multifile.PartRecord, owner: str) -> None:
+def check_listed(listed: Listed | None, part: multifile.PartRecord, owner: str) -> None:
     """The listing's entry for a file the commit record names: there, of the recorded length."""
     if listed is None:
         raise IncompleteError(f"{part.name} named by the commit record is missing", path=owner)
-    if listed[0] != part.length:
+    if listed.size != part.length:
         raise CorruptError(
-            f"{part.name} is {listed[0]} bytes, the commit record says {part.length}", path=owner
+            f"{part.name} is {listed.size} bytes, the commit record says {part.length}", path=owner
         )
 
 

@@ -63,8 +63,10 @@ MAX_STATUS_RECORDS = 1024
 
 #: commit records an ObjectRun keeps as read (statuses() reads at most MAX_STATUS_RECORDS)
 MAX_KNOWN_RECORDS = 4096
-#: a listing of a run: {step: {name in the step: (size, last written)}}
-Listed = dict[int, dict[str, tuple[int, datetime.datetime | None]]]
+#: what a listing says of one object: its size, when it was last written, its version
+Entry = listing.Listed
+#: a listing of a run: {step: {name in the step: Entry}}
+Listed = dict[int, dict[str, Entry]]
 
 
 class ObjectRun:
@@ -109,11 +111,11 @@ class ObjectRun:
     # -- reading -------------------------------------------------------------------------
 
     def listing(self) -> Listed:
-        """The run's objects by step: {step: {name in the step: (size, last written)}}: one
+        """The run's objects by step: {step: {name in the step: (size, last written, version)}}: one
         listing of the prefix, which statuses(), cleanup() and remove_interrupted_copies()
         also take, so that what one moment's listing serves is not listed again."""
         out: Listed = {}
-        for key, entry in listing.objects(self.url, self.options).items():
+        for key, entry in listing.listed(self.url, self.options).items():
             top, _, name = key.partition("/")
             step = parse_step_dirname(top)
             if step is not None and name:
@@ -172,7 +174,7 @@ class ObjectRun:
     def _status(
         self,
         step: int,
-        names: dict[str, tuple[int, datetime.datetime | None]],
+        names: dict[str, Entry],
         found: Listed,
     ) -> StepStatus:
         path = self.step_path(step)
@@ -195,7 +197,7 @@ class ObjectRun:
     def _info(
         self,
         step: int,
-        names: dict[str, tuple[int, datetime.datetime | None]],
+        names: dict[str, Entry],
         found: Listed,
     ) -> CheckpointInfo:
         record = self._listed_record(step, names[multifile.COMMIT_NAME])
@@ -205,7 +207,7 @@ class ObjectRun:
         for ref in record.references:
             other, name = referenced_step(ref.name, path)
             check_listed(found.get(other, {}).get(name), ref, path)
-        return self._info_of(step, record, names[multifile.COMMIT_NAME][0])
+        return self._info_of(step, record, names[multifile.COMMIT_NAME].size)
 
     def _info_of(self, step: int, record: multifile.CommitRecord, record_size: int) -> CheckpointInfo:
         """The CheckpointInfo of complete step `step`, whose record (of `record_size` bytes) is
@@ -223,12 +225,10 @@ class ObjectRun:
             layout=record.layout,
         )
 
-    def _listed_record(
-        self, step: int, listed: tuple[int, datetime.datetime | None]
-    ) -> multifile.CommitRecord:
+    def _listed_record(self, step: int, listed: Entry) -> multifile.CommitRecord:
         """Step `step`'s commit record as `listed` (size, last written): read once, then known
         while the listing shows it unchanged (refused ones too: junk is not read again)."""
-        size, when = listed
+        size, when = listed.size, listed.modified
         if when is None:
             return self.record(step, size)
         key = (step, size, when)
@@ -590,15 +590,19 @@ class ObjectRun:
         short stays recognisable; one that a step refers to is left whole (its markers say it
         is ours once nothing does); in a complete step only the dead markers go.  A prefix with
         no marker, or with a live writer's, is never touched here (ObjectRun.cleanup).
-        `found`: the run's listing to go by (None: listed here)."""
+        Only the versions `found` lists are deleted (If-Match; an object listed without one is
+        left): another archiver may have written the same names since, and a prefix that holds
+        a marker or a commit record `found` does not list is another writer's now and left
+        whole (that writer may have kept an object it found there: another archiver's copy of
+        the same step, cut short).  `found`: the run's listing to go by (None: listed here)."""
         found = self.listing() if found is None else found
         now = datetime.datetime.now(datetime.timezone.utc)
         dead: dict[int, list[str]] = {}
         live: set[int] = set()
         for step, names in found.items():
-            for name, (_, when) in names.items():
+            for name, entry in names.items():
                 if name.startswith(COPY_MARKER) and "/" not in name:
-                    if marker_dead(name, when, now, older_than):
+                    if marker_dead(name, entry.modified, now, older_than):
                         dead.setdefault(step, []).append(name)
                     else:
                         live.add(step)
@@ -620,18 +624,28 @@ class ObjectRun:
                 continue  # kept for a later step's objects: its markers say it is ours once not
             elif self.has_record(step):
                 doomed = markers  # a record the listing left out
+            elif self._written_since(step, names):
+                continue  # another writer's now: its marker says so, once it is dead
             else:
                 # ckptfmt's own objects only: another program may keep its own in the prefix
                 doomed = [n for n in names if is_own_name(n)] + markers
                 removed.append(step)
             for name in doomed:
-                listing.delete_object(self._step_url(step).child(name), self.options)
+                version = names[name].version
+                if version is not None:
+                    listing.delete_object(self._step_url(step).child(name), self.options, if_match=version)
         if removed:
             gone = {step_dirname(s) for s in removed}
-            listing.abort_stale_uploads(
-                self.url, self.options, datetime.timedelta(0), lambda n: in_steps(n, gone)
-            )
+            # the uploads begun before this call: those of a writer that came since stay
+            since = datetime.datetime.now(datetime.timezone.utc) - now
+            listing.abort_stale_uploads(self.url, self.options, since, lambda n: in_steps(n, gone))
         return removed
+
+    def _written_since(self, step: int, names: dict[str, Entry]) -> bool:
+        """Whether step `step`'s prefix holds a copy marker or a commit record that `names`
+        (its listing) does not: another writer began there since."""
+        now = listing.listed(self._step_url(step), self.options)
+        return any(n not in names and (n == multifile.COMMIT_NAME or n.startswith(COPY_MARKER)) for n in now)
 
     def cleanup(self, older_than: datetime.timedelta = STALE_AFTER, found: Listed | None = None) -> None:
         """Abort multipart uploads of crashed savers and delete commit-less steps whose newest
@@ -646,7 +660,7 @@ class ObjectRun:
         for step, names in sorted(found.items()):
             if multifile.COMMIT_NAME in names:
                 continue
-            times = [t for _, t in names.values() if t is not None]
+            times = [e.modified for e in names.values() if e.modified is not None]
             if times and now - max(times) > older_than and not self.has_record(step):
                 if referenced is None:
                     statuses = self.statuses(found)
