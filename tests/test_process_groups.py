@@ -71,3 +71,38 @@ def test_no_gloo_thread_outlives_destroy_process_group(tmp_path: Any, late: bool
         seen = json.loads((tmp_path / f"threads.{rank}.json").read_text())
         assert seen["during"], seen  # the probe sees gloo's threads while the groups exist
         assert seen["after"] == [], seen
+
+
+_LATE_IMPORT = """
+import os, sys, warnings
+import torch, torch.distributed as dist
+sys.path.insert(0, os.environ["TESTS"])
+from test_process_groups import GLOO_THREADS, _thread_names
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    from ckptfmt import dcp
+assert [w for w in seen if "ckptfmt" in w.filename] == [], [str(w.message) for w in seen]
+from torch.distributed.nn import functional
+assert functional.broadcast.__defaults__ == (None,), functional.broadcast.__defaults__
+dist.destroy_process_group()
+assert [n for n in _thread_names() if n in GLOO_THREADS] == []
+"""
+
+
+def test_torchs_dcp_imported_after_init_keeps_no_group(tmp_path: Any) -> None:
+    """The mechanism, in one process: torch's DCP first imported (by ckptfmt.dcp) after
+    init_process_group() leaves torch.distributed.nn's defaults None, not the default group,
+    without a warning of its own, and destroy_process_group() leaves no gloo thread."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TESTS": os.path.dirname(os.path.abspath(__file__))}
+    done = subprocess.run(
+        [sys.executable, "-c", _LATE_IMPORT, str(tmp_path / "store")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -47,16 +47,17 @@ def release_default_group() -> None:
 
 
 def _functions_of(module: types.ModuleType) -> Iterator[types.FunctionType]:
-    """The functions `module` defines: its own and its classes' methods."""
+    """The functions `module` defines: its own and its classes' methods.  Values are told
+    apart by their type alone: reading an attribute of some warns (torch.distributed.reduce_op)."""
     for value in list(vars(module).values()):
-        if getattr(value, "__module__", None) != module.__name__:
-            continue
-        if isinstance(value, types.FunctionType):
-            yield value
-        elif isinstance(value, type):
+        kind = type(value)
+        if kind is types.FunctionType:
+            if value.__module__ == module.__name__:
+                yield value
+        elif issubclass(kind, type) and value.__module__ == module.__name__:
             for member in list(vars(value).values()):
-                fn = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
-                if isinstance(fn, types.FunctionType):
+                fn = member.__func__ if type(member) in (staticmethod, classmethod) else member
+                if type(fn) is types.FunctionType:
                     yield fn
 
 
