@@ -101,6 +101,14 @@ def marker_dead(
     return when is not None and now - when > older_than
 
 
+def writer_came(before: dict[str, Listed], now: dict[str, Listed]) -> bool:
+    """Whether a step's prefix, listed `before` and `now`, holds a copy marker or a commit
+    record now that it did not: another writer has come since, and may use what it found
+    there (an archiver's copy keeps the very file another's copy, cut short, left), so what
+    `before` lists is no longer a dead writer's alone to delete."""
+    return any(n not in before and (n == multifile.COMMIT_NAME or n.startswith(COPY_MARKER)) for n in now)
+
+
 def in_a_step(name: str) -> bool:
     """Whether `name` (a key relative to the run) is one ckptfmt writes in a step's
     "directory": only those are the run's (a run may share its prefix, even a whole bucket,

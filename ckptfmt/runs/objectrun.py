@@ -47,6 +47,7 @@ from .objectnames import (
     in_steps,
     marker_dead,
     referenced_step,
+    writer_came,
     written_here,
 )
 from .stepcheck import verify_objects
@@ -63,10 +64,8 @@ MAX_STATUS_RECORDS = 1024
 
 #: commit records an ObjectRun keeps as read (statuses() reads at most MAX_STATUS_RECORDS)
 MAX_KNOWN_RECORDS = 4096
-#: what a listing says of one object: its size, when it was last written, its version
-Entry = listing.Listed
-#: a listing of a run: {step: {name in the step: Entry}}
-Listed = dict[int, dict[str, Entry]]
+Entry = listing.Listed  # what a listing says of one object: size, last written, version
+Listed = dict[int, dict[str, Entry]]  # a listing of a run: {step: {name in the step: Entry}}
 
 
 class ObjectRun:
@@ -512,10 +511,9 @@ class ObjectRun:
         now (If-Match; an object listed without an ETag is left), never a commit record, so that
         an object another writer puts there meanwhile stays, and so does its record."""
         url = self._step_url(step)
-        listed = {n: v for n, v in listing.versions(url, self.options).items() if written_here(n)}
-        for name, version in listed.items():
-            if name != multifile.COMMIT_NAME and version is not None:
-                listing.delete_object(url.child(name), self.options, if_match=version)
+        listed = listing.versions(url, self.options).items()
+        ours = [(n, v) for n, v in listed if written_here(n) and n != multifile.COMMIT_NAME]
+        listing.delete_versions(url, self.options, ours)
 
     def sweep_step(self, step: int, record: multifile.CommitRecord) -> None:
         """Delete what other saves left in step `step`, which this process has just committed
@@ -532,9 +530,7 @@ class ObjectRun:
             if is_own_name(name) and name not in named and version is not None
         }
         read_later = self._read_by_later_steps(step) if others else set()  # listed only then
-        for name, version in others.items():
-            if name not in read_later:
-                listing.delete_object(url.child(name), self.options, if_match=version)
+        listing.delete_versions(url, self.options, [(n, v) for n, v in others.items() if n not in read_later])
 
     def _read_by_later_steps(self, step: int) -> set[str]:
         """The names of step `step`'s objects that the records of later steps refer to (only
@@ -590,11 +586,8 @@ class ObjectRun:
         short stays recognisable; one that a step refers to is left whole (its markers say it
         is ours once nothing does); in a complete step only the dead markers go.  A prefix with
         no marker, or with a live writer's, is never touched here (ObjectRun.cleanup).
-        Only the versions `found` lists are deleted (If-Match; an object listed without one is
-        left): another archiver may have written the same names since, and a prefix that holds
-        a marker or a commit record `found` does not list is another writer's now and left
-        whole (that writer may have kept an object it found there: another archiver's copy of
-        the same step, cut short).  `found`: the run's listing to go by (None: listed here)."""
+        Only the versions `found` lists go (If-Match), and not in a prefix another writer has
+        come to since (writer_came).  `found`: the run's listing to go by (None: listed here)."""
         found = self.listing() if found is None else found
         now = datetime.datetime.now(datetime.timezone.utc)
         dead: dict[int, list[str]] = {}
@@ -613,7 +606,7 @@ class ObjectRun:
         below = _oldest_known(statuses)
         removed: list[int] = []
         for step, markers in sorted(dead.items()):
-            names = found[step]
+            names, url = found[step], self._step_url(step)
             if step in live:
                 continue  # a live writer's (the dead markers go with its own, or later)
             if step < below and multifile.COMMIT_NAME not in names:
@@ -624,28 +617,18 @@ class ObjectRun:
                 continue  # kept for a later step's objects: its markers say it is ours once not
             elif self.has_record(step):
                 doomed = markers  # a record the listing left out
-            elif self._written_since(step, names):
+            elif writer_came(names, listing.listed(url, self.options)):
                 continue  # another writer's now: its marker says so, once it is dead
             else:
                 # ckptfmt's own objects only: another program may keep its own in the prefix
                 doomed = [n for n in names if is_own_name(n)] + markers
                 removed.append(step)
-            for name in doomed:
-                version = names[name].version
-                if version is not None:
-                    listing.delete_object(self._step_url(step).child(name), self.options, if_match=version)
+            listing.delete_versions(url, self.options, [(n, names[n].version) for n in doomed])
         if removed:
             gone = {step_dirname(s) for s in removed}
-            # the uploads begun before this call: those of a writer that came since stay
-            since = datetime.datetime.now(datetime.timezone.utc) - now
+            since = datetime.datetime.now(datetime.timezone.utc) - now  # a newcomer's uploads stay
             listing.abort_stale_uploads(self.url, self.options, since, lambda n: in_steps(n, gone))
         return removed
-
-    def _written_since(self, step: int, names: dict[str, Entry]) -> bool:
-        """Whether step `step`'s prefix holds a copy marker or a commit record that `names`
-        (its listing) does not: another writer began there since."""
-        now = listing.listed(self._step_url(step), self.options)
-        return any(n not in names and (n == multifile.COMMIT_NAME or n.startswith(COPY_MARKER)) for n in now)
 
     def cleanup(self, older_than: datetime.timedelta = STALE_AFTER, found: Listed | None = None) -> None:
         """Abort multipart uploads of crashed savers and delete commit-less steps whose newest
