@@ -7,8 +7,9 @@ default argument.  A default is evaluated when its module is imported: None befo
 referenced by those defaults past ``destroy_process_group()`` and is freed only at
 interpreter exit, where its gloo threads, still running, abort the process ("terminate
 called without an active exception"; tests/test_process_groups.py).  ckptfmt imports DCP
-when a save or load first needs it, usually after the caller's ``init_process_group()``, so
-each import is followed by `release_default_group`: the defaults that hold the default group
+when ckptfmt.dcp is first imported in a process that uses torch (the checkpoint manager: at
+its first sharded save), often after the caller's ``init_process_group()``, so each import
+is followed by `release_default_group`: the defaults that hold the default group
 become None, which those functions read as the default group, the value they have in a
 process that imported them before any group existed.
 """
