@@ -16,6 +16,8 @@ import pickle
 import shutil
 import struct
 import tempfile
+import time
+import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -599,6 +601,69 @@ def test_dtype_error_names_key_rank_file_and_both_dtypes(originals: dict[str, Pa
     text = str(info.value)
     for part in ("model.w", "rank-00000.ckpt", "rank 0", "float32", "int32"):
         assert part in text, text
+
+
+# -- column lengths are checked before their values are read ------------------------------------
+
+
+def _with_columns(member: dict[str, Any], **columns: Any) -> dict[str, Any]:
+    return {**member, "tensors": {**member["tensors"], **columns}}
+
+
+def _checked_within(member: dict[str, Any], files: list[str]) -> tuple[BaseException | None, float, int]:
+    """check_value of `member`: (its error, seconds, peak bytes allocated while checking)."""
+    from ckptfmt.dcp.metadata import check_value
+
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        check_value(member, files, "COMMIT")
+        error: BaseException | None = None
+    except CheckpointError as e:
+        error = e
+    seconds = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return error, seconds, peak
+
+
+@pytest.mark.parametrize("column", ["sizes", "chunks"])
+def test_a_huge_column_is_refused_before_its_values_are_read(originals: dict[str, Path], column: str) -> None:
+    """A record whose sizes or chunks column holds 2^23 values (64 MiB, within the record's
+    size cap) where its props call for a few dozen is refused at once, naming the column,
+    without building millions of Python ints; the sound record still checks."""
+    from ckptfmt.format.arrays import INT64, StoredArray
+
+    record = multifile.read_commit(str(originals["ckptfmt"]))
+    files = [p.name for p in record.files]
+    assert _checked_within(record.layout_data, files)[0] is None
+    huge = StoredArray(INT64, (1 << 23,), "C", bytes(8 << 23))
+    error, seconds, peak = _checked_within(_with_columns(record.layout_data, **{column: huge}), files)
+    assert seconds < 0.5, seconds  # reading the column took seconds
+    assert peak < 4 << 20, peak  # and 128 MiB or more
+    assert type(error) is CorruptError, error
+    assert f"tensors.{column} holds {1 << 23} values" in str(error) and error.path == "COMMIT"
+
+
+def test_chunk_rows_past_the_records_limit_are_refused_from_props_alone(originals: dict[str, Path]) -> None:
+    """props calling for more chunk rows than MAX_RECORD_ROWS in all: a LimitError before the
+    chunks column is read; rows that cannot lie at distinct offsets in their tensor: corrupt."""
+    from ckptfmt.dcp.metadata import MAX_RECORD_ROWS
+    from ckptfmt.format.arrays import StoredArray
+
+    record = multifile.read_commit(str(originals["ckptfmt"]))
+    files = [p.name for p in record.files]
+    member = record.layout_data
+    n = len(member["tensors"]["keys"])
+    rows = MAX_RECORD_ROWS // n + 1
+    props = StoredArray.of_ints([v for _ in range(n) for v in (0, 0, 1, rows)], (n, 4))
+    sizes = StoredArray.of_ints([1 << 40] * n)
+    error = _checked_within(_with_columns(member, props=props, sizes=sizes), files)[0]
+    assert type(error) is LimitError and f"more than {MAX_RECORD_ROWS}" in str(error), error
+    sizes = StoredArray.of_ints([3] * n)
+    props = StoredArray.of_ints([v for _ in range(n) for v in (0, 0, 1, 5)], (n, 4))
+    error = _checked_within(_with_columns(member, props=props, sizes=sizes), files)[0]
+    assert type(error) is CorruptError and "distinct offsets" in str(error), error
 
 
 # -- random mangling of the columns: load and verify agree ------------------------------------------------

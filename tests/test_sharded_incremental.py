@@ -84,7 +84,7 @@ def test_incremental_saves_of_two_ranks(tmp_path, s3_bucket):
     assert sum(f.stat().st_size for f in (full / "step-000000003").glob("rank-*.ckpt")) > FROZEN.numel() * 4
     # on the store each save names its rank files with digits of its own (spec 13.7): step 3's
     # still read from step 1's file of the same rank
-    from ckptfmt.dcp.sources import rank_of
+    from ckptfmt.files.names import rank_of
 
     store = ckptfmt.CheckpointManager(url, storage_options=options, decrypt_with=KEY)
     refs = [r.name.rsplit("/", 1) for r in store.run.record(3).references]

@@ -14,7 +14,7 @@ import torch
 
 import ckptfmt
 from ckptfmt import CheckpointManager
-from ckptfmt.runs.steps import STATE_NAME_RE
+from ckptfmt.files.names import STATE_NAME_RE
 
 SMALL = torch.arange(1000, dtype=torch.float32)  # one PUT
 LARGE = torch.arange(5 << 20, dtype=torch.float32)  # 20 MiB: a multipart upload
@@ -316,3 +316,41 @@ def test_two_archivers_of_one_step_never_replace_each_others_objects(tmp_path, s
     assert got["step"] == 5 and torch.equal(got["w"], saved["a"]["w"])
     assert len(second) == 1 and isinstance(second[0], ckptfmt.StorageError), second
     assert "exists already" in str(second[0])
+
+
+def test_removing_an_interrupted_copy_never_deletes_what_another_archiver_kept(tmp_path, s3_bucket) -> None:
+    """An archiver copying step 5 dies before its commit record, leaving its copy marker and
+    the state file.  Another archiver's pass lists the archive and finds that leftover; before
+    it removes it, a third archiver copies the same step 5: it finds the very file it would
+    upload there and keeps it (created only if absent), then commits.  The removal deletes
+    nothing: the listed versions are deleted only in a prefix no writer has come to since,
+    and step 5 loads bit-exactly.  (It used to delete by name the state file the new
+    commit record names.)"""
+    from ckptfmt.runs.objectnames import copy_marker
+    from ckptfmt.runs.objectrun import ObjectRun
+
+    bucket, options = s3_bucket
+    saved = _state(5, SMALL)
+    CheckpointManager(str(tmp_path / "local")).save(5, saved)
+    local = str(tmp_path / "local" / "step-000000005")
+    url = f"s3://{bucket}/archive"
+
+    def dies(record) -> None:
+        raise RuntimeError("the first archiver dies before its commit record")
+
+    with pytest.raises(RuntimeError):  # its marker is unclaimed once put_step ends: a dead copy's
+        ObjectRun(url, options).put_step(5, local, claim=copy_marker(), before_commit=dies)
+    found = ObjectRun(url, options).listing()  # the remover's pass lists the archive first
+    assert "state.ckpt" in found[5] and "COMMIT" not in found[5]
+    removed: list[int] = []
+
+    def remover_runs_now(record) -> None:  # this copy's files are up, its record not yet
+        removed.extend(ObjectRun(url, options).remove_interrupted_copies(found=found))
+
+    ObjectRun(url, options).put_step(5, local, claim=copy_marker(), before_commit=remover_runs_now)
+    reader = CheckpointManager(url, storage_options=options)
+    report = reader.verify(5)
+    assert report.ok, report.problems
+    got = reader.load(5)
+    assert got["step"] == 5 and torch.equal(got["w"], saved["w"])
+    assert removed == []  # the step was the other writer's by then

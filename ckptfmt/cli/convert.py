@@ -34,8 +34,8 @@ def _consolidation_source(src: str) -> tuple[str, str]:
     prefix with a commit record of layout "dcp"), ("file", path) for a checkpoint file, or a
     run's step (a directory or prefix with a record of layout "state": its state file)."""
     from ..files import multifile
+    from ..files.names import STATE_NAME, STATE_NAME_RE
     from ..files.places import place_at
-    from ..runs.steps import STATE_NAME, STATE_NAME_RE
 
     if is_url(src):
         multi = not remote.is_object(src) and remote.has_record(src)

@@ -116,12 +116,13 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 def cmd_sign(args: argparse.Namespace) -> int:
     from ..errors import CheckpointError
+    from ..files.names import COMMIT_NAME
     from ..files.signfile import sign_file
     from ..files.signing import load_private_key
 
     path = args.path
     is_dir = os.path.isdir(path)
-    if is_dir and not os.path.lexists(os.path.join(path, "COMMIT")):
+    if is_dir and not os.path.lexists(os.path.join(path, COMMIT_NAME)):
         error = UsageError(
             f"{path}: no commit record (COMMIT): sign a checkpoint directory (a step, a DCP save), "
             "not a run directory"

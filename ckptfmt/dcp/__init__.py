@@ -71,7 +71,10 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
 
+    from .torchimport import release_default_group
+
     value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    release_default_group()  # the module imported torch's DCP, maybe after init_process_group()
     globals()[name] = value
     return value
 
@@ -81,8 +84,9 @@ def __dir__() -> list[str]:
 
 
 if sys.modules.get("torch") is not None:
-    # a process that uses torch imports them now, as it always did: torch's DCP imported only
-    # after init_process_group() keeps gloo threads alive past destroy_process_group(), which
-    # then abort the process at exit (tests/test_process_groups.py)
-    for _name in _LAZY:
-        __getattr__(_name)
+    # a process that uses torch imports torch's DCP now (often before its process group
+    # exists) and never keeps the default group alive through it (torchimport.py); this
+    # package's own modules stay lazy
+    from .torchimport import import_torch_dcp
+
+    import_torch_dcp()

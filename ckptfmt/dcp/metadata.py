@@ -61,6 +61,9 @@ MAX_KEY = (1 << 31) - 1
 MAX_WORLD = 1 << 24
 #: chunk rows one tensor may have
 MAX_ROWS = 1 << 24
+#: chunk rows one record may have in all (a limit error past it): 4096 ranks' shards of 1024
+#: tensors; checking that many takes tens of seconds and GiBs of Python ints on one core
+MAX_RECORD_ROWS = 1 << 22
 #: chunk pairs of one tensor that may need comparing (their extents meet along the sweep's
 #: dimension) before the check gives up with a LimitError
 _MAX_PAIRS = 1 << 22
@@ -326,8 +329,23 @@ def _int64_column(fail: _Fail, v: object, ndim: int, what: str) -> StoredArray:
     return v
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """One tensor's props and sizes, checked: what its chunk rows are checked against."""
+
+    fqn: str
+    dtype: str
+    requires_grad: bool
+    size: list[int]
+    numel: int
+    rows: int
+
+
 def _check_tensors(fail: _Fail, value: object, files: list[str], out: CheckedRecord) -> None:
-    """Every tensor's entry (into `out.tensors`) and its chunks' locations (into `out.where`)."""
+    """Every tensor's entry (into `out.tensors`) and its chunks' locations (into `out.where`).
+    Each column's length is checked against what the columns before it say before its
+    values are read: a hostile record cannot make this build more ints than its keys and
+    chunk rows call for (MAX_RECORD_ROWS)."""
     t = _exact(fail, value, _TENSOR_FIELDS, "the tensors member")
     keys, names = t["keys"], t["dtypes"]
     if type(keys) is not list or any(type(k) is not str for k in keys):
@@ -336,15 +354,49 @@ def _check_tensors(fail: _Fail, value: object, files: list[str], out: CheckedRec
         raise fail("tensors.keys has a key twice")
     if type(names) is not list or any(type(n) is not str for n in names):
         raise fail("tensors.dtypes must be a list of str")
-    props_column = _int64_column(fail, t["props"], 2, "tensors.props")
+    shapes = _check_shapes(fail, keys, names, t["props"], t["sizes"])
+    widths = [2 * len(s.size) + 2 for s in shapes]
+    rows = sum(s.rows for s in shapes)
+    if rows > MAX_RECORD_ROWS:
+        raise fail(f"tensors.props calls for {rows} chunk rows, more than {MAX_RECORD_ROWS}", limit=True)
+    chunks_flat = _ints_of(
+        fail, t["chunks"], sum(s.rows * w for s, w in zip(shapes, widths)), "tensors.chunks"
+    )
+    row_at = 0
+    for shape, width in zip(shapes, widths):
+        fqn, size, ndim = shape.fqn, shape.size, len(shape.size)
+        flat = chunks_flat[row_at : row_at + shape.rows * width]
+        row_at += shape.rows * width
+        table = [flat[r : r + width] for r in range(0, len(flat), width)]
+        check_rows(fail, fqn, table, size, shape.numel, len(files))
+        offsets = []
+        for row in table:
+            o = tuple(row[:ndim])
+            offsets.append(o)
+            out.where[(fqn, o)] = Location(
+                files[row[2 * ndim]], row[2 * ndim + 1], tuple(row[ndim : 2 * ndim]), shape.dtype
+            )
+        out.tensors.append(TensorEntry(fqn, shape.dtype, shape.requires_grad, tuple(size), offsets))
+
+
+def _check_shapes(
+    fail: _Fail, keys: list[str], names: list[str], props: object, sizes: object
+) -> list[_Shape]:
+    """Each tensor's props and sizes checked: the props column is as long as the keys, the
+    sizes column as the tensors' ndims call for, each read only once its length is right."""
+    props_column = _int64_column(fail, props, 2, "tensors.props")
     if props_column.shape != (len(keys), 4):
         raise fail(f"tensors.props must have shape [{len(keys)}, 4]")
-    props = props_column.ints()
-    sizes_flat = _int64_column(fail, t["sizes"], 1, "tensors.sizes").ints()
-    chunks_flat = _int64_column(fail, t["chunks"], 1, "tensors.chunks").ints()
-    size_at = row_at = 0
+    flat_props = props_column.ints()
     for i, fqn in enumerate(keys):
-        dt, grad, ndim, n_rows = props[4 * i : 4 * i + 4]
+        ndim, n_rows = flat_props[4 * i + 2 : 4 * i + 4]
+        _int(fail, ndim, "ndim", 0, Limits.MAX_RANK, fqn)
+        _int(fail, n_rows, "the number of chunk rows", 1, MAX_ROWS, fqn)
+    sizes_flat = _ints_of(fail, sizes, sum(flat_props[2::4]), "tensors.sizes")
+    out: list[_Shape] = []
+    size_at = 0
+    for i, fqn in enumerate(keys):
+        dt, grad, ndim, n_rows = flat_props[4 * i : 4 * i + 4]
         if not 0 <= dt < len(names):
             raise fail(f"dtype index {dt} is not in tensors.dtypes", fqn)
         name = names[dt]
@@ -352,34 +404,25 @@ def _check_tensors(fail: _Fail, value: object, files: list[str], out: CheckedRec
             raise UnsupportedError(f"DCP metadata: dtype {name[:40]!r} is unknown to this reader", key=fqn)
         if grad not in (0, 1):
             raise fail("requires_grad must be 0 or 1", fqn)
-        _int(fail, ndim, "ndim", 0, Limits.MAX_RANK, fqn)
-        _int(fail, n_rows, "the number of chunk rows", 1, MAX_ROWS, fqn)
         size = sizes_flat[size_at : size_at + ndim]
-        if len(size) != ndim:
-            raise fail("tensors.sizes is shorter than the tensors' ndims", fqn)
         size_at += ndim
         for d in size:
             _int(fail, d, "a size", 0, Limits.MAX_NUMEL, fqn)
         numel = math.prod(size)
         if numel > Limits.MAX_NUMEL:
             raise fail(f"{numel} elements exceed the limit {Limits.MAX_NUMEL}", fqn, limit=True)
-        width = 2 * ndim + 2
-        flat = chunks_flat[row_at : row_at + n_rows * width]
-        if len(flat) != n_rows * width:
-            raise fail("tensors.chunks is shorter than the tensors' chunk rows", fqn)
-        row_at += n_rows * width
-        table = [flat[r : r + width] for r in range(0, len(flat), width)]
-        check_rows(fail, fqn, table, size, numel, len(files))
-        offsets = []
-        for row in table:
-            o = tuple(row[:ndim])
-            offsets.append(o)
-            out.where[(fqn, o)] = Location(
-                files[row[2 * ndim]], row[2 * ndim + 1], tuple(row[ndim : 2 * ndim]), name
-            )
-        out.tensors.append(TensorEntry(fqn, name, bool(grad), tuple(size), offsets))
-    if size_at != len(sizes_flat) or row_at != len(chunks_flat):
-        raise fail("tensors.sizes or tensors.chunks holds more than the tensors' sizes and chunk rows")
+        if n_rows > math.prod(d + 1 for d in size):  # rows at distinct offsets inside the tensor
+            raise fail(f"{n_rows} chunk rows cannot lie at distinct offsets inside the tensor", fqn)
+        out.append(_Shape(fqn, name, bool(grad), size, numel, n_rows))
+    return out
+
+
+def _ints_of(fail: _Fail, v: object, length: int, what: str) -> list[int]:
+    """The values of the 1-D int64 column `what`, once it is found to hold exactly `length`."""
+    column = _int64_column(fail, v, 1, what)
+    if column.shape[0] != length:
+        raise fail(f"{what} holds {column.shape[0]} values, tensors.props calls for {length}")
+    return column.ints()
 
 
 def check_rows(

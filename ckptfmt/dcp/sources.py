@@ -5,11 +5,11 @@ against the commit record that names it (``Source``), which loads, ``verify`` an
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from ..errors import CheckpointError, CorruptError, IncompleteError
 from ..files import multifile
+from ..files.names import rank_of
 from ..files.places import Place
 from ..files.reader import CheckpointFile
 from . import metadata as mdv
@@ -17,20 +17,6 @@ from . import metadata as mdv
 LAYOUT = "dcp"
 #: the file that marks a directory in DCP's own FileSystemWriter format (read by convert.py)
 DCP_METADATA_NAME = ".metadata"
-#: a rank file's name: ``rank-NNNNN.ckpt``, or, in a manager's step on a store, with the 16 hex
-#: digits of its save (``rank-NNNNN.<h>.ckpt``, spec 13.7): a save never writes over another's
-RANK_FILE_RE = re.compile(r"rank-([0-9]{5,9})(?:\.[0-9a-f]{16})?\.ckpt")
-
-
-def rank_file_name(rank: int, token: str | None = None) -> str:
-    """Rank `rank`'s file name; `token`: 16 hex digits of the save's own (None: none)."""
-    return f"rank-{rank:05d}.ckpt" if token is None else f"rank-{rank:05d}.{token}.ckpt"
-
-
-def rank_of(name: str) -> int | None:
-    """The rank whose file `name` is (None: not a rank file's name)."""
-    m = RANK_FILE_RE.fullmatch(name)
-    return int(m.group(1)) if m else None
 
 
 def rank_note(name: str) -> str:

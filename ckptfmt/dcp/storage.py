@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
-import secrets
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -54,12 +53,13 @@ from ..fileio import is_url
 from ..files import encryption, multifile, places, recordsign
 from ..files import save as writer
 from ..files.incremental import MIN_REFERENCE_BYTES
+from ..files.names import RANK_FILE_RE, rank_file_name, rank_of, save_token
 from ..files.places import LocalPlace, Place
 from ..gcpause import pausing_in_main_thread
 from . import forkstage
 from . import metadata as mdv
 from .rankplan import HeldPlace, RankPlan, StorageInfo, plan_threads, this_host, thread_shares
-from .sources import LAYOUT, RANK_FILE_RE, rank_file_name, rank_note, rank_of
+from .sources import LAYOUT, rank_note
 from .values import ObjectBytes, decode_value, raw_bytes_io
 
 #: DCP's default planner's value transform: torch.save (a pickle)
@@ -321,7 +321,7 @@ class Writer(HeldPlace, StorageWriter):
         """Rank `rank`'s file name in this save: in a manager's step on a store, with 16 random
         hex digits drawn now (the plan's names may come from DCP's plan cache, the same for
         every save); plain elsewhere."""
-        return rank_file_name(rank, secrets.token_hex(8) if self._own_names else None)
+        return rank_file_name(rank, save_token() if self._own_names else None)
 
     def write_data(self, plan: SavePlan, planner: _BaseSavePlanner) -> Future[list[WriteResult]]:
         snapshot, self._snapshot = self._snapshot, None

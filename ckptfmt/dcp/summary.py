@@ -11,9 +11,10 @@ from typing import Any
 from ..errors import CheckpointError, IncompleteError
 from ..fileio import is_url
 from ..files import multifile, places
+from ..files.names import RANK_FILE_RE, rank_of
 from ..files.places import Place
 from .check import check_items, checked_record
-from .sources import DCP_METADATA_NAME, RANK_FILE_RE
+from .sources import DCP_METADATA_NAME
 
 
 def describe(
@@ -86,9 +87,3 @@ def _describe_record(
     out["problem"] = "; ".join(problems) or None
     out["bytes"] = sum(p.length for p in record.files)
     return out
-
-
-def rank_of(name: str) -> int | None:
-    """The rank a rank file's name says, or None for another name."""
-    m = RANK_FILE_RE.fullmatch(name)
-    return int(m.group(1)) if m else None

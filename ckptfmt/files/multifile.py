@@ -25,12 +25,12 @@ from ..fileio import open_regular, pread_exact
 from ..format import layout as fmt
 from ..format.index import External
 from ..format.timestamps import MICROSECONDS, format_utc, utc_now
+from .names import COMMIT_NAME
 from .reader import CheckpointFile
 
 if TYPE_CHECKING:
     from .save import FileSaveOptions
 
-COMMIT_NAME = "COMMIT"
 #: the record's own layout version; a reader rejects versions it does not know
 RECORD_VERSION = 1
 #: what the parts of a checkpoint mean: "state" is one file holding the whole state;

@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import datetime
 import os
-import re
 from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -45,6 +44,7 @@ from ..storage.download import RemoteObject, fetch_whole, head
 from ..storage.urls import ObjectURL, parse_url
 from . import multifile, recordsign
 from .encryption import save_and_read_keys
+from .names import is_own_name
 from .reader import CheckpointFile
 
 if TYPE_CHECKING:
@@ -53,16 +53,6 @@ if TYPE_CHECKING:
 #: multipart uploads older than this are a crashed saver's leftovers (a live saver writes
 #: more often: it has no lock on a store, so age stands for "no live process holds it")
 STALE_AFTER = datetime.timedelta(hours=24)
-#: the names ckptfmt gives the objects of a place on a store: the commit record, a manager
-#: step's state file (runs/steps.py) and DCP's rank files (dcp/sources.py), each with or
-#: without a save's own 16 hex digits (spec 13.7).  Cleanup deletes, and aborts the uploads
-#: of, nothing else: another program's object beneath the same prefix is not ckptfmt's to remove
-OWN_NAME_RE = re.compile(r"COMMIT|state(\.[0-9a-f]{16})?\.ckpt|rank-[0-9]{5,9}(\.[0-9a-f]{16})?\.ckpt")
-
-
-def is_own_name(name: str) -> bool:
-    """Whether `name` (relative to a place) is one ckptfmt writes there (OWN_NAME_RE)."""
-    return OWN_NAME_RE.fullmatch(name) is not None
 
 
 def normalized(path: str | os.PathLike[str]) -> str:

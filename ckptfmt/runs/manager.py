@@ -627,7 +627,7 @@ def _own_rank_file_bytes(job: StepJob) -> int:
         return 0
     import torch.distributed as dist
 
-    from ..dcp.sources import rank_file_name
+    from ..files.names import rank_file_name
 
     try:
         return os.stat(os.path.join(job.path, rank_file_name(dist.get_rank()))).st_size

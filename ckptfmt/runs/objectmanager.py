@@ -39,6 +39,7 @@ from ..background import inflight
 from ..errors import CheckpointError, CheckpointWarning, LimitError
 from ..files import multifile
 from ..files import save as writer
+from ..files.names import own_state_name
 from ..files.places import ObjectPlace
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport
@@ -47,7 +48,7 @@ from . import resume
 from .manager import CheckpointManager, RunSteps, is_sharded_save
 from .objectrun import ObjectRun
 from .scan import RunScan
-from .steps import CheckpointInfo, StepJob, StepStatus, own_state_name
+from .steps import CheckpointInfo, StepJob, StepStatus
 
 
 class ObjectRunManager(CheckpointManager):

@@ -10,12 +10,12 @@ import contextlib
 import datetime
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 from ..engine import commit
 from ..errors import CorruptError, IncompleteError
 from ..files import multifile
-from ..files.places import is_own_name
+from ..files.names import is_own_name
+from ..storage.listing import Listed
 from .steps import parse_step_dirname
 
 #: the start of the name of a copy marker: ``step-N/ARCHIVING.<host>.<pid>.<start>.<random>``,
@@ -64,19 +64,19 @@ def referenced_step(name: str, owner: str) -> tuple[int, str]:
     return step, ref.name
 
 
-def check_listed(listed: tuple[int, Any] | None, part: multifile.PartRecord, owner: str) -> None:
+def check_listed(listed: Listed | None, part: multifile.PartRecord, owner: str) -> None:
     """The listing's entry for a file the commit record names: there, of the recorded length."""
     if listed is None:
         raise IncompleteError(f"{part.name} named by the commit record is missing", path=owner)
-    if listed[0] != part.length:
+    if listed.size != part.length:
         raise CorruptError(
-            f"{part.name} is {listed[0]} bytes, the commit record says {part.length}", path=owner
+            f"{part.name} is {listed.size} bytes, the commit record says {part.length}", path=owner
         )
 
 
 def written_here(name: str) -> bool:
     """Whether `name`, in a step's prefix, is an object ckptfmt writes there: its files and
-    record (places.is_own_name) or an archiver's copy marker."""
+    record (files/names.py is_own_name) or an archiver's copy marker."""
     return is_own_name(name) or (name.startswith(COPY_MARKER) and "/" not in name)
 
 
@@ -99,6 +99,14 @@ def marker_dead(
     if verdict is not None:
         return verdict
     return when is not None and now - when > older_than
+
+
+def writer_came(before: dict[str, Listed], now: dict[str, Listed]) -> bool:
+    """Whether a step's prefix, listed `before` and `now`, holds a copy marker or a commit
+    record now that it did not: another writer has come since, and may use what it found
+    there (an archiver's copy keeps the very file another's copy, cut short, left), so what
+    `before` lists is no longer a dead writer's alone to delete."""
+    return any(n not in before and (n == multifile.COMMIT_NAME or n.startswith(COPY_MARKER)) for n in now)
 
 
 def in_a_step(name: str) -> bool:

@@ -29,7 +29,8 @@ from ..errors import (
     StorageError,
 )
 from ..files import multifile, recordsign
-from ..files.places import STALE_AFTER, ObjectPlace, describe_object, holds_file, is_own_name
+from ..files.names import STATE_NAME_RE, is_own_name
+from ..files.places import STALE_AFTER, ObjectPlace, describe_object, holds_file
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport, verify
 from ..format.timestamps import parse_utc
@@ -46,10 +47,11 @@ from .objectnames import (
     in_steps,
     marker_dead,
     referenced_step,
+    writer_came,
     written_here,
 )
 from .stepcheck import verify_objects
-from .steps import STATE_NAME_RE, CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
+from .steps import CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
 
 #: the commit records latest() and a resume read at most, newest first (spec 13.7): each is a
 #: GET, and a run whose newest steps are this many damaged ones needs a person anyway
@@ -62,8 +64,8 @@ MAX_STATUS_RECORDS = 1024
 
 #: commit records an ObjectRun keeps as read (statuses() reads at most MAX_STATUS_RECORDS)
 MAX_KNOWN_RECORDS = 4096
-#: a listing of a run: {step: {name in the step: (size, last written)}}
-Listed = dict[int, dict[str, tuple[int, datetime.datetime | None]]]
+Entry = listing.Listed  # what a listing says of one object: size, last written, version
+Listed = dict[int, dict[str, Entry]]  # a listing of a run: {step: {name in the step: Entry}}
 
 
 class ObjectRun:
@@ -108,11 +110,11 @@ class ObjectRun:
     # -- reading -------------------------------------------------------------------------
 
     def listing(self) -> Listed:
-        """The run's objects by step: {step: {name in the step: (size, last written)}}: one
+        """The run's objects by step: {step: {name in the step: (size, last written, version)}}: one
         listing of the prefix, which statuses(), cleanup() and remove_interrupted_copies()
         also take, so that what one moment's listing serves is not listed again."""
         out: Listed = {}
-        for key, entry in listing.objects(self.url, self.options).items():
+        for key, entry in listing.listed(self.url, self.options).items():
             top, _, name = key.partition("/")
             step = parse_step_dirname(top)
             if step is not None and name:
@@ -171,7 +173,7 @@ class ObjectRun:
     def _status(
         self,
         step: int,
-        names: dict[str, tuple[int, datetime.datetime | None]],
+        names: dict[str, Entry],
         found: Listed,
     ) -> StepStatus:
         path = self.step_path(step)
@@ -194,7 +196,7 @@ class ObjectRun:
     def _info(
         self,
         step: int,
-        names: dict[str, tuple[int, datetime.datetime | None]],
+        names: dict[str, Entry],
         found: Listed,
     ) -> CheckpointInfo:
         record = self._listed_record(step, names[multifile.COMMIT_NAME])
@@ -204,7 +206,7 @@ class ObjectRun:
         for ref in record.references:
             other, name = referenced_step(ref.name, path)
             check_listed(found.get(other, {}).get(name), ref, path)
-        return self._info_of(step, record, names[multifile.COMMIT_NAME][0])
+        return self._info_of(step, record, names[multifile.COMMIT_NAME].size)
 
     def _info_of(self, step: int, record: multifile.CommitRecord, record_size: int) -> CheckpointInfo:
         """The CheckpointInfo of complete step `step`, whose record (of `record_size` bytes) is
@@ -222,12 +224,10 @@ class ObjectRun:
             layout=record.layout,
         )
 
-    def _listed_record(
-        self, step: int, listed: tuple[int, datetime.datetime | None]
-    ) -> multifile.CommitRecord:
+    def _listed_record(self, step: int, listed: Entry) -> multifile.CommitRecord:
         """Step `step`'s commit record as `listed` (size, last written): read once, then known
         while the listing shows it unchanged (refused ones too: junk is not read again)."""
-        size, when = listed
+        size, when = listed.size, listed.modified
         if when is None:
             return self.record(step, size)
         key = (step, size, when)
@@ -511,10 +511,9 @@ class ObjectRun:
         now (If-Match; an object listed without an ETag is left), never a commit record, so that
         an object another writer puts there meanwhile stays, and so does its record."""
         url = self._step_url(step)
-        listed = {n: v for n, v in listing.versions(url, self.options).items() if written_here(n)}
-        for name, version in listed.items():
-            if name != multifile.COMMIT_NAME and version is not None:
-                listing.delete_object(url.child(name), self.options, if_match=version)
+        listed = listing.versions(url, self.options).items()
+        ours = [(n, v) for n, v in listed if written_here(n) and n != multifile.COMMIT_NAME]
+        listing.delete_versions(url, self.options, ours)
 
     def sweep_step(self, step: int, record: multifile.CommitRecord) -> None:
         """Delete what other saves left in step `step`, which this process has just committed
@@ -531,9 +530,7 @@ class ObjectRun:
             if is_own_name(name) and name not in named and version is not None
         }
         read_later = self._read_by_later_steps(step) if others else set()  # listed only then
-        for name, version in others.items():
-            if name not in read_later:
-                listing.delete_object(url.child(name), self.options, if_match=version)
+        listing.delete_versions(url, self.options, [(n, v) for n, v in others.items() if n not in read_later])
 
     def _read_by_later_steps(self, step: int) -> set[str]:
         """The names of step `step`'s objects that the records of later steps refer to (only
@@ -589,15 +586,16 @@ class ObjectRun:
         short stays recognisable; one that a step refers to is left whole (its markers say it
         is ours once nothing does); in a complete step only the dead markers go.  A prefix with
         no marker, or with a live writer's, is never touched here (ObjectRun.cleanup).
-        `found`: the run's listing to go by (None: listed here)."""
+        Only the versions `found` lists go (If-Match), and not in a prefix another writer has
+        come to since (writer_came).  `found`: the run's listing to go by (None: listed here)."""
         found = self.listing() if found is None else found
         now = datetime.datetime.now(datetime.timezone.utc)
         dead: dict[int, list[str]] = {}
         live: set[int] = set()
         for step, names in found.items():
-            for name, (_, when) in names.items():
+            for name, entry in names.items():
                 if name.startswith(COPY_MARKER) and "/" not in name:
-                    if marker_dead(name, when, now, older_than):
+                    if marker_dead(name, entry.modified, now, older_than):
                         dead.setdefault(step, []).append(name)
                     else:
                         live.add(step)
@@ -608,7 +606,7 @@ class ObjectRun:
         below = _oldest_known(statuses)
         removed: list[int] = []
         for step, markers in sorted(dead.items()):
-            names = found[step]
+            names, url = found[step], self._step_url(step)
             if step in live:
                 continue  # a live writer's (the dead markers go with its own, or later)
             if step < below and multifile.COMMIT_NAME not in names:
@@ -619,17 +617,17 @@ class ObjectRun:
                 continue  # kept for a later step's objects: its markers say it is ours once not
             elif self.has_record(step):
                 doomed = markers  # a record the listing left out
+            elif writer_came(names, listing.listed(url, self.options)):
+                continue  # another writer's now: its marker says so, once it is dead
             else:
                 # ckptfmt's own objects only: another program may keep its own in the prefix
                 doomed = [n for n in names if is_own_name(n)] + markers
                 removed.append(step)
-            for name in doomed:
-                listing.delete_object(self._step_url(step).child(name), self.options)
+            listing.delete_versions(url, self.options, [(n, names[n].version) for n in doomed])
         if removed:
             gone = {step_dirname(s) for s in removed}
-            listing.abort_stale_uploads(
-                self.url, self.options, datetime.timedelta(0), lambda n: in_steps(n, gone)
-            )
+            since = datetime.datetime.now(datetime.timezone.utc) - now  # a newcomer's uploads stay
+            listing.abort_stale_uploads(self.url, self.options, since, lambda n: in_steps(n, gone))
         return removed
 
     def cleanup(self, older_than: datetime.timedelta = STALE_AFTER, found: Listed | None = None) -> None:
@@ -645,7 +643,7 @@ class ObjectRun:
         for step, names in sorted(found.items()):
             if multifile.COMMIT_NAME in names:
                 continue
-            times = [t for _, t in names.values() if t is not None]
+            times = [e.modified for e in names.values() if e.modified is not None]
             if times and now - max(times) > older_than and not self.has_record(step):
                 if referenced is None:
                     statuses = self.statuses(found)

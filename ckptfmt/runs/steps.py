@@ -10,7 +10,6 @@ import dataclasses
 import datetime
 import os
 import re
-import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -20,11 +19,8 @@ from ..background import inflight
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import parse_temp_name
 from ..errors import CheckpointError
+from ..files.names import STATE_NAME
 
-STATE_NAME = "state.ckpt"
-#: the names of a step's state object on a store (spec 13.7): STATE_NAME, or, where the step
-#: held another save's objects when the save began, a name of that save's own (own_state_name)
-STATE_NAME_RE = re.compile(r"state(\.[0-9a-f]{16})?\.ckpt")
 _STEP_RE = re.compile(r"step-([0-9]{9,20})")
 #: names that look like step directories; those that are not canonical ones are warned about
 _STEP_LIKE_RE = re.compile(r"step-[0-9]+")
@@ -34,12 +30,6 @@ MAX_STEP = 10**20 - 1
 
 def step_dirname(step: int) -> str:
     return f"step-{step:09d}"
-
-
-def own_state_name() -> str:
-    """A state object name no other save uses (64 random bits): a save never writes over, nor
-    needs to delete, an object another writer may commit (spec 13.7)."""
-    return f"state.{secrets.token_hex(8)}.ckpt"
 
 
 def looks_like_step_dirname(name: str) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -181,6 +181,16 @@ def delete_object(url: ObjectURL, options: dict[str, Any], *, if_match: str | No
     except FileNotFoundError:  # a conditional delete of an object that is gone
         return True
     return True
+
+
+def delete_versions(
+    url: ObjectURL, options: dict[str, Any], versions: Iterable[tuple[str, str | None]]
+) -> None:
+    """Delete each (name relative to `url`, version) in order, only as that version (If-Match):
+    an object another writer has put there since stays; one given no version is left."""
+    for name, version in versions:
+        if version is not None:
+            delete_object(url.child(name), options, if_match=version)
 
 
 def delete_prefix(
