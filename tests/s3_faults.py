@@ -416,8 +416,9 @@ class FaultProxy:
         plan = Plan()
         with self._lock:
             self._seen.append((req.method, req.target))
-            if req.method == "GET" and req.header("range"):
-                self._ranges.append((req.target, req.header("range") or ""))
+            asked = req.header("range") or req.header("x-ms-range")  # Azure's own name for it
+            if req.method == "GET" and asked:
+                self._ranges.append((req.target, asked))
             for rule in list(self._rules):
                 if not rule.matches(req):
                     continue

@@ -46,6 +46,24 @@ class StoreFaults:
 
         return set(listing.objects(parse_url(url, need_key=False), self.options))
 
+    def size(self, url: str) -> int:
+        """The size of the object `url`, as the store says it."""
+        from ckptfmt.storage.backends import store_for
+        from ckptfmt.storage.urls import parse_url
+
+        where = parse_url(url)
+        return int(store_for(where, self.options).head(where)[0])  # type: ignore[call-overload]
+
+    def uploads(self, url: str) -> list[str]:
+        """The keys of the unfinished uploads beneath the prefix `url` (the first page): S3's
+        multipart uploads, GCS's part objects; Azure keeps none visible."""
+        from ckptfmt.storage.backends import store_for
+        from ckptfmt.storage.urls import parse_url
+
+        where = parse_url(url, need_key=False)
+        page = store_for(where, self.options).list_uploads(where, where.key, {})
+        return [str(u.key) for u in page.uploads]
+
     def put_raw(self, url: str, data: bytes) -> None:
         """Write `data` as the object `url`, as another program would (nothing of ckptfmt's
         format in it)."""

@@ -30,15 +30,14 @@ def _keys(client, bucket: str, prefix: str) -> set[str]:
     return {o["Key"][len(prefix) :] for o in listed}
 
 
-def _run_of_two_steps(s3_faults, **kw) -> tuple[str, str, CheckpointManager]:
-    """A run whose step 2 reads the frozen tensor's chunks from step 1's object."""
-    bucket = s3_faults.new_bucket()
-    url = f"s3://{bucket}/run"
-    m = CheckpointManager(url, incremental=True, storage_options=s3_faults.storage_options(), **kw)
+def _run_of_two_steps(faults, **kw) -> tuple[str, CheckpointManager]:
+    """A run (on any store) whose step 2 reads the frozen tensor's chunks from step 1's object."""
+    url = f"{faults.new_root()}/run"
+    m = CheckpointManager(url, incremental=True, storage_options=faults.options, **kw)
     m.save(1, _state(1))
     m.save(2, _state(2))
     assert m.latest().references == (f"{url}/step-000000001/state.ckpt",)
-    return bucket, url, m
+    return url, m
 
 
 @pytest.mark.parametrize(
@@ -48,40 +47,41 @@ def _run_of_two_steps(s3_faults, **kw) -> tuple[str, str, CheckpointManager]:
         "state.ckpt",  # step 2 looks damaged (a file it names missing): its record is readable
     ],
 )
-def test_cleanup_keeps_objects_a_step_the_listing_misstates_reads(s3_faults, hidden):
-    bucket, url, m = _run_of_two_steps(s3_faults, keep_last=1)
+def test_cleanup_keeps_objects_a_step_the_listing_misstates_reads(store_faults, hidden):
+    f = store_faults
+    url, m = _run_of_two_steps(f, keep_last=1)
     # rotation retired step 1: its record is gone, its object kept for step 2
-    assert _keys(s3_faults.client(), bucket, "run/") == {
+    assert f.keys(url) == {
         "step-000000001/state.ckpt",
         "step-000000002/state.ckpt",
         "step-000000002/COMMIT",
     }
     # every time stale, and no step the listing shows complete refers to step 1's object
-    s3_faults.hide_listed(f"run/step-000000002/{hidden}")
+    f.hide_listed(f"run/step-000000002/{hidden}")
     m.run.cleanup(older_than=datetime.timedelta(0))
-    s3_faults.clear_rules()
-    assert "step-000000001/state.ckpt" in _keys(s3_faults.client(), bucket, "run/")
+    f.clear_rules()
+    assert "step-000000001/state.ckpt" in f.keys(url)
     assert torch.equal(m.load(2)["frozen"], FROZEN)
 
 
-def test_remove_keeps_objects_a_step_the_listing_hides_reads(s3_faults):
-    bucket, url, m = _run_of_two_steps(s3_faults)
-    s3_faults.hide_listed("run/step-000000002/COMMIT")
+def test_remove_keeps_objects_a_step_the_listing_hides_reads(store_faults):
+    url, m = _run_of_two_steps(store_faults)
+    store_faults.hide_listed("run/step-000000002/COMMIT")
     m.remove(1)  # step 1 is retired, not deleted: step 2 reads its object
-    s3_faults.clear_rules()
-    assert _keys(s3_faults.client(), bucket, "run/step-000000001/") == {"state.ckpt"}
+    store_faults.clear_rules()
+    assert store_faults.keys(f"{url}/step-000000001/") == {"state.ckpt"}
     assert [c.step for c in m.checkpoints()] == [2]
     assert torch.equal(m.load(2)["frozen"], FROZEN)
 
 
-def test_rotation_keeps_objects_a_step_the_listing_hides_reads(s3_faults):
-    bucket, url, _ = _run_of_two_steps(s3_faults)
-    s3_faults.hide_listed("run/step-000000002/COMMIT")
+def test_rotation_keeps_objects_a_step_the_listing_hides_reads(store_faults):
+    url, _ = _run_of_two_steps(store_faults)
+    store_faults.hide_listed("run/step-000000002/COMMIT")
     # a writer that sees steps 1 and 3 only keeps the last: step 1 goes, but step 2 reads it
-    m = CheckpointManager(url, keep_last=1, storage_options=s3_faults.storage_options())
+    m = CheckpointManager(url, keep_last=1, storage_options=store_faults.options)
     m.save(3, _state(3))
-    s3_faults.clear_rules()
-    assert _keys(s3_faults.client(), bucket, "run/step-000000001/") == {"state.ckpt"}
+    store_faults.clear_rules()
+    assert store_faults.keys(f"{url}/step-000000001/") == {"state.ckpt"}
     assert torch.equal(m.load(2)["frozen"], FROZEN)
 
 
@@ -216,7 +216,7 @@ def test_verify_refuses_a_step_reading_an_object_its_record_does_not_name(s3_ser
     assert not report.ok and "does not name" in report.problems[0].message
 
 
-def test_a_save_that_loses_the_commit_race_leaves_the_winners_checkpoint(s3_faults):
+def test_a_save_that_loses_the_commit_race_leaves_the_winners_checkpoint(store_faults):
     """Two managers save step 5 of one run (a restarted job while the old one still runs):
     the loser's commit record finds the winner's there and raises, and deletes nothing the
     winner's checkpoint holds: its commit record and the state object it names stay, and the
@@ -224,12 +224,12 @@ def test_a_save_that_loses_the_commit_race_leaves_the_winners_checkpoint(s3_faul
     import threading
     import time
 
-    bucket = s3_faults.new_bucket()
-    url = f"s3://{bucket}/run"
-    old = CheckpointManager(url, storage_options=s3_faults.storage_options())
-    new = CheckpointManager(url, storage_options=s3_faults.storage_options())
+    f = store_faults
+    url = f"{f.new_root()}/run"
+    old = CheckpointManager(url, storage_options=f.options)
+    new = CheckpointManager(url, storage_options=f.options)
     # the old job's commit record is held on its way while the new job saves the same step
-    s3_faults.delay("PUT", "step-000000005/COMMIT", seconds=3.0, count=1)
+    f.delay(*f.op("write", "step-000000005/COMMIT"), seconds=3.0, count=1)
     failure: list[BaseException] = []
 
     def old_save() -> None:
@@ -241,9 +241,9 @@ def test_a_save_that_loses_the_commit_race_leaves_the_winners_checkpoint(s3_faul
     t = threading.Thread(target=old_save, daemon=True)
     t.start()
     deadline = time.monotonic() + 30
-    while s3_faults.pending_rules() and time.monotonic() < deadline:
+    while f.pending_rules() and time.monotonic() < deadline:
         time.sleep(0.02)  # until the old job's PUT of its record is being held
-    assert s3_faults.pending_rules() == 0
+    assert f.pending_rules() == 0
     new.save(5, _state(5))
     t.join(30)
     assert not t.is_alive()
@@ -251,22 +251,17 @@ def test_a_save_that_loses_the_commit_race_leaves_the_winners_checkpoint(s3_faul
     # the winner wrote a state object of its own beside the old job's, which it deleted once committed
     named = new.run.record(5).files[0].name
     assert named != "state.ckpt"
-    assert _keys(s3_faults.client(), bucket, "run/") == {f"step-000000005/{named}", "step-000000005/COMMIT"}
+    assert f.keys(url) == {f"step-000000005/{named}", "step-000000005/COMMIT"}
     assert new.load(5)["step"] == 5
-    assert torch.equal(
-        CheckpointManager(url, storage_options=s3_faults.storage_options()).load()["head"], _state(5)["head"]
-    )
+    assert torch.equal(CheckpointManager(url, storage_options=f.options).load()["head"], _state(5)["head"])
 
 
-def test_cleanup_and_rotation_delete_only_what_ckptfmt_wrote(s3_bucket):
+def test_cleanup_and_rotation_delete_only_what_ckptfmt_wrote(store_faults):
     """Another program's objects beneath a run's prefix and its steps' (a note, a copy made by
-    another tool, its multipart upload) survive rotation, a failed save's cleanup and the
-    cleanup of stale steps and uploads: none is an object ckptfmt can show it wrote."""
-    from s3_server import s3_client
-
-    bucket, options = s3_bucket
-    c = s3_client(options["endpoint_url"])
-    url = f"s3://{bucket}/run"
+    another tool, on S3 its multipart upload) survive rotation, a failed save's cleanup and
+    the cleanup of stale steps and uploads: none is an object ckptfmt can show it wrote."""
+    f = store_faults
+    url = f"{f.new_root()}/run"
     foreign = {
         "step-000000001/notes.txt",
         "step-000000001/state.ckpt.bak",
@@ -274,16 +269,20 @@ def test_cleanup_and_rotation_delete_only_what_ckptfmt_wrote(s3_bucket):
         "README",
     }
     for key in foreign:
-        c.put_object(Bucket=bucket, Key=f"run/{key}", Body=b"not ckptfmt's")
-    c.put_object(Bucket=bucket, Key="run/step-000000004/state.ckpt", Body=b"a crashed save's")
-    c.create_multipart_upload(Bucket=bucket, Key="run/step-000000004/upload.tmp")
-    c.create_multipart_upload(Bucket=bucket, Key="run/step-000000004/rank-00001.ckpt")
-    m = CheckpointManager(url, keep_last=1, storage_options=options)
+        f.put_raw(f"{url}/{key}", b"not ckptfmt's")
+    f.put_raw(f"{url}/step-000000004/state.ckpt", b"a crashed save's")
+    if f.kind == "s3":  # another tool's multipart uploads (GCS and Azure have none to list)
+        c = f.client()
+        bucket = url.split("/")[2]
+        c.create_multipart_upload(Bucket=bucket, Key="run/step-000000004/upload.tmp")
+        c.create_multipart_upload(Bucket=bucket, Key="run/step-000000004/rank-00001.ckpt")
+    m = CheckpointManager(url, keep_last=1, storage_options=f.options)
     m.save(1, _state(1))
     m.save(2, _state(2))  # rotation deletes step 1
     m.run.cleanup(older_than=datetime.timedelta(0))  # step 4 is a stale leftover
-    assert _keys(c, bucket, "run/") == foreign | {"step-000000002/state.ckpt", "step-000000002/COMMIT"}
-    uploads = {u["Key"] for u in c.list_multipart_uploads(Bucket=bucket).get("Uploads", [])}
-    assert uploads == {"run/step-000000004/upload.tmp"}
+    assert f.keys(url) == foreign | {"step-000000002/state.ckpt", "step-000000002/COMMIT"}
+    if f.kind == "s3":
+        uploads = {u["Key"] for u in c.list_multipart_uploads(Bucket=bucket).get("Uploads", [])}
+        assert uploads == {"run/step-000000004/upload.tmp"}
     m.remove(2)
-    assert _keys(c, bucket, "run/") == foreign
+    assert f.keys(url) == foreign
