@@ -65,9 +65,10 @@ class Account:
         self.base_path = urllib.parse.urlsplit(self.endpoint).path
 
 
-def account_from(options: Mapping[str, Any]) -> Account:
-    """The account of the storage options, else of the environment (StorageError naming
-    what is missing or malformed)."""
+def account_from(options: Mapping[str, Any], named: str | None = None) -> Account:
+    """The account of the storage options, else of the environment, else the one a URL
+    `named` (adlfs's CONTAINER@ACCOUNT.dfs.core.windows.net); StorageError naming what is
+    missing or malformed, or where the credentials are another account's than the URL's."""
     text = options.get("connection_string") or (
         None
         if {"account_name", "account_key", "sas_token"} & set(options)
@@ -82,7 +83,7 @@ def account_from(options: Mapping[str, Any]) -> Account:
         )
         key, sas = fields.get("AccountKey"), fields.get("SharedAccessSignature")
     else:
-        name = str(options.get("account_name") or os.environ.get("AZURE_STORAGE_ACCOUNT", ""))
+        name = str(options.get("account_name") or os.environ.get("AZURE_STORAGE_ACCOUNT") or named or "")
         endpoint = f"https://{name}.blob.core.windows.net"
         key = options.get("account_key") or os.environ.get("AZURE_STORAGE_KEY")
         sas = options.get("sas_token") or os.environ.get("AZURE_STORAGE_SAS_TOKEN")
@@ -91,6 +92,11 @@ def account_from(options: Mapping[str, Any]) -> Account:
             "az:// URLs need an account: AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_ACCOUNT "
             "with AZURE_STORAGE_KEY or AZURE_STORAGE_SAS_TOKEN, or the storage options "
             "connection_string, account_name, account_key, sas_token"
+        )
+    if named is not None and name != named:
+        raise StorageError(
+            f"the URL names the storage account {named!r} but the credentials are for {name!r} "
+            "(the connection string, account_name, AZURE_STORAGE_ACCOUNT)"
         )
     if not key and not sas:
         raise StorageError(f"az:// URLs of the account {name!r} need its key or a SAS token")
@@ -110,8 +116,12 @@ def _connection_fields(text: str) -> dict[str, str]:
     return fields
 
 
-def new_store(options: Mapping[str, Any]) -> AzureStore:
-    return AzureStore(http.new_session(options, "az"), account_from(options), client.timeouts(options))
+def new_store(options: Mapping[str, Any], account: str | None = None) -> AzureStore:
+    """The store of the account of `options` (or the environment), which must be `account`
+    where a URL names one."""
+    return AzureStore(
+        http.new_session(options, "az"), account_from(options, account), client.timeouts(options)
+    )
 
 
 class AzureStore:

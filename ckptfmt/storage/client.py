@@ -41,7 +41,6 @@ STORE_OPTIONS: dict[str, tuple[str, ...]] = {
     "gs": ("token",),
     "az": ("connection_string", "account_name", "account_key", "sas_token"),
 }
-STORE_OPTIONS["abfs"] = STORE_OPTIONS["az"]
 CLIENT_OPTIONS = tuple(dict.fromkeys(name for names in STORE_OPTIONS.values() for name in names))
 #: ... and ckptfmt's own tuning, for every store
 TUNING_OPTIONS = (
