@@ -64,6 +64,13 @@ class StoreFaults:
         page = store_for(where, self.options).list_uploads(where, where.key, {})
         return [str(u.key) for u in page.uploads]
 
+    def get_raw(self, url: str, limit: int = 1 << 30) -> bytes:
+        """The bytes of the object `url`, whole."""
+        from ckptfmt.storage.download import fetch_whole
+
+        spool = fetch_whole(url, self.options, limit)
+        return bytes(spool.view(0, spool.size))
+
     def put_raw(self, url: str, data: bytes) -> None:
         """Write `data` as the object `url`, as another program would (nothing of ckptfmt's
         format in it)."""
