@@ -71,6 +71,14 @@ class StoreFaults:
         spool = fetch_whole(url, self.options, limit)
         return bytes(spool.view(0, spool.size))
 
+    def delete_raw(self, url: str) -> None:
+        """Delete the object `url`, as another program would."""
+        from ckptfmt.storage.backends import store_for
+        from ckptfmt.storage.urls import parse_url
+
+        where = parse_url(url)
+        store_for(where, self.options).delete(where, None)
+
     def put_raw(self, url: str, data: bytes) -> None:
         """Write `data` as the object `url`, as another program would (nothing of ckptfmt's
         format in it)."""

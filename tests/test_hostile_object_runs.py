@@ -1,4 +1,4 @@
-"""Incremental and signed runs on a store that an attacker controls (a real moto S3 server,
+"""Incremental and signed runs on a store that an attacker controls (each store's emulator,
 behind the fault proxy where the store must lie): listings that leave out the commit record
 of the step that refers to an older one, referenced objects replaced or forged, more
 referenced objects than a reader may hold open.  Nothing a kept step reads is deleted,
@@ -23,11 +23,6 @@ FROZEN = torch.arange(1 << 16, dtype=torch.float32)  # 256 KiB: referred to, nev
 
 def _state(step: int) -> dict[str, object]:
     return {"frozen": FROZEN, "head": torch.full((1000,), float(step)), "step": step}
-
-
-def _keys(client, bucket: str, prefix: str) -> set[str]:
-    listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
-    return {o["Key"][len(prefix) :] for o in listed}
 
 
 def _run_of_two_steps(faults, **kw) -> tuple[str, CheckpointManager]:
@@ -118,38 +113,36 @@ def test_a_reader_holds_a_bounded_number_of_referenced_objects_open(s3_bucket, m
         assert torch.equal(loaded[f"t{j}"], tensors[f"t{j}"])
 
 
-def _flip_a_chunk_step_2_never_reads(client, bucket: str, key: str, options: dict) -> None:
-    """Change one byte of step 1's object `key` in the chunk of its own `head` tensor (step 2
+def _flip_a_chunk_step_2_never_reads(faults, url: str) -> None:
+    """Change one byte of step 1's object `url` in the chunk of its own `head` tensor (step 2
     holds its own): neither a load nor a verify of step 2 reads it."""
-    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
-    with CheckpointFile(f"s3://{bucket}/{key}", storage_options=options) as f:
+    data = bytearray(faults.get_raw(url))
+    with CheckpointFile(url, storage_options=faults.options) as f:
         k = next(k for k in range(len(f.chunks)) if f.key_of(k).endswith("['head']"))
         data[f.chunks[k].offset + 8] ^= 0x01
-    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    faults.put_raw(url, bytes(data))
 
 
-def test_verify_with_trusted_keys_hashes_the_objects_a_step_reads_from(s3_server, s3_bucket):
+def test_verify_with_trusted_keys_hashes_the_objects_a_step_reads_from(store_faults):
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
     key = ed25519.Ed25519PrivateKey.generate()
-    bucket, options = s3_bucket
-    url = f"s3://{bucket}/signed"
+    options = store_faults.options
+    url = f"{store_faults.new_root()}/signed"
     m = CheckpointManager(url, incremental=True, sign_with=key, storage_options=options)
     m.save(1, _state(1))
     m.save(2, _state(2))
     m.remove(1)  # retired: step 2 reads its object
     reader = CheckpointManager(url, trusted_keys=[key.public_key()], storage_options=options)
     assert reader.verify(2).ok
-    _flip_a_chunk_step_2_never_reads(s3_server.client(), bucket, "signed/step-000000001/state.ckpt", options)
+    _flip_a_chunk_step_2_never_reads(store_faults, f"{url}/step-000000001/state.ckpt")
     with pytest.raises(ckptfmt.SignatureError):
         reader.load(2)
     report = reader.verify(2)
     assert not report.ok and report.problems[0].kind == "signature"
 
 
-def test_archiving_refuses_a_present_referenced_object_other_than_the_signed_one(
-    tmp_path, s3_server, s3_bucket
-):
+def test_archiving_refuses_a_present_referenced_object_other_than_the_signed_one(tmp_path, store_faults):
     # the archive already holds an object where step 2 reads step 1's from: same length, file
     # id and index, one byte of another chunk changed.  A signed step is not archived onto it
     from cryptography.hazmat.primitives.asymmetric import ed25519
@@ -157,57 +150,54 @@ def test_archiving_refuses_a_present_referenced_object_other_than_the_signed_one
     from ckptfmt.runs.objectrun import ObjectRun
 
     key = ed25519.Ed25519PrivateKey.generate()
-    bucket, options = s3_bucket
+    f = store_faults
+    archive = f"{f.new_root()}/archive"
     local = CheckpointManager(tmp_path / "run", incremental=True, sign_with=key)
     local.save(1, _state(1))
     local.save(2, _state(2))
-    client = s3_server.client()
-    forged = "archive/step-000000001/state.ckpt"
-    client.put_object(
-        Bucket=bucket, Key=forged, Body=(tmp_path / "run/step-000000001/state.ckpt").read_bytes()
-    )
-    _flip_a_chunk_step_2_never_reads(client, bucket, forged, options)
-    run = ObjectRun(f"s3://{bucket}/archive", options)
+    forged = f"{archive}/step-000000001/state.ckpt"
+    f.put_raw(forged, (tmp_path / "run/step-000000001/state.ckpt").read_bytes())
+    _flip_a_chunk_step_2_never_reads(f, forged)
+    run = ObjectRun(archive, f.options)
     with pytest.raises(ckptfmt.SignatureError):
         run.put_step(2, str(tmp_path / "run/step-000000002"))
-    assert "step-000000002/COMMIT" not in _keys(client, bucket, "archive/")
+    assert "step-000000002/COMMIT" not in f.keys(archive)
 
 
-def test_a_commit_names_only_the_objects_the_state_was_written_against(s3_server, s3_bucket):
+def test_a_commit_names_only_the_objects_the_state_was_written_against(store_faults):
     # step 1's object replaced by another save (another file id) after step 2's state object
     # was written against it: the commit record must not name (nor a signature vouch for)
     # the new object as the one step 2 reads
     from ckptfmt.background import inflight
     from ckptfmt.runs.steps import StepJob
 
-    bucket, options = s3_bucket
-    url = f"s3://{bucket}/run"
+    options = store_faults.options
+    url = f"{store_faults.new_root()}/run"
     m = CheckpointManager(url, incremental=True, storage_options=options)
     m.save(1, _state(1))
     m.save(2, _state(2))
-    client = s3_server.client()
-    client.delete_object(Bucket=bucket, Key="run/step-000000002/COMMIT")
+    store_faults.delete_raw(f"{url}/step-000000002/COMMIT")
     ckptfmt.save(_state(1), f"{url}/step-000000001/state.ckpt", storage_options=options)
     job = StepJob(2, m.run.step_path(2), -1, {}, {}, inflight.SaveHandle(m.run.step_path(2)))
     with pytest.raises(ckptfmt.CorruptError, match="file id"):
         m._commit(job)
-    assert "step-000000002/COMMIT" not in _keys(client, bucket, "run/")
+    assert "step-000000002/COMMIT" not in store_faults.keys(url)
 
 
-def test_verify_refuses_a_step_reading_an_object_its_record_does_not_name(s3_server, s3_bucket):
+def test_verify_refuses_a_step_reading_an_object_its_record_does_not_name(store_faults):
     # step 2's record rewritten without its reference: a load refuses the state object (it
     # reads step 1's), and verify fails where the load does, though every chunk is sound
     import dataclasses
 
     from ckptfmt.files import multifile
 
-    bucket, options = s3_bucket
-    url = f"s3://{bucket}/run"
+    options = store_faults.options
+    url = f"{store_faults.new_root()}/run"
     m = CheckpointManager(url, incremental=True, storage_options=options)
     m.save(1, _state(1))
     m.save(2, _state(2))
     unbound = dataclasses.replace(m.run.record(2), references=())
-    s3_server.client().delete_object(Bucket=bucket, Key="run/step-000000002/COMMIT")
+    store_faults.delete_raw(f"{url}/step-000000002/COMMIT")
     ckptfmt.save(unbound.as_value(), f"{url}/step-000000002/{multifile.COMMIT_NAME}", storage_options=options)
     assert [c.step for c in m.checkpoints()] == [1, 2]
     with pytest.raises(ckptfmt.CorruptError, match="does not name"):
