@@ -17,7 +17,7 @@ by method (None: any) and a substring of its target, the path and query as sent
   after the server carried it out and answered (the client cannot tell that it happened).
 * `fail_next(...)`: the next `count` matches are answered with `status` and an S3 XML error
   (500 InternalError, 503 SlowDown, 403 AccessDenied, ...) without reaching the server.
-* `delay(...)`: matches wait `seconds` before they are forwarded.
+* `delay(...)`: matches wait `seconds` before they are forwarded, or until `release()`.
 * `drop_header(...)`: the server's answer to the next `count` matches comes back without
   the named header (a store that leaves out an ETag, say).
 * `trickle(...)`: the answers to the next `count` matches send their head and `after_bytes`
@@ -284,6 +284,7 @@ class FaultProxy:
         self._ranges: list[tuple[str, str]] = []  # (target, Range header) of GETs with one
         self._hidden: set[str] = set()  # keys listings leave out
         self._conns: set[socket.socket] = set()
+        self._released = threading.Event()  # set by release(): the requests held go on
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self.port = 0
@@ -365,6 +366,13 @@ class FaultProxy:
         self._add(
             Rule("trickle", method, contains, remaining=count, after_bytes=after_bytes, interval=interval)
         )
+
+    def release(self) -> None:
+        """Forward the requests delay rules are holding now, without waiting out their time
+        (a test that has seen what it held them for); later ones are held as before."""
+        with self._lock:
+            released, self._released = self._released, threading.Event()
+        released.set()
 
     def hide_listed(self, key: str) -> None:
         """Leave the object `key` out of every listing from now on (until clear_rules)."""
@@ -516,9 +524,11 @@ class FaultProxy:
         start, headers = parse_headers(head)
         method, target, version = start.split(" ", 2)
         req = Request(method, target, version, headers)
+        with self._lock:
+            released = self._released  # before the plan: a release() from now on frees it
         plan = self._plan(req)
         if plan.delay:
-            time.sleep(plan.delay)
+            released.wait(plan.delay)
         if plan.reset is not None and plan.reset.at_once():
             raise Reset()
         expects = (req.header("expect") or "").lower() == "100-continue"

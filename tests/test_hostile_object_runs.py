@@ -235,6 +235,7 @@ def test_a_save_that_loses_the_commit_race_leaves_the_winners_checkpoint(store_f
         time.sleep(0.02)  # until the old job's PUT of its record is being held
     assert f.pending_rules() == 0
     new.save(5, _state(5))
+    f.release()  # the old job's record goes on, after the new job's commit
     t.join(30)
     assert not t.is_alive()
     assert len(failure) == 1 and "committed by another writer meanwhile" in str(failure[0])

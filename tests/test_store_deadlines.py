@@ -191,5 +191,6 @@ def test_waiting_for_an_archive_that_stalls_ends_at_the_waits_deadline(store_fau
     assert isinstance(error, StorageError), error
     assert "step 1" in str(error) and "deadline of 1.5 s" in str(error)
     assert 1.5 <= took < 5
+    f.release()
     m._archiver.wait()  # the held upload goes through: the copy completes
     assert 1 in m._archiver._held

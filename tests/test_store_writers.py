@@ -152,6 +152,7 @@ def test_a_failed_saves_cleanup_never_deletes_the_next_writers_object(store_faul
     t, failure = _save_while_held(f, failing, _state(-5, SMALL))
     won = _state(5, SMALL)
     CheckpointManager(url, storage_options=options).save(5, won)
+    f.release()  # the held DELETE reaches the store now, after the next writer's commit
     t.join(30)
     assert not t.is_alive()
     assert len(failure) == 1 and isinstance(failure[0], ckptfmt.StorageError)
@@ -203,9 +204,10 @@ def test_a_save_never_deletes_the_state_object_a_live_writer_commits_meanwhile(s
     t, failure = _save_while_held(f, second, _state(-5, SMALL), rules_left=1)
     go.set()  # the live job commits while the second job's request is held
     live_thread.join(30)
+    f.clear_rules()  # then the held request goes on, and nothing more is held
+    f.release()
     t.join(30)
     assert not live_thread.is_alive() and not t.is_alive()
-    f.clear_rules()
     assert not live_failure, live_failure
     assert len(failure) == 1 and isinstance(failure[0], ckptfmt.CheckpointError), failure
     _check_loads(url, options, won)
