@@ -11,6 +11,11 @@ Rows, per store:
   list), and 8 threads of 16 MiB ranged GETs pinned to the object's version, read into one
   preallocated buffer.  What ckptfmt adds above its own client (the format, the spool, the
   checks) is the gap between the two rows; the emulator bounds both.
+* dcp-fsspec save / load: torch.distributed.checkpoint's FsspecWriter / FsspecReader (default
+  settings, one process) of the same state through the store's fsspec filesystem: s3fs, gcsfs
+  (the emulator through STORAGE_EMULATOR_HOST, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false: gcsfs's
+  bucket-type probe speaks gRPC over TLS, which the emulator does not, and waits 60 s), adlfs
+  (AZURE_STORAGE_CONNECTION_STRING); a filesystem not installed is reported missing.
 
 One process; the state and the load destinations are built before the clock starts; every
 load is checked against the state after the clock stops.  A store whose emulator is missing
@@ -41,7 +46,9 @@ from common import command_line, machine_state, parse_size, write_json  # noqa: 
 STORES = ["s3", "gs", "az"]
 PART = 16 << 20
 THREADS = 8
-ROWS = ["ckptfmt save", "floor up", "ckptfmt load", "floor down"]
+ROWS = ["ckptfmt save", "floor up", "dcp-fsspec save", "ckptfmt load", "floor down", "dcp-fsspec load"]
+#: each store's fsspec filesystem (its package) and the scheme DCP's fsspec layer is given
+FSSPEC = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gs"), "az": ("adlfs", "abfs")}
 
 
 @contextlib.contextmanager
@@ -132,7 +139,35 @@ def floor_down(url: str, options: dict[str, Any], buf: bytearray) -> None:
         list(pool.map(get, range(0, len(buf), PART)))
 
 
+def fsspec_options(store: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The fsspec filesystem's arguments reaching the emulator (gcsfs and adlfs: the environment)."""
+    if store == "s3":
+        return {
+            "key": options["aws_access_key_id"],
+            "secret": options["aws_secret_access_key"],
+            "endpoint_url": options["endpoint_url"],
+            "client_kwargs": {"region_name": options["region"]},
+        }
+    return {"token": "anon"} if store == "gs" else {}
+
+
+def dcp_save(store: str, state: dict[str, Any], url: str, options: dict[str, Any]) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    dcp.save(state, storage_writer=FsspecWriter(url, **fsspec_options(store, options)), no_dist=True)
+
+
+def dcp_load(store: str, into: dict[str, Any], url: str, options: dict[str, Any]) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    dcp.load(into, storage_reader=FsspecReader(url, **fsspec_options(store, options)), no_dist=True)
+
+
 def measure(store: str, size: int, rounds: int) -> dict[str, Any]:
+    import importlib.util
+
     import torch
 
     import ckptfmt
@@ -140,10 +175,14 @@ def measure(store: str, size: int, rounds: int) -> dict[str, Any]:
     from ckptfmt.storage.urls import parse_url
 
     state = the_state(size)
-    times: dict[str, list[float]] = {row: [] for row in ROWS}
+    package, scheme = FSSPEC[store]
+    with_dcp = importlib.util.find_spec(package) is not None
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
+    rows = ROWS if with_dcp else [r for r in ROWS if not r.startswith("dcp")]
+    times: dict[str, list[float]] = {row: [] for row in rows}
     with served(store) as (prefix, options):
         url, raw = f"{prefix}/state.ckpt", f"{prefix}/raw.bin"
-        for _ in range(rounds):
+        for n in range(rounds):
             start = time.perf_counter()
             ckptfmt.save(state, url, storage_options=options)
             times["ckptfmt save"].append(time.perf_counter() - start)
@@ -162,8 +201,22 @@ def measure(store: str, size: int, rounds: int) -> dict[str, Any]:
             times["floor down"].append(time.perf_counter() - start)
             assert buf == data
             del loaded, buf, data
+            if with_dcp:
+                where = f"{scheme}://{prefix.split('://', 1)[1]}/dcp-{n}"
+                start = time.perf_counter()
+                dcp_save(store, state, where, options)
+                times["dcp-fsspec save"].append(time.perf_counter() - start)
+                into = {
+                    k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()
+                }
+                start = time.perf_counter()
+                dcp_load(store, into, where, options)
+                times["dcp-fsspec load"].append(time.perf_counter() - start)
+                assert all(torch.equal(into[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
+                del into
     return {
         "bytes": length,
+        **({} if with_dcp else {"dcp-fsspec": f"{package} is not installed"}),
         "rows": {
             row: {"median_s": statistics.median(t), "MB_s": length / statistics.median(t) / 1e6, "runs_s": t}
             for row, t in times.items()
@@ -172,12 +225,14 @@ def measure(store: str, size: int, rounds: int) -> dict[str, Any]:
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    lines = ["| store | ckptfmt save | floor up | ckptfmt load | floor down |", "|---|---|---|---|---|"]
+    lines = ["| store | " + " | ".join(ROWS) + " |", "|---" * (len(ROWS) + 1) + "|"]
     for store, result in doc["stores"].items():
         if "missing" in result:
-            lines.append(f"| {store} | {result['missing']} | | | |")
+            lines.append(f"| {store} | {result['missing']} |" + " |" * (len(ROWS) - 1))
             continue
-        cells = [f"{result['rows'][row]['MB_s']:.0f} MB/s" for row in ROWS]
+        cells = [
+            f"{result['rows'][row]['MB_s']:.0f} MB/s" if row in result["rows"] else "missing" for row in ROWS
+        ]
         lines.append(f"| {store} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

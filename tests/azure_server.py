@@ -41,12 +41,16 @@ def binary() -> str | None:
 
 class AzureServer:
     """Azurite's blob service on 127.0.0.1 for the life of the context: `connection_string`
-    is what AZURE_STORAGE_CONNECTION_STRING takes."""
+    is what AZURE_STORAGE_CONNECTION_STRING takes.  With `tls` (a certificate and its key,
+    PEM files), over HTTPS and taking Azure AD bearer tokens too (``--oauth basic``: it checks
+    a token's issuer, audience and lifetime, not its signature)."""
 
-    def __init__(self, start_timeout: float = START_TIMEOUT) -> None:
+    def __init__(self, start_timeout: float = START_TIMEOUT, tls: tuple[str, str] | None = None) -> None:
         self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}/{ACCOUNT}"
-        self.connection_string = f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={KEY};BlobEndpoint={self.endpoint};"
+        scheme = "https" if tls else "http"
+        self.endpoint = f"{scheme}://127.0.0.1:{self.port}/{ACCOUNT}"
+        self.connection_string = f"DefaultEndpointsProtocol={scheme};AccountName={ACCOUNT};AccountKey={KEY};BlobEndpoint={self.endpoint};"
+        self._tls = tls
         self._start_timeout = start_timeout
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -56,7 +60,8 @@ class AzureServer:
             raise RuntimeError("Azurite is not installed (npm install azurite; see tests/azure_server.py)")
         self._process = subprocess.Popen(
             [script, "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--inMemoryPersistence"]
-            + ["--silent", "--skipApiVersionCheck", "--loose", "--disableProductStyleUrl"],
+            + ["--silent", "--skipApiVersionCheck", "--loose", "--disableProductStyleUrl"]
+            + (["--oauth", "basic", "--cert", self._tls[0], "--key", self._tls[1]] if self._tls else []),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )

@@ -4,6 +4,9 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# gcsfs (Lightning's filesystem for gs://, tests/test_lightning_stores.py) probes a bucket's
+# type over gRPC with TLS, which the emulator does not serve, waiting 60 s; read at its import
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 # -- the npu test backend (tests/npu): a PrivateUse1 accelerator over host memory ----------------
@@ -182,3 +185,16 @@ def azure_faults(azure_server, monkeypatch):
         monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", through)
         proxy.container = azure_server.new_container()
         yield proxy
+
+
+# -- every store behind the fault proxy: the store-independent fault tests run on all three
+
+
+@pytest.fixture(params=["s3", "gs", "az"])
+def store_faults(request, monkeypatch):
+    """A StoreFaults (tests/store_faults.py): the fault proxy in front of the session's S3, GCS
+    or Azure emulator, its rules and counts fresh, with the store's request shapes (`op`)."""
+    from store_faults import open_store_faults
+
+    with open_store_faults(request.param, request, monkeypatch) as faults:
+        yield faults

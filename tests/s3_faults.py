@@ -6,8 +6,10 @@ The client speaks to the proxy as to the store: keep-alive connections, bodies f
 Content-Length or chunked transfer encoding.  The proxy answers `Expect: 100-continue` itself
 (and forwards the request without it), so that a rule can refuse a request before its body.
 
-Rules match a request by method (None: any) and a substring of its target, the path and
-query as sent (`/bucket/key?partNumber=2&uploadId=...`):
+It serves every store the tests reach over HTTP: S3 (moto), GCS (fake-gcs-server) and Azure
+(Azurite); tests/store_faults.py says how each store's requests look.  Rules match a request
+by method (None: any) and a substring of its target, the path and query as sent
+(`/bucket/key?partNumber=2&uploadId=...`), or a compiled pattern searched in it:
 
 * `reset_on(...)`: the nth match is answered by a TCP reset (SO_LINGER 0): at once, after
   `upload_bytes` of its body went upstream (a mid-upload reset), after the answer's head and
@@ -15,14 +17,15 @@ query as sent (`/bucket/key?partNumber=2&uploadId=...`):
   after the server carried it out and answered (the client cannot tell that it happened).
 * `fail_next(...)`: the next `count` matches are answered with `status` and an S3 XML error
   (500 InternalError, 503 SlowDown, 403 AccessDenied, ...) without reaching the server.
-* `delay(...)`: matches wait `seconds` before they are forwarded.
+* `delay(...)`: matches wait `seconds` before they are forwarded, or until `release()`.
 * `drop_header(...)`: the server's answer to the next `count` matches comes back without
   the named header (a store that leaves out an ETag, say).
 * `trickle(...)`: the answers to the next `count` matches send their head and `after_bytes`
   of their body, then one byte every `interval` seconds (a stalling connection that never
   goes quiet long enough for a read timeout).
-* `hide_listed(key)`: listings (ListObjectsV2 answers) leave out the object `key` (a lying
-  or lagging store); the object itself is still there to HEAD and GET.
+* `hide_listed(key)`: listings (S3's ListObjectsV2, GCS's objects.list, Azure's List Blobs
+  answers) leave out the object `key` (a lying or lagging store); the object itself is still
+  there to HEAD and GET.
 * `count(method, contains)`: how many requests matched since the last `clear_counts()`;
   `ranges(contains)`: the byte ranges the matching GETs asked for.
 """
@@ -30,6 +33,7 @@ query as sent (`/bucket/key?partNumber=2&uploadId=...`):
 from __future__ import annotations
 
 import io
+import json
 import re
 import socket
 import struct
@@ -54,6 +58,10 @@ ERROR_CODES = {
 }
 
 
+#: what a rule matches in a request's target: a substring, or a compiled pattern searched in it
+Target = str | re.Pattern[str]
+
+
 class Reset(Exception):
     """A rule ended the connection with a reset."""
 
@@ -73,7 +81,7 @@ class Request:
 class Rule:
     kind: str  # "reset", "fail", "delay", "drop", "trickle"
     method: str | None
-    contains: str
+    contains: Target
     nth: int = 1  # reset: the match that fires
     remaining: int | None = None  # fail, delay: matches still to act on (None: every one)
     status: int = 500
@@ -92,7 +100,12 @@ class Rule:
         return self.upload_bytes is None and self.download_bytes is None and not self.answered
 
     def matches(self, req: Request) -> bool:
-        return (self.method is None or self.method == req.method) and self.contains in req.target
+        return (self.method is None or self.method == req.method) and hit(self.contains, req.target)
+
+
+def hit(contains: Target, target: str) -> bool:
+    """Whether a request's target holds the substring `contains` (or its pattern matches)."""
+    return contains.search(target) is not None if isinstance(contains, re.Pattern) else contains in target
 
 
 @dataclass
@@ -271,6 +284,7 @@ class FaultProxy:
         self._ranges: list[tuple[str, str]] = []  # (target, Range header) of GETs with one
         self._hidden: set[str] = set()  # keys listings leave out
         self._conns: set[socket.socket] = set()
+        self._released = threading.Event()  # set by release(): the requests held go on
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self.port = 0
@@ -296,7 +310,7 @@ class FaultProxy:
     def reset_on(
         self,
         method: str | None,
-        contains: str = "",
+        contains: Target = "",
         nth: int = 1,
         *,
         upload_bytes: int | None = None,
@@ -319,7 +333,7 @@ class FaultProxy:
     def fail_next(
         self,
         method: str | None,
-        contains: str = "",
+        contains: Target = "",
         status: int = 500,
         count: int = 1,
         code: str | None = None,
@@ -328,19 +342,21 @@ class FaultProxy:
         self._add(Rule("fail", method, contains, remaining=count, status=status, code=code))
 
     def delay(
-        self, method: str | None, contains: str = "", seconds: float = 1.0, count: int | None = None
+        self, method: str | None, contains: Target = "", seconds: float = 1.0, count: int | None = None
     ) -> None:
         """Hold matching requests `seconds` before forwarding them (the next `count`, or all)."""
         self._add(Rule("delay", method, contains, remaining=count, seconds=seconds))
 
-    def drop_header(self, method: str | None, contains: str, header: str, count: int | None = None) -> None:
+    def drop_header(
+        self, method: str | None, contains: Target, header: str, count: int | None = None
+    ) -> None:
         """Leave `header` out of the answers to matching requests (the next `count`, or all)."""
         self._add(Rule("drop", method, contains, remaining=count, header=header.lower()))
 
     def trickle(
         self,
         method: str | None,
-        contains: str,
+        contains: Target,
         after_bytes: int = 0,
         interval: float = 1.0,
         count: int | None = None,
@@ -350,6 +366,13 @@ class FaultProxy:
         self._add(
             Rule("trickle", method, contains, remaining=count, after_bytes=after_bytes, interval=interval)
         )
+
+    def release(self) -> None:
+        """Forward the requests delay rules are holding now, without waiting out their time
+        (a test that has seen what it held them for); later ones are held as before."""
+        with self._lock:
+            released, self._released = self._released, threading.Event()
+        released.set()
 
     def hide_listed(self, key: str) -> None:
         """Leave the object `key` out of every listing from now on (until clear_rules)."""
@@ -366,21 +389,21 @@ class FaultProxy:
         with self._lock:
             return len(self._rules)
 
-    def count(self, method: str | None = None, contains: str = "") -> int:
+    def count(self, method: str | None = None, contains: Target = "") -> int:
         """Requests seen (since clear_counts) matching method (None: any) and a target substring."""
         with self._lock:
-            return sum(1 for m, t in self._seen if (method is None or m == method) and contains in t)
+            return sum(1 for m, t in self._seen if (method is None or m == method) and hit(contains, t))
 
     def requests(self) -> list[tuple[str, str]]:
         """Every (method, target) seen since clear_counts, in order of arrival."""
         with self._lock:
             return list(self._seen)
 
-    def ranges(self, contains: str = "") -> list[tuple[int, int]]:
+    def ranges(self, contains: Target = "") -> list[tuple[int, int]]:
         """The byte ranges [lo, hi) of the GETs seen (since clear_counts) whose target holds
         `contains`, in order of arrival."""
         with self._lock:
-            asked = [r for t, r in self._ranges if contains in t]
+            asked = [r for t, r in self._ranges if hit(contains, t)]
         out = []
         for r in asked:
             lo, hi = r.removeprefix("bytes=").split("-")
@@ -401,8 +424,9 @@ class FaultProxy:
         plan = Plan()
         with self._lock:
             self._seen.append((req.method, req.target))
-            if req.method == "GET" and req.header("range"):
-                self._ranges.append((req.target, req.header("range") or ""))
+            asked = req.header("range") or req.header("x-ms-range")  # Azure's own name for it
+            if req.method == "GET" and asked:
+                self._ranges.append((req.target, asked))
             for rule in list(self._rules):
                 if not rule.matches(req):
                     continue
@@ -500,9 +524,11 @@ class FaultProxy:
         start, headers = parse_headers(head)
         method, target, version = start.split(" ", 2)
         req = Request(method, target, version, headers)
+        with self._lock:
+            released = self._released  # before the plan: a release() from now on frees it
         plan = self._plan(req)
         if plan.delay:
-            time.sleep(plan.delay)
+            released.wait(plan.delay)
         if plan.reset is not None and plan.reset.at_once():
             raise Reset()
         expects = (req.header("expect") or "").lower() == "100-continue"
@@ -559,8 +585,9 @@ class FaultProxy:
         limit = rule.download_bytes if rule is not None else None
         with self._lock:
             hidden = set(self._hidden)
-        if hidden and req.method == "GET" and "list-type=2" in req.target and status == 200 and framed:
-            body = _without_keys(_read_body(urfile, headers), hidden)
+        flavour = listing_flavour(req.target) if req.method == "GET" else None
+        if hidden and flavour is not None and status == 200 and framed:
+            body = _without_keys(_read_body(urfile, headers), hidden, flavour)
             kept = [(k, v) for k, v in kept if k.lower() not in ("content-length", "transfer-encoding")]
             client.sendall(encode_head(start, [*kept, ("Content-Length", str(len(body)))]) + body)
             return True
@@ -609,14 +636,37 @@ def _read_body(rfile: BinaryIO, headers: list[tuple[str, str]]) -> bytes:
     return out.getvalue()
 
 
-def _without_keys(body: bytes, hidden: set[str]) -> bytes:
-    """A ListObjectsV2 answer without the <Contents> entries of the keys `hidden`."""
+#: GCS's objects.list: a GET of a bucket's /o with a query (an object's path goes on past /o/)
+_GCS_LISTING = re.compile(r"^/storage/v1/b/[^/?]+/o\?")
+
+
+def listing_flavour(target: str) -> str | None:
+    """Which store's listing a GET of `target` asks for ("s3", "gs", "az"), None for another
+    request."""
+    if "list-type=2" in target:
+        return "s3"
+    if _GCS_LISTING.match(target):
+        return "gs"
+    if "comp=list" in target and "restype=container" in target:
+        return "az"
+    return None
+
+
+def _without_keys(body: bytes, hidden: set[str], flavour: str) -> bytes:
+    """A listing answer of `flavour` without the entries of the keys `hidden`."""
+    if flavour == "gs":
+        page = json.loads(body)
+        page["items"] = [item for item in page.get("items", []) if item.get("name") not in hidden]
+        return json.dumps(page).encode()
+    entry, name = (rb"<Contents>.*?</Contents>", rb"<Key>(.*?)</Key>")
+    if flavour == "az":
+        entry, name = (rb"<Blob>.*?</Blob>", rb"<Name>(.*?)</Name>")
 
     def keep(m: re.Match[bytes]) -> bytes:
-        key = re.search(rb"<Key>(.*?)</Key>", m.group(0))
+        key = re.search(name, m.group(0))
         return b"" if key is not None and key.group(1).decode() in hidden else m.group(0)
 
-    return re.sub(rb"<Contents>.*?</Contents>", keep, body, flags=re.S)
+    return re.sub(entry, keep, body, flags=re.S)
 
 
 class Upstream:

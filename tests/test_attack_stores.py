@@ -197,7 +197,7 @@ CheckpointManager(url, storage_options=options).save(step, {"w": torch.full((100
 
 @pytest.mark.filterwarnings("ignore:skipping .*step-000000005:ckptfmt.CheckpointWarning")
 @pytest.mark.parametrize("held", ["COMMIT", "sweep"])
-def test_a_saver_killed_before_or_after_its_commit_costs_at_most_its_checkpoint(s3_faults, held):
+def test_a_saver_killed_before_or_after_its_commit_costs_at_most_its_checkpoint(store_faults, held):
     """Step 5 holds a crashed save's state object, so the next save of it names its own.  That
     saver is SIGKILLed while the proxy holds its commit record's PUT (before the commit) or its
     first DELETE in the step (after the commit, before its sweep).  A restart finds either no
@@ -210,26 +210,25 @@ def test_a_saver_killed_before_or_after_its_commit_costs_at_most_its_checkpoint(
     import sys
     import time
 
-    bucket = s3_faults.new_bucket()
-    url = f"s3://{bucket}/run"
-    options = s3_faults.storage_options()
-    client = s3_faults.client()
-    client.put_object(Bucket=bucket, Key="run/step-000000005/state.ckpt", Body=b"a crashed save's")
+    f = store_faults
+    url = f"{f.new_root()}/run"
+    options = f.options
+    f.put_raw(f"{url}/step-000000005/state.ckpt", b"a crashed save's")
     if held == "COMMIT":
-        s3_faults.delay("PUT", "step-000000005/COMMIT", seconds=60.0, count=1)
+        f.delay(*f.op("write", "step-000000005/COMMIT"), seconds=60.0, count=1)
     else:
-        s3_faults.delay("DELETE", "step-000000005/", seconds=60.0, count=1)
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+        f.delay(*f.op("delete", "step-000000005/"), seconds=60.0, count=1)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())  # gs and az: their emulator's variables
     saver = subprocess.Popen([sys.executable, "-c", _SAVER, url, json.dumps(options), "5"], env=env)
     try:
         deadline = time.monotonic() + 60
-        while s3_faults.pending_rules() and time.monotonic() < deadline and saver.poll() is None:
+        while f.pending_rules() and time.monotonic() < deadline and saver.poll() is None:
             time.sleep(0.05)
-        assert s3_faults.pending_rules() == 0 and saver.poll() is None
+        assert f.pending_rules() == 0 and saver.poll() is None
     finally:
         saver.send_signal(signal.SIGKILL)
         saver.wait(30)
-    s3_faults.clear_rules()
+    f.clear_rules()
     restarted = CheckpointManager(url, storage_options=options)
     expected = {5: WEIGHTS, 6: WEIGHTS}
     killed = set() if held == "COMMIT" else {5}  # the killed saver's step 5 committed
@@ -238,9 +237,9 @@ def test_a_saver_killed_before_or_after_its_commit_costs_at_most_its_checkpoint(
     if held == "COMMIT":
         assert restarted.latest() is None
         restarted.save(5, _state(5))
-        keys = {o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="run/")["Contents"]}
-        named = {f"run/step-000000005/{f.rsplit('/', 1)[1]}" for f in restarted.latest().files}
-        assert keys == {"run/step-000000005/COMMIT"} | named, keys
+        keys = f.keys(url)
+        named = {f"step-000000005/{name.rsplit('/', 1)[1]}" for name in restarted.latest().files}
+        assert keys == {"step-000000005/COMMIT"} | named, keys
     else:
         assert restarted.latest().step == 5
         assert restarted.load(5)["step"] == -5

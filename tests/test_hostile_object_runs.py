@@ -1,4 +1,4 @@
-"""Incremental and signed runs on a store that an attacker controls (a real moto S3 server,
+"""Incremental and signed runs on a store that an attacker controls (each store's emulator,
 behind the fault proxy where the store must lie): listings that leave out the commit record
 of the step that refers to an older one, referenced objects replaced or forged, more
 referenced objects than a reader may hold open.  Nothing a kept step reads is deleted,
@@ -25,20 +25,14 @@ def _state(step: int) -> dict[str, object]:
     return {"frozen": FROZEN, "head": torch.full((1000,), float(step)), "step": step}
 
 
-def _keys(client, bucket: str, prefix: str) -> set[str]:
-    listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
-    return {o["Key"][len(prefix) :] for o in listed}
-
-
-def _run_of_two_steps(s3_faults, **kw) -> tuple[str, str, CheckpointManager]:
-    """A run whose step 2 reads the frozen tensor's chunks from step 1's object."""
-    bucket = s3_faults.new_bucket()
-    url = f"s3://{bucket}/run"
-    m = CheckpointManager(url, incremental=True, storage_options=s3_faults.storage_options(), **kw)
+def _run_of_two_steps(faults, **kw) -> tuple[str, CheckpointManager]:
+    """A run (on any store) whose step 2 reads the frozen tensor's chunks from step 1's object."""
+    url = f"{faults.new_root()}/run"
+    m = CheckpointManager(url, incremental=True, storage_options=faults.options, **kw)
     m.save(1, _state(1))
     m.save(2, _state(2))
     assert m.latest().references == (f"{url}/step-000000001/state.ckpt",)
-    return bucket, url, m
+    return url, m
 
 
 @pytest.mark.parametrize(
@@ -48,40 +42,41 @@ def _run_of_two_steps(s3_faults, **kw) -> tuple[str, str, CheckpointManager]:
         "state.ckpt",  # step 2 looks damaged (a file it names missing): its record is readable
     ],
 )
-def test_cleanup_keeps_objects_a_step_the_listing_misstates_reads(s3_faults, hidden):
-    bucket, url, m = _run_of_two_steps(s3_faults, keep_last=1)
+def test_cleanup_keeps_objects_a_step_the_listing_misstates_reads(store_faults, hidden):
+    f = store_faults
+    url, m = _run_of_two_steps(f, keep_last=1)
     # rotation retired step 1: its record is gone, its object kept for step 2
-    assert _keys(s3_faults.client(), bucket, "run/") == {
+    assert f.keys(url) == {
         "step-000000001/state.ckpt",
         "step-000000002/state.ckpt",
         "step-000000002/COMMIT",
     }
     # every time stale, and no step the listing shows complete refers to step 1's object
-    s3_faults.hide_listed(f"run/step-000000002/{hidden}")
+    f.hide_listed(f"run/step-000000002/{hidden}")
     m.run.cleanup(older_than=datetime.timedelta(0))
-    s3_faults.clear_rules()
-    assert "step-000000001/state.ckpt" in _keys(s3_faults.client(), bucket, "run/")
+    f.clear_rules()
+    assert "step-000000001/state.ckpt" in f.keys(url)
     assert torch.equal(m.load(2)["frozen"], FROZEN)
 
 
-def test_remove_keeps_objects_a_step_the_listing_hides_reads(s3_faults):
-    bucket, url, m = _run_of_two_steps(s3_faults)
-    s3_faults.hide_listed("run/step-000000002/COMMIT")
+def test_remove_keeps_objects_a_step_the_listing_hides_reads(store_faults):
+    url, m = _run_of_two_steps(store_faults)
+    store_faults.hide_listed("run/step-000000002/COMMIT")
     m.remove(1)  # step 1 is retired, not deleted: step 2 reads its object
-    s3_faults.clear_rules()
-    assert _keys(s3_faults.client(), bucket, "run/step-000000001/") == {"state.ckpt"}
+    store_faults.clear_rules()
+    assert store_faults.keys(f"{url}/step-000000001/") == {"state.ckpt"}
     assert [c.step for c in m.checkpoints()] == [2]
     assert torch.equal(m.load(2)["frozen"], FROZEN)
 
 
-def test_rotation_keeps_objects_a_step_the_listing_hides_reads(s3_faults):
-    bucket, url, _ = _run_of_two_steps(s3_faults)
-    s3_faults.hide_listed("run/step-000000002/COMMIT")
+def test_rotation_keeps_objects_a_step_the_listing_hides_reads(store_faults):
+    url, _ = _run_of_two_steps(store_faults)
+    store_faults.hide_listed("run/step-000000002/COMMIT")
     # a writer that sees steps 1 and 3 only keeps the last: step 1 goes, but step 2 reads it
-    m = CheckpointManager(url, keep_last=1, storage_options=s3_faults.storage_options())
+    m = CheckpointManager(url, keep_last=1, storage_options=store_faults.options)
     m.save(3, _state(3))
-    s3_faults.clear_rules()
-    assert _keys(s3_faults.client(), bucket, "run/step-000000001/") == {"state.ckpt"}
+    store_faults.clear_rules()
+    assert store_faults.keys(f"{url}/step-000000001/") == {"state.ckpt"}
     assert torch.equal(m.load(2)["frozen"], FROZEN)
 
 
@@ -118,38 +113,36 @@ def test_a_reader_holds_a_bounded_number_of_referenced_objects_open(s3_bucket, m
         assert torch.equal(loaded[f"t{j}"], tensors[f"t{j}"])
 
 
-def _flip_a_chunk_step_2_never_reads(client, bucket: str, key: str, options: dict) -> None:
-    """Change one byte of step 1's object `key` in the chunk of its own `head` tensor (step 2
+def _flip_a_chunk_step_2_never_reads(faults, url: str) -> None:
+    """Change one byte of step 1's object `url` in the chunk of its own `head` tensor (step 2
     holds its own): neither a load nor a verify of step 2 reads it."""
-    data = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
-    with CheckpointFile(f"s3://{bucket}/{key}", storage_options=options) as f:
+    data = bytearray(faults.get_raw(url))
+    with CheckpointFile(url, storage_options=faults.options) as f:
         k = next(k for k in range(len(f.chunks)) if f.key_of(k).endswith("['head']"))
         data[f.chunks[k].offset + 8] ^= 0x01
-    client.put_object(Bucket=bucket, Key=key, Body=bytes(data))
+    faults.put_raw(url, bytes(data))
 
 
-def test_verify_with_trusted_keys_hashes_the_objects_a_step_reads_from(s3_server, s3_bucket):
+def test_verify_with_trusted_keys_hashes_the_objects_a_step_reads_from(store_faults):
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
     key = ed25519.Ed25519PrivateKey.generate()
-    bucket, options = s3_bucket
-    url = f"s3://{bucket}/signed"
+    options = store_faults.options
+    url = f"{store_faults.new_root()}/signed"
     m = CheckpointManager(url, incremental=True, sign_with=key, storage_options=options)
     m.save(1, _state(1))
     m.save(2, _state(2))
     m.remove(1)  # retired: step 2 reads its object
     reader = CheckpointManager(url, trusted_keys=[key.public_key()], storage_options=options)
     assert reader.verify(2).ok
-    _flip_a_chunk_step_2_never_reads(s3_server.client(), bucket, "signed/step-000000001/state.ckpt", options)
+    _flip_a_chunk_step_2_never_reads(store_faults, f"{url}/step-000000001/state.ckpt")
     with pytest.raises(ckptfmt.SignatureError):
         reader.load(2)
     report = reader.verify(2)
     assert not report.ok and report.problems[0].kind == "signature"
 
 
-def test_archiving_refuses_a_present_referenced_object_other_than_the_signed_one(
-    tmp_path, s3_server, s3_bucket
-):
+def test_archiving_refuses_a_present_referenced_object_other_than_the_signed_one(tmp_path, store_faults):
     # the archive already holds an object where step 2 reads step 1's from: same length, file
     # id and index, one byte of another chunk changed.  A signed step is not archived onto it
     from cryptography.hazmat.primitives.asymmetric import ed25519
@@ -157,57 +150,54 @@ def test_archiving_refuses_a_present_referenced_object_other_than_the_signed_one
     from ckptfmt.runs.objectrun import ObjectRun
 
     key = ed25519.Ed25519PrivateKey.generate()
-    bucket, options = s3_bucket
+    f = store_faults
+    archive = f"{f.new_root()}/archive"
     local = CheckpointManager(tmp_path / "run", incremental=True, sign_with=key)
     local.save(1, _state(1))
     local.save(2, _state(2))
-    client = s3_server.client()
-    forged = "archive/step-000000001/state.ckpt"
-    client.put_object(
-        Bucket=bucket, Key=forged, Body=(tmp_path / "run/step-000000001/state.ckpt").read_bytes()
-    )
-    _flip_a_chunk_step_2_never_reads(client, bucket, forged, options)
-    run = ObjectRun(f"s3://{bucket}/archive", options)
+    forged = f"{archive}/step-000000001/state.ckpt"
+    f.put_raw(forged, (tmp_path / "run/step-000000001/state.ckpt").read_bytes())
+    _flip_a_chunk_step_2_never_reads(f, forged)
+    run = ObjectRun(archive, f.options)
     with pytest.raises(ckptfmt.SignatureError):
         run.put_step(2, str(tmp_path / "run/step-000000002"))
-    assert "step-000000002/COMMIT" not in _keys(client, bucket, "archive/")
+    assert "step-000000002/COMMIT" not in f.keys(archive)
 
 
-def test_a_commit_names_only_the_objects_the_state_was_written_against(s3_server, s3_bucket):
+def test_a_commit_names_only_the_objects_the_state_was_written_against(store_faults):
     # step 1's object replaced by another save (another file id) after step 2's state object
     # was written against it: the commit record must not name (nor a signature vouch for)
     # the new object as the one step 2 reads
     from ckptfmt.background import inflight
     from ckptfmt.runs.steps import StepJob
 
-    bucket, options = s3_bucket
-    url = f"s3://{bucket}/run"
+    options = store_faults.options
+    url = f"{store_faults.new_root()}/run"
     m = CheckpointManager(url, incremental=True, storage_options=options)
     m.save(1, _state(1))
     m.save(2, _state(2))
-    client = s3_server.client()
-    client.delete_object(Bucket=bucket, Key="run/step-000000002/COMMIT")
+    store_faults.delete_raw(f"{url}/step-000000002/COMMIT")
     ckptfmt.save(_state(1), f"{url}/step-000000001/state.ckpt", storage_options=options)
     job = StepJob(2, m.run.step_path(2), -1, {}, {}, inflight.SaveHandle(m.run.step_path(2)))
     with pytest.raises(ckptfmt.CorruptError, match="file id"):
         m._commit(job)
-    assert "step-000000002/COMMIT" not in _keys(client, bucket, "run/")
+    assert "step-000000002/COMMIT" not in store_faults.keys(url)
 
 
-def test_verify_refuses_a_step_reading_an_object_its_record_does_not_name(s3_server, s3_bucket):
+def test_verify_refuses_a_step_reading_an_object_its_record_does_not_name(store_faults):
     # step 2's record rewritten without its reference: a load refuses the state object (it
     # reads step 1's), and verify fails where the load does, though every chunk is sound
     import dataclasses
 
     from ckptfmt.files import multifile
 
-    bucket, options = s3_bucket
-    url = f"s3://{bucket}/run"
+    options = store_faults.options
+    url = f"{store_faults.new_root()}/run"
     m = CheckpointManager(url, incremental=True, storage_options=options)
     m.save(1, _state(1))
     m.save(2, _state(2))
     unbound = dataclasses.replace(m.run.record(2), references=())
-    s3_server.client().delete_object(Bucket=bucket, Key="run/step-000000002/COMMIT")
+    store_faults.delete_raw(f"{url}/step-000000002/COMMIT")
     ckptfmt.save(unbound.as_value(), f"{url}/step-000000002/{multifile.COMMIT_NAME}", storage_options=options)
     assert [c.step for c in m.checkpoints()] == [1, 2]
     with pytest.raises(ckptfmt.CorruptError, match="does not name"):
@@ -216,7 +206,7 @@ def test_verify_refuses_a_step_reading_an_object_its_record_does_not_name(s3_ser
     assert not report.ok and "does not name" in report.problems[0].message
 
 
-def test_a_save_that_loses_the_commit_race_leaves_the_winners_checkpoint(s3_faults):
+def test_a_save_that_loses_the_commit_race_leaves_the_winners_checkpoint(store_faults):
     """Two managers save step 5 of one run (a restarted job while the old one still runs):
     the loser's commit record finds the winner's there and raises, and deletes nothing the
     winner's checkpoint holds: its commit record and the state object it names stay, and the
@@ -224,12 +214,12 @@ def test_a_save_that_loses_the_commit_race_leaves_the_winners_checkpoint(s3_faul
     import threading
     import time
 
-    bucket = s3_faults.new_bucket()
-    url = f"s3://{bucket}/run"
-    old = CheckpointManager(url, storage_options=s3_faults.storage_options())
-    new = CheckpointManager(url, storage_options=s3_faults.storage_options())
+    f = store_faults
+    url = f"{f.new_root()}/run"
+    old = CheckpointManager(url, storage_options=f.options)
+    new = CheckpointManager(url, storage_options=f.options)
     # the old job's commit record is held on its way while the new job saves the same step
-    s3_faults.delay("PUT", "step-000000005/COMMIT", seconds=3.0, count=1)
+    f.delay(*f.op("write", "step-000000005/COMMIT"), seconds=3.0, count=1)
     failure: list[BaseException] = []
 
     def old_save() -> None:
@@ -241,32 +231,28 @@ def test_a_save_that_loses_the_commit_race_leaves_the_winners_checkpoint(s3_faul
     t = threading.Thread(target=old_save, daemon=True)
     t.start()
     deadline = time.monotonic() + 30
-    while s3_faults.pending_rules() and time.monotonic() < deadline:
+    while f.pending_rules() and time.monotonic() < deadline:
         time.sleep(0.02)  # until the old job's PUT of its record is being held
-    assert s3_faults.pending_rules() == 0
+    assert f.pending_rules() == 0
     new.save(5, _state(5))
+    f.release()  # the old job's record goes on, after the new job's commit
     t.join(30)
     assert not t.is_alive()
     assert len(failure) == 1 and "committed by another writer meanwhile" in str(failure[0])
     # the winner wrote a state object of its own beside the old job's, which it deleted once committed
     named = new.run.record(5).files[0].name
     assert named != "state.ckpt"
-    assert _keys(s3_faults.client(), bucket, "run/") == {f"step-000000005/{named}", "step-000000005/COMMIT"}
+    assert f.keys(url) == {f"step-000000005/{named}", "step-000000005/COMMIT"}
     assert new.load(5)["step"] == 5
-    assert torch.equal(
-        CheckpointManager(url, storage_options=s3_faults.storage_options()).load()["head"], _state(5)["head"]
-    )
+    assert torch.equal(CheckpointManager(url, storage_options=f.options).load()["head"], _state(5)["head"])
 
 
-def test_cleanup_and_rotation_delete_only_what_ckptfmt_wrote(s3_bucket):
+def test_cleanup_and_rotation_delete_only_what_ckptfmt_wrote(store_faults):
     """Another program's objects beneath a run's prefix and its steps' (a note, a copy made by
-    another tool, its multipart upload) survive rotation, a failed save's cleanup and the
-    cleanup of stale steps and uploads: none is an object ckptfmt can show it wrote."""
-    from s3_server import s3_client
-
-    bucket, options = s3_bucket
-    c = s3_client(options["endpoint_url"])
-    url = f"s3://{bucket}/run"
+    another tool, on S3 its multipart upload) survive rotation, a failed save's cleanup and
+    the cleanup of stale steps and uploads: none is an object ckptfmt can show it wrote."""
+    f = store_faults
+    url = f"{f.new_root()}/run"
     foreign = {
         "step-000000001/notes.txt",
         "step-000000001/state.ckpt.bak",
@@ -274,16 +260,20 @@ def test_cleanup_and_rotation_delete_only_what_ckptfmt_wrote(s3_bucket):
         "README",
     }
     for key in foreign:
-        c.put_object(Bucket=bucket, Key=f"run/{key}", Body=b"not ckptfmt's")
-    c.put_object(Bucket=bucket, Key="run/step-000000004/state.ckpt", Body=b"a crashed save's")
-    c.create_multipart_upload(Bucket=bucket, Key="run/step-000000004/upload.tmp")
-    c.create_multipart_upload(Bucket=bucket, Key="run/step-000000004/rank-00001.ckpt")
-    m = CheckpointManager(url, keep_last=1, storage_options=options)
+        f.put_raw(f"{url}/{key}", b"not ckptfmt's")
+    f.put_raw(f"{url}/step-000000004/state.ckpt", b"a crashed save's")
+    if f.kind == "s3":  # another tool's multipart uploads (GCS and Azure have none to list)
+        c = f.client()
+        bucket = url.split("/")[2]
+        c.create_multipart_upload(Bucket=bucket, Key="run/step-000000004/upload.tmp")
+        c.create_multipart_upload(Bucket=bucket, Key="run/step-000000004/rank-00001.ckpt")
+    m = CheckpointManager(url, keep_last=1, storage_options=f.options)
     m.save(1, _state(1))
     m.save(2, _state(2))  # rotation deletes step 1
     m.run.cleanup(older_than=datetime.timedelta(0))  # step 4 is a stale leftover
-    assert _keys(c, bucket, "run/") == foreign | {"step-000000002/state.ckpt", "step-000000002/COMMIT"}
-    uploads = {u["Key"] for u in c.list_multipart_uploads(Bucket=bucket).get("Uploads", [])}
-    assert uploads == {"run/step-000000004/upload.tmp"}
+    assert f.keys(url) == foreign | {"step-000000002/state.ckpt", "step-000000002/COMMIT"}
+    if f.kind == "s3":
+        uploads = {u["Key"] for u in c.list_multipart_uploads(Bucket=bucket).get("Uploads", [])}
+        assert uploads == {"run/step-000000004/upload.tmp"}
     m.remove(2)
-    assert _keys(c, bucket, "run/") == foreign
+    assert f.keys(url) == foreign

@@ -195,22 +195,20 @@ def _hostile_reference(original: bytes, length: int, index_length: int) -> bytes
         (4 * MiB, 1 << 40, "exceeds the limit"),
     ],
 )
-def test_a_referenced_object_is_never_read_for_its_index(s3_faults, length, index_length, message):
+def test_a_referenced_object_is_never_read_for_its_index(store_faults, length, index_length, message):
     """A referenced object replaced by one whose footer gives it a huge index (one it holds:
     24 MiB, or one it only claims: 1 TiB): loading the step that refers to it fetches its
     prologue and tail and no more, and refuses it at once; so do the next save, which cannot
     build on it, and listing the run, which passes over the steps that read it."""
-    options = s3_faults.storage_options()
-    bucket = s3_faults.new_bucket()
-    url = f"s3://{bucket}/inc"
+    f = store_faults
+    options = f.options
+    url = f"{f.new_root()}/inc"
     m = CheckpointManager(url, incremental=True, storage_options=options)
     m.save(1, _state(1))
     m.save(2, _state(2))
-    client = s3_faults.client()
-    key = "inc/step-000000001/state.ckpt"
-    original = client.get_object(Bucket=bucket, Key=key)["Body"].read()
-    client.put_object(Bucket=bucket, Key=key, Body=_hostile_reference(original, length, index_length))
-    s3_faults.clear_counts()
+    referenced = f"{url}/step-000000001/state.ckpt"
+    f.put_raw(referenced, _hostile_reference(f.get_raw(referenced), length, index_length))
+    f.clear_counts()
     with pytest.raises(ckptfmt.CorruptError, match=message) as e:
         ckptfmt.load(f"{url}/step-000000002/state.ckpt", storage_options=options)
     assert "step-000000001/state.ckpt" in str(e.value)
@@ -219,5 +217,5 @@ def test_a_referenced_object_is_never_read_for_its_index(s3_faults, length, inde
     assert m.latest().step == 3 and m.latest().references == ()
     problems = [s.problem or "" for s in m.statuses() if s.damaged]
     assert any(f"{length} bytes, the commit record says" in p for p in problems), problems
-    fetched = s3_faults.ranges("step-000000001")
+    fetched = f.ranges("step-000000001")
     assert fetched and sum(hi - lo for lo, hi in fetched) <= 2 * 2 * (MiB + 64)

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from s3_faults import hit
 
 import ckptfmt
 from ckptfmt.errors import StorageError
@@ -59,15 +60,14 @@ def test_a_step_without_its_record_is_never_latest(s3_bucket):
     assert [c.step for c in m.checkpoints()] == [1, 3]
 
 
-def test_a_failed_commit_leaves_no_checkpoint(s3_faults):
-    options = s3_faults.storage_options() | {"max_attempts": 1}
-    bucket = s3_faults.new_bucket()
-    m = ckptfmt.CheckpointManager(f"s3://{bucket}/f", storage_options=options)
+def test_a_failed_commit_leaves_no_checkpoint(store_faults):
+    options = store_faults.options | {"max_attempts": 1}
+    m = ckptfmt.CheckpointManager(f"{store_faults.new_root()}/f", storage_options=options)
     m.save(1, _state(1))
-    s3_faults.fail_next("PUT", "COMMIT", status=500, count=3)
+    store_faults.fail_next(*store_faults.op("write", "COMMIT"), status=500, count=3)
     with pytest.raises(StorageError, match="COMMIT"):
         m.save(2, _state(2))
-    s3_faults.clear_rules()
+    store_faults.clear_rules()
     assert [s.step for s in m.statuses()] == [1]  # the failed step's objects are gone
     assert m.load()["step"] == 1
 
@@ -92,77 +92,80 @@ def test_refused_combinations(s3_bucket):
         ckptfmt.CheckpointManager("/tmp/ckptfmt-no-archive", storage_options=options)
 
 
-def _run_of_three(s3_faults) -> ckptfmt.CheckpointManager:
-    url = f"s3://{s3_faults.new_bucket()}/run"
-    m = ckptfmt.CheckpointManager(url, storage_options=s3_faults.storage_options())
+def _run_of_three(faults) -> ckptfmt.CheckpointManager:
+    url = f"{faults.new_root()}/run"
+    m = ckptfmt.CheckpointManager(url, storage_options=faults.options)
     for step in (1, 2, 3):
         m.save(step, {"w": torch.full((100,), float(step))})
     return m
 
 
-def _listings_of(s3_faults, prefix: str) -> int:
-    """ListObjectsV2 requests of exactly the run's prefix `prefix` seen since clear_counts."""
+def _listings_of(faults, prefix: str) -> int:
+    """Listings of exactly the run's prefix `prefix` seen since clear_counts."""
     want = f"prefix={prefix.replace('/', '%2F')}%2F&"
-    return sum(1 for m, t in s3_faults.requests() if m == "GET" and "list-type=2" in t and want in t)
+    method, listing = faults.op("list")
+    return sum(1 for m, t in faults.requests() if m == method and hit(listing, t) and want in t)
 
 
-def test_a_save_lists_the_run_once_and_rotation_once_more(s3_faults, tmp_path):
+def test_a_save_lists_the_run_once_and_rotation_once_more(store_faults, tmp_path):
     """A save on a store lists the run once for its preparation and the cleanup of stale steps
     (the same moment's listing serves both), and once more for the rotation after the commit
     (the run has changed since: the commit, maybe other writers), only where a rule may delete
     a step.  A tiered run's archive pass lists the archive once for its cleanup of interrupted
     copies, its listing and its first rotation, and once more for the rotation right before the
     copy's commit record.  (They listed 3 and 5 times.)"""
-    bucket, options = s3_faults.new_bucket(), s3_faults.storage_options()
+    root, options = store_faults.new_root(), store_faults.options
     for rules, per_save in (({}, 1), ({"keep_last": 2}, 2)):
-        m = ckptfmt.CheckpointManager(f"s3://{bucket}/r{per_save}", storage_options=options, **rules)
+        m = ckptfmt.CheckpointManager(f"{root}/r{per_save}", storage_options=options, **rules)
         for step in (1, 2):
-            s3_faults.clear_counts()
+            store_faults.clear_counts()
             m.save(step, _state(step))
-            assert _listings_of(s3_faults, f"r{per_save}") == per_save, (rules, s3_faults.requests())
+            assert _listings_of(store_faults, f"r{per_save}") == per_save, (rules, store_faults.requests())
     tiered = ckptfmt.CheckpointManager(
         tmp_path / "run",
         keep_last=1,
-        archive=f"s3://{bucket}/archive",
+        archive=f"{root}/archive",
         archive_keep_last=3,
         storage_options=options,
     )
     for step in (1, 2):
-        s3_faults.clear_counts()
+        store_faults.clear_counts()
         tiered.save(step, _state(step))
         tiered.wait()
-        assert _listings_of(s3_faults, "archive") == 2, s3_faults.requests()
+        assert _listings_of(store_faults, "archive") == 2, store_faults.requests()
     assert [c.step for c in tiered.archive.checkpoints()] == [1, 2]
     assert [c.step for c in m.checkpoints()] == [1, 2]
 
 
-def test_listing_a_run_reads_each_commit_record_with_one_get(s3_faults):
-    m = _run_of_three(s3_faults)
+def test_listing_a_run_reads_each_commit_record_with_one_get(store_faults):
+    f = store_faults
+    m = _run_of_three(f)
     m = ckptfmt.CheckpointManager(m.directory, storage_options=m.run.options)  # another process's
-    s3_faults.clear_counts()
+    f.clear_counts()
     assert [s.step for s in m.statuses() if s.info is not None] == [1, 2, 3]
-    assert s3_faults.count("GET", "COMMIT") == 3
-    assert s3_faults.count("HEAD") == 0
+    assert f.count(*f.op("read", "COMMIT")) == 3
+    assert f.count(*f.op("head", "COMMIT")) == 0
     # listed again unchanged (records are create-only): known, not read again
-    s3_faults.clear_counts()
+    store_faults.clear_counts()
     assert [s.step for s in m.statuses() if s.info is not None] == [1, 2, 3]
-    assert s3_faults.count("GET", "COMMIT") == 0
+    assert f.count(*f.op("read", "COMMIT")) == 0
     # a connection dropped in the middle of a record's body is tried again
-    s3_faults.clear_counts()
-    s3_faults.reset_on("GET", "step-000000002/COMMIT", download_bytes=100)
+    store_faults.clear_counts()
+    f.reset_on(*f.op("read", "step-000000002/COMMIT"), download_bytes=100)
     assert m.run.record(2).step == 2
-    assert s3_faults.count("GET", "step-000000002/COMMIT") == 2
+    assert f.count(*f.op("read", "step-000000002/COMMIT")) == 2
 
 
-def test_a_trickling_commit_record_is_cut_off_at_the_request_deadline(s3_faults):
+def test_a_trickling_commit_record_is_cut_off_at_the_request_deadline(store_faults):
     """A record's body that trickles in is bounded by request_timeout as a ranged GET is:
     tried again, then a StorageError naming the record and the option, in about attempts x
     timeout; a record that trickles once is read on the next try."""
-    url = f"s3://{s3_faults.new_bucket()}/run"
-    options = s3_faults.storage_options() | {"request_timeout": 0.5, "max_attempts": 2}
+    f = store_faults
+    url = f"{f.new_root()}/run"
+    options = f.options | {"request_timeout": 0.5, "max_attempts": 2}
     m = ckptfmt.CheckpointManager(url, storage_options=options)
     m.save(1, {"w": torch.ones(100)})
-    s3_faults.trickle("GET", "step-000000001/COMMIT", after_bytes=10, interval=0.2)
+    f.trickle(*f.op("read", "step-000000001/COMMIT"), after_bytes=10, interval=0.2)
     started = time.monotonic()
     with pytest.raises(
         StorageError, match=r"did not arrive within 0.5 s \(storage option request_timeout\)"
@@ -170,37 +173,37 @@ def test_a_trickling_commit_record_is_cut_off_at_the_request_deadline(s3_faults)
         m.run.record(1)
     assert time.monotonic() - started < 5
     assert e.value.path.endswith("/step-000000001/COMMIT")
-    s3_faults.clear_rules()
-    s3_faults.trickle("GET", "step-000000001/COMMIT", after_bytes=10, interval=0.2, count=1)
+    f.clear_rules()
+    f.trickle(*f.op("read", "step-000000001/COMMIT"), after_bytes=10, interval=0.2, count=1)
     assert m.run.record(1).step == 1
-    assert s3_faults.pending_rules() == 0
+    assert f.pending_rules() == 0
 
 
-def test_an_oversized_commit_record_on_the_store_is_refused_before_it_is_read(s3_faults, monkeypatch):
+def test_an_oversized_commit_record_on_the_store_is_refused_before_it_is_read(store_faults, monkeypatch):
     from ckptfmt.files import multifile
 
-    m = _run_of_three(s3_faults)
+    m = _run_of_three(store_faults)
     m = ckptfmt.CheckpointManager(m.directory, storage_options=m.run.options)  # reads afresh
     monkeypatch.setattr(multifile, "MAX_RECORD_BYTES", 100)
-    s3_faults.clear_counts()
+    store_faults.clear_counts()
     with pytest.raises(ckptfmt.LimitError, match="the commit record is .* bytes, above the limit 100") as e:
         m.run.record(2)  # its size unknown: the GET's answer says it
     assert e.value.path.endswith("/step-000000002/COMMIT")
-    assert s3_faults.count("GET", "COMMIT") == 1
+    assert store_faults.count(*store_faults.op("read", "COMMIT")) == 1
     statuses = m.statuses()  # the listing's sizes: refused unread
     assert all(s.damaged and "exceeds the limit" in s.problem for s in statuses)
 
 
-def test_a_step_past_the_records_read_is_not_removed(s3_faults, monkeypatch):
+def test_a_step_past_the_records_read_is_not_removed(store_faults, monkeypatch):
     """remove(step) of a step older than the newest MAX_STATUS_RECORDS records: what the unread
     steps refer to is unknown, so it is refused (LimitError) and nothing is deleted."""
     from ckptfmt.runs import objectrun
 
-    m = _run_of_three(s3_faults)
-    monkeypatch.setattr(objectrun, "MAX_STATUS_RECORDS", 1)
-    with pytest.raises(ckptfmt.LimitError, match="not removed"):
-        m.remove(1)
-    monkeypatch.undo()
+    m = _run_of_three(store_faults)
+    with monkeypatch.context() as patched:  # the store's environment stays
+        patched.setattr(objectrun, "MAX_STATUS_RECORDS", 1)
+        with pytest.raises(ckptfmt.LimitError, match="not removed"):
+            m.remove(1)
     assert [c.step for c in m.checkpoints()] == [1, 2, 3]
     m.remove(1)
     assert [c.step for c in m.checkpoints()] == [2, 3]

@@ -115,7 +115,7 @@ def _object_reference_path(target: str, held: str) -> str | None:
     if not (is_url(target) and is_url(held)):
         return None
     t, h = parse_url(target), parse_url(held)
-    if (t.scheme, t.bucket) != (h.scheme, h.bucket) or t.key == h.key:
+    if (t.scheme, t.bucket, t.host) != (h.scheme, h.bucket, h.host) or t.key == h.key:
         return None
     rel = posixpath.relpath("/" + h.key, posixpath.dirname("/" + t.key))
     return rel if fmt.REF_PATH_RE.fullmatch(rel) is not None else None

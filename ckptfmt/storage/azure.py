@@ -8,6 +8,10 @@ a large dependency for the same requests.  Credentials as Azure's own tools take
 connection string in AZURE_STORAGE_CONNECTION_STRING (what Azurite, the emulator, is reached
 through), else AZURE_STORAGE_ACCOUNT with AZURE_STORAGE_KEY or AZURE_STORAGE_SAS_TOKEN; storage
 options ``connection_string``, ``account_name``, ``account_key``, ``sas_token`` override them.
+Azure AD (Entra ID): storage option ``credential``, any object with azure-core's
+``get_token(scope)`` (azure-identity's DefaultAzureCredential, a managed identity ...), whose
+bearer token signs every request instead of a key (Azure's tools have no environment variable
+holding a token: azure-identity's own credentials read theirs).
 
 Each guarantee by Azure's own mechanism: the version of a blob is its ETag; ranged reads name
 it (``If-Match``); a commit record is created only if absent (``If-None-Match: *``); a
@@ -27,6 +31,8 @@ import hashlib
 import hmac
 import os
 import pyexpat
+import threading
+import time
 import urllib.parse
 import uuid
 import xml.etree.ElementTree as ET
@@ -40,6 +46,10 @@ from .urls import ObjectURL
 
 CONNECTION_VARIABLE = "AZURE_STORAGE_CONNECTION_STRING"
 API_VERSION = "2021-08-06"
+#: the scope of an Azure AD token for Azure Storage, and how long before its expiry a token
+#: is asked for again
+TOKEN_SCOPE = "https://storage.azure.com/.default"
+TOKEN_MARGIN = 300.0
 #: the environment Azure's tools read (az CLI, the SDKs)
 ENVIRONMENT = (
     CONNECTION_VARIABLE,
@@ -57,18 +67,23 @@ def environment() -> tuple[tuple[str, str], ...]:
 class Account:
     """Where a storage account's blob service is and how requests to it are signed."""
 
-    def __init__(self, endpoint: str, name: str, key: bytes | None, sas: str | None) -> None:
+    def __init__(
+        self, endpoint: str, name: str, key: bytes | None, sas: str | None, credential: Any = None
+    ) -> None:
         self.endpoint = endpoint.rstrip("/")
         self.name = name
         self.key = key
         self.sas = sas.lstrip("?") if sas else None
+        #: an Azure AD credential (get_token): its bearer tokens sign requests, before a key
+        self.credential = credential
         # the path of the endpoint (Azurite's /devstoreaccount1) is part of what is signed
         self.base_path = urllib.parse.urlsplit(self.endpoint).path
 
 
-def account_from(options: Mapping[str, Any]) -> Account:
-    """The account of the storage options, else of the environment (StorageError naming
-    what is missing or malformed)."""
+def account_from(options: Mapping[str, Any], named: str | None = None) -> Account:
+    """The account of the storage options, else of the environment, else the one a URL
+    `named` (adlfs's CONTAINER@ACCOUNT.dfs.core.windows.net); StorageError naming what is
+    missing or malformed, or where the credentials are another account's than the URL's."""
     text = options.get("connection_string") or (
         None
         if {"account_name", "account_key", "sas_token"} & set(options)
@@ -83,7 +98,7 @@ def account_from(options: Mapping[str, Any]) -> Account:
         )
         key, sas = fields.get("AccountKey"), fields.get("SharedAccessSignature")
     else:
-        name = str(options.get("account_name") or os.environ.get("AZURE_STORAGE_ACCOUNT", ""))
+        name = str(options.get("account_name") or os.environ.get("AZURE_STORAGE_ACCOUNT") or named or "")
         endpoint = f"https://{name}.blob.core.windows.net"
         key = options.get("account_key") or os.environ.get("AZURE_STORAGE_KEY")
         sas = options.get("sas_token") or os.environ.get("AZURE_STORAGE_SAS_TOKEN")
@@ -93,8 +108,24 @@ def account_from(options: Mapping[str, Any]) -> Account:
             "with AZURE_STORAGE_KEY or AZURE_STORAGE_SAS_TOKEN, or the storage options "
             "connection_string, account_name, account_key, sas_token"
         )
+    if named is not None and name != named:
+        raise StorageError(
+            f"the URL names the storage account {named!r} but the credentials are for {name!r} "
+            "(the connection string, account_name, AZURE_STORAGE_ACCOUNT)"
+        )
+    credential = options.get("credential")
+    if credential is not None:
+        if not callable(getattr(credential, "get_token", None)):
+            raise StorageError(
+                "storage option credential must have azure-core's get_token(scope), "
+                f"not be a {type(credential).__name__}"
+            )
+        return Account(endpoint, name, None, None, credential)
     if not key and not sas:
-        raise StorageError(f"az:// URLs of the account {name!r} need its key or a SAS token")
+        raise StorageError(
+            f"az:// URLs of the account {name!r} need its key, a SAS token or an Azure AD credential "
+            "(storage option credential)"
+        )
     try:
         secret = base64.b64decode(str(key), validate=True) if key else None
     except ValueError:
@@ -111,8 +142,12 @@ def _connection_fields(text: str) -> dict[str, str]:
     return fields
 
 
-def new_store(options: Mapping[str, Any]) -> AzureStore:
-    return AzureStore(http.new_session(options, "az"), account_from(options), client.timeouts(options))
+def new_store(options: Mapping[str, Any], account: str | None = None) -> AzureStore:
+    """The store of the account of `options` (or the environment), which must be `account`
+    where a URL names one."""
+    return AzureStore(
+        http.new_session(options, "az"), account_from(options, account), client.timeouts(options)
+    )
 
 
 class AzureStore:
@@ -125,6 +160,8 @@ class AzureStore:
         self.session = session
         self.account = account
         self.timeouts = timeouts
+        self._token: tuple[str, float] | None = None  # the bearer token and when it expires
+        self._token_lock = threading.Lock()
 
     # -- requests ----------------------------------------------------------------------
 
@@ -149,13 +186,37 @@ class AzureStore:
         )
         if method in ("PUT", "POST"):
             headers["Content-Length"] = str(length)
-        if self.account.key is not None:
+        if self.account.credential is not None:
+            headers["Authorization"] = f"Bearer {self._bearer(url, key)}"
+        elif self.account.key is not None:
             headers["Authorization"] = self._signature(method, path, params, headers)
         query = urllib.parse.urlencode(sorted(params.items()))
-        if self.account.sas and self.account.key is None:
+        if self.account.sas and self.account.key is None and self.account.credential is None:
             query = f"{query}&{self.account.sas}" if query else self.account.sas
         target = f"{self.account.endpoint}{path}" + (f"?{query}" if query else "")
         return http.send(self.session, method, target, self.timeouts, _code, data=data, headers=headers)
+
+    def _bearer(self, url: ObjectURL, key: str | None) -> str:
+        """The credential's token for Azure Storage, asked for again TOKEN_MARGIN seconds
+        before it expires (as azure-core's own policy does); StorageError naming the URL
+        where the credential fails or answers something else than a token."""
+        with self._token_lock:
+            if self._token is None or self._token[1] - time.time() < TOKEN_MARGIN:
+                where = str(url.with_key(key)) if key is not None else str(url)
+                try:
+                    got = self.account.credential.get_token(TOKEN_SCOPE)
+                except Exception as e:  # the credential's own errors (azure-identity's, ...)
+                    raise StorageError(
+                        f"the Azure AD credential gave no token for {TOKEN_SCOPE}: {type(e).__name__}: {e}",
+                        path=where,
+                    ) from None
+                token, expires = getattr(got, "token", None), getattr(got, "expires_on", None)
+                if not isinstance(token, str) or not token or not isinstance(expires, (int, float)):
+                    raise StorageError(
+                        "the Azure AD credential's get_token answered no (token, expires_on)", path=where
+                    )
+                self._token = (token, float(expires))
+            return self._token[0]
 
     def _signature(self, method: str, path: str, params: dict[str, str], headers: dict[str, str]) -> str:
         """The Authorization header of a request signed with the account's Shared Key."""

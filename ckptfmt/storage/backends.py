@@ -20,8 +20,8 @@ def store_for(url: ObjectURL, options: Mapping[str, Any]) -> Store:
     """The shared store for `url`'s scheme and these (checked) storage options: options that
     do not apply to the scheme are refused (UnsupportedError)."""
     options = client.check_options(options)  # some callers hand theirs on unchecked
-    module = _module(url.scheme)
-    takes = client.STORE_OPTIONS[url.scheme] + client.TUNING_OPTIONS
+    module = _module(url.store)
+    takes = client.STORE_OPTIONS[url.store] + client.TUNING_OPTIONS
     foreign = sorted(set(options) - set(takes))
     if foreign:
         raise UnsupportedError(
@@ -29,12 +29,16 @@ def store_for(url: ObjectURL, options: Mapping[str, Any]) -> Store:
             f"(they take {', '.join(takes)})",
             path=str(url),
         )
-    cache_key = (url.scheme, tuple(sorted((k, repr(v)) for k, v in options.items())), module.environment())
+    # an Azure URL naming its account (adlfs's CONTAINER@ACCOUNT... form) has a store of its own
+    account = url.account
+    settings = tuple(sorted((k, repr(v)) for k, v in options.items()))
+    cache_key = (url.store, account, settings, module.environment())
     with _lock:
         found = _stores.get(cache_key)
         if found is None:
             try:
-                found = _stores[cache_key] = module.new_store(options)
+                made = module.new_store(options, account) if account else module.new_store(options)
+                found = _stores[cache_key] = made
             except StorageError as e:
                 if e.path is not None:
                     raise
@@ -42,13 +46,13 @@ def store_for(url: ObjectURL, options: Mapping[str, Any]) -> Store:
         return found
 
 
-def _module(scheme: str) -> Any:
-    """The module of `scheme`'s store (urls.parse_url admits only the schemes served)."""
-    if scheme == "gs":
+def _module(store: str) -> Any:
+    """The module of a store ("s3", "gs", "az": urls.STORE_OF)."""
+    if store == "gs":
         from . import gcs
 
         return gcs
-    if scheme in ("az", "abfs"):
+    if store == "az":
         from . import azure
 
         return azure

@@ -182,7 +182,9 @@ class GCSStore:
             "Content-Type: application/octet-stream\r\n\r\n"
         ).encode()
         data = b"".join((head, body, f"\r\n--{boundary}--\r\n".encode()))
-        params = {"uploadType": "multipart"} | ({"ifGenerationMatch": "0"} if if_absent else {})
+        # the name in the query too (GCS takes it there): request logs and proxies see the key
+        params = {"uploadType": "multipart", "name": url.key}
+        params |= {"ifGenerationMatch": "0"} if if_absent else {}
         meta = self._json(
             "POST",
             self._bucket_path(url, upload=True),

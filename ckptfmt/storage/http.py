@@ -18,7 +18,7 @@ def import_requests(scheme: str) -> Any:
     try:
         import requests
     except ImportError:
-        extra = {"gs": "gcs", "az": "azure", "abfs": "azure"}.get(scheme, scheme)
+        extra = {"gs": "gcs", "az": "azure"}.get(scheme, scheme)
         raise CheckpointError(f"{scheme}:// URLs need requests: pip install 'ckptfmt[{extra}]'") from None
     return requests
 

@@ -204,7 +204,7 @@ def delete_prefix(
     prefix = _prefix(url)
     for name in first:
         if ours(name):
-            one = ObjectURL(url.scheme, url.bucket, prefix + name)
+            one = url.with_key(prefix + name)
             s3.request(str(url), f"delete {name}", partial(store.delete, one, None), options)
     keys = [prefix + k for k in objects(url, options) if ours(k) and k not in first]
     for i in range(0, len(keys), 1000):
@@ -233,7 +233,7 @@ def abort_stale_uploads(
             continue
         if began is None or now - began < older_than:
             continue
-        one = ObjectURL(url.scheme, url.bucket, key)
+        one = url.with_key(key)
         s3.request(str(url), "abort a stale upload", partial(store.abort_upload, one, upload_id), options)
         aborted += 1
     return aborted

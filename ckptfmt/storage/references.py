@@ -28,7 +28,7 @@ def resolve(prefix: ObjectURL, rel: str) -> ObjectURL:
     key = posixpath.normpath(posixpath.join(prefix.key.strip("/"), rel))
     if key in (".", "..") or key.startswith(("../", "/")):
         raise CorruptError(f"the reference {rel!r} leads above the bucket", path=str(prefix))
-    return ObjectURL(prefix.scheme, prefix.bucket, key)
+    return prefix.with_key(key)
 
 
 class ObjectReferences:

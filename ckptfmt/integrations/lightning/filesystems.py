@@ -38,9 +38,9 @@ from ...engine.commit import temp_prefix
 
 #: fsspec protocols whose filesystem a non-blocking plugin replaces by a view of its saves
 #: in flight (besides local files and OWN): the stores Lightning users write checkpoints to
-VIEWED = ("memory", "gcs", "hdfs", "webhdfs", "sftp", "ftp", "oss")
+VIEWED = ("memory", "hdfs", "webhdfs", "sftp", "ftp", "oss")
 #: the protocols whose objects the plugin writes with ckptfmt's own clients (storage/urls.py)
-OWN = ("s3", "gs", "az", "abfs")
+OWN = ("s3", "gs", "gcs", "az", "abfs", "abfss")
 #: the name prefix of the view classes (pickled by name, made again by __getattr__)
 _VIEW_PREFIX = "_InFlight_"
 
