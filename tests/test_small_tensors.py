@@ -10,6 +10,7 @@ check stay as they were.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from helpers import assert_same, read_bytes, write_bytes
 
 import ckptfmt
 from ckptfmt.engine import bytesview, hostmem
+from ckptfmt.engine import native as _native
 
 N = 2000
 
@@ -132,3 +134,47 @@ def test_local_load_still_checks_storage_options(small_file):
     """storage_options given for a local path are still checked (not silently ignored)."""
     with pytest.raises(ValueError, match="unknown storage option 'nope'"):
         ckptfmt.load(small_file, storage_options={"nope": 1})
+
+
+def _read_syscalls() -> int:
+    """Read system calls this process has made (pread, preadv2, ...), its engine threads' included."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("syscr:"))
+
+
+@pytest.mark.skipif(not _native.available(), reason="the C engine is not built")
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="no per-process I/O counts here")
+def test_small_chunks_cost_one_read_each(small_file, small_state):
+    """A chunk of a few KiB costs one read system call, not a probe of the page cache and an
+    advice each as well (read-ahead advice is given for runs of adjacent chunks)."""
+    ckptfmt.load(small_file)  # the first load's imports read files of their own
+    before = _read_syscalls()
+    loaded = ckptfmt.load(small_file)
+    reads = _read_syscalls() - before
+    assert_same(loaded, small_state)
+    # N chunks, a few reads of the prologue, footer and index; two a chunk before
+    assert N <= reads < 1.2 * N, reads
+
+
+@pytest.mark.skipif(not _native.available(), reason="the C engine is not built")
+def test_mapped_check_of_small_chunks_names_the_first_past_the_end(tmp_path):
+    """The mapping's pages are checked present once for many small chunks; a file that shrank
+    under its mapping still fails naming the first chunk that lies past its end."""
+    import mmap
+
+    from ckptfmt.files.reader import CheckpointFile
+
+    state = {f"t{i}": torch.full((1024,), float(i)) for i in range(600)}  # 4 KiB chunks
+    p = tmp_path / "m.ckpt"
+    ckptfmt.save(state, p)
+    with CheckpointFile(p) as f:
+        f._mm = mmap.mmap(f._fd, 0, access=mmap.ACCESS_COPY)  # mapped at its full size
+        cut = f.chunks[400].offset + 4096 + 100  # inside chunk 401: its last page lies past the end
+        with open(p, "r+b") as fh:
+            fh.truncate(cut)
+        with pytest.raises(ckptfmt.IncompleteError) as info:
+            f.load_subtree(f.tree.root, None, True, use_mmap=True)
+        assert (info.value.key, info.value.chunk) == ("state['t401']", 401)
+        assert "shrank" in str(info.value)
+        f._mm.close()
+        gc.collect()
