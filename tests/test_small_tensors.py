@@ -178,3 +178,66 @@ def test_mapped_check_of_small_chunks_names_the_first_past_the_end(tmp_path):
         assert "shrank" in str(info.value)
         f._mm.close()
         gc.collect()
+
+
+@pytest.fixture
+def tensors_built_on_storages(monkeypatch) -> list[int]:
+    """How many tensors a load builds on a storage it allocated first (decode's general path)."""
+    from ckptfmt.format import decode
+
+    calls = [0]
+    build = decode._build_tensor
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "_build_tensor", counted)
+    return calls
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_a_tensor_spanning_its_storage_is_built_with_its_memory(
+    small_file, small_state, tensors_built_on_storages, mmap
+):
+    """One call allocates (or maps) a tensor that spans its whole storage, instead of a storage
+    and then a tensor set on it; each is still a tensor of its own storage, not a view."""
+    loaded = ckptfmt.load(small_file, mmap=mmap)
+    for key, t in loaded.items():  # (before assert_same, whose .numpy() pins storages' sizes)
+        assert t._base is None and t.untyped_storage().nbytes() == 256, key
+        assert t.untyped_storage().resizable() != mmap, key  # as before: a mapping's is not
+    assert_same(loaded, small_state)
+    assert tensors_built_on_storages == [1]  # "tied" only: a second tensor on the first's storage
+    first = loaded["layers.0.experts.0.w"]
+    assert loaded["tied"].untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    first.add_(1)  # independent tensors stay independent
+    assert torch.equal(loaded["layers.0.experts.1.w"], small_state["layers.0.experts.1.w"])
+    assert torch.equal(loaded["tied"], first)
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_tensors_built_with_their_memory_keep_every_attribute(tmp_path, mmap):
+    """Parameters, requires_grad, strides that are not contiguous, scalars, empty tensors,
+    views of part of a storage and a storage's later users listed before its first: all load
+    as they were saved, and a subtree read alone still shares storage with nothing else."""
+    base = torch.arange(64.0).reshape(8, 8)
+    state = {
+        "view first": base[2:4],  # listed before its base: a view on its storage
+        "base": base,
+        "param": torch.nn.Parameter(torch.randn(4, 4)),
+        "grad": torch.randn(3, requires_grad=True),
+        "transposed": torch.randn(5, 7).t(),  # spans its storage, not contiguous
+        "scalar": torch.tensor(3.5, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 3),
+        "ints": torch.arange(10, dtype=torch.int64),
+        "complex": torch.randn(4, dtype=torch.complex64).conj(),
+    }
+    p = tmp_path / "attrs.ckpt"
+    ckptfmt.save(state, p)
+    loaded = ckptfmt.load(p, mmap=mmap)
+    assert_same(loaded, state)
+    assert isinstance(loaded["param"], torch.nn.Parameter) and loaded["param"].requires_grad
+    assert loaded["grad"].requires_grad and loaded["grad"].is_leaf
+    with ckptfmt.open(p) as r:
+        alone = r.get("view first")  # its storage's first tensor ("base") is not loaded
+    assert torch.equal(alone, state["view first"]) and alone.storage_offset() == 16
