@@ -269,3 +269,21 @@ def test_load_into_compares_in_full_only_targets_at_one_address(small_file, smal
     assert compared == [2]  # the tied pair, nothing else
     assert plans[0].aliases == {"layers.0.experts.0.w": ["tied"]}
     assert len(plans[0].direct) == N  # one read per chunk: the tied target's is not repeated
+
+
+@pytest.mark.skipif(not _native.available(), reason="the C engine is not built")
+def test_load_into_gives_the_engine_addresses_not_buffers(small_file, small_state, monkeypatch):
+    """Both passes of an atomic load_into hand the engine each chunk's place as an address (in
+    the bounce buffer, then in the target): no buffer export per chunk, and the checks stay."""
+    kinds: set[str] = set()
+    read_chunks = _native.read_chunks
+
+    def recorded(fd, file_id, items, *args, **kwargs):
+        kinds.update(type(dest).__name__ for _, _, dest in items)
+        return read_chunks(fd, file_id, items, *args, **kwargs)
+
+    monkeypatch.setattr(_native, "read_chunks", recorded)
+    targets = {k: torch.zeros_like(v) for k, v in small_state.items()}
+    ckptfmt.load_into(small_file, targets)
+    assert_same(targets, small_state, check_sharing=False)
+    assert kinds == {"int"}
