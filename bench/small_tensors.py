@@ -7,7 +7,8 @@ The state is N fp32 tensors of 32x32 (4 KiB each; MoE experts, per-parameter opt
 states and LoRA adapters look like this), saved once per tool on tmpfs (`--dir`, default
 /dev/shm).  Each measurement runs in a fresh process that imports torch and the tool under
 test, builds the targets of the `into` rows, and then times one call; the clock covers the
-call alone.  A round runs every tool at every count once, in an order rotated from round to
+call alone, and so does a second figure, the CPU time the process used during it (threads
+included), which a busy machine moves less than the clock.  A round runs every tool at every count once, in an order rotated from round to
 round, after one untimed warm-up process per tool (which caches bytecode as an installed
 package has it); figures are medians over rounds, and each ratio (peer time / ckptfmt time) is taken
 within a round, then its median reported.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -75,8 +77,16 @@ def make_files(folder: str, n: int) -> dict[str, str]:
     return paths
 
 
-def measure(tool: str, path: str, n: int) -> float:
-    """Seconds one call of `tool` takes on `path` (run in a fresh process: --measure)."""
+def _cpu() -> float:
+    """CPU seconds this process has used, its threads' included (user and system)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def measure(tool: str, path: str, n: int) -> tuple[float, float]:
+    """Seconds one call of `tool` takes on `path`, and the CPU seconds the process used meanwhile
+    (run in a fresh process: --measure).  On a machine shared with other work the CPU time
+    moves less than the clock: it does not count the time others' work held the cores."""
     import torch
 
     targets = {key_of(i): torch.zeros(32, 32) for i in range(n)} if TOOLS[tool][0] == "into" else {}
@@ -84,6 +94,7 @@ def measure(tool: str, path: str, n: int) -> float:
         import ckptfmt
     elif tool.startswith("safetensors"):
         import safetensors.torch
+    cpu = _cpu()
     t = time.perf_counter()
     if tool == "ckptfmt.load":
         out: Any = ckptfmt.load(path)
@@ -106,11 +117,12 @@ def measure(tool: str, path: str, n: int) -> float:
         for k, v in out.items():
             targets[k].copy_(v)
     took = time.perf_counter() - t
+    used = _cpu() - cpu
     assert out is not None
-    return took
+    return took, used
 
 
-def run_one(tool: str, path: str, n: int, pycache: str) -> float:
+def run_one(tool: str, path: str, n: int, pycache: str) -> tuple[float, float]:
     """One measurement in a fresh process.  Its modules' bytecode is cached (under `pycache`,
     out of the source tree) as an installed package's is: where PYTHONDONTWRITEBYTECODE is
     set, ckptfmt's modules (lazily imported by the first load) would otherwise be compiled
@@ -118,7 +130,8 @@ def run_one(tool: str, path: str, n: int, pycache: str) -> float:
     env = installed_env(pycache)
     cmd = [sys.executable, os.path.abspath(__file__), "--measure", tool, path, str(n)]
     done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
-    return float(json.loads(done.stdout.strip().splitlines()[-1])["seconds"])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return float(result["seconds"]), float(result["cpu_seconds"])
 
 
 #: the safetensors row each ckptfmt row is also compared with
@@ -158,11 +171,14 @@ def reprint(path: str) -> None:
     """The table of a saved result (--table)."""
     with open(path) as f:
         doc = json.load(f)
-    times: dict[tuple[str, int], list[float]] = {}
-    for name, ts in doc["seconds"].items():
-        tool, n = name.rsplit(" @ ", 1)
-        times[(tool, int(n))] = ts
-    print("\n".join(report(sorted({n for _, n in times}), times)))
+    for field in ("seconds", "cpu_seconds"):
+        times: dict[tuple[str, int], list[float]] = {}
+        for name, ts in doc.get(field, {}).items():
+            tool, n = name.rsplit(" @ ", 1)
+            times[(tool, int(n))] = ts
+        if times:
+            print("CPU time:" if field == "cpu_seconds" else "Time:")
+            print("\n".join(report(sorted({n for _, n in times}), times)))
 
 
 def main() -> None:
@@ -176,7 +192,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.measure:
         tool, path, n = args.measure
-        print(json.dumps({"seconds": measure(tool, path, int(n))}))
+        took, used = measure(tool, path, int(n))
+        print(json.dumps({"seconds": took, "cpu_seconds": used}))
         return
     if args.table:
         reprint(args.table)
@@ -188,15 +205,19 @@ def main() -> None:
     before = machine_state({"files": folder})
     runs = [(tool, n) for n in counts for tool in TOOLS]
     times: dict[tuple[str, int], list[float]] = {r: [] for r in runs}
+    cpus: dict[tuple[str, int], list[float]] = {r: [] for r in runs}
     pycache = os.path.join(folder, "pycache")
     for tool in TOOLS:  # a warm-up, not timed: bytecode compiled and cached
         run_one(tool, files[counts[0]][TOOLS[tool][1]], counts[0], pycache)
     for r in range(args.rounds):
         for tool, n in rotated(runs, r * (len(TOOLS) + 1)):
-            times[(tool, n)].append(run_one(tool, files[n][TOOLS[tool][1]], n, pycache))
+            took, used = run_one(tool, files[n][TOOLS[tool][1]], n, pycache)
+            times[(tool, n)].append(took)
+            cpus[(tool, n)].append(used)
         print(f"round {r + 1} of {args.rounds} done", file=sys.stderr)
     lines = report(counts, times)
-    print("\n".join(lines))
+    cpu_lines = ["CPU time of the measuring process (threads included):", *report(counts, cpus)]
+    print("\n".join([*lines, "", *cpu_lines]))
     write_json(
         args.out,
         {
@@ -205,7 +226,9 @@ def main() -> None:
             "machine_before": before,
             "machine_after": machine_state({"files": folder}),
             "seconds": {f"{tool} @ {n}": ts for (tool, n), ts in times.items()},
+            "cpu_seconds": {f"{tool} @ {n}": ts for (tool, n), ts in cpus.items()},
             "table": lines,
+            "cpu_table": cpu_lines,
         },
         echo=False,
     )

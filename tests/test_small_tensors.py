@@ -10,6 +10,7 @@ check stay as they were.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from helpers import assert_same, read_bytes, write_bytes
 
 import ckptfmt
 from ckptfmt.engine import bytesview, hostmem
+from ckptfmt.engine import native as _native
 
 N = 2000
 
@@ -132,3 +134,209 @@ def test_local_load_still_checks_storage_options(small_file):
     """storage_options given for a local path are still checked (not silently ignored)."""
     with pytest.raises(ValueError, match="unknown storage option 'nope'"):
         ckptfmt.load(small_file, storage_options={"nope": 1})
+
+
+def _read_syscalls() -> int:
+    """Read system calls this process has made (pread, preadv2, ...), its engine threads' included."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("syscr:"))
+
+
+@pytest.mark.skipif(not _native.available(), reason="the C engine is not built")
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="no per-process I/O counts here")
+def test_small_chunks_are_read_in_runs(small_file, small_state):
+    """Small chunks that follow each other in the file are read by one system call a run (of up
+    to 64), not one each, and not with a probe of the page cache and an advice each as well."""
+    ckptfmt.load(small_file)  # the first load's imports read files of their own
+    before = _read_syscalls()
+    loaded = ckptfmt.load(small_file)
+    reads = _read_syscalls() - before
+    assert_same(loaded, small_state)
+    # N chunks of 256 bytes: N / 64 runs, and a few reads of the prologue, footer and index;
+    # two reads a chunk before
+    assert reads < N / 16, reads
+
+
+@pytest.mark.skipif(not _native.available(), reason="the C engine is not built")
+def test_mapped_check_of_small_chunks_names_the_first_past_the_end(tmp_path):
+    """The mapping's pages are checked present once for many small chunks; a file that shrank
+    under its mapping still fails naming the first chunk that lies past its end."""
+    import mmap
+
+    from ckptfmt.files.reader import CheckpointFile
+
+    state = {f"t{i}": torch.full((1024,), float(i)) for i in range(600)}  # 4 KiB chunks
+    p = tmp_path / "m.ckpt"
+    ckptfmt.save(state, p)
+    with CheckpointFile(p) as f:
+        f._mm = mmap.mmap(f._fd, 0, access=mmap.ACCESS_COPY)  # mapped at its full size
+        cut = f.chunks[400].offset + 4096 + 100  # inside chunk 401: its last page lies past the end
+        with open(p, "r+b") as fh:
+            fh.truncate(cut)
+        with pytest.raises(ckptfmt.IncompleteError) as info:
+            f.load_subtree(f.tree.root, None, True, use_mmap=True)
+        assert (info.value.key, info.value.chunk) == ("state['t401']", 401)
+        assert "shrank" in str(info.value)
+        f._mm.close()
+        gc.collect()
+
+
+@pytest.fixture
+def tensors_built_on_storages(monkeypatch) -> list[int]:
+    """How many tensors a load builds on a storage it allocated first (decode's general path)."""
+    from ckptfmt.format import decode
+
+    calls = [0]
+    build = decode._build_tensor
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "_build_tensor", counted)
+    return calls
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_a_tensor_spanning_its_storage_is_built_with_its_memory(
+    small_file, small_state, tensors_built_on_storages, mmap
+):
+    """One call allocates (or maps) a tensor that spans its whole storage, instead of a storage
+    and then a tensor set on it; each is still a tensor of its own storage, not a view."""
+    loaded = ckptfmt.load(small_file, mmap=mmap)
+    for key, t in loaded.items():  # (before assert_same, whose .numpy() pins storages' sizes)
+        assert t._base is None and t.untyped_storage().nbytes() == 256, key
+        assert t.untyped_storage().resizable() != mmap, key  # as before: a mapping's is not
+    assert_same(loaded, small_state)
+    assert tensors_built_on_storages == [1]  # "tied" only: a second tensor on the first's storage
+    first = loaded["layers.0.experts.0.w"]
+    assert loaded["tied"].untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    first.add_(1)  # independent tensors stay independent
+    assert torch.equal(loaded["layers.0.experts.1.w"], small_state["layers.0.experts.1.w"])
+    assert torch.equal(loaded["tied"], first)
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_tensors_built_with_their_memory_keep_every_attribute(tmp_path, mmap):
+    """Parameters, requires_grad, strides that are not contiguous, scalars, empty tensors,
+    views of part of a storage and a storage's later users listed before its first: all load
+    as they were saved, and a subtree read alone still shares storage with nothing else."""
+    base = torch.arange(64.0).reshape(8, 8)
+    state = {
+        "view first": base[2:4],  # listed before its base: a view on its storage
+        "base": base,
+        "param": torch.nn.Parameter(torch.randn(4, 4)),
+        "grad": torch.randn(3, requires_grad=True),
+        "transposed": torch.randn(5, 7).t(),  # spans its storage, not contiguous
+        "scalar": torch.tensor(3.5, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 3),
+        "ints": torch.arange(10, dtype=torch.int64),
+        "complex": torch.randn(4, dtype=torch.complex64).conj(),
+    }
+    p = tmp_path / "attrs.ckpt"
+    ckptfmt.save(state, p)
+    loaded = ckptfmt.load(p, mmap=mmap)
+    assert_same(loaded, state)
+    assert isinstance(loaded["param"], torch.nn.Parameter) and loaded["param"].requires_grad
+    assert loaded["grad"].requires_grad and loaded["grad"].is_leaf
+    with ckptfmt.open(p) as r:
+        alone = r.get("view first")  # its storage's first tensor ("base") is not loaded
+    assert torch.equal(alone, state["view first"]) and alone.storage_offset() == 16
+
+
+def test_load_into_compares_in_full_only_targets_at_one_address(small_file, small_state, monkeypatch):
+    """Tied targets (one tensor under two keys) are found and filled once, and only targets
+    that start at the same address are compared in full (a dozen calls each otherwise)."""
+    from ckptfmt.files import fillplan, load_into
+
+    compared, plans = [0], []
+    sameness, make_plan = fillplan._sameness, fillplan.make_plan
+
+    def counted(*args):
+        compared[0] += 1
+        return sameness(*args)
+
+    def kept(*args):
+        plans.append(make_plan(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(fillplan, "_sameness", counted)
+    monkeypatch.setattr(load_into, "make_plan", kept)
+    targets = {k: torch.zeros_like(v) for k, v in small_state.items() if k != "tied"}
+    targets["tied"] = targets["layers.0.experts.0.w"]
+    report = ckptfmt.load_into(small_file, targets)
+    assert report.loaded == N + 1 and report.missing_keys == report.unexpected_keys == []
+    assert_same(targets, small_state)
+    assert compared == [2]  # the tied pair, nothing else
+    assert plans[0].aliases == {"layers.0.experts.0.w": ["tied"]}
+    assert len(plans[0].direct) == N  # one read per chunk: the tied target's is not repeated
+
+
+@pytest.mark.skipif(not _native.available(), reason="the C engine is not built")
+def test_load_into_gives_the_engine_addresses_not_buffers(small_file, small_state, monkeypatch):
+    """Both passes of an atomic load_into hand the engine each chunk's place as an address (in
+    the bounce buffer, then in the target): no buffer export per chunk, and the checks stay."""
+    kinds: set[str] = set()
+    read_chunks = _native.read_chunks
+
+    def recorded(fd, file_id, items, *args, **kwargs):
+        kinds.update(type(dest).__name__ for _, _, dest in items)
+        return read_chunks(fd, file_id, items, *args, **kwargs)
+
+    monkeypatch.setattr(_native, "read_chunks", recorded)
+    targets = {k: torch.zeros_like(v) for k, v in small_state.items()}
+    ckptfmt.load_into(small_file, targets)
+    assert_same(targets, small_state, check_sharing=False)
+    assert kinds == {"int"}
+
+
+def _padded_file(tmp_path) -> tuple[str, dict[str, torch.Tensor], list]:
+    """300 tensors of 40 bytes: chunks of 40 bytes and 24 of padding, read in runs."""
+    from ckptfmt.files.reader import CheckpointFile
+
+    state = {f"t{i}": torch.full((10,), float(i)) for i in range(300)}
+    p = str(tmp_path / "padded.ckpt")
+    ckptfmt.save(state, p)
+    with CheckpointFile(p) as f:
+        chunks = list(f.chunks)
+    assert all(ch.pad == 24 for ch in chunks)
+    return p, state, chunks
+
+
+@pytest.mark.parametrize("damage", ["checksum", "padding", "shrank"])
+def test_a_fault_inside_a_run_is_named_as_one_read_per_chunk_names_it(tmp_path, monkeypatch, damage):
+    """A damaged chunk, non-zero padding or the file's end inside a run of small chunks is
+    reported by the C engine for the same chunk, at the same offset, with the same message as
+    by the reference reader (one chunk at a time, in Python), by load and by load_into."""
+    p, state, chunks = _padded_file(tmp_path)
+    k = 150
+    ch = chunks[k]
+    data = read_bytes(p)
+    if damage == "checksum":
+        data[ch.offset + 5] ^= 1
+    elif damage == "padding":
+        data[ch.offset + ch.stored_len + 3] = 7
+    write_bytes(p, data)
+    seen = []
+    for backend in ("", "python"):
+        monkeypatch.setenv("CKPTFMT_BACKEND", backend)
+        for how in ("load", "load_into"):
+            targets = {key: torch.zeros_like(v) for key, v in state.items()}
+            with ckptfmt.open(p) as r:  # open first: the file may shrink only after its index is read
+                if damage == "shrank":
+                    os.truncate(p, ch.offset + 20)
+                with pytest.raises(ckptfmt.CheckpointError) as info:
+                    if how == "load":
+                        r.load()
+                    else:
+                        from ckptfmt.files.load_into import fill_from_node
+
+                        f = r._file
+                        fill_from_node(f, f.tree.root, targets, strict=True, verify=True)
+                e = info.value
+                seen.append((type(e).__name__, e.key, e.chunk, e.offset, str(e)))
+            assert all(not t.any() for key, t in targets.items() if key != "t0"), how  # atomic
+            if damage == "shrank":
+                write_bytes(p, data)
+    assert len(set(seen)) == 1, seen
+    assert seen[0][1:3] == (f"state['t{k}']", k)

@@ -131,15 +131,62 @@ def _same_bytes(value: torch.Tensor, m: dict[str, Any]) -> bool:
     )
 
 
+def _sameness(value: torch.Tensor, m: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two targets the same memory filled from the same bytes (tied weights)."""
+    return (
+        value.device,
+        value.data_ptr(),
+        tuple(value.shape),
+        tuple(value.stride()),
+        value.dtype,
+        value.is_conj(),
+        value.is_neg(),
+        m["storage"],
+        m["offset"],
+        tuple(m["stride"]),
+        m["conj"],
+    )
+
+
+class _Aliases:
+    """Finds targets that are the same memory from the same bytes as an earlier one.  Only
+    targets that start at the same address can be: their full _sameness is taken only
+    then (most targets start at an address of their own, and it costs a dozen calls)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[Any, ...], str] = {}
+        #: address -> the one target seen starting there, or None once `seen` holds them
+        self.lone: dict[int, tuple[str, torch.Tensor, dict[str, Any]] | None] = {}
+
+    def earlier(self, key: str, value: torch.Tensor, m: dict[str, Any], ptr: int) -> str | None:
+        """The key of an earlier target that `value` repeats, or None (it is recorded)."""
+        lone = self.lone
+        if ptr not in lone:
+            lone[ptr] = (key, value, m)
+            return None
+        first = lone[ptr]
+        if first is not None:
+            self.seen[_sameness(first[1], first[2])] = first[0]
+            lone[ptr] = None
+        same = _sameness(value, m)
+        if same in self.seen:
+            return self.seen[same]
+        self.seen[same] = key
+        return None
+
+
 def make_plan(f: CheckpointFile, targets: list[Target], in_file: dict[str, int], report: LoadReport) -> Plan:
     """The plan for matched targets (targets.match); counts each target loaded in `report`."""
     plan = Plan()
     cs = f.chunk_size
-    seen: dict[tuple[Any, ...], str] = {}
+    aliases = _Aliases()
     direct_seen: dict[tuple[int, int], int] = {}  # (chunk, address) -> its entry in plan.direct
     # chunks read straight into a target go by address, except where the engine is missing or
     # write_targets copies them from the bounce buffer (signed or encrypted files)
     by_address = _native.available() and not (f.signed or f.encrypted)
+    nodes, chunks, records = f.tree.nodes, f.chunks, f.storages
+    direct, owners = plan.direct, plan.direct_owners
+    loaded = 0  # added to the report at the end
     for key, container, ckey, value in targets:
         i = in_file.get(key)
         if i is None:
@@ -147,57 +194,46 @@ def make_plan(f: CheckpointFile, targets: list[Target], in_file: dict[str, int],
         if not isinstance(value, torch.Tensor):
             if not isinstance(container, tuple):
                 plan.replace.append((container, ckey, i))
-                report.loaded += 1
+                loaded += 1
             continue
-        report.loaded += 1
-        m = f.tree.nodes[i][1]
+        loaded += 1
+        m = nodes[i][1]
         if value.is_meta:
             plan.replace.append((container, ckey, i))
             continue
-        if value.numel() == 0:
+        numel = value.numel()
+        if numel == 0:
+            continue
+        base = value.data_ptr()  # the first byte of the target's elements
+        earlier = aliases.earlier(key, value, m, base)
+        if earlier is not None:  # the same memory from the same bytes (tied weights): once is enough
+            plan.aliases.setdefault(earlier, []).append(key)
             continue
         sid = m["storage"]
-        same = (
-            value.device,
-            value.data_ptr(),
-            tuple(value.shape),
-            tuple(value.stride()),
-            value.dtype,
-            value.is_conj(),
-            value.is_neg(),
-            sid,
-            m["offset"],
-            tuple(m["stride"]),
-            m["conj"],
-        )
-        if same in seen:  # the same memory from the same bytes (tied weights): once is enough
-            plan.aliases.setdefault(seen[same], []).append(key)
-            continue
-        seen[same] = key
-        rec = f.storages[sid]
+        rec = records[sid]
         size = value.element_size()
         if _same_bytes(value, m):
             lo = m["offset"] * size
-            hi = lo + value.numel() * size
-            on_cpu = value.device.type == "cpu"
+            hi = lo + numel * size
+            on_cpu = value.is_cpu
             raw = None if on_cpu and by_address else bytesview.elements_as_uint8(value)
             view = bytesview.tensor_bytes(raw) if on_cpu and raw is not None else None
-            base = value.data_ptr()  # the first byte of the target's elements
             for j in range(lo // cs, (hi - 1) // cs + 1):
                 k = rec.first_chunk + j
                 c0 = j * cs
-                c1 = c0 + f.chunks[k].raw_len
-                a, b = max(lo, c0), min(hi, c1)
-                if on_cpu and (a, b) == (c0, c1):
+                c1 = c0 + chunks[k].raw_len
+                if on_cpu and lo <= c0 and c1 <= hi:  # the whole chunk lies in the target
                     where = (k, base + c0 - lo)
-                    if where in direct_seen:  # another target reads it into this memory
-                        plan.direct_owners[direct_seen[where]].append(key)
+                    entry = direct_seen.get(where)
+                    if entry is not None:  # another target reads it into this memory
+                        owners[entry].append(key)
                     else:
-                        direct_seen[where] = len(plan.direct)
+                        direct_seen[where] = len(direct)
                         # the engine writes raw_len bytes there, all inside the target's elements
-                        plan.direct.append((k, where[1] if view is None else view[c0 - lo : c1 - lo]))
-                        plan.direct_owners.append([key])
+                        direct.append((k, where[1] if view is None else view[c0 - lo : c1 - lo]))
+                        owners.append([key])
                 else:
+                    a, b = max(lo, c0), min(hi, c1)
                     if raw is None:
                         raw = bytesview.elements_as_uint8(value)
                     plan.pieces.append(Piece(k, a - c0, b - c0, raw[a - lo : b - lo], key))
@@ -206,5 +242,6 @@ def make_plan(f: CheckpointFile, targets: list[Target], in_file: dict[str, int],
             hi = (m["offset"] + sum((n - 1) * st for n, st in zip(m["shape"], m["stride"])) + 1) * size
             first, last = rec.first_chunk + lo // cs, rec.first_chunk + (hi - 1) // cs + 1
             plan.strided.append(Strided(key, value, m, sid, first, last))
+    report.loaded += loaded
     plan.strided.sort(key=lambda s: (s.first, -s.last))
     return plan

@@ -39,15 +39,34 @@ def windows(
 ) -> Iterator[tuple[list[tuple[int, memoryview]], list[int]]]:
     """Batches of (chunk, its place in `buf`) for `chunks`, as many as `buf` holds, with their offsets."""
     view = bytesview.tensor_bytes(buf)
-    items: list[tuple[int, memoryview]] = []
+    for items, starts in _cut(f, chunks, len(view)):
+        yield [(k, view[pos : pos + f.chunks[k].raw_len]) for k, pos in items], starts
+
+
+def address_windows(
+    f: CheckpointFile, chunks: list[int], buf: torch.Tensor
+) -> Iterator[list[tuple[int, int]]]:
+    """windows() with each place given as its address (the C engine's destinations): no buffer
+    export per chunk.  `buf`, a CPU tensor, must outlive the reads."""
+    base = buf.data_ptr()
+    for items, _ in _cut(f, chunks, buf.numel() * buf.element_size()):
+        yield [(k, base + pos) for k, pos in items]
+
+
+def _cut(
+    f: CheckpointFile, chunks: list[int], size: int
+) -> Iterator[tuple[list[tuple[int, int]], list[int]]]:
+    """Batches of (chunk, its offset) for `chunks` laid side by side in `size` bytes, with the offsets."""
+    items: list[tuple[int, int]] = []
     starts: list[int] = []
     pos = 0
+    records = f.chunks
     for k in chunks:
-        n = f.chunks[k].raw_len
-        if pos + n > len(view):
+        n = records[k].raw_len
+        if pos + n > size:
             yield items, starts
             items, starts, pos = [], [], 0
-        items.append((k, view[pos : pos + n]))
+        items.append((k, pos))
         starts.append(pos)
         pos += n
     if items:

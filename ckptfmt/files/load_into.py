@@ -50,11 +50,12 @@ from typing import Any
 import torch
 
 from ..background import inflight
+from ..engine import native as _native
 from ..errors import CheckpointError
 from ..format import tree
 from ..gcpause import pausing_in_main_thread
 from .fillplan import Plan, make_plan, window_bytes
-from .fillreads import alloc, windows, write_targets
+from .fillreads import address_windows, alloc, windows, write_targets
 from .reader import CheckpointFile
 from .targets import LoadReport, match
 
@@ -165,7 +166,12 @@ def verify_chunks(
         needed = sum(f.chunks[k].raw_len for k in chunks)
         buf = f._alloc(window_bytes(f, needed), "")
     # check only: the caller reads the chunks again into their places (no readahead advice,
-    # as in ChunkReader: the kernel's own keeps up with reads in file order)
+    # as in ChunkReader: the kernel's own keeps up with reads in file order); the C engine is
+    # given addresses in the buffer, which lives through the reads
+    if _native.available() and buf.is_cpu:
+        for places in address_windows(f, chunks, buf):
+            f.read_into(places, verify, check_only=True)
+        return
     for items, _ in windows(f, chunks, buf):
         f.read_into(items, verify, check_only=True)
 

@@ -304,6 +304,40 @@ class CheckpointFile:
                 raise self._alloc_error(nbytes, self.storages[sid].key, e) from e
         return out
 
+    def _alloc_host(
+        self, sids: list[int], made: dict[int, torch.Tensor]
+    ) -> dict[int, torch.UntypedStorage | torch.Tensor]:
+        """Fresh CPU memory for `sids`, by storage.  A small storage whose first tensor spans
+        exactly its bytes (most are: one tensor per storage) is allocated as that tensor, in
+        one call that builds both (torch.empty_strided: a resizable storage of its own, as any
+        other), also put in `made` by node; the others as storages.  LimitError naming the
+        storage's key if an allocation fails."""
+        import torch
+
+        from ..engine import hostmem
+        from ..format.decode import whole_layout
+
+        places: dict[int, torch.UntypedStorage | torch.Tensor] = {}
+        nodes = self.tree.nodes
+        small = hostmem.MIN_HUGE_BYTES  # larger ones: hostmem's choice of pages
+        empty_strided = torch.empty_strided
+        for sid in sids:
+            rec = self.storages[sid]
+            layout = (
+                whole_layout(nodes[rec.node][1], rec.nbytes)
+                if rec.nbytes < small and rec.kind == "tensor"
+                else None
+            )
+            if layout is None:
+                places[sid] = self._alloc_storages([sid])[sid]
+                continue
+            try:
+                t = empty_strided(layout[1], layout[2], dtype=layout[0])
+            except (RuntimeError, MemoryError) as e:
+                raise self._alloc_error(rec.nbytes, rec.key, e) from e
+            places[sid] = made[rec.node] = t
+        return places
+
     def _chunk_views(
         self, sid: int, flat: torch.Tensor, first: int = 0, count: int | None = None
     ) -> list[tuple[int, memoryview]]:
@@ -328,9 +362,12 @@ class CheckpointFile:
         return storages
 
     def _destinations(
-        self, sids: list[int], storages: dict[int, torch.UntypedStorage]
+        self,
+        sids: list[int],
+        storages: dict[int, torch.UntypedStorage] | dict[int, torch.UntypedStorage | torch.Tensor],
     ) -> list[tuple[int, Destination]]:
-        """(chunk, destination) for every chunk of `sids`, placed in order in their storages.
+        """(chunk, destination) for every chunk of `sids`, placed in order in their storages
+        (or in tensors that span exactly their storage: _alloc_host).
         With the C engine a destination is the address of the chunk's place: the engine writes
         there directly, without a buffer export per chunk (many small storages make many);
         each storage holds exactly its chunks' raw bytes (index.py checks every raw length
@@ -339,10 +376,14 @@ class CheckpointFile:
         records = self.storages
         out: list[tuple[int, Destination]] = []
         if not _native.available():
+            import torch
+
             from ..engine import bytesview
 
             for sid in sids:
-                out.extend(self._chunk_views(sid, bytesview.storage_as_uint8(storages[sid])))
+                st = storages[sid]
+                whole = st.untyped_storage() if isinstance(st, torch.Tensor) else st
+                out.extend(self._chunk_views(sid, bytesview.storage_as_uint8(whole)))
             return out
         for sid in sids:
             rec = records[sid]
@@ -453,11 +494,17 @@ class CheckpointFile:
         chunks = self.chunks[rec.first_chunk : rec.first_chunk + rec.n_chunks]
         return bool(chunks) and all(c.codec == fmt.CODEC_RAW and c.source < 0 for c in chunks)
 
-    def _mapped_storages(self, sids: list[int], verify: bool) -> dict[int, torch.UntypedStorage]:
+    def _mapped_storages(
+        self, sids: list[int], verify: bool, made: dict[int, torch.Tensor] | None = None
+    ) -> dict[int, torch.UntypedStorage]:
         """Storages backed by the file itself (zero-copy), for mappable `sids`.  With `verify`
         every chunk of all of them is checked in one engine call, so that its threads share
-        the whole load, not one storage at a time."""
+        the whole load, not one storage at a time.  With `made`, a storage whose first tensor
+        spans exactly its bytes is mapped as that tensor instead, put in `made` by node (one
+        call less per tensor; the storage is then that tensor's)."""
         import torch
+
+        from ..format.decode import whole_layout
 
         if not sids:
             return {}
@@ -467,11 +514,21 @@ class CheckpointFile:
             ranges = [(self.storages[sid].first_chunk, self.storages[sid].n_chunks) for sid in sids]
             self._chunk_reader.check_mapped(self._mm, ranges)
         out = {}
+        nodes = self.tree.nodes
+        frombuffer, mm, uint8 = torch.frombuffer, self._mm, torch.uint8
         for sid in sids:
             rec = self.storages[sid]
             offset = self.chunks[rec.first_chunk].offset
-            flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=rec.nbytes, offset=offset)
-            out[sid] = flat.untyped_storage()
+            layout = whole_layout(nodes[rec.node][1], rec.nbytes) if rec.kind == "tensor" else None
+            if layout is None or made is None:
+                out[sid] = frombuffer(mm, dtype=uint8, count=rec.nbytes, offset=offset).untyped_storage()
+                continue
+            dtype, shape, stride = layout
+            count = rec.nbytes // dtype.itemsize
+            # in place: a tensor of its own, not a view of the 1-D one
+            made[rec.node] = frombuffer(mm, dtype=dtype, count=count, offset=offset).as_strided_(
+                shape, stride
+            )
         return out
 
     @pausing_in_main_thread
@@ -524,13 +581,21 @@ class CheckpointFile:
                 host.append(sid)
             else:
                 on_device.setdefault(target, []).append(sid)
+        made: dict[int, torch.Tensor] = {}  # tensors built as their storage's memory is had, by node
         if use_mmap:  # a signed file's chunks are checked against their digests through the mapping
             mappable = [sid for sid in host if self._mappable(sid)]
-            loaded.update(self._mapped_storages(mappable, verify or self.signed))
-            host = [sid for sid in host if sid not in loaded]
+            mapped = set(mappable)
+            loaded.update(self._mapped_storages(mappable, verify or self.signed, made))
+            host = [sid for sid in host if sid not in mapped]
         staging = max((self._staging_size(sids, staging_budget()) for sids in on_device.values()), default=0)
         self._check_memory(host + callable_ + [s for sids in on_device.values() for s in sids], staging)
-        loaded.update(self.read_storages(host + callable_, verify))
+        places = self._alloc_host(host, made)
+        if callable_:  # map_location is handed storages
+            places.update(self._alloc_storages(callable_))
+        self.read_into(self._destinations(host + callable_, places), verify)
+        for sid, place in places.items():
+            if type(place) is not torch.Tensor:
+                loaded[sid] = place  # type: ignore[assignment]
         for sid in callable_:
             try:
                 loaded[sid] = devices.apply_callable(map_location, loaded[sid], self.storages[sid].device)  # type: ignore[arg-type]
@@ -538,7 +603,18 @@ class CheckpointFile:
                 raise self._device_error(sid, e) from None
         for device, sids in on_device.items():
             loaded.update(self._read_to_device(sids, device, verify, staging_budget()))
-        return decode(self.tree, top, loaded.__getitem__, self.path)
+        if not made:
+            return decode(self.tree, top, loaded.__getitem__, self.path)
+        records = self.storages
+
+        def storage(sid: int) -> torch.UntypedStorage:
+            """A loaded storage; for one allocated as its first tensor, that tensor's (the other
+            tensors sharing it are views of it)."""
+            st = loaded.get(sid)
+            return st if st is not None else made_by_node[records[sid].node].untyped_storage()
+
+        made_by_node = dict(made)  # decode takes its tensors out of `made` as it uses them
+        return decode(self.tree, top, storage, self.path, made)
 
     def _staging_size(self, sids: list[int], budget: int) -> int:
         """Bytes of the host buffer a device load of `sids` stages through: sized to the work."""

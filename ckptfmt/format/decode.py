@@ -43,13 +43,39 @@ def decode_key(tree: Tree, node: int, path: str) -> object:
 
 
 @pausing
-def decode(tree: Tree, top: int, storage: Callable[[int], torch.UntypedStorage], path: str) -> object:
-    """Build the objects of the subtree at `top`; `storage(sid)` gives loaded storages."""
+def decode(
+    tree: Tree,
+    top: int,
+    storage: Callable[[int], torch.UntypedStorage],
+    path: str,
+    made: dict[int, torch.Tensor] | None = None,
+) -> object:
+    """Build the objects of the subtree at `top`; `storage(sid)` gives loaded storages.
+    `made`: tensors the caller built already with their node's layout (whole_layout), by
+    node: their requires_grad and Parameter are applied here, as to any other."""
     # storages come loaded, so torch is imported wherever a tensor is built; a tree of plain
     # values is built without it
     torch = sys.modules.get("torch")
     with torch.no_grad() if torch is not None else contextlib.nullcontext():
-        return _Builder(tree.nodes, storage, path).build(top)
+        return _Builder(tree.nodes, storage, path, made).build(top)
+
+
+def whole_layout(m: dict[str, Any], nbytes: int) -> tuple[torch.dtype, list[int], list[int]] | None:
+    """(dtype, shape, stride) of validated tensor meta `m` when its elements span exactly the
+    `nbytes` of its storage from its start (torch.empty_strided of them allocates exactly that
+    storage); None otherwise (an offset, a view of part of a storage, a conjugate view)."""
+    if m["offset"] or m["conj"]:
+        return None
+    shape, stride = m["shape"], m["stride"]
+    name = m["dtype"]
+    last = 0
+    for d, step in zip(shape, stride):
+        if not d:
+            return None
+        last += (d - 1) * step
+    if (last + 1) * dtypes.TENSOR_ITEMSIZES[name] != nbytes:
+        return None
+    return dtypes.TORCH_DTYPES[name], shape, stride
 
 
 class _Builder:
@@ -57,16 +83,26 @@ class _Builder:
     such a closure is a reference cycle (function -> cell -> function) holding the whole tree
     and every storage, which only a collection of the whole heap would free."""
 
-    def __init__(self, nodes: list[Any], storage: Callable[[int], torch.UntypedStorage], path: str) -> None:
+    def __init__(
+        self,
+        nodes: list[Any],
+        storage: Callable[[int], torch.UntypedStorage],
+        path: str,
+        made: dict[int, torch.Tensor] | None = None,
+    ) -> None:
         self.nodes = nodes
         self.storage = storage
         self.path = path
+        self.made = made or {}
 
     def build(self, i: int) -> object:
         node = self.nodes[i]
         kind = node[0]
         # the commonest kinds first (the order only saves comparisons)
         if kind == "tensor":
+            t = self.made.pop(i, None)
+            if t is not None:
+                return _finish_tensor(t, node[1])
             return _build_tensor(node[1], self.storage)
         if kind == "str":
             return node[1]
@@ -209,7 +245,14 @@ def _build_tensor(m: dict[str, Any], storage: Callable[[int], torch.UntypedStora
     t = torch.empty(0, dtype=dt, device=st.device).set_(st, m["offset"], m["shape"], m["stride"])
     if m["conj"]:
         t = t.conj()
+    return _finish_tensor(t, m)
+
+
+def _finish_tensor(t: torch.Tensor, m: dict[str, Any]) -> torch.Tensor:
+    """`t` as a Parameter, or requiring grad, as its meta says."""
     if m["param"]:
+        import torch
+
         return torch.nn.Parameter(t, requires_grad=m["requires_grad"])
     if m["requires_grad"]:
         t.requires_grad_(True)
