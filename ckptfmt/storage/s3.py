@@ -19,10 +19,12 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..errors import CheckpointError, StorageError
-from . import client
+from . import answers, client
 from .store import Entry, Page, Reply, Upload, UploadPage, ViewFile
 from .urls import ObjectURL
 
+#: the entries a listing page holds at most (S3's MaxKeys and MaxUploads, 1000 unless asked)
+PAGE_ENTRIES = 1000
 #: the operations whose answers are read by the listing guard (_guard_listings)
 LISTING_OPERATIONS = ("ListObjectsV2", "ListMultipartUploads")
 
@@ -118,6 +120,7 @@ class S3Store:
         prefixes = [
             p.get("Prefix") if isinstance(p, dict) else None for p in page.get("CommonPrefixes", []) or []
         ]
+        _check_page_size(len(entries) + len(prefixes))
         return Page(entries, prefixes, bool(page.get("IsTruncated")), page.get("NextContinuationToken"))
 
     def list_uploads(self, url: ObjectURL, prefix: str, marker: dict[str, str]) -> UploadPage:
@@ -127,6 +130,7 @@ class S3Store:
             for u in reply.get("Uploads", []) or []
             if isinstance(u, dict)
         ]
+        _check_page_size(len(uploads))
         key, upload = reply.get("NextKeyMarker"), reply.get("NextUploadIdMarker")
         following: dict[str, str] = {}
         if isinstance(key, str) and key:
@@ -134,6 +138,11 @@ class S3Store:
                 {"UploadIdMarker": upload} if isinstance(upload, str) and upload else {}
             )
         return UploadPage(uploads, bool(reply.get("IsTruncated")), following)
+
+
+def _check_page_size(entries: int) -> None:
+    if entries > PAGE_ENTRIES:
+        raise ValueError(f"a listing page of {entries} entries (at most {PAGE_ENTRIES} asked)")
 
 
 def _etag(reply: object) -> str | None:
@@ -200,6 +209,7 @@ def _guard_listings(boto_client: Any) -> None:
         request.stream_output = True  # the body is read here, not by the session
         answer = session.send(request)
         body = client.read_listing(answer.raw, max(timeout, 0.001))
+        answers.check_xml(body, answers.page_nodes(PAGE_ENTRIES))  # before botocore builds it
         return AWSResponse(answer.url, answer.status_code, answer.headers, _Bytes(body))
 
     for name in LISTING_OPERATIONS:
