@@ -378,6 +378,8 @@ def test_an_s3_listing_page_of_empty_entries_is_refused_before_botocore_builds_t
     """16 MiB of <Contents/> (1.5 million), under the page's byte cap: botocore built a dict of
     each (800,000 took 9 s and 180 MB), then ckptfmt an entry of each, before anything counted
     them.  The listing guard counts the tags first."""
+    azure.body = _s3_listing(b"")
+    assert listing.objects(parse_url("s3://bucket/run"), s3) == {}  # the client made (boto3's imports)
     azure.body = _s3_listing(b"<Contents/>" * ((16 << 20) // 11 - 100))
     e, peak, took = _peak_of(lambda: listing.objects(parse_url("s3://bucket/run"), s3))
     assert isinstance(e, StorageError) and "tags" in str(e) and "s3://bucket/run" in str(e), repr(e)
@@ -390,6 +392,36 @@ def test_an_s3_listing_page_of_more_entries_than_asked_is_refused(azure, s3):
     assert isinstance(e, StorageError) and "1001 entries (at most 1000 asked)" in str(e), repr(e)
     azure.body = _s3_listing(b"".join(_s3_entry(f"run/{i}") for i in range(1000)))
     assert len(listing.objects(parse_url("s3://bucket/run"), s3)) == 1000
+
+
+def test_an_s3_answer_whose_head_trickles_in_ends_at_the_deadline(azure, s3):
+    """The status line and headers a byte every 0.3 s: botocore's read_timeout bounds each wait
+    for a byte, never the head, so the request waited until the head was whole (here 15 s; 64
+    KiB a line, 100 lines: days) whatever the deadline said.  As on gs:// and az://, the head
+    must come within what remains of the operation's deadline."""
+    azure.answer = lambda h: _slowly(h, b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 40)
+    options = s3 | {"max_attempts": 2, "deadline": 2}
+    e = _within(10, lambda: ckptfmt.load("s3://bucket/x.ckpt", storage_options=options))
+    assert isinstance(e, StorageError) and "did not arrive within" in str(e), repr(e)
+    assert "s3://bucket/x.ckpt" in str(e) and "deadline 2 s" in str(e), repr(e)
+
+
+def test_an_s3_listing_whose_body_stalls_is_a_storage_error(azure, s3):
+    """A listing's head, then nothing for longer than read_timeout: the guard reading the body
+    let urllib3's bare ReadTimeoutError escape (botocore translates only what it reads)."""
+
+    def stall(h: BaseHTTPRequestHandler) -> None:
+        h.send_response(200)
+        h.send_header("Content-Length", "100")
+        h.end_headers()
+        h.wfile.write(b"<a")
+        h.wfile.flush()
+        time.sleep(4)
+
+    azure.answer = stall
+    options = s3 | {"read_timeout": 1, "deadline": 3}
+    e = _within(10, lambda: listing.objects(parse_url("s3://bucket/run"), options))
+    assert isinstance(e, StorageError) and "Read timed out" in str(e) and "s3://bucket/run" in str(e), repr(e)
 
 
 # -- the fork child protocol ---------------------------------------------------------------------------
