@@ -141,6 +141,27 @@ def test_an_answer_whose_head_trickles_in_ends_at_the_deadline(gcs):
     assert isinstance(e, StorageError) and "did not arrive within" in str(e) and GS_URL in str(e), repr(e)
 
 
+def _trickled_refusal(h: BaseHTTPRequestHandler, query: object = None) -> None:
+    h.send_response(503)
+    h.send_header("Content-Length", "100000")
+    h.end_headers()
+    _slowly(h, b" " * 50)
+
+
+@pytest.mark.parametrize(
+    "media",
+    [lambda h, q: _slowly(h, b"HTTP/1.1 206 OK\r\nX-Pad: " + b"a" * 40), _trickled_refusal],
+    ids=["head", "refusal"],
+)
+def test_a_ranged_read_whose_answer_trickles_in_ends_at_the_deadline(gcs, media):
+    """The object's bytes (not its description) answered with a head, or a refusal's body, a
+    byte every 0.3 s: a ranged read keeps its own Budget, which its requests did not carry, so
+    they were read within the default deadline (300 s) whatever the storage option said."""
+    gcs.media = media
+    e = _within(10, lambda: ckptfmt.load(GS_URL, storage_options={"max_attempts": 2, "deadline": 2}))
+    assert isinstance(e, StorageError) and GS_URL in str(e) and "deadline 2 s" in str(e), repr(e)
+
+
 def test_aborting_an_upload_deletes_only_its_own_parts(gcs):
     """abort_upload lists the parts beneath its upload's stem and deleted every part object the
     listing named: a listing that also names another upload's parts (a live writer's, beside
@@ -401,6 +422,26 @@ def test_an_s3_answer_whose_head_trickles_in_ends_at_the_deadline(azure, s3):
     must come within what remains of the operation's deadline."""
     azure.answer = lambda h: _slowly(h, b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 40)
     options = s3 | {"max_attempts": 2, "deadline": 2}
+    e = _within(10, lambda: ckptfmt.load("s3://bucket/x.ckpt", storage_options=options))
+    assert isinstance(e, StorageError) and "did not arrive within" in str(e), repr(e)
+    assert "s3://bucket/x.ckpt" in str(e) and "deadline 2 s" in str(e), repr(e)
+
+
+def test_an_s3_refusal_whose_body_trickles_in_ends_at_the_deadline(azure, s3):
+    """An object's read refused with a 503 whose XML error body comes a byte every 0.3 s:
+    botocore read it whole, with no deadline, before it said what was refused (here 15 s; of
+    100,000 bytes: hours)."""
+
+    def trickle(h: BaseHTTPRequestHandler) -> None:
+        if h.command == "HEAD":  # the object is there
+            return _reply(h, 200, {"Content-Length": "1000", "ETag": '"e"'})
+        h.send_response(503)
+        h.send_header("Content-Length", "100000")
+        h.end_headers()
+        _slowly(h, b"<Error>" + b" " * 50)
+
+    azure.answer = trickle
+    options = s3 | {"deadline": 2}
     e = _within(10, lambda: ckptfmt.load("s3://bucket/x.ckpt", storage_options=options))
     assert isinstance(e, StorageError) and "did not arrive within" in str(e), repr(e)
     assert "s3://bucket/x.ckpt" in str(e) and "deadline 2 s" in str(e), repr(e)
