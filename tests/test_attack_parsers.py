@@ -10,7 +10,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+import tracemalloc
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -140,6 +141,27 @@ def test_an_answer_whose_head_trickles_in_ends_at_the_deadline(gcs):
     assert isinstance(e, StorageError) and "did not arrive within" in str(e) and GS_URL in str(e), repr(e)
 
 
+def _trickled_refusal(h: BaseHTTPRequestHandler, query: object = None) -> None:
+    h.send_response(503)
+    h.send_header("Content-Length", "100000")
+    h.end_headers()
+    _slowly(h, b" " * 50)
+
+
+@pytest.mark.parametrize(
+    "media",
+    [lambda h, q: _slowly(h, b"HTTP/1.1 206 OK\r\nX-Pad: " + b"a" * 40), _trickled_refusal],
+    ids=["head", "refusal"],
+)
+def test_a_ranged_read_whose_answer_trickles_in_ends_at_the_deadline(gcs, media):
+    """The object's bytes (not its description) answered with a head, or a refusal's body, a
+    byte every 0.3 s: a ranged read keeps its own Budget, which its requests did not carry, so
+    they were read within the default deadline (300 s) whatever the storage option said."""
+    gcs.media = media
+    e = _within(10, lambda: ckptfmt.load(GS_URL, storage_options={"max_attempts": 2, "deadline": 2}))
+    assert isinstance(e, StorageError) and GS_URL in str(e) and "deadline 2 s" in str(e), repr(e)
+
+
 def test_aborting_an_upload_deletes_only_its_own_parts(gcs):
     """abort_upload lists the parts beneath its upload's stem and deleted every part object the
     listing named: a listing that also names another upload's parts (a live writer's, beside
@@ -155,15 +177,84 @@ def test_aborting_an_upload_deletes_only_its_own_parts(gcs):
     assert not [p for p in deleted if any(o.replace("/", "%2F") in p for o in others)], deleted
 
 
+def _peak_of(call) -> tuple[BaseException, int, float]:
+    """What `call` raised, the most memory Python held meanwhile (tracemalloc) and how long it took."""
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        start = time.monotonic()
+        e = _within(60, call)
+        return e, tracemalloc.get_traced_memory()[1], time.monotonic() - start
+    finally:
+        tracemalloc.stop()
+
+
+def _gcs_items(n: int) -> list[dict[str, str]]:
+    return [
+        {
+            "name": f"run/step-{i:09d}/state.ckpt",
+            "size": "1",
+            "generation": "1",
+            "updated": "2026-01-01T00:00:00Z",
+        }
+        for i in range(n)
+    ]
+
+
+def test_a_listing_page_of_empty_items_is_refused_before_they_are_built(gcs):
+    """16 MiB of "{}," items, under the page's byte cap, cost json.loads 1 GB and 17 s (about 70
+    times their bytes): every item was built before anything counted them.  ckptfmt asks for
+    1000 a page; a page holding far more values than 1000 entries can is refused first."""
+    body = b'{"items":[' + b"{}," * ((16 << 20) // 3 - 10) + b"{}]}"
+    gcs.listing = lambda h, q: _reply(h, 200, {"Content-Length": str(len(body))}, body)
+    e, peak, took = _peak_of(lambda: listing.objects(parse_url("gs://bucket/run"), {"max_attempts": 1}))
+    assert isinstance(e, StorageError) and "values" in str(e) and "gs://bucket/run" in str(e), repr(e)
+    assert took < 2 and peak < 200 << 20, (took, peak)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"[" * 100_000 + b"]" * 100_000, b'{"items":' + b"[" * 20_000 + b"]" * 20_000 + b"}"],
+    ids=["nested-100k-deep", "nested-within-the-bound"],
+)
+def test_a_listing_nested_without_end_is_a_storage_error(gcs, body):
+    gcs.listing = lambda h, q: _reply(h, 200, {"Content-Length": str(len(body))}, body)
+    e = _within(10, lambda: listing.objects(parse_url("gs://bucket/run"), {"max_attempts": 1}))
+    assert isinstance(e, StorageError) and "gs://bucket/run" in str(e), repr(e)
+
+
+def test_a_listing_page_of_more_entries_than_asked_is_refused(gcs):
+    gcs.listing = lambda h, q: _json(h, {"items": _gcs_items(int(q["maxResults"][0]) + 1)})
+    e = _within(10, lambda: listing.objects(parse_url("gs://bucket/run"), {"max_attempts": 1}))
+    assert isinstance(e, StorageError) and "1001 entries (at most 1000 asked)" in str(e), repr(e)
+
+
+def test_a_full_listing_page_is_read(gcs):
+    """1000 items as GCS gives them with every field of the object resource (a server that
+    ignores the fields asked for), names of 1024 bytes full of JSON's special characters."""
+    full = {"kind": "storage#object", "bucket": "bucket", "metageneration": "1", "contentType": "x"}
+    full |= {"storageClass": "STANDARD", "md5Hash": "a", "crc32c": "b", "etag": "c", "timeCreated": "t"}
+    full |= {"metadata": {f"k{i}": "v" for i in range(20)}, "owner": {"entity": "e", "entityId": "i"}}
+    items = [it | full | {"name": it["name"][:-10] + '",{[\\"' * 100} for it in _gcs_items(1000)]
+
+    def page(h, q):
+        assert q["fields"] == ["items(name,size,updated,generation),prefixes,nextPageToken"], q
+        _json(h, {"kind": "storage#objects", "items": items})
+
+    gcs.listing = page
+    assert len(listing.objects(parse_url("gs://bucket/run"), {"max_attempts": 1})) == 1000
+
+
 # -- az:// -------------------------------------------------------------------------------------------
 
 
 class HostileAzure:
-    """A Blob service endpoint whose every GET answers `body` (a listing) and whose DELETEs are
-    recorded."""
+    """A Blob service (or S3) endpoint whose every GET answers `body` (a listing), or what the
+    `answer` hook sends (HEADs too), and whose DELETEs are recorded."""
 
     def __init__(self) -> None:
         self.body = b""
+        self.answer: Callable[[BaseHTTPRequestHandler], None] | None = None
         self.seen: list[str] = []
         outer = self
 
@@ -173,7 +264,15 @@ class HostileAzure:
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's names
                 outer.seen.append("GET " + self.path)
+                if outer.answer is not None:
+                    return outer.answer(self)
                 _reply(self, 200, {"Content-Length": str(len(outer.body))}, outer.body)
+
+            def do_HEAD(self) -> None:  # noqa: N802
+                outer.seen.append("HEAD " + self.path)
+                if outer.answer is not None:
+                    return outer.answer(self)
+                _reply(self, 404, {"Content-Length": "0"})
 
             def do_DELETE(self) -> None:  # noqa: N802
                 outer.seen.append("DELETE " + self.path)
@@ -218,15 +317,152 @@ def test_an_honest_listing_of_blobs_is_read(azure):
     assert sorted(listing.objects(parse_url("az://container/run"), {"max_attempts": 1})) == ["a", "b"]
 
 
-def test_a_listing_declaring_a_dtd_in_utf16_is_refused(azure):
+def _many_blobs() -> bytes:
+    blobs = b"<Blob/>" * ((16 << 20) // 7 - 10)
+    return b"<EnumerationResults><Blobs>" + blobs + b"</Blobs></EnumerationResults>"
+
+
+def _many_attributes() -> bytes:
+    attributes = b" ".join(b'a%d=""' % i for i in range((16 << 20) // 12))
+    return b"<EnumerationResults><Blobs><Blob " + attributes + b"/></Blobs></EnumerationResults>"
+
+
+@pytest.mark.parametrize("flood", [_many_blobs, _many_attributes], ids=["blobs", "attributes"])
+def test_a_listing_page_of_empty_blobs_is_refused_before_they_are_built(azure, flood):
+    """16 MiB of <Blob/> (or of one blob's attributes), under the page's byte cap: ElementTree
+    built an element (an attribute) of each, and expat took seconds over them, before the
+    listing was looked at.  A page holding far more tags and attributes than 1000 entries can
+    is refused first."""
+    azure.body = flood()
+    e, peak, took = _peak_of(lambda: listing.objects(parse_url("az://container/run"), {"max_attempts": 1}))
+    assert isinstance(e, StorageError) and "az://container/run" in str(e), repr(e)
+    assert "tags" in str(e) and took < 2 and peak < 200 << 20, (e, took, peak)
+
+
+def test_a_listing_of_more_blobs_than_asked_is_refused(azure):
+    azure.body = _blob_listing([f"run/{i}" for i in range(1001)])
+    e = _within(10, lambda: listing.objects(parse_url("az://container/run"), {"max_attempts": 1}))
+    assert isinstance(e, StorageError) and "1001 entries (at most 1000 asked)" in str(e), repr(e)
+    azure.body = _blob_listing([f"run/{i}" for i in range(1000)])
+    assert len(listing.objects(parse_url("az://container/run"), {"max_attempts": 1})) == 1000
+
+
+@pytest.mark.parametrize("encoding, why", [("utf-16", "not XML in UTF-8"), ("utf-8", "DTD")])
+def test_a_listing_declaring_a_dtd_in_utf16_is_refused(azure, encoding, why):
     """The DTD guard searched the bytes for "<!DOCTYPE": in UTF-16 they are not there, and expat
     expanded the entities (an answer of 12 MiB, under the listing's 16 MiB bound, became 1 GB of
-    names).  Here the entity spells a name inside the prefix, which the listing returned."""
+    names).  Here the entity spells a name inside the prefix, which the listing returned.  A
+    listing is now read as UTF-8 (what Azure answers), where the parser finds the DTD; a body
+    in UTF-16 is refused as such (its tags and attributes could not be counted on its bytes)."""
     dtd = '<!DOCTYPE x [<!ENTITY a "run/aaaa">]>'
-    azure.body = _blob_listing(["&a;"], dtd, "utf-16")
+    azure.body = _blob_listing(["&a;"], dtd, encoding)
     e = _within(10, lambda: listing.objects(parse_url("az://container/run"), {"max_attempts": 1}))
-    assert isinstance(e, StorageError) and "DTD" in str(e) and "az://container/run" in str(e), repr(e)
+    assert isinstance(e, StorageError) and why in str(e) and "az://container/run" in str(e), repr(e)
     assert not [p for p in azure.seen if p.startswith("DELETE")]
+
+
+# -- s3:// (a hostile endpoint in place of S3: botocore reads its answers) ------------------------------
+
+
+@pytest.fixture
+def s3(azure) -> Iterator[dict[str, object]]:
+    """The storage options of an S3 client reaching the hostile endpoint (the Azure one: it is
+    only an HTTP server)."""
+    root = azure.endpoint.rsplit("/", 1)[0]
+    yield {
+        "endpoint_url": root,
+        "aws_access_key_id": "key",
+        "aws_secret_access_key": "secret",
+        "region_name": "us-east-1",
+        "addressing_style": "path",
+        "max_attempts": 1,
+    }
+
+
+def _s3_listing(contents: bytes) -> bytes:
+    return (
+        b'<?xml version="1.0" encoding="UTF-8"?>'
+        b'<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>bucket</Name>'
+        b"<IsTruncated>false</IsTruncated>" + contents + b"</ListBucketResult>"
+    )
+
+
+def _s3_entry(key: str) -> bytes:
+    return (
+        f"<Contents><Key>{key}</Key><LastModified>2026-01-01T00:00:00.000Z</LastModified>"
+        '<ETag>"0123456789abcdef0123456789abcdef"</ETag><Size>1</Size><StorageClass>STANDARD</StorageClass>'
+        "<Owner><ID>0123</ID><DisplayName>owner</DisplayName></Owner></Contents>"
+    ).encode()
+
+
+def test_an_s3_listing_page_of_empty_entries_is_refused_before_botocore_builds_them(azure, s3):
+    """16 MiB of <Contents/> (1.5 million), under the page's byte cap: botocore built a dict of
+    each (800,000 took 9 s and 180 MB), then ckptfmt an entry of each, before anything counted
+    them.  The listing guard counts the tags first."""
+    azure.body = _s3_listing(b"")
+    assert listing.objects(parse_url("s3://bucket/run"), s3) == {}  # the client made (boto3's imports)
+    azure.body = _s3_listing(b"<Contents/>" * ((16 << 20) // 11 - 100))
+    e, peak, took = _peak_of(lambda: listing.objects(parse_url("s3://bucket/run"), s3))
+    assert isinstance(e, StorageError) and "tags" in str(e) and "s3://bucket/run" in str(e), repr(e)
+    assert took < 2 and peak < 200 << 20, (took, peak)
+
+
+def test_an_s3_listing_page_of_more_entries_than_asked_is_refused(azure, s3):
+    azure.body = _s3_listing(b"".join(_s3_entry(f"run/{i}") for i in range(1001)))
+    e = _within(10, lambda: listing.objects(parse_url("s3://bucket/run"), s3))
+    assert isinstance(e, StorageError) and "1001 entries (at most 1000 asked)" in str(e), repr(e)
+    azure.body = _s3_listing(b"".join(_s3_entry(f"run/{i}") for i in range(1000)))
+    assert len(listing.objects(parse_url("s3://bucket/run"), s3)) == 1000
+
+
+def test_an_s3_answer_whose_head_trickles_in_ends_at_the_deadline(azure, s3):
+    """The status line and headers a byte every 0.3 s: botocore's read_timeout bounds each wait
+    for a byte, never the head, so the request waited until the head was whole (here 15 s; 64
+    KiB a line, 100 lines: days) whatever the deadline said.  As on gs:// and az://, the head
+    must come within what remains of the operation's deadline."""
+    azure.answer = lambda h: _slowly(h, b"HTTP/1.1 200 OK\r\nX-Pad: " + b"a" * 40)
+    options = s3 | {"max_attempts": 2, "deadline": 2}
+    e = _within(10, lambda: ckptfmt.load("s3://bucket/x.ckpt", storage_options=options))
+    assert isinstance(e, StorageError) and "did not arrive within" in str(e), repr(e)
+    assert "s3://bucket/x.ckpt" in str(e) and "deadline 2 s" in str(e), repr(e)
+
+
+def test_an_s3_refusal_whose_body_trickles_in_ends_at_the_deadline(azure, s3):
+    """An object's read refused with a 503 whose XML error body comes a byte every 0.3 s:
+    botocore read it whole, with no deadline, before it said what was refused (here 15 s; of
+    100,000 bytes: hours)."""
+
+    def trickle(h: BaseHTTPRequestHandler) -> None:
+        if h.command == "HEAD":  # the object is there
+            return _reply(h, 200, {"Content-Length": "1000", "ETag": '"e"'})
+        h.send_response(503)
+        h.send_header("Content-Length", "100000")
+        h.end_headers()
+        _slowly(h, b"<Error>" + b" " * 50)
+
+    azure.answer = trickle
+    options = s3 | {"deadline": 2}
+    e = _within(10, lambda: ckptfmt.load("s3://bucket/x.ckpt", storage_options=options))
+    assert isinstance(e, StorageError) and "did not arrive within" in str(e), repr(e)
+    assert "s3://bucket/x.ckpt" in str(e) and "deadline 2 s" in str(e), repr(e)
+
+
+def test_an_s3_listing_whose_body_stalls_is_a_storage_error(azure, s3):
+    """A listing's head, then nothing for longer than read_timeout: the guard reading the body
+    let urllib3's bare ReadTimeoutError escape (botocore translates only what it reads)."""
+
+    def stall(h: BaseHTTPRequestHandler) -> None:
+        h.send_response(200)
+        h.send_header("Content-Length", "100")
+        h.end_headers()
+        h.wfile.write(b"<a")
+        h.wfile.flush()
+        time.sleep(4)
+
+    azure.answer = stall
+    options = s3 | {"read_timeout": 1, "deadline": 3}
+    e = _within(10, lambda: listing.objects(parse_url("s3://bucket/run"), options))
+    assert isinstance(e, StorageError) and "Read timed out" in str(e) and "s3://bucket/run" in str(e), repr(e)
 
 
 # -- the fork child protocol ---------------------------------------------------------------------------

@@ -30,7 +30,6 @@ import email.utils
 import hashlib
 import hmac
 import os
-import pyexpat
 import threading
 import time
 import urllib.parse
@@ -40,11 +39,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import StorageError
-from . import client, http
+from . import answers, client, http
 from .store import Entry, Page, Reply, UploadPage, ViewFile
 from .urls import ObjectURL
 
 CONNECTION_VARIABLE = "AZURE_STORAGE_CONNECTION_STRING"
+#: the entries (blobs and prefixes) one listing page is asked for (maxresults)
+PAGE_ENTRIES = 1000
 API_VERSION = "2021-08-06"
 #: the scope of an Azure AD token for Azure Storage, and how long before its expiry a token
 #: is asked for again
@@ -245,9 +246,11 @@ class AzureStore:
         return f"SharedKey {self.account.name}:{base64.b64encode(digest).decode()}"
 
     def _listing(self, url: ObjectURL, params: dict[str, str]) -> ET.Element:
-        """A listing's XML, read within the operation's deadline, bounded, and refused where it
-        declares a DTD (entities are never expanded)."""
-        return parse_listing(http.read_answer(self._call("GET", url, None, params), "a listing's answer"))
+        """A listing's XML, read within the operation's deadline, bounded in bytes and in what
+        parsing it builds (answers.parse_xml), and refused where it declares a DTD (entities
+        are never expanded)."""
+        body = http.read_answer(self._call("GET", url, None, params), "a listing's answer")
+        return answers.parse_xml(body, answers.page_nodes(PAGE_ENTRIES))
 
     # -- reading ---------------------------------------------------------------------
 
@@ -323,7 +326,7 @@ class AzureStore:
     # -- listing ---------------------------------------------------------------------
 
     def list_page(self, url: ObjectURL, prefix: str, delimiter: str | None, token: object) -> Page:
-        params = {"restype": "container", "comp": "list", "prefix": prefix, "maxresults": "1000"}
+        params = {"restype": "container", "comp": "list", "prefix": prefix, "maxresults": str(PAGE_ENTRIES)}
         if delimiter:
             params["delimiter"] = delimiter
         if token is not None:
@@ -345,29 +348,15 @@ class AzureStore:
                         _quoted(props.findtext("Etag") if props is not None else None),
                     )
                 )
+        if len(entries) + len(prefixes) > PAGE_ENTRIES:
+            raise ValueError(
+                f"a listing page of {len(entries) + len(prefixes)} entries (at most {PAGE_ENTRIES} asked)"
+            )
         following = root.findtext("NextMarker") or None
         return Page(entries, prefixes, following is not None, following)
 
     def list_uploads(self, url: ObjectURL, prefix: str, marker: dict[str, str]) -> UploadPage:
         return UploadPage([], False)  # see abort_upload
-
-
-def parse_listing(body: bytes) -> ET.Element:
-    """A listing's XML; ValueError where it is not XML or declares a DTD.  The DTD is found by
-    the XML parser itself, before any entity is expanded: a search of the bytes for
-    "<!DOCTYPE" misses one in UTF-16, whose entities then expand an answer of 16 MiB, the
-    listing's bound, into gigabytes."""
-    scan = pyexpat.ParserCreate()
-    scan.StartDoctypeDeclHandler = _refuse_dtd
-    try:
-        scan.Parse(body, True)
-        return ET.fromstring(body)
-    except (pyexpat.ExpatError, ET.ParseError):
-        raise ValueError("a listing that is not XML") from None
-
-
-def _refuse_dtd(*args: object) -> None:
-    raise ValueError("a listing that declares a DTD")
 
 
 def _code(answer: Any) -> str:

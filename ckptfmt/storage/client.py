@@ -15,6 +15,7 @@ MAX_LISTING_BODY bytes before it is parsed (``read_listing``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
@@ -228,6 +229,19 @@ _current = threading.local()
 def current_budget() -> Budget | None:
     """The Budget of the operation this thread is carrying out, if any."""
     return getattr(_current, "budget", None)
+
+
+@contextlib.contextmanager
+def carrying(budget: Budget) -> Iterator[None]:
+    """`budget` is the current_budget of this thread within the block: an operation that
+    keeps its own Budget (a ranged read resumed) carries it to the requests it makes, whose
+    answers' heads and refusals' bodies are read within what remains of it."""
+    earlier = current_budget()
+    _current.budget = budget
+    try:
+        yield
+    finally:
+        _current.budget = earlier
 
 
 def retryable(e: BaseException) -> bool:

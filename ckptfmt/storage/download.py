@@ -315,7 +315,8 @@ class RemoteObject:
 
     def _get_once(self, lo: int, hi: int, view: memoryview, budget: s3.Budget) -> int:
         what = f"read bytes {lo}-{hi - 1}"
-        reply = self._store.get(self.url, (lo, hi), self.etag)
+        with s3.carrying(budget):
+            reply = self._store.get(self.url, (lo, hi), self.etag)
         expected = f"bytes {lo}-{hi - 1}/{self.size}"
         if reply.content_range != expected or reply.length != hi - lo:
             reply.body.close()
@@ -378,7 +379,8 @@ def fetch_whole(url: str, options: dict[str, Any], limit: int, what: str = "the 
     budget = s3.Budget(options)
     while True:
         try:
-            return _fetch_whole_once(store, u, url, limit, what, _body_deadline(timeout, budget))
+            with s3.carrying(budget):
+                return _fetch_whole_once(store, u, url, limit, what, _body_deadline(timeout, budget))
         except StorageError as e:
             if not getattr(e, "ckptfmt_short", False) or not budget.retry():
                 raise

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CheckpointError, StorageError
-from . import client, http
+from . import answers, client, http
 from .store import Entry, Page, Reply, Upload, UploadPage, ViewFile
 from .urls import ObjectURL
 
@@ -47,6 +47,10 @@ SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"
 PART_MARK = ".ckptfmt-part-"
 #: GCS composes at most this many objects in one request
 MAX_COMPOSE = 32
+#: the entries (items and prefixes) one listing page is asked for (maxResults)
+PAGE_ENTRIES = 1000
+#: what a listing page is asked to hold (partial response): only what _entry reads
+LISTED_FIELDS = "items(name,size,updated,generation),prefixes,nextPageToken"
 #: pages of part objects one abort lists at most (10,000 parts and their composites fill 11)
 MAX_ABORT_PAGES = 64
 
@@ -131,12 +135,14 @@ class GCSStore:
             self.session, method, url, self.timeouts, _reason, params=params, data=data, headers=headers
         )
 
-    def _json(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+    def _json(self, method: str, path: str, *, entries: int = 0, **kwargs: Any) -> dict[str, Any]:
         """A request whose answer is a JSON object, read within the operation's deadline and
-        bounded before it is parsed."""
+        bounded before it is parsed: in bytes, and in what parsing it builds (one object's
+        description, or a page of at most `entries` entries)."""
         answer = self._call(method, path, **kwargs)
-        what = "a listing's answer" if method == "GET" and path.endswith("/o") else "the store's answer"
-        return _object(http.read_answer(answer, what))
+        what = "a listing's answer" if entries else "the store's answer"
+        nodes = answers.page_nodes(entries) if entries else answers.OBJECT_NODES
+        return _object(http.read_answer(answer, what), nodes)
 
     @staticmethod
     def _object_path(url: ObjectURL, key: str | None = None) -> str:
@@ -299,18 +305,23 @@ class GCSStore:
     ) -> Page:
         """One page of the objects beneath `prefix`: the part objects of uploads (`parts`),
         or every other object."""
-        params = {"prefix": prefix, "maxResults": "1000"}
+        # only the fields read: a real item is then four (its custom metadata never comes)
+        params = {"prefix": prefix, "maxResults": str(PAGE_ENTRIES), "fields": LISTED_FIELDS}
         if delimiter:
             params["delimiter"] = delimiter
         if token is not None:
             params["pageToken"] = str(token)
         if parts:
             params["matchGlob"] = f"**{PART_MARK}*"  # GCS lists only those (the emulator all)
-        page = self._json("GET", self._bucket_path(url), params=params)
+        page = self._json("GET", self._bucket_path(url), entries=PAGE_ENTRIES, params=params)
         items = page.get("items", [])
         prefixes = page.get("prefixes", [])
         if not isinstance(items, list) or not isinstance(prefixes, list):
             raise ValueError("a listing whose items or prefixes are not lists")
+        if len(items) + len(prefixes) > PAGE_ENTRIES:
+            raise ValueError(
+                f"a listing page of {len(items) + len(prefixes)} entries (at most {PAGE_ENTRIES} asked)"
+            )
         entries = [_entry(item) for item in items]
         # a name that is not a string is kept for the lister to refuse
         entries = [e for e in entries if not isinstance(e.key, str) or (PART_MARK in e.key) == parts]
@@ -344,7 +355,7 @@ def _reason(answer: Any) -> str:
     """GCS's reason for a refused request (its JSON error's first reason), from at most 64 KiB
     of the answer read within the operation's deadline; the status where there is none."""
     try:
-        error = _object(http.read_refusal(answer)).get("error")
+        error = _object(http.read_refusal(answer), answers.OBJECT_NODES).get("error")
         reasons = error.get("errors") if isinstance(error, dict) else None
         reason = reasons[0].get("reason") if isinstance(reasons, list) and reasons else None
         if isinstance(reason, str) and reason:
@@ -354,12 +365,10 @@ def _reason(answer: Any) -> str:
     return str(answer.status_code)
 
 
-def _object(body: bytes) -> dict[str, Any]:
-    """`body` parsed as a JSON object: ValueError (an answer that would come again) otherwise."""
-    try:
-        value = json.loads(body)
-    except (ValueError, RecursionError):
-        raise ValueError("the store's answer is not JSON") from None
+def _object(body: bytes, nodes: int) -> dict[str, Any]:
+    """`body` parsed as a JSON object holding at most `nodes` values (answers.parse_json):
+    ValueError (an answer that would come again) otherwise."""
+    value = answers.parse_json(body, nodes)
     if not isinstance(value, dict):
         raise ValueError("the store's answer is not a JSON object")
     return value

@@ -1,5 +1,6 @@
 """What the stores spoken to over plain HTTP (gcs, azure) share: a requests session made for
-ckptfmt's requests, and an answer's body as download.read_body reads it."""
+ckptfmt's requests, and an answer's body as download.read_body reads it; and what s3 shares
+with them: an answer's head within the operation's deadline (HeadWatch)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import functools
 import socket
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import CheckpointError
 from . import client
+
+T = TypeVar("T")
 
 
 def import_requests(scheme: str) -> Any:
@@ -35,7 +38,9 @@ def new_session(options: Mapping[str, Any], scheme: str, session: Any = None) ->
     session = requests.Session() if session is None else session
     size = max(10, 2 * client.concurrency(options))
     adapter = requests.adapters.HTTPAdapter(pool_connections=size, pool_maxsize=size, max_retries=0)
-    adapter.poolmanager.pool_classes_by_scheme = _watched_pools()
+    from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+    adapter.poolmanager.pool_classes_by_scheme = watched_pools(HTTPConnectionPool, HTTPSConnectionPool)
     session.mount("http://", adapter)
     session.mount("https://", adapter)
     session.headers["Accept-Encoding"] = "identity"
@@ -101,34 +106,30 @@ def _note_sending(conn: Any) -> None:
 
 
 @functools.cache
-def _watched_pools() -> dict[str, type]:
-    """urllib3's connection pools, their connections telling this thread's HeadWatch which
-    connection a request goes out on."""
-    from urllib3.connection import HTTPConnection, HTTPSConnection
-    from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+def watched_pools(plain: Any, secure: Any) -> dict[str, type]:
+    """The urllib3 connection pools `plain` (http) and `secure` (https), their connections
+    telling this thread's HeadWatch which connection a request goes out on."""
 
-    class Watched:
+    class Pool(plain):  # type: ignore[valid-type,misc]
+        ConnectionCls = _watched(plain.ConnectionCls)
+
+    class SecurePool(secure):  # type: ignore[valid-type,misc]
+        ConnectionCls = _watched(secure.ConnectionCls)
+
+    return {"http": Pool, "https": SecurePool}
+
+
+def _watched(connection: type) -> type:
+    class Watched(connection):  # type: ignore[valid-type,misc]
         def request(self, *args: Any, **kwargs: Any) -> Any:
             _note_sending(self)
-            return super().request(*args, **kwargs)  # type: ignore[misc]
+            return super().request(*args, **kwargs)
 
         def getresponse(self, *args: Any, **kwargs: Any) -> Any:
             _note_sending(self)
-            return super().getresponse(*args, **kwargs)  # type: ignore[misc]
+            return super().getresponse(*args, **kwargs)
 
-    class WatchedHTTP(Watched, HTTPConnection):
-        pass
-
-    class WatchedHTTPS(Watched, HTTPSConnection):
-        pass
-
-    class Pool(HTTPConnectionPool):
-        ConnectionCls = WatchedHTTP
-
-    class HTTPSPool(HTTPSConnectionPool):
-        ConnectionCls = WatchedHTTPS
-
-    return {"http": Pool, "https": HTTPSPool}
+    return Watched
 
 
 class Body:
@@ -166,18 +167,10 @@ def send(
     answers where it was asked), its answer's head within what remains of the operation's
     deadline (AnswerCut); AnswerError for a status of 300 or more, with the store's `reason`
     for it."""
-    with HeadWatch(_time_left()) as watch:
-        try:
-            answer = session.request(
-                method, url, timeout=timeouts, stream=True, allow_redirects=False, **kwargs
-            )
-        except Exception:
-            if watch.fired.is_set():
-                raise client.AnswerCut(watch.missed()) from None
-            raise
-    if watch.fired.is_set():  # the head came as the connection was cut: its body cannot
-        answer.close()
-        raise client.AnswerCut(watch.missed())
+    answer = head_within_deadline(
+        lambda: session.request(method, url, timeout=timeouts, stream=True, allow_redirects=False, **kwargs),
+        lambda answer: answer.close(),
+    )
     if answer.status_code >= 300:
         why = reason(answer)
         answer.close()
@@ -185,7 +178,24 @@ def send(
     return answer
 
 
-def _time_left() -> float:
+def head_within_deadline(request: Callable[[], T], close: Callable[[T], None]) -> T:
+    """The answer of `request()`, one request sent through a watched pool (watched_pools), whose
+    head must come within what remains of the operation's deadline (AnswerCut); `close` ends
+    an answer whose head came as the connection was cut (its body cannot)."""
+    with HeadWatch(time_left()) as watch:
+        try:
+            answer = request()
+        except Exception:
+            if watch.fired.is_set():
+                raise client.AnswerCut(watch.missed()) from None
+            raise
+    if watch.fired.is_set():
+        close(answer)
+        raise client.AnswerCut(watch.missed())
+    return answer
+
+
+def time_left() -> float:
     """What remains of the deadline of the operation this thread carries out."""
     budget = client.current_budget()
     return max(budget.remaining() if budget is not None else client.DEFAULT_DEADLINE, 0.001)
@@ -195,7 +205,7 @@ def read_answer(answer: Any, what: str) -> bytes:
     """The whole body of `answer`, read within what remains of the operation's deadline and
     refused above client.MAX_LISTING_BODY before it is parsed (client.read_listing)."""
     try:
-        return client.read_listing(answer.raw, _time_left(), what)
+        return client.read_listing(answer.raw, time_left(), what)
     finally:
         answer.close()
 
@@ -204,7 +214,7 @@ def read_refusal(answer: Any, limit: int = 64 * 1024) -> bytes:
     """At most `limit` bytes of a refused request's answer, read within what remains of the
     operation's deadline (one that trickles in is cut there: b"", and the status alone names
     the refusal).  A read timeout bounds each wait for a byte, not the body."""
-    with client.Watchdog(answer.raw, _time_left()) as dog:
+    with client.Watchdog(answer.raw, time_left()) as dog:
         try:
             body = bytes(answer.raw.read(limit))
         except Exception:

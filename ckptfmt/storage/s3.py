@@ -5,8 +5,8 @@ One boto3 client per distinct set of storage options, shared by the threads of t
 Credentials, region and endpoint follow boto3's own conventions: ``AWS_*`` environment
 variables, ``~/.aws`` files and instance roles work as users expect; ``storage_options``
 overrides them per call.  botocore's retries are off (client.request retries), and its
-listing answers are read by ckptfmt within the operation's deadline and bounded before
-botocore parses them (_guard_listings).
+requests are sent by ckptfmt: each answer's head, and each body botocore parses, within the
+operation's deadline, bodies bounded before botocore parses them (_send_within_deadlines).
 
 boto3 stays S3's client on evidence: on moto, save/load ran at 93/260 MB/s through boto3
 against 52/211 through obstore (bench/objects.py, docs/objects.md).
@@ -19,11 +19,13 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..errors import CheckpointError, StorageError
-from . import client
+from . import answers, client, http
 from .store import Entry, Page, Reply, Upload, UploadPage, ViewFile
 from .urls import ObjectURL
 
-#: the operations whose answers are read by the listing guard (_guard_listings)
+#: the entries a listing page holds at most (S3's MaxKeys and MaxUploads, 1000 unless asked)
+PAGE_ENTRIES = 1000
+#: the operations whose answers are listings (_send_within_deadlines counts their tags)
 LISTING_OPERATIONS = ("ListObjectsV2", "ListMultipartUploads")
 
 
@@ -118,6 +120,7 @@ class S3Store:
         prefixes = [
             p.get("Prefix") if isinstance(p, dict) else None for p in page.get("CommonPrefixes", []) or []
         ]
+        _check_page_size(len(entries) + len(prefixes))
         return Page(entries, prefixes, bool(page.get("IsTruncated")), page.get("NextContinuationToken"))
 
     def list_uploads(self, url: ObjectURL, prefix: str, marker: dict[str, str]) -> UploadPage:
@@ -127,6 +130,7 @@ class S3Store:
             for u in reply.get("Uploads", []) or []
             if isinstance(u, dict)
         ]
+        _check_page_size(len(uploads))
         key, upload = reply.get("NextKeyMarker"), reply.get("NextUploadIdMarker")
         following: dict[str, str] = {}
         if isinstance(key, str) and key:
@@ -134,6 +138,11 @@ class S3Store:
                 {"UploadIdMarker": upload} if isinstance(upload, str) and upload else {}
             )
         return UploadPage(uploads, bool(reply.get("IsTruncated")), following)
+
+
+def _check_page_size(entries: int) -> None:
+    if entries > PAGE_ENTRIES:
+        raise ValueError(f"a listing page of {entries} entries (at most {PAGE_ENTRIES} asked)")
 
 
 def _etag(reply: object) -> str | None:
@@ -153,8 +162,10 @@ def _new_client(options: Mapping[str, Any]) -> Any:
     boto3 = _import_boto3()
     from botocore.config import Config
     from botocore.exceptions import BotoCoreError, ClientError
+    from urllib3.exceptions import HTTPError
 
-    client.add_transfer_errors(BotoCoreError, ClientError)
+    # urllib3's: the bodies ckptfmt reads itself (_send_within_deadlines) fail with them
+    client.add_transfer_errors(BotoCoreError, ClientError, HTTPError)
     session = boto3.session.Session(profile_name=options.get("profile_name"))
     connect_timeout, read_timeout = client.timeouts(options)
     config = Config(
@@ -172,7 +183,7 @@ def _new_client(options: Mapping[str, Any]) -> Any:
     own = ("profile_name", "addressing_style")
     kwargs = {k: options[k] for k in client.STORE_OPTIONS["s3"] if k in options and k not in own}
     boto_client = session.client("s3", config=config, **kwargs)
-    _guard_listings(boto_client)
+    _send_within_deadlines(boto_client)
     return boto_client
 
 
@@ -186,21 +197,32 @@ class _Bytes:
         yield self._data
 
 
-def _guard_listings(boto_client: Any) -> None:
-    """Have `boto_client` send listing requests itself (botocore's before-send event) and read
-    their answers with read_listing: within what remains of the operation's deadline, and
-    bounded before botocore parses them (it would read a body of any length, at any pace)."""
-    from botocore.awsrequest import AWSResponse
+def _send_within_deadlines(boto_client: Any) -> None:
+    """Have `boto_client` send every request itself (botocore's before-send event): each
+    answer's head within what remains of the operation's deadline (http.HeadWatch on the
+    connections of botocore's pools), and each body botocore parses (every answer's but a
+    GetObject's data) read with read_listing, within that deadline and bounded before it is
+    parsed, a listing's tags counted too (answers.check_xml).  botocore's read_timeout bounds
+    each wait for a byte: a store sending its status line or a body a byte at a time held a
+    request for as long as it liked."""
+    from botocore.awsrequest import AWSHTTPConnectionPool, AWSHTTPSConnectionPool, AWSResponse
 
     session = boto_client._endpoint.http_session  # botocore's own: its pool, proxies and TLS
+    pools = http.watched_pools(AWSHTTPConnectionPool, AWSHTTPSConnectionPool)
+    session._pool_classes_by_scheme = pools  # for the proxies' pools, made when first used
+    session._manager.pool_classes_by_scheme = pools
 
-    def send(request: Any, **kwargs: Any) -> Any:
-        budget = client.current_budget()
-        timeout = budget.remaining() if budget is not None else client.DEFAULT_DEADLINE
-        request.stream_output = True  # the body is read here, not by the session
-        answer = session.send(request)
-        body = client.read_listing(answer.raw, max(timeout, 0.001))
+    def send(request: Any, event_name: str = "", **kwargs: Any) -> Any:
+        operation = event_name.rpartition(".")[2]
+        streamed = request.stream_output  # GetObject's: download.read_body reads the data
+        request.stream_output = True  # botocore's session must not read the body itself
+        answer = http.head_within_deadline(lambda: session.send(request), lambda a: a.raw.close())
+        if request.method == "HEAD" or (streamed and answer.status_code < 300):
+            return answer  # no body (its Content-Length is the object's), or the data
+        what = "a listing's answer" if operation in LISTING_OPERATIONS else "the store's answer"
+        body = client.read_listing(answer.raw, http.time_left(), what)
+        if operation in LISTING_OPERATIONS:
+            answers.check_xml(body, answers.page_nodes(PAGE_ENTRIES))  # before botocore builds it
         return AWSResponse(answer.url, answer.status_code, answer.headers, _Bytes(body))
 
-    for name in LISTING_OPERATIONS:
-        boto_client.meta.events.register(f"before-send.s3.{name}", send)
+    boto_client.meta.events.register("before-send.s3", send)
