@@ -6,6 +6,7 @@ only the version it uploaded, and a failed save deletes only that version."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -392,8 +393,6 @@ def test_a_cleanup_held_at_its_delete_never_deletes_what_a_live_copy_commits(tmp
     record names that: step 5 loads bit-exactly, and the dead copy's file is gone.  (The copy
     used to keep the identical file it found, and its committed record named the object the
     held DELETE then removed.)"""
-    from ckptfmt.runs.archivecopy import put_step
-    from ckptfmt.runs.objectnames import copy_marker
     from ckptfmt.runs.objectrun import ObjectRun
 
     bucket = s3_faults.new_bucket()
@@ -403,24 +402,7 @@ def test_a_cleanup_held_at_its_delete_never_deletes_what_a_live_copy_commits(tmp
     CheckpointManager(str(tmp_path / "local")).save(5, saved)
     local = str(tmp_path / "local" / "step-000000005")
     _dead_copy(url, direct, 5, local)
-    released = s3_faults.hold("DELETE", "step-000000005/state.ckpt")
-    removed: list[object] = []
-    cleaner = threading.Thread(
-        target=lambda: removed.append(
-            _outcome(ObjectRun(url, s3_faults.storage_options()).remove_interrupted_copies)
-        )
-    )
-    cleaner.start()
-    try:
-        deadline = time.monotonic() + 60
-        while s3_faults.count("DELETE", "step-000000005/state.ckpt") == 0:
-            assert time.monotonic() < deadline and cleaner.is_alive(), removed
-            time.sleep(0.01)
-        put_step(ObjectRun(url, direct), 5, local, claim=copy_marker())  # while the DELETE is held
-    finally:
-        released.set()
-        cleaner.join(90)
-    assert not cleaner.is_alive()
+    _copy_while_a_cleanup_is_held(s3_faults, url, direct, 5, local, "state.ckpt")
     reader = CheckpointManager(url, storage_options=direct)
     report = reader.verify(5)
     assert report.ok, report.problems
@@ -444,3 +426,85 @@ def _outcome(call) -> object:
         return call()
     except Exception as e:
         return e
+
+
+def _copy_while_a_cleanup_is_held(
+    s3_faults, url: str, direct: dict[str, str], step: int, local: str, name: str
+) -> None:
+    """Run a cleaner of interrupted copies (through the proxy) until its DELETE of step
+    `step`'s object `name` is held, copy `local` as that step (past the proxy) meanwhile,
+    then let the DELETE go through."""
+    from ckptfmt.runs.archivecopy import put_step
+    from ckptfmt.runs.objectnames import copy_marker
+    from ckptfmt.runs.objectrun import ObjectRun
+
+    target = f"step-{step:09d}/{name}"
+    released = s3_faults.hold("DELETE", target)
+    removed: list[object] = []
+    cleaner = threading.Thread(
+        target=lambda: removed.append(
+            _outcome(ObjectRun(url, s3_faults.storage_options()).remove_interrupted_copies)
+        )
+    )
+    cleaner.start()
+    try:
+        deadline = time.monotonic() + 60
+        while s3_faults.count("DELETE", target) == 0:
+            assert time.monotonic() < deadline and cleaner.is_alive(), removed
+            time.sleep(0.01)
+        put_step(ObjectRun(url, direct), step, local, claim=copy_marker())  # while the DELETE is held
+    finally:
+        released.set()
+        cleaner.join(90)
+    assert not cleaner.is_alive()
+    assert not [e for e in removed if isinstance(e, Exception)], removed
+
+
+def _save_a_sharded_step(rank: int, world: int, base: str) -> dict[str, object]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    m = CheckpointManager(base)
+    m.save(5, {"w": distribute_tensor(SHARDED.clone(), mesh, [Shard(0)]), "step": 5})
+    m.wait()
+    return {}
+
+
+SHARDED = torch.arange(1 << 14, dtype=torch.float32).reshape(128, 128)
+
+
+def test_a_two_rank_step_archived_over_a_dead_copy_survives_a_held_cleanup(tmp_path, s3_faults) -> None:
+    """A 2-rank (DCP) step archived where a dead copy left both rank files, while a cleaner's
+    DELETE of one of them is held: the copy writes rank-NNNNN.<h>.ckpt, one token for the
+    step, and its record (layout "dcp", its columns unchanged: they refer to files by index)
+    names them; the dead copy's rank files are gone, and the step loads bit-exactly.  (The
+    copy used to keep the identical rank files it found, and the held DELETE then removed
+    one its record named.)"""
+    from helpers import run_ranks
+
+    import ckptfmt.dcp as cdcp
+    from ckptfmt.files.names import RANK_FILE_RE
+    from ckptfmt.runs.objectrun import ObjectRun
+
+    results = run_ranks(_save_a_sharded_step, 2, tmp_path, str(tmp_path / "local"))
+    assert results == [{}, {}], results
+    local = tmp_path / "local" / "step-000000005"
+    assert {"rank-00000.ckpt", "rank-00001.ckpt"} <= set(os.listdir(local))
+    bucket = s3_faults.new_bucket()
+    direct = s3_server_options(s3_faults)
+    url = f"s3://{bucket}/archive"
+    _dead_copy(url, direct, 5, str(local))
+    _copy_while_a_cleanup_is_held(s3_faults, url, direct, 5, str(local), "rank-00000.ckpt")
+    reader = CheckpointManager(url, storage_options=direct)
+    report = reader.verify(5)
+    assert report.ok, report.problems
+    target = {"state": {"w": torch.zeros(128, 128), "step": 0}}
+    cdcp.load(target, f"{url}/step-000000005", storage_options=direct)
+    assert torch.equal(target["state"]["w"], SHARDED) and target["state"]["step"] == 5
+    record = ObjectRun(url, direct).record(5)
+    assert record.layout == "dcp"
+    tokens = {n.split(".")[1] for n in (p.name for p in record.files) if RANK_FILE_RE.fullmatch(n)}
+    assert len(record.files) == 2 and len(tokens) == 1 and "ckpt" not in tokens, record.files
+    names = set(ObjectRun(url, direct).listing()[5])
+    assert not {"rank-00000.ckpt", "rank-00001.ckpt"} & names, names
