@@ -421,3 +421,29 @@ def test_an_incremental_step_archived_over_a_cut_short_copy_is_read_by_later_ste
         assert report.ok, report.problems
         got = reader.load(step)
         assert torch.equal(got["frozen"], frozen) and torch.equal(got["w"], state(step)["w"])
+
+
+def test_a_step_archived_after_a_later_step_that_reads_it_is_not_uploaded_twice(tmp_path, s3_bucket):
+    """A lagging archive copies the newest step first: step 2 of an incremental run goes up
+    with step 1's state file, which it reads chunks of, in step 1's prefix.  Step 1 copied
+    afterwards finds that object there, named by step 2's committed record (kept by every
+    cleanup): it is the very file, so step 1's record names it instead of a second copy of it
+    under a name of its own, and both steps load bit-exactly."""
+    from ckptfmt.runs.archivecopy import put_step
+
+    bucket, options = s3_bucket
+    run_dir = tmp_path / "run"
+    frozen = torch.arange(1 << 16, dtype=torch.float32)
+    local = ckptfmt.CheckpointManager(run_dir, incremental=True)
+    for step in (1, 2):
+        local.save(step, {"frozen": frozen.clone(), "w": torch.full((1000,), float(step)), "step": step})
+    archive = ObjectRun(f"s3://{bucket}/run", options)
+    put_step(archive, 2, str(run_dir / "step-000000002"))
+    put_step(archive, 1, str(run_dir / "step-000000001"))
+    assert [p.name for p in archive.record(1).files] == ["state.ckpt"]
+    assert {n for n in archive.listing()[1] if n.endswith(".ckpt")} == {"state.ckpt"}
+    reader = ckptfmt.CheckpointManager(f"s3://{bucket}/run", storage_options=options)
+    for step in (1, 2):
+        assert reader.verify(step).ok
+        got = reader.load(step)
+        assert torch.equal(got["frozen"], frozen) and torch.equal(got["w"], torch.full((1000,), float(step)))

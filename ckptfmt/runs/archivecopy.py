@@ -5,9 +5,10 @@ only if absent, each object after a copy marker (objectnames.copy_marker) in its
 prefix.  A copy that finds the step's prefix holding objects already (what a copy cut short
 left, another archiver's copy under way) writes the step's files under names of its own
 (files/names.py: ``state.<h>.ckpt``, ``rank-NNNNN.<h>.ckpt``) and uploads a record naming
-those: it never relies on an object of the step it did not write, so a cleaner that deletes
-only the versions it listed (ObjectRun.remove_interrupted_copies) never deletes what a live
-copy's record names.  Once committed, it sweeps what its record does not name
+those: it never relies on an object of the step it did not write (but one a later step's
+committed record refers to, which every cleanup keeps: the archive copies the newest step
+first), so a cleaner that deletes only the versions it listed
+(ObjectRun.remove_interrupted_copies) never deletes what a live copy's record names.  Once committed, it sweeps what its record does not name
 (ObjectRun.sweep_step).  A signed record cannot be rewritten without its key: a signed
 step's files keep their names, and one found there is used when it is the very file.
 
@@ -92,6 +93,7 @@ class _Copy:
         self.claimed: list[ObjectURL] = []
         self.token: str | None = None  # the copy's own digits (save_token) once it needs them
         self.uploaded: dict[str, str] = {}  # objects of names of its own it uploaded: version
+        self.kept: set[str] = set()  # files of the step later steps' committed records name
 
     def claim_prefix(self, of: int) -> None:
         """Put this copy's marker into step `of`'s prefix, once."""
@@ -106,29 +108,24 @@ class _Copy:
         so of two copies at least one sees the other's), or where an upload finds its name
         taken, unless the record is signed (it cannot be rewritten)."""
         signed = any(p.sha256 is not None for p in record.files)
-        if not signed and set(listing.versions(self.url, self.run.options)) - {self.claim}:
+        there = set(listing.versions(self.url, self.run.options)) - {self.claim}
+        if not signed and there:
             self.token = save_token()
+            # a file a later step's committed record refers to (copied first, the archive
+            # lagging) is kept for it by every cleanup: used when it is this very file
+            self.kept = self.run.read_by_later_steps(self.step) & there
         files = tuple(self._put_file(d, part, signed) for part in record.files)
         return dataclasses.replace(record, files=files)
 
     def _put_file(self, d: CheckpointDir, part: multifile.PartRecord, signed: bool) -> multifile.PartRecord:
-        """Upload one file of the step, created only if absent: an object already there is
-        never replaced, nor used unless the record is signed and it is this very file (what
-        a copy cut short left), checked as an upload is; the file's part as uploaded."""
-        fd = multifile.open_part(d, part, d.path)
-        try:
-            try:
-                name = self._upload(fd, part)
-            except ObjectExistsError:
-                if self.token is not None or not signed:  # taken meanwhile: under a name of its own
-                    self.token = self.token or save_token()
-                    name = self._upload(fd, part)
-                elif holds_file(self._url_of(part.name), self.run.options, part):
-                    name = part.name
-                else:
-                    raise
-        finally:
-            os.close(fd)
+        """Upload one file of the step, verified after upload; the file's part as uploaded.
+        An object already there is never replaced, nor used unless it is this very file
+        (checked as an upload is) and the record is signed (what a copy cut short left) or
+        a later step's committed record refers to it."""
+        if part.name in self.kept and holds_file(self._url_of(part.name), self.run.options, part):
+            name = part.name
+        else:
+            name = self._upload_part(d, part, signed)
         url = self._url_of(name)
         report = verify(url, storage_options=self.run.options, decrypt_with=self.run.decrypt)
         if not report.ok:
@@ -137,6 +134,24 @@ class _Copy:
             found = multifile.identity_of(f, part.name)
         multifile.check_identity(found, part, part.name, url)
         return dataclasses.replace(part, name=name)
+
+    def _upload_part(self, d: CheckpointDir, part: multifile.PartRecord, signed: bool) -> str:
+        """Upload the local file `part`, created only if absent; its name there.  A name found
+        taken: the copy's own name for it, or for a signed record the object there when it is
+        this very file."""
+        fd = multifile.open_part(d, part, d.path)
+        try:
+            try:
+                return self._upload(fd, part)
+            except ObjectExistsError:
+                if self.token is not None or not signed:  # taken meanwhile: under a name of its own
+                    self.token = self.token or save_token()
+                    return self._upload(fd, part)
+                if holds_file(self._url_of(part.name), self.run.options, part):
+                    return part.name
+                raise
+        finally:
+            os.close(fd)
 
     def _upload(self, fd: int, part: multifile.PartRecord) -> str:
         """Upload the local file `fd` (`part`) under its name, or the copy's own name for it

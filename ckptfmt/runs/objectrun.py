@@ -412,10 +412,10 @@ class ObjectRun:
             for name, version in listing.versions(url, self.options).items()
             if is_own_name(name) and name not in named and version is not None
         }
-        read_later = self._read_by_later_steps(step) if others else set()  # listed only then
+        read_later = self.read_by_later_steps(step) if others else set()  # listed only then
         listing.delete_versions(url, self.options, [(n, v) for n, v in others.items() if n not in read_later])
 
-    def _read_by_later_steps(self, step: int) -> set[str]:
+    def read_by_later_steps(self, step: int) -> set[str]:
         """The names of step `step`'s objects that the records of later steps refer to (only
         later steps refer to a step's objects); one listing of the run, one GET a later record
         (usually none: the step swept is the newest).  LimitError past MAX_STATUS_RECORDS of
