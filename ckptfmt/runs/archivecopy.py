@@ -25,7 +25,14 @@ import warnings
 from collections.abc import Callable
 
 from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, CheckpointWarning, CorruptError, ObjectExistsError, UnsupportedError
+from ..errors import (
+    CheckpointError,
+    CheckpointWarning,
+    CorruptError,
+    LimitError,
+    ObjectExistsError,
+    UnsupportedError,
+)
 from ..files import multifile, recordsign
 from ..files.names import save_token, with_token
 from ..files.places import STALE_AFTER, describe_object, holds_file
@@ -113,7 +120,10 @@ class _Copy:
             self.token = save_token()
             # a file a later step's committed record refers to (copied first, the archive
             # lagging) is kept for it by every cleanup: used when it is this very file
-            self.kept = self.run.read_by_later_steps(self.step) & there
+            try:
+                self.kept = self.run.read_by_later_steps(self.step) & there
+            except LimitError:  # too many later records to read: a copy of its own instead
+                self.kept = set()
         files = tuple(self._put_file(d, part, signed) for part in record.files)
         return dataclasses.replace(record, files=files)
 
