@@ -49,6 +49,7 @@ from s3_server import create_bucket, s3_client, storage_options
 
 MAX_HEAD = 64 * 1024
 PIECE = 256 * 1024
+HOLD_LIMIT = 60.0  # seconds a held request waits at most for its release
 ERROR_CODES = {
     400: ("BadRequest", "An error was injected by the test proxy."),
     403: ("AccessDenied", "Access Denied"),
@@ -79,7 +80,7 @@ class Request:
 
 @dataclass
 class Rule:
-    kind: str  # "reset", "fail", "delay", "drop", "trickle"
+    kind: str  # "reset", "fail", "delay", "drop", "trickle", "hold"
     method: str | None
     contains: Target
     nth: int = 1  # reset: the match that fires
@@ -94,6 +95,7 @@ class Rule:
     after_bytes: int = 0  # trickle: body bytes sent at full speed first
     interval: float = 1.0  # trickle: seconds between the bytes after those
     seen: int = 0
+    released: threading.Event | None = None  # hold: what the held request waits for
 
     def at_once(self) -> bool:
         """A reset before anything is forwarded."""
@@ -117,6 +119,7 @@ class Plan:
     delay: float = 0.0
     dropped: set[str] = field(default_factory=set)  # answer headers left out (lower case)
     trickle: Rule | None = None
+    held: threading.Event | None = None  # forwarded once set
 
 
 # -- HTTP/1.1 framing ---------------------------------------------------------------------------
@@ -347,6 +350,13 @@ class FaultProxy:
         """Hold matching requests `seconds` before forwarding them (the next `count`, or all)."""
         self._add(Rule("delay", method, contains, remaining=count, seconds=seconds))
 
+    def hold(self, method: str | None, contains: Target = "") -> threading.Event:
+        """Hold the next matching request, unforwarded, until the event returned is set (at
+        most HOLD_LIMIT seconds: a test that fails never leaves it hanging)."""
+        released = threading.Event()
+        self._add(Rule("hold", method, contains, remaining=1, released=released))
+        return released
+
     def drop_header(
         self, method: str | None, contains: Target, header: str, count: int | None = None
     ) -> None:
@@ -441,6 +451,9 @@ class FaultProxy:
                 elif rule.kind == "delay":
                     plan.delay += rule.seconds
                     self._use(rule)
+                elif rule.kind == "hold" and plan.held is None:
+                    plan.held = rule.released
+                    self._use(rule)
                 elif rule.kind == "drop":
                     plan.dropped.add(rule.header)
                     self._use(rule)
@@ -529,6 +542,8 @@ class FaultProxy:
         plan = self._plan(req)
         if plan.delay:
             released.wait(plan.delay)
+        if plan.held is not None:
+            plan.held.wait(HOLD_LIMIT)
         if plan.reset is not None and plan.reset.at_once():
             raise Reset()
         expects = (req.header("expect") or "").lower() == "100-continue"

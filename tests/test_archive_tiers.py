@@ -370,3 +370,80 @@ def test_an_archive_thread_that_ended_without_its_pass_is_not_waited_for(tmp_pat
     m.save(2, _state(2))
     m.wait()
     assert _archived(bucket, options) == [1, 2]
+
+
+def _plant_cut_short_copy(bucket: str, options: dict[str, str], step_dir, names: list[str]) -> None:
+    """What an archive copy cut short on another node leaves in its step's prefix: its copy
+    marker (another host's: not judged dead before a day) and the files `names` of local step
+    `step_dir`, uploaded, without a commit record."""
+    from s3_server import s3_client
+
+    client = s3_client(options["endpoint_url"])
+    key = f"run/{step_dir.name}"
+    client.put_object(Bucket=bucket, Key=f"{key}/{COPY_MARKER}0123456789abcdef.42.77.0badcafe", Body=b"x")
+    for name in names:
+        client.put_object(Bucket=bucket, Key=f"{key}/{name}", Body=(step_dir / name).read_bytes())
+
+
+def test_an_incremental_step_archived_over_a_cut_short_copy_is_read_by_later_steps(tmp_path, s3_bucket):
+    """Step 1 of an incremental run is archived where a copy cut short on another node left
+    its state file: the copy writes step 1's under a name of its own (state.<h>.ckpt) and its
+    record names that.  Step 2, saved against step 1, reads chunks of step 1's state file by
+    the name its own index gives it (../step-000000001/state.ckpt): the archive holds that
+    object for it, and a fresh node loads both steps bit-exactly from the archive."""
+    from ckptfmt.files.names import STATE_NAME_RE
+
+    bucket, options = s3_bucket
+    run_dir = tmp_path / "run"
+    frozen = torch.arange(1 << 16, dtype=torch.float32)
+
+    def state(step: int) -> dict[str, object]:
+        return {"frozen": frozen.clone(), "w": torch.full((1000,), float(step)), "step": step}
+
+    ckptfmt.CheckpointManager(run_dir, incremental=True).save(1, state(1))
+    _plant_cut_short_copy(bucket, options, run_dir / "step-000000001", ["state.ckpt"])
+    m = _manager(run_dir, bucket, options, incremental=True)
+    m._archiver.kick()
+    m._archiver.wait(60)
+    m.save(2, state(2))
+    m.wait()
+    m._archiver.wait(60)
+    assert not m.archive_failures()
+    assert _archived(bucket, options) == [1, 2]
+    archive = ObjectRun(f"s3://{bucket}/run", options)
+    first, second = archive.record(1), archive.record(2)
+    assert [STATE_NAME_RE.fullmatch(p.name) is not None for p in first.files] == [True]
+    assert first.files[0].name != "state.ckpt"  # the copy's own name
+    assert [r.name for r in second.references] == ["../step-000000001/state.ckpt"]
+    reader = ckptfmt.CheckpointManager(f"s3://{bucket}/run", storage_options=options)
+    for step in (1, 2):
+        report = reader.verify(step)
+        assert report.ok, report.problems
+        got = reader.load(step)
+        assert torch.equal(got["frozen"], frozen) and torch.equal(got["w"], state(step)["w"])
+
+
+def test_a_step_archived_after_a_later_step_that_reads_it_is_not_uploaded_twice(tmp_path, s3_bucket):
+    """A lagging archive copies the newest step first: step 2 of an incremental run goes up
+    with step 1's state file, which it reads chunks of, in step 1's prefix.  Step 1 copied
+    afterwards finds that object there, named by step 2's committed record (kept by every
+    cleanup): it is the very file, so step 1's record names it instead of a second copy of it
+    under a name of its own, and both steps load bit-exactly."""
+    from ckptfmt.runs.archivecopy import put_step
+
+    bucket, options = s3_bucket
+    run_dir = tmp_path / "run"
+    frozen = torch.arange(1 << 16, dtype=torch.float32)
+    local = ckptfmt.CheckpointManager(run_dir, incremental=True)
+    for step in (1, 2):
+        local.save(step, {"frozen": frozen.clone(), "w": torch.full((1000,), float(step)), "step": step})
+    archive = ObjectRun(f"s3://{bucket}/run", options)
+    put_step(archive, 2, str(run_dir / "step-000000002"))
+    put_step(archive, 1, str(run_dir / "step-000000001"))
+    assert [p.name for p in archive.record(1).files] == ["state.ckpt"]
+    assert {n for n in archive.listing()[1] if n.endswith(".ckpt")} == {"state.ckpt"}
+    reader = ckptfmt.CheckpointManager(f"s3://{bucket}/run", storage_options=options)
+    for step in (1, 2):
+        assert reader.verify(step).ok
+        got = reader.load(step)
+        assert torch.equal(got["frozen"], frozen) and torch.equal(got["w"], torch.full((1000,), float(step)))

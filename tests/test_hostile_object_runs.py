@@ -147,6 +147,7 @@ def test_archiving_refuses_a_present_referenced_object_other_than_the_signed_one
     # id and index, one byte of another chunk changed.  A signed step is not archived onto it
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
+    from ckptfmt.runs.archivecopy import put_step
     from ckptfmt.runs.objectrun import ObjectRun
 
     key = ed25519.Ed25519PrivateKey.generate()
@@ -160,7 +161,7 @@ def test_archiving_refuses_a_present_referenced_object_other_than_the_signed_one
     _flip_a_chunk_step_2_never_reads(f, forged)
     run = ObjectRun(archive, f.options)
     with pytest.raises(ckptfmt.SignatureError):
-        run.put_step(2, str(tmp_path / "run/step-000000002"))
+        put_step(run, 2, str(tmp_path / "run/step-000000002"))
     assert "step-000000002/COMMIT" not in f.keys(archive)
 
 

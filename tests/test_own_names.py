@@ -39,6 +39,19 @@ def test_every_name_a_writer_makes_is_owned_and_parsed_back() -> None:
     assert names.STATE_NAME_RE.fullmatch(names.rank_file_name(1)) is None
 
 
+def test_a_copy_gives_each_file_its_own_digits_and_keeps_its_kind() -> None:
+    token = names.save_token()
+    other = names.own_state_name()
+    assert (
+        names.with_token(names.STATE_NAME, token) == names.with_token(other, token) == f"state.{token}.ckpt"
+    )
+    for rank in (0, 7, 10**9 - 1):
+        for name in (names.rank_file_name(rank), names.rank_file_name(rank, names.save_token())):
+            assert names.with_token(name, token) == names.rank_file_name(rank, token)
+    for name in (names.COMMIT_NAME, "model.ckpt", "state.ckpt.tmp", "../step-000000001/state.ckpt"):
+        assert names.with_token(name, token) is None, name
+
+
 @pytest.mark.parametrize(
     "name",
     [

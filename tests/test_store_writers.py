@@ -6,6 +6,7 @@ only the version it uploaded, and a failed save deletes only that version."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -289,10 +290,13 @@ def test_two_jobs_of_two_ranks_never_replace_each_others_step(tmp_path, s3_bucke
 
 def test_two_archivers_of_one_step_never_replace_each_others_objects(tmp_path, s3_bucket):
     """Two jobs archive their own step 5 to one archive.  The second's copy runs while the
-    first's is about to upload its commit record (its files uploaded and verified): its upload
-    of the state file is refused (created only if absent), and the first's step loads
-    bit-exactly from the archive.  (The second's upload used to replace the first's state
+    first's is about to upload its commit record (its files uploaded and verified): it finds
+    the step's prefix holding objects and writes its state file under a name of its own,
+    then stops before its record (its job has not committed): that object is deleted (by its
+    version), the first's step loads bit-exactly from the archive, and a later copy of the
+    second's step 5 is refused.  (The second's upload used to replace the first's state
     object, which the first's record then named by the old file id: a damaged step.)"""
+    from ckptfmt.runs.archivecopy import put_step
     from ckptfmt.runs.objectnames import copy_marker
     from ckptfmt.runs.objectrun import ObjectRun
 
@@ -309,7 +313,8 @@ def test_two_archivers_of_one_step_never_replace_each_others_objects(tmp_path, s
 
     def b_copies_meanwhile(record) -> None:
         try:
-            archive.put_step(
+            put_step(
+                archive,
                 5,
                 str(tmp_path / "b" / "step-000000005"),
                 claim=copy_marker(),
@@ -318,15 +323,23 @@ def test_two_archivers_of_one_step_never_replace_each_others_objects(tmp_path, s
         except Exception as e:
             second.append(e)
 
-    archive.put_step(
-        5, str(tmp_path / "a" / "step-000000005"), claim=copy_marker(), before_commit=b_copies_meanwhile
+    put_step(
+        archive,
+        5,
+        str(tmp_path / "a" / "step-000000005"),
+        claim=copy_marker(),
+        before_commit=b_copies_meanwhile,
     )
     reader = CheckpointManager(f"s3://{bucket}/archive", storage_options=options)
     assert reader.verify(5).ok
     got = reader.load(5)
     assert got["step"] == 5 and torch.equal(got["w"], saved["a"]["w"])
-    assert len(second) == 1 and isinstance(second[0], ckptfmt.StorageError), second
-    assert "exists already" in str(second[0])
+    assert [str(e) for e in second] == ["job b has not committed yet"]
+    files = lambda: {n for n in archive.listing()[5] if STATE_NAME_RE.fullmatch(n) or n == "COMMIT"}  # noqa: E731
+    assert files() == {"state.ckpt", "COMMIT"}  # b's own object withdrawn (its marker stays)
+    with pytest.raises(ckptfmt.CheckpointError, match="holds another save of step 5"):
+        put_step(archive, 5, str(tmp_path / "b" / "step-000000005"), claim=copy_marker())
+    assert files() == {"state.ckpt", "COMMIT"}
 
 
 def test_removing_an_interrupted_copy_never_deletes_what_another_archiver_kept(tmp_path, s3_bucket) -> None:
@@ -337,6 +350,7 @@ def test_removing_an_interrupted_copy_never_deletes_what_another_archiver_kept(t
     nothing: the listed versions are deleted only in a prefix no writer has come to since,
     and step 5 loads bit-exactly.  (It used to delete by name the state file the new
     commit record names.)"""
+    from ckptfmt.runs.archivecopy import put_step
     from ckptfmt.runs.objectnames import copy_marker
     from ckptfmt.runs.objectrun import ObjectRun
 
@@ -350,7 +364,7 @@ def test_removing_an_interrupted_copy_never_deletes_what_another_archiver_kept(t
         raise RuntimeError("the first archiver dies before its commit record")
 
     with pytest.raises(RuntimeError):  # its marker is unclaimed once put_step ends: a dead copy's
-        ObjectRun(url, options).put_step(5, local, claim=copy_marker(), before_commit=dies)
+        put_step(ObjectRun(url, options), 5, local, claim=copy_marker(), before_commit=dies)
     found = ObjectRun(url, options).listing()  # the remover's pass lists the archive first
     assert "state.ckpt" in found[5] and "COMMIT" not in found[5]
     removed: list[int] = []
@@ -358,10 +372,150 @@ def test_removing_an_interrupted_copy_never_deletes_what_another_archiver_kept(t
     def remover_runs_now(record) -> None:  # this copy's files are up, its record not yet
         removed.extend(ObjectRun(url, options).remove_interrupted_copies(found=found))
 
-    ObjectRun(url, options).put_step(5, local, claim=copy_marker(), before_commit=remover_runs_now)
+    put_step(ObjectRun(url, options), 5, local, claim=copy_marker(), before_commit=remover_runs_now)
     reader = CheckpointManager(url, storage_options=options)
     report = reader.verify(5)
     assert report.ok, report.problems
     got = reader.load(5)
     assert got["step"] == 5 and torch.equal(got["w"], saved["w"])
     assert removed == []  # the step was the other writer's by then
+
+
+def _dead_copy(url: str, options: dict[str, str], step: int, local: str) -> None:
+    """An archive copy of `local` that dies before its commit record: its files and its copy
+    marker stay (the marker, of this process and no longer claimed, is a dead writer's)."""
+    from ckptfmt.runs.archivecopy import put_step
+    from ckptfmt.runs.objectnames import copy_marker
+    from ckptfmt.runs.objectrun import ObjectRun
+
+    def dies(record) -> None:
+        raise RuntimeError("the first archiver dies before its commit record")
+
+    with pytest.raises(RuntimeError):
+        put_step(ObjectRun(url, options), step, local, claim=copy_marker(), before_commit=dies)
+
+
+def test_a_cleanup_held_at_its_delete_never_deletes_what_a_live_copy_commits(tmp_path, s3_faults) -> None:
+    """The window that re-listing leaves, made deterministic: a cleaner of interrupted copies
+    lists step 5 (a dead copy's state file and marker, no record), finds nothing new when it
+    lists again, and its DELETE of the state file is held by the proxy.  Meanwhile another
+    archiver copies step 5 and commits; then the DELETE goes through.  The copy found the
+    step's prefix holding objects, so it wrote its state file under a name of its own and its
+    record names that: step 5 loads bit-exactly, and the dead copy's file is gone.  (The copy
+    used to keep the identical file it found, and its committed record named the object the
+    held DELETE then removed.)"""
+    from ckptfmt.runs.objectrun import ObjectRun
+
+    bucket = s3_faults.new_bucket()
+    direct = s3_server_options(s3_faults)
+    url = f"s3://{bucket}/archive"
+    saved = _state(5, SMALL)
+    CheckpointManager(str(tmp_path / "local")).save(5, saved)
+    local = str(tmp_path / "local" / "step-000000005")
+    _dead_copy(url, direct, 5, local)
+    _copy_while_a_cleanup_is_held(s3_faults, url, direct, 5, local, "state.ckpt")
+    reader = CheckpointManager(url, storage_options=direct)
+    report = reader.verify(5)
+    assert report.ok, report.problems
+    got = reader.load(5)
+    assert got["step"] == 5 and torch.equal(got["w"], saved["w"])
+    names = set(ObjectRun(url, direct).listing()[5])
+    assert "state.ckpt" not in names and "COMMIT" in names, names
+    assert [n for n in names if STATE_NAME_RE.fullmatch(n)] == [reader.latest().files[0].rsplit("/", 1)[1]]
+
+
+def s3_server_options(proxy) -> dict[str, str]:
+    """Storage options reaching the proxy's server directly, past its rules."""
+    from s3_server import storage_options
+
+    return storage_options(proxy.upstream)
+
+
+def _outcome(call) -> object:
+    """What `call()` returned, or the exception it raised."""
+    try:
+        return call()
+    except Exception as e:
+        return e
+
+
+def _copy_while_a_cleanup_is_held(
+    s3_faults, url: str, direct: dict[str, str], step: int, local: str, name: str
+) -> None:
+    """Run a cleaner of interrupted copies (through the proxy) until its DELETE of step
+    `step`'s object `name` is held, copy `local` as that step (past the proxy) meanwhile,
+    then let the DELETE go through."""
+    from ckptfmt.runs.archivecopy import put_step
+    from ckptfmt.runs.objectnames import copy_marker
+    from ckptfmt.runs.objectrun import ObjectRun
+
+    target = f"step-{step:09d}/{name}"
+    released = s3_faults.hold("DELETE", target)
+    removed: list[object] = []
+    cleaner = threading.Thread(
+        target=lambda: removed.append(
+            _outcome(ObjectRun(url, s3_faults.storage_options()).remove_interrupted_copies)
+        )
+    )
+    cleaner.start()
+    try:
+        deadline = time.monotonic() + 60
+        while s3_faults.count("DELETE", target) == 0:
+            assert time.monotonic() < deadline and cleaner.is_alive(), removed
+            time.sleep(0.01)
+        put_step(ObjectRun(url, direct), step, local, claim=copy_marker())  # while the DELETE is held
+    finally:
+        released.set()
+        cleaner.join(90)
+    assert not cleaner.is_alive()
+    assert not [e for e in removed if isinstance(e, Exception)], removed
+
+
+def _save_a_sharded_step(rank: int, world: int, base: str) -> dict[str, object]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    m = CheckpointManager(base)
+    m.save(5, {"w": distribute_tensor(SHARDED.clone(), mesh, [Shard(0)]), "step": 5})
+    m.wait()
+    return {}
+
+
+SHARDED = torch.arange(1 << 14, dtype=torch.float32).reshape(128, 128)
+
+
+def test_a_two_rank_step_archived_over_a_dead_copy_survives_a_held_cleanup(tmp_path, s3_faults) -> None:
+    """A 2-rank (DCP) step archived where a dead copy left both rank files, while a cleaner's
+    DELETE of one of them is held: the copy writes rank-NNNNN.<h>.ckpt, one token for the
+    step, and its record (layout "dcp", its columns unchanged: they refer to files by index)
+    names them; the dead copy's rank files are gone, and the step loads bit-exactly.  (The
+    copy used to keep the identical rank files it found, and the held DELETE then removed
+    one its record named.)"""
+    from helpers import run_ranks
+
+    import ckptfmt.dcp as cdcp
+    from ckptfmt.files.names import RANK_FILE_RE
+    from ckptfmt.runs.objectrun import ObjectRun
+
+    results = run_ranks(_save_a_sharded_step, 2, tmp_path, str(tmp_path / "local"))
+    assert results == [{}, {}], results
+    local = tmp_path / "local" / "step-000000005"
+    assert {"rank-00000.ckpt", "rank-00001.ckpt"} <= set(os.listdir(local))
+    bucket = s3_faults.new_bucket()
+    direct = s3_server_options(s3_faults)
+    url = f"s3://{bucket}/archive"
+    _dead_copy(url, direct, 5, str(local))
+    _copy_while_a_cleanup_is_held(s3_faults, url, direct, 5, str(local), "rank-00000.ckpt")
+    reader = CheckpointManager(url, storage_options=direct)
+    report = reader.verify(5)
+    assert report.ok, report.problems
+    target = {"state": {"w": torch.zeros(128, 128), "step": 0}}
+    cdcp.load(target, f"{url}/step-000000005", storage_options=direct)
+    assert torch.equal(target["state"]["w"], SHARDED) and target["state"]["step"] == 5
+    record = ObjectRun(url, direct).record(5)
+    assert record.layout == "dcp"
+    tokens = {n.split(".")[1] for n in (p.name for p in record.files) if RANK_FILE_RE.fullmatch(n)}
+    assert len(record.files) == 2 and len(tokens) == 1 and "ckpt" not in tokens, record.files
+    names = set(ObjectRun(url, direct).listing()[5])
+    assert not {"rank-00000.ckpt", "rank-00001.ckpt"} & names, names

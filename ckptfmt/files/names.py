@@ -43,6 +43,15 @@ def rank_file_name(rank: int, token: str | None = None) -> str:
     return f"rank-{rank:05d}.ckpt" if token is None else f"rank-{rank:05d}.{token}.ckpt"
 
 
+def with_token(name: str, token: str) -> str | None:
+    """File name `name` (a state or rank file's, plain or of a save's own) as the save whose
+    digits are `token` (save_token) names it; None for a name that takes no digits."""
+    if STATE_NAME_RE.fullmatch(name) is not None:
+        return f"state.{token}.ckpt"
+    rank = rank_of(name)
+    return None if rank is None else rank_file_name(rank, token)
+
+
 def rank_of(name: str) -> int | None:
     """The rank whose file `name` is (None: not a rank file's name)."""
     m = RANK_FILE_RE.fullmatch(name)

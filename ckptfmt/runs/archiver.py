@@ -11,7 +11,7 @@ archive, then copies
   between that no rule keeps are skipped, so a lagging archive costs local disk only the
   steps saved while one copy runs;
 
-each with ObjectRun.put_step (every file verified after upload, the archive's rotation
+each with archivecopy.put_step (every file verified after upload, the archive's rotation
 right before the commit record, so it never holds more steps than its rules keep), until
 nothing is left.  A local step is "pending" (kept on local disk whatever the local rules
 say) until the archive holds it or holds a newer step and its rules would not keep this one
@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from ..background import inflight
 from ..errors import CheckpointWarning, StorageError
 from ..files import multifile
-from . import retention
+from . import archivecopy, retention
 from .objectnames import copy_marker
 from .objectrun import ObjectRun
 from .steps import CheckpointInfo, StepStatus
@@ -284,7 +284,9 @@ class Archiver:
         with self._cond:
             self._copying = info.step
         try:
-            self.run.put_step(info.step, info.path, claim=self._claim, before_commit=self._rotate)
+            archivecopy.put_step(
+                self.run, info.step, info.path, claim=self._claim, before_commit=self._rotate
+            )
         except Exception as e:  # any failure: kept locally and tried again later
             with self._cond:
                 self._failed[info.step] = str(e)

@@ -2,8 +2,7 @@
 state file and, written last, ``COMMIT``) read and written through ckptfmt.storage.
 
 It serves as the archive tier of a local CheckpointManager (steps copied there once
-committed, each file verified after upload, the commit record uploaded last and only if
-absent) and as the store behind ``CheckpointManager("s3://bucket/run")``.  A step is
+committed by runs/archivecopy.py) and as the store behind ``CheckpointManager("s3://bucket/run")``.  A step is
 complete exactly as on disk: its commit record verifies and names files that are there
 with the recorded length, file id and index checksum.  Everything listed or read is hostile
 input: step names are parsed as on disk, a listing naming keys outside the run is refused,
@@ -12,32 +11,28 @@ and records are bounded before they are decoded.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-from ..engine.ckptdir import CheckpointDir
 from ..errors import (
     CheckpointError,
     CorruptError,
     IncompleteError,
     LimitError,
-    ObjectExistsError,
     StorageError,
 )
-from ..files import multifile, recordsign
+from ..files import multifile
 from ..files.names import STATE_NAME_RE, is_own_name
-from ..files.places import STALE_AFTER, ObjectPlace, describe_object, holds_file
+from ..files.places import STALE_AFTER, ObjectPlace
 from ..files.reader import CheckpointFile
-from ..files.verify import VerifyReport, verify
+from ..files.verify import VerifyReport
 from ..format.timestamps import parse_utc
 from ..storage import listing
 from ..storage.client import check_options
 from ..storage.download import head
-from ..storage.upload import upload_bytes, upload_file
+from ..storage.upload import upload_bytes
 from ..storage.urls import ObjectURL, parse_url
 from .objectnames import (
     COPY_MARKER,
@@ -137,7 +132,7 @@ class ObjectRun:
             if reads > MAX_STATUS_RECORDS and multifile.COMMIT_NAME in names:
                 out.append(_unread(step, self.step_path(step)))
             else:
-                out.append(self._status(step, names, found))
+                out.append(self.status_of(step, names, found))
         out.reverse()
         referenced = {url for s in out if s.info is not None for url in s.info.references}
         for s in out:
@@ -164,18 +159,19 @@ class ObjectRun:
                         f"could be used; older ones are not read (MAX_CANDIDATES)",
                         path=self.path,
                     )
-            yield self._status(step, names, found)
+            yield self.status_of(step, names, found)
 
     def checkpoints(self) -> list[CheckpointInfo]:
         """The complete steps, oldest first."""
         return [s.info for s in self.statuses() if s.info is not None]
 
-    def _status(
+    def status_of(
         self,
         step: int,
         names: dict[str, Entry],
         found: Listed,
     ) -> StepStatus:
+        """Step `step` judged by the run's listing `found` (`names`: its objects there)."""
         path = self.step_path(step)
         if multifile.COMMIT_NAME not in names:
             return StepStatus(
@@ -206,9 +202,9 @@ class ObjectRun:
         for ref in record.references:
             other, name = referenced_step(ref.name, path)
             check_listed(found.get(other, {}).get(name), ref, path)
-        return self._info_of(step, record, names[multifile.COMMIT_NAME].size)
+        return self.info_of(step, record, names[multifile.COMMIT_NAME].size)
 
-    def _info_of(self, step: int, record: multifile.CommitRecord, record_size: int) -> CheckpointInfo:
+    def info_of(self, step: int, record: multifile.CommitRecord, record_size: int) -> CheckpointInfo:
         """The CheckpointInfo of complete step `step`, whose record (of `record_size` bytes) is
         `record`."""
         path = self.step_path(step)
@@ -281,119 +277,6 @@ class ObjectRun:
         return verify_objects(self.step_place(info.step), self.decrypt, self.trusted)
 
     # -- writing -------------------------------------------------------------------------
-
-    def put_step(
-        self,
-        step: int,
-        local: str,
-        *,
-        claim: str | None = None,
-        before_commit: Callable[[multifile.CommitRecord], None] | None = None,
-    ) -> CheckpointInfo:
-        """Copy the complete local step directory `local` here: each file it names, verified
-        after upload, then its commit record, uploaded only if absent.  A step already here
-        with the same record is left as it is; one with another record is an error.  The
-        objects of earlier steps an incremental step reads from are uploaded first where the
-        archive does not hold them yet (without their records: they are kept for this one).
-        `claim`: a copy marker name (copy_marker()) put into each step prefix before anything
-        is written there, deleted once the commit record is in; `before_commit(record)`: runs
-        once every file is uploaded and verified, right before the commit record goes up."""
-        claimed: list[ObjectURL] = []
-
-        def claim_prefix(of: int) -> None:
-            url = self._step_url(of).child(claim) if claim is not None else None
-            if url is not None and url not in claimed:
-                upload_bytes(b"a ckptfmt archive copy in progress\n", str(url), self.options)
-                claimed.append(url)
-
-        with claiming(claim), CheckpointDir.open(local) as d:
-            record = multifile.check_complete(d)
-            existing = self._existing(step)
-            if existing is not None:
-                if (existing.files, existing.references) != (record.files, record.references):
-                    raise CheckpointError(f"{self.step_path(step)} holds another save of step {step}")
-                return self._complete_info(step)
-            for ref in record.references:
-                self._put_reference(d, ref, claim_prefix)
-            claim_prefix(step)
-            for part in record.files:
-                self._put_file(d, part, f"{self.step_path(step)}/{part.name}")
-            if before_commit is not None:
-                before_commit(record)
-            commit_fd = d.open_file(multifile.COMMIT_NAME)
-            try:
-                record_size = upload_file(
-                    commit_fd, f"{self.step_path(step)}/{multifile.COMMIT_NAME}", self.options, if_absent=True
-                )
-            finally:
-                os.close(commit_fd)
-            # the step's own marker goes; those in the prefixes of objects it refers to stay, so
-            # that once no step refers to them they are known as ours (remove_interrupted_copies)
-            own = self._step_url(step).child(claim) if claim is not None else None
-            if own in claimed:
-                listing.delete_object(own, self.options)
-        # every file was verified after its upload: the step is complete without a listing
-        return self._info_of(step, record, record_size)
-
-    def _put_reference(
-        self, d: CheckpointDir, ref: multifile.PartRecord, claim: Callable[[int], None]
-    ) -> None:
-        """Make sure the archive holds the object reference `ref` of local step `d` names (the
-        same file: length, file id, index checksum, and the signed record's SHA-256 where it
-        gives one), uploading it if absent.  Its chunks are
-        verified through the step that reads them, once that is uploaded."""
-        url = self._reference_url(ref.name)
-        try:
-            found = describe_object(url, self.options, ref.name)[0]  # never its index
-        except FileNotFoundError:
-            claim(referenced_step(ref.name, self.path)[0])
-            fd = multifile.open_part(d, ref, d.path)
-            try:
-                upload_file(fd, url, self.options, if_absent=True)
-                return
-            except ObjectExistsError:  # another archiver's copy meanwhile: checked as found
-                found = describe_object(url, self.options, ref.name)[0]
-            finally:
-                os.close(fd)
-        multifile.check_identity(found, dataclasses.replace(ref, sha256=None), ref.name, url)
-        if ref.sha256 is not None:  # a signed step: the very bytes its record vouches for
-            recordsign.check_object(url, ref, self.options, None)
-
-    def _existing(self, step: int) -> multifile.CommitRecord | None:
-        try:
-            return self.record(step)
-        except FileNotFoundError:
-            return None
-
-    def _complete_info(self, step: int) -> CheckpointInfo:
-        found = self.listing()
-        status = self._status(step, found.get(step, {}), found)
-        if status.info is None:
-            raise status.error(
-                f"step {step} is not complete in the archive: {status.problem}", path=status.path
-            )
-        return status.info
-
-    def _put_file(self, d: CheckpointDir, part: multifile.PartRecord, url: str) -> None:
-        """Upload one file of the step being copied, created only if absent: an object already
-        there is never replaced.  One that is this very file (what a copy of the step cut
-        short left, on another node whose marker is not judged dead for a day) is checked as
-        an upload is; any other (another archiver's copy of a step of this number) is an
-        ObjectExistsError."""
-        fd = multifile.open_part(d, part, d.path)
-        try:
-            upload_file(fd, url, self.options, if_absent=True)
-        except ObjectExistsError:
-            if not holds_file(url, self.options, part):
-                raise
-        finally:
-            os.close(fd)
-        report = verify(url, storage_options=self.options, decrypt_with=self.decrypt)
-        if not report.ok:
-            raise CorruptError(f"the uploaded copy fails verification: {report.problems[0]}", path=url)
-        with CheckpointFile(url, storage_options=self.options, decrypt_with=self.decrypt) as f:
-            found = multifile.identity_of(f, part.name)
-        multifile.check_identity(found, part, part.name, url)
 
     def delete_step(self, step: int) -> None:
         """Delete a step: its commit record first, so it stops being a checkpoint before its
@@ -529,10 +412,10 @@ class ObjectRun:
             for name, version in listing.versions(url, self.options).items()
             if is_own_name(name) and name not in named and version is not None
         }
-        read_later = self._read_by_later_steps(step) if others else set()  # listed only then
+        read_later = self.read_by_later_steps(step) if others else set()  # listed only then
         listing.delete_versions(url, self.options, [(n, v) for n, v in others.items() if n not in read_later])
 
-    def _read_by_later_steps(self, step: int) -> set[str]:
+    def read_by_later_steps(self, step: int) -> set[str]:
         """The names of step `step`'s objects that the records of later steps refer to (only
         later steps refer to a step's objects); one listing of the run, one GET a later record
         (usually none: the step swept is the newest).  LimitError past MAX_STATUS_RECORDS of
@@ -545,7 +428,7 @@ class ObjectRun:
                 "none of them is deleted",
                 path=self.step_path(step),
             )
-        statuses = [self._status(s, names, found) for s, names in sorted(later.items())]
+        statuses = [self.status_of(s, names, found) for s, names in sorted(later.items())]
         prefix = self.step_path(step) + "/"
         return {u[len(prefix) :] for u in self._referenced_by(statuses) if u.startswith(prefix)}
 
