@@ -166,7 +166,7 @@ def send(
     answers where it was asked), its answer's head within what remains of the operation's
     deadline (AnswerCut); AnswerError for a status of 300 or more, with the store's `reason`
     for it."""
-    with HeadWatch(_time_left()) as watch:
+    with HeadWatch(time_left()) as watch:
         try:
             answer = session.request(
                 method, url, timeout=timeouts, stream=True, allow_redirects=False, **kwargs
@@ -185,7 +185,7 @@ def send(
     return answer
 
 
-def _time_left() -> float:
+def time_left() -> float:
     """What remains of the deadline of the operation this thread carries out."""
     budget = client.current_budget()
     return max(budget.remaining() if budget is not None else client.DEFAULT_DEADLINE, 0.001)
@@ -195,7 +195,7 @@ def read_answer(answer: Any, what: str) -> bytes:
     """The whole body of `answer`, read within what remains of the operation's deadline and
     refused above client.MAX_LISTING_BODY before it is parsed (client.read_listing)."""
     try:
-        return client.read_listing(answer.raw, _time_left(), what)
+        return client.read_listing(answer.raw, time_left(), what)
     finally:
         answer.close()
 
@@ -204,7 +204,7 @@ def read_refusal(answer: Any, limit: int = 64 * 1024) -> bytes:
     """At most `limit` bytes of a refused request's answer, read within what remains of the
     operation's deadline (one that trickles in is cut there: b"", and the status alone names
     the refusal).  A read timeout bounds each wait for a byte, not the body."""
-    with client.Watchdog(answer.raw, _time_left()) as dog:
+    with client.Watchdog(answer.raw, time_left()) as dog:
         try:
             body = bytes(answer.raw.read(limit))
         except Exception:
