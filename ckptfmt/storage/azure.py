@@ -263,7 +263,7 @@ class AzureStore:
                 where = str(url.with_key(key)) if key is not None else str(url)
                 try:
                     got = _token_within(self.account.credential, http.time_left())
-                except TimeoutError:
+                except _NoTokenInTime:
                     budget = client.current_budget()
                     limit = budget.deadline if budget is not None else client.DEFAULT_DEADLINE
                     raise StorageError(
@@ -418,8 +418,13 @@ class AzureStore:
         return UploadPage([], False)  # see abort_upload
 
 
+class _NoTokenInTime(Exception):
+    """A credential's get_token did not return within the time it was given (not a
+    TimeoutError: a credential's own timeouts are its errors, reported as such)."""
+
+
 def _token_within(credential: Any, seconds: float) -> object:
-    """credential.get_token(TOKEN_SCOPE), waited for at most `seconds` (TimeoutError): a
+    """credential.get_token(TOKEN_SCOPE), waited for at most `seconds` (_NoTokenInTime): a
     credential's own waits (a managed-identity endpoint's retries, a CLI's subprocess) know
     nothing of the operation's deadline.  A token that comes later is dropped with its thread."""
     answer: list[tuple[bool, object]] = []
@@ -434,7 +439,7 @@ def _token_within(credential: Any, seconds: float) -> object:
     worker.start()
     worker.join(seconds)
     if not answer:
-        raise TimeoutError
+        raise _NoTokenInTime
     ok, got = answer[0]
     if not ok:
         assert isinstance(got, Exception)
