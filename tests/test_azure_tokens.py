@@ -3,7 +3,11 @@ with azure-core's ``get_token(scope)``, against a real Azurite over HTTPS that c
 token's issuer, audience and lifetime (``--oauth basic``, which Azurite serves over TLS only:
 the test makes a self-signed certificate for 127.0.0.1 and trusts it through
 REQUESTS_CA_BUNDLE, as requests does).  A token is asked for once, not per request; a
-credential that fails, answers no token, or is not one is a StorageError naming the URL."""
+credential that fails, answers no token, or is not one is a StorageError naming the URL.
+
+With no key, SAS token or credential, azure-identity's DefaultAzureCredential: its chain
+reaches a managed identity as on App Service (IDENTITY_ENDPOINT, IDENTITY_HEADER), served here
+by a small local endpoint answering as App Service's does."""
 
 from __future__ import annotations
 
@@ -12,8 +16,12 @@ import datetime
 import ipaddress
 import json
 import os
+import sys
+import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NamedTuple
 
 import pytest
@@ -49,15 +57,20 @@ class Credential:
 
     def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
         self.scopes.append(scopes)
-        now = int(time.time())
-        claims = {
-            "aud": "https://storage.azure.com",
-            "iss": "https://sts.windows.net/ab1f708d-50f6-404c-a006-d71b2ac7a606/",
-            "iat": now - 60,
-            "nbf": now - 60,
-            "exp": now + self.lifetime,
-        }
-        return AccessToken(_jwt(claims), now + self.expires_in)
+        return AccessToken(_storage_token(self.lifetime), int(time.time()) + self.expires_in)
+
+
+def _storage_token(lifetime: int) -> str:
+    """A token for Azure Storage that Azurite takes, valid for `lifetime` seconds."""
+    now = int(time.time())
+    claims = {
+        "aud": "https://storage.azure.com",
+        "iss": "https://sts.windows.net/ab1f708d-50f6-404c-a006-d71b2ac7a606/",
+        "iat": now - 60,
+        "nbf": now - 60,
+        "exp": now + lifetime,
+    }
+    return _jwt(claims)
 
 
 def _self_signed(directory: str) -> tuple[str, str]:
@@ -168,8 +181,8 @@ def test_refused_and_failing_credentials_are_storage_errors_naming_the_url(token
 
 
 def test_azure_identitys_credentials_are_taken_as_they_are(token_options):
-    """azure-identity's credential classes have the shape taken (where it is installed)."""
-    identity = pytest.importorskip("azure.identity")
+    """azure-identity's credential classes have the shape taken (the dev extra installs it)."""
+    import azure.identity as identity
     from azure.core.credentials import AccessToken as CoreToken
 
     root, options = token_options
@@ -186,3 +199,151 @@ def test_azure_identitys_credentials_are_taken_as_they_are(token_options):
         ckptfmt.load(f"{root}/x.ckpt", storage_options=options | {"credential": cred})["w"], torch.ones(10)
     )
     assert ours.scopes == [(azure.TOKEN_SCOPE,)]
+
+
+# -- no credential given: DefaultAzureCredential, through a managed identity -------------------------
+
+IDENTITY_SECRET = "identity-header-secret"
+
+
+class IdentityEndpoint:
+    """App Service's managed-identity endpoint on 127.0.0.1 (what IDENTITY_ENDPOINT names):
+    GET ?api-version=2019-08-01&resource=... with the X-IDENTITY-HEADER secret, answered
+    {"access_token", "expires_on", "resource", "token_type"}; with `failing`, 500 answers;
+    with `hanging`, no answer until closed.  `asked` holds each request's path and header."""
+
+    def __init__(self, failing: bool = False, hanging: bool = False) -> None:
+        self.asked: list[tuple[str, str | None]] = []
+        self.closed = threading.Event()
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                endpoint.asked.append((self.path, self.headers.get("X-IDENTITY-HEADER")))
+                if hanging:
+                    endpoint.closed.wait(60)
+                    return
+                if failing or self.headers.get("X-IDENTITY-HEADER") != IDENTITY_SECRET:
+                    status, body = 500, {"statusCode": 500, "message": "no identity"}
+                else:
+                    expires = int(time.time()) + 3600
+                    resource = "https://storage.azure.com"
+                    token = {"access_token": _storage_token(3600), "expires_on": str(expires)}
+                    status, body = 200, token | {"resource": resource, "token_type": "Bearer"}
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/msi/token"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+#: what else DefaultAzureCredential's chain reads: unset, so that only the managed identity
+#: can answer (AZURE_TOKEN_CREDENTIALS=prod, azure-identity's own setting, leaves out the
+#: developer tools: a tester's az login)
+OTHER_IDENTITIES = (
+    "AZURE_CLIENT_ID",
+    "AZURE_TENANT_ID",
+    "AZURE_CLIENT_SECRET",
+    "AZURE_CLIENT_CERTIFICATE_PATH",
+    "AZURE_FEDERATED_TOKEN_FILE",
+    "AZURE_USERNAME",
+    "IDENTITY_SERVER_THUMBPRINT",
+    "IMDS_ENDPOINT",
+    "MSI_ENDPOINT",
+    "MSI_SECRET",
+    "AZURE_STORAGE_ANON",
+    "AZURE_STORAGE_KEY",
+    "AZURE_STORAGE_SAS_TOKEN",
+)
+
+
+@pytest.fixture
+def managed_identity(oauth_azurite, monkeypatch) -> Iterator[tuple[str, IdentityEndpoint]]:
+    """A fresh container on the HTTPS Azurite, its account named (and where it is) by a
+    connection string with no key, and a managed identity as on App Service: (the
+    container's az:// URL, the identity endpoint)."""
+    import azure.identity  # noqa: F401  (the dev extra installs it: a missing one fails here)
+
+    for name in OTHER_IDENTITIES:
+        monkeypatch.delenv(name, raising=False)
+    endpoint = IdentityEndpoint()
+    monkeypatch.setenv("IDENTITY_ENDPOINT", endpoint.url)
+    monkeypatch.setenv("IDENTITY_HEADER", IDENTITY_SECRET)
+    monkeypatch.setenv("AZURE_TOKEN_CREDENTIALS", "prod")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", oauth_azurite.ca)
+    keyless = (
+        f"DefaultEndpointsProtocol=https;AccountName=devstoreaccount1;BlobEndpoint={oauth_azurite.endpoint};"
+    )
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", keyless)
+    yield f"az://{oauth_azurite.new_container()}", endpoint
+    endpoint.close()
+
+
+def test_an_account_alone_takes_the_default_credential_chain(managed_identity):
+    root, endpoint = managed_identity
+    state = {"w": torch.randn(100_000), "step": 3}
+    ckptfmt.save(state, f"{root}/x.ckpt")
+    assert_same(state, ckptfmt.load(f"{root}/x.ckpt"))
+    assert endpoint.asked, "the managed identity was never asked for a token"
+    for path, secret in endpoint.asked:
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query)
+        assert query == {"api-version": ["2019-08-01"], "resource": ["https://storage.azure.com"]}
+        assert secret == IDENTITY_SECRET
+
+
+def test_a_failing_identity_endpoint_is_a_storage_error_within_the_deadline(managed_identity, monkeypatch):
+    root, working = managed_identity
+    url = f"{root}/x.ckpt"
+    for behaviour, deadline, reason in (
+        ("failing", 30, "gave no token for .*ClientAuthenticationError"),  # azure-identity gives up
+        ("hanging", 2, "gave no token for .* within the operation's deadline of 2 s"),  # ours does
+    ):
+        endpoint = IdentityEndpoint(**{behaviour: True})
+        try:
+            monkeypatch.setenv("IDENTITY_ENDPOINT", endpoint.url)  # a new store: the environment changed
+            started = time.monotonic()
+            with pytest.raises(StorageError, match=reason) as e:
+                ckptfmt.save({"w": torch.ones(10)}, url, storage_options={"deadline": deadline})
+            assert time.monotonic() - started < deadline + 10  # generous on a busy machine
+            assert e.value.path is not None and e.value.path.startswith(root)
+            assert endpoint.asked
+        finally:
+            endpoint.close()
+    assert not working.asked
+
+
+def test_anonymous_access_as_adlfs_asks_no_identity(managed_identity, monkeypatch):
+    root, endpoint = managed_identity
+    monkeypatch.setenv("AZURE_STORAGE_ANON", "1")  # adlfs's setting: unsigned requests
+    with pytest.raises(StorageError, match="access denied"):
+        ckptfmt.save({"w": torch.ones(10)}, f"{root}/x.ckpt")
+    with pytest.raises(StorageError, match="access denied"):  # the option overrides the variable
+        ckptfmt.save({"w": torch.ones(10)}, f"{root}/x.ckpt", storage_options={"anon": True})
+    assert not endpoint.asked
+    with pytest.raises(StorageError, match="anon must be True or False"):
+        ckptfmt.load(f"{root}/x.ckpt", storage_options={"anon": "yes"})
+
+
+def test_without_azure_identity_the_error_says_what_to_install(managed_identity, monkeypatch):
+    root, endpoint = managed_identity
+    monkeypatch.setitem(sys.modules, "azure.identity", None)  # as if not installed
+    monkeypatch.setenv("AZURE_TOKEN_CREDENTIALS", "dev")  # a new store (the environment changed)
+    with pytest.raises(StorageError, match="pip install azure-identity") as e:
+        ckptfmt.load(f"{root}/x.ckpt")
+    assert "DefaultAzureCredential" in str(e.value) and "managed identity" in str(e.value)
+    assert e.value.path == f"{root}/x.ckpt" and not endpoint.asked

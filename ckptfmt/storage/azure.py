@@ -11,7 +11,10 @@ options ``connection_string``, ``account_name``, ``account_key``, ``sas_token`` 
 Azure AD (Entra ID): storage option ``credential``, any object with azure-core's
 ``get_token(scope)`` (azure-identity's DefaultAzureCredential, a managed identity ...), whose
 bearer token signs every request instead of a key (Azure's tools have no environment variable
-holding a token: azure-identity's own credentials read theirs).
+holding a token: azure-identity's own credentials read theirs).  An account with none of these
+takes azure-identity's DefaultAzureCredential (its environment service principal, workload
+identity, managed identity, Azure CLI ...), as adlfs does, unless anonymous access is asked for
+(storage option ``anon``, else AZURE_STORAGE_ANON, read as adlfs reads it).
 
 Each guarantee by Azure's own mechanism: the version of a blob is its ETag; ranged reads name
 it (``If-Match``); a commit record is created only if absent (``If-None-Match: *``); a
@@ -46,6 +49,7 @@ from .urls import ObjectURL
 CONNECTION_VARIABLE = "AZURE_STORAGE_CONNECTION_STRING"
 #: the entries (blobs and prefixes) one listing page is asked for (maxresults)
 PAGE_ENTRIES = 1000
+ANON_VARIABLE = "AZURE_STORAGE_ANON"
 API_VERSION = "2021-08-06"
 #: the scope of an Azure AD token for Azure Storage, and how long before its expiry a token
 #: is asked for again
@@ -57,6 +61,27 @@ ENVIRONMENT = (
     "AZURE_STORAGE_ACCOUNT",
     "AZURE_STORAGE_KEY",
     "AZURE_STORAGE_SAS_TOKEN",
+    ANON_VARIABLE,
+    # what DefaultAzureCredential's chain is made from (a change to them makes a new store)
+    "AZURE_TOKEN_CREDENTIALS",
+    "AZURE_CLIENT_ID",
+    "AZURE_TENANT_ID",
+    "AZURE_CLIENT_SECRET",
+    "AZURE_CLIENT_CERTIFICATE_PATH",
+    "AZURE_FEDERATED_TOKEN_FILE",
+    "AZURE_AUTHORITY_HOST",
+    "IDENTITY_ENDPOINT",
+    "IDENTITY_HEADER",
+    "IDENTITY_SERVER_THUMBPRINT",
+    "IMDS_ENDPOINT",
+    "MSI_ENDPOINT",
+    "MSI_SECRET",
+)
+#: where no key, SAS token or credential is given: the chain azure-identity's
+#: DefaultAzureCredential tries, for errors
+DEFAULT_CHAIN = (
+    "azure-identity's DefaultAzureCredential (AZURE_CLIENT_ID/AZURE_TENANT_ID/AZURE_CLIENT_SECRET, "
+    "workload identity, managed identity, az login ...)"
 )
 
 
@@ -123,15 +148,48 @@ def account_from(options: Mapping[str, Any], named: str | None = None) -> Accoun
             )
         return Account(endpoint, name, None, None, credential)
     if not key and not sas:
-        raise StorageError(
-            f"az:// URLs of the account {name!r} need its key, a SAS token or an Azure AD credential "
-            "(storage option credential)"
-        )
+        # adlfs's rule (AzureBlobFileSystem.__init__): no credential, key, SAS token (or, in
+        # adlfs, connection string) and not anonymous: DefaultAzureCredential.  A connection
+        # string holding neither key nor SAS only says where the account is (an emulator, a
+        # private endpoint): it takes the chain too, where adlfs would be anonymous; ckptfmt
+        # is anonymous only where asked.
+        if _anonymous(options):
+            return Account(endpoint, name, None, None)
+        return Account(endpoint, name, None, None, default_credential(name))
     try:
         secret = base64.b64decode(str(key), validate=True) if key else None
     except ValueError:
         raise StorageError(f"the key of the account {name!r} is not base64") from None
     return Account(endpoint, name, secret, str(sas) if sas else None)
+
+
+def _anonymous(options: Mapping[str, Any]) -> bool:
+    """Whether requests go unsigned (public containers): storage option anon, else
+    AZURE_STORAGE_ANON as adlfs reads it (anything but "false", "0", "f" or empty is true)."""
+    if "anon" in options:
+        if not isinstance(options["anon"], bool):
+            raise StorageError(f"storage option anon must be True or False, not {options['anon']!r}")
+        return options["anon"]
+    return os.environ.get(ANON_VARIABLE, "false").lower() not in ("false", "0", "f", "")
+
+
+def default_credential(name: str) -> Any:
+    """azure-identity's DefaultAzureCredential, with its own defaults (as adlfs makes it: a
+    user's az login is part of the chain); StorageError saying what to install where
+    azure-identity is missing."""
+    try:
+        from azure.identity import DefaultAzureCredential
+    except ImportError:
+        raise StorageError(
+            f"az:// URLs of the account {name!r} with no key or SAS token (AZURE_STORAGE_KEY, "
+            f"AZURE_STORAGE_SAS_TOKEN, the connection string's, storage options account_key, "
+            f"sas_token) nor storage option credential take {DEFAULT_CHAIN}: pip install "
+            f"azure-identity (or set {ANON_VARIABLE}=true for public containers)"
+        ) from None
+    try:
+        return DefaultAzureCredential()
+    except ValueError as e:  # an AZURE_TOKEN_CREDENTIALS it does not know
+        raise StorageError(f"azure-identity's DefaultAzureCredential refused its settings: {e}") from None
 
 
 def _connection_fields(text: str) -> dict[str, str]:
@@ -205,7 +263,15 @@ class AzureStore:
             if self._token is None or self._token[1] - time.time() < TOKEN_MARGIN:
                 where = str(url.with_key(key)) if key is not None else str(url)
                 try:
-                    got = self.account.credential.get_token(TOKEN_SCOPE)
+                    got = _token_within(self.account.credential, http.time_left())
+                except _NoTokenInTime:
+                    budget = client.current_budget()
+                    limit = budget.deadline if budget is not None else client.DEFAULT_DEADLINE
+                    raise StorageError(
+                        f"the Azure AD credential gave no token for {TOKEN_SCOPE} within the "
+                        f"operation's deadline of {limit:g} s (storage option deadline)",
+                        path=where,
+                    ) from None
                 except Exception as e:  # the credential's own errors (azure-identity's, ...)
                     raise StorageError(
                         f"the Azure AD credential gave no token for {TOKEN_SCOPE}: {type(e).__name__}: {e}",
@@ -357,6 +423,35 @@ class AzureStore:
 
     def list_uploads(self, url: ObjectURL, prefix: str, marker: dict[str, str]) -> UploadPage:
         return UploadPage([], False)  # see abort_upload
+
+
+class _NoTokenInTime(Exception):
+    """A credential's get_token did not return within the time it was given (not a
+    TimeoutError: a credential's own timeouts are its errors, reported as such)."""
+
+
+def _token_within(credential: Any, seconds: float) -> object:
+    """credential.get_token(TOKEN_SCOPE), waited for at most `seconds` (_NoTokenInTime): a
+    credential's own waits (a managed-identity endpoint's retries, a CLI's subprocess) know
+    nothing of the operation's deadline.  A token that comes later is dropped with its thread."""
+    answer: list[tuple[bool, object]] = []
+
+    def ask() -> None:
+        try:
+            answer.append((True, credential.get_token(TOKEN_SCOPE)))
+        except Exception as e:
+            answer.append((False, e))
+
+    worker = threading.Thread(target=ask, name="ckptfmt-azure-token", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if not answer:
+        raise _NoTokenInTime
+    ok, got = answer[0]
+    if not ok:
+        assert isinstance(got, Exception)
+        raise got
+    return got
 
 
 def _code(answer: Any) -> str:

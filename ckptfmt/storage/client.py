@@ -40,8 +40,9 @@ STORE_OPTIONS: dict[str, tuple[str, ...]] = {
     ),
     # token: a service account's JSON key file, or "anon" (no credentials: public buckets)
     "gs": ("token",),
-    # credential: an Azure AD credential (azure-core's get_token), e.g. azure-identity's
-    "az": ("connection_string", "account_name", "account_key", "sas_token", "credential"),
+    # credential: an Azure AD credential (azure-core's get_token), e.g. azure-identity's;
+    # anon: unsigned requests (public containers), as adlfs's
+    "az": ("connection_string", "account_name", "account_key", "sas_token", "credential", "anon"),
 }
 CLIENT_OPTIONS = tuple(dict.fromkeys(name for names in STORE_OPTIONS.values() for name in names))
 #: ... and ckptfmt's own tuning, for every store
