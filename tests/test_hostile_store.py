@@ -217,6 +217,20 @@ def _listing(
     )
 
 
+def _pages(keys: list[str], per: int = 1000) -> Answer:
+    """`keys` listed as S3 does, at most `per` (MaxKeys' default) a page, each page but the last
+    naming the next by its continuation token."""
+
+    def answer(h: BaseHTTPRequestHandler) -> None:
+        token = parse_qs(urlsplit(h.path).query).get("continuation-token", ["0"])[0]
+        start = int(token)
+        end = start + per
+        more = end < len(keys)
+        _listing(keys[start:end], truncated=more, token=str(end) if more else None)(h)
+
+    return answer
+
+
 def test_a_listing_outside_the_prefix_is_refused(store):
     store.listing = _listing(["run/step-000000001/COMMIT", "other/step-000000002/COMMIT"])
     with pytest.raises(StorageError, match="outside"):
@@ -493,7 +507,7 @@ def test_latest_reads_a_bounded_number_of_records_of_a_listing_full_of_fake_ones
     from ckptfmt.runs import objectrun
 
     keys = [f"run/{step_dirname(s)}/COMMIT" for s in range(1, 20_001)]
-    store.listing = _listing(keys)
+    store.listing = _pages(keys)
     store.get = lambda h: _reply(h, 200, {"Content-Length": "4", "ETag": '"j"'}, b"junk")
     manager = ckptfmt.CheckpointManager("s3://bucket/run", storage_options=store.options)
     with pytest.warns(ckptfmt.CheckpointWarning, match="step-000020000"):
@@ -513,7 +527,7 @@ def test_statuses_read_a_bounded_number_of_records_of_a_listing_full_of_fake_one
     from ckptfmt.runs import objectrun
 
     keys = [f"run/{step_dirname(s)}/COMMIT" for s in range(1, 20_001)]
-    store.listing = _listing(keys)
+    store.listing = _pages(keys)
     store.get = lambda h: _reply(h, 200, {"Content-Length": "4", "ETag": '"j"'}, b"junk")
     run = ObjectRun("s3://bucket/run", store.options)
     statuses = run.statuses()

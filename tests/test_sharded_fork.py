@@ -239,6 +239,10 @@ def _hanging_rank_main(rank: int, world: int, base: str) -> dict[str, object]:
     m.save(3, {"w": torch.full((64,), 3.0 + rank), "n": 3})
     m.wait()
     results["steps"] = [c.step for c in m.checkpoints()]
+    # step 3's child is reaped after its commit, once its exit has unmapped its memory
+    end = time.monotonic() + 60
+    while _children() and time.monotonic() < end:
+        time.sleep(0.05)
     results["children"] = _children()
     return results
 
