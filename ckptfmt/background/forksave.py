@@ -420,11 +420,8 @@ def _await(pid: int, ready: int, deadline: _Deadline) -> tuple[str, int | None]:
     poller = select.poll()
     poller.register(ready, select.POLLIN)
     while not poller.poll(max(0, min(_POLL_MS, int(deadline.left() * 1000)))):
-        try:
-            done, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return _ENDED, None
-        if done:
+        ended, status = children.wait_child(pid, 0)  # one look, no wait
+        if ended:
             return _ENDED, status
         if deadline.left() <= 0:
             return _LATE, children.stop_child(pid)
