@@ -347,3 +347,26 @@ def test_without_azure_identity_the_error_says_what_to_install(managed_identity,
         ckptfmt.load(f"{root}/x.ckpt")
     assert "DefaultAzureCredential" in str(e.value) and "managed identity" in str(e.value)
     assert e.value.path == f"{root}/x.ckpt" and not endpoint.asked
+
+
+@pytest.mark.parametrize(
+    "options, refused",
+    [
+        (
+            {"account_name": "acct", "account_key": "a2V5", "anon": True},
+            "anon=True cannot be honoured with a",
+        ),
+        ({"account_name": "acct", "sas_token": "sv=x", "anon": True}, "anon=True cannot be honoured with a"),
+        ({"account_name": "acct", "credential": Credential(), "anon": True}, "anon=True cannot be honoured"),
+        ({"account_name": "acct", "account_key": "a2V5", "credential": Credential()}, "credential cannot"),
+        ({"account_name": "acct", "account_key": "a2V5", "anon": "yes"}, "anon must be True or False"),
+    ],
+)
+def test_options_that_cannot_be_honoured_together_are_refused(options, refused, monkeypatch):
+    """anon=True beside a key, SAS token or credential, or a credential beside a key or SAS
+    token: one of them would be ignored; each is a StorageError before any request."""
+    from ckptfmt.storage import azure
+
+    monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING", raising=False)
+    with pytest.raises(StorageError, match=refused):
+        azure.account_from(options)

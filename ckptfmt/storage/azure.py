@@ -140,6 +140,14 @@ def account_from(options: Mapping[str, Any], named: str | None = None) -> Accoun
             "(the connection string, account_name, AZURE_STORAGE_ACCOUNT)"
         )
     credential = options.get("credential")
+    anonymous = _anonymous(options)
+    signers = [n for n, v in (("account key", key), ("SAS token", sas), ("credential", credential)) if v]
+    if options.get("anon") is True and signers:  # unsigned requests cannot carry them
+        raise StorageError(f"storage option anon=True cannot be honoured with a {signers[0]}")
+    if credential is not None and (key or sas):  # one way to sign each request: say which
+        raise StorageError(
+            f"storage option credential cannot be honoured beside a {signers[0]}: give one of them"
+        )
     if credential is not None:
         if not callable(getattr(credential, "get_token", None)):
             raise StorageError(
@@ -153,7 +161,7 @@ def account_from(options: Mapping[str, Any], named: str | None = None) -> Accoun
         # string holding neither key nor SAS only says where the account is (an emulator, a
         # private endpoint): it takes the chain too, where adlfs would be anonymous; ckptfmt
         # is anonymous only where asked.
-        if _anonymous(options):
+        if anonymous:
             return Account(endpoint, name, None, None)
         return Account(endpoint, name, None, None, default_credential(name))
     try:
