@@ -398,22 +398,55 @@ class ObjectRun:
         ours = [(n, v) for n, v in listed if written_here(n) and n != multifile.COMMIT_NAME]
         listing.delete_versions(url, self.options, ours)
 
-    def sweep_step(self, step: int, record: multifile.CommitRecord) -> None:
+    def sweep_step(
+        self, step: int, record: multifile.CommitRecord, listed: dict[str, str | None] | None = None
+    ) -> None:
         """Delete what other saves left in step `step`, which this process has just committed
         with `record`: objects ckptfmt writes in a step (never a copy marker, never the record)
         that the record does not name, each by the version listed (If-Match).  No record of
         the step can name them: a step's record is created only once, and names only objects
         its own writer uploaded (spec 13.7).  A later step's record can (the step committed by
-        another writer and retired by its rotation before this commit): those are left."""
+        another writer and retired by its rotation before this commit): those are left.
+        `listed`: the step's objects and versions as just listed (None: listed here)."""
         url = self._step_url(step)
         named = {p.name for p in record.files} | {multifile.COMMIT_NAME}
+        listed = listing.versions(url, self.options) if listed is None else listed
         others = {
             name: version
-            for name, version in listing.versions(url, self.options).items()
+            for name, version in listed.items()
             if is_own_name(name) and name not in named and version is not None
         }
         read_later = self.read_by_later_steps(step) if others else set()  # listed only then
         listing.delete_versions(url, self.options, [(n, v) for n, v in others.items() if n not in read_later])
+
+    def sweep_unclaimed(self, step: int, record: multifile.CommitRecord) -> bool:
+        """sweep_step of committed step `step` (by its `record`) unless a live writer's copy
+        marker is in its prefix (it may be uploading an object of this step that a later step
+        will refer to); whether it swept.  One listing serves both: an object uploaded after
+        that listing is never among the versions deleted, nor one a marker it shows guards."""
+        listed = listing.listed(self._step_url(step), self.options)
+        now = datetime.datetime.now(datetime.timezone.utc)
+        if any(
+            n.startswith(COPY_MARKER) and "/" not in n and not marker_dead(n, e.modified, now, STALE_AFTER)
+            for n, e in listed.items()
+        ):
+            return False
+        self.sweep_step(step, record, {n: e.version for n, e in listed.items()})
+        return True
+
+    def _sweep_ended_copies(self, step: int) -> None:
+        """In complete step `step`, whose copy markers are all dead: delete what those copies
+        left beside the record (a copy that lost the race to commit, or was killed, while
+        another copy committed under names of its own), as sweep_unclaimed does.  A record
+        that cannot be read, or too many later records to read, leaves everything."""
+        try:
+            self.sweep_unclaimed(step, self.record(step))
+        except FileNotFoundError:  # deleted since the listing
+            pass
+        except StorageError:
+            raise
+        except CheckpointError:  # nothing to go by
+            pass
 
     def read_by_later_steps(self, step: int) -> set[str]:
         """The names of step `step`'s objects that the records of later steps refer to (only
@@ -467,7 +500,9 @@ class ObjectRun:
         `older_than`.  Such a prefix without a commit record (by the listing and by a HEAD)
         whose objects no step refers to is deleted, its markers last, so that a deletion cut
         short stays recognisable; one that a step refers to is left whole (its markers say it
-        is ours once nothing does); in a complete step only the dead markers go.  A prefix with
+        is ours once nothing does); in a complete step what those copies left beside the record
+        goes (sweep_unclaimed: own names its record does not name, unless a later record
+        reads them), then the dead markers.  A prefix with
         no marker, or with a live writer's, is never touched here (ObjectRun.cleanup).
         Only the versions `found` lists go (If-Match), and not in a prefix another writer has
         come to since (writer_came).  `found`: the run's listing to go by (None: listed here)."""
@@ -495,7 +530,8 @@ class ObjectRun:
             if step < below and multifile.COMMIT_NAME not in names:
                 continue  # an unread newer step may refer to its objects
             if multifile.COMMIT_NAME in names:
-                doomed = markers  # a step with its record: only the markers of a copy that ended
+                self._sweep_ended_copies(step)  # what those copies left beside the record
+                doomed = markers  # then their markers
             elif any(u.startswith(self.step_path(step) + "/") for u in referenced):
                 continue  # kept for a later step's objects: its markers say it is ours once not
             elif self.has_record(step):

@@ -1,0 +1,120 @@
+"""Attacks on the archive copy (runs/archivecopy.py, runs/archiver.py) and the cleanup of a run
+on a store (runs/objectrun.py), through the fault proxy in front of a real local S3 server:
+a copy cut at every one of its requests and then finished by a new archiver, two archivers
+copying one step at once, a record that names what is not its run's.  Each must leave every
+step whole, nothing another writer's record names deleted, and nothing stray once a copy
+completes."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import ckptfmt
+from ckptfmt.errors import CheckpointWarning
+from ckptfmt.runs import archivecopy
+from ckptfmt.runs.archiver import Archiver
+from ckptfmt.runs.objectnames import copy_marker
+from ckptfmt.runs.objectrun import ObjectRun
+
+
+def _local_run(tmp_path, steps: int = 1) -> ckptfmt.CheckpointManager:
+    m = ckptfmt.CheckpointManager(tmp_path / "local", keep_last=10)
+    for step in range(1, steps + 1):
+        m.save(step, {"w": torch.full((5000,), float(step)), "step": step})
+    return m
+
+
+def _archiver(run: ObjectRun, local: ckptfmt.CheckpointManager) -> Archiver:
+    return Archiver(run, keep_last=None, keep_every=None, local_steps=local.checkpoints)
+
+
+def _pass(archiver: Archiver) -> None:
+    """One archive pass, waited for; its failures are warnings (the archiver's way)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        archiver.kick()
+        archiver.wait(timeout=120)
+
+
+def _step_keys(run: ObjectRun, step: int) -> set[str]:
+    return {name for name in run.listing().get(step, {})}
+
+
+def _assert_whole_and_clean(run: ObjectRun, step: int, value: float) -> None:
+    """Step `step` complete in `run`, verified, holding `value`; its prefix holding exactly its
+    record's files and the record (no stray copy, no marker)."""
+    infos = {c.step: c for c in run.checkpoints()}
+    assert step in infos, run.statuses()
+    record = run.record(step)
+    assert _step_keys(run, step) == {p.name for p in record.files} | {"COMMIT"}
+    assert run.verify_step(infos[step]).ok
+    state = ckptfmt.load(infos[step].files[0], storage_options=run.options)
+    assert torch.equal(state["state"]["w"], torch.full((5000,), value))
+
+
+@pytest.mark.parametrize("answered", [False, True], ids=["lost-request", "lost-answer"])
+def test_a_copy_cut_at_any_request_is_finished_whole_by_the_next_archiver(tmp_path, s3_faults, answered):
+    """The first archiver's copy fails at its n-th request (n = 1, 2, ...: the connection reset
+    before the request reaches the store, or after the store carried it out); a second
+    archiver (the next process) then archives the step whole, and leaves nothing else."""
+    local = _local_run(tmp_path)
+    options = s3_faults.storage_options() | {"max_attempts": 1}
+    n = 0
+    while True:
+        n += 1
+        bucket = s3_faults.new_bucket()
+        run = ObjectRun(f"s3://{bucket}/run", options)
+        s3_faults.clear_rules()
+        s3_faults.reset_on(None, f"/{bucket}", nth=n, answered=answered)
+        _pass(_archiver(run, local))
+        fired = s3_faults.pending_rules() == 0
+        s3_faults.clear_rules()
+        _pass(_archiver(run, local))
+        _assert_whole_and_clean(run, 1, 1.0)
+        if not fired:  # the copy made fewer than n requests: every one was cut once
+            break
+    assert n > 5  # a copy is a marker, a listing, uploads, their checks, a record, ...
+
+
+def test_two_archivers_copying_one_step_at_once_leave_one_whole_copy(tmp_path, s3_faults):
+    """Archiver A's commit record is held while archiver B copies the same step whole (under
+    names of its own) and commits; A's record then finds B's there: A withdraws what it
+    uploaded, B's files stay, and the next pass leaves the prefix holding B's copy alone."""
+    local = _local_run(tmp_path)
+    options = s3_faults.storage_options()
+    bucket = s3_faults.new_bucket()
+    run = ObjectRun(f"s3://{bucket}/run", options)
+    info = local.checkpoints()[-1]
+    held = s3_faults.hold("PUT", "/step-000000001/COMMIT")
+    failed: list[BaseException] = []
+
+    def copy_a() -> None:
+        try:
+            archivecopy.put_step(run, 1, info.path, claim=copy_marker())
+        except BaseException as e:
+            failed.append(e)
+
+    a = threading.Thread(target=copy_a)
+    a.start()
+    try:
+        deadline = threading.Event()
+        for _ in range(300):  # A's record is held at the proxy
+            if s3_faults.count("PUT", "/step-000000001/COMMIT"):
+                break
+            deadline.wait(0.1)
+        b_claim = copy_marker() + ".b"
+        archivecopy.put_step(run, 1, info.path, claim=b_claim)
+    finally:
+        held.set()
+        a.join(60)
+    assert not a.is_alive()
+    record = run.record(1)
+    # A's create-only record was refused: B's is the step's; A withdrew nothing B's record names
+    assert [type(e).__name__ for e in failed] == ["ObjectExistsError"], failed
+    _pass(_archiver(run, local))  # the next pass removes the markers of copies that ended
+    _assert_whole_and_clean(run, 1, 1.0)
+    assert run.record(1) == record
