@@ -118,3 +118,27 @@ def test_two_archivers_copying_one_step_at_once_leave_one_whole_copy(tmp_path, s
     _pass(_archiver(run, local))  # the next pass removes the markers of copies that ended
     _assert_whole_and_clean(run, 1, 1.0)
     assert run.record(1) == record
+
+
+@pytest.mark.parametrize("target", [2, 1], ids=["a-later-step", "its-own-step"])
+def test_a_record_referring_to_a_step_not_before_its_own_is_damaged(s3_bucket, target):
+    """References lead to earlier steps only (an incremental step's base was committed before
+    it), which cleanup relies on (a step's objects are read only by later steps' records): a
+    record of step 1 naming an object of step 2 (or of step 1 itself) is a CorruptError, its
+    step damaged, never complete."""
+    import dataclasses
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/run"
+    m = ckptfmt.CheckpointManager(url, incremental=True, storage_options=options)
+    for step in (1, 2):
+        m.save(step, {"w": torch.full((5000,), float(step)), "step": step})
+    first, target_part = m.run.record(1), m.run.record(target).files[0]
+    ref = dataclasses.replace(target_part, name=f"../step-00000000{target}/{target_part.name}")
+    forward = dataclasses.replace(first, references=(ref,))
+    m.run.retire_step(1)  # its record alone goes; its files stay
+    m.run.step_place(1).write_record(forward)
+    status = {s.step: s for s in ObjectRun(url, options).statuses()}[1]
+    assert status.info is None and status.damaged and "not an earlier step" in status.problem, status
+    with pytest.raises(ckptfmt.CorruptError, match=f"refers to step {target}, not an earlier step"):
+        ObjectRun(url, options).record(1)

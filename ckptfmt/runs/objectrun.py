@@ -594,7 +594,12 @@ class StepPlace(ObjectPlace):
                 path=url,
             )
         for ref in record.references:
-            referenced_step(ref.name, url)  # a reference names a step of this run, or none
+            other = referenced_step(ref.name, url)[0]  # a reference names a step of this run
+            if other >= self.step:  # cleanup relies on it: only later steps read a step's objects
+                raise CorruptError(
+                    f"the commit record refers to step {other}, not an earlier step ({ref.name[:80]!r})",
+                    path=url,
+                )
         return record
 
 
