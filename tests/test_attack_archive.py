@@ -142,3 +142,39 @@ def test_a_record_referring_to_a_step_not_before_its_own_is_damaged(s3_bucket, t
     assert status.info is None and status.damaged and "not an earlier step" in status.problem, status
     with pytest.raises(ckptfmt.CorruptError, match=f"refers to step {target}, not an earlier step"):
         ObjectRun(url, options).record(1)
+
+
+def test_a_cleaner_running_during_a_copy_deletes_nothing_of_it(tmp_path, s3_faults):
+    """ObjectRun.cleanup (a store run's manager's) with a bound of 0 s runs while an archive
+    copy's commit record is held: the copy's live marker keeps its files, so the record it
+    then commits names objects that are there (the local tier drops a step once archived:
+    a record naming deleted files would lose the step in both tiers)."""
+    import datetime
+
+    local = _local_run(tmp_path)
+    bucket = s3_faults.new_bucket()
+    run = ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options())
+    info = local.checkpoints()[-1]
+    held = s3_faults.hold("PUT", "/step-000000001/COMMIT")
+    failed: list[BaseException] = []
+
+    def copy() -> None:
+        try:
+            archivecopy.put_step(run, 1, info.path, claim=copy_marker())
+        except BaseException as e:
+            failed.append(e)
+
+    t = threading.Thread(target=copy)
+    t.start()
+    try:
+        waited = threading.Event()
+        for _ in range(300):  # until the record's PUT is held: every file is up
+            if s3_faults.count("PUT", "/step-000000001/COMMIT"):
+                break
+            waited.wait(0.1)
+        ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options()).cleanup(older_than=datetime.timedelta(0))
+    finally:
+        held.set()
+        t.join(60)
+    assert not t.is_alive() and not failed, failed
+    _assert_whole_and_clean(run, 1, 1.0)

@@ -38,6 +38,7 @@ from .objectnames import (
     COPY_MARKER,
     check_listed,
     claiming,
+    has_live_marker,
     in_a_step,
     in_steps,
     marker_dead,
@@ -388,13 +389,18 @@ class ObjectRun:
             return True
         return True
 
-    def delete_leftover(self, step: int) -> None:
+    def delete_leftover(self, step: int, older_than: datetime.timedelta = STALE_AFTER) -> None:
         """Delete what a dead save left in step `step` (cleanup: no commit record by the listing
-        and a HEAD, its newest object older than the cleanup bound): only the versions listed
-        now (If-Match; an object listed without an ETag is left), never a commit record, so that
-        an object another writer puts there meanwhile stays, and so does its record."""
+        and a HEAD, its newest object older than the cleanup bound `older_than`): only the
+        versions listed now (If-Match; an object listed without an ETag is left), never a
+        commit record, so that an object another writer puts there meanwhile stays, and so
+        does its record; nothing where that listing shows a live archive copy's marker."""
         url = self._step_url(step)
-        listed = listing.versions(url, self.options).items()
+        now = datetime.datetime.now(datetime.timezone.utc)
+        found = listing.listed(url, self.options)
+        if has_live_marker(found, now, older_than):
+            return
+        listed = [(n, e.version) for n, e in found.items()]
         ours = [(n, v) for n, v in listed if written_here(n) and n != multifile.COMMIT_NAME]
         listing.delete_versions(url, self.options, ours)
 
@@ -425,11 +431,7 @@ class ObjectRun:
         will refer to); whether it swept.  One listing serves both: an object uploaded after
         that listing is never among the versions deleted, nor one a marker it shows guards."""
         listed = listing.listed(self._step_url(step), self.options)
-        now = datetime.datetime.now(datetime.timezone.utc)
-        if any(
-            n.startswith(COPY_MARKER) and "/" not in n and not marker_dead(n, e.modified, now, STALE_AFTER)
-            for n, e in listed.items()
-        ):
+        if has_live_marker(listed, datetime.datetime.now(datetime.timezone.utc), STALE_AFTER):
             return False
         self.sweep_step(step, record, {n: e.version for n, e in listed.items()})
         return True
@@ -560,8 +562,8 @@ class ObjectRun:
         referenced: set[str] | None = None  # read only when a step is stale: it costs a GET a step
         below = -1  # steps older than an unread one may hold what it refers to: never deleted
         for step, names in sorted(found.items()):
-            if multifile.COMMIT_NAME in names:
-                continue
+            if multifile.COMMIT_NAME in names or has_live_marker(names, now, older_than):
+                continue  # a step, or an archive copy under way: its record is yet to come
             times = [e.modified for e in names.values() if e.modified is not None]
             if times and now - max(times) > older_than and not self.has_record(step):
                 if referenced is None:
@@ -569,7 +571,7 @@ class ObjectRun:
                     referenced = self._referenced_by(statuses)
                     below = _oldest_known(statuses)
                 if step > below and not any(u.startswith(self.step_path(step) + "/") for u in referenced):
-                    self.delete_leftover(step)
+                    self.delete_leftover(step, older_than)
 
 
 class StepPlace(ObjectPlace):
