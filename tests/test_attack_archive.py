@@ -8,6 +8,7 @@ completes."""
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 
 import pytest
@@ -56,6 +57,33 @@ def _assert_whole_and_clean(run: ObjectRun, step: int, value: float) -> None:
     assert torch.equal(state["state"]["w"], torch.full((5000,), value))
 
 
+def _copy_with_record_held(run: ObjectRun, local_step: str, s3_faults, meanwhile) -> list[BaseException]:
+    """Copy step 1 (local directory `local_step`) into `run` on a thread, its commit record's PUT
+    held at the proxy while `meanwhile()` runs; the copy's errors."""
+    held = s3_faults.hold("PUT", "/step-000000001/COMMIT")
+    failed: list[BaseException] = []
+
+    def copy() -> None:
+        try:
+            archivecopy.put_step(run, 1, local_step, claim=copy_marker())
+        except BaseException as e:
+            failed.append(e)
+
+    t = threading.Thread(target=copy)
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not s3_faults.count("PUT", "/step-000000001/COMMIT"):  # every file is up
+            assert time.monotonic() < deadline, "the copy never reached its commit record"
+            time.sleep(0.05)
+        meanwhile()
+    finally:
+        held.set()
+        t.join(60)
+    assert not t.is_alive()
+    return failed
+
+
 @pytest.mark.parametrize("answered", [False, True], ids=["lost-request", "lost-answer"])
 def test_a_copy_cut_at_any_request_is_finished_whole_by_the_next_archiver(tmp_path, s3_faults, answered):
     """The first archiver's copy fails at its n-th request (n = 1, 2, ...: the connection reset
@@ -89,29 +117,9 @@ def test_two_archivers_copying_one_step_at_once_leave_one_whole_copy(tmp_path, s
     bucket = s3_faults.new_bucket()
     run = ObjectRun(f"s3://{bucket}/run", options)
     info = local.checkpoints()[-1]
-    held = s3_faults.hold("PUT", "/step-000000001/COMMIT")
-    failed: list[BaseException] = []
-
-    def copy_a() -> None:
-        try:
-            archivecopy.put_step(run, 1, info.path, claim=copy_marker())
-        except BaseException as e:
-            failed.append(e)
-
-    a = threading.Thread(target=copy_a)
-    a.start()
-    try:
-        deadline = threading.Event()
-        for _ in range(300):  # A's record is held at the proxy
-            if s3_faults.count("PUT", "/step-000000001/COMMIT"):
-                break
-            deadline.wait(0.1)
-        b_claim = copy_marker() + ".b"
-        archivecopy.put_step(run, 1, info.path, claim=b_claim)
-    finally:
-        held.set()
-        a.join(60)
-    assert not a.is_alive()
+    failed = _copy_with_record_held(  # A, while B copies and commits
+        run, info.path, s3_faults, lambda: archivecopy.put_step(run, 1, info.path, claim=copy_marker() + ".b")
+    )
     record = run.record(1)
     # A's create-only record was refused: B's is the step's; A withdrew nothing B's record names
     assert [type(e).__name__ for e in failed] == ["ObjectExistsError"], failed
@@ -155,26 +163,7 @@ def test_a_cleaner_running_during_a_copy_deletes_nothing_of_it(tmp_path, s3_faul
     bucket = s3_faults.new_bucket()
     run = ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options())
     info = local.checkpoints()[-1]
-    held = s3_faults.hold("PUT", "/step-000000001/COMMIT")
-    failed: list[BaseException] = []
-
-    def copy() -> None:
-        try:
-            archivecopy.put_step(run, 1, info.path, claim=copy_marker())
-        except BaseException as e:
-            failed.append(e)
-
-    t = threading.Thread(target=copy)
-    t.start()
-    try:
-        waited = threading.Event()
-        for _ in range(300):  # until the record's PUT is held: every file is up
-            if s3_faults.count("PUT", "/step-000000001/COMMIT"):
-                break
-            waited.wait(0.1)
-        ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options()).cleanup(older_than=datetime.timedelta(0))
-    finally:
-        held.set()
-        t.join(60)
-    assert not t.is_alive() and not failed, failed
+    cleaner = ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options())
+    failed = _copy_with_record_held(run, info.path, s3_faults, lambda: cleaner.cleanup(datetime.timedelta(0)))
+    assert not failed, failed
     _assert_whole_and_clean(run, 1, 1.0)
