@@ -57,15 +57,18 @@ def _assert_whole_and_clean(run: ObjectRun, step: int, value: float) -> None:
     assert torch.equal(state["state"]["w"], torch.full((5000,), value))
 
 
-def _copy_with_record_held(run: ObjectRun, local_step: str, s3_faults, meanwhile) -> list[BaseException]:
-    """Copy step 1 (local directory `local_step`) into `run` on a thread, its commit record's PUT
-    held at the proxy while `meanwhile()` runs; the copy's errors."""
-    held = s3_faults.hold("PUT", "/step-000000001/COMMIT")
+def _copy_with_record_held(
+    run: ObjectRun, local_step: str, s3_faults, meanwhile, step: int = 1
+) -> list[BaseException]:
+    """Copy step `step` (local directory `local_step`) into `run` on a thread, its commit
+    record's PUT held at the proxy while `meanwhile()` runs; the copy's errors."""
+    record = f"/step-{step:09d}/COMMIT"
+    held = s3_faults.hold("PUT", record)
     failed: list[BaseException] = []
 
     def copy() -> None:
         try:
-            archivecopy.put_step(run, 1, local_step, claim=copy_marker())
+            archivecopy.put_step(run, step, local_step, claim=copy_marker())
         except BaseException as e:
             failed.append(e)
 
@@ -73,7 +76,7 @@ def _copy_with_record_held(run: ObjectRun, local_step: str, s3_faults, meanwhile
     t.start()
     try:
         deadline = time.monotonic() + 30
-        while not s3_faults.count("PUT", "/step-000000001/COMMIT"):  # every file is up
+        while not s3_faults.count("PUT", record):  # every file is up
             assert time.monotonic() < deadline, "the copy never reached its commit record"
             time.sleep(0.05)
         meanwhile()
@@ -167,3 +170,46 @@ def test_a_cleaner_running_during_a_copy_deletes_nothing_of_it(tmp_path, s3_faul
     failed = _copy_with_record_held(run, info.path, s3_faults, lambda: cleaner.cleanup(datetime.timedelta(0)))
     assert not failed, failed
     _assert_whole_and_clean(run, 1, 1.0)
+
+
+@pytest.mark.parametrize("sweeper", ["archive-pass", "step-1-copy"])
+def test_an_object_a_copy_adopts_in_an_earlier_step_is_kept_while_the_copy_runs(tmp_path, s3_faults, sweeper):
+    """Step 1's prefix holds a leftover state.ckpt (a dead copy's: the very file the local
+    step 2 refers to).  Step 2's copy adopts it as its reference; while its record is held,
+    step 1 is swept: by an archive pass removing what dead copies left beside step 1's
+    record (archived under names of its own), or by step 1's own copy committing under names
+    of its own.  The adopted object must stay, or step 2 commits a reference to nothing (and
+    is then dropped locally as archived: lost in both tiers)."""
+    local = ckptfmt.CheckpointManager(tmp_path / "local", keep_last=10, incremental=True)
+    for step in (1, 2):
+        local.save(step, {"frozen": torch.arange(1 << 16, dtype=torch.float32), "step": step})
+    first, second = local.checkpoints()
+    assert second.references  # step 2 reads the frozen tensor's chunks from step 1's file
+    bucket = s3_faults.new_bucket()
+    run = ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options())
+
+    def leftover() -> None:
+        with open(f"{first.path}/state.ckpt", "rb") as f:
+            s3_faults.client().put_object(Bucket=bucket, Key="run/step-000000001/state.ckpt", Body=f.read())
+
+    if sweeper == "archive-pass":
+        s3_faults.client().put_object(Bucket=bucket, Key="run/step-000000001/junk.bin", Body=b"x")
+        archivecopy.put_step(run, 1, first.path, claim=copy_marker())  # under names of its own
+        assert [p.name for p in run.record(1).files] != ["state.ckpt"]
+        leftover()
+        dead = f"run/step-000000001/{copy_marker()}"  # this process's, never claimed: dead
+        s3_faults.client().put_object(Bucket=bucket, Key=dead, Body=b"")
+
+        def meanwhile() -> None:
+            run.remove_interrupted_copies()
+    else:
+        leftover()
+
+        def meanwhile() -> None:
+            archivecopy.put_step(run, 1, first.path, claim=copy_marker())
+
+    failed = _copy_with_record_held(run, second.path, s3_faults, meanwhile, step=2)
+    assert not failed, failed
+    statuses = {s.step: s for s in run.statuses()}
+    assert statuses[2].info is not None, statuses[2]
+    assert ckptfmt.load(statuses[2].info.files[0], storage_options=run.options)["state"]["step"] == 2

@@ -268,10 +268,12 @@ def _put_reference(
     gives one), uploading it if absent.  Its chunks are verified through the step that reads
     them, once that is uploaded."""
     url = run.reference_url(ref.name)
+    # the marker first, found or not: a sweep of that step (a copy of it committing, an
+    # archive pass) keeps away from it while this copy may commit a record naming the object
+    claim(referenced_step(ref.name, run.path)[0])
     try:
         found = describe_object(url, run.options, ref.name)[0]  # never its index
     except FileNotFoundError:
-        claim(referenced_step(ref.name, run.path)[0])
         fd = multifile.open_part(d, ref, d.path)
         try:
             upload_file(fd, url, run.options, if_absent=True)
