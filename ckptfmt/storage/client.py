@@ -191,6 +191,13 @@ def quoted(text: str, limit: int = MAX_QUOTED) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def cause(e: BaseException) -> BaseException | None:
+    """What ckptfmt's error for `e` is raised from: `e`, unless its text holds what quoted()
+    leaves out (a traceback prints a cause whole)."""
+    text = str(e)
+    return e if _QUERY.search(text) is None and _JWT.search(text) is None else None
+
+
 def translate(e: BaseException, url: str, operation: str, budget: Budget | None = None) -> BaseException:
     """The error a user sees for a failed request: FileNotFoundError for a missing object or
     bucket, StorageError (naming the URL and the operation, and what `budget` tried) for
@@ -291,7 +298,7 @@ def request(url: str, operation: str, call: Callable[[], T], options: Mapping[st
             raise
         except transfer_errors() as e:
             if not retryable(e) or not budget.retry():
-                raise translate(e, url, operation, budget) from e
+                raise translate(e, url, operation, budget) from cause(e)
         finally:
             _current.budget = None
 
