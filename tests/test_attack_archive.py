@@ -213,3 +213,5 @@ def test_an_object_a_copy_adopts_in_an_earlier_step_is_kept_while_the_copy_runs(
     statuses = {s.step: s for s in run.statuses()}
     assert statuses[2].info is not None, statuses[2]
     assert ckptfmt.load(statuses[2].info.files[0], storage_options=run.options)["state"]["step"] == 2
+    if sweeper == "archive-pass":  # another program's object in the prefix is never swept
+        assert "junk.bin" in run.listing()[1]
