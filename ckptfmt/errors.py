@@ -74,8 +74,9 @@ class SnapshotError(CheckpointError, RuntimeError):
 class DeadlineError(CheckpointError, TimeoutError):
     """A wait for work running in the background (a non-blocking save, the save in flight on
     a path, an earlier save's commit) was not over by its deadline: the timeout given, else
-    ``ckptfmt.background.inflight.DEADLINE`` (an hour).  The work goes on; nothing of it was
-    undone, and a later wait may find it done."""
+    twice ``ckptfmt.background.inflight.DEADLINE`` (an hour: the save's own waits end by it and
+    fail the save first).  The work goes on; nothing of it was undone, and a later wait may
+    find it done."""
 
 
 class CheckpointWarning(UserWarning):

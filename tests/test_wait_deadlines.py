@@ -1,7 +1,7 @@
 """Every wait for work running in the background ends by a deadline: SaveHandle.wait() and
 exception() with no timeout, the wait of a load (or save, or removal) for the save in flight
-on its path, and a checkpoint manager's wait for its commits end by inflight.DEADLINE (made
-short here) with a DeadlineError naming what was waited for; the work goes on.
+on its path, and a checkpoint manager's wait for its commits end by twice inflight.DEADLINE
+(made short here) with a DeadlineError naming what was waited for; the work goes on.
 
 The save that does not end is a real non-blocking save to a real local S3 server whose upload
 the fault proxy (tests/s3_faults.py) holds; each wait runs on a thread the test bounds, so a
@@ -21,7 +21,7 @@ import ckptfmt
 from ckptfmt.background import inflight
 from ckptfmt.errors import CheckpointError, DeadlineError
 
-#: seconds a bounded wait may take here: DEADLINE (1 s) and a busy 2-core machine's margin
+#: seconds a bounded wait may take here: twice DEADLINE (1 s) and a busy 2-core machine's margin
 BOUND = 20.0
 
 
@@ -68,7 +68,7 @@ def test_a_save_handles_waits_end_by_the_deadline(held_upload):
     for wait in (handle.wait, handle.exception):
         e = _ends_within(BOUND, wait)
         assert isinstance(e, DeadlineError) and isinstance(e, TimeoutError), e
-        assert e.path == url and "still running after 1 s" in str(e) and "DEADLINE" in str(e), e
+        assert e.path == url and "still running after 2 s" in str(e) and "DEADLINE" in str(e), e
     # a timeout given is that wait's own bound, said so
     e = _ends_within(BOUND, lambda: handle.wait(timeout=0.2))
     assert isinstance(e, DeadlineError) and "0.2 s (the wait's timeout)" in str(e), e

@@ -5,8 +5,9 @@ flight on it (``wait_for_path``).  A failed save whose handle was dropped
 without ``wait()`` has its error raised by the next save (``raise_unobserved``)
 or printed at interpreter exit, which first waits for every save in flight.
 
-Every wait here ends by a deadline: the caller's timeout, else DEADLINE (read when the wait
-begins), past which DeadlineError names what was waited for (the save goes on).
+Every wait here ends by a deadline: the caller's timeout, else twice DEADLINE (read when the
+wait begins: a save's own waits end by DEADLINE, and their error is the one to report), past
+which DeadlineError names what was waited for (the save goes on).
 
 This module imports nothing of ckptfmt but fileio and errors, so readers (api, verify,
 inplace) can wait for saves without importing the writer.
@@ -37,14 +38,16 @@ DEADLINE = 3600.0
 
 
 def wait_seconds(timeout: float | None) -> float:
-    """How long a wait given `timeout` lasts: `timeout`, else DEADLINE as it is now."""
-    return DEADLINE if timeout is None else timeout
+    """How long a wait for a save's end given `timeout` lasts: `timeout`, else twice DEADLINE
+    as it is now (the save's own waits end by DEADLINE and fail it: a wait that began with
+    them must not end first, with its own error instead of theirs)."""
+    return 2 * DEADLINE if timeout is None else timeout
 
 
 def deadline_error(what: str, seconds: float, timeout: float | None, path: str | None) -> DeadlineError:
     """The DeadlineError of a wait for `what` (of `path`) still unfinished after `seconds`,
-    naming the bound that ended it (the caller's timeout, or DEADLINE)."""
-    bound = "the wait's timeout" if timeout is not None else "ckptfmt.background.inflight.DEADLINE"
+    naming the bound that ended it (the caller's timeout, or twice DEADLINE)."""
+    bound = "the wait's timeout" if timeout is not None else "twice ckptfmt.background.inflight.DEADLINE"
     return DeadlineError(
         f"{what} is still running after {seconds:g} s ({bound}); it goes on in the background",
         path=path,
@@ -121,7 +124,7 @@ class SaveHandle:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the file is durable at its path; raise the save's error if it failed.
-        At most `timeout` seconds (None: DEADLINE, an hour): DeadlineError (a TimeoutError)
+        At most `timeout` seconds (None: twice DEADLINE): DeadlineError (a TimeoutError)
         while the save still runs then (it goes on; a later wait may find it done)."""
         self._wait_done(timeout)
         self._observed = True
@@ -230,11 +233,11 @@ def settle(handle: SaveHandle, exc: BaseException | None, replaced: list[int]) -
 
 def wait_for_path(path: str | os.PathLike[str]) -> None:
     """Wait for the save in flight on `path`, if any (its error stays with its handle), at
-    most DEADLINE seconds: DeadlineError naming the path while it still runs then (the
+    most wait_seconds(None): DeadlineError naming the path while it still runs then (the
     caller's load, save or removal of the path is not made)."""
     with _lock:
         h = _in_flight.get(_key(path))
-    seconds = DEADLINE
+    seconds = wait_seconds(None)
     if h is not None and not h._done.wait(seconds):
         raise deadline_error("the non-blocking save in flight on it", seconds, None, h.path)
 
@@ -259,7 +262,7 @@ def raise_unobserved() -> None:
 def _at_exit() -> None:
     with _lock:
         handles = list(_in_flight.values()) + list(_unobserved)
-    end = time.monotonic() + DEADLINE  # one bound for all: an exit never hangs on a stuck save
+    end = time.monotonic() + wait_seconds(None)  # one bound for all: an exit never hangs on a stuck save
     for h in handles:
         if not h._done.wait(max(0.0, end - time.monotonic())):
             print(f"ckptfmt: non-blocking save of {h.path} still running at exit: abandoned", file=sys.stderr)

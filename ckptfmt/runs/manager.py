@@ -516,10 +516,10 @@ class CheckpointManager(RunRotation):
 
     def _wait_all(self) -> None:
         """Wait for the commit threads of the saves in flight, all within one
-        inflight.DEADLINE: DeadlineError naming the step still committing then."""
+        inflight.wait_seconds(None): DeadlineError naming the step still committing then."""
         with self._lock:
             threads = [(j.step, j.thread) for j in self._jobs if j.thread is not None]
-        seconds = inflight.DEADLINE
+        seconds = inflight.wait_seconds(None)
         end = time.monotonic() + seconds
         for step, t in threads:
             t.join(max(0.0, end - time.monotonic()))
@@ -688,8 +688,8 @@ def check_metrics(metrics: dict[str, float] | None) -> dict[str, float]:
 
 
 def _join_within(thread: threading.Thread, what: str, path: str) -> None:
-    """Wait for `thread` (doing `what`) at most inflight.DEADLINE seconds: DeadlineError then."""
-    seconds = inflight.DEADLINE
+    """Wait for `thread` (doing `what`) at most inflight.wait_seconds(None): DeadlineError then."""
+    seconds = inflight.wait_seconds(None)
     thread.join(seconds)
     if thread.is_alive():
         raise inflight.deadline_error(what, seconds, None, path)

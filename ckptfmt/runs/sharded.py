@@ -227,7 +227,7 @@ class _FutureHandle:
         return self._future.exception()
 
     def _wait_done(self, timeout: float | None) -> None:
-        """As SaveHandle's waits: at most `timeout` (None: inflight.DEADLINE), then DeadlineError."""
+        """As SaveHandle's waits: at most inflight.wait_seconds(timeout), then DeadlineError."""
         seconds = inflight.wait_seconds(timeout)
         if not concurrent.futures.wait([self._future], timeout=seconds)[0]:
             raise inflight.deadline_error("the sharded save", seconds, timeout, self._path)
