@@ -71,6 +71,14 @@ class SnapshotError(CheckpointError, RuntimeError):
     killed): nothing was committed."""
 
 
+class DeadlineError(CheckpointError, TimeoutError):
+    """A wait for work running in the background (a non-blocking save, the save in flight on
+    a path, an earlier save's commit) was not over by its deadline: the timeout given, else
+    twice ``ckptfmt.background.inflight.DEADLINE`` (an hour: the save's own waits end by it and
+    fail the save first).  The work goes on; nothing of it was undone, and a later wait may
+    find it done."""
+
+
 class CheckpointWarning(UserWarning):
     """Something a user should know that does not stop the work: a skipped step directory,
     a resume from a run that differs from the current one, a failed rotation."""

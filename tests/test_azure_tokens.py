@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -209,10 +210,12 @@ IDENTITY_SECRET = "identity-header-secret"
 class IdentityEndpoint:
     """App Service's managed-identity endpoint on 127.0.0.1 (what IDENTITY_ENDPOINT names):
     GET ?api-version=2019-08-01&resource=... with the X-IDENTITY-HEADER secret, answered
-    {"access_token", "expires_on", "resource", "token_type"}; with `failing`, 500 answers;
-    with `hanging`, no answer until closed.  `asked` holds each request's path and header."""
+    {"access_token", "expires_on", "resource", "token_type"} (or `answer`); with `failing`, 500
+    answers; with `hanging`, no answer until closed.  `asked` holds each request's path and header."""
 
-    def __init__(self, failing: bool = False, hanging: bool = False) -> None:
+    def __init__(
+        self, failing: bool = False, hanging: bool = False, answer: dict[str, Any] | None = None
+    ) -> None:
         self.asked: list[tuple[str, str | None]] = []
         self.closed = threading.Event()
         endpoint = self
@@ -230,6 +233,7 @@ class IdentityEndpoint:
                     resource = "https://storage.azure.com"
                     token = {"access_token": _storage_token(3600), "expires_on": str(expires)}
                     status, body = 200, token | {"resource": resource, "token_type": "Bearer"}
+                    body = body if answer is None else answer
                 data = json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -370,3 +374,127 @@ def test_options_that_cannot_be_honoured_together_are_refused(options, refused, 
     monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING", raising=False)
     with pytest.raises(StorageError, match=refused):
         azure.account_from(options)
+
+
+# -- hostile token endpoints and credentials: within the deadline, no secret in any message ------------
+
+
+def test_a_sas_token_is_never_in_an_error_message(monkeypatch):
+    """requests names the URL a request failed on, query and all: a SAS token's signature
+    must not reach the StorageError (messages are logged, printed, sent to issue trackers)."""
+    monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING", raising=False)
+    closed = "BlobEndpoint=http://127.0.0.1:9/acct;AccountName=acct;"  # port 9: refused
+    sas = "sv=2021-08-06&ss=b&srt=co&sp=rwdl&se=2099-01-01&sig=c2VjcmV0LXNpZ25hdHVyZQ%3D%3D"
+    options = {"connection_string": closed + f"SharedAccessSignature={sas}", "max_attempts": 1, "deadline": 5}
+    for call in (
+        lambda: ckptfmt.load("az://cont/x.ckpt", storage_options=options),
+        lambda: ckptfmt.save({"w": torch.ones(3)}, "az://cont/x.ckpt", storage_options=options),
+    ):
+        with pytest.raises(StorageError) as e:
+            call()
+        assert e.value.path == "az://cont/x.ckpt" and "ConnectionError" in str(e.value), e.value
+        printed = "".join(traceback.format_exception(e.value))  # with the errors it was raised from
+        assert "c2VjcmV0" not in printed and "sig=" not in printed, printed
+
+
+def test_a_credential_that_never_answers_is_asked_once(token_options):
+    """Each operation ends by its deadline; the next waits for the same get_token instead of
+    starting another beside it (a thread each, for ever)."""
+    root, options = token_options
+    release = threading.Event()
+    calls: list[float] = []
+
+    class Hung:
+        def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
+            calls.append(time.monotonic())
+            release.wait(60)
+            return Credential().get_token(*scopes)
+
+    hung = options | {"credential": Hung(), "deadline": 1}
+    try:
+        for _ in range(3):
+            started = time.monotonic()
+            with pytest.raises(StorageError, match="within the operation's deadline of 1 s") as e:
+                ckptfmt.load(f"{root}/x.ckpt", storage_options=hung)
+            assert time.monotonic() - started < 15 and e.value.path == f"{root}/x.ckpt"
+        assert len(calls) == 1
+        release.set()  # the one request answers at last: its token serves the next operation
+        with pytest.raises(FileNotFoundError):
+            ckptfmt.load(f"{root}/x.ckpt", storage_options=hung)
+        assert len(calls) == 1
+    finally:
+        release.set()
+
+
+def test_a_token_endpoints_junk_reaches_no_message(managed_identity, monkeypatch):
+    """An identity endpoint answering megabytes of JSON that hold a token under another name:
+    azure-identity quotes the answer whole in its error; the StorageError quotes it on one
+    line, bounded, without the token."""
+    root, working = managed_identity
+    secret = _storage_token(3600)
+    endpoint = IdentityEndpoint(answer={"accessToken": secret, "note": "x\n" * 500_000})
+    try:
+        monkeypatch.setenv("IDENTITY_ENDPOINT", endpoint.url)
+        with pytest.raises(StorageError, match="gave no token for .*ClientAuthenticationError") as e:
+            ckptfmt.load(f"{root}/x.ckpt", storage_options={"deadline": 30})
+        text = str(e.value)
+        assert len(text) < 1000 and "\n" not in text and secret not in text and secret[:40] not in text
+        assert e.value.path == f"{root}/x.ckpt" and endpoint.asked
+    finally:
+        endpoint.close()
+
+
+@pytest.mark.parametrize(
+    "expires_on, works", [("99999999999", True), ("1", True), ("9" * 400, False)], ids=["far", "past", "huge"]
+)
+def test_an_expiry_far_off_or_past_still_signs_and_asks_again(
+    managed_identity, monkeypatch, expires_on, works
+):
+    """An identity endpoint's expiry in the year 5138 (kept a day at most) or 1970 (asked for
+    again before each request): the operations work; one of 400 digits, which azure-identity
+    cannot take, is a StorageError naming the URL."""
+    root, working = managed_identity
+    answer = {
+        "access_token": _storage_token(3600),
+        "expires_on": expires_on,
+        "resource": "https://storage.azure.com",
+        "token_type": "Bearer",
+    }
+    endpoint = IdentityEndpoint(answer=answer)
+    try:
+        monkeypatch.setenv("IDENTITY_ENDPOINT", endpoint.url)
+        if works:
+            ckptfmt.save({"w": torch.ones(10)}, f"{root}/x.ckpt")
+            assert torch.equal(ckptfmt.load(f"{root}/x.ckpt")["w"], torch.ones(10))
+        else:
+            with pytest.raises(StorageError, match="gave no token") as e:
+                ckptfmt.load(f"{root}/x.ckpt", storage_options={"deadline": 30})
+            assert e.value.path == f"{root}/x.ckpt"
+        assert endpoint.asked
+    finally:
+        endpoint.close()
+
+
+def test_a_credentials_expiry_is_kept_at_most_a_day(token_options, monkeypatch):
+    """A credential's far expiry (or none that is a number) is not kept as it says."""
+    root, options = token_options
+
+    class Far(Credential):
+        def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
+            got = super().get_token(*scopes)
+            return AccessToken(got.token, 10**400)
+
+    far, url = Far(), f"{root}/x.ckpt"
+    # a day, made nothing: asked for before every request (where the expiry does not overflow)
+    monkeypatch.setattr(azure, "MAX_TOKEN_LIFE", 0.0, raising=False)
+    ckptfmt.save({"w": torch.ones(10)}, url, storage_options=options | {"credential": far})
+    assert torch.equal(ckptfmt.load(url, storage_options=options | {"credential": far})["w"], torch.ones(10))
+    assert len(far.scopes) >= 3
+
+    class NotANumber(Credential):
+        def get_token(self, *scopes: str, **kwargs: Any) -> Any:
+            return AccessToken(super().get_token(*scopes).token, float("nan"))  # type: ignore[arg-type]
+
+    with pytest.raises(StorageError, match=r"answered no \(token, expires_on\)") as e:
+        ckptfmt.load(f"{root}/x.ckpt", storage_options=options | {"credential": NotANumber()})
+    assert e.value.path == f"{root}/x.ckpt"

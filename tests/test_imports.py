@@ -294,11 +294,12 @@ def test_readers_do_not_import_the_writer(reader):
 def test_the_commit_protocol_and_the_registry_import_nothing_of_ckptfmt():
     """...but the commit protocol works inside a directory through the one module that owns
     filesystem operations there, which imports nothing but the errors; the registry of saves
-    in flight imports only fileio (which tells an object-store URL from a path)."""
+    in flight imports only fileio (which tells an object-store URL from a path) and the errors
+    (its waits' DeadlineError)."""
     graph = _graph(module_level_only=False)
     assert graph["ckptfmt.engine.commit"] == {"ckptfmt.engine.ckptdir", "ckptfmt.errors"}
     assert graph["ckptfmt.engine.ckptdir"] == {"ckptfmt.errors", "ckptfmt.fileio"}
-    assert graph["ckptfmt.background.inflight"] == {"ckptfmt.fileio"}
+    assert graph["ckptfmt.background.inflight"] == {"ckptfmt.errors", "ckptfmt.fileio"}
     assert graph["ckptfmt.engine.bytesview"] == set()
 
 

@@ -172,7 +172,7 @@ def _save_copied(
     except BaseException as e:
         pieces.put(e)
         go.set()
-        handle._done.wait()
+        handle._done.wait(inflight.DEADLINE)  # the writer gives its slabs back; the error is this one
         raise
     go.set()
     inflight.watch(handle)

@@ -5,8 +5,12 @@ flight on it (``wait_for_path``).  A failed save whose handle was dropped
 without ``wait()`` has its error raised by the next save (``raise_unobserved``)
 or printed at interpreter exit, which first waits for every save in flight.
 
-This module imports nothing of ckptfmt but fileio, so readers (api, verify, inplace)
-can wait for saves without importing the writer.
+Every wait here ends by a deadline: the caller's timeout, else twice DEADLINE (read when the
+wait begins: a save's own waits end by DEADLINE, and their error is the one to report), past
+which DeadlineError names what was waited for (the save goes on).
+
+This module imports nothing of ckptfmt but fileio and errors, so readers (api, verify,
+inplace) can wait for saves without importing the writer.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..errors import DeadlineError
 from ..fileio import is_url
 
 log = logging.getLogger("ckptfmt")
@@ -26,8 +31,27 @@ log = logging.getLogger("ckptfmt")
 #: seconds a background save's own waits last at most before the save fails: a forked
 #: child's write (background/forksave.py: the child is killed), a staged child's wait for its
 #: job, a save's wait for the one staged before it (dcp/forkstage.py).  The hour the
-#: archive's wait allows too (runs/archiver.DEFAULT_WAIT); read when each wait begins.
+#: archive's wait allows too (runs/archiver.DEFAULT_WAIT), and every wait for a save's end
+#: that is given no timeout (SaveHandle.wait, wait_for_path, a manager's wait for its commits);
+#: read when each wait begins.
 DEADLINE = 3600.0
+
+
+def wait_seconds(timeout: float | None) -> float:
+    """How long a wait for a save's end given `timeout` lasts: `timeout`, else twice DEADLINE
+    as it is now (the save's own waits end by DEADLINE and fail it: a wait that began with
+    them must not end first, with its own error instead of theirs)."""
+    return 2 * DEADLINE if timeout is None else timeout
+
+
+def deadline_error(what: str, seconds: float, timeout: float | None, path: str | None) -> DeadlineError:
+    """The DeadlineError of a wait for `what` (of `path`) still unfinished after `seconds`,
+    naming the bound that ended it (the caller's timeout, or twice DEADLINE)."""
+    bound = "the wait's timeout" if timeout is not None else "twice ckptfmt.background.inflight.DEADLINE"
+    return DeadlineError(
+        f"{what} is still running after {seconds:g} s ({bound}); it goes on in the background",
+        path=path,
+    )
 
 
 @dataclass(frozen=True)
@@ -99,19 +123,24 @@ class SaveHandle:
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the file is durable at its path; raise the save's error if it failed."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"{self.path}: save still in progress after {timeout} s")
+        """Block until the file is durable at its path; raise the save's error if it failed.
+        At most `timeout` seconds (None: twice DEADLINE): DeadlineError (a TimeoutError)
+        while the save still runs then (it goes on; a later wait may find it done)."""
+        self._wait_done(timeout)
         self._observed = True
         if self._exc is not None:
             raise self._exc
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error, or None; waits like wait()."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"{self.path}: save still in progress after {timeout} s")
+        self._wait_done(timeout)
         self._observed = True
         return self._exc
+
+    def _wait_done(self, timeout: float | None) -> None:
+        seconds = wait_seconds(timeout)
+        if not self._done.wait(seconds):
+            raise deadline_error("the save", seconds, timeout, self.path)
 
     @property
     def cost(self) -> SaveCost | None:
@@ -203,11 +232,14 @@ def settle(handle: SaveHandle, exc: BaseException | None, replaced: list[int]) -
 
 
 def wait_for_path(path: str | os.PathLike[str]) -> None:
-    """Wait for the save in flight on `path`, if any (its error stays with its handle)."""
+    """Wait for the save in flight on `path`, if any (its error stays with its handle), at
+    most wait_seconds(None): DeadlineError naming the path while it still runs then (the
+    caller's load, save or removal of the path is not made)."""
     with _lock:
         h = _in_flight.get(_key(path))
-    if h is not None:
-        h._done.wait()
+    seconds = wait_seconds(None)
+    if h is not None and not h._done.wait(seconds):
+        raise deadline_error("the non-blocking save in flight on it", seconds, None, h.path)
 
 
 def raise_unobserved() -> None:
@@ -230,7 +262,9 @@ def raise_unobserved() -> None:
 def _at_exit() -> None:
     with _lock:
         handles = list(_in_flight.values()) + list(_unobserved)
+    end = time.monotonic() + wait_seconds(None)  # one bound for all: an exit never hangs on a stuck save
     for h in handles:
-        h._done.wait()
-        if h._exc is not None and not h._observed:
+        if not h._done.wait(max(0.0, end - time.monotonic())):
+            print(f"ckptfmt: non-blocking save of {h.path} still running at exit: abandoned", file=sys.stderr)
+        elif h._exc is not None and not h._observed:
             print(f"ckptfmt: non-blocking save of {h.path} failed: {h._exc!r}", file=sys.stderr)

@@ -19,7 +19,6 @@ indexes give them (section 12); one found there is used when it is the very file
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import warnings
 from collections.abc import Callable
@@ -35,14 +34,14 @@ from ..errors import (
 )
 from ..files import multifile, recordsign
 from ..files.names import save_token, with_token
-from ..files.places import STALE_AFTER, describe_object, holds_file
+from ..files.places import describe_object, holds_file
 from ..files.reader import CheckpointFile
 from ..files.verify import verify
 from ..storage import listing
 from ..storage.download import head
 from ..storage.upload import upload_bytes, upload_file
 from ..storage.urls import ObjectURL, parse_url
-from .objectnames import COPY_MARKER, claiming, marker_dead, referenced_step
+from .objectnames import claiming, referenced_step
 from .objectrun import ObjectRun
 from .steps import CheckpointInfo
 
@@ -222,22 +221,13 @@ class _Copy:
         """Once committed under names of its own: delete what other copies left in the step
         and its record does not name (ObjectRun.sweep_step, which keeps what later steps'
         records refer to), unless a live writer's marker is there (it may be uploading an
-        object of this step a later step refers to).  A failure is warned about: the step is
-        complete."""
+        object of this step a later step refers to: ObjectRun.sweep_unclaimed; what is left
+        then goes with the next archive pass's remove_interrupted_copies, once that marker is
+        dead).  A failure is warned about: the step is complete."""
         if self.token is None:
             return
         try:
-            now = datetime.datetime.now(datetime.timezone.utc)
-            listed = listing.listed(self.url, self.run.options)
-            live = [
-                n
-                for n, e in listed.items()
-                if n.startswith(COPY_MARKER)
-                and "/" not in n
-                and not marker_dead(n, e.modified, now, STALE_AFTER)
-            ]
-            if not live:
-                self.run.sweep_step(self.step, archived)
+            self.run.sweep_unclaimed(self.step, archived)
         except (CheckpointError, OSError) as e:
             warnings.warn(
                 f"step {self.step} archived to {self.run.path}; removing what other copies left "
@@ -278,10 +268,12 @@ def _put_reference(
     gives one), uploading it if absent.  Its chunks are verified through the step that reads
     them, once that is uploaded."""
     url = run.reference_url(ref.name)
+    # the marker first, found or not: a sweep of that step (a copy of it committing, an
+    # archive pass) keeps away from it while this copy may commit a record naming the object
+    claim(referenced_step(ref.name, run.path)[0])
     try:
         found = describe_object(url, run.options, ref.name)[0]  # never its index
     except FileNotFoundError:
-        claim(referenced_step(ref.name, run.path)[0])
         fd = multifile.open_part(d, ref, d.path)
         try:
             upload_file(fd, url, run.options, if_absent=True)

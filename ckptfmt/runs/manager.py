@@ -45,6 +45,7 @@ from ..engine.ckptdir import CheckpointDir
 from ..errors import (
     CheckpointError,
     CheckpointWarning,
+    DeadlineError,
     UnsupportedError,
 )
 from ..fileio import is_url
@@ -382,7 +383,7 @@ class CheckpointManager(RunRotation):
         record: multifile.CommitRecord | None = None
         try:
             if before is not None:
-                before.join()  # commits happen in the order of the saves
+                _join_within(before, f"the commit of the save before step {job.step}", job.path)
             if job.file_handle is not None:
                 job.file_handle.wait()
             if job.layout == "state":  # a save of several ranks: DCP's coordinator wrote it
@@ -399,8 +400,8 @@ class CheckpointManager(RunRotation):
                     self._archiver.kick()
                 self._rotate()
                 self._log_commit(job)
-            else:
-                self._abandon(job)
+            elif not isinstance(exc, DeadlineError):  # past it the files may still be written:
+                self._abandon(job)  # what they leave is a dead save's, for cleanup
         except (OSError, CheckpointError) as e:
             warnings.warn(f"rotation in {self.directory} failed: {e}", CheckpointWarning, stacklevel=2)
         finally:
@@ -514,10 +515,16 @@ class CheckpointManager(RunRotation):
         ) from (failed[0].handle._exc)
 
     def _wait_all(self) -> None:
+        """Wait for the commit threads of the saves in flight, all within one
+        inflight.wait_seconds(None): DeadlineError naming the step still committing then."""
         with self._lock:
-            threads = [j.thread for j in self._jobs if j.thread is not None]
-        for t in threads:
-            t.join()
+            threads = [(j.step, j.thread) for j in self._jobs if j.thread is not None]
+        seconds = inflight.wait_seconds(None)
+        end = time.monotonic() + seconds
+        for step, t in threads:
+            t.join(max(0.0, end - time.monotonic()))
+            if t.is_alive():
+                raise inflight.deadline_error(f"the save of step {step}", seconds, None, self.directory)
 
     def wait(self) -> None:
         """Wait for every save in flight (and for the archive copies of the saves made); raise
@@ -678,3 +685,11 @@ def check_metrics(metrics: dict[str, float] | None) -> dict[str, float]:
             raise TypeError(f"metrics must map str to int or float; {k!r} maps to {type(v).__name__}")
         out[k] = v
     return out
+
+
+def _join_within(thread: threading.Thread, what: str, path: str) -> None:
+    """Wait for `thread` (doing `what`) at most inflight.wait_seconds(None): DeadlineError then."""
+    seconds = inflight.wait_seconds(None)
+    thread.join(seconds)
+    if thread.is_alive():
+        raise inflight.deadline_error(what, seconds, None, path)

@@ -101,6 +101,17 @@ def marker_dead(
     return when is not None and now - when > older_than
 
 
+def has_live_marker(
+    listed: dict[str, Listed], now: datetime.datetime, older_than: datetime.timedelta
+) -> bool:
+    """Whether a step's prefix, `listed`, holds the copy marker of a writer still at work there
+    (marker_dead): what it has uploaded so far is not yet named by any record."""
+    return any(
+        n.startswith(COPY_MARKER) and "/" not in n and not marker_dead(n, e.modified, now, older_than)
+        for n, e in listed.items()
+    )
+
+
 def writer_came(before: dict[str, Listed], now: dict[str, Listed]) -> bool:
     """Whether a step's prefix, listed `before` and `now`, holds a copy marker or a commit
     record now that it did not: another writer has come since, and may use what it found

@@ -38,6 +38,7 @@ from .objectnames import (
     COPY_MARKER,
     check_listed,
     claiming,
+    has_live_marker,
     in_a_step,
     in_steps,
     marker_dead,
@@ -388,32 +389,66 @@ class ObjectRun:
             return True
         return True
 
-    def delete_leftover(self, step: int) -> None:
+    def delete_leftover(self, step: int, older_than: datetime.timedelta = STALE_AFTER) -> None:
         """Delete what a dead save left in step `step` (cleanup: no commit record by the listing
-        and a HEAD, its newest object older than the cleanup bound): only the versions listed
-        now (If-Match; an object listed without an ETag is left), never a commit record, so that
-        an object another writer puts there meanwhile stays, and so does its record."""
+        and a HEAD, its newest object older than the cleanup bound `older_than`): only the
+        versions listed now (If-Match; an object listed without an ETag is left), never a
+        commit record, so that an object another writer puts there meanwhile stays, and so
+        does its record; nothing where that listing shows a live archive copy's marker."""
         url = self._step_url(step)
-        listed = listing.versions(url, self.options).items()
+        now = datetime.datetime.now(datetime.timezone.utc)
+        found = listing.listed(url, self.options)
+        if has_live_marker(found, now, older_than):
+            return
+        listed = [(n, e.version) for n, e in found.items()]
         ours = [(n, v) for n, v in listed if written_here(n) and n != multifile.COMMIT_NAME]
         listing.delete_versions(url, self.options, ours)
 
-    def sweep_step(self, step: int, record: multifile.CommitRecord) -> None:
+    def sweep_step(
+        self, step: int, record: multifile.CommitRecord, listed: dict[str, str | None] | None = None
+    ) -> None:
         """Delete what other saves left in step `step`, which this process has just committed
         with `record`: objects ckptfmt writes in a step (never a copy marker, never the record)
         that the record does not name, each by the version listed (If-Match).  No record of
         the step can name them: a step's record is created only once, and names only objects
         its own writer uploaded (spec 13.7).  A later step's record can (the step committed by
-        another writer and retired by its rotation before this commit): those are left."""
+        another writer and retired by its rotation before this commit): those are left.
+        `listed`: the step's objects and versions as just listed (None: listed here)."""
         url = self._step_url(step)
         named = {p.name for p in record.files} | {multifile.COMMIT_NAME}
+        listed = listing.versions(url, self.options) if listed is None else listed
         others = {
             name: version
-            for name, version in listing.versions(url, self.options).items()
+            for name, version in listed.items()
             if is_own_name(name) and name not in named and version is not None
         }
         read_later = self.read_by_later_steps(step) if others else set()  # listed only then
         listing.delete_versions(url, self.options, [(n, v) for n, v in others.items() if n not in read_later])
+
+    def sweep_unclaimed(self, step: int, record: multifile.CommitRecord) -> bool:
+        """sweep_step of committed step `step` (by its `record`) unless a live writer's copy
+        marker is in its prefix (it may be uploading an object of this step that a later step
+        will refer to); whether it swept.  One listing serves both: an object uploaded after
+        that listing is never among the versions deleted, nor one a marker it shows guards."""
+        listed = listing.listed(self._step_url(step), self.options)
+        if has_live_marker(listed, datetime.datetime.now(datetime.timezone.utc), STALE_AFTER):
+            return False
+        self.sweep_step(step, record, {n: e.version for n, e in listed.items()})
+        return True
+
+    def _sweep_ended_copies(self, step: int) -> None:
+        """In complete step `step`, whose copy markers are all dead: delete what those copies
+        left beside the record (a copy that lost the race to commit, or was killed, while
+        another copy committed under names of its own), as sweep_unclaimed does.  A record
+        that cannot be read, or too many later records to read, leaves everything."""
+        try:
+            self.sweep_unclaimed(step, self.record(step))
+        except FileNotFoundError:  # deleted since the listing
+            pass
+        except StorageError:
+            raise
+        except CheckpointError:  # nothing to go by
+            pass
 
     def read_by_later_steps(self, step: int) -> set[str]:
         """The names of step `step`'s objects that the records of later steps refer to (only
@@ -467,7 +502,9 @@ class ObjectRun:
         `older_than`.  Such a prefix without a commit record (by the listing and by a HEAD)
         whose objects no step refers to is deleted, its markers last, so that a deletion cut
         short stays recognisable; one that a step refers to is left whole (its markers say it
-        is ours once nothing does); in a complete step only the dead markers go.  A prefix with
+        is ours once nothing does); in a complete step what those copies left beside the record
+        goes (sweep_unclaimed: own names its record does not name, unless a later record
+        reads them), then the dead markers.  A prefix with
         no marker, or with a live writer's, is never touched here (ObjectRun.cleanup).
         Only the versions `found` lists go (If-Match), and not in a prefix another writer has
         come to since (writer_came).  `found`: the run's listing to go by (None: listed here)."""
@@ -495,7 +532,8 @@ class ObjectRun:
             if step < below and multifile.COMMIT_NAME not in names:
                 continue  # an unread newer step may refer to its objects
             if multifile.COMMIT_NAME in names:
-                doomed = markers  # a step with its record: only the markers of a copy that ended
+                self._sweep_ended_copies(step)  # what those copies left beside the record
+                doomed = markers  # then their markers
             elif any(u.startswith(self.step_path(step) + "/") for u in referenced):
                 continue  # kept for a later step's objects: its markers say it is ours once not
             elif self.has_record(step):
@@ -524,8 +562,8 @@ class ObjectRun:
         referenced: set[str] | None = None  # read only when a step is stale: it costs a GET a step
         below = -1  # steps older than an unread one may hold what it refers to: never deleted
         for step, names in sorted(found.items()):
-            if multifile.COMMIT_NAME in names:
-                continue
+            if multifile.COMMIT_NAME in names or has_live_marker(names, now, older_than):
+                continue  # a step, or an archive copy under way: its record is yet to come
             times = [e.modified for e in names.values() if e.modified is not None]
             if times and now - max(times) > older_than and not self.has_record(step):
                 if referenced is None:
@@ -533,7 +571,7 @@ class ObjectRun:
                     referenced = self._referenced_by(statuses)
                     below = _oldest_known(statuses)
                 if step > below and not any(u.startswith(self.step_path(step) + "/") for u in referenced):
-                    self.delete_leftover(step)
+                    self.delete_leftover(step, older_than)
 
 
 class StepPlace(ObjectPlace):
@@ -558,7 +596,12 @@ class StepPlace(ObjectPlace):
                 path=url,
             )
         for ref in record.references:
-            referenced_step(ref.name, url)  # a reference names a step of this run, or none
+            other = referenced_step(ref.name, url)[0]  # a reference names a step of this run
+            if other >= self.step:  # cleanup relies on it: only later steps read a step's objects
+                raise CorruptError(
+                    f"the commit record refers to step {other}, not an earlier step ({ref.name[:80]!r})",
+                    path=url,
+                )
         return record
 
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 
+from ..background import inflight
 from ..background.inflight import SaveHandle
 from ..dcp.api import load_within, save_in_background, save_within
 from ..dcp.convert import load_full, skeleton
@@ -176,7 +177,7 @@ def _save_shards(
                 payload, job.path, within=within, step_dir=True, snapshot=run.snapshot, **options
             )
             told = (lambda: steps.step_committed(job)) if job.coordinator else None
-            job.file_handle = _FutureHandle(future, told)
+            job.file_handle = _FutureHandle(future, told, job.path)
             return steps.commit_when_written(job)
         save_within(payload, job.path, within=within, step_dir=True, **options)
     except BaseException:
@@ -204,21 +205,32 @@ class _FutureHandle:
     the save done (DCP's coordinator wrote the record): in the commit thread, before the
     manager's bookkeeping and rotation, in the order of the saves."""
 
-    def __init__(self, future: concurrent.futures.Future[Any], committed: Callable[[], None] | None) -> None:
+    def __init__(
+        self, future: concurrent.futures.Future[Any], committed: Callable[[], None] | None, path: str
+    ) -> None:
         self._future = future
         self._committed = committed
+        self._path = path
 
     def done(self) -> bool:
         return self._future.done()
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
+        self._wait_done(timeout)
         self._future.result()
         told, self._committed = self._committed, None
         if told is not None:
             told()
 
-    def exception(self) -> BaseException | None:
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait_done(timeout)
         return self._future.exception()
+
+    def _wait_done(self, timeout: float | None) -> None:
+        """As SaveHandle's waits: at most inflight.wait_seconds(timeout), then DeadlineError."""
+        seconds = inflight.wait_seconds(timeout)
+        if not concurrent.futures.wait([self._future], timeout=seconds)[0]:
+            raise inflight.deadline_error("the sharded save", seconds, timeout, self._path)
 
 
 def _subset(md: Metadata, prefix: tuple[str, ...]) -> Metadata:

@@ -32,6 +32,7 @@ import datetime
 import email.utils
 import hashlib
 import hmac
+import math
 import os
 import threading
 import time
@@ -55,6 +56,9 @@ API_VERSION = "2021-08-06"
 #: is asked for again
 TOKEN_SCOPE = "https://storage.azure.com/.default"
 TOKEN_MARGIN = 300.0
+#: the longest a token is kept, whatever expiry its credential gives (Azure AD's tokens live
+#: a day at most)
+MAX_TOKEN_LIFE = 86400.0
 #: the environment Azure's tools read (az CLI, the SDKs)
 ENVIRONMENT = (
     CONNECTION_VARIABLE,
@@ -228,6 +232,7 @@ class AzureStore:
         self.account = account
         self.timeouts = timeouts
         self._token: tuple[str, float] | None = None  # the bearer token and when it expires
+        self._asking: _TokenAsk | None = None  # the credential's get_token under way
         self._token_lock = threading.Lock()
 
     # -- requests ----------------------------------------------------------------------
@@ -266,32 +271,31 @@ class AzureStore:
     def _bearer(self, url: ObjectURL, key: str | None) -> str:
         """The credential's token for Azure Storage, asked for again TOKEN_MARGIN seconds
         before it expires (as azure-core's own policy does); StorageError naming the URL
-        where the credential fails or answers something else than a token."""
+        where the credential fails, answers something else than a token, or gives none
+        within what remains of the operation's deadline.  One request for a token at a time:
+        an operation finding one under way (a credential that hangs) waits for that one."""
         with self._token_lock:
-            if self._token is None or self._token[1] - time.time() < TOKEN_MARGIN:
-                where = str(url.with_key(key)) if key is not None else str(url)
-                try:
-                    got = _token_within(self.account.credential, http.time_left())
-                except _NoTokenInTime:
-                    budget = client.current_budget()
-                    limit = budget.deadline if budget is not None else client.DEFAULT_DEADLINE
-                    raise StorageError(
-                        f"the Azure AD credential gave no token for {TOKEN_SCOPE} within the "
-                        f"operation's deadline of {limit:g} s (storage option deadline)",
-                        path=where,
-                    ) from None
-                except Exception as e:  # the credential's own errors (azure-identity's, ...)
-                    raise StorageError(
-                        f"the Azure AD credential gave no token for {TOKEN_SCOPE}: {type(e).__name__}: {e}",
-                        path=where,
-                    ) from None
-                token, expires = getattr(got, "token", None), getattr(got, "expires_on", None)
-                if not isinstance(token, str) or not token or not isinstance(expires, (int, float)):
-                    raise StorageError(
-                        "the Azure AD credential's get_token answered no (token, expires_on)", path=where
-                    )
-                self._token = (token, float(expires))
-            return self._token[0]
+            if self._token is not None and self._token[1] - time.time() >= TOKEN_MARGIN:
+                return self._token[0]
+            ask = self._asking
+            if ask is None:
+                ask = self._asking = _TokenAsk(self.account.credential)
+        where = str(url.with_key(key)) if key is not None else str(url)
+        if not ask.done.wait(http.time_left()):
+            budget = client.current_budget()
+            limit = budget.deadline if budget is not None else client.DEFAULT_DEADLINE
+            raise StorageError(
+                f"the Azure AD credential gave no token for {TOKEN_SCOPE} within the "
+                f"operation's deadline of {limit:g} s (storage option deadline)",
+                path=where,
+            )
+        with self._token_lock:
+            if self._asking is ask:  # its answer is taken: the next one needed is asked afresh
+                self._asking = None
+        token = ask.token(where)
+        with self._token_lock:
+            self._token = token
+        return token[0]
 
     def _signature(self, method: str, path: str, params: dict[str, str], headers: dict[str, str]) -> str:
         """The Authorization header of a request signed with the account's Shared Key."""
@@ -433,33 +437,55 @@ class AzureStore:
         return UploadPage([], False)  # see abort_upload
 
 
-class _NoTokenInTime(Exception):
-    """A credential's get_token did not return within the time it was given (not a
-    TimeoutError: a credential's own timeouts are its errors, reported as such)."""
+class _TokenAsk:
+    """One credential.get_token(TOKEN_SCOPE), on a thread of its own: a credential's own waits
+    (a managed-identity endpoint's retries, a CLI's subprocess) know nothing of an operation's
+    deadline, so each operation waits for it at most what remains of its own.  A call that
+    never returns keeps its thread (a daemon), and no other is started beside it."""
 
+    def __init__(self, credential: Any) -> None:
+        self.done = threading.Event()
+        self._got: object = None
+        self._error: Exception | None = None
+        worker = threading.Thread(
+            target=self._ask, args=(credential,), name="ckptfmt-azure-token", daemon=True
+        )
+        worker.start()
 
-def _token_within(credential: Any, seconds: float) -> object:
-    """credential.get_token(TOKEN_SCOPE), waited for at most `seconds` (_NoTokenInTime): a
-    credential's own waits (a managed-identity endpoint's retries, a CLI's subprocess) know
-    nothing of the operation's deadline.  A token that comes later is dropped with its thread."""
-    answer: list[tuple[bool, object]] = []
-
-    def ask() -> None:
+    def _ask(self, credential: Any) -> None:
         try:
-            answer.append((True, credential.get_token(TOKEN_SCOPE)))
-        except Exception as e:
-            answer.append((False, e))
+            self._got = credential.get_token(TOKEN_SCOPE)
+        except Exception as e:  # the credential's own errors (azure-identity's, ...)
+            self._error = e
+        finally:
+            self.done.set()
 
-    worker = threading.Thread(target=ask, name="ckptfmt-azure-token", daemon=True)
-    worker.start()
-    worker.join(seconds)
-    if not answer:
-        raise _NoTokenInTime
-    ok, got = answer[0]
-    if not ok:
-        assert isinstance(got, Exception)
-        raise got
-    return got
+    def token(self, where: str) -> tuple[str, float]:
+        """(token, expiry as a time.time()) of the answer once done; StorageError naming
+        `where` for an error or anything but a token (its text quoted without secrets).  An
+        expiry past MAX_TOKEN_LIFE from now is taken as that: a token is asked for again at
+        least that often, whatever an endpoint says (a far expiry would keep one for ever)."""
+        if self._error is not None:
+            e = self._error
+            raise StorageError(
+                f"the Azure AD credential gave no token for {TOKEN_SCOPE}: "
+                f"{type(e).__name__}: {client.quoted(str(e))}",
+                path=where,
+            )
+        token, expires = getattr(self._got, "token", None), getattr(self._got, "expires_on", None)
+        if not isinstance(token, str) or not token or not _is_time(expires):
+            raise StorageError(
+                "the Azure AD credential's get_token answered no (token, expires_on)", path=where
+            )
+        assert isinstance(expires, (int, float))
+        return token, min(float(min(expires, 2**53)), time.time() + MAX_TOKEN_LIFE)
+
+
+def _is_time(value: object) -> bool:
+    """Whether `value` is a number of seconds since the epoch (finite, not a bool)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, int) and not isinstance(value, bool)  # of any size: min() bounds it
 
 
 def _code(answer: Any) -> str:

@@ -19,6 +19,7 @@ import contextlib
 import errno
 import os
 import random
+import re
 import socket
 import threading
 import time
@@ -172,6 +173,31 @@ _MISSING = {"NoSuchKey", "NoSuchBucket", "404", "NotFound", "notFound"}
 _DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"}
 
 
+#: a URL's query in an error's text (requests names the URL it failed on): it may carry a
+#: secret, an Azure SAS token's signature
+_QUERY = re.compile(r"(?<=[\w/.~%-])\?[^\s'\"()<>]+")
+#: a JWT, the form of Azure AD's (and other OAuth) bearer tokens
+_JWT = re.compile(r"eyJ[\w-]*\.[\w-]+\.[\w-]*")
+#: the characters of a client's or credential's own error that a message quotes at most
+MAX_QUOTED = 300
+
+
+def quoted(text: str, limit: int = MAX_QUOTED) -> str:
+    """A client's or credential's error `text` as ckptfmt's messages quote it: every URL's
+    query (an Azure SAS token) and every bearer token (a JWT) left out, on one line, at most
+    `limit` characters (a token endpoint's answer may be megabytes)."""
+    text = _JWT.sub("<token hidden>", _QUERY.sub("?<query hidden>", text))
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def cause(e: BaseException) -> BaseException | None:
+    """What ckptfmt's error for `e` is raised from: `e`, unless its text holds what quoted()
+    leaves out (a traceback prints a cause whole)."""
+    text = str(e)
+    return e if _QUERY.search(text) is None and _JWT.search(text) is None else None
+
+
 def translate(e: BaseException, url: str, operation: str, budget: Budget | None = None) -> BaseException:
     """The error a user sees for a failed request: FileNotFoundError for a missing object or
     bucket, StorageError (naming the URL and the operation, and what `budget` tried) for
@@ -187,7 +213,7 @@ def translate(e: BaseException, url: str, operation: str, budget: Budget | None 
     if code:
         return StorageError(f"{operation} failed{tried}: {code} (HTTP {status})", path=url)
     kind = type(e).__name__
-    return StorageError(f"{operation} failed{tried}: {kind}: {e}", path=url)
+    return StorageError(f"{operation} failed{tried}: {kind}: {quoted(str(e))}", path=url)
 
 
 class Budget:
@@ -272,7 +298,7 @@ def request(url: str, operation: str, call: Callable[[], T], options: Mapping[st
             raise
         except transfer_errors() as e:
             if not retryable(e) or not budget.retry():
-                raise translate(e, url, operation, budget) from e
+                raise translate(e, url, operation, budget) from cause(e)
         finally:
             _current.budget = None
 

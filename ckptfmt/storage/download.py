@@ -311,7 +311,7 @@ class RemoteObject:
                     if not budget.retry():
                         raise
                 elif not s3.retryable(e) or not budget.retry():
-                    raise s3.translate(e, self.path, what, budget) from e
+                    raise s3.translate(e, self.path, what, budget) from s3.cause(e)
 
     def _get_once(self, lo: int, hi: int, view: memoryview, budget: s3.Budget) -> int:
         what = f"read bytes {lo}-{hi - 1}"
@@ -388,7 +388,7 @@ def fetch_whole(url: str, options: dict[str, Any], limit: int, what: str = "the 
             raise
         except s3.transfer_errors() as e:
             if not s3.retryable(e) or not budget.retry():
-                raise s3.translate(e, url, "read", budget) from e
+                raise s3.translate(e, url, "read", budget) from s3.cause(e)
 
 
 def _body_deadline(request_timeout: float, budget: s3.Budget) -> tuple[float, str]:

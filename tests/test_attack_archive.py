@@ -1,0 +1,217 @@
+"""Attacks on the archive copy (runs/archivecopy.py, runs/archiver.py) and the cleanup of a run
+on a store (runs/objectrun.py), through the fault proxy in front of a real local S3 server:
+a copy cut at every one of its requests and then finished by a new archiver, two archivers
+copying one step at once, a record that names what is not its run's.  Each must leave every
+step whole, nothing another writer's record names deleted, and nothing stray once a copy
+completes."""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+
+import ckptfmt
+from ckptfmt.errors import CheckpointWarning
+from ckptfmt.runs import archivecopy
+from ckptfmt.runs.archiver import Archiver
+from ckptfmt.runs.objectnames import copy_marker
+from ckptfmt.runs.objectrun import ObjectRun
+
+
+def _local_run(tmp_path, steps: int = 1) -> ckptfmt.CheckpointManager:
+    m = ckptfmt.CheckpointManager(tmp_path / "local", keep_last=10)
+    for step in range(1, steps + 1):
+        m.save(step, {"w": torch.full((5000,), float(step)), "step": step})
+    return m
+
+
+def _archiver(run: ObjectRun, local: ckptfmt.CheckpointManager) -> Archiver:
+    return Archiver(run, keep_last=None, keep_every=None, local_steps=local.checkpoints)
+
+
+def _pass(archiver: Archiver) -> None:
+    """One archive pass, waited for; its failures are warnings (the archiver's way)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        archiver.kick()
+        archiver.wait(timeout=120)
+
+
+def _step_keys(run: ObjectRun, step: int) -> set[str]:
+    return {name for name in run.listing().get(step, {})}
+
+
+def _assert_whole_and_clean(run: ObjectRun, step: int, value: float) -> None:
+    """Step `step` complete in `run`, verified, holding `value`; its prefix holding exactly its
+    record's files and the record (no stray copy, no marker)."""
+    infos = {c.step: c for c in run.checkpoints()}
+    assert step in infos, run.statuses()
+    record = run.record(step)
+    assert _step_keys(run, step) == {p.name for p in record.files} | {"COMMIT"}
+    assert run.verify_step(infos[step]).ok
+    state = ckptfmt.load(infos[step].files[0], storage_options=run.options)
+    assert torch.equal(state["state"]["w"], torch.full((5000,), value))
+
+
+def _copy_with_record_held(
+    run: ObjectRun, local_step: str, s3_faults, meanwhile, step: int = 1
+) -> list[BaseException]:
+    """Copy step `step` (local directory `local_step`) into `run` on a thread, its commit
+    record's PUT held at the proxy while `meanwhile()` runs; the copy's errors."""
+    record = f"/step-{step:09d}/COMMIT"
+    held = s3_faults.hold("PUT", record)
+    failed: list[BaseException] = []
+
+    def copy() -> None:
+        try:
+            archivecopy.put_step(run, step, local_step, claim=copy_marker())
+        except BaseException as e:
+            failed.append(e)
+
+    t = threading.Thread(target=copy)
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not s3_faults.count("PUT", record):  # every file is up
+            assert time.monotonic() < deadline, "the copy never reached its commit record"
+            time.sleep(0.05)
+        meanwhile()
+    finally:
+        held.set()
+        t.join(60)
+    assert not t.is_alive()
+    return failed
+
+
+@pytest.mark.parametrize("answered", [False, True], ids=["lost-request", "lost-answer"])
+def test_a_copy_cut_at_any_request_is_finished_whole_by_the_next_archiver(tmp_path, s3_faults, answered):
+    """The first archiver's copy fails at its n-th request (n = 1, 2, ...: the connection reset
+    before the request reaches the store, or after the store carried it out); a second
+    archiver (the next process) then archives the step whole, and leaves nothing else."""
+    local = _local_run(tmp_path)
+    options = s3_faults.storage_options() | {"max_attempts": 1}
+    n = 0
+    while True:
+        n += 1
+        bucket = s3_faults.new_bucket()
+        run = ObjectRun(f"s3://{bucket}/run", options)
+        s3_faults.clear_rules()
+        s3_faults.reset_on(None, f"/{bucket}", nth=n, answered=answered)
+        _pass(_archiver(run, local))
+        fired = s3_faults.pending_rules() == 0
+        s3_faults.clear_rules()
+        _pass(_archiver(run, local))
+        _assert_whole_and_clean(run, 1, 1.0)
+        if not fired:  # the copy made fewer than n requests: every one was cut once
+            break
+    assert n > 5  # a copy is a marker, a listing, uploads, their checks, a record, ...
+
+
+def test_two_archivers_copying_one_step_at_once_leave_one_whole_copy(tmp_path, s3_faults):
+    """Archiver A's commit record is held while archiver B copies the same step whole (under
+    names of its own) and commits; A's record then finds B's there: A withdraws what it
+    uploaded, B's files stay, and the next pass leaves the prefix holding B's copy alone."""
+    local = _local_run(tmp_path)
+    options = s3_faults.storage_options()
+    bucket = s3_faults.new_bucket()
+    run = ObjectRun(f"s3://{bucket}/run", options)
+    info = local.checkpoints()[-1]
+    failed = _copy_with_record_held(  # A, while B copies and commits
+        run, info.path, s3_faults, lambda: archivecopy.put_step(run, 1, info.path, claim=copy_marker() + ".b")
+    )
+    record = run.record(1)
+    # A's create-only record was refused: B's is the step's; A withdrew nothing B's record names
+    assert [type(e).__name__ for e in failed] == ["ObjectExistsError"], failed
+    _pass(_archiver(run, local))  # the next pass removes the markers of copies that ended
+    _assert_whole_and_clean(run, 1, 1.0)
+    assert run.record(1) == record
+
+
+@pytest.mark.parametrize("target", [2, 1], ids=["a-later-step", "its-own-step"])
+def test_a_record_referring_to_a_step_not_before_its_own_is_damaged(s3_bucket, target):
+    """References lead to earlier steps only (an incremental step's base was committed before
+    it), which cleanup relies on (a step's objects are read only by later steps' records): a
+    record of step 1 naming an object of step 2 (or of step 1 itself) is a CorruptError, its
+    step damaged, never complete."""
+    import dataclasses
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/run"
+    m = ckptfmt.CheckpointManager(url, incremental=True, storage_options=options)
+    for step in (1, 2):
+        m.save(step, {"w": torch.full((5000,), float(step)), "step": step})
+    first, target_part = m.run.record(1), m.run.record(target).files[0]
+    ref = dataclasses.replace(target_part, name=f"../step-00000000{target}/{target_part.name}")
+    forward = dataclasses.replace(first, references=(ref,))
+    m.run.retire_step(1)  # its record alone goes; its files stay
+    m.run.step_place(1).write_record(forward)
+    status = {s.step: s for s in ObjectRun(url, options).statuses()}[1]
+    assert status.info is None and status.damaged and "not an earlier step" in status.problem, status
+    with pytest.raises(ckptfmt.CorruptError, match=f"refers to step {target}, not an earlier step"):
+        ObjectRun(url, options).record(1)
+
+
+def test_a_cleaner_running_during_a_copy_deletes_nothing_of_it(tmp_path, s3_faults):
+    """ObjectRun.cleanup (a store run's manager's) with a bound of 0 s runs while an archive
+    copy's commit record is held: the copy's live marker keeps its files, so the record it
+    then commits names objects that are there (the local tier drops a step once archived:
+    a record naming deleted files would lose the step in both tiers)."""
+    import datetime
+
+    local = _local_run(tmp_path)
+    bucket = s3_faults.new_bucket()
+    run = ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options())
+    info = local.checkpoints()[-1]
+    cleaner = ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options())
+    failed = _copy_with_record_held(run, info.path, s3_faults, lambda: cleaner.cleanup(datetime.timedelta(0)))
+    assert not failed, failed
+    _assert_whole_and_clean(run, 1, 1.0)
+
+
+@pytest.mark.parametrize("sweeper", ["archive-pass", "step-1-copy"])
+def test_an_object_a_copy_adopts_in_an_earlier_step_is_kept_while_the_copy_runs(tmp_path, s3_faults, sweeper):
+    """Step 1's prefix holds a leftover state.ckpt (a dead copy's: the very file the local
+    step 2 refers to).  Step 2's copy adopts it as its reference; while its record is held,
+    step 1 is swept: by an archive pass removing what dead copies left beside step 1's
+    record (archived under names of its own), or by step 1's own copy committing under names
+    of its own.  The adopted object must stay, or step 2 commits a reference to nothing (and
+    is then dropped locally as archived: lost in both tiers)."""
+    local = ckptfmt.CheckpointManager(tmp_path / "local", keep_last=10, incremental=True)
+    for step in (1, 2):
+        local.save(step, {"frozen": torch.arange(1 << 16, dtype=torch.float32), "step": step})
+    first, second = local.checkpoints()
+    assert second.references  # step 2 reads the frozen tensor's chunks from step 1's file
+    bucket = s3_faults.new_bucket()
+    run = ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options())
+
+    def leftover() -> None:
+        with open(f"{first.path}/state.ckpt", "rb") as f:
+            s3_faults.client().put_object(Bucket=bucket, Key="run/step-000000001/state.ckpt", Body=f.read())
+
+    if sweeper == "archive-pass":
+        s3_faults.client().put_object(Bucket=bucket, Key="run/step-000000001/junk.bin", Body=b"x")
+        archivecopy.put_step(run, 1, first.path, claim=copy_marker())  # under names of its own
+        assert [p.name for p in run.record(1).files] != ["state.ckpt"]
+        leftover()
+        dead = f"run/step-000000001/{copy_marker()}"  # this process's, never claimed: dead
+        s3_faults.client().put_object(Bucket=bucket, Key=dead, Body=b"")
+
+        def meanwhile() -> None:
+            run.remove_interrupted_copies()
+    else:
+        leftover()
+
+        def meanwhile() -> None:
+            archivecopy.put_step(run, 1, first.path, claim=copy_marker())
+
+    failed = _copy_with_record_held(run, second.path, s3_faults, meanwhile, step=2)
+    assert not failed, failed
+    statuses = {s.step: s for s in run.statuses()}
+    assert statuses[2].info is not None, statuses[2]
+    assert ckptfmt.load(statuses[2].info.files[0], storage_options=run.options)["state"]["step"] == 2
+    if sweeper == "archive-pass":  # another program's object in the prefix is never swept
+        assert "junk.bin" in run.listing()[1]
