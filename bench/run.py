@@ -86,8 +86,9 @@ CPU_FIELDS = (
     "voluntary_switches",
     "preempted",
 )
-# durable saves, like with like: (ours, peer, the issue's target for ours' speed over the peer's)
-SAVE_COMPARISONS = [("ckptfmt", "safetensors", 1.0), ("ckptfmt", "torch", 1.0), ("ckptfmt", "dd", None)]
+# durable saves, like with like: each of ckptfmt's ways of saving measured (--save-tools) against
+# (peer, the issue's target for ckptfmt's speed over the peer's); dd is the limit, no target
+SAVE_PEERS = [("safetensors", 1.0), ("torch", 1.0), ("dd", None)]
 COLD_TARGET = 0.8  # ckptfmt.load cold, as a share of dd's cold read of the same file
 LABELS = {
     "dd": "dd read to /dev/null (reference)",
@@ -355,11 +356,12 @@ def comparisons(run: Run) -> list[dict[str, Any]]:
 
 
 def save_comparisons(run: Run) -> list[dict[str, Any]]:
-    """Per location, ckptfmt's durable save against each peer's, round by round (the peer's
-    seconds over ckptfmt's: above 1 when ckptfmt is faster); against dd, no target."""
+    """Per location, each of ckptfmt's measured saves against each peer's, round by round (the
+    peer's seconds over ckptfmt's: above 1 when ckptfmt is faster); against dd, no target."""
     out = []
+    ours_tools = [t for t in run.args.save_tools if t.startswith("ckptfmt")]
     for location in run.locations:
-        for ours, peer, target in SAVE_COMPARISONS:
+        for ours, (peer, target) in ((o, p) for o in ours_tools for p in SAVE_PEERS):
             a = run.samples.get(("saves", location, ours, "save"))
             b = run.samples.get(("saves", location, peer, "save"))
             if not a or not b:
@@ -564,7 +566,7 @@ def save_ratio_lines(rep: dict[str, Any]) -> list[str]:
             else (f"≥ {c['target']}", "yes" if r["median"] >= c["target"] else "no")
         )
         lines.append(
-            f"| ckptfmt vs {c['peer']} | {c['location']} | {rounds} | {r['median']:.2f} "
+            f"| {c['ours']} vs {c['peer']} | {c['location']} | {rounds} | {r['median']:.2f} "
             f"({r['min']:.2f}–{r['max']:.2f}) | {target} | {met} |"
         )
     return lines
