@@ -13,6 +13,7 @@ import json
 import mmap
 import os
 import platform
+import resource
 import shlex
 import statistics
 import subprocess
@@ -213,6 +214,67 @@ def reset_peak_rss() -> None:
             f.write("5")
     except OSError:
         pass
+
+
+# -- this process's CPU time ---------------------------------------------------------------
+
+
+def _thread_schedstat() -> tuple[float, float]:
+    """(seconds on a CPU, seconds waiting on a run queue) of the calling thread, from
+    /proc/thread-self/schedstat (zeros where the kernel does not keep scheduler statistics)."""
+    fields = _read("/proc/thread-self/schedstat").split()
+    if len(fields) < 2:
+        return 0.0, 0.0
+    return int(fields[0]) / 1e9, int(fields[1]) / 1e9
+
+
+def cpu_snapshot() -> dict[str, float]:
+    """This process's CPU time so far (every thread, ended ones included: getrusage), the
+    calling thread's own, and how long the calling thread has waited for a CPU; with
+    cpu_spent, what an operation cost besides its clock."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    thread = resource.getrusage(resource.RUSAGE_THREAD)
+    _, waited = _thread_schedstat()
+    return {
+        "user": me.ru_utime,
+        "sys": me.ru_stime,
+        "caller": thread.ru_utime + thread.ru_stime,
+        "caller_runq_wait": waited,
+        "voluntary_switches": float(me.ru_nvcsw),
+        "preempted": float(me.ru_nivcsw),
+    }
+
+
+def children_cpu() -> dict[str, float]:
+    """CPU time of this process's waited-for children so far (dd), shaped as cpu_snapshot's."""
+    ch = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {
+        "user": ch.ru_utime,
+        "sys": ch.ru_stime,
+        "caller": ch.ru_utime + ch.ru_stime,
+        "caller_runq_wait": 0.0,
+        "voluntary_switches": float(ch.ru_nvcsw),
+        "preempted": float(ch.ru_nivcsw),
+    }
+
+
+def cpu_spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What happened between two snapshots, as a sample's fields: CPU seconds of the process
+    (`cpu_s` = user + sys), of the calling thread and of every other thread, the calling
+    thread's wait for a CPU, and the context switches (voluntary: it blocked; preempted: the
+    scheduler gave its CPU to another task)."""
+    d = {k: after[k] - before[k] for k in before}
+    cpu = d["user"] + d["sys"]
+    return {
+        "cpu_s": cpu,
+        "user_s": d["user"],
+        "sys_s": d["sys"],
+        "caller_cpu_s": d["caller"],
+        "other_threads_cpu_s": max(0.0, cpu - d["caller"]),
+        "caller_runq_wait_s": d["caller_runq_wait"],
+        "voluntary_switches": d["voluntary_switches"],
+        "preempted": d["preempted"],
+    }
 
 
 # -- states ----------------------------------------------------------------------------------

@@ -75,6 +75,20 @@ COMPARISONS = [
 # what verification could at best cost that ckptfmt reaches.
 LIMIT_COMPARISONS = [("ckptfmt-mmap", "torch-mmap", 0.9), ("ckptfmt-mmap", "safetensors", 0.9)]
 PHASES = ("warm", "spread", "cold", "saves")
+# what a save's sample says of its CPU time besides the clock (common.cpu_spent)
+CPU_FIELDS = (
+    "cpu_s",
+    "user_s",
+    "sys_s",
+    "caller_cpu_s",
+    "other_threads_cpu_s",
+    "caller_runq_wait_s",
+    "voluntary_switches",
+    "preempted",
+)
+# durable saves, like with like: each of ckptfmt's ways of saving measured (--save-tools) against
+# (peer, the issue's target for ckptfmt's speed over the peer's); dd is the limit, no target
+SAVE_PEERS = [("safetensors", 1.0), ("torch", 1.0), ("dd", None)]
 COLD_TARGET = 0.8  # ckptfmt.load cold, as a share of dd's cold read of the same file
 LABELS = {
     "dd": "dd read to /dev/null (reference)",
@@ -109,13 +123,17 @@ KINDS = {
 def dd_write(folder: str, nbytes: int) -> dict[str, Any]:
     """dd writing nbytes (4 MiB blocks, conv=fsync): the storage's write limit."""
     path = os.path.join(folder, "dd.bin")
+    cpu = common.children_cpu()
     t = time.perf_counter()
     subprocess.run(
         ["dd", "if=/dev/zero", f"of={path}", "bs=4M", f"count={max(1, nbytes >> 22)}", "conv=fsync"],
         check=True,
         capture_output=True,
     )
-    out = {"op": "save", "seconds": time.perf_counter() - t, "rss": 0, "bytes": os.path.getsize(path)}
+    seconds = time.perf_counter() - t
+    spent = common.cpu_spent(cpu, common.children_cpu())
+    spent.pop("caller_runq_wait_s")  # a child's wait for a CPU is not counted for its parent
+    out = {"op": "save", "seconds": seconds, "rss": 0, "bytes": os.path.getsize(path), **spent}
     os.unlink(path)
     return out
 
@@ -246,8 +264,8 @@ def row_summary(
         "gbps": common.summarise([nbytes / s / 1e9 for s in secs]),
         "samples": samples,
     }
-    for field in ("load_seconds", "read_seconds", "rss", "peak_rss"):
-        if field in samples[0]:
+    for field in ("load_seconds", "read_seconds", "rss", "peak_rss", *CPU_FIELDS):
+        if all(field in s for s in samples):
             row[field] = common.summarise([s[field] for s in samples])
     if "bytes" in samples[0] and phase == "saves" and tool != "dd":
         row["file_bytes"] = samples[0]["bytes"]
@@ -337,6 +355,31 @@ def comparisons(run: Run) -> list[dict[str, Any]]:
     return out
 
 
+def save_comparisons(run: Run) -> list[dict[str, Any]]:
+    """Per location, each of ckptfmt's measured saves against each peer's, round by round (the
+    peer's seconds over ckptfmt's: above 1 when ckptfmt is faster); against dd, no target."""
+    out = []
+    ours_tools = [t for t in run.args.save_tools if t.startswith("ckptfmt")]
+    for location in run.locations:
+        for ours, (peer, target) in ((o, p) for o in ours_tools for p in SAVE_PEERS):
+            a = run.samples.get(("saves", location, ours, "save"))
+            b = run.samples.get(("saves", location, peer, "save"))
+            if not a or not b:
+                continue
+            ratios = per_round_ratios(a, b)
+            out.append(
+                {
+                    "location": location,
+                    "ours": ours,
+                    "peer": peer,
+                    "target": target,
+                    "per_round": ratios,
+                    "ratio": common.summarise(ratios),
+                }
+            )
+    return out
+
+
 def huge_pages_choice() -> dict[str, Any]:
     """ckptfmt's machine-specific choice for its load buffers, which the copy figures depend on."""
     from ckptfmt.engine import hostmem
@@ -365,6 +408,7 @@ def report_of(run: Run, argv: list[str], before: dict[str, Any], started: str) -
         "cold_eviction": "fsync + posix_fadvise(POSIX_FADV_DONTNEED) of the file read, before each cold row",
         "rows": rows,
         "comparisons": comparisons(run),
+        "save_comparisons": save_comparisons(run),
         "copy_floors": copy_floors({r["id"]: r for r in rows}, list(run.locations)),
     }
 
@@ -489,6 +533,7 @@ def markdown(rep: dict[str, Any]) -> str:
             lines.append(
                 f"| {tool}{suffix} | " + " | ".join(_cell(r) for r in found) + f" | {size} | {rss} |"
             )
+    lines += save_ratio_lines(rep) + save_cpu_lines(rep, rows, locs)
     lines += [
         "",
         "Loads: "
@@ -497,6 +542,67 @@ def markdown(rep: dict[str, Any]) -> str:
     ]
     lines += ["Saves: " + "; ".join(f"**{t}**: {n}" for t, n in rep["save_notes"].items()) + "."]
     return "\n".join(lines) + "\n"
+
+
+def save_ratio_lines(rep: dict[str, Any]) -> list[str]:
+    """The durable saves compared round by round: the peer's seconds over ckptfmt's."""
+    found = rep.get("save_comparisons", [])
+    if not found:
+        return []
+    lines = [
+        "",
+        "Durable saves, ckptfmt's speed over the peer's: the peer's seconds over ckptfmt's in each "
+        "round (round order), and their median (min–max).",
+        "",
+        "| comparison | location | per round | ratio | target | met |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c in found:
+        r = c["ratio"]
+        rounds = " ".join(f"{x:.2f}" for x in c["per_round"])
+        target, met = (
+            ("", "")
+            if c["target"] is None
+            else (f"≥ {c['target']}", "yes" if r["median"] >= c["target"] else "no")
+        )
+        lines.append(
+            f"| {c['ours']} vs {c['peer']} | {c['location']} | {rounds} | {r['median']:.2f} "
+            f"({r['min']:.2f}–{r['max']:.2f}) | {target} | {met} |"
+        )
+    return lines
+
+
+def save_cpu_lines(rep: dict[str, Any], rows: dict[str, dict[str, Any]], locs: list[str]) -> list[str]:
+    """Each blocking save's clock beside its CPU time (medians over rounds): whether a tool
+    works more per byte or waits more."""
+    lines = [
+        "",
+        "Durable saves, clock and CPU time, medians over rounds: CPU = user + system time of the "
+        "saving process (every thread), split into the calling thread's and the other threads'; "
+        "*waited* = the calling thread's time runnable but not running (another task had its CPU); "
+        "switches = voluntary (it blocked) / preempted.  dd's figures are its own process's.",
+        "",
+        "| save | location | clock s | CPU s (user / sys) | caller CPU s | other threads CPU s "
+        "| caller waited s | switches | CPU s per GiB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    gib = rep["state"]["bytes"] / 2**30
+    for tool in ["dd", *rep["save_notes"]]:
+        for loc in locs:
+            row = rows.get(f"saves/{loc}/{tool}/save")
+            if not row or "cpu_s" not in row:
+                continue
+
+            def med(field: str, row: dict[str, Any] = row) -> float:
+                return float(row[field]["median"]) if field in row else float("nan")
+
+            waited = f"{med('caller_runq_wait_s'):.3f}" if "caller_runq_wait_s" in row else ""
+            lines.append(
+                f"| {tool} | {loc} | {med('seconds'):.3f} | {med('cpu_s'):.3f} ({med('user_s'):.3f} / "
+                f"{med('sys_s'):.3f}) | {med('caller_cpu_s'):.3f} | {med('other_threads_cpu_s'):.3f} | "
+                f"{waited} | {med('voluntary_switches'):.0f} / {med('preempted'):.0f} | {med('cpu_s') / gib:.3f} |"
+            )
+    return lines
 
 
 # -- the command line ---------------------------------------------------------------------------

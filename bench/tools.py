@@ -93,6 +93,19 @@ class CkptfmtOneThread(Ckptfmt):
         super().save(state, path)
 
 
+class CkptfmtAllThreads(Ckptfmt):
+    name = "ckptfmt-allthreads"
+    suffix = "allthreads.ckpt"
+    note = (
+        "ckptfmt.save with CKPTFMT_THREADS = the cores (every engine thread writing, even to tmpfs, "
+        "as before 2026-12-07: the one-writer choice's effect)"
+    )
+
+    def save(self, state: Any, path: str) -> None:
+        os.environ["CKPTFMT_THREADS"] = str(os.cpu_count() or 1)  # read by each engine call
+        super().save(state, path)
+
+
 class TorchSave(Tool):
     name = "torch"
     suffix = "pt"
@@ -134,6 +147,7 @@ TOOLS: dict[str, Callable[[], Tool]] = {
     "ckptfmt": Ckptfmt,
     "ckptfmt-zstd": CkptfmtZstd,
     "ckptfmt-1thread": CkptfmtOneThread,
+    "ckptfmt-allthreads": CkptfmtAllThreads,
     "torch": TorchSave,
     "safetensors": Safetensors,
     "dcp": DCP,

@@ -6,8 +6,10 @@ The state comes from a torch file (torch.load, a copy), so the process imports
 torch and the saving tool's library only.  It saves to each folder in the order
 given (bench/run.py rotates it from round to round).  Prints one JSON document: per operation
 the seconds, the peak extra RSS (the high-water mark during the operation minus
-the RSS before it; the kernel's high-water mark is reset before each operation)
-and the file size.  For ckptfmt also the non-blocking save: how long the caller is
+the RSS before it; the kernel's high-water mark is reset before each operation),
+the file size and, for blocking saves, the CPU time (common.cpu_spent: the process's,
+the calling thread's and its wait for a CPU, the other threads', context switches), so a
+run on a busy machine shows whether a tool works more per byte or waits more.  For ckptfmt also the non-blocking save: how long the caller is
 blocked, and how long until the checkpoint is durable (staging pool warmed once).
 """
 
@@ -24,15 +26,17 @@ import common
 import tools
 
 
-def measure(fn: Any, *args: Any) -> tuple[float, int]:
-    """Seconds and peak extra RSS of fn(*args)."""
+def measure(fn: Any, *args: Any) -> dict[str, Any]:
+    """Seconds, peak extra RSS and CPU time (common.cpu_spent) of fn(*args)."""
     gc.collect()
     common.reset_peak_rss()
     before = common.status_bytes("VmRSS")
+    cpu = common.cpu_snapshot()
     t = time.perf_counter()
     fn(*args)
     seconds = time.perf_counter() - t
-    return seconds, max(0, common.status_bytes("VmHWM") - before)
+    spent = common.cpu_spent(cpu, common.cpu_snapshot())
+    return {"seconds": seconds, "rss": max(0, common.status_bytes("VmHWM") - before), **spent}
 
 
 def nonblocking(state: Any, path: str) -> list[dict[str, Any]]:
@@ -66,8 +70,7 @@ def main() -> None:
     for folder in spec["dirs"]:
         path = tool.path(folder)
         tool.remove(path)
-        seconds, rss = measure(tool.save, state, path)
-        results[folder] = [{"op": "save", "seconds": seconds, "rss": rss, "bytes": tool.size(path)}]
+        results[folder] = [{"op": "save", **measure(tool.save, state, path), "bytes": tool.size(path)}]
         if spec["tool"] == "ckptfmt":
             results[folder] += nonblocking(state, path)
         tool.remove(path)

@@ -165,6 +165,28 @@ def test_ratios_agree_with_raw_figures(report):
         assert c["ratio"]["min"] <= c["ratio"]["median"] <= c["ratio"]["max"]
 
 
+def test_saves_report_cpu_time_and_ratios_per_round(report):
+    """Each durable save carries its CPU time beside its clock (the process's, split into the
+    calling thread's and the other threads'), and ckptfmt's saves are compared with each peer's
+    round by round, from the raw times."""
+    rows = _rows(report)
+    for loc in ("tmpfs", "disk"):
+        for tool in ("dd", "ckptfmt", "torch", "safetensors"):
+            for s in rows[f"saves/{loc}/{tool}/save"]["samples"]:
+                assert s["cpu_s"] == pytest.approx(s["user_s"] + s["sys_s"])
+                assert s["cpu_s"] > 0 and s["voluntary_switches"] >= 0 and s["preempted"] >= 0
+                assert s["other_threads_cpu_s"] >= 0 and s["caller_cpu_s"] >= 0
+                assert ("caller_runq_wait_s" in s) == (tool != "dd")  # dd runs in a child
+    found = {(c["location"], c["peer"]): c for c in report["save_comparisons"]}
+    assert set(found) == {(loc, p) for loc in ("tmpfs", "disk") for p in ("safetensors", "torch", "dd")}
+    for (loc, peer), c in found.items():
+        ours = rows[f"saves/{loc}/ckptfmt/save"]["samples"]
+        theirs = rows[f"saves/{loc}/{peer}/save"]["samples"]
+        assert c["per_round"] == pytest.approx([p["seconds"] / o["seconds"] for o, p in zip(ours, theirs)])
+    md = report["_md"]
+    assert "| ckptfmt vs safetensors | tmpfs |" in md and "caller waited s" in md
+
+
 def test_cold_rows_read_an_evicted_file(report):
     for tool in ("dd", "ckptfmt"):
         for s in _rows(report)[f"cold/disk/{tool}/load"]["samples"]:

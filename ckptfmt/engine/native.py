@@ -152,6 +152,11 @@ def default_threads() -> int:
     return n if cap is None else max(1, min(n, cap))
 
 
+def threads_set() -> bool:
+    """Whether CKPTFMT_THREADS chooses the engine's threads (callers then keep their hands off)."""
+    return bool(os.environ.get("CKPTFMT_THREADS"))
+
+
 @contextlib.contextmanager
 def threads_at_most(n: int | None) -> Iterator[None]:
     """Engine calls made by this thread use at most `n` threads (None: no cap) inside the block:

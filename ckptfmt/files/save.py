@@ -28,7 +28,6 @@ from ..format import layout as fmt
 from ..format.encode import Encoded, check_chunks, check_metadata, encode
 from ..gcpause import pausing_in_main_thread
 from ..storage.client import check_options
-from ..storage.upload import ObjectFile
 from . import encryption
 from .signing import signer
 
@@ -272,6 +271,8 @@ def object_capacity(encoded: Encoded, chunk_size: int) -> int:
 def _write_object(encoded: Encoded, url: str, options: FileSaveOptions, create_only: bool) -> SaveHandle:
     """Write `encoded` as the object at `url`: the engine writes into the upload's spool,
     which sends each part once complete; committed whole, or aborted."""
+    from ..storage.upload import ObjectFile  # its store clients: a local save needs none
+
     write = options.write
     capacity = object_capacity(encoded, write.chunk_size)
     out = ObjectFile(url, options.storage_options, capacity, if_absent=create_only)

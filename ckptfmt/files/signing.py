@@ -19,10 +19,10 @@ from ..errors import CheckpointError, SignatureError
 from ..fileio import open_regular
 from ..format import layout as fmt
 from ..format import signing
-from ..format.index import Authenticator, Index
 
 if TYPE_CHECKING:
     from ..engine.writeoptions import Signer
+    from ..format.index import Authenticator, Index
 
 KeyLike = Any  # a path, PEM/OpenSSH bytes, or a cryptography Ed25519 key object
 
