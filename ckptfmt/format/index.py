@@ -33,7 +33,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import (
     CorruptError,
@@ -45,10 +45,13 @@ from ..errors import (
 )
 from ..fileio import pread_exact
 from ..gcpause import pausing
-from . import encryption, locations, signing, tree, validate
+from . import encryption, locations, tree, validate
 from . import layout as fmt
 from .encryption import Opener
 from .layout import Limits
+
+if TYPE_CHECKING:
+    from . import signing  # imported where a file is signed: a load of any other never needs it
 
 _INDEX_FIELDS = ("chunk_size", "producer", "source_devices", "metadata", "storages", "chunks", "nodes")
 #: with required feature bit 0 the index also lists the files its external chunks lie in
@@ -253,7 +256,7 @@ class Index:
 
 #: checks a signed encrypted file's signature before its key is used: (prologue, footer,
 #: SHA-256 of the stored index, signature block, SHA-256 of the encryption block) -> None
-Authenticator = Callable[[fmt.Prologue, fmt.Footer, bytes, signing.SignatureBlock, bytes], None]
+Authenticator = Callable[[fmt.Prologue, fmt.Footer, bytes, "signing.SignatureBlock", bytes], None]
 
 
 @pausing
@@ -376,6 +379,8 @@ class _IndexParser:
         nodes = validate.validate_tree(index.pop("nodes"), self.storages, path)
         block = early_block
         if index_sha256 and block is None:
+            from . import signing
+
             want = signing.block_length(len(self.chunks))
             if self.footer.signature_length != want:  # checked before the block is read
                 raise CorruptError(
@@ -445,6 +450,8 @@ class _IndexParser:
                 path=self.path,
                 offset=block_at,
             )
+        from . import signing
+
         enc = encryption.parse_block(tail[:enc_len], self.path, block_at)
         sig = signing.parse_block(tail[enc_len:], enc.nchunks, self.path, block_at + enc_len)
         return enc, sig, hashlib.sha256(tail[:enc_len]).digest()

@@ -423,6 +423,7 @@ def _check_tensor(c: Check, i: int, meta: object, storages: list[StorageRecord])
     rec.kind = "tensor"
     if rec.node < 0:
         rec.node = i
+        rec.whole = not offset and numel > 0 and not conj and extent * itemsize == rec.nbytes
     return True
 
 
