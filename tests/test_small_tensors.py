@@ -216,6 +216,38 @@ def test_a_tensor_spanning_its_storage_is_built_with_its_memory(
     assert torch.equal(loaded["tied"], first)
 
 
+def test_a_storage_is_whole_exactly_when_its_first_tensor_spans_it(tmp_path):
+    """Validation marks the storages a load may allocate (or map) as their first tensor: those
+    whose first tensor's elements span exactly their bytes from their start."""
+    from ckptfmt.files.reader import CheckpointFile
+
+    state = {
+        "part": torch.arange(16.0)[:2],  # from the start, but only part of its storage
+        "offset": torch.arange(16.0)[4:],  # to the end, from an offset
+        "plain": torch.randn(4, 4),
+        "transposed": torch.randn(5, 7).t(),
+        "scalar": torch.tensor(3.5, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 3),
+        "conj": torch.randn(4, dtype=torch.complex64).conj(),
+        "expanded": torch.ones(1).expand(4),  # stride 0: one element spans its storage
+    }
+    p = tmp_path / "whole.ckpt"
+    ckptfmt.save(state, p)
+    with CheckpointFile(p) as f:
+        whole = {rec.key: rec.whole for rec in f.storages}
+    assert whole == {
+        "state['part']": False,
+        "state['offset']": False,
+        "state['plain']": True,
+        "state['transposed']": True,
+        "state['scalar']": True,
+        "state['empty']": False,
+        "state['conj']": False,
+        "state['expanded']": True,
+    }
+    assert_same(ckptfmt.load(p), state)
+
+
 @pytest.mark.parametrize("mmap", [False, True])
 def test_tensors_built_with_their_memory_keep_every_attribute(tmp_path, mmap):
     """Parameters, requires_grad, strides that are not contiguous, scalars, empty tensors,

@@ -110,6 +110,11 @@ def _placed(ch: Chunk, pad: int, source: int = -1, number: int = -1) -> Chunk:
     )
 
 
+_new_tuple = tuple.__new__
+#: the fields of a local chunk's record after its digest, at their defaults (source, number, sha, tag)
+_LOCAL_TAIL = tuple(Chunk._field_defaults[f] for f in Chunk._fields[Chunk._fields.index("digest") + 1 :])
+
+
 def _is_hex(v: object, digits: int) -> bool:
     return type(v) is str and len(v) == digits and _HEX16.issuperset(v)
 
@@ -124,6 +129,7 @@ def _plain_raw_chunk(
     if len(item) != (8 if digests else 7):
         return None
     off, slen, rlen, codec, filt, width, check = item[:7]
+    # every test inline (this runs once per chunk): _is_hex's, and align_up's as -end % ALIGNMENT
     if not (
         type(off) is int
         and off == offset
@@ -137,7 +143,9 @@ def _plain_raw_chunk(
         and type(width) is int
         and width == 0
         and off + slen <= end_of_data
-        and _is_hex(check, 16)
+        and type(check) is str
+        and len(check) == 16
+        and _HEX16.issuperset(check)
     ):
         return None
     digest = b""
@@ -145,8 +153,9 @@ def _plain_raw_chunk(
         if not _is_hex(item[7], 32):
             return None
         digest = bytes.fromhex(item[7])
-    end = off + slen
-    return Chunk(off, slen, rlen, codec, filt, width, int(check, 16), fmt.align_up(end) - end, digest)
+    pad = -(off + slen) % fmt.ALIGNMENT
+    # tuple.__new__: the Chunk without NamedTuple.__new__'s Python call (its fields in order)
+    return _new_tuple(Chunk, (off, slen, rlen, codec, filt, width, int(check, 16), pad, digest, *_LOCAL_TAIL))
 
 
 def _parse_int(text: str) -> int:

@@ -96,10 +96,6 @@ class StorageRecord:
             f"n_chunks={self.n_chunks}, kind={self.kind!r}, node={self.node})"
         )
 
-    def names_keys_from(self, tree: Tree) -> None:
-        """Render this storage's key (see `key`) from `tree`, the tree holding it."""
-        self._tree = weakref.ref(tree)
-
     @property
     def key(self) -> str:
         """The key path of the first tensor using this storage, rendered on first use."""
@@ -134,6 +130,12 @@ class Tree:
 
     def __repr__(self) -> str:
         return f"Tree({len(self.nodes)} nodes, root {self.root}, {len(self.storages)} storages)"
+
+    def name_storage_keys(self) -> None:
+        """Let each storage render its key (StorageRecord.key) from this tree, which holds it."""
+        ref = weakref.ref(self)  # one for all
+        for rec in self.storages:
+            rec._tree = ref
 
     def children(self, i: int) -> list[int]:
         """Node ids that node i refers to, in order (dict entries key then value, then _metadata)."""
