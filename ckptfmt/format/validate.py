@@ -191,7 +191,9 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
                         parent[k] = parent[v] = i
                         slot[k] = 2 * e
                         slot[v] = 2 * e + 1
-                        deepest = max(deepest, depth[k], depth[v])
+                        dk, dv = depth[k], depth[v]
+                        if dk > deepest or dv > deepest:  # rarely: most keys and values are leaves
+                            deepest = max(dk, dv)
                     else:  # child raises, naming the fault
                         deepest = max(deepest, child(i, k, 2 * e), child(i, v, 2 * e + 1))
                     if nodes[k][0] != "str":  # a str node is a key
