@@ -130,6 +130,19 @@ def test_local_load_imports_no_object_store_or_key_module(small_file):
     assert _printed_by_fresh_process(code) == "[]"
 
 
+def test_unsigned_load_imports_no_signature_or_plain_array_module(small_file):
+    """A load of an unsigned file imports neither the signature handling (format/signing.py,
+    files/signing.py) nor the StoredArray of commit records (format/arrays.py)."""
+    unwanted = ("ckptfmt.format.signing", "ckptfmt.files.signing", "ckptfmt.format.arrays")
+    code = (
+        "import sys, ckptfmt\n"
+        f"ckptfmt.load({small_file!r})\n"
+        f"ckptfmt.load({small_file!r}, mmap=True)\n"
+        f"print(sorted(m for m in {unwanted!r} if m in sys.modules))\n"
+    )
+    assert _printed_by_fresh_process(code) == "[]"
+
+
 def test_local_load_still_checks_storage_options(small_file):
     """storage_options given for a local path are still checked (not silently ignored)."""
     with pytest.raises(ValueError, match="unknown storage option 'nope'"):
