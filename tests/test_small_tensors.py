@@ -130,6 +130,19 @@ def test_local_load_imports_no_object_store_or_key_module(small_file):
     assert _printed_by_fresh_process(code) == "[]"
 
 
+def test_unsigned_load_imports_no_signature_or_plain_array_module(small_file):
+    """A load of an unsigned file imports neither the signature handling (format/signing.py,
+    files/signing.py) nor the StoredArray of commit records (format/arrays.py)."""
+    unwanted = ("ckptfmt.format.signing", "ckptfmt.files.signing", "ckptfmt.format.arrays")
+    code = (
+        "import sys, ckptfmt\n"
+        f"ckptfmt.load({small_file!r})\n"
+        f"ckptfmt.load({small_file!r}, mmap=True)\n"
+        f"print(sorted(m for m in {unwanted!r} if m in sys.modules))\n"
+    )
+    assert _printed_by_fresh_process(code) == "[]"
+
+
 def test_local_load_still_checks_storage_options(small_file):
     """storage_options given for a local path are still checked (not silently ignored)."""
     with pytest.raises(ValueError, match="unknown storage option 'nope'"):
@@ -214,6 +227,38 @@ def test_a_tensor_spanning_its_storage_is_built_with_its_memory(
     first.add_(1)  # independent tensors stay independent
     assert torch.equal(loaded["layers.0.experts.1.w"], small_state["layers.0.experts.1.w"])
     assert torch.equal(loaded["tied"], first)
+
+
+def test_a_storage_is_whole_exactly_when_its_first_tensor_spans_it(tmp_path):
+    """Validation marks the storages a load may allocate (or map) as their first tensor: those
+    whose first tensor's elements span exactly their bytes from their start."""
+    from ckptfmt.files.reader import CheckpointFile
+
+    state = {
+        "part": torch.arange(16.0)[:2],  # from the start, but only part of its storage
+        "offset": torch.arange(16.0)[4:],  # to the end, from an offset
+        "plain": torch.randn(4, 4),
+        "transposed": torch.randn(5, 7).t(),
+        "scalar": torch.tensor(3.5, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 3),
+        "conj": torch.randn(4, dtype=torch.complex64).conj(),
+        "expanded": torch.ones(1).expand(4),  # stride 0: one element spans its storage
+    }
+    p = tmp_path / "whole.ckpt"
+    ckptfmt.save(state, p)
+    with CheckpointFile(p) as f:
+        whole = {rec.key: rec.whole for rec in f.storages}
+    assert whole == {
+        "state['part']": False,
+        "state['offset']": False,
+        "state['plain']": True,
+        "state['transposed']": True,
+        "state['scalar']": True,
+        "state['empty']": False,
+        "state['conj']": False,
+        "state['expanded']": True,
+    }
+    assert_same(ckptfmt.load(p), state)
 
 
 @pytest.mark.parametrize("mmap", [False, True])

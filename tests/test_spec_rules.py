@@ -683,6 +683,8 @@ _KEYS_1_AND_1_0 = '"nodes":[["int","1"],["float","000000000000f03f"],["str","a"]
             "node 1 has dtype 'float8', unknown",
         ),
         (',"conj":false', "", ckptfmt.CorruptError, "node 1 must have exactly the fields dtype, shape"),
+        # as many members as fields, one of them misnamed
+        ('"conj":false', '"conk":false', ckptfmt.CorruptError, "node 1 must have exactly the fields"),
         ('["str","w"]', '["str","w",1]', ckptfmt.CorruptError, r"node 0 \(str\) is malformed"),
         ('["str","w"]', '["str",1]', ckptfmt.CorruptError, "node 0 is not a string"),
     ],

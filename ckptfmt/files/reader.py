@@ -35,9 +35,8 @@ from ..errors import (
 from ..fileio import is_url, open_regular
 from ..format import layout as fmt
 from ..format import tree
-from ..format.index import Chunk, External, parse_index, parse_index_json
+from ..format.index import Authenticator, Chunk, External, parse_index, parse_index_json
 from ..gcpause import pausing_in_main_thread
-from . import signing
 
 if TYPE_CHECKING:
     import torch
@@ -75,6 +74,26 @@ def _checked_storage_options(options: dict[str, Any] | None) -> dict[str, Any]:
     from ..storage.client import check_options
 
     return check_options(options)
+
+
+def _trusted_set(trusted_keys: Any) -> frozenset[bytes] | None:
+    """signing.trusted_set; None when no signature is demanded, without importing the signature
+    handling (files/signing.py, format/signing.py): a load of many small tensors is short, and a
+    process's first load pays every import on its path."""
+    if trusted_keys is None:
+        return None
+    from . import signing
+
+    return signing.trusted_set(trusted_keys)
+
+
+def _authenticator(trusted: frozenset[bytes] | None, path: str) -> Authenticator | None:
+    """signing.authenticator; None when no signature is demanded."""
+    if trusted is None:
+        return None
+    from . import signing
+
+    return signing.authenticator(trusted, path)
 
 
 def _opener(decrypt_with: Any) -> Opener | None:
@@ -139,7 +158,7 @@ class CheckpointFile:
         first reads take whole requests, whose bytes the chunk reads reuse (storage/download.py)."""
         self.path = os.fspath(path)
         options = _checked_storage_options(storage_options)
-        trusted = signing.trusted_set(trusted_keys)  # bad keys fail before the file is opened
+        trusted = _trusted_set(trusted_keys)  # bad keys fail before the file is opened
         opener = _opener(decrypt_with)
         if trusted is not None and _native.available() and not _native.crypto_available():
             raise CheckpointError(
@@ -168,7 +187,7 @@ class CheckpointFile:
                     max_bytes,
                     opener,
                     ciphertext_only,
-                    signing.authenticator(trusted, self.path),
+                    _authenticator(trusted, self.path),
                 )
             except (CorruptError, IncompleteError, UnsupportedError) as e:
                 if trusted is None:
@@ -178,6 +197,8 @@ class CheckpointFile:
                     f"not a file signed by a trusted key: {e.reason}", path=self.path, offset=e.offset
                 ) from e
             if trusted is not None:
+                from . import signing
+
                 index = signing.check(index, trusted, self.path)
         except BaseException:
             os.close(fd)
@@ -315,24 +336,20 @@ class CheckpointFile:
         import torch
 
         from ..engine import hostmem
-        from ..format.decode import whole_layout
+        from ..format.dtypes import TORCH_DTYPES
 
         places: dict[int, torch.UntypedStorage | torch.Tensor] = {}
-        nodes = self.tree.nodes
+        nodes, records = self.tree.nodes, self.storages
         small = hostmem.MIN_HUGE_BYTES  # larger ones: hostmem's choice of pages
         empty_strided = torch.empty_strided
         for sid in sids:
-            rec = self.storages[sid]
-            layout = (
-                whole_layout(nodes[rec.node][1], rec.nbytes)
-                if rec.nbytes < small and rec.kind == "tensor"
-                else None
-            )
-            if layout is None:
+            rec = records[sid]
+            if not rec.whole or rec.nbytes >= small:
                 places[sid] = self._alloc_storages([sid])[sid]
                 continue
+            m = nodes[rec.node][1]
             try:
-                t = empty_strided(layout[1], layout[2], dtype=layout[0])
+                t = empty_strided(m["shape"], m["stride"], dtype=TORCH_DTYPES[m["dtype"]])
             except (RuntimeError, MemoryError) as e:
                 raise self._alloc_error(rec.nbytes, rec.key, e) from e
             places[sid] = made[rec.node] = t
@@ -491,6 +508,9 @@ class CheckpointFile:
         """Whether a storage can be backed by the file itself: all its chunks raw and in this
         file (external chunks are read from their own files)."""
         rec = self.storages[sid]
+        if rec.n_chunks == 1:  # the common storage, checked without a slice
+            ch = self.chunks[rec.first_chunk]
+            return ch.codec == fmt.CODEC_RAW and ch.source < 0
         chunks = self.chunks[rec.first_chunk : rec.first_chunk + rec.n_chunks]
         return bool(chunks) and all(c.codec == fmt.CODEC_RAW and c.source < 0 for c in chunks)
 
@@ -504,7 +524,7 @@ class CheckpointFile:
         call less per tensor; the storage is then that tensor's)."""
         import torch
 
-        from ..format.decode import whole_layout
+        from ..format.dtypes import TORCH_DTYPES
 
         if not sids:
             return {}
@@ -519,15 +539,15 @@ class CheckpointFile:
         for sid in sids:
             rec = self.storages[sid]
             offset = self.chunks[rec.first_chunk].offset
-            layout = whole_layout(nodes[rec.node][1], rec.nbytes) if rec.kind == "tensor" else None
-            if layout is None or made is None:
+            if not rec.whole or made is None:
                 out[sid] = frombuffer(mm, dtype=uint8, count=rec.nbytes, offset=offset).untyped_storage()
                 continue
-            dtype, shape, stride = layout
+            m = nodes[rec.node][1]
+            dtype = TORCH_DTYPES[m["dtype"]]
             count = rec.nbytes // dtype.itemsize
             # in place: a tensor of its own, not a view of the 1-D one
             made[rec.node] = frombuffer(mm, dtype=dtype, count=count, offset=offset).as_strided_(
-                shape, stride
+                m["shape"], m["stride"]
             )
         return out
 
@@ -555,32 +575,7 @@ class CheckpointFile:
 
         from ..format import devices
 
-        loaded: dict[int, torch.UntypedStorage] = {}
-        host: list[int] = []  # read onto the CPU
-        callable_: list[int] = []  # read onto the CPU, then handed to map_location
-        on_device: dict[torch.device, list[int]] = {}
-        targets: dict[str, torch.device | None] = {}  # by saved device: the same for each storage
-        cpu = not _force_staging()
-        for sid in needed:
-            rec = self.storages[sid]
-            if rec.kind == "ndarray":  # numpy arrays always live on the CPU
-                host.append(sid)
-                continue
-            if rec.device in targets:
-                target = targets[rec.device]
-            else:
-                try:
-                    target = targets[rec.device] = devices.planned_device(map_location, rec.device)
-                except devices.DeviceError as e:
-                    raise self._device_error(sid, e) from None
-            if target is None:
-                callable_.append(sid)
-            elif target.type == "meta":
-                loaded[sid] = torch.UntypedStorage(rec.nbytes, device="meta")
-            elif cpu and target.type == "cpu":
-                host.append(sid)
-            else:
-                on_device.setdefault(target, []).append(sid)
+        host, callable_, on_device, loaded = self._placement(needed, map_location)
         made: dict[int, torch.Tensor] = {}  # tensors built as their storage's memory is had, by node
         if use_mmap:  # a signed file's chunks are checked against their digests through the mapping
             mappable = [sid for sid in host if self._mappable(sid)]
@@ -615,6 +610,48 @@ class CheckpointFile:
 
         made_by_node = dict(made)  # decode takes its tensors out of `made` as it uses them
         return decode(self.tree, top, storage, self.path, made)
+
+    def _placement(
+        self, needed: list[int], map_location: devices.MapLocation
+    ) -> tuple[list[int], list[int], dict[torch.device, list[int]], dict[int, torch.UntypedStorage]]:
+        """Where each storage of `needed` goes: read onto the CPU; read onto the CPU, then handed
+        to map_location (a callable); read onto a device, by device; or made on the meta device
+        (returned made).  map_location is asked once per saved device, in the order of `needed`
+        (its error names the first storage saved there); numpy arrays always live on the CPU."""
+        import torch
+
+        from ..format import devices
+
+        records = self.storages
+        targets: dict[str, torch.device | None] = {}  # by saved device: the same for each storage
+        for device in dict.fromkeys(records[sid].device for sid in needed if records[sid].kind != "ndarray"):
+            try:
+                targets[device] = devices.planned_device(map_location, device)
+            except devices.DeviceError as e:
+                sid = next(sid for sid in needed if records[sid].device == device)
+                raise self._device_error(sid, e) from None
+        cpu = not _force_staging()
+        if cpu and all(t is not None and t.type == "cpu" for t in targets.values()):
+            return needed, [], {}, {}  # all onto the CPU (a load of many small tensors: no loop)
+        loaded: dict[int, torch.UntypedStorage] = {}
+        host: list[int] = []
+        callable_: list[int] = []
+        on_device: dict[torch.device, list[int]] = {}
+        for sid in needed:
+            rec = records[sid]
+            if rec.kind == "ndarray":
+                host.append(sid)
+                continue
+            target = targets[rec.device]
+            if target is None:
+                callable_.append(sid)
+            elif target.type == "meta":
+                loaded[sid] = torch.UntypedStorage(rec.nbytes, device="meta")
+            elif cpu and target.type == "cpu":
+                host.append(sid)
+            else:
+                on_device.setdefault(target, []).append(sid)
+        return host, callable_, on_device, loaded
 
     def _staging_size(self, sids: list[int], budget: int) -> int:
         """Bytes of the host buffer a device load of `sids` stages through: sized to the work."""

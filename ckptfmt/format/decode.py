@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 
 from ..gcpause import pausing
 from . import dtypes
-from .arrays import StoredArray
 from .tree import Tree, float_value
 from .validate import Check, key_value
 
@@ -51,31 +50,13 @@ def decode(
     made: dict[int, torch.Tensor] | None = None,
 ) -> object:
     """Build the objects of the subtree at `top`; `storage(sid)` gives loaded storages.
-    `made`: tensors the caller built already with their node's layout (whole_layout), by
+    `made`: tensors the caller built already with their node's layout (a storage's `whole`), by
     node: their requires_grad and Parameter are applied here, as to any other."""
     # storages come loaded, so torch is imported wherever a tensor is built; a tree of plain
     # values is built without it
     torch = sys.modules.get("torch")
     with torch.no_grad() if torch is not None else contextlib.nullcontext():
         return _Builder(tree.nodes, storage, path, made).build(top)
-
-
-def whole_layout(m: dict[str, Any], nbytes: int) -> tuple[torch.dtype, list[int], list[int]] | None:
-    """(dtype, shape, stride) of validated tensor meta `m` when its elements span exactly the
-    `nbytes` of its storage from its start (torch.empty_strided of them allocates exactly that
-    storage); None otherwise (an offset, a view of part of a storage, a conjugate view)."""
-    if m["offset"] or m["conj"]:
-        return None
-    shape, stride = m["shape"], m["stride"]
-    name = m["dtype"]
-    last = 0
-    for d, step in zip(shape, stride):
-        if not d:
-            return None
-        last += (d - 1) * step
-    if (last + 1) * dtypes.TENSOR_ITEMSIZES[name] != nbytes:
-        return None
-    return dtypes.TORCH_DTYPES[name], shape, stride
 
 
 class _Builder:
@@ -231,6 +212,8 @@ class _PlainBuilder(_RawBuilder):
     def build(self, i: int) -> object:
         node = self.nodes[i]
         if node[0] == "ndarray":  # validated: a valid dtype name, its storage holds its elements
+            from .arrays import StoredArray  # here: a load of tensors never needs it
+
             m = node[1]
             data = bytes(self.storage(m["storage"]))  # type: ignore[arg-type]
             return StoredArray(m["dtype"], tuple(m["shape"]), m["order"], data)

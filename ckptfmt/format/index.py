@@ -33,7 +33,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import (
     CorruptError,
@@ -45,10 +45,13 @@ from ..errors import (
 )
 from ..fileio import pread_exact
 from ..gcpause import pausing
-from . import encryption, locations, signing, tree, validate
+from . import encryption, locations, tree, validate
 from . import layout as fmt
 from .encryption import Opener
 from .layout import Limits
+
+if TYPE_CHECKING:
+    from . import signing  # imported where a file is signed: a load of any other never needs it
 
 _INDEX_FIELDS = ("chunk_size", "producer", "source_devices", "metadata", "storages", "chunks", "nodes")
 #: with required feature bit 0 the index also lists the files its external chunks lie in
@@ -107,6 +110,11 @@ def _placed(ch: Chunk, pad: int, source: int = -1, number: int = -1) -> Chunk:
     )
 
 
+_new_tuple = tuple.__new__
+#: the fields of a local chunk's record after its digest, at their defaults (source, number, sha, tag)
+_LOCAL_TAIL = tuple(Chunk._field_defaults[f] for f in Chunk._fields[Chunk._fields.index("digest") + 1 :])
+
+
 def _is_hex(v: object, digits: int) -> bool:
     return type(v) is str and len(v) == digits and _HEX16.issuperset(v)
 
@@ -121,6 +129,7 @@ def _plain_raw_chunk(
     if len(item) != (8 if digests else 7):
         return None
     off, slen, rlen, codec, filt, width, check = item[:7]
+    # every test inline (this runs once per chunk): _is_hex's, and align_up's as -end % ALIGNMENT
     if not (
         type(off) is int
         and off == offset
@@ -134,7 +143,9 @@ def _plain_raw_chunk(
         and type(width) is int
         and width == 0
         and off + slen <= end_of_data
-        and _is_hex(check, 16)
+        and type(check) is str
+        and len(check) == 16
+        and _HEX16.issuperset(check)
     ):
         return None
     digest = b""
@@ -142,8 +153,9 @@ def _plain_raw_chunk(
         if not _is_hex(item[7], 32):
             return None
         digest = bytes.fromhex(item[7])
-    end = off + slen
-    return Chunk(off, slen, rlen, codec, filt, width, int(check, 16), fmt.align_up(end) - end, digest)
+    pad = -(off + slen) % fmt.ALIGNMENT
+    # tuple.__new__: the Chunk without NamedTuple.__new__'s Python call (its fields in order)
+    return _new_tuple(Chunk, (off, slen, rlen, codec, filt, width, int(check, 16), pad, digest, *_LOCAL_TAIL))
 
 
 def _parse_int(text: str) -> int:
@@ -253,7 +265,7 @@ class Index:
 
 #: checks a signed encrypted file's signature before its key is used: (prologue, footer,
 #: SHA-256 of the stored index, signature block, SHA-256 of the encryption block) -> None
-Authenticator = Callable[[fmt.Prologue, fmt.Footer, bytes, signing.SignatureBlock, bytes], None]
+Authenticator = Callable[[fmt.Prologue, fmt.Footer, bytes, "signing.SignatureBlock", bytes], None]
 
 
 @pausing
@@ -376,6 +388,8 @@ class _IndexParser:
         nodes = validate.validate_tree(index.pop("nodes"), self.storages, path)
         block = early_block
         if index_sha256 and block is None:
+            from . import signing
+
             want = signing.block_length(len(self.chunks))
             if self.footer.signature_length != want:  # checked before the block is read
                 raise CorruptError(
@@ -445,6 +459,8 @@ class _IndexParser:
                 path=self.path,
                 offset=block_at,
             )
+        from . import signing
+
         enc = encryption.parse_block(tail[:enc_len], self.path, block_at)
         sig = signing.parse_block(tail[enc_len:], enc.nchunks, self.path, block_at + enc_len)
         return enc, sig, hashlib.sha256(tail[:enc_len]).digest()

@@ -21,7 +21,6 @@ import struct
 import weakref
 from array import array
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from .layout import Limits
@@ -54,24 +53,48 @@ def over_string_limit(text: str) -> bool:
     return len(text) > Limits.MAX_STRING_BYTES // 4 and utf8_length(text) > Limits.MAX_STRING_BYTES
 
 
-@dataclass
 class StorageRecord:
-    """One storage of a file's index: its size, device and chunks, and which node first uses it."""
+    """One storage of a file's index: its size, device and chunks, and which node first uses it.
 
-    nbytes: int
-    device: str
-    first_chunk: int
-    n_chunks: int
-    kind: str = ""  # "tensor" or "ndarray" once referenced
-    node: int = -1  # the first tensor or array node that uses it (names it in messages)
-    # weak: the tree holds its records, and a strong reference back would make every index a
-    # reference cycle that outlives its file until a collection of the whole heap finds it
-    _tree: weakref.ref[Tree] | None = field(default=None, repr=False, compare=False)
-    _key: str | None = field(default=None, repr=False, compare=False)
+    A plain class with slots, as is Tree: a file holds one record per storage (10^5 for a state
+    of 10^5 small tensors), and a dataclass's generated methods cost a process's first load
+    about a millisecond of import each."""
 
-    def names_keys_from(self, tree: Tree) -> None:
-        """Render this storage's key (see `key`) from `tree`, the tree holding it."""
-        self._tree = weakref.ref(tree)
+    __slots__ = ("nbytes", "device", "first_chunk", "n_chunks", "kind", "node", "whole", "_tree", "_key")
+
+    def __init__(
+        self, nbytes: int, device: str, first_chunk: int, n_chunks: int, kind: str = "", node: int = -1
+    ) -> None:
+        self.nbytes = nbytes
+        self.device = device
+        self.first_chunk = first_chunk
+        self.n_chunks = n_chunks
+        self.kind = kind  # "tensor" or "ndarray" once referenced
+        self.node = node  # the first tensor or array node that uses it (names it in messages)
+        #: that node is a tensor whose elements span exactly this storage's bytes from its start
+        #: (offset 0, at least one element, not a conjugate view): a load of a small storage
+        #: allocates (or maps) it as that tensor, in one call (files/reader.py)
+        self.whole = False
+        # weak: the tree holds its records, and a strong reference back would make every index a
+        # reference cycle that outlives its file until a collection of the whole heap finds it
+        self._tree: weakref.ref[Tree] | None = None
+        self._key: str | None = None
+
+    def _fields(self) -> tuple[int, str, int, int, str, int]:
+        return (self.nbytes, self.device, self.first_chunk, self.n_chunks, self.kind, self.node)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not StorageRecord:
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
+
+    def __repr__(self) -> str:
+        return (
+            f"StorageRecord(nbytes={self.nbytes}, device={self.device!r}, first_chunk={self.first_chunk}, "
+            f"n_chunks={self.n_chunks}, kind={self.kind!r}, node={self.node})"
+        )
 
     @property
     def key(self) -> str:
@@ -82,18 +105,37 @@ class StorageRecord:
         return self._key
 
 
-@dataclass
 class Tree:
     """A checked node table (validate.validate_tree): every node's parent and place in it known."""
 
-    nodes: list[list[Any]]
-    root: int
-    storages: list[StorageRecord]
-    #: each node's parent (-1 for the root) and its place there: the position in a list or
-    #: tuple; 2*e for the key and 2*e+1 for the value of dict entry e; -1 for `_metadata`
-    parent: array[int] = field(repr=False)
-    slot: array[int] = field(repr=False)
-    root_name: str = "state"
+    __slots__ = ("nodes", "root", "storages", "parent", "slot", "root_name", "__weakref__")
+
+    def __init__(
+        self,
+        nodes: list[list[Any]],
+        root: int,
+        storages: list[StorageRecord],
+        parent: array[int],
+        slot: array[int],
+        root_name: str = "state",
+    ) -> None:
+        self.nodes = nodes
+        self.root = root
+        self.storages = storages
+        #: each node's parent (-1 for the root) and its place there: the position in a list or
+        #: tuple; 2*e for the key and 2*e+1 for the value of dict entry e; -1 for `_metadata`
+        self.parent = parent
+        self.slot = slot
+        self.root_name = root_name
+
+    def __repr__(self) -> str:
+        return f"Tree({len(self.nodes)} nodes, root {self.root}, {len(self.storages)} storages)"
+
+    def name_storage_keys(self) -> None:
+        """Let each storage render its key (StorageRecord.key) from this tree, which holds it."""
+        ref = weakref.ref(self)  # one for all
+        for rec in self.storages:
+            rec._tree = ref
 
     def children(self, i: int) -> list[int]:
         """Node ids that node i refers to, in order (dict entries key then value, then _metadata)."""

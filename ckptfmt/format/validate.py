@@ -53,6 +53,7 @@ _KINDS = {
 }
 _TENSOR_FIELDS = ("dtype", "shape", "stride", "offset", "storage", "requires_grad", "param", "conj")
 _TENSOR_KEYS = frozenset(_TENSOR_FIELDS)
+_N_TENSOR_FIELDS = len(_TENSOR_KEYS)
 #: tensor dtypes that may require grad (floating point and complex), and the complex ones
 _GRAD_DTYPES = frozenset(
     n for n in dtypes.TENSOR_ITEMSIZES if dtypes.is_floating_point(n) or dtypes.is_complex(n)
@@ -190,7 +191,9 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
                         parent[k] = parent[v] = i
                         slot[k] = 2 * e
                         slot[v] = 2 * e + 1
-                        deepest = max(deepest, depth[k], depth[v])
+                        dk, dv = depth[k], depth[v]
+                        if dk > deepest or dv > deepest:  # rarely: most keys and values are leaves
+                            deepest = max(dk, dv)
                     else:  # child raises, naming the fault
                         deepest = max(deepest, child(i, k, 2 * e), child(i, v, 2 * e + 1))
                     if nodes[k][0] != "str":  # a str node is a key
@@ -250,8 +253,7 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
         if not rec.kind:
             raise c.fail(f"storage {sid} is not used by any tensor or array")
     tree = Tree(nodes, root, storages, parent, slot)
-    for rec in storages:
-        rec.names_keys_from(tree)
+    tree.name_storage_keys()
     return tree
 
 
@@ -377,16 +379,19 @@ def _check_tensor(c: Check, i: int, meta: object, storages: list[StorageRecord])
     """Tensor node i's metadata is sound and stays inside its storage, which it claims.  One
     pass of plain comparisons accepts the common, sound node; anything it does not accept goes
     to `_tensor_problem`, which checks again field by field and raises naming the first fault."""
-    if type(meta) is not dict or meta.keys() != _TENSOR_KEYS:
+    if type(meta) is not dict or len(meta) != _N_TENSOR_FIELDS:
         return _tensor_problem(c, i, meta, storages)
-    name, shape, stride, offset, sid = (
-        meta["dtype"],
-        meta["shape"],
-        meta["stride"],
-        meta["offset"],
-        meta["storage"],
-    )
-    requires_grad, conj = meta["requires_grad"], meta["conj"]
+    try:  # as many members as fields, and each field found: exactly the fields
+        name, shape, stride, offset, sid = (
+            meta["dtype"],
+            meta["shape"],
+            meta["stride"],
+            meta["offset"],
+            meta["storage"],
+        )
+        requires_grad, param, conj = meta["requires_grad"], meta["param"], meta["conj"]
+    except KeyError:
+        return _tensor_problem(c, i, meta, storages)
     itemsize = _TENSOR_ITEMSIZES.get(name) if type(name) is str else None
     max_numel = Limits.MAX_NUMEL
     if not (
@@ -399,7 +404,7 @@ def _check_tensor(c: Check, i: int, meta: object, storages: list[StorageRecord])
         and type(sid) is int
         and 0 <= sid < len(storages)
         and type(requires_grad) is bool
-        and type(meta["param"]) is bool
+        and type(param) is bool
         and type(conj) is bool
         and (not requires_grad or name in _GRAD_DTYPES)
         and (not conj or name in _COMPLEX_DTYPES)
@@ -423,6 +428,7 @@ def _check_tensor(c: Check, i: int, meta: object, storages: list[StorageRecord])
     rec.kind = "tensor"
     if rec.node < 0:
         rec.node = i
+        rec.whole = not offset and numel > 0 and not conj and extent * itemsize == rec.nbytes
     return True
 
 
