@@ -132,19 +132,9 @@ def _watched(connection: type) -> type:
     return Watched
 
 
-class Body:
-    """An answer's body as download.read_body reads it: readinto, close, and the urllib3
-    answer (``_raw_stream``) its watchdog cuts."""
-
-    def __init__(self, answer: Any) -> None:
-        self._answer = answer
-        self._raw_stream = answer.raw
-
-    def readinto(self, view: memoryview) -> int:
-        return int(self._raw_stream.readinto(view))
-
-    def close(self) -> None:
-        self._answer.close()
+def body_of(answer: Any) -> client.Body:
+    """A requests answer's body as download.read_body reads it (client.Body)."""
+    return client.Body(answer, answer.raw)
 
 
 def size_of(value: object) -> object:
