@@ -19,6 +19,9 @@ track of, and a later plan leaves them out: a reader that will read the whole ob
 it needs at once, and the chunk reads then reuse their data instead of asking again (on
 some servers every request costs a pass over the whole object).  A reader of one key pays
 for it: its first reads are up to a few cells, not a few bytes, so it is not the default.
+Ranges given back have their pages freed on a thread of their own (freeing costs about as
+much as filling them), so the reader goes on to its next window meanwhile; a fetch into
+pages still being freed waits for that first.
 """
 
 from __future__ import annotations
@@ -158,6 +161,10 @@ class RemoteObject:
         # the ranges fetched and not given back since (sorted, disjoint): plans leave them out
         self._held: list[Range] = []
         self._held_lock = threading.Lock()
+        # ranges given back whose pages are still being freed (on their own thread, so that
+        # the reader goes on to its next window meanwhile): a fetch into one waits for them
+        self._freeing: list[tuple[Range, Future[None]]] = []
+        self._freer = ThreadPoolExecutor(1, thread_name_prefix="ckptfmt-free")
         try:
             self.size, self.etag = self._head()
             if etag is not None and self.etag != etag:
@@ -282,11 +289,22 @@ class RemoteObject:
 
     def release(self, ranges: Sequence[Range]) -> None:
         """Give back the memory of ranges already read (fetched again if asked for again)."""
-        if self.spool is not None:
-            with self._held_lock:
-                self._held = subtract_ranges(self._held, ranges)
-            for lo, hi in ranges:
-                self.spool.release(lo, hi)
+        spool = self.spool
+        if spool is None:
+            return
+        with self._held_lock:
+            self._held = subtract_ranges(self._held, ranges)
+            for lo, hi in merge_ranges(ranges):
+                self._freeing.append(((lo, hi), self._freer.submit(spool.release, lo, hi)))
+
+    def _wait_freed(self, lo: int, hi: int) -> None:
+        """Wait until the pages of ranges given back that overlap [lo, hi) are freed, so that
+        freeing them cannot wipe what a fetch is about to write there."""
+        with self._held_lock:
+            self._freeing = [(r, f) for r, f in self._freeing if not f.done()]
+            pending = [f for (a, b), f in self._freeing if a < hi and lo < b]
+        for f in pending:
+            f.result()
 
     def _hold(self, lo: int, hi: int) -> None:
         with self._held_lock:
@@ -296,6 +314,7 @@ class RemoteObject:
         """Fetch [lo, hi) into the spool, resuming after a dropped connection or a body cut at
         its deadline from the byte it reached, within one Budget (attempts and deadline)."""
         assert self.spool is not None
+        self._wait_freed(lo, hi)
         view = self.spool.view(lo, hi)
         what = f"read bytes {lo}-{hi - 1}"
         budget = s3.Budget(self.options)
@@ -361,6 +380,7 @@ class RemoteObject:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._freer.shutdown(wait=True)
         if self.spool is not None:
             self.spool.close()
             self.spool = None
