@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from ..errors import CheckpointError, LimitError, StorageError
+from . import alarms
 
 #: what storage_options may hold for each scheme: its client's arguments ...
 STORE_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -377,24 +378,26 @@ def _plain_readinto(raw: Any) -> Callable[[Any], int] | None:
 
 class Watchdog:
     """Cuts the connection of `raw` (cut_connection) unless stopped within `timeout` seconds;
-    `fired` says whether it did."""
+    `fired` says whether it did.  The alarm is kept by alarms' one thread, not a thread of
+    its own: every ranged GET sets one."""
 
     def __init__(self, raw: Any, timeout: float) -> None:
         self.fired = threading.Event()
         self._raw = raw
-        self._timer = threading.Timer(timeout, self._fire)
-        self._timer.daemon = True
+        self._timeout = timeout
+        self._alarm: alarms.Alarm | None = None
 
     def _fire(self) -> None:
         self.fired.set()
         cut_connection(self._raw)
 
     def __enter__(self) -> Watchdog:
-        self._timer.start()
+        self._alarm = alarms.set_alarm(self._timeout, self._fire)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._timer.cancel()
+        if self._alarm is not None:
+            self._alarm.cancel()
 
 
 def read_listing(raw: Any, timeout: float, what: str = "a listing's answer") -> bytes:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from ..errors import CheckpointError
-from . import client
+from . import alarms, client
 
 T = TypeVar("T")
 
@@ -65,8 +65,7 @@ class HeadWatch:
         # once the request is over its connection may serve another thread's: no cut after that
         self._lock = threading.Lock()
         self._over = False
-        self._timer = threading.Timer(timeout, self._fire)
-        self._timer.daemon = True
+        self._alarm: alarms.Alarm | None = None
 
     def _fire(self) -> None:
         with self._lock:
@@ -89,13 +88,14 @@ class HeadWatch:
 
     def __enter__(self) -> HeadWatch:
         _sending.watch = self
-        self._timer.start()
+        self._alarm = alarms.set_alarm(self.timeout, self._fire)  # on alarms' one thread
         return self
 
     def __exit__(self, *exc: object) -> None:
         with self._lock:
             self._over = True
-        self._timer.cancel()
+        if self._alarm is not None:
+            self._alarm.cancel()
         _sending.watch = None
 
 
