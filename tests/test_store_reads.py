@@ -10,6 +10,7 @@ import gzip
 import http.server as http_server
 import os
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -119,3 +120,34 @@ def test_a_range_given_back_and_fetched_again_holds_its_bytes(store):
         assert os.fstat(remote.fd).st_blocks * 512 < MiB
     finally:
         remote.close()
+
+
+def test_a_whole_load_asks_for_every_cell_before_the_first_comes(store_faults):
+    """A load's requests go out in one wave, as a plain parallel download's do: the cells after
+    the first are asked for with the first and the last, not once the index (which needs those
+    two) is parsed; and none is asked for twice."""
+    faults = store_faults
+    options = faults.options | {"request_size": MiB}
+    url = f"{faults.new_root()}/wave.ckpt"
+    g = torch.Generator().manual_seed(4)
+    state = {f"t{i}": torch.randn(400_000, generator=g) for i in range(4)}  # 6.4 MB: 7 cells
+    ckptfmt.save(state, url, storage_options=options)
+    size = faults.size(url)
+    cells = [(lo, min(lo + MiB, size)) for lo in range(0, size, MiB)]
+    reads = faults.op("read", "wave.ckpt")
+    faults.clear_counts()
+    released = faults.hold(*reads)  # the first GET of the object waits, unanswered
+    out: dict[str, object] = {}
+    loading = threading.Thread(target=lambda: out.update(state=ckptfmt.load(url, storage_options=options)))
+    loading.start()
+    try:
+        deadline = time.monotonic() + 30
+        while faults.count(*reads) < len(cells) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        asked_while_held = faults.count(*reads)
+    finally:
+        released.set()
+        loading.join(60)
+    assert asked_while_held == len(cells)
+    assert_same(state, out["state"])
+    assert sorted(faults.ranges("wave.ckpt")) == cells
