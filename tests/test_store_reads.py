@@ -151,3 +151,18 @@ def test_a_whole_load_asks_for_every_cell_before_the_first_comes(store_faults):
     assert asked_while_held == len(cells)
     assert_same(state, out["state"])
     assert sorted(faults.ranges("wave.ckpt")) == cells
+
+
+def test_a_load_under_max_bytes_reads_ahead_no_more_than_that(store_faults):
+    """The cells a whole load asks for before its index is parsed (and its max_bytes checked
+    against the index) are bounded by max_bytes too, not only by the read-ahead's 128 MiB."""
+    faults = store_faults
+    options = faults.options | {"request_size": MiB}
+    url = f"{faults.new_root()}/bounded.ckpt"
+    state = {f"t{i}": torch.zeros(500_000) + i for i in range(4)}  # 8 MB: 8 cells
+    ckptfmt.save(state, url, storage_options=options)
+    faults.clear_counts()
+    with pytest.raises(ckptfmt.LimitError):
+        ckptfmt.load(url, max_bytes=2 * MiB, storage_options=options)
+    # the first cell, the two the tail lies in, and 2 MiB of cells after the first
+    assert sum(hi - lo for lo, hi in faults.ranges("bounded.ckpt")) <= 5 * MiB

@@ -212,8 +212,10 @@ class RemoteObject:
     def _fetch_index(self, max_bytes: int | None, read_ahead: bool) -> None:
         """Fetch the prologue and the tail; then the rest of the index if it starts before the
         tail (unless that is more than `max_bytes`: the index parser then refuses it).  With
-        read_ahead, whole grid cells: the first one and those the tail and the index lie in."""
-        tail = self._fetch_ends(read_ahead)
+        read_ahead, whole grid cells: the first one and those the tail and the index lie in, and
+        those after the first asked for meanwhile (READ_AHEAD_BYTES, or max_bytes if less)."""
+        ahead = READ_AHEAD_BYTES if max_bytes is None else min(READ_AHEAD_BYTES, max_bytes)
+        tail = self._fetch_ends(read_ahead, ahead)
         footer = self._footer()
         if footer is None:
             return  # the parser, reading the spool, says what is wrong
@@ -223,10 +225,10 @@ class RemoteObject:
                 start = grid_cells(start, tail, self._request_bytes, self.size)[0]
             self.fetch([(start, tail)])
 
-    def _fetch_ends(self, read_ahead: bool = False) -> int:
+    def _fetch_ends(self, read_ahead: bool = False, ahead: int = 0) -> int:
         """Fetch the prologue and the last TAIL_BYTES (with read_ahead: the grid cells they lie
-        in, and the cells after the first asked for meanwhile) in parallel; where the tail
-        fetched begins."""
+        in, and `ahead` bytes of cells after the first asked for meanwhile) in parallel; where
+        the tail fetched begins."""
         size = self.size
         head = (0, min(size, fmt.PROLOGUE_SIZE))
         tail = (max(0, size - TAIL_BYTES), size)
@@ -235,15 +237,16 @@ class RemoteObject:
             tail = grid_cells(*tail, self._request_bytes, size)
         ends = self.start([head, tail])
         if read_ahead:
-            self._read_ahead(tail[0])
+            self._read_ahead(tail[0], ahead)
         self.wait(ends)
         return tail[0]
 
-    def _read_ahead(self, tail: int) -> None:
-        """Ask for the cells between the first and the tail (at most READ_AHEAD_BYTES) without
+    def _read_ahead(self, tail: int, ahead: int) -> None:
+        """Ask for the whole cells between the first and the tail (`ahead` bytes at most) without
         waiting for them: the chunk reads wait for them as they would for their own requests."""
-        start = min(self._request_bytes, tail)
-        self.start([(start, min(tail, start + READ_AHEAD_BYTES))])
+        cell = self._request_bytes
+        start = min(cell, tail)
+        self.start([(start, min(tail, start + ahead // cell * cell))])
 
     def _footer(self) -> fmt.Footer | None:
         """The footer the fetched prologue and tail hold, checked; None if they hold none."""
