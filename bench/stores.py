@@ -9,19 +9,22 @@ Rows, per store:
   through ckptfmt's Store interface (storage/store.py) with nothing else: 16 MiB parts from 8
   threads completed into one object (S3's multipart upload, GCS's compose, Azure's block
   list), and 8 threads of 16 MiB ranged GETs pinned to the object's version, read into one
-  preallocated buffer.  What ckptfmt adds above its own client (the format, the spool, the
-  checks) is the gap between the two rows; the emulator bounds both.
+  buffer allocated inside the clock (untouched, as a load's tensors are: both end with the
+  object's bytes in fresh memory, and both pay its page faults).  What ckptfmt adds above its
+  own client (the format, the spool, the checks) is the gap between the two rows; the
+  emulator bounds both.
 * dcp-fsspec save / load: torch.distributed.checkpoint's FsspecWriter / FsspecReader (default
   settings, one process) of the same state through the store's fsspec filesystem: s3fs, gcsfs
   (the emulator through STORAGE_EMULATOR_HOST, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false: gcsfs's
   bucket-type probe speaks gRPC over TLS, which the emulator does not, and waits 60 s), adlfs
   (AZURE_STORAGE_CONNECTION_STRING); a filesystem not installed is reported missing.
 
-One process; the state and the load destinations are built before the clock starts; every
-load is checked against the state after the clock stops.  A store whose emulator is missing
-is reported missing.
+One process; the state is built before the clock starts; every load is checked against the
+state after the clock stops.  Each row's CPU time is this process's (every thread's; the
+emulators run in processes of their own).  A store whose emulator is missing is reported
+missing.
 
-    python bench/stores.py [--size 256M] [--rounds 3] [--stores s3,gs,az] [--out bench/results]
+    python bench/stores.py [--size 256M] [--rounds 3] [--stores s3,gs,az] [--no-dcp] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import mmap
 import os
 import statistics
 import sys
@@ -112,14 +116,15 @@ def floor_up(url: str, options: dict[str, Any], data: memoryview) -> None:
     store.complete_upload(u, upload, tags, if_absent=False)
 
 
-def floor_down(url: str, options: dict[str, Any], buf: bytearray) -> None:
+def floor_down(url: str, options: dict[str, Any]) -> mmap.mmap:
+    """The object's bytes in fresh (untouched) memory, by 8 threads of 16 MiB ranged GETs."""
     from ckptfmt.storage.backends import store_for
     from ckptfmt.storage.urls import parse_url
 
     u = parse_url(url)
     store = store_for(u, options)
     size, version = store.head(u)
-    assert size == len(buf), (size, len(buf))
+    buf = mmap.mmap(-1, size)
     view = memoryview(buf)
 
     def get(a: int) -> None:
@@ -137,6 +142,8 @@ def floor_down(url: str, options: dict[str, Any], buf: bytearray) -> None:
 
     with ThreadPoolExecutor(THREADS) as pool:
         list(pool.map(get, range(0, len(buf), PART)))
+    view.release()
+    return buf
 
 
 def fsspec_options(store: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -165,7 +172,16 @@ def dcp_load(store: str, into: dict[str, Any], url: str, options: dict[str, Any]
     dcp.load(into, storage_reader=FsspecReader(url, **fsspec_options(store, options)), no_dist=True)
 
 
-def measure(store: str, size: int, rounds: int) -> dict[str, Any]:
+@contextlib.contextmanager
+def clocked(times: dict[str, list[float]], cpu: dict[str, list[float]], row: str) -> Iterator[None]:
+    """The block's wall-clock and CPU seconds (this process's, every thread's) added to `row`."""
+    start, start_cpu = time.perf_counter(), time.process_time()
+    yield
+    times[row].append(time.perf_counter() - start)
+    cpu[row].append(time.process_time() - start_cpu)
+
+
+def measure(store: str, size: int, rounds: int, dcp: bool = True) -> dict[str, Any]:
     import importlib.util
 
     import torch
@@ -176,52 +192,59 @@ def measure(store: str, size: int, rounds: int) -> dict[str, Any]:
 
     state = the_state(size)
     package, scheme = FSSPEC[store]
-    with_dcp = importlib.util.find_spec(package) is not None
+    with_dcp = dcp and importlib.util.find_spec(package) is not None
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
     rows = ROWS if with_dcp else [r for r in ROWS if not r.startswith("dcp")]
     times: dict[str, list[float]] = {row: [] for row in rows}
+    cpu: dict[str, list[float]] = {row: [] for row in rows}
     with served(store) as (prefix, options):
         url, raw = f"{prefix}/state.ckpt", f"{prefix}/raw.bin"
         for n in range(rounds):
-            start = time.perf_counter()
-            ckptfmt.save(state, url, storage_options=options)
-            times["ckptfmt save"].append(time.perf_counter() - start)
+            with clocked(times, cpu, "ckptfmt save"):
+                ckptfmt.save(state, url, storage_options=options)
             length = head(parse_url(url), options)[0]
             data = memoryview(os.urandom(length))
-            start = time.perf_counter()
-            floor_up(raw, options, data)
-            times["floor up"].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            loaded = ckptfmt.load(url, storage_options=options)
-            times["ckptfmt load"].append(time.perf_counter() - start)
+            with clocked(times, cpu, "floor up"):
+                floor_up(raw, options, data)
+            with clocked(times, cpu, "ckptfmt load"):
+                loaded = ckptfmt.load(url, storage_options=options)
             assert all(torch.equal(loaded[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
-            buf = bytearray(length)
-            start = time.perf_counter()
-            floor_down(raw, options, buf)
-            times["floor down"].append(time.perf_counter() - start)
-            assert buf == data
+            with clocked(times, cpu, "floor down"):
+                buf = floor_down(raw, options)
+            assert buf[:] == data
+            buf.close()
             del loaded, buf, data
             if with_dcp:
                 where = f"{scheme}://{prefix.split('://', 1)[1]}/dcp-{n}"
-                start = time.perf_counter()
-                dcp_save(store, state, where, options)
-                times["dcp-fsspec save"].append(time.perf_counter() - start)
+                with clocked(times, cpu, "dcp-fsspec save"):
+                    dcp_save(store, state, where, options)
                 into = {
                     k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()
                 }
-                start = time.perf_counter()
-                dcp_load(store, into, where, options)
-                times["dcp-fsspec load"].append(time.perf_counter() - start)
+                with clocked(times, cpu, "dcp-fsspec load"):
+                    dcp_load(store, into, where, options)
                 assert all(torch.equal(into[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
                 del into
     return {
         "bytes": length,
-        **({} if with_dcp else {"dcp-fsspec": f"{package} is not installed"}),
+        **({} if with_dcp else {"dcp-fsspec": "not run" if not dcp else f"{package} is not installed"}),
         "rows": {
-            row: {"median_s": statistics.median(t), "MB_s": length / statistics.median(t) / 1e6, "runs_s": t}
+            row: {
+                "median_s": statistics.median(t),
+                "MB_s": length / statistics.median(t) / 1e6,
+                "cpu_median_s": statistics.median(cpu[row]),
+                "runs_s": t,
+                "cpu_s": cpu[row],
+            }
             for row, t in times.items()
         },
     }
+
+
+def _cell(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return "not run"
+    return f"{row['MB_s']:.0f} MB/s, {row['cpu_median_s']:.2f} s CPU"
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -230,9 +253,7 @@ def markdown(doc: dict[str, Any]) -> str:
         if "missing" in result:
             lines.append(f"| {store} | {result['missing']} |" + " |" * (len(ROWS) - 1))
             continue
-        cells = [
-            f"{result['rows'][row]['MB_s']:.0f} MB/s" if row in result["rows"] else "missing" for row in ROWS
-        ]
+        cells = [_cell(result["rows"].get(row)) for row in ROWS]
         lines.append(f"| {store} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -244,6 +265,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--stores", default=",".join(STORES))
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--name", default="stores")
+    p.add_argument("--no-dcp", action="store_true", help="leave DCP's fsspec rows out")
     args = p.parse_args(argv)
     size = parse_size(args.size)
     doc: dict[str, Any] = {
@@ -254,7 +276,7 @@ def main(argv: list[str]) -> None:
     }
     for store in args.stores.split(","):
         why = missing(store)
-        doc["stores"][store] = {"missing": why} if why else measure(store, size, args.rounds)
+        doc["stores"][store] = {"missing": why} if why else measure(store, size, args.rounds, not args.no_dcp)
         print(json.dumps({store: doc["stores"][store].get("rows", why)}, default=str)[:400], flush=True)
     table = markdown(doc)
     print(table)

@@ -198,3 +198,17 @@ def store_faults(request, monkeypatch):
 
     with open_store_faults(request.param, request, monkeypatch) as faults:
         yield faults
+
+
+# -- every store: one test body run on s3:// (moto), gs:// (fake-gcs-server) and az:// (Azurite)
+
+
+@pytest.fixture(params=["s3", "gs", "az"])
+def store(request) -> tuple[str, dict[str, object]]:
+    """A fresh bucket (container) on one store: (its URL, storage_options)."""
+    if request.param == "s3":
+        bucket, options = request.getfixturevalue("s3_bucket")
+        return f"s3://{bucket}", options
+    if request.param == "gs":
+        return f"gs://{request.getfixturevalue('gcs_bucket')}", {}
+    return f"az://{request.getfixturevalue('azure_container')}", {}

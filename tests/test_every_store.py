@@ -23,17 +23,6 @@ def _state(step: int) -> dict[str, object]:
     return {"frozen": FROZEN, "head": torch.full((1000,), float(step)), "step": step}
 
 
-@pytest.fixture(params=["s3", "gs", "az"])
-def store(request, monkeypatch) -> tuple[str, dict[str, object]]:
-    """A fresh bucket (container) on one store: (its URL, storage_options)."""
-    if request.param == "s3":
-        bucket, options = request.getfixturevalue("s3_bucket")
-        return f"s3://{bucket}", options
-    if request.param == "gs":
-        return f"gs://{request.getfixturevalue('gcs_bucket')}", {}
-    return f"az://{request.getfixturevalue('azure_container')}", {}
-
-
 def test_an_incremental_run_rotates_keeping_what_later_steps_read(store):
     root, options = store
     url = f"{root}/inc"

@@ -26,6 +26,7 @@ import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 
 import xxhash
 
@@ -69,8 +70,10 @@ def _dict_msg(dict_id: int) -> str:
     return f"zstd frame needs dictionary {dict_id}; the format uses none"
 
 
-#: a remote file's chunks are fetched this many stored bytes at a time (two windows are held)
-FETCH_WINDOW = 64 << 20
+#: a remote file's chunks are read a window of requests (this many bytes) at a time, once it is
+#: in, while FETCH_AHEAD windows are in flight (the store's 8 parallel requests kept busy)
+FETCH_WINDOW = 16 << 20
+FETCH_AHEAD = 8
 
 
 def _request_windows(requests: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
@@ -473,12 +476,12 @@ class ChunkReader:
     def _read_fetched(
         self, remote: Fetcher, items: Sequence[tuple[int, Destination]], verify: bool, check_only: bool
     ) -> None:
-        """Read chunks of a remote file window by window: the requests of the next window are
-        in flight with those of the one waited for, so the store always has about two windows
-        of requests to answer (as a plain parallel download keeps its threads busy), and a
-        window's chunks' bytes are given back once read, so memory holds about two windows.
-        The requests are planned for all the chunks at once, so that a window's edge never
-        splits one; a chunk is read in the window whose requests bring its last bytes in."""
+        """Read chunks of a remote file window by window: the next FETCH_AHEAD windows' requests
+        are in flight while one is read (the store kept busy, as by a plain parallel download),
+        and a window's bytes are given back once read (memory holds about FETCH_AHEAD windows).
+        The requests are planned for all the chunks at once, so a window's edge never splits
+        one; a chunk is read in the window whose requests bring its last bytes in (the first,
+        where those are held or in flight already: their futures come with its own)."""
         requests = remote.plan([self._stored_range(k) for k, _ in items])
         windows = _request_windows(requests)
         starts = [lo for lo, _ in requests]
@@ -489,7 +492,11 @@ class ChunkReader:
             j = bisect.bisect_left(starts, hi) - 1  # the last request before the chunk's end
             chunks[window_of[j] if j >= 0 and requests[j][1] > lo else 0].append((k, dest))
         windows = windows or [[]]
-        pending = [remote.start(w) for w in windows[:2]]
+
+        def start(i: int) -> list[Future[None]]:
+            return remote.start([*windows[i], *(self._stored_range(k) for k, _ in chunks[i])])
+
+        pending = [start(i) for i in range(min(FETCH_AHEAD, len(windows)))]
         try:
             for i, window in enumerate(chunks):
                 remote.wait(pending.pop(0))
@@ -498,8 +505,8 @@ class ChunkReader:
                         self._read_group(window, verify, check_only)
                 finally:
                     remote.release([self._stored_range(k) for k, _ in window])
-                if i + 2 < len(windows):
-                    pending.append(remote.start(windows[i + 2]))
+                if i + FETCH_AHEAD < len(windows):
+                    pending.append(start(i + FETCH_AHEAD))
         finally:
             for futures in pending:
                 remote.wait_quietly(futures)

@@ -17,7 +17,8 @@ class Fetcher(Protocol):
     reader's descriptor is a spool that holds only what `start` has fetched into it."""
 
     def plan(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The requests `start` would make for `ranges` (sorted; bytes held left out)."""
+        """The requests `ranges` waits for (sorted): those in flight already that overlap them,
+        and those `start` would make for the rest (bytes held left out)."""
 
     def start(self, ranges: Sequence[tuple[int, int]]) -> list[Future[None]]: ...
 

@@ -348,7 +348,7 @@ class AzureStore:
             http.size_of(answer.headers.get("Content-Length")),
             answer.headers.get("Content-Range"),
             answer.headers.get("ETag"),
-            http.Body(answer),
+            http.body_of(answer),
         )
 
     # -- writing ---------------------------------------------------------------------

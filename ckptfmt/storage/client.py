@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from ..errors import CheckpointError, LimitError, StorageError
+from . import alarms
 
 #: what storage_options may hold for each scheme: its client's arguments ...
 STORE_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -354,26 +355,75 @@ def _socket_of(raw: Any) -> socket.socket | None:
     return sock if isinstance(sock, socket.socket) else None
 
 
+class Body:
+    """An answer's body as download.read_body reads it: ``readinto``, ``close``, and the urllib3
+    answer (``_raw_stream``) its watchdog cuts.  `body` is the client's body object (a
+    requests answer, botocore's StreamingBody), closed with it; `raw` the urllib3 answer
+    beneath.
+
+    urllib3's readinto reads into a fresh bytes object and copies that into the buffer
+    given (and http.client's read(n) allocates its own n bytes first): two copies of every
+    byte into freshly faulted memory, which bounded loads on fast stores.  Where the body is
+    a plain one (a length, not chunked, nothing read yet), it is read straight
+    from http.client's answer into the buffer instead: one copy, no allocation.  Its length
+    is checked by the caller (download.read_body reads until the buffer is full and refuses
+    a short body), as urllib3 would check it."""
+
+    def __init__(self, body: Any, raw: Any) -> None:
+        self._body = body
+        self._raw_stream = raw
+        # the fallback: the client's own readinto where it has one (botocore's translates
+        # urllib3's errors), else urllib3's
+        self._readinto: Callable[[Any], int] = (
+            _plain_readinto(raw) or getattr(body, "readinto", None) or raw.readinto
+        )
+
+    def readinto(self, view: memoryview) -> int:
+        return int(self._readinto(view))
+
+    def close(self) -> None:
+        self._body.close()
+
+
+def _plain_readinto(raw: Any) -> Callable[[Any], int] | None:
+    """http.client's readinto beneath the urllib3 answer `raw`, where nothing stands between
+    it and the bytes (a declared length, not chunked, nothing buffered or read by urllib3
+    yet); None otherwise (read through urllib3 then).  Bodies are read as they came either
+    way (the stores' clients ask urllib3 not to decode them, and ckptfmt asks for no
+    encoding): a body whose length is not the range's is refused before it is read."""
+    import http.client
+
+    fp = getattr(raw, "_fp", None)
+    if not isinstance(fp, http.client.HTTPResponse) or fp.chunked or fp.length is None:
+        return None
+    buffered = getattr(raw, "_decoded_buffer", None)
+    if getattr(raw, "_fp_bytes_read", None) != 0 or buffered is None or len(buffered) != 0:
+        return None
+    return fp.readinto
+
+
 class Watchdog:
     """Cuts the connection of `raw` (cut_connection) unless stopped within `timeout` seconds;
-    `fired` says whether it did."""
+    `fired` says whether it did.  The alarm is kept by alarms' one thread, not a thread of
+    its own: every ranged GET sets one."""
 
     def __init__(self, raw: Any, timeout: float) -> None:
         self.fired = threading.Event()
         self._raw = raw
-        self._timer = threading.Timer(timeout, self._fire)
-        self._timer.daemon = True
+        self._timeout = timeout
+        self._alarm: alarms.Alarm | None = None
 
     def _fire(self) -> None:
         self.fired.set()
         cut_connection(self._raw)
 
     def __enter__(self) -> Watchdog:
-        self._timer.start()
+        self._alarm = alarms.set_alarm(self._timeout, self._fire)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._timer.cancel()
+        if self._alarm is not None:
+            self._alarm.cancel()
 
 
 def read_listing(raw: Any, timeout: float, what: str = "a listing's answer") -> bytes:

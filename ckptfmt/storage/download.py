@@ -19,6 +19,13 @@ track of, and a later plan leaves them out: a reader that will read the whole ob
 it needs at once, and the chunk reads then reuse their data instead of asking again (on
 some servers every request costs a pass over the whole object).  A reader of one key pays
 for it: its first reads are up to a few cells, not a few bytes, so it is not the default.
+Such a reader also has the cells after the first (up to READ_AHEAD_BYTES) asked for at once,
+beside the first and the last, rather than once the index is parsed: a load's requests then
+go out in one wave, as a plain download's do.  A range asked for while it is in flight is
+not asked for again: its fetch is waited for.
+Ranges given back have their pages freed on a thread of their own (freeing costs about as
+much as filling them), so the reader goes on to its next window meanwhile; a fetch into
+pages still being freed waits for that first.
 """
 
 from __future__ import annotations
@@ -51,6 +58,10 @@ MERGE_GAP = 64 * 1024
 #: whole object (sparse), and 16 TiB of address space is what a process can always map
 MAX_OBJECT_BYTES = 1 << 44
 
+#: what a reader of the whole object (read_ahead) asks for beyond the first cell before the
+#: index is parsed: the chunk reader's requests in flight (chunkread's FETCH_WINDOW x
+#: FETCH_AHEAD) hold as much
+READ_AHEAD_BYTES = 128 * MiB
 #: bytes hashed per step when an object is read whole (sha256): several requests in parallel
 HASH_WINDOW = 64 * MiB
 #: seconds one ranged GET may take from its answer's head to its last byte (storage option
@@ -101,6 +112,12 @@ def subtract_ranges(ranges: Sequence[Range], held: Sequence[Range]) -> list[Rang
         if lo < hi:
             out.append((lo, hi))
     return out
+
+
+def _overlaps(ranges: Sequence[Range], r: Range) -> bool:
+    """Whether `r` overlaps any of `ranges` (sorted and disjoint, as merge_ranges gives)."""
+    i = bisect.bisect_left(ranges, (r[1], r[1]))  # the first range starting at or after r's end
+    return i > 0 and ranges[i - 1][1] > r[0]
 
 
 def grid_cells(lo: int, hi: int, cell: int, size: int) -> Range:
@@ -155,9 +172,15 @@ class RemoteObject:
         self._timeout = float(options.get("request_timeout", REQUEST_TIMEOUT))
         self._pool = ThreadPoolExecutor(s3.concurrency(options), thread_name_prefix="ckptfmt-download")
         self.spool: Spool | None = None
-        # the ranges fetched and not given back since (sorted, disjoint): plans leave them out
+        # the ranges fetched and not given back since (sorted, disjoint), and those being
+        # fetched (each request's range and its future): plans leave both out
         self._held: list[Range] = []
+        self._in_flight: dict[Range, Future[None]] = {}
         self._held_lock = threading.Lock()
+        # ranges given back whose pages are still being freed (on their own thread, so that
+        # the reader goes on to its next window meanwhile): a fetch into one waits for them
+        self._freeing: list[tuple[Range, Future[None]]] = []
+        self._freer = ThreadPoolExecutor(1, thread_name_prefix="ckptfmt-free-spool")
         try:
             self.size, self.etag = self._head()
             if etag is not None and self.etag != etag:
@@ -189,8 +212,10 @@ class RemoteObject:
     def _fetch_index(self, max_bytes: int | None, read_ahead: bool) -> None:
         """Fetch the prologue and the tail; then the rest of the index if it starts before the
         tail (unless that is more than `max_bytes`: the index parser then refuses it).  With
-        read_ahead, whole grid cells: the first one and those the tail and the index lie in."""
-        tail = self._fetch_ends(read_ahead)
+        read_ahead, whole grid cells: the first one and those the tail and the index lie in, and
+        those after the first asked for meanwhile (READ_AHEAD_BYTES, or max_bytes if less)."""
+        ahead = READ_AHEAD_BYTES if max_bytes is None else min(READ_AHEAD_BYTES, max_bytes)
+        tail = self._fetch_ends(read_ahead, ahead)
         footer = self._footer()
         if footer is None:
             return  # the parser, reading the spool, says what is wrong
@@ -200,17 +225,28 @@ class RemoteObject:
                 start = grid_cells(start, tail, self._request_bytes, self.size)[0]
             self.fetch([(start, tail)])
 
-    def _fetch_ends(self, read_ahead: bool = False) -> int:
+    def _fetch_ends(self, read_ahead: bool = False, ahead: int = 0) -> int:
         """Fetch the prologue and the last TAIL_BYTES (with read_ahead: the grid cells they lie
-        in) in parallel; where the tail fetched begins."""
+        in, and `ahead` bytes of cells after the first asked for meanwhile) in parallel; where
+        the tail fetched begins."""
         size = self.size
         head = (0, min(size, fmt.PROLOGUE_SIZE))
         tail = (max(0, size - TAIL_BYTES), size)
         if read_ahead:
             head = grid_cells(*head, self._request_bytes, size)
             tail = grid_cells(*tail, self._request_bytes, size)
-        self.fetch([head, tail])
+        ends = self.start([head, tail])
+        if read_ahead:
+            self._read_ahead(tail[0], ahead)
+        self.wait(ends)
         return tail[0]
+
+    def _read_ahead(self, tail: int, ahead: int) -> None:
+        """Ask for the whole cells between the first and the tail (`ahead` bytes at most) without
+        waiting for them: the chunk reads wait for them as they would for their own requests."""
+        cell = self._request_bytes
+        start = min(cell, tail)
+        self.start([(start, min(tail, start + ahead // cell * cell))])
 
     def _footer(self) -> fmt.Footer | None:
         """The footer the fetched prologue and tail hold, checked; None if they hold none."""
@@ -249,16 +285,34 @@ class RemoteObject:
     # -- data ---------------------------------------------------------------
 
     def plan(self, ranges: Sequence[Range]) -> list[Range]:
-        """The requests that would fetch `ranges`: the bytes held already left out, the rest
-        merged and cut at the grid (plan_requests)."""
+        """The requests `ranges` waits for, sorted: those in flight that overlap them, and those
+        that would fetch the rest (the bytes held left out, merged and cut at the grid:
+        plan_requests)."""
         with self._held_lock:
-            missing = subtract_ranges(ranges, self._held)
-        return plan_requests(missing, self._request_bytes)
+            wanted = merge_ranges(ranges)
+            waited = [r for r in self._in_flight if _overlaps(wanted, r)]
+            missing = subtract_ranges(wanted, self._taken())
+        return sorted(waited + plan_requests(missing, self._request_bytes))
+
+    def _taken(self) -> list[Range]:
+        """The ranges held or in flight (sorted, disjoint); under _held_lock."""
+        if not self._in_flight:
+            return self._held
+        return merge_ranges([*self._held, *self._in_flight])
 
     def start(self, ranges: Sequence[Range]) -> list[Future[None]]:
-        """Begin fetching `ranges` into the spool (those bytes not held already); the futures
-        finish when they are there."""
-        return [self._pool.submit(self._get, lo, hi) for lo, hi in self.plan(ranges)]
+        """Begin fetching `ranges` into the spool (those bytes not held or in flight already);
+        the futures finish when all of `ranges` is there: those of the requests made here, and
+        those of requests in flight that overlap them."""
+        with self._held_lock:
+            wanted = merge_ranges(ranges)
+            waited = [f for r, f in self._in_flight.items() if _overlaps(wanted, r)]
+            started = []
+            for lo, hi in plan_requests(subtract_ranges(wanted, self._taken()), self._request_bytes):
+                future = self._pool.submit(self._get, lo, hi)
+                self._in_flight[(lo, hi)] = future  # before _get can end: it takes the lock
+                started.append(future)
+        return waited + started
 
     @staticmethod
     def wait(futures: Sequence[Future[None]]) -> None:
@@ -282,20 +336,46 @@ class RemoteObject:
 
     def release(self, ranges: Sequence[Range]) -> None:
         """Give back the memory of ranges already read (fetched again if asked for again)."""
-        if self.spool is not None:
-            with self._held_lock:
-                self._held = subtract_ranges(self._held, ranges)
-            for lo, hi in ranges:
-                self.spool.release(lo, hi)
-
-    def _hold(self, lo: int, hi: int) -> None:
+        spool = self.spool
+        if spool is None:
+            return
         with self._held_lock:
-            self._held = merge_ranges([*self._held, (lo, hi)])
+            self._held = subtract_ranges(self._held, ranges)
+            for lo, hi in merge_ranges(ranges):
+                self._freeing.append(((lo, hi), self._freer.submit(spool.release, lo, hi)))
+
+    def _wait_freed(self, lo: int, hi: int) -> None:
+        """Wait until the pages of ranges given back that overlap [lo, hi) are freed, so that
+        freeing them cannot wipe what a fetch is about to write there."""
+        with self._held_lock:
+            self._freeing = [(r, f) for r, f in self._freeing if not f.done()]
+            pending = [f for (a, b), f in self._freeing if a < hi and lo < b]
+        for f in pending:
+            f.result()
+
+    def _landed(self, lo: int, hi: int, fetched: bool) -> None:
+        """The request for [lo, hi) is over: held where it `fetched` the bytes, else asked for
+        again by the next plan that needs them."""
+        with self._held_lock:
+            self._in_flight.pop((lo, hi), None)
+            if fetched:
+                self._held = merge_ranges([*self._held, (lo, hi)])
 
     def _get(self, lo: int, hi: int) -> None:
+        """Fetch [lo, hi) into the spool (a request start made: held once over, else no longer
+        in flight)."""
+        fetched = False
+        try:
+            self._get_range(lo, hi)
+            fetched = True
+        finally:
+            self._landed(lo, hi, fetched)
+
+    def _get_range(self, lo: int, hi: int) -> None:
         """Fetch [lo, hi) into the spool, resuming after a dropped connection or a body cut at
         its deadline from the byte it reached, within one Budget (attempts and deadline)."""
         assert self.spool is not None
+        self._wait_freed(lo, hi)
         view = self.spool.view(lo, hi)
         what = f"read bytes {lo}-{hi - 1}"
         budget = s3.Budget(self.options)
@@ -303,7 +383,6 @@ class RemoteObject:
         while True:
             try:
                 got += self._get_once(lo + got, hi, view[got:], budget)
-                self._hold(lo, hi)
                 return
             except s3.transfer_errors() as e:
                 got += getattr(e, "ckptfmt_got", 0)
@@ -360,10 +439,13 @@ class RemoteObject:
         return digest.digest()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)  # read-ahead no one waits for
         if self.spool is not None:
-            self.spool.close()
+            # the spool's pages are freed on the freeing thread, after the ranges given back
+            # (spool.close): the caller goes on meanwhile, as it did after each window
+            self.spool.close(free_on=self._freer)
             self.spool = None
+        self._freer.shutdown(wait=False)
 
 
 def fetch_whole(url: str, options: dict[str, Any], limit: int, what: str = "the object") -> Spool:

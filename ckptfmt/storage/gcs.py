@@ -173,7 +173,7 @@ class GCSStore:
             http.size_of(length),
             answer.headers.get("Content-Range"),
             answer.headers.get("x-goog-generation"),
-            http.Body(answer),
+            http.body_of(answer),
         )
 
     # -- writing ---------------------------------------------------------------------

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from ..errors import CheckpointError
-from . import client
+from . import alarms, client
 
 T = TypeVar("T")
 
@@ -65,8 +65,7 @@ class HeadWatch:
         # once the request is over its connection may serve another thread's: no cut after that
         self._lock = threading.Lock()
         self._over = False
-        self._timer = threading.Timer(timeout, self._fire)
-        self._timer.daemon = True
+        self._alarm: alarms.Alarm | None = None
 
     def _fire(self) -> None:
         with self._lock:
@@ -89,13 +88,14 @@ class HeadWatch:
 
     def __enter__(self) -> HeadWatch:
         _sending.watch = self
-        self._timer.start()
+        self._alarm = alarms.set_alarm(self.timeout, self._fire)  # on alarms' one thread
         return self
 
     def __exit__(self, *exc: object) -> None:
         with self._lock:
             self._over = True
-        self._timer.cancel()
+        if self._alarm is not None:
+            self._alarm.cancel()
         _sending.watch = None
 
 
@@ -132,19 +132,9 @@ def _watched(connection: type) -> type:
     return Watched
 
 
-class Body:
-    """An answer's body as download.read_body reads it: readinto, close, and the urllib3
-    answer (``_raw_stream``) its watchdog cuts."""
-
-    def __init__(self, answer: Any) -> None:
-        self._answer = answer
-        self._raw_stream = answer.raw
-
-    def readinto(self, view: memoryview) -> int:
-        return int(self._raw_stream.readinto(view))
-
-    def close(self) -> None:
-        self._answer.close()
+def body_of(answer: Any) -> client.Body:
+    """A requests answer's body as download.read_body reads it (client.Body)."""
+    return client.Body(answer, answer.raw)
 
 
 def size_of(value: object) -> object:

@@ -61,7 +61,13 @@ class S3Store:
         if version is not None:
             extra["IfMatch"] = version
         reply = self.client.get_object(Bucket=url.bucket, Key=url.key, **extra)
-        return Reply(reply.get("ContentLength"), reply.get("ContentRange"), reply.get("ETag"), reply["Body"])
+        body = reply["Body"]
+        return Reply(
+            reply.get("ContentLength"),
+            reply.get("ContentRange"),
+            reply.get("ETag"),
+            client.Body(body, getattr(body, "_raw_stream", body)),
+        )
 
     def put(self, url: ObjectURL, body: memoryview, *, if_absent: bool) -> str | None:
         extra = {"IfNoneMatch": "*"} if if_absent else {}

@@ -1,0 +1,168 @@
+"""How a load reads an object's bytes off the wire, on every store ckptfmt serves: answers'
+bodies go straight from the socket's reader into the spool (one copy) where nothing stands
+between (client.Body), through urllib3 where something does (an encoding, chunks), and the
+pages of ranges given back are freed off the reader's thread, never over bytes fetched
+again meanwhile."""
+
+from __future__ import annotations
+
+import gzip
+import http.server as http_server
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+import urllib3
+from helpers import assert_same
+
+import ckptfmt
+from ckptfmt.storage import client
+from ckptfmt.storage import http as store_http
+from ckptfmt.storage.download import RemoteObject, read_body
+
+MiB = 1 << 20
+
+
+def test_a_load_reads_bodies_straight_into_the_spool(store, monkeypatch):
+    """urllib3's readinto reads into a fresh bytes object and copies it: a load's chunk
+    data must not come that way (it bounded loads on fast stores)."""
+    root, options = store
+    state = {"w": torch.randn(3 * MiB, generator=torch.Generator().manual_seed(3)), "step": 1}
+    url = f"{root}/direct/model.ckpt"
+    ckptfmt.save(state, url, storage_options=options)
+    through_urllib3 = [0]
+    read = urllib3.response.HTTPResponse.read
+
+    def counted(self, *args, **kwargs):
+        data = read(self, *args, **kwargs)
+        through_urllib3[0] += len(data)
+        return data
+
+    monkeypatch.setattr(urllib3.response.HTTPResponse, "read", counted)
+    assert_same(state, ckptfmt.load(url, storage_options=options))
+    assert through_urllib3[0] < MiB  # metadata answers only, of a 12 MiB object
+
+
+class _Answers(http_server.BaseHTTPRequestHandler):
+    """/gzip: a gzip-encoded answer with a length (read raw); /chunked: a chunked one."""
+
+    payload = os.urandom(300_000)
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        if self.path == "/gzip":
+            body = gzip.compress(self.payload, mtime=0)
+            self.send_header("Content-Encoding", "gzip")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for at in range(0, len(self.payload), 70_000):
+            piece = self.payload[at : at + 70_000]
+            self.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def answers() -> Iterator[str]:
+    server = http_server.ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("path", ["/gzip", "/chunked"])
+def test_a_chunked_or_encoded_body_is_read_through_urllib3(answers, path):
+    """A chunked body's bytes on the wire are not the object's: it is read through urllib3,
+    which takes the chunks apart; an encoded one comes as it was sent, as it always did (the
+    stores are asked for none, and a body whose length is not the range's is refused)."""
+    session = store_http.new_session({}, "gs")
+    session.headers.pop("Accept-Encoding")
+    answer = session.get(answers + path, stream=True, timeout=(10, 10))
+    payload = _Answers.payload if path == "/chunked" else gzip.compress(_Answers.payload, mtime=0)
+    buf = bytearray(len(payload))
+    got, cut = read_body(client.Body(answer, answer.raw), memoryview(buf), 30.0)
+    assert (got, cut) == (len(payload), False)
+    assert buf == payload
+
+
+def test_a_range_given_back_and_fetched_again_holds_its_bytes(store):
+    """Ranges given back are freed on another thread; a fetch of the same bytes waits for
+    that, so the freeing never wipes what it brought (and the pages are given back)."""
+    root, options = store
+    state = {"w": torch.arange(4 * MiB, dtype=torch.int32)}
+    url = f"{root}/again/model.ckpt"
+    ckptfmt.save(state, url, storage_options=options)
+    remote = RemoteObject(url, options, fetch_index=False)
+    try:
+        assert remote.spool is not None
+        remote.fetch([(0, 12 * MiB)])
+        first = bytes(remote.spool.view(4096, 12 * MiB))
+        assert os.fstat(remote.fd).st_blocks * 512 >= 12 * MiB
+        for _ in range(5):
+            remote.release([(0, 12 * MiB)])
+            remote.fetch([(0, 12 * MiB)])
+            assert bytes(remote.spool.view(4096, 12 * MiB)) == first
+        remote.release([(0, 12 * MiB)])
+        remote.fetch([(0, 4096)])  # waits until the range's pages are freed
+        assert os.fstat(remote.fd).st_blocks * 512 < MiB
+    finally:
+        remote.close()
+
+
+def test_a_whole_load_asks_for_every_cell_before_the_first_comes(store_faults):
+    """A load's requests go out in one wave, as a plain parallel download's do: the cells after
+    the first are asked for with the first and the last, not once the index (which needs those
+    two) is parsed; and none is asked for twice."""
+    faults = store_faults
+    options = faults.options | {"request_size": MiB}
+    url = f"{faults.new_root()}/wave.ckpt"
+    g = torch.Generator().manual_seed(4)
+    state = {f"t{i}": torch.randn(400_000, generator=g) for i in range(4)}  # 6.4 MB: 7 cells
+    ckptfmt.save(state, url, storage_options=options)
+    size = faults.size(url)
+    cells = [(lo, min(lo + MiB, size)) for lo in range(0, size, MiB)]
+    reads = faults.op("read", "wave.ckpt")
+    faults.clear_counts()
+    released = faults.hold(*reads)  # the first GET of the object waits, unanswered
+    out: dict[str, object] = {}
+    loading = threading.Thread(target=lambda: out.update(state=ckptfmt.load(url, storage_options=options)))
+    loading.start()
+    try:
+        deadline = time.monotonic() + 30
+        while faults.count(*reads) < len(cells) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        asked_while_held = faults.count(*reads)
+    finally:
+        released.set()
+        loading.join(60)
+    assert asked_while_held == len(cells)
+    assert_same(state, out["state"])
+    assert sorted(faults.ranges("wave.ckpt")) == cells
+
+
+def test_a_load_under_max_bytes_reads_ahead_no_more_than_that(store_faults):
+    """The cells a whole load asks for before its index is parsed (and its max_bytes checked
+    against the index) are bounded by max_bytes too, not only by the read-ahead's 128 MiB."""
+    faults = store_faults
+    options = faults.options | {"request_size": MiB}
+    url = f"{faults.new_root()}/bounded.ckpt"
+    state = {f"t{i}": torch.zeros(500_000) + i for i in range(4)}  # 8 MB: 8 cells
+    ckptfmt.save(state, url, storage_options=options)
+    faults.clear_counts()
+    with pytest.raises(ckptfmt.LimitError):
+        ckptfmt.load(url, max_bytes=2 * MiB, storage_options=options)
+    # the first cell, the two the tail lies in, and 2 MiB of cells after the first
+    assert sum(hi - lo for lo, hi in faults.ranges("bounded.ckpt")) <= 5 * MiB
