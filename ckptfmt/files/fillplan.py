@@ -62,8 +62,8 @@ class Strided:
 class Plan:
     """Where each chunk the targets need goes, and which values are replaced instead."""
 
-    #: chunk -> its place in a target: a byte view, or (for a file whose chunks are not copied
-    #: through the bounce buffer: unsigned, unencrypted) its address (native.read_chunks)
+    #: chunk -> its place in a target: its address with the C engine (native.read_chunks,
+    #: native.copy_spans), a byte view without
     direct: list[tuple[int, memoryview | int]] = field(default_factory=list)
     direct_owners: list[list[str]] = field(default_factory=list)  # per direct entry: the keys it writes
     pieces: list[Piece] = field(default_factory=list)
@@ -181,9 +181,8 @@ def make_plan(f: CheckpointFile, targets: list[Target], in_file: dict[str, int],
     cs = f.chunk_size
     aliases = _Aliases()
     direct_seen: dict[tuple[int, int], int] = {}  # (chunk, address) -> its entry in plan.direct
-    # chunks read straight into a target go by address, except where the engine is missing or
-    # write_targets copies them from the bounce buffer (signed or encrypted files)
-    by_address = _native.available() and not (f.signed or f.encrypted)
+    # chunks read or copied straight into a target go by address, except where the engine is missing
+    by_address = _native.available()
     nodes, chunks, records = f.tree.nodes, f.chunks, f.storages
     direct, owners = plan.direct, plan.direct_owners
     loaded = 0  # added to the report at the end

@@ -13,7 +13,7 @@ bounce buffer; the verification pass (load_into.verify_chunks) reads through it 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -85,15 +85,18 @@ def write_targets(
     # pass verified it
     if plan.direct and (f.signed or f.encrypted) and buf is not None:
         done = 0
-        for items, _ in windows(f, [k for k, _ in plan.direct], buf):
+        ks = [k for k, _ in plan.direct]
+        batches: Iterable[list[tuple[int, memoryview]] | list[tuple[int, int]]] = (
+            address_windows(f, ks, buf)
+            if _native.available()
+            else (items for items, _ in windows(f, ks, buf))
+        )
+        for items in batches:
             f.read_into(items, verify)
             entries = range(done, done + len(items))
             done += len(items)
             plan.touch(touched, _owners(plan, entries))
-            for i, (_, src) in zip(entries, items):
-                dest = plan.direct[i][1]
-                assert isinstance(dest, memoryview)  # make_plan gives views for these files
-                dest[:] = src
+            _copy_direct(f, plan, entries, [src for _, src in items])
     else:
         for batch in _direct_batches(f, plan):
             plan.touch(touched, _owners(plan, batch))
@@ -122,6 +125,27 @@ def write_targets(
         # an inference tensor may only be written in inference mode
         with torch.inference_mode() if s.value.is_inference() else contextlib.nullcontext():
             s.value.copy_(_source(f, s, buf, loaded[1]))
+
+
+def _copy_direct(
+    f: CheckpointFile, plan: Plan, entries: Iterable[int], sources: Sequence[memoryview | int]
+) -> None:
+    """Copy the chunks of plan.direct's `entries` from `sources` (host memory, in order) into
+    their places: with the C engine (addresses, as make_plan gives then) one call for all of
+    them, else one by one (byte views)."""
+    direct, records = plan.direct, f.chunks
+    if not _native.available():
+        for i, src in zip(entries, sources):
+            dest = direct[i][1]
+            assert isinstance(dest, memoryview) and isinstance(src, memoryview)
+            dest[:] = src
+        return
+    spans: list[int] = []
+    for i, src in zip(entries, sources):
+        k, dest = direct[i]
+        assert isinstance(dest, int) and isinstance(src, int)
+        spans += (src, dest, records[k].raw_len)
+    _native.copy_spans(spans, _native.default_threads())
 
 
 def _owners(plan: Plan, entries: Iterable[int]) -> list[str]:
