@@ -140,7 +140,7 @@ def fill_from_node(
 ) -> LoadReport:
     """load_into() for the subtree of node `top` of an open file: key paths are relative to it."""
     matched = match(f, top, state, strict=strict)
-    plan = make_plan(f, matched.targets, matched.in_file, matched.report)
+    plan = make_plan(f, matched.targets, matched.in_file, matched.report, matched.whole)
     with torch.no_grad():
         if atomic:
             _fill_atomic(f, plan, verify)
