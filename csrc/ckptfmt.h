@@ -109,6 +109,9 @@ typedef struct {
 int ckf_read_chunks(int fd, const uint8_t *file_id, ckf_rchunk *chunks, uint64_t n, int verify, int nthreads,
                     ckf_status *status);
 
+/* chunks[i].dst = the address addr[i], for i in [0, n): destinations set in one call */
+void ckf_place(ckf_rchunk *chunks, const uint64_t *addr, uint64_t n);
+
 /* Verify raw chunks [0, n) where they lie in a mapping of their file (map_len bytes
  * from offset 0): checksums, padding and content digests, on nthreads threads,
  * the hash faulting the pages in (each piece's last page is mapped first, so that a

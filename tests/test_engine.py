@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt.engine import chunkwrite
+from ckptfmt.engine import batched, chunkwrite
 from ckptfmt.engine import native as _native
 from ckptfmt.engine.writeoptions import WriteOptions
 from ckptfmt.format import layout as fmt
@@ -223,5 +223,5 @@ def test_copy_spans_moves_each_span_and_nothing_else(lengths, threads):
         expected[d_at : d_at + n] = src[s_at : s_at + n]
         s_at += n
         d_at += n
-    _native.copy_spans(spans, threads)
+    batched.copy_spans(spans, threads)
     assert np.array_equal(dst, expected)

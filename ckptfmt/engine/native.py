@@ -6,7 +6,6 @@ the pure-Python path even when it was.
 
 from __future__ import annotations
 
-import array
 import contextlib
 import mmap
 import os
@@ -666,22 +665,6 @@ def copy(dst: Any, src: Any, threads: int) -> None:
     lib.ckf_copy(d, s, len(s), threads)
 
 
-def copy_spans(spans: list[int], threads: int) -> None:
-    """Copies on `threads` threads without the GIL: `spans` is flat (source address, destination
-    address, length) triples, of host memory the caller owns and keeps alive, no two
-    overlapping.  One call for many small copies: no Python per copy."""
-    assert lib is not None and ffi is not None
-    if len(spans) % 3:
-        raise ValueError(f"copy_spans takes (source, destination, length) triples, not {len(spans)} numbers")
-    table = array.array("Q", spans)
-    view = ffi.from_buffer("uint64_t[]", table)
-    try:
-        if lib.ckf_copy_spans(view, len(spans) // 3, threads):
-            raise MemoryError(f"out of memory planning {len(spans) // 3} copies")
-    finally:
-        ffi.release(view)
-
-
 def zstd_compress(data: Any, level: int) -> bytes:
     """zstd with exactly the engine's frame parameters (used by the reference writer when built)."""
     assert lib is not None and ffi is not None
@@ -701,7 +684,6 @@ __all__ = [
     "check_mapped",
     "content_digests",
     "copy",
-    "copy_spans",
     "read_chunks",
     "default_threads",
     "versions",

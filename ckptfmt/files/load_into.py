@@ -55,7 +55,7 @@ from ..errors import CheckpointError
 from ..format import tree
 from ..gcpause import pausing_in_main_thread
 from .fillplan import Plan, make_plan, window_bytes
-from .fillreads import address_windows, alloc, windows, write_targets
+from .fillreads import address_windows, alloc, prepare_direct, windows, write_targets
 from .reader import CheckpointFile
 from .targets import LoadReport, match
 
@@ -190,9 +190,14 @@ def _fill_atomic(f: CheckpointFile, plan: Plan, verify: bool) -> None:
     # pass 1: everything that can fail, nothing of the caller's written
     stamp = _stamp(f)
     replaced = [(container, ckey, f.load_subtree(i, None, verify)) for container, ckey, i in plan.replace]
-    buf = alloc(f, plan.buffer_bytes(f, verifying=True))
-    if buf is not None:
-        verify_chunks(f, plan.chunks(), verify, buf)
+    reads = prepare_direct(f, plan, verify)
+    if reads is not None:  # whole raw chunks only: checked through the engine's own buffer
+        buf = None
+        reads.read(0, reads.n, verify, check_only=True)
+    else:
+        buf = alloc(f, plan.buffer_bytes(f, verifying=True))
+        if buf is not None:
+            verify_chunks(f, plan.chunks(), verify, buf)
     if _stamp(f) != stamp:
         raise FileChangedError(
             "the file was modified while load_into() verified it (its size or times changed); "
@@ -203,7 +208,7 @@ def _fill_atomic(f: CheckpointFile, plan: Plan, verify: bool) -> None:
     # pass 2: the writes
     touched: dict[str, None] = {}
     try:
-        write_targets(f, plan, buf, verify, touched)
+        write_targets(f, plan, buf, verify, touched, reads)
     except Exception as e:
         if not touched:
             raise  # it failed before the first byte reached a target
