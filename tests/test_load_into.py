@@ -629,3 +629,14 @@ def test_partial_load_names_every_key_of_the_memory_it_wrote(tmp_path, monkeypat
         ckptfmt.load_into(p, {"tok": tied, "head": tied, "other": other})
     assert info.value.modified_keys == ["tok", "head"]
     assert torch.equal(other, torch.zeros(3000))
+
+
+def test_two_targets_under_one_dotted_key_are_both_filled(tmp_path):
+    """{"a.b": x} and {"a": {"b": y}} flatten to the same key: each target is filled from
+    the file's entry, not one of them twice."""
+    w = torch.randn(1000)  # one chunk: the commonest target's plan
+    p = _save(tmp_path, {"a.b": w})
+    first, second = torch.zeros(1000), torch.zeros(1000)
+    report = ckptfmt.load_into(p, {"a.b": first, "a": {"b": second}})
+    assert torch.equal(first, w) and torch.equal(second, w)
+    assert report.loaded == 2

@@ -151,6 +151,7 @@ def match(f: CheckpointFile, top: int, state: Any, *, strict: bool) -> Matched:
     report = LoadReport()
     problems = []
     whole: dict[str, tuple[int, int]] = {}
+    seen_twice: set[str] = set()
     nodes, records = f.tree.nodes, f.storages
     tensor = torch.Tensor
     missing = report.missing_keys
@@ -163,8 +164,12 @@ def match(f: CheckpointFile, top: int, state: Any, *, strict: bool) -> Matched:
             node = nodes[i]
             if node[0] == "tensor" and value.is_cpu and value.is_contiguous():
                 rec = records[node[1]["storage"]]
-                if _whole_chunk(value, node[1], rec):
-                    whole[key] = (rec.first_chunk, value.data_ptr())
+                if _whole_chunk(value, node[1], rec) and key not in seen_twice:
+                    if key in whole:  # two targets under one dotted key ("a.b" and "a": {"b"})
+                        seen_twice.add(key)  # planned one by one, as they come
+                        del whole[key]
+                    else:
+                        whole[key] = (rec.first_chunk, value.data_ptr())
                     continue
             problem = _tensor_problem(key, value, node, container)
             if problem:
