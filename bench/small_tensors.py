@@ -2,6 +2,7 @@
 
     python bench/small_tensors.py                          # 10^3, 10^4, 10^5 tensors, 3 rounds
     python bench/small_tensors.py --counts 1000,10000 --rounds 5
+    python bench/small_tensors.py --groups into              # only the load_into rows and their peers
 
 The state is N fp32 tensors of 32x32 (4 KiB each; MoE experts, per-parameter optimizer
 states and LoRA adapters look like this), saved once per tool on tmpfs (`--dir`, default
@@ -147,7 +148,7 @@ def _ratio(times: dict[tuple[str, int], list[float]], peer: str, ours: str, n: i
     return statistics.median(p / o for p, o in zip(times[(peer, n)], times[(ours, n)]))
 
 
-def report(counts: list[int], times: dict[tuple[str, int], list[float]]) -> list[str]:
+def report(counts: list[int], times: dict[tuple[str, int], list[float]], tools: list[str]) -> list[str]:
     """The table: per-tensor microseconds (median) and ratios (peer time / ckptfmt time, the
     median of per-round ratios): each peer against ckptfmt's row of its group, and each
     ckptfmt row against safetensors' row (its load_file, or load_file + copy_ for `into`)."""
@@ -155,7 +156,8 @@ def report(counts: list[int], times: dict[tuple[str, int], list[float]]) -> list
         "| tool | group | " + " | ".join(f"{n} tensors: us/tensor (ratio)" for n in counts) + " |",
         "|---|---|" + "---|" * len(counts),
     ]
-    for tool, (group, _) in TOOLS.items():
+    for tool in tools:
+        group = TOOLS[tool][0]
         cells = []
         for n in counts:
             us = statistics.median(times[(tool, n)]) / n * 1e6
@@ -178,13 +180,15 @@ def reprint(path: str) -> None:
             times[(tool, int(n))] = ts
         if times:
             print("CPU time:" if field == "cpu_seconds" else "Time:")
-            print("\n".join(report(sorted({n for _, n in times}), times)))
+            tools = [tool for tool in TOOLS if any(t == tool for t, _ in times)]
+            print("\n".join(report(sorted({n for _, n in times}), times, tools)))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--counts", default="1000,10000,100000")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--groups", default="copy,map,into", help="peer groups to run: copy, map, into")
     ap.add_argument("--dir", default="/dev/shm")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "small_tensors.json"))
     ap.add_argument("--table", metavar="JSON", help="print the table of a saved result and exit")
@@ -199,24 +203,28 @@ def main() -> None:
         reprint(args.table)
         return
     counts = [int(c) for c in args.counts.split(",")]
+    groups = set(args.groups.split(","))
+    if not groups <= set(OURS):
+        ap.error(f"--groups takes {', '.join(OURS)}, not {args.groups!r}")
+    tools = [tool for tool, (group, _) in TOOLS.items() if group in groups]
     folder = os.path.join(args.dir, "ckptfmt-small-tensors")
     os.makedirs(folder, exist_ok=True)
     files = {n: make_files(folder, n) for n in counts}
     before = machine_state({"files": folder})
-    runs = [(tool, n) for n in counts for tool in TOOLS]
+    runs = [(tool, n) for n in counts for tool in tools]
     times: dict[tuple[str, int], list[float]] = {r: [] for r in runs}
     cpus: dict[tuple[str, int], list[float]] = {r: [] for r in runs}
     pycache = os.path.join(folder, "pycache")
-    for tool in TOOLS:  # a warm-up, not timed: bytecode compiled and cached
+    for tool in tools:  # a warm-up, not timed: bytecode compiled and cached
         run_one(tool, files[counts[0]][TOOLS[tool][1]], counts[0], pycache)
     for r in range(args.rounds):
-        for tool, n in rotated(runs, r * (len(TOOLS) + 1)):
+        for tool, n in rotated(runs, r * (len(tools) + 1)):
             took, used = run_one(tool, files[n][TOOLS[tool][1]], n, pycache)
             times[(tool, n)].append(took)
             cpus[(tool, n)].append(used)
         print(f"round {r + 1} of {args.rounds} done", file=sys.stderr)
-    lines = report(counts, times)
-    cpu_lines = ["CPU time of the measuring process (threads included):", *report(counts, cpus)]
+    lines = report(counts, times, tools)
+    cpu_lines = ["CPU time of the measuring process (threads included):", *report(counts, cpus, tools)]
     print("\n".join([*lines, "", *cpu_lines]))
     write_json(
         args.out,

@@ -109,6 +109,9 @@ typedef struct {
 int ckf_read_chunks(int fd, const uint8_t *file_id, ckf_rchunk *chunks, uint64_t n, int verify, int nthreads,
                     ckf_status *status);
 
+/* chunks[i].dst = the address addr[i], for i in [0, n): destinations set in one call */
+void ckf_place(ckf_rchunk *chunks, const uint64_t *addr, uint64_t n);
+
 /* Verify raw chunks [0, n) where they lie in a mapping of their file (map_len bytes
  * from offset 0): checksums, padding and content digests, on nthreads threads,
  * the hash faulting the pages in (each piece's last page is mapped first, so that a
@@ -229,6 +232,9 @@ unsigned ckf_zstd_version(void);
 unsigned ckf_xxhash_version(void);
 /* memcpy on nthreads threads */
 void ckf_copy(uint8_t *dst, const uint8_t *src, uint64_t len, int nthreads);
+/* n copies on nthreads threads: the bytes at address spans[3i] go to address spans[3i+1],
+ * spans[3i+2] of them (the spans must not overlap); 0, or ENOMEM with nothing copied */
+int ckf_copy_spans(const uint64_t *spans, uint64_t n, int nthreads);
 /* content digest (spec section 12): XXH3-128 of src, 16 bytes in canonical (big-endian) order */
 void ckf_digest(const uint8_t *src, uint64_t len, uint8_t *out);
 /* content digests of chunks [0, n) on nthreads threads: out[16*i ..] for chunk i */

@@ -121,3 +121,69 @@ void ckf_copy(uint8_t *dst, const uint8_t *src, uint64_t len, int nthreads) {
     copy_job c = {dst, src, len};
     ckf_parallel_for(nthreads, (len + COPY_PIECE - 1) / COPY_PIECE, copy_piece, &c);
 }
+
+/* ckf_copy_spans: spans a task, and how many bytes of a span one task copies at most */
+#define SPANS_PER_TASK 64
+#define SPAN_PIECE ((uint64_t)1 << 20)
+
+/* One task: a piece of one large span, or up to SPANS_PER_TASK small spans in a row. */
+typedef struct {
+    uint64_t span;  /* the first span of the task */
+    uint64_t piece; /* a large span: the piece; UINT64_MAX: small spans from `span` on */
+} span_task;
+
+typedef struct {
+    const uint64_t *spans;
+    uint64_t n;
+    const span_task *tasks;
+} spans_ctx;
+
+static void copy_span_task(void *ctx, uint64_t t, int thread) {
+    const spans_ctx *c = (const spans_ctx *)ctx;
+    (void)thread;
+    span_task task = c->tasks[t];
+    const uint64_t *s = c->spans;
+    if (task.piece != UINT64_MAX) {
+        uint64_t at = task.piece * SPAN_PIECE, len = s[3 * task.span + 2];
+        uint64_t n = len - at < SPAN_PIECE ? len - at : SPAN_PIECE;
+        memcpy((uint8_t *)(uintptr_t)s[3 * task.span + 1] + at, (const uint8_t *)(uintptr_t)s[3 * task.span] + at,
+               (size_t)n);
+        return;
+    }
+    for (uint64_t i = task.span, end = task.span + SPANS_PER_TASK; i < c->n && i < end; i++) {
+        if (s[3 * i + 2] > SPAN_PIECE) break; /* a large span: tasks of its own */
+        memcpy((uint8_t *)(uintptr_t)s[3 * i + 1], (const uint8_t *)(uintptr_t)s[3 * i], (size_t)s[3 * i + 2]);
+    }
+}
+
+int ckf_copy_spans(const uint64_t *spans, uint64_t n, int nthreads) {
+    /* the tasks: each large span cut into SPAN_PIECE pieces, runs of small spans in groups */
+    uint64_t ntasks = 0;
+    for (uint64_t i = 0; i < n;) {
+        if (spans[3 * i + 2] > SPAN_PIECE) {
+            ntasks += (spans[3 * i + 2] + SPAN_PIECE - 1) / SPAN_PIECE;
+            i++;
+            continue;
+        }
+        uint64_t end = i + SPANS_PER_TASK;
+        while (i < n && i < end && spans[3 * i + 2] <= SPAN_PIECE) i++;
+        ntasks++;
+    }
+    span_task *tasks = malloc((ntasks ? ntasks : 1) * sizeof *tasks);
+    if (!tasks) return ENOMEM;
+    uint64_t t = 0;
+    for (uint64_t i = 0; i < n;) {
+        if (spans[3 * i + 2] > SPAN_PIECE) {
+            for (uint64_t p = 0; p * SPAN_PIECE < spans[3 * i + 2]; p++) tasks[t++] = (span_task){i, p};
+            i++;
+            continue;
+        }
+        tasks[t++] = (span_task){i, UINT64_MAX};
+        uint64_t end = i + SPANS_PER_TASK;
+        while (i < n && i < end && spans[3 * i + 2] <= SPAN_PIECE) i++;
+    }
+    spans_ctx c = {spans, n, tasks};
+    ckf_parallel_for(nthreads, ntasks, copy_span_task, &c);
+    free(tasks);
+    return 0;
+}

@@ -768,3 +768,7 @@ int ckf_check_mapped(const uint8_t *map, uint64_t map_len, const uint8_t *file_i
     }
     return run_read(-1, map, map_len, file_id, chunks, n, 1, nthreads, status);
 }
+
+void ckf_place(ckf_rchunk *chunks, const uint64_t *addr, uint64_t n) {
+    for (uint64_t i = 0; i < n; i++) chunks[i].dst = (uint8_t *)(uintptr_t)addr[i];
+}

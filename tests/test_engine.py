@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt.engine import chunkwrite
+from ckptfmt.engine import batched, chunkwrite
 from ckptfmt.engine import native as _native
 from ckptfmt.engine.writeoptions import WriteOptions
 from ckptfmt.format import layout as fmt
@@ -201,3 +201,27 @@ def test_parallel_copy_is_exact_at_any_alignment_and_length(src_at, dst_at, n, t
     _native.copy(memoryview(dst)[dst_at : dst_at + n], memoryview(src)[src_at:], threads)
     assert np.array_equal(dst[dst_at : dst_at + n], src[src_at:])
     assert (dst[:dst_at] == 0xAB).all() and (dst[dst_at + n :] == 0xAB).all()
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    lengths=st.lists(st.one_of(st.integers(0, 5000), st.integers(1 << 20, 3 << 20)), max_size=200),
+    threads=st.integers(1, 4),
+)
+def test_copy_spans_moves_each_span_and_nothing_else(lengths, threads):
+    """Many copies in one call (load_into's chunks): small spans in groups, large ones in
+    pieces; every span lands at its place, and the gaps between the places stay as they were."""
+    gap = 3
+    total = sum(lengths) + gap * (len(lengths) + 1)
+    src = np.random.default_rng(len(lengths)).integers(0, 256, max(total, 1), dtype=np.uint8)
+    dst = np.full(max(total, 1), 0xAB, dtype=np.uint8)
+    spans, expected = [], dst.copy()
+    s_at = d_at = 0
+    for n in lengths:
+        d_at += gap
+        spans += [src.ctypes.data + s_at, dst.ctypes.data + d_at, n]
+        expected[d_at : d_at + n] = src[s_at : s_at + n]
+        s_at += n
+        d_at += n
+    batched.copy_spans(spans, threads)
+    assert np.array_equal(dst, expected)

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
+from ckptfmt.engine.batched import PreparedReads
 from ckptfmt.files import fillplan, incremental
 from ckptfmt.files import load_into as inplace
 from ckptfmt.files.load_into import FileChangedError, PartialLoadError
@@ -77,6 +78,42 @@ def _flip(p, offset):
         fh.write(bytes([b[0] ^ 0x40]))
 
 
+#: how an atomic load_into reads: "prepared" (plain files whose targets each take whole raw
+#: chunks: both passes run one table of engine reads, PreparedReads) or "general" (a bounce
+#: buffer for the check, then read_into per batch), forced here for the same file
+READ_PATHS = pytest.mark.parametrize("read_path", ["prepared", "general"])
+
+
+def _force_read_path(monkeypatch, read_path: str) -> None:
+    if read_path == "general":
+        monkeypatch.setattr(inplace, "prepare_direct", lambda f, plan, verify: None)
+
+
+def _hook_reads(monkeypatch, before=None, after=None) -> None:
+    """Call before(chunks, check_only) / after(chunks, check_only) around every chunk read of
+    a load_into, whichever path makes it (CheckpointFile.read_into, PreparedReads.read)."""
+    real_into, real_prepared = CheckpointFile.read_into, PreparedReads.read
+
+    def read_into(self, items, verify, check_only=False):
+        ks = [k for k, _ in items]
+        if before:
+            before(ks, check_only)
+        real_into(self, items, verify, check_only=check_only)
+        if after:
+            after(ks, check_only)
+
+    def prepared(self, lo, hi, verify, check_only=False):
+        ks = [k for k, _ in self._items[lo:hi]]
+        if before:
+            before(ks, check_only)
+        real_prepared(self, lo, hi, verify, check_only=check_only)
+        if after:
+            after(ks, check_only)
+
+    monkeypatch.setattr(CheckpointFile, "read_into", read_into)
+    monkeypatch.setattr(PreparedReads, "read", prepared)
+
+
 # -- never half-load ---------------------------------------------------------------------------
 
 
@@ -99,21 +136,20 @@ def test_corrupt_last_chunk_leaves_every_target_untouched(tmp_path, backend, com
     assert _memory(target) != before
 
 
-@BACKENDS
-def test_truncation_while_verifying_leaves_targets_untouched(tmp_path, monkeypatch, backend):
+@READ_PATHS
+def test_truncation_while_verifying_leaves_targets_untouched(tmp_path, monkeypatch, read_path):
     state = _state()
     p = _save(tmp_path, state)
     chunks = _chunks(p)
-    real = CheckpointFile.read_into
+    _force_read_path(monkeypatch, read_path)
     calls = []
 
-    def shrink_then_read(self, items, verify, **kw):
+    def shrink_first(ks, check_only):
         if not calls:
             os.truncate(p, chunks[len(chunks) // 2].offset + 10)  # mid-way through the data
-        calls.append(len(items))
-        return real(self, items, verify, **kw)
+        calls.append(len(ks))
 
-    monkeypatch.setattr(CheckpointFile, "read_into", shrink_then_read)
+    _hook_reads(monkeypatch, before=shrink_first)
     target = _targets(state)
     before = _memory(target)
     with pytest.raises(ckptfmt.IncompleteError, match="shrank"):
@@ -188,20 +224,21 @@ def test_damage_in_a_replaced_value_is_found_before_any_write(tmp_path, where):
     assert target["z"]["x"] is None or target["z"]["x"].is_meta
 
 
-@BACKENDS
-def test_read_error_while_verifying_leaves_targets_untouched(tmp_path, monkeypatch, backend):
+@READ_PATHS
+def test_read_error_while_verifying_leaves_targets_untouched(tmp_path, monkeypatch, read_path):
     state = _state()
     p = _save(tmp_path, state)
-    real = CheckpointFile.read_into
+    _force_read_path(monkeypatch, read_path)
     calls = []
 
-    def failing(self, items, verify, **kw):
+    def failing(ks, check_only):
         calls.append(1)
-        if len(calls) == 2:
+        # the general path checks a window at a time: its second; the prepared one checks all at once
+        if len(calls) == (2 if read_path == "general" else 1):
+            assert check_only
             raise OSError(errno.EIO, "Input/output error", str(p))
-        return real(self, items, verify, **kw)
 
-    monkeypatch.setattr(CheckpointFile, "read_into", failing)
+    _hook_reads(monkeypatch, before=failing)
     target = _targets(state)
     before = _memory(target)
     with pytest.raises(OSError) as info:
@@ -243,22 +280,31 @@ def test_read_error_in_the_second_pass_is_a_partial_load(tmp_path, monkeypatch):
     assert torch.equal(flat[:5], torch.full((5,), 7.0)) and torch.equal(flat[-5:], torch.full((5,), 7.0))
 
 
+@READ_PATHS
 @pytest.mark.parametrize("change", ["truncate", "flip"])
-def test_change_during_verification_is_caught_before_any_write(tmp_path, monkeypatch, change):
+def test_change_during_verification_is_caught_before_any_write(tmp_path, monkeypatch, change, read_path):
     state = _state()
     p = _save(tmp_path, state)
     chunks = _chunks(p)
     os.utime(p, ns=(1_000_000_000, 1_000_000_000))  # a write now changes the times, whatever the clock
-    real = inplace.verify_chunks
+    _force_read_path(monkeypatch, read_path)
 
-    def verify_then_change(f, ks, verify, buf=None):
-        real(f, ks, verify, buf)
+    def change_file() -> None:
         if change == "truncate":
             os.truncate(p, chunks[-1].offset + 10)
         else:
             _flip(p, chunks[-1].offset + 3)
 
-    monkeypatch.setattr(inplace, "verify_chunks", verify_then_change)
+    if read_path == "general":
+        real = inplace.verify_chunks
+
+        def verify_then_change(f, ks, verify, buf=None):
+            real(f, ks, verify, buf)
+            change_file()
+
+        monkeypatch.setattr(inplace, "verify_chunks", verify_then_change)
+    else:  # the one check of every chunk
+        _hook_reads(monkeypatch, after=lambda ks, check_only: change_file() if check_only else None)
     target = _targets(state)
     before = _memory(target)
     with pytest.raises(FileChangedError, match="no target was written"):
@@ -370,17 +416,13 @@ def test_verify_false_still_finds_truncation_before_writing(tmp_path, monkeypatc
     assert _memory(target) == before
 
 
-def test_single_pass_path_reads_each_chunk_once(tmp_path, monkeypatch):
+@READ_PATHS
+def test_single_pass_path_reads_each_chunk_once(tmp_path, monkeypatch, read_path):
     state = _state()
     p = _save(tmp_path, state)
-    real = CheckpointFile.read_into
+    _force_read_path(monkeypatch, read_path)
     read: list[int] = []
-
-    def counting(self, items, verify, **kw):
-        read.extend(k for k, _ in items)
-        return real(self, items, verify, **kw)
-
-    monkeypatch.setattr(CheckpointFile, "read_into", counting)
+    _hook_reads(monkeypatch, before=lambda ks, check_only: read.extend(ks))
     target = _targets(state)
     ckptfmt.load_into(p, target, atomic=False)
     n = len(_chunks(p))
@@ -587,3 +629,14 @@ def test_partial_load_names_every_key_of_the_memory_it_wrote(tmp_path, monkeypat
         ckptfmt.load_into(p, {"tok": tied, "head": tied, "other": other})
     assert info.value.modified_keys == ["tok", "head"]
     assert torch.equal(other, torch.zeros(3000))
+
+
+def test_two_targets_under_one_dotted_key_are_both_filled(tmp_path):
+    """{"a.b": x} and {"a": {"b": y}} flatten to the same key: each target is filled from
+    the file's entry, not one of them twice."""
+    w = torch.randn(1000)  # one chunk: the commonest target's plan
+    p = _save(tmp_path, {"a.b": w})
+    first, second = torch.zeros(1000), torch.zeros(1000)
+    report = ckptfmt.load_into(p, {"a.b": first, "a": {"b": second}})
+    assert torch.equal(first, w) and torch.equal(second, w)
+    assert report.loaded == 2

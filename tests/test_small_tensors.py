@@ -20,7 +20,7 @@ import torch
 from helpers import assert_same, read_bytes, write_bytes
 
 import ckptfmt
-from ckptfmt.engine import bytesview, hostmem
+from ckptfmt.engine import batched, bytesview, hostmem
 from ckptfmt.engine import native as _native
 
 N = 2000
@@ -322,13 +322,19 @@ def test_load_into_gives_the_engine_addresses_not_buffers(small_file, small_stat
     """Both passes of an atomic load_into hand the engine each chunk's place as an address (in
     the bounce buffer, then in the target): no buffer export per chunk, and the checks stay."""
     kinds: set[str] = set()
-    read_chunks = _native.read_chunks
+    read_chunks, table = _native.read_chunks, batched.ReadTable
 
     def recorded(fd, file_id, items, *args, **kwargs):
         kinds.update(type(dest).__name__ for _, _, dest in items)
         return read_chunks(fd, file_id, items, *args, **kwargs)
 
+    class RecordedTable(table):  # both passes' reads, built once (PreparedReads)
+        def __init__(self, items, *args, **kwargs):
+            kinds.update(type(dest).__name__ for _, _, dest in items)
+            super().__init__(items, *args, **kwargs)
+
     monkeypatch.setattr(_native, "read_chunks", recorded)
+    monkeypatch.setattr(batched, "ReadTable", RecordedTable)
     targets = {k: torch.zeros_like(v) for k, v in small_state.items()}
     ckptfmt.load_into(small_file, targets)
     assert_same(targets, small_state, check_sharing=False)
@@ -385,3 +391,27 @@ def test_a_fault_inside_a_run_is_named_as_one_read_per_chunk_names_it(tmp_path, 
                 write_bytes(p, data)
     assert len(set(seen)) == 1, seen
     assert seen[0][1:3] == (f"state['t{k}']", k)
+
+
+@pytest.mark.skipif(not _native.available(), reason="the C engine is not built")
+def test_atomic_load_into_builds_the_engine_records_once(small_file, small_state, monkeypatch):
+    """Both passes of an atomic load_into of plain targets (each the whole of a one-chunk
+    storage) run one table of engine records, built once: the check of every chunk, then
+    the reads into the targets, with no Python per chunk in either pass."""
+    built: list[int] = []
+    table = batched.ReadTable
+
+    class CountedTable(table):
+        def __init__(self, items, *args, **kwargs):
+            built.append(len(items))
+            super().__init__(items, *args, **kwargs)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a chunk read outside the prepared table")
+
+    monkeypatch.setattr(batched, "ReadTable", CountedTable)
+    monkeypatch.setattr(_native, "read_chunks", refused)
+    targets = {k: torch.zeros_like(v) for k, v in small_state.items()}
+    ckptfmt.load_into(small_file, targets)
+    assert_same(targets, small_state, check_sharing=False)
+    assert built == [N + 1]  # "tied" is a target of its own here: its chunk is read twice

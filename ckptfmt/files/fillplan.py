@@ -62,8 +62,8 @@ class Strided:
 class Plan:
     """Where each chunk the targets need goes, and which values are replaced instead."""
 
-    #: chunk -> its place in a target: a byte view, or (for a file whose chunks are not copied
-    #: through the bounce buffer: unsigned, unencrypted) its address (native.read_chunks)
+    #: chunk -> its place in a target: its address with the C engine (native.read_chunks,
+    #: native.copy_spans), a byte view without
     direct: list[tuple[int, memoryview | int]] = field(default_factory=list)
     direct_owners: list[list[str]] = field(default_factory=list)  # per direct entry: the keys it writes
     pieces: list[Piece] = field(default_factory=list)
@@ -175,73 +175,113 @@ class _Aliases:
         return None
 
 
-def make_plan(f: CheckpointFile, targets: list[Target], in_file: dict[str, int], report: LoadReport) -> Plan:
-    """The plan for matched targets (targets.match); counts each target loaded in `report`."""
+def make_plan(
+    f: CheckpointFile,
+    targets: list[Target],
+    in_file: dict[str, int],
+    report: LoadReport,
+    whole: dict[str, tuple[int, int]] | None = None,
+) -> Plan:
+    """The plan for matched targets (targets.match); counts each target loaded in `report`.
+    `whole`: the targets match found to take one whole chunk each, with its place; each goes
+    straight into plan.direct, unless an earlier target starts at the same address (a tied
+    weight, or a chunk read there already), which the general planning sorts out."""
     plan = Plan()
-    cs = f.chunk_size
+    if whole and len(whole) == len(targets) and _native.available():
+        places: list[tuple[int, memoryview | int]] = list(whole.values())
+        if len({address for _, address in places}) == len(places):  # each at an address of its own
+            plan.direct = places
+            plan.direct_owners = [[key] for key in whole]
+            report.loaded += len(places)
+            return plan
     aliases = _Aliases()
+    lone = aliases.lone
     direct_seen: dict[tuple[int, int], int] = {}  # (chunk, address) -> its entry in plan.direct
-    # chunks read straight into a target go by address, except where the engine is missing or
-    # write_targets copies them from the bounce buffer (signed or encrypted files)
-    by_address = _native.available() and not (f.signed or f.encrypted)
-    nodes, chunks, records = f.tree.nodes, f.chunks, f.storages
+    nodes = f.tree.nodes
     direct, owners = plan.direct, plan.direct_owners
+    # without the engine, chunks go to byte views of the targets (_plan_tensor), not addresses
+    whole = whole if whole is not None and _native.available() else {}
     loaded = 0  # added to the report at the end
+    tensor = torch.Tensor
     for key, container, ckey, value in targets:
+        place = whole.get(key)
+        if place is not None and place[1] not in lone:
+            loaded += 1
+            lone[place[1]] = (key, value, nodes[in_file[key]][1])
+            direct_seen[place] = len(direct)
+            direct.append(place)
+            owners.append([key])
+            continue
         i = in_file.get(key)
         if i is None:
             continue
-        if not isinstance(value, torch.Tensor):
+        if not isinstance(value, tensor):
             if not isinstance(container, tuple):
                 plan.replace.append((container, ckey, i))
                 loaded += 1
             continue
         loaded += 1
-        m = nodes[i][1]
-        if value.is_meta:
+        if value.is_meta:  # no memory: replaced by the loaded tensor
             plan.replace.append((container, ckey, i))
             continue
-        numel = value.numel()
-        if numel == 0:
-            continue
-        base = value.data_ptr()  # the first byte of the target's elements
-        earlier = aliases.earlier(key, value, m, base)
-        if earlier is not None:  # the same memory from the same bytes (tied weights): once is enough
-            plan.aliases.setdefault(earlier, []).append(key)
-            continue
-        sid = m["storage"]
-        rec = records[sid]
-        size = value.element_size()
-        if _same_bytes(value, m):
-            lo = m["offset"] * size
-            hi = lo + numel * size
-            on_cpu = value.is_cpu
-            raw = None if on_cpu and by_address else bytesview.elements_as_uint8(value)
-            view = bytesview.tensor_bytes(raw) if on_cpu and raw is not None else None
-            for j in range(lo // cs, (hi - 1) // cs + 1):
-                k = rec.first_chunk + j
-                c0 = j * cs
-                c1 = c0 + chunks[k].raw_len
-                if on_cpu and lo <= c0 and c1 <= hi:  # the whole chunk lies in the target
-                    where = (k, base + c0 - lo)
-                    entry = direct_seen.get(where)
-                    if entry is not None:  # another target reads it into this memory
-                        owners[entry].append(key)
-                    else:
-                        direct_seen[where] = len(direct)
-                        # the engine writes raw_len bytes there, all inside the target's elements
-                        direct.append((k, where[1] if view is None else view[c0 - lo : c1 - lo]))
-                        owners.append([key])
-                else:
-                    a, b = max(lo, c0), min(hi, c1)
-                    if raw is None:
-                        raw = bytesview.elements_as_uint8(value)
-                    plan.pieces.append(Piece(k, a - c0, b - c0, raw[a - lo : b - lo], key))
-        else:
-            lo = m["offset"] * size
-            hi = (m["offset"] + sum((n - 1) * st for n, st in zip(m["shape"], m["stride"])) + 1) * size
-            first, last = rec.first_chunk + lo // cs, rec.first_chunk + (hi - 1) // cs + 1
-            plan.strided.append(Strided(key, value, m, sid, first, last))
+        _plan_tensor(f, plan, aliases, direct_seen, key, value, nodes[i][1])
     report.loaded += loaded
     plan.strided.sort(key=lambda s: (s.first, -s.last))
     return plan
+
+
+def _plan_tensor(
+    f: CheckpointFile,
+    plan: Plan,
+    aliases: _Aliases,
+    direct_seen: dict[tuple[int, int], int],
+    key: str,
+    value: torch.Tensor,
+    m: dict[str, Any],
+) -> None:
+    """Plan one tensor target of any kind: chunks read straight into it, pieces through the
+    bounce buffer, a strided copy, or nothing (empty, or the same memory as an earlier one)."""
+    numel = value.numel()
+    if numel == 0:
+        return
+    base = value.data_ptr()  # the first byte of the target's elements
+    earlier = aliases.earlier(key, value, m, base)
+    if earlier is not None:  # the same memory from the same bytes (tied weights): once is enough
+        plan.aliases.setdefault(earlier, []).append(key)
+        return
+    cs = f.chunk_size
+    chunks = f.chunks
+    direct, owners = plan.direct, plan.direct_owners
+    sid = m["storage"]
+    rec = f.storages[sid]
+    size = value.element_size()
+    if not _same_bytes(value, m):
+        lo = m["offset"] * size
+        hi = (m["offset"] + sum((n - 1) * st for n, st in zip(m["shape"], m["stride"])) + 1) * size
+        first, last = rec.first_chunk + lo // cs, rec.first_chunk + (hi - 1) // cs + 1
+        plan.strided.append(Strided(key, value, m, sid, first, last))
+        return
+    lo = m["offset"] * size
+    hi = lo + numel * size
+    on_cpu = value.is_cpu
+    raw = None if on_cpu and _native.available() else bytesview.elements_as_uint8(value)
+    view = bytesview.tensor_bytes(raw) if on_cpu and raw is not None else None
+    for j in range(lo // cs, (hi - 1) // cs + 1):
+        k = rec.first_chunk + j
+        c0 = j * cs
+        c1 = c0 + chunks[k].raw_len
+        if on_cpu and lo <= c0 and c1 <= hi:  # the whole chunk lies in the target
+            where = (k, base + c0 - lo)
+            entry = direct_seen.get(where)
+            if entry is not None:  # another target reads it into this memory
+                owners[entry].append(key)
+            else:
+                direct_seen[where] = len(direct)
+                # the engine writes raw_len bytes there, all inside the target's elements
+                direct.append((k, where[1] if view is None else view[c0 - lo : c1 - lo]))
+                owners.append([key])
+        else:
+            a, b = max(lo, c0), min(hi, c1)
+            if raw is None:
+                raw = bytesview.elements_as_uint8(value)
+            plan.pieces.append(Piece(k, a - c0, b - c0, raw[a - lo : b - lo], key))

@@ -13,13 +13,15 @@ bounce buffer; the verification pass (load_into.verify_chunks) reads through it 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
 from ..engine import bytesview
 from ..engine import native as _native
+from ..engine.batched import PreparedReads, copy_spans, prepare
 from ..format import dtypes
+from ..format import layout as fmt
 from .fillplan import Piece, Plan, Strided, range_bytes
 from .reader import CheckpointFile
 
@@ -74,9 +76,15 @@ def _cut(
 
 
 def write_targets(
-    f: CheckpointFile, plan: Plan, buf: torch.Tensor | None, verify: bool, touched: dict[str, None]
+    f: CheckpointFile,
+    plan: Plan,
+    buf: torch.Tensor | None,
+    verify: bool,
+    touched: dict[str, None],
+    reads: PreparedReads | None = None,
 ) -> None:
-    """Read the planned chunks into the targets; `touched` collects keys before their memory is written."""
+    """Read the planned chunks into the targets; when one fails, `touched` holds the keys whose
+    memory may have been written.  `reads`: plan.direct prepared (prepare_direct)."""
     # 1. chunks that land whole in a target: parallel reads, a batch of whole targets at a time,
     # so that a failure names only the targets of the batches begun; for a file read with
     # trusted keys (or an encrypted one), through the bounce buffer instead, each window's
@@ -85,19 +93,34 @@ def write_targets(
     # pass verified it
     if plan.direct and (f.signed or f.encrypted) and buf is not None:
         done = 0
-        for items, _ in windows(f, [k for k, _ in plan.direct], buf):
+        ks = [k for k, _ in plan.direct]
+        batches: Iterable[list[tuple[int, memoryview]] | list[tuple[int, int]]] = (
+            address_windows(f, ks, buf)
+            if _native.available()
+            else (items for items, _ in windows(f, ks, buf))
+        )
+        for items in batches:
             f.read_into(items, verify)
             entries = range(done, done + len(items))
             done += len(items)
             plan.touch(touched, _owners(plan, entries))
-            for i, (_, src) in zip(entries, items):
-                dest = plan.direct[i][1]
-                assert isinstance(dest, memoryview)  # make_plan gives views for these files
-                dest[:] = src
+            _copy_direct(f, plan, entries, [src for _, src in items])
     else:
-        for batch in _direct_batches(f, plan):
-            plan.touch(touched, _owners(plan, batch))
-            f.read_into([plan.direct[i] for i in batch], verify)
+        # the keys a batch writes are recorded only if a read fails (most loads fail nowhere):
+        # those of the batches begun, before any other step's
+        begun = 0  # plan.direct's entries [0, begun) may hold new bytes
+        try:
+            for batch in _direct_batches(f, plan):
+                begun = batch.stop
+                if reads is not None:
+                    reads.read(batch.start, batch.stop, verify)
+                else:
+                    f.read_into([plan.direct[i] for i in batch], verify)
+        except BaseException:
+            plan.touch(touched, _owners(plan, range(begun)))
+            raise
+        if plan.pieces or plan.strided:  # the steps below may fail: the keys written so far first
+            plan.touch(touched, _owners(plan, range(begun)))
     # 2. chunk ends shared with other tensors, and targets on accelerators: through the bounce buffer
     if plan.pieces:
         assert buf is not None
@@ -124,27 +147,63 @@ def write_targets(
             s.value.copy_(_source(f, s, buf, loaded[1]))
 
 
+def _copy_direct(
+    f: CheckpointFile, plan: Plan, entries: Iterable[int], sources: Sequence[memoryview | int]
+) -> None:
+    """Copy the chunks of plan.direct's `entries` from `sources` (host memory, in order) into
+    their places: with the C engine (addresses, as make_plan gives then) one call for all of
+    them, else one by one (byte views)."""
+    direct, records = plan.direct, f.chunks
+    if not _native.available():
+        for i, src in zip(entries, sources):
+            dest = direct[i][1]
+            assert isinstance(dest, memoryview) and isinstance(src, memoryview)
+            dest[:] = src
+        return
+    spans: list[int] = []
+    for i, src in zip(entries, sources):
+        k, dest = direct[i]
+        assert isinstance(dest, int) and isinstance(src, int)
+        spans += (src, dest, records[k].raw_len)
+    copy_spans(spans, _native.default_threads())
+
+
 def _owners(plan: Plan, entries: Iterable[int]) -> list[str]:
     """The keys that the direct entries `entries` write, each once, in order."""
     return list(dict.fromkeys(key for i in entries for key in plan.direct_owners[i]))
 
 
-def _direct_batches(f: CheckpointFile, plan: Plan) -> Iterator[list[int]]:
+def _direct_batches(f: CheckpointFile, plan: Plan) -> Iterator[range]:
     """plan.direct's entries in batches of whole targets, each one parallel read of at least
     _BATCH_BYTES (and a few chunks per engine thread); one target a batch where chunks are
     read one by one anyway (no C engine): a read stops at its first failure, so the targets
     of later batches are unchanged."""
     least = max(_BATCH_BYTES, 4 * _native.default_threads() * f.chunk_size) if _native.available() else 0
-    batch: list[int] = []
-    size = 0
+    start = size = 0
+    records, owners = f.chunks, plan.direct_owners
     for i, (k, _) in enumerate(plan.direct):
-        if batch and size >= least and plan.direct_owners[i] != plan.direct_owners[i - 1]:
-            yield batch
-            batch, size = [], 0
-        batch.append(i)
-        size += f.chunks[k].raw_len
-    if batch:
-        yield batch
+        if size >= least and i > start and owners[i] != owners[i - 1]:
+            yield range(start, i)
+            start, size = i, 0
+        size += records[k].raw_len
+    if start < len(plan.direct):
+        yield range(start, len(plan.direct))
+
+
+def prepare_direct(f: CheckpointFile, plan: Plan, verify: bool) -> PreparedReads | None:
+    """plan.direct's reads prepared once for both passes of an atomic load_into(), where they
+    can be: a plan of whole chunks only, raw, of this local file, checked (verify), neither
+    signed nor encrypted (those go through the bounce buffer).  Raw chunks checked only pass
+    through the engine's own buffer, so the first pass never writes a target."""
+    if not verify or f.signed or f.encrypted or plan.pieces or plan.strided or not plan.direct:
+        return None
+    records = f.chunks
+    raw = fmt.CODEC_RAW
+    if any(records[k].codec != raw for k, _ in plan.direct):
+        return None
+    direct: list[tuple[int, int]] = plan.direct  # type: ignore[assignment]  # addresses with the engine
+    # the reader's own (files/reader.py holds it): reads prepared once, run twice
+    return prepare(f._chunk_reader, direct)
 
 
 def _place(f: CheckpointFile, first: int, last: int, dest: torch.Tensor) -> list[tuple[int, memoryview]]:

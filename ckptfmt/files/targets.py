@@ -11,6 +11,7 @@ unexpected key, is a `MismatchError`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,8 @@ class Matched:
     targets: list[Target]
     in_file: dict[str, int]
     report: LoadReport
+    #: key -> (chunk, address): the targets that take one whole chunk of the file as they are
+    whole: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def _join(prefix: str, key: object) -> str:
@@ -118,23 +121,60 @@ def _key_problems(report: LoadReport) -> str:
     return "; ".join(parts)
 
 
+def _whole_chunk(value: torch.Tensor, m: dict[str, Any], rec: Any) -> bool:
+    """Whether target `value`, a contiguous CPU tensor, takes file tensor `m` with no problem and
+    as the commonest target of all: dense in the file's layout (the same strides, shape and dtype,
+    no conjugate or negative bit of its own) and the whole of its storage `rec`, which is one
+    chunk: that chunk is read straight into the target's memory.  Cheapest tests first; the
+    conjugate bit is asked only of complex tensors (no other kind has one)."""
+    dt = value.dtype
+    return (
+        rec.n_chunks == 1
+        and m["offset"] == 0
+        and dt is dtypes.TORCH_DTYPES[m["dtype"]]
+        and rec.nbytes == math.prod(m["shape"]) * dt.itemsize
+        and value.shape == tuple(m["shape"])
+        and value.stride() == tuple(m["stride"])
+        and not value.is_neg()
+        and (value.is_conj() == m["conj"] if dt.is_complex else not m["conj"])
+    )
+
+
 def match(f: CheckpointFile, top: int, state: Any, *, strict: bool) -> Matched:
-    """Pair the leaves of `state` with the entries under node `top`; MismatchError before any read."""
+    """Pair the leaves of `state` with the entries under node `top`; MismatchError before any read.
+
+    The commonest targets (_whole_chunk) are recognised in the same look as their checks, and
+    their place recorded in `Matched.whole`: a state of many small tensors is mostly cache
+    misses on the tensors, so each is looked at once."""
     in_file = dict(file_items(f, top, ""))
     targets = list(target_items(state, ""))
     report = LoadReport()
-    target_keys = set()
     problems = []
+    whole: dict[str, tuple[int, int]] = {}
+    seen_twice: set[str] = set()
+    nodes, records = f.tree.nodes, f.storages
+    tensor = torch.Tensor
+    missing = report.missing_keys
     for key, container, _, value in targets:
-        target_keys.add(key)
         i = in_file.get(key)
         if i is None:
-            report.missing_keys.append(key)
+            missing.append(key)
             continue
-        if isinstance(value, torch.Tensor):
-            problem = _tensor_problem(key, value, f.tree.nodes[i], container)
+        if isinstance(value, tensor):
+            node = nodes[i]
+            if node[0] == "tensor" and value.is_cpu and value.is_contiguous():
+                rec = records[node[1]["storage"]]
+                if _whole_chunk(value, node[1], rec) and key not in seen_twice:
+                    if key in whole:  # two targets under one dotted key ("a.b" and "a": {"b"})
+                        seen_twice.add(key)  # planned one by one, as they come
+                        del whole[key]
+                    else:
+                        whole[key] = (rec.first_chunk, value.data_ptr())
+                    continue
+            problem = _tensor_problem(key, value, node, container)
             if problem:
                 problems.append(problem)
+    target_keys = {t[0] for t in targets}
     report.unexpected_keys = [k for k in in_file if k not in target_keys]
     if problems:
         raise MismatchError(
@@ -142,4 +182,4 @@ def match(f: CheckpointFile, top: int, state: Any, *, strict: bool) -> Matched:
         )
     if strict and (report.missing_keys or report.unexpected_keys):
         raise MismatchError(_key_problems(report), path=f.path)
-    return Matched(targets, in_file, report)
+    return Matched(targets, in_file, report, whole)
