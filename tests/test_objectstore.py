@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt.engine import chunkread
+from ckptfmt.engine import fetchplan
 from ckptfmt.errors import CorruptError, StorageError, UnsupportedError
 from ckptfmt.storage import download
 
@@ -120,13 +120,13 @@ def test_a_partial_read_fetches_only_its_chunks(store_faults):
     assert sum(hi - lo for lo, hi in faults.ranges("p.ckpt")) < download.TAIL_BYTES + 64 * 1024
 
 
-@pytest.mark.parametrize("window", [chunkread.FETCH_WINDOW, 2 * MiB + 12345])
+@pytest.mark.parametrize("window", [fetchplan.FETCH_WINDOW, 2 * MiB + 12345])
 def test_a_load_makes_one_request_per_cell_like_a_plain_download(store_faults, monkeypatch, window):
     """A whole load asks for each request_size cell of the object once, as a plain parallel
     download of it does: the prologue, footer and index come with the first and the last
     cells, and the chunks in those cells are read from them, not asked for again.  With read
     windows smaller than the object too, whose edges fall inside chunks."""
-    monkeypatch.setattr(chunkread, "FETCH_WINDOW", window)
+    monkeypatch.setattr(fetchplan, "FETCH_WINDOW", window)
     faults = store_faults
     options = faults.options | {"request_size": MiB}
     url = f"{faults.new_root()}/cells.ckpt"

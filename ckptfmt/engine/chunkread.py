@@ -21,7 +21,6 @@ The records read here come from a validated index (index.py) and are trusted as 
 
 from __future__ import annotations
 
-import bisect
 import mmap
 import os
 from collections import OrderedDict
@@ -42,6 +41,7 @@ from ..fileio import pread_exact
 from ..format import encryption
 from ..format import layout as fmt
 from ..format.index import Chunk, Index
+from . import fetchplan
 from . import native as _native
 from .ckptdir import CheckpointDir
 from .sources import Fetcher, References
@@ -68,25 +68,6 @@ def _window_msg(window: int) -> str:
 
 def _dict_msg(dict_id: int) -> str:
     return f"zstd frame needs dictionary {dict_id}; the format uses none"
-
-
-#: a remote file's chunks are read a window of requests (this many bytes) at a time, once it is
-#: in, while FETCH_AHEAD windows are in flight (the store's 8 parallel requests kept busy)
-FETCH_WINDOW = 16 << 20
-FETCH_AHEAD = 8
-
-
-def _request_windows(requests: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """`requests` in consecutive groups of at most FETCH_WINDOW bytes (one request at least)."""
-    windows: list[list[tuple[int, int]]] = []
-    held = 0
-    for lo, hi in requests:
-        if not windows or held + hi - lo > FETCH_WINDOW:
-            windows.append([])
-            held = 0
-        windows[-1].append((lo, hi))
-        held += hi - lo
-    return windows
 
 
 #: where a chunk's raw bytes go: a buffer of exactly raw_len bytes; with the C engine also the
@@ -476,27 +457,23 @@ class ChunkReader:
     def _read_fetched(
         self, remote: Fetcher, items: Sequence[tuple[int, Destination]], verify: bool, check_only: bool
     ) -> None:
-        """Read chunks of a remote file window by window: the next FETCH_AHEAD windows' requests
+        """Read chunks of a remote file window by window (fetchplan): the next FETCH_AHEAD windows' requests
         are in flight while one is read (the store kept busy, as by a plain parallel download),
         and a window's bytes are given back once read (memory holds about FETCH_AHEAD windows).
         The requests are planned for all the chunks at once, so a window's edge never splits
         one; a chunk is read in the window whose requests bring its last bytes in (the first,
         where those are held or in flight already: their futures come with its own)."""
         requests = remote.plan([self._stored_range(k) for k, _ in items])
-        windows = _request_windows(requests)
-        starts = [lo for lo, _ in requests]
-        window_of = [i for i, w in enumerate(windows) for _ in w]
-        chunks: list[list[tuple[int, Destination]]] = [[] for _ in windows] or [[]]
-        for k, dest in items:
-            lo, hi = self._stored_range(k)
-            j = bisect.bisect_left(starts, hi) - 1  # the last request before the chunk's end
-            chunks[window_of[j] if j >= 0 and requests[j][1] > lo else 0].append((k, dest))
+        windows = fetchplan.request_windows(requests)
+        chunks = fetchplan.chunks_by_window(
+            requests, windows, [(self._stored_range(k), (k, d)) for k, d in items]
+        )
         windows = windows or [[]]
 
         def start(i: int) -> list[Future[None]]:
             return remote.start([*windows[i], *(self._stored_range(k) for k, _ in chunks[i])])
 
-        pending = [start(i) for i in range(min(FETCH_AHEAD, len(windows)))]
+        pending = [start(i) for i in range(min(fetchplan.FETCH_AHEAD, len(windows)))]
         try:
             for i, window in enumerate(chunks):
                 remote.wait(pending.pop(0))
@@ -505,8 +482,8 @@ class ChunkReader:
                         self._read_group(window, verify, check_only)
                 finally:
                     remote.release([self._stored_range(k) for k, _ in window])
-                if i + FETCH_AHEAD < len(windows):
-                    pending.append(start(i + FETCH_AHEAD))
+                if i + fetchplan.FETCH_AHEAD < len(windows):
+                    pending.append(start(i + fetchplan.FETCH_AHEAD))
         finally:
             for futures in pending:
                 remote.wait_quietly(futures)

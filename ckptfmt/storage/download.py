@@ -59,7 +59,7 @@ MERGE_GAP = 64 * 1024
 MAX_OBJECT_BYTES = 1 << 44
 
 #: what a reader of the whole object (read_ahead) asks for beyond the first cell before the
-#: index is parsed: the chunk reader's requests in flight (chunkread's FETCH_WINDOW x
+#: index is parsed: the chunk reader's requests in flight (fetchplan's FETCH_WINDOW x
 #: FETCH_AHEAD) hold as much
 READ_AHEAD_BYTES = 128 * MiB
 #: bytes hashed per step when an object is read whole (sha256): several requests in parallel

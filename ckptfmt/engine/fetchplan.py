@@ -1,0 +1,50 @@
+"""How a remote file's chunk reads are cut into windows of requests.
+
+A chunk reader reading an object on a store keeps FETCH_AHEAD windows of requests in flight
+(the store's parallel requests kept busy, as by a plain parallel download) and reads the
+chunks of one window once its bytes are in, then gives them back: memory holds about
+FETCH_AHEAD x FETCH_WINDOW bytes.  Planning is pure: requests and byte ranges in, groups out.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import TypeVar
+
+#: a window's requests bring in at most this many bytes (one request at least)
+FETCH_WINDOW = 16 << 20
+#: windows whose requests are in flight while one is read
+FETCH_AHEAD = 8
+
+T = TypeVar("T")
+
+
+def request_windows(requests: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """`requests` in consecutive groups of at most FETCH_WINDOW bytes (one request at least)."""
+    windows: list[list[tuple[int, int]]] = []
+    held = 0
+    for lo, hi in requests:
+        if not windows or held + hi - lo > FETCH_WINDOW:
+            windows.append([])
+            held = 0
+        windows[-1].append((lo, hi))
+        held += hi - lo
+    return windows
+
+
+def chunks_by_window(
+    requests: Sequence[tuple[int, int]],
+    windows: Sequence[Sequence[tuple[int, int]]],
+    items: Sequence[tuple[tuple[int, int], T]],
+) -> list[list[T]]:
+    """Each item (its stored byte range, a value) in the window whose requests bring its last
+    bytes in (the first, where those are held or in flight already: no request covers them);
+    one list per window, at least one list."""
+    starts = [lo for lo, _ in requests]
+    window_of = [i for i, w in enumerate(windows) for _ in w]
+    grouped: list[list[T]] = [[] for _ in windows] or [[]]
+    for (lo, hi), value in items:
+        j = bisect.bisect_left(starts, hi) - 1  # the last request before the range's end
+        grouped[window_of[j] if j >= 0 and requests[j][1] > lo else 0].append(value)
+    return grouped
