@@ -6,8 +6,8 @@
 
 The state is N fp32 tensors of 32x32 (4 KiB each; MoE experts, per-parameter optimizer
 states and LoRA adapters look like this), saved once per tool on tmpfs (`--dir`, default
-/dev/shm).  Each measurement runs in a fresh process that imports torch and the tool under
-test, builds the targets of the `into` rows, and then times one call; the clock covers the
+/dev/shm).  Each measurement runs in a fresh process that imports torch and the tool's entry
+point (`from ckptfmt import load`, `from safetensors.torch import load_file`), builds the targets of the `into` rows, and then times one call; the clock covers the
 call alone, and so does a second figure, the CPU time the process used during it (threads
 included), which a busy machine moves less than the clock.  A round runs every tool at every count once, in an order rotated from round to
 round, after one untimed warm-up process per tool (which caches bytecode as an installed
@@ -91,22 +91,25 @@ def measure(tool: str, path: str, n: int) -> tuple[float, float]:
     import torch
 
     targets = {key_of(i): torch.zeros(32, 32) for i in range(n)} if TOOLS[tool][0] == "into" else {}
+    # each tool's entry point imported before the clock, as a user's `from ... import` does:
+    # ckptfmt's public names are imported on first use, so `import ckptfmt` alone would leave
+    # its reader's modules to be imported inside the timed call, and no peer's
     if tool.startswith("ckptfmt"):
-        import ckptfmt
+        from ckptfmt import load, load_into
     elif tool.startswith("safetensors"):
-        import safetensors.torch
+        from safetensors.torch import load_file
     cpu = _cpu()
     t = time.perf_counter()
     if tool == "ckptfmt.load":
-        out: Any = ckptfmt.load(path)
+        out: Any = load(path)
     elif tool == "ckptfmt.load(mmap=True)":
-        out = ckptfmt.load(path, mmap=True)
+        out = load(path, mmap=True)
     elif tool == "ckptfmt.load_into":
-        out = ckptfmt.load_into(path, targets)
+        out = load_into(path, targets)
     elif tool == "safetensors.load_file":
-        out = safetensors.torch.load_file(path)
+        out = load_file(path)
     elif tool == "safetensors.load_file+copy_":
-        out = safetensors.torch.load_file(path)
+        out = load_file(path)
         for k, v in out.items():
             targets[k].copy_(v)
     elif tool == "torch.load":
