@@ -640,3 +640,23 @@ def test_two_targets_under_one_dotted_key_are_both_filled(tmp_path):
     report = ckptfmt.load_into(p, {"a.b": first, "a": {"b": second}})
     assert torch.equal(first, w) and torch.equal(second, w)
     assert report.loaded == 2
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("other", ["strided", "value"])
+@pytest.mark.parametrize("whole_first", [True, False])
+def test_a_whole_chunk_target_sharing_its_key_with_another_leaves_neither_unfilled(
+    tmp_path, atomic, other, whole_first
+):
+    """Under one dotted key, a target taking one whole chunk as it is and another that does not
+    (a transposed view, or a value that is replaced): the second is filled too, not planned as
+    a read into the first one's memory."""
+    w = torch.arange(4.0).reshape(2, 2)
+    p = _save(tmp_path, {"a": {"b": w}})
+    x = torch.zeros(2, 2).t() if other == "strided" else "not a tensor"
+    y = torch.zeros(2, 2)  # the commonest target: one whole chunk read into its memory
+    target = {"a": {"b": y}, "a.b": x} if whole_first else {"a.b": x, "a": {"b": y}}
+    report = ckptfmt.load_into(p, target, strict=False, atomic=atomic)
+    assert torch.equal(target["a"]["b"], w) and target["a"]["b"] is y
+    assert torch.equal(target["a.b"], w)
+    assert report.loaded == 2
