@@ -13,9 +13,11 @@ checked in a bounce buffer into their targets (signed or encrypted files) in one
 from __future__ import annotations
 
 import array
+import errno
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import LimitError
 from . import native as _native
 from .chunkread import ChunkReader
 
@@ -97,7 +99,12 @@ def copy_spans(spans: list[int], threads: int) -> None:
         raise ValueError(f"copy_spans takes (source, destination, length) triples, not {len(spans)} numbers")
     view = ffi.from_buffer("uint64_t[]", array.array("Q", spans))
     try:
-        if lib.ckf_copy_spans(view, len(spans) // 3, threads):
-            raise MemoryError(f"out of memory planning {len(spans) // 3} copies")
+        rc = lib.ckf_copy_spans(view, len(spans) // 3, threads)
     finally:
         ffi.release(view)
+    if rc == errno.EINVAL:  # lengths whose pieces overflow the engine's counts: nothing copied
+        raise LimitError(
+            f"{len(spans) // 3} copies of up to {max(spans[2::3])} bytes each: more than the engine can plan"
+        )
+    if rc:
+        raise MemoryError(f"out of memory planning {len(spans) // 3} copies")
