@@ -233,7 +233,8 @@ unsigned ckf_xxhash_version(void);
 /* memcpy on nthreads threads */
 void ckf_copy(uint8_t *dst, const uint8_t *src, uint64_t len, int nthreads);
 /* n copies on nthreads threads: the bytes at address spans[3i] go to address spans[3i+1],
- * spans[3i+2] of them (the spans must not overlap); 0, or ENOMEM with nothing copied */
+ * spans[3i+2] of them (the spans must not overlap); 0, or with nothing copied ENOMEM, or
+ * EINVAL for lengths whose pieces' count overflows (one over UINT64_MAX - 1 MiB, say) */
 int ckf_copy_spans(const uint64_t *spans, uint64_t n, int nthreads);
 /* content digest (spec section 12): XXH3-128 of src, 16 bytes in canonical (big-endian) order */
 void ckf_digest(const uint8_t *src, uint64_t len, uint8_t *out);

@@ -156,12 +156,21 @@ static void copy_span_task(void *ctx, uint64_t t, int thread) {
     }
 }
 
+/* The pieces of a large span: its length was checked (ckf_copy_spans), so this cannot overflow. */
+static uint64_t span_pieces(uint64_t len) { return (len + SPAN_PIECE - 1) / SPAN_PIECE; }
+
 int ckf_copy_spans(const uint64_t *spans, uint64_t n, int nthreads) {
-    /* the tasks: each large span cut into SPAN_PIECE pieces, runs of small spans in groups */
+    /* the tasks: each large span cut into SPAN_PIECE pieces, runs of small spans in groups;
+     * lengths are the caller's: one whose pieces would not add up (their count overflowing,
+     * or that of the tasks, or the tasks' bytes) is refused before anything is allocated */
+    if (n > UINT64_MAX / 3) return EINVAL;
     uint64_t ntasks = 0;
     for (uint64_t i = 0; i < n;) {
         if (spans[3 * i + 2] > SPAN_PIECE) {
-            ntasks += (spans[3 * i + 2] + SPAN_PIECE - 1) / SPAN_PIECE;
+            if (spans[3 * i + 2] > UINT64_MAX - SPAN_PIECE) return EINVAL;
+            uint64_t pieces = span_pieces(spans[3 * i + 2]);
+            if (pieces > UINT64_MAX - ntasks) return EINVAL;
+            ntasks += pieces;
             i++;
             continue;
         }
@@ -169,12 +178,14 @@ int ckf_copy_spans(const uint64_t *spans, uint64_t n, int nthreads) {
         while (i < n && i < end && spans[3 * i + 2] <= SPAN_PIECE) i++;
         ntasks++;
     }
+    if (ntasks > SIZE_MAX / sizeof(span_task)) return EINVAL;
     span_task *tasks = malloc((ntasks ? ntasks : 1) * sizeof *tasks);
     if (!tasks) return ENOMEM;
     uint64_t t = 0;
     for (uint64_t i = 0; i < n;) {
         if (spans[3 * i + 2] > SPAN_PIECE) {
-            for (uint64_t p = 0; p * SPAN_PIECE < spans[3 * i + 2]; p++) tasks[t++] = (span_task){i, p};
+            for (uint64_t p = 0, pieces = span_pieces(spans[3 * i + 2]); p < pieces; p++)
+                tasks[t++] = (span_task){i, p};
             i++;
             continue;
         }

@@ -225,3 +225,22 @@ def test_copy_spans_moves_each_span_and_nothing_else(lengths, threads):
         d_at += n
     batched.copy_spans(spans, threads)
     assert np.array_equal(dst, expected)
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [5, (1 << 64) - 1],  # one span whose pieces' count overflows
+        [(1 << 64) - (1 << 20)] * ((1 << 16) + 1),  # each span fine, the bytes of their tasks overflow
+    ],
+    ids=["one-span", "many-spans"],
+)
+def test_copy_spans_refuses_lengths_it_cannot_plan(lengths):
+    """The spans' lengths are the caller's: lengths whose pieces overflow the engine's counts
+    are a LimitError with nothing copied, not a task table too small for them."""
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, dtype=np.uint8)
+    spans = [v for n in lengths for v in (src.ctypes.data, dst.ctypes.data, n)]
+    with pytest.raises(ckptfmt.errors.LimitError, match="more than the engine can plan"):
+        batched.copy_spans(spans, 2)
+    assert not dst.any()

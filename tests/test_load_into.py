@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt.engine.batched import PreparedReads
+from ckptfmt.engine.batched import PreparedReads, prepare
 from ckptfmt.files import fillplan, incremental
 from ckptfmt.files import load_into as inplace
 from ckptfmt.files.load_into import FileChangedError, PartialLoadError
@@ -640,3 +640,41 @@ def test_two_targets_under_one_dotted_key_are_both_filled(tmp_path):
     report = ckptfmt.load_into(p, {"a.b": first, "a": {"b": second}})
     assert torch.equal(first, w) and torch.equal(second, w)
     assert report.loaded == 2
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("other", ["strided", "value"])
+@pytest.mark.parametrize("whole_first", [True, False])
+def test_a_whole_chunk_target_sharing_its_key_with_another_leaves_neither_unfilled(
+    tmp_path, atomic, other, whole_first
+):
+    """Under one dotted key, a target taking one whole chunk as it is and another that does not
+    (a transposed view, or a value that is replaced): the second is filled too, not planned as
+    a read into the first one's memory."""
+    w = torch.arange(4.0).reshape(2, 2)
+    p = _save(tmp_path, {"a": {"b": w}})
+    x = torch.zeros(2, 2).t() if other == "strided" else "not a tensor"
+    y = torch.zeros(2, 2)  # the commonest target: one whole chunk read into its memory
+    target = {"a": {"b": y}, "a.b": x} if whole_first else {"a.b": x, "a": {"b": y}}
+    report = ckptfmt.load_into(p, target, strict=False, atomic=atomic)
+    assert torch.equal(target["a"]["b"], w) and target["a"]["b"] is y
+    assert torch.equal(target["a.b"], w)
+    assert report.loaded == 2
+
+
+@pytest.mark.skipif(not ckptfmt.backend() == "c", reason="the C engine is not built")
+@pytest.mark.parametrize("verify", [True, False])
+def test_prepared_reads_that_only_check_never_write_the_targets(tmp_path, verify):
+    """The first pass of an atomic load_into runs prepared reads into the targets' own memory
+    with check_only: they are left as they were, whatever `verify` says, as read_chunks does."""
+    state = _state(n=3, numel=1000)  # one chunk each
+    p = _save(tmp_path, state)
+    target = _targets(state)
+    with CheckpointFile(p) as f:
+        items = [(f.storages[i].first_chunk, target[f"t{i}"].data_ptr()) for i in range(3)]
+        reads = prepare(f.chunk_reader, items)
+        assert reads is not None
+        reads.read(0, reads.n, verify, check_only=True)
+        assert all(torch.equal(t, torch.full_like(t, 7.0)) for t in target.values())
+        reads.read(0, reads.n, verify)
+    assert all(torch.equal(target[k], state[k]) for k in state)

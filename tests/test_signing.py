@@ -179,7 +179,7 @@ def test_chunk_digest_is_checked(tmp_path, monkeypatch, backend):
         monkeypatch.setenv("CKPTFMT_BACKEND", "python")
     p = save(str(tmp_path / "a.ckpt"), compression="zstd")
     with CheckpointFile(p, trusted_keys=[PUB]) as f:
-        reader = f._chunk_reader
+        reader = f.chunk_reader
         reader.chunks = list(reader.chunks)
         ch = reader.chunks[3]
         reader.chunks[3] = ch._replace(sha=bytes(32))

@@ -13,9 +13,11 @@ checked in a bounce buffer into their targets (signed or encrypted files) in one
 from __future__ import annotations
 
 import array
+import errno
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import LimitError
 from . import native as _native
 from .chunkread import ChunkReader
 
@@ -32,11 +34,8 @@ class ReadTable:
         null = ffi.NULL
         self.n = len(items)
         self._numbers = [k for k, _, _ in items]
-        self._key = ffi.new("uint8_t[32]", key) if key else ffi.NULL
-        self._rows = ffi.new("ckf_rchunk[]", [_native._rchunk_row(null, k, ch) for k, ch, _ in items] or 1)
-        for i, (k, ch, _) in enumerate(items):
-            if ch.digest or ch.sha or ch.tag:
-                _native._fill_extras(self._rows[i], k, ch, self._key)
+        self._key = ffi.new("uint8_t[32]", key) if key else null  # alive as long as the records
+        self._rows = _native.chunk_records([(k, ch, null) for k, ch, _ in items], self._key)
         addresses = array.array("Q", [address for _, _, address in items])
         view = ffi.from_buffer("uint64_t[]", addresses)
         try:
@@ -47,16 +46,12 @@ class ReadTable:
     def run(
         self, fd: int, file_id: bytes, lo: int, hi: int, verify: bool, threads: int, check_only: bool = False
     ) -> tuple[int, int, int, int, int] | None:
-        """Read entries [lo, hi) as read_chunks does (check_only: destinations left untouched
-        by raw chunks, which pass through the engine's own buffer); None, or the failure with
-        its position counted from `lo`."""
-        ffi, lib = _native.ffi, _native.lib
-        assert lib is not None and ffi is not None
-        status = ffi.new("ckf_status *")
-        fid = ffi.new("uint8_t[16]", file_id)
-        mode = 2 if check_only and verify else 1 if verify else 0
-        rc = lib.ckf_read_chunks(fd, fid, self._rows + lo, hi - lo, mode, threads, status)
-        return _native._outcome(rc, status, self._numbers[lo:hi])
+        """Read entries [lo, hi) as read_chunks does (check_only: every chunk checked, whatever
+        `verify` says, and destinations left untouched by raw chunks, which pass through the
+        engine's own buffer); None, or the failure with its position counted from `lo`."""
+        return _native.run_reads(
+            fd, file_id, self._rows + lo, self._numbers[lo:hi], verify, threads, check_only
+        )
 
 
 class PreparedReads:
@@ -68,18 +63,19 @@ class PreparedReads:
         self._reader = reader
         self._items = items
         chunks = reader.chunks
-        self._table = ReadTable([(k, chunks[k], at) for k, at in items], reader._data_key or None)
+        self._table = ReadTable([(k, chunks[k], at) for k, at in items], reader.data_key or None)
         #: the number of items
         self.n = len(items)
 
     def read(self, lo: int, hi: int, verify: bool, check_only: bool = False) -> None:
-        """Read items [lo, hi): as read_into(check_only=...) does."""
+        """Read items [lo, hi), as ReadTable.run does: check_only leaves the targets untouched
+        (every chunk checked then, whatever `verify` says)."""
         reader = self._reader
         status = self._table.run(
             reader.fd, reader.file_id, lo, hi, verify, _native.default_threads(), check_only
         )
         if status is not None:
-            raise reader._native_error(status, self._items[lo:hi])
+            raise reader.native_error(status, self._items[lo:hi])
 
 
 def prepare(reader: ChunkReader, items: Sequence[tuple[int, int]]) -> PreparedReads | None:
@@ -103,7 +99,12 @@ def copy_spans(spans: list[int], threads: int) -> None:
         raise ValueError(f"copy_spans takes (source, destination, length) triples, not {len(spans)} numbers")
     view = ffi.from_buffer("uint64_t[]", array.array("Q", spans))
     try:
-        if lib.ckf_copy_spans(view, len(spans) // 3, threads):
-            raise MemoryError(f"out of memory planning {len(spans) // 3} copies")
+        rc = lib.ckf_copy_spans(view, len(spans) // 3, threads)
     finally:
         ffi.release(view)
+    if rc == errno.EINVAL:  # lengths whose pieces overflow the engine's counts: nothing copied
+        raise LimitError(
+            f"{len(spans) // 3} copies of up to {max(spans[2::3])} bytes each: more than the engine can plan"
+        )
+    if rc:
+        raise MemoryError(f"out of memory planning {len(spans) // 3} copies")

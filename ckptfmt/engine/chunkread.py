@@ -95,7 +95,7 @@ class ChunkReader:
         self.chunks = index.chunks
         self.externals = index.externals
         #: encrypted files opened with their key: the data key (spec section 17)
-        self._data_key = index.data_key
+        self.data_key = index.data_key
         #: an encrypted file: the files its external chunks lie in must be encrypted too, each
         #: read with its own data key, unwrapped by `_opener` (spec 17.9)
         self._encrypted = index.encryption is not None
@@ -191,7 +191,7 @@ class ChunkReader:
                     f"{'' if self._encrypted else 'not'}: references never cross that line (spec 17.9)",
                     path=self.path,
                 )
-            if self._data_key:
+            if self.data_key:
                 self._ext_keys[e] = self._external_key(fd, pro, foot, what)
         except BaseException:
             self._release(fd)
@@ -220,13 +220,13 @@ class ChunkReader:
         """(data key, file id, chunk number, GCM tag) that decrypt chunk k where it lies."""
         ch = self.chunks[k]
         if ch.source < 0:
-            return self._data_key, self.file_id, k, ch.tag
+            return self.data_key, self.file_id, k, ch.tag
         key, block = self._ext_keys[ch.source]
         return key, self.externals[ch.source].file_id, ch.number, block.tag_of(ch.number)
 
     def _decrypts(self, k: int) -> bool:
         """Whether chunk k is decrypted as it is read (a file opened with its key)."""
-        return bool(self._data_key) and (self.chunks[k].source >= 0 or bool(self.chunks[k].tag))
+        return bool(self.data_key) and (self.chunks[k].source >= 0 or bool(self.chunks[k].tag))
 
     def _release(self, fd: int) -> None:
         """Close a referenced file's descriptor through what opened it: an object's spool
@@ -499,7 +499,7 @@ class ChunkReader:
                 self.read_chunk(k, dest, verify, None)
             return
         chunks = self.chunks
-        data_key = self._data_key or None
+        data_key = self.data_key or None
         if chunks[items[0][0]].source < 0:  # this file: a chunk's number here is its own
             fd, file_id = self.fd, self.file_id
             triples = [(k, chunks[k], d) for k, d in items]
@@ -524,11 +524,12 @@ class ChunkReader:
             key=data_key,
         )
         if status is not None:
-            raise self._native_error(status, items)
+            raise self.native_error(status, items)
 
-    def _native_error(
+    def native_error(
         self, status: tuple[int, int, int, int, int], items: Sequence[tuple[int, Destination]]
     ) -> Exception:
+        """The exception for a failed engine read of `items` (status as read_chunks gives it)."""
         code, err, pos, reason, value = status
         if code == _native.ERR_NOMEM or not 0 <= pos < len(items):
             return MemoryError(f"{self.path}: out of memory while reading chunks")
@@ -585,7 +586,7 @@ class ChunkReader:
             items = [(k, self.chunks[k]) for k in ks]
             status = _native.check_mapped(mm, self.file_id, items, _native.default_threads())
             if status is not None:
-                raise self._native_error(status, [(k, memoryview(b"")) for k in ks])
+                raise self.native_error(status, [(k, memoryview(b"")) for k in ks])
             return
         mv = memoryview(mm)
         try:

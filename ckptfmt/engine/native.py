@@ -12,7 +12,7 @@ import os
 import socket
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, CheckpointWarning
@@ -538,54 +538,62 @@ def read_chunks(
 ) -> tuple[int, int, int, int, int] | None:
     """Read (chunk number, chunk record, destination) in parallel; None, or the failure's
     (code, errno, position in `items`, reason, value) for the caller to turn into an exception.
-    The chunk number is the one the checksum seed binds in the file at `fd`.  A destination
-    is a writable buffer of exactly raw_len bytes, or the address (an int) of raw_len bytes
-    of host memory the caller owns and keeps alive for the call (a storage it just allocated:
-    no buffer export per chunk).  check_only: verify every chunk but leave the destinations'
-    contents undefined (faster: raw chunks are not copied into them, shuffled ones not
-    un-shuffled); a chunk without a content digest then needs no destination (None).  `key`:
-    the data key of an encrypted file (spec section 17): chunks with a tag are decrypted,
-    their tags checked."""
+    The chunk number is the one the checksum seed binds in the file at `fd`.  A destination is
+    a writable buffer of exactly raw_len bytes, or the address (an int) of raw_len bytes of host
+    memory the caller keeps alive for the call (no buffer export per chunk).  check_only: every
+    chunk checked, whatever `verify` says, the destinations' contents left undefined (raw chunks
+    not copied, shuffled ones not un-shuffled); a chunk without a content digest then needs no
+    destination (None).  `key`: an encrypted file's data key (spec 17): tagged chunks decrypted."""
     assert lib is not None and ffi is not None
     kbuf = ffi.new("uint8_t[32]", key) if key else ffi.NULL
     keep: list[Any] = []
-    rows = []
-    extras = []  # positions of records with a digest, a signed SHA-256 or a tag
-    cast = ffi.cast
+    entries = []
     try:
-        for i, (k, ch, dest) in enumerate(items):
+        for k, ch, dest in items:
             if dest is None:
                 if not check_only or ch.digest:
                     raise ValueError(f"chunk {k} needs a destination: it is read or its digest taken")
                 dst = ffi.NULL
             elif type(dest) is int:
-                dst = cast("uint8_t *", dest)
+                dst = ffi.cast("uint8_t *", dest)
             else:
                 dst = ffi.from_buffer("uint8_t[]", dest, require_writable=True)
                 keep.append(dst)
                 if len(dst) != ch.raw_len:
-                    raise ValueError(
-                        f"destination of chunk {k} holds {len(dst)} bytes, the chunk {ch.raw_len}"
-                    )
-            rows.append(_rchunk_row(dst, k, ch))
-            if ch.digest or ch.sha or ch.tag:
-                extras.append(i)
-        arr = ffi.new("ckf_rchunk[]", rows or 1)
-        for i in extras:
-            k, ch, _ = items[i]
-            _fill_extras(arr[i], k, ch, kbuf)
-        status = ffi.new("ckf_status *")
-        fid = ffi.new("uint8_t[16]", file_id)
-        mode = 2 if check_only else 1 if verify else 0
-        rc = lib.ckf_read_chunks(fd, fid, arr, len(rows), mode, threads, status)
+                    raise ValueError(f"chunk {k}: a destination of {len(dst)} bytes, the chunk {ch.raw_len}")
+            entries.append((k, ch, dst))
+        records = chunk_records(entries, kbuf)
+        return run_reads(fd, file_id, records, [k for k, _, _ in items], verify, threads, check_only)
     finally:
         _release(keep)
-    return _outcome(rc, status, [k for k, _, _ in items])
 
 
-def _rchunk_row(dst: Any, k: int, ch: Any) -> tuple[Any, ...]:
-    """The leading fields of a ckf_rchunk, in order: cffi fills the array from these in C."""
-    return (dst, k, ch.offset, ch.stored_len, ch.raw_len, ch.checksum, ch.pad, ch.codec, ch.filter, ch.width)
+def chunk_records(items: Sequence[tuple[int, Any, Any]], key: Any = None) -> Any:
+    """The engine's records (ckf_rchunk[], cffi filling them in C from their leading fields) of
+    (chunk number, chunk record, destination pointer or ffi.NULL); `key`: a uint8_t[32] data key."""
+    assert ffi is not None
+    rows = [
+        (dst, k, ch.offset, ch.stored_len, ch.raw_len, ch.checksum, ch.pad, ch.codec, ch.filter, ch.width)
+        for k, ch, dst in items
+    ]
+    records = ffi.new("ckf_rchunk[]", rows or 1)
+    for i, (k, ch, _) in enumerate(items):
+        if ch.digest or ch.sha or ch.tag:
+            _fill_extras(records[i], k, ch, key)
+    return records
+
+
+def run_reads(
+    fd: int, file_id: bytes, records: Any, numbers: list[int], verify: bool, threads: int, check_only: bool
+) -> tuple[int, int, int, int, int] | None:
+    """Read len(numbers) records from `records` (chunk_records, or records + lo) as read_chunks
+    says, `numbers` their chunk numbers (for errors); check_only: every check, no raw copy."""
+    assert lib is not None and ffi is not None
+    status = ffi.new("ckf_status *")
+    fid = ffi.new("uint8_t[16]", file_id)
+    mode = 2 if check_only else 1 if verify else 0
+    rc = lib.ckf_read_chunks(fd, fid, records, len(numbers), mode, threads, status)
+    return _outcome(rc, status, numbers)
 
 
 def _fill_extras(c: Any, k: int, ch: Any, key: Any = None) -> None:
@@ -621,17 +629,12 @@ def check_mapped(
     """Verify raw (chunk number, chunk record) where they lie in `mapping` (the whole file,
     e.g. an mmap), in parallel; None, or the failure as read_chunks reports it."""
     assert lib is not None and ffi is not None
-    n = len(items)
-    rows = [_rchunk_row(ffi.NULL, k, ch) for k, ch in items]
-    arr = ffi.new("ckf_rchunk[]", rows or 1)
-    for i, (k, ch) in enumerate(items):
-        if ch.digest or ch.sha or ch.tag:
-            _fill_extras(arr[i], k, ch)
+    arr = chunk_records([(k, ch, ffi.NULL) for k, ch in items])
     status = ffi.new("ckf_status *")
     fid = ffi.new("uint8_t[16]", file_id)
     src = ffi.from_buffer("uint8_t[]", mapping)
     try:
-        rc = lib.ckf_check_mapped(src, len(src), fid, arr, n, threads, status)
+        rc = lib.ckf_check_mapped(src, len(src), fid, arr, len(items), threads, status)
     finally:
         _release([src])
     return _outcome(rc, status, [k for k, _ in items])

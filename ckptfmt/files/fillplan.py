@@ -183,7 +183,8 @@ def make_plan(
     whole: dict[str, tuple[int, int]] | None = None,
 ) -> Plan:
     """The plan for matched targets (targets.match); counts each target loaded in `report`.
-    `whole`: the targets match found to take one whole chunk each, with its place; each goes
+    `whole`: the targets match found to take one whole chunk each, with its place, by a dotted
+    key no other target shares (looked up by key, for any target under it); each goes
     straight into plan.direct, unless an earlier target starts at the same address (a tied
     weight, or a chunk read there already), which the general planning sorts out."""
     plan = Plan()

@@ -202,8 +202,7 @@ def prepare_direct(f: CheckpointFile, plan: Plan, verify: bool) -> PreparedReads
     if any(records[k].codec != raw for k, _ in plan.direct):
         return None
     direct: list[tuple[int, int]] = plan.direct  # type: ignore[assignment]  # addresses with the engine
-    # the reader's own (files/reader.py holds it): reads prepared once, run twice
-    return prepare(f._chunk_reader, direct)
+    return prepare(f.chunk_reader, direct)  # reads prepared once, run twice
 
 
 def _place(f: CheckpointFile, first: int, last: int, dest: torch.Tensor) -> list[tuple[int, memoryview]]:

@@ -237,6 +237,11 @@ class CheckpointFile:
         self._mm: mmap.mmap | None = None
 
     @property
+    def chunk_reader(self) -> ChunkReader:
+        """What reads this file's chunks (engine/chunkread.py), for batched reads (engine/batched.py)."""
+        return self._chunk_reader
+
+    @property
     def _fd(self) -> int:
         """The file's descriptor (-1 once closed)."""
         return self._chunk_reader.fd

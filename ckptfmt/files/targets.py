@@ -12,6 +12,7 @@ unexpected key, is a `MismatchError`.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,6 +141,17 @@ def _whole_chunk(value: torch.Tensor, m: dict[str, Any], rec: Any) -> bool:
     )
 
 
+def _plan_shared_keys_one_by_one(whole: dict[str, tuple[int, int]], targets: list[Target]) -> None:
+    """Drop from `whole` every key that several targets share ("a.b" and "a": {"b"}): `whole`
+    is looked up by key, so any other target under that key, whatever it is, would be planned
+    as a read into the whole-chunk target's memory and never filled itself.  make_plan plans
+    such targets one by one, as it does any other."""
+    counts = Counter(t[0] for t in targets)
+    for key, n in counts.items():
+        if n > 1:
+            whole.pop(key, None)
+
+
 def match(f: CheckpointFile, top: int, state: Any, *, strict: bool) -> Matched:
     """Pair the leaves of `state` with the entries under node `top`; MismatchError before any read.
 
@@ -151,7 +163,6 @@ def match(f: CheckpointFile, top: int, state: Any, *, strict: bool) -> Matched:
     report = LoadReport()
     problems = []
     whole: dict[str, tuple[int, int]] = {}
-    seen_twice: set[str] = set()
     nodes, records = f.tree.nodes, f.storages
     tensor = torch.Tensor
     missing = report.missing_keys
@@ -164,17 +175,15 @@ def match(f: CheckpointFile, top: int, state: Any, *, strict: bool) -> Matched:
             node = nodes[i]
             if node[0] == "tensor" and value.is_cpu and value.is_contiguous():
                 rec = records[node[1]["storage"]]
-                if _whole_chunk(value, node[1], rec) and key not in seen_twice:
-                    if key in whole:  # two targets under one dotted key ("a.b" and "a": {"b"})
-                        seen_twice.add(key)  # planned one by one, as they come
-                        del whole[key]
-                    else:
-                        whole[key] = (rec.first_chunk, value.data_ptr())
+                if _whole_chunk(value, node[1], rec):
+                    whole[key] = (rec.first_chunk, value.data_ptr())
                     continue
             problem = _tensor_problem(key, value, node, container)
             if problem:
                 problems.append(problem)
     target_keys = {t[0] for t in targets}
+    if len(target_keys) < len(targets):  # several targets under one dotted key
+        _plan_shared_keys_one_by_one(whole, targets)
     report.unexpected_keys = [k for k in in_file if k not in target_keys]
     if problems:
         raise MismatchError(
