@@ -476,7 +476,7 @@ def test_an_expiry_far_off_or_past_still_signs_and_asks_again(
 
 
 def test_a_credentials_expiry_is_kept_at_most_a_day(token_options, monkeypatch):
-    """A credential's far expiry (or none that is a number) is not kept as it says."""
+    """A credential's expiry far off either way (or none that is a number) is not kept as it says."""
     root, options = token_options
 
     class Far(Credential):
@@ -490,6 +490,15 @@ def test_a_credentials_expiry_is_kept_at_most_a_day(token_options, monkeypatch):
     ckptfmt.save({"w": torch.ones(10)}, url, storage_options=options | {"credential": far})
     assert torch.equal(ckptfmt.load(url, storage_options=options | {"credential": far})["w"], torch.ones(10))
     assert len(far.scopes) >= 3
+
+    class FarPast(Credential):  # as far before 1970: asked for again before each request
+        def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
+            return AccessToken(super().get_token(*scopes).token, -(10**400))
+
+    past = FarPast()
+    ckptfmt.save({"w": torch.ones(10)}, url, storage_options=options | {"credential": past})
+    assert torch.equal(ckptfmt.load(url, storage_options=options | {"credential": past})["w"], torch.ones(10))
+    assert len(past.scopes) >= 3
 
     class NotANumber(Credential):
         def get_token(self, *scopes: str, **kwargs: Any) -> Any:

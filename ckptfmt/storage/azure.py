@@ -478,14 +478,15 @@ class _TokenAsk:
                 "the Azure AD credential's get_token answered no (token, expires_on)", path=where
             )
         assert isinstance(expires, (int, float))
-        return token, min(float(min(expires, 2**53)), time.time() + MAX_TOKEN_LIFE)
+        bounded = float(max(-(2**53), min(expires, 2**53)))  # an int of any size, either sign
+        return token, min(bounded, time.time() + MAX_TOKEN_LIFE)
 
 
 def _is_time(value: object) -> bool:
     """Whether `value` is a number of seconds since the epoch (finite, not a bool)."""
     if isinstance(value, float):
         return math.isfinite(value)
-    return isinstance(value, int) and not isinstance(value, bool)  # of any size: min() bounds it
+    return isinstance(value, int) and not isinstance(value, bool)  # of any size: token() bounds it
 
 
 def _code(answer: Any) -> str:
