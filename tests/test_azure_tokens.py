@@ -426,6 +426,32 @@ def test_a_credential_that_never_answers_is_asked_once(token_options):
         release.set()
 
 
+def test_a_credential_hung_past_the_bound_is_asked_again(token_options, monkeypatch):
+    """A get_token under way for longer than TOKEN_ASK_LIMIT is given up: the next operation
+    starts one new request (which answers) instead of waiting for the hung one for ever."""
+    root, options = token_options
+    release = threading.Event()
+    calls: list[float] = []
+
+    class HungOnce:
+        def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
+            calls.append(time.monotonic())
+            if len(calls) == 1:
+                release.wait(60)
+            return Credential().get_token(*scopes)
+
+    monkeypatch.setattr(azure, "TOKEN_ASK_LIMIT", 1.0)
+    options = options | {"credential": HungOnce(), "deadline": 2}  # one client for both loads
+    try:
+        with pytest.raises(StorageError, match="within the operation's deadline of 2 s"):
+            ckptfmt.load(f"{root}/x.ckpt", storage_options=options)
+        with pytest.raises(FileNotFoundError):  # signed by the second request's token
+            ckptfmt.load(f"{root}/x.ckpt", storage_options=options)
+        assert len(calls) == 2
+    finally:
+        release.set()
+
+
 def test_a_token_endpoints_junk_reaches_no_message(managed_identity, monkeypatch):
     """An identity endpoint answering megabytes of JSON that hold a token under another name:
     azure-identity quotes the answer whole in its error; the StorageError quotes it on one
