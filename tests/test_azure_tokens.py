@@ -31,7 +31,7 @@ from helpers import assert_same
 
 import ckptfmt
 from ckptfmt.errors import StorageError
-from ckptfmt.storage import azure
+from ckptfmt.storage import azure, client
 
 
 class AccessToken(NamedTuple):  # azure.core.credentials.AccessToken's shape
@@ -395,6 +395,28 @@ def test_a_sas_token_is_never_in_an_error_message(monkeypatch):
         assert e.value.path == "az://cont/x.ckpt" and "ConnectionError" in str(e.value), e.value
         printed = "".join(traceback.format_exception(e.value))  # with the errors it was raised from
         assert "c2VjcmV0" not in printed and "sig=" not in printed, printed
+
+
+@pytest.mark.parametrize("chained", ["cause", "context"])
+def test_an_error_raised_from_one_naming_a_sas_url_prints_no_secret(chained):
+    """A client's error whose own text is clean, raised from (or while handling) one that
+    names the URL with its SAS token (urllib3's): the traceback of the StorageError, which
+    prints every error in the chain, holds no signature."""
+    signed = "/cont/x.ckpt?sv=2021-08-06&sp=r&sig=c2VjcmV0LXNpZ25hdHVyZQ%3D%3D"
+
+    def call() -> None:
+        try:
+            raise OSError(f"HTTPSConnectionPool(host='acct'): Max retries exceeded with url: {signed}")
+        except OSError as inner:
+            if chained == "cause":
+                raise ConnectionResetError("connection reset by peer") from inner
+            raise ConnectionResetError("connection reset by peer")  # noqa: B904 (its __context__)
+
+    with pytest.raises(StorageError, match="ConnectionResetError: connection reset by peer") as e:
+        client.request("az://cont/x.ckpt", "read", call, {"max_attempts": 1})
+    printed = "".join(traceback.format_exception(e.value))
+    assert e.value.path == "az://cont/x.ckpt"
+    assert "c2VjcmV0" not in printed and "sig=" not in printed, printed
 
 
 def test_a_credential_that_never_answers_is_asked_once(token_options):
