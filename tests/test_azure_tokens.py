@@ -31,7 +31,7 @@ from helpers import assert_same
 
 import ckptfmt
 from ckptfmt.errors import StorageError
-from ckptfmt.storage import azure
+from ckptfmt.storage import azure, client
 
 
 class AccessToken(NamedTuple):  # azure.core.credentials.AccessToken's shape
@@ -397,6 +397,28 @@ def test_a_sas_token_is_never_in_an_error_message(monkeypatch):
         assert "c2VjcmV0" not in printed and "sig=" not in printed, printed
 
 
+@pytest.mark.parametrize("chained", ["cause", "context"])
+def test_an_error_raised_from_one_naming_a_sas_url_prints_no_secret(chained):
+    """A client's error whose own text is clean, raised from (or while handling) one that
+    names the URL with its SAS token (urllib3's): the traceback of the StorageError, which
+    prints every error in the chain, holds no signature."""
+    signed = "/cont/x.ckpt?sv=2021-08-06&sp=r&sig=c2VjcmV0LXNpZ25hdHVyZQ%3D%3D"
+
+    def call() -> None:
+        try:
+            raise OSError(f"HTTPSConnectionPool(host='acct'): Max retries exceeded with url: {signed}")
+        except OSError as inner:
+            if chained == "cause":
+                raise ConnectionResetError("connection reset by peer") from inner
+            raise ConnectionResetError("connection reset by peer")  # noqa: B904 (its __context__)
+
+    with pytest.raises(StorageError, match="ConnectionResetError: connection reset by peer") as e:
+        client.request("az://cont/x.ckpt", "read", call, {"max_attempts": 1})
+    printed = "".join(traceback.format_exception(e.value))
+    assert e.value.path == "az://cont/x.ckpt"
+    assert "c2VjcmV0" not in printed and "sig=" not in printed, printed
+
+
 def test_a_credential_that_never_answers_is_asked_once(token_options):
     """Each operation ends by its deadline; the next waits for the same get_token instead of
     starting another beside it (a thread each, for ever)."""
@@ -422,6 +444,32 @@ def test_a_credential_that_never_answers_is_asked_once(token_options):
         with pytest.raises(FileNotFoundError):
             ckptfmt.load(f"{root}/x.ckpt", storage_options=hung)
         assert len(calls) == 1
+    finally:
+        release.set()
+
+
+def test_a_credential_hung_past_the_bound_is_asked_again(token_options, monkeypatch):
+    """A get_token under way for longer than TOKEN_ASK_LIMIT is given up: the next operation
+    starts one new request (which answers) instead of waiting for the hung one for ever."""
+    root, options = token_options
+    release = threading.Event()
+    calls: list[float] = []
+
+    class HungOnce:
+        def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
+            calls.append(time.monotonic())
+            if len(calls) == 1:
+                release.wait(60)
+            return Credential().get_token(*scopes)
+
+    monkeypatch.setattr(azure, "TOKEN_ASK_LIMIT", 1.0)
+    options = options | {"credential": HungOnce(), "deadline": 2}  # one client for both loads
+    try:
+        with pytest.raises(StorageError, match="within the operation's deadline of 2 s"):
+            ckptfmt.load(f"{root}/x.ckpt", storage_options=options)
+        with pytest.raises(FileNotFoundError):  # signed by the second request's token
+            ckptfmt.load(f"{root}/x.ckpt", storage_options=options)
+        assert len(calls) == 2
     finally:
         release.set()
 
@@ -476,7 +524,7 @@ def test_an_expiry_far_off_or_past_still_signs_and_asks_again(
 
 
 def test_a_credentials_expiry_is_kept_at_most_a_day(token_options, monkeypatch):
-    """A credential's far expiry (or none that is a number) is not kept as it says."""
+    """A credential's expiry far off either way (or none that is a number) is not kept as it says."""
     root, options = token_options
 
     class Far(Credential):
@@ -490,6 +538,15 @@ def test_a_credentials_expiry_is_kept_at_most_a_day(token_options, monkeypatch):
     ckptfmt.save({"w": torch.ones(10)}, url, storage_options=options | {"credential": far})
     assert torch.equal(ckptfmt.load(url, storage_options=options | {"credential": far})["w"], torch.ones(10))
     assert len(far.scopes) >= 3
+
+    class FarPast(Credential):  # as far before 1970: asked for again before each request
+        def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
+            return AccessToken(super().get_token(*scopes).token, -(10**400))
+
+    past = FarPast()
+    ckptfmt.save({"w": torch.ones(10)}, url, storage_options=options | {"credential": past})
+    assert torch.equal(ckptfmt.load(url, storage_options=options | {"credential": past})["w"], torch.ones(10))
+    assert len(past.scopes) >= 3
 
     class NotANumber(Credential):
         def get_token(self, *scopes: str, **kwargs: Any) -> Any:

@@ -9,6 +9,7 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 from helpers import assert_same
 
@@ -65,6 +66,48 @@ def test_the_thread_ends_once_no_alarm_is_pending_and_comes_back_for_the_next():
     alarms.set_alarm(0.01, rang.set)
     assert rang.wait(30)
     assert _until(lambda: not _deadline_threads())
+
+
+def test_a_thread_that_failed_to_start_is_started_by_the_next_alarm(monkeypatch):
+    monkeypatch.setattr(alarms, "_clock", alarms._Clock())
+    start = threading.Thread.start
+    refused: list[threading.Thread] = []
+
+    def start_refused_once(thread: threading.Thread) -> None:
+        if thread.name == alarms.THREAD_NAME and not refused:
+            refused.append(thread)
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_refused_once)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        alarms.set_alarm(0.01, lambda: None)
+    rang = threading.Event()
+    alarms.set_alarm(0.01, rang.set)
+    assert rang.wait(30)
+
+
+def test_an_action_that_ends_the_thread_leaves_later_alarms_ringing(monkeypatch):
+    """A BaseException (not an Exception: not caught there) ends the thread; the next alarm
+    starts another."""
+    monkeypatch.setattr(alarms, "_clock", alarms._Clock())
+    ended: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: ended.append(args.exc_value))
+
+    class Stop(BaseException):
+        pass
+
+    def stop() -> None:
+        raise Stop
+
+    alarms.set_alarm(0.01, stop)
+    thread = alarms._clock._thread
+    assert thread is not None
+    thread.join(30)
+    assert not thread.is_alive() and len(ended) == 1 and isinstance(ended[0], Stop)
+    rang = threading.Event()
+    alarms.set_alarm(0.01, rang.set)
+    assert rang.wait(30)
 
 
 def test_a_forked_child_rings_its_own_alarms():

@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ import urllib3
 from helpers import assert_same
 
 import ckptfmt
-from ckptfmt.storage import client
+from ckptfmt.errors import StorageError
+from ckptfmt.storage import client, spool
 from ckptfmt.storage import http as store_http
 from ckptfmt.storage.download import RemoteObject, read_body
 
@@ -119,6 +121,50 @@ def test_a_range_given_back_and_fetched_again_holds_its_bytes(store):
         remote.fetch([(0, 4096)])  # waits until the range's pages are freed
         assert os.fstat(remote.fd).st_blocks * 512 < MiB
     finally:
+        remote.close()
+
+
+def test_a_release_that_close_overtakes_frees_through_the_mapping(monkeypatch):
+    """close() on the caller's thread between a queued release's check of the mapping and its
+    fallback to mmap's madvise: the release still frees the pages through the mapping it saw
+    (which close leaves to the freeing executor), never a missing one."""
+    pages = spool.Spool("overtaken", 4 * spool.PAGE)
+    mapping = pages._map
+    assert mapping is not None
+    mapping[:] = b"x" * (4 * spool.PAGE)
+    with ThreadPoolExecutor(1) as freer:
+        gate = threading.Event()
+        freer.submit(gate.wait, 30)  # the mapping is closed on it only after this
+
+        def closed_meanwhile(address: int, length: int, advice: int) -> int:
+            pages.close(free_on=freer)
+            return -1  # libc's call failed: mmap's madvise is the fallback
+
+        monkeypatch.setattr(spool, "_madvise", closed_meanwhile)
+        pages.release(0, 4 * spool.PAGE)
+        assert mapping[:] == bytes(4 * spool.PAGE)  # punched out: reads see zeros
+        gate.set()
+
+
+def test_a_fetch_waits_for_pages_being_freed_within_its_deadline(s3_bucket):
+    """A fetch over pages still being freed waits for that (test above), and no longer than
+    the operation's deadline: then a StorageError naming the URL."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/freeing/model.ckpt"
+    ckptfmt.save({"w": torch.zeros(MiB)}, url, storage_options=options)
+    remote = RemoteObject(url, options | {"deadline": 1}, fetch_index=False)
+    stuck = threading.Event()
+    try:
+        assert remote.spool is not None
+        remote.fetch([(0, MiB)])
+        remote.spool.release = lambda lo, hi: stuck.wait(20)  # type: ignore[method-assign]
+        remote.release([(0, MiB)])
+        started = time.monotonic()
+        with pytest.raises(StorageError, match="not freed within 1 s .*deadline") as e:
+            remote.fetch([(0, MiB)])
+        assert time.monotonic() - started < 15 and e.value.path == url
+    finally:
+        stuck.set()
         remote.close()
 
 

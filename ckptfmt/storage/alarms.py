@@ -57,12 +57,15 @@ class _Clock:
     def set(self, seconds: float, action: Callable[[], None]) -> Alarm:
         alarm = Alarm(time.monotonic() + seconds, action, self)
         with self.lock:
+            if self._thread is None:
+                # kept only once started (it waits for this lock): a start that fails leaves
+                # no alarm set and no thread taken as running, and the next set starts one
+                thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+                thread.start()
+                self._thread = thread
             heapq.heappush(self._heap, (alarm.due, next(self._order), alarm))
             self._compact()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
-                self._thread.start()
-            elif self._heap[0][2] is alarm:
+            if self._heap[0][2] is alarm:
                 self._changed.notify()  # sooner than what the thread sleeps until
         return alarm
 
@@ -108,15 +111,20 @@ class _Clock:
             self._changed.wait(due - now)
 
     def _run(self) -> None:
-        while True:
+        try:
+            while True:
+                with self.lock:
+                    alarm = self._next_due()
+                if alarm is None:
+                    return
+                try:
+                    alarm._action()
+                except Exception:  # one alarm's failure must not stop the others from ringing
+                    logging.getLogger("ckptfmt").warning("an alarm's action failed", exc_info=True)
+        finally:  # ended by a BaseException too: the next alarm set starts another thread
             with self.lock:
-                alarm = self._next_due()
-            if alarm is None:
-                return
-            try:
-                alarm._action()
-            except Exception:  # one alarm's failure must not stop the others from ringing
-                logging.getLogger("ckptfmt").warning("an alarm's action failed", exc_info=True)
+                if self._thread is threading.current_thread():
+                    self._thread = None
 
 
 _clock = _Clock()

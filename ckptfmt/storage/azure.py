@@ -59,6 +59,9 @@ TOKEN_MARGIN = 300.0
 #: the longest a token is kept, whatever expiry its credential gives (Azure AD's tokens live
 #: a day at most)
 MAX_TOKEN_LIFE = 86400.0
+#: how long a credential's get_token may stay unanswered before it is given up and one new
+#: request started (a hung one keeps its daemon thread: at most one more each such period)
+TOKEN_ASK_LIMIT = 300.0
 #: the environment Azure's tools read (az CLI, the SDKs)
 ENVIRONMENT = (
     CONNECTION_VARIABLE,
@@ -273,12 +276,13 @@ class AzureStore:
         before it expires (as azure-core's own policy does); StorageError naming the URL
         where the credential fails, answers something else than a token, or gives none
         within what remains of the operation's deadline.  One request for a token at a time:
-        an operation finding one under way (a credential that hangs) waits for that one."""
+        an operation finding one under way (a credential that hangs) waits for that one,
+        unless it has been under way for TOKEN_ASK_LIMIT seconds: then a new one is made."""
         with self._token_lock:
             if self._token is not None and self._token[1] - time.time() >= TOKEN_MARGIN:
                 return self._token[0]
             ask = self._asking
-            if ask is None:
+            if ask is None or ask.overdue():
                 ask = self._asking = _TokenAsk(self.account.credential)
         where = str(url.with_key(key)) if key is not None else str(url)
         if not ask.done.wait(http.time_left()):
@@ -441,16 +445,22 @@ class _TokenAsk:
     """One credential.get_token(TOKEN_SCOPE), on a thread of its own: a credential's own waits
     (a managed-identity endpoint's retries, a CLI's subprocess) know nothing of an operation's
     deadline, so each operation waits for it at most what remains of its own.  A call that
-    never returns keeps its thread (a daemon), and no other is started beside it."""
+    never returns keeps its thread (a daemon), and no other is started beside it until it is
+    overdue."""
 
     def __init__(self, credential: Any) -> None:
         self.done = threading.Event()
+        self.started = time.monotonic()
         self._got: object = None
         self._error: Exception | None = None
         worker = threading.Thread(
             target=self._ask, args=(credential,), name="ckptfmt-azure-token", daemon=True
         )
         worker.start()
+
+    def overdue(self) -> bool:
+        """Whether it is still unanswered TOKEN_ASK_LIMIT seconds after it started."""
+        return not self.done.is_set() and time.monotonic() - self.started >= TOKEN_ASK_LIMIT
 
     def _ask(self, credential: Any) -> None:
         try:
@@ -478,14 +488,15 @@ class _TokenAsk:
                 "the Azure AD credential's get_token answered no (token, expires_on)", path=where
             )
         assert isinstance(expires, (int, float))
-        return token, min(float(min(expires, 2**53)), time.time() + MAX_TOKEN_LIFE)
+        bounded = float(max(-(2**53), min(expires, 2**53)))  # an int of any size, either sign
+        return token, min(bounded, time.time() + MAX_TOKEN_LIFE)
 
 
 def _is_time(value: object) -> bool:
     """Whether `value` is a number of seconds since the epoch (finite, not a bool)."""
     if isinstance(value, float):
         return math.isfinite(value)
-    return isinstance(value, int) and not isinstance(value, bool)  # of any size: min() bounds it
+    return isinstance(value, int) and not isinstance(value, bool)  # of any size: token() bounds it
 
 
 def _code(answer: Any) -> str:

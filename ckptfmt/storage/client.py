@@ -193,10 +193,20 @@ def quoted(text: str, limit: int = MAX_QUOTED) -> str:
 
 
 def cause(e: BaseException) -> BaseException | None:
-    """What ckptfmt's error for `e` is raised from: `e`, unless its text holds what quoted()
-    leaves out (a traceback prints a cause whole)."""
-    text = str(e)
-    return e if _QUERY.search(text) is None and _JWT.search(text) is None else None
+    """What ckptfmt's error for `e` is raised from: `e`, unless its text, or that of any error
+    it was raised from or while handling (urllib3's, naming the URL), holds what quoted()
+    leaves out: a traceback prints a cause and the whole chain behind it."""
+    links, seen = [e], set()
+    while links:
+        link = links.pop()
+        if id(link) in seen:  # a chain may loop back on itself
+            continue
+        seen.add(id(link))
+        text = str(link)
+        if _QUERY.search(text) is not None or _JWT.search(text) is not None:
+            return None
+        links.extend(x for x in (link.__cause__, link.__context__) if x is not None)
+    return e
 
 
 def translate(e: BaseException, url: str, operation: str, budget: Budget | None = None) -> BaseException:

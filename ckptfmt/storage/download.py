@@ -35,6 +35,7 @@ import hashlib
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from ..errors import CheckpointError, LimitError, StorageError
@@ -344,14 +345,22 @@ class RemoteObject:
             for lo, hi in merge_ranges(ranges):
                 self._freeing.append(((lo, hi), self._freer.submit(spool.release, lo, hi)))
 
-    def _wait_freed(self, lo: int, hi: int) -> None:
+    def _wait_freed(self, lo: int, hi: int, budget: s3.Budget) -> None:
         """Wait until the pages of ranges given back that overlap [lo, hi) are freed, so that
-        freeing them cannot wipe what a fetch is about to write there."""
+        freeing them cannot wipe what a fetch is about to write there; StorageError naming the
+        URL where that takes longer than what remains of `budget`'s deadline."""
         with self._held_lock:
             self._freeing = [(r, f) for r, f in self._freeing if not f.done()]
             pending = [f for (a, b), f in self._freeing if a < hi and lo < b]
         for f in pending:
-            f.result()
+            try:
+                f.result(timeout=budget.remaining())
+            except FutureTimeout:
+                raise StorageError(
+                    f"read bytes {lo}-{hi - 1}: the pages given back there were not freed within "
+                    f"{budget.deadline:g} s (storage option deadline)",
+                    path=self.path,
+                ) from None
 
     def _landed(self, lo: int, hi: int, fetched: bool) -> None:
         """The request for [lo, hi) is over: held where it `fetched` the bytes, else asked for
@@ -375,10 +384,10 @@ class RemoteObject:
         """Fetch [lo, hi) into the spool, resuming after a dropped connection or a body cut at
         its deadline from the byte it reached, within one Budget (attempts and deadline)."""
         assert self.spool is not None
-        self._wait_freed(lo, hi)
+        budget = s3.Budget(self.options)
+        self._wait_freed(lo, hi, budget)
         view = self.spool.view(lo, hi)
         what = f"read bytes {lo}-{hi - 1}"
-        budget = s3.Budget(self.options)
         got = 0
         while True:
             try:

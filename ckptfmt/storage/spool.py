@@ -74,7 +74,8 @@ class Spool:
         """Give back the whole pages inside [start, end); later reads of them see zeros."""
         lo = -(-start // PAGE) * PAGE
         hi = min(end, self.size) // PAGE * PAGE
-        if self._map is None or hi <= lo:
+        mapping = self._map  # read once: close() on another thread may set it to None
+        if mapping is None or hi <= lo:
             return
         # Freeing pages costs about as much as filling them (~0.1 s per 256 MiB here):
         # mmap.madvise holds the GIL all that while, stalling the threads that fetch the
@@ -82,7 +83,7 @@ class Spool:
         # mapping, not the descriptor: a release queued on another thread (RemoteObject's)
         # stays safe after close() has closed the descriptor, whose number may be reused.
         if _madvise is None or _madvise(self._address + lo, hi - lo, mmap.MADV_REMOVE) != 0:
-            self._map.madvise(mmap.MADV_REMOVE, lo, hi - lo)
+            mapping.madvise(mmap.MADV_REMOVE, lo, hi - lo)
 
     def close(self, free_on: Executor | None = None) -> None:
         """Close the descriptor and the mapping.  free_on: the mapping (which keeps the memfd,
