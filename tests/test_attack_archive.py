@@ -277,3 +277,44 @@ def test_dead_copies_markers_stay_until_what_they_left_is_swept(tmp_path, s3_buc
         run.remove_interrupted_copies(datetime.timedelta(0))
         markers = {_foreign_marker()}
     assert _step_keys(run, 1) == {p.name for p in run.record(1).files} | {"COMMIT", leftover} | markers
+
+
+def test_an_object_a_copy_adopts_while_a_sweep_deletes_it_is_uploaded_again(tmp_path, s3_faults):
+    """Step 1's prefix holds a leftover state.ckpt (the very file local step 2 refers to).
+    Step 1's copy commits under names of its own and sweeps: it lists the prefix (no live
+    marker yet), reads the later records (none yet), and its DELETE of the leftover is held.
+    Step 2's copy then puts its marker, finds the leftover, adopts it, and its record is held;
+    the DELETE lands, then the record.  Step 2 must end complete and loadable: its copy finds
+    the object gone once committed and uploads it again (else a reference to nothing, and the
+    local step dropped as archived: lost in both tiers)."""
+    local = ckptfmt.CheckpointManager(tmp_path / "local", keep_last=10, incremental=True)
+    for step in (1, 2):
+        local.save(step, {"frozen": torch.arange(1 << 16, dtype=torch.float32), "step": step})
+    first, second = local.checkpoints()
+    bucket = s3_faults.new_bucket()
+    run = ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options())
+    with open(f"{first.path}/state.ckpt", "rb") as f:
+        s3_faults.client().put_object(Bucket=bucket, Key="run/step-000000001/state.ckpt", Body=f.read())
+    leftover = "/step-000000001/state.ckpt"
+    delete_held = s3_faults.hold("DELETE", leftover)
+    sweeper = threading.Thread(target=lambda: archivecopy.put_step(run, 1, first.path, claim=copy_marker()))
+    sweeper.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not s3_faults.count("DELETE", leftover):
+            assert time.monotonic() < deadline, "step 1's sweep never deleted the leftover"
+            time.sleep(0.05)
+
+        def sweep_lands() -> None:
+            delete_held.set()
+            sweeper.join(60)
+
+        failed = _copy_with_record_held(run, second.path, s3_faults, sweep_lands, step=2)
+    finally:
+        delete_held.set()
+        sweeper.join(60)
+    assert not sweeper.is_alive()
+    assert not failed, failed
+    statuses = {s.step: s for s in run.statuses()}
+    assert statuses[2].info is not None, statuses[2]
+    assert ckptfmt.load(statuses[2].info.files[0], storage_options=run.options)["state"]["step"] == 2
