@@ -318,3 +318,47 @@ def test_an_object_a_copy_adopts_while_a_sweep_deletes_it_is_uploaded_again(tmp_
     statuses = {s.step: s for s in run.statuses()}
     assert statuses[2].info is not None, statuses[2]
     assert ckptfmt.load(statuses[2].info.files[0], storage_options=run.options)["state"]["step"] == 2
+
+
+def test_a_sweep_deletes_nothing_where_a_copy_came_while_it_read_the_later_records(tmp_path, s3_faults):
+    """Step 1 is committed (under names of its own) beside a leftover state.ckpt, the very file
+    local step 2 refers to.  A sweep of step 1 lists its prefix (no live marker) and its
+    listing of the run (to read the later records) is held; meanwhile step 2's copy puts its
+    marker into step 1's prefix and adopts the leftover, its record held.  The sweep lists
+    the prefix again before deleting: a writer came, so nothing is deleted (no DELETE at all,
+    not only an object uploaded again afterwards)."""
+    local = ckptfmt.CheckpointManager(tmp_path / "local", keep_last=10, incremental=True)
+    for step in (1, 2):
+        local.save(step, {"frozen": torch.arange(1 << 16, dtype=torch.float32), "step": step})
+    first, second = local.checkpoints()
+    bucket = s3_faults.new_bucket()
+    run = ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options())
+    s3_faults.client().put_object(Bucket=bucket, Key="run/step-000000001/junk.bin", Body=b"x")
+    archivecopy.put_step(run, 1, first.path, claim=copy_marker())  # under names of its own
+    with open(f"{first.path}/state.ckpt", "rb") as f:
+        s3_faults.client().put_object(Bucket=bucket, Key="run/step-000000001/state.ckpt", Body=f.read())
+    run_listing = "prefix=run%2F&"
+    held = s3_faults.hold("GET", run_listing)
+    s3_faults.clear_counts()
+    record = run.record(1)
+    sweeper = threading.Thread(target=lambda: run.sweep_unclaimed(1, record))
+    sweeper.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not s3_faults.count("GET", run_listing):
+            assert time.monotonic() < deadline, "the sweep never listed the run"
+            time.sleep(0.05)
+
+        def sweep_goes_on() -> None:
+            held.set()
+            sweeper.join(60)
+
+        failed = _copy_with_record_held(run, second.path, s3_faults, sweep_goes_on, step=2)
+    finally:
+        held.set()
+        sweeper.join(60)
+    assert not sweeper.is_alive()
+    assert not failed, failed
+    assert s3_faults.count("DELETE", "/step-000000001/state.ckpt") == 0
+    statuses = {s.step: s for s in run.statuses()}
+    assert statuses[2].info is not None, statuses[2]

@@ -9,7 +9,7 @@ import collections
 import contextlib
 import datetime
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from ..engine import commit
 from ..errors import CorruptError, IncompleteError
@@ -115,7 +115,7 @@ def has_live_marker(
     )
 
 
-def writer_came(before: dict[str, Listed], now: dict[str, Listed]) -> bool:
+def writer_came(before: Collection[str], now: Collection[str]) -> bool:
     """Whether a step's prefix, listed `before` and `now`, holds a copy marker or a commit
     record now that it did not: another writer has come since, and may use what it found
     there (an archiver's copy keeps the very file another's copy, cut short, left), so what

@@ -413,6 +413,8 @@ class ObjectRun:
         the step can name them: a step's record is created only once, and names only objects
         its own writer uploaded (spec 13.7).  A later step's record can (the step committed by
         another writer and retired by its rotation before this commit): those are left.
+        Nothing goes where a copy marker or record came since `listed` (writer_came), listed
+        again once the later records are read.
         `listed`: the step's objects and versions as just listed (None: listed here)."""
         url = self._step_url(step)
         named = {p.name for p in record.files} | {multifile.COMMIT_NAME}
@@ -422,7 +424,13 @@ class ObjectRun:
             for name, version in listed.items()
             if is_own_name(name) and name not in named and version is not None
         }
-        read_later = self.read_by_later_steps(step) if others else set()  # listed only then
+        if not others:
+            return
+        read_later = self.read_by_later_steps(step)
+        # a copy of a later step that came while those records were read (its marker put
+        # since `listed`) may be adopting one of `others`, its record not in yet: all stay
+        if writer_came(listed, listing.versions(url, self.options)):
+            return
         listing.delete_versions(url, self.options, [(n, v) for n, v in others.items() if n not in read_later])
 
     def sweep_unclaimed(
