@@ -215,3 +215,150 @@ def test_an_object_a_copy_adopts_in_an_earlier_step_is_kept_while_the_copy_runs(
     assert ckptfmt.load(statuses[2].info.files[0], storage_options=run.options)["state"]["step"] == 2
     if sweeper == "archive-pass":  # another program's object in the prefix is never swept
         assert "junk.bin" in run.listing()[1]
+
+
+def _foreign_marker() -> str:
+    """A copy marker as an archiver on another host writes it (owned_suffix: its host token,
+    pid, start time, 8 random hex digits): only its age can be asked of it here."""
+    from ckptfmt.runs.objectnames import COPY_MARKER
+
+    return f"{COPY_MARKER}{'f' * 16}.4242.77.0badcafe"
+
+
+def test_a_cleaner_with_a_short_bound_keeps_a_copy_under_way_on_another_host(s3_bucket):
+    """Another host's archiver is copying step 1 (its marker and a file are up, its record yet
+    to come), both older than the cleaner's bound of 0 s but far younger than STALE_AFTER:
+    the caller's bound judges leftovers, never another host's marker, so cleanup keeps the
+    step's files (deleting them would make that copy commit a record naming nothing)."""
+    import datetime
+
+    bucket, options = s3_bucket
+    from s3_server import s3_client
+
+    c = s3_client(options["endpoint_url"])
+    for name in (_foreign_marker(), "state.ckpt"):
+        c.put_object(Bucket=bucket, Key=f"run/step-000000001/{name}", Body=b"x")
+    time.sleep(1.1)  # older than the bound by the store's clock, whatever its resolution
+    ObjectRun(f"s3://{bucket}/run", options).cleanup(datetime.timedelta(0))
+    assert _step_keys(ObjectRun(f"s3://{bucket}/run", options), 1) == {_foreign_marker(), "state.ckpt"}
+
+
+@pytest.mark.parametrize("newcomer", [False, True], ids=["short-bound", "marker-came-since-listing"])
+def test_dead_copies_markers_stay_until_what_they_left_is_swept(tmp_path, s3_bucket, newcomer):
+    """Complete step 1 holds a leftover of an ended copy (state.<hex>.ckpt, which its record
+    does not name) and a copy marker.  remove_interrupted_copies sweeps the leftover before it
+    deletes the markers, or leaves both: a marker gone with the leftover still there would
+    leave it unsweepable for ever.  short-bound: another host's fresh marker and a bound of
+    0 s (live by STALE_AFTER, as the sweep judges it); marker-came-since-listing: a dead
+    marker of this host in the listing gone by, and another host's live one put after it."""
+    import datetime
+
+    from ckptfmt.engine import commit
+    from ckptfmt.runs.objectnames import COPY_MARKER
+
+    bucket, options = s3_bucket
+    from s3_server import s3_client
+
+    c = s3_client(options["endpoint_url"])
+    run = ObjectRun(f"s3://{bucket}/run", options)
+    archivecopy.put_step(run, 1, _local_run(tmp_path).checkpoints()[-1].path, claim=copy_marker())
+    leftover = "state.0123456789abcdef.ckpt"
+    c.put_object(Bucket=bucket, Key=f"run/step-000000001/{leftover}", Body=b"x")
+    if newcomer:
+        dead = f"{COPY_MARKER}{commit.owner_token()}.0badcafe"  # this process's, never claimed
+        c.put_object(Bucket=bucket, Key=f"run/step-000000001/{dead}", Body=b"")
+        found = run.listing()
+        c.put_object(Bucket=bucket, Key=f"run/step-000000001/{_foreign_marker()}", Body=b"")
+        run.remove_interrupted_copies(found=found)
+        markers = {dead, _foreign_marker()}
+    else:
+        c.put_object(Bucket=bucket, Key=f"run/step-000000001/{_foreign_marker()}", Body=b"")
+        time.sleep(1.1)  # older than the bound by the store's clock
+        run.remove_interrupted_copies(datetime.timedelta(0))
+        markers = {_foreign_marker()}
+    assert _step_keys(run, 1) == {p.name for p in run.record(1).files} | {"COMMIT", leftover} | markers
+
+
+def test_an_object_a_copy_adopts_while_a_sweep_deletes_it_is_uploaded_again(tmp_path, s3_faults):
+    """Step 1's prefix holds a leftover state.ckpt (the very file local step 2 refers to).
+    Step 1's copy commits under names of its own and sweeps: it lists the prefix (no live
+    marker yet), reads the later records (none yet), and its DELETE of the leftover is held.
+    Step 2's copy then puts its marker, finds the leftover, adopts it, and its record is held;
+    the DELETE lands, then the record.  Step 2 must end complete and loadable: its copy finds
+    the object gone once committed and uploads it again (else a reference to nothing, and the
+    local step dropped as archived: lost in both tiers)."""
+    local = ckptfmt.CheckpointManager(tmp_path / "local", keep_last=10, incremental=True)
+    for step in (1, 2):
+        local.save(step, {"frozen": torch.arange(1 << 16, dtype=torch.float32), "step": step})
+    first, second = local.checkpoints()
+    bucket = s3_faults.new_bucket()
+    run = ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options())
+    with open(f"{first.path}/state.ckpt", "rb") as f:
+        s3_faults.client().put_object(Bucket=bucket, Key="run/step-000000001/state.ckpt", Body=f.read())
+    leftover = "/step-000000001/state.ckpt"
+    delete_held = s3_faults.hold("DELETE", leftover)
+    sweeper = threading.Thread(target=lambda: archivecopy.put_step(run, 1, first.path, claim=copy_marker()))
+    sweeper.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not s3_faults.count("DELETE", leftover):
+            assert time.monotonic() < deadline, "step 1's sweep never deleted the leftover"
+            time.sleep(0.05)
+
+        def sweep_lands() -> None:
+            delete_held.set()
+            sweeper.join(60)
+
+        failed = _copy_with_record_held(run, second.path, s3_faults, sweep_lands, step=2)
+    finally:
+        delete_held.set()
+        sweeper.join(60)
+    assert not sweeper.is_alive()
+    assert not failed, failed
+    statuses = {s.step: s for s in run.statuses()}
+    assert statuses[2].info is not None, statuses[2]
+    assert ckptfmt.load(statuses[2].info.files[0], storage_options=run.options)["state"]["step"] == 2
+
+
+def test_a_sweep_deletes_nothing_where_a_copy_came_while_it_read_the_later_records(tmp_path, s3_faults):
+    """Step 1 is committed (under names of its own) beside a leftover state.ckpt, the very file
+    local step 2 refers to.  A sweep of step 1 lists its prefix (no live marker) and its
+    listing of the run (to read the later records) is held; meanwhile step 2's copy puts its
+    marker into step 1's prefix and adopts the leftover, its record held.  The sweep lists
+    the prefix again before deleting: a writer came, so nothing is deleted (no DELETE at all,
+    not only an object uploaded again afterwards)."""
+    local = ckptfmt.CheckpointManager(tmp_path / "local", keep_last=10, incremental=True)
+    for step in (1, 2):
+        local.save(step, {"frozen": torch.arange(1 << 16, dtype=torch.float32), "step": step})
+    first, second = local.checkpoints()
+    bucket = s3_faults.new_bucket()
+    run = ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options())
+    s3_faults.client().put_object(Bucket=bucket, Key="run/step-000000001/junk.bin", Body=b"x")
+    archivecopy.put_step(run, 1, first.path, claim=copy_marker())  # under names of its own
+    with open(f"{first.path}/state.ckpt", "rb") as f:
+        s3_faults.client().put_object(Bucket=bucket, Key="run/step-000000001/state.ckpt", Body=f.read())
+    run_listing = "prefix=run%2F&"
+    held = s3_faults.hold("GET", run_listing)
+    s3_faults.clear_counts()
+    record = run.record(1)
+    sweeper = threading.Thread(target=lambda: run.sweep_unclaimed(1, record))
+    sweeper.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not s3_faults.count("GET", run_listing):
+            assert time.monotonic() < deadline, "the sweep never listed the run"
+            time.sleep(0.05)
+
+        def sweep_goes_on() -> None:
+            held.set()
+            sweeper.join(60)
+
+        failed = _copy_with_record_held(run, second.path, s3_faults, sweep_goes_on, step=2)
+    finally:
+        held.set()
+        sweeper.join(60)
+    assert not sweeper.is_alive()
+    assert not failed, failed
+    assert s3_faults.count("DELETE", "/step-000000001/state.ckpt") == 0
+    statuses = {s.step: s for s in run.statuses()}
+    assert statuses[2].info is not None, statuses[2]

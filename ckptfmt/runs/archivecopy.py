@@ -82,6 +82,8 @@ def put_step(
         except BaseException:
             copy.withdraw()
             raise
+        for ref in record.references:
+            _restore_if_swept(run, d, ref)
         copy.release_marker()
     copy.sweep(archived)
     # every file was verified after its upload: the step is complete without a listing
@@ -267,10 +269,16 @@ def _put_reference(
     same file: length, file id, index checksum, and the signed record's SHA-256 where it
     gives one), uploading it if absent.  Its chunks are verified through the step that reads
     them, once that is uploaded."""
-    url = run.reference_url(ref.name)
     # the marker first, found or not: a sweep of that step (a copy of it committing, an
     # archive pass) keeps away from it while this copy may commit a record naming the object
     claim(referenced_step(ref.name, run.path)[0])
+    _hold_reference(run, d, ref)
+
+
+def _hold_reference(run: ObjectRun, d: CheckpointDir, ref: multifile.PartRecord) -> None:
+    """The object reference `ref` of local step `d` names, checked to be there as that very
+    file, uploaded (only if absent) where it is not."""
+    url = run.reference_url(ref.name)
     try:
         found = describe_object(url, run.options, ref.name)[0]  # never its index
     except FileNotFoundError:
@@ -285,3 +293,15 @@ def _put_reference(
     multifile.check_identity(found, dataclasses.replace(ref, sha256=None), ref.name, url)
     if ref.sha256 is not None:  # a signed step: the very bytes its record vouches for
         recordsign.check_object(url, ref, run.options, None)
+
+
+def _restore_if_swept(run: ObjectRun, d: CheckpointDir, ref: multifile.PartRecord) -> None:
+    """Once the record is in: upload again the object reference `ref` names if it is gone (one
+    HEAD).  A sweep of its step that listed before this copy's marker went in, and read the
+    later records before this one was, deletes the object the copy found there (by the version
+    it listed); uploaded again, no such sweep can reach the new version, and every sweep that
+    lists later reads this record.  (A sweep whose DELETE lands after this HEAD still can.)"""
+    try:
+        head(parse_url(run.reference_url(ref.name)), run.options)
+    except FileNotFoundError:
+        _hold_reference(run, d, ref)

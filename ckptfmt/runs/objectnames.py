@@ -9,12 +9,13 @@ import collections
 import contextlib
 import datetime
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from ..engine import commit
 from ..errors import CorruptError, IncompleteError
 from ..files import multifile
 from ..files.names import is_own_name
+from ..files.places import STALE_AFTER
 from ..storage.listing import Listed
 from .steps import parse_step_dirname
 
@@ -90,7 +91,9 @@ def marker_dead(
     name: str, when: datetime.datetime | None, now: datetime.datetime, older_than: datetime.timedelta
 ) -> bool:
     """Whether copy marker `name` (written at `when`) was left by a writer that has ended: one
-    of this host whose process is gone, or one older than `older_than`."""
+    of this host whose process is gone, or one written elsewhere that is older than both
+    `older_than` and STALE_AFTER: a cleaner's shorter bound (cleanup's) must never make a
+    live copy on another host look dead, as its age is all that can be asked of it."""
     if name.startswith(COPY_MARKER + commit.owner_token() + "."):  # this process's
         with _claims_lock:
             return name not in _claims_in_use
@@ -98,7 +101,7 @@ def marker_dead(
     verdict = None if owner is None else commit.owner_dead(*owner)
     if verdict is not None:
         return verdict
-    return when is not None and now - when > older_than
+    return when is not None and now - when > max(older_than, STALE_AFTER)
 
 
 def has_live_marker(
@@ -112,7 +115,7 @@ def has_live_marker(
     )
 
 
-def writer_came(before: dict[str, Listed], now: dict[str, Listed]) -> bool:
+def writer_came(before: Collection[str], now: Collection[str]) -> bool:
     """Whether a step's prefix, listed `before` and `now`, holds a copy marker or a commit
     record now that it did not: another writer has come since, and may use what it found
     there (an archiver's copy keeps the very file another's copy, cut short, left), so what

@@ -413,6 +413,8 @@ class ObjectRun:
         the step can name them: a step's record is created only once, and names only objects
         its own writer uploaded (spec 13.7).  A later step's record can (the step committed by
         another writer and retired by its rotation before this commit): those are left.
+        Nothing goes where a copy marker or record came since `listed` (writer_came), listed
+        again once the later records are read.
         `listed`: the step's objects and versions as just listed (None: listed here)."""
         url = self._step_url(step)
         named = {p.name for p in record.files} | {multifile.COMMIT_NAME}
@@ -422,33 +424,47 @@ class ObjectRun:
             for name, version in listed.items()
             if is_own_name(name) and name not in named and version is not None
         }
-        read_later = self.read_by_later_steps(step) if others else set()  # listed only then
+        if not others:
+            return
+        read_later = self.read_by_later_steps(step)
+        # a copy of a later step that came while those records were read (its marker put
+        # since `listed`) may be adopting one of `others`, its record not in yet: all stay
+        if writer_came(listed, listing.versions(url, self.options)):
+            return
         listing.delete_versions(url, self.options, [(n, v) for n, v in others.items() if n not in read_later])
 
-    def sweep_unclaimed(self, step: int, record: multifile.CommitRecord) -> bool:
+    def sweep_unclaimed(
+        self, step: int, record: multifile.CommitRecord, older_than: datetime.timedelta = STALE_AFTER
+    ) -> bool:
         """sweep_step of committed step `step` (by its `record`) unless a live writer's copy
-        marker is in its prefix (it may be uploading an object of this step that a later step
-        will refer to); whether it swept.  One listing serves both: an object uploaded after
-        that listing is never among the versions deleted, nor one a marker it shows guards."""
+        marker (marker_dead, by `older_than`) is in its prefix (it may be uploading an object
+        of this step that a later step will refer to); whether it swept.  One listing serves
+        both: an object uploaded after that listing is never among the versions deleted, nor
+        one a marker it shows guards."""
         listed = listing.listed(self._step_url(step), self.options)
-        if has_live_marker(listed, datetime.datetime.now(datetime.timezone.utc), STALE_AFTER):
+        if has_live_marker(listed, datetime.datetime.now(datetime.timezone.utc), older_than):
             return False
         self.sweep_step(step, record, {n: e.version for n, e in listed.items()})
         return True
 
-    def _sweep_ended_copies(self, step: int) -> None:
-        """In complete step `step`, whose copy markers are all dead: delete what those copies
-        left beside the record (a copy that lost the race to commit, or was killed, while
-        another copy committed under names of its own), as sweep_unclaimed does.  A record
-        that cannot be read, or too many later records to read, leaves everything."""
+    def _sweep_ended_copies(self, step: int, older_than: datetime.timedelta) -> bool:
+        """In complete step `step`, whose copy markers are all dead (by `older_than`): delete
+        what those copies left beside the record (a copy that lost the race to commit, or was
+        killed, while another copy committed under names of its own), as sweep_unclaimed
+        does.  A record that cannot be read leaves what they left.  False when nothing is
+        swept: a live writer's marker is there now (one came since the run was listed), or
+        too many later records to read; the dead markers must stay then, or what their
+        copies left would never be swept."""
         try:
-            self.sweep_unclaimed(step, self.record(step))
+            return self.sweep_unclaimed(step, self.record(step), older_than)
         except FileNotFoundError:  # deleted since the listing
-            pass
+            return True
         except StorageError:
             raise
+        except LimitError:  # what the later steps read is not known: everything stays
+            return False
         except CheckpointError:  # nothing to go by
-            pass
+            return True
 
     def read_by_later_steps(self, step: int) -> set[str]:
         """The names of step `step`'s objects that the records of later steps refer to (only
@@ -504,7 +520,8 @@ class ObjectRun:
         short stays recognisable; one that a step refers to is left whole (its markers say it
         is ours once nothing does); in a complete step what those copies left beside the record
         goes (sweep_unclaimed: own names its record does not name, unless a later record
-        reads them), then the dead markers.  A prefix with
+        reads them), then the dead markers (both stay where it finds a live writer's marker
+        now: one that came since `found`).  A prefix with
         no marker, or with a live writer's, is never touched here (ObjectRun.cleanup).
         Only the versions `found` lists go (If-Match), and not in a prefix another writer has
         come to since (writer_came).  `found`: the run's listing to go by (None: listed here)."""
@@ -532,7 +549,8 @@ class ObjectRun:
             if step < below and multifile.COMMIT_NAME not in names:
                 continue  # an unread newer step may refer to its objects
             if multifile.COMMIT_NAME in names:
-                self._sweep_ended_copies(step)  # what those copies left beside the record
+                if not self._sweep_ended_copies(step, older_than):  # what they left beside the record
+                    continue  # a live writer's now: the dead markers go once it is done
                 doomed = markers  # then their markers
             elif any(u.startswith(self.step_path(step) + "/") for u in referenced):
                 continue  # kept for a later step's objects: its markers say it is ours once not
