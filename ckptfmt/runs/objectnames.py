@@ -25,6 +25,11 @@ from .steps import parse_step_dirname
 COPY_MARKER = "ARCHIVING."
 
 
+def is_copy_marker(name: str) -> bool:
+    """Whether `name` (relative to a step's prefix) is an archiver's copy marker."""
+    return name.startswith(COPY_MARKER) and "/" not in name
+
+
 def copy_marker() -> str:
     """A copy marker name owned by this process (engine/commit.py's owner rule)."""
     return COPY_MARKER + commit.owned_suffix()
@@ -78,7 +83,7 @@ def check_listed(listed: Listed | None, part: multifile.PartRecord, owner: str) 
 def written_here(name: str) -> bool:
     """Whether `name`, in a step's prefix, is an object ckptfmt writes there: its files and
     record (files/names.py is_own_name) or an archiver's copy marker."""
-    return is_own_name(name) or (name.startswith(COPY_MARKER) and "/" not in name)
+    return is_own_name(name) or is_copy_marker(name)
 
 
 def in_steps(name: str, steps: set[str]) -> bool:
@@ -110,8 +115,7 @@ def has_live_marker(
     """Whether a step's prefix, `listed`, holds the copy marker of a writer still at work there
     (marker_dead): what it has uploaded so far is not yet named by any record."""
     return any(
-        n.startswith(COPY_MARKER) and "/" not in n and not marker_dead(n, e.modified, now, older_than)
-        for n, e in listed.items()
+        is_copy_marker(n) and not marker_dead(n, e.modified, now, older_than) for n, e in listed.items()
     )
 
 

@@ -35,12 +35,12 @@ from ..storage.download import head
 from ..storage.upload import upload_bytes
 from ..storage.urls import ObjectURL, parse_url
 from .objectnames import (
-    COPY_MARKER,
     check_listed,
     claiming,
     has_live_marker,
     in_a_step,
     in_steps,
+    is_copy_marker,
     marker_dead,
     referenced_step,
     writer_came,
@@ -531,7 +531,7 @@ class ObjectRun:
         live: set[int] = set()
         for step, names in found.items():
             for name, entry in names.items():
-                if name.startswith(COPY_MARKER) and "/" not in name:
+                if is_copy_marker(name):
                     if marker_dead(name, entry.modified, now, older_than):
                         dead.setdefault(step, []).append(name)
                     else:

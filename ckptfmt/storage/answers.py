@@ -34,6 +34,17 @@ OBJECT_NODES = 2 * 8192 + ENTRY_NODES
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 
 
+#: entries a listing page is asked for (S3's, GCS's and Azure's largest page)
+PAGE_ENTRIES = 1000
+
+
+def check_page_size(entries: int) -> None:
+    """ValueError where a listing page names more entries than a page is asked for (no store
+    sends more: such a page is a lie, refused before it is used)."""
+    if entries > PAGE_ENTRIES:
+        raise ValueError(f"a listing page of {entries} entries (at most {PAGE_ENTRIES} asked)")
+
+
 def page_nodes(entries: int) -> int:
     """The nodes an answer listing at most `entries` entries may hold."""
     return (entries + 1) * ENTRY_NODES

@@ -49,7 +49,7 @@ from .urls import ObjectURL
 
 CONNECTION_VARIABLE = "AZURE_STORAGE_CONNECTION_STRING"
 #: the entries (blobs and prefixes) one listing page is asked for (maxresults)
-PAGE_ENTRIES = 1000
+PAGE_ENTRIES = answers.PAGE_ENTRIES
 ANON_VARIABLE = "AZURE_STORAGE_ANON"
 API_VERSION = "2021-08-06"
 #: the scope of an Azure AD token for Azure Storage, and how long before its expiry a token
@@ -430,10 +430,7 @@ class AzureStore:
                         _quoted(props.findtext("Etag") if props is not None else None),
                     )
                 )
-        if len(entries) + len(prefixes) > PAGE_ENTRIES:
-            raise ValueError(
-                f"a listing page of {len(entries) + len(prefixes)} entries (at most {PAGE_ENTRIES} asked)"
-            )
+        answers.check_page_size(len(entries) + len(prefixes))
         following = root.findtext("NextMarker") or None
         return Page(entries, prefixes, following is not None, following)
 

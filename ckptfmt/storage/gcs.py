@@ -48,7 +48,7 @@ PART_MARK = ".ckptfmt-part-"
 #: GCS composes at most this many objects in one request
 MAX_COMPOSE = 32
 #: the entries (items and prefixes) one listing page is asked for (maxResults)
-PAGE_ENTRIES = 1000
+PAGE_ENTRIES = answers.PAGE_ENTRIES
 #: what a listing page is asked to hold (partial response): only what _entry reads
 LISTED_FIELDS = "items(name,size,updated,generation),prefixes,nextPageToken"
 #: pages of part objects one abort lists at most (10,000 parts and their composites fill 11)
@@ -318,10 +318,7 @@ class GCSStore:
         prefixes = page.get("prefixes", [])
         if not isinstance(items, list) or not isinstance(prefixes, list):
             raise ValueError("a listing whose items or prefixes are not lists")
-        if len(items) + len(prefixes) > PAGE_ENTRIES:
-            raise ValueError(
-                f"a listing page of {len(items) + len(prefixes)} entries (at most {PAGE_ENTRIES} asked)"
-            )
+        answers.check_page_size(len(items) + len(prefixes))
         entries = [_entry(item) for item in items]
         # a name that is not a string is kept for the lister to refuse
         entries = [e for e in entries if not isinstance(e.key, str) or (PART_MARK in e.key) == parts]

@@ -56,7 +56,7 @@ class HeadWatch:
     `timeout` seconds.  A read timeout bounds each wait for a byte, not the head: a store that
     sends its status line a byte at a time (or reads the request so) would hold the request
     for hours whatever the deadline said.  The connection is the one the pool hands the
-    request (noted by _watched_pools' connections as they send)."""
+    request (noted by watched_pools' connections as they send)."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout

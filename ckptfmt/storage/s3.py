@@ -24,7 +24,7 @@ from .store import Entry, Page, Reply, Upload, UploadPage, ViewFile
 from .urls import ObjectURL
 
 #: the entries a listing page holds at most (S3's MaxKeys and MaxUploads, 1000 unless asked)
-PAGE_ENTRIES = 1000
+PAGE_ENTRIES = answers.PAGE_ENTRIES
 #: the operations whose answers are listings (_send_within_deadlines counts their tags)
 LISTING_OPERATIONS = ("ListObjectsV2", "ListMultipartUploads")
 
@@ -126,7 +126,7 @@ class S3Store:
         prefixes = [
             p.get("Prefix") if isinstance(p, dict) else None for p in page.get("CommonPrefixes", []) or []
         ]
-        _check_page_size(len(entries) + len(prefixes))
+        answers.check_page_size(len(entries) + len(prefixes))
         return Page(entries, prefixes, bool(page.get("IsTruncated")), page.get("NextContinuationToken"))
 
     def list_uploads(self, url: ObjectURL, prefix: str, marker: dict[str, str]) -> UploadPage:
@@ -136,7 +136,7 @@ class S3Store:
             for u in reply.get("Uploads", []) or []
             if isinstance(u, dict)
         ]
-        _check_page_size(len(uploads))
+        answers.check_page_size(len(uploads))
         key, upload = reply.get("NextKeyMarker"), reply.get("NextUploadIdMarker")
         following: dict[str, str] = {}
         if isinstance(key, str) and key:
@@ -144,11 +144,6 @@ class S3Store:
                 {"UploadIdMarker": upload} if isinstance(upload, str) and upload else {}
             )
         return UploadPage(uploads, bool(reply.get("IsTruncated")), following)
-
-
-def _check_page_size(entries: int) -> None:
-    if entries > PAGE_ENTRIES:
-        raise ValueError(f"a listing page of {entries} entries (at most {PAGE_ENTRIES} asked)")
 
 
 def _etag(reply: object) -> str | None:
