@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import gc
 import mmap
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -106,22 +109,31 @@ def test_save_and_load_leave_tensors_resizable(tmp_path):
         t.untyped_storage().resize_(0)  # how FSDP frees a storage
 
 
-@needs_engine
-def test_no_huge_pages_without_free_2mib_blocks(monkeypatch):
-    """Fragmented free memory would make every huge-page fault compact memory first.
-    (64 MiB buffers: glibc maps every allocation above 32 MiB afresh.)"""
-
+def _no_huge_pages_without_free_2mib_blocks() -> None:
     def advised(t: torch.Tensor) -> bool:
         return "hg" in _vm_flags((t.data_ptr() + (32 << 20)) & ~((2 << 20) - 1))
 
-    monkeypatch.setattr(hostmem, "_reclaims", False)
-    monkeypatch.setattr(hostmem, "free_huge_blocks", lambda: 0)
-    monkeypatch.setattr(hostmem, "_read_at", -1e9)
+    hostmem._reclaims = False
+    hostmem.free_huge_blocks = lambda: 0
+    hostmem._read_at = -1e9
     assert not advised(hostmem.empty_bytes(64 << 20))
-    monkeypatch.setattr(hostmem, "free_huge_blocks", lambda: 40)  # room for one 64 MiB buffer
-    monkeypatch.setattr(hostmem, "_read_at", -1e9)
+    hostmem.free_huge_blocks = lambda: 40  # room for one 64 MiB buffer
+    hostmem._read_at = -1e9
     first, second = hostmem.empty_bytes(64 << 20), hostmem.empty_bytes(64 << 20)
     assert advised(first) and not advised(second)
+
+
+@needs_engine
+def test_no_huge_pages_without_free_2mib_blocks():
+    """Fragmented free memory would make every huge-page fault compact memory first.
+    (64 MiB buffers: glibc maps every allocation above 32 MiB afresh.)  In a process of its
+    own: in one that ran other tests, the allocator handed back memory an earlier buffer had
+    advised (its bytes were not zero), so the mapping's flags said nothing of this decision."""
+    code = "import test_hostmem; test_hostmem._no_huge_pages_without_free_2mib_blocks()"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+    env.pop(hostmem.HUGE_PAGES_ENV, None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_free_huge_blocks_reads_the_buddy_allocator():
