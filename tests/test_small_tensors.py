@@ -415,3 +415,25 @@ def test_atomic_load_into_builds_the_engine_records_once(small_file, small_state
     ckptfmt.load_into(small_file, targets)
     assert_same(targets, small_state, check_sharing=False)
     assert built == [N + 1]  # "tied" is a target of its own here: its chunk is read twice
+
+
+@pytest.mark.skipif(not _native.available(), reason="the C engine is not built")
+@pytest.mark.parametrize("field", ["codec", "filter", "width", "pad"])
+def test_packed_engine_records_refuse_a_value_past_its_field_not_truncate_it(field):
+    """The engine's records of prepared reads are set from packed 64-bit fields in one call:
+    a value wider than its member (a codec past 255, padding past 2^32) is refused, never cut
+    down to another, valid-looking value (256 would have read as codec 0, raw)."""
+    from ckptfmt.format.index import Chunk
+
+    wide = 1 << 32 if field == "pad" else 256
+    fields = dict(offset=0, stored_len=64, raw_len=64, codec=0, filter=0, width=0, checksum=0, pad=0)
+    fields[field] = wide
+    with pytest.raises(ValueError, match="past the engine's fields"):
+        batched._records([Chunk(**fields)], [(0, 4096)], _native.ffi.NULL)
+    fields[field] = 0
+    rows = batched._records([Chunk(**fields)], [(0, 4096)], _native.ffi.NULL)
+    assert (rows[0].stored_len, rows[0].raw_len, int(_native.ffi.cast("uintptr_t", rows[0].dst))) == (
+        64,
+        64,
+        4096,
+    )
