@@ -109,8 +109,10 @@ typedef struct {
 int ckf_read_chunks(int fd, const uint8_t *file_id, ckf_rchunk *chunks, uint64_t n, int verify, int nthreads,
                     ckf_status *status);
 
-/* chunks[i].dst = the address addr[i], for i in [0, n): destinations set in one call */
-void ckf_place(ckf_rchunk *chunks, const uint64_t *addr, uint64_t n);
+/* chunks[i] from fields[10 i, 10 i + 10): dst, index, offset, stored_len, raw_len, codec, filter,
+ * width, checksum, pad (a chunk record's order); the rest of each left as it is.  CKF_ERR_ARG,
+ * and chunk i left unset, where a value does not fit its member */
+int ckf_fill_rchunks(ckf_rchunk *chunks, const uint64_t *fields, uint64_t n);
 
 /* Verify raw chunks [0, n) where they lie in a mapping of their file (map_len bytes
  * from offset 0): checksums, padding and content digests, on nthreads threads,

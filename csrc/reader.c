@@ -769,6 +769,22 @@ int ckf_check_mapped(const uint8_t *map, uint64_t map_len, const uint8_t *file_i
     return run_read(-1, map, map_len, file_id, chunks, n, 1, nthreads, status);
 }
 
-void ckf_place(ckf_rchunk *chunks, const uint64_t *addr, uint64_t n) {
-    for (uint64_t i = 0; i < n; i++) chunks[i].dst = (uint8_t *)(uintptr_t)addr[i];
+int ckf_fill_rchunks(ckf_rchunk *chunks, const uint64_t *fields, uint64_t n) {
+    for (uint64_t i = 0; i < n; i++) {
+        const uint64_t *f = fields + 10 * i;
+        if (f[0] > UINTPTR_MAX || f[5] > UINT8_MAX || f[6] > UINT8_MAX || f[7] > UINT8_MAX || f[9] > UINT32_MAX)
+            return CKF_ERR_ARG;
+        ckf_rchunk *c = &chunks[i];
+        c->dst = (uint8_t *)(uintptr_t)f[0];
+        c->index = f[1];
+        c->offset = f[2];
+        c->stored_len = f[3];
+        c->raw_len = f[4];
+        c->codec = (uint8_t)f[5];
+        c->filter = (uint8_t)f[6];
+        c->width = (uint8_t)f[7];
+        c->checksum = f[8];
+        c->pad = (uint32_t)f[9];
+    }
+    return CKF_OK;
 }

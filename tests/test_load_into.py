@@ -678,3 +678,32 @@ def test_prepared_reads_that_only_check_never_write_the_targets(tmp_path, verify
         assert all(torch.equal(t, torch.full_like(t, 7.0)) for t in target.values())
         reads.read(0, reads.n, verify)
     assert all(torch.equal(target[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_targets_of_one_shape_whose_file_layouts_differ_are_each_filled_as_stored(tmp_path, atomic):
+    """The plan recognises a target taking a whole chunk as it is by its file tensor's dtype,
+    shape and strides, worked out once per layout: tensors of the same shape stored another way
+    (transposed, a size-1 dim with its own stride, a view at an offset of a larger storage, a
+    conjugate) are each filled with their own values, whichever comes first."""
+    g = torch.Generator().manual_seed(5)
+    square = torch.randn(4, 4, generator=g)
+    base = torch.randn(20, generator=g)
+    z = torch.randn(4, 4, dtype=torch.complex64, generator=g)
+    state = {
+        "plain": square,
+        "transposed": torch.randn(4, 4, generator=g).t(),
+        "row": torch.randn(4, 1, generator=g).t(),  # shape (1, 4), strides (1, 1)
+        "row_plain": torch.randn(1, 4, generator=g),
+        "at_offset": base[4:].view(4, 4),  # one chunk of a storage holding more than the tensor
+        "head": base[:4],
+        "conj": z.conj(),
+        "complex": z.clone(),
+    }
+    assert state["row"].stride() == (1, 1)
+    p = _save(tmp_path, state)
+    for order in (list(state), list(reversed(state))):
+        target = {k: torch.zeros(state[k].shape, dtype=state[k].dtype) for k in order}
+        ckptfmt.load_into(p, target, atomic=atomic)
+        for k in state:
+            assert torch.equal(target[k].resolve_conj(), state[k].resolve_conj()), k

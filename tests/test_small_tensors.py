@@ -322,19 +322,19 @@ def test_load_into_gives_the_engine_addresses_not_buffers(small_file, small_stat
     """Both passes of an atomic load_into hand the engine each chunk's place as an address (in
     the bounce buffer, then in the target): no buffer export per chunk, and the checks stay."""
     kinds: set[str] = set()
-    read_chunks, table = _native.read_chunks, batched.ReadTable
+    read_chunks, prepared = _native.read_chunks, batched.PreparedReads
 
     def recorded(fd, file_id, items, *args, **kwargs):
         kinds.update(type(dest).__name__ for _, _, dest in items)
         return read_chunks(fd, file_id, items, *args, **kwargs)
 
-    class RecordedTable(table):  # both passes' reads, built once (PreparedReads)
-        def __init__(self, items, *args, **kwargs):
-            kinds.update(type(dest).__name__ for _, _, dest in items)
-            super().__init__(items, *args, **kwargs)
+    class RecordedReads(prepared):  # both passes' reads, built once
+        def __init__(self, reader, items):
+            kinds.update(type(at).__name__ for _, at in items)
+            super().__init__(reader, items)
 
     monkeypatch.setattr(_native, "read_chunks", recorded)
-    monkeypatch.setattr(batched, "ReadTable", RecordedTable)
+    monkeypatch.setattr(batched, "PreparedReads", RecordedReads)
     targets = {k: torch.zeros_like(v) for k, v in small_state.items()}
     ckptfmt.load_into(small_file, targets)
     assert_same(targets, small_state, check_sharing=False)
@@ -399,19 +399,41 @@ def test_atomic_load_into_builds_the_engine_records_once(small_file, small_state
     storage) run one table of engine records, built once: the check of every chunk, then
     the reads into the targets, with no Python per chunk in either pass."""
     built: list[int] = []
-    table = batched.ReadTable
+    prepared = batched.PreparedReads
 
-    class CountedTable(table):
-        def __init__(self, items, *args, **kwargs):
+    class CountedReads(prepared):
+        def __init__(self, reader, items):
             built.append(len(items))
-            super().__init__(items, *args, **kwargs)
+            super().__init__(reader, items)
 
     def refused(*args, **kwargs):
         raise AssertionError("a chunk read outside the prepared table")
 
-    monkeypatch.setattr(batched, "ReadTable", CountedTable)
+    monkeypatch.setattr(batched, "PreparedReads", CountedReads)
     monkeypatch.setattr(_native, "read_chunks", refused)
     targets = {k: torch.zeros_like(v) for k, v in small_state.items()}
     ckptfmt.load_into(small_file, targets)
     assert_same(targets, small_state, check_sharing=False)
     assert built == [N + 1]  # "tied" is a target of its own here: its chunk is read twice
+
+
+@pytest.mark.skipif(not _native.available(), reason="the C engine is not built")
+@pytest.mark.parametrize("field", ["codec", "filter", "width", "pad"])
+def test_packed_engine_records_refuse_a_value_past_its_field_not_truncate_it(field):
+    """The engine's records of prepared reads are set from packed 64-bit fields in one call:
+    a value wider than its member (a codec past 255, padding past 2^32) is refused, never cut
+    down to another, valid-looking value (256 would have read as codec 0, raw)."""
+    from ckptfmt.format.index import Chunk
+
+    wide = 1 << 32 if field == "pad" else 256
+    fields = dict(offset=0, stored_len=64, raw_len=64, codec=0, filter=0, width=0, checksum=0, pad=0)
+    fields[field] = wide
+    with pytest.raises(ValueError, match="past the engine's fields"):
+        batched._records([Chunk(**fields)], [(0, 4096)], _native.ffi.NULL)
+    fields[field] = 0
+    rows = batched._records([Chunk(**fields)], [(0, 4096)], _native.ffi.NULL)
+    assert (rows[0].stored_len, rows[0].raw_len, int(_native.ffi.cast("uintptr_t", rows[0].dst))) == (
+        64,
+        64,
+        4096,
+    )

@@ -579,7 +579,7 @@ def chunk_records(items: Sequence[tuple[int, Any, Any]], key: Any = None) -> Any
     records = ffi.new("ckf_rchunk[]", rows or 1)
     for i, (k, ch, _) in enumerate(items):
         if ch.digest or ch.sha or ch.tag:
-            _fill_extras(records[i], k, ch, key)
+            fill_extras(records[i], k, ch, key)
     return records
 
 
@@ -596,7 +596,7 @@ def run_reads(
     return _outcome(rc, status, numbers)
 
 
-def _fill_extras(c: Any, k: int, ch: Any, key: Any = None) -> None:
+def fill_extras(c: Any, k: int, ch: Any, key: Any = None) -> None:
     """The optional fields of a chunk's engine record: content digest, signed SHA-256, GCM tag."""
     assert ffi is not None
     if ch.digest:  # files with content digests (feature bit 0)

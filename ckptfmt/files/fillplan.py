@@ -180,19 +180,19 @@ def make_plan(
     targets: list[Target],
     in_file: dict[str, int],
     report: LoadReport,
-    whole: dict[str, tuple[int, int]] | None = None,
+    whole: dict[int, tuple[int, int]] | None = None,
 ) -> Plan:
     """The plan for matched targets (targets.match); counts each target loaded in `report`.
-    `whole`: the targets match found to take one whole chunk each, with its place, by a dotted
-    key no other target shares (looked up by key, for any target under it); each goes
-    straight into plan.direct, unless an earlier target starts at the same address (a tied
-    weight, or a chunk read there already), which the general planning sorts out."""
+    `whole`: the targets match found to take one whole chunk each, by their position in
+    `targets`, with its place; each goes straight into plan.direct, unless an earlier target
+    starts at the same address (a tied weight, or a chunk read there already), which the
+    general planning sorts out."""
     plan = Plan()
     if whole and len(whole) == len(targets) and _native.available():
         places: list[tuple[int, memoryview | int]] = list(whole.values())
         if len({address for _, address in places}) == len(places):  # each at an address of its own
             plan.direct = places
-            plan.direct_owners = [[key] for key in whole]
+            plan.direct_owners = [[t[0]] for t in targets]  # whole holds every position, in order
             report.loaded += len(places)
             return plan
     aliases = _Aliases()
@@ -204,8 +204,8 @@ def make_plan(
     whole = whole if whole is not None and _native.available() else {}
     loaded = 0  # added to the report at the end
     tensor = torch.Tensor
-    for key, container, ckey, value in targets:
-        place = whole.get(key)
+    for pos, (key, container, ckey, value) in enumerate(targets):
+        place = whole.get(pos)
         if place is not None and place[1] not in lone:
             loaded += 1
             lone[place[1]] = (key, value, nodes[in_file[key]][1])

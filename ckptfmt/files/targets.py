@@ -11,8 +11,6 @@ unexpected key, is a `MismatchError`.
 
 from __future__ import annotations
 
-import math
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,8 +46,9 @@ class Matched:
     targets: list[Target]
     in_file: dict[str, int]
     report: LoadReport
-    #: key -> (chunk, address): the targets that take one whole chunk of the file as they are
-    whole: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: position in `targets` -> (chunk, address): the targets that take one whole chunk of the
+    #: file as they are (by position: several targets may share a dotted key)
+    whole: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 def _join(prefix: str, key: object) -> str:
@@ -58,36 +57,63 @@ def _join(prefix: str, key: object) -> str:
 
 def target_items(obj: Any, prefix: str) -> Iterator[Target]:
     """(dotted key, container, key in container, value) for every leaf of the target."""
+    return iter(target_leaves(obj, prefix))
+
+
+def target_leaves(obj: Any, prefix: str = "") -> list[Target]:
+    """target_items() as a list, built without a generator per container."""
+    out: list[Target] = []
+    _add_target_leaves(obj, prefix, out)
+    return out
+
+
+def _add_target_leaves(obj: Any, prefix: str, out: list[Target]) -> None:
     if isinstance(obj, dict):
         items: Any = obj.items()
     elif isinstance(obj, (list, tuple)):
         items = enumerate(obj)
     else:
         return
+    add = out.append
     for k, v in items:
-        path = _join(prefix, k)
+        # a top-level str key is its own path: the same object, its hash already computed
+        path = _join(prefix, k) if prefix or type(k) is not str else k
         if isinstance(v, (dict, list, tuple)) and not isinstance(v, torch.Size):
-            yield from target_items(v, path)
+            _add_target_leaves(v, path, out)
         else:
-            yield path, obj, k, v
+            add((path, obj, k, v))
 
 
 def file_items(f: CheckpointFile, i: int, prefix: str) -> Iterator[tuple[str, int]]:
     """(dotted key, node) for every leaf under node i of the file's tree."""
-    node = f.tree.nodes[i]
+    return iter(file_entries(f, i, prefix).items())
+
+
+def file_entries(f: CheckpointFile, i: int, prefix: str = "") -> dict[str, int]:
+    """Dotted key -> node for every leaf under node i of the file's tree (the last of several
+    leaves under one dotted key), built without a generator per container."""
+    out: dict[str, int] = {}
+    _add_file_entries(f, i, prefix, out)
+    return out
+
+
+def _add_file_entries(f: CheckpointFile, i: int, prefix: str, out: dict[str, int]) -> None:
+    nodes = f.tree.nodes
+    node = nodes[i]
     if node[0] in ("dict", "odict"):
-        nodes = f.tree.nodes
         for k, v in node[1]:
-            key = nodes[k][1] if nodes[k][0] == "str" else decode_key(f.tree, k, f.path)
-            if nodes[v][0] == "tensor":  # a leaf: no generator of its own
-                yield _join(prefix, key), v
+            name = nodes[k]
+            key = name[1] if name[0] == "str" else decode_key(f.tree, k, f.path)
+            path = _join(prefix, key) if prefix or type(key) is not str else key
+            if nodes[v][0] == "tensor":  # a leaf: no call of its own
+                out[path] = v
             else:
-                yield from file_items(f, v, _join(prefix, key))
+                _add_file_entries(f, v, path, out)
     elif node[0] in ("list", "tuple"):
         for n, j in enumerate(node[1]):
-            yield from file_items(f, j, _join(prefix, n))
+            _add_file_entries(f, j, _join(prefix, n), out)
     else:
-        yield prefix, i
+        out[prefix] = i
 
 
 def _tensor_problem(key: str, value: torch.Tensor, node: list[Any], container: Any) -> str | None:
@@ -122,51 +148,75 @@ def _key_problems(report: LoadReport) -> str:
     return "; ".join(parts)
 
 
-def _whole_chunk(value: torch.Tensor, m: dict[str, Any], rec: Any) -> bool:
-    """Whether target `value`, a contiguous CPU tensor, takes file tensor `m` with no problem and
-    as the commonest target of all: dense in the file's layout (the same strides, shape and dtype,
-    no conjugate or negative bit of its own) and the whole of its storage `rec`, which is one
-    chunk: that chunk is read straight into the target's memory.  Cheapest tests first; the
-    conjugate bit is asked only of complex tensors (no other kind has one)."""
-    dt = value.dtype
-    return (
-        rec.n_chunks == 1
-        and m["offset"] == 0
-        and dt is dtypes.TORCH_DTYPES[m["dtype"]]
-        and rec.nbytes == math.prod(m["shape"]) * dt.itemsize
-        and value.shape == tuple(m["shape"])
-        and value.stride() == tuple(m["stride"])
-        and not value.is_neg()
-        and (value.is_conj() == m["conj"] if dt.is_complex else not m["conj"])
-    )
+#: a file tensor's layout that a contiguous target can take as its bytes stand: (torch dtype,
+#: shape, bytes, whether the dtype is complex), or None; keyed by (dtype name, *shape, *stride)
+Layout = tuple[torch.dtype, tuple[int, ...], int, bool] | None
 
 
-def _plan_shared_keys_one_by_one(whole: dict[str, tuple[int, int]], targets: list[Target]) -> None:
-    """Drop from `whole` every key that several targets share ("a.b" and "a": {"b"}): `whole`
-    is looked up by key, so any other target under that key, whatever it is, would be planned
-    as a read into the whole-chunk target's memory and never filled itself.  make_plan plans
-    such targets one by one, as it does any other."""
-    counts = Counter(t[0] for t in targets)
-    for key, n in counts.items():
-        if n > 1:
-            whole.pop(key, None)
+def _layout(m: dict[str, Any]) -> Layout:
+    """The layout of file tensor `m` (of no offset and no conjugate bit) if a contiguous target
+    of its dtype and shape holds its bytes exactly as the file does (row-major strides), else
+    None: what `m`'s dtype, shape and strides alone decide.  Dims of size 1 count too: a stride
+    the file gives them other than row-major's is left to the general planning, which compares
+    strides one by one."""
+    dt = dtypes.TORCH_DTYPES.get(m["dtype"])
+    shape, stride = m["shape"], m["stride"]
+    if dt is None or len(stride) != len(shape):
+        return None
+    expected = 1
+    for n, st in zip(reversed(shape), reversed(stride)):
+        if st != expected:
+            return None
+        expected *= n
+    return dt, tuple(shape), expected * dt.itemsize, dt.is_complex
+
+
+def _whole_place(
+    value: torch.Tensor, m: dict[str, Any], rec: Any, layouts: dict[tuple[Any, ...], Layout]
+) -> int:
+    """The address where target `value`, a contiguous CPU tensor, takes file tensor `m` whole, or
+    0: the commonest target of all, with no problem to report, dense in the file's layout (the
+    same dtype and shape, no negative or conjugate bit of its own) and the whole of its storage
+    `rec`, which is one chunk: that chunk is read straight into the target's memory.  A state
+    of many small tensors repeats a few layouts: each is worked out once (`layouts`), and the
+    target is asked only its dtype, shape and bits (its strides follow: it is contiguous, and
+    the layout is row-major)."""
+    if rec.n_chunks != 1 or m["offset"] or m["conj"]:
+        return 0
+    key = (m["dtype"], *m["shape"], *m["stride"])  # unambiguous: as many strides as dims (validate.py)
+    try:
+        lay = layouts[key]
+    except KeyError:
+        lay = layouts[key] = _layout(m)
+    if lay is None:
+        return 0
+    if (
+        value.dtype is not lay[0]
+        or rec.nbytes != lay[2]
+        or value.shape != lay[1]
+        or value.is_neg()
+        or (lay[3] and value.is_conj())
+    ):
+        return 0
+    return value.data_ptr()  # never 0: the target has elements (its layout's bytes match rec's, >= 1)
 
 
 def match(f: CheckpointFile, top: int, state: Any, *, strict: bool) -> Matched:
     """Pair the leaves of `state` with the entries under node `top`; MismatchError before any read.
 
-    The commonest targets (_whole_chunk) are recognised in the same look as their checks, and
-    their place recorded in `Matched.whole`: a state of many small tensors is mostly cache
-    misses on the tensors, so each is looked at once."""
-    in_file = dict(file_items(f, top, ""))
-    targets = list(target_items(state, ""))
+    The commonest targets (_whole_place) are recognised in the same look as their checks, and
+    their place recorded in `Matched.whole` by their position among the targets: a state of
+    many small tensors is mostly cache misses on the tensors, so each is looked at once."""
+    in_file = file_entries(f, top)
+    targets = target_leaves(state)
     report = LoadReport()
     problems = []
-    whole: dict[str, tuple[int, int]] = {}
+    whole: dict[int, tuple[int, int]] = {}
+    layouts: dict[tuple[Any, ...], Layout] = {}
     nodes, records = f.tree.nodes, f.storages
     tensor = torch.Tensor
     missing = report.missing_keys
-    for key, container, _, value in targets:
+    for pos, (key, container, _, value) in enumerate(targets):
         i = in_file.get(key)
         if i is None:
             missing.append(key)
@@ -174,16 +224,16 @@ def match(f: CheckpointFile, top: int, state: Any, *, strict: bool) -> Matched:
         if isinstance(value, tensor):
             node = nodes[i]
             if node[0] == "tensor" and value.is_cpu and value.is_contiguous():
-                rec = records[node[1]["storage"]]
-                if _whole_chunk(value, node[1], rec):
-                    whole[key] = (rec.first_chunk, value.data_ptr())
+                m = node[1]
+                rec = records[m["storage"]]
+                address = _whole_place(value, m, rec, layouts)
+                if address:
+                    whole[pos] = (rec.first_chunk, address)
                     continue
             problem = _tensor_problem(key, value, node, container)
             if problem:
                 problems.append(problem)
     target_keys = {t[0] for t in targets}
-    if len(target_keys) < len(targets):  # several targets under one dotted key
-        _plan_shared_keys_one_by_one(whole, targets)
     report.unexpected_keys = [k for k in in_file if k not in target_keys]
     if problems:
         raise MismatchError(
