@@ -282,6 +282,22 @@ def _foreign_marker() -> str:
     return f"{COPY_MARKER}{'f' * 16}.4242.77.0badcafe"
 
 
+def test_another_hosts_sweep_marker_is_dead_past_the_sweeps_bound():
+    """A sweep on another host killed mid-way leaves its marker: copies wait for it (and
+    cleanups keep away) only while such a sweep could still delete (SWEEP_WAIT), not for
+    STALE_AFTER as for a copy's marker (every copy referring to the step would wait)."""
+    import datetime
+
+    from ckptfmt.runs.objectnames import COPY_MARKER, SWEEP_MARKER, SWEEP_WAIT, marker_dead
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    suffix = _foreign_marker()[len(COPY_MARKER) :]
+    young, old = (now - datetime.timedelta(seconds=SWEEP_WAIT + d) for d in (-60, 60))
+    assert not marker_dead(SWEEP_MARKER + suffix, young, now, datetime.timedelta(0))
+    assert marker_dead(SWEEP_MARKER + suffix, old, now, datetime.timedelta(0))
+    assert not marker_dead(COPY_MARKER + suffix, old, now, datetime.timedelta(0))
+
+
 def test_a_cleaner_with_a_short_bound_keeps_a_copy_under_way_on_another_host(s3_bucket):
     """Another host's archiver is copying step 1 (its marker and a file are up, its record yet
     to come), both older than the cleaner's bound of 0 s but far younger than STALE_AFTER:

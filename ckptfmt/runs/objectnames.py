@@ -29,6 +29,12 @@ COPY_MARKER = "ARCHIVING."
 #: done: a copy that puts its own marker in the step waits for such a sweep to end before it
 #: looks for an object there to refer to (one of them sees the other)
 SWEEP_MARKER = "SWEEPING."
+#: seconds from a sweep's marker past which the sweep deletes nothing (ObjectRun.sweep_step)
+SWEEP_DELETES_WITHIN = 300.0
+#: seconds a copy waits at most for a sweep whose marker it finds (ObjectRun.wait_out_sweeps),
+#: and the age past which a sweep's marker is dead wherever it was written: past that sweep's
+#: bound by a margin for a DELETE it sent just before
+SWEEP_WAIT = 3 * SWEEP_DELETES_WITHIN
 
 
 def is_copy_marker(name: str) -> bool:
@@ -119,7 +125,11 @@ def marker_dead(
     """Whether marker `name` (a copy's or a sweep's, written at `when`) was left by a writer
     that has ended: one of this host whose process is gone, or one written elsewhere that is
     older than both `older_than` and STALE_AFTER: a cleaner's shorter bound (cleanup's) must
-    never make a live copy on another host look dead, as its age is all that can be asked of it."""
+    never make a live copy on another host look dead, as its age is all that can be asked of it.
+    A sweep's marker is dead too once older than SWEEP_WAIT (the sweep deletes nothing then):
+    one a sweep on another host left when killed holds up no copy for longer."""
+    if is_sweep_marker(name) and when is not None and now - when > datetime.timedelta(seconds=SWEEP_WAIT):
+        return True
     suffix = name[len(SWEEP_MARKER if is_sweep_marker(name) else COPY_MARKER) :]
     if suffix.startswith(commit.owner_token() + "."):  # this process's
         with _claims_lock:

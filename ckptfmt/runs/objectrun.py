@@ -36,6 +36,8 @@ from ..storage.download import head
 from ..storage.upload import upload_bytes
 from ..storage.urls import ObjectURL, parse_url
 from .objectnames import (
+    SWEEP_DELETES_WITHIN,
+    SWEEP_WAIT,
     LaterReads,
     check_listed,
     claiming,
@@ -63,11 +65,6 @@ MAX_CANDIDATES = 64
 #: first (spec 13.7): steps with a record beyond them are reported unread, never deleted,
 #: and nothing older than them is deleted either (what they refer to is not known)
 MAX_STATUS_RECORDS = 1024
-#: seconds from a sweep's marker past which the sweep deletes nothing (sweep_step)
-SWEEP_DELETES_WITHIN = 300.0
-#: seconds a copy waits at most for a sweep whose marker it finds (wait_out_sweeps): past
-#: that sweep's bound by a margin for a DELETE it sent just before
-SWEEP_WAIT = 3 * SWEEP_DELETES_WITHIN
 
 
 #: commit records an ObjectRun keeps as read (statuses() reads at most MAX_STATUS_RECORDS)
@@ -490,9 +487,9 @@ class ObjectRun:
         return has_live_marker(listed, now, older_than, kind=is_copy_marker)
 
     def wait_out_sweeps(self, step: int) -> None:
-        """Wait until no live sweep's marker (sweep_step) is in step `step`'s prefix, or for
-        SWEEP_WAIT seconds: past it a sweep that put its marker before this wait began deletes
-        nothing more.  Called by a copy after its own marker is in the prefix and before it
+        """Wait until no live sweep's marker (sweep_step; marker_dead) is in step `step`'s
+        prefix, or for SWEEP_WAIT seconds: past it a sweep that put its marker before this wait
+        began deletes nothing more.  Called by a copy after its own marker is in the prefix and before it
         looks for an object there to refer to: a sweep that began later sees that marker."""
         url = self._step_url(step)
         ends = time.monotonic() + SWEEP_WAIT
