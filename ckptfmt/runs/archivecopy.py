@@ -9,8 +9,9 @@ those: it never relies on an object of the step it did not write (but one a late
 committed record refers to, which every cleanup keeps: the archive copies the newest step
 first), so a cleaner that deletes only the versions it listed
 (ObjectRun.remove_interrupted_copies) never deletes what a live copy's record names.  Once
-committed, it sweeps what its record does not name (ObjectRun.sweep_step).  A signed record cannot be rewritten without its key: a signed
-step's files keep their names, and one found there is used when it is the very file.
+committed, it sweeps what its record does not name (ObjectRun.sweep_step).  A signed record
+cannot be rewritten without its key: a signed step's files keep their names, and one found
+there is used when it is the very file.
 
 The objects of earlier steps an incremental step refers to keep the names its files' own
 indexes give them (section 12); one found there is used when it is the very file, looked
