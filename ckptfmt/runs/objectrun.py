@@ -449,8 +449,8 @@ class ObjectRun:
         name = sweep_marker()
         marker = url.child(name)
         with claiming(name):
+            began = time.monotonic()  # before the PUT: a copy may list the marker before it returns
             upload_bytes(b"a ckptfmt sweep in progress\n", str(marker), self.options)
-            began = time.monotonic()
             try:
                 swept = self._sweep_announced(step, others, later, older_than, began)
             except BaseException:
@@ -489,8 +489,9 @@ class ObjectRun:
     def wait_out_sweeps(self, step: int) -> None:
         """Wait until no live sweep's marker (sweep_step; marker_dead) is in step `step`'s
         prefix, or for SWEEP_WAIT seconds: past it a sweep that put its marker before this wait
-        began deletes nothing more.  Called by a copy after its own marker is in the prefix and before it
-        looks for an object there to refer to: a sweep that began later sees that marker."""
+        began deletes nothing more.  Called by a copy after its own marker is in the prefix
+        and before it looks for an object there to refer to: a sweep that began later sees
+        that marker."""
         url = self._step_url(step)
         ends = time.monotonic() + SWEEP_WAIT
         pause = 0.05
