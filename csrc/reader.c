@@ -117,21 +117,32 @@ static void rfail(rjob *j, int code, int err_no, int64_t chunk, int reason, uint
     pthread_mutex_unlock(&j->fail_lock);
 }
 
-/* read exactly len bytes at off; 0 ok, -1 end of file, else errno */
-static int pread_all(int fd, uint8_t *p, uint64_t len, uint64_t off, uint64_t *got) {
+/* read exactly the bytes of iov[0, cnt) from off on; 0 ok, -1 end of file, else errno; *got: bytes read */
+static int preadv_all(int fd, struct iovec *iov, int cnt, uint64_t off, uint64_t *got) {
     *got = 0;
-    while (*got < len) {
-        uint64_t want = len - *got;
-        size_t step = want > (1u << 30) ? (1u << 30) : (size_t)want;
-        ssize_t r = pread(fd, p + *got, step, (off_t)(off + *got));
+    int idx = 0;
+    while (idx < cnt) {
+        ssize_t r = preadv(fd, iov + idx, cnt - idx, (off_t)(off + *got));
         if (r < 0) {
             if (errno == EINTR) continue;
             return errno;
         }
         if (r == 0) return -1;
         *got += (uint64_t)r;
+        size_t left = (size_t)r;
+        while (idx < cnt && left >= iov[idx].iov_len) left -= iov[idx++].iov_len;
+        if (idx < cnt && left) {
+            iov[idx].iov_base = (uint8_t *)iov[idx].iov_base + left;
+            iov[idx].iov_len -= left;
+        }
     }
     return 0;
+}
+
+/* read exactly len bytes at off (at most a piece: the callers' reads); 0 ok, -1 end of file, else errno */
+static int pread_all(int fd, uint8_t *p, uint64_t len, uint64_t off, uint64_t *got) {
+    struct iovec one = {.iov_base = p, .iov_len = (size_t)len};
+    return preadv_all(fd, &one, 1, off, got);
 }
 
 static int read_or_fail(rjob *j, int64_t k, uint8_t *p, uint64_t len, uint64_t off) {
@@ -309,6 +320,30 @@ static int check_frame(rjob *j, const ckf_rchunk *c, const uint8_t *stored, int6
     return 0;
 }
 
+/* The thread's checksum state, reset for chunk `c` (its seed binds the chunk to its file, place
+ * and shape); NULL once entry k is failed (no memory). */
+static XXH3_state_t *checksum_state(rjob *j, const ckf_rchunk *c, int64_t k, int thread) {
+    XXH3_state_t **h = &j->hstate[2 * thread];
+    if (!*h && !(*h = XXH3_createState())) {
+        rfail(j, CKF_ERR_NOMEM, ENOMEM, k, 0, 0);
+        return NULL;
+    }
+    XXH3_64bits_reset_withSeed(
+        *h, ckf_chunk_seed(j->file_id, c->index, c->offset, c->stored_len, c->raw_len, c->codec, c->filter, c->width));
+    return *h;
+}
+
+/* The thread's content digest state, reset; NULL once entry k is failed (no memory). */
+static XXH3_state_t *digest_state(rjob *j, int64_t k, int thread) {
+    XXH3_state_t **d = &j->hstate[2 * thread + 1];
+    if (!*d && !(*d = XXH3_createState())) {
+        rfail(j, CKF_ERR_NOMEM, ENOMEM, k, 0, 0);
+        return NULL;
+    }
+    XXH3_128bits_reset(*d);
+    return *d;
+}
+
 static void task_read(void *ctx, uint64_t i, int thread) {
     rjob *j = (rjob *)ctx;
     if (i > atomic_load(&j->fail_at)) return;
@@ -317,15 +352,7 @@ static void task_read(void *ctx, uint64_t i, int thread) {
     read_ahead(j, i);
     if (c->codec == CKF_CODEC_ZSTD && thread_buffers(j, thread, c, k)) return;
     XXH3_state_t *h = NULL;
-    if (j->verify) {
-        if (!j->hstate[2 * thread] && !(j->hstate[2 * thread] = XXH3_createState())) {
-            rfail(j, CKF_ERR_NOMEM, ENOMEM, k, 0, 0);
-            return;
-        }
-        h = j->hstate[2 * thread];
-        XXH3_64bits_reset_withSeed(h, ckf_chunk_seed(j->file_id, c->index, c->offset, c->stored_len, c->raw_len,
-                                                     c->codec, c->filter, c->width));
-    }
+    if (j->verify && !(h = checksum_state(j, c, k, thread))) return;
     /* checking only, a raw chunk goes through one cache-sized buffer instead of its destination */
     uint8_t *through = NULL;
     if (j->check_only && c->codec == CKF_CODEC_RAW && !j->map) {
@@ -342,14 +369,7 @@ static void task_read(void *ctx, uint64_t i, int thread) {
      * decryption when encrypted), while the piece is still in cache; a zstd chunk's after it
      * is decoded */
     XXH3_state_t *d = NULL;
-    if (j->verify && c->has_digest && c->codec == CKF_CODEC_RAW) {
-        if (!j->hstate[2 * thread + 1] && !(j->hstate[2 * thread + 1] = XXH3_createState())) {
-            rfail(j, CKF_ERR_NOMEM, ENOMEM, k, 0, 0);
-            return;
-        }
-        d = j->hstate[2 * thread + 1];
-        XXH3_128bits_reset(d);
-    }
+    if (j->verify && c->has_digest && c->codec == CKF_CODEC_RAW && !(d = digest_state(j, k, thread))) return;
     /* the SHA-256 of the stored bytes (signed files read with trusted keys), taken with the
      * checksum, piece by piece; checked before anything is decoded */
     void *s = NULL;
@@ -527,39 +547,12 @@ static uint64_t plan_runs(const rjob *j, uint64_t *runs) {
     return nruns;
 }
 
-/* read exactly the bytes of iov[0, cnt) from off on; 0 ok, -1 end of file, else errno; *got: bytes read */
-static int preadv_all(int fd, struct iovec *iov, int cnt, uint64_t off, uint64_t *got) {
-    *got = 0;
-    int idx = 0;
-    while (idx < cnt) {
-        ssize_t r = preadv(fd, iov + idx, cnt - idx, (off_t)(off + *got));
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            return errno;
-        }
-        if (r == 0) return -1;
-        *got += (uint64_t)r;
-        size_t left = (size_t)r;
-        while (idx < cnt && left >= iov[idx].iov_len) left -= iov[idx++].iov_len;
-        if (idx < cnt && left) {
-            iov[idx].iov_base = (uint8_t *)iov[idx].iov_base + left;
-            iov[idx].iov_len -= left;
-        }
-    }
-    return 0;
-}
-
 /* The checks of a raw chunk read whole to `in` with its padding to `pad`, in task_read's order:
  * checksum, padding, content digest. */
 static void check_raw(rjob *j, const ckf_rchunk *c, int64_t k, const uint8_t *in, const uint8_t *pad, int thread) {
     if (j->verify) {
-        XXH3_state_t *h = j->hstate[2 * thread];
-        if (!h && !(h = j->hstate[2 * thread] = XXH3_createState())) {
-            rfail(j, CKF_ERR_NOMEM, ENOMEM, k, 0, 0);
-            return;
-        }
-        XXH3_64bits_reset_withSeed(h, ckf_chunk_seed(j->file_id, c->index, c->offset, c->stored_len, c->raw_len,
-                                                     c->codec, c->filter, c->width));
+        XXH3_state_t *h = checksum_state(j, c, k, thread);
+        if (!h) return;
         ckf_xxh3_64_update(h, in, (size_t)c->stored_len);
         if (XXH3_64bits_digest(h) != c->checksum) {
             rfail(j, CKF_ERR_CORRUPT, 0, k, CKF_WHY_CHECKSUM, 0);
@@ -573,12 +566,8 @@ static void check_raw(rjob *j, const ckf_rchunk *c, int64_t k, const uint8_t *in
         }
     }
     if (j->verify && c->has_digest) {
-        XXH3_state_t *d = j->hstate[2 * thread + 1];
-        if (!d && !(d = j->hstate[2 * thread + 1] = XXH3_createState())) {
-            rfail(j, CKF_ERR_NOMEM, ENOMEM, k, 0, 0);
-            return;
-        }
-        XXH3_128bits_reset(d);
+        XXH3_state_t *d = digest_state(j, k, thread);
+        if (!d) return;
         ckf_xxh3_128_update(d, in, (size_t)c->stored_len);
         XXH128_canonical_t canon;
         XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(d));

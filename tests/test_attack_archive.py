@@ -57,6 +57,63 @@ def _assert_whole_and_clean(run: ObjectRun, step: int, value: float) -> None:
     assert torch.equal(state["state"]["w"], torch.full((5000,), value))
 
 
+def _wait_until(condition, failure: str, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.05)
+
+
+class _OnThread:
+    """`action()` run on a thread of its own; join() raises what it raised."""
+
+    def __init__(self, action) -> None:
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(action,))
+        self.thread.start()
+
+    def _run(self, action) -> None:
+        try:
+            action()
+        except BaseException as e:
+            self.error = e
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def join(self) -> None:
+        self.thread.join(60)
+        assert not self.thread.is_alive()
+        if self.error is not None:
+            raise self.error
+
+
+def _incremental_steps(tmp_path, s3_faults):
+    """(a run on a fresh bucket behind the proxy, local steps 1 and 2): step 2 reads the frozen
+    tensor's chunks from step 1's state.ckpt."""
+    local = ckptfmt.CheckpointManager(tmp_path / "local", keep_last=10, incremental=True)
+    for step in (1, 2):
+        local.save(step, {"frozen": torch.arange(1 << 16, dtype=torch.float32), "step": step})
+    first, second = local.checkpoints()
+    assert second.references
+    return ObjectRun(f"s3://{s3_faults.new_bucket()}/run", s3_faults.storage_options()), first, second
+
+
+def _put_leftover(s3_faults, run: ObjectRun, first) -> None:
+    """Step 1's prefix in `run` given a leftover state.ckpt: the very file local step 2 refers to
+    (what a dead copy of step 1 left)."""
+    with open(f"{first.path}/state.ckpt", "rb") as f:
+        s3_faults.client().put_object(
+            Bucket=run.url.bucket, Key="run/step-000000001/state.ckpt", Body=f.read()
+        )
+
+
+def _assert_step_2_loads(run: ObjectRun) -> None:
+    statuses = {s.step: s for s in run.statuses()}
+    assert statuses[2].info is not None, statuses[2]
+    assert ckptfmt.load(statuses[2].info.files[0], storage_options=run.options)["state"]["step"] == 2
+
+
 def _copy_with_record_held(
     run: ObjectRun, local_step: str, s3_faults, meanwhile, step: int = 1
 ) -> list[BaseException]:
@@ -74,11 +131,8 @@ def _copy_with_record_held(
 
     t = threading.Thread(target=copy)
     t.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not s3_faults.count("PUT", record):  # every file is up
-            assert time.monotonic() < deadline, "the copy never reached its commit record"
-            time.sleep(0.05)
+    try:  # every file is up
+        _wait_until(lambda: s3_faults.count("PUT", record), "the copy never reached its commit record")
         meanwhile()
     finally:
         held.set()
@@ -131,6 +185,21 @@ def test_two_archivers_copying_one_step_at_once_leave_one_whole_copy(tmp_path, s
     assert run.record(1) == record
 
 
+def test_a_copy_under_names_of_its_own_reads_the_later_records_once(tmp_path, s3_faults):
+    """Step 1's prefix holds a leftover state.ckpt: the copy writes under names of its own,
+    reading what later steps' records refer to in the step (a listing of the run) to see
+    which leftover it may use; once committed, its sweep goes by that read (no copy has come
+    since) rather than list the run and read them again, and removes the leftover."""
+    local = _local_run(tmp_path)
+    bucket = s3_faults.new_bucket()
+    run = ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options())
+    s3_faults.client().put_object(Bucket=bucket, Key="run/step-000000001/state.ckpt", Body=b"a dead copy's")
+    s3_faults.clear_counts()
+    archivecopy.put_step(run, 1, local.checkpoints()[-1].path, claim=copy_marker())
+    assert s3_faults.count("GET", "prefix=run%2F&") == 1
+    _assert_whole_and_clean(run, 1, 1.0)
+
+
 @pytest.mark.parametrize("target", [2, 1], ids=["a-later-step", "its-own-step"])
 def test_a_record_referring_to_a_step_not_before_its_own_is_damaged(s3_bucket, target):
     """References lead to earlier steps only (an incremental step's base was committed before
@@ -180,39 +249,27 @@ def test_an_object_a_copy_adopts_in_an_earlier_step_is_kept_while_the_copy_runs(
     record (archived under names of its own), or by step 1's own copy committing under names
     of its own.  The adopted object must stay, or step 2 commits a reference to nothing (and
     is then dropped locally as archived: lost in both tiers)."""
-    local = ckptfmt.CheckpointManager(tmp_path / "local", keep_last=10, incremental=True)
-    for step in (1, 2):
-        local.save(step, {"frozen": torch.arange(1 << 16, dtype=torch.float32), "step": step})
-    first, second = local.checkpoints()
-    assert second.references  # step 2 reads the frozen tensor's chunks from step 1's file
-    bucket = s3_faults.new_bucket()
-    run = ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options())
-
-    def leftover() -> None:
-        with open(f"{first.path}/state.ckpt", "rb") as f:
-            s3_faults.client().put_object(Bucket=bucket, Key="run/step-000000001/state.ckpt", Body=f.read())
-
+    run, first, second = _incremental_steps(tmp_path, s3_faults)
+    bucket = run.url.bucket
     if sweeper == "archive-pass":
         s3_faults.client().put_object(Bucket=bucket, Key="run/step-000000001/junk.bin", Body=b"x")
         archivecopy.put_step(run, 1, first.path, claim=copy_marker())  # under names of its own
         assert [p.name for p in run.record(1).files] != ["state.ckpt"]
-        leftover()
+        _put_leftover(s3_faults, run, first)
         dead = f"run/step-000000001/{copy_marker()}"  # this process's, never claimed: dead
         s3_faults.client().put_object(Bucket=bucket, Key=dead, Body=b"")
 
         def meanwhile() -> None:
             run.remove_interrupted_copies()
     else:
-        leftover()
+        _put_leftover(s3_faults, run, first)
 
         def meanwhile() -> None:
             archivecopy.put_step(run, 1, first.path, claim=copy_marker())
 
     failed = _copy_with_record_held(run, second.path, s3_faults, meanwhile, step=2)
     assert not failed, failed
-    statuses = {s.step: s for s in run.statuses()}
-    assert statuses[2].info is not None, statuses[2]
-    assert ckptfmt.load(statuses[2].info.files[0], storage_options=run.options)["state"]["step"] == 2
+    _assert_step_2_loads(run)
     if sweeper == "archive-pass":  # another program's object in the prefix is never swept
         assert "junk.bin" in run.listing()[1]
 
@@ -223,6 +280,22 @@ def _foreign_marker() -> str:
     from ckptfmt.runs.objectnames import COPY_MARKER
 
     return f"{COPY_MARKER}{'f' * 16}.4242.77.0badcafe"
+
+
+def test_another_hosts_sweep_marker_is_dead_past_the_sweeps_bound():
+    """A sweep on another host killed mid-way leaves its marker: copies wait for it (and
+    cleanups keep away) only while such a sweep could still delete (SWEEP_WAIT), not for
+    STALE_AFTER as for a copy's marker (every copy referring to the step would wait)."""
+    import datetime
+
+    from ckptfmt.runs.objectnames import COPY_MARKER, SWEEP_MARKER, SWEEP_WAIT, marker_dead
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    suffix = _foreign_marker()[len(COPY_MARKER) :]
+    young, old = (now - datetime.timedelta(seconds=SWEEP_WAIT + d) for d in (-60, 60))
+    assert not marker_dead(SWEEP_MARKER + suffix, young, now, datetime.timedelta(0))
+    assert marker_dead(SWEEP_MARKER + suffix, old, now, datetime.timedelta(0))
+    assert not marker_dead(COPY_MARKER + suffix, old, now, datetime.timedelta(0))
 
 
 def test_a_cleaner_with_a_short_bound_keeps_a_copy_under_way_on_another_host(s3_bucket):
@@ -279,86 +352,68 @@ def test_dead_copies_markers_stay_until_what_they_left_is_swept(tmp_path, s3_buc
     assert _step_keys(run, 1) == {p.name for p in run.record(1).files} | {"COMMIT", leftover} | markers
 
 
-def test_an_object_a_copy_adopts_while_a_sweep_deletes_it_is_uploaded_again(tmp_path, s3_faults):
+def test_a_copy_waits_out_a_sweep_stalled_before_its_delete(tmp_path, s3_faults):
     """Step 1's prefix holds a leftover state.ckpt (the very file local step 2 refers to).
-    Step 1's copy commits under names of its own and sweeps: it lists the prefix (no live
-    marker yet), reads the later records (none yet), and its DELETE of the leftover is held.
-    Step 2's copy then puts its marker, finds the leftover, adopts it, and its record is held;
-    the DELETE lands, then the record.  Step 2 must end complete and loadable: its copy finds
-    the object gone once committed and uploads it again (else a reference to nothing, and the
-    local step dropped as archived: lost in both tiers)."""
-    local = ckptfmt.CheckpointManager(tmp_path / "local", keep_last=10, incremental=True)
-    for step in (1, 2):
-        local.save(step, {"frozen": torch.arange(1 << 16, dtype=torch.float32), "step": step})
-    first, second = local.checkpoints()
-    bucket = s3_faults.new_bucket()
-    run = ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options())
-    with open(f"{first.path}/state.ckpt", "rb") as f:
-        s3_faults.client().put_object(Bucket=bucket, Key="run/step-000000001/state.ckpt", Body=f.read())
+    Step 1's copy commits under names of its own and sweeps; its DELETE of the leftover is
+    held: the sweep stalled between its last listing and its DELETE.  Step 2's copy, whose
+    marker that listing did not show, finds the sweep's marker and waits for its end (it
+    lists step 1's prefix again and again) before it looks for the object; the DELETE
+    lands, the copy uploads the object again and commits.  Step 2 must end complete and
+    loadable (else a reference to nothing, and the local step dropped as archived: lost in
+    both tiers), however long the sweep stalls."""
+    run, first, second = _incremental_steps(tmp_path, s3_faults)
+    _put_leftover(s3_faults, run, first)
     leftover = "/step-000000001/state.ckpt"
     delete_held = s3_faults.hold("DELETE", leftover)
-    sweeper = threading.Thread(target=lambda: archivecopy.put_step(run, 1, first.path, claim=copy_marker()))
-    sweeper.start()
+    sweeper = _OnThread(lambda: archivecopy.put_step(run, 1, first.path, claim=copy_marker()))
     try:
-        deadline = time.monotonic() + 30
-        while not s3_faults.count("DELETE", leftover):
-            assert time.monotonic() < deadline, "step 1's sweep never deleted the leftover"
-            time.sleep(0.05)
-
-        def sweep_lands() -> None:
-            delete_held.set()
-            sweeper.join(60)
-
-        failed = _copy_with_record_held(run, second.path, s3_faults, sweep_lands, step=2)
+        _wait_until(lambda: s3_faults.count("DELETE", leftover), "step 1's sweep never deleted the leftover")
+        s3_faults.clear_counts()
+        copier = _OnThread(lambda: archivecopy.put_step(run, 2, second.path, claim=copy_marker()))
+        _wait_until(  # step 2's copy done, or waiting for the sweep (listing its prefix again)
+            lambda: copier.done() or s3_faults.count("GET", "prefix=run%2Fstep-000000001%2F") >= 2,
+            "step 2's copy neither finished nor waited",
+        )
     finally:
         delete_held.set()
-        sweeper.join(60)
-    assert not sweeper.is_alive()
-    assert not failed, failed
-    statuses = {s.step: s for s in run.statuses()}
-    assert statuses[2].info is not None, statuses[2]
-    assert ckptfmt.load(statuses[2].info.files[0], storage_options=run.options)["state"]["step"] == 2
+        sweeper.join()
+    copier.join()
+    _assert_step_2_loads(run)
+    assert s3_faults.count("GET", "prefix=run%2Fstep-000000001%2F") >= 2  # it waited
 
 
-def test_a_sweep_deletes_nothing_where_a_copy_came_while_it_read_the_later_records(tmp_path, s3_faults):
+def test_a_sweep_deletes_nothing_where_a_copy_put_its_marker_before_the_sweeps_last_listing(
+    tmp_path, s3_faults
+):
     """Step 1 is committed (under names of its own) beside a leftover state.ckpt, the very file
-    local step 2 refers to.  A sweep of step 1 lists its prefix (no live marker) and its
-    listing of the run (to read the later records) is held; meanwhile step 2's copy puts its
-    marker into step 1's prefix and adopts the leftover, its record held.  The sweep lists
-    the prefix again before deleting: a writer came, so nothing is deleted (no DELETE at all,
-    not only an object uploaded again afterwards)."""
-    local = ckptfmt.CheckpointManager(tmp_path / "local", keep_last=10, incremental=True)
-    for step in (1, 2):
-        local.save(step, {"frozen": torch.arange(1 << 16, dtype=torch.float32), "step": step})
-    first, second = local.checkpoints()
-    bucket = s3_faults.new_bucket()
-    run = ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options())
-    s3_faults.client().put_object(Bucket=bucket, Key="run/step-000000001/junk.bin", Body=b"x")
+    local step 2 refers to.  A sweep of step 1 lists its prefix (no live marker) and its PUT
+    of its own marker is held; meanwhile step 2's copy puts its marker into step 1's prefix,
+    finds no sweep there and adopts the leftover, its record held.  The sweep lists the
+    prefix again once its marker is in: a live copy's marker, so nothing is deleted (no
+    DELETE at all, not only an object uploaded again afterwards), and its marker goes."""
+    run, first, second = _incremental_steps(tmp_path, s3_faults)
+    s3_faults.client().put_object(Bucket=run.url.bucket, Key="run/step-000000001/junk.bin", Body=b"x")
     archivecopy.put_step(run, 1, first.path, claim=copy_marker())  # under names of its own
-    with open(f"{first.path}/state.ckpt", "rb") as f:
-        s3_faults.client().put_object(Bucket=bucket, Key="run/step-000000001/state.ckpt", Body=f.read())
-    run_listing = "prefix=run%2F&"
-    held = s3_faults.hold("GET", run_listing)
+    _put_leftover(s3_faults, run, first)
+    marker = "/step-000000001/SWEEPING."
+    held = s3_faults.hold("PUT", marker)
     s3_faults.clear_counts()
     record = run.record(1)
-    sweeper = threading.Thread(target=lambda: run.sweep_unclaimed(1, record))
-    sweeper.start()
+    swept: list[bool] = []
+    sweeper = _OnThread(lambda: swept.append(run.sweep_step(1, record)))
     try:
-        deadline = time.monotonic() + 30
-        while not s3_faults.count("GET", run_listing):
-            assert time.monotonic() < deadline, "the sweep never listed the run"
-            time.sleep(0.05)
+        _wait_until(lambda: s3_faults.count("PUT", marker), "the sweep never put its marker")
 
         def sweep_goes_on() -> None:
             held.set()
-            sweeper.join(60)
+            sweeper.join()
 
         failed = _copy_with_record_held(run, second.path, s3_faults, sweep_goes_on, step=2)
     finally:
         held.set()
-        sweeper.join(60)
-    assert not sweeper.is_alive()
+        sweeper.join()
     assert not failed, failed
+    assert swept == [False]
     assert s3_faults.count("DELETE", "/step-000000001/state.ckpt") == 0
-    statuses = {s.step: s for s in run.statuses()}
-    assert statuses[2].info is not None, statuses[2]
+    assert not [n for n in _step_keys(run, 1) if n.startswith("SWEEPING.")]
+    _assert_step_2_loads(run)

@@ -419,20 +419,29 @@ def test_an_error_raised_from_one_naming_a_sas_url_prints_no_secret(chained):
     assert "c2VjcmV0" not in printed and "sig=" not in printed, printed
 
 
+class _Hanging:
+    """A credential whose get_token calls (the first `hangs` of them; None: all) wait for
+    `release` (60 s at most) before they answer; `calls`: when each began."""
+
+    def __init__(self, hangs: int | None = None) -> None:
+        self.hangs = hangs
+        self.release = threading.Event()
+        self.calls: list[float] = []
+
+    def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
+        self.calls.append(time.monotonic())
+        if self.hangs is None or len(self.calls) <= self.hangs:
+            self.release.wait(60)
+        return Credential().get_token(*scopes)
+
+
 def test_a_credential_that_never_answers_is_asked_once(token_options):
     """Each operation ends by its deadline; the next waits for the same get_token instead of
     starting another beside it (a thread each, for ever)."""
     root, options = token_options
-    release = threading.Event()
-    calls: list[float] = []
-
-    class Hung:
-        def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
-            calls.append(time.monotonic())
-            release.wait(60)
-            return Credential().get_token(*scopes)
-
-    hung = options | {"credential": Hung(), "deadline": 1}
+    credential = _Hanging()
+    calls, release = credential.calls, credential.release
+    hung = options | {"credential": credential, "deadline": 1}
     try:
         for _ in range(3):
             started = time.monotonic()
@@ -452,18 +461,10 @@ def test_a_credential_hung_past_the_bound_is_asked_again(token_options, monkeypa
     """A get_token under way for longer than TOKEN_ASK_LIMIT is given up: the next operation
     starts one new request (which answers) instead of waiting for the hung one for ever."""
     root, options = token_options
-    release = threading.Event()
-    calls: list[float] = []
-
-    class HungOnce:
-        def get_token(self, *scopes: str, **kwargs: Any) -> AccessToken:
-            calls.append(time.monotonic())
-            if len(calls) == 1:
-                release.wait(60)
-            return Credential().get_token(*scopes)
-
+    credential = _Hanging(hangs=1)
+    calls, release = credential.calls, credential.release
     monkeypatch.setattr(azure, "TOKEN_ASK_LIMIT", 1.0)
-    options = options | {"credential": HungOnce(), "deadline": 2}  # one client for both loads
+    options = options | {"credential": credential, "deadline": 2}  # one client for both loads
     try:
         with pytest.raises(StorageError, match="within the operation's deadline of 2 s"):
             ckptfmt.load(f"{root}/x.ckpt", storage_options=options)

@@ -7,7 +7,8 @@ or printed at interpreter exit, which first waits for every save in flight.
 
 Every wait here ends by a deadline: the caller's timeout, else twice DEADLINE (read when the
 wait begins: a save's own waits end by DEADLINE, and their error is the one to report), past
-which DeadlineError names what was waited for (the save goes on).
+which DeadlineError names what was waited for (the save goes on).  Deadline is that bound, for
+these waits and every other wait for a save's end (the manager's, a sharded save's).
 
 This module imports nothing of ckptfmt but fileio and errors, so readers (api, verify,
 inplace) can wait for saves without importing the writer.
@@ -21,6 +22,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import DeadlineError
@@ -52,6 +54,36 @@ def deadline_error(what: str, seconds: float, timeout: float | None, path: str |
         f"{what} is still running after {seconds:g} s ({bound}); it goes on in the background",
         path=path,
     )
+
+
+class Deadline:
+    """The bound of a wait for saves to end, or of several waits in turn: wait_seconds(timeout)
+    from when it is made (DEADLINE read then).  Each wait through it that has not ended by
+    then raises deadline_error naming what it waited for."""
+
+    def __init__(self, timeout: float | None = None) -> None:
+        self.timeout = timeout
+        self.seconds = wait_seconds(timeout)
+        self._end = time.monotonic() + self.seconds
+
+    def left(self) -> float:
+        """Seconds left before the bound (never below 0)."""
+        return max(0.0, self._end - time.monotonic())
+
+    def wait(self, wait: Callable[[float], bool], what: str, path: str | None) -> None:
+        """`wait(seconds)` (whether `what`, of `path`, ended within them) given the seconds
+        left; DeadlineError when it did not."""
+        if not wait(self.left()):
+            raise deadline_error(what, self.seconds, self.timeout, path)
+
+    def join(self, thread: threading.Thread, what: str, path: str | None) -> None:
+        """Wait for `thread` (doing `what`) to end, as wait()."""
+
+        def joined(seconds: float) -> bool:
+            thread.join(seconds)
+            return not thread.is_alive()
+
+        self.wait(joined, what, path)
 
 
 @dataclass(frozen=True)
@@ -138,9 +170,7 @@ class SaveHandle:
         return self._exc
 
     def _wait_done(self, timeout: float | None) -> None:
-        seconds = wait_seconds(timeout)
-        if not self._done.wait(seconds):
-            raise deadline_error("the save", seconds, timeout, self.path)
+        Deadline(timeout).wait(self._done.wait, "the save", self.path)
 
     @property
     def cost(self) -> SaveCost | None:
@@ -237,9 +267,8 @@ def wait_for_path(path: str | os.PathLike[str]) -> None:
     caller's load, save or removal of the path is not made)."""
     with _lock:
         h = _in_flight.get(_key(path))
-    seconds = wait_seconds(None)
-    if h is not None and not h._done.wait(seconds):
-        raise deadline_error("the non-blocking save in flight on it", seconds, None, h.path)
+    if h is not None:
+        Deadline().wait(h._done.wait, "the non-blocking save in flight on it", h.path)
 
 
 def raise_unobserved() -> None:
@@ -262,9 +291,9 @@ def raise_unobserved() -> None:
 def _at_exit() -> None:
     with _lock:
         handles = list(_in_flight.values()) + list(_unobserved)
-    end = time.monotonic() + wait_seconds(None)  # one bound for all: an exit never hangs on a stuck save
+    deadline = Deadline()  # one bound for all: an exit never hangs on a stuck save
     for h in handles:
-        if not h._done.wait(max(0.0, end - time.monotonic())):
+        if not h._done.wait(deadline.left()):
             print(f"ckptfmt: non-blocking save of {h.path} still running at exit: abandoned", file=sys.stderr)
         elif h._exc is not None and not h._observed:
             print(f"ckptfmt: non-blocking save of {h.path} failed: {h._exc!r}", file=sys.stderr)

@@ -8,12 +8,15 @@ left, another archiver's copy under way) writes the step's files under names of 
 those: it never relies on an object of the step it did not write (but one a later step's
 committed record refers to, which every cleanup keeps: the archive copies the newest step
 first), so a cleaner that deletes only the versions it listed
-(ObjectRun.remove_interrupted_copies) never deletes what a live copy's record names.  Once committed, it sweeps what its record does not name
-(ObjectRun.sweep_step).  A signed record cannot be rewritten without its key: a signed
-step's files keep their names, and one found there is used when it is the very file.
+(ObjectRun.remove_interrupted_copies) never deletes what a live copy's record names.  Once
+committed, it sweeps what its record does not name (ObjectRun.sweep_step).  A signed record
+cannot be rewritten without its key: a signed step's files keep their names, and one found
+there is used when it is the very file.
 
 The objects of earlier steps an incremental step refers to keep the names its files' own
-indexes give them (section 12); one found there is used when it is the very file.
+indexes give them (section 12); one found there is used when it is the very file, looked
+for only once the copy's marker is in that step's prefix and no sweep of it that began
+before is still at work (ObjectRun.wait_out_sweeps): no sweep deletes it after that.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from ..storage import listing
 from ..storage.download import head
 from ..storage.upload import upload_bytes, upload_file
 from ..storage.urls import ObjectURL, parse_url
-from .objectnames import claiming, referenced_step
+from .objectnames import LaterReads, claiming, referenced_step
 from .objectrun import ObjectRun
 from .steps import CheckpointInfo
 
@@ -60,7 +63,8 @@ def put_step(
     others is an error.  The objects of earlier steps an incremental step reads from are
     uploaded first where the archive does not hold them yet (without their records: they are
     kept for this one).  `claim`: a copy marker name (copy_marker()) put into each step prefix
-    before anything is written there, deleted once the commit record is in;
+    before anything is written there, deleted once the commit record is in (None: no
+    marker, for an archive no cleaner or other copy works on meanwhile);
     `before_commit(record)`: runs once every file is uploaded and verified, right before the
     commit record (`record`, naming the files as uploaded) goes up."""
     copy = _Copy(run, step, claim)
@@ -82,8 +86,6 @@ def put_step(
         except BaseException:
             copy.withdraw()
             raise
-        for ref in record.references:
-            _restore_if_swept(run, d, ref)
         copy.release_marker()
     copy.sweep(archived)
     # every file was verified after its upload: the step is complete without a listing
@@ -101,14 +103,17 @@ class _Copy:
         self.claimed: list[ObjectURL] = []
         self.token: str | None = None  # the copy's own digits (save_token) once it needs them
         self.uploaded: dict[str, str] = {}  # objects of names of its own it uploaded: version
-        self.kept: set[str] = set()  # files of the step later steps' committed records name
+        self.kept: frozenset[str] = frozenset()  # files of the step later steps' committed records name
+        self.later: LaterReads | None = None  # what those records refer to, as read for `kept`
 
-    def claim_prefix(self, of: int) -> None:
-        """Put this copy's marker into step `of`'s prefix, once."""
+    def claim_prefix(self, of: int) -> bool:
+        """Put this copy's marker into step `of`'s prefix, once; whether it was put now."""
         url = self.run.step_place(of).url.child(self.claim) if self.claim is not None else None
-        if url is not None and url not in self.claimed:
-            upload_bytes(b"a ckptfmt archive copy in progress\n", str(url), self.run.options)
-            self.claimed.append(url)
+        if url is None or url in self.claimed:
+            return False
+        upload_bytes(b"a ckptfmt archive copy in progress\n", str(url), self.run.options)
+        self.claimed.append(url)
+        return True
 
     def put_files(self, d: CheckpointDir, record: multifile.CommitRecord) -> multifile.CommitRecord:
         """Upload the step's files; `record` naming them as uploaded.  Names of the copy's
@@ -116,15 +121,18 @@ class _Copy:
         so of two copies at least one sees the other's), or where an upload finds its name
         taken, unless the record is signed (it cannot be rewritten)."""
         signed = any(p.sha256 is not None for p in record.files)
-        there = set(listing.versions(self.url, self.run.options)) - {self.claim}
+        listed = listing.listed(self.url, self.run.options)
+        there = set(listed) - {self.claim}
         if not signed and there:
             self.token = save_token()
             # a file a later step's committed record refers to (copied first, the archive
-            # lagging) is kept for it by every cleanup: used when it is this very file
+            # lagging) is kept for it by every cleanup: used when it is this very file; the
+            # read serves the sweep once committed too, while no copy has come since
             try:
-                self.kept = self.run.read_by_later_steps(self.step) & there
+                self.later = self.run.read_by_later_steps(self.step, listed)
+                self.kept = self.later.names & there
             except LimitError:  # too many later records to read: a copy of its own instead
-                self.kept = set()
+                self.kept = frozenset()
         files = tuple(self._put_file(d, part, signed) for part in record.files)
         return dataclasses.replace(record, files=files)
 
@@ -222,14 +230,15 @@ class _Copy:
     def sweep(self, archived: multifile.CommitRecord) -> None:
         """Once committed under names of its own: delete what other copies left in the step
         and its record does not name (ObjectRun.sweep_step, which keeps what later steps'
-        records refer to), unless a live writer's marker is there (it may be uploading an
-        object of this step a later step refers to: ObjectRun.sweep_unclaimed; what is left
-        then goes with the next archive pass's remove_interrupted_copies, once that marker is
-        dead).  A failure is warned about: the step is complete."""
+        records refer to, read once with the preparation's listing where no copy came since),
+        unless a live writer's marker is there (it may be uploading an object of this step a
+        later step refers to; what is left then goes with the next archive pass's
+        remove_interrupted_copies, once that marker is dead).  A failure is warned about: the
+        step is complete."""
         if self.token is None:
             return
         try:
-            self.run.sweep_unclaimed(self.step, archived)
+            self.run.sweep_step(self.step, archived, later=self.later)
         except (CheckpointError, OSError) as e:
             warnings.warn(
                 f"step {self.step} archived to {self.run.path}; removing what other copies left "
@@ -263,21 +272,18 @@ def _complete_info(run: ObjectRun, step: int) -> CheckpointInfo:
 
 
 def _put_reference(
-    run: ObjectRun, d: CheckpointDir, ref: multifile.PartRecord, claim: Callable[[int], None]
+    run: ObjectRun, d: CheckpointDir, ref: multifile.PartRecord, claim: Callable[[int], bool]
 ) -> None:
     """Make sure the archive holds the object reference `ref` of local step `d` names (the
     same file: length, file id, index checksum, and the signed record's SHA-256 where it
     gives one), uploading it if absent.  Its chunks are verified through the step that reads
     them, once that is uploaded."""
     # the marker first, found or not: a sweep of that step (a copy of it committing, an
-    # archive pass) keeps away from it while this copy may commit a record naming the object
-    claim(referenced_step(ref.name, run.path)[0])
-    _hold_reference(run, d, ref)
-
-
-def _hold_reference(run: ObjectRun, d: CheckpointDir, ref: multifile.PartRecord) -> None:
-    """The object reference `ref` of local step `d` names, checked to be there as that very
-    file, uploaded (only if absent) where it is not."""
+    # archive pass) that lists after it keeps away while this copy may commit a record naming
+    # the object; one that listed before it is waited out before anything there is looked at
+    step = referenced_step(ref.name, run.path)[0]
+    if claim(step):
+        run.wait_out_sweeps(step)
     url = run.reference_url(ref.name)
     try:
         found = describe_object(url, run.options, ref.name)[0]  # never its index
@@ -293,15 +299,3 @@ def _hold_reference(run: ObjectRun, d: CheckpointDir, ref: multifile.PartRecord)
     multifile.check_identity(found, dataclasses.replace(ref, sha256=None), ref.name, url)
     if ref.sha256 is not None:  # a signed step: the very bytes its record vouches for
         recordsign.check_object(url, ref, run.options, None)
-
-
-def _restore_if_swept(run: ObjectRun, d: CheckpointDir, ref: multifile.PartRecord) -> None:
-    """Once the record is in: upload again the object reference `ref` names if it is gone (one
-    HEAD).  A sweep of its step that listed before this copy's marker went in, and read the
-    later records before this one was, deletes the object the copy found there (by the version
-    it listed); uploaded again, no such sweep can reach the new version, and every sweep that
-    lists later reads this record.  (A sweep whose DELETE lands after this HEAD still can.)"""
-    try:
-        head(parse_url(run.reference_url(ref.name)), run.options)
-    except FileNotFoundError:
-        _hold_reference(run, d, ref)

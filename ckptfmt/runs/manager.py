@@ -383,7 +383,7 @@ class CheckpointManager(RunRotation):
         record: multifile.CommitRecord | None = None
         try:
             if before is not None:
-                _join_within(before, f"the commit of the save before step {job.step}", job.path)
+                inflight.Deadline().join(before, f"the commit of the save before step {job.step}", job.path)
             if job.file_handle is not None:
                 job.file_handle.wait()
             if job.layout == "state":  # a save of several ranks: DCP's coordinator wrote it
@@ -519,12 +519,9 @@ class CheckpointManager(RunRotation):
         inflight.wait_seconds(None): DeadlineError naming the step still committing then."""
         with self._lock:
             threads = [(j.step, j.thread) for j in self._jobs if j.thread is not None]
-        seconds = inflight.wait_seconds(None)
-        end = time.monotonic() + seconds
+        deadline = inflight.Deadline()
         for step, t in threads:
-            t.join(max(0.0, end - time.monotonic()))
-            if t.is_alive():
-                raise inflight.deadline_error(f"the save of step {step}", seconds, None, self.directory)
+            deadline.join(t, f"the save of step {step}", self.directory)
 
     def wait(self) -> None:
         """Wait for every save in flight (and for the archive copies of the saves made); raise
@@ -685,11 +682,3 @@ def check_metrics(metrics: dict[str, float] | None) -> dict[str, float]:
             raise TypeError(f"metrics must map str to int or float; {k!r} maps to {type(v).__name__}")
         out[k] = v
     return out
-
-
-def _join_within(thread: threading.Thread, what: str, path: str) -> None:
-    """Wait for `thread` (doing `what`) at most inflight.wait_seconds(None): DeadlineError then."""
-    seconds = inflight.wait_seconds(None)
-    thread.join(seconds)
-    if thread.is_alive():
-        raise inflight.deadline_error(what, seconds, None, path)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import datetime
 import threading
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 from ..engine import commit
 from ..errors import CorruptError, IncompleteError
@@ -23,6 +24,17 @@ from .steps import parse_step_dirname
 #: written by an archiver before anything else it writes into a step's prefix and deleted
 #: after the step's commit record (or the step) is; see remove_interrupted_copies
 COPY_MARKER = "ARCHIVING."
+#: the start of the name of a sweep's marker: ``step-N/SWEEPING.<host>.<pid>.<start>.<random>``,
+#: put by ObjectRun.sweep_step before its last listing of the step and deleted once it is
+#: done: a copy that puts its own marker in the step waits for such a sweep to end before it
+#: looks for an object there to refer to (one of them sees the other)
+SWEEP_MARKER = "SWEEPING."
+#: seconds from a sweep's marker past which the sweep deletes nothing (ObjectRun.sweep_step)
+SWEEP_DELETES_WITHIN = 300.0
+#: seconds a copy waits at most for a sweep whose marker it finds (ObjectRun.wait_out_sweeps),
+#: and the age past which a sweep's marker is dead wherever it was written: past that sweep's
+#: bound by a margin for a DELETE it sent just before
+SWEEP_WAIT = 3 * SWEEP_DELETES_WITHIN
 
 
 def is_copy_marker(name: str) -> bool:
@@ -30,9 +42,24 @@ def is_copy_marker(name: str) -> bool:
     return name.startswith(COPY_MARKER) and "/" not in name
 
 
+def is_sweep_marker(name: str) -> bool:
+    """Whether `name` (relative to a step's prefix) is a sweep's marker."""
+    return name.startswith(SWEEP_MARKER) and "/" not in name
+
+
+def is_marker(name: str) -> bool:
+    """Whether `name` (relative to a step's prefix) is a writer's marker: a copy's or a sweep's."""
+    return is_copy_marker(name) or is_sweep_marker(name)
+
+
 def copy_marker() -> str:
     """A copy marker name owned by this process (engine/commit.py's owner rule)."""
     return COPY_MARKER + commit.owned_suffix()
+
+
+def sweep_marker() -> str:
+    """A sweep's marker name owned by this process (engine/commit.py's owner rule)."""
+    return SWEEP_MARKER + commit.owned_suffix()
 
 
 # this process's copy markers whose copy (or deletion) is under way: one of this process's
@@ -82,8 +109,8 @@ def check_listed(listed: Listed | None, part: multifile.PartRecord, owner: str) 
 
 def written_here(name: str) -> bool:
     """Whether `name`, in a step's prefix, is an object ckptfmt writes there: its files and
-    record (files/names.py is_own_name) or an archiver's copy marker."""
-    return is_own_name(name) or is_copy_marker(name)
+    record (files/names.py is_own_name) or a marker (a copy's or a sweep's)."""
+    return is_own_name(name) or is_marker(name)
 
 
 def in_steps(name: str, steps: set[str]) -> bool:
@@ -95,14 +122,19 @@ def in_steps(name: str, steps: set[str]) -> bool:
 def marker_dead(
     name: str, when: datetime.datetime | None, now: datetime.datetime, older_than: datetime.timedelta
 ) -> bool:
-    """Whether copy marker `name` (written at `when`) was left by a writer that has ended: one
-    of this host whose process is gone, or one written elsewhere that is older than both
-    `older_than` and STALE_AFTER: a cleaner's shorter bound (cleanup's) must never make a
-    live copy on another host look dead, as its age is all that can be asked of it."""
-    if name.startswith(COPY_MARKER + commit.owner_token() + "."):  # this process's
+    """Whether marker `name` (a copy's or a sweep's, written at `when`) was left by a writer
+    that has ended: one of this host whose process is gone, or one written elsewhere that is
+    older than both `older_than` and STALE_AFTER: a cleaner's shorter bound (cleanup's) must
+    never make a live copy on another host look dead, as its age is all that can be asked of it.
+    A sweep's marker is dead too once older than SWEEP_WAIT (the sweep deletes nothing then):
+    one a sweep on another host left when killed holds up no copy for longer."""
+    if is_sweep_marker(name) and when is not None and now - when > datetime.timedelta(seconds=SWEEP_WAIT):
+        return True
+    suffix = name[len(SWEEP_MARKER if is_sweep_marker(name) else COPY_MARKER) :]
+    if suffix.startswith(commit.owner_token() + "."):  # this process's
         with _claims_lock:
             return name not in _claims_in_use
-    owner = commit.parse_owned_suffix(name[len(COPY_MARKER) :])
+    owner = commit.parse_owned_suffix(suffix)
     verdict = None if owner is None else commit.owner_dead(*owner)
     if verdict is not None:
         return verdict
@@ -110,12 +142,22 @@ def marker_dead(
 
 
 def has_live_marker(
-    listed: dict[str, Listed], now: datetime.datetime, older_than: datetime.timedelta
+    listed: dict[str, Listed],
+    now: datetime.datetime,
+    older_than: datetime.timedelta,
+    kind: Callable[[str], bool] = is_marker,
 ) -> bool:
-    """Whether a step's prefix, `listed`, holds the copy marker of a writer still at work there
-    (marker_dead): what it has uploaded so far is not yet named by any record."""
-    return any(
-        is_copy_marker(n) and not marker_dead(n, e.modified, now, older_than) for n, e in listed.items()
+    """Whether a step's prefix, `listed`, holds the marker (of `kind`: by default a copy's or a
+    sweep's) of a writer still at work there (marker_dead): what a copy has uploaded so far,
+    or found there to refer to, is not yet named by any record."""
+    return any(kind(n) and not marker_dead(n, e.modified, now, older_than) for n, e in listed.items())
+
+
+def ended_copies(listed: dict[str, Listed], now: datetime.datetime) -> frozenset[str]:
+    """The copy markers in a step's prefix, `listed`, whose writers have ended (marker_dead by
+    STALE_AFTER): a record such a copy committed is in by now."""
+    return frozenset(
+        n for n, e in listed.items() if is_copy_marker(n) and marker_dead(n, e.modified, now, STALE_AFTER)
     )
 
 
@@ -124,7 +166,7 @@ def writer_came(before: Collection[str], now: Collection[str]) -> bool:
     record now that it did not: another writer has come since, and may use what it found
     there (an archiver's copy keeps the very file another's copy, cut short, left), so what
     `before` lists is no longer a dead writer's alone to delete."""
-    return any(n not in before and (n == multifile.COMMIT_NAME or n.startswith(COPY_MARKER)) for n in now)
+    return any(n not in before and (n == multifile.COMMIT_NAME or is_marker(n)) for n in now)
 
 
 def in_a_step(name: str) -> bool:
@@ -133,3 +175,19 @@ def in_a_step(name: str) -> bool:
     with other things, and a step's with another program's objects)."""
     top, sep, rest = name.partition("/")
     return sep == "/" and is_own_name(rest) and parse_step_dirname(top) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class LaterReads:
+    """What later steps' records refer to in a step, read at one moment (ObjectRun.read_by_later_steps):
+    `names`, its objects they refer to; `ended`, the copy markers its prefix held whose
+    writers had ended before the read."""
+
+    names: frozenset[str]
+    ended: frozenset[str]
+
+    def serves(self, listed: dict[str, Listed]) -> bool:
+        """Whether this read still tells what later records refer to in the step as `listed`
+        now: every copy marker there had ended before the read (a copy whose marker is not
+        among them may have committed a record referring to an object of the step since)."""
+        return all(n in self.ended for n in listed if is_copy_marker(n))

@@ -11,21 +11,22 @@ and records are bounded before they are decoded.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 from ..errors import (
     CheckpointError,
-    CorruptError,
     IncompleteError,
     LimitError,
     StorageError,
 )
 from ..files import multifile
-from ..files.names import STATE_NAME_RE, is_own_name
-from ..files.places import STALE_AFTER, ObjectPlace
+from ..files.names import is_own_name
+from ..files.places import STALE_AFTER
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport
 from ..format.timestamps import parse_utc
@@ -35,18 +36,26 @@ from ..storage.download import head
 from ..storage.upload import upload_bytes
 from ..storage.urls import ObjectURL, parse_url
 from .objectnames import (
+    SWEEP_DELETES_WITHIN,
+    SWEEP_WAIT,
+    LaterReads,
     check_listed,
     claiming,
+    ended_copies,
     has_live_marker,
     in_a_step,
     in_steps,
     is_copy_marker,
+    is_marker,
+    is_sweep_marker,
     marker_dead,
     referenced_step,
+    sweep_marker,
     writer_came,
     written_here,
 )
 from .stepcheck import verify_objects
+from .stepplace import StepPlace
 from .steps import CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
 
 #: the commit records latest() and a resume read at most, newest first (spec 13.7): each is a
@@ -405,58 +414,104 @@ class ObjectRun:
         listing.delete_versions(url, self.options, ours)
 
     def sweep_step(
-        self, step: int, record: multifile.CommitRecord, listed: dict[str, str | None] | None = None
-    ) -> None:
-        """Delete what other saves left in step `step`, which this process has just committed
-        with `record`: objects ckptfmt writes in a step (never a copy marker, never the record)
-        that the record does not name, each by the version listed (If-Match).  No record of
+        self,
+        step: int,
+        record: multifile.CommitRecord,
+        listed: dict[str, Entry] | None = None,
+        *,
+        later: LaterReads | None = None,
+        older_than: datetime.timedelta = STALE_AFTER,
+    ) -> bool:
+        """Delete what other saves left in step `step`, committed with `record`: objects
+        ckptfmt writes in a step (never a marker, never the record) that the record does not
+        name, each by the version `listed` gives (If-Match); whether it swept.  No record of
         the step can name them: a step's record is created only once, and names only objects
         its own writer uploaded (spec 13.7).  A later step's record can (the step committed by
-        another writer and retired by its rotation before this commit): those are left.
-        Nothing goes where a copy marker or record came since `listed` (writer_came), listed
-        again once the later records are read.
-        `listed`: the step's objects and versions as just listed (None: listed here)."""
+        another writer and retired by its rotation before this commit, or an archive copy
+        adopting a leftover of it): those are left.
+        Nothing goes while a live writer's copy marker (marker_dead, by `older_than`) is in the
+        prefix: it may be uploading, or have found there, an object its later step will refer
+        to.  The last listing is made after this sweep's own marker (sweep_marker) is in: a
+        copy whose marker it does not show finds this sweep's and waits for its end
+        (wait_out_sweeps) before it looks for an object of the step, so nothing it refers to
+        is deleted after it looked.  The later records are read after that listing, unless
+        `later` (read before) still serves it (LaterReads.serves).  Nothing is deleted past
+        SWEEP_DELETES_WITHIN seconds from the marker (the bound a copy's wait relies on).
+        `listed`: the step's objects as just listed (None: listed here)."""
         url = self._step_url(step)
+        listed = listing.listed(url, self.options) if listed is None else listed
         named = {p.name for p in record.files} | {multifile.COMMIT_NAME}
-        listed = listing.versions(url, self.options) if listed is None else listed
-        others = {
-            name: version
-            for name, version in listed.items()
-            if is_own_name(name) and name not in named and version is not None
-        }
+        others = {n: e.version for n, e in listed.items() if is_own_name(n) and n not in named}
         if not others:
-            return
-        read_later = self.read_by_later_steps(step)
-        # a copy of a later step that came while those records were read (its marker put
-        # since `listed`) may be adopting one of `others`, its record not in yet: all stay
-        if writer_came(listed, listing.versions(url, self.options)):
-            return
-        listing.delete_versions(url, self.options, [(n, v) for n, v in others.items() if n not in read_later])
-
-    def sweep_unclaimed(
-        self, step: int, record: multifile.CommitRecord, older_than: datetime.timedelta = STALE_AFTER
-    ) -> bool:
-        """sweep_step of committed step `step` (by its `record`) unless a live writer's copy
-        marker (marker_dead, by `older_than`) is in its prefix (it may be uploading an object
-        of this step that a later step will refer to); whether it swept.  One listing serves
-        both: an object uploaded after that listing is never among the versions deleted, nor
-        one a marker it shows guards."""
-        listed = listing.listed(self._step_url(step), self.options)
-        if has_live_marker(listed, datetime.datetime.now(datetime.timezone.utc), older_than):
+            return True
+        if self._copy_at_work(listed, older_than):
             return False
-        self.sweep_step(step, record, {n: e.version for n, e in listed.items()})
+        name = sweep_marker()
+        marker = url.child(name)
+        with claiming(name):
+            began = time.monotonic()  # before the PUT: a copy may list the marker before it returns
+            upload_bytes(b"a ckptfmt sweep in progress\n", str(marker), self.options)
+            try:
+                swept = self._sweep_announced(step, others, later, older_than, began)
+            except BaseException:
+                with contextlib.suppress(CheckpointError, OSError):  # dead once unclaimed: cleanup's
+                    listing.delete_object(marker, self.options)
+                raise
+            listing.delete_object(marker, self.options)
+        return swept
+
+    def _sweep_announced(
+        self,
+        step: int,
+        others: dict[str, str | None],
+        later: LaterReads | None,
+        older_than: datetime.timedelta,
+        began: float,
+    ) -> bool:
+        """sweep_step's deletion of `others` once its marker is in (at monotonic `began`)."""
+        url = self._step_url(step)
+        now = listing.listed(url, self.options)
+        if self._copy_at_work(now, older_than):
+            return False
+        if later is None or not later.serves(now):
+            later = self.read_by_later_steps(step, now)
+        if time.monotonic() - began > SWEEP_DELETES_WITHIN:
+            return False  # a copy that found the marker may no longer wait for it
+        doomed = [(n, v) for n, v in others.items() if n not in later.names and v is not None]
+        listing.delete_versions(url, self.options, doomed)
         return True
+
+    @staticmethod
+    def _copy_at_work(listed: dict[str, Entry], older_than: datetime.timedelta) -> bool:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        return has_live_marker(listed, now, older_than, kind=is_copy_marker)
+
+    def wait_out_sweeps(self, step: int) -> None:
+        """Wait until no live sweep's marker (sweep_step; marker_dead) is in step `step`'s
+        prefix, or for SWEEP_WAIT seconds: past it a sweep that put its marker before this wait
+        began deletes nothing more.  Called by a copy after its own marker is in the prefix
+        and before it looks for an object there to refer to: a sweep that began later sees
+        that marker."""
+        url = self._step_url(step)
+        ends = time.monotonic() + SWEEP_WAIT
+        pause = 0.05
+        while time.monotonic() < ends:
+            now = datetime.datetime.now(datetime.timezone.utc)
+            if not has_live_marker(listing.listed(url, self.options), now, STALE_AFTER, kind=is_sweep_marker):
+                return
+            time.sleep(min(pause, max(0.0, ends - time.monotonic())))
+            pause = min(2 * pause, 1.0)
 
     def _sweep_ended_copies(self, step: int, older_than: datetime.timedelta) -> bool:
         """In complete step `step`, whose copy markers are all dead (by `older_than`): delete
         what those copies left beside the record (a copy that lost the race to commit, or was
-        killed, while another copy committed under names of its own), as sweep_unclaimed
-        does.  A record that cannot be read leaves what they left.  False when nothing is
-        swept: a live writer's marker is there now (one came since the run was listed), or
-        too many later records to read; the dead markers must stay then, or what their
-        copies left would never be swept."""
+        killed, while another copy committed under names of its own), as sweep_step does.  A
+        record that cannot be read leaves what they left.  False when nothing is swept: a
+        live writer's marker is there now (one came since the run was listed), or too many
+        later records to read; the dead markers must stay then, or what their copies left
+        would never be swept."""
         try:
-            return self.sweep_unclaimed(step, self.record(step), older_than)
+            return self.sweep_step(step, self.record(step), older_than=older_than)
         except FileNotFoundError:  # deleted since the listing
             return True
         except StorageError:
@@ -466,11 +521,13 @@ class ObjectRun:
         except CheckpointError:  # nothing to go by
             return True
 
-    def read_by_later_steps(self, step: int) -> set[str]:
-        """The names of step `step`'s objects that the records of later steps refer to (only
-        later steps refer to a step's objects); one listing of the run, one GET a later record
-        (usually none: the step swept is the newest).  LimitError past MAX_STATUS_RECORDS of
-        them: what the others refer to is not known, so nothing is swept."""
+    def read_by_later_steps(self, step: int, listed: dict[str, Entry]) -> LaterReads:
+        """What the records of later steps refer to in step `step` (only later steps refer to
+        a step's objects), with `listed`, the step's objects as listed just before: one
+        listing of the run, one GET a later record not read yet (usually none: the step swept
+        is the newest).  LimitError past MAX_STATUS_RECORDS of them: what the others refer
+        to is not known, so nothing is swept."""
+        ended = ended_copies(listed, datetime.datetime.now(datetime.timezone.utc))
         found = self.listing()
         later = {s: names for s, names in found.items() if s > step}
         if sum(multifile.COMMIT_NAME in names for names in later.values()) > MAX_STATUS_RECORDS:
@@ -481,7 +538,8 @@ class ObjectRun:
             )
         statuses = [self.status_of(s, names, found) for s, names in sorted(later.items())]
         prefix = self.step_path(step) + "/"
-        return {u[len(prefix) :] for u in self._referenced_by(statuses) if u.startswith(prefix)}
+        names = frozenset(u[len(prefix) :] for u in self._referenced_by(statuses) if u.startswith(prefix))
+        return LaterReads(names, ended)
 
     def sweep_committed(self, step: int) -> None:
         """sweep_step of step `step` by the commit record there now, if one can be read."""
@@ -512,14 +570,14 @@ class ObjectRun:
         self, older_than: datetime.timedelta = STALE_AFTER, found: Listed | None = None
     ) -> list[int]:
         """Remove what archive copies (and deletions) that died left; returns the steps whose
-        prefix was deleted.  A step prefix is such a leftover when it holds copy markers
-        (COPY_MARKER) and every one is dead: its writer ran on this host and its process has
+        prefix was deleted.  A step prefix is such a leftover when it holds markers (a copy's,
+        COPY_MARKER, or a sweep's cut short, SWEEP_MARKER) and every one is dead: its writer ran on this host and its process has
         ended, or (written elsewhere, where that cannot be asked) it is older than
         `older_than`.  Such a prefix without a commit record (by the listing and by a HEAD)
         whose objects no step refers to is deleted, its markers last, so that a deletion cut
         short stays recognisable; one that a step refers to is left whole (its markers say it
         is ours once nothing does); in a complete step what those copies left beside the record
-        goes (sweep_unclaimed: own names its record does not name, unless a later record
+        goes (sweep_step: own names its record does not name, unless a later record
         reads them), then the dead markers (both stay where it finds a live writer's marker
         now: one that came since `found`).  A prefix with
         no marker, or with a live writer's, is never touched here (ObjectRun.cleanup).
@@ -531,7 +589,7 @@ class ObjectRun:
         live: set[int] = set()
         for step, names in found.items():
             for name, entry in names.items():
-                if is_copy_marker(name):
+                if is_marker(name):
                     if marker_dead(name, entry.modified, now, older_than):
                         dead.setdefault(step, []).append(name)
                     else:
@@ -590,37 +648,6 @@ class ObjectRun:
                     below = _oldest_known(statuses)
                 if step > below and not any(u.startswith(self.step_path(step) + "/") for u in referenced):
                     self.delete_leftover(step, older_than)
-
-
-class StepPlace(ObjectPlace):
-    """A step of a run on a store as the place of its checkpoint: its commit record must be
-    for that step and refer only to objects of the run's steps (``../step-N/NAME``)."""
-
-    def __init__(self, url: ObjectURL, storage_options: dict[str, Any] | None, step: int) -> None:
-        super().__init__(url, storage_options)
-        self.step = step
-
-    def record_sized(self, size: int | None, trusted: Any = None) -> multifile.CommitRecord:
-        record = super().record_sized(size, trusted)
-        url = self.path_of(multifile.COMMIT_NAME)
-        if record.step != self.step:
-            raise CorruptError(f"the commit record is for step {record.step}, not {self.step}", path=url)
-        if record.layout == "state" and [
-            STATE_NAME_RE.fullmatch(p.name) is not None for p in record.files
-        ] != [True]:
-            raise CorruptError(
-                "a 'state' commit record must name exactly one state object (state.ckpt, or "
-                "state.<16 hex digits>.ckpt)",
-                path=url,
-            )
-        for ref in record.references:
-            other = referenced_step(ref.name, url)[0]  # a reference names a step of this run
-            if other >= self.step:  # cleanup relies on it: only later steps read a step's objects
-                raise CorruptError(
-                    f"the commit record refers to step {other}, not an earlier step ({ref.name[:80]!r})",
-                    path=url,
-                )
-        return record
 
 
 def _unread(step: int, path: str) -> StepStatus:

@@ -228,9 +228,11 @@ class _FutureHandle:
 
     def _wait_done(self, timeout: float | None) -> None:
         """As SaveHandle's waits: at most inflight.wait_seconds(timeout), then DeadlineError."""
-        seconds = inflight.wait_seconds(timeout)
-        if not concurrent.futures.wait([self._future], timeout=seconds)[0]:
-            raise inflight.deadline_error("the sharded save", seconds, timeout, self._path)
+
+        def finished(seconds: float) -> bool:
+            return bool(concurrent.futures.wait([self._future], timeout=seconds).done)
+
+        inflight.Deadline(timeout).wait(finished, "the sharded save", self._path)
 
 
 def _subset(md: Metadata, prefix: tuple[str, ...]) -> Metadata:
