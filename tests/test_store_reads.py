@@ -212,3 +212,58 @@ def test_a_load_under_max_bytes_reads_ahead_no_more_than_that(store_faults):
         ckptfmt.load(url, max_bytes=2 * MiB, storage_options=options)
     # the first cell, the two the tail lies in, and 2 MiB of cells after the first
     assert sum(hi - lo for lo, hi in faults.ranges("bounded.ckpt")) <= 5 * MiB
+
+
+def _peaks(monkeypatch) -> dict[str, int]:
+    """The most bytes each RemoteObject's spool held or had asked for at once (peak_bytes, the
+    download's own count), by URL, taken as it is closed."""
+    peaks: dict[str, int] = {}
+    close = RemoteObject.close
+
+    def closing(self: RemoteObject) -> None:
+        peaks[self.path] = max(peaks.get(self.path, 0), self.peak_bytes)
+        close(self)
+
+    monkeypatch.setattr(RemoteObject, "close", closing)
+    return peaks
+
+
+def _index_memory(url: str, options: dict[str, object]) -> int:
+    from ckptfmt.files.reader import CheckpointFile
+
+    with CheckpointFile(url, storage_options=options) as f:
+        return f.index_memory
+
+
+def test_a_load_under_max_bytes_holds_the_spool_within_what_it_leaves(store, monkeypatch):
+    """A store load's peak (the spool's bytes held or in flight, beside the index and the
+    tensors it fills) stays within max_bytes: no read-ahead wave before the index is parsed,
+    and windows sized to what the bound leaves (it held the whole 8 MiB object in its spool
+    beside 8 MiB of tensors, under max_bytes of 11 MiB and the index)."""
+    root, options = store
+    options = options | {"request_size": MiB}
+    g = torch.Generator().manual_seed(6)
+    state = {f"t{i}": torch.randn(MiB // 2, generator=g) for i in range(4)}  # 4 x 2 MiB
+    url = f"{root}/bounded/model.ckpt"
+    ckptfmt.save(state, url, storage_options=options, chunk_size=256 << 10)
+    index = _index_memory(url, options)
+    bound = index + 8 * MiB + 3 * MiB
+    peaks = _peaks(monkeypatch)
+    assert_same(state, ckptfmt.load(url, max_bytes=bound, storage_options=options))
+    assert 0 < peaks.pop(url) <= bound - 8 * MiB - index
+    with ckptfmt.open(url, max_bytes=index + 2 * MiB + 2 * MiB, storage_options=options) as r:
+        assert_same(state["t1"], r.get("t1"))  # one tensor's chunks, two MiB beside them
+    assert 0 < peaks.pop(url) <= 2 * MiB
+
+
+def test_a_load_whose_max_bytes_leaves_no_room_to_fetch_through_is_refused(store):
+    """Where max_bytes covers the index and the tensors but not one window to fetch chunks
+    through beside them, the load is refused (LimitError naming the URL and the bound)."""
+    root, options = store
+    state = {f"t{i}": torch.zeros(MiB // 2) + i for i in range(4)}  # 4 x 2 MiB
+    url = f"{root}/tight/model.ckpt"
+    ckptfmt.save(state, url, storage_options=options, chunk_size=256 << 10)
+    bound = _index_memory(url, options) + 8 * MiB + 64 * 1024
+    with pytest.raises(ckptfmt.LimitError, match=f"max_bytes={bound} .* to fetch chunks through") as e:
+        ckptfmt.load(url, max_bytes=bound, storage_options=options)
+    assert e.value.path == url
