@@ -215,16 +215,27 @@ def test_a_load_under_max_bytes_reads_ahead_no_more_than_that(store_faults):
 
 
 def _peaks(monkeypatch) -> dict[str, int]:
-    """The most bytes each RemoteObject's spool held or had asked for at once (peak_bytes, the
-    download's own count), by URL, taken as it is closed."""
+    """The most bytes each RemoteObject's spool held or had asked for at once, by URL: the
+    download's own count (peak_bytes, taken as it is closed), or where more, the memory its
+    memfd held (its blocks, taken before each range read is given back, when it is fullest)."""
     peaks: dict[str, int] = {}
     close = RemoteObject.close
+    release = RemoteObject.release
+
+    def note(self: RemoteObject, held: int) -> None:
+        peaks[self.path] = max(peaks.get(self.path, 0), held)
 
     def closing(self: RemoteObject) -> None:
-        peaks[self.path] = max(peaks.get(self.path, 0), self.peak_bytes)
+        note(self, self.peak_bytes)
         close(self)
 
+    def releasing(self: RemoteObject, ranges: list[tuple[int, int]], wait: bool = False) -> None:
+        if self.spool is not None:
+            note(self, os.fstat(self.spool.fd).st_blocks * 512)
+        release(self, ranges, wait)
+
     monkeypatch.setattr(RemoteObject, "close", closing)
+    monkeypatch.setattr(RemoteObject, "release", releasing)
     return peaks
 
 
