@@ -389,7 +389,7 @@ class RemoteObject:
     def release(self, ranges: Sequence[Range], wait: bool = False) -> None:
         """Give back the memory of ranges already read (fetched again if asked for again), its
         pages freed on the freeing thread; `wait`: return once they are freed (a reader within
-        a memory bound asks for more only then)."""
+        a memory bound asks for more only then), within the deadline (_wait_freed)."""
         spool = self.spool
         if spool is None:
             return
@@ -397,15 +397,15 @@ class RemoteObject:
             self._held = subtract_ranges(self._held, ranges)
             taken = self._taken()
             pages = [_page_edges(r, taken, self.size) for r in merge_ranges(ranges)]
-            freeing = [(r, self._freer.submit(spool.release, *r)) for r in pages]
-            self._freeing.extend(freeing)
-        if wait:
-            self.wait([f for _, f in freeing])
+            self._freeing.extend((r, self._freer.submit(spool.release, *r)) for r in pages)
+        if wait and pages:
+            self._wait_freed(pages[0][0], pages[-1][1], s3.Budget(self.options), "give back")
 
-    def _wait_freed(self, lo: int, hi: int, budget: s3.Budget) -> None:
+    def _wait_freed(self, lo: int, hi: int, budget: s3.Budget, doing: str = "read") -> None:
         """Wait until the pages of ranges given back that overlap [lo, hi) are freed, so that
-        freeing them cannot wipe what a fetch is about to write there; StorageError naming the
-        URL where that takes longer than what remains of `budget`'s deadline."""
+        freeing them cannot wipe what a fetch is about to write there (or, `doing` "give back",
+        so that a reader within a bound asks for more only then); StorageError naming the URL
+        where that takes longer than what remains of `budget`'s deadline."""
         with self._held_lock:
             self._freeing = [(r, f) for r, f in self._freeing if not f.done()]
             pending = [f for (a, b), f in self._freeing if a < hi and lo < b]
@@ -414,7 +414,7 @@ class RemoteObject:
                 f.result(timeout=budget.remaining())
             except FutureTimeout:
                 raise StorageError(
-                    f"read bytes {lo}-{hi - 1}: the pages given back there were not freed within "
+                    f"{doing} bytes {lo}-{hi - 1}: the pages given back there were not freed within "
                     f"{budget.deadline:g} s (storage option deadline)",
                     path=self.path,
                 ) from None
