@@ -245,13 +245,22 @@ def _peaks(monkeypatch) -> dict[str, int]:
 
 
 def _index_memory(url: str, options: dict[str, object]) -> int:
+    return _memory(url, options)[0]
+
+
+def _memory(url: str, options: dict[str, object]) -> tuple[int, int]:
+    """What a load of the object takes besides its tensors and its spool: the index, and
+    the decode buffers of all its chunks (the engine's, one per thread)."""
+    from ckptfmt.engine import native
+    from ckptfmt.engine.chunkread import decode_memory
     from ckptfmt.files.reader import CheckpointFile
 
     with CheckpointFile(url, storage_options=options) as f:
-        return f.index_memory
+        return f.index_memory, decode_memory(f.chunks, native.available())
 
 
-def test_a_load_under_max_bytes_holds_the_spool_within_what_it_leaves(store, monkeypatch):
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_load_under_max_bytes_holds_the_spool_within_what_it_leaves(store, monkeypatch, compression):
     """A store load's peak (the spool's bytes held or in flight, beside the index and the
     tensors it fills) stays within max_bytes: no read-ahead wave before the index is parsed,
     and windows sized to what the bound leaves (it held the whole 8 MiB object in its spool
@@ -261,13 +270,14 @@ def test_a_load_under_max_bytes_holds_the_spool_within_what_it_leaves(store, mon
     g = torch.Generator().manual_seed(6)
     state = {f"t{i}": torch.randn(MiB // 2, generator=g) for i in range(4)}  # 4 x 2 MiB
     url = f"{root}/bounded/model.ckpt"
-    ckptfmt.save(state, url, storage_options=options, chunk_size=256 << 10)
-    index = _index_memory(url, options)
-    bound = index + 8 * MiB + 3 * MiB
+    ckptfmt.save(state, url, storage_options=options, chunk_size=256 << 10, compression=compression)
+    index, decode = _memory(url, options)
+    assert (decode > 0) == bool(compression)
+    bound = index + 8 * MiB + 3 * MiB + decode
     peaks = _peaks(monkeypatch)
     assert_same(state, ckptfmt.load(url, max_bytes=bound, storage_options=options))
-    assert 0 < peaks.pop(url) <= bound - 8 * MiB - index
-    with ckptfmt.open(url, max_bytes=index + 2 * MiB + 2 * MiB, storage_options=options) as r:
+    assert 0 < peaks.pop(url) <= bound - 8 * MiB - index - decode
+    with ckptfmt.open(url, max_bytes=index + 2 * MiB + 2 * MiB + decode, storage_options=options) as r:
         assert_same(state["t1"], r.get("t1"))  # one tensor's chunks, two MiB beside them
     assert 0 < peaks.pop(url) <= 2 * MiB
 
