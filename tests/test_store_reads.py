@@ -293,3 +293,27 @@ def test_a_load_whose_max_bytes_leaves_no_room_to_fetch_through_is_refused(store
     with pytest.raises(ckptfmt.LimitError, match=f"max_bytes={bound} .* to fetch chunks through") as e:
         ckptfmt.load(url, max_bytes=bound, storage_options=options)
     assert e.value.path == url
+
+
+def test_a_load_under_max_bytes_counts_the_objects_it_refers_to(s3_bucket, monkeypatch):
+    """An incremental step's chunks that lie in an earlier step's object are fetched through
+    that object's spool within what max_bytes leaves too, beside this object's own (both
+    spools' peaks together, though not at once, within it: the referenced one held its whole
+    8 MiB of chunks in flight before)."""
+    bucket, options = s3_bucket
+    monkeypatch.setenv("CKPTFMT_CHUNK_SIZE", str(256 << 10))
+    options = options | {"request_size": MiB}
+    run = f"s3://{bucket}/bounded-run"
+    frozen = torch.randn(2 * MiB, generator=torch.Generator().manual_seed(7))  # 8 MiB, in step 1 only
+    m = ckptfmt.CheckpointManager(run, incremental=True, storage_options=options)
+    for step in (1, 2):
+        m.save(step, {"frozen": frozen, "head": torch.full((1000,), float(step))})
+    url, referred = f"{run}/step-000000002/state.ckpt", f"{run}/step-000000001/state.ckpt"
+    assert m.latest().references == (referred,)
+    index = _index_memory(url, options)
+    room = 3 * MiB
+    peaks = _peaks(monkeypatch)
+    got = ckptfmt.load(url, max_bytes=index + frozen.nbytes + 4000 + room, storage_options=options)
+    state = got["state"]  # a manager's state object: the state beside its RNG and resume entries
+    assert torch.equal(state["frozen"], frozen) and torch.equal(state["head"], torch.full((1000,), 2.0))
+    assert peaks[referred] > MiB and peaks[url] + peaks[referred] <= room
