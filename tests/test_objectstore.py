@@ -149,15 +149,19 @@ def test_a_load_makes_one_request_per_cell_like_a_plain_download(store_faults, m
 def test_windows_under_a_memory_bound_fit_what_it_leaves(room, largest):
     """The windows a load under max_bytes reads by, and the one chunk that crosses a window's
     edge, hold no more than the room the bound leaves; none where one MIN_WINDOW does not fit."""
-    fits = fetchplan.windows_within(room, largest)
-    if room - largest < fetchplan.MIN_WINDOW:
+    fits = fetchplan.windows_within(room, largest, 1 << 40)
+    pages = (fetchplan.FETCH_AHEAD + 2) * 4096  # a page more at each edge of what the spool holds
+    if room - largest - pages < fetchplan.MIN_WINDOW:
         assert fits is None
         return
     assert fits is not None
     window, ahead = fits
     assert window >= fetchplan.MIN_WINDOW and window % 4096 == 0 and 1 <= ahead <= fetchplan.FETCH_AHEAD
-    assert window * ahead + largest <= room
+    assert window * ahead + largest + pages <= room
     assert window <= fetchplan.FETCH_WINDOW
+    # where all there is to read fits, it is read as without a bound
+    total = max(room, largest)
+    assert fetchplan.windows_within(total, largest, total) == (fetchplan.FETCH_WINDOW, fetchplan.FETCH_AHEAD)
 
 
 def test_a_page_two_ranges_given_back_share_is_freed_with_the_second(s3_bucket):

@@ -317,3 +317,21 @@ def test_a_load_under_max_bytes_counts_the_objects_it_refers_to(s3_bucket, monke
     state = got["state"]  # a manager's state object: the state beside its RNG and resume entries
     assert torch.equal(state["frozen"], frozen) and torch.equal(state["head"], torch.full((1000,), 2.0))
     assert peaks[referred] > MiB and peaks[url] + peaks[referred] <= room
+
+
+def test_a_small_object_held_whole_loads_under_a_bound_that_covers_it(store, monkeypatch):
+    """An object whose tail, fetched with its index, holds all its chunks needs no window
+    beside: a bound that covers the index, the tensors and that spool loads it (it was refused
+    for want of a window's room)."""
+    from ckptfmt.storage.download import head
+    from ckptfmt.storage.urls import parse_url
+
+    root, options = store
+    state = {"w": torch.randn(50_000, generator=torch.Generator().manual_seed(8)), "step": 3}
+    url = f"{root}/small/model.ckpt"
+    ckptfmt.save(state, url, storage_options=options)
+    size = head(parse_url(url), options)[0]
+    bound = _index_memory(url, options) + state["w"].nbytes + size + 4096
+    peaks = _peaks(monkeypatch)
+    assert_same(state, ckptfmt.load(url, max_bytes=bound, storage_options=options))
+    assert peaks[url] <= size + 4096  # its memfd holds whole pages

@@ -23,23 +23,35 @@ FETCH_AHEAD = 8
 #: whole pages)
 MIN_WINDOW = 256 << 10
 _PAGE = 4096
+#: the spool holds whole pages: a page more at each edge of what it holds under a bound (the
+#: windows in flight and the chunk before them)
+_EDGES = (FETCH_AHEAD + 2) * _PAGE
 
 T = TypeVar("T")
 
 
-def windows_within(room: int, largest: int) -> tuple[int, int] | None:
+def windows_within(room: int, largest: int, total: int) -> tuple[int, int] | None:
     """(bytes per window, windows in flight) whose fetches, with the bytes of a chunk of
     `largest` stored bytes that crosses a window's edge, hold at most `room` bytes: FETCH_WINDOW
-    and FETCH_AHEAD where they fit, else windows of room / FETCH_AHEAD (at least MIN_WINDOW),
-    as many as fit; None where not even one MIN_WINDOW does.  The requests must then be cut
-    at a grid of the window's size, so that no request is larger than a window."""
-    spare = room - largest
+    and FETCH_AHEAD where they fit or where all `total` bytes to read do, else windows of
+    room / FETCH_AHEAD (at least MIN_WINDOW), as many as fit; None where not even one
+    MIN_WINDOW does.  The requests must then be cut at a grid of the window's size, so that
+    no request is larger than a window."""
+    if room >= total:
+        return FETCH_WINDOW, FETCH_AHEAD
+    spare = room - largest - _EDGES
     if spare >= FETCH_AHEAD * FETCH_WINDOW:
         return FETCH_WINDOW, FETCH_AHEAD
     window = max(MIN_WINDOW, spare // FETCH_AHEAD // _PAGE * _PAGE)
     if window > spare:
         return None
     return window, min(FETCH_AHEAD, spare // window)
+
+
+def least_room(largest: int) -> int:
+    """The fewest bytes windows_within can read chunks of `largest` stored bytes through: the
+    chunk, one MIN_WINDOW and the pages at their edges."""
+    return largest + MIN_WINDOW + _EDGES
 
 
 def request_windows(

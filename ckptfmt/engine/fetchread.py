@@ -39,19 +39,22 @@ class Room:
         return self.bound - self.index - self.tensors - self.decode - self.held
 
 
-def windows_for(room: Room | None, largest: int, path: str) -> tuple[int, int]:
-    """(bytes per window, windows in flight): fetchplan's defaults without a bound, else what
-    fits `room` beside a chunk of `largest` stored bytes; LimitError naming each part of the
-    bound where not even one window does."""
+def windows_for(remote: Fetcher, room: Room | None, stored: Sequence[Range], path: str) -> tuple[int, int]:
+    """(bytes per window, windows in flight) to read the `stored` byte ranges by: fetchplan's
+    defaults without a bound, else what fits `room` beside the largest of them (all of them
+    where what is left to fetch fits: bytes held already are in `room`); LimitError naming each
+    part of the bound where not even one window does."""
     if room is None:
         return fetchplan.FETCH_WINDOW, fetchplan.FETCH_AHEAD
-    fits = fetchplan.windows_within(room.spare(), largest)
+    largest = max((hi - lo for lo, hi in stored), default=0)
+    to_fetch = sum(hi - lo for lo, hi in remote.plan(stored, None, 0))
+    fits = fetchplan.windows_within(room.spare(), largest, to_fetch)
     if fits is None:
         raise LimitError(
             f"reading these chunks from the store needs more than max_bytes={room.bound} bytes of "
             f"memory: the index {room.index}, the tensors {room.tensors}, decode buffers "
             f"{room.decode}, {room.held} fetched already, and at least "
-            f"{largest + fetchplan.MIN_WINDOW} to fetch chunks through",
+            f"{fetchplan.least_room(largest)} to fetch chunks through",
             path=path,
         )
     return fits
@@ -71,7 +74,7 @@ def read_by_window(
     (`room`), requests are no larger than a window, ranges are not merged across gaps (a gap's
     bytes would be held, never given back, until the object is closed) and a window's pages
     are freed before the next window is asked for."""
-    window, ahead = windows_for(room, max((hi - lo for lo, hi in stored), default=0), path)
+    window, ahead = windows_for(remote, room, stored, path)
     bounded = room is not None
     cell, gap = (window, 0) if bounded else (None, None)
     requests = remote.plan(stored, cell, gap)
