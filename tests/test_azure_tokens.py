@@ -315,7 +315,7 @@ def test_a_failing_identity_endpoint_is_a_storage_error_within_the_deadline(mana
     url = f"{root}/x.ckpt"
     for behaviour, deadline, reason in (
         ("failing", 30, "gave no token for .*ClientAuthenticationError"),  # azure-identity gives up
-        ("hanging", 2, "gave no token for .* within the operation's deadline of 2 s"),  # ours does
+        ("hanging", 2, "token for .* did not arrive within 2 s \\(storage option deadline\\)"),  # ours does
     ):
         endpoint = IdentityEndpoint(**{behaviour: True})
         try:
@@ -445,7 +445,9 @@ def test_a_credential_that_never_answers_is_asked_once(token_options):
     try:
         for _ in range(3):
             started = time.monotonic()
-            with pytest.raises(StorageError, match="within the operation's deadline of 1 s") as e:
+            with pytest.raises(
+                StorageError, match="did not arrive within 1 s \\(storage option deadline\\)"
+            ) as e:
                 ckptfmt.load(f"{root}/x.ckpt", storage_options=hung)
             assert time.monotonic() - started < 15 and e.value.path == f"{root}/x.ckpt"
         assert len(calls) == 1
@@ -466,7 +468,7 @@ def test_a_credential_hung_past_the_bound_is_asked_again(token_options, monkeypa
     monkeypatch.setattr(azure, "TOKEN_ASK_LIMIT", 1.0)
     options = options | {"credential": credential, "deadline": 2}  # one client for both loads
     try:
-        with pytest.raises(StorageError, match="within the operation's deadline of 2 s"):
+        with pytest.raises(StorageError, match="did not arrive within 2 s \\(storage option deadline\\)"):
             ckptfmt.load(f"{root}/x.ckpt", storage_options=options)
         with pytest.raises(FileNotFoundError):  # signed by the second request's token
             ckptfmt.load(f"{root}/x.ckpt", storage_options=options)

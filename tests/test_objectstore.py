@@ -144,6 +144,47 @@ def test_a_load_makes_one_request_per_cell_like_a_plain_download(store_faults, m
     assert sorted(faults.ranges("cells.ckpt")) == cells
 
 
+@pytest.mark.parametrize("room", [0, 300 << 10, 3 << 20, 40 << 20, 1 << 30])
+@pytest.mark.parametrize("largest", [0, 4160, 1 << 20])
+def test_windows_under_a_memory_bound_fit_what_it_leaves(room, largest):
+    """The windows a load under max_bytes reads by, and the one chunk that crosses a window's
+    edge, hold no more than the room the bound leaves; none where one MIN_WINDOW does not fit."""
+    fits = fetchplan.windows_within(room, largest, 1 << 40)
+    pages = (fetchplan.FETCH_AHEAD + 2) * 4096  # a page more at each edge of what the spool holds
+    if room - largest - pages < fetchplan.MIN_WINDOW:
+        assert fits is None
+        return
+    assert fits is not None
+    window, ahead = fits
+    assert window >= fetchplan.MIN_WINDOW and window % 4096 == 0 and 1 <= ahead <= fetchplan.FETCH_AHEAD
+    assert window * ahead + largest + pages <= room
+    assert window <= fetchplan.FETCH_WINDOW
+    # where all there is to read fits, it is read as without a bound
+    total = max(room, largest)
+    assert fetchplan.windows_within(total, largest, total) == (fetchplan.FETCH_WINDOW, fetchplan.FETCH_AHEAD)
+
+
+def test_a_page_two_ranges_given_back_share_is_freed_with_the_second(s3_bucket):
+    """The spool frees whole pages: one that two ranges share is freed once both are given
+    back (it stayed, one page per window of a load, until the object was closed)."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/pages.ckpt"
+    ckptfmt.save({"w": torch.randn(MiB // 4)}, url, storage_options=options)
+    remote = download.RemoteObject(url, options, fetch_index=False)
+    try:
+        assert remote.spool is not None
+        remote.fetch([(0, 6000), (6000 + download.MERGE_GAP + 1, 90_000)])
+        remote.fetch([(6000, 6000 + download.MERGE_GAP + 1)])
+        assert os.fstat(remote.spool.fd).st_blocks > 0
+        remote.release([(0, 6000)], wait=True)
+        remote.release([(6000, 6000 + download.MERGE_GAP + 1)], wait=True)
+        remote.release([(6000 + download.MERGE_GAP + 1, 90_000)], wait=True)
+        assert os.fstat(remote.spool.fd).st_blocks == 0
+        assert remote.occupied() == 0 and remote.peak_bytes == 90_000
+    finally:
+        remote.close()
+
+
 def test_an_object_replaced_while_read_is_an_error_not_mixed_data(s3_bucket):
     bucket, options = s3_bucket
     url = f"s3://{bucket}/r.ckpt"

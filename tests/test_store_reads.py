@@ -163,6 +163,12 @@ def test_a_fetch_waits_for_pages_being_freed_within_its_deadline(s3_bucket):
         with pytest.raises(StorageError, match="not freed within 1 s .*deadline") as e:
             remote.fetch([(0, MiB)])
         assert time.monotonic() - started < 15 and e.value.path == url
+        # a reader within max_bytes waits for its window's pages to be freed: as long, no longer
+        remote.fetch([(MiB, MiB + 4096)])
+        started = time.monotonic()
+        with pytest.raises(StorageError, match="give back bytes .* not freed within 1 s .*deadline") as e:
+            remote.release([(MiB, MiB + 4096)], wait=True)
+        assert time.monotonic() - started < 15 and e.value.path == url
     finally:
         stuck.set()
         remote.close()
@@ -200,8 +206,8 @@ def test_a_whole_load_asks_for_every_cell_before_the_first_comes(store_faults):
 
 
 def test_a_load_under_max_bytes_reads_ahead_no_more_than_that(store_faults):
-    """The cells a whole load asks for before its index is parsed (and its max_bytes checked
-    against the index) are bounded by max_bytes too, not only by the read-ahead's 128 MiB."""
+    """A whole load under max_bytes asks for no cell ahead before its index is parsed (and its
+    max_bytes checked against the index): only the prologue and the tail."""
     faults = store_faults
     options = faults.options | {"request_size": MiB}
     url = f"{faults.new_root()}/bounded.ckpt"
@@ -210,5 +216,122 @@ def test_a_load_under_max_bytes_reads_ahead_no_more_than_that(store_faults):
     faults.clear_counts()
     with pytest.raises(ckptfmt.LimitError):
         ckptfmt.load(url, max_bytes=2 * MiB, storage_options=options)
-    # the first cell, the two the tail lies in, and 2 MiB of cells after the first
-    assert sum(hi - lo for lo, hi in faults.ranges("bounded.ckpt")) <= 5 * MiB
+    assert sum(hi - lo for lo, hi in faults.ranges("bounded.ckpt")) <= 1 * MiB + 4096
+
+
+def _peaks(monkeypatch) -> dict[str, int]:
+    """The most bytes each RemoteObject's spool held or had asked for at once, by URL: the
+    download's own count (peak_bytes, taken as it is closed), or where more, the memory its
+    memfd held (its blocks, taken before each range read is given back, when it is fullest)."""
+    peaks: dict[str, int] = {}
+    close = RemoteObject.close
+    release = RemoteObject.release
+
+    def note(self: RemoteObject, held: int) -> None:
+        peaks[self.path] = max(peaks.get(self.path, 0), held)
+
+    def closing(self: RemoteObject) -> None:
+        note(self, self.peak_bytes)
+        close(self)
+
+    def releasing(self: RemoteObject, ranges: list[tuple[int, int]], wait: bool = False) -> None:
+        if self.spool is not None:
+            note(self, os.fstat(self.spool.fd).st_blocks * 512)
+        release(self, ranges, wait)
+
+    monkeypatch.setattr(RemoteObject, "close", closing)
+    monkeypatch.setattr(RemoteObject, "release", releasing)
+    return peaks
+
+
+def _index_memory(url: str, options: dict[str, object]) -> int:
+    return _memory(url, options)[0]
+
+
+def _memory(url: str, options: dict[str, object]) -> tuple[int, int]:
+    """What a load of the object takes besides its tensors and its spool: the index, and
+    the decode buffers of all its chunks (the engine's, one per thread)."""
+    from ckptfmt.engine import native
+    from ckptfmt.engine.chunkread import decode_memory
+    from ckptfmt.files.reader import CheckpointFile
+
+    with CheckpointFile(url, storage_options=options) as f:
+        return f.index_memory, decode_memory(f.chunks, native.available())
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_load_under_max_bytes_holds_the_spool_within_what_it_leaves(store, monkeypatch, compression):
+    """A store load's peak (the spool's bytes held or in flight, beside the index and the
+    tensors it fills) stays within max_bytes: no read-ahead wave before the index is parsed,
+    and windows sized to what the bound leaves (it held the whole 8 MiB object in its spool
+    beside 8 MiB of tensors, under max_bytes of 11 MiB and the index)."""
+    root, options = store
+    options = options | {"request_size": MiB}
+    g = torch.Generator().manual_seed(6)
+    state = {f"t{i}": torch.randn(MiB // 2, generator=g) for i in range(4)}  # 4 x 2 MiB
+    url = f"{root}/bounded/model.ckpt"
+    ckptfmt.save(state, url, storage_options=options, chunk_size=256 << 10, compression=compression)
+    index, decode = _memory(url, options)
+    assert (decode > 0) == bool(compression)
+    bound = index + 8 * MiB + 3 * MiB + decode
+    peaks = _peaks(monkeypatch)
+    assert_same(state, ckptfmt.load(url, max_bytes=bound, storage_options=options))
+    assert 0 < peaks.pop(url) <= bound - 8 * MiB - index - decode
+    with ckptfmt.open(url, max_bytes=index + 2 * MiB + 2 * MiB + decode, storage_options=options) as r:
+        assert_same(state["t1"], r.get("t1"))  # one tensor's chunks, two MiB beside them
+    assert 0 < peaks.pop(url) <= 2 * MiB
+
+
+def test_a_load_whose_max_bytes_leaves_no_room_to_fetch_through_is_refused(store):
+    """Where max_bytes covers the index and the tensors but not one window to fetch chunks
+    through beside them, the load is refused (LimitError naming the URL and the bound)."""
+    root, options = store
+    state = {f"t{i}": torch.zeros(MiB // 2) + i for i in range(4)}  # 4 x 2 MiB
+    url = f"{root}/tight/model.ckpt"
+    ckptfmt.save(state, url, storage_options=options, chunk_size=256 << 10)
+    bound = _index_memory(url, options) + 8 * MiB + 64 * 1024
+    with pytest.raises(ckptfmt.LimitError, match=f"max_bytes={bound} .* to fetch chunks through") as e:
+        ckptfmt.load(url, max_bytes=bound, storage_options=options)
+    assert e.value.path == url
+
+
+def test_a_load_under_max_bytes_counts_the_objects_it_refers_to(s3_bucket, monkeypatch):
+    """An incremental step's chunks that lie in an earlier step's object are fetched through
+    that object's spool within what max_bytes leaves too, beside this object's own (both
+    spools' peaks together, though not at once, within it: the referenced one held its whole
+    8 MiB of chunks in flight before)."""
+    bucket, options = s3_bucket
+    monkeypatch.setenv("CKPTFMT_CHUNK_SIZE", str(256 << 10))
+    options = options | {"request_size": MiB}
+    run = f"s3://{bucket}/bounded-run"
+    frozen = torch.randn(2 * MiB, generator=torch.Generator().manual_seed(7))  # 8 MiB, in step 1 only
+    m = ckptfmt.CheckpointManager(run, incremental=True, storage_options=options)
+    for step in (1, 2):
+        m.save(step, {"frozen": frozen, "head": torch.full((1000,), float(step))})
+    url, referred = f"{run}/step-000000002/state.ckpt", f"{run}/step-000000001/state.ckpt"
+    assert m.latest().references == (referred,)
+    index = _index_memory(url, options)
+    room = 3 * MiB
+    peaks = _peaks(monkeypatch)
+    got = ckptfmt.load(url, max_bytes=index + frozen.nbytes + 4000 + room, storage_options=options)
+    state = got["state"]  # a manager's state object: the state beside its RNG and resume entries
+    assert torch.equal(state["frozen"], frozen) and torch.equal(state["head"], torch.full((1000,), 2.0))
+    assert peaks[referred] > MiB and peaks[url] + peaks[referred] <= room
+
+
+def test_a_small_object_held_whole_loads_under_a_bound_that_covers_it(store, monkeypatch):
+    """An object whose tail, fetched with its index, holds all its chunks needs no window
+    beside: a bound that covers the index, the tensors and that spool loads it (it was refused
+    for want of a window's room)."""
+    from ckptfmt.storage.download import head
+    from ckptfmt.storage.urls import parse_url
+
+    root, options = store
+    state = {"w": torch.randn(50_000, generator=torch.Generator().manual_seed(8)), "step": 3}
+    url = f"{root}/small/model.ckpt"
+    ckptfmt.save(state, url, storage_options=options)
+    size = head(parse_url(url), options)[0]
+    bound = _index_memory(url, options) + state["w"].nbytes + size + 4096
+    peaks = _peaks(monkeypatch)
+    assert_same(state, ckptfmt.load(url, max_bytes=bound, storage_options=options))
+    assert peaks[url] <= size + 4096  # its memfd holds whole pages

@@ -25,7 +25,6 @@ import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
 
 import xxhash
 
@@ -41,7 +40,7 @@ from ..fileio import pread_exact
 from ..format import encryption
 from ..format import layout as fmt
 from ..format.index import Chunk, Index
-from . import fetchplan
+from . import fetchread
 from . import native as _native
 from .ckptdir import CheckpointDir
 from .sources import Fetcher, References
@@ -68,6 +67,16 @@ def _window_msg(window: int) -> str:
 
 def _dict_msg(dict_id: int) -> str:
     return f"zstd frame needs dictionary {dict_id}; the format uses none"
+
+
+def decode_memory(chunks: Sequence[Chunk], native: bool) -> int:
+    """The scratch memory reading `chunks` takes besides their destinations: per engine thread
+    (one on the Python path) the largest zstd chunk's stored bytes and raw bytes."""
+    zstd = [ch for ch in chunks if ch.codec == fmt.CODEC_ZSTD]
+    if not zstd:
+        return 0
+    threads = min(_native.default_threads(), len(zstd)) if native else 1
+    return threads * (max(ch.stored_len + ch.pad for ch in zstd) + max(ch.raw_len for ch in zstd))
 
 
 #: where a chunk's raw bytes go: a buffer of exactly raw_len bytes; with the C engine also the
@@ -103,6 +112,8 @@ class ChunkReader:
         self._ext_keys: dict[int, tuple[bytes, encryption.EncryptionBlock]] = {}
         #: the key path of chunk k's storage, for messages
         self.key_of = index.key_of
+        #: what the index takes while held (fmt.index_memory_bound): part of a load's max_bytes
+        self.index_memory = index.memory
         self.max_open = max_open
         self._scratch = bytearray()
         # referenced files: open ones (fd, end of data section), most recently used last,
@@ -457,36 +468,42 @@ class ChunkReader:
     def _read_fetched(
         self, remote: Fetcher, items: Sequence[tuple[int, Destination]], verify: bool, check_only: bool
     ) -> None:
-        """Read chunks of a remote file window by window (fetchplan): the next FETCH_AHEAD windows' requests
-        are in flight while one is read (the store kept busy, as by a plain parallel download),
-        and a window's bytes are given back once read (memory holds about FETCH_AHEAD windows).
-        The requests are planned for all the chunks at once, so a window's edge never splits
-        one; a chunk is read in the window whose requests bring its last bytes in (the first,
-        where those are held or in flight already: their futures come with its own)."""
-        requests = remote.plan([self._stored_range(k) for k, _ in items])
-        windows = fetchplan.request_windows(requests)
-        chunks = fetchplan.chunks_by_window(
-            requests, windows, [(self._stored_range(k), (k, d)) for k, d in items]
+        """Read chunks of a remote file window by window (fetchread), the windows sized to
+        what the load's max_bytes leaves where it has one (_room)."""
+        fetchread.read_by_window(
+            remote,
+            [self._stored_range(k) for k, _ in items],
+            items,
+            lambda window: self._read_group(window, verify, check_only),
+            self._room(items),
+            self.path,
         )
-        windows = windows or [[]]
 
-        def start(i: int) -> list[Future[None]]:
-            return remote.start([*windows[i], *(self._stored_range(k) for k, _ in chunks[i])])
+    def _room(self, items: Sequence[tuple[int, Destination]]) -> fetchread.Room | None:
+        """The load's max_bytes (that of the object this file is) and what reading `items`
+        takes besides the spools' windows: the index, the destinations, the decode buffers,
+        and what the spools of this object and of the referenced ones open hold already;
+        None without a bound."""
+        bound = self.remote.max_bytes if self.remote is not None else None
+        if bound is None:
+            return None
+        return fetchread.Room(
+            bound=bound,
+            index=self.index_memory,
+            tensors=sum(self.chunks[k].raw_len for k, d in items if d is not None),
+            decode=decode_memory([self.chunks[k] for k, _ in items], _native.available()),
+            held=sum(f.occupied() for f in self._fetchers()),
+        )
 
-        pending = [start(i) for i in range(min(fetchplan.FETCH_AHEAD, len(windows)))]
-        try:
-            for i, window in enumerate(chunks):
-                remote.wait(pending.pop(0))
-                try:
-                    if window:
-                        self._read_group(window, verify, check_only)
-                finally:
-                    remote.release([self._stored_range(k) for k, _ in window])
-                if i + fetchplan.FETCH_AHEAD < len(windows):
-                    pending.append(start(i + fetchplan.FETCH_AHEAD))
-        finally:
-            for futures in pending:
-                remote.wait_quietly(futures)
+    def _fetchers(self) -> list[Fetcher]:
+        """What brings this object's bytes in and those of the referenced objects open."""
+        fetchers = [] if self.remote is None else [self.remote]
+        if self._base is not None:
+            for fd, _ in self._ext_open.values():
+                fetcher = self._base.fetcher_of(fd)
+                if fetcher is not None:
+                    fetchers.append(fetcher)
+        return fetchers
 
     def _read_group(
         self, items: Sequence[tuple[int, Destination]], verify: bool, check_only: bool = False

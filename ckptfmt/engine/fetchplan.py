@@ -3,7 +3,10 @@
 A chunk reader reading an object on a store keeps FETCH_AHEAD windows of requests in flight
 (the store's parallel requests kept busy, as by a plain parallel download) and reads the
 chunks of one window once its bytes are in, then gives them back: memory holds about
-FETCH_AHEAD x FETCH_WINDOW bytes.  Planning is pure: requests and byte ranges in, groups out.
+FETCH_AHEAD x FETCH_WINDOW bytes, and the bytes of one chunk whose range crosses a window's
+edge.  A load under a memory bound (max_bytes) takes smaller windows, or fewer, where that
+would not fit what the bound leaves (`windows_within`).  Planning is pure: requests and byte
+ranges in, groups out.
 """
 
 from __future__ import annotations
@@ -16,16 +19,49 @@ from typing import TypeVar
 FETCH_WINDOW = 16 << 20
 #: windows whose requests are in flight while one is read
 FETCH_AHEAD = 8
+#: the smallest window a load under a memory bound is read by (whole pages: the spool frees
+#: whole pages)
+MIN_WINDOW = 256 << 10
+_PAGE = 4096
+#: the spool holds whole pages: a page more at each edge of what it holds under a bound (the
+#: windows in flight and the chunk before them)
+_EDGES = (FETCH_AHEAD + 2) * _PAGE
 
 T = TypeVar("T")
 
 
-def request_windows(requests: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """`requests` in consecutive groups of at most FETCH_WINDOW bytes (one request at least)."""
+def windows_within(room: int, largest: int, total: int) -> tuple[int, int] | None:
+    """(bytes per window, windows in flight) whose fetches, with the bytes of a chunk of
+    `largest` stored bytes that crosses a window's edge, hold at most `room` bytes: FETCH_WINDOW
+    and FETCH_AHEAD where they fit or where all `total` bytes to read do, else windows of
+    room / FETCH_AHEAD (at least MIN_WINDOW), as many as fit; None where not even one
+    MIN_WINDOW does.  The requests must then be cut at a grid of the window's size, so that
+    no request is larger than a window."""
+    if room >= total:
+        return FETCH_WINDOW, FETCH_AHEAD
+    spare = room - largest - _EDGES
+    if spare >= FETCH_AHEAD * FETCH_WINDOW:
+        return FETCH_WINDOW, FETCH_AHEAD
+    window = max(MIN_WINDOW, spare // FETCH_AHEAD // _PAGE * _PAGE)
+    if window > spare:
+        return None
+    return window, min(FETCH_AHEAD, spare // window)
+
+
+def least_room(largest: int) -> int:
+    """The fewest bytes windows_within can read chunks of `largest` stored bytes through: the
+    chunk, one MIN_WINDOW and the pages at their edges."""
+    return largest + MIN_WINDOW + _EDGES
+
+
+def request_windows(
+    requests: Sequence[tuple[int, int]], window: int = FETCH_WINDOW
+) -> list[list[tuple[int, int]]]:
+    """`requests` in consecutive groups of at most `window` bytes (one request at least)."""
     windows: list[list[tuple[int, int]]] = []
     held = 0
     for lo, hi in requests:
-        if not windows or held + hi - lo > FETCH_WINDOW:
+        if not windows or held + hi - lo > window:
             windows.append([])
             held = 0
         windows[-1].append((lo, hi))

@@ -16,17 +16,29 @@ class Fetcher(Protocol):
     """A remote object's bytes on demand (storage/download.py's RemoteObject): the chunk
     reader's descriptor is a spool that holds only what `start` has fetched into it."""
 
-    def plan(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-        """The requests `ranges` waits for (sorted): those in flight already that overlap them,
-        and those `start` would make for the rest (bytes held left out)."""
+    #: the memory the load reading it may take (its max_bytes), or None: unbounded
+    max_bytes: int | None
 
-    def start(self, ranges: Sequence[tuple[int, int]]) -> list[Future[None]]: ...
+    def plan(
+        self, ranges: Sequence[tuple[int, int]], cell: int | None = None, gap: int | None = None
+    ) -> list[tuple[int, int]]:
+        """The requests `ranges` waits for (sorted): those in flight already that overlap them,
+        and those `start` would make for the rest (bytes held left out, ranges closer than
+        `gap` merged, cut at a grid of `cell` bytes; None: the fetcher's own)."""
+
+    def start(
+        self, ranges: Sequence[tuple[int, int]], cell: int | None = None, gap: int | None = None
+    ) -> list[Future[None]]: ...
 
     def wait(self, futures: Sequence[Future[None]]) -> None: ...
 
     def wait_quietly(self, futures: Sequence[Future[None]]) -> None: ...
 
-    def release(self, ranges: Sequence[tuple[int, int]]) -> None: ...
+    def release(self, ranges: Sequence[tuple[int, int]], wait: bool = False) -> None:
+        """Give back ranges read; `wait`: return once their memory is freed."""
+
+    def occupied(self) -> int:
+        """Bytes held, in flight or not yet freed: the memory the fetcher takes now."""
 
     def close(self) -> None: ...
 

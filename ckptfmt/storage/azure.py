@@ -289,8 +289,8 @@ class AzureStore:
             budget = client.current_budget()
             limit = budget.deadline if budget is not None else client.DEFAULT_DEADLINE
             raise StorageError(
-                f"the Azure AD credential gave no token for {TOKEN_SCOPE} within the "
-                f"operation's deadline of {limit:g} s (storage option deadline)",
+                f"the Azure AD credential's token for {TOKEN_SCOPE} "
+                f"{client.missed_deadline(limit, 'deadline')}",
                 path=where,
             )
         with self._token_lock:

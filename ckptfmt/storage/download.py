@@ -21,7 +21,9 @@ some servers every request costs a pass over the whole object).  A reader of one
 for it: its first reads are up to a few cells, not a few bytes, so it is not the default.
 Such a reader also has the cells after the first (up to READ_AHEAD_BYTES) asked for at once,
 beside the first and the last, rather than once the index is parsed: a load's requests then
-go out in one wave, as a plain download's do.  A range asked for while it is in flight is
+go out in one wave, as a plain download's do.  A load under max_bytes reads no cell ahead:
+the bytes the spool holds (``occupied``) count against that bound with the tensors, which
+only the parsed index tells.  A range asked for while it is in flight is
 not asked for again: its fetch is waited for.
 Ranges given back have their pages freed on a thread of their own (freeing costs about as
 much as filling them), so the reader goes on to its next window meanwhile; a fetch into
@@ -42,7 +44,7 @@ from ..errors import CheckpointError, LimitError, StorageError
 from ..format import layout as fmt
 from . import client as s3
 from .backends import store_for
-from .spool import Spool
+from .spool import PAGE, Spool
 from .store import Store
 from .urls import ObjectURL, parse_url
 
@@ -121,6 +123,19 @@ def _overlaps(ranges: Sequence[Range], r: Range) -> bool:
     return i > 0 and ranges[i - 1][1] > r[0]
 
 
+def _page_edges(r: Range, taken: Sequence[Range], size: int) -> Range:
+    """Range `r` given back, widened to the edges of the pages it ends in where nothing else
+    of those pages is held or in flight (`taken`, sorted and disjoint): the spool frees only
+    whole pages, and a page two ranges share would otherwise stay once both are given back."""
+    lo, hi = r
+    floor, ceil = lo // PAGE * PAGE, min(size, -(-hi // PAGE) * PAGE)
+    if floor < lo and not _overlaps(taken, (floor, lo)):
+        lo = floor
+    if hi < ceil and not _overlaps(taken, (hi, ceil)):
+        hi = ceil
+    return lo, hi
+
+
 def grid_cells(lo: int, hi: int, cell: int, size: int) -> Range:
     """[lo, hi) widened to the edges of the grid cells it touches, within [0, size)."""
     return lo // cell * cell, min(size, -(-hi // cell) * cell)
@@ -182,6 +197,11 @@ class RemoteObject:
         # the reader goes on to its next window meanwhile): a fetch into one waits for them
         self._freeing: list[tuple[Range, Future[None]]] = []
         self._freer = ThreadPoolExecutor(1, thread_name_prefix="ckptfmt-free-spool")
+        #: the memory a load may take (its max_bytes), which the chunk reader's fetches keep
+        #: within, with what the load allocates besides; None: unbounded
+        self.max_bytes = max_bytes
+        #: the most bytes of the spool occupied at once (occupied()), kept as ranges are asked for
+        self.peak_bytes = 0
         try:
             self.size, self.etag = self._head()
             if etag is not None and self.etag != etag:
@@ -214,9 +234,11 @@ class RemoteObject:
         """Fetch the prologue and the tail; then the rest of the index if it starts before the
         tail (unless that is more than `max_bytes`: the index parser then refuses it).  With
         read_ahead, whole grid cells: the first one and those the tail and the index lie in, and
-        those after the first asked for meanwhile (READ_AHEAD_BYTES, or max_bytes if less)."""
-        ahead = READ_AHEAD_BYTES if max_bytes is None else min(READ_AHEAD_BYTES, max_bytes)
-        tail = self._fetch_ends(read_ahead, ahead)
+        those after the first asked for meanwhile (READ_AHEAD_BYTES).  Not under `max_bytes`:
+        what the load allocates is known only once the index is parsed, and the chunk reader
+        fits its fetches into what the bound leaves then (engine/fetchread.py)."""
+        read_ahead = read_ahead and max_bytes is None
+        tail = self._fetch_ends(read_ahead, READ_AHEAD_BYTES)
         footer = self._footer()
         if footer is None:
             return  # the parser, reading the spool, says what is wrong
@@ -285,15 +307,25 @@ class RemoteObject:
 
     # -- data ---------------------------------------------------------------
 
-    def plan(self, ranges: Sequence[Range]) -> list[Range]:
+    def plan(self, ranges: Sequence[Range], cell: int | None = None, gap: int | None = None) -> list[Range]:
         """The requests `ranges` waits for, sorted: those in flight that overlap them, and those
         that would fetch the rest (the bytes held left out, merged and cut at the grid:
-        plan_requests)."""
+        plan_requests; `cell` and `gap` as there, default the object's request_size and
+        MERGE_GAP)."""
         with self._held_lock:
-            wanted = merge_ranges(ranges)
-            waited = [r for r in self._in_flight if _overlaps(wanted, r)]
-            missing = subtract_ranges(wanted, self._taken())
-        return sorted(waited + plan_requests(missing, self._request_bytes))
+            waited, missing = self._requests_for(ranges, cell, gap)
+        return sorted([r for r, _ in waited] + missing)
+
+    def _requests_for(
+        self, ranges: Sequence[Range], cell: int | None, gap: int | None
+    ) -> tuple[list[tuple[Range, Future[None]]], list[Range]]:
+        """What `ranges` needs, under _held_lock: the requests in flight that overlap them (with
+        their futures), and the requests that would fetch the rest (plan_requests of what is
+        neither held nor in flight)."""
+        wanted = merge_ranges(ranges)
+        waited = [(r, f) for r, f in self._in_flight.items() if _overlaps(wanted, r)]
+        missing = subtract_ranges(wanted, self._taken())
+        return waited, plan_requests(missing, cell or self._request_bytes, MERGE_GAP if gap is None else gap)
 
     def _taken(self) -> list[Range]:
         """The ranges held or in flight (sorted, disjoint); under _held_lock."""
@@ -301,19 +333,38 @@ class RemoteObject:
             return self._held
         return merge_ranges([*self._held, *self._in_flight])
 
-    def start(self, ranges: Sequence[Range]) -> list[Future[None]]:
-        """Begin fetching `ranges` into the spool (those bytes not held or in flight already);
-        the futures finish when all of `ranges` is there: those of the requests made here, and
-        those of requests in flight that overlap them."""
+    def start(
+        self, ranges: Sequence[Range], cell: int | None = None, gap: int | None = None
+    ) -> list[Future[None]]:
+        """Begin fetching `ranges` into the spool (those bytes not held or in flight already;
+        `cell` and `gap` as for plan); the futures finish when all of `ranges` is there: those
+        of the requests made here, and those of requests in flight that overlap them."""
         with self._held_lock:
-            wanted = merge_ranges(ranges)
-            waited = [f for r, f in self._in_flight.items() if _overlaps(wanted, r)]
+            waited, missing = self._requests_for(ranges, cell, gap)
             started = []
-            for lo, hi in plan_requests(subtract_ranges(wanted, self._taken()), self._request_bytes):
+            for lo, hi in missing:
                 future = self._pool.submit(self._get, lo, hi)
                 self._in_flight[(lo, hi)] = future  # before _get can end: it takes the lock
                 started.append(future)
-        return waited + started
+            self._note_occupied()
+        return [f for _, f in waited] + started
+
+    def occupied(self) -> int:
+        """Bytes of the spool held, being fetched, or given back and not yet freed: the memory
+        this object takes now (besides the whole pages that ranges' edges share)."""
+        with self._held_lock:
+            return self._occupied()
+
+    def _occupied(self) -> int:
+        """occupied(), under _held_lock (finished frees dropped from the list)."""
+        self._freeing = [(r, f) for r, f in self._freeing if not f.done()]
+        ranges = [*self._taken(), *(r for r, _ in self._freeing)]
+        return sum(hi - lo for lo, hi in ranges)
+
+    def _note_occupied(self) -> None:
+        """Keep the most bytes occupied at once (peak_bytes), under _held_lock: after ranges
+        are asked for, which is when the spool's part grows."""
+        self.peak_bytes = max(self.peak_bytes, self._occupied())
 
     @staticmethod
     def wait(futures: Sequence[Future[None]]) -> None:
@@ -335,20 +386,26 @@ class RemoteObject:
     def fetch(self, ranges: Sequence[Range]) -> None:
         self.wait(self.start(ranges))
 
-    def release(self, ranges: Sequence[Range]) -> None:
-        """Give back the memory of ranges already read (fetched again if asked for again)."""
+    def release(self, ranges: Sequence[Range], wait: bool = False) -> None:
+        """Give back the memory of ranges already read (fetched again if asked for again), its
+        pages freed on the freeing thread; `wait`: return once they are freed (a reader within
+        a memory bound asks for more only then), within the deadline (_wait_freed)."""
         spool = self.spool
         if spool is None:
             return
         with self._held_lock:
             self._held = subtract_ranges(self._held, ranges)
-            for lo, hi in merge_ranges(ranges):
-                self._freeing.append(((lo, hi), self._freer.submit(spool.release, lo, hi)))
+            taken = self._taken()
+            pages = [_page_edges(r, taken, self.size) for r in merge_ranges(ranges)]
+            self._freeing.extend((r, self._freer.submit(spool.release, *r)) for r in pages)
+        if wait and pages:
+            self._wait_freed(pages[0][0], pages[-1][1], s3.Budget(self.options), "give back")
 
-    def _wait_freed(self, lo: int, hi: int, budget: s3.Budget) -> None:
+    def _wait_freed(self, lo: int, hi: int, budget: s3.Budget, doing: str = "read") -> None:
         """Wait until the pages of ranges given back that overlap [lo, hi) are freed, so that
-        freeing them cannot wipe what a fetch is about to write there; StorageError naming the
-        URL where that takes longer than what remains of `budget`'s deadline."""
+        freeing them cannot wipe what a fetch is about to write there (or, `doing` "give back",
+        so that a reader within a bound asks for more only then); StorageError naming the URL
+        where that takes longer than what remains of `budget`'s deadline."""
         with self._held_lock:
             self._freeing = [(r, f) for r, f in self._freeing if not f.done()]
             pending = [f for (a, b), f in self._freeing if a < hi and lo < b]
@@ -357,7 +414,7 @@ class RemoteObject:
                 f.result(timeout=budget.remaining())
             except FutureTimeout:
                 raise StorageError(
-                    f"read bytes {lo}-{hi - 1}: the pages given back there were not freed within "
+                    f"{doing} bytes {lo}-{hi - 1}: the pages given back there were not freed within "
                     f"{budget.deadline:g} s (storage option deadline)",
                     path=self.path,
                 ) from None
