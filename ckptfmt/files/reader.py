@@ -3,9 +3,9 @@
 This is the reference reader.  It ties three parts together: the index rules
 (index.py: the prologue, footer and index are validated before any chunk is read),
 chunk reads (chunkread.py: each chunk read, verified and decoded into its
-destination, external chunks from the files they lie in), and what is here: where
-storages are placed (host memory, a mapping of the file, a device through a bounded
-staging buffer), the memory a load may take, and navigation of the object tree.
+destination, external chunks from the files they lie in), host memory for storages
+(hostalloc.py), and what is here: where storages are placed (host memory, a mapping of
+the file, a device through a bounded staging buffer), the memory a load may take, and navigation of the object tree.
 Every number taken from the file is validated before use; every failure is a
 CheckpointError that names the path, key, chunk and offset.
 
@@ -37,6 +37,7 @@ from ..format import layout as fmt
 from ..format import tree
 from ..format.index import Authenticator, Chunk, External, parse_index, parse_index_json
 from ..gcpause import pausing_in_main_thread
+from . import hostalloc
 
 if TYPE_CHECKING:
     import torch
@@ -301,64 +302,9 @@ class CheckpointFile:
 
     # -- placement ----------------------------------------------------------
 
-    def _alloc(self, nbytes: int, key: str, *, sid: int | None = None) -> torch.Tensor:
-        """`nbytes` of host memory; LimitError naming `key` (or storage `sid`'s key) if it fails."""
-        from ..engine import hostmem
-
-        try:
-            return hostmem.empty_bytes(nbytes)
-        except (RuntimeError, MemoryError) as e:
-            raise self._alloc_error(nbytes, key if sid is None else self.storages[sid].key, e) from e
-
-    def _alloc_error(self, nbytes: int, key: str, e: BaseException) -> LimitError:
-        return LimitError(
-            f"cannot allocate {nbytes} bytes for this storage: {str(e)[:100]}", path=self.path, key=key
-        )
-
-    def _alloc_storages(self, sids: list[int]) -> dict[int, torch.UntypedStorage]:
-        """A fresh CPU storage for each of `sids` (one allocation each, no tensor); LimitError
-        naming the storage's key if one fails."""
-        from ..engine import hostmem
-
-        out = {}
-        empty = hostmem.empty_storage
-        for sid in sids:
-            nbytes = self.storages[sid].nbytes
-            try:
-                out[sid] = empty(nbytes)
-            except (RuntimeError, MemoryError) as e:
-                raise self._alloc_error(nbytes, self.storages[sid].key, e) from e
-        return out
-
-    def _alloc_host(
-        self, sids: list[int], made: dict[int, torch.Tensor]
-    ) -> dict[int, torch.UntypedStorage | torch.Tensor]:
-        """Fresh CPU memory for `sids`, by storage.  A small storage whose first tensor spans
-        exactly its bytes (most are: one tensor per storage) is allocated as that tensor, in
-        one call that builds both (torch.empty_strided: a resizable storage of its own, as any
-        other), also put in `made` by node; the others as storages.  LimitError naming the
-        storage's key if an allocation fails."""
-        import torch
-
-        from ..engine import hostmem
-        from ..format.dtypes import TORCH_DTYPES
-
-        places: dict[int, torch.UntypedStorage | torch.Tensor] = {}
-        nodes, records = self.tree.nodes, self.storages
-        small = hostmem.MIN_HUGE_BYTES  # larger ones: hostmem's choice of pages
-        empty_strided = torch.empty_strided
-        for sid in sids:
-            rec = records[sid]
-            if not rec.whole or rec.nbytes >= small:
-                places[sid] = self._alloc_storages([sid])[sid]
-                continue
-            m = nodes[rec.node][1]
-            try:
-                t = empty_strided(m["shape"], m["stride"], dtype=TORCH_DTYPES[m["dtype"]])
-            except (RuntimeError, MemoryError) as e:
-                raise self._alloc_error(rec.nbytes, rec.key, e) from e
-            places[sid] = made[rec.node] = t
-        return places
+    def _alloc(self, nbytes: int, key: str) -> torch.Tensor:
+        """`nbytes` of host memory; LimitError naming `key` if it fails (hostalloc.alloc_bytes)."""
+        return hostalloc.alloc_bytes(self.path, nbytes, key)
 
     def _chunk_views(
         self, sid: int, flat: torch.Tensor, first: int = 0, count: int | None = None
@@ -379,7 +325,7 @@ class CheckpointFile:
 
     def read_storages(self, sids: list[int], verify: bool) -> dict[int, torch.UntypedStorage]:
         """CPU storages for `sids`, all their chunks read (in parallel) and checked."""
-        storages = self._alloc_storages(sids)
+        storages = hostalloc.alloc_storages(self.path, self.storages, sids)
         self.read_into(self._destinations(sids, storages), verify)
         return storages
 
@@ -389,7 +335,7 @@ class CheckpointFile:
         storages: dict[int, torch.UntypedStorage] | dict[int, torch.UntypedStorage | torch.Tensor],
     ) -> list[tuple[int, Destination]]:
         """(chunk, destination) for every chunk of `sids`, placed in order in their storages
-        (or in tensors that span exactly their storage: _alloc_host).
+        (or in tensors that span exactly their storage: hostalloc.alloc_host).
         With the C engine a destination is the address of the chunk's place: the engine writes
         there directly, without a buffer export per chunk (many small storages make many);
         each storage holds exactly its chunks' raw bytes (index.py checks every raw length
@@ -589,9 +535,9 @@ class CheckpointFile:
             host = [sid for sid in host if sid not in mapped]
         staging = max((self._staging_size(sids, staging_budget()) for sids in on_device.values()), default=0)
         self._check_memory(host + callable_ + [s for sids in on_device.values() for s in sids], staging)
-        places = self._alloc_host(host, made)
+        places = hostalloc.alloc_host(self.path, self.storages, self.tree.nodes, host, made)
         if callable_:  # map_location is handed storages
-            places.update(self._alloc_storages(callable_))
+            places.update(hostalloc.alloc_storages(self.path, self.storages, callable_))
         self.read_into(self._destinations(host + callable_, places), verify)
         for sid, place in places.items():
             if type(place) is not torch.Tensor:
