@@ -23,7 +23,7 @@ import collections
 import contextlib
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import FrozenInstanceError
 from typing import TYPE_CHECKING, Any
 
 from ..gcpause import pausing
@@ -146,18 +146,60 @@ class _Builder:
         return device
 
 
-@dataclass(frozen=True)
-class RawArray:
+class _Frozen:
+    """A value of fixed fields, compared and hashed by them, that refuses changes: what a frozen
+    dataclass is, written out (a dataclass's generated methods cost a process's first load, which
+    imports this module, about a millisecond each)."""
+
+    __slots__ = ()
+    _shown: tuple[str, ...] = ()  # the fields repr shows
+
+    def _values(self) -> tuple[Any, ...]:
+        names: tuple[str, ...] = self.__slots__
+        return tuple(getattr(self, name) for name in names)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._values() == other._values()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._shown)
+        return f"{type(self).__name__}({shown})"
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+
+class RawArray(_Frozen):
     """A tensor or array node as `decode_raw` builds it: its validated fields (the meta of
     spec section 5) and the elements' bytes, read on demand."""
 
+    __slots__ = ("kind", "dtype", "shape", "meta", "storage")
+    # storage left out of repr (messages show a RawArray, and a bound method's repr holds an address)
+    _shown = ("kind", "dtype", "shape", "meta")
     kind: str  # "tensor" or "ndarray"
     dtype: str  # the format's name: a tensor dtype name, or a numpy dtype.str such as "<u4"
     shape: tuple[int, ...]
     meta: dict[str, Any]
-    # storage id -> its bytes, read and checked; left out of repr (messages show a RawArray,
-    # and a bound method's repr holds an address)
-    storage: Callable[[int], bytes] = field(repr=False)
+    storage: Callable[[int], bytes]  # storage id -> its bytes, read and checked
+
+    def __init__(
+        self,
+        kind: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        meta: dict[str, Any],
+        storage: Callable[[int], bytes],
+    ) -> None:
+        for name, value in zip(self.__slots__, (kind, dtype, shape, meta, storage)):
+            object.__setattr__(self, name, value)
 
     def vector_bytes(self) -> bytes:
         """The bytes of a 1-D array's elements in order (a tensor's offset and stride applied),
@@ -174,12 +216,17 @@ class RawArray:
         return b"".join(data[start + i * step : start + i * step + size] for i in range(self.shape[0]))
 
 
-@dataclass(frozen=True)
-class RawValue:
+class RawValue(_Frozen):
     """A node whose value needs torch or numpy (npscalar, dtype, device, size), as stored."""
 
+    __slots__ = ("kind", "fields")
+    _shown = __slots__
     kind: str
     fields: tuple[Any, ...]
+
+    def __init__(self, kind: str, fields: tuple[Any, ...]) -> None:
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "fields", fields)
 
 
 @pausing
