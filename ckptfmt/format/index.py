@@ -6,7 +6,8 @@ is read (spec section 9, steps 1 to 7).  This module implements:
 * sections 2 and 7 (through format.py): the prologue and the footer;
 * sections 4 and 5: the index bytes, their zero padding and the index checksum;
 * section 5: the JSON rules (UTF-8, integer literals only, no duplicate members, exactly
-  the top-level members), `chunk_size`, `producer`, `metadata`, `source_devices` and the
+  the top-level members; in a text without escapes the members are counted against those
+  the checks accept instead of json checking each object, validate.TextCount), `chunk_size`, `producer`, `metadata`, `source_devices` and the
   storage records;
 * section 3: the chunk records and their placement (offsets, lengths, codec, filter,
   checksum format, the data section ending at the index), and each chunk's padding;
@@ -31,6 +32,7 @@ import functools
 import hashlib
 import json
 import os
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -190,12 +192,18 @@ def _has_long_digit_run(raw: bytes) -> bool:
     return raw.translate(_DIGITS_AS_ZERO).find(_DIGIT_RUN) >= 0
 
 
-def parse_index_json(raw: bytes, path: str, fields: tuple[str, ...] = _INDEX_FIELDS) -> dict[str, Any]:
+def parse_index_json(
+    raw: bytes, path: str, fields: tuple[str, ...] = _INDEX_FIELDS, repeats: bool = True
+) -> dict[str, Any]:
+    """The index's JSON text parsed and its top-level members checked.  `repeats=False`: a
+    member repeated in an object is not looked for (json keeps its last value): the caller
+    counts the members instead (_IndexParser.parse), which spares json a call of
+    `_pairs` per object (a tensor node has one)."""
     try:
         text = raw.decode("utf-8")
         obj = json.loads(
             text,
-            object_pairs_hook=_pairs,
+            object_pairs_hook=_pairs if repeats else None,
             parse_int=_parse_int if _has_long_digit_run(raw) else None,
             parse_float=_reject_float,
             parse_constant=_reject_float,
@@ -313,6 +321,8 @@ class _IndexParser:
         self.index_memory = 0
         self._decrypt = decrypt
         self._ciphertext_only = ciphertext_only
+        self.storages: list[tree.StorageRecord] = []
+        self.chunks: list[Chunk] = []
 
     def _charge_index(self, nbytes: int) -> None:
         if self.max_bytes is not None and nbytes > self.max_bytes:
@@ -369,8 +379,43 @@ class _IndexParser:
             )
         self._charge_index(fmt.index_memory_bound(raw))  # before json builds anything
         external = bool(self.prologue.required_features & fmt.FEATURE_EXTERNAL)
-        index = parse_index_json(raw, path, _INDEX_FIELDS_EXTERNAL if external else _INDEX_FIELDS)
-        del raw
+        fields = _INDEX_FIELDS_EXTERNAL if external else _INDEX_FIELDS
+        # what the index's members are checked with: the file's length, where its signature or
+        # encryption block starts, the index's SHA-256 (signed files), the blocks, the data key
+        self._tail = (length, block_at, index_sha256, early_block, enc, data_key, enc_sha256)
+        if raw.find(b"\\") >= 0:  # escapes: every object's members checked as json builds it
+            members = parse_index_json(raw, path, fields)
+            del raw
+            return self._members(members, external, None)
+        # no escapes (the indexes ckptfmt writes of ASCII keys): the members are counted instead,
+        # `raw` kept until they are counted and checked, as a refusal is made from it again
+        count = validate.TextCount()
+        failure: Exception | None = None
+        try:
+            index = self._members(parse_index_json(raw, path, fields, repeats=False), external, count)
+        except Exception as e:
+            failure = e
+        else:
+            if raw.count(b":") == count.members + count.colons:
+                return index
+            del index  # a member repeated (or a colon the count missed)
+        # parsed again, json refusing a repeated member, as it did before any other check: the
+        # first parse's objects freed first (a failure's traceback holds them in its frames), so
+        # that a refusal takes no more memory than fmt.index_memory_bound
+        if failure is not None:
+            traceback.clear_frames(failure.__traceback__)
+        self.chunks, self.storages = [], []
+        members = parse_index_json(raw, path, fields)
+        if failure is not None:
+            raise failure
+        return self._members(members, external, None)
+
+    def _members(self, index: dict[str, Any], external: bool, count: validate.TextCount | None) -> Index:
+        """The Index from the parsed JSON `index` (every member checked) and what parse read
+        before it (self._tail); with `count`, every member of the objects it accepts and every
+        colon of the strings it keeps that may hold one counted (validate.TextCount)."""
+        length, block_at, index_sha256, early_block, enc, data_key, enc_sha256 = self._tail
+        path = self.path
         c = validate.Check(path)
         self.chunk_size = c.bounded_int(index["chunk_size"], "chunk_size", fmt.MAX_CHUNK_SIZE)
         if self.chunk_size < fmt.MIN_CHUNK_SIZE or self.chunk_size & (self.chunk_size - 1):
@@ -380,12 +425,18 @@ class _IndexParser:
         self.source_devices = [
             c.str_(d, "source_devices entry") for d in c.list_(index["source_devices"], "source_devices")
         ]
+        self._storage_colons = 0
         self.storages = self._parse_storages(c, index["storages"])
         self.has_digests = external
         self.externals = self._parse_externals(c, index["externals"]) if external else []
+        if count is not None:  # chunk records hold no colon: ints, and strings of hex digits
+            count.members += len(index) + len(self.producer) + len(self.metadata)
+            count.colons += self._storage_colons
+            count.strings(*self.producer, *self.producer.values(), *self.metadata, *self.metadata.values())
+            count.strings(*self.source_devices, *(e.rel for e in self.externals))
         # the JSON records are dropped as soon as they are parsed: they cost more than the Chunks
         self.chunks = self._parse_chunks(c, index.pop("chunks"))
-        nodes = validate.validate_tree(index.pop("nodes"), self.storages, path)
+        nodes = validate.validate_tree(index.pop("nodes"), self.storages, path, count)
         block = early_block
         if index_sha256 and block is None:
             from . import signing
@@ -495,7 +546,9 @@ class _IndexParser:
             raise c.fail(f"{len(items)} storages exceed the limit {Limits.MAX_STORAGES}", limit=True)
         out = []
         first = 0
-        valid: set[str] = set()  # devices checked already: a file names few, each many times
+        # devices checked already, with their colons: a file names few, each many times
+        valid: dict[str, int] = {}
+        colons = 0
         max_nbytes = Limits.MAX_STORAGE_BYTES
         for sid, item in enumerate(items):
             if type(item) is not list or len(item) != 2:
@@ -504,15 +557,18 @@ class _IndexParser:
             if type(nbytes) is not int or not 0 <= nbytes <= max_nbytes:  # the message built only here
                 c.bounded_int(nbytes, f"storage {sid} size", max_nbytes)  # raises
             device = item[1]
-            if type(device) is not str or device not in valid:
+            k = valid.get(device) if type(device) is str else None
+            if k is None:
                 c.str_(device, f"storage {sid} device")
                 if not locations.valid_location(device):
                     raise c.fail(f"storage {sid} has invalid device {device[:40]!r}")
-                valid.add(device)
+                k = valid[device] = device.count(":")
+            colons += k
             n = -(-nbytes // self.chunk_size)
             out.append(tree.StorageRecord(nbytes, device, first, n))
             first += n
         self._n_chunks_expected = first
+        self._storage_colons = colons
         return out
 
     def _parse_externals(self, c: validate.Check, raw: object) -> list[External]:
