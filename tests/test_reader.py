@@ -407,3 +407,31 @@ def test_raw_values_compare_hash_and_refuse_changes(tmp_path):
         del size.fields
     with pytest.raises(TypeError):
         hash(w)  # its meta is a dict, as the dataclass's was
+
+
+def test_format_records_are_frozen_values(tmp_path):
+    """The prologue, footer and externals records (format.frozen.Frozen, not dataclasses: a
+    first load imports them) compare and hash by their fields, refuse changes, and survive a
+    copy and a pickle."""
+    import copy
+    import dataclasses
+    import pickle
+
+    from ckptfmt.files.reader import CheckpointFile
+    from ckptfmt.format.index import External
+    from ckptfmt.format.layout import Footer, Prologue
+
+    path = str(tmp_path / "f.ckpt")
+    ckptfmt.save({"w": torch.ones(3)}, path)
+    with CheckpointFile(path) as f, CheckpointFile(path) as g:
+        assert f.prologue == g.prologue and hash(f.footer) == hash(g.footer) and f.footer == g.footer
+        prologue, footer = f.prologue, f.footer
+    assert footer.signature_length == 0 and Footer(1, 2, 3, b"x") == Footer(1, 2, 3, b"x", 0)
+    assert prologue != Prologue(9, prologue.minor, prologue.file_id, prologue.file_length, 0, 0)
+    assert repr(footer).startswith(f"Footer(index_offset={footer.index_offset}, index_length=")
+    for value in (prologue, footer, External("../a.ckpt", b"\x01" * 16, 128, "/d/../a.ckpt")):
+        assert copy.copy(value) == value and copy.deepcopy(value) == value
+        assert pickle.loads(pickle.dumps(value)) == value
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            value.file_id = b""  # type: ignore[misc]
+    assert prologue.pack() == open(path, "rb").read(64)

@@ -23,11 +23,11 @@ import collections
 import contextlib
 import sys
 from collections.abc import Callable
-from dataclasses import FrozenInstanceError
 from typing import TYPE_CHECKING, Any
 
 from ..gcpause import pausing
 from . import dtypes
+from .frozen import Frozen
 from .tree import Tree, float_value
 from .validate import Check, key_value
 
@@ -146,38 +146,7 @@ class _Builder:
         return device
 
 
-class _Frozen:
-    """A value of fixed fields, compared and hashed by them, that refuses changes: what a frozen
-    dataclass is, written out (a dataclass's generated methods cost a process's first load, which
-    imports this module, about a millisecond each)."""
-
-    __slots__ = ()
-    _shown: tuple[str, ...] = ()  # the fields repr shows
-
-    def _values(self) -> tuple[Any, ...]:
-        names: tuple[str, ...] = self.__slots__
-        return tuple(getattr(self, name) for name in names)
-
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        return self._values() == other._values()  # type: ignore[attr-defined]
-
-    def __hash__(self) -> int:
-        return hash(self._values())
-
-    def __repr__(self) -> str:
-        shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._shown)
-        return f"{type(self).__name__}({shown})"
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise FrozenInstanceError(f"cannot assign to field {name!r}")
-
-    def __delattr__(self, name: str) -> None:
-        raise FrozenInstanceError(f"cannot delete field {name!r}")
-
-
-class RawArray(_Frozen):
+class RawArray(Frozen):
     """A tensor or array node as `decode_raw` builds it: its validated fields (the meta of
     spec section 5) and the elements' bytes, read on demand."""
 
@@ -216,11 +185,10 @@ class RawArray(_Frozen):
         return b"".join(data[start + i * step : start + i * step + size] for i in range(self.shape[0]))
 
 
-class RawValue(_Frozen):
+class RawValue(Frozen):
     """A node whose value needs torch or numpy (npscalar, dtype, device, size), as stored."""
 
     __slots__ = ("kind", "fields")
-    _shown = __slots__
     kind: str
     fields: tuple[Any, ...]
 

@@ -50,6 +50,7 @@ from ..gcpause import pausing
 from . import encryption, locations, tree, validate
 from . import layout as fmt
 from .encryption import Opener
+from .frozen import Frozen
 from .layout import Limits
 
 if TYPE_CHECKING:
@@ -80,14 +81,18 @@ class Chunk(NamedTuple):
     tag: bytes = b""  # encrypted files read with the key: the GCM tag of the stored bytes (section 17)
 
 
-@dataclass(frozen=True, slots=True)
-class External:
+class External(Frozen):
     """An entry of the index's `externals` (section 12): a file external chunks lie in."""
 
+    __slots__ = ("rel", "file_id", "length", "path")
     rel: str  # the reference path, as recorded
     file_id: bytes
     length: int
     path: str  # rel joined to the referencing file's directory: what is opened
+
+    def __init__(self, rel: str, file_id: bytes, length: int, path: str) -> None:
+        for name, value in zip(self.__slots__, (rel, file_id, length, path)):
+            object.__setattr__(self, name, value)
 
     @property
     def name(self) -> str:
