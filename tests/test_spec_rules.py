@@ -248,11 +248,11 @@ def test_duplicate_names_are_refused_first_without_escapes(tmp_path, old, new, n
 def test_colons_in_strings_keep_the_counted_parse(tmp_path, monkeypatch):
     """Keys, metadata and devices holding colons (each counted as a string's) are loaded without
     json's per-object hook; an escape anywhere sends the whole index through it."""
-    from ckptfmt.format import index as index_module
+    from ckptfmt.format import indexjson
 
     calls: list[int] = []
-    real = index_module._pairs
-    monkeypatch.setattr(index_module, "_pairs", lambda pairs: calls.append(1) or real(pairs))
+    real = indexjson._pairs
+    monkeypatch.setattr(indexjson, "_pairs", lambda pairs: calls.append(1) or real(pairs))
     state = {"a:b": torch.ones(2), "n": {"c::d": torch.zeros(3), "dev": torch.device("cpu:0")}, "s": ":"}
     p = str(tmp_path / "colons.ckpt")
     ckptfmt.save(state, p, metadata={"k:1": "v:2:3"})

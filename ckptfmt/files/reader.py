@@ -35,7 +35,8 @@ from ..errors import (
 from ..fileio import is_url, open_regular
 from ..format import layout as fmt
 from ..format import tree
-from ..format.index import Authenticator, Chunk, External, parse_index, parse_index_json
+from ..format.index import Authenticator, Chunk, External, parse_index
+from ..format.indexjson import parse_index_json
 from ..gcpause import pausing_in_main_thread
 from . import hostalloc
 

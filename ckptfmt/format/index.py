@@ -5,9 +5,10 @@ is read (spec section 9, steps 1 to 7).  This module implements:
 
 * sections 2 and 7 (through format.py): the prologue and the footer;
 * sections 4 and 5: the index bytes, their zero padding and the index checksum;
-* section 5: the JSON rules (UTF-8, integer literals only, no duplicate members, exactly
-  the top-level members; in a text without escapes the members are counted against those
-  the checks accept instead of json checking each object, validate.TextCount), `chunk_size`, `producer`, `metadata`, `source_devices` and the
+* section 5: the JSON rules (through indexjson.py: UTF-8, integer literals only, no
+  duplicate members, exactly the top-level members; in a text without escapes the members
+  are counted against those the checks accept instead of json checking each object,
+  validate.TextCount), `chunk_size`, `producer`, `metadata`, `source_devices` and the
   storage records;
 * section 3: the chunk records and their placement (offsets, lengths, codec, filter,
   checksum format, the data section ending at the index), and each chunk's padding;
@@ -30,7 +31,6 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
-import json
 import os
 import traceback
 from collections.abc import Callable
@@ -51,14 +51,12 @@ from . import encryption, locations, tree, validate
 from . import layout as fmt
 from .encryption import Opener
 from .frozen import Frozen
+from .indexjson import INDEX_FIELDS, INDEX_FIELDS_EXTERNAL, parse_index_json
 from .layout import Limits
 
 if TYPE_CHECKING:
     from . import signing  # imported where a file is signed: a load of any other never needs it
 
-_INDEX_FIELDS = ("chunk_size", "producer", "source_devices", "metadata", "storages", "chunks", "nodes")
-#: with required feature bit 0 the index also lists the files its external chunks lie in
-_INDEX_FIELDS_EXTERNAL = (*_INDEX_FIELDS[:5], "externals", *_INDEX_FIELDS[5:])
 _HEX16 = frozenset("0123456789abcdef")
 
 
@@ -163,65 +161,6 @@ def _plain_raw_chunk(
     pad = -(off + slen) % fmt.ALIGNMENT
     # tuple.__new__: the Chunk without NamedTuple.__new__'s Python call (its fields in order)
     return _new_tuple(Chunk, (off, slen, rlen, codec, filt, width, int(check, 16), pad, digest, *_LOCAL_TAIL))
-
-
-def _parse_int(text: str) -> int:
-    if len(text) > 20:
-        raise ValueError("integer literal too long")
-    return int(text)
-
-
-def _reject_float(text: str) -> Any:
-    raise ValueError(f"floating-point literal {text[:20]!r} is not allowed in the index")
-
-
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise ValueError(f"duplicate field {k[:40]!r}")
-            seen.add(k)
-    return out
-
-
-#: every digit made "0", so that a run of 20 digits (one that may be an integer literal over the
-#: length cap) is a plain substring search; without one anywhere in the index, json's own
-#: integer parsing (no Python call per number) is safe
-_DIGITS_AS_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
-_DIGIT_RUN = b"0" * 20
-
-
-def _has_long_digit_run(raw: bytes) -> bool:
-    return raw.translate(_DIGITS_AS_ZERO).find(_DIGIT_RUN) >= 0
-
-
-def parse_index_json(
-    raw: bytes, path: str, fields: tuple[str, ...] = _INDEX_FIELDS, repeats: bool = True
-) -> dict[str, Any]:
-    """The index's JSON text parsed and its top-level members checked.  `repeats=False`: a
-    member repeated in an object is not looked for (json keeps its last value): the caller
-    counts the members instead (_IndexParser.parse), which spares json a call of
-    `_pairs` per object (a tensor node has one)."""
-    try:
-        text = raw.decode("utf-8")
-        obj = json.loads(
-            text,
-            object_pairs_hook=_pairs if repeats else None,
-            parse_int=_parse_int if _has_long_digit_run(raw) else None,
-            parse_float=_reject_float,
-            parse_constant=_reject_float,
-        )
-    except UnicodeDecodeError as e:
-        raise CorruptError(f"index is not valid UTF-8 (byte {e.start})", path=path) from e
-    except RecursionError as e:
-        raise LimitError("index JSON is nested too deeply", path=path) from e
-    except ValueError as e:
-        raise CorruptError(f"index is not valid JSON: {str(e)[:200]}", path=path) from e
-    if type(obj) is not dict or set(obj) != set(fields):
-        raise CorruptError("index must be an object with exactly the fields " + ", ".join(fields), path=path)
-    return obj
 
 
 def _str_map(c: validate.Check, v: object, what: str, cap: int) -> dict[str, str]:
@@ -384,7 +323,7 @@ class _IndexParser:
             )
         self._charge_index(fmt.index_memory_bound(raw))  # before json builds anything
         external = bool(self.prologue.required_features & fmt.FEATURE_EXTERNAL)
-        fields = _INDEX_FIELDS_EXTERNAL if external else _INDEX_FIELDS
+        fields = INDEX_FIELDS_EXTERNAL if external else INDEX_FIELDS
         # what the index's members are checked with: the file's length, where its signature or
         # encryption block starts, the index's SHA-256 (signed files), the blocks, the data key
         self._tail = (length, block_at, index_sha256, early_block, enc, data_key, enc_sha256)
@@ -555,6 +494,7 @@ class _IndexParser:
         valid: dict[str, int] = {}
         colons = 0
         max_nbytes = Limits.MAX_STORAGE_BYTES
+        chunk_size = self.chunk_size
         for sid, item in enumerate(items):
             if type(item) is not list or len(item) != 2:
                 raise c.fail(f"storage {sid} is not a [nbytes, device] pair")
@@ -569,7 +509,7 @@ class _IndexParser:
                     raise c.fail(f"storage {sid} has invalid device {device[:40]!r}")
                 k = valid[device] = device.count(":")
             colons += k
-            n = -(-nbytes // self.chunk_size)
+            n = -(-nbytes // chunk_size)
             out.append(tree.StorageRecord(nbytes, device, first, n))
             first += n
         self._n_chunks_expected = first
@@ -610,11 +550,16 @@ class _IndexParser:
             raise c.fail(f"{len(items)} chunks exceed the limit {Limits.MAX_CHUNKS}", limit=True)
         if len(items) != self._n_chunks_expected:
             raise c.fail(f"{len(items)} chunks listed, the storages need {self._n_chunks_expected}")
-        # raw length of every chunk follows from the storage sizes and the chunk size
-        raw_lens = []
+        # raw length of every chunk follows from the storage sizes and the chunk size (listed only
+        # now: as many as the chunk records, checked above)
+        chunk_size = self.chunk_size
+        raw_lens: list[int] = []
         for rec in self.storages:
-            for k in range(rec.n_chunks):
-                raw_lens.append(min(self.chunk_size, rec.nbytes - k * self.chunk_size))
+            n = rec.n_chunks
+            if n == 1:  # the common storage: one chunk of all its bytes
+                raw_lens.append(rec.nbytes)
+            elif n:
+                raw_lens.extend(min(chunk_size, rec.nbytes - j * chunk_size) for j in range(n))
         # 7 fields; with content digests (bit 0) 8 for a local chunk, 10 for an external one
         sizes = (8, 10) if self.has_digests else (7,)
         out: list[Chunk] = []
