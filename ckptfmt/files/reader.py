@@ -35,6 +35,10 @@ from ..errors import (
 from ..fileio import is_url, open_regular
 from ..format import layout as fmt
 from ..format import tree
+
+# imported with the reader, not by its first load (decode needs no torch to import): a first load in a
+# fresh process is short for many small tensors, and pays every import left on its path
+from ..format.decode import decode, decode_key, decode_plain, decode_raw
 from ..format.index import Authenticator, Chunk, External, parse_index
 from ..format.indexjson import parse_index_json
 from ..gcpause import pausing_in_main_thread
@@ -271,8 +275,6 @@ class CheckpointFile:
 
     def root_items(self) -> list[tuple[object, int]]:
         """(key, node id) of each entry when the root is a dict; empty otherwise."""
-        from ..format.decode import decode_key
-
         node = self.tree.nodes[self.tree.root]
         if node[0] not in ("dict", "odict"):
             return []
@@ -385,15 +387,11 @@ class CheckpointFile:
     def load_raw(self, top: int, verify: bool) -> object:
         """The subtree at `top` as decode_raw builds it (no torch, no numpy): tensors and arrays
         as RawArrays whose bytes are read, and checked, only when asked for."""
-        from ..format.decode import decode_raw
-
         return decode_raw(self.tree, top, lambda sid: self.storage_bytes(sid, verify), self.path)
 
     def load_plain(self, top: int, verify: bool) -> object:
         """The subtree at `top` as decode_plain builds it (no torch, no numpy): arrays as
         StoredArrays, their bytes read and checked now, within max_bytes (a commit record)."""
-        from ..format.decode import decode_plain
-
         self._check_memory(tree.storages_under(self.tree, top), 0)
         return decode_plain(self.tree, top, lambda sid: self.storage_bytes(sid, verify), self.path)
 
@@ -507,8 +505,6 @@ class CheckpointFile:
     def load_subtree(
         self, top: int, map_location: devices.MapLocation, verify: bool, use_mmap: bool = False
     ) -> object:
-        from ..format.decode import decode
-
         if use_mmap and self.encrypted:
             raise ValueError(
                 f"{self.path}: mmap=True cannot map an encrypted file: its pages hold ciphertext, so a "
