@@ -245,6 +245,20 @@ def test_duplicate_names_are_refused_first_without_escapes(tmp_path, old, new, n
     refused(tmp_path, blob, ckptfmt.CorruptError, f"index is not valid JSON: duplicate field {name!r}")
 
 
+def test_every_member_repeated_is_refused_without_escapes(tmp_path):
+    """Each member of each object of an index without escapes (the index's, producer's,
+    metadata's holding colons, a tensor node's), repeated right after itself: refused as a
+    repeated member, whichever it is."""
+    obj = index(metadata={"a:b": "c:d", "e": ":"})
+    blob = dumps(obj)
+    assert list(load(tmp_path, blob)) == ["w"]
+    objects = [obj, obj["producer"], obj["metadata"], obj["nodes"][1][1]]
+    members = [dumps({k: v})[1:-1] for o in objects for k, v in o.items()]
+    assert len(members) == 7 + 1 + 2 + 8
+    for member in members:
+        refused(tmp_path, edit(blob, member, member + "," + member), ckptfmt.CorruptError, "duplicate field")
+
+
 def test_colons_in_strings_keep_the_counted_parse(tmp_path, monkeypatch):
     """Keys, metadata and devices holding colons (each counted as a string's) are loaded without
     json's per-object hook; an escape anywhere sends the whole index through it."""
