@@ -375,3 +375,63 @@ def test_peak_memory_of_load_and_load_into(tmp_path, compression):
 
 def test_engine_reader_is_used():
     assert _native.available() == (ckptfmt.backend() == "c")
+
+
+def test_raw_values_compare_hash_and_refuse_changes(tmp_path):
+    """decode_raw's RawArray and RawValue (plain classes, not dataclasses: a first load imports
+    their module) keep a frozen dataclass's behaviour: equal by their fields, a RawValue hashable
+    (a size may be a dict key), a repr without the storage reader, no field assignable."""
+    import dataclasses
+
+    from ckptfmt.files.reader import CheckpointFile
+    from ckptfmt.format.decode import RawArray, RawValue
+
+    path = str(tmp_path / "raw.ckpt")
+    ckptfmt.save({"w": torch.arange(6, dtype=torch.int32), "size": torch.Size([2, 3])}, path)
+    with CheckpointFile(path) as f:
+        one, two = f.load_raw(f.tree.root, True), f.load_raw(f.tree.root, True)
+        w, size = one["w"], one["size"]
+        assert isinstance(w, RawArray) and isinstance(size, RawValue)
+        assert (w.kind, w.dtype, w.shape) == ("tensor", "int32", (6,))
+        assert w.vector_bytes() == torch.arange(6, dtype=torch.int32).numpy().tobytes()
+    assert size == two["size"] and hash(size) == hash(two["size"]) and {size: 1}[two["size"]] == 1
+    assert size == RawValue("size", (("2", "3"),)) and size != RawValue("size", (("2", "4"),))
+    assert w != RawArray("ndarray", w.dtype, w.shape, w.meta, w.storage)
+    assert repr(size) == "RawValue(kind='size', fields=(('2', '3'),))"
+    assert repr(w).startswith(
+        "RawArray(kind='tensor', dtype='int32', shape=(6,), meta={"
+    ) and "storage=" not in repr(w)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        w.kind = "ndarray"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del size.fields
+    with pytest.raises(TypeError):
+        hash(w)  # its meta is a dict, as the dataclass's was
+
+
+def test_format_records_are_frozen_values(tmp_path):
+    """The prologue, footer and externals records (format.frozen.Frozen, not dataclasses: a
+    first load imports them) compare and hash by their fields, refuse changes, and survive a
+    copy and a pickle."""
+    import copy
+    import dataclasses
+    import pickle
+
+    from ckptfmt.files.reader import CheckpointFile
+    from ckptfmt.format.index import External
+    from ckptfmt.format.layout import Footer, Prologue
+
+    path = str(tmp_path / "f.ckpt")
+    ckptfmt.save({"w": torch.ones(3)}, path)
+    with CheckpointFile(path) as f, CheckpointFile(path) as g:
+        assert f.prologue == g.prologue and hash(f.footer) == hash(g.footer) and f.footer == g.footer
+        prologue, footer = f.prologue, f.footer
+    assert footer.signature_length == 0 and Footer(1, 2, 3, b"x") == Footer(1, 2, 3, b"x", 0)
+    assert prologue != Prologue(9, prologue.minor, prologue.file_id, prologue.file_length, 0, 0)
+    assert repr(footer).startswith(f"Footer(index_offset={footer.index_offset}, index_length=")
+    for value in (prologue, footer, External("../a.ckpt", b"\x01" * 16, 128, "/d/../a.ckpt")):
+        assert copy.copy(value) == value and copy.deepcopy(value) == value
+        assert pickle.loads(pickle.dumps(value)) == value
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            value.file_id = b""  # type: ignore[misc]
+    assert prologue.pack() == open(path, "rb").read(64)

@@ -221,6 +221,64 @@ def test_duplicate_names_are_compared_after_unescaping(tmp_path, old, new):
     refused(tmp_path, edit(BASE, old, new), ckptfmt.CorruptError, "duplicate")
 
 
+@pytest.mark.parametrize(
+    ("old", "new", "name"),
+    [
+        ('"metadata":{}', '"metadata":{"a":"1","a":"2"}', "a"),
+        ('"metadata":{}', '"metadata":{"k:1":"a:","k:1":"b"}', "k:1"),  # colons in the strings
+        ('"producer":{"ckptfmt":"corpus"}', '"producer":{"ckptfmt":"corpus","ckptfmt":"corpus"}', "ckptfmt"),
+        ('"nodes":', '"nodes":[],"nodes":', "nodes"),  # the last value is a valid table
+        ('"chunk_size":4096,', '"chunk_size":4096,"chunk_size":4096,', "chunk_size"),
+        ('{"dtype":"float32",', '{"dtype":"float32","dtype":"float32",', "dtype"),  # the same value
+        ('{"dtype":"float32",', '{"dtype":"float32","dtype":"bogus",', "dtype"),  # the kept value refused
+        ('{"dtype":"float32",', '{"dtype":"float32" ,"dtype" : "float32",', "dtype"),  # whitespace
+        ('"offset":0,', '"offset":0,"offset":99999,', "offset"),  # the kept value outside its storage
+        ('"nodes":[["str","w"]', '"nodes":[["str","w:"],["tensor",{"a":1,"a":2}]', "a"),  # a bad node
+    ],
+)
+def test_duplicate_names_are_refused_first_without_escapes(tmp_path, old, new, name):
+    """An index without escapes is parsed without json's per-object check for repeated members
+    (the members are counted against what the checks accept): a repeated member is still
+    refused with json's message, before any other fault of the file is reported."""
+    blob = edit(BASE, old, new)
+    assert "\\" not in blob
+    refused(tmp_path, blob, ckptfmt.CorruptError, f"index is not valid JSON: duplicate field {name!r}")
+
+
+def test_every_member_repeated_is_refused_without_escapes(tmp_path):
+    """Each member of each object of an index without escapes (the index's, producer's,
+    metadata's holding colons, a tensor node's), repeated right after itself: refused as a
+    repeated member, whichever it is."""
+    obj = index(metadata={"a:b": "c:d", "e": ":"})
+    blob = dumps(obj)
+    assert list(load(tmp_path, blob)) == ["w"]
+    objects = [obj, obj["producer"], obj["metadata"], obj["nodes"][1][1]]
+    members = [dumps({k: v})[1:-1] for o in objects for k, v in o.items()]
+    assert len(members) == 7 + 1 + 2 + 8
+    for member in members:
+        refused(tmp_path, edit(blob, member, member + "," + member), ckptfmt.CorruptError, "duplicate field")
+
+
+def test_colons_in_strings_keep_the_counted_parse(tmp_path, monkeypatch):
+    """Keys, metadata and devices holding colons (each counted as a string's) are loaded without
+    json's per-object hook; an escape anywhere sends the whole index through it."""
+    from ckptfmt.format import indexjson
+
+    calls: list[int] = []
+    real = indexjson._pairs
+    monkeypatch.setattr(indexjson, "_pairs", lambda pairs: calls.append(1) or real(pairs))
+    state = {"a:b": torch.ones(2), "n": {"c::d": torch.zeros(3), "dev": torch.device("cpu:0")}, "s": ":"}
+    p = str(tmp_path / "colons.ckpt")
+    ckptfmt.save(state, p, metadata={"k:1": "v:2:3"})
+    out = ckptfmt.load(p)
+    assert out.keys() == state.keys() and out["n"]["dev"] == state["n"]["dev"] and out["s"] == ":"
+    assert torch.equal(out["a:b"], state["a:b"]) and torch.equal(out["n"]["c::d"], state["n"]["c::d"])
+    assert ckptfmt.open(p).metadata == {"k:1": "v:2:3"}
+    assert calls == []
+    blob = edit(BASE, '"metadata":{}', '"metadata":{"a:b":"\\u003a"}')  # an escape: the hook parse
+    assert list(load(tmp_path, blob)) == ["w"] and calls
+
+
 def test_escaped_names_are_the_same_names(tmp_path):
     blob = edit(edit(BASE, '"chunk_size"', r'"\u0063hunk_size"'), '"offset"', r'"\u006fffset"')
     assert list(load(tmp_path, blob)) == ["w"]

@@ -3,9 +3,9 @@
 This is the reference reader.  It ties three parts together: the index rules
 (index.py: the prologue, footer and index are validated before any chunk is read),
 chunk reads (chunkread.py: each chunk read, verified and decoded into its
-destination, external chunks from the files they lie in), and what is here: where
-storages are placed (host memory, a mapping of the file, a device through a bounded
-staging buffer), the memory a load may take, and navigation of the object tree.
+destination, external chunks from the files they lie in), host memory for storages
+(hostalloc.py), and what is here: where storages are placed (host memory, a mapping of
+the file, a device through a bounded staging buffer), the memory a load may take, and navigation of the object tree.
 Every number taken from the file is validated before use; every failure is a
 CheckpointError that names the path, key, chunk and offset.
 
@@ -35,8 +35,14 @@ from ..errors import (
 from ..fileio import is_url, open_regular
 from ..format import layout as fmt
 from ..format import tree
-from ..format.index import Authenticator, Chunk, External, parse_index, parse_index_json
+
+# imported with the reader, not by its first load (decode needs no torch to import): a first load in a
+# fresh process is short for many small tensors, and pays every import left on its path
+from ..format.decode import decode, decode_key, decode_plain, decode_raw
+from ..format.index import Authenticator, Chunk, External, parse_index
+from ..format.indexjson import parse_index_json
 from ..gcpause import pausing_in_main_thread
+from . import hostalloc
 
 if TYPE_CHECKING:
     import torch
@@ -269,8 +275,6 @@ class CheckpointFile:
 
     def root_items(self) -> list[tuple[object, int]]:
         """(key, node id) of each entry when the root is a dict; empty otherwise."""
-        from ..format.decode import decode_key
-
         node = self.tree.nodes[self.tree.root]
         if node[0] not in ("dict", "odict"):
             return []
@@ -301,64 +305,9 @@ class CheckpointFile:
 
     # -- placement ----------------------------------------------------------
 
-    def _alloc(self, nbytes: int, key: str, *, sid: int | None = None) -> torch.Tensor:
-        """`nbytes` of host memory; LimitError naming `key` (or storage `sid`'s key) if it fails."""
-        from ..engine import hostmem
-
-        try:
-            return hostmem.empty_bytes(nbytes)
-        except (RuntimeError, MemoryError) as e:
-            raise self._alloc_error(nbytes, key if sid is None else self.storages[sid].key, e) from e
-
-    def _alloc_error(self, nbytes: int, key: str, e: BaseException) -> LimitError:
-        return LimitError(
-            f"cannot allocate {nbytes} bytes for this storage: {str(e)[:100]}", path=self.path, key=key
-        )
-
-    def _alloc_storages(self, sids: list[int]) -> dict[int, torch.UntypedStorage]:
-        """A fresh CPU storage for each of `sids` (one allocation each, no tensor); LimitError
-        naming the storage's key if one fails."""
-        from ..engine import hostmem
-
-        out = {}
-        empty = hostmem.empty_storage
-        for sid in sids:
-            nbytes = self.storages[sid].nbytes
-            try:
-                out[sid] = empty(nbytes)
-            except (RuntimeError, MemoryError) as e:
-                raise self._alloc_error(nbytes, self.storages[sid].key, e) from e
-        return out
-
-    def _alloc_host(
-        self, sids: list[int], made: dict[int, torch.Tensor]
-    ) -> dict[int, torch.UntypedStorage | torch.Tensor]:
-        """Fresh CPU memory for `sids`, by storage.  A small storage whose first tensor spans
-        exactly its bytes (most are: one tensor per storage) is allocated as that tensor, in
-        one call that builds both (torch.empty_strided: a resizable storage of its own, as any
-        other), also put in `made` by node; the others as storages.  LimitError naming the
-        storage's key if an allocation fails."""
-        import torch
-
-        from ..engine import hostmem
-        from ..format.dtypes import TORCH_DTYPES
-
-        places: dict[int, torch.UntypedStorage | torch.Tensor] = {}
-        nodes, records = self.tree.nodes, self.storages
-        small = hostmem.MIN_HUGE_BYTES  # larger ones: hostmem's choice of pages
-        empty_strided = torch.empty_strided
-        for sid in sids:
-            rec = records[sid]
-            if not rec.whole or rec.nbytes >= small:
-                places[sid] = self._alloc_storages([sid])[sid]
-                continue
-            m = nodes[rec.node][1]
-            try:
-                t = empty_strided(m["shape"], m["stride"], dtype=TORCH_DTYPES[m["dtype"]])
-            except (RuntimeError, MemoryError) as e:
-                raise self._alloc_error(rec.nbytes, rec.key, e) from e
-            places[sid] = made[rec.node] = t
-        return places
+    def _alloc(self, nbytes: int, key: str) -> torch.Tensor:
+        """`nbytes` of host memory; LimitError naming `key` if it fails (hostalloc.alloc_bytes)."""
+        return hostalloc.alloc_bytes(self.path, nbytes, key)
 
     def _chunk_views(
         self, sid: int, flat: torch.Tensor, first: int = 0, count: int | None = None
@@ -379,7 +328,7 @@ class CheckpointFile:
 
     def read_storages(self, sids: list[int], verify: bool) -> dict[int, torch.UntypedStorage]:
         """CPU storages for `sids`, all their chunks read (in parallel) and checked."""
-        storages = self._alloc_storages(sids)
+        storages = hostalloc.alloc_storages(self.path, self.storages, sids)
         self.read_into(self._destinations(sids, storages), verify)
         return storages
 
@@ -389,7 +338,7 @@ class CheckpointFile:
         storages: dict[int, torch.UntypedStorage] | dict[int, torch.UntypedStorage | torch.Tensor],
     ) -> list[tuple[int, Destination]]:
         """(chunk, destination) for every chunk of `sids`, placed in order in their storages
-        (or in tensors that span exactly their storage: _alloc_host).
+        (or in tensors that span exactly their storage: hostalloc.alloc_host).
         With the C engine a destination is the address of the chunk's place: the engine writes
         there directly, without a buffer export per chunk (many small storages make many);
         each storage holds exactly its chunks' raw bytes (index.py checks every raw length
@@ -438,15 +387,11 @@ class CheckpointFile:
     def load_raw(self, top: int, verify: bool) -> object:
         """The subtree at `top` as decode_raw builds it (no torch, no numpy): tensors and arrays
         as RawArrays whose bytes are read, and checked, only when asked for."""
-        from ..format.decode import decode_raw
-
         return decode_raw(self.tree, top, lambda sid: self.storage_bytes(sid, verify), self.path)
 
     def load_plain(self, top: int, verify: bool) -> object:
         """The subtree at `top` as decode_plain builds it (no torch, no numpy): arrays as
         StoredArrays, their bytes read and checked now, within max_bytes (a commit record)."""
-        from ..format.decode import decode_plain
-
         self._check_memory(tree.storages_under(self.tree, top), 0)
         return decode_plain(self.tree, top, lambda sid: self.storage_bytes(sid, verify), self.path)
 
@@ -560,8 +505,6 @@ class CheckpointFile:
     def load_subtree(
         self, top: int, map_location: devices.MapLocation, verify: bool, use_mmap: bool = False
     ) -> object:
-        from ..format.decode import decode
-
         if use_mmap and self.encrypted:
             raise ValueError(
                 f"{self.path}: mmap=True cannot map an encrypted file: its pages hold ciphertext, so a "
@@ -589,9 +532,9 @@ class CheckpointFile:
             host = [sid for sid in host if sid not in mapped]
         staging = max((self._staging_size(sids, staging_budget()) for sids in on_device.values()), default=0)
         self._check_memory(host + callable_ + [s for sids in on_device.values() for s in sids], staging)
-        places = self._alloc_host(host, made)
+        places = hostalloc.alloc_host(self.path, self.storages, self.tree.nodes, host, made)
         if callable_:  # map_location is handed storages
-            places.update(self._alloc_storages(callable_))
+            places.update(hostalloc.alloc_storages(self.path, self.storages, callable_))
         self.read_into(self._destinations(host + callable_, places), verify)
         for sid, place in places.items():
             if type(place) is not torch.Tensor:

@@ -23,11 +23,11 @@ import collections
 import contextlib
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..gcpause import pausing
 from . import dtypes
+from .frozen import Frozen
 from .tree import Tree, float_value
 from .validate import Check, key_value
 
@@ -146,18 +146,29 @@ class _Builder:
         return device
 
 
-@dataclass(frozen=True)
-class RawArray:
+class RawArray(Frozen):
     """A tensor or array node as `decode_raw` builds it: its validated fields (the meta of
     spec section 5) and the elements' bytes, read on demand."""
 
+    __slots__ = ("kind", "dtype", "shape", "meta", "storage")
+    # storage left out of repr (messages show a RawArray, and a bound method's repr holds an address)
+    _shown = ("kind", "dtype", "shape", "meta")
     kind: str  # "tensor" or "ndarray"
     dtype: str  # the format's name: a tensor dtype name, or a numpy dtype.str such as "<u4"
     shape: tuple[int, ...]
     meta: dict[str, Any]
-    # storage id -> its bytes, read and checked; left out of repr (messages show a RawArray,
-    # and a bound method's repr holds an address)
-    storage: Callable[[int], bytes] = field(repr=False)
+    storage: Callable[[int], bytes]  # storage id -> its bytes, read and checked
+
+    def __init__(
+        self,
+        kind: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        meta: dict[str, Any],
+        storage: Callable[[int], bytes],
+    ) -> None:
+        for name, value in zip(self.__slots__, (kind, dtype, shape, meta, storage)):
+            object.__setattr__(self, name, value)
 
     def vector_bytes(self) -> bytes:
         """The bytes of a 1-D array's elements in order (a tensor's offset and stride applied),
@@ -174,12 +185,16 @@ class RawArray:
         return b"".join(data[start + i * step : start + i * step + size] for i in range(self.shape[0]))
 
 
-@dataclass(frozen=True)
-class RawValue:
+class RawValue(Frozen):
     """A node whose value needs torch or numpy (npscalar, dtype, device, size), as stored."""
 
+    __slots__ = ("kind", "fields")
     kind: str
     fields: tuple[Any, ...]
+
+    def __init__(self, kind: str, fields: tuple[Any, ...]) -> None:
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "fields", fields)
 
 
 @pausing

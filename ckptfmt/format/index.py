@@ -5,8 +5,10 @@ is read (spec section 9, steps 1 to 7).  This module implements:
 
 * sections 2 and 7 (through format.py): the prologue and the footer;
 * sections 4 and 5: the index bytes, their zero padding and the index checksum;
-* section 5: the JSON rules (UTF-8, integer literals only, no duplicate members, exactly
-  the top-level members), `chunk_size`, `producer`, `metadata`, `source_devices` and the
+* section 5: the JSON rules (through indexjson.py: UTF-8, integer literals only, no
+  duplicate members, exactly the top-level members; in a text without escapes the members
+  are counted against those the checks accept instead of json checking each object,
+  validate.TextCount), `chunk_size`, `producer`, `metadata`, `source_devices` and the
   storage records;
 * section 3: the chunk records and their placement (offsets, lengths, codec, filter,
   checksum format, the data section ending at the index), and each chunk's padding;
@@ -29,8 +31,8 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
-import json
 import os
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -48,14 +50,13 @@ from ..gcpause import pausing
 from . import encryption, locations, tree, validate
 from . import layout as fmt
 from .encryption import Opener
+from .frozen import Frozen
+from .indexjson import INDEX_FIELDS, INDEX_FIELDS_EXTERNAL, parse_index_json
 from .layout import Limits
 
 if TYPE_CHECKING:
     from . import signing  # imported where a file is signed: a load of any other never needs it
 
-_INDEX_FIELDS = ("chunk_size", "producer", "source_devices", "metadata", "storages", "chunks", "nodes")
-#: with required feature bit 0 the index also lists the files its external chunks lie in
-_INDEX_FIELDS_EXTERNAL = (*_INDEX_FIELDS[:5], "externals", *_INDEX_FIELDS[5:])
 _HEX16 = frozenset("0123456789abcdef")
 
 
@@ -78,14 +79,18 @@ class Chunk(NamedTuple):
     tag: bytes = b""  # encrypted files read with the key: the GCM tag of the stored bytes (section 17)
 
 
-@dataclass(frozen=True, slots=True)
-class External:
+class External(Frozen):
     """An entry of the index's `externals` (section 12): a file external chunks lie in."""
 
+    __slots__ = ("rel", "file_id", "length", "path")
     rel: str  # the reference path, as recorded
     file_id: bytes
     length: int
     path: str  # rel joined to the referencing file's directory: what is opened
+
+    def __init__(self, rel: str, file_id: bytes, length: int, path: str) -> None:
+        for name, value in zip(self.__slots__, (rel, file_id, length, path)):
+            object.__setattr__(self, name, value)
 
     @property
     def name(self) -> str:
@@ -156,59 +161,6 @@ def _plain_raw_chunk(
     pad = -(off + slen) % fmt.ALIGNMENT
     # tuple.__new__: the Chunk without NamedTuple.__new__'s Python call (its fields in order)
     return _new_tuple(Chunk, (off, slen, rlen, codec, filt, width, int(check, 16), pad, digest, *_LOCAL_TAIL))
-
-
-def _parse_int(text: str) -> int:
-    if len(text) > 20:
-        raise ValueError("integer literal too long")
-    return int(text)
-
-
-def _reject_float(text: str) -> Any:
-    raise ValueError(f"floating-point literal {text[:20]!r} is not allowed in the index")
-
-
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise ValueError(f"duplicate field {k[:40]!r}")
-            seen.add(k)
-    return out
-
-
-#: every digit made "0", so that a run of 20 digits (one that may be an integer literal over the
-#: length cap) is a plain substring search; without one anywhere in the index, json's own
-#: integer parsing (no Python call per number) is safe
-_DIGITS_AS_ZERO = bytes.maketrans(b"0123456789", b"0" * 10)
-_DIGIT_RUN = b"0" * 20
-
-
-def _has_long_digit_run(raw: bytes) -> bool:
-    return raw.translate(_DIGITS_AS_ZERO).find(_DIGIT_RUN) >= 0
-
-
-def parse_index_json(raw: bytes, path: str, fields: tuple[str, ...] = _INDEX_FIELDS) -> dict[str, Any]:
-    try:
-        text = raw.decode("utf-8")
-        obj = json.loads(
-            text,
-            object_pairs_hook=_pairs,
-            parse_int=_parse_int if _has_long_digit_run(raw) else None,
-            parse_float=_reject_float,
-            parse_constant=_reject_float,
-        )
-    except UnicodeDecodeError as e:
-        raise CorruptError(f"index is not valid UTF-8 (byte {e.start})", path=path) from e
-    except RecursionError as e:
-        raise LimitError("index JSON is nested too deeply", path=path) from e
-    except ValueError as e:
-        raise CorruptError(f"index is not valid JSON: {str(e)[:200]}", path=path) from e
-    if type(obj) is not dict or set(obj) != set(fields):
-        raise CorruptError("index must be an object with exactly the fields " + ", ".join(fields), path=path)
-    return obj
 
 
 def _str_map(c: validate.Check, v: object, what: str, cap: int) -> dict[str, str]:
@@ -313,6 +265,8 @@ class _IndexParser:
         self.index_memory = 0
         self._decrypt = decrypt
         self._ciphertext_only = ciphertext_only
+        self.storages: list[tree.StorageRecord] = []
+        self.chunks: list[Chunk] = []
 
     def _charge_index(self, nbytes: int) -> None:
         if self.max_bytes is not None and nbytes > self.max_bytes:
@@ -369,8 +323,43 @@ class _IndexParser:
             )
         self._charge_index(fmt.index_memory_bound(raw))  # before json builds anything
         external = bool(self.prologue.required_features & fmt.FEATURE_EXTERNAL)
-        index = parse_index_json(raw, path, _INDEX_FIELDS_EXTERNAL if external else _INDEX_FIELDS)
-        del raw
+        fields = INDEX_FIELDS_EXTERNAL if external else INDEX_FIELDS
+        # what the index's members are checked with: the file's length, where its signature or
+        # encryption block starts, the index's SHA-256 (signed files), the blocks, the data key
+        self._tail = (length, block_at, index_sha256, early_block, enc, data_key, enc_sha256)
+        if raw.find(b"\\") >= 0:  # escapes: every object's members checked as json builds it
+            members = parse_index_json(raw, path, fields)
+            del raw
+            return self._members(members, external, None)
+        # no escapes (the indexes ckptfmt writes of ASCII keys): the members are counted instead,
+        # `raw` kept until they are counted and checked, as a refusal is made from it again
+        count = validate.TextCount()
+        failure: Exception | None = None
+        try:
+            index = self._members(parse_index_json(raw, path, fields, repeats=False), external, count)
+        except Exception as e:
+            failure = e
+        else:
+            if raw.count(b":") == count.members + count.colons:
+                return index
+            del index  # a member repeated (or a colon the count missed)
+        # parsed again, json refusing a repeated member, as it did before any other check: the
+        # first parse's objects freed first (a failure's traceback holds them in its frames), so
+        # that a refusal takes no more memory than fmt.index_memory_bound
+        if failure is not None:
+            traceback.clear_frames(failure.__traceback__)
+        self.chunks, self.storages = [], []
+        members = parse_index_json(raw, path, fields)
+        if failure is not None:
+            raise failure
+        return self._members(members, external, None)
+
+    def _members(self, index: dict[str, Any], external: bool, count: validate.TextCount | None) -> Index:
+        """The Index from the parsed JSON `index` (every member checked) and what parse read
+        before it (self._tail); with `count`, every member of the objects it accepts and every
+        colon of the strings it keeps that may hold one counted (validate.TextCount)."""
+        length, block_at, index_sha256, early_block, enc, data_key, enc_sha256 = self._tail
+        path = self.path
         c = validate.Check(path)
         self.chunk_size = c.bounded_int(index["chunk_size"], "chunk_size", fmt.MAX_CHUNK_SIZE)
         if self.chunk_size < fmt.MIN_CHUNK_SIZE or self.chunk_size & (self.chunk_size - 1):
@@ -380,12 +369,18 @@ class _IndexParser:
         self.source_devices = [
             c.str_(d, "source_devices entry") for d in c.list_(index["source_devices"], "source_devices")
         ]
+        self._storage_colons = 0
         self.storages = self._parse_storages(c, index["storages"])
         self.has_digests = external
         self.externals = self._parse_externals(c, index["externals"]) if external else []
+        if count is not None:  # chunk records hold no colon: ints, and strings of hex digits
+            count.members += len(index) + len(self.producer) + len(self.metadata)
+            count.colons += self._storage_colons
+            count.strings(*self.producer, *self.producer.values(), *self.metadata, *self.metadata.values())
+            count.strings(*self.source_devices, *(e.rel for e in self.externals))
         # the JSON records are dropped as soon as they are parsed: they cost more than the Chunks
         self.chunks = self._parse_chunks(c, index.pop("chunks"))
-        nodes = validate.validate_tree(index.pop("nodes"), self.storages, path)
+        nodes = validate.validate_tree(index.pop("nodes"), self.storages, path, count)
         block = early_block
         if index_sha256 and block is None:
             from . import signing
@@ -495,8 +490,11 @@ class _IndexParser:
             raise c.fail(f"{len(items)} storages exceed the limit {Limits.MAX_STORAGES}", limit=True)
         out = []
         first = 0
-        valid: set[str] = set()  # devices checked already: a file names few, each many times
+        # devices checked already, with their colons: a file names few, each many times
+        valid: dict[str, int] = {}
+        colons = 0
         max_nbytes = Limits.MAX_STORAGE_BYTES
+        chunk_size = self.chunk_size
         for sid, item in enumerate(items):
             if type(item) is not list or len(item) != 2:
                 raise c.fail(f"storage {sid} is not a [nbytes, device] pair")
@@ -504,15 +502,18 @@ class _IndexParser:
             if type(nbytes) is not int or not 0 <= nbytes <= max_nbytes:  # the message built only here
                 c.bounded_int(nbytes, f"storage {sid} size", max_nbytes)  # raises
             device = item[1]
-            if type(device) is not str or device not in valid:
+            k = valid.get(device) if type(device) is str else None
+            if k is None:
                 c.str_(device, f"storage {sid} device")
                 if not locations.valid_location(device):
                     raise c.fail(f"storage {sid} has invalid device {device[:40]!r}")
-                valid.add(device)
-            n = -(-nbytes // self.chunk_size)
+                k = valid[device] = device.count(":")
+            colons += k
+            n = -(-nbytes // chunk_size)
             out.append(tree.StorageRecord(nbytes, device, first, n))
             first += n
         self._n_chunks_expected = first
+        self._storage_colons = colons
         return out
 
     def _parse_externals(self, c: validate.Check, raw: object) -> list[External]:
@@ -549,11 +550,16 @@ class _IndexParser:
             raise c.fail(f"{len(items)} chunks exceed the limit {Limits.MAX_CHUNKS}", limit=True)
         if len(items) != self._n_chunks_expected:
             raise c.fail(f"{len(items)} chunks listed, the storages need {self._n_chunks_expected}")
-        # raw length of every chunk follows from the storage sizes and the chunk size
-        raw_lens = []
+        # raw length of every chunk follows from the storage sizes and the chunk size (listed only
+        # now: as many as the chunk records, checked above)
+        chunk_size = self.chunk_size
+        raw_lens: list[int] = []
         for rec in self.storages:
-            for k in range(rec.n_chunks):
-                raw_lens.append(min(self.chunk_size, rec.nbytes - k * self.chunk_size))
+            n = rec.n_chunks
+            if n == 1:  # the common storage: one chunk of all its bytes
+                raw_lens.append(rec.nbytes)
+            elif n:
+                raw_lens.extend(min(chunk_size, rec.nbytes - j * chunk_size) for j in range(n))
         # 7 fields; with content digests (bit 0) 8 for a local chunk, 10 for an external one
         sizes = (8, 10) if self.has_digests else (7,)
         out: list[Chunk] = []

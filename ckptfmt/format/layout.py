@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import dataclass
 
 import xxhash
 
 from ..errors import CorruptError, IncompleteError, LimitError, UnsupportedError
+from .frozen import Frozen
 
 # -- identity ---------------------------------------------------------------
 
@@ -182,14 +182,29 @@ def index_checksum(file_id: bytes, offset: int, data: bytes | memoryview) -> int
 # -- prologue and footer ------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Prologue:
+class Prologue(Frozen):
+    """The first 64 bytes of a file (spec section 2), checked (parse_prologue)."""
+
+    __slots__ = ("major", "minor", "file_id", "file_length", "required_features", "optional_features")
     major: int
     minor: int
     file_id: bytes
     file_length: int
     required_features: int
     optional_features: int
+
+    def __init__(
+        self,
+        major: int,
+        minor: int,
+        file_id: bytes,
+        file_length: int,
+        required_features: int,
+        optional_features: int,
+    ) -> None:
+        values = (major, minor, file_id, file_length, required_features, optional_features)
+        for name, value in zip(self.__slots__, values):
+            object.__setattr__(self, name, value)
 
     def pack(self) -> bytes:
         head = _PROLOGUE.pack(
@@ -206,8 +221,10 @@ class Prologue:
         return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
 
 
-@dataclass(frozen=True)
-class Footer:
+class Footer(Frozen):
+    """The last 64 bytes of a file (spec section 7), checked (parse_footer)."""
+
+    __slots__ = ("index_offset", "index_length", "index_checksum", "file_id", "signature_length")
     index_offset: int
     index_length: int
     index_checksum: int
@@ -215,7 +232,19 @@ class Footer:
     #: signed files (required feature bit 1): the signature block's length (offset 40);
     #: encrypted files (bit 2): the encryption block's length, in the same field; signed
     #: encrypted files (bits 1 and 2): both blocks' lengths together (section 17.8)
-    signature_length: int = 0
+    signature_length: int
+
+    def __init__(
+        self,
+        index_offset: int,
+        index_length: int,
+        index_checksum: int,
+        file_id: bytes,
+        signature_length: int = 0,
+    ) -> None:
+        values = (index_offset, index_length, index_checksum, file_id, signature_length)
+        for name, value in zip(self.__slots__, values):
+            object.__setattr__(self, name, value)
 
     def pack(self) -> bytes:
         head = _FOOTER.pack(

@@ -65,6 +65,25 @@ _ARRAY_FIELDS = ("dtype", "shape", "order", "storage")
 _MAX_B64 = 4 * -(-Limits.MAX_STRING_BYTES // 3)
 
 
+class TextCount:
+    """What the checks accepted of an index's JSON text, counted as they go: the members of its
+    objects (as the dicts json built hold them) and the colons inside the strings they kept.
+    Text without escapes holds exactly that many colons when no object repeats a member: a
+    repeated member's colon is in the text and in no dict json built (index.py compares)."""
+
+    __slots__ = ("members", "colons")
+
+    def __init__(self) -> None:
+        self.members = 0
+        self.colons = 0
+
+    def strings(self, *texts: str) -> None:
+        """Count the colons of `texts`, strings of the JSON text the checks accepted."""
+        for text in texts:
+            if ":" in text:
+                self.colons += text.count(":")
+
+
 class Check:
     """Validation helpers that raise CorruptError naming the node."""
 
@@ -104,8 +123,11 @@ class Check:
         return v
 
 
-def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -> Tree:
-    """Check every node of the table; return the tree with each node's parent."""
+def validate_tree(
+    nodes_raw: object, storages: list[StorageRecord], path: str, count: TextCount | None = None
+) -> Tree:
+    """Check every node of the table; return the tree with each node's parent.  `count`: the
+    members of the node table's objects and the colons of its strings are added to it."""
     c = Check(path)
     nodes = c.list_(nodes_raw, "nodes")
     if not nodes:
@@ -117,6 +139,10 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
     slot = array("i", [0]) * len(nodes)
     depth = array("H", [0]) * len(nodes)
     short_str = Limits.MAX_STRING_BYTES // 4  # UTF-8 takes at most 4 bytes a character
+    # for `count`: tensor nodes (8 members each), ndarray nodes (4 each), and the colons in the
+    # strings that may hold one (keys, devices, numpy dtype names); every other string is
+    # checked to be a name from a table, hex digits or base64, which hold none
+    tensors = ndarrays = colons = 0
 
     def child(i: int, j: object, s: int) -> int:
         if type(j) is not int or not 0 <= j < i:
@@ -141,12 +167,15 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
         # the commonest kinds first (the order only saves comparisons)
         if kind == "tensor":
             ok = n == 2 and _check_tensor(c, i, node[1], storages)
+            tensors += 1
         elif kind == "str":
-            text = node[1] if n == 2 else None
+            text = node[1] if n == 2 else ""
             # a short string is within the limit unmeasured (Check.str_, which names the fault)
             ok = n == 2 and (
                 (type(text) is str and len(text) <= short_str) or c.str_(text, f"node {i}") is not None
             )
+            if ok and ":" in text:
+                colons += text.count(":")
         elif kind == "none":
             ok = n == 1
         elif kind == "bool":
@@ -212,6 +241,7 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
             # tree is checked without torch, and a backend's name is known only where it is
             # registered (spec section 6)
             ok = n == 2 and locations.valid_location(node[1])
+            colons += node[1].count(":") if ok else 0
         elif kind == "size":
             ok = (
                 n == 2
@@ -228,6 +258,8 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
             )
         elif kind == "ndarray":
             ok = n == 2 and _check_ndarray(c, i, node[1], storages)
+            ndarrays += 1
+            colons += node[1]["dtype"].count(":") if ok else 0
         else:  # npscalar
             ok = n == 3 and type(node[1]) is str and type(node[2]) is str and len(node[2]) <= 32
             size = dtypes.numpy_itemsize(node[1]) if ok else None
@@ -236,6 +268,7 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
                     f"node {i} has numpy dtype {short_repr(node[1], 40)}, unknown to this reader"
                 )
             if ok:
+                colons += node[1].count(":")
                 raw = _b64decode(c, i, node[2])
                 if len(raw) != size:
                     raise c.fail(f"node {i} holds {len(raw)} bytes for a {size}-byte scalar")
@@ -252,6 +285,9 @@ def validate_tree(nodes_raw: object, storages: list[StorageRecord], path: str) -
     for sid, rec in enumerate(storages):
         if not rec.kind:
             raise c.fail(f"storage {sid} is not used by any tensor or array")
+    if count is not None:
+        count.members += _N_TENSOR_FIELDS * tensors + len(_ARRAY_FIELDS) * ndarrays
+        count.colons += colons
     tree = Tree(nodes, root, storages, parent, slot)
     tree.name_storage_keys()
     return tree
