@@ -348,3 +348,25 @@ def test_objects_quick(quick_runs):
         )
     assert "Command: `python bench/objects.py --quick" in md
     assert all(f"| {t} | load |" in md for t in doc["tools"])
+
+
+@pytest.mark.parametrize(
+    "tool, module",
+    [
+        ("ckptfmt", "ckptfmt.files.save"),
+        ("ckptfmt-zstd", "ckptfmt.engine.chunkwrite"),
+        ("safetensors", "safetensors.torch"),
+    ],
+)
+def test_a_save_worker_imports_the_save_function_before_the_clock(tool, module):
+    """Each tool's save path is imported before its first timed save, as each loader's is:
+    `import ckptfmt` alone leaves the save path to its first call, which the clock counted."""
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import worker; worker.import_save_function(sys.argv[2]); "
+        "print(sys.argv[3] in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, BENCH, tool, module], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"
