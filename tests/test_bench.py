@@ -235,6 +235,23 @@ def test_saves_alone(tmp_path):
     assert bad.returncode == 2 and "unknown phases: ['nope']" in bad.stderr
 
 
+def test_saves_warmup_rounds_are_run_and_not_recorded(tmp_path):
+    """--save-warmup runs rounds before the measured ones (the first worker after the state's
+    build no longer pays alone for the memory the build freed) and records none of them."""
+    argv = [sys.executable, RUN, "--phases", "saves", "--size", "1M", "--locations", "tmpfs"]
+    argv += ["--save-tools", "ckptfmt", "--save-rounds", "2", "--save-warmup", "1"]
+    argv += ["--out", str(tmp_path), "--name", "warm"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "saves: warm-up round 1/1" in proc.stdout + proc.stderr
+    doc = json.loads((tmp_path / "warm.json").read_text())
+    assert doc["rounds"]["saves_warmup"] == 1
+    rows = {r["id"]: r for r in doc["rows"]}
+    for tool in ("dd", "ckptfmt"):
+        assert [s["round"] for s in rows[f"saves/tmpfs/{tool}/save"]["samples"]] == [0, 1]
+    assert "after 1 unrecorded warm-up round" in (tmp_path / "warm.md").read_text()
+
+
 def test_measured_processes_compile_nothing(tmp_path, monkeypatch):
     """A measured process finds ckptfmt's modules compiled beforehand, as an installed wheel's
     are, even where PYTHONDONTWRITEBYTECODE is set: importing the save and load paths compiles
