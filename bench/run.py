@@ -222,15 +222,21 @@ class Run:
                 self.add("cold", "disk", tool, "load", load_row(tool, path), r)
             self.say(f"cold: round {r + 1}/{rounds}")
 
-    def save_pass(self, rounds: int) -> None:
-        """Per round: dd, then each tool in a process of its own saving to every location in turn."""
+    def save_pass(self, rounds: int, warmup: int = 0) -> None:
+        """Per round: dd, then each tool in a process of its own saving to every location in turn.
+
+        The `warmup` rounds before them are run the same way and not recorded: building the
+        state frees gigabytes that the guest hands back to the host (free page reporting), and
+        the first worker after it paid for faulting them in again, always the same tool (round
+        0's order): ckptfmt's first round took 0.90-2.13 CPU-seconds against 0.43-0.53 in
+        the others, in five runs of 2026-12-07 (bench/README.md, "Durable saves")."""
         source = self.files["tmpfs" if "tmpfs" in self.files else "disk"]["pt"]
         folders = {}
         for location, folder in self.locations.items():
             folders[location] = os.path.join(folder, "saves")
             os.makedirs(folders[location], exist_ok=True)
         locs = list(self.locations)
-        for r in range(rounds):
+        for r in range(-warmup, rounds):
             order = common.rotated(locs, r)
             for tool in common.rotated(["dd", *self.args.save_tools], r):
                 if tool == "dd":
@@ -238,9 +244,13 @@ class Run:
                 else:
                     results = save_worker(tool, [folders[loc] for loc in order], source)
                 for location in order:
-                    for res in results[folders[location]]:
+                    for res in results[folders[location]] if r >= 0 else []:
                         self.add("saves", location, tool, res.pop("op"), res, r)
-            self.say(f"saves: round {r + 1}/{rounds}")
+            self.say(
+                f"saves: round {r + 1}/{rounds}"
+                if r >= 0
+                else f"saves: warm-up round {r + warmup + 1}/{warmup}"
+            )
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -397,7 +407,12 @@ def report_of(run: Run, argv: list[str], before: dict[str, Any], started: str) -
         "started": started,
         "seconds": time.perf_counter() - run.t0,
         "state": {"bytes": run.state_bytes, "size": run.args.size, "dtype": run.args.dtype},
-        "rounds": {"warm": run.args.rounds, "spread": run.args.spread_rounds, "saves": run.args.save_rounds},
+        "rounds": {
+            "warm": run.args.rounds,
+            "spread": run.args.spread_rounds,
+            "saves": run.args.save_rounds,
+            "saves_warmup": run.args.save_warmup,
+        },
         "machine_before": before,
         "machine_after": common.machine_state(run.locations),
         "versions": common.versions(),
@@ -512,7 +527,13 @@ def markdown(rep: dict[str, Any]) -> str:
                 if res
                 else f"| {LABELS[tool]} | {_cell(row)} | ? |"
             )
-    lines += ["", f"## Durable saves: GB/s, median (min–max) of {rep['rounds']['saves']} rounds", ""]
+    warmup = rep["rounds"].get("saves_warmup", 0)
+    unrecorded = f", after {warmup} unrecorded warm-up round{'s' if warmup > 1 else ''}" if warmup else ""
+    lines += [
+        "",
+        f"## Durable saves: GB/s, median (min–max) of {rep['rounds']['saves']} rounds{unrecorded}",
+        "",
+    ]
     lines += [
         "| save | " + " | ".join(locs) + " | file | peak extra RSS |",
         "|---|" + "---|" * (len(locs) + 2),
@@ -620,6 +641,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--spread-rounds", type=int, default=None, help="rounds of the second pass (default 3; quick: 1)"
     )
     ap.add_argument("--save-rounds", type=int, default=None, help="rounds of the saves (default 3; quick: 1)")
+    ap.add_argument(
+        "--save-warmup",
+        type=int,
+        default=None,
+        help="unrecorded rounds of the saves before them (default 1; quick: 0)",
+    )
     ap.add_argument("--locations", default="tmpfs,disk", help="tmpfs,disk (cold rows need disk)")
     ap.add_argument(
         "--phases",
@@ -649,6 +676,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.rounds = args.rounds or (1 if args.quick else 5)
     args.spread_rounds = args.spread_rounds if args.spread_rounds is not None else (1 if args.quick else 3)
     args.save_rounds = args.save_rounds if args.save_rounds is not None else (1 if args.quick else 3)
+    args.save_warmup = args.save_warmup if args.save_warmup is not None else (0 if args.quick else 1)
     args.loads = args.loads.split(",")
     compared = [t for t in args.loads if any(t in (o, p) for o, p, _ in COMPARISONS)]
     args.spread = (
@@ -693,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
         if "disk" in locations and "cold" in args.phases:
             run.cold_pass(args.rounds)
         if "saves" in args.phases:
-            run.save_pass(args.save_rounds)
+            run.save_pass(args.save_rounds, args.save_warmup)
         rep = report_of(run, argv, before, started)
     finally:
         for folder in locations.values():

@@ -235,6 +235,23 @@ def test_saves_alone(tmp_path):
     assert bad.returncode == 2 and "unknown phases: ['nope']" in bad.stderr
 
 
+def test_saves_warmup_rounds_are_run_and_not_recorded(tmp_path):
+    """--save-warmup runs rounds before the measured ones (the first worker after the state's
+    build no longer pays alone for the memory the build freed) and records none of them."""
+    argv = [sys.executable, RUN, "--phases", "saves", "--size", "1M", "--locations", "tmpfs"]
+    argv += ["--save-tools", "ckptfmt", "--save-rounds", "2", "--save-warmup", "1"]
+    argv += ["--out", str(tmp_path), "--name", "warm"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "saves: warm-up round 1/1" in proc.stdout + proc.stderr
+    doc = json.loads((tmp_path / "warm.json").read_text())
+    assert doc["rounds"]["saves_warmup"] == 1
+    rows = {r["id"]: r for r in doc["rows"]}
+    for tool in ("dd", "ckptfmt"):
+        assert [s["round"] for s in rows[f"saves/tmpfs/{tool}/save"]["samples"]] == [0, 1]
+    assert "after 1 unrecorded warm-up round" in (tmp_path / "warm.md").read_text()
+
+
 def test_measured_processes_compile_nothing(tmp_path, monkeypatch):
     """A measured process finds ckptfmt's modules compiled beforehand, as an installed wheel's
     are, even where PYTHONDONTWRITEBYTECODE is set: importing the save and load paths compiles
@@ -348,3 +365,25 @@ def test_objects_quick(quick_runs):
         )
     assert "Command: `python bench/objects.py --quick" in md
     assert all(f"| {t} | load |" in md for t in doc["tools"])
+
+
+@pytest.mark.parametrize(
+    "tool, module",
+    [
+        ("ckptfmt", "ckptfmt.files.save"),
+        ("ckptfmt-zstd", "ckptfmt.engine.chunkwrite"),
+        ("safetensors", "safetensors.torch"),
+    ],
+)
+def test_a_save_worker_imports_the_save_function_before_the_clock(tool, module):
+    """Each tool's save path is imported before its first timed save, as each loader's is:
+    `import ckptfmt` alone leaves the save path to its first call, which the clock counted."""
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import worker; worker.import_save_function(sys.argv[2]); "
+        "print(sys.argv[3] in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, BENCH, tool, module], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"

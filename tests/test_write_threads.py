@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import sys
 import tempfile
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 from helpers import assert_same
 
 import ckptfmt
-from ckptfmt.engine import native
+from ckptfmt.engine import filesystems, native
 from ckptfmt.engine.chunkwrite import write_threads
 from ckptfmt.engine.filesystems import filesystem_type, type_of_device
 from ckptfmt.engine.writeoptions import WriteOptions
@@ -138,3 +139,62 @@ def test_mountinfo_lines_name_the_type_of_their_device(device, kind):
 )
 def test_malformed_mountinfo_names_no_type(text):
     assert type_of_device(text, "0:27") is None
+
+
+#: the paths this process opened while a test listens (sys.audit's "open" event: every file the
+#: interpreter opens, the real one, nothing replaced)
+_opened: list[str] | None = None
+
+
+def _record_opens(event: str, args: tuple) -> None:
+    if event == "open" and _opened is not None and isinstance(args[0], str):
+        _opened.append(args[0])
+
+
+sys.addaudithook(_record_opens)
+
+
+@pytest.fixture
+def mountinfo_reads():
+    """The number of times mountinfo is opened in the test, counted from a fresh table."""
+    global _opened
+    filesystems.forget_devices()
+    _opened = []
+    try:
+        yield lambda: _opened.count(filesystems.MOUNTINFO)
+    finally:
+        _opened = None
+        filesystems.forget_devices()
+
+
+def test_a_save_of_many_files_reads_mountinfo_once_per_device(shm_dir, tmp_path, mountinfo_reads):
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    for i in range(5):  # the files of a sharded save, all in one folder on tmpfs
+        ckptfmt.save(state, os.path.join(shm_dir, f"shard-{i}.ckpt"))
+    assert mountinfo_reads() == 1
+    ckptfmt.save(state, str(tmp_path / "elsewhere.ckpt"))  # another device: read for it
+    ckptfmt.save(state, str(tmp_path / "elsewhere-2.ckpt"))
+    same_device = os.stat(tmp_path).st_dev == os.stat(shm_dir).st_dev
+    assert mountinfo_reads() == (1 if same_device else 2)
+    for i in range(5):
+        assert_same(ckptfmt.load(os.path.join(shm_dir, f"shard-{i}.ckpt")), state)
+
+
+def test_a_memfd_device_is_remembered_as_on_no_mount(mountinfo_reads):
+    spools = [os.memfd_create("ckptfmt-test", os.MFD_CLOEXEC) for _ in range(3)]
+    try:
+        assert [filesystem_type(fd) for fd in spools] == [None, None, None]
+    finally:
+        for fd in spools:
+            os.close(fd)
+    assert mountinfo_reads() == 1
+
+
+def test_an_unreadable_mountinfo_is_not_remembered(shm_dir, mountinfo_reads, monkeypatch):
+    with open(os.path.join(shm_dir, "f"), "wb") as f:
+        monkeypatch.setattr(filesystems, "MOUNTINFO", os.path.join(shm_dir, "no-such-mountinfo"))
+        assert filesystem_type(f.fileno()) is None
+        monkeypatch.undo()
+        assert filesystem_type(f.fileno()) == "tmpfs"  # read again, now that it can be
+        assert filesystem_type(f.fileno()) == "tmpfs"
+    assert mountinfo_reads() == 1

@@ -1,4 +1,4 @@
-"""Which filesystem holds an open file, read from /proc/self/mountinfo.
+"""Which filesystem holds an open file, read from /proc/self/mountinfo once per device.
 
 Writers choose how many engine threads write one file by it (chunkwrite.write_threads):
 on tmpfs every write to a file copies into its pages under the file's inode lock, so
@@ -11,18 +11,42 @@ import os
 
 MOUNTINFO = "/proc/self/mountinfo"
 
+#: the filesystem type found for each device number (st_dev), None where no mount has it (a
+#: memfd's device): a sharded save writes many files on one device, and mountinfo is read
+#: once for them all.  A mounted device keeps its type until it is unmounted; a number reused
+#: by a later mount could keep a stale type here, which only chooses how many threads write,
+#: never what is written (forget_devices after remounting).
+_types: dict[int, str | None] = {}
+
+#: devices remembered at most (a process sees a handful; the table is emptied when full)
+MAX_DEVICES = 64
+
 
 def filesystem_type(fd: int) -> str | None:
     """The type ("tmpfs", "ext4", ...) of the mounted filesystem that holds the file open at
-    `fd`, matched by device number in /proc/self/mountinfo; None where no mount there has that
-    device (a memfd, a pipe, no /proc) or it cannot be read."""
+    `fd`, matched by device number in /proc/self/mountinfo (read once per device); None where
+    no mount there has that device (a memfd, a pipe, no /proc) or it cannot be read."""
     try:
         dev = os.fstat(fd).st_dev
+    except OSError:
+        return None
+    if dev in _types:
+        return _types[dev]
+    try:
         with open(MOUNTINFO, encoding="utf-8", errors="replace") as f:
             text = f.read()
     except OSError:
-        return None
-    return type_of_device(text, f"{os.major(dev)}:{os.minor(dev)}")
+        return None  # not remembered: a later file may find it readable
+    kind = type_of_device(text, f"{os.major(dev)}:{os.minor(dev)}")
+    if len(_types) >= MAX_DEVICES:
+        _types.clear()
+    _types[dev] = kind
+    return kind
+
+
+def forget_devices() -> None:
+    """Read mountinfo again for the next file of every device (mounts have changed)."""
+    _types.clear()
 
 
 def type_of_device(mountinfo: str, device: str) -> str | None:
