@@ -150,7 +150,7 @@ def test_windows_under_a_memory_bound_fit_what_it_leaves(room, largest):
     """The windows a load under max_bytes reads by, and the one chunk that crosses a window's
     edge, hold no more than the room the bound leaves; none where one MIN_WINDOW does not fit."""
     fits = fetchplan.windows_within(room, largest, 1 << 40)
-    pages = (fetchplan.FETCH_AHEAD + 2) * 4096  # a page more at each edge of what the spool holds
+    pages = 2 * 4096  # the crossing chunk's pages: a page more at each of its edges
     if room - largest - pages < fetchplan.MIN_WINDOW:
         assert fits is None
         return
@@ -180,9 +180,30 @@ def test_a_page_two_ranges_given_back_share_is_freed_with_the_second(s3_bucket):
         remote.release([(6000, 6000 + download.MERGE_GAP + 1)], wait=True)
         remote.release([(6000 + download.MERGE_GAP + 1, 90_000)], wait=True)
         assert os.fstat(remote.spool.fd).st_blocks == 0
-        assert remote.occupied() == 0 and remote.peak_bytes == 90_000
+        assert remote.occupied() == 0 and remote.peak_bytes == _pages([(0, 90_000)])
     finally:
         remote.close()
+
+
+def _pages(ranges: list[tuple[int, int]]) -> int:
+    """The bytes of the distinct 4 KiB pages `ranges` touch, counted page by page."""
+    return 4096 * len({p for lo, hi in ranges for p in range(lo // 4096, (hi - 1) // 4096 + 1)})
+
+
+def test_read_windows_count_the_pages_their_requests_hold():
+    """The spool holds whole pages: 1000 requests of 256 bytes, 8 KiB apart, hold a page or
+    two each, and a window of 256 KiB takes as many as its pages fit, a page two requests share
+    counted once (it took all 1000: 256 KB of requests, 4 MB of pages)."""
+    requests = [(i * 8448 + 100, i * 8448 + 356) for i in range(1000)]
+    window = 256 << 10
+    windows = fetchplan.request_windows(requests, window)
+    assert [r for w in windows for r in w] == requests
+    assert all(_pages(w) <= window for w in windows)
+    assert all(_pages([*w, nxt[0]]) > window for w, nxt in zip(windows, windows[1:]))
+    assert fetchplan.paged_bytes(requests) == _pages(requests)
+    shared = [(0, 100), (200, 300), (4000, 4200), (8190, 8200)]  # pages 0, 0, 0-1, 1-2
+    assert fetchplan.request_windows(shared, 8192) == [shared[:3], shared[3:]]
+    assert fetchplan.paged_bytes(shared) == _pages(shared) == 3 * 4096
 
 
 def test_an_object_replaced_while_read_is_an_error_not_mixed_data(s3_bucket):

@@ -335,3 +335,24 @@ def test_a_small_object_held_whole_loads_under_a_bound_that_covers_it(store, mon
     peaks = _peaks(monkeypatch)
     assert_same(state, ckptfmt.load(url, max_bytes=bound, storage_options=options))
     assert peaks[url] <= size + 4096  # its memfd holds whole pages
+
+
+def test_a_load_under_max_bytes_counts_the_pages_small_chunks_with_gaps_hold(store, monkeypatch):
+    """The spool holds whole pages: 1000 chunks of 256 bytes, each beside an 8 KiB one in the
+    object, hold a page or two each, and a load of them under max_bytes keeps those pages,
+    not their bytes, within what the bound leaves (it asked for all of them at once, 256 KB
+    fitting the room: their pages held over 3 MB beside the tail, under 2 MiB of room)."""
+    root, options = store
+    options = options | {"request_size": MiB}
+    g = torch.Generator().manual_seed(3)
+    smalls = [torch.randn(64, generator=g) for _ in range(1000)]
+    state = {"pairs": [(s, torch.randn(2048, generator=g)) for s in smalls], "smalls": smalls}
+    url = f"{root}/sparse/model.ckpt"
+    ckptfmt.save(state, url, storage_options=options)
+    index, decode = _memory(url, options)
+    room = 2 * MiB  # the index's tail (1 MiB) and a few windows of 256 KiB
+    bound = index + 1000 * 256 + decode + room
+    peaks = _peaks(monkeypatch)
+    with ckptfmt.open(url, max_bytes=bound, storage_options=options) as r:
+        assert_same(smalls, r.get("smalls"))
+    assert 0 < peaks.pop(url) <= room

@@ -5,8 +5,10 @@ A chunk reader reading an object on a store keeps FETCH_AHEAD windows of request
 chunks of one window once its bytes are in, then gives them back: memory holds about
 FETCH_AHEAD x FETCH_WINDOW bytes, and the bytes of one chunk whose range crosses a window's
 edge.  A load under a memory bound (max_bytes) takes smaller windows, or fewer, where that
-would not fit what the bound leaves (`windows_within`).  Planning is pure: requests and byte
-ranges in, groups out.
+would not fit what the bound leaves (`windows_within`).  The spool holds whole pages, so
+what a window holds is counted in the pages its requests touch (`paged_bytes`): many small
+ranges with gaps between them hold a page or two each for a few hundred bytes.  Planning is
+pure: requests and byte ranges in, groups out.
 """
 
 from __future__ import annotations
@@ -23,20 +25,37 @@ FETCH_AHEAD = 8
 #: whole pages)
 MIN_WINDOW = 256 << 10
 _PAGE = 4096
-#: the spool holds whole pages: a page more at each edge of what it holds under a bound (the
-#: windows in flight and the chunk before them)
-_EDGES = (FETCH_AHEAD + 2) * _PAGE
+#: the spool holds whole pages: the windows are counted in pages (paged_bytes), the chunk
+#: that crosses a window's edge in bytes, and it is one run: a page more at each of its edges
+_EDGES = 2 * _PAGE
 
 T = TypeVar("T")
+
+
+def page_span(lo: int, hi: int) -> tuple[int, int]:
+    """[lo, hi) widened to the edges of the pages it touches: what the spool holds for it."""
+    return lo // _PAGE * _PAGE, -(-hi // _PAGE) * _PAGE
+
+
+def paged_bytes(ranges: Sequence[tuple[int, int]]) -> int:
+    """The bytes of the whole pages `ranges` (any order, may overlap) touch, a page two of
+    them share counted once: the memory the spool takes to hold them."""
+    total = end = 0
+    for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
+        first, last = page_span(lo, hi)
+        total += max(0, last - max(first, end))
+        end = max(end, last)
+    return total
 
 
 def windows_within(room: int, largest: int, total: int) -> tuple[int, int] | None:
     """(bytes per window, windows in flight) whose fetches, with the bytes of a chunk of
     `largest` stored bytes that crosses a window's edge, hold at most `room` bytes: FETCH_WINDOW
-    and FETCH_AHEAD where they fit or where all `total` bytes to read do, else windows of
-    room / FETCH_AHEAD (at least MIN_WINDOW), as many as fit; None where not even one
-    MIN_WINDOW does.  The requests must then be cut at a grid of the window's size, so that
-    no request is larger than a window."""
+    and FETCH_AHEAD where they fit or where all there is to read does (`total`: the bytes of
+    the pages it touches, paged_bytes), else windows of room / FETCH_AHEAD (at least
+    MIN_WINDOW), as many as fit; None where not even one MIN_WINDOW does.  The requests must
+    then be cut at a grid of the window's size (whole pages), so that no request holds more
+    than a window, and grouped by request_windows, which counts their pages."""
     if room >= total:
         return FETCH_WINDOW, FETCH_AHEAD
     spare = room - largest - _EDGES
@@ -50,22 +69,27 @@ def windows_within(room: int, largest: int, total: int) -> tuple[int, int] | Non
 
 def least_room(largest: int) -> int:
     """The fewest bytes windows_within can read chunks of `largest` stored bytes through: the
-    chunk, one MIN_WINDOW and the pages at their edges."""
+    chunk with a page at each of its edges, and one MIN_WINDOW."""
     return largest + MIN_WINDOW + _EDGES
 
 
 def request_windows(
     requests: Sequence[tuple[int, int]], window: int = FETCH_WINDOW
 ) -> list[list[tuple[int, int]]]:
-    """`requests` in consecutive groups of at most `window` bytes (one request at least)."""
+    """`requests` (sorted, disjoint) in consecutive groups whose pages hold at most `window`
+    bytes (paged_bytes; one request at least): a request `window` bytes or fewer within a
+    grid cell of `window` bytes, whole pages, is a group by itself at most."""
     windows: list[list[tuple[int, int]]] = []
-    held = 0
+    held = end = 0  # the bytes of the pages the last group holds, and where its last page ends
     for lo, hi in requests:
-        if not windows or held + hi - lo > window:
+        first, last = page_span(lo, hi)
+        adds = last - max(first, end)  # a page the previous request holds is counted once
+        if not windows or held + adds > window:
             windows.append([])
-            held = 0
+            held, adds = 0, last - first
         windows[-1].append((lo, hi))
-        held += hi - lo
+        held += adds
+        end = last
     return windows
 
 

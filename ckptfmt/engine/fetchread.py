@@ -43,11 +43,12 @@ def windows_for(remote: Fetcher, room: Room | None, stored: Sequence[Range], pat
     """(bytes per window, windows in flight) to read the `stored` byte ranges by: fetchplan's
     defaults without a bound, else what fits `room` beside the largest of them (all of them
     where what is left to fetch fits: bytes held already are in `room`); LimitError naming each
-    part of the bound where not even one window does."""
+    part of the bound where not even one window does.  What is left to fetch is counted in
+    the whole pages the spool will hold for it (small ranges with gaps hold a page each)."""
     if room is None:
         return fetchplan.FETCH_WINDOW, fetchplan.FETCH_AHEAD
     largest = max((hi - lo for lo, hi in stored), default=0)
-    to_fetch = sum(hi - lo for lo, hi in remote.plan(stored, None, 0))
+    to_fetch = fetchplan.paged_bytes(remote.plan(stored, None, 0))
     fits = fetchplan.windows_within(room.spare(), largest, to_fetch)
     if fits is None:
         raise LimitError(

@@ -40,6 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from ..engine.fetchplan import paged_bytes
 from ..errors import CheckpointError, LimitError, StorageError
 from ..format import layout as fmt
 from . import client as s3
@@ -350,16 +351,16 @@ class RemoteObject:
         return [f for _, f in waited] + started
 
     def occupied(self) -> int:
-        """Bytes of the spool held, being fetched, or given back and not yet freed: the memory
-        this object takes now (besides the whole pages that ranges' edges share)."""
+        """Bytes of the spool held, being fetched, or given back and not yet freed, in the
+        whole pages they touch (a page two ranges share counted once): the memory this object
+        takes now."""
         with self._held_lock:
             return self._occupied()
 
     def _occupied(self) -> int:
         """occupied(), under _held_lock (finished frees dropped from the list)."""
         self._freeing = [(r, f) for r, f in self._freeing if not f.done()]
-        ranges = [*self._taken(), *(r for r, _ in self._freeing)]
-        return sum(hi - lo for lo, hi in ranges)
+        return paged_bytes([*self._taken(), *(r for r, _ in self._freeing)])
 
     def _note_occupied(self) -> None:
         """Keep the most bytes occupied at once (peak_bytes), under _held_lock: after ranges
