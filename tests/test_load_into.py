@@ -791,3 +791,23 @@ def test_views_of_one_buffer_load_when_disjoint_and_are_refused_when_they_overla
         assert torch.equal(buf[s:e], state[f"p{i}"]), i
         keep[s:e] = False
     assert not bool(buf[keep].any())
+
+
+# last in the module: the npu devices stay switched on from here to the module's end
+@pytest.mark.usefixtures("npu_devices")
+@pytest.mark.parametrize("atomic", [True, False])
+def test_overlapping_accelerator_targets_are_refused_and_tied_ones_filled(tmp_path, atomic):
+    """Targets on an accelerator (the test-only "npu") are checked by device as host ones are:
+    overlapping views refused before anything is written; a tied pair, one tensor in the file
+    too, filled once, beside a target of the other device."""
+    n = 3000
+    p, a, b = _two_entries(tmp_path, n)
+    buf = torch.zeros(3 * n // 2, device="npu:0")
+    with pytest.raises(ckptfmt.MismatchError, match="'a' and 'b' overlap in memory"):
+        ckptfmt.load_into(p, {"a": buf[:n], "b": buf[n // 2 : n // 2 + n]}, atomic=atomic)
+    assert not bool(buf.cpu().any())
+    w = torch.randn(n)
+    tied = _save(tmp_path, {"tok": w, "head": w, "other": b}, name="tied.ckpt")
+    x, other = torch.zeros(n, device="npu:0"), torch.zeros(n, device="npu:1")
+    ckptfmt.load_into(tied, {"tok": x, "head": x, "other": other}, atomic=atomic)
+    assert torch.equal(x.cpu(), w) and torch.equal(other.cpu(), b)
