@@ -224,9 +224,8 @@ def _overlap_problem(
         (a, _, _, va), (b, _, _, vb) = targets[pa], targets[pb]
         if sameness(va, nodes[in_file[a]][1]) != sameness(vb, nodes[in_file[b]][1]):
             return (
-                f"targets {a!r} and {b!r} are the same memory but the checkpoint holds different "
-                "tensors for them: one would be filled over the other (only tied entries, one "
-                "tensor in the checkpoint too, may share a target)"
+                f"targets {a!r} and {b!r} are the same memory but not one tensor filled from one "
+                "tensor of the checkpoint (tied weights): one would be filled over the other"
             )
     return None
 
