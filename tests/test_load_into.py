@@ -707,3 +707,107 @@ def test_targets_of_one_shape_whose_file_layouts_differ_are_each_filled_as_store
         ckptfmt.load_into(p, target, atomic=atomic)
         for k in state:
             assert torch.equal(target[k].resolve_conj(), state[k].resolve_conj()), k
+
+
+# -- targets that share memory -----------------------------------------------------------------
+
+
+def _two_entries(tmp_path, n: int):
+    a, b = torch.full((n,), 1.0), torch.full((n,), 2.0)
+    return _save(tmp_path, {"a": a, "b": b}), a, b
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("n", [1000, 3000])  # one whole chunk each (the commonest plan), or several
+def test_overlapping_views_are_refused_before_anything_is_written(tmp_path, atomic, n):
+    """Two views of one buffer that overlap: filling both would leave one holding the other's
+    values (or a damaged chunk blamed on the file).  MismatchError naming both, nothing written."""
+    p, _, _ = _two_entries(tmp_path, n)
+    buf = torch.zeros(3 * n // 2)
+    target = {"a": buf[:n], "b": buf[n // 2 : n // 2 + n]}
+    with pytest.raises(ckptfmt.MismatchError, match="'a' and 'b' overlap in memory"):
+        ckptfmt.load_into(p, target, atomic=atomic)
+    assert torch.equal(buf, torch.zeros_like(buf))
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("n", [1000, 3000])
+def test_one_tensor_under_two_keys_of_different_entries_is_refused(tmp_path, atomic, n):
+    """One tensor under two keys whose saved tensors differ cannot hold both: refused before any
+    read (tied entries, one tensor in the file too, are filled once: test_tied_targets_are_filled_once)."""
+    p, _, _ = _two_entries(tmp_path, n)
+    x = torch.zeros(n)
+    with pytest.raises(ckptfmt.MismatchError, match="'a' and 'b' are the same memory"):
+        ckptfmt.load_into(p, {"a": x, "b": x}, atomic=atomic)
+    assert torch.equal(x, torch.zeros(n))
+
+
+@pytest.mark.parametrize("second", ["interleaved", "in_a_gap"])
+def test_views_whose_spans_overlap_are_refused(tmp_path, second):
+    """A strided view counts as every byte from its first element to its last: a view that
+    interleaves with it (x[::2] and x[1::2]), or one element inside its gaps, is refused too
+    (documented), not checked element by element."""
+    n = 1500
+    other = torch.full((n if second == "interleaved" else 1,), 2.0)
+    p = _save(tmp_path, {"a": torch.full((n,), 1.0), "b": other})
+    buf = torch.zeros(2 * n)
+    target = {"a": buf[::2], "b": buf[1::2] if second == "interleaved" else buf[5:6]}
+    with pytest.raises(ckptfmt.MismatchError, match="'a' and 'b' overlap in memory"):
+        ckptfmt.load_into(p, target)
+    assert torch.equal(buf, torch.zeros(2 * n))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sizes=st.lists(st.integers(1, 2500), min_size=2, max_size=5),
+    gaps=st.lists(st.integers(-40, 40), min_size=5, max_size=5),
+    atomic=st.booleans(),
+)
+def test_views_of_one_buffer_load_when_disjoint_and_are_refused_when_they_overlap(
+    tmp_path, sizes, gaps, atomic
+):
+    """Views of one buffer placed one after another with small gaps, adjacent or overlapping
+    (a negative gap): disjoint views are filled exactly, the rest of the buffer untouched;
+    any overlap is a MismatchError before anything is written."""
+    g = torch.Generator().manual_seed(sum(sizes))
+    state = {f"p{i}": torch.randint(1, 100, (n,), generator=g).float() for i, n in enumerate(sizes)}
+    p = tmp_path / "v.ckpt"
+    ckptfmt.save(state, p, chunk_size=4096)
+    spans, pos = [], 40 * len(sizes)
+    for i, n in enumerate(sizes):
+        spans.append((pos, pos + n))
+        pos += n + gaps[i]
+    buf = torch.zeros(max(e for _, e in spans) + 40)
+    target = {f"p{i}": buf[s:e] for i, (s, e) in enumerate(spans)}
+    overlap = any(s0 < e1 and s1 < e0 for i, (s0, e0) in enumerate(spans) for s1, e1 in spans[i + 1 :])
+    if overlap:
+        with pytest.raises(ckptfmt.MismatchError, match="overlap in memory|are the same memory"):
+            ckptfmt.load_into(p, target, atomic=atomic)
+        assert not bool(buf.any())
+        return
+    ckptfmt.load_into(p, target, atomic=atomic)
+    keep = torch.ones(buf.numel(), dtype=torch.bool)
+    for i, (s, e) in enumerate(spans):
+        assert torch.equal(buf[s:e], state[f"p{i}"]), i
+        keep[s:e] = False
+    assert not bool(buf[keep].any())
+
+
+# last in the module: the npu devices stay switched on from here to the module's end
+@pytest.mark.usefixtures("npu_devices")
+@pytest.mark.parametrize("atomic", [True, False])
+def test_overlapping_accelerator_targets_are_refused_and_tied_ones_filled(tmp_path, atomic):
+    """Targets on an accelerator (the test-only "npu") are checked by device as host ones are:
+    overlapping views refused before anything is written; a tied pair, one tensor in the file
+    too, filled once, beside a target of the other device."""
+    n = 3000
+    p, a, b = _two_entries(tmp_path, n)
+    buf = torch.zeros(3 * n // 2, device="npu:0")
+    with pytest.raises(ckptfmt.MismatchError, match="'a' and 'b' overlap in memory"):
+        ckptfmt.load_into(p, {"a": buf[:n], "b": buf[n // 2 : n // 2 + n]}, atomic=atomic)
+    assert not bool(buf.cpu().any())
+    w = torch.randn(n)
+    tied = _save(tmp_path, {"tok": w, "head": w, "other": b}, name="tied.ckpt")
+    x, other = torch.zeros(n, device="npu:0"), torch.zeros(n, device="npu:1")
+    ckptfmt.load_into(tied, {"tok": x, "head": x, "other": other}, atomic=atomic)
+    assert torch.equal(x.cpu(), w) and torch.equal(other.cpu(), b)

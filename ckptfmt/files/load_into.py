@@ -123,7 +123,11 @@ def load_into(
     """Fill the tensors of `state` from the checkpoint at `path`; return missing/unexpected keys.
 
     Raises MismatchError before modifying anything when a shape or dtype differs,
-    or (with strict=True) when keys are missing or unexpected.
+    (with strict=True) when keys are missing or unexpected, or when two targets share
+    memory: overlapping views (a strided view spans its first element to its last, so
+    interleaved views are refused too), or one tensor under two keys whose checkpoint
+    entries differ.  One tensor under two keys whose entries are one tensor in the file
+    too (tied weights) is allowed, and filled once.
 
     With atomic=True (the default) the file is verified before any target is
     written: when load_into() raises, every target is unchanged, except after a

@@ -4,17 +4,20 @@ Both sides are flattened to dotted key paths ("model.layers.0.weight"): the file
 entries from its checked tree, the target's leaves from its dicts, lists and tuples.
 `match` pairs them and checks, before anything is read or written, that every target
 tensor has the shape and dtype of its entry and can be written (no overlapping
-elements, no meta tensor inside a tuple).  What it finds is the caller's `LoadReport`,
+elements, no meta tensor inside a tuple), and that no two targets share memory, which
+would leave one holding the other's values (`_overlap_problem`).  What it finds is the caller's `LoadReport`,
 like load_state_dict()'s result; a mismatch, or with strict=True a missing or
 unexpected key, is a `MismatchError`.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import CheckpointError
@@ -139,6 +142,94 @@ def _tensor_problem(key: str, value: torch.Tensor, node: list[Any], container: A
     return None
 
 
+def byte_span(value: torch.Tensor) -> tuple[int, int]:
+    """The bytes [start, end) of memory that tensor `value` (of at least one element) can write:
+    from its first element to the end of its last (a strided view's gaps included)."""
+    start = value.data_ptr()
+    if value.is_contiguous():
+        return start, start + value.numel() * value.element_size()
+    last = sum((n - 1) * st for n, st in zip(value.shape, value.stride()))
+    return start, start + (last + 1) * value.element_size()
+
+
+def sameness(value: torch.Tensor, m: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two targets the same memory filled from the same bytes (tied weights)."""
+    return (
+        value.device,
+        value.data_ptr(),
+        tuple(value.shape),
+        tuple(value.stride()),
+        value.dtype,
+        value.is_conj(),
+        value.is_neg(),
+        m["storage"],
+        m["offset"],
+        tuple(m["stride"]),
+        m["conj"],
+    )
+
+
+@dataclass
+class _Spans:
+    """The bytes each target tensor of one device writes, in parallel lists (by position)."""
+
+    starts: list[int] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+
+
+def _clashes(spans: _Spans) -> tuple[tuple[int, int] | None, list[tuple[int, int]]]:
+    """(the positions of two targets whose spans overlap, or None; the pairs of positions whose
+    spans are identical, which may be one tensor under two keys).  Sorted by (start, end), a
+    span overlaps an earlier one exactly when it starts before the furthest end so far;
+    identical spans sort next to each other, and are told apart by the caller."""
+    starts = np.frombuffer(array("q", spans.starts), dtype=np.int64)
+    ends = np.frombuffer(array("q", spans.ends), dtype=np.int64)
+    order = np.lexsort((ends, starts))
+    starts, ends = starts[order], ends[order]
+    furthest = np.maximum.accumulate(ends)
+    same = (starts[1:] == starts[:-1]) & (ends[1:] == ends[:-1])
+    overlap = np.flatnonzero((starts[1:] < furthest[:-1]) & ~same)
+    pos = spans.positions
+    first = None
+    if overlap.size:
+        k = int(overlap[0])  # sorted span k + 1 overlaps the earlier one reaching furthest
+        holder = int(np.flatnonzero(ends[: k + 1] == furthest[k])[0])
+        first = (pos[int(order[holder])], pos[int(order[k + 1])])
+    twins = [(pos[int(order[k])], pos[int(order[k + 1])]) for k in np.flatnonzero(same)]
+    return first, twins
+
+
+def _overlap_problem(
+    f: CheckpointFile, in_file: dict[str, int], targets: list[Target], spans: _Spans
+) -> str | None:
+    """Why targets that share memory cannot all be filled, or None.  Two targets whose bytes
+    overlap would each be written over the other (and the checks of the chunks read into them
+    would fail, or pass on the wrong bytes), so they are refused, before any read; a strided
+    view counts as all the bytes from its first element to its last, so views that interleave
+    (x[::2] and x[1::2]) are refused too.  The one sharing allowed is one tensor under two keys
+    whose checkpoint entries are one tensor too (tied weights, as a state dict lists them):
+    it is filled once."""
+    if len(spans.starts) < 2:
+        return None
+    first, twins = _clashes(spans)
+    if first is not None:
+        a, b = targets[first[0]][0], targets[first[1]][0]
+        return (
+            f"targets {a!r} and {b!r} overlap in memory: each would be filled over the other's "
+            "values (load overlapping views one at a time, or as the one tensor they view)"
+        )
+    nodes = f.tree.nodes
+    for pa, pb in twins:
+        (a, _, _, va), (b, _, _, vb) = targets[pa], targets[pb]
+        if sameness(va, nodes[in_file[a]][1]) != sameness(vb, nodes[in_file[b]][1]):
+            return (
+                f"targets {a!r} and {b!r} are the same memory but not one tensor filled from one "
+                "tensor of the checkpoint (tied weights): one would be filled over the other"
+            )
+    return None
+
+
 def _key_problems(report: LoadReport) -> str:
     """The first few missing and unexpected keys, for a strict load's error."""
     parts = []
@@ -216,6 +307,9 @@ def match(f: CheckpointFile, top: int, state: Any, *, strict: bool) -> Matched:
     nodes, records = f.tree.nodes, f.storages
     tensor = torch.Tensor
     missing = report.missing_keys
+    cpu = _Spans()
+    elsewhere: dict[torch.device, _Spans] = {}  # accelerator targets: by device
+    starts, ends, positions = cpu.starts, cpu.ends, cpu.positions
     for pos, (key, container, _, value) in enumerate(targets):
         i = in_file.get(key)
         if i is None:
@@ -229,16 +323,29 @@ def match(f: CheckpointFile, top: int, state: Any, *, strict: bool) -> Matched:
                 address = _whole_place(value, m, rec, layouts)
                 if address:
                     whole[pos] = (rec.first_chunk, address)
+                    starts.append(address)
+                    ends.append(address + rec.nbytes)  # its layout's bytes: its own (_whole_place)
+                    positions.append(pos)
                     continue
             problem = _tensor_problem(key, value, node, container)
             if problem:
                 problems.append(problem)
+            elif not value.is_meta and value.numel():
+                spans = cpu if value.is_cpu else elsewhere.setdefault(value.device, _Spans())
+                start, end = byte_span(value)
+                spans.starts.append(start)
+                spans.ends.append(end)
+                spans.positions.append(pos)
     target_keys = {t[0] for t in targets}
     report.unexpected_keys = [k for k in in_file if k not in target_keys]
     if problems:
         raise MismatchError(
             problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""), path=f.path
         )
+    for spans in (cpu, *elsewhere.values()):
+        problem = _overlap_problem(f, in_file, targets, spans)
+        if problem:
+            raise MismatchError(problem, path=f.path)
     if strict and (report.missing_keys or report.unexpected_keys):
         raise MismatchError(_key_problems(report), path=f.path)
     return Matched(targets, in_file, report, whole)
