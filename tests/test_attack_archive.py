@@ -185,18 +185,18 @@ def test_two_archivers_copying_one_step_at_once_leave_one_whole_copy(tmp_path, s
     assert run.record(1) == record
 
 
-def test_a_copy_under_names_of_its_own_reads_the_later_records_once(tmp_path, s3_faults):
+def test_a_copy_under_names_of_its_own_reads_the_later_records_again_for_its_sweep(tmp_path, s3_faults):
     """Step 1's prefix holds a leftover state.ckpt: the copy writes under names of its own,
     reading what later steps' records refer to in the step (a listing of the run) to see
-    which leftover it may use; once committed, its sweep goes by that read (no copy has come
-    since) rather than list the run and read them again, and removes the leftover."""
+    which leftover it may use; once committed, its sweep reads them again after its marker
+    is in (a copy may have adopted the leftover since and be gone), and removes the leftover."""
     local = _local_run(tmp_path)
     bucket = s3_faults.new_bucket()
     run = ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options())
     s3_faults.client().put_object(Bucket=bucket, Key="run/step-000000001/state.ckpt", Body=b"a dead copy's")
     s3_faults.clear_counts()
     archivecopy.put_step(run, 1, local.checkpoints()[-1].path, claim=copy_marker())
-    assert s3_faults.count("GET", "prefix=run%2F&") == 1
+    assert s3_faults.count("GET", "prefix=run%2F&") == 2
     _assert_whole_and_clean(run, 1, 1.0)
 
 
@@ -416,4 +416,27 @@ def test_a_sweep_deletes_nothing_where_a_copy_put_its_marker_before_the_sweeps_l
     assert swept == [False]
     assert s3_faults.count("DELETE", "/step-000000001/state.ckpt") == 0
     assert not [n for n in _step_keys(run, 1) if n.startswith("SWEEPING.")]
+    _assert_step_2_loads(run)
+
+
+def test_a_sweep_reads_the_later_records_after_its_marker_not_before(tmp_path, s3_faults):
+    """A copies step 1 beside a leftover state.ckpt (names of its own, later records read at
+    its preparation); its sweep's marker PUT is held.  Meanwhile B copies step 2, adopting the
+    leftover in step 1 and committing; a cleaner (remove_interrupted_copies) sweeps step 1
+    (keeping the leftover) and deletes B's dead marker.  A's sweep then lists no copy marker:
+    it must read the later records again (step 2's now refers to the leftover), not go by
+    its read from before, and keep the leftover."""
+    run, first, second = _incremental_steps(tmp_path, s3_faults)
+    _put_leftover(s3_faults, run, first)
+    marker = "/step-000000001/SWEEPING."
+    held = s3_faults.hold("PUT", marker)
+    a = _OnThread(lambda: archivecopy.put_step(run, 1, first.path, claim=copy_marker()))
+    try:
+        _wait_until(lambda: s3_faults.count("PUT", marker), "A's sweep never put its marker")
+        archivecopy.put_step(run, 2, second.path, claim=copy_marker() + ".b")
+        run.remove_interrupted_copies()
+        assert "state.ckpt" in _step_keys(run, 1) and not any("ARCHIVING." in n for n in _step_keys(run, 1))
+    finally:
+        held.set()
+        a.join()
     _assert_step_2_loads(run)

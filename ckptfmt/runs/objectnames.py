@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import datetime
 import threading
 from collections.abc import Callable, Collection, Iterator
@@ -153,14 +152,6 @@ def has_live_marker(
     return any(kind(n) and not marker_dead(n, e.modified, now, older_than) for n, e in listed.items())
 
 
-def ended_copies(listed: dict[str, Listed], now: datetime.datetime) -> frozenset[str]:
-    """The copy markers in a step's prefix, `listed`, whose writers have ended (marker_dead by
-    STALE_AFTER): a record such a copy committed is in by now."""
-    return frozenset(
-        n for n, e in listed.items() if is_copy_marker(n) and marker_dead(n, e.modified, now, STALE_AFTER)
-    )
-
-
 def writer_came(before: Collection[str], now: Collection[str]) -> bool:
     """Whether a step's prefix, listed `before` and `now`, holds a copy marker or a commit
     record now that it did not: another writer has come since, and may use what it found
@@ -175,19 +166,3 @@ def in_a_step(name: str) -> bool:
     with other things, and a step's with another program's objects)."""
     top, sep, rest = name.partition("/")
     return sep == "/" and is_own_name(rest) and parse_step_dirname(top) is not None
-
-
-@dataclasses.dataclass(frozen=True)
-class LaterReads:
-    """What later steps' records refer to in a step, read at one moment (ObjectRun.read_by_later_steps):
-    `names`, its objects they refer to; `ended`, the copy markers its prefix held whose
-    writers had ended before the read."""
-
-    names: frozenset[str]
-    ended: frozenset[str]
-
-    def serves(self, listed: dict[str, Listed]) -> bool:
-        """Whether this read still tells what later records refer to in the step as `listed`
-        now: every copy marker there had ended before the read (a copy whose marker is not
-        among them may have committed a record referring to an object of the step since)."""
-        return all(n in self.ended for n in listed if is_copy_marker(n))

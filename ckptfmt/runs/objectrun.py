@@ -38,10 +38,8 @@ from ..storage.urls import ObjectURL, parse_url
 from .objectnames import (
     SWEEP_DELETES_WITHIN,
     SWEEP_WAIT,
-    LaterReads,
     check_listed,
     claiming,
-    ended_copies,
     has_live_marker,
     in_a_step,
     in_steps,
@@ -419,7 +417,6 @@ class ObjectRun:
         record: multifile.CommitRecord,
         listed: dict[str, Entry] | None = None,
         *,
-        later: LaterReads | None = None,
         older_than: datetime.timedelta = STALE_AFTER,
     ) -> bool:
         """Delete what other saves left in step `step`, committed with `record`: objects
@@ -434,8 +431,8 @@ class ObjectRun:
         to.  The last listing is made after this sweep's own marker (sweep_marker) is in: a
         copy whose marker it does not show finds this sweep's and waits for its end
         (wait_out_sweeps) before it looks for an object of the step, so nothing it refers to
-        is deleted after it looked.  The later records are read after that listing, unless
-        `later` (read before) still serves it (LaterReads.serves).  Nothing is deleted past
+        is deleted after it looked.  The later records are read after that listing (one read
+        before it proves nothing: a copy may have adopted an object since and be gone).  Nothing is deleted past
         SWEEP_DELETES_WITHIN seconds from the marker (the bound a copy's wait relies on).
         `listed`: the step's objects as just listed (None: listed here)."""
         url = self._step_url(step)
@@ -452,7 +449,7 @@ class ObjectRun:
             began = time.monotonic()  # before the PUT: a copy may list the marker before it returns
             upload_bytes(b"a ckptfmt sweep in progress\n", str(marker), self.options)
             try:
-                swept = self._sweep_announced(step, others, later, older_than, began)
+                swept = self._sweep_announced(step, others, older_than, began)
             except BaseException:
                 with contextlib.suppress(CheckpointError, OSError):  # dead once unclaimed: cleanup's
                     listing.delete_object(marker, self.options)
@@ -464,7 +461,6 @@ class ObjectRun:
         self,
         step: int,
         others: dict[str, str | None],
-        later: LaterReads | None,
         older_than: datetime.timedelta,
         began: float,
     ) -> bool:
@@ -473,11 +469,10 @@ class ObjectRun:
         now = listing.listed(url, self.options)
         if self._copy_at_work(now, older_than):
             return False
-        if later is None or not later.serves(now):
-            later = self.read_by_later_steps(step, now)
+        later = self.read_by_later_steps(step)
         if time.monotonic() - began > SWEEP_DELETES_WITHIN:
             return False  # a copy that found the marker may no longer wait for it
-        doomed = [(n, v) for n, v in others.items() if n not in later.names and v is not None]
+        doomed = [(n, v) for n, v in others.items() if n not in later and v is not None]
         listing.delete_versions(url, self.options, doomed)
         return True
 
@@ -521,13 +516,11 @@ class ObjectRun:
         except CheckpointError:  # nothing to go by
             return True
 
-    def read_by_later_steps(self, step: int, listed: dict[str, Entry]) -> LaterReads:
-        """What the records of later steps refer to in step `step` (only later steps refer to
-        a step's objects), with `listed`, the step's objects as listed just before: one
-        listing of the run, one GET a later record not read yet (usually none: the step swept
+    def read_by_later_steps(self, step: int) -> frozenset[str]:
+        """The objects of step `step` the records of later steps refer to (only later steps
+        refer to a step's objects): one listing of the run, one GET a later record not read yet (usually none: the step swept
         is the newest).  LimitError past MAX_STATUS_RECORDS of them: what the others refer
         to is not known, so nothing is swept."""
-        ended = ended_copies(listed, datetime.datetime.now(datetime.timezone.utc))
         found = self.listing()
         later = {s: names for s, names in found.items() if s > step}
         if sum(multifile.COMMIT_NAME in names for names in later.values()) > MAX_STATUS_RECORDS:
@@ -538,8 +531,7 @@ class ObjectRun:
             )
         statuses = [self.status_of(s, names, found) for s, names in sorted(later.items())]
         prefix = self.step_path(step) + "/"
-        names = frozenset(u[len(prefix) :] for u in self._referenced_by(statuses) if u.startswith(prefix))
-        return LaterReads(names, ended)
+        return frozenset(u[len(prefix) :] for u in self._referenced_by(statuses) if u.startswith(prefix))
 
     def sweep_committed(self, step: int) -> None:
         """sweep_step of step `step` by the commit record there now, if one can be read."""
