@@ -440,3 +440,37 @@ def test_a_sweep_reads_the_later_records_after_its_marker_not_before(tmp_path, s
         held.set()
         a.join()
     _assert_step_2_loads(run)
+
+
+def test_a_sweep_sends_no_delete_that_could_end_past_its_bound(tmp_path, s3_faults, monkeypatch):
+    """Step 1 is committed under names of its own beside two leftovers of dead copies.  Its
+    sweep's first DELETE is held while the sweep's clock moves on to within one DELETE's
+    deadline of SWEEP_DELETES_WITHIN: the second DELETE, which could end after a copy that
+    found the sweep's marker stops waiting for it, is never sent; the sweep says it did not
+    finish (its marker then stays, so that a later pass sweeps the step again)."""
+    import types
+
+    from ckptfmt.runs import objectnames, objectrun
+
+    local = _local_run(tmp_path)
+    run = ObjectRun(f"s3://{s3_faults.new_bucket()}/run", s3_faults.storage_options())
+    s3_faults.client().put_object(Bucket=run.url.bucket, Key="run/step-000000001/state.ckpt", Body=b"x")
+    archivecopy.put_step(run, 1, local.checkpoints()[-1].path, claim=copy_marker())  # names of its own
+    leftovers = ("state.0000000000000001.ckpt", "state.0000000000000002.ckpt")
+    for name in leftovers:
+        s3_faults.client().put_object(Bucket=run.url.bucket, Key=f"run/step-000000001/{name}", Body=b"x")
+    skew = [0.0]
+    clock = types.SimpleNamespace(monotonic=lambda: time.monotonic() + skew[0], sleep=time.sleep)
+    monkeypatch.setattr(objectrun, "time", clock)
+    s3_faults.clear_counts()
+    held = s3_faults.hold("DELETE", "/step-000000001/state.000")
+    swept: list[bool] = []
+    sweeper = _OnThread(lambda: swept.append(run.sweep_step(1, run.record(1))))
+    try:
+        _wait_until(lambda: s3_faults.count("DELETE", "/step-000000001/state.000"), "the sweep never deleted")
+        skew[0] = objectnames.SWEEP_DELETES_WITHIN - objectnames.SWEEP_DELETE_DEADLINE + 1
+    finally:
+        held.set()
+        sweeper.join()
+    assert s3_faults.count("DELETE", "/step-000000001/state.000") == 1
+    assert swept == [False]

@@ -10,12 +10,14 @@ import contextlib
 import datetime
 import threading
 from collections.abc import Callable, Collection, Iterator
+from typing import Any
 
 from ..engine import commit
 from ..errors import CorruptError, IncompleteError
 from ..files import multifile
 from ..files.names import is_own_name
 from ..files.places import STALE_AFTER
+from ..storage.client import deadline
 from ..storage.listing import Listed
 from .steps import parse_step_dirname
 
@@ -28,12 +30,24 @@ COPY_MARKER = "ARCHIVING."
 #: done: a copy that puts its own marker in the step waits for such a sweep to end before it
 #: looks for an object there to refer to (one of them sees the other)
 SWEEP_MARKER = "SWEEPING."
-#: seconds from a sweep's marker past which the sweep deletes nothing (ObjectRun.sweep_step)
+#: seconds from a sweep's marker within which every DELETE the sweep sends has ended, its
+#: deadline included (ObjectRun.sweep_step): it sends none that could end later
 SWEEP_DELETES_WITHIN = 300.0
+#: the deadline of a sweep's DELETE at most, in seconds (storage option deadline, lowered to
+#: this for them): a longer one would leave a sweep no time to delete within its bound
+SWEEP_DELETE_DEADLINE = 60.0
 #: seconds a copy waits at most for a sweep whose marker it finds (ObjectRun.wait_out_sweeps),
 #: and the age past which a sweep's marker is dead wherever it was written: past that sweep's
 #: bound by a margin for a DELETE it sent just before
 SWEEP_WAIT = 3 * SWEEP_DELETES_WITHIN
+
+
+def sweep_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The storage options of a sweep's DELETEs: `options`, their deadline at most
+    SWEEP_DELETE_DEADLINE."""
+    if deadline(options) <= SWEEP_DELETE_DEADLINE:
+        return options
+    return options | {"deadline": SWEEP_DELETE_DEADLINE}
 
 
 def is_copy_marker(name: str) -> bool:

@@ -31,7 +31,7 @@ from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport
 from ..format.timestamps import parse_utc
 from ..storage import listing
-from ..storage.client import check_options
+from ..storage.client import check_options, deadline
 from ..storage.download import head
 from ..storage.upload import upload_bytes
 from ..storage.urls import ObjectURL, parse_url
@@ -49,6 +49,7 @@ from .objectnames import (
     marker_dead,
     referenced_step,
     sweep_marker,
+    sweep_options,
     writer_came,
     written_here,
 )
@@ -432,8 +433,9 @@ class ObjectRun:
         copy whose marker it does not show finds this sweep's and waits for its end
         (wait_out_sweeps) before it looks for an object of the step, so nothing it refers to
         is deleted after it looked.  The later records are read after that listing (one read
-        before it proves nothing: a copy may have adopted an object since and be gone).  Nothing is deleted past
-        SWEEP_DELETES_WITHIN seconds from the marker (the bound a copy's wait relies on).
+        before it proves nothing: a copy may have adopted an object since and be gone).  No
+        DELETE is sent that could end, its deadline (at most SWEEP_DELETE_DEADLINE) included,
+        past SWEEP_DELETES_WITHIN seconds from the marker (the bound a copy's wait relies on).
         `listed`: the step's objects as just listed (None: listed here)."""
         url = self._step_url(step)
         listed = listing.listed(url, self.options) if listed is None else listed
@@ -470,10 +472,12 @@ class ObjectRun:
         if self._copy_at_work(now, older_than):
             return False
         later = self.read_by_later_steps(step)
-        if time.monotonic() - began > SWEEP_DELETES_WITHIN:
-            return False  # a copy that found the marker may no longer wait for it
-        doomed = [(n, v) for n, v in others.items() if n not in later and v is not None]
-        listing.delete_versions(url, self.options, doomed)
+        doomed = [(url.child(n), v) for n, v in others.items() if n not in later and v is not None]
+        options = sweep_options(self.options)
+        for target, version in doomed:
+            if time.monotonic() - began + deadline(options) > SWEEP_DELETES_WITHIN:
+                return False  # it could end after a copy that found the marker stops waiting
+            listing.delete_object(target, options, if_match=version)
         return True
 
     @staticmethod
