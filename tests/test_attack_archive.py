@@ -442,12 +442,10 @@ def test_a_sweep_reads_the_later_records_after_its_marker_not_before(tmp_path, s
     _assert_step_2_loads(run)
 
 
-def test_a_sweep_sends_no_delete_that_could_end_past_its_bound(tmp_path, s3_faults, monkeypatch):
-    """Step 1 is committed under names of its own beside two leftovers of dead copies.  Its
-    sweep's first DELETE is held while the sweep's clock moves on to within one DELETE's
-    deadline of SWEEP_DELETES_WITHIN: the second DELETE, which could end after a copy that
-    found the sweep's marker stops waiting for it, is never sent; the sweep says it did not
-    finish (its marker then stays, so that a later pass sweeps the step again)."""
+def _sweep_cut_short(tmp_path, s3_faults, monkeypatch) -> tuple[ObjectRun, list[bool]]:
+    """Step 1 committed under names of its own beside two leftovers of dead copies, then swept;
+    the sweep's first DELETE is held while its clock (objectrun's monotonic) moves on to within
+    one DELETE's deadline of SWEEP_DELETES_WITHIN.  (The run, what sweep_step returned.)"""
     import types
 
     from ckptfmt.runs import objectnames, objectrun
@@ -456,8 +454,7 @@ def test_a_sweep_sends_no_delete_that_could_end_past_its_bound(tmp_path, s3_faul
     run = ObjectRun(f"s3://{s3_faults.new_bucket()}/run", s3_faults.storage_options())
     s3_faults.client().put_object(Bucket=run.url.bucket, Key="run/step-000000001/state.ckpt", Body=b"x")
     archivecopy.put_step(run, 1, local.checkpoints()[-1].path, claim=copy_marker())  # names of its own
-    leftovers = ("state.0000000000000001.ckpt", "state.0000000000000002.ckpt")
-    for name in leftovers:
+    for name in ("state.0000000000000001.ckpt", "state.0000000000000002.ckpt"):
         s3_faults.client().put_object(Bucket=run.url.bucket, Key=f"run/step-000000001/{name}", Body=b"x")
     skew = [0.0]
     clock = types.SimpleNamespace(monotonic=lambda: time.monotonic() + skew[0], sleep=time.sleep)
@@ -472,5 +469,28 @@ def test_a_sweep_sends_no_delete_that_could_end_past_its_bound(tmp_path, s3_faul
     finally:
         held.set()
         sweeper.join()
+    monkeypatch.setattr(objectrun, "time", time)
+    return run, swept
+
+
+def test_a_sweep_sends_no_delete_that_could_end_past_its_bound(tmp_path, s3_faults, monkeypatch):
+    """The second DELETE of a sweep whose clock moved on while its first was held could end
+    after a copy that found the sweep's marker stops waiting for it (SWEEP_WAIT): it is never
+    sent, and the sweep says it did not finish."""
+    _run, swept = _sweep_cut_short(tmp_path, s3_faults, monkeypatch)
     assert s3_faults.count("DELETE", "/step-000000001/state.000") == 1
     assert swept == [False]
+
+
+def test_a_sweep_cut_short_leaves_its_marker_for_a_cleaner_to_sweep_the_step_again(
+    tmp_path, s3_faults, monkeypatch
+):
+    """A sweep whose time ran out with a leftover still there leaves its marker (dead once the
+    sweep is over): the next archive pass's remove_interrupted_copies visits the step, sweeps
+    the leftover and the marker, leaving exactly the step's record and files.  Without the
+    marker nothing would ever bring a cleaner back to the step."""
+    run, swept = _sweep_cut_short(tmp_path, s3_faults, monkeypatch)
+    assert swept == [False]
+    assert [n for n in _step_keys(run, 1) if n.startswith("SWEEPING.")]
+    run.remove_interrupted_copies()
+    _assert_whole_and_clean(run, 1, 1.0)

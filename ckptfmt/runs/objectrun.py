@@ -436,6 +436,8 @@ class ObjectRun:
         before it proves nothing: a copy may have adopted an object since and be gone).  No
         DELETE is sent that could end, its deadline (at most SWEEP_DELETE_DEADLINE) included,
         past SWEEP_DELETES_WITHIN seconds from the marker (the bound a copy's wait relies on).
+        A sweep cut short so, or failing once its marker is in, leaves its marker: dead once
+        the sweep is over, it brings remove_interrupted_copies back to the step.
         `listed`: the step's objects as just listed (None: listed here)."""
         url = self._step_url(step)
         listed = listing.listed(url, self.options) if listed is None else listed
@@ -452,12 +454,15 @@ class ObjectRun:
             upload_bytes(b"a ckptfmt sweep in progress\n", str(marker), self.options)
             try:
                 swept = self._sweep_announced(step, others, older_than, began)
-            except BaseException:
-                with contextlib.suppress(CheckpointError, OSError):  # dead once unclaimed: cleanup's
+            except LimitError:  # nothing deleted: nothing for a cleaner to come back to
+                with contextlib.suppress(CheckpointError, OSError):
                     listing.delete_object(marker, self.options)
                 raise
-            listing.delete_object(marker, self.options)
-        return swept
+            # cut short (None) or failed: the marker stays, dead once unclaimed, so that a
+            # cleaner (remove_interrupted_copies) sweeps the step again
+            if swept is not None:
+                listing.delete_object(marker, self.options)
+        return swept is True
 
     def _sweep_announced(
         self,
@@ -465,8 +470,10 @@ class ObjectRun:
         others: dict[str, str | None],
         older_than: datetime.timedelta,
         began: float,
-    ) -> bool:
-        """sweep_step's deletion of `others` once its marker is in (at monotonic `began`)."""
+    ) -> bool | None:
+        """sweep_step's deletion of `others` once its marker is in (at monotonic `began`):
+        True once done, False where it deletes nothing (a live copy's marker), None where
+        its time ran out after it may have deleted some."""
         url = self._step_url(step)
         now = listing.listed(url, self.options)
         if self._copy_at_work(now, older_than):
@@ -476,7 +483,7 @@ class ObjectRun:
         options = sweep_options(self.options)
         for target, version in doomed:
             if time.monotonic() - began + deadline(options) > SWEEP_DELETES_WITHIN:
-                return False  # it could end after a copy that found the marker stops waiting
+                return None  # it could end after a copy that found the marker stops waiting
             listing.delete_object(target, options, if_match=version)
         return True
 
