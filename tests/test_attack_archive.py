@@ -293,8 +293,8 @@ def test_another_hosts_sweep_marker_is_dead_past_the_sweeps_bound():
     now = datetime.datetime.now(datetime.timezone.utc)
     suffix = _foreign_marker()[len(COPY_MARKER) :]
     young, old = (now - datetime.timedelta(seconds=SWEEP_WAIT + d) for d in (-60, 60))
-    assert not marker_dead(SWEEP_MARKER + suffix, young, now, datetime.timedelta(0))
-    assert marker_dead(SWEEP_MARKER + suffix, old, now, datetime.timedelta(0))
+    assert not marker_dead(SWEEP_MARKER + suffix, young, now, datetime.timedelta(0), now)
+    assert marker_dead(SWEEP_MARKER + suffix, old, now, datetime.timedelta(0), now)
     assert not marker_dead(COPY_MARKER + suffix, old, now, datetime.timedelta(0))
 
 
@@ -494,3 +494,64 @@ def test_a_sweep_cut_short_leaves_its_marker_for_a_cleaner_to_sweep_the_step_aga
     assert [n for n in _step_keys(run, 1) if n.startswith("SWEEPING.")]
     run.remove_interrupted_copies()
     _assert_whole_and_clean(run, 1, 1.0)
+
+
+def _clock_ahead(monkeypatch, minutes: float) -> None:
+    """objectrun's wall clock `minutes` ahead of the store's (a host whose clock is off)."""
+    import datetime
+    import types
+
+    from ckptfmt.runs import objectrun
+
+    class Ahead(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.datetime.now(tz) + datetime.timedelta(minutes=minutes)
+
+    shim = types.SimpleNamespace(datetime=Ahead, timezone=datetime.timezone, timedelta=datetime.timedelta)
+    monkeypatch.setattr(objectrun, "datetime", shim)
+
+
+def _foreign_sweep_marker() -> str:
+    from ckptfmt.runs.objectnames import COPY_MARKER, SWEEP_MARKER
+
+    return SWEEP_MARKER + _foreign_marker()[len(COPY_MARKER) :]
+
+
+def test_a_copy_on_a_host_whose_clock_is_ahead_waits_for_another_hosts_live_sweep(
+    tmp_path, s3_faults, monkeypatch
+):
+    """Step 1 is archived; a sweep on another host has just put its marker there.  Step 2's copy
+    runs on a host whose clock is 16 minutes ahead of the store's (past SWEEP_WAIT): the sweep's
+    marker is aged by the store's clock, so the copy waits for it (lists step 1's prefix again
+    and again, until its wait, made 2 s here, ends) rather than take it for a dead one and
+    look for the object the sweep may be deleting."""
+    from ckptfmt.runs import objectrun
+
+    run, first, second = _incremental_steps(tmp_path, s3_faults)
+    archivecopy.put_step(run, 1, first.path, claim=copy_marker())
+    s3_faults.client().put_object(
+        Bucket=run.url.bucket, Key=f"run/step-000000001/{_foreign_sweep_marker()}", Body=b""
+    )
+    _clock_ahead(monkeypatch, 16)
+    monkeypatch.setattr(objectrun, "SWEEP_WAIT", 2.0)
+    s3_faults.clear_counts()
+    archivecopy.put_step(run, 2, second.path, claim=copy_marker())
+    assert s3_faults.count("GET", "prefix=run%2Fstep-000000001%2F") >= 2  # it waited
+    _assert_step_2_loads(run)
+
+
+def test_a_cleaner_on_a_host_whose_clock_is_ahead_keeps_another_hosts_live_sweep_marker(
+    tmp_path, s3_faults, monkeypatch
+):
+    """A sweep on another host has just put its marker into complete step 1; an archive pass's
+    remove_interrupted_copies runs on a host whose clock is 16 minutes ahead of the store's: the
+    marker is aged by the store's clock (the run's newest object), so it is live and stays (a
+    copy coming next must find it and wait for that sweep)."""
+    run, first, _second = _incremental_steps(tmp_path, s3_faults)
+    archivecopy.put_step(run, 1, first.path, claim=copy_marker())
+    marker = _foreign_sweep_marker()
+    s3_faults.client().put_object(Bucket=run.url.bucket, Key=f"run/step-000000001/{marker}", Body=b"")
+    _clock_ahead(monkeypatch, 16)
+    run.remove_interrupted_copies()
+    assert marker in _step_keys(run, 1)

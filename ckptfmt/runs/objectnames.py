@@ -9,7 +9,8 @@ import collections
 import contextlib
 import datetime
 import threading
-from collections.abc import Callable, Collection, Iterator
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
 from ..engine import commit
@@ -132,17 +133,48 @@ def in_steps(name: str, steps: set[str]) -> bool:
     return step in steps and written_here(rest)
 
 
+def store_clock(listed: Iterable[Listed]) -> datetime.datetime | None:
+    """The newest time the store gives objects `listed` were last written (None: it gives
+    none): its clock was at least there when it listed them.  A host's own clock may be
+    minutes ahead of the store's: a sweep's marker is aged by this one (marker_dead)."""
+    return max((e.modified for e in listed if e.modified is not None), default=None)
+
+
+class StoreClock:
+    """The store's clock as a step's first listing shows it (store_clock: a copy's marker
+    just put is the newest there), moved on since by this process's monotonic clock."""
+
+    def __init__(self) -> None:
+        self._first: tuple[datetime.datetime, float] | None = None
+
+    def now(self, listed: dict[str, Listed]) -> datetime.datetime | None:
+        """The store's time now, at most (None: no listing has given a time yet)."""
+        if self._first is None:
+            seen = store_clock(listed.values())
+            if seen is None:
+                return None
+            self._first = (seen, time.monotonic())
+        return self._first[0] + datetime.timedelta(seconds=time.monotonic() - self._first[1])
+
+
 def marker_dead(
-    name: str, when: datetime.datetime | None, now: datetime.datetime, older_than: datetime.timedelta
+    name: str,
+    when: datetime.datetime | None,
+    now: datetime.datetime,
+    older_than: datetime.timedelta,
+    store_now: datetime.datetime | None = None,
 ) -> bool:
     """Whether marker `name` (a copy's or a sweep's, written at `when`) was left by a writer
     that has ended: one of this host whose process is gone, or one written elsewhere that is
     older than both `older_than` and STALE_AFTER: a cleaner's shorter bound (cleanup's) must
     never make a live copy on another host look dead, as its age is all that can be asked of it.
-    A sweep's marker is dead too once older than SWEEP_WAIT (the sweep deletes nothing then):
-    one a sweep on another host left when killed holds up no copy for longer."""
-    if is_sweep_marker(name) and when is not None and now - when > datetime.timedelta(seconds=SWEEP_WAIT):
-        return True
+    A sweep's marker is dead too once older than SWEEP_WAIT (the sweep deletes nothing then)
+    by the store's clock, `store_now` (store_clock; None: not judged so), never by this
+    host's, which may be ahead of it by more than that: one a sweep on another host left when
+    killed holds up no copy for longer."""
+    if is_sweep_marker(name) and when is not None and store_now is not None:
+        if store_now - when > datetime.timedelta(seconds=SWEEP_WAIT):
+            return True
     suffix = name[len(SWEEP_MARKER if is_sweep_marker(name) else COPY_MARKER) :]
     if suffix.startswith(commit.owner_token() + "."):  # this process's
         with _claims_lock:
@@ -159,11 +191,16 @@ def has_live_marker(
     now: datetime.datetime,
     older_than: datetime.timedelta,
     kind: Callable[[str], bool] = is_marker,
+    store_now: datetime.datetime | None = None,
 ) -> bool:
     """Whether a step's prefix, `listed`, holds the marker (of `kind`: by default a copy's or a
-    sweep's) of a writer still at work there (marker_dead): what a copy has uploaded so far,
-    or found there to refer to, is not yet named by any record."""
-    return any(kind(n) and not marker_dead(n, e.modified, now, older_than) for n, e in listed.items())
+    sweep's) of a writer still at work there (marker_dead, `store_now` by default the
+    store_clock of `listed`): what a copy has uploaded so far, or found there to refer to, is
+    not yet named by any record."""
+    store_now = store_clock(listed.values()) if store_now is None else store_now
+    return any(
+        kind(n) and not marker_dead(n, e.modified, now, older_than, store_now) for n, e in listed.items()
+    )
 
 
 def writer_came(before: Collection[str], now: Collection[str]) -> bool:

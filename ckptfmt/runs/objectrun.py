@@ -38,6 +38,7 @@ from ..storage.urls import ObjectURL, parse_url
 from .objectnames import (
     SWEEP_DELETES_WITHIN,
     SWEEP_WAIT,
+    StoreClock,
     check_listed,
     claiming,
     has_live_marker,
@@ -48,6 +49,7 @@ from .objectnames import (
     is_sweep_marker,
     marker_dead,
     referenced_step,
+    store_clock,
     sweep_marker,
     sweep_options,
     writer_came,
@@ -493,17 +495,19 @@ class ObjectRun:
         return has_live_marker(listed, now, older_than, kind=is_copy_marker)
 
     def wait_out_sweeps(self, step: int) -> None:
-        """Wait until no live sweep's marker (sweep_step; marker_dead) is in step `step`'s
-        prefix, or for SWEEP_WAIT seconds: past it a sweep that put its marker before this wait
-        began deletes nothing more.  Called by a copy after its own marker is in the prefix
-        and before it looks for an object there to refer to: a sweep that began later sees
-        that marker."""
+        """Wait until no live sweep's marker (sweep_step; marker_dead, aged by the store's
+        clock: StoreClock) is in step `step`'s prefix, or for SWEEP_WAIT seconds: past it a
+        sweep that put its marker before this wait began deletes nothing more.  Called by a
+        copy after its own marker is in the prefix and before it looks for an object there to
+        refer to: a sweep that began later sees that marker."""
         url = self._step_url(step)
         ends = time.monotonic() + SWEEP_WAIT
         pause = 0.05
+        clock = StoreClock()  # from the first listing, which shows the copy's marker just put
         while time.monotonic() < ends:
             now = datetime.datetime.now(datetime.timezone.utc)
-            if not has_live_marker(listing.listed(url, self.options), now, STALE_AFTER, kind=is_sweep_marker):
+            listed = listing.listed(url, self.options)
+            if not has_live_marker(listed, now, STALE_AFTER, is_sweep_marker, clock.now(listed)):
                 return
             time.sleep(min(pause, max(0.0, ends - time.monotonic())))
             pause = min(2 * pause, 1.0)
@@ -588,12 +592,13 @@ class ObjectRun:
         come to since (writer_came).  `found`: the run's listing to go by (None: listed here)."""
         found = self.listing() if found is None else found
         now = datetime.datetime.now(datetime.timezone.utc)
+        store_now = store_clock(e for names in found.values() for e in names.values())
         dead: dict[int, list[str]] = {}
         live: set[int] = set()
         for step, names in found.items():
             for name, entry in names.items():
                 if is_marker(name):
-                    if marker_dead(name, entry.modified, now, older_than):
+                    if marker_dead(name, entry.modified, now, older_than, store_now):
                         dead.setdefault(step, []).append(name)
                     else:
                         live.add(step)
