@@ -449,6 +449,7 @@ def _sweep_cut_short(tmp_path, s3_faults, monkeypatch) -> tuple[ObjectRun, list[
     import types
 
     from ckptfmt.runs import objectnames, objectrun
+    from ckptfmt.storage.client import deadline
 
     local = _local_run(tmp_path)
     run = ObjectRun(f"s3://{s3_faults.new_bucket()}/run", s3_faults.storage_options())
@@ -465,7 +466,8 @@ def _sweep_cut_short(tmp_path, s3_faults, monkeypatch) -> tuple[ObjectRun, list[
     sweeper = _OnThread(lambda: swept.append(run.sweep_step(1, run.record(1))))
     try:
         _wait_until(lambda: s3_faults.count("DELETE", "/step-000000001/state.000"), "the sweep never deleted")
-        skew[0] = objectnames.SWEEP_DELETES_WITHIN - objectnames.SWEEP_DELETE_DEADLINE + 1
+        delete_deadline = deadline(objectnames.sweep_options(run.options))
+        skew[0] = objectnames.SWEEP_DELETES_WITHIN - delete_deadline + 1
     finally:
         held.set()
         sweeper.join()
@@ -555,3 +557,16 @@ def test_a_cleaner_on_a_host_whose_clock_is_ahead_keeps_another_hosts_live_sweep
     _clock_ahead(monkeypatch, 16)
     run.remove_interrupted_copies()
     assert marker in _step_keys(run, 1)
+
+
+def test_a_sweeps_deletes_have_a_deadline_that_leaves_it_time_to_delete():
+    """A user's deadline longer than SWEEP_DELETE_DEADLINE (the default 300 s, or a day) would
+    leave a sweep no DELETE that ends within SWEEP_DELETES_WITHIN: its DELETEs take the shorter
+    one; a shorter deadline of the user's is kept."""
+    from ckptfmt.runs.objectnames import SWEEP_DELETE_DEADLINE, SWEEP_DELETES_WITHIN, sweep_options
+    from ckptfmt.storage.client import deadline
+
+    assert SWEEP_DELETE_DEADLINE < SWEEP_DELETES_WITHIN
+    for given in ({}, {"deadline": 86400}):
+        assert deadline(sweep_options(given)) == SWEEP_DELETE_DEADLINE
+    assert sweep_options({"deadline": 5, "max_attempts": 2}) == {"deadline": 5, "max_attempts": 2}
