@@ -559,13 +559,14 @@ def test_a_cleaner_on_a_host_whose_clock_is_ahead_keeps_another_hosts_live_sweep
     assert marker in _step_keys(run, 1)
 
 
-def test_a_sweeps_deletes_have_a_deadline_that_leaves_it_time_to_delete():
+def test_a_sweeps_deletes_have_a_deadline_that_leaves_it_time_to_delete(monkeypatch):
     """A user's deadline longer than SWEEP_DELETE_DEADLINE (the default 300 s, or a day) would
     leave a sweep no DELETE that ends within SWEEP_DELETES_WITHIN: its DELETEs take the shorter
     one; a shorter deadline of the user's is kept."""
     from ckptfmt.runs.objectnames import SWEEP_DELETE_DEADLINE, SWEEP_DELETES_WITHIN, sweep_options
-    from ckptfmt.storage.client import deadline
+    from ckptfmt.storage.client import DEADLINE_VARIABLE, deadline
 
+    monkeypatch.delenv(DEADLINE_VARIABLE, raising=False)
     assert SWEEP_DELETE_DEADLINE < SWEEP_DELETES_WITHIN
     for given in ({}, {"deadline": 86400}):
         assert deadline(sweep_options(given)) == SWEEP_DELETE_DEADLINE
