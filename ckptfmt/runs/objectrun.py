@@ -533,8 +533,8 @@ class ObjectRun:
 
     def read_by_later_steps(self, step: int) -> frozenset[str]:
         """The objects of step `step` the records of later steps refer to (only later steps
-        refer to a step's objects): one listing of the run, one GET a later record not read yet (usually none: the step swept
-        is the newest).  LimitError past MAX_STATUS_RECORDS of them: what the others refer
+        refer to a step's objects): one listing of the run, one GET a later record not read
+        yet (usually none: the step swept is the newest).  LimitError past MAX_STATUS_RECORDS of them: what the others refer
         to is not known, so nothing is swept."""
         found = self.listing()
         later = {s: names for s, names in found.items() if s > step}
