@@ -185,18 +185,18 @@ def test_two_archivers_copying_one_step_at_once_leave_one_whole_copy(tmp_path, s
     assert run.record(1) == record
 
 
-def test_a_copy_under_names_of_its_own_reads_the_later_records_once(tmp_path, s3_faults):
+def test_a_copy_under_names_of_its_own_reads_the_later_records_again_for_its_sweep(tmp_path, s3_faults):
     """Step 1's prefix holds a leftover state.ckpt: the copy writes under names of its own,
     reading what later steps' records refer to in the step (a listing of the run) to see
-    which leftover it may use; once committed, its sweep goes by that read (no copy has come
-    since) rather than list the run and read them again, and removes the leftover."""
+    which leftover it may use; once committed, its sweep reads them again after its marker
+    is in (a copy may have adopted the leftover since and be gone), and removes the leftover."""
     local = _local_run(tmp_path)
     bucket = s3_faults.new_bucket()
     run = ObjectRun(f"s3://{bucket}/run", s3_faults.storage_options())
     s3_faults.client().put_object(Bucket=bucket, Key="run/step-000000001/state.ckpt", Body=b"a dead copy's")
     s3_faults.clear_counts()
     archivecopy.put_step(run, 1, local.checkpoints()[-1].path, claim=copy_marker())
-    assert s3_faults.count("GET", "prefix=run%2F&") == 1
+    assert s3_faults.count("GET", "prefix=run%2F&") == 2
     _assert_whole_and_clean(run, 1, 1.0)
 
 
@@ -293,8 +293,8 @@ def test_another_hosts_sweep_marker_is_dead_past_the_sweeps_bound():
     now = datetime.datetime.now(datetime.timezone.utc)
     suffix = _foreign_marker()[len(COPY_MARKER) :]
     young, old = (now - datetime.timedelta(seconds=SWEEP_WAIT + d) for d in (-60, 60))
-    assert not marker_dead(SWEEP_MARKER + suffix, young, now, datetime.timedelta(0))
-    assert marker_dead(SWEEP_MARKER + suffix, old, now, datetime.timedelta(0))
+    assert not marker_dead(SWEEP_MARKER + suffix, young, now, datetime.timedelta(0), now)
+    assert marker_dead(SWEEP_MARKER + suffix, old, now, datetime.timedelta(0), now)
     assert not marker_dead(COPY_MARKER + suffix, old, now, datetime.timedelta(0))
 
 
@@ -417,3 +417,157 @@ def test_a_sweep_deletes_nothing_where_a_copy_put_its_marker_before_the_sweeps_l
     assert s3_faults.count("DELETE", "/step-000000001/state.ckpt") == 0
     assert not [n for n in _step_keys(run, 1) if n.startswith("SWEEPING.")]
     _assert_step_2_loads(run)
+
+
+def test_a_sweep_reads_the_later_records_after_its_marker_not_before(tmp_path, s3_faults):
+    """A copies step 1 beside a leftover state.ckpt (names of its own, later records read at
+    its preparation); its sweep's marker PUT is held.  Meanwhile B copies step 2, adopting the
+    leftover in step 1 and committing; a cleaner (remove_interrupted_copies) sweeps step 1
+    (keeping the leftover) and deletes B's dead marker.  A's sweep then lists no copy marker:
+    it must read the later records again (step 2's now refers to the leftover), not go by
+    its read from before, and keep the leftover."""
+    run, first, second = _incremental_steps(tmp_path, s3_faults)
+    _put_leftover(s3_faults, run, first)
+    marker = "/step-000000001/SWEEPING."
+    held = s3_faults.hold("PUT", marker)
+    a = _OnThread(lambda: archivecopy.put_step(run, 1, first.path, claim=copy_marker()))
+    try:
+        _wait_until(lambda: s3_faults.count("PUT", marker), "A's sweep never put its marker")
+        archivecopy.put_step(run, 2, second.path, claim=copy_marker() + ".b")
+        run.remove_interrupted_copies()
+        assert "state.ckpt" in _step_keys(run, 1) and not any("ARCHIVING." in n for n in _step_keys(run, 1))
+    finally:
+        held.set()
+        a.join()
+    _assert_step_2_loads(run)
+
+
+def _sweep_cut_short(tmp_path, s3_faults, monkeypatch) -> tuple[ObjectRun, list[bool]]:
+    """Step 1 committed under names of its own beside two leftovers of dead copies, then swept;
+    the sweep's first DELETE is held while its clock (objectrun's monotonic) moves on to within
+    one DELETE's deadline of SWEEP_DELETES_WITHIN.  (The run, what sweep_step returned.)"""
+    import types
+
+    from ckptfmt.runs import objectnames, objectrun
+    from ckptfmt.storage.client import deadline
+
+    local = _local_run(tmp_path)
+    run = ObjectRun(f"s3://{s3_faults.new_bucket()}/run", s3_faults.storage_options())
+    s3_faults.client().put_object(Bucket=run.url.bucket, Key="run/step-000000001/state.ckpt", Body=b"x")
+    archivecopy.put_step(run, 1, local.checkpoints()[-1].path, claim=copy_marker())  # names of its own
+    for name in ("state.0000000000000001.ckpt", "state.0000000000000002.ckpt"):
+        s3_faults.client().put_object(Bucket=run.url.bucket, Key=f"run/step-000000001/{name}", Body=b"x")
+    skew = [0.0]
+    clock = types.SimpleNamespace(monotonic=lambda: time.monotonic() + skew[0], sleep=time.sleep)
+    monkeypatch.setattr(objectrun, "time", clock)
+    s3_faults.clear_counts()
+    held = s3_faults.hold("DELETE", "/step-000000001/state.000")
+    swept: list[bool] = []
+    sweeper = _OnThread(lambda: swept.append(run.sweep_step(1, run.record(1))))
+    try:
+        _wait_until(lambda: s3_faults.count("DELETE", "/step-000000001/state.000"), "the sweep never deleted")
+        delete_deadline = deadline(objectnames.sweep_options(run.options))
+        skew[0] = objectnames.SWEEP_DELETES_WITHIN - delete_deadline + 1
+    finally:
+        held.set()
+        sweeper.join()
+    monkeypatch.setattr(objectrun, "time", time)
+    return run, swept
+
+
+def test_a_sweep_sends_no_delete_that_could_end_past_its_bound(tmp_path, s3_faults, monkeypatch):
+    """The second DELETE of a sweep whose clock moved on while its first was held could end
+    after a copy that found the sweep's marker stops waiting for it (SWEEP_WAIT): it is never
+    sent, and the sweep says it did not finish."""
+    _run, swept = _sweep_cut_short(tmp_path, s3_faults, monkeypatch)
+    assert s3_faults.count("DELETE", "/step-000000001/state.000") == 1
+    assert swept == [False]
+
+
+def test_a_sweep_cut_short_leaves_its_marker_for_a_cleaner_to_sweep_the_step_again(
+    tmp_path, s3_faults, monkeypatch
+):
+    """A sweep whose time ran out with a leftover still there leaves its marker (dead once the
+    sweep is over): the next archive pass's remove_interrupted_copies visits the step, sweeps
+    the leftover and the marker, leaving exactly the step's record and files.  Without the
+    marker nothing would ever bring a cleaner back to the step."""
+    run, swept = _sweep_cut_short(tmp_path, s3_faults, monkeypatch)
+    assert swept == [False]
+    assert [n for n in _step_keys(run, 1) if n.startswith("SWEEPING.")]
+    run.remove_interrupted_copies()
+    _assert_whole_and_clean(run, 1, 1.0)
+
+
+def _clock_ahead(monkeypatch, minutes: float) -> None:
+    """objectrun's wall clock `minutes` ahead of the store's (a host whose clock is off)."""
+    import datetime
+    import types
+
+    from ckptfmt.runs import objectrun
+
+    class Ahead(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.datetime.now(tz) + datetime.timedelta(minutes=minutes)
+
+    shim = types.SimpleNamespace(datetime=Ahead, timezone=datetime.timezone, timedelta=datetime.timedelta)
+    monkeypatch.setattr(objectrun, "datetime", shim)
+
+
+def _foreign_sweep_marker() -> str:
+    from ckptfmt.runs.objectnames import COPY_MARKER, SWEEP_MARKER
+
+    return SWEEP_MARKER + _foreign_marker()[len(COPY_MARKER) :]
+
+
+def test_a_copy_on_a_host_whose_clock_is_ahead_waits_for_another_hosts_live_sweep(
+    tmp_path, s3_faults, monkeypatch
+):
+    """Step 1 is archived; a sweep on another host has just put its marker there.  Step 2's copy
+    runs on a host whose clock is 16 minutes ahead of the store's (past SWEEP_WAIT): the sweep's
+    marker is aged by the store's clock, so the copy waits for it (lists step 1's prefix again
+    and again, until its wait, made 2 s here, ends) rather than take it for a dead one and
+    look for the object the sweep may be deleting."""
+    from ckptfmt.runs import objectrun
+
+    run, first, second = _incremental_steps(tmp_path, s3_faults)
+    archivecopy.put_step(run, 1, first.path, claim=copy_marker())
+    s3_faults.client().put_object(
+        Bucket=run.url.bucket, Key=f"run/step-000000001/{_foreign_sweep_marker()}", Body=b""
+    )
+    _clock_ahead(monkeypatch, 16)
+    monkeypatch.setattr(objectrun, "SWEEP_WAIT", 2.0)
+    s3_faults.clear_counts()
+    archivecopy.put_step(run, 2, second.path, claim=copy_marker())
+    assert s3_faults.count("GET", "prefix=run%2Fstep-000000001%2F") >= 2  # it waited
+    _assert_step_2_loads(run)
+
+
+def test_a_cleaner_on_a_host_whose_clock_is_ahead_keeps_another_hosts_live_sweep_marker(
+    tmp_path, s3_faults, monkeypatch
+):
+    """A sweep on another host has just put its marker into complete step 1; an archive pass's
+    remove_interrupted_copies runs on a host whose clock is 16 minutes ahead of the store's: the
+    marker is aged by the store's clock (the run's newest object), so it is live and stays (a
+    copy coming next must find it and wait for that sweep)."""
+    run, first, _second = _incremental_steps(tmp_path, s3_faults)
+    archivecopy.put_step(run, 1, first.path, claim=copy_marker())
+    marker = _foreign_sweep_marker()
+    s3_faults.client().put_object(Bucket=run.url.bucket, Key=f"run/step-000000001/{marker}", Body=b"")
+    _clock_ahead(monkeypatch, 16)
+    run.remove_interrupted_copies()
+    assert marker in _step_keys(run, 1)
+
+
+def test_a_sweeps_deletes_have_a_deadline_that_leaves_it_time_to_delete(monkeypatch):
+    """A user's deadline longer than SWEEP_DELETE_DEADLINE (the default 300 s, or a day) would
+    leave a sweep no DELETE that ends within SWEEP_DELETES_WITHIN: its DELETEs take the shorter
+    one; a shorter deadline of the user's is kept."""
+    from ckptfmt.runs.objectnames import SWEEP_DELETE_DEADLINE, SWEEP_DELETES_WITHIN, sweep_options
+    from ckptfmt.storage.client import DEADLINE_VARIABLE, deadline
+
+    monkeypatch.delenv(DEADLINE_VARIABLE, raising=False)
+    assert SWEEP_DELETE_DEADLINE < SWEEP_DELETES_WITHIN
+    for given in ({}, {"deadline": 86400}):
+        assert deadline(sweep_options(given)) == SWEEP_DELETE_DEADLINE
+    assert sweep_options({"deadline": 5, "max_attempts": 2}) == {"deadline": 5, "max_attempts": 2}

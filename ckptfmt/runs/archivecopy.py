@@ -44,7 +44,7 @@ from ..storage import listing
 from ..storage.download import head
 from ..storage.upload import upload_bytes, upload_file
 from ..storage.urls import ObjectURL, parse_url
-from .objectnames import LaterReads, claiming, referenced_step
+from .objectnames import claiming, referenced_step
 from .objectrun import ObjectRun
 from .steps import CheckpointInfo
 
@@ -104,7 +104,6 @@ class _Copy:
         self.token: str | None = None  # the copy's own digits (save_token) once it needs them
         self.uploaded: dict[str, str] = {}  # objects of names of its own it uploaded: version
         self.kept: frozenset[str] = frozenset()  # files of the step later steps' committed records name
-        self.later: LaterReads | None = None  # what those records refer to, as read for `kept`
 
     def claim_prefix(self, of: int) -> bool:
         """Put this copy's marker into step `of`'s prefix, once; whether it was put now."""
@@ -126,11 +125,9 @@ class _Copy:
         if not signed and there:
             self.token = save_token()
             # a file a later step's committed record refers to (copied first, the archive
-            # lagging) is kept for it by every cleanup: used when it is this very file; the
-            # read serves the sweep once committed too, while no copy has come since
+            # lagging) is kept for it by every cleanup: used when it is this very file
             try:
-                self.later = self.run.read_by_later_steps(self.step, listed)
-                self.kept = self.later.names & there
+                self.kept = self.run.read_by_later_steps(self.step) & there
             except LimitError:  # too many later records to read: a copy of its own instead
                 self.kept = frozenset()
         files = tuple(self._put_file(d, part, signed) for part in record.files)
@@ -230,7 +227,7 @@ class _Copy:
     def sweep(self, archived: multifile.CommitRecord) -> None:
         """Once committed under names of its own: delete what other copies left in the step
         and its record does not name (ObjectRun.sweep_step, which keeps what later steps'
-        records refer to, read once with the preparation's listing where no copy came since),
+        records refer to, read again after its marker is in),
         unless a live writer's marker is there (it may be uploading an object of this step a
         later step refers to; what is left then goes with the next archive pass's
         remove_interrupted_copies, once that marker is dead).  A failure is warned about: the
@@ -238,7 +235,7 @@ class _Copy:
         if self.token is None:
             return
         try:
-            self.run.sweep_step(self.step, archived, later=self.later)
+            self.run.sweep_step(self.step, archived)
         except (CheckpointError, OSError) as e:
             warnings.warn(
                 f"step {self.step} archived to {self.run.path}; removing what other copies left "

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import datetime
 import threading
-from collections.abc import Callable, Collection, Iterator
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator
+from typing import Any
 
 from ..engine import commit
 from ..errors import CorruptError, IncompleteError
 from ..files import multifile
 from ..files.names import is_own_name
 from ..files.places import STALE_AFTER
+from ..storage.client import deadline
 from ..storage.listing import Listed
 from .steps import parse_step_dirname
 
@@ -29,12 +31,24 @@ COPY_MARKER = "ARCHIVING."
 #: done: a copy that puts its own marker in the step waits for such a sweep to end before it
 #: looks for an object there to refer to (one of them sees the other)
 SWEEP_MARKER = "SWEEPING."
-#: seconds from a sweep's marker past which the sweep deletes nothing (ObjectRun.sweep_step)
+#: seconds from a sweep's marker within which every DELETE the sweep sends has ended, its
+#: deadline included (ObjectRun.sweep_step): it sends none that could end later
 SWEEP_DELETES_WITHIN = 300.0
+#: the deadline of a sweep's DELETE at most, in seconds (storage option deadline, lowered to
+#: this for them): a longer one would leave a sweep no time to delete within its bound
+SWEEP_DELETE_DEADLINE = 60.0
 #: seconds a copy waits at most for a sweep whose marker it finds (ObjectRun.wait_out_sweeps),
 #: and the age past which a sweep's marker is dead wherever it was written: past that sweep's
 #: bound by a margin for a DELETE it sent just before
 SWEEP_WAIT = 3 * SWEEP_DELETES_WITHIN
+
+
+def sweep_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The storage options of a sweep's DELETEs: `options`, their deadline at most
+    SWEEP_DELETE_DEADLINE."""
+    if deadline(options) <= SWEEP_DELETE_DEADLINE:
+        return options
+    return options | {"deadline": SWEEP_DELETE_DEADLINE}
 
 
 def is_copy_marker(name: str) -> bool:
@@ -119,17 +133,48 @@ def in_steps(name: str, steps: set[str]) -> bool:
     return step in steps and written_here(rest)
 
 
+def store_clock(listed: Iterable[Listed]) -> datetime.datetime | None:
+    """The newest time the store gives objects `listed` were last written (None: it gives
+    none): its clock was at least there when it listed them.  A host's own clock may be
+    minutes ahead of the store's: a sweep's marker is aged by this one (marker_dead)."""
+    return max((e.modified for e in listed if e.modified is not None), default=None)
+
+
+class StoreClock:
+    """The store's clock as a step's first listing shows it (store_clock: a copy's marker
+    just put is the newest there), moved on since by this process's monotonic clock."""
+
+    def __init__(self) -> None:
+        self._first: tuple[datetime.datetime, float] | None = None
+
+    def now(self, listed: dict[str, Listed]) -> datetime.datetime | None:
+        """The store's time now, at most (None: no listing has given a time yet)."""
+        if self._first is None:
+            seen = store_clock(listed.values())
+            if seen is None:
+                return None
+            self._first = (seen, time.monotonic())
+        return self._first[0] + datetime.timedelta(seconds=time.monotonic() - self._first[1])
+
+
 def marker_dead(
-    name: str, when: datetime.datetime | None, now: datetime.datetime, older_than: datetime.timedelta
+    name: str,
+    when: datetime.datetime | None,
+    now: datetime.datetime,
+    older_than: datetime.timedelta,
+    store_now: datetime.datetime | None = None,
 ) -> bool:
     """Whether marker `name` (a copy's or a sweep's, written at `when`) was left by a writer
     that has ended: one of this host whose process is gone, or one written elsewhere that is
     older than both `older_than` and STALE_AFTER: a cleaner's shorter bound (cleanup's) must
     never make a live copy on another host look dead, as its age is all that can be asked of it.
-    A sweep's marker is dead too once older than SWEEP_WAIT (the sweep deletes nothing then):
-    one a sweep on another host left when killed holds up no copy for longer."""
-    if is_sweep_marker(name) and when is not None and now - when > datetime.timedelta(seconds=SWEEP_WAIT):
-        return True
+    A sweep's marker is dead too once older than SWEEP_WAIT (the sweep deletes nothing then)
+    by the store's clock, `store_now` (store_clock; None: not judged so), never by this
+    host's, which may be ahead of it by more than that: one a sweep on another host left when
+    killed holds up no copy for longer."""
+    if is_sweep_marker(name) and when is not None and store_now is not None:
+        if store_now - when > datetime.timedelta(seconds=SWEEP_WAIT):
+            return True
     suffix = name[len(SWEEP_MARKER if is_sweep_marker(name) else COPY_MARKER) :]
     if suffix.startswith(commit.owner_token() + "."):  # this process's
         with _claims_lock:
@@ -146,18 +191,15 @@ def has_live_marker(
     now: datetime.datetime,
     older_than: datetime.timedelta,
     kind: Callable[[str], bool] = is_marker,
+    store_now: datetime.datetime | None = None,
 ) -> bool:
     """Whether a step's prefix, `listed`, holds the marker (of `kind`: by default a copy's or a
-    sweep's) of a writer still at work there (marker_dead): what a copy has uploaded so far,
-    or found there to refer to, is not yet named by any record."""
-    return any(kind(n) and not marker_dead(n, e.modified, now, older_than) for n, e in listed.items())
-
-
-def ended_copies(listed: dict[str, Listed], now: datetime.datetime) -> frozenset[str]:
-    """The copy markers in a step's prefix, `listed`, whose writers have ended (marker_dead by
-    STALE_AFTER): a record such a copy committed is in by now."""
-    return frozenset(
-        n for n, e in listed.items() if is_copy_marker(n) and marker_dead(n, e.modified, now, STALE_AFTER)
+    sweep's) of a writer still at work there (marker_dead, `store_now` by default the
+    store_clock of `listed`): what a copy has uploaded so far, or found there to refer to, is
+    not yet named by any record."""
+    store_now = store_clock(listed.values()) if store_now is None else store_now
+    return any(
+        kind(n) and not marker_dead(n, e.modified, now, older_than, store_now) for n, e in listed.items()
     )
 
 
@@ -175,19 +217,3 @@ def in_a_step(name: str) -> bool:
     with other things, and a step's with another program's objects)."""
     top, sep, rest = name.partition("/")
     return sep == "/" and is_own_name(rest) and parse_step_dirname(top) is not None
-
-
-@dataclasses.dataclass(frozen=True)
-class LaterReads:
-    """What later steps' records refer to in a step, read at one moment (ObjectRun.read_by_later_steps):
-    `names`, its objects they refer to; `ended`, the copy markers its prefix held whose
-    writers had ended before the read."""
-
-    names: frozenset[str]
-    ended: frozenset[str]
-
-    def serves(self, listed: dict[str, Listed]) -> bool:
-        """Whether this read still tells what later records refer to in the step as `listed`
-        now: every copy marker there had ended before the read (a copy whose marker is not
-        among them may have committed a record referring to an object of the step since)."""
-        return all(n in self.ended for n in listed if is_copy_marker(n))

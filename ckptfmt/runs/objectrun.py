@@ -31,17 +31,16 @@ from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport
 from ..format.timestamps import parse_utc
 from ..storage import listing
-from ..storage.client import check_options
+from ..storage.client import check_options, deadline
 from ..storage.download import head
 from ..storage.upload import upload_bytes
 from ..storage.urls import ObjectURL, parse_url
 from .objectnames import (
     SWEEP_DELETES_WITHIN,
     SWEEP_WAIT,
-    LaterReads,
+    StoreClock,
     check_listed,
     claiming,
-    ended_copies,
     has_live_marker,
     in_a_step,
     in_steps,
@@ -50,7 +49,9 @@ from .objectnames import (
     is_sweep_marker,
     marker_dead,
     referenced_step,
+    store_clock,
     sweep_marker,
+    sweep_options,
     writer_came,
     written_here,
 )
@@ -419,7 +420,6 @@ class ObjectRun:
         record: multifile.CommitRecord,
         listed: dict[str, Entry] | None = None,
         *,
-        later: LaterReads | None = None,
         older_than: datetime.timedelta = STALE_AFTER,
     ) -> bool:
         """Delete what other saves left in step `step`, committed with `record`: objects
@@ -434,9 +434,12 @@ class ObjectRun:
         to.  The last listing is made after this sweep's own marker (sweep_marker) is in: a
         copy whose marker it does not show finds this sweep's and waits for its end
         (wait_out_sweeps) before it looks for an object of the step, so nothing it refers to
-        is deleted after it looked.  The later records are read after that listing, unless
-        `later` (read before) still serves it (LaterReads.serves).  Nothing is deleted past
-        SWEEP_DELETES_WITHIN seconds from the marker (the bound a copy's wait relies on).
+        is deleted after it looked.  The later records are read after that listing (one read
+        before it proves nothing: a copy may have adopted an object since and be gone).  No
+        DELETE is sent that could end, its deadline (at most SWEEP_DELETE_DEADLINE) included,
+        past SWEEP_DELETES_WITHIN seconds from the marker (the bound a copy's wait relies on).
+        A sweep cut short so, or failing once its marker is in, leaves its marker: dead once
+        the sweep is over, it brings remove_interrupted_copies back to the step.
         `listed`: the step's objects as just listed (None: listed here)."""
         url = self._step_url(step)
         listed = listing.listed(url, self.options) if listed is None else listed
@@ -452,33 +455,38 @@ class ObjectRun:
             began = time.monotonic()  # before the PUT: a copy may list the marker before it returns
             upload_bytes(b"a ckptfmt sweep in progress\n", str(marker), self.options)
             try:
-                swept = self._sweep_announced(step, others, later, older_than, began)
-            except BaseException:
-                with contextlib.suppress(CheckpointError, OSError):  # dead once unclaimed: cleanup's
+                swept = self._sweep_announced(step, others, older_than, began)
+            except LimitError:  # nothing deleted: nothing for a cleaner to come back to
+                with contextlib.suppress(CheckpointError, OSError):
                     listing.delete_object(marker, self.options)
                 raise
-            listing.delete_object(marker, self.options)
-        return swept
+            # cut short (None) or failed: the marker stays, dead once unclaimed, so that a
+            # cleaner (remove_interrupted_copies) sweeps the step again
+            if swept is not None:
+                listing.delete_object(marker, self.options)
+        return swept is True
 
     def _sweep_announced(
         self,
         step: int,
         others: dict[str, str | None],
-        later: LaterReads | None,
         older_than: datetime.timedelta,
         began: float,
-    ) -> bool:
-        """sweep_step's deletion of `others` once its marker is in (at monotonic `began`)."""
+    ) -> bool | None:
+        """sweep_step's deletion of `others` once its marker is in (at monotonic `began`):
+        True once done, False where it deletes nothing (a live copy's marker), None where
+        its time ran out after it may have deleted some."""
         url = self._step_url(step)
         now = listing.listed(url, self.options)
         if self._copy_at_work(now, older_than):
             return False
-        if later is None or not later.serves(now):
-            later = self.read_by_later_steps(step, now)
-        if time.monotonic() - began > SWEEP_DELETES_WITHIN:
-            return False  # a copy that found the marker may no longer wait for it
-        doomed = [(n, v) for n, v in others.items() if n not in later.names and v is not None]
-        listing.delete_versions(url, self.options, doomed)
+        later = self.read_by_later_steps(step)
+        doomed = [(url.child(n), v) for n, v in others.items() if n not in later and v is not None]
+        options = sweep_options(self.options)
+        for target, version in doomed:
+            if time.monotonic() - began + deadline(options) > SWEEP_DELETES_WITHIN:
+                return None  # it could end after a copy that found the marker stops waiting
+            listing.delete_object(target, options, if_match=version)
         return True
 
     @staticmethod
@@ -487,17 +495,19 @@ class ObjectRun:
         return has_live_marker(listed, now, older_than, kind=is_copy_marker)
 
     def wait_out_sweeps(self, step: int) -> None:
-        """Wait until no live sweep's marker (sweep_step; marker_dead) is in step `step`'s
-        prefix, or for SWEEP_WAIT seconds: past it a sweep that put its marker before this wait
-        began deletes nothing more.  Called by a copy after its own marker is in the prefix
-        and before it looks for an object there to refer to: a sweep that began later sees
-        that marker."""
+        """Wait until no live sweep's marker (sweep_step; marker_dead, aged by the store's
+        clock: StoreClock) is in step `step`'s prefix, or for SWEEP_WAIT seconds: past it a
+        sweep that put its marker before this wait began deletes nothing more.  Called by a
+        copy after its own marker is in the prefix and before it looks for an object there to
+        refer to: a sweep that began later sees that marker."""
         url = self._step_url(step)
         ends = time.monotonic() + SWEEP_WAIT
         pause = 0.05
+        clock = StoreClock()  # from the first listing, which shows the copy's marker just put
         while time.monotonic() < ends:
             now = datetime.datetime.now(datetime.timezone.utc)
-            if not has_live_marker(listing.listed(url, self.options), now, STALE_AFTER, kind=is_sweep_marker):
+            listed = listing.listed(url, self.options)
+            if not has_live_marker(listed, now, STALE_AFTER, is_sweep_marker, clock.now(listed)):
                 return
             time.sleep(min(pause, max(0.0, ends - time.monotonic())))
             pause = min(2 * pause, 1.0)
@@ -521,13 +531,11 @@ class ObjectRun:
         except CheckpointError:  # nothing to go by
             return True
 
-    def read_by_later_steps(self, step: int, listed: dict[str, Entry]) -> LaterReads:
-        """What the records of later steps refer to in step `step` (only later steps refer to
-        a step's objects), with `listed`, the step's objects as listed just before: one
-        listing of the run, one GET a later record not read yet (usually none: the step swept
-        is the newest).  LimitError past MAX_STATUS_RECORDS of them: what the others refer
+    def read_by_later_steps(self, step: int) -> frozenset[str]:
+        """The objects of step `step` the records of later steps refer to (only later steps
+        refer to a step's objects): one listing of the run, one GET a later record not read
+        yet (usually none: the step swept is the newest).  LimitError past MAX_STATUS_RECORDS of them: what the others refer
         to is not known, so nothing is swept."""
-        ended = ended_copies(listed, datetime.datetime.now(datetime.timezone.utc))
         found = self.listing()
         later = {s: names for s, names in found.items() if s > step}
         if sum(multifile.COMMIT_NAME in names for names in later.values()) > MAX_STATUS_RECORDS:
@@ -538,8 +546,7 @@ class ObjectRun:
             )
         statuses = [self.status_of(s, names, found) for s, names in sorted(later.items())]
         prefix = self.step_path(step) + "/"
-        names = frozenset(u[len(prefix) :] for u in self._referenced_by(statuses) if u.startswith(prefix))
-        return LaterReads(names, ended)
+        return frozenset(u[len(prefix) :] for u in self._referenced_by(statuses) if u.startswith(prefix))
 
     def sweep_committed(self, step: int) -> None:
         """sweep_step of step `step` by the commit record there now, if one can be read."""
@@ -585,12 +592,13 @@ class ObjectRun:
         come to since (writer_came).  `found`: the run's listing to go by (None: listed here)."""
         found = self.listing() if found is None else found
         now = datetime.datetime.now(datetime.timezone.utc)
+        store_now = store_clock(e for names in found.values() for e in names.values())
         dead: dict[int, list[str]] = {}
         live: set[int] = set()
         for step, names in found.items():
             for name, entry in names.items():
                 if is_marker(name):
-                    if marker_dead(name, entry.modified, now, older_than):
+                    if marker_dead(name, entry.modified, now, older_than, store_now):
                         dead.setdefault(step, []).append(name)
                     else:
                         live.add(step)
