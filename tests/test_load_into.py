@@ -793,6 +793,77 @@ def test_views_of_one_buffer_load_when_disjoint_and_are_refused_when_they_overla
     assert not bool(buf[keep].any())
 
 
+def _shared_layouts(n: int) -> dict[str, dict[str, torch.Tensor]]:
+    """States whose tensors share memory: a row view, a transposed view, a flat buffer with views
+    of it (one of them strided)."""
+    w = torch.randn(n, 64, generator=torch.Generator().manual_seed(5))
+    flat = torch.randn(3 * n * 64, generator=torch.Generator().manual_seed(6))
+    return {
+        "row": {"w": w, "row": w[1]},
+        "transposed": {"w": w, "wt": w.t()},
+        "flat": {
+            "flat": flat,
+            "a": flat[: n * 64].view(n, 64),
+            "b": flat[n * 64 : 3 * n * 64 : 2],
+            "c": flat[5:70],
+        },
+    }
+
+
+def _same_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fresh zero tensors sharing memory exactly as `state`'s do."""
+    out: dict[str, torch.Tensor] = {}
+    fresh: dict[int, torch.Tensor] = {}
+    for k, v in state.items():
+        st = v.untyped_storage()
+        if st.data_ptr() not in fresh:
+            fresh[st.data_ptr()] = torch.zeros(st.nbytes() // v.element_size(), dtype=v.dtype)
+        out[k] = fresh[st.data_ptr()].as_strided(v.shape, v.stride(), v.storage_offset())
+    return out
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("layout", ["row", "transposed", "flat"])
+@pytest.mark.parametrize("n", [4, 200])  # one chunk, or several
+def test_targets_sharing_memory_as_the_file_did_are_filled(tmp_path, atomic, layout, n):
+    """Targets that share memory exactly as the saved tensors did (a row of a weight, its
+    transpose, views of a flat buffer) each take the same verified bytes at the same addresses:
+    loaded, values exact, and the atomic pass does not take their sharing for a changed file."""
+    state = _shared_layouts(n)[layout]
+    p = _save(tmp_path, state)
+    target = _same_layout(state)
+    report = ckptfmt.load_into(p, target, atomic=atomic)
+    assert report.loaded == len(state)
+    for k, v in state.items():
+        assert torch.equal(target[k], v), k
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("n", [4, 200])
+def test_targets_sharing_memory_unlike_the_file_are_refused(tmp_path, atomic, n):
+    """Targets that share memory, but not where the file's shared storage would put each: the
+    row view of the wrong row, a transpose over a target laid out row-major the other way, and a
+    flat buffer whose view sits at another offset are refused before anything is written."""
+    w = torch.randn(n, 64)
+    p = _save(tmp_path, {"w": w, "row": w[1], "wt": w.t()}, name="w.ckpt")
+    for wrong in ("row", "wt"):
+        buf = torch.zeros(n, 64)
+        target = {"w": buf, "row": buf[2] if wrong == "row" else buf[1], "wt": buf.t()}
+        if wrong == "wt":
+            target["wt"] = buf.view(64, n)  # same bytes, row-major: not the file's transpose
+        with pytest.raises(ckptfmt.MismatchError, match="overlap in memory|are the same memory"):
+            ckptfmt.load_into(p, target, atomic=atomic)
+        assert not bool(buf.any()), wrong
+    state = _shared_layouts(n)["flat"]
+    q = _save(tmp_path, state, name="flat.ckpt")
+    target = _same_layout(state)
+    buf = target["flat"]
+    target["c"] = buf[6:71]
+    with pytest.raises(ckptfmt.MismatchError, match="overlap in memory"):
+        ckptfmt.load_into(q, target, atomic=atomic)
+    assert not bool(buf.any())
+
+
 # last in the module: the npu devices stay switched on from here to the module's end
 @pytest.mark.usefixtures("npu_devices")
 @pytest.mark.parametrize("atomic", [True, False])

@@ -5,7 +5,8 @@ entries from its checked tree, the target's leaves from its dicts, lists and tup
 `match` pairs them and checks, before anything is read or written, that every target
 tensor has the shape and dtype of its entry and can be written (no overlapping
 elements, no meta tensor inside a tuple), and that no two targets share memory, which
-would leave one holding the other's values (`_overlap_problem`).  What it finds is the caller's `LoadReport`,
+would leave one holding the other's values, unless they share it as the file's tensors
+share their storage (`_overlap_problem`).  What it finds is the caller's `LoadReport`,
 like load_state_dict()'s result; a mismatch, or with strict=True a missing or
 unexpected key, is a `MismatchError`.
 """
@@ -178,26 +179,32 @@ class _Spans:
     positions: list[int] = field(default_factory=list)
 
 
-def _clashes(spans: _Spans) -> tuple[tuple[int, int] | None, list[tuple[int, int]]]:
-    """(the positions of two targets whose spans overlap, or None; the pairs of positions whose
-    spans are identical, which may be one tensor under two keys).  Sorted by (start, end), a
-    span overlaps an earlier one exactly when it starts before the furthest end so far;
-    identical spans sort next to each other, and are told apart by the caller."""
+def _clash_groups(spans: _Spans) -> list[list[int]]:
+    """The positions of targets whose spans overlap (or are identical), in groups of two or more
+    that share memory, each in order of its spans' starts.  Sorted by (start, end), a span
+    overlaps an earlier one exactly when it starts before the furthest end so far."""
     starts = np.frombuffer(array("q", spans.starts), dtype=np.int64)
     ends = np.frombuffer(array("q", spans.ends), dtype=np.int64)
     order = np.lexsort((ends, starts))
     starts, ends = starts[order], ends[order]
-    furthest = np.maximum.accumulate(ends)
-    same = (starts[1:] == starts[:-1]) & (ends[1:] == ends[:-1])
-    overlap = np.flatnonzero((starts[1:] < furthest[:-1]) & ~same)
+    joins = starts[1:] < np.maximum.accumulate(ends)[:-1]  # sorted span k + 1 joins k's group
+    if not joins.any():
+        return []
     pos = spans.positions
-    first = None
-    if overlap.size:
-        k = int(overlap[0])  # sorted span k + 1 overlaps the earlier one reaching furthest
-        holder = int(np.flatnonzero(ends[: k + 1] == furthest[k])[0])
-        first = (pos[int(order[holder])], pos[int(order[k + 1])])
-    twins = [(pos[int(order[k])], pos[int(order[k + 1])]) for k in np.flatnonzero(same)]
-    return first, twins
+    groups = np.split(order, np.flatnonzero(~joins) + 1)
+    return [[pos[int(k)] for k in g] for g in groups if len(g) > 1]
+
+
+def _home(value: torch.Tensor, m: dict[str, Any]) -> tuple[Any, ...] | None:
+    """Where target `value` puts the storage of its file tensor `m`: (storage, dtype, the
+    address its element 0 would have), or None when its elements do not sit as the storage
+    puts them (strides other than the file's, or a conjugate or negative bit of its own).
+    Targets of one home write each byte of memory from the same byte of the file."""
+    if value.is_neg() or value.is_conj() != bool(m["conj"]):
+        return None
+    if any(a != b for a, b, n in zip(value.stride(), m["stride"], m["shape"]) if n != 1):
+        return None
+    return (m["storage"], value.dtype, value.data_ptr() - m["offset"] * value.element_size())
 
 
 def _overlap_problem(
@@ -207,27 +214,41 @@ def _overlap_problem(
     overlap would each be written over the other (and the checks of the chunks read into them
     would fail, or pass on the wrong bytes), so they are refused, before any read; a strided
     view counts as all the bytes from its first element to its last, so views that interleave
-    (x[::2] and x[1::2]) are refused too.  The one sharing allowed is one tensor under two keys
-    whose checkpoint entries are one tensor too (tied weights, as a state dict lists them):
-    it is filled once."""
+    (x[::2] and x[1::2]) are refused too.  The sharing allowed is the file's own: targets that
+    all view one storage of the file exactly where that storage would put them (`_home`: a row
+    and its weight, a weight and its transpose, a flat buffer and its views, one tensor under
+    two keys as tied weights) write each shared byte from the same byte of the file."""
     if len(spans.starts) < 2:
         return None
-    first, twins = _clashes(spans)
-    if first is not None:
-        a, b = targets[first[0]][0], targets[first[1]][0]
-        return (
-            f"targets {a!r} and {b!r} overlap in memory: each would be filled over the other's "
-            "values (load overlapping views one at a time, or as the one tensor they view)"
-        )
     nodes = f.tree.nodes
-    for pa, pb in twins:
-        (a, _, _, va), (b, _, _, vb) = targets[pa], targets[pb]
-        if sameness(va, nodes[in_file[a]][1]) != sameness(vb, nodes[in_file[b]][1]):
+    for group in _clash_groups(spans):
+        homes = [_home(targets[p][3], nodes[in_file[targets[p][0]]][1]) for p in group]
+        if homes[0] is not None and homes.count(homes[0]) == len(homes):
+            continue
+        a, b = _refused_pair(targets, group, homes)
+        va, vb = targets[a][3], targets[b][3]
+        if byte_span(va) == byte_span(vb):
             return (
-                f"targets {a!r} and {b!r} are the same memory but not one tensor filled from one "
-                "tensor of the checkpoint (tied weights): one would be filled over the other"
+                f"targets {targets[a][0]!r} and {targets[b][0]!r} are the same memory but not laid "
+                "out as one tensor of the checkpoint (tied weights): one would be filled over the other"
             )
+        return (
+            f"targets {targets[a][0]!r} and {targets[b][0]!r} overlap in memory, not as the "
+            "checkpoint's tensors share their storage: each would be filled over the other's values "
+            "(load overlapping views one at a time, or as the one tensor they view)"
+        )
     return None
+
+
+def _refused_pair(targets: list[Target], group: list[int], homes: list[Any]) -> tuple[int, int]:
+    """Two targets of a refused group that overlap and differ in home, to name in the error."""
+    for i, pa in enumerate(group):
+        sa = byte_span(targets[pa][3])
+        for pb, hb in zip(group[i + 1 :], homes[i + 1 :]):
+            sb = byte_span(targets[pb][3])
+            if sa[0] < sb[1] and sb[0] < sa[1] and (homes[i] is None or homes[i] != hb):
+                return pa, pb
+    return group[0], group[1]
 
 
 def _key_problems(report: LoadReport) -> str:
