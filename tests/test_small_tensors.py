@@ -295,7 +295,7 @@ def test_load_into_compares_in_full_only_targets_at_one_address(small_file, smal
     from ckptfmt.files import fillplan, load_into
 
     compared, plans = [0], []
-    sameness, make_plan = fillplan._sameness, fillplan.make_plan
+    sameness, make_plan = fillplan.sameness, fillplan.make_plan
 
     def counted(*args):
         compared[0] += 1
@@ -305,7 +305,7 @@ def test_load_into_compares_in_full_only_targets_at_one_address(small_file, smal
         plans.append(make_plan(*args))
         return plans[-1]
 
-    monkeypatch.setattr(fillplan, "_sameness", counted)
+    monkeypatch.setattr(fillplan, "sameness", counted)
     monkeypatch.setattr(load_into, "make_plan", kept)
     targets = {k: torch.zeros_like(v) for k, v in small_state.items() if k != "tied"}
     targets["tied"] = targets["layers.0.experts.0.w"]

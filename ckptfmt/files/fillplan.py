@@ -27,8 +27,7 @@ import torch
 from ..engine import bytesview
 from ..engine import native as _native
 from .reader import CheckpointFile
-from .targets import LoadReport, Target
-from .targets import sameness as _sameness  # by this name: tests count the calls
+from .targets import LoadReport, Target, same_layout, sameness
 
 #: the bounce buffer holds at most this many bytes (or one chunk, when chunks are larger) ...
 _WINDOW_MAX = 64 << 20
@@ -124,12 +123,7 @@ def _same_bytes(value: torch.Tensor, m: dict[str, Any]) -> bool:
     """The target's memory is the file tensor's byte range, byte for byte."""
     if value.is_contiguous() and tuple(m["stride"]) == value.stride():  # the common case, at once
         return not value.is_neg() and value.is_conj() == m["conj"]
-    return (
-        not value.is_neg()
-        and value.is_conj() == bool(m["conj"])
-        and all(a == b for a, b, n in zip(value.stride(), m["stride"], m["shape"]) if n != 1)
-        and _dense(m["shape"], m["stride"])
-    )
+    return same_layout(value, m) and _dense(m["shape"], m["stride"])
 
 
 class _Aliases:
@@ -150,9 +144,9 @@ class _Aliases:
             return None
         first = lone[ptr]
         if first is not None:
-            self.seen[_sameness(first[1], first[2])] = first[0]
+            self.seen[sameness(first[1], first[2])] = first[0]
             lone[ptr] = None
-        same = _sameness(value, m)
+        same = sameness(value, m)
         if same in self.seen:
             return self.seen[same]
         self.seen[same] = key

@@ -22,6 +22,7 @@ from ..engine import native as _native
 from ..engine.batched import PreparedReads, copy_spans, prepare
 from ..format import dtypes
 from ..format import layout as fmt
+from . import hostalloc
 from .fillplan import Piece, Plan, Strided, range_bytes
 from .reader import CheckpointFile
 
@@ -33,7 +34,7 @@ _BATCH_BYTES = 256 << 20
 
 def alloc(f: CheckpointFile, nbytes: int) -> torch.Tensor | None:
     """A host buffer of `nbytes` for the reads (None when the plan needs none)."""
-    return f._alloc(nbytes, "") if nbytes else None
+    return hostalloc.alloc_bytes(f.path, nbytes, "") if nbytes else None
 
 
 def windows(

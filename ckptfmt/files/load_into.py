@@ -70,6 +70,7 @@ from ..engine import native as _native
 from ..errors import CheckpointError
 from ..format import tree
 from ..gcpause import pausing_in_main_thread
+from . import hostalloc
 from .fillplan import Plan, make_plan, window_bytes
 from .fillreads import address_windows, alloc, prepare_direct, windows, write_targets
 from .reader import CheckpointFile
@@ -184,7 +185,7 @@ def verify_chunks(
         return
     if buf is None:
         needed = sum(f.chunks[k].raw_len for k in chunks)
-        buf = f._alloc(window_bytes(f, needed), "")
+        buf = hostalloc.alloc_bytes(f.path, window_bytes(f, needed), "")
     # check only: the caller reads the chunks again into their places (no readahead advice,
     # as in ChunkReader: the kernel's own keeps up with reads in file order); the C engine is
     # given addresses in the buffer, which lives through the reads

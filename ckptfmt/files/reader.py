@@ -305,10 +305,6 @@ class CheckpointFile:
 
     # -- placement ----------------------------------------------------------
 
-    def _alloc(self, nbytes: int, key: str) -> torch.Tensor:
-        """`nbytes` of host memory; LimitError naming `key` if it fails (hostalloc.alloc_bytes)."""
-        return hostalloc.alloc_bytes(self.path, nbytes, key)
-
     def _chunk_views(
         self, sid: int, flat: torch.Tensor, first: int = 0, count: int | None = None
     ) -> list[tuple[int, memoryview]]:

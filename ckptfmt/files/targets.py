@@ -14,7 +14,6 @@ unexpected key, is a `MismatchError`.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,13 +58,9 @@ def _join(prefix: str, key: object) -> str:
     return f"{prefix}.{key}" if prefix else str(key)
 
 
-def target_items(obj: Any, prefix: str) -> Iterator[Target]:
-    """(dotted key, container, key in container, value) for every leaf of the target."""
-    return iter(target_leaves(obj, prefix))
-
-
 def target_leaves(obj: Any, prefix: str = "") -> list[Target]:
-    """target_items() as a list, built without a generator per container."""
+    """(dotted key, container, key in container, value) for every leaf of the target, built
+    without a generator per container."""
     out: list[Target] = []
     _add_target_leaves(obj, prefix, out)
     return out
@@ -86,11 +81,6 @@ def _add_target_leaves(obj: Any, prefix: str, out: list[Target]) -> None:
             _add_target_leaves(v, path, out)
         else:
             add((path, obj, k, v))
-
-
-def file_items(f: CheckpointFile, i: int, prefix: str) -> Iterator[tuple[str, int]]:
-    """(dotted key, node) for every leaf under node i of the file's tree."""
-    return iter(file_entries(f, i, prefix).items())
 
 
 def file_entries(f: CheckpointFile, i: int, prefix: str = "") -> dict[str, int]:
@@ -195,14 +185,22 @@ def _clash_groups(spans: _Spans) -> list[list[int]]:
     return [[pos[int(k)] for k in g] for g in groups if len(g) > 1]
 
 
+def same_layout(value: torch.Tensor, m: dict[str, Any]) -> bool:
+    """Target `value` lays out its elements as file tensor `m` does: the same strides on
+    every dimension longer than 1, the file's conjugate bit and no negative bit of its own."""
+    return (
+        not value.is_neg()
+        and value.is_conj() == bool(m["conj"])
+        and all(a == b for a, b, n in zip(value.stride(), m["stride"], m["shape"]) if n != 1)
+    )
+
+
 def _home(value: torch.Tensor, m: dict[str, Any]) -> tuple[Any, ...] | None:
     """Where target `value` puts the storage of its file tensor `m`: (storage, dtype, the
     address its element 0 would have), or None when its elements do not sit as the storage
     puts them (strides other than the file's, or a conjugate or negative bit of its own).
     Targets of one home write each byte of memory from the same byte of the file."""
-    if value.is_neg() or value.is_conj() != bool(m["conj"]):
-        return None
-    if any(a != b for a, b, n in zip(value.stride(), m["stride"], m["shape"]) if n != 1):
+    if not same_layout(value, m):
         return None
     return (m["storage"], value.dtype, value.data_ptr() - m["offset"] * value.element_size())
 

@@ -342,11 +342,11 @@ def _plain_problems(
     f: CheckpointFile, node: int, target: Any, path: str, strict: bool, out: list[str]
 ) -> None:
     """fill_from_node()'s checks: leaves matched by key path."""
-    from ..files.targets import file_items, target_items
+    from ..files.targets import file_entries, target_leaves
 
-    in_file = dict(file_items(f, node, ""))
+    in_file = file_entries(f, node)
     seen = set()
-    for key, _, _, value in target_items(target, ""):
+    for key, _, _, value in target_leaves(target):
         seen.add(key)
         i = in_file.get(key)
         if i is None:
