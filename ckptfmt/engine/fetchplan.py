@@ -14,6 +14,7 @@ pure: requests and byte ranges in, groups out.
 from __future__ import annotations
 
 import bisect
+import mmap
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -24,7 +25,7 @@ FETCH_AHEAD = 8
 #: the smallest window a load under a memory bound is read by (whole pages: the spool frees
 #: whole pages)
 MIN_WINDOW = 256 << 10
-_PAGE = 4096
+_PAGE = mmap.PAGESIZE  # the spool frees whole pages of this size
 #: the spool holds whole pages: the windows are counted in pages (paged_bytes), the chunk
 #: that crosses a window's edge in bytes, and it is one run: a page more at each of its edges
 _EDGES = 2 * _PAGE

@@ -418,7 +418,6 @@ class ObjectRun:
         self,
         step: int,
         record: multifile.CommitRecord,
-        listed: dict[str, Entry] | None = None,
         *,
         older_than: datetime.timedelta = STALE_AFTER,
     ) -> bool:
@@ -439,12 +438,15 @@ class ObjectRun:
         DELETE is sent that could end, its deadline (at most SWEEP_DELETE_DEADLINE) included,
         past SWEEP_DELETES_WITHIN seconds from the marker (the bound a copy's wait relies on).
         A sweep cut short so, or failing once its marker is in, leaves its marker: dead once
-        the sweep is over, it brings remove_interrupted_copies back to the step.
-        `listed`: the step's objects as just listed (None: listed here)."""
+        the sweep is over, it brings remove_interrupted_copies back to the step."""
         url = self._step_url(step)
-        listed = listing.listed(url, self.options) if listed is None else listed
+        listed = listing.listed(url, self.options)
         named = {p.name for p in record.files} | {multifile.COMMIT_NAME}
-        others = {n: e.version for n, e in listed.items() if is_own_name(n) and n not in named}
+        others = {
+            n: e.version
+            for n, e in listed.items()
+            if is_own_name(n) and n not in named and e.version is not None  # none: nothing to delete by
+        }
         if not others:
             return True
         if self._copy_at_work(listed, older_than):
@@ -469,7 +471,7 @@ class ObjectRun:
     def _sweep_announced(
         self,
         step: int,
-        others: dict[str, str | None],
+        others: dict[str, str],
         older_than: datetime.timedelta,
         began: float,
     ) -> bool | None:
@@ -481,10 +483,11 @@ class ObjectRun:
         if self._copy_at_work(now, older_than):
             return False
         later = self.read_by_later_steps(step)
-        doomed = [(url.child(n), v) for n, v in others.items() if n not in later and v is not None]
+        doomed = [(url.child(n), v) for n, v in others.items() if n not in later]
         options = sweep_options(self.options)
+        each = deadline(options)
         for target, version in doomed:
-            if time.monotonic() - began + deadline(options) > SWEEP_DELETES_WITHIN:
+            if time.monotonic() - began + each > SWEEP_DELETES_WITHIN:
                 return None  # it could end after a copy that found the marker stops waiting
             listing.delete_object(target, options, if_match=version)
         return True

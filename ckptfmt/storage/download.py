@@ -129,7 +129,7 @@ def _page_edges(r: Range, taken: Sequence[Range], size: int) -> Range:
     of those pages is held or in flight (`taken`, sorted and disjoint): the spool frees only
     whole pages, and a page two ranges share would otherwise stay once both are given back."""
     lo, hi = r
-    floor, ceil = lo // PAGE * PAGE, min(size, -(-hi // PAGE) * PAGE)
+    floor, ceil = grid_cells(lo, hi, PAGE, size)
     if floor < lo and not _overlaps(taken, (floor, lo)):
         lo = floor
     if hi < ceil and not _overlaps(taken, (hi, ceil)):
@@ -239,7 +239,7 @@ class RemoteObject:
         what the load allocates is known only once the index is parsed, and the chunk reader
         fits its fetches into what the bound leaves then (engine/fetchread.py)."""
         read_ahead = read_ahead and max_bytes is None
-        tail = self._fetch_ends(read_ahead, READ_AHEAD_BYTES)
+        tail = self._fetch_ends(read_ahead)
         footer = self._footer()
         if footer is None:
             return  # the parser, reading the spool, says what is wrong
@@ -249,9 +249,9 @@ class RemoteObject:
                 start = grid_cells(start, tail, self._request_bytes, self.size)[0]
             self.fetch([(start, tail)])
 
-    def _fetch_ends(self, read_ahead: bool = False, ahead: int = 0) -> int:
+    def _fetch_ends(self, read_ahead: bool = False) -> int:
         """Fetch the prologue and the last TAIL_BYTES (with read_ahead: the grid cells they lie
-        in, and `ahead` bytes of cells after the first asked for meanwhile) in parallel; where
+        in, and READ_AHEAD_BYTES of cells after the first asked for meanwhile) in parallel; where
         the tail fetched begins."""
         size = self.size
         head = (0, min(size, fmt.PROLOGUE_SIZE))
@@ -261,7 +261,7 @@ class RemoteObject:
             tail = grid_cells(*tail, self._request_bytes, size)
         ends = self.start([head, tail])
         if read_ahead:
-            self._read_ahead(tail[0], ahead)
+            self._read_ahead(tail[0], READ_AHEAD_BYTES)
         self.wait(ends)
         return tail[0]
 
