@@ -567,18 +567,23 @@ def test_a_copy_on_a_host_whose_clock_is_ahead_waits_for_another_hosts_live_swee
     _assert_step_2_loads(run)
 
 
+@pytest.mark.parametrize("dated", [True, False], ids=["date", "no-date"])
 def test_a_cleaner_on_a_host_whose_clock_is_ahead_keeps_another_hosts_live_sweep_marker(
-    tmp_path, s3_faults, monkeypatch
+    tmp_path, s3_faults, monkeypatch, dated
 ):
     """A sweep on another host has just put its marker into complete step 1; an archive pass's
     remove_interrupted_copies runs on a host whose clock is 16 minutes ahead of the store's: the
-    marker is aged by the store's clock (the run's newest object), so it is live and stays (a
-    copy coming next must find it and wait for that sweep)."""
+    marker is aged by the store's clock (the Date of the listing's answer; where the store sends
+    none, the run's newest object), so it is live and stays (a copy coming next must find it
+    and wait for that sweep)."""
     run, first, _second = _incremental_steps(tmp_path, s3_faults)
     archivecopy.put_step(run, 1, first.path, claim=copy_marker())
     marker = _foreign_sweep_marker()
     s3_faults.client().put_object(Bucket=run.url.bucket, Key=f"run/step-000000001/{marker}", Body=b"")
     _clock_ahead(monkeypatch, 16)
+    if not dated:
+        s3_faults.drop_header("GET", "prefix=run%2F", "date")
+        assert run.listing().date is None
     run.remove_interrupted_copies()
     assert marker in _step_keys(run, 1)
 
