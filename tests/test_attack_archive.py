@@ -121,24 +121,15 @@ def _copy_with_record_held(
     record's PUT held at the proxy while `meanwhile()` runs; the copy's errors."""
     record = f"/step-{step:09d}/COMMIT"
     held = s3_faults.hold("PUT", record)
-    failed: list[BaseException] = []
-
-    def copy() -> None:
-        try:
-            archivecopy.put_step(run, step, local_step, claim=copy_marker())
-        except BaseException as e:
-            failed.append(e)
-
-    t = threading.Thread(target=copy)
-    t.start()
+    copy = _OnThread(lambda: archivecopy.put_step(run, step, local_step, claim=copy_marker()))
     try:  # every file is up
         _wait_until(lambda: s3_faults.count("PUT", record), "the copy never reached its commit record")
         meanwhile()
     finally:
         held.set()
-        t.join(60)
-    assert not t.is_alive()
-    return failed
+        copy.thread.join(60)
+    assert copy.done()
+    return [] if copy.error is None else [copy.error]
 
 
 @pytest.mark.parametrize("answered", [False, True], ids=["lost-request", "lost-answer"])
@@ -442,6 +433,18 @@ def test_a_sweep_reads_the_later_records_after_its_marker_not_before(tmp_path, s
     _assert_step_2_loads(run)
 
 
+def _committed_beside_leftovers(tmp_path, s3_faults) -> ObjectRun:
+    """A run (behind the proxy) whose step 1 is committed under names of its own (a state.ckpt
+    was there) beside two leftovers of dead copies, state.000...1.ckpt and state.000...2.ckpt."""
+    local = _local_run(tmp_path)
+    run = ObjectRun(f"s3://{s3_faults.new_bucket()}/run", s3_faults.storage_options())
+    s3_faults.client().put_object(Bucket=run.url.bucket, Key="run/step-000000001/state.ckpt", Body=b"x")
+    archivecopy.put_step(run, 1, local.checkpoints()[-1].path, claim=copy_marker())  # names of its own
+    for name in ("state.0000000000000001.ckpt", "state.0000000000000002.ckpt"):
+        s3_faults.client().put_object(Bucket=run.url.bucket, Key=f"run/step-000000001/{name}", Body=b"x")
+    return run
+
+
 def _sweep_cut_short(tmp_path, s3_faults, monkeypatch) -> tuple[ObjectRun, list[bool]]:
     """Step 1 committed under names of its own beside two leftovers of dead copies, then swept;
     the sweep's first DELETE is held while its clock (objectrun's monotonic) moves on to within
@@ -451,12 +454,7 @@ def _sweep_cut_short(tmp_path, s3_faults, monkeypatch) -> tuple[ObjectRun, list[
     from ckptfmt.runs import objectnames, objectrun
     from ckptfmt.storage.client import deadline
 
-    local = _local_run(tmp_path)
-    run = ObjectRun(f"s3://{s3_faults.new_bucket()}/run", s3_faults.storage_options())
-    s3_faults.client().put_object(Bucket=run.url.bucket, Key="run/step-000000001/state.ckpt", Body=b"x")
-    archivecopy.put_step(run, 1, local.checkpoints()[-1].path, claim=copy_marker())  # names of its own
-    for name in ("state.0000000000000001.ckpt", "state.0000000000000002.ckpt"):
-        s3_faults.client().put_object(Bucket=run.url.bucket, Key=f"run/step-000000001/{name}", Body=b"x")
+    run = _committed_beside_leftovers(tmp_path, s3_faults)
     skew = [0.0]
     clock = types.SimpleNamespace(monotonic=lambda: time.monotonic() + skew[0], sleep=time.sleep)
     monkeypatch.setattr(objectrun, "time", clock)
@@ -493,6 +491,32 @@ def test_a_sweep_cut_short_leaves_its_marker_for_a_cleaner_to_sweep_the_step_aga
     marker nothing would ever bring a cleaner back to the step."""
     run, swept = _sweep_cut_short(tmp_path, s3_faults, monkeypatch)
     assert swept == [False]
+    assert [n for n in _step_keys(run, 1) if n.startswith("SWEEPING.")]
+    run.remove_interrupted_copies()
+    _assert_whole_and_clean(run, 1, 1.0)
+
+
+def test_a_sweep_whose_delete_raises_a_limit_error_keeps_its_marker(tmp_path, s3_faults, monkeypatch):
+    """A sweep's first DELETE is answered with a refusal whose body is above what ckptfmt reads
+    of an answer (a LimitError, made here by lowering that bound while the DELETE is held): the
+    sweep was cut short once its marker was in, so it keeps the marker (dead once it is over),
+    and the next cleanup sweeps the step again, leaving exactly its record and files."""
+    from ckptfmt.storage import client
+
+    run = _committed_beside_leftovers(tmp_path, s3_faults)
+    record = run.record(1)
+    leftover = "/step-000000001/state.000"
+    held = s3_faults.hold("DELETE", leftover)
+    s3_faults.fail_next("DELETE", leftover, status=503)  # an answer with a body, unlike a 204
+    sweeper = _OnThread(lambda: run.sweep_step(1, record))
+    try:
+        _wait_until(lambda: s3_faults.count("DELETE", leftover), "the sweep never deleted")
+        monkeypatch.setattr(client, "MAX_LISTING_BODY", 16)  # the refusal's body is above it
+    finally:
+        held.set()
+        sweeper.thread.join(60)
+    monkeypatch.undo()
+    assert isinstance(sweeper.error, ckptfmt.LimitError) and "above the limit" in str(sweeper.error)
     assert [n for n in _step_keys(run, 1) if n.startswith("SWEEPING.")]
     run.remove_interrupted_copies()
     _assert_whole_and_clean(run, 1, 1.0)
@@ -543,20 +567,72 @@ def test_a_copy_on_a_host_whose_clock_is_ahead_waits_for_another_hosts_live_swee
     _assert_step_2_loads(run)
 
 
+@pytest.mark.parametrize("dated", [True, False], ids=["date", "no-date"])
 def test_a_cleaner_on_a_host_whose_clock_is_ahead_keeps_another_hosts_live_sweep_marker(
-    tmp_path, s3_faults, monkeypatch
+    tmp_path, s3_faults, monkeypatch, dated
 ):
     """A sweep on another host has just put its marker into complete step 1; an archive pass's
     remove_interrupted_copies runs on a host whose clock is 16 minutes ahead of the store's: the
-    marker is aged by the store's clock (the run's newest object), so it is live and stays (a
-    copy coming next must find it and wait for that sweep)."""
+    marker is aged by the store's clock (the Date of the listing's answer; where the store sends
+    none, the run's newest object), so it is live and stays (a copy coming next must find it
+    and wait for that sweep)."""
     run, first, _second = _incremental_steps(tmp_path, s3_faults)
     archivecopy.put_step(run, 1, first.path, claim=copy_marker())
     marker = _foreign_sweep_marker()
     s3_faults.client().put_object(Bucket=run.url.bucket, Key=f"run/step-000000001/{marker}", Body=b"")
     _clock_ahead(monkeypatch, 16)
+    if not dated:
+        s3_faults.drop_header("GET", "prefix=run%2F", "date")
+        assert run.listing().date is None
     run.remove_interrupted_copies()
     assert marker in _step_keys(run, 1)
+
+
+def test_a_killed_sweeps_marker_in_an_idle_run_ages_by_the_stores_clock(tmp_path, store, monkeypatch):
+    """A sweep on another host was killed in complete step 1, beside a dead copy's leftover, and
+    the run then stayed idle: the sweep's marker is the run's newest object.  Past SWEEP_WAIT
+    (made 2 s here) by the store's clock, the Date of the listing's answer, the marker is dead:
+    the next cleanup sweeps the leftover and then the marker, not only after STALE_AFTER (24 h)
+    as when the newest time listed stood for the store's clock.  Each store sends that Date."""
+    from ckptfmt.runs import objectnames
+    from ckptfmt.storage.upload import upload_bytes
+
+    base, options = store
+    url = f"{base}/run"
+    ckptfmt.CheckpointManager(url, storage_options=options).save(1, {"w": torch.full((5000,), 1.0)})
+    upload_bytes(b"x", f"{url}/step-000000001/state.0123456789abcdef.ckpt", options)
+    upload_bytes(b"x", f"{url}/step-000000001/{_foreign_sweep_marker()}", options)  # the newest
+    monkeypatch.setattr(objectnames, "SWEEP_WAIT", 2.0)
+    time.sleep(3.5)  # past SWEEP_WAIT by the store's clock, whose Date counts whole seconds
+    run = ObjectRun(url, options)
+    assert run.listing().date is not None
+    run.remove_interrupted_copies()
+    assert _step_keys(run, 1) == {p.name for p in run.record(1).files} | {"COMMIT"}
+
+
+def test_a_store_time_that_is_absurd_or_no_date_makes_no_live_sweep_marker_dead():
+    """The store's time by which sweep markers are aged (store_time): a Date that does not parse
+    is none; one (or a Last-Modified) more than STORE_AHEAD_AT_MOST ahead of this host's clock
+    is not believed, the listed times standing in; a marker just written stays live by each."""
+    import datetime
+
+    from ckptfmt.runs.objectnames import STORE_AHEAD_AT_MOST, marker_dead, store_time
+    from ckptfmt.storage.listing import Listed, http_date
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    marker = Listed(0, now - datetime.timedelta(seconds=1), '"m"')
+    for junk in ("garbage", "Mon, 07 Dec 2026 99:19:24 GMT", "Mon, 99 Jan 99999 00:00:00 GMT", 7, "x" * 65):
+        assert http_date(junk) is None
+    far = http_date("Fri, 31 Dec 9999 23:59:59 GMT")
+    assert far is not None and far.year == 9999
+    ahead = now + datetime.timedelta(seconds=STORE_AHEAD_AT_MOST + 60)
+    for date in (None, far, ahead):
+        assert store_time(date, [marker], now) == marker.modified  # the listed time stands in
+    forged = Listed(0, ahead, '"x"')  # another object's absurd Last-Modified is no clock either
+    assert store_time(None, [marker, forged], now) == marker.modified
+    assert store_time(now, [marker], now) == now  # a believable Date is the store's time
+    store_now = store_time(far, [marker, forged], now)
+    assert not marker_dead(_foreign_sweep_marker(), marker.modified, now, datetime.timedelta(0), store_now)
 
 
 def test_a_sweeps_deletes_have_a_deadline_that_leaves_it_time_to_delete(monkeypatch):

@@ -55,7 +55,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -298,7 +297,7 @@ def save_forked(
         _check_covered(staged, encoded, path)
     handle = SaveHandle(path)
     handle.snapshot = "fork"
-    deadline = _Deadline(inflight.DEADLINE)
+    deadline = inflight.Deadline(inflight.DEADLINE)  # when the child must be done by
     atomic = AtomicFile(path, within) if output is None else output
     atomic.__enter__()  # creation errors (missing directory, permissions) are raised now
     file_id = chunkwrite.new_file_id()
@@ -392,22 +391,11 @@ def _kill(child: _native.ForkedWrite) -> None:
 _POLL_MS = 100
 
 
-class _Deadline:
-    """When a save's child must be done by: `seconds` from its making."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.end = time.monotonic() + seconds
-
-    def left(self) -> float:
-        return self.end - time.monotonic()
-
-
 #: how _await's wait ended: the child said it is done, it ended, it was late (killed and reaped)
 _DONE, _ENDED, _LATE = "done", "ended", "late"
 
 
-def _await(pid: int, ready: int, deadline: _Deadline) -> tuple[str, int | None]:
+def _await(pid: int, ready: int, deadline: inflight.Deadline) -> tuple[str, int | None]:
     """Wait until the child says it is done (a byte on `ready`) or has exited, until `deadline`.
 
     Returns how it ended (_DONE, _ENDED, _LATE) and its wait status: a child found dead
@@ -428,7 +416,7 @@ def _await(pid: int, ready: int, deadline: _Deadline) -> tuple[str, int | None]:
     return _DONE, None
 
 
-def _reap(pid: int, deadline: _Deadline) -> int | None:
+def _reap(pid: int, deadline: inflight.Deadline) -> int | None:
     """Wait for a child that said it is done to exit (what is left of the deadline, and at
     least KILL_GRACE: its exit unmaps its memory), else kill it: its wait status, or None
     where something else reaped it."""
@@ -540,7 +528,7 @@ def _finish(
     encoded: Encoded,
     options: WriteOptions,
     owner: threading.Lock,
-    deadline: _Deadline,
+    deadline: inflight.Deadline,
 ) -> None:
     """Wait for the child (until `deadline`), then write the index, footer and prologue and commit."""
     if not owner.acquire(blocking=False):

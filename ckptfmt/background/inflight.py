@@ -8,7 +8,8 @@ or printed at interpreter exit, which first waits for every save in flight.
 Every wait here ends by a deadline: the caller's timeout, else twice DEADLINE (read when the
 wait begins: a save's own waits end by DEADLINE, and their error is the one to report), past
 which DeadlineError names what was waited for (the save goes on).  Deadline is that bound, for
-these waits and every other wait for a save's end (the manager's, a sharded save's).
+these waits and every other wait for a save's end (the manager's, a sharded save's), and the
+bound of a forked child's write (background/forksave.py, given DEADLINE).
 
 This module imports nothing of ckptfmt but fileio and errors, so readers (api, verify,
 inplace) can wait for saves without importing the writer.

@@ -9,7 +9,6 @@ import collections
 import contextlib
 import datetime
 import threading
-import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
@@ -41,6 +40,11 @@ SWEEP_DELETE_DEADLINE = 60.0
 #: and the age past which a sweep's marker is dead wherever it was written: past that sweep's
 #: bound by a margin for a DELETE it sent just before
 SWEEP_WAIT = 3 * SWEEP_DELETES_WITHIN
+#: seconds a store's time (a listing's Date, or a time it lists an object written) is believed
+#: ahead of this host's clock at most (store_time); a sweep's marker, live for at most
+#: SWEEP_DELETES_WITHIN, is dead past SWEEP_WAIT: a store time wrong by up to this much still
+#: leaves it live while it may delete, where this host's clock is right
+STORE_AHEAD_AT_MOST = 300.0
 
 
 def sweep_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -133,28 +137,24 @@ def in_steps(name: str, steps: set[str]) -> bool:
     return step in steps and written_here(rest)
 
 
-def store_clock(listed: Iterable[Listed]) -> datetime.datetime | None:
-    """The newest time the store gives objects `listed` were last written (None: it gives
-    none): its clock was at least there when it listed them.  A host's own clock may be
-    minutes ahead of the store's: a sweep's marker is aged by this one (marker_dead)."""
-    return max((e.modified for e in listed if e.modified is not None), default=None)
-
-
-class StoreClock:
-    """The store's clock as a step's first listing shows it (store_clock: a copy's marker
-    just put is the newest there), moved on since by this process's monotonic clock."""
-
-    def __init__(self) -> None:
-        self._first: tuple[datetime.datetime, float] | None = None
-
-    def now(self, listed: dict[str, Listed]) -> datetime.datetime | None:
-        """The store's time now, at most (None: no listing has given a time yet)."""
-        if self._first is None:
-            seen = store_clock(listed.values())
-            if seen is None:
-                return None
-            self._first = (seen, time.monotonic())
-        return self._first[0] + datetime.timedelta(seconds=time.monotonic() - self._first[1])
+def store_time(
+    date: datetime.datetime | None, written: Iterable[Listed], now: datetime.datetime
+) -> datetime.datetime | None:
+    """The store's time when it answered a listing, by which sweep markers are aged
+    (marker_dead): the listing's Date header, `date` (storage/listing.py Listing.date), or
+    where none came, the newest time the store lists objects `written` (its clock was at
+    least there then); None where neither gives one.  A host's clock may be minutes ahead of
+    the store's, so it never ages a marker itself; it only bounds what is believed: a time
+    more than STORE_AHEAD_AT_MOST ahead of this host's clock `now` is not taken (a Date or a
+    Last-Modified that is absurd, hostile or far in the future would make a live marker look
+    dead), and a Date so refused falls back to the listed times.  A time in the past is
+    taken: it only makes markers look younger, kept longer."""
+    believed = now + datetime.timedelta(seconds=STORE_AHEAD_AT_MOST)
+    if date is not None and date <= believed:
+        return date
+    return max(
+        (e.modified for e in written if e.modified is not None and e.modified <= believed), default=None
+    )
 
 
 def marker_dead(
@@ -169,7 +169,7 @@ def marker_dead(
     older than both `older_than` and STALE_AFTER: a cleaner's shorter bound (cleanup's) must
     never make a live copy on another host look dead, as its age is all that can be asked of it.
     A sweep's marker is dead too once older than SWEEP_WAIT (the sweep deletes nothing then)
-    by the store's clock, `store_now` (store_clock; None: not judged so), never by this
+    by the store's clock, `store_now` (store_time; None: not judged so), never by this
     host's, which may be ahead of it by more than that: one a sweep on another host left when
     killed holds up no copy for longer."""
     if is_sweep_marker(name) and when is not None and store_now is not None:
@@ -190,14 +190,13 @@ def has_live_marker(
     listed: dict[str, Listed],
     now: datetime.datetime,
     older_than: datetime.timedelta,
+    store_now: datetime.datetime | None,
     kind: Callable[[str], bool] = is_marker,
-    store_now: datetime.datetime | None = None,
 ) -> bool:
     """Whether a step's prefix, `listed`, holds the marker (of `kind`: by default a copy's or a
-    sweep's) of a writer still at work there (marker_dead, `store_now` by default the
-    store_clock of `listed`): what a copy has uploaded so far, or found there to refer to, is
-    not yet named by any record."""
-    store_now = store_clock(listed.values()) if store_now is None else store_now
+    sweep's) of a writer still at work there (marker_dead, by this host's time `now` and the
+    store's, `store_now`: store_time of the listing `listed` came from): what a copy has
+    uploaded so far, or found there to refer to, is not yet named by any record."""
     return any(
         kind(n) and not marker_dead(n, e.modified, now, older_than, store_now) for n, e in listed.items()
     )

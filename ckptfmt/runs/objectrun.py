@@ -33,12 +33,12 @@ from ..format.timestamps import parse_utc
 from ..storage import listing
 from ..storage.client import check_options, deadline
 from ..storage.download import head
+from ..storage.listing import Listing
 from ..storage.upload import upload_bytes
 from ..storage.urls import ObjectURL, parse_url
 from .objectnames import (
     SWEEP_DELETES_WITHIN,
     SWEEP_WAIT,
-    StoreClock,
     check_listed,
     claiming,
     has_live_marker,
@@ -49,7 +49,7 @@ from .objectnames import (
     is_sweep_marker,
     marker_dead,
     referenced_step,
-    store_clock,
+    store_time,
     sweep_marker,
     sweep_options,
     writer_came,
@@ -71,7 +71,18 @@ MAX_STATUS_RECORDS = 1024
 #: commit records an ObjectRun keeps as read (statuses() reads at most MAX_STATUS_RECORDS)
 MAX_KNOWN_RECORDS = 4096
 Entry = listing.Listed  # what a listing says of one object: size, last written, version
-Listed = dict[int, dict[str, Entry]]  # a listing of a run: {step: {name in the step: Entry}}
+ByStep = dict[int, dict[str, Entry]]  # a run's objects: {step: {name in the step: Entry}}
+
+
+class Listed(ByStep):
+    """A listing of a run (ObjectRun.listing), and `date`: the store's time when it answered
+    (storage/listing.py Listing.date)."""
+
+    date: datetime.datetime | None = None
+
+    def store_time(self, now: datetime.datetime) -> datetime.datetime | None:
+        """The store's time when it answered (objectnames.store_time; `now`: this host's)."""
+        return store_time(self.date, (e for names in self.values() for e in names.values()), now)
 
 
 class ObjectRun:
@@ -119,15 +130,17 @@ class ObjectRun:
         """The run's objects by step: {step: {name in the step: (size, last written, version)}}: one
         listing of the prefix, which statuses(), cleanup() and remove_interrupted_copies()
         also take, so that what one moment's listing serves is not listed again."""
-        out: Listed = {}
-        for key, entry in listing.listed(self.url, self.options).items():
+        listed = listing.listed(self.url, self.options)
+        out = Listed()
+        out.date = listed.date
+        for key, entry in listed.items():
             top, _, name = key.partition("/")
             step = parse_step_dirname(top)
             if step is not None and name:
                 out.setdefault(step, {})[name] = entry
         return out
 
-    def statuses(self, found: Listed | None = None) -> list[StepStatus]:
+    def statuses(self, found: ByStep | None = None) -> list[StepStatus]:
         """Every step under the prefix, complete or not, by step.  A step without its record
         that holds an object a complete step refers to is `retained` (an incremental run's
         rotated step, kept for its chunks).  `found`: the listing to judge (None: listed here).
@@ -180,7 +193,7 @@ class ObjectRun:
         self,
         step: int,
         names: dict[str, Entry],
-        found: Listed,
+        found: ByStep,
     ) -> StepStatus:
         """Step `step` judged by the run's listing `found` (`names`: its objects there)."""
         path = self.step_path(step)
@@ -204,7 +217,7 @@ class ObjectRun:
         self,
         step: int,
         names: dict[str, Entry],
-        found: Listed,
+        found: ByStep,
     ) -> CheckpointInfo:
         record = self._listed_record(step, names[multifile.COMMIT_NAME])
         path = self.step_path(step)
@@ -408,7 +421,7 @@ class ObjectRun:
         url = self._step_url(step)
         now = datetime.datetime.now(datetime.timezone.utc)
         found = listing.listed(url, self.options)
-        if has_live_marker(found, now, older_than):
+        if has_live_marker(found, now, older_than, _store_time(found, now)):
             return
         listed = [(n, e.version) for n, e in found.items()]
         ours = [(n, v) for n, v in listed if written_here(n) and n != multifile.COMMIT_NAME]
@@ -437,8 +450,10 @@ class ObjectRun:
         before it proves nothing: a copy may have adopted an object since and be gone).  No
         DELETE is sent that could end, its deadline (at most SWEEP_DELETE_DEADLINE) included,
         past SWEEP_DELETES_WITHIN seconds from the marker (the bound a copy's wait relies on).
-        A sweep cut short so, or failing once its marker is in, leaves its marker: dead once
-        the sweep is over, it brings remove_interrupted_copies back to the step."""
+        A sweep cut short so, or failing once its marker is in (a DELETE's LimitError too),
+        leaves its marker: dead once the sweep is over, it brings remove_interrupted_copies
+        back to the step.  Only where the later records cannot all be read (LimitError before
+        any DELETE) does its marker go, nothing deleted."""
         url = self._step_url(step)
         listed = listing.listed(url, self.options)
         named = {p.name for p in record.files} | {multifile.COMMIT_NAME}
@@ -457,60 +472,60 @@ class ObjectRun:
             began = time.monotonic()  # before the PUT: a copy may list the marker before it returns
             upload_bytes(b"a ckptfmt sweep in progress\n", str(marker), self.options)
             try:
-                swept = self._sweep_announced(step, others, older_than, began)
-            except LimitError:  # nothing deleted: nothing for a cleaner to come back to
+                doomed = self._doomed_now(step, others, older_than)
+            except LimitError:  # nothing deleted yet: nothing for a cleaner to come back to
                 with contextlib.suppress(CheckpointError, OSError):
                     listing.delete_object(marker, self.options)
                 raise
-            # cut short (None) or failed: the marker stays, dead once unclaimed, so that a
-            # cleaner (remove_interrupted_copies) sweeps the step again
-            if swept is not None:
+            # a DELETE that fails (whatever its error) or time that runs out leaves the marker,
+            # dead once unclaimed, so that a cleaner (remove_interrupted_copies) sweeps again
+            finished = doomed is None or self._delete_within(doomed, began)
+            if finished:
                 listing.delete_object(marker, self.options)
-        return swept is True
+        return doomed is not None and finished
 
-    def _sweep_announced(
-        self,
-        step: int,
-        others: dict[str, str],
-        older_than: datetime.timedelta,
-        began: float,
-    ) -> bool | None:
-        """sweep_step's deletion of `others` once its marker is in (at monotonic `began`):
-        True once done, False where it deletes nothing (a live copy's marker), None where
-        its time ran out after it may have deleted some."""
+    def _doomed_now(
+        self, step: int, others: dict[str, str], older_than: datetime.timedelta
+    ) -> list[tuple[ObjectURL, str]] | None:
+        """What of `others` (name: version) sweep_step deletes, judged once its marker is in:
+        None where a live copy's marker is there now (nothing goes), else those no later
+        step's record reads (LimitError where too many later records: none goes)."""
         url = self._step_url(step)
-        now = listing.listed(url, self.options)
-        if self._copy_at_work(now, older_than):
-            return False
+        if self._copy_at_work(listing.listed(url, self.options), older_than):
+            return None
         later = self.read_by_later_steps(step)
-        doomed = [(url.child(n), v) for n, v in others.items() if n not in later]
+        return [(url.child(n), v) for n, v in others.items() if n not in later]
+
+    def _delete_within(self, doomed: list[tuple[ObjectURL, str]], began: float) -> bool:
+        """Delete each (object, version) of `doomed` (If-Match), none of them once its DELETE
+        could end past SWEEP_DELETES_WITHIN seconds from monotonic `began` (the sweep's marker):
+        whether every one was sent."""
         options = sweep_options(self.options)
         each = deadline(options)
         for target, version in doomed:
             if time.monotonic() - began + each > SWEEP_DELETES_WITHIN:
-                return None  # it could end after a copy that found the marker stops waiting
+                return False  # it could end after a copy that found the marker stops waiting
             listing.delete_object(target, options, if_match=version)
         return True
 
     @staticmethod
-    def _copy_at_work(listed: dict[str, Entry], older_than: datetime.timedelta) -> bool:
+    def _copy_at_work(listed: Listing, older_than: datetime.timedelta) -> bool:
         now = datetime.datetime.now(datetime.timezone.utc)
-        return has_live_marker(listed, now, older_than, kind=is_copy_marker)
+        return has_live_marker(listed, now, older_than, _store_time(listed, now), is_copy_marker)
 
     def wait_out_sweeps(self, step: int) -> None:
         """Wait until no live sweep's marker (sweep_step; marker_dead, aged by the store's
-        clock: StoreClock) is in step `step`'s prefix, or for SWEEP_WAIT seconds: past it a
+        clock: store_time) is in step `step`'s prefix, or for SWEEP_WAIT seconds: past it a
         sweep that put its marker before this wait began deletes nothing more.  Called by a
         copy after its own marker is in the prefix and before it looks for an object there to
         refer to: a sweep that began later sees that marker."""
         url = self._step_url(step)
         ends = time.monotonic() + SWEEP_WAIT
         pause = 0.05
-        clock = StoreClock()  # from the first listing, which shows the copy's marker just put
         while time.monotonic() < ends:
             now = datetime.datetime.now(datetime.timezone.utc)
             listed = listing.listed(url, self.options)
-            if not has_live_marker(listed, now, STALE_AFTER, is_sweep_marker, clock.now(listed)):
+            if not has_live_marker(listed, now, STALE_AFTER, _store_time(listed, now), is_sweep_marker):
                 return
             time.sleep(min(pause, max(0.0, ends - time.monotonic())))
             pause = min(2 * pause, 1.0)
@@ -595,7 +610,7 @@ class ObjectRun:
         come to since (writer_came).  `found`: the run's listing to go by (None: listed here)."""
         found = self.listing() if found is None else found
         now = datetime.datetime.now(datetime.timezone.utc)
-        store_now = store_clock(e for names in found.values() for e in names.values())
+        store_now = found.store_time(now)
         dead: dict[int, list[str]] = {}
         live: set[int] = set()
         for step, names in found.items():
@@ -646,10 +661,11 @@ class ObjectRun:
         listing.abort_stale_uploads(self.url, self.options, older_than, in_a_step)
         now = datetime.datetime.now(datetime.timezone.utc)
         found = self.listing() if found is None else found
+        store_now = found.store_time(now)
         referenced: set[str] | None = None  # read only when a step is stale: it costs a GET a step
         below = -1  # steps older than an unread one may hold what it refers to: never deleted
         for step, names in sorted(found.items()):
-            if multifile.COMMIT_NAME in names or has_live_marker(names, now, older_than):
+            if multifile.COMMIT_NAME in names or has_live_marker(names, now, older_than, store_now):
                 continue  # a step, or an archive copy under way: its record is yet to come
             times = [e.modified for e in names.values() if e.modified is not None]
             if times and now - max(times) > older_than and not self.has_record(step):
@@ -659,6 +675,11 @@ class ObjectRun:
                     below = _oldest_known(statuses)
                 if step > below and not any(u.startswith(self.step_path(step) + "/") for u in referenced):
                     self.delete_leftover(step, older_than)
+
+
+def _store_time(listed: Listing, now: datetime.datetime) -> datetime.datetime | None:
+    """The store's time when it answered the listing of a step's prefix `listed` (store_time)."""
+    return store_time(listed.date, listed.values(), now)
 
 
 def _unread(step: int, path: str) -> StepStatus:

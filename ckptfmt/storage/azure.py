@@ -327,12 +327,13 @@ class AzureStore:
         digest = hmac.new(self.account.key, text.encode("utf-8"), hashlib.sha256).digest()
         return f"SharedKey {self.account.name}:{base64.b64encode(digest).decode()}"
 
-    def _listing(self, url: ObjectURL, params: dict[str, str]) -> ET.Element:
+    def _listing(self, url: ObjectURL, params: dict[str, str]) -> tuple[ET.Element, object]:
         """A listing's XML, read within the operation's deadline, bounded in bytes and in what
         parsing it builds (answers.parse_xml), and refused where it declares a DTD (entities
-        are never expanded)."""
-        body = http.read_answer(self._call("GET", url, None, params), "a listing's answer")
-        return answers.parse_xml(body, answers.page_nodes(PAGE_ENTRIES))
+        are never expanded); and the answer's Date header as sent (None where none came)."""
+        answer = self._call("GET", url, None, params)
+        body = http.read_answer(answer, "a listing's answer")
+        return answers.parse_xml(body, answers.page_nodes(PAGE_ENTRIES)), answer.headers.get("Date")
 
     # -- reading ---------------------------------------------------------------------
 
@@ -413,7 +414,7 @@ class AzureStore:
             params["delimiter"] = delimiter
         if token is not None:
             params["marker"] = str(token)
-        root = self._listing(url, params)
+        root, date = self._listing(url, params)
         blobs = root.find("Blobs")
         entries: list[Entry] = []
         prefixes: list[object] = []
@@ -432,7 +433,7 @@ class AzureStore:
                 )
         answers.check_page_size(len(entries) + len(prefixes))
         following = root.findtext("NextMarker") or None
-        return Page(entries, prefixes, following is not None, following)
+        return Page(entries, prefixes, following is not None, following, date)
 
     def list_uploads(self, url: ObjectURL, prefix: str, marker: dict[str, str]) -> UploadPage:
         return UploadPage([], False)  # see abort_upload

@@ -139,10 +139,16 @@ class GCSStore:
         """A request whose answer is a JSON object, read within the operation's deadline and
         bounded before it is parsed: in bytes, and in what parsing it builds (one object's
         description, or a page of at most `entries` entries)."""
+        return self._dated_json(method, path, entries=entries, **kwargs)[0]
+
+    def _dated_json(
+        self, method: str, path: str, *, entries: int = 0, **kwargs: Any
+    ) -> tuple[dict[str, Any], object]:
+        """_json's object, and the answer's Date header as sent (None where none came)."""
         answer = self._call(method, path, **kwargs)
         what = "a listing's answer" if entries else "the store's answer"
         nodes = answers.page_nodes(entries) if entries else answers.OBJECT_NODES
-        return _object(http.read_answer(answer, what), nodes)
+        return _object(http.read_answer(answer, what), nodes), answer.headers.get("Date")
 
     @staticmethod
     def _object_path(url: ObjectURL, key: str | None = None) -> str:
@@ -313,7 +319,7 @@ class GCSStore:
             params["pageToken"] = str(token)
         if parts:
             params["matchGlob"] = f"**{PART_MARK}*"  # GCS lists only those (the emulator all)
-        page = self._json("GET", self._bucket_path(url), entries=PAGE_ENTRIES, params=params)
+        page, date = self._dated_json("GET", self._bucket_path(url), entries=PAGE_ENTRIES, params=params)
         items = page.get("items", [])
         prefixes = page.get("prefixes", [])
         if not isinstance(items, list) or not isinstance(prefixes, list):
@@ -323,7 +329,7 @@ class GCSStore:
         # a name that is not a string is kept for the lister to refuse
         entries = [e for e in entries if not isinstance(e.key, str) or (PART_MARK in e.key) == parts]
         token = page.get("nextPageToken")
-        return Page(entries, prefixes, token is not None, token)
+        return Page(entries, prefixes, token is not None, token, date)
 
     def list_uploads(self, url: ObjectURL, prefix: str, marker: dict[str, str]) -> UploadPage:
         page = self._page(url, prefix, None, marker.get("pageToken"), parts=True)

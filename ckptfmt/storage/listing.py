@@ -10,6 +10,7 @@ touched, and no listing is followed forever).
 from __future__ import annotations
 
 import datetime
+import email.utils
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
@@ -60,12 +61,22 @@ class Listed(NamedTuple):
     version: str | None
 
 
-def listed(url: ObjectURL, options: dict[str, Any]) -> dict[str, Listed]:
+class Listing(dict[str, Listed]):
+    """What listed() gives: every object beneath a prefix, by its key relative to it, and
+    `date`: the store's time when it answered, the Date header of the listing's last answer
+    that sent one that parses (None where none did): the store's clock, which this host's
+    may not agree with (runs/objectnames.py store_time says what of it is believed)."""
+
+    date: datetime.datetime | None = None
+
+
+def listed(url: ObjectURL, options: dict[str, Any]) -> Listing:
     """Every object beneath `url` (recursively), by its key relative to `url`, checked: a key
     outside the prefix, or an entry without a size, is refused."""
     prefix = _prefix(url)
-    out: dict[str, Listed] = {}
+    out = Listing()
     for page in _pages_with(url, options, "list", prefix, None):
+        out.date = http_date(page.date) or out.date
         for entry in page.entries:
             key, size, version = entry.key, entry.size, entry.version
             if not isinstance(key, str) or not key.startswith(prefix) or type(size) is not int:
@@ -121,6 +132,18 @@ def _utc(when: Any) -> datetime.datetime | None:
     if not isinstance(when, datetime.datetime):
         return None
     return when if when.tzinfo is not None else when.replace(tzinfo=datetime.timezone.utc)
+
+
+def http_date(value: object) -> datetime.datetime | None:
+    """An answer's Date header (an HTTP-date, RFC 9110 5.6.7) as a time with its zone (UTC
+    where it names none); None where it is not one (not text, longer than any date, or not
+    a date)."""
+    if not isinstance(value, str) or len(value) > 64:
+        return None
+    try:
+        return _utc(email.utils.parsedate_to_datetime(value))
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 def _pages_with(

@@ -127,7 +127,8 @@ class S3Store:
             p.get("Prefix") if isinstance(p, dict) else None for p in page.get("CommonPrefixes", []) or []
         ]
         answers.check_page_size(len(entries) + len(prefixes))
-        return Page(entries, prefixes, bool(page.get("IsTruncated")), page.get("NextContinuationToken"))
+        truncated, token = bool(page.get("IsTruncated")), page.get("NextContinuationToken")
+        return Page(entries, prefixes, truncated, token, _date(page))
 
     def list_uploads(self, url: ObjectURL, prefix: str, marker: dict[str, str]) -> UploadPage:
         reply = self.client.list_multipart_uploads(Bucket=url.bucket, Prefix=prefix, **marker)
@@ -149,6 +150,13 @@ class S3Store:
 def _etag(reply: object) -> str | None:
     etag = reply.get("ETag") if isinstance(reply, dict) else None
     return etag if isinstance(etag, str) and etag else None
+
+
+def _date(reply: dict[str, Any]) -> object:
+    """The Date header of the answer botocore parsed into `reply` (None where none came)."""
+    meta = reply.get("ResponseMetadata")
+    headers = meta.get("HTTPHeaders") if isinstance(meta, dict) else None
+    return headers.get("date") if isinstance(headers, dict) else None
 
 
 def _import_boto3() -> Any:

@@ -55,13 +55,15 @@ class Entry:
 
 @dataclass(frozen=True)
 class Page:
-    """One page of a listing: its objects, its "directories" (common prefixes), and whether
-    more follow, with the token that asks for them."""
+    """One page of a listing: its objects, its "directories" (common prefixes), whether
+    more follow, with the token that asks for them, and the answer's Date header as the store
+    sent it (its clock when it answered; checked by the lister)."""
 
     entries: list[Entry]
     prefixes: list[object]
     truncated: bool
     token: object = None
+    date: object = None
 
 
 @dataclass(frozen=True)
