@@ -10,6 +10,7 @@ refused with nothing written.
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -147,6 +148,31 @@ def test_damage_in_the_second_tied_tensor_is_found_before_any_write(tmp_path):
     with pytest.raises(ckptfmt.CorruptError):
         ckptfmt.load_into(p, {"a": x, "b": x, "c": c})
     assert not bool(x.any()) and not bool(c.any())
+
+
+@pytest.mark.parametrize("protection", ["signed", "encrypted"])
+def test_tied_keys_of_a_signed_or_encrypted_file_are_compared_through_its_checks(tmp_path, protection):
+    """The comparison reads both tensors as every read of such a file does (checked against the
+    signed digests, or decrypted): equal ones load, different ones are refused untouched."""
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    w = torch.randn(300, 64)
+    state = {"a": w, "b": w.clone(), "c": w + 1}
+    if protection == "signed":
+        key = ed25519.Ed25519PrivateKey.generate()
+        p = _save(tmp_path, state, sign_with=key)
+        opts: dict[str, object] = {"trusted_keys": [key.public_key()]}
+    else:
+        key = os.urandom(32)
+        p = _save(tmp_path, state, encrypt_with=key)
+        opts = {"decrypt_with": key}
+    x = torch.zeros(300, 64)
+    ckptfmt.load_into(p, {"a": x, "b": x}, strict=False, **opts)
+    assert torch.equal(x, w)
+    y = torch.zeros(300, 64)
+    with pytest.raises(ckptfmt.MismatchError, match="'a' and 'c' are the same memory, but"):
+        ckptfmt.load_into(p, {"a": y, "c": y}, strict=False, **opts)
+    assert not bool(y.any())
 
 
 # -- views whose spans clash but share no element ------------------------------------------------
