@@ -285,7 +285,7 @@ def _clash_problem(targets: list[Target], kept: Group, metas: dict[int, dict[str
         for j in active:
             if homes[j] is not None and homes[j] == homes[i]:
                 continue
-            meet = _elements_meet(targets[kept[j][0]][3], targets[p][3])
+            meet = _elements_meet(targets[kept[j][0]][3], kept[j][1], targets[p][3], s)
             if meet is not False:
                 first, second = sorted((kept[j][0], p))  # named in the target's order
                 return _overlap_message(targets[first][0], targets[second][0], kept[j][1:] == (s, e), meet)
@@ -293,14 +293,15 @@ def _clash_problem(targets: list[Target], kept: Group, metas: dict[int, dict[str
     return None
 
 
-def _elements_meet(a: torch.Tensor, b: torch.Tensor) -> bool | None:
-    """Whether target tensors a and b share a byte of memory (None: undecided)."""
+def _elements_meet(a: torch.Tensor, start_a: int, b: torch.Tensor, start_b: int) -> bool | None:
+    """Whether target tensors a and b, their first elements at start_a and start_b, share a byte
+    of memory (None: undecided)."""
     sa, sb = a.element_size(), b.element_size()
     return views_meet(
-        a.data_ptr(),
+        start_a,
         sa,
         [(n, st * sa) for n, st in zip(a.shape, a.stride())],
-        b.data_ptr(),
+        start_b,
         sb,
         [(n, st * sb) for n, st in zip(b.shape, b.stride())],
     )
