@@ -289,30 +289,32 @@ def test_tensors_built_with_their_memory_keep_every_attribute(tmp_path, mmap):
     assert torch.equal(alone, state["view first"]) and alone.storage_offset() == 16
 
 
-def test_load_into_compares_in_full_only_targets_at_one_address(small_file, small_state, monkeypatch):
-    """Tied targets (one tensor under two keys) are found and filled once, and only targets
-    that start at the same address are compared in full (a dozen calls each otherwise)."""
-    from ckptfmt.files import fillplan, load_into
+def test_load_into_looks_again_only_at_targets_whose_spans_overlap(small_file, small_state, monkeypatch):
+    """Tied targets (one tensor under two keys) are found by the overlap check, the only group of
+    targets it looks at again, and filled once: the plan takes them from the match."""
+    from ckptfmt.files import load_into, targets
 
-    compared, plans = [0], []
-    sameness, make_plan = fillplan.sameness, fillplan.make_plan
+    groups, plans = [], []
+    clash_groups, make_plan = targets._clash_groups, load_into.make_plan
 
-    def counted(*args):
-        compared[0] += 1
-        return sameness(*args)
+    def recorded(spans):
+        found = clash_groups(spans)
+        groups.extend(found)
+        return found
 
     def kept(*args):
         plans.append(make_plan(*args))
         return plans[-1]
 
-    monkeypatch.setattr(fillplan, "sameness", counted)
+    monkeypatch.setattr(targets, "_clash_groups", recorded)
     monkeypatch.setattr(load_into, "make_plan", kept)
-    targets = {k: torch.zeros_like(v) for k, v in small_state.items() if k != "tied"}
-    targets["tied"] = targets["layers.0.experts.0.w"]
-    report = ckptfmt.load_into(small_file, targets)
+    state = {k: torch.zeros_like(v) for k, v in small_state.items() if k != "tied"}
+    state["tied"] = state["layers.0.experts.0.w"]
+    report = ckptfmt.load_into(small_file, state)
     assert report.loaded == N + 1 and report.missing_keys == report.unexpected_keys == []
-    assert_same(targets, small_state)
-    assert compared == [2]  # the tied pair, nothing else
+    assert_same(state, small_state)
+    keys = list(state)
+    assert [[keys[p] for p, _, _ in g] for g in groups] == [["layers.0.experts.0.w", "tied"]]
     assert plans[0].aliases == {"layers.0.experts.0.w": ["tied"]}
     assert len(plans[0].direct) == N  # one read per chunk: the tied target's is not repeated
 

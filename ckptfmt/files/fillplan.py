@@ -13,6 +13,10 @@ are ever written: the rest of a flat buffer it is a view of is left alone.
 Values that are not tensors, and meta tensors, which have no memory, are replaced
 in their container by what the file holds (`Plan.replace`).
 
+Tied targets (one tensor under several keys, found by targets.match) are filled
+once, through the first key; where the file holds their tensors apart, the pair is
+listed (`Plan.equal`) for its bytes to be compared before anything is written.
+
 The plan also sizes the one host buffer the reads go through (`Plan.buffer_bytes`).
 fillreads.py carries the plan out.
 """
@@ -27,7 +31,7 @@ import torch
 from ..engine import bytesview
 from ..engine import native as _native
 from .reader import CheckpointFile
-from .targets import LoadReport, Target, same_layout, sameness
+from .targets import Matched, same_layout
 
 #: the bounce buffer holds at most this many bytes (or one chunk, when chunks are larger) ...
 _WINDOW_MAX = 64 << 20
@@ -70,6 +74,9 @@ class Plan:
     strided: list[Strided] = field(default_factory=list)
     replace: list[tuple[Any, Any, int]] = field(default_factory=list)  # (container, key, node)
     aliases: dict[str, list[str]] = field(default_factory=dict)  # key -> later keys, the same memory
+    #: tied targets whose file tensors are not one view of one storage: the spans of both file
+    #: tensors, their values compared before any target is written (fillreads.check_equal)
+    equal: list[tuple[Strided, Strided]] = field(default_factory=list)
 
     def touch(self, touched: dict[str, None], keys: list[str]) -> None:
         """Record `keys` (and the keys naming the same memory) as about to be written."""
@@ -109,7 +116,7 @@ def range_bytes(f: CheckpointFile, first: int, last: int) -> int:
     return sum(f.chunks[k].raw_len for k in range(first, last))
 
 
-def _dense(shape: list[int], stride: list[int]) -> bool:
+def dense(shape: list[int], stride: list[int]) -> bool:
     """The elements fill exactly numel consecutive slots (no gaps, no overlap)."""
     expected = 1
     for st, sz in sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1):
@@ -123,73 +130,36 @@ def _same_bytes(value: torch.Tensor, m: dict[str, Any]) -> bool:
     """The target's memory is the file tensor's byte range, byte for byte."""
     if value.is_contiguous() and tuple(m["stride"]) == value.stride():  # the common case, at once
         return not value.is_neg() and value.is_conj() == m["conj"]
-    return same_layout(value, m) and _dense(m["shape"], m["stride"])
+    return same_layout(value, m) and dense(m["shape"], m["stride"])
 
 
-class _Aliases:
-    """Finds targets that are the same memory from the same bytes as an earlier one.  Only
-    targets that start at the same address can be: their full sameness is taken only
-    then (most targets start at an address of their own, and it costs a dozen calls)."""
-
-    def __init__(self) -> None:
-        self.seen: dict[tuple[Any, ...], str] = {}
-        #: address -> the one target seen starting there, or None once `seen` holds them
-        self.lone: dict[int, tuple[str, torch.Tensor, dict[str, Any]] | None] = {}
-
-    def earlier(self, key: str, value: torch.Tensor, m: dict[str, Any], ptr: int) -> str | None:
-        """The key of an earlier target that `value` repeats, or None (it is recorded)."""
-        lone = self.lone
-        if ptr not in lone:
-            lone[ptr] = (key, value, m)
-            return None
-        first = lone[ptr]
-        if first is not None:
-            self.seen[sameness(first[1], first[2])] = first[0]
-            lone[ptr] = None
-        same = sameness(value, m)
-        if same in self.seen:
-            return self.seen[same]
-        self.seen[same] = key
-        return None
-
-
-def make_plan(
-    f: CheckpointFile,
-    targets: list[Target],
-    in_file: dict[str, int],
-    report: LoadReport,
-    whole: dict[int, tuple[int, int]] | None = None,
-) -> Plan:
-    """The plan for matched targets (targets.match); counts each target loaded in `report`.
-    `whole`: the targets match found to take one whole chunk each, by their position in
-    `targets`, with its place; each goes straight into plan.direct, unless an earlier target
-    starts at the same address (a tied weight, or a chunk read there already), which the
-    general planning sorts out."""
+def make_plan(f: CheckpointFile, matched: Matched) -> Plan:
+    """The plan for matched targets (targets.match); counts each target loaded in its report.
+    The targets match found to take one whole chunk each (`Matched.whole`, by position) go
+    straight into plan.direct; tied targets (`Matched.sharing`) are filled once, through the
+    first of them, after their file tensors' bytes are compared where the file holds them apart
+    (`Plan.equal`)."""
     plan = Plan()
-    if whole and len(whole) == len(targets) and _native.available():
-        places: list[tuple[int, memoryview | int]] = list(whole.values())
-        if len({address for _, address in places}) == len(places):  # each at an address of its own
-            plan.direct = places
-            plan.direct_owners = [[t[0]] for t in targets]  # whole holds every position, in order
-            report.loaded += len(places)
-            return plan
-    aliases = _Aliases()
-    lone = aliases.lone
+    targets, whole, sharing = matched.targets, matched.whole, matched.sharing
+    if whole and len(whole) == len(targets) and not sharing.found and _native.available():
+        plan.direct = list(whole.values())  # each at an address of its own: no spans overlap
+        plan.direct_owners = [[t[0]] for t in targets]  # whole holds every position, in order
+        matched.report.loaded += len(plan.direct)
+        return plan
+    in_file, nodes = matched.in_file, f.tree.nodes
+    plan.equal = [(_tied(f, matched, a), _tied(f, matched, b)) for a, b in sharing.equal]
+    aliases = sharing.aliases
+    addresses = matched.addresses()
     direct_seen: dict[tuple[int, int], int] = {}  # (chunk, address) -> its entry in plan.direct
-    nodes = f.tree.nodes
-    direct, owners = plan.direct, plan.direct_owners
     # without the engine, chunks go to byte views of the targets (_plan_tensor), not addresses
-    whole = whole if whole is not None and _native.available() else {}
+    whole = whole if _native.available() else {}
     loaded = 0  # added to the report at the end
     tensor = torch.Tensor
     for pos, (key, container, ckey, value) in enumerate(targets):
         place = whole.get(pos)
-        if place is not None and place[1] not in lone:
+        if place is not None and pos not in aliases:
             loaded += 1
-            lone[place[1]] = (key, value, nodes[in_file[key]][1])
-            direct_seen[place] = len(direct)
-            direct.append(place)
-            owners.append([key])
+            _add_direct(plan, direct_seen, place, key, place[1])
             continue
         i = in_file.get(key)
         if i is None:
@@ -200,46 +170,70 @@ def make_plan(
                 loaded += 1
             continue
         loaded += 1
-        if value.is_meta:  # no memory: replaced by the loaded tensor
+        first = aliases.get(pos)
+        if first is not None:  # the same memory from the same values (tied weights): once is enough
+            plan.aliases.setdefault(targets[first][0], []).append(key)
+        elif value.is_meta:  # no memory: replaced by the loaded tensor
             plan.replace.append((container, ckey, i))
-            continue
-        _plan_tensor(f, plan, aliases, direct_seen, key, value, nodes[i][1])
-    report.loaded += loaded
+        elif value.numel():
+            _plan_tensor(f, plan, direct_seen, key, value, nodes[i][1], addresses[pos])
+    matched.report.loaded += loaded
     plan.strided.sort(key=lambda s: (s.first, -s.last))
     return plan
+
+
+def _tied(f: CheckpointFile, matched: Matched, pos: int) -> Strided:
+    """The span of the file tensor of target `pos`, a tied target whose values are compared."""
+    key, _, _, value = matched.targets[pos]
+    return span_of(f, key, value, f.tree.nodes[matched.in_file[key]][1])
+
+
+def _add_direct(
+    plan: Plan,
+    direct_seen: dict[tuple[int, int], int],
+    where: tuple[int, int],
+    key: str,
+    place: memoryview | int,
+) -> None:
+    """Chunk where[0] read straight to address where[1] (`place`: that address, or a byte view of
+    it without the engine) for `key`, or `key` added to the owners of the same read planned for
+    an earlier target (targets that share memory as the file's tensors share their storage)."""
+    entry = direct_seen.get(where)
+    if entry is not None:
+        plan.direct_owners[entry].append(key)
+    else:
+        direct_seen[where] = len(plan.direct)
+        plan.direct.append((where[0], place))
+        plan.direct_owners.append([key])
+
+
+def span_of(f: CheckpointFile, key: str, value: torch.Tensor, m: dict[str, Any]) -> Strided:
+    """Target `value` filled from file tensor `m` by copy_(): the chunks `m` lies in, from its
+    first element to its last."""
+    cs, size, rec = f.chunk_size, value.element_size(), f.storages[m["storage"]]
+    lo = m["offset"] * size
+    hi = (m["offset"] + sum((n - 1) * st for n, st in zip(m["shape"], m["stride"])) + 1) * size
+    return Strided(
+        key, value, m, m["storage"], rec.first_chunk + lo // cs, rec.first_chunk + (hi - 1) // cs + 1
+    )
 
 
 def _plan_tensor(
     f: CheckpointFile,
     plan: Plan,
-    aliases: _Aliases,
     direct_seen: dict[tuple[int, int], int],
     key: str,
     value: torch.Tensor,
     m: dict[str, Any],
+    base: int,
 ) -> None:
-    """Plan one tensor target of any kind: chunks read straight into it, pieces through the
-    bounce buffer, a strided copy, or nothing (empty, or the same memory as an earlier one)."""
-    numel = value.numel()
-    if numel == 0:
-        return
-    base = value.data_ptr()  # the first byte of the target's elements
-    earlier = aliases.earlier(key, value, m, base)
-    if earlier is not None:  # the same memory from the same bytes (tied weights): once is enough
-        plan.aliases.setdefault(earlier, []).append(key)
-        return
-    cs = f.chunk_size
-    chunks = f.chunks
-    direct, owners = plan.direct, plan.direct_owners
-    sid = m["storage"]
-    rec = f.storages[sid]
-    size = value.element_size()
+    """Plan one tensor target with elements, the first of them at address `base`: chunks read
+    straight into it, pieces through the bounce buffer, or a strided copy."""
     if not _same_bytes(value, m):
-        lo = m["offset"] * size
-        hi = (m["offset"] + sum((n - 1) * st for n, st in zip(m["shape"], m["stride"])) + 1) * size
-        first, last = rec.first_chunk + lo // cs, rec.first_chunk + (hi - 1) // cs + 1
-        plan.strided.append(Strided(key, value, m, sid, first, last))
+        plan.strided.append(span_of(f, key, value, m))
         return
+    numel, size = value.numel(), value.element_size()
+    cs, chunks, rec = f.chunk_size, f.chunks, f.storages[m["storage"]]
     lo = m["offset"] * size
     hi = lo + numel * size
     on_cpu = value.is_cpu
@@ -250,15 +244,9 @@ def _plan_tensor(
         c0 = j * cs
         c1 = c0 + chunks[k].raw_len
         if on_cpu and lo <= c0 and c1 <= hi:  # the whole chunk lies in the target
-            where = (k, base + c0 - lo)
-            entry = direct_seen.get(where)
-            if entry is not None:  # another target reads it into this memory
-                owners[entry].append(key)
-            else:
-                direct_seen[where] = len(direct)
-                # the engine writes raw_len bytes there, all inside the target's elements
-                direct.append((k, where[1] if view is None else view[c0 - lo : c1 - lo]))
-                owners.append([key])
+            # the engine writes raw_len bytes there, all inside the target's elements
+            at = base + c0 - lo
+            _add_direct(plan, direct_seen, (k, at), key, at if view is None else view[c0 - lo : c1 - lo])
         else:
             a, b = max(lo, c0), min(hi, c1)
             if raw is None:

@@ -23,8 +23,9 @@ from ..engine.batched import PreparedReads, copy_spans, prepare
 from ..format import dtypes
 from ..format import layout as fmt
 from . import hostalloc
-from .fillplan import Piece, Plan, Strided, range_bytes
+from .fillplan import Piece, Plan, Strided, dense, range_bytes, window_bytes
 from .reader import CheckpointFile
+from .targets import MismatchError
 
 #: an unsigned file's direct reads go in parallel reads of whole targets of at least this
 #: many bytes: large enough that waiting for each read's last chunk costs little, small
@@ -226,3 +227,86 @@ def _source(f: CheckpointFile, s: Strided, buf: torch.Tensor, first: int) -> tor
     offset = (m["offset"] * size - start) // size  # chunk sizes are powers of two >= 4 KiB
     t = torch.empty(0, dtype=dt).set_(buf.untyped_storage(), offset, m["shape"], m["stride"])
     return t.conj() if m["conj"] else t
+
+
+def check_equal(f: CheckpointFile, plan: Plan, verify: bool) -> None:
+    """Tied targets whose file tensors the file holds apart (Plan.equal): each pair of tensors is
+    read and compared byte for byte before any target is written; MismatchError naming both keys
+    where they differ.  (Chunk checksums cannot stand in for the bytes: they are bound to their
+    position in the file, spec section 4, so equal chunks have different checksums.)"""
+    for a, b in plan.equal:
+        at = _first_difference(f, a, b, verify)
+        if at is not None:
+            nbytes = a.value.numel() * a.value.element_size()
+            raise MismatchError(
+                f"targets {a.key!r} and {b.key!r} are the same memory, but the checkpoint holds "
+                f"different values for them (from byte {at} of {nbytes}): one would be filled over "
+                "the other; nothing was written",
+                path=f.path,
+            )
+
+
+def _first_difference(f: CheckpointFile, a: Strided, b: Strided, verify: bool) -> int | None:
+    """The first byte where file tensors a and b (of one dtype and shape) differ, or None.
+    Tensors dense in one layout are compared as byte ranges of their storages, a window at a
+    time (bytes counted in storage order); others as their values over a host copy of each
+    one's span (bytes counted in element order)."""
+    ma, mb = a.meta, b.meta
+    if (
+        ma["conj"] == mb["conj"]
+        and all(x == y for x, y, n in zip(ma["stride"], mb["stride"], ma["shape"]) if n != 1)
+        and dense(ma["shape"], ma["stride"])
+    ):
+        return _ranges_differ(f, a, b, verify)
+    x, y = (_as_bytes(_span_values(f, s, verify)) for s in (a, b))
+    return _differ_at(x, y)
+
+
+def _ranges_differ(f: CheckpointFile, a: Strided, b: Strided, verify: bool) -> int | None:
+    """The first byte where the storage ranges of dense tensors a and b differ, or None: read a
+    window of each at a time into one bounded buffer."""
+    size = a.value.element_size()
+    nbytes = a.value.numel() * size
+    cs = f.chunk_size
+    step = window_bytes(f, nbytes)
+    half = step + cs  # a window of bytes lies in at most step / cs + 1 chunks
+    buf = hostalloc.alloc_bytes(f.path, 2 * half, a.key)
+    for p in range(0, nbytes, step):
+        n = min(step, nbytes - p)
+        x = _read_range(f, a, a.meta["offset"] * size + p, n, buf[:half], verify)
+        y = _read_range(f, b, b.meta["offset"] * size + p, n, buf[half:], verify)
+        at = _differ_at(x, y)
+        if at is not None:
+            return p + at
+    return None
+
+
+def _read_range(
+    f: CheckpointFile, s: Strided, lo: int, n: int, dest: torch.Tensor, verify: bool
+) -> torch.Tensor:
+    """Bytes [lo, lo + n) of the storage of `s`, read with the chunks they lie in into `dest`."""
+    cs = f.chunk_size
+    first = f.storages[s.sid].first_chunk
+    k0, k1 = first + lo // cs, first + (lo + n - 1) // cs + 1
+    f.read_into(_place(f, k0, k1, dest[: range_bytes(f, k0, k1)]), verify)
+    at = lo % cs
+    return dest[at : at + n]
+
+
+def _span_values(f: CheckpointFile, s: Strided, verify: bool) -> torch.Tensor:
+    """File tensor `s.meta` over a host copy of the chunks it lies in."""
+    buf = hostalloc.alloc_bytes(f.path, range_bytes(f, s.first, s.last), s.key)
+    f.read_into(_place(f, s.first, s.last, buf), verify)
+    return _source(f, s, buf, s.first)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of tensor t's values in element order (a conjugate bit applied)."""
+    return t.resolve_conj().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _differ_at(x: torch.Tensor, y: torch.Tensor) -> int | None:
+    """The first index where byte tensors x and y (of one length) differ, or None."""
+    if torch.equal(x, y):
+        return None
+    return int(torch.nonzero(x != y)[0])

@@ -72,7 +72,7 @@ from ..format import tree
 from ..gcpause import pausing_in_main_thread
 from . import hostalloc
 from .fillplan import Plan, make_plan, window_bytes
-from .fillreads import address_windows, alloc, prepare_direct, windows, write_targets
+from .fillreads import address_windows, alloc, check_equal, prepare_direct, windows, write_targets
 from .reader import CheckpointFile
 from .targets import LoadReport, match
 
@@ -125,10 +125,11 @@ def load_into(
 
     Raises MismatchError before modifying anything when a shape or dtype differs,
     (with strict=True) when keys are missing or unexpected, or when two targets share
-    memory: overlapping views (a strided view spans its first element to its last, so
-    interleaved views are refused too), or one tensor under two keys whose checkpoint
-    entries differ.  One tensor under two keys whose entries are one tensor in the file
-    too (tied weights) is allowed, and filled once.
+    memory that cannot be filled correctly: views that share an element unlike the file's
+    tensors (views that interleave without sharing one, x[::2] and x[1::2], are filled),
+    or one tensor under two keys whose checkpoint entries hold different bytes.  One
+    tensor under two keys (tied weights) is filled once where its entries are one tensor
+    in the file, or two of equal bytes (compared before anything is written).
 
     With atomic=True (the default) the file is verified before any target is
     written: when load_into() raises, every target is unchanged, except after a
@@ -161,11 +162,12 @@ def fill_from_node(
 ) -> LoadReport:
     """load_into() for the subtree of node `top` of an open file: key paths are relative to it."""
     matched = match(f, top, state, strict=strict)
-    plan = make_plan(f, matched.targets, matched.in_file, matched.report, matched.whole)
+    plan = make_plan(f, matched)
     with torch.no_grad():
         if atomic:
             _fill_atomic(f, plan, verify)
         else:
+            check_equal(f, plan, verify)
             buf = alloc(f, plan.buffer_bytes(f))
             write_targets(f, plan, buf, verify, {})
             for container, ckey, i in plan.replace:
@@ -210,6 +212,7 @@ def verify_subtree(f: CheckpointFile, top: int, verify: bool = True) -> None:
 def _fill_atomic(f: CheckpointFile, plan: Plan, verify: bool) -> None:
     # pass 1: everything that can fail, nothing of the caller's written
     stamp = _stamp(f)
+    check_equal(f, plan, verify)
     replaced = [(container, ckey, f.load_subtree(i, None, verify)) for container, ckey, i in plan.replace]
     reads = prepare_direct(f, plan, verify)
     if reads is not None:  # whole raw chunks only: checked through the engine's own buffer

@@ -4,9 +4,10 @@ Both sides are flattened to dotted key paths ("model.layers.0.weight"): the file
 entries from its checked tree, the target's leaves from its dicts, lists and tuples.
 `match` pairs them and checks, before anything is read or written, that every target
 tensor has the shape and dtype of its entry and can be written (no overlapping
-elements, no meta tensor inside a tuple), and that no two targets share memory, which
-would leave one holding the other's values, unless they share it as the file's tensors
-share their storage (`_overlap_problem`).  What it finds is the caller's `LoadReport`,
+elements, no meta tensor inside a tuple), and that no two targets share a byte of memory,
+which would leave one holding the other's values, unless they share it as the file's tensors
+share their storage, or are one tensor under several keys (tied weights) whose entries hold
+the same values (`_share`).  What it finds is the caller's `LoadReport`,
 like load_state_dict()'s result; a mismatch, or with strict=True a missing or
 unexpected key, is a `MismatchError`.
 """
@@ -23,6 +24,7 @@ import torch
 from ..errors import CheckpointError
 from ..format import dtypes
 from ..format.decode import decode_key
+from .memoverlap import views_meet
 from .reader import CheckpointFile
 
 #: one leaf of the target: (dotted key, its container, its key in the container, the value)
@@ -52,6 +54,18 @@ class Matched:
     #: position in `targets` -> (chunk, address): the targets that take one whole chunk of the
     #: file as they are (by position: several targets may share a dotted key)
     whole: dict[int, tuple[int, int]] = field(default_factory=dict)
+    #: the targets that share memory (tied weights filled once; their bytes compared first)
+    sharing: Sharing = field(default_factory=lambda: Sharing())
+    #: the tensor targets with elements, by device: where each one's elements start
+    spans: list[_Spans] = field(default_factory=list)
+
+    def addresses(self) -> dict[int, int]:
+        """Position in `targets` -> the address of its first element, for every tensor target
+        with elements (meta ones aside): the addresses the match took, not asked again."""
+        out: dict[int, int] = {}
+        for spans in self.spans:
+            out.update(zip(spans.positions, spans.starts))
+        return out
 
 
 def _join(prefix: str, key: object) -> str:
@@ -143,23 +157,6 @@ def byte_span(value: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * value.element_size()
 
 
-def sameness(value: torch.Tensor, m: dict[str, Any]) -> tuple[Any, ...]:
-    """What makes two targets the same memory filled from the same bytes (tied weights)."""
-    return (
-        value.device,
-        value.data_ptr(),
-        tuple(value.shape),
-        tuple(value.stride()),
-        value.dtype,
-        value.is_conj(),
-        value.is_neg(),
-        m["storage"],
-        m["offset"],
-        tuple(m["stride"]),
-        m["conj"],
-    )
-
-
 @dataclass
 class _Spans:
     """The bytes each target tensor of one device writes, in parallel lists (by position)."""
@@ -169,20 +166,28 @@ class _Spans:
     positions: list[int] = field(default_factory=list)
 
 
-def _clash_groups(spans: _Spans) -> list[list[int]]:
-    """The positions of targets whose spans overlap (or are identical), in groups of two or more
-    that share memory, each in order of its spans' starts.  Sorted by (start, end), a span
-    overlaps an earlier one exactly when it starts before the furthest end so far."""
+#: targets whose spans overlap: (position, start, end) each, in order of start, then end
+Group = list[tuple[int, int, int]]
+
+
+def _clash_groups(spans: _Spans) -> list[Group]:
+    """The targets whose spans overlap (or are identical), in groups of two or more that may
+    share memory, each in order of its spans' starts.  Sorted by (start, end), a span overlaps
+    an earlier one exactly when it starts before the furthest end so far."""
     starts = np.frombuffer(array("q", spans.starts), dtype=np.int64)
     ends = np.frombuffer(array("q", spans.ends), dtype=np.int64)
-    order = np.lexsort((ends, starts))
+    order = np.lexsort((ends, starts))  # stable: identical spans stay in target order
     starts, ends = starts[order], ends[order]
     joins = starts[1:] < np.maximum.accumulate(ends)[:-1]  # sorted span k + 1 joins k's group
     if not joins.any():
         return []
     pos = spans.positions
-    groups = np.split(order, np.flatnonzero(~joins) + 1)
-    return [[pos[int(k)] for k in g] for g in groups if len(g) > 1]
+    cuts = np.flatnonzero(~joins) + 1
+    return [
+        [(pos[k], s, e) for k, s, e in zip(g.tolist(), gs.tolist(), ge.tolist())]
+        for g, gs, ge in zip(np.split(order, cuts), np.split(starts, cuts), np.split(ends, cuts))
+        if len(g) > 1
+    ]
 
 
 def same_layout(value: torch.Tensor, m: dict[str, Any]) -> bool:
@@ -195,58 +200,130 @@ def same_layout(value: torch.Tensor, m: dict[str, Any]) -> bool:
     )
 
 
-def _home(value: torch.Tensor, m: dict[str, Any]) -> tuple[Any, ...] | None:
-    """Where target `value` puts the storage of its file tensor `m`: (storage, dtype, the
-    address its element 0 would have), or None when its elements do not sit as the storage
-    puts them (strides other than the file's, or a conjugate or negative bit of its own).
-    Targets of one home write each byte of memory from the same byte of the file."""
+def _home(value: torch.Tensor, m: dict[str, Any], start: int) -> tuple[Any, ...] | None:
+    """Where target `value` (its first element at `start`) puts the storage of its file tensor
+    `m`: (storage, dtype, the address its element 0 would have), or None when its elements do
+    not sit as the storage puts them (strides other than the file's, or a conjugate or negative
+    bit of its own).  Targets of one home write each byte of memory from the same byte of the file."""
     if not same_layout(value, m):
         return None
-    return (m["storage"], value.dtype, value.data_ptr() - m["offset"] * value.element_size())
+    return (m["storage"], value.dtype, start - m["offset"] * value.element_size())
 
 
-def _overlap_problem(
-    f: CheckpointFile, in_file: dict[str, int], targets: list[Target], spans: _Spans
+def _file_view(m: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two file tensors of one dtype and shape the same values without reading them."""
+    return m["storage"], m["offset"], tuple(m["stride"]), m["conj"]
+
+
+@dataclass
+class Sharing:
+    """What the overlap check found of targets that share memory (`_share`)."""
+
+    #: position -> the position of a target that is the same memory, laid out alike, whose
+    #: file tensor holds the same values: it alone is filled (tied weights)
+    aliases: dict[int, int] = field(default_factory=dict)
+    #: (position, position) of tied targets whose file tensors are not one view of one storage:
+    #: their bytes are compared before anything is written (fillreads.check_equal)
+    equal: list[tuple[int, int]] = field(default_factory=list)
+    #: whether any targets' spans overlap: else each target's memory is its own
+    found: bool = False
+
+
+def _share(
+    f: CheckpointFile, in_file: dict[str, int], targets: list[Target], spans: _Spans, sharing: Sharing
 ) -> str | None:
-    """Why targets that share memory cannot all be filled, or None.  Two targets whose bytes
-    overlap would each be written over the other (and the checks of the chunks read into them
-    would fail, or pass on the wrong bytes), so they are refused, before any read; a strided
-    view counts as all the bytes from its first element to its last, so views that interleave
-    (x[::2] and x[1::2]) are refused too.  The sharing allowed is the file's own: targets that
-    all view one storage of the file exactly where that storage would put them (`_home`: a row
-    and its weight, a weight and its transpose, a flat buffer and its views, one tensor under
-    two keys as tied weights) write each shared byte from the same byte of the file."""
+    """Why targets that share memory cannot all be filled, or None, recording in `sharing` the
+    tied targets.  Targets whose spans are apart need nothing more.  Among those whose spans
+    overlap, the same memory laid out alike under several keys (tied weights) is filled once,
+    from the first key's tensor, when the file's tensors are provably the same values: one view
+    of one storage, or (checked by reading, before any write) equal bytes.  The others may share
+    bytes only as the file's tensors share their storage (`_home`: a row and its weight, a
+    weight and its transpose, a flat buffer and its views), which writes each shared byte from
+    the same byte of the file; any other pair must share no byte at all (interleaved views,
+    column blocks of one weight), decided exactly (memoverlap.views_meet)."""
     if len(spans.starts) < 2:
         return None
     nodes = f.tree.nodes
     for group in _clash_groups(spans):
-        homes = [_home(targets[p][3], nodes[in_file[targets[p][0]]][1]) for p in group]
-        if homes[0] is not None and homes.count(homes[0]) == len(homes):
-            continue
-        a, b = _refused_pair(targets, group, homes)
-        va, vb = targets[a][3], targets[b][3]
-        if byte_span(va) == byte_span(vb):
-            return (
-                f"targets {targets[a][0]!r} and {targets[b][0]!r} are the same memory but not laid "
-                "out as one tensor of the checkpoint (tied weights): one would be filled over the other"
-            )
-        return (
-            f"targets {targets[a][0]!r} and {targets[b][0]!r} overlap in memory, not as the "
-            "checkpoint's tensors share their storage: each would be filled over the other's values "
-            "(load overlapping views one at a time, or as the one tensor they view)"
-        )
+        sharing.found = True
+        metas = {p: nodes[in_file[targets[p][0]]][1] for p, _, _ in group}
+        kept = _tie(targets, group, metas, sharing)
+        problem = _clash_problem(targets, kept, metas) if len(kept) > 1 else None
+        if problem:
+            return problem
     return None
 
 
-def _refused_pair(targets: list[Target], group: list[int], homes: list[Any]) -> tuple[int, int]:
-    """Two targets of a refused group that overlap and differ in home, to name in the error."""
-    for i, pa in enumerate(group):
-        sa = byte_span(targets[pa][3])
-        for pb, hb in zip(group[i + 1 :], homes[i + 1 :]):
-            sb = byte_span(targets[pb][3])
-            if sa[0] < sb[1] and sb[0] < sa[1] and (homes[i] is None or homes[i] != hb):
-                return pa, pb
-    return group[0], group[1]
+def _tie(targets: list[Target], group: Group, metas: dict[int, dict[str, Any]], sharing: Sharing) -> Group:
+    """The targets of `group` that are filled: each the first of the targets that are the same
+    memory laid out alike; the later ones recorded as its aliases, with a comparison of their
+    file tensors' bytes where those are not one view of one storage."""
+    first: dict[tuple[Any, ...], int] = {}
+    kept: Group = []
+    for p, s, e in group:
+        v = targets[p][3]
+        q = first.setdefault((s, e, v.dtype, v.shape, v.stride(), v.is_conj(), v.is_neg()), p)
+        if q == p:
+            kept.append((p, s, e))
+            continue
+        sharing.aliases[p] = q
+        if _file_view(metas[p]) != _file_view(metas[q]):
+            sharing.equal.append((q, p))
+    return kept
+
+
+def _clash_problem(targets: list[Target], kept: Group, metas: dict[int, dict[str, Any]]) -> str | None:
+    """Why the filled targets of one group of overlapping spans cannot all be filled, or None:
+    one home for all of them (a storage of the file and its views) is fine at once; else each
+    pair whose spans overlap must have one home or share no byte."""
+    homes = [_home(targets[p][3], metas[p], s) for p, s, _ in kept]
+    if homes[0] is not None and homes.count(homes[0]) == len(homes):
+        return None
+    active: list[int] = []  # the targets so far whose spans reach past the current start
+    for i, (p, s, e) in enumerate(kept):
+        active = [j for j in active if kept[j][2] > s]
+        for j in active:
+            if homes[j] is not None and homes[j] == homes[i]:
+                continue
+            meet = _elements_meet(targets[kept[j][0]][3], kept[j][1], targets[p][3], s)
+            if meet is not False:
+                first, second = sorted((kept[j][0], p))  # named in the target's order
+                return _overlap_message(targets[first][0], targets[second][0], kept[j][1:] == (s, e), meet)
+        active.append(i)
+    return None
+
+
+def _elements_meet(a: torch.Tensor, start_a: int, b: torch.Tensor, start_b: int) -> bool | None:
+    """Whether target tensors a and b, their first elements at start_a and start_b, share a byte
+    of memory (None: undecided)."""
+    sa, sb = a.element_size(), b.element_size()
+    return views_meet(
+        start_a,
+        sa,
+        [(n, st * sa) for n, st in zip(a.shape, a.stride())],
+        start_b,
+        sb,
+        [(n, st * sb) for n, st in zip(b.shape, b.stride())],
+    )
+
+
+def _overlap_message(a: str, b: str, same_span: bool, meet: bool | None) -> str:
+    if meet is None:
+        return (
+            f"targets {a!r} and {b!r} interleave in memory too irregularly to tell whether they share "
+            "bytes, and not as the checkpoint's tensors share their storage: refused rather than risk "
+            "filling one over the other (load them one at a time)"
+        )
+    if same_span:
+        return (
+            f"targets {a!r} and {b!r} are the same memory but not laid out alike, nor as one tensor of "
+            "the checkpoint (tied weights): one would be filled over the other"
+        )
+    return (
+        f"targets {a!r} and {b!r} overlap in memory, not as the checkpoint's tensors share their "
+        "storage: each would be filled over the other's values (load overlapping views one at a "
+        "time, or as the one tensor they view)"
+    )
 
 
 def _key_problems(report: LoadReport) -> str:
@@ -361,10 +438,12 @@ def match(f: CheckpointFile, top: int, state: Any, *, strict: bool) -> Matched:
         raise MismatchError(
             problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""), path=f.path
         )
-    for spans in (cpu, *elsewhere.values()):
-        problem = _overlap_problem(f, in_file, targets, spans)
+    sharing = Sharing()
+    by_device = [cpu, *elsewhere.values()]
+    for spans in by_device:
+        problem = _share(f, in_file, targets, spans, sharing)
         if problem:
             raise MismatchError(problem, path=f.path)
     if strict and (report.missing_keys or report.unexpected_keys):
         raise MismatchError(_key_problems(report), path=f.path)
-    return Matched(targets, in_file, report, whole)
+    return Matched(targets, in_file, report, whole, sharing, by_device)
