@@ -59,28 +59,14 @@ def nonblocking(state: Any, path: str) -> list[dict[str, Any]]:
     ]
 
 
-def import_save_function(tool: str) -> None:
-    """The tool's save function imported before the clock starts, for every tool alike, as
-    bench/loads.py does for loads.  `from safetensors.torch import save_file` imports its
-    module whole (1.5 ms of CPU here); `import ckptfmt` imports the package alone and its
-    save path on first use, so the first timed save paid ckptfmt's imports (about 20 ms of
-    CPU quiet, 30-60 ms of clock on the busy machine) and no peer's."""
-    if tool.startswith("ckptfmt"):
-        from ckptfmt import save  # noqa: F401
-    elif tool == "safetensors":
-        from safetensors.torch import save_file  # noqa: F401
-    elif tool == "dcp":
-        import torch.distributed.checkpoint  # noqa: F401
-
-
 def main() -> None:
     spec = json.loads(sys.argv[1])
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
     state = torch.load(spec["source"], weights_only=True)
-    import_save_function(spec["tool"])
     tool = tools.TOOLS[spec["tool"]]()
+    tool.prepare()  # its imports, before the clock
     results: dict[str, list[dict[str, Any]]] = {}
     for folder in spec["dirs"]:
         path = tool.path(folder)

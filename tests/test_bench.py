@@ -367,23 +367,49 @@ def test_objects_quick(quick_runs):
     assert all(f"| {t} | load |" in md for t in doc["tools"])
 
 
-@pytest.mark.parametrize(
-    "tool, module",
-    [
-        ("ckptfmt", "ckptfmt.files.save"),
-        ("ckptfmt-zstd", "ckptfmt.engine.chunkwrite"),
-        ("safetensors", "safetensors.torch"),
-    ],
-)
-def test_a_save_worker_imports_the_save_function_before_the_clock(tool, module):
-    """Each tool's save path is imported before its first timed save, as each loader's is:
-    `import ckptfmt` alone leaves the save path to its first call, which the clock counted."""
+def _bench_tools():
+    """bench/tools.py, loaded by its path; its `import common` is bench/common.py, taken off
+    sys.modules again so the name stays free."""
+    spec = importlib.util.spec_from_file_location("bench_tools", os.path.join(BENCH, "tools.py"))
+    module = importlib.util.module_from_spec(spec)
+    had_common = "common" in sys.modules
+    sys.path.insert(0, BENCH)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(BENCH)
+        if not had_common:
+            sys.modules.pop("common", None)
+    return module
+
+
+@pytest.mark.parametrize("tool", sorted(_bench_tools().TOOLS))
+def test_every_save_tool_imports_all_its_save_needs_before_the_clock(tool, tmp_path):
+    """A fresh save worker's first timed save imports nothing: each tool's prepare() (which the
+    worker calls before the clock, and which every tool must define) imported it all, as each
+    loader does; `import ckptfmt` alone leaves the save path to its first call, which the
+    clock counted, and torch.save and safetensors' save_file import modules on first use too."""
     probe = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import worker; worker.import_save_function(sys.argv[2]); "
-        "print(sys.argv[3] in sys.modules)"
+        "import sys; sys.path.insert(0, sys.argv[1]); import torch, tools; "
+        "state = {'model': {'w': torch.ones(4, 4), 'b': torch.zeros(4)}, 'step': 3}; "
+        "tool = tools.TOOLS[sys.argv[2]](); tool.prepare(); before = set(sys.modules); "
+        "tool.save(state, tool.path(sys.argv[3])); print(sorted(set(sys.modules) - before))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", probe, BENCH, tool, module], capture_output=True, text=True, timeout=120
+        [sys.executable, "-W", "ignore", "-c", probe, BENCH, tool, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "True"
+    assert out.stdout.strip().splitlines()[-1] == "[]", f"{tool}'s first save imported {out.stdout.strip()}"
+
+
+def test_a_tool_that_does_not_say_what_its_save_imports_is_refused():
+    """A new tool class without prepare() cannot be measured with its imports inside the clock."""
+
+    class Unprepared(_bench_tools().Tool):
+        name = "unprepared"
+
+    with pytest.raises(NotImplementedError, match="Unprepared does not say what its save imports"):
+        Unprepared().prepare()

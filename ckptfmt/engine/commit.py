@@ -100,9 +100,9 @@ def temp_prefix(path: str) -> str:
 
 
 def _read_text(path: str) -> str:
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return f.read().strip()
+    try:  # bytes decoded, not a text file: its codec module would be imported by a process's first save
+        with open(path, "rb") as f:
+            return f.read().decode("ascii", "replace").strip()
     except OSError:
         return ""
 
