@@ -75,6 +75,8 @@ def read_by_window(
     (`room`), requests are no larger than a window, ranges are not merged across gaps (a gap's
     bytes would be held, never given back, until the object is closed) and a window's pages
     are freed before the next window is asked for."""
+    if not items:
+        return
     window, ahead = windows_for(remote, room, stored, path)
     bounded = room is not None
     cell, gap = (window, 0) if bounded else (None, None)
