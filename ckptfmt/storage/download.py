@@ -499,6 +499,7 @@ class RemoteObject:
         it failed: asked for again by the next plan that needs them)."""
         with self._held_lock:
             self._in_flight.pop((lo, hi), None)
+            self._deferred.pop((lo, hi), None)  # one that failed unclaimed: asked for again
             if held:
                 self._held = merge_ranges([*self._held, *held])
 
