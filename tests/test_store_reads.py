@@ -436,3 +436,51 @@ def test_a_chunk_read_into_its_tensor_that_fails_its_checksum_is_refused(s3_buck
     with pytest.raises(ckptfmt.CorruptError, match="checksum mismatch") as e:
         ckptfmt.load(url, storage_options=options | {"request_size": MiB})
     assert e.value.path == url and e.value.key == "state['t1']" and checked  # checked in place
+
+
+def test_a_load_under_max_bytes_plans_its_requests_once_per_read(s3_bucket, monkeypatch):
+    """A bounded load's chunk reads plan their requests once (counted in pages for the windows'
+    size, then cut at their grid), not a second time under the object's lock to count pages."""
+    from ckptfmt.engine import fetchread
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/planned/model.ckpt"
+    state = _direct_state()
+    ckptfmt.save(state, url, storage_options=options, chunk_size=256 << 10)
+    plans, reads = [0], [0]
+    plan, read_by_window = RemoteObject.plan, fetchread.read_by_window
+
+    def planning(self, *args, **kwargs):
+        plans[0] += 1
+        return plan(self, *args, **kwargs)
+
+    def reading(*args, **kwargs):
+        reads[0] += 1
+        return read_by_window(*args, **kwargs)
+
+    monkeypatch.setattr(RemoteObject, "plan", planning)
+    monkeypatch.setattr(fetchread, "read_by_window", reading)
+    assert_same(state, ckptfmt.load(url, max_bytes=20 * MiB, storage_options=options))
+    assert reads[0] >= 1 and plans[0] == reads[0]
+
+
+def test_a_load_without_a_bound_does_not_count_the_spools_pages(s3_bucket, monkeypatch):
+    """The spool's pages are summed (peak_bytes, under the object's lock) only for a load under
+    max_bytes, whose windows are sized by them: a load without a bound never sums them (it did
+    on every fetch, for a figure nothing read)."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/unbounded/model.ckpt"
+    state = _direct_state()
+    ckptfmt.save(state, url, storage_options=options, chunk_size=256 << 10)
+    sums = [0]
+    occupied = RemoteObject._occupied
+
+    def summed(self):
+        sums[0] += 1
+        return occupied(self)
+
+    monkeypatch.setattr(RemoteObject, "_occupied", summed)
+    assert_same(state, ckptfmt.load(url, storage_options=options))
+    assert sums[0] == 0
+    assert_same(state, ckptfmt.load(url, max_bytes=20 * MiB, storage_options=options))
+    assert sums[0] > 0

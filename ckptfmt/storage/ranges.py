@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+from ..engine.fetchplan import cut_at_grid
 from .spool import PAGE
 
 #: adjacent ranges closer than this are fetched in one request
@@ -24,11 +25,7 @@ def plan_requests(
 ) -> list[Range]:
     """The requests that fetch `ranges` (half-open): sorted, near neighbours merged, long
     stretches cut at the multiples of `max_bytes` (the grid), so none crosses a cell."""
-    out: list[Range] = []
-    for lo, hi in merge_ranges(ranges, gap):
-        edges = [lo, *range((lo // max_bytes + 1) * max_bytes, hi, max_bytes), hi]
-        out.extend(zip(edges, edges[1:]))
-    return out
+    return cut_at_grid(merge_ranges(ranges, gap), max_bytes)
 
 
 def merge_ranges(ranges: Sequence[Range], gap: int = 0) -> list[Range]:
