@@ -20,6 +20,7 @@ import urllib3
 from helpers import assert_same
 
 import ckptfmt
+from ckptfmt.engine import native
 from ckptfmt.errors import StorageError
 from ckptfmt.storage import client, download, spool
 from ckptfmt.storage import http as store_http
@@ -211,9 +212,9 @@ def test_a_whole_load_asks_for_every_cell_before_the_first_comes(store_faults, m
     assert cells <= asked_while_held == len(ranges) <= cells + 1
     assert all(lo // MiB == (hi - 1) // MiB for lo, hi in ranges[:-1])  # the grid's cells
     assert ranges[-1][1] - ranges[-1][0] <= download.TAIL_BYTES  # and the tail, in one request
-    assert (
-        0 < peaks[url] <= download.TAIL_BYTES + state["t3"].nbytes + 3 * 4096
-    )  # the tail, the chunk it cuts
+    # the tail and the chunk it cuts (without the C engine every chunk goes through the spool)
+    spooled = download.TAIL_BYTES + state["t3"].nbytes if native.available() else size
+    assert 0 < peaks[url] <= spooled + 3 * 4096
 
 
 def test_a_load_under_max_bytes_reads_ahead_no_more_than_that(store_faults):
@@ -399,7 +400,8 @@ def test_a_body_cut_while_read_into_a_tensor_is_resumed_there(store_faults):
     with pytest.MonkeyPatch.context() as m:
         m.setattr(directread.DirectReads, "start", counted)
         assert_same(state, ckptfmt.load(url, storage_options=options))
-    assert faults.pending_rules() == 0 and straight and straight[0] >= 3
+    assert faults.pending_rules() == 0
+    assert (straight and straight[0] >= 3) or not native.available()  # the engine checks them in place
 
 
 def test_a_chunk_read_into_its_tensor_that_fails_its_checksum_is_refused(s3_bucket, monkeypatch):
@@ -435,7 +437,8 @@ def test_a_chunk_read_into_its_tensor_that_fails_its_checksum_is_refused(s3_buck
     monkeypatch.setattr(directread, "check_in_place", counted)
     with pytest.raises(ckptfmt.CorruptError, match="checksum mismatch") as e:
         ckptfmt.load(url, storage_options=options | {"request_size": MiB})
-    assert e.value.path == url and e.value.key == "state['t1']" and checked  # checked in place
+    assert e.value.path == url and e.value.key == "state['t1']"
+    assert checked or not native.available()  # checked in place, by the engine
 
 
 def test_a_load_under_max_bytes_plans_its_requests_once_per_read(s3_bucket, monkeypatch):
