@@ -20,8 +20,9 @@ import urllib3
 from helpers import assert_same
 
 import ckptfmt
+from ckptfmt.engine import native
 from ckptfmt.errors import StorageError
-from ckptfmt.storage import client, spool
+from ckptfmt.storage import client, download, spool
 from ckptfmt.storage import http as store_http
 from ckptfmt.storage.download import RemoteObject, read_body
 
@@ -174,10 +175,13 @@ def test_a_fetch_waits_for_pages_being_freed_within_its_deadline(s3_bucket):
         remote.close()
 
 
-def test_a_whole_load_asks_for_every_cell_before_the_first_comes(store_faults):
-    """A load's requests go out in one wave, as a plain parallel download's do: the cells after
-    the first are asked for with the first and the last, not once the index (which needs those
-    two) is parsed; and none is asked for twice."""
+def test_a_whole_load_asks_for_every_cell_before_the_first_comes(store_faults, monkeypatch):
+    """A load's requests go out in one wave, as a plain parallel download's do: the cells are
+    asked for with the tail, not once the index (which needs the prologue and the tail) is
+    parsed; each byte is asked for once, by no more requests than a plain download's and the
+    tail's; and the cells' bodies, read once the tensors exist, go straight into them: the
+    spool holds the tail (with the index) and the chunk the tail cuts, no more (it held the
+    whole object, whose chunks were then copied out of it)."""
     faults = store_faults
     options = faults.options | {"request_size": MiB}
     url = f"{faults.new_root()}/wave.ckpt"
@@ -185,24 +189,32 @@ def test_a_whole_load_asks_for_every_cell_before_the_first_comes(store_faults):
     state = {f"t{i}": torch.randn(400_000, generator=g) for i in range(4)}  # 6.4 MB: 7 cells
     ckptfmt.save(state, url, storage_options=options)
     size = faults.size(url)
-    cells = [(lo, min(lo + MiB, size)) for lo in range(0, size, MiB)]
+    cells = -(-size // MiB)
     reads = faults.op("read", "wave.ckpt")
     faults.clear_counts()
+    peaks = _peaks(monkeypatch)
     released = faults.hold(*reads)  # the first GET of the object waits, unanswered
     out: dict[str, object] = {}
     loading = threading.Thread(target=lambda: out.update(state=ckptfmt.load(url, storage_options=options)))
     loading.start()
     try:
         deadline = time.monotonic() + 30
-        while faults.count(*reads) < len(cells) and time.monotonic() < deadline:
+        while faults.count(*reads) < cells and time.monotonic() < deadline:
             time.sleep(0.01)
         asked_while_held = faults.count(*reads)
     finally:
         released.set()
         loading.join(60)
-    assert asked_while_held == len(cells)
     assert_same(state, out["state"])
-    assert sorted(faults.ranges("wave.ckpt")) == cells
+    ranges = sorted(faults.ranges("wave.ckpt"))
+    assert ranges[0][0] == 0 and ranges[-1][1] == size
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # every byte once
+    assert cells <= asked_while_held == len(ranges) <= cells + 1
+    assert all(lo // MiB == (hi - 1) // MiB for lo, hi in ranges[:-1])  # the grid's cells
+    assert ranges[-1][1] - ranges[-1][0] <= download.TAIL_BYTES  # and the tail, in one request
+    # the tail and the chunk it cuts (without the C engine every chunk goes through the spool)
+    spooled = download.TAIL_BYTES + state["t3"].nbytes if native.available() else size
+    assert 0 < peaks[url] <= spooled + 3 * 4096
 
 
 def test_a_load_under_max_bytes_reads_ahead_no_more_than_that(store_faults):
@@ -356,3 +368,122 @@ def test_a_load_under_max_bytes_counts_the_pages_small_chunks_with_gaps_hold(sto
     with ckptfmt.open(url, max_bytes=bound, storage_options=options) as r:
         assert_same(smalls, r.get("smalls"))
     assert 0 < peaks.pop(url) <= room
+
+
+def _direct_state() -> dict[str, torch.Tensor]:
+    """Four 1.6 MB tensors: raw chunks of well over directread.DIRECT_MIN, in cells of 1 MiB."""
+    g = torch.Generator().manual_seed(9)
+    return {f"t{i}": torch.randn(400_000, generator=g) for i in range(4)}
+
+
+def test_a_body_cut_while_read_into_a_tensor_is_resumed_there(store_faults):
+    """A connection reset in the middle of a body read straight into a tensor (a cell of the
+    wave, and one asked for once the index was parsed) is resumed from the byte it reached,
+    into the same memory, and the tensors come out whole."""
+    from ckptfmt.engine import directread
+
+    faults = store_faults
+    options = faults.options | {"request_size": MiB, "concurrency": 3}  # 2 cells in the wave
+    url = f"{faults.new_root()}/cut.ckpt"
+    state = _direct_state()
+    ckptfmt.save(state, url, storage_options=options)
+    reads = faults.op("read", "cut.ckpt")
+    faults.reset_on(*reads, nth=2, download_bytes=300_000)  # a cell of the wave
+    faults.reset_on(*reads, nth=4, download_bytes=200_000)  # one asked for after the index
+    straight: list[int] = []
+    start = directread.DirectReads.start
+
+    def counted(self, remote):
+        straight.append(len(self.targets))
+        return start(self, remote)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(directread.DirectReads, "start", counted)
+        assert_same(state, ckptfmt.load(url, storage_options=options))
+    assert faults.pending_rules() == 0
+    assert (straight and straight[0] >= 3) or not native.available()  # the engine checks them in place
+
+
+def test_a_chunk_read_into_its_tensor_that_fails_its_checksum_is_refused(s3_bucket, monkeypatch):
+    """A chunk whose bytes change on the store (the object rewritten in place, same length,
+    the store's version checks passed) fails its checksum where it lies, in the tensor it
+    was read into: a CorruptError naming the URL, the key and the chunk's offset; no load
+    returns it."""
+    import boto3
+
+    from ckptfmt.engine import directread
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/flipped.ckpt"
+    state = _direct_state()
+    ckptfmt.save(state, url, storage_options=options)
+    client = boto3.client(
+        "s3",
+        endpoint_url=options["endpoint_url"],
+        region_name=options["region"],
+        aws_access_key_id=options["aws_access_key_id"],
+        aws_secret_access_key=options["aws_secret_access_key"],
+    )
+    data = bytearray(client.get_object(Bucket=bucket, Key="flipped.ckpt")["Body"].read())
+    data[2 * MiB] ^= 0x40  # inside t1 (t0 is the first 1.6 MB of data, after the prologue)
+    client.put_object(Bucket=bucket, Key="flipped.ckpt", Body=bytes(data))
+    checked = []
+    check = directread.check_in_place
+
+    def counted(file_id, k, ch, base):
+        checked.append(k)
+        return check(file_id, k, ch, base)
+
+    monkeypatch.setattr(directread, "check_in_place", counted)
+    with pytest.raises(ckptfmt.CorruptError, match="checksum mismatch") as e:
+        ckptfmt.load(url, storage_options=options | {"request_size": MiB})
+    assert e.value.path == url and e.value.key == "state['t1']"
+    assert checked or not native.available()  # checked in place, by the engine
+
+
+def test_a_load_under_max_bytes_plans_its_requests_once_per_read(s3_bucket, monkeypatch):
+    """A bounded load's chunk reads plan their requests once (counted in pages for the windows'
+    size, then cut at their grid), not a second time under the object's lock to count pages."""
+    from ckptfmt.engine import fetchread
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/planned/model.ckpt"
+    state = _direct_state()
+    ckptfmt.save(state, url, storage_options=options, chunk_size=256 << 10)
+    plans, reads = [0], [0]
+    plan, read_by_window = RemoteObject.plan, fetchread.read_by_window
+
+    def planning(self, *args, **kwargs):
+        plans[0] += 1
+        return plan(self, *args, **kwargs)
+
+    def reading(*args, **kwargs):
+        reads[0] += 1
+        return read_by_window(*args, **kwargs)
+
+    monkeypatch.setattr(RemoteObject, "plan", planning)
+    monkeypatch.setattr(fetchread, "read_by_window", reading)
+    assert_same(state, ckptfmt.load(url, max_bytes=20 * MiB, storage_options=options))
+    assert reads[0] >= 1 and plans[0] == reads[0]
+
+
+def test_a_load_without_a_bound_does_not_count_the_spools_pages(s3_bucket, monkeypatch):
+    """The spool's pages are summed (peak_bytes, under the object's lock) only for a load under
+    max_bytes, whose windows are sized by them: a load without a bound never sums them (it did
+    on every fetch, for a figure nothing read)."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/unbounded/model.ckpt"
+    state = _direct_state()
+    ckptfmt.save(state, url, storage_options=options, chunk_size=256 << 10)
+    sums = [0]
+    occupied = RemoteObject._occupied
+
+    def summed(self):
+        sums[0] += 1
+        return occupied(self)
+
+    monkeypatch.setattr(RemoteObject, "_occupied", summed)
+    assert_same(state, ckptfmt.load(url, storage_options=options))
+    assert sums[0] == 0
+    assert_same(state, ckptfmt.load(url, max_bytes=20 * MiB, storage_options=options))
+    assert sums[0] > 0

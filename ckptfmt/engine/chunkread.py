@@ -40,7 +40,7 @@ from ..fileio import pread_exact
 from ..format import encryption
 from ..format import layout as fmt
 from ..format.index import Chunk, Index
-from . import fetchread
+from . import directread, fetchread
 from . import native as _native
 from .ckptdir import CheckpointDir
 from .sources import Fetcher, References
@@ -461,23 +461,22 @@ class ChunkReader:
         fd, _ = self._external(source, k, None)
         return self._base_dir().fetcher_of(fd)
 
-    def _stored_range(self, k: int) -> tuple[int, int]:
-        ch = self.chunks[k]
-        return ch.offset, ch.offset + ch.stored_len + ch.pad
-
     def _read_fetched(
         self, remote: Fetcher, items: Sequence[tuple[int, Destination]], verify: bool, check_only: bool
     ) -> None:
-        """Read chunks of a remote file window by window (fetchread), the windows sized to
-        what the load's max_bytes leaves where it has one (_room)."""
-        fetchread.read_by_window(
-            remote,
-            [self._stored_range(k) for k, _ in items],
-            items,
-            lambda window: self._read_group(window, verify, check_only),
-            self._room(items),
-            self.path,
-        )
+        """Read chunks of a remote file: those directread fetches straight into their
+        destinations so, the others window by window (fetchread), the windows sized to what
+        the load's max_bytes leaves where it has one (_room)."""
+        straight, spooled = directread.split(remote, self.chunks, items, check_only)
+        reads = directread.DirectReads(self.file_id, self.chunks, straight, verify, self.native_error)
+        directread.read_direct(remote, reads, lambda: self._read_spooled(remote, spooled, verify, check_only))
+
+    def _read_spooled(
+        self, remote: Fetcher, items: list[tuple[int, Destination]], verify: bool, only: bool
+    ) -> None:
+        read = lambda window: self._read_group(window, verify, only)  # noqa: E731
+        stored = [directread.span(self.chunks[k]) for k, _ in items]
+        fetchread.read_by_window(remote, stored, items, read, self._room(items), self.path)
 
     def _room(self, items: Sequence[tuple[int, Destination]]) -> fetchread.Room | None:
         """The load's max_bytes (that of the object this file is) and what reading `items`

@@ -30,7 +30,19 @@ _PAGE = mmap.PAGESIZE  # the spool frees whole pages of this size
 #: that crosses a window's edge in bytes, and it is one run: a page more at each of its edges
 _EDGES = 2 * _PAGE
 
+#: a cell no request crosses: requests planned whole (cut_at_grid cuts them afterwards)
+UNCUT = 1 << 62
+
 T = TypeVar("T")
+
+
+def cut_at_grid(requests: Sequence[tuple[int, int]], cell: int) -> list[tuple[int, int]]:
+    """`requests` cut at the multiples of `cell`, so that none crosses a cell's edge."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in requests:
+        edges = [lo, *range((lo // cell + 1) * cell, hi, cell), hi]
+        out.extend(zip(edges, edges[1:]))
+    return out
 
 
 def page_span(lo: int, hi: int) -> tuple[int, int]:

@@ -39,16 +39,19 @@ class Room:
         return self.bound - self.index - self.tensors - self.decode - self.held
 
 
-def windows_for(remote: Fetcher, room: Room | None, stored: Sequence[Range], path: str) -> tuple[int, int]:
+def windows_for(
+    room: Room | None, stored: Sequence[Range], planned: Sequence[Range], path: str
+) -> tuple[int, int]:
     """(bytes per window, windows in flight) to read the `stored` byte ranges by: fetchplan's
     defaults without a bound, else what fits `room` beside the largest of them (all of them
     where what is left to fetch fits: bytes held already are in `room`); LimitError naming each
     part of the bound where not even one window does.  What is left to fetch is counted in
-    the whole pages the spool will hold for it (small ranges with gaps hold a page each)."""
+    the whole pages the spool will hold for it (small ranges with gaps hold a page each):
+    those of `planned`, the requests that read them (merged, not cut: cuts add no page)."""
     if room is None:
         return fetchplan.FETCH_WINDOW, fetchplan.FETCH_AHEAD
     largest = max((hi - lo for lo, hi in stored), default=0)
-    to_fetch = fetchplan.paged_bytes(remote.plan(stored, None, 0))
+    to_fetch = fetchplan.paged_bytes(planned)
     fits = fetchplan.windows_within(room.spare(), largest, to_fetch)
     if fits is None:
         raise LimitError(
@@ -75,10 +78,14 @@ def read_by_window(
     (`room`), requests are no larger than a window, ranges are not merged across gaps (a gap's
     bytes would be held, never given back, until the object is closed) and a window's pages
     are freed before the next window is asked for."""
-    window, ahead = windows_for(remote, room, stored, path)
+    if not items:
+        return
     bounded = room is not None
+    # planned once: counted in pages for the windows' size, then cut at their grid
+    planned = remote.plan(stored, fetchplan.UNCUT, 0) if bounded else []
+    window, ahead = windows_for(room, stored, planned, path)
     cell, gap = (window, 0) if bounded else (None, None)
-    requests = remote.plan(stored, cell, gap)
+    requests = fetchplan.cut_at_grid(planned, window) if bounded else remote.plan(stored)
     windows = fetchplan.request_windows(requests, window)
     chunks = fetchplan.chunks_by_window(requests, windows, [(r, (r, item)) for r, item in zip(stored, items)])
     windows = windows or [[]]

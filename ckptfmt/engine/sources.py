@@ -1,13 +1,14 @@
 """Where a chunk reader's bytes come from, besides a local file: the two protocols that
 `chunkread.ChunkReader` reads through.  A `Fetcher` brings a remote object's byte ranges
-into the spool the reader's descriptor reads (storage/download.py's RemoteObject); a
+into the spool the reader's descriptor reads, or straight into a load's fresh tensors
+(storage/download.py's RemoteObject); a
 `References` opens the files a file's external chunks lie in (spec 12.3): a
 `ckptdir.CheckpointDir`, or the prefix of an object on a store (storage/references.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -29,6 +30,15 @@ class Fetcher(Protocol):
     def start(
         self, ranges: Sequence[tuple[int, int]], cell: int | None = None, gap: int | None = None
     ) -> list[Future[None]]: ...
+
+    def untouched(self, ranges: Sequence[tuple[int, int]]) -> list[bool]:
+        """Whether each range lies outside everything held or being fetched into the spool."""
+
+    def start_into(
+        self, targets: Sequence[tuple[int, memoryview]], landed: Callable[[tuple[int, int]], None]
+    ) -> list[Future[None]]:
+        """Fetch (offset, memory) targets straight into that memory, not the spool; `landed`
+        is called with each request's range on its thread once its bytes are in."""
 
     def wait(self, futures: Sequence[Future[None]]) -> None: ...
 

@@ -14,17 +14,15 @@ backoff, and a body that trickles in is cut off at a deadline per request.
 Requests follow a grid: the object is cut into cells of ``request_size`` bytes from its
 start, and no request crosses a cell's edge, so a load's requests are the cells it touches,
 as a plain parallel download's are.  The bytes fetched and not yet given back are kept
-track of, and a later plan leaves them out: a reader that will read the whole object
-(``read_ahead``) fetches the first cell and the last ones, whose prologue, footer and index
-it needs at once, and the chunk reads then reuse their data instead of asking again (on
-some servers every request costs a pass over the whole object).  A reader of one key pays
-for it: its first reads are up to a few cells, not a few bytes, so it is not the default.
-Such a reader also has the cells after the first (up to READ_AHEAD_BYTES) asked for at once,
-beside the first and the last, rather than once the index is parsed: a load's requests then
-go out in one wave, as a plain download's do.  A load under max_bytes reads no cell ahead:
+track of, and a later plan leaves them out; a range asked for while it is in flight is not
+asked for again: its fetch is waited for.  A reader that will read the whole object
+(``read_ahead``) sends its requests in one wave, as a plain download does: the tail, and the
+cells before it (up to READ_AHEAD_BYTES) at once, the first of which reads the prologue into
+the spool; the others' answers wait, unread, until the index is parsed and the chunk reader
+claims them (``start_into``): their bodies then go straight into the tensors (the spool
+where a chunk needs it: engine/directread.py).  A load under max_bytes reads nothing ahead:
 the bytes the spool holds (``occupied``) count against that bound with the tensors, which
-only the parsed index tells.  A range asked for while it is in flight is
-not asked for again: its fetch is waited for.
+only the parsed index tells.
 Ranges given back have their pages freed on a thread of their own (freeing costs about as
 much as filling them), so the reader goes on to its next window meanwhile; a fetch into
 pages still being freed waits for that first.
@@ -32,10 +30,9 @@ pages still being freed waits for that first.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -45,19 +42,24 @@ from ..errors import CheckpointError, LimitError, StorageError
 from ..format import layout as fmt
 from . import client as s3
 from .backends import store_for
-from .spool import PAGE, Spool
+from .ranges import (
+    MERGE_GAP,
+    REQUEST_BYTES,
+    cut_views,
+    merge_ranges,
+    overlaps,
+    page_edges,
+    plan_requests,
+    subtract_ranges,
+    views_after,
+)
+from .spool import Spool
 from .store import Store
 from .urls import ObjectURL, parse_url
 
 MiB = 1 << 20
 #: the tail fetched with the footer: most indexes lie within it
 TAIL_BYTES = 1 * MiB
-#: one request asks for at most this much (storage option request_size): larger ranges are
-#: split so they run in parallel; 8-16 MiB is the usual advice for S3, and every request
-#: costs a round trip (and, on some servers, a pass over the whole object)
-REQUEST_BYTES = 16 * MiB
-#: adjacent ranges closer than this are fetched in one request
-MERGE_GAP = 64 * 1024
 #: objects larger than this are refused before anything is allocated: the spool maps the
 #: whole object (sparse), and 16 TiB of address space is what a process can always map
 MAX_OBJECT_BYTES = 1 << 44
@@ -77,69 +79,8 @@ REQUEST_TIMEOUT = 120.0
 MAX_REFERENCE_BLOCKS = 64 * MiB
 
 Range = tuple[int, int]
-
-
-def plan_requests(
-    ranges: Sequence[Range], max_bytes: int = REQUEST_BYTES, gap: int = MERGE_GAP
-) -> list[Range]:
-    """The requests that fetch `ranges` (half-open): sorted, near neighbours merged, long
-    stretches cut at the multiples of `max_bytes` (the grid), so none crosses a cell."""
-    out: list[Range] = []
-    for lo, hi in merge_ranges(ranges, gap):
-        edges = [lo, *range((lo // max_bytes + 1) * max_bytes, hi, max_bytes), hi]
-        out.extend(zip(edges, edges[1:]))
-    return out
-
-
-def merge_ranges(ranges: Sequence[Range], gap: int = 0) -> list[Range]:
-    """`ranges` sorted, empty ones dropped, those overlapping or closer than `gap` joined."""
-    merged: list[list[int]] = []
-    for lo, hi in sorted(r for r in ranges if r[1] > r[0]):
-        if merged and lo <= merged[-1][1] + gap:
-            merged[-1][1] = max(merged[-1][1], hi)
-        else:
-            merged.append([lo, hi])
-    return [(lo, hi) for lo, hi in merged]
-
-
-def subtract_ranges(ranges: Sequence[Range], held: Sequence[Range]) -> list[Range]:
-    """The parts of `ranges` outside `held` (sorted and disjoint, as merge_ranges gives)."""
-    out: list[Range] = []
-    for lo, hi in merge_ranges(ranges):
-        i = max(0, bisect.bisect_right(held, (lo, lo)) - 1)
-        while lo < hi and i < len(held) and held[i][0] < hi:
-            a, b = held[i]
-            if a > lo:
-                out.append((lo, a))
-            lo = max(lo, b)
-            i += 1
-        if lo < hi:
-            out.append((lo, hi))
-    return out
-
-
-def _overlaps(ranges: Sequence[Range], r: Range) -> bool:
-    """Whether `r` overlaps any of `ranges` (sorted and disjoint, as merge_ranges gives)."""
-    i = bisect.bisect_left(ranges, (r[1], r[1]))  # the first range starting at or after r's end
-    return i > 0 and ranges[i - 1][1] > r[0]
-
-
-def _page_edges(r: Range, taken: Sequence[Range], size: int) -> Range:
-    """Range `r` given back, widened to the edges of the pages it ends in where nothing else
-    of those pages is held or in flight (`taken`, sorted and disjoint): the spool frees only
-    whole pages, and a page two ranges share would otherwise stay once both are given back."""
-    lo, hi = r
-    floor, ceil = grid_cells(lo, hi, PAGE, size)
-    if floor < lo and not _overlaps(taken, (floor, lo)):
-        lo = floor
-    if hi < ceil and not _overlaps(taken, (hi, ceil)):
-        hi = ceil
-    return lo, hi
-
-
-def grid_cells(lo: int, hi: int, cell: int, size: int) -> Range:
-    """[lo, hi) widened to the edges of the grid cells it touches, within [0, size)."""
-    return lo // cell * cell, min(size, -(-hi // cell) * cell)
+#: where a request's bytes go, given its budget and how many of them came already
+Where = Callable[[s3.Budget, int], Iterable[memoryview]]
 
 
 def head(url: ObjectURL, options: dict[str, Any]) -> tuple[int, str]:
@@ -164,6 +105,38 @@ def _tag_value(etag: object) -> object:
     return etag.removeprefix("W/").strip('"')
 
 
+class _Abandoned(Exception):
+    """A deferred request's body no one will read (its object was closed first)."""
+
+
+class _Deferred:
+    """A request of the read-ahead wave, sent before anyone knows where its bytes go: its
+    answer's body from `start` on is read once claimed (views: where those bytes go, in order;
+    None: nowhere), `spooled` the parts of it that go to the spool, `landed` called once it is
+    in.  The bytes before `start` (the prologue, in the first request) go to the spool at
+    once: `prefix` ends once they are in (or the request failed)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.prefix: Future[None] = Future()
+        self.ready = threading.Event()
+        self.views: list[memoryview] | None = None
+        self.spooled: list[Range] = []
+        self.landed: Callable[[Range], None] | None = None
+
+    def wait(self, budget: s3.Budget, path: str, lo: int, hi: int) -> list[memoryview]:
+        """Where the body goes, once claimed, within what remains of `budget`'s deadline."""
+        if not self.ready.wait(budget.remaining()):
+            raise StorageError(
+                f"read bytes {lo}-{hi - 1}: asked for ahead, and not claimed by a reader within "
+                f"{budget.deadline:g} s (storage option deadline)",
+                path=path,
+            )
+        if self.views is None:
+            raise _Abandoned
+        return self.views
+
+
 class RemoteObject:
     """One object being read: its size and ETag, and a Spool holding the bytes fetched so far."""
 
@@ -179,8 +152,8 @@ class RemoteObject:
     ) -> None:
         """`etag`: the version the caller checked before: another one is refused (StorageError);
         fetch_index=False: nothing is fetched until asked (for reading the object whole).
-        read_ahead: the caller will read all of the object: the first reads take whole grid
-        cells, whose data the chunk reads then reuse (fewer requests in all)."""
+        read_ahead: the caller will read all of the object: its requests go out at once, their
+        bodies read where the chunk reader says (_read_ahead)."""
         self.path = url
         self.url: ObjectURL = parse_url(url)
         self.options = options
@@ -194,6 +167,9 @@ class RemoteObject:
         self._held: list[Range] = []
         self._in_flight: dict[Range, Future[None]] = {}
         self._held_lock = threading.Lock()
+        # requests of the read-ahead wave whose answers' bodies wait to be told where they go
+        # (_claim): a chunk reader's memory, or the spool
+        self._deferred: dict[Range, _Deferred] = {}
         # ranges given back whose pages are still being freed (on their own thread, so that
         # the reader goes on to its next window meanwhile): a fetch into one waits for them
         self._freeing: list[tuple[Range, Future[None]]] = []
@@ -202,6 +178,7 @@ class RemoteObject:
         #: within, with what the load allocates besides; None: unbounded
         self.max_bytes = max_bytes
         #: the most bytes of the spool occupied at once (occupied()), kept as ranges are asked for
+        #: under a bound (max_bytes): summing the pages costs a pass over the ranges per fetch
         self.peak_bytes = 0
         try:
             self.size, self.etag = self._head()
@@ -234,43 +211,48 @@ class RemoteObject:
     def _fetch_index(self, max_bytes: int | None, read_ahead: bool) -> None:
         """Fetch the prologue and the tail; then the rest of the index if it starts before the
         tail (unless that is more than `max_bytes`: the index parser then refuses it).  With
-        read_ahead, whole grid cells: the first one and those the tail and the index lie in, and
-        those after the first asked for meanwhile (READ_AHEAD_BYTES).  Not under `max_bytes`:
-        what the load allocates is known only once the index is parsed, and the chunk reader
-        fits its fetches into what the bound leaves then (engine/fetchread.py)."""
-        read_ahead = read_ahead and max_bytes is None
-        tail = self._fetch_ends(read_ahead)
+        read_ahead, the bytes between them are asked for meanwhile, their bodies read once a
+        reader says where they go (_read_ahead).  Not under `max_bytes`: what the load
+        allocates is known only once the index is parsed, and the chunk reader fits its
+        fetches into what the bound leaves then (engine/fetchread.py)."""
+        tail = self._fetch_ends(read_ahead and max_bytes is None)
         footer = self._footer()
         if footer is None:
             return  # the parser, reading the spool, says what is wrong
         start = footer.index_offset
         if start < tail and (max_bytes is None or tail - start <= max_bytes):
-            if read_ahead:
-                start = grid_cells(start, tail, self._request_bytes, self.size)[0]
             self.fetch([(start, tail)])
 
     def _fetch_ends(self, read_ahead: bool = False) -> int:
-        """Fetch the prologue and the last TAIL_BYTES (with read_ahead: the grid cells they lie
-        in, and READ_AHEAD_BYTES of cells after the first asked for meanwhile) in parallel; where
-        the tail fetched begins."""
+        """Fetch the prologue and the last TAIL_BYTES in parallel (with read_ahead, the bytes
+        between them asked for meanwhile: _read_ahead); where the tail fetched begins."""
         size = self.size
         head = (0, min(size, fmt.PROLOGUE_SIZE))
-        tail = (max(0, size - TAIL_BYTES), size)
-        if read_ahead:
-            head = grid_cells(*head, self._request_bytes, size)
-            tail = grid_cells(*tail, self._request_bytes, size)
-        ends = self.start([head, tail])
-        if read_ahead:
-            self._read_ahead(tail[0], READ_AHEAD_BYTES)
-        self.wait(ends)
+        tail = (max(head[1], size - TAIL_BYTES), size)
+        first = self._read_ahead(tail[0], READ_AHEAD_BYTES, head[1]) if read_ahead else None
+        ends = self.start([tail], tail[1]) if first is not None else self.start([head, tail])  # one request
+        self.wait([*ends, *([first] if first is not None else [])])
         return tail[0]
 
-    def _read_ahead(self, tail: int, ahead: int) -> None:
-        """Ask for the whole cells between the first and the tail (`ahead` bytes at most) without
-        waiting for them: the chunk reads wait for them as they would for their own requests."""
-        cell = self._request_bytes
-        start = min(cell, tail)
-        self.start([(start, min(tail, start + ahead // cell * cell))])
+    def _read_ahead(self, tail: int, ahead: int, prologue: int) -> Future[None] | None:
+        """Ask for the object's bytes before `tail` (`ahead` bytes at most, cut at the grid, and
+        no more requests than leave the tail's a thread: a deferred request holds its thread)
+        without waiting for their bodies, but for the first `prologue` bytes (in the spool at
+        once): the rest of each waits for a reader to claim it (`_claim`), which says where its
+        bytes go (a chunk reader's tensors, start_into, or the spool: a plan that needs them,
+        or close).  The index is not parsed yet, so no tensor exists; the answers are on their
+        way meanwhile, as a plain parallel download's are.  The future that ends once the
+        prologue is in; None where nothing lies between it and the tail (nothing asked for)."""
+        if tail <= prologue or s3.concurrency(self.options) < 2:
+            return None
+        requests = plan_requests([(0, min(tail, ahead))], self._request_bytes)
+        requests = requests[: s3.concurrency(self.options) - 1]
+        deferred = [_Deferred(prologue if i == 0 else r[0]) for i, r in enumerate(requests)]
+        with self._held_lock:
+            for r, d in zip(requests, deferred):
+                self._in_flight[r] = self._pool.submit(self._get_deferred, *r, d)
+                self._deferred[r] = d
+        return deferred[0].prefix
 
     def _footer(self) -> fmt.Footer | None:
         """The footer the fetched prologue and tail hold, checked; None if they hold none."""
@@ -324,7 +306,9 @@ class RemoteObject:
         their futures), and the requests that would fetch the rest (plan_requests of what is
         neither held nor in flight)."""
         wanted = merge_ranges(ranges)
-        waited = [(r, f) for r, f in self._in_flight.items() if _overlaps(wanted, r)]
+        waited = [(r, f) for r, f in self._in_flight.items() if overlaps(wanted, r)]
+        for r, _ in waited:
+            self._claim(r, [])
         missing = subtract_ranges(wanted, self._taken())
         return waited, plan_requests(missing, cell or self._request_bytes, MERGE_GAP if gap is None else gap)
 
@@ -347,7 +331,8 @@ class RemoteObject:
                 future = self._pool.submit(self._get, lo, hi)
                 self._in_flight[(lo, hi)] = future  # before _get can end: it takes the lock
                 started.append(future)
-            self._note_occupied()
+            if self.max_bytes is not None:  # the figure a bound is kept by (tests read it)
+                self._note_occupied()
         return [f for _, f in waited] + started
 
     def occupied(self) -> int:
@@ -387,6 +372,95 @@ class RemoteObject:
     def fetch(self, ranges: Sequence[Range]) -> None:
         self.wait(self.start(ranges))
 
+    def untouched(self, ranges: Sequence[Range]) -> list[bool]:
+        """Whether each of `ranges` lies outside every range the spool holds or is fetching:
+        bytes a reader may fetch into memory of its own (start_into) without asking twice."""
+        with self._held_lock:
+            taken = merge_ranges([*self._held, *(r for r in self._in_flight if r not in self._deferred)])
+            return [not overlaps(taken, r) for r in ranges]
+
+    def start_into(
+        self, targets: Sequence[tuple[int, memoryview]], landed: Callable[[Range], None]
+    ) -> list[Future[None]]:
+        """Begin fetching `targets` ((offset in the object, the memory its bytes go to), sorted,
+        disjoint) straight into that memory, not the spool: the requests are their ranges,
+        adjacent ones joined, cut at the grid (plan_requests), each with the checks, retries
+        and deadlines of a fetch into the spool.  `landed` is called with each request's range
+        on the thread that fetched it once all its bytes are in; the futures end after it (an
+        exception it raises is theirs).  The caller keeps the memory alive until every future
+        is done (wait or wait_quietly) and asks for none of these bytes through the spool."""
+        wanted = [(at, at + len(v)) for at, v in targets]
+        with self._held_lock:
+            claimed = [r for r in self._deferred if overlaps(merge_ranges(wanted), r)]
+            futures = [self._in_flight[r] for r in claimed]
+            for r in claimed:
+                self._claim(r, targets, landed)
+            rest = subtract_ranges(wanted, merge_ranges(claimed))
+        for lo, hi in plan_requests(rest, self._request_bytes, 0):
+            futures.append(self._pool.submit(self._get_into, lo, hi, cut_views(targets, lo, hi), landed))
+        return futures
+
+    def _claim(
+        self,
+        r: Range,
+        targets: Sequence[tuple[int, memoryview]] | None,
+        landed: Callable[[Range], None] | None = None,
+    ) -> None:
+        """Tell the deferred request for `r` (if it is one not yet claimed) where its body goes,
+        under _held_lock: the parts of `targets` within it, the rest to the spool (held once
+        in); targets None: nowhere (the object is being closed: the body is left unread)."""
+        deferred = self._deferred.pop(r, None)
+        if deferred is None:
+            return
+        r = (deferred.start, r[1])
+        if targets is not None:
+            inside = [(at, v) for at, v in targets if at < r[1] and at + len(v) > r[0]]
+            gaps = subtract_ranges([r], merge_ranges([(at, at + len(v)) for at, v in inside]))
+            spooled = [(lo, self._spool_view(lo, hi)) for lo, hi in gaps]
+            deferred.views = cut_views(sorted([*inside, *spooled], key=lambda t: t[0]), *r)
+            deferred.spooled = gaps
+            deferred.landed = landed if inside else None
+        deferred.ready.set()
+
+    def _get_deferred(self, lo: int, hi: int, deferred: _Deferred) -> None:
+        """The deferred request for [lo, hi): its answer's head checked, then its body read where
+        it is claimed to go (waited for within the operation's deadline)."""
+        held: list[Range] = []
+        start = deferred.start
+
+        def where(budget: s3.Budget, skip: int) -> Iterator[memoryview]:
+            if skip < start - lo:
+                yield self._spool_view(lo + skip, start)
+                self._prefix_in(lo, deferred)
+            yield from views_after(deferred.wait(budget, self.path, start, hi), max(0, skip - (start - lo)))
+
+        try:
+            self._get_range(lo, hi, where)
+            held = deferred.spooled
+            if deferred.landed is not None:
+                deferred.landed((lo, hi))
+        except BaseException as e:
+            if not deferred.prefix.done():
+                deferred.prefix.set_exception(e)
+            raise
+        finally:
+            self._landed(lo, hi, held)
+
+    def _prefix_in(self, lo: int, deferred: _Deferred) -> None:
+        """The bytes of a deferred request before its `start` are in the spool: held."""
+        if not deferred.prefix.done():
+            with self._held_lock:
+                self._held = merge_ranges([*self._held, (lo, deferred.start)])
+            deferred.prefix.set_result(None)
+
+    def _get_into(self, lo: int, hi: int, views: list[memoryview], landed: Callable[[Range], None]) -> None:
+        self._get_range(lo, hi, lambda _, skip: views_after(views, skip))
+        landed((lo, hi))
+
+    def _spool_view(self, lo: int, hi: int) -> memoryview:
+        assert self.spool is not None
+        return self.spool.view(lo, hi)
+
     def release(self, ranges: Sequence[Range], wait: bool = False) -> None:
         """Give back the memory of ranges already read (fetched again if asked for again), its
         pages freed on the freeing thread; `wait`: return once they are freed (a reader within
@@ -397,7 +471,7 @@ class RemoteObject:
         with self._held_lock:
             self._held = subtract_ranges(self._held, ranges)
             taken = self._taken()
-            pages = [_page_edges(r, taken, self.size) for r in merge_ranges(ranges)]
+            pages = [page_edges(r, taken, self.size) for r in merge_ranges(ranges)]
             self._freeing.extend((r, self._freer.submit(spool.release, *r)) for r in pages)
         if wait and pages:
             self._wait_freed(pages[0][0], pages[-1][1], s3.Budget(self.options), "give back")
@@ -420,36 +494,43 @@ class RemoteObject:
                     path=self.path,
                 ) from None
 
-    def _landed(self, lo: int, hi: int, fetched: bool) -> None:
-        """The request for [lo, hi) is over: held where it `fetched` the bytes, else asked for
-        again by the next plan that needs them."""
+    def _landed(self, lo: int, hi: int, held: Sequence[Range]) -> None:
+        """The request for [lo, hi) is over: the `held` parts of it are in the spool (none where
+        it failed: asked for again by the next plan that needs them)."""
         with self._held_lock:
             self._in_flight.pop((lo, hi), None)
-            if fetched:
-                self._held = merge_ranges([*self._held, (lo, hi)])
+            self._deferred.pop((lo, hi), None)  # one that failed unclaimed: asked for again
+            if held:
+                self._held = merge_ranges([*self._held, *held])
 
     def _get(self, lo: int, hi: int) -> None:
         """Fetch [lo, hi) into the spool (a request start made: held once over, else no longer
         in flight)."""
-        fetched = False
+        held: list[Range] = []
         try:
             self._get_range(lo, hi)
-            fetched = True
+            held = [(lo, hi)]
         finally:
-            self._landed(lo, hi, fetched)
+            self._landed(lo, hi, held)
 
-    def _get_range(self, lo: int, hi: int) -> None:
-        """Fetch [lo, hi) into the spool, resuming after a dropped connection or a body cut at
-        its deadline from the byte it reached, within one Budget (attempts and deadline)."""
-        assert self.spool is not None
+    def _get_range(self, lo: int, hi: int, where: Where | None = None) -> None:
+        """Fetch [lo, hi) into the spool (or where `where` says once an answer's head is in:
+        views that hold its bytes from a given one on, in order), resuming after a dropped
+        connection or a body cut at its deadline from the byte it reached, within one Budget
+        (attempts and deadline)."""
         budget = s3.Budget(self.options)
         self._wait_freed(lo, hi, budget)
-        view = self.spool.view(lo, hi)
+
+        def rest() -> Iterable[memoryview]:
+            if where is None:
+                return [self._spool_view(lo + got, hi)]
+            return where(budget, got)
+
         what = f"read bytes {lo}-{hi - 1}"
         got = 0
         while True:
             try:
-                got += self._get_once(lo + got, hi, view[got:], budget)
+                got += self._get_once(lo + got, hi, rest, budget)
                 return
             except s3.transfer_errors() as e:
                 got += getattr(e, "ckptfmt_got", 0)
@@ -459,7 +540,9 @@ class RemoteObject:
                 elif not s3.retryable(e) or not budget.retry():
                     raise s3.translate(e, self.path, what, budget) from s3.cause(e)
 
-    def _get_once(self, lo: int, hi: int, view: memoryview, budget: s3.Budget) -> int:
+    def _get_once(
+        self, lo: int, hi: int, where: Callable[[], Iterable[memoryview]], budget: s3.Budget
+    ) -> int:
         what = f"read bytes {lo}-{hi - 1}"
         with s3.carrying(budget):
             reply = self._store.get(self.url, (lo, hi), self.etag)
@@ -474,9 +557,14 @@ class RemoteObject:
             # a store that ignores If-Match (some S3-compatible ones do) serves the new version
             reply.body.close()
             raise StorageError(f"{what}: the object changed while it was being read", path=self.path)
+        try:
+            views = where()
+        except BaseException:
+            reply.body.close()
+            raise
         timeout, option = _body_deadline(self._timeout, budget)
-        got, cut = read_body(reply.body, view, timeout)
-        if got != len(view):
+        got, cut = read_body(reply.body, views, timeout)
+        if got != hi - lo:
             why = (
                 f"the answer {s3.missed_deadline(timeout, option, f'; {got} of its bytes came')}"
                 if cut
@@ -506,6 +594,9 @@ class RemoteObject:
         return digest.digest()
 
     def close(self) -> None:
+        with self._held_lock:
+            for r in list(self._deferred):
+                self._claim(r, None)  # read-ahead no one claimed: its body is left unread
         self._pool.shutdown(wait=True, cancel_futures=True)  # read-ahead no one waits for
         if self.spool is not None:
             # the spool's pages are freed on the freeing thread, after the ranges given back
@@ -578,9 +669,10 @@ def _fetch_whole_once(
         body.close()
 
 
-def read_body(body: Any, view: memoryview, timeout: float) -> tuple[int, bool]:
-    """Read an answer's `body` into `view` until it is full or the body ends, within `timeout`
-    seconds: how many bytes came, and whether the deadline cut the connection.  readinto
+def read_body(body: Any, views: memoryview | Iterable[memoryview], timeout: float) -> tuple[int, bool]:
+    """Read an answer's `body` into `views` (one, or several filled in order) until they are
+    full or the body ends, within `timeout` seconds: how many bytes came, and whether the
+    deadline cut the connection.  readinto
     blocks until its buffer is full, and a body that trickles in (a byte every few seconds)
     never trips the client's read timeout, so a watchdog shuts the connection down at the
     deadline and the read returns (or fails: either way, what came and True).  Another
@@ -589,11 +681,16 @@ def read_body(body: Any, view: memoryview, timeout: float) -> tuple[int, bool]:
     raw = getattr(body, "_raw_stream", body)
     with s3.Watchdog(raw, timeout) as dog:
         try:
-            while got < len(view):
-                n = body.readinto(view[got:])
-                if not n:
+            for view in [views] if isinstance(views, memoryview) else views:
+                filled = 0
+                while filled < len(view):
+                    n = body.readinto(view[filled:])
+                    if not n:
+                        break
+                    filled += n
+                    got += n
+                if filled < len(view):
                     break
-                got += n
         except Exception as e:
             if not dog.fired.is_set():
                 e.ckptfmt_got = got  # type: ignore[attr-defined]

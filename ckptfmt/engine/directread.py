@@ -1,0 +1,190 @@
+"""A remote file's raw chunks fetched from the socket straight into their destinations.
+
+A load from a store used to fetch every chunk into the spool and then have the engine copy it
+out into the fresh tensors, hashing it: that copy, with the spool's pages faulted in and freed
+and the tensors' faulted in, bounded such loads (docs/object-stores.md, "Each store against
+its floor").  Here a chunk that needs no decoding (raw, unshuffled, not encrypted) of the
+object itself, DIRECT_MIN bytes or more, whose bytes the spool neither holds nor is fetching,
+is read by the object's requests into its destination, its padding into a few bytes of its
+own, under a load without a memory bound (max_bytes keeps its windows through the spool).
+
+Once all of a chunk's bytes are in, the thread that fetched the last of them has the engine
+check it where it lies (`ckf_check_mapped`: its checksum, content digest and, for a signed
+file read with trusted keys, SHA-256), and its padding here: a chunk that fails raises the
+chunk reader's error for it (CorruptError, SignatureError, naming path, key, chunk and
+offset), which the load raises before any tensor reaches the caller, as when the engine reads
+a local file into its destinations.  Every request is waited for before the reader returns or
+raises, so none writes into memory given up.  A request's retries restart where its bytes
+stopped, into the same memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from ..format import layout as fmt
+from ..format.index import Chunk
+from . import native as _native
+from .sources import Fetcher
+
+#: chunks smaller than this go through the spool, read by the engine in batches: a direct
+#: chunk costs a call of its own to check it
+DIRECT_MIN = 64 << 10
+
+Status = tuple[int, int, int, int, int]
+Destination = memoryview | int | None
+
+
+def split(
+    remote: Fetcher, chunks: Sequence[Chunk], items: Sequence[tuple[int, Destination]], check_only: bool
+) -> tuple[list[tuple[int, Destination]], list[tuple[int, Destination]]]:
+    """`items` (chunk number, destination) split into those fetched straight into their
+    destination and those read through the spool.  Straight: raw, unshuffled, unencrypted
+    chunks of this file of DIRECT_MIN bytes or more with a destination, outside whatever the
+    spool holds or is fetching, under a load without a memory bound, read with the C engine,
+    their contents wanted (not check_only)."""
+    if check_only or remote.max_bytes is not None or not _native.available():
+        return [], list(items)
+    fits = [_fits(chunks[k], dest) for k, dest in items]
+    outside = iter(remote.untouched([span(chunks[k]) for (k, _), ok in zip(items, fits) if ok]))
+    direct = [ok and next(outside) for ok in fits]
+    return [it for it, d in zip(items, direct) if d], [it for it, d in zip(items, direct) if not d]
+
+
+def _fits(ch: Chunk, dest: Destination) -> bool:
+    return (
+        dest is not None
+        and ch.source < 0
+        and ch.codec == fmt.CODEC_RAW
+        and ch.filter == fmt.FILTER_NONE
+        and not ch.tag
+        and ch.stored_len == ch.raw_len >= DIRECT_MIN
+    )
+
+
+def span(ch: Chunk) -> tuple[int, int]:
+    """The chunk's stored bytes and its padding in the file."""
+    return ch.offset, ch.offset + ch.stored_len + ch.pad
+
+
+class DirectReads:
+    """The fetches of some raw chunks into their destinations, each checked where it lies once
+    its last byte is in (`landed`, on the fetching thread)."""
+
+    def __init__(
+        self,
+        file_id: bytes,
+        chunks: Sequence[Chunk],
+        items: Sequence[tuple[int, Destination]],
+        verify: bool,
+        error: Callable[[Status, Sequence[tuple[int, Destination]]], Exception],
+    ) -> None:
+        ffi = _native.ffi
+        assert ffi is not None
+        order = sorted(range(len(items)), key=lambda i: chunks[items[i][0]].offset)
+        self._items = [items[i] for i in order]
+        self._chunks = [chunks[k] for k, _ in self._items]
+        self._starts = [ch.offset for ch in self._chunks]
+        self._arrived = [0] * len(self._items)
+        self._lock = threading.Lock()
+        self._verify = verify
+        self._error = error
+        self._file_id = ffi.new("uint8_t[16]", file_id)
+        self._buffers: list[Any] = []  # cffi buffers of memoryview destinations, released in close
+        self._bases: list[int] = []
+        self._pads: list[bytearray] = []
+        self.targets: list[tuple[int, memoryview]] = []
+        for (_, dest), ch in zip(self._items, self._chunks):
+            base = self._base(dest, ch.raw_len)
+            self._bases.append(base)
+            self.targets.append(
+                (ch.offset, memoryview(ffi.buffer(ffi.cast("uint8_t *", base), ch.stored_len)))
+            )
+            pad = bytearray(ch.pad)
+            self._pads.append(pad)
+            if ch.pad:
+                self.targets.append((ch.offset + ch.stored_len, memoryview(pad)))
+
+    def _base(self, dest: Destination, n: int) -> int:
+        """The address of a destination of `n` bytes (a buffer's kept exported until close)."""
+        ffi = _native.ffi
+        assert ffi is not None
+        if type(dest) is int:
+            return dest
+        buf = ffi.from_buffer("uint8_t[]", dest, require_writable=True)
+        self._buffers.append(buf)
+        if len(buf) != n:
+            raise ValueError(f"a destination of {len(buf)} bytes for a chunk of {n}")
+        return int(ffi.cast("uintptr_t", buf))
+
+    def start(self, remote: Fetcher) -> list[Future[None]]:
+        return remote.start_into(self.targets, self.landed)
+
+    def landed(self, request: tuple[int, int]) -> None:
+        """A request's bytes are in: check each chunk whose last bytes they were."""
+        lo, hi = request
+        done = []
+        with self._lock:
+            i = max(0, bisect.bisect_right(self._starts, lo) - 1)
+            while i < len(self._chunks) and self._starts[i] < hi:
+                a, b = span(self._chunks[i])
+                got = min(b, hi) - max(a, lo)
+                if got > 0:
+                    self._arrived[i] += got
+                    if self._arrived[i] == b - a:
+                        done.append(i)
+                i += 1
+        if self._verify:
+            for i in done:
+                self._check(i)
+
+    def _check(self, i: int) -> None:
+        """Chunk i's checks where it lies (the engine's, then its padding's), its error raised."""
+        k, ch = self._items[i][0], self._chunks[i]
+        status = check_in_place(self._file_id, k, ch, self._bases[i])
+        if status is None and any(self._pads[i]):
+            status = (_native.ERR_CORRUPT, 0, 0, _native.WHY_PADDING, 0)
+        if status is not None:
+            raise self._error(status, [self._items[i]])
+
+    def close(self) -> None:
+        """Let go of the destinations' buffers (once every fetch into them is over)."""
+        for buf in self._buffers:
+            _native.ffi.release(buf)
+        self._buffers = []
+
+
+def check_in_place(file_id: Any, k: int, ch: Chunk, base: int) -> Status | None:
+    """Check raw chunk `k` (record `ch`) whose stored bytes lie at address `base`: the engine's
+    check of a mapped file, given a mapping that puts the chunk's offset at `base` and ends
+    with its bytes (its padding, held elsewhere, left out: the caller checks it); None, or
+    the failure as read_chunks reports it."""
+    ffi, lib = _native.ffi, _native.lib
+    assert ffi is not None and lib is not None
+    if base < ch.offset:
+        raise ValueError(f"chunk {k}: memory at {base:#x} below its offset {ch.offset}")
+    records = _native.chunk_records([(k, ch._replace(pad=0), ffi.NULL)])
+    status = ffi.new("ckf_status *")
+    mapping = ffi.cast("uint8_t *", base - ch.offset)
+    rc = lib.ckf_check_mapped(mapping, ch.offset + ch.stored_len, file_id, records, 1, 1, status)
+    if rc == lib.CKF_OK:
+        return None
+    if rc == lib.CKF_ERR_ARG:
+        raise ValueError(f"chunk {k} has a layout the reader refuses")
+    return int(status.code), int(status.err_no), 0, int(status.reason), int(status.value)
+
+
+def read_direct(remote: Fetcher, reads: DirectReads, rest: Callable[[], None]) -> None:
+    """Fetch `reads` into their destinations while `rest` (the chunks read through the spool)
+    runs; the first failure raised once every fetch is over."""
+    futures = reads.start(remote)
+    try:
+        rest()
+        remote.wait(futures)
+    finally:
+        remote.wait_quietly(futures)
+        reads.close()
