@@ -40,7 +40,7 @@ from ..fileio import pread_exact
 from ..format import encryption
 from ..format import layout as fmt
 from ..format.index import Chunk, Index
-from . import fetchread
+from . import chunkrecords, fetchread
 from . import native as _native
 from .ckptdir import CheckpointDir
 from .sources import Fetcher, References
@@ -531,7 +531,7 @@ class ChunkReader:
         # No readahead advice for the whole range here: one POSIX_FADV_WILLNEED for all of
         # it blocks until all of it is queued (cold 1 GiB loads ran at 0.84 GB/s with it).
         # The engine's threads advise a sliding window of chunks ahead of theirs instead.
-        status = _native.read_chunks(
+        status = chunkrecords.read_chunks(
             fd,
             file_id,
             triples,
@@ -600,8 +600,7 @@ class ChunkReader:
         with trusted keys has each chunk's SHA-256 checked too, through the mapping."""
         ks = [k for first, count in ranges for k in range(first, first + count)]
         if _native.available():
-            items = [(k, self.chunks[k]) for k in ks]
-            status = _native.check_mapped(mm, self.file_id, items, _native.default_threads())
+            status = chunkrecords.check_mapped(mm, self.file_id, ks, self.chunks, _native.default_threads())
             if status is not None:
                 raise self.native_error(status, [(k, memoryview(b"")) for k in ks])
             return
