@@ -69,8 +69,7 @@ class External(Frozen):
     path: str  # rel joined to the referencing file's directory: what is opened
 
     def __init__(self, rel: str, file_id: bytes, length: int, path: str) -> None:
-        for name, value in zip(self.__slots__, (rel, file_id, length, path)):
-            object.__setattr__(self, name, value)
+        self._set(rel, file_id, length, path)
 
     @property
     def name(self) -> str:
@@ -260,9 +259,10 @@ class _IndexParser:
         self._charge_index(fmt.index_memory_bound(raw))  # before json builds anything
         external = bool(self.prologue.required_features & fmt.FEATURE_EXTERNAL)
         fields = INDEX_FIELDS_EXTERNAL if external else INDEX_FIELDS
-        # what the index's members are checked with: the file's length, where its signature or
-        # encryption block starts, the index's SHA-256 (signed files), the blocks, the data key
-        self._tail = (length, block_at, index_sha256, early_block, enc, data_key, enc_sha256)
+        # what the index's members are checked with (_members): where the signature or encryption
+        # block starts, the index's SHA-256 (signed files), the blocks, the data key
+        self._block_at, self._index_sha256, self._data_key = block_at, index_sha256, data_key
+        self._enc, self._early_block, self._enc_sha256 = enc, early_block, enc_sha256
         if raw.find(b"\\") >= 0:  # escapes: every object's members checked as json builds it
             members = parse_index_json(raw, path, fields)
             del raw
@@ -292,9 +292,9 @@ class _IndexParser:
 
     def _members(self, index: dict[str, Any], external: bool, count: validate.TextCount | None) -> Index:
         """The Index from the parsed JSON `index` (every member checked) and what parse read
-        before it (self._tail); with `count`, every member of the objects it accepts and every
+        before it (the blocks after it, the data key); with `count`, every member of the objects it accepts and every
         colon of the strings it keeps that may hold one counted (validate.TextCount)."""
-        length, block_at, index_sha256, early_block, enc, data_key, enc_sha256 = self._tail
+        block_at, enc, data_key = self._block_at, self._enc, self._data_key
         path = self.path
         c = validate.Check(path)
         self.chunk_size = c.bounded_int(index["chunk_size"], "chunk_size", fmt.MAX_CHUNK_SIZE)
@@ -317,8 +317,8 @@ class _IndexParser:
         # the JSON records are dropped as soon as they are parsed: they cost more than the Chunks
         self.chunks = self._parse_chunks(c, index.pop("chunks"))
         nodes = validate.validate_tree(index.pop("nodes"), self.storages, path, count)
-        block = early_block
-        if index_sha256 and block is None:
+        block = self._early_block
+        if self._index_sha256 and block is None:
             from . import signing
 
             want = signing.block_length(len(self.chunks))
@@ -326,7 +326,7 @@ class _IndexParser:
                 raise CorruptError(
                     f"signature block is {self.footer.signature_length} bytes, {want} for {len(self.chunks)} chunks",
                     path=path,
-                    offset=length - fmt.FOOTER_SIZE + 40,
+                    offset=self.prologue.file_length - fmt.FOOTER_SIZE + 40,
                 )
             raw_block = self._read(block_at, self.footer.signature_length)
             if len(raw_block) != self.footer.signature_length:
@@ -363,10 +363,10 @@ class _IndexParser:
             nodes,
             self.index_memory,
             block,
-            index_sha256,
+            self._index_sha256,
             enc,
             data_key,
-            enc_sha256,
+            self._enc_sha256,
             self._decrypt if data_key else None,
         )
 
