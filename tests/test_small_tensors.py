@@ -341,7 +341,7 @@ def test_load_into_gives_the_engine_addresses_not_buffers(small_file, small_stat
     read_chunks, prepared = chunkrecords.read_chunks, batched.PreparedReads
 
     def recorded(fd, file_id, items, *args, **kwargs):
-        kinds.update(type(dest).__name__ for _, _, dest in items)
+        kinds.update(type(dest).__name__ for _, dest in items)
         return read_chunks(fd, file_id, items, *args, **kwargs)
 
     class RecordedReads(prepared):  # both passes' reads, built once

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import array
 from collections.abc import Sequence
-from typing import Any
+from operator import itemgetter
+from typing import Any, cast
 
 from ..format.index import Chunk
 from . import native as _native
@@ -78,44 +79,64 @@ def fill_extras(c: Any, k: int, ch: Chunk, key: Any = None) -> None:
 def read_chunks(
     fd: int,
     file_id: bytes,
-    items: list[tuple[int, Chunk, memoryview | int | None]],
+    items: Sequence[tuple[int, memoryview | int | None]],
+    records: Sequence[Chunk],
     verify: bool,
     threads: int,
     check_only: bool = False,
     key: bytes | None = None,
 ) -> Status | None:
-    """Read (chunk number, chunk record, destination) in parallel; None, or the failure's
-    (code, errno, position in `items`, reason, value) for the caller to turn into an exception.
-    The chunk number is the one the checksum seed binds in the file at `fd`.  A destination is
-    a writable buffer of exactly raw_len bytes, or the address (an int) of raw_len bytes of host
-    memory the caller keeps alive for the call (no buffer export per chunk).  check_only: every
-    chunk checked, whatever `verify` says, the destinations' contents left undefined (raw chunks
-    not copied, shuffled ones not un-shuffled); a chunk without a content digest then needs no
-    destination (None).  `key`: an encrypted file's data key (spec 17): tagged chunks decrypted."""
+    """Read (chunk number, destination) in parallel, `records[i]` the chunk record of items[i];
+    None, or the failure's (code, errno, position in `items`, reason, value) for the caller to
+    turn into an exception.  The chunk number is the one the checksum seed binds in the file at
+    `fd`.  A destination is the address (an int) of raw_len bytes of host memory the caller
+    keeps alive for the call (a load's fresh storages: no buffer export per chunk), or a
+    writable buffer of exactly raw_len bytes.  check_only: every chunk checked, whatever
+    `verify` says, the destinations' contents left undefined (raw chunks not copied, shuffled
+    ones not un-shuffled); a chunk without a content digest then needs no destination (None).
+    `key`: an encrypted file's data key (spec 17): tagged chunks decrypted."""
     ffi = _native.ffi
     assert ffi is not None
     kbuf = ffi.new("uint8_t[32]", key) if key else ffi.NULL
     keep: list[Any] = []
-    pairs: list[tuple[int, int]] = []
     try:
-        for k, ch, dest in items:
-            if type(dest) is int:
-                pairs.append((k, dest))
-            elif dest is None:
-                if not check_only or ch.digest:
-                    raise ValueError(f"chunk {k} needs a destination: it is read or its digest taken")
-                pairs.append((k, 0))
-            else:
-                dst = ffi.from_buffer("uint8_t[]", dest, require_writable=True)
-                keep.append(dst)
-                if len(dst) != ch.raw_len:
-                    raise ValueError(f"chunk {k}: a destination of {len(dst)} bytes, the chunk {ch.raw_len}")
-                pairs.append((k, int(ffi.cast("uintptr_t", dst))))
-        records = build(pairs, [ch for _, ch, _ in items], kbuf)
-        return run_reads(fd, file_id, records, [k for k, _ in pairs], verify, threads, check_only)
+        pairs: Sequence[tuple[int, int]]
+        if set(map(type, map(itemgetter(1), items))) == {int}:  # addresses already (a load's)
+            pairs = cast("Sequence[tuple[int, int]]", items)
+        else:
+            pairs = _addresses(items, records, check_only, keep)
+        rows = build(pairs, records, kbuf)
+        return run_reads(fd, file_id, rows, [k for k, _ in pairs], verify, threads, check_only)
     finally:  # the exports dropped now, not when a traceback holding this frame is freed
         for dst in keep:
             ffi.release(dst)
+
+
+def _addresses(
+    items: Sequence[tuple[int, memoryview | int | None]],
+    records: Sequence[Chunk],
+    check_only: bool,
+    keep: list[Any],
+) -> list[tuple[int, int]]:
+    """`items` with each destination an address: a buffer's (its export put in `keep`, for the
+    caller to release), 0 for none (only where nothing is written: check_only, no digest)."""
+    ffi = _native.ffi
+    assert ffi is not None
+    pairs = []
+    for (k, dest), ch in zip(items, records):
+        if type(dest) is int:
+            pairs.append((k, dest))
+        elif dest is None:
+            if not check_only or ch.digest:
+                raise ValueError(f"chunk {k} needs a destination: it is read or its digest taken")
+            pairs.append((k, 0))
+        else:
+            dst = ffi.from_buffer("uint8_t[]", dest, require_writable=True)
+            keep.append(dst)
+            if len(dst) != ch.raw_len:
+                raise ValueError(f"chunk {k}: a destination of {len(dst)} bytes, the chunk {ch.raw_len}")
+            pairs.append((k, int(ffi.cast("uintptr_t", dst))))
+    return pairs
 
 
 def run_reads(
