@@ -518,13 +518,12 @@ class ChunkReader:
         chunks = self.chunks
         data_key = self.data_key or None
         reads: Sequence[tuple[int, Destination]] = items  # (number in the file read, destination)
+        records = [chunks[k] for k, _ in items]
         if chunks[items[0][0]].source < 0:  # this file: a chunk's number here is its own
             fd, file_id = self.fd, self.file_id
-            records = [chunks[k] for k, _ in items]
         else:
             where = [self._source(k, None) for k, _ in items]
             fd, file_id = where[0][0], where[0][1]
-            records = [chunks[k] for k, _ in items]
             if data_key:  # an encrypted referenced file: its key and tags
                 data_key = self._crypto_of(items[0][0])[0]
                 records = [ch._replace(tag=self._crypto_of(k)[3]) for (k, _), ch in zip(items, records)]
