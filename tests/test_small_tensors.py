@@ -20,7 +20,7 @@ import torch
 from helpers import assert_same, read_bytes, write_bytes
 
 import ckptfmt
-from ckptfmt.engine import batched, bytesview, hostmem
+from ckptfmt.engine import batched, bytesview, chunkrecords, hostmem
 from ckptfmt.engine import native as _native
 
 N = 2000
@@ -126,6 +126,22 @@ def test_local_load_imports_no_object_store_or_key_module(small_file):
         f"ckptfmt.load({small_file!r}, mmap=True)\n"
         "print(sorted(m for m in sys.modules if m.startswith('ckptfmt.storage')"
         " or m == 'ckptfmt.files.encryption'))\n"
+    )
+    assert _printed_by_fresh_process(code) == "[]"
+
+
+def test_a_first_load_imports_nothing_its_entry_point_did_not(small_file):
+    """`from ckptfmt import load` imports the reader's modules; a process's first load (and
+    mapped load) then imports none of ckptfmt's: each import inside the call is paid by a
+    resume's first load of many small tensors, and by no peer whose entry point was imported
+    (engine.hostmem was imported there, 0.3 ms of CPU)."""
+    code = (
+        "import sys, torch\n"
+        "from ckptfmt import load\n"
+        "before = set(sys.modules)\n"
+        f"load({small_file!r})\n"
+        f"load({small_file!r}, mmap=True)\n"
+        "print(sorted(m for m in set(sys.modules) - before if m.startswith('ckptfmt')))\n"
     )
     assert _printed_by_fresh_process(code) == "[]"
 
@@ -324,10 +340,10 @@ def test_load_into_gives_the_engine_addresses_not_buffers(small_file, small_stat
     """Both passes of an atomic load_into hand the engine each chunk's place as an address (in
     the bounce buffer, then in the target): no buffer export per chunk, and the checks stay."""
     kinds: set[str] = set()
-    read_chunks, prepared = _native.read_chunks, batched.PreparedReads
+    read_chunks, prepared = chunkrecords.read_chunks, batched.PreparedReads
 
     def recorded(fd, file_id, items, *args, **kwargs):
-        kinds.update(type(dest).__name__ for _, _, dest in items)
+        kinds.update(type(dest).__name__ for _, dest in items)
         return read_chunks(fd, file_id, items, *args, **kwargs)
 
     class RecordedReads(prepared):  # both passes' reads, built once
@@ -335,7 +351,7 @@ def test_load_into_gives_the_engine_addresses_not_buffers(small_file, small_stat
             kinds.update(type(at).__name__ for _, at in items)
             super().__init__(reader, items)
 
-    monkeypatch.setattr(_native, "read_chunks", recorded)
+    monkeypatch.setattr(chunkrecords, "read_chunks", recorded)
     monkeypatch.setattr(batched, "PreparedReads", RecordedReads)
     targets = {k: torch.zeros_like(v) for k, v in small_state.items()}
     ckptfmt.load_into(small_file, targets)
@@ -412,7 +428,7 @@ def test_atomic_load_into_builds_the_engine_records_once(small_file, small_state
         raise AssertionError("a chunk read outside the prepared table")
 
     monkeypatch.setattr(batched, "PreparedReads", CountedReads)
-    monkeypatch.setattr(_native, "read_chunks", refused)
+    monkeypatch.setattr(chunkrecords, "read_chunks", refused)
     targets = {k: torch.zeros_like(v) for k, v in small_state.items()}
     ckptfmt.load_into(small_file, targets)
     assert_same(targets, small_state, check_sharing=False)
@@ -422,7 +438,7 @@ def test_atomic_load_into_builds_the_engine_records_once(small_file, small_state
 @pytest.mark.skipif(not _native.available(), reason="the C engine is not built")
 @pytest.mark.parametrize("field", ["codec", "filter", "width", "pad"])
 def test_packed_engine_records_refuse_a_value_past_its_field_not_truncate_it(field):
-    """The engine's records of prepared reads are set from packed 64-bit fields in one call:
+    """The engine's records of every read are set from packed 64-bit fields in one call:
     a value wider than its member (a codec past 255, padding past 2^32) is refused, never cut
     down to another, valid-looking value (256 would have read as codec 0, raw)."""
     from ckptfmt.format.index import Chunk
@@ -431,11 +447,46 @@ def test_packed_engine_records_refuse_a_value_past_its_field_not_truncate_it(fie
     fields = dict(offset=0, stored_len=64, raw_len=64, codec=0, filter=0, width=0, checksum=0, pad=0)
     fields[field] = wide
     with pytest.raises(ValueError, match="past the engine's fields"):
-        batched._records([Chunk(**fields)], [(0, 4096)], _native.ffi.NULL)
+        chunkrecords.build([(0, 4096)], [Chunk(**fields)], _native.ffi.NULL)
     fields[field] = 0
-    rows = batched._records([Chunk(**fields)], [(0, 4096)], _native.ffi.NULL)
+    rows = chunkrecords.build([(0, 4096)], [Chunk(**fields)], _native.ffi.NULL)
     assert (rows[0].stored_len, rows[0].raw_len, int(_native.ffi.cast("uintptr_t", rows[0].dst))) == (
         64,
         64,
         4096,
     )
+
+
+@pytest.mark.skipif(not _native.available(), reason="the C engine is not built")
+@pytest.mark.parametrize("how", ["load", "mmap", "verify"])
+def test_every_engine_read_builds_its_records_with_the_packed_builder(
+    small_file, small_state, monkeypatch, how
+):
+    """A load's reads into addresses, the verified mapping's check and verify's reads into a
+    buffer build the engine's records of all their chunks in one pass of chunkrecords.build
+    (fields packed, set by one engine call), none with a tuple per chunk handed to cffi; and a
+    damaged chunk is still named by each."""
+    built: list[int] = []
+    build = chunkrecords.build
+
+    def counted(items, records, key=None):
+        built.append(len(items))
+        return build(items, records, key)
+
+    monkeypatch.setattr(chunkrecords, "build", counted)
+    if how == "verify":
+        assert ckptfmt.verify(small_file).ok
+    else:
+        loaded = ckptfmt.load(small_file, mmap=how == "mmap")
+        assert_same(loaded, small_state)
+    assert sum(built) == N and len(built) <= 2  # every chunk ("tied" shares one), in one or two calls
+    data = read_bytes(small_file)
+    data[64 + 256 * 700 + 3] ^= 0x01  # inside chunk 700 (8x8 fp32: 256 bytes each, after the prologue)
+    write_bytes(small_file, data)
+    if how == "verify":
+        problems = ckptfmt.verify(small_file).problems
+        assert [p.chunk for p in problems] == [700]
+    else:
+        with pytest.raises(ckptfmt.CorruptError, match="checksum mismatch") as e:
+            ckptfmt.load(small_file, mmap=how == "mmap")
+        assert e.value.chunk == 700

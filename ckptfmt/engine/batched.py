@@ -4,10 +4,9 @@ or by slices, and many small copies.
 An atomic load_into() reads the same chunks twice: it checks every one, then reads them into
 their targets.  Building the engine's record of a chunk costs about as much Python as the
 engine's read of a 4 KiB chunk, so for a state of many small tensors the records are built
-once (`PreparedReads`, the leading fields of every record packed into one array and set by one
-engine call) and both passes run them, the second a batch of targets at a time.  Only chunks
-of one local file: referenced files and objects' spools go through ChunkReader.read_into,
-which groups and fetches them.  `copy_spans` copies chunks checked in a bounce buffer into
+once (`PreparedReads`, by chunkrecords' one builder) and both passes run them, the second a
+batch of targets at a time.  Only chunks of one local file: referenced files and objects'
+spools go through ChunkReader.read_into, which groups and fetches them.  `copy_spans` copies chunks checked in a bounce buffer into
 their targets (signed or encrypted files) in one call.
 """
 
@@ -16,19 +15,11 @@ from __future__ import annotations
 import array
 import errno
 from collections.abc import Sequence
-from typing import Any
 
 from ..errors import LimitError
-from ..format.index import Chunk
+from . import chunkrecords
 from . import native as _native
 from .chunkread import ChunkReader
-
-#: the leading fields of a chunk record, in the order ckf_fill_rchunks takes them after the
-#: destination and the chunk's number: each record's first 8 items, taken as one slice
-_PACKED = ("offset", "stored_len", "raw_len", "codec", "filter", "width", "checksum", "pad")
-assert Chunk._fields[: len(_PACKED)] == _PACKED
-#: the optional fields, set one by one (native.fill_extras) on the few records that have one
-_EXTRAS = tuple(Chunk._fields.index(name) for name in ("digest", "sha", "tag"))
 
 
 class PreparedReads:
@@ -48,14 +39,15 @@ class PreparedReads:
         self._numbers = [k for k, _ in items]
         key = reader.data_key
         self._key = ffi.new("uint8_t[32]", key) if key else ffi.NULL  # alive as long as the records
-        self._rows = _records(reader.chunks, items, self._key)
+        chunks = reader.chunks
+        self._rows = chunkrecords.build(items, [chunks[k] for k, _ in items], self._key)
 
     def read(self, lo: int, hi: int, verify: bool, check_only: bool = False) -> None:
         """Read items [lo, hi) as read_chunks does: check_only checks every chunk, whatever
         `verify` says, and leaves the destinations of raw chunks untouched (they pass through
         the engine's own buffer)."""
         reader = self._reader
-        status = _native.run_reads(
+        status = chunkrecords.run_reads(
             reader.fd,
             reader.file_id,
             self._rows + lo,
@@ -66,36 +58,6 @@ class PreparedReads:
         )
         if status is not None:
             raise reader.native_error(status, self._items[lo:hi])
-
-
-def _records(chunks: Sequence[Chunk], items: Sequence[tuple[int, int]], key: Any) -> Any:
-    """The engine's records (ckf_rchunk[]) of `items` (chunk number, destination address): the
-    leading fields packed into one array in a loop that builds no tuple per chunk (what
-    native.chunk_records spends most of its time on), set by one engine call."""
-    ffi, lib = _native.ffi, _native.lib
-    assert lib is not None and ffi is not None
-    fields: list[int] = []
-    add = fields.extend
-    extras = []
-    digest, sha, tag = _EXTRAS
-    for i, (k, address) in enumerate(items):
-        ch = chunks[k]
-        add((address, k))
-        add(ch[:8])
-        if ch[digest] or ch[sha] or ch[tag]:
-            extras.append(i)
-    rows = ffi.new("ckf_rchunk[]", len(items) or 1)
-    view = ffi.from_buffer("uint64_t[]", array.array("Q", fields))
-    try:
-        rc = lib.ckf_fill_rchunks(rows, view, len(items))
-    finally:
-        ffi.release(view)
-    if rc:  # the index was checked: a value past its member's width is the engine's bug
-        raise ValueError(f"chunk records of {len(items)} chunks hold a value past the engine's fields")
-    for i in extras:
-        k = items[i][0]
-        _native.fill_extras(rows[i], k, chunks[k], key)
-    return rows
 
 
 def prepare(reader: ChunkReader, items: Sequence[tuple[int, int]]) -> PreparedReads | None:

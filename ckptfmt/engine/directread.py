@@ -28,6 +28,7 @@ from typing import Any
 
 from ..format import layout as fmt
 from ..format.index import Chunk
+from . import chunkrecords
 from . import native as _native
 from .sources import Fetcher
 
@@ -35,7 +36,7 @@ from .sources import Fetcher
 #: chunk costs a call of its own to check it
 DIRECT_MIN = 64 << 10
 
-Status = tuple[int, int, int, int, int]
+Status = chunkrecords.Status
 Destination = memoryview | int | None
 
 
@@ -93,7 +94,7 @@ class DirectReads:
         self._lock = threading.Lock()
         self._verify = verify
         self._error = error
-        self._file_id = ffi.new("uint8_t[16]", file_id)
+        self._file_id = bytes(file_id)
         self._buffers: list[Any] = []  # cffi buffers of memoryview destinations, released in close
         self._bases: list[int] = []
         self._pads: list[bytearray] = []
@@ -158,24 +159,17 @@ class DirectReads:
         self._buffers = []
 
 
-def check_in_place(file_id: Any, k: int, ch: Chunk, base: int) -> Status | None:
+def check_in_place(file_id: bytes, k: int, ch: Chunk, base: int) -> Status | None:
     """Check raw chunk `k` (record `ch`) whose stored bytes lie at address `base`: the engine's
     check of a mapped file, given a mapping that puts the chunk's offset at `base` and ends
     with its bytes (its padding, held elsewhere, left out: the caller checks it); None, or
     the failure as read_chunks reports it."""
-    ffi, lib = _native.ffi, _native.lib
-    assert ffi is not None and lib is not None
+    ffi = _native.ffi
+    assert ffi is not None
     if base < ch.offset:
         raise ValueError(f"chunk {k}: memory at {base:#x} below its offset {ch.offset}")
-    records = _native.chunk_records([(k, ch._replace(pad=0), ffi.NULL)])
-    status = ffi.new("ckf_status *")
     mapping = ffi.cast("uint8_t *", base - ch.offset)
-    rc = lib.ckf_check_mapped(mapping, ch.offset + ch.stored_len, file_id, records, 1, 1, status)
-    if rc == lib.CKF_OK:
-        return None
-    if rc == lib.CKF_ERR_ARG:
-        raise ValueError(f"chunk {k} has a layout the reader refuses")
-    return int(status.code), int(status.err_no), 0, int(status.reason), int(status.value)
+    return chunkrecords.check_at(mapping, ch.offset + ch.stored_len, file_id, [k], [ch._replace(pad=0)], 1)
 
 
 def read_direct(remote: Fetcher, reads: DirectReads, rest: Callable[[], None]) -> None:

@@ -40,10 +40,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from . import native as _native
+
+if TYPE_CHECKING:
+    import torch
 
 HUGE_PAGE = 2 << 20
 # Below this the allocator may hand out reused heap memory, and the faults saved
@@ -64,6 +66,8 @@ def empty_bytes(nbytes: int, *, pinned: bool = False, reused: bool = False) -> t
 
     Raises RuntimeError or MemoryError when the memory cannot be had, as torch.empty does.
     """
+    import torch  # here, not with the module: the reader imports it before any load needs torch
+
     out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
     if (
         not pinned
@@ -82,6 +86,8 @@ def empty_storage(nbytes: int) -> torch.UntypedStorage:
     Raises RuntimeError or MemoryError when the memory cannot be had, as torch.empty does.
     """
     if nbytes < MIN_HUGE_BYTES:
+        import torch
+
         return torch.UntypedStorage(nbytes)
     return empty_bytes(nbytes).untyped_storage()
 

@@ -12,7 +12,7 @@ import os
 import socket
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, CheckpointWarning
@@ -527,119 +527,6 @@ def raise_status(status: Any, path: str, doing: str) -> None:
     )
 
 
-def read_chunks(
-    fd: int,
-    file_id: bytes,
-    items: list[tuple[int, Any, memoryview | int | None]],
-    verify: bool,
-    threads: int,
-    check_only: bool = False,
-    key: bytes | None = None,
-) -> tuple[int, int, int, int, int] | None:
-    """Read (chunk number, chunk record, destination) in parallel; None, or the failure's
-    (code, errno, position in `items`, reason, value) for the caller to turn into an exception.
-    The chunk number is the one the checksum seed binds in the file at `fd`.  A destination is
-    a writable buffer of exactly raw_len bytes, or the address (an int) of raw_len bytes of host
-    memory the caller keeps alive for the call (no buffer export per chunk).  check_only: every
-    chunk checked, whatever `verify` says, the destinations' contents left undefined (raw chunks
-    not copied, shuffled ones not un-shuffled); a chunk without a content digest then needs no
-    destination (None).  `key`: an encrypted file's data key (spec 17): tagged chunks decrypted."""
-    assert lib is not None and ffi is not None
-    kbuf = ffi.new("uint8_t[32]", key) if key else ffi.NULL
-    keep: list[Any] = []
-    entries = []
-    try:
-        for k, ch, dest in items:
-            if dest is None:
-                if not check_only or ch.digest:
-                    raise ValueError(f"chunk {k} needs a destination: it is read or its digest taken")
-                dst = ffi.NULL
-            elif type(dest) is int:
-                dst = ffi.cast("uint8_t *", dest)
-            else:
-                dst = ffi.from_buffer("uint8_t[]", dest, require_writable=True)
-                keep.append(dst)
-                if len(dst) != ch.raw_len:
-                    raise ValueError(f"chunk {k}: a destination of {len(dst)} bytes, the chunk {ch.raw_len}")
-            entries.append((k, ch, dst))
-        records = chunk_records(entries, kbuf)
-        return run_reads(fd, file_id, records, [k for k, _, _ in items], verify, threads, check_only)
-    finally:
-        _release(keep)
-
-
-def chunk_records(items: Sequence[tuple[int, Any, Any]], key: Any = None) -> Any:
-    """The engine's records (ckf_rchunk[], cffi filling them in C from their leading fields) of
-    (chunk number, chunk record, destination pointer or ffi.NULL); `key`: a uint8_t[32] data key."""
-    assert ffi is not None
-    rows = [
-        (dst, k, ch.offset, ch.stored_len, ch.raw_len, ch.checksum, ch.pad, ch.codec, ch.filter, ch.width)
-        for k, ch, dst in items
-    ]
-    records = ffi.new("ckf_rchunk[]", rows or 1)
-    for i, (k, ch, _) in enumerate(items):
-        if ch.digest or ch.sha or ch.tag:
-            fill_extras(records[i], k, ch, key)
-    return records
-
-
-def run_reads(
-    fd: int, file_id: bytes, records: Any, numbers: list[int], verify: bool, threads: int, check_only: bool
-) -> tuple[int, int, int, int, int] | None:
-    """Read len(numbers) records from `records` (chunk_records, or records + lo) as read_chunks
-    says, `numbers` their chunk numbers (for errors); check_only: every check, no raw copy."""
-    assert lib is not None and ffi is not None
-    status = ffi.new("ckf_status *")
-    fid = ffi.new("uint8_t[16]", file_id)
-    mode = 2 if check_only else 1 if verify else 0
-    rc = lib.ckf_read_chunks(fd, fid, records, len(numbers), mode, threads, status)
-    return _outcome(rc, status, numbers)
-
-
-def fill_extras(c: Any, k: int, ch: Any, key: Any = None) -> None:
-    """The optional fields of a chunk's engine record: content digest, signed SHA-256, GCM tag."""
-    assert ffi is not None
-    if ch.digest:  # files with content digests (feature bit 0)
-        c.has_digest = 1
-        ffi.memmove(c.digest, ch.digest, 16)
-    if ch.sha:  # signed files read with trusted keys (section 16)
-        c.has_sha = 1
-        ffi.memmove(c.sha, ch.sha, 32)
-    if ch.tag:  # encrypted files read with the key (section 17)
-        if not key:
-            raise ValueError(f"chunk {k} is encrypted and no data key was given")
-        c.key = key
-        ffi.memmove(c.tag, ch.tag, 16)
-
-
-def _outcome(rc: int, status: Any, numbers: list[int]) -> tuple[int, int, int, int, int] | None:
-    assert lib is not None
-    if rc == lib.CKF_OK:
-        return None
-    if rc == lib.CKF_ERR_ARG:
-        pos = int(status.chunk)
-        which = numbers[pos] if 0 <= pos < len(numbers) else pos
-        raise ValueError(f"chunk {which} has a layout the reader refuses")
-    return int(status.code), int(status.err_no), int(status.chunk), int(status.reason), int(status.value)
-
-
-def check_mapped(
-    mapping: Any, file_id: bytes, items: list[tuple[int, Any]], threads: int
-) -> tuple[int, int, int, int, int] | None:
-    """Verify raw (chunk number, chunk record) where they lie in `mapping` (the whole file,
-    e.g. an mmap), in parallel; None, or the failure as read_chunks reports it."""
-    assert lib is not None and ffi is not None
-    arr = chunk_records([(k, ch, ffi.NULL) for k, ch in items])
-    status = ffi.new("ckf_status *")
-    fid = ffi.new("uint8_t[16]", file_id)
-    src = ffi.from_buffer("uint8_t[]", mapping)
-    try:
-        rc = lib.ckf_check_mapped(src, len(src), fid, arr, len(items), threads, status)
-    finally:
-        _release([src])
-    return _outcome(rc, status, [k for k, _ in items])
-
-
 def advise_huge(t: Any) -> None:
     """Ask for huge pages for a fresh, untouched CPU tensor's memory (no-op without the engine)."""
     if lib is not None and ffi is not None:
@@ -689,10 +576,8 @@ __all__ = [
     "advise_huge",
     "available",
     "built",
-    "check_mapped",
     "content_digests",
     "copy",
-    "read_chunks",
     "default_threads",
     "versions",
     "write_chunks",

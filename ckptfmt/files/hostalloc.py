@@ -5,13 +5,14 @@ the fewest torch calls: a small storage whose first tensor spans exactly its byt
 (`StorageRecord.whole`) as that tensor, in one call that builds both; every other storage
 by one batch of `engine.hostmem` allocations (huge pages for the large ones where they pay
 off).  A failed allocation is a LimitError naming the storage's key.  torch is imported
-when memory is allocated, not when this module is: opening a file needs none.
+when memory is allocated, not when this module (or engine.hostmem) is: opening a file needs none.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..engine import hostmem
 from ..errors import LimitError
 
 if TYPE_CHECKING:
@@ -27,8 +28,6 @@ def alloc_error(path: str, nbytes: int, key: str, e: BaseException) -> LimitErro
 
 def alloc_bytes(path: str, nbytes: int, key: str) -> torch.Tensor:
     """`nbytes` of host memory (a uint8 tensor); LimitError naming `key` if it fails."""
-    from ..engine import hostmem
-
     try:
         return hostmem.empty_bytes(nbytes)
     except (RuntimeError, MemoryError) as e:
@@ -40,8 +39,6 @@ def alloc_storages(
 ) -> dict[int, torch.UntypedStorage]:
     """A fresh CPU storage for each of `sids` (indexes into `records`, the storages of the file
     at `path`; one allocation each, no tensor); LimitError naming the storage's key if one fails."""
-    from ..engine import hostmem
-
     out = {}
     empty = hostmem.empty_storage
     for sid in sids:
@@ -64,7 +61,6 @@ def alloc_host(
     LimitError naming the storage's key if an allocation fails."""
     import torch
 
-    from ..engine import hostmem
     from ..format.dtypes import TORCH_DTYPES
 
     places: dict[int, torch.UntypedStorage | torch.Tensor] = {}

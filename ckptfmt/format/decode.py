@@ -167,8 +167,7 @@ class RawArray(Frozen):
         meta: dict[str, Any],
         storage: Callable[[int], bytes],
     ) -> None:
-        for name, value in zip(self.__slots__, (kind, dtype, shape, meta, storage)):
-            object.__setattr__(self, name, value)
+        self._set(kind, dtype, shape, meta, storage)
 
     def vector_bytes(self) -> bytes:
         """The bytes of a 1-D array's elements in order (a tensor's offset and stride applied),
@@ -193,8 +192,7 @@ class RawValue(Frozen):
     fields: tuple[Any, ...]
 
     def __init__(self, kind: str, fields: tuple[Any, ...]) -> None:
-        object.__setattr__(self, "kind", kind)
-        object.__setattr__(self, "fields", fields)
+        self._set(kind, fields)
 
 
 @pausing

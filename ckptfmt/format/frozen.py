@@ -3,7 +3,7 @@
 A frozen dataclass's methods are generated (compiled) when its module is imported, about a
 millisecond each on these machines, and a process's first load imports every record class on
 its path.  A subclass lists its fields in `__slots__`, sets them in its own `__init__` with
-`object.__setattr__`, and gets what `@dataclass(frozen=True)` gives: equality and hash by the
+`self._set(...)` (the values in the order of its slots), and gets what `@dataclass(frozen=True)` gives: equality and hash by the
 fields (in order), a repr of the fields it shows, FrozenInstanceError on any change, and
 copies and pickles of the same fields.
 """
@@ -20,6 +20,15 @@ class Frozen:
     __slots__ = ()
     #: the fields repr shows (all of them unless a subclass says otherwise)
     _shown: tuple[str, ...] = ()
+
+    def _set(self, *values: object) -> None:
+        """Set the fields, in the order of `__slots__`, past __setattr__'s refusal: for __init__
+        and for copies and pickles, which are made without __init__."""
+        names: tuple[str, ...] = self.__slots__
+        if len(values) != len(names):
+            raise TypeError(f"{type(self).__name__} has {len(names)} fields, not {len(values)}")
+        for name, value in zip(names, values):
+            object.__setattr__(self, name, value)
 
     def _values(self) -> tuple[Any, ...]:
         names: tuple[str, ...] = self.__slots__
@@ -48,7 +57,4 @@ class Frozen:
         return self._values()
 
     def __setstate__(self, state: tuple[Any, ...]) -> None:
-        # copies and pickles are made without __init__, and fields are set as __init__ sets them
-        names: tuple[str, ...] = self.__slots__
-        for name, value in zip(names, state):
-            object.__setattr__(self, name, value)
+        self._set(*state)

@@ -35,7 +35,7 @@ import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     CorruptError,
@@ -49,6 +49,7 @@ from ..fileio import pread_exact
 from ..gcpause import pausing
 from . import encryption, locations, tree, validate
 from . import layout as fmt
+from .chunks import HEX16, Chunk, plain_raw_chunk, plain_raw_chunks
 from .encryption import Opener
 from .frozen import Frozen
 from .indexjson import INDEX_FIELDS, INDEX_FIELDS_EXTERNAL, parse_index_json
@@ -56,27 +57,6 @@ from .layout import Limits
 
 if TYPE_CHECKING:
     from . import signing  # imported where a file is signed: a load of any other never needs it
-
-_HEX16 = frozenset("0123456789abcdef")
-
-
-class Chunk(NamedTuple):
-    """A chunk record of a validated index (spec section 3), immutable: a named tuple, which
-    builds in a quarter of the time a frozen dataclass does (a file may hold millions)."""
-
-    offset: int
-    stored_len: int
-    raw_len: int
-    codec: int
-    filter: int
-    width: int
-    checksum: int
-    pad: int  # zero bytes after the chunk, up to the next chunk or the index
-    digest: bytes = b""  # XXH3-128 of the raw bytes (feature bit 0), canonical order
-    source: int = -1  # -1: in this file; else the entry of `externals` whose file holds it
-    number: int = -1  # for an external chunk: its chunk number in that file
-    sha: bytes = b""  # signed files read with trusted keys: SHA-256 the stored bytes must have (section 16)
-    tag: bytes = b""  # encrypted files read with the key: the GCM tag of the stored bytes (section 17)
 
 
 class External(Frozen):
@@ -89,8 +69,7 @@ class External(Frozen):
     path: str  # rel joined to the referencing file's directory: what is opened
 
     def __init__(self, rel: str, file_id: bytes, length: int, path: str) -> None:
-        for name, value in zip(self.__slots__, (rel, file_id, length, path)):
-            object.__setattr__(self, name, value)
+        self._set(rel, file_id, length, path)
 
     @property
     def name(self) -> str:
@@ -115,52 +94,8 @@ def _placed(ch: Chunk, pad: int, source: int = -1, number: int = -1) -> Chunk:
     )
 
 
-_new_tuple = tuple.__new__
-#: the fields of a local chunk's record after its digest, at their defaults (source, number, sha, tag)
-_LOCAL_TAIL = tuple(Chunk._field_defaults[f] for f in Chunk._fields[Chunk._fields.index("digest") + 1 :])
-
-
 def _is_hex(v: object, digits: int) -> bool:
-    return type(v) is str and len(v) == digits and _HEX16.issuperset(v)
-
-
-def _plain_raw_chunk(
-    item: list[Any], offset: int, raw_len: int, end_of_data: int, digests: bool
-) -> Chunk | None:
-    """The Chunk of a local, uncompressed, unfiltered record that passes every check of
-    _parse_layout and _check_local (at `offset`, `raw_len` bytes, ending before the index),
-    built in one step; None for any other record, which the full checks then parse (and
-    refuse with their precise messages).  Most files are mostly such records."""
-    if len(item) != (8 if digests else 7):
-        return None
-    off, slen, rlen, codec, filt, width, check = item[:7]
-    # every test inline (this runs once per chunk): _is_hex's, and align_up's as -end % ALIGNMENT
-    if not (
-        type(off) is int
-        and off == offset
-        and type(slen) is int
-        and type(rlen) is int
-        and slen == rlen == raw_len
-        and type(codec) is int
-        and codec == fmt.CODEC_RAW
-        and type(filt) is int
-        and filt == fmt.FILTER_NONE
-        and type(width) is int
-        and width == 0
-        and off + slen <= end_of_data
-        and type(check) is str
-        and len(check) == 16
-        and _HEX16.issuperset(check)
-    ):
-        return None
-    digest = b""
-    if digests:
-        if not _is_hex(item[7], 32):
-            return None
-        digest = bytes.fromhex(item[7])
-    pad = -(off + slen) % fmt.ALIGNMENT
-    # tuple.__new__: the Chunk without NamedTuple.__new__'s Python call (its fields in order)
-    return _new_tuple(Chunk, (off, slen, rlen, codec, filt, width, int(check, 16), pad, digest, *_LOCAL_TAIL))
+    return type(v) is str and len(v) == digits and HEX16.issuperset(v)
 
 
 def _str_map(c: validate.Check, v: object, what: str, cap: int) -> dict[str, str]:
@@ -324,9 +259,10 @@ class _IndexParser:
         self._charge_index(fmt.index_memory_bound(raw))  # before json builds anything
         external = bool(self.prologue.required_features & fmt.FEATURE_EXTERNAL)
         fields = INDEX_FIELDS_EXTERNAL if external else INDEX_FIELDS
-        # what the index's members are checked with: the file's length, where its signature or
-        # encryption block starts, the index's SHA-256 (signed files), the blocks, the data key
-        self._tail = (length, block_at, index_sha256, early_block, enc, data_key, enc_sha256)
+        # what the index's members are checked with (_members): where the signature or encryption
+        # block starts, the index's SHA-256 (signed files), the blocks, the data key
+        self._block_at, self._index_sha256, self._data_key = block_at, index_sha256, data_key
+        self._enc, self._early_block, self._enc_sha256 = enc, early_block, enc_sha256
         if raw.find(b"\\") >= 0:  # escapes: every object's members checked as json builds it
             members = parse_index_json(raw, path, fields)
             del raw
@@ -356,9 +292,9 @@ class _IndexParser:
 
     def _members(self, index: dict[str, Any], external: bool, count: validate.TextCount | None) -> Index:
         """The Index from the parsed JSON `index` (every member checked) and what parse read
-        before it (self._tail); with `count`, every member of the objects it accepts and every
+        before it (the blocks after it, the data key); with `count`, every member of the objects it accepts and every
         colon of the strings it keeps that may hold one counted (validate.TextCount)."""
-        length, block_at, index_sha256, early_block, enc, data_key, enc_sha256 = self._tail
+        block_at, enc, data_key = self._block_at, self._enc, self._data_key
         path = self.path
         c = validate.Check(path)
         self.chunk_size = c.bounded_int(index["chunk_size"], "chunk_size", fmt.MAX_CHUNK_SIZE)
@@ -381,8 +317,8 @@ class _IndexParser:
         # the JSON records are dropped as soon as they are parsed: they cost more than the Chunks
         self.chunks = self._parse_chunks(c, index.pop("chunks"))
         nodes = validate.validate_tree(index.pop("nodes"), self.storages, path, count)
-        block = early_block
-        if index_sha256 and block is None:
+        block = self._early_block
+        if self._index_sha256 and block is None:
             from . import signing
 
             want = signing.block_length(len(self.chunks))
@@ -390,7 +326,7 @@ class _IndexParser:
                 raise CorruptError(
                     f"signature block is {self.footer.signature_length} bytes, {want} for {len(self.chunks)} chunks",
                     path=path,
-                    offset=length - fmt.FOOTER_SIZE + 40,
+                    offset=self.prologue.file_length - fmt.FOOTER_SIZE + 40,
                 )
             raw_block = self._read(block_at, self.footer.signature_length)
             if len(raw_block) != self.footer.signature_length:
@@ -427,10 +363,10 @@ class _IndexParser:
             nodes,
             self.index_memory,
             block,
-            index_sha256,
+            self._index_sha256,
             enc,
             data_key,
-            enc_sha256,
+            self._enc_sha256,
             self._decrypt if data_key else None,
         )
 
@@ -560,16 +496,20 @@ class _IndexParser:
                 raw_lens.append(rec.nbytes)
             elif n:
                 raw_lens.extend(min(chunk_size, rec.nbytes - j * chunk_size) for j in range(n))
+        end_of_data = self.footer.index_offset
+        if not self.externals:  # every record a plain raw chunk (most files): accepted column by column
+            plain = plain_raw_chunks(items, raw_lens, end_of_data, self.has_digests)
+            if plain is not None:
+                return plain
         # 7 fields; with content digests (bit 0) 8 for a local chunk, 10 for an external one
         sizes = (8, 10) if self.has_digests else (7,)
         out: list[Chunk] = []
         used = [False] * len(self.externals)
         expect = fmt.PROLOGUE_SIZE  # where the next local chunk must start
-        end_of_data = self.footer.index_offset
         for k, item in enumerate(items):
             if type(item) is not list or len(item) not in sizes:
                 raise c.fail(f"chunk {k} is not a record of " + " or ".join(map(str, sizes)) + " fields")
-            ch = _plain_raw_chunk(item, expect, raw_lens[k], end_of_data, self.has_digests)
+            ch = plain_raw_chunk(item, expect, raw_lens[k], end_of_data, self.has_digests)
             if ch is None:  # anything but a plain raw chunk: every field checked one by one
                 ch = self._parse_layout(c, k, item, raw_lens[k])
                 if len(item) == 10:

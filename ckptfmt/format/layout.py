@@ -202,9 +202,7 @@ class Prologue(Frozen):
         required_features: int,
         optional_features: int,
     ) -> None:
-        values = (major, minor, file_id, file_length, required_features, optional_features)
-        for name, value in zip(self.__slots__, values):
-            object.__setattr__(self, name, value)
+        self._set(major, minor, file_id, file_length, required_features, optional_features)
 
     def pack(self) -> bytes:
         head = _PROLOGUE.pack(
@@ -242,9 +240,7 @@ class Footer(Frozen):
         file_id: bytes,
         signature_length: int = 0,
     ) -> None:
-        values = (index_offset, index_length, index_checksum, file_id, signature_length)
-        for name, value in zip(self.__slots__, values):
-            object.__setattr__(self, name, value)
+        self._set(index_offset, index_length, index_checksum, file_id, signature_length)
 
     def pack(self) -> bytes:
         head = _FOOTER.pack(
