@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -17,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
+from ckptfmt.format import index as index_mod
 from ckptfmt.format import layout as fmt
 from ckptfmt.format.chunks import plain_raw_chunk, plain_raw_chunks
 
@@ -134,3 +136,70 @@ def test_a_damaged_record_among_plain_ones_is_refused_with_its_message(tmp_path,
     path.write_bytes(_file_of_plain_chunks(50, damage))
     with pytest.raises(ckptfmt.CheckpointError, match=message):
         ckptfmt.load(path)
+
+
+_ODD_JSON = ["1e3", "-0", "true", "null", "-64", "18446744073709551616", "9223372036854775808", '"10"']
+_ODD_JSON += ['"0123456789ABCDEF"', "0", "1", "63", "64", "65", "4096", "4160", "8256"]
+
+
+def _parse_outcome(path, blob: bytes) -> tuple:
+    """What parse_index makes of `blob`: its chunks, or the error's type and message."""
+    path.write_bytes(blob)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return ("ok", list(index_mod.parse_index(fd, str(path), None).chunks))
+    except Exception as e:  # the outcome compared, whatever it is
+        return ("error", type(e).__name__, str(e))
+    finally:
+        os.close(fd)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([0, 1, 15, 64, 65, 4095, 4096, 4097, 9000]), min_size=1, max_size=4),
+    digests=st.booleans(),
+    damage=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 8), st.sampled_from(_ODD_JSON)), max_size=3),
+    swap=st.booleans(),
+)
+def test_the_fast_paths_parse_every_index_as_the_full_checks_do(
+    tmp_path_factory, sizes, digests, damage, swap
+):
+    """Whole files with damaged chunk records, parsed with the fast paths (columns, then one
+    record at a time) and with the full checks alone: the same chunks or the same refusal.
+    A check added to the full path for raw chunks and missed by the fast ones fails here."""
+    chunk_size = 4096
+    nodes: list = []
+    payloads = []
+    for i, size in enumerate(sizes):
+        nodes += [["str", f"t{i}"], mc.tensor_node(storage=i, dtype="uint8", shape=[size])]
+        data = bytes(range(256)) * (size // 256 + 1)
+        for j in range(0, size, chunk_size):
+            piece = data[j : min(size, j + chunk_size)]
+            payloads.append((piece, len(piece), 0, 0, 0))
+    nodes.append(["dict", [[2 * i, 2 * i + 1] for i in range(len(sizes))]])
+    index = mc.idx(storages=[[s, "cpu"] for s in sizes], nodes=nodes, chunk_size=chunk_size)
+    if digests:
+        index["externals"] = []
+
+    def mutate(chunks: list) -> None:
+        if digests:
+            for record in chunks:
+                record.append("0" * 32)
+        for k, f, text in damage:
+            if k < len(chunks) and f < len(chunks[k]):
+                chunks[k][f] = f"@@{text}@@"  # replaced by the raw JSON text below
+        if swap and len(chunks) > 1:
+            chunks[0], chunks[-1] = chunks[-1], chunks[0]
+
+    mc.build(index, payloads, required=1 if digests else 0, mutate_chunks=mutate)
+    text = re.sub(
+        r'"@@(.*?)@@"', lambda m: m.group(1).replace('\\"', '"'), json.dumps(index, separators=(",", ":"))
+    )
+    blob = mc.build(index, payloads, required=1 if digests else 0, index_bytes=text.encode())
+    path = tmp_path_factory.mktemp("plain") / "x.ckpt"
+    fast = _parse_outcome(path, blob)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(index_mod, "plain_raw_chunks", lambda *a: None)
+        mp.setattr(index_mod, "plain_raw_chunk", lambda *a: None)
+        full = _parse_outcome(path, blob)
+    assert fast == full

@@ -80,7 +80,7 @@ def decode_memory(chunks: Sequence[Chunk], native: bool) -> int:
 
 
 #: where a chunk's raw bytes go: a buffer of exactly raw_len bytes; with the C engine also the
-#: address (an int) of raw_len bytes of host memory its caller keeps alive (native.read_chunks),
+#: address (an int) of raw_len bytes of host memory its caller keeps alive (chunkrecords.read_chunks),
 #: or None when only checked (read_into's check_only)
 Destination = memoryview | int | None
 

@@ -41,7 +41,7 @@ def build(items: Sequence[tuple[int, int]], records: Sequence[Chunk], key: Any =
     fields: list[int] = []
     add = fields.extend
     extras = []
-    for i, ((k, address), ch) in enumerate(zip(items, records)):
+    for i, ((k, address), ch) in enumerate(zip(items, records, strict=True)):
         add((address, k))
         add(ch[:8])
         if ch[_DIGEST] or ch[_SHA] or ch[_TAG]:

@@ -66,7 +66,7 @@ class Strided:
 class Plan:
     """Where each chunk the targets need goes, and which values are replaced instead."""
 
-    #: chunk -> its place in a target: its address with the C engine (native.read_chunks,
+    #: chunk -> its place in a target: its address with the C engine (chunkrecords.read_chunks,
     #: native.copy_spans), a byte view without
     direct: list[tuple[int, memoryview | int]] = field(default_factory=list)
     direct_owners: list[list[str]] = field(default_factory=list)  # per direct entry: the keys it writes

@@ -119,7 +119,7 @@ def plain_raw_chunks(
         return None
     # each chunk starts where the previous one's padding ends (the next alignment boundary)
     ends = [off + slen for off, slen in zip(offsets, stored)]
-    if offsets[0] != fmt.PROLOGUE_SIZE or ends[-1] > end_of_data:  # sizes are >= 0: offsets rise
+    if offsets[0] != fmt.PROLOGUE_SIZE:  # sizes are >= 0: offsets rise
         return None
     starts = [(end + fmt.ALIGNMENT - 1) & _ALIGN_MASK for end in ends]
     if list(offsets[1:]) != starts[:-1] or starts[-1] != end_of_data:

@@ -292,7 +292,7 @@ class _IndexParser:
 
     def _members(self, index: dict[str, Any], external: bool, count: validate.TextCount | None) -> Index:
         """The Index from the parsed JSON `index` (every member checked) and what parse read
-        before it (the blocks after it, the data key); with `count`, every member of the objects it accepts and every
+        before it (where the blocks after the index lie, the data key); with `count`, every member of the objects it accepts and every
         colon of the strings it keeps that may hold one counted (validate.TextCount)."""
         block_at, enc, data_key = self._block_at, self._enc, self._data_key
         path = self.path
