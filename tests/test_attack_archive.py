@@ -544,22 +544,34 @@ def _foreign_sweep_marker() -> str:
     return SWEEP_MARKER + _foreign_marker()[len(COPY_MARKER) :]
 
 
-def test_a_copy_on_a_host_whose_clock_is_ahead_waits_for_another_hosts_live_sweep(
-    tmp_path, s3_faults, monkeypatch
-):
-    """Step 1 is archived; a sweep on another host has just put its marker there.  Step 2's copy
-    runs on a host whose clock is 16 minutes ahead of the store's (past SWEEP_WAIT): the sweep's
-    marker is aged by the store's clock, so the copy waits for it (lists step 1's prefix again
-    and again, until its wait, made 2 s here, ends) rather than take it for a dead one and
-    look for the object the sweep may be deleting."""
-    from ckptfmt.runs import objectrun
-
+def _archived_beside_a_sweep(tmp_path, s3_faults):
+    """(a run whose step 1 is archived and holds another host's sweep marker just put, local
+    step 2, which refers to step 1's state.ckpt)."""
     run, first, second = _incremental_steps(tmp_path, s3_faults)
     archivecopy.put_step(run, 1, first.path, claim=copy_marker())
     s3_faults.client().put_object(
         Bucket=run.url.bucket, Key=f"run/step-000000001/{_foreign_sweep_marker()}", Body=b""
     )
+    return run, second
+
+
+@pytest.mark.parametrize("date_ahead", [False, True], ids=["date", "date-ahead"])
+def test_a_copy_on_a_host_whose_clock_is_ahead_waits_for_another_hosts_live_sweep(
+    tmp_path, s3_faults, monkeypatch, date_ahead
+):
+    """Step 1 is archived; a sweep on another host has just put its marker there.  Step 2's copy
+    runs on a host whose clock is 16 minutes ahead of the store's (past SWEEP_WAIT): the sweep's
+    marker is aged by the store's clock, so the copy waits for it (lists step 1's prefix again
+    and again, until its wait, made 2 s here, ends) rather than take it for a dead one and
+    look for the object the sweep may be deleting.  date-ahead: behind a gateway whose Date is
+    16 minutes ahead of the clock stamping Last-Modified (by that Date the marker is past
+    SWEEP_WAIT): the copy ages it by the time its own marker's Last-Modified proves."""
+    from ckptfmt.runs import objectrun
+
+    run, second = _archived_beside_a_sweep(tmp_path, s3_faults)
     _clock_ahead(monkeypatch, 16)
+    if date_ahead:
+        _date_ahead(monkeypatch, 16)
     monkeypatch.setattr(objectrun, "SWEEP_WAIT", 2.0)
     s3_faults.clear_counts()
     archivecopy.put_step(run, 2, second.path, claim=copy_marker())
@@ -567,7 +579,82 @@ def test_a_copy_on_a_host_whose_clock_is_ahead_waits_for_another_hosts_live_swee
     _assert_step_2_loads(run)
 
 
-@pytest.mark.parametrize("dated", [True, False], ids=["date", "no-date"])
+def _date_ahead(monkeypatch, minutes: float) -> None:
+    """Every listing's Date `minutes` ahead of the clock stamping the store's Last-Modified (a
+    gateway or proxy in front of the store that sets its own Date, on a clock of its own)."""
+    import datetime
+
+    from ckptfmt.storage import listing
+
+    real = listing.http_date
+
+    def ahead(value: object) -> datetime.datetime | None:
+        date = real(value)
+        return None if date is None else date + datetime.timedelta(minutes=minutes)
+
+    monkeypatch.setattr(listing, "http_date", ahead)
+
+
+def test_a_date_from_another_clock_makes_no_live_sweep_marker_dead_for_a_copy():
+    """A sweep's marker written 250 s ago by the clock stamping Last-Modified (the sweep may
+    still be deleting); this host's clock 960 s ahead of that one, the listing's Date 700 s
+    ahead of it.  By the Date alone the marker is 950 s old, dead (past SWEEP_WAIT): the copy
+    would adopt an object the sweep then deletes.  By the time the copy's own marker proves
+    (its Last-Modified, put 2 s ago, moved on by this process's monotonic clock) it is about
+    252 s old: live."""
+    import datetime
+
+    from ckptfmt.runs.objectnames import (
+        StoreStamp,
+        has_live_marker,
+        is_sweep_marker,
+        proven_store_time,
+        store_time,
+    )
+    from ckptfmt.storage.listing import Listed
+
+    store = datetime.datetime(2026, 12, 7, 8, 0, tzinfo=datetime.timezone.utc)  # the stamping clock now
+    host_now, date = (store + datetime.timedelta(seconds=s) for s in (960, 700))
+    sweep, copy = _foreign_sweep_marker(), "ARCHIVING.mine"
+    listed = {
+        sweep: Listed(0, store - datetime.timedelta(seconds=250), '"s"'),
+        copy: Listed(0, store - datetime.timedelta(seconds=2), '"c"'),
+    }
+    dated = store_time(date, listed.values(), host_now)
+    assert dated == date
+    assert not has_live_marker(listed, host_now, datetime.timedelta(0), dated, is_sweep_marker)
+    stamp = StoreStamp(copy, time.monotonic())
+    own = stamp.now(listed, host_now)
+    proven = proven_store_time(date, own, host_now)
+    assert proven is not None and proven < store + datetime.timedelta(seconds=60)
+    assert has_live_marker(listed, host_now, datetime.timedelta(0), proven, is_sweep_marker)
+    assert stamp.now({}, host_now) is not None  # kept from the listing that showed it
+    assert StoreStamp(copy, time.monotonic()).now({}, host_now) is None  # never shown: nothing proven
+    assert proven_store_time(date, None, host_now) is None
+    assert proven_store_time(None, own, host_now) == own  # no Date: the proven time alone
+    earlier = store - datetime.timedelta(seconds=30)  # a Date behind the stamps: markers look younger
+    assert proven_store_time(earlier, own, host_now) == earlier
+
+
+def test_a_copys_wait_for_a_killed_sweep_moves_on_without_a_date(tmp_path, s3_faults, monkeypatch):
+    """A sweep on another host was killed in step 1; the store sends no Date.  Step 2's copy
+    ages the sweep's marker by the time its own marker proves, moved on by this process's
+    monotonic clock: past SWEEP_WAIT (made 2 s here) the marker is dead and the copy goes on,
+    well before its wait (made 60 s here) ends, not held the whole wait by a store time
+    stuck at the newest Last-Modified listed."""
+    from ckptfmt.runs import objectnames, objectrun
+
+    run, second = _archived_beside_a_sweep(tmp_path, s3_faults)
+    s3_faults.drop_header("GET", "prefix=run%2Fstep-000000001%2F", "date")
+    monkeypatch.setattr(objectnames, "SWEEP_WAIT", 2.0)
+    monkeypatch.setattr(objectrun, "SWEEP_WAIT", 60.0)
+    began = time.monotonic()
+    archivecopy.put_step(run, 2, second.path, claim=copy_marker())
+    assert time.monotonic() - began < 40  # 60 s and more where it waited the whole wait
+    _assert_step_2_loads(run)
+
+
+@pytest.mark.parametrize("dated", ["date", "no-date", "date-ahead"])
 def test_a_cleaner_on_a_host_whose_clock_is_ahead_keeps_another_hosts_live_sweep_marker(
     tmp_path, s3_faults, monkeypatch, dated
 ):
@@ -575,15 +662,18 @@ def test_a_cleaner_on_a_host_whose_clock_is_ahead_keeps_another_hosts_live_sweep
     remove_interrupted_copies runs on a host whose clock is 16 minutes ahead of the store's: the
     marker is aged by the store's clock (the Date of the listing's answer; where the store sends
     none, the run's newest object), so it is live and stays (a copy coming next must find it
-    and wait for that sweep)."""
+    and wait for that sweep).  date-ahead: a gateway's Date 16 minutes ahead of the clock
+    stamping Last-Modified; the time a marker of the cleaner's own proves keeps it live."""
     run, first, _second = _incremental_steps(tmp_path, s3_faults)
     archivecopy.put_step(run, 1, first.path, claim=copy_marker())
     marker = _foreign_sweep_marker()
     s3_faults.client().put_object(Bucket=run.url.bucket, Key=f"run/step-000000001/{marker}", Body=b"")
     _clock_ahead(monkeypatch, 16)
-    if not dated:
+    if dated == "no-date":
         s3_faults.drop_header("GET", "prefix=run%2F", "date")
         assert run.listing().date is None
+    if dated == "date-ahead":
+        _date_ahead(monkeypatch, 16)
     run.remove_interrupted_copies()
     assert marker in _step_keys(run, 1)
 
@@ -639,11 +729,18 @@ def test_a_sweeps_deletes_have_a_deadline_that_leaves_it_time_to_delete(monkeypa
     """A user's deadline longer than SWEEP_DELETE_DEADLINE (the default 300 s, or a day) would
     leave a sweep no DELETE that ends within SWEEP_DELETES_WITHIN: its DELETEs take the shorter
     one; a shorter deadline of the user's is kept."""
-    from ckptfmt.runs.objectnames import SWEEP_DELETE_DEADLINE, SWEEP_DELETES_WITHIN, sweep_options
+    from ckptfmt.runs.objectnames import (
+        STORE_AHEAD_AT_MOST,
+        SWEEP_DELETE_DEADLINE,
+        SWEEP_DELETES_WITHIN,
+        SWEEP_WAIT,
+        sweep_options,
+    )
     from ckptfmt.storage.client import DEADLINE_VARIABLE, deadline
 
     monkeypatch.delenv(DEADLINE_VARIABLE, raising=False)
     assert SWEEP_DELETE_DEADLINE < SWEEP_DELETES_WITHIN
+    assert SWEEP_DELETES_WITHIN + STORE_AHEAD_AT_MOST < SWEEP_WAIT  # a live marker never looks dead
     for given in ({}, {"deadline": 86400}):
         assert deadline(sweep_options(given)) == SWEEP_DELETE_DEADLINE
     assert sweep_options({"deadline": 5, "max_attempts": 2}) == {"deadline": 5, "max_attempts": 2}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import warnings
 from collections.abc import Callable
 
@@ -44,7 +45,7 @@ from ..storage import listing
 from ..storage.download import head
 from ..storage.upload import upload_bytes, upload_file
 from ..storage.urls import ObjectURL, parse_url
-from .objectnames import claiming, referenced_step
+from .objectnames import StoreStamp, claiming, referenced_step
 from .objectrun import ObjectRun
 from .steps import CheckpointInfo
 
@@ -105,14 +106,16 @@ class _Copy:
         self.uploaded: dict[str, str] = {}  # objects of names of its own it uploaded: version
         self.kept: frozenset[str] = frozenset()  # files of the step later steps' committed records name
 
-    def claim_prefix(self, of: int) -> bool:
-        """Put this copy's marker into step `of`'s prefix, once; whether it was put now."""
+    def claim_prefix(self, of: int) -> StoreStamp | None:
+        """Put this copy's marker into step `of`'s prefix, once: the store's clock as it
+        proves it where it was put now (None where not)."""
         url = self.run.step_place(of).url.child(self.claim) if self.claim is not None else None
-        if url is None or url in self.claimed:
-            return False
+        if url is None or self.claim is None or url in self.claimed:
+            return None
         upload_bytes(b"a ckptfmt archive copy in progress\n", str(url), self.run.options)
+        stamp = StoreStamp(self.claim, time.monotonic())
         self.claimed.append(url)
-        return True
+        return stamp
 
     def put_files(self, d: CheckpointDir, record: multifile.CommitRecord) -> multifile.CommitRecord:
         """Upload the step's files; `record` naming them as uploaded.  Names of the copy's
@@ -269,7 +272,10 @@ def _complete_info(run: ObjectRun, step: int) -> CheckpointInfo:
 
 
 def _put_reference(
-    run: ObjectRun, d: CheckpointDir, ref: multifile.PartRecord, claim: Callable[[int], bool]
+    run: ObjectRun,
+    d: CheckpointDir,
+    ref: multifile.PartRecord,
+    claim: Callable[[int], StoreStamp | None],
 ) -> None:
     """Make sure the archive holds the object reference `ref` of local step `d` names (the
     same file: length, file id, index checksum, and the signed record's SHA-256 where it
@@ -279,8 +285,9 @@ def _put_reference(
     # archive pass) that lists after it keeps away while this copy may commit a record naming
     # the object; one that listed before it is waited out before anything there is looked at
     step = referenced_step(ref.name, run.path)[0]
-    if claim(step):
-        run.wait_out_sweeps(step)
+    stamp = claim(step)
+    if stamp is not None:
+        run.wait_out_sweeps(step, stamp)
     url = run.reference_url(ref.name)
     try:
         found = describe_object(url, run.options, ref.name)[0]  # never its index

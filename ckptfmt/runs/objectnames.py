@@ -9,6 +9,7 @@ import collections
 import contextlib
 import datetime
 import threading
+import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from typing import Any
 
@@ -36,15 +37,15 @@ SWEEP_DELETES_WITHIN = 300.0
 #: the deadline of a sweep's DELETE at most, in seconds (storage option deadline, lowered to
 #: this for them): a longer one would leave a sweep no time to delete within its bound
 SWEEP_DELETE_DEADLINE = 60.0
-#: seconds a copy waits at most for a sweep whose marker it finds (ObjectRun.wait_out_sweeps),
-#: and the age past which a sweep's marker is dead wherever it was written: past that sweep's
-#: bound by a margin for a DELETE it sent just before
-SWEEP_WAIT = 3 * SWEEP_DELETES_WITHIN
 #: seconds a store's time (a listing's Date, or a time it lists an object written) is believed
-#: ahead of this host's clock at most (store_time); a sweep's marker, live for at most
-#: SWEEP_DELETES_WITHIN, is dead past SWEEP_WAIT: a store time wrong by up to this much still
-#: leaves it live while it may delete, where this host's clock is right
+#: ahead of this host's clock at most (store_time): a time further ahead is not taken
 STORE_AHEAD_AT_MOST = 300.0
+#: seconds a copy waits at most for a sweep whose marker it finds (ObjectRun.wait_out_sweeps),
+#: and the age past which a sweep's marker is dead wherever it was written: a sweep's marker,
+#: live for at most SWEEP_DELETES_WITHIN, aged by a store time wrong by up to
+#: STORE_AHEAD_AT_MOST still looks live while it may delete, with as much again to spare for
+#: a DELETE it sent just before its bound (derived, so that changing one keeps it so)
+SWEEP_WAIT = SWEEP_DELETES_WITHIN + STORE_AHEAD_AT_MOST + SWEEP_DELETES_WITHIN
 
 
 def sweep_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -148,13 +149,63 @@ def store_time(
     more than STORE_AHEAD_AT_MOST ahead of this host's clock `now` is not taken (a Date or a
     Last-Modified that is absurd, hostile or far in the future would make a live marker look
     dead), and a Date so refused falls back to the listed times.  A time in the past is
-    taken: it only makes markers look younger, kept longer."""
+    taken: it only makes markers look younger, kept longer.  A Date may come from another
+    clock than the one stamping Last-Modified (a proxy or another gateway in front of the
+    store): where a sweep marker's death lets an object be adopted or deleted, this time is
+    bounded by what the store's stamps prove (proven_store_time)."""
     believed = now + datetime.timedelta(seconds=STORE_AHEAD_AT_MOST)
     if date is not None and date <= believed:
         return date
     return max(
         (e.modified for e in written if e.modified is not None and e.modified <= believed), default=None
     )
+
+
+class StoreStamp:
+    """The store's clock as an object this process put proves it: the time the store lists the
+    object written (its Last-Modified, stamped by the clock that stamps every object, a sweep's
+    marker too), moved on by this process's monotonic clock since the PUT returned.  The stamp
+    came before that return, so the time told is never later than the store's (by more than
+    the Last-Modified's rounding, a second); a listing's Date may come from another clock (a
+    proxy or another gateway in front of the store) and is believed only where earlier."""
+
+    def __init__(self, name: str, put_returned: float) -> None:
+        """`name`: the object's key relative to the prefix listed; `put_returned`: the
+        monotonic time its PUT returned."""
+        self.name = name
+        self.put_returned = put_returned
+        self._written: datetime.datetime | None = None
+
+    def now(self, listed: dict[str, Listed], now: datetime.datetime) -> datetime.datetime | None:
+        """The store's time now, at least, by the object's entry in `listed` (or in a listing
+        before: the first that showed it); None until one shows it written at a time not
+        more than STORE_AHEAD_AT_MOST ahead of this host's clock `now`."""
+        if self._written is None:
+            entry = listed.get(self.name)
+            believed = now + datetime.timedelta(seconds=STORE_AHEAD_AT_MOST)
+            if entry is not None and entry.modified is not None and entry.modified <= believed:
+                self._written = entry.modified
+        if self._written is None:
+            return None
+        return self._written + datetime.timedelta(seconds=time.monotonic() - self.put_returned)
+
+
+def proven_store_time(
+    date: datetime.datetime | None, proven: datetime.datetime | None, now: datetime.datetime
+) -> datetime.datetime | None:
+    """The store's time by which a sweep's marker may be judged dead where that lets something
+    be adopted or deleted: never later than what the store's own stamps prove, `proven` (a
+    StoreStamp's), a listing's Date `date` taken only where earlier (and believed, as by
+    store_time, by this host's clock `now`); None (not judged by the store's time) where
+    nothing is proven.  A marker's age is the store's time less its Last-Modified: a Date from
+    another clock than the one that stamped it (one ahead of it by minutes) would make a live
+    sweep's marker look dead.  Without a Date the proven time moves on by this process's
+    clock, where the newest time listed would stand still."""
+    if proven is None:
+        return None
+    if date is None or date > now + datetime.timedelta(seconds=STORE_AHEAD_AT_MOST):
+        return proven
+    return min(date, proven)
 
 
 def marker_dead(

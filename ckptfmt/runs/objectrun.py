@@ -39,15 +39,15 @@ from ..storage.urls import ObjectURL, parse_url
 from .objectnames import (
     SWEEP_DELETES_WITHIN,
     SWEEP_WAIT,
+    StoreStamp,
     check_listed,
     claiming,
     has_live_marker,
     in_a_step,
     in_steps,
     is_copy_marker,
-    is_marker,
     is_sweep_marker,
-    marker_dead,
+    proven_store_time,
     referenced_step,
     store_time,
     sweep_marker,
@@ -58,6 +58,7 @@ from .objectnames import (
 from .stepcheck import verify_objects
 from .stepplace import StepPlace
 from .steps import CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
+from .storeclock import markers_dead, read_stamp
 
 #: the commit records latest() and a resume read at most, newest first (spec 13.7): each is a
 #: GET, and a run whose newest steps are this many damaged ones needs a person anyway
@@ -74,15 +75,11 @@ Entry = listing.Listed  # what a listing says of one object: size, last written,
 ByStep = dict[int, dict[str, Entry]]  # a run's objects: {step: {name in the step: Entry}}
 
 
-class Listed(ByStep):
+class RunListing(ByStep):
     """A listing of a run (ObjectRun.listing), and `date`: the store's time when it answered
     (storage/listing.py Listing.date)."""
 
     date: datetime.datetime | None = None
-
-    def store_time(self, now: datetime.datetime) -> datetime.datetime | None:
-        """The store's time when it answered (objectnames.store_time; `now`: this host's)."""
-        return store_time(self.date, (e for names in self.values() for e in names.values()), now)
 
 
 class ObjectRun:
@@ -126,12 +123,12 @@ class ObjectRun:
 
     # -- reading -------------------------------------------------------------------------
 
-    def listing(self) -> Listed:
+    def listing(self) -> RunListing:
         """The run's objects by step: {step: {name in the step: (size, last written, version)}}: one
         listing of the prefix, which statuses(), cleanup() and remove_interrupted_copies()
         also take, so that what one moment's listing serves is not listed again."""
         listed = listing.listed(self.url, self.options)
-        out = Listed()
+        out = RunListing()
         out.date = listed.date
         for key, entry in listed.items():
             top, _, name = key.partition("/")
@@ -421,7 +418,7 @@ class ObjectRun:
         url = self._step_url(step)
         now = datetime.datetime.now(datetime.timezone.utc)
         found = listing.listed(url, self.options)
-        if has_live_marker(found, now, older_than, _store_time(found, now)):
+        if has_live_marker(found, now, older_than, _store_time(found, now)):  # no record: as cleanup
             return
         listed = [(n, e.version) for n, e in found.items()]
         ours = [(n, v) for n, v in listed if written_here(n) and n != multifile.COMMIT_NAME]
@@ -510,25 +507,34 @@ class ObjectRun:
 
     @staticmethod
     def _copy_at_work(listed: Listing, older_than: datetime.timedelta) -> bool:
+        # a copy's marker is never aged by the store's time (marker_dead): none is asked
         now = datetime.datetime.now(datetime.timezone.utc)
-        return has_live_marker(listed, now, older_than, _store_time(listed, now), is_copy_marker)
+        return has_live_marker(listed, now, older_than, None, is_copy_marker)
 
-    def wait_out_sweeps(self, step: int) -> None:
-        """Wait until no live sweep's marker (sweep_step; marker_dead, aged by the store's
-        clock: store_time) is in step `step`'s prefix, or for SWEEP_WAIT seconds: past it a
-        sweep that put its marker before this wait began deletes nothing more.  Called by a
-        copy after its own marker is in the prefix and before it looks for an object there to
-        refer to: a sweep that began later sees that marker."""
+    def wait_out_sweeps(self, step: int, own: StoreStamp) -> None:
+        """Wait until no live sweep's marker (sweep_step; marker_dead) is in step `step`'s
+        prefix, or for SWEEP_WAIT seconds: past it a sweep that put its marker before this
+        wait began deletes nothing more.  Called by a copy after its own marker, `own`, is in
+        the prefix and before it looks for an object there to refer to: a sweep that began
+        later sees that marker.  Markers are aged by the store's time as that marker's
+        Last-Modified proves it (proven_store_time: a listing's Date only where earlier), so
+        a Date from another clock makes no live sweep's marker look dead, and without a Date
+        the wait still moves on."""
         url = self._step_url(step)
         ends = time.monotonic() + SWEEP_WAIT
         pause = 0.05
         while time.monotonic() < ends:
             now = datetime.datetime.now(datetime.timezone.utc)
             listed = listing.listed(url, self.options)
-            if not has_live_marker(listed, now, STALE_AFTER, _store_time(listed, now), is_sweep_marker):
+            store_now = proven_store_time(listed.date, own.now(listed, now), now)
+            if not has_live_marker(listed, now, STALE_AFTER, store_now, is_sweep_marker):
                 return
             time.sleep(min(pause, max(0.0, ends - time.monotonic())))
             pause = min(2 * pause, 1.0)
+
+    def _stamp_in(self, step: int) -> StoreStamp:
+        """The store's clock as proven in step `step`'s prefix (storeclock.read_stamp)."""
+        return read_stamp(self._step_url(step), self.options)
 
     def _sweep_ended_copies(self, step: int, older_than: datetime.timedelta) -> bool:
         """In complete step `step`, whose copy markers are all dead (by `older_than`): delete
@@ -592,7 +598,7 @@ class ObjectRun:
             listing.delete_object(self._step_url(step).child(name), self.options, if_match=version)
 
     def remove_interrupted_copies(
-        self, older_than: datetime.timedelta = STALE_AFTER, found: Listed | None = None
+        self, older_than: datetime.timedelta = STALE_AFTER, found: RunListing | None = None
     ) -> list[int]:
         """Remove what archive copies (and deletions) that died left; returns the steps whose
         prefix was deleted.  A step prefix is such a leftover when it holds markers (a copy's,
@@ -610,16 +616,8 @@ class ObjectRun:
         come to since (writer_came).  `found`: the run's listing to go by (None: listed here)."""
         found = self.listing() if found is None else found
         now = datetime.datetime.now(datetime.timezone.utc)
-        store_now = found.store_time(now)
-        dead: dict[int, list[str]] = {}
-        live: set[int] = set()
-        for step, names in found.items():
-            for name, entry in names.items():
-                if is_marker(name):
-                    if marker_dead(name, entry.modified, now, older_than, store_now):
-                        dead.setdefault(step, []).append(name)
-                    else:
-                        live.add(step)
+        dated = _store_time(found, now)
+        dead, live = markers_dead(found, now, older_than, dated, found.date, self._stamp_in)
         if not dead:
             return []
         statuses = self.statuses(found)
@@ -653,7 +651,7 @@ class ObjectRun:
             listing.abort_stale_uploads(self.url, self.options, since, lambda n: in_steps(n, gone))
         return removed
 
-    def cleanup(self, older_than: datetime.timedelta = STALE_AFTER, found: Listed | None = None) -> None:
+    def cleanup(self, older_than: datetime.timedelta = STALE_AFTER, found: RunListing | None = None) -> None:
         """Abort multipart uploads of crashed savers and delete commit-less steps whose newest
         object is older than `older_than` (a live saver writes more often than that).
         `found`: the run's listing to go by (None: listed here); one a little old serves, as
@@ -661,7 +659,7 @@ class ObjectRun:
         listing.abort_stale_uploads(self.url, self.options, older_than, in_a_step)
         now = datetime.datetime.now(datetime.timezone.utc)
         found = self.listing() if found is None else found
-        store_now = found.store_time(now)
+        store_now = _store_time(found, now)  # a Date unproven: in steps with no record a sweep guards no copy
         referenced: set[str] | None = None  # read only when a step is stale: it costs a GET a step
         below = -1  # steps older than an unread one may hold what it refers to: never deleted
         for step, names in sorted(found.items()):
@@ -677,9 +675,12 @@ class ObjectRun:
                     self.delete_leftover(step, older_than)
 
 
-def _store_time(listed: Listing, now: datetime.datetime) -> datetime.datetime | None:
-    """The store's time when it answered the listing of a step's prefix `listed` (store_time)."""
-    return store_time(listed.date, listed.values(), now)
+def _store_time(listed: Listing | RunListing, now: datetime.datetime) -> datetime.datetime | None:
+    """The store's time when it answered `listed`, a step's prefix's listing or the run's
+    (objectnames.store_time; `now`: this host's)."""
+    if isinstance(listed, Listing):
+        return store_time(listed.date, listed.values(), now)
+    return store_time(listed.date, (e for names in listed.values() for e in names.values()), now)
 
 
 def _unread(step: int, path: str) -> StepStatus:
