@@ -332,6 +332,61 @@ def test_views_meet_agrees_with_listing_every_byte(views):
     assert memoverlap.views_meet(sa, za, dims_a, sb, zb, dims_b) is listed
 
 
+# -- a target whose own elements share memory -------------------------------------------------
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize(
+    "view",
+    [
+        "x.as_strided((2, 2), (1, 1))",  # torch's own test: "too hard to tell"
+        "x.as_strided((3, 2), (2, 4))",  # elements (0, 1) and (2, 0) are both x[4]
+        "x.as_strided((2,), (0,))",  # an expanded tensor: torch's test says yes
+    ],
+)
+def test_a_target_whose_own_elements_overlap_is_refused_with_nothing_written(tmp_path, atomic, view):
+    """A strided target two of whose elements are one memory would keep only the last one written
+    (a saved [[1, 2], [3, 4]] into x.as_strided((2, 2), (1, 1)) left [[1, 3], [3, 4]]): refused,
+    naming the key, before anything is written."""
+    x = torch.zeros(16)
+    t = eval(view, {"x": x})  # noqa: S307 - the test's own literals
+    p = _save(tmp_path, {"t": torch.arange(1.0, t.numel() + 1).view(t.shape), "c": torch.ones(3)})
+    c = torch.zeros(3)
+    with pytest.raises(ckptfmt.MismatchError, match="t: several elements of the target share memory"):
+        ckptfmt.load_into(p, {"t": t, "c": c}, atomic=atomic)
+    assert not bool(x.any()) and not bool(c.any())
+
+
+def test_strided_targets_whose_elements_are_apart_load(tmp_path):
+    """Strided views torch cannot vouch for (its test says "too hard to tell") whose elements
+    are apart are filled, as t.copy_(saved) would."""
+    x = torch.zeros(60)
+    target = {"a": x.as_strided((3, 2), (3, 4)), "b": x.as_strided((3, 2), (12, 4), 20)}
+    state = {k: torch.arange(1.0, v.numel() + 1).view(v.shape) for k, v in target.items()}
+    p = _save(tmp_path, state)
+    ckptfmt.load_into(p, target)
+    for k, v in target.items():
+        assert torch.equal(v, state[k]), k
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    size=st.sampled_from([1, 2, 4, 8]),
+    dims=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 12)), max_size=3),
+)
+def test_overlaps_itself_agrees_with_listing_every_byte(size, dims):
+    """memoverlap.overlaps_itself against the bytes of every element listed one by one."""
+    seen: set[int] = set()
+    listed = False
+    byte_dims = [(n, s * size) for n, s in dims]
+    for ks in itertools.product(*(range(n) for n, _ in byte_dims)):
+        x = sum(k * u for k, (_, u) in zip(ks, byte_dims))
+        mine = set(range(x, x + size))
+        listed = listed or bool(seen & mine)
+        seen |= mine
+    assert memoverlap.overlaps_itself(size, byte_dims) is listed
+
+
 # last in the module: the npu devices stay switched on from here to the module's end
 @pytest.mark.usefixtures("npu_devices")
 @pytest.mark.parametrize("atomic", [True, False])
