@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt.files import memoverlap
+from ckptfmt.files import fillplan, memoverlap
 from ckptfmt.files.reader import CheckpointFile
 
 
@@ -385,6 +385,107 @@ def test_overlaps_itself_agrees_with_listing_every_byte(size, dims):
         listed = listed or bool(seen & mine)
         seen |= mine
     assert memoverlap.overlaps_itself(size, byte_dims) is listed
+
+
+# -- strided file tensors read piece by piece -----------------------------------------------------
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_strided_file_tensors_larger_than_a_window_are_filled_piece_by_piece(tmp_path, monkeypatch, atomic):
+    """With the span window lowered to one chunk, strided file tensors (a transposed weight, every
+    seventh element of a buffer, a tied pair saved in two layouts) are read piece by piece into
+    their targets, exactly as t.copy_(saved) would, and a tied pair that differs is found at the
+    right byte."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(90, 70, generator=g)
+    base = torch.randn(7 * 900, generator=g)
+    changed = w.clone()
+    changed[40, 3] = 9.0
+    state = {
+        "t": w.t().contiguous().t(),  # saved with strides (1, 90)
+        "every7": base[::7],
+        "a": w,
+        "b": w.t().contiguous().t(),
+        "c": changed.t().contiguous().t(),
+    }
+    p = _save(tmp_path, state)
+    monkeypatch.setattr(fillplan, "_SPAN_WINDOW", 4096)
+    t, every7, x = torch.zeros(90, 70), torch.zeros(900), torch.zeros(90, 70)
+    ckptfmt.load_into(p, {"t": t, "every7": every7, "a": x, "b": x}, strict=False, atomic=atomic)
+    assert torch.equal(t, w) and torch.equal(every7, base[::7]) and torch.equal(x, w)
+    y = torch.zeros(90, 70)
+    with pytest.raises(
+        ckptfmt.MismatchError,
+        match=f"'a' and 'c' are the same memory, but .*from byte {(40 * 70 + 3) * 4} of",
+    ):
+        ckptfmt.load_into(p, {"a": y, "c": y}, strict=False, atomic=atomic)
+    assert not bool(y.any())
+
+
+_PEAK_CHILD = r"""
+import gc, json, sys, torch, ckptfmt
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+path, keys, shape = sys.argv[1], sys.argv[2].split(","), json.loads(sys.argv[3])
+x = torch.zeros(shape)
+gc.collect()
+open("/proc/self/clear_refs", "w").write("5")
+before = status("VmRSS")
+try:
+    ckptfmt.load_into(path, {k: x for k in keys}, strict=False)
+    error = None
+except ckptfmt.MismatchError as e:
+    error = str(e)
+print(json.dumps({"extra": status("VmHWM") - before, "error": error}))
+"""
+
+
+def _load_into_peak(path, keys: list[str], shape: list[int]) -> dict:
+    """The memory one load_into(path, {key: one tensor of `shape` for each of keys}) adds at its
+    peak, in a fresh process (VmHWM after the peak is reset), and the MismatchError it raised."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_CHILD, str(path), ",".join(keys), json.dumps(shape)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+# Sanitizers add allocations of their own: memory budgets are checked in the normal build only.
+@pytest.mark.skipif(bool(os.environ.get("CKPTFMT_SANITIZED")), reason="memory budgets need the normal build")
+def test_a_hostile_strided_tensor_costs_a_few_chunks_not_its_span(tmp_path):
+    """A small zstd file whose tensor 'b' is two elements 128 MiB apart (a view of a storage of
+    zeros): filling an 8-byte target from it, or comparing it with the tied 'a', holds a few
+    chunks (of 4 MiB), not the 128 MiB between its elements."""
+    n = 1 << 25
+    p = tmp_path / "hostile.ckpt"
+    ckptfmt.save({"a": torch.zeros(2), "b": torch.zeros(n + 1).as_strided((2,), (n,))}, p, compression="zstd")
+    assert p.stat().st_size < (1 << 20)
+    for keys in (["b"], ["a", "b"]):
+        res = _load_into_peak(p, keys, [2])
+        assert res["error"] is None and res["extra"] < (32 << 20), (keys, res)
+
+
+@pytest.mark.skipif(bool(os.environ.get("CKPTFMT_SANITIZED")), reason="memory budgets need the normal build")
+def test_reporting_where_tied_tensors_differ_holds_no_index_per_difference(tmp_path):
+    """Tied tensors of 32 MiB that differ in every byte: finding the first difference adds no
+    list of every differing byte's index (8 bytes each, 256 MiB here) to the comparison's two
+    windows (of one 32 MiB chunk each here)."""
+    w = torch.randn(8 << 20, generator=torch.Generator().manual_seed(3))
+    p = tmp_path / "big.ckpt"
+    ckptfmt.save({"a": w, "b": w.view(torch.int32).bitwise_not().view(torch.float32)}, p, chunk_size=32 << 20)
+    del w
+    res = _load_into_peak(p, ["a", "b"], [8 << 20])
+    assert "'a' and 'b' are the same memory, but" in res["error"] and "from byte 0 of" in res["error"], res
+    assert res["extra"] < (200 << 20), res
 
 
 # last in the module: the npu devices stay switched on from here to the module's end
