@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt.files import fillplan, memoverlap
+from ckptfmt.files import fillplan, memoverlap, targets
 from ckptfmt.files.reader import CheckpointFile
 
 
@@ -249,12 +249,16 @@ def test_views_too_irregular_to_decide_are_refused(tmp_path, monkeypatch):
     target = {"a": x.view(100, 40)[:, 1:3], "b": x.view(80, 50)[:, 3:5]}
     p = _save(tmp_path, {"a": torch.ones(100, 2), "b": torch.ones(80, 2)})
     monkeypatch.setattr(memoverlap, "MAX_STEPS", 0)
+    monkeypatch.setattr(targets, "_MARK_MAX", 0)  # pair by pair, not by marking the bytes
     with pytest.raises(ckptfmt.MismatchError, match="'a' and 'b' interleave in memory too irregularly"):
         ckptfmt.load_into(p, target)
     assert not bool(x.any())
     monkeypatch.undo()
     ckptfmt.load_into(p, target)
     assert bool(target["a"].eq(1).all()) and bool(target["b"].eq(1).all()) and int(x.count_nonzero()) == 360
+
+
+_MARK_MAX = targets._MARK_MAX
 
 
 def _strided_view(base: torch.Tensor, spec: tuple[int, int, int, int, int, int, bool]) -> torch.Tensor:
@@ -275,11 +279,14 @@ _VIEW = st.tuples(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(views=st.lists(_VIEW, min_size=2, max_size=4), atomic=st.booleans())
-def test_random_strided_views_of_one_buffer_load_exactly_or_are_refused_untouched(tmp_path, views, atomic):
+@given(views=st.lists(_VIEW, min_size=2, max_size=4), atomic=st.booleans(), pairwise=st.booleans())
+def test_random_strided_views_of_one_buffer_load_exactly_or_are_refused_untouched(
+    tmp_path, monkeypatch, views, atomic, pairwise
+):
     """Random strided (and transposed) views of one 12x16 buffer, each saved as a tensor of its
     own: load_into fills each exactly as t.copy_(saved) would when no two share an element, and
-    refuses with the buffer unchanged when two do."""
+    refuses with the buffer unchanged when two do (their bytes marked, or pair by pair)."""
+    monkeypatch.setattr(targets, "_MARK_MAX", 0 if pairwise else _MARK_MAX)
     rows, cols = 12, 16
     buf = torch.zeros(rows, cols)
     index = torch.arange(rows * cols).view(rows, cols)
@@ -486,6 +493,51 @@ def test_reporting_where_tied_tensors_differ_holds_no_index_per_difference(tmp_p
     res = _load_into_peak(p, ["a", "b"], [8 << 20])
     assert "'a' and 'b' are the same memory, but" in res["error"] and "from byte 0 of" in res["error"], res
     assert res["extra"] < (200 << 20), res
+
+
+# -- many targets whose spans overlap ---------------------------------------------------------------
+
+
+def _columns(tmp_path, cols: int = 3000):
+    """A file of `cols` columns saved apart, and the columns of one zeroed weight as targets."""
+    w = torch.arange(8.0 * cols).view(8, cols)
+    p = tmp_path / "cols.ckpt"
+    ckptfmt.save({f"c{j}": w[:, j].clone() for j in range(cols)}, p)
+    target = torch.zeros(8, cols)
+    return p, w, target, {f"c{j}": target[:, j] for j in range(cols)}
+
+
+def test_three_thousand_column_views_are_tested_in_linear_time(tmp_path):
+    """3,000 column views of one weight, every pair of them overlapping in span: their bytes are
+    marked once each (not tested pair by pair, 4.5 * 10^6 pairs), so the load takes well under the
+    seconds a pairwise test took; a column view twice under two keys is still refused."""
+    import time
+
+    p, w, target, views = _columns(tmp_path)
+    t0 = time.perf_counter()
+    ckptfmt.load_into(p, views)
+    took = time.perf_counter() - t0
+    assert torch.equal(target, w)
+    assert took < 4.0, took  # pairwise ~17 s here; ~0.5 s marked (generous for a busy 2-core machine)
+    clash = dict(views)
+    clash["c7"] = target.view(-1)[8:16]  # row 0, columns 8-15: shares (0, 8) with c8
+    with pytest.raises(ckptfmt.MismatchError, match="'c7' and 'c8' overlap in memory"):
+        ckptfmt.load_into(p, clash, strict=False)
+
+
+def test_the_pairwise_overlap_test_of_one_load_has_a_work_limit(tmp_path, monkeypatch):
+    """Where the group's bytes are not marked (its span too long: here the limit is lowered), the
+    pairs are tested one by one within one budget of steps for the whole load: past it the load
+    is refused, saying so, with nothing written."""
+    p, _, target, views = _columns(tmp_path)
+    monkeypatch.setattr(targets, "_MARK_MAX", 0)
+    with pytest.raises(ckptfmt.MismatchError, match="3000 targets overlap in span .*work limit for one load"):
+        ckptfmt.load_into(p, views)
+    assert not bool(target.any())
+    monkeypatch.setattr(targets, "_PAIR_STEPS", 1 << 30)
+    few = {k: views[k] for k in list(views)[:50]}
+    ckptfmt.load_into(p, few, strict=False)
+    assert torch.equal(target[:, :50], torch.arange(8.0 * 3000).view(8, 3000)[:, :50])
 
 
 # last in the module: the npu devices stay switched on from here to the module's end

@@ -66,10 +66,10 @@ def views_meet(
     dims = _merged(sorted(ranges.items()))
     if budget is None:
         return _hits(c, 1 - size_a, size_b - 1, dims, MAX_STEPS)[0]
-    limit = min(MAX_STEPS, budget.left)
-    if limit <= 0:
+    if budget.left <= 0:
         budget.spent = True
         return None
+    limit = min(MAX_STEPS, budget.left)
     result, steps = _hits(c, 1 - size_a, size_b - 1, dims, limit)
     budget.left -= steps + budget.PER_TEST
     if result is None and limit < MAX_STEPS:
