@@ -40,7 +40,7 @@ from .fillplan import (
     window_bytes,
 )
 from .reader import CheckpointFile
-from .targets import MismatchError
+from .targets import MismatchError, strides_agree
 
 #: an unsigned file's direct reads go in parallel reads of whole targets of at least this
 #: many bytes: large enough that waiting for each read's last chunk costs little, small
@@ -298,7 +298,7 @@ def _first_difference(f: CheckpointFile, a: Strided, b: Strided, verify: bool) -
     ma, mb = a.meta, b.meta
     if (
         ma["conj"] == mb["conj"]
-        and all(x == y for x, y, n in zip(ma["stride"], mb["stride"], ma["shape"]) if n != 1)
+        and strides_agree(ma["stride"], mb["stride"], ma["shape"])
         and dense(ma["shape"], ma["stride"])
     ):
         return _ranges_differ(f, a, b, verify)

@@ -15,6 +15,7 @@ unexpected key, is a `MismatchError`.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,8 +217,14 @@ def same_layout(value: torch.Tensor, m: dict[str, Any]) -> bool:
     return (
         not value.is_neg()
         and value.is_conj() == bool(m["conj"])
-        and all(a == b for a, b, n in zip(value.stride(), m["stride"], m["shape"]) if n != 1)
+        and strides_agree(value.stride(), m["stride"], m["shape"])
     )
+
+
+def strides_agree(a: Sequence[int], b: Sequence[int], shape: Sequence[int]) -> bool:
+    """Strides a and b lay out elements of `shape` alike: equal on every dimension longer than 1
+    (a dimension of one element has no step, whatever its stride)."""
+    return all(x == y for x, y, n in zip(a, b, shape) if n != 1)
 
 
 def _home(value: torch.Tensor, m: dict[str, Any], start: int) -> tuple[Any, ...] | None:
