@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ckptfmt
-from ckptfmt.files import memoverlap
+from ckptfmt.files import fillplan, memoverlap, targets
 from ckptfmt.files.reader import CheckpointFile
 
 
@@ -249,12 +249,16 @@ def test_views_too_irregular_to_decide_are_refused(tmp_path, monkeypatch):
     target = {"a": x.view(100, 40)[:, 1:3], "b": x.view(80, 50)[:, 3:5]}
     p = _save(tmp_path, {"a": torch.ones(100, 2), "b": torch.ones(80, 2)})
     monkeypatch.setattr(memoverlap, "MAX_STEPS", 0)
+    monkeypatch.setattr(targets, "_MARK_MAX", 0)  # pair by pair, not by marking the bytes
     with pytest.raises(ckptfmt.MismatchError, match="'a' and 'b' interleave in memory too irregularly"):
         ckptfmt.load_into(p, target)
     assert not bool(x.any())
     monkeypatch.undo()
     ckptfmt.load_into(p, target)
     assert bool(target["a"].eq(1).all()) and bool(target["b"].eq(1).all()) and int(x.count_nonzero()) == 360
+
+
+_MARK_MAX = targets._MARK_MAX
 
 
 def _strided_view(base: torch.Tensor, spec: tuple[int, int, int, int, int, int, bool]) -> torch.Tensor:
@@ -275,11 +279,14 @@ _VIEW = st.tuples(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(views=st.lists(_VIEW, min_size=2, max_size=4), atomic=st.booleans())
-def test_random_strided_views_of_one_buffer_load_exactly_or_are_refused_untouched(tmp_path, views, atomic):
+@given(views=st.lists(_VIEW, min_size=2, max_size=4), atomic=st.booleans(), pairwise=st.booleans())
+def test_random_strided_views_of_one_buffer_load_exactly_or_are_refused_untouched(
+    tmp_path, monkeypatch, views, atomic, pairwise
+):
     """Random strided (and transposed) views of one 12x16 buffer, each saved as a tensor of its
     own: load_into fills each exactly as t.copy_(saved) would when no two share an element, and
-    refuses with the buffer unchanged when two do."""
+    refuses with the buffer unchanged when two do (their bytes marked, or pair by pair)."""
+    monkeypatch.setattr(targets, "_MARK_MAX", 0 if pairwise else _MARK_MAX)
     rows, cols = 12, 16
     buf = torch.zeros(rows, cols)
     index = torch.arange(rows * cols).view(rows, cols)
@@ -330,6 +337,207 @@ def test_views_meet_agrees_with_listing_every_byte(views):
 
     listed = bool(byte_set(sa, za, dims_a) & byte_set(sb, zb, dims_b))
     assert memoverlap.views_meet(sa, za, dims_a, sb, zb, dims_b) is listed
+
+
+# -- a target whose own elements share memory -------------------------------------------------
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize(
+    "view",
+    [
+        "x.as_strided((2, 2), (1, 1))",  # torch's own test: "too hard to tell"
+        "x.as_strided((3, 2), (2, 4))",  # elements (0, 1) and (2, 0) are both x[4]
+        "x.as_strided((2,), (0,))",  # an expanded tensor: torch's test says yes
+    ],
+)
+def test_a_target_whose_own_elements_overlap_is_refused_with_nothing_written(tmp_path, atomic, view):
+    """A strided target two of whose elements are one memory would keep only the last one written
+    (a saved [[1, 2], [3, 4]] into x.as_strided((2, 2), (1, 1)) left [[1, 3], [3, 4]]): refused,
+    naming the key, before anything is written."""
+    x = torch.zeros(16)
+    t = eval(view, {"x": x})  # noqa: S307 - the test's own literals
+    p = _save(tmp_path, {"t": torch.arange(1.0, t.numel() + 1).view(t.shape), "c": torch.ones(3)})
+    c = torch.zeros(3)
+    with pytest.raises(ckptfmt.MismatchError, match="t: several elements of the target share memory"):
+        ckptfmt.load_into(p, {"t": t, "c": c}, atomic=atomic)
+    assert not bool(x.any()) and not bool(c.any())
+
+
+def test_strided_targets_whose_elements_are_apart_load(tmp_path):
+    """Strided views torch cannot vouch for (its test says "too hard to tell") whose elements
+    are apart are filled, as t.copy_(saved) would."""
+    x = torch.zeros(60)
+    target = {"a": x.as_strided((3, 2), (3, 4)), "b": x.as_strided((3, 2), (12, 4), 20)}
+    state = {k: torch.arange(1.0, v.numel() + 1).view(v.shape) for k, v in target.items()}
+    p = _save(tmp_path, state)
+    ckptfmt.load_into(p, target)
+    for k, v in target.items():
+        assert torch.equal(v, state[k]), k
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    size=st.sampled_from([1, 2, 4, 8]),
+    dims=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 12)), max_size=3),
+)
+def test_overlaps_itself_agrees_with_listing_every_byte(size, dims):
+    """memoverlap.overlaps_itself against the bytes of every element listed one by one."""
+    seen: set[int] = set()
+    listed = False
+    byte_dims = [(n, s * size) for n, s in dims]
+    for ks in itertools.product(*(range(n) for n, _ in byte_dims)):
+        x = sum(k * u for k, (_, u) in zip(ks, byte_dims))
+        mine = set(range(x, x + size))
+        listed = listed or bool(seen & mine)
+        seen |= mine
+    assert memoverlap.overlaps_itself(size, byte_dims) is listed
+
+
+# -- strided file tensors read piece by piece -----------------------------------------------------
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_strided_file_tensors_larger_than_a_window_are_filled_piece_by_piece(tmp_path, monkeypatch, atomic):
+    """With the span window lowered to one chunk, strided file tensors (a transposed weight, every
+    seventh element of a buffer, a tied pair saved in two layouts) are read piece by piece into
+    their targets, exactly as t.copy_(saved) would, and a tied pair that differs is found at the
+    right byte."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(90, 70, generator=g)
+    base = torch.randn(7 * 900, generator=g)
+    changed = w.clone()
+    changed[40, 3] = 9.0
+    state = {
+        "t": w.t().contiguous().t(),  # saved with strides (1, 90)
+        "every7": base[::7],
+        "a": w,
+        "b": w.t().contiguous().t(),
+        "c": changed.t().contiguous().t(),
+    }
+    p = _save(tmp_path, state)
+    monkeypatch.setattr(fillplan, "_SPAN_WINDOW", 4096)
+    t, every7, x = torch.zeros(90, 70), torch.zeros(900), torch.zeros(90, 70)
+    ckptfmt.load_into(p, {"t": t, "every7": every7, "a": x, "b": x}, strict=False, atomic=atomic)
+    assert torch.equal(t, w) and torch.equal(every7, base[::7]) and torch.equal(x, w)
+    y = torch.zeros(90, 70)
+    with pytest.raises(
+        ckptfmt.MismatchError,
+        match=f"'a' and 'c' are the same memory, but .*from byte {(40 * 70 + 3) * 4} of",
+    ):
+        ckptfmt.load_into(p, {"a": y, "c": y}, strict=False, atomic=atomic)
+    assert not bool(y.any())
+
+
+_PEAK_CHILD = r"""
+import gc, json, sys, torch, ckptfmt
+def status(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+path, keys, shape = sys.argv[1], sys.argv[2].split(","), json.loads(sys.argv[3])
+x = torch.zeros(shape)
+gc.collect()
+open("/proc/self/clear_refs", "w").write("5")
+before = status("VmRSS")
+try:
+    ckptfmt.load_into(path, {k: x for k in keys}, strict=False)
+    error = None
+except ckptfmt.MismatchError as e:
+    error = str(e)
+print(json.dumps({"extra": status("VmHWM") - before, "error": error}))
+"""
+
+
+def _load_into_peak(path, keys: list[str], shape: list[int]) -> dict:
+    """The memory one load_into(path, {key: one tensor of `shape` for each of keys}) adds at its
+    peak, in a fresh process (VmHWM after the peak is reset), and the MismatchError it raised."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_CHILD, str(path), ",".join(keys), json.dumps(shape)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+# Sanitizers add allocations of their own: memory budgets are checked in the normal build only.
+@pytest.mark.skipif(bool(os.environ.get("CKPTFMT_SANITIZED")), reason="memory budgets need the normal build")
+def test_a_hostile_strided_tensor_costs_a_few_chunks_not_its_span(tmp_path):
+    """A small zstd file whose tensor 'b' is two elements 128 MiB apart (a view of a storage of
+    zeros): filling an 8-byte target from it, or comparing it with the tied 'a', holds a few
+    chunks (of 4 MiB), not the 128 MiB between its elements."""
+    n = 1 << 25
+    p = tmp_path / "hostile.ckpt"
+    ckptfmt.save({"a": torch.zeros(2), "b": torch.zeros(n + 1).as_strided((2,), (n,))}, p, compression="zstd")
+    assert p.stat().st_size < (1 << 20)
+    for keys in (["b"], ["a", "b"]):
+        res = _load_into_peak(p, keys, [2])
+        assert res["error"] is None and res["extra"] < (32 << 20), (keys, res)
+
+
+@pytest.mark.skipif(bool(os.environ.get("CKPTFMT_SANITIZED")), reason="memory budgets need the normal build")
+def test_reporting_where_tied_tensors_differ_holds_no_index_per_difference(tmp_path):
+    """Tied tensors of 32 MiB that differ in every byte: finding the first difference adds no
+    list of every differing byte's index (8 bytes each, 256 MiB here) to the comparison's two
+    windows (of one 32 MiB chunk each here)."""
+    w = torch.randn(8 << 20, generator=torch.Generator().manual_seed(3))
+    p = tmp_path / "big.ckpt"
+    ckptfmt.save({"a": w, "b": w.view(torch.int32).bitwise_not().view(torch.float32)}, p, chunk_size=32 << 20)
+    del w
+    res = _load_into_peak(p, ["a", "b"], [8 << 20])
+    assert "'a' and 'b' are the same memory, but" in res["error"] and "from byte 0 of" in res["error"], res
+    assert res["extra"] < (200 << 20), res
+
+
+# -- many targets whose spans overlap ---------------------------------------------------------------
+
+
+def _columns(tmp_path, cols: int = 3000):
+    """A file of `cols` columns saved apart, and the columns of one zeroed weight as targets."""
+    w = torch.arange(8.0 * cols).view(8, cols)
+    p = tmp_path / "cols.ckpt"
+    ckptfmt.save({f"c{j}": w[:, j].clone() for j in range(cols)}, p)
+    target = torch.zeros(8, cols)
+    return p, w, target, {f"c{j}": target[:, j] for j in range(cols)}
+
+
+def test_three_thousand_column_views_are_tested_in_linear_time(tmp_path):
+    """3,000 column views of one weight, every pair of them overlapping in span: their bytes are
+    marked once each (not tested pair by pair, 4.5 * 10^6 pairs), so the load takes well under the
+    seconds a pairwise test took; a column view twice under two keys is still refused."""
+    import time
+
+    p, w, target, views = _columns(tmp_path)
+    t0 = time.perf_counter()
+    ckptfmt.load_into(p, views)
+    took = time.perf_counter() - t0
+    assert torch.equal(target, w)
+    assert took < 4.0, took  # pairwise ~17 s here; ~0.5 s marked (generous for a busy 2-core machine)
+    clash = dict(views)
+    clash["c7"] = target.view(-1)[8:16]  # row 0, columns 8-15: shares (0, 8) with c8
+    with pytest.raises(ckptfmt.MismatchError, match="'c7' and 'c8' overlap in memory"):
+        ckptfmt.load_into(p, clash, strict=False)
+
+
+def test_the_pairwise_overlap_test_of_one_load_has_a_work_limit(tmp_path, monkeypatch):
+    """Where the group's bytes are not marked (its span too long: here the limit is lowered), the
+    pairs are tested one by one within one budget of steps for the whole load: past it the load
+    is refused, saying so, with nothing written."""
+    p, _, target, views = _columns(tmp_path)
+    monkeypatch.setattr(targets, "_MARK_MAX", 0)
+    with pytest.raises(ckptfmt.MismatchError, match="3000 targets overlap in span .*work limit for one load"):
+        ckptfmt.load_into(p, views)
+    assert not bool(target.any())
+    monkeypatch.setattr(targets, "_PAIR_STEPS", 1 << 30)
+    few = {k: views[k] for k in list(views)[:50]}
+    ckptfmt.load_into(p, few, strict=False)
+    assert torch.equal(target[:, :50], torch.arange(8.0 * 3000).view(8, 3000)[:, :50])
 
 
 # last in the module: the npu devices stay switched on from here to the module's end

@@ -8,7 +8,10 @@ tensor shares its storage with others, or the target is a view into a larger
 buffer) are read into a small bounce buffer and only their overlapping bytes are
 copied (`Piece`).  Any other target (transposed, strided, another conjugate bit,
 an accelerator tensor laid out differently) is filled with ``copy_`` from a host
-copy of the chunks its elements lie in (`Strided`).  Only a target's own bytes
+copy of the chunks its elements lie in (`Strided`); a file tensor whose span (first element to
+last) is larger than _SPAN_WINDOW is read in pieces of at most that span (`span_pieces`), each
+piece's elements copied from a window of its chunks: a strided tensor of a hostile file, two
+elements a GiB apart, costs two chunks, not a GiB.  Only a target's own bytes
 are ever written: the rest of a flat buffer it is a view of is left alone.
 Values that are not tensors, and meta tensors, which have no memory, are replaced
 in their container by what the file holds (`Plan.replace`).
@@ -23,6 +26,7 @@ fillreads.py carries the plan out.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +34,7 @@ import torch
 
 from ..engine import bytesview
 from ..engine import native as _native
+from ..format import dtypes
 from .reader import CheckpointFile
 from .targets import Matched, same_layout
 
@@ -37,6 +42,12 @@ from .targets import Matched, same_layout
 _WINDOW_MAX = 64 << 20
 #: ... and at most 1/_WINDOW_SHARE of the bytes being loaded (at least one chunk)
 _WINDOW_SHARE = 24
+#: a strided file tensor whose span is larger is read in pieces of at most this span
+_SPAN_WINDOW = 16 << 20
+
+#: a piece of a file tensor: (dim, start, stop) narrowings, and the elements [lo, hi) of its
+#: storage that the piece's span covers
+SpanPiece = tuple[list[tuple[int, int, int]], int, int]
 
 
 @dataclass
@@ -92,8 +103,8 @@ class Plan:
         return sorted(ks)
 
     def span_bytes(self, f: CheckpointFile) -> int:
-        """The largest host copy a strided target needs."""
-        return max((range_bytes(f, s.first, s.last) for s in self.strided), default=0)
+        """The largest host copy a strided target needs (its span's chunks, or its largest piece's)."""
+        return max((span_read_bytes(f, s) for s in self.strided), default=0)
 
     def buffer_bytes(self, f: CheckpointFile, verifying: bool = False) -> int:
         """One host buffer serves the verification pass, the pieces and the strided spans."""
@@ -109,6 +120,92 @@ def window_bytes(f: CheckpointFile, needed: int) -> int:
     threads = _native.default_threads() if _native.available() else 1
     n = min(2 * threads, _WINDOW_MAX // cs, needed // (_WINDOW_SHARE * cs))
     return max(1, n) * cs
+
+
+def read_whole(f: CheckpointFile, s: Strided) -> bool:
+    """Whether strided target `s` is read as one host copy of its span's chunks (not in pieces)."""
+    return (s.last - s.first - 2) * f.chunk_size <= _SPAN_WINDOW
+
+
+def span_read_bytes(f: CheckpointFile, s: Strided) -> int:
+    """The host memory that reading strided target `s` needs: its span's chunks, or the chunks
+    of its largest piece."""
+    if read_whole(f, s):
+        return range_bytes(f, s.first, s.last)
+    size = dtypes_itemsize(s.meta)
+    return max(
+        piece_chunks(f, lo * size, hi * size) * f.chunk_size for _, lo, hi in span_pieces(s.meta, size)
+    )
+
+
+def piece_chunks(f: CheckpointFile, lo: int, hi: int) -> int:
+    """How many chunks bytes [lo, hi) of a storage lie in."""
+    cs = f.chunk_size
+    return (hi - 1) // cs - lo // cs + 1
+
+
+def dtypes_itemsize(m: dict[str, Any]) -> int:
+    """The bytes of one element of file tensor `m`."""
+    return dtypes.TORCH_DTYPES[m["dtype"]].itemsize
+
+
+def span_pieces(m: dict[str, Any], size: int) -> Iterator[SpanPiece]:
+    """File tensor `m` (elements of `size` bytes) cut into pieces whose spans are at most
+    _SPAN_WINDOW bytes (or one element each), in storage order of the outermost dimension: its
+    dimensions taken largest stride first, a dimension whose inner span fits the window is
+    cut into runs of as many indices as fit, one whose inner span does not into single
+    indices, cut further.  A span within the window is one piece (the common case)."""
+    shape, stride = m["shape"], m["stride"]
+    order = sorted((d for d in range(len(shape)) if shape[d] > 1), key=lambda d: -stride[d])
+    inner = [1] * (len(order) + 1)  # inner[i]: the span, in elements, of dims order[i:]
+    for i in range(len(order) - 1, -1, -1):
+        d = order[i]
+        inner[i] = inner[i + 1] + (shape[d] - 1) * stride[d]
+    return _pieces(shape, stride, order, inner, max(1, _SPAN_WINDOW // size), 0, m["offset"], [])
+
+
+def _pieces(
+    shape: list[int],
+    stride: list[int],
+    order: list[int],
+    inner: list[int],
+    w: int,
+    level: int,
+    base: int,
+    narrowing: list[tuple[int, int, int]],
+) -> Iterator[SpanPiece]:
+    if inner[level] <= w:
+        yield narrowing, base, base + inner[level]
+        return
+    d = order[level]
+    n, st, rest = shape[d], stride[d], inner[level + 1]
+    if rest > w:
+        for i in range(n):
+            yield from _pieces(
+                shape, stride, order, inner, w, level + 1, base + i * st, [*narrowing, (d, i, i + 1)]
+            )
+        return
+    per = n if st == 0 else (w - rest) // st + 1
+    for i in range(0, n, per):
+        j = min(n, i + per)
+        yield [*narrowing, (d, i, j)], base + i * st, base + (j - 1) * st + rest
+
+
+def narrowed(m: dict[str, Any], narrowing: list[tuple[int, int, int]]) -> dict[str, Any]:
+    """File tensor `m` narrowed to a piece (span_pieces): its offset and shape changed."""
+    shape = list(m["shape"])
+    offset = m["offset"]
+    for d, i, j in narrowing:
+        shape[d] = j - i
+        offset += i * m["stride"][d]
+    return {**m, "shape": shape, "offset": offset}
+
+
+def narrow(t: torch.Tensor, narrowing: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Tensor `t` narrowed to a piece (span_pieces)."""
+    for d, i, j in narrowing:
+        t = t.narrow(d, i, j - i)
+    return t
 
 
 def range_bytes(f: CheckpointFile, first: int, last: int) -> int:

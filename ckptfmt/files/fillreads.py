@@ -13,7 +13,9 @@ bounce buffer; the verification pass (load_into.verify_chunks) reads through it 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -23,9 +25,22 @@ from ..engine.batched import PreparedReads, copy_spans, prepare
 from ..format import dtypes
 from ..format import layout as fmt
 from . import hostalloc
-from .fillplan import Piece, Plan, Strided, dense, range_bytes, window_bytes
+from .fillplan import (
+    Piece,
+    Plan,
+    Strided,
+    dense,
+    dtypes_itemsize,
+    narrow,
+    narrowed,
+    range_bytes,
+    read_whole,
+    span_pieces,
+    span_read_bytes,
+    window_bytes,
+)
 from .reader import CheckpointFile
-from .targets import MismatchError
+from .targets import MismatchError, strides_agree
 
 #: an unsigned file's direct reads go in parallel reads of whole targets of at least this
 #: many bytes: large enough that waiting for each read's last chunk costs little, small
@@ -136,17 +151,47 @@ def write_targets(
                     plan.touch(touched, [p.key])
                     p.dest.copy_(buf[at + p.start : at + p.end])
     # 3. targets laid out unlike the file: their storage's chunks in host memory, then copy_()
+    # (a span larger than a window: piece by piece, each from the chunks it lies in)
     loaded: tuple[int, int, int] | None = None  # (storage, first, last) now in buf
     for s in plan.strided:
         assert buf is not None
-        if loaded is None or not (loaded[0] == s.sid and loaded[1] <= s.first and s.last <= loaded[2]):
-            n = range_bytes(f, s.first, s.last)
-            f.read_into(_place(f, s.first, s.last, buf[:n]), verify)
-            loaded = (s.sid, s.first, s.last)
-        plan.touch(touched, [s.key])
         # an inference tensor may only be written in inference mode
         with torch.inference_mode() if s.value.is_inference() else contextlib.nullcontext():
-            s.value.copy_(_source(f, s, buf, loaded[1]))
+            if not read_whole(f, s):
+                loaded = None
+                fill_pieces(
+                    f, s.sid, s.meta, s.value, buf, verify, functools.partial(plan.touch, touched, [s.key])
+                )
+                continue
+            if loaded is None or not (loaded[0] == s.sid and loaded[1] <= s.first and s.last <= loaded[2]):
+                n = range_bytes(f, s.first, s.last)
+                f.read_into(_place(f, s.first, s.last, buf[:n]), verify)
+                loaded = (s.sid, s.first, s.last)
+            plan.touch(touched, [s.key])
+            s.value.copy_(_source(f, s.sid, s.meta, buf, loaded[1]))
+
+
+def fill_pieces(
+    f: CheckpointFile,
+    sid: int,
+    m: dict[str, Any],
+    dest: torch.Tensor,
+    buf: torch.Tensor,
+    verify: bool,
+    before_write: Callable[[], None] | None = None,
+) -> None:
+    """Fill `dest` (of file tensor m's shape) from file tensor `m` of storage `sid` piece by
+    piece (fillplan.span_pieces), each piece's chunks read into `buf` then copied;
+    `before_write` is called before the first copy."""
+    first_chunk, cs = f.storages[sid].first_chunk, f.chunk_size
+    size = dtypes_itemsize(m)
+    for narrowing, lo, hi in span_pieces(m, size):
+        k0, k1 = first_chunk + lo * size // cs, first_chunk + (hi * size - 1) // cs + 1
+        f.read_into(_place(f, k0, k1, buf[: range_bytes(f, k0, k1)]), verify)
+        if before_write is not None:
+            before_write()
+            before_write = None
+        narrow(dest, narrowing).copy_(_source(f, sid, narrowed(m, narrowing), buf, k0))
 
 
 def _copy_direct(
@@ -218,12 +263,11 @@ def _place(f: CheckpointFile, first: int, last: int, dest: torch.Tensor) -> list
     return out
 
 
-def _source(f: CheckpointFile, s: Strided, buf: torch.Tensor, first: int) -> torch.Tensor:
-    """The file's tensor over buf, which holds its storage's chunks from `first` on."""
-    m = s.meta
+def _source(f: CheckpointFile, sid: int, m: dict[str, Any], buf: torch.Tensor, first: int) -> torch.Tensor:
+    """File tensor `m` of storage `sid` over buf, which holds the storage's chunks from `first` on."""
     dt = dtypes.TORCH_DTYPES[m["dtype"]]
-    start = (first - f.storages[s.sid].first_chunk) * f.chunk_size  # byte of the storage at buf[0]
-    size = torch.empty(0, dtype=dt).element_size()
+    start = (first - f.storages[sid].first_chunk) * f.chunk_size  # byte of the storage at buf[0]
+    size = dt.itemsize
     offset = (m["offset"] * size - start) // size  # chunk sizes are powers of two >= 4 KiB
     t = torch.empty(0, dtype=dt).set_(buf.untyped_storage(), offset, m["shape"], m["stride"])
     return t.conj() if m["conj"] else t
@@ -249,17 +293,16 @@ def check_equal(f: CheckpointFile, plan: Plan, verify: bool) -> None:
 def _first_difference(f: CheckpointFile, a: Strided, b: Strided, verify: bool) -> int | None:
     """The first byte where file tensors a and b (of one dtype and shape) differ, or None.
     Tensors dense in one layout are compared as byte ranges of their storages, a window at a
-    time (bytes counted in storage order); others as their values over a host copy of each
-    one's span (bytes counted in element order)."""
+    time (bytes counted in storage order); others as their values gathered into dense host
+    tensors (bytes counted in element order)."""
     ma, mb = a.meta, b.meta
     if (
         ma["conj"] == mb["conj"]
-        and all(x == y for x, y, n in zip(ma["stride"], mb["stride"], ma["shape"]) if n != 1)
+        and strides_agree(ma["stride"], mb["stride"], ma["shape"])
         and dense(ma["shape"], ma["stride"])
     ):
         return _ranges_differ(f, a, b, verify)
-    x, y = (_as_bytes(_span_values(f, s, verify)) for s in (a, b))
-    return _differ_at(x, y)
+    return _values_differ(f, a, b, verify)
 
 
 def _ranges_differ(f: CheckpointFile, a: Strided, b: Strided, verify: bool) -> int | None:
@@ -293,20 +336,29 @@ def _read_range(
     return dest[at : at + n]
 
 
-def _span_values(f: CheckpointFile, s: Strided, verify: bool) -> torch.Tensor:
-    """File tensor `s.meta` over a host copy of the chunks it lies in."""
-    buf = hostalloc.alloc_bytes(f.path, range_bytes(f, s.first, s.last), s.key)
-    f.read_into(_place(f, s.first, s.last, buf), verify)
-    return _source(f, s, buf, s.first)
+def _values_differ(f: CheckpointFile, a: Strided, b: Strided, verify: bool) -> int | None:
+    """The first byte, in element order, where the values of file tensors a and b (of one dtype
+    and shape, laid out differently) differ, or None: each one's elements gathered into a dense
+    host tensor piece by piece (fill_pieces), so the memory held is the two tensors' bytes (as
+    much as their target) and one window, whatever their spans."""
+    dt = dtypes.TORCH_DTYPES[a.meta["dtype"]]
+    buf = hostalloc.alloc_bytes(f.path, max(span_read_bytes(f, s) for s in (a, b)), a.key)
+    x, y = (torch.empty(s.meta["shape"], dtype=dt) for s in (a, b))
+    fill_pieces(f, a.sid, a.meta, x, buf, verify)
+    fill_pieces(f, b.sid, b.meta, y, buf, verify)
+    return _differ_at(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of tensor t's values in element order (a conjugate bit applied)."""
-    return t.resolve_conj().contiguous().reshape(-1).view(torch.uint8)
+#: _differ_at compares this many bytes at a time: its mask of differences stays this small
+_COMPARE_BLOCK = 1 << 20
 
 
 def _differ_at(x: torch.Tensor, y: torch.Tensor) -> int | None:
-    """The first index where byte tensors x and y (of one length) differ, or None."""
-    if torch.equal(x, y):
-        return None
-    return int(torch.nonzero(x != y)[0])
+    """The first index where byte tensors x and y (of one length) differ, or None: found a block
+    at a time, each block's mask of differences searched for its first (argmax: the first of
+    the largest), never a list of every difference."""
+    for p in range(0, x.numel(), _COMPARE_BLOCK):
+        a, b = x[p : p + _COMPARE_BLOCK], y[p : p + _COMPARE_BLOCK]
+        if not torch.equal(a, b):
+            return p + int(torch.ne(a, b).view(torch.uint8).argmax())
+    return None

@@ -11,7 +11,12 @@ of a smaller one that its range leaves no gap in, merge into one exactly (`_merg
 cases above become one dimension each.  What remains is searched largest stride first, each
 branch cut where the values left (a multiple of the rest's common divisor, up to their reach)
 cannot hit the interval.  Views of regular layouts take a few steps; an irregular pair that
-would take more than MAX_STEPS is left undecided (None), for the caller to refuse.
+would take more than MAX_STEPS is left undecided (None), for the caller to refuse.  A caller
+testing many pairs passes a `Budget`, the steps all its tests may take together.
+
+A view overlaps itself (`overlaps_itself`) when two distinct index tuples share a byte: their
+difference sum(k_d * u_d) has some k_d != 0; taking the first nonzero k_d positive (the pair
+swapped otherwise) leaves one search of the same kind per dimension.
 """
 
 from __future__ import annotations
@@ -26,10 +31,29 @@ Dim = tuple[int, int]
 MAX_STEPS = 1 << 16
 
 
+class Budget:
+    """The steps that several tests may take together: each test is charged its steps and
+    PER_TEST more (its own cost, however few steps it takes).  Once it is spent, a test is
+    undecided (None) without a step, and `spent` says why."""
+
+    PER_TEST = 16
+
+    def __init__(self, steps: int) -> None:
+        self.left = steps
+        self.spent = False
+
+
 def views_meet(
-    start_a: int, size_a: int, dims_a: Sequence[Dim], start_b: int, size_b: int, dims_b: Sequence[Dim]
+    start_a: int,
+    size_a: int,
+    dims_a: Sequence[Dim],
+    start_b: int,
+    size_b: int,
+    dims_b: Sequence[Dim],
+    budget: Budget | None = None,
 ) -> bool | None:
-    """Whether view a and view b share a byte: True, False, or None when undecided."""
+    """Whether view a and view b share a byte: True, False, or None when undecided (past
+    MAX_STEPS, or past what is left of `budget`)."""
     c = start_a - start_b
     ranges: dict[int, int] = {}  # stride -> the largest multiple k of it that a difference takes
     for n, u in dims_a:
@@ -39,7 +63,41 @@ def views_meet(
         if n > 1 and u:
             c -= (n - 1) * u
             ranges[u] = ranges.get(u, 0) + n - 1
-    return _hits(c, 1 - size_a, size_b - 1, _merged(sorted(ranges.items())))
+    dims = _merged(sorted(ranges.items()))
+    if budget is None:
+        return _hits(c, 1 - size_a, size_b - 1, dims, MAX_STEPS)[0]
+    if budget.left <= 0:
+        budget.spent = True
+        return None
+    limit = min(MAX_STEPS, budget.left)
+    result, steps = _hits(c, 1 - size_a, size_b - 1, dims, limit)
+    budget.left -= steps + budget.PER_TEST
+    if result is None and limit < MAX_STEPS:
+        budget.spent = True  # undecided for want of the budget, not by the test's own limit
+    return result
+
+
+def overlaps_itself(size: int, dims: Sequence[Dim]) -> bool | None:
+    """Whether two distinct elements of a view (elements of `size` bytes; `dims` its extents and
+    byte strides) share a byte: True, False, or None when undecided (past MAX_STEPS)."""
+    live = [(n, u) for n, u in dims if n > 1]
+    if any(u == 0 for _, u in live):
+        return True
+    undecided = False
+    for d, (n, u) in enumerate(live):
+        # k_d in [1, n - 1] (the first nonzero one), every later k_e in [-(n_e - 1), n_e - 1]
+        c = u
+        ranges: dict[int, int] = {}
+        if n > 2:
+            ranges[u] = n - 2
+        for ne, ue in live[d + 1 :]:
+            c -= (ne - 1) * ue
+            ranges[ue] = ranges.get(ue, 0) + 2 * (ne - 1)
+        found, _ = _hits(c, 1 - size, size - 1, _merged(sorted(ranges.items())), MAX_STEPS)
+        if found:
+            return True
+        undecided = undecided or found is None
+    return None if undecided else False
 
 
 def _merged(dims: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -57,9 +115,9 @@ def _merged(dims: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _hits(c: int, lo: int, hi: int, dims: list[tuple[int, int]]) -> bool | None:
+def _hits(c: int, lo: int, hi: int, dims: list[tuple[int, int]], limit: int) -> tuple[bool | None, int]:
     """Whether c + sum(k_d * u_d), 0 <= k_d <= m_d, takes a value in [lo, hi] (`dims`: (u, m) in
-    ascending u); None after MAX_STEPS candidates."""
+    ascending u), None after `limit` candidates; with the candidates tried."""
     dims = dims[::-1]  # the largest stride first: it leaves the fewest candidates
     n = len(dims)
     reach = [0] * (n + 1)  # reach[i]: the largest sum of dims[i:]
@@ -74,7 +132,7 @@ def _hits(c: int, lo: int, hi: int, dims: list[tuple[int, int]]) -> bool | None:
         i, c = stack.pop()
         if i == n:
             if lo <= c <= hi:
-                return True
+                return True, steps
             continue
         # the sum still to add lies in [lo - c, hi - c], in [0, reach[i]], and is a multiple of common[i]
         a, b = max(lo - c, 0), min(hi - c, reach[i])
@@ -87,7 +145,7 @@ def _hits(c: int, lo: int, hi: int, dims: list[tuple[int, int]]) -> bool | None:
         if first > last:
             continue
         steps += last - first + 1
-        if steps > MAX_STEPS:
-            return None
+        if steps > limit:
+            return None, steps
         stack.extend((i + 1, c + k * u) for k in range(first, last + 1))
-    return False
+    return False, steps

@@ -15,6 +15,7 @@ unexpected key, is a `MismatchError`.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 from ..errors import CheckpointError
 from ..format import dtypes
 from ..format.decode import decode_key
-from .memoverlap import views_meet
+from .memoverlap import Budget, overlaps_itself, views_meet
 from .reader import CheckpointFile
 
 #: one leaf of the target: (dotted key, its container, its key in the container, the value)
@@ -142,8 +143,28 @@ def _tensor_problem(key: str, value: torch.Tensor, node: list[Any], container: A
             return f"{key}: a meta tensor inside a tuple cannot be replaced"
         return None
     # a contiguous tensor's elements never share memory: the overlap check only for the others
-    if value.numel() > 1 and not value.is_contiguous() and torch._debug_has_internal_overlap(value) == 1:
-        return f"{key}: several elements of the target share memory (an expanded tensor?)"
+    if value.numel() > 1 and not value.is_contiguous():
+        return _self_overlap_problem(key, value)
+    return None
+
+
+def _self_overlap_problem(key: str, value: torch.Tensor) -> str | None:
+    """Why target `value` cannot be written because two of its own elements share memory, or
+    None.  torch's own test answers "yes" or "no" for the easy layouts and "too hard to tell"
+    (2) for every other strided view: those are decided exactly (memoverlap.overlaps_itself)."""
+    quick = torch._debug_has_internal_overlap(value)
+    if quick == 0:
+        return None
+    size = value.element_size()
+    meets = (
+        True
+        if quick == 1
+        else overlaps_itself(size, [(n, st * size) for n, st in zip(value.shape, value.stride())])
+    )
+    if meets is None:
+        return f"{key}: the target's strides are too irregular to tell whether its elements share memory"
+    if meets:
+        return f"{key}: several elements of the target share memory (an expanded or overlapping strided view)"
     return None
 
 
@@ -196,8 +217,14 @@ def same_layout(value: torch.Tensor, m: dict[str, Any]) -> bool:
     return (
         not value.is_neg()
         and value.is_conj() == bool(m["conj"])
-        and all(a == b for a, b, n in zip(value.stride(), m["stride"], m["shape"]) if n != 1)
+        and strides_agree(value.stride(), m["stride"], m["shape"])
     )
+
+
+def strides_agree(a: Sequence[int], b: Sequence[int], shape: Sequence[int]) -> bool:
+    """Strides a and b lay out elements of `shape` alike: equal on every dimension longer than 1
+    (a dimension of one element has no step, whatever its stride)."""
+    return all(x == y for x, y, n in zip(a, b, shape) if n != 1)
 
 
 def _home(value: torch.Tensor, m: dict[str, Any], start: int) -> tuple[Any, ...] | None:
@@ -229,8 +256,20 @@ class Sharing:
     found: bool = False
 
 
+#: a group of overlapping spans at most this long is tested by marking its bytes (linear)
+_MARK_MAX = 16 << 20
+#: the steps the pairwise tests of one load may take together (memoverlap.Budget): a few
+#: undecided pairs, or some 10^5 easy ones
+_PAIR_STEPS = 1 << 20
+
+
 def _share(
-    f: CheckpointFile, in_file: dict[str, int], targets: list[Target], spans: _Spans, sharing: Sharing
+    f: CheckpointFile,
+    in_file: dict[str, int],
+    targets: list[Target],
+    spans: _Spans,
+    sharing: Sharing,
+    budget: Budget,
 ) -> str | None:
     """Why targets that share memory cannot all be filled, or None, recording in `sharing` the
     tied targets.  Targets whose spans are apart need nothing more.  Among those whose spans
@@ -240,7 +279,9 @@ def _share(
     bytes only as the file's tensors share their storage (`_home`: a row and its weight, a
     weight and its transpose, a flat buffer and its views), which writes each shared byte from
     the same byte of the file; any other pair must share no byte at all (interleaved views,
-    column blocks of one weight), decided exactly (memoverlap.views_meet)."""
+    column blocks of one weight), decided exactly: by marking the bytes of a group whose spans
+    together are short (`_marked_problem`), else pair by pair (memoverlap.views_meet) within
+    `budget`, the steps all pairs of the load may take."""
     if len(spans.starts) < 2:
         return None
     nodes = f.tree.nodes
@@ -248,7 +289,7 @@ def _share(
         sharing.found = True
         metas = {p: nodes[in_file[targets[p][0]]][1] for p, _, _ in group}
         kept = _tie(targets, group, metas, sharing)
-        problem = _clash_problem(targets, kept, metas) if len(kept) > 1 else None
+        problem = _clash_problem(targets, kept, metas, budget) if len(kept) > 1 else None
         if problem:
             return problem
     return None
@@ -272,20 +313,30 @@ def _tie(targets: list[Target], group: Group, metas: dict[int, dict[str, Any]], 
     return kept
 
 
-def _clash_problem(targets: list[Target], kept: Group, metas: dict[int, dict[str, Any]]) -> str | None:
+def _clash_problem(
+    targets: list[Target], kept: Group, metas: dict[int, dict[str, Any]], budget: Budget
+) -> str | None:
     """Why the filled targets of one group of overlapping spans cannot all be filled, or None:
     one home for all of them (a storage of the file and its views) is fine at once; else each
     pair whose spans overlap must have one home or share no byte."""
     homes = [_home(targets[p][3], metas[p], s) for p, s, _ in kept]
     if homes[0] is not None and homes.count(homes[0]) == len(homes):
         return None
+    if max(e for _, _, e in kept) - kept[0][1] <= _MARK_MAX:
+        return _marked_problem(targets, kept, homes)
     active: list[int] = []  # the targets so far whose spans reach past the current start
     for i, (p, s, e) in enumerate(kept):
         active = [j for j in active if kept[j][2] > s]
         for j in active:
             if homes[j] is not None and homes[j] == homes[i]:
                 continue
-            meet = _elements_meet(targets[kept[j][0]][3], kept[j][1], targets[p][3], s)
+            meet = _elements_meet(targets[kept[j][0]][3], kept[j][1], targets[p][3], s, budget)
+            if meet is None and budget.spent:
+                return (
+                    f"{len(kept)} targets overlap in span (from {targets[kept[0][0]][0]!r} on): testing "
+                    "each pair for a shared byte went past the overlap test's work limit for one load; "
+                    "refused rather than risk filling one over another (load them in smaller groups)"
+                )
             if meet is not False:
                 first, second = sorted((kept[j][0], p))  # named in the target's order
                 return _overlap_message(targets[first][0], targets[second][0], kept[j][1:] == (s, e), meet)
@@ -293,7 +344,41 @@ def _clash_problem(targets: list[Target], kept: Group, metas: dict[int, dict[str
     return None
 
 
-def _elements_meet(a: torch.Tensor, start_a: int, b: torch.Tensor, start_b: int) -> bool | None:
+def _marked_problem(targets: list[Target], kept: Group, homes: list[tuple[Any, ...] | None]) -> str | None:
+    """_clash_problem for a group whose spans together are at most _MARK_MAX bytes: each byte of
+    the span gets the mark of the first target that writes it (targets of one home share a
+    mark), through a view of each target's bytes over a buffer of marks; a target that finds a
+    byte marked by another is the pair's second.  Linear in the targets' bytes, exact."""
+    base = kept[0][1]
+    marks: dict[Any, int] = {}
+    ids = [
+        marks.setdefault(h if h is not None else ("alone", i), len(marks) + 1) for i, h in enumerate(homes)
+    ]
+    owner = torch.zeros(
+        max(e for _, _, e in kept) - base, dtype=torch.int16 if len(marks) < (1 << 15) else torch.int32
+    )
+    for i, (p, s, e) in enumerate(kept):
+        v = targets[p][3]
+        size = v.element_size()
+        mine = owner.as_strided((*v.shape, size), (*(st * size for st in v.stride()), 1), s - base)
+        clash = mine[(mine != 0) & (mine != ids[i])]
+        if clash.numel():
+            other = int(clash[0])
+            # the target of that mark whose elements meet this one's (a home's marks are several targets')
+            ours = [j for j in range(i) if ids[j] == other]
+            j = next(
+                (j for j in ours if _elements_meet(targets[kept[j][0]][3], kept[j][1], v, s) is not False),
+                ours[0],
+            )
+            first, second = sorted((kept[j][0], p))  # named in the target's order
+            return _overlap_message(targets[first][0], targets[second][0], kept[j][1:] == (s, e), True)
+        mine.fill_(ids[i])
+    return None
+
+
+def _elements_meet(
+    a: torch.Tensor, start_a: int, b: torch.Tensor, start_b: int, budget: Budget | None = None
+) -> bool | None:
     """Whether target tensors a and b, their first elements at start_a and start_b, share a byte
     of memory (None: undecided)."""
     sa, sb = a.element_size(), b.element_size()
@@ -304,6 +389,7 @@ def _elements_meet(a: torch.Tensor, start_a: int, b: torch.Tensor, start_b: int)
         start_b,
         sb,
         [(n, st * sb) for n, st in zip(b.shape, b.stride())],
+        budget,
     )
 
 
@@ -439,9 +525,10 @@ def match(f: CheckpointFile, top: int, state: Any, *, strict: bool) -> Matched:
             problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""), path=f.path
         )
     sharing = Sharing()
+    budget = Budget(_PAIR_STEPS)
     by_device = [cpu, *elsewhere.values()]
     for spans in by_device:
-        problem = _share(f, in_file, targets, spans, sharing)
+        problem = _share(f, in_file, targets, spans, sharing, budget)
         if problem:
             raise MismatchError(problem, path=f.path)
     if strict and (report.missing_keys or report.unexpected_keys):
