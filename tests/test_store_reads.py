@@ -487,3 +487,17 @@ def test_a_load_without_a_bound_does_not_count_the_spools_pages(s3_bucket, monke
     assert sums[0] == 0
     assert_same(state, ckptfmt.load(url, max_bytes=20 * MiB, storage_options=options))
     assert sums[0] > 0
+
+
+def test_a_store_load_without_a_built_engine_reads_through_the_spool(store, monkeypatch):
+    """Without a built C engine (no ffi, no lib), a load from a store reads every chunk through
+    the spool, one by one: none goes straight into its tensor, which needs the engine."""
+    root, options = store
+    url = f"{root}/no-engine.ckpt"
+    state = {"w": torch.randn(100_000), "b": torch.randn(64)}  # 400 KB: a raw chunk over DIRECT_MIN
+    ckptfmt.save(state, url, storage_options=options)
+    monkeypatch.setattr(native, "ffi", None)
+    monkeypatch.setattr(native, "lib", None)
+    monkeypatch.setenv("CKPTFMT_BACKEND", "python")  # the slow path's warning silenced
+    assert not native.available()
+    assert_same(state, ckptfmt.load(url, storage_options=options))

@@ -468,8 +468,8 @@ class ChunkReader:
         destinations so, the others window by window (fetchread), the windows sized to what
         the load's max_bytes leaves where it has one (_room)."""
         straight, spooled = directread.split(remote, self.chunks, items, check_only)
-        reads = directread.DirectReads(self.file_id, self.chunks, straight, verify, self.native_error)
-        directread.read_direct(remote, reads, lambda: self._read_spooled(remote, spooled, verify, check_only))
+        rest = lambda: self._read_spooled(remote, spooled, verify, check_only)  # noqa: E731
+        directread.read_direct(remote, self.file_id, self.chunks, straight, verify, self.native_error, rest)
 
     def _read_spooled(
         self, remote: Fetcher, items: list[tuple[int, Destination]], verify: bool, only: bool

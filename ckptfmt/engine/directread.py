@@ -172,9 +172,22 @@ def check_in_place(file_id: bytes, k: int, ch: Chunk, base: int) -> Status | Non
     return chunkrecords.check_at(mapping, ch.offset + ch.stored_len, file_id, [k], [ch._replace(pad=0)], 1)
 
 
-def read_direct(remote: Fetcher, reads: DirectReads, rest: Callable[[], None]) -> None:
-    """Fetch `reads` into their destinations while `rest` (the chunks read through the spool)
-    runs; the first failure raised once every fetch is over."""
+def read_direct(
+    remote: Fetcher,
+    file_id: bytes,
+    chunks: Sequence[Chunk],
+    items: Sequence[tuple[int, Destination]],
+    verify: bool,
+    error: Callable[[Status, Sequence[tuple[int, Destination]]], Exception],
+    rest: Callable[[], None],
+) -> None:
+    """Fetch `items` (split's straight ones) into their destinations while `rest` (the chunks
+    read through the spool) runs; the first failure raised once every fetch is over.  None
+    straight (always so without the C engine, which DirectReads needs): `rest` alone."""
+    if not items:
+        rest()
+        return
+    reads = DirectReads(file_id, chunks, items, verify, error)
     futures = reads.start(remote)
     try:
         rest()
