@@ -393,9 +393,9 @@ def test_a_body_cut_while_read_into_a_tensor_is_resumed_there(store_faults):
     straight: list[int] = []
     start = directread.DirectReads.start
 
-    def counted(self, remote):
+    def counted(self, remote, spooled):
         straight.append(len(self.targets))
-        return start(self, remote)
+        return start(self, remote, spooled)
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(directread.DirectReads, "start", counted)
@@ -501,3 +501,25 @@ def test_a_store_load_without_a_built_engine_reads_through_the_spool(store, monk
     monkeypatch.setenv("CKPTFMT_BACKEND", "python")  # the slow path's warning silenced
     assert not native.available()
     assert_same(state, ckptfmt.load(url, storage_options=options))
+
+
+def test_a_load_of_weights_and_small_biases_asks_for_each_cell_once(store_faults):
+    """A state alternating raw weights (read straight into their tensors) and small biases (read
+    through the spool) is fetched by one plan over all of its chunks, near neighbours merged
+    and cut at the grid: about a GET per cell of request_size beyond the first wave, not one
+    per tensor; every byte asked for once."""
+    faults = store_faults
+    options = faults.options | {"request_size": MiB, "concurrency": 3}  # 2 cells in the wave
+    url = f"{faults.new_root()}/biased.ckpt"
+    g = torch.Generator().manual_seed(5)
+    state: dict[str, torch.Tensor] = {}
+    for i in range(40):  # 10.4 MB: 11 cells, 80 tensors
+        state[f"w{i}"] = torch.randn(64 << 10, generator=g)  # 256 KiB: straight
+        state[f"b{i}"] = torch.randn(1 << 10, generator=g)  # 4 KiB: through the spool
+    ckptfmt.save(state, url, storage_options=options)
+    cells = -(-faults.size(url) // MiB)
+    faults.clear_counts()
+    assert_same(state, ckptfmt.load(url, storage_options=options))
+    ranges = sorted(faults.ranges("biased.ckpt"))
+    assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))  # no byte twice
+    assert len(ranges) <= cells + 3, ranges  # the cells, the tail, the index's rest

@@ -122,8 +122,10 @@ class DirectReads:
             raise ValueError(f"a destination of {len(buf)} bytes for a chunk of {n}")
         return int(ffi.cast("uintptr_t", buf))
 
-    def start(self, remote: Fetcher) -> list[Future[None]]:
-        return remote.start_into(self.targets, self.landed)
+    def start(self, remote: Fetcher, spooled: Sequence[tuple[int, int]]) -> list[Future[None]]:
+        """Fetch the targets, planned with the `spooled` ranges (read through the spool): one
+        request a cell, not one a tensor where they alternate."""
+        return remote.start_into(self.targets, self.landed, spooled)
 
     def landed(self, request: tuple[int, int]) -> None:
         """A request's bytes are in: check each chunk whose last bytes they were."""
@@ -177,20 +179,23 @@ def read_direct(
     file_id: bytes,
     chunks: Sequence[Chunk],
     items: Sequence[tuple[int, Destination]],
+    spooled: Sequence[tuple[int, Destination]],
     verify: bool,
     error: Callable[[Status, Sequence[tuple[int, Destination]]], Exception],
-    rest: Callable[[], None],
+    rest: Callable[[bool], None],
 ) -> None:
-    """Fetch `items` (split's straight ones) into their destinations while `rest` (the chunks
-    read through the spool) runs; the first failure raised once every fetch is over.  None
-    straight (always so without the C engine, which DirectReads needs): `rest` alone."""
+    """Fetch `items` (split's straight ones) into their destinations and the bytes of the
+    `spooled` ones into the spool, in one plan, while `rest` (which reads the chunks through the spool,
+    told whether their bytes are asked for already) runs; the first failure raised once every
+    fetch is over.  None straight (always so without the C engine, which DirectReads needs):
+    `rest` alone."""
     if not items:
-        rest()
+        rest(False)
         return
     reads = DirectReads(file_id, chunks, items, verify, error)
-    futures = reads.start(remote)
+    futures = reads.start(remote, [span(chunks[k]) for k, _ in spooled])
     try:
-        rest()
+        rest(True)
         remote.wait(futures)
     finally:
         remote.wait_quietly(futures)

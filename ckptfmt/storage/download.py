@@ -45,14 +45,15 @@ from .backends import store_for
 from .ranges import (
     MERGE_GAP,
     REQUEST_BYTES,
-    cut_views,
     merge_ranges,
     overlaps,
     page_edges,
     plan_requests,
+    routed,
     subtract_ranges,
     views_after,
 )
+from .readahead import Deferred
 from .spool import Spool
 from .store import Store
 from .urls import ObjectURL, parse_url
@@ -105,38 +106,6 @@ def _tag_value(etag: object) -> object:
     return etag.removeprefix("W/").strip('"')
 
 
-class _Abandoned(Exception):
-    """A deferred request's body no one will read (its object was closed first)."""
-
-
-class _Deferred:
-    """A request of the read-ahead wave, sent before anyone knows where its bytes go: its
-    answer's body from `start` on is read once claimed (views: where those bytes go, in order;
-    None: nowhere), `spooled` the parts of it that go to the spool, `landed` called once it is
-    in.  The bytes before `start` (the prologue, in the first request) go to the spool at
-    once: `prefix` ends once they are in (or the request failed)."""
-
-    def __init__(self, start: int) -> None:
-        self.start = start
-        self.prefix: Future[None] = Future()
-        self.ready = threading.Event()
-        self.views: list[memoryview] | None = None
-        self.spooled: list[Range] = []
-        self.landed: Callable[[Range], None] | None = None
-
-    def wait(self, budget: s3.Budget, path: str, lo: int, hi: int) -> list[memoryview]:
-        """Where the body goes, once claimed, within what remains of `budget`'s deadline."""
-        if not self.ready.wait(budget.remaining()):
-            raise StorageError(
-                f"read bytes {lo}-{hi - 1}: asked for ahead, and not claimed by a reader within "
-                f"{budget.deadline:g} s (storage option deadline)",
-                path=path,
-            )
-        if self.views is None:
-            raise _Abandoned
-        return self.views
-
-
 class RemoteObject:
     """One object being read: its size and ETag, and a Spool holding the bytes fetched so far."""
 
@@ -169,7 +138,7 @@ class RemoteObject:
         self._held_lock = threading.Lock()
         # requests of the read-ahead wave whose answers' bodies wait to be told where they go
         # (_claim): a chunk reader's memory, or the spool
-        self._deferred: dict[Range, _Deferred] = {}
+        self._deferred: dict[Range, Deferred] = {}
         # ranges given back whose pages are still being freed (on their own thread, so that
         # the reader goes on to its next window meanwhile): a fetch into one waits for them
         self._freeing: list[tuple[Range, Future[None]]] = []
@@ -247,7 +216,7 @@ class RemoteObject:
             return None
         requests = plan_requests([(0, min(tail, ahead))], self._request_bytes)
         requests = requests[: s3.concurrency(self.options) - 1]
-        deferred = [_Deferred(prologue if i == 0 else r[0]) for i, r in enumerate(requests)]
+        deferred = [Deferred(prologue if i == 0 else r[0]) for i, r in enumerate(requests)]
         with self._held_lock:
             for r, d in zip(requests, deferred):
                 self._in_flight[r] = self._pool.submit(self._get_deferred, *r, d)
@@ -300,15 +269,20 @@ class RemoteObject:
         return sorted([r for r, _ in waited] + missing)
 
     def _requests_for(
-        self, ranges: Sequence[Range], cell: int | None, gap: int | None
+        self,
+        ranges: Sequence[Range],
+        cell: int | None,
+        gap: int | None,
+        targets: Sequence[tuple[int, memoryview]] = (),
+        landed: Callable[[Range], None] | None = None,
     ) -> tuple[list[tuple[Range, Future[None]]], list[Range]]:
         """What `ranges` needs, under _held_lock: the requests in flight that overlap them (with
-        their futures), and the requests that would fetch the rest (plan_requests of what is
-        neither held nor in flight)."""
+        their futures; those of the read-ahead wave claimed for `targets`: _claim), and the
+        requests that would fetch the rest (plan_requests of what is neither held nor in flight)."""
         wanted = merge_ranges(ranges)
         waited = [(r, f) for r, f in self._in_flight.items() if overlaps(wanted, r)]
         for r, _ in waited:
-            self._claim(r, [])
+            self._claim(r, targets, landed)
         missing = subtract_ranges(wanted, self._taken())
         return waited, plan_requests(missing, cell or self._request_bytes, MERGE_GAP if gap is None else gap)
 
@@ -380,24 +354,29 @@ class RemoteObject:
             return [not overlaps(taken, r) for r in ranges]
 
     def start_into(
-        self, targets: Sequence[tuple[int, memoryview]], landed: Callable[[Range], None]
+        self,
+        targets: Sequence[tuple[int, memoryview]],
+        landed: Callable[[Range], None],
+        spooled: Sequence[Range] = (),
     ) -> list[Future[None]]:
         """Begin fetching `targets` ((offset in the object, the memory its bytes go to), sorted,
-        disjoint) straight into that memory, not the spool: the requests are their ranges,
-        adjacent ones joined, cut at the grid (plan_requests), each with the checks, retries
-        and deadlines of a fetch into the spool.  `landed` is called with each request's range
-        on the thread that fetched it once all its bytes are in; the futures end after it (an
-        exception it raises is theirs).  The caller keeps the memory alive until every future
-        is done (wait or wait_quietly) and asks for none of these bytes through the spool."""
+        disjoint) straight into that memory, and the `spooled` ranges into the spool: one plan
+        for both (plan_requests: near neighbours merged, cut at the grid), each request's bytes
+        going to the targets within it and its gaps to the spool (held once in), with the
+        checks, retries and deadlines of a fetch into the spool; requests of the read-ahead
+        wave are claimed so.  `landed` is called with each request's range on the thread that
+        fetched it once all its bytes are in; the futures end after it (an exception it raises
+        is theirs).  The caller keeps the memory alive until every future is done (wait or
+        wait_quietly) and asks for none of the targets' bytes through the spool."""
         wanted = [(at, at + len(v)) for at, v in targets]
         with self._held_lock:
-            claimed = [r for r in self._deferred if overlaps(merge_ranges(wanted), r)]
-            futures = [self._in_flight[r] for r in claimed]
-            for r in claimed:
-                self._claim(r, targets, landed)
-            rest = subtract_ranges(wanted, merge_ranges(claimed))
-        for lo, hi in plan_requests(rest, self._request_bytes, 0):
-            futures.append(self._pool.submit(self._get_into, lo, hi, cut_views(targets, lo, hi), landed))
+            waited, missing = self._requests_for([*wanted, *spooled], None, None, targets, landed)
+            futures = [f for _, f in waited]
+            for r in missing:
+                views, gaps = routed(r, targets, self._spool_view)
+                future = self._pool.submit(self._get_into, *r, views, gaps, landed)
+                self._in_flight[r] = future  # before _get_into can end: it takes the lock
+                futures.append(future)
         return futures
 
     def _claim(
@@ -414,15 +393,11 @@ class RemoteObject:
             return
         r = (deferred.start, r[1])
         if targets is not None:
-            inside = [(at, v) for at, v in targets if at < r[1] and at + len(v) > r[0]]
-            gaps = subtract_ranges([r], merge_ranges([(at, at + len(v)) for at, v in inside]))
-            spooled = [(lo, self._spool_view(lo, hi)) for lo, hi in gaps]
-            deferred.views = cut_views(sorted([*inside, *spooled], key=lambda t: t[0]), *r)
-            deferred.spooled = gaps
-            deferred.landed = landed if inside else None
+            deferred.views, deferred.spooled = routed(r, targets, self._spool_view)
+            deferred.landed = landed if deferred.spooled != [r] else None
         deferred.ready.set()
 
-    def _get_deferred(self, lo: int, hi: int, deferred: _Deferred) -> None:
+    def _get_deferred(self, lo: int, hi: int, deferred: Deferred) -> None:
         """The deferred request for [lo, hi): its answer's head checked, then its body read where
         it is claimed to go (waited for within the operation's deadline)."""
         held: list[Range] = []
@@ -446,16 +421,25 @@ class RemoteObject:
         finally:
             self._landed(lo, hi, held)
 
-    def _prefix_in(self, lo: int, deferred: _Deferred) -> None:
+    def _prefix_in(self, lo: int, deferred: Deferred) -> None:
         """The bytes of a deferred request before its `start` are in the spool: held."""
         if not deferred.prefix.done():
             with self._held_lock:
                 self._held = merge_ranges([*self._held, (lo, deferred.start)])
             deferred.prefix.set_result(None)
 
-    def _get_into(self, lo: int, hi: int, views: list[memoryview], landed: Callable[[Range], None]) -> None:
-        self._get_range(lo, hi, lambda _, skip: views_after(views, skip))
-        landed((lo, hi))
+    def _get_into(
+        self, lo: int, hi: int, views: list[memoryview], spooled: list[Range], landed: Callable[[Range], None]
+    ) -> None:
+        """A request start_into made: its bytes into `views`, the `spooled` parts of them held
+        once in, then `landed`."""
+        held: list[Range] = []
+        try:
+            self._get_range(lo, hi, lambda _, skip: views_after(views, skip))
+            held = spooled
+            landed((lo, hi))
+        finally:
+            self._landed(lo, hi, held)
 
     def _spool_view(self, lo: int, hi: int) -> memoryview:
         assert self.spool is not None
