@@ -523,3 +523,43 @@ def test_a_load_of_weights_and_small_biases_asks_for_each_cell_once(store_faults
     ranges = sorted(faults.ranges("biased.ckpt"))
     assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))  # no byte twice
     assert len(ranges) <= cells + 3, ranges  # the cells, the tail, the index's rest
+
+
+def _slow_index(monkeypatch, fails: bool) -> None:
+    """The index parsed 2 s late (then refused where `fails`): the read-ahead wave's answers
+    wait that long for their claim."""
+    from ckptfmt.files import reader
+
+    parse = reader.parse_index
+
+    def slow(*args, **kwargs):
+        time.sleep(2)
+        if fails:
+            raise ckptfmt.CorruptError("refused by the test", path="index")
+        return parse(*args, **kwargs)
+
+    monkeypatch.setattr(reader, "parse_index", slow)
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["claimed", "abandoned"])
+def test_a_wave_request_claimed_after_request_timeout_is_read_once(store_faults, monkeypatch, fails):
+    """A request of the read-ahead wave waits for its claim outside its body's deadline
+    (request_timeout) and its retries: claimed 2 s after it went out, under a 0.5 s
+    request_timeout, its body is still read, by the one GET; abandoned (the load failed
+    first), it is never asked for again."""
+    faults = store_faults
+    options = faults.options | {"request_size": MiB, "request_timeout": 0.5}
+    url = f"{faults.new_root()}/late.ckpt"
+    state = _direct_state()  # 6.4 MB: 7 cells
+    ckptfmt.save(state, url, storage_options=options)
+    cells = -(-faults.size(url) // MiB)
+    faults.clear_counts()
+    _slow_index(monkeypatch, fails)
+    if fails:
+        with pytest.raises(ckptfmt.CorruptError, match="refused by the test"):
+            ckptfmt.load(url, storage_options=options)
+    else:
+        assert_same(state, ckptfmt.load(url, storage_options=options))
+    ranges = sorted(faults.ranges("late.ckpt"))
+    assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), ranges  # no byte twice
+    assert len(ranges) <= cells + 1, ranges

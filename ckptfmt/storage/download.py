@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -42,6 +42,7 @@ from ..errors import CheckpointError, LimitError, StorageError
 from ..format import layout as fmt
 from . import client as s3
 from .backends import store_for
+from .bodies import body_deadline, read_body
 from .ranges import (
     MERGE_GAP,
     REQUEST_BYTES,
@@ -398,19 +399,21 @@ class RemoteObject:
         deferred.ready.set()
 
     def _get_deferred(self, lo: int, hi: int, deferred: Deferred) -> None:
-        """The deferred request for [lo, hi): its answer's head checked, then its body read where
-        it is claimed to go (waited for within the operation's deadline)."""
+        """The deferred request for [lo, hi): its answer's head checked and its prologue read,
+        then, once claimed (waited for within the operation's deadline, outside the body's and
+        any retry: an abandoned request is never asked for again), its body read where the
+        claim says, under a deadline and retries of its own (_read_claimed)."""
         held: list[Range] = []
         start = deferred.start
-
-        def where(budget: s3.Budget, skip: int) -> Iterator[memoryview]:
-            if skip < start - lo:
-                yield self._spool_view(lo + skip, start)
-                self._prefix_in(lo, deferred)
-            yield from views_after(deferred.wait(budget, self.path, start, hi), max(0, skip - (start - lo)))
-
         try:
-            self._get_range(lo, hi, where)
+            body = self._open_deferred(lo, hi, deferred)
+            try:
+                views = deferred.wait(s3.Budget(self.options), self.path, start, hi)
+            except BaseException:
+                if body is not None:
+                    body.close()
+                raise
+            self._read_claimed(body, start, hi, views)
             held = deferred.spooled
             if deferred.landed is not None:
                 deferred.landed((lo, hi))
@@ -420,6 +423,41 @@ class RemoteObject:
             raise
         finally:
             self._landed(lo, hi, held)
+
+    def _open_deferred(self, lo: int, hi: int, deferred: Deferred) -> Any:
+        """The deferred request's answer, its head checked and its bytes before `start` read
+        into the spool (held), its body left open; None where that failed (the prologue then
+        fetched again on its own, the rest fetched once claimed)."""
+        start = deferred.start
+        budget = s3.Budget(self.options)
+        try:
+            with s3.carrying(budget):
+                reply = self._open(lo, hi, budget)
+            try:
+                if start > lo:
+                    self._read_reply(reply.body, lo, start, [self._spool_view(lo, start)], budget, False)
+            except BaseException:
+                reply.body.close()
+                raise
+            body = reply.body
+        except s3.transfer_errors():
+            body = None
+            if start > lo:
+                self._get_range(lo, start)
+        self._prefix_in(lo, deferred)
+        return body
+
+    def _read_claimed(self, body: Any, lo: int, hi: int, views: list[memoryview]) -> None:
+        """Read [lo, hi) of a claimed answer's open `body` (None: none) into `views`, under a
+        fresh request deadline; a body cut or failed is resumed from the byte it reached."""
+        got = 0
+        if body is not None:
+            try:
+                got = self._read_reply(body, lo, hi, views, s3.Budget(self.options))
+            except s3.transfer_errors() as e:
+                got = getattr(e, "ckptfmt_got", 0)
+        if got < hi - lo:
+            self._get_range(lo + got, hi, lambda _, skip: views_after(views, got + skip))
 
     def _prefix_in(self, lo: int, deferred: Deferred) -> None:
         """The bytes of a deferred request before its `start` are in the spool: held."""
@@ -527,9 +565,20 @@ class RemoteObject:
     def _get_once(
         self, lo: int, hi: int, where: Callable[[], Iterable[memoryview]], budget: s3.Budget
     ) -> int:
-        what = f"read bytes {lo}-{hi - 1}"
         with s3.carrying(budget):
-            reply = self._store.get(self.url, (lo, hi), self.etag)
+            reply = self._open(lo, hi, budget)
+        try:
+            views = where()
+        except BaseException:
+            reply.body.close()
+            raise
+        return self._read_reply(reply.body, lo, hi, views, budget)
+
+    def _open(self, lo: int, hi: int, budget: s3.Budget) -> Any:
+        """The store's answer to a GET of [lo, hi), its head checked (range, version); its body
+        unread."""
+        what = f"read bytes {lo}-{hi - 1}"
+        reply = self._store.get(self.url, (lo, hi), self.etag)
         expected = f"bytes {lo}-{hi - 1}/{self.size}"
         if reply.content_range != expected or reply.length != hi - lo:
             reply.body.close()
@@ -541,20 +590,23 @@ class RemoteObject:
             # a store that ignores If-Match (some S3-compatible ones do) serves the new version
             reply.body.close()
             raise StorageError(f"{what}: the object changed while it was being read", path=self.path)
-        try:
-            views = where()
-        except BaseException:
-            reply.body.close()
-            raise
-        timeout, option = _body_deadline(self._timeout, budget)
-        got, cut = read_body(reply.body, views, timeout)
+        return reply
+
+    def _read_reply(
+        self, body: Any, lo: int, hi: int, views: Iterable[memoryview], budget: s3.Budget, close: bool = True
+    ) -> int:
+        """Read bytes [lo, hi) of an answer's `body` into `views` within the request's deadline
+        (close: the body closed after); a short or cut body is a StorageError carrying the bytes
+        that came (ckptfmt_got)."""
+        timeout, option = body_deadline(self._timeout, budget)
+        got, cut = read_body(body, views, timeout, close)
         if got != hi - lo:
             why = (
                 f"the answer {s3.missed_deadline(timeout, option, f'; {got} of its bytes came')}"
                 if cut
                 else f"the body ended after {got} bytes"
             )
-            short = StorageError(f"{what}: {why}", path=self.path)
+            short = StorageError(f"read bytes {lo}-{hi - 1}: {why}", path=self.path)
             short.ckptfmt_got = got  # type: ignore[attr-defined]
             raise short
         return got
@@ -604,7 +656,7 @@ def fetch_whole(url: str, options: dict[str, Any], limit: int, what: str = "the 
     while True:
         try:
             with s3.carrying(budget):
-                return _fetch_whole_once(store, u, url, limit, what, _body_deadline(timeout, budget))
+                return _fetch_whole_once(store, u, url, limit, what, body_deadline(timeout, budget))
         except StorageError as e:
             if not getattr(e, "ckptfmt_short", False) or not budget.retry():
                 raise
@@ -613,15 +665,6 @@ def fetch_whole(url: str, options: dict[str, Any], limit: int, what: str = "the 
         except s3.transfer_errors() as e:
             if not s3.retryable(e) or not budget.retry():
                 raise s3.translate(e, url, "read", budget) from s3.cause(e)
-
-
-def _body_deadline(request_timeout: float, budget: s3.Budget) -> tuple[float, str]:
-    """How long an answer's body may take, and the storage option that says so: the request's
-    own deadline, or what remains of the operation's where that is sooner."""
-    remaining = budget.remaining()
-    if request_timeout <= remaining:
-        return request_timeout, "request_timeout"
-    return max(remaining, 0.001), "deadline"
 
 
 def _fetch_whole_once(
@@ -651,34 +694,3 @@ def _fetch_whole_once(
         return spool
     finally:
         body.close()
-
-
-def read_body(body: Any, views: memoryview | Iterable[memoryview], timeout: float) -> tuple[int, bool]:
-    """Read an answer's `body` into `views` (one, or several filled in order) until they are
-    full or the body ends, within `timeout` seconds: how many bytes came, and whether the
-    deadline cut the connection.  readinto
-    blocks until its buffer is full, and a body that trickles in (a byte every few seconds)
-    never trips the client's read timeout, so a watchdog shuts the connection down at the
-    deadline and the read returns (or fails: either way, what came and True).  Another
-    exception raised meanwhile carries ckptfmt_got, the bytes that came."""
-    got = 0
-    raw = getattr(body, "_raw_stream", body)
-    with s3.Watchdog(raw, timeout) as dog:
-        try:
-            for view in [views] if isinstance(views, memoryview) else views:
-                filled = 0
-                while filled < len(view):
-                    n = body.readinto(view[filled:])
-                    if not n:
-                        break
-                    filled += n
-                    got += n
-                if filled < len(view):
-                    break
-        except Exception as e:
-            if not dog.fired.is_set():
-                e.ckptfmt_got = got  # type: ignore[attr-defined]
-                raise
-        finally:
-            body.close()
-    return got, dog.fired.is_set()
