@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -393,9 +393,9 @@ def test_a_body_cut_while_read_into_a_tensor_is_resumed_there(store_faults):
     straight: list[int] = []
     start = directread.DirectReads.start
 
-    def counted(self, remote, spooled):
+    def counted(self, remote, spooled, futures):
         straight.append(len(self.targets))
-        return start(self, remote, spooled)
+        return start(self, remote, spooled, futures)
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(directread.DirectReads, "start", counted)
@@ -430,9 +430,9 @@ def test_a_chunk_read_into_its_tensor_that_fails_its_checksum_is_refused(s3_buck
     checked = []
     check = directread.check_in_place
 
-    def counted(file_id, k, ch, base):
+    def counted(file_id, k, ch, base, path):
         checked.append(k)
-        return check(file_id, k, ch, base)
+        return check(file_id, k, ch, base, path)
 
     monkeypatch.setattr(directread, "check_in_place", counted)
     with pytest.raises(ckptfmt.CorruptError, match="checksum mismatch") as e:
@@ -563,3 +563,53 @@ def test_a_wave_request_claimed_after_request_timeout_is_read_once(store_faults,
     ranges = sorted(faults.ranges("late.ckpt"))
     assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), ranges  # no byte twice
     assert len(ranges) <= cells + 1, ranges
+
+
+def _raw_chunk(offset: int, n: int):
+    from ckptfmt.format import layout
+    from ckptfmt.format.chunks import Chunk
+
+    return Chunk(offset, n, n, layout.CODEC_RAW, layout.FILTER_NONE, 1, 0, 0)
+
+
+def test_a_raw_chunk_that_cannot_lie_where_it_is_read_is_refused_as_corrupt():
+    """A chunk record whose offset lies beyond the memory it was read into, or whose length
+    is not its destination's, is a CorruptError naming the file and the chunk (not a bare
+    ValueError)."""
+    from ckptfmt.engine import directread
+
+    with pytest.raises(ckptfmt.CorruptError, match="chunk 3: its offset") as e:
+        directread.check_in_place(b"\0" * 16, 3, _raw_chunk(1 << 62, 64 << 10), 4096, "s3://b/x.ckpt")
+    assert e.value.path == "s3://b/x.ckpt"
+    short = memoryview(bytearray(1000))
+    with pytest.raises(ckptfmt.CorruptError, match="chunk 0 at offset 4096: 65536 bytes") as e:
+        directread.DirectReads(
+            "s3://b/x.ckpt", b"\0" * 16, [_raw_chunk(4096, 64 << 10)], [(0, short)], True, None
+        )
+    assert e.value.path == "s3://b/x.ckpt"
+
+
+def test_requests_made_before_a_direct_read_fails_to_start_are_waited_for():
+    """Where starting the direct fetches fails after some requests were made (or claimed),
+    read_direct waits for those before it lets the tensors go, and raises the failure."""
+    from ckptfmt.engine import directread
+
+    made: Future[None] = Future()
+
+    class Failing:
+        def start_into(self, targets, landed, spooled, futures):
+            futures.append(made)
+            threading.Timer(0.3, made.set_result, [None]).start()
+            raise RuntimeError("the pool is shut down")
+
+        def wait_quietly(self, futures):
+            for f in futures:
+                f.exception()
+
+    dest = memoryview(bytearray(64 << 10))
+    reads = [(0, dest)]
+    with pytest.raises(RuntimeError, match="pool is shut down"):
+        directread.read_direct(
+            Failing(), "x", b"\0" * 16, [_raw_chunk(4096, 64 << 10)], reads, [], True, None, print
+        )
+    assert made.done()

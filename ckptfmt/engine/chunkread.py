@@ -469,7 +469,7 @@ class ChunkReader:
         sized to what the load's max_bytes leaves where it has one (_room)."""
         straight, spooled = directread.split(remote, self.chunks, items, check_only)
         rest = lambda asked: self._read_spooled(remote, spooled, verify, check_only, asked)  # noqa: E731
-        direct = (self.file_id, self.chunks, straight, spooled)
+        direct = (self.path, self.file_id, self.chunks, straight, spooled)
         directread.read_direct(remote, *direct, verify, self.native_error, rest)
 
     def _read_spooled(

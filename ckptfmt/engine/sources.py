@@ -39,10 +39,11 @@ class Fetcher(Protocol):
         targets: Sequence[tuple[int, memoryview]],
         landed: Callable[[tuple[int, int]], None],
         spooled: Sequence[tuple[int, int]] = (),
+        futures: list[Future[None]] | None = None,
     ) -> list[Future[None]]:
         """Fetch (offset, memory) targets straight into that memory, not the spool, and the
         `spooled` ranges into the spool, in one plan; `landed` is called with each request's
-        range on its thread once its bytes are in."""
+        range on its thread once its bytes are in; the futures appended to `futures` too."""
 
     def wait(self, futures: Sequence[Future[None]]) -> None: ...
 

@@ -359,6 +359,7 @@ class RemoteObject:
         targets: Sequence[tuple[int, memoryview]],
         landed: Callable[[Range], None],
         spooled: Sequence[Range] = (),
+        futures: list[Future[None]] | None = None,
     ) -> list[Future[None]]:
         """Begin fetching `targets` ((offset in the object, the memory its bytes go to), sorted,
         disjoint) straight into that memory, and the `spooled` ranges into the spool: one plan
@@ -367,12 +368,14 @@ class RemoteObject:
         checks, retries and deadlines of a fetch into the spool; requests of the read-ahead
         wave are claimed so.  `landed` is called with each request's range on the thread that
         fetched it once all its bytes are in; the futures end after it (an exception it raises
-        is theirs).  The caller keeps the memory alive until every future is done (wait or
-        wait_quietly) and asks for none of the targets' bytes through the spool."""
+        is theirs), appended to `futures` as the requests are made or claimed.  The caller
+        keeps the memory alive until every future is done (wait or wait_quietly) and asks for
+        none of the targets' bytes through the spool."""
         wanted = [(at, at + len(v)) for at, v in targets]
         with self._held_lock:
             waited, missing = self._requests_for([*wanted, *spooled], None, None, targets, landed)
-            futures = [f for _, f in waited]
+            futures = [] if futures is None else futures
+            futures.extend(f for _, f in waited)
             for r in missing:
                 views, gaps = routed(r, targets, self._spool_view)
                 future = self._pool.submit(self._get_into, *r, views, gaps, landed)
