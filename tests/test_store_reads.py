@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
@@ -393,9 +393,9 @@ def test_a_body_cut_while_read_into_a_tensor_is_resumed_there(store_faults):
     straight: list[int] = []
     start = directread.DirectReads.start
 
-    def counted(self, remote):
+    def counted(self, remote, spooled, futures):
         straight.append(len(self.targets))
-        return start(self, remote)
+        return start(self, remote, spooled, futures)
 
     with pytest.MonkeyPatch.context() as m:
         m.setattr(directread.DirectReads, "start", counted)
@@ -430,9 +430,9 @@ def test_a_chunk_read_into_its_tensor_that_fails_its_checksum_is_refused(s3_buck
     checked = []
     check = directread.check_in_place
 
-    def counted(file_id, k, ch, base):
+    def counted(file_id, k, ch, base, path):
         checked.append(k)
-        return check(file_id, k, ch, base)
+        return check(file_id, k, ch, base, path)
 
     monkeypatch.setattr(directread, "check_in_place", counted)
     with pytest.raises(ckptfmt.CorruptError, match="checksum mismatch") as e:
@@ -487,3 +487,129 @@ def test_a_load_without_a_bound_does_not_count_the_spools_pages(s3_bucket, monke
     assert sums[0] == 0
     assert_same(state, ckptfmt.load(url, max_bytes=20 * MiB, storage_options=options))
     assert sums[0] > 0
+
+
+def test_a_store_load_without_a_built_engine_reads_through_the_spool(store, monkeypatch):
+    """Without a built C engine (no ffi, no lib), a load from a store reads every chunk through
+    the spool, one by one: none goes straight into its tensor, which needs the engine."""
+    root, options = store
+    url = f"{root}/no-engine.ckpt"
+    state = {"w": torch.randn(100_000), "b": torch.randn(64)}  # 400 KB: a raw chunk over DIRECT_MIN
+    ckptfmt.save(state, url, storage_options=options)
+    monkeypatch.setattr(native, "ffi", None)
+    monkeypatch.setattr(native, "lib", None)
+    monkeypatch.setenv("CKPTFMT_BACKEND", "python")  # the slow path's warning silenced
+    assert not native.available()
+    assert_same(state, ckptfmt.load(url, storage_options=options))
+
+
+def test_a_load_of_weights_and_small_biases_asks_for_each_cell_once(store_faults):
+    """A state alternating raw weights (read straight into their tensors) and small biases (read
+    through the spool) is fetched by one plan over all of its chunks, near neighbours merged
+    and cut at the grid: about a GET per cell of request_size beyond the first wave, not one
+    per tensor; every byte asked for once."""
+    faults = store_faults
+    options = faults.options | {"request_size": MiB, "concurrency": 3}  # 2 cells in the wave
+    url = f"{faults.new_root()}/biased.ckpt"
+    g = torch.Generator().manual_seed(5)
+    state: dict[str, torch.Tensor] = {}
+    for i in range(40):  # 10.4 MB: 11 cells, 80 tensors
+        state[f"w{i}"] = torch.randn(64 << 10, generator=g)  # 256 KiB: straight
+        state[f"b{i}"] = torch.randn(1 << 10, generator=g)  # 4 KiB: through the spool
+    ckptfmt.save(state, url, storage_options=options)
+    cells = -(-faults.size(url) // MiB)
+    faults.clear_counts()
+    assert_same(state, ckptfmt.load(url, storage_options=options))
+    ranges = sorted(faults.ranges("biased.ckpt"))
+    assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))  # no byte twice
+    assert len(ranges) <= cells + 3, ranges  # the cells, the tail, the index's rest
+
+
+def _slow_index(monkeypatch, fails: bool) -> None:
+    """The index parsed 2 s late (then refused where `fails`): the read-ahead wave's answers
+    wait that long for their claim."""
+    from ckptfmt.files import reader
+
+    parse = reader.parse_index
+
+    def slow(*args, **kwargs):
+        time.sleep(2)
+        if fails:
+            raise ckptfmt.CorruptError("refused by the test", path="index")
+        return parse(*args, **kwargs)
+
+    monkeypatch.setattr(reader, "parse_index", slow)
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["claimed", "abandoned"])
+def test_a_wave_request_claimed_after_request_timeout_is_read_once(store_faults, monkeypatch, fails):
+    """A request of the read-ahead wave waits for its claim outside its body's deadline
+    (request_timeout) and its retries: claimed 2 s after it went out, under a 0.5 s
+    request_timeout, its body is still read, by the one GET; abandoned (the load failed
+    first), it is never asked for again."""
+    faults = store_faults
+    options = faults.options | {"request_size": MiB, "request_timeout": 0.5}
+    url = f"{faults.new_root()}/late.ckpt"
+    state = _direct_state()  # 6.4 MB: 7 cells
+    ckptfmt.save(state, url, storage_options=options)
+    cells = -(-faults.size(url) // MiB)
+    faults.clear_counts()
+    _slow_index(monkeypatch, fails)
+    if fails:
+        with pytest.raises(ckptfmt.CorruptError, match="refused by the test"):
+            ckptfmt.load(url, storage_options=options)
+    else:
+        assert_same(state, ckptfmt.load(url, storage_options=options))
+    ranges = sorted(faults.ranges("late.ckpt"))
+    assert all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:])), ranges  # no byte twice
+    assert len(ranges) <= cells + 1, ranges
+
+
+def _raw_chunk(offset: int, n: int):
+    from ckptfmt.format import layout
+    from ckptfmt.format.chunks import Chunk
+
+    return Chunk(offset, n, n, layout.CODEC_RAW, layout.FILTER_NONE, 1, 0, 0)
+
+
+def test_a_raw_chunk_that_cannot_lie_where_it_is_read_is_refused_as_corrupt():
+    """A chunk record whose offset lies beyond the memory it was read into, or whose length
+    is not its destination's, is a CorruptError naming the file and the chunk (not a bare
+    ValueError)."""
+    from ckptfmt.engine import directread
+
+    with pytest.raises(ckptfmt.CorruptError, match="chunk 3: its offset") as e:
+        directread.check_in_place(b"\0" * 16, 3, _raw_chunk(1 << 62, 64 << 10), 4096, "s3://b/x.ckpt")
+    assert e.value.path == "s3://b/x.ckpt"
+    short = memoryview(bytearray(1000))
+    with pytest.raises(ckptfmt.CorruptError, match="chunk 0 at offset 4096: 65536 bytes") as e:
+        directread.DirectReads(
+            "s3://b/x.ckpt", b"\0" * 16, [_raw_chunk(4096, 64 << 10)], [(0, short)], True, None
+        )
+    assert e.value.path == "s3://b/x.ckpt"
+
+
+def test_requests_made_before_a_direct_read_fails_to_start_are_waited_for():
+    """Where starting the direct fetches fails after some requests were made (or claimed),
+    read_direct waits for those before it lets the tensors go, and raises the failure."""
+    from ckptfmt.engine import directread
+
+    made: Future[None] = Future()
+
+    class Failing:
+        def start_into(self, targets, landed, spooled, futures):
+            futures.append(made)
+            threading.Timer(0.3, made.set_result, [None]).start()
+            raise RuntimeError("the pool is shut down")
+
+        def wait_quietly(self, futures):
+            for f in futures:
+                f.exception()
+
+    dest = memoryview(bytearray(64 << 10))
+    reads = [(0, dest)]
+    with pytest.raises(RuntimeError, match="pool is shut down"):
+        directread.read_direct(
+            Failing(), "x", b"\0" * 16, [_raw_chunk(4096, 64 << 10)], reads, [], True, None, print
+        )
+    assert made.done()

@@ -464,19 +464,20 @@ class ChunkReader:
     def _read_fetched(
         self, remote: Fetcher, items: Sequence[tuple[int, Destination]], verify: bool, check_only: bool
     ) -> None:
-        """Read chunks of a remote file: those directread fetches straight into their
-        destinations so, the others window by window (fetchread), the windows sized to what
-        the load's max_bytes leaves where it has one (_room)."""
+        """Read chunks of a remote file: those directread fetches straight into their destinations
+        so (in one plan with the others), the others window by window (fetchread), the windows
+        sized to what the load's max_bytes leaves where it has one (_room)."""
         straight, spooled = directread.split(remote, self.chunks, items, check_only)
-        reads = directread.DirectReads(self.file_id, self.chunks, straight, verify, self.native_error)
-        directread.read_direct(remote, reads, lambda: self._read_spooled(remote, spooled, verify, check_only))
+        rest = lambda asked: self._read_spooled(remote, spooled, verify, check_only, asked)  # noqa: E731
+        direct = (self.path, self.file_id, self.chunks, straight, spooled)
+        directread.read_direct(remote, *direct, verify, self.native_error, rest)
 
     def _read_spooled(
-        self, remote: Fetcher, items: list[tuple[int, Destination]], verify: bool, only: bool
+        self, remote: Fetcher, items: list[tuple[int, Destination]], verify: bool, only: bool, asked: bool
     ) -> None:
         read = lambda window: self._read_group(window, verify, only)  # noqa: E731
         stored = [directread.span(self.chunks[k]) for k, _ in items]
-        fetchread.read_by_window(remote, stored, items, read, self._room(items), self.path)
+        fetchread.read_by_window(remote, stored, items, read, self._room(items), self.path, asked)
 
     def _room(self, items: Sequence[tuple[int, Destination]]) -> fetchread.Room | None:
         """The load's max_bytes (that of the object this file is) and what reading `items`

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+from ..errors import CorruptError
 from ..format import layout as fmt
 from ..format.index import Chunk
 from . import chunkrecords
@@ -78,6 +79,7 @@ class DirectReads:
 
     def __init__(
         self,
+        path: str,
         file_id: bytes,
         chunks: Sequence[Chunk],
         items: Sequence[tuple[int, Destination]],
@@ -95,35 +97,49 @@ class DirectReads:
         self._verify = verify
         self._error = error
         self._file_id = bytes(file_id)
+        self._path = path
         self._buffers: list[Any] = []  # cffi buffers of memoryview destinations, released in close
         self._bases: list[int] = []
         self._pads: list[bytearray] = []
         self.targets: list[tuple[int, memoryview]] = []
-        for (_, dest), ch in zip(self._items, self._chunks):
-            base = self._base(dest, ch.raw_len)
-            self._bases.append(base)
-            self.targets.append(
-                (ch.offset, memoryview(ffi.buffer(ffi.cast("uint8_t *", base), ch.stored_len)))
-            )
-            pad = bytearray(ch.pad)
-            self._pads.append(pad)
-            if ch.pad:
-                self.targets.append((ch.offset + ch.stored_len, memoryview(pad)))
+        try:  # a destination refused: those exported so far let go of at once
+            for (k, dest), ch in zip(self._items, self._chunks):
+                base = self._base(dest, k, ch)
+                self._bases.append(base)
+                self.targets.append(
+                    (ch.offset, memoryview(ffi.buffer(ffi.cast("uint8_t *", base), ch.stored_len)))
+                )
+                pad = bytearray(ch.pad)
+                self._pads.append(pad)
+                if ch.pad:
+                    self.targets.append((ch.offset + ch.stored_len, memoryview(pad)))
+        except BaseException:
+            self.close()
+            raise
 
-    def _base(self, dest: Destination, n: int) -> int:
-        """The address of a destination of `n` bytes (a buffer's kept exported until close)."""
+    def _base(self, dest: Destination, k: int, ch: Chunk) -> int:
+        """The address of chunk `k`'s destination, of its raw_len bytes (a buffer's kept
+        exported until close); CorruptError where the index gives it another length."""
         ffi = _native.ffi
         assert ffi is not None
         if type(dest) is int:
             return dest
         buf = ffi.from_buffer("uint8_t[]", dest, require_writable=True)
         self._buffers.append(buf)
-        if len(buf) != n:
-            raise ValueError(f"a destination of {len(buf)} bytes for a chunk of {n}")
+        if len(buf) != ch.raw_len:
+            raise CorruptError(
+                f"chunk {k} at offset {ch.offset}: {ch.raw_len} bytes, for a destination of {len(buf)}",
+                path=self._path,
+            )
         return int(ffi.cast("uintptr_t", buf))
 
-    def start(self, remote: Fetcher) -> list[Future[None]]:
-        return remote.start_into(self.targets, self.landed)
+    def start(
+        self, remote: Fetcher, spooled: Sequence[tuple[int, int]], futures: list[Future[None]]
+    ) -> list[Future[None]]:
+        """Fetch the targets, planned with the `spooled` ranges (read through the spool): one
+        request a cell, not one a tensor where they alternate; `futures` gets the requests'
+        futures as they are made (to be waited for, should this fail midway)."""
+        return remote.start_into(self.targets, self.landed, spooled, futures)
 
     def landed(self, request: tuple[int, int]) -> None:
         """A request's bytes are in: check each chunk whose last bytes they were."""
@@ -146,7 +162,7 @@ class DirectReads:
     def _check(self, i: int) -> None:
         """Chunk i's checks where it lies (the engine's, then its padding's), its error raised."""
         k, ch = self._items[i][0], self._chunks[i]
-        status = check_in_place(self._file_id, k, ch, self._bases[i])
+        status = check_in_place(self._file_id, k, ch, self._bases[i], self._path)
         if status is None and any(self._pads[i]):
             status = (_native.ERR_CORRUPT, 0, 0, _native.WHY_PADDING, 0)
         if status is not None:
@@ -159,25 +175,44 @@ class DirectReads:
         self._buffers = []
 
 
-def check_in_place(file_id: bytes, k: int, ch: Chunk, base: int) -> Status | None:
+def check_in_place(file_id: bytes, k: int, ch: Chunk, base: int, path: str | None = None) -> Status | None:
     """Check raw chunk `k` (record `ch`) whose stored bytes lie at address `base`: the engine's
     check of a mapped file, given a mapping that puts the chunk's offset at `base` and ends
     with its bytes (its padding, held elsewhere, left out: the caller checks it); None, or
-    the failure as read_chunks reports it."""
+    the failure as read_chunks reports it; CorruptError (naming `path`) for an offset beyond
+    the address (no mapping could put it there)."""
     ffi = _native.ffi
     assert ffi is not None
     if base < ch.offset:
-        raise ValueError(f"chunk {k}: memory at {base:#x} below its offset {ch.offset}")
+        raise CorruptError(f"chunk {k}: its offset {ch.offset} lies beyond memory at {base:#x}", path=path)
     mapping = ffi.cast("uint8_t *", base - ch.offset)
     return chunkrecords.check_at(mapping, ch.offset + ch.stored_len, file_id, [k], [ch._replace(pad=0)], 1)
 
 
-def read_direct(remote: Fetcher, reads: DirectReads, rest: Callable[[], None]) -> None:
-    """Fetch `reads` into their destinations while `rest` (the chunks read through the spool)
-    runs; the first failure raised once every fetch is over."""
-    futures = reads.start(remote)
-    try:
-        rest()
+def read_direct(
+    remote: Fetcher,
+    path: str,
+    file_id: bytes,
+    chunks: Sequence[Chunk],
+    items: Sequence[tuple[int, Destination]],
+    spooled: Sequence[tuple[int, Destination]],
+    verify: bool,
+    error: Callable[[Status, Sequence[tuple[int, Destination]]], Exception],
+    rest: Callable[[bool], None],
+) -> None:
+    """Fetch `items` (split's straight ones) into their destinations and the bytes of the
+    `spooled` ones into the spool, in one plan, while `rest` (which reads the chunks through the spool,
+    told whether their bytes are asked for already) runs; the first failure raised once every
+    fetch is over.  None straight (always so without the C engine, which DirectReads needs):
+    `rest` alone."""
+    if not items:
+        rest(False)
+        return
+    reads = DirectReads(path, file_id, chunks, items, verify, error)
+    futures: list[Future[None]] = []
+    try:  # started here: requests claimed or made before a failure are waited for below
+        futures = reads.start(remote, [span(chunks[k]) for k, _ in spooled], futures)
+        rest(True)
         remote.wait(futures)
     finally:
         remote.wait_quietly(futures)

@@ -71,13 +71,16 @@ def read_by_window(
     read: Callable[[list[T]], None],
     room: Room | None,
     path: str,
+    asked: bool = False,
 ) -> None:
     """Fetch the `stored` byte range of each of `items` and `read` them a window at a time;
     a chunk is read in the window whose requests bring its last bytes in (the first, where
     those are held or in flight already: their futures come with its own).  Under a bound
     (`room`), requests are no larger than a window, ranges are not merged across gaps (a gap's
     bytes would be held, never given back, until the object is closed) and a window's pages
-    are freed before the next window is asked for."""
+    are freed before the next window is asked for.  `asked`: every request for them is made
+    already (start_into, planned with chunks read elsewhere): only the chunks' own bytes are
+    waited for, never a request's range again, whose other bytes the spool does not get."""
     if not items:
         return
     bounded = room is not None
@@ -91,7 +94,8 @@ def read_by_window(
     windows = windows or [[]]
 
     def start(i: int) -> list[Future[None]]:
-        return remote.start([*windows[i], *(r for r, _ in chunks[i])], cell, gap)
+        own = [r for r, _ in chunks[i]]
+        return remote.start(own if asked else [*windows[i], *own], cell, gap)
 
     pending = [start(i) for i in range(min(ahead, len(windows)))]
     try:

@@ -35,10 +35,15 @@ class Fetcher(Protocol):
         """Whether each range lies outside everything held or being fetched into the spool."""
 
     def start_into(
-        self, targets: Sequence[tuple[int, memoryview]], landed: Callable[[tuple[int, int]], None]
+        self,
+        targets: Sequence[tuple[int, memoryview]],
+        landed: Callable[[tuple[int, int]], None],
+        spooled: Sequence[tuple[int, int]] = (),
+        futures: list[Future[None]] | None = None,
     ) -> list[Future[None]]:
-        """Fetch (offset, memory) targets straight into that memory, not the spool; `landed`
-        is called with each request's range on its thread once its bytes are in."""
+        """Fetch (offset, memory) targets straight into that memory, not the spool, and the
+        `spooled` ranges into the spool, in one plan; `landed` is called with each request's
+        range on its thread once its bytes are in; the futures appended to `futures` too."""
 
     def wait(self, futures: Sequence[Future[None]]) -> None: ...
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -42,17 +42,19 @@ from ..errors import CheckpointError, LimitError, StorageError
 from ..format import layout as fmt
 from . import client as s3
 from .backends import store_for
+from .bodies import body_deadline, read_body
 from .ranges import (
     MERGE_GAP,
     REQUEST_BYTES,
-    cut_views,
     merge_ranges,
     overlaps,
     page_edges,
     plan_requests,
+    routed,
     subtract_ranges,
     views_after,
 )
+from .readahead import Deferred
 from .spool import Spool
 from .store import Store
 from .urls import ObjectURL, parse_url
@@ -105,38 +107,6 @@ def _tag_value(etag: object) -> object:
     return etag.removeprefix("W/").strip('"')
 
 
-class _Abandoned(Exception):
-    """A deferred request's body no one will read (its object was closed first)."""
-
-
-class _Deferred:
-    """A request of the read-ahead wave, sent before anyone knows where its bytes go: its
-    answer's body from `start` on is read once claimed (views: where those bytes go, in order;
-    None: nowhere), `spooled` the parts of it that go to the spool, `landed` called once it is
-    in.  The bytes before `start` (the prologue, in the first request) go to the spool at
-    once: `prefix` ends once they are in (or the request failed)."""
-
-    def __init__(self, start: int) -> None:
-        self.start = start
-        self.prefix: Future[None] = Future()
-        self.ready = threading.Event()
-        self.views: list[memoryview] | None = None
-        self.spooled: list[Range] = []
-        self.landed: Callable[[Range], None] | None = None
-
-    def wait(self, budget: s3.Budget, path: str, lo: int, hi: int) -> list[memoryview]:
-        """Where the body goes, once claimed, within what remains of `budget`'s deadline."""
-        if not self.ready.wait(budget.remaining()):
-            raise StorageError(
-                f"read bytes {lo}-{hi - 1}: asked for ahead, and not claimed by a reader within "
-                f"{budget.deadline:g} s (storage option deadline)",
-                path=path,
-            )
-        if self.views is None:
-            raise _Abandoned
-        return self.views
-
-
 class RemoteObject:
     """One object being read: its size and ETag, and a Spool holding the bytes fetched so far."""
 
@@ -169,7 +139,7 @@ class RemoteObject:
         self._held_lock = threading.Lock()
         # requests of the read-ahead wave whose answers' bodies wait to be told where they go
         # (_claim): a chunk reader's memory, or the spool
-        self._deferred: dict[Range, _Deferred] = {}
+        self._deferred: dict[Range, Deferred] = {}
         # ranges given back whose pages are still being freed (on their own thread, so that
         # the reader goes on to its next window meanwhile): a fetch into one waits for them
         self._freeing: list[tuple[Range, Future[None]]] = []
@@ -247,7 +217,7 @@ class RemoteObject:
             return None
         requests = plan_requests([(0, min(tail, ahead))], self._request_bytes)
         requests = requests[: s3.concurrency(self.options) - 1]
-        deferred = [_Deferred(prologue if i == 0 else r[0]) for i, r in enumerate(requests)]
+        deferred = [Deferred(prologue if i == 0 else r[0]) for i, r in enumerate(requests)]
         with self._held_lock:
             for r, d in zip(requests, deferred):
                 self._in_flight[r] = self._pool.submit(self._get_deferred, *r, d)
@@ -300,15 +270,20 @@ class RemoteObject:
         return sorted([r for r, _ in waited] + missing)
 
     def _requests_for(
-        self, ranges: Sequence[Range], cell: int | None, gap: int | None
+        self,
+        ranges: Sequence[Range],
+        cell: int | None,
+        gap: int | None,
+        targets: Sequence[tuple[int, memoryview]] = (),
+        landed: Callable[[Range], None] | None = None,
     ) -> tuple[list[tuple[Range, Future[None]]], list[Range]]:
         """What `ranges` needs, under _held_lock: the requests in flight that overlap them (with
-        their futures), and the requests that would fetch the rest (plan_requests of what is
-        neither held nor in flight)."""
+        their futures; those of the read-ahead wave claimed for `targets`: _claim), and the
+        requests that would fetch the rest (plan_requests of what is neither held nor in flight)."""
         wanted = merge_ranges(ranges)
         waited = [(r, f) for r, f in self._in_flight.items() if overlaps(wanted, r)]
         for r, _ in waited:
-            self._claim(r, [])
+            self._claim(r, targets, landed)
         missing = subtract_ranges(wanted, self._taken())
         return waited, plan_requests(missing, cell or self._request_bytes, MERGE_GAP if gap is None else gap)
 
@@ -380,24 +355,32 @@ class RemoteObject:
             return [not overlaps(taken, r) for r in ranges]
 
     def start_into(
-        self, targets: Sequence[tuple[int, memoryview]], landed: Callable[[Range], None]
+        self,
+        targets: Sequence[tuple[int, memoryview]],
+        landed: Callable[[Range], None],
+        spooled: Sequence[Range] = (),
+        futures: list[Future[None]] | None = None,
     ) -> list[Future[None]]:
         """Begin fetching `targets` ((offset in the object, the memory its bytes go to), sorted,
-        disjoint) straight into that memory, not the spool: the requests are their ranges,
-        adjacent ones joined, cut at the grid (plan_requests), each with the checks, retries
-        and deadlines of a fetch into the spool.  `landed` is called with each request's range
-        on the thread that fetched it once all its bytes are in; the futures end after it (an
-        exception it raises is theirs).  The caller keeps the memory alive until every future
-        is done (wait or wait_quietly) and asks for none of these bytes through the spool."""
+        disjoint) straight into that memory, and the `spooled` ranges into the spool: one plan
+        for both (plan_requests: near neighbours merged, cut at the grid), each request's bytes
+        going to the targets within it and its gaps to the spool (held once in), with the
+        checks, retries and deadlines of a fetch into the spool; requests of the read-ahead
+        wave are claimed so.  `landed` is called with each request's range on the thread that
+        fetched it once all its bytes are in; the futures end after it (an exception it raises
+        is theirs), appended to `futures` as the requests are made or claimed.  The caller
+        keeps the memory alive until every future is done (wait or wait_quietly) and asks for
+        none of the targets' bytes through the spool."""
         wanted = [(at, at + len(v)) for at, v in targets]
         with self._held_lock:
-            claimed = [r for r in self._deferred if overlaps(merge_ranges(wanted), r)]
-            futures = [self._in_flight[r] for r in claimed]
-            for r in claimed:
-                self._claim(r, targets, landed)
-            rest = subtract_ranges(wanted, merge_ranges(claimed))
-        for lo, hi in plan_requests(rest, self._request_bytes, 0):
-            futures.append(self._pool.submit(self._get_into, lo, hi, cut_views(targets, lo, hi), landed))
+            waited, missing = self._requests_for([*wanted, *spooled], None, None, targets, landed)
+            futures = [] if futures is None else futures
+            futures.extend(f for _, f in waited)
+            for r in missing:
+                views, gaps = routed(r, targets, self._spool_view)
+                future = self._pool.submit(self._get_into, *r, views, gaps, landed)
+                self._in_flight[r] = future  # before _get_into can end: it takes the lock
+                futures.append(future)
         return futures
 
     def _claim(
@@ -414,28 +397,26 @@ class RemoteObject:
             return
         r = (deferred.start, r[1])
         if targets is not None:
-            inside = [(at, v) for at, v in targets if at < r[1] and at + len(v) > r[0]]
-            gaps = subtract_ranges([r], merge_ranges([(at, at + len(v)) for at, v in inside]))
-            spooled = [(lo, self._spool_view(lo, hi)) for lo, hi in gaps]
-            deferred.views = cut_views(sorted([*inside, *spooled], key=lambda t: t[0]), *r)
-            deferred.spooled = gaps
-            deferred.landed = landed if inside else None
+            deferred.views, deferred.spooled = routed(r, targets, self._spool_view)
+            deferred.landed = landed if deferred.spooled != [r] else None
         deferred.ready.set()
 
-    def _get_deferred(self, lo: int, hi: int, deferred: _Deferred) -> None:
-        """The deferred request for [lo, hi): its answer's head checked, then its body read where
-        it is claimed to go (waited for within the operation's deadline)."""
+    def _get_deferred(self, lo: int, hi: int, deferred: Deferred) -> None:
+        """The deferred request for [lo, hi): its answer's head checked and its prologue read,
+        then, once claimed (waited for within the operation's deadline, outside the body's and
+        any retry: an abandoned request is never asked for again), its body read where the
+        claim says, under a deadline and retries of its own (_read_claimed)."""
         held: list[Range] = []
         start = deferred.start
-
-        def where(budget: s3.Budget, skip: int) -> Iterator[memoryview]:
-            if skip < start - lo:
-                yield self._spool_view(lo + skip, start)
-                self._prefix_in(lo, deferred)
-            yield from views_after(deferred.wait(budget, self.path, start, hi), max(0, skip - (start - lo)))
-
         try:
-            self._get_range(lo, hi, where)
+            body = self._open_deferred(lo, hi, deferred)
+            try:
+                views = deferred.wait(s3.Budget(self.options), self.path, start, hi)
+            except BaseException:
+                if body is not None:
+                    body.close()
+                raise
+            self._read_claimed(body, start, hi, views)
             held = deferred.spooled
             if deferred.landed is not None:
                 deferred.landed((lo, hi))
@@ -446,16 +427,60 @@ class RemoteObject:
         finally:
             self._landed(lo, hi, held)
 
-    def _prefix_in(self, lo: int, deferred: _Deferred) -> None:
+    def _open_deferred(self, lo: int, hi: int, deferred: Deferred) -> Any:
+        """The deferred request's answer, its head checked and its bytes before `start` read
+        into the spool (held), its body left open; None where that failed (the prologue then
+        fetched again on its own, the rest fetched once claimed)."""
+        start = deferred.start
+        budget = s3.Budget(self.options)
+        try:
+            with s3.carrying(budget):
+                reply = self._open(lo, hi, budget)
+            try:
+                if start > lo:
+                    self._read_reply(reply.body, lo, start, [self._spool_view(lo, start)], budget, False)
+            except BaseException:
+                reply.body.close()
+                raise
+            body = reply.body
+        except s3.transfer_errors():
+            body = None
+            if start > lo:
+                self._get_range(lo, start)
+        self._prefix_in(lo, deferred)
+        return body
+
+    def _read_claimed(self, body: Any, lo: int, hi: int, views: list[memoryview]) -> None:
+        """Read [lo, hi) of a claimed answer's open `body` (None: none) into `views`, under a
+        fresh request deadline; a body cut or failed is resumed from the byte it reached."""
+        got = 0
+        if body is not None:
+            try:
+                got = self._read_reply(body, lo, hi, views, s3.Budget(self.options))
+            except s3.transfer_errors() as e:
+                got = getattr(e, "ckptfmt_got", 0)
+        if got < hi - lo:
+            self._get_range(lo + got, hi, lambda _, skip: views_after(views, got + skip))
+
+    def _prefix_in(self, lo: int, deferred: Deferred) -> None:
         """The bytes of a deferred request before its `start` are in the spool: held."""
         if not deferred.prefix.done():
             with self._held_lock:
                 self._held = merge_ranges([*self._held, (lo, deferred.start)])
             deferred.prefix.set_result(None)
 
-    def _get_into(self, lo: int, hi: int, views: list[memoryview], landed: Callable[[Range], None]) -> None:
-        self._get_range(lo, hi, lambda _, skip: views_after(views, skip))
-        landed((lo, hi))
+    def _get_into(
+        self, lo: int, hi: int, views: list[memoryview], spooled: list[Range], landed: Callable[[Range], None]
+    ) -> None:
+        """A request start_into made: its bytes into `views`, the `spooled` parts of them held
+        once in, then `landed`."""
+        held: list[Range] = []
+        try:
+            self._get_range(lo, hi, lambda _, skip: views_after(views, skip))
+            held = spooled
+            landed((lo, hi))
+        finally:
+            self._landed(lo, hi, held)
 
     def _spool_view(self, lo: int, hi: int) -> memoryview:
         assert self.spool is not None
@@ -543,9 +568,20 @@ class RemoteObject:
     def _get_once(
         self, lo: int, hi: int, where: Callable[[], Iterable[memoryview]], budget: s3.Budget
     ) -> int:
-        what = f"read bytes {lo}-{hi - 1}"
         with s3.carrying(budget):
-            reply = self._store.get(self.url, (lo, hi), self.etag)
+            reply = self._open(lo, hi, budget)
+        try:
+            views = where()
+        except BaseException:
+            reply.body.close()
+            raise
+        return self._read_reply(reply.body, lo, hi, views, budget)
+
+    def _open(self, lo: int, hi: int, budget: s3.Budget) -> Any:
+        """The store's answer to a GET of [lo, hi), its head checked (range, version); its body
+        unread."""
+        what = f"read bytes {lo}-{hi - 1}"
+        reply = self._store.get(self.url, (lo, hi), self.etag)
         expected = f"bytes {lo}-{hi - 1}/{self.size}"
         if reply.content_range != expected or reply.length != hi - lo:
             reply.body.close()
@@ -557,20 +593,23 @@ class RemoteObject:
             # a store that ignores If-Match (some S3-compatible ones do) serves the new version
             reply.body.close()
             raise StorageError(f"{what}: the object changed while it was being read", path=self.path)
-        try:
-            views = where()
-        except BaseException:
-            reply.body.close()
-            raise
-        timeout, option = _body_deadline(self._timeout, budget)
-        got, cut = read_body(reply.body, views, timeout)
+        return reply
+
+    def _read_reply(
+        self, body: Any, lo: int, hi: int, views: Iterable[memoryview], budget: s3.Budget, close: bool = True
+    ) -> int:
+        """Read bytes [lo, hi) of an answer's `body` into `views` within the request's deadline
+        (close: the body closed after); a short or cut body is a StorageError carrying the bytes
+        that came (ckptfmt_got)."""
+        timeout, option = body_deadline(self._timeout, budget)
+        got, cut = read_body(body, views, timeout, close)
         if got != hi - lo:
             why = (
                 f"the answer {s3.missed_deadline(timeout, option, f'; {got} of its bytes came')}"
                 if cut
                 else f"the body ended after {got} bytes"
             )
-            short = StorageError(f"{what}: {why}", path=self.path)
+            short = StorageError(f"read bytes {lo}-{hi - 1}: {why}", path=self.path)
             short.ckptfmt_got = got  # type: ignore[attr-defined]
             raise short
         return got
@@ -620,7 +659,7 @@ def fetch_whole(url: str, options: dict[str, Any], limit: int, what: str = "the 
     while True:
         try:
             with s3.carrying(budget):
-                return _fetch_whole_once(store, u, url, limit, what, _body_deadline(timeout, budget))
+                return _fetch_whole_once(store, u, url, limit, what, body_deadline(timeout, budget))
         except StorageError as e:
             if not getattr(e, "ckptfmt_short", False) or not budget.retry():
                 raise
@@ -629,15 +668,6 @@ def fetch_whole(url: str, options: dict[str, Any], limit: int, what: str = "the 
         except s3.transfer_errors() as e:
             if not s3.retryable(e) or not budget.retry():
                 raise s3.translate(e, url, "read", budget) from s3.cause(e)
-
-
-def _body_deadline(request_timeout: float, budget: s3.Budget) -> tuple[float, str]:
-    """How long an answer's body may take, and the storage option that says so: the request's
-    own deadline, or what remains of the operation's where that is sooner."""
-    remaining = budget.remaining()
-    if request_timeout <= remaining:
-        return request_timeout, "request_timeout"
-    return max(remaining, 0.001), "deadline"
 
 
 def _fetch_whole_once(
@@ -667,34 +697,3 @@ def _fetch_whole_once(
         return spool
     finally:
         body.close()
-
-
-def read_body(body: Any, views: memoryview | Iterable[memoryview], timeout: float) -> tuple[int, bool]:
-    """Read an answer's `body` into `views` (one, or several filled in order) until they are
-    full or the body ends, within `timeout` seconds: how many bytes came, and whether the
-    deadline cut the connection.  readinto
-    blocks until its buffer is full, and a body that trickles in (a byte every few seconds)
-    never trips the client's read timeout, so a watchdog shuts the connection down at the
-    deadline and the read returns (or fails: either way, what came and True).  Another
-    exception raised meanwhile carries ckptfmt_got, the bytes that came."""
-    got = 0
-    raw = getattr(body, "_raw_stream", body)
-    with s3.Watchdog(raw, timeout) as dog:
-        try:
-            for view in [views] if isinstance(views, memoryview) else views:
-                filled = 0
-                while filled < len(view):
-                    n = body.readinto(view[filled:])
-                    if not n:
-                        break
-                    filled += n
-                    got += n
-                if filled < len(view):
-                    break
-        except Exception as e:
-            if not dog.fired.is_set():
-                e.ckptfmt_got = got  # type: ignore[attr-defined]
-                raise
-        finally:
-            body.close()
-    return got, dog.fired.is_set()

@@ -5,7 +5,7 @@ spool, and the memory their bytes go to when a request fills several buffers in 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..engine.fetchplan import cut_at_grid
 from .spool import PAGE
@@ -102,3 +102,14 @@ def cut_views(targets: Sequence[tuple[int, memoryview]], lo: int, hi: int) -> li
         if a < b:
             out.append(view[a - at : b - at])
     return out
+
+
+def routed(
+    r: Range, targets: Sequence[tuple[int, memoryview]], spool: Callable[[int, int], memoryview]
+) -> tuple[list[memoryview], list[Range]]:
+    """Where the bytes of request `r` go, in order: the parts of `targets` ((offset, memory),
+    sorted, disjoint) within it, and `spool`'s memory for the rest, its gaps (returned too)."""
+    inside = [(at, v) for at, v in targets if at < r[1] and at + len(v) > r[0]]
+    gaps = subtract_ranges([r], merge_ranges([(at, at + len(v)) for at, v in inside]))
+    spooled = [(lo, spool(lo, hi)) for lo, hi in gaps]
+    return cut_views(sorted([*inside, *spooled], key=lambda t: t[0]), *r), gaps

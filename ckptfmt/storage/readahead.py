@@ -1,0 +1,45 @@
+"""The requests of a load's read-ahead wave (storage/download.py): sent with the tail, before
+the index says where their bytes go, their answers' bodies read once a reader claims them."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from ..errors import StorageError
+from . import client as s3
+
+Range = tuple[int, int]
+
+
+class Abandoned(Exception):
+    """A deferred request's body no one will read (its object was closed first)."""
+
+
+class Deferred:
+    """A request of the read-ahead wave, sent before anyone knows where its bytes go: its
+    answer's body from `start` on is read once claimed (views: where those bytes go, in order;
+    None: nowhere), `spooled` the parts of it that go to the spool, `landed` called once it is
+    in.  The bytes before `start` (the prologue, in the first request) go to the spool at
+    once: `prefix` ends once they are in (or the request failed)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.prefix: Future[None] = Future()
+        self.ready = threading.Event()
+        self.views: list[memoryview] | None = None
+        self.spooled: list[Range] = []
+        self.landed: Callable[[Range], None] | None = None
+
+    def wait(self, budget: s3.Budget, path: str, lo: int, hi: int) -> list[memoryview]:
+        """Where the body goes, once claimed, within what remains of `budget`'s deadline."""
+        if not self.ready.wait(budget.remaining()):
+            raise StorageError(
+                f"read bytes {lo}-{hi - 1}: asked for ahead, and not claimed by a reader within "
+                f"{budget.deadline:g} s (storage option deadline)",
+                path=path,
+            )
+        if self.views is None:
+            raise Abandoned
+        return self.views
