@@ -366,7 +366,7 @@ def _socket_of(raw: Any) -> socket.socket | None:
 
 
 class Body:
-    """An answer's body as download.read_body reads it: ``readinto``, ``close``, and the urllib3
+    """An answer's body as bodies.read_body reads it: ``readinto``, ``close``, and the urllib3
     answer (``_raw_stream``) its watchdog cuts.  `body` is the client's body object (a
     requests answer, botocore's StreamingBody), closed with it; `raw` the urllib3 answer
     beneath.
@@ -376,7 +376,7 @@ class Body:
     byte into freshly faulted memory, which bounded loads on fast stores.  Where the body is
     a plain one (a length, not chunked, nothing read yet), it is read straight
     from http.client's answer into the buffer instead: one copy, no allocation.  Its length
-    is checked by the caller (download.read_body reads until the buffer is full and refuses
+    is checked by the caller (bodies.read_body reads until the buffer is full and refuses
     a short body), as urllib3 would check it."""
 
     def __init__(self, body: Any, raw: Any) -> None:

@@ -1,5 +1,5 @@
 """What the stores spoken to over plain HTTP (gcs, azure) share: a requests session made for
-ckptfmt's requests, and an answer's body as download.read_body reads it; and what s3 shares
+ckptfmt's requests, and an answer's body as bodies.read_body reads it; and what s3 shares
 with them: an answer's head within the operation's deadline (HeadWatch)."""
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def _watched(connection: type) -> type:
 
 
 def body_of(answer: Any) -> client.Body:
-    """A requests answer's body as download.read_body reads it (client.Body)."""
+    """A requests answer's body as bodies.read_body reads it (client.Body)."""
     return client.Body(answer, answer.raw)
 
 

@@ -223,7 +223,7 @@ def _send_within_deadlines(boto_client: Any) -> None:
 
     def send(request: Any, event_name: str = "", **kwargs: Any) -> Any:
         operation = event_name.rpartition(".")[2]
-        streamed = request.stream_output  # GetObject's: download.read_body reads the data
+        streamed = request.stream_output  # GetObject's: bodies.read_body reads the data
         request.stream_output = True  # botocore's session must not read the body itself
         answer = http.head_within_deadline(lambda: session.send(request), lambda a: a.raw.close())
         if request.method == "HEAD" or (streamed and answer.status_code < 300):
