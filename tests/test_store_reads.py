@@ -24,7 +24,8 @@ from ckptfmt.engine import native
 from ckptfmt.errors import StorageError
 from ckptfmt.storage import client, download, spool
 from ckptfmt.storage import http as store_http
-from ckptfmt.storage.download import RemoteObject, read_body
+from ckptfmt.storage.bodies import read_body
+from ckptfmt.storage.download import RemoteObject
 
 MiB = 1 << 20
 
