@@ -744,3 +744,22 @@ def test_a_sweeps_deletes_have_a_deadline_that_leaves_it_time_to_delete(monkeypa
     for given in ({}, {"deadline": 86400}):
         assert deadline(sweep_options(given)) == SWEEP_DELETE_DEADLINE
     assert sweep_options({"deadline": 5, "max_attempts": 2}) == {"deadline": 5, "max_attempts": 2}
+
+
+def test_a_clock_reading_whose_put_answer_is_lost_leaves_no_marker(tmp_path, s3_faults):
+    """A cleaner reads the store's clock by putting a marker of its own into a step; where the
+    PUT's answer is lost after the store wrote the object and the retry is refused, the reading
+    fails and its marker is deleted all the same (other hosts would take it for a live copy's
+    for a day and skip sweeping that step)."""
+    from ckptfmt.runs import storeclock
+
+    run, first, _second = _incremental_steps(tmp_path, s3_faults)
+    archivecopy.put_step(run, 1, first.path, claim=copy_marker())
+    before = _step_keys(run, 1)
+    s3_faults.clear_counts()
+    s3_faults.reset_on("PUT", "ARCHIVING.", answered=True)
+    s3_faults.fail_next("PUT", "ARCHIVING.", status=403, code="AccessDenied")
+    with pytest.raises(ckptfmt.CheckpointError):
+        storeclock.read_stamp(run._step_url(1), run.options)
+    assert s3_faults.count("PUT", "ARCHIVING.") == 2
+    assert _step_keys(run, 1) == before

@@ -6,10 +6,12 @@ objects makes no live sweep's marker look dead.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from collections.abc import Callable
 
+from ..errors import CheckpointError
 from ..storage import listing
 from ..storage.listing import Listed
 from ..storage.upload import upload_bytes
@@ -23,12 +25,17 @@ def read_stamp(url: ObjectURL, options: dict[str, object]) -> StoreStamp:
     meanwhile, recognisable as such if this process dies first)."""
     name = copy_marker()
     with claiming(name):
-        upload_bytes(b"a ckptfmt reading of the store's clock\n", str(url.child(name)), options)
-        stamp = StoreStamp(name, time.monotonic())
         try:
+            # inside the try: a PUT whose answer is lost may still have written the marker,
+            # which other hosts would take for a live copy's for a day
+            upload_bytes(b"a ckptfmt reading of the store's clock\n", str(url.child(name)), options)
+            stamp = StoreStamp(name, time.monotonic())
             stamp.now(listing.listed(url, options), datetime.datetime.now(datetime.timezone.utc))
-        finally:
-            listing.delete_object(url.child(name), options)
+        except BaseException:
+            with contextlib.suppress(CheckpointError, OSError):  # the first failure is the one told
+                listing.delete_object(url.child(name), options)
+            raise
+        listing.delete_object(url.child(name), options)
     return stamp
 
 
