@@ -868,3 +868,31 @@ def test_overlapping_accelerator_targets_are_refused_and_tied_ones_filled(tmp_pa
     x, other = torch.zeros(n, device="npu:0"), torch.zeros(n, device="npu:1")
     ckptfmt.load_into(tied, {"tok": x, "head": x, "other": other}, atomic=atomic)
     assert torch.equal(x.cpu(), w) and torch.equal(other.cpu(), b)
+
+
+# -- strided targets read in pieces --------------------------------------------------------------
+
+
+def _column_file(tmp_path, cols: int = 1024):
+    """A 2048 x `cols` fp32 weight (8 MiB or so, in 1 MiB chunks) saved with its column 0 as a view."""
+    w = torch.arange(2048.0 * cols).view(2048, cols)
+    p = tmp_path / "col.ckpt"
+    ckptfmt.save({"w": w, "c": w[:, 0]}, p, chunk_size=1 << 20)
+    return p, w
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("cols", [1024, 1000])
+def test_pieces_smaller_than_a_chunk_read_each_chunk_once(tmp_path, monkeypatch, atomic, cols):
+    """A column view read in pieces whose span (here lowered to 64 KiB) is smaller than a chunk
+    (1 MiB): the chunks already in the buffer are kept for the next pieces, so each of the
+    column's 8 chunks is read (decoded) once, not once per piece (some 128 pieces; with rows of
+    4000 bytes some pieces straddle two chunks, and the buffer's kept chunk moves to its front)."""
+    p, w = _column_file(tmp_path, cols)
+    monkeypatch.setattr(fillplan, "_SPAN_WINDOW", 64 << 10)
+    written: list[int] = []
+    _hook_reads(monkeypatch, before=lambda ks, check_only: None if check_only else written.extend(ks))
+    c = torch.zeros(2048)
+    ckptfmt.load_into(p, {"c": c}, strict=False, atomic=atomic)
+    assert torch.equal(c, w[:, 0])
+    assert sorted(written) == sorted(set(written)) and len(written) == 8, written
