@@ -896,3 +896,19 @@ def test_pieces_smaller_than_a_chunk_read_each_chunk_once(tmp_path, monkeypatch,
     ckptfmt.load_into(p, {"c": c}, strict=False, atomic=atomic)
     assert torch.equal(c, w[:, 0])
     assert sorted(written) == sorted(set(written)) and len(written) == 8, written
+
+
+def test_an_atomic_load_checks_only_the_chunks_of_a_strided_targets_pieces(tmp_path, monkeypatch):
+    """Two elements 8 MiB apart (a view of a buffer in 64 KiB chunks, read in pieces: the span
+    window lowered to 64 KiB): the atomic load's checking pass reads the 2 chunks the pieces lie
+    in, as the writes do, not the 128 chunks of the span."""
+    base = torch.arange(float(1 << 21))
+    p = tmp_path / "far.ckpt"
+    ckptfmt.save({"base": base, "two": base[:: (1 << 21) - 1]}, p, chunk_size=64 << 10)
+    monkeypatch.setattr(fillplan, "_SPAN_WINDOW", 64 << 10)
+    read: dict[bool, list[int]] = {True: [], False: []}
+    _hook_reads(monkeypatch, before=lambda ks, check_only: read[check_only].extend(ks))
+    two = torch.zeros(2)
+    ckptfmt.load_into(p, {"two": two}, strict=False)
+    assert two.tolist() == [0.0, float((1 << 21) - 1)]
+    assert sorted(read[True]) == sorted(read[False]) == [0, 127], read

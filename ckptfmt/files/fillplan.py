@@ -95,11 +95,12 @@ class Plan:
             touched[key] = None
             touched.update(dict.fromkeys(self.aliases.get(key, ())))
 
-    def chunks(self) -> list[int]:
-        """Every chunk the writes read, in file order."""
+    def chunks(self, f: CheckpointFile) -> list[int]:
+        """Every chunk the writes read, in file order: of a strided target read in pieces, only
+        the chunks its pieces lie in (two elements a GiB apart: two chunks, not a GiB's)."""
         ks = {k for k, _ in self.direct} | {p.chunk for p in self.pieces}
         for s in self.strided:
-            ks.update(range(s.first, s.last))
+            ks.update(range(s.first, s.last) if read_whole(f, s) else _piece_chunks(f, s))
         return sorted(ks)
 
     def span_bytes(self, f: CheckpointFile) -> int:
@@ -108,7 +109,7 @@ class Plan:
 
     def buffer_bytes(self, f: CheckpointFile, verifying: bool = False) -> int:
         """One host buffer serves the verification pass, the pieces and the strided spans."""
-        chunks = self.chunks()
+        chunks = self.chunks(f)
         needed = sum(f.chunks[k].raw_len for k in chunks)
         window = window_bytes(f, needed) if (verifying and chunks) or self.pieces else 0
         return max(window, self.span_bytes(f))
@@ -136,6 +137,22 @@ def span_read_bytes(f: CheckpointFile, s: Strided) -> int:
     return max(
         piece_chunks(f, lo * size, hi * size) * f.chunk_size for _, lo, hi in span_pieces(s.meta, size)
     )
+
+
+def _piece_chunks(f: CheckpointFile, s: Strided) -> set[int]:
+    """The chunks that the pieces of strided target `s` (not read whole) lie in."""
+    first, cs = f.storages[s.sid].first_chunk, f.chunk_size
+    size = dtypes_itemsize(s.meta)
+    out: set[int] = set()
+    for _, lo, hi in span_pieces(s.meta, size):
+        out.update(range(*piece_range(first, cs, lo * size, hi * size)))
+    return out
+
+
+def piece_range(first: int, cs: int, lo: int, hi: int) -> tuple[int, int]:
+    """The chunks [k0, k1) that bytes [lo, hi) of a storage whose first chunk is `first` lie in
+    (chunks of `cs` bytes)."""
+    return first + lo // cs, first + (hi - 1) // cs + 1
 
 
 def piece_chunks(f: CheckpointFile, lo: int, hi: int) -> int:

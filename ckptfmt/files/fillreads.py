@@ -33,6 +33,7 @@ from .fillplan import (
     dtypes_itemsize,
     narrow,
     narrowed,
+    piece_range,
     range_bytes,
     read_whole,
     span_pieces,
@@ -188,9 +189,7 @@ def fill_pieces(
     size = dtypes_itemsize(m)
     held = (0, 0)  # chunks [held[0], held[1]) lie side by side from buf[0]
     for narrowing, lo, hi in span_pieces(m, size):
-        held = _hold(
-            f, buf, verify, held, first_chunk + lo * size // cs, first_chunk + (hi * size - 1) // cs + 1
-        )
+        held = _hold(f, buf, verify, held, *piece_range(first_chunk, cs, lo * size, hi * size))
         if before_write is not None:
             before_write()
             before_write = None
