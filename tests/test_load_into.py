@@ -912,3 +912,19 @@ def test_an_atomic_load_checks_only_the_chunks_of_a_strided_targets_pieces(tmp_p
     ckptfmt.load_into(p, {"two": two}, strict=False)
     assert two.tolist() == [0.0, float((1 << 21) - 1)]
     assert sorted(read[True]) == sorted(read[False]) == [0, 127], read
+
+
+def test_a_span_just_past_the_window_is_read_in_pieces(tmp_path, monkeypatch):
+    """Whether a strided target is read whole is decided by its span's bytes, as its pieces are
+    cut: two elements 128 KiB apart, past the (lowered) 64 KiB window, read as two pieces of one
+    chunk each, not as the 3 chunks of their span."""
+    base = torch.arange(float(1 << 16))
+    p = tmp_path / "near.ckpt"
+    ckptfmt.save({"base": base, "two": base[: (1 << 15) + 1 : 1 << 15]}, p, chunk_size=64 << 10)
+    monkeypatch.setattr(fillplan, "_SPAN_WINDOW", 64 << 10)
+    read: list[int] = []
+    _hook_reads(monkeypatch, before=lambda ks, check_only: read.extend(ks))
+    two = torch.zeros(2)
+    ckptfmt.load_into(p, {"two": two}, strict=False, atomic=False)
+    assert two.tolist() == [0.0, float(1 << 15)]
+    assert sorted(read) == [0, 2], read

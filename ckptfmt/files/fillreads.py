@@ -30,7 +30,6 @@ from .fillplan import (
     Plan,
     Strided,
     dense,
-    dtypes_itemsize,
     narrow,
     narrowed,
     piece_range,
@@ -158,7 +157,7 @@ def write_targets(
         assert buf is not None
         # an inference tensor may only be written in inference mode
         with torch.inference_mode() if s.value.is_inference() else contextlib.nullcontext():
-            if not read_whole(f, s):
+            if not read_whole(s):
                 loaded = None
                 fill_pieces(
                     f, s.sid, s.meta, s.value, buf, verify, functools.partial(plan.touch, touched, [s.key])
@@ -186,7 +185,7 @@ def fill_pieces(
     already there kept for the next piece (`_hold`): a chunk larger than a piece's span is read
     once, not once per piece; `before_write` is called before the first copy."""
     first_chunk, cs = f.storages[sid].first_chunk, f.chunk_size
-    size = dtypes_itemsize(m)
+    size = dest.element_size()  # the file tensor's dtype (targets.match)
     held = (0, 0)  # chunks [held[0], held[1]) lie side by side from buf[0]
     for narrowing, lo, hi in span_pieces(m, size):
         held = _hold(f, buf, verify, held, *piece_range(first_chunk, cs, lo * size, hi * size))
