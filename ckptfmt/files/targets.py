@@ -361,28 +361,33 @@ def _marked_problem(targets: list[Target], kept: Group, homes: list[tuple[Any, .
     """_clash_problem for a group whose spans together are short (`_marked`): each byte of the
     span gets the number of the last target that writes it, through a view of each target's bytes
     over a buffer of owners; a target that finds a byte owned by a target of another home (targets
-    of one home may share bytes) is the pair's second, that owner its first.  Linear in the
-    targets' bytes, exact."""
+    of one home may share bytes) is the pair's second, that owner its first.  The targets of one
+    home are numbered in a run, so that "another home" is a comparison, not a lookup per byte.
+    Linear in the targets' bytes, exact."""
     base = kept[0][1]
     marks: dict[Any, int] = {}
-    ids = [
-        marks.setdefault(h if h is not None else ("alone", i), len(marks) + 1) for i, h in enumerate(homes)
-    ]
-    wide = len(kept) >= (1 << 15)
-    # home of each owner number (0: no owner yet, home 0)
-    home_of = torch.tensor([0, *ids], dtype=torch.int32 if wide else torch.int16)
-    owner = torch.zeros(max(e for _, _, e in kept) - base, dtype=torch.int32 if wide else torch.int16)
+    ids = [marks.setdefault(h if h is not None else ("alone", i), len(marks)) for i, h in enumerate(homes)]
+    by_number = sorted(range(len(kept)), key=ids.__getitem__)  # number n: target by_number[n - 1]
+    number = [0] * len(kept)
+    runs = [(len(kept), 0)] * len(marks)  # per home: its targets' (lowest, highest) numbers
+    for n, i in enumerate(by_number, 1):
+        number[i] = n
+        lo, hi = runs[ids[i]]
+        runs[ids[i]] = (min(lo, n), max(hi, n))
+    owner = torch.zeros(
+        max(e for _, _, e in kept) - base, dtype=torch.int16 if len(kept) < (1 << 15) else torch.int32
+    )
     for i, (p, s, e) in enumerate(kept):
         v = targets[p][3]
         size = v.element_size()
         mine = owner.as_strided((*v.shape, size), (*(st * size for st in v.stride()), 1), s - base)
-        theirs = home_of[mine.long()]
-        clash = mine[(theirs != 0) & (theirs != ids[i])]
+        lo, hi = runs[ids[i]]
+        clash = mine[(mine != 0) & ((mine < lo) | (mine > hi))]
         if clash.numel():
-            j = int(clash[0]) - 1  # the target that wrote the byte last: its elements meet this one's
+            j = by_number[int(clash[0]) - 1]  # the target that wrote the byte last: it meets this one
             first, second = sorted((kept[j][0], p))  # named in the target's order
             return _overlap_message(targets[first][0], targets[second][0], kept[j][1:] == (s, e), True)
-        mine.fill_(i + 1)
+        mine.fill_(number[i])
     return None
 
 
