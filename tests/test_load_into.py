@@ -868,3 +868,63 @@ def test_overlapping_accelerator_targets_are_refused_and_tied_ones_filled(tmp_pa
     x, other = torch.zeros(n, device="npu:0"), torch.zeros(n, device="npu:1")
     ckptfmt.load_into(tied, {"tok": x, "head": x, "other": other}, atomic=atomic)
     assert torch.equal(x.cpu(), w) and torch.equal(other.cpu(), b)
+
+
+# -- strided targets read in pieces --------------------------------------------------------------
+
+
+def _column_file(tmp_path, cols: int = 1024):
+    """A 2048 x `cols` fp32 weight (8 MiB or so, in 1 MiB chunks) saved with its column 0 as a view."""
+    w = torch.arange(2048.0 * cols).view(2048, cols)
+    p = tmp_path / "col.ckpt"
+    ckptfmt.save({"w": w, "c": w[:, 0]}, p, chunk_size=1 << 20)
+    return p, w
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+@pytest.mark.parametrize("cols", [1024, 1000])
+def test_pieces_smaller_than_a_chunk_read_each_chunk_once(tmp_path, monkeypatch, atomic, cols):
+    """A column view read in pieces whose span (here lowered to 64 KiB) is smaller than a chunk
+    (1 MiB): the chunks already in the buffer are kept for the next pieces, so each of the
+    column's 8 chunks is read (decoded) once, not once per piece (some 128 pieces; with rows of
+    4000 bytes some pieces straddle two chunks, and the buffer's kept chunk moves to its front)."""
+    p, w = _column_file(tmp_path, cols)
+    monkeypatch.setattr(fillplan, "_SPAN_WINDOW", 64 << 10)
+    written: list[int] = []
+    _hook_reads(monkeypatch, before=lambda ks, check_only: None if check_only else written.extend(ks))
+    c = torch.zeros(2048)
+    ckptfmt.load_into(p, {"c": c}, strict=False, atomic=atomic)
+    assert torch.equal(c, w[:, 0])
+    assert sorted(written) == sorted(set(written)) and len(written) == 8, written
+
+
+def test_an_atomic_load_checks_only_the_chunks_of_a_strided_targets_pieces(tmp_path, monkeypatch):
+    """Two elements 8 MiB apart (a view of a buffer in 64 KiB chunks, read in pieces: the span
+    window lowered to 64 KiB): the atomic load's checking pass reads the 2 chunks the pieces lie
+    in, as the writes do, not the 128 chunks of the span."""
+    base = torch.arange(float(1 << 21))
+    p = tmp_path / "far.ckpt"
+    ckptfmt.save({"base": base, "two": base[:: (1 << 21) - 1]}, p, chunk_size=64 << 10)
+    monkeypatch.setattr(fillplan, "_SPAN_WINDOW", 64 << 10)
+    read: dict[bool, list[int]] = {True: [], False: []}
+    _hook_reads(monkeypatch, before=lambda ks, check_only: read[check_only].extend(ks))
+    two = torch.zeros(2)
+    ckptfmt.load_into(p, {"two": two}, strict=False)
+    assert two.tolist() == [0.0, float((1 << 21) - 1)]
+    assert sorted(read[True]) == sorted(read[False]) == [0, 127], read
+
+
+def test_a_span_just_past_the_window_is_read_in_pieces(tmp_path, monkeypatch):
+    """Whether a strided target is read whole is decided by its span's bytes, as its pieces are
+    cut: two elements 128 KiB apart, past the (lowered) 64 KiB window, read as two pieces of one
+    chunk each, not as the 3 chunks of their span."""
+    base = torch.arange(float(1 << 16))
+    p = tmp_path / "near.ckpt"
+    ckptfmt.save({"base": base, "two": base[: (1 << 15) + 1 : 1 << 15]}, p, chunk_size=64 << 10)
+    monkeypatch.setattr(fillplan, "_SPAN_WINDOW", 64 << 10)
+    read: list[int] = []
+    _hook_reads(monkeypatch, before=lambda ks, check_only: read.extend(ks))
+    two = torch.zeros(2)
+    ckptfmt.load_into(p, {"two": two}, strict=False, atomic=False)
+    assert two.tolist() == [0.0, float(1 << 15)]
+    assert sorted(read) == [0, 2], read

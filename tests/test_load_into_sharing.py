@@ -250,6 +250,7 @@ def test_views_too_irregular_to_decide_are_refused(tmp_path, monkeypatch):
     p = _save(tmp_path, {"a": torch.ones(100, 2), "b": torch.ones(80, 2)})
     monkeypatch.setattr(memoverlap, "MAX_STEPS", 0)
     monkeypatch.setattr(targets, "_MARK_MAX", 0)  # pair by pair, not by marking the bytes
+    monkeypatch.setattr(targets, "_MARK_SHARE", 0)
     with pytest.raises(ckptfmt.MismatchError, match="'a' and 'b' interleave in memory too irregularly"):
         ckptfmt.load_into(p, target)
     assert not bool(x.any())
@@ -287,6 +288,7 @@ def test_random_strided_views_of_one_buffer_load_exactly_or_are_refused_untouche
     own: load_into fills each exactly as t.copy_(saved) would when no two share an element, and
     refuses with the buffer unchanged when two do (their bytes marked, or pair by pair)."""
     monkeypatch.setattr(targets, "_MARK_MAX", 0 if pairwise else _MARK_MAX)
+    monkeypatch.setattr(targets, "_MARK_SHARE", 0 if pairwise else targets._MARK_SHARE)
     rows, cols = 12, 16
     buf = torch.zeros(rows, cols)
     index = torch.arange(rows * cols).view(rows, cols)
@@ -531,6 +533,7 @@ def test_the_pairwise_overlap_test_of_one_load_has_a_work_limit(tmp_path, monkey
     is refused, saying so, with nothing written."""
     p, _, target, views = _columns(tmp_path)
     monkeypatch.setattr(targets, "_MARK_MAX", 0)
+    monkeypatch.setattr(targets, "_MARK_SHARE", 0)
     with pytest.raises(ckptfmt.MismatchError, match="3000 targets overlap in span .*work limit for one load"):
         ckptfmt.load_into(p, views)
     assert not bool(target.any())
@@ -538,6 +541,35 @@ def test_the_pairwise_overlap_test_of_one_load_has_a_work_limit(tmp_path, monkey
     few = {k: views[k] for k in list(views)[:50]}
     ckptfmt.load_into(p, few, strict=False)
     assert torch.equal(target[:, :50], torch.arange(8.0 * 3000).view(8, 3000)[:, :50])
+
+
+def test_columns_whose_span_passes_the_mark_limit_are_still_marked(tmp_path, monkeypatch):
+    """A group of column views whose span is longer than the marking limit (here lowered to
+    64 KiB, under the columns' 96,000 bytes; in full size a 4096 x 1100 fp32 weight) but
+    is no more than twice the bytes the columns write is still tested by marking its bytes:
+    loaded, not refused at the pairwise test's work limit."""
+    p, w, target, views = _columns(tmp_path)
+    monkeypatch.setattr(targets, "_MARK_MAX", 64 << 10)
+    ckptfmt.load_into(p, views)
+    assert torch.equal(target, w)
+
+
+def test_a_clash_among_many_targets_of_one_home_names_the_target_it_meets(tmp_path, monkeypatch):
+    """Rows of one weight (one home: they may share its bytes) and a view that meets only the
+    last row: the clash names that row, found from the marked byte itself, with no pairwise
+    test of the rows before it."""
+    w = torch.arange(64.0 * 16).view(64, 16)
+    state = {"w": w, **{f"r{i}": w[i] for i in range(64)}, "x": torch.ones(4)}
+    p = _save(tmp_path, state)
+    target = torch.zeros(64, 16)
+    views = {f"r{i}": target[i] for i in range(64)}
+    views["x"] = target[63, ::4]
+    tested = []
+    real = targets._elements_meet
+    monkeypatch.setattr(targets, "_elements_meet", lambda *a, **k: tested.append(a) or real(*a, **k))
+    with pytest.raises(ckptfmt.MismatchError, match="'r63' and 'x' overlap in memory"):
+        ckptfmt.load_into(p, views, strict=False)
+    assert tested == [] and not bool(target.any())
 
 
 # last in the module: the npu devices stay switched on from here to the module's end

@@ -34,7 +34,6 @@ import torch
 
 from ..engine import bytesview
 from ..engine import native as _native
-from ..format import dtypes
 from .reader import CheckpointFile
 from .targets import Matched, same_layout
 
@@ -95,11 +94,12 @@ class Plan:
             touched[key] = None
             touched.update(dict.fromkeys(self.aliases.get(key, ())))
 
-    def chunks(self) -> list[int]:
-        """Every chunk the writes read, in file order."""
+    def chunks(self, f: CheckpointFile) -> list[int]:
+        """Every chunk the writes read, in file order: of a strided target read in pieces, only
+        the chunks its pieces lie in (two elements a GiB apart: two chunks, not a GiB's)."""
         ks = {k for k, _ in self.direct} | {p.chunk for p in self.pieces}
         for s in self.strided:
-            ks.update(range(s.first, s.last))
+            ks.update(range(s.first, s.last) if read_whole(s) else _piece_chunks(f, s))
         return sorted(ks)
 
     def span_bytes(self, f: CheckpointFile) -> int:
@@ -108,7 +108,7 @@ class Plan:
 
     def buffer_bytes(self, f: CheckpointFile, verifying: bool = False) -> int:
         """One host buffer serves the verification pass, the pieces and the strided spans."""
-        chunks = self.chunks()
+        chunks = self.chunks(f)
         needed = sum(f.chunks[k].raw_len for k in chunks)
         window = window_bytes(f, needed) if (verifying and chunks) or self.pieces else 0
         return max(window, self.span_bytes(f))
@@ -122,31 +122,41 @@ def window_bytes(f: CheckpointFile, needed: int) -> int:
     return max(1, n) * cs
 
 
-def read_whole(f: CheckpointFile, s: Strided) -> bool:
-    """Whether strided target `s` is read as one host copy of its span's chunks (not in pieces)."""
-    return (s.last - s.first - 2) * f.chunk_size <= _SPAN_WINDOW
+def read_whole(s: Strided) -> bool:
+    """Whether strided target `s` is read as one host copy of its span's chunks, not in pieces:
+    its span, in bytes, is one piece (span_pieces counts the same bytes)."""
+    return span_elements(s.meta) * s.value.element_size() <= _SPAN_WINDOW
+
+
+def span_elements(m: dict[str, Any]) -> int:
+    """The elements of its storage that file tensor `m` spans, from its first to its last."""
+    return sum((n - 1) * st for n, st in zip(m["shape"], m["stride"])) + 1
 
 
 def span_read_bytes(f: CheckpointFile, s: Strided) -> int:
     """The host memory that reading strided target `s` needs: its span's chunks, or the chunks
     of its largest piece."""
-    if read_whole(f, s):
+    if read_whole(s):
         return range_bytes(f, s.first, s.last)
-    size = dtypes_itemsize(s.meta)
-    return max(
-        piece_chunks(f, lo * size, hi * size) * f.chunk_size for _, lo, hi in span_pieces(s.meta, size)
-    )
+    size, cs = s.value.element_size(), f.chunk_size
+    ranges = (piece_range(0, cs, lo * size, hi * size) for _, lo, hi in span_pieces(s.meta, size))
+    return max(k1 - k0 for k0, k1 in ranges) * cs
 
 
-def piece_chunks(f: CheckpointFile, lo: int, hi: int) -> int:
-    """How many chunks bytes [lo, hi) of a storage lie in."""
-    cs = f.chunk_size
-    return (hi - 1) // cs - lo // cs + 1
+def _piece_chunks(f: CheckpointFile, s: Strided) -> set[int]:
+    """The chunks that the pieces of strided target `s` (not read whole) lie in."""
+    first, cs = f.storages[s.sid].first_chunk, f.chunk_size
+    size = s.value.element_size()
+    out: set[int] = set()
+    for _, lo, hi in span_pieces(s.meta, size):
+        out.update(range(*piece_range(first, cs, lo * size, hi * size)))
+    return out
 
 
-def dtypes_itemsize(m: dict[str, Any]) -> int:
-    """The bytes of one element of file tensor `m`."""
-    return dtypes.TORCH_DTYPES[m["dtype"]].itemsize
+def piece_range(first: int, cs: int, lo: int, hi: int) -> tuple[int, int]:
+    """The chunks [k0, k1) that bytes [lo, hi) of a storage whose first chunk is `first` lie in
+    (chunks of `cs` bytes)."""
+    return first + lo // cs, first + (hi - 1) // cs + 1
 
 
 def span_pieces(m: dict[str, Any], size: int) -> Iterator[SpanPiece]:
@@ -309,7 +319,7 @@ def span_of(f: CheckpointFile, key: str, value: torch.Tensor, m: dict[str, Any])
     first element to its last."""
     cs, size, rec = f.chunk_size, value.element_size(), f.storages[m["storage"]]
     lo = m["offset"] * size
-    hi = (m["offset"] + sum((n - 1) * st for n, st in zip(m["shape"], m["stride"])) + 1) * size
+    hi = (m["offset"] + span_elements(m)) * size
     return Strided(
         key, value, m, m["storage"], rec.first_chunk + lo // cs, rec.first_chunk + (hi - 1) // cs + 1
     )

@@ -30,9 +30,9 @@ from .fillplan import (
     Plan,
     Strided,
     dense,
-    dtypes_itemsize,
     narrow,
     narrowed,
+    piece_range,
     range_bytes,
     read_whole,
     span_pieces,
@@ -157,7 +157,7 @@ def write_targets(
         assert buf is not None
         # an inference tensor may only be written in inference mode
         with torch.inference_mode() if s.value.is_inference() else contextlib.nullcontext():
-            if not read_whole(f, s):
+            if not read_whole(s):
                 loaded = None
                 fill_pieces(
                     f, s.sid, s.meta, s.value, buf, verify, functools.partial(plan.touch, touched, [s.key])
@@ -181,17 +181,40 @@ def fill_pieces(
     before_write: Callable[[], None] | None = None,
 ) -> None:
     """Fill `dest` (of file tensor m's shape) from file tensor `m` of storage `sid` piece by
-    piece (fillplan.span_pieces), each piece's chunks read into `buf` then copied;
-    `before_write` is called before the first copy."""
+    piece (fillplan.span_pieces), each piece's chunks read into `buf` then copied, the chunks
+    already there kept for the next piece (`_hold`): a chunk larger than a piece's span is read
+    once, not once per piece; `before_write` is called before the first copy."""
     first_chunk, cs = f.storages[sid].first_chunk, f.chunk_size
-    size = dtypes_itemsize(m)
+    size = dest.element_size()  # the file tensor's dtype (targets.match)
+    held = (0, 0)  # chunks [held[0], held[1]) lie side by side from buf[0]
     for narrowing, lo, hi in span_pieces(m, size):
-        k0, k1 = first_chunk + lo * size // cs, first_chunk + (hi * size - 1) // cs + 1
-        f.read_into(_place(f, k0, k1, buf[: range_bytes(f, k0, k1)]), verify)
+        held = _hold(f, buf, verify, held, *piece_range(first_chunk, cs, lo * size, hi * size))
         if before_write is not None:
             before_write()
             before_write = None
-        narrow(dest, narrowing).copy_(_source(f, sid, narrowed(m, narrowing), buf, k0))
+        narrow(dest, narrowing).copy_(_source(f, sid, narrowed(m, narrowing), buf, held[0]))
+
+
+def _hold(
+    f: CheckpointFile, buf: torch.Tensor, verify: bool, held: tuple[int, int], k0: int, k1: int
+) -> tuple[int, int]:
+    """Have `buf` hold chunks [k0, k1) (as part of the chunks it holds from its start), given that
+    it holds chunks `held`: the ones already there are kept (moved to the front where the buffer
+    would otherwise overflow), only the others read.  Returns the chunks it holds now."""
+    a, b = held
+    if not a <= k0 < b:  # nothing of the piece is there: read it whole
+        f.read_into(_place(f, k0, k1, buf[: range_bytes(f, k0, k1)]), verify)
+        return k0, k1
+    if k1 <= b:
+        return held
+    cs = f.chunk_size  # every chunk but a storage's last is chunk_size bytes
+    if (k1 - a) * cs > buf.numel():  # no room after them: keep chunks [k0, b) at the front
+        kept = buf[(k0 - a) * cs : (b - a) * cs].clone()
+        buf[: kept.numel()].copy_(kept)
+        a = k0
+    at = (b - a) * cs
+    f.read_into(_place(f, b, k1, buf[at : at + range_bytes(f, b, k1)]), verify)
+    return a, k1
 
 
 def _copy_direct(

@@ -221,7 +221,7 @@ def _fill_atomic(f: CheckpointFile, plan: Plan, verify: bool) -> None:
     else:
         buf = alloc(f, plan.buffer_bytes(f, verifying=True))
         if buf is not None:
-            verify_chunks(f, plan.chunks(), verify, buf)
+            verify_chunks(f, plan.chunks(f), verify, buf)
     if _stamp(f) != stamp:
         raise FileChangedError(
             "the file was modified while load_into() verified it (its size or times changed); "

@@ -256,8 +256,11 @@ class Sharing:
     found: bool = False
 
 
-#: a group of overlapping spans at most this long is tested by marking its bytes (linear)
+#: a group of overlapping spans at most this long is tested by marking its bytes (linear) ...
 _MARK_MAX = 16 << 20
+#: ... or at most this many times its targets' own bytes: the marks then grow only with bytes
+#: the load writes anyway, while a hostile sparse group (a few elements far apart) goes pair by pair
+_MARK_SHARE = 2
 #: the steps the pairwise tests of one load may take together (memoverlap.Budget): a few
 #: undecided pairs, or some 10^5 easy ones
 _PAIR_STEPS = 1 << 20
@@ -322,7 +325,7 @@ def _clash_problem(
     homes = [_home(targets[p][3], metas[p], s) for p, s, _ in kept]
     if homes[0] is not None and homes.count(homes[0]) == len(homes):
         return None
-    if max(e for _, _, e in kept) - kept[0][1] <= _MARK_MAX:
+    if _marked(targets, kept):
         return _marked_problem(targets, kept, homes)
     active: list[int] = []  # the targets so far whose spans reach past the current start
     for i, (p, s, e) in enumerate(kept):
@@ -344,35 +347,47 @@ def _clash_problem(
     return None
 
 
+def _marked(targets: list[Target], kept: Group) -> bool:
+    """Whether the group `kept` is tested by marking its bytes: its span is at most _MARK_MAX
+    bytes, or at most _MARK_SHARE times the bytes its targets write."""
+    span = max(e for _, _, e in kept) - kept[0][1]
+    if span <= _MARK_MAX:
+        return True
+    own = sum(targets[p][3].numel() * targets[p][3].element_size() for p, _, _ in kept)
+    return span <= _MARK_SHARE * own
+
+
 def _marked_problem(targets: list[Target], kept: Group, homes: list[tuple[Any, ...] | None]) -> str | None:
-    """_clash_problem for a group whose spans together are at most _MARK_MAX bytes: each byte of
-    the span gets the mark of the first target that writes it (targets of one home share a
-    mark), through a view of each target's bytes over a buffer of marks; a target that finds a
-    byte marked by another is the pair's second.  Linear in the targets' bytes, exact."""
+    """_clash_problem for a group whose spans together are short (`_marked`): each byte of the
+    span gets the number of the last target that writes it, through a view of each target's bytes
+    over a buffer of owners; a target that finds a byte owned by a target of another home (targets
+    of one home may share bytes) is the pair's second, that owner its first.  The targets of one
+    home are numbered in a run, so that "another home" is a comparison, not a lookup per byte.
+    Linear in the targets' bytes, exact."""
     base = kept[0][1]
     marks: dict[Any, int] = {}
-    ids = [
-        marks.setdefault(h if h is not None else ("alone", i), len(marks) + 1) for i, h in enumerate(homes)
-    ]
+    ids = [marks.setdefault(h if h is not None else ("alone", i), len(marks)) for i, h in enumerate(homes)]
+    by_number = sorted(range(len(kept)), key=ids.__getitem__)  # number n: target by_number[n - 1]
+    number = [0] * len(kept)
+    runs = [(len(kept), 0)] * len(marks)  # per home: its targets' (lowest, highest) numbers
+    for n, i in enumerate(by_number, 1):
+        number[i] = n
+        lo, hi = runs[ids[i]]
+        runs[ids[i]] = (min(lo, n), max(hi, n))
     owner = torch.zeros(
-        max(e for _, _, e in kept) - base, dtype=torch.int16 if len(marks) < (1 << 15) else torch.int32
+        max(e for _, _, e in kept) - base, dtype=torch.int16 if len(kept) < (1 << 15) else torch.int32
     )
     for i, (p, s, e) in enumerate(kept):
         v = targets[p][3]
         size = v.element_size()
         mine = owner.as_strided((*v.shape, size), (*(st * size for st in v.stride()), 1), s - base)
-        clash = mine[(mine != 0) & (mine != ids[i])]
+        lo, hi = runs[ids[i]]
+        clash = mine[(mine != 0) & ((mine < lo) | (mine > hi))]
         if clash.numel():
-            other = int(clash[0])
-            # the target of that mark whose elements meet this one's (a home's marks are several targets')
-            ours = [j for j in range(i) if ids[j] == other]
-            j = next(
-                (j for j in ours if _elements_meet(targets[kept[j][0]][3], kept[j][1], v, s) is not False),
-                ours[0],
-            )
+            j = by_number[int(clash[0]) - 1]  # the target that wrote the byte last: it meets this one
             first, second = sorted((kept[j][0], p))  # named in the target's order
             return _overlap_message(targets[first][0], targets[second][0], kept[j][1:] == (s, e), True)
-        mine.fill_(ids[i])
+        mine.fill_(number[i])
     return None
 
 
