@@ -320,9 +320,7 @@ def span_of(f: CheckpointFile, key: str, value: torch.Tensor, m: dict[str, Any])
     cs, size, rec = f.chunk_size, value.element_size(), f.storages[m["storage"]]
     lo = m["offset"] * size
     hi = (m["offset"] + span_elements(m)) * size
-    return Strided(
-        key, value, m, m["storage"], rec.first_chunk + lo // cs, rec.first_chunk + (hi - 1) // cs + 1
-    )
+    return Strided(key, value, m, m["storage"], *piece_range(rec.first_chunk, cs, lo, hi))
 
 
 def _plan_tensor(

@@ -353,7 +353,7 @@ def _read_range(
     """Bytes [lo, lo + n) of the storage of `s`, read with the chunks they lie in into `dest`."""
     cs = f.chunk_size
     first = f.storages[s.sid].first_chunk
-    k0, k1 = first + lo // cs, first + (lo + n - 1) // cs + 1
+    k0, k1 = piece_range(first, cs, lo, lo + n)
     f.read_into(_place(f, k0, k1, dest[: range_bytes(f, k0, k1)]), verify)
     at = lo % cs
     return dest[at : at + n]

@@ -392,7 +392,7 @@ def _marked_problem(targets: list[Target], kept: Group, homes: list[tuple[Any, .
 
 
 def _elements_meet(
-    a: torch.Tensor, start_a: int, b: torch.Tensor, start_b: int, budget: Budget | None = None
+    a: torch.Tensor, start_a: int, b: torch.Tensor, start_b: int, budget: Budget
 ) -> bool | None:
     """Whether target tensors a and b, their first elements at start_a and start_b, share a byte
     of memory (None: undecided)."""

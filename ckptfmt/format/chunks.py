@@ -48,7 +48,8 @@ _ALIGN_MASK = ~(fmt.ALIGNMENT - 1)
 def plain_raw_chunk(
     item: list[Any], offset: int, raw_len: int, end_of_data: int, digests: bool
 ) -> Chunk | None:
-    """The Chunk of a local, uncompressed, unfiltered record that passes every check of
+    """(The same rules as plain_raw_chunks, for one record: a change to one is made to both.)
+    The Chunk of a local, uncompressed, unfiltered record that passes every check of
     index.py's _parse_layout and _check_local (at `offset`, `raw_len` bytes, ending before the
     index), built in one step; None for any other record, which the full checks then parse
     (and refuse with their precise messages)."""
@@ -88,7 +89,8 @@ def plain_raw_chunk(
 def plain_raw_chunks(
     items: list[Any], raw_lens: list[int], end_of_data: int, digests: bool
 ) -> list[Chunk] | None:
-    """The Chunks of `items` (a file's chunk records, `raw_lens` their raw lengths as the
+    """(The same rules as plain_raw_chunk, by columns: a change to one is made to both.)
+    The Chunks of `items` (a file's chunk records, `raw_lens` their raw lengths as the
     storages give them) when every one is a local, uncompressed, unfiltered record that
     plain_raw_chunk would accept in turn (the first at the end of the prologue, each next one
     where the previous one's padding ends, the last ending before the index at

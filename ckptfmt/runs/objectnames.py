@@ -11,7 +11,7 @@ import datetime
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..engine import commit
 from ..errors import CorruptError, IncompleteError
@@ -153,12 +153,15 @@ def store_time(
     clock than the one stamping Last-Modified (a proxy or another gateway in front of the
     store): where a sweep marker's death lets an object be adopted or deleted, this time is
     bounded by what the store's stamps prove (proven_store_time)."""
-    believed = now + datetime.timedelta(seconds=STORE_AHEAD_AT_MOST)
-    if date is not None and date <= believed:
+    if _believed(date, now):
         return date
-    return max(
-        (e.modified for e in written if e.modified is not None and e.modified <= believed), default=None
-    )
+    return max((e.modified for e in written if _believed(e.modified, now)), default=None)
+
+
+def _believed(t: datetime.datetime | None, now: datetime.datetime) -> TypeGuard[datetime.datetime]:
+    """Whether `t`, a time a store told, may be taken as the store's: at most
+    STORE_AHEAD_AT_MOST ahead of this host's clock `now`."""
+    return t is not None and t <= now + datetime.timedelta(seconds=STORE_AHEAD_AT_MOST)
 
 
 class StoreStamp:
@@ -182,8 +185,7 @@ class StoreStamp:
         more than STORE_AHEAD_AT_MOST ahead of this host's clock `now`."""
         if self._written is None:
             entry = listed.get(self.name)
-            believed = now + datetime.timedelta(seconds=STORE_AHEAD_AT_MOST)
-            if entry is not None and entry.modified is not None and entry.modified <= believed:
+            if entry is not None and _believed(entry.modified, now):
                 self._written = entry.modified
         if self._written is None:
             return None
@@ -203,7 +205,7 @@ def proven_store_time(
     clock, where the newest time listed would stand still."""
     if proven is None:
         return None
-    if date is None or date > now + datetime.timedelta(seconds=STORE_AHEAD_AT_MOST):
+    if date is None or not _believed(date, now):
         return proven
     return min(date, proven)
 

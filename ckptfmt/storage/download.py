@@ -213,10 +213,10 @@ class RemoteObject:
         or close).  The index is not parsed yet, so no tensor exists; the answers are on their
         way meanwhile, as a plain parallel download's are.  The future that ends once the
         prologue is in; None where nothing lies between it and the tail (nothing asked for)."""
-        if tail <= prologue or s3.concurrency(self.options) < 2:
+        concurrency = s3.concurrency(self.options)
+        if tail <= prologue or concurrency < 2:
             return None
-        requests = plan_requests([(0, min(tail, ahead))], self._request_bytes)
-        requests = requests[: s3.concurrency(self.options) - 1]
+        requests = plan_requests([(0, min(tail, ahead))], self._request_bytes)[: concurrency - 1]
         deferred = [Deferred(prologue if i == 0 else r[0]) for i, r in enumerate(requests)]
         with self._held_lock:
             for r, d in zip(requests, deferred):

@@ -109,7 +109,13 @@ def routed(
 ) -> tuple[list[memoryview], list[Range]]:
     """Where the bytes of request `r` go, in order: the parts of `targets` ((offset, memory),
     sorted, disjoint) within it, and `spool`'s memory for the rest, its gaps (returned too)."""
-    inside = [(at, v) for at, v in targets if at < r[1] and at + len(v) > r[0]]
+    i = max(0, bisect.bisect_right(targets, r[0], key=lambda t: t[0]) - 1)
+    inside = []
+    for at, v in targets[i:]:
+        if at >= r[1]:
+            break
+        if at + len(v) > r[0]:
+            inside.append((at, v))
     gaps = subtract_ranges([r], merge_ranges([(at, at + len(v)) for at, v in inside]))
     spooled = [(lo, spool(lo, hi)) for lo, hi in gaps]
     return cut_views(sorted([*inside, *spooled], key=lambda t: t[0]), *r), gaps
