@@ -431,6 +431,112 @@ def test_strided_file_tensors_larger_than_a_window_are_filled_piece_by_piece(tmp
     assert not bool(y.any())
 
 
+@pytest.mark.parametrize("atomic", [True, False])
+def test_tied_keys_in_two_layouts_are_compared_box_by_box(tmp_path, monkeypatch, atomic):
+    """With the span window lowered to 1 KiB (boxes of 256 elements), a tied pair of a transposed
+    save and a contiguous one is compared box by box in the first one's storage order (column by
+    column), and the first difference in element order is named although that order meets a
+    later one first; an expanded tensor (one element under 5000 indices, a span of one element)
+    against a dense one is compared box by box too, either way round."""
+    w = torch.randn(40, 30)
+    changed = w.clone()
+    changed[3, 0], changed[0, 5] = 7.0, 8.0  # column order meets (3, 0) first, element order (0, 5)
+    ones, twos = torch.ones(5000), torch.ones(5000)
+    twos[4000] = 2.0  # 1.0 and 2.0 differ from their third byte on
+    state = {"a": w.t().contiguous().t(), "b": w, "c": changed, "e": torch.ones(1).expand(5000)}
+    p = _save(tmp_path, {**state, "ones": ones, "twos": twos})
+    monkeypatch.setattr(fillplan, "_SPAN_WINDOW", 1024)
+    x = torch.zeros(40, 30)
+    ckptfmt.load_into(p, {"a": x, "b": x}, strict=False, atomic=atomic)
+    assert torch.equal(x, w)
+    y = torch.zeros(40, 30)
+    with pytest.raises(
+        ckptfmt.MismatchError, match=f"'a' and 'c' are the same memory, but .*from byte {5 * 4} of"
+    ):
+        ckptfmt.load_into(p, {"a": y, "c": y}, strict=False, atomic=atomic)
+    assert not bool(y.any())
+    for keys in (["e", "ones"], ["ones", "e"]):
+        z = torch.zeros(5000)
+        ckptfmt.load_into(p, dict.fromkeys(keys, z), strict=False, atomic=atomic)
+        assert torch.equal(z, ones)
+    for keys in (["e", "twos"], ["twos", "e"]):
+        z = torch.zeros(5000)
+        with pytest.raises(
+            ckptfmt.MismatchError, match=f"the same memory, but .*from byte {4000 * 4 + 2} of"
+        ):
+            ckptfmt.load_into(p, dict.fromkeys(keys, z), strict=False, atomic=atomic)
+        assert not bool(z.any())
+
+
+def _chunks_of(path, key: str) -> range:
+    """The chunks of the storage of file tensor `key`."""
+    with CheckpointFile(path) as f:
+        sid = f.tree.nodes[targets.file_entries(f, f.tree.root)[key]][1]["storage"]
+        rec = f.storages[sid]
+        return range(rec.first_chunk, rec.first_chunk + rec.n_chunks)
+
+
+def _count_chunk_reads(monkeypatch) -> dict[int, int]:
+    """Every chunk read from here on (by the engine's batched reads or a chunk reader), counted."""
+    from ckptfmt.engine import batched, chunkread
+
+    counts: dict[int, int] = {}
+
+    def count(ks) -> None:
+        for k in ks:
+            counts[k] = counts.get(k, 0) + 1
+
+    real_read_into, real_read = chunkread.ChunkReader.read_into, batched.PreparedReads.read
+    monkeypatch.setattr(
+        chunkread.ChunkReader,
+        "read_into",
+        lambda self, items, *a, **kw: count([k for k, _ in items]) or real_read_into(self, items, *a, **kw),
+    )
+    monkeypatch.setattr(
+        batched.PreparedReads,
+        "read",
+        lambda self, lo, hi, *a, **kw: count(self._numbers[lo:hi]) or real_read(self, lo, hi, *a, **kw),
+    )
+    return counts
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("layout", ["dense", "transposed"])
+def test_an_atomic_load_reads_the_compared_chunks_once_before_writing(
+    tmp_path, monkeypatch, compression, layout
+):
+    """An atomic load of a tied pair stored apart: the comparison reads and checks both tensors'
+    chunks, and the verification pass does not read them again: the first key's chunks are read
+    twice (compared, then written), the second's once (compared), an untied target's twice
+    (checked, then written)."""
+    w = torch.randn(300, 64)
+    second = w.clone() if layout == "dense" else w.t().contiguous().t()
+    p = _save(tmp_path, {"a": w, "b": second, "c": torch.randn(300, 64)}, compression=compression)
+    counts = _count_chunk_reads(monkeypatch)
+    x, c = torch.zeros(300, 64), torch.zeros(300, 64)
+    ckptfmt.load_into(p, {"a": x, "b": x, "c": c})
+    assert torch.equal(x, w)
+    read = {key: [counts.get(k, 0) for k in _chunks_of(p, key)] for key in "abc"}
+    assert len(read["a"]) > 1, read
+    assert read == {"a": [2] * len(read["a"]), "b": [1] * len(read["b"]), "c": [2] * len(read["c"])}
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_a_strided_target_read_in_pieces_is_cut_into_pieces_once(tmp_path, monkeypatch, atomic):
+    """A transposed save filled into a contiguous target, its span larger than the (lowered) span
+    window: its pieces are cut once, when the load is planned, and every pass (sizing the buffer,
+    the check, the writes) uses that list."""
+    w = torch.randn(90, 70)
+    p = _save(tmp_path, {"t": w.t().contiguous().t()})
+    monkeypatch.setattr(fillplan, "_SPAN_WINDOW", 4096)
+    cuts = []
+    real = fillplan.span_pieces
+    monkeypatch.setattr(fillplan, "span_pieces", lambda m, size: cuts.append(m) or real(m, size))
+    t = torch.zeros(90, 70)
+    ckptfmt.load_into(p, {"t": t}, atomic=atomic)
+    assert torch.equal(t, w) and len(cuts) == 1
+
+
 _PEAK_CHILD = r"""
 import gc, json, sys, torch, ckptfmt
 def status(field):
@@ -495,6 +601,19 @@ def test_reporting_where_tied_tensors_differ_holds_no_index_per_difference(tmp_p
     res = _load_into_peak(p, ["a", "b"], [8 << 20])
     assert "'a' and 'b' are the same memory, but" in res["error"] and "from byte 0 of" in res["error"], res
     assert res["extra"] < (200 << 20), res
+
+
+@pytest.mark.skipif(bool(os.environ.get("CKPTFMT_SANITIZED")), reason="memory budgets need the normal build")
+def test_tied_tensors_in_two_layouts_are_compared_in_bounded_memory(tmp_path):
+    """A tied 64 MiB weight saved once as it is and once as the transpose of a contiguous copy:
+    the comparison holds a box of each (16 MiB) and the chunks of a piece of each, not a copy of
+    each whole tensor (128 MiB)."""
+    w = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(4))
+    p = tmp_path / "big.ckpt"
+    ckptfmt.save({"a": w, "b": w.t().contiguous().t()}, p)
+    del w
+    res = _load_into_peak(p, ["a", "b"], [4096, 4096])
+    assert res["error"] is None and res["extra"] < (100 << 20), res
 
 
 # -- many targets whose spans overlap ---------------------------------------------------------------
