@@ -544,12 +544,14 @@ def status(field):
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
 path, keys, shape = sys.argv[1], sys.argv[2].split(","), json.loads(sys.argv[3])
+columns = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
 x = torch.zeros(shape)
+state = {k: x for k in keys} if columns is None else {k: x[:, a:b] for k, (a, b) in zip(keys, columns)}
 gc.collect()
 open("/proc/self/clear_refs", "w").write("5")
 before = status("VmRSS")
 try:
-    ckptfmt.load_into(path, {k: x for k in keys}, strict=False)
+    ckptfmt.load_into(path, state, strict=False)
     error = None
 except ckptfmt.MismatchError as e:
     error = str(e)
@@ -557,15 +559,17 @@ print(json.dumps({"extra": status("VmHWM") - before, "error": error}))
 """
 
 
-def _load_into_peak(path, keys: list[str], shape: list[int]) -> dict:
+def _load_into_peak(path, keys: list[str], shape: list[int], columns: list[list[int]] | None = None) -> dict:
     """The memory one load_into(path, {key: one tensor of `shape` for each of keys}) adds at its
-    peak, in a fresh process (VmHWM after the peak is reset), and the MismatchError it raised."""
+    peak, in a fresh process (VmHWM after the peak is reset), and the MismatchError it raised.
+    With `columns`, key i is the column block [a, b) = columns[i] of that tensor instead."""
     import json
     import subprocess
     import sys
 
+    args = [str(path), ",".join(keys), json.dumps(shape)] + ([json.dumps(columns)] if columns else [])
     out = subprocess.run(
-        [sys.executable, "-c", _PEAK_CHILD, str(path), ",".join(keys), json.dumps(shape)],
+        [sys.executable, "-c", _PEAK_CHILD, *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -689,6 +693,35 @@ def test_a_clash_among_many_targets_of_one_home_names_the_target_it_meets(tmp_pa
     with pytest.raises(ckptfmt.MismatchError, match="'r63' and 'x' overlap in memory"):
         ckptfmt.load_into(p, views, strict=False)
     assert tested == [] and not bool(target.any())
+
+
+@pytest.mark.skipif(bool(os.environ.get("CKPTFMT_SANITIZED")), reason="memory budgets need the normal build")
+def test_marking_the_column_halves_of_a_large_weight_holds_a_byte_per_byte(tmp_path):
+    """The two column halves of a 64 MiB weight, their spans overlapping over 64 MiB (past the
+    16 MiB marking limit, within twice their bytes): marked with one byte per byte of the span and
+    tested a block at a time (64 MiB and a few MiB), not two bytes per byte and masks of each
+    half's size (128 MiB and more)."""
+    w = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(6))
+    p = tmp_path / "halves.ckpt"
+    ckptfmt.save({"l": w[:, :2048].clone(), "r": w[:, 2048:].clone()}, p)
+    del w
+    res = _load_into_peak(p, ["l", "r"], [4096, 4096], [[0, 2048], [2048, 4096]])
+    assert res["error"] is None and res["extra"] < (100 << 20), res
+
+
+def test_a_clash_between_homes_of_one_tag_is_found_by_the_next_digit(tmp_path, monkeypatch):
+    """With two tags (instead of 255), the homes numbered 0 and 2 (the even elements of a buffer,
+    and one of those elements under another key) share a tag in the first pass: their clash is
+    found in the second, naming the pair; the odd elements (home 1) share no byte with either."""
+    p = _save(tmp_path, {"even": torch.ones(50), "odd": torch.full((50,), 2.0), "one": torch.ones(1)})
+    monkeypatch.setattr(targets, "_TAGS", 2)
+    buf = torch.zeros(100)
+    ckptfmt.load_into(p, {"even": buf[::2], "odd": buf[1::2]}, strict=False)
+    assert torch.equal(buf[::2], torch.ones(50)) and torch.equal(buf[1::2], torch.full((50,), 2.0))
+    clash = torch.zeros(100)
+    with pytest.raises(ckptfmt.MismatchError, match="'even' and 'one' overlap in memory"):
+        ckptfmt.load_into(p, {"even": clash[::2], "odd": clash[1::2], "one": clash[2:3]}, strict=False)
+    assert not bool(clash.any())
 
 
 # last in the module: the npu devices stay switched on from here to the module's end

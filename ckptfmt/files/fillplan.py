@@ -206,27 +206,6 @@ def compare_limit(size: int) -> int:
     return max(1, _SPAN_WINDOW // size)
 
 
-def boxes(shape: list[int], limit: int, level: int = 0) -> Iterator[list[tuple[int, int, int]]]:
-    """Dimensions [level:] of `shape` cut into boxes of at most `limit` elements (or one element
-    each), in row-major order: the narrowings of each (outer dimensions taken an index at a time
-    while one index holds more than `limit` elements, the first that fits cut into runs)."""
-    inner = 1
-    for n in shape[level + 1 :]:
-        inner *= n
-    if level >= len(shape) or inner * shape[level] <= limit:
-        yield []
-        return
-    n = shape[level]
-    if inner > limit:
-        for i in range(n):
-            for rest in boxes(shape, limit, level + 1):
-                yield [(level, i, i + 1), *rest]
-        return
-    per = limit // inner
-    for i in range(0, n, per):
-        yield [(level, i, min(n, i + per))]
-
-
 def narrowed(m: dict[str, Any], narrowing: list[tuple[int, int, int]]) -> dict[str, Any]:
     """File tensor `m` narrowed to a piece (span_pieces): its offset and shape changed."""
     shape = list(m["shape"])

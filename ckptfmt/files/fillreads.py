@@ -32,7 +32,6 @@ from .fillplan import (
     Piece,
     Plan,
     Strided,
-    boxes,
     chunk_pieces,
     compare_limit,
     dense,
@@ -42,6 +41,7 @@ from .fillplan import (
     range_bytes,
     window_bytes,
 )
+from .memoverlap import boxes
 from .reader import CheckpointFile
 from .targets import MismatchError, strides_agree
 
@@ -396,7 +396,7 @@ def _values_differ(f: CheckpointFile, a: Strided, b: Strided, verify: bool, read
     and shape, laid out differently) differ, or None; the chunks read added to `read`.
 
     Compared a box at a time: a's pieces (Strided.pieces: in a's storage order), each cut into
-    boxes of at most _SPAN_WINDOW bytes of elements (fillplan.boxes); each box's elements of a
+    boxes of at most _SPAN_WINDOW bytes of elements (memoverlap.boxes); each box's elements of a
     and of b gathered into one of two dense host tensors of that size, through a window of
     chunks for each tensor.  Memory: two boxes and the chunks of a piece of each tensor, a few
     tens of MiB whatever the tensors' size.  Reads: a's chunks once; b's once where the two
