@@ -105,59 +105,78 @@ def write_targets(
 ) -> None:
     """Read the planned chunks into the targets; when one fails, `touched` holds the keys whose
     memory may have been written.  `reads`: plan.direct prepared (prepare_direct)."""
-    # 1. chunks that land whole in a target: parallel reads, a batch of whole targets at a time,
-    # so that a failure names only the targets of the batches begun; for a file read with
-    # trusted keys (or an encrypted one), through the bounce buffer instead, each window's
-    # chunks checked against their signed digests (or GCM tags) before they are copied: no
-    # byte that was not signed reaches a target, even when the file changes after the first
-    # pass verified it
+    # 1. chunks that land whole in a target
     if plan.direct and (f.signed or f.encrypted) and buf is not None:
-        done = 0
-        ks = [k for k, _ in plan.direct]
-        batches: Iterable[list[tuple[int, memoryview]] | list[tuple[int, int]]] = (
-            address_windows(f, ks, buf)
-            if _native.available()
-            else (items for items, _ in windows(f, ks, buf))
-        )
-        for items in batches:
-            f.read_into(items, verify)
-            entries = range(done, done + len(items))
-            done += len(items)
-            plan.touch(touched, _owners(plan, entries))
-            _copy_direct(f, plan, entries, [src for _, src in items])
+        _write_direct_checked(f, plan, buf, verify, touched)
     else:
-        # the keys a batch writes are recorded only if a read fails (most loads fail nowhere):
-        # those of the batches begun, before any other step's
-        begun = 0  # plan.direct's entries [0, begun) may hold new bytes
-        try:
-            for batch in _direct_batches(f, plan):
-                begun = batch.stop
-                if reads is not None:
-                    reads.read(batch.start, batch.stop, verify)
-                else:
-                    f.read_into([plan.direct[i] for i in batch], verify)
-        except BaseException:
-            plan.touch(touched, _owners(plan, range(begun)))
-            raise
-        if plan.pieces or plan.strided:  # the steps below may fail: the keys written so far first
-            plan.touch(touched, _owners(plan, range(begun)))
+        _write_direct(f, plan, verify, touched, reads)
     # 2. chunk ends shared with other tensors, and targets on accelerators: through the bounce buffer
     if plan.pieces:
         assert buf is not None
-        by_chunk: dict[int, list[Piece]] = {}
-        for p in plan.pieces:
-            by_chunk.setdefault(p.chunk, []).append(p)
-        for items, starts in windows(f, sorted(by_chunk), buf):
-            f.read_into(items, verify)
-            for (k, _), at in zip(items, starts):
-                for p in by_chunk[k]:
-                    plan.touch(touched, [p.key])
-                    p.dest.copy_(buf[at + p.start : at + p.end])
+        _write_pieces(f, plan, buf, verify, touched)
     # 3. targets laid out unlike the file: their storage's chunks in host memory, then copy_()
     # (a span larger than a window: piece by piece, each from the chunks it lies in)
     if plan.strided:
         assert buf is not None
         _fill_strided(plan, ChunkWindow(f, verify, buf), touched)
+
+
+def _write_direct(
+    f: CheckpointFile, plan: Plan, verify: bool, touched: dict[str, None], reads: PreparedReads | None
+) -> None:
+    """plan.direct read straight into the targets: parallel reads, a batch of whole targets at a
+    time, so that a failure names only the targets of the batches begun.  The keys a batch writes
+    are recorded only if a read fails (most loads fail nowhere), or before the steps after this
+    one, which may fail."""
+    begun = 0  # plan.direct's entries [0, begun) may hold new bytes
+    try:
+        for batch in _direct_batches(f, plan):
+            begun = batch.stop
+            if reads is not None:
+                reads.read(batch.start, batch.stop, verify)
+            else:
+                f.read_into([plan.direct[i] for i in batch], verify)
+    except BaseException:
+        plan.touch(touched, _owners(plan, range(begun)))
+        raise
+    if plan.pieces or plan.strided:
+        plan.touch(touched, _owners(plan, range(begun)))
+
+
+def _write_direct_checked(
+    f: CheckpointFile, plan: Plan, buf: torch.Tensor, verify: bool, touched: dict[str, None]
+) -> None:
+    """plan.direct for a file read with trusted keys (or an encrypted one): through the bounce
+    buffer, each window's chunks checked against their signed digests (or GCM tags) before they
+    are copied: no byte that was not signed reaches a target, even when the file changes after
+    the first pass verified it."""
+    done = 0
+    ks = [k for k, _ in plan.direct]
+    batches: Iterable[list[tuple[int, memoryview]] | list[tuple[int, int]]] = (
+        address_windows(f, ks, buf) if _native.available() else (items for items, _ in windows(f, ks, buf))
+    )
+    for items in batches:
+        f.read_into(items, verify)
+        entries = range(done, done + len(items))
+        done += len(items)
+        plan.touch(touched, _owners(plan, entries))
+        _copy_direct(f, plan, entries, [src for _, src in items])
+
+
+def _write_pieces(
+    f: CheckpointFile, plan: Plan, buf: torch.Tensor, verify: bool, touched: dict[str, None]
+) -> None:
+    """plan.pieces: their chunks read through the bounce buffer, a window at a time, and each
+    piece's bytes copied into its target."""
+    by_chunk: dict[int, list[Piece]] = {}
+    for p in plan.pieces:
+        by_chunk.setdefault(p.chunk, []).append(p)
+    for items, starts in windows(f, sorted(by_chunk), buf):
+        f.read_into(items, verify)
+        for (k, _), at in zip(items, starts):
+            for p in by_chunk[k]:
+                plan.touch(touched, [p.key])
+                p.dest.copy_(buf[at + p.start : at + p.end])
 
 
 def _fill_strided(plan: Plan, window: ChunkWindow, touched: dict[str, None]) -> None:

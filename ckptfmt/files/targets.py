@@ -437,6 +437,7 @@ def _last_writer(owner: torch.Tensor, views: list[torch.Tensor], tags: list[int]
         views[j].fill_(tags[j])
         if int(flat[at]):
             last = j
+    assert last >= 0, "a foreign mark has a writer before the target that found it"
     return last
 
 
@@ -577,24 +578,37 @@ def match(f: CheckpointFile, top: int, state: Any, *, strict: bool) -> Matched:
             if problem:
                 problems.append(problem)
             elif not value.is_meta and value.numel():
-                spans = cpu if value.is_cpu else elsewhere.setdefault(value.device, _Spans())
-                start, end = byte_span(value)
-                spans.starts.append(start)
-                spans.ends.append(end)
-                spans.positions.append(pos)
+                _add_span(cpu if value.is_cpu else elsewhere.setdefault(value.device, _Spans()), pos, value)
     target_keys = {t[0] for t in targets}
     report.unexpected_keys = [k for k in in_file if k not in target_keys]
     if problems:
         raise MismatchError(
             problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""), path=f.path
         )
+    by_device = [cpu, *elsewhere.values()]
+    sharing = _sharing(f, in_file, targets, by_device)
+    if strict and (report.missing_keys or report.unexpected_keys):
+        raise MismatchError(_key_problems(report), path=f.path)
+    return Matched(targets, in_file, report, whole, sharing, by_device)
+
+
+def _add_span(spans: _Spans, pos: int, value: torch.Tensor) -> None:
+    """Record the bytes that target tensor `value` (at `pos` among the targets) writes."""
+    start, end = byte_span(value)
+    spans.starts.append(start)
+    spans.ends.append(end)
+    spans.positions.append(pos)
+
+
+def _sharing(
+    f: CheckpointFile, in_file: dict[str, int], targets: list[Target], by_device: list[_Spans]
+) -> Sharing:
+    """What the targets' shared memory asks for (`_share`, device by device, within one budget of
+    pairwise steps for the load); MismatchError where it cannot be filled."""
     sharing = Sharing()
     budget = Budget(_PAIR_STEPS)
-    by_device = [cpu, *elsewhere.values()]
     for spans in by_device:
         problem = _share(f, in_file, targets, spans, sharing, budget)
         if problem:
             raise MismatchError(problem, path=f.path)
-    if strict and (report.missing_keys or report.unexpected_keys):
-        raise MismatchError(_key_problems(report), path=f.path)
-    return Matched(targets, in_file, report, whole, sharing, by_device)
+    return sharing
