@@ -199,12 +199,14 @@ class ChunkWindow:
     kept from one read to the next: a chunk that several pieces (or targets) lie in is read
     once while they follow each other.  Given a buffer, it holds at most that; without one it
     allocates one as large as the largest range asked for (for `key`, named in a LimitError).
-    `read` counts every chunk read into it (a chunk read again counts again)."""
+    `read`: every chunk read into it, each checked as it was read (CheckpointFile.read_into)."""
 
-    def __init__(self, f: CheckpointFile, verify: bool, buf: torch.Tensor | None = None, key: str = ""):
+    def __init__(
+        self, f: CheckpointFile, verify: bool, buf: torch.Tensor | None = None, key: str = ""
+    ) -> None:
         self.f, self.verify, self.buf, self.key = f, verify, buf, key
         self.held = (0, 0)  # chunks [held[0], held[1]) lie side by side from buf[0]
-        self.read: dict[int, int] = {}
+        self.read: set[int] = set()
 
     def hold(self, k0: int, k1: int) -> None:
         """Have the buffer hold chunks [k0, k1) (of one storage), as part of the chunks it holds
@@ -233,8 +235,7 @@ class ChunkWindow:
 
     def _read(self, k0: int, k1: int, dest: torch.Tensor) -> None:
         self.f.read_into(_place(self.f, k0, k1, dest), self.verify)
-        for k in range(k0, k1):
-            self.read[k] = self.read.get(k, 0) + 1
+        self.read.update(range(k0, k1))
 
     def source(self, sid: int, m: dict[str, Any]) -> torch.Tensor:
         """File tensor `m` of storage `sid` over the buffer, which holds the chunks it lies in."""

@@ -223,7 +223,8 @@ def _fill_atomic(f: CheckpointFile, plan: Plan, verify: bool) -> None:
     else:
         buf = alloc(f, plan.buffer_bytes(f, verifying=True))
         if buf is not None:
-            verify_chunks(f, [k for k in plan.chunks(f) if k not in compared], verify, buf)
+            chunks = plan.chunks(f)
+            verify_chunks(f, [k for k in chunks if k not in compared] if compared else chunks, verify, buf)
     if _stamp(f) != stamp:
         raise FileChangedError(
             "the file was modified while load_into() verified it (its size or times changed); "
