@@ -34,7 +34,6 @@ from .fillplan import (
     Strided,
     chunk_pieces,
     compare_limit,
-    dense,
     narrow,
     narrowed,
     piece_range,
@@ -364,22 +363,30 @@ def check_equal(f: CheckpointFile, plan: Plan, verify: bool) -> set[int]:
 
 
 def _first_difference(f: CheckpointFile, a: Strided, b: Strided, verify: bool, read: set[int]) -> int | None:
-    """The first byte where file tensors a and b (of one dtype and shape) differ, or None; the
-    chunks read added to `read`.  Tensors dense in one layout are compared as byte ranges of
-    their storages, a window at a time (bytes counted in storage order); others by their
-    values, a box of elements at a time (bytes counted in element order)."""
+    """The first byte, in element order, where file tensors a and b (of one dtype and shape)
+    differ, or None; the chunks read added to `read`.  Tensors both laid out row-major (storage
+    order is element order) are compared as byte ranges of their storages, a window at a time;
+    others by their values, a box of elements at a time."""
     ma, mb = a.meta, b.meta
-    if (
-        ma["conj"] == mb["conj"]
-        and strides_agree(ma["stride"], mb["stride"], ma["shape"])
-        and dense(ma["shape"], ma["stride"])
-    ):
+    shape = ma["shape"]
+    rows = _row_major(shape)
+    if ma["conj"] == mb["conj"] and all(strides_agree(m["stride"], rows, shape) for m in (ma, mb)):
         return _ranges_differ(f, a, b, verify, read)
     return _values_differ(f, a, b, verify, read)
 
 
+def _row_major(shape: list[int]) -> list[int]:
+    """The strides of a contiguous tensor of `shape`."""
+    out = []
+    n = 1
+    for extent in reversed(shape):
+        out.append(n)
+        n *= extent
+    return out[::-1]
+
+
 def _ranges_differ(f: CheckpointFile, a: Strided, b: Strided, verify: bool, read: set[int]) -> int | None:
-    """The first byte where the storage ranges of dense tensors a and b differ, or None: read a
+    """The first byte where the storage ranges of row-major tensors a and b differ, or None: read a
     window of each at a time into one bounded buffer."""
     size = a.value.element_size()
     nbytes = a.value.numel() * size
