@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -426,7 +427,8 @@ def _values_differ(f: CheckpointFile, a: Strided, b: Strided, verify: bool, read
     boxes of at most _SPAN_WINDOW bytes of elements (memoverlap.boxes); each box's elements of a
     and of b gathered into one of two dense host tensors of that size, through a window of
     chunks for each tensor.  Memory: two boxes and the chunks of a piece of each tensor, a few
-    tens of MiB whatever the tensors' size.  Reads: a's chunks once; b's once where the two
+    tens of MiB whatever the tensors' size.  Reads: a's chunks once (each piece's held while its
+    boxes are gathered); b's once where the two
     layouts order their elements alike (a slice with gaps, an offset), and where they do not
     (one the other's transpose) as often as a's pieces ask for them (a 64 MiB tensor against its
     transpose: b read about 4 times).  A box that starts after the first difference found so far
@@ -439,14 +441,15 @@ def _values_differ(f: CheckpointFile, a: Strided, b: Strided, verify: bool, read
     xs, ys = torch.empty(n, dtype=dt), torch.empty(n, dtype=dt)
     wa, wb = ChunkWindow(f, verify, key=a.key), ChunkWindow(f, verify, key=b.key)
     first: int | None = None  # the first differing byte found so far, in element order
-    for cut, _, _ in a.pieces or [([], a.first, a.last)]:
+    for cut, k0, k1 in a.pieces or [([], a.first, a.last)]:
+        wa.hold(k0, k1)
         pa, pb = narrowed(a.meta, cut), narrowed(b.meta, cut)
         for box in boxes(pa["shape"], limit):
             origin = _origin(len(shape), [*cut, *box])  # the box's first element
             if first is not None and _linear(origin, shape) * size >= first:
                 continue
             ma, mb = narrowed(pa, box), narrowed(pb, box)
-            x, y = (t[: _count(ma["shape"])].view(ma["shape"]) for t in (xs, ys))
+            x, y = (t[: math.prod(ma["shape"])].view(ma["shape"]) for t in (xs, ys))
             fill_pieces(wa, a.sid, ma, x, chunk_pieces(f, ma, size))
             fill_pieces(wb, b.sid, mb, y, chunk_pieces(f, mb, size))
             at = _differ_at(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
@@ -466,13 +469,6 @@ def _origin(ndim: int, narrowings: list[tuple[int, int, int]]) -> list[int]:
     for d, i, _ in narrowings:
         out[d] += i
     return out
-
-
-def _count(shape: list[int]) -> int:
-    n = 1
-    for x in shape:
-        n *= x
-    return n
 
 
 def _linear(index: list[int], shape: list[int]) -> int:
