@@ -15,7 +15,7 @@ unexpected key, is a `MismatchError`.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,6 +264,10 @@ _MARK_SHARE = 2
 #: the steps the pairwise tests of one load may take together (memoverlap.Budget): a few
 #: undecided pairs, or some 10^5 easy ones
 _PAIR_STEPS = 1 << 20
+#: the tags a byte's mark can take when marked (0: no target wrote it)
+_TAGS = 255
+#: _foreign_mark tests this many marks at a time: its masks stay this small
+_MARK_BLOCK = 1 << 20
 
 
 def _share(
@@ -376,14 +380,15 @@ def _marked_problem(targets: list[Target], kept: Group, homes: list[tuple[Any, .
         numbers.setdefault(h if h is not None else ("alone", i), len(numbers)) for i, h in enumerate(homes)
     ]
     owner = torch.zeros(max(e for _, _, e in kept) - base, dtype=torch.uint8)
-    views = [_mark_view(owner, targets[p][3], s - base) for p, s, _ in kept]
+    marks = [(targets[p][3], s - base) for p, s, _ in kept]  # each target's marks: (tensor, first)
     digit = 1
     while True:
         tags = [i // digit % _TAGS + 1 for i in ids]
-        for i, (mine, tag) in enumerate(zip(views, tags)):
+        for i, tag in enumerate(tags):
+            mine = _mark_view(owner, *marks[i])
             at = _foreign_mark(mine, tag)
             if at is not None:
-                j = _last_writer(owner, views, tags, i, at)
+                j = _last_writer(owner, marks, tags, i, at)
                 first, second = sorted((kept[j][0], kept[i][0]))  # named in the target's order
                 return _overlap_message(
                     targets[first][0], targets[second][0], kept[j][1:] == kept[i][1:], True
@@ -393,12 +398,6 @@ def _marked_problem(targets: list[Target], kept: Group, homes: list[tuple[Any, .
         if digit >= len(numbers):
             return None
         owner.zero_()
-
-
-#: the tags a byte's mark can take (0: no target wrote it)
-_TAGS = 255
-#: _foreign_mark tests this many marks at a time: its masks stay this small
-_MARK_BLOCK = 1 << 20
 
 
 def _mark_view(owner: torch.Tensor, v: torch.Tensor, at: int) -> torch.Tensor:
@@ -411,13 +410,12 @@ def _mark_view(owner: torch.Tensor, v: torch.Tensor, at: int) -> torch.Tensor:
 def _foreign_mark(mine: torch.Tensor, tag: int) -> int | None:
     """The place in the marks of the first byte of view `mine` (in its element order, a block of
     _MARK_BLOCK bytes at a time) marked other than 0 and `tag`, or None."""
-    for box in boxes(list(mine.shape), _MARK_BLOCK):
-        block = mine
-        for d, i, j in box:
-            block = block.narrow(d, i, j - i)
-        bad = ((block != 0) & (block != tag)).reshape(-1)
+    blocks = [mine] if mine.numel() <= _MARK_BLOCK else _blocks(mine)
+    for block in blocks:
+        bad = block.ne(0)
+        bad &= block.ne(tag)
         if bool(bad.any()):
-            n = int(bad.view(torch.uint8).argmax())
+            n = int(bad.reshape(-1).view(torch.uint8).argmax())
             index = []
             for extent in reversed(block.shape):
                 n, r = divmod(n, extent)
@@ -426,16 +424,26 @@ def _foreign_mark(mine: torch.Tensor, tag: int) -> int | None:
     return None
 
 
-def _last_writer(owner: torch.Tensor, views: list[torch.Tensor], tags: list[int], i: int, at: int) -> int:
+def _blocks(mine: torch.Tensor) -> Iterator[torch.Tensor]:
+    """View `mine` cut into blocks of at most _MARK_BLOCK bytes, in its element order."""
+    for box in boxes(list(mine.shape), _MARK_BLOCK):
+        block = mine
+        for d, i, j in box:
+            block = block.narrow(d, i, j - i)
+        yield block
+
+
+def _last_writer(
+    owner: torch.Tensor, marks: list[tuple[torch.Tensor, int]], tags: list[int], i: int, at: int
+) -> int:
     """The target before target `i` that last marked mark `at` (a mark of another home, found by
     `i`): the marks of targets [0, i) made again, mark `at` cleared before each."""
     owner.zero_()
-    flat = owner.view(-1)
     last = -1
     for j in range(i):
-        flat[at] = 0
-        views[j].fill_(tags[j])
-        if int(flat[at]):
+        owner[at] = 0
+        _mark_view(owner, *marks[j]).fill_(tags[j])
+        if int(owner[at]):
             last = j
     assert last >= 0, "a foreign mark has a writer before the target that found it"
     return last
