@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 
 import pytest
 import torch
@@ -280,13 +281,20 @@ _VIEW = st.tuples(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(views=st.lists(_VIEW, min_size=2, max_size=4), atomic=st.booleans(), pairwise=st.booleans())
+@given(
+    views=st.lists(_VIEW, min_size=2, max_size=4),
+    atomic=st.booleans(),
+    pairwise=st.booleans(),
+    block=st.sampled_from([4, 16, 1 << 20]),
+)
 def test_random_strided_views_of_one_buffer_load_exactly_or_are_refused_untouched(
-    tmp_path, monkeypatch, views, atomic, pairwise
+    tmp_path, monkeypatch, views, atomic, pairwise, block
 ):
     """Random strided (and transposed) views of one 12x16 buffer, each saved as a tensor of its
     own: load_into fills each exactly as t.copy_(saved) would when no two share an element, and
-    refuses with the buffer unchanged when two do (their bytes marked, or pair by pair)."""
+    refuses with the buffer unchanged when two do (their bytes marked, each view's marks tested
+    `block` bytes at a time, or pair by pair)."""
+    monkeypatch.setattr(targets, "_MARK_BLOCK", block)
     monkeypatch.setattr(targets, "_MARK_MAX", 0 if pairwise else _MARK_MAX)
     monkeypatch.setattr(targets, "_MARK_SHARE", 0 if pairwise else targets._MARK_SHARE)
     rows, cols = 12, 16
@@ -302,9 +310,11 @@ def test_random_strided_views_of_one_buffer_load_exactly_or_are_refused_untouche
     p = tmp_path / "views.ckpt"
     ckptfmt.save(state, p, chunk_size=4096)
     if any(a & b for a, b in itertools.combinations(cells, 2)):
-        with pytest.raises(ckptfmt.MismatchError):
+        with pytest.raises(ckptfmt.MismatchError) as refused:
             ckptfmt.load_into(p, target, atomic=atomic)
         assert not bool(buf.any())
+        named = re.search(r"'v(\d)' and 'v(\d)'", str(refused.value))
+        assert named and cells[int(named[1])] & cells[int(named[2])], str(refused.value)  # a pair that meets
         return
     ckptfmt.load_into(p, target, atomic=atomic)
     expected = torch.zeros(rows, cols)
@@ -726,10 +736,12 @@ def test_columns_whose_span_passes_the_mark_limit_are_still_marked(tmp_path, mon
     assert torch.equal(target, w)
 
 
-def test_a_clash_among_many_targets_of_one_home_names_the_target_it_meets(tmp_path, monkeypatch):
+@pytest.mark.parametrize("block", [8, 1 << 20])
+def test_a_clash_among_many_targets_of_one_home_names_the_target_it_meets(tmp_path, monkeypatch, block):
     """Rows of one weight (one home: they may share its bytes) and a view that meets only the
-    last row: the clash names that row, found from the marked byte itself, with no pairwise
-    test of the rows before it."""
+    last row: the clash names that row, found from the marked byte itself (each view's marks
+    tested `block` bytes at a time), with no pairwise test of the rows before it."""
+    monkeypatch.setattr(targets, "_MARK_BLOCK", block)
     w = torch.arange(64.0 * 16).view(64, 16)
     state = {"w": w, **{f"r{i}": w[i] for i in range(64)}, "x": torch.ones(4)}
     p = _save(tmp_path, state)
