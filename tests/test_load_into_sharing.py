@@ -286,15 +286,18 @@ _VIEW = st.tuples(
     atomic=st.booleans(),
     pairwise=st.booleans(),
     block=st.sampled_from([4, 16, 1 << 20]),
+    tags=st.sampled_from([2, 255]),
 )
 def test_random_strided_views_of_one_buffer_load_exactly_or_are_refused_untouched(
-    tmp_path, monkeypatch, views, atomic, pairwise, block
+    tmp_path, monkeypatch, views, atomic, pairwise, block, tags
 ):
     """Random strided (and transposed) views of one 12x16 buffer, each saved as a tensor of its
     own: load_into fills each exactly as t.copy_(saved) would when no two share an element, and
     refuses with the buffer unchanged when two do (their bytes marked, each view's marks tested
-    `block` bytes at a time, or pair by pair)."""
+    `block` bytes at a time, with `tags` tags: a pass per digit of the views' numbers, or pair by
+    pair)."""
     monkeypatch.setattr(targets, "_MARK_BLOCK", block)
+    monkeypatch.setattr(targets, "_TAGS", tags)
     monkeypatch.setattr(targets, "_MARK_MAX", 0 if pairwise else _MARK_MAX)
     monkeypatch.setattr(targets, "_MARK_SHARE", 0 if pairwise else targets._MARK_SHARE)
     rows, cols = 12, 16
