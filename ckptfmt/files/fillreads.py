@@ -20,6 +20,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..engine import bytesview
@@ -493,11 +494,13 @@ _COMPARE_BLOCK = 1 << 20
 
 
 def _differ_at(x: torch.Tensor, y: torch.Tensor) -> int | None:
-    """The first index where byte tensors x and y (of one length) differ, or None: found a block
-    at a time, each block's mask of differences searched for its first (argmax: the first of
-    the largest), never a list of every difference."""
-    for p in range(0, x.numel(), _COMPARE_BLOCK):
-        a, b = x[p : p + _COMPARE_BLOCK], y[p : p + _COMPARE_BLOCK]
-        if not torch.equal(a, b):
-            return p + int(torch.ne(a, b).view(torch.uint8).argmax())
+    """The first index where host byte tensors x and y (of one length) differ, or None: found a
+    block at a time, each block's mask of differences searched for its first (argmax: the first
+    of the largest), never a list of every difference.  Compared by numpy: torch.equal took
+    2-20 ms a MiB on these machines (its thread pool on 2 busy cores), numpy 0.07 ms."""
+    xs, ys = x.numpy(), y.numpy()
+    for p in range(0, len(xs), _COMPARE_BLOCK):
+        a, b = xs[p : p + _COMPARE_BLOCK], ys[p : p + _COMPARE_BLOCK]
+        if not np.array_equal(a, b):
+            return p + int(np.argmax(a != b))
     return None
