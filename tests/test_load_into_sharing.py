@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 
 import pytest
 import torch
@@ -280,13 +281,23 @@ _VIEW = st.tuples(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(views=st.lists(_VIEW, min_size=2, max_size=4), atomic=st.booleans(), pairwise=st.booleans())
+@given(
+    views=st.lists(_VIEW, min_size=2, max_size=4),
+    atomic=st.booleans(),
+    pairwise=st.booleans(),
+    block=st.sampled_from([4, 16, 1 << 20]),
+    tags=st.sampled_from([2, 255]),
+)
 def test_random_strided_views_of_one_buffer_load_exactly_or_are_refused_untouched(
-    tmp_path, monkeypatch, views, atomic, pairwise
+    tmp_path, monkeypatch, views, atomic, pairwise, block, tags
 ):
     """Random strided (and transposed) views of one 12x16 buffer, each saved as a tensor of its
     own: load_into fills each exactly as t.copy_(saved) would when no two share an element, and
-    refuses with the buffer unchanged when two do (their bytes marked, or pair by pair)."""
+    refuses with the buffer unchanged when two do (their bytes marked, each view's marks tested
+    `block` bytes at a time, with `tags` tags: a pass per digit of the views' numbers, or pair by
+    pair)."""
+    monkeypatch.setattr(targets, "_MARK_BLOCK", block)
+    monkeypatch.setattr(targets, "_TAGS", tags)
     monkeypatch.setattr(targets, "_MARK_MAX", 0 if pairwise else _MARK_MAX)
     monkeypatch.setattr(targets, "_MARK_SHARE", 0 if pairwise else targets._MARK_SHARE)
     rows, cols = 12, 16
@@ -302,9 +313,11 @@ def test_random_strided_views_of_one_buffer_load_exactly_or_are_refused_untouche
     p = tmp_path / "views.ckpt"
     ckptfmt.save(state, p, chunk_size=4096)
     if any(a & b for a, b in itertools.combinations(cells, 2)):
-        with pytest.raises(ckptfmt.MismatchError):
+        with pytest.raises(ckptfmt.MismatchError) as refused:
             ckptfmt.load_into(p, target, atomic=atomic)
         assert not bool(buf.any())
+        named = re.search(r"'v(\d)' and 'v(\d)'", str(refused.value))
+        assert named and cells[int(named[1])] & cells[int(named[2])], str(refused.value)  # a pair that meets
         return
     ckptfmt.load_into(p, target, atomic=atomic)
     expected = torch.zeros(rows, cols)
@@ -431,6 +444,161 @@ def test_strided_file_tensors_larger_than_a_window_are_filled_piece_by_piece(tmp
     assert not bool(y.any())
 
 
+@pytest.mark.parametrize("atomic", [True, False])
+def test_tied_keys_in_two_layouts_are_compared_box_by_box(tmp_path, monkeypatch, atomic):
+    """With the span window lowered to 1 KiB (boxes of 256 elements), a tied pair of a transposed
+    save and a contiguous one is compared box by box in the first one's storage order (column by
+    column), and the first difference in element order is named although that order meets a
+    later one first; an expanded tensor (one element under 5000 indices, a span of one element)
+    against a dense one is compared box by box too, either way round."""
+    w = torch.randn(40, 30)
+    changed = w.clone()
+    changed[3, 0], changed[0, 5] = 7.0, 8.0  # column order meets (3, 0) first, element order (0, 5)
+    ones, twos = torch.ones(5000), torch.ones(5000)
+    twos[4000] = 2.0  # 1.0 and 2.0 differ from their third byte on
+    state = {"a": w.t().contiguous().t(), "b": w, "c": changed, "e": torch.ones(1).expand(5000)}
+    p = _save(tmp_path, {**state, "ones": ones, "twos": twos})
+    monkeypatch.setattr(fillplan, "_SPAN_WINDOW", 1024)
+    x = torch.zeros(40, 30)
+    ckptfmt.load_into(p, {"a": x, "b": x}, strict=False, atomic=atomic)
+    assert torch.equal(x, w)
+    y = torch.zeros(40, 30)
+    with pytest.raises(
+        ckptfmt.MismatchError, match=f"'a' and 'c' are the same memory, but .*from byte {5 * 4} of"
+    ):
+        ckptfmt.load_into(p, {"a": y, "c": y}, strict=False, atomic=atomic)
+    assert not bool(y.any())
+    for keys in (["e", "ones"], ["ones", "e"]):
+        z = torch.zeros(5000)
+        ckptfmt.load_into(p, dict.fromkeys(keys, z), strict=False, atomic=atomic)
+        assert torch.equal(z, ones)
+    for keys in (["e", "twos"], ["twos", "e"]):
+        z = torch.zeros(5000)
+        with pytest.raises(
+            ckptfmt.MismatchError, match=f"the same memory, but .*from byte {4000 * 4 + 2} of"
+        ):
+            ckptfmt.load_into(p, dict.fromkeys(keys, z), strict=False, atomic=atomic)
+        assert not bool(z.any())
+
+
+def _laid_out(t: torch.Tensor, order: list[int], gaps: bool) -> torch.Tensor:
+    """`t`'s values in a storage laid out in dimension order `order` (outermost first), every
+    other element of the innermost one skipped with `gaps`."""
+    inverse = [order.index(d) for d in range(t.dim())]
+    moved = t.permute(order)
+    if gaps:
+        room = torch.zeros(*moved.shape[:-1], 2 * moved.shape[-1])[..., ::2]
+        return room.copy_(moved).permute(inverse)
+    return moved.contiguous().permute(inverse)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    shape=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+    orders=st.tuples(st.permutations(range(3)), st.permutations(range(3))),
+    gaps=st.booleans(),
+    window=st.sampled_from([16, 64, 256, 4096]),
+    changes=st.lists(st.integers(0, 10**6), max_size=2),
+)
+def test_tied_pairs_in_random_layouts_are_compared_exactly(
+    tmp_path, monkeypatch, shape, orders, gaps, window, changes
+):
+    """A tied pair saved in two dimension orders (the second with gaps or not), compared box by
+    box in the first one's storage order under span windows of 16 B to 4 KiB: equal values
+    load; changed ones are refused naming the first differing byte in element order (whatever
+    order the boxes meet them in), nothing written."""
+    monkeypatch.setattr(fillplan, "_SPAN_WINDOW", window)
+    w = torch.arange(1.0, 1.0 + torch.Size(shape).numel()).view(shape)
+    other = w.clone()
+    for c in changes:
+        other.view(-1)[c % other.numel()] += 0.5
+    order_a, order_b = ([d for d in order if d < len(shape)] for order in orders)
+    p = tmp_path / "pair.ckpt"
+    ckptfmt.save(
+        {"a": _laid_out(w, order_a, False), "b": _laid_out(other, order_b, gaps)}, p, chunk_size=4096
+    )
+    x = torch.zeros(shape)
+    differ = torch.nonzero(w.reshape(-1).view(torch.uint8) != other.reshape(-1).view(torch.uint8))
+    if not differ.numel():
+        ckptfmt.load_into(p, {"a": x, "b": x})
+        assert torch.equal(x, w)
+        return
+    with pytest.raises(
+        ckptfmt.MismatchError, match=f"'a' and 'b' are the same memory, but .*from byte {int(differ[0])} of"
+    ):
+        ckptfmt.load_into(p, {"a": x, "b": x})
+    assert not bool(x.any())
+
+
+def _chunks_of(path, key: str) -> range:
+    """The chunks of the storage of file tensor `key`."""
+    with CheckpointFile(path) as f:
+        sid = f.tree.nodes[targets.file_entries(f, f.tree.root)[key]][1]["storage"]
+        rec = f.storages[sid]
+        return range(rec.first_chunk, rec.first_chunk + rec.n_chunks)
+
+
+def _count_chunk_reads(monkeypatch) -> dict[int, int]:
+    """Every chunk read from here on (by the engine's batched reads or a chunk reader), counted."""
+    from ckptfmt.engine import batched, chunkread
+
+    counts: dict[int, int] = {}
+
+    def count(ks) -> None:
+        for k in ks:
+            counts[k] = counts.get(k, 0) + 1
+
+    real_read_into, real_read = chunkread.ChunkReader.read_into, batched.PreparedReads.read
+    monkeypatch.setattr(
+        chunkread.ChunkReader,
+        "read_into",
+        lambda self, items, *a, **kw: count([k for k, _ in items]) or real_read_into(self, items, *a, **kw),
+    )
+    monkeypatch.setattr(
+        batched.PreparedReads,
+        "read",
+        lambda self, lo, hi, *a, **kw: count(self._numbers[lo:hi]) or real_read(self, lo, hi, *a, **kw),
+    )
+    return counts
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+@pytest.mark.parametrize("layout", ["dense", "transposed"])
+def test_an_atomic_load_reads_the_compared_chunks_once_before_writing(
+    tmp_path, monkeypatch, compression, layout
+):
+    """An atomic load of a tied pair stored apart: the comparison reads and checks both tensors'
+    chunks, and the verification pass does not read them again: the first key's chunks are read
+    twice (compared, then written), the second's once (compared), an untied target's twice
+    (checked, then written)."""
+    w = torch.randn(300, 64)
+    second = w.clone() if layout == "dense" else w.t().contiguous().t()
+    p = _save(tmp_path, {"a": w, "b": second, "c": torch.randn(300, 64)}, compression=compression)
+    counts = _count_chunk_reads(monkeypatch)
+    x, c = torch.zeros(300, 64), torch.zeros(300, 64)
+    ckptfmt.load_into(p, {"a": x, "b": x, "c": c})
+    assert torch.equal(x, w)
+    read = {key: [counts.get(k, 0) for k in _chunks_of(p, key)] for key in "abc"}
+    assert len(read["a"]) > 1, read
+    assert read == {"a": [2] * len(read["a"]), "b": [1] * len(read["b"]), "c": [2] * len(read["c"])}
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_a_strided_target_read_in_pieces_is_cut_into_pieces_once(tmp_path, monkeypatch, atomic):
+    """A transposed save filled into a contiguous target, its span larger than the (lowered) span
+    window: its pieces are cut once, when the load is planned, and every pass (sizing the buffer,
+    the check, the writes) uses that list."""
+    w = torch.randn(90, 70)
+    p = _save(tmp_path, {"t": w.t().contiguous().t()})
+    monkeypatch.setattr(fillplan, "_SPAN_WINDOW", 4096)
+    cuts = []
+    real = fillplan.span_pieces
+    monkeypatch.setattr(fillplan, "span_pieces", lambda m, size: cuts.append(m) or real(m, size))
+    t = torch.zeros(90, 70)
+    ckptfmt.load_into(p, {"t": t}, atomic=atomic)
+    assert torch.equal(t, w) and len(cuts) == 1
+
+
 _PEAK_CHILD = r"""
 import gc, json, sys, torch, ckptfmt
 def status(field):
@@ -438,12 +606,14 @@ def status(field):
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
 path, keys, shape = sys.argv[1], sys.argv[2].split(","), json.loads(sys.argv[3])
+columns = json.loads(sys.argv[4]) if len(sys.argv) > 4 else None
 x = torch.zeros(shape)
+state = {k: x for k in keys} if columns is None else {k: x[:, a:b] for k, (a, b) in zip(keys, columns)}
 gc.collect()
 open("/proc/self/clear_refs", "w").write("5")
 before = status("VmRSS")
 try:
-    ckptfmt.load_into(path, {k: x for k in keys}, strict=False)
+    ckptfmt.load_into(path, state, strict=False)
     error = None
 except ckptfmt.MismatchError as e:
     error = str(e)
@@ -451,15 +621,17 @@ print(json.dumps({"extra": status("VmHWM") - before, "error": error}))
 """
 
 
-def _load_into_peak(path, keys: list[str], shape: list[int]) -> dict:
+def _load_into_peak(path, keys: list[str], shape: list[int], columns: list[list[int]] | None = None) -> dict:
     """The memory one load_into(path, {key: one tensor of `shape` for each of keys}) adds at its
-    peak, in a fresh process (VmHWM after the peak is reset), and the MismatchError it raised."""
+    peak, in a fresh process (VmHWM after the peak is reset), and the MismatchError it raised.
+    With `columns`, key i is the column block [a, b) = columns[i] of that tensor instead."""
     import json
     import subprocess
     import sys
 
+    args = [str(path), ",".join(keys), json.dumps(shape)] + ([json.dumps(columns)] if columns else [])
     out = subprocess.run(
-        [sys.executable, "-c", _PEAK_CHILD, str(path), ",".join(keys), json.dumps(shape)],
+        [sys.executable, "-c", _PEAK_CHILD, *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -495,6 +667,19 @@ def test_reporting_where_tied_tensors_differ_holds_no_index_per_difference(tmp_p
     res = _load_into_peak(p, ["a", "b"], [8 << 20])
     assert "'a' and 'b' are the same memory, but" in res["error"] and "from byte 0 of" in res["error"], res
     assert res["extra"] < (200 << 20), res
+
+
+@pytest.mark.skipif(bool(os.environ.get("CKPTFMT_SANITIZED")), reason="memory budgets need the normal build")
+def test_tied_tensors_in_two_layouts_are_compared_in_bounded_memory(tmp_path):
+    """A tied 64 MiB weight saved once as it is and once as the transpose of a contiguous copy:
+    the comparison holds a box of each (16 MiB) and the chunks of a piece of each, not a copy of
+    each whole tensor (128 MiB)."""
+    w = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(4))
+    p = tmp_path / "big.ckpt"
+    ckptfmt.save({"a": w, "b": w.t().contiguous().t()}, p)
+    del w
+    res = _load_into_peak(p, ["a", "b"], [4096, 4096])
+    assert res["error"] is None and res["extra"] < (100 << 20), res
 
 
 # -- many targets whose spans overlap ---------------------------------------------------------------
@@ -554,10 +739,12 @@ def test_columns_whose_span_passes_the_mark_limit_are_still_marked(tmp_path, mon
     assert torch.equal(target, w)
 
 
-def test_a_clash_among_many_targets_of_one_home_names_the_target_it_meets(tmp_path, monkeypatch):
+@pytest.mark.parametrize("block", [8, 1 << 20])
+def test_a_clash_among_many_targets_of_one_home_names_the_target_it_meets(tmp_path, monkeypatch, block):
     """Rows of one weight (one home: they may share its bytes) and a view that meets only the
-    last row: the clash names that row, found from the marked byte itself, with no pairwise
-    test of the rows before it."""
+    last row: the clash names that row, found from the marked byte itself (each view's marks
+    tested `block` bytes at a time), with no pairwise test of the rows before it."""
+    monkeypatch.setattr(targets, "_MARK_BLOCK", block)
     w = torch.arange(64.0 * 16).view(64, 16)
     state = {"w": w, **{f"r{i}": w[i] for i in range(64)}, "x": torch.ones(4)}
     p = _save(tmp_path, state)
@@ -570,6 +757,35 @@ def test_a_clash_among_many_targets_of_one_home_names_the_target_it_meets(tmp_pa
     with pytest.raises(ckptfmt.MismatchError, match="'r63' and 'x' overlap in memory"):
         ckptfmt.load_into(p, views, strict=False)
     assert tested == [] and not bool(target.any())
+
+
+@pytest.mark.skipif(bool(os.environ.get("CKPTFMT_SANITIZED")), reason="memory budgets need the normal build")
+def test_marking_the_column_halves_of_a_large_weight_holds_a_byte_per_byte(tmp_path):
+    """The two column halves of a 64 MiB weight, their spans overlapping over 64 MiB (past the
+    16 MiB marking limit, within twice their bytes): marked with one byte per byte of the span and
+    tested a block at a time (64 MiB and a few MiB), not two bytes per byte and masks of each
+    half's size (128 MiB and more)."""
+    w = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(6))
+    p = tmp_path / "halves.ckpt"
+    ckptfmt.save({"l": w[:, :2048].clone(), "r": w[:, 2048:].clone()}, p)
+    del w
+    res = _load_into_peak(p, ["l", "r"], [4096, 4096], [[0, 2048], [2048, 4096]])
+    assert res["error"] is None and res["extra"] < (100 << 20), res
+
+
+def test_a_clash_between_homes_of_one_tag_is_found_by_the_next_digit(tmp_path, monkeypatch):
+    """With two tags (instead of 255), the homes numbered 0 and 2 (the even elements of a buffer,
+    and one of those elements under another key) share a tag in the first pass: their clash is
+    found in the second, naming the pair; the odd elements (home 1) share no byte with either."""
+    p = _save(tmp_path, {"even": torch.ones(50), "odd": torch.full((50,), 2.0), "one": torch.ones(1)})
+    monkeypatch.setattr(targets, "_TAGS", 2)
+    buf = torch.zeros(100)
+    ckptfmt.load_into(p, {"even": buf[::2], "odd": buf[1::2]}, strict=False)
+    assert torch.equal(buf[::2], torch.ones(50)) and torch.equal(buf[1::2], torch.full((50,), 2.0))
+    clash = torch.zeros(100)
+    with pytest.raises(ckptfmt.MismatchError, match="'even' and 'one' overlap in memory"):
+        ckptfmt.load_into(p, {"even": clash[::2], "odd": clash[1::2], "one": clash[2:3]}, strict=False)
+    assert not bool(clash.any())
 
 
 # last in the module: the npu devices stay switched on from here to the module's end

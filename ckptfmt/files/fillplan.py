@@ -9,9 +9,10 @@ buffer) are read into a small bounce buffer and only their overlapping bytes are
 copied (`Piece`).  Any other target (transposed, strided, another conjugate bit,
 an accelerator tensor laid out differently) is filled with ``copy_`` from a host
 copy of the chunks its elements lie in (`Strided`); a file tensor whose span (first element to
-last) is larger than _SPAN_WINDOW is read in pieces of at most that span (`span_pieces`), each
-piece's elements copied from a window of its chunks: a strided tensor of a hostile file, two
-elements a GiB apart, costs two chunks, not a GiB.  Only a target's own bytes
+last) is larger than _SPAN_WINDOW is read in pieces of at most that span (`span_pieces`, cut
+once per target and kept on its entry as `Strided.pieces`), each piece's elements copied from a
+window of its chunks: a strided tensor of a hostile file, two elements a GiB apart, costs two
+chunks, not a GiB.  Only a target's own bytes
 are ever written: the rest of a flat buffer it is a view of is left alone.
 Values that are not tensors, and meta tensors, which have no memory, are replaced
 in their container by what the file holds (`Plan.replace`).
@@ -47,6 +48,8 @@ _SPAN_WINDOW = 16 << 20
 #: a piece of a file tensor: (dim, start, stop) narrowings, and the elements [lo, hi) of its
 #: storage that the piece's span covers
 SpanPiece = tuple[list[tuple[int, int, int]], int, int]
+#: a piece of a file tensor with the chunks [k0, k1) its span lies in: (narrowings, k0, k1)
+ChunkPiece = tuple[list[tuple[int, int, int]], int, int]
 
 
 @dataclass
@@ -70,6 +73,9 @@ class Strided:
     sid: int
     first: int
     last: int
+    #: None: the span is read whole (at most _SPAN_WINDOW bytes); else its pieces (chunk_pieces),
+    #: cut once here for every pass that reads or sizes them
+    pieces: list[ChunkPiece] | None = None
 
 
 @dataclass
@@ -99,7 +105,11 @@ class Plan:
         the chunks its pieces lie in (two elements a GiB apart: two chunks, not a GiB's)."""
         ks = {k for k, _ in self.direct} | {p.chunk for p in self.pieces}
         for s in self.strided:
-            ks.update(range(s.first, s.last) if read_whole(s) else _piece_chunks(f, s))
+            if s.pieces is None:
+                ks.update(range(s.first, s.last))
+            else:
+                for _, k0, k1 in s.pieces:
+                    ks.update(range(k0, k1))
         return sorted(ks)
 
     def span_bytes(self, f: CheckpointFile) -> int:
@@ -122,12 +132,6 @@ def window_bytes(f: CheckpointFile, needed: int) -> int:
     return max(1, n) * cs
 
 
-def read_whole(s: Strided) -> bool:
-    """Whether strided target `s` is read as one host copy of its span's chunks, not in pieces:
-    its span, in bytes, is one piece (span_pieces counts the same bytes)."""
-    return span_elements(s.meta) * s.value.element_size() <= _SPAN_WINDOW
-
-
 def span_elements(m: dict[str, Any]) -> int:
     """The elements of its storage that file tensor `m` spans, from its first to its last."""
     return sum((n - 1) * st for n, st in zip(m["shape"], m["stride"])) + 1
@@ -136,21 +140,16 @@ def span_elements(m: dict[str, Any]) -> int:
 def span_read_bytes(f: CheckpointFile, s: Strided) -> int:
     """The host memory that reading strided target `s` needs: its span's chunks, or the chunks
     of its largest piece."""
-    if read_whole(s):
+    if s.pieces is None:
         return range_bytes(f, s.first, s.last)
-    size, cs = s.value.element_size(), f.chunk_size
-    ranges = (piece_range(0, cs, lo * size, hi * size) for _, lo, hi in span_pieces(s.meta, size))
-    return max(k1 - k0 for k0, k1 in ranges) * cs
+    return max(k1 - k0 for _, k0, k1 in s.pieces) * f.chunk_size
 
 
-def _piece_chunks(f: CheckpointFile, s: Strided) -> set[int]:
-    """The chunks that the pieces of strided target `s` (not read whole) lie in."""
-    first, cs = f.storages[s.sid].first_chunk, f.chunk_size
-    size = s.value.element_size()
-    out: set[int] = set()
-    for _, lo, hi in span_pieces(s.meta, size):
-        out.update(range(*piece_range(first, cs, lo * size, hi * size)))
-    return out
+def chunk_pieces(f: CheckpointFile, m: dict[str, Any], size: int) -> list[ChunkPiece]:
+    """File tensor `m` (elements of `size` bytes) cut into span_pieces, each with the chunks of
+    its storage that its span lies in."""
+    first, cs = f.storages[m["storage"]].first_chunk, f.chunk_size
+    return [(cut, *piece_range(first, cs, lo * size, hi * size)) for cut, lo, hi in span_pieces(m, size)]
 
 
 def piece_range(first: int, cs: int, lo: int, hi: int) -> tuple[int, int]:
@@ -199,6 +198,12 @@ def _pieces(
     for i in range(0, n, per):
         j = min(n, i + per)
         yield [*narrowing, (d, i, j)], base + i * st, base + (j - 1) * st + rest
+
+
+def compare_limit(size: int) -> int:
+    """The elements of `size` bytes that a comparison of tied tensors holds at a time, per tensor
+    (fillreads._values_differ): as many as a piece's span holds."""
+    return max(1, _SPAN_WINDOW // size)
 
 
 def narrowed(m: dict[str, Any], narrowing: list[tuple[int, int, int]]) -> dict[str, Any]:
@@ -316,11 +321,12 @@ def _add_direct(
 
 def span_of(f: CheckpointFile, key: str, value: torch.Tensor, m: dict[str, Any]) -> Strided:
     """Target `value` filled from file tensor `m` by copy_(): the chunks `m` lies in, from its
-    first element to its last."""
+    first element to its last, and its pieces where that span is larger than _SPAN_WINDOW."""
     cs, size, rec = f.chunk_size, value.element_size(), f.storages[m["storage"]]
+    span = span_elements(m) * size
     lo = m["offset"] * size
-    hi = (m["offset"] + span_elements(m)) * size
-    return Strided(key, value, m, m["storage"], *piece_range(rec.first_chunk, cs, lo, hi))
+    pieces = chunk_pieces(f, m, size) if span > _SPAN_WINDOW else None
+    return Strided(key, value, m, m["storage"], *piece_range(rec.first_chunk, cs, lo, lo + span), pieces)
 
 
 def _plan_tensor(

@@ -21,7 +21,9 @@ is larger than free memory).  Peak extra memory stays a few chunks.  Where every
 target takes whole raw chunks of a local, unsigned, unencrypted file (a model's
 state, many small tensors), the engine's records of the reads are built once for
 both passes (engine/batched.py), and the first pass checks each chunk in the
-engine's own per-thread buffer, never in a target.
+engine's own per-thread buffer, never in a target.  Tied targets whose tensors the file
+holds apart are compared first (fillreads.check_equal); the chunks read for that are checked
+as they are read, and the verification pass skips them: each is read once before the writes.
 
 Why not one read into host memory of our own, or a mapping of the file, then
 copies out: on the VMs measured, fresh memory costs a page fault per 4 KiB page
@@ -212,16 +214,17 @@ def verify_subtree(f: CheckpointFile, top: int, verify: bool = True) -> None:
 def _fill_atomic(f: CheckpointFile, plan: Plan, verify: bool) -> None:
     # pass 1: everything that can fail, nothing of the caller's written
     stamp = _stamp(f)
-    check_equal(f, plan, verify)
+    compared = check_equal(f, plan, verify)  # chunks read and checked there: not checked again
     replaced = [(container, ckey, f.load_subtree(i, None, verify)) for container, ckey, i in plan.replace]
     reads = prepare_direct(f, plan, verify)
-    if reads is not None:  # whole raw chunks only: checked through the engine's own buffer
+    if reads is not None and not compared:  # whole raw chunks only: checked through the engine's own buffer
         buf = None
         reads.read(0, reads.n, verify, check_only=True)
     else:
         buf = alloc(f, plan.buffer_bytes(f, verifying=True))
         if buf is not None:
-            verify_chunks(f, plan.chunks(f), verify, buf)
+            chunks = plan.chunks(f)
+            verify_chunks(f, [k for k in chunks if k not in compared] if compared else chunks, verify, buf)
     if _stamp(f) != stamp:
         raise FileChangedError(
             "the file was modified while load_into() verified it (its size or times changed); "

@@ -15,7 +15,7 @@ unexpected key, is a `MismatchError`.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ import torch
 from ..errors import CheckpointError
 from ..format import dtypes
 from ..format.decode import decode_key
-from .memoverlap import Budget, overlaps_itself, views_meet
+from .memoverlap import Budget, boxes, overlaps_itself, views_meet
 from .reader import CheckpointFile
 
 #: one leaf of the target: (dotted key, its container, its key in the container, the value)
@@ -264,6 +264,10 @@ _MARK_SHARE = 2
 #: the steps the pairwise tests of one load may take together (memoverlap.Budget): a few
 #: undecided pairs, or some 10^5 easy ones
 _PAIR_STEPS = 1 << 20
+#: the tags a byte's mark can take when marked (0: no target wrote it)
+_TAGS = 255
+#: _foreign_mark tests this many marks at a time: its masks stay this small
+_MARK_BLOCK = 1 << 20
 
 
 def _share(
@@ -359,36 +363,90 @@ def _marked(targets: list[Target], kept: Group) -> bool:
 
 def _marked_problem(targets: list[Target], kept: Group, homes: list[tuple[Any, ...] | None]) -> str | None:
     """_clash_problem for a group whose spans together are short (`_marked`): each byte of the
-    span gets the number of the last target that writes it, through a view of each target's bytes
-    over a buffer of owners; a target that finds a byte owned by a target of another home (targets
-    of one home may share bytes) is the pair's second, that owner its first.  The targets of one
-    home are numbered in a run, so that "another home" is a comparison, not a lookup per byte.
-    Linear in the targets' bytes, exact."""
+    span gets a one-byte mark, the tag of the home of the last target that wrote it, through a
+    view of each target's bytes over the marks; a target that finds a mark other than none and
+    its own home's tag shares that byte with a target of another home (targets of one home may
+    share bytes).  The tags are the digits of the homes' numbers in base _TAGS, one pass over
+    the targets per digit (one pass for up to _TAGS homes, two up to _TAGS ** 2): two homes
+    differ in some digit, so a byte that two homes write is found in that digit's pass.  The
+    target that wrote the byte is then found by marking again (`_last_writer`).
+
+    Memory: one byte per byte of the span, at most max(_MARK_MAX, _MARK_SHARE x the bytes the
+    targets write), and the masks of _MARK_BLOCK bytes of one target at a time.  Time: linear in
+    the targets' bytes per pass.  Exact."""
     base = kept[0][1]
-    marks: dict[Any, int] = {}
-    ids = [marks.setdefault(h if h is not None else ("alone", i), len(marks)) for i, h in enumerate(homes)]
-    by_number = sorted(range(len(kept)), key=ids.__getitem__)  # number n: target by_number[n - 1]
-    number = [0] * len(kept)
-    runs = [(len(kept), 0)] * len(marks)  # per home: its targets' (lowest, highest) numbers
-    for n, i in enumerate(by_number, 1):
-        number[i] = n
-        lo, hi = runs[ids[i]]
-        runs[ids[i]] = (min(lo, n), max(hi, n))
-    owner = torch.zeros(
-        max(e for _, _, e in kept) - base, dtype=torch.int16 if len(kept) < (1 << 15) else torch.int32
-    )
-    for i, (p, s, e) in enumerate(kept):
-        v = targets[p][3]
-        size = v.element_size()
-        mine = owner.as_strided((*v.shape, size), (*(st * size for st in v.stride()), 1), s - base)
-        lo, hi = runs[ids[i]]
-        clash = mine[(mine != 0) & ((mine < lo) | (mine > hi))]
-        if clash.numel():
-            j = by_number[int(clash[0]) - 1]  # the target that wrote the byte last: it meets this one
-            first, second = sorted((kept[j][0], p))  # named in the target's order
-            return _overlap_message(targets[first][0], targets[second][0], kept[j][1:] == (s, e), True)
-        mine.fill_(number[i])
+    numbers: dict[Any, int] = {}
+    ids = [
+        numbers.setdefault(h if h is not None else ("alone", i), len(numbers)) for i, h in enumerate(homes)
+    ]
+    owner = torch.zeros(max(e for _, _, e in kept) - base, dtype=torch.uint8)
+    marks = [(targets[p][3], s - base) for p, s, _ in kept]  # each target's marks: (tensor, first)
+    digit = 1
+    while True:
+        tags = [i // digit % _TAGS + 1 for i in ids]
+        for i, tag in enumerate(tags):
+            mine = _mark_view(owner, *marks[i])
+            at = _foreign_mark(mine, tag)
+            if at is not None:
+                j = _last_writer(owner, marks, tags, i, at)
+                first, second = sorted((kept[j][0], kept[i][0]))  # named in the target's order
+                return _overlap_message(
+                    targets[first][0], targets[second][0], kept[j][1:] == kept[i][1:], True
+                )
+            mine.fill_(tag)
+        digit *= _TAGS
+        if digit >= len(numbers):
+            return None
+        owner.zero_()
+
+
+def _mark_view(owner: torch.Tensor, v: torch.Tensor, at: int) -> torch.Tensor:
+    """The bytes of target `v` over the marks `owner`, its first byte at `at`: one mark per byte
+    of each element (the last dimension)."""
+    size = v.element_size()
+    return owner.as_strided((*v.shape, size), (*(st * size for st in v.stride()), 1), at)
+
+
+def _foreign_mark(mine: torch.Tensor, tag: int) -> int | None:
+    """The place in the marks of the first byte of view `mine` (in its element order, a block of
+    _MARK_BLOCK bytes at a time) marked other than 0 and `tag`, or None."""
+    blocks = [mine] if mine.numel() <= _MARK_BLOCK else _blocks(mine)
+    for block in blocks:
+        bad = block.ne(0)
+        bad &= block.ne(tag)
+        if bool(bad.any()):
+            n = int(bad.reshape(-1).view(torch.uint8).argmax())
+            index = []
+            for extent in reversed(block.shape):
+                n, r = divmod(n, extent)
+                index.append(r)
+            return int(block.storage_offset()) + sum(i * st for i, st in zip(reversed(index), block.stride()))
     return None
+
+
+def _blocks(mine: torch.Tensor) -> Iterator[torch.Tensor]:
+    """View `mine` cut into blocks of at most _MARK_BLOCK bytes, in its element order."""
+    for box in boxes(list(mine.shape), _MARK_BLOCK):
+        block = mine
+        for d, i, j in box:
+            block = block.narrow(d, i, j - i)
+        yield block
+
+
+def _last_writer(
+    owner: torch.Tensor, marks: list[tuple[torch.Tensor, int]], tags: list[int], i: int, at: int
+) -> int:
+    """The target before target `i` that last marked mark `at` (a mark of another home, found by
+    `i`): the marks of targets [0, i) made again, mark `at` cleared before each."""
+    owner.zero_()
+    last = -1
+    for j in range(i):
+        owner[at] = 0
+        _mark_view(owner, *marks[j]).fill_(tags[j])
+        if int(owner[at]):
+            last = j
+    assert last >= 0, "a foreign mark has a writer before the target that found it"
+    return last
 
 
 def _elements_meet(
@@ -528,24 +586,37 @@ def match(f: CheckpointFile, top: int, state: Any, *, strict: bool) -> Matched:
             if problem:
                 problems.append(problem)
             elif not value.is_meta and value.numel():
-                spans = cpu if value.is_cpu else elsewhere.setdefault(value.device, _Spans())
-                start, end = byte_span(value)
-                spans.starts.append(start)
-                spans.ends.append(end)
-                spans.positions.append(pos)
+                _add_span(cpu if value.is_cpu else elsewhere.setdefault(value.device, _Spans()), pos, value)
     target_keys = {t[0] for t in targets}
     report.unexpected_keys = [k for k in in_file if k not in target_keys]
     if problems:
         raise MismatchError(
             problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""), path=f.path
         )
+    by_device = [cpu, *elsewhere.values()]
+    sharing = _sharing(f, in_file, targets, by_device)
+    if strict and (report.missing_keys or report.unexpected_keys):
+        raise MismatchError(_key_problems(report), path=f.path)
+    return Matched(targets, in_file, report, whole, sharing, by_device)
+
+
+def _add_span(spans: _Spans, pos: int, value: torch.Tensor) -> None:
+    """Record the bytes that target tensor `value` (at `pos` among the targets) writes."""
+    start, end = byte_span(value)
+    spans.starts.append(start)
+    spans.ends.append(end)
+    spans.positions.append(pos)
+
+
+def _sharing(
+    f: CheckpointFile, in_file: dict[str, int], targets: list[Target], by_device: list[_Spans]
+) -> Sharing:
+    """What the targets' shared memory asks for (`_share`, device by device, within one budget of
+    pairwise steps for the load); MismatchError where it cannot be filled."""
     sharing = Sharing()
     budget = Budget(_PAIR_STEPS)
-    by_device = [cpu, *elsewhere.values()]
     for spans in by_device:
         problem = _share(f, in_file, targets, spans, sharing, budget)
         if problem:
             raise MismatchError(problem, path=f.path)
-    if strict and (report.missing_keys or report.unexpected_keys):
-        raise MismatchError(_key_problems(report), path=f.path)
-    return Matched(targets, in_file, report, whole, sharing, by_device)
+    return sharing
