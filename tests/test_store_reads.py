@@ -218,6 +218,38 @@ def test_a_whole_load_asks_for_every_cell_before_the_first_comes(store_faults, m
     assert 0 < peaks[url] <= spooled + 3 * 4096
 
 
+def test_a_whole_load_asks_for_the_ends_the_index_waits_for_first(store, monkeypatch):
+    """The tail (footer and index) and the first cell (prologue), which the index waits for,
+    are asked for before the wave's other cells, which go once both ends' requests are
+    written: sent all at once, the ends were answered after most of the cells (the stores
+    serve requests in the order they come or share their work among them), and every cell's
+    body waited unread for them (bench/store_timeline.py)."""
+    from ckptfmt.storage.backends import store_for
+    from ckptfmt.storage.urls import parse_url
+
+    prefix, options = store
+    options = options | {"request_size": MiB}
+    url = f"{prefix}/ends.ckpt"
+    g = torch.Generator().manual_seed(5)
+    state = {f"t{i}": torch.randn(400_000, generator=g) for i in range(4)}  # 6.4 MB: 7 cells
+    ckptfmt.save(state, url, storage_options=options)
+    shared = store_for(parse_url(url), options)
+    asked: list[tuple[int, int] | None] = []
+    get = shared.get
+
+    def noting(u, byte_range, version):  # the real request, its range noted as it is made
+        asked.append(byte_range)
+        return get(u, byte_range, version)
+
+    monkeypatch.setattr(shared, "get", noting)
+    for _ in range(3):
+        asked.clear()
+        assert_same(state, ckptfmt.load(url, storage_options=options))
+        size = max(hi for _, hi in asked)
+        ends = {(0, MiB), (size - download.TAIL_BYTES, size)}
+        assert set(asked[:2]) == ends and len(set(asked)) == len(asked) > 2, asked
+
+
 def test_a_load_under_max_bytes_reads_ahead_no_more_than_that(store_faults):
     """A whole load under max_bytes asks for no cell ahead before its index is parsed (and its
     max_bytes checked against the index): only the prologue and the tail."""
