@@ -409,6 +409,28 @@ def _direct_state() -> dict[str, torch.Tensor]:
     return {f"t{i}": torch.randn(400_000, generator=g) for i in range(4)}
 
 
+def test_planning_claims_no_request_of_the_wave(s3_bucket):
+    """plan() only says which requests bytes wait for: a request of the read-ahead wave it
+    names is still claimed by the read that starts it (start_into: its bytes go into that
+    read's memory, not into the spool, which plan() once claimed it for as a side effect)."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/planned-wave.ckpt"
+    options = options | {"request_size": MiB}
+    ckptfmt.save(_direct_state(), url, storage_options=options)
+    remote = RemoteObject(url, options, read_ahead=True)
+    try:
+        lo, hi = MiB + 100, 2 * MiB - 100  # within the wave's second cell
+        assert (MiB, 2 * MiB) in remote.plan([(lo, hi)])
+        into = bytearray(hi - lo)
+        landed: list[tuple[int, int]] = []
+        remote.wait(remote.start_into([(lo, memoryview(into))], landed.append))
+        assert landed == [(MiB, 2 * MiB)]
+        remote.fetch([(lo, hi)])  # the spool: asked for by a request of its own
+        assert into == remote.spool.view(lo, hi)
+    finally:
+        remote.close()
+
+
 def test_a_body_cut_while_read_into_a_tensor_is_resumed_there(store_faults):
     """A connection reset in the middle of a body read straight into a tensor (a cell of the
     wave, and one asked for once the index was parsed) is resumed from the byte it reached,
@@ -484,7 +506,7 @@ def test_a_load_under_max_bytes_plans_its_requests_once_per_read(s3_bucket, monk
     state = _direct_state()
     ckptfmt.save(state, url, storage_options=options, chunk_size=256 << 10)
     plans, reads = [0], [0]
-    plan, read_by_window = RemoteObject.plan, fetchread.read_by_window
+    plan, read_by_window = RemoteObject.outstanding, fetchread.read_by_window
 
     def planning(self, *args, **kwargs):
         plans[0] += 1
@@ -494,7 +516,7 @@ def test_a_load_under_max_bytes_plans_its_requests_once_per_read(s3_bucket, monk
         reads[0] += 1
         return read_by_window(*args, **kwargs)
 
-    monkeypatch.setattr(RemoteObject, "plan", planning)
+    monkeypatch.setattr(RemoteObject, "outstanding", planning)
     monkeypatch.setattr(fetchread, "read_by_window", reading)
     assert_same(state, ckptfmt.load(url, max_bytes=20 * MiB, storage_options=options))
     assert reads[0] >= 1 and plans[0] == reads[0]

@@ -268,32 +268,28 @@ class RemoteObject:
 
     # -- data ---------------------------------------------------------------
 
-    def plan(self, ranges: Sequence[Range], cell: int | None = None, gap: int | None = None) -> list[Range]:
+    def plan(self, ranges: Sequence[Range]) -> list[Range]:
         """The requests `ranges` waits for, sorted: those in flight that overlap them, and those
-        that would fetch the rest (the bytes held left out, merged and cut at the grid:
-        plan_requests; `cell` and `gap` as there, default the object's request_size and
-        MERGE_GAP)."""
+        that would fetch the rest (the bytes held left out, near neighbours merged and cut at
+        the object's grid: plan_requests)."""
         with self._held_lock:
-            waited, missing = self._requests_for(ranges, cell, gap)
+            waited, missing = self._requests_for(ranges)
+        return sorted([r for r, _ in waited] + plan_requests(missing, self._request_bytes))
+
+    def outstanding(self, ranges: Sequence[Range]) -> list[Range]:
+        """What `ranges` waits for, sorted: the requests in flight that overlap them, and each
+        stretch of them neither held nor being fetched, whole (no gap merged, no cut): what a
+        read under a memory bound counts its windows by, then cuts at their grid."""
+        with self._held_lock:
+            waited, missing = self._requests_for(ranges)
         return sorted([r for r, _ in waited] + missing)
 
-    def _requests_for(
-        self,
-        ranges: Sequence[Range],
-        cell: int | None,
-        gap: int | None,
-        targets: Sequence[tuple[int, memoryview]] = (),
-        landed: Callable[[Range], None] | None = None,
-    ) -> tuple[list[tuple[Range, Future[None]]], list[Range]]:
+    def _requests_for(self, ranges: Sequence[Range]) -> tuple[list[tuple[Range, Future[None]]], list[Range]]:
         """What `ranges` needs, under _held_lock: the requests in flight that overlap them (with
-        their futures; those of the read-ahead wave claimed for `targets`: _claim), and the
-        requests that would fetch the rest (plan_requests of what is neither held nor in flight)."""
+        their futures), and the bytes neither held nor in flight (sorted, disjoint)."""
         wanted = merge_ranges(ranges)
         waited = [(r, f) for r, f in self._in_flight.items() if overlaps(wanted, r)]
-        for r, _ in waited:
-            self._claim(r, targets, landed)
-        missing = subtract_ranges(wanted, self._taken())
-        return waited, plan_requests(missing, cell or self._request_bytes, MERGE_GAP if gap is None else gap)
+        return waited, subtract_ranges(wanted, self._taken())
 
     def _taken(self) -> list[Range]:
         """The ranges held or in flight (sorted, disjoint); under _held_lock."""
@@ -304,13 +300,18 @@ class RemoteObject:
     def start(
         self, ranges: Sequence[Range], cell: int | None = None, gap: int | None = None
     ) -> list[Future[None]]:
-        """Begin fetching `ranges` into the spool (those bytes not held or in flight already;
-        `cell` and `gap` as for plan); the futures finish when all of `ranges` is there: those
+        """Begin fetching `ranges` into the spool (those bytes not held or in flight already,
+        merged and cut by plan_requests: `cell` and `gap` there, default the object's
+        request_size and MERGE_GAP); a request of the read-ahead wave among those in flight is
+        claimed for the spool.  The futures finish when all of `ranges` is there: those
         of the requests made here, and those of requests in flight that overlap them."""
         with self._held_lock:
-            waited, missing = self._requests_for(ranges, cell, gap)
+            waited, missing = self._requests_for(ranges)
+            for r, _ in waited:
+                self._claim(r, ())  # a request of the read-ahead wave: its bytes to the spool
             started = []
-            for lo, hi in missing:
+            cut = cell or self._request_bytes
+            for lo, hi in plan_requests(missing, cut, MERGE_GAP if gap is None else gap):
                 future = self._pool.submit(self._get, lo, hi)
                 self._in_flight[(lo, hi)] = future  # before _get can end: it takes the lock
                 started.append(future)
@@ -381,10 +382,12 @@ class RemoteObject:
         none of the targets' bytes through the spool."""
         wanted = [(at, at + len(v)) for at, v in targets]
         with self._held_lock:
-            waited, missing = self._requests_for([*wanted, *spooled], None, None, targets, landed)
+            waited, missing = self._requests_for([*wanted, *spooled])
+            for r, _ in waited:
+                self._claim(r, targets, landed)
             futures = [] if futures is None else futures
             futures.extend(f for _, f in waited)
-            for r in missing:
+            for r in plan_requests(missing, self._request_bytes):
                 views, gaps = routed(r, targets, self._spool_view)
                 future = self._pool.submit(self._get_into, *r, views, gaps, landed)
                 self._in_flight[r] = future  # before _get_into can end: it takes the lock
