@@ -466,7 +466,8 @@ class RemoteObject:
             body = reply.body
         except s3.transfer_errors():
             body = None
-            deferred.order.first.set()  # the first request's attempt is over: the others go
+            if lo == 0:
+                deferred.order.first.set()  # the first request's attempt is over: the others go
             if start > lo:
                 self._get_range(lo, start)
         self._prefix_in(lo, deferred)
