@@ -365,6 +365,27 @@ def test_range_arithmetic_matches_sets_of_bytes(ranges, held):
     assert left == download.merge_ranges(left)
 
 
+@given(_spans, st.integers(0, 60), st.integers(0, 60))
+def test_a_request_s_bytes_go_to_the_targets_within_it_and_its_gaps_to_the_spool(spans, lo, size):
+    """ranges.routed: each byte of a request lands once, in order, in the target that holds it
+    or else in the spool, whose parts (the gaps) are returned too."""
+    from ckptfmt.storage.ranges import routed
+
+    data = bytes(range(200))
+    targets = [(a, memoryview(bytearray(b - a))) for a, b in download.merge_ranges(spans)]
+    r = (lo, lo + size)
+    views, gaps = routed(r, targets, lambda a, b: memoryview(bytearray(data[a:b])))
+    assert sum(len(v) for v in views) == size
+    at = lo
+    for v in views:  # each view filled with the bytes of the object it stands for
+        v[:] = data[at : at + len(v)]
+        at += len(v)
+    for a, v in targets:
+        hit = [i for i in range(a, a + len(v)) if lo <= i < r[1]]
+        assert bytes(v[i - a] for i in hit) == bytes(data[i] for i in hit)
+    assert gaps == download.subtract_ranges([r], download.merge_ranges(spans))
+
+
 def test_a_trickling_answer_is_cut_off_at_the_request_deadline(store_faults):
     """A store that answers and then sends a byte every few tenths of a second never lets
     read_timeout fire; request_timeout bounds each request: the load fails in about

@@ -218,6 +218,38 @@ def test_a_whole_load_asks_for_every_cell_before_the_first_comes(store_faults, m
     assert 0 < peaks[url] <= spooled + 3 * 4096
 
 
+def test_a_whole_load_asks_for_the_ends_the_index_waits_for_first(store, monkeypatch):
+    """The tail (footer and index) and the first cell (prologue), which the index waits for,
+    are asked for before the wave's other cells, which go once both ends' requests are
+    written: sent all at once, the ends were answered after most of the cells (the stores
+    serve requests in the order they come or share their work among them), and every cell's
+    body waited unread for them (bench/store_timeline.py)."""
+    from ckptfmt.storage.backends import store_for
+    from ckptfmt.storage.urls import parse_url
+
+    prefix, options = store
+    options = options | {"request_size": MiB}
+    url = f"{prefix}/ends.ckpt"
+    g = torch.Generator().manual_seed(5)
+    state = {f"t{i}": torch.randn(400_000, generator=g) for i in range(4)}  # 6.4 MB: 7 cells
+    ckptfmt.save(state, url, storage_options=options)
+    shared = store_for(parse_url(url), options)
+    asked: list[tuple[int, int] | None] = []
+    get = shared.get
+
+    def noting(u, byte_range, version):  # the real request, its range noted as it is made
+        asked.append(byte_range)
+        return get(u, byte_range, version)
+
+    monkeypatch.setattr(shared, "get", noting)
+    for _ in range(3):
+        asked.clear()
+        assert_same(state, ckptfmt.load(url, storage_options=options))
+        size = max(hi for _, hi in asked)
+        ends = {(0, MiB), (size - download.TAIL_BYTES, size)}
+        assert set(asked[:2]) == ends and len(set(asked)) == len(asked) > 2, asked
+
+
 def test_a_load_under_max_bytes_reads_ahead_no_more_than_that(store_faults):
     """A whole load under max_bytes asks for no cell ahead before its index is parsed (and its
     max_bytes checked against the index): only the prologue and the tail."""
@@ -377,6 +409,28 @@ def _direct_state() -> dict[str, torch.Tensor]:
     return {f"t{i}": torch.randn(400_000, generator=g) for i in range(4)}
 
 
+def test_planning_claims_no_request_of_the_wave(s3_bucket):
+    """plan() only says which requests bytes wait for: a request of the read-ahead wave it
+    names is still claimed by the read that starts it (start_into: its bytes go into that
+    read's memory, not into the spool, which plan() once claimed it for as a side effect)."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/planned-wave.ckpt"
+    options = options | {"request_size": MiB}
+    ckptfmt.save(_direct_state(), url, storage_options=options)
+    remote = RemoteObject(url, options, read_ahead=True)
+    try:
+        lo, hi = MiB + 100, 2 * MiB - 100  # within the wave's second cell
+        assert (MiB, 2 * MiB) in remote.plan([(lo, hi)])
+        into = bytearray(hi - lo)
+        landed: list[tuple[int, int]] = []
+        remote.wait(remote.start_into([(lo, memoryview(into))], landed.append))
+        assert landed == [(MiB, 2 * MiB)]
+        remote.fetch([(lo, hi)])  # the spool: asked for by a request of its own
+        assert into == remote.spool.view(lo, hi)
+    finally:
+        remote.close()
+
+
 def test_a_body_cut_while_read_into_a_tensor_is_resumed_there(store_faults):
     """A connection reset in the middle of a body read straight into a tensor (a cell of the
     wave, and one asked for once the index was parsed) is resumed from the byte it reached,
@@ -452,7 +506,7 @@ def test_a_load_under_max_bytes_plans_its_requests_once_per_read(s3_bucket, monk
     state = _direct_state()
     ckptfmt.save(state, url, storage_options=options, chunk_size=256 << 10)
     plans, reads = [0], [0]
-    plan, read_by_window = RemoteObject.plan, fetchread.read_by_window
+    plan, read_by_window = RemoteObject.outstanding, fetchread.read_by_window
 
     def planning(self, *args, **kwargs):
         plans[0] += 1
@@ -462,7 +516,7 @@ def test_a_load_under_max_bytes_plans_its_requests_once_per_read(s3_bucket, monk
         reads[0] += 1
         return read_by_window(*args, **kwargs)
 
-    monkeypatch.setattr(RemoteObject, "plan", planning)
+    monkeypatch.setattr(RemoteObject, "outstanding", planning)
     monkeypatch.setattr(fetchread, "read_by_window", reading)
     assert_same(state, ckptfmt.load(url, max_bytes=20 * MiB, storage_options=options))
     assert reads[0] >= 1 and plans[0] == reads[0]

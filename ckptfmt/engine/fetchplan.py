@@ -30,9 +30,6 @@ _PAGE = mmap.PAGESIZE  # the spool frees whole pages of this size
 #: that crosses a window's edge in bytes, and it is one run: a page more at each of its edges
 _EDGES = 2 * _PAGE
 
-#: a cell no request crosses: requests planned whole (cut_at_grid cuts them afterwards)
-UNCUT = 1 << 62
-
 T = TypeVar("T")
 
 

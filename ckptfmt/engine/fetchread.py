@@ -40,18 +40,16 @@ class Room:
 
 
 def windows_for(
-    room: Room | None, stored: Sequence[Range], planned: Sequence[Range], path: str
+    room: Room, stored: Sequence[Range], outstanding: Sequence[Range], path: str
 ) -> tuple[int, int]:
-    """(bytes per window, windows in flight) to read the `stored` byte ranges by: fetchplan's
-    defaults without a bound, else what fits `room` beside the largest of them (all of them
-    where what is left to fetch fits: bytes held already are in `room`); LimitError naming each
-    part of the bound where not even one window does.  What is left to fetch is counted in
-    the whole pages the spool will hold for it (small ranges with gaps hold a page each):
-    those of `planned`, the requests that read them (merged, not cut: cuts add no page)."""
-    if room is None:
-        return fetchplan.FETCH_WINDOW, fetchplan.FETCH_AHEAD
+    """(bytes per window, windows in flight) to read the `stored` byte ranges by under a memory
+    bound: what fits `room` beside the largest of them (all of them where what is left to fetch
+    fits: bytes held already are in `room`); LimitError naming each part of the bound where not
+    even one window does.  What is left to fetch is counted in the whole pages the spool will
+    hold for it (small ranges with gaps hold a page each): those of `outstanding` (the
+    fetcher's, whole: cuts add no page)."""
     largest = max((hi - lo for lo, hi in stored), default=0)
-    to_fetch = fetchplan.paged_bytes(planned)
+    to_fetch = fetchplan.paged_bytes(outstanding)
     fits = fetchplan.windows_within(room.spare(), largest, to_fetch)
     if fits is None:
         raise LimitError(
@@ -84,11 +82,16 @@ def read_by_window(
     if not items:
         return
     bounded = room is not None
-    # planned once: counted in pages for the windows' size, then cut at their grid
-    planned = remote.plan(stored, fetchplan.UNCUT, 0) if bounded else []
-    window, ahead = windows_for(room, stored, planned, path)
-    cell, gap = (window, 0) if bounded else (None, None)
-    requests = fetchplan.cut_at_grid(planned, window) if bounded else remote.plan(stored)
+    cell: int | None = None
+    gap: int | None = None
+    if room is None:
+        window, ahead = fetchplan.FETCH_WINDOW, fetchplan.FETCH_AHEAD
+        requests = remote.plan(stored)
+    else:  # what is left to fetch, counted in pages for the windows' size, cut at their grid
+        outstanding = remote.outstanding(stored)
+        window, ahead = windows_for(room, stored, outstanding, path)
+        requests = fetchplan.cut_at_grid(outstanding, window)
+        cell, gap = window, 0
     windows = fetchplan.request_windows(requests, window)
     chunks = fetchplan.chunks_by_window(requests, windows, [(r, (r, item)) for r, item in zip(stored, items)])
     windows = windows or [[]]

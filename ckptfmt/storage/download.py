@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -41,8 +41,10 @@ from ..engine.fetchplan import paged_bytes
 from ..errors import CheckpointError, LimitError, StorageError
 from ..format import layout as fmt
 from . import client as s3
+from . import http
 from .backends import store_for
 from .bodies import body_deadline, read_body
+from .rangedgets import RangedGets, Where
 from .ranges import (
     MERGE_GAP,
     REQUEST_BYTES,
@@ -54,7 +56,7 @@ from .ranges import (
     subtract_ranges,
     views_after,
 )
-from .readahead import Deferred
+from .readahead import Deferred, SendOrder
 from .spool import Spool
 from .store import Store
 from .urls import ObjectURL, parse_url
@@ -81,8 +83,6 @@ REQUEST_TIMEOUT = 120.0
 MAX_REFERENCE_BLOCKS = 64 * MiB
 
 Range = tuple[int, int]
-#: where a request's bytes go, given its budget and how many of them came already
-Where = Callable[[s3.Budget, int], Iterable[memoryview]]
 
 
 def head(url: ObjectURL, options: dict[str, Any]) -> tuple[int, str]:
@@ -97,14 +97,6 @@ def head(url: ObjectURL, options: dict[str, Any]) -> tuple[int, str]:
     if size > MAX_OBJECT_BYTES:
         raise LimitError(f"the object is {size} bytes, above the limit {MAX_OBJECT_BYTES}", path=str(url))
     return size, etag
-
-
-def _tag_value(etag: object) -> object:
-    """An ETag as compared between answers: a weak marker and the quotes, which a proxy may
-    add or drop, set aside."""
-    if not isinstance(etag, str):
-        return etag
-    return etag.removeprefix("W/").strip('"')
 
 
 class RemoteObject:
@@ -129,7 +121,6 @@ class RemoteObject:
         self.options = options
         self._store: Store = store_for(self.url, options)
         self._request_bytes = int(options.get("request_size", REQUEST_BYTES))
-        self._timeout = float(options.get("request_timeout", REQUEST_TIMEOUT))
         self._pool = ThreadPoolExecutor(s3.concurrency(options), thread_name_prefix="ckptfmt-download")
         self.spool: Spool | None = None
         # the ranges fetched and not given back since (sorted, disjoint), and those being
@@ -152,6 +143,8 @@ class RemoteObject:
         self.peak_bytes = 0
         try:
             self.size, self.etag = self._head()
+            timeout = float(options.get("request_timeout", REQUEST_TIMEOUT))
+            self._gets = RangedGets(self._store, self.url, url, self.size, self.etag, timeout)
             if etag is not None and self.etag != etag:
                 raise StorageError(
                     f"the object was replaced after it was checked ({self._store.version_name} "
@@ -199,25 +192,40 @@ class RemoteObject:
         size = self.size
         head = (0, min(size, fmt.PROLOGUE_SIZE))
         tail = (max(head[1], size - TAIL_BYTES), size)
-        first = self._read_ahead(tail[0], READ_AHEAD_BYTES, head[1]) if read_ahead else None
-        ends = self.start([tail], tail[1]) if first is not None else self.start([head, tail])  # one request
-        self.wait([*ends, *([first] if first is not None else [])])
+        wave = self._wave(tail[0], READ_AHEAD_BYTES) if read_ahead and tail[0] > head[1] else []
+        if not wave:
+            self.fetch([head, tail])
+            return tail[0]
+        order = SendOrder()
+        with self._held_lock:
+            ends = self._in_flight[tail] = self._pool.submit(self._get_end, *tail, order.tail)
+        first = self._read_ahead(wave, head[1], order)
+        self.wait([ends, first])
         return tail[0]
 
-    def _read_ahead(self, tail: int, ahead: int, prologue: int) -> Future[None] | None:
-        """Ask for the object's bytes before `tail` (`ahead` bytes at most, cut at the grid, and
-        no more requests than leave the tail's a thread: a deferred request holds its thread)
-        without waiting for their bodies, but for the first `prologue` bytes (in the spool at
-        once): the rest of each waits for a reader to claim it (`_claim`), which says where its
-        bytes go (a chunk reader's tensors, start_into, or the spool: a plan that needs them,
-        or close).  The index is not parsed yet, so no tensor exists; the answers are on their
-        way meanwhile, as a plain parallel download's are.  The future that ends once the
-        prologue is in; None where nothing lies between it and the tail (nothing asked for)."""
+    def _wave(self, tail: int, ahead: int) -> list[Range]:
+        """The requests of a read-ahead wave: the bytes before `tail`, `ahead` at most, cut at
+        the grid, no more than leave the tail's request a thread (a deferred request holds its
+        thread); none where the tail's request would have no thread left."""
         concurrency = s3.concurrency(self.options)
-        if tail <= prologue or concurrency < 2:
-            return None
-        requests = plan_requests([(0, min(tail, ahead))], self._request_bytes)[: concurrency - 1]
-        deferred = [Deferred(prologue if i == 0 else r[0]) for i, r in enumerate(requests)]
+        return plan_requests([(0, min(tail, ahead))], self._request_bytes)[: concurrency - 1]
+
+    def _get_end(self, lo: int, hi: int, sent: threading.Event) -> None:
+        """_get, whose request sets `sent` once written (or once it is over)."""
+        try:
+            with http.telling_sent(sent.set):
+                self._get(lo, hi)
+        finally:
+            sent.set()
+
+    def _read_ahead(self, requests: Sequence[Range], prologue: int, order: SendOrder) -> Future[None]:
+        """Ask for `requests` (_wave) without waiting for their bodies, but for the first
+        `prologue` bytes (in the spool at once): the rest of each waits for a reader to claim it
+        (`_claim`), which says where its bytes go (a chunk reader's tensors, start_into, or the
+        spool: a plan that needs them, or close); sent in `order`.  The index is not parsed
+        yet, so no tensor exists; the answers are on their way meanwhile, as a plain parallel
+        download's are.  The future that ends once the prologue is in."""
+        deferred = [Deferred(prologue if i == 0 else r[0], order) for i, r in enumerate(requests)]
         with self._held_lock:
             for r, d in zip(requests, deferred):
                 self._in_flight[r] = self._pool.submit(self._get_deferred, *r, d)
@@ -260,32 +268,28 @@ class RemoteObject:
 
     # -- data ---------------------------------------------------------------
 
-    def plan(self, ranges: Sequence[Range], cell: int | None = None, gap: int | None = None) -> list[Range]:
+    def plan(self, ranges: Sequence[Range]) -> list[Range]:
         """The requests `ranges` waits for, sorted: those in flight that overlap them, and those
-        that would fetch the rest (the bytes held left out, merged and cut at the grid:
-        plan_requests; `cell` and `gap` as there, default the object's request_size and
-        MERGE_GAP)."""
+        that would fetch the rest (the bytes held left out, near neighbours merged and cut at
+        the object's grid: plan_requests)."""
         with self._held_lock:
-            waited, missing = self._requests_for(ranges, cell, gap)
+            waited, missing = self._requests_for(ranges)
+        return sorted([r for r, _ in waited] + plan_requests(missing, self._request_bytes))
+
+    def outstanding(self, ranges: Sequence[Range]) -> list[Range]:
+        """What `ranges` waits for, sorted: the requests in flight that overlap them, and each
+        stretch of them neither held nor being fetched, whole (no gap merged, no cut): what a
+        read under a memory bound counts its windows by, then cuts at their grid."""
+        with self._held_lock:
+            waited, missing = self._requests_for(ranges)
         return sorted([r for r, _ in waited] + missing)
 
-    def _requests_for(
-        self,
-        ranges: Sequence[Range],
-        cell: int | None,
-        gap: int | None,
-        targets: Sequence[tuple[int, memoryview]] = (),
-        landed: Callable[[Range], None] | None = None,
-    ) -> tuple[list[tuple[Range, Future[None]]], list[Range]]:
+    def _requests_for(self, ranges: Sequence[Range]) -> tuple[list[tuple[Range, Future[None]]], list[Range]]:
         """What `ranges` needs, under _held_lock: the requests in flight that overlap them (with
-        their futures; those of the read-ahead wave claimed for `targets`: _claim), and the
-        requests that would fetch the rest (plan_requests of what is neither held nor in flight)."""
+        their futures), and the bytes neither held nor in flight (sorted, disjoint)."""
         wanted = merge_ranges(ranges)
         waited = [(r, f) for r, f in self._in_flight.items() if overlaps(wanted, r)]
-        for r, _ in waited:
-            self._claim(r, targets, landed)
-        missing = subtract_ranges(wanted, self._taken())
-        return waited, plan_requests(missing, cell or self._request_bytes, MERGE_GAP if gap is None else gap)
+        return waited, subtract_ranges(wanted, self._taken())
 
     def _taken(self) -> list[Range]:
         """The ranges held or in flight (sorted, disjoint); under _held_lock."""
@@ -296,13 +300,18 @@ class RemoteObject:
     def start(
         self, ranges: Sequence[Range], cell: int | None = None, gap: int | None = None
     ) -> list[Future[None]]:
-        """Begin fetching `ranges` into the spool (those bytes not held or in flight already;
-        `cell` and `gap` as for plan); the futures finish when all of `ranges` is there: those
+        """Begin fetching `ranges` into the spool (those bytes not held or in flight already,
+        merged and cut by plan_requests: `cell` and `gap` there, default the object's
+        request_size and MERGE_GAP); a request of the read-ahead wave among those in flight is
+        claimed for the spool.  The futures finish when all of `ranges` is there: those
         of the requests made here, and those of requests in flight that overlap them."""
         with self._held_lock:
-            waited, missing = self._requests_for(ranges, cell, gap)
+            waited, missing = self._requests_for(ranges)
+            for r, _ in waited:
+                self._claim(r, ())  # a request of the read-ahead wave: its bytes to the spool
             started = []
-            for lo, hi in missing:
+            cut = cell or self._request_bytes
+            for lo, hi in plan_requests(missing, cut, MERGE_GAP if gap is None else gap):
                 future = self._pool.submit(self._get, lo, hi)
                 self._in_flight[(lo, hi)] = future  # before _get can end: it takes the lock
                 started.append(future)
@@ -373,10 +382,12 @@ class RemoteObject:
         none of the targets' bytes through the spool."""
         wanted = [(at, at + len(v)) for at, v in targets]
         with self._held_lock:
-            waited, missing = self._requests_for([*wanted, *spooled], None, None, targets, landed)
+            waited, missing = self._requests_for([*wanted, *spooled])
+            for r, _ in waited:
+                self._claim(r, targets, landed)
             futures = [] if futures is None else futures
             futures.extend(f for _, f in waited)
-            for r in missing:
+            for r in plan_requests(missing, self._request_bytes):
                 views, gaps = routed(r, targets, self._spool_view)
                 future = self._pool.submit(self._get_into, *r, views, gaps, landed)
                 self._in_flight[r] = future  # before _get_into can end: it takes the lock
@@ -431,20 +442,32 @@ class RemoteObject:
         """The deferred request's answer, its head checked and its bytes before `start` read
         into the spool (held), its body left open; None where that failed (the prologue then
         fetched again on its own, the rest fetched once claimed)."""
-        start = deferred.start
         budget = s3.Budget(self.options)
+        if lo > 0:
+            deferred.order.wait(budget.remaining())
+            return self._open_deferred_once(lo, hi, deferred, budget)
+        try:
+            with http.telling_sent(deferred.order.first.set):
+                return self._open_deferred_once(lo, hi, deferred, budget)
+        finally:
+            deferred.order.first.set()  # its attempt is over: the others go, whatever became of it
+
+    def _open_deferred_once(self, lo: int, hi: int, deferred: Deferred, budget: s3.Budget) -> Any:
+        start = deferred.start
         try:
             with s3.carrying(budget):
-                reply = self._open(lo, hi, budget)
+                reply = self._gets.open(lo, hi)
             try:
                 if start > lo:
-                    self._read_reply(reply.body, lo, start, [self._spool_view(lo, start)], budget, False)
+                    self._gets.read(reply.body, lo, start, [self._spool_view(lo, start)], budget, False)
             except BaseException:
                 reply.body.close()
                 raise
             body = reply.body
         except s3.transfer_errors():
             body = None
+            if lo == 0:
+                deferred.order.first.set()  # the first request's attempt is over: the others go
             if start > lo:
                 self._get_range(lo, start)
         self._prefix_in(lo, deferred)
@@ -456,7 +479,7 @@ class RemoteObject:
         got = 0
         if body is not None:
             try:
-                got = self._read_reply(body, lo, hi, views, s3.Budget(self.options))
+                got = self._gets.read(body, lo, hi, views, s3.Budget(self.options))
             except s3.transfer_errors() as e:
                 got = getattr(e, "ckptfmt_got", 0)
         if got < hi - lo:
@@ -545,74 +568,8 @@ class RemoteObject:
         (attempts and deadline)."""
         budget = s3.Budget(self.options)
         self._wait_freed(lo, hi, budget)
-
-        def rest() -> Iterable[memoryview]:
-            if where is None:
-                return [self._spool_view(lo + got, hi)]
-            return where(budget, got)
-
-        what = f"read bytes {lo}-{hi - 1}"
-        got = 0
-        while True:
-            try:
-                got += self._get_once(lo + got, hi, rest, budget)
-                return
-            except s3.transfer_errors() as e:
-                got += getattr(e, "ckptfmt_got", 0)
-                if isinstance(e, CheckpointError):  # an answer refused here: tried again
-                    if not budget.retry():
-                        raise
-                elif not s3.retryable(e) or not budget.retry():
-                    raise s3.translate(e, self.path, what, budget) from s3.cause(e)
-
-    def _get_once(
-        self, lo: int, hi: int, where: Callable[[], Iterable[memoryview]], budget: s3.Budget
-    ) -> int:
-        with s3.carrying(budget):
-            reply = self._open(lo, hi, budget)
-        try:
-            views = where()
-        except BaseException:
-            reply.body.close()
-            raise
-        return self._read_reply(reply.body, lo, hi, views, budget)
-
-    def _open(self, lo: int, hi: int, budget: s3.Budget) -> Any:
-        """The store's answer to a GET of [lo, hi), its head checked (range, version); its body
-        unread."""
-        what = f"read bytes {lo}-{hi - 1}"
-        reply = self._store.get(self.url, (lo, hi), self.etag)
-        expected = f"bytes {lo}-{hi - 1}/{self.size}"
-        if reply.content_range != expected or reply.length != hi - lo:
-            reply.body.close()
-            raise StorageError(
-                f"{what}: the store answered {reply.content_range!r} for {expected!r}", path=self.path
-            )
-        served = self.etag if reply.version is None else reply.version
-        if _tag_value(served) != _tag_value(self.etag):
-            # a store that ignores If-Match (some S3-compatible ones do) serves the new version
-            reply.body.close()
-            raise StorageError(f"{what}: the object changed while it was being read", path=self.path)
-        return reply
-
-    def _read_reply(
-        self, body: Any, lo: int, hi: int, views: Iterable[memoryview], budget: s3.Budget, close: bool = True
-    ) -> int:
-        """Read bytes [lo, hi) of an answer's `body` into `views` within the request's deadline
-        (close: the body closed after); a short or cut body is a StorageError carrying the bytes
-        that came (ckptfmt_got)."""
-        timeout, option = body_deadline(self._timeout, budget)
-        got, cut = read_body(body, views, timeout, close)
-        if got != hi - lo:
-            why = (
-                f"the answer {s3.missed_deadline(timeout, option, f'; {got} of its bytes came')}"
-                if cut
-                else f"the body ended after {got} bytes"
-            )
-            short = StorageError(f"read bytes {lo}-{hi - 1}: {why}", path=self.path)
-            short.ckptfmt_got = got  # type: ignore[attr-defined]
-            raise short
-        return got
+        spooled: Where = lambda _, got: [self._spool_view(lo + got, hi)]  # noqa: E731
+        self._gets.get(lo, hi, where or spooled, budget)
 
     def sha256(self) -> bytes:
         """SHA-256 of the object's whole bytes, fetched window by window (the next one while

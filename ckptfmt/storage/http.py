@@ -8,7 +8,7 @@ import contextlib
 import functools
 import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from ..errors import CheckpointError
@@ -99,6 +99,29 @@ class HeadWatch:
         _sending.watch = None
 
 
+#: what to call once a request this thread sends is written (telling_sent)
+_written = threading.local()
+
+
+@contextlib.contextmanager
+def telling_sent(hook: Callable[[], None]) -> Iterator[None]:
+    """Within the block, `hook` is called on this thread once each request it sends through a
+    watched pool is written (its answer then awaited): a reader that orders its requests
+    sends the next only then (storage/readahead.py's SendOrder)."""
+    earlier = getattr(_written, "hook", None)
+    _written.hook = hook
+    try:
+        yield
+    finally:
+        _written.hook = earlier
+
+
+def _note_written() -> None:
+    hook = getattr(_written, "hook", None)
+    if hook is not None:
+        hook()
+
+
 def _note_sending(conn: Any) -> None:
     watch = getattr(_sending, "watch", None)
     if watch is not None:
@@ -127,6 +150,7 @@ def _watched(connection: type) -> type:
 
         def getresponse(self, *args: Any, **kwargs: Any) -> Any:
             _note_sending(self)
+            _note_written()
             return super().getresponse(*args, **kwargs)
 
     return Watched

@@ -91,31 +91,29 @@ def views_after(views: Sequence[memoryview], skip: int) -> list[memoryview]:
     return out
 
 
-def cut_views(targets: Sequence[tuple[int, memoryview]], lo: int, hi: int) -> list[memoryview]:
-    """The parts of `targets` ((offset, memory), sorted, disjoint) that hold bytes [lo, hi)."""
-    i = max(0, bisect.bisect_right(targets, lo, key=lambda t: t[0]) - 1)
-    out = []
-    for at, view in targets[i:]:
-        if at >= hi:
-            break
-        a, b = max(lo, at), min(hi, at + len(view))
-        if a < b:
-            out.append(view[a - at : b - at])
-    return out
-
-
 def routed(
     r: Range, targets: Sequence[tuple[int, memoryview]], spool: Callable[[int, int], memoryview]
 ) -> tuple[list[memoryview], list[Range]]:
     """Where the bytes of request `r` go, in order: the parts of `targets` ((offset, memory),
-    sorted, disjoint) within it, and `spool`'s memory for the rest, its gaps (returned too)."""
-    i = max(0, bisect.bisect_right(targets, r[0], key=lambda t: t[0]) - 1)
-    inside = []
-    for at, v in targets[i:]:
-        if at >= r[1]:
+    sorted, disjoint) within it, each cut once, and `spool`'s memory for the gaps between
+    them (returned too), made to their size."""
+    lo, hi = r
+    i = max(0, bisect.bisect_right(targets, lo, key=lambda t: t[0]) - 1)
+    views: list[memoryview] = []
+    gaps: list[Range] = []
+    at = lo  # where the bytes placed so far end
+    for start, view in targets[i:]:
+        if start >= hi:
             break
-        if at + len(v) > r[0]:
-            inside.append((at, v))
-    gaps = subtract_ranges([r], merge_ranges([(at, at + len(v)) for at, v in inside]))
-    spooled = [(lo, spool(lo, hi)) for lo, hi in gaps]
-    return cut_views(sorted([*inside, *spooled], key=lambda t: t[0]), *r), gaps
+        a, b = max(lo, start), min(hi, start + len(view))
+        if a >= b:
+            continue
+        if a > at:
+            gaps.append((at, a))
+            views.append(spool(at, a))
+        views.append(view[a - start : b - start])
+        at = b
+    if at < hi:
+        gaps.append((at, hi))
+        views.append(spool(at, hi))
+    return views, gaps

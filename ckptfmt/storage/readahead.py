@@ -4,6 +4,7 @@ the index says where their bytes go, their answers' bodies read once a reader cl
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -17,6 +18,26 @@ class Abandoned(Exception):
     """A deferred request's body no one will read (its object was closed first)."""
 
 
+class SendOrder:
+    """The order the read-ahead wave's requests go out in: its ends first, the tail (footer
+    and index) and the first cell (prologue), which the index waits for; the others once both
+    ends' requests are written (or an end's first attempt failed, or it is over).  Sent all at
+    once, the ends' answers came after most of the others' (bench/store_timeline.py: Azurite
+    answered the first request last in 3 rounds of 5, moto the tail after the cells whose
+    work it shares), and every body waited unread until the index was parsed."""
+
+    def __init__(self) -> None:
+        self.tail = threading.Event()
+        self.first = threading.Event()
+
+    def wait(self, timeout: float) -> None:
+        """Wait until both ends are sent, `timeout` seconds at most (then go on regardless: the
+        order only speeds the load up)."""
+        end = time.monotonic() + timeout
+        for sent in (self.tail, self.first):
+            sent.wait(max(0.0, end - time.monotonic()))
+
+
 class Deferred:
     """A request of the read-ahead wave, sent before anyone knows where its bytes go: its
     answer's body from `start` on is read once claimed (views: where those bytes go, in order;
@@ -24,8 +45,10 @@ class Deferred:
     in.  The bytes before `start` (the prologue, in the first request) go to the spool at
     once: `prefix` ends once they are in (or the request failed)."""
 
-    def __init__(self, start: int) -> None:
+    def __init__(self, start: int, order: SendOrder) -> None:
         self.start = start
+        #: the wave's order: the first request (start > 0: the prologue before it) is an end
+        self.order = order
         self.prefix: Future[None] = Future()
         self.ready = threading.Event()
         self.views: list[memoryview] | None = None
