@@ -413,3 +413,32 @@ def test_a_tool_that_does_not_say_what_its_save_imports_is_refused():
 
     with pytest.raises(NotImplementedError, match="Unprepared does not say what its save imports"):
         Unprepared().prepare()
+
+
+def test_mmap_phases_finds_every_phase_of_a_mapped_load(tmp_path):
+    """bench/mmap_phases.py times a verified mapped load by wrapping the reader's functions by
+    name: each phase of the current code is found (a renamed function would leave its phase out
+    and its time in "the rest"), and the report has both tools' rows and the limit ratio."""
+    import safetensors.torch
+
+    import ckptfmt
+
+    state = {f"w{i}": torch.randn(256, 256) for i in range(4)}
+    ckptfmt.save(state, tmp_path / "s.ckpt")
+    safetensors.torch.save_file(state, str(tmp_path / "s.safetensors"))
+    files = f"{tmp_path / 's.ckpt'},{tmp_path / 's.safetensors'}"
+    cmd = [sys.executable, os.path.join(BENCH, "mmap_phases.py"), "--files", files, "--rounds", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=os.path.join(HERE, ".."))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for phase in (
+        "index: JSON parse",
+        "index: tree check",
+        "engine: records, check started",
+        "engine: waiting for the check",
+        "mapping + tensors",
+        "decode (the objects)",
+        "the rest of the load",
+        "**consumer, pages resident**",
+        "limit ratio by CPU",
+    ):
+        assert phase in done.stdout, phase

@@ -115,6 +115,74 @@ def test_mmap_checks_all_storages_in_one_parallel_call(tmp_path, monkeypatch, th
     )
 
 
+def _mapped_load_events(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record, in order, each thread started ("start NAME") and each tensor made over a mapping
+    ("tensor", torch.frombuffer)."""
+    import threading
+
+    events: list[str] = []
+    start, frombuffer = threading.Thread.start, torch.frombuffer
+
+    def recorded_start(self: threading.Thread) -> None:
+        events.append(f"start {self.name}")
+        start(self)
+
+    def recorded_frombuffer(*args: object, **kwargs: object) -> torch.Tensor:
+        events.append("tensor")
+        return frombuffer(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(threading.Thread, "start", recorded_start)
+    monkeypatch.setattr(torch, "frombuffer", recorded_frombuffer)
+    return events
+
+
+@pytest.mark.skipif(not _native.available(), reason="the C engine checks a mapping beside the caller")
+def test_mmap_builds_the_tensors_while_the_engine_checks_them(tmp_path, monkeypatch):
+    """A verified mapped load starts the engine's check of every chunk on a thread of its own,
+    then builds the tensors over the mapping (which reads none of its pages) while the engine
+    hashes, and waits for the check before returning: the Python work shares the cores with
+    the hashing instead of following it."""
+    import threading
+
+    state = {f"w{i}": torch.randn(4096) for i in range(32)}
+    p = tmp_path / "m.ckpt"
+    ckptfmt.save(state, p, chunk_size=4096)
+    events = _mapped_load_events(monkeypatch)
+    out = ckptfmt.load(p, mmap=True)
+    assert_same(state, out)
+    checks = [i for i, e in enumerate(events) if e == "start ckptfmt-mapped-check"]
+    assert len(checks) == 1 and events.index("tensor") > checks[0], events[:5]
+    assert not any(t.name == "ckptfmt-mapped-check" for t in threading.enumerate())
+
+
+@pytest.mark.skipif(not _native.available(), reason="the C engine checks a mapping beside the caller")
+def test_mmap_load_that_fails_building_tensors_leaves_no_check_running(tmp_path, monkeypatch):
+    """Whatever fails while the tensors are built, the load waits for the engine's check (which
+    holds the mapping) before raising that failure, and a damaged chunk is still refused after."""
+    import threading
+
+    state = {f"w{i}": torch.randn(4096) for i in range(32)}
+    p = tmp_path / "m.ckpt"
+    ckptfmt.save(state, p, chunk_size=4096)
+
+    def fails(*args: object, **kwargs: object) -> torch.Tensor:
+        raise MemoryError("no memory for the tensor")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "frombuffer", fails)
+        with pytest.raises(MemoryError, match="no memory for the tensor"):
+            ckptfmt.load(p, mmap=True)
+    assert not any(t.name == "ckptfmt-mapped-check" for t in threading.enumerate())
+    with ckptfmt.open(p) as r:
+        last = r._file.chunks[-1]
+    data = bytearray(p.read_bytes())
+    data[last.offset] ^= 0x04
+    p.write_bytes(bytes(data))
+    with pytest.raises(ckptfmt.CorruptError) as info:
+        ckptfmt.load(p, mmap=True)
+    assert (info.value.key, info.value.reason) == ("state['w31']", "checksum mismatch")
+
+
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_truncation_while_open_is_incomplete_on_the_fast_path(tmp_path, compression):
     p, _, chunks = _damaged(tmp_path, compression)

@@ -15,11 +15,13 @@ numpy; the methods that place storages import torch and what builds on it when t
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..engine import chunkrecords
 from ..engine import native as _native
 from ..engine.chunkread import ChunkReader, Destination
 from ..engine.ckptdir import CheckpointDir
@@ -465,20 +467,55 @@ class CheckpointFile:
     ) -> dict[int, torch.UntypedStorage]:
         """Storages backed by the file itself (zero-copy), for mappable `sids`.  With `verify`
         every chunk of all of them is checked in one engine call, so that its threads share
-        the whole load, not one storage at a time.  With `made`, a storage whose first tensor
-        spans exactly its bytes is mapped as that tensor instead, put in `made` by node (one
-        call less per tensor; the storage is then that tensor's)."""
-        import torch
-
-        from ..format.dtypes import TORCH_DTYPES
-
+        the whole load, not one storage at a time; the tensors are built meanwhile (building
+        them reads no page) and returned only once the check has passed.  With `made`, a storage
+        whose first tensor spans exactly its bytes is mapped as that tensor instead, put in
+        `made` by node (one call less per tensor; the storage is then that tensor's)."""
         if not sids:
             return {}
         if self._mm is None:
             self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY)
-        if verify:
-            ranges = [(self.storages[sid].first_chunk, self.storages[sid].n_chunks) for sid in sids]
-            self._chunk_reader.check_mapped(self._mm, ranges)
+        wait = self._start_mapped_check(self._mm, sids) if verify else None
+        try:
+            out = self._map_storages(sids, made)
+        except BaseException:
+            if wait is not None:  # no check outlives the load: the failure raised is this one
+                with contextlib.suppress(Exception):
+                    wait()
+            raise
+        if wait is not None:
+            wait()
+        return out
+
+    def _start_mapped_check(self, mm: mmap.mmap, sids: list[int]) -> Callable[[], None]:
+        """Start the check of every chunk of `sids` where it lies in `mm`, the mapping; return what
+        waits for it and raises the chunk reader's error for the first damaged chunk.  With the
+        C engine the check runs beside the caller (chunkrecords.MappedCheck); without it, here."""
+        reader = self._chunk_reader
+        ranges = [(self.storages[sid].first_chunk, self.storages[sid].n_chunks) for sid in sids]
+        if not _native.available():
+            reader.check_mapped(mm, ranges)
+            return lambda: None
+        numbers = [k for first, count in ranges for k in range(first, first + count)]
+        check = chunkrecords.MappedCheck(
+            mm, reader.file_id, numbers, reader.chunks, _native.default_threads()
+        )
+
+        def wait() -> None:
+            status = check.wait()
+            if status is not None:
+                raise reader.native_error(status, [(k, memoryview(b"")) for k in numbers])
+
+        return wait
+
+    def _map_storages(
+        self, sids: list[int], made: dict[int, torch.Tensor] | None
+    ) -> dict[int, torch.UntypedStorage]:
+        """The storages (or, in `made`, first tensors) of `sids` over the mapping, unchecked."""
+        import torch
+
+        from ..format.dtypes import TORCH_DTYPES
+
         out = {}
         nodes = self.tree.nodes
         frombuffer, mm, uint8 = torch.frombuffer, self._mm, torch.uint8
