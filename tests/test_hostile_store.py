@@ -5,6 +5,7 @@ ckptfmt error naming the URL, in bounded time and memory, never wrong data or a 
 
 from __future__ import annotations
 
+import datetime
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -45,6 +46,8 @@ class HostileStore:
         self.uploads: Answer | None = None
         #: every request as (method, path with query), in the order they came
         self.seen: list[tuple[str, str]] = []
+        #: the objects PUT and not deleted since (path: when), which listed_with_puts lists
+        self.puts: dict[str, str] = {}
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -67,7 +70,15 @@ class HostileStore:
 
             def do_DELETE(self) -> None:  # noqa: N802
                 outer.seen.append(("DELETE", self.path))
+                outer.puts.pop(urlsplit(self.path).path, None)
                 _reply(self, 204, {})
+
+            def do_PUT(self) -> None:  # noqa: N802
+                outer.seen.append(("PUT", self.path))
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                now = datetime.datetime.now(datetime.timezone.utc)
+                outer.puts[urlsplit(self.path).path] = now.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+                _reply(self, 200, {"ETag": '"p1"'})
 
             def do_POST(self) -> None:  # noqa: N802
                 outer.seen.append(("POST", self.path))
@@ -97,6 +108,18 @@ class HostileStore:
     def no_uploads(self, h: BaseHTTPRequestHandler) -> None:
         body = b'<?xml version="1.0"?><ListMultipartUploadsResult><IsTruncated>false</IsTruncated></ListMultipartUploadsResult>'
         _reply(h, 200, {"Content-Length": str(len(body)), "Content-Type": "application/xml"}, body)
+
+    def listed_with_puts(self, keys: list[str], modified: str, etag: str) -> Answer:
+        """A listing of `keys` (written at `modified`, as `etag`) and of the objects PUT and not
+        deleted since, as they were written (a cleaner reads the store's clock so: a marker of
+        its own put and listed)."""
+
+        def answer(h: BaseHTTPRequestHandler) -> None:
+            put = [(p.removeprefix("/bucket/"), when) for p, when in self.puts.items()]
+            contents = [(k, modified) for k in keys] + put
+            _listing_of(contents, etag)(h)
+
+        return answer
 
     def deletes(self) -> list[tuple[str, str]]:
         """The requests that delete something (DELETE, and POST ?delete of many keys)."""
@@ -204,9 +227,20 @@ def _listing(
     modified: str | None = None,
     etag: str | None = None,
 ) -> Answer:
-    when = f"<LastModified>{modified}</LastModified>" if modified else ""
-    when += f"<ETag>&quot;{etag}&quot;</ETag>" if etag else ""
-    contents = "".join(f"<Contents><Key>{k}</Key><Size>1</Size>{when}</Contents>" for k in keys)
+    return _listing_of([(k, modified) for k in keys], etag, truncated, token)
+
+
+def _listing_of(
+    keys: list[tuple[str, str | None]], etag: str | None, truncated: bool = False, token: str | None = None
+) -> Answer:
+    """A listing of (key, written at) of `keys`, each as version `etag`."""
+    tag = f"<ETag>&quot;{etag}&quot;</ETag>" if etag else ""
+    contents = "".join(
+        f"<Contents><Key>{k}</Key><Size>1</Size>"
+        + (f"<LastModified>{when}</LastModified>" if when else "")
+        + f"{tag}</Contents>"
+        for k, when in keys
+    )
     more = f"<NextContinuationToken>{token}</NextContinuationToken>" if token else ""
     body = (
         f'<?xml version="1.0"?><ListBucketResult><IsTruncated>{str(truncated).lower()}</IsTruncated>'
@@ -295,13 +329,27 @@ STALE = "2000-01-01T00:00:00.000Z"
 def test_cleanup_keeps_a_step_whose_record_the_listing_left_out(store):
     # the listing names step 1's state but not its COMMIT (a lying or lagging store), all
     # written long ago: a complete step looks like a crashed saver's leftover
-    store.listing = _listing(["run/step-000000001/state.ckpt"], modified=STALE, etag="v1")
+    store.listing = store.listed_with_puts(["run/step-000000001/state.ckpt"], STALE, "v1")
     ObjectRun("s3://bucket/run", store.options).cleanup()
     assert store.deletes() == []
-    # where the record is truly absent, the leftover goes: the versions listed, never a record
+    # where the record is truly absent, the leftover goes once the store's time is proven (a
+    # marker of the cleaner's own put, listed, deleted): the versions listed, never a record
     store.head = lambda h: _reply(h, 404, {}) if h.path.endswith("/COMMIT") else store.honest_head(h)
     ObjectRun("s3://bucket/run", store.options).cleanup()
-    assert store.deletes() == [("DELETE", "/bucket/run/step-000000001/state.ckpt")]
+    deleted = [p for m, p in store.deletes()]
+    assert deleted[-1] == "/bucket/run/step-000000001/state.ckpt"
+    assert all("/ARCHIVING." in p for p in deleted[:-1]) and not store.puts
+
+
+def test_cleanup_deletes_nothing_by_age_where_the_store_proves_no_time(store):
+    # a leftover written long ago, no record; but the listing never shows the marker the
+    # cleaner put to read the store's clock (a lagging or lying listing): no store time is
+    # proven, so nothing is aged, and only the cleaner's own marker is deleted
+    store.head = lambda h: _reply(h, 404, {}) if h.path.endswith("/COMMIT") else store.honest_head(h)
+    store.listing = _listing(["run/step-000000001/state.ckpt"], modified=STALE, etag="v1")
+    ObjectRun("s3://bucket/run", store.options).cleanup()
+    deleted = [p for m, p in store.deletes()]
+    assert len(deleted) == 1 and "/ARCHIVING." in deleted[0] and not store.puts
 
 
 def test_a_save_never_deletes_a_step_whose_record_the_listing_left_out(store):

@@ -422,7 +422,7 @@ class ObjectRun:
         url = self._step_url(step)
         clock = StoreClock(self._step_url, self.options) if clock is None else clock
         found = listing.listed(url, self.options)
-        at = clock.now(step, found.date)
+        at = clock.now(step)
         if has_live_marker(found, older_than, at) or not stale(found, older_than, at):
             return
         listed = [(n, e.version) for n, e in found.items()]
@@ -617,7 +617,7 @@ class ObjectRun:
         found = self.listing() if found is None else found
         began = time.monotonic()
         clock = StoreClock(self._step_url, self.options)
-        dead, live = markers_dead(found, older_than, found.date, clock)
+        dead, live = markers_dead(found, older_than, clock)
         if not dead:
             return []
         statuses = self.statuses(found)

@@ -61,27 +61,26 @@ class StoreClock:
         self._options = options
         self._stamp: StoreStamp | None = None
 
-    def now(self, step: int, date: datetime.datetime | None = None) -> datetime.datetime | None:
-        """The store's time now as proven (proven_store_time; `date`: a listing's Date, taken
-        where earlier), read in step `step`'s prefix if not read yet; None where the reading's
-        listing did not show its marker (nothing is aged then)."""
+    def now(self, step: int) -> datetime.datetime | None:
+        """The store's time now as proven (StoreStamp), read in step `step`'s prefix if not read
+        yet; None where the reading's listing did not show its marker (nothing is aged then).
+        No listing's Date is needed: the stamp is the store's own, and moves on without one."""
         if self._stamp is None:
             self._stamp = read_stamp(self._step_url(step), self._options)
-        return self._stamp.store_time({}, date)
+        return self._stamp.store_time({}, None)
 
 
 def markers_dead(
     found: dict[int, dict[str, Listed]],
     older_than: datetime.timedelta,
-    date: datetime.datetime | None,
     clock: StoreClock,
 ) -> tuple[dict[int, list[str]], set[int]]:
     """The dead markers of a run's listing `found` by step (marker_dead), and the steps holding
     a live one.  A marker not dead by its owner alone but old enough to be dead by the latest
     time the store's could be (latest_store_time) is aged by the store's time proven
-    (`clock`, read once for the run, only where needed; `date`: the listing's Date, taken
-    where earlier): neither this host's clock nor a Date from another clock than the one
-    stamping objects must let a live writer's marker be deleted."""
+    (`clock`, read once for the run, only where needed): neither this host's clock nor a
+    Date from another clock than the one stamping objects must let a live writer's marker be
+    deleted."""
     latest = latest_store_time(objectnames.host_now())
     dead: dict[int, list[str]] = {}
     live: set[int] = set()
@@ -91,7 +90,7 @@ def markers_dead(
                 continue
             gone = marker_dead(name, entry.modified, older_than, None)
             if not gone and marker_dead(name, entry.modified, older_than, latest):
-                gone = marker_dead(name, entry.modified, older_than, clock.now(step, date))
+                gone = marker_dead(name, entry.modified, older_than, clock.now(step))
             if gone:
                 dead.setdefault(step, []).append(name)
             else:
