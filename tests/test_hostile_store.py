@@ -48,6 +48,8 @@ class HostileStore:
         self.seen: list[tuple[str, str]] = []
         #: the objects PUT and not deleted since (path: when), which listed_with_puts lists
         self.puts: dict[str, str] = {}
+        #: how far the store's clock, stamping what is PUT, is behind this host's
+        self.behind = datetime.timedelta(0)
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -76,8 +78,7 @@ class HostileStore:
             def do_PUT(self) -> None:  # noqa: N802
                 outer.seen.append(("PUT", self.path))
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                now = datetime.datetime.now(datetime.timezone.utc)
-                outer.puts[urlsplit(self.path).path] = now.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+                outer.puts[urlsplit(self.path).path] = _stamp(outer.now())
                 _reply(self, 200, {"ETag": '"p1"'})
 
             def do_POST(self) -> None:  # noqa: N802
@@ -108,6 +109,10 @@ class HostileStore:
     def no_uploads(self, h: BaseHTTPRequestHandler) -> None:
         body = b'<?xml version="1.0"?><ListMultipartUploadsResult><IsTruncated>false</IsTruncated></ListMultipartUploadsResult>'
         _reply(h, 200, {"Content-Length": str(len(body)), "Content-Type": "application/xml"}, body)
+
+    def now(self) -> datetime.datetime:
+        """The store's clock."""
+        return datetime.datetime.now(datetime.timezone.utc) - self.behind
 
     def listed_with_puts(self, keys: list[str], modified: str, etag: str) -> Answer:
         """A listing of `keys` (written at `modified`, as `etag`) and of the objects PUT and not
@@ -218,6 +223,11 @@ def test_an_empty_object_is_not_a_checkpoint(store):
     store.data = b""
     with pytest.raises(CheckpointError):
         ckptfmt.load(URL, storage_options=store.options)
+
+
+def _stamp(when: datetime.datetime) -> str:
+    """`when` as S3 writes a time in an answer's XML body."""
+    return when.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
 
 
 def _listing(
@@ -350,6 +360,38 @@ def test_cleanup_deletes_nothing_by_age_where_the_store_proves_no_time(store):
     ObjectRun("s3://bucket/run", store.options).cleanup()
     deleted = [p for m, p in store.deletes()]
     assert len(deleted) == 1 and "/ARCHIVING." in deleted[0] and not store.puts
+
+
+def test_a_pass_on_a_host_whose_clock_is_ahead_aborts_only_uploads_begun_before_it(store):
+    # a copy that died in step 2 (its marker this process's, no longer in use) left an upload
+    # begun a minute ago; a newcomer's upload there began just now, after the pass listed the
+    # prefix.  An archive pass on a host whose clock is 25 hours ahead of the store's removes
+    # the prefix and aborts the first upload only: uploads' starts, stamped by the store, are
+    # compared with the pass's start by the store's clock (a marker of the pass's own), not
+    # by this host's, by which both began long before the pass
+    from ckptfmt.runs.objectnames import copy_marker
+
+    store.behind = datetime.timedelta(hours=25)
+
+    step = "run/step-000000002"
+    store.head = lambda h: _reply(h, 404, {}) if h.path.endswith("/COMMIT") else store.honest_head(h)
+    store.listing = store.listed_with_puts([f"{step}/{copy_marker()}", f"{step}/state.ckpt"], STALE, "v1")
+
+    def uploads(h: BaseHTTPRequestHandler) -> None:
+        now = store.now()
+        began = {"dead": now - datetime.timedelta(minutes=1), "newcomer": now}
+        ups = "".join(
+            f"<Upload><Key>{step}/state.ckpt</Key><UploadId>{who}</UploadId>"
+            f"<Initiated>{_stamp(when)}</Initiated></Upload>"
+            for who, when in began.items()
+        )
+        body = f'<?xml version="1.0"?><ListMultipartUploadsResult>{ups}</ListMultipartUploadsResult>'.encode()
+        _reply(h, 200, {"Content-Length": str(len(body)), "Content-Type": "application/xml"}, body)
+
+    store.uploads = uploads
+    assert ObjectRun("s3://bucket/run", store.options).remove_interrupted_copies() == [2]
+    aborted = [p for m, p in store.deletes() if "uploadId=" in p]
+    assert len(aborted) == 1 and "uploadId=dead" in aborted[0], aborted
 
 
 def test_a_save_never_deletes_a_step_whose_record_the_listing_left_out(store):

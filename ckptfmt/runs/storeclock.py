@@ -27,6 +27,10 @@ from .objectnames import (
     marker_dead,
 )
 
+#: seconds a store's time (a Last-Modified, an upload's start) may be cut down by: S3 lists
+#: them in whole seconds
+STAMP_ROUNDING = 1.0
+
 
 def read_stamp(url: ObjectURL, options: dict[str, object]) -> StoreStamp:
     """The store's clock as proven now (StoreStamp): a copy marker of this process put into the
@@ -109,10 +113,11 @@ def abort_uploads_begun_before(
     just removed) begun before monotonic time `began` (the cleaner's start) by the store's
     clock, `at` (now, proven: StoreClock): a newcomer's uploads begun since stay.  The store
     stamps when an upload began and the bound is an age by this host's clock, so it is moved
-    by how far this host's is ahead of the store's; where no store time is proven (None),
-    none is aborted (they go with a later cleanup's stale uploads)."""
+    by how far this host's is ahead of the store's, and by a second more (a store's times
+    may be whole seconds, cut down); where no store time is proven (None), none is aborted
+    (they go with a later cleanup's stale uploads)."""
     if at is None:
         return
     ahead = objectnames.host_now() - at  # negative where this host's clock is behind
-    since = datetime.timedelta(seconds=time.monotonic() - began) + ahead
+    since = datetime.timedelta(seconds=time.monotonic() - began + STAMP_ROUNDING) + ahead
     listing.abort_stale_uploads(url, options, since, ours)
