@@ -257,16 +257,11 @@ def has_live_marker(
     return any(kind(n) and not marker_dead(n, e.modified, older_than, at) for n, e in listed.items())
 
 
-def newest_written(listed: dict[str, Listed]) -> datetime.datetime | None:
-    """The time the newest object of `listed` was written, as the store lists it (None where it
-    lists none)."""
-    return max((e.modified for e in listed.values() if e.modified is not None), default=None)
-
-
 def stale(listed: dict[str, Listed], older_than: datetime.timedelta, at: datetime.datetime | None) -> bool:
     """Whether every object of `listed` (a step's prefix) was written more than `older_than`
-    before the store's time `at` (None: nothing is stale): a live saver writes more often."""
-    newest = newest_written(listed)
+    before the store's time `at` (None: nothing is stale), as the store lists them (one
+    listed without a time, or none listed: not stale): a live saver writes more often."""
+    newest = max((e.modified for e in listed.values() if e.modified is not None), default=None)
     return newest is not None and at is not None and at - newest > older_than
 
 
