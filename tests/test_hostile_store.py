@@ -6,6 +6,7 @@ ckptfmt error naming the URL, in bounded time and memory, never wrong data or a 
 from __future__ import annotations
 
 import datetime
+import email.utils
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -55,6 +56,9 @@ class HostileStore:
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: object) -> None:
                 pass
+
+            def date_time_string(self, timestamp: float | None = None) -> str:
+                return email.utils.format_datetime(outer.now(), usegmt=True)  # the store's clock
 
             def do_HEAD(self) -> None:  # noqa: N802 - http.server's names
                 outer.seen.append(("HEAD", self.path))
@@ -377,21 +381,27 @@ def test_a_pass_on_a_host_whose_clock_is_ahead_aborts_only_uploads_begun_before_
     store.head = lambda h: _reply(h, 404, {}) if h.path.endswith("/COMMIT") else store.honest_head(h)
     store.listing = store.listed_with_puts([f"{step}/{copy_marker()}", f"{step}/state.ckpt"], STALE, "v1")
 
-    def uploads(h: BaseHTTPRequestHandler) -> None:
-        now = store.now()
-        began = {"dead": now - datetime.timedelta(minutes=1), "newcomer": now}
-        ups = "".join(
-            f"<Upload><Key>{step}/state.ckpt</Key><UploadId>{who}</UploadId>"
-            f"<Initiated>{_stamp(when)}</Initiated></Upload>"
-            for who, when in began.items()
-        )
-        body = f'<?xml version="1.0"?><ListMultipartUploadsResult>{ups}</ListMultipartUploadsResult>'.encode()
-        _reply(h, 200, {"Content-Length": str(len(body)), "Content-Type": "application/xml"}, body)
-
-    store.uploads = uploads
+    ago = {"dead": datetime.timedelta(minutes=1), "newcomer": datetime.timedelta(0)}
+    store.uploads = _uploads_begun(store, f"{step}/state.ckpt", ago)
     assert ObjectRun("s3://bucket/run", store.options).remove_interrupted_copies() == [2]
     aborted = [p for m, p in store.deletes() if "uploadId=" in p]
     assert len(aborted) == 1 and "uploadId=dead" in aborted[0], aborted
+
+
+def test_a_cleanup_on_a_host_whose_clock_is_ahead_aborts_no_live_saver_upload(store):
+    # a saver on another host began a multipart upload a minute ago, a crashed one two days
+    # ago, by the store's clock, which is 25 hours behind this host's (its Date too): by this
+    # host's clock both are past the cleanup's bound of 24 hours; by the store's time, which a
+    # marker of the cleaner's own proves, only the crashed saver's upload is, and only it goes
+    store.behind = datetime.timedelta(hours=25)
+    store.listing = store.listed_with_puts([], STALE, "v1")
+
+    ago = {"crashed": datetime.timedelta(days=2), "live": datetime.timedelta(minutes=1)}
+    store.uploads = _uploads_begun(store, "run/step-000000002/state.ckpt", ago)
+    ObjectRun("s3://bucket/run", store.options).cleanup()
+    aborted = [p for m, p in store.deletes() if "uploadId=" in p]
+    assert len(aborted) == 1 and "uploadId=crashed" in aborted[0], aborted
+    assert not store.puts  # the cleaner's marker is gone
 
 
 def test_a_save_never_deletes_a_step_whose_record_the_listing_left_out(store):
@@ -478,6 +488,22 @@ def test_an_unreadable_header_in_a_ranged_answer_is_a_storage_error(store):
     with pytest.raises(StorageError) as e:
         ckptfmt.load(URL, storage_options=store.options)
     assert URL in str(e.value)
+
+
+def _uploads_begun(store: HostileStore, key: str, ago: dict[str, datetime.timedelta]) -> Answer:
+    """A ListMultipartUploads answer naming uploads of `key`, by id, each begun as long `ago` by
+    the store's clock as it answers."""
+
+    def answer(h: BaseHTTPRequestHandler) -> None:
+        now = store.now()
+        ups = "".join(
+            f"<Upload><Key>{key}</Key><UploadId>{who}</UploadId><Initiated>{_stamp(now - t)}</Initiated></Upload>"
+            for who, t in ago.items()
+        )
+        body = f'<?xml version="1.0"?><ListMultipartUploadsResult>{ups}</ListMultipartUploadsResult>'.encode()
+        _reply(h, 200, {"Content-Length": str(len(body)), "Content-Type": "application/xml"}, body)
+
+    return answer
 
 
 def _uploads(keys: list[str], next_marker: str | None = None) -> Answer:

@@ -58,7 +58,7 @@ from .objectnames import (
 from .stepcheck import verify_objects
 from .stepplace import StepPlace
 from .steps import CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
-from .storeclock import StoreClock, abort_uploads_begun_before, markers_dead
+from .storeclock import StoreClock, abort_stale_uploads, abort_uploads_begun_before, markers_dead
 
 #: the commit records latest() and a resume read at most, newest first (spec 13.7): each is a
 #: GET, and a run whose newest steps are this many damaged ones needs a person anyway
@@ -653,17 +653,20 @@ class ObjectRun:
         return removed
 
     def cleanup(self, older_than: datetime.timedelta = STALE_AFTER, found: RunListing | None = None) -> None:
-        """Abort multipart uploads of crashed savers and delete commit-less steps whose newest
-        object is older than `older_than` (a live saver writes more often than that) by the
-        store's time, proven (StoreClock: read once, only where a step that no record refers
+        """Abort multipart uploads of crashed savers (storeclock.abort_stale_uploads) and delete
+        commit-less steps whose newest object is older than `older_than` (a live saver writes
+        more often than that), both by the store's time, proven (StoreClock: read once, only where a step that no record refers
         to looks that old by the latest time the store's could be), never this host's, which
         may be ahead of it by more than the bound: another host's live saver keeps its step.
         `found`: the run's listing to go by (None: listed here); one a little old serves, as
         a step is deleted only by a HEAD's word and the versions then listed."""
-        listing.abort_stale_uploads(self.url, self.options, older_than, in_a_step)
         found = self.listing() if found is None else found
-        latest = latest_store_time(objectnames.host_now())  # young by it: young by the store's
         clock = StoreClock(self._step_url, self.options)
+        newest = max(found, default=0)  # where the clock is read for the uploads, if at all
+        abort_stale_uploads(
+            self.url, self.options, in_a_step, older_than, found.date, lambda: clock.now(newest)
+        )
+        latest = latest_store_time(objectnames.host_now())  # young by it: young by the store's
         referenced: set[str] | None = None  # read only when a step is stale: it costs a GET a step
         below = -1  # steps older than an unread one may hold what it refers to: never deleted
         for step, names in sorted(found.items()):

@@ -19,6 +19,7 @@ from ..storage.upload import upload_bytes
 from ..storage.urls import ObjectURL
 from . import objectnames
 from .objectnames import (
+    STORE_AHEAD_AT_MOST,
     StoreStamp,
     claiming,
     copy_marker,
@@ -100,6 +101,32 @@ def markers_dead(
             else:
                 live.add(step)
     return dead, live
+
+
+def abort_stale_uploads(
+    url: ObjectURL,
+    options: dict[str, object],
+    ours: Callable[[str], bool],
+    older_than: datetime.timedelta,
+    date: datetime.datetime | None,
+    clock: Callable[[], datetime.datetime | None],
+) -> None:
+    """Abort the uploads beneath `url` whose key relative to it is `ours` begun more than
+    `older_than` ago by the store's clock (savers that crashed).  The store stamps when an
+    upload began and the bound is an age by this host's clock, so it is moved by how far this
+    host's may be ahead of the store's: STORE_AHEAD_AT_MOST where the listing's Date, `date`,
+    shows it no further ahead (no request made), else as far as the store's time proven,
+    `clock()` (StoreClock.now), shows it, and a second more for the store's rounding; none
+    is aborted where no store time is proven.  A host whose clock runs a day ahead so aborts
+    no live saver's upload."""
+    host = objectnames.host_now()
+    margin = datetime.timedelta(seconds=STORE_AHEAD_AT_MOST)
+    if date is None or host - date > margin:
+        at = clock()
+        if at is None:
+            return
+        margin = max(host - at, datetime.timedelta(0)) + datetime.timedelta(seconds=STAMP_ROUNDING)
+    listing.abort_stale_uploads(url, options, older_than + margin, ours)
 
 
 def abort_uploads_begun_before(
