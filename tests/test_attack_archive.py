@@ -7,6 +7,7 @@ completes."""
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
 import warnings
@@ -284,9 +285,9 @@ def test_another_hosts_sweep_marker_is_dead_past_the_sweeps_bound():
     now = datetime.datetime.now(datetime.timezone.utc)
     suffix = _foreign_marker()[len(COPY_MARKER) :]
     young, old = (now - datetime.timedelta(seconds=SWEEP_WAIT + d) for d in (-60, 60))
-    assert not marker_dead(SWEEP_MARKER + suffix, young, now, datetime.timedelta(0), now)
-    assert marker_dead(SWEEP_MARKER + suffix, old, now, datetime.timedelta(0), now)
-    assert not marker_dead(COPY_MARKER + suffix, old, now, datetime.timedelta(0))
+    assert not marker_dead(SWEEP_MARKER + suffix, young, datetime.timedelta(0), now)
+    assert marker_dead(SWEEP_MARKER + suffix, old, datetime.timedelta(0), now)
+    assert not marker_dead(COPY_MARKER + suffix, old, datetime.timedelta(0), now)
 
 
 def test_a_cleaner_with_a_short_bound_keeps_a_copy_under_way_on_another_host(s3_bucket):
@@ -523,19 +524,14 @@ def test_a_sweep_whose_delete_raises_a_limit_error_keeps_its_marker(tmp_path, s3
 
 
 def _clock_ahead(monkeypatch, minutes: float) -> None:
-    """objectrun's wall clock `minutes` ahead of the store's (a host whose clock is off)."""
+    """This host's wall clock, as ckptfmt's runs on a store read it (objectnames.host_now),
+    `minutes` ahead of the store's (a host whose clock is off)."""
     import datetime
-    import types
 
-    from ckptfmt.runs import objectrun
+    from ckptfmt.runs import objectnames
 
-    class Ahead(datetime.datetime):
-        @classmethod
-        def now(cls, tz=None):
-            return datetime.datetime.now(tz) + datetime.timedelta(minutes=minutes)
-
-    shim = types.SimpleNamespace(datetime=Ahead, timezone=datetime.timezone, timedelta=datetime.timedelta)
-    monkeypatch.setattr(objectrun, "datetime", shim)
+    real = objectnames.host_now
+    monkeypatch.setattr(objectnames, "host_now", lambda: real() + datetime.timedelta(minutes=minutes))
 
 
 def _foreign_sweep_marker() -> str:
@@ -555,23 +551,25 @@ def _archived_beside_a_sweep(tmp_path, s3_faults):
     return run, second
 
 
+@pytest.mark.parametrize("minutes", [16, 25 * 60], ids=["16-minutes", "25-hours"])
 @pytest.mark.parametrize("date_ahead", [False, True], ids=["date", "date-ahead"])
 def test_a_copy_on_a_host_whose_clock_is_ahead_waits_for_another_hosts_live_sweep(
-    tmp_path, s3_faults, monkeypatch, date_ahead
+    tmp_path, s3_faults, monkeypatch, date_ahead, minutes
 ):
     """Step 1 is archived; a sweep on another host has just put its marker there.  Step 2's copy
-    runs on a host whose clock is 16 minutes ahead of the store's (past SWEEP_WAIT): the sweep's
-    marker is aged by the store's clock, so the copy waits for it (lists step 1's prefix again
-    and again, until its wait, made 2 s here, ends) rather than take it for a dead one and
-    look for the object the sweep may be deleting.  date-ahead: behind a gateway whose Date is
-    16 minutes ahead of the clock stamping Last-Modified (by that Date the marker is past
-    SWEEP_WAIT): the copy ages it by the time its own marker's Last-Modified proves."""
+    runs on a host whose clock is 16 minutes (past SWEEP_WAIT), or 25 hours (past STALE_AFTER),
+    ahead of the store's: the sweep's marker is aged by the store's clock, so the copy waits
+    for it (lists step 1's prefix again and again, until its wait, made 2 s here, ends) rather
+    than take it for a dead one and look for the object the sweep may be deleting.
+    date-ahead: behind a gateway whose Date is as far ahead of the clock stamping
+    Last-Modified (by that Date the marker is past SWEEP_WAIT): the copy ages it by the time
+    its own marker's Last-Modified proves."""
     from ckptfmt.runs import objectrun
 
     run, second = _archived_beside_a_sweep(tmp_path, s3_faults)
-    _clock_ahead(monkeypatch, 16)
+    _clock_ahead(monkeypatch, minutes)
     if date_ahead:
-        _date_ahead(monkeypatch, 16)
+        _date_ahead(monkeypatch, minutes)
     monkeypatch.setattr(objectrun, "SWEEP_WAIT", 2.0)
     s3_faults.clear_counts()
     archivecopy.put_step(run, 2, second.path, claim=copy_marker())
@@ -598,10 +596,10 @@ def _date_ahead(monkeypatch, minutes: float) -> None:
 def test_a_date_from_another_clock_makes_no_live_sweep_marker_dead_for_a_copy():
     """A sweep's marker written 250 s ago by the clock stamping Last-Modified (the sweep may
     still be deleting); this host's clock 960 s ahead of that one, the listing's Date 700 s
-    ahead of it.  By the Date alone the marker is 950 s old, dead (past SWEEP_WAIT): the copy
-    would adopt an object the sweep then deletes.  By the time the copy's own marker proves
-    (its Last-Modified, put 2 s ago, moved on by this process's monotonic clock) it is about
-    252 s old: live."""
+    ahead of it.  By the Date alone the marker is 950 s old, dead (past SWEEP_WAIT), and by
+    this host's clock older still: the copy would adopt an object the sweep then deletes.  By
+    the time the copy's own marker proves (its Last-Modified, put 2 s ago, moved on by this
+    process's monotonic clock) it is about 252 s old: live."""
     import datetime
 
     from ckptfmt.runs.objectnames import (
@@ -609,7 +607,6 @@ def test_a_date_from_another_clock_makes_no_live_sweep_marker_dead_for_a_copy():
         has_live_marker,
         is_sweep_marker,
         proven_store_time,
-        store_time,
     )
     from ckptfmt.storage.listing import Listed
 
@@ -620,14 +617,13 @@ def test_a_date_from_another_clock_makes_no_live_sweep_marker_dead_for_a_copy():
         sweep: Listed(0, store - datetime.timedelta(seconds=250), '"s"'),
         copy: Listed(0, store - datetime.timedelta(seconds=2), '"c"'),
     }
-    dated = store_time(date, listed.values(), host_now)
-    assert dated == date
-    assert not has_live_marker(listed, host_now, datetime.timedelta(0), dated, is_sweep_marker)
+    for unproven in (date, host_now):
+        assert not has_live_marker(listed, datetime.timedelta(0), unproven, is_sweep_marker)
     stamp = StoreStamp(copy, time.monotonic())
     own = stamp.now(listed, host_now)
     proven = proven_store_time(date, own, host_now)
     assert proven is not None and proven < store + datetime.timedelta(seconds=60)
-    assert has_live_marker(listed, host_now, datetime.timedelta(0), proven, is_sweep_marker)
+    assert has_live_marker(listed, datetime.timedelta(0), proven, is_sweep_marker)
     assert stamp.now({}, host_now) is not None  # kept from the listing that showed it
     assert StoreStamp(copy, time.monotonic()).now({}, host_now) is None  # never shown: nothing proven
     assert proven_store_time(date, None, host_now) is None
@@ -654,26 +650,27 @@ def test_a_copys_wait_for_a_killed_sweep_moves_on_without_a_date(tmp_path, s3_fa
     _assert_step_2_loads(run)
 
 
+@pytest.mark.parametrize("minutes", [16, 25 * 60], ids=["16-minutes", "25-hours"])
 @pytest.mark.parametrize("dated", ["date", "no-date", "date-ahead"])
 def test_a_cleaner_on_a_host_whose_clock_is_ahead_keeps_another_hosts_live_sweep_marker(
-    tmp_path, s3_faults, monkeypatch, dated
+    tmp_path, s3_faults, monkeypatch, dated, minutes
 ):
     """A sweep on another host has just put its marker into complete step 1; an archive pass's
-    remove_interrupted_copies runs on a host whose clock is 16 minutes ahead of the store's: the
-    marker is aged by the store's clock (the Date of the listing's answer; where the store sends
-    none, the run's newest object), so it is live and stays (a copy coming next must find it
-    and wait for that sweep).  date-ahead: a gateway's Date 16 minutes ahead of the clock
-    stamping Last-Modified; the time a marker of the cleaner's own proves keeps it live."""
+    remove_interrupted_copies runs on a host whose clock is 16 minutes (past SWEEP_WAIT), or 25
+    hours (past STALE_AFTER), ahead of the store's: the marker is aged by the store's clock as
+    a marker of the cleaner's own proves it, so it is live and stays (a copy coming next must
+    find it and wait for that sweep).  no-date: the store sends no Date; date-ahead: a
+    gateway's Date as far ahead of the clock stamping Last-Modified as this host's clock."""
     run, first, _second = _incremental_steps(tmp_path, s3_faults)
     archivecopy.put_step(run, 1, first.path, claim=copy_marker())
     marker = _foreign_sweep_marker()
     s3_faults.client().put_object(Bucket=run.url.bucket, Key=f"run/step-000000001/{marker}", Body=b"")
-    _clock_ahead(monkeypatch, 16)
+    _clock_ahead(monkeypatch, minutes)
     if dated == "no-date":
         s3_faults.drop_header("GET", "prefix=run%2F", "date")
         assert run.listing().date is None
     if dated == "date-ahead":
-        _date_ahead(monkeypatch, 16)
+        _date_ahead(monkeypatch, minutes)
     run.remove_interrupted_copies()
     assert marker in _step_keys(run, 1)
 
@@ -700,13 +697,15 @@ def test_a_killed_sweeps_marker_in_an_idle_run_ages_by_the_stores_clock(tmp_path
     assert _step_keys(run, 1) == {p.name for p in run.record(1).files} | {"COMMIT"}
 
 
-def test_a_store_time_that_is_absurd_or_no_date_makes_no_live_sweep_marker_dead():
-    """The store's time by which sweep markers are aged (store_time): a Date that does not parse
-    is none; one (or a Last-Modified) more than STORE_AHEAD_AT_MOST ahead of this host's clock
-    is not believed, the listed times standing in; a marker just written stays live by each."""
+def test_a_store_time_that_is_absurd_makes_no_live_sweep_marker_dead():
+    """The store's time by which markers are aged (proven_store_time): a Date that does not
+    parse is none; one more than STORE_AHEAD_AT_MOST ahead of this host's clock is not
+    believed, the proven time standing; a Last-Modified of ckptfmt's own marker that far
+    ahead (forged) is taken as STORE_AHEAD_AT_MOST ahead at most; a marker just written stays
+    live by each."""
     import datetime
 
-    from ckptfmt.runs.objectnames import STORE_AHEAD_AT_MOST, marker_dead, store_time
+    from ckptfmt.runs.objectnames import STORE_AHEAD_AT_MOST, StoreStamp, marker_dead, proven_store_time
     from ckptfmt.storage.listing import Listed, http_date
 
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -716,13 +715,16 @@ def test_a_store_time_that_is_absurd_or_no_date_makes_no_live_sweep_marker_dead(
     far = http_date("Fri, 31 Dec 9999 23:59:59 GMT")
     assert far is not None and far.year == 9999
     ahead = now + datetime.timedelta(seconds=STORE_AHEAD_AT_MOST + 60)
+    own = StoreStamp("ARCHIVING.mine", time.monotonic()).now({"ARCHIVING.mine": marker}, now)
     for date in (None, far, ahead):
-        assert store_time(date, [marker], now) == marker.modified  # the listed time stands in
-    forged = Listed(0, ahead, '"x"')  # another object's absurd Last-Modified is no clock either
-    assert store_time(None, [marker, forged], now) == marker.modified
-    assert store_time(now, [marker], now) == now  # a believable Date is the store's time
-    store_now = store_time(far, [marker, forged], now)
-    assert not marker_dead(_foreign_sweep_marker(), marker.modified, now, datetime.timedelta(0), store_now)
+        assert proven_store_time(date, own, now) == own  # the proven time stands
+    assert proven_store_time(now - datetime.timedelta(seconds=5), own, now) < own  # earlier: taken
+    for forged in (far, ahead):
+        stamp = StoreStamp("ARCHIVING.mine", time.monotonic())
+        at = stamp.now({"ARCHIVING.mine": Listed(0, forged, '"x"')}, now)
+        assert at is not None and at <= now + datetime.timedelta(seconds=STORE_AHEAD_AT_MOST + 5)
+        assert not marker_dead(_foreign_sweep_marker(), marker.modified, datetime.timedelta(0), at)
+        assert not marker_dead(_foreign_marker(), marker.modified, datetime.timedelta(0), at)
 
 
 def test_a_sweeps_deletes_have_a_deadline_that_leaves_it_time_to_delete(monkeypatch):
@@ -762,4 +764,65 @@ def test_a_clock_reading_whose_put_answer_is_lost_leaves_no_marker(tmp_path, s3_
     with pytest.raises(ckptfmt.CheckpointError):
         storeclock.read_stamp(run._step_url(1), run.options)
     assert s3_faults.count("PUT", "ARCHIVING.") == 2
+    assert _step_keys(run, 1) == before
+
+
+def test_a_cleanup_on_a_host_whose_clock_is_ahead_keeps_another_hosts_live_save(store, monkeypatch):
+    """A saver on another host is uploading step 2 (its state object is up, its record yet to
+    come); a save of step 3 on a host whose clock is 25 hours ahead of the store's cleans the
+    run up first.  By this host's clock the step's newest object is older than STALE_AFTER; by
+    the store's time, which a marker of the cleaner's own proves, it is seconds old: the step
+    stays whole.  A leftover that is old by the store's time still goes (a bound of 1 s), and
+    the cleaner's reading of the clock leaves nothing behind."""
+    from ckptfmt.storage.upload import upload_bytes
+
+    base, options = store
+    url = f"{base}/run"
+    ckptfmt.CheckpointManager(url, storage_options=options).save(1, {"w": torch.full((5000,), 1.0)})
+    upload_bytes(b"a live save's state", f"{url}/step-000000002/state.ckpt", options)
+    _clock_ahead(monkeypatch, 25 * 60)
+    ckptfmt.CheckpointManager(url, storage_options=options).save(3, {"w": torch.full((5000,), 3.0)})
+    run = ObjectRun(url, options)
+    assert _step_keys(run, 2) == {"state.ckpt"}
+    time.sleep(2.1)  # older than the bound below by the store's clock, whatever its resolution
+    run.cleanup(datetime.timedelta(seconds=1))
+    assert set(run.listing()) == {1, 3}
+
+
+def test_a_cleaner_on_a_host_whose_clock_is_ahead_keeps_another_hosts_live_copy(store, monkeypatch):
+    """Another host's archiver is copying step 2 (its copy marker and a file are up, its record
+    yet to come); the cleaner's clock is 25 hours ahead of the store's, so by it the marker is
+    past STALE_AFTER.  Neither cleanup (a bound of 0 s) nor remove_interrupted_copies (an
+    archive pass) takes it for a dead copy's: both age it by the store's time, proven, and the
+    step stays whole."""
+    from ckptfmt.storage.upload import upload_bytes
+
+    base, options = store
+    url = f"{base}/run"
+    ckptfmt.CheckpointManager(url, storage_options=options).save(1, {"w": torch.full((5000,), 1.0)})
+    for name in (_foreign_marker(), "state.ckpt"):
+        upload_bytes(b"x", f"{url}/step-000000002/{name}", options)
+    _clock_ahead(monkeypatch, 25 * 60)
+    run = ObjectRun(url, options)
+    time.sleep(1.1)  # older than the cleanup's bound by the store's clock, whatever its resolution
+    run.cleanup(datetime.timedelta(0))
+    assert run.remove_interrupted_copies() == []
+    assert _step_keys(run, 2) == {_foreign_marker(), "state.ckpt"}
+
+
+def test_a_sweep_on_a_host_whose_clock_is_ahead_keeps_what_a_live_copy_uploads(
+    tmp_path, s3_faults, monkeypatch
+):
+    """Step 1 is complete; another host's archiver has its copy marker in step 1's prefix and an
+    object of its own name there (one its later step may refer to).  A sweep of step 1 on a
+    host whose clock is 25 hours ahead of the store's must not take that copy for a dead one:
+    it ages the marker by the store's time its own sweep marker proves, and deletes nothing."""
+    run, first, _second = _incremental_steps(tmp_path, s3_faults)
+    archivecopy.put_step(run, 1, first.path, claim=copy_marker())
+    client = s3_faults.client()
+    for name in (_foreign_marker(), "state.0123456789abcdef.ckpt"):
+        client.put_object(Bucket=run.url.bucket, Key=f"run/step-000000001/{name}", Body=b"x")
+    before = _step_keys(run, 1)
+    _clock_ahead(monkeypatch, 25 * 60)
+    assert run.sweep_step(1, run.record(1)) is False
     assert _step_keys(run, 1) == before

@@ -5,6 +5,8 @@ ckptfmt error naming the URL, in bounded time and memory, never wrong data or a 
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -45,11 +47,18 @@ class HostileStore:
         self.uploads: Answer | None = None
         #: every request as (method, path with query), in the order they came
         self.seen: list[tuple[str, str]] = []
+        #: the objects PUT and not deleted since (path: when), which listed_with_puts lists
+        self.puts: dict[str, str] = {}
+        #: how far the store's clock, stamping what is PUT, is behind this host's
+        self.behind = datetime.timedelta(0)
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args: object) -> None:
                 pass
+
+            def date_time_string(self, timestamp: float | None = None) -> str:
+                return email.utils.format_datetime(outer.now(), usegmt=True)  # the store's clock
 
             def do_HEAD(self) -> None:  # noqa: N802 - http.server's names
                 outer.seen.append(("HEAD", self.path))
@@ -67,7 +76,14 @@ class HostileStore:
 
             def do_DELETE(self) -> None:  # noqa: N802
                 outer.seen.append(("DELETE", self.path))
+                outer.puts.pop(urlsplit(self.path).path, None)
                 _reply(self, 204, {})
+
+            def do_PUT(self) -> None:  # noqa: N802
+                outer.seen.append(("PUT", self.path))
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.puts[urlsplit(self.path).path] = _stamp(outer.now())
+                _reply(self, 200, {"ETag": '"p1"'})
 
             def do_POST(self) -> None:  # noqa: N802
                 outer.seen.append(("POST", self.path))
@@ -97,6 +113,22 @@ class HostileStore:
     def no_uploads(self, h: BaseHTTPRequestHandler) -> None:
         body = b'<?xml version="1.0"?><ListMultipartUploadsResult><IsTruncated>false</IsTruncated></ListMultipartUploadsResult>'
         _reply(h, 200, {"Content-Length": str(len(body)), "Content-Type": "application/xml"}, body)
+
+    def now(self) -> datetime.datetime:
+        """The store's clock."""
+        return datetime.datetime.now(datetime.timezone.utc) - self.behind
+
+    def listed_with_puts(self, keys: list[str], modified: str, etag: str) -> Answer:
+        """A listing of `keys` (written at `modified`, as `etag`) and of the objects PUT and not
+        deleted since, as they were written (a cleaner reads the store's clock so: a marker of
+        its own put and listed)."""
+
+        def answer(h: BaseHTTPRequestHandler) -> None:
+            put = [(p.removeprefix("/bucket/"), when) for p, when in self.puts.items()]
+            contents = [(k, modified) for k in keys] + put
+            _listing_of(contents, etag)(h)
+
+        return answer
 
     def deletes(self) -> list[tuple[str, str]]:
         """The requests that delete something (DELETE, and POST ?delete of many keys)."""
@@ -197,6 +229,11 @@ def test_an_empty_object_is_not_a_checkpoint(store):
         ckptfmt.load(URL, storage_options=store.options)
 
 
+def _stamp(when: datetime.datetime) -> str:
+    """`when` as S3 writes a time in an answer's XML body."""
+    return when.strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+
+
 def _listing(
     keys: list[str],
     truncated: bool = False,
@@ -204,9 +241,20 @@ def _listing(
     modified: str | None = None,
     etag: str | None = None,
 ) -> Answer:
-    when = f"<LastModified>{modified}</LastModified>" if modified else ""
-    when += f"<ETag>&quot;{etag}&quot;</ETag>" if etag else ""
-    contents = "".join(f"<Contents><Key>{k}</Key><Size>1</Size>{when}</Contents>" for k in keys)
+    return _listing_of([(k, modified) for k in keys], etag, truncated, token)
+
+
+def _listing_of(
+    keys: list[tuple[str, str | None]], etag: str | None, truncated: bool = False, token: str | None = None
+) -> Answer:
+    """A listing of (key, written at) of `keys`, each as version `etag`."""
+    tag = f"<ETag>&quot;{etag}&quot;</ETag>" if etag else ""
+    contents = "".join(
+        f"<Contents><Key>{k}</Key><Size>1</Size>"
+        + (f"<LastModified>{when}</LastModified>" if when else "")
+        + f"{tag}</Contents>"
+        for k, when in keys
+    )
     more = f"<NextContinuationToken>{token}</NextContinuationToken>" if token else ""
     body = (
         f'<?xml version="1.0"?><ListBucketResult><IsTruncated>{str(truncated).lower()}</IsTruncated>'
@@ -295,13 +343,65 @@ STALE = "2000-01-01T00:00:00.000Z"
 def test_cleanup_keeps_a_step_whose_record_the_listing_left_out(store):
     # the listing names step 1's state but not its COMMIT (a lying or lagging store), all
     # written long ago: a complete step looks like a crashed saver's leftover
-    store.listing = _listing(["run/step-000000001/state.ckpt"], modified=STALE, etag="v1")
+    store.listing = store.listed_with_puts(["run/step-000000001/state.ckpt"], STALE, "v1")
     ObjectRun("s3://bucket/run", store.options).cleanup()
     assert store.deletes() == []
-    # where the record is truly absent, the leftover goes: the versions listed, never a record
+    # where the record is truly absent, the leftover goes once the store's time is proven (a
+    # marker of the cleaner's own put, listed, deleted): the versions listed, never a record
     store.head = lambda h: _reply(h, 404, {}) if h.path.endswith("/COMMIT") else store.honest_head(h)
     ObjectRun("s3://bucket/run", store.options).cleanup()
-    assert store.deletes() == [("DELETE", "/bucket/run/step-000000001/state.ckpt")]
+    deleted = [p for m, p in store.deletes()]
+    assert deleted[-1] == "/bucket/run/step-000000001/state.ckpt"
+    assert all("/ARCHIVING." in p for p in deleted[:-1]) and not store.puts
+
+
+def test_cleanup_deletes_nothing_by_age_where_the_store_proves_no_time(store):
+    # a leftover written long ago, no record; but the listing never shows the marker the
+    # cleaner put to read the store's clock (a lagging or lying listing): no store time is
+    # proven, so nothing is aged, and only the cleaner's own marker is deleted
+    store.head = lambda h: _reply(h, 404, {}) if h.path.endswith("/COMMIT") else store.honest_head(h)
+    store.listing = _listing(["run/step-000000001/state.ckpt"], modified=STALE, etag="v1")
+    ObjectRun("s3://bucket/run", store.options).cleanup()
+    deleted = [p for m, p in store.deletes()]
+    assert len(deleted) == 1 and "/ARCHIVING." in deleted[0] and not store.puts
+
+
+def test_a_pass_on_a_host_whose_clock_is_ahead_aborts_only_uploads_begun_before_it(store):
+    # a copy that died in step 2 (its marker this process's, no longer in use) left an upload
+    # begun a minute ago; a newcomer's upload there began just now, after the pass listed the
+    # prefix.  An archive pass on a host whose clock is 25 hours ahead of the store's removes
+    # the prefix and aborts the first upload only: uploads' starts, stamped by the store, are
+    # compared with the pass's start by the store's clock (a marker of the pass's own), not
+    # by this host's, by which both began long before the pass
+    from ckptfmt.runs.objectnames import copy_marker
+
+    store.behind = datetime.timedelta(hours=25)
+
+    step = "run/step-000000002"
+    store.head = lambda h: _reply(h, 404, {}) if h.path.endswith("/COMMIT") else store.honest_head(h)
+    store.listing = store.listed_with_puts([f"{step}/{copy_marker()}", f"{step}/state.ckpt"], STALE, "v1")
+
+    ago = {"dead": datetime.timedelta(minutes=1), "newcomer": datetime.timedelta(0)}
+    store.uploads = _uploads_begun(store, f"{step}/state.ckpt", ago)
+    assert ObjectRun("s3://bucket/run", store.options).remove_interrupted_copies() == [2]
+    aborted = [p for m, p in store.deletes() if "uploadId=" in p]
+    assert len(aborted) == 1 and "uploadId=dead" in aborted[0], aborted
+
+
+def test_a_cleanup_on_a_host_whose_clock_is_ahead_aborts_no_live_saver_upload(store):
+    # a saver on another host began a multipart upload a minute ago, a crashed one two days
+    # ago, by the store's clock, which is 25 hours behind this host's (its Date too): by this
+    # host's clock both are past the cleanup's bound of 24 hours; by the store's time, which a
+    # marker of the cleaner's own proves, only the crashed saver's upload is, and only it goes
+    store.behind = datetime.timedelta(hours=25)
+    store.listing = store.listed_with_puts([], STALE, "v1")
+
+    ago = {"crashed": datetime.timedelta(days=2), "live": datetime.timedelta(minutes=1)}
+    store.uploads = _uploads_begun(store, "run/step-000000002/state.ckpt", ago)
+    ObjectRun("s3://bucket/run", store.options).cleanup()
+    aborted = [p for m, p in store.deletes() if "uploadId=" in p]
+    assert len(aborted) == 1 and "uploadId=crashed" in aborted[0], aborted
+    assert not store.puts  # the cleaner's marker is gone
 
 
 def test_a_save_never_deletes_a_step_whose_record_the_listing_left_out(store):
@@ -388,6 +488,22 @@ def test_an_unreadable_header_in_a_ranged_answer_is_a_storage_error(store):
     with pytest.raises(StorageError) as e:
         ckptfmt.load(URL, storage_options=store.options)
     assert URL in str(e.value)
+
+
+def _uploads_begun(store: HostileStore, key: str, ago: dict[str, datetime.timedelta]) -> Answer:
+    """A ListMultipartUploads answer naming uploads of `key`, by id, each begun as long `ago` by
+    the store's clock as it answers."""
+
+    def answer(h: BaseHTTPRequestHandler) -> None:
+        now = store.now()
+        ups = "".join(
+            f"<Upload><Key>{key}</Key><UploadId>{who}</UploadId><Initiated>{_stamp(now - t)}</Initiated></Upload>"
+            for who, t in ago.items()
+        )
+        body = f'<?xml version="1.0"?><ListMultipartUploadsResult>{ups}</ListMultipartUploadsResult>'.encode()
+        _reply(h, 200, {"Content-Length": str(len(body)), "Content-Type": "application/xml"}, body)
+
+    return answer
 
 
 def _uploads(keys: list[str], next_marker: str | None = None) -> Answer:

@@ -1,6 +1,7 @@
 """What the names in a run's prefix on an object store mean (runs/objectrun.py): a commit
 record's references to other steps, the objects ckptfmt writes in a step, and the copy
-markers an archiver puts into a step's prefix before it writes there (spec 13.7).
+markers an archiver puts into a step's prefix before it writes there, and the store's clock by
+which the age of another writer's marker or step is judged (spec 13.7).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import contextlib
 import datetime
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, TypeGuard
 
 from ..engine import commit
@@ -37,8 +38,9 @@ SWEEP_DELETES_WITHIN = 300.0
 #: the deadline of a sweep's DELETE at most, in seconds (storage option deadline, lowered to
 #: this for them): a longer one would leave a sweep no time to delete within its bound
 SWEEP_DELETE_DEADLINE = 60.0
-#: seconds a store's time (a listing's Date, or a time it lists an object written) is believed
-#: ahead of this host's clock at most (store_time): a time further ahead is not taken
+#: seconds a store's time (a listing's Date, or the time it lists an object written) is believed
+#: ahead of this host's clock at most (StoreStamp, proven_store_time): a Date further ahead is not
+#: taken, a Last-Modified of ckptfmt's own further ahead is taken as this far ahead
 STORE_AHEAD_AT_MOST = 300.0
 #: seconds a copy waits at most for a sweep whose marker it finds (ObjectRun.wait_out_sweeps),
 #: and the age past which a sweep's marker is dead wherever it was written: a sweep's marker,
@@ -138,24 +140,18 @@ def in_steps(name: str, steps: set[str]) -> bool:
     return step in steps and written_here(rest)
 
 
-def store_time(
-    date: datetime.datetime | None, written: Iterable[Listed], now: datetime.datetime
-) -> datetime.datetime | None:
-    """The store's time when it answered a listing, by which sweep markers are aged
-    (marker_dead): the listing's Date header, `date` (storage/listing.py Listing.date), or
-    where none came, the newest time the store lists objects `written` (its clock was at
-    least there then); None where neither gives one.  A host's clock may be minutes ahead of
-    the store's, so it never ages a marker itself; it only bounds what is believed: a time
-    more than STORE_AHEAD_AT_MOST ahead of this host's clock `now` is not taken (a Date or a
-    Last-Modified that is absurd, hostile or far in the future would make a live marker look
-    dead), and a Date so refused falls back to the listed times.  A time in the past is
-    taken: it only makes markers look younger, kept longer.  A Date may come from another
-    clock than the one stamping Last-Modified (a proxy or another gateway in front of the
-    store): where a sweep marker's death lets an object be adopted or deleted, this time is
-    bounded by what the store's stamps prove (proven_store_time)."""
-    if _believed(date, now):
-        return date
-    return max((e.modified for e in written if _believed(e.modified, now)), default=None)
+def host_now() -> datetime.datetime:
+    """This host's clock: it bounds what a store's stamps are believed to say (StoreStamp), and
+    tells which markers and steps could look dead at all (latest_store_time), never the age
+    of another writer's object itself (it may run ahead of the store's by a day)."""
+    return datetime.datetime.now(datetime.timezone.utc)
+
+
+def latest_store_time(now: datetime.datetime) -> datetime.datetime:
+    """The latest time a store time proven now could say, by this host's clock `now`: what
+    is young by it is young by every store time believed (StoreStamp caps its stamp at
+    STORE_AHEAD_AT_MOST ahead), so nothing needs proving (a cleaner's filter, never a verdict)."""
+    return now + datetime.timedelta(seconds=STORE_AHEAD_AT_MOST)
 
 
 def _believed(t: datetime.datetime | None, now: datetime.datetime) -> TypeGuard[datetime.datetime]:
@@ -170,7 +166,10 @@ class StoreStamp:
     marker too), moved on by this process's monotonic clock since the PUT returned.  The stamp
     came before that return, so the time told is never later than the store's (by more than
     the Last-Modified's rounding, a second); a listing's Date may come from another clock (a
-    proxy or another gateway in front of the store) and is believed only where earlier."""
+    proxy or another gateway in front of the store) and is believed only where earlier.  A
+    stamp more than STORE_AHEAD_AT_MOST ahead of this host's clock is taken as that far ahead:
+    still no later than the store's where the stamp is true (this host is behind), and where
+    it is forged (a hostile store or proxy) no later than this host's clock allows."""
 
     def __init__(self, name: str, put_returned: float) -> None:
         """`name`: the object's key relative to the prefix listed; `put_returned`: the
@@ -181,28 +180,36 @@ class StoreStamp:
 
     def now(self, listed: dict[str, Listed], now: datetime.datetime) -> datetime.datetime | None:
         """The store's time now, at least, by the object's entry in `listed` (or in a listing
-        before: the first that showed it); None until one shows it written at a time not
-        more than STORE_AHEAD_AT_MOST ahead of this host's clock `now`."""
+        before: the first that showed it; `now`: this host's clock); None until one shows it
+        (a listing that lags behind the PUT proves nothing)."""
         if self._written is None:
             entry = listed.get(self.name)
-            if entry is not None and _believed(entry.modified, now):
-                self._written = entry.modified
+            if entry is not None and entry.modified is not None:
+                self._written = min(entry.modified, latest_store_time(now))
         if self._written is None:
             return None
         return self._written + datetime.timedelta(seconds=time.monotonic() - self.put_returned)
+
+    def store_time(
+        self, listed: dict[str, Listed], date: datetime.datetime | None
+    ) -> datetime.datetime | None:
+        """The store's time by which another writer's objects are aged now (proven_store_time):
+        this stamp's, by `listed` as now() reads it, a listing's Date `date` taken where earlier."""
+        host = host_now()
+        return proven_store_time(date, self.now(listed, host), host)
 
 
 def proven_store_time(
     date: datetime.datetime | None, proven: datetime.datetime | None, now: datetime.datetime
 ) -> datetime.datetime | None:
-    """The store's time by which a sweep's marker may be judged dead where that lets something
-    be adopted or deleted: never later than what the store's own stamps prove, `proven` (a
-    StoreStamp's), a listing's Date `date` taken only where earlier (and believed, as by
-    store_time, by this host's clock `now`); None (not judged by the store's time) where
-    nothing is proven.  A marker's age is the store's time less its Last-Modified: a Date from
-    another clock than the one that stamped it (one ahead of it by minutes) would make a live
-    sweep's marker look dead.  Without a Date the proven time moves on by this process's
-    clock, where the newest time listed would stand still."""
+    """The store's time by which another writer's object (a marker, a step's newest object) is
+    aged: never later than what the store's own stamps prove, `proven` (a StoreStamp's), a
+    listing's Date `date` taken only where earlier (and believed by this host's clock `now`);
+    None (nothing aged) where nothing is proven.  An age is the store's time less a
+    Last-Modified: a Date from another clock than the one that stamped it (one ahead of it by
+    minutes), or this host's clock (a day ahead), would make live work look dead.  Without a
+    Date the proven time moves on by this process's clock, where the newest time listed
+    would stand still."""
     if proven is None:
         return None
     if date is None or not _believed(date, now):
@@ -213,20 +220,19 @@ def proven_store_time(
 def marker_dead(
     name: str,
     when: datetime.datetime | None,
-    now: datetime.datetime,
     older_than: datetime.timedelta,
-    store_now: datetime.datetime | None = None,
+    at: datetime.datetime | None,
 ) -> bool:
     """Whether marker `name` (a copy's or a sweep's, written at `when`) was left by a writer
     that has ended: one of this host whose process is gone, or one written elsewhere that is
-    older than both `older_than` and STALE_AFTER: a cleaner's shorter bound (cleanup's) must
-    never make a live copy on another host look dead, as its age is all that can be asked of it.
-    A sweep's marker is dead too once older than SWEEP_WAIT (the sweep deletes nothing then)
-    by the store's clock, `store_now` (store_time; None: not judged so), never by this
-    host's, which may be ahead of it by more than that: one a sweep on another host left when
-    killed holds up no copy for longer."""
-    if is_sweep_marker(name) and when is not None and store_now is not None:
-        if store_now - when > datetime.timedelta(seconds=SWEEP_WAIT):
+    older than both `older_than` and STALE_AFTER at the store's time `at` (proven_store_time;
+    None: none is aged): a cleaner's shorter bound (cleanup's) must never make a live copy on
+    another host look dead, as its age is all that can be asked of it.  A sweep's marker is
+    dead too once older than SWEEP_WAIT (the sweep deletes nothing then): one a sweep on
+    another host left when killed holds up no copy for longer.  Ages go by the store's time,
+    never this host's, which may be ahead of it by more than either bound."""
+    if is_sweep_marker(name) and when is not None and at is not None:
+        if at - when > datetime.timedelta(seconds=SWEEP_WAIT):
             return True
     suffix = name[len(SWEEP_MARKER if is_sweep_marker(name) else COPY_MARKER) :]
     if suffix.startswith(commit.owner_token() + "."):  # this process's
@@ -236,23 +242,27 @@ def marker_dead(
     verdict = None if owner is None else commit.owner_dead(*owner)
     if verdict is not None:
         return verdict
-    return when is not None and now - when > max(older_than, STALE_AFTER)
+    return when is not None and at is not None and at - when > max(older_than, STALE_AFTER)
 
 
 def has_live_marker(
     listed: dict[str, Listed],
-    now: datetime.datetime,
     older_than: datetime.timedelta,
-    store_now: datetime.datetime | None,
+    at: datetime.datetime | None,
     kind: Callable[[str], bool] = is_marker,
 ) -> bool:
     """Whether a step's prefix, `listed`, holds the marker (of `kind`: by default a copy's or a
-    sweep's) of a writer still at work there (marker_dead, by this host's time `now` and the
-    store's, `store_now`: store_time of the listing `listed` came from): what a copy has
-    uploaded so far, or found there to refer to, is not yet named by any record."""
-    return any(
-        kind(n) and not marker_dead(n, e.modified, now, older_than, store_now) for n, e in listed.items()
-    )
+    sweep's) of a writer still at work there (marker_dead, by the store's time `at`): what a
+    copy has uploaded so far, or found there to refer to, is not yet named by any record."""
+    return any(kind(n) and not marker_dead(n, e.modified, older_than, at) for n, e in listed.items())
+
+
+def stale(listed: dict[str, Listed], older_than: datetime.timedelta, at: datetime.datetime | None) -> bool:
+    """Whether every object of `listed` (a step's prefix) was written more than `older_than`
+    before the store's time `at` (None: nothing is stale), as the store lists them (one
+    listed without a time, or none listed: not stale): a live saver writes more often."""
+    newest = max((e.modified for e in listed.values() if e.modified is not None), default=None)
+    return newest is not None and at is not None and at - newest > older_than
 
 
 def writer_came(before: Collection[str], now: Collection[str]) -> bool:

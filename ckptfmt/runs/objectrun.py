@@ -33,9 +33,9 @@ from ..format.timestamps import parse_utc
 from ..storage import listing
 from ..storage.client import check_options, deadline
 from ..storage.download import head
-from ..storage.listing import Listing
 from ..storage.upload import upload_bytes
 from ..storage.urls import ObjectURL, parse_url
+from . import objectnames
 from .objectnames import (
     SWEEP_DELETES_WITHIN,
     SWEEP_WAIT,
@@ -47,9 +47,9 @@ from .objectnames import (
     in_steps,
     is_copy_marker,
     is_sweep_marker,
-    proven_store_time,
+    latest_store_time,
     referenced_step,
-    store_time,
+    stale,
     sweep_marker,
     sweep_options,
     writer_came,
@@ -58,7 +58,7 @@ from .objectnames import (
 from .stepcheck import verify_objects
 from .stepplace import StepPlace
 from .steps import CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
-from .storeclock import markers_dead, read_stamp
+from .storeclock import StoreClock, abort_stale_uploads, abort_uploads_begun_before, markers_dead
 
 #: the commit records latest() and a resume read at most, newest first (spec 13.7): each is a
 #: GET, and a run whose newest steps are this many damaged ones needs a person anyway
@@ -409,16 +409,21 @@ class ObjectRun:
             return True
         return True
 
-    def delete_leftover(self, step: int, older_than: datetime.timedelta = STALE_AFTER) -> None:
+    def delete_leftover(
+        self, step: int, older_than: datetime.timedelta = STALE_AFTER, clock: StoreClock | None = None
+    ) -> None:
         """Delete what a dead save left in step `step` (cleanup: no commit record by the listing
         and a HEAD, its newest object older than the cleanup bound `older_than`): only the
         versions listed now (If-Match; an object listed without an ETag is left), never a
         commit record, so that an object another writer puts there meanwhile stays, and so
-        does its record; nothing where that listing shows a live archive copy's marker."""
+        does its record; nothing where that listing shows a live archive copy's marker or an
+        object younger than the bound (one a writer put since cleanup listed), each aged by
+        the store's time proven (`clock`, the cleanup's; None: read here), never this host's."""
         url = self._step_url(step)
-        now = datetime.datetime.now(datetime.timezone.utc)
+        clock = StoreClock(self._step_url, self.options) if clock is None else clock
         found = listing.listed(url, self.options)
-        if has_live_marker(found, now, older_than, _store_time(found, now)):  # no record: as cleanup
+        at = clock.now(step)
+        if has_live_marker(found, older_than, at) or not stale(found, older_than, at):
             return
         listed = [(n, e.version) for n, e in found.items()]
         ours = [(n, v) for n, v in listed if written_here(n) and n != multifile.COMMIT_NAME]
@@ -461,15 +466,18 @@ class ObjectRun:
         }
         if not others:
             return True
-        if self._copy_at_work(listed, older_than):
+        # this host's clock bounds what any store time proven next could say: a copy's marker
+        # young by it is live (nothing to prove); one old by it is judged once the sweep's is in
+        if has_live_marker(listed, older_than, latest_store_time(objectnames.host_now()), is_copy_marker):
             return False
         name = sweep_marker()
         marker = url.child(name)
         with claiming(name):
             began = time.monotonic()  # before the PUT: a copy may list the marker before it returns
             upload_bytes(b"a ckptfmt sweep in progress\n", str(marker), self.options)
+            stamp = StoreStamp(name, time.monotonic())  # after: the store's clock, at least
             try:
-                doomed = self._doomed_now(step, others, older_than)
+                doomed = self._doomed_now(step, others, older_than, stamp)
             except LimitError:  # nothing deleted yet: nothing for a cleaner to come back to
                 with contextlib.suppress(CheckpointError, OSError):
                     listing.delete_object(marker, self.options)
@@ -482,13 +490,16 @@ class ObjectRun:
         return doomed is not None and finished
 
     def _doomed_now(
-        self, step: int, others: dict[str, str], older_than: datetime.timedelta
+        self, step: int, others: dict[str, str], older_than: datetime.timedelta, own: StoreStamp
     ) -> list[tuple[ObjectURL, str]] | None:
-        """What of `others` (name: version) sweep_step deletes, judged once its marker is in:
-        None where a live copy's marker is there now (nothing goes), else those no later
-        step's record reads (LimitError where too many later records: none goes)."""
+        """What of `others` (name: version) sweep_step deletes, judged once its marker, `own`,
+        is in: None where a live copy's marker is there now (nothing goes; copy markers aged
+        by the store's time that marker proves, none where the listing does not show it),
+        else those no later step's record reads (LimitError where too many later records: none
+        goes)."""
         url = self._step_url(step)
-        if self._copy_at_work(listing.listed(url, self.options), older_than):
+        listed = listing.listed(url, self.options)
+        if has_live_marker(listed, older_than, own.store_time(listed, listed.date), is_copy_marker):
             return None
         later = self.read_by_later_steps(step)
         return [(url.child(n), v) for n, v in others.items() if n not in later]
@@ -505,12 +516,6 @@ class ObjectRun:
             listing.delete_object(target, options, if_match=version)
         return True
 
-    @staticmethod
-    def _copy_at_work(listed: Listing, older_than: datetime.timedelta) -> bool:
-        # a copy's marker is never aged by the store's time (marker_dead): none is asked
-        now = datetime.datetime.now(datetime.timezone.utc)
-        return has_live_marker(listed, now, older_than, None, is_copy_marker)
-
     def wait_out_sweeps(self, step: int, own: StoreStamp) -> None:
         """Wait until no live sweep's marker (sweep_step; marker_dead) is in step `step`'s
         prefix, or for SWEEP_WAIT seconds: past it a sweep that put its marker before this
@@ -524,17 +529,12 @@ class ObjectRun:
         ends = time.monotonic() + SWEEP_WAIT
         pause = 0.05
         while time.monotonic() < ends:
-            now = datetime.datetime.now(datetime.timezone.utc)
             listed = listing.listed(url, self.options)
-            store_now = proven_store_time(listed.date, own.now(listed, now), now)
-            if not has_live_marker(listed, now, STALE_AFTER, store_now, is_sweep_marker):
+            store_now = own.store_time(listed, listed.date)
+            if not has_live_marker(listed, STALE_AFTER, store_now, is_sweep_marker):
                 return
             time.sleep(min(pause, max(0.0, ends - time.monotonic())))
             pause = min(2 * pause, 1.0)
-
-    def _stamp_in(self, step: int) -> StoreStamp:
-        """The store's clock as proven in step `step`'s prefix (storeclock.read_stamp)."""
-        return read_stamp(self._step_url(step), self.options)
 
     def _sweep_ended_copies(self, step: int, older_than: datetime.timedelta) -> bool:
         """In complete step `step`, whose copy markers are all dead (by `older_than`): delete
@@ -615,9 +615,9 @@ class ObjectRun:
         Only the versions `found` lists go (If-Match), and not in a prefix another writer has
         come to since (writer_came).  `found`: the run's listing to go by (None: listed here)."""
         found = self.listing() if found is None else found
-        now = datetime.datetime.now(datetime.timezone.utc)
-        dated = _store_time(found, now)
-        dead, live = markers_dead(found, now, older_than, dated, found.date, self._stamp_in)
+        began = time.monotonic()
+        clock = StoreClock(self._step_url, self.options)
+        dead, live = markers_dead(found, older_than, clock)
         if not dead:
             return []
         statuses = self.statuses(found)
@@ -647,40 +647,39 @@ class ObjectRun:
             listing.delete_versions(url, self.options, [(n, names[n].version) for n in doomed])
         if removed:
             gone = {step_dirname(s) for s in removed}
-            since = datetime.datetime.now(datetime.timezone.utc) - now  # a newcomer's uploads stay
-            listing.abort_stale_uploads(self.url, self.options, since, lambda n: in_steps(n, gone))
+            abort_uploads_begun_before(
+                self.url, self.options, lambda n: in_steps(n, gone), began, clock.now(removed[0])
+            )
         return removed
 
     def cleanup(self, older_than: datetime.timedelta = STALE_AFTER, found: RunListing | None = None) -> None:
-        """Abort multipart uploads of crashed savers and delete commit-less steps whose newest
-        object is older than `older_than` (a live saver writes more often than that).
+        """Abort multipart uploads of crashed savers (storeclock.abort_stale_uploads) and delete
+        commit-less steps whose newest object is older than `older_than` (a live saver writes
+        more often than that), both by the store's time, proven (StoreClock: read once, only where a step that no record refers
+        to looks that old by the latest time the store's could be), never this host's, which
+        may be ahead of it by more than the bound: another host's live saver keeps its step.
         `found`: the run's listing to go by (None: listed here); one a little old serves, as
         a step is deleted only by a HEAD's word and the versions then listed."""
-        listing.abort_stale_uploads(self.url, self.options, older_than, in_a_step)
-        now = datetime.datetime.now(datetime.timezone.utc)
         found = self.listing() if found is None else found
-        store_now = _store_time(found, now)  # a Date unproven: in steps with no record a sweep guards no copy
+        clock = StoreClock(self._step_url, self.options)
+        newest = max(found, default=0)  # where the clock is read for the uploads, if at all
+        abort_stale_uploads(
+            self.url, self.options, in_a_step, older_than, found.date, lambda: clock.now(newest)
+        )
+        latest = latest_store_time(objectnames.host_now())  # young by it: young by the store's
         referenced: set[str] | None = None  # read only when a step is stale: it costs a GET a step
         below = -1  # steps older than an unread one may hold what it refers to: never deleted
         for step, names in sorted(found.items()):
-            if multifile.COMMIT_NAME in names or has_live_marker(names, now, older_than, store_now):
+            if multifile.COMMIT_NAME in names or has_live_marker(names, older_than, latest):
                 continue  # a step, or an archive copy under way: its record is yet to come
-            times = [e.modified for e in names.values() if e.modified is not None]
-            if times and now - max(times) > older_than and not self.has_record(step):
-                if referenced is None:
-                    statuses = self.statuses(found)
-                    referenced = self._referenced_by(statuses)
-                    below = _oldest_known(statuses)
-                if step > below and not any(u.startswith(self.step_path(step) + "/") for u in referenced):
-                    self.delete_leftover(step, older_than)
-
-
-def _store_time(listed: Listing | RunListing, now: datetime.datetime) -> datetime.datetime | None:
-    """The store's time when it answered `listed`, a step's prefix's listing or the run's
-    (objectnames.store_time; `now`: this host's)."""
-    if isinstance(listed, Listing):
-        return store_time(listed.date, listed.values(), now)
-    return store_time(listed.date, (e for names in listed.values() for e in names.values()), now)
+            if not stale(names, older_than, latest) or self.has_record(step):
+                continue
+            if referenced is None:
+                statuses = self.statuses(found)
+                referenced = self._referenced_by(statuses)
+                below = _oldest_known(statuses)
+            if step > below and not any(u.startswith(self.step_path(step) + "/") for u in referenced):
+                self.delete_leftover(step, older_than, clock)
 
 
 def _unread(step: int, path: str) -> StepStatus:
