@@ -65,7 +65,7 @@ class Listing(dict[str, Listed]):
     """What listed() gives: every object beneath a prefix, by its key relative to it, and
     `date`: the store's time when it answered, the Date header of the listing's last answer
     that sent one that parses (None where none did): the store's clock, which this host's
-    may not agree with (runs/objectnames.py store_time says what of it is believed)."""
+    may not agree with (runs/objectnames.py proven_store_time says what of it is believed)."""
 
     date: datetime.datetime | None = None
 
