@@ -35,7 +35,7 @@ from ..format import encryption, signing
 from ..format import layout as fmt
 from ..format.timestamps import format_utc, utc_at, utc_now
 from . import native as _native
-from .filesystems import filesystem_type
+from .filesystems import filesystem_type, is_memfd
 from .writeoptions import ChunkRecord, Signer, WriteOptions
 
 if TYPE_CHECKING:
@@ -247,12 +247,16 @@ def write_threads(fd: int, options: WriteOptions) -> int:
 
     Measured (bench/README.md, "Durable saves"): on a loaded 2-core machine a 1 GiB save to
     tmpfs with two threads waited 0.41 s for a CPU against 0.07 s with one, and took 0.69 s
-    against 0.48 s."""
+    against 0.48 s.  An object upload's spool, a memfd, is the same shared memory: 64 MiB
+    written into one took 30-34 ms with one thread or two, and twice the CPU with two
+    (docs/object-stores.md, "Where a save's time goes"), CPU its upload threads and a local
+    store server then wait for."""
     threads = _native.default_threads()
     plain = options.compression is None and options.seal is None and options.sign is None
     if threads == 1 or not plain or _native.threads_set():
         return threads
-    return 1 if filesystem_type(fd) in ONE_WRITER_FILESYSTEMS else threads
+    one_writer = filesystem_type(fd) in ONE_WRITER_FILESYSTEMS or is_memfd(fd)
+    return 1 if one_writer else threads
 
 
 class ChunkWriter:
