@@ -295,6 +295,37 @@ def test_a_save_that_keeps_failing_commits_nothing_and_aborts_its_upload(store_f
         ckptfmt.load(url, storage_options=options)
 
 
+def test_parts_go_up_while_later_chunks_are_written(s3_bucket, monkeypatch):
+    """The engine tells the upload what it has written every 16 MiB, not once per batch (64 MiB
+    for a save to a store): each part is sent once its bytes are in the spool, while the
+    writer fills the next."""
+    from ckptfmt.storage.upload import ObjectFile
+
+    bucket, options = s3_bucket
+    told: list[int] = []
+    sent: list[tuple[int, int]] = []  # (part, the writer's position when it was sent)
+    written, submit = ObjectFile.written, ObjectFile._submit
+
+    def spy_written(self, pos):
+        told.append(pos)
+        written(self, pos)
+
+    def spy_submit(self, number, length):
+        sent.append((number, told[-1]))
+        submit(self, number, length)
+
+    monkeypatch.setattr(ObjectFile, "written", spy_written)
+    monkeypatch.setattr(ObjectFile, "_submit", spy_submit)
+    state = {"w": torch.randn(48 * MiB // 4, generator=torch.Generator().manual_seed(3))}
+    url = f"s3://{bucket}/streamed.ckpt"
+    ckptfmt.save(state, url, storage_options=options)
+    assert told[0] < 20 * MiB and all(b - a <= 20 * MiB for a, b in zip(told, told[1:])), told
+    assert sent[0][0] == 2 and sent[0][1] < 48 * MiB, sent  # before the last chunk was written
+    assert sent[-1][0] == 1  # the prologue's part, last
+    assert_same(state, ckptfmt.load(url, storage_options=options))
+    assert _open_uploads(options, bucket) == []
+
+
 def test_a_failed_overwrite_keeps_the_committed_object(store_faults):
     options = store_faults.options | {"max_attempts": 1}
     url = f"{store_faults.new_root()}/keep.ckpt"

@@ -233,6 +233,24 @@ def _batches(
         yield batch
 
 
+#: a writer told what is written (an object upload's) is told after about this many bytes of
+#: chunks, however large its batches: an upload's default part, so that each part goes as soon
+#: as its bytes are in the spool, while the next are written
+WRITTEN_STEP_BYTES = 16 << 20
+
+
+def _runs(pieces: list[tuple[memoryview, int]], step: int) -> Iterator[list[tuple[memoryview, int]]]:
+    """`pieces` in order, cut into runs of at least `step` bytes (the last one shorter)."""
+    start = held = 0
+    for i, (view, _) in enumerate(pieces):
+        held += len(view)
+        if held >= step:
+            yield pieces[start : i + 1]
+            start, held = i + 1, 0
+    if start < len(pieces):
+        yield pieces[start:]
+
+
 #: filesystems on which writes to one file run one at a time (the inode lock is held while
 #: each write allocates and fills its pages): a second writer thread only waits or spins
 #: on the lock, and on a busy machine each thread also waits for a CPU of its own
@@ -279,8 +297,8 @@ class ChunkWriter:
         path: str = "",
         on_written: Callable[[int], None] | None = None,
     ) -> None:
-        """`on_written(pos)`: told after each batch that every byte below `pos` is written
-        (an object upload sends the parts that are complete)."""
+        """`on_written(pos)`: told, every WRITTEN_STEP_BYTES of a batch and at its end, that
+        every byte below `pos` is written (an object upload sends the parts that are complete)."""
         self.fd = fd
         self.on_written = on_written
         self.file_id = file_id
@@ -301,8 +319,11 @@ class ChunkWriter:
         self.tags: list[bytes] | None = [] if options.seal is not None else None
 
     def write(self, pieces: list[tuple[memoryview, int]]) -> None:
-        self._write(pieces)
-        if self.on_written is not None:
+        if self.on_written is None:
+            self._write(pieces)
+            return
+        for run in _runs(pieces, WRITTEN_STEP_BYTES):
+            self._write(run)
             self.on_written(self.pos)
 
     def _write(self, pieces: list[tuple[memoryview, int]]) -> None:
