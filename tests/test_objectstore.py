@@ -326,6 +326,23 @@ def test_parts_go_up_while_later_chunks_are_written(s3_bucket, monkeypatch):
     assert _open_uploads(options, bucket) == []
 
 
+def test_an_upload_that_cannot_begin_fails_and_leaves_nothing(s3_faults):
+    """The multipart upload is begun on the upload threads while the writer goes on: its
+    refusal is still the save's error, and nothing is left."""
+    faults = s3_faults
+    options = faults.storage_options() | {"max_attempts": 2}
+    bucket = faults.new_bucket()
+    url = f"s3://{bucket}/never.ckpt"
+    faults.fail_next("POST", "?uploads", status=500, count=1000)
+    with pytest.raises(StorageError) as e:
+        ckptfmt.save(_big_state(), url, storage_options=options)
+    assert url in str(e.value) and "start multipart upload" in str(e.value), str(e.value)
+    faults.clear_rules()
+    assert faults.count("PUT", "partNumber=") == 0
+    assert _open_uploads(options, bucket) == []
+    assert faults.client().list_objects_v2(Bucket=bucket).get("Contents", []) == []
+
+
 def test_a_failed_overwrite_keeps_the_committed_object(store_faults):
     options = store_faults.options | {"max_attempts": 1}
     url = f"{store_faults.new_root()}/keep.ckpt"
