@@ -211,13 +211,16 @@ class ObjectFile:
                 pass
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Close the spool; the pages it still holds (the prologue's part, never released) are
+        freed by the upload pool's last task, after the save returns: freeing them took 4-13 ms
+        of a 64 MiB save, after its object had appeared."""
+        pool, self._pool = self._pool, None
         if self.spool is not None:
-            self.spool.close()
+            self.spool.close(free_on=pool)  # None: here
             self.spool = None
             self.fd = -1
+        if pool is not None:
+            pool.shutdown(wait=False)  # its threads end once the queued freeing is done
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
