@@ -116,7 +116,11 @@ class GCSStore:
     version_name = "generation"
 
     def __init__(
-        self, session: Any, endpoint: str, timeouts: tuple[float, float], concurrency: int = 8
+        self,
+        session: Any,
+        endpoint: str,
+        timeouts: tuple[float, float],
+        concurrency: int = client.DEFAULT_CONCURRENCY,
     ) -> None:
         self.session = session
         self.endpoint = endpoint
