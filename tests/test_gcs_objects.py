@@ -232,3 +232,36 @@ def test_a_compose_refused_once_is_retried_with_its_parts_still_there(gcs_faults
     assert gcs_faults.pending_rules() == 0
     assert_same(state, ckptfmt.load(url))
     assert _names(gcs_server, gcs_faults.bucket) == ["big.ckpt"]
+
+
+def test_the_parts_of_a_composed_object_are_deleted_together(gcs_faults, gcs_server):
+    """Once composed, an object's parts are deleted `concurrency` requests at a time: all of
+    them are asked for while the first is still held (one after another, 17 parts' deletes
+    took 0.1 s of a 256 MiB save on the emulator)."""
+    import threading
+    import time
+
+    url = f"gs://{gcs_faults.bucket}/together.ckpt"
+    state = {"w": torch.randn(40 * MiB // 4, generator=torch.Generator().manual_seed(4))}
+    options = {"part_size": 8 * MiB}  # six parts: five of 8 MiB and the tail's
+    held = gcs_faults.hold("DELETE", gcs.PART_MARK)
+    failure: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            ckptfmt.save(state, url, storage_options=options)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            failure.append(e)
+
+    saving = threading.Thread(target=save)
+    saving.start()
+    deadline = time.monotonic() + 30
+    while gcs_faults.count("DELETE", gcs.PART_MARK) < 6 and time.monotonic() < deadline and saving.is_alive():
+        time.sleep(0.05)
+    asked = gcs_faults.count("DELETE", gcs.PART_MARK)
+    held.set()
+    saving.join(60)
+    assert not failure, failure
+    assert asked == 6, f"{asked} of the 6 parts' deletes asked for while the first was held"
+    assert [n for n in _names(gcs_server, gcs_faults.bucket) if gcs.PART_MARK in n] == []
+    assert_same(state, ckptfmt.load(url))

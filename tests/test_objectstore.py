@@ -295,6 +295,54 @@ def test_a_save_that_keeps_failing_commits_nothing_and_aborts_its_upload(store_f
         ckptfmt.load(url, storage_options=options)
 
 
+def test_parts_go_up_while_later_chunks_are_written(s3_bucket, monkeypatch):
+    """The engine tells the upload what it has written every 16 MiB, not once per batch (64 MiB
+    for a save to a store): each part is sent once its bytes are in the spool, while the
+    writer fills the next."""
+    from ckptfmt.storage.upload import ObjectFile
+
+    bucket, options = s3_bucket
+    told: list[int] = []
+    sent: list[tuple[int, int]] = []  # (part, the writer's position when it was sent)
+    written, submit = ObjectFile.written, ObjectFile._submit
+
+    def spy_written(self, pos):
+        told.append(pos)
+        written(self, pos)
+
+    def spy_submit(self, number, length):
+        sent.append((number, told[-1]))
+        submit(self, number, length)
+
+    monkeypatch.setattr(ObjectFile, "written", spy_written)
+    monkeypatch.setattr(ObjectFile, "_submit", spy_submit)
+    state = {"w": torch.randn(48 * MiB // 4, generator=torch.Generator().manual_seed(3))}
+    url = f"s3://{bucket}/streamed.ckpt"
+    ckptfmt.save(state, url, storage_options=options)
+    assert told[0] < 20 * MiB and all(b - a <= 20 * MiB for a, b in zip(told, told[1:])), told
+    assert sent[0][0] == 2 and sent[0][1] < 48 * MiB, sent  # before the last chunk was written
+    assert sent[-1][0] == 1  # the prologue's part, last
+    assert_same(state, ckptfmt.load(url, storage_options=options))
+    assert _open_uploads(options, bucket) == []
+
+
+def test_an_upload_that_cannot_begin_fails_and_leaves_nothing(s3_faults):
+    """The multipart upload is begun on the upload threads while the writer goes on: its
+    refusal is still the save's error, and nothing is left."""
+    faults = s3_faults
+    options = faults.storage_options() | {"max_attempts": 2}
+    bucket = faults.new_bucket()
+    url = f"s3://{bucket}/never.ckpt"
+    faults.fail_next("POST", "?uploads", status=500, count=1000)
+    with pytest.raises(StorageError) as e:
+        ckptfmt.save(_big_state(), url, storage_options=options)
+    assert url in str(e.value) and "start multipart upload" in str(e.value), str(e.value)
+    faults.clear_rules()
+    assert faults.count("PUT", "partNumber=") == 0
+    assert _open_uploads(options, bucket) == []
+    assert faults.client().list_objects_v2(Bucket=bucket).get("Contents", []) == []
+
+
 def test_a_failed_overwrite_keeps_the_committed_object(store_faults):
     options = store_faults.options | {"max_attempts": 1}
     url = f"{store_faults.new_root()}/keep.ckpt"

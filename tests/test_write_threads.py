@@ -1,5 +1,5 @@
-"""How many engine threads write a file: one for plain chunks to a file on tmpfs, where writes
-to one file take turns under its inode lock (a second thread only waits or spins and, on a busy
+"""How many engine threads write a file: one for plain chunks to a file on tmpfs or to a memfd
+(an object upload's spool), where writes to one file take turns under its inode lock (a second thread only waits or spins and, on a busy
 machine, waits for a CPU too), every core's otherwise.
 
 The saves are real (the C engine, a tmpfs folder under /dev/shm); which threads did the work
@@ -21,7 +21,7 @@ from helpers import assert_same
 import ckptfmt
 from ckptfmt.engine import filesystems, native
 from ckptfmt.engine.chunkwrite import write_threads
-from ckptfmt.engine.filesystems import filesystem_type, type_of_device
+from ckptfmt.engine.filesystems import filesystem_type, is_memfd, type_of_device
 from ckptfmt.engine.writeoptions import WriteOptions
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the C engine writes with threads")
@@ -97,17 +97,22 @@ def test_write_threads_by_filesystem_and_options(shm_dir, tmp_path, four_cores, 
         monkeypatch.delenv("CKPTFMT_THREADS")
         with native.threads_at_most(2):
             assert write_threads(on_tmpfs.fileno(), WriteOptions(compression="zstd")) == 2
-    # an object upload's spool (a memfd) is on no mounted filesystem: the default stays
+    # an object upload's spool (a memfd) is on no mounted filesystem, but shared memory as
+    # tmpfs's files are: its writes take turns too
     spool = os.memfd_create("ckptfmt-test", os.MFD_CLOEXEC)
     try:
         assert filesystem_type(spool) is None
-        assert write_threads(spool, plain) == 4
+        assert is_memfd(spool)
+        assert write_threads(spool, plain) == 1
+        assert write_threads(spool, WriteOptions(compression="zstd")) == 4
     finally:
         os.close(spool)
     with open(tmp_path / "f", "wb") as elsewhere:
         kind = filesystem_type(elsewhere.fileno())
         assert kind is not None
+        assert not is_memfd(elsewhere.fileno())
         assert write_threads(elsewhere.fileno(), plain) == (1 if kind == "tmpfs" else 4)
+    assert not is_memfd(-1)
 
 
 MOUNTINFO = (

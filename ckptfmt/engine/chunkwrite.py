@@ -35,7 +35,7 @@ from ..format import encryption, signing
 from ..format import layout as fmt
 from ..format.timestamps import format_utc, utc_at, utc_now
 from . import native as _native
-from .filesystems import filesystem_type
+from .filesystems import filesystem_type, is_memfd
 from .writeoptions import ChunkRecord, Signer, WriteOptions
 
 if TYPE_CHECKING:
@@ -233,6 +233,24 @@ def _batches(
         yield batch
 
 
+#: a writer told what is written (an object upload's) is told after about this many bytes of
+#: chunks, however large its batches: an upload's default part, so that each part goes as soon
+#: as its bytes are in the spool, while the next are written
+WRITTEN_STEP_BYTES = 16 << 20
+
+
+def _runs(pieces: list[tuple[memoryview, int]], step: int) -> Iterator[list[tuple[memoryview, int]]]:
+    """`pieces` in order, cut into runs of at least `step` bytes (the last one shorter)."""
+    start = held = 0
+    for i, (view, _) in enumerate(pieces):
+        held += len(view)
+        if held >= step:
+            yield pieces[start : i + 1]
+            start, held = i + 1, 0
+    if start < len(pieces):
+        yield pieces[start:]
+
+
 #: filesystems on which writes to one file run one at a time (the inode lock is held while
 #: each write allocates and fills its pages): a second writer thread only waits or spins
 #: on the lock, and on a busy machine each thread also waits for a CPU of its own
@@ -247,12 +265,16 @@ def write_threads(fd: int, options: WriteOptions) -> int:
 
     Measured (bench/README.md, "Durable saves"): on a loaded 2-core machine a 1 GiB save to
     tmpfs with two threads waited 0.41 s for a CPU against 0.07 s with one, and took 0.69 s
-    against 0.48 s."""
+    against 0.48 s.  An object upload's spool, a memfd, is the same shared memory: 64 MiB
+    written into one took 30-34 ms with one thread or two, and twice the CPU with two
+    (docs/object-stores.md, "Where a save's time goes"), CPU its upload threads and a local
+    store server then wait for."""
     threads = _native.default_threads()
     plain = options.compression is None and options.seal is None and options.sign is None
     if threads == 1 or not plain or _native.threads_set():
         return threads
-    return 1 if filesystem_type(fd) in ONE_WRITER_FILESYSTEMS else threads
+    one_writer = filesystem_type(fd) in ONE_WRITER_FILESYSTEMS or is_memfd(fd)
+    return 1 if one_writer else threads
 
 
 class ChunkWriter:
@@ -275,8 +297,8 @@ class ChunkWriter:
         path: str = "",
         on_written: Callable[[int], None] | None = None,
     ) -> None:
-        """`on_written(pos)`: told after each batch that every byte below `pos` is written
-        (an object upload sends the parts that are complete)."""
+        """`on_written(pos)`: told, every WRITTEN_STEP_BYTES of a batch and at its end, that
+        every byte below `pos` is written (an object upload sends the parts that are complete)."""
         self.fd = fd
         self.on_written = on_written
         self.file_id = file_id
@@ -297,8 +319,11 @@ class ChunkWriter:
         self.tags: list[bytes] | None = [] if options.seal is not None else None
 
     def write(self, pieces: list[tuple[memoryview, int]]) -> None:
-        self._write(pieces)
-        if self.on_written is not None:
+        if self.on_written is None:
+            self._write(pieces)
+            return
+        for run in _runs(pieces, WRITTEN_STEP_BYTES):
+            self._write(run)
             self.on_written(self.pos)
 
     def _write(self, pieces: list[tuple[memoryview, int]]) -> None:

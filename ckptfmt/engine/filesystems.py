@@ -2,7 +2,8 @@
 
 Writers choose how many engine threads write one file by it (chunkwrite.write_threads):
 on tmpfs every write to a file copies into its pages under the file's inode lock, so
-writers of one file take turns however many there are.
+writers of one file take turns however many there are.  A memfd (an object upload's spool)
+is a file of the same shared-memory filesystem, on no mount: `is_memfd` tells one.
 """
 
 from __future__ import annotations
@@ -60,3 +61,12 @@ def type_of_device(mountinfo: str, device: str) -> str | None:
         if sep and len(fields) >= 3 and fields[2] == device and kind:
             return kind[0]
     return None
+
+
+def is_memfd(fd: int) -> bool:
+    """Whether `fd` is a memfd (memfd_create's file, shared memory as tmpfs's files are: its
+    writes take turns under the inode lock too), by the name /proc gives its descriptor."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+    except OSError:
+        return False

@@ -32,7 +32,8 @@ import json
 import os
 import urllib.parse
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import CheckpointError, StorageError
@@ -74,7 +75,7 @@ def new_store(options: Mapping[str, Any]) -> GCSStore:
     else:
         endpoint = API_ENDPOINT
         session = http.new_session(options, "gs", _authorized_session(options))
-    return GCSStore(session, endpoint.rstrip("/"), client.timeouts(options))
+    return GCSStore(session, endpoint.rstrip("/"), client.timeouts(options), client.concurrency(options))
 
 
 def _authorized_session(options: Mapping[str, Any]) -> Any:
@@ -114,10 +115,18 @@ class GCSStore:
     scheme = "gs"
     version_name = "generation"
 
-    def __init__(self, session: Any, endpoint: str, timeouts: tuple[float, float]) -> None:
+    def __init__(
+        self,
+        session: Any,
+        endpoint: str,
+        timeouts: tuple[float, float],
+        concurrency: int = client.DEFAULT_CONCURRENCY,
+    ) -> None:
         self.session = session
         self.endpoint = endpoint
         self.timeouts = timeouts
+        #: requests one upload's completion or abort keeps in flight (storage option concurrency)
+        self.concurrency = concurrency
 
     # -- requests ----------------------------------------------------------------------
 
@@ -230,21 +239,42 @@ class GCSStore:
         compose makes the object; then delete the parts and composites (a failure to is left
         to abort_stale_uploads: the object is complete).  A failed compose deletes nothing:
         the attempt that retries it composes the same parts (ObjectFile's abort deletes them
-        where none succeeds)."""
+        where none succeeds).  The composes of one level, and the deletes, are sent
+        `concurrency` at a time, within this operation's deadline: one after another, the
+        deletes of 17 parts took 0.1 s on fake-gcs-server (docs/object-stores.md)."""
         sources = [(_part_key(url.key, upload_id, f"{n:05d}"), parts[n]) for n in sorted(parts)]
         made: list[str] = [name for name, _ in sources]
         level = 0
         while len(sources) > MAX_COMPOSE:
             level += 1
             groups = [sources[i : i + MAX_COMPOSE] for i in range(0, len(sources), MAX_COMPOSE)]
-            sources = []
-            for i, group in enumerate(groups):
-                name = _part_key(url.key, upload_id, f"c{level}x{i:05d}")
-                made.append(name)
-                sources.append((name, self._compose(url, name, group, if_absent=False)))
+            names = [_part_key(url.key, upload_id, f"c{level}x{i:05d}") for i in range(len(groups))]
+            made += names
+            generations = self._each(
+                lambda named: self._compose(url, named[0], named[1], if_absent=False), zip(names, groups)
+            )
+            sources = list(zip(names, generations))
         generation = self._compose(url, url.key, sources, if_absent=if_absent)
         self._delete_quietly(url, made)
         return generation
+
+    def _each(self, call: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+        """`call` of each item, `concurrency` at a time, each within the deadline of the
+        operation this thread is carrying out; their results in order (the first failure
+        raised once all have ended)."""
+        todo = list(items)
+        if len(todo) <= 1 or self.concurrency <= 1:
+            return [call(item) for item in todo]
+        budget = client.current_budget()
+
+        def within(item: Any) -> Any:
+            if budget is None:
+                return call(item)
+            with client.carrying(budget):
+                return call(item)
+
+        with ThreadPoolExecutor(min(self.concurrency, len(todo)), thread_name_prefix="ckptfmt-gcs") as pool:
+            return list(pool.map(within, todo))
 
     def _compose(self, url: ObjectURL, key: str, sources: list[tuple[str, str]], *, if_absent: bool) -> str:
         request = {
@@ -278,11 +308,13 @@ class GCSStore:
             token = page.token
 
     def _delete_quietly(self, url: ObjectURL, keys: list[str]) -> None:
-        for key in keys:
+        def delete(key: str) -> None:
             try:
                 self._delete(url, key, None)
             except client.transfer_errors():
                 pass  # left for abort_stale_uploads
+
+        self._each(delete, keys)
 
     # -- deleting --------------------------------------------------------------------
 

@@ -61,10 +61,12 @@ class ObjectFile:
         self.spool: Spool | None = None
         self.fd = -1
         self._store: Store | None = None
-        self._upload_id: str | None = None
+        #: the request that begins the upload in parts, sent on the pool once the object is
+        #: known to need more than one part (its answer, the upload's id, awaited by each part)
+        self._started: Future[str] | None = None
         self._next_part = 2  # part 1 (the prologue's) goes last
         self._done: dict[int, str] = {}  # part number -> what completing the upload names
-        self._futures: list[Future[None]] = []
+        self._futures: list[Future[Any]] = []
         self._in_flight = 0
         self._cond = threading.Condition()
         self._pool: ThreadPoolExecutor | None = None
@@ -84,7 +86,11 @@ class ObjectFile:
 
     def written(self, pos: int) -> None:
         """The writer has written every byte below `pos`: upload the parts that are complete
-        (never part 1), waiting while too many bytes are in flight."""
+        (never part 1), waiting while too many bytes are in flight.  The upload in parts is
+        begun as soon as the object has more than one part's bytes, while the writer goes on
+        (a request of 6-16 ms on moto that the first part waited for)."""
+        if pos > self.part_size:
+            self._start()
         while self._next_part * self.part_size <= pos:
             self._submit(self._next_part, pos)
             self._next_part += 1
@@ -97,11 +103,16 @@ class ObjectFile:
             while self._in_flight and self._in_flight + (end - start) > self._max_in_flight:
                 self._cond.wait()
             self._in_flight += end - start
-        if self._upload_id is None:
-            self._upload_id = self._create_multipart()
+        self._futures.append(self._start().submit(self._upload_part, number, start, end))
+
+    def _start(self) -> ThreadPoolExecutor:
+        """The pool of upload threads, the upload in parts begun on it (once)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="ckptfmt-upload")
-        self._futures.append(self._pool.submit(self._upload_part, number, start, end))
+        if self._started is None:
+            self._started = self._pool.submit(self._create_multipart)
+            self._futures.append(self._started)  # its failure raised as a part's is
+        return self._pool
 
     def _create_multipart(self) -> str:
         store, u = self._store, self.url
@@ -109,9 +120,10 @@ class ObjectFile:
         return s3.request(str(u), "start multipart upload", lambda: store.start_upload(u), self.options)
 
     def _upload_part(self, number: int, start: int, end: int) -> None:
-        assert self.spool is not None and self._store is not None and self._upload_id is not None
-        store, u, upload_id = self._store, self.url, self._upload_id
+        assert self.spool is not None and self._store is not None and self._started is not None
+        store, u = self._store, self.url
         try:
+            upload_id = self._started.result()  # its failure is this part's
             view = self.spool.view(start, end)
             self._done[number] = s3.request(
                 str(u),
@@ -143,7 +155,7 @@ class ObjectFile:
         AtomicFile's: an object replaced in the store holds nothing open here."""
         assert self.spool is not None
         length = os.fstat(self.fd).st_size
-        if self._upload_id is None and length <= self.part_size:
+        if self._started is None and length <= self.part_size:
             self._put_whole(length)
         else:
             self.written(length)
@@ -160,13 +172,13 @@ class ObjectFile:
         self._creating("upload", lambda: store.put(u, view, if_absent=self.if_absent))
 
     def _complete(self) -> None:
-        assert self._store is not None and self._upload_id is not None
-        store, u, upload_id, parts = self._store, self.url, self._upload_id, dict(self._done)
+        assert self._store is not None and self._started is not None
+        store, u, upload_id, parts = self._store, self.url, self._started.result(), dict(self._done)
         self._creating(
             "complete multipart upload",
             lambda: store.complete_upload(u, upload_id, parts, if_absent=self.if_absent),
         )
-        self._upload_id = None
+        self._started = None
 
     def _creating(self, operation: str, call: Callable[[], str | None]) -> None:
         """The request that makes the object appear, its ETag kept; where `if_absent`, an
@@ -188,9 +200,9 @@ class ObjectFile:
         that cannot be reached leaves it to the bucket's lifecycle rule and `cleanup`)."""
         for f in self._futures:
             f.exception()  # waits; failures are the reason we are here
-        if self._upload_id is not None and self._store is not None:
-            store, u, upload_id = self._store, self.url, self._upload_id
-            self._upload_id = None
+        started, self._started = self._started, None
+        if started is not None and started.exception() is None and self._store is not None:
+            store, u, upload_id = self._store, self.url, started.result()
             try:
                 s3.request(
                     str(u), "abort multipart upload", lambda: store.abort_upload(u, upload_id), self.options
@@ -199,13 +211,16 @@ class ObjectFile:
                 pass
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Close the spool; the pages it still holds (the prologue's part, never released) are
+        freed by the upload pool's last task, after the save returns: freeing them took 4-13 ms
+        of a 64 MiB save, after its object had appeared."""
+        pool, self._pool = self._pool, None
         if self.spool is not None:
-            self.spool.close()
+            self.spool.close(free_on=pool)  # None: here
             self.spool = None
             self.fd = -1
+        if pool is not None:
+            pool.shutdown(wait=False)  # its threads end once the queued freeing is done
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
