@@ -53,6 +53,11 @@ PHASES = [
     ("placement", "ckptfmt.files.reader", "CheckpointFile._placement"),
     ("engine: records + check of every chunk", "ckptfmt.engine.chunkread", "ChunkReader.check_mapped"),
     ("engine: records, check started", "ckptfmt.files.reader", "CheckpointFile._start_mapped_check"),
+    (
+        "engine: records, check started (or made, below the thread's threshold)",
+        "ckptfmt.engine.chunkread",
+        "ChunkReader.start_check_mapped",
+    ),
     ("engine: waiting for the check", "ckptfmt.engine.chunkrecords", "MappedCheck.wait"),
     ("mapping + tensors", "ckptfmt.files.reader", "CheckpointFile._mapped_storages"),
     ("decode (the objects)", "ckptfmt.files.reader", "decode"),

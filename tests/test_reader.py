@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import ckptfmt
 from ckptfmt.background.staging import POOL
 from ckptfmt.engine import native as _native
+from ckptfmt.files import reader as reader_module
 
 HS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -147,12 +148,40 @@ def test_mmap_builds_the_tensors_while_the_engine_checks_them(tmp_path, monkeypa
     state = {f"w{i}": torch.randn(4096) for i in range(32)}
     p = tmp_path / "m.ckpt"
     ckptfmt.save(state, p, chunk_size=4096)
+    monkeypatch.setattr(reader_module, "_CHECK_BESIDE_AT", 32)  # as many storages as this file's
     events = _mapped_load_events(monkeypatch)
     out = ckptfmt.load(p, mmap=True)
     assert_same(state, out)
     checks = [i for i, e in enumerate(events) if e == "start ckptfmt-mapped-check"]
     assert len(checks) == 1 and events.index("tensor") > checks[0], events[:5]
     assert not any(t.name == "ckptfmt-mapped-check" for t in threading.enumerate())
+
+
+def test_a_small_mapped_load_checks_its_chunks_without_a_thread(tmp_path, monkeypatch):
+    """Below _CHECK_BESIDE_AT storages the check runs in the caller, before any tensor is built:
+    a thread's start and join cost more than the few tensors' building it would overlap."""
+    state = {f"w{i}": torch.randn(64) for i in range(4)}
+    p = tmp_path / "m.ckpt"
+    ckptfmt.save(state, p)
+    events = _mapped_load_events(monkeypatch)
+    assert_same(state, ckptfmt.load(p, mmap=True))
+    assert events and not any(e.startswith("start") for e in events), events
+
+
+def test_a_file_that_shrank_before_it_was_mapped_is_incomplete(tmp_path):
+    """A file cut short between its open and the mapping is an IncompleteError naming it, not
+    torch's complaint about a buffer too short nor the engine's."""
+    state = {f"w{i}": torch.randn(4096) for i in range(8)}
+    p = tmp_path / "m.ckpt"
+    ckptfmt.save(state, p, chunk_size=4096)
+    f = reader_module.CheckpointFile(str(p))
+    try:
+        os.truncate(p, f.chunks[5].offset + 10)
+        with pytest.raises(ckptfmt.IncompleteError, match="shrank") as info:
+            f.load_subtree(0, None, True, use_mmap=True)
+    finally:
+        f.close()
+    assert info.value.path == str(p)
 
 
 @pytest.mark.skipif(not _native.available(), reason="the C engine checks a mapping beside the caller")
@@ -169,6 +198,7 @@ def test_mmap_load_that_fails_building_tensors_leaves_no_check_running(tmp_path,
         raise MemoryError("no memory for the tensor")
 
     with monkeypatch.context() as m:
+        m.setattr(reader_module, "_CHECK_BESIDE_AT", 32)
         m.setattr(torch, "frombuffer", fails)
         with pytest.raises(MemoryError, match="no memory for the tensor"):
             ckptfmt.load(p, mmap=True)

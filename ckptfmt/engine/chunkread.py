@@ -451,9 +451,8 @@ class ChunkReader:
                 self._read_group(group, verify, check_only)
 
     def _fetcher(self, source: int, k: int) -> Fetcher | None:
-        """What brings the bytes of file `source` (-1: this one) in, where it is an object on a
-        store; None for a local file.  Opens a referenced file (`k`: a chunk in it, named in
-        errors) if it is not open."""
+        """What brings file `source`'s bytes (-1: this one) in from a store; None for a local
+        file.  Opens a referenced file (`k`: a chunk in it, for errors) if it is not open."""
         if source < 0:
             return self.remote
         if self._base is None and self.remote is None:
@@ -594,23 +593,24 @@ class ChunkReader:
         return self._error(CorruptError, msg, k, key, at)
 
     # -- mapped files and whole-file checks ------------------------------------
-
-    def check_mapped(self, mm: mmap.mmap, ranges: Sequence[tuple[int, int]]) -> None:
-        """Verify the raw chunks of `ranges` ((first chunk, count) each) where they lie in `mm`,
-        the file's mapping; with the C engine all of them in one parallel call.  A file opened
-        with trusted keys has each chunk's SHA-256 checked too, through the mapping."""
+    def start_check_mapped(
+        self, mm: mmap.mmap, ranges: Sequence[tuple[int, int]], background: bool
+    ) -> Callable[[], None]:
+        """Start checking the raw chunks of `ranges` ((first, count) each) in `mm`, the file's mapping
+        (C engine: in parallel, on a thread of its own with `background`; else here, now, signed
+        files' SHA-256 too); returns what waits and raises the first damaged chunk's error."""
         ks = [k for first, count in ranges for k in range(first, first + count)]
         if _native.available():
-            status = chunkrecords.check_mapped(mm, self.file_id, ks, self.chunks, _native.default_threads())
-            if status is not None:
-                raise self.native_error(status, [(k, memoryview(b"")) for k in ks])
-            return
-        mv = memoryview(mm)
-        try:
+            check = chunkrecords.MappedCheck(mm, self.file_id, ks, self.chunks, background)
+            return lambda: self._fail_on(check.wait(), ks)
+        with memoryview(mm) as mv:
             for k in ks:
                 self._check_mapped_chunk(mv, k, self.chunks[k])
-        finally:
-            mv.release()
+        return lambda: None
+
+    def _fail_on(self, status: chunkrecords.Status | None, ks: list[int]) -> None:
+        if status is not None:  # the engine's failure, as read_chunks reports it
+            raise self.native_error(status, [(k, memoryview(b"")) for k in ks])
 
     def _check_signed(
         self, file_id: bytes, number: int, ch: Chunk, stored: memoryview | bytes, k: int, key: str | None

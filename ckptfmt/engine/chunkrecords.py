@@ -14,6 +14,7 @@ chunk reader to turn into the error that names the chunk (chunkread.ChunkReader.
 from __future__ import annotations
 
 import array
+import contextlib
 import threading
 from collections.abc import Sequence
 from operator import itemgetter
@@ -154,22 +155,14 @@ def run_reads(
     return _outcome(rc, status, numbers)
 
 
-def check_mapped(
-    mapping: Any, file_id: bytes, numbers: Sequence[int], chunks: Sequence[Chunk], threads: int
-) -> Status | None:
-    """Verify the raw chunks `numbers` (of `chunks`, the file's records) where they lie in
-    `mapping` (the whole file, e.g. an mmap), in parallel; None, or the failure as read_chunks
-    reports it."""
-    return MappedCheck(mapping, file_id, numbers, chunks, threads, background=False).wait()
-
-
 class MappedCheck:
-    """check_mapped's check, started now and waited for later: with `background`, the engine's
-    call runs on a thread of its own (it releases the GIL), so that the caller's Python work
-    (building the tensors over the mapping, which reads none of its pages) shares the cores with
-    the engine's hashing instead of running before or after it.  The records are built here, in
-    the caller's thread.  Until wait() has returned, the caller must hand nothing of the mapping
-    to anyone: the chunks are not checked yet."""
+    """The engine's check of raw chunks where they lie in a mapping of their file, started now
+    and waited for later.  With `background` the engine's call runs on a thread of its own (it
+    releases the GIL), so that the caller's Python work (building the tensors over the mapping,
+    which reads none of its pages) shares the cores with the engine's hashing; a thread costs
+    about half a millisecond to start and join, so only a load with many tensors to build
+    asks for one.  Until wait() has returned, the caller must hand nothing of the mapping to
+    anyone: the chunks are not checked yet."""
 
     def __init__(
         self,
@@ -177,42 +170,33 @@ class MappedCheck:
         file_id: bytes,
         numbers: Sequence[int],
         chunks: Sequence[Chunk],
-        threads: int,
-        background: bool = True,
+        background: bool,
     ) -> None:
         ffi = _native.ffi
         assert ffi is not None
-        self._numbers = numbers
         self._src = ffi.from_buffer("uint8_t[]", mapping)
-        try:
-            self._rows = build([(k, 0) for k in numbers], [chunks[k] for k in numbers])
-        except BaseException:
-            ffi.release(self._src)
-            raise
-        self._status = ffi.new("ckf_status *")
-        self._fid = ffi.new("uint8_t[16]", file_id)
-        self._rc: int | None = None
+        self._result: Status | None = None
         self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
-        if background:
-            thread = threading.Thread(
-                target=self._run, args=(threads,), name="ckptfmt-mapped-check", daemon=True
-            )
-            try:
-                thread.start()
-                self._thread = thread
-            except RuntimeError:  # no thread to be had: the check runs here, as without background
-                pass
-        if self._thread is None:
-            self._run(threads)
-
-    def _run(self, threads: int) -> None:
-        lib = _native.lib
-        assert lib is not None
         try:
-            self._rc = lib.ckf_check_mapped(
-                self._src, len(self._src), self._fid, self._rows, len(self._numbers), threads, self._status
-            )
+            args = (file_id, numbers, [chunks[k] for k in numbers], _native.default_threads())
+            if background:
+                thread = threading.Thread(
+                    target=self._run, args=args, name="ckptfmt-mapped-check", daemon=True
+                )
+                with contextlib.suppress(RuntimeError):  # no thread to be had: checked here instead
+                    thread.start()
+                    self._thread = thread
+            if self._thread is None:
+                self._run(*args)
+        except BaseException:
+            if self._thread is None:
+                ffi.release(self._src)
+            raise
+
+    def _run(self, file_id: bytes, numbers: Sequence[int], records: Sequence[Chunk], threads: int) -> None:
+        try:
+            self._result = check_at(self._src, len(self._src), file_id, numbers, records, threads)
         except BaseException as e:  # raised again by wait(), in the caller's thread
             self._failure = e
 
@@ -225,8 +209,7 @@ class MappedCheck:
         ffi.release(self._src)
         if self._failure is not None:
             raise self._failure
-        assert self._rc is not None
-        return _outcome(self._rc, self._status, self._numbers)
+        return self._result
 
 
 def check_at(
