@@ -178,7 +178,7 @@ def test_a_file_that_shrank_before_it_was_mapped_is_incomplete(tmp_path):
     try:
         os.truncate(p, f.chunks[5].offset + 10)
         with pytest.raises(ckptfmt.IncompleteError, match="shrank") as info:
-            f.load_subtree(0, None, True, use_mmap=True)
+            f.load_subtree(f.tree.root, None, True, use_mmap=True)
     finally:
         f.close()
     assert info.value.path == str(p)
