@@ -292,21 +292,21 @@ def test_a_whole_load_asks_for_the_ends_the_index_waits_for_first(store, monkeyp
 
 
 def test_a_tail_tried_again_holds_no_cell_of_the_wave_back(s3_bucket, monkeypatch):
-    """The tail's request refused three times (then answered): the wave's other cells go once
-    its first attempt failed, not after its retries and their backoff (0.35 s at least)."""
+    """The tail's request refused four times (then answered): the wave's other cells go once
+    its first attempt failed, not after its retries and their backoff (0.75 s at least)."""
     bucket, options = s3_bucket
     options = options | {"request_size": MiB, "max_attempts": 5}
     url = f"s3://{bucket}/tail-again.ckpt"
     state = _save_ends_state(url, options)
     refusals = [0]
 
-    def three_times(r) -> bool:
+    def four_times(r) -> bool:
         if r != tail:
             return False
         refusals[0] += 1
-        return refusals[0] <= 3
+        return refusals[0] <= 4
 
-    log, first, tail, _ = _probe_gets(url, options, monkeypatch, refuse=three_times)
+    log, first, tail, _ = _probe_gets(url, options, monkeypatch, refuse=four_times)
     assert_same(state, ckptfmt.load(url, storage_options=options))
     last_tail = max(i for i, (what, r) in enumerate(log) if what == "ask" and r == tail)
     cells = [i for i, (what, r) in enumerate(log) if what == "ask" and r not in (first, tail)]
@@ -317,7 +317,7 @@ def test_no_cell_of_the_wave_is_asked_for_once_the_tail_failed_for_good(s3_bucke
     """The tail's request refused every time: the load fails (StorageError naming its bytes),
     and no cell of the wave is asked for after its last attempt (the load is lost then)."""
     bucket, options = s3_bucket
-    options = options | {"request_size": MiB, "max_attempts": 4}
+    options = options | {"request_size": MiB, "max_attempts": 5}  # 0.75 s of backoff at least
     url = f"s3://{bucket}/tail-never.ckpt"
     _save_ends_state(url, options)
     log, first, tail, _ = _probe_gets(url, options, monkeypatch, refuse=lambda r: r == tail)
@@ -344,11 +344,17 @@ def test_a_load_interrupted_while_the_tail_is_held_sends_no_more_cells(s3_bucket
     release = threading.Event()
     main = threading.main_thread().ident
     assert main is not None
+    timers: list[threading.Timer] = []
+
+    def interrupt_then_release() -> None:  # the tail held 0.5 s more, close() by then begun
+        signal.pthread_kill(main, signal.SIGUSR1)
+        timers.append(threading.Timer(0.5, release.set))
+        timers[-1].start()
 
     def hold(r) -> None:
-        if r == (0, MiB):  # the first cell asked: the wave is out; interrupt the load's wait
-            threading.Timer(0.3, signal.pthread_kill, (main, signal.SIGUSR1)).start()
-            threading.Timer(0.8, release.set).start()
+        if r == (0, MiB) and not timers:  # the first cell asked: the wave is out, the load waits
+            timers.append(threading.Timer(0.3, interrupt_then_release))
+            timers[-1].start()
         if r == tail:
             release.wait(30)
 
@@ -363,6 +369,8 @@ def test_a_load_interrupted_while_the_tail_is_held_sends_no_more_cells(s3_bucket
             ckptfmt.load(url, storage_options=options)
         took = time.monotonic() - began
     finally:
+        if timers:  # its signal sent before the handler goes (the default one ends the process)
+            timers[0].join(5)
         signal.signal(signal.SIGUSR1, earlier)
     assert release.is_set() and took < 20
     assert {r for _, r in log} == {first, tail}, log
