@@ -413,14 +413,27 @@ def test_range_arithmetic_matches_sets_of_bytes(ranges, held):
     assert left == download.merge_ranges(left)
 
 
-@given(_spans, st.integers(0, 60), st.integers(0, 60))
+@st.composite
+def _targets(draw) -> list[tuple[int, int]]:
+    """Spans of memory a load's bytes go to, as start_into is given them: sorted, disjoint,
+    unmerged (adjacent ones: a chunk and its pad), gaps between, and empty ones anywhere (a
+    tensor of no elements), inside a larger one too."""
+    edges = sorted(set(draw(st.lists(st.integers(0, 60), max_size=8))))
+    spans = [(a, b) for a, b in zip(edges, edges[1:]) if draw(st.booleans())]
+    empties = draw(st.lists(st.integers(0, 60), max_size=2))
+    return sorted([*spans, *((e, e) for e in empties)])
+
+
+@given(_targets(), st.integers(0, 60), st.integers(0, 60))
 def test_a_request_s_bytes_go_to_the_targets_within_it_and_its_gaps_to_the_spool(spans, lo, size):
-    """ranges.routed: each byte of a request lands once, in order, in the target that holds it
-    or else in the spool, whose parts (the gaps) are returned too."""
+    """ranges.routed: each byte of a request (starting or ending inside a target, or in no
+    target at all) lands once, in order, in the target that holds it (each cut once) or else
+    in the spool, whose parts (the gaps) are returned too; empty targets take no byte and
+    hide none."""
     from ckptfmt.storage.ranges import routed
 
     data = bytes(range(200))
-    targets = [(a, memoryview(bytearray(b - a))) for a, b in download.merge_ranges(spans)]
+    targets = [(a, memoryview(bytearray(b - a))) for a, b in spans]
     r = (lo, lo + size)
     views, gaps = routed(r, targets, lambda a, b: memoryview(bytearray(data[a:b])))
     assert sum(len(v) for v in views) == size
@@ -432,6 +445,8 @@ def test_a_request_s_bytes_go_to_the_targets_within_it_and_its_gaps_to_the_spool
         hit = [i for i in range(a, a + len(v)) if lo <= i < r[1]]
         assert bytes(v[i - a] for i in hit) == bytes(data[i] for i in hit)
     assert gaps == download.subtract_ranges([r], download.merge_ranges(spans))
+    within = [(a, b) for a, b in spans if max(a, lo) < min(b, r[1])]
+    assert len(views) == len(within) + len(gaps)
 
 
 def test_a_trickling_answer_is_cut_off_at_the_request_deadline(store_faults):

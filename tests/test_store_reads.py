@@ -218,36 +218,162 @@ def test_a_whole_load_asks_for_every_cell_before_the_first_comes(store_faults, m
     assert 0 < peaks[url] <= spooled + 3 * 4096
 
 
-def test_a_whole_load_asks_for_the_ends_the_index_waits_for_first(store, monkeypatch):
-    """The tail (footer and index) and the first cell (prologue), which the index waits for,
-    are asked for before the wave's other cells, which go once both ends' requests are
-    written: sent all at once, the ends were answered after most of the cells (the stores
-    serve requests in the order they come or share their work among them), and every cell's
-    body waited unread for them (bench/store_timeline.py)."""
-    from ckptfmt.storage.backends import store_for
-    from ckptfmt.storage.urls import parse_url
-
-    prefix, options = store
-    options = options | {"request_size": MiB}
-    url = f"{prefix}/ends.ckpt"
+def _save_ends_state(url: str, options: dict) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     state = {f"t{i}": torch.randn(400_000, generator=g) for i in range(4)}  # 6.4 MB: 7 cells
     ckptfmt.save(state, url, storage_options=options)
+    return state
+
+
+def _probe_gets(url: str, options: dict, monkeypatch, refuse=lambda r: False, hold=lambda r: None):
+    """The store's `get` for `url` wrapped: each range asked for noted in a log as
+    ("ask", range), a range `refuse` says so raising ConnectionRefusedError (noted
+    ("refused", range)), `hold(range)` called first (it may block); the ends' ranges."""
+    from ckptfmt.storage.backends import store_for
+    from ckptfmt.storage.urls import parse_url
+
+    size = download.head(parse_url(url), options)[0]
     shared = store_for(parse_url(url), options)
-    asked: list[tuple[int, int] | None] = []
+    log: list[tuple[str, tuple[int, int] | None]] = []
     get = shared.get
 
-    def noting(u, byte_range, version):  # the real request, its range noted as it is made
-        asked.append(byte_range)
+    def probing(u, byte_range, version):  # the real request, its range noted as it is made
+        log.append(("ask", byte_range))
+        hold(byte_range)
+        if refuse(byte_range):
+            log.append(("refused", byte_range))
+            raise ConnectionRefusedError(111, "refused by the test")
         return get(u, byte_range, version)
 
-    monkeypatch.setattr(shared, "get", noting)
+    monkeypatch.setattr(shared, "get", probing)
+    return log, (0, MiB), (size - download.TAIL_BYTES, size), shared
+
+
+def test_a_whole_load_asks_for_the_ends_the_index_waits_for_first(store, monkeypatch):
+    """The tail (footer and index) and the first cell (prologue), which the index waits for,
+    are asked for before the wave's other cells, which go once both ends' requests are
+    written (told by http.telling_sent, before the tail's answer's head is even read): sent
+    all at once, the ends were answered after most of the cells (the stores serve requests in
+    the order they come or share their work among them), and every cell's body waited unread
+    for them (bench/store_timeline.py)."""
+    prefix, options = store
+    options = options | {"request_size": MiB}
+    url = f"{prefix}/ends.ckpt"
+    state = _save_ends_state(url, options)
+    told: set[int] = set()  # the threads whose request http.telling_sent's hook was told of
+    telling_sent = store_http.telling_sent
+
+    def spying(hook):
+        def noted() -> None:
+            told.add(threading.get_ident())
+            hook()
+
+        return telling_sent(noted)
+
+    monkeypatch.setattr(store_http, "telling_sent", spying)
+    told_before_head: list[bool] = []
+    log, first, tail, shared = _probe_gets(url, options, monkeypatch)
+    probing = shared.get
+
+    def tail_told(u, byte_range, version):  # the tail's answer: its hook fired before it came
+        reply = probing(u, byte_range, version)
+        if byte_range == tail:
+            told_before_head.append(threading.get_ident() in told)
+        return reply
+
+    monkeypatch.setattr(shared, "get", tail_told)
     for _ in range(3):
-        asked.clear()
+        log.clear()
+        told_before_head.clear()
         assert_same(state, ckptfmt.load(url, storage_options=options))
-        size = max(hi for _, hi in asked)
-        ends = {(0, MiB), (size - download.TAIL_BYTES, size)}
-        assert set(asked[:2]) == ends and len(set(asked)) == len(asked) > 2, asked
+        asked = [r for _, r in log]
+        assert set(asked[:2]) == {first, tail} and len(set(asked)) == len(asked) > 2, asked
+        assert told_before_head == [True]
+
+
+def test_a_tail_tried_again_holds_no_cell_of_the_wave_back(s3_bucket, monkeypatch):
+    """The tail's request refused four times (then answered): the wave's other cells go once
+    its first attempt failed, not after its retries and their backoff (0.75 s at least)."""
+    bucket, options = s3_bucket
+    options = options | {"request_size": MiB, "max_attempts": 5}
+    url = f"s3://{bucket}/tail-again.ckpt"
+    state = _save_ends_state(url, options)
+    refusals = [0]
+
+    def four_times(r) -> bool:
+        if r != tail:
+            return False
+        refusals[0] += 1
+        return refusals[0] <= 4
+
+    log, first, tail, _ = _probe_gets(url, options, monkeypatch, refuse=four_times)
+    assert_same(state, ckptfmt.load(url, storage_options=options))
+    last_tail = max(i for i, (what, r) in enumerate(log) if what == "ask" and r == tail)
+    cells = [i for i, (what, r) in enumerate(log) if what == "ask" and r not in (first, tail)]
+    assert len(cells) > 2 and max(cells) < last_tail, log
+
+
+def test_no_cell_of_the_wave_is_asked_for_once_the_tail_failed_for_good(s3_bucket, monkeypatch):
+    """The tail's request refused every time: the load fails (StorageError naming its bytes),
+    and no cell of the wave is asked for after its last attempt (the load is lost then)."""
+    bucket, options = s3_bucket
+    options = options | {"request_size": MiB, "max_attempts": 5}  # 0.75 s of backoff at least
+    url = f"s3://{bucket}/tail-never.ckpt"
+    _save_ends_state(url, options)
+    log, first, tail, _ = _probe_gets(url, options, monkeypatch, refuse=lambda r: r == tail)
+    with pytest.raises(StorageError, match=f"read bytes {tail[0]}-{tail[1] - 1}"):
+        ckptfmt.load(url, storage_options=options)
+    last_refusal = max(i for i, (what, r) in enumerate(log) if what == "refused")
+    assert not [r for what, r in log[last_refusal:] if r not in (first, tail)], log
+
+
+class _Interrupted(BaseException):
+    """What the test's signal handler raises in the main thread (as Ctrl-C would)."""
+
+
+def test_a_load_interrupted_while_the_tail_is_held_sends_no_more_cells(s3_bucket, monkeypatch):
+    """A load interrupted (a signal) while the tail's request is held up and the wave's other
+    cells wait for it: close() tells them never to go, and returns once the tail's request
+    is over, not after the cells' answers."""
+    import signal
+
+    bucket, options = s3_bucket
+    options = options | {"request_size": MiB}
+    url = f"s3://{bucket}/tail-held.ckpt"
+    _save_ends_state(url, options)
+    release = threading.Event()
+    main = threading.main_thread().ident
+    assert main is not None
+    timers: list[threading.Timer] = []
+
+    def interrupt_then_release() -> None:  # the tail held 0.5 s more, close() by then begun
+        signal.pthread_kill(main, signal.SIGUSR1)
+        timers.append(threading.Timer(0.5, release.set))
+        timers[-1].start()
+
+    def hold(r) -> None:
+        if r == (0, MiB) and not timers:  # the first cell asked: the wave is out, the load waits
+            timers.append(threading.Timer(0.3, interrupt_then_release))
+            timers[-1].start()
+        if r == tail:
+            release.wait(30)
+
+    def interrupt(*_):
+        raise _Interrupted
+
+    log, first, tail, _ = _probe_gets(url, options, monkeypatch, hold=hold)
+    earlier = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        began = time.monotonic()
+        with pytest.raises(_Interrupted):
+            ckptfmt.load(url, storage_options=options)
+        took = time.monotonic() - began
+    finally:
+        if timers:  # its signal sent before the handler goes (the default one ends the process)
+            timers[0].join(5)
+        signal.signal(signal.SIGUSR1, earlier)
+    assert release.is_set() and took < 20
+    assert {r for _, r in log} == {first, tail}, log
 
 
 def test_a_load_under_max_bytes_reads_ahead_no_more_than_that(store_faults):

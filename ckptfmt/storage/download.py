@@ -41,7 +41,6 @@ from ..engine.fetchplan import paged_bytes
 from ..errors import CheckpointError, LimitError, StorageError
 from ..format import layout as fmt
 from . import client as s3
-from . import http
 from .backends import store_for
 from .bodies import body_deadline, read_body
 from .rangedgets import RangedGets, Where
@@ -56,7 +55,7 @@ from .ranges import (
     subtract_ranges,
     views_after,
 )
-from .readahead import Deferred, SendOrder
+from .readahead import Abandoned, Deferred, SendOrder
 from .spool import Spool
 from .store import Store
 from .urls import ObjectURL, parse_url
@@ -198,7 +197,7 @@ class RemoteObject:
             return tail[0]
         order = SendOrder()
         with self._held_lock:
-            ends = self._in_flight[tail] = self._pool.submit(self._get_end, *tail, order.tail)
+            ends = self._in_flight[tail] = self._pool.submit(self._get_tail, *tail, order)
         first = self._read_ahead(wave, head[1], order)
         self.wait([ends, first])
         return tail[0]
@@ -210,13 +209,12 @@ class RemoteObject:
         concurrency = s3.concurrency(self.options)
         return plan_requests([(0, min(tail, ahead))], self._request_bytes)[: concurrency - 1]
 
-    def _get_end(self, lo: int, hi: int, sent: threading.Event) -> None:
-        """_get, whose request sets `sent` once written (or once it is over)."""
-        try:
-            with http.telling_sent(sent.set):
-                self._get(lo, hi)
-        finally:
-            sent.set()
+    def _get_tail(self, lo: int, hi: int, order: SendOrder) -> None:
+        """_get of the tail, an end of the wave's `order`: the others go once its request is
+        written or an attempt of it failed (not after its retries); its failure for good fails
+        the order (the load is lost: the others never go)."""
+        with order.sending(order.tail) as failed:
+            self._get(lo, hi, failed)
 
     def _read_ahead(self, requests: Sequence[Range], prologue: int, order: SendOrder) -> Future[None]:
         """Ask for `requests` (_wave) without waiting for their bodies, but for the first
@@ -432,7 +430,8 @@ class RemoteObject:
             if deferred.landed is not None:
                 deferred.landed((lo, hi))
         except BaseException as e:
-            if not deferred.prefix.done():
+            if not deferred.prefix.done():  # the prologue never came (or the load was lost already)
+                deferred.order.fail()
                 deferred.prefix.set_exception(e)
             raise
         finally:
@@ -440,19 +439,27 @@ class RemoteObject:
 
     def _open_deferred(self, lo: int, hi: int, deferred: Deferred) -> Any:
         """The deferred request's answer, its head checked and its bytes before `start` read
-        into the spool (held), its body left open; None where that failed (the prologue then
-        fetched again on its own, the rest fetched once claimed)."""
+        into the spool (held), its body left open; None where its one attempt failed (the
+        prologue then fetched again on its own, the rest fetched once claimed).  The first
+        request is an end of the wave's order; the others go once both ends' are written, and
+        never where the load is lost or the object closed meanwhile (Abandoned)."""
         budget = s3.Budget(self.options)
-        if lo > 0:
-            deferred.order.wait(budget.remaining())
-            return self._open_deferred_once(lo, hi, deferred, budget)
-        try:
-            with http.telling_sent(deferred.order.first.set):
-                return self._open_deferred_once(lo, hi, deferred, budget)
-        finally:
-            deferred.order.first.set()  # its attempt is over: the others go, whatever became of it
+        order = deferred.order
+        if lo == 0:
+            with order.sending(order.first):
+                body = self._try_open(lo, hi, deferred, budget)
+        elif order.wait(budget.remaining()) and not deferred.abandoned:
+            body = self._try_open(lo, hi, deferred, budget)
+        else:
+            raise Abandoned
+        if body is None and deferred.start > lo:
+            self._get_range(lo, deferred.start)
+        self._prefix_in(lo, deferred)
+        return body
 
-    def _open_deferred_once(self, lo: int, hi: int, deferred: Deferred, budget: s3.Budget) -> Any:
+    def _try_open(self, lo: int, hi: int, deferred: Deferred, budget: s3.Budget) -> Any:
+        """One attempt at the deferred request's answer, its bytes before `start` read into the
+        spool; its body left open, or None where the attempt failed."""
         start = deferred.start
         try:
             with s3.carrying(budget):
@@ -463,15 +470,9 @@ class RemoteObject:
             except BaseException:
                 reply.body.close()
                 raise
-            body = reply.body
+            return reply.body
         except s3.transfer_errors():
-            body = None
-            if lo == 0:
-                deferred.order.first.set()  # the first request's attempt is over: the others go
-            if start > lo:
-                self._get_range(lo, start)
-        self._prefix_in(lo, deferred)
-        return body
+            return None
 
     def _read_claimed(self, body: Any, lo: int, hi: int, views: list[memoryview]) -> None:
         """Read [lo, hi) of a claimed answer's open `body` (None: none) into `views`, under a
@@ -483,7 +484,7 @@ class RemoteObject:
             except s3.transfer_errors() as e:
                 got = getattr(e, "ckptfmt_got", 0)
         if got < hi - lo:
-            self._get_range(lo + got, hi, lambda _, skip: views_after(views, got + skip))
+            self._get_range(lo + got, hi, lambda skip: views_after(views, got + skip))
 
     def _prefix_in(self, lo: int, deferred: Deferred) -> None:
         """The bytes of a deferred request before its `start` are in the spool: held."""
@@ -499,7 +500,7 @@ class RemoteObject:
         once in, then `landed`."""
         held: list[Range] = []
         try:
-            self._get_range(lo, hi, lambda _, skip: views_after(views, skip))
+            self._get_range(lo, hi, lambda skip: views_after(views, skip))
             held = spooled
             landed((lo, hi))
         finally:
@@ -551,25 +552,27 @@ class RemoteObject:
             if held:
                 self._held = merge_ranges([*self._held, *held])
 
-    def _get(self, lo: int, hi: int) -> None:
+    def _get(self, lo: int, hi: int, failed: Callable[[], None] | None = None) -> None:
         """Fetch [lo, hi) into the spool (a request start made: held once over, else no longer
-        in flight)."""
+        in flight); `failed` called as each failed attempt ends."""
         held: list[Range] = []
         try:
-            self._get_range(lo, hi)
+            self._get_range(lo, hi, failed=failed)
             held = [(lo, hi)]
         finally:
             self._landed(lo, hi, held)
 
-    def _get_range(self, lo: int, hi: int, where: Where | None = None) -> None:
+    def _get_range(
+        self, lo: int, hi: int, where: Where | None = None, failed: Callable[[], None] | None = None
+    ) -> None:
         """Fetch [lo, hi) into the spool (or where `where` says once an answer's head is in:
         views that hold its bytes from a given one on, in order), resuming after a dropped
         connection or a body cut at its deadline from the byte it reached, within one Budget
-        (attempts and deadline)."""
+        (attempts and deadline); `failed` called as each failed attempt ends."""
         budget = s3.Budget(self.options)
         self._wait_freed(lo, hi, budget)
-        spooled: Where = lambda _, got: [self._spool_view(lo + got, hi)]  # noqa: E731
-        self._gets.get(lo, hi, where or spooled, budget)
+        spooled: Where = lambda got: [self._spool_view(lo + got, hi)]  # noqa: E731
+        self._gets.get(lo, hi, where or spooled, budget, failed)
 
     def sha256(self) -> bytes:
         """SHA-256 of the object's whole bytes, fetched window by window (the next one while
@@ -591,7 +594,8 @@ class RemoteObject:
 
     def close(self) -> None:
         with self._held_lock:
-            for r in list(self._deferred):
+            for r, deferred in list(self._deferred.items()):
+                deferred.order.fail()  # read-ahead not sent yet never is
                 self._claim(r, None)  # read-ahead no one claimed: its body is left unread
         self._pool.shutdown(wait=True, cancel_futures=True)  # read-ahead no one waits for
         if self.spool is not None:

@@ -18,9 +18,9 @@ from .bodies import body_deadline, read_body
 from .store import Store
 from .urls import ObjectURL
 
-#: views that hold a request's bytes from a given one on, in order, given its budget and
-#: how many of its bytes came already
-Where = Callable[[s3.Budget, int], Iterable[memoryview]]
+#: views that hold a request's bytes from a given one on, in order, given how many of its
+#: bytes came already
+Where = Callable[[int], Iterable[memoryview]]
 
 
 def tag_value(etag: object) -> object:
@@ -43,18 +43,23 @@ class RangedGets:
         self.etag = etag
         self.timeout = timeout
 
-    def get(self, lo: int, hi: int, where: Where, budget: s3.Budget) -> None:
+    def get(
+        self, lo: int, hi: int, where: Where, budget: s3.Budget, failed: Callable[[], None] | None = None
+    ) -> None:
         """Fetch [lo, hi) into the views `where` gives once an answer's head is in, resuming
         after a dropped connection or a body cut at its deadline from the byte it reached,
-        within `budget` (attempts and deadline)."""
+        within `budget` (attempts and deadline); `failed` called as each failed attempt ends,
+        before the next one's backoff."""
         what = f"read bytes {lo}-{hi - 1}"
         got = 0
         while True:
             try:
-                got += self._get_once(lo + got, hi, functools.partial(where, budget, got), budget)
+                got += self._get_once(lo + got, hi, functools.partial(where, got), budget)
                 return
             except s3.transfer_errors() as e:
                 got += getattr(e, "ckptfmt_got", 0)
+                if failed is not None:
+                    failed()
                 if isinstance(e, CheckpointError):  # an answer refused here: tried again
                     if not budget.retry():
                         raise

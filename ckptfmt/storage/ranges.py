@@ -95,10 +95,12 @@ def routed(
     r: Range, targets: Sequence[tuple[int, memoryview]], spool: Callable[[int, int], memoryview]
 ) -> tuple[list[memoryview], list[Range]]:
     """Where the bytes of request `r` go, in order: the parts of `targets` ((offset, memory),
-    sorted, disjoint) within it, each cut once, and `spool`'s memory for the gaps between
-    them (returned too), made to their size."""
+    sorted, disjoint; empty ones take no byte) within it, each cut once, and `spool`'s memory
+    for the gaps between them (returned too), made to their size."""
     lo, hi = r
     i = max(0, bisect.bisect_right(targets, lo, key=lambda t: t[0]) - 1)
+    while i > 0 and not len(targets[i][1]):  # an empty target inside the one that holds lo
+        i -= 1
     views: list[memoryview] = []
     gaps: list[Range] = []
     at = lo  # where the bytes placed so far end
