@@ -584,19 +584,29 @@ def test_an_atomic_load_reads_the_compared_chunks_once_before_writing(
 
 
 @pytest.mark.parametrize("atomic", [True, False])
-def test_a_strided_target_read_in_pieces_is_cut_into_pieces_once(tmp_path, monkeypatch, atomic):
+def test_a_strided_target_read_in_pieces_is_planned_once(tmp_path, monkeypatch, atomic):
     """A transposed save filled into a contiguous target, its span larger than the (lowered) span
-    window: its pieces are cut once, when the load is planned, and every pass (sizing the buffer,
-    the check, the writes) uses that list."""
+    window: its pieces are counted and bounded once, when the load is planned, and every pass
+    (sizing the buffer, the check, the writes) uses that plan; so are a tied pair's when the
+    first of them is that target (the comparison cuts only parts of the second anew, box by
+    box)."""
     w = torch.randn(90, 70)
-    p = _save(tmp_path, {"t": w.t().contiguous().t()})
+    p = _save(tmp_path, {"t": w.t().contiguous().t(), "u": w.clone()})
     monkeypatch.setattr(fillplan, "_SPAN_WINDOW", 4096)
-    cuts = []
-    real = fillplan.span_pieces
-    monkeypatch.setattr(fillplan, "span_pieces", lambda m, size: cuts.append(m) or real(m, size))
+    planned = []
+    real = fillplan.pieces_of
+    monkeypatch.setattr(
+        fillplan,
+        "pieces_of",  # the whole tensor's pieces (a part of one has a shape of its own)
+        lambda f, key, m, *a: (m["shape"] == [90, 70] and planned.append(key)) or real(f, key, m, *a),
+    )
     t = torch.zeros(90, 70)
-    ckptfmt.load_into(p, {"t": t}, atomic=atomic)
-    assert torch.equal(t, w) and len(cuts) == 1
+    ckptfmt.load_into(p, {"t": t}, atomic=atomic, strict=False)
+    assert torch.equal(t, w) and planned == ["t"]
+    planned.clear()
+    x = torch.zeros(90, 70)
+    ckptfmt.load_into(p, {"t": x, "u": x}, atomic=atomic)
+    assert torch.equal(x, w) and planned == ["t", "u"], planned  # each once
 
 
 _PEAK_CHILD = r"""
