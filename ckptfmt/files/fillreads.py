@@ -414,15 +414,17 @@ def _values_differ(f: CheckpointFile, a: Strided, b: Strided, verify: bool, read
     and shape, laid out differently) differ, or None; the chunks read added to `read`.
 
     Compared a piece of a at a time, in a's storage order: pieces of at most
-    max(_SPAN_WINDOW, N / _COMPARE_PIECES) bytes of span (N: the tensor's bytes), each held in a
-    window of a's chunks, its elements gathered box by box (boxes of at most that many bytes of
-    elements) into one dense host tensor, and b's elements at the same indices into another,
-    through a window of b's chunks cut in pieces of _SPAN_WINDOW.  Reads: a's chunks once; b's
-    once per piece of a at most: once where the two layouts order their elements alike (a slice
-    with gaps, an offset), about _COMPARE_PIECES times where they do not (one the other's
-    transpose: a 1 GiB pair reads b ~8 times, not once per 16 MiB of a, 64 times).  Memory: the
-    two boxes and the chunks of a's piece, each at most max(_SPAN_WINDOW, N / _COMPARE_PIECES),
-    and b's chunks of one piece: ~3N/8 for a large pair, a few tens of MiB up to 128 MiB.  A
+    max(_SPAN_WINDOW, N / _COMPARE_PIECES) bytes of span (N: the tensor's bytes), each one's
+    elements gathered box by box (boxes of at most that many bytes of elements; a piece is one
+    box unless its elements overlap) into one dense host tensor, and b's elements at the same
+    indices into another, each through a window of its tensor's chunks, read in pieces of
+    _SPAN_WINDOW (in that tensor's storage order).  Reads: a's chunks once (once per box where a
+    piece's elements overlap); b's once per piece of a at most: once where the two layouts order
+    their elements alike (a slice with gaps, an offset), about _COMPARE_PIECES times where they
+    do not (one the other's transpose: a 1 GiB pair reads b ~8 times, not once per 16 MiB of a,
+    64 times).  Memory: the two boxes, each at most max(_SPAN_WINDOW, N / _COMPARE_PIECES), and
+    the chunks of one piece of _SPAN_WINDOW of each tensor: ~N/4 for a large pair, a few tens of
+    MiB up to 128 MiB.  A
     piece or box whose first element (in element order) is at or past the first difference found
     so far is skipped before its chunks are read: where a's storage order is element order, the
     comparison stops at the first."""
@@ -444,17 +446,16 @@ def _values_differ(f: CheckpointFile, a: Strided, b: Strided, verify: bool, read
         if a.pieces is not None and a.pieces.window == window
         else cut_for_reading(f, a.key, a.meta, size, window)
     )
-    for cut, k0, k1 in pieces_a:
+    for cut, _, _ in pieces_a:
         if past_first(cut):
             continue
-        wa.hold(a.sid, k0, k1)
         pa, pb = narrowed(a.meta, cut), narrowed(b.meta, cut)
         for box in boxes(pa["shape"], limit):
             if past_first([*cut, *box]):
                 continue
             ma, mb = narrowed(pa, box), narrowed(pb, box)
             x, y = (t[: math.prod(ma["shape"])].view(ma["shape"]) for t in (xs, ys))
-            x.copy_(wa.source(a.sid, ma))
+            fill_pieces(wa, a.sid, ma, x, cut_for_reading(f, a.key, ma, size))
             whole_b = b.pieces if not cut and not box else None  # b's own pieces, as planned
             fill_pieces(
                 wb, b.sid, mb, y, whole_b if whole_b is not None else cut_for_reading(f, b.key, mb, size)
