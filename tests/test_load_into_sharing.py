@@ -584,19 +584,69 @@ def test_an_atomic_load_reads_the_compared_chunks_once_before_writing(
 
 
 @pytest.mark.parametrize("atomic", [True, False])
-def test_a_strided_target_read_in_pieces_is_cut_into_pieces_once(tmp_path, monkeypatch, atomic):
+def test_a_strided_target_read_in_pieces_is_planned_once(tmp_path, monkeypatch, atomic):
     """A transposed save filled into a contiguous target, its span larger than the (lowered) span
-    window: its pieces are cut once, when the load is planned, and every pass (sizing the buffer,
-    the check, the writes) uses that list."""
+    window: its pieces are counted and bounded once, when the load is planned, and every pass
+    (sizing the buffer, the check, the writes) uses that plan; so are a tied pair's when the
+    first of them is that target (the comparison cuts only parts of the second anew, box by
+    box)."""
     w = torch.randn(90, 70)
-    p = _save(tmp_path, {"t": w.t().contiguous().t()})
+    p = _save(tmp_path, {"t": w.t().contiguous().t(), "u": w.clone()})
     monkeypatch.setattr(fillplan, "_SPAN_WINDOW", 4096)
-    cuts = []
-    real = fillplan.span_pieces
-    monkeypatch.setattr(fillplan, "span_pieces", lambda m, size: cuts.append(m) or real(m, size))
+    planned = []
+    real = fillplan.pieces_of
+    monkeypatch.setattr(
+        fillplan,
+        "pieces_of",  # the whole tensor's pieces (a part of one has a shape of its own)
+        lambda f, key, m, *a: (m["shape"] == [90, 70] and planned.append(key)) or real(f, key, m, *a),
+    )
     t = torch.zeros(90, 70)
-    ckptfmt.load_into(p, {"t": t}, atomic=atomic)
-    assert torch.equal(t, w) and len(cuts) == 1
+    ckptfmt.load_into(p, {"t": t}, atomic=atomic, strict=False)
+    assert torch.equal(t, w) and planned == ["t"]
+    planned.clear()
+    x = torch.zeros(90, 70)
+    ckptfmt.load_into(p, {"t": x, "u": x}, atomic=atomic)
+    assert torch.equal(x, w) and planned == ["t", "u"], planned  # each once
+
+
+def _transposed_pair(tmp_path, change_first: bool = False):
+    """A 256 x 256 fp32 weight (256 KiB, 64 chunks of 4 KiB) saved as it is ('a') and as the
+    transpose of a contiguous copy ('b'), the latter's first element changed or not."""
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(8))
+    other = w.t().contiguous().t()
+    if change_first:
+        other[0, 0] += 1.0
+    return _save(tmp_path, {"a": w, "b": other}), w
+
+
+def test_a_tied_pair_against_its_transpose_reads_the_second_a_bounded_number_of_times(tmp_path, monkeypatch):
+    """With the span window lowered to one chunk, the first tensor is still compared in about 8
+    pieces (of an eighth of its bytes each), not one per window (64): each chunk of the
+    transposed second one, whose every chunk each piece needs, is read at most 8 + 1 times."""
+    p, w = _transposed_pair(tmp_path)
+    monkeypatch.setattr(fillplan, "_SPAN_WINDOW", 4096)
+    counts = _count_chunk_reads(monkeypatch)
+    x = torch.zeros(256, 256)
+    ckptfmt.load_into(p, {"a": x, "b": x})
+    assert torch.equal(x, w)
+    reads_of_b = [counts.get(k, 0) for k in _chunks_of(p, "b")]
+    assert len(reads_of_b) == 64 and 1 <= max(reads_of_b) <= fillplan._COMPARE_PIECES + 1, reads_of_b
+
+
+def test_a_tied_pair_differing_at_its_first_byte_reads_only_the_first_piece(tmp_path, monkeypatch):
+    """The first tensor laid out in element order, the transposed second differing at byte 0:
+    the pieces of the first after the one holding that byte are skipped before their chunks are
+    read (its first piece's 8 chunks read, not all 64), and the second is read once."""
+    p, _ = _transposed_pair(tmp_path, change_first=True)
+    monkeypatch.setattr(fillplan, "_SPAN_WINDOW", 4096)
+    counts = _count_chunk_reads(monkeypatch)
+    x = torch.zeros(256, 256)
+    with pytest.raises(ckptfmt.MismatchError, match="'a' and 'b' are the same memory, but .*from byte 0 of"):
+        ckptfmt.load_into(p, {"a": x, "b": x})
+    assert not bool(x.any())
+    chunks_a = _chunks_of(p, "a")
+    assert [counts.get(k, 0) for k in chunks_a] == [1] * 8 + [0] * 56, counts
+    assert [counts.get(k, 0) for k in _chunks_of(p, "b")] == [1] * 64, counts
 
 
 _PEAK_CHILD = r"""

@@ -28,6 +28,7 @@ import torch
 
 from ..engine import bytesview, hostmem
 from ..errors import CorruptError, LimitError
+from ..files.indexspace import contiguous_strides
 from ..files.reader import CheckpointFile
 from ..format import dtypes
 
@@ -52,13 +53,6 @@ class RegionJob:
     scratch_bytes: int
     make: Callable[[], tuple[list[tuple[int, memoryview]], Callable[[], None]]]
     chunks: list[int] = field(default_factory=list)
-
-
-def contiguous_strides(shape: Sequence[int]) -> list[int]:
-    out = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        out[d] = out[d + 1] * shape[d + 1]
-    return out
 
 
 def _is_row_major(shape: Sequence[int], stride: Sequence[int]) -> bool:

@@ -9,10 +9,11 @@ buffer) are read into a small bounce buffer and only their overlapping bytes are
 copied (`Piece`).  Any other target (transposed, strided, another conjugate bit,
 an accelerator tensor laid out differently) is filled with ``copy_`` from a host
 copy of the chunks its elements lie in (`Strided`); a file tensor whose span (first element to
-last) is larger than _SPAN_WINDOW is read in pieces of at most that span (`span_pieces`, cut
-once per target and kept on its entry as `Strided.pieces`), each piece's elements copied from a
-window of its chunks: a strided tensor of a hostile file, two elements a GiB apart, costs two
-chunks, not a GiB.  Only a target's own bytes
+last) is larger than _SPAN_WINDOW is read in pieces of at most that span (`Pieces`, counted
+and bounded once per target and kept on its entry as `Strided.pieces`), each piece's elements
+copied from a window of its chunks: a strided tensor of a hostile file, two elements a GiB
+apart, costs two chunks, not a GiB, and one whose strides overlap into a piece per element is
+refused (`pieces_of`).  Only a target's own bytes
 are ever written: the rest of a flat buffer it is a view of is left alone.
 Values that are not tensors, and meta tensors, which have no memory, are replaced
 in their container by what the file holds (`Plan.replace`).
@@ -27,7 +28,8 @@ fillreads.py carries the plan out.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +37,8 @@ import torch
 
 from ..engine import bytesview
 from ..engine import native as _native
+from ..errors import LimitError
+from .indexspace import Cut, Narrowing, count_cuts, cuts
 from .reader import CheckpointFile
 from .targets import Matched, same_layout
 
@@ -45,11 +49,16 @@ _WINDOW_SHARE = 24
 #: a strided file tensor whose span is larger is read in pieces of at most this span
 _SPAN_WINDOW = 16 << 20
 
-#: a piece of a file tensor: (dim, start, stop) narrowings, and the elements [lo, hi) of its
-#: storage that the piece's span covers
-SpanPiece = tuple[list[tuple[int, int, int]], int, int]
-#: a piece of a file tensor with the chunks [k0, k1) its span lies in: (narrowings, k0, k1)
-ChunkPiece = tuple[list[tuple[int, int, int]], int, int]
+#: a strided file tensor is refused when cutting it makes more pieces than this many per window
+#: of its span and of its elements (plus _PIECES_SLACK): the layouts of slices, transposes,
+#: expands, narrows and nested as_strided make at most 1.5 past the slack (200,000 random ones
+#: tried; tests/test_load_into_pieces.py checks random ones against it); only strides that
+#: overlap (a hostile file) make more, up to one piece per element
+_PIECES_PER_WINDOW = 6
+_PIECES_SLACK = 16
+#: a tied pair in two layouts is compared in about this many pieces of the first tensor (each of
+#: at least _SPAN_WINDOW bytes of span): the second is read about this many times at most
+_COMPARE_PIECES = 8
 
 
 @dataclass
@@ -73,9 +82,9 @@ class Strided:
     sid: int
     first: int
     last: int
-    #: None: the span is read whole (at most _SPAN_WINDOW bytes); else its pieces (chunk_pieces),
-    #: cut once here for every pass that reads or sizes them
-    pieces: list[ChunkPiece] | None = None
+    #: None: the span is read whole (at most _SPAN_WINDOW bytes); else its pieces (pieces_of),
+    #: counted and bounded once here for every pass that reads or sizes them
+    pieces: Pieces | None = None
 
 
 @dataclass
@@ -142,14 +151,78 @@ def span_read_bytes(f: CheckpointFile, s: Strided) -> int:
     of its largest piece."""
     if s.pieces is None:
         return range_bytes(f, s.first, s.last)
-    return max(k1 - k0 for _, k0, k1 in s.pieces) * f.chunk_size
+    return s.pieces.largest() * f.chunk_size
 
 
-def chunk_pieces(f: CheckpointFile, m: dict[str, Any], size: int) -> list[ChunkPiece]:
-    """File tensor `m` (elements of `size` bytes) cut into span_pieces, each with the chunks of
-    its storage that its span lies in."""
-    first, cs = f.storages[m["storage"]].first_chunk, f.chunk_size
-    return [(cut, *piece_range(first, cs, lo * size, hi * size)) for cut, lo, hi in span_pieces(m, size)]
+class Pieces:
+    """File tensor `m` (elements of `size` bytes) cut into pieces whose spans are at most
+    `window` bytes (indexspace.cuts), each with the chunks [k0, k1) of its storage that its
+    span lies in.  Cut anew at each iteration, never listed: a tensor with a span of a TiB has
+    some 10^5 pieces, a list of them some 100 MiB.  `count` is known before any is cut."""
+
+    def __init__(self, f: CheckpointFile, m: dict[str, Any], size: int, window: int, count: int) -> None:
+        self.f, self.m, self.size, self.window, self.count = f, m, size, window, count
+        self._largest: int | None = None
+
+    def __iter__(self) -> Iterator[Cut]:
+        f, m, size = self.f, self.m, self.size
+        first, cs = f.storages[m["storage"]].first_chunk, f.chunk_size
+        for cut, lo, hi in cuts(m["shape"], m["stride"], m["offset"], self.window // size):
+            yield (cut, *piece_range(first, cs, lo * size, hi * size))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def largest(self) -> int:
+        """The chunks of the piece that lies in the most of them (worked out once)."""
+        if self._largest is None:
+            self._largest = max(k1 - k0 for _, k0, k1 in self)
+        return self._largest
+
+
+def pieces_of(f: CheckpointFile, key: str, m: dict[str, Any], size: int, window: int | None = None) -> Pieces:
+    """File tensor `m` of target `key` (elements of `size` bytes) in pieces of at most `window`
+    bytes of span (_SPAN_WINDOW by default); LimitError, before any piece is cut, where that makes more than
+    _PIECES_PER_WINDOW pieces per window of its span and of its elements (+ _PIECES_SLACK).
+
+    What the bound buys: each piece costs a read of its chunks and a copy (~150 us on these
+    machines), so a file whose strides overlap (shape [2] * 20, every stride 16 MiB + 1: a
+    20 KB file, 10^6 pieces of one byte for a 1 MiB target, minutes) is refused at once; a
+    tensor that passes costs a few pieces per 16 MiB of the storage it spans or of the target it
+    fills, time that grows with the bytes of the file and of the target, never with a layout."""
+    window = _SPAN_WINDOW if window is None else window
+    w = max(1, window // size)
+    count = count_cuts(m["shape"], m["stride"], w)
+    numel = math.prod(m["shape"])
+    bound = _PIECES_PER_WINDOW * (span_elements(m) + numel) // w + _PIECES_SLACK
+    if count > bound:
+        raise LimitError(
+            f"the saved tensor's strides overlap so that reading it {window} bytes of span at a time "
+            f"takes {count} pieces, over the limit of {bound} for its span and size: refused as a "
+            "hostile layout",
+            path=f.path,
+            key=key,
+        )
+    return Pieces(f, m, size, window, count)
+
+
+def cut_for_reading(
+    f: CheckpointFile, key: str, m: dict[str, Any], size: int, window: int | None = None
+) -> Iterable[Cut]:
+    """File tensor `m` of target `key` as pieces_of cuts it, or its whole span as one piece where
+    that is at most `window` bytes (_SPAN_WINDOW by default)."""
+    span = span_elements(m) * size
+    if span > (_SPAN_WINDOW if window is None else window):
+        return pieces_of(f, key, m, size, window)
+    lo = m["offset"] * size
+    return [([], *piece_range(f.storages[m["storage"]].first_chunk, f.chunk_size, lo, lo + span))]
+
+
+def compare_window(nbytes: int) -> int:
+    """The span of the pieces in which the first of a tied pair of `nbytes` bytes each, laid out
+    unlike the second, is compared (fillreads._values_differ): at most _COMPARE_PIECES of them,
+    so that the second is read at most about that many times, each at least _SPAN_WINDOW."""
+    return max(_SPAN_WINDOW, nbytes // _COMPARE_PIECES)
 
 
 def piece_range(first: int, cs: int, lo: int, hi: int) -> tuple[int, int]:
@@ -158,69 +231,14 @@ def piece_range(first: int, cs: int, lo: int, hi: int) -> tuple[int, int]:
     return first + lo // cs, first + (hi - 1) // cs + 1
 
 
-def span_pieces(m: dict[str, Any], size: int) -> Iterator[SpanPiece]:
-    """File tensor `m` (elements of `size` bytes) cut into pieces whose spans are at most
-    _SPAN_WINDOW bytes (or one element each), in storage order of the outermost dimension: its
-    dimensions taken largest stride first, a dimension whose inner span fits the window is
-    cut into runs of as many indices as fit, one whose inner span does not into single
-    indices, cut further.  A span within the window is one piece (the common case)."""
-    shape, stride = m["shape"], m["stride"]
-    order = sorted((d for d in range(len(shape)) if shape[d] > 1), key=lambda d: -stride[d])
-    inner = [1] * (len(order) + 1)  # inner[i]: the span, in elements, of dims order[i:]
-    for i in range(len(order) - 1, -1, -1):
-        d = order[i]
-        inner[i] = inner[i + 1] + (shape[d] - 1) * stride[d]
-    return _pieces(shape, stride, order, inner, max(1, _SPAN_WINDOW // size), 0, m["offset"], [])
-
-
-def _pieces(
-    shape: list[int],
-    stride: list[int],
-    order: list[int],
-    inner: list[int],
-    w: int,
-    level: int,
-    base: int,
-    narrowing: list[tuple[int, int, int]],
-) -> Iterator[SpanPiece]:
-    if inner[level] <= w:
-        yield narrowing, base, base + inner[level]
-        return
-    d = order[level]
-    n, st, rest = shape[d], stride[d], inner[level + 1]
-    if rest > w:
-        for i in range(n):
-            yield from _pieces(
-                shape, stride, order, inner, w, level + 1, base + i * st, [*narrowing, (d, i, i + 1)]
-            )
-        return
-    per = n if st == 0 else (w - rest) // st + 1
-    for i in range(0, n, per):
-        j = min(n, i + per)
-        yield [*narrowing, (d, i, j)], base + i * st, base + (j - 1) * st + rest
-
-
-def compare_limit(size: int) -> int:
-    """The elements of `size` bytes that a comparison of tied tensors holds at a time, per tensor
-    (fillreads._values_differ): as many as a piece's span holds."""
-    return max(1, _SPAN_WINDOW // size)
-
-
-def narrowed(m: dict[str, Any], narrowing: list[tuple[int, int, int]]) -> dict[str, Any]:
-    """File tensor `m` narrowed to a piece (span_pieces): its offset and shape changed."""
+def narrowed(m: dict[str, Any], narrowing: list[Narrowing]) -> dict[str, Any]:
+    """File tensor `m` narrowed to a piece (indexspace.cuts): its offset and shape changed."""
     shape = list(m["shape"])
     offset = m["offset"]
     for d, i, j in narrowing:
         shape[d] = j - i
         offset += i * m["stride"][d]
     return {**m, "shape": shape, "offset": offset}
-
-
-def narrow(t: torch.Tensor, narrowing: list[tuple[int, int, int]]) -> torch.Tensor:
-    """Tensor `t` narrowed to a piece (span_pieces)."""
-    for d, i, j in narrowing:
-        t = t.narrow(d, i, j - i)
-    return t
 
 
 def range_bytes(f: CheckpointFile, first: int, last: int) -> int:
@@ -259,13 +277,13 @@ def make_plan(f: CheckpointFile, matched: Matched) -> Plan:
         matched.report.loaded += len(plan.direct)
         return plan
     in_file, nodes = matched.in_file, f.tree.nodes
-    plan.equal = [(_tied(f, matched, a), _tied(f, matched, b)) for a, b in sharing.equal]
     aliases = sharing.aliases
     addresses = matched.addresses()
     direct_seen: dict[tuple[int, int], int] = {}  # (chunk, address) -> its entry in plan.direct
     # without the engine, chunks go to byte views of the targets (_plan_tensor), not addresses
     whole = whole if _native.available() else {}
     loaded = 0  # added to the report at the end
+    strided_at: dict[int, Strided] = {}  # position -> its entry in plan.strided
     tensor = torch.Tensor
     for pos, (key, container, ckey, value) in enumerate(targets):
         place = whole.get(pos)
@@ -288,14 +306,22 @@ def make_plan(f: CheckpointFile, matched: Matched) -> Plan:
         elif value.is_meta:  # no memory: replaced by the loaded tensor
             plan.replace.append((container, ckey, i))
         elif value.numel():
-            _plan_tensor(f, plan, direct_seen, key, value, nodes[i][1], addresses[pos])
+            s = _plan_tensor(f, plan, direct_seen, key, value, nodes[i][1], addresses[pos])
+            if s is not None:
+                strided_at[pos] = s
     matched.report.loaded += loaded
+    # a tied pair's first target, when strided, is compared through the entry that fills it
+    plan.equal = [(_tied(f, matched, a, strided_at), _tied(f, matched, b, {})) for a, b in sharing.equal]
     plan.strided.sort(key=lambda s: (s.first, -s.last))
     return plan
 
 
-def _tied(f: CheckpointFile, matched: Matched, pos: int) -> Strided:
-    """The span of the file tensor of target `pos`, a tied target whose values are compared."""
+def _tied(f: CheckpointFile, matched: Matched, pos: int, planned: dict[int, Strided]) -> Strided:
+    """The span of the file tensor of target `pos`, a tied target whose values are compared: its
+    entry in `planned` (by position) where it has one, else worked out here."""
+    s = planned.get(pos)
+    if s is not None:
+        return s
     key, _, _, value = matched.targets[pos]
     return span_of(f, key, value, f.tree.nodes[matched.in_file[key]][1])
 
@@ -325,7 +351,7 @@ def span_of(f: CheckpointFile, key: str, value: torch.Tensor, m: dict[str, Any])
     cs, size, rec = f.chunk_size, value.element_size(), f.storages[m["storage"]]
     span = span_elements(m) * size
     lo = m["offset"] * size
-    pieces = chunk_pieces(f, m, size) if span > _SPAN_WINDOW else None
+    pieces = pieces_of(f, key, m, size) if span > _SPAN_WINDOW else None
     return Strided(key, value, m, m["storage"], *piece_range(rec.first_chunk, cs, lo, lo + span), pieces)
 
 
@@ -337,12 +363,13 @@ def _plan_tensor(
     value: torch.Tensor,
     m: dict[str, Any],
     base: int,
-) -> None:
+) -> Strided | None:
     """Plan one tensor target with elements, the first of them at address `base`: chunks read
-    straight into it, pieces through the bounce buffer, or a strided copy."""
+    straight into it, pieces through the bounce buffer, or a strided copy (its entry returned)."""
     if not _same_bytes(value, m):
-        plan.strided.append(span_of(f, key, value, m))
-        return
+        s = span_of(f, key, value, m)
+        plan.strided.append(s)
+        return s
     numel, size = value.numel(), value.element_size()
     cs, chunks, rec = f.chunk_size, f.chunks, f.storages[m["storage"]]
     lo = m["offset"] * size
@@ -363,3 +390,4 @@ def _plan_tensor(
             if raw is None:
                 raw = bytesview.elements_as_uint8(value)
             plan.pieces.append(Piece(k, a - c0, b - c0, raw[a - lo : b - lo], key))
+    return None

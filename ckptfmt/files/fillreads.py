@@ -30,19 +30,17 @@ from ..format import dtypes
 from ..format import layout as fmt
 from . import hostalloc
 from .fillplan import (
-    ChunkPiece,
     Piece,
     Plan,
     Strided,
-    chunk_pieces,
-    compare_limit,
-    narrow,
+    compare_window,
+    cut_for_reading,
     narrowed,
     piece_range,
     range_bytes,
     window_bytes,
 )
-from .memoverlap import boxes
+from .indexspace import Cut, Narrowing, boxes, contiguous_strides, linear, narrow, origin, unravel
 from .reader import CheckpointFile
 from .targets import MismatchError, strides_agree
 
@@ -188,7 +186,7 @@ def _fill_strided(plan: Plan, window: ChunkWindow, touched: dict[str, None]) -> 
         # an inference tensor may only be written in inference mode
         with torch.inference_mode() if s.value.is_inference() else contextlib.nullcontext():
             if s.pieces is None:
-                window.hold(s.first, s.last)
+                window.hold(s.sid, s.first, s.last)
                 before_write()
                 s.value.copy_(window.source(s.sid, s.meta))
             else:
@@ -200,17 +198,18 @@ class ChunkWindow:
     kept from one read to the next: a chunk that several pieces (or targets) lie in is read
     once while they follow each other.  Given a buffer, it holds at most that; without one it
     allocates one as large as the largest range asked for (for `key`, named in a LimitError).
-    `read`: every chunk read into it, each checked as it was read (CheckpointFile.read_into)."""
+    `chunks_read`: every chunk read into it, each checked as it was read (CheckpointFile.read_into)."""
 
     def __init__(
         self, f: CheckpointFile, verify: bool, buf: torch.Tensor | None = None, key: str = ""
     ) -> None:
         self.f, self.verify, self.buf, self.key = f, verify, buf, key
-        self.held = (0, 0)  # chunks [held[0], held[1]) lie side by side from buf[0]
-        self.read: set[int] = set()
+        self.sid = -1  # the storage whose chunks it holds
+        self.held = (0, 0)  # chunks [held[0], held[1]) of storage sid lie side by side from buf[0]
+        self.chunks_read: set[int] = set()
 
-    def hold(self, k0: int, k1: int) -> None:
-        """Have the buffer hold chunks [k0, k1) (of one storage), as part of the chunks it holds
+    def hold(self, sid: int, k0: int, k1: int) -> None:
+        """Have the buffer hold chunks [k0, k1) of storage `sid`, as part of the chunks it holds
         from its start: the ones already there are kept (moved to the front where the buffer
         would otherwise overflow), only the others read."""
         f = self.f
@@ -219,13 +218,13 @@ class ChunkWindow:
             self.buf, self.held = hostalloc.alloc_bytes(f.path, need, self.key), (0, 0)
         buf = self.buf
         a, b = self.held
-        if not a <= k0 < b:  # nothing of it is there: read it whole
+        if sid != self.sid or not a <= k0 < b:  # nothing of it is there: read it whole
             self._read(k0, k1, buf[:need])
-            self.held = (k0, k1)
+            self.sid, self.held = sid, (k0, k1)
             return
         if k1 <= b:
             return
-        cs = f.chunk_size  # every chunk but a storage's last is chunk_size bytes
+        cs = f.chunk_size  # every chunk of one storage but its last is chunk_size bytes
         if (k1 - a) * cs > buf.numel():  # no room after them: keep chunks [k0, b) at the front
             kept = buf[(k0 - a) * cs : (b - a) * cs].clone()
             buf[: kept.numel()].copy_(kept)
@@ -236,11 +235,11 @@ class ChunkWindow:
 
     def _read(self, k0: int, k1: int, dest: torch.Tensor) -> None:
         self.f.read_into(_place(self.f, k0, k1, dest), self.verify)
-        self.read.update(range(k0, k1))
+        self.chunks_read.update(range(k0, k1))
 
     def source(self, sid: int, m: dict[str, Any]) -> torch.Tensor:
         """File tensor `m` of storage `sid` over the buffer, which holds the chunks it lies in."""
-        assert self.buf is not None
+        assert self.buf is not None and sid == self.sid
         return _source(self.f, sid, m, self.buf, self.held[0])
 
 
@@ -249,15 +248,15 @@ def fill_pieces(
     sid: int,
     m: dict[str, Any],
     dest: torch.Tensor,
-    pieces: list[ChunkPiece],
+    pieces: Iterable[Cut],
     before_write: Callable[[], None] | None = None,
 ) -> None:
     """Fill `dest` (of file tensor m's shape) from file tensor `m` of storage `sid` piece by
-    piece (`pieces`, fillplan.chunk_pieces of `m`), each piece's chunks held in `window` then
+    piece (`pieces`, fillplan.pieces_of `m`), each piece's chunks held in `window` then
     copied: a chunk larger than a piece's span is read once, not once per piece;
     `before_write` is called before the first copy."""
     for narrowing, k0, k1 in pieces:
-        window.hold(k0, k1)
+        window.hold(sid, k0, k1)
         if before_write is not None:
             before_write()
             before_write = None
@@ -371,20 +370,10 @@ def _first_difference(f: CheckpointFile, a: Strided, b: Strided, verify: bool, r
     others by their values, a box of elements at a time."""
     ma, mb = a.meta, b.meta
     shape = ma["shape"]
-    rows = _row_major(shape)
+    rows = contiguous_strides(shape)
     if ma["conj"] == mb["conj"] and all(strides_agree(m["stride"], rows, shape) for m in (ma, mb)):
         return _ranges_differ(f, a, b, verify, read)
     return _values_differ(f, a, b, verify, read)
-
-
-def _row_major(shape: list[int]) -> list[int]:
-    """The strides of a contiguous tensor of `shape`."""
-    out = []
-    n = 1
-    for extent in reversed(shape):
-        out.append(n)
-        n *= extent
-    return out[::-1]
 
 
 def _ranges_differ(f: CheckpointFile, a: Strided, b: Strided, verify: bool, read: set[int]) -> int | None:
@@ -424,69 +413,62 @@ def _values_differ(f: CheckpointFile, a: Strided, b: Strided, verify: bool, read
     """The first byte, in element order, where the values of file tensors a and b (of one dtype
     and shape, laid out differently) differ, or None; the chunks read added to `read`.
 
-    Compared a box at a time: a's pieces (Strided.pieces: in a's storage order), each cut into
-    boxes of at most _SPAN_WINDOW bytes of elements (memoverlap.boxes); each box's elements of a
-    and of b gathered into one of two dense host tensors of that size, through a window of
-    chunks for each tensor.  Memory: two boxes and the chunks of a piece of each tensor, a few
-    tens of MiB whatever the tensors' size.  Reads: a's chunks once (each piece's held while its
-    boxes are gathered); b's once where the two
-    layouts order their elements alike (a slice with gaps, an offset), and where they do not
-    (one the other's transpose) as often as a's pieces ask for them (a 64 MiB tensor against its
-    transpose: b read about 4 times).  A box that starts after the first difference found so far
-    is skipped: where a's storage order is element order, the comparison stops at the first."""
+    Compared a piece of a at a time, in a's storage order: pieces of at most
+    max(_SPAN_WINDOW, N / _COMPARE_PIECES) bytes of span (N: the tensor's bytes), each one's
+    elements gathered box by box (boxes of at most that many bytes of elements; a piece is one
+    box unless its elements overlap) into one dense host tensor, and b's elements at the same
+    indices into another, each through a window of its tensor's chunks, read in pieces of
+    _SPAN_WINDOW (in that tensor's storage order).  Reads: a's chunks once (once per box where a
+    piece's elements overlap); b's once per piece of a at most: once where the two layouts order
+    their elements alike (a slice with gaps, an offset), about _COMPARE_PIECES times where they
+    do not (one the other's transpose: a 1 GiB pair reads b ~8 times, not once per 16 MiB of a,
+    64 times).  Memory: the two boxes, each at most max(_SPAN_WINDOW, N / _COMPARE_PIECES), and
+    the chunks of one piece of _SPAN_WINDOW of each tensor: ~N/4 for a large pair, a few tens of
+    MiB up to 128 MiB.  A
+    piece or box whose first element (in element order) is at or past the first difference found
+    so far is skipped before its chunks are read: where a's storage order is element order, the
+    comparison stops at the first."""
     size = a.value.element_size()
-    shape = a.meta["shape"]
-    limit = compare_limit(size)
+    shape, ndim = a.meta["shape"], len(a.meta["shape"])
+    window = compare_window(a.value.numel() * size)
+    limit = max(1, window // size)
     dt = dtypes.TORCH_DTYPES[a.meta["dtype"]]
     n = min(limit, a.value.numel())
     xs, ys = torch.empty(n, dtype=dt), torch.empty(n, dtype=dt)
     wa, wb = ChunkWindow(f, verify, key=a.key), ChunkWindow(f, verify, key=b.key)
     first: int | None = None  # the first differing byte found so far, in element order
-    for cut, k0, k1 in a.pieces or [([], a.first, a.last)]:
-        wa.hold(k0, k1)
+
+    def past_first(narrowing: list[Narrowing]) -> bool:
+        return first is not None and linear(origin(ndim, narrowing), shape) * size >= first
+
+    pieces_a = (  # a's pieces as planned, where they are of that window
+        a.pieces
+        if a.pieces is not None and a.pieces.window == window
+        else cut_for_reading(f, a.key, a.meta, size, window)
+    )
+    for cut, _, _ in pieces_a:
+        if past_first(cut):
+            continue
         pa, pb = narrowed(a.meta, cut), narrowed(b.meta, cut)
         for box in boxes(pa["shape"], limit):
-            origin = _origin(len(shape), [*cut, *box])  # the box's first element
-            if first is not None and _linear(origin, shape) * size >= first:
+            if past_first([*cut, *box]):
                 continue
             ma, mb = narrowed(pa, box), narrowed(pb, box)
             x, y = (t[: math.prod(ma["shape"])].view(ma["shape"]) for t in (xs, ys))
-            fill_pieces(wa, a.sid, ma, x, chunk_pieces(f, ma, size))
-            fill_pieces(wb, b.sid, mb, y, chunk_pieces(f, mb, size))
+            fill_pieces(wa, a.sid, ma, x, cut_for_reading(f, a.key, ma, size))
+            whole_b = b.pieces if not cut and not box else None  # b's own pieces, as planned
+            fill_pieces(
+                wb, b.sid, mb, y, whole_b if whole_b is not None else cut_for_reading(f, b.key, mb, size)
+            )
             at = _differ_at(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
             if at is not None:
                 element, byte = divmod(at, size)
-                index = [o + i for o, i in zip(origin, _unravel(element, ma["shape"]))]
-                at = _linear(index, shape) * size + byte
+                index = [o + i for o, i in zip(origin(ndim, [*cut, *box]), unravel(element, ma["shape"]))]
+                at = linear(index, shape) * size + byte
                 first = at if first is None else min(first, at)
-    read.update(wa.read)
-    read.update(wb.read)
+    read.update(wa.chunks_read)
+    read.update(wb.chunks_read)
     return first
-
-
-def _origin(ndim: int, narrowings: list[tuple[int, int, int]]) -> list[int]:
-    """The index of the first element of a box cut by `narrowings` (applied one after another)."""
-    out = [0] * ndim
-    for d, i, _ in narrowings:
-        out[d] += i
-    return out
-
-
-def _linear(index: list[int], shape: list[int]) -> int:
-    """The row-major position of `index` in `shape`."""
-    out = 0
-    for i, n in zip(index, shape):
-        out = out * n + i
-    return out
-
-
-def _unravel(position: int, shape: list[int]) -> list[int]:
-    """The index at row-major `position` of `shape`."""
-    out = []
-    for n in reversed(shape):
-        position, i = divmod(position, n)
-        out.append(i)
-    return out[::-1]
 
 
 #: _differ_at compares this many bytes at a time: its mask of differences stays this small

@@ -18,13 +18,11 @@ A view overlaps itself (`overlaps_itself`) when two distinct index tuples share 
 difference sum(k_d * u_d) has some k_d != 0; taking the first nonzero k_d positive (the pair
 swapped otherwise) leaves one search of the same kind per dimension.
 
-`boxes` cuts a view's index space into boxes of bounded size, for examining its elements a box
-at a time (the marks of targets.py, the comparison of tied tensors in fillreads.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from math import gcd
 
 #: (extent, stride in bytes) of one dimension of a view
@@ -152,24 +150,3 @@ def _hits(c: int, lo: int, hi: int, dims: list[tuple[int, int]], limit: int) -> 
             return None, steps
         stack.extend((i + 1, c + k * u) for k in range(first, last + 1))
     return False, steps
-
-
-def boxes(shape: list[int], limit: int, level: int = 0) -> Iterator[list[tuple[int, int, int]]]:
-    """Dimensions [level:] of `shape` cut into boxes of at most `limit` elements (or one element
-    each), in row-major order: the narrowings of each (outer dimensions taken an index at a time
-    while one index holds more than `limit` elements, the first that fits cut into runs)."""
-    inner = 1
-    for n in shape[level + 1 :]:
-        inner *= n
-    if level >= len(shape) or inner * shape[level] <= limit:
-        yield []
-        return
-    n = shape[level]
-    if inner > limit:
-        for i in range(n):
-            for rest in boxes(shape, limit, level + 1):
-                yield [(level, i, i + 1), *rest]
-        return
-    per = limit // inner
-    for i in range(0, n, per):
-        yield [(level, i, min(n, i + per))]

@@ -25,7 +25,8 @@ import torch
 from ..errors import CheckpointError
 from ..format import dtypes
 from ..format.decode import decode_key
-from .memoverlap import Budget, boxes, overlaps_itself, views_meet
+from .indexspace import boxes, narrow, unravel
+from .memoverlap import Budget, overlaps_itself, views_meet
 from .reader import CheckpointFile
 
 #: one leaf of the target: (dotted key, its container, its key in the container, the value)
@@ -379,16 +380,16 @@ def _marked_problem(targets: list[Target], kept: Group, homes: list[tuple[Any, .
     ids = [
         numbers.setdefault(h if h is not None else ("alone", i), len(numbers)) for i, h in enumerate(homes)
     ]
-    owner = torch.zeros(max(e for _, _, e in kept) - base, dtype=torch.uint8)
-    marks = [(targets[p][3], s - base) for p, s, _ in kept]  # each target's marks: (tensor, first)
+    marks = torch.zeros(max(e for _, _, e in kept) - base, dtype=torch.uint8)
+    writers = [(targets[p][3], s - base) for p, s, _ in kept]  # each target and its first mark
     digit = 1
     while True:
         tags = [i // digit % _TAGS + 1 for i in ids]
         for i, tag in enumerate(tags):
-            mine = _mark_view(owner, *marks[i])
+            mine = _mark_view(marks, *writers[i])
             at = _foreign_mark(mine, tag)
             if at is not None:
-                j = _last_writer(owner, marks, tags, i, at)
+                j = _last_writer(marks, writers, tags, i, at)
                 first, second = sorted((kept[j][0], kept[i][0]))  # named in the target's order
                 return _overlap_message(
                     targets[first][0], targets[second][0], kept[j][1:] == kept[i][1:], True
@@ -397,14 +398,14 @@ def _marked_problem(targets: list[Target], kept: Group, homes: list[tuple[Any, .
         digit *= _TAGS
         if digit >= len(numbers):
             return None
-        owner.zero_()
+        marks.zero_()
 
 
-def _mark_view(owner: torch.Tensor, v: torch.Tensor, at: int) -> torch.Tensor:
-    """The bytes of target `v` over the marks `owner`, its first byte at `at`: one mark per byte
+def _mark_view(marks: torch.Tensor, v: torch.Tensor, at: int) -> torch.Tensor:
+    """The bytes of target `v` over the marks, its first byte at `at`: one mark per byte
     of each element (the last dimension)."""
     size = v.element_size()
-    return owner.as_strided((*v.shape, size), (*(st * size for st in v.stride()), 1), at)
+    return marks.as_strided((*v.shape, size), (*(st * size for st in v.stride()), 1), at)
 
 
 def _foreign_mark(mine: torch.Tensor, tag: int) -> int | None:
@@ -415,35 +416,28 @@ def _foreign_mark(mine: torch.Tensor, tag: int) -> int | None:
         bad = block.ne(0)
         bad &= block.ne(tag)
         if bool(bad.any()):
-            n = int(bad.reshape(-1).view(torch.uint8).argmax())
-            index = []
-            for extent in reversed(block.shape):
-                n, r = divmod(n, extent)
-                index.append(r)
-            return int(block.storage_offset()) + sum(i * st for i, st in zip(reversed(index), block.stride()))
+            index = unravel(int(bad.reshape(-1).view(torch.uint8).argmax()), block.shape)
+            return int(block.storage_offset()) + sum(i * st for i, st in zip(index, block.stride()))
     return None
 
 
 def _blocks(mine: torch.Tensor) -> Iterator[torch.Tensor]:
     """View `mine` cut into blocks of at most _MARK_BLOCK bytes, in its element order."""
-    for box in boxes(list(mine.shape), _MARK_BLOCK):
-        block = mine
-        for d, i, j in box:
-            block = block.narrow(d, i, j - i)
-        yield block
+    for box in boxes(mine.shape, _MARK_BLOCK):
+        yield narrow(mine, box)
 
 
 def _last_writer(
-    owner: torch.Tensor, marks: list[tuple[torch.Tensor, int]], tags: list[int], i: int, at: int
+    marks: torch.Tensor, writers: list[tuple[torch.Tensor, int]], tags: list[int], i: int, at: int
 ) -> int:
     """The target before target `i` that last marked mark `at` (a mark of another home, found by
     `i`): the marks of targets [0, i) made again, mark `at` cleared before each."""
-    owner.zero_()
+    marks.zero_()
     last = -1
     for j in range(i):
-        owner[at] = 0
-        _mark_view(owner, *marks[j]).fill_(tags[j])
-        if int(owner[at]):
+        marks[at] = 0
+        _mark_view(marks, *writers[j]).fill_(tags[j])
+        if int(marks[at]):
             last = j
     assert last >= 0, "a foreign mark has a writer before the target that found it"
     return last
