@@ -28,7 +28,7 @@ import torch
 
 from ..engine import bytesview, hostmem
 from ..errors import CorruptError, LimitError
-from ..files.indexspace import contiguous_strides
+from ..files.indexspace import is_row_major
 from ..files.reader import CheckpointFile
 from ..format import dtypes
 
@@ -55,11 +55,6 @@ class RegionJob:
     chunks: list[int] = field(default_factory=list)
 
 
-def _is_row_major(shape: Sequence[int], stride: Sequence[int]) -> bool:
-    want = contiguous_strides(shape)
-    return all(s == w or n == 1 for n, s, w in zip(shape, stride, want))
-
-
 def element_runs(
     shape: Sequence[int], stride: Sequence[int], offset: int, box_off: Sequence[int], box_len: Sequence[int]
 ) -> tuple[np.ndarray, int]:
@@ -69,7 +64,7 @@ def element_runs(
     box_len[k] * prod(shape[k+1:]) elements, k being the last dimension the box does
     not cover completely.  For other layouts one run spans the box's first to last element.
     """
-    if not _is_row_major(shape, stride):
+    if not is_row_major(shape, stride):
         first = offset + sum(o * s for o, s in zip(box_off, stride))
         last = offset + sum((o + n - 1) * s for o, n, s in zip(box_off, box_len, stride))
         return np.array([first], dtype=np.int64), last - first + 1
@@ -137,7 +132,7 @@ def plan_box(
     starts, run = element_runs(shape, stride, offset, box_off, box_len)
     local = chunks_for_runs(starts, run * itemsize, itemsize, cs)
     chunk_ids = (local + rec.first_chunk).tolist()
-    if len(starts) == 1 and _is_row_major(shape, stride) and _direct_ok(dest, dtype, meta):
+    if len(starts) == 1 and is_row_major(shape, stride) and _direct_ok(dest, dtype, meta):
         return _direct_job(
             f, chunk_ids, rec.first_chunk, int(starts[0]) * itemsize, run * itemsize, dest, after
         )

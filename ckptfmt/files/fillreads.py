@@ -40,9 +40,9 @@ from .fillplan import (
     range_bytes,
     window_bytes,
 )
-from .indexspace import Cut, Narrowing, boxes, contiguous_strides, linear, narrow, origin, unravel
+from .indexspace import Cut, Narrowing, boxes, is_row_major, linear, narrow, origin, unravel
 from .reader import CheckpointFile
-from .targets import MismatchError, strides_agree
+from .targets import MismatchError
 
 #: an unsigned file's direct reads go in parallel reads of whole targets of at least this
 #: many bytes: large enough that waiting for each read's last chunk costs little, small
@@ -370,8 +370,7 @@ def _first_difference(f: CheckpointFile, a: Strided, b: Strided, verify: bool, r
     others by their values, a box of elements at a time."""
     ma, mb = a.meta, b.meta
     shape = ma["shape"]
-    rows = contiguous_strides(shape)
-    if ma["conj"] == mb["conj"] and all(strides_agree(m["stride"], rows, shape) for m in (ma, mb)):
+    if ma["conj"] == mb["conj"] and all(is_row_major(shape, m["stride"]) for m in (ma, mb)):
         return _ranges_differ(f, a, b, verify, read)
     return _values_differ(f, a, b, verify, read)
 

@@ -29,6 +29,13 @@ def contiguous_strides(shape: Sequence[int]) -> list[int]:
     return out
 
 
+def is_row_major(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether `stride` lays out the elements of `shape` as a contiguous tensor's would (a
+    dimension of one element has no step, whatever its stride)."""
+    want = contiguous_strides(shape)
+    return all(s == w or n == 1 for n, s, w in zip(shape, stride, want))
+
+
 class _Layout:
     """The dimensions of a strided tensor longer than 1, largest stride first, with the span of
     each suffix of them: what the cut recursion walks."""

@@ -17,7 +17,6 @@ testing many pairs passes a `Budget`, the steps all its tests may take together.
 A view overlaps itself (`overlaps_itself`) when two distinct index tuples share a byte: their
 difference sum(k_d * u_d) has some k_d != 0; taking the first nonzero k_d positive (the pair
 swapped otherwise) leaves one search of the same kind per dimension.
-
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ unexpected key, is a `MismatchError`.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -411,20 +411,13 @@ def _mark_view(marks: torch.Tensor, v: torch.Tensor, at: int) -> torch.Tensor:
 def _foreign_mark(mine: torch.Tensor, tag: int) -> int | None:
     """The place in the marks of the first byte of view `mine` (in its element order, a block of
     _MARK_BLOCK bytes at a time) marked other than 0 and `tag`, or None."""
-    blocks = [mine] if mine.numel() <= _MARK_BLOCK else _blocks(mine)
-    for block in blocks:
+    for block in (narrow(mine, box) for box in boxes(mine.shape, _MARK_BLOCK)):
         bad = block.ne(0)
         bad &= block.ne(tag)
         if bool(bad.any()):
             index = unravel(int(bad.reshape(-1).view(torch.uint8).argmax()), block.shape)
             return int(block.storage_offset()) + sum(i * st for i, st in zip(index, block.stride()))
     return None
-
-
-def _blocks(mine: torch.Tensor) -> Iterator[torch.Tensor]:
-    """View `mine` cut into blocks of at most _MARK_BLOCK bytes, in its element order."""
-    for box in boxes(mine.shape, _MARK_BLOCK):
-        yield narrow(mine, box)
 
 
 def _last_writer(
