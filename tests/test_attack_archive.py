@@ -878,7 +878,7 @@ def test_a_clock_reading_leaves_a_concurrent_sweep_of_the_newest_step_its_work(s
 
 def test_cleanup_removes_what_a_dead_clock_reading_left(s3_bucket):
     """A reading of the store's clock whose process died leaves its marker beneath CLOCK/:
-    a later cleanup deletes it as a dead copy's marker (here this process's, not in use);
+    a later cleanup (or archive pass) deletes it as a dead copy's marker (here this process's, not in use);
     the run's listing of steps never shows it."""
     from ckptfmt.storage import listing
     from ckptfmt.storage.upload import upload_bytes
@@ -891,6 +891,9 @@ def test_cleanup_removes_what_a_dead_clock_reading_left(s3_bucket):
     found = run.listing()
     assert sorted(found) == [1] and len(found.readings) == 1
     run.cleanup(found=found)
+    assert [k for k in listing.objects(run.url, options) if k.startswith("CLOCK/")] == []
+    upload_bytes(b"a reading", f"{url}/CLOCK/{copy_marker()}", options)  # an archive pass's too
+    assert run.remove_interrupted_copies() == []
     assert [k for k in listing.objects(run.url, options) if k.startswith("CLOCK/")] == []
 
 

@@ -614,6 +614,7 @@ class ObjectRun:
         found = self.listing() if found is None else found
         began = time.monotonic()
         clock = StoreClock(self.url, self.options)
+        storeclock.remove_dead_readings(self.url, self.options, found.readings, older_than, clock)
         dead, live = markers_dead(found, older_than, clock)
         if not dead:
             return []
