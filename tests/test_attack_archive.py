@@ -826,3 +826,89 @@ def test_a_sweep_on_a_host_whose_clock_is_ahead_keeps_what_a_live_copy_uploads(
     _clock_ahead(monkeypatch, 25 * 60)
     assert run.sweep_step(1, run.record(1)) is False
     assert _step_keys(run, 1) == before
+
+
+def test_a_dead_copys_prefix_keeps_a_plain_savers_young_objects(s3_bucket):
+    """A copy of this process died in step 1 (its marker dead), and a plain saver on another
+    host is writing into that step now: remove_interrupted_copies deletes nothing there
+    while those objects are younger than its bound by the store's time; once they are older,
+    the prefix goes (spec 13.7)."""
+    from ckptfmt.storage.upload import upload_bytes
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/run"
+    upload_bytes(b"a copy's", f"{url}/step-000000001/{copy_marker()}", options)
+    upload_bytes(b"a saver's", f"{url}/step-000000001/state.0123456789abcdef.ckpt", options)
+    run = ObjectRun(url, options)
+    assert run.remove_interrupted_copies() == []
+    assert "state.0123456789abcdef.ckpt" in run.listing()[1]
+    assert run.remove_interrupted_copies(older_than=datetime.timedelta(0)) == [1]
+    assert run.listing() == {}
+
+
+def test_a_clock_reading_leaves_a_concurrent_sweep_of_the_newest_step_its_work(s3_bucket, monkeypatch):
+    """A cleaner reads the store's clock by a marker of its own beneath the run's CLOCK/,
+    never in a step's prefix: another host's sweep of the newest step during the reading
+    sees no live copy there and deletes what a losing save left; nothing of the reading
+    stays."""
+    from ckptfmt.runs import storeclock
+    from ckptfmt.runs.storeclock import StoreClock
+    from ckptfmt.storage import listing
+    from ckptfmt.storage.upload import upload_bytes
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/run"
+    ckptfmt.CheckpointManager(url, storage_options=options).save(1, {"w": torch.ones(10)})
+    run = ObjectRun(url, options)
+    upload_bytes(b"loser", f"{url}/step-000000001/state.0123456789abcdef.ckpt", options)
+    swept, put = [], []
+    real = storeclock.upload_bytes
+
+    def put_then_another_host_sweeps(data, target, opts):
+        real(data, target, opts)
+        put.append(target)
+        swept.append(ObjectRun(url, options).sweep_step(1, run.record(1)))
+
+    monkeypatch.setattr(storeclock, "upload_bytes", put_then_another_host_sweeps)
+    assert StoreClock(run.url, options).proven_time() is not None
+    assert swept == [True] and len(put) == 1 and put[0].startswith(f"{url}/CLOCK/ARCHIVING."), put
+    assert "state.0123456789abcdef.ckpt" not in run.listing()[1]
+    assert [k for k in listing.objects(run.url, options) if not k.startswith("step-")] == []
+
+
+def test_cleanup_removes_what_a_dead_clock_reading_left(s3_bucket):
+    """A reading of the store's clock whose process died leaves its marker beneath CLOCK/:
+    a later cleanup (or archive pass) deletes it as a dead copy's marker (here this process's, not in use);
+    the run's listing of steps never shows it."""
+    from ckptfmt.storage import listing
+    from ckptfmt.storage.upload import upload_bytes
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/run"
+    ckptfmt.CheckpointManager(url, storage_options=options).save(1, {"w": torch.ones(10)})
+    upload_bytes(b"a reading", f"{url}/CLOCK/{copy_marker()}", options)
+    run = ObjectRun(url, options)
+    found = run.listing()
+    assert sorted(found) == [1] and len(found.readings) == 1
+    run.cleanup(found=found)
+    assert [k for k in listing.objects(run.url, options) if k.startswith("CLOCK/")] == []
+    upload_bytes(b"a reading", f"{url}/CLOCK/{copy_marker()}", options)  # an archive pass's too
+    assert run.remove_interrupted_copies() == []
+    assert [k for k in listing.objects(run.url, options) if k.startswith("CLOCK/")] == []
+
+
+def test_cleanup_asks_no_head_of_a_retired_step_a_record_reads(tmp_path, s3_faults):
+    """An incremental run's retired step (its record deleted, its objects read by a later
+    record) looks stale to every cleanup: it is skipped by the listed record's references
+    before any HEAD."""
+    bucket = s3_faults.new_bucket()
+    url = f"s3://{bucket}/run"
+    m = ckptfmt.CheckpointManager(url, incremental=True, storage_options=s3_faults.storage_options())
+    for step in (1, 2):
+        m.save(step, {"frozen": torch.arange(1 << 14, dtype=torch.float32), "step": step})
+    m.run.retire_step(1)
+    run = ObjectRun(url, s3_faults.storage_options())
+    s3_faults.clear_counts()
+    run.cleanup(older_than=datetime.timedelta(0))
+    assert s3_faults.count("HEAD") == 0, s3_faults.requests()
+    assert 1 in run.listing()  # kept for step 2

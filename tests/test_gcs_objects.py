@@ -106,10 +106,19 @@ def test_a_crashed_upload_is_hidden_from_listings_and_removed_once_stale(gcs_buc
     prefix = parse_url(f"gs://{gcs_bucket}/run", need_key=False)
     assert listing.objects(prefix, {}) == {}  # as S3 lists no multipart upload's parts
     # not stale yet: left; stale and ckptfmt's: removed; another program's name: never
-    assert listing.abort_stale_uploads(prefix, {}, datetime.timedelta(hours=1), lambda k: True) == 0
-    assert listing.abort_stale_uploads(prefix, {}, datetime.timedelta(0), lambda k: False) == 0
-    assert len(_names(gcs_server, gcs_bucket)) == 2
-    assert listing.abort_stale_uploads(prefix, {}, datetime.timedelta(0), lambda k: True) == 1
+    began: list[datetime.datetime] = []
+
+    def at_start(oldest: datetime.datetime) -> datetime.datetime:  # none begun before it
+        began.append(oldest)
+        return oldest
+
+    def after(oldest: datetime.datetime) -> datetime.datetime:
+        return oldest + datetime.timedelta(seconds=1)
+
+    assert listing.abort_uploads_begun_before(prefix, {}, lambda k: True, at_start) == 0
+    assert listing.abort_uploads_begun_before(prefix, {}, lambda k: False, after) == 0
+    assert len(_names(gcs_server, gcs_bucket)) == 2 and len(began) == 1
+    assert listing.abort_uploads_begun_before(prefix, {}, lambda k: True, after) == 1
     assert _names(gcs_server, gcs_bucket) == []
 
 

@@ -118,15 +118,17 @@ class HostileStore:
         """The store's clock."""
         return datetime.datetime.now(datetime.timezone.utc) - self.behind
 
-    def listed_with_puts(self, keys: list[str], modified: str, etag: str) -> Answer:
-        """A listing of `keys` (written at `modified`, as `etag`) and of the objects PUT and not
-        deleted since, as they were written (a cleaner reads the store's clock so: a marker of
-        its own put and listed)."""
+    def listed_with_puts(self, keys: list[str], modified: str, etag: str, show_puts: bool = True) -> Answer:
+        """A listing of those of `keys` (written at `modified`, as `etag`) beneath the prefix
+        asked for, and of the objects PUT and not deleted since, as they were written (a
+        cleaner reads the store's clock so: a marker of its own put and listed), unless
+        `show_puts` is False (a listing that lags behind every PUT)."""
 
         def answer(h: BaseHTTPRequestHandler) -> None:
-            put = [(p.removeprefix("/bucket/"), when) for p, when in self.puts.items()]
+            prefix = parse_qs(urlsplit(h.path).query).get("prefix", [""])[0]
+            put = [(p.removeprefix("/bucket/"), when) for p, when in self.puts.items()] if show_puts else []
             contents = [(k, modified) for k in keys] + put
-            _listing_of(contents, etag)(h)
+            _listing_of([(k, w) for k, w in contents if k.startswith(prefix)], etag)(h)
 
         return answer
 
@@ -344,6 +346,7 @@ def test_cleanup_keeps_a_step_whose_record_the_listing_left_out(store):
     # the listing names step 1's state but not its COMMIT (a lying or lagging store), all
     # written long ago: a complete step looks like a crashed saver's leftover
     store.listing = store.listed_with_puts(["run/step-000000001/state.ckpt"], STALE, "v1")
+    store.get = lambda h: _reply(h, 404, {})  # a record gone between a HEAD and its GET: no references
     ObjectRun("s3://bucket/run", store.options).cleanup()
     assert store.deletes() == []
     # where the record is truly absent, the leftover goes once the store's time is proven (a
@@ -352,7 +355,7 @@ def test_cleanup_keeps_a_step_whose_record_the_listing_left_out(store):
     ObjectRun("s3://bucket/run", store.options).cleanup()
     deleted = [p for m, p in store.deletes()]
     assert deleted[-1] == "/bucket/run/step-000000001/state.ckpt"
-    assert all("/ARCHIVING." in p for p in deleted[:-1]) and not store.puts
+    assert all(p.startswith("/bucket/run/CLOCK/ARCHIVING.") for p in deleted[:-1]) and not store.puts
 
 
 def test_cleanup_deletes_nothing_by_age_where_the_store_proves_no_time(store):
@@ -360,10 +363,11 @@ def test_cleanup_deletes_nothing_by_age_where_the_store_proves_no_time(store):
     # cleaner put to read the store's clock (a lagging or lying listing): no store time is
     # proven, so nothing is aged, and only the cleaner's own marker is deleted
     store.head = lambda h: _reply(h, 404, {}) if h.path.endswith("/COMMIT") else store.honest_head(h)
-    store.listing = _listing(["run/step-000000001/state.ckpt"], modified=STALE, etag="v1")
+    store.listing = store.listed_with_puts(["run/step-000000001/state.ckpt"], STALE, "v1", show_puts=False)
     ObjectRun("s3://bucket/run", store.options).cleanup()
     deleted = [p for m, p in store.deletes()]
-    assert len(deleted) == 1 and "/ARCHIVING." in deleted[0] and not store.puts
+    assert deleted == [p for p in deleted if p.startswith("/bucket/run/CLOCK/ARCHIVING.")] != []
+    assert not store.puts
 
 
 def test_a_pass_on_a_host_whose_clock_is_ahead_aborts_only_uploads_begun_before_it(store):
@@ -537,6 +541,7 @@ def test_cleanup_reads_every_page_of_uploads(store):
             _uploads(["run/step-000000002/state.ckpt"])(h)
 
     store.uploads = paged
+    store.listing = store.listed_with_puts([], STALE, "v1")  # the store's time proven by the cleaner's marker
     ObjectRun("s3://bucket/run", store.options).cleanup()
     aborted = sorted(p for m, p in store.deletes() if "uploadId=" in p)
     assert len(aborted) == 2 and "step-000000002" in aborted[1], aborted
@@ -655,3 +660,80 @@ def test_statuses_read_a_bounded_number_of_records_of_a_listing_full_of_fake_one
     assert [s.step for s in unread] == list(range(1, 20_001 - objectrun.MAX_STATUS_RECORDS))
     assert all(s.info is None and "MAX_STATUS_RECORDS" in (s.problem or "") for s in unread)
     assert all(s.damaged for s in statuses if not s.unread)
+
+
+@pytest.mark.parametrize("date", ["this host's", "far future"])
+def test_a_cleanup_on_a_fast_host_aborts_no_live_upload_whatever_the_listings_date(store, date):
+    # the store stamps objects and uploads 25 hours behind this host's clock; the Date of its
+    # answers comes from another clock (a gateway agreeing with this host's, or a hostile one
+    # in 2100): no Date lets an upload begun a minute ago by the store's clock look a day old
+    def date_time_string(h: BaseHTTPRequestHandler, timestamp: float | None = None) -> str:
+        if date == "far future":
+            return "Fri, 01 Jan 2100 00:00:00 GMT"
+        return email.utils.format_datetime(datetime.datetime.now(datetime.timezone.utc), usegmt=True)
+
+    store.behind = datetime.timedelta(hours=25)
+    store.server.RequestHandlerClass.date_time_string = date_time_string  # type: ignore[method-assign]
+    store.listing = store.listed_with_puts([], STALE, "v1")
+    ago = {"crashed": datetime.timedelta(days=2), "live": datetime.timedelta(minutes=1)}
+    store.uploads = _uploads_begun(store, "run/step-000000002/state.ckpt", ago)
+    ObjectRun("s3://bucket/run", store.options).cleanup()
+    aborted = [p for m, p in store.deletes() if "uploadId=" in p]
+    assert len(aborted) == 1 and "uploadId=crashed" in aborted[0], aborted
+
+
+def test_a_cleanup_proves_no_time_where_every_upload_is_young_by_any_store_time(store):
+    # an upload begun a minute ago by a store whose clock agrees with this host's: young by
+    # every store time believed, so the cleaner puts no marker to read the store's clock
+    store.listing = store.listed_with_puts([], STALE, "v1")
+    store.uploads = _uploads_begun(
+        store, "run/step-000000002/state.ckpt", {"live": datetime.timedelta(minutes=1)}
+    )
+    ObjectRun("s3://bucket/run", store.options).cleanup()
+    assert [m for m, _ in store.seen if m in ("PUT", "DELETE", "POST")] == []
+
+
+def test_a_saves_commit_aborts_no_live_upload_on_a_fast_host(store):
+    # a step's commit on a store aborts the crashed uploads of its prefix (ObjectPlace
+    # remove_leftovers): by the store's time that its record's Last-Modified proves, not by
+    # this host's clock 25 hours ahead of the store's
+    from ckptfmt.runs.stepplace import StepPlace
+    from ckptfmt.storage.urls import parse_url
+
+    store.behind = datetime.timedelta(hours=25)
+    written = (datetime.datetime.now(datetime.timezone.utc) - store.behind).strftime("%Y-%m-%dT%H:%M:%S.000Z")
+    store.listing = store.listed_with_puts(["run/step-000000002/COMMIT"], written, "v1")
+    ago = {"crashed": datetime.timedelta(days=2), "live": datetime.timedelta(minutes=1)}
+    store.uploads = _uploads_begun(store, "run/step-000000002/state.ckpt", ago)
+    StepPlace(parse_url("s3://bucket/run/step-000000002"), store.options, 2).remove_leftovers()
+    aborted = [p for m, p in store.deletes() if "uploadId=" in p]
+    assert len(aborted) == 1 and "uploadId=crashed" in aborted[0], aborted
+    # a record listed far in the future (a hostile store) is believed no further ahead of
+    # this host's clock (here the store's) than STORE_AHEAD_AT_MOST: the live upload stays
+    store.seen.clear()
+    store.behind = datetime.timedelta(0)
+    store.listing = store.listed_with_puts(["run/step-000000002/COMMIT"], "2100-01-01T00:00:00.000Z", "v1")
+    StepPlace(parse_url("s3://bucket/run/step-000000002"), store.options, 2).remove_leftovers()
+    assert not any("uploadId=live" in p for m, p in store.deletes())
+
+
+class _LaggingPuts(dict):
+    """Objects PUT, as a listing that still shows a deleted marker for the rest of the pass."""
+
+    def pop(self, key, default=None):
+        return self.get(key, default) if "/ARCHIVING." in key else super().pop(key, default)
+
+
+def test_a_lagging_listing_of_the_cleaners_own_clock_marker_is_no_writer_come(store):
+    # a copy on another host died in step 2 long ago (its marker old), leaving no record; the
+    # cleaner reads the store's clock to age it, and the store's listings go on showing the
+    # reading's marker after its DELETE: being beneath the run's CLOCK/, never in the step,
+    # it is no writer come to the step, and the prefix goes
+    from ckptfmt.runs.objectnames import COPY_MARKER
+
+    foreign = f"{COPY_MARKER}{'f' * 16}.4242.77.0badcafe"
+    step = "run/step-000000002"
+    store.head = lambda h: _reply(h, 404, {}) if h.path.endswith("/COMMIT") else store.honest_head(h)
+    store.listing = store.listed_with_puts([f"{step}/{foreign}", f"{step}/state.ckpt"], STALE, "v1")
+    store.puts = _LaggingPuts()
+    assert ObjectRun("s3://bucket/run", store.options).remove_interrupted_copies() == [2]

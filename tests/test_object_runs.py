@@ -207,3 +207,19 @@ def test_a_step_past_the_records_read_is_not_removed(store_faults, monkeypatch):
     assert [c.step for c in m.checkpoints()] == [1, 2, 3]
     m.remove(1)
     assert [c.step for c in m.checkpoints()] == [2, 3]
+
+
+def test_a_step_listing_an_object_without_a_time_is_never_stale():
+    """objectnames.stale: an entry listed without a time could be a live saver's newest
+    object: the prefix is not stale (the safe side), whatever the others' ages."""
+    import datetime
+
+    from ckptfmt.runs.objectnames import stale
+    from ckptfmt.storage.listing import Listed
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    old = Listed(1, now - datetime.timedelta(days=3), "v1")
+    hour = datetime.timedelta(hours=1)
+    assert stale({"a.ckpt": old}, hour, now)
+    assert not stale({"a.ckpt": old, "b.ckpt": Listed(1, None, "v2")}, hour, now)
+    assert not stale({}, hour, now) and not stale({"a.ckpt": old}, hour, None)

@@ -6,6 +6,7 @@ only the version it uploaded, and a failed save deletes only that version."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import threading
 import time
@@ -371,7 +372,8 @@ def test_removing_an_interrupted_copy_never_deletes_what_another_archiver_kept(t
     removed: list[int] = []
 
     def remover_runs_now(record) -> None:  # this copy's files are up, its record not yet
-        removed.extend(ObjectRun(url, options).remove_interrupted_copies(found=found))
+        # its objects just written: old enough by a bound of 0 (a plain saver's age rule, spec 13.7)
+        removed.extend(ObjectRun(url, options).remove_interrupted_copies(NOW_OLD, found=found))
 
     put_step(ObjectRun(url, options), 5, local, claim=copy_marker(), before_commit=remover_runs_now)
     reader = CheckpointManager(url, storage_options=options)
@@ -440,6 +442,11 @@ def _outcome(call) -> object:
         return e
 
 
+#: a bound by which a dead copy's objects, just written, are old (remove_interrupted_copies
+#: deletes a commit-less prefix only once they are: spec 13.7)
+NOW_OLD = datetime.timedelta(0)
+
+
 def _copy_while_a_cleanup_is_held(
     s3_faults, url: str, direct: dict[str, str], step: int, local: str, name: str
 ) -> None:
@@ -455,7 +462,7 @@ def _copy_while_a_cleanup_is_held(
     removed: list[object] = []
     cleaner = threading.Thread(
         target=lambda: removed.append(
-            _outcome(ObjectRun(url, s3_faults.storage_options()).remove_interrupted_copies)
+            _outcome(lambda: ObjectRun(url, s3_faults.storage_options()).remove_interrupted_copies(NOW_OLD))
         )
     )
     cleaner.start()

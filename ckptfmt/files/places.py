@@ -488,7 +488,21 @@ class ObjectPlace(Place):
         return dataclasses.replace(part, sha256=digest)
 
     def remove_leftovers(self) -> None:
-        listing.abort_stale_uploads(self.url, self.options, STALE_AFTER, is_own_name)
+        """Abort the uploads of ckptfmt's names here begun STALE_AFTER (and a second for the
+        store's rounding) before this place's commit record was written, by the store's
+        clock (its Last-Modified listed, capped at STORE_AHEAD_AT_MOST ahead of this host's
+        clock, which may itself run a day ahead of the store's): a live saver's stays."""
+        listing.abort_uploads_begun_before(self.url, self.options, is_own_name, self._stale_upload_cutoff)
+
+    def _stale_upload_cutoff(self, oldest: datetime.datetime) -> datetime.datetime | None:
+        """The store time before which an upload here is a crashed saver's (remove_leftovers);
+        None where no record is listed with a time (nothing proven: none is aborted)."""
+        entry = listing.listed(self.url, self.options).get(multifile.COMMIT_NAME)
+        if entry is None or entry.modified is None:
+            return None
+        host = datetime.datetime.now(datetime.timezone.utc)
+        written = min(entry.modified, host + datetime.timedelta(seconds=listing.STORE_AHEAD_AT_MOST))
+        return written - STALE_AFTER - datetime.timedelta(seconds=listing.STAMP_ROUNDING)
 
 
 def holds_file(url: str, options: dict[str, Any], part: multifile.PartRecord) -> bool:

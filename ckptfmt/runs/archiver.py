@@ -38,7 +38,7 @@ from ..background import inflight
 from ..errors import CheckpointWarning, StorageError
 from ..files import multifile
 from . import archivecopy, retention
-from .objectnames import copy_marker
+from .objectnames import copy_marker, is_marker
 from .objectrun import ObjectRun
 from .steps import CheckpointInfo, StepStatus
 
@@ -246,7 +246,10 @@ class Archiver:
         while (nxt := self._next()) is not None:
             if not self._copy(nxt):
                 return
-        if self._dropped:  # the copies' rotations may have left objects no step refers to any more
+        # the copies' rotations may have left objects no step refers to any more; a dead copy's
+        # markers in a step whose objects were too young to go may be in a complete step now
+        kept = (names for step, names in found.items() if step not in removed)
+        if self._dropped or any(is_marker(n) for names in kept for n in names):
             self.run.remove_interrupted_copies()
 
     def _next(self) -> CheckpointInfo | None:

@@ -19,6 +19,7 @@ from ..errors import CorruptError, IncompleteError
 from ..files import multifile
 from ..files.names import is_own_name
 from ..files.places import STALE_AFTER
+from ..storage import listing
 from ..storage.client import deadline
 from ..storage.listing import Listed
 from .steps import parse_step_dirname
@@ -38,10 +39,14 @@ SWEEP_DELETES_WITHIN = 300.0
 #: the deadline of a sweep's DELETE at most, in seconds (storage option deadline, lowered to
 #: this for them): a longer one would leave a sweep no time to delete within its bound
 SWEEP_DELETE_DEADLINE = 60.0
-#: seconds a store's time (a listing's Date, or the time it lists an object written) is believed
-#: ahead of this host's clock at most (StoreStamp, proven_store_time): a Date further ahead is not
-#: taken, a Last-Modified of ckptfmt's own further ahead is taken as this far ahead
-STORE_AHEAD_AT_MOST = 300.0
+#: seconds a store's time is believed ahead of this host's clock at most (storage/listing.py)
+STORE_AHEAD_AT_MOST = listing.STORE_AHEAD_AT_MOST
+#: the "directory" beneath a run's prefix where a cleaner reads the store's clock
+#: (runs/storeclock.py read_stamp): ``<run>/CLOCK/ARCHIVING.<owner>``, a marker named as a
+#: copy's is (and aged as one where a reading died), never in a step's prefix, where a
+#: concurrent sweep or copy would take it for a live copy's; no step, listing of steps or
+#: cleanup of a step sees it
+CLOCK_DIR = "CLOCK"
 #: seconds a copy waits at most for a sweep whose marker it finds (ObjectRun.wait_out_sweeps),
 #: and the age past which a sweep's marker is dead wherever it was written: a sweep's marker,
 #: live for at most SWEEP_DELETES_WITHIN, aged by a store time wrong by up to
@@ -142,12 +147,12 @@ def in_steps(name: str, steps: set[str]) -> bool:
 
 def host_now() -> datetime.datetime:
     """This host's clock: it bounds what a store's stamps are believed to say (StoreStamp), and
-    tells which markers and steps could look dead at all (latest_store_time), never the age
+    tells which markers and steps could look dead at all (store_time_bound), never the age
     of another writer's object itself (it may run ahead of the store's by a day)."""
     return datetime.datetime.now(datetime.timezone.utc)
 
 
-def latest_store_time(now: datetime.datetime) -> datetime.datetime:
+def store_time_bound(now: datetime.datetime) -> datetime.datetime:
     """The latest time a store time proven now could say, by this host's clock `now`: what
     is young by it is young by every store time believed (StoreStamp caps its stamp at
     STORE_AHEAD_AT_MOST ahead), so nothing needs proving (a cleaner's filter, never a verdict)."""
@@ -178,14 +183,14 @@ class StoreStamp:
         self.put_returned = put_returned
         self._written: datetime.datetime | None = None
 
-    def now(self, listed: dict[str, Listed], now: datetime.datetime) -> datetime.datetime | None:
+    def now(self, listed: dict[str, Listed], host_time: datetime.datetime) -> datetime.datetime | None:
         """The store's time now, at least, by the object's entry in `listed` (or in a listing
-        before: the first that showed it; `now`: this host's clock); None until one shows it
-        (a listing that lags behind the PUT proves nothing)."""
+        before: the first that showed it; `host_time`: this host's clock, which caps it); None
+        until one shows it (a listing that lags behind the PUT proves nothing)."""
         if self._written is None:
             entry = listed.get(self.name)
             if entry is not None and entry.modified is not None:
-                self._written = min(entry.modified, latest_store_time(now))
+                self._written = min(entry.modified, store_time_bound(host_time))
         if self._written is None:
             return None
         return self._written + datetime.timedelta(seconds=time.monotonic() - self.put_returned)
@@ -260,9 +265,12 @@ def has_live_marker(
 def stale(listed: dict[str, Listed], older_than: datetime.timedelta, at: datetime.datetime | None) -> bool:
     """Whether every object of `listed` (a step's prefix) was written more than `older_than`
     before the store's time `at` (None: nothing is stale), as the store lists them (one
-    listed without a time, or none listed: not stale): a live saver writes more often."""
-    newest = max((e.modified for e in listed.values() if e.modified is not None), default=None)
-    return newest is not None and at is not None and at - newest > older_than
+    listed without a time, or none listed: not stale, the safe side): a live saver writes
+    more often."""
+    times = [e.modified for e in listed.values()]
+    if at is None or not times or any(t is None for t in times):
+        return False
+    return all(at - t > older_than for t in times if t is not None)
 
 
 def writer_came(before: Collection[str], now: Collection[str]) -> bool:

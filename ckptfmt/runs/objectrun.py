@@ -35,8 +35,9 @@ from ..storage.client import check_options, deadline
 from ..storage.download import head
 from ..storage.upload import upload_bytes
 from ..storage.urls import ObjectURL, parse_url
-from . import objectnames
+from . import objectnames, storeclock
 from .objectnames import (
+    CLOCK_DIR,
     SWEEP_DELETES_WITHIN,
     SWEEP_WAIT,
     StoreStamp,
@@ -47,9 +48,9 @@ from .objectnames import (
     in_steps,
     is_copy_marker,
     is_sweep_marker,
-    latest_store_time,
     referenced_step,
     stale,
+    store_time_bound,
     sweep_marker,
     sweep_options,
     writer_came,
@@ -57,8 +58,15 @@ from .objectnames import (
 )
 from .stepcheck import verify_objects
 from .stepplace import StepPlace
-from .steps import CheckpointInfo, StepStatus, parse_step_dirname, step_dirname
-from .storeclock import StoreClock, abort_stale_uploads, abort_uploads_begun_before, markers_dead
+from .steps import (
+    CheckpointInfo,
+    StepStatus,
+    listed_references,
+    newest_unread,
+    parse_step_dirname,
+    step_dirname,
+)
+from .storeclock import StoreClock, abort_crashed_uploads, abort_removed_steps_uploads, markers_dead
 
 #: the commit records latest() and a resume read at most, newest first (spec 13.7): each is a
 #: GET, and a run whose newest steps are this many damaged ones needs a person anyway
@@ -76,10 +84,16 @@ ByStep = dict[int, dict[str, Entry]]  # a run's objects: {step: {name in the ste
 
 
 class RunListing(ByStep):
-    """A listing of a run (ObjectRun.listing), and `date`: the store's time when it answered
-    (storage/listing.py Listing.date)."""
+    """A listing of a run (ObjectRun.listing), `date`: the store's time when it answered
+    (storage/listing.py Listing.date), and `readings`: the markers of readings of the store's
+    clock beneath CLOCK_DIR (runs/storeclock.py), by name, which one that died leaves."""
 
     date: datetime.datetime | None = None
+    readings: dict[str, Entry]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.readings = {}
 
 
 class ObjectRun:
@@ -135,6 +149,8 @@ class ObjectRun:
             step = parse_step_dirname(top)
             if step is not None and name:
                 out.setdefault(step, {})[name] = entry
+            elif top == CLOCK_DIR and is_copy_marker(name):
+                out.readings[name] = entry
         return out
 
     def statuses(self, found: ByStep | None = None) -> list[StepStatus]:
@@ -348,7 +364,7 @@ class ObjectRun:
         found = next((s for s in statuses if s.step == step), None)
         if found is None:
             return False
-        if found.unread or step < _oldest_known(statuses):  # what unread steps refer to is unknown
+        if found.unread or step < newest_unread(statuses):  # what unread steps refer to is unknown
             why = f"past the {MAX_STATUS_RECORDS} newest records read (spec 13.7): not removed"
             raise LimitError(f"step {step} is {why}", path=self.step_path(step))
         others = {url for s in statuses if s.info is not None and s.step != step for url in s.info.references}
@@ -371,8 +387,7 @@ class ObjectRun:
         return self._referenced_by(self.statuses())
 
     def _referenced_by(self, statuses: list[StepStatus]) -> set[str]:
-        listed = {url for s in statuses if s.info is not None for url in s.info.references}
-        return listed | self.references_of_incomplete(statuses)
+        return listed_references(statuses) | self.references_of_incomplete(statuses)
 
     def references_of_incomplete(self, statuses: list[StepStatus]) -> set[str]:
         """The objects referred to by the steps `statuses` shows as not complete but whose
@@ -408,26 +423,6 @@ class ObjectRun:
         except CheckpointError:
             return True
         return True
-
-    def delete_leftover(
-        self, step: int, older_than: datetime.timedelta = STALE_AFTER, clock: StoreClock | None = None
-    ) -> None:
-        """Delete what a dead save left in step `step` (cleanup: no commit record by the listing
-        and a HEAD, its newest object older than the cleanup bound `older_than`): only the
-        versions listed now (If-Match; an object listed without an ETag is left), never a
-        commit record, so that an object another writer puts there meanwhile stays, and so
-        does its record; nothing where that listing shows a live archive copy's marker or an
-        object younger than the bound (one a writer put since cleanup listed), each aged by
-        the store's time proven (`clock`, the cleanup's; None: read here), never this host's."""
-        url = self._step_url(step)
-        clock = StoreClock(self._step_url, self.options) if clock is None else clock
-        found = listing.listed(url, self.options)
-        at = clock.now(step)
-        if has_live_marker(found, older_than, at) or not stale(found, older_than, at):
-            return
-        listed = [(n, e.version) for n, e in found.items()]
-        ours = [(n, v) for n, v in listed if written_here(n) and n != multifile.COMMIT_NAME]
-        listing.delete_versions(url, self.options, ours)
 
     def sweep_step(
         self,
@@ -468,7 +463,7 @@ class ObjectRun:
             return True
         # this host's clock bounds what any store time proven next could say: a copy's marker
         # young by it is live (nothing to prove); one old by it is judged once the sweep's is in
-        if has_live_marker(listed, older_than, latest_store_time(objectnames.host_now()), is_copy_marker):
+        if has_live_marker(listed, older_than, store_time_bound(objectnames.host_now()), is_copy_marker):
             return False
         name = sweep_marker()
         marker = url.child(name)
@@ -605,7 +600,9 @@ class ObjectRun:
         COPY_MARKER, or a sweep's cut short, SWEEP_MARKER) and every one is dead: its writer ran on this host and its process has
         ended, or (written elsewhere, where that cannot be asked) it is older than
         `older_than`.  Such a prefix without a commit record (by the listing and by a HEAD)
-        whose objects no step refers to is deleted, its markers last, so that a deletion cut
+        whose objects no step refers to, and whose objects other than markers are all older than
+        `older_than` by the store's time proven (a plain saver on another host may be writing
+        into a step where a copy died: spec 13.7), is deleted, its markers last, so that a deletion cut
         short stays recognisable; one that a step refers to is left whole (its markers say it
         is ours once nothing does); in a complete step what those copies left beside the record
         goes (sweep_step: own names its record does not name, unless a later record
@@ -616,13 +613,14 @@ class ObjectRun:
         come to since (writer_came).  `found`: the run's listing to go by (None: listed here)."""
         found = self.listing() if found is None else found
         began = time.monotonic()
-        clock = StoreClock(self._step_url, self.options)
+        clock = StoreClock(self.url, self.options)
+        storeclock.remove_dead_readings(self.url, self.options, found.readings, older_than, clock)
         dead, live = markers_dead(found, older_than, clock)
         if not dead:
             return []
         statuses = self.statuses(found)
         referenced = self._referenced_by(statuses)
-        below = _oldest_known(statuses)
+        below = newest_unread(statuses)
         removed: list[int] = []
         for step, markers in sorted(dead.items()):
             names, url = found[step], self._step_url(step)
@@ -634,10 +632,12 @@ class ObjectRun:
                 if not self._sweep_ended_copies(step, older_than):  # what they left beside the record
                     continue  # a live writer's now: the dead markers go once it is done
                 doomed = markers  # then their markers
-            elif any(u.startswith(self.step_path(step) + "/") for u in referenced):
+            elif self._holds_any(step, referenced):
                 continue  # kept for a later step's objects: its markers say it is ours once not
             elif self.has_record(step):
                 doomed = markers  # a record the listing left out
+            elif not storeclock.stale_objects(names, older_than, clock):
+                continue  # a plain saver on another host may be writing here (spec 13.7)
             elif writer_came(names, listing.listed(url, self.options)):
                 continue  # another writer's now: its marker says so, once it is dead
             else:
@@ -647,39 +647,45 @@ class ObjectRun:
             listing.delete_versions(url, self.options, [(n, names[n].version) for n in doomed])
         if removed:
             gone = {step_dirname(s) for s in removed}
-            abort_uploads_begun_before(
-                self.url, self.options, lambda n: in_steps(n, gone), began, clock.now(removed[0])
-            )
+            abort_removed_steps_uploads(self.url, self.options, lambda n: in_steps(n, gone), began, clock)
         return removed
 
     def cleanup(self, older_than: datetime.timedelta = STALE_AFTER, found: RunListing | None = None) -> None:
-        """Abort multipart uploads of crashed savers (storeclock.abort_stale_uploads) and delete
-        commit-less steps whose newest object is older than `older_than` (a live saver writes
-        more often than that), both by the store's time, proven (StoreClock: read once, only where a step that no record refers
-        to looks that old by the latest time the store's could be), never this host's, which
-        may be ahead of it by more than the bound: another host's live saver keeps its step.
+        """Abort multipart uploads of crashed savers (storeclock.abort_crashed_uploads), delete
+        what clock readings that died left (remove_dead_readings), and delete commit-less
+        steps whose newest object is older than `older_than` (a live saver writes more often),
+        all by the store's time, proven (StoreClock: read once, only where something looks
+        that old by the latest time the store's could be), never this host's, which may be
+        ahead of it by more than the bound: another host's live saver keeps its step.
         `found`: the run's listing to go by (None: listed here); one a little old serves, as
         a step is deleted only by a HEAD's word and the versions then listed."""
         found = self.listing() if found is None else found
-        clock = StoreClock(self._step_url, self.options)
-        newest = max(found, default=0)  # where the clock is read for the uploads, if at all
-        abort_stale_uploads(
-            self.url, self.options, in_a_step, older_than, found.date, lambda: clock.now(newest)
-        )
-        latest = latest_store_time(objectnames.host_now())  # young by it: young by the store's
-        referenced: set[str] | None = None  # read only when a step is stale: it costs a GET a step
-        below = -1  # steps older than an unread one may hold what it refers to: never deleted
+        clock = StoreClock(self.url, self.options)
+        abort_crashed_uploads(self.url, self.options, in_a_step, older_than, clock)
+        storeclock.remove_dead_readings(self.url, self.options, found.readings, older_than, clock)
+        latest = store_time_bound(objectnames.host_now())  # young by it: young by the store's
+        statuses: list[StepStatus] | None = None  # read only when a step is stale: a GET a record
+        below, listed = -1, set()
+        hidden: set[str] | None = None  # what records a listing left out refer to: a HEAD a step
         for step, names in sorted(found.items()):
             if multifile.COMMIT_NAME in names or has_live_marker(names, older_than, latest):
                 continue  # a step, or an archive copy under way: its record is yet to come
-            if not stale(names, older_than, latest) or self.has_record(step):
+            if not stale(names, older_than, latest):
                 continue
-            if referenced is None:
+            if statuses is None:
                 statuses = self.statuses(found)
-                referenced = self._referenced_by(statuses)
-                below = _oldest_known(statuses)
-            if step > below and not any(u.startswith(self.step_path(step) + "/") for u in referenced):
-                self.delete_leftover(step, older_than, clock)
+                below, listed = newest_unread(statuses), listed_references(statuses)
+            # steps older than an unread one may hold what it refers to: never deleted; a step
+            # a listed record reads (an incremental run's retired step) is skipped before any HEAD
+            if step <= below or self._holds_any(step, listed):
+                continue
+            hidden = self.references_of_incomplete(statuses) if hidden is None else hidden
+            if not self._holds_any(step, hidden) and not self.has_record(step):
+                storeclock.delete_leftover(self._step_url(step), self.options, older_than, clock)
+
+    def _holds_any(self, step: int, urls: set[str]) -> bool:
+        """Whether one of `urls` is an object of step `step`."""
+        return any(u.startswith(self.step_path(step) + "/") for u in urls)
 
 
 def _unread(step: int, path: str) -> StepStatus:
@@ -691,9 +697,3 @@ def _unread(step: int, path: str) -> StepStatus:
         error=LimitError,
         unread=True,
     )
-
-
-def _oldest_known(statuses: list[StepStatus]) -> int:
-    """The newest unread step of `statuses` (-1 when none): a step older than it may hold
-    objects it refers to (references lead to older steps only), so none is deleted."""
-    return max((s.step for s in statuses if s.unread), default=-1)

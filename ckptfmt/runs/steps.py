@@ -128,3 +128,14 @@ def held(job: StepJob) -> CheckpointDir:
     """The step directory a save holds open and locked (job.lock_fd), to write beneath.  It
     only lends the descriptor: whoever keeps it dups it, and it is never closed through this."""
     return CheckpointDir(job.lock_fd, job.path)
+
+
+def listed_references(statuses: list[StepStatus]) -> set[str]:
+    """The objects the records of the complete steps of `statuses` refer to (no request)."""
+    return {url for s in statuses if s.info is not None for url in s.info.references}
+
+
+def newest_unread(statuses: list[StepStatus]) -> int:
+    """The newest unread step of `statuses` (-1 when none): a step older than it may hold
+    objects it refers to (references lead to older steps only), so none is deleted."""
+    return max((s.step for s in statuses if s.unread), default=-1)

@@ -13,29 +13,32 @@ import time
 from collections.abc import Callable
 
 from ..errors import CheckpointError
+from ..files import multifile
 from ..storage import listing
 from ..storage.listing import Listed
 from ..storage.upload import upload_bytes
 from ..storage.urls import ObjectURL
 from . import objectnames
 from .objectnames import (
-    STORE_AHEAD_AT_MOST,
+    CLOCK_DIR,
     StoreStamp,
     claiming,
     copy_marker,
+    has_live_marker,
     is_marker,
-    latest_store_time,
     marker_dead,
+    stale,
+    store_time_bound,
+    written_here,
 )
 
-#: seconds a store's time (a Last-Modified, an upload's start) may be cut down by: S3 lists
-#: them in whole seconds
-STAMP_ROUNDING = 1.0
+_ROUNDING = datetime.timedelta(seconds=listing.STAMP_ROUNDING)
 
 
 def read_stamp(url: ObjectURL, options: dict[str, object]) -> StoreStamp:
-    """The store's clock as proven now (StoreStamp): a copy marker of this process put into the
-    step prefix `url`, read back from a listing of it and deleted (an object of ckptfmt's own
+    """The store's clock as proven now (StoreStamp): a marker of this process (named as a copy
+    marker is, so that a crashed reading's is aged and removed as one: ObjectRun.cleanup) put
+    into `url` (the run's CLOCK_DIR), read back from a listing of it and deleted (an object of ckptfmt's own
     meanwhile, recognisable as such if this process dies first).  A listing that does not show
     it yet proves nothing: the stamp then ages nothing (the safe side)."""
     name = copy_marker()
@@ -56,22 +59,24 @@ def read_stamp(url: ObjectURL, options: dict[str, object]) -> StoreStamp:
 
 class StoreClock:
     """The store's time for one pass of a cleaner over a run: proven once, when first asked
-    (read_stamp in the prefix of the step being judged: a PUT, a listing and a DELETE), then
+    (read_stamp in the run's CLOCK_DIR: a PUT, a listing and a DELETE), then
     moved on by this process's monotonic clock; a pass that finds nothing looking old makes
     no request for it."""
 
-    def __init__(self, step_url: Callable[[int], ObjectURL], options: dict[str, object]) -> None:
-        """`step_url(step)`: the prefix of step `step`, where the reading's marker goes."""
-        self._step_url = step_url
+    def __init__(self, run: ObjectURL, options: dict[str, object]) -> None:
+        """`run`: the run's prefix; the reading's marker goes beneath its CLOCK_DIR, never in a
+        step's prefix, where a concurrent sweep or copy would take it for a live copy's."""
+        self._url = run.child(CLOCK_DIR)
         self._options = options
         self._stamp: StoreStamp | None = None
 
-    def now(self, step: int) -> datetime.datetime | None:
-        """The store's time now as proven (StoreStamp), read in step `step`'s prefix if not read
-        yet; None where the reading's listing did not show its marker (nothing is aged then).
-        No listing's Date is needed: the stamp is the store's own, and moves on without one."""
+    def proven_time(self) -> datetime.datetime | None:
+        """The store's time now as proven (StoreStamp): the first call reads it (a PUT, a
+        listing and a DELETE); None where the reading's listing did not show its marker
+        (nothing is aged then).  No listing's Date is needed: the stamp is the store's own,
+        and moves on without one."""
         if self._stamp is None:
-            self._stamp = read_stamp(self._step_url(step), self._options)
+            self._stamp = read_stamp(self._url, self._options)
         return self._stamp.store_time({}, None)
 
 
@@ -82,11 +87,11 @@ def markers_dead(
 ) -> tuple[dict[int, list[str]], set[int]]:
     """The dead markers of a run's listing `found` by step (marker_dead), and the steps holding
     a live one.  A marker not dead by its owner alone but old enough to be dead by the latest
-    time the store's could be (latest_store_time) is aged by the store's time proven
+    time the store's could be (store_time_bound) is aged by the store's time proven
     (`clock`, read once for the run, only where needed): neither this host's clock nor a
     Date from another clock than the one stamping objects must let a live writer's marker be
     deleted."""
-    latest = latest_store_time(objectnames.host_now())
+    latest = store_time_bound(objectnames.host_now())
     dead: dict[int, list[str]] = {}
     live: set[int] = set()
     for step, names in found.items():
@@ -95,7 +100,7 @@ def markers_dead(
                 continue
             gone = marker_dead(name, entry.modified, older_than, None)
             if not gone and marker_dead(name, entry.modified, older_than, latest):
-                gone = marker_dead(name, entry.modified, older_than, clock.now(step))
+                gone = marker_dead(name, entry.modified, older_than, clock.proven_time())
             if gone:
                 dead.setdefault(step, []).append(name)
             else:
@@ -103,48 +108,91 @@ def markers_dead(
     return dead, live
 
 
-def abort_stale_uploads(
+def abort_crashed_uploads(
     url: ObjectURL,
     options: dict[str, object],
     ours: Callable[[str], bool],
     older_than: datetime.timedelta,
-    date: datetime.datetime | None,
-    clock: Callable[[], datetime.datetime | None],
-) -> None:
+    clock: StoreClock,
+) -> int:
     """Abort the uploads beneath `url` whose key relative to it is `ours` begun more than
-    `older_than` ago by the store's clock (savers that crashed).  The store stamps when an
-    upload began and the bound is an age by this host's clock, so it is moved by how far this
-    host's may be ahead of the store's: STORE_AHEAD_AT_MOST where the listing's Date, `date`,
-    shows it no further ahead (no request made), else as far as the store's time proven,
-    `clock()` (StoreClock.now), shows it, and a second more for the store's rounding; none
-    is aborted where no store time is proven.  A host whose clock runs a day ahead so aborts
-    no live saver's upload."""
-    host = objectnames.host_now()
-    margin = datetime.timedelta(seconds=STORE_AHEAD_AT_MOST)
-    if date is None or host - date > margin:
-        at = clock()
-        if at is None:
-            return
-        margin = max(host - at, datetime.timedelta(0)) + datetime.timedelta(seconds=STAMP_ROUNDING)
-    listing.abort_stale_uploads(url, options, older_than + margin, ours)
+    `older_than` before the store's time proven (savers that crashed), a second more for the
+    store's rounding.  The uploads are listed first; the store's time is proven (`clock`,
+    once) only where one of ours began before the earliest time that could be that old
+    (store_time_bound): never judged by this host's clock, nor by a listing's Date, which may
+    come from another clock (a gateway's agreeing with a host a day ahead, or a hostile
+    far-future one); none is aborted where no store time is proven."""
+
+    def cutoff(oldest: datetime.datetime) -> datetime.datetime | None:
+        if oldest >= store_time_bound(objectnames.host_now()) - older_than:
+            return None  # young by every store time believed: nothing to prove
+        at = clock.proven_time()
+        return None if at is None else at - older_than - _ROUNDING
+
+    return listing.abort_uploads_begun_before(url, options, ours, cutoff)
 
 
-def abort_uploads_begun_before(
+def abort_removed_steps_uploads(
     url: ObjectURL,
     options: dict[str, object],
     ours: Callable[[str], bool],
     began: float,
-    at: datetime.datetime | None,
-) -> None:
+    clock: StoreClock,
+) -> int:
     """Abort the uploads beneath `url` whose key relative to it is `ours` (prefixes a cleaner
     just removed) begun before monotonic time `began` (the cleaner's start) by the store's
-    clock, `at` (now, proven: StoreClock): a newcomer's uploads begun since stay.  The store
-    stamps when an upload began and the bound is an age by this host's clock, so it is moved
-    by how far this host's is ahead of the store's, and by a second more (a store's times
-    may be whole seconds, cut down); where no store time is proven (None), none is aborted
-    (they go with a later cleanup's stale uploads)."""
-    if at is None:
+    clock (proven: `clock`), a second more for the store's rounding: a newcomer's uploads
+    begun since stay; where no store time is proven, none is aborted (they go with a later
+    cleanup's crashed uploads)."""
+
+    def cutoff(oldest: datetime.datetime) -> datetime.datetime | None:
+        at = clock.proven_time()
+        if at is None:
+            return None
+        return at - datetime.timedelta(seconds=time.monotonic() - began) - _ROUNDING
+
+    return listing.abort_uploads_begun_before(url, options, ours, cutoff)
+
+
+def stale_objects(names: dict[str, Listed], older_than: datetime.timedelta, clock: StoreClock) -> bool:
+    """Whether the objects of a step's prefix `names` other than markers are all older than
+    `older_than` by the store's time proven (`clock`; objectnames.stale), or there are none:
+    a prefix whose markers are dead may still be a plain saver's on another host, which
+    writes more often than that (spec 13.7)."""
+    objects = {n: e for n, e in names.items() if not is_marker(n)}
+    return not objects or stale(objects, older_than, clock.proven_time())
+
+
+def remove_dead_readings(
+    run: ObjectURL,
+    options: dict[str, object],
+    readings: dict[str, Listed],
+    older_than: datetime.timedelta,
+    clock: StoreClock,
+) -> None:
+    """Delete the markers that readings of the store's clock which died left beneath the
+    run's CLOCK_DIR (`readings`, by name, as listed), each dead as a copy's marker is
+    (markers_dead, by the store's time proven): only the versions listed (If-Match)."""
+    if not readings:
         return
-    ahead = objectnames.host_now() - at  # negative where this host's clock is behind
-    since = datetime.timedelta(seconds=time.monotonic() - began + STAMP_ROUNDING) + ahead
-    listing.abort_stale_uploads(url, options, since, ours)
+    dead, _ = markers_dead({0: readings}, older_than, clock)
+    doomed = [(n, readings[n].version) for n in dead.get(0, [])]
+    listing.delete_versions(run.child(CLOCK_DIR), options, doomed)
+
+
+def delete_leftover(
+    url: ObjectURL, options: dict[str, object], older_than: datetime.timedelta, clock: StoreClock
+) -> None:
+    """Delete what a dead save left in the step prefix `url` (ObjectRun.cleanup: no commit
+    record by the listing and a HEAD, its newest object older than the cleanup bound
+    `older_than`): only the versions listed now (If-Match; an object listed without an ETag is
+    left), never a commit record, so that an object another writer puts there meanwhile
+    stays, and so does its record; nothing where that listing shows a live archive copy's
+    marker or an object younger than the bound (one a writer put since cleanup listed), each
+    aged by the store's time proven (`clock`, the cleanup's), never this host's."""
+    found = listing.listed(url, options)
+    at = clock.proven_time()
+    if has_live_marker(found, older_than, at) or not stale(found, older_than, at):
+        return
+    ours = [(n, e.version) for n, e in found.items() if written_here(n) and n != multifile.COMMIT_NAME]
+    listing.delete_versions(url, options, ours)

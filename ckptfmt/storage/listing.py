@@ -235,28 +235,45 @@ def delete_prefix(
         s3.request(str(url), "delete", partial(store.delete_many, url, batch), options)
 
 
-def abort_stale_uploads(
+#: seconds a store's time (a listing's Date, or the time it lists an object written) is believed
+#: ahead of this host's clock at most (runs/objectnames.py StoreStamp): a stamp further ahead
+#: is taken as this far ahead
+STORE_AHEAD_AT_MOST = 300.0
+#: seconds a store's time (a Last-Modified, an upload's start) may be cut down by: S3 lists
+#: them in whole seconds
+STAMP_ROUNDING = 1.0
+
+
+def abort_uploads_begun_before(
     url: ObjectURL,
     options: dict[str, Any],
-    older_than: datetime.timedelta,
     ours: Callable[[str], bool],
+    begun_before: Callable[[datetime.datetime], datetime.datetime | None],
 ) -> int:
-    """Abort the uploads beneath `url` begun more than `older_than` ago (savers that crashed:
-    their parts cost storage until aborted) whose key relative to `url` is `ours` (another
-    program's upload beneath the same prefix is not a leftover); returns how many."""
+    """Abort the uploads beneath `url` whose key relative to `url` is `ours` (another program's
+    upload beneath the same prefix is not a leftover) begun before the store time
+    `begun_before(oldest)` (absolute, by the store's clock, which stamps when an upload began;
+    None: none is aborted), asked once and only when one of ours is listed, `oldest` the time
+    the oldest of them began: the caller proves the store's time only where one could be old
+    enough, never by this host's clock (it may run a day ahead).  Returns how many."""
     store = store_for(url, options)
     prefix = _prefix(url)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    aborted = 0
+    candidates: list[tuple[str, str, datetime.datetime]] = []
     for up in _uploads(url, options, prefix):
         key, upload_id, began = up.key, up.upload_id, _utc(up.initiated)
         if not isinstance(key, str) or not key.startswith(prefix) or not isinstance(upload_id, str):
             continue
-        if not ours(key[len(prefix) :]):
-            continue
-        if began is None or now - began < older_than:
-            continue
-        one = url.with_key(key)
-        s3.request(str(url), "abort a stale upload", partial(store.abort_upload, one, upload_id), options)
-        aborted += 1
+        if began is not None and ours(key[len(prefix) :]):
+            candidates.append((key, upload_id, began))
+    if not candidates:
+        return 0
+    cutoff = begun_before(min(began for _, _, began in candidates))
+    if cutoff is None:
+        return 0
+    aborted = 0
+    for key, upload_id, began in candidates:
+        if began < cutoff:
+            one = url.with_key(key)
+            s3.request(str(url), "abort a stale upload", partial(store.abort_upload, one, upload_id), options)
+            aborted += 1
     return aborted
