@@ -387,9 +387,27 @@ def test_a_pass_on_a_host_whose_clock_is_ahead_aborts_only_uploads_begun_before_
 
     ago = {"dead": datetime.timedelta(minutes=1), "newcomer": datetime.timedelta(0)}
     store.uploads = _uploads_begun(store, f"{step}/state.ckpt", ago)
-    assert ObjectRun("s3://bucket/run", store.options).remove_interrupted_copies() == [2]
+    run = ObjectRun("s3://bucket/run", store.options)
+    assert run.remove_interrupted_copies(older_than=datetime.timedelta(0)) == [2]
     aborted = [p for m, p in store.deletes() if "uploadId=" in p]
     assert len(aborted) == 1 and "uploadId=dead" in aborted[0], aborted
+
+
+def test_removing_a_dead_copys_prefix_aborts_no_upload_younger_than_the_bound(store):
+    # the prefix of a copy that died holds an old object and an upload begun a minute ago by
+    # the store's clock: a plain saver on another host, under way in that step (an upload not
+    # yet complete is no listed object, so nothing the removal looks at shows it), keeps its
+    # upload; only one begun more than the bound (24 hours) before the store's time goes
+    from ckptfmt.runs.objectnames import copy_marker
+
+    step = "run/step-000000002"
+    store.head = lambda h: _reply(h, 404, {}) if h.path.endswith("/COMMIT") else store.honest_head(h)
+    store.listing = store.listed_with_puts([f"{step}/{copy_marker()}", f"{step}/state.ckpt"], STALE, "v1")
+    ago = {"live": datetime.timedelta(minutes=1), "crashed": datetime.timedelta(days=2)}
+    store.uploads = _uploads_begun(store, f"{step}/rank-00000.ckpt", ago)
+    assert ObjectRun("s3://bucket/run", store.options).remove_interrupted_copies() == [2]
+    aborted = [p for m, p in store.deletes() if "uploadId=" in p]
+    assert len(aborted) == 1 and "uploadId=crashed" in aborted[0], aborted
 
 
 def test_a_cleanup_on_a_host_whose_clock_is_ahead_aborts_no_live_saver_upload(store):
@@ -715,6 +733,21 @@ def test_a_saves_commit_aborts_no_live_upload_on_a_fast_host(store):
     store.listing = store.listed_with_puts(["run/step-000000002/COMMIT"], "2100-01-01T00:00:00.000Z", "v1")
     StepPlace(parse_url("s3://bucket/run/step-000000002"), store.options, 2).remove_leftovers()
     assert not any("uploadId=live" in p for m, p in store.deletes())
+
+
+def test_a_record_stamped_in_the_year_1_aborts_nothing_and_raises_nothing(store):
+    # a store that stamps a step's record at the very start of the calendar: its cutoff (24
+    # hours before that) cannot be written as a time, so it proves nothing, and a commit's
+    # cleanup goes on (it raised datetime's OverflowError, which no caller expects)
+    from ckptfmt.runs.stepplace import StepPlace
+    from ckptfmt.storage.urls import parse_url
+
+    store.listing = store.listed_with_puts(["run/step-000000002/COMMIT"], "0001-01-01T00:00:00.000Z", "v1")
+    store.uploads = _uploads_begun(
+        store, "run/step-000000002/state.ckpt", {"crashed": datetime.timedelta(days=2)}
+    )
+    StepPlace(parse_url("s3://bucket/run/step-000000002"), store.options, 2).remove_leftovers()
+    assert not any("uploadId=" in p for m, p in store.deletes())
 
 
 class _LaggingPuts(dict):

@@ -502,7 +502,7 @@ class ObjectPlace(Place):
             return None
         host = datetime.datetime.now(datetime.timezone.utc)
         written = min(entry.modified, host + datetime.timedelta(seconds=listing.STORE_AHEAD_AT_MOST))
-        return written - STALE_AFTER - datetime.timedelta(seconds=listing.STAMP_ROUNDING)
+        return listing.earlier_by(written, STALE_AFTER, datetime.timedelta(seconds=listing.STAMP_ROUNDING))
 
 
 def holds_file(url: str, options: dict[str, Any], part: multifile.PartRecord) -> bool:

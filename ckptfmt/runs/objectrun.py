@@ -647,7 +647,9 @@ class ObjectRun:
             listing.delete_versions(url, self.options, [(n, names[n].version) for n in doomed])
         if removed:
             gone = {step_dirname(s) for s in removed}
-            abort_removed_steps_uploads(self.url, self.options, lambda n: in_steps(n, gone), began, clock)
+            abort_removed_steps_uploads(
+                self.url, self.options, lambda n: in_steps(n, gone), began, older_than, clock
+            )
         return removed
 
     def cleanup(self, older_than: datetime.timedelta = STALE_AFTER, found: RunListing | None = None) -> None:

@@ -127,7 +127,7 @@ def abort_crashed_uploads(
         if oldest >= store_time_bound(objectnames.host_now()) - older_than:
             return None  # young by every store time believed: nothing to prove
         at = clock.proven_time()
-        return None if at is None else at - older_than - _ROUNDING
+        return None if at is None else listing.earlier_by(at, older_than, _ROUNDING)
 
     return listing.abort_uploads_begun_before(url, options, ours, cutoff)
 
@@ -137,19 +137,23 @@ def abort_removed_steps_uploads(
     options: dict[str, object],
     ours: Callable[[str], bool],
     began: float,
+    older_than: datetime.timedelta,
     clock: StoreClock,
 ) -> int:
     """Abort the uploads beneath `url` whose key relative to it is `ours` (prefixes a cleaner
-    just removed) begun before monotonic time `began` (the cleaner's start) by the store's
-    clock (proven: `clock`), a second more for the store's rounding: a newcomer's uploads
-    begun since stay; where no store time is proven, none is aborted (they go with a later
-    cleanup's crashed uploads)."""
+    just removed) begun both before monotonic time `began` (the cleaner's start) and more than
+    `older_than` before the store's time (proven: `clock`), a second more for the store's
+    rounding: a newcomer's uploads begun since stay, and so does a live saver's under way in
+    such a prefix (an upload not yet complete is no listed object, so nothing the removal
+    looked at could show it); where no store time is proven, none is aborted (they go with a
+    later cleanup's crashed uploads)."""
 
     def cutoff(oldest: datetime.datetime) -> datetime.datetime | None:
         at = clock.proven_time()
         if at is None:
             return None
-        return at - datetime.timedelta(seconds=time.monotonic() - began) - _ROUNDING
+        since = datetime.timedelta(seconds=time.monotonic() - began)
+        return listing.earlier_by(at, max(since, older_than), _ROUNDING)
 
     return listing.abort_uploads_begun_before(url, options, ours, cutoff)
 

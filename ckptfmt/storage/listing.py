@@ -244,6 +244,15 @@ STORE_AHEAD_AT_MOST = 300.0
 STAMP_ROUNDING = 1.0
 
 
+def earlier_by(at: datetime.datetime, *spans: datetime.timedelta) -> datetime.datetime | None:
+    """Store time `at` less `spans`, or None where that falls before the year 1: a store that
+    stamps an object in the year 1 (hostile, or broken) makes a cutoff that proves nothing."""
+    try:
+        return at - sum(spans, datetime.timedelta())
+    except OverflowError:
+        return None
+
+
 def abort_uploads_begun_before(
     url: ObjectURL,
     options: dict[str, Any],
