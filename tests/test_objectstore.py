@@ -295,6 +295,28 @@ def test_a_save_that_keeps_failing_commits_nothing_and_aborts_its_upload(store_f
         ckptfmt.load(url, storage_options=options)
 
 
+def _spool_mappings(name: str) -> list[str]:
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if f"memfd:ckptfmt-{name}" in line]
+
+
+def test_a_failed_part_s_error_does_not_keep_the_spool_alive(s3_faults):
+    """The error of a part that failed is raised by the save: its tracebacks' frames held the
+    part's view of the spool, so the spool's mapping (and its pages) lived while the caller
+    kept the error."""
+    faults = s3_faults
+    options = faults.storage_options() | {"max_attempts": 1, "part_size": 8 * MiB}
+    bucket = faults.new_bucket()
+    faults.fail_next("PUT", "partNumber=3", status=400, count=1000)
+    with pytest.raises(StorageError) as kept:
+        ckptfmt.save(_big_state(), f"s3://{bucket}/pinned.ckpt", storage_options=options)
+    deadline = time.monotonic() + 30  # the upload pool frees the mapping after the save returns
+    while _spool_mappings("pinned.ckpt") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _spool_mappings("pinned.ckpt") == [], kept.value
+    faults.clear_rules()
+
+
 def test_parts_go_up_while_later_chunks_are_written(s3_bucket, monkeypatch):
     """The engine tells the upload what it has written every 16 MiB, not once per batch (64 MiB
     for a save to a store): each part is sent once its bytes are in the spool, while the

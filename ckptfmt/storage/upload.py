@@ -15,8 +15,10 @@ retries are written here once.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
@@ -140,16 +142,19 @@ class ObjectFile:
         store, u = self._store, self.url
         try:
             upload_id = self._started.result()  # its failure is this part's
-            view = self.spool.view(start, end)
-            self._done[number] = s3.request(
-                str(u),
-                f"upload part {number} (bytes {start}-{end - 1})",
-                lambda: store.put_part(u, upload_id, number, view),  # each attempt sends all of it
-                self.options,
-            )
+            # each attempt sends all of the part; held by `send` alone, let go of below: a
+            # failure kept to be raised later must not pin the spool through this frame
+            send = functools.partial(store.put_part, u, upload_id, number, self.spool.view(start, end))
+            try:
+                self._done[number] = s3.request(
+                    str(u), f"upload part {number} (bytes {start}-{end - 1})", send, self.options
+                )
+            finally:
+                del send
             if number != 1:
                 self.spool.release(start, end)
         except BaseException as e:
+            _drop_locals(e)
             self._failed(e)
             raise
         finally:
@@ -252,6 +257,18 @@ class ObjectFile:
                 self.abort()
         finally:
             self.close()
+
+
+def _drop_locals(error: BaseException) -> None:
+    """Clear the locals of the finished frames in `error`'s tracebacks (its causes' too): the
+    requests' frames hold the part's view of the spool, and a failure kept to be raised later
+    would keep the spool's mapping, and all its pages, alive with it."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
 
 
 def upload_file(fd: int, url: str, options: dict[str, Any], *, if_absent: bool = False) -> int:
