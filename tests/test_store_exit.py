@@ -1,7 +1,7 @@
 """Store saves at interpreter exit: a non-blocking save still in flight when the program
-returns runs once concurrent.futures' exit hook may have refused new work to every pool; the
-process must still end, promptly, with the object whole (or the failure reported), never hang
-on a save's handle."""
+returns, and a blocking save made by an ``atexit`` handler.  Both run once concurrent.futures'
+exit hook may have refused new work to every pool; the process must still end, promptly,
+with the object whole (or the failure reported), never hang on a save's handle."""
 
 from __future__ import annotations
 
@@ -28,6 +28,20 @@ ckptfmt.save(state, url, storage_options=options, blocking=False, snapshot=snaps
 print("returned", flush=True)
 """
 
+_IN_ATEXIT = f"""
+import atexit, json, sys, torch, ckptfmt
+url, options = sys.argv[1], json.loads(sys.argv[2])
+{_STATE}
+
+@atexit.register
+def final():
+    try:
+        ckptfmt.save(state, url, storage_options=options)
+        print("saved", flush=True)
+    except BaseException as e:
+        print("failed:", type(e).__name__, e, flush=True)
+"""
+
 
 def _run_child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=os.getcwd())
@@ -41,15 +55,31 @@ def _expected() -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("snapshot", ["copy", "fork"])
-def test_a_non_blocking_store_save_in_flight_at_exit_ends_and_is_whole(s3_bucket, snapshot):
-    bucket, options = s3_bucket
+def test_a_non_blocking_store_save_in_flight_at_exit_ends_and_is_whole(s3_faults, snapshot):
+    """Its parts go one at a time, each held 0.5 s: the save is still handing parts to the
+    upload pool when the program returns."""
+    faults = s3_faults
+    options = faults.storage_options()
+    bucket = faults.new_bucket()
+    faults.delay("PUT", "partNumber=", seconds=0.5)
     url = f"s3://{bucket}/exit-{snapshot}.ckpt"
-    done = _run_child(_AT_RETURN, url, json.dumps(options | {"part_size": 8 * MiB}), snapshot)
+    child_options = options | {"part_size": 8 * MiB, "concurrency": 1}
+    done = _run_child(_AT_RETURN, url, json.dumps(child_options), snapshot)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "returned" in done.stdout
-    try:
-        got = ckptfmt.load(url, storage_options=options)
-    except FileNotFoundError:
-        assert "failed" in done.stderr, done.stderr[-3000:]  # not committed: reported
-    else:
-        assert torch.equal(got["w"], _expected()["w"])
+    assert "failed" not in done.stderr, done.stderr[-3000:]
+    faults.clear_rules()
+    got = ckptfmt.load(url, storage_options=options)
+    assert torch.equal(got["w"], _expected()["w"])
+
+
+def test_a_blocking_store_save_in_an_atexit_handler_is_whole(store):
+    """Made after every pool refuses work: its requests (S3's parts, GCS's part composes and
+    deletes in parallel) run on the saving thread."""
+    root, options = store
+    url = f"{root}/atexit.ckpt"
+    done = _run_child(_IN_ATEXIT, url, json.dumps(options | {"part_size": 8 * MiB}))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "saved", done.stdout + done.stderr[-3000:]
+    got = ckptfmt.load(url, storage_options=options)
+    assert torch.equal(got["w"], _expected()["w"])

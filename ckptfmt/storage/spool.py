@@ -18,6 +18,8 @@ import os
 from collections.abc import Callable
 from concurrent.futures import Executor
 
+from .pools import submit_or_run
+
 PAGE = mmap.PAGESIZE
 
 
@@ -100,12 +102,9 @@ class Spool:
         if mapping is None:
             return
         if free_on is not None:
-            try:
-                free_on.submit(_close_map, mapping)
-                return
-            except RuntimeError:  # the executor refuses work (interpreter shutdown)
-                pass
-        _close_map(mapping)
+            submit_or_run(free_on, _close_map, mapping)
+        else:
+            _close_map(mapping)
 
 
 def _close_map(mapping: mmap.mmap) -> None:

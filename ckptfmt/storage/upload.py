@@ -27,6 +27,7 @@ from typing import Any
 from ..errors import ObjectExistsError, StorageError
 from . import client as s3
 from .backends import store_for
+from .pools import submit_or_run
 from .spool import Spool
 from .store import Store
 from .urls import ObjectURL, parse_url
@@ -111,14 +112,14 @@ class ObjectFile:
                 self._cond.wait()
             self._in_flight += end - start
             self._futures = [f for f in self._futures if not f.done()]
-        self._futures.append(self._start().submit(self._upload_part, number, start, end))
+        self._futures.append(submit_or_run(self._start(), self._upload_part, number, start, end))
 
     def _start(self) -> ThreadPoolExecutor:
         """The pool of upload threads, the upload in parts begun on it (once)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="ckptfmt-upload")
         if self._started is None:
-            self._started = self._pool.submit(self._create_multipart)
+            self._started = submit_or_run(self._pool, self._create_multipart)
             self._futures.append(self._started)  # its failure raised as a part's is
         return self._pool
 
