@@ -203,3 +203,34 @@ def test_an_unreadable_mountinfo_is_not_remembered(shm_dir, mountinfo_reads, mon
         assert filesystem_type(f.fileno()) == "tmpfs"  # read again, now that it can be
         assert filesystem_type(f.fileno()) == "tmpfs"
     assert mountinfo_reads() == 1
+
+
+@pytest.fixture
+def engine_calls(monkeypatch):
+    """The pieces of each engine call that writes chunks, in order, as a list."""
+    from ckptfmt.engine.chunkwrite import ChunkWriter
+
+    calls: list[int] = []
+    write_run = ChunkWriter._write_run
+
+    def counting(self, pieces, digests=None):
+        calls.append(len(pieces))
+        write_run(self, pieces, digests)
+
+    monkeypatch.setattr(ChunkWriter, "_write_run", counting)
+    return calls
+
+
+def test_a_threaded_store_save_is_not_cut_into_an_engine_call_per_part(s3_bucket, four_cores, engine_calls):
+    """A compressed save to a store writes with four engine threads: its 64 MiB batch of 16 MiB
+    chunks is one engine call (each call drains the pool at its end), not four of 16 MiB; a
+    plain one, written by one thread into the memfd spool, is still told to the upload every
+    16 MiB, in four calls."""
+    bucket, options = s3_bucket
+    state = _state()
+    for compression, calls in (("zstd", 1), (None, 4)):
+        engine_calls.clear()
+        url = f"s3://{bucket}/calls-{compression}.ckpt"
+        ckptfmt.save(state, url, storage_options=options, compression=compression, chunk_size=16 << 20)
+        assert len(engine_calls) == calls, (compression, engine_calls)
+        assert_same(state, ckptfmt.load(url, storage_options=options))

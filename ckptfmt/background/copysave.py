@@ -362,5 +362,7 @@ def _write_worker(
                 except BaseException:
                     pass  # discarded, not reused
     finally:
-        atomic.__exit__(None, None, None)
-        inflight.settle(handle, exc, replaced)
+        try:
+            atomic.__exit__(None, None, None)
+        finally:  # the handle ends even if closing fails: an exit waits for it
+            inflight.settle(handle, exc, replaced)

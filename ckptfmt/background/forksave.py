@@ -571,7 +571,9 @@ def _finish(
         os.close(ready)
         os.close(alive_w)
         child.close()
-        atomic.__exit__(None, None, None)
-        inflight.settle(handle, exc, replaced)
-        if not reaped:
-            _reap(child.pid, deadline)
+        try:
+            atomic.__exit__(None, None, None)
+        finally:  # the handle ends even if closing fails: an exit waits for it
+            inflight.settle(handle, exc, replaced)
+            if not reaped:
+                _reap(child.pid, deadline)

@@ -288,11 +288,48 @@ def raise_unobserved() -> None:
         ) from report._exc
 
 
+_exit_deadline: Deadline | None = None
+
+
+def _exit_bound() -> Deadline:
+    """One bound for every wait at exit: an exit never hangs on a stuck save."""
+    global _exit_deadline
+    if _exit_deadline is None:
+        _exit_deadline = Deadline()
+    return _exit_deadline
+
+
+def _finish_before_pools_stop() -> None:
+    """Wait for the saves in flight while thread pools still take work: a threads' exit hook,
+    run before concurrent.futures' own (registered at its import, earlier; these hooks run
+    last-registered first), which makes every pool refuse new work (a store save's parts)."""
+    with _lock:
+        handles = list(_in_flight.values())
+    deadline = _exit_bound()
+    for h in handles:
+        h._done.wait(deadline.left())
+
+
+def _register_before_pools_stop() -> None:
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        return
+    import concurrent.futures.thread  # noqa: F401  its exit hook registered before ours
+
+    try:
+        register(_finish_before_pools_stop)
+    except RuntimeError:  # imported while the interpreter exits: _at_exit alone waits
+        pass
+
+
+_register_before_pools_stop()
+
+
 @atexit.register
 def _at_exit() -> None:
     with _lock:
         handles = list(_in_flight.values()) + list(_unobserved)
-    deadline = Deadline()  # one bound for all: an exit never hangs on a stuck save
+    deadline = _exit_bound()
     for h in handles:
         if not h._done.wait(deadline.left()):
             print(f"ckptfmt: non-blocking save of {h.path} still running at exit: abandoned", file=sys.stderr)

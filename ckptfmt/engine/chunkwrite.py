@@ -235,7 +235,8 @@ def _batches(
 
 #: a writer told what is written (an object upload's) is told after about this many bytes of
 #: chunks, however large its batches: an upload's default part, so that each part goes as soon
-#: as its bytes are in the spool, while the next are written
+#: as its bytes are in the spool, while the next are written (where one engine thread writes:
+#: ChunkWriter._written_step)
 WRITTEN_STEP_BYTES = 16 << 20
 
 
@@ -322,9 +323,18 @@ class ChunkWriter:
         if self.on_written is None:
             self._write(pieces)
             return
-        for run in _runs(pieces, WRITTEN_STEP_BYTES):
+        for run in _runs(pieces, self._written_step()):
             self._write(run)
             self.on_written(self.pos)
+
+    def _written_step(self) -> int:
+        """Bytes of chunks between two reports to on_written: WRITTEN_STEP_BYTES where one
+        engine thread writes (a plain save into a memfd spool: its engine calls cost nothing
+        to split); else at least two chunks per writer thread, since each engine call drains
+        its thread pool at the end (128 MiB of zstd in 16 MiB runs on 2 threads: 207 -> 257 ms)."""
+        if self.write_threads == 1:
+            return WRITTEN_STEP_BYTES
+        return max(WRITTEN_STEP_BYTES, 2 * self.write_threads * self.options.chunk_size)
 
     def _write(self, pieces: list[tuple[memoryview, int]]) -> None:
         if self.dedup is None:

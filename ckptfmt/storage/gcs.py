@@ -38,6 +38,7 @@ from typing import Any
 
 from ..errors import CheckpointError, StorageError
 from . import answers, client, http
+from .pools import submit_or_run
 from .store import Entry, Page, Reply, Upload, UploadPage, ViewFile
 from .urls import ObjectURL
 
@@ -274,7 +275,8 @@ class GCSStore:
                 return call(item)
 
         with ThreadPoolExecutor(min(self.concurrency, len(todo)), thread_name_prefix="ckptfmt-gcs") as pool:
-            return list(pool.map(within, todo))
+            futures = [submit_or_run(pool, within, item) for item in todo]  # at exit: here, in turn
+            return [f.result() for f in futures]
 
     def _compose(self, url: ObjectURL, key: str, sources: list[tuple[str, str]], *, if_absent: bool) -> str:
         request = {

@@ -18,6 +18,8 @@ import os
 from collections.abc import Callable
 from concurrent.futures import Executor
 
+from .pools import submit_or_run
+
 PAGE = mmap.PAGESIZE
 
 
@@ -90,7 +92,9 @@ class Spool:
         and so its pages, alive, and holds a descriptor of its own) is closed by that
         executor, after the releases queued on it: freeing the pages costs about as much as
         filling them (~0.1 s per 256 MiB here), and the caller need not wait for it.  The
-        spool's descriptor is closed here either way."""
+        spool's descriptor is closed here either way, and the mapping here too where the
+        executor takes no more work (at interpreter exit, once concurrent.futures' exit hook
+        has run: a save finishing then must still end, and end its save)."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -98,7 +102,7 @@ class Spool:
         if mapping is None:
             return
         if free_on is not None:
-            free_on.submit(_close_map, mapping)
+            submit_or_run(free_on, _close_map, mapping)
         else:
             _close_map(mapping)
 

@@ -15,8 +15,10 @@ retries are written here once.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
@@ -25,6 +27,7 @@ from typing import Any
 from ..errors import ObjectExistsError, StorageError
 from . import client as s3
 from .backends import store_for
+from .pools import submit_or_run
 from .spool import Spool
 from .store import Store
 from .urls import ObjectURL, parse_url
@@ -66,7 +69,12 @@ class ObjectFile:
         self._started: Future[str] | None = None
         self._next_part = 2  # part 1 (the prologue's) goes last
         self._done: dict[int, str] = {}  # part number -> what completing the upload names
+        #: the requests not yet known to have ended (those that ended are dropped as parts are
+        #: handed over: a save of 400 GiB sends 25,000 parts)
         self._futures: list[Future[Any]] = []
+        #: the first failure of a request on the pool, set under _cond: what written() raises,
+        #: looked at in O(1) every 16 MiB rather than by scanning every request made
+        self._failure: BaseException | None = None
         self._in_flight = 0
         self._cond = threading.Condition()
         self._pool: ThreadPoolExecutor | None = None
@@ -103,49 +111,69 @@ class ObjectFile:
             while self._in_flight and self._in_flight + (end - start) > self._max_in_flight:
                 self._cond.wait()
             self._in_flight += end - start
-        self._futures.append(self._start().submit(self._upload_part, number, start, end))
+            self._futures = [f for f in self._futures if not f.done()]
+        self._futures.append(submit_or_run(self._start(), self._upload_part, number, start, end))
 
     def _start(self) -> ThreadPoolExecutor:
         """The pool of upload threads, the upload in parts begun on it (once)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="ckptfmt-upload")
         if self._started is None:
-            self._started = self._pool.submit(self._create_multipart)
+            self._started = submit_or_run(self._pool, self._create_multipart)
             self._futures.append(self._started)  # its failure raised as a part's is
         return self._pool
 
     def _create_multipart(self) -> str:
         store, u = self._store, self.url
         assert store is not None
-        return s3.request(str(u), "start multipart upload", lambda: store.start_upload(u), self.options)
+        try:
+            return s3.request(str(u), "start multipart upload", lambda: store.start_upload(u), self.options)
+        except BaseException as e:
+            self._failed(e)
+            raise
+
+    def _failed(self, e: BaseException) -> None:
+        """Keep `e` as the upload's failure, unless one came first."""
+        with self._cond:
+            if self._failure is None:
+                self._failure = e
 
     def _upload_part(self, number: int, start: int, end: int) -> None:
         assert self.spool is not None and self._store is not None and self._started is not None
         store, u = self._store, self.url
         try:
             upload_id = self._started.result()  # its failure is this part's
-            view = self.spool.view(start, end)
-            self._done[number] = s3.request(
-                str(u),
-                f"upload part {number} (bytes {start}-{end - 1})",
-                lambda: store.put_part(u, upload_id, number, view),  # each attempt sends all of it
-                self.options,
-            )
+            # each attempt sends all of the part; held by `send` alone, let go of below: a
+            # failure kept to be raised later must not pin the spool through this frame
+            send = functools.partial(store.put_part, u, upload_id, number, self.spool.view(start, end))
+            try:
+                self._done[number] = s3.request(
+                    str(u), f"upload part {number} (bytes {start}-{end - 1})", send, self.options
+                )
+            finally:
+                del send
             if number != 1:
                 self.spool.release(start, end)
+        except BaseException as e:
+            _drop_locals(e)
+            self._failed(e)
+            raise
         finally:
             with self._cond:
                 self._in_flight -= end - start
                 self._cond.notify_all()
 
     def _raise_failed(self) -> None:
-        for f in self._futures:
-            if f.done():
-                f.result()  # raises the part's failure
+        """Raise the first failure of a request on the pool, if one has failed."""
+        with self._cond:
+            failure = self._failure
+        if failure is not None:
+            raise failure
 
     def _wait_all(self) -> None:
         for f in self._futures:
-            f.result()
+            f.exception()  # waits; a failure is kept in _failure
+        self._raise_failed()
 
     # -- the end -----------------------------------------------------------
 
@@ -230,6 +258,18 @@ class ObjectFile:
                 self.abort()
         finally:
             self.close()
+
+
+def _drop_locals(error: BaseException) -> None:
+    """Clear the locals of the finished frames in `error`'s tracebacks (its causes' too): the
+    requests' frames hold the part's view of the spool, and a failure kept to be raised later
+    would keep the spool's mapping, and all its pages, alive with it."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
 
 
 def upload_file(fd: int, url: str, options: dict[str, Any], *, if_absent: bool = False) -> int:

@@ -1,0 +1,85 @@
+"""Store saves at interpreter exit: a non-blocking save still in flight when the program
+returns, and a blocking save made by an ``atexit`` handler.  Both run once concurrent.futures'
+exit hook may have refused new work to every pool; the process must still end, promptly,
+with the object whole (or the failure reported), never hang on a save's handle."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ckptfmt
+
+MiB = 1 << 20
+
+# a 24 MiB state in 8 MiB parts: a multi-part upload whose parts go to the upload pool
+_STATE = 'state = {"w": torch.arange(6 * (1 << 20), dtype=torch.float32)}'
+
+_AT_RETURN = f"""
+import json, sys, torch, ckptfmt
+url, options, snapshot = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+{_STATE}
+ckptfmt.save(state, url, storage_options=options, blocking=False, snapshot=snapshot)
+print("returned", flush=True)
+"""
+
+_IN_ATEXIT = f"""
+import atexit, json, sys, torch, ckptfmt
+url, options = sys.argv[1], json.loads(sys.argv[2])
+{_STATE}
+
+@atexit.register
+def final():
+    try:
+        ckptfmt.save(state, url, storage_options=options)
+        print("saved", flush=True)
+    except BaseException as e:
+        print("failed:", type(e).__name__, e, flush=True)
+"""
+
+
+def _run_child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=90, env=env
+    )
+
+
+def _expected() -> dict[str, torch.Tensor]:
+    return {"w": torch.arange(6 * MiB, dtype=torch.float32)}
+
+
+@pytest.mark.parametrize("snapshot", ["copy", "fork"])
+def test_a_non_blocking_store_save_in_flight_at_exit_ends_and_is_whole(s3_faults, snapshot):
+    """Its parts go one at a time, each held 0.5 s: the save is still handing parts to the
+    upload pool when the program returns."""
+    faults = s3_faults
+    options = faults.storage_options()
+    bucket = faults.new_bucket()
+    faults.delay("PUT", "partNumber=", seconds=0.5)
+    url = f"s3://{bucket}/exit-{snapshot}.ckpt"
+    child_options = options | {"part_size": 8 * MiB, "concurrency": 1}
+    done = _run_child(_AT_RETURN, url, json.dumps(child_options), snapshot)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "returned" in done.stdout
+    assert "failed" not in done.stderr, done.stderr[-3000:]
+    faults.clear_rules()
+    got = ckptfmt.load(url, storage_options=options)
+    assert torch.equal(got["w"], _expected()["w"])
+
+
+def test_a_blocking_store_save_in_an_atexit_handler_is_whole(store):
+    """Made after every pool refuses work: its requests (S3's parts, GCS's part composes and
+    deletes in parallel) run on the saving thread."""
+    root, options = store
+    url = f"{root}/atexit.ckpt"
+    done = _run_child(_IN_ATEXIT, url, json.dumps(options | {"part_size": 8 * MiB}))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "saved", done.stdout + done.stderr[-3000:]
+    got = ckptfmt.load(url, storage_options=options)
+    assert torch.equal(got["w"], _expected()["w"])
