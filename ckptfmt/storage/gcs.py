@@ -238,7 +238,7 @@ class GCSStore:
     ) -> str | None:
         """Compose the parts, MAX_COMPOSE at a time, into composites of composites until one
         compose makes the object; then delete the parts and composites (a failure to is left
-        to abort_stale_uploads: the object is complete).  A failed compose deletes nothing:
+        to abort_uploads_begun_before: the object is complete).  A failed compose deletes nothing:
         the attempt that retries it composes the same parts (ObjectFile's abort deletes them
         where none succeeds).  The composes of one level, and the deletes, are sent
         `concurrency` at a time, within this operation's deadline: one after another, the
@@ -314,7 +314,7 @@ class GCSStore:
             try:
                 self._delete(url, key, None)
             except client.transfer_errors():
-                pass  # left for abort_stale_uploads
+                pass  # left for abort_uploads_begun_before
 
         self._each(delete, keys)
 
