@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -646,10 +647,8 @@ class ObjectRun:
                 removed.append(step)
             listing.delete_versions(url, self.options, [(n, names[n].version) for n in doomed])
         if removed:
-            gone = {step_dirname(s) for s in removed}
-            abort_removed_steps_uploads(
-                self.url, self.options, lambda n: in_steps(n, gone), began, older_than, clock
-            )
+            ours = functools.partial(in_steps, steps={step_dirname(s) for s in removed})
+            abort_removed_steps_uploads(self.url, self.options, ours, began, older_than, clock)
         return removed
 
     def cleanup(self, older_than: datetime.timedelta = STALE_AFTER, found: RunListing | None = None) -> None:
