@@ -13,6 +13,13 @@ Rows, per store:
   object's bytes in fresh memory, and both pay its page faults).  What ckptfmt adds above its
   own client (the format, the spool, the checks) is the gap between the two rows; the
   emulator bounds both.
+* floor up hashed, spool up (`--bound`, with --saves-only): what sending a raw save's chunks
+  from the tensors' own memory could gain at most.  `floor up hashed` is floor up after an
+  xxh3 pass over the bytes in place, 4 MiB at a time (the checksums a save must still take);
+  `spool up` sends the same bytes through ckptfmt's upload (storage/upload.py's ObjectFile),
+  each 4 MiB hashed and then written into its spool (a memfd) as the engine writes it, the
+  parts leaving every 16 MiB written: what ckptfmt pays to have the bytes in its spool.  The
+  gap between the two rows bounds what a spool-free save could remove.
 * dcp-fsspec save / load: torch.distributed.checkpoint's FsspecWriter / FsspecReader (default
   settings, one process) of the same state through the store's fsspec filesystem: s3fs, gcsfs
   (the emulator through STORAGE_EMULATOR_HOST, GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false: gcsfs's
@@ -25,7 +32,7 @@ emulators run in processes of their own).  A store whose emulator is missing is 
 missing.
 
     python bench/stores.py [--size 256M] [--rounds 3] [--stores s3,gs,az] [--no-dcp] [--saves-only]
-                           [--out bench/results]
+                           [--bound] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -51,7 +58,16 @@ from common import command_line, machine_state, parse_size, write_json  # noqa: 
 STORES = ["s3", "gs", "az"]
 PART = 16 << 20
 THREADS = 8
-ROWS = ["ckptfmt save", "floor up", "dcp-fsspec save", "ckptfmt load", "floor down", "dcp-fsspec load"]
+BOUND_ROWS = ["floor up hashed", "spool up"]
+ROWS = [
+    "ckptfmt save",
+    "floor up",
+    *BOUND_ROWS,
+    "dcp-fsspec save",
+    "ckptfmt load",
+    "floor down",
+    "dcp-fsspec load",
+]
 #: each store's fsspec filesystem (its package) and the scheme DCP's fsspec layer is given
 FSSPEC = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gs"), "az": ("adlfs", "abfs")}
 
@@ -115,6 +131,36 @@ def floor_up(url: str, options: dict[str, Any], data: memoryview) -> None:
     with ThreadPoolExecutor(THREADS) as pool:
         tags = dict(zip((n for n, _ in pieces), pool.map(lambda p: store.put_part(u, upload, *p), pieces)))
     store.complete_upload(u, upload, tags, if_absent=False)
+
+
+#: the chunk size a default save hashes and writes by (format/layout.py's DEFAULT_CHUNK_SIZE)
+CHUNK = 4 << 20
+
+
+def floor_up_hashed(url: str, options: dict[str, Any], data: memoryview) -> None:
+    """floor_up after the checksums' pass over the bytes where they lie."""
+    import xxhash
+
+    for a in range(0, len(data), CHUNK):
+        xxhash.xxh3_64_intdigest(data[a : a + CHUNK], seed=a)
+    floor_up(url, options, data)
+
+
+def spool_up(url: str, options: dict[str, Any], data: memoryview) -> None:
+    """The bytes through ckptfmt's upload: each chunk hashed, then written into the spool at
+    its offset, the upload told every PART bytes (what the engine does for a raw save)."""
+    import xxhash
+
+    from ckptfmt.storage.upload import ObjectFile
+
+    with ObjectFile(url, options, len(data)) as out:
+        for a in range(0, len(data), CHUNK):
+            piece = data[a : a + CHUNK]
+            xxhash.xxh3_64_intdigest(piece, seed=a)
+            os.pwrite(out.fd, piece, a)
+            if (a + len(piece)) % PART == 0:
+                out.written(a + len(piece))
+        out.commit()
 
 
 def floor_down(url: str, options: dict[str, Any]) -> mmap.mmap:
@@ -182,7 +228,9 @@ def clocked(times: dict[str, list[float]], cpu: dict[str, list[float]], row: str
     cpu[row].append(time.process_time() - start_cpu)
 
 
-def measure(store: str, size: int, rounds: int, dcp: bool = True, loads: bool = True) -> dict[str, Any]:
+def measure(
+    store: str, size: int, rounds: int, dcp: bool = True, loads: bool = True, bound: bool = False
+) -> dict[str, Any]:
     import importlib.util
 
     import torch
@@ -197,7 +245,8 @@ def measure(store: str, size: int, rounds: int, dcp: bool = True, loads: bool = 
     with_dcp = dcp and importlib.util.find_spec(package) is not None
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # before gcsfs is imported
     rows = ROWS if with_dcp else [r for r in ROWS if not r.startswith("dcp")]
-    rows = rows if loads else [r for r in rows if r in ("ckptfmt save", "floor up")]
+    rows = rows if loads else [r for r in rows if r in ("ckptfmt save", "floor up", *BOUND_ROWS)]
+    rows = rows if bound else [r for r in rows if r not in BOUND_ROWS]
     times: dict[str, list[float]] = {row: [] for row in rows}
     cpu: dict[str, list[float]] = {row: [] for row in rows}
     with served(store) as (prefix, options):
@@ -212,6 +261,11 @@ def measure(store: str, size: int, rounds: int, dcp: bool = True, loads: bool = 
             data = memoryview(os.urandom(length))
             with clocked(times, cpu, "floor up"):
                 floor_up(raw, options, data)
+            if bound:  # each to an object of its own, the floor's left as it was
+                with clocked(times, cpu, "floor up hashed"):
+                    floor_up_hashed(f"{prefix}/hashed.bin", options, data)
+                with clocked(times, cpu, "spool up"):
+                    spool_up(f"{prefix}/spooled.bin", options, data)
             if not loads:
                 continue
             with clocked(times, cpu, "ckptfmt load"):
@@ -256,12 +310,14 @@ def _cell(row: dict[str, Any] | None) -> str:
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    lines = ["| store | " + " | ".join(ROWS) + " |", "|---" * (len(ROWS) + 1) + "|"]
+    measured = {row for result in doc["stores"].values() for row in result.get("rows", {})}
+    rows = [row for row in ROWS if row not in BOUND_ROWS or row in measured]
+    lines = ["| store | " + " | ".join(rows) + " |", "|---" * (len(rows) + 1) + "|"]
     for store, result in doc["stores"].items():
         if "missing" in result:
-            lines.append(f"| {store} | {result['missing']} |" + " |" * (len(ROWS) - 1))
+            lines.append(f"| {store} | {result['missing']} |" + " |" * (len(rows) - 1))
             continue
-        cells = [_cell(result["rows"].get(row)) for row in ROWS]
+        cells = [_cell(result["rows"].get(row)) for row in rows]
         lines.append(f"| {store} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -275,6 +331,11 @@ def main(argv: list[str]) -> None:
     p.add_argument("--name", default="stores")
     p.add_argument("--no-dcp", action="store_true", help="leave DCP's fsspec rows out")
     p.add_argument("--saves-only", action="store_true", help="only the save rows: ckptfmt save, floor up")
+    p.add_argument(
+        "--bound",
+        action="store_true",
+        help="also floor up hashed and spool up (what a spool-free save gains)",
+    )
     args = p.parse_args(argv)
     size = parse_size(args.size)
     doc: dict[str, Any] = {
@@ -289,7 +350,12 @@ def main(argv: list[str]) -> None:
             {"missing": why}
             if why
             else measure(
-                store, size, args.rounds, not args.no_dcp and not args.saves_only, not args.saves_only
+                store,
+                size,
+                args.rounds,
+                not args.no_dcp and not args.saves_only,
+                not args.saves_only,
+                args.bound,
             )
         )
         print(json.dumps({store: doc["stores"][store].get("rows", why)}, default=str)[:400], flush=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import time
+import traceback
 
 import pytest
 import torch
@@ -361,7 +362,7 @@ def test_the_writer_s_check_for_failed_parts_holds_only_the_parts_in_flight(s3_b
 
     def counting(self, pos):
         written(self, pos)
-        held.append(len(self._futures))
+        held.append(len(self._in_flight))
 
     monkeypatch.setattr(ObjectFile, "written", counting)
     state = {"w": torch.randn(88 * MiB // 4, generator=torch.Generator().manual_seed(4))}
@@ -386,6 +387,35 @@ def test_an_upload_that_cannot_begin_fails_and_leaves_nothing(s3_faults):
     assert faults.count("PUT", "partNumber=") == 0
     assert _open_uploads(options, bucket) == []
     assert faults.client().list_objects_v2(Bucket=bucket).get("Contents", []) == []
+
+
+def test_a_failed_part_is_raised_once_then_named(s3_faults):
+    """The first failure of a part is raised where the writer next looks; a later look raises
+    a StorageError caused by it, not the same exception again (each raise of one object adds
+    the frames it passes through to its traceback), and the upload is aborted on exit."""
+    from ckptfmt.storage.upload import ObjectFile
+
+    faults = s3_faults
+    options = faults.storage_options() | {"max_attempts": 1, "part_size": 8 * MiB}
+    bucket = faults.new_bucket()
+    faults.fail_next("PUT", "partNumber=2", status=400, count=1000)
+    with ObjectFile(f"s3://{bucket}/twice.ckpt", options, 32 * MiB) as out:
+        os.pwrite(out.fd, bytes(16 * MiB), 0)
+        out.written(16 * MiB)  # part 2 goes, and fails on the upload threads
+        deadline = time.monotonic() + 30
+        with pytest.raises(StorageError) as first:
+            while time.monotonic() < deadline:
+                out.written(16 * MiB)
+                time.sleep(0.01)
+        assert "upload part 2" in str(first.value), first.value
+        frames = len(traceback.extract_tb(first.value.__traceback__))
+        with pytest.raises(StorageError) as again:
+            out.written(16 * MiB)
+        assert again.value is not first.value and again.value.__cause__ is first.value
+        assert "failed earlier" in str(again.value) and "upload part 2" in str(again.value)
+        assert len(traceback.extract_tb(first.value.__traceback__)) == frames
+    faults.clear_rules()
+    assert _open_uploads(options, bucket) == []
 
 
 def test_a_failed_overwrite_keeps_the_committed_object(store_faults):

@@ -24,7 +24,7 @@ import os
 import platform
 import secrets
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -215,41 +215,45 @@ def storage_chunks(plan: StoragePlan, chunk_size: int) -> list[tuple[memoryview,
     return [(data[start : start + chunk_size], plan.width) for start in range(0, plan.nbytes, chunk_size)]
 
 
+def _grouped(pieces: Iterable[tuple[memoryview, int]], least: int) -> Iterator[list[tuple[memoryview, int]]]:
+    """`pieces` in order, in lists of at least `least` bytes (the last one shorter)."""
+    group: list[tuple[memoryview, int]] = []
+    held = 0
+    for piece in pieces:
+        group.append(piece)
+        held += len(piece[0])
+        if held >= least:
+            yield group
+            group, held = [], 0
+    if group:
+        yield group
+
+
 def _batches(
     encoded: Encoded, chunk_size: int, batch_bytes: int = HOST_BATCH_BYTES
 ) -> Iterator[list[tuple[memoryview, int]]]:
     """Chunk views in file order, grouped so that device copies (and what an object upload
     holds in its spool) stay bounded."""
-    batch: list[tuple[memoryview, int]] = []
-    held = 0
-    for plan in encoded.storages:
-        for piece in storage_chunks(plan, chunk_size):
-            batch.append(piece)
-            held += len(piece[0])
-            if held >= batch_bytes:
-                yield batch
-                batch, held = [], 0
-    if batch:
-        yield batch
+    pieces = (piece for plan in encoded.storages for piece in storage_chunks(plan, chunk_size))
+    return _grouped(pieces, batch_bytes)
 
 
 #: a writer told what is written (an object upload's) is told after about this many bytes of
 #: chunks, however large its batches: an upload's default part, so that each part goes as soon
 #: as its bytes are in the spool, while the next are written (where one engine thread writes:
-#: ChunkWriter._written_step)
+#: written_step)
 WRITTEN_STEP_BYTES = 16 << 20
 
 
-def _runs(pieces: list[tuple[memoryview, int]], step: int) -> Iterator[list[tuple[memoryview, int]]]:
-    """`pieces` in order, cut into runs of at least `step` bytes (the last one shorter)."""
-    start = held = 0
-    for i, (view, _) in enumerate(pieces):
-        held += len(view)
-        if held >= step:
-            yield pieces[start : i + 1]
-            start, held = i + 1, 0
-    if start < len(pieces):
-        yield pieces[start:]
+def written_step(write_threads: int, chunk_size: int) -> int:
+    """Bytes of chunks between two reports to a ChunkWriter's on_written: WRITTEN_STEP_BYTES
+    where one engine thread writes (a plain save into a memfd spool: its engine calls cost
+    nothing to split); else at least two chunks per writer thread, since each engine call
+    drains its thread pool at the end (128 MiB of zstd in 16 MiB runs on 2 threads: 207 ->
+    257 ms)."""
+    if write_threads == 1:
+        return WRITTEN_STEP_BYTES
+    return max(WRITTEN_STEP_BYTES, 2 * write_threads * chunk_size)
 
 
 #: filesystems on which writes to one file run one at a time (the inode lock is held while
@@ -309,6 +313,8 @@ class ChunkWriter:
         self.threads = threads or _native.default_threads()
         #: threads of each engine call that writes chunks (write_threads)
         self.write_threads = threads or write_threads(fd, options)
+        #: bytes of chunks written between two reports to on_written
+        self.written_step = written_step(self.write_threads, options.chunk_size)
         self.path = path
         self.dedup = options.dedup
         self.coder = ChunkEncoder(options)
@@ -323,18 +329,9 @@ class ChunkWriter:
         if self.on_written is None:
             self._write(pieces)
             return
-        for run in _runs(pieces, self._written_step()):
+        for run in _grouped(pieces, self.written_step):
             self._write(run)
             self.on_written(self.pos)
-
-    def _written_step(self) -> int:
-        """Bytes of chunks between two reports to on_written: WRITTEN_STEP_BYTES where one
-        engine thread writes (a plain save into a memfd spool: its engine calls cost nothing
-        to split); else at least two chunks per writer thread, since each engine call drains
-        its thread pool at the end (128 MiB of zstd in 16 MiB runs on 2 threads: 207 -> 257 ms)."""
-        if self.write_threads == 1:
-            return WRITTEN_STEP_BYTES
-        return max(WRITTEN_STEP_BYTES, 2 * self.write_threads * self.options.chunk_size)
 
     def _write(self, pieces: list[tuple[memoryview, int]]) -> None:
         if self.dedup is None:

@@ -20,11 +20,11 @@ import os
 import threading
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from types import TracebackType
 from typing import Any
 
-from ..errors import ObjectExistsError, StorageError
+from ..errors import CheckpointError, ObjectExistsError, StorageError
 from . import client as s3
 from .backends import store_for
 from .pools import submit_or_run
@@ -69,13 +69,16 @@ class ObjectFile:
         self._started: Future[str] | None = None
         self._next_part = 2  # part 1 (the prologue's) goes last
         self._done: dict[int, str] = {}  # part number -> what completing the upload names
-        #: the requests not yet known to have ended (those that ended are dropped as parts are
-        #: handed over: a save of 400 GiB sends 25,000 parts)
-        self._futures: list[Future[Any]] = []
+        #: the requests on the pool that have not ended, each with the spool's bytes it holds
+        #: (0 for the one that begins the upload), under _cond: what bounds the bytes in
+        #: flight, and what commit and abort wait for.  A request drops out as it ends, so
+        #: there are never more than the pool's threads and the one waiting (a save of 400 GiB
+        #: sends 25,000 parts).
+        self._in_flight: dict[Future[Any], int] = {}
         #: the first failure of a request on the pool, set under _cond: what written() raises,
         #: looked at in O(1) every 16 MiB rather than by scanning every request made
         self._failure: BaseException | None = None
-        self._in_flight = 0
+        self._failure_raised = False
         self._cond = threading.Condition()
         self._pool: ThreadPoolExecutor | None = None
         self._committed = False
@@ -98,81 +101,104 @@ class ObjectFile:
         begun as soon as the object has more than one part's bytes, while the writer goes on
         (a request of 6-16 ms on moto that the first part waited for)."""
         if pos > self.part_size:
-            self._start()
+            self._begin_parts()
         while self._next_part * self.part_size <= pos:
             self._submit(self._next_part, pos)
             self._next_part += 1
         self._raise_failed()
 
+    def _begin_parts(self) -> None:
+        """Make the pool of upload threads and send the request that begins the upload in
+        parts on it, once: the parts wait on it there, not the writer."""
+        if self._started is not None:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="ckptfmt-upload")
+        self._started = self._send(0, self._create_multipart)
+
     def _submit(self, number: int, length: int) -> None:
         start = (number - 1) * self.part_size
         end = min(number * self.part_size, length)
-        with self._cond:
-            while self._in_flight and self._in_flight + (end - start) > self._max_in_flight:
-                self._cond.wait()
-            self._in_flight += end - start
-            self._futures = [f for f in self._futures if not f.done()]
-        self._futures.append(submit_or_run(self._start(), self._upload_part, number, start, end))
+        self._send(end - start, self._upload_part, number, start, end)
 
-    def _start(self) -> ThreadPoolExecutor:
-        """The pool of upload threads, the upload in parts begun on it (once)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="ckptfmt-upload")
-        if self._started is None:
-            self._started = submit_or_run(self._pool, self._create_multipart)
-            self._futures.append(self._started)  # its failure raised as a part's is
-        return self._pool
+    def _send(self, nbytes: int, request: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run `request(*args)` on the pool, holding `nbytes` of the spool until it ends: first
+        wait while the bytes in flight would go over the bound.  Called by the writer's thread
+        alone, so the room waited for is still there when the request is counted in."""
+        assert self._pool is not None
+        with self._cond:
+            while (held := sum(self._in_flight.values())) and held + nbytes > self._max_in_flight:
+                self._cond.wait()
+        future = submit_or_run(self._pool, self._kept, request, *args)
+        with self._cond:
+            self._in_flight[future] = nbytes
+        future.add_done_callback(self._ended)  # at once where it has ended already
+        return future
+
+    def _kept(self, request: Callable[..., Any], *args: Any) -> Any:
+        """`request(*args)`, run on the pool; its failure kept as the upload's (the first
+        one only), its frames' locals let go of (see _drop_locals), and raised again: the
+        future's outcome."""
+        try:
+            return request(*args)
+        except BaseException as e:
+            _drop_locals(e)
+            with self._cond:
+                if self._failure is None:
+                    self._failure = e
+            raise
+
+    def _ended(self, future: Future[Any]) -> None:
+        with self._cond:
+            self._in_flight.pop(future, None)
+            self._cond.notify_all()
 
     def _create_multipart(self) -> str:
         store, u = self._store, self.url
         assert store is not None
-        try:
-            return s3.request(str(u), "start multipart upload", lambda: store.start_upload(u), self.options)
-        except BaseException as e:
-            self._failed(e)
-            raise
-
-    def _failed(self, e: BaseException) -> None:
-        """Keep `e` as the upload's failure, unless one came first."""
-        with self._cond:
-            if self._failure is None:
-                self._failure = e
+        return s3.request(str(u), "start multipart upload", lambda: store.start_upload(u), self.options)
 
     def _upload_part(self, number: int, start: int, end: int) -> None:
         assert self.spool is not None and self._store is not None and self._started is not None
         store, u = self._store, self.url
+        if self._started.exception() is not None:  # waits; its failure is kept, not raised again
+            return
+        upload_id = self._started.result()
+        # each attempt sends all of the part; held by `send` alone, let go of below: a
+        # failure kept to be raised later must not pin the spool through this frame
+        send = functools.partial(store.put_part, u, upload_id, number, self.spool.view(start, end))
         try:
-            upload_id = self._started.result()  # its failure is this part's
-            # each attempt sends all of the part; held by `send` alone, let go of below: a
-            # failure kept to be raised later must not pin the spool through this frame
-            send = functools.partial(store.put_part, u, upload_id, number, self.spool.view(start, end))
-            try:
-                self._done[number] = s3.request(
-                    str(u), f"upload part {number} (bytes {start}-{end - 1})", send, self.options
-                )
-            finally:
-                del send
-            if number != 1:
-                self.spool.release(start, end)
-        except BaseException as e:
-            _drop_locals(e)
-            self._failed(e)
-            raise
+            self._done[number] = s3.request(
+                str(u), f"upload part {number} (bytes {start}-{end - 1})", send, self.options
+            )
         finally:
-            with self._cond:
-                self._in_flight -= end - start
-                self._cond.notify_all()
+            del send
+        if number != 1:
+            self.spool.release(start, end)
 
     def _raise_failed(self) -> None:
-        """Raise the first failure of a request on the pool, if one has failed."""
+        """Raise the first failure of a request on the pool, if one has failed: itself the
+        first time, a StorageError naming it after that (each raise of one exception object
+        adds the frames it passes through to its traceback, and sets its context anew)."""
         with self._cond:
-            failure = self._failure
-        if failure is not None:
+            failure, raised = self._failure, self._failure_raised
+            self._failure_raised = failure is not None
+        if failure is None:
+            return
+        if not raised:
             raise failure
+        why = failure.reason if isinstance(failure, CheckpointError) else repr(failure)
+        raise StorageError(f"the upload failed earlier: {why}", path=self.path) from failure
+
+    def _wait_in_flight(self) -> None:
+        """Wait for every request on the pool to end (each within its own deadline; a
+        failure is kept in _failure)."""
+        with self._cond:
+            pending = list(self._in_flight)
+        wait(pending)
 
     def _wait_all(self) -> None:
-        for f in self._futures:
-            f.exception()  # waits; a failure is kept in _failure
+        self._wait_in_flight()
         self._raise_failed()
 
     # -- the end -----------------------------------------------------------
@@ -226,8 +252,7 @@ class ObjectFile:
     def abort(self) -> None:
         """Stop: wait for parts in flight, abort the multipart upload (best effort: a store
         that cannot be reached leaves it to the bucket's lifecycle rule and `cleanup`)."""
-        for f in self._futures:
-            f.exception()  # waits; failures are the reason we are here
+        self._wait_in_flight()  # failures are the reason we are here
         started, self._started = self._started, None
         if started is not None and started.exception() is None and self._store is not None:
             store, u, upload_id = self._store, self.url, started.result()
