@@ -55,6 +55,23 @@ CLOCK_DIR = "CLOCK"
 SWEEP_WAIT = SWEEP_DELETES_WITHIN + STORE_AHEAD_AT_MOST + SWEEP_DELETES_WITHIN
 
 
+Entry = Listed  # what a listing says of one object: size, last written, version
+ByStep = dict[int, dict[str, Entry]]  # a run's objects: {step: {name in the step: Entry}}
+
+
+class RunListing(ByStep):
+    """A listing of a run (ObjectRun.listing), `date`: the store's time when it answered
+    (storage/listing.py Listing.date), and `readings`: the markers of readings of the store's
+    clock beneath CLOCK_DIR (runs/storeclock.py), by name, which one that died leaves."""
+
+    date: datetime.datetime | None = None
+    readings: dict[str, Entry]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.readings = {}
+
+
 def sweep_options(options: dict[str, Any]) -> dict[str, Any]:
     """The storage options of a sweep's DELETEs: `options`, their deadline at most
     SWEEP_DELETE_DEADLINE."""
