@@ -215,7 +215,7 @@ class ObjectRun:
         names: dict[str, Entry],
         found: ByStep,
     ) -> CheckpointInfo:
-        record = self._listed_record(step, names[multifile.COMMIT_NAME])
+        record = self.listed_record(step, names[multifile.COMMIT_NAME])
         path = self.step_path(step)
         for part in record.files:
             check_listed(names.get(part.name), part, path)
@@ -240,7 +240,7 @@ class ObjectRun:
             layout=record.layout,
         )
 
-    def _listed_record(self, step: int, listed: Entry) -> multifile.CommitRecord:
+    def listed_record(self, step: int, listed: Entry) -> multifile.CommitRecord:
         """Step `step`'s commit record as `listed` (size, last written): read once, then known
         while the listing shows it unchanged (refused ones too: junk is not read again)."""
         size, when = listed.size, listed.modified
@@ -321,10 +321,10 @@ class ObjectRun:
         if not dropped:
             return []
         needed = {url for c in done if c.step in kept for url in c.references} | (needed or set())
-        needed |= self.references_of_incomplete(self.statuses() if statuses is None else statuses)
+        later = leftovers.LaterReferences(self, self.statuses() if statuses is None else statuses)
         with claiming(claim):
-            for c in dropped:
-                self.drop(c, needed, claim)
+            for c in dropped:  # only later steps read its objects: records hidden among those
+                self.drop(c, needed | later.later_than(c.step, complete=False), claim)
         return [c.step for c in dropped]
 
     def drop(self, info: CheckpointInfo, needed: set[str], claim: str | None = None) -> None:
@@ -349,7 +349,7 @@ class ObjectRun:
             why = f"past the {MAX_STATUS_RECORDS} newest records read (spec 13.7): not removed"
             raise LimitError(f"step {step} is {why}", path=self.step_path(step))
         others = {url for s in statuses if s.info is not None and s.step != step for url in s.info.references}
-        others |= self.references_of_incomplete([s for s in statuses if s.step != step])
+        others |= leftovers.LaterReferences(self, statuses).later_than(step)  # only later steps read it
         if found.info is not None:
             with claiming(claim):
                 self.drop(found.info, others, claim)
@@ -372,26 +372,32 @@ class ObjectRun:
 
     def references_of_incomplete(self, statuses: list[StepStatus]) -> set[str]:
         """The objects referred to by the steps `statuses` shows as not complete but whose
-        record is there all the same: one a HEAD finds though the listing left it out, or a
-        damaged step's (a listing that leaves out or misstates a file it names); deleting
-        what they read would break them once the store answers truly.  CheckpointError when
-        a record the listing hid cannot be read (what it refers to is unknown)."""
-        out: set[str] = set()
-        for s in statuses:
-            if s.info is not None or s.unread or not (s.damaged or self.has_record(s.step)):
-                continue
-            try:
-                record = self.record(s.step)
-            except FileNotFoundError:  # deleted since the listing or the HEAD
-                continue
-            except StorageError:
-                raise
-            except CheckpointError:
-                if s.damaged:  # a record that cannot be read: nothing it names can be loaded
-                    continue
-                raise
-            out.update(self._reference_url(ref.name) for ref in record.references)
-        return out
+        record is there all the same (incomplete_references, each step's)."""
+        return {url for s in statuses for url in self.incomplete_references(s)}
+
+    def incomplete_references(self, status: StepStatus, found: ByStep | None = None) -> set[str]:
+        """The objects referred to by step `status` where the listing shows it not complete but
+        its record is there all the same: one a HEAD finds though the listing left it out, or
+        a damaged step's (a listing that leaves out or misstates a file it names); deleting
+        what they read would break them once the store answers truly.  A damaged step's record
+        as `found` (the listing its status was judged by) lists it is the one already read:
+        not asked again.  CheckpointError when a record the listing hid cannot be read (what
+        it refers to is unknown)."""
+        s = status
+        if s.info is not None or s.unread or not (s.damaged or self.has_record(s.step)):
+            return set()
+        listed = None if found is None or not s.damaged else found.get(s.step, {}).get(multifile.COMMIT_NAME)
+        try:
+            record = self.record(s.step) if listed is None else self.listed_record(s.step, listed)
+        except FileNotFoundError:  # deleted since the listing or the HEAD
+            return set()
+        except StorageError:
+            raise
+        except CheckpointError:
+            if s.damaged:  # a record that cannot be read: nothing it names can be loaded
+                return set()
+            raise
+        return {self._reference_url(ref.name) for ref in record.references}
 
     def has_record(self, step: int) -> bool:
         """Whether step `step`'s commit record is an object, asked by one HEAD: a listing that
@@ -554,16 +560,22 @@ class ObjectRun:
         if record is None or all(p.name != name for p in record.files):
             listing.delete_object(self.step_url(step).child(name), self.options, if_match=version)
 
-    def cleanup(self, older_than: datetime.timedelta = STALE_AFTER, found: RunListing | None = None) -> None:
-        """Delete what crashed savers left: leftovers.cleanup."""
-        leftovers.cleanup(self, older_than, found)
+    def cleanup(
+        self,
+        older_than: datetime.timedelta = STALE_AFTER,
+        found: RunListing | None = None,
+        statuses: list[StepStatus] | None = None,
+    ) -> None:
+        """Delete what crashed savers left (leftovers.cleanup); `statuses`: the run's, judged by
+        the listing `found`, where the caller has them."""
+        leftovers.cleanup(self, older_than, found, statuses)
 
     def remove_interrupted_copies(
         self, older_than: datetime.timedelta = STALE_AFTER, found: RunListing | None = None
     ) -> list[int]:
         """Remove what archive copies and sweeps that died left (leftovers.remove_interrupted_copies);
         the steps whose prefix was deleted."""
-        return leftovers.remove_interrupted_copies(self, older_than, found)
+        return leftovers.remove_interrupted_copies(self, older_than, found).removed
 
 
 def _unread(step: int, path: str) -> StepStatus:
