@@ -762,7 +762,7 @@ def test_a_clock_reading_whose_put_answer_is_lost_leaves_no_marker(tmp_path, s3_
     s3_faults.reset_on("PUT", "ARCHIVING.", answered=True)
     s3_faults.fail_next("PUT", "ARCHIVING.", status=403, code="AccessDenied")
     with pytest.raises(ckptfmt.CheckpointError):
-        storeclock.read_stamp(run._step_url(1), run.options)
+        storeclock.read_stamp(run.step_url(1), run.options)
     assert s3_faults.count("PUT", "ARCHIVING.") == 2
     assert _step_keys(run, 1) == before
 

@@ -496,8 +496,10 @@ class ObjectPlace(Place):
 
     def _stale_upload_cutoff(self, oldest: datetime.datetime) -> datetime.datetime | None:
         """The store time before which an upload here is a crashed saver's (remove_leftovers);
-        None where no record is listed with a time (nothing proven: none is aborted)."""
-        entry = listing.listed(self.url, self.options).get(multifile.COMMIT_NAME)
+        None where no record is listed with a time (nothing proven: none is aborted).  The
+        record alone is listed: the uploads are what the leftovers are, listed by
+        abort_uploads_begun_before, and a HEAD tells no Last-Modified."""
+        entry = listing.listed_object(self._url(multifile.COMMIT_NAME), self.options)
         if entry is None or entry.modified is None:
             return None
         host = datetime.datetime.now(datetime.timezone.utc)

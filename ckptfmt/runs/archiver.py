@@ -37,8 +37,8 @@ from collections.abc import Callable, Iterable
 from ..background import inflight
 from ..errors import CheckpointWarning, StorageError
 from ..files import multifile
-from . import archivecopy, retention
-from .objectnames import copy_marker, is_marker
+from . import archivecopy, leftovers, retention
+from .objectnames import copy_marker
 from .objectrun import ObjectRun
 from .steps import CheckpointInfo, StepStatus
 
@@ -236,20 +236,25 @@ class Archiver:
         """Remove what interrupted copies left, list the archive, finish an interrupted
         rotation, then copy what the tiers say is missing, one step at a time."""
         found = self.run.listing()  # one listing serves both: what the first deletes is left out
-        removed = set(self.run.remove_interrupted_copies(found=found))
+        first = leftovers.remove_interrupted_copies(self.run, found=found)
+        removed = set(first.removed)
         statuses = self.run.statuses({step: names for step, names in found.items() if step not in removed})
         with self._cond:
             self._held = {s.step: s.info.created for s in statuses if s.info is not None}
         self._local_rotation()  # first: what an earlier process kept for the archive may go now
         self._rotate(None, statuses)
         self._dropped = False
+        copied: set[int] = set()
         while (nxt := self._next()) is not None:
             if not self._copy(nxt):
                 return
-        # the copies' rotations may have left objects no step refers to any more; a dead copy's
-        # markers in a step whose objects were too young to go may be in a complete step now
-        kept = (names for step, names in found.items() if step not in removed)
-        if self._dropped or any(is_marker(n) for names in kept for n in names):
+            copied.add(nxt.step)
+        # a second removal can judge what the first could not only where this pass changed
+        # it: a rotation dropped a step (objects it read are read no more; a retired step
+        # holds this pass's marker, dead now), or a copy committed a step where the first
+        # left a dead copy's markers in a commit-less prefix (now swept by its record).  Live
+        # markers, and dead ones kept by a live writer, are another process's to end.
+        if self._dropped or first.waiting & copied:
             self.run.remove_interrupted_copies()
 
     def _next(self) -> CheckpointInfo | None:

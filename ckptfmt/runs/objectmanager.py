@@ -193,7 +193,7 @@ class ObjectRunManager(CheckpointManager):
                 f"step {step} has a commit record that the store's listing did not show; not saved over",
                 path=this.path,
             )
-        self._tidy(self.directory, lambda: self.run.cleanup(found=found))
+        self._tidy(self.directory, lambda: self.run.cleanup(found=found, statuses=statuses))
         return statuses
 
     def _store_options(self) -> dict[str, Any] | None:

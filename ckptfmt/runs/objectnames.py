@@ -55,6 +55,23 @@ CLOCK_DIR = "CLOCK"
 SWEEP_WAIT = SWEEP_DELETES_WITHIN + STORE_AHEAD_AT_MOST + SWEEP_DELETES_WITHIN
 
 
+Entry = Listed  # what a listing says of one object: size, last written, version
+ByStep = dict[int, dict[str, Entry]]  # a run's objects: {step: {name in the step: Entry}}
+
+
+class RunListing(ByStep):
+    """A listing of a run (ObjectRun.listing), `date`: the store's time when it answered
+    (storage/listing.py Listing.date), and `readings`: the markers of readings of the store's
+    clock beneath CLOCK_DIR (runs/storeclock.py), by name, which one that died leaves."""
+
+    date: datetime.datetime | None = None
+    readings: dict[str, Entry]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.readings = {}
+
+
 def sweep_options(options: dict[str, Any]) -> dict[str, Any]:
     """The storage options of a sweep's DELETEs: `options`, their deadline at most
     SWEEP_DELETE_DEADLINE."""
@@ -222,6 +239,21 @@ def proven_store_time(
     return min(date, proven)
 
 
+#: how much older than it is a store's Last-Modified may make an object look: S3 lists them
+#: in whole seconds, cut down
+STAMP_ROUNDING = datetime.timedelta(seconds=listing.STAMP_ROUNDING)
+
+
+def aged_past(at: datetime.datetime, when: datetime.datetime, bound: datetime.timedelta) -> bool:
+    """Whether an object the store stamped at `when` is older than `bound` at the store's time
+    `at` (proven_store_time), though the stamp may be cut down by STAMP_ROUNDING: older by
+    that much more, the margin no larger than the bound itself (none for a bound below 0).  A real bound (a day, a
+    sweep's wait) is never cut short by the stamp's rounding; a bound of 0, a caller's "all
+    written before now", stays that (the proven time moves on from its own stamp by this
+    process's clock, so what was written before it is older by more than 0)."""
+    return at - when > bound + min(STAMP_ROUNDING, max(bound, datetime.timedelta(0)))
+
+
 def marker_dead(
     name: str,
     when: datetime.datetime | None,
@@ -237,7 +269,7 @@ def marker_dead(
     another host left when killed holds up no copy for longer.  Ages go by the store's time,
     never this host's, which may be ahead of it by more than either bound."""
     if is_sweep_marker(name) and when is not None and at is not None:
-        if at - when > datetime.timedelta(seconds=SWEEP_WAIT):
+        if aged_past(at, when, datetime.timedelta(seconds=SWEEP_WAIT)):
             return True
     suffix = name[len(SWEEP_MARKER if is_sweep_marker(name) else COPY_MARKER) :]
     if suffix.startswith(commit.owner_token() + "."):  # this process's
@@ -247,7 +279,7 @@ def marker_dead(
     verdict = None if owner is None else commit.owner_dead(*owner)
     if verdict is not None:
         return verdict
-    return when is not None and at is not None and at - when > max(older_than, STALE_AFTER)
+    return when is not None and at is not None and aged_past(at, when, max(older_than, STALE_AFTER))
 
 
 def has_live_marker(
@@ -265,12 +297,12 @@ def has_live_marker(
 def stale(listed: dict[str, Listed], older_than: datetime.timedelta, at: datetime.datetime | None) -> bool:
     """Whether every object of `listed` (a step's prefix) was written more than `older_than`
     before the store's time `at` (None: nothing is stale), as the store lists them (one
-    listed without a time, or none listed: not stale, the safe side): a live saver writes
-    more often."""
+    listed without a time, or none listed: not stale, the safe side), by a second more for
+    the stamps' rounding (aged_past): a live saver writes more often."""
     times = [e.modified for e in listed.values()]
     if at is None or not times or any(t is None for t in times):
         return False
-    return all(at - t > older_than for t in times if t is not None)
+    return all(aged_past(at, t, older_than) for t in times if t is not None)
 
 
 def writer_came(before: Collection[str], now: Collection[str]) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -36,25 +35,24 @@ from ..storage.client import check_options, deadline
 from ..storage.download import head
 from ..storage.upload import upload_bytes
 from ..storage.urls import ObjectURL, parse_url
-from . import objectnames, storeclock
+from . import leftovers, objectnames
 from .objectnames import (
     CLOCK_DIR,
     SWEEP_DELETES_WITHIN,
     SWEEP_WAIT,
+    ByStep,
+    Entry,
+    RunListing,
     StoreStamp,
     check_listed,
     claiming,
     has_live_marker,
-    in_a_step,
-    in_steps,
     is_copy_marker,
     is_sweep_marker,
     referenced_step,
-    stale,
     store_time_bound,
     sweep_marker,
     sweep_options,
-    writer_came,
     written_here,
 )
 from .stepcheck import verify_objects
@@ -67,7 +65,6 @@ from .steps import (
     parse_step_dirname,
     step_dirname,
 )
-from .storeclock import StoreClock, abort_crashed_uploads, abort_removed_steps_uploads, markers_dead
 
 #: the commit records latest() and a resume read at most, newest first (spec 13.7): each is a
 #: GET, and a run whose newest steps are this many damaged ones needs a person anyway
@@ -80,21 +77,6 @@ MAX_STATUS_RECORDS = 1024
 
 #: commit records an ObjectRun keeps as read (statuses() reads at most MAX_STATUS_RECORDS)
 MAX_KNOWN_RECORDS = 4096
-Entry = listing.Listed  # what a listing says of one object: size, last written, version
-ByStep = dict[int, dict[str, Entry]]  # a run's objects: {step: {name in the step: Entry}}
-
-
-class RunListing(ByStep):
-    """A listing of a run (ObjectRun.listing), `date`: the store's time when it answered
-    (storage/listing.py Listing.date), and `readings`: the markers of readings of the store's
-    clock beneath CLOCK_DIR (runs/storeclock.py), by name, which one that died leaves."""
-
-    date: datetime.datetime | None = None
-    readings: dict[str, Entry]
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.readings = {}
 
 
 class ObjectRun:
@@ -129,12 +111,12 @@ class ObjectRun:
     def step_path(self, step: int) -> str:
         return f"{self.path}/{step_dirname(step)}"
 
-    def _step_url(self, step: int) -> ObjectURL:
+    def step_url(self, step: int) -> ObjectURL:
         return self.url.child(step_dirname(step))
 
     def step_place(self, step: int) -> StepPlace:
         """Step `step` as the place of a multi-file checkpoint (files/places.py)."""
-        return StepPlace(self._step_url(step), self.options, step)
+        return StepPlace(self.step_url(step), self.options, step)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -233,7 +215,7 @@ class ObjectRun:
         names: dict[str, Entry],
         found: ByStep,
     ) -> CheckpointInfo:
-        record = self._listed_record(step, names[multifile.COMMIT_NAME])
+        record = self.listed_record(step, names[multifile.COMMIT_NAME])
         path = self.step_path(step)
         for part in record.files:
             check_listed(names.get(part.name), part, path)
@@ -258,7 +240,7 @@ class ObjectRun:
             layout=record.layout,
         )
 
-    def _listed_record(self, step: int, listed: Entry) -> multifile.CommitRecord:
+    def listed_record(self, step: int, listed: Entry) -> multifile.CommitRecord:
         """Step `step`'s commit record as `listed` (size, last written): read once, then known
         while the listing shows it unchanged (refused ones too: junk is not read again)."""
         size, when = listed.size, listed.modified
@@ -320,9 +302,7 @@ class ObjectRun:
         """Delete a step: its commit record first, so it stops being a checkpoint before its
         files go; only the objects ckptfmt writes in a step (is_own_name): another program's
         object beneath it stays."""
-        listing.delete_prefix(
-            self._step_url(step), self.options, written_here, first=(multifile.COMMIT_NAME,)
-        )
+        listing.delete_prefix(self.step_url(step), self.options, written_here, first=(multifile.COMMIT_NAME,))
 
     def rotate(
         self,
@@ -341,17 +321,17 @@ class ObjectRun:
         if not dropped:
             return []
         needed = {url for c in done if c.step in kept for url in c.references} | (needed or set())
-        needed |= self.references_of_incomplete(self.statuses() if statuses is None else statuses)
+        later = leftovers.LaterReferences(self, self.statuses() if statuses is None else statuses)
         with claiming(claim):
-            for c in dropped:
-                self.drop(c, needed, claim)
+            for c in dropped:  # only later steps read its objects: records hidden among those
+                self.drop(c, needed | later.later_than(c.step, complete=False), claim)
         return [c.step for c in dropped]
 
     def drop(self, info: CheckpointInfo, needed: set[str], claim: str | None = None) -> None:
         """Delete complete step `info`, or only retire it where `needed` (objects that steps
         kept read from) holds objects of it; `claim`: as for rotate."""
         if claim is not None:  # a deletion cut short, or a retired step's objects, stay known as ours
-            marker = self._step_url(info.step).child(claim)
+            marker = self.step_url(info.step).child(claim)
             upload_bytes(b"a ckptfmt archive step being retired\n", str(marker), self.options)
         if any(url.startswith(info.path + "/") for url in needed):
             self.retire_step(info.step)
@@ -369,7 +349,7 @@ class ObjectRun:
             why = f"past the {MAX_STATUS_RECORDS} newest records read (spec 13.7): not removed"
             raise LimitError(f"step {step} is {why}", path=self.step_path(step))
         others = {url for s in statuses if s.info is not None and s.step != step for url in s.info.references}
-        others |= self.references_of_incomplete([s for s in statuses if s.step != step])
+        others |= leftovers.LaterReferences(self, statuses).later_than(step)  # only later steps read it
         if found.info is not None:
             with claiming(claim):
                 self.drop(found.info, others, claim)
@@ -380,7 +360,7 @@ class ObjectRun:
     def retire_step(self, step: int) -> None:
         """Make a step stop being a checkpoint (its commit record deleted) while keeping the
         objects later steps refer to; cleanup leaves it while they do."""
-        listing.delete_object(self._step_url(step).child(multifile.COMMIT_NAME), self.options)
+        listing.delete_object(self.step_url(step).child(multifile.COMMIT_NAME), self.options)
 
     def referenced(self) -> set[str]:
         """The objects steps with a commit record refer to (an incremental run's): never
@@ -392,33 +372,39 @@ class ObjectRun:
 
     def references_of_incomplete(self, statuses: list[StepStatus]) -> set[str]:
         """The objects referred to by the steps `statuses` shows as not complete but whose
-        record is there all the same: one a HEAD finds though the listing left it out, or a
-        damaged step's (a listing that leaves out or misstates a file it names); deleting
-        what they read would break them once the store answers truly.  CheckpointError when
-        a record the listing hid cannot be read (what it refers to is unknown)."""
-        out: set[str] = set()
-        for s in statuses:
-            if s.info is not None or s.unread or not (s.damaged or self.has_record(s.step)):
-                continue
-            try:
-                record = self.record(s.step)
-            except FileNotFoundError:  # deleted since the listing or the HEAD
-                continue
-            except StorageError:
-                raise
-            except CheckpointError:
-                if s.damaged:  # a record that cannot be read: nothing it names can be loaded
-                    continue
-                raise
-            out.update(self._reference_url(ref.name) for ref in record.references)
-        return out
+        record is there all the same (incomplete_references, each step's)."""
+        return {url for s in statuses for url in self.incomplete_references(s)}
+
+    def incomplete_references(self, status: StepStatus, found: ByStep | None = None) -> set[str]:
+        """The objects referred to by step `status` where the listing shows it not complete but
+        its record is there all the same: one a HEAD finds though the listing left it out, or
+        a damaged step's (a listing that leaves out or misstates a file it names); deleting
+        what they read would break them once the store answers truly.  A damaged step's record
+        as `found` (the listing its status was judged by) lists it is the one already read:
+        not asked again.  CheckpointError when a record the listing hid cannot be read (what
+        it refers to is unknown)."""
+        s = status
+        if s.info is not None or s.unread or not (s.damaged or self.has_record(s.step)):
+            return set()
+        listed = None if found is None or not s.damaged else found.get(s.step, {}).get(multifile.COMMIT_NAME)
+        try:
+            record = self.record(s.step) if listed is None else self.listed_record(s.step, listed)
+        except FileNotFoundError:  # deleted since the listing or the HEAD
+            return set()
+        except StorageError:
+            raise
+        except CheckpointError:
+            if s.damaged:  # a record that cannot be read: nothing it names can be loaded
+                return set()
+            raise
+        return {self._reference_url(ref.name) for ref in record.references}
 
     def has_record(self, step: int) -> bool:
         """Whether step `step`'s commit record is an object, asked by one HEAD: a listing that
         leaves it out (a lying or lagging store) must not make a complete step look abandoned.
         Anything there, readable or not, counts as a record."""
         try:
-            head(self._step_url(step).child(multifile.COMMIT_NAME), self.options)
+            head(self.step_url(step).child(multifile.COMMIT_NAME), self.options)
         except FileNotFoundError:
             return False
         except CheckpointError:
@@ -452,7 +438,7 @@ class ObjectRun:
         leaves its marker: dead once the sweep is over, it brings remove_interrupted_copies
         back to the step.  Only where the later records cannot all be read (LimitError before
         any DELETE) does its marker go, nothing deleted."""
-        url = self._step_url(step)
+        url = self.step_url(step)
         listed = listing.listed(url, self.options)
         named = {p.name for p in record.files} | {multifile.COMMIT_NAME}
         others = {
@@ -493,7 +479,7 @@ class ObjectRun:
         by the store's time that marker proves, none where the listing does not show it),
         else those no later step's record reads (LimitError where too many later records: none
         goes)."""
-        url = self._step_url(step)
+        url = self.step_url(step)
         listed = listing.listed(url, self.options)
         if has_live_marker(listed, older_than, own.store_time(listed, listed.date), is_copy_marker):
             return None
@@ -521,7 +507,7 @@ class ObjectRun:
         Last-Modified proves it (proven_store_time: a listing's Date only where earlier), so
         a Date from another clock makes no live sweep's marker look dead, and without a Date
         the wait still moves on."""
-        url = self._step_url(step)
+        url = self.step_url(step)
         ends = time.monotonic() + SWEEP_WAIT
         pause = 0.05
         while time.monotonic() < ends:
@@ -531,25 +517,6 @@ class ObjectRun:
                 return
             time.sleep(min(pause, max(0.0, ends - time.monotonic())))
             pause = min(2 * pause, 1.0)
-
-    def _sweep_ended_copies(self, step: int, older_than: datetime.timedelta) -> bool:
-        """In complete step `step`, whose copy markers are all dead (by `older_than`): delete
-        what those copies left beside the record (a copy that lost the race to commit, or was
-        killed, while another copy committed under names of its own), as sweep_step does.  A
-        record that cannot be read leaves what they left.  False when nothing is swept: a
-        live writer's marker is there now (one came since the run was listed), or too many
-        later records to read; the dead markers must stay then, or what their copies left
-        would never be swept."""
-        try:
-            return self.sweep_step(step, self.record(step), older_than=older_than)
-        except FileNotFoundError:  # deleted since the listing
-            return True
-        except StorageError:
-            raise
-        except LimitError:  # what the later steps read is not known: everything stays
-            return False
-        except CheckpointError:  # nothing to go by
-            return True
 
     def read_by_later_steps(self, step: int) -> frozenset[str]:
         """The objects of step `step` the records of later steps refer to (only later steps
@@ -591,102 +558,24 @@ class ObjectRun:
         except CheckpointError:
             return
         if record is None or all(p.name != name for p in record.files):
-            listing.delete_object(self._step_url(step).child(name), self.options, if_match=version)
+            listing.delete_object(self.step_url(step).child(name), self.options, if_match=version)
+
+    def cleanup(
+        self,
+        older_than: datetime.timedelta = STALE_AFTER,
+        found: RunListing | None = None,
+        statuses: list[StepStatus] | None = None,
+    ) -> None:
+        """Delete what crashed savers left (leftovers.cleanup); `statuses`: the run's, judged by
+        the listing `found`, where the caller has them."""
+        leftovers.cleanup(self, older_than, found, statuses)
 
     def remove_interrupted_copies(
         self, older_than: datetime.timedelta = STALE_AFTER, found: RunListing | None = None
     ) -> list[int]:
-        """Remove what archive copies (and deletions) that died left; returns the steps whose
-        prefix was deleted.  A step prefix is such a leftover when it holds markers (a copy's,
-        COPY_MARKER, or a sweep's cut short, SWEEP_MARKER) and every one is dead: its writer ran on this host and its process has
-        ended, or (written elsewhere, where that cannot be asked) it is older than
-        `older_than`.  Such a prefix without a commit record (by the listing and by a HEAD)
-        whose objects no step refers to, and whose objects other than markers are all older than
-        `older_than` by the store's time proven (a plain saver on another host may be writing
-        into a step where a copy died: spec 13.7), is deleted, its markers last, so that a deletion cut
-        short stays recognisable; one that a step refers to is left whole (its markers say it
-        is ours once nothing does); in a complete step what those copies left beside the record
-        goes (sweep_step: own names its record does not name, unless a later record
-        reads them), then the dead markers (both stay where it finds a live writer's marker
-        now: one that came since `found`).  A prefix with
-        no marker, or with a live writer's, is never touched here (ObjectRun.cleanup).
-        Only the versions `found` lists go (If-Match), and not in a prefix another writer has
-        come to since (writer_came).  `found`: the run's listing to go by (None: listed here)."""
-        found = self.listing() if found is None else found
-        began = time.monotonic()
-        clock = StoreClock(self.url, self.options)
-        storeclock.remove_dead_readings(self.url, self.options, found.readings, older_than, clock)
-        dead, live = markers_dead(found, older_than, clock)
-        if not dead:
-            return []
-        statuses = self.statuses(found)
-        referenced = self._referenced_by(statuses)
-        below = newest_unread(statuses)
-        removed: list[int] = []
-        for step, markers in sorted(dead.items()):
-            names, url = found[step], self._step_url(step)
-            if step in live:
-                continue  # a live writer's (the dead markers go with its own, or later)
-            if step < below and multifile.COMMIT_NAME not in names:
-                continue  # an unread newer step may refer to its objects
-            if multifile.COMMIT_NAME in names:
-                if not self._sweep_ended_copies(step, older_than):  # what they left beside the record
-                    continue  # a live writer's now: the dead markers go once it is done
-                doomed = markers  # then their markers
-            elif self._holds_any(step, referenced):
-                continue  # kept for a later step's objects: its markers say it is ours once not
-            elif self.has_record(step):
-                doomed = markers  # a record the listing left out
-            elif not storeclock.stale_objects(names, older_than, clock):
-                continue  # a plain saver on another host may be writing here (spec 13.7)
-            elif writer_came(names, listing.listed(url, self.options)):
-                continue  # another writer's now: its marker says so, once it is dead
-            else:
-                # ckptfmt's own objects only: another program may keep its own in the prefix
-                doomed = [n for n in names if is_own_name(n)] + markers
-                removed.append(step)
-            listing.delete_versions(url, self.options, [(n, names[n].version) for n in doomed])
-        if removed:
-            ours = functools.partial(in_steps, steps={step_dirname(s) for s in removed})
-            abort_removed_steps_uploads(self.url, self.options, ours, began, older_than, clock)
-        return removed
-
-    def cleanup(self, older_than: datetime.timedelta = STALE_AFTER, found: RunListing | None = None) -> None:
-        """Abort multipart uploads of crashed savers (storeclock.abort_crashed_uploads), delete
-        what clock readings that died left (remove_dead_readings), and delete commit-less
-        steps whose newest object is older than `older_than` (a live saver writes more often),
-        all by the store's time, proven (StoreClock: read once, only where something looks
-        that old by the latest time the store's could be), never this host's, which may be
-        ahead of it by more than the bound: another host's live saver keeps its step.
-        `found`: the run's listing to go by (None: listed here); one a little old serves, as
-        a step is deleted only by a HEAD's word and the versions then listed."""
-        found = self.listing() if found is None else found
-        clock = StoreClock(self.url, self.options)
-        abort_crashed_uploads(self.url, self.options, in_a_step, older_than, clock)
-        storeclock.remove_dead_readings(self.url, self.options, found.readings, older_than, clock)
-        latest = store_time_bound(objectnames.host_now())  # young by it: young by the store's
-        statuses: list[StepStatus] | None = None  # read only when a step is stale: a GET a record
-        below, listed = -1, set()
-        hidden: set[str] | None = None  # what records a listing left out refer to: a HEAD a step
-        for step, names in sorted(found.items()):
-            if multifile.COMMIT_NAME in names or has_live_marker(names, older_than, latest):
-                continue  # a step, or an archive copy under way: its record is yet to come
-            if not stale(names, older_than, latest):
-                continue
-            if statuses is None:
-                statuses = self.statuses(found)
-                below, listed = newest_unread(statuses), listed_references(statuses)
-            # steps older than an unread one may hold what it refers to: never deleted; a step
-            # a listed record reads (an incremental run's retired step) is skipped before any HEAD
-            if step <= below or self._holds_any(step, listed):
-                continue
-            hidden = self.references_of_incomplete(statuses) if hidden is None else hidden
-            if not self._holds_any(step, hidden) and not self.has_record(step):
-                storeclock.delete_leftover(self._step_url(step), self.options, older_than, clock)
-
-    def _holds_any(self, step: int, urls: set[str]) -> bool:
-        """Whether one of `urls` is an object of step `step`."""
-        return any(u.startswith(self.step_path(step) + "/") for u in urls)
+        """Remove what archive copies and sweeps that died left (leftovers.remove_interrupted_copies);
+        the steps whose prefix was deleted."""
+        return leftovers.remove_interrupted_copies(self, older_than, found).removed
 
 
 def _unread(step: int, path: str) -> StepStatus:

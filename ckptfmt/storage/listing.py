@@ -73,7 +73,19 @@ class Listing(dict[str, Listed]):
 def listed(url: ObjectURL, options: dict[str, Any]) -> Listing:
     """Every object beneath `url` (recursively), by its key relative to `url`, checked: a key
     outside the prefix, or an entry without a size, is refused."""
-    prefix = _prefix(url)
+    return _listed_under(url, options, _prefix(url))
+
+
+def listed_object(url: ObjectURL, options: dict[str, Any]) -> Listed | None:
+    """The object at `url` as a listing shows it (its size, Last-Modified and version; None
+    where it is not listed), by a listing of its key alone: one page, where a listing of
+    its "directory" takes one a thousand objects.  What a HEAD does not give: the time the
+    store stamped it, by the clock that stamps the other objects listed."""
+    return _listed_under(url, options, url.key).get("")
+
+
+def _listed_under(url: ObjectURL, options: dict[str, Any], prefix: str) -> Listing:
+    """Every object whose key begins with `prefix`, by its key less `prefix`, checked."""
     out = Listing()
     for page in _pages_with(url, options, "list", prefix, None):
         out.date = http_date(page.date) or out.date
