@@ -103,6 +103,9 @@ class ObjectFile:
         if pos > self.part_size:
             self._begin_parts()
         while self._next_part * self.part_size <= pos:
+            # looked at before each part, not once per report: a threaded or compressed save
+            # reports every few chunks, and parts sent after a failure are paid for and waited on
+            self._raise_failed()
             self._submit(self._next_part, pos)
             self._next_part += 1
         self._raise_failed()
@@ -167,10 +170,15 @@ class ObjectFile:
         # each attempt sends all of the part; held by `send` alone, let go of below: a
         # failure kept to be raised later must not pin the spool through this frame
         send = functools.partial(store.put_part, u, upload_id, number, self.spool.view(start, end))
+        what = f"upload part {number} (bytes {start}-{end - 1})"
         try:
-            self._done[number] = s3.request(
-                str(u), f"upload part {number} (bytes {start}-{end - 1})", send, self.options
-            )
+            self._done[number] = s3.request(str(u), what, send, self.options)
+        except FileNotFoundError as e:  # the store's "no such upload": not a missing object
+            raise StorageError(
+                f"{what}: the upload in parts is gone (aborted by a lifecycle rule or another "
+                "program's cleanup?)",
+                path=self.path,
+            ) from e
         finally:
             del send
         if number != 1:
@@ -217,17 +225,34 @@ class ObjectFile:
                 self._submit(self._next_part, length)
             self._submit(1, length)
             self._wait_all()
-            self._complete()
+            self._complete(length)
         self._committed = True
 
     def _put_whole(self, length: int) -> None:
         assert self.spool is not None and self._store is not None
-        store, u, view = self._store, self.url, self.spool.view(0, length)
-        self._creating("upload", lambda: store.put(u, view, if_absent=self.if_absent))
+        # the view held by `put` alone, let go of below: an error the caller keeps must not
+        # pin the spool through this frame (as _upload_part's)
+        put = functools.partial(
+            self._store.put, self.url, self.spool.view(0, length), if_absent=self.if_absent
+        )
+        try:
+            self._creating("upload", put)
+        except BaseException as e:
+            _drop_locals(e)
+            raise
+        finally:
+            del put
 
-    def _complete(self) -> None:
+    def _complete(self, length: int) -> None:
         assert self._store is not None and self._started is not None
         store, u, upload_id, parts = self._store, self.url, self._started.result(), dict(self._done)
+        count = -(-length // self.part_size)
+        if sorted(parts) != list(range(1, count + 1)):
+            # every part that failed set _failure before its request ended; this guards that
+            # rule: an upload is never completed with a part missing
+            raise StorageError(
+                f"complete multipart upload: {len(parts)} of its {count} parts stored", path=self.path
+            )
         self._creating(
             "complete multipart upload",
             lambda: store.complete_upload(u, upload_id, parts, if_absent=self.if_absent),
@@ -260,7 +285,7 @@ class ObjectFile:
                 s3.request(
                     str(u), "abort multipart upload", lambda: store.abort_upload(u, upload_id), self.options
                 )
-            except StorageError:
+            except Exception:  # best effort: the save's own error, if any, is what counts
                 pass
 
     def close(self) -> None:
@@ -306,17 +331,25 @@ def upload_file(fd: int, url: str, options: dict[str, Any], *, if_absent: bool =
         pos = 0
         while pos < length:
             n = min(out.part_size, length - pos)
-            view = out.spool.view(pos, pos + n)
-            got = 0
-            while got < n:
-                k = os.preadv(fd, [view[got:]], pos + got)
-                if not k:
-                    raise OSError(5, "the file shrank while it was uploaded", url)
-                got += k
+            _read_part(fd, out.spool.view(pos, pos + n), pos, url)
             pos += n
             out.written(pos)
         out.commit()
     return length
+
+
+def _read_part(fd: int, view: memoryview, pos: int, url: str) -> None:
+    """Fill `view` from `fd` at `pos` (OSError where the file ends first).  A function of its
+    own so that no frame an upload's error passes through holds the spool's view."""
+    try:
+        got = 0
+        while got < len(view):
+            k = os.preadv(fd, [view[got:]], pos + got)
+            if not k:
+                raise OSError(5, "the file shrank while it was uploaded", url)
+            got += k
+    finally:
+        del view  # an error raised here keeps this frame
 
 
 def upload_bytes(data: bytes, url: str, options: dict[str, Any]) -> None:
