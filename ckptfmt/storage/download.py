@@ -356,7 +356,9 @@ class RemoteObject:
 
     @staticmethod
     def wait(futures: Sequence[Future[None]]) -> None:
-        """Wait for fetches begun by `start`; the first failure is raised once all are done."""
+        """Wait for fetches begun by `start`; the first failure is raised once all are done.
+        Bounded by the requests' own deadlines: each ends within its Budget once it runs
+        (a deferred one within its claim's and its body's), `concurrency` at a time."""
         first: BaseException | None = None
         for f in futures:
             e = f.exception()

@@ -108,6 +108,9 @@ class ObjectFile:
         start = (number - 1) * self.part_size
         end = min(number * self.part_size, length)
         with self._cond:
+            # bounded by the requests' deadlines: at most `threads` parts are in flight, each
+            # running (or queued behind the upload's start alone) and ending, notified, within
+            # the start's Budget and its own
             while self._in_flight and self._in_flight + (end - start) > self._max_in_flight:
                 self._cond.wait()
             self._in_flight += end - start
