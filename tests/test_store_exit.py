@@ -175,3 +175,36 @@ def test_a_signed_step_saved_and_loaded_on_a_store_in_an_atexit_handler(store):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "signed and loaded", done.stdout + done.stderr[-3000:]
+
+
+_LOADS_ACROSS_EXIT = """
+import json, sys, threading, time, torch, ckptfmt
+url, options = sys.argv[1], json.loads(sys.argv[2])
+w = torch.arange(6 * (1 << 20), dtype=torch.float32)
+began = threading.Event()
+
+def loads():
+    for i in range(8):
+        try:
+            began.set()
+            ok = torch.equal(ckptfmt.load(url, storage_options=options)["w"], w)
+            print("loaded" if ok else "wrong bytes", flush=True)
+        except BaseException as e:
+            print("failed:", type(e).__name__, e, flush=True)
+
+threading.Thread(target=loads).start()
+began.wait()
+time.sleep(0.2)
+"""
+
+
+def test_loads_on_a_thread_that_goes_on_past_the_programs_return(s3_bucket):
+    """The program returns while a thread of its own loads, again and again: the exit hook
+    makes the pools refuse work partway through a load (its read-ahead wave sent, or being
+    sent), and later loads run every request on that thread.  Each load is whole."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/across-exit.ckpt"
+    ckptfmt.save(_expected(), url, storage_options=options)
+    done = _run_child(_LOADS_ACROSS_EXIT, url, json.dumps(options | {"request_size": MiB}))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:-1] == ["loaded"] * 8, done.stdout + done.stderr[-3000:]

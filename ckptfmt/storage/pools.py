@@ -75,8 +75,8 @@ def run_each(call: Callable[[Any], T], items: Iterable[Any], threads: int, name:
     cancelled) and, once those running are over, the first failure is raised: a batch of
     requests whose first is refused sends no more.  Where pools refuse work (interpreter
     exit), or one thread would do, the calls are made here in turn, the first failure ending
-    them.  Each call keeps to its own deadline; the batch is waited for as long as its calls
-    take, `threads` at a time (the caller's deadline bounds both: each call carries it)."""
+    them.  The batch is waited for as long as its calls take, `threads` at a time: what bounds
+    each call (a request's deadline) bounds it."""
     todo = list(items)
     if len(todo) <= 1 or threads <= 1 or pools_refuse_work():
         return [call(item) for item in todo]
