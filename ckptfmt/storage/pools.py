@@ -8,8 +8,9 @@ run.  From then on every pool refuses new work with a plain RuntimeError.  Work 
 handed out then (a thread of the program's that goes on loading or saving, a "final
 checkpoint" saved or loaded by an ``atexit`` handler) must still end, and end whole: every
 submission of ckptfmt's goes through `submit_or_run` or `run_into`, which run the work on the
-calling thread, one after another, once pools refuse it.  Work run so must not wait for work
-submitted after it, and its caller must not hold a lock the work takes.
+calling thread, one after another, once pools refuse it (`run_each` too; torch's async_save,
+whose pool is torch's, gives way to a blocking save then: dcp/api.py).  Work run so must not
+wait for work submitted after it, and its caller must not hold a lock the work takes.
 """
 
 from __future__ import annotations
