@@ -208,3 +208,20 @@ def test_loads_on_a_thread_that_goes_on_past_the_programs_return(s3_bucket):
     done = _run_child(_LOADS_ACROSS_EXIT, url, json.dumps(options | {"request_size": MiB}))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[:-1] == ["loaded"] * 8, done.stdout + done.stderr[-3000:]
+
+
+_FAILING_AT_RETURN = """
+import json, sys, torch, ckptfmt
+url, options = sys.argv[1], json.loads(sys.argv[2])
+ckptfmt.save({"w": torch.zeros(1000)}, url, storage_options=options, blocking=False)
+"""
+
+
+def test_a_failed_non_blocking_save_nobody_waited_for_is_reported_at_exit(s3_faults):
+    """Its upload refused for good, its handle dropped: the exit waits for it and says why."""
+    faults = s3_faults
+    url = f"s3://{faults.new_bucket()}/refused.ckpt"
+    faults.fail_next("PUT", "refused.ckpt", status=403, count=100)
+    done = _run_child(_FAILING_AT_RETURN, url, json.dumps(faults.storage_options()))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"ckptfmt: non-blocking save of {url} failed: StorageError" in done.stderr, done.stderr[-3000:]
