@@ -1058,3 +1058,35 @@ def test_a_writers_options_are_one_value_checked_once(tmp_path):
     assert (record.step, record.metadata, record.metrics) == (7, {"run": "a"}, {"loss": 1.0})
     with pytest.raises(ValueError, match="chunk_size"):
         Writer(tmp_path / "other", chunk_size=3)
+
+
+_ASYNC_SAVE_IN_ATEXIT = """
+import atexit, sys, warnings, torch
+import ckptfmt.dcp as cdcp
+warnings.filterwarnings("ignore")
+
+@atexit.register
+def last():
+    try:
+        cdcp.async_save({"w": torch.arange(10.0)}, sys.argv[1]).result(timeout=60)
+        back = {"w": torch.zeros(10)}
+        cdcp.load(back, sys.argv[1])
+        print("saved" if torch.equal(back["w"], torch.arange(10.0)) else "wrong values", flush=True)
+    except BaseException as e:
+        print("failed:", type(e).__name__, e, flush=True)
+"""
+
+
+def test_an_async_save_in_an_atexit_handler_is_made_there(tmp_path):
+    """torch's async_save writes on a pool, which refuses work once the interpreter exits: a
+    final checkpoint saved by an atexit handler is saved there, blocking, its future done."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    done = subprocess.run(
+        [sys.executable, "-c", _ASYNC_SAVE_IN_ATEXIT, str(tmp_path / "final")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "saved", done.stdout + done.stderr[-3000:]

@@ -18,7 +18,7 @@ from helpers import assert_same
 
 import ckptfmt
 from ckptfmt.errors import ObjectExistsError, StorageError, UnsupportedError
-from ckptfmt.storage import gcs, listing
+from ckptfmt.storage import gcs, listing, upload
 from ckptfmt.storage.upload import ObjectFile
 from ckptfmt.storage.urls import parse_url
 
@@ -274,3 +274,53 @@ def test_the_parts_of_a_composed_object_are_deleted_together(gcs_faults, gcs_ser
     assert asked == 6, f"{asked} of the 6 parts' deletes asked for while the first was held"
     assert [n for n in _names(gcs_server, gcs_faults.bucket) if gcs.PART_MARK in n] == []
     assert_same(state, ckptfmt.load(url))
+
+
+def _refused_composes(gcs_faults) -> None:
+    """Every compose refused for good (403: not retried)."""
+    gcs_faults.fail_next("POST", "/compose", status=403, count=1000)
+
+
+def test_a_refused_compose_stops_the_composes_not_yet_sent(gcs_faults, monkeypatch):
+    """16 parts composed 2 at a time: 8 composes of the first level, 2 in flight at once.
+    Once one is refused no other is sent: at most the 2 in flight, not all 8."""
+    monkeypatch.setattr(gcs, "MAX_COMPOSE", 2)
+    monkeypatch.setattr(upload, "MIN_PART", MiB)  # 16 parts of 1 MiB (GCS has no minimum)
+    url = f"gs://{gcs_faults.bucket}/refused.ckpt"
+    _refused_composes(gcs_faults)
+    with pytest.raises(StorageError):
+        ckptfmt.save({"w": torch.zeros(4 * MiB)}, url, storage_options={"part_size": MiB, "concurrency": 2})
+    assert 1 <= gcs_faults.count("POST", "/compose") <= 2
+
+
+_COMPOSE_IN_ATEXIT = """
+import atexit, sys, torch, ckptfmt
+from ckptfmt.storage import gcs, upload
+gcs.MAX_COMPOSE = 2
+upload.MIN_PART = 1 << 20
+
+@atexit.register
+def last():
+    try:
+        ckptfmt.save({"w": torch.zeros(4 << 20)}, sys.argv[1], storage_options={"part_size": 1 << 20, "concurrency": 2})
+        print("saved", flush=True)
+    except BaseException as e:
+        print("failed:", type(e).__name__, flush=True)
+"""
+
+
+def test_at_exit_a_refused_compose_is_the_last_sent(gcs_faults):
+    """A save made by an atexit handler composes on its own thread, in turn: the first
+    compose refused, no other is sent."""
+    import os
+    import subprocess
+    import sys
+
+    _refused_composes(gcs_faults)
+    url = f"gs://{gcs_faults.bucket}/refused-at-exit.ckpt"
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPOSE_IN_ATEXIT, url], capture_output=True, text=True, timeout=90, env=env
+    )
+    assert done.stdout.strip() == "failed: StorageError", done.stdout + done.stderr[-3000:]
+    assert gcs_faults.count("POST", "/compose") == 1

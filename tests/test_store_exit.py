@@ -83,3 +83,145 @@ def test_a_blocking_store_save_in_an_atexit_handler_is_whole(store):
     assert done.stdout.strip() == "saved", done.stdout + done.stderr[-3000:]
     got = ckptfmt.load(url, storage_options=options)
     assert torch.equal(got["w"], _expected()["w"])
+
+
+_LOAD_IN_ATEXIT = """
+import atexit, json, sys, torch, ckptfmt
+url, options = sys.argv[1], json.loads(sys.argv[2])
+
+@atexit.register
+def last():
+    try:
+        got = ckptfmt.load(url, storage_options=options)
+        ok = torch.equal(got["w"], torch.arange(6 * (1 << 20), dtype=torch.float32))
+        print("loaded" if ok else "wrong bytes", flush=True)
+    except BaseException as e:
+        print("failed:", type(e).__name__, e, flush=True)
+"""
+
+
+def test_a_store_load_in_an_atexit_handler_reads_every_request(store):
+    """Made after every pool refuses work: a 24 MiB object read in 1 MiB requests (the
+    prologue and tail first, then the chunk reader's windows), on the loading thread."""
+    root, options = store
+    url = f"{root}/load-atexit.ckpt"
+    ckptfmt.save(_expected(), url, storage_options=options)
+    done = _run_child(_LOAD_IN_ATEXIT, url, json.dumps(options | {"request_size": MiB}))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "loaded", done.stdout + done.stderr[-3000:]
+
+
+_SIGN_FILE_IN_ATEXIT = """
+import atexit, sys, torch, ckptfmt
+from cryptography.hazmat.primitives.asymmetric import ed25519
+from ckptfmt.files.signfile import sign_file
+path = sys.argv[1]
+key = ed25519.Ed25519PrivateKey.generate()
+w = torch.arange(6 * (1 << 20), dtype=torch.float32)
+ckptfmt.save({"w": w}, path, chunk_size=1 << 20)
+
+@atexit.register
+def last():
+    try:
+        sign_file(path, key)
+        got = ckptfmt.load(path, trusted_keys=[key.public_key()])
+        print("signed and loaded" if torch.equal(got["w"], w) else "wrong bytes", flush=True)
+    except BaseException as e:
+        print("failed:", type(e).__name__, e, flush=True)
+"""
+
+_SIGNED_RUN_IN_ATEXIT = """
+import atexit, json, sys, torch, ckptfmt
+from cryptography.hazmat.primitives.asymmetric import ed25519
+url, options = sys.argv[1], json.loads(sys.argv[2])
+key = ed25519.Ed25519PrivateKey.generate()
+w = torch.arange(6 * (1 << 20), dtype=torch.float32)
+
+@atexit.register
+def last():
+    try:
+        ckptfmt.CheckpointManager(url, sign_with=key, storage_options=options).save(1, {"w": w})
+        reader = ckptfmt.CheckpointManager(url, trusted_keys=[key.public_key()], storage_options=options)
+        got = reader.load(1)
+        print("signed and loaded" if torch.equal(got["w"], w) else "wrong bytes", flush=True)
+    except BaseException as e:
+        print("failed:", type(e).__name__, e, flush=True)
+"""
+
+
+def test_a_file_signed_and_loaded_in_an_atexit_handler(tmp_path):
+    """sign_file hashes the file's chunks on a pool (six 4 MiB chunks, four threads): at exit
+    on the signing thread."""
+    path = str(tmp_path / "signed.ckpt")
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), CKPTFMT_THREADS="4")
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGN_FILE_IN_ATEXIT, path],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "signed and loaded", done.stdout + done.stderr[-3000:]
+
+
+def test_a_signed_step_saved_and_loaded_on_a_store_in_an_atexit_handler(store):
+    """The step's objects are hashed for the signed record, and hashed again by the load
+    that trusts it, each in 1 MiB requests: at exit on the loading thread."""
+    root, options = store
+    url = f"{root}/signed-run"
+    done = _run_child(
+        _SIGNED_RUN_IN_ATEXIT, url, json.dumps(options | {"request_size": MiB, "part_size": 8 * MiB})
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "signed and loaded", done.stdout + done.stderr[-3000:]
+
+
+_LOADS_ACROSS_EXIT = """
+import json, sys, threading, time, torch, ckptfmt
+url, options = sys.argv[1], json.loads(sys.argv[2])
+w = torch.arange(6 * (1 << 20), dtype=torch.float32)
+began = threading.Event()
+
+def loads():
+    for i in range(8):
+        try:
+            began.set()
+            ok = torch.equal(ckptfmt.load(url, storage_options=options)["w"], w)
+            print("loaded" if ok else "wrong bytes", flush=True)
+        except BaseException as e:
+            print("failed:", type(e).__name__, e, flush=True)
+
+threading.Thread(target=loads).start()
+began.wait()
+time.sleep(0.2)
+"""
+
+
+def test_loads_on_a_thread_that_goes_on_past_the_programs_return(s3_bucket):
+    """The program returns while a thread of its own loads, again and again: the exit hook
+    makes the pools refuse work partway through a load (its read-ahead wave sent, or being
+    sent), and later loads run every request on that thread.  Each load is whole."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/across-exit.ckpt"
+    ckptfmt.save(_expected(), url, storage_options=options)
+    done = _run_child(_LOADS_ACROSS_EXIT, url, json.dumps(options | {"request_size": MiB}))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:-1] == ["loaded"] * 8, done.stdout + done.stderr[-3000:]
+
+
+_FAILING_AT_RETURN = """
+import json, sys, torch, ckptfmt
+url, options = sys.argv[1], json.loads(sys.argv[2])
+ckptfmt.save({"w": torch.zeros(1000)}, url, storage_options=options, blocking=False)
+"""
+
+
+def test_a_failed_non_blocking_save_nobody_waited_for_is_reported_at_exit(s3_faults):
+    """Its upload refused for good, its handle dropped: the exit waits for it and says why."""
+    faults = s3_faults
+    url = f"s3://{faults.new_bucket()}/refused.ckpt"
+    faults.fail_next("PUT", "refused.ckpt", status=403, count=100)
+    done = _run_child(_FAILING_AT_RETURN, url, json.dumps(faults.storage_options()))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"ckptfmt: non-blocking save of {url} failed: StorageError" in done.stderr, done.stderr[-3000:]

@@ -362,7 +362,4 @@ def _write_worker(
                 except BaseException:
                     pass  # discarded, not reused
     finally:
-        try:
-            atomic.__exit__(None, None, None)
-        finally:  # the handle ends even if closing fails: an exit waits for it
-            inflight.settle(handle, exc, replaced)
+        inflight.close_then_settle(handle, lambda: atomic.__exit__(None, None, None), exc, replaced)

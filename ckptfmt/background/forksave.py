@@ -572,8 +572,7 @@ def _finish(
         os.close(alive_w)
         child.close()
         try:
-            atomic.__exit__(None, None, None)
-        finally:  # the handle ends even if closing fails: an exit waits for it
-            inflight.settle(handle, exc, replaced)
+            inflight.close_then_settle(handle, lambda: atomic.__exit__(None, None, None), exc, replaced)
+        finally:
             if not reaped:
                 _reap(child.pid, deadline)

@@ -262,6 +262,18 @@ def settle(handle: SaveHandle, exc: BaseException | None, replaced: list[int]) -
             os.close(fd)
 
 
+def close_then_settle(
+    handle: SaveHandle, close: Callable[[], None], exc: BaseException | None, replaced: list[int]
+) -> None:
+    """End a background save whose file is still open: `close` it (its AtomicFile's exit,
+    which removes a file not committed), then settle the handle even if closing fails: an
+    exit waits for the handle."""
+    try:
+        close()
+    finally:
+        settle(handle, exc, replaced)
+
+
 def wait_for_path(path: str | os.PathLike[str]) -> None:
     """Wait for the save in flight on `path`, if any (its error stays with its handle), at
     most wait_seconds(None): DeadlineError naming the path while it still runs then (the
@@ -299,25 +311,29 @@ def _exit_bound() -> Deadline:
     return _exit_deadline
 
 
+def _wait_all(handles: list[SaveHandle]) -> list[tuple[SaveHandle, bool]]:
+    """Wait for `handles` in turn within the one bound of the exit; whether each ended."""
+    deadline = _exit_bound()
+    return [(h, h._done.wait(deadline.left())) for h in handles]
+
+
 def _finish_before_pools_stop() -> None:
     """Wait for the saves in flight while thread pools still take work: a threads' exit hook,
     run before concurrent.futures' own (registered at its import, earlier; these hooks run
-    last-registered first), which makes every pool refuse new work (a store save's parts)."""
+    last-registered first), which makes every pool refuse new work (storage/pools.py: what
+    is handed to a pool after that runs on the thread handing it)."""
     with _lock:
         handles = list(_in_flight.values())
-    deadline = _exit_bound()
-    for h in handles:
-        h._done.wait(deadline.left())
+    _wait_all(handles)
 
 
 def _register_before_pools_stop() -> None:
-    register = getattr(threading, "_register_atexit", None)
-    if register is None:
-        return
+    """Register _finish_before_pools_stop as a threads' exit hook (threading._register_atexit,
+    on every Python this project supports)."""
     import concurrent.futures.thread  # noqa: F401  its exit hook registered before ours
 
     try:
-        register(_finish_before_pools_stop)
+        threading._register_atexit(_finish_before_pools_stop)  # type: ignore[attr-defined]
     except RuntimeError:  # imported while the interpreter exits: _at_exit alone waits
         pass
 
@@ -329,9 +345,8 @@ _register_before_pools_stop()
 def _at_exit() -> None:
     with _lock:
         handles = list(_in_flight.values()) + list(_unobserved)
-    deadline = _exit_bound()
-    for h in handles:
-        if not h._done.wait(deadline.left()):
+    for h, done in _wait_all(handles):
+        if not done:
             print(f"ckptfmt: non-blocking save of {h.path} still running at exit: abandoned", file=sys.stderr)
         elif h._exc is not None and not h._observed:
             print(f"ckptfmt: non-blocking save of {h.path} failed: {h._exc!r}", file=sys.stderr)

@@ -27,6 +27,7 @@ from ..errors import CheckpointError
 from ..files import multifile, places
 from ..files.save import check_snapshot
 from ..gcpause import pausing_in_main_thread
+from ..storage.pools import pools_refuse_work
 from .forkstage import ForkStager, wait_previous
 from .planners import LoadPlanner, SavePlanner
 from .reader import held_reader
@@ -401,6 +402,29 @@ def async_save(
     )
 
 
+def _saved_here(
+    state_dict: dict[str, Any],
+    path: str | os.PathLike[str],
+    process_group: dist.ProcessGroup | None,
+    within: CheckpointDir | None,
+    step_dir: bool,
+    options: SaveOptions,
+) -> concurrent.futures.Future[Metadata]:
+    """save_in_background once the interpreter's exit has made every pool refuse work (a final
+    checkpoint saved by an atexit handler): the save made here, blocking, its outcome in the
+    future returned."""
+    out: concurrent.futures.Future[Metadata] = concurrent.futures.Future()
+    try:
+        saved = save_within(
+            state_dict, path, process_group=process_group, within=within, step_dir=step_dir, **options
+        )
+    except BaseException as e:  # the outcome is the future's, as async_save's
+        out.set_exception(e)
+    else:
+        out.set_result(saved)
+    return out
+
+
 def save_in_background(
     state_dict: dict[str, Any],
     path: str | os.PathLike[str],
@@ -417,6 +441,8 @@ def save_in_background(
     check_snapshot(snapshot)
     if snapshot == "fork" and stager is not None:
         raise ValueError("snapshot='fork' stages by fork: it takes no stager")
+    if pools_refuse_work():  # torch's async_save writes on a pool, which refuses it at exit
+        return _saved_here(state_dict, path, process_group, within, step_dir, options)
     group = _checkpoint_group(process_group)
     if not _distributed():  # DCP warns from its own thread: filter just that message
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)

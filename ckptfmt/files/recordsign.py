@@ -16,12 +16,12 @@ import dataclasses
 import hashlib
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError, LimitError, SignatureError
 from ..storage.download import RemoteObject
+from ..storage.pools import run_each
 from . import multifile
 from .signing import load_private_key, trusted_set
 
@@ -83,11 +83,9 @@ def _hash_part(d: CheckpointDir, part: multifile.PartRecord, owner: str) -> byte
 
 
 def _each(d: CheckpointDir, parts: Sequence[multifile.PartRecord], owner: str) -> list[bytes]:
-    """Every part's SHA-256, each file opened and checked as a load opens it, in parallel."""
-    if len(parts) <= 1:
-        return [_hash_part(d, p, owner) for p in parts]
-    with ThreadPoolExecutor(max_workers=min(HASH_THREADS, len(parts))) as pool:
-        return list(pool.map(lambda p: _hash_part(d, p, owner), parts))
+    """Every part's SHA-256, each file opened and checked as a load opens it, in parallel (at
+    interpreter exit in turn); the first failure stops the rest."""
+    return run_each(lambda p: _hash_part(d, p, owner), parts, HASH_THREADS, "ckptfmt-hash")
 
 
 def part_with_digest(d: CheckpointDir, part: multifile.PartRecord) -> multifile.PartRecord:

@@ -59,7 +59,7 @@ def _copy_range(src: int, dst: int, length: int) -> None:
 
 def _digests(fd: int, f: CheckpointFile, threads: int) -> list[bytes]:
     """Each chunk's signed digest (SHA-256 over its context and stored bytes), read from `fd`."""
-    from concurrent.futures import ThreadPoolExecutor
+    from ..storage.pools import run_each
 
     fid = f.prologue.file_id
 
@@ -72,8 +72,8 @@ def _digests(fd: int, f: CheckpointFile, threads: int) -> list[bytes]:
             fid, k, ch.offset, ch.stored_len, ch.raw_len, ch.codec, ch.filter, ch.width, stored
         )
 
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:  # hashlib releases the GIL
-        return list(pool.map(one, range(len(f.chunks))))
+    # hashlib releases the GIL; at interpreter exit the chunks are hashed here, in turn
+    return run_each(one, range(len(f.chunks)), threads, "ckptfmt-sign")
 
 
 def sign_file(path: str | os.PathLike[str], key: Any, *, decrypt_with: Any = None) -> None:

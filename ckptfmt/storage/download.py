@@ -35,6 +35,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from functools import partial
 from typing import Any
 
 from ..engine.fetchplan import paged_bytes
@@ -43,6 +44,7 @@ from ..format import layout as fmt
 from . import client as s3
 from .backends import store_for
 from .bodies import body_deadline, read_body
+from .pools import pools_refuse_work, run_into, submit_or_run
 from .rangedgets import RangedGets, Where
 from .ranges import (
     MERGE_GAP,
@@ -191,13 +193,18 @@ class RemoteObject:
         size = self.size
         head = (0, min(size, fmt.PROLOGUE_SIZE))
         tail = (max(head[1], size - TAIL_BYTES), size)
-        wave = self._wave(tail[0], READ_AHEAD_BYTES) if read_ahead and tail[0] > head[1] else []
+        # at exit (pools refuse work: requests run on this thread, in turn) no wave: a deferred
+        # request run here would wait for a claim only this thread could make
+        ahead = read_ahead and tail[0] > head[1] and not pools_refuse_work()
+        wave = self._wave(tail[0], READ_AHEAD_BYTES) if ahead else []
         if not wave:
             self.fetch([head, tail])
             return tail[0]
         order = SendOrder()
+        ends: Future[None] = Future()
         with self._held_lock:
-            ends = self._in_flight[tail] = self._pool.submit(self._get_tail, *tail, order)
+            self._in_flight[tail] = ends
+        run_into(self._pool, ends, self._get_tail, *tail, order)
         first = self._read_ahead(wave, head[1], order)
         self.wait([ends, first])
         return tail[0]
@@ -224,11 +231,19 @@ class RemoteObject:
         yet, so no tensor exists; the answers are on their way meanwhile, as a plain parallel
         download's are.  The future that ends once the prologue is in."""
         deferred = [Deferred(prologue if i == 0 else r[0], order) for i, r in enumerate(requests)]
+        futures: list[Future[None]] = [Future() for _ in requests]
         with self._held_lock:
-            for r, d in zip(requests, deferred):
-                self._in_flight[r] = self._pool.submit(self._get_deferred, *r, d)
+            for r, d, f in zip(requests, deferred, futures):
+                self._in_flight[r] = f
                 self._deferred[r] = d
+        for r, d, f in zip(requests, deferred, futures):
+            # refused (the exit began since _fetch_ends): claimed for the spool, then run here
+            run_into(self._pool, f, self._get_deferred, *r, d, here=partial(self._claim_for_spool, r))
         return deferred[0].prefix
+
+    def _claim_for_spool(self, r: Range) -> None:
+        with self._held_lock:
+            self._claim(r, ())
 
     def _footer(self) -> fmt.Footer | None:
         """The footer the fetched prologue and tail hold, checked; None if they hold none."""
@@ -307,15 +322,20 @@ class RemoteObject:
             waited, missing = self._requests_for(ranges)
             for r, _ in waited:
                 self._claim(r, ())  # a request of the read-ahead wave: its bytes to the spool
-            started = []
             cut = cell or self._request_bytes
-            for lo, hi in plan_requests(missing, cut, MERGE_GAP if gap is None else gap):
-                future = self._pool.submit(self._get, lo, hi)
-                self._in_flight[(lo, hi)] = future  # before _get can end: it takes the lock
-                started.append(future)
+            made = self._in_flight_now(plan_requests(missing, cut, MERGE_GAP if gap is None else gap))
             if self.max_bytes is not None:  # the figure a bound is kept by (tests read it)
                 self._note_occupied()
-        return [f for _, f in waited] + started
+        for r, future in made:  # outside the lock, which _get takes (at exit it runs here)
+            run_into(self._pool, future, self._get, *r)
+        return [f for _, f in waited] + [f for _, f in made]
+
+    def _in_flight_now(self, requests: Sequence[Range]) -> list[tuple[Range, Future[None]]]:
+        """`requests` in flight from now, under _held_lock: each with the future that ends
+        once its fetch is over, registered before the fetch starts (it takes the lock to end)."""
+        made: list[tuple[Range, Future[None]]] = [(r, Future()) for r in requests]
+        self._in_flight.update(made)
+        return made
 
     def occupied(self) -> int:
         """Bytes of the spool held, being fetched, or given back and not yet freed, in the
@@ -336,7 +356,9 @@ class RemoteObject:
 
     @staticmethod
     def wait(futures: Sequence[Future[None]]) -> None:
-        """Wait for fetches begun by `start`; the first failure is raised once all are done."""
+        """Wait for fetches begun by `start`; the first failure is raised once all are done.
+        Bounded by the requests' own deadlines: each ends within its Budget once it runs
+        (a deferred one within its claim's and its body's), `concurrency` at a time."""
         first: BaseException | None = None
         for f in futures:
             e = f.exception()
@@ -385,11 +407,11 @@ class RemoteObject:
                 self._claim(r, targets, landed)
             futures = [] if futures is None else futures
             futures.extend(f for _, f in waited)
-            for r in plan_requests(missing, self._request_bytes):
-                views, gaps = routed(r, targets, self._spool_view)
-                future = self._pool.submit(self._get_into, *r, views, gaps, landed)
-                self._in_flight[r] = future  # before _get_into can end: it takes the lock
-                futures.append(future)
+            made = self._in_flight_now(plan_requests(missing, self._request_bytes))
+            futures.extend(f for _, f in made)
+        for r, future in made:  # outside the lock, which _get_into takes (at exit it runs here)
+            views, gaps = routed(r, targets, self._spool_view)
+            run_into(self._pool, future, self._get_into, *r, views, gaps, landed)
         return futures
 
     def _claim(
@@ -521,7 +543,7 @@ class RemoteObject:
             self._held = subtract_ranges(self._held, ranges)
             taken = self._taken()
             pages = [page_edges(r, taken, self.size) for r in merge_ranges(ranges)]
-            self._freeing.extend((r, self._freer.submit(spool.release, *r)) for r in pages)
+            self._freeing.extend((r, submit_or_run(self._freer, spool.release, *r)) for r in pages)
         if wait and pages:
             self._wait_freed(pages[0][0], pages[-1][1], s3.Budget(self.options), "give back")
 

@@ -33,12 +33,11 @@ import os
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import CheckpointError, StorageError
 from . import answers, client, http
-from .pools import submit_or_run
+from .pools import run_each
 from .store import Entry, Page, Reply, Upload, UploadPage, ViewFile
 from .urls import ObjectURL
 
@@ -261,11 +260,8 @@ class GCSStore:
 
     def _each(self, call: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
         """`call` of each item, `concurrency` at a time, each within the deadline of the
-        operation this thread is carrying out; their results in order (the first failure
-        raised once all have ended)."""
-        todo = list(items)
-        if len(todo) <= 1 or self.concurrency <= 1:
-            return [call(item) for item in todo]
+        operation this thread is carrying out; their results in order.  The first failure
+        stops the rest (none not yet sent is sent) and is raised (pools.run_each)."""
         budget = client.current_budget()
 
         def within(item: Any) -> Any:
@@ -274,9 +270,7 @@ class GCSStore:
             with client.carrying(budget):
                 return call(item)
 
-        with ThreadPoolExecutor(min(self.concurrency, len(todo)), thread_name_prefix="ckptfmt-gcs") as pool:
-            futures = [submit_or_run(pool, within, item) for item in todo]  # at exit: here, in turn
-            return [f.result() for f in futures]
+        return run_each(within, items, self.concurrency, "ckptfmt-gcs")
 
     def _compose(self, url: ObjectURL, key: str, sources: list[tuple[str, str]], *, if_absent: bool) -> str:
         request = {

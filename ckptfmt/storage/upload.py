@@ -130,6 +130,9 @@ class ObjectFile:
         alone, so the room waited for is still there when the request is counted in."""
         assert self._pool is not None
         with self._cond:
+            # bounded by the requests' deadlines: at most `threads` parts are in flight, each
+            # running (or queued behind the upload's start alone) and ending, notified, within
+            # the start's Budget and its own
             while (held := sum(self._in_flight.values())) and held + nbytes > self._max_in_flight:
                 self._cond.wait()
         future = submit_or_run(self._pool, self._kept, request, *args)

@@ -1,0 +1,49 @@
+"""storage/pools.py in a running process (tests/test_store_exit.py runs it at exit): a batch
+that stops at its first failure, and work cancelled in a pool's queue that cancels its
+future instead of leaving a waiter for ever."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+
+import pytest
+
+from ckptfmt.storage.pools import run_each, run_into, submit_or_run
+
+
+def test_run_each_returns_the_results_in_order():
+    assert run_each(lambda x: x * x, range(20), 4, "test-each") == [x * x for x in range(20)]
+    assert run_each(lambda x: x, [], 4, "test-each") == []
+
+
+def test_run_each_starts_no_call_after_the_first_failure_and_raises_it():
+    """Two threads: item 0 fails, item 1 may have started beside it, no other starts."""
+    started: list[int] = []
+    lock = threading.Lock()
+
+    def call(x: int) -> int:
+        with lock:
+            started.append(x)
+        if x == 0:
+            raise ValueError("item 0 refused")
+        return x
+
+    with pytest.raises(ValueError, match="item 0 refused"):
+        run_each(call, range(50), 2, "test-each")
+    assert 0 in started and set(started) <= {0, 1}, started
+
+
+def test_work_cancelled_in_the_queue_cancels_its_future():
+    """A pool shut down with cancel_futures drops its queued work: the future run_into was
+    given is cancelled with it, so whoever waits for it is woken."""
+    pool = ThreadPoolExecutor(1)
+    gate = threading.Event()
+    first = submit_or_run(pool, gate.wait, 10)
+    queued: Future[None] = Future()
+    run_into(pool, queued, lambda: None)
+    pool.shutdown(wait=False, cancel_futures=True)
+    gate.set()
+    first.result(timeout=10)
+    with pytest.raises(CancelledError):
+        queued.result(timeout=10)
