@@ -13,9 +13,12 @@ from s3_faults import hit
 
 import ckptfmt
 from ckptfmt import CheckpointManager
+from ckptfmt.engine import commit
 from ckptfmt.errors import CheckpointWarning
-from ckptfmt.runs import archivecopy
+from ckptfmt.files import multifile
+from ckptfmt.runs import archivecopy, storeclock
 from ckptfmt.runs.archiver import Archiver
+from ckptfmt.runs.objectnames import COPY_MARKER
 from ckptfmt.runs.objectrun import ObjectRun
 from ckptfmt.runs.steps import step_dirname
 
@@ -199,3 +202,57 @@ def test_removing_a_step_heads_no_retired_step_older_than_it(store_faults):
     m.remove(5)
     assert f.count(*f.op("head", "COMMIT")) == 0, f.requests()
     assert not any(k.startswith(step_dirname(5)) for k in f.keys(url))
+
+
+def _misstated_record(run: ObjectRun, step: int):
+    """`run`'s listing as a lying store gives it: step `step`'s record listed above the size
+    limit, which makes the step damaged."""
+    found = run.listing()
+    entry = found[step][multifile.COMMIT_NAME]
+    found[step][multifile.COMMIT_NAME] = entry._replace(size=multifile.MAX_RECORD_BYTES + 1)
+    assert [s.step for s in run.statuses(found) if s.damaged] == [step]
+    return found
+
+
+def test_a_record_listed_past_its_size_limit_still_keeps_what_it_reads(store_faults):
+    """Its references are read from the record as the store has it: a cleanup that took the
+    misstated listing's word deleted the retired steps step 3 reads."""
+    url, _ = _run_of_retired_steps(store_faults, 3)
+    run = ObjectRun(url, store_faults.options)
+    run.cleanup(NOW, found=_misstated_record(run, 3))
+    left = store_faults.keys(url)
+    assert {f"{step_dirname(s)}/state.ckpt" for s in (1, 2)} <= left, sorted(left)
+    loaded = CheckpointManager(url, storage_options=store_faults.options).load(3)
+    assert torch.equal(loaded["frozen1"], torch.full((1 << 16,), 1.0))
+
+
+def test_a_record_listed_past_its_size_limit_keeps_a_dead_copys_prefix_it_reads(store_faults, monkeypatch):
+    url, _ = _run_of_retired_steps(store_faults, 3)
+    store_faults.put_raw(f"{url}/{step_dirname(1)}/{COPY_MARKER}{commit.owner_token()}.0badcafe", b"")
+    monkeypatch.setattr(storeclock, "stale_objects", lambda *a, **k: True)  # a day old
+    run = ObjectRun(url, store_faults.options)
+    assert run.remove_interrupted_copies(found=_misstated_record(run, 3)) == []
+    assert f"{step_dirname(1)}/state.ckpt" in store_faults.keys(url)
+
+
+def test_what_an_archive_pass_first_rotation_drops_is_swept_in_that_pass(store_faults, monkeypatch):
+    """A rotation an earlier process left unfinished, finished by the pass's first rotation,
+    drops step 1: the dead copy marker left in it goes in the same pass, not the next one."""
+    f = store_faults
+    url = f"{f.new_root()}/archive"
+    inc = CheckpointManager(url, incremental=True, storage_options=f.options)
+    frozen = torch.full((1 << 16,), 7.0)
+    inc.save(1, {"frozen": frozen})
+    inc.save(2, {"frozen": frozen, "x": torch.ones(3)})
+    CheckpointManager(url, storage_options=f.options).save(3, {"other": torch.full((1 << 16,), 3.0)})
+    run = ObjectRun(url, f.options)
+    run.retire_step(1)  # a rotation cut short: step 1's record gone, step 2 still reads it
+    f.put_raw(f"{url}/{step_dirname(1)}/{COPY_MARKER}{commit.owner_token()}.0badcafe", b"")
+    monkeypatch.setattr(storeclock, "stale_objects", lambda *a, **k: True)  # a day old
+    archiver = Archiver(run, keep_last=1, keep_every=None, local_steps=lambda: [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        archiver.kick()
+        archiver.wait(timeout=120)
+    assert [c.step for c in run.checkpoints()] == [3]
+    assert not {k for k in f.keys(url) if k.startswith(step_dirname(1))}

@@ -242,8 +242,8 @@ class Archiver:
         with self._cond:
             self._held = {s.step: s.info.created for s in statuses if s.info is not None}
         self._local_rotation()  # first: what an earlier process kept for the archive may go now
+        self._dropped = False  # before the first rotation: what it drops counts as this pass's
         self._rotate(None, statuses)
-        self._dropped = False
         copied: set[int] = set()
         while (nxt := self._next()) is not None:
             if not self._copy(nxt):

@@ -388,7 +388,7 @@ class ObjectRun:
             return set()
         listed = None if found is None or not s.damaged else found.get(s.step, {}).get(multifile.COMMIT_NAME)
         try:
-            record = self.record(s.step) if listed is None else self.listed_record(s.step, listed)
+            record = self._record_as_stored(s.step, listed)
         except FileNotFoundError:  # deleted since the listing or the HEAD
             return set()
         except StorageError:
@@ -398,6 +398,20 @@ class ObjectRun:
                 return set()
             raise
         return {self._reference_url(ref.name) for ref in record.references}
+
+    def _record_as_stored(self, step: int, listed: Entry | None) -> multifile.CommitRecord:
+        """Step `step`'s record: the one read already by the size `listed` gives, where that
+        read succeeded; else read again by the size the store gives (a listing that misstates
+        the record's size is what made the step damaged: what the record names must still be
+        known, else a cleanup deletes what it reads)."""
+        if listed is not None:
+            try:
+                return self.listed_record(step, listed)
+            except StorageError:
+                raise
+            except CheckpointError:
+                pass
+        return self.record(step)
 
     def has_record(self, step: int) -> bool:
         """Whether step `step`'s commit record is an object, asked by one HEAD: a listing that
