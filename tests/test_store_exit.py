@@ -225,3 +225,39 @@ def test_a_failed_non_blocking_save_nobody_waited_for_is_reported_at_exit(s3_fau
     done = _run_child(_FAILING_AT_RETURN, url, json.dumps(faults.storage_options()))
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"ckptfmt: non-blocking save of {url} failed: StorageError" in done.stderr, done.stderr[-3000:]
+
+
+_MANAGER_AT_RETURN = """
+import json, sys, torch, ckptfmt
+url, options = sys.argv[1], json.loads(sys.argv[2])
+m = ckptfmt.CheckpointManager(url, storage_options=options, blocking=False)
+m.save(1, {"w": torch.arange(6 * (1 << 20), dtype=torch.float32)})
+print("returned", flush=True)
+"""
+
+
+def test_a_non_blocking_manager_save_on_a_store_is_committed_when_the_program_returns(store):
+    """The usual end of a training script: the last step's save returns at once and so does
+    the program.  Its commit (which reads the uploaded object back) runs after the pools may
+    have stopped: the step must still be committed, whole."""
+    root, options = store
+    url = f"{root}/run-at-return"
+    done = _run_child(
+        _MANAGER_AT_RETURN, url, json.dumps(options | {"request_size": MiB, "part_size": 8 * MiB})
+    )
+    assert done.returncode == 0 and "returned" in done.stdout, done.stderr[-3000:]
+    loaded = ckptfmt.CheckpointManager(url, storage_options=options).load()
+    assert torch.equal(loaded["w"], _expected()["w"]), done.stderr[-3000:]
+
+
+def test_a_non_blocking_manager_commit_that_fails_at_exit_is_reported(s3_faults):
+    """Its commit record refused for good after the program returned: nobody waits for the
+    step's handle, so the exit says the step failed (the process exits as it would have)."""
+    faults = s3_faults
+    url = f"s3://{faults.new_bucket()}/run"
+    faults.fail_next("PUT", "COMMIT", status=403, count=100)
+    done = _run_child(_MANAGER_AT_RETURN, url, json.dumps(faults.storage_options()))
+    assert done.returncode == 0 and "returned" in done.stdout, done.stderr[-3000:]
+    assert f"ckptfmt: non-blocking save of {url}/step-000000001 failed: StorageError" in done.stderr, (
+        done.stderr
+    )

@@ -241,8 +241,11 @@ def end(handle: SaveHandle) -> None:
 
 
 def watch(handle: SaveHandle) -> None:
-    """Keep a returned handle so that its error is raised later if nobody waits for it."""
+    """Keep a returned handle so that its error is raised later if nobody waits for it.
+    Handles that ended well, or whose error was seen, are let go of here: a run's manager
+    watches every step's and may never make the plain save that raise_unobserved serves."""
     with _lock:
+        _unobserved[:] = [h for h in _unobserved if not (h.done() and (h._exc is None or h._observed))]
         _unobserved.append(handle)
 
 

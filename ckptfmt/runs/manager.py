@@ -276,6 +276,10 @@ class CheckpointManager(RunRotation):
             job.handle._returning(job.began)
             return None
         job.handle._returning(job.began)
+        # a save in flight as a plain non-blocking one is: the program's exit waits for its
+        # commit while the pools still take work, and reports its failure if nobody saw it
+        inflight.begin(job.handle)
+        inflight.watch(job.handle)
         with self._lock:
             before = self._jobs[-1].thread if self._jobs else None
             self._jobs.append(job)
@@ -411,6 +415,7 @@ class CheckpointManager(RunRotation):
             with self._lock:
                 if exc is None and job in self._jobs:
                     self._jobs.remove(job)
+            inflight.end(job.handle)
             job.handle._finish(exc)
 
     def _log_commit(self, job: StepJob) -> None:
