@@ -95,3 +95,20 @@ def test_no_part_is_sent_once_a_part_has_failed(s3_faults):
     sent = s3_faults.count("PUT", "partNumber=")
     s3_faults.clear_rules()
     assert sent <= 3, f"{sent} parts sent by a save whose part 2 failed"
+
+
+def test_a_cleanup_never_aborts_an_upload_this_process_is_writing(s3_faults):
+    """moto stamps every upload in parts as begun in 2010: the cleanup of a second
+    non-blocking step took the first step's live upload for a crashed writer's and aborted
+    it.  A process knows its own uploads: whatever a store stamps, they are not leftovers."""
+    options = s3_faults.storage_options() | {"part_size": 8 * MiB}
+    m = ckptfmt.CheckpointManager(
+        f"s3://{s3_faults.new_bucket()}/run", storage_options=options, blocking=False
+    )
+    s3_faults.delay("PUT", "partNumber=", seconds=0.2)  # step 1's upload still under way
+    first = m.save(1, {"w": torch.arange(6 * MiB, dtype=torch.float32)})
+    second = m.save(2, {"w": torch.arange(6 * MiB, dtype=torch.float32) + 1})
+    first.wait()
+    second.wait()
+    assert s3_faults.count("DELETE", "uploadId=") == 0
+    assert [c.step for c in m.checkpoints()] == [1, 2]

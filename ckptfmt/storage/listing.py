@@ -20,6 +20,7 @@ from ..errors import LimitError, StorageError
 from . import client as s3
 from .backends import store_for
 from .store import Page, Upload
+from .upload import uploading
 from .urls import ObjectURL
 
 #: a single object read whole (commit records, sidecars) is refused above this size
@@ -272,8 +273,8 @@ def abort_uploads_begun_before(
     begun_before: Callable[[datetime.datetime], datetime.datetime | None],
 ) -> int:
     """Abort the uploads beneath `url` whose key relative to `url` is `ours` (another program's
-    upload beneath the same prefix is not a leftover) begun before the store time
-    `begun_before(oldest)` (absolute, by the store's clock, which stamps when an upload began;
+    upload beneath the same prefix is not a leftover, nor one this process is writing) begun
+    before the store time `begun_before(oldest)` (absolute, by the store's clock, which stamps when an upload began;
     None: none is aborted), asked once and only when one of ours is listed, `oldest` the time
     the oldest of them began: the caller proves the store's time only where one could be old
     enough, never by this host's clock (it may run a day ahead).  Returns how many."""
@@ -284,7 +285,7 @@ def abort_uploads_begun_before(
         key, upload_id, began = up.key, up.upload_id, _utc(up.initiated)
         if not isinstance(key, str) or not key.startswith(prefix) or not isinstance(upload_id, str):
             continue
-        if began is not None and ours(key[len(prefix) :]):
+        if began is not None and ours(key[len(prefix) :]) and not uploading(upload_id):
             candidates.append((key, upload_id, began))
     if not candidates:
         return 0

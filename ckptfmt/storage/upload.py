@@ -37,6 +37,18 @@ MIN_PART = 8 * MiB  # S3's minimum is 5 MiB for every part but the last
 MAX_PARTS = 10_000  # S3's maximum part count
 
 
+#: the uploads in parts this process has begun and not yet ended, by upload id: never a crashed
+#: writer's leftover, whatever a store stamps as their start (moto stamps every upload 2010)
+_live_uploads: set[str] = set()
+_live_lock = threading.Lock()
+
+
+def uploading(upload_id: str) -> bool:
+    """Whether this process is writing the upload in parts `upload_id` now."""
+    with _live_lock:
+        return upload_id in _live_uploads
+
+
 def part_size_for(estimate: int, requested: int | None = None) -> int:
     """Parts of `requested` bytes (MiB multiples, at least 8 MiB), grown so that an object of up
     to `estimate` bytes needs no more than S3's 10,000 parts."""
@@ -67,6 +79,7 @@ class ObjectFile:
         #: the request that begins the upload in parts, sent on the pool once the object is
         #: known to need more than one part (its answer, the upload's id, awaited by each part)
         self._started: Future[str] | None = None
+        self._upload_id: str | None = None  # in _live_uploads until close()
         self._next_part = 2  # part 1 (the prologue's) goes last
         self._done: dict[int, str] = {}  # part number -> what completing the upload names
         #: the requests on the pool that have not ended, each with the spool's bytes it holds
@@ -162,7 +175,11 @@ class ObjectFile:
     def _create_multipart(self) -> str:
         store, u = self._store, self.url
         assert store is not None
-        return s3.request(str(u), "start multipart upload", lambda: store.start_upload(u), self.options)
+        upload_id = s3.request(str(u), "start multipart upload", lambda: store.start_upload(u), self.options)
+        with _live_lock:
+            _live_uploads.add(upload_id)
+        self._upload_id = upload_id
+        return upload_id
 
     def _upload_part(self, number: int, start: int, end: int) -> None:
         assert self.spool is not None and self._store is not None and self._started is not None
@@ -296,6 +313,10 @@ class ObjectFile:
         freed by the upload pool's last task, after the save returns: freeing them took 4-13 ms
         of a 64 MiB save, after its object had appeared."""
         pool, self._pool = self._pool, None
+        if self._upload_id is not None:
+            with _live_lock:
+                _live_uploads.discard(self._upload_id)
+            self._upload_id = None
         if self.spool is not None:
             self.spool.close(free_on=pool)  # None: here
             self.spool = None
