@@ -632,17 +632,17 @@ def test_a_load_under_max_bytes_plans_its_requests_once_per_read(s3_bucket, monk
     state = _direct_state()
     ckptfmt.save(state, url, storage_options=options, chunk_size=256 << 10)
     plans, reads = [0], [0]
-    plan, read_by_window = RemoteObject.outstanding, fetchread.read_by_window
+    plan, read_by_window = RemoteObject.plan, fetchread.read_by_window
 
-    def planning(self, *args, **kwargs):
+    def planning(self, ranges, cut=True):
         plans[0] += 1
-        return plan(self, *args, **kwargs)
+        return plan(self, ranges, cut)
 
     def reading(*args, **kwargs):
         reads[0] += 1
         return read_by_window(*args, **kwargs)
 
-    monkeypatch.setattr(RemoteObject, "outstanding", planning)
+    monkeypatch.setattr(RemoteObject, "plan", planning)
     monkeypatch.setattr(fetchread, "read_by_window", reading)
     assert_same(state, ckptfmt.load(url, max_bytes=20 * MiB, storage_options=options))
     assert reads[0] >= 1 and plans[0] == reads[0]

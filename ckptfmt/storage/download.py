@@ -266,21 +266,16 @@ class RemoteObject:
 
     # -- data ---------------------------------------------------------------
 
-    def plan(self, ranges: Sequence[Range]) -> list[Range]:
+    def plan(self, ranges: Sequence[Range], cut: bool = True) -> list[Range]:
         """The requests `ranges` waits for, sorted: those in flight that overlap them, and those
         that would fetch the rest (the bytes held left out, near neighbours merged and cut at
-        the object's grid: plan_requests)."""
+        the object's grid: plan_requests).  cut=False: the rest as each stretch neither held
+        nor being fetched, whole (no gap merged, no cut): what a read under a memory bound
+        counts its windows by, then cuts at their grid."""
         with self._held_lock:
             waited, missing = self._requests_for(ranges)
-        return sorted([r for r, _ in waited] + plan_requests(missing, self._request_bytes))
-
-    def outstanding(self, ranges: Sequence[Range]) -> list[Range]:
-        """What `ranges` waits for, sorted: the requests in flight that overlap them, and each
-        stretch of them neither held nor being fetched, whole (no gap merged, no cut): what a
-        read under a memory bound counts its windows by, then cuts at their grid."""
-        with self._held_lock:
-            waited, missing = self._requests_for(ranges)
-        return sorted([r for r, _ in waited] + missing)
+        rest = plan_requests(missing, self._request_bytes) if cut else missing
+        return sorted([r for r, _ in waited] + rest)
 
     def _requests_for(self, ranges: Sequence[Range]) -> tuple[list[tuple[Range, Future[None]]], list[Range]]:
         """What `ranges` needs, under _held_lock: the requests in flight that overlap them (with
