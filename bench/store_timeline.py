@@ -169,8 +169,19 @@ def summary(clock: Clock, end: float) -> dict[str, float]:
                 out["first cell's head"] = r["head"]
             if r["range"] and r["range"][1] == size:
                 out["last range's head"] = r["head"]
+        out["most GETs in flight"] = most_in_flight(gets, end)
     out.update(clock.marks)
     return out
+
+
+def most_in_flight(gets: list[dict[str, Any]], end: float) -> int:
+    """The most GETs at once between being sent and their last body byte read."""
+    events = sorted([(r["sent"], 1) for r in gets] + [(r.get("last", end), -1) for r in gets])
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
 
 
 def one_round(
@@ -252,7 +263,9 @@ def main(argv: list[str]) -> None:
             print(
                 f"{store} {name}: "
                 + ", ".join(
-                    f"{k} {v:g}" if k in ("requests", "faults") else f"{k} {v * 1000:.1f}"
+                    f"{k} {v:g}"
+                    if k in ("requests", "faults", "most GETs in flight")
+                    else f"{k} {v * 1000:.1f}"
                     for k, v in phases.items()
                 ),
                 flush=True,
