@@ -32,8 +32,12 @@ class Fetcher(Protocol):
         """Begin fetching `ranges` (bytes held or in flight left out; ranges closer than `gap`
         merged, cut at a grid of `cell` bytes; None: the fetcher's own)."""
 
-    def untouched(self, ranges: Sequence[tuple[int, int]]) -> list[bool]:
-        """Whether each range lies outside everything held or being fetched into the spool."""
+    def held_within(self, ranges: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]] | None]:
+        """For each range: None where a fetch into the spool overlaps it, else the parts of it
+        the spool holds (none: untouched)."""
+
+    def copy_held(self, lo: int, hi: int, into: memoryview) -> None:
+        """Copy bytes [lo, hi), which the spool holds, into `into`."""
 
     def start_into(
         self,

@@ -349,12 +349,28 @@ class RemoteObject:
     def fetch(self, ranges: Sequence[Range]) -> None:
         self.wait(self.start(ranges))
 
-    def untouched(self, ranges: Sequence[Range]) -> list[bool]:
-        """Whether each of `ranges` lies outside every range the spool holds or is fetching:
-        bytes a reader may fetch into memory of its own (start_into) without asking twice."""
+    def held_within(self, ranges: Sequence[Range]) -> list[list[Range] | None]:
+        """For each of `ranges`: None where a request fetching into the spool overlaps it (its
+        bytes are read from there once in), else the parts of it the spool holds, sorted (none:
+        it is untouched).  A reader may fetch such a range into memory of its own (start_into)
+        without asking for any byte twice, the parts held copied out (copy_held): the index's
+        tail, fetched before the index told where the chunks lie, holds the end of the last."""
         with self._held_lock:
-            taken = merge_ranges([*self._held, *(r for r in self._in_flight if r not in self._deferred)])
-            return [not overlaps(taken, r) for r in ranges]
+            fetching = merge_ranges([r for r in self._in_flight if r not in self._deferred])
+            return [
+                None if overlaps(fetching, r) else subtract_ranges([r], subtract_ranges([r], self._held))
+                for r in ranges
+            ]
+
+    def copy_held(self, lo: int, hi: int, into: memoryview) -> None:
+        """Copy [lo, hi), which the spool holds, into `into` (hi - lo bytes)."""
+        with self._held_lock:
+            if subtract_ranges([(lo, hi)], self._held) or len(into) != hi - lo:
+                raise StorageError(
+                    f"bytes {lo}-{hi - 1} are not held in the spool, or not {len(into)} bytes", path=self.path
+                )
+            with self._spool_view(lo, hi) as view:
+                into[:] = view
 
     def start_into(
         self,
