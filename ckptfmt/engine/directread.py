@@ -56,9 +56,8 @@ def split(
     if check_only or remote.max_bytes is not None or not _native.available():
         return [], list(items)
     fits = [_fits(chunks[k], dest) for k, dest in items]
-    spans = [span(chunks[k]) for (k, _), ok in zip(items, fits) if ok]
-    held = iter(remote.held_within(spans))
-    direct = [ok and _fetchable(r, next(held)) for ok, r in zip(fits, _spans_of(spans, fits))]
+    held = iter(remote.held_within([span(chunks[k]) for (k, _), ok in zip(items, fits) if ok]))
+    direct = [ok and _fetchable(span(chunks[k]), next(held)) for (k, _), ok in zip(items, fits)]
     return [it for it, d in zip(items, direct) if d], [it for it, d in zip(items, direct) if not d]
 
 
@@ -71,12 +70,6 @@ def _fits(ch: Chunk, dest: Destination) -> bool:
         and not ch.tag
         and ch.stored_len == ch.raw_len >= DIRECT_MIN
     )
-
-
-def _spans_of(spans: list[tuple[int, int]], fits: list[bool]) -> list[tuple[int, int]]:
-    """`spans` (those of the chunks that fit) laid against `fits`: (0, 0) where one does not."""
-    it = iter(spans)
-    return [next(it) if ok else (0, 0) for ok in fits]
 
 
 def _fetchable(r: tuple[int, int], held: list[tuple[int, int]] | None) -> bool:
