@@ -4,9 +4,13 @@ For each store (emulator on 127.0.0.1) and round: one `ckptfmt.load` of a state 
 download (bench/stores.py's floor_down) of an object of the same length, each request timed
 relative to the start of its load: when it was sent, when its answer's head came, when its
 first and last body bytes were read; and for the load, when the chunk reader first claimed a
-request (the index parsed, the tensors allocated) and when the load returned.  The requests
-are timed by wrapping the shared Store's `head` and `get` and each answer's body (this
-process only; the requests themselves are unchanged).  Medians over rounds of each phase.
+request (the index parsed, the tensors allocated), when the chunks read straight into them
+were checked (the first and last check, and the seconds all checks took: each runs on the
+thread that read a request's last bytes) and when the load returned.  Each run also gives its
+CPU seconds (this process's), the emulator's (stores.server_cpu) and this process's minor
+page faults (every large block a fresh mapping, as in bench/stores.py).  The two alternate as bench/stores.py's rows do: the floor first in odd rounds.
+The requests are timed by wrapping the shared Store's `head` and `get` and each answer's body
+(this process only; the requests themselves are unchanged).  Medians over rounds of each phase.
 
     python bench/store_timeline.py [--size 64M] [--rounds 5] [--stores s3,az] [--out FILE.json]
 """
@@ -14,7 +18,9 @@ process only; the requests themselves are unchanged).  Medians over rounds of ea
 from __future__ import annotations
 
 import argparse
+import gc
 import os
+import resource
 import statistics
 import sys
 import threading
@@ -44,6 +50,11 @@ class Clock:
     def mark(self, name: str) -> None:
         with self.lock:
             self.marks.setdefault(name, self.now())
+
+    def add(self, name: str, seconds: float) -> None:
+        """Sum `seconds` into the mark `name` (a total, not a moment)."""
+        with self.lock:
+            self.marks[name] = self.marks.get(name, 0.0) + seconds
 
     def record(self, what: str) -> dict[str, Any]:
         rec: dict[str, Any] = {"what": what, "sent": self.now()}
@@ -116,6 +127,29 @@ def mark_claims() -> None:
     download.RemoteObject.start_into = marked  # type: ignore[method-assign]
 
 
+def mark_checks() -> None:
+    """Each check of the chunks a request read straight into the tensors (DirectReads.landed,
+    on the fetching thread) marks the first check's start and the last one's end, and adds
+    its seconds to the checks' total."""
+    from ckptfmt.engine import directread
+
+    landed = directread.DirectReads.landed
+
+    def marked(self: Any, request: Any) -> None:
+        clock = CLOCK[-1]
+        start = clock.now()
+        clock.mark("first check")
+        try:
+            landed(self, request)
+        finally:
+            end = clock.now()
+            with clock.lock:
+                clock.marks["last check ended"] = max(clock.marks.get("last check ended", 0.0), end)
+            clock.add("checks' seconds", end - start)
+
+    directread.DirectReads.landed = marked  # type: ignore[method-assign]
+
+
 def summary(clock: Clock, end: float) -> dict[str, float]:
     """The phases of one timed operation (seconds from its start)."""
     gets = [r for r in clock.requests if r["what"].startswith("GET")]
@@ -135,22 +169,42 @@ def summary(clock: Clock, end: float) -> dict[str, float]:
                 out["first cell's head"] = r["head"]
             if r["range"] and r["range"][1] == size:
                 out["last range's head"] = r["head"]
+        out["most GETs in flight"] = most_in_flight(gets, end)
     out.update(clock.marks)
     return out
 
 
-def one_round(url: str, raw: str, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def most_in_flight(gets: list[dict[str, Any]], end: float) -> int:
+    """The most GETs at once between being sent and their last body byte read."""
+    events = sorted([(r["sent"], 1) for r in gets] + [(r.get("last", end), -1) for r in gets])
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def one_round(
+    url: str, raw: str, options: dict[str, Any], server: Any, n: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
     import ckptfmt
 
     runs = {}
-    for name in ("load", "floor"):
+    for name in ("load", "floor") if n % 2 == 0 else ("floor", "load"):
+        gc.collect()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        server_start, cpu_start = server(), time.process_time()
         CLOCK.append(Clock())
         if name == "load":
             out = ckptfmt.load(url, storage_options=options)
         else:
             out = stores.floor_down(raw, options)
         end = CLOCK[-1].now()
-        runs[name] = {"phases": summary(CLOCK[-1], end), "requests": CLOCK[-1].requests}
+        phases = summary(CLOCK[-1], end)
+        phases["CPU"] = time.process_time() - cpu_start
+        phases["server CPU"] = server() - server_start
+        phases["faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        runs[name] = {"phases": phases, "requests": CLOCK[-1].requests}
         del out
     return runs["load"], runs["floor"]
 
@@ -163,14 +217,14 @@ def measure(store: str, size: int, rounds: int) -> dict[str, Any]:
 
     state = stores.the_state(size)
     results: dict[str, list[Any]] = {"load": [], "floor": []}
-    with stores.served(store) as (prefix, options):
+    with stores.served(store) as (prefix, options, server):
         url, raw = f"{prefix}/state.ckpt", f"{prefix}/raw.bin"
         ckptfmt.save(state, url, storage_options=options)
         length = head(parse_url(url), options)[0]
         stores.floor_up(raw, options, memoryview(os.urandom(length)))
         instrument(store_for(parse_url(url), options))
-        for _ in range(rounds + 1):  # the first round warms the clients up, left out
-            load, floor = one_round(url, raw, options)
+        for n in range(rounds + 1):  # the first round warms the clients up, left out
+            load, floor = one_round(url, raw, options, server, n)
             results["load"].append(load)
             results["floor"].append(floor)
     for k in results:
@@ -195,8 +249,12 @@ def main(argv: list[str]) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--stores", default="s3,az")
     p.add_argument("--out", default=None)
+    p.add_argument("--reuse-memory", action="store_true", help="as bench/stores.py's")
     args = p.parse_args(argv)
+    if not args.reuse_memory:
+        stores.fresh_memory()
     mark_claims()
+    mark_checks()
     doc: dict[str, Any] = {"command": command_line(__file__, argv), "machine": machine_state(), "stores": {}}
     for store in args.stores.split(","):
         why = stores.missing(store)
@@ -205,7 +263,10 @@ def main(argv: list[str]) -> None:
             print(
                 f"{store} {name}: "
                 + ", ".join(
-                    f"{k} {v * 1000:.1f}" if k != "requests" else f"{k} {v:g}" for k, v in phases.items()
+                    f"{k} {v:g}"
+                    if k in ("requests", "faults", "most GETs in flight")
+                    else f"{k} {v * 1000:.1f}"
+                    for k, v in phases.items()
                 ),
                 flush=True,
             )

@@ -27,25 +27,39 @@ Rows, per store:
   (AZURE_STORAGE_CONNECTION_STRING); a filesystem not installed is reported missing.
 
 One process; the state is built, and the store's client made, before the clock starts; every
-load is checked against the state after the clock stops.  Each row's CPU time is this process's (every thread's; the
-emulators run in processes of their own).  A store whose emulator is missing is reported
-missing.
+load is checked against the state after the clock stops, and its memory freed (with a garbage
+collection) before the next row's clock starts.  Each round runs a pair's two rows (ckptfmt
+save / floor up, ckptfmt load / floor down) in turn, ckptfmt's first in even rounds and the
+floor's first in odd ones: a row run just after the other (the emulator's memory, an object
+just written, this process's pages) is no more often one than the other.  Each row's CPU time
+is this process's (every thread's); `server_cpu_s` is the emulator's (its process and those it
+started), which shares the cores with it; `faults` this process's minor page faults.  `ratios`
+gives, per pair, the floor's time over ckptfmt's in each round (above 1: ckptfmt was faster)
+and their median.  A store whose emulator is missing is reported missing.
+
+Every large allocation is a fresh mapping (glibc's mmap threshold fixed at 128 KiB, `fresh_memory`):
+left to itself, glibc raises that threshold to the size of the first large block freed (up to
+32 MiB), and from then on a load's tensors come from the heap, whose pages an earlier round
+faulted in already: a load in a fresh process (a resume) pays every fault, as the floor's
+mmap does every round.  --reuse-memory leaves glibc as it is.
 
     python bench/stores.py [--size 256M] [--rounds 3] [--stores s3,gs,az] [--no-dcp] [--saves-only]
-                           [--bound] [--out bench/results]
+                           [--bound] [--reuse-memory] [--out bench/results]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import mmap
 import os
+import resource
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -68,30 +82,56 @@ ROWS = [
     "floor down",
     "dcp-fsspec load",
 ]
+#: the rows compared round by round: (ckptfmt's, the floor's)
+PAIRS = [("ckptfmt save", "floor up"), ("ckptfmt load", "floor down")]
 #: each store's fsspec filesystem (its package) and the scheme DCP's fsspec layer is given
 FSSPEC = {"s3": ("s3fs", "s3"), "gs": ("gcsfs", "gs"), "az": ("adlfs", "abfs")}
 
 
 @contextlib.contextmanager
-def served(store: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The store's emulator for the block: (URL prefix of a fresh bucket, storage options)."""
+def served(store: str) -> Iterator[tuple[str, dict[str, Any], Callable[[], float]]]:
+    """The store's emulator for the block: (URL prefix of a fresh bucket, storage options, the
+    emulator's CPU seconds so far)."""
     if store == "s3":
         from s3_server import S3Server
 
         with S3Server() as server:
-            yield f"s3://{server.new_bucket()}", server.storage_options()
+            yield f"s3://{server.new_bucket()}", server.storage_options(), server_cpu(server)
     elif store == "gs":
         from gcs_server import GCSServer
 
         with GCSServer() as server:
             os.environ["STORAGE_EMULATOR_HOST"] = server.endpoint
-            yield f"gs://{server.new_bucket()}", {}
+            yield f"gs://{server.new_bucket()}", {}, server_cpu(server)
     else:
         from azure_server import AzureServer
 
         with AzureServer() as server:
             os.environ["AZURE_STORAGE_CONNECTION_STRING"] = server.connection_string
-            yield f"az://{server.new_container()}", {}
+            yield f"az://{server.new_container()}", {}, server_cpu(server)
+
+
+def server_cpu(server: Any) -> Callable[[], float]:
+    """The CPU seconds (user and system) of an emulator's process and of every process it
+    started (Azurite's node under its launcher); NaN where psutil is missing or the process
+    cannot be found."""
+    proc = getattr(server, "_proc", None) or getattr(server, "_process", None)
+    try:
+        import psutil
+
+        root = psutil.Process(proc.pid)
+    except Exception:
+        return lambda: float("nan")
+
+    def cpu() -> float:
+        total = 0.0
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                total += t.user + t.system
+        return total
+
+    return cpu
 
 
 def missing(store: str) -> str | None:
@@ -118,6 +158,22 @@ def the_state(size: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
     n = size // 4 // 16
     return {f"layer{i}": torch.randn(n, generator=g) for i in range(16)} | {"step": 7}
+
+
+#: glibc's mallopt parameter for the size above which malloc maps fresh memory
+M_MMAP_THRESHOLD = -3
+
+
+def fresh_memory(threshold: int = 128 << 10) -> bool:
+    """Have malloc map every block of `threshold` bytes or more afresh (and unmap it when
+    freed), as a fresh process does, instead of raising that threshold as blocks are freed and
+    handing later ones heap pages already faulted in; False where this is not glibc."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
 
 
 def floor_up(url: str, options: dict[str, Any], data: memoryview) -> None:
@@ -219,13 +275,99 @@ def dcp_load(store: str, into: dict[str, Any], url: str, options: dict[str, Any]
     dcp.load(into, storage_reader=FsspecReader(url, **fsspec_options(store, options)), no_dist=True)
 
 
-@contextlib.contextmanager
-def clocked(times: dict[str, list[float]], cpu: dict[str, list[float]], row: str) -> Iterator[None]:
-    """The block's wall-clock and CPU seconds (this process's, every thread's) added to `row`."""
-    start, start_cpu = time.perf_counter(), time.process_time()
-    yield
-    times[row].append(time.perf_counter() - start)
-    cpu[row].append(time.process_time() - start_cpu)
+class Clocks:
+    """Each row's wall-clock seconds, CPU seconds (this process's, every thread's), the
+    emulator's CPU seconds and this process's minor page faults, run by run."""
+
+    def __init__(self, rows: list[str], server: Callable[[], float]) -> None:
+        self.server = server
+        self.times: dict[str, list[float]] = {row: [] for row in rows}
+        self.cpu: dict[str, list[float]] = {row: [] for row in rows}
+        self.server_cpu: dict[str, list[float]] = {row: [] for row in rows}
+        self.faults: dict[str, list[int]] = {row: [] for row in rows}
+
+    @contextlib.contextmanager
+    def clocked(self, row: str) -> Iterator[None]:
+        """The block measured as a run of `row`, after a garbage collection outside the clock
+        (what an earlier row left is not this one's to collect)."""
+        gc.collect()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        start_server = self.server()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        yield
+        self.times[row].append(time.perf_counter() - start)
+        self.cpu[row].append(time.process_time() - start_cpu)
+        self.server_cpu[row].append(self.server() - start_server)
+        self.faults[row].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+
+    def row(self, row: str, length: int) -> dict[str, Any]:
+        t = self.times[row]
+        return {
+            "median_s": statistics.median(t),
+            "MB_s": length / statistics.median(t) / 1e6,
+            "cpu_median_s": statistics.median(self.cpu[row]),
+            "server_cpu_median_s": statistics.median(self.server_cpu[row]),
+            "faults_median": statistics.median(self.faults[row]),
+            "runs_s": t,
+            "cpu_s": self.cpu[row],
+            "server_cpu_s": self.server_cpu[row],
+            "faults": self.faults[row],
+        }
+
+    def ratios(self) -> dict[str, Any]:
+        """Per pair: the floor's time over ckptfmt's in each round, and their median."""
+        out = {}
+        for ours, floor in PAIRS:
+            if self.times.get(ours) and self.times.get(floor):
+                per_round = [f / o for o, f in zip(self.times[ours], self.times[floor])]
+                out[f"{floor} / {ours}"] = {"median": statistics.median(per_round), "rounds": per_round}
+        return out
+
+
+class Pair:
+    """The rows ckptfmt's save and load are compared by, each run as `clocks` measures it:
+    ckptfmt's save of `state` to `url` and load of it (checked against the state), and the
+    floor's upload of as many random bytes to `raw` and download of them (checked)."""
+
+    def __init__(self, clocks: Clocks, state: dict[str, Any], url: str, raw: str, options: dict[str, Any]):
+        self.clocks, self.state, self.url, self.raw, self.options = clocks, state, url, raw, options
+        self.length = 0  # the saved object's: round 0 saves before its floor uploads
+        self.data = memoryview(b"")
+
+    def save(self) -> None:
+        import ckptfmt
+        from ckptfmt.storage.download import head
+        from ckptfmt.storage.urls import parse_url
+
+        with self.clocks.clocked("ckptfmt save"):
+            ckptfmt.save(self.state, self.url, storage_options=self.options)
+        self.length = head(parse_url(self.url), self.options)[0]
+
+    def up(self) -> None:
+        self.data = memoryview(os.urandom(self.length))
+        with self.clocks.clocked("floor up"):
+            floor_up(self.raw, self.options, self.data)
+
+    def load(self) -> None:
+        import torch
+
+        import ckptfmt
+
+        with self.clocks.clocked("ckptfmt load"):
+            loaded = ckptfmt.load(self.url, storage_options=self.options)
+        assert all(torch.equal(loaded[k], v) for k, v in self.state.items() if isinstance(v, torch.Tensor))
+
+    def down(self) -> None:
+        with self.clocks.clocked("floor down"):
+            buf = floor_down(self.raw, self.options)
+        assert buf[:] == self.data
+        buf.close()
+
+
+def pair_order(pair: list[Callable[[], None]], n: int) -> list[Callable[[], None]]:
+    """A pair's two rows (ckptfmt's, the floor's) in round `n`'s order: the floor's first in
+    odd rounds."""
+    return pair if n % 2 == 0 else pair[::-1]
 
 
 def measure(
@@ -235,9 +377,8 @@ def measure(
 
     import torch
 
-    import ckptfmt
+    import ckptfmt  # noqa: F401  (imported before any clock starts)
     from ckptfmt.storage.backends import store_for
-    from ckptfmt.storage.download import head
     from ckptfmt.storage.urls import parse_url
 
     state = the_state(size)
@@ -247,59 +388,41 @@ def measure(
     rows = ROWS if with_dcp else [r for r in ROWS if not r.startswith("dcp")]
     rows = rows if loads else [r for r in rows if r in ("ckptfmt save", "floor up", *BOUND_ROWS)]
     rows = rows if bound else [r for r in rows if r not in BOUND_ROWS]
-    times: dict[str, list[float]] = {row: [] for row in rows}
-    cpu: dict[str, list[float]] = {row: [] for row in rows}
-    with served(store) as (prefix, options):
+    with served(store) as (prefix, options, server):
+        clocks = Clocks(rows, server)
         url, raw = f"{prefix}/state.ckpt", f"{prefix}/raw.bin"
         # the store's client, which both rows share, made before any clock: else the first
         # save alone pays for it (boto3's: 60 ms here) and the floor after it reuses it
         store_for(parse_url(url), options)
+        pair = Pair(clocks, state, url, raw, options)
         for n in range(rounds):
-            with clocked(times, cpu, "ckptfmt save"):
-                ckptfmt.save(state, url, storage_options=options)
-            length = head(parse_url(url), options)[0]
-            data = memoryview(os.urandom(length))
-            with clocked(times, cpu, "floor up"):
-                floor_up(raw, options, data)
+            for row in pair_order([pair.save, pair.up], n):
+                row()
             if bound:  # each to an object of its own, the floor's left as it was
-                with clocked(times, cpu, "floor up hashed"):
-                    floor_up_hashed(f"{prefix}/hashed.bin", options, data)
-                with clocked(times, cpu, "spool up"):
-                    spool_up(f"{prefix}/spooled.bin", options, data)
+                with clocks.clocked("floor up hashed"):
+                    floor_up_hashed(f"{prefix}/hashed.bin", options, pair.data)
+                with clocks.clocked("spool up"):
+                    spool_up(f"{prefix}/spooled.bin", options, pair.data)
             if not loads:
                 continue
-            with clocked(times, cpu, "ckptfmt load"):
-                loaded = ckptfmt.load(url, storage_options=options)
-            assert all(torch.equal(loaded[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
-            with clocked(times, cpu, "floor down"):
-                buf = floor_down(raw, options)
-            assert buf[:] == data
-            buf.close()
-            del loaded, buf, data
+            for row in pair_order([pair.load, pair.down], n):
+                row()
             if with_dcp:
                 where = f"{scheme}://{prefix.split('://', 1)[1]}/dcp-{n}"
-                with clocked(times, cpu, "dcp-fsspec save"):
+                with clocks.clocked("dcp-fsspec save"):
                     dcp_save(store, state, where, options)
                 into = {
                     k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()
                 }
-                with clocked(times, cpu, "dcp-fsspec load"):
+                with clocks.clocked("dcp-fsspec load"):
                     dcp_load(store, into, where, options)
                 assert all(torch.equal(into[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
                 del into
     return {
-        "bytes": length,
+        "bytes": pair.length,
         **({} if with_dcp else {"dcp-fsspec": "not run" if not dcp else f"{package} is not installed"}),
-        "rows": {
-            row: {
-                "median_s": statistics.median(t),
-                "MB_s": length / statistics.median(t) / 1e6,
-                "cpu_median_s": statistics.median(cpu[row]),
-                "runs_s": t,
-                "cpu_s": cpu[row],
-            }
-            for row, t in times.items()
-        },
+        "rows": {row: clocks.row(row, pair.length) for row in rows},
+        "ratios": clocks.ratios(),
     }
 
 
@@ -336,11 +459,17 @@ def main(argv: list[str]) -> None:
         action="store_true",
         help="also floor up hashed and spool up (what a spool-free save gains)",
     )
+    p.add_argument(
+        "--reuse-memory",
+        action="store_true",
+        help="leave malloc's threshold for fresh mappings as glibc sets it",
+    )
     args = p.parse_args(argv)
     size = parse_size(args.size)
     doc: dict[str, Any] = {
         "command": command_line(__file__, argv),
         "machine": machine_state(),
+        "fresh_memory": not args.reuse_memory and fresh_memory(),
         "size": size,
         "stores": {},
     }

@@ -622,6 +622,64 @@ def test_a_chunk_read_into_its_tensor_that_fails_its_checksum_is_refused(s3_buck
     assert checked or not native.available()  # checked in place, by the engine
 
 
+def test_the_chunk_whose_end_the_index_tail_holds_is_read_into_its_tensor(s3_bucket, monkeypatch):
+    """The tail fetched for the index (1 MiB) holds the end of the last chunk: that chunk is
+    still read straight into its tensor, the bytes held copied from the spool and the rest
+    fetched (it went through the spool whole: a page of the spool and a copy for each of its
+    bytes), and the spool gives the copied bytes back."""
+    from ckptfmt.engine import directread
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/tail-held.ckpt"
+    state = _direct_state()
+    ckptfmt.save(state, url, storage_options=options)
+    straight: list[int] = []
+    copies: list[tuple[int, int]] = []
+    start, copy_held = directread.DirectReads.start, RemoteObject.copy_held
+
+    def counted(self, remote, spooled, futures):
+        straight.append(len(self._items))
+        return start(self, remote, spooled, futures)
+
+    def copying(self, lo, hi, into):
+        copies.append((lo, hi))
+        return copy_held(self, lo, hi, into)
+
+    monkeypatch.setattr(directread.DirectReads, "start", counted)
+    monkeypatch.setattr(RemoteObject, "copy_held", copying)
+    assert_same(state, ckptfmt.load(url, storage_options=options | {"request_size": MiB}))
+    if not native.available():
+        return
+    assert straight == [4]
+    size = download.head(download.parse_url(url), options)[0]
+    assert len(copies) == 1 and copies[0][0] == size - download.TAIL_BYTES
+
+
+def test_a_flipped_byte_in_the_copied_end_of_a_chunk_is_refused(s3_bucket):
+    """The bytes of a chunk copied from the index's tail are checked with those fetched into
+    its tensor: a byte changed there (the object rewritten in place, same length) is a
+    CorruptError naming the URL and the key."""
+    import boto3
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/tail-flipped.ckpt"
+    state = _direct_state()
+    ckptfmt.save(state, url, storage_options=options)
+    client = boto3.client(
+        "s3",
+        endpoint_url=options["endpoint_url"],
+        region_name=options["region"],
+        aws_access_key_id=options["aws_access_key_id"],
+        aws_secret_access_key=options["aws_secret_access_key"],
+    )
+    data = bytearray(client.get_object(Bucket=bucket, Key="tail-flipped.ckpt")["Body"].read())
+    data[len(data) - download.TAIL_BYTES // 2] ^= 0x40  # inside t3, within the tail, before the index
+    client.put_object(Bucket=bucket, Key="tail-flipped.ckpt", Body=bytes(data))
+    with pytest.raises(ckptfmt.CorruptError, match="checksum mismatch") as e:
+        ckptfmt.load(url, storage_options=options | {"request_size": MiB})
+    assert e.value.path == url and e.value.key == "state['t3']"
+
+
 def test_a_load_under_max_bytes_plans_its_requests_once_per_read(s3_bucket, monkeypatch):
     """A bounded load's chunk reads plan their requests once (counted in pages for the windows'
     size, then cut at their grid), not a second time under the object's lock to count pages."""
@@ -632,17 +690,17 @@ def test_a_load_under_max_bytes_plans_its_requests_once_per_read(s3_bucket, monk
     state = _direct_state()
     ckptfmt.save(state, url, storage_options=options, chunk_size=256 << 10)
     plans, reads = [0], [0]
-    plan, read_by_window = RemoteObject.outstanding, fetchread.read_by_window
+    plan, read_by_window = RemoteObject.plan, fetchread.read_by_window
 
-    def planning(self, *args, **kwargs):
+    def planning(self, ranges, cut=True):
         plans[0] += 1
-        return plan(self, *args, **kwargs)
+        return plan(self, ranges, cut)
 
     def reading(*args, **kwargs):
         reads[0] += 1
         return read_by_window(*args, **kwargs)
 
-    monkeypatch.setattr(RemoteObject, "outstanding", planning)
+    monkeypatch.setattr(RemoteObject, "plan", planning)
     monkeypatch.setattr(fetchread, "read_by_window", reading)
     assert_same(state, ckptfmt.load(url, max_bytes=20 * MiB, storage_options=options))
     assert reads[0] >= 1 and plans[0] == reads[0]
@@ -786,6 +844,9 @@ def test_requests_made_before_a_direct_read_fails_to_start_are_waited_for():
         def wait_quietly(self, futures):
             for f in futures:
                 f.exception()
+
+        def held_within(self, ranges):
+            return [[] for _ in ranges]
 
     dest = memoryview(bytearray(64 << 10))
     reads = [(0, dest)]

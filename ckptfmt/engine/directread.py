@@ -4,9 +4,13 @@ A load from a store used to fetch every chunk into the spool and then have the e
 out into the fresh tensors, hashing it: that copy, with the spool's pages faulted in and freed
 and the tensors' faulted in, bounded such loads (docs/object-stores.md, "Each store against
 its floor").  Here a chunk that needs no decoding (raw, unshuffled, not encrypted) of the
-object itself, DIRECT_MIN bytes or more, whose bytes the spool neither holds nor is fetching,
-is read by the object's requests into its destination, its padding into a few bytes of its
-own, under a load without a memory bound (max_bytes keeps its windows through the spool).
+object itself, DIRECT_MIN bytes or more, whose bytes the spool is not fetching, is read by the
+object's requests into its destination, its padding into a few bytes of its own, under a load
+without a memory bound (max_bytes keeps its windows through the spool).  Where the spool holds
+some of its bytes already (the index's tail, fetched before the index said where the chunks
+lie, holds the end of the last chunk), those are copied from the spool into the destination
+and the rest fetched: the chunk is not read through the spool for them, which cost its every
+byte a page of the spool faulted in, a copy, and the spool's pages freed again.
 
 Once all of a chunk's bytes are in, the thread that fetched the last of them has the engine
 check it where it lies (`ckf_check_mapped`: its checksum, content digest and, for a signed
@@ -47,13 +51,13 @@ def split(
     """`items` (chunk number, destination) split into those fetched straight into their
     destination and those read through the spool.  Straight: raw, unshuffled, unencrypted
     chunks of this file of DIRECT_MIN bytes or more with a destination, outside whatever the
-    spool holds or is fetching, under a load without a memory bound, read with the C engine,
-    their contents wanted (not check_only)."""
+    spool is fetching and not all held by it, under a load without a memory bound, read with
+    the C engine, their contents wanted (not check_only)."""
     if check_only or remote.max_bytes is not None or not _native.available():
         return [], list(items)
     fits = [_fits(chunks[k], dest) for k, dest in items]
-    outside = iter(remote.untouched([span(chunks[k]) for (k, _), ok in zip(items, fits) if ok]))
-    direct = [ok and next(outside) for ok in fits]
+    held = iter(remote.held_within([span(chunks[k]) for (k, _), ok in zip(items, fits) if ok]))
+    direct = [ok and _fetchable(span(chunks[k]), next(held)) for (k, _), ok in zip(items, fits)]
     return [it for it, d in zip(items, direct) if d], [it for it, d in zip(items, direct) if not d]
 
 
@@ -66,6 +70,17 @@ def _fits(ch: Chunk, dest: Destination) -> bool:
         and not ch.tag
         and ch.stored_len == ch.raw_len >= DIRECT_MIN
     )
+
+
+def _fetchable(r: tuple[int, int], held: list[tuple[int, int]] | None) -> bool:
+    """Whether a chunk spanning `r`, of which the spool holds `held` (None: is fetching some),
+    has bytes left to fetch straight into its destination."""
+    return held is not None and sum(b - a for a, b in held) < r[1] - r[0]
+
+
+def _overlap(ranges: Sequence[tuple[int, int]], lo: int, hi: int) -> int:
+    """Bytes of [lo, hi) within `ranges` (disjoint)."""
+    return sum(max(0, min(b, hi) - max(a, lo)) for a, b in ranges)
 
 
 def span(ch: Chunk) -> tuple[int, int]:
@@ -93,6 +108,8 @@ class DirectReads:
         self._chunks = [chunks[k] for k, _ in self._items]
         self._starts = [ch.offset for ch in self._chunks]
         self._arrived = [0] * len(self._items)
+        # the parts of each chunk's span copied from the spool (_copy_held)
+        self._copied: list[list[tuple[int, int]]] = [[] for _ in self._items]
         self._lock = threading.Lock()
         self._verify = verify
         self._error = error
@@ -138,20 +155,46 @@ class DirectReads:
     ) -> list[Future[None]]:
         """Fetch the targets, planned with the `spooled` ranges (read through the spool): one
         request a cell, not one a tensor where they alternate; `futures` gets the requests'
-        futures as they are made (to be waited for, should this fail midway)."""
-        return remote.start_into(self.targets, self.landed, spooled, futures)
+        futures as they are made (to be waited for, should this fail midway).  The targets'
+        bytes the spool holds are copied from it first, and given back to it once the
+        requests are planned (before, they would be asked for again)."""
+        copied = self._copy_held(remote)
+        futures = remote.start_into(self.targets, self.landed, spooled, futures)
+        if copied:
+            remote.release(copied)
+        return futures
+
+    def _copy_held(self, remote: Fetcher) -> list[tuple[int, int]]:
+        """Copy the targets' bytes the spool holds into them, counted as arrived; those ranges."""
+        held = remote.held_within([(at, at + len(v)) for at, v in self.targets])
+        copied = []
+        for (at, view), parts in zip(self.targets, held):
+            for lo, hi in parts or ():
+                remote.copy_held(lo, hi, view[lo - at : hi - at])
+                copied.append((lo, hi))
+        for r in copied:
+            self._arrive(r, copied=True)
+        return copied
 
     def landed(self, request: tuple[int, int]) -> None:
         """A request's bytes are in: check each chunk whose last bytes they were."""
-        lo, hi = request
+        self._arrive(request)
+
+    def _arrive(self, r: tuple[int, int], copied: bool = False) -> None:
+        """Bytes `r` are in their destinations (a request's, or `copied` from the spool: a
+        request's bytes copied already are not counted twice): check each chunk whose last
+        bytes they were."""
+        lo, hi = r
         done = []
         with self._lock:
             i = max(0, bisect.bisect_right(self._starts, lo) - 1)
             while i < len(self._chunks) and self._starts[i] < hi:
                 a, b = span(self._chunks[i])
-                got = min(b, hi) - max(a, lo)
+                got = min(b, hi) - max(a, lo) - _overlap(self._copied[i], lo, hi)
                 if got > 0:
                     self._arrived[i] += got
+                    if copied:
+                        self._copied[i].append((max(a, lo), min(b, hi)))
                     if self._arrived[i] == b - a:
                         done.append(i)
                 i += 1

@@ -88,7 +88,7 @@ def read_by_window(
         window, ahead = fetchplan.FETCH_WINDOW, fetchplan.FETCH_AHEAD
         requests = remote.plan(stored)
     else:  # what is left to fetch, counted in pages for the windows' size, cut at their grid
-        outstanding = remote.outstanding(stored)
+        outstanding = remote.plan(stored, cut=False)
         window, ahead = windows_for(room, stored, outstanding, path)
         requests = fetchplan.cut_at_grid(outstanding, window)
         cell, gap = window, 0

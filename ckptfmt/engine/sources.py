@@ -20,14 +20,11 @@ class Fetcher(Protocol):
     #: the memory the load reading it may take (its max_bytes), or None: unbounded
     max_bytes: int | None
 
-    def plan(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    def plan(self, ranges: Sequence[tuple[int, int]], cut: bool = True) -> list[tuple[int, int]]:
         """The requests `ranges` waits for (sorted): those in flight already that overlap them,
         and those `start` would make for the rest by default (bytes held left out, near
-        neighbours merged, cut at the fetcher's grid)."""
-
-    def outstanding(self, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-        """What `ranges` waits for (sorted): the requests in flight that overlap them, and each
-        stretch of them neither held nor being fetched, whole (no gap merged, no cut)."""
+        neighbours merged, cut at the fetcher's grid); cut=False: the rest as each stretch
+        neither held nor being fetched, whole (no gap merged, no cut)."""
 
     def start(
         self, ranges: Sequence[tuple[int, int]], cell: int | None = None, gap: int | None = None
@@ -35,8 +32,12 @@ class Fetcher(Protocol):
         """Begin fetching `ranges` (bytes held or in flight left out; ranges closer than `gap`
         merged, cut at a grid of `cell` bytes; None: the fetcher's own)."""
 
-    def untouched(self, ranges: Sequence[tuple[int, int]]) -> list[bool]:
-        """Whether each range lies outside everything held or being fetched into the spool."""
+    def held_within(self, ranges: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]] | None]:
+        """For each range: None where a fetch into the spool overlaps it, else the parts of it
+        the spool holds (none: untouched)."""
+
+    def copy_held(self, lo: int, hi: int, into: memoryview) -> None:
+        """Copy bytes [lo, hi), which the spool holds, into `into`."""
 
     def start_into(
         self,

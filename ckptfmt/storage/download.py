@@ -281,21 +281,16 @@ class RemoteObject:
 
     # -- data ---------------------------------------------------------------
 
-    def plan(self, ranges: Sequence[Range]) -> list[Range]:
+    def plan(self, ranges: Sequence[Range], cut: bool = True) -> list[Range]:
         """The requests `ranges` waits for, sorted: those in flight that overlap them, and those
         that would fetch the rest (the bytes held left out, near neighbours merged and cut at
-        the object's grid: plan_requests)."""
+        the object's grid: plan_requests).  cut=False: the rest as each stretch neither held
+        nor being fetched, whole (no gap merged, no cut): what a read under a memory bound
+        counts its windows by, then cuts at their grid."""
         with self._held_lock:
             waited, missing = self._requests_for(ranges)
-        return sorted([r for r, _ in waited] + plan_requests(missing, self._request_bytes))
-
-    def outstanding(self, ranges: Sequence[Range]) -> list[Range]:
-        """What `ranges` waits for, sorted: the requests in flight that overlap them, and each
-        stretch of them neither held nor being fetched, whole (no gap merged, no cut): what a
-        read under a memory bound counts its windows by, then cuts at their grid."""
-        with self._held_lock:
-            waited, missing = self._requests_for(ranges)
-        return sorted([r for r, _ in waited] + missing)
+        rest = plan_requests(missing, self._request_bytes) if cut else missing
+        return sorted([r for r, _ in waited] + rest)
 
     def _requests_for(self, ranges: Sequence[Range]) -> tuple[list[tuple[Range, Future[None]]], list[Range]]:
         """What `ranges` needs, under _held_lock: the requests in flight that overlap them (with
@@ -376,12 +371,28 @@ class RemoteObject:
     def fetch(self, ranges: Sequence[Range]) -> None:
         self.wait(self.start(ranges))
 
-    def untouched(self, ranges: Sequence[Range]) -> list[bool]:
-        """Whether each of `ranges` lies outside every range the spool holds or is fetching:
-        bytes a reader may fetch into memory of its own (start_into) without asking twice."""
+    def held_within(self, ranges: Sequence[Range]) -> list[list[Range] | None]:
+        """For each of `ranges`: None where a request fetching into the spool overlaps it (its
+        bytes are read from there once in), else the parts of it the spool holds, sorted (none:
+        it is untouched).  A reader may fetch such a range into memory of its own (start_into)
+        without asking for any byte twice, the parts held copied out (copy_held): the index's
+        tail, fetched before the index told where the chunks lie, holds the end of the last."""
         with self._held_lock:
-            taken = merge_ranges([*self._held, *(r for r in self._in_flight if r not in self._deferred)])
-            return [not overlaps(taken, r) for r in ranges]
+            fetching = merge_ranges([r for r in self._in_flight if r not in self._deferred])
+            return [
+                None if overlaps(fetching, r) else subtract_ranges([r], subtract_ranges([r], self._held))
+                for r in ranges
+            ]
+
+    def copy_held(self, lo: int, hi: int, into: memoryview) -> None:
+        """Copy [lo, hi), which the spool holds, into `into` (hi - lo bytes)."""
+        with self._held_lock:
+            if subtract_ranges([(lo, hi)], self._held) or len(into) != hi - lo:
+                raise StorageError(
+                    f"bytes {lo}-{hi - 1} are not held in the spool, or not {len(into)} bytes", path=self.path
+                )
+            with self._spool_view(lo, hi) as view:
+                into[:] = view
 
     def start_into(
         self,

@@ -47,7 +47,9 @@ def new_session(options: Mapping[str, Any], scheme: str, session: Any = None) ->
     return session
 
 
-#: the HeadWatch of the request this thread is sending (send sets it)
+#: what this thread's requests tell as they go out: `watch`, the HeadWatch of the request it
+#: is sending (send sets it), and `written`, what to call once a request is written
+#: (telling_sent)
 _sending = threading.local()
 
 
@@ -99,25 +101,21 @@ class HeadWatch:
         _sending.watch = None
 
 
-#: what to call once a request this thread sends is written (telling_sent)
-_written = threading.local()
-
-
 @contextlib.contextmanager
 def telling_sent(hook: Callable[[], None]) -> Iterator[None]:
     """Within the block, `hook` is called on this thread once each request it sends through a
     watched pool is written (its answer then awaited): a reader that orders its requests
     sends the next only then (storage/readahead.py's SendOrder)."""
-    earlier = getattr(_written, "hook", None)
-    _written.hook = hook
+    earlier = getattr(_sending, "written", None)
+    _sending.written = hook
     try:
         yield
     finally:
-        _written.hook = earlier
+        _sending.written = earlier
 
 
 def _note_written() -> None:
-    hook = getattr(_written, "hook", None)
+    hook = getattr(_sending, "written", None)
     if hook is not None:
         hook()
 
