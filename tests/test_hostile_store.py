@@ -173,7 +173,7 @@ def test_a_wrong_content_range_is_refused(store):
             "Content-Length": str(hi - lo),
             "Content-Range": f"bytes {lo2}-{lo2 + hi - lo - 1}/{len(store.data)}",
         }
-        _reply(h, 206, headers, store.data[lo2 : lo2 + hi - lo])
+        _reply(h, 206, headers | {"ETag": '"v1"'}, store.data[lo2 : lo2 + hi - lo])
 
     store.get = shifted
     with pytest.raises(StorageError, match="the store answered") as e:
@@ -185,10 +185,11 @@ def test_a_short_body_is_retried_then_refused(store):
     def short(h):
         lo, hi = store.ranged(h)
         headers = {"Content-Length": str(hi - lo), "Content-Range": f"bytes {lo}-{hi - 1}/{len(store.data)}"}
-        _reply(h, 206, headers, store.data[lo : hi - 7])  # promises more than it sends, then closes
+        # promises more than it sends, then closes
+        _reply(h, 206, headers | {"ETag": '"v1"'}, store.data[lo : hi - 7])
 
     store.get = short
-    with pytest.raises(StorageError) as e:
+    with pytest.raises(StorageError, match="the body ended after") as e:
         ckptfmt.load(URL, storage_options=store.options)
     assert URL in str(e.value)
 
@@ -205,6 +206,31 @@ def test_a_missing_etag_or_size_is_refused(store):
         ckptfmt.load(URL, storage_options=store.options)
 
 
+@pytest.mark.parametrize("verify", [True, False])
+def test_ranged_answers_without_an_etag_are_refused_not_mixed_with_another_version(store, tmp_path, verify):
+    """A store that ignores If-Match and names no ETag in its ranged answers serves the cells of
+    a newer object of the same size: nothing then shows which version each cell is.  Unverified,
+    the load returned a tensor made of both versions."""
+    ckptfmt.save({"a": torch.arange(3 << 18), "b": torch.ones(10)}, tmp_path / "old.ckpt")
+    store.data = (tmp_path / "old.ckpt").read_bytes()
+    ckptfmt.save({"a": torch.arange(3 << 18) + 1, "b": torch.ones(10)}, tmp_path / "new.ckpt")
+    newer = (tmp_path / "new.ckpt").read_bytes()
+    assert len(newer) == len(store.data)
+
+    def replaced(h):
+        lo, hi = store.ranged(h)
+        if lo == 0 or hi == len(store.data):  # the ends, the index among them: the old version
+            store.honest_get(h)
+            return
+        headers = {"Content-Length": str(hi - lo), "Content-Range": f"bytes {lo}-{hi - 1}/{len(newer)}"}
+        _reply(h, 206, headers, newer[lo:hi])  # no ETag: the new version's bytes
+
+    store.get = replaced
+    options = store.options | {"request_size": 1 << 20}
+    with pytest.raises(StorageError, match="names no ETag"):
+        ckptfmt.load(URL, storage_options=options, verify=verify)
+
+
 def test_an_absurd_size_is_refused_before_anything_is_allocated(store):
     store.head = lambda h: _reply(h, 200, {"Content-Length": str(1 << 60), "ETag": '"v1"'})
     with pytest.raises(LimitError, match="above the limit"):
@@ -218,7 +244,7 @@ def test_bytes_that_differ_from_what_was_saved_fail_their_checksum(store):
         if lo <= 100 < hi:
             body[100 - lo] ^= 1
         headers = {"Content-Length": str(hi - lo), "Content-Range": f"bytes {lo}-{hi - 1}/{len(store.data)}"}
-        _reply(h, 206, headers, bytes(body))
+        _reply(h, 206, headers | {"ETag": '"v1"'}, bytes(body))
 
     store.get = flipped
     with pytest.raises(ckptfmt.CorruptError, match="checksum"):

@@ -229,6 +229,7 @@ class AzureStore:
 
     scheme = "az"
     version_name = "ETag"
+    pin_is_advisory = True
 
     def __init__(self, session: Any, account: Account, timeouts: tuple[float, float]) -> None:
         self.session = session

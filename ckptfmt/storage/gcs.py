@@ -114,6 +114,7 @@ class GCSStore:
 
     scheme = "gs"
     version_name = "generation"
+    pin_is_advisory = False
 
     def __init__(
         self,

@@ -89,6 +89,15 @@ class RangedGets:
             raise StorageError(
                 f"{what}: the store answered {reply.content_range!r} for {expected!r}", path=self.path
             )
+        if reply.version is None and self.store.pin_is_advisory:
+            # If-Match was the only pin, and nothing shows the store heeded it: a store that
+            # ignores it and names no ETag could serve cells of a newer object of the same size
+            reply.body.close()
+            raise StorageError(
+                f"{what}: the store's answer names no {self.store.version_name}: which version of "
+                "the object it served cannot be told",
+                path=self.path,
+            )
         served = self.etag if reply.version is None else reply.version
         if tag_value(served) != tag_value(self.etag):
             # a store that ignores If-Match (some S3-compatible ones do) serves the new version

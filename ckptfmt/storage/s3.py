@@ -46,6 +46,7 @@ class S3Store:
 
     scheme = "s3"
     version_name = "ETag"
+    pin_is_advisory = True
 
     def __init__(self, boto_client: Any) -> None:
         self.client = boto_client

@@ -91,6 +91,10 @@ class Store(Protocol):
     scheme: str
     #: what the store calls the value that names one version of an object, in messages
     version_name: str
+    #: whether `get` pins the version by a condition the store may ignore (If-Match: some
+    #: S3-compatible stores and proxies do) rather than by naming it in the request (GCS's
+    #: generation): then only an answer that names the version it served proves which it was
+    pin_is_advisory: bool
 
     def head(self, url: ObjectURL) -> tuple[object, object]:
         """The object's size and version, as the store gives them."""
