@@ -66,7 +66,7 @@ class StoreFaults:
 
     def get_raw(self, url: str, limit: int = 1 << 30) -> bytes:
         """The bytes of the object `url`, whole."""
-        from ckptfmt.storage.download import fetch_whole
+        from ckptfmt.storage.wholeget import fetch_whole
 
         spool = fetch_whole(url, self.options, limit)
         return bytes(spool.view(0, spool.size))

@@ -16,9 +16,9 @@ from helpers import assert_same
 import ckptfmt
 from ckptfmt.errors import LimitError, ObjectExistsError, StorageError, UnsupportedError
 from ckptfmt.storage import listing
-from ckptfmt.storage.download import fetch_whole
 from ckptfmt.storage.upload import ObjectFile
 from ckptfmt.storage.urls import parse_url
+from ckptfmt.storage.wholeget import fetch_whole
 
 MiB = 1 << 20
 

@@ -17,6 +17,7 @@ import torch
 from helpers import assert_same
 
 import ckptfmt
+import ckptfmt.storage.wholeget
 from ckptfmt.errors import ObjectExistsError, StorageError, UnsupportedError
 from ckptfmt.storage import gcs, listing, upload
 from ckptfmt.storage.upload import ObjectFile
@@ -80,7 +81,7 @@ def test_a_commit_record_is_created_only_if_absent(gcs_bucket):
             else:
                 with pytest.raises(expected, match="exists already"):
                     out.commit()
-    assert bytes(ckptfmt.storage.download.fetch_whole(url, {}, 100).view(0, 5)) == b"first"
+    assert bytes(ckptfmt.storage.wholeget.fetch_whole(url, {}, 100).view(0, 5)) == b"first"
 
 
 def test_an_object_replaced_while_it_is_read_fails_instead_of_mixing_versions(gcs_bucket):

@@ -855,3 +855,45 @@ def test_requests_made_before_a_direct_read_fails_to_start_are_waited_for():
             Failing(), "x", b"\0" * 16, [_raw_chunk(4096, 64 << 10)], reads, [], True, None, print
         )
     assert made.done()
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])  # straight into the tensor; through the spool
+def test_a_request_that_could_not_be_sent_is_not_waited_for(s3_bucket, monkeypatch, compression):
+    """A load's requests are registered as in flight, then handed to the pool one by one; when
+    a hand-over fails (no thread can start), the read fails with that error, and the requests
+    never sent are taken out of flight: they were waited for by that read's end and by every
+    later read of their bytes, for ever."""
+    bucket, options = s3_bucket
+    options = options | {"request_size": MiB}
+    url = f"s3://{bucket}/unsent-{compression}.ckpt"
+    w = torch.randn(6 * MiB, generator=torch.Generator().manual_seed(1))
+    ckptfmt.save({"w": w}, url, compression=compression, storage_options=options)
+    real_start = threading.Thread.start
+    started = [0]
+
+    def start(self):
+        if self.name.startswith("ckptfmt-download"):
+            started[0] += 1
+            if started[0] > 2:  # the prologue's and the tail's threads only
+                raise RuntimeError("can't start new thread")
+        return real_start(self)
+
+    outcome: list[object] = []
+
+    def read() -> None:
+        with ckptfmt.open(url, storage_options=options) as f:
+            monkeypatch.setattr(threading.Thread, "start", start)
+            try:
+                f.get("w")
+                outcome.append("the first read did not fail")
+            except RuntimeError as e:
+                outcome.append(str(e))
+            finally:
+                monkeypatch.setattr(threading.Thread, "start", real_start)
+            outcome.append(torch.equal(f.get("w"), w))
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), f"the read hangs: {outcome}"
+    assert outcome == ["can't start new thread", True]

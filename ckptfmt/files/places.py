@@ -40,8 +40,9 @@ from ..fileio import is_url
 from ..format.index import External
 from ..storage import listing, references
 from ..storage.client import check_options
-from ..storage.download import RemoteObject, fetch_whole, head
+from ..storage.download import RemoteObject, head
 from ..storage.urls import ObjectURL, parse_url
+from ..storage.wholeget import fetch_whole
 from . import multifile, recordsign
 from .encryption import save_and_read_keys
 from .names import is_own_name

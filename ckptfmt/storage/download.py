@@ -43,7 +43,6 @@ from ..errors import CheckpointError, LimitError, StorageError
 from ..format import layout as fmt
 from . import client as s3
 from .backends import store_for
-from .bodies import body_deadline, read_body
 from .pools import pools_refuse_work, run_into, submit_or_run
 from .rangedgets import RangedGets, Where
 from .ranges import (
@@ -204,7 +203,7 @@ class RemoteObject:
         ends: Future[None] = Future()
         with self._held_lock:
             self._in_flight[tail] = ends
-        run_into(self._pool, ends, self._get_tail, *tail, order)
+        self._hand_over([(tail, ends)], lambda r, f: run_into(self._pool, f, self._get_tail, *r, order))
         first = self._read_ahead(wave, head[1], order)
         self.wait([ends, first])
         return tail[0]
@@ -236,9 +235,15 @@ class RemoteObject:
             for r, d, f in zip(requests, deferred, futures):
                 self._in_flight[r] = f
                 self._deferred[r] = d
-        for r, d, f in zip(requests, deferred, futures):
+        by_range = dict(zip(requests, deferred))
+
+        def send(r: Range, f: Future[None]) -> None:
             # refused (the exit began since _fetch_ends): claimed for the spool, then run here
-            run_into(self._pool, f, self._get_deferred, *r, d, here=partial(self._claim_for_spool, r))
+            run_into(
+                self._pool, f, self._get_deferred, *r, by_range[r], here=partial(self._claim_for_spool, r)
+            )
+
+        self._hand_over(list(zip(requests, futures)), send)
         return deferred[0].prefix
 
     def _claim_for_spool(self, r: Range) -> None:
@@ -321,9 +326,26 @@ class RemoteObject:
             made = self._in_flight_now(plan_requests(missing, cut, MERGE_GAP if gap is None else gap))
             if self.max_bytes is not None:  # the figure a bound is kept by (tests read it)
                 self._note_occupied()
-        for r, future in made:  # outside the lock, which _get takes (at exit it runs here)
-            run_into(self._pool, future, self._get, *r)
+        # outside the lock, which _get takes (at exit it runs here)
+        self._hand_over(made, lambda r, f: run_into(self._pool, f, self._get, *r))
         return [f for _, f in waited] + [f for _, f in made]
+
+    def _hand_over(
+        self, made: list[tuple[Range, Future[None]]], send: Callable[[Range, Future[None]], None]
+    ) -> None:
+        """`send` each request registered as in flight; where one cannot be sent (no thread
+        could start, an interrupt), it and those after it are cancelled and taken out of
+        flight before the error is raised: else every later read of their bytes waits for them."""
+        for i, (r, f) in enumerate(made):
+            try:
+                send(r, f)
+            except BaseException:
+                with self._held_lock:
+                    for r2, f2 in made[i:]:
+                        if f2.cancel() and self._in_flight.get(r2) is f2:  # not started: never will
+                            del self._in_flight[r2]
+                            self._deferred.pop(r2, None)
+                raise
 
     def _in_flight_now(self, requests: Sequence[Range]) -> list[tuple[Range, Future[None]]]:
         """`requests` in flight from now, under _held_lock: each with the future that ends
@@ -356,7 +378,8 @@ class RemoteObject:
         (a deferred one within its claim's and its body's), `concurrency` at a time."""
         first: BaseException | None = None
         for f in futures:
-            e = f.exception()
+            e: BaseException | None
+            e = StorageError("a fetch waited for was never sent") if f.cancelled() else f.exception()
             if e is not None and first is None:
                 first = e
         if first is not None:
@@ -366,7 +389,8 @@ class RemoteObject:
     def wait_quietly(futures: Sequence[Future[None]]) -> None:
         """Wait for fetches whose result no longer matters (a read that failed already)."""
         for f in futures:
-            f.exception()
+            if not f.cancelled():
+                f.exception()
 
     def fetch(self, ranges: Sequence[Range]) -> None:
         self.wait(self.start(ranges))
@@ -420,9 +444,12 @@ class RemoteObject:
             futures.extend(f for _, f in waited)
             made = self._in_flight_now(plan_requests(missing, self._request_bytes))
             futures.extend(f for _, f in made)
-        for r, future in made:  # outside the lock, which _get_into takes (at exit it runs here)
+
+        def send(r: Range, f: Future[None]) -> None:  # outside the lock, which _get_into takes
             views, gaps = routed(r, targets, self._spool_view)
-            run_into(self._pool, future, self._get_into, *r, views, gaps, landed)
+            run_into(self._pool, f, self._get_into, *r, views, gaps, landed)
+
+        self._hand_over(made, send)
         return futures
 
     def _claim(
@@ -637,57 +664,3 @@ class RemoteObject:
             self.spool.close(free_on=self._freer)
             self.spool = None
         self._freer.shutdown(wait=False)
-
-
-def fetch_whole(url: str, options: dict[str, Any], limit: int, what: str = "the object") -> Spool:
-    """The object `url` read whole by one GET into a spool: for a small object read in full
-    (a commit record), where a HEAD and ranged GETs would cost more requests than its bytes.
-    LimitError (naming it `what`) before its body is read when it is over `limit` bytes;
-    FileNotFoundError when absent; a dropped connection, an error the store may not make
-    again or a body that misses its deadline (storage option request_timeout) is tried
-    again, within one Budget (attempts and deadline)."""
-    u = parse_url(url)
-    store = store_for(u, options)
-    timeout = float(options.get("request_timeout", REQUEST_TIMEOUT))
-    budget = s3.Budget(options)
-    while True:
-        try:
-            with s3.carrying(budget):
-                return _fetch_whole_once(store, u, url, limit, what, body_deadline(timeout, budget))
-        except StorageError as e:
-            if not getattr(e, "ckptfmt_short", False) or not budget.retry():
-                raise
-        except (CheckpointError, FileNotFoundError):
-            raise
-        except s3.transfer_errors() as e:
-            if not s3.retryable(e) or not budget.retry():
-                raise s3.translate(e, url, "read", budget) from s3.cause(e)
-
-
-def _fetch_whole_once(
-    store: Store, u: ObjectURL, url: str, limit: int, what: str, deadline: tuple[float, str]
-) -> Spool:
-    reply = store.get(u, None, None)
-    body = reply.body
-    timeout, option = deadline
-    try:
-        size = reply.length
-        if type(size) is not int or size < 0:
-            raise StorageError("the store's answer lacks the object's size", path=url)
-        if size > limit:
-            raise LimitError(f"{what} is {size} bytes, above the limit {limit}", path=url)
-        spool = Spool(u.key.rsplit("/", 1)[-1], size)
-        try:
-            with spool.view(0, size) as view:
-                got, cut = read_body(body, view, timeout) if size else (0, False)
-            if got != size:
-                why = s3.missed_deadline(timeout, option) if cut else "ended"
-                short = StorageError(f"read: the body {why} after {got} of {size} bytes", path=url)
-                short.ckptfmt_short = True  # type: ignore[attr-defined]
-                raise short
-        except BaseException:
-            spool.close()
-            raise
-        return spool
-    finally:
-        body.close()
