@@ -256,3 +256,23 @@ def test_what_an_archive_pass_first_rotation_drops_is_swept_in_that_pass(store_f
         archiver.wait(timeout=120)
     assert [c.step for c in run.checkpoints()] == [3]
     assert not {k for k in f.keys(url) if k.startswith(step_dirname(1))}
+
+
+def test_a_damaged_steps_junk_record_is_read_again_once_not_by_every_cleanup(store_faults):
+    """A record refused as listed is read once more by the store's size (a listing may misstate
+    it), and that reading is kept while the listing shows the record unchanged."""
+    f = store_faults
+    url = f"{f.new_root()}/run"
+    CheckpointManager(url, storage_options=f.options).save(1, {"w": torch.ones(10)})
+    run = ObjectRun(url, f.options)
+    f.put_raw(f"{url}/{step_dirname(3)}/state.ckpt", b"x" * 100)
+    f.put_raw(f"{url}/{step_dirname(3)}/COMMIT", b"not a record")
+    reads = []
+    for _ in range(3):
+        f.put_raw(f"{url}/{step_dirname(2)}/state.ckpt", b"a crashed save's")  # a stale commit-less step
+        found = run.listing()
+        assert [s.step for s in run.statuses(found) if s.damaged] == [3]
+        f.clear_counts()
+        run.cleanup(NOW, found=found)
+        reads.append(f.count(*f.op("read", "COMMIT")))
+    assert reads[1:] == [0, 0], reads

@@ -75,7 +75,7 @@ def test_a_save_whose_upload_vanished_is_a_storage_error(s3_faults):
     options = s3_faults.storage_options() | {"max_attempts": 1, "part_size": 8 * MiB}
     bucket = s3_faults.new_bucket()
     s3_faults.fail_next("PUT", "partNumber=", status=404, code="NoSuchUpload", count=1000)
-    with pytest.raises(StorageError, match="the upload in parts is gone"):
+    with pytest.raises(StorageError, match="the upload in parts, or its bucket, is gone"):
         ckptfmt.save({"w": torch.randn(6 * MiB)}, f"s3://{bucket}/vanished.ckpt", storage_options=options)
     s3_faults.clear_rules()
 
@@ -112,3 +112,27 @@ def test_a_cleanup_never_aborts_an_upload_this_process_is_writing(s3_faults):
     second.wait()
     assert s3_faults.count("DELETE", "uploadId=") == 0
     assert [c.step for c in m.checkpoints()] == [1, 2]
+
+
+def _train() -> None:
+    important_local = "what a debugger wants"  # noqa: F841
+    raise ValueError("training blew up")
+
+
+def test_a_failed_emergency_save_leaves_the_callers_exception_whole(s3_faults):
+    """A save made while handling the caller's exception: its failure's frames are cleared
+    (they hold the spool), the caller's exception's frames, its context, are not."""
+    options = s3_faults.storage_options() | {"max_attempts": 1}
+    bucket = s3_faults.new_bucket()
+    s3_faults.fail_next("PUT", "emergency.ckpt", status=400, count=1000)
+    try:
+        _train()
+    except ValueError as err:
+        original = err
+        with pytest.raises(StorageError):
+            ckptfmt.save({"w": torch.randn(MiB)}, f"s3://{bucket}/emergency.ckpt", storage_options=options)
+    s3_faults.clear_rules()
+    tb = original.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    assert tb.tb_frame.f_locals.get("important_local") == "what a debugger wants"

@@ -143,6 +143,9 @@ class SaveHandle:
         self._done = threading.Event()
         self._exc: BaseException | None = None
         self._observed = False
+        #: its failure is raised by its owner (a run's manager, at its next save or wait), not
+        #: by the next plain save's raise_unobserved: only the exit reports one nobody saw
+        self._owner_reports = False
         #: how the state was snapshotted: "copy" (into staging memory) or "fork" (copy-on-write)
         self.snapshot = "copy"
         self._pid: int | None = None  # the child writing a fork snapshot
@@ -240,10 +243,11 @@ def end(handle: SaveHandle) -> None:
             del _in_flight[key]
 
 
-def watch(handle: SaveHandle) -> None:
+def watch(handle: SaveHandle, *, owner_reports: bool = False) -> None:
     """Keep a returned handle so that its error is raised later if nobody waits for it.
     Handles that ended well, or whose error was seen, are let go of here: a run's manager
     watches every step's and may never make the plain save that raise_unobserved serves."""
+    handle._owner_reports = owner_reports
     with _lock:
         _unobserved[:] = [h for h in _unobserved if not (h.done() and (h._exc is None or h._observed))]
         _unobserved.append(handle)
@@ -294,7 +298,7 @@ def raise_unobserved() -> None:
         # counted as finished everywhere or as running everywhere, never dropped
         seen = [(h, h.done()) for h in _unobserved]
         failed = [h for h, done in seen if done and h._exc is not None and not h._observed]
-        report = failed[0] if failed else None
+        report = next((h for h in failed if not h._owner_reports), None)
         _unobserved[:] = [h for h, done in seen if (not done or h in failed) and h is not report]
     if report is not None:
         report._observed = True
@@ -304,6 +308,20 @@ def raise_unobserved() -> None:
 
 
 _exit_deadline: Deadline | None = None
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker, a fork snapshot) has none of its parent's saves in
+    flight: its exit must not wait for them (the threads that would end them are the parent's),
+    and its lock may have been held by one of those threads at the fork."""
+    global _lock, _exit_deadline
+    _lock = threading.Lock()
+    _in_flight.clear()
+    _unobserved.clear()
+    _exit_deadline = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _exit_bound() -> Deadline:

@@ -279,14 +279,25 @@ class CheckpointManager(RunRotation):
         # a save in flight as a plain non-blocking one is: the program's exit waits for its
         # commit while the pools still take work, and reports its failure if nobody saw it
         inflight.begin(job.handle)
-        inflight.watch(job.handle)
+        inflight.watch(job.handle, owner_reports=True)
         with self._lock:
             before = self._jobs[-1].thread if self._jobs else None
             self._jobs.append(job)
             job.thread = threading.Thread(
                 target=self._finish, args=(job, before), name=f"ckptfmt-commit-{job.step}", daemon=False
             )
-            job.thread.start()
+            failed: BaseException | None = None
+            try:
+                job.thread.start()
+            except BaseException as e:  # no thread (a limit, an exit refusing them): no save
+                self._jobs.remove(job)
+                failed = e
+        if failed is not None:
+            job.handle._observed = True  # raised here
+            inflight.end(job.handle)
+            job.handle._finish(failed)
+            self._abandon(job)
+            raise failed
         return job.handle
 
     def _check_step_is_new(self, step: int, scan: RunScan) -> None:

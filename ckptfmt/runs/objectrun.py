@@ -102,7 +102,9 @@ class ObjectRun:
         # commit records read (or refused) by this run's statuses, by the step and the record's
         # size and time as listed: a record is create-only, so one listed again the same is
         # the same; the archiver lists and judges the archive several times per copy
-        self._records: dict[tuple[int, int, datetime.datetime], multifile.CommitRecord | CheckpointError] = {}
+        self._records: dict[
+            tuple[int, int | None, datetime.datetime], multifile.CommitRecord | CheckpointError
+        ] = {}
         self._records_lock = threading.Lock()  # the archive thread and the caller's share a run
 
     def __repr__(self) -> str:
@@ -240,10 +242,11 @@ class ObjectRun:
             layout=record.layout,
         )
 
-    def listed_record(self, step: int, listed: Entry) -> multifile.CommitRecord:
+    def listed_record(self, step: int, listed: Entry, *, listed_size: bool = True) -> multifile.CommitRecord:
         """Step `step`'s commit record as `listed` (size, last written): read once, then known
-        while the listing shows it unchanged (refused ones too: junk is not read again)."""
-        size, when = listed.size, listed.modified
+        while the listing shows it unchanged (refused ones too: junk is not read again);
+        without `listed_size`, read by the size the store gives, not the listing's."""
+        size, when = (listed.size if listed_size else None), listed.modified
         if when is None:
             return self.record(step, size)
         key = (step, size, when)
@@ -404,14 +407,14 @@ class ObjectRun:
         read succeeded; else read again by the size the store gives (a listing that misstates
         the record's size is what made the step damaged: what the record names must still be
         known, else a cleanup deletes what it reads)."""
-        if listed is not None:
-            try:
-                return self.listed_record(step, listed)
-            except StorageError:
-                raise
-            except CheckpointError:
-                pass
-        return self.record(step)
+        if listed is None:
+            return self.record(step)
+        try:
+            return self.listed_record(step, listed)
+        except StorageError:
+            raise
+        except CheckpointError:  # read by the store's size: known, as the listed read is, after
+            return self.listed_record(step, listed, listed_size=False)
 
     def has_record(self, step: int) -> bool:
         """Whether step `step`'s commit record is an object, asked by one HEAD: a listing that

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -41,6 +42,16 @@ MAX_PARTS = 10_000  # S3's maximum part count
 #: writer's leftover, whatever a store stamps as their start (moto stamps every upload 2010)
 _live_uploads: set[str] = set()
 _live_lock = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """A forked child writes none of its parent's uploads (its lock may have been held)."""
+    global _live_lock
+    _live_lock = threading.Lock()
+    _live_uploads.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def uploading(upload_id: str) -> bool:
@@ -158,10 +169,11 @@ class ObjectFile:
         """`request(*args)`, run on the pool; its failure kept as the upload's (the first
         one only), its frames' locals let go of (see _drop_locals), and raised again: the
         future's outcome."""
+        outer = sys.exc_info()[1]  # at exit this runs on the caller's thread
         try:
             return request(*args)
         except BaseException as e:
-            _drop_locals(e)
+            _drop_locals(e, outer)
             with self._cond:
                 if self._failure is None:
                     self._failure = e
@@ -195,8 +207,8 @@ class ObjectFile:
             self._done[number] = s3.request(str(u), what, send, self.options)
         except FileNotFoundError as e:  # the store's "no such upload": not a missing object
             raise StorageError(
-                f"{what}: the upload in parts is gone (aborted by a lifecycle rule or another "
-                "program's cleanup?)",
+                f"{what}: the upload in parts, or its bucket, is gone (aborted by a lifecycle "
+                "rule or another program's cleanup?)",
                 path=self.path,
             ) from e
         finally:
@@ -255,10 +267,11 @@ class ObjectFile:
         put = functools.partial(
             self._store.put, self.url, self.spool.view(0, length), if_absent=self.if_absent
         )
+        outer = sys.exc_info()[1]
         try:
             self._creating("upload", put)
         except BaseException as e:
-            _drop_locals(e)
+            _drop_locals(e, outer)
             raise
         finally:
             del put
@@ -334,13 +347,15 @@ class ObjectFile:
             self.close()
 
 
-def _drop_locals(error: BaseException) -> None:
+def _drop_locals(error: BaseException, outer: BaseException | None = None) -> None:
     """Clear the locals of the finished frames in `error`'s tracebacks (its causes' too): the
     requests' frames hold the part's view of the spool, and a failure kept to be raised later
-    would keep the spool's mapping, and all its pages, alive with it."""
+    would keep the spool's mapping, and all its pages, alive with it.  The walk stops at
+    `outer`, the exception the caller was handling when the request began (a save made in an
+    `except` block): its frames are the caller's, kept whole for its debugging."""
     seen: set[int] = set()
     e: BaseException | None = error
-    while e is not None and id(e) not in seen:
+    while e is not None and id(e) not in seen and e is not outer:
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)
         e = e.__cause__ or e.__context__
