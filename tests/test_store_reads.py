@@ -897,3 +897,18 @@ def test_a_request_that_could_not_be_sent_is_not_waited_for(s3_bucket, monkeypat
     t.join(60)
     assert not t.is_alive(), f"the read hangs: {outcome}"
     assert outcome == ["can't start new thread", True]
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("n", [100_000, 400_000])  # one chunk; several
+def test_load_into_targets_apart_whose_saved_tensors_share_a_storage(s3_bucket, tmp_path, n, verify):
+    """The file stores one storage for keys a and b; the live state has two tensors.  Each
+    chunk then has two destinations: fetched straight into them, each byte reached one, and a
+    target came back zero, with verify=True as well."""
+    bucket, options = s3_bucket
+    x = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    url = f"s3://{bucket}/shared-{n}.ckpt"
+    ckptfmt.save({"a": x, "b": x}, url, storage_options=options, chunk_size=1 << 20)
+    targets = {"a": torch.zeros(n), "b": torch.zeros(n)}
+    ckptfmt.load_into(url, targets, storage_options=options, verify=verify)
+    assert torch.equal(targets["a"], x) and torch.equal(targets["b"], x)

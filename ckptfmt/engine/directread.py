@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -52,10 +53,13 @@ def split(
     destination and those read through the spool.  Straight: raw, unshuffled, unencrypted
     chunks of this file of DIRECT_MIN bytes or more with a destination, outside whatever the
     spool is fetching and not all held by it, under a load without a memory bound, read with
-    the C engine, their contents wanted (not check_only)."""
+    the C engine, their contents wanted (not check_only), each asked for once (a chunk with two
+    destinations, a storage two targets share, goes through the spool: the fetch puts each byte
+    in one place)."""
     if check_only or remote.max_bytes is not None or not _native.available():
         return [], list(items)
-    fits = [_fits(chunks[k], dest) for k, dest in items]
+    wanted = Counter(k for k, _ in items)
+    fits = [wanted[k] == 1 and _fits(chunks[k], dest) for k, dest in items]
     held = iter(remote.held_within([span(chunks[k]) for (k, _), ok in zip(items, fits) if ok]))
     direct = [ok and _fetchable(span(chunks[k]), next(held)) for (k, _), ok in zip(items, fits)]
     return [it for it, d in zip(items, direct) if d], [it for it, d in zip(items, direct) if not d]
@@ -159,10 +163,11 @@ class DirectReads:
         bytes the spool holds are copied from it first, and given back to it once the
         requests are planned (before, they would be asked for again)."""
         copied = self._copy_held(remote)
-        futures = remote.start_into(self.targets, self.landed, spooled, futures)
-        if copied:
-            remote.release(copied)
-        return futures
+        try:
+            return remote.start_into(self.targets, self.landed, spooled, futures)
+        finally:
+            if copied:
+                remote.release(copied)
 
     def _copy_held(self, remote: Fetcher) -> list[tuple[int, int]]:
         """Copy the targets' bytes the spool holds into them, counted as arrived; those ranges."""
@@ -211,6 +216,16 @@ class DirectReads:
         if status is not None:
             raise self._error(status, [self._items[i]])
 
+    def check_whole(self) -> None:
+        """CorruptError naming the first chunk not all of whose bytes came (every fetch over):
+        unchecked, its destination would be returned as it is."""
+        for i, (k, _) in enumerate(self._items):
+            a, b = span(self._chunks[i])
+            if self._arrived[i] != b - a:
+                raise CorruptError(
+                    f"chunk {k}: {self._arrived[i]} of its {b - a} bytes came", path=self._path
+                )
+
     def close(self) -> None:
         """Let go of the destinations' buffers (once every fetch into them is over)."""
         for buf in self._buffers:
@@ -257,6 +272,7 @@ def read_direct(
         futures = reads.start(remote, [span(chunks[k]) for k, _ in spooled], futures)
         rest(True)
         remote.wait(futures)
+        reads.check_whole()
     finally:
         remote.wait_quietly(futures)
         reads.close()
