@@ -912,3 +912,19 @@ def test_load_into_targets_apart_whose_saved_tensors_share_a_storage(s3_bucket, 
     targets = {"a": torch.zeros(n), "b": torch.zeros(n)}
     ckptfmt.load_into(url, targets, storage_options=options, verify=verify)
     assert torch.equal(targets["a"], x) and torch.equal(targets["b"], x)
+
+
+def test_one_reader_of_an_object_serves_several_threads(s3_bucket):
+    """Each key asked for twice by four threads at once through one open reader: reads that
+    overlapped gave back spool pages another was still reading (a false CorruptError)."""
+    bucket, options = s3_bucket
+    g = torch.Generator().manual_seed(3)
+    sizes = [3000, 16384, 70000, 300000]
+    state = {f"t{i:02d}": torch.randn(sizes[i % 4], generator=g) for i in range(12)}
+    url = f"s3://{bucket}/threads.ckpt"
+    ckptfmt.save(state, url, storage_options=options, chunk_size=1 << 18)
+    keys = [*state, *reversed(state)]
+    with ckptfmt.open(url, storage_options=options | {"request_size": MiB}) as r:
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(r.get, keys))
+    assert all(torch.equal(t, state[k]) for k, t in zip(keys, got))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+import threading
 from typing import Any
 
 from ..background import inflight
@@ -100,7 +101,9 @@ class Reader:
     """An open checkpoint: the index is parsed, data is read only on `get`.
 
     With `max_bytes`, opening and each get() or load() raise LimitError before allocating
-    more than that for the index and the storages that call reads (see load()).
+    more than that for the index and the storages that call reads (see load()).  Calls from
+    several threads take turns: each read is parallel within itself, and an object store's
+    reads share what one has fetched and give back what it is done with.
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class Reader:
             decrypt_with=decrypt_with,
         )
         self._items = self._file.root_items()
+        self._reading = threading.Lock()
 
     @property
     def path(self) -> str:
@@ -162,13 +166,15 @@ class Reader:
         devices.check_map_location(map_location)
         for k, node in self._items:
             if same_key(k, key):
-                return self._file.load_subtree(node, map_location, verify)
+                with self._reading:
+                    return self._file.load_subtree(node, map_location, verify)
         # a missing key is the caller's, as for a dict; the message says where it was looked for
         raise KeyError(f"{key!r}: no such top-level entry in {self._file.path} (keys() lists them)")
 
     def load(self, map_location: devices.MapLocation = None, *, verify: bool = True) -> Any:
         devices.check_map_location(map_location)
-        return self._file.load_subtree(self._file.tree.root, map_location, verify)
+        with self._reading:
+            return self._file.load_subtree(self._file.tree.root, map_location, verify)
 
     def close(self) -> None:
         self._file.close()
