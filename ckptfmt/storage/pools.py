@@ -73,7 +73,8 @@ def run_into(
 def run_each(call: Callable[[Any], T], items: Iterable[Any], threads: int, name: str) -> list[T]:
     """`call(item)` for each item, `threads` at a time on a pool of its own (threads named
     `name`), their results in order.  Once one fails no further call starts (those queued are
-    cancelled) and, once those running are over, the first failure is raised: a batch of
+    cancelled) and, once those running are over, the failure of the earliest item is raised
+    (the same message whichever thread failed first): a batch of
     requests whose first is refused sends no more.  Where pools refuse work (interpreter
     exit), or one thread would do, the calls are made here in turn, the first failure ending
     them.  The batch is waited for as long as its calls take, `threads` at a time: what bounds
@@ -82,33 +83,33 @@ def run_each(call: Callable[[Any], T], items: Iterable[Any], threads: int, name:
     if len(todo) <= 1 or threads <= 1 or pools_refuse_work():
         return [call(item) for item in todo]
     stop = threading.Event()
-    first: list[BaseException] = []
+    failed: list[tuple[int, BaseException]] = []  # (position, failure): the lowest is raised
     lock = threading.Lock()
 
-    def unless_stopped(item: Any) -> T:
+    def unless_stopped(i: int) -> T:
         if stop.is_set():
             raise _Skipped
         try:
-            return call(item)
+            return call(todo[i])
         except BaseException as e:
             with lock:
-                first.append(e)
+                failed.append((i, e))
             stop.set()
             raise
 
     futures: list[Future[T]] = []
     with ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix=name) as pool:
-        for item in todo:
+        for i in range(len(todo)):
             if stop.is_set():
                 break
             # at exit: run here, in turn (a failure sets `stop` before the next)
-            futures.append(submit_or_run(pool, unless_stopped, item))
+            futures.append(submit_or_run(pool, unless_stopped, i))
         wait(futures, return_when=FIRST_EXCEPTION)
         if stop.is_set():
             for f in futures:
                 f.cancel()
-    if first:
-        raise first[0]
+    if failed:
+        raise min(failed, key=lambda f: f[0])[1]
     return [f.result() for f in futures]
 
 
