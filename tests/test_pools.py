@@ -5,6 +5,7 @@ future instead of leaving a waiter for ever."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
 import pytest
@@ -47,3 +48,16 @@ def test_work_cancelled_in_the_queue_cancels_its_future():
     first.result(timeout=10)
     with pytest.raises(CancelledError):
         queued.result(timeout=10)
+
+
+def test_run_each_raises_the_earliest_items_failure_whichever_failed_first():
+    def call(i: int) -> int:
+        if i == 1:
+            time.sleep(0.3)  # fails last
+            raise ValueError("item 1")
+        if i == 3:
+            raise ValueError("item 3")
+        return i
+
+    with pytest.raises(ValueError, match="item 1"):
+        run_each(call, range(4), 4, "test-each")
