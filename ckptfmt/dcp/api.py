@@ -408,13 +408,16 @@ def _saved_here(
     process_group: dist.ProcessGroup | None,
     within: CheckpointDir | None,
     step_dir: bool,
+    stager: Stager | None,
     options: SaveOptions,
 ) -> concurrent.futures.Future[Metadata]:
     """save_in_background once the interpreter's exit has made every pool refuse work (a final
     checkpoint saved by an atexit handler): the save made here, blocking, its outcome in the
-    future returned."""
+    future returned; after the background save before it, as every background save is."""
     out: concurrent.futures.Future[Metadata] = concurrent.futures.Future()
     try:
+        for before in (ForkStager, stager or _DEFAULT_STAGER):
+            before.wait(os.fspath(path))
         saved = save_within(
             state_dict, path, process_group=process_group, within=within, step_dir=step_dir, **options
         )
@@ -442,7 +445,7 @@ def save_in_background(
     if snapshot == "fork" and stager is not None:
         raise ValueError("snapshot='fork' stages by fork: it takes no stager")
     if pools_refuse_work():  # torch's async_save writes on a pool, which refuses it at exit
-        return _saved_here(state_dict, path, process_group, within, step_dir, options)
+        return _saved_here(state_dict, path, process_group, within, step_dir, stager, options)
     group = _checkpoint_group(process_group)
     if not _distributed():  # DCP warns from its own thread: filter just that message
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
