@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -533,3 +535,39 @@ def test_format_records_are_frozen_values(tmp_path):
         with pytest.raises(dataclasses.FrozenInstanceError):
             value.file_id = b""  # type: ignore[misc]
     assert prologue.pack() == open(path, "rb").read(64)
+
+
+def _get_w(r) -> None:
+    r.get("w")
+
+
+def test_a_forked_child_reads_while_a_parent_thread_reads(tmp_path):
+    """A DataLoader worker forked while another thread of the parent is inside Reader.get: the
+    child inherits nothing held that its own read would wait for."""
+    import multiprocessing
+
+    path = str(tmp_path / "f.ckpt")
+    ckptfmt.save({"w": torch.randn(8 << 20)}, path)
+    r = ckptfmt.open(path)
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            r.get("w")
+
+    t = threading.Thread(target=loop)
+    t.start()
+    try:
+        time.sleep(0.5)
+        child = multiprocessing.get_context("fork").Process(target=_get_w, args=(r,))
+        child.start()
+        child.join(30)
+        hung = child.is_alive()
+        if hung:
+            child.kill()
+            child.join()
+    finally:
+        stop.set()
+        t.join()
+        r.close()
+    assert not hung and child.exitcode == 0

@@ -928,3 +928,23 @@ def test_one_reader_of_an_object_serves_several_threads(s3_bucket):
         with ThreadPoolExecutor(4) as pool:
             got = list(pool.map(r.get, keys))
     assert all(torch.equal(t, state[k]) for k, t in zip(keys, got))
+
+
+def _finish_later(f: Future[None], delay: float, cancel: bool) -> None:
+    threading.Timer(delay, f.cancel if cancel else lambda: f.set_result(None)).start()
+
+
+def test_a_fetch_cancelled_while_waited_for_is_a_storage_error_and_the_rest_are_waited_for():
+    """Cancelled under the wait (another read's hand-over failed; its object closed): the
+    wait ends in a StorageError after every fetch after it, not a bare CancelledError that
+    leaves a fetch writing into memory its caller then lets go of."""
+    for quietly in (False, True):
+        cancelled, slow = Future(), Future()
+        _finish_later(cancelled, 0.2, cancel=True)
+        _finish_later(slow, 1.0, cancel=False)
+        if quietly:
+            RemoteObject.wait_quietly([cancelled, slow])
+        else:
+            with pytest.raises(StorageError, match="cancelled"):
+                RemoteObject.wait([cancelled, slow])
+        assert slow.done()

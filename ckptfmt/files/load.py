@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import struct
@@ -101,9 +102,9 @@ class Reader:
     """An open checkpoint: the index is parsed, data is read only on `get`.
 
     With `max_bytes`, opening and each get() or load() raise LimitError before allocating
-    more than that for the index and the storages that call reads (see load()).  Calls from
-    several threads take turns: each read is parallel within itself, and an object store's
-    reads share what one has fetched and give back what it is done with.
+    more than that for the index and the storages that call reads (see load()).  On an object
+    store, calls from several threads take turns: each read is parallel within itself, and
+    they share what one has fetched and give back what it is done with.
     """
 
     def __init__(
@@ -124,7 +125,7 @@ class Reader:
             decrypt_with=decrypt_with,
         )
         self._items = self._file.root_items()
-        self._reading = threading.Lock()
+        self._reading, self._reading_pid = threading.Lock(), os.getpid()
 
     @property
     def path(self) -> str:
@@ -166,15 +167,24 @@ class Reader:
         devices.check_map_location(map_location)
         for k, node in self._items:
             if same_key(k, key):
-                with self._reading:
+                with self._turn():
                     return self._file.load_subtree(node, map_location, verify)
         # a missing key is the caller's, as for a dict; the message says where it was looked for
         raise KeyError(f"{key!r}: no such top-level entry in {self._file.path} (keys() lists them)")
 
     def load(self, map_location: devices.MapLocation = None, *, verify: bool = True) -> Any:
         devices.check_map_location(map_location)
-        with self._reading:
+        with self._turn():
             return self._file.load_subtree(self._file.tree.root, map_location, verify)
+
+    def _turn(self) -> contextlib.AbstractContextManager[Any]:
+        """This thread's turn to read an object (a local file's reads need none): a lock of
+        this process's own, not one a fork copied while another thread held it."""
+        if not self._file.remote:
+            return contextlib.nullcontext()
+        if self._reading_pid != os.getpid():  # a forked child's first read
+            self._reading, self._reading_pid = threading.Lock(), os.getpid()
+        return self._reading
 
     def close(self) -> None:
         self._file.close()

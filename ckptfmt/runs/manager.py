@@ -1,10 +1,9 @@
 """CheckpointManager: a training run's directory of checkpoints, one per saved step.
 
-Layout: ``<directory>/step-000001000/`` holds the step's state file
-(``state.ckpt``) and, written last, its commit record (``COMMIT``, see
-multifile.py).  A step is complete exactly when its commit record verifies and
-names files that are there unchanged; nothing else ever counts as a
-checkpoint.  So:
+Layout: ``<directory>/step-000001000/`` holds the step's state file (``state.ckpt``) and,
+written last, its commit record (``COMMIT``, see multifile.py).  A step is complete exactly
+when its commit record verifies and names files that are there unchanged; nothing else ever
+counts as a checkpoint.  So:
 
 * a save writes its step directory under a temporary name, locks it, marks it
   (engine.marks), renames it into place, writes the state file (atomically, like
@@ -276,8 +275,7 @@ class CheckpointManager(RunRotation):
             job.handle._returning(job.began)
             return None
         job.handle._returning(job.began)
-        # a save in flight as a plain non-blocking one is: the program's exit waits for its
-        # commit while the pools still take work, and reports its failure if nobody saw it
+        # in flight as a non-blocking save: the exit waits for its commit, reports it if unseen
         inflight.begin(job.handle)
         inflight.watch(job.handle, owner_reports=True)
         with self._lock:
@@ -296,8 +294,10 @@ class CheckpointManager(RunRotation):
             job.handle._observed = True  # raised here
             inflight.end(job.handle)
             job.handle._finish(failed)
-            self._abandon(job)
-            raise failed
+            try:
+                self._abandon(job)
+            finally:
+                raise failed  # noqa: B012  (the start's failure, not a cleanup's)
         return job.handle
 
     def _check_step_is_new(self, step: int, scan: RunScan) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 from typing import Any
@@ -97,6 +97,15 @@ def head(url: ObjectURL, options: dict[str, Any]) -> tuple[int, str]:
     if size > MAX_OBJECT_BYTES:
         raise LimitError(f"the object is {size} bytes, above the limit {MAX_OBJECT_BYTES}", path=str(url))
     return size, etag
+
+
+def _outcome(f: Future[None]) -> BaseException | None:
+    """A fetch's failure once it is over; one cancelled (never sent, or its pool shut down while
+    this waited) is a StorageError: no wait ends in a bare CancelledError."""
+    try:
+        return f.exception()
+    except CancelledError:
+        return StorageError("a fetch waited for was cancelled: never sent, or its object closed")
 
 
 class RemoteObject:
@@ -378,8 +387,7 @@ class RemoteObject:
         (a deferred one within its claim's and its body's), `concurrency` at a time."""
         first: BaseException | None = None
         for f in futures:
-            e: BaseException | None
-            e = StorageError("a fetch waited for was never sent") if f.cancelled() else f.exception()
+            e = _outcome(f)
             if e is not None and first is None:
                 first = e
         if first is not None:
@@ -389,8 +397,7 @@ class RemoteObject:
     def wait_quietly(futures: Sequence[Future[None]]) -> None:
         """Wait for fetches whose result no longer matters (a read that failed already)."""
         for f in futures:
-            if not f.cancelled():
-                f.exception()
+            _outcome(f)
 
     def fetch(self, ranges: Sequence[Range]) -> None:
         self.wait(self.start(ranges))

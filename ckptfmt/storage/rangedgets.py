@@ -60,8 +60,8 @@ class RangedGets:
                 got += getattr(e, "ckptfmt_got", 0)
                 if failed is not None:
                     failed()
-                if isinstance(e, CheckpointError):  # an answer refused here: tried again
-                    if not budget.retry():
+                if isinstance(e, CheckpointError):  # an answer refused here: tried again, unless
+                    if getattr(e, "ckptfmt_final", False) or not budget.retry():  # no answer could do
                         raise
                 elif not s3.retryable(e) or not budget.retry():
                     raise s3.translate(e, self.path, what, budget) from s3.cause(e)
@@ -93,11 +93,13 @@ class RangedGets:
             # If-Match was the only pin, and nothing shows the store heeded it: a store that
             # ignores it and names no ETag could serve cells of a newer object of the same size
             reply.body.close()
-            raise StorageError(
+            unpinned = StorageError(
                 f"{what}: the store's answer names no {self.store.version_name}: which version of "
                 "the object it served cannot be told",
                 path=self.path,
             )
+            unpinned.ckptfmt_final = True  # type: ignore[attr-defined]  # a store that names none never will
+            raise unpinned
         served = self.etag if reply.version is None else reply.version
         if tag_value(served) != tag_value(self.etag):
             # a store that ignores If-Match (some S3-compatible ones do) serves the new version
