@@ -73,8 +73,8 @@ def run_into(
 def run_each(call: Callable[[Any], T], items: Iterable[Any], threads: int, name: str) -> list[T]:
     """`call(item)` for each item, `threads` at a time on a pool of its own (threads named
     `name`), their results in order.  Once one fails no further call starts (those queued are
-    cancelled) and, once those running are over, the failure of the earliest item is raised
-    (the same message whichever thread failed first): a batch of
+    cancelled) and, once those running are over, the failure of the earliest item among those
+    that ran is raised (which thread failed first does not decide it): a batch of
     requests whose first is refused sends no more.  Where pools refuse work (interpreter
     exit), or one thread would do, the calls are made here in turn, the first failure ending
     them.  The batch is waited for as long as its calls take, `threads` at a time: what bounds
