@@ -18,6 +18,7 @@ import pytest
 import torch
 import urllib3
 from helpers import assert_same
+from s3_server import s3_client
 
 import ckptfmt
 from ckptfmt.engine import native
@@ -590,21 +591,13 @@ def test_a_chunk_read_into_its_tensor_that_fails_its_checksum_is_refused(s3_buck
     the store's version checks passed) fails its checksum where it lies, in the tensor it
     was read into: a CorruptError naming the URL, the key and the chunk's offset; no load
     returns it."""
-    import boto3
-
     from ckptfmt.engine import directread
 
     bucket, options = s3_bucket
     url = f"s3://{bucket}/flipped.ckpt"
     state = _direct_state()
     ckptfmt.save(state, url, storage_options=options)
-    client = boto3.client(
-        "s3",
-        endpoint_url=options["endpoint_url"],
-        region_name=options["region"],
-        aws_access_key_id=options["aws_access_key_id"],
-        aws_secret_access_key=options["aws_secret_access_key"],
-    )
+    client = s3_client(options["endpoint_url"])
     data = bytearray(client.get_object(Bucket=bucket, Key="flipped.ckpt")["Body"].read())
     data[2 * MiB] ^= 0x40  # inside t1 (t0 is the first 1.6 MB of data, after the prologue)
     client.put_object(Bucket=bucket, Key="flipped.ckpt", Body=bytes(data))
@@ -659,19 +652,11 @@ def test_a_flipped_byte_in_the_copied_end_of_a_chunk_is_refused(s3_bucket):
     """The bytes of a chunk copied from the index's tail are checked with those fetched into
     its tensor: a byte changed there (the object rewritten in place, same length) is a
     CorruptError naming the URL and the key."""
-    import boto3
-
     bucket, options = s3_bucket
     url = f"s3://{bucket}/tail-flipped.ckpt"
     state = _direct_state()
     ckptfmt.save(state, url, storage_options=options)
-    client = boto3.client(
-        "s3",
-        endpoint_url=options["endpoint_url"],
-        region_name=options["region"],
-        aws_access_key_id=options["aws_access_key_id"],
-        aws_secret_access_key=options["aws_secret_access_key"],
-    )
+    client = s3_client(options["endpoint_url"])
     data = bytearray(client.get_object(Bucket=bucket, Key="tail-flipped.ckpt")["Body"].read())
     data[len(data) - download.TAIL_BYTES // 2] ^= 0x40  # inside t3, within the tail, before the index
     client.put_object(Bucket=bucket, Key="tail-flipped.ckpt", Body=bytes(data))
