@@ -7,6 +7,15 @@ time of each way of handling the same bytes, 4 MiB (a default chunk) at a time.
   offsets, each 16 MiB part's pages released once written, the spool closed (what a store save
   pays now: the engine's writes, the page faults that allocate and zero shared memory, and
   freeing the pages)
+* page pool N: hashed, then written with pwrite into a spool of part-sized slots kept for the
+  whole save (the prototype of a spool that keeps its pages for the next parts): part 1 (the
+  prologue's, uploaded last) in a slot of its own, each later part in the next of N slots round
+  the ring, as if the part N before it had been uploaded by then; nothing released before the
+  spool is closed.  N = 9: the 8 parts an upload keeps in flight and the one being written (a
+  save on the emulators, whose uploads lag behind the writer, needs 10 or 11); N = 4: uploads
+  that keep up
+* page pool kept: page pool 9 whose slots a save before had filled (a pool kept from one save
+  to the next, not given back at each save's end): the pwrite into pages already there alone
 * reused buffer: hashed, then copied into one buffer of 8 parts written before the clock and
   reused round the ring (the copy alone, into memory already mapped)
 * client blocks: the bytes read as the store clients read a body, 128 KiB bytes objects at a
@@ -38,6 +47,17 @@ RING = 8 * PART
 CLIENT_BLOCK = 128 << 10
 
 
+def pwrite_pooled(fd: int, piece: memoryview, at: int, slots: int) -> None:
+    """`piece`, the file's bytes from `at`, written where a page pool of `slots` part-sized slots
+    (and part 1's own) keeps them: cut at the parts' edges."""
+    while len(piece):
+        part, within = divmod(at, PART)
+        slot = 0 if part == 0 else 1 + (part - 1) % slots
+        n = min(len(piece), PART - within)
+        os.pwrite(fd, piece[:n], slot * PART + within)
+        piece, at = piece[n:], at + n
+
+
 def ways(data: memoryview) -> dict[str, Callable[[], None]]:
     import xxhash
 
@@ -62,6 +82,28 @@ def ways(data: memoryview) -> dict[str, Callable[[], None]]:
                 s.release(a + len(piece) - PART, a + len(piece))
         s.close()
 
+    def page_pool(slots: int) -> Callable[[], None]:
+        def run() -> None:
+            s = Spool("spool-cost-pool", (1 + slots) * PART)
+            for a in range(0, size, CHUNK):
+                piece = data[a : a + CHUNK]
+                xxhash.xxh3_64_intdigest(piece, seed=a)
+                pwrite_pooled(s.fd, piece, a, slots)
+            s.close()
+
+        return run
+
+    kept = Spool("spool-cost-kept", 10 * PART)
+    kept_view = kept.view(0, kept.size)
+    kept_view[:] = b"\1" * kept.size  # its pages allocated before any clock
+    del kept_view
+
+    def page_pool_kept() -> None:
+        for a in range(0, size, CHUNK):
+            piece = data[a : a + CHUNK]
+            xxhash.xxh3_64_intdigest(piece, seed=a)
+            pwrite_pooled(kept.fd, piece, a, 9)
+
     def reused_buffer() -> None:
         for a in range(0, size, CHUNK):
             piece = data[a : a + CHUNK]
@@ -76,6 +118,9 @@ def ways(data: memoryview) -> dict[str, Callable[[], None]]:
     return {
         "hash in place": hash_in_place,
         "spool": spool,
+        "page pool 9": page_pool(9),
+        "page pool 4": page_pool(4),
+        "page pool kept": page_pool_kept,
         "reused buffer": reused_buffer,
         "client blocks": client_blocks,
     }
