@@ -78,6 +78,16 @@ MAX_LISTING_BODY = 16 << 20
 _transfer_errors: tuple[type[BaseException], ...] = ()
 _errors_lock = threading.Lock()
 
+
+def _forget_in_child() -> None:
+    """A forked child keeps the error kinds (its clients' classes are its own too); the lock
+    may have been held by a thread of the parent's at the fork."""
+    global _errors_lock
+    _errors_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
 T = TypeVar("T")
 
 
