@@ -58,6 +58,21 @@ def pwrite_pooled(fd: int, piece: memoryview, at: int, slots: int) -> None:
         piece, at = piece[n:], at + n
 
 
+def hashed_into_spool(fd: int, data: memoryview, part_written: Callable[[int], None]) -> None:
+    """The bytes into a spool as the engine writes a raw save's: each CHUNK hashed (the
+    checksums' xxh3), then written with pwrite into the spool `fd` at its offset;
+    `part_written(end)` told as each PART ends (the spool's pages released, or an upload's
+    part sent).  bench/stores.py's `spool up` row writes its upload's spool with it too."""
+    import xxhash
+
+    for a in range(0, len(data), CHUNK):
+        piece = data[a : a + CHUNK]
+        xxhash.xxh3_64_intdigest(piece, seed=a)
+        os.pwrite(fd, piece, a)
+        if (a + len(piece)) % PART == 0:
+            part_written(a + len(piece))
+
+
 def ways(data: memoryview) -> dict[str, Callable[[], None]]:
     import xxhash
 
@@ -74,12 +89,7 @@ def ways(data: memoryview) -> dict[str, Callable[[], None]]:
 
     def spool() -> None:
         s = Spool("spool-cost", size)
-        for a in range(0, size, CHUNK):
-            piece = data[a : a + CHUNK]
-            xxhash.xxh3_64_intdigest(piece, seed=a)
-            os.pwrite(s.fd, piece, a)
-            if (a + len(piece)) % PART == 0:
-                s.release(a + len(piece) - PART, a + len(piece))
+        hashed_into_spool(s.fd, data, lambda end: s.release(end - PART, end))
         s.close()
 
     def page_pool(slots: int) -> Callable[[], None]:

@@ -203,19 +203,15 @@ def floor_up_hashed(url: str, options: dict[str, Any], data: memoryview) -> None
 
 
 def spool_up(url: str, options: dict[str, Any], data: memoryview) -> None:
-    """The bytes through ckptfmt's upload: each chunk hashed, then written into the spool at
-    its offset, the upload told every PART bytes (what the engine does for a raw save)."""
-    import xxhash
+    """The bytes through ckptfmt's upload: written into its spool as spool_cost.py's `spool`
+    way writes them (hashed_into_spool: each chunk hashed, then written at its offset), the
+    upload told as each PART ends (what the engine does for a raw save)."""
+    from spool_cost import hashed_into_spool
 
     from ckptfmt.storage.upload import ObjectFile
 
     with ObjectFile(url, options, len(data)) as out:
-        for a in range(0, len(data), CHUNK):
-            piece = data[a : a + CHUNK]
-            xxhash.xxh3_64_intdigest(piece, seed=a)
-            os.pwrite(out.fd, piece, a)
-            if (a + len(piece)) % PART == 0:
-                out.written(a + len(piece))
+        hashed_into_spool(out.fd, data, out.written)
         out.commit()
 
 

@@ -261,3 +261,38 @@ def test_a_non_blocking_manager_commit_that_fails_at_exit_is_reported(s3_faults)
     assert f"ckptfmt: non-blocking save of {url}/step-000000001 failed: StorageError" in done.stderr, (
         done.stderr
     )
+
+
+_STARTED_IN_ATEXIT = """
+import atexit, json, sys, torch, ckptfmt
+from ckptfmt.background import inflight
+url, options, how = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+inflight.DEADLINE = 0.5  # the exit waits for saves in flight twice this: 1 s
+
+@atexit.register
+def last():  # runs before ckptfmt's own exit handler, registered earlier
+    state = {"w": torch.zeros(1000)}
+    if how == "manager":
+        ckptfmt.CheckpointManager(url, storage_options=options, blocking=False).save(1, state)
+    else:
+        ckptfmt.save(state, url, storage_options=options, blocking=False)
+    print("returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["save", "manager"])
+def test_a_save_still_running_at_the_exits_bound_is_reported_once(s3_faults, how):
+    """A non-blocking save (a plain one, a manager's step) is both in flight on its path and
+    watched for an unseen error: when its upload is still held at the exit's bound, the exit
+    says so once, not once for each list that holds its handle."""
+    faults = s3_faults
+    url = f"s3://{faults.new_bucket()}/held"
+    released = faults.hold("PUT", "held")
+    try:
+        done = _run_child(_STARTED_IN_ATEXIT, url, json.dumps(faults.storage_options()), how)
+    finally:
+        released.set()
+    assert done.returncode == 0 and "returned" in done.stdout, done.stderr[-3000:]
+    path = url if how == "save" else f"{url}/step-000000001"
+    line = f"ckptfmt: non-blocking save of {path} still running at exit: abandoned"
+    assert done.stderr.count(line) == 1, done.stderr[-3000:]

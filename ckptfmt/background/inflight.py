@@ -365,7 +365,8 @@ _register_before_pools_stop()
 @atexit.register
 def _at_exit() -> None:
     with _lock:
-        handles = list(_in_flight.values()) + list(_unobserved)
+        # a handle both in flight and watched (a non-blocking save's) is reported once
+        handles = list({id(h): h for h in [*_in_flight.values(), *_unobserved]}.values())
     for h, done in _wait_all(handles):
         if not done:
             print(f"ckptfmt: non-blocking save of {h.path} still running at exit: abandoned", file=sys.stderr)

@@ -118,5 +118,12 @@ class StagingPool:
         with self._cond:
             return sum(s.numel() for v in self._free.values() for s in v)
 
+    def forget_in_child(self) -> None:
+        """In a forked child: the slabs its parent's saves hold never come back (their threads
+        are the parent's), so only the free ones count; the lock may have been held."""
+        self._cond = threading.Condition()
+        self._allocated = sum(s.numel() for v in self._free.values() for s in v)
+
 
 POOL = StagingPool()
+os.register_at_fork(after_in_child=POOL.forget_in_child)

@@ -412,8 +412,9 @@ def _saved_here(
     options: SaveOptions,
 ) -> concurrent.futures.Future[Metadata]:
     """save_in_background once the interpreter's exit has made every pool refuse work (a final
-    checkpoint saved by an atexit handler): the save made here, blocking, its outcome in the
-    future returned; after the background save before it, as every background save is."""
+    checkpoint saved by an atexit handler): the save made here, blocking, on `process_group`
+    (the background saves' checkpoint group), its outcome in the future returned; after the
+    background save before it, as every background save is."""
     out: concurrent.futures.Future[Metadata] = concurrent.futures.Future()
     try:
         for before in (ForkStager, stager or _DEFAULT_STAGER):
@@ -444,9 +445,11 @@ def save_in_background(
     check_snapshot(snapshot)
     if snapshot == "fork" and stager is not None:
         raise ValueError("snapshot='fork' stages by fork: it takes no stager")
-    if pools_refuse_work():  # torch's async_save writes on a pool, which refuses it at exit
-        return _saved_here(state_dict, path, process_group, within, step_dir, stager, options)
+    # the same group at exit as before it: a rank whose pools refuse work (an atexit handler's
+    # save) meets the ranks whose pools do not on the group their background saves use
     group = _checkpoint_group(process_group)
+    if pools_refuse_work():  # torch's async_save writes on a pool, which refuses it at exit
+        return _saved_here(state_dict, path, group, within, step_dir, stager, options)
     if not _distributed():  # DCP warns from its own thread: filter just that message
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
     w, planner = _set_up_save(path, group, "async", options, within, step_dir)

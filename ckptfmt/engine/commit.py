@@ -116,16 +116,15 @@ def _compute_host_token() -> str:
     return hashlib.sha256(f"{boot}\0{pidns}".encode()).hexdigest()[:16]
 
 
-_host_token_cache: tuple[int, str] | None = None
+_host_token_cache: str | None = None
 
 
 def host_token() -> str:
     """16 hex digits naming this host and pid namespace (recomputed in a forked child)."""
     global _host_token_cache
-    pid = os.getpid()
-    if _host_token_cache is None or _host_token_cache[0] != pid:
-        _host_token_cache = (pid, _compute_host_token())
-    return _host_token_cache[1]
+    if _host_token_cache is None:
+        _host_token_cache = _compute_host_token()
+    return _host_token_cache
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:
@@ -147,10 +146,10 @@ _self_cache: tuple[int, int] | None = None
 
 
 def _self() -> tuple[int, int]:
-    """(pid, start time) of this process."""
+    """(pid, start time) of this process (read afresh in a forked child)."""
     global _self_cache
-    pid = os.getpid()
-    if _self_cache is None or _self_cache[0] != pid:
+    if _self_cache is None:
+        pid = os.getpid()
         _self_cache = (pid, _start_of(pid))
     return _self_cache
 
@@ -216,6 +215,19 @@ def owner_dead(host: str, pid: int, start: int) -> bool | None:
 # that is not here was left by a save that failed and could not remove it
 _own: set[str] = set()
 _own_lock = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """A forked child is another process: its host token and its own (pid, start time) are
+    read afresh, none of its parent's temp files is its own, and the lock may have been held
+    by a thread of the parent's at the fork."""
+    global _host_token_cache, _self_cache, _own_lock
+    _host_token_cache = _self_cache = None
+    _own_lock = threading.Lock()
+    _own.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def parse_temp_name(name: str) -> tuple[str, tuple[str, int, int] | None] | None:

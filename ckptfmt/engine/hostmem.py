@@ -59,6 +59,16 @@ _free_blocks = 0
 _read_at = -1e9
 
 
+def _forget_in_child() -> None:
+    """A forked child reads the free blocks afresh (its lock may have been held at the fork)."""
+    global _lock, _free_blocks, _read_at
+    _lock = threading.Lock()
+    _free_blocks, _read_at = 0, -1e9
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def empty_bytes(nbytes: int, *, pinned: bool = False, reused: bool = False) -> torch.Tensor:
     """A uint8 CPU tensor of `nbytes` uninitialised bytes, on huge pages where the kernel allows
     and they pay off; `reused`: the buffer is kept and refilled by call after call (staging

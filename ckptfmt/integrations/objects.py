@@ -63,6 +63,7 @@ import collections
 import dataclasses
 import enum
 import importlib
+import os
 import pathlib
 import threading
 import types
@@ -114,6 +115,15 @@ _KEY_TYPES = (type(None), bool, int, float, str)
 
 _registry: dict[str, type] = {}
 _registry_lock = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """A forked child keeps the registered classes; the lock may have been held at the fork."""
+    global _registry_lock
+    _registry_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def qualified_name(cls: type) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import os
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -109,6 +110,17 @@ def sweep_marker() -> str:
 # markers that is not here was left by a copy that failed
 _claims_in_use: collections.Counter[str] = collections.Counter()
 _claims_lock = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """A forked child has none of its parent's copies or rotations under way (their markers
+    are the parent's: engine/commit.py's owner rule), and the lock may have been held."""
+    global _claims_lock
+    _claims_lock = threading.Lock()
+    _claims_in_use.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ and environment, its module (and client package) imported only when its scheme i
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -14,6 +15,18 @@ from .urls import ObjectURL
 
 _stores: dict[tuple[object, ...], Store] = {}
 _lock = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """A forked child makes stores of its own: the parent's hold its connections (a pooled
+    socket read by two processes mixes their answers) and threads the child lacks, and the
+    lock may have been held at the fork."""
+    global _lock
+    _lock = threading.Lock()
+    _stores.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def store_for(url: ObjectURL, options: Mapping[str, Any]) -> Store:

@@ -2,7 +2,7 @@
 per operation, and the translation of failures into ckptfmt's errors.
 
 The stores themselves (``s3``: boto3; ``gcs``: Google's JSON API) make single attempts and
-raise their clients' errors; ``request`` is the only place that retries (the clients' own
+raise their clients' errors; ``Budget.run`` is the only place that retries (the clients' own
 retries are off): an operation (one request, or one ranged read, or one page of a listing)
 is tried at most ``max_attempts`` times, with exponential backoff, on throttling, 5xx
 answers, dropped connections and answers that miss their deadline, all within one deadline
@@ -77,6 +77,16 @@ MAX_LISTING_BODY = 16 << 20
 #: the errors the stores in use raise for a failed request (each store adds its client's)
 _transfer_errors: tuple[type[BaseException], ...] = ()
 _errors_lock = threading.Lock()
+
+
+def _forget_in_child() -> None:
+    """A forked child keeps the error kinds (its clients' classes are its own too); the lock
+    may have been held by a thread of the parent's at the fork."""
+    global _errors_lock
+    _errors_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 T = TypeVar("T")
 
@@ -251,6 +261,42 @@ class Budget:
         self.attempt += 1
         return True
 
+    def run(
+        self,
+        url: str,
+        operation: str,
+        attempt: Callable[[], T],
+        *,
+        again: Callable[[CheckpointError], bool] | None = None,
+        failed: Callable[[BaseException], None] | None = None,
+    ) -> T:
+        """The one retry loop: `attempt()` (one try at `operation` on `url`, carrying this
+        budget) made until it returns, tried again only while retry() allows another attempt
+        and only when another may succeed: a request's failure that retryable() says may not
+        recur, or an error of ckptfmt's own about an answer that `again` says another answer
+        could avoid (None: none could).  What ends it is raised: ckptfmt's errors and
+        FileNotFoundError as they are (a LimitError that names no URL given `url`), the
+        others translated (StorageError or FileNotFoundError naming `url`, `operation` and
+        what was tried).  `failed(error)` is called as each failed attempt ends, before
+        retry() decides on and sleeps the next one's backoff."""
+        while True:
+            try:
+                with carrying(self):
+                    return attempt()
+            except transfer_errors() as e:
+                if failed is not None:
+                    failed(e)
+                if isinstance(e, CheckpointError):
+                    if again is not None and again(e) and self.retry():
+                        continue
+                    if isinstance(e, LimitError) and e.path is None:  # the listing guard's
+                        raise LimitError(f"{operation}: {e.reason}", path=url) from None
+                    raise
+                if isinstance(e, FileNotFoundError):
+                    raise
+                if not retryable(e) or not self.retry():
+                    raise translate(e, url, operation, self) from cause(e)
+
     def tried(self) -> str:
         """What was tried, for an error: attempts, time, and the options that bound them."""
         return (
@@ -294,24 +340,9 @@ def retryable(e: BaseException) -> bool:
 
 def request(url: str, operation: str, call: Callable[[], T], options: Mapping[str, Any] | None = None) -> T:
     """Run one client call, translating its failure; what may succeed when tried again is
-    tried again within the operation's Budget (the only retries: botocore's are off), by
-    the storage `options` (None: the defaults)."""
-    budget = Budget(options or {})
-    while True:
-        _current.budget = budget
-        try:
-            return call()
-        except LimitError as e:
-            if e.path is None:  # from the listing guard, which knows no URL
-                raise LimitError(f"{operation}: {e.reason}", path=url) from None
-            raise
-        except (CheckpointError, FileNotFoundError):
-            raise
-        except transfer_errors() as e:
-            if not retryable(e) or not budget.retry():
-                raise translate(e, url, operation, budget) from cause(e)
-        finally:
-            _current.budget = None
+    tried again within the operation's Budget (Budget.run: the only retries, botocore's are
+    off), by the storage `options` (None: the defaults)."""
+    return Budget(options or {}).run(url, operation, call)
 
 
 def transfer_errors() -> tuple[type[BaseException], ...]:

@@ -50,27 +50,23 @@ class RangedGets:
         after a dropped connection or a body cut at its deadline from the byte it reached,
         within `budget` (attempts and deadline); `failed` called as each failed attempt ends,
         before the next one's backoff."""
-        what = f"read bytes {lo}-{hi - 1}"
         got = 0
-        while True:
-            try:
-                got += self._get_once(lo + got, hi, functools.partial(where, got), budget)
-                return
-            except s3.transfer_errors() as e:
-                got += getattr(e, "ckptfmt_got", 0)
-                if failed is not None:
-                    failed()
-                if isinstance(e, CheckpointError):  # an answer refused here: tried again, unless
-                    if getattr(e, "ckptfmt_final", False) or not budget.retry():  # no answer could do
-                        raise
-                elif not s3.retryable(e) or not budget.retry():
-                    raise s3.translate(e, self.path, what, budget) from s3.cause(e)
+
+        def attempt() -> None:
+            self._get_once(lo + got, hi, functools.partial(where, got), budget)
+
+        def attempt_failed(e: BaseException) -> None:
+            nonlocal got
+            got += getattr(e, "ckptfmt_got", 0)
+            if failed is not None:
+                failed()
+
+        budget.run(self.path, f"read bytes {lo}-{hi - 1}", attempt, again=_not_final, failed=attempt_failed)
 
     def _get_once(
         self, lo: int, hi: int, where: Callable[[], Iterable[memoryview]], budget: s3.Budget
     ) -> int:
-        with s3.carrying(budget):
-            reply = self.open(lo, hi)
+        reply = self.open(lo, hi)  # the budget carried by Budget.run
         try:
             views = where()
         except BaseException:
@@ -125,3 +121,10 @@ class RangedGets:
             short.ckptfmt_got = got  # type: ignore[attr-defined]
             raise short
         return got
+
+
+def _not_final(e: CheckpointError) -> bool:
+    """Whether another GET may succeed where this one's answer was refused here (a range, a
+    version or a body not as asked for): all but those marked final (a store that names no
+    version never will)."""
+    return not getattr(e, "ckptfmt_final", False)

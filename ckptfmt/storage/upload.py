@@ -264,9 +264,9 @@ class ObjectFile:
         assert self.spool is not None and self._store is not None
         # the view held by `put` alone, let go of below: an error the caller keeps must not
         # pin the spool through this frame (as _upload_part's)
-        put = functools.partial(
-            self._store.put, self.url, self.spool.view(0, length), if_absent=self.if_absent
-        )
+        body = self.spool.view(0, length) if length else memoryview(b"")  # an empty spool maps nothing
+        put = functools.partial(self._store.put, self.url, body, if_absent=self.if_absent)
+        del body
         outer = sys.exc_info()[1]
         try:
             self._creating("upload", put)

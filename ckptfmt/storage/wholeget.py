@@ -26,18 +26,19 @@ def fetch_whole(url: str, options: dict[str, Any], limit: int, what: str = "the 
     store = store_for(u, options)
     timeout = float(options.get("request_timeout", REQUEST_TIMEOUT))
     budget = s3.Budget(options)
-    while True:
-        try:
-            with s3.carrying(budget):
-                return _fetch_whole_once(store, u, url, limit, what, body_deadline(timeout, budget))
-        except StorageError as e:
-            if not getattr(e, "ckptfmt_short", False) or not budget.retry():
-                raise
-        except (CheckpointError, FileNotFoundError):
-            raise
-        except s3.transfer_errors() as e:
-            if not s3.retryable(e) or not budget.retry():
-                raise s3.translate(e, url, "read", budget) from s3.cause(e)
+    return budget.run(
+        url,
+        "read",
+        lambda: _fetch_whole_once(store, u, url, limit, what, body_deadline(timeout, budget)),
+        again=_body_was_short,
+    )
+
+
+def _body_was_short(e: CheckpointError) -> bool:
+    """Whether another GET may succeed where this one's answer was refused: only a body that
+    ended early or missed its deadline (an object over the limit, or an answer without its
+    size, would come again)."""
+    return isinstance(e, StorageError) and getattr(e, "ckptfmt_short", False)
 
 
 def _fetch_whole_once(

@@ -35,6 +35,17 @@ _HELD: dict[str, CheckpointDir] = {}
 _HELD_LOCK = threading.Lock()
 
 
+def _forget_in_child() -> None:
+    """A forked child holds none of its parent's folders (they are removed by the parent, or
+    as a dead process's); the lock may have been held at the fork."""
+    global _HELD_LOCK
+    _HELD_LOCK = threading.Lock()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def make(kind: str) -> str:
     """A new folder (mode 0700) of `kind` in the temporary folder, locked while this process
     holds it, after removing the folders that dead processes left there; its path."""

@@ -31,6 +31,15 @@ _ORIGINAL: Any = None
 _KEYS: dict[str, Any] = {}
 
 
+def _forget_in_child() -> None:
+    """A forked child keeps the hook and its keys; the lock may have been held at the fork."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def is_ckptfmt_folder(path: Any) -> bool:
     """Whether `path` is a local folder with a ckptfmt commit record and ``model.ckpt`` and
     none of transformers' own weight files (links are not followed inside it)."""
