@@ -4,7 +4,9 @@ so that a local folder holding a ckptfmt commit record and no weights of transfo
 (``model.safetensors``, ``pytorch_model.bin``, their sharded indexes) is read through
 ckptfmt: ``model.ckpt`` checked against the commit record (length, file id, index checksum,
 every chunk's checksum), then handed to the original ``from_pretrained`` as its
-``state_dict`` with the folder's config.  Every other call goes to transformers unchanged."""
+``state_dict`` with the folder's config (``config.json``, which the commit record does not
+cover, read as :func:`load_model` reads it: through the folder, bounded, never through a link
+or from a FIFO; a folder without one is an IncompleteError, not transformers' default config).  Every other call goes to transformers unchanged."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Any
 
 from ...engine.ckptdir import CheckpointDir
 from ...files import multifile, recordsign
+from .models import read_config
 from .names import MODEL_NAME
 from .reading import load_model_state
 
@@ -47,14 +50,27 @@ def is_ckptfmt_folder(path: Any) -> bool:
         return False
 
 
+def _folder_config(cls: Any, path: str) -> Any:
+    """The model config of folder `path`, read as load_model reads it: ``config.json`` through
+    the folder (no link followed, no FIFO waited on, bounded), of a model type transformers or
+    the class knows; IncompleteError when missing (transformers would build its default config
+    and load the committed weights into that), CorruptError when it is not one."""
+    with CheckpointDir.open(path) as folder:
+        config = read_config(folder, cls)
+    config.name_or_path = path  # as transformers' from_pretrained records it
+    return config
+
+
 def _from_ckptfmt_folder(
     original: Any, cls: Any, path: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     path = os.fspath(path)
     state = load_model_state(path, decrypt_with=_KEYS.get("decrypt"), trusted_keys=_KEYS.get("trusted"))
     config = kwargs.pop("config", None)
-    if config is None or isinstance(config, (str, os.PathLike)):
-        config = cls.config_class.from_pretrained(path if config is None else config)
+    if config is None:
+        config = _folder_config(cls, path)
+    elif isinstance(config, (str, os.PathLike)):  # the caller's own config, wherever it is
+        config = cls.config_class.from_pretrained(config)
     model = original.__func__(cls, None, *args, config=config, state_dict=state, **kwargs)
     if os.path.isfile(os.path.join(path, "generation_config.json")) and getattr(model, "can_generate", None):
         if model.can_generate():
