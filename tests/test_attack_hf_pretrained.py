@@ -74,3 +74,20 @@ def test_an_intact_folder_still_loads(folder: Any) -> None:
     model = GPT2LMHeadModel.from_pretrained(path)
     for name, value in gpt2.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_a_generation_config_linking_out_of_the_folder_is_not_followed(folder: Any, tmp_path: Any) -> None:
+    path, _ = folder
+    elsewhere = tmp_path / "generation.json"
+    elsewhere.write_text('{"max_length": 1234}')
+    os.unlink(os.path.join(path, "generation_config.json"))
+    os.symlink(elsewhere, os.path.join(path, "generation_config.json"))
+    with pytest.raises(ckptfmt.CheckpointError, match="generation_config.json"):
+        GPT2LMHeadModel.from_pretrained(path)
+
+
+def test_the_folders_generation_config_is_read(folder: Any) -> None:
+    path, _ = folder
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        f.write('{"max_length": 77}')
+    assert GPT2LMHeadModel.from_pretrained(path).generation_config.max_length == 77

@@ -11,15 +11,20 @@ or from a FIFO; a folder without one is an IncompleteError, not transformers' de
 from __future__ import annotations
 
 import functools
+import json
 import os
 import threading
 from typing import Any
 
 from ...engine.ckptdir import CheckpointDir
+from ...errors import CorruptError
 from ...files import multifile, recordsign
 from .models import read_config
-from .names import MODEL_NAME
-from .reading import load_model_state
+from .names import MAX_JSON_BYTES, MODEL_NAME
+from .reading import load_model_state, why
+
+#: the generation settings transformers writes beside a model's config
+GENERATION_JSON = "generation_config.json"
 
 #: transformers' own weight files: a folder holding one is left to transformers
 HF_WEIGHTS = (
@@ -72,12 +77,31 @@ def _from_ckptfmt_folder(
     elif isinstance(config, (str, os.PathLike)):  # the caller's own config, wherever it is
         config = cls.config_class.from_pretrained(config)
     model = original.__func__(cls, None, *args, config=config, state_dict=state, **kwargs)
-    if os.path.isfile(os.path.join(path, "generation_config.json")) and getattr(model, "can_generate", None):
-        if model.can_generate():
-            from transformers import GenerationConfig
-
-            model.generation_config = GenerationConfig.from_pretrained(path)
+    if getattr(model, "can_generate", None) and model.can_generate():
+        generation = _folder_generation_config(path)
+        if generation is not None:
+            model.generation_config = generation
     return model
+
+
+def _folder_generation_config(path: str) -> Any:
+    """The folder's ``generation_config.json`` (None when it has none), read through the folder
+    as its config is: bounded, never through a link or from a FIFO (CheckpointError naming it)."""
+    from transformers import GenerationConfig
+
+    with CheckpointDir.open(path) as folder:
+        if folder.lstat(GENERATION_JSON) is None:
+            return None
+        raw = folder.read_file(GENERATION_JSON, MAX_JSON_BYTES)
+    try:
+        values = json.loads(raw)
+        if not isinstance(values, dict):
+            raise ValueError("not a JSON object")
+        return GenerationConfig.from_dict(values)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise CorruptError(
+            f"{GENERATION_JSON} is not a generation config: {why(e)[:200]}", path=path
+        ) from None
 
 
 def enable(*, decrypt_with: Any = None, trusted_keys: Any = None) -> None:
