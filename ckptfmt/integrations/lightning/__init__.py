@@ -20,10 +20,15 @@ What the plugin changes, compared with Lightning's default ``TorchCheckpointIO``
   copied into staging memory; the file is written while training goes on and
   holds the values at the time of the call.  An error of such a save is raised
   by the next ``save_checkpoint`` or by ``teardown()`` (the end of ``fit``),
-  which waits for every save and its thread; ``remove_checkpoint`` and loads
-  of a path wait for the save in flight there.  Lightning chooses file names
-  by asking fsspec which files exist (``ModelCheckpoint`` adds ``-vN`` to a
-  name that is taken): a non-blocking plugin registers, through fsspec's
+  which waits for every save and its thread; loads of a path wait for the
+  save in flight there.  ``remove_checkpoint`` (ModelCheckpoint's ``save_top_k``
+  drops the checkpoint a new save replaces as soon as that save returns) deletes
+  nothing until every save in flight has committed: the deletion is made at the
+  plugin's next call (a save, a removal, ``teardown``), and not at all where one
+  of those saves failed, so a process killed at any moment keeps a committed
+  checkpoint (one checkpoint more than ``save_top_k`` may be on disk
+  meanwhile).  Lightning chooses file names by asking fsspec which files exist
+  (``ModelCheckpoint`` adds ``-vN`` to a name that is taken): a non-blocking plugin registers, through fsspec's
   ``register_implementation``, a local filesystem that answers ``exists``,
   ``isfile`` and ``ls`` for a save in flight as for the file it will be (and
   ``info``/``modified`` once it is), so no save takes the name of another.

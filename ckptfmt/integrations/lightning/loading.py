@@ -144,11 +144,34 @@ def _check_torch_allowed(name: str, how: Reading) -> None:
 
 
 def _load_torch(local: str, name: str, map_location: Any) -> dict[str, Any]:
-    """A checkpoint written by torch.save (Lightning's default plugin), read without running code."""
-    state = torch.load(local, map_location=map_location or "cpu", weights_only=True)
+    """A checkpoint written by torch.save (Lightning's default plugin), read without running
+    code.  A file torch.load cannot read (cut short, damaged, not torch's archive) is a
+    CorruptError, one holding what weights_only refuses to build an UnsupportedError, each
+    naming it: torch's own errors (RuntimeError, UnpicklingError) do not name the file."""
+    import pickle
+
+    try:
+        state = torch.load(local, map_location=map_location or "cpu", weights_only=True)
+    except OSError:
+        raise
+    except pickle.UnpicklingError as e:
+        raise UnsupportedError(
+            f"torch.load(weights_only=True) refuses it: {_first_line(e)}", path=name
+        ) from e
+    except Exception as e:  # whatever torch's reader and unpickler raise on damaged bytes
+        raise CorruptError(
+            f"torch.load(weights_only=True) cannot read it: {type(e).__name__}: {_first_line(e)}", path=name
+        ) from e
     if type(state) is not dict:
         raise CheckpointError(f"holds a {type(state).__name__}, not a Lightning checkpoint dict", path=name)
     return state
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    """An error's first line, bounded (torch's messages run to paragraphs)."""
+    lines = str(e).strip().splitlines()
+    text = lines[0] if lines else ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def sniff_target(where: Target, options: dict[str, Any]) -> str:

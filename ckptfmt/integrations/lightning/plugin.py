@@ -24,6 +24,7 @@ from . import filesystems, transfer
 from .callback_keys import CLASS_KEYS_KEY, with_class_keys_named
 from .loading import RNG_KEY, load_with_rng, reading
 from .paths import FSSPEC, LOCAL, OBJECT, Target, split_storage_options, target
+from .removals import PendingRemovals
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _Base
@@ -141,6 +142,8 @@ class CkptfmtCheckpointIO(_Base):
         entries are the object-store client's settings on ``s3://`` (over the plugin's own) and
         the filesystem's options on other fsspec URLs; on a local path they are refused
         (ValueError), as is anything but a dict."""
+        saves = self._saves()
+        saves.removals.run_ready()
         self._raise_finished()
         where = target(path)
         save_options, place_options = split_storage_options(storage_options, where)
@@ -155,6 +158,7 @@ class CkptfmtCheckpointIO(_Base):
         if where.kind == FSSPEC:
             handle, key, blocking = self._save_through_fs(state, where, place_options, options)
         else:
+            saves.removals.cancel(_removal_key(where))  # what this save writes is never removed
             if where.kind == LOCAL and os.path.dirname(where.path):
                 os.makedirs(os.path.dirname(where.path), exist_ok=True)
             if where.kind == OBJECT:  # an object store has no directories to make
@@ -197,6 +201,7 @@ class CkptfmtCheckpointIO(_Base):
             _warn_blocking(fs)
             blocking = True
         key = filesystems.url_key(fs, fs_path)
+        self._saves().removals.cancel(key)  # what this save writes is never removed
 
         def write(local: str, block: bool) -> ckptfmt.SaveHandle:
             return ckptfmt.save(state, local, blocking=block, **options)
@@ -214,6 +219,7 @@ class CkptfmtCheckpointIO(_Base):
         saves = self._saves()
         errors = [e for e in (h.exception() for h in saves.take(finished_only=False)) if e is not None]
         saves.join_threads()
+        saves.removals.run_ready()  # every save has ended: each removal is made or dropped
         if errors:
             raise errors[0]
 
@@ -243,20 +249,38 @@ class CkptfmtCheckpointIO(_Base):
         return state
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Delete the checkpoint at `path` after any save in flight there; an absent one is no error."""
+        """Delete the checkpoint at `path` once every save in flight has committed (the one
+        that replaces it among them: see removals.py), after any save in flight there; an
+        absent one is no error."""
         where = target(path)
-        if where.kind == FSSPEC:
-            fs, fs_path = transfer.open_fs(where.path)
-            inflight.wait_for_path(transfer.inflight_key(fs, fs_path))
-            transfer.remove(fs, fs_path)
-        elif where.kind == OBJECT:
-            inflight.wait_for_path(where.path)
-            delete_object(parse_url(where.path), self.storage_options)  # an absent object is no error
-        else:
-            try:
-                ckptfmt.remove(where.path)  # waits for a save in flight on that path
-            except FileNotFoundError:
-                pass
+        saves = self._saves()
+        saves.removals.defer(
+            _removal_key(where), lambda: _remove_now(where, self.storage_options), saves.unseen()
+        )
+        saves.removals.run_ready()
+
+
+def _removal_key(where: Target) -> str:
+    """The file `where` as a removal and a save name it, whichever spelling they were given."""
+    if where.kind == FSSPEC:
+        return filesystems.url_key(*transfer.open_fs(where.path))  # as _remove_now opens it
+    return filesystems.local_key(where.path) if where.kind == LOCAL else where.path
+
+
+def _remove_now(where: Target, storage_options: dict[str, Any]) -> None:
+    """Delete the checkpoint at `where` after any save in flight there; an absent one is no error."""
+    if where.kind == FSSPEC:
+        fs, fs_path = transfer.open_fs(where.path)
+        inflight.wait_for_path(transfer.inflight_key(fs, fs_path))
+        transfer.remove(fs, fs_path)
+    elif where.kind == OBJECT:
+        inflight.wait_for_path(where.path)
+        delete_object(parse_url(where.path), storage_options)  # an absent object is no error
+    else:
+        try:
+            ckptfmt.remove(where.path)  # waits for a save in flight on that path
+        except FileNotFoundError:
+            pass
 
 
 _WARNED: set[type] = set()
@@ -290,6 +314,7 @@ class _ProcessSaves:
         self._handles: list[ckptfmt.SaveHandle] = []
         self._threads: list[threading.Thread] = []
         self._costed: list[tuple[int | None, ckptfmt.SaveHandle]] = []  # costs not yet reported
+        self.removals = PendingRemovals()
 
     def costed(self, step: int | None, handle: ckptfmt.SaveHandle) -> None:
         with self._lock:
@@ -308,6 +333,12 @@ class _ProcessSaves:
             self._handles.append(handle)
             if handle._thread is not None:
                 self._threads.append(handle._thread)
+
+    def unseen(self) -> list[ckptfmt.SaveHandle]:
+        """The saves whose end nobody has taken yet: those in flight, and those that ended
+        since the last look (a failed one among them not yet raised)."""
+        with self._lock:
+            return list(self._handles)
 
     def take(self, *, finished_only: bool) -> list[ckptfmt.SaveHandle]:
         """Remove and return the finished handles, or all of them."""

@@ -61,7 +61,7 @@ def _config_class(cls: Any, model_type: Any, where: str) -> Any:
     )
 
 
-def _read_config(folder: CheckpointDir, cls: Any) -> Any:
+def read_config(folder: CheckpointDir, cls: Any) -> Any:
     """The model config in ``config.json``, read through the folder (no link, no FIFO, bounded).
     The commit record does not cover it: any value that does not make a config of a model type
     transformers knows, or of the model class's own ``config_class``, is refused
@@ -220,7 +220,7 @@ def load_model(
         part = opened.part(MODEL_NAME)
         if part is None:
             raise IncompleteError(f"the commit record names no {MODEL_NAME}", path=opened.path)
-        config = _read_config(opened.dir, cls)
+        config = read_config(opened.dir, cls)
         with opened.open(part) as f:
             committed = _committed_tensors(f, opened.path)
             limit = MODULES_PER_TENSOR * len(committed) + SLACK

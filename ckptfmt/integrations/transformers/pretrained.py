@@ -4,19 +4,27 @@ so that a local folder holding a ckptfmt commit record and no weights of transfo
 (``model.safetensors``, ``pytorch_model.bin``, their sharded indexes) is read through
 ckptfmt: ``model.ckpt`` checked against the commit record (length, file id, index checksum,
 every chunk's checksum), then handed to the original ``from_pretrained`` as its
-``state_dict`` with the folder's config.  Every other call goes to transformers unchanged."""
+``state_dict`` with the folder's config (``config.json``, which the commit record does not
+cover, read as :func:`load_model` reads it: through the folder, bounded, never through a link
+or from a FIFO; a folder without one is an IncompleteError, not transformers' default config).  Every other call goes to transformers unchanged."""
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import threading
 from typing import Any
 
 from ...engine.ckptdir import CheckpointDir
+from ...errors import CorruptError
 from ...files import multifile, recordsign
-from .names import MODEL_NAME
-from .reading import load_model_state
+from .models import read_config
+from .names import MAX_JSON_BYTES, MODEL_NAME
+from .reading import load_model_state, why
+
+#: the generation settings transformers writes beside a model's config
+GENERATION_JSON = "generation_config.json"
 
 #: transformers' own weight files: a folder holding one is left to transformers
 HF_WEIGHTS = (
@@ -56,21 +64,53 @@ def is_ckptfmt_folder(path: Any) -> bool:
         return False
 
 
+def _folder_config(cls: Any, path: str) -> Any:
+    """The model config of folder `path`, read as load_model reads it: ``config.json`` through
+    the folder (no link followed, no FIFO waited on, bounded), of a model type transformers or
+    the class knows; IncompleteError when missing (transformers would build its default config
+    and load the committed weights into that), CorruptError when it is not one."""
+    with CheckpointDir.open(path) as folder:
+        config = read_config(folder, cls)
+    config.name_or_path = path  # as transformers' from_pretrained records it
+    return config
+
+
 def _from_ckptfmt_folder(
     original: Any, cls: Any, path: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     path = os.fspath(path)
     state = load_model_state(path, decrypt_with=_KEYS.get("decrypt"), trusted_keys=_KEYS.get("trusted"))
     config = kwargs.pop("config", None)
-    if config is None or isinstance(config, (str, os.PathLike)):
-        config = cls.config_class.from_pretrained(path if config is None else config)
+    if config is None:
+        config = _folder_config(cls, path)
+    elif isinstance(config, (str, os.PathLike)):  # the caller's own config, wherever it is
+        config = cls.config_class.from_pretrained(config)
     model = original.__func__(cls, None, *args, config=config, state_dict=state, **kwargs)
-    if os.path.isfile(os.path.join(path, "generation_config.json")) and getattr(model, "can_generate", None):
-        if model.can_generate():
-            from transformers import GenerationConfig
-
-            model.generation_config = GenerationConfig.from_pretrained(path)
+    if getattr(model, "can_generate", None) and model.can_generate():
+        generation = _folder_generation_config(path)
+        if generation is not None:
+            model.generation_config = generation
     return model
+
+
+def _folder_generation_config(path: str) -> Any:
+    """The folder's ``generation_config.json`` (None when it has none), read through the folder
+    as its config is: bounded, never through a link or from a FIFO (CheckpointError naming it)."""
+    from transformers import GenerationConfig
+
+    with CheckpointDir.open(path) as folder:
+        if folder.lstat(GENERATION_JSON) is None:
+            return None
+        raw = folder.read_file(GENERATION_JSON, MAX_JSON_BYTES)
+    try:
+        values = json.loads(raw)
+        if not isinstance(values, dict):
+            raise ValueError("not a JSON object")
+        return GenerationConfig.from_dict(values)
+    except (ValueError, TypeError, RecursionError) as e:
+        raise CorruptError(
+            f"{GENERATION_JSON} is not a generation config: {why(e)[:200]}", path=path
+        ) from None
 
 
 def enable(*, decrypt_with: Any = None, trusted_keys: Any = None) -> None:

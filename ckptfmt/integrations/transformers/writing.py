@@ -286,16 +286,27 @@ def rotate(run_dir: str, limit: int, busy: set[str], best: str | None) -> None:
 def keep_only_best(run_dir: str, best: str, busy: set[str]) -> None:
     """The Trainer's end of training with save_total_limit=1 and a best checkpoint: every
     checkpoint folder but the best one deleted (ckptfmt's only; others left with a warning).
-    Where the best checkpoint is in another run (training went on from its folder), the
-    newest complete folder is kept instead: the Trainer would leave this run none."""
+    Where the best checkpoint is not a complete folder of this run (training went on from a
+    folder of another run; the best folder was damaged since its save, and as ckptfmt's
+    incomplete folder older than a complete one, removed by the rotation), the newest
+    complete folder is kept too: the Trainer's rule would leave this run no checkpoint."""
     run = open_run(run_dir)
     if run is None:
         return
     with run:
         kinds = {name: kind for _, name, kind in classify_folders(run)}
-        keep = _best_name(run_dir, best) or _newest_complete(kinds)
+        best_name = _best_name(run_dir, best)
+        keep = {best_name}
+        if kinds.get(best_name or "") != COMPLETE:
+            newest = _newest_complete(kinds)
+            if best_name is not None and newest is not None:
+                logger.warning(
+                    f"the best checkpoint {run.path_of(best_name)} is not complete: keeping "
+                    f"{run.path_of(newest)} too (save_total_limit=1)"
+                )
+            keep.add(newest)
         for name in trainer_order(run, kinds, best):
-            if name == keep or run.path_of(name) in busy:
+            if name in keep or run.path_of(name) in busy:
                 continue
             if kinds[name] == FOREIGN:
                 _leave(run, name)

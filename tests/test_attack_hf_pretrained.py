@@ -1,0 +1,93 @@
+"""``from_pretrained`` (once ckptfmt's ``enable()`` is called) on a ckptfmt checkpoint folder
+whose ``config.json``, which the commit record does not cover, is missing or hostile: the
+config is read as ``load_model`` reads it (through the folder, bounded, no link followed, no
+FIFO waited on), and a missing one is an IncompleteError naming the folder, never a model
+built from transformers' default config."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from test_hf_trainer_rules import _args  # noqa: E402
+from trainer_helpers import Tokens, tiny_gpt2  # noqa: E402
+from transformers import GPT2LMHeadModel  # noqa: E402
+
+import ckptfmt  # noqa: E402
+from ckptfmt.integrations.transformers import CkptfmtTrainer, disable, enable  # noqa: E402
+
+
+@pytest.fixture
+def folder(tmp_path: Any) -> Any:
+    out = str(tmp_path / "gpt2")
+    gpt2 = tiny_gpt2(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    trainer = CkptfmtTrainer(
+        model=gpt2,
+        args=_args(out, max_steps=1, save_steps=1),
+        train_dataset=Tokens(n=4, length=16, vocab=64, seed=1),
+    )
+    trainer.train()
+    enable()
+    try:
+        yield os.path.join(out, "checkpoint-1"), gpt2
+    finally:
+        disable()
+
+
+def test_a_folder_without_config_json_is_incomplete(folder: Any) -> None:
+    path, _ = folder
+    os.unlink(os.path.join(path, "config.json"))
+    with pytest.raises(ckptfmt.IncompleteError, match="config.json"):
+        GPT2LMHeadModel.from_pretrained(path)
+
+
+def test_a_config_json_that_is_a_fifo_is_refused_without_waiting(folder: Any) -> None:
+    path, _ = folder
+    os.unlink(os.path.join(path, "config.json"))
+    os.mkfifo(os.path.join(path, "config.json"))
+    signal.alarm(60)  # a read that waits on the FIFO would hang here
+    try:
+        with pytest.raises(ckptfmt.CheckpointError, match="config.json"):
+            GPT2LMHeadModel.from_pretrained(path)
+    finally:
+        signal.alarm(0)
+
+
+def test_a_config_json_linking_out_of_the_folder_is_not_followed(folder: Any, tmp_path: Any) -> None:
+    path, _ = folder
+    elsewhere = tmp_path / "elsewhere.json"
+    os.rename(os.path.join(path, "config.json"), elsewhere)
+    os.symlink(elsewhere, os.path.join(path, "config.json"))
+    with pytest.raises(ckptfmt.CheckpointError, match="config.json"):
+        GPT2LMHeadModel.from_pretrained(path)
+
+
+def test_an_intact_folder_still_loads(folder: Any) -> None:
+    path, gpt2 = folder
+    model = GPT2LMHeadModel.from_pretrained(path)
+    for name, value in gpt2.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_a_generation_config_linking_out_of_the_folder_is_not_followed(folder: Any, tmp_path: Any) -> None:
+    path, _ = folder
+    elsewhere = tmp_path / "generation.json"
+    elsewhere.write_text('{"max_length": 1234}')
+    os.unlink(os.path.join(path, "generation_config.json"))
+    os.symlink(elsewhere, os.path.join(path, "generation_config.json"))
+    with pytest.raises(ckptfmt.CheckpointError, match="generation_config.json"):
+        GPT2LMHeadModel.from_pretrained(path)
+
+
+def test_the_folders_generation_config_is_read(folder: Any) -> None:
+    path, _ = folder
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        f.write('{"max_length": 77}')
+    assert GPT2LMHeadModel.from_pretrained(path).generation_config.max_length == 77

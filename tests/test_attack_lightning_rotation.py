@@ -1,0 +1,137 @@
+"""ModelCheckpoint's rotation (save_top_k) with non-blocking saves: Lightning removes the
+checkpoint a new one replaces right after the new one's save returns, while its file is still
+being written.  The older checkpoint must stay until the new one is committed, or a process
+killed in between (out of memory, a scheduler's SIGKILL) is left with no checkpoint at all."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ckptfmt
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("lightning") is None, reason="needs ckptfmt[lightning]"
+)
+
+#: a module large enough (64 MiB of parameters) that its save is still being written when the
+#: batch after it starts; the checks below hold whatever the timing once the rotation is right
+_MODULE = textwrap.dedent(
+    """
+    import os, sys
+    import torch
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
+
+    def committed(directory):
+        # a ckptfmt save has its final name only once it is committed (a temp name before)
+        return sorted(n for n in os.listdir(directory) if n.endswith(".ckpt") and not n.startswith("."))
+
+    class Big(pl.LightningModule):
+        def __init__(self, out, kill_at):
+            super().__init__()
+            self.out, self.kill_at = out, kill_at
+            self.big = nn.Parameter(torch.randn(4096, 4096))
+            self.net = nn.Linear(4, 1)
+
+        def training_step(self, batch, i):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y) + 0 * self.big.sum()
+
+        def on_train_batch_end(self, *args):
+            # runs after every callback's: ModelCheckpoint has saved this step and removed the
+            # one the new save replaces
+            if self.global_step == 1:
+                self.trainer.strategy.checkpoint_io.wait()  # step 1's save is committed
+            print("COMMITTED", self.global_step, " ".join(committed(self.out)), flush=True)
+            if self.global_step == self.kill_at:
+                os.kill(os.getpid(), 9)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    def fit(out, kill_at, steps):
+        x = torch.randn(64, 4)
+        data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+        mc = ModelCheckpoint(dirpath=out, monitor="step", mode="max", save_top_k=1, every_n_train_steps=1)
+        trainer = pl.Trainer(max_steps=steps, plugins=[CkptfmtCheckpointIO(blocking=False)], callbacks=[mc],
+                             logger=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(Big(out, kill_at), data)
+
+    fit(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    """
+)
+
+
+def _run(out: pathlib.Path, kill_at: int, steps: int) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run(
+        [sys.executable, "-c", _MODULE, str(out), str(kill_at), str(steps)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _committed_at_batch_ends(stdout: str) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for line in stdout.splitlines():
+        if line.startswith("COMMITTED "):
+            step, *names = line.split()[1:]
+            out[int(step)] = names
+    return out
+
+
+def test_a_process_killed_right_after_a_save_keeps_a_checkpoint(tmp_path: pathlib.Path) -> None:
+    """save_top_k=1, non-blocking saves, step 1's save committed, SIGKILL right after step 2's
+    save returned (and ModelCheckpoint asked for step 1's removal): step 1's checkpoint (or step
+    2's, had it committed already) is there and verifies."""
+    out = tmp_path / "ckpts"
+    proc = _run(out, kill_at=2, steps=6)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    seen = _committed_at_batch_ends(proc.stdout)
+    assert seen == {1: ["epoch=0-step=1.ckpt"], 2: ["epoch=0-step=1.ckpt"]}, proc.stdout
+    left = sorted(n for n in os.listdir(out) if n.endswith(".ckpt") and not n.startswith("."))
+    assert left, f"the killed run left no checkpoint: {sorted(os.listdir(out))}"
+    for name in left:
+        assert ckptfmt.verify(str(out / name)).ok, name
+
+
+def test_rotation_still_keeps_top_k_once_the_saves_are_done(tmp_path: pathlib.Path) -> None:
+    """The removals wait for the saves in flight, and are made: at the end of fit only the
+    newest checkpoint is left (save_top_k=1), whole."""
+    out = tmp_path / "ckpts"
+    proc = _run(out, kill_at=-1, steps=5)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["epoch=0-step=5.ckpt"]
+    assert ckptfmt.verify(str(out / "epoch=0-step=5.ckpt")).ok
+
+
+def test_a_removal_is_dropped_where_a_new_save_takes_its_path(tmp_path: pathlib.Path) -> None:
+    """A removal waiting for the saves in flight is for the file there when it was asked for:
+    a save made to that path afterwards is never deleted by it."""
+    from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
+
+    io = CkptfmtCheckpointIO(blocking=False, restore_rng=False)
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    big = torch.randn(2048, 2048)
+    io.save_checkpoint({"v": torch.zeros(1)}, a)
+    io.wait()
+    io.save_checkpoint({"v": torch.ones(1), "big": big}, b)
+    io.remove_checkpoint(a)  # the save of b may still be in flight
+    io.save_checkpoint({"v": torch.full((1,), 2.0)}, a)  # a new save at that path
+    io.wait()
+    assert sorted(os.listdir(tmp_path)) == ["a.ckpt", "b.ckpt"]
+    assert ckptfmt.load(a)["v"].item() == 2.0
