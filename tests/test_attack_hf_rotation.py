@@ -58,3 +58,37 @@ def test_a_complete_best_folder_is_the_only_one_left(tmp_path: Any) -> None:
     trainer.train()
     assert _folders(out) == ["checkpoint-1"]
     assert latest_checkpoint(out, warn=False) == os.path.join(out, "checkpoint-1")
+
+
+def test_a_folder_being_saved_is_busy_from_its_creation_until_its_commit_thread_runs(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-blocking save's folder is never counted by another commit thread's rotation: it is
+    busy from the moment the folder has its name (before the Trainer writes into it) and while
+    its commit thread is made but not yet started.  Busy is checked at both instants."""
+    from ckptfmt.integrations.transformers import trainer as trainer_module
+
+    out = str(tmp_path / "run")
+    t = _trainer(CkptfmtTrainer, out, max_steps=3, save_steps=1, ckptfmt={"ckptfmt_blocking": False})
+    made, started = trainer_module.fresh_folder, trainer_module.threading.Thread.start
+    seen: list[tuple[str, str, bool]] = []
+
+    def fresh_folder(run_dir: str, name: str) -> Any:
+        folder = made(run_dir, name)
+        seen.append(("named", name, os.path.join(run_dir, name) in t._ckptfmt_busy()))
+        return folder
+
+    def start(thread: Any) -> None:
+        if thread.name.startswith("ckptfmt-commit-"):
+            name = thread.name[len("ckptfmt-commit-") :]
+            seen.append(("thread", name, os.path.join(out, name) in t._ckptfmt_busy()))
+        started(thread)
+
+    monkeypatch.setattr(trainer_module, "fresh_folder", fresh_folder)
+    monkeypatch.setattr(trainer_module.threading.Thread, "start", start)
+    t.train()
+    t.wait_for_checkpoints()
+    assert [s[:2] for s in seen if s[0] == "named"] == [("named", f"checkpoint-{i}") for i in (1, 2, 3)]
+    assert len([s for s in seen if s[0] == "thread"]) == 3
+    assert all(busy for _, _, busy in seen), seen
+    assert _folders(out) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]

@@ -224,11 +224,49 @@ class CkptfmtTrainerMixin(_MixinBase):
             self.wait_for_checkpoints()
         limit = self.args.save_total_limit
         save = FolderSave(folder, run_dir, step, limit)
+        with self._ckptfmt_lock:  # busy from before its folder exists until its commit ends
+            self._ckptfmt_current = save
+        try:
+            self._ckptfmt_write_folder(save, model, trial)
+        except BaseException:
+            with self._ckptfmt_lock:
+                self._ckptfmt_current = None
+            raise
+        if not self.args.should_save:
+            with self._ckptfmt_lock:
+                self._ckptfmt_current = None
+            return
+        save.returned = time.perf_counter()
+        if self._ckptfmt_blocking_now and not self._ckptfmt_inflight:
+            with self._ckptfmt_lock:
+                self._ckptfmt_current = None  # no commit thread runs: its rotation counts it
+            self._ckptfmt_commit(save)
+            save.returned = time.perf_counter()
+            self._ckptfmt_report_costs()
+            return
+        with self._ckptfmt_lock:  # in flight before it stops being the current save
+            before = self._ckptfmt_inflight[-1].thread if self._ckptfmt_inflight else None
+            save.thread = threading.Thread(
+                target=self._ckptfmt_commit_after,
+                args=(save, before),
+                name=f"ckptfmt-commit-{os.path.basename(folder)}",
+            )
+            self._ckptfmt_inflight.append(save)
+            self._ckptfmt_current = None
+        save.thread.start()
+        if self._ckptfmt_blocking_now:
+            self.wait_for_checkpoints()
+            save.returned = time.perf_counter()
+        self._ckptfmt_report_costs()
+
+    def _ckptfmt_write_folder(self, save: FolderSave, model: Any, trial: Any) -> None:
+        """The Trainer's own save into a fresh folder, the Trainer's rotation off meanwhile
+        (it would run before the commit), and trainer_state.json's committed copy."""
+        limit = self.args.save_total_limit
         if self.args.should_save:
             # before anything is written, so no stale file (or link) can survive
-            save.dir = fresh_folder(run_dir, f"{PREFIX}-{step}")
-        self._ckptfmt_current = save
-        self.args.save_total_limit = None  # the Trainer's rotation would run before the commit
+            save.dir = fresh_folder(save.run_dir, f"{PREFIX}-{save.step}")
+        self.args.save_total_limit = None
         try:
             super()._save_checkpoint(model, trial)
             if self.args.should_save:
@@ -239,28 +277,6 @@ class CkptfmtTrainerMixin(_MixinBase):
             raise
         finally:
             self.args.save_total_limit = limit
-            self._ckptfmt_current = None
-        if not self.args.should_save:
-            return
-        save.returned = time.perf_counter()
-        if self._ckptfmt_blocking_now and not self._ckptfmt_inflight:
-            self._ckptfmt_commit(save)
-            save.returned = time.perf_counter()
-            self._ckptfmt_report_costs()
-            return
-        with self._ckptfmt_lock:
-            before = self._ckptfmt_inflight[-1].thread if self._ckptfmt_inflight else None
-            save.thread = threading.Thread(
-                target=self._ckptfmt_commit_after,
-                args=(save, before),
-                name=f"ckptfmt-commit-{os.path.basename(folder)}",
-            )
-            self._ckptfmt_inflight.append(save)
-        save.thread.start()
-        if self._ckptfmt_blocking_now:
-            self.wait_for_checkpoints()
-            save.returned = time.perf_counter()
-        self._ckptfmt_report_costs()
 
     def _ckptfmt_commit_after(self, save: FolderSave, before: threading.Thread | None) -> None:
         if before is not None:
@@ -269,6 +285,8 @@ class CkptfmtTrainerMixin(_MixinBase):
             self._ckptfmt_commit(save)
         except BaseException as e:  # kept for the next save or the end of train()
             save.error = e
+        finally:
+            save.done = True
 
     def _ckptfmt_commit(self, save: FolderSave) -> None:
         save.commit(_writer_metadata(), self._ckptfmt_sign_key)
@@ -297,7 +315,7 @@ class CkptfmtTrainerMixin(_MixinBase):
     def _ckptfmt_raise_failed(self) -> None:
         """Raise the error of a finished non-blocking save (the first one), forgetting finished ones."""
         with self._ckptfmt_lock:
-            finished = [s for s in self._ckptfmt_inflight if s.thread is not None and not s.thread.is_alive()]
+            finished = [s for s in self._ckptfmt_inflight if s.done]
             self._ckptfmt_inflight = [s for s in self._ckptfmt_inflight if s not in finished]
         for s in finished:
             if s.error is not None:
@@ -319,7 +337,7 @@ class CkptfmtTrainerMixin(_MixinBase):
     def _ckptfmt_busy(self) -> set[str]:
         """The folders being saved (never counted nor touched by a rotation)."""
         with self._ckptfmt_lock:
-            busy = {s.folder for s in self._ckptfmt_inflight if s.thread is None or s.thread.is_alive()}
+            busy = {s.folder for s in self._ckptfmt_inflight if not s.done}
             if self._ckptfmt_current is not None:
                 busy.add(self._ckptfmt_current.folder)
         return busy

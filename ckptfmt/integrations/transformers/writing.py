@@ -128,6 +128,7 @@ class FolderSave:
         self.handles: list[SaveHandle] = []
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
+        self.done = False  # its commit thread has ended (whether it committed or failed)
         #: perf_counter() when the save began, when _save_checkpoint returned, when committed
         self.began = time.perf_counter()
         self.returned: float | None = None
