@@ -40,7 +40,7 @@ from ..fileio import pread_exact
 from ..format import encryption
 from ..format import layout as fmt
 from ..format.index import Chunk, Index
-from . import chunkrecords, directread, fetchread
+from . import chunkrecords, directread, fetchread, zstdframes
 from . import native as _native
 from .ckptdir import CheckpointDir
 from .sources import Fetcher, References
@@ -53,20 +53,6 @@ CHECK_WINDOW_UNTOUCHED = 1 << 30
 _SHA_MISMATCH = "chunk does not match the SHA-256 digest its signature covers (a byte changed)"
 _DIGEST_MISMATCH = "content digest mismatch (the decoded bytes are not the ones the index describes)"
 _TAG_MISMATCH = "chunk does not match its GCM tag (a byte of it or of its tag changed, or it was moved)"
-#: zstd window limit: frames needing more memory than this are rejected (2**27 = 128 MiB)
-_ZSTD_MAX_WINDOW = 1 << fmt.ZSTD_WINDOW_LOG_MAX
-#: the magic number of a zstd frame (RFC 8878); legacy (pre-1.0) and skippable frames differ
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-# the messages both engines give for a zstd frame the format refuses (spec section 3)
-_NOT_A_FRAME = "not a zstd frame (legacy, skippable or unknown magic number)"
-
-
-def _window_msg(window: int) -> str:
-    return f"zstd frame needs a window of {window} bytes, above the limit {_ZSTD_MAX_WINDOW}"
-
-
-def _dict_msg(dict_id: int) -> str:
-    return f"zstd frame needs dictionary {dict_id}; the format uses none"
 
 
 def decode_memory(chunks: Sequence[Chunk], native: bool) -> int:
@@ -371,7 +357,10 @@ class ChunkReader:
             if ch.codec == fmt.CODEC_RAW:
                 dest[:] = stored
         if ch.codec == fmt.CODEC_ZSTD:
-            self._decompress(k, ch, stored, dest, key)
+            try:
+                zstdframes.decode(stored, dest, ch.filter == fmt.FILTER_SHUFFLE, ch.width)
+            except zstdframes.FrameError as e:
+                raise self._error(CorruptError, str(e), k, key, ch.offset) from e.__cause__
         if verify and ch.digest and fmt.content_digest(dest) != ch.digest:
             raise self._error(CorruptError, _DIGEST_MISMATCH, k, key, ch.offset)
 
@@ -384,44 +373,6 @@ class ChunkReader:
         if plain is None:
             raise self._error(DecryptionError, _TAG_MISMATCH, k, key, ch.offset)
         return memoryview(plain)
-
-    def _decompress(self, k: int, ch: Chunk, stored: memoryview, dest: memoryview, key: str | None) -> None:
-        import zstandard  # the reference path's only: the C engine decodes zstd itself (5 ms to import)
-
-        def bad(msg: str) -> CheckpointError:
-            return self._error(CorruptError, msg, k, key, ch.offset)
-
-        # the frame header checks of the C engine (reader.c), in the same order and words
-        if bytes(stored[:4]) != _ZSTD_MAGIC:
-            raise bad(_NOT_A_FRAME)
-        try:
-            params = zstandard.get_frame_parameters(stored)
-        except zstandard.ZstdError as e:
-            raise bad("zstd data does not decode") from e
-        if params.content_size == zstandard.CONTENTSIZE_UNKNOWN:
-            raise bad("zstd frame does not declare its decoded size")
-        if params.content_size != ch.raw_len:
-            raise bad(f"zstd frame declares {params.content_size} bytes, the index {ch.raw_len}")
-        if params.window_size > _ZSTD_MAX_WINDOW:
-            raise bad(_window_msg(params.window_size))
-        if params.dict_id:
-            raise bad(_dict_msg(params.dict_id))
-        try:
-            # one-shot decoding: the buffer is exactly raw_len; a content checksum, if the
-            # frame has one, is verified (as in C)
-            dctx = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW)
-            out = dctx.decompress(stored, max_output_size=ch.raw_len, allow_extra_data=False)
-        except zstandard.ZstdError as e:
-            raise bad("zstd data does not decode") from e
-        if len(out) != ch.raw_len:
-            raise bad(f"zstd data decodes to {len(out)} bytes, expected {ch.raw_len}")
-        if ch.filter == fmt.FILTER_SHUFFLE:
-            import numpy as np  # the reference path un-shuffles with numpy; the C engine needs none
-
-            planes = np.frombuffer(out, dtype=np.uint8).reshape(ch.width, ch.raw_len // ch.width)
-            np.frombuffer(dest, dtype=np.uint8).reshape(ch.raw_len // ch.width, ch.width)[...] = planes.T
-        else:
-            dest[:] = out
 
     # -- batched, parallel reads ---------------------------------------------
 
@@ -573,13 +524,13 @@ class ChunkReader:
         messages = {
             _native.WHY_CHECKSUM: ("checksum mismatch", off),
             _native.WHY_PADDING: ("padding after the chunk is not zero", ch.offset + ch.stored_len),
-            _native.WHY_NO_SIZE: ("zstd frame does not declare its decoded size", off),
-            _native.WHY_DECLARED: (f"zstd frame declares {value} bytes, the index {ch.raw_len}", off),
-            _native.WHY_DECODED: (f"zstd data decodes to {value} bytes, expected {ch.raw_len}", off),
+            _native.WHY_NO_SIZE: (zstdframes.NO_SIZE, off),
+            _native.WHY_DECLARED: (zstdframes.declared_msg(value, ch.raw_len), off),
+            _native.WHY_DECODED: (zstdframes.decoded_msg(value, ch.raw_len), off),
             _native.WHY_DIGEST: (_DIGEST_MISMATCH, off),
-            _native.WHY_FRAME: (_NOT_A_FRAME, off),
-            _native.WHY_WINDOW: (_window_msg(value), off),
-            _native.WHY_DICT: (_dict_msg(value), off),
+            _native.WHY_FRAME: (zstdframes.NOT_A_FRAME, off),
+            _native.WHY_WINDOW: (zstdframes.window_msg(value), off),
+            _native.WHY_DICT: (zstdframes.dict_msg(value), off),
         }
         if reason == _native.WHY_SHA:
             return self._error(SignatureError, _SHA_MISMATCH, k, key, off)
@@ -589,7 +540,7 @@ class ChunkReader:
             return self._error(
                 CheckpointError, "libcrypto failed, or the engine was built without it", k, key, off
             )
-        msg, at = messages.get(reason, ("zstd data does not decode", off))
+        msg, at = messages.get(reason, (zstdframes.UNDECODABLE, off))
         return self._error(CorruptError, msg, k, key, at)
 
     # -- mapped files and whole-file checks ------------------------------------
