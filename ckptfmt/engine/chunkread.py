@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
@@ -101,11 +102,18 @@ class ChunkReader:
         #: what the index takes while held (fmt.index_memory_bound): part of a load's max_bytes
         self.index_memory = index.memory
         self.max_open = max_open
-        self._scratch = bytearray()
+        # the Python path's buffer for a compressed chunk's stored bytes: one per thread reading
+        self._scratch = threading.local()
         # referenced files: open ones (fd, end of data section), most recently used last,
         # and those that could not be used (error class and reason, reported again per chunk)
         self._ext_open: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self._ext_failed: dict[int, tuple[type[CheckpointError], str]] = {}
+        # reads run at once on several threads (a Reader's gets): referenced files are opened
+        # under this lock, and one let go of (max_open) while reads are in progress is closed
+        # once none is, never under a read that may be using its descriptor
+        self._ext_lock = threading.Lock()
+        self._reads = 0
+        self._evicted: list[int] = []
         #: where `fd` is a spool of a remote object: fetches chunk bytes before they are read
         self.remote: Fetcher | None = None
 
@@ -240,6 +248,10 @@ class ChunkReader:
 
     def _external(self, e: int, k: int, key: str | None) -> tuple[int, int]:
         """(fd, end of data section) of referenced file e, opened and checked on first use."""
+        with self._ext_lock:
+            return self._external_locked(e, k, key)
+
+    def _external_locked(self, e: int, k: int, key: str | None) -> tuple[int, int]:
         got = self._ext_open.get(e)
         if got is not None:
             self._ext_open.move_to_end(e)
@@ -255,7 +267,11 @@ class ChunkReader:
                 err.reason, path=self.path, key=self.key_of(k) if key is None else key, chunk=k
             ) from err
         if len(self._ext_open) >= self.max_open:
-            self._release(self._ext_open.popitem(last=False)[1][0])
+            fd = self._ext_open.popitem(last=False)[1][0]
+            if self._reads:
+                self._evicted.append(fd)
+            else:
+                self._release(fd)
         self._ext_open[e] = got
         return got
 
@@ -329,9 +345,10 @@ class ChunkReader:
             need = pad_need
         else:
             need = ch.stored_len + pad_need
-        if len(self._scratch) < need:
-            self._scratch = bytearray(need)
-        scratch = memoryview(self._scratch)
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or len(buf) < need:
+            buf = self._scratch.buf = bytearray(need)
+        scratch = memoryview(buf)
         if ch.codec == fmt.CODEC_RAW:
             stored = dest
             self._readv(fd, [dest, scratch[:pad_need]], ch.offset, k, key)
@@ -388,18 +405,34 @@ class ChunkReader:
         which spares the engine copying raw chunks into them and un-shuffling; with the
         C engine, a chunk without a content digest then needs no destination (None).
         """
-        groups: dict[int, list[tuple[int, Destination]]] = {}
         if not self.externals:  # every chunk lies in this file
-            groups = {-1: list(items)} if items else {}
-        else:
+            if items:
+                self._read_source(-1, list(items), verify, check_only)
+            return
+        with self._ext_lock:
+            self._reads += 1
+        try:
+            groups: dict[int, list[tuple[int, Destination]]] = {}
             for k, dest in items:
                 groups.setdefault(self.chunks[k].source, []).append((k, dest))
-        for source, group in groups.items():
-            fetcher = self._fetcher(source, group[0][0])
-            if fetcher is not None:
-                self._read_fetched(fetcher, group, verify, check_only)
-            else:
-                self._read_group(group, verify, check_only)
+            for source, group in groups.items():
+                self._read_source(source, group, verify, check_only)
+        finally:
+            with self._ext_lock:
+                self._reads -= 1
+                evicted, self._evicted = (self._evicted, []) if not self._reads else ([], self._evicted)
+            for fd in evicted:
+                self._release(fd)
+
+    def _read_source(
+        self, source: int, group: list[tuple[int, Destination]], verify: bool, check_only: bool
+    ) -> None:
+        """Read chunks that all lie in file `source` (-1: this one)."""
+        fetcher = self._fetcher(source, group[0][0])
+        if fetcher is not None:
+            self._read_fetched(fetcher, group, verify, check_only)
+        else:
+            self._read_group(group, verify, check_only)
 
     def _fetcher(self, source: int, k: int) -> Fetcher | None:
         """What brings file `source`'s bytes (-1: this one) in from a store; None for a local
@@ -432,8 +465,8 @@ class ChunkReader:
     def _room(self, items: Sequence[tuple[int, Destination]]) -> fetchread.Room | None:
         """The load's max_bytes (that of the object this file is) and what reading `items`
         takes besides the spools' windows: the index, the destinations, the decode buffers,
-        and what the spools of this object and of the referenced ones open hold already;
-        None without a bound."""
+        and what the spools of this object and of the referenced ones open hold already that
+        no other read (on another thread) uses; None without a bound."""
         bound = self.remote.max_bytes if self.remote is not None else None
         if bound is None:
             return None
@@ -442,14 +475,16 @@ class ChunkReader:
             index=self.index_memory,
             tensors=sum(self.chunks[k].raw_len for k, d in items if d is not None),
             decode=decode_memory([self.chunks[k] for k, _ in items], _native.available()),
-            held=sum(f.occupied() for f in self._fetchers()),
+            held=sum(f.idle() for f in self._fetchers()),
         )
 
     def _fetchers(self) -> list[Fetcher]:
         """What brings this object's bytes in and those of the referenced objects open."""
         fetchers = [] if self.remote is None else [self.remote]
         if self._base is not None:
-            for fd, _ in self._ext_open.values():
+            with self._ext_lock:
+                fds = [fd for fd, _ in self._ext_open.values()]
+            for fd in fds:
                 fetcher = self._base.fetcher_of(fd)
                 if fetcher is not None:
                     fetchers.append(fetcher)
