@@ -6,8 +6,10 @@ within its bound."""
 
 from __future__ import annotations
 
+import os
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -102,3 +104,61 @@ def test_gets_at_once_under_max_bytes_each_keep_within_it(s3_bucket):
         assert 0 < remote.peak_bytes <= opened + THREADS * room
         assert not remote._book.uses and remote.occupied() <= opened
         assert_same(r.get("t0"), state["t0"])
+
+
+def test_a_range_two_gets_need_at_once_is_fetched_once_and_freed_after_both(store_faults):
+    """Two threads get the same entry at once while its first request is held unanswered: the
+    second waits for the first's requests, no byte is asked for twice, and the bytes are
+    given back (their pages freed) once both are done, not while the second still reads."""
+    faults = store_faults
+    options = faults.options | {"request_size": MiB}
+    url = f"{faults.new_root()}/shared.ckpt"
+    w = torch.randn(MiB, generator=torch.Generator().manual_seed(2))  # 4 MiB, through the spool
+    ckptfmt.save({"w": w, "step": 1}, url, storage_options=options, chunk_size=256 << 10, compression="zstd")
+    with ckptfmt.open(url, storage_options=options) as r:
+        remote = _remote(r)
+        opened = remote.occupied()
+        faults.clear_counts()
+        released = faults.hold(*faults.op("read", "shared.ckpt"))
+        got: list[torch.Tensor] = []
+        threads = [threading.Thread(target=lambda: got.append(r.get("w"))) for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not remote._book.uses or max(remote._book.uses.values()) < 2:  # both planned
+                assert time.monotonic() < deadline, "the second get never asked for its chunks"
+                time.sleep(0.01)
+        finally:
+            released.set()
+            for t in threads:
+                t.join(60)
+        assert len(got) == 2 and all(torch.equal(t, w) for t in got)
+        asked = sorted(faults.ranges("shared.ckpt"))
+        assert all(a[1] <= b[0] for a, b in zip(asked, asked[1:])), asked  # every byte once
+        assert not remote._book.uses and remote.occupied() <= opened
+
+
+def test_a_range_two_reads_use_stays_in_the_spool_until_both_give_it_back(store_faults):
+    """Two reads of one object use the same range: it is fetched once, the first's giving back
+    leaves its bytes in the spool for the second (they were freed under it: zeros, a false
+    CorruptError or, unverified, wrong tensors), and the second's frees its pages."""
+    faults = store_faults
+    url = f"{faults.new_root()}/used.ckpt"
+    ckptfmt.save({"w": torch.randn(MiB // 4)}, url, storage_options=faults.options)
+    expected = faults.get_raw(url)
+    remote = RemoteObject(url, faults.options, fetch_index=False)
+    try:
+        assert remote.spool is not None
+        used = (8192, 8192 + 300_000)
+        faults.clear_counts()
+        for _ in range(2):  # two reads, each using the range until it gives it back
+            remote.wait(remote.start((), uses=[used]))
+        assert faults.ranges("used.ckpt") == [used]  # asked for once
+        remote.release([used], wait=True)
+        assert bytes(remote.spool.view(*used)) == expected[used[0] : used[1]]
+        assert remote.occupied() > 0
+        remote.release([used], wait=True)
+        assert remote.occupied() == 0 and os.fstat(remote.spool.fd).st_blocks == 0
+    finally:
+        remote.close()
