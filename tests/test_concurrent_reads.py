@@ -162,3 +162,49 @@ def test_a_range_two_reads_use_stays_in_the_spool_until_both_give_it_back(store_
         assert remote.occupied() == 0 and os.fstat(remote.spool.fd).st_blocks == 0
     finally:
         remote.close()
+
+
+def test_a_request_no_thread_took_leaves_no_read_waiting(s3_bucket):
+    """A read's requests are registered in flight, then handed to the pool; where the pool
+    refuses one (no thread could start), the read fails with that error, and a read waiting
+    for that request meanwhile (a get on another thread) is told at once, and a read after
+    it asks for the bytes anew instead of waiting for ever for a fetch that never runs."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/refused.ckpt"
+    ckptfmt.save({"w": torch.randn(MiB // 4)}, url, storage_options=options)
+    remote = RemoteObject(url, options, fetch_index=False)
+    pool = remote._pool
+    gate = threading.Event()
+    waited: list[BaseException | None] = []
+
+    class Refusing:
+        """The pool as another get finds the request in flight meanwhile, then refuses it."""
+
+        def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+            futures = remote.start([(0, 4096)])  # the other get: waits for the request in flight
+            threading.Thread(target=lambda: waited.append(_failure(remote, futures))).start()
+            gate.wait(0.5)
+            raise RuntimeError("can't start new thread")
+
+    try:
+        remote._pool = Refusing()  # type: ignore[assignment]
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            remote.fetch([(0, 4096)])
+        deadline = time.monotonic() + 30
+        while not waited and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert waited and isinstance(waited[0], ckptfmt.StorageError)
+        assert not remote._book.requests
+        remote._pool = pool
+        remote.fetch([(0, 4096)])  # asked for anew: answered
+    finally:
+        remote._pool = pool
+        remote.close()
+
+
+def _failure(remote: RemoteObject, futures: list) -> BaseException | None:
+    try:
+        remote.wait(futures)
+    except BaseException as e:
+        return e
+    return None

@@ -207,7 +207,7 @@ class RemoteObject:
             return tail[0]
         order = SendOrder()
         with self._held_lock:
-            (ends,) = self._book.make([tail])
+            (ends,) = self._made(self._book.make([tail]))
         self._hand_over([ends], lambda q: run_into(self._pool, q.future, self._get_tail, q, order))
         first = self._read_ahead(wave, head[1], order)
         self.wait([ends.future, first])
@@ -237,7 +237,7 @@ class RemoteObject:
         deferred = [Deferred(prologue if i == 0 else r[0], order) for i, r in enumerate(requests)]
         made = [Request(r, [r], d) for r, d in zip(requests, deferred)]
         with self._held_lock:
-            self._book.requests.extend(made)
+            self._book.requests.extend(self._made(made))
 
         def send(q: Request) -> None:
             # refused (the exit began since _fetch_ends): claimed for the spool, then run here
@@ -318,7 +318,7 @@ class RemoteObject:
                 self._claim(q, ())  # a request of the read-ahead wave: its bytes to the spool
             self._book.use(uses)
             cut = cell or self._request_bytes
-            made = self._book.make(plan_requests(missing, cut, MERGE_GAP if gap is None else gap))
+            made = self._made(self._book.make(plan_requests(missing, cut, MERGE_GAP if gap is None else gap)))
             if self.max_bytes is not None:  # the figure a bound is kept by (tests read it)
                 self._note_occupied()
         # outside the lock, which _get takes (at exit it runs here)
@@ -327,17 +327,28 @@ class RemoteObject:
 
     def _hand_over(self, made: list[Request], send: Callable[[Request], None]) -> None:
         """`send` each request registered as in flight; where one cannot be sent (no thread
-        could start, an interrupt), it and those after it are cancelled and taken out of
-        flight before the error is raised: else every later read of their bytes waits for them."""
+        could start, an interrupt), it and those after it are cancelled before the error is
+        raised (each leaves flight as it is cancelled: _made), else every later read of their
+        bytes waits for them."""
         for i, q in enumerate(made):
             try:
                 send(q)
             except BaseException:
-                with self._held_lock:
-                    for q2 in made[i:]:
-                        if q2.future.cancel():  # not started: never will
-                            self._book.over(q2, ())
+                for q2 in made[i:]:
+                    q2.future.cancel()  # never sent: never will be (one that started ends itself)
                 raise
+
+    def _made(self, requests: list[Request]) -> list[Request]:
+        """`requests`, registered in flight under _held_lock, each taken out of flight should
+        it be cancelled before it starts (never sent, or its pool shut down): its fetch, which
+        takes it out once over, never runs."""
+        for q in requests:
+            q.future.add_done_callback(partial(self._if_cancelled, q))
+        return requests
+
+    def _if_cancelled(self, request: Request, future: Future[None]) -> None:
+        if future.cancelled():
+            self._landed(request, ())
 
     def occupied(self) -> int:
         """Bytes of the spool held, on their way, or given back and not yet freed, in the
@@ -437,7 +448,7 @@ class RemoteObject:
             for q in claimed:
                 self._claim(q, targets, landed)
             fetch = subtract_ranges(wanted, merge_ranges([*copied, *(q.range for q in claimed)]))
-            made = book.make(plan_requests([*fetch, *missing], self._request_bytes), wanted)
+            made = self._made(book.make(plan_requests([*fetch, *missing], self._request_bytes), wanted))
             futures = [] if futures is None else futures
             futures.extend(q.future for q in dict.fromkeys([*waited, *claimed]))
             futures.extend(q.future for q in made)
