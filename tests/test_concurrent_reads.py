@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from helpers import assert_same
+from helpers import assert_same, use_backend
 
 import ckptfmt
 from ckptfmt.storage.download import RemoteObject
@@ -78,6 +78,19 @@ def test_gets_of_one_object_on_several_threads_at_once_are_bit_exact(store, comp
         # every read gave back what it used: the spool holds no more than the index's tail
         assert not remote._book.uses and not remote._book.requests
         assert remote.occupied() <= opened
+
+
+def test_gets_at_once_on_the_python_path_are_bit_exact(s3_bucket, monkeypatch):
+    """Without the C engine each compressed chunk is read into a scratch buffer and decoded
+    from there: one per thread (threads sharing one decoded each other's bytes)."""
+    bucket, options = s3_bucket
+    options = options | {"request_size": MiB}
+    state = _state()
+    url = f"s3://{bucket}/threads-python.ckpt"
+    ckptfmt.save(state, url, storage_options=options, chunk_size=256 << 10, compression="zstd")
+    use_backend(monkeypatch, "python")
+    with ckptfmt.open(url, storage_options=options) as r:
+        _rounds(r, state)
 
 
 def test_gets_at_once_under_max_bytes_each_keep_within_it(s3_bucket):

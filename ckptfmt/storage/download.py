@@ -17,14 +17,14 @@ as a plain parallel download's are.  The bytes fetched and not yet given back ar
 track of, and a later plan leaves them out; a range asked for while it is in flight is not
 asked for again: its fetch is waited for.  Several reads of the object at once (a Reader's
 gets on several threads) share the spool: each says which ranges it reads from there until it
-gives them back, and a range's pages are freed once no read uses them (holdings.py).  A reader that will read the whole object
-(``read_ahead``) sends its requests in one wave, as a plain download does: the tail, and the
-cells before it (up to READ_AHEAD_BYTES) at once, the first of which reads the prologue into
-the spool; the others' answers wait, unread, until the index is parsed and the chunk reader
-claims them (``start_into``): their bodies then go straight into the tensors (the spool
-where a chunk needs it: engine/directread.py).  A load under max_bytes reads nothing ahead:
-the bytes the spool holds (``occupied``) count against that bound with the tensors, which
-only the parsed index tells.
+gives them back, and a range's pages are freed once no read uses them (holdings.py).  A
+reader that will read the whole object (``read_ahead``) sends its requests in one wave, as a
+plain download does: the tail, and the cells before it (up to READ_AHEAD_BYTES) at once,
+the first of which reads the prologue into the spool; the others' answers wait, unread,
+until the index is parsed and the chunk reader claims them (``start_into``): their bodies
+then go straight into the tensors (the spool where a chunk needs it: engine/directread.py).
+A load under max_bytes reads nothing ahead: the bytes the spool holds (``occupied``) count
+against that bound with the tensors, which only the parsed index tells.
 Ranges given back have their pages freed on a thread of their own (freeing costs about as
 much as filling them), so the reader goes on to its next window meanwhile; a fetch into
 pages still being freed waits for that first.
