@@ -221,3 +221,28 @@ def _failure(remote: RemoteObject, futures: list) -> BaseException | None:
     except BaseException as e:
         return e
     return None
+
+
+def test_gets_at_once_of_a_file_whose_chunks_lie_in_many_others(tmp_path, monkeypatch):
+    """An incremental file's chunks lie in eight earlier files, and the reader keeps two open:
+    gets on several threads at once open and let go of them all the while; one let go of is
+    closed only once no read is in progress (closed under another thread's read, its
+    descriptor failed that read, or, reused, read another file's bytes)."""
+    from ckptfmt.files import incremental, reader
+
+    n = 8
+    paths = []
+    for i in range(n):
+        (tmp_path / f"step-{i}").mkdir()
+        paths.append(str(tmp_path / f"step-{i}" / "state.ckpt"))
+    g = torch.Generator().manual_seed(9)
+    state = {f"t{i}": torch.randn(70_000, generator=g) for i in range(n)}
+    incremental.save(state, paths[0], chunk_size=64 << 10)
+    for i in range(1, n):
+        state[f"t{i}"].add_(100)
+        incremental.save(state, paths[i], base=paths[i - 1])
+    monkeypatch.setattr(reader, "MAX_OPEN_EXTERNALS", 2)
+    fds = len(os.listdir("/proc/self/fd"))
+    with ckptfmt.open(paths[-1]) as r:
+        _rounds(r, state)
+    assert len(os.listdir("/proc/self/fd")) == fds
