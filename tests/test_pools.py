@@ -50,6 +50,36 @@ def test_work_cancelled_in_the_queue_cancels_its_future():
         queued.result(timeout=10)
 
 
+class _Refusing(ThreadPoolExecutor):
+    """A pool that cannot start a thread for its work (what a process at its thread limit gets)."""
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("can't start new thread")
+
+
+def test_work_a_pool_refuses_cancels_its_future():
+    """A submit that fails while the interpreter runs on (no thread could start) is raised, and
+    the future run_into was given, which a waiter may hold already, is cancelled with it: the
+    waiter is told at once, not left waiting for work no thread will run."""
+    done: Future[None] = Future()
+    outcome: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            done.result(timeout=60)
+        except BaseException as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    pool = _Refusing(1)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        run_into(pool, done, lambda: None)
+    t.join(10)
+    assert not t.is_alive() and done.cancelled() and isinstance(outcome[0], CancelledError)
+    pool.shutdown()
+
+
 def test_run_each_raises_the_earliest_items_failure_whichever_failed_first():
     def call(i: int) -> int:
         if i == 1:

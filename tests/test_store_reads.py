@@ -394,10 +394,11 @@ def test_a_load_under_max_bytes_reads_ahead_no_more_than_that(store_faults):
 def _peaks(monkeypatch) -> dict[str, int]:
     """The most bytes each RemoteObject's spool held or had asked for at once, by URL: the
     download's own count (peak_bytes, taken as it is closed), or where more, the memory its
-    memfd held (its blocks, taken before each range read is given back, when it is fullest)."""
+    memfd held (its blocks, taken before each range read or copied out is given back, when it
+    is fullest)."""
     peaks: dict[str, int] = {}
     close = RemoteObject.close
-    release = RemoteObject.release
+    give_back = RemoteObject._give_back
 
     def note(self: RemoteObject, held: int) -> None:
         peaks[self.path] = max(peaks.get(self.path, 0), held)
@@ -406,13 +407,13 @@ def _peaks(monkeypatch) -> dict[str, int]:
         note(self, self.peak_bytes)
         close(self)
 
-    def releasing(self: RemoteObject, ranges: list[tuple[int, int]], wait: bool = False) -> None:
+    def giving_back(self: RemoteObject, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         if self.spool is not None:
             note(self, os.fstat(self.spool.fd).st_blocks * 512)
-        release(self, ranges, wait)
+        return give_back(self, ranges)
 
     monkeypatch.setattr(RemoteObject, "close", closing)
-    monkeypatch.setattr(RemoteObject, "release", releasing)
+    monkeypatch.setattr(RemoteObject, "_give_back", giving_back)
     return peaks
 
 
@@ -634,9 +635,10 @@ def test_the_chunk_whose_end_the_index_tail_holds_is_read_into_its_tensor(s3_buc
         straight.append(len(self._items))
         return start(self, remote, spooled, futures)
 
-    def copying(self, lo, hi, into):
-        copies.append((lo, hi))
-        return copy_held(self, lo, hi, into)
+    def copying(self, targets):
+        copied = copy_held(self, targets)
+        copies.extend(copied)
+        return copied
 
     monkeypatch.setattr(directread.DirectReads, "start", counted)
     monkeypatch.setattr(RemoteObject, "copy_held", copying)
@@ -699,14 +701,16 @@ def test_a_load_without_a_bound_does_not_count_the_spools_pages(s3_bucket, monke
     url = f"s3://{bucket}/unbounded/model.ckpt"
     state = _direct_state()
     ckptfmt.save(state, url, storage_options=options, chunk_size=256 << 10)
+    from ckptfmt.storage.holdings import Holdings
+
     sums = [0]
-    occupied = RemoteObject._occupied
+    occupied = Holdings.occupied
 
     def summed(self):
         sums[0] += 1
         return occupied(self)
 
-    monkeypatch.setattr(RemoteObject, "_occupied", summed)
+    monkeypatch.setattr(Holdings, "occupied", summed)
     assert_same(state, ckptfmt.load(url, storage_options=options))
     assert sums[0] == 0
     assert_same(state, ckptfmt.load(url, max_bytes=20 * MiB, storage_options=options))
@@ -821,7 +825,7 @@ def test_requests_made_before_a_direct_read_fails_to_start_are_waited_for():
     made: Future[None] = Future()
 
     class Failing:
-        def start_into(self, targets, landed, spooled, futures):
+        def start_into(self, targets, landed, spooled, futures, copied):
             futures.append(made)
             threading.Timer(0.3, made.set_result, [None]).start()
             raise RuntimeError("the pool is shut down")
@@ -830,8 +834,8 @@ def test_requests_made_before_a_direct_read_fails_to_start_are_waited_for():
             for f in futures:
                 f.exception()
 
-        def held_within(self, ranges):
-            return [[] for _ in ranges]
+        def copy_held(self, targets):
+            return []
 
     dest = memoryview(bytearray(64 << 10))
     reads = [(0, dest)]

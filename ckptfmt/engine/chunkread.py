@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
@@ -40,7 +41,7 @@ from ..fileio import pread_exact
 from ..format import encryption
 from ..format import layout as fmt
 from ..format.index import Chunk, Index
-from . import chunkrecords, directread, fetchread
+from . import chunkrecords, directread, fetchread, zstdframes
 from . import native as _native
 from .ckptdir import CheckpointDir
 from .sources import Fetcher, References
@@ -53,20 +54,6 @@ CHECK_WINDOW_UNTOUCHED = 1 << 30
 _SHA_MISMATCH = "chunk does not match the SHA-256 digest its signature covers (a byte changed)"
 _DIGEST_MISMATCH = "content digest mismatch (the decoded bytes are not the ones the index describes)"
 _TAG_MISMATCH = "chunk does not match its GCM tag (a byte of it or of its tag changed, or it was moved)"
-#: zstd window limit: frames needing more memory than this are rejected (2**27 = 128 MiB)
-_ZSTD_MAX_WINDOW = 1 << fmt.ZSTD_WINDOW_LOG_MAX
-#: the magic number of a zstd frame (RFC 8878); legacy (pre-1.0) and skippable frames differ
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-# the messages both engines give for a zstd frame the format refuses (spec section 3)
-_NOT_A_FRAME = "not a zstd frame (legacy, skippable or unknown magic number)"
-
-
-def _window_msg(window: int) -> str:
-    return f"zstd frame needs a window of {window} bytes, above the limit {_ZSTD_MAX_WINDOW}"
-
-
-def _dict_msg(dict_id: int) -> str:
-    return f"zstd frame needs dictionary {dict_id}; the format uses none"
 
 
 def decode_memory(chunks: Sequence[Chunk], native: bool) -> int:
@@ -115,11 +102,18 @@ class ChunkReader:
         #: what the index takes while held (fmt.index_memory_bound): part of a load's max_bytes
         self.index_memory = index.memory
         self.max_open = max_open
-        self._scratch = bytearray()
+        # the Python path's buffer for a compressed chunk's stored bytes: one per thread reading
+        self._scratch = threading.local()
         # referenced files: open ones (fd, end of data section), most recently used last,
         # and those that could not be used (error class and reason, reported again per chunk)
         self._ext_open: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self._ext_failed: dict[int, tuple[type[CheckpointError], str]] = {}
+        # reads run at once on several threads (a Reader's gets): referenced files are opened
+        # under this lock, and one let go of (max_open) while reads are in progress is closed
+        # once none is, never under a read that may be using its descriptor
+        self._ext_lock = threading.Lock()
+        self._reads = 0
+        self._evicted: list[int] = []
         #: where `fd` is a spool of a remote object: fetches chunk bytes before they are read
         self.remote: Fetcher | None = None
 
@@ -254,6 +248,10 @@ class ChunkReader:
 
     def _external(self, e: int, k: int, key: str | None) -> tuple[int, int]:
         """(fd, end of data section) of referenced file e, opened and checked on first use."""
+        with self._ext_lock:
+            return self._external_locked(e, k, key)
+
+    def _external_locked(self, e: int, k: int, key: str | None) -> tuple[int, int]:
         got = self._ext_open.get(e)
         if got is not None:
             self._ext_open.move_to_end(e)
@@ -269,7 +267,11 @@ class ChunkReader:
                 err.reason, path=self.path, key=self.key_of(k) if key is None else key, chunk=k
             ) from err
         if len(self._ext_open) >= self.max_open:
-            self._release(self._ext_open.popitem(last=False)[1][0])
+            fd = self._ext_open.popitem(last=False)[1][0]
+            if self._reads:
+                self._evicted.append(fd)
+            else:
+                self._release(fd)
         self._ext_open[e] = got
         return got
 
@@ -343,9 +345,10 @@ class ChunkReader:
             need = pad_need
         else:
             need = ch.stored_len + pad_need
-        if len(self._scratch) < need:
-            self._scratch = bytearray(need)
-        scratch = memoryview(self._scratch)
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or len(buf) < need:
+            buf = self._scratch.buf = bytearray(need)
+        scratch = memoryview(buf)
         if ch.codec == fmt.CODEC_RAW:
             stored = dest
             self._readv(fd, [dest, scratch[:pad_need]], ch.offset, k, key)
@@ -371,7 +374,10 @@ class ChunkReader:
             if ch.codec == fmt.CODEC_RAW:
                 dest[:] = stored
         if ch.codec == fmt.CODEC_ZSTD:
-            self._decompress(k, ch, stored, dest, key)
+            try:
+                zstdframes.decode(stored, dest, ch.filter == fmt.FILTER_SHUFFLE, ch.width)
+            except zstdframes.FrameError as e:
+                raise self._error(CorruptError, str(e), k, key, ch.offset) from e.__cause__
         if verify and ch.digest and fmt.content_digest(dest) != ch.digest:
             raise self._error(CorruptError, _DIGEST_MISMATCH, k, key, ch.offset)
 
@@ -384,44 +390,6 @@ class ChunkReader:
         if plain is None:
             raise self._error(DecryptionError, _TAG_MISMATCH, k, key, ch.offset)
         return memoryview(plain)
-
-    def _decompress(self, k: int, ch: Chunk, stored: memoryview, dest: memoryview, key: str | None) -> None:
-        import zstandard  # the reference path's only: the C engine decodes zstd itself (5 ms to import)
-
-        def bad(msg: str) -> CheckpointError:
-            return self._error(CorruptError, msg, k, key, ch.offset)
-
-        # the frame header checks of the C engine (reader.c), in the same order and words
-        if bytes(stored[:4]) != _ZSTD_MAGIC:
-            raise bad(_NOT_A_FRAME)
-        try:
-            params = zstandard.get_frame_parameters(stored)
-        except zstandard.ZstdError as e:
-            raise bad("zstd data does not decode") from e
-        if params.content_size == zstandard.CONTENTSIZE_UNKNOWN:
-            raise bad("zstd frame does not declare its decoded size")
-        if params.content_size != ch.raw_len:
-            raise bad(f"zstd frame declares {params.content_size} bytes, the index {ch.raw_len}")
-        if params.window_size > _ZSTD_MAX_WINDOW:
-            raise bad(_window_msg(params.window_size))
-        if params.dict_id:
-            raise bad(_dict_msg(params.dict_id))
-        try:
-            # one-shot decoding: the buffer is exactly raw_len; a content checksum, if the
-            # frame has one, is verified (as in C)
-            dctx = zstandard.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW)
-            out = dctx.decompress(stored, max_output_size=ch.raw_len, allow_extra_data=False)
-        except zstandard.ZstdError as e:
-            raise bad("zstd data does not decode") from e
-        if len(out) != ch.raw_len:
-            raise bad(f"zstd data decodes to {len(out)} bytes, expected {ch.raw_len}")
-        if ch.filter == fmt.FILTER_SHUFFLE:
-            import numpy as np  # the reference path un-shuffles with numpy; the C engine needs none
-
-            planes = np.frombuffer(out, dtype=np.uint8).reshape(ch.width, ch.raw_len // ch.width)
-            np.frombuffer(dest, dtype=np.uint8).reshape(ch.raw_len // ch.width, ch.width)[...] = planes.T
-        else:
-            dest[:] = out
 
     # -- batched, parallel reads ---------------------------------------------
 
@@ -437,18 +405,34 @@ class ChunkReader:
         which spares the engine copying raw chunks into them and un-shuffling; with the
         C engine, a chunk without a content digest then needs no destination (None).
         """
-        groups: dict[int, list[tuple[int, Destination]]] = {}
         if not self.externals:  # every chunk lies in this file
-            groups = {-1: list(items)} if items else {}
-        else:
+            if items:
+                self._read_source(-1, list(items), verify, check_only)
+            return
+        with self._ext_lock:
+            self._reads += 1
+        try:
+            groups: dict[int, list[tuple[int, Destination]]] = {}
             for k, dest in items:
                 groups.setdefault(self.chunks[k].source, []).append((k, dest))
-        for source, group in groups.items():
-            fetcher = self._fetcher(source, group[0][0])
-            if fetcher is not None:
-                self._read_fetched(fetcher, group, verify, check_only)
-            else:
-                self._read_group(group, verify, check_only)
+            for source, group in groups.items():
+                self._read_source(source, group, verify, check_only)
+        finally:
+            with self._ext_lock:
+                self._reads -= 1
+                evicted, self._evicted = (self._evicted, []) if not self._reads else ([], self._evicted)
+            for fd in evicted:
+                self._release(fd)
+
+    def _read_source(
+        self, source: int, group: list[tuple[int, Destination]], verify: bool, check_only: bool
+    ) -> None:
+        """Read chunks that all lie in file `source` (-1: this one)."""
+        fetcher = self._fetcher(source, group[0][0])
+        if fetcher is not None:
+            self._read_fetched(fetcher, group, verify, check_only)
+        else:
+            self._read_group(group, verify, check_only)
 
     def _fetcher(self, source: int, k: int) -> Fetcher | None:
         """What brings file `source`'s bytes (-1: this one) in from a store; None for a local
@@ -481,8 +465,8 @@ class ChunkReader:
     def _room(self, items: Sequence[tuple[int, Destination]]) -> fetchread.Room | None:
         """The load's max_bytes (that of the object this file is) and what reading `items`
         takes besides the spools' windows: the index, the destinations, the decode buffers,
-        and what the spools of this object and of the referenced ones open hold already;
-        None without a bound."""
+        and what the spools of this object and of the referenced ones open hold already that
+        no other read (on another thread) uses; None without a bound."""
         bound = self.remote.max_bytes if self.remote is not None else None
         if bound is None:
             return None
@@ -491,14 +475,16 @@ class ChunkReader:
             index=self.index_memory,
             tensors=sum(self.chunks[k].raw_len for k, d in items if d is not None),
             decode=decode_memory([self.chunks[k] for k, _ in items], _native.available()),
-            held=sum(f.occupied() for f in self._fetchers()),
+            held=sum(f.idle() for f in self._fetchers()),
         )
 
     def _fetchers(self) -> list[Fetcher]:
         """What brings this object's bytes in and those of the referenced objects open."""
         fetchers = [] if self.remote is None else [self.remote]
         if self._base is not None:
-            for fd, _ in self._ext_open.values():
+            with self._ext_lock:
+                fds = [fd for fd, _ in self._ext_open.values()]
+            for fd in fds:
                 fetcher = self._base.fetcher_of(fd)
                 if fetcher is not None:
                     fetchers.append(fetcher)
@@ -573,13 +559,13 @@ class ChunkReader:
         messages = {
             _native.WHY_CHECKSUM: ("checksum mismatch", off),
             _native.WHY_PADDING: ("padding after the chunk is not zero", ch.offset + ch.stored_len),
-            _native.WHY_NO_SIZE: ("zstd frame does not declare its decoded size", off),
-            _native.WHY_DECLARED: (f"zstd frame declares {value} bytes, the index {ch.raw_len}", off),
-            _native.WHY_DECODED: (f"zstd data decodes to {value} bytes, expected {ch.raw_len}", off),
+            _native.WHY_NO_SIZE: (zstdframes.NO_SIZE, off),
+            _native.WHY_DECLARED: (zstdframes.declared_msg(value, ch.raw_len), off),
+            _native.WHY_DECODED: (zstdframes.decoded_msg(value, ch.raw_len), off),
             _native.WHY_DIGEST: (_DIGEST_MISMATCH, off),
-            _native.WHY_FRAME: (_NOT_A_FRAME, off),
-            _native.WHY_WINDOW: (_window_msg(value), off),
-            _native.WHY_DICT: (_dict_msg(value), off),
+            _native.WHY_FRAME: (zstdframes.NOT_A_FRAME, off),
+            _native.WHY_WINDOW: (zstdframes.window_msg(value), off),
+            _native.WHY_DICT: (zstdframes.dict_msg(value), off),
         }
         if reason == _native.WHY_SHA:
             return self._error(SignatureError, _SHA_MISMATCH, k, key, off)
@@ -589,7 +575,7 @@ class ChunkReader:
             return self._error(
                 CheckpointError, "libcrypto failed, or the engine was built without it", k, key, off
             )
-        msg, at = messages.get(reason, ("zstd data does not decode", off))
+        msg, at = messages.get(reason, (zstdframes.UNDECODABLE, off))
         return self._error(CorruptError, msg, k, key, at)
 
     # -- mapped files and whole-file checks ------------------------------------

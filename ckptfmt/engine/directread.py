@@ -160,26 +160,12 @@ class DirectReads:
         """Fetch the targets, planned with the `spooled` ranges (read through the spool): one
         request a cell, not one a tensor where they alternate; `futures` gets the requests'
         futures as they are made (to be waited for, should this fail midway).  The targets'
-        bytes the spool holds are copied from it first, and given back to it once the
-        requests are planned (before, they would be asked for again)."""
-        copied = self._copy_held(remote)
-        try:
-            return remote.start_into(self.targets, self.landed, spooled, futures)
-        finally:
-            if copied:
-                remote.release(copied)
-
-    def _copy_held(self, remote: Fetcher) -> list[tuple[int, int]]:
-        """Copy the targets' bytes the spool holds into them, counted as arrived; those ranges."""
-        held = remote.held_within([(at, at + len(v)) for at, v in self.targets])
-        copied = []
-        for (at, view), parts in zip(self.targets, held):
-            for lo, hi in parts or ():
-                remote.copy_held(lo, hi, view[lo - at : hi - at])
-                copied.append((lo, hi))
+        bytes the spool holds are copied from it first (and given back to it), counted as
+        arrived, and not asked for."""
+        copied = remote.copy_held(self.targets)
         for r in copied:
             self._arrive(r, copied=True)
-        return copied
+        return remote.start_into(self.targets, self.landed, spooled, futures, copied)
 
     def landed(self, request: tuple[int, int]) -> None:
         """A request's bytes are in: check each chunk whose last bytes they were."""

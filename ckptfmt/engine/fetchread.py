@@ -32,7 +32,7 @@ class Room:
     index: int
     tensors: int
     decode: int
-    #: bytes the spools hold, have asked for or are freeing already
+    #: bytes the spools hold already that no other read uses (what reads left)
     held: int
 
     def spare(self) -> int:
@@ -96,9 +96,15 @@ def read_by_window(
     chunks = fetchplan.chunks_by_window(requests, windows, [(r, (r, item)) for r, item in zip(stored, items)])
     windows = windows or [[]]
 
+    started = 0  # windows asked for, in order ...
+    done = 0  # ... and read and given back
+
     def start(i: int) -> list[Future[None]]:
-        own = [r for r, _ in chunks[i]]
-        return remote.start(own if asked else [*windows[i], *own], cell, gap)
+        nonlocal started
+        started = i + 1
+        # the window's chunks used (kept in the spool) until read, whatever other reads of the
+        # object give back meanwhile
+        return remote.start([] if asked else windows[i], cell, gap, uses=[r for r, _ in chunks[i]])
 
     pending = [start(i) for i in range(min(ahead, len(windows)))]
     try:
@@ -108,9 +114,13 @@ def read_by_window(
                 if in_window:
                     read([item for _, item in in_window])
             finally:
+                done = i + 1
                 remote.release([r for r, _ in in_window], wait=bounded)
             if i + ahead < len(windows):
                 pending.append(start(i + ahead))
     finally:
         for futures in pending:
             remote.wait_quietly(futures)
+        # a read that failed gives back what it asked for and did not read
+        if done < started:
+            remote.release([r for in_window in chunks[done:started] for r, _ in in_window])

@@ -27,17 +27,24 @@ class Fetcher(Protocol):
         neither held nor being fetched, whole (no gap merged, no cut)."""
 
     def start(
-        self, ranges: Sequence[tuple[int, int]], cell: int | None = None, gap: int | None = None
+        self,
+        ranges: Sequence[tuple[int, int]],
+        cell: int | None = None,
+        gap: int | None = None,
+        uses: Sequence[tuple[int, int]] = (),
     ) -> list[Future[None]]:
-        """Begin fetching `ranges` (bytes held or in flight left out; ranges closer than `gap`
-        merged, cut at a grid of `cell` bytes; None: the fetcher's own)."""
+        """Begin fetching `ranges` and `uses` (bytes held or in flight left out; ranges closer
+        than `gap` merged, cut at a grid of `cell` bytes; None: the fetcher's own).  `uses`: what
+        the caller reads from the spool, kept there, whatever other reads give back, until it
+        gives each back (release)."""
 
     def held_within(self, ranges: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]] | None]:
         """For each range: None where a fetch into the spool overlaps it, else the parts of it
         the spool holds (none: untouched)."""
 
-    def copy_held(self, lo: int, hi: int, into: memoryview) -> None:
-        """Copy bytes [lo, hi), which the spool holds, into `into`."""
+    def copy_held(self, targets: Sequence[tuple[int, memoryview]]) -> list[tuple[int, int]]:
+        """Copy the bytes of (offset, memory) targets the spool holds into that memory and give
+        them back; the ranges copied."""
 
     def start_into(
         self,
@@ -45,20 +52,26 @@ class Fetcher(Protocol):
         landed: Callable[[tuple[int, int]], None],
         spooled: Sequence[tuple[int, int]] = (),
         futures: list[Future[None]] | None = None,
+        copied: Sequence[tuple[int, int]] = (),
     ) -> list[Future[None]]:
-        """Fetch (offset, memory) targets straight into that memory, not the spool, and the
-        `spooled` ranges into the spool, in one plan; `landed` is called with each request's
-        range on its thread once its bytes are in; the futures appended to `futures` too."""
+        """Fetch (offset, memory) targets straight into that memory, not the spool (less the
+        `copied` ranges, there already), and the `spooled` ranges into the spool, in one plan;
+        `landed` is called with each request's range on its thread once its bytes are in; the
+        futures appended to `futures` too."""
 
     def wait(self, futures: Sequence[Future[None]]) -> None: ...
 
     def wait_quietly(self, futures: Sequence[Future[None]]) -> None: ...
 
     def release(self, ranges: Sequence[tuple[int, int]], wait: bool = False) -> None:
-        """Give back ranges read; `wait`: return once their memory is freed."""
+        """Give back ranges read (one use of each); `wait`: return once the memory of those no
+        other read uses is freed."""
 
     def occupied(self) -> int:
         """Bytes held, in flight or not yet freed: the memory the fetcher takes now."""
+
+    def idle(self) -> int:
+        """occupied()'s bytes no read uses and no request brings in: what reads left."""
 
     def close(self) -> None: ...
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import struct
-import threading
 from typing import Any
 
 from ..background import inflight
@@ -102,9 +100,10 @@ class Reader:
     """An open checkpoint: the index is parsed, data is read only on `get`.
 
     With `max_bytes`, opening and each get() or load() raise LimitError before allocating
-    more than that for the index and the storages that call reads (see load()).  On an object
-    store, calls from several threads take turns: each read is parallel within itself, and
-    they share what one has fetched and give back what it is done with.
+    more than that for the index and the storages that call reads (see load()); calls made
+    at once from several threads may each take that much.  Calls from several threads run at
+    once; on an object store they share what one has fetched (a range two of them need is
+    fetched once, and its memory freed once both are done with it).
     """
 
     def __init__(
@@ -125,7 +124,6 @@ class Reader:
             decrypt_with=decrypt_with,
         )
         self._items = self._file.root_items()
-        self._reading, self._reading_pid = threading.Lock(), os.getpid()
 
     @property
     def path(self) -> str:
@@ -167,24 +165,13 @@ class Reader:
         devices.check_map_location(map_location)
         for k, node in self._items:
             if same_key(k, key):
-                with self._turn():
-                    return self._file.load_subtree(node, map_location, verify)
+                return self._file.load_subtree(node, map_location, verify)
         # a missing key is the caller's, as for a dict; the message says where it was looked for
         raise KeyError(f"{key!r}: no such top-level entry in {self._file.path} (keys() lists them)")
 
     def load(self, map_location: devices.MapLocation = None, *, verify: bool = True) -> Any:
         devices.check_map_location(map_location)
-        with self._turn():
-            return self._file.load_subtree(self._file.tree.root, map_location, verify)
-
-    def _turn(self) -> contextlib.AbstractContextManager[Any]:
-        """This thread's turn to read an object (a local file's reads need none): a lock of
-        this process's own, not one a fork copied while another thread held it."""
-        if not self._file.remote:
-            return contextlib.nullcontext()
-        if self._reading_pid != os.getpid():  # a forked child's first read
-            self._reading, self._reading_pid = threading.Lock(), os.getpid()
-        return self._reading
+        return self._file.load_subtree(self._file.tree.root, map_location, verify)
 
     def close(self) -> None:
         self._file.close()

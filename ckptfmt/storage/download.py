@@ -15,14 +15,16 @@ Requests follow a grid: the object is cut into cells of ``request_size`` bytes f
 start, and no request crosses a cell's edge, so a load's requests are the cells it touches,
 as a plain parallel download's are.  The bytes fetched and not yet given back are kept
 track of, and a later plan leaves them out; a range asked for while it is in flight is not
-asked for again: its fetch is waited for.  A reader that will read the whole object
-(``read_ahead``) sends its requests in one wave, as a plain download does: the tail, and the
-cells before it (up to READ_AHEAD_BYTES) at once, the first of which reads the prologue into
-the spool; the others' answers wait, unread, until the index is parsed and the chunk reader
-claims them (``start_into``): their bodies then go straight into the tensors (the spool
-where a chunk needs it: engine/directread.py).  A load under max_bytes reads nothing ahead:
-the bytes the spool holds (``occupied``) count against that bound with the tensors, which
-only the parsed index tells.
+asked for again: its fetch is waited for.  Several reads of the object at once (a Reader's
+gets on several threads) share the spool: each says which ranges it reads from there until it
+gives them back, and a range's pages are freed once no read uses them (holdings.py).  A
+reader that will read the whole object (``read_ahead``) sends its requests in one wave, as a
+plain download does: the tail, and the cells before it (up to READ_AHEAD_BYTES) at once,
+the first of which reads the prologue into the spool; the others' answers wait, unread,
+until the index is parsed and the chunk reader claims them (``start_into``): their bodies
+then go straight into the tensors (the spool where a chunk needs it: engine/directread.py).
+A load under max_bytes reads nothing ahead: the bytes the spool holds (``occupied``) count
+against that bound with the tensors, which only the parsed index tells.
 Ranges given back have their pages freed on a thread of their own (freeing costs about as
 much as filling them), so the reader goes on to its next window meanwhile; a fetch into
 pages still being freed waits for that first.
@@ -38,11 +40,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 from typing import Any
 
-from ..engine.fetchplan import paged_bytes
 from ..errors import CheckpointError, LimitError, StorageError
 from ..format import layout as fmt
 from . import client as s3
 from .backends import store_for
+from .holdings import Holdings, Request
 from .pools import pools_refuse_work, run_into, submit_or_run
 from .rangedgets import RangedGets, Where
 from .ranges import (
@@ -50,7 +52,6 @@ from .ranges import (
     REQUEST_BYTES,
     merge_ranges,
     overlaps,
-    page_edges,
     plan_requests,
     routed,
     subtract_ranges,
@@ -132,17 +133,12 @@ class RemoteObject:
         self._request_bytes = int(options.get("request_size", REQUEST_BYTES))
         self._pool = ThreadPoolExecutor(s3.concurrency(options), thread_name_prefix="ckptfmt-download")
         self.spool: Spool | None = None
-        # the ranges fetched and not given back since (sorted, disjoint), and those being
-        # fetched (each request's range and its future): plans leave both out
-        self._held: list[Range] = []
-        self._in_flight: dict[Range, Future[None]] = {}
+        # what the spool holds, the requests in flight (those of the read-ahead wave waiting
+        # to be told where their bodies go: _claim), the ranges reads use, and those given back
+        # whose pages are still being freed (on their own thread, so that a reader goes on to
+        # its next window meanwhile: a fetch into them waits for that); all under _held_lock
+        self._book = Holdings(0)
         self._held_lock = threading.Lock()
-        # requests of the read-ahead wave whose answers' bodies wait to be told where they go
-        # (_claim): a chunk reader's memory, or the spool
-        self._deferred: dict[Range, Deferred] = {}
-        # ranges given back whose pages are still being freed (on their own thread, so that
-        # the reader goes on to its next window meanwhile): a fetch into one waits for them
-        self._freeing: list[tuple[Range, Future[None]]] = []
         self._freer = ThreadPoolExecutor(1, thread_name_prefix="ckptfmt-free-spool")
         #: the memory a load may take (its max_bytes), which the chunk reader's fetches keep
         #: within, with what the load allocates besides; None: unbounded
@@ -152,6 +148,7 @@ class RemoteObject:
         self.peak_bytes = 0
         try:
             self.size, self.etag = self._head()
+            self._book.size = self.size
             timeout = float(options.get("request_timeout", REQUEST_TIMEOUT))
             self._gets = RangedGets(self._store, self.url, url, self.size, self.etag, timeout)
             if etag is not None and self.etag != etag:
@@ -209,12 +206,11 @@ class RemoteObject:
             self.fetch([head, tail])
             return tail[0]
         order = SendOrder()
-        ends: Future[None] = Future()
         with self._held_lock:
-            self._in_flight[tail] = ends
-        self._hand_over([(tail, ends)], lambda r, f: run_into(self._pool, f, self._get_tail, *r, order))
+            (ends,) = self._made(self._book.make([tail]))
+        self._hand_over([ends], lambda q: run_into(self._pool, q.future, self._get_tail, q, order))
         first = self._read_ahead(wave, head[1], order)
-        self.wait([ends, first])
+        self.wait([ends.future, first])
         return tail[0]
 
     def _wave(self, tail: int, ahead: int) -> list[Range]:
@@ -224,12 +220,12 @@ class RemoteObject:
         concurrency = s3.concurrency(self.options)
         return plan_requests([(0, min(tail, ahead))], self._request_bytes)[: concurrency - 1]
 
-    def _get_tail(self, lo: int, hi: int, order: SendOrder) -> None:
+    def _get_tail(self, request: Request, order: SendOrder) -> None:
         """_get of the tail, an end of the wave's `order`: the others go once its request is
         written or an attempt of it failed (not after its retries); its failure for good fails
         the order (the load is lost: the others never go)."""
         with order.sending(order.tail) as failed:
-            self._get(lo, hi, failed)
+            self._get(request, failed)
 
     def _read_ahead(self, requests: Sequence[Range], prologue: int, order: SendOrder) -> Future[None]:
         """Ask for `requests` (_wave) without waiting for their bodies, but for the first
@@ -239,25 +235,21 @@ class RemoteObject:
         yet, so no tensor exists; the answers are on their way meanwhile, as a plain parallel
         download's are.  The future that ends once the prologue is in."""
         deferred = [Deferred(prologue if i == 0 else r[0], order) for i, r in enumerate(requests)]
-        futures: list[Future[None]] = [Future() for _ in requests]
+        made = [Request(r, [r], d) for r, d in zip(requests, deferred)]
         with self._held_lock:
-            for r, d, f in zip(requests, deferred, futures):
-                self._in_flight[r] = f
-                self._deferred[r] = d
-        by_range = dict(zip(requests, deferred))
+            self._book.requests.extend(self._made(made))
 
-        def send(r: Range, f: Future[None]) -> None:
+        def send(q: Request) -> None:
             # refused (the exit began since _fetch_ends): claimed for the spool, then run here
-            run_into(
-                self._pool, f, self._get_deferred, *r, by_range[r], here=partial(self._claim_for_spool, r)
-            )
+            here = partial(self._claim_for_spool, q)
+            run_into(self._pool, q.future, self._get_deferred, q, q.deferred, here=here)
 
-        self._hand_over(list(zip(requests, futures)), send)
+        self._hand_over(made, send)
         return deferred[0].prefix
 
-    def _claim_for_spool(self, r: Range) -> None:
+    def _claim_for_spool(self, request: Request) -> None:
         with self._held_lock:
-            self._claim(r, ())
+            self._claim(request, ())
 
     def _footer(self) -> fmt.Footer | None:
         """The footer the fetched prologue and tail hold, checked; None if they hold none."""
@@ -302,83 +294,79 @@ class RemoteObject:
         nor being fetched, whole (no gap merged, no cut): what a read under a memory bound
         counts its windows by, then cuts at their grid."""
         with self._held_lock:
-            waited, missing = self._requests_for(ranges)
+            waited, missing = self._book.requests_for(ranges)
         rest = plan_requests(missing, self._request_bytes) if cut else missing
-        return sorted([r for r, _ in waited] + rest)
-
-    def _requests_for(self, ranges: Sequence[Range]) -> tuple[list[tuple[Range, Future[None]]], list[Range]]:
-        """What `ranges` needs, under _held_lock: the requests in flight that overlap them (with
-        their futures), and the bytes neither held nor in flight (sorted, disjoint)."""
-        wanted = merge_ranges(ranges)
-        waited = [(r, f) for r, f in self._in_flight.items() if overlaps(wanted, r)]
-        return waited, subtract_ranges(wanted, self._taken())
-
-    def _taken(self) -> list[Range]:
-        """The ranges held or in flight (sorted, disjoint); under _held_lock."""
-        if not self._in_flight:
-            return self._held
-        return merge_ranges([*self._held, *self._in_flight])
+        return sorted([q.range for q in waited] + rest)
 
     def start(
-        self, ranges: Sequence[Range], cell: int | None = None, gap: int | None = None
+        self,
+        ranges: Sequence[Range],
+        cell: int | None = None,
+        gap: int | None = None,
+        uses: Sequence[Range] = (),
     ) -> list[Future[None]]:
-        """Begin fetching `ranges` into the spool (those bytes not held or in flight already,
-        merged and cut by plan_requests: `cell` and `gap` there, default the object's
-        request_size and MERGE_GAP); a request of the read-ahead wave among those in flight is
-        claimed for the spool.  The futures finish when all of `ranges` is there: those
-        of the requests made here, and those of requests in flight that overlap them."""
+        """Begin fetching `ranges` and `uses` into the spool (those bytes not held or on their
+        way already, merged and cut by plan_requests: `cell` and `gap` there, default the
+        object's request_size and MERGE_GAP); a request of the read-ahead wave among those in
+        flight is claimed for the spool.  `uses`: the ranges the caller reads from the spool,
+        each kept there until it gives it back (release), whatever other reads give back.  The
+        futures finish when all of them is there: those of the requests made here, and those of
+        requests in flight that bring some of their bytes."""
         with self._held_lock:
-            waited, missing = self._requests_for(ranges)
-            for r, _ in waited:
-                self._claim(r, ())  # a request of the read-ahead wave: its bytes to the spool
+            waited, missing = self._book.requests_for([*ranges, *uses])
+            for q in waited:
+                self._claim(q, ())  # a request of the read-ahead wave: its bytes to the spool
+            self._book.use(uses)
             cut = cell or self._request_bytes
-            made = self._in_flight_now(plan_requests(missing, cut, MERGE_GAP if gap is None else gap))
+            made = self._made(self._book.make(plan_requests(missing, cut, MERGE_GAP if gap is None else gap)))
             if self.max_bytes is not None:  # the figure a bound is kept by (tests read it)
                 self._note_occupied()
         # outside the lock, which _get takes (at exit it runs here)
-        self._hand_over(made, lambda r, f: run_into(self._pool, f, self._get, *r))
-        return [f for _, f in waited] + [f for _, f in made]
+        self._hand_over(made, lambda q: run_into(self._pool, q.future, self._get, q))
+        return [q.future for q in waited] + [q.future for q in made]
 
-    def _hand_over(
-        self, made: list[tuple[Range, Future[None]]], send: Callable[[Range, Future[None]], None]
-    ) -> None:
+    def _hand_over(self, made: list[Request], send: Callable[[Request], None]) -> None:
         """`send` each request registered as in flight; where one cannot be sent (no thread
-        could start, an interrupt), it and those after it are cancelled and taken out of
-        flight before the error is raised: else every later read of their bytes waits for them."""
-        for i, (r, f) in enumerate(made):
+        could start, an interrupt), it and those after it are cancelled before the error is
+        raised (each leaves flight as it is cancelled: _made), else every later read of their
+        bytes waits for them."""
+        for i, q in enumerate(made):
             try:
-                send(r, f)
+                send(q)
             except BaseException:
-                with self._held_lock:
-                    for r2, f2 in made[i:]:
-                        if f2.cancel() and self._in_flight.get(r2) is f2:  # not started: never will
-                            del self._in_flight[r2]
-                            self._deferred.pop(r2, None)
+                for q2 in made[i:]:
+                    q2.future.cancel()  # never sent: never will be (one that started ends itself)
                 raise
 
-    def _in_flight_now(self, requests: Sequence[Range]) -> list[tuple[Range, Future[None]]]:
-        """`requests` in flight from now, under _held_lock: each with the future that ends
-        once its fetch is over, registered before the fetch starts (it takes the lock to end)."""
-        made: list[tuple[Range, Future[None]]] = [(r, Future()) for r in requests]
-        self._in_flight.update(made)
-        return made
+    def _made(self, requests: list[Request]) -> list[Request]:
+        """`requests`, registered in flight under _held_lock, each taken out of flight should
+        it be cancelled before it starts (never sent, or its pool shut down): its fetch, which
+        takes it out once over, never runs."""
+        for q in requests:
+            q.future.add_done_callback(partial(self._if_cancelled, q))
+        return requests
+
+    def _if_cancelled(self, request: Request, future: Future[None]) -> None:
+        if future.cancelled():
+            self._landed(request, ())
 
     def occupied(self) -> int:
-        """Bytes of the spool held, being fetched, or given back and not yet freed, in the
+        """Bytes of the spool held, on their way, or given back and not yet freed, in the
         whole pages they touch (a page two ranges share counted once): the memory this object
         takes now."""
         with self._held_lock:
-            return self._occupied()
+            return self._book.occupied()
 
-    def _occupied(self) -> int:
-        """occupied(), under _held_lock (finished frees dropped from the list)."""
-        self._freeing = [(r, f) for r, f in self._freeing if not f.done()]
-        return paged_bytes([*self._taken(), *(r for r, _ in self._freeing)])
+    def idle(self) -> int:
+        """Bytes of the spool held that no read uses and no request brings in, in the whole
+        pages they touch: what a read under a bound counts beside its own."""
+        with self._held_lock:
+            return self._book.idle()
 
     def _note_occupied(self) -> None:
         """Keep the most bytes occupied at once (peak_bytes), under _held_lock: after ranges
         are asked for, which is when the spool's part grows."""
-        self.peak_bytes = max(self.peak_bytes, self._occupied())
+        self.peak_bytes = max(self.peak_bytes, self._book.occupied())
 
     @staticmethod
     def wait(futures: Sequence[Future[None]]) -> None:
@@ -403,27 +391,34 @@ class RemoteObject:
         self.wait(self.start(ranges))
 
     def held_within(self, ranges: Sequence[Range]) -> list[list[Range] | None]:
-        """For each of `ranges`: None where a request fetching into the spool overlaps it (its
-        bytes are read from there once in), else the parts of it the spool holds, sorted (none:
-        it is untouched).  A reader may fetch such a range into memory of its own (start_into)
-        without asking for any byte twice, the parts held copied out (copy_held): the index's
-        tail, fetched before the index told where the chunks lie, holds the end of the last."""
+        """For each of `ranges`: None where a request bringing bytes into the spool overlaps it
+        (its bytes are read from there once in), else the parts of it the spool holds, sorted
+        (none: it is untouched).  A reader may fetch such a range into memory of its own
+        (start_into) without asking for any byte twice, the parts held copied out (copy_held):
+        the index's tail, fetched before the index told where the chunks lie, holds the end of
+        the last."""
         with self._held_lock:
-            fetching = merge_ranges([r for r in self._in_flight if r not in self._deferred])
+            book = self._book
+            fetching = merge_ranges([p for q in book.requests if q.deferred is None for p in q.spooled])
             return [
-                None if overlaps(fetching, r) else subtract_ranges([r], subtract_ranges([r], self._held))
+                None if overlaps(fetching, r) else subtract_ranges([r], subtract_ranges([r], book.held))
                 for r in ranges
             ]
 
-    def copy_held(self, lo: int, hi: int, into: memoryview) -> None:
-        """Copy [lo, hi), which the spool holds, into `into` (hi - lo bytes)."""
+    def copy_held(self, targets: Sequence[tuple[int, memoryview]]) -> list[Range]:
+        """Copy the bytes of `targets` ((offset in the object, the memory they go to)) that the
+        spool holds into that memory, and give them back (freed where no other read uses them);
+        the ranges copied."""
         with self._held_lock:
-            if subtract_ranges([(lo, hi)], self._held) or len(into) != hi - lo:
-                raise StorageError(
-                    f"bytes {lo}-{hi - 1} are not held in the spool, or not {len(into)} bytes", path=self.path
-                )
-            with self._spool_view(lo, hi) as view:
-                into[:] = view
+            copied = []
+            for at, view in targets:
+                r = (at, at + len(view))
+                for lo, hi in subtract_ranges([r], subtract_ranges([r], self._book.held)):
+                    with self._spool_view(lo, hi) as held:
+                        view[lo - at : hi - at] = held
+                    copied.append((lo, hi))
+            self._give_back(copied)
+        return copied
 
     def start_into(
         self,
@@ -431,59 +426,70 @@ class RemoteObject:
         landed: Callable[[Range], None],
         spooled: Sequence[Range] = (),
         futures: list[Future[None]] | None = None,
+        copied: Sequence[Range] = (),
     ) -> list[Future[None]]:
         """Begin fetching `targets` ((offset in the object, the memory its bytes go to), sorted,
-        disjoint) straight into that memory, and the `spooled` ranges into the spool: one plan
-        for both (plan_requests: near neighbours merged, cut at the grid), each request's bytes
-        going to the targets within it and its gaps to the spool (held once in), with the
-        checks, retries and deadlines of a fetch into the spool; requests of the read-ahead
-        wave are claimed so.  `landed` is called with each request's range on the thread that
-        fetched it once all its bytes are in; the futures end after it (an exception it raises
-        is theirs), appended to `futures` as the requests are made or claimed.  The caller
-        keeps the memory alive until every future is done (wait or wait_quietly) and asks for
-        none of the targets' bytes through the spool."""
-        wanted = [(at, at + len(v)) for at, v in targets]
+        disjoint; less the `copied` ranges, in them already: copy_held) straight into that
+        memory, and the `spooled` ranges into the spool: one plan for both (plan_requests: near
+        neighbours merged, cut at the grid), each request's bytes going to the targets within
+        it and its gaps to the spool (held once in), with the checks, retries and deadlines of
+        a fetch into the spool; requests of the read-ahead wave are claimed so.  A target's
+        bytes another read fetches meanwhile go to that read's memory or to the spool, never
+        here: they are asked for again.  `landed` is called with each request's range on the
+        thread that fetched it once all its bytes are in; the futures end after it (an
+        exception it raises is theirs), appended to `futures` as the requests are made or
+        claimed.  The caller keeps the memory alive until every future is done (wait or
+        wait_quietly) and asks for none of the targets' bytes through the spool."""
+        wanted = merge_ranges([(at, at + len(v)) for at, v in targets])
         with self._held_lock:
-            waited, missing = self._requests_for([*wanted, *spooled])
-            for r, _ in waited:
-                self._claim(r, targets, landed)
+            book = self._book
+            waited, missing = book.requests_for(spooled)
+            claimed = book.deferred_within([*wanted, *spooled])
+            for q in claimed:
+                self._claim(q, targets, landed)
+            fetch = subtract_ranges(wanted, merge_ranges([*copied, *(q.range for q in claimed)]))
+            made = self._made(book.make(plan_requests([*fetch, *missing], self._request_bytes), wanted))
             futures = [] if futures is None else futures
-            futures.extend(f for _, f in waited)
-            made = self._in_flight_now(plan_requests(missing, self._request_bytes))
-            futures.extend(f for _, f in made)
+            futures.extend(q.future for q in dict.fromkeys([*waited, *claimed]))
+            futures.extend(q.future for q in made)
 
-        def send(r: Range, f: Future[None]) -> None:  # outside the lock, which _get_into takes
-            views, gaps = routed(r, targets, self._spool_view)
-            run_into(self._pool, f, self._get_into, *r, views, gaps, landed)
+        def send(q: Request) -> None:  # outside the lock, which _get_into takes
+            views, _ = routed(q.range, targets, self._spool_view)
+            run_into(self._pool, q.future, self._get_into, q, views, landed)
 
         self._hand_over(made, send)
         return futures
 
     def _claim(
         self,
-        r: Range,
+        request: Request,
         targets: Sequence[tuple[int, memoryview]] | None,
         landed: Callable[[Range], None] | None = None,
     ) -> None:
-        """Tell the deferred request for `r` (if it is one not yet claimed) where its body goes,
-        under _held_lock: the parts of `targets` within it, the rest to the spool (held once
-        in); targets None: nowhere (the object is being closed: the body is left unread)."""
-        deferred = self._deferred.pop(r, None)
+        """Tell `request`, if it is one of the read-ahead wave not yet claimed, where its body
+        goes, under _held_lock: the parts of `targets` within it, the rest to the spool (held
+        once in); targets None: nowhere (the object is being closed: the body is left unread)."""
+        deferred = request.deferred
         if deferred is None:
             return
-        r = (deferred.start, r[1])
+        request.deferred = None
+        lo, hi = request.range
+        r = (deferred.start, hi)
+        prefix = [(lo, deferred.start)] if deferred.start > lo else []
         if targets is not None:
             deferred.views, deferred.spooled = routed(r, targets, self._spool_view)
             deferred.landed = landed if deferred.spooled != [r] else None
+        request.spooled = [*prefix, *deferred.spooled]
         deferred.ready.set()
 
-    def _get_deferred(self, lo: int, hi: int, deferred: Deferred) -> None:
-        """The deferred request for [lo, hi): its answer's head checked and its prologue read,
+    def _get_deferred(self, request: Request, deferred: Deferred) -> None:
+        """The deferred `request`: its answer's head checked and its prologue read,
         then, once claimed (waited for within the operation's deadline, outside the body's and
         any retry: an abandoned request is never asked for again), its body read where the
         claim says, under a deadline and retries of its own (_read_claimed)."""
         held: list[Range] = []
         start = deferred.start
+        lo, hi = request.range
         try:
             body = self._open_deferred(lo, hi, deferred)
             try:
@@ -502,7 +508,7 @@ class RemoteObject:
                 deferred.prefix.set_exception(e)
             raise
         finally:
-            self._landed(lo, hi, held)
+            self._landed(request, held)
 
     def _open_deferred(self, lo: int, hi: int, deferred: Deferred) -> Any:
         """The deferred request's answer, its head checked and its bytes before `start` read
@@ -557,40 +563,42 @@ class RemoteObject:
         """The bytes of a deferred request before its `start` are in the spool: held."""
         if not deferred.prefix.done():
             with self._held_lock:
-                self._held = merge_ranges([*self._held, (lo, deferred.start)])
+                self._book.held = merge_ranges([*self._book.held, (lo, deferred.start)])
             deferred.prefix.set_result(None)
 
-    def _get_into(
-        self, lo: int, hi: int, views: list[memoryview], spooled: list[Range], landed: Callable[[Range], None]
-    ) -> None:
-        """A request start_into made: its bytes into `views`, the `spooled` parts of them held
-        once in, then `landed`."""
+    def _get_into(self, request: Request, views: list[memoryview], landed: Callable[[Range], None]) -> None:
+        """A request start_into made: its bytes into `views`, the parts of them that go to the
+        spool held once in, then `landed`."""
         held: list[Range] = []
         try:
-            self._get_range(lo, hi, lambda skip: views_after(views, skip))
-            held = spooled
-            landed((lo, hi))
+            self._get_range(*request.range, lambda skip: views_after(views, skip))
+            held = request.spooled
+            landed(request.range)
         finally:
-            self._landed(lo, hi, held)
+            self._landed(request, held)
 
     def _spool_view(self, lo: int, hi: int) -> memoryview:
         assert self.spool is not None
         return self.spool.view(lo, hi)
 
     def release(self, ranges: Sequence[Range], wait: bool = False) -> None:
-        """Give back the memory of ranges already read (fetched again if asked for again), its
+        """Give back ranges already read, one use of each (start's `uses`): the memory of those
+        no other read uses and no request brings in (fetched again if asked for again), its
         pages freed on the freeing thread; `wait`: return once they are freed (a reader within
         a memory bound asks for more only then), within the deadline (_wait_freed)."""
-        spool = self.spool
-        if spool is None:
-            return
         with self._held_lock:
-            self._held = subtract_ranges(self._held, ranges)
-            taken = self._taken()
-            pages = [page_edges(r, taken, self.size) for r in merge_ranges(ranges)]
-            self._freeing.extend((r, submit_or_run(self._freer, spool.release, *r)) for r in pages)
+            pages = self._give_back(ranges)
         if wait and pages:
             self._wait_freed(pages[0][0], pages[-1][1], s3.Budget(self.options), "give back")
+
+    def _give_back(self, ranges: Sequence[Range]) -> list[Range]:
+        """release's bookkeeping, under _held_lock: the ranges whose pages are being freed."""
+        spool = self.spool
+        if spool is None:
+            return []
+        pages = self._book.give_back(ranges)
+        self._book.freeing.extend((r, submit_or_run(self._freer, spool.release, *r)) for r in pages)
+        return pages
 
     def _wait_freed(self, lo: int, hi: int, budget: s3.Budget, doing: str = "read") -> None:
         """Wait until the pages of ranges given back that overlap [lo, hi) are freed, so that
@@ -598,8 +606,7 @@ class RemoteObject:
         so that a reader within a bound asks for more only then); StorageError naming the URL
         where that takes longer than what remains of `budget`'s deadline."""
         with self._held_lock:
-            self._freeing = [(r, f) for r, f in self._freeing if not f.done()]
-            pending = [f for (a, b), f in self._freeing if a < hi and lo < b]
+            pending = self._book.freeing_within(lo, hi)
         for f in pending:
             try:
                 f.result(timeout=budget.remaining())
@@ -610,24 +617,21 @@ class RemoteObject:
                     path=self.path,
                 ) from None
 
-    def _landed(self, lo: int, hi: int, held: Sequence[Range]) -> None:
-        """The request for [lo, hi) is over: the `held` parts of it are in the spool (none where
-        it failed: asked for again by the next plan that needs them)."""
+    def _landed(self, request: Request, held: Sequence[Range]) -> None:
+        """`request` is over: the `held` parts of it are in the spool (none where it failed:
+        asked for again by the next plan that needs them)."""
         with self._held_lock:
-            self._in_flight.pop((lo, hi), None)
-            self._deferred.pop((lo, hi), None)  # one that failed unclaimed: asked for again
-            if held:
-                self._held = merge_ranges([*self._held, *held])
+            self._book.over(request, held)
 
-    def _get(self, lo: int, hi: int, failed: Callable[[], None] | None = None) -> None:
-        """Fetch [lo, hi) into the spool (a request start made: held once over, else no longer
-        in flight); `failed` called as each failed attempt ends."""
+    def _get(self, request: Request, failed: Callable[[], None] | None = None) -> None:
+        """Fetch `request`'s range into the spool (a request start made: held once over, else
+        no longer in flight); `failed` called as each failed attempt ends."""
         held: list[Range] = []
         try:
-            self._get_range(lo, hi, failed=failed)
-            held = [(lo, hi)]
+            self._get_range(*request.range, failed=failed)
+            held = [request.range]
         finally:
-            self._landed(lo, hi, held)
+            self._landed(request, held)
 
     def _get_range(
         self, lo: int, hi: int, where: Where | None = None, failed: Callable[[], None] | None = None
@@ -647,11 +651,11 @@ class RemoteObject:
         windows = [(lo, min(lo + HASH_WINDOW, self.size)) for lo in range(0, self.size, HASH_WINDOW)]
         digest = hashlib.sha256()
         assert self.spool is not None
-        pending = self.start(windows[:1])
+        pending = self.start((), uses=windows[:1])
         try:
             for i, (lo, hi) in enumerate(windows):
                 self.wait(pending)
-                pending = self.start(windows[i + 1 : i + 2])
+                pending = self.start((), uses=windows[i + 1 : i + 2])
                 with self.spool.view(lo, hi) as window:
                     digest.update(window)
                 self.release([(lo, hi)])
@@ -661,9 +665,10 @@ class RemoteObject:
 
     def close(self) -> None:
         with self._held_lock:
-            for r, deferred in list(self._deferred.items()):
-                deferred.order.fail()  # read-ahead not sent yet never is
-                self._claim(r, None)  # read-ahead no one claimed: its body is left unread
+            for q in self._book.requests:
+                if q.deferred is not None:
+                    q.deferred.order.fail()  # read-ahead not sent yet never is
+                    self._claim(q, None)  # read-ahead no one claimed: its body is left unread
         self._pool.shutdown(wait=True, cancel_futures=True)  # read-ahead no one waits for
         if self.spool is not None:
             # the spool's pages are freed on the freeing thread, after the ranges given back

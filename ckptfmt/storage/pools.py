@@ -45,7 +45,9 @@ def run_into(
     lock the work takes once over); where pools refuse work, here and now, `here` called first
     (what makes work that would wait for a later caller able to run on this one).  `done`
     cancelled before it starts, or its work cancelled in the pool's queue (a shutdown's
-    cancel_futures: `done` then cancelled too): the work never runs."""
+    cancel_futures: `done` then cancelled too): the work never runs.  A submit that fails for
+    another reason (no thread could start, an interrupt) cancels `done` before it is raised:
+    whoever waits for it is told at once, not left waiting for work no thread will run."""
 
     def outcome() -> None:
         if not done.set_running_or_notify_cancel():
@@ -61,7 +63,11 @@ def run_into(
         queued = pool.submit(outcome)
     except RuntimeError:
         if not pools_refuse_work():
-            raise  # the pool was shut down by its owner: a bug, not an exit
+            done.cancel()
+            raise  # no thread could start, or the pool was shut down by its owner: not an exit
+    except BaseException:
+        done.cancel()
+        raise
     else:
         queued.add_done_callback(lambda q: done.cancel() if q.cancelled() else None)
         return
