@@ -352,7 +352,29 @@ class Stager:
         self._buffers.clear()
 
 
+class _LastSave:
+    """The background save this process started last, whatever staged it: every background
+    save waits for it first (wait_previous, with its deadline), as two in flight would run
+    their collectives on the same group in threads of their own, interleaved differently on
+    each rank.  A Stager's or ForkStager's own wait sees only the saves it staged."""
+
+    def __init__(self) -> None:
+        self._previous: tuple[concurrent.futures.Future[Any], str] | None = None
+        self._lock = threading.Lock()
+
+    def track(self, future: concurrent.futures.Future[Any], path: str) -> None:
+        with self._lock:
+            self._previous = (future, path)
+
+    def wait(self, path: str | None = None) -> None:
+        with self._lock:
+            previous = self._previous
+        if previous is not None:
+            wait_previous(*previous, path)
+
+
 _DEFAULT_STAGER = Stager()
+_LAST_SAVE = _LastSave()
 # base group -> weak reference to its checkpoint group.  Weak on both sides: once
 # destroy_process_group() drops torch's references, the groups must be freed then, by the
 # thread that destroys them.  A group kept alive here would be freed at interpreter exit,
@@ -453,7 +475,9 @@ def save_in_background(
     st: Stager | ForkStager = ForkStager(w) if snapshot == "fork" else (stager or _DEFAULT_STAGER)
     # one background save at a time, whichever way the last was staged (see ForkStager)
     target = w.path
-    for before in (ForkStager, stager or _DEFAULT_STAGER):  # its wait in stage() is then at once
+    # its wait in stage() is then at once; the last background save is waited for whichever
+    # stager staged it (a save staged by another Stager than this one's runs on the same group)
+    for before in (ForkStager, stager or _DEFAULT_STAGER, _LAST_SAVE):
         before.wait(target)
     try:
         inner = dcp.async_save(
@@ -482,4 +506,5 @@ def save_in_background(
 
     inner.add_done_callback(done)
     st.track(out, target)
+    _LAST_SAVE.track(out, target)
     return out
