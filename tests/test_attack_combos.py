@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -25,3 +26,27 @@ def test_a_background_save_waits_for_the_last_one_whatever_staged_it(tmp_path: P
     back = {"w": torch.zeros(16 << 20)}
     cdcp.load(back, str(tmp_path / "d"))
     assert torch.equal(back["w"], state["w"])
+
+
+def test_a_blocking_save_after_a_background_save_of_the_same_place_is_the_one_kept(tmp_path: Path) -> None:
+    """A blocking save into the place a background save is still writing waits for it: else the
+    older state commits last, over the newer one the blocking save reported saved."""
+    older = cdcp.async_save({"w": torch.ones(16 << 20)}, str(tmp_path))  # 64 MiB: slow to write
+    os.symlink(tmp_path, tmp_path.parent / "link")
+    cdcp.save({"w": torch.full((4,), 2.0)}, str(tmp_path.parent / "link"))  # the same place, named otherwise
+    older.result(timeout=120)
+    back = {"w": torch.zeros(4)}
+    cdcp.load(back, str(tmp_path))
+    assert torch.equal(back["w"], torch.full((4,), 2.0))
+
+
+def test_a_load_of_a_place_a_background_save_is_writing_reads_what_it_saved(tmp_path: Path) -> None:
+    """A load waits for the background save into its place, as ckptfmt.load does for a file:
+    else it finds the old record withdrawn and the new one not yet written."""
+    n = 16 << 20
+    cdcp.save({"w": torch.zeros(n)}, str(tmp_path))
+    saving = cdcp.async_save({"w": torch.ones(n)}, str(tmp_path))
+    back = {"w": torch.full((n,), -1.0)}
+    cdcp.load(back, str(tmp_path))
+    assert saving.done()
+    assert torch.equal(back["w"], torch.ones(n))

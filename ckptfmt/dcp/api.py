@@ -24,6 +24,7 @@ from ..engine import bytesview
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError
+from ..fileio import is_url
 from ..files import multifile, places
 from ..files.save import check_snapshot
 from ..gcpause import pausing_in_main_thread
@@ -176,6 +177,7 @@ def save_within(
     w, planner = _set_up_save(path, process_group, "blocking", options, within, step_dir)
     target = w.path
     try:
+        _LAST_SAVE.wait_if_at(target)
         with _single_process_ok():
             return dcp.save(
                 state_dict,
@@ -240,6 +242,7 @@ def load_within(
     storage_options = options.get("storage_options")
     reader = held_reader(target, within=within, **options)
     try:
+        _LAST_SAVE.wait_if_at(target)
         reader.read_metadata()  # a missing or damaged commit record fails here, on every rank, plainly
         with _single_process_ok():
             dcp.load(
@@ -371,6 +374,22 @@ class _LastSave:
             previous = self._previous
         if previous is not None:
             wait_previous(*previous, path)
+
+    def wait_if_at(self, path: str) -> None:
+        """Wait for the last background save when it saves into `path` (normalized): a blocking
+        save there would otherwise be overwritten by the older state when that one commits, and
+        a load would find the old record withdrawn and the new one not yet written."""
+        with self._lock:
+            previous = self._previous
+        if previous is not None and _same_place(previous[1], path):
+            wait_previous(*previous, path)
+
+
+def _same_place(a: str, b: str) -> bool:
+    """Whether two normalized places are one: a URL by its text, a local path once resolved."""
+    if is_url(a) or is_url(b):
+        return a == b
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 _DEFAULT_STAGER = Stager()
