@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
+import ckptfmt
 from ckptfmt import dcp as cdcp
+from ckptfmt.errors import UnsupportedError
+from ckptfmt.files import incremental
 
 
 def test_a_background_save_waits_for_the_last_one_whatever_staged_it(tmp_path: Path) -> None:
@@ -50,3 +55,42 @@ def test_a_load_of_a_place_a_background_save_is_writing_reads_what_it_saved(tmp_
     cdcp.load(back, str(tmp_path))
     assert saving.done()
     assert torch.equal(back["w"], torch.ones(n))
+
+
+def _big(value: float) -> dict[str, torch.Tensor]:
+    return {"frozen": torch.arange(1 << 18, dtype=torch.float32), "adapter": torch.full((64,), value)}
+
+
+def test_a_file_is_never_saved_again_against_a_base_that_reads_chunks_from_it(tmp_path: Path) -> None:
+    """b refers to a's chunks: a saved again against b would replace a, and b, kept, would read
+    another file's chunks no more; refused before a byte is written, both left as they were."""
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    incremental.save(_big(1.0), a)
+    incremental.save(_big(2.0), b, base=a)
+    assert incremental.referenced_files(b) == [a]
+    with pytest.raises(UnsupportedError, match="reads chunks from"):
+        incremental.save(_big(3.0), a, base=b)
+    assert torch.equal(ckptfmt.load(a)["adapter"], torch.full((64,), 1.0))
+    assert torch.equal(ckptfmt.load(b)["adapter"], torch.full((64,), 2.0))
+
+
+@pytest.mark.parametrize("where", ["local", "store"])
+def test_a_dcp_save_is_never_made_against_a_base_that_reads_chunks_from_it(
+    tmp_path: Path, where: str, request: pytest.FixtureRequest
+) -> None:
+    """The same with DCP checkpoints: refused on every rank before the coordinator withdraws the
+    directory's record, so both checkpoints stay whole."""
+    options: dict[str, Any] = {}
+    if where == "store":
+        bucket, options = request.getfixturevalue("s3_bucket")
+        a, b = f"s3://{bucket}/run/A", f"s3://{bucket}/run/B"
+    else:
+        a, b = str(tmp_path / "A"), str(tmp_path / "B")
+    cdcp.save(_big(1.0), a, incremental=True, storage_options=options)
+    cdcp.save(_big(2.0), b, base=a, storage_options=options)
+    with pytest.raises(ValueError, match="reads chunks from"):
+        cdcp.save(_big(3.0), a, base=b, storage_options=options)
+    for at, value in ((a, 1.0), (b, 2.0)):
+        back = {k: torch.zeros_like(v) for k, v in _big(0.0).items()}
+        cdcp.load(back, at, storage_options=options)
+        assert torch.equal(back["adapter"], torch.full((64,), value)), at

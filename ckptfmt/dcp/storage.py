@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import posixpath
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -429,6 +430,25 @@ class Writer(HeldPlace, StorageWriter):
                 same = False
         if same:
             raise ValueError(f"{self.path}: a checkpoint cannot be saved against itself (base={base})")
+        self._refuse_replacing_a_source(base)
+
+    def _refuse_replacing_a_source(self, base: str) -> None:
+        """Refuse a save against a base whose record names files of this directory it reads
+        chunks from: the coordinator would withdraw this directory's record and the ranks
+        replace those files, breaking the base (and each rank's file would refuse it too, once
+        the record was gone)."""
+        try:
+            with places.place_at(base, self.storage_options) as place:
+                record = place.read_record()
+                here = [p.name for p in record.references if _same_dir(place.path_of(p.name), self.path)]
+        except (CheckpointError, OSError):  # no base there, or a damaged one: the save says so later
+            return
+        if here:
+            raise UnsupportedError(
+                f"cannot be saved against {base}: it reads chunks from files of this checkpoint "
+                f"({', '.join(here[:3])}), which the save would replace",
+                path=self.path,
+            )
 
     def _base_file(self, name: str) -> str | None:
         """The file of `base` that rank file `name` is saved against: the one of the same rank
@@ -558,6 +578,17 @@ def held_writer(
     w = Writer(path, **options)
     w._within, w._step_dir = within, step_dir
     return w
+
+
+def _same_dir(reference: str, directory: str) -> bool:
+    """Whether the file a reference leads to (a path or URL through "..") lies in `directory`."""
+    if is_url(reference) or is_url(directory):
+        scheme, _, rest = reference.partition("://")
+        return f"{scheme}://{posixpath.dirname(posixpath.normpath(rest))}" == directory.rstrip("/")
+    try:
+        return os.path.samefile(os.path.dirname(reference), directory)
+    except OSError:  # either is not there: no file of the one is in the other
+        return False
 
 
 def _byte_value(planner: _BaseSavePlanner, item: Any) -> Any:

@@ -33,7 +33,7 @@ from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
 from ..engine.writeoptions import ChunkRecord, WriteOptions
-from ..errors import CheckpointWarning
+from ..errors import CheckpointWarning, UnsupportedError
 from ..fileio import is_url, open_regular, pread_exact
 from ..format import dtypes
 from ..format import layout as fmt
@@ -192,6 +192,7 @@ class ContentIndex:
         finally:
             _close(None, holder)
         with base_file as f:
+            _refuse_replacing_a_source(target, base, f)
             self.base_chunk_size = f.chunk_size
             # opened beneath `within` by its reference path: that path is the reference (no
             # name is resolved again); else the path that leads to the same file, if any
@@ -325,6 +326,31 @@ class ContentIndex:
         if k in self.refs:
             out.extend(self.refs[k])
         return out
+
+
+def _refuse_replacing_a_source(target: str, base: str, f: CheckpointFile) -> None:
+    """Refuse a save over a file its base reads chunks from: the base would go on naming the
+    replaced file, and every chunk it keeps there would be lost (UnsupportedError)."""
+    for ext in f.externals:
+        if _same_file(target, _referenced_path(f, ext.rel)):
+            raise UnsupportedError(
+                f"cannot be saved against {base}: that file reads chunks from this one ({ext.rel}), "
+                "which the save would replace",
+                path=target,
+            )
+
+
+def _same_file(target: str, held: str) -> bool:
+    """Whether `held` (a path or URL a reference leads to) is the file `target` names."""
+    if is_url(target) or is_url(held):
+        if not (is_url(target) and is_url(held)):
+            return False
+        t, h = parse_url(target), parse_url(held)
+        return (t.scheme, t.bucket, t.host, t.key) == (h.scheme, h.bucket, h.host, h.key)
+    try:
+        return os.path.samefile(target, held)
+    except OSError:  # either is not there: nothing of the one is replaced by the other
+        return False
 
 
 def _close(fd: int | None, holder: CheckpointDir | None) -> None:
