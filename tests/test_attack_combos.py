@@ -94,3 +94,23 @@ def test_a_dcp_save_is_never_made_against_a_base_that_reads_chunks_from_it(
         back = {k: torch.zeros_like(v) for k, v in _big(0.0).items()}
         cdcp.load(back, at, storage_options=options)
         assert torch.equal(back["adapter"], torch.full((64,), value)), at
+
+
+def test_an_encrypted_dcp_save_consolidates_into_an_encrypted_file(tmp_path: Path) -> None:
+    """consolidate reads an encrypted save with its key (its error said to pass decrypt_with,
+    which it did not take) and writes the file encrypted, never in clear unasked."""
+    key = bytes(range(32))
+    state = _big(4.0)
+    cdcp.save(state, str(tmp_path / "ck"), encrypt_with=key)
+    out = str(tmp_path / "full.ckpt")
+    with pytest.raises(ValueError, match="encrypt_with"):
+        cdcp.consolidate(str(tmp_path / "ck"), out, decrypt_with=key)
+    assert not os.path.exists(out)
+    cdcp.consolidate(str(tmp_path / "ck"), out, decrypt_with=key, encrypt_with=key)
+    with pytest.raises(ckptfmt.DecryptionError):
+        ckptfmt.load(out)
+    back = ckptfmt.load(out, decrypt_with=key)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    cdcp.load(into, out, decrypt_with=key)  # the file read as a DCP checkpoint, each rank its slice
+    assert all(torch.equal(into[k], v) for k, v in state.items())
