@@ -114,3 +114,20 @@ def test_an_encrypted_dcp_save_consolidates_into_an_encrypted_file(tmp_path: Pat
     into = {k: torch.zeros_like(v) for k, v in state.items()}
     cdcp.load(into, out, decrypt_with=key)  # the file read as a DCP checkpoint, each rank its slice
     assert all(torch.equal(into[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("snapshot", ["copy", "fork"])
+def test_a_save_against_a_base_a_background_save_is_writing_waits_for_it(
+    tmp_path: Path, snapshot: str
+) -> None:
+    """cdcp.save(base=A) right after async_save(A) waits for A's commit, as an incremental file
+    save waits for its base's save in flight: else it finds A's record not yet written and fails."""
+    a, b = str(tmp_path / "A"), str(tmp_path / "B")
+    frozen = torch.arange(1 << 22, dtype=torch.float32)  # 16 MiB: still being written
+    saving = cdcp.async_save({"frozen": frozen, "a": torch.ones(64)}, a, incremental=True, snapshot=snapshot)
+    cdcp.save({"frozen": frozen, "a": torch.full((64,), 2.0)}, b, base=a)
+    assert saving.done()
+    assert sum(f.stat().st_size for f in Path(b).iterdir()) < 64 << 10  # the frozen tensor referred to
+    back = {"frozen": torch.zeros_like(frozen), "a": torch.zeros(64)}
+    cdcp.load(back, b)
+    assert torch.equal(back["frozen"], frozen) and torch.equal(back["a"], torch.full((64,), 2.0))

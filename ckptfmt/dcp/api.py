@@ -177,7 +177,9 @@ def save_within(
     w, planner = _set_up_save(path, process_group, "blocking", options, within, step_dir)
     target = w.path
     try:
-        _LAST_SAVE.wait_if_at(target)
+        for place in (target, w.options.base):  # the place written, and the one read from
+            if place is not None:
+                _LAST_SAVE.wait_if_at(place)
         with _single_process_ok():
             return dcp.save(
                 state_dict,
@@ -378,7 +380,8 @@ class _LastSave:
     def wait_if_at(self, path: str) -> None:
         """Wait for the last background save when it saves into `path` (normalized): a blocking
         save there would otherwise be overwritten by the older state when that one commits, and
-        a load would find the old record withdrawn and the new one not yet written."""
+        a load, or a save against it as its base, would find the old record withdrawn and the
+        new one not yet written."""
         with self._lock:
             previous = self._previous
         if previous is not None and _same_place(previous[1], path):
