@@ -1,4 +1,6 @@
-"""Features in combination, attacked: background DCP saves staged in different ways, ..."""
+"""Features in combination, attacked: background DCP saves and what follows them (another
+background save, a blocking save, a load, a save against it as a base), incremental saves whose
+base reads chunks from the file saved, an encrypted DCP save consolidated."""
 
 from __future__ import annotations
 
@@ -131,3 +133,35 @@ def test_a_save_against_a_base_a_background_save_is_writing_waits_for_it(
     back = {"frozen": torch.zeros_like(frozen), "a": torch.zeros(64)}
     cdcp.load(back, b)
     assert torch.equal(back["frozen"], frozen) and torch.equal(back["a"], torch.full((64,), 2.0))
+
+
+@pytest.mark.parametrize("key", [None, bytes(range(32))])
+def test_a_save_removes_only_the_stale_rank_files_a_save_wrote(tmp_path: Path, key: Any) -> None:
+    """A directory that held files of its own under rank file names (a person's, another tool's,
+    a file ckptfmt.save wrote there) keeps them when a DCP save is made into it; a rank file an
+    earlier save left (here one copied to a rank the new save lacks) is removed."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "rank-00005.ckpt").write_bytes(b"a file of the user's own")
+    ckptfmt.save({"mine": torch.ones(3)}, str(ck / "rank-00006.ckpt"))
+    cdcp.save({"w": torch.ones(4)}, str(ck), encrypt_with=key)
+    (ck / "rank-00007.ckpt").write_bytes((ck / "rank-00000.ckpt").read_bytes())  # an earlier save's
+    cdcp.save({"w": torch.full((4,), 2.0)}, str(ck), encrypt_with=key)
+    assert sorted(os.listdir(ck)) == ["COMMIT", "rank-00000.ckpt", "rank-00005.ckpt", "rank-00006.ckpt"]
+    assert (ck / "rank-00005.ckpt").read_bytes() == b"a file of the user's own"
+    assert torch.equal(ckptfmt.load(str(ck / "rank-00006.ckpt"))["mine"], torch.ones(3))
+
+
+def test_a_save_under_a_prefix_keeps_the_objects_it_did_not_write(s3_server: Any) -> None:
+    """The same under an object-store prefix: an object of someone else's under a rank file's
+    name stays; one an earlier save wrote is removed."""
+    bucket, options = s3_server.new_bucket(), s3_server.storage_options()
+    client = s3_server.client()
+    client.put_object(Bucket=bucket, Key="ck/rank-00005.ckpt", Body=b"a file of the user's own")
+    url = f"s3://{bucket}/ck"
+    cdcp.save({"w": torch.ones(4)}, url, storage_options=options)
+    body = client.get_object(Bucket=bucket, Key="ck/rank-00000.ckpt")["Body"].read()
+    client.put_object(Bucket=bucket, Key="ck/rank-00007.ckpt", Body=body)  # an earlier save's
+    cdcp.save({"w": torch.full((4,), 2.0)}, url, storage_options=options)
+    keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="ck/")["Contents"])
+    assert keys == ["ck/COMMIT", "ck/rank-00000.ckpt", "ck/rank-00005.ckpt"]

@@ -549,7 +549,8 @@ class Writer(HeldPlace, StorageWriter):
         if self._own_names:  # a manager's step on a store: its manager deletes what others left
             d.remove_leftovers()  # (later steps may read it: ObjectRun.sweep_step)
         else:
-            _remove_stale_rank_files(d, set(names))
+            key = None if callable(self.options.encrypt_with) else self.options.encrypt_with
+            _remove_stale_rank_files(d, set(names), key)
 
     def _digested(self, d: Place, p: multifile.PartRecord) -> multifile.PartRecord:
         """Digests on every entry of a signed record, on none of another."""
@@ -632,10 +633,22 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return t.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
 
 
-def _remove_stale_rank_files(d: Place, keep: set[str]) -> None:
-    """Rank files an earlier save (with more ranks) left that the new record does not name
-    (a link is removed as a name, never followed), and what crashed saves left."""
+def _remove_stale_rank_files(d: Place, keep: set[str], key: Any = None) -> None:
+    """Rank files an earlier save (with more ranks) left that the new record does not name, each
+    once it is proven a rank file a DCP save of ckptfmt wrote (a file a person or another tool
+    put there under such a name, or a link, is kept), and what crashed saves left.  `key`: the
+    save's key, which reads the stale files of earlier saves made with it."""
     for name in d.names():
-        if RANK_FILE_RE.fullmatch(name) and name not in keep:
+        if RANK_FILE_RE.fullmatch(name) and name not in keep and _written_by_a_save(d, name, key):
             d.remove(name)
     d.remove_leftovers()
+
+
+def _written_by_a_save(d: Place, name: str, key: Any) -> bool:
+    """Whether file `name` is a rank file a DCP save wrote: a ckptfmt file (opened without
+    following a link) whose metadata names the rank and the save (WriterOptions.rank_file_options)."""
+    try:
+        with d.open_file(name, key) as f:
+            return "dcp_rank" in f.metadata and "dcp_save_id" in f.metadata
+    except (CheckpointError, OSError):  # not a ckptfmt file, a link, another key's: not provably ours
+        return False
