@@ -165,3 +165,17 @@ def test_a_save_under_a_prefix_keeps_the_objects_it_did_not_write(s3_server: Any
     cdcp.save({"w": torch.full((4,), 2.0)}, url, storage_options=options)
     keys = sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="ck/")["Contents"])
     assert keys == ["ck/COMMIT", "ck/rank-00000.ckpt", "ck/rank-00005.ckpt"]
+
+
+def test_an_encrypted_single_object_consolidates_with_its_key(s3_server: Any, tmp_path: Path) -> None:
+    """A single encrypted file as consolidate's source (an object URL): its items are checked
+    with the key too, not only read with it."""
+    key = bytes(range(32))
+    options = s3_server.storage_options()
+    url = f"s3://{s3_server.new_bucket()}/one.ckpt"
+    state = _big(5.0)
+    ckptfmt.save(state, url, encrypt_with=key, storage_options=options)
+    out = str(tmp_path / "full.ckpt")
+    cdcp.consolidate(url, out, decrypt_with=key, encrypt_with=key, storage_options=options)
+    back = ckptfmt.load(out, decrypt_with=key)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
