@@ -100,15 +100,16 @@ def test_a_dcp_save_is_never_made_against_a_base_that_reads_chunks_from_it(
 
 def test_an_encrypted_dcp_save_consolidates_into_an_encrypted_file(tmp_path: Path) -> None:
     """consolidate reads an encrypted save with its key (its error said to pass decrypt_with,
-    which it did not take) and writes the file encrypted, never in clear unasked."""
+    which it did not take) and writes the file encrypted, under the same key by default, as
+    files' consolidate does; a key service's unwrapping callable cannot encrypt: refused."""
     key = bytes(range(32))
     state = _big(4.0)
     cdcp.save(state, str(tmp_path / "ck"), encrypt_with=key)
     out = str(tmp_path / "full.ckpt")
     with pytest.raises(ValueError, match="encrypt_with"):
-        cdcp.consolidate(str(tmp_path / "ck"), out, decrypt_with=key)
+        cdcp.consolidate(str(tmp_path / "ck"), out, decrypt_with=lambda wrapped: key)
     assert not os.path.exists(out)
-    cdcp.consolidate(str(tmp_path / "ck"), out, decrypt_with=key, encrypt_with=key)
+    cdcp.consolidate(str(tmp_path / "ck"), out, decrypt_with=key)
     with pytest.raises(ckptfmt.DecryptionError):
         ckptfmt.load(out)
     back = ckptfmt.load(out, decrypt_with=key)
@@ -179,3 +180,28 @@ def test_an_encrypted_single_object_consolidates_with_its_key(s3_server: Any, tm
     cdcp.consolidate(url, out, decrypt_with=key, encrypt_with=key, storage_options=options)
     back = ckptfmt.load(out, decrypt_with=key)
     assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
+def test_the_command_line_consolidates_and_converts_an_encrypted_dcp_save(tmp_path: Path) -> None:
+    """ckptfmt consolidate and convert take --decrypt-key for an encrypted DCP save and write the
+    file encrypted under it; convert refuses it for a file, which it would write in clear."""
+    from cli_runner import run_cli
+
+    key = bytes(range(32))
+    keyfile = tmp_path / "kek"
+    keyfile.write_text(key.hex())
+    state = _big(6.0)
+    cdcp.save(state, str(tmp_path / "ck"), encrypt_with=key)
+    assert run_cli("consolidate", tmp_path / "ck", tmp_path / "a.ckpt").returncode == 1  # no key
+    for command in ("consolidate", "convert"):
+        out = tmp_path / f"{command}.ckpt"
+        run_cli(command, tmp_path / "ck", out, "--decrypt-key", keyfile, rc=0)
+        with pytest.raises(ckptfmt.DecryptionError):
+            ckptfmt.load(str(out))
+        back = ckptfmt.load(str(out), decrypt_with=key)
+        assert all(torch.equal(back[k], v) for k, v in state.items()), command
+    refused = run_cli(
+        "convert", tmp_path / "convert.ckpt", tmp_path / "x.safetensors", "--decrypt-key", keyfile
+    )
+    assert refused.returncode == 2 and "--decrypt-key" in refused.stderr
+    assert not (tmp_path / "x.safetensors").exists()

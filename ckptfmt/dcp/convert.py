@@ -85,14 +85,17 @@ def consolidate(
     each rank's slice (a chunk is the unit that is read and verified).  `src` and `out` may
     be object-store URLs (a ckptfmt DCP checkpoint under a prefix; the file as an object),
     with the client's settings in `storage_options`.  `decrypt_with`: the key of a save made
-    with ``encrypt_with``; the file is then encrypted too, with `encrypt_with` (required with
-    `decrypt_with`: an encrypted checkpoint is never written out in clear unasked).
+    with ``encrypt_with``; `encrypt_with`: the file is encrypted under this key (default
+    `decrypt_with`: an encrypted checkpoint stays encrypted; a key service's unwrapping callable
+    cannot encrypt, so pass its wrapping one), as files' ``consolidate`` does.
     """
-    if decrypt_with is not None and encrypt_with is None:
-        raise ValueError(
-            "consolidate: decrypt_with reads an encrypted checkpoint; give encrypt_with for the file "
-            "it writes (the same key keeps it as it was)"
-        )
+    if encrypt_with is None and decrypt_with is not None:
+        if callable(decrypt_with):
+            raise ValueError(
+                "consolidate: decrypt_with is a key service's unwrapping callable, which cannot "
+                "encrypt the file written: pass its wrapping one as encrypt_with"
+            )
+        encrypt_with = decrypt_with
     source = places.normalized(src)
     target = places.normalized(out)
     if is_url(source):
