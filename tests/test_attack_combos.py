@@ -205,3 +205,36 @@ def test_the_command_line_consolidates_and_converts_an_encrypted_dcp_save(tmp_pa
     )
     assert refused.returncode == 2 and "--decrypt-key" in refused.stderr
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def _service() -> tuple[Any, Any]:
+    """A key service's two callables: wrapping a data key, and unwrapping it."""
+    pad = bytes(range(32))
+
+    def wrap(key: bytes) -> bytes:
+        return b"W" + bytes(x ^ y for x, y in zip(key, pad))
+
+    def unwrap(wrapped: bytes) -> bytes:
+        return bytes(x ^ y for x, y in zip(wrapped[1:], pad))
+
+    return wrap, unwrap
+
+
+def test_incremental_dcp_saves_encrypted_by_a_key_service(tmp_path: Path) -> None:
+    """A key service's wrapping callable cannot read the base: cdcp.save takes decrypt_with for
+    that, and without it is refused before the directory's checkpoint is withdrawn."""
+    wrap, unwrap = _service()
+    a, b = str(tmp_path / "A"), str(tmp_path / "B")
+    cdcp.save(_big(1.0), a, incremental=True, encrypt_with=wrap, decrypt_with=unwrap)
+    cdcp.save(_big(1.5), b, encrypt_with=wrap)  # a checkpoint there already
+    with pytest.raises(ValueError, match="decrypt_with"):
+        cdcp.save(_big(2.0), b, base=a, encrypt_with=wrap)
+    back = {k: torch.zeros_like(v) for k, v in _big(0.0).items()}
+    cdcp.load(back, b, decrypt_with=unwrap)  # left as it was
+    assert torch.equal(back["adapter"], torch.full((64,), 1.5))
+    cdcp.save(_big(2.0), b, base=a, encrypt_with=wrap, decrypt_with=unwrap)
+    assert sum(f.stat().st_size for f in Path(b).iterdir()) < 64 << 10  # the frozen tensor referred to
+    cdcp.load(back, b, decrypt_with=unwrap)
+    assert torch.equal(back["frozen"], _big(0.0)["frozen"]) and torch.equal(
+        back["adapter"], torch.full((64,), 2.0)
+    )

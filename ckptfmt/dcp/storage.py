@@ -79,7 +79,10 @@ class SaveOptions(TypedDict, total=False):
     rank files with content digests (spec section 12), which later saves can refer to; `base`
     (implies `incremental`), an earlier such checkpoint (a directory, or a prefix of the same
     bucket) each rank file is saved against: chunks its file of the same name already stores
-    (or a file that one refers to) are referred to, not written again; the record names them."""
+    (or a file that one refers to) are referred to, not written again; the record names them.
+    `decrypt_with`: the key that reads the files of earlier saves (an incremental save's base,
+    stale rank files), by default `encrypt_with`; needed where that is a key service's
+    wrapping callable, which cannot unwrap."""
 
     compression: str | None
     level: int | None
@@ -93,6 +96,7 @@ class SaveOptions(TypedDict, total=False):
     storage_options: dict[str, Any] | None
     incremental: bool
     base: str | os.PathLike[str] | None
+    decrypt_with: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +119,7 @@ class WriterOptions:
     storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     incremental: bool = False
     base: str | None = None
+    decrypt_with: Any = None  # the key that reads earlier saves' files (SaveOptions)
 
     def __post_init__(self) -> None:  # held read-only: the options of every rank file of a save
         for name in ("metadata", "metrics", "storage_options"):
@@ -146,6 +151,7 @@ def writer_options(
     storage_options: dict[str, Any] | None = None,
     incremental: bool = False,
     base: str | os.PathLike[str] | None = None,
+    decrypt_with: Any = None,
 ) -> WriterOptions:
     """Check a save's options (SaveOptions) for the checkpoint at `path` (normalized) and make
     them one value: a bad key, an engine without libcrypto, a base elsewhere fail here."""
@@ -154,6 +160,11 @@ def writer_options(
     if base_path is not None and is_url(base_path) != is_url(path):
         raise ValueError(f"{path}: base {base_path} must lie where the checkpoint does")
     encryption.sealer(encrypt_with)  # a bad key, or an engine without libcrypto, fails here
+    incremental = incremental or base_path is not None
+    if incremental:  # the base is read: a key service's wrapping callable alone fails here
+        decrypt_with = encryption.save_and_read_keys(encrypt_with, decrypt_with)[1]
+    elif decrypt_with is None and not callable(encrypt_with):
+        decrypt_with = encrypt_with
     sign_key = recordsign.private_key(sign_with)  # a bad key fails before any rank writes
     writer.signer(sign_key)  # and an engine without libcrypto
     return WriterOptions(
@@ -167,8 +178,9 @@ def writer_options(
         sign_key=sign_key,
         encrypt_with=encrypt_with,
         storage_options=store or {},
-        incremental=incremental or base_path is not None,
+        incremental=incremental,
         base=base_path,
+        decrypt_with=decrypt_with,
     )
 
 
@@ -203,6 +215,7 @@ class Writer(HeldPlace, StorageWriter):
         storage_options: dict[str, Any] | None = None,
         incremental: bool = False,
         base: str | os.PathLike[str] | None = None,
+        decrypt_with: Any = None,
     ) -> None:
         super().__init__()
         self.path = places.normalized(path)
@@ -220,6 +233,7 @@ class Writer(HeldPlace, StorageWriter):
             storage_options=storage_options,
             incremental=incremental,
             base=base,
+            decrypt_with=decrypt_with,
         )
         # The directory is opened once per save and every write, unlink and listing is
         # made beneath that descriptor (spec 13.6); held_writer lends one (`_within`) or says
@@ -397,15 +411,20 @@ class Writer(HeldPlace, StorageWriter):
         else:
             base = self._base_file(name)
             handle = d.save_against(
-                name, state, base, snapshot, min_reference_bytes=MIN_REFERENCE_BYTES, **options
+                name,
+                state,
+                base,
+                snapshot,
+                min_reference_bytes=MIN_REFERENCE_BYTES,
+                decrypt_with=self.options.decrypt_with,
+                **options,
             )
         if snapshot is not None and handle is not None:
             # the child's failure (SnapshotError) fails this rank's write; a bounded wait: the
             # save's thread waits for the child until inflight.DEADLINE, then kills it
             handle.wait()
         if self.options.incremental:
-            key = encryption.save_and_read_keys(self.options.encrypt_with, None)[1]
-            recorded = d.externals_of(name, key)
+            recorded = d.externals_of(name, self.options.decrypt_with)
             refs = tuple(d.describe(rel) for rel in sorted(recorded))
             # a base saved again while this save read it: its record would name other files
             multifile.check_named(name, recorded.values(), refs, d.path_of(name))
@@ -549,8 +568,7 @@ class Writer(HeldPlace, StorageWriter):
         if self._own_names:  # a manager's step on a store: its manager deletes what others left
             d.remove_leftovers()  # (later steps may read it: ObjectRun.sweep_step)
         else:
-            key = None if callable(self.options.encrypt_with) else self.options.encrypt_with
-            _remove_stale_rank_files(d, set(names), key)
+            _remove_stale_rank_files(d, set(names), self.options.decrypt_with)
 
     def _digested(self, d: Place, p: multifile.PartRecord) -> multifile.PartRecord:
         """Digests on every entry of a signed record, on none of another."""
