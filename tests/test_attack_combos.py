@@ -238,3 +238,12 @@ def test_incremental_dcp_saves_encrypted_by_a_key_service(tmp_path: Path) -> Non
     assert torch.equal(back["frozen"], _big(0.0)["frozen"]) and torch.equal(
         back["adapter"], torch.full((64,), 2.0)
     )
+
+
+def test_consolidate_of_a_place_a_background_save_is_writing_reads_what_it_saved(tmp_path: Path) -> None:
+    """consolidate waits for the background save into its source, as a load does."""
+    n = 16 << 20
+    saving = cdcp.async_save({"w": torch.ones(n)}, str(tmp_path / "ck"))
+    cdcp.consolidate(str(tmp_path / "ck"), str(tmp_path / "full.ckpt"))
+    assert saving.done()
+    assert torch.equal(ckptfmt.load(str(tmp_path / "full.ckpt"))["w"], torch.ones(n))

@@ -45,7 +45,7 @@ from ..files import save as writer
 from ..format import dtypes
 from ..format import layout as fmt
 from . import metadata as mdv
-from .api import _mapped, _single_process_ok
+from .api import _LAST_SAVE, _mapped, _single_process_ok
 from .planners import LoadPlanner
 from .reader import Reader
 from .sources import DCP_METADATA_NAME
@@ -98,6 +98,7 @@ def consolidate(
         encrypt_with = decrypt_with
     source = places.normalized(src)
     target = places.normalized(out)
+    _LAST_SAVE.wait_if_at(source)  # a background save of it still writing: its checkpoint, once committed
     if is_url(source):
         reader: Any = Reader(
             source, verify=verify, storage_options=storage_options, decrypt_with=decrypt_with
