@@ -247,3 +247,17 @@ def test_consolidate_of_a_place_a_background_save_is_writing_reads_what_it_saved
     cdcp.consolidate(str(tmp_path / "ck"), str(tmp_path / "full.ckpt"))
     assert saving.done()
     assert torch.equal(ckptfmt.load(str(tmp_path / "full.ckpt"))["w"], torch.ones(n))
+
+
+def test_a_save_under_a_new_key_never_refers_to_a_base_under_the_old_one(tmp_path: Path) -> None:
+    """Key rotation: a file encrypted under a new key, saved against a base read with the old one,
+    referred to the base's chunks, and no key read it whole (the new one cannot unwrap the base,
+    spec 17.9): every chunk is written, with a warning."""
+    old, new = bytes(range(32)), bytes(range(1, 33))
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    incremental.save(_big(1.0), a, encrypt_with=old)
+    with pytest.warns(ckptfmt.CheckpointWarning, match="another key"):
+        incremental.save(_big(2.0), b, base=a, encrypt_with=new, decrypt_with=old)
+    assert incremental.referenced_files(b, decrypt_with=new) == []
+    assert torch.equal(ckptfmt.load(b, decrypt_with=new)["frozen"], _big(0.0)["frozen"])
+
