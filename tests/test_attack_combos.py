@@ -260,4 +260,3 @@ def test_a_save_under_a_new_key_never_refers_to_a_base_under_the_old_one(tmp_pat
         incremental.save(_big(2.0), b, base=a, encrypt_with=new, decrypt_with=old)
     assert incremental.referenced_files(b, decrypt_with=new) == []
     assert torch.equal(ckptfmt.load(b, decrypt_with=new)["frozen"], _big(0.0)["frozen"])
-
