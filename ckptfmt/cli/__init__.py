@@ -125,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dst", metavar="DST")
     c.add_argument("--compression", choices=["zstd"], default=None, help="compress chunks (to ckptfmt)")
     c.add_argument("--level", type=int, default=None, help="zstd level (default 1)")
+    c.add_argument(
+        "--decrypt-key",
+        default=None,
+        metavar="KEYFILE",
+        help="a torch.distributed.checkpoint directory saved encrypted: its key file (the file "
+        "written is encrypted under it too)",
+    )
     c.set_defaults(fn=_command("convert", "cmd_convert"))
     k = sub(
         "consolidate",
@@ -136,6 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--compression", choices=["zstd"], default=None, help="compress the copy's chunks")
     k.add_argument("--level", type=int, default=None, help="zstd level (default 1)")
     k.add_argument("--json", action="store_true", help="print one JSON document")
+    k.add_argument(
+        "--decrypt-key",
+        default=None,
+        metavar="KEYFILE",
+        help="an encrypted checkpoint's key file (the copy is encrypted under it too)",
+    )
     k.set_defaults(fn=_command("convert", "cmd_consolidate"))
     d = sub("diff", "Compare two checkpoints: keys, types, shapes, dtypes and values.")
     d.add_argument("a", metavar="A")

@@ -60,14 +60,18 @@ def _consolidation_source(src: str) -> tuple[str, str]:
 def _consolidate_dcp(src: str, dst: str, args: argparse.Namespace) -> dict[str, Any]:
     from ..dcp import consolidate
 
-    return dataclasses.asdict(consolidate(src, dst, compression=args.compression, level=args.level))
+    return dataclasses.asdict(
+        consolidate(src, dst, compression=args.compression, level=args.level, decrypt_with=args.decrypt_key)
+    )
 
 
 def _consolidate_file(src: str, dst: str, args: argparse.Namespace) -> dict[str, Any]:
     from ..files.incremental import consolidate
 
     require_ckptfmt(src)
-    return dataclasses.asdict(consolidate(src, dst, compression=args.compression, level=args.level))
+    return dataclasses.asdict(
+        consolidate(src, dst, compression=args.compression, level=args.level, decrypt_with=args.decrypt_key)
+    )
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
@@ -132,7 +136,13 @@ def _convert_dir(args: argparse.Namespace) -> int:
     from ..dcp import consolidate
 
     try:
-        rep = consolidate(args.src, args.dst, compression=args.compression, level=args.level)
+        rep = consolidate(
+            args.src,
+            args.dst,
+            compression=args.compression,
+            level=args.level,
+            decrypt_with=getattr(args, "decrypt_key", None),
+        )
     except KNOWN_ERRORS as e:
         return fail(e, args.src)
     say(
@@ -191,6 +201,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     if os.path.isdir(args.src):
         return _convert_dir(args)
+    if args.decrypt_key is not None:  # a file converted would be written in clear
+        return fail(
+            UsageError("--decrypt-key: only a torch.distributed.checkpoint directory is converted encrypted"),
+            args.src,
+        )
     try:
         kind = sniff(args.src)
         if kind == "ckptfmt":

@@ -24,6 +24,7 @@ from ..engine import bytesview
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError
+from ..fileio import is_url
 from ..files import multifile, places
 from ..files.save import check_snapshot
 from ..gcpause import pausing_in_main_thread
@@ -176,6 +177,9 @@ def save_within(
     w, planner = _set_up_save(path, process_group, "blocking", options, within, step_dir)
     target = w.path
     try:
+        for place in (target, w.options.base):  # the place written, and the one read from
+            if place is not None:
+                _LAST_SAVE.wait_if_at(place)
         with _single_process_ok():
             return dcp.save(
                 state_dict,
@@ -240,6 +244,7 @@ def load_within(
     storage_options = options.get("storage_options")
     reader = held_reader(target, within=within, **options)
     try:
+        _LAST_SAVE.wait_if_at(target)
         reader.read_metadata()  # a missing or damaged commit record fails here, on every rank, plainly
         with _single_process_ok():
             dcp.load(
@@ -352,7 +357,46 @@ class Stager:
         self._buffers.clear()
 
 
+class _LastSave:
+    """The background save this process started last, whatever staged it: every background
+    save waits for it first (wait_previous, with its deadline), as two in flight would run
+    their collectives on the same group in threads of their own, interleaved differently on
+    each rank.  A Stager's or ForkStager's own wait sees only the saves it staged."""
+
+    def __init__(self) -> None:
+        self._previous: tuple[concurrent.futures.Future[Any], str] | None = None
+        self._lock = threading.Lock()
+
+    def track(self, future: concurrent.futures.Future[Any], path: str) -> None:
+        with self._lock:
+            self._previous = (future, path)
+
+    def wait(self, path: str | None = None) -> None:
+        with self._lock:
+            previous = self._previous
+        if previous is not None:
+            wait_previous(*previous, path)
+
+    def wait_if_at(self, path: str) -> None:
+        """Wait for the last background save when it saves into `path` (normalized): a blocking
+        save there would otherwise be overwritten by the older state when that one commits, and
+        a load, or a save against it as its base, would find the old record withdrawn and the
+        new one not yet written."""
+        with self._lock:
+            previous = self._previous
+        if previous is not None and _same_place(previous[1], path):
+            wait_previous(*previous, path)
+
+
+def _same_place(a: str, b: str) -> bool:
+    """Whether two normalized places are one: a URL by its text, a local path once resolved."""
+    if is_url(a) or is_url(b):
+        return a == b
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
 _DEFAULT_STAGER = Stager()
+_LAST_SAVE = _LastSave()
 # base group -> weak reference to its checkpoint group.  Weak on both sides: once
 # destroy_process_group() drops torch's references, the groups must be freed then, by the
 # thread that destroys them.  A group kept alive here would be freed at interpreter exit,
@@ -456,7 +500,9 @@ def save_in_background(
     st: Stager | ForkStager = ForkStager(w) if snapshot == "fork" else (stager or _DEFAULT_STAGER)
     # one background save at a time, whichever way the last was staged (see ForkStager)
     target = w.path
-    for before in (ForkStager, stager or _DEFAULT_STAGER):  # its wait in stage() is then at once
+    # its wait in stage() is then at once; the last background save is waited for whichever
+    # stager staged it (a save staged by another Stager than this one's runs on the same group)
+    for before in (ForkStager, stager or _DEFAULT_STAGER, _LAST_SAVE):
         before.wait(target)
     try:
         inner = dcp.async_save(
@@ -485,4 +531,5 @@ def save_in_background(
 
     inner.add_done_callback(done)
     st.track(out, target)
+    _LAST_SAVE.track(out, target)
     return out

@@ -45,7 +45,7 @@ from ..files import save as writer
 from ..format import dtypes
 from ..format import layout as fmt
 from . import metadata as mdv
-from .api import _mapped, _single_process_ok
+from .api import _LAST_SAVE, _mapped, _single_process_ok
 from .planners import LoadPlanner
 from .reader import Reader
 from .sources import DCP_METADATA_NAME
@@ -75,6 +75,8 @@ def consolidate(
     chunk_size: int | None = None,
     verify: bool = True,
     storage_options: dict[str, Any] | None = None,
+    decrypt_with: Any = None,
+    encrypt_with: Any = None,
 ) -> ConsolidateReport:
     """Write the checkpoint in directory `src` as one ckptfmt file `out` with full tensors.
 
@@ -82,17 +84,30 @@ def consolidate(
     smaller `chunk_size` lets a later sharded ``load`` of the file read closer to just
     each rank's slice (a chunk is the unit that is read and verified).  `src` and `out` may
     be object-store URLs (a ckptfmt DCP checkpoint under a prefix; the file as an object),
-    with the client's settings in `storage_options`.
+    with the client's settings in `storage_options`.  `decrypt_with`: the key of a save made
+    with ``encrypt_with``; `encrypt_with`: the file is encrypted under this key (default
+    `decrypt_with`: an encrypted checkpoint stays encrypted; a key service's unwrapping callable
+    cannot encrypt, so pass its wrapping one), as files' ``consolidate`` does.
     """
+    if encrypt_with is None and decrypt_with is not None:
+        if callable(decrypt_with):
+            raise ValueError(
+                "consolidate: decrypt_with is a key service's unwrapping callable, which cannot "
+                "encrypt the file written: pass its wrapping one as encrypt_with"
+            )
+        encrypt_with = decrypt_with
     source = places.normalized(src)
     target = places.normalized(out)
+    _LAST_SAVE.wait_if_at(source)  # a background save of it still writing: its checkpoint, once committed
     if is_url(source):
-        reader: Any = Reader(source, verify=verify, storage_options=storage_options)
+        reader: Any = Reader(
+            source, verify=verify, storage_options=storage_options, decrypt_with=decrypt_with
+        )
         kind = "ckptfmt-dcp"
     elif not os.path.isdir(source):
         raise UnsupportedError("not a directory: consolidate reads a sharded DCP checkpoint", path=source)
     elif os.path.exists(os.path.join(source, multifile.COMMIT_NAME)):
-        reader = Reader(source, verify=verify)
+        reader = Reader(source, verify=verify, decrypt_with=decrypt_with)
         kind = "ckptfmt-dcp"
     elif os.path.exists(os.path.join(source, DCP_METADATA_NAME)):
         reader = DCPFormatReader(source)
@@ -117,6 +132,7 @@ def consolidate(
         chunk_size=chunk_size,
         metadata={"consolidated_from": kind},
         storage_options=storage_options if is_url(target) else None,
+        encrypt_with=encrypt_with,
     )
     return ConsolidateReport(
         kind,

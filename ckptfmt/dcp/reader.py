@@ -129,7 +129,12 @@ class Reader(HeldPlace, StorageReader):
             self.read_metadata()
         assert self._where is not None
         if self._single:  # one file, already checked whole when opened: its tensors are its own
-            with CheckpointFile(self.path, storage_options=self.storage_options) as f:
+            with CheckpointFile(
+                self.path,
+                trusted_keys=self._trusted,
+                decrypt_with=self._decrypt,
+                storage_options=self.storage_options,
+            ) as f:
                 return [], sum(s.nbytes for s in f.storages)
         d = self._open_dir()
         assert d is not None and self._record is not None

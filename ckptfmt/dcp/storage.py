@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import posixpath
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -78,7 +79,10 @@ class SaveOptions(TypedDict, total=False):
     rank files with content digests (spec section 12), which later saves can refer to; `base`
     (implies `incremental`), an earlier such checkpoint (a directory, or a prefix of the same
     bucket) each rank file is saved against: chunks its file of the same name already stores
-    (or a file that one refers to) are referred to, not written again; the record names them."""
+    (or a file that one refers to) are referred to, not written again; the record names them.
+    `decrypt_with`: the key that reads the files of earlier saves (an incremental save's base,
+    stale rank files), by default `encrypt_with`; needed where that is a key service's
+    wrapping callable, which cannot unwrap."""
 
     compression: str | None
     level: int | None
@@ -92,6 +96,7 @@ class SaveOptions(TypedDict, total=False):
     storage_options: dict[str, Any] | None
     incremental: bool
     base: str | os.PathLike[str] | None
+    decrypt_with: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +119,7 @@ class WriterOptions:
     storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     incremental: bool = False
     base: str | None = None
+    decrypt_with: Any = None  # the key that reads earlier saves' files (SaveOptions)
 
     def __post_init__(self) -> None:  # held read-only: the options of every rank file of a save
         for name in ("metadata", "metrics", "storage_options"):
@@ -145,6 +151,7 @@ def writer_options(
     storage_options: dict[str, Any] | None = None,
     incremental: bool = False,
     base: str | os.PathLike[str] | None = None,
+    decrypt_with: Any = None,
 ) -> WriterOptions:
     """Check a save's options (SaveOptions) for the checkpoint at `path` (normalized) and make
     them one value: a bad key, an engine without libcrypto, a base elsewhere fail here."""
@@ -153,6 +160,11 @@ def writer_options(
     if base_path is not None and is_url(base_path) != is_url(path):
         raise ValueError(f"{path}: base {base_path} must lie where the checkpoint does")
     encryption.sealer(encrypt_with)  # a bad key, or an engine without libcrypto, fails here
+    incremental = incremental or base_path is not None
+    if incremental:  # the base is read: a key service's wrapping callable alone fails here
+        decrypt_with = encryption.save_and_read_keys(encrypt_with, decrypt_with)[1]
+    elif decrypt_with is None and not callable(encrypt_with):
+        decrypt_with = encrypt_with
     sign_key = recordsign.private_key(sign_with)  # a bad key fails before any rank writes
     writer.signer(sign_key)  # and an engine without libcrypto
     return WriterOptions(
@@ -166,8 +178,9 @@ def writer_options(
         sign_key=sign_key,
         encrypt_with=encrypt_with,
         storage_options=store or {},
-        incremental=incremental or base_path is not None,
+        incremental=incremental,
         base=base_path,
+        decrypt_with=decrypt_with,
     )
 
 
@@ -202,6 +215,7 @@ class Writer(HeldPlace, StorageWriter):
         storage_options: dict[str, Any] | None = None,
         incremental: bool = False,
         base: str | os.PathLike[str] | None = None,
+        decrypt_with: Any = None,
     ) -> None:
         super().__init__()
         self.path = places.normalized(path)
@@ -219,6 +233,7 @@ class Writer(HeldPlace, StorageWriter):
             storage_options=storage_options,
             incremental=incremental,
             base=base,
+            decrypt_with=decrypt_with,
         )
         # The directory is opened once per save and every write, unlink and listing is
         # made beneath that descriptor (spec 13.6); held_writer lends one (`_within`) or says
@@ -396,15 +411,20 @@ class Writer(HeldPlace, StorageWriter):
         else:
             base = self._base_file(name)
             handle = d.save_against(
-                name, state, base, snapshot, min_reference_bytes=MIN_REFERENCE_BYTES, **options
+                name,
+                state,
+                base,
+                snapshot,
+                min_reference_bytes=MIN_REFERENCE_BYTES,
+                decrypt_with=self.options.decrypt_with,
+                **options,
             )
         if snapshot is not None and handle is not None:
             # the child's failure (SnapshotError) fails this rank's write; a bounded wait: the
             # save's thread waits for the child until inflight.DEADLINE, then kills it
             handle.wait()
         if self.options.incremental:
-            key = encryption.save_and_read_keys(self.options.encrypt_with, None)[1]
-            recorded = d.externals_of(name, key)
+            recorded = d.externals_of(name, self.options.decrypt_with)
             refs = tuple(d.describe(rel) for rel in sorted(recorded))
             # a base saved again while this save read it: its record would name other files
             multifile.check_named(name, recorded.values(), refs, d.path_of(name))
@@ -429,6 +449,25 @@ class Writer(HeldPlace, StorageWriter):
                 same = False
         if same:
             raise ValueError(f"{self.path}: a checkpoint cannot be saved against itself (base={base})")
+        self._refuse_replacing_a_source(base)
+
+    def _refuse_replacing_a_source(self, base: str) -> None:
+        """Refuse a save against a base whose record names files of this directory it reads
+        chunks from: the coordinator would withdraw this directory's record and the ranks
+        replace those files, breaking the base (and each rank's file would refuse it too, once
+        the record was gone)."""
+        try:
+            with places.place_at(base, self.storage_options) as place:
+                record = place.read_record()
+                here = [p.name for p in record.references if _same_dir(place.path_of(p.name), self.path)]
+        except (CheckpointError, OSError):  # no base there, or a damaged one: the save says so later
+            return
+        if here:
+            raise UnsupportedError(
+                f"cannot be saved against {base}: it reads chunks from files of this checkpoint "
+                f"({', '.join(here[:3])}), which the save would replace",
+                path=self.path,
+            )
 
     def _base_file(self, name: str) -> str | None:
         """The file of `base` that rank file `name` is saved against: the one of the same rank
@@ -529,7 +568,7 @@ class Writer(HeldPlace, StorageWriter):
         if self._own_names:  # a manager's step on a store: its manager deletes what others left
             d.remove_leftovers()  # (later steps may read it: ObjectRun.sweep_step)
         else:
-            _remove_stale_rank_files(d, set(names))
+            _remove_stale_rank_files(d, set(names), self.options.decrypt_with)
 
     def _digested(self, d: Place, p: multifile.PartRecord) -> multifile.PartRecord:
         """Digests on every entry of a signed record, on none of another."""
@@ -558,6 +597,17 @@ def held_writer(
     w = Writer(path, **options)
     w._within, w._step_dir = within, step_dir
     return w
+
+
+def _same_dir(reference: str, directory: str) -> bool:
+    """Whether the file a reference leads to (a path or URL through "..") lies in `directory`."""
+    if is_url(reference) or is_url(directory):
+        scheme, _, rest = reference.partition("://")
+        return f"{scheme}://{posixpath.dirname(posixpath.normpath(rest))}" == directory.rstrip("/")
+    try:
+        return os.path.samefile(os.path.dirname(reference), directory)
+    except OSError:  # either is not there: no file of the one is in the other
+        return False
 
 
 def _byte_value(planner: _BaseSavePlanner, item: Any) -> Any:
@@ -601,10 +651,22 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return t.resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
 
 
-def _remove_stale_rank_files(d: Place, keep: set[str]) -> None:
-    """Rank files an earlier save (with more ranks) left that the new record does not name
-    (a link is removed as a name, never followed), and what crashed saves left."""
+def _remove_stale_rank_files(d: Place, keep: set[str], key: Any = None) -> None:
+    """Rank files an earlier save (with more ranks) left that the new record does not name, each
+    once it is proven a rank file a DCP save of ckptfmt wrote (a file a person or another tool
+    put there under such a name, or a link, is kept), and what crashed saves left.  `key`: the
+    save's key, which reads the stale files of earlier saves made with it."""
     for name in d.names():
-        if RANK_FILE_RE.fullmatch(name) and name not in keep:
+        if RANK_FILE_RE.fullmatch(name) and name not in keep and _written_by_a_save(d, name, key):
             d.remove(name)
     d.remove_leftovers()
+
+
+def _written_by_a_save(d: Place, name: str, key: Any) -> bool:
+    """Whether file `name` is a rank file a DCP save wrote: a ckptfmt file (opened without
+    following a link) whose metadata names the rank and the save (WriterOptions.rank_file_options)."""
+    try:
+        with d.open_file(name, key) as f:
+            return "dcp_rank" in f.metadata and "dcp_save_id" in f.metadata
+    except (CheckpointError, OSError):  # not a ckptfmt file, a link, another key's: not provably ours
+        return False

@@ -159,6 +159,11 @@ class FileSealer:
     def data_key(self) -> bytes:
         return self._data_key
 
+    @property
+    def key(self) -> Key:
+        """The user's key the data key is wrapped under."""
+        return self._key
+
     def seal(self, file_id: bytes, index_offset: int, index: bytes, tags: bytes) -> tuple[bytes, bytes]:
         nchunks = len(tags) // enc.TAG_SIZE
         flags = enc.FLAG_INDEX_ENCRYPTED if self._encrypt_index else 0
@@ -278,6 +283,14 @@ def unwrap(key: Key, block: enc.EncryptionBlock, file_id: bytes) -> bytes:
         raise DecryptionError(
             "wrapped data key does not match its GCM tag (the wrapped key or the encryption block's header changed)"
         ) from None
+
+
+def unwraps(key: Key, block: enc.EncryptionBlock) -> bool:
+    """Whether `key` unwraps the data key of a file with encryption block `block`, as far as the
+    block says: a KEK the one its hint names, a key service any data key a key service wrapped."""
+    if key.service is not None:
+        return block.wrap == enc.WRAP_EXTERNAL
+    return block.wrap == enc.WRAP_KEK and block.hint == key.hint
 
 
 def ciphertext_problems(f: Any) -> list[CheckpointError]:

@@ -33,7 +33,7 @@ from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
 from ..engine.writeoptions import ChunkRecord, WriteOptions
-from ..errors import CheckpointWarning
+from ..errors import CheckpointWarning, UnsupportedError
 from ..fileio import is_url, open_regular, pread_exact
 from ..format import dtypes
 from ..format import layout as fmt
@@ -144,9 +144,11 @@ class ContentIndex:
         decrypt: Any = None,
         storage_options: dict[str, Any] | None = None,
         within: CheckpointDir | None = None,
+        sealing: encryption.Key | None = None,
     ) -> None:
         """`decrypt`: the key of an encrypted save: the base is read with it, and referred to
-        only when it is encrypted too (spec 17.9).  `storage_options`: for a base on a store.
+        only when it is encrypted too, under `sealing`, the key the new file is encrypted
+        under: a reader with that key must unwrap every file it refers to (spec 17.9).  `storage_options`: for a base on a store.
         `within`: the open directory the new file is written beneath: a local base is then
         opened through it by its reference path, never by resolving its path again (a step
         directory swapped for a link meanwhile is refused, not followed)."""
@@ -154,6 +156,7 @@ class ContentIndex:
         self.decrypt = decrypt
         self.storage_options = storage_options
         self.within = within
+        self.sealing = sealing
         self.files: list[_Candidate] = []
         self.held: dict[tuple[int, bytes], _Held] = {}
         self.entries: dict[int, int] = {}  # candidate file -> its entry in `externals`
@@ -192,6 +195,7 @@ class ContentIndex:
         finally:
             _close(None, holder)
         with base_file as f:
+            _refuse_replacing_a_source(target, base, f)
             self.base_chunk_size = f.chunk_size
             # opened beneath `within` by its reference path: that path is the reference (no
             # name is resolved again); else the path that leads to the same file, if any
@@ -201,13 +205,22 @@ class ContentIndex:
                 else _reference_path(target, base if is_url(base) else os.path.abspath(base))
             )
             crossing = f.encrypted != (self.decrypt is not None)
-            if not f.has_digests or rel is None or crossing:
+            foreign = (
+                f.encrypted
+                and self.sealing is not None
+                and f.index.encryption is not None
+                and not encryption.unwraps(self.sealing, f.index.encryption)
+            )
+            if not f.has_digests or rel is None or crossing or foreign:
                 # still a correct save, only not an incremental one; the next save can refer to it
                 why = (
                     "it was written without content digests (by ckptfmt.save)"
                     if not f.has_digests
                     else "one of the two is encrypted and the other is not"
                     if crossing
+                    else "it is encrypted under another key than the new file, whose key would not "
+                    "read the chunks it refers to"
+                    if foreign
                     else "a reference is NAME, DIR/NAME, ../NAME or ../DIR/NAME from the new file's "
                     "directory, each name without a leading dot, and not the file being written"
                 )
@@ -325,6 +338,31 @@ class ContentIndex:
         if k in self.refs:
             out.extend(self.refs[k])
         return out
+
+
+def _refuse_replacing_a_source(target: str, base: str, f: CheckpointFile) -> None:
+    """Refuse a save over a file its base reads chunks from: the base would go on naming the
+    replaced file, and every chunk it keeps there would be lost (UnsupportedError)."""
+    for ext in f.externals:
+        if _same_file(target, _referenced_path(f, ext.rel)):
+            raise UnsupportedError(
+                f"cannot be saved against {base}: that file reads chunks from this one ({ext.rel}), "
+                "which the save would replace",
+                path=target,
+            )
+
+
+def _same_file(target: str, held: str) -> bool:
+    """Whether `held` (a path or URL a reference leads to) is the file `target` names."""
+    if is_url(target) or is_url(held):
+        if not (is_url(target) and is_url(held)):
+            return False
+        t, h = parse_url(target), parse_url(held)
+        return (t.scheme, t.bucket, t.host, t.key) == (h.scheme, h.bucket, h.host, h.key)
+    try:
+        return os.path.samefile(target, held)
+    except OSError:  # either is not there: nothing of the one is replaced by the other
+        return False
 
 
 def _close(fd: int | None, holder: CheckpointDir | None) -> None:
@@ -453,6 +491,7 @@ def save_checked(
         decrypt_with if options.write.seal is not None else None,
         options.storage_options,
         within,
+        options.write.seal.key if isinstance(options.write.seal, encryption.FileSealer) else None,
     )
     write = dataclasses.replace(options.write, dedup=index)
     if base_chunks and index.base_chunk_size is not None and not os.environ.get("CKPTFMT_CHUNK_SIZE"):

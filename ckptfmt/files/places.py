@@ -115,7 +115,9 @@ class Place:
         from .save import save_options, staged_by
 
         target, within, storage = self.save_target(name)
-        encrypt, decrypt = save_and_read_keys(options.pop("encrypt_with", None), None)
+        encrypt, decrypt = save_and_read_keys(
+            options.pop("encrypt_with", None), options.pop("decrypt_with", None)
+        )
         checked = staged_by(save_options(storage_options=storage, encrypt_with=encrypt, **options), staged)
         return save_checked(
             state,
