@@ -7,6 +7,7 @@ ranks and resharded into one process, locally and encrypted on a store, blocking
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 from helpers import run_ranks
@@ -98,3 +99,39 @@ def test_incremental_saves_of_two_ranks(tmp_path, s3_bucket):
         assert m.verify().ok
         full = m.load()  # resharded into one process
         assert torch.equal(full["frozen"], FROZEN) and torch.equal(full["adapter"], torch.full((64, 8), 3.0))
+
+
+_PAD = bytes(range(32))
+
+
+def _wrap(key: bytes) -> bytes:
+    """A key service's wrapping, as a test stands one in: any callable pair that round-trips."""
+    return b"W" + bytes(x ^ y for x, y in zip(key, _PAD))
+
+
+def _unwrap(wrapped: bytes) -> bytes:
+    return bytes(x ^ y for x, y in zip(wrapped[1:], _PAD))
+
+
+def _keyservice_rank(rank: int, world: int, run: str) -> dict[str, object]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    m = ckptfmt.CheckpointManager(
+        run, keep_last=2, incremental=True, encrypt_with=_wrap, decrypt_with=_unwrap
+    )
+    frozen = torch.arange(1 << 18, dtype=torch.float32)
+    for step in (1, 2):
+        m.save(step, {"w": distribute_tensor(frozen, mesh, [Shard(0)]), "step": step})
+    m.wait()
+    target = {"w": distribute_tensor(torch.zeros_like(frozen), mesh, [Shard(0)]), "step": 0}
+    got = m.load_into(target)
+    return {"step": got.step, "w": bool(torch.equal(target["w"].full_tensor(), frozen))}
+
+
+def test_a_sharded_incremental_run_encrypted_by_a_key_service_saves_and_loads(tmp_path: Any) -> None:
+    """The base of each rank's file is read with the manager's decrypt_with: a key service
+    that encrypts cannot read, so the rank files' saves must be given the unwrapping key."""
+    got = run_ranks(_keyservice_rank, 2, tmp_path, str(tmp_path / "run"))
+    assert got == [{"step": 2, "w": True}, {"step": 2, "w": True}]

@@ -396,7 +396,9 @@ class RunSteps:
     @property
     def options(self) -> StepOptions:
         m = self.manager
-        return StepOptions(m.compression, m.blocking, m.incremental, m.snapshot, m._sign_key, m._encrypt)
+        return StepOptions(
+            m.compression, m.blocking, m.incremental, m.snapshot, m._sign_key, m._encrypt, m._decrypt
+        )
 
     @property
     def storage_options(self) -> dict[str, Any] | None:

@@ -167,6 +167,7 @@ def _save_shards(
         "compression": run.compression,
         "sign_with": run.sign_key,
         "encrypt_with": run.encrypt,
+        "decrypt_with": run.decrypt,
         "storage_options": steps.storage_options,
         "incremental": run.incremental,
         "base": base,

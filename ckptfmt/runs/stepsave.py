@@ -25,7 +25,9 @@ class StepOptions:
     """How a run writes its steps, as its manager was made (checked there): `compression` of
     each file, `blocking` saves, `incremental` ones (content digests, against the newest
     step), the `snapshot` of non-blocking saves, `sign_key` (a private key signing each commit
-    record, or None) and `encrypt` (the key encrypting each state file, or None)."""
+    record, or None), `encrypt` (the key encrypting each state file, or None) and `decrypt`
+    (the key reading earlier steps' files: an incremental step's base; None where `encrypt`
+    reads them too)."""
 
     compression: str | None
     blocking: bool
@@ -33,6 +35,7 @@ class StepOptions:
     snapshot: str
     sign_key: Any
     encrypt: Any
+    decrypt: Any = None
 
 
 class StepSaver(Protocol):
