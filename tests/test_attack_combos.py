@@ -260,3 +260,23 @@ def test_a_save_under_a_new_key_never_refers_to_a_base_under_the_old_one(tmp_pat
         incremental.save(_big(2.0), b, base=a, encrypt_with=new, decrypt_with=old)
     assert incremental.referenced_files(b, decrypt_with=new) == []
     assert torch.equal(ckptfmt.load(b, decrypt_with=new)["frozen"], _big(0.0)["frozen"])
+
+
+def test_a_referenced_chunk_numbered_past_its_files_tags_is_refused(tmp_path: Path) -> None:
+    """b refers to a's chunks; a's encryption block rewritten to say it has no chunks (a key
+    service's wrap binds nothing of a referenced file's block): a chunk numbered past the
+    block's tags would be read as if in clear.  Refused, naming the referenced file's chunk."""
+    import struct
+
+    from ckptfmt.format import encryption as enc
+
+    wrap, unwrap = _service()
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    incremental.save(_big(1.0), a, encrypt_with=wrap, decrypt_with=unwrap)
+    incremental.save(_big(2.0), b, base=a, encrypt_with=wrap, decrypt_with=unwrap)
+    raw = bytearray(Path(a).read_bytes())
+    at = raw.index(enc.BLOCK_MAGIC)
+    struct.pack_into("<Q", raw, at + 24, 0)  # nchunks (header: magic, cipher, wrap, flags, nchunks)
+    Path(a).write_bytes(bytes(raw))
+    with pytest.raises(ckptfmt.CheckpointError, match="tags for 0 chunks"):
+        ckptfmt.load(b, decrypt_with=unwrap)

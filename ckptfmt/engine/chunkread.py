@@ -227,6 +227,14 @@ class ChunkReader:
         if ch.source < 0:
             return self.data_key, self.file_id, k, ch.tag
         key, block = self._ext_keys[ch.source]
+        if ch.number >= block.nchunks:  # no tag: read as if in clear, which nothing authenticates
+            raise self._error(
+                CorruptError,
+                f"its file's encryption block has tags for {block.nchunks} chunks",
+                k,
+                None,
+                ch.offset,
+            )
         return key, self.externals[ch.source].file_id, ch.number, block.tag_of(ch.number)
 
     def _decrypts(self, k: int) -> bool:
