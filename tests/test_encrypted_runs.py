@@ -307,3 +307,19 @@ def test_an_encrypted_manager_run_of_two_ranks(tmp_path, s3_bucket):
     # opened to list it): without the key it is found, and reading it is a DecryptionError
     with pytest.raises(ckptfmt.DecryptionError):
         ckptfmt.CheckpointManager(tmp_path / "run").load()
+
+
+def test_a_run_given_two_different_keys_is_refused_when_made(tmp_path: object) -> None:
+    """A run reads back what it writes (commits, its newest step, an incremental base) with
+    decrypt_with: a key other than encrypt_with's failed every commit after writing the step.
+    Refused when the manager is made; the same key given twice, or as a file, is one key."""
+    run = str(tmp_path)
+    other = bytes(range(1, 33))
+    with pytest.raises(ValueError, match="decrypt_with must be the key of encrypt_with"):
+        ckptfmt.CheckpointManager(run, encrypt_with=other, decrypt_with=KEY)
+    key_file = tmp_path / "key.bin"  # type: ignore[operator]
+    key_file.write_bytes(KEY)
+    m = ckptfmt.CheckpointManager(run, incremental=True, encrypt_with=KEY, decrypt_with=str(key_file))
+    m.save(1, {"w": torch.arange(1 << 16, dtype=torch.float32)})
+    m.save(2, {"w": torch.arange(1 << 16, dtype=torch.float32)})
+    assert torch.equal(m.load()["w"], torch.arange(1 << 16, dtype=torch.float32))

@@ -242,6 +242,25 @@ def save_and_read_keys(encrypt_with: Any, decrypt_with: Any) -> tuple[Any, Any]:
     return encrypt_with, encrypt_with if decrypt_with is None else decrypt_with
 
 
+def run_keys(encrypt_with: Any, decrypt_with: Any, what: str) -> tuple[Any, Any]:
+    """save_and_read_keys for a writer that reads its own saves back with `decrypt_with` (a
+    run's commits, its newest step, the next incremental save's base): a key that encrypts
+    must then read too, so a different decrypt_with (meant for older saves under another key)
+    is refused here, not by the first commit.  `what` names the writer in the message."""
+    encrypt, decrypt = save_and_read_keys(encrypt_with, decrypt_with)
+    if encrypt is not None and not callable(encrypt):
+        if (
+            callable(decrypt)
+            or load_key(decrypt, "decrypt_with").kek != load_key(encrypt, "encrypt_with").kek
+        ):
+            raise ValueError(
+                f"{what} reads back the checkpoints it writes: decrypt_with must be the key of encrypt_with "
+                "(or left out); a run's key cannot change within the run: start a new run under the new key "
+                "(load the old one with the old key, save under the new)"
+            )
+    return encrypt, decrypt
+
+
 def opener(decrypt_with: Any) -> enc.Opener | None:
     """The reader's way into encrypted files (None without a key): the data key of a file's
     encryption block, and the GCM its index is opened with (small_gcm)."""

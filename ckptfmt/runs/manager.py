@@ -141,7 +141,7 @@ class CheckpointManager(StepCommits):
         writer.signer(self._sign_key)  # and an engine without libcrypto
         self._trusted = recordsign.public_keys(trusted_keys)
         # a bad key, or an engine without libcrypto, fails here, not at the first save
-        self._encrypt, self._decrypt = encryption.save_and_read_keys(encrypt_with, decrypt_with)
+        self._encrypt, self._decrypt = encryption.run_keys(encrypt_with, decrypt_with, "a CheckpointManager")
         self._lock = threading.Lock()
         self._saves: dict[int, inflight.SaveHandle] = {}  # the latest saves' handles, by step
         self._jobs: list[StepJob] = []  # in flight, or finished with an error nobody has seen

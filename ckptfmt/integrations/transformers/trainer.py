@@ -19,7 +19,7 @@ import ckptfmt
 from ...engine.ckptdir import CheckpointDir
 from ...errors import CheckpointError, CheckpointWarning, IncompleteError, UnsupportedError
 from ...files import recordsign
-from ...files.encryption import save_and_read_keys
+from ...files.encryption import run_keys
 from ...files.save import check_save_args, signer
 from .. import objects
 from .names import (
@@ -144,8 +144,8 @@ class CkptfmtTrainerMixin(_MixinBase):
     ) -> None:
         check_save_args(ckptfmt_compression, None, None)
         # a bad key, or an engine without libcrypto, fails here, not at the first save
-        self._ckptfmt_encrypt, self._ckptfmt_decrypt = save_and_read_keys(
-            ckptfmt_encrypt_with, ckptfmt_decrypt_with
+        self._ckptfmt_encrypt, self._ckptfmt_decrypt = run_keys(
+            ckptfmt_encrypt_with, ckptfmt_decrypt_with, "a CkptfmtTrainer"
         )
         self._ckptfmt_sign_key = recordsign.private_key(ckptfmt_sign_with)
         signer(self._ckptfmt_sign_key)  # an engine without libcrypto fails here, not at a commit
