@@ -177,3 +177,52 @@ def test_a_child_makes_its_own_store_and_its_own_connections(s3_bucket):
     with _held_by_a_thread(backends._lock):
         assert _in_child(check) == 0
     assert backends.store_for(url, options) is parents
+
+
+def test_dcp_background_saves_of_the_parent_are_not_the_childs(tmp_path: Any, monkeypatch: Any) -> None:
+    """A child forked while its parent's DCP background save is in flight (the stagers' pending
+    future, as async_save leaves it until the write ends; the fork stager's lock held by a
+    thread) makes a background save of its own at once: it does not wait for the parent's
+    future, which no thread of the child ends (a CheckpointError at the deadline before), nor
+    on the lock."""
+    from ckptfmt import dcp as cdcp
+    from ckptfmt.background import inflight
+    from ckptfmt.dcp import api
+    from ckptfmt.dcp.forkstage import ForkStager
+
+    monkeypatch.setattr(inflight, "DEADLINE", 2.0)
+    parent = __import__("concurrent.futures").futures.Future()
+    own = cdcp.Stager()
+    for stager in (api._DEFAULT_STAGER, own):
+        stager.track(parent, str(tmp_path / "parent-step"))
+    api._LAST_SAVE.track(parent, str(tmp_path / "parent-step"))
+
+    def saves() -> bool:
+        for i, stager in enumerate((None, own)):
+            kw = {} if stager is None else {"stager": stager}
+            cdcp.async_save({"w": torch.arange(10.0)}, str(tmp_path / f"child-{i}"), **kw).result(timeout=15)
+        return True
+
+    try:
+        with _held_by_a_thread(ForkStager._lock):
+            assert _in_child(saves) == 0
+    finally:
+        parent.set_result(None)
+
+
+def test_a_reader_of_an_incremental_file_reads_in_a_child_forked_mid_read(tmp_path: Any) -> None:
+    """The chunk reader's locks over referenced files (held by a parent thread's read at the
+    fork) are the child's own: a DataLoader worker's get does not wait on them for ever."""
+    from ckptfmt.files import incremental
+
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    frozen = torch.arange(1 << 16, dtype=torch.float32)
+    incremental.save({"frozen": frozen, "x": torch.zeros(4)}, a)
+    incremental.save({"frozen": frozen, "x": torch.ones(4)}, b, base=a, min_reference_bytes=1024)
+    with ckptfmt.open(b) as r:
+        chunks = r._file.chunk_reader
+        assert chunks.externals
+        for lock in (chunks._ext_lock, chunks._remote_turn):
+            with _held_by_a_thread(lock):
+                # compared by numpy: torch's own thread pool is not the child's to use
+                assert _in_child(lambda: bool((r.get("frozen").numpy() == frozen.numpy()).all())) == 0

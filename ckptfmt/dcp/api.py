@@ -279,6 +279,12 @@ class Stager:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._pending: tuple[concurrent.futures.Future[Any], str] | None = None
         self._lock = threading.Lock()
+        _STAGERS.add(self)
+
+    def _forget_in_child(self) -> None:
+        """A forked child's copy: the parent's save is not the child's to wait for, and a parent
+        thread may have held the lock at the fork."""
+        self._pending, self._lock = None, threading.Lock()
 
     @property
     def should_synchronize_after_execute(self) -> bool:
@@ -357,6 +363,10 @@ class Stager:
         self._buffers.clear()
 
 
+#: every Stager made, so that a forked child forgets their saves in flight (_forget_in_child)
+_STAGERS: weakref.WeakSet[Stager] = weakref.WeakSet()
+
+
 class _LastSave:
     """The background save this process started last, whatever staged it: every background
     save waits for it first (wait_previous, with its deadline), as two in flight would run
@@ -370,6 +380,9 @@ class _LastSave:
     def track(self, future: concurrent.futures.Future[Any], path: str) -> None:
         with self._lock:
             self._previous = (future, path)
+
+    def forget_in_child(self) -> None:
+        self._previous, self._lock = None, threading.Lock()
 
     def wait(self, path: str | None = None) -> None:
         with self._lock:
@@ -397,6 +410,19 @@ def _same_place(a: str, b: str) -> bool:
 
 _DEFAULT_STAGER = Stager()
 _LAST_SAVE = _LastSave()
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker, a rank's helper) starts with no background save of
+    its own: the parent's futures never end there, so a child's first save would wait for them
+    until their deadline, or for ever on a lock a parent thread held at the fork."""
+    for stager in list(_STAGERS):
+        stager._forget_in_child()
+    _LAST_SAVE.forget_in_child()
+    ForkStager.forget_in_child()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 # base group -> weak reference to its checkpoint group.  Weak on both sides: once
 # destroy_process_group() drops torch's references, the groups must be freed then, by the
 # thread that destroys them.  A group kept alive here would be freed at interpreter exit,

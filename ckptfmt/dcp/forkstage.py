@@ -58,6 +58,11 @@ class ForkStager:
             cls._previous = (future, path)
 
     @classmethod
+    def forget_in_child(cls) -> None:
+        """A forked child waits for none of its parent's saves (dcp.api's at-fork handler)."""
+        cls._previous, cls._lock = None, threading.Lock()
+
+    @classmethod
     def wait(cls, path: str | None = None) -> None:
         """Wait for the save last staged by fork, before a save of `path` (wait_previous)."""
         with cls._lock:

@@ -21,9 +21,11 @@ The records read here come from a validated index (index.py) and are trusted as 
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
@@ -41,8 +43,11 @@ from ..fileio import pread_exact
 from ..format import encryption
 from ..format import layout as fmt
 from ..format.index import Chunk, Index
-from . import chunkrecords, directread, fetchread, zstdframes
+from . import chunkerrors, chunkrecords, directread, fetchread, zstdframes
 from . import native as _native
+from .chunkerrors import DIGEST_MISMATCH as _DIGEST_MISMATCH
+from .chunkerrors import SHA_MISMATCH as _SHA_MISMATCH
+from .chunkerrors import TAG_MISMATCH as _TAG_MISMATCH
 from .ckptdir import CheckpointDir
 from .sources import Fetcher, References
 
@@ -50,10 +55,6 @@ from .sources import Fetcher, References
 CHECK_WINDOW = 64 << 20
 #: ... and where no chunk needs a destination (no content digests)
 CHECK_WINDOW_UNTOUCHED = 1 << 30
-
-_SHA_MISMATCH = "chunk does not match the SHA-256 digest its signature covers (a byte changed)"
-_DIGEST_MISMATCH = "content digest mismatch (the decoded bytes are not the ones the index describes)"
-_TAG_MISMATCH = "chunk does not match its GCM tag (a byte of it or of its tag changed, or it was moved)"
 
 
 def decode_memory(chunks: Sequence[Chunk], native: bool) -> int:
@@ -70,6 +71,20 @@ def decode_memory(chunks: Sequence[Chunk], native: bool) -> int:
 #: address (an int) of raw_len bytes of host memory its caller keeps alive (chunkrecords.read_chunks),
 #: or None when only checked (read_into's check_only)
 Destination = memoryview | int | None
+
+
+#: every ChunkReader, so that a forked child (a DataLoader worker) gets locks of its own
+_READERS: weakref.WeakSet[ChunkReader] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """A forked child's copies: no read of the parent's is in progress there, and a parent
+    thread may have held a lock at the fork (the child would wait on it for ever)."""
+    for reader in list(_READERS):
+        reader._ext_lock, reader._remote_turn, reader._reads = threading.Lock(), threading.Lock(), 0
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class ChunkReader:
@@ -114,6 +129,11 @@ class ChunkReader:
         self._ext_lock = threading.Lock()
         self._reads = 0
         self._evicted: list[int] = []
+        # a referenced object's spool lives in its RemoteObject: a read that fetched chunks into
+        # one must read them from that one, so reads with referenced objects take turns (one
+        # let go of and opened again mid-read would be another spool, without those bytes)
+        self._remote_turn = threading.Lock()
+        _READERS.add(self)
         #: where `fd` is a spool of a remote object: fetches chunk bytes before they are read
         self.remote: Fetcher | None = None
 
@@ -136,23 +156,7 @@ class ChunkReader:
     def _error(
         self, cls: type[CheckpointError], msg: str, k: int, key: str | None, offset: int | None
     ) -> CheckpointError:
-        """An error about chunk k; for an external chunk the message names the file it lies in.
-        `key` None: the key path of the chunk's storage, rendered now."""
-        ch = self.chunks[k]
-        if key is None:
-            key = self.key_of(k)
-        if ch.sha and cls in (CorruptError, IncompleteError):
-            # a signature was demanded: any change to a signed chunk is a signature failure
-            cls = SignatureError
-        if ch.source < 0:
-            return cls(msg, path=self.path, key=key, chunk=k, offset=offset)
-        ext = self.externals[ch.source]
-        return cls(
-            f"external chunk {ch.number} at offset {offset} of {ext.name}: {msg}",
-            path=self.path,
-            key=key,
-            chunk=k,
-        )
+        return chunkerrors.chunk_error(self, cls, msg, k, key, offset)
 
     def _open_external(self, e: int) -> tuple[int, int]:
         """Open referenced file e and check it is the file recorded; (fd, end of its data section)."""
@@ -417,6 +421,14 @@ class ChunkReader:
             if items:
                 self._read_source(-1, list(items), verify, check_only)
             return
+        with self._remote_turn if self.remote is not None else contextlib.nullcontext():
+            self._read_each_source(items, verify, check_only)
+
+    def _read_each_source(
+        self, items: Sequence[tuple[int, Destination]], verify: bool, check_only: bool
+    ) -> None:
+        """read_into's chunks grouped by the file they lie in, each group read from it; a
+        referenced file let go of meanwhile (max_open) closed once no read is in progress."""
         with self._ext_lock:
             self._reads += 1
         try:
@@ -541,50 +553,7 @@ class ChunkReader:
         self, status: tuple[int, int, int, int, int], items: Sequence[tuple[int, Destination]]
     ) -> Exception:
         """The exception for a failed engine read of `items` (status as read_chunks gives it)."""
-        code, err, pos, reason, value = status
-        if code == _native.ERR_NOMEM or not 0 <= pos < len(items):
-            return MemoryError(f"{self.path}: out of memory while reading chunks")
-        k = items[pos][0]
-        key = self.key_of(k)
-        ch = self.chunks[k]
-        if code == _native.ERR_IO:
-            msg = f"{os.strerror(err)} while reading chunk {k} at offset {value}"
-            if ch.source < 0:
-                return OSError(err, msg, self.path)
-            return OSError(
-                err, f"{msg} (external chunk {ch.number} of {self.path})", self.externals[ch.source].name
-            )
-        if code == _native.ERR_SHORT:
-            return self._error(
-                IncompleteError,
-                "file ended while reading chunk (it shrank after it was opened)",
-                k,
-                key,
-                value,
-            )
-        # the same messages and offsets as the reference path (read_chunk)
-        off = ch.offset
-        messages = {
-            _native.WHY_CHECKSUM: ("checksum mismatch", off),
-            _native.WHY_PADDING: ("padding after the chunk is not zero", ch.offset + ch.stored_len),
-            _native.WHY_NO_SIZE: (zstdframes.NO_SIZE, off),
-            _native.WHY_DECLARED: (zstdframes.declared_msg(value, ch.raw_len), off),
-            _native.WHY_DECODED: (zstdframes.decoded_msg(value, ch.raw_len), off),
-            _native.WHY_DIGEST: (_DIGEST_MISMATCH, off),
-            _native.WHY_FRAME: (zstdframes.NOT_A_FRAME, off),
-            _native.WHY_WINDOW: (zstdframes.window_msg(value), off),
-            _native.WHY_DICT: (zstdframes.dict_msg(value), off),
-        }
-        if reason == _native.WHY_SHA:
-            return self._error(SignatureError, _SHA_MISMATCH, k, key, off)
-        if code == _native.ERR_AUTH:
-            return self._error(DecryptionError, _TAG_MISMATCH, k, key, off)
-        if code == _native.ERR_CRYPTO:
-            return self._error(
-                CheckpointError, "libcrypto failed, or the engine was built without it", k, key, off
-            )
-        msg, at = messages.get(reason, (zstdframes.UNDECODABLE, off))
-        return self._error(CorruptError, msg, k, key, at)
+        return chunkerrors.native_error(self, status, [k for k, _ in items])
 
     # -- mapped files and whole-file checks ------------------------------------
     def start_check_mapped(

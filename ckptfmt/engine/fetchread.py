@@ -106,8 +106,10 @@ def read_by_window(
         # object give back meanwhile
         return remote.start([] if asked else windows[i], cell, gap, uses=[r for r, _ in chunks[i]])
 
-    pending = [start(i) for i in range(min(ahead, len(windows)))]
-    try:
+    pending: list[list[Future[None]]] = []
+    try:  # the first windows' starts within it too: one that fails gives back the uses before it
+        for i in range(min(ahead, len(windows))):
+            pending.append(start(i))
         for i, in_window in enumerate(chunks):
             remote.wait(pending.pop(0))
             try:

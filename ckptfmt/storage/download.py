@@ -417,6 +417,9 @@ class RemoteObject:
                     with self._spool_view(lo, hi) as held:
                         view[lo - at : hi - at] = held
                     copied.append((lo, hi))
+            # taken as this read's own uses first: giving back ranges it never used would take
+            # away another read's use of the same range, and free pages that read still reads
+            self._book.use(copied)
             self._give_back(copied)
         return copied
 

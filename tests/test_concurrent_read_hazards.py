@@ -1,0 +1,151 @@
+"""Reads of one store object at once, where the bookkeeping of what each read uses could go
+wrong: an incremental object whose referenced objects are let go of (max_open) by one read
+while another reads from them, a direct read's copy of held bytes another read still uses,
+and a read whose windows fail to start.  Real moto server; every read compared bit for bit."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+
+import ckptfmt
+from ckptfmt.storage.download import RemoteObject
+
+MiB = 1 << 20
+
+
+def _settle(remote: RemoteObject) -> None:
+    """Wait (30 s at most) until the pages given back are freed on the freeing thread."""
+    deadline = time.monotonic() + 30
+    while True:
+        with remote._held_lock:
+            pending = [f for _, f in remote._book.freeing if not f.done()]
+        if not pending:
+            return
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_gets_at_once_of_an_object_whose_chunks_lie_in_many_others(
+    s3_bucket: Any, monkeypatch: pytest.MonkeyPatch, verify: bool
+) -> None:
+    """Eight chained incremental objects, two kept open: a read fetches a referenced object's
+    chunks into that object's spool, and must read them from it, not from the same object
+    opened again by another thread after a third let it go (a new spool, without the bytes)."""
+    from ckptfmt.files import incremental, reader
+
+    monkeypatch.setattr(reader, "MAX_OPEN_EXTERNALS", 2)
+    bucket, options = s3_bucket
+    g = torch.Generator().manual_seed(9)
+    tensors = {f"t{j}": torch.randn(70_000, generator=g) for j in range(8)}
+    base = None
+    for k in range(8):
+        state = dict(tensors, **{f"t{k}": tensors[f"t{k}"] + 100})
+        url = f"s3://{bucket}/chained/f{k}/state.ckpt"
+        incremental.save(state, url, base=base, min_reference_bytes=1024, storage_options=options)
+        tensors, base = state, url
+    keys = list(tensors)
+    bad: list[str] = []
+    with ckptfmt.open(base, storage_options=options) as r:
+        for rnd in range(3):
+            rng = random.Random(rnd)
+            plans = [rng.sample(keys, len(keys)) for _ in range(6)]
+            gate = threading.Barrier(6)
+
+            def read(plan: list[str], gate: threading.Barrier = gate) -> list[tuple[str, object]]:
+                gate.wait(30)
+                out: list[tuple[str, object]] = []
+                for k in plan:
+                    try:
+                        out.append((k, r.get(k, verify=verify)))
+                    except Exception as e:  # noqa: BLE001 - every failure is reported below
+                        out.append((k, e))
+                return out
+
+            with ThreadPoolExecutor(6) as pool:
+                for got in pool.map(read, plans, timeout=300):
+                    for k, t in got:
+                        if not isinstance(t, torch.Tensor):
+                            bad.append(f"{k}: {t!r}"[:200])
+                        elif not torch.equal(t, tensors[k]):
+                            bad.append(f"{k}: {int((t == 0).sum())} zeros")
+    assert not bad, f"{len(bad)} bad gets, e.g. {bad[:5]}"
+
+
+def test_a_copy_of_held_bytes_leaves_another_reads_use_of_them(s3_bucket: Any) -> None:
+    """A direct read copies a chunk the spool holds and gives it back: a read that uses the same
+    range (and has not given it back) keeps it, its bytes still there."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/held/unit.ckpt"
+    ckptfmt.save({"w": torch.randn(MiB)}, url, storage_options=options)
+    remote = RemoteObject(url, options, fetch_index=False)
+    try:
+        used = (8192, 8192 + 262144)  # page-aligned, as a chunk's span with no padding is
+        remote.wait(remote.start((), uses=[used]))  # one read uses the range, reads it later
+        assert remote.spool is not None
+        before = bytes(remote.spool.view(*used))
+        assert any(before)
+        mine = bytearray(used[1] - used[0])  # another's direct target: the same chunk, held
+        assert remote.copy_held([(used[0], memoryview(mine))]) == [used]
+        assert bytes(mine) == before
+        _settle(remote)
+        assert dict(remote._book.uses) == {used: 1}
+        assert bytes(remote.spool.view(*used)) == before
+    finally:
+        remote.close()
+
+
+class _Refusing:
+    """A pool that takes no work, as when no thread can start."""
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("can't start new thread")
+
+
+def test_a_read_whose_second_window_fails_to_start_gives_back_the_first(
+    s3_bucket: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The uses of the windows started before one that failed to start are given back: none is
+    left in the spool's books once the get has failed."""
+    from ckptfmt.engine import native
+    from ckptfmt.engine.chunkread import decode_memory
+    from ckptfmt.files.reader import CheckpointFile
+
+    bucket, options = s3_bucket
+    options = options | {"request_size": MiB}
+    state = {"w": torch.randn(2 * MiB, generator=torch.Generator().manual_seed(1))}  # 8 MiB
+    url = f"s3://{bucket}/windows/leak.ckpt"
+    ckptfmt.save(state, url, storage_options=options, chunk_size=256 << 10, compression="zstd")
+    with CheckpointFile(url, storage_options=options) as f:
+        index, decode = f.index_memory, decode_memory(f.chunks, native.available())
+    start = RemoteObject.start
+    calls = [0]
+
+    def second_refused(
+        self: RemoteObject, ranges: Any, cell: Any = None, gap: Any = None, uses: Any = ()
+    ) -> Any:
+        calls[0] += 1
+        if calls[0] != 2:
+            return start(self, ranges, cell, gap, uses)
+        pool, self._pool = self._pool, _Refusing()  # type: ignore[assignment]
+        try:
+            return start(self, ranges, cell, gap, uses)
+        finally:
+            self._pool = pool
+
+    with ckptfmt.open(url, max_bytes=index + 8 * MiB + decode + 3 * MiB, storage_options=options) as r:
+        remote = r._file.chunk_reader.remote
+        monkeypatch.setattr(RemoteObject, "start", second_refused)
+        with pytest.raises((RuntimeError, ckptfmt.StorageError)):
+            r.get("w")
+        monkeypatch.setattr(RemoteObject, "start", start)
+        assert calls[0] >= 2
+        _settle(remote)  # type: ignore[arg-type]
+        assert not remote._book.uses, dict(remote._book.uses)  # type: ignore[union-attr]
