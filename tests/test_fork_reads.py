@@ -229,3 +229,41 @@ def test_a_child_reads_the_version_the_parent_opened_or_fails(s3_bucket):
             return False
 
         assert _in_child(check) == 0
+
+
+def test_a_child_forked_while_a_parent_thread_opens_a_referenced_object_reads(s3_bucket):
+    """An incremental step's object refers to an earlier step's for its unchanged chunks: the
+    chunk reader's lock held by a thread of the parent's (opening that object) at the fork: the
+    child still reads both objects' chunks."""
+    from ckptfmt import CheckpointManager
+
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/inc"
+    frozen = torch.arange(1 << 18, dtype=torch.float32)
+    m = CheckpointManager(url, incremental=True, storage_options=options)
+    for step in (1, 2):
+        m.save(step, {"frozen": frozen, "head": torch.full((1000,), float(step)), "step": step})
+    with ckptfmt.open(f"{url}/step-000000002/state.ckpt", storage_options=options) as r:
+        expected = r.load()
+        assert r._file.externals  # its frozen chunks lie in step 1's object
+        lock = r._file.chunk_reader._ext_lock
+        taken, done = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with lock:
+                taken.set()
+                done.wait(60)
+
+        t = threading.Thread(target=hold)
+        t.start()
+        assert taken.wait(10)
+        try:
+            assert _in_child(lambda: _same(r.load(), expected)) == 0
+        finally:
+            done.set()
+            t.join()
+
+
+def _same(a: object, b: object) -> bool:
+    assert_same(a, b)
+    return True

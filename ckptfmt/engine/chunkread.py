@@ -24,6 +24,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
@@ -72,6 +73,18 @@ def decode_memory(chunks: Sequence[Chunk], native: bool) -> int:
 Destination = memoryview | int | None
 
 
+_readers: weakref.WeakSet[ChunkReader] = weakref.WeakSet()  # this process's, while alive
+
+
+def _forget_in_child() -> None:
+    """A forked child's readers: locks of its own (a parent thread's may be held), no read under way."""
+    for reader in list(_readers):
+        reader._ext_lock, reader._reads = threading.Lock(), 0
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class ChunkReader:
     """Reads the chunks of one file, and those of the files its external chunks lie in.
 
@@ -116,6 +129,7 @@ class ChunkReader:
         self._evicted: list[int] = []
         #: where `fd` is a spool of a remote object: fetches chunk bytes before they are read
         self.remote: Fetcher | None = None
+        _readers.add(self)
 
     def close(self) -> None:
         """Close the referenced files that are open, then the file itself."""
