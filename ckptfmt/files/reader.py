@@ -188,7 +188,7 @@ class CheckpointFile:
             from ..storage.download import RemoteObject
 
             remote = RemoteObject(self.path, options, max_bytes=max_bytes, etag=etag, read_ahead=read_ahead)
-            fd = os.dup(remote.fd)
+            fd = remote.dup_fd()
         elif fd is None:
             fd = open_regular(self.path)
         try:

@@ -28,6 +28,8 @@ against that bound with the tensors, which only the parsed index tells.
 Ranges given back have their pages freed on a thread of their own (freeing costs about as
 much as filling them), so the reader goes on to its next window meanwhile; a fetch into
 pages still being freed waits for that first.
+A RemoteObject belongs to the process that opened it: in a forked child its first use makes a
+spool, threads, lock and books of the child's own, reading the same version (inherited.py).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from functools import partial
 from typing import Any
@@ -45,7 +47,8 @@ from ..format import layout as fmt
 from . import client as s3
 from .backends import store_for
 from .holdings import Holdings, Request
-from .pools import pools_refuse_work, run_into, submit_or_run
+from .inherited import Inherited, renewed_in_child
+from .pools import pools_refuse_work, run_into, submit_or_run, wait_all, wait_quietly
 from .rangedgets import RangedGets, Where
 from .ranges import (
     MERGE_GAP,
@@ -100,16 +103,7 @@ def head(url: ObjectURL, options: dict[str, Any]) -> tuple[int, str]:
     return size, etag
 
 
-def _outcome(f: Future[None]) -> BaseException | None:
-    """A fetch's failure once it is over; one cancelled (never sent, or its pool shut down while
-    this waited) is a StorageError: no wait ends in a bare CancelledError."""
-    try:
-        return f.exception()
-    except CancelledError:
-        return StorageError("a fetch waited for was cancelled: never sent, or its object closed")
-
-
-class RemoteObject:
+class RemoteObject(Inherited):
     """One object being read: its size and ETag, and a Spool holding the bytes fetched so far."""
 
     def __init__(
@@ -126,26 +120,17 @@ class RemoteObject:
         fetch_index=False: nothing is fetched until asked (for reading the object whole).
         read_ahead: the caller will read all of the object: its requests go out at once, their
         bodies read where the chunk reader says (_read_ahead)."""
+        super().__init__()
         self.path = url
         self.url: ObjectURL = parse_url(url)
         self.options = options
         self._store: Store = store_for(self.url, options)
         self._request_bytes = int(options.get("request_size", REQUEST_BYTES))
-        self._pool = ThreadPoolExecutor(s3.concurrency(options), thread_name_prefix="ckptfmt-download")
         self.spool: Spool | None = None
-        # what the spool holds, the requests in flight (those of the read-ahead wave waiting
-        # to be told where their bodies go: _claim), the ranges reads use, and those given back
-        # whose pages are still being freed (on their own thread, so that a reader goes on to
-        # its next window meanwhile: a fetch into them waits for that); all under _held_lock
-        self._book = Holdings(0)
-        self._held_lock = threading.Lock()
-        self._freer = ThreadPoolExecutor(1, thread_name_prefix="ckptfmt-free-spool")
+        self._own_state(0)
         #: the memory a load may take (its max_bytes), which the chunk reader's fetches keep
         #: within, with what the load allocates besides; None: unbounded
         self.max_bytes = max_bytes
-        #: the most bytes of the spool occupied at once (occupied()), kept as ranges are asked for
-        #: under a bound (max_bytes): summing the pages costs a pass over the ranges per fetch
-        self.peak_bytes = 0
         try:
             self.size, self.etag = self._head()
             self._book.size = self.size
@@ -170,9 +155,47 @@ class RemoteObject:
             raise
 
     @property
+    @renewed_in_child
     def fd(self) -> int:
         assert self.spool is not None
         return self.spool.fd
+
+    @renewed_in_child
+    def dup_fd(self) -> int:
+        """A descriptor of the spool for a reader, which closes it (a forked child's: spool.in_child)."""
+        assert self.spool is not None
+        return self.spool.dup()
+
+    def _renew(self) -> None:
+        """In a forked child, at its first use: a store, spool, threads, lock and books of its own,
+        pinned to the version the parent opened; the spool empty (fetched again where needed)."""
+        assert self.spool is not None  # one closed is no longer live (_disown)
+        was, store = self._gets, store_for(self.url, self.options)  # the backends forgot the parent's
+        gets = RangedGets(store, was.url, was.path, was.size, was.etag, was.timeout)
+        try:
+            spool = self.spool.in_child()
+        except OSError as e:
+            raise LimitError(f"cannot map a forked child's spool: {e.strerror}", path=self.path) from None
+        self._store, self._gets, self.spool = store, gets, spool
+        self._own_state(self.size)
+
+    def _let_go(self) -> None:
+        if self.spool is not None:
+            self.spool.close()  # the child's descriptor and mapping: the pages stay the parent's
+            self.spool = None
+
+    def _own_state(self, size: int) -> None:
+        """This process's threads, lock and books: what the spool holds, the requests in flight
+        (the read-ahead wave's waiting to be told where their bodies go: _claim), the ranges reads
+        use, and those given back whose pages are being freed (on a thread of their own, so that
+        a reader goes on meanwhile: a fetch into them waits for that); all under _held_lock."""
+        self._pool = ThreadPoolExecutor(s3.concurrency(self.options), thread_name_prefix="ckptfmt-download")
+        self._book = Holdings(size)
+        self._held_lock = threading.Lock()
+        self._freer = ThreadPoolExecutor(1, thread_name_prefix="ckptfmt-free-spool")
+        #: the most bytes of the spool occupied at once (occupied()), kept as ranges are asked for
+        #: under a bound (max_bytes): summing the pages costs a pass over the ranges per fetch
+        self.peak_bytes = 0
 
     def _head(self) -> tuple[int, str]:
         return head(self.url, self.options)
@@ -262,6 +285,7 @@ class RemoteObject:
         except (CheckpointError, ValueError):
             return None
 
+    @renewed_in_child
     def fetch_structure(self, *, tag_table: bool = False, max_blocks: int = MAX_REFERENCE_BLOCKS) -> None:
         """Fetch the prologue and the footer (with the tail they lie in), never the index,
         whatever size the footer gives it: what identifies the object (its length, file id
@@ -287,6 +311,7 @@ class RemoteObject:
 
     # -- data ---------------------------------------------------------------
 
+    @renewed_in_child
     def plan(self, ranges: Sequence[Range], cut: bool = True) -> list[Range]:
         """The requests `ranges` waits for, sorted: those in flight that overlap them, and those
         that would fetch the rest (the bytes held left out, near neighbours merged and cut at
@@ -298,6 +323,7 @@ class RemoteObject:
         rest = plan_requests(missing, self._request_bytes) if cut else missing
         return sorted([q.range for q in waited] + rest)
 
+    @renewed_in_child
     def start(
         self,
         ranges: Sequence[Range],
@@ -350,6 +376,7 @@ class RemoteObject:
         if future.cancelled():
             self._landed(request, ())
 
+    @renewed_in_child
     def occupied(self) -> int:
         """Bytes of the spool held, on their way, or given back and not yet freed, in the
         whole pages they touch (a page two ranges share counted once): the memory this object
@@ -357,6 +384,7 @@ class RemoteObject:
         with self._held_lock:
             return self._book.occupied()
 
+    @renewed_in_child
     def idle(self) -> int:
         """Bytes of the spool held that no read uses and no request brings in, in the whole
         pages they touch: what a read under a bound counts beside its own."""
@@ -368,28 +396,15 @@ class RemoteObject:
         are asked for, which is when the spool's part grows."""
         self.peak_bytes = max(self.peak_bytes, self._book.occupied())
 
-    @staticmethod
-    def wait(futures: Sequence[Future[None]]) -> None:
-        """Wait for fetches begun by `start`; the first failure is raised once all are done.
-        Bounded by the requests' own deadlines: each ends within its Budget once it runs
-        (a deferred one within its claim's and its body's), `concurrency` at a time."""
-        first: BaseException | None = None
-        for f in futures:
-            e = _outcome(f)
-            if e is not None and first is None:
-                first = e
-        if first is not None:
-            raise first
-
-    @staticmethod
-    def wait_quietly(futures: Sequence[Future[None]]) -> None:
-        """Wait for fetches whose result no longer matters (a read that failed already)."""
-        for f in futures:
-            _outcome(f)
+    #: fetches begun by `start` waited for (each ends within its Budget once it runs, a deferred
+    #: one within its claim's and its body's, `concurrency` at a time): pools.py
+    wait = staticmethod(wait_all)
+    wait_quietly = staticmethod(wait_quietly)
 
     def fetch(self, ranges: Sequence[Range]) -> None:
         self.wait(self.start(ranges))
 
+    @renewed_in_child
     def held_within(self, ranges: Sequence[Range]) -> list[list[Range] | None]:
         """For each of `ranges`: None where a request bringing bytes into the spool overlaps it
         (its bytes are read from there once in), else the parts of it the spool holds, sorted
@@ -405,6 +420,7 @@ class RemoteObject:
                 for r in ranges
             ]
 
+    @renewed_in_child
     def copy_held(self, targets: Sequence[tuple[int, memoryview]]) -> list[Range]:
         """Copy the bytes of `targets` ((offset in the object, the memory they go to)) that the
         spool holds into that memory, and give them back (freed where no other read uses them);
@@ -417,12 +433,11 @@ class RemoteObject:
                     with self._spool_view(lo, hi) as held:
                         view[lo - at : hi - at] = held
                     copied.append((lo, hi))
-            # taken as this read's own uses first: giving back ranges it never used would take
-            # away another read's use of the same range, and free pages that read still reads
-            self._book.use(copied)
+            self._book.use(copied)  # this read's own: giving back another read's use frees its pages
             self._give_back(copied)
         return copied
 
+    @renewed_in_child
     def start_into(
         self,
         targets: Sequence[tuple[int, memoryview]],
@@ -584,6 +599,7 @@ class RemoteObject:
         assert self.spool is not None
         return self.spool.view(lo, hi)
 
+    @renewed_in_child
     def release(self, ranges: Sequence[Range], wait: bool = False) -> None:
         """Give back ranges already read, one use of each (start's `uses`): the memory of those
         no other read uses and no request brings in (fetched again if asked for again), its
@@ -648,6 +664,7 @@ class RemoteObject:
         spooled: Where = lambda got: [self._spool_view(lo + got, hi)]  # noqa: E731
         self._gets.get(lo, hi, where or spooled, budget, failed)
 
+    @renewed_in_child
     def sha256(self) -> bytes:
         """SHA-256 of the object's whole bytes, fetched window by window (the next one while
         this one is hashed, each given back once hashed: memory holds two windows)."""
@@ -667,6 +684,8 @@ class RemoteObject:
         return digest.digest()
 
     def close(self) -> None:
+        if self._disown():
+            return  # a forked child's that never used it: the parent's threads and books untouched
         with self._held_lock:
             for q in self._book.requests:
                 if q.deferred is not None:

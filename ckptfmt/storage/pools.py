@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import concurrent.futures.thread as futures_thread
 import threading
-from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_EXCEPTION, Executor, Future, ThreadPoolExecutor, wait
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, CancelledError, Executor, Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
+
+from ..errors import StorageError
 
 T = TypeVar("T")
 
@@ -74,6 +76,33 @@ def run_into(
     if here is not None:
         here()
     outcome()
+
+
+def wait_all(futures: Sequence[Future[None]]) -> None:
+    """Wait for every one of `futures` (fetches, whose own deadlines bound them); the first
+    failure is raised once all are over."""
+    first: BaseException | None = None
+    for f in futures:
+        e = _outcome(f)
+        if e is not None and first is None:
+            first = e
+    if first is not None:
+        raise first
+
+
+def wait_quietly(futures: Sequence[Future[None]]) -> None:
+    """Wait for fetches whose outcome no longer matters (a read that failed already)."""
+    for f in futures:
+        _outcome(f)
+
+
+def _outcome(f: Future[None]) -> BaseException | None:
+    """A fetch's failure once it is over; one cancelled (never sent, or its pool shut down while
+    this waited) is a StorageError: no wait ends in a bare CancelledError."""
+    try:
+        return f.exception()
+    except CancelledError:
+        return StorageError("a fetch waited for was cancelled: never sent, or its object closed")
 
 
 def run_each(call: Callable[[Any], T], items: Iterable[Any], threads: int, name: str) -> list[T]:

@@ -51,7 +51,7 @@ class ObjectReferences:
         )
         try:
             remote.fetch_structure(tag_table=True)
-            fd = os.dup(remote.fd)
+            fd = remote.dup_fd()
         except BaseException:
             remote.close()
             raise

@@ -7,6 +7,11 @@ released; a load fetches just the byte ranges it is about to read into it, and r
 them once read.  Pages never written cost nothing, released ones are returned
 (``MADV_REMOVE`` punches them out of the memfd), so memory stays bounded by what is in
 flight, never the object's size.
+
+A spool belongs to one process: its memfd is shared with a forked child, and so is its
+mapping (MAP_SHARED), so a child that fetched into it would write into the pages its parent
+reads, and one that released pages would punch holes in them.  A child takes a spool of its
+own instead (`in_child`), put in place of the descriptors `dup` handed out to readers.
 """
 
 from __future__ import annotations
@@ -42,9 +47,12 @@ class Spool:
     """A memfd of `size` bytes (grown on demand) and a shared mapping of it."""
 
     def __init__(self, name: str, size: int = 0) -> None:
+        self.name = name
         self.fd = os.memfd_create(f"ckptfmt-{name}"[:200], os.MFD_CLOEXEC)
         self._map: mmap.mmap | None = None
         self.size = 0
+        #: descriptors of the memfd handed to readers (dup), which close them
+        self._dups: list[int] = []
         try:
             self.resize(size)
         except BaseException:
@@ -87,6 +95,32 @@ class Spool:
         if _madvise is None or _madvise(self._address + lo, hi - lo, mmap.MADV_REMOVE) != 0:
             mapping.madvise(mmap.MADV_REMOVE, lo, hi - lo)
 
+    def dup(self) -> int:
+        """A descriptor of the memfd for a reader (the engine's preads), which closes it; in a
+        forked child it reads the child's own spool once one is made (in_child)."""
+        fd = os.dup(self.fd)
+        self._dups.append(fd)
+        return fd
+
+    def in_child(self) -> Spool:
+        """A forked child's own spool in place of this one, its parent's: a fresh memfd of the
+        same size, empty, put in place of the descriptors `dup` handed out that still name
+        this memfd (their numbers kept; one a reader closed since, its number perhaps reused
+        for another file, is left alone).  The child's copies of this one's descriptor and
+        mapping are closed; nothing of the parent's pages is written or freed."""
+        fresh = Spool(self.name, self.size)
+        try:
+            parents = os.fstat(self.fd)
+            for fd in self._dups:
+                if _names(fd, parents):
+                    os.dup2(fresh.fd, fd, inheritable=False)
+                    fresh._dups.append(fd)
+        except BaseException:
+            fresh.close()
+            raise
+        self.close()
+        return fresh
+
     def close(self, free_on: Executor | None = None) -> None:
         """Close the descriptor and the mapping.  free_on: the mapping (which keeps the memfd,
         and so its pages, alive, and holds a descriptor of its own) is closed by that
@@ -105,6 +139,15 @@ class Spool:
             submit_or_run(free_on, _close_map, mapping)
         else:
             _close_map(mapping)
+
+
+def _names(fd: int, file: os.stat_result) -> bool:
+    """Whether descriptor `fd` is open on `file` (a memfd's inode is its own)."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (file.st_dev, file.st_ino)
 
 
 def _close_map(mapping: mmap.mmap) -> None:
