@@ -6,7 +6,11 @@ ckptfmt: ``model.ckpt`` checked against the commit record (length, file id, inde
 every chunk's checksum), then handed to the original ``from_pretrained`` as its
 ``state_dict`` with the folder's config (``config.json``, which the commit record does not
 cover, read as :func:`load_model` reads it: through the folder, bounded, never through a link
-or from a FIFO; a folder without one is an IncompleteError, not transformers' default config).  Every other call goes to transformers unchanged."""
+or from a FIFO; a folder without one is an IncompleteError, not transformers' default config).
+When a config object is given (``AutoModel...`` and pipelines give the one AutoConfig read,
+following links), the folder's ``config.json``, if it has one, is still read so, and refused
+as above; a FIFO there stops AutoConfig itself (transformers' ValueError) first.  Every
+other call goes to transformers unchanged."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from ...engine.ckptdir import CheckpointDir
 from ...errors import CorruptError
 from ...files import multifile, recordsign
 from .models import read_config
-from .names import MAX_JSON_BYTES, MODEL_NAME
+from .names import CONFIG_JSON, MAX_JSON_BYTES, MODEL_NAME
 from .reading import load_model_state, why
 
 #: the generation settings transformers writes beside a model's config
@@ -75,17 +79,41 @@ def _folder_config(cls: Any, path: str) -> Any:
     return config
 
 
+def _check_folder_config(cls: Any, path: str) -> None:
+    """A config object was given: ``AutoModel...from_pretrained`` and ``pipeline()`` give the
+    one AutoConfig read from the folder's ``config.json``, following links (transformers marks
+    that path with keyword arguments it consumes before this hook sees them).  So whenever the
+    folder holds a ``config.json`` it is read again as :func:`load_model` reads it: a link, a
+    FIFO, an oversize file or one that makes no config is refused (CheckpointError naming the
+    folder) rather than used.  The given object is kept: AutoConfig applied the caller's
+    keyword overrides to it.  A FIFO stops AutoConfig itself (a ValueError of transformers)
+    before this hook is reached."""
+    with CheckpointDir.open(path) as folder:
+        if folder.lstat(CONFIG_JSON) is not None:
+            read_config(folder, cls)
+
+
+def _record_name(model: Any, path: str) -> None:
+    """transformers' from_pretrained, called with no path, records None as the model's name."""
+    model.config.name_or_path = path
+    if hasattr(model, "name_or_path"):
+        model.name_or_path = path
+
+
 def _from_ckptfmt_folder(
     original: Any, cls: Any, path: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     path = os.fspath(path)
-    state = load_model_state(path, decrypt_with=_KEYS.get("decrypt"), trusted_keys=_KEYS.get("trusted"))
     config = kwargs.pop("config", None)
     if config is None:
         config = _folder_config(cls, path)
     elif isinstance(config, (str, os.PathLike)):  # the caller's own config, wherever it is
         config = cls.config_class.from_pretrained(config)
+    else:
+        _check_folder_config(cls, path)
+    state = load_model_state(path, decrypt_with=_KEYS.get("decrypt"), trusted_keys=_KEYS.get("trusted"))
     model = original.__func__(cls, None, *args, config=config, state_dict=state, **kwargs)
+    _record_name(model, path)
     if getattr(model, "can_generate", None) and model.can_generate():
         generation = _folder_generation_config(path)
         if generation is not None:
@@ -106,11 +134,15 @@ def _folder_generation_config(path: str) -> Any:
         values = json.loads(raw)
         if not isinstance(values, dict):
             raise ValueError("not a JSON object")
-        return GenerationConfig.from_dict(values)
+        generation = GenerationConfig.from_dict(values)
     except (ValueError, TypeError, RecursionError) as e:
         raise CorruptError(
             f"{GENERATION_JSON} is not a generation config: {why(e)[:200]}", path=path
         ) from None
+    # as GenerationConfig.from_pretrained does: save_pretrained then only warns about values
+    # transformers finds doubtful, unless the model's code changed them since
+    generation._original_object_hash = hash(generation)
+    return generation
 
 
 def enable(*, decrypt_with: Any = None, trusted_keys: Any = None) -> None:
