@@ -143,3 +143,25 @@ def test_the_loaded_model_records_the_folder_as_its_name(folder: Any) -> None:
     model = GPT2LMHeadModel.from_pretrained(path)
     assert model.config.name_or_path == path
     assert model.name_or_path == path
+
+
+def test_auto_model_refuses_a_config_json_fifo_before_autoconfig_reads_it(folder: Any) -> None:
+    path, _ = folder
+    os.unlink(os.path.join(path, "config.json"))
+    os.mkfifo(os.path.join(path, "config.json"))
+    signal.alarm(60)  # a read that waits on the FIFO would hang here
+    try:
+        with pytest.raises(ckptfmt.CheckpointError, match="config.json"):
+            AutoModelForCausalLM.from_pretrained(path)
+    finally:
+        signal.alarm(0)
+
+
+def test_disable_gives_the_auto_classes_their_own_from_pretrained_back(folder: Any) -> None:
+    hooked = AutoModelForCausalLM.__dict__["from_pretrained"]
+    disable()
+    try:
+        assert AutoModelForCausalLM.__dict__["from_pretrained"] is not hooked
+        assert "ckptfmt" not in AutoModelForCausalLM.from_pretrained.__func__.__module__
+    finally:
+        enable()

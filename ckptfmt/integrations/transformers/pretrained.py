@@ -9,8 +9,10 @@ cover, read as :func:`load_model` reads it: through the folder, bounded, never t
 or from a FIFO; a folder without one is an IncompleteError, not transformers' default config).
 When a config object is given (``AutoModel...`` and pipelines give the one AutoConfig read,
 following links), the folder's ``config.json``, if it has one, is still read so, and refused
-as above; a FIFO there stops AutoConfig itself (transformers' ValueError) first.  Every
-other call goes to transformers unchanged."""
+as above; ``AutoModel...from_pretrained`` reads it so before AutoConfig does (a FIFO, an
+oversize file are refused before transformers opens them).  ``pipeline()`` reads it with
+AutoConfig before any model class is reached: a link is refused when the model is loaded, a
+FIFO is transformers' ValueError.  Every other call goes to transformers unchanged."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ HF_WEIGHTS = (
 
 _LOCK = threading.Lock()
 _ORIGINAL: Any = None
+_ORIGINAL_AUTO: dict[type, Any] = {}  # each Auto model class's own from_pretrained
 _KEYS: dict[str, Any] = {}
 
 
@@ -169,6 +172,38 @@ def enable(*, decrypt_with: Any = None, trusted_keys: Any = None) -> None:
 
         PreTrainedModel.from_pretrained = classmethod(from_pretrained)  # type: ignore[assignment,method-assign]
         _ORIGINAL = original
+        _hook_auto_classes()
+
+
+def _hook_auto_classes() -> None:
+    """``AutoModel...from_pretrained`` reads ``config.json`` with AutoConfig (following links,
+    whole, from a FIFO as from a file) before any model class is reached: on a ckptfmt folder
+    the config is read first as :func:`load_model` reads it, and refused so.  transformers
+    gives each Auto class its own copy of the method: each is wrapped."""
+    from transformers import AutoModel  # noqa: F401  every Auto model class defined
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    todo = [_BaseAutoModelClass]
+    while todo:
+        auto = todo.pop()
+        todo.extend(auto.__subclasses__())
+        original = auto.__dict__.get("from_pretrained")
+        if isinstance(original, classmethod) and auto not in _ORIGINAL_AUTO:
+            auto.from_pretrained = classmethod(_checking_config_first(original))  # type: ignore[assignment,method-assign]
+            _ORIGINAL_AUTO[auto] = original
+
+
+def _checking_config_first(original: Any) -> Any:
+    @functools.wraps(original.__func__)
+    def from_pretrained(
+        cls: Any, pretrained_model_name_or_path: Any = None, *args: Any, **kwargs: Any
+    ) -> Any:
+        if kwargs.get("config") is None and is_ckptfmt_folder(pretrained_model_name_or_path):
+            with CheckpointDir.open(os.fspath(pretrained_model_name_or_path)) as folder:
+                read_config(folder, cls)
+        return original.__func__(cls, pretrained_model_name_or_path, *args, **kwargs)
+
+    return from_pretrained
 
 
 def disable() -> None:
@@ -181,3 +216,6 @@ def disable() -> None:
             PreTrainedModel.from_pretrained = _ORIGINAL  # type: ignore[method-assign]
             _ORIGINAL = None
             _KEYS.clear()
+        for auto, original in _ORIGINAL_AUTO.items():
+            auto.from_pretrained = original  # type: ignore[attr-defined]
+        _ORIGINAL_AUTO.clear()
