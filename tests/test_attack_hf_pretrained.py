@@ -18,7 +18,7 @@ pytest.importorskip("accelerate")
 
 from test_hf_trainer_rules import _args  # noqa: E402
 from trainer_helpers import Tokens, tiny_gpt2  # noqa: E402
-from transformers import GPT2LMHeadModel  # noqa: E402
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 import ckptfmt  # noqa: E402
 from ckptfmt.integrations.transformers import CkptfmtTrainer, disable, enable  # noqa: E402
@@ -91,3 +91,77 @@ def test_the_folders_generation_config_is_read(folder: Any) -> None:
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         f.write('{"max_length": 77}')
     assert GPT2LMHeadModel.from_pretrained(path).generation_config.max_length == 77
+
+
+def test_auto_model_refuses_a_config_json_linking_out_of_the_folder(folder: Any, tmp_path: Any) -> None:
+    """AutoConfig follows the link and hands from_pretrained a config object: the folder's own
+    config.json is still read through the folder, and the link refused."""
+    path, _ = folder
+    elsewhere = tmp_path / "elsewhere.json"
+    os.rename(os.path.join(path, "config.json"), elsewhere)
+    os.symlink(elsewhere, os.path.join(path, "config.json"))
+    with pytest.raises(ckptfmt.CheckpointError, match="config.json"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_auto_model_loads_an_intact_folder(folder: Any) -> None:
+    path, gpt2 = folder
+    model = AutoModelForCausalLM.from_pretrained(path)
+    for name, value in gpt2.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_a_loaded_model_saves_back_with_a_doubtful_generation_config(folder: Any, tmp_path: Any) -> None:
+    """transformers only warns about such values when they are as read from the folder."""
+    path, _ = folder
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        f.write('{"do_sample": false, "temperature": 0.5}')
+    model = GPT2LMHeadModel.from_pretrained(path)
+    model.save_pretrained(str(tmp_path / "exported"))
+    assert os.path.isfile(tmp_path / "exported" / "generation_config.json")
+
+
+class _WiderConfig(GPT2Config):
+    @property
+    def width(self) -> int:
+        return int(self.n_embd)
+
+
+class _WiderModel(GPT2LMHeadModel):
+    config_class = _WiderConfig
+
+
+def test_a_model_class_whose_config_subclasses_the_registered_one_gets_its_own(folder: Any) -> None:
+    path, gpt2 = folder
+    model = _WiderModel.from_pretrained(path)
+    assert isinstance(model.config, _WiderConfig)
+    assert model.config.width == gpt2.config.n_embd
+
+
+def test_the_loaded_model_records_the_folder_as_its_name(folder: Any) -> None:
+    path, _ = folder
+    model = GPT2LMHeadModel.from_pretrained(path)
+    assert model.config.name_or_path == path
+    assert model.name_or_path == path
+
+
+def test_auto_model_refuses_a_config_json_fifo_before_autoconfig_reads_it(folder: Any) -> None:
+    path, _ = folder
+    os.unlink(os.path.join(path, "config.json"))
+    os.mkfifo(os.path.join(path, "config.json"))
+    signal.alarm(60)  # a read that waits on the FIFO would hang here
+    try:
+        with pytest.raises(ckptfmt.CheckpointError, match="config.json"):
+            AutoModelForCausalLM.from_pretrained(path)
+    finally:
+        signal.alarm(0)
+
+
+def test_disable_gives_the_auto_classes_their_own_from_pretrained_back(folder: Any) -> None:
+    hooked = AutoModelForCausalLM.__dict__["from_pretrained"]
+    disable()
+    try:
+        assert AutoModelForCausalLM.__dict__["from_pretrained"] is not hooked
+        assert "ckptfmt" not in AutoModelForCausalLM.from_pretrained.__func__.__module__
+    finally:
+        enable()

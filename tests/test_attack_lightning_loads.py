@@ -61,3 +61,80 @@ def test_an_intact_torch_checkpoint_is_still_read(tmp_path: pathlib.Path) -> Non
     path.write_bytes(_torch_bytes())
     state = CkptfmtCheckpointIO(read_torch_checkpoints=True).load_checkpoint(str(path))
     assert state["global_step"] == 1 and torch.equal(state["state_dict"]["w"], torch.ones(3))
+
+
+def _rewritten_pickle(change) -> bytes:
+    """torch's archive of a small checkpoint with its data.pkl changed (the archive itself intact)."""
+    src = zipfile.ZipFile(io.BytesIO(_torch_bytes()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as z:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            z.writestr(info, change(data) if info.filename.endswith("data.pkl") else data)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda d: d[:5] + b"\xee" * 8 + d[13:], id="unknown-opcodes"),
+        pytest.param(lambda d: d[: len(d) // 2], id="cut-in-half"),
+    ],
+)
+def test_a_damaged_pickle_in_an_intact_archive_is_corrupt(change, tmp_path: pathlib.Path) -> None:
+    from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
+
+    path = tmp_path / "damaged.ckpt"
+    path.write_bytes(_rewritten_pickle(change))
+    with pytest.raises(ckptfmt.CorruptError) as caught:
+        CkptfmtCheckpointIO(read_torch_checkpoints=True).load_checkpoint(str(path))
+    message = str(caught.value)
+    assert str(path) in message and "\x1b" not in message and "\n" not in message
+
+
+class _Custom:
+    pass
+
+
+def test_a_class_weights_only_refuses_is_unsupported(tmp_path: pathlib.Path) -> None:
+    from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
+
+    path = tmp_path / "custom.ckpt"
+    torch.save({"state_dict": {}, "thing": _Custom()}, str(path))
+    with pytest.raises(ckptfmt.UnsupportedError, match="Unsupported global") as caught:
+        CkptfmtCheckpointIO(read_torch_checkpoints=True).load_checkpoint(str(path))
+    assert "\x1b" not in str(caught.value)
+
+
+def test_a_map_location_this_process_cannot_use_is_torchs_error_not_corrupt(tmp_path: pathlib.Path) -> None:
+    from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
+
+    path = tmp_path / "intact.ckpt"
+    path.write_bytes(_torch_bytes())
+    with pytest.raises(RuntimeError) as caught:
+        CkptfmtCheckpointIO(read_torch_checkpoints=True).load_checkpoint(str(path), map_location="cuda:99")
+    assert not isinstance(caught.value, ckptfmt.CheckpointError)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        pytest.param(MemoryError, id="host"),
+        pytest.param(lambda: torch.OutOfMemoryError("CUDA out of memory"), id="device"),
+    ],
+)
+def test_running_out_of_memory_is_not_corrupt(error, tmp_path: pathlib.Path, monkeypatch) -> None:
+    """(torch.load is replaced: running a real machine out of memory is not a unit test)"""
+    from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
+
+    path = tmp_path / "intact.ckpt"
+    path.write_bytes(_torch_bytes())
+    raised = error()
+
+    def out_of_memory(*_args, **_kwargs):
+        raise raised
+
+    monkeypatch.setattr(torch, "load", out_of_memory)
+    with pytest.raises(type(raised)) as caught:
+        CkptfmtCheckpointIO(read_torch_checkpoints=True).load_checkpoint(str(path))
+    assert caught.value is raised

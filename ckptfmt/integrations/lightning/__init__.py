@@ -24,10 +24,13 @@ What the plugin changes, compared with Lightning's default ``TorchCheckpointIO``
   save in flight there.  ``remove_checkpoint`` (ModelCheckpoint's ``save_top_k``
   drops the checkpoint a new save replaces as soon as that save returns) deletes
   nothing until every save in flight has committed: the deletion is made at the
-  plugin's next call (a save, a removal, ``teardown``), and not at all where one
-  of those saves failed, so a process killed at any moment keeps a committed
-  checkpoint (one checkpoint more than ``save_top_k`` may be on disk
-  meanwhile).  Lightning chooses file names by asking fsspec which files exist
+  plugin's next call (a save, a removal, ``teardown``; at exit, once the saves
+  in flight committed, for a process that exits without ``teardown``), and not
+  at all where one of those saves failed, so a process killed at any moment
+  keeps a committed checkpoint (one checkpoint more than ``save_top_k`` may be
+  on disk meanwhile; after a kill or a failed save that file stays, to be
+  deleted by hand).  A deletion that fails is logged (WARNING, the ``ckptfmt``
+  logger) and the next save made all the same.  Lightning chooses file names by asking fsspec which files exist
   (``ModelCheckpoint`` adds ``-vN`` to a name that is taken): a non-blocking plugin registers, through fsspec's
   ``register_implementation``, a local filesystem that answers ``exists``,
   ``isfile`` and ``ls`` for a save in flight as for the file it will be (and

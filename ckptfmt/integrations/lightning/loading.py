@@ -5,6 +5,7 @@ fsspec URL; ``torch.save`` files too, where allowed, with ``torch.load(weights_o
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -147,24 +148,86 @@ def _load_torch(local: str, name: str, map_location: Any) -> dict[str, Any]:
     """A checkpoint written by torch.save (Lightning's default plugin), read without running
     code.  A file torch.load cannot read (cut short, damaged, not torch's archive) is a
     CorruptError, one holding what weights_only refuses to build an UnsupportedError, each
-    naming it: torch's own errors (RuntimeError, UnpicklingError) do not name the file."""
+    naming it: torch's own errors (RuntimeError, UnpicklingError) do not name the file.  What
+    is not about the file's bytes is raised unchanged: OSError, running out of memory (host or
+    device), a `map_location` naming a device this process cannot use."""
     import pickle
 
     try:
         state = torch.load(local, map_location=map_location or "cpu", weights_only=True)
-    except OSError:
+    except (OSError, MemoryError, _DeviceOutOfMemory):
         raise
     except pickle.UnpicklingError as e:
-        raise UnsupportedError(
-            f"torch.load(weights_only=True) refuses it: {_first_line(e)}", path=name
-        ) from e
+        kind, text = _unpickler_refusal(e, local)
+        raise kind(f"torch.load(weights_only=True) {text}", path=name) from e
     except Exception as e:  # whatever torch's reader and unpickler raise on damaged bytes
+        if map_location is not None and not _devices_usable(map_location):
+            raise  # torch's error about the caller's map_location, not about the file
         raise CorruptError(
             f"torch.load(weights_only=True) cannot read it: {type(e).__name__}: {_first_line(e)}", path=name
         ) from e
     if type(state) is not dict:
         raise CheckpointError(f"holds a {type(state).__name__}, not a Lightning checkpoint dict", path=name)
     return state
+
+
+#: torch's out-of-memory error of a device (a RuntimeError: not a damaged file)
+_DeviceOutOfMemory: type[BaseException] = getattr(torch, "OutOfMemoryError", MemoryError)
+
+#: what torch's weights-only unpickler says when it refuses a type the file names, as opposed
+#: to bytes it cannot parse (an unknown opcode, a truncated pickle)
+_REFUSED_TYPE = re.compile(
+    r"unsupported global|GLOBAL \S+ whose module|Can only (create new object|build)|must be imported to load",
+    re.IGNORECASE,
+)
+_UNPICKLER_LINE = "WeightsUnpickler error:"
+_CONTROL = re.compile(r"\x1b\[[0-9;]*[A-Za-z]|[\x00-\x1f\x7f]")
+
+
+def _unpickler_refusal(e: BaseException, local: str) -> tuple[type[CheckpointError], str]:
+    """The ckptfmt error for torch.load's UnpicklingError under weights_only, and its text: the
+    unpickler's own message (after torch's banner, which is the same for every failure) refusing
+    a type is an UnsupportedError, any other a CorruptError (damaged pickle bytes); so is a
+    refused type read from a pickle cut short (its last name cut, ``torch.FloatStor``)."""
+    text = str(e)
+    at = text.find(_UNPICKLER_LINE)
+    inner = text[at + len(_UNPICKLER_LINE) :] if at >= 0 else text
+    lines = (" ".join(_CONTROL.sub(" ", line).split()) for line in inner.splitlines())
+    first = next((line for line in lines if line), "") or " ".join(_CONTROL.sub(" ", _first_line(e)).split())
+    first = first if len(first) <= 300 else first[:297] + "..."
+    if _REFUSED_TYPE.search(first) and not _pickle_cut_short(local):
+        return UnsupportedError, f"refuses it: {first}"
+    return CorruptError, f"cannot read it: {first}"
+
+
+def _pickle_cut_short(local: str) -> bool:
+    """Whether the pickle of torch's archive `local` does not end with pickle's STOP opcode."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(local) as archive:
+            names = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+            if len(names) != 1:
+                return False  # not torch's archive as torch.save writes it: leave torch's verdict
+            size = archive.getinfo(names[0]).file_size
+            with archive.open(names[0]) as pkl:
+                pkl.seek(max(size - 1, 0))
+                return pkl.read(1) != b"."
+    except (OSError, zipfile.BadZipFile, EOFError, ValueError):
+        return False
+
+
+def _devices_usable(map_location: Any) -> bool:
+    """Whether the devices the caller's `map_location` names (a device, its name, or a dict's
+    values; a function is the caller's own) can hold a tensor in this process."""
+    targets = map_location.values() if isinstance(map_location, dict) else [map_location]
+    for device in targets:
+        if isinstance(device, (str, torch.device)):
+            try:
+                torch.empty(0, device=device)
+            except Exception:  # torch: not compiled with it, no driver, no such device, bad name
+                return False
+    return True
 
 
 def _first_line(e: BaseException, limit: int = 300) -> str:

@@ -143,7 +143,7 @@ class CkptfmtCheckpointIO(_Base):
         the filesystem's options on other fsspec URLs; on a local path they are refused
         (ValueError), as is anything but a dict."""
         saves = self._saves()
-        saves.removals.run_ready()
+        saves.removals.run_ready()  # a failed removal is logged: this save is made all the same
         self._raise_finished()
         where = target(path)
         save_options, place_options = split_storage_options(storage_options, where)
@@ -215,11 +215,12 @@ class CkptfmtCheckpointIO(_Base):
             raise errors[0]
 
     def wait(self) -> None:
-        """Wait for every save in flight and every save thread; raise the first error among them."""
+        """Wait for every save in flight and every save thread, then make the removals they
+        held back; raise the first save error, else the first removal error (logged too)."""
         saves = self._saves()
         errors = [e for e in (h.exception() for h in saves.take(finished_only=False)) if e is not None]
         saves.join_threads()
-        saves.removals.run_ready()  # every save has ended: each removal is made or dropped
+        errors += saves.removals.run_ready()  # every save has ended: each removal is made or dropped
         if errors:
             raise errors[0]
 
@@ -251,7 +252,9 @@ class CkptfmtCheckpointIO(_Base):
     def remove_checkpoint(self, path: Any) -> None:
         """Delete the checkpoint at `path` once every save in flight has committed (the one
         that replaces it among them: see removals.py), after any save in flight there; an
-        absent one is no error."""
+        absent one is no error.  A removal that fails is logged (WARNING, the ``ckptfmt``
+        logger) and the file kept; one dropped by a kill or a failed save leaves one file
+        more than ``save_top_k``, to be deleted by hand."""
         where = target(path)
         saves = self._saves()
         saves.removals.defer(

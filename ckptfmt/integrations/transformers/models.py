@@ -34,17 +34,21 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
 
 
 def _config_class(cls: Any, model_type: Any, where: str) -> Any:
-    """The config class for `model_type`: the model class's own ``config_class`` when the type
-    is not one transformers registers (or is not given) and the class's config is of that
-    type; else transformers' registered one; UnsupportedError when neither is."""
+    """The config class for `model_type`: the model class's own ``config_class`` when it
+    subclasses the config transformers registers for the type, or when the type is not one
+    transformers registers (or is not given) and the class's config is of that type; else
+    transformers' registered one; UnsupportedError when neither is."""
     import transformers
     from transformers import CONFIG_MAPPING, PretrainedConfig
 
     own = getattr(cls, "config_class", None)
     own = own if isinstance(own, type) and issubclass(own, PretrainedConfig) else None
     if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        registered = CONFIG_MAPPING[model_type]
+        if own is not None and issubclass(own, registered):  # keeps the subclass's attributes
+            return own
         if own is None or not own.model_type or own.model_type == model_type:
-            return CONFIG_MAPPING[model_type]
+            return registered
     if own is not None and (not model_type or own.model_type == model_type):
         return own
     if not isinstance(model_type, str) or not model_type:

@@ -6,7 +6,13 @@ ckptfmt: ``model.ckpt`` checked against the commit record (length, file id, inde
 every chunk's checksum), then handed to the original ``from_pretrained`` as its
 ``state_dict`` with the folder's config (``config.json``, which the commit record does not
 cover, read as :func:`load_model` reads it: through the folder, bounded, never through a link
-or from a FIFO; a folder without one is an IncompleteError, not transformers' default config).  Every other call goes to transformers unchanged."""
+or from a FIFO; a folder without one is an IncompleteError, not transformers' default config).
+When a config object is given (``AutoModel...`` and pipelines give the one AutoConfig read,
+following links), the folder's ``config.json``, if it has one, is still read so, and refused
+as above; ``AutoModel...from_pretrained`` reads it so before AutoConfig does (a FIFO, an
+oversize file are refused before transformers opens them).  ``pipeline()`` reads it with
+AutoConfig before any model class is reached: a link is refused when the model is loaded, a
+FIFO is transformers' ValueError.  Every other call goes to transformers unchanged."""
 
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from ...engine.ckptdir import CheckpointDir
 from ...errors import CorruptError
 from ...files import multifile, recordsign
 from .models import read_config
-from .names import MAX_JSON_BYTES, MODEL_NAME
+from .names import CONFIG_JSON, MAX_JSON_BYTES, MODEL_NAME
 from .reading import load_model_state, why
 
 #: the generation settings transformers writes beside a model's config
@@ -36,6 +42,7 @@ HF_WEIGHTS = (
 
 _LOCK = threading.Lock()
 _ORIGINAL: Any = None
+_ORIGINAL_AUTO: dict[type, Any] = {}  # each Auto model class's own from_pretrained
 _KEYS: dict[str, Any] = {}
 
 
@@ -75,17 +82,41 @@ def _folder_config(cls: Any, path: str) -> Any:
     return config
 
 
+def _check_folder_config(cls: Any, path: str) -> None:
+    """A config object was given: ``AutoModel...from_pretrained`` and ``pipeline()`` give the
+    one AutoConfig read from the folder's ``config.json``, following links (transformers marks
+    that path with keyword arguments it consumes before this hook sees them).  So whenever the
+    folder holds a ``config.json`` it is read again as :func:`load_model` reads it: a link, a
+    FIFO, an oversize file or one that makes no config is refused (CheckpointError naming the
+    folder) rather than used.  The given object is kept: AutoConfig applied the caller's
+    keyword overrides to it.  A FIFO stops AutoConfig itself (a ValueError of transformers)
+    before this hook is reached."""
+    with CheckpointDir.open(path) as folder:
+        if folder.lstat(CONFIG_JSON) is not None:
+            read_config(folder, cls)
+
+
+def _record_name(model: Any, path: str) -> None:
+    """transformers' from_pretrained, called with no path, records None as the model's name."""
+    model.config.name_or_path = path
+    if hasattr(model, "name_or_path"):
+        model.name_or_path = path
+
+
 def _from_ckptfmt_folder(
     original: Any, cls: Any, path: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     path = os.fspath(path)
-    state = load_model_state(path, decrypt_with=_KEYS.get("decrypt"), trusted_keys=_KEYS.get("trusted"))
     config = kwargs.pop("config", None)
     if config is None:
         config = _folder_config(cls, path)
     elif isinstance(config, (str, os.PathLike)):  # the caller's own config, wherever it is
         config = cls.config_class.from_pretrained(config)
+    else:
+        _check_folder_config(cls, path)
+    state = load_model_state(path, decrypt_with=_KEYS.get("decrypt"), trusted_keys=_KEYS.get("trusted"))
     model = original.__func__(cls, None, *args, config=config, state_dict=state, **kwargs)
+    _record_name(model, path)
     if getattr(model, "can_generate", None) and model.can_generate():
         generation = _folder_generation_config(path)
         if generation is not None:
@@ -106,11 +137,15 @@ def _folder_generation_config(path: str) -> Any:
         values = json.loads(raw)
         if not isinstance(values, dict):
             raise ValueError("not a JSON object")
-        return GenerationConfig.from_dict(values)
+        generation = GenerationConfig.from_dict(values)
     except (ValueError, TypeError, RecursionError) as e:
         raise CorruptError(
             f"{GENERATION_JSON} is not a generation config: {why(e)[:200]}", path=path
         ) from None
+    # as GenerationConfig.from_pretrained does: save_pretrained then only warns about values
+    # transformers finds doubtful, unless the model's code changed them since
+    generation._original_object_hash = hash(generation)
+    return generation
 
 
 def enable(*, decrypt_with: Any = None, trusted_keys: Any = None) -> None:
@@ -137,6 +172,38 @@ def enable(*, decrypt_with: Any = None, trusted_keys: Any = None) -> None:
 
         PreTrainedModel.from_pretrained = classmethod(from_pretrained)  # type: ignore[assignment,method-assign]
         _ORIGINAL = original
+        _hook_auto_classes()
+
+
+def _hook_auto_classes() -> None:
+    """``AutoModel...from_pretrained`` reads ``config.json`` with AutoConfig (following links,
+    whole, from a FIFO as from a file) before any model class is reached: on a ckptfmt folder
+    the config is read first as :func:`load_model` reads it, and refused so.  transformers
+    gives each Auto class its own copy of the method: each is wrapped."""
+    from transformers import AutoModel  # noqa: F401  every Auto model class defined
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    todo = [_BaseAutoModelClass]
+    while todo:
+        auto = todo.pop()
+        todo.extend(auto.__subclasses__())
+        original = auto.__dict__.get("from_pretrained")
+        if isinstance(original, classmethod) and auto not in _ORIGINAL_AUTO:
+            auto.from_pretrained = classmethod(_checking_config_first(original))  # type: ignore[assignment,method-assign]
+            _ORIGINAL_AUTO[auto] = original
+
+
+def _checking_config_first(original: Any) -> Any:
+    @functools.wraps(original.__func__)
+    def from_pretrained(
+        cls: Any, pretrained_model_name_or_path: Any = None, *args: Any, **kwargs: Any
+    ) -> Any:
+        if kwargs.get("config") is None and is_ckptfmt_folder(pretrained_model_name_or_path):
+            with CheckpointDir.open(os.fspath(pretrained_model_name_or_path)) as folder:
+                read_config(folder, cls)
+        return original.__func__(cls, pretrained_model_name_or_path, *args, **kwargs)
+
+    return from_pretrained
 
 
 def disable() -> None:
@@ -149,3 +216,6 @@ def disable() -> None:
             PreTrainedModel.from_pretrained = _ORIGINAL  # type: ignore[method-assign]
             _ORIGINAL = None
             _KEYS.clear()
+        for auto, original in _ORIGINAL_AUTO.items():
+            auto.from_pretrained = original  # type: ignore[attr-defined]
+        _ORIGINAL_AUTO.clear()
