@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import sys
 
 import pytest
 import torch
@@ -100,6 +101,10 @@ def test_a_rewritten_base_is_checked_again(tmp_path, monkeypatch):
     assert torch.equal(ckptfmt.load(str(tmp_path / "c.ckpt"))["frozen"], FROZEN)
 
 
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or ckptfmt.backend() != "c",
+    reason="fork snapshots need Linux and the C engine",
+)
 def test_a_forked_save_against_a_damaged_base_fails_then_heals(tmp_path):
     a, b, c = (str(tmp_path / n) for n in ("a.ckpt", "b.ckpt", "c.ckpt"))
     incremental.save(_state(1), a)
@@ -141,4 +146,20 @@ def test_an_object_store_run_whose_base_is_damaged(s3_server, s3_bucket, caplog)
         for s in (2, 3):
             m.save(s, _state(s, S3_FROZEN))
     assert torch.equal(m.load(fallback=True)["frozen"], S3_FROZEN)
+    assert "fails its check" in caplog.text
+
+
+def test_an_encrypted_base_whose_chunk_is_damaged(tmp_path, caplog):
+    key = bytes(range(32))
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    incremental.save(_state(1), a, encrypt_with=key)
+    with CheckpointFile(a, decrypt_with=key) as f:
+        big = max(f.chunks, key=lambda c: c.stored_len)
+    raw = bytearray(open(a, "rb").read())
+    raw[big.offset + 10] ^= 1  # the chunk's GCM tag no longer holds
+    with open(a, "wb") as out:
+        out.write(raw)
+    with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+        incremental.save(_state(2), b, base=a, encrypt_with=key)
+    assert torch.equal(ckptfmt.load(b, decrypt_with=key)["frozen"], FROZEN)
     assert "fails its check" in caplog.text

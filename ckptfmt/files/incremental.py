@@ -207,12 +207,16 @@ class ContentIndex:
             _close(None, holder)
         try:
             self._index_base(target, base, fd is not None, base_file)
-        finally:
-            if not self.held:
-                base_file.close()
-        if self.held:  # closed once the save is over (externals()), or when this index goes
-            self._base = base_file
-            weakref.finalize(self, base_file.close)
+        except BaseException:
+            base_file.close()
+            raise
+        if not self.held:
+            base_file.close()
+            return
+        # open while chunks may be referred to; closed once the save is over (externals()),
+        # or when this index goes
+        self._base = base_file
+        weakref.finalize(self, base_file.close)
 
     def _index_base(self, target: str, base: str, beneath: bool, f: CheckpointFile) -> None:
         """Index the chunks of the open base `f` (and of the files it refers to) that the new
