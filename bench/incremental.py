@@ -7,12 +7,15 @@ every save.  Each round measures, in rotating order (the incremental save after 
 * plain:       ckptfmt.save, the ordinary full save (no digests), for reference;
 * full:        ckptfmt.files.incremental.save without a base (every chunk, with digests);
 * incremental: ckptfmt.files.incremental.save against that round's full file;
-* manager_full, manager_incremental: the same two saves through
+* incremental_again: the next step saved against the same full file, in the same process
+  (the base's chunks were checked before the first reference to them: not read again);
+* manager_full, manager_incremental, manager_incremental_again: steps 1, 2 and 3 through
   CheckpointManager(incremental=True), commit record and RNG capture included.
 
 Every save is blocking and durable (fsync, rename, directory fsync).  Reported:
 bytes written (file size), time (median, min, max over the rounds after a warm-up),
-and the incremental save's ratios to both full saves.  Targets: the incremental
+the process's CPU time (all its threads) for each save, and the incremental save's ratios to
+both full saves.  Targets: the incremental
 save writes <= 10% of the bytes and takes <= 20% of a full save's time.
 
     python bench/incremental.py [--size 1G] [--rounds 7] [--dirs /dev/shm,/tmp]
@@ -28,6 +31,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,13 +47,22 @@ from ckptfmt.files import incremental  # noqa: E402
 
 TENSOR_BYTES = 16 << 20  # each frozen tensor; trainable ones are smaller
 TARGET_BYTES, TARGET_TIME = 0.10, 0.20
-NAMES = ("plain", "full", "incremental", "manager_full", "manager_incremental")
-#: the order of the saves in a round, rotated (the incremental save needs its base first)
-ORDERS = (
-    ("full", "plain", "incremental"),
-    ("plain", "full", "incremental"),
-    ("full", "incremental", "plain"),
+NAMES = (
+    "plain",
+    "full",
+    "incremental",
+    "incremental_again",
+    "manager_full",
+    "manager_incremental",
+    "manager_incremental_again",
 )
+#: the order of the saves in a round, rotated (the incremental saves need their base first)
+ORDERS = (
+    ("full", "plain", "incremental", "incremental_again"),
+    ("plain", "full", "incremental", "incremental_again"),
+    ("full", "incremental", "incremental_again", "plain"),
+)
+MANAGED = ("manager_full", "manager_incremental", "manager_incremental_again")
 
 
 def make_state(size: int, trainable_share: float = 0.05) -> dict[str, Any]:
@@ -76,10 +89,18 @@ def step(state: dict[str, Any], g: torch.Generator) -> None:
     state["step"] += 1
 
 
+def timed_cpu(fn: Callable[[], Any]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process, every thread) that fn() takes."""
+    cpu = time.process_time()
+    wall = timed(fn)
+    return wall, time.process_time() - cpu
+
+
 def run_target(directory: str, state: dict[str, Any], rounds: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     work = tempfile.mkdtemp(prefix="ckptfmt-bench-inc-", dir=directory)
     times: dict[str, list[float]] = {n: [] for n in NAMES}
+    cpus: dict[str, list[float]] = {n: [] for n in NAMES}
     sizes: dict[str, int] = {}
     try:
         for r in range(rounds + 1):  # round 0 warms the page cache and the allocator
@@ -89,27 +110,31 @@ def run_target(directory: str, state: dict[str, Any], rounds: int) -> dict[str, 
             mgr = ckptfmt.CheckpointManager(os.path.join(d, "run"), incremental=True)
             full = os.path.join(d, "full", "state.ckpt")
             inc = os.path.join(d, "inc", "state.ckpt")
+            again = os.path.join(d, "inc", "again.ckpt")
             plain = os.path.join(d, "plain", "state.ckpt")
             step(state, g)
             jobs: dict[str, Callable[[], Any]] = {
                 "plain": functools.partial(ckptfmt.save, state, plain),
                 "full": functools.partial(incremental.save, state, full),
                 "incremental": functools.partial(incremental.save, state, inc, base=full),
+                "incremental_again": functools.partial(incremental.save, state, again, base=full),
                 "manager_full": functools.partial(mgr.save, 1, state),
                 "manager_incremental": functools.partial(mgr.save, 2, state),
+                "manager_incremental_again": functools.partial(mgr.save, 3, state),
             }
             got = {}
             manager_first = r % 2 == 1
             order = list(ORDERS[r % len(ORDERS)])
-            managed = ["manager_full", "manager_incremental"]
+            managed = list(MANAGED)
             for name in managed + order if manager_first else order + managed:
-                if name in ("incremental", "manager_incremental"):
-                    step(state, g)  # the next step: 5% of the bytes changed since the full save
-                got[name] = timed(jobs[name])
+                if name not in ("plain", "full", "manager_full"):
+                    step(state, g)  # the next step: 5% of the bytes changed since the last save
+                got[name] = timed_cpu(jobs[name])
             assert incremental.referenced_files(inc) == [os.path.abspath(full)]
             if r > 0:
-                for name, t in got.items():
+                for name, (t, c) in got.items():
                     times[name].append(t)
+                    cpus[name].append(c)
             steps = {c.step: c for c in mgr.checkpoints()}
             sizes = {
                 "plain": os.path.getsize(plain),
@@ -117,6 +142,8 @@ def run_target(directory: str, state: dict[str, Any], rounds: int) -> dict[str, 
                 "incremental": os.path.getsize(inc),
                 "manager_full": steps[1].size,
                 "manager_incremental": steps[2].size,
+                "incremental_again": os.path.getsize(again),
+                "manager_incremental_again": steps[3].size,
             }
             shutil.rmtree(d)
     finally:
@@ -125,6 +152,8 @@ def run_target(directory: str, state: dict[str, Any], rounds: int) -> dict[str, 
         "directory": directory,
         "bytes": sizes,
         "seconds": {k: med(v) for k, v in times.items()},
+        "cpu_seconds": {k: med(v) for k, v in cpus.items()},
+        "samples": {"seconds": times, "cpu_seconds": cpus},
     }
     inc_t = out["seconds"]["incremental"]["median"]
     out["ratios"] = {
@@ -154,8 +183,8 @@ def markdown(results: list[dict[str, Any]], size: int) -> str:
         f"backend {ckptfmt.backend()}; blocking, durable saves; medians over "
         f"{results[0]['seconds']['full']['n']} rounds (min-max).",
         "",
-        "| target | save | bytes written | time, s | bytes vs full | time vs full | time vs plain |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| target | save | bytes written | time, s | CPU, s | bytes vs full | time vs full | time vs plain |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for res in results:
         for name in NAMES:
@@ -165,6 +194,7 @@ def markdown(results: list[dict[str, Any]], size: int) -> str:
                 name,
                 f"{res['bytes'][name] / (1 << 20):.1f} MiB",
                 f"{s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})",
+                f"{res['cpu_seconds'][name]['median']:.3f}",
             ]
             q = res["ratios"]
             if name == "incremental":

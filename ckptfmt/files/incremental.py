@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import os
 import posixpath
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +35,7 @@ from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
 from ..engine.writeoptions import ChunkRecord, WriteOptions
-from ..errors import CheckpointWarning, UnsupportedError
+from ..errors import CheckpointWarning, CorruptError, UnsupportedError
 from ..fileio import is_url, open_regular, pread_exact
 from ..format import dtypes
 from ..format import layout as fmt
@@ -43,10 +45,12 @@ from ..storage.client import check_options
 from ..storage.download import RemoteObject
 from ..storage.upload import ObjectFile
 from ..storage.urls import parse_url
-from . import encryption
+from . import basecheck, encryption
 from . import save as writer
 from .encryption import save_and_read_keys
 from .reader import CheckpointFile
+
+log = logging.getLogger("ckptfmt")
 
 #: raw bytes consolidate() reads (verified) and writes per step
 _CONSOLIDATE_WINDOW = 64 << 20
@@ -61,11 +65,13 @@ MIN_REFERENCE_BYTES = 64 << 10
 
 @dataclass(frozen=True)
 class _Held:
-    """A chunk already on disk: which candidate file holds it, its number and record there."""
+    """A chunk already on disk: which candidate file holds it, its number and record there,
+    and its number in the base (through which its stored bytes are checked)."""
 
     file: int
     number: int
     record: ChunkRecord
+    chunk: int
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,7 @@ class _Candidate:
     rel: str  # reference path from the new file's directory
     file_id: bytes
     length: int
+    holder: basecheck.Holder  # the file's identity, which verdicts on its chunks are kept by
 
 
 def _lexical_reference(target: str, held: str) -> str | None:
@@ -164,6 +171,10 @@ class ContentIndex:
         self.refs: dict[int, tuple[int, int]] = {}  # chunk -> (externals entry, chunk number there)
         self.base_chunk_size: int | None = None
         self._keys: list[tuple[int, bytes]] = []  # held_keys(), as a forked writer was given them
+        #: the base, open while chunks may be referred to: their stored bytes are checked
+        #: through it before the first reference (files/basecheck.py)
+        self._base: CheckpointFile | None = None
+        self._target, self._base_path = target, base
         if base is not None:
             self._add_base(target, base)
 
@@ -181,7 +192,7 @@ class ContentIndex:
                 f"{target} cannot refer to {base}: one of the two is encrypted and the other is not; "
                 "every chunk is written",
                 CheckpointWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
             return
         try:
@@ -194,57 +205,74 @@ class ContentIndex:
             )
         finally:
             _close(None, holder)
-        with base_file as f:
-            _refuse_replacing_a_source(target, base, f)
-            self.base_chunk_size = f.chunk_size
-            # opened beneath `within` by its reference path: that path is the reference (no
-            # name is resolved again); else the path that leads to the same file, if any
-            rel = (
-                _lexical_reference(target, base)
-                if fd is not None
-                else _reference_path(target, base if is_url(base) else os.path.abspath(base))
+        try:
+            self._index_base(target, base, fd is not None, base_file)
+        except BaseException:
+            base_file.close()
+            raise
+        if not self.held:
+            base_file.close()
+            return
+        # open while chunks may be referred to; closed once the save is over (externals()),
+        # or when this index goes
+        self._base = base_file
+        weakref.finalize(self, base_file.close)
+
+    def _index_base(self, target: str, base: str, beneath: bool, f: CheckpointFile) -> None:
+        """Index the chunks of the open base `f` (and of the files it refers to) that the new
+        file may refer to; none, with a warning, where it cannot refer to `f`."""
+        _refuse_replacing_a_source(target, base, f)
+        self.base_chunk_size = f.chunk_size
+        # opened beneath `within` by its reference path: that path is the reference (no
+        # name is resolved again); else the path that leads to the same file, if any
+        rel = (
+            _lexical_reference(target, base)
+            if beneath
+            else _reference_path(target, base if is_url(base) else os.path.abspath(base))
+        )
+        crossing = f.encrypted != (self.decrypt is not None)
+        foreign = (
+            f.encrypted
+            and self.sealing is not None
+            and f.index.encryption is not None
+            and not encryption.unwraps(self.sealing, f.index.encryption)
+        )
+        if not f.has_digests or rel is None or crossing or foreign:
+            # still a correct save, only not an incremental one; the next save can refer to it
+            why = (
+                "it was written without content digests (by ckptfmt.save)"
+                if not f.has_digests
+                else "one of the two is encrypted and the other is not"
+                if crossing
+                else "it is encrypted under another key than the new file, whose key would not "
+                "read the chunks it refers to"
+                if foreign
+                else "a reference is NAME, DIR/NAME, ../NAME or ../DIR/NAME from the new file's "
+                "directory, each name without a leading dot, and not the file being written"
             )
-            crossing = f.encrypted != (self.decrypt is not None)
-            foreign = (
-                f.encrypted
-                and self.sealing is not None
-                and f.index.encryption is not None
-                and not encryption.unwraps(self.sealing, f.index.encryption)
+            warnings.warn(
+                f"{target} cannot refer to {base}: {why}; every chunk is written",
+                CheckpointWarning,
+                stacklevel=5,
             )
-            if not f.has_digests or rel is None or crossing or foreign:
-                # still a correct save, only not an incremental one; the next save can refer to it
-                why = (
-                    "it was written without content digests (by ckptfmt.save)"
-                    if not f.has_digests
-                    else "one of the two is encrypted and the other is not"
-                    if crossing
-                    else "it is encrypted under another key than the new file, whose key would not "
-                    "read the chunks it refers to"
-                    if foreign
-                    else "a reference is NAME, DIR/NAME, ../NAME or ../DIR/NAME from the new file's "
-                    "directory, each name without a leading dot, and not the file being written"
-                )
-                warnings.warn(
-                    f"{target} cannot refer to {base}: {why}; every chunk is written",
-                    CheckpointWarning,
-                    stacklevel=4,
-                )
-                return
-            own = self._add_file(rel, f.prologue.file_id, f.prologue.file_length)
-            # base's referenced files: usable only where they still are the recorded
-            # files and can be referred to from the new file's directory
-            theirs: dict[int, int] = {}
-            for e, ext in enumerate(f.externals):
-                ref = _reference_path(target, _referenced_path(f, ext.rel))
-                if ref is not None:
-                    theirs[e] = self._add_file(ref, ext.file_id, ext.length)
-            for k, ch in enumerate(f.chunks):
-                record = (ch.offset, ch.stored_len, ch.raw_len, ch.codec, ch.filter, ch.width, ch.checksum)
-                if ch.source < 0:
-                    self.held.setdefault((ch.raw_len, ch.digest), _Held(own, k, record))
-                elif ch.source in theirs and f.external_problem(k) is None:
-                    held = _Held(theirs[ch.source], ch.number, record)
-                    self.held.setdefault((ch.raw_len, ch.digest), held)
+            return
+        own = self._add_file(rel, f.prologue.file_id, f.prologue.file_length, basecheck.base_holder(f))
+        # base's referenced files: usable only where they still are the recorded
+        # files and can be referred to from the new file's directory
+        theirs: dict[int, int] = {}
+        for e, ext in enumerate(f.externals):
+            where = _referenced_path(f, ext.rel)
+            ref = _reference_path(target, where)
+            who = basecheck.referenced_holder(where, ext.file_id, ext.length, f.remote)
+            if ref is not None and who is not None:
+                theirs[e] = self._add_file(ref, ext.file_id, ext.length, who)
+        for k, ch in enumerate(f.chunks):
+            record = (ch.offset, ch.stored_len, ch.raw_len, ch.codec, ch.filter, ch.width, ch.checksum)
+            if ch.source < 0:
+                self.held.setdefault((ch.raw_len, ch.digest), _Held(own, k, record, k))
+            elif ch.source in theirs and f.external_problem(k) is None:
+                held = _Held(theirs[ch.source], ch.number, record, k)
+                self.held.setdefault((ch.raw_len, ch.digest), held)
 
     def _open_beneath(self, target: str, base: str) -> tuple[int, CheckpointDir] | None:
         """The local base opened beneath `within` by its reference path from `target` (each
@@ -263,9 +291,27 @@ class ContentIndex:
             holder.close()
             raise
 
-    def _add_file(self, rel: str, file_id: bytes, length: int) -> int:
-        self.files.append(_Candidate(rel, file_id, length))
+    def _add_file(self, rel: str, file_id: bytes, length: int, holder: basecheck.Holder) -> int:
+        self.files.append(_Candidate(rel, file_id, length, holder))
         return len(self.files) - 1
+
+    def _pick(self, held: _Held, digest: bytes) -> basecheck.Pick:
+        return basecheck.Pick(held.chunk, self.files[held.file].holder, held.number, held.record, digest)
+
+    def _damaged(self, found: list[tuple[_Held, bytes]]) -> dict[int, basecheck.Damage]:
+        """Of the chunks found, those whose stored bytes fail the reader's checks (by their
+        number in the base), each read once per process (files/basecheck.py)."""
+        if not found or self._base is None:
+            return {}
+        return basecheck.check(self._base, [self._pick(h, d) for h, d in found])
+
+    def _where(self, held: _Held) -> str:
+        """Chunk `held` as a message names it: in the base, and in the file that holds it."""
+        rec = held.record
+        own = f"chunk {held.chunk} of {self._base_path}"
+        if held.file == 0:
+            return f"{own} (offset {rec[0]})"
+        return f"{own} (chunk {held.number} at offset {rec[0]} of {self.files[held.file].holder[0]})"
 
     # -- writer.Dedup ---------------------------------------------------------
 
@@ -288,12 +334,26 @@ class ContentIndex:
             digests = [fmt.content_digest(v) for v in views]
         if len(self.digests) != first_index:
             raise RuntimeError(f"chunks classified out of order: {first_index} after {len(self.digests)}")
+        self.digests.extend(digests)
+        found = [
+            self.held.get((len(view), digest)) if len(view) >= self.min_reference_bytes else None
+            for view, digest in zip(views, digests)
+        ]
+        damaged = self._damaged([(h, d) for h, d in zip(found, digests) if h is not None])
+        for h in {h.chunk: h for h in found if h is not None and h.chunk in damaged}.values():
+            # the save heals itself: these bytes are written here, as the process holds them
+            log.warning(
+                "%s: %s fails its check (%s); written again instead of referred to",
+                self._target,
+                self._where(h),
+                damaged[h.chunk].reason,
+            )
         out: list[ChunkRecord | None] = []
-        for i, (view, digest) in enumerate(zip(views, digests)):
-            self.digests.append(digest)
-            held = self.held.get((len(view), digest)) if len(view) >= self.min_reference_bytes else None
-            if held is None or (
-                held.file not in self.entries and len(self.entries) >= fmt.Limits.MAX_EXTERNALS
+        for i, held in enumerate(found):
+            if (
+                held is None
+                or held.chunk in damaged
+                or (held.file not in self.entries and len(self.entries) >= fmt.Limits.MAX_EXTERNALS)
             ):
                 out.append(None)
                 continue
@@ -306,16 +366,32 @@ class ContentIndex:
         # a chunk is referred to only from the first MAX_EXTERNALS candidate files, so no
         # choice of matches can name more files than an index may list (classify counts them
         # as it goes instead); short chunks are written, as classify writes them
+        # a chunk found damaged before in this process is written (no read here: the
+        # others are checked once the writer says which it refers to, in adopt)
         self._keys = sorted(
             key
             for key, held in self.held.items()
-            if key[0] >= self.min_reference_bytes and held.file < fmt.Limits.MAX_EXTERNALS
+            if key[0] >= self.min_reference_bytes
+            and held.file < fmt.Limits.MAX_EXTERNALS
+            and not basecheck.known_damaged(self._pick(held, key[1]))
         )
         return self._keys
 
     def adopt(self, digests: list[bytes], matches: list[int]) -> list[ChunkRecord | None]:
         if self.digests:
             raise RuntimeError(f"a forked writer's findings after {len(self.digests)} chunks were classified")
+        found = [
+            (self.held[self._keys[m]], digest) if m >= 0 else None for digest, m in zip(digests, matches)
+        ]
+        damaged = self._damaged([f for f in found if f is not None])
+        if damaged:  # the writer left these chunks unwritten: this file cannot be made whole
+            held = next(f[0] for f in found if f is not None and f[0].chunk in damaged)
+            why = damaged[held.chunk]
+            raise CorruptError(
+                f"cannot refer to {self._where(held)}: {why.reason}; nothing was committed"
+                + (" (the next save in this process writes the chunk again)" if why.kept else ""),
+                path=self._target,
+            )
         out: list[ChunkRecord | None] = []
         for k, (digest, m) in enumerate(zip(digests, matches, strict=True)):
             self.digests.append(digest)
@@ -329,6 +405,8 @@ class ContentIndex:
         return out
 
     def externals(self) -> list[list[Any]]:
+        if self._base is not None:  # asked for last, once every chunk is placed
+            self._base.close()
         order = sorted(self.entries, key=self.entries.__getitem__)
         return [[self.files[f].rel, self.files[f].file_id.hex(), self.files[f].length] for f in order]
 

@@ -1,0 +1,186 @@
+"""The chunks of a base that an incremental save refers to, checked once per process.
+
+A save refers to a chunk of its base when the live bytes' (length, content digest) equal
+those the base's index records; the bytes the base stores are another matter.  A chunk
+damaged on disk after its own save (bit rot, a torn write) would be referred to by every
+later save although the saving process holds the right bytes each time: a run's every kept
+step would then name the damaged chunk.  So the stored bytes are read and checked by the
+reader itself (checksum, decryption, decoding, content digest: `CheckpointFile.read_into`)
+before a new file first names them.
+
+Verdicts are kept for the life of the process by the identity of the file that holds each
+chunk (its location, file id and length; a local file's device, inode and modification
+time; an object's version where the reader knows it) and the record checked, so a run whose
+base does not change (frozen weights under LoRA) reads it once per process, not per save.
+A read that failed for a reason other than the bytes (an I/O or store error) is not kept.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.writeoptions import ChunkRecord
+from ..errors import CheckpointError
+from .reader import CheckpointFile
+
+#: files whose verdicts are kept (least recently used dropped first)
+MAX_FILES = 64
+#: raw bytes one check reads at a time (or the largest chunk, when larger)
+WINDOW_BYTES = 64 << 20
+
+#: a file that holds chunks: (location, file id, length, stamp)
+Holder = tuple[str, bytes, int, Any]
+#: a chunk as judged: (its number in the holder, the record checked, its content digest)
+_Judged = tuple[int, ChunkRecord, bytes]
+
+_lock = threading.Lock()
+#: holder -> judged chunk -> None (sound) or why it is damaged
+_verdicts: OrderedDict[Holder, dict[_Judged, str | None]] = OrderedDict()
+
+
+def _reset_in_child() -> None:
+    # a thread of the parent's may have held the lock at the fork; the verdicts stay true
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_in_child)
+
+
+@dataclass(frozen=True)
+class Pick:
+    """A chunk a save would refer to: its number in the base (read through the base's
+    index), the file that holds it, its number and record there, its content digest."""
+
+    chunk: int
+    holder: Holder
+    number: int
+    record: ChunkRecord
+    digest: bytes
+
+    @property
+    def judged(self) -> _Judged:
+        return (self.number, self.record, self.digest)
+
+
+@dataclass(frozen=True)
+class Damage:
+    """Why a picked chunk cannot be referred to; `kept`: the verdict is kept (the bytes are bad)."""
+
+    reason: str
+    kept: bool
+
+
+def _local_stamp(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+def base_holder(f: CheckpointFile) -> Holder:
+    """The identity of the open base `f` itself."""
+    if f.remote:
+        return (f.path, f.prologue.file_id, f.prologue.file_length, f.etag)
+    stamp = _local_stamp(os.fstat(f.chunk_reader.fd))
+    return (os.path.abspath(f.path), f.prologue.file_id, f.prologue.file_length, stamp)
+
+
+def referenced_holder(location: str, file_id: bytes, length: int, remote: bool) -> Holder | None:
+    """The identity of a file the base refers to, at `location` (a path or URL); None for a
+    local file that cannot be looked at (its chunks are then not referred to)."""
+    if remote:
+        return (location, file_id, length, None)
+    try:
+        stamp = _local_stamp(os.stat(location))
+    except OSError:
+        return None
+    return (location, file_id, length, stamp)
+
+
+def known_damaged(pick: Pick) -> bool:
+    """Whether `pick` was found damaged before in this process (nothing is read)."""
+    with _lock:
+        verdicts = _verdicts.get(pick.holder)
+        return verdicts is not None and verdicts.get(pick.judged) is not None
+
+
+def check(f: CheckpointFile, picks: list[Pick]) -> dict[int, Damage]:
+    """The picks (by their chunk number in the open base `f`) that cannot be referred to:
+    those found damaged before, and those not judged yet whose bytes now fail the reader's
+    checks (each read once, in windows; a window that fails is checked again in halves down
+    to single chunks)."""
+    damaged: dict[int, Damage] = {}
+    unjudged: dict[tuple[Holder, _Judged], Pick] = {}
+    with _lock:
+        for p in picks:
+            verdicts = _verdicts.get(p.holder)
+            if verdicts is not None:
+                _verdicts.move_to_end(p.holder)
+            if verdicts is None or p.judged not in verdicts:
+                unjudged.setdefault((p.holder, p.judged), p)
+            elif (reason := verdicts[p.judged]) is not None:
+                damaged[p.chunk] = Damage(reason, True)
+    if unjudged:
+        found = _read_checked(f, list(unjudged.values()))
+        for p in picks:
+            if p.chunk not in damaged and (hit := found.get((p.holder, p.judged))) is not None:
+                damaged[p.chunk] = hit
+    return damaged
+
+
+def _read_checked(f: CheckpointFile, picks: list[Pick]) -> dict[tuple[Holder, _Judged], Damage]:
+    """Read and check `picks` through `f`, keep the verdicts; the damaged ones."""
+    largest = max(p.record[2] for p in picks)
+    window = min(max(WINDOW_BYTES, largest), sum(p.record[2] for p in picks))
+    # an anonymous mapping: pages on first touch, no torch needed
+    view = memoryview(mmap.mmap(-1, max(1, window)))
+    damaged: dict[tuple[Holder, _Judged], Damage] = {}
+    group: list[Pick] = []
+    pos = 0
+    for p in sorted(picks, key=lambda p: p.chunk):
+        if group and pos + p.record[2] > window:
+            _halving(f, group, view, damaged)
+            group, pos = [], 0
+        group.append(p)
+        pos += p.record[2]
+    if group:
+        _halving(f, group, view, damaged)
+    return damaged
+
+
+def _halving(
+    f: CheckpointFile, group: list[Pick], view: memoryview, damaged: dict[tuple[Holder, _Judged], Damage]
+) -> None:
+    items, pos = [], 0
+    for p in group:
+        items.append((p.chunk, view[pos : pos + p.record[2]]))
+        pos += p.record[2]
+    try:
+        f.read_into(items, True, check_only=True)
+    except OSError as e:  # not the bytes (a store's or the disk's failure): not kept
+        for p in group:
+            damaged[(p.holder, p.judged)] = Damage(str(e), False)
+        return
+    except CheckpointError as e:
+        if len(group) == 1:
+            _keep(group, e.reason)
+            damaged[(group[0].holder, group[0].judged)] = Damage(e.reason, True)
+            return
+        half = len(group) // 2
+        _halving(f, group[:half], view, damaged)
+        _halving(f, group[half:], view, damaged)
+        return
+    _keep(group, None)
+
+
+def _keep(group: list[Pick], reason: str | None) -> None:
+    with _lock:
+        for p in group:
+            verdicts = _verdicts.setdefault(p.holder, {})
+            _verdicts.move_to_end(p.holder)
+            verdicts[p.judged] = reason
+        while len(_verdicts) > MAX_FILES:
+            _verdicts.popitem(last=False)

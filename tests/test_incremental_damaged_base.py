@@ -1,0 +1,165 @@
+"""An incremental save never refers to damaged bytes of its base: a base chunk's stored bytes
+are checked (checksum, decoding, content digest, as a load checks them) before the first
+reference to it, once per process; a damaged one is written again (a WARNING names it), or,
+where a forked writer already left it unwritten, the save fails naming it."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import sys
+
+import pytest
+import torch
+
+import ckptfmt
+from ckptfmt.files import basecheck, incremental
+from ckptfmt.files.reader import CheckpointFile
+
+FROZEN = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: one chunk or more, referred to
+S3_FROZEN = torch.arange(1 << 18, dtype=torch.float32)
+
+
+def _state(step: int, frozen: torch.Tensor = FROZEN) -> dict[str, object]:
+    return {"frozen": frozen, "a": torch.full((8,), float(step))}
+
+
+def _flip_a_bit_of_the_largest_chunk(path: str) -> tuple[int, int]:
+    """Damage `path` as bit rot would; the damaged chunk's number and offset."""
+    with CheckpointFile(path) as f:
+        k, big = max(enumerate(f.chunks), key=lambda c: c[1].stored_len)
+    raw = bytearray(open(path, "rb").read())
+    raw[big.offset + 10] ^= 1
+    with open(path, "wb") as out:
+        out.write(raw)
+    return k, big.offset
+
+
+class _Reads:
+    """Counts the base chunks that basecheck reads (the reader's own read_into, spied on)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.chunks = 0
+        original = CheckpointFile.read_into
+
+        def counted(f, items, verify, check_only=False):  # type: ignore[no-untyped-def]
+            if check_only:
+                self.chunks += len(items)
+            return original(f, items, verify, check_only)
+
+        monkeypatch.setattr(CheckpointFile, "read_into", counted)
+
+
+def test_a_manager_run_whose_base_is_damaged_keeps_loadable_steps(tmp_path, caplog):
+    m = ckptfmt.CheckpointManager(str(tmp_path), keep_last=2, incremental=True)
+    m.save(1, _state(1))
+    p = glob.glob(f"{tmp_path}/step-000000001/state*.ckpt")[0]
+    k, offset = _flip_a_bit_of_the_largest_chunk(p)
+    with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+        for s in (2, 3, 4):
+            m.save(s, _state(s))
+    out = m.load(fallback=True)
+    assert torch.equal(out["frozen"], FROZEN) and out["a"][0] == 4.0
+    for step in (3, 4):  # every kept step loads, bit for bit
+        assert torch.equal(m.load(step=step)["frozen"], FROZEN)
+    assert f"chunk {k} of {p} (offset {offset}) fails its check" in caplog.text
+
+
+def test_a_file_saved_against_a_damaged_base_loads(tmp_path, caplog):
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    incremental.save(_state(1), a)
+    k, offset = _flip_a_bit_of_the_largest_chunk(a)
+    with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+        incremental.save(_state(2), b, base=a)
+    assert torch.equal(ckptfmt.load(b)["frozen"], FROZEN)
+    assert ckptfmt.verify(b).ok
+    assert f"{b}: chunk {k} of {a} (offset {offset}) fails its check" in caplog.text
+
+
+def test_a_base_is_read_once_per_process(tmp_path, monkeypatch):
+    a = str(tmp_path / "a.ckpt")
+    incremental.save(_state(1), a)
+    reads = _Reads(monkeypatch)
+    incremental.save(_state(2), str(tmp_path / "b.ckpt"), base=a)
+    with CheckpointFile(a) as f:
+        frozen_chunks = f.storages[0].n_chunks  # the storages in the order the state lists them
+    assert reads.chunks >= frozen_chunks  # checked before the first reference
+    first = reads.chunks
+    incremental.save(_state(3), str(tmp_path / "c.ckpt"), base=a)
+    incremental.save(_state(4), str(tmp_path / "d.ckpt"), base=str(tmp_path / "c.ckpt"))
+    assert reads.chunks == first  # the same chunks of a, never read again in this process
+    assert torch.equal(ckptfmt.load(str(tmp_path / "d.ckpt"))["frozen"], FROZEN)
+
+
+def test_a_rewritten_base_is_checked_again(tmp_path, monkeypatch):
+    # the verdicts are kept by the file's identity, not by its name or its recorded file id
+    a = str(tmp_path / "a.ckpt")
+    incremental.save(_state(1), a)
+    incremental.save(_state(2), str(tmp_path / "b.ckpt"), base=a)
+    _flip_a_bit_of_the_largest_chunk(a)  # rewritten in place: a new modification time
+    incremental.save(_state(3), str(tmp_path / "c.ckpt"), base=a)
+    assert torch.equal(ckptfmt.load(str(tmp_path / "c.ckpt"))["frozen"], FROZEN)
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or ckptfmt.backend() != "c",
+    reason="fork snapshots need Linux and the C engine",
+)
+def test_a_forked_save_against_a_damaged_base_fails_then_heals(tmp_path):
+    a, b, c = (str(tmp_path / n) for n in ("a.ckpt", "b.ckpt", "c.ckpt"))
+    incremental.save(_state(1), a)
+    k, offset = _flip_a_bit_of_the_largest_chunk(a)
+    handle = incremental.save(_state(2), b, base=a, blocking=False, snapshot="fork")
+    assert handle is not None
+    with pytest.raises(ckptfmt.CorruptError, match=rf"cannot refer to chunk {k} of {a} \(offset {offset}\)"):
+        handle.wait()
+    assert not glob.glob(b)  # nothing committed
+    # the damage is known in this process now: the next forked save writes that chunk
+    handle = incremental.save(_state(3), c, base=a, blocking=False, snapshot="fork")
+    assert handle is not None
+    handle.wait()
+    assert torch.equal(ckptfmt.load(c)["frozen"], FROZEN)
+
+
+def test_verdicts_are_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(basecheck, "MAX_FILES", 2)
+    for n in range(4):
+        base = str(tmp_path / f"base{n}.ckpt")
+        incremental.save(_state(n), base)
+        incremental.save(_state(n + 1), str(tmp_path / f"next{n}.ckpt"), base=base)
+    assert len(basecheck._verdicts) == 2  # the two newest bases' (each save checks its base)
+
+
+def test_an_object_store_run_whose_base_is_damaged(s3_server, s3_bucket, caplog):
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/dmg"
+    m = ckptfmt.CheckpointManager(url, incremental=True, keep_last=2, storage_options=options)
+    m.save(1, _state(1, S3_FROZEN))
+    client = s3_server.client()
+    key = "dmg/step-000000001/state.ckpt"
+    raw = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    with CheckpointFile(f"{url}/step-000000001/state.ckpt", storage_options=options) as f:
+        big = max(f.chunks, key=lambda c: c.stored_len)
+    raw[big.offset + 10] ^= 1
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+        for s in (2, 3):
+            m.save(s, _state(s, S3_FROZEN))
+    assert torch.equal(m.load(fallback=True)["frozen"], S3_FROZEN)
+    assert "fails its check" in caplog.text
+
+
+def test_an_encrypted_base_whose_chunk_is_damaged(tmp_path, caplog):
+    key = bytes(range(32))
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    incremental.save(_state(1), a, encrypt_with=key)
+    with CheckpointFile(a, decrypt_with=key) as f:
+        big = max(f.chunks, key=lambda c: c.stored_len)
+    raw = bytearray(open(a, "rb").read())
+    raw[big.offset + 10] ^= 1  # the chunk's GCM tag no longer holds
+    with open(a, "wb") as out:
+        out.write(raw)
+    with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+        incremental.save(_state(2), b, base=a, encrypt_with=key)
+    assert torch.equal(ckptfmt.load(b, decrypt_with=key)["frozen"], FROZEN)
+    assert "fails its check" in caplog.text
