@@ -163,3 +163,75 @@ def test_an_encrypted_base_whose_chunk_is_damaged(tmp_path, caplog):
         incremental.save(_state(2), b, base=a, encrypt_with=key)
     assert torch.equal(ckptfmt.load(b, decrypt_with=key)["frozen"], FROZEN)
     assert "fails its check" in caplog.text
+
+
+def test_a_base_rewritten_in_place_with_its_time_put_back_is_checked_again(tmp_path):
+    """A bit flipped in place and the modification time restored (cp -p, rsync --inplace -t):
+    the change time, which no one can set, tells the file is not the one checked."""
+    import os
+
+    a, b, c = (str(tmp_path / n) for n in ("a.ckpt", "b.ckpt", "c.ckpt"))
+    incremental.save(_state(1), a)
+    incremental.save(_state(2), b, base=a)  # a's chunks checked and found sound
+    st = os.stat(a)
+    with CheckpointFile(a) as f:
+        big = max(f.chunks, key=lambda ch: ch.stored_len)
+    with open(a, "r+b") as out:  # the same inode and size
+        out.seek(big.offset + 10)
+        byte = out.read(1)
+        out.seek(big.offset + 10)
+        out.write(bytes([byte[0] ^ 1]))
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    incremental.save(_state(3), c, base=a)
+    assert torch.equal(ckptfmt.load(c)["frozen"], FROZEN)
+
+
+def test_a_file_the_base_refers_to_on_a_store_is_checked_each_time(s3_server, s3_bucket):
+    """c refers to a's chunks through b; a replaced by a damaged copy of the same id and length
+    (the reader knows no version of a referenced object): d's save checks them again."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/refver"
+    a, b, c, d = (f"{url}/{n}.ckpt" for n in "abcd")
+    incremental.save(_state(1, S3_FROZEN), a, storage_options=options)
+    incremental.save(_state(2, S3_FROZEN), b, base=a, storage_options=options)
+    incremental.save(_state(3, S3_FROZEN), c, base=b, storage_options=options)
+    client = s3_server.client()
+    raw = bytearray(client.get_object(Bucket=bucket, Key="refver/a.ckpt")["Body"].read())
+    with CheckpointFile(a, storage_options=options) as f:
+        big = max(f.chunks, key=lambda ch: ch.stored_len)
+    raw[big.offset + 10] ^= 1
+    client.put_object(Bucket=bucket, Key="refver/a.ckpt", Body=bytes(raw))
+    incremental.save(_state(4, S3_FROZEN), d, base=b, storage_options=options)
+    assert torch.equal(ckptfmt.load(d, storage_options=options)["frozen"], S3_FROZEN)
+
+
+@pytest.mark.skipif(ckptfmt.backend() != "c", reason="a forked save's writer is the C engine's")
+def test_a_forked_run_whose_base_cannot_be_read_heals_at_the_next_save(tmp_path, monkeypatch):
+    """The check's read fails (a bad sector: EIO): the forked save that referred to the chunk
+    fails, naming no corruption, and the next forked save writes it: the run goes on."""
+    import errno
+
+    m = ckptfmt.CheckpointManager(
+        str(tmp_path / "run"), keep_last=2, incremental=True, snapshot="fork", blocking=False
+    )
+    m.save(1, _state(1))
+    m.wait()
+    original = CheckpointFile.read_into
+
+    def failing(f, items, verify, check_only=False):  # type: ignore[no-untyped-def]
+        if check_only and "step-000000001" in f.path:  # a bad sector under step 1's chunk
+            raise OSError(errno.EIO, "Input/output error")
+        return original(f, items, verify, check_only)
+
+    monkeypatch.setattr(CheckpointFile, "read_into", failing)
+    failed = []
+    for step in (2, 3, 4):
+        try:
+            m.save(step, _state(step))
+            m.wait()
+        except ckptfmt.CheckpointError as e:
+            failed.append((step, type(e)))
+    assert failed == [(2, ckptfmt.CheckpointError)]
+    monkeypatch.setattr(CheckpointFile, "read_into", original)
+    assert m.latest().step == 4
+    assert torch.equal(m.load()["frozen"], FROZEN)

@@ -9,10 +9,16 @@ reader itself (checksum, decryption, decoding, content digest: `CheckpointFile.r
 before a new file first names them.
 
 Verdicts are kept for the life of the process by the identity of the file that holds each
-chunk (its location, file id and length; a local file's device, inode and modification
-time; an object's version where the reader knows it) and the record checked, so a run whose
-base does not change (frozen weights under LoRA) reads it once per process, not per save.
-A read that failed for a reason other than the bytes (an I/O or store error) is not kept.
+chunk (its location, file id and length; a local file's device, inode, modification and
+change times and size; an object's version where the reader knows it) and the record
+checked, so a run whose base does not change (frozen weights under LoRA) reads it once per
+process, not per save.  A chunk that lies in an object the base refers to, whose version
+the reader does not know, is checked every time it is referred to.  A read that failed for
+a reason other than the bytes (an I/O or store error) is tried again by the next save that
+can still write the chunk; a forked save's writer, which decides before the check, writes it.
+
+The cost: the first incremental save in a process reads and decodes every base chunk it
+refers to (a resumed run on an object store downloads them once).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from .reader import CheckpointFile
 
 #: files whose verdicts are kept (least recently used dropped first)
 MAX_FILES = 64
+#: at most this many chunks remembered as unreadable
+MAX_UNREADABLE = 100_000
 #: raw bytes one check reads at a time (or the largest chunk, when larger)
 WINDOW_BYTES = 64 << 20
 
@@ -41,6 +49,10 @@ _Judged = tuple[int, ChunkRecord, bytes]
 _lock = threading.Lock()
 #: holder -> judged chunk -> None (sound) or why it is damaged
 _verdicts: OrderedDict[Holder, dict[_Judged, str | None]] = OrderedDict()
+#: chunks whose last check could not read them (a disk's or a store's failure, not the bytes):
+#: checked again by a save that can still write them, never referred to by a forked save's
+#: writer, which decides before they are checked (held_keys)
+_unreadable: set[tuple[Holder, _Judged]] = set()
 
 
 def _reset_in_child() -> None:
@@ -76,8 +88,9 @@ class Damage:
     kept: bool
 
 
-def _local_stamp(st: os.stat_result) -> tuple[int, int, int]:
-    return (st.st_dev, st.st_ino, st.st_mtime_ns)
+def _local_stamp(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    # ctime too: a rewrite in place that puts the modification time back cannot set it
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
 
 
 def base_holder(f: CheckpointFile) -> Holder:
@@ -101,9 +114,12 @@ def referenced_holder(location: str, file_id: bytes, length: int, remote: bool) 
 
 
 def known_damaged(pick: Pick) -> bool:
-    """Whether `pick` was found damaged before in this process (nothing is read)."""
+    """Whether `pick` was found damaged, or could not be read, before in this process
+    (nothing is read)."""
     with _lock:
         verdicts = _verdicts.get(pick.holder)
+        if (pick.holder, pick.judged) in _unreadable:
+            return True
         return verdicts is not None and verdicts.get(pick.judged) is not None
 
 
@@ -161,8 +177,10 @@ def _halving(
     try:
         f.read_into(items, True, check_only=True)
     except OSError as e:  # not the bytes (a store's or the disk's failure): not kept
+        with _lock:
+            _unreadable.update((p.holder, p.judged) for p in group)
         for p in group:
-            damaged[(p.holder, p.judged)] = Damage(str(e), False)
+            damaged[(p.holder, p.judged)] = Damage(f"could not be read: {e}", False)
         return
     except CheckpointError as e:
         if len(group) == 1:
@@ -179,8 +197,15 @@ def _halving(
 def _keep(group: list[Pick], reason: str | None) -> None:
     with _lock:
         for p in group:
+            _unreadable.discard((p.holder, p.judged))
+            if reason is None and p.holder[3] is None:
+                # a file the base refers to on a store, known by no version: replaced at the
+                # same name and length, its bytes would pass for these; checked every time
+                continue
             verdicts = _verdicts.setdefault(p.holder, {})
             _verdicts.move_to_end(p.holder)
             verdicts[p.judged] = reason
         while len(_verdicts) > MAX_FILES:
             _verdicts.popitem(last=False)
+        if len(_unreadable) > MAX_UNREADABLE:
+            _unreadable.clear()  # bounded: forgetting one only makes a forked save check it again

@@ -35,7 +35,7 @@ from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..engine.commit import AtomicFile
 from ..engine.writeoptions import ChunkRecord, WriteOptions
-from ..errors import CheckpointWarning, CorruptError, UnsupportedError
+from ..errors import CheckpointError, CheckpointWarning, CorruptError, UnsupportedError
 from ..fileio import is_url, open_regular, pread_exact
 from ..format import dtypes
 from ..format import layout as fmt
@@ -387,9 +387,10 @@ class ContentIndex:
         if damaged:  # the writer left these chunks unwritten: this file cannot be made whole
             held = next(f[0] for f in found if f is not None and f[0].chunk in damaged)
             why = damaged[held.chunk]
-            raise CorruptError(
-                f"cannot refer to {self._where(held)}: {why.reason}; nothing was committed"
-                + (" (the next save in this process writes the chunk again)" if why.kept else ""),
+            # the next forked save leaves it out (basecheck.known_damaged) and writes it
+            raise (CorruptError if why.kept else CheckpointError)(
+                f"cannot refer to {self._where(held)}: {why.reason}; nothing was committed "
+                "(the next save in this process writes the chunk again)",
                 path=self._target,
             )
         out: list[ChunkRecord | None] = []
