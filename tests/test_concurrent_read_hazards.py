@@ -149,3 +149,32 @@ def test_a_read_whose_second_window_fails_to_start_gives_back_the_first(
         assert calls[0] >= 2
         _settle(remote)  # type: ignore[arg-type]
         assert not remote._book.uses, dict(remote._book.uses)  # type: ignore[union-attr]
+
+
+def test_a_hash_that_cannot_start_or_fetch_gives_back_its_windows(
+    s3_bucket: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sha256 (a signed record's file digests) whose first window cannot be handed to a thread,
+    or whose fetch fails: no use of its windows is left in the spool's books."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/hashed/sha.ckpt"
+    ckptfmt.save({"w": torch.randn(1 << 16)}, url, storage_options=options)
+    remote = RemoteObject(url, options, fetch_index=False)
+    try:
+        pool, remote._pool = remote._pool, _Refusing()  # type: ignore[assignment]
+        try:
+            with pytest.raises(RuntimeError):
+                remote.sha256()
+        finally:
+            remote._pool = pool
+        assert not remote._book.uses, dict(remote._book.uses)
+
+        def failing(self: RemoteObject, *args: Any, **kwargs: Any) -> None:
+            raise ckptfmt.StorageError("the fetch failed", path=url)
+
+        monkeypatch.setattr(RemoteObject, "_get_range", failing)
+        with pytest.raises(ckptfmt.StorageError):
+            remote.sha256()
+        assert not remote._book.uses, dict(remote._book.uses)
+    finally:
+        remote.close()

@@ -235,3 +235,21 @@ def test_a_forked_run_whose_base_cannot_be_read_heals_at_the_next_save(tmp_path,
     monkeypatch.setattr(CheckpointFile, "read_into", original)
     assert m.latest().step == 4
     assert torch.equal(m.load()["frozen"], FROZEN)
+
+
+def test_an_error_about_a_referenced_object_names_its_url(s3_server, s3_bucket):
+    """A chunk that lies in another object is named by that object's URL as given, not a path
+    with its "//" folded ("s3:/bucket/...")."""
+    bucket, options = s3_bucket
+    a, b = f"s3://{bucket}/named/a.ckpt", f"s3://{bucket}/named/b.ckpt"
+    incremental.save(_state(1, S3_FROZEN), a, storage_options=options)
+    incremental.save(_state(2, S3_FROZEN), b, base=a, storage_options=options)
+    client = s3_server.client()
+    raw = bytearray(client.get_object(Bucket=bucket, Key="named/a.ckpt")["Body"].read())
+    with CheckpointFile(a, storage_options=options) as f:
+        big = max(f.chunks, key=lambda ch: ch.stored_len)
+    raw[big.offset + 10] ^= 1
+    client.put_object(Bucket=bucket, Key="named/a.ckpt", Body=bytes(raw))
+    with pytest.raises(ckptfmt.CorruptError) as caught:
+        ckptfmt.load(b, storage_options=options)
+    assert a in str(caught.value)

@@ -45,7 +45,7 @@ from ..errors import (
     SignatureError,
     UnsupportedError,
 )
-from ..fileio import pread_exact
+from ..fileio import is_url, pread_exact
 from ..gcpause import pausing
 from . import encryption, locations, tree, validate
 from . import layout as fmt
@@ -73,8 +73,9 @@ class External(Frozen):
 
     @property
     def name(self) -> str:
-        """The path as messages show it (".." resolved by name)."""
-        return os.path.normpath(self.path)
+        """The path as messages show it (".." resolved by name; a URL as it is: normpath would
+        fold its "//")."""
+        return self.path if is_url(self.path) else os.path.normpath(self.path)
 
 
 def _placed(ch: Chunk, pad: int, source: int = -1, number: int = -1) -> Chunk:

@@ -25,11 +25,9 @@ until the index is parsed and the chunk reader claims them (``start_into``): the
 then go straight into the tensors (the spool where a chunk needs it: engine/directread.py).
 A load under max_bytes reads nothing ahead: the bytes the spool holds (``occupied``) count
 against that bound with the tensors, which only the parsed index tells.
-Ranges given back have their pages freed on a thread of their own (freeing costs about as
-much as filling them), so the reader goes on to its next window meanwhile; a fetch into
-pages still being freed waits for that first.
-A RemoteObject belongs to the process that opened it: in a forked child its first use makes a
-spool, threads, lock and books of the child's own, reading the same version (inherited.py).
+Ranges given back have their pages freed on a thread of their own (it costs about as much
+as filling them): the reader goes on meanwhile; a fetch into pages being freed waits first.
+In a forked child its first use makes a spool, threads and books of its own (inherited.py).
 """
 
 from __future__ import annotations
@@ -667,20 +665,23 @@ class RemoteObject(Inherited):
     @renewed_in_child
     def sha256(self) -> bytes:
         """SHA-256 of the object's whole bytes, fetched window by window (the next one while
-        this one is hashed, each given back once hashed: memory holds two windows)."""
+        this one is hashed, each given back once hashed, or once the hash failed)."""
         windows = [(lo, min(lo + HASH_WINDOW, self.size)) for lo in range(0, self.size, HASH_WINDOW)]
-        digest = hashlib.sha256()
+        digest, using, pending = hashlib.sha256(), windows[:1], []
         assert self.spool is not None
-        pending = self.start((), uses=windows[:1])
         try:
+            pending = self.start((), uses=using)
             for i, (lo, hi) in enumerate(windows):
                 self.wait(pending)
+                using = windows[i : i + 2]
                 pending = self.start((), uses=windows[i + 1 : i + 2])
                 with self.spool.view(lo, hi) as window:
                     digest.update(window)
+                using = windows[i + 1 : i + 2]
                 self.release([(lo, hi)])
         finally:
             self.wait_quietly(pending)
+            self.release(using)
         return digest.digest()
 
     def close(self) -> None:
@@ -693,8 +694,7 @@ class RemoteObject(Inherited):
                     self._claim(q, None)  # read-ahead no one claimed: its body is left unread
         self._pool.shutdown(wait=True, cancel_futures=True)  # read-ahead no one waits for
         if self.spool is not None:
-            # the spool's pages are freed on the freeing thread, after the ranges given back
-            # (spool.close): the caller goes on meanwhile, as it did after each window
+            # its pages freed on the freeing thread after the ranges given back: the caller goes on
             self.spool.close(free_on=self._freer)
             self.spool = None
         self._freer.shutdown(wait=False)
