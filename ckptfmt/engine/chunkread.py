@@ -138,7 +138,11 @@ class ChunkReader:
         self.remote: Fetcher | None = None
 
     def close(self) -> None:
-        """Close the referenced files that are open, then the file itself."""
+        """Close the referenced files that are open (and those let go of while a read was in
+        progress: a forked child's, whose parent's read never ends there), then the file."""
+        evicted, self._evicted = self._evicted, []
+        for fd in evicted:
+            self._release(fd)
         while self._ext_open:
             self._release(self._ext_open.popitem()[1][0])
         if self._base is not None:
