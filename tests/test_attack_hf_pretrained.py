@@ -6,6 +6,7 @@ built from transformers' default config."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from typing import Any
@@ -165,3 +166,85 @@ def test_disable_gives_the_auto_classes_their_own_from_pretrained_back(folder: A
         assert "ckptfmt" not in AutoModelForCausalLM.from_pretrained.__func__.__module__
     finally:
         enable()
+
+
+_REMOTE_CONFIG = """
+from transformers import GPT2Config
+
+
+class FooConfig(GPT2Config):
+    model_type = "gpt2foo"
+"""
+
+_REMOTE_MODEL = """
+from transformers import GPT2LMHeadModel
+
+from .configuration_foo import FooConfig
+
+
+class FooModel(GPT2LMHeadModel):
+    config_class = FooConfig
+"""
+
+
+def _set_config(path: str, **changes: Any) -> None:
+    name = os.path.join(path, "config.json")
+    with open(name) as f:
+        values = json.load(f)
+    values.update(changes)
+    values.pop("architectures", None)
+    with open(name, "w") as f:
+        json.dump(values, f)
+
+
+def test_auto_model_loads_a_trust_remote_code_model_type(folder: Any) -> None:
+    """The model type is one only the folder's own code knows (auto_map): AutoConfig resolves it
+    and the concrete class's config accepts it; the Auto class has no config class to ask."""
+    path, gpt2 = folder
+    with open(os.path.join(path, "configuration_foo.py"), "w") as f:
+        f.write(_REMOTE_CONFIG)
+    with open(os.path.join(path, "modeling_foo.py"), "w") as f:
+        f.write(_REMOTE_MODEL)
+    _set_config(
+        path,
+        model_type="gpt2foo",
+        auto_map={
+            "AutoConfig": "configuration_foo.FooConfig",
+            "AutoModelForCausalLM": "modeling_foo.FooModel",
+        },
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+    assert type(model).__name__ == "FooModel"
+    assert model.config.model_type == "gpt2foo"
+    for name, value in gpt2.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_a_config_object_loads_a_folder_of_a_model_type_transformers_does_not_know(folder: Any) -> None:
+    """Passing one's own config is the way to load a folder written by a newer transformers."""
+    path, gpt2 = folder
+    _set_config(path, model_type="gpt2_from_a_newer_transformers")
+    model = GPT2LMHeadModel.from_pretrained(path, config=gpt2.config)
+    for name, value in gpt2.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_with_a_config_object_a_config_json_link_is_still_refused(folder: Any, tmp_path: Any) -> None:
+    path, gpt2 = folder
+    elsewhere = tmp_path / "elsewhere.json"
+    os.rename(os.path.join(path, "config.json"), elsewhere)
+    os.symlink(elsewhere, os.path.join(path, "config.json"))
+    with pytest.raises(ckptfmt.CheckpointError, match="config.json"):
+        GPT2LMHeadModel.from_pretrained(path, config=gpt2.config)
+
+
+def test_with_a_config_object_a_config_json_fifo_is_refused_without_waiting(folder: Any) -> None:
+    path, gpt2 = folder
+    os.unlink(os.path.join(path, "config.json"))
+    os.mkfifo(os.path.join(path, "config.json"))
+    signal.alarm(60)  # a read that waits on the FIFO would hang here
+    try:
+        with pytest.raises(ckptfmt.CheckpointError, match="config.json"):
+            GPT2LMHeadModel.from_pretrained(path, config=gpt2.config)
+    finally:
+        signal.alarm(0)

@@ -65,21 +65,35 @@ def _config_class(cls: Any, model_type: Any, where: str) -> Any:
     )
 
 
-def read_config(folder: CheckpointDir, cls: Any) -> Any:
-    """The model config in ``config.json``, read through the folder (no link, no FIFO, bounded).
-    The commit record does not cover it: any value that does not make a config of a model type
-    transformers knows, or of the model class's own ``config_class``, is refused
-    (UnsupportedError for an unknown type, else CorruptError)."""
+def read_config_bytes(folder: CheckpointDir) -> bytes:
+    """The bytes of ``config.json``, read through the folder: a link or anything but a regular
+    file is refused (CheckpointError), never followed or waited on; LimitError past
+    MAX_JSON_BYTES; IncompleteError when there is none."""
     try:
-        raw = folder.read_file(CONFIG_JSON, MAX_JSON_BYTES)
+        return folder.read_file(CONFIG_JSON, MAX_JSON_BYTES)
     except FileNotFoundError:
         raise IncompleteError(f"{CONFIG_JSON} is missing", path=folder.path) from None
+
+
+def read_config_values(folder: CheckpointDir) -> dict[str, Any]:
+    """``config.json`` as read by :func:`read_config_bytes`, which must be a JSON object
+    (CorruptError); which model type it names is not looked at."""
+    raw = read_config_bytes(folder)
     try:
         values = json.loads(raw)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError included; nested too deep
         raise CorruptError(f"{CONFIG_JSON} is not JSON: {_one_line(e)}", path=folder.path) from None
     if not isinstance(values, dict):
         raise CorruptError(f"{CONFIG_JSON} is not a model config: not an object", path=folder.path)
+    return values
+
+
+def read_config(folder: CheckpointDir, cls: Any) -> Any:
+    """The model config in ``config.json``, read through the folder (no link, no FIFO, bounded).
+    The commit record does not cover it: any value that does not make a config of a model type
+    transformers knows, or of the model class's own ``config_class``, is refused
+    (UnsupportedError for an unknown type, else CorruptError)."""
+    values = read_config_values(folder)
     model_type = values.get("model_type")
     config_class = _config_class(cls, model_type, folder.path)
     try:

@@ -8,9 +8,10 @@ every chunk's checksum), then handed to the original ``from_pretrained`` as its
 cover, read as :func:`load_model` reads it: through the folder, bounded, never through a link
 or from a FIFO; a folder without one is an IncompleteError, not transformers' default config).
 When a config object is given (``AutoModel...`` and pipelines give the one AutoConfig read,
-following links), the folder's ``config.json``, if it has one, is still read so, and refused
-as above; ``AutoModel...from_pretrained`` reads it so before AutoConfig does (a FIFO, an
-oversize file are refused before transformers opens them).  ``pipeline()`` reads it with
+following links), the folder's ``config.json``, if it has one, is still read through the
+folder and a link, a FIFO or an oversize file refused, but its model type is not judged (the
+given object is used); ``AutoModel...from_pretrained`` reads it so, as a JSON object, before
+AutoConfig does (a FIFO, an oversize file are refused before transformers opens them).  ``pipeline()`` reads it with
 AutoConfig before any model class is reached: a link is refused when the model is loaded, a
 FIFO is transformers' ValueError.  Every other call goes to transformers unchanged."""
 
@@ -25,7 +26,7 @@ from typing import Any
 from ...engine.ckptdir import CheckpointDir
 from ...errors import CorruptError
 from ...files import multifile, recordsign
-from .models import read_config
+from .models import read_config, read_config_bytes, read_config_values
 from .names import CONFIG_JSON, MAX_JSON_BYTES, MODEL_NAME
 from .reading import load_model_state, why
 
@@ -82,18 +83,18 @@ def _folder_config(cls: Any, path: str) -> Any:
     return config
 
 
-def _check_folder_config(cls: Any, path: str) -> None:
+def _check_folder_config_file(path: str) -> None:
     """A config object was given: ``AutoModel...from_pretrained`` and ``pipeline()`` give the
     one AutoConfig read from the folder's ``config.json``, following links (transformers marks
     that path with keyword arguments it consumes before this hook sees them).  So whenever the
-    folder holds a ``config.json`` it is read again as :func:`load_model` reads it: a link, a
-    FIFO, an oversize file or one that makes no config is refused (CheckpointError naming the
-    folder) rather than used.  The given object is kept: AutoConfig applied the caller's
-    keyword overrides to it.  A FIFO stops AutoConfig itself (a ValueError of transformers)
-    before this hook is reached."""
+    folder holds a ``config.json`` it is read again through the folder: a link, a FIFO or an
+    oversize file is refused (CheckpointError naming it) rather than used.  Its contents are
+    not judged: the given object is what is used (AutoConfig applied the caller's keyword
+    overrides to it), and a caller's own config is the way to load a folder whose model type
+    this transformers does not know."""
     with CheckpointDir.open(path) as folder:
         if folder.lstat(CONFIG_JSON) is not None:
-            read_config(folder, cls)
+            read_config_bytes(folder)
 
 
 def _record_name(model: Any, path: str) -> None:
@@ -113,7 +114,7 @@ def _from_ckptfmt_folder(
     elif isinstance(config, (str, os.PathLike)):  # the caller's own config, wherever it is
         config = cls.config_class.from_pretrained(config)
     else:
-        _check_folder_config(cls, path)
+        _check_folder_config_file(path)
     state = load_model_state(path, decrypt_with=_KEYS.get("decrypt"), trusted_keys=_KEYS.get("trusted"))
     model = original.__func__(cls, None, *args, config=config, state_dict=state, **kwargs)
     _record_name(model, path)
@@ -178,7 +179,9 @@ def enable(*, decrypt_with: Any = None, trusted_keys: Any = None) -> None:
 def _hook_auto_classes() -> None:
     """``AutoModel...from_pretrained`` reads ``config.json`` with AutoConfig (following links,
     whole, from a FIFO as from a file) before any model class is reached: on a ckptfmt folder
-    the config is read first as :func:`load_model` reads it, and refused so.  transformers
+    the file is read first through the folder, bounded, and must be a JSON object; the model
+    type it names is left to AutoConfig and to the concrete class (an Auto class has no config
+    class, and a type reached through ``auto_map`` only the folder's code knows).  transformers
     gives each Auto class its own copy of the method: each is wrapped."""
     from transformers import AutoModel  # noqa: F401  every Auto model class defined
     from transformers.models.auto.auto_factory import _BaseAutoModelClass
@@ -199,8 +202,10 @@ def _checking_config_first(original: Any) -> Any:
         cls: Any, pretrained_model_name_or_path: Any = None, *args: Any, **kwargs: Any
     ) -> Any:
         if kwargs.get("config") is None and is_ckptfmt_folder(pretrained_model_name_or_path):
+            # only how the file is read: an Auto class has no config class to judge its
+            # model type by (one reached through auto_map is known to the folder's own code)
             with CheckpointDir.open(os.fspath(pretrained_model_name_or_path)) as folder:
-                read_config(folder, cls)
+                read_config_values(folder)
         return original.__func__(cls, pretrained_model_name_or_path, *args, **kwargs)
 
     return from_pretrained
