@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 from helpers import assert_same
+from test_fork_state import _held_by_a_thread
 
 import ckptfmt
 from ckptfmt.errors import StorageError
@@ -187,22 +188,8 @@ def test_a_child_forked_while_a_parent_thread_holds_the_objects_lock_reads(s3_bu
     url = f"s3://{bucket}/locked.ckpt"
     _saved(url, options, state)
     with ckptfmt.open(url, storage_options=options) as r:
-        remote = _remote(r)
-        taken, done = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            with remote._held_lock:
-                taken.set()
-                done.wait(60)
-
-        t = threading.Thread(target=hold)
-        t.start()
-        assert taken.wait(10)
-        try:
+        with _held_by_a_thread(_remote(r)._held_lock):
             assert _in_child(lambda: _reads_all(r, state, list(state))) == 0
-        finally:
-            done.set()
-            t.join()
         assert_same(r.load(), state)
 
 
@@ -246,22 +233,8 @@ def test_a_child_forked_while_a_parent_thread_opens_a_referenced_object_reads(s3
     with ckptfmt.open(f"{url}/step-000000002/state.ckpt", storage_options=options) as r:
         expected = r.load()
         assert r._file.externals  # its frozen chunks lie in step 1's object
-        lock = r._file.chunk_reader._ext_lock
-        taken, done = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            with lock:
-                taken.set()
-                done.wait(60)
-
-        t = threading.Thread(target=hold)
-        t.start()
-        assert taken.wait(10)
-        try:
+        with _held_by_a_thread(r._file.chunk_reader._ext_lock):
             assert _in_child(lambda: _same(r.load(), expected)) == 0
-        finally:
-            done.set()
-            t.join()
 
 
 def _same(a: object, b: object) -> bool:
