@@ -253,3 +253,20 @@ def test_an_error_about_a_referenced_object_names_its_url(s3_server, s3_bucket):
     with pytest.raises(ckptfmt.CorruptError) as caught:
         ckptfmt.load(b, storage_options=options)
     assert a in str(caught.value)
+
+
+def test_a_sound_object_the_base_refers_to_is_checked_once(s3_server, s3_bucket, monkeypatch):
+    """A chained run on a store: the frozen chunks lie in a, checked when b and c were saved
+    against it; d and e refer to them through c and read none of them again (a's version,
+    named by a HEAD, is the same): a run's frozen weights are downloaded once per process."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/chain"
+    a, b, c, d, e = (f"{url}/{n}.ckpt" for n in "abcde")
+    incremental.save(_state(1, S3_FROZEN), a, storage_options=options)
+    incremental.save(_state(2, S3_FROZEN), b, base=a, storage_options=options)
+    incremental.save(_state(3, S3_FROZEN), c, base=b, storage_options=options)
+    reads = _Reads(monkeypatch)
+    incremental.save(_state(4, S3_FROZEN), d, base=c, storage_options=options)
+    incremental.save(_state(5, S3_FROZEN), e, base=c, storage_options=options)
+    assert reads.chunks == 0
+    assert torch.equal(ckptfmt.load(e, storage_options=options)["frozen"], S3_FROZEN)

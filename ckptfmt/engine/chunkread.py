@@ -140,7 +140,8 @@ class ChunkReader:
     def close(self) -> None:
         """Close the referenced files that are open (and those let go of while a read was in
         progress: a forked child's, whose parent's read never ends there), then the file."""
-        evicted, self._evicted = self._evicted, []
+        with self._ext_lock:  # a read's end swaps it too (a forked child's lock is its own)
+            evicted, self._evicted = self._evicted, []
         for fd in evicted:
             self._release(fd)
         while self._ext_open:

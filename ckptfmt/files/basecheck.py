@@ -12,8 +12,8 @@ Verdicts are kept for the life of the process by the identity of the file that h
 chunk (its location, file id and length; a local file's device, inode, modification and
 change times and size; an object's version where the reader knows it) and the record
 checked, so a run whose base does not change (frozen weights under LoRA) reads it once per
-process, not per save.  A chunk that lies in an object the base refers to, whose version
-the reader does not know, is checked every time it is referred to.  A read that failed for
+process, not per save.  An object the base refers to is known by the version a HEAD names
+at each save: replaced since its check, its chunks are checked again.  A read that failed for
 a reason other than the bytes (an I/O or store error) is tried again by the next save that
 can still write the chunk; a forked save's writer, which decides before the check, writes it.
 
@@ -101,11 +101,22 @@ def base_holder(f: CheckpointFile) -> Holder:
     return (os.path.abspath(f.path), f.prologue.file_id, f.prologue.file_length, stamp)
 
 
-def referenced_holder(location: str, file_id: bytes, length: int, remote: bool) -> Holder | None:
-    """The identity of a file the base refers to, at `location` (a path or URL); None for a
-    local file that cannot be looked at (its chunks are then not referred to)."""
+def referenced_holder(
+    location: str, file_id: bytes, length: int, remote: bool, options: dict[str, Any] | None = None
+) -> Holder | None:
+    """The identity of a file the base refers to, at `location` (a path or URL; an object is
+    known by the version a HEAD names now: one request); None for a file that cannot be looked
+    at, or an object of another length (its chunks are then not referred to)."""
     if remote:
-        return (location, file_id, length, None)
+        from ..storage.client import check_options
+        from ..storage.download import head
+        from ..storage.urls import parse_url
+
+        try:
+            size, version = head(parse_url(location), check_options(options or {}))
+        except OSError:
+            return None
+        return (location, file_id, length, version) if size == length else None
     try:
         stamp = _local_stamp(os.stat(location))
     except OSError:
@@ -179,6 +190,8 @@ def _halving(
     except OSError as e:  # not the bytes (a store's or the disk's failure): not kept
         with _lock:
             _unreadable.update((p.holder, p.judged) for p in group)
+            if len(_unreadable) > MAX_UNREADABLE:
+                _unreadable.clear()  # forgetting one only makes a forked save check it again
         for p in group:
             damaged[(p.holder, p.judged)] = Damage(f"could not be read: {e}", False)
         return
@@ -199,9 +212,7 @@ def _keep(group: list[Pick], reason: str | None) -> None:
         for p in group:
             _unreadable.discard((p.holder, p.judged))
             if reason is None and p.holder[3] is None:
-                # a file the base refers to on a store, known by no version: replaced at the
-                # same name and length, its bytes would pass for these; checked every time
-                continue
+                continue  # an object known by no version: replaced, its bytes would pass for these
             verdicts = _verdicts.setdefault(p.holder, {})
             _verdicts.move_to_end(p.holder)
             verdicts[p.judged] = reason

@@ -263,7 +263,7 @@ class ContentIndex:
         for e, ext in enumerate(f.externals):
             where = _referenced_path(f, ext.rel)
             ref = _reference_path(target, where)
-            who = basecheck.referenced_holder(where, ext.file_id, ext.length, f.remote)
+            who = basecheck.referenced_holder(where, ext.file_id, ext.length, f.remote, self.storage_options)
             if ref is not None and who is not None:
                 theirs[e] = self._add_file(ref, ext.file_id, ext.length, who)
         for k, ch in enumerate(f.chunks):
