@@ -129,27 +129,26 @@ class Reader(HeldPlace, StorageReader):
             self.read_metadata()
         assert self._where is not None
         if self._single:  # one file, already checked whole when opened: its tensors are its own
-            with CheckpointFile(
-                self.path,
-                trusted_keys=self._trusted,
-                decrypt_with=self._decrypt,
-                storage_options=self.storage_options,
-            ) as f:
+            with self._single_file() as f:
                 return [], sum(s.nbytes for s in f.storages)
         d = self._open_dir()
         assert d is not None and self._record is not None
         items = ((idx.fqn, loc) for idx, loc in self._where.items())
         return check_items(d, self._record, items, fqns, self._trusted, self._decrypt)
 
-    def _read_single_file(self) -> None:
-        from .singlefile import file_metadata
-
-        with CheckpointFile(
+    def _single_file(self) -> CheckpointFile:
+        """The one ckptfmt file this Reader reads, opened with its keys and store options."""
+        return CheckpointFile(
             self.path,
             trusted_keys=self._trusted,
             decrypt_with=self._decrypt,
             storage_options=self.storage_options,
-        ) as f:
+        )
+
+    def _read_single_file(self) -> None:
+        from .singlefile import file_metadata
+
+        with self._single_file() as f:
             self._metadata, self._where = file_metadata(f, os.path.basename(self.path))
         self._single = True
 
