@@ -7,17 +7,15 @@ ended by an alarm: a failure, never a blocked run."""
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from helpers import assert_same
 from test_fork_state import _held_by_a_thread
+from test_fork_state import _in_child as _in_child_within
 
 import ckptfmt
 from ckptfmt.errors import StorageError
@@ -47,23 +45,7 @@ def _remote(r: ckptfmt.Reader) -> RemoteObject:
 
 
 def _in_child(check: Callable[[], bool]) -> int:
-    """Fork; run check() in the child under an alarm (SIGALRM's default action ends a child
-    that hangs); its exit status: 0 when check() held, 2 when not, 3 when it raised, -14 hung.
-    The child computes on one thread, as DataLoader workers do (torch's pool of the parent's
-    is not the child's)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 3
-        try:
-            signal.alarm(CHILD_DEADLINE)
-            torch.set_num_threads(1)  # as a DataLoader worker does: torch's parallel ops hang after a fork
-            code = 0 if check() else 2
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+    return _in_child_within(check, CHILD_DEADLINE)
 
 
 def _reads_all(r: ckptfmt.Reader, state: dict[str, torch.Tensor], keys: list[str]) -> bool:

@@ -21,14 +21,17 @@ import torch
 import ckptfmt
 
 
-def _in_child(check: Callable[[], bool]) -> int:
-    """Fork; run check() in the child within 20 s (SIGALRM ends a child that hangs); its exit
-    status: 0 when check() held, 2 when it did not, 3 when it raised, -14 when it hung."""
+def _in_child(check: Callable[[], bool], deadline: int = 20) -> int:
+    """Fork; run check() in the child within `deadline` s (SIGALRM ends a child that hangs); its
+    exit status: 0 when check() held, 2 when it did not, 3 when it raised, -14 when it hung.
+    The child computes on one thread, as DataLoader workers do (torch's pool of the parent's is
+    not the child's: its parallel ops hang after a fork)."""
     pid = os.fork()
     if pid == 0:
         code = 3
         try:
-            signal.alarm(20)
+            signal.alarm(deadline)
+            torch.set_num_threads(1)
             code = 0 if check() else 2
         except BaseException:
             traceback.print_exc()
