@@ -1,0 +1,40 @@
+"""Attacks on `ckptfmt verify` of an object whose store fails (503 SlowDown on every GET):
+the exit statuses say 1 for a file that failed verification and 2 for "an object store that
+refuses or fails a request" (cli/exitcodes.py).  A script that deletes what verify calls
+damaged must never be told so of a sound checkpoint on a store that is down for a while."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import ckptfmt
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="verify() reports a StorageError as a problem of the file (files/verify.py catches "
+    "CheckpointError, StorageError included), and the CLI exits 1, damaged, for any problem",
+)
+def test_verify_of_a_sound_file_on_a_failing_store_is_exit_2_not_damaged(s3_faults, monkeypatch):
+    from cli_runner import run_cli
+
+    options = s3_faults.storage_options()
+    url = f"s3://{s3_faults.new_bucket()}/x.ckpt"
+    ckptfmt.save({"w": torch.arange(1 << 20, dtype=torch.float32)}, url, storage_options=options)
+    for name, var in (
+        ("endpoint_url", "AWS_ENDPOINT_URL"),
+        ("aws_access_key_id", "AWS_ACCESS_KEY_ID"),
+        ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+    ):
+        monkeypatch.setenv(var, options[name])
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("CKPTFMT_STORAGE_DEADLINE", "5")
+    s3_faults.fail_next("GET", "/x.ckpt", status=503, count=1000)
+    out = run_cli("verify", url, "--json")
+    statuses = [f["status"] for f in json.loads(out.stdout)["files"]]
+    assert (out.returncode, statuses) == (2, ["unreadable"]), out.stdout
+    s3_faults.clear_rules()
+    run_cli("verify", url, rc=0)  # the file was sound all along
