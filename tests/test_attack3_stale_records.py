@@ -1,9 +1,9 @@
 """Attacks on an ObjectRun's cache of commit records, which knows a record by (step, size,
-Last-Modified as listed): a store that stamps objects to the second (Azure's Last-Modified
-is an HTTP-date, S3 lists whole seconds: moto and Azurite do so too) lists a step removed and saved again within
-that second, by a record of the same size, exactly as it listed the old one, and the cache
-answers with the old record: the old save's metrics and creation time.  Retention by a
-metric (keep_best) then judges the new save by the old one's value."""
+Last-Modified as listed): a store that stamps objects to the second (Azure's Last-Modified is
+an HTTP-date, S3 lists whole seconds; Azurite and moto do so too) lists a step removed and
+saved again within that second, by a record of the same size, exactly as it listed the old
+one, and the cache answers with the old record: the old save's metrics and creation time.
+Retention by a metric (keep_best) then judges the new save by the old one's value."""
 
 from __future__ import annotations
 
