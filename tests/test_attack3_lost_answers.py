@@ -74,14 +74,14 @@ def test_a_commit_record_put_whose_answer_is_lost_still_saves_the_step(store_fau
 )
 def test_a_commit_record_landing_after_its_deadline_never_names_a_deleted_object(store_faults):
     """The store receives the record's PUT whole and answers it after the save's deadline
-    (the proxy holds the request 5 s and forwards it, the client gone): the save fails, and
+    (the proxy holds the request 9 s and forwards it, the client gone): the save fails, and
     then its record appears.  The step must then be a checkpoint, or the record must name
     nothing that is gone."""
     url = store_faults.new_root() + "/run"
-    manager = CheckpointManager(url, storage_options=store_faults.options | {"deadline": 2})
+    manager = CheckpointManager(url, storage_options=store_faults.options | {"deadline": 4})
     manager.save(1, {"w": SMALL})
     method, target = store_faults.op("write", "step-000000002/COMMIT")
-    store_faults.delay(method, target, seconds=5, count=1)
+    store_faults.delay(method, target, seconds=9, count=1)
     with pytest.raises(StorageError):
         manager.save(2, {"w": SMALL * 2})
     deadline = time.monotonic() + 30
