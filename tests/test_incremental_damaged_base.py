@@ -270,3 +270,20 @@ def test_a_sound_object_the_base_refers_to_is_checked_once(s3_server, s3_bucket,
     incremental.save(_state(5, S3_FROZEN), e, base=c, storage_options=options)
     assert reads.chunks == 0
     assert torch.equal(ckptfmt.load(e, storage_options=options)["frozen"], S3_FROZEN)
+
+
+def test_an_object_the_base_refers_to_costs_no_request_of_its_own(s3_faults):
+    """The base's reader opens each object it refers to (one HEAD, which names its version)
+    before any chunk of it is referred to: the check keys its verdicts by that version and
+    asks the store nothing more, so a save looks up each referenced object once."""
+    bucket, options = s3_faults.new_bucket(), s3_faults.storage_options()
+    url = f"s3://{bucket}/heads"
+    a, b, c, d, e = (f"{url}/{n}.ckpt" for n in "abcde")
+    incremental.save(_state(1, S3_FROZEN), a, storage_options=options)
+    incremental.save(_state(2, S3_FROZEN), b, base=a, storage_options=options)
+    incremental.save(_state(3, S3_FROZEN), c, base=b, storage_options=options)
+    s3_faults.clear_counts()
+    incremental.save(_state(4, S3_FROZEN), d, base=c, storage_options=options)
+    incremental.save(_state(5, S3_FROZEN), e, base=c, storage_options=options)
+    assert s3_faults.count("HEAD", "/heads/a.ckpt") == 2, s3_faults.requests()  # one a save
+    assert torch.equal(ckptfmt.load(e, storage_options=options)["frozen"], S3_FROZEN)

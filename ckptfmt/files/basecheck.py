@@ -12,8 +12,9 @@ Verdicts are kept for the life of the process by the identity of the file that h
 chunk (its location, file id and length; a local file's device, inode, modification and
 change times and size; an object's version where the reader knows it) and the record
 checked, so a run whose base does not change (frozen weights under LoRA) reads it once per
-process, not per save.  An object the base refers to is known by the version a HEAD names
-at each save: replaced since its check, its chunks are checked again.  A read that failed for
+process, not per save.  An object the base refers to is known by the version the base's
+reader opened it at (a request the reader makes anyway, before any chunk is referred to):
+replaced since its check, its chunks are checked again.  A read that failed for
 a reason other than the bytes (an I/O or store error) is tried again by the next save that
 can still write the chunk; a forked save's writer, which decides before the check, writes it.
 
@@ -102,21 +103,15 @@ def base_holder(f: CheckpointFile) -> Holder:
 
 
 def referenced_holder(
-    location: str, file_id: bytes, length: int, remote: bool, options: dict[str, Any] | None = None
+    f: CheckpointFile, rel: str, location: str, file_id: bytes, length: int
 ) -> Holder | None:
-    """The identity of a file the base refers to, at `location` (a path or URL; an object is
-    known by the version a HEAD names now: one request); None for a file that cannot be looked
-    at, or an object of another length (its chunks are then not referred to)."""
-    if remote:
-        from ..storage.client import check_options
-        from ..storage.download import head
-        from ..storage.urls import parse_url
-
-        try:
-            size, version = head(parse_url(location), check_options(options or {}))
-        except OSError:
-            return None
-        return (location, file_id, length, version) if size == length else None
+    """The identity of the file that reference `rel` of the open base `f` names, at `location`
+    (a path or URL): an object by the version `f`'s reader opened it at (no request of its
+    own; the reader reads it at that version only); None for a file that cannot be looked at
+    or an object not opened (its chunks are then not referred to)."""
+    if f.remote:
+        version = f.reference_version(rel)
+        return None if version is None else (location, file_id, length, version)
     try:
         stamp = _local_stamp(os.stat(location))
     except OSError:

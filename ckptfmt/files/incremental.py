@@ -248,20 +248,20 @@ class ContentIndex:
         own = self._add_file(rel, f.prologue.file_id, f.prologue.file_length, basecheck.base_holder(f))
         # base's referenced files: usable only where they still are the recorded
         # files and can be referred to from the new file's directory
-        theirs: dict[int, int] = {}
-        for e, ext in enumerate(f.externals):
-            where = _referenced_path(f, ext.rel)
-            ref = _reference_path(target, where)
-            who = basecheck.referenced_holder(where, ext.file_id, ext.length, f.remote, self.storage_options)
-            if ref is not None and who is not None:
-                theirs[e] = self._add_file(ref, ext.file_id, ext.length, who)
+        reachable = {
+            e: _reference_path(target, _referenced_path(f, ext.rel)) for e, ext in enumerate(f.externals)
+        }
+        theirs: dict[int, int | None] = {}  # external -> candidate file (None: not referred to)
         for k, ch in enumerate(f.chunks):
             record = (ch.offset, ch.stored_len, ch.raw_len, ch.codec, ch.filter, ch.width, ch.checksum)
             if ch.source < 0:
                 self.held.setdefault((ch.raw_len, ch.digest), _Held(own, k, record, k))
-            elif ch.source in theirs and f.external_problem(k) is None:
-                held = _Held(theirs[ch.source], ch.number, record, k)
-                self.held.setdefault((ch.raw_len, ch.digest), held)
+            elif reachable[ch.source] is not None and f.external_problem(k) is None:  # opens its file
+                if ch.source not in theirs:  # known once opened: an object's version
+                    theirs[ch.source] = self._add_referenced(f, ch.source, reachable[ch.source])
+                if (candidate := theirs[ch.source]) is not None:
+                    held = _Held(candidate, ch.number, record, k)
+                    self.held.setdefault((ch.raw_len, ch.digest), held)
 
     def _open_beneath(self, target: str, base: str) -> tuple[int, CheckpointDir] | None:
         """The local base opened beneath `within` by its reference path from `target` (each
@@ -279,6 +279,15 @@ class ContentIndex:
         except BaseException:
             holder.close()
             raise
+
+    def _add_referenced(self, f: CheckpointFile, e: int, rel: str | None) -> int | None:
+        """The candidate file for external `e` of the open base `f`, which its reader has
+        opened, reached from the new file by `rel`; None where it cannot be referred to."""
+        ext = f.externals[e]
+        who = basecheck.referenced_holder(f, ext.rel, _referenced_path(f, ext.rel), ext.file_id, ext.length)
+        if rel is None or who is None:
+            return None
+        return self._add_file(rel, ext.file_id, ext.length, who)
 
     def _add_file(self, rel: str, file_id: bytes, length: int, holder: basecheck.Holder) -> int:
         self.files.append(_Candidate(rel, file_id, length, holder))
