@@ -287,3 +287,22 @@ def test_an_object_the_base_refers_to_costs_no_request_of_its_own(s3_faults):
     incremental.save(_state(5, S3_FROZEN), e, base=c, storage_options=options)
     assert s3_faults.count("HEAD", "/heads/a.ckpt") == 2, s3_faults.requests()  # one a save
     assert torch.equal(ckptfmt.load(e, storage_options=options)["frozen"], S3_FROZEN)
+
+
+def test_a_damaged_chunk_is_warned_about_once_per_process(tmp_path, caplog):
+    """Saves against one damaged base (a fixed base=) each write the chunk again, and say so
+    once: the same chunk of the same file is not warned about at every save."""
+    a = str(tmp_path / "a.ckpt")
+    incremental.save(_state(1), a)
+    k, offset = _flip_a_bit_of_the_largest_chunk(a)
+    saved = [str(tmp_path / f"s{n}.ckpt") for n in range(3)]
+    with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+        for n, path in enumerate(saved):
+            incremental.save(_state(n + 2), path, base=a)
+    warned = [
+        r for r in caplog.records if f"chunk {k} of {a} (offset {offset}) fails its check" in r.getMessage()
+    ]
+    assert len(warned) == 1, caplog.text
+    for path in saved:  # each save wrote the chunk again
+        assert torch.equal(ckptfmt.load(path)["frozen"], FROZEN)
+        assert ckptfmt.verify(path).ok

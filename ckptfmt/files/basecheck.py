@@ -54,6 +54,9 @@ _verdicts: OrderedDict[Holder, dict[_Judged, str | None]] = OrderedDict()
 #: checked again by a save that can still write them, never referred to by a forked save's
 #: writer, which decides before they are checked (held_keys)
 _unreadable: set[tuple[Holder, _Judged]] = set()
+#: chunks a save was told about (whether kept damaged): saves against one base (a fixed base=)
+#: write such a chunk again each time and warn once
+_reported: set[tuple[Holder, _Judged, bool]] = set()
 
 
 def _reset_in_child() -> None:
@@ -127,6 +130,19 @@ def known_damaged(pick: Pick) -> bool:
         if (pick.holder, pick.judged) in _unreadable:
             return True
         return verdicts is not None and verdicts.get(pick.judged) is not None
+
+
+def first_report(pick: Pick, damage: Damage) -> bool:
+    """Whether `damage` of `pick` is news to this process: true once per chunk and kind of
+    damage (a chunk that could not be read and reads again is news when it fails again)."""
+    key = (pick.holder, pick.judged, damage.kept)
+    with _lock:
+        if key in _reported:
+            return False
+        if len(_reported) >= MAX_UNREADABLE:
+            _reported.clear()  # bounded: forgetting one only warns about it again
+        _reported.add(key)
+        return True
 
 
 def check(f: CheckpointFile, picks: list[Pick]) -> dict[int, Damage]:
@@ -206,6 +222,7 @@ def _keep(group: list[Pick], reason: str | None) -> None:
     with _lock:
         for p in group:
             _unreadable.discard((p.holder, p.judged))
+            _reported.discard((p.holder, p.judged, False))
             if reason is None and p.holder[3] is None:
                 continue  # an object known by no version: replaced, its bytes would pass for these
             verdicts = _verdicts.setdefault(p.holder, {})

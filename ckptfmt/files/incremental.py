@@ -311,6 +311,20 @@ class ContentIndex:
             return f"{own} (offset {rec[0]})"
         return f"{own} (chunk {held.number} at offset {rec[0]} of {self.files[held.file].holder[0]})"
 
+    def _warn(self, damaged: dict[int, basecheck.Damage], found: dict[int, tuple[_Held, bytes]]) -> None:
+        """A warning for each damaged chunk of `found` (by base chunk) this process has not
+        warned about: saves against one damaged base say it once, not at every save."""
+        for chunk, why in damaged.items():
+            held, digest = found[chunk]
+            if basecheck.first_report(self._pick(held, digest), why):
+                # the save heals itself: these bytes are written here, as the process holds them
+                log.warning(
+                    "%s: %s fails its check (%s); written again instead of referred to",
+                    self._target,
+                    self._where(held),
+                    why.reason,
+                )
+
     # -- writer.Dedup ---------------------------------------------------------
 
     @property
@@ -338,14 +352,7 @@ class ContentIndex:
             for view, digest in zip(views, digests)
         ]
         damaged = self._damaged([(h, d) for h, d in zip(found, digests) if h is not None])
-        for h in {h.chunk: h for h in found if h is not None and h.chunk in damaged}.values():
-            # the save heals itself: these bytes are written here, as the process holds them
-            log.warning(
-                "%s: %s fails its check (%s); written again instead of referred to",
-                self._target,
-                self._where(h),
-                damaged[h.chunk].reason,
-            )
+        self._warn(damaged, {h.chunk: (h, d) for h, d in zip(found, digests) if h is not None})
         out: list[ChunkRecord | None] = []
         for i, held in enumerate(found):
             if (
