@@ -306,3 +306,41 @@ def test_a_damaged_chunk_is_warned_about_once_per_process(tmp_path, caplog):
     for path in saved:  # each save wrote the chunk again
         assert torch.equal(ckptfmt.load(path)["frozen"], FROZEN)
         assert ckptfmt.verify(path).ok
+
+
+@pytest.mark.skipif(ckptfmt.backend() != "c", reason="a forked save's writer is the C engine's")
+def test_forked_saves_against_a_fixed_base_retry_a_chunk_that_could_not_be_read(tmp_path, monkeypatch):
+    """A passing EIO under a base chunk: the forked save that referred to it fails, the next
+    writes it and checks it again once RETRY_SECONDS have passed (it reads now), and the one
+    after refers to it again instead of writing it at every save of the process."""
+    import errno
+    import os
+
+    a = str(tmp_path / "a.ckpt")
+    incremental.save(_state(1), a)
+    original = CheckpointFile.read_into
+    eio = [True]
+
+    def failing(f, items, verify, check_only=False):  # type: ignore[no-untyped-def]
+        if check_only and eio[0] and f.path == a:  # a bad sector under a's chunk, for a while
+            raise OSError(errno.EIO, "Input/output error")
+        return original(f, items, verify, check_only)
+
+    monkeypatch.setattr(CheckpointFile, "read_into", failing)
+    monkeypatch.setattr(basecheck, "RETRY_SECONDS", 0.0)
+
+    def forked(step: int) -> str:
+        path = str(tmp_path / f"s{step}.ckpt")
+        handle = incremental.save(_state(step), path, base=a, blocking=False, snapshot="fork")
+        assert handle is not None
+        handle.wait()
+        return path
+
+    with pytest.raises(ckptfmt.CheckpointError, match="could not be read"):
+        forked(2)
+    eio[0] = False  # the disk reads again
+    written = forked(3)  # the chunk is written here, and checked again afterwards
+    assert incremental.referenced_files(written) == []
+    again = forked(4)
+    assert incremental.referenced_files(again) == [os.path.abspath(a)]
+    assert torch.equal(ckptfmt.load(again)["frozen"], FROZEN)

@@ -160,6 +160,8 @@ class ContentIndex:
         self.refs: dict[int, tuple[int, int]] = {}  # chunk -> (externals entry, chunk number there)
         self.base_chunk_size: int | None = None
         self._keys: list[tuple[int, bytes]] = []  # held_keys(), as a forked writer was given them
+        #: what held_keys() kept from the writer: (held, digest) by base chunk
+        self._withheld: dict[int, tuple[_Held, bytes]] = {}
         #: the base, open while chunks may be referred to: their stored bytes are checked
         #: through it before the first reference (files/basecheck.py)
         self._base: CheckpointFile | None = None
@@ -373,13 +375,15 @@ class ContentIndex:
         # as it goes instead); short chunks are written, as classify writes them
         # a chunk found damaged before in this process is written (no read here: the
         # others are checked once the writer says which it refers to, in adopt)
-        self._keys = sorted(
+        referable = [
             key
             for key, held in self.held.items()
-            if key[0] >= self.min_reference_bytes
-            and held.file < fmt.Limits.MAX_EXTERNALS
-            and not basecheck.known_damaged(self._pick(held, key[1]))
-        )
+            if key[0] >= self.min_reference_bytes and held.file < fmt.Limits.MAX_EXTERNALS
+        ]
+        known = {key for key in referable if basecheck.known_damaged(self._pick(self.held[key], key[1]))}
+        self._keys = sorted(key for key in referable if key not in known)
+        # those are written; the ones that could not be read are read again in adopt once due
+        self._withheld = {self.held[key].chunk: (self.held[key], key[1]) for key in known}
         return self._keys
 
     def adopt(self, digests: list[bytes], matches: list[int]) -> list[ChunkRecord | None]:
@@ -389,6 +393,9 @@ class ContentIndex:
             (self.held[self._keys[m]], digest) if m >= 0 else None for digest, m in zip(digests, matches)
         ]
         damaged = self._damaged([f for f in found if f is not None])
+        if self._base is not None and self._withheld:  # written here: a read now informs the next save
+            again = basecheck.retry(self._base, [self._pick(h, d) for h, d in self._withheld.values()])
+            self._warn(again, self._withheld)
         if damaged:  # the writer left these chunks unwritten: this file cannot be made whole
             held = next(f[0] for f in found if f is not None and f[0].chunk in damaged)
             why = damaged[held.chunk]
