@@ -344,3 +344,92 @@ def test_forked_saves_against_a_fixed_base_retry_a_chunk_that_could_not_be_read(
     again = forked(4)
     assert incremental.referenced_files(again) == [os.path.abspath(a)]
     assert torch.equal(ckptfmt.load(again)["frozen"], FROZEN)
+
+
+def _open_fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or ckptfmt.backend() != "c",
+    reason="fork snapshots need Linux and the C engine",
+)
+def test_a_failed_forked_save_closes_its_base_while_its_error_is_held(tmp_path):
+    """The error of a failed forked save is kept (its traceback holds the frames that held the
+    base open): the save closed what it opened before raising, so no descriptor stays."""
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    incremental.save(_state(1), a)
+    _flip_a_bit_of_the_largest_chunk(a)
+    before = _open_fds()
+    handle = incremental.save(_state(2), b, base=a, blocking=False, snapshot="fork")
+    assert handle is not None
+    with pytest.raises(ckptfmt.CorruptError) as caught:
+        handle.wait()
+    held = caught.value  # noqa: F841 (kept alive on purpose, with its traceback)
+    assert _open_fds() == before
+
+
+def test_a_failed_blocking_save_closes_its_base_while_its_error_is_held(tmp_path):
+    """The same for a blocking save that fails after its base was opened (a state that
+    cannot be stored is refused while the base is open)."""
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    incremental.save(_state(1), a)
+    before = _open_fds()
+    with pytest.raises(ckptfmt.CheckpointError) as caught:
+        incremental.save({**_state(2), "bad": object()}, b, base=a)
+    held = caught.value  # noqa: F841
+    assert _open_fds() == before
+
+
+_COPY_SAVE_FAILS = """
+import os, resource, signal, sys
+
+import torch
+
+from ckptfmt.files import incremental
+
+a, b = sys.argv[1], sys.argv[2]
+frozen = torch.arange(1 << 20, dtype=torch.float32)
+incremental.save({"frozen": frozen, "a": torch.zeros(8)}, a)
+
+
+def on_a():
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") == a
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    return count
+
+
+# the disk takes no file above 1 MiB (a quota): the new chunks' writes fail with EFBIG
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+handle = incremental.save({"frozen": frozen, "a": torch.ones(1 << 20)}, b, base=a, blocking=False)
+try:
+    handle.wait()
+except OSError as e:
+    held = e  # kept, with its traceback
+    print("failed", e.errno, on_a())
+"""
+
+
+def test_a_failed_copy_save_closes_its_base_while_its_error_is_held(tmp_path):
+    """A non-blocking copy save whose writes fail on its writer thread (a file size limit:
+    EFBIG) before the file is finished: the base it read is closed before the error is handed
+    over, though the error (and its traceback) is kept."""
+    import errno
+    import os
+    import subprocess
+
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(ckptfmt.__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    proc = subprocess.run(
+        [sys.executable, "-c", _COPY_SAVE_FAILS, a, b], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["failed", str(errno.EFBIG), "0"], proc.stdout + proc.stderr

@@ -418,10 +418,14 @@ class ContentIndex:
         return out
 
     def externals(self) -> list[list[Any]]:
-        if self._base is not None:  # asked for last, once every chunk is placed
-            self._base.close()
+        self.close()  # asked for last, once every chunk is placed
         order = sorted(self.entries, key=self.entries.__getitem__)
         return [[self.files[f].rel, self.files[f].file_id.hex(), self.files[f].length] for f in order]
+
+    def close(self) -> None:
+        base, self._base = self._base, None
+        if base is not None:
+            base.close()
 
     def record(self, k: int, rec: ChunkRecord) -> list[Any]:
         o, s, r, c, f, w, h = rec
@@ -588,9 +592,13 @@ def save_checked(
     if base_chunks and index.base_chunk_size is not None and not os.environ.get("CKPTFMT_CHUNK_SIZE"):
         write = dataclasses.replace(write, chunk_size=writer.check_chunk_size(index.base_chunk_size))
     options = dataclasses.replace(options, write=write)
-    result: SaveHandle | None = writer.write_state(
-        state, target, options, within=within, create_only=create_only
-    )
+    try:
+        result: SaveHandle | None = writer.write_state(
+            state, target, options, within=within, create_only=create_only
+        )
+    except BaseException:
+        index.close()  # not left to the error's traceback, which holds this frame
+        raise
     return result
 
 
