@@ -280,3 +280,28 @@ def test_external_names_fold_dot_dot_in_the_key_only():
     for leaving in ("s3://b/../x.ckpt", "s3://b/d/../../x.ckpt", "gs://b/.."):
         assert folded_url(leaving) is None
         assert External("../x.ckpt", fid, 128, leaving).name == leaving  # shown as it is
+
+
+def test_a_referenced_object_is_read_at_the_version_first_opened(s3_server, s3_bucket, monkeypatch):
+    """A reader that let go of a referenced object (it keeps few open) and opens it again reads
+    it at the version it first opened, or refuses it: an object replaced meanwhile is never
+    mixed into what the reader already read from it (the version an incremental save's check
+    keys its verdicts by is then the version of the bytes it checked)."""
+    from ckptfmt.files import incremental, reader
+
+    bucket, options = s3_bucket
+    a, b, c = (f"s3://{bucket}/pin/{n}.ckpt" for n in "abc")
+    x, y = torch.arange(1 << 16, dtype=torch.float32), torch.ones(1 << 16)
+    incremental.save({"x": x, "y": y, "z": torch.zeros(4)}, a, storage_options=options)
+    incremental.save({"x": x, "y": y * 2, "z": torch.zeros(4)}, b, base=a, storage_options=options)
+    incremental.save({"x": x, "y": y * 2, "z": torch.ones(4)}, c, base=b, storage_options=options)
+    monkeypatch.setattr(reader, "MAX_OPEN_EXTERNALS", 1)  # c's two referenced objects take turns
+    client = s3_server.client()
+    with ckptfmt.open(c, storage_options=options) as r:
+        assert torch.equal(r.get("x"), x)  # from a
+        assert torch.equal(r.get("y"), y * 2)  # from b: a is let go of
+        raw = bytearray(client.get_object(Bucket=bucket, Key="pin/a.ckpt")["Body"].read())
+        raw[100] ^= 1  # a replaced by a damaged copy of the same length and id
+        client.put_object(Bucket=bucket, Key="pin/a.ckpt", Body=bytes(raw))
+        with pytest.raises(ckptfmt.StorageError, match="replaced"):
+            r.get("x")
