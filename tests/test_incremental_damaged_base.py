@@ -346,6 +346,37 @@ def test_forked_saves_against_a_fixed_base_retry_a_chunk_that_could_not_be_read(
     assert torch.equal(ckptfmt.load(again)["frozen"], FROZEN)
 
 
+@pytest.mark.skipif(ckptfmt.backend() != "c", reason="a forked save's writer is the C engine's")
+def test_a_chunk_that_could_not_be_read_is_not_read_again_before_its_time(tmp_path, monkeypatch):
+    """While RETRY_SECONDS have not passed, forked saves write the chunk and do not read it."""
+    import errno
+
+    a = str(tmp_path / "a.ckpt")
+    incremental.save(_state(1), a)
+    original = CheckpointFile.read_into
+    tries = []
+
+    def failing(f, items, verify, check_only=False):  # type: ignore[no-untyped-def]
+        if check_only and f.path == a:
+            tries.append(len(items))
+            raise OSError(errno.EIO, "Input/output error")
+        return original(f, items, verify, check_only)
+
+    monkeypatch.setattr(CheckpointFile, "read_into", failing)
+    monkeypatch.setattr(basecheck, "RETRY_SECONDS", 3600.0)
+    for step in (2, 3, 4):
+        path = str(tmp_path / f"s{step}.ckpt")
+        handle = incremental.save(_state(step), path, base=a, blocking=False, snapshot="fork")
+        assert handle is not None
+        if step == 2:
+            with pytest.raises(ckptfmt.CheckpointError, match="could not be read"):
+                handle.wait()
+        else:
+            handle.wait()
+            assert incremental.referenced_files(path) == []
+    assert len(tries) == 1  # step 2's check alone
+
+
 def _open_fds() -> int:
     import os
 
