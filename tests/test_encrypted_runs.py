@@ -165,7 +165,8 @@ def test_an_encrypted_incremental_run_refers_to_earlier_encrypted_steps(tmp_path
     """A step reuses the frozen table's chunks from the first step's encrypted file (no tensor
     bytes in clear anywhere), and a load decrypts them with that file's own data key, unwrapped
     by the run's key; consolidate with the key makes a self-contained encrypted copy."""
-    from ckptfmt.files.incremental import consolidate, referenced_files
+    from ckptfmt.files.consolidate import consolidate
+    from ckptfmt.files.incremental import referenced_files
 
     run = tmp_path / "run"
     m = ckptfmt.CheckpointManager(run, encrypt_with=KEY, incremental=True)

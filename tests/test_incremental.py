@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import ckptfmt
 from ckptfmt.engine import native as _native
-from ckptfmt.files import incremental, reader
+from ckptfmt.files import consolidate, incremental, reader
 from ckptfmt.files.reader import CheckpointFile
 from ckptfmt.format import layout as fmt
 
@@ -630,7 +630,7 @@ def test_consolidate_keeps_device_tags_and_tree(tmp_path):
     state["s"] = "y"
     incremental.save(state, b, base=a)
     out = tmp_path / "c.ckpt"
-    report = incremental.consolidate(b, out)
+    report = consolidate.consolidate(b, out)
     assert report.external_chunks == report.chunks == 7 and report.referenced_files == 1
     assert _index(out)["nodes"] == _index(b)["nodes"]
     assert _index(out)["storages"] == _index(b)["storages"]

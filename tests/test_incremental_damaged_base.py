@@ -270,3 +270,197 @@ def test_a_sound_object_the_base_refers_to_is_checked_once(s3_server, s3_bucket,
     incremental.save(_state(5, S3_FROZEN), e, base=c, storage_options=options)
     assert reads.chunks == 0
     assert torch.equal(ckptfmt.load(e, storage_options=options)["frozen"], S3_FROZEN)
+
+
+def test_an_object_the_base_refers_to_costs_no_request_of_its_own(s3_faults):
+    """The base's reader opens each object it refers to (one HEAD, which names its version)
+    before any chunk of it is referred to: the check keys its verdicts by that version and
+    asks the store nothing more, so a save looks up each referenced object once."""
+    bucket, options = s3_faults.new_bucket(), s3_faults.storage_options()
+    url = f"s3://{bucket}/heads"
+    a, b, c, d, e = (f"{url}/{n}.ckpt" for n in "abcde")
+    incremental.save(_state(1, S3_FROZEN), a, storage_options=options)
+    incremental.save(_state(2, S3_FROZEN), b, base=a, storage_options=options)
+    incremental.save(_state(3, S3_FROZEN), c, base=b, storage_options=options)
+    s3_faults.clear_counts()
+    incremental.save(_state(4, S3_FROZEN), d, base=c, storage_options=options)
+    incremental.save(_state(5, S3_FROZEN), e, base=c, storage_options=options)
+    assert s3_faults.count("HEAD", "/heads/a.ckpt") == 2, s3_faults.requests()  # one a save
+    assert torch.equal(ckptfmt.load(e, storage_options=options)["frozen"], S3_FROZEN)
+
+
+def test_a_damaged_chunk_is_warned_about_once_per_process(tmp_path, caplog):
+    """Saves against one damaged base (a fixed base=) each write the chunk again, and say so
+    once: the same chunk of the same file is not warned about at every save."""
+    a = str(tmp_path / "a.ckpt")
+    incremental.save(_state(1), a)
+    k, offset = _flip_a_bit_of_the_largest_chunk(a)
+    saved = [str(tmp_path / f"s{n}.ckpt") for n in range(3)]
+    with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+        for n, path in enumerate(saved):
+            incremental.save(_state(n + 2), path, base=a)
+    warned = [
+        r for r in caplog.records if f"chunk {k} of {a} (offset {offset}) fails its check" in r.getMessage()
+    ]
+    assert len(warned) == 1, caplog.text
+    for path in saved:  # each save wrote the chunk again
+        assert torch.equal(ckptfmt.load(path)["frozen"], FROZEN)
+        assert ckptfmt.verify(path).ok
+
+
+@pytest.mark.skipif(ckptfmt.backend() != "c", reason="a forked save's writer is the C engine's")
+def test_forked_saves_against_a_fixed_base_retry_a_chunk_that_could_not_be_read(tmp_path, monkeypatch):
+    """A passing EIO under a base chunk: the forked save that referred to it fails, the next
+    writes it and checks it again once RETRY_SECONDS have passed (it reads now), and the one
+    after refers to it again instead of writing it at every save of the process."""
+    import errno
+    import os
+
+    a = str(tmp_path / "a.ckpt")
+    incremental.save(_state(1), a)
+    original = CheckpointFile.read_into
+    eio = [True]
+
+    def failing(f, items, verify, check_only=False):  # type: ignore[no-untyped-def]
+        if check_only and eio[0] and f.path == a:  # a bad sector under a's chunk, for a while
+            raise OSError(errno.EIO, "Input/output error")
+        return original(f, items, verify, check_only)
+
+    monkeypatch.setattr(CheckpointFile, "read_into", failing)
+    monkeypatch.setattr(basecheck, "RETRY_SECONDS", 0.0)
+
+    def forked(step: int) -> str:
+        path = str(tmp_path / f"s{step}.ckpt")
+        handle = incremental.save(_state(step), path, base=a, blocking=False, snapshot="fork")
+        assert handle is not None
+        handle.wait()
+        return path
+
+    with pytest.raises(ckptfmt.CheckpointError, match="could not be read"):
+        forked(2)
+    eio[0] = False  # the disk reads again
+    written = forked(3)  # the chunk is written here, and checked again afterwards
+    assert incremental.referenced_files(written) == []
+    again = forked(4)
+    assert incremental.referenced_files(again) == [os.path.abspath(a)]
+    assert torch.equal(ckptfmt.load(again)["frozen"], FROZEN)
+
+
+@pytest.mark.skipif(ckptfmt.backend() != "c", reason="a forked save's writer is the C engine's")
+def test_a_chunk_that_could_not_be_read_is_not_read_again_before_its_time(tmp_path, monkeypatch):
+    """While RETRY_SECONDS have not passed, forked saves write the chunk and do not read it."""
+    import errno
+
+    a = str(tmp_path / "a.ckpt")
+    incremental.save(_state(1), a)
+    original = CheckpointFile.read_into
+    tries = []
+
+    def failing(f, items, verify, check_only=False):  # type: ignore[no-untyped-def]
+        if check_only and f.path == a:
+            tries.append(len(items))
+            raise OSError(errno.EIO, "Input/output error")
+        return original(f, items, verify, check_only)
+
+    monkeypatch.setattr(CheckpointFile, "read_into", failing)
+    monkeypatch.setattr(basecheck, "RETRY_SECONDS", 3600.0)
+    for step in (2, 3, 4):
+        path = str(tmp_path / f"s{step}.ckpt")
+        handle = incremental.save(_state(step), path, base=a, blocking=False, snapshot="fork")
+        assert handle is not None
+        if step == 2:
+            with pytest.raises(ckptfmt.CheckpointError, match="could not be read"):
+                handle.wait()
+        else:
+            handle.wait()
+            assert incremental.referenced_files(path) == []
+    assert len(tries) == 1  # step 2's check alone
+
+
+def _open_fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or ckptfmt.backend() != "c",
+    reason="fork snapshots need Linux and the C engine",
+)
+def test_a_failed_forked_save_closes_its_base_while_its_error_is_held(tmp_path):
+    """The error of a failed forked save is kept (its traceback holds the frames that held the
+    base open): the save closed what it opened before raising, so no descriptor stays."""
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    incremental.save(_state(1), a)
+    _flip_a_bit_of_the_largest_chunk(a)
+    before = _open_fds()
+    handle = incremental.save(_state(2), b, base=a, blocking=False, snapshot="fork")
+    assert handle is not None
+    with pytest.raises(ckptfmt.CorruptError) as caught:
+        handle.wait()
+    held = caught.value  # noqa: F841 (kept alive on purpose, with its traceback)
+    assert _open_fds() == before
+
+
+def test_a_failed_blocking_save_closes_its_base_while_its_error_is_held(tmp_path):
+    """The same for a blocking save that fails after its base was opened (a state that
+    cannot be stored is refused while the base is open)."""
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    incremental.save(_state(1), a)
+    before = _open_fds()
+    with pytest.raises(ckptfmt.CheckpointError) as caught:
+        incremental.save({**_state(2), "bad": object()}, b, base=a)
+    held = caught.value  # noqa: F841
+    assert _open_fds() == before
+
+
+_COPY_SAVE_FAILS = """
+import os, resource, signal, sys
+
+import torch
+
+from ckptfmt.files import incremental
+
+a, b = sys.argv[1], sys.argv[2]
+frozen = torch.arange(1 << 20, dtype=torch.float32)
+incremental.save({"frozen": frozen, "a": torch.zeros(8)}, a)
+
+
+def on_a():
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") == a
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    return count
+
+
+# the disk takes no file above 1 MiB (a quota): the new chunks' writes fail with EFBIG
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+handle = incremental.save({"frozen": frozen, "a": torch.ones(1 << 20)}, b, base=a, blocking=False)
+try:
+    handle.wait()
+except OSError as e:
+    held = e  # kept, with its traceback
+    print("failed", e.errno, on_a())
+"""
+
+
+def test_a_failed_copy_save_closes_its_base_while_its_error_is_held(tmp_path):
+    """A non-blocking copy save whose writes fail on its writer thread (a file size limit:
+    EFBIG) before the file is finished: the base it read is closed before the error is handed
+    over, though the error (and its traceback) is kept."""
+    import errno
+    import os
+    import subprocess
+
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(ckptfmt.__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    proc = subprocess.run(
+        [sys.executable, "-c", _COPY_SAVE_FAILS, a, b], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["failed", str(errno.EFBIG), "0"], proc.stdout + proc.stderr

@@ -219,3 +219,89 @@ def test_a_referenced_object_is_never_read_for_its_index(store_faults, length, i
     assert any(f"{length} bytes, the commit record says" in p for p in problems), problems
     fetched = f.ranges("step-000000001")
     assert fetched and sum(hi - lo for lo, hi in fetched) <= 2 * 2 * (MiB + 64)
+
+
+def test_a_referenced_object_is_named_with_its_dot_dot_folded(s3_server, s3_bucket, tmp_path):
+    """An error about a chunk that lies in an earlier step's object names that object's URL,
+    the reference's ".." folded in the key (never "s3:/" nor "step-2/../step-1")."""
+    from ckptfmt.files import incremental
+    from ckptfmt.files.reader import CheckpointFile
+
+    bucket, options = s3_bucket
+    a, b = f"s3://{bucket}/fold/step-1/a.ckpt", f"s3://{bucket}/fold/step-2/b.ckpt"
+    incremental.save(_state(1), a, storage_options=options)
+    incremental.save(_state(2), b, base=a, storage_options=options)
+    with CheckpointFile(b, storage_options=options) as f:
+        assert [ext.rel for ext in f.externals] == ["../step-1/a.ckpt"]
+        assert [ext.name for ext in f.externals] == [a]
+    client = s3_server.client()
+    client.put_object(Bucket=bucket, Key="fold/step-1/a.ckpt", Body=b"gone")  # replaced
+    with pytest.raises(ckptfmt.CheckpointError) as caught:
+        ckptfmt.load(b, storage_options=options)
+    assert a in str(caught.value) and "/../" not in str(caught.value)
+
+
+def test_a_reference_that_would_leave_the_bucket_is_refused_before_any_chunk(s3_server, s3_bucket, tmp_path):
+    """A file at a bucket's top whose index refers to "../NAME" (hostile, or copied from a
+    directory): the reference would leave the bucket; the index is refused when it is read."""
+    import os
+
+    from ckptfmt.files import incremental
+    from ckptfmt.files.reader import CheckpointFile
+
+    bucket, options = s3_bucket
+    (tmp_path / "d").mkdir()
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "d" / "b.ckpt")
+    incremental.save(_state(1), a)
+    incremental.save(_state(2), b, base=a)  # refers to ../a.ckpt
+    client = s3_server.client()
+    for name, path in (("a.ckpt", a), ("b.ckpt", b)):
+        with open(path, "rb") as src:
+            client.put_object(Bucket=bucket, Key=name, Body=src.read())
+    top = f"s3://{bucket}/b.ckpt"
+    with pytest.raises(ckptfmt.CorruptError, match="leave the bucket") as caught:
+        CheckpointFile(top, storage_options=options)
+    assert top in str(caught.value) and os.path.basename(a) in str(caught.value)
+    with pytest.raises(ckptfmt.CorruptError, match="leave the bucket"):
+        ckptfmt.load(top, storage_options=options)
+    assert not ckptfmt.verify(top, storage_options=options).ok
+
+
+def test_external_names_fold_dot_dot_in_the_key_only():
+    from ckptfmt.format.index import External, folded_url
+
+    fid = b"\x01" * 16
+    azure = "abfss://c1@acct.dfs.core.windows.net/run/step-2/../step-1/x.ckpt"
+    assert External("../step-1/x.ckpt", fid, 128, azure).name == (
+        "abfss://c1@acct.dfs.core.windows.net/run/step-1/x.ckpt"
+    )
+    assert External("x.ckpt", fid, 128, "gs://b/x.ckpt").name == "gs://b/x.ckpt"
+    assert External("../x.ckpt", fid, 128, "/d/e/../x.ckpt").name == "/d/x.ckpt"
+    for leaving in ("s3://b/../x.ckpt", "s3://b/d/../../x.ckpt", "gs://b/.."):
+        assert folded_url(leaving) is None
+        assert External("../x.ckpt", fid, 128, leaving).name == leaving  # shown as it is
+
+
+def test_a_referenced_object_is_read_at_the_version_first_opened(s3_server, s3_bucket, monkeypatch):
+    """A reader that let go of a referenced object (it keeps few open) and opens it again reads
+    it at the version it first opened, or refuses it: an object replaced meanwhile is never
+    mixed into what the reader already read from it (the version an incremental save's check
+    keys its verdicts by is then the version of the bytes it checked)."""
+    from ckptfmt.files import incremental, reader
+
+    bucket, options = s3_bucket
+    a, b, c = (f"s3://{bucket}/pin/{n}.ckpt" for n in "abc")
+    x, y = torch.arange(1 << 16, dtype=torch.float32), torch.ones(1 << 16)
+    incremental.save({"x": x, "y": y, "z": torch.zeros(4)}, a, storage_options=options)
+    incremental.save({"x": x, "y": y * 2, "z": torch.zeros(4)}, b, base=a, storage_options=options)
+    incremental.save({"x": x, "y": y * 2, "z": torch.ones(4)}, c, base=b, storage_options=options)
+    monkeypatch.setattr(reader, "MAX_OPEN_EXTERNALS", 1)  # c's two referenced objects take turns
+    client = s3_server.client()
+    with ckptfmt.open(c, storage_options=options) as r:
+        assert torch.equal(r.get("x"), x)  # from a
+        assert torch.equal(r.get("y"), y * 2)  # from b: a is let go of
+        raw = bytearray(client.get_object(Bucket=bucket, Key="pin/a.ckpt")["Body"].read())
+        raw[100] ^= 1  # a replaced by a damaged copy of the same length and id
+        client.put_object(Bucket=bucket, Key="pin/a.ckpt", Body=bytes(raw))
+        with pytest.raises(ckptfmt.StorageError, match="replaced"):
+            r.get("x")

@@ -362,4 +362,6 @@ def _write_worker(
                 except BaseException:
                     pass  # discarded, not reused
     finally:
+        if options.dedup is not None:  # its base: not left open by a failure's traceback
+            options.dedup.close()
         inflight.close_then_settle(handle, lambda: atomic.__exit__(None, None, None), exc, replaced)

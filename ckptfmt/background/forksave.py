@@ -571,6 +571,8 @@ def _finish(
         os.close(ready)
         os.close(alive_w)
         child.close()
+        if options.dedup is not None:  # its base: not left open by a failure's traceback
+            options.dedup.close()
         try:
             inflight.close_then_settle(handle, lambda: atomic.__exit__(None, None, None), exc, replaced)
         finally:

@@ -66,7 +66,7 @@ def _consolidate_dcp(src: str, dst: str, args: argparse.Namespace) -> dict[str, 
 
 
 def _consolidate_file(src: str, dst: str, args: argparse.Namespace) -> dict[str, Any]:
-    from ..files.incremental import consolidate
+    from ..files.consolidate import consolidate
 
     require_ckptfmt(src)
     return dataclasses.asdict(

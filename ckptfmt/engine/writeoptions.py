@@ -66,6 +66,12 @@ class Dedup(Protocol):
         """The index record of chunk k (8 fields when local, 10 when external)."""
         ...
 
+    def close(self) -> None:
+        """Let go of what it holds open (the base it reads): called by every writer once its
+        save is over, committed or failed, before a failure is raised (its traceback may
+        be kept long after); idempotent."""
+        ...
+
 
 @dataclass(frozen=True)
 class WriteOptions:

@@ -12,10 +12,13 @@ Verdicts are kept for the life of the process by the identity of the file that h
 chunk (its location, file id and length; a local file's device, inode, modification and
 change times and size; an object's version where the reader knows it) and the record
 checked, so a run whose base does not change (frozen weights under LoRA) reads it once per
-process, not per save.  An object the base refers to is known by the version a HEAD names
-at each save: replaced since its check, its chunks are checked again.  A read that failed for
+process, not per save.  An object the base refers to is known by the version the base's
+reader opened it at (a request the reader makes anyway, before any chunk is referred to):
+replaced since its check, its chunks are checked again.  A read that failed for
 a reason other than the bytes (an I/O or store error) is tried again by the next save that
-can still write the chunk; a forked save's writer, which decides before the check, writes it.
+can still write the chunk; a forked save's writer, which decides before the check, writes it,
+and the save reads it again once RETRY_SECONDS have passed: a passing error does not cost
+a rewrite of the chunk at every save against a fixed base.
 
 The cost: the first incremental save in a process reads and decodes every base chunk it
 refers to (a resumed run on an object store downloads them once).
@@ -26,6 +29,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +42,9 @@ from .reader import CheckpointFile
 MAX_FILES = 64
 #: at most this many chunks remembered as unreadable
 MAX_UNREADABLE = 100_000
+#: seconds after a check could not read a chunk before it is read again for a forked save,
+#: whose writer, deciding before any check, writes the chunk meanwhile
+RETRY_SECONDS = 60.0
 #: raw bytes one check reads at a time (or the largest chunk, when larger)
 WINDOW_BYTES = 64 << 20
 
@@ -49,10 +56,14 @@ _Judged = tuple[int, ChunkRecord, bytes]
 _lock = threading.Lock()
 #: holder -> judged chunk -> None (sound) or why it is damaged
 _verdicts: OrderedDict[Holder, dict[_Judged, str | None]] = OrderedDict()
-#: chunks whose last check could not read them (a disk's or a store's failure, not the bytes):
-#: checked again by a save that can still write them, never referred to by a forked save's
-#: writer, which decides before they are checked (held_keys)
-_unreadable: set[tuple[Holder, _Judged]] = set()
+#: chunks whose last check could not read them (a disk's or a store's failure, not the bytes),
+#: with when they may be read again (time.monotonic): checked again by a save that can still
+#: write them; never referred to by a forked save's writer, which decides before they are
+#: checked (held_keys), but read again once due by a forked save that wrote them (retry)
+_unreadable: dict[tuple[Holder, _Judged], float] = {}
+#: chunks a save was told about (whether kept damaged): saves against one base (a fixed base=)
+#: write such a chunk again each time and warn once
+_reported: set[tuple[Holder, _Judged, bool]] = set()
 
 
 def _reset_in_child() -> None:
@@ -102,21 +113,15 @@ def base_holder(f: CheckpointFile) -> Holder:
 
 
 def referenced_holder(
-    location: str, file_id: bytes, length: int, remote: bool, options: dict[str, Any] | None = None
+    f: CheckpointFile, rel: str, location: str, file_id: bytes, length: int
 ) -> Holder | None:
-    """The identity of a file the base refers to, at `location` (a path or URL; an object is
-    known by the version a HEAD names now: one request); None for a file that cannot be looked
-    at, or an object of another length (its chunks are then not referred to)."""
-    if remote:
-        from ..storage.client import check_options
-        from ..storage.download import head
-        from ..storage.urls import parse_url
-
-        try:
-            size, version = head(parse_url(location), check_options(options or {}))
-        except OSError:
-            return None
-        return (location, file_id, length, version) if size == length else None
+    """The identity of the file that reference `rel` of the open base `f` names, at `location`
+    (a path or URL): an object by the version `f`'s reader opened it at (no request of its
+    own; the reader reads it at that version only); None for a file that cannot be looked at
+    or an object not opened (its chunks are then not referred to)."""
+    if f.remote:
+        version = f.reference_version(rel)
+        return None if version is None else (location, file_id, length, version)
     try:
         stamp = _local_stamp(os.stat(location))
     except OSError:
@@ -132,6 +137,32 @@ def known_damaged(pick: Pick) -> bool:
         if (pick.holder, pick.judged) in _unreadable:
             return True
         return verdicts is not None and verdicts.get(pick.judged) is not None
+
+
+def retry(f: CheckpointFile, picks: list[Pick]) -> dict[int, Damage]:
+    """Check again, through the open base `f`, those of `picks` whose last check could not read
+    them and RETRY_SECONDS have passed since (a forked save wrote them meanwhile): a chunk
+    that reads now can be referred to by the next save.  The damaged ones, as check()."""
+    now = time.monotonic()
+    with _lock:
+        due = [p for p in picks if _unreadable.get((p.holder, p.judged), now + 1) <= now]
+    try:
+        return check(f, due) if due else {}
+    except OSError:  # no memory to read them into: tried again by a later save
+        return {}
+
+
+def first_report(pick: Pick, damage: Damage) -> bool:
+    """Whether `damage` of `pick` is news to this process: true once per chunk and kind of
+    damage (a chunk that could not be read and reads again is news when it fails again)."""
+    key = (pick.holder, pick.judged, damage.kept)
+    with _lock:
+        if key in _reported:
+            return False
+        if len(_reported) >= MAX_UNREADABLE:
+            _reported.clear()  # bounded: forgetting one only warns about it again
+        _reported.add(key)
+        return True
 
 
 def check(f: CheckpointFile, picks: list[Pick]) -> dict[int, Damage]:
@@ -188,8 +219,9 @@ def _halving(
     try:
         f.read_into(items, True, check_only=True)
     except OSError as e:  # not the bytes (a store's or the disk's failure): not kept
+        again = time.monotonic() + RETRY_SECONDS
         with _lock:
-            _unreadable.update((p.holder, p.judged) for p in group)
+            _unreadable.update(((p.holder, p.judged), again) for p in group)
             if len(_unreadable) > MAX_UNREADABLE:
                 _unreadable.clear()  # forgetting one only makes a forked save check it again
         for p in group:
@@ -210,7 +242,8 @@ def _halving(
 def _keep(group: list[Pick], reason: str | None) -> None:
     with _lock:
         for p in group:
-            _unreadable.discard((p.holder, p.judged))
+            _unreadable.pop((p.holder, p.judged), None)
+            _reported.discard((p.holder, p.judged, False))
             if reason is None and p.holder[3] is None:
                 continue  # an object known by no version: replaced, its bytes would pass for these
             verdicts = _verdicts.setdefault(p.holder, {})

@@ -26,24 +26,17 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ..background import inflight
 from ..background.inflight import SaveHandle
-from ..engine import bytesview, chunkwrite, hostmem
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
-from ..engine.commit import AtomicFile
-from ..engine.writeoptions import ChunkRecord, WriteOptions
+from ..engine.writeoptions import ChunkRecord
 from ..errors import CheckpointError, CheckpointWarning, CorruptError, UnsupportedError
 from ..fileio import is_url, open_regular, pread_exact
-from ..format import dtypes
 from ..format import layout as fmt
-from ..format.encode import Encoded, StoragePlan
 from ..storage import references
 from ..storage.client import check_options
 from ..storage.download import RemoteObject
-from ..storage.upload import ObjectFile
 from ..storage.urls import parse_url
 from . import basecheck, encryption
 from . import save as writer
@@ -51,10 +44,6 @@ from .encryption import save_and_read_keys
 from .reader import CheckpointFile
 
 log = logging.getLogger("ckptfmt")
-
-#: raw bytes consolidate() reads (verified) and writes per step
-_CONSOLIDATE_WINDOW = 64 << 20
-
 
 #: The checkpoint manager writes chunks smaller than this again.  Referring to one saves
 #: next to nothing, and would keep a whole earlier file alive (rotation never deletes a
@@ -171,6 +160,8 @@ class ContentIndex:
         self.refs: dict[int, tuple[int, int]] = {}  # chunk -> (externals entry, chunk number there)
         self.base_chunk_size: int | None = None
         self._keys: list[tuple[int, bytes]] = []  # held_keys(), as a forked writer was given them
+        #: what held_keys() kept from the writer: (held, digest) by base chunk
+        self._withheld: dict[int, tuple[_Held, bytes]] = {}
         #: the base, open while chunks may be referred to: their stored bytes are checked
         #: through it before the first reference (files/basecheck.py)
         self._base: CheckpointFile | None = None
@@ -259,20 +250,20 @@ class ContentIndex:
         own = self._add_file(rel, f.prologue.file_id, f.prologue.file_length, basecheck.base_holder(f))
         # base's referenced files: usable only where they still are the recorded
         # files and can be referred to from the new file's directory
-        theirs: dict[int, int] = {}
-        for e, ext in enumerate(f.externals):
-            where = _referenced_path(f, ext.rel)
-            ref = _reference_path(target, where)
-            who = basecheck.referenced_holder(where, ext.file_id, ext.length, f.remote, self.storage_options)
-            if ref is not None and who is not None:
-                theirs[e] = self._add_file(ref, ext.file_id, ext.length, who)
+        reachable = {
+            e: _reference_path(target, _referenced_path(f, ext.rel)) for e, ext in enumerate(f.externals)
+        }
+        theirs: dict[int, int | None] = {}  # external -> candidate file (None: not referred to)
         for k, ch in enumerate(f.chunks):
             record = (ch.offset, ch.stored_len, ch.raw_len, ch.codec, ch.filter, ch.width, ch.checksum)
             if ch.source < 0:
                 self.held.setdefault((ch.raw_len, ch.digest), _Held(own, k, record, k))
-            elif ch.source in theirs and f.external_problem(k) is None:
-                held = _Held(theirs[ch.source], ch.number, record, k)
-                self.held.setdefault((ch.raw_len, ch.digest), held)
+            elif reachable[ch.source] is not None and f.external_problem(k) is None:  # opens its file
+                if ch.source not in theirs:  # known once opened: an object's version
+                    theirs[ch.source] = self._add_referenced(f, ch.source, reachable[ch.source])
+                if (candidate := theirs[ch.source]) is not None:
+                    held = _Held(candidate, ch.number, record, k)
+                    self.held.setdefault((ch.raw_len, ch.digest), held)
 
     def _open_beneath(self, target: str, base: str) -> tuple[int, CheckpointDir] | None:
         """The local base opened beneath `within` by its reference path from `target` (each
@@ -290,6 +281,15 @@ class ContentIndex:
         except BaseException:
             holder.close()
             raise
+
+    def _add_referenced(self, f: CheckpointFile, e: int, rel: str | None) -> int | None:
+        """The candidate file for external `e` of the open base `f`, which its reader has
+        opened, reached from the new file by `rel`; None where it cannot be referred to."""
+        ext = f.externals[e]
+        who = basecheck.referenced_holder(f, ext.rel, _referenced_path(f, ext.rel), ext.file_id, ext.length)
+        if rel is None or who is None:
+            return None
+        return self._add_file(rel, ext.file_id, ext.length, who)
 
     def _add_file(self, rel: str, file_id: bytes, length: int, holder: basecheck.Holder) -> int:
         self.files.append(_Candidate(rel, file_id, length, holder))
@@ -312,6 +312,20 @@ class ContentIndex:
         if held.file == 0:
             return f"{own} (offset {rec[0]})"
         return f"{own} (chunk {held.number} at offset {rec[0]} of {self.files[held.file].holder[0]})"
+
+    def _warn(self, damaged: dict[int, basecheck.Damage], found: dict[int, tuple[_Held, bytes]]) -> None:
+        """A warning for each damaged chunk of `found` (by base chunk) this process has not
+        warned about: saves against one damaged base say it once, not at every save."""
+        for chunk, why in damaged.items():
+            held, digest = found[chunk]
+            if basecheck.first_report(self._pick(held, digest), why):
+                # the save heals itself: these bytes are written here, as the process holds them
+                log.warning(
+                    "%s: %s fails its check (%s); written again instead of referred to",
+                    self._target,
+                    self._where(held),
+                    why.reason,
+                )
 
     # -- writer.Dedup ---------------------------------------------------------
 
@@ -340,14 +354,7 @@ class ContentIndex:
             for view, digest in zip(views, digests)
         ]
         damaged = self._damaged([(h, d) for h, d in zip(found, digests) if h is not None])
-        for h in {h.chunk: h for h in found if h is not None and h.chunk in damaged}.values():
-            # the save heals itself: these bytes are written here, as the process holds them
-            log.warning(
-                "%s: %s fails its check (%s); written again instead of referred to",
-                self._target,
-                self._where(h),
-                damaged[h.chunk].reason,
-            )
+        self._warn(damaged, {h.chunk: (h, d) for h, d in zip(found, digests) if h is not None})
         out: list[ChunkRecord | None] = []
         for i, held in enumerate(found):
             if (
@@ -368,13 +375,15 @@ class ContentIndex:
         # as it goes instead); short chunks are written, as classify writes them
         # a chunk found damaged before in this process is written (no read here: the
         # others are checked once the writer says which it refers to, in adopt)
-        self._keys = sorted(
+        referable = [
             key
             for key, held in self.held.items()
-            if key[0] >= self.min_reference_bytes
-            and held.file < fmt.Limits.MAX_EXTERNALS
-            and not basecheck.known_damaged(self._pick(held, key[1]))
-        )
+            if key[0] >= self.min_reference_bytes and held.file < fmt.Limits.MAX_EXTERNALS
+        ]
+        known = {key for key in referable if basecheck.known_damaged(self._pick(self.held[key], key[1]))}
+        self._keys = sorted(key for key in referable if key not in known)
+        # those are written; the ones that could not be read are read again in adopt once due
+        self._withheld = {self.held[key].chunk: (self.held[key], key[1]) for key in known}
         return self._keys
 
     def adopt(self, digests: list[bytes], matches: list[int]) -> list[ChunkRecord | None]:
@@ -384,6 +393,9 @@ class ContentIndex:
             (self.held[self._keys[m]], digest) if m >= 0 else None for digest, m in zip(digests, matches)
         ]
         damaged = self._damaged([f for f in found if f is not None])
+        if self._base is not None and self._withheld:  # written here: a read now informs the next save
+            again = basecheck.retry(self._base, [self._pick(h, d) for h, d in self._withheld.values()])
+            self._warn(again, self._withheld)
         if damaged:  # the writer left these chunks unwritten: this file cannot be made whole
             held = next(f[0] for f in found if f is not None and f[0].chunk in damaged)
             why = damaged[held.chunk]
@@ -406,10 +418,14 @@ class ContentIndex:
         return out
 
     def externals(self) -> list[list[Any]]:
-        if self._base is not None:  # asked for last, once every chunk is placed
-            self._base.close()
+        self.close()  # asked for last, once every chunk is placed
         order = sorted(self.entries, key=self.entries.__getitem__)
         return [[self.files[f].rel, self.files[f].file_id.hex(), self.files[f].length] for f in order]
+
+    def close(self) -> None:
+        base, self._base = self._base, None
+        if base is not None:
+            base.close()
 
     def record(self, k: int, rec: ChunkRecord) -> list[Any]:
         o, s, r, c, f, w, h = rec
@@ -576,9 +592,13 @@ def save_checked(
     if base_chunks and index.base_chunk_size is not None and not os.environ.get("CKPTFMT_CHUNK_SIZE"):
         write = dataclasses.replace(write, chunk_size=writer.check_chunk_size(index.base_chunk_size))
     options = dataclasses.replace(options, write=write)
-    result: SaveHandle | None = writer.write_state(
-        state, target, options, within=within, create_only=create_only
-    )
+    try:
+        result: SaveHandle | None = writer.write_state(
+            state, target, options, within=within, create_only=create_only
+        )
+    except BaseException:
+        index.close()  # not left to the error's traceback, which holds this frame
+        raise
     return result
 
 
@@ -588,100 +608,3 @@ def referenced_files(path: str | os.PathLike[str], *, decrypt_with: Any = None) 
     inflight.wait_for_path(path)
     with CheckpointFile(path, decrypt_with=decrypt_with) as f:
         return [os.path.abspath(ext.path) for ext in f.externals]
-
-
-@dataclass(frozen=True)
-class ConsolidateReport:
-    chunks: int  # chunks in the copy
-    external_chunks: int  # of those, read from referenced files
-    referenced_files: int
-    file_bytes: int
-
-
-def _storage_widths(f: CheckpointFile) -> list[int]:
-    """The shuffle width of each storage: that of the first tensor or array using it."""
-    widths = [0] * len(f.storages)
-    for node in f.tree.nodes:
-        if node[0] == "tensor" and not widths[node[1]["storage"]]:
-            widths[node[1]["storage"]] = dtypes.torch_shuffle_width(node[1]["dtype"])
-        elif node[0] == "ndarray" and not widths[node[1]["storage"]]:
-            dt = dtypes.numpy_dtype(node[1]["dtype"])
-            widths[node[1]["storage"]] = 1 if dt is None else dtypes.numpy_shuffle_width(dt)
-    return widths
-
-
-def consolidate(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    *,
-    compression: str | None = None,
-    level: int | None = None,
-    decrypt_with: Any = None,
-    encrypt_with: Any = None,
-    storage_options: dict[str, Any] | None = None,
-) -> ConsolidateReport:
-    """Write a self-contained copy of `src` at `dst`: every chunk local, no feature bit 0.
-
-    The copy has the same object tree, storages (with their device tags), metadata and
-    chunk size.  Chunks are read and verified (checksums and digests, in the files they
-    lie in) a window at a time, so memory stays bounded whatever the state's size.  Either
-    may be an object-store URL (``storage_options``: the client's settings): the source is
-    read by ranged GETs, the copy streamed into a multipart upload as it is written.
-    `decrypt_with`: the key of an encrypted `src` (its referenced files are unwrapped by the
-    same key); `encrypt_with`: the copy is encrypted under this key (default `decrypt_with`:
-    an encrypted checkpoint stays encrypted; a key service's unwrapping callable cannot
-    encrypt, so pass its wrapping one).
-    """
-    writer.check_save_args(compression, level, None)
-    if encrypt_with is None and decrypt_with is not None and not callable(decrypt_with):
-        encrypt_with = decrypt_with
-    seal = encryption.sealer(encrypt_with)
-    source, target = os.fspath(src), os.fspath(dst)
-    options = check_options(storage_options)
-    inflight.wait_for_path(source)
-    inflight.wait_for_path(target)
-    if source == target or (os.path.exists(target) and os.path.samefile(source, target)):
-        raise ValueError(f"{target}: consolidate writes a new file; it cannot replace the file it reads")
-    with CheckpointFile(
-        source, decrypt_with=decrypt_with, storage_options=options if is_url(source) else None
-    ) as f:
-        widths = _storage_widths(f)
-        # the index of the copy: the same tree and storages (their bytes come from the file)
-        encoded = Encoded(
-            nodes=f.tree.nodes,
-            storages=[
-                StoragePlan(r.nbytes, r.device, widths[i], np.empty(0), r.key)
-                for i, r in enumerate(f.storages)
-            ],
-            devices=list(f.source_devices),
-        )
-        buf = hostmem.empty_bytes(max(_CONSOLIDATE_WINDOW, f.chunk_size))
-        view = bytesview.tensor_bytes(buf)
-        chunk_width = [widths[sid] for sid, r in enumerate(f.storages) for _ in range(r.n_chunks)]
-        to_store = is_url(target)
-        output: Any = (
-            ObjectFile(target, options, writer.object_capacity(encoded, f.chunk_size))
-            if to_store
-            else AtomicFile(target)
-        )
-        with output as out:
-            file_id = chunkwrite.new_file_id()
-            # the copy keeps the source's chunk size and metadata
-            write = WriteOptions(compression, level, f.chunk_size, f.metadata, seal=seal)
-            cw = chunkwrite.ChunkWriter(out.fd, file_id, write, path=target)
-            k = 0
-            while k < len(f.chunks):
-                items: list[tuple[int, memoryview]] = []
-                pos = 0
-                while k < len(f.chunks) and (not items or pos + f.chunks[k].raw_len <= len(view)):
-                    items.append((k, view[pos : pos + f.chunks[k].raw_len]))
-                    pos += f.chunks[k].raw_len
-                    k += 1
-                f.read_into(items, True)
-                cw.write([(dest, chunk_width[kk]) for kk, dest in items])
-                if to_store:  # the parts written so far go up while the next window is read
-                    out.written(cw.pos)
-            length = cw.finish(encoded)
-            out.commit()
-        external = sum(1 for ch in f.chunks if ch.source >= 0)
-        return ConsolidateReport(len(f.chunks), external, len(f.externals), length)

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from ..format import devices
     from ..format.encryption import Opener
     from ..storage.download import RemoteObject
+    from ..storage.references import ObjectReferences
 
 __all__ = [
     "MAX_OPEN_EXTERNALS",
@@ -236,10 +237,12 @@ class CheckpointFile:
         #: what the index may take while it is parsed and held (an upper bound)
         self.index_memory = index.memory
         base: References | None = within.dup() if within is not None else None
+        #: the objects this one refers to (on a store), which know the versions they are read at
+        self._objects: ObjectReferences | None = None
         if remote is not None:  # references are objects beside it (an incremental run's steps)
             from ..storage.references import ObjectReferences
 
-            base = ObjectReferences(self.path.rsplit("/", 1)[0], options, reference_etags)
+            base = self._objects = ObjectReferences(self.path.rsplit("/", 1)[0], options, reference_etags)
         self._chunk_reader = ChunkReader(fd, self.path, index, MAX_OPEN_EXTERNALS, base)
         self._chunk_reader.remote = remote
         #: an object-store URL: bytes are fetched as read; nothing can be memory-mapped
@@ -298,6 +301,12 @@ class CheckpointFile:
     def external_problem(self, k: int) -> Exception | None:
         """Why external chunk k cannot be read, or None: ChunkReader.external_problem."""
         return self._chunk_reader.external_problem(k)
+
+    def reference_version(self, rel: str) -> str | None:
+        """The version (ETag, generation) the object that reference `rel` names is read at,
+        once this file opened it (external_problem or a read opens it); None before, or for
+        a local file."""
+        return None if self._objects is None else self._objects.version_of(rel)
 
     def external_problems(self) -> list[CheckpointError]:
         """Every referenced file that cannot be used: ChunkReader.external_problems."""

@@ -32,6 +32,7 @@ import bisect
 import functools
 import hashlib
 import os
+import posixpath
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,9 +74,23 @@ class External(Frozen):
 
     @property
     def name(self) -> str:
-        """The path as messages show it (".." resolved by name; a URL as it is: normpath would
-        fold its "//")."""
-        return self.path if is_url(self.path) else os.path.normpath(self.path)
+        """The path as messages show it, ".." resolved by name: in a URL, in its key alone
+        (normpath would fold its "//"); a URL whose ".." would leave its bucket, as it is."""
+        if is_url(self.path):
+            return folded_url(self.path) or self.path
+        return os.path.normpath(self.path)
+
+
+def folded_url(url: str) -> str | None:
+    """`url` (scheme://bucket/key) with "." and ".." segments folded in its key, as a store's
+    reader resolves a reference (storage/references.py); None where ".." would leave the
+    bucket (a reference that is refused)."""
+    head, sep, rest = url.partition("://")
+    bucket, slash, key = rest.partition("/")
+    folded = posixpath.normpath(key) if key else ""
+    if folded in (".", "..") or folded.startswith(("../", "/")):
+        return None
+    return f"{head}{sep}{bucket}{slash}{folded}"
 
 
 def _placed(ch: Chunk, pad: int, source: int = -1, number: int = -1) -> Chunk:
@@ -478,7 +493,10 @@ class _IndexParser:
                 raise c.fail(f"external {e} repeats a path or file id (or names this file itself)")
             seen_paths.add(rel)
             seen_ids.add(fid)
-            out.append(External(rel, fid, length, os.path.join(here, rel)))
+            path = os.path.join(here, rel)
+            if is_url(path) and folded_url(path) is None:  # no other bucket, no other store
+                raise c.fail(f"external {e} has the path {rel!r}, which would leave the bucket")
+            out.append(External(rel, fid, length, path))
         return out
 
     def _parse_chunks(self, c: validate.Check, raw: object) -> list[Chunk]:

@@ -8,7 +8,9 @@ are pinned to the ETag it had when opened; the chunk reader asks for that object
 to bring chunk bytes in before it reads them.  Of its own structure only what the chunk
 reader checks is fetched (its prologue, footer and tag table): never its index, which the
 referencing file's index stands in for, so a referenced object's claims about its index
-cost nothing to read.
+cost nothing to read.  The version an object is first opened at is the one it is read at
+for as long as the referencing file is open (an object replaced meanwhile is refused, not
+mixed in), and callers may ask for it (`version_of`) without a request of their own.
 """
 
 from __future__ import annotations
@@ -41,13 +43,19 @@ class ObjectReferences:
         self.url = parse_url(prefix, need_key=False)
         self.options = options
         self.etags = etags or {}
+        #: the version each object was first opened at (by reference path): opened again
+        #: (closed to keep few open), it is read at that version or refused
+        self._versions: dict[str, str] = {}
         self._objects: dict[int, RemoteObject] = {}  # by the descriptor handed out
 
     def open_ref(self, rel: str) -> int:
         """A descriptor of the spool of the object `rel` names (FileNotFoundError when there
         is none); its bytes come in through fetcher_of(descriptor)."""
         remote = RemoteObject(
-            str(resolve(self.url, rel)), self.options, etag=self.etags.get(rel), fetch_index=False
+            str(resolve(self.url, rel)),
+            self.options,
+            etag=self.etags.get(rel) or self._versions.get(rel),
+            fetch_index=False,
         )
         try:
             remote.fetch_structure(tag_table=True)
@@ -55,8 +63,13 @@ class ObjectReferences:
         except BaseException:
             remote.close()
             raise
+        self._versions.setdefault(rel, remote.etag)
         self._objects[fd] = remote
         return fd
+
+    def version_of(self, rel: str) -> str | None:
+        """The version the object `rel` names is read at, once it was opened (else None)."""
+        return self._versions.get(rel)
 
     def fetcher_of(self, fd: int) -> RemoteObject | None:
         return self._objects.get(fd)
