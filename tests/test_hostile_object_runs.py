@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -93,6 +94,16 @@ def _open_fds() -> int:
     return n
 
 
+def _fds_settle_to(most: int, within: float = 20.0) -> bool:
+    """Whether this process's descriptors (as _open_fds) come down to `most` within `within` s."""
+    deadline = time.monotonic() + within
+    while _open_fds() > most:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
 def test_a_reader_holds_a_bounded_number_of_referenced_objects_open(s3_bucket, monkeypatch):
     # file k reads tensor j < k from file j: the last one reads from every earlier object, and
@@ -114,8 +125,9 @@ def test_a_reader_holds_a_bounded_number_of_referenced_objects_open(s3_bucket, m
         assert len(f.externals) == n - 1
         assert f.external_problems() == []
         assert list(f.iter_chunk_problems()) == []
-        # two referenced objects open: a descriptor, a spool and its mapping each (7 before)
-        assert _open_fds() - opened <= 2 * 3
+        # two referenced objects open: a descriptor, a spool and its mapping each (7 before); an
+        # evicted object's spool is closed on a thread of its own, which a loaded machine runs late
+        assert _fds_settle_to(opened + 2 * 3)
     for t in threading.enumerate():  # each spool's mapping (a descriptor) is closed on this thread
         if t.name.startswith("ckptfmt-free-spool"):
             t.join(30)
