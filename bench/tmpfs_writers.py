@@ -8,6 +8,12 @@ under --folder, fsyncs and closes it, then the file is removed:
 * write x2: two threads, each pwriting its half (tmpfs takes the inode's lock per write)
 * mapped x2: the file sized with ftruncate, mapped shared, each of two threads copying its half
   in (page faults on two cores, no inode lock; each page is zeroed by the fault, then filled)
+* 2M pages x1: the file given 2 MiB pages first (ckptfmt's engine, `native.huge_file`:
+  MADV_COLLAPSE of each region), then one thread's pwrite, which then only copies
+* 2M pages x1, reused: the same after an untimed one in the same process whose file was
+  removed just before: the 2 MiB blocks it freed are taken again, as on a host that keeps
+  every free block backed (a VM whose balloon reports free 2 MiB blocks to the host makes the
+  first way fault them in from the host)
 
 A fresh process per way and round (so no way inherits another's freed pages), the ways rotated
 round by round; medians of wall and CPU seconds, and GB/s.  If two writers are no faster than
@@ -35,7 +41,7 @@ sys.path.insert(0, HERE)
 from common import parse_size, rotated  # noqa: E402
 
 PIECE = 8 << 20
-WAYS = ["write x1", "write x2", "mapped x2"]
+WAYS = ["write x1", "write x2", "mapped x2", "2M pages x1", "2M pages x1, reused"]
 
 
 def _pwrite_range(fd: int, data: memoryview, lo: int, hi: int) -> None:
@@ -62,11 +68,20 @@ def one_way(way: str, size: int, folder: str) -> dict[str, float]:
 
     source = np.ones(size, dtype=np.uint8)  # touched: its pages are not the way's cost
     data = memoryview(source.data).cast("B")
+    if way.startswith("2M"):
+        from ckptfmt.engine import native  # imported before the clock
+
+    if way.endswith(", reused"):
+        one_way(way.removesuffix(", reused"), size, folder)  # its file removed: blocks freed
+        way = way.removesuffix(", reused")
     path = os.path.join(folder, f"tmpfs-writers-{os.getpid()}.bin")
     cpu0, t0 = time.process_time(), time.perf_counter()
     fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
     try:
         if way == "write x1":
+            _pwrite_range(fd, data, 0, size)
+        elif way == "2M pages x1":
+            native.huge_file(fd, size)
             _pwrite_range(fd, data, 0, size)
         elif way == "write x2":
             _in_threads(lambda lo, hi: _pwrite_range(fd, data, lo, hi), _halves(size))
@@ -112,7 +127,7 @@ def main() -> None:
     for way, samples in runs.items():
         wall = statistics.median(s["wall_s"] for s in samples)
         cpu = statistics.median(s["cpu_s"] for s in samples)
-        print(f"  {way:10s} wall {wall:.3f} s  CPU {cpu:.3f} s  {size / wall / 1e9:.2f} GB/s")
+        print(f"  {way:20s} wall {wall:.3f} s  CPU {cpu:.3f} s  {size / wall / 1e9:.2f} GB/s")
 
 
 if __name__ == "__main__":

@@ -127,6 +127,13 @@ int ckf_check_mapped(const uint8_t *map, uint64_t map_len, const uint8_t *file_i
  * fresh memory [p, p+len) before it is first touched; 0, or the errno of madvise. */
 int ckf_advise_huge(uint8_t *p, uint64_t len);
 
+/* Give a new, empty file on a shared-memory filesystem (tmpfs) 2 MiB pages for its
+ * 2 MiB-aligned interior below `end` (MADV_COLLAPSE), before it is written: the file is
+ * sized to `end` and each region gets one zero byte (the bytes of [0, end) are all
+ * written later or zero).  *regions counts the 2 MiB regions collapsed; 0, or the errno
+ * of the step that failed (the regions before it stay huge, the rest keep small pages). */
+int ckf_huge_file(int fd, uint64_t end, uint64_t *regions);
+
 /* Encode, checksum and pwrite chunks [0, n) as chunks number first_index.. of
  * the file, the first at first_offset (a multiple of 64), each next one at the
  * 64-aligned end of the previous.  compress: 0 raw, 1 zstd at `level`.  On

@@ -17,6 +17,7 @@ This module knows nothing of temp files or saves in flight: the blocking save
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.metadata
 import json
@@ -34,6 +35,7 @@ from ..errors import LimitError
 from ..format import encryption, signing
 from ..format import layout as fmt
 from ..format.timestamps import format_utc, utc_at, utc_now
+from . import hostmem
 from . import native as _native
 from .filesystems import filesystem_type, is_memfd
 from .writeoptions import ChunkRecord, Signer, WriteOptions
@@ -275,11 +277,54 @@ def write_threads(fd: int, options: WriteOptions) -> int:
     (docs/object-stores.md, "Where a save's time goes"), CPU its upload threads and a local
     store server then wait for."""
     threads = _native.default_threads()
-    plain = options.compression is None and options.seal is None and options.sign is None
-    if threads == 1 or not plain or _native.threads_set():
+    if threads == 1 or not _plain(options) or _native.threads_set():
         return threads
     one_writer = filesystem_type(fd) in ONE_WRITER_FILESYSTEMS or is_memfd(fd)
     return 1 if one_writer else threads
+
+
+def _plain(options: WriteOptions) -> bool:
+    """Whether chunks are stored as they are: no compression, encryption or signature."""
+    return options.compression is None and options.seal is None and options.sign is None
+
+
+def chunks_end(encoded: Encoded, chunk_size: int) -> int:
+    """Where the index of a file whose chunks are all stored raw begins: the end of its chunks."""
+    end = fmt.PROLOGUE_SIZE
+    for plan in encoded.storages:
+        whole, rest = divmod(plan.nbytes, chunk_size)
+        end += whole * fmt.align_up(chunk_size) + (fmt.align_up(rest) if rest else 0)
+    return end
+
+
+def huge_pages_for(fd: int, encoded: Encoded, options: WriteOptions, engine: str) -> int:
+    """Give a new file on tmpfs 2 MiB pages for its chunks before they are written, where
+    hostmem.wants_huge_file says so: the 2 MiB regions collapsed (0 where none).
+
+    Where the mount gives none, a tmpfs write allocates, charges and adds to the page cache
+    each 4 KiB page under the file's lock, for safetensors and dd too; into 2 MiB pages a
+    write only copies (bench/README.md, "Durable saves").  Only plain raw chunks (the end of
+    the chunks known before any is written, one writer thread) and no memfd (an upload's
+    spool is sparse and sent part by part)."""
+    if engine != "c" or not _plain(options) or options.dedup is not None:
+        return 0
+    if filesystem_type(fd) != "tmpfs" or is_memfd(fd):
+        return 0
+    end = chunks_end(encoded, options.chunk_size)
+    if not hostmem.wants_huge_file(end):
+        return 0
+    global _kernel_collapses
+    if not _kernel_collapses:
+        return 0
+    regions, err = _native.huge_file(fd, end)  # what was refused keeps small pages: same bytes
+    if err == errno.EINVAL:  # no MADV_COLLAPSE for tmpfs (before Linux 6.1, THP `deny`): not again
+        _kernel_collapses = False
+    return regions
+
+
+#: False once the kernel refused MADV_COLLAPSE on a tmpfs file as unsupported (its answer for
+#: this process; a forked child's kernel is the same)
+_kernel_collapses = True
 
 
 class ChunkWriter:
@@ -418,6 +463,7 @@ def build_file(
     out = ChunkWriter(
         fd, new_file_id(), options, engine=engine, threads=threads, path=path, on_written=on_written
     )
+    huge_pages_for(fd, encoded, options, out.engine)
     for pieces in _batches(encoded, size, batch_bytes):
         out.write(pieces)
     return out.finish(encoded)

@@ -533,6 +533,16 @@ def advise_huge(t: Any) -> None:
         lib.ckf_advise_huge(ffi.cast("uint8_t *", t.data_ptr()), t.numel() * t.element_size())
 
 
+def huge_file(fd: int, end: int) -> tuple[int, int]:
+    """Give the new, empty file open at `fd` (on tmpfs) 2 MiB pages below `end` before it is
+    written (csrc/memory.c ckf_huge_file): (regions collapsed, 0 or the errno that stopped it).
+    The regions it could not collapse keep small pages; the file's bytes are the same either way."""
+    assert lib is not None and ffi is not None
+    regions = ffi.new("uint64_t *")
+    err = lib.ckf_huge_file(fd, end, regions)
+    return int(regions[0]), int(err)
+
+
 def content_digests(views: list[Any], threads: int) -> list[bytes]:
     """XXH3-128 content digests (canonical 16 bytes) of byte views, in parallel without the GIL."""
     assert lib is not None and ffi is not None
@@ -579,6 +589,7 @@ __all__ = [
     "content_digests",
     "copy",
     "default_threads",
+    "huge_file",
     "versions",
     "write_chunks",
     "zstd_compress",
