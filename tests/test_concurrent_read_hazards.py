@@ -5,6 +5,7 @@ and a read whose windows fail to start.  Real moto server; every read compared b
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import ckptfmt
+from ckptfmt.format.layout import PROLOGUE_SIZE
 from ckptfmt.storage.download import RemoteObject
 
 MiB = 1 << 20
@@ -77,6 +79,105 @@ def test_gets_at_once_of_an_object_whose_chunks_lie_in_many_others(
                         elif not torch.equal(t, tensors[k]):
                             bad.append(f"{k}: {int((t == 0).sum())} zeros")
     assert not bad, f"{len(bad)} bad gets, e.g. {bad[:5]}"
+
+
+def _chained(bucket: str, options: dict[str, Any], name: str) -> tuple[str, dict[str, torch.Tensor]]:
+    """Eight chained incremental objects, tensor j's bytes in object j: the last one's URL and
+    its state."""
+    from ckptfmt.files import incremental
+
+    g = torch.Generator().manual_seed(9)
+    tensors = {f"t{j}": torch.randn(70_000, generator=g) for j in range(8)}
+    base = None
+    for k in range(8):
+        state = dict(tensors, **{f"t{k}": tensors[f"t{k}"] + 100})
+        url = f"s3://{bucket}/{name}/f{k}/state.ckpt"
+        incremental.save(state, url, base=base, min_reference_bytes=1024, storage_options=options)
+        tensors, base = state, url
+    assert base is not None
+    return base, tensors
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_gets_at_once_with_one_referenced_object_open(
+    s3_bucket: Any, monkeypatch: pytest.MonkeyPatch, verify: bool
+) -> None:
+    """One referenced object kept open, six threads getting every key at once: each read holds
+    the object it reads from (never let go of under it, never opened twice at once), so every
+    get is bit for bit; once the gets are over no read holds any and one is open, and the
+    descriptors are back to what they were once the reader is closed."""
+    from ckptfmt.files import reader
+
+    monkeypatch.setattr(reader, "MAX_OPEN_EXTERNALS", 1)
+    bucket, options = s3_bucket
+    url, tensors = _chained(bucket, options, "one-open")
+    keys = list(tensors)
+    bad: list[str] = []
+    fds = len(os.listdir("/proc/self/fd"))
+    with ckptfmt.open(url, storage_options=options) as r:
+        chunks = r._file.chunk_reader
+        for rnd in range(2):
+            rng = random.Random(rnd)
+            plans = [rng.sample(keys, len(keys)) for _ in range(6)]
+            gate = threading.Barrier(6)
+
+            def read(plan: list[str], gate: threading.Barrier = gate) -> list[tuple[str, object]]:
+                gate.wait(30)
+                out: list[tuple[str, object]] = []
+                for k in plan:
+                    try:
+                        out.append((k, r.get(k, verify=verify)))
+                    except Exception as e:  # noqa: BLE001 - every failure is reported below
+                        out.append((k, e))
+                return out
+
+            with ThreadPoolExecutor(6) as pool:
+                for got in pool.map(read, plans, timeout=300):
+                    for k, t in got:
+                        if not isinstance(t, torch.Tensor):
+                            bad.append(f"{k}: {t!r}"[:200])
+                        elif not torch.equal(t, tensors[k]):
+                            bad.append(f"{k}: {int((t == 0).sum())} zeros")
+            assert not +chunks._pins, dict(chunks._pins)
+            assert len(chunks._ext_open) <= 1
+    assert not bad, f"{len(bad)} bad gets, e.g. {bad[:5]}"
+    for t in threading.enumerate():  # each spool's mapping (a descriptor) is closed on this thread
+        if t.name.startswith("ckptfmt-free-spool"):
+            t.join(30)
+    assert len(os.listdir("/proc/self/fd")) <= fds
+
+
+def test_gets_of_different_referenced_objects_run_together(
+    s3_bucket: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get whose fetch from one referenced object is held up does not hold up a get that
+    reads from another: reads of an incremental object run at once, not in turn."""
+    from ckptfmt.storage import download
+
+    bucket, options = s3_bucket
+    url, tensors = _chained(bucket, options, "together")
+    release = threading.Event()
+    held = threading.Event()
+    get_range = RemoteObject._get_range
+
+    def held_up(self: RemoteObject, lo: int, hi: int, *args: Any, **kwargs: Any) -> None:
+        # f0's chunk bytes (not its prologue or tail, fetched as it is opened) wait for the test
+        if "/f0/" in self.path and PROLOGUE_SIZE < hi and lo < self.size - download.TAIL_BYTES:
+            held.set()
+            release.wait(60)
+        get_range(self, lo, hi, *args, **kwargs)
+
+    monkeypatch.setattr(RemoteObject, "_get_range", held_up)
+    with ckptfmt.open(url, storage_options=options) as r, ThreadPoolExecutor(2) as pool:
+        try:
+            first = pool.submit(r.get, "t0")  # its bytes lie in f0
+            assert held.wait(30)
+            second = pool.submit(r.get, "t3")  # its bytes lie in f3
+            assert torch.equal(second.result(timeout=30), tensors["t3"])
+            assert not first.done()
+        finally:
+            release.set()
+        assert torch.equal(first.result(timeout=60), tensors["t0"])
 
 
 def test_a_copy_of_held_bytes_leaves_another_reads_use_of_them(s3_bucket: Any) -> None:

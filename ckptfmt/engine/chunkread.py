@@ -26,7 +26,7 @@ import mmap
 import os
 import threading
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
 import xxhash
@@ -81,7 +81,7 @@ def _forget_in_child() -> None:
     """A forked child's copies: no read of the parent's is in progress there, and a parent
     thread may have held a lock at the fork (the child would wait on it for ever)."""
     for reader in list(_READERS):
-        reader._ext_lock, reader._remote_turn, reader._reads = threading.Lock(), threading.Lock(), 0
+        reader._ext_lock, reader._pins = threading.Lock(), Counter()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
@@ -124,26 +124,23 @@ class ChunkReader:
         self._ext_open: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self._ext_failed: dict[int, tuple[type[CheckpointError], str]] = {}
         # reads run at once on several threads (a Reader's gets): referenced files are opened
-        # under this lock, and one let go of (max_open) while reads are in progress is closed
-        # once none is, never under a read that may be using its descriptor
+        # under this lock, and each read holds the one it reads from (_holding): a file held is
+        # never let go of (max_open), so its descriptor stays valid under the read, and a
+        # referenced object's bytes the read fetched stay in the spool it reads them from (let
+        # go of and opened again, it would be another spool, without those bytes)
         self._ext_lock = threading.Lock()
-        self._reads = 0
-        self._evicted: list[int] = []
-        # a referenced object's spool lives in its RemoteObject: a read that fetched chunks into
-        # one must read them from that one, so reads with referenced objects take turns (one
-        # let go of and opened again mid-read would be another spool, without those bytes)
-        self._remote_turn = threading.Lock()
+        #: reads holding each referenced file, by its number
+        self._pins: Counter[int] = Counter()
         _READERS.add(self)
         #: where `fd` is a spool of a remote object: fetches chunk bytes before they are read
         self.remote: Fetcher | None = None
 
     def close(self) -> None:
-        """Close the referenced files that are open (and those let go of while a read was in
-        progress: a forked child's, whose parent's read never ends there), then the file."""
-        with self._ext_lock:  # a read's end swaps it too (a forked child's lock is its own)
-            evicted, self._evicted = self._evicted, []
-        for fd in evicted:
-            self._release(fd)
+        """Close the referenced files that are open (those reads hold too: the caller closes
+        once no read is in progress; a forked child's, whose parent's reads never end there),
+        then the file."""
+        with self._ext_lock:  # a forked child's lock is its own
+            self._pins.clear()
         while self._ext_open:
             self._release(self._ext_open.popitem()[1][0])
         if self._base is not None:
@@ -283,14 +280,39 @@ class ChunkReader:
             raise type(err)(
                 err.reason, path=self.path, key=self.key_of(k) if key is None else key, chunk=k
             ) from err
-        if len(self._ext_open) >= self.max_open:
-            fd = self._ext_open.popitem(last=False)[1][0]
-            if self._reads:
-                self._evicted.append(fd)
-            else:
-                self._release(fd)
         self._ext_open[e] = got
+        self._let_go_unheld(keep=e)
         return got
+
+    def _let_go_unheld(self, keep: int = -1) -> None:
+        """Under _ext_lock: close the least recently used referenced files no read holds (nor
+        `keep`, just opened for a caller), down to max_open; where reads hold more, they stay
+        open until those reads end (each read holds one at a time)."""
+        while len(self._ext_open) > self.max_open:
+            e = next((e for e in self._ext_open if not self._pins[e] and e != keep), None)
+            if e is None:
+                return
+            self._release(self._ext_open.pop(e)[0])
+
+    @contextlib.contextmanager
+    def _holding(self, source: int, k: int) -> Iterator[None]:
+        """Hold referenced file `source` (-1: this file, nothing to hold) open while a read
+        reads from it, opened and checked first if it is not open (`k`: a chunk in it, for
+        errors); let go of once no read holds it, where more than max_open are open."""
+        if source < 0:
+            yield
+            return
+        with self._ext_lock:
+            self._external_locked(source, k, None)
+            self._pins[source] += 1
+        try:
+            yield
+        finally:
+            with self._ext_lock:
+                self._pins[source] -= 1
+                if not self._pins[source]:
+                    del self._pins[source]
+                self._let_go_unheld()
 
     def _source(self, k: int, key: str | None) -> tuple[int, bytes, int]:
         """Where chunk k's stored bytes are: (fd, that file's id, the chunk's number in it)."""
@@ -426,28 +448,12 @@ class ChunkReader:
             if items:
                 self._read_source(-1, list(items), verify, check_only)
             return
-        with self._remote_turn if self.remote is not None else contextlib.nullcontext():
-            self._read_each_source(items, verify, check_only)
-
-    def _read_each_source(
-        self, items: Sequence[tuple[int, Destination]], verify: bool, check_only: bool
-    ) -> None:
-        """read_into's chunks grouped by the file they lie in, each group read from it; a
-        referenced file let go of meanwhile (max_open) closed once no read is in progress."""
-        with self._ext_lock:
-            self._reads += 1
-        try:
-            groups: dict[int, list[tuple[int, Destination]]] = {}
-            for k, dest in items:
-                groups.setdefault(self.chunks[k].source, []).append((k, dest))
-            for source, group in groups.items():
+        groups: dict[int, list[tuple[int, Destination]]] = {}
+        for k, dest in items:
+            groups.setdefault(self.chunks[k].source, []).append((k, dest))
+        for source, group in groups.items():
+            with self._holding(source, group[0][0]):
                 self._read_source(source, group, verify, check_only)
-        finally:
-            with self._ext_lock:
-                self._reads -= 1
-                evicted, self._evicted = (self._evicted, []) if not self._reads else ([], self._evicted)
-            for fd in evicted:
-                self._release(fd)
 
     def _read_source(
         self, source: int, group: list[tuple[int, Destination]], verify: bool, check_only: bool
