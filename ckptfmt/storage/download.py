@@ -45,7 +45,7 @@ from ..errors import CheckpointError, LimitError, StorageError
 from ..format import layout as fmt
 from . import client as s3
 from .backends import store_for
-from .holdings import Holdings, Request
+from .holdings import Fetch, Holdings, Request
 from .inherited import Inherited, renewed_in_child
 from .pools import pools_refuse_work, run_into, submit_or_run, wait_all, wait_quietly
 from .rangedgets import RangedGets, Where
@@ -121,6 +121,8 @@ class RemoteObject(Inherited, ReadAheadWave):
         read_ahead: the caller will read all of the object: its requests go out at once, their
         bodies read where the chunk reader says (_read_ahead)."""
         super().__init__()
+        #: closed: the reads in progress fail with a CheckpointError saying so (_closed_error)
+        self.closed = False
         self.path = url
         self.url: ObjectURL = parse_url(url)
         self.options = options
@@ -157,13 +159,15 @@ class RemoteObject(Inherited, ReadAheadWave):
     @property
     @renewed_in_child
     def fd(self) -> int:
-        assert self.spool is not None
+        if self.spool is None:
+            raise self._closed_error()
         return self.spool.fd
 
     @renewed_in_child
     def dup_fd(self) -> int:
         """A descriptor of the spool for a reader, which closes it (a forked child's: spool.in_child)."""
-        assert self.spool is not None
+        if self.spool is None:
+            raise self._closed_error()
         return self.spool.dup()
 
     def _renew(self) -> None:
@@ -321,9 +325,11 @@ class RemoteObject(Inherited, ReadAheadWave):
         for i, q in enumerate(made):
             try:
                 send(q)
-            except BaseException:
+            except BaseException as e:
                 for q2 in made[i:]:
                     q2.future.cancel()  # never sent: never will be (one that started ends itself)
+                if self.closed and isinstance(e, RuntimeError):  # the pool, shut down by close
+                    raise self._closed_error() from None
                 raise
 
     def _made(self, requests: list[Request]) -> list[Request]:
@@ -358,9 +364,32 @@ class RemoteObject(Inherited, ReadAheadWave):
         are asked for, which is when the spool's part grows."""
         self.peak_bytes = max(self.peak_bytes, self._book.occupied())
 
-    #: fetches begun by `start` waited for (each ends within its Budget once it runs, a deferred
-    #: one within its claim's and its body's, `concurrency` at a time): pools.py
-    wait = staticmethod(wait_all)
+    def wait(self, futures: Sequence[Future[None]]) -> None:
+        """Wait for fetches `start` or `start_into` began (each ends within its Budget once it
+        runs, a deferred one within its claim's and its body's, `concurrency` at a time); the
+        first failure raised once all are over.  A request of another read's that was never
+        sent (its hand-over to a thread failed: that read's failure, raised there) is asked for
+        again here, its bytes for the spool, within the storage deadline; a failure to send
+        that is this read's own.  Cancelled by close: CheckpointError saying so."""
+        budget = s3.Budget(self.options)
+        while True:
+            wait_quietly(futures)
+            unsent = [f.request for f in futures if isinstance(f, Fetch) and f.cancelled()]
+            if unsent and self.closed:
+                raise self._closed_error()
+            wait_all([f for f in futures if not (isinstance(f, Fetch) and f.cancelled())])
+            if not unsent:
+                return
+            if budget.remaining() <= 0:
+                lo, hi = unsent[0].range
+                raise StorageError(
+                    f"read bytes {lo}-{hi - 1}: other reads' requests for them were never sent, "
+                    f"again and again for {budget.deadline:g} s (storage option deadline)",
+                    path=self.path,
+                )
+            futures = self.start(merge_ranges([p for q in unsent for p in q.spooled]))
+
+    #: fetches whose outcome no longer matters waited for (a read that failed already): pools.py
     wait_quietly = staticmethod(wait_quietly)
 
     def fetch(self, ranges: Sequence[Range]) -> None:
@@ -452,8 +481,14 @@ class RemoteObject(Inherited, ReadAheadWave):
             self._landed(request, held)
 
     def _spool_view(self, lo: int, hi: int) -> memoryview:
-        assert self.spool is not None
+        if self.spool is None:
+            raise self._closed_error()
         return self.spool.view(lo, hi)
+
+    def _closed_error(self) -> CheckpointError:
+        """What a read of the object closed meanwhile (or before it) fails with: never a bare
+        assertion, a closed descriptor's EBADF or a cancelled fetch."""
+        return CheckpointError("the object was closed while a read of it was in progress", path=self.path)
 
     @renewed_in_child
     def release(self, ranges: Sequence[Range], wait: bool = False) -> None:
@@ -543,6 +578,10 @@ class RemoteObject(Inherited, ReadAheadWave):
         return digest.digest()
 
     def close(self) -> None:
+        """Close the spool and end the fetches: those not begun are cancelled (a read waiting
+        for them fails with a CheckpointError saying the object was closed), those begun end
+        first; a read that goes on with the object after this fails so too."""
+        self.closed = True
         if self._disown():
             return  # a forked child's that never used it: the parent's threads and books untouched
         with self._held_lock:
