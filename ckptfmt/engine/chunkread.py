@@ -25,7 +25,6 @@ import contextlib
 import mmap
 import os
 import threading
-import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
@@ -43,7 +42,7 @@ from ..fileio import pread_exact
 from ..format import encryption
 from ..format import layout as fmt
 from ..format.index import Chunk, Index
-from . import chunkerrors, chunkrecords, directread, fetchread, zstdframes
+from . import chunkerrors, chunkrecords, directread, fetchread, forkreset, zstdframes
 from . import native as _native
 from .chunkerrors import DIGEST_MISMATCH as _DIGEST_MISMATCH
 from .chunkerrors import SHA_MISMATCH as _SHA_MISMATCH
@@ -71,20 +70,6 @@ def decode_memory(chunks: Sequence[Chunk], native: bool) -> int:
 #: address (an int) of raw_len bytes of host memory its caller keeps alive (chunkrecords.read_chunks),
 #: or None when only checked (read_into's check_only)
 Destination = memoryview | int | None
-
-
-#: every ChunkReader, so that a forked child (a DataLoader worker) gets locks of its own
-_READERS: weakref.WeakSet[ChunkReader] = weakref.WeakSet()
-
-
-def _forget_in_child() -> None:
-    """A forked child's copies: no read of the parent's is in progress there, and a parent
-    thread may have held a lock at the fork (the child would wait on it for ever)."""
-    for reader in list(_READERS):
-        reader._ext_lock, reader._pins = threading.Lock(), Counter()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class ChunkReader:
@@ -131,9 +116,15 @@ class ChunkReader:
         self._ext_lock = threading.Lock()
         #: reads holding each referenced file, by its number
         self._pins: Counter[int] = Counter()
-        _READERS.add(self)
+        forkreset.register(self)
         #: where `fd` is a spool of a remote object: fetches chunk bytes before they are read
         self.remote: Fetcher | None = None
+
+    def _forget_in_child(self) -> None:
+        """A forked child's copies (forkreset): no read of the parent's is in progress there,
+        and a parent thread may have held the lock at the fork (the child would wait on it for
+        ever)."""
+        self._ext_lock, self._pins = threading.Lock(), Counter()
 
     def close(self) -> None:
         """Close the referenced files that are open (those reads hold too: the caller closes
