@@ -279,3 +279,81 @@ def test_a_hash_that_cannot_start_or_fetch_gives_back_its_windows(
         assert not remote._book.uses, dict(remote._book.uses)
     finally:
         remote.close()
+
+
+def _held_in_reads(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """(held, release): a get's chunk reads set `held` and wait (60 s at most) for `release`
+    before they fetch or read anything."""
+    from ckptfmt.engine.chunkread import ChunkReader
+
+    held, release = threading.Event(), threading.Event()
+    read_into = ChunkReader.read_into
+
+    def held_up(self: ChunkReader, *args: Any, **kwargs: Any) -> None:
+        held.set()
+        release.wait(60)
+        read_into(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChunkReader, "read_into", held_up)
+    return held, release
+
+
+def _place(kind: str, tmp_path: Any, request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    if kind == "local":
+        return str(tmp_path / "closing.ckpt"), {}
+    bucket, options = request.getfixturevalue("s3_bucket")
+    return f"s3://{bucket}/closing.ckpt", options
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_close_while_a_get_runs_lets_it_finish(
+    kind: str, tmp_path: Any, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() on one thread while a get runs on another: the get finishes bit for bit (its
+    descriptors were closed under it: EBADF), close waits for it, and a get begun after close
+    raises a CheckpointError saying the reader is closed."""
+    url, options = _place(kind, tmp_path, request)
+    g = torch.Generator().manual_seed(3)
+    state = {"a": torch.randn(MiB, generator=g), "b": torch.randn(1000, generator=g)}
+    ckptfmt.save(state, url, storage_options=options)
+    r = ckptfmt.open(url, storage_options=options)
+    held, release = _held_in_reads(monkeypatch)
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            got = pool.submit(r.get, "a")
+            assert held.wait(30)
+            closing = pool.submit(r.close)
+            time.sleep(0.3)
+            assert not closing.done()  # it waits for the get
+            with pytest.raises(ckptfmt.CheckpointError, match="the reader is closed"):
+                r.get("b")
+        finally:
+            release.set()
+        assert torch.equal(got.result(timeout=60), state["a"])
+        closing.result(timeout=60)
+    assert r._file.chunk_reader.fd == -1
+
+
+def test_close_returns_after_its_wait_and_the_last_get_closes(
+    tmp_path: Any, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get that runs longer than close waits (CLOSE_WAIT): close returns, the get finishes
+    bit for bit, and the file is closed as it ends."""
+    from ckptfmt.files import load
+
+    monkeypatch.setattr(load, "CLOSE_WAIT", 0.2)
+    url, _ = _place("local", tmp_path, request)
+    state = {"a": torch.randn(MiB, generator=torch.Generator().manual_seed(4))}
+    ckptfmt.save(state, url)
+    r = ckptfmt.open(url)
+    held, release = _held_in_reads(monkeypatch)
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            got = pool.submit(r.get, "a")
+            assert held.wait(30)
+            r.close()  # returns after CLOSE_WAIT, the get still running
+            assert not got.done() and r._file.chunk_reader.fd >= 0
+        finally:
+            release.set()
+        assert torch.equal(got.result(timeout=60), state["a"])
+    assert r._file.chunk_reader.fd == -1
