@@ -104,11 +104,21 @@ def test_gets_at_once_with_one_referenced_object_open(
 ) -> None:
     """One referenced object kept open, six threads getting every key at once: each read holds
     the object it reads from (never let go of under it, never opened twice at once), so every
-    get is bit for bit; once the gets are over no read holds any and one is open, and the
-    descriptors are back to what they were once the reader is closed."""
+    get is bit for bit; no more are open at once than one beside those the reads hold (one
+    each), once the gets are over no read holds any and one is open, and the descriptors are
+    back to what they were once the reader is closed."""
+    from ckptfmt.engine.chunkread import ChunkReader
     from ckptfmt.files import reader
 
     monkeypatch.setattr(reader, "MAX_OPEN_EXTERNALS", 1)
+    most_open = [0]
+    let_go = ChunkReader._let_go_unheld
+
+    def counted(self: ChunkReader, keep: int = -1) -> None:
+        let_go(self, keep)
+        most_open[0] = max(most_open[0], len(self._ext_open))
+
+    monkeypatch.setattr(ChunkReader, "_let_go_unheld", counted)
     bucket, options = s3_bucket
     url, tensors = _chained(bucket, options, "one-open")
     keys = list(tensors)
@@ -141,6 +151,7 @@ def test_gets_at_once_with_one_referenced_object_open(
             assert not +chunks._pins, dict(chunks._pins)
             assert len(chunks._ext_open) <= 1
     assert not bad, f"{len(bad)} bad gets, e.g. {bad[:5]}"
+    assert 1 <= most_open[0] <= 1 + 6
     for t in threading.enumerate():  # each spool's mapping (a descriptor) is closed on this thread
         if t.name.startswith("ckptfmt-free-spool"):
             t.join(30)
