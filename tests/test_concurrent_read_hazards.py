@@ -191,6 +191,40 @@ def test_gets_of_different_referenced_objects_run_together(
         assert torch.equal(first.result(timeout=60), tensors["t0"])
 
 
+def test_a_referenced_object_being_opened_holds_up_no_other_get(
+    s3_bucket: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get that opens a referenced object (its head, prologue and tail asked for) does not
+    hold up a get that reads from another, nor is the one being opened opened twice: a get
+    that needs it meanwhile waits for that opening."""
+    bucket, options = s3_bucket
+    url, tensors = _chained(bucket, options, "opening")
+    release, held = threading.Event(), threading.Event()
+    opened: list[str] = []
+    fetch_structure = RemoteObject.fetch_structure
+
+    def held_up(self: RemoteObject, *args: Any, **kwargs: Any) -> None:
+        opened.append(self.path)
+        if "/f0/" in self.path:
+            held.set()
+            release.wait(60)
+        fetch_structure(self, *args, **kwargs)
+
+    monkeypatch.setattr(RemoteObject, "fetch_structure", held_up)
+    with ckptfmt.open(url, storage_options=options) as r, ThreadPoolExecutor(3) as pool:
+        try:
+            first = pool.submit(r.get, "t0")  # opens f0, which holds
+            assert held.wait(30)
+            again = pool.submit(r.get, "t0")  # waits for that opening
+            assert torch.equal(pool.submit(r.get, "t3").result(timeout=30), tensors["t3"])
+            assert not first.done() and not again.done()
+        finally:
+            release.set()
+        assert torch.equal(first.result(timeout=60), tensors["t0"])
+        assert torch.equal(again.result(timeout=60), tensors["t0"])
+    assert sum("/f0/" in p for p in opened) == 1
+
+
 def test_a_copy_of_held_bytes_leaves_another_reads_use_of_them(s3_bucket: Any) -> None:
     """A direct read copies a chunk the spool holds and gives it back: a read that uses the same
     range (and has not given it back) keeps it, its bytes still there."""

@@ -25,6 +25,7 @@ import contextlib
 import mmap
 import os
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
@@ -50,6 +51,9 @@ from .chunkerrors import TAG_MISMATCH as _TAG_MISMATCH
 from .ckptdir import CheckpointDir
 from .sources import Fetcher, References
 
+#: seconds a read waits for another's opening of a referenced file it needs (an object's
+#: requests each end within the storage deadline)
+OPEN_WAIT = 900.0
 #: verify: bytes of chunks per engine call, decoded into a window of this size
 CHECK_WINDOW = 64 << 20
 #: ... and where no chunk needs a destination (no content digests)
@@ -116,6 +120,8 @@ class ChunkReader:
         self._ext_lock = threading.Lock()
         #: reads holding each referenced file, by its number
         self._pins: Counter[int] = Counter()
+        #: referenced files being opened (outside the lock), each set once its opening is over
+        self._opening: dict[int, threading.Event] = {}
         forkreset.register(self)
         #: where `fd` is a spool of a remote object: fetches chunk bytes before they are read
         self.remote: Fetcher | None = None
@@ -124,7 +130,7 @@ class ChunkReader:
         """A forked child's copies (forkreset): no read of the parent's is in progress there,
         and a parent thread may have held the lock at the fork (the child would wait on it for
         ever)."""
-        self._ext_lock, self._pins = threading.Lock(), Counter()
+        self._ext_lock, self._pins, self._opening = threading.Lock(), Counter(), {}
 
     def close(self) -> None:
         """Close the referenced files that are open (those reads hold too: the caller closes
@@ -251,29 +257,56 @@ class ChunkReader:
             self._base = CheckpointDir.open(os.path.dirname(self.path) or ".")
         return self._base
 
-    def _external(self, e: int, k: int, key: str | None) -> tuple[int, int]:
-        """(fd, end of data section) of referenced file e, opened and checked on first use."""
-        with self._ext_lock:
-            return self._external_locked(e, k, key)
+    def _external(self, e: int, k: int, key: str | None, hold: bool = False) -> tuple[int, int]:
+        """(fd, end of data section) of referenced file e, opened and checked on first use
+        (outside _ext_lock: an object's takes requests, which hold up no other read; a read
+        that needs it meanwhile waits for that opening, OPEN_WAIT at most); `hold`: held by
+        the caller's read (_holding)."""
+        deadline = time.monotonic() + OPEN_WAIT
+        while True:
+            with self._ext_lock:
+                got = self._ext_open.get(e)
+                if got is not None:
+                    self._ext_open.move_to_end(e)
+                    if hold:
+                        self._pins[e] += 1
+                    return got
+                if e in self._ext_failed:
+                    cls, reason = self._ext_failed[e]
+                    raise cls(reason, path=self.path, key=self.key_of(k) if key is None else key, chunk=k)
+                opening = self._opening.get(e)
+                if opening is None:
+                    self._opening[e] = threading.Event()
+                    self._base_dir()  # made once, here
+                    break
+            if not opening.wait(max(0.0, deadline - time.monotonic())):
+                raise StorageError(
+                    f"referenced file {self.externals[e].name} (external {e}): another read's "
+                    f"opening of it took more than {OPEN_WAIT:g} s",
+                    path=self.path,
+                )
+        return self._opened(e, k, key, hold)
 
-    def _external_locked(self, e: int, k: int, key: str | None) -> tuple[int, int]:
-        got = self._ext_open.get(e)
-        if got is not None:
-            self._ext_open.move_to_end(e)
-            return got
-        if e in self._ext_failed:
-            cls, reason = self._ext_failed[e]
-            raise cls(reason, path=self.path, key=self.key_of(k) if key is None else key, chunk=k)
+    def _opened(self, e: int, k: int, key: str | None, hold: bool) -> tuple[int, int]:
+        """_external's opening of referenced file e, the reads waiting for it told at its end."""
         try:
             got = self._open_external(e)
         except CheckpointError as err:
-            self._ext_failed[e] = (type(err), err.reason)
+            with self._ext_lock:
+                self._ext_failed[e] = (type(err), err.reason)
             raise type(err)(
                 err.reason, path=self.path, key=self.key_of(k) if key is None else key, chunk=k
             ) from err
-        self._ext_open[e] = got
-        self._let_go_unheld(keep=e)
-        return got
+        else:
+            with self._ext_lock:
+                self._ext_open[e] = got
+                if hold:
+                    self._pins[e] += 1
+                self._let_go_unheld(keep=e)
+            return got
+        finally:
+            with self._ext_lock:
+                self._opening.pop(e).set()
 
     def _let_go_unheld(self, keep: int = -1) -> None:
         """Under _ext_lock: close the least recently used referenced files no read holds (nor
@@ -293,9 +326,7 @@ class ChunkReader:
         if source < 0:
             yield
             return
-        with self._ext_lock:
-            self._external_locked(source, k, None)
-            self._pins[source] += 1
+        self._external(source, k, None, hold=True)
         try:
             yield
         finally:
