@@ -6,6 +6,10 @@ With `--latency S`, every GET of the object passes a proxy (tests/s3_faults.py) 
 S seconds before forwarding it: the first-byte latency of a real store, which a local moto
 server lacks (there, one process serving every request bounds any client).
 
+With `--incremental N`, the object read is the last of N chained incremental objects (each
+saved against the one before it), its keys' bytes spread over all N: key i lies in object
+i mod N, read through the reader's referenced objects.
+
 Two patterns: `overlap` (every thread gets every key, each in an order of its own) and
 `disjoint` (each thread gets its share of the keys).  Each run prints the clock time of the
 gets (from the threads' start to the last one's end) and the CPU time the process spent in
@@ -53,15 +57,35 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps({"clock": clock, "cpu": cpu, "bytes": got, "ckptfmt": ckptfmt.__file__}))
 
 
+def _saved(bucket: str, options: dict[str, object], args: argparse.Namespace) -> str:
+    """The object the gets read, saved: one, or the last of a chain (--incremental)."""
+    import torch
+
+    import ckptfmt
+    from ckptfmt.files import incremental
+
+    g = torch.Generator().manual_seed(0)
+    n = (args.size << 20) // 4 // args.keys
+    state = {f"k{i:02d}": torch.randn(n, generator=g) for i in range(args.keys)}
+    if args.incremental < 2:
+        url = f"s3://{bucket}/concurrent.ckpt"
+        ckptfmt.save(state, url, storage_options=options)
+        return url
+    base = None
+    for step in range(args.incremental):
+        state = {k: t + 1 if i % args.incremental == step else t for i, (k, t) in enumerate(state.items())}
+        url = f"s3://{bucket}/f{step}/concurrent.ckpt"
+        incremental.save(state, url, base=base, min_reference_bytes=1024, storage_options=options)
+        base = url
+    return url
+
+
 def driver(args: argparse.Namespace) -> None:
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
     import contextlib
 
-    import torch
     from s3_faults import FaultProxy
     from s3_server import S3Server
-
-    import ckptfmt
 
     trees = [os.path.abspath(t) for t in args.trees.split(",")]
     with S3Server() as server, contextlib.ExitStack() as stack:
@@ -70,11 +94,7 @@ def driver(args: argparse.Namespace) -> None:
             endpoint = stack.enter_context(FaultProxy(server.endpoint_url))
             endpoint.delay("GET", "concurrent.ckpt", seconds=args.latency)
         options = endpoint.storage_options() | {"request_size": args.request_size << 20}
-        url = f"s3://{server.new_bucket()}/concurrent.ckpt"
-        g = torch.Generator().manual_seed(0)
-        n = (args.size << 20) // 4 // args.keys
-        state = {f"k{i:02d}": torch.randn(n, generator=g) for i in range(args.keys)}
-        ckptfmt.save(state, url, storage_options=options)
+        url = _saved(server.new_bucket(), options, args)
         print(f"loadavg before: {open('/proc/loadavg').read().split()[:3]}")
         results: dict[tuple[str, str], list[dict[str, float]]] = {}
         for rnd in range(args.rounds):
@@ -117,6 +137,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--size", type=int, default=64, help="MiB of the object's tensors")
     p.add_argument("--keys", type=int, default=8)
+    p.add_argument("--incremental", type=int, default=0, help="chained incremental objects the keys lie in")
     p.add_argument("--request-size", type=int, default=4, help="MiB per request")
     p.add_argument("--patterns", default="overlap,disjoint")
     p.add_argument("--latency", type=float, default=0.0, help="seconds each GET is held")

@@ -5,6 +5,7 @@ and a read whose windows fail to start.  Real moto server; every read compared b
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 import ckptfmt
+from ckptfmt.format.layout import PROLOGUE_SIZE
 from ckptfmt.storage.download import RemoteObject
 
 MiB = 1 << 20
@@ -77,6 +79,150 @@ def test_gets_at_once_of_an_object_whose_chunks_lie_in_many_others(
                         elif not torch.equal(t, tensors[k]):
                             bad.append(f"{k}: {int((t == 0).sum())} zeros")
     assert not bad, f"{len(bad)} bad gets, e.g. {bad[:5]}"
+
+
+def _chained(bucket: str, options: dict[str, Any], name: str) -> tuple[str, dict[str, torch.Tensor]]:
+    """Eight chained incremental objects, tensor j's bytes in object j: the last one's URL and
+    its state."""
+    from ckptfmt.files import incremental
+
+    g = torch.Generator().manual_seed(9)
+    tensors = {f"t{j}": torch.randn(70_000, generator=g) for j in range(8)}
+    base = None
+    for k in range(8):
+        state = dict(tensors, **{f"t{k}": tensors[f"t{k}"] + 100})
+        url = f"s3://{bucket}/{name}/f{k}/state.ckpt"
+        incremental.save(state, url, base=base, min_reference_bytes=1024, storage_options=options)
+        tensors, base = state, url
+    assert base is not None
+    return base, tensors
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_gets_at_once_with_one_referenced_object_open(
+    s3_bucket: Any, monkeypatch: pytest.MonkeyPatch, verify: bool
+) -> None:
+    """One referenced object kept open, six threads getting every key at once: each read holds
+    the object it reads from (never let go of under it, never opened twice at once), so every
+    get is bit for bit; no more are open at once than one beside those the reads hold (one
+    each), once the gets are over no read holds any and one is open, and the descriptors are
+    back to what they were once the reader is closed."""
+    from ckptfmt.engine.chunkread import ChunkReader
+    from ckptfmt.files import reader
+
+    monkeypatch.setattr(reader, "MAX_OPEN_EXTERNALS", 1)
+    most_open = [0]
+    let_go = ChunkReader._let_go_unheld
+
+    def counted(self: ChunkReader, keep: int = -1) -> None:
+        let_go(self, keep)
+        most_open[0] = max(most_open[0], len(self._ext_open))
+
+    monkeypatch.setattr(ChunkReader, "_let_go_unheld", counted)
+    bucket, options = s3_bucket
+    url, tensors = _chained(bucket, options, "one-open")
+    keys = list(tensors)
+    bad: list[str] = []
+    fds = len(os.listdir("/proc/self/fd"))
+    with ckptfmt.open(url, storage_options=options) as r:
+        chunks = r._file.chunk_reader
+        for rnd in range(2):
+            rng = random.Random(rnd)
+            plans = [rng.sample(keys, len(keys)) for _ in range(6)]
+            gate = threading.Barrier(6)
+
+            def read(plan: list[str], gate: threading.Barrier = gate) -> list[tuple[str, object]]:
+                gate.wait(30)
+                out: list[tuple[str, object]] = []
+                for k in plan:
+                    try:
+                        out.append((k, r.get(k, verify=verify)))
+                    except Exception as e:  # noqa: BLE001 - every failure is reported below
+                        out.append((k, e))
+                return out
+
+            with ThreadPoolExecutor(6) as pool:
+                for got in pool.map(read, plans, timeout=300):
+                    for k, t in got:
+                        if not isinstance(t, torch.Tensor):
+                            bad.append(f"{k}: {t!r}"[:200])
+                        elif not torch.equal(t, tensors[k]):
+                            bad.append(f"{k}: {int((t == 0).sum())} zeros")
+            assert not +chunks._pins, dict(chunks._pins)
+            assert len(chunks._ext_open) <= 1
+    assert not bad, f"{len(bad)} bad gets, e.g. {bad[:5]}"
+    assert 1 <= most_open[0] <= 1 + 6
+    for t in threading.enumerate():  # each spool's mapping (a descriptor) is closed on this thread
+        if t.name.startswith("ckptfmt-free-spool"):
+            t.join(30)
+    assert len(os.listdir("/proc/self/fd")) <= fds
+
+
+def test_gets_of_different_referenced_objects_run_together(
+    s3_bucket: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get whose fetch from one referenced object is held up does not hold up a get that
+    reads from another: reads of an incremental object run at once, not in turn."""
+    from ckptfmt.storage import download
+
+    bucket, options = s3_bucket
+    url, tensors = _chained(bucket, options, "together")
+    release = threading.Event()
+    held = threading.Event()
+    get_range = RemoteObject._get_range
+
+    def held_up(self: RemoteObject, lo: int, hi: int, *args: Any, **kwargs: Any) -> None:
+        # f0's chunk bytes (not its prologue or tail, fetched as it is opened) wait for the test
+        if "/f0/" in self.path and PROLOGUE_SIZE < hi and lo < self.size - download.TAIL_BYTES:
+            held.set()
+            release.wait(60)
+        get_range(self, lo, hi, *args, **kwargs)
+
+    monkeypatch.setattr(RemoteObject, "_get_range", held_up)
+    with ckptfmt.open(url, storage_options=options) as r, ThreadPoolExecutor(2) as pool:
+        try:
+            first = pool.submit(r.get, "t0")  # its bytes lie in f0
+            assert held.wait(30)
+            second = pool.submit(r.get, "t3")  # its bytes lie in f3
+            assert torch.equal(second.result(timeout=30), tensors["t3"])
+            assert not first.done()
+        finally:
+            release.set()
+        assert torch.equal(first.result(timeout=60), tensors["t0"])
+
+
+def test_a_referenced_object_being_opened_holds_up_no_other_get(
+    s3_bucket: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get that opens a referenced object (its head, prologue and tail asked for) does not
+    hold up a get that reads from another, nor is the one being opened opened twice: a get
+    that needs it meanwhile waits for that opening."""
+    bucket, options = s3_bucket
+    url, tensors = _chained(bucket, options, "opening")
+    release, held = threading.Event(), threading.Event()
+    opened: list[str] = []
+    fetch_structure = RemoteObject.fetch_structure
+
+    def held_up(self: RemoteObject, *args: Any, **kwargs: Any) -> None:
+        opened.append(self.path)
+        if "/f0/" in self.path:
+            held.set()
+            release.wait(60)
+        fetch_structure(self, *args, **kwargs)
+
+    monkeypatch.setattr(RemoteObject, "fetch_structure", held_up)
+    with ckptfmt.open(url, storage_options=options) as r, ThreadPoolExecutor(3) as pool:
+        try:
+            first = pool.submit(r.get, "t0")  # opens f0, which holds
+            assert held.wait(30)
+            again = pool.submit(r.get, "t0")  # waits for that opening
+            assert torch.equal(pool.submit(r.get, "t3").result(timeout=30), tensors["t3"])
+            assert not first.done() and not again.done()
+        finally:
+            release.set()
+        assert torch.equal(first.result(timeout=60), tensors["t0"])
+        assert torch.equal(again.result(timeout=60), tensors["t0"])
+    assert sum("/f0/" in p for p in opened) == 1
 
 
 def test_a_copy_of_held_bytes_leaves_another_reads_use_of_them(s3_bucket: Any) -> None:
@@ -178,3 +324,81 @@ def test_a_hash_that_cannot_start_or_fetch_gives_back_its_windows(
         assert not remote._book.uses, dict(remote._book.uses)
     finally:
         remote.close()
+
+
+def _held_in_reads(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """(held, release): a get's chunk reads set `held` and wait (60 s at most) for `release`
+    before they fetch or read anything."""
+    from ckptfmt.engine.chunkread import ChunkReader
+
+    held, release = threading.Event(), threading.Event()
+    read_into = ChunkReader.read_into
+
+    def held_up(self: ChunkReader, *args: Any, **kwargs: Any) -> None:
+        held.set()
+        release.wait(60)
+        read_into(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChunkReader, "read_into", held_up)
+    return held, release
+
+
+def _place(kind: str, tmp_path: Any, request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    if kind == "local":
+        return str(tmp_path / "closing.ckpt"), {}
+    bucket, options = request.getfixturevalue("s3_bucket")
+    return f"s3://{bucket}/closing.ckpt", options
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_close_while_a_get_runs_lets_it_finish(
+    kind: str, tmp_path: Any, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() on one thread while a get runs on another: the get finishes bit for bit (its
+    descriptors were closed under it: EBADF), close waits for it, and a get begun after close
+    raises a CheckpointError saying the reader is closed."""
+    url, options = _place(kind, tmp_path, request)
+    g = torch.Generator().manual_seed(3)
+    state = {"a": torch.randn(MiB, generator=g), "b": torch.randn(1000, generator=g)}
+    ckptfmt.save(state, url, storage_options=options)
+    r = ckptfmt.open(url, storage_options=options)
+    held, release = _held_in_reads(monkeypatch)
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            got = pool.submit(r.get, "a")
+            assert held.wait(30)
+            closing = pool.submit(r.close)
+            time.sleep(0.3)
+            assert not closing.done()  # it waits for the get
+            with pytest.raises(ckptfmt.CheckpointError, match="the reader is closed"):
+                r.get("b")
+        finally:
+            release.set()
+        assert torch.equal(got.result(timeout=60), state["a"])
+        closing.result(timeout=60)
+    assert r._file.chunk_reader.fd == -1
+
+
+def test_close_returns_after_its_wait_and_the_last_get_closes(
+    tmp_path: Any, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get that runs longer than close waits (CLOSE_WAIT): close returns, the get finishes
+    bit for bit, and the file is closed as it ends."""
+    from ckptfmt.files import load
+
+    monkeypatch.setattr(load, "CLOSE_WAIT", 0.2)
+    url, _ = _place("local", tmp_path, request)
+    state = {"a": torch.randn(MiB, generator=torch.Generator().manual_seed(4))}
+    ckptfmt.save(state, url)
+    r = ckptfmt.open(url)
+    held, release = _held_in_reads(monkeypatch)
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            got = pool.submit(r.get, "a")
+            assert held.wait(30)
+            r.close()  # returns after CLOSE_WAIT, the get still running
+            assert not got.done() and r._file.chunk_reader.fd >= 0
+        finally:
+            release.set()
+        assert torch.equal(got.result(timeout=60), state["a"])
+    assert r._file.chunk_reader.fd == -1

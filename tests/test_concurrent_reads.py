@@ -188,39 +188,55 @@ def test_a_range_two_reads_use_stays_in_the_spool_until_both_give_it_back(store_
         remote.close()
 
 
-def test_a_request_no_thread_took_leaves_no_read_waiting(s3_bucket):
+def test_a_request_no_thread_took_is_asked_for_again_by_a_read_waiting_for_it(s3_bucket):
     """A read's requests are registered in flight, then handed to the pool; where the pool
-    refuses one (no thread could start), the read fails with that error, and a read waiting
-    for that request meanwhile (a get on another thread) is told at once, and a read after
-    it asks for the bytes anew instead of waiting for ever for a fetch that never runs."""
+    refuses one (no thread could start), that read fails with that error, and a read waiting
+    for that request meanwhile (a get on another thread) asks for the bytes itself and gets
+    them: the failure was the other read's, not its own."""
     bucket, options = s3_bucket
     url = f"s3://{bucket}/refused.ckpt"
     ckptfmt.save({"w": torch.randn(MiB // 4)}, url, storage_options=options)
     remote = RemoteObject(url, options, fetch_index=False)
     pool = remote._pool
-    gate = threading.Event()
+    refused = threading.get_ident()
+    waiting = threading.Event()
     waited: list[BaseException | None] = []
 
-    class Refusing:
-        """The pool as another get finds the request in flight meanwhile, then refuses it."""
+    def other_read() -> None:
+        futures = remote.start([(0, 4096)])  # finds this thread's request in flight
+        waiting.set()
+        waited.append(_failure(remote, futures))
+
+    class RefusingOneThread:
+        """The pool, refusing this thread's submit once another read waits for its request."""
 
         def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
-            futures = remote.start([(0, 4096)])  # the other get: waits for the request in flight
-            threading.Thread(target=lambda: waited.append(_failure(remote, futures))).start()
-            gate.wait(0.5)
+            if threading.get_ident() != refused:
+                return pool.submit(fn, *args, **kwargs)
+            threading.Thread(target=other_read).start()
+            assert waiting.wait(30)
             raise RuntimeError("can't start new thread")
 
+        def shutdown(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            pool.shutdown(*args, **kwargs)
+
     try:
-        remote._pool = Refusing()  # type: ignore[assignment]
+        remote._pool = RefusingOneThread()  # type: ignore[assignment]
         with pytest.raises(RuntimeError, match="can't start new thread"):
             remote.fetch([(0, 4096)])
         deadline = time.monotonic() + 30
         while not waited and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert waited and isinstance(waited[0], ckptfmt.StorageError)
+        assert waited == [None]
         assert not remote._book.requests
-        remote._pool = pool
-        remote.fetch([(0, 4096)])  # asked for anew: answered
+        assert remote.spool is not None
+        other = RemoteObject(url, options, fetch_index=False)
+        try:
+            other.fetch([(0, 4096)])
+            assert other.spool is not None
+            assert bytes(remote.spool.view(0, 4096)) == bytes(other.spool.view(0, 4096))
+        finally:
+            other.close()
     finally:
         remote._pool = pool
         remote.close()

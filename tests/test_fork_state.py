@@ -225,7 +225,32 @@ def test_a_reader_of_an_incremental_file_reads_in_a_child_forked_mid_read(tmp_pa
     with ckptfmt.open(b) as r:
         chunks = r._file.chunk_reader
         assert chunks.externals
-        for lock in (chunks._ext_lock, chunks._remote_turn):
-            with _held_by_a_thread(lock):
-                # compared by numpy: torch's own thread pool is not the child's to use
-                assert _in_child(lambda: bool((r.get("frozen").numpy() == frozen.numpy()).all())) == 0
+        chunks._pins[0] += 1  # a parent's read holds the referenced file at the fork
+        with _held_by_a_thread(chunks._ext_lock):
+            # compared by numpy: torch's own thread pool is not the child's to use
+            assert _in_child(lambda: bool((r.get("frozen").numpy() == frozen.numpy()).all())) == 0
+        chunks._pins.clear()
+
+
+def test_a_reader_closes_at_once_in_a_child_forked_while_a_parent_get_ran(tmp_path: Any) -> None:
+    """A Reader's count of gets in progress and its lock are the child's own: a get of the
+    parent's at the fork (which never ends in the child) neither holds the child's close for
+    its wait nor leaves the file open; the child's own gets read."""
+    import time
+
+    from ckptfmt.files import load
+
+    path = str(tmp_path / "r.ckpt")
+    w = torch.arange(1 << 12, dtype=torch.float32)
+    ckptfmt.save({"w": w}, path)
+    with ckptfmt.open(path) as r:
+        gets = r._gets
+
+        def child() -> bool:
+            ok = bool((r.get("w").numpy() == w.numpy()).all())
+            began = time.monotonic()
+            r.close()
+            return ok and time.monotonic() - began < load.CLOSE_WAIT / 2 and r._file.chunk_reader.fd == -1
+
+        with gets.running("a parent's get"), _held_by_a_thread(gets._cond):
+            assert _in_child(child) == 0

@@ -23,7 +23,7 @@ from s3_server import s3_client
 import ckptfmt
 from ckptfmt.engine import native
 from ckptfmt.errors import StorageError
-from ckptfmt.storage import client, download, spool
+from ckptfmt.storage import client, download, pools, spool
 from ckptfmt.storage import http as store_http
 from ckptfmt.storage.bodies import read_body
 from ckptfmt.storage.download import RemoteObject
@@ -903,6 +903,39 @@ def test_load_into_targets_apart_whose_saved_tensors_share_a_storage(s3_bucket, 
     assert torch.equal(targets["a"], x) and torch.equal(targets["b"], x)
 
 
+def test_a_read_of_an_object_closed_meanwhile_says_so(s3_bucket):
+    """A read waiting for requests the object's close cancelled, and one that goes on with the
+    object after it, fail with a CheckpointError saying the object was closed (never a bare
+    CancelledError, an assertion or a closed spool's error)."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/closed-under.ckpt"
+    ckptfmt.save({"w": torch.randn(MiB)}, url, storage_options=options)
+    remote = RemoteObject(url, options | {"concurrency": 1}, fetch_index=False)
+    release = threading.Event()
+    get_range = RemoteObject._get_range
+
+    def held_up(self: RemoteObject, *args: object, **kwargs: object) -> None:
+        release.wait(30)
+        get_range(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    remote._get_range = held_up.__get__(remote)  # type: ignore[method-assign]
+    running = remote.start([(0, 4096)])  # holds the one thread
+    queued = remote.start([(2 * MiB, 2 * MiB + 4096)])  # cancelled by close
+    closing = threading.Thread(target=remote.close)
+    closing.start()
+    deadline = time.monotonic() + 30
+    while not remote._pool._shutdown and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.01)
+    release.set()
+    closing.join(30)
+    with pytest.raises(ckptfmt.CheckpointError, match="closed while a read of it was in progress"):
+        remote.wait([*running, *queued])
+    with pytest.raises(ckptfmt.CheckpointError, match="closed while a read of it was in progress"):
+        remote.wait(remote.start([(MiB, MiB + 4096)]))
+    with pytest.raises(ckptfmt.CheckpointError, match="closed while a read of it was in progress"):
+        remote.dup_fd()
+
+
 def test_one_reader_of_an_object_serves_several_threads(s3_bucket):
     """Each key asked for twice by four threads at once through one open reader: reads that
     overlapped gave back spool pages another was still reading (a false CorruptError)."""
@@ -924,9 +957,11 @@ def _finish_later(f: Future[None], delay: float, cancel: bool) -> None:
 
 
 def test_a_fetch_cancelled_while_waited_for_is_a_storage_error_and_the_rest_are_waited_for():
-    """Cancelled under the wait (another read's hand-over failed; its object closed): the
-    wait ends in a StorageError after every fetch after it, not a bare CancelledError that
-    leaves a fetch writing into memory its caller then lets go of."""
+    """Cancelled under the wait (never sent): the wait ends in a StorageError after every
+    fetch after it, not a bare CancelledError that leaves a fetch writing into memory its
+    caller then lets go of.  (A read's wait for an object's requests asks for the bytes of
+    another read's never sent again: test_concurrent_reads; one cancelled by close:
+    test_a_read_of_an_object_closed_meanwhile_says_so.)"""
     for quietly in (False, True):
         cancelled, slow = Future(), Future()
         _finish_later(cancelled, 0.2, cancel=True)
@@ -935,5 +970,5 @@ def test_a_fetch_cancelled_while_waited_for_is_a_storage_error_and_the_rest_are_
             RemoteObject.wait_quietly([cancelled, slow])
         else:
             with pytest.raises(StorageError, match="cancelled"):
-                RemoteObject.wait([cancelled, slow])
+                pools.wait_all([cancelled, slow])
         assert slow.done()

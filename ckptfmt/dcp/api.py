@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 
-from ..engine import bytesview
+from ..engine import bytesview, forkreset
 from ..engine import native as _native
 from ..engine.ckptdir import CheckpointDir
 from ..errors import CheckpointError
@@ -279,10 +279,10 @@ class Stager:
         self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
         self._pending: tuple[concurrent.futures.Future[Any], str] | None = None
         self._lock = threading.Lock()
-        _STAGERS.add(self)
+        forkreset.register(self)
 
     def _forget_in_child(self) -> None:
-        """A forked child's copy: the parent's save is not the child's to wait for, and a parent
+        """A forked child's copy (engine/forkreset.py): the parent's save is not the child's to wait for, and a parent
         thread may have held the lock at the fork."""
         self._pending, self._lock = None, threading.Lock()
 
@@ -363,10 +363,6 @@ class Stager:
         self._buffers.clear()
 
 
-#: every Stager made, so that a forked child forgets their saves in flight (_forget_in_child)
-_STAGERS: weakref.WeakSet[Stager] = weakref.WeakSet()
-
-
 class _LastSave:
     """The background save this process started last, whatever staged it: every background
     save waits for it first (wait_previous, with its deadline), as two in flight would run
@@ -415,9 +411,8 @@ _LAST_SAVE = _LastSave()
 def _forget_in_child() -> None:
     """A forked child (a DataLoader worker, a rank's helper) starts with no background save of
     its own: the parent's futures never end there, so a child's first save would wait for them
-    until their deadline, or for ever on a lock a parent thread held at the fork."""
-    for stager in list(_STAGERS):
-        stager._forget_in_child()
+    until their deadline, or for ever on a lock a parent thread held at the fork.  Each Stager
+    forgets its own (engine/forkreset.py)."""
     _LAST_SAVE.forget_in_child()
     ForkStager.forget_in_child()
 

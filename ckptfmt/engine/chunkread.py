@@ -25,8 +25,8 @@ import contextlib
 import mmap
 import os
 import threading
-import weakref
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
 import xxhash
@@ -43,7 +43,7 @@ from ..fileio import pread_exact
 from ..format import encryption
 from ..format import layout as fmt
 from ..format.index import Chunk, Index
-from . import chunkerrors, chunkrecords, directread, fetchread, zstdframes
+from . import chunkerrors, chunkrecords, directread, fetchread, forkreset, zstdframes
 from . import native as _native
 from .chunkerrors import DIGEST_MISMATCH as _DIGEST_MISMATCH
 from .chunkerrors import SHA_MISMATCH as _SHA_MISMATCH
@@ -51,6 +51,9 @@ from .chunkerrors import TAG_MISMATCH as _TAG_MISMATCH
 from .ckptdir import CheckpointDir
 from .sources import Fetcher, References
 
+#: seconds a read waits for another's opening of a referenced file it needs (an object's
+#: requests each end within the storage deadline)
+OPEN_WAIT = 900.0
 #: verify: bytes of chunks per engine call, decoded into a window of this size
 CHECK_WINDOW = 64 << 20
 #: ... and where no chunk needs a destination (no content digests)
@@ -71,20 +74,6 @@ def decode_memory(chunks: Sequence[Chunk], native: bool) -> int:
 #: address (an int) of raw_len bytes of host memory its caller keeps alive (chunkrecords.read_chunks),
 #: or None when only checked (read_into's check_only)
 Destination = memoryview | int | None
-
-
-#: every ChunkReader, so that a forked child (a DataLoader worker) gets locks of its own
-_READERS: weakref.WeakSet[ChunkReader] = weakref.WeakSet()
-
-
-def _forget_in_child() -> None:
-    """A forked child's copies: no read of the parent's is in progress there, and a parent
-    thread may have held a lock at the fork (the child would wait on it for ever)."""
-    for reader in list(_READERS):
-        reader._ext_lock, reader._remote_turn, reader._reads = threading.Lock(), threading.Lock(), 0
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
 
 
 class ChunkReader:
@@ -124,26 +113,31 @@ class ChunkReader:
         self._ext_open: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self._ext_failed: dict[int, tuple[type[CheckpointError], str]] = {}
         # reads run at once on several threads (a Reader's gets): referenced files are opened
-        # under this lock, and one let go of (max_open) while reads are in progress is closed
-        # once none is, never under a read that may be using its descriptor
+        # under this lock, and each read holds the one it reads from (_holding): a file held is
+        # never let go of (max_open), so its descriptor stays valid under the read, and a
+        # referenced object's bytes the read fetched stay in the spool it reads them from (let
+        # go of and opened again, it would be another spool, without those bytes)
         self._ext_lock = threading.Lock()
-        self._reads = 0
-        self._evicted: list[int] = []
-        # a referenced object's spool lives in its RemoteObject: a read that fetched chunks into
-        # one must read them from that one, so reads with referenced objects take turns (one
-        # let go of and opened again mid-read would be another spool, without those bytes)
-        self._remote_turn = threading.Lock()
-        _READERS.add(self)
+        #: reads holding each referenced file, by its number
+        self._pins: Counter[int] = Counter()
+        #: referenced files being opened (outside the lock), each set once its opening is over
+        self._opening: dict[int, threading.Event] = {}
+        forkreset.register(self)
         #: where `fd` is a spool of a remote object: fetches chunk bytes before they are read
         self.remote: Fetcher | None = None
 
+    def _forget_in_child(self) -> None:
+        """A forked child's copies (forkreset): no read of the parent's is in progress there,
+        and a parent thread may have held the lock at the fork (the child would wait on it for
+        ever)."""
+        self._ext_lock, self._pins, self._opening = threading.Lock(), Counter(), {}
+
     def close(self) -> None:
-        """Close the referenced files that are open (and those let go of while a read was in
-        progress: a forked child's, whose parent's read never ends there), then the file."""
-        with self._ext_lock:  # a read's end swaps it too (a forked child's lock is its own)
-            evicted, self._evicted = self._evicted, []
-        for fd in evicted:
-            self._release(fd)
+        """Close the referenced files that are open (those reads hold too: the caller closes
+        once no read is in progress; a forked child's, whose parent's reads never end there),
+        then the file."""
+        with self._ext_lock:  # a forked child's lock is its own
+            self._pins.clear()
         while self._ext_open:
             self._release(self._ext_open.popitem()[1][0])
         if self._base is not None:
@@ -263,34 +257,84 @@ class ChunkReader:
             self._base = CheckpointDir.open(os.path.dirname(self.path) or ".")
         return self._base
 
-    def _external(self, e: int, k: int, key: str | None) -> tuple[int, int]:
-        """(fd, end of data section) of referenced file e, opened and checked on first use."""
-        with self._ext_lock:
-            return self._external_locked(e, k, key)
+    def _external(self, e: int, k: int, key: str | None, hold: bool = False) -> tuple[int, int]:
+        """(fd, end of data section) of referenced file e, opened and checked on first use
+        (outside _ext_lock: an object's takes requests, which hold up no other read; a read
+        that needs it meanwhile waits for that opening, OPEN_WAIT at most); `hold`: held by
+        the caller's read (_holding)."""
+        deadline = time.monotonic() + OPEN_WAIT
+        while True:
+            with self._ext_lock:
+                got = self._ext_open.get(e)
+                if got is not None:
+                    self._ext_open.move_to_end(e)
+                    if hold:
+                        self._pins[e] += 1
+                    return got
+                if e in self._ext_failed:
+                    cls, reason = self._ext_failed[e]
+                    raise cls(reason, path=self.path, key=self.key_of(k) if key is None else key, chunk=k)
+                opening = self._opening.get(e)
+                if opening is None:
+                    self._opening[e] = threading.Event()
+                    self._base_dir()  # made once, here
+                    break
+            if not opening.wait(max(0.0, deadline - time.monotonic())):
+                raise StorageError(
+                    f"referenced file {self.externals[e].name} (external {e}): another read's "
+                    f"opening of it took more than {OPEN_WAIT:g} s",
+                    path=self.path,
+                )
+        return self._opened(e, k, key, hold)
 
-    def _external_locked(self, e: int, k: int, key: str | None) -> tuple[int, int]:
-        got = self._ext_open.get(e)
-        if got is not None:
-            self._ext_open.move_to_end(e)
-            return got
-        if e in self._ext_failed:
-            cls, reason = self._ext_failed[e]
-            raise cls(reason, path=self.path, key=self.key_of(k) if key is None else key, chunk=k)
+    def _opened(self, e: int, k: int, key: str | None, hold: bool) -> tuple[int, int]:
+        """_external's opening of referenced file e, the reads waiting for it told at its end."""
         try:
             got = self._open_external(e)
         except CheckpointError as err:
-            self._ext_failed[e] = (type(err), err.reason)
+            with self._ext_lock:
+                self._ext_failed[e] = (type(err), err.reason)
             raise type(err)(
                 err.reason, path=self.path, key=self.key_of(k) if key is None else key, chunk=k
             ) from err
-        if len(self._ext_open) >= self.max_open:
-            fd = self._ext_open.popitem(last=False)[1][0]
-            if self._reads:
-                self._evicted.append(fd)
-            else:
-                self._release(fd)
-        self._ext_open[e] = got
-        return got
+        else:
+            with self._ext_lock:
+                self._ext_open[e] = got
+                if hold:
+                    self._pins[e] += 1
+                self._let_go_unheld(keep=e)
+            return got
+        finally:
+            with self._ext_lock:
+                self._opening.pop(e).set()
+
+    def _let_go_unheld(self, keep: int = -1) -> None:
+        """Under _ext_lock: close the least recently used referenced files no read holds (nor
+        `keep`, just opened for a caller), down to max_open; where reads hold more, they stay
+        open until those reads end (each read holds one at a time)."""
+        while len(self._ext_open) > self.max_open:
+            e = next((e for e in self._ext_open if not self._pins[e] and e != keep), None)
+            if e is None:
+                return
+            self._release(self._ext_open.pop(e)[0])
+
+    @contextlib.contextmanager
+    def _holding(self, source: int, k: int) -> Iterator[None]:
+        """Hold referenced file `source` (-1: this file, nothing to hold) open while a read
+        reads from it, opened and checked first if it is not open (`k`: a chunk in it, for
+        errors); let go of once no read holds it, where more than max_open are open."""
+        if source < 0:
+            yield
+            return
+        self._external(source, k, None, hold=True)
+        try:
+            yield
+        finally:
+            with self._ext_lock:
+                self._pins[source] -= 1
+                if not self._pins[source]:
+                    del self._pins[source]
+                self._let_go_unheld()
 
     def _source(self, k: int, key: str | None) -> tuple[int, bytes, int]:
         """Where chunk k's stored bytes are: (fd, that file's id, the chunk's number in it)."""
@@ -426,28 +470,12 @@ class ChunkReader:
             if items:
                 self._read_source(-1, list(items), verify, check_only)
             return
-        with self._remote_turn if self.remote is not None else contextlib.nullcontext():
-            self._read_each_source(items, verify, check_only)
-
-    def _read_each_source(
-        self, items: Sequence[tuple[int, Destination]], verify: bool, check_only: bool
-    ) -> None:
-        """read_into's chunks grouped by the file they lie in, each group read from it; a
-        referenced file let go of meanwhile (max_open) closed once no read is in progress."""
-        with self._ext_lock:
-            self._reads += 1
-        try:
-            groups: dict[int, list[tuple[int, Destination]]] = {}
-            for k, dest in items:
-                groups.setdefault(self.chunks[k].source, []).append((k, dest))
-            for source, group in groups.items():
+        groups: dict[int, list[tuple[int, Destination]]] = {}
+        for k, dest in items:
+            groups.setdefault(self.chunks[k].source, []).append((k, dest))
+        for source, group in groups.items():
+            with self._holding(source, group[0][0]):
                 self._read_source(source, group, verify, check_only)
-        finally:
-            with self._ext_lock:
-                self._reads -= 1
-                evicted, self._evicted = (self._evicted, []) if not self._reads else ([], self._evicted)
-            for fd in evicted:
-                self._release(fd)
 
     def _read_source(
         self, source: int, group: list[tuple[int, Destination]], verify: bool, check_only: bool

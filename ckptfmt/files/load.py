@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import struct
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..background import inflight
+from ..engine import forkreset
+from ..errors import CheckpointError
 from ..format import devices
 from ..gcpause import pausing_in_main_thread
 from .reader import CheckpointFile
 
 _DOUBLE = struct.Struct("<d")
+#: seconds Reader.close waits for the gets in progress on other threads to end
+CLOSE_WAIT = 60.0
 
 
 def same_key(a: object, b: object) -> bool:
@@ -96,6 +103,66 @@ def load(
         return f.load_subtree(f.tree.root, map_location, verify, use_mmap=mmap)
 
 
+class _Gets:
+    """The gets (and loads) of one Reader in progress, and its closing: `close` lets those in
+    progress end and refuses new ones; the file is closed once none is in progress, by close
+    itself where they end within CLOSE_WAIT, else by the last of them as it ends (its
+    descriptors are never closed under a read: no EBADF, no descriptor reused for another
+    file's bytes)."""
+
+    def __init__(self, path: str, close: Callable[[], None]) -> None:
+        self._path = path
+        self._close_file = close
+        self._closing = False
+        self._closed = False
+        self._forget_in_child()
+        forkreset.register(self)
+
+    def _forget_in_child(self) -> None:
+        """A forked child's: no get of the parent's runs there (its count would never fall),
+        and a parent thread may have held the lock at the fork."""
+        self._cond = threading.Condition()
+        self._running = 0
+
+    @contextlib.contextmanager
+    def running(self, what: str) -> Iterator[None]:
+        """`what` (a get, a load) runs within: refused once the reader is closing."""
+        with self._cond:
+            if self._closing:
+                raise CheckpointError(f"{what}: the reader is closed", path=self._path)
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running -= 1
+                last = self._closes_now()
+                self._cond.notify_all()
+            if last:
+                self._close()
+
+    def close(self) -> None:
+        """Refuse new gets; close the file once those in progress are over (CLOSE_WAIT)."""
+        with self._cond:
+            self._closing = True
+            self._cond.wait_for(lambda: not self._running, timeout=CLOSE_WAIT)
+            now = self._closes_now()
+        if now:
+            self._close()
+
+    def _close(self) -> None:
+        forkreset.unregister(self)
+        self._close_file()
+
+    def _closes_now(self) -> bool:
+        """Under the lock: whether the caller closes the file (closing, none in progress,
+        not closed already)."""
+        if not self._closing or self._running or self._closed:
+            return False
+        self._closed = True
+        return True
+
+
 class Reader:
     """An open checkpoint: the index is parsed, data is read only on `get`.
 
@@ -104,6 +171,11 @@ class Reader:
     at once from several threads may each take that much.  Calls from several threads run at
     once; on an object store they share what one has fetched (a range two of them need is
     fetched once, and its memory freed once both are done with it).
+
+    close() while other threads' gets run: those gets finish, whole and bit for bit, and
+    close waits for them (CLOSE_WAIT seconds at most; where one runs longer, close returns and
+    the last get to end closes the file); a get or load begun after close raises
+    CheckpointError ("the reader is closed").
     """
 
     def __init__(
@@ -124,6 +196,7 @@ class Reader:
             decrypt_with=decrypt_with,
         )
         self._items = self._file.root_items()
+        self._gets = _Gets(self._file.path, self._file.close)
 
     @property
     def path(self) -> str:
@@ -165,16 +238,19 @@ class Reader:
         devices.check_map_location(map_location)
         for k, node in self._items:
             if same_key(k, key):
-                return self._file.load_subtree(node, map_location, verify)
+                with self._gets.running(f"get({key!r})"):
+                    return self._file.load_subtree(node, map_location, verify)
         # a missing key is the caller's, as for a dict; the message says where it was looked for
         raise KeyError(f"{key!r}: no such top-level entry in {self._file.path} (keys() lists them)")
 
     def load(self, map_location: devices.MapLocation = None, *, verify: bool = True) -> Any:
         devices.check_map_location(map_location)
-        return self._file.load_subtree(self._file.tree.root, map_location, verify)
+        with self._gets.running("load()"):
+            return self._file.load_subtree(self._file.tree.root, map_location, verify)
 
     def close(self) -> None:
-        self._file.close()
+        """Close the file once the gets in progress are over (see the class)."""
+        self._gets.close()
 
     def __enter__(self) -> Reader:
         return self

@@ -22,7 +22,8 @@ reader that will read the whole object (``read_ahead``) sends its requests in on
 plain download does: the tail, and the cells before it (up to READ_AHEAD_BYTES) at once,
 the first of which reads the prologue into the spool; the others' answers wait, unread,
 until the index is parsed and the chunk reader claims them (``start_into``): their bodies
-then go straight into the tensors (the spool where a chunk needs it: engine/directread.py).
+then go straight into the tensors (the spool where a chunk needs it: engine/directread.py);
+that wave is wave.py's.
 A load under max_bytes reads nothing ahead: the bytes the spool holds (``occupied``) count
 against that bound with the tensors, which only the parsed index tells.
 Ranges given back have their pages freed on a thread of their own (it costs about as much
@@ -44,7 +45,7 @@ from ..errors import CheckpointError, LimitError, StorageError
 from ..format import layout as fmt
 from . import client as s3
 from .backends import store_for
-from .holdings import Holdings, Request
+from .holdings import Fetch, Holdings, Request
 from .inherited import Inherited, renewed_in_child
 from .pools import pools_refuse_work, run_into, submit_or_run, wait_all, wait_quietly
 from .rangedgets import RangedGets, Where
@@ -58,10 +59,11 @@ from .ranges import (
     subtract_ranges,
     views_after,
 )
-from .readahead import Abandoned, Deferred, SendOrder
+from .readahead import SendOrder
 from .spool import Spool
 from .store import Store
 from .urls import ObjectURL, parse_url
+from .wave import ReadAheadWave
 
 MiB = 1 << 20
 #: the tail fetched with the footer: most indexes lie within it
@@ -101,7 +103,7 @@ def head(url: ObjectURL, options: dict[str, Any]) -> tuple[int, str]:
     return size, etag
 
 
-class RemoteObject(Inherited):
+class RemoteObject(Inherited, ReadAheadWave):
     """One object being read: its size and ETag, and a Spool holding the bytes fetched so far."""
 
     def __init__(
@@ -119,6 +121,8 @@ class RemoteObject(Inherited):
         read_ahead: the caller will read all of the object: its requests go out at once, their
         bodies read where the chunk reader says (_read_ahead)."""
         super().__init__()
+        #: closed: the reads in progress fail with a CheckpointError saying so (_closed_error)
+        self.closed = False
         self.path = url
         self.url: ObjectURL = parse_url(url)
         self.options = options
@@ -155,13 +159,15 @@ class RemoteObject(Inherited):
     @property
     @renewed_in_child
     def fd(self) -> int:
-        assert self.spool is not None
+        if self.spool is None:
+            raise self._closed_error()
         return self.spool.fd
 
     @renewed_in_child
     def dup_fd(self) -> int:
         """A descriptor of the spool for a reader, which closes it (a forked child's: spool.in_child)."""
-        assert self.spool is not None
+        if self.spool is None:
+            raise self._closed_error()
         return self.spool.dup()
 
     def _renew(self) -> None:
@@ -233,44 +239,6 @@ class RemoteObject(Inherited):
         first = self._read_ahead(wave, head[1], order)
         self.wait([ends.future, first])
         return tail[0]
-
-    def _wave(self, tail: int, ahead: int) -> list[Range]:
-        """The requests of a read-ahead wave: the bytes before `tail`, `ahead` at most, cut at
-        the grid, no more than leave the tail's request a thread (a deferred request holds its
-        thread); none where the tail's request would have no thread left."""
-        concurrency = s3.concurrency(self.options)
-        return plan_requests([(0, min(tail, ahead))], self._request_bytes)[: concurrency - 1]
-
-    def _get_tail(self, request: Request, order: SendOrder) -> None:
-        """_get of the tail, an end of the wave's `order`: the others go once its request is
-        written or an attempt of it failed (not after its retries); its failure for good fails
-        the order (the load is lost: the others never go)."""
-        with order.sending(order.tail) as failed:
-            self._get(request, failed)
-
-    def _read_ahead(self, requests: Sequence[Range], prologue: int, order: SendOrder) -> Future[None]:
-        """Ask for `requests` (_wave) without waiting for their bodies, but for the first
-        `prologue` bytes (in the spool at once): the rest of each waits for a reader to claim it
-        (`_claim`), which says where its bytes go (a chunk reader's tensors, start_into, or the
-        spool: a plan that needs them, or close); sent in `order`.  The index is not parsed
-        yet, so no tensor exists; the answers are on their way meanwhile, as a plain parallel
-        download's are.  The future that ends once the prologue is in."""
-        deferred = [Deferred(prologue if i == 0 else r[0], order) for i, r in enumerate(requests)]
-        made = [Request(r, [r], d) for r, d in zip(requests, deferred)]
-        with self._held_lock:
-            self._book.requests.extend(self._made(made))
-
-        def send(q: Request) -> None:
-            # refused (the exit began since _fetch_ends): claimed for the spool, then run here
-            here = partial(self._claim_for_spool, q)
-            run_into(self._pool, q.future, self._get_deferred, q, q.deferred, here=here)
-
-        self._hand_over(made, send)
-        return deferred[0].prefix
-
-    def _claim_for_spool(self, request: Request) -> None:
-        with self._held_lock:
-            self._claim(request, ())
 
     def _footer(self) -> fmt.Footer | None:
         """The footer the fetched prologue and tail hold, checked; None if they hold none."""
@@ -357,9 +325,11 @@ class RemoteObject(Inherited):
         for i, q in enumerate(made):
             try:
                 send(q)
-            except BaseException:
+            except BaseException as e:
                 for q2 in made[i:]:
                     q2.future.cancel()  # never sent: never will be (one that started ends itself)
+                if self.closed and isinstance(e, RuntimeError):  # the pool, shut down by close
+                    raise self._closed_error() from None
                 raise
 
     def _made(self, requests: list[Request]) -> list[Request]:
@@ -394,9 +364,32 @@ class RemoteObject(Inherited):
         are asked for, which is when the spool's part grows."""
         self.peak_bytes = max(self.peak_bytes, self._book.occupied())
 
-    #: fetches begun by `start` waited for (each ends within its Budget once it runs, a deferred
-    #: one within its claim's and its body's, `concurrency` at a time): pools.py
-    wait = staticmethod(wait_all)
+    def wait(self, futures: Sequence[Future[None]]) -> None:
+        """Wait for fetches `start` or `start_into` began (each ends within its Budget once it
+        runs, a deferred one within its claim's and its body's, `concurrency` at a time); the
+        first failure raised once all are over.  A request of another read's that was never
+        sent (its hand-over to a thread failed: that read's failure, raised there) is asked for
+        again here, its bytes for the spool, within the storage deadline; a failure to send
+        that is this read's own.  Cancelled by close: CheckpointError saying so."""
+        budget = s3.Budget(self.options)
+        while True:
+            wait_quietly(futures)
+            unsent = [f.request for f in futures if isinstance(f, Fetch) and f.cancelled()]
+            if unsent and self.closed:
+                raise self._closed_error()
+            wait_all([f for f in futures if not (isinstance(f, Fetch) and f.cancelled())])
+            if not unsent:
+                return
+            if budget.remaining() <= 0:
+                lo, hi = unsent[0].range
+                raise StorageError(
+                    f"read bytes {lo}-{hi - 1}: other reads' requests for them were never sent, "
+                    f"again and again for {budget.deadline:g} s (storage option deadline)",
+                    path=self.path,
+                )
+            futures = self.start(merge_ranges([p for q in unsent for p in q.spooled]))
+
+    #: fetches whose outcome no longer matters waited for (a read that failed already): pools.py
     wait_quietly = staticmethod(wait_quietly)
 
     def fetch(self, ranges: Sequence[Range]) -> None:
@@ -476,112 +469,6 @@ class RemoteObject(Inherited):
         self._hand_over(made, send)
         return futures
 
-    def _claim(
-        self,
-        request: Request,
-        targets: Sequence[tuple[int, memoryview]] | None,
-        landed: Callable[[Range], None] | None = None,
-    ) -> None:
-        """Tell `request`, if it is one of the read-ahead wave not yet claimed, where its body
-        goes, under _held_lock: the parts of `targets` within it, the rest to the spool (held
-        once in); targets None: nowhere (the object is being closed: the body is left unread)."""
-        deferred = request.deferred
-        if deferred is None:
-            return
-        request.deferred = None
-        lo, hi = request.range
-        r = (deferred.start, hi)
-        prefix = [(lo, deferred.start)] if deferred.start > lo else []
-        if targets is not None:
-            deferred.views, deferred.spooled = routed(r, targets, self._spool_view)
-            deferred.landed = landed if deferred.spooled != [r] else None
-        request.spooled = [*prefix, *deferred.spooled]
-        deferred.ready.set()
-
-    def _get_deferred(self, request: Request, deferred: Deferred) -> None:
-        """The deferred `request`: its answer's head checked and its prologue read,
-        then, once claimed (waited for within the operation's deadline, outside the body's and
-        any retry: an abandoned request is never asked for again), its body read where the
-        claim says, under a deadline and retries of its own (_read_claimed)."""
-        held: list[Range] = []
-        start = deferred.start
-        lo, hi = request.range
-        try:
-            body = self._open_deferred(lo, hi, deferred)
-            try:
-                views = deferred.wait(s3.Budget(self.options), self.path, start, hi)
-            except BaseException:
-                if body is not None:
-                    body.close()
-                raise
-            self._read_claimed(body, start, hi, views)
-            held = deferred.spooled
-            if deferred.landed is not None:
-                deferred.landed((lo, hi))
-        except BaseException as e:
-            if not deferred.prefix.done():  # the prologue never came (or the load was lost already)
-                deferred.order.fail()
-                deferred.prefix.set_exception(e)
-            raise
-        finally:
-            self._landed(request, held)
-
-    def _open_deferred(self, lo: int, hi: int, deferred: Deferred) -> Any:
-        """The deferred request's answer, its head checked and its bytes before `start` read
-        into the spool (held), its body left open; None where its one attempt failed (the
-        prologue then fetched again on its own, the rest fetched once claimed).  The first
-        request is an end of the wave's order; the others go once both ends' are written, and
-        never where the load is lost or the object closed meanwhile (Abandoned)."""
-        budget = s3.Budget(self.options)
-        order = deferred.order
-        if lo == 0:
-            with order.sending(order.first):
-                body = self._try_open(lo, hi, deferred, budget)
-        elif order.wait(budget.remaining()) and not deferred.abandoned:
-            body = self._try_open(lo, hi, deferred, budget)
-        else:
-            raise Abandoned
-        if body is None and deferred.start > lo:
-            self._get_range(lo, deferred.start)
-        self._prefix_in(lo, deferred)
-        return body
-
-    def _try_open(self, lo: int, hi: int, deferred: Deferred, budget: s3.Budget) -> Any:
-        """One attempt at the deferred request's answer, its bytes before `start` read into the
-        spool; its body left open, or None where the attempt failed."""
-        start = deferred.start
-        try:
-            with s3.carrying(budget):
-                reply = self._gets.open(lo, hi)
-            try:
-                if start > lo:
-                    self._gets.read(reply.body, lo, start, [self._spool_view(lo, start)], budget, False)
-            except BaseException:
-                reply.body.close()
-                raise
-            return reply.body
-        except s3.transfer_errors():
-            return None
-
-    def _read_claimed(self, body: Any, lo: int, hi: int, views: list[memoryview]) -> None:
-        """Read [lo, hi) of a claimed answer's open `body` (None: none) into `views`, under a
-        fresh request deadline; a body cut or failed is resumed from the byte it reached."""
-        got = 0
-        if body is not None:
-            try:
-                got = self._gets.read(body, lo, hi, views, s3.Budget(self.options))
-            except s3.transfer_errors() as e:
-                got = getattr(e, "ckptfmt_got", 0)
-        if got < hi - lo:
-            self._get_range(lo + got, hi, lambda skip: views_after(views, got + skip))
-
-    def _prefix_in(self, lo: int, deferred: Deferred) -> None:
-        """The bytes of a deferred request before its `start` are in the spool: held."""
-        if not deferred.prefix.done():
-            with self._held_lock:
-                self._book.held = merge_ranges([*self._book.held, (lo, deferred.start)])
-            deferred.prefix.set_result(None)
-
     def _get_into(self, request: Request, views: list[memoryview], landed: Callable[[Range], None]) -> None:
         """A request start_into made: its bytes into `views`, the parts of them that go to the
         spool held once in, then `landed`."""
@@ -594,8 +481,14 @@ class RemoteObject(Inherited):
             self._landed(request, held)
 
     def _spool_view(self, lo: int, hi: int) -> memoryview:
-        assert self.spool is not None
+        if self.spool is None:
+            raise self._closed_error()
         return self.spool.view(lo, hi)
+
+    def _closed_error(self) -> CheckpointError:
+        """What a read of the object closed meanwhile (or before it) fails with: never a bare
+        assertion, a closed descriptor's EBADF or a cancelled fetch."""
+        return CheckpointError("the object was closed while a read of it was in progress", path=self.path)
 
     @renewed_in_child
     def release(self, ranges: Sequence[Range], wait: bool = False) -> None:
@@ -685,6 +578,10 @@ class RemoteObject(Inherited):
         return digest.digest()
 
     def close(self) -> None:
+        """Close the spool and end the fetches: those not begun are cancelled (a read waiting
+        for them fails with a CheckpointError saying the object was closed), those begun end
+        first; a read that goes on with the object after this fails so too."""
+        self.closed = True
         if self._disown():
             return  # a forked child's that never used it: the parent's threads and books untouched
         with self._held_lock:

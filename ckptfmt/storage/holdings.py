@@ -26,6 +26,15 @@ from .readahead import Deferred
 Range = tuple[int, int]
 
 
+class Fetch(Future[None]):
+    """The future of a request, which knows it: a read that waits for a request another read
+    made, and finds it never sent (cancelled), asks for the bytes it needed there itself."""
+
+    def __init__(self, request: Request) -> None:
+        super().__init__()
+        self.request = request
+
+
 class Request:
     """A request in flight: its range, the future that ends once it is over, and the parts of
     it whose bytes go to the spool (for one of the read-ahead wave not claimed yet, `deferred`,
@@ -35,7 +44,7 @@ class Request:
 
     def __init__(self, r: Range, spooled: list[Range], deferred: Deferred | None = None) -> None:
         self.range = r
-        self.future: Future[None] = Future()
+        self.future: Future[None] = Fetch(self)
         self.spooled = spooled
         self.deferred = deferred
 
@@ -54,9 +63,14 @@ class Holdings:
         #: ranges given back whose pages are being freed, each with the future of its freeing
         self.freeing: list[tuple[Range, Future[None]]] = []
 
+    def live(self) -> list[Request]:
+        """The requests in flight, less those cancelled (never sent: each leaves the books
+        just after, from its future's callback), which bring nothing in."""
+        return [q for q in self.requests if not q.future.cancelled()]
+
     def spooling(self) -> list[Range]:
         """The bytes requests in flight bring into the spool (sorted, disjoint)."""
-        return merge_ranges([p for q in self.requests for p in q.spooled])
+        return merge_ranges([p for q in self.live() for p in q.spooled])
 
     def taken(self) -> list[Range]:
         """The bytes held or on their way into the spool (sorted, disjoint)."""
@@ -68,7 +82,7 @@ class Holdings:
         """What `ranges` needs in the spool: the requests in flight that bring some of its bytes
         there, and its bytes neither held nor on their way (sorted, disjoint)."""
         wanted = merge_ranges(ranges)
-        waited = [q for q in self.requests if any(overlaps(wanted, p) for p in q.spooled)]
+        waited = [q for q in self.live() if any(overlaps(wanted, p) for p in q.spooled)]
         return waited, subtract_ranges(wanted, self.taken())
 
     def deferred_within(self, ranges: Sequence[Range]) -> list[Request]:

@@ -5,9 +5,9 @@ its state anew.
 A fork copies an object being read as it stands: its pool of threads (which the child lacks:
 work handed to it waits for ever), its locks (which a thread of the parent's may have held at
 the fork), its books of requests in flight (which never land in the child) and its spool (a
-memfd whose pages parent and child would share).  The after-fork hook (the project's one
-mechanism for fork, beside the state it resets: ARCHITECTURE.md) marks every live
-`Inherited` so, and gives it a lock of the child's own; its first use in the child (a method
+memfd whose pages parent and child would share).  The after-fork hook (engine/forkreset.py,
+with which every live `Inherited` is registered until it is closed) marks each so, and gives
+it a lock of the child's own; its first use in the child (a method
 decorated `renewed_in_child`) then calls its `_renew` under that lock, and one closed before
 any use lets go of only the child's copies (`_let_go`).  Nothing of the parent's is written,
 freed or waited for in the child.
@@ -16,16 +16,13 @@ freed or waited for in the child.
 from __future__ import annotations
 
 import functools
-import os
 import threading
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-F = TypeVar("F", bound=Callable[..., Any])
+from ..engine import forkreset
 
-#: the objects open in this process, each until it is closed
-_live: weakref.WeakSet[Inherited] = weakref.WeakSet()
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Inherited:
@@ -35,7 +32,7 @@ class Inherited:
         self._renew_lock = threading.Lock()
         #: made by a parent, not used yet by this process (a forked child)
         self._inherited = False
-        _live.add(self)
+        forkreset.register(self)  # until it is closed
 
     def _renew(self) -> None:
         """Make this process's own state in place of the parent's (called once, at the first use
@@ -48,6 +45,12 @@ class Inherited:
         state (its copies of descriptors and mappings)."""
         raise NotImplementedError
 
+    def _forget_in_child(self) -> None:
+        """In a forked child (forkreset): the parent's, renewed at its first use here, under a
+        lock of this process's own (the parent's may be held by a thread the child lacks)."""
+        self._renew_lock = threading.Lock()
+        self._inherited = True
+
     def _own(self) -> None:
         """Before a use: a child's first renews the state (_renew)."""
         if self._inherited:
@@ -59,7 +62,7 @@ class Inherited:
     def _disown(self) -> bool:
         """At close: no longer live; in a child that never used it, what the child holds of the
         parent's let go of (_let_go) and True: the parent's state is not the child's to close."""
-        _live.discard(self)
+        forkreset.unregister(self)
         if not self._inherited:
             return False
         with self._renew_lock:
@@ -79,14 +82,3 @@ def renewed_in_child(method: F) -> F:
         return method(self, *args, **kwargs)
 
     return cast(F, owned)
-
-
-def _forget_in_child() -> None:
-    """Every live object is the parent's: renewed at its first use here, under a lock of this
-    process's own (the parent's may be held by a thread the child lacks)."""
-    for obj in list(_live):
-        obj._renew_lock = threading.Lock()
-        obj._inherited = True
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
