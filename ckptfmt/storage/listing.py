@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from ..errors import LimitError, StorageError
 from . import client as s3
 from .backends import store_for
-from .store import Page, Upload
+from .store import Page, Store, Upload
 from .upload import uploading
 from .urls import ObjectURL
 
@@ -255,8 +255,26 @@ def delete_prefix(
             s3.request(str(url), f"delete {name}", partial(store.delete, one, None), options)
     keys = [prefix + k for k in objects(url, options) if ours(k) and k not in first]
     for i in range(0, len(keys), 1000):
-        batch = keys[i : i + 1000]
-        s3.request(str(url), "delete", partial(store.delete_many, url, batch), options)
+        _delete_batch(store, url, keys[i : i + 1000], options)
+
+
+def _delete_batch(store: Store, url: ObjectURL, batch: list[str], options: dict[str, Any]) -> None:
+    """Delete the keys of `batch` by one request, tried again within one Budget where the
+    store may succeed another time, each retry naming only the keys the store said it failed
+    to delete (S3's per-key errors inside an answer of 200)."""
+    pending = batch
+
+    def attempt() -> None:
+        nonlocal pending
+        try:
+            store.delete_many(url, pending)
+        except Exception as e:
+            left = getattr(e, "ckptfmt_failed_keys", None)
+            if left:
+                pending = left
+            raise
+
+    s3.request(str(url), "delete", attempt, options)
 
 
 #: seconds a store's time (a listing's Date, or the time it lists an object written) is believed
