@@ -321,6 +321,8 @@ class ObjectFile:
             if not lost and not lost_answer.refused_as_made(e, completing=False):
                 raise
             version = self._made_earlier(length) if lost else None
+            if version is None and isinstance(e, FileNotFoundError):
+                raise  # the upload is gone, and no object of this write's is there
         if version is None:
             raise ObjectExistsError(
                 f"{operation}: the object exists already (written only if absent: another writer created it)",
