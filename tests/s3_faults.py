@@ -87,6 +87,7 @@ class Rule:
     remaining: int | None = None  # fail, delay: matches still to act on (None: every one)
     status: int = 500
     code: str | None = None
+    body: bytes | None = None  # fail: the answer's body in place of an S3 error
     seconds: float = 0.0
     upload_bytes: int | None = None
     download_bytes: int | None = None
@@ -234,15 +235,20 @@ def reset(sock: socket.socket) -> None:
     sock.close()
 
 
-def error_answer(req: Request, status: int, code: str | None, close: bool) -> bytes:
-    """An S3-style error response (its XML body, unless the request was a HEAD)."""
+def error_answer(
+    req: Request, status: int, code: str | None, close: bool, body: bytes | None = None
+) -> bytes:
+    """An S3-style error response (its XML body, or `body`, unless the request was a HEAD)."""
     default_code, message = ERROR_CODES.get(status, ("InjectedError", "An error was injected."))
     code = code or default_code
     body = (
-        '<?xml version="1.0" encoding="UTF-8"?>\n'
-        f"<Error><Code>{code}</Code><Message>{message}</Message>"
-        "<RequestId>ckptfmt-fault-proxy</RequestId></Error>"
-    ).encode()
+        body
+        or (
+            '<?xml version="1.0" encoding="UTF-8"?>\n'
+            f"<Error><Code>{code}</Code><Message>{message}</Message>"
+            "<RequestId>ckptfmt-fault-proxy</RequestId></Error>"
+        ).encode()
+    )
     headers = [
         ("Content-Type", "application/xml"),
         ("Content-Length", str(0 if req.method == "HEAD" else len(body))),
@@ -340,9 +346,11 @@ class FaultProxy:
         status: int = 500,
         count: int = 1,
         code: str | None = None,
+        body: bytes | None = None,
     ) -> None:
-        """Answer the next `count` matching requests with `status` and an S3 error body."""
-        self._add(Rule("fail", method, contains, remaining=count, status=status, code=code))
+        """Answer the next `count` matching requests with `status` and an S3 error body (or
+        `body`), unforwarded."""
+        self._add(Rule("fail", method, contains, remaining=count, status=status, code=code, body=body))
 
     def delay(
         self, method: str | None, contains: Target = "", seconds: float = 1.0, count: int | None = None
@@ -552,7 +560,9 @@ class FaultProxy:
             # connection closed, as servers do; any other body is read and dropped
             if not expects:
                 copy_body(rfile, _Sink(), headers)  # type: ignore[arg-type]
-            client.sendall(error_answer(req, plan.fail.status, plan.fail.code, close=expects))
+            client.sendall(
+                error_answer(req, plan.fail.status, plan.fail.code, close=expects, body=plan.fail.body)
+            )
             return not expects
         if expects:
             client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")

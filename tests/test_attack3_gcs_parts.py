@@ -1,9 +1,8 @@
 """Attacks on GCS uploads in parts: each part is an object of its own
 (``KEY.ckptfmt-part-ID-NNNNN``), composed into the object and then deleted.  Those deletes
-are sent once each and their failures swallowed (storage/gcs.py _delete_quietly): one 503
-on one of them, which any other request of a save survives by its retries, leaves a part
-(8 MiB or more) in the bucket.  Beneath a plain object's URL nothing ever removes it: only a
-run's cleanup aborts crashed uploads, and only a day later."""
+were sent once each and their failures swallowed: one 503 on one of them, which any other
+request of a save survives by its retries, left a part (8 MiB or more) in the bucket.  They
+are retried within the operation's deadline now."""
 
 from __future__ import annotations
 
@@ -15,11 +14,6 @@ import ckptfmt
 LARGE = torch.arange(5 << 20, dtype=torch.float32)  # 20 MiB: three parts of 8 MiB
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a composed upload's part deletes are tried once, their failures swallowed "
-    "(storage/gcs.py complete_upload/_delete_quietly): one 503 leaves a part object for good",
-)
 @pytest.mark.parametrize("store_faults", ["gs"], indirect=True)
 def test_one_refused_delete_of_a_composed_part_leaves_no_part_behind(store_faults):
     url = store_faults.new_root() + "/model.ckpt"
@@ -30,11 +24,6 @@ def test_one_refused_delete_of_a_composed_part_leaves_no_part_behind(store_fault
     assert store_faults.uploads(url) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="an aborted upload's part deletes are tried once, their failures swallowed "
-    "(storage/gcs.py abort_upload/_delete_quietly): one 503 leaves a part object for good",
-)
 @pytest.mark.parametrize("store_faults", ["gs"], indirect=True)
 def test_one_refused_delete_of_an_aborted_uploads_part_leaves_no_part_behind(store_faults):
     url = store_faults.new_root() + "/model.ckpt"

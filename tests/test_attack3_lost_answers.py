@@ -22,11 +22,6 @@ from ckptfmt.errors import StorageError
 SMALL = torch.arange(1000, dtype=torch.float32)  # one PUT
 LARGE = torch.arange(5 << 20, dtype=torch.float32)  # 20 MiB: an upload in parts
 
-LOST_CREATE_ONLY = (
-    "a create-only write whose answer was lost is retried and refused by the object its own "
-    "first attempt made (storage/upload.py ObjectFile._creating): the save fails"
-)
-
 
 def _save_and_load(faults, weights: torch.Tensor) -> None:
     url = faults.new_root() + "/run"
@@ -38,14 +33,12 @@ def _save_and_load(faults, weights: torch.Tensor) -> None:
     assert torch.equal(got["w"], weights)
 
 
-@pytest.mark.xfail(strict=True, reason=LOST_CREATE_ONLY)
 def test_a_state_object_put_whose_answer_is_lost_still_saves_the_step(store_faults):
     method, target = store_faults.op("write", "step-000000005/state.")
     store_faults.reset_on(method, target, answered=True)
     _save_and_load(store_faults, SMALL)
 
 
-@pytest.mark.xfail(strict=True, reason=LOST_CREATE_ONLY)
 @pytest.mark.parametrize("store_faults", ["az"], indirect=True)
 def test_a_state_object_block_list_whose_answer_is_lost_still_saves_the_step(store_faults):
     """Azure's Put Block List (the request that makes an upload in parts appear) is
@@ -55,11 +48,6 @@ def test_a_state_object_block_list_whose_answer_is_lost_still_saves_the_step(sto
     _save_and_load(store_faults, LARGE)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the commit record's create-only PUT whose answer was lost is retried and refused by "
-    "the record it made (objectmanager.py _commit): a committed step is reported as another writer's",
-)
 def test_a_commit_record_put_whose_answer_is_lost_still_saves_the_step(store_faults):
     method, target = store_faults.op("write", "step-000000005/COMMIT")
     store_faults.reset_on(method, target, answered=True)

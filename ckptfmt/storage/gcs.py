@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import urllib.parse
 import uuid
@@ -52,6 +53,7 @@ MAX_COMPOSE = 32
 PAGE_ENTRIES = answers.PAGE_ENTRIES
 #: what a listing page is asked to hold (partial response): only what _entry reads
 LISTED_FIELDS = "items(name,size,updated,generation),prefixes,nextPageToken"
+_log = logging.getLogger("ckptfmt")
 #: pages of part objects one abort lists at most (10,000 parts and their composites fill 11)
 MAX_ABORT_PAGES = 64
 
@@ -237,8 +239,9 @@ class GCSStore:
         self, url: ObjectURL, upload_id: str, parts: dict[int, str], *, if_absent: bool
     ) -> str | None:
         """Compose the parts, MAX_COMPOSE at a time, into composites of composites until one
-        compose makes the object; then delete the parts and composites (a failure to is left
-        to abort_uploads_begun_before: the object is complete).  A failed compose deletes nothing:
+        compose makes the object; then delete the parts and composites, each retried within
+        this operation's deadline (one that still fails is logged and left to a run's
+        cleanup, abort_uploads_begun_before: the object is complete).  A failed compose deletes nothing:
         the attempt that retries it composes the same parts (ObjectFile's abort deletes them
         where none succeeds).  The composes of one level, and the deletes, are sent
         `concurrency` at a time, within this operation's deadline: one after another, the
@@ -305,11 +308,20 @@ class GCSStore:
             token = page.token
 
     def _delete_quietly(self, url: ObjectURL, keys: list[str]) -> None:
+        """Delete these part objects, each retried within what remains of the operation's
+        deadline (its Budget's attempts); one that still cannot be deleted is logged by name
+        (WARNING) and left: it is listed as an upload (list_uploads) and deleted by a run's
+        cleanup once stale, or by hand (docs/object-stores.md)."""
+        outer = client.current_budget()
+
         def delete(key: str) -> None:
+            budget = _budget_within(outer)
             try:
-                self._delete(url, key, None)
-            except client.transfer_errors():
-                pass  # left for abort_uploads_begun_before
+                budget.run(
+                    f"gs://{url.bucket}/{key}", "delete a part object", lambda: self._delete(url, key, None)
+                )
+            except (CheckpointError, OSError) as e:
+                _log.warning("a part object is left (a run's cleanup deletes it once stale): %s", e)
 
         self._each(delete, keys)
 
@@ -377,6 +389,14 @@ class GCSStore:
         uploads = [Upload(key, upload_id, when) for (key, upload_id), when in began.items()]
         following = {"pageToken": page.token} if isinstance(page.token, str) and page.token else {}
         return UploadPage(uploads, page.truncated, following)
+
+
+def _budget_within(outer: client.Budget | None) -> client.Budget:
+    """A Budget of the attempts `outer` allows, ending when `outer` does (a fresh default one
+    where there is none): the part deletes of a compose or an abort run within its deadline."""
+    if outer is None:
+        return client.Budget({})
+    return client.Budget({"deadline": max(outer.remaining(), 0.001), "max_attempts": outer.attempts})
 
 
 def _part_key(key: str, upload_id: str, label: str) -> str:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from ..errors import LimitError, StorageError
 from . import client as s3
 from .backends import store_for
-from .store import Page, Upload
+from .store import Page, Store, Upload
 from .upload import uploading
 from .urls import ObjectURL
 
@@ -113,12 +113,20 @@ def versions(url: ObjectURL, options: dict[str, Any]) -> dict[str, str | None]:
 
 def _uploads(url: ObjectURL, options: dict[str, Any], prefix: str) -> Iterator[Upload]:
     """The uploads begun beneath `prefix` and not completed, every page of them, with the
-    bounds that _pages_with puts on a listing of objects."""
+    bounds that _pages_with puts on a listing of objects (its deadline too)."""
     store = store_for(url, options)
     marker: dict[str, str] = {}
     seen: set[bytes] = set()
-    for _ in range(MAX_PAGES):
-        page = s3.request(str(url), "list uploads", partial(store.list_uploads, url, prefix, marker), options)
+    whole = s3.Budget(options)  # the listing's deadline, every page within it
+    for pages in range(MAX_PAGES):
+        if whole.remaining() <= 0:
+            raise StorageError(
+                f"list uploads: the listing took more than {whole.deadline:g} s (storage option "
+                f"deadline) after {pages} pages",
+                path=str(url),
+            )
+        within = options | {"deadline": whole.remaining()}
+        page = s3.request(str(url), "list uploads", partial(store.list_uploads, url, prefix, marker), within)
         yield from page.uploads
         if not page.truncated:
             return
@@ -162,8 +170,9 @@ def http_date(value: object) -> datetime.datetime | None:
 def _pages_with(
     url: ObjectURL, options: dict[str, Any], operation: str, prefix: str, delimiter: str | None
 ) -> Iterator[Page]:
-    """The listing's pages to the end; a store that never ends it (a token it gave before,
-    or more entries than MAX_LISTED) is refused rather than followed forever."""
+    """The listing's pages to the end, all within one deadline (storage option deadline); a
+    store that never ends it (a token it gave before, or more entries than MAX_LISTED) is
+    refused rather than followed forever."""
     store = store_for(url, options)
     token: object = None
     seen_tokens: set[bytes] = set()  # digests: a token's length is the store's to choose
@@ -176,8 +185,10 @@ def _pages_with(
                 f"after {pages} pages and {listed} entries",
                 path=str(url),
             )
+        # each page's attempts end with the listing's deadline, not one deadline past it
+        within = options | {"deadline": whole.remaining()}
         page = s3.request(
-            str(url), operation, partial(store.list_page, url, prefix, delimiter, token), options
+            str(url), operation, partial(store.list_page, url, prefix, delimiter, token), within
         )
         listed += len(page.entries) + len(page.prefixes)
         pages += 1
@@ -244,8 +255,26 @@ def delete_prefix(
             s3.request(str(url), f"delete {name}", partial(store.delete, one, None), options)
     keys = [prefix + k for k in objects(url, options) if ours(k) and k not in first]
     for i in range(0, len(keys), 1000):
-        batch = keys[i : i + 1000]
-        s3.request(str(url), "delete", partial(store.delete_many, url, batch), options)
+        _delete_batch(store, url, keys[i : i + 1000], options)
+
+
+def _delete_batch(store: Store, url: ObjectURL, batch: list[str], options: dict[str, Any]) -> None:
+    """Delete the keys of `batch` by one request, tried again within one Budget where the
+    store may succeed another time, each retry naming only the keys the store said it failed
+    to delete (S3's per-key errors inside an answer of 200)."""
+    pending = batch
+
+    def attempt() -> None:
+        nonlocal pending
+        try:
+            store.delete_many(url, pending)
+        except Exception as e:
+            left = getattr(e, "ckptfmt_failed_keys", None)
+            if left:
+                pending = left
+            raise
+
+    s3.request(str(url), "delete", attempt, options)
 
 
 #: seconds a store's time (a listing's Date, or the time it lists an object written) is believed

@@ -27,6 +27,8 @@ from .urls import ObjectURL
 PAGE_ENTRIES = answers.PAGE_ENTRIES
 #: the operations whose answers are listings (_send_within_deadlines counts their tags)
 LISTING_OPERATIONS = ("ListObjectsV2", "ListMultipartUploads")
+#: the per-key errors of DeleteObjects that another attempt may not meet (S3's 500 and 503)
+TRANSIENT_DELETE_ERRORS = frozenset({"InternalError", "SlowDown", "ServiceUnavailable"})
 
 
 def environment() -> tuple[tuple[str, str], ...]:
@@ -108,10 +110,28 @@ class S3Store:
         self.client.delete_object(Bucket=url.bucket, Key=url.key, **condition)
 
     def delete_many(self, url: ObjectURL, keys: list[str]) -> None:
+        """DeleteObjects; its per-key errors, inside an answer of 200, raised: a store's
+        transient failure (InternalError, SlowDown) as an AnswerError the retry loop tries
+        again, carrying (ckptfmt_failed_keys) the keys of this batch left to delete."""
         reply = self.client.delete_objects(Bucket=url.bucket, Delete={"Objects": [{"Key": k} for k in keys]})
-        if reply.get("Errors"):
-            err = reply["Errors"][0]
-            raise StorageError(f"delete {err.get('Key')}: {err.get('Code')}", path=str(url))
+        errors = reply.get("Errors")
+        if not errors:
+            return
+        errors = [e for e in errors if isinstance(e, dict)] if isinstance(errors, list) else []
+        first = errors[0] if errors else {}
+        codes = {str(e.get("Code")) for e in errors}
+        if errors and codes <= TRANSIENT_DELETE_ERRORS:
+            code = str(first.get("Code"))
+            failed = client.AnswerError(
+                code, 503 if code == "SlowDown" else 500, f"{len(errors)} of {len(keys)} keys not deleted"
+            )
+            asked = set(keys)
+            failed.ckptfmt_failed_keys = [  # type: ignore[attr-defined]
+                k for e in errors if isinstance(k := e.get("Key"), str) and k in asked
+            ]
+            raise failed
+        what = client.quoted(f"{first.get('Key')}: {first.get('Code')}")
+        raise StorageError(f"delete {what} ({len(errors)} of {len(keys)} keys not deleted)", path=str(url))
 
     def list_page(self, url: ObjectURL, prefix: str, delimiter: str | None, token: object) -> Page:
         extra = {"Delimiter": delimiter} if delimiter else {}

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..errors import CheckpointError, ObjectExistsError, StorageError
 from . import client as s3
+from . import lost_answer
 from .backends import store_for
 from .pools import submit_or_run
 from .spool import Spool
@@ -36,6 +37,7 @@ from .urls import ObjectURL, parse_url
 MiB = 1 << 20
 MIN_PART = 8 * MiB  # S3's minimum is 5 MiB for every part but the last
 MAX_PARTS = 10_000  # S3's maximum part count
+COMPLETE = "complete multipart upload"
 
 
 #: the uploads in parts this process has begun and not yet ended, by upload id: never a crashed
@@ -269,7 +271,7 @@ class ObjectFile:
         del body
         outer = sys.exc_info()[1]
         try:
-            self._creating("upload", put)
+            self._creating("upload", put, length)
         except BaseException as e:
             _drop_locals(e, outer)
             raise
@@ -286,31 +288,74 @@ class ObjectFile:
             raise StorageError(
                 f"complete multipart upload: {len(parts)} of its {count} parts stored", path=self.path
             )
-        self._creating(
-            "complete multipart upload",
+        made_earlier = self._creating(
+            COMPLETE,
             lambda: store.complete_upload(u, upload_id, parts, if_absent=self.if_absent),
+            length,
         )
+        if made_earlier:
+            # the attempt that made the object left what a successful completion clears (GCS's
+            # part objects) to the retry that was refused: cleared here, best effort
+            self._abort_started()
         self._started = None
 
-    def _creating(self, operation: str, call: Callable[[], str | None]) -> None:
-        """The request that makes the object appear, its ETag kept; where `if_absent`, an
+    def _creating(self, operation: str, call: Callable[[], str | None], length: int) -> bool:
+        """The request that makes the object appear, its version kept; where `if_absent`, an
         object already there is ObjectExistsError (a FileExistsError; a store without
-        conditional writes replaces it)."""
+        conditional writes replaces it), unless an earlier attempt of this request got no
+        definite answer and the object there is the one it made (lost_answer.made_by): a
+        retry refused by the object its own first attempt made.  Whether that was so."""
+        unanswered = False
+
+        def failed(e: BaseException) -> None:
+            nonlocal unanswered
+            unanswered = unanswered or lost_answer.outcome_unknown(e)
+
         try:
-            self.etag = s3.request(str(self.url), operation, call, self.options)
-        except StorageError as e:
-            if self.if_absent and e.__cause__ is not None and s3.is_precondition_failed(e.__cause__):
-                raise ObjectExistsError(
-                    f"{operation}: the object exists already (written only if absent: another "
-                    "writer created it)",
-                    path=str(self.url),
-                ) from None
-            raise
+            self.etag = s3.Budget(self.options).run(str(self.url), operation, call, failed=failed)
+            return False
+        except (StorageError, FileNotFoundError) as e:
+            if not self.if_absent:
+                raise
+            lost = unanswered and lost_answer.refused_as_made(e, completing=operation == COMPLETE)
+            if not lost and not lost_answer.refused_as_made(e, completing=False):
+                raise
+            version = self._made_earlier(length) if lost else None
+            if version is None and isinstance(e, FileNotFoundError):
+                raise  # the upload is gone, and no object of this write's is there
+        if version is None:
+            raise ObjectExistsError(
+                f"{operation}: the object exists already (written only if absent: another writer created it)",
+                path=str(self.url),
+            ) from None
+        self.etag = version
+        return True
+
+    def _made_earlier(self, length: int) -> str | None:
+        """The version of the object at the URL where an earlier attempt of this write made
+        it (lost_answer.made_by); None where it is another writer's."""
+        assert self._store is not None
+        held = self._held(length)
+        try:
+            return lost_answer.made_by(self._store, self.url, self.options, length, held)
+        finally:
+            held.release()
+
+    def _held(self, length: int) -> memoryview:
+        """What the spool still holds of the object from its start: all of it where written
+        by one request, else part 1 (never released before close)."""
+        assert self.spool is not None
+        held = min(length, self.part_size)
+        return self.spool.view(0, held) if held else memoryview(b"")
 
     def abort(self) -> None:
         """Stop: wait for parts in flight, abort the multipart upload (best effort: a store
         that cannot be reached leaves it to the bucket's lifecycle rule and `cleanup`)."""
         self._wait_in_flight()  # failures are the reason we are here
+        self._abort_started()
+
+    def _abort_started(self) -> None:
+        """Abort the upload in parts begun, if one was (best effort)."""
         started, self._started = self._started, None
         if started is not None and started.exception() is None and self._store is not None:
             store, u, upload_id = self._store, self.url, started.result()
