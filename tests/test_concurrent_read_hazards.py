@@ -112,13 +112,14 @@ def test_gets_at_once_with_one_referenced_object_open(
 
     monkeypatch.setattr(reader, "MAX_OPEN_EXTERNALS", 1)
     most_open = [0]
-    let_go = ChunkReader._let_go_unheld
+    unheld = ChunkReader._unheld
 
-    def counted(self: ChunkReader, keep: int = -1) -> None:
-        let_go(self, keep)
+    def counted(self: ChunkReader, keep: int = -1) -> list[int]:
+        fds = unheld(self, keep)
         most_open[0] = max(most_open[0], len(self._ext_open))
+        return fds
 
-    monkeypatch.setattr(ChunkReader, "_let_go_unheld", counted)
+    monkeypatch.setattr(ChunkReader, "_unheld", counted)
     bucket, options = s3_bucket
     url, tensors = _chained(bucket, options, "one-open")
     keys = list(tensors)

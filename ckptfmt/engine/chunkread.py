@@ -22,6 +22,7 @@ The records read here come from a validated index (index.py) and are trusted as 
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import threading
@@ -39,11 +40,10 @@ from ..errors import (
     SignatureError,
     StorageError,
 )
-from ..fileio import pread_exact
 from ..format import encryption
 from ..format import layout as fmt
 from ..format.index import Chunk, Index
-from . import chunkerrors, chunkrecords, directread, fetchread, forkreset, zstdframes
+from . import chunkerrors, chunkrecords, directread, fetchread, forkreset, reffiles, zstdframes
 from . import native as _native
 from .chunkerrors import DIGEST_MISMATCH as _DIGEST_MISMATCH
 from .chunkerrors import SHA_MISMATCH as _SHA_MISMATCH
@@ -51,8 +51,10 @@ from .chunkerrors import TAG_MISMATCH as _TAG_MISMATCH
 from .ckptdir import CheckpointDir
 from .sources import Fetcher, References
 
-#: seconds a read waits for another's opening of a referenced file it needs (an object's
-#: requests each end within the storage deadline)
+log = logging.getLogger("ckptfmt")
+
+#: seconds a read waits at least for another's opening of a referenced file it needs (longer
+#: where the opening's storage operations may take longer: References.opening_time)
 OPEN_WAIT = 900.0
 #: verify: bytes of chunks per engine call, decoded into a window of this size
 CHECK_WINDOW = 64 << 20
@@ -162,9 +164,11 @@ class ChunkReader:
         ext = self.externals[e]
         what = f"referenced file {ext.name} (external {e})"
         try:
+            with self._ext_lock:  # the directory opened once, whichever read opens a file first
+                base = self._base_dir()
             # every directory on the way and the file itself opened without following a
             # link, the file without blocking (a FIFO is refused): spec 12.3 and 13.6
-            fd = self._base_dir().open_ref(ext.rel)
+            fd = base.open_ref(ext.rel)
         except FileNotFoundError:
             raise IncompleteError(f"{what} is missing", path=self.path) from None
         except StorageError:  # a store that failed to answer: not a damaged checkpoint
@@ -174,55 +178,15 @@ class ChunkReader:
         except OSError as err:
             raise OSError(err.errno, f"{err.strerror} (a file {self.path} refers to)", ext.name) from None
         try:
-            st = os.fstat(fd)
-            try:
-                pro = fmt.parse_prologue(pread_exact(fd, 0, fmt.PROLOGUE_SIZE), st.st_size, ext.name)
-                foot = fmt.parse_footer(
-                    pread_exact(fd, pro.file_length - fmt.FOOTER_SIZE, fmt.FOOTER_SIZE), pro, ext.name
-                )
-            except CheckpointError as inner:
-                cls = IncompleteError if isinstance(inner, IncompleteError) else CorruptError
-                raise cls(f"{what} is unusable: {inner}", path=self.path) from inner
-            if pro.file_id != ext.file_id:
-                raise CorruptError(
-                    f"{what} has file id {pro.file_id.hex()}, the reference records {ext.file_id.hex()} "
-                    "(another file lies at that path now)",
-                    path=self.path,
-                )
-            if pro.file_length != ext.length:
-                raise CorruptError(
-                    f"{what} is {pro.file_length} bytes, the reference records {ext.length}", path=self.path
-                )
-            if bool(pro.required_features & fmt.FEATURE_ENCRYPTED) != self._encrypted:
-                raise CorruptError(
-                    f"{what} is {'not ' if self._encrypted else ''}encrypted, and this file is "
-                    f"{'' if self._encrypted else 'not'}: references never cross that line (spec 17.9)",
-                    path=self.path,
-                )
-            if self.data_key:
-                self._ext_keys[e] = self._external_key(fd, pro, foot, what)
+            end, key = reffiles.check_opened(
+                fd, ext, what, self.path, self._encrypted, self._opener, bool(self.data_key)
+            )
         except BaseException:
             self._release(fd)
             raise
-        return fd, foot.index_offset
-
-    def _external_key(
-        self, fd: int, pro: fmt.Prologue, foot: fmt.Footer, what: str
-    ) -> tuple[bytes, encryption.EncryptionBlock]:
-        """An encrypted referenced file's data key, unwrapped by this file's key, and its
-        encryption block (whose tag table holds its chunks' tags)."""
-        at = fmt.align_up(foot.index_offset + foot.index_length)
-        head = pread_exact(fd, at, encryption.HEADER_SIZE)
-        size = encryption.block_length_from_header(head)
-        if size is None or size > foot.signature_length:
-            raise CorruptError(f"{what}: its encryption block's header is impossible", path=self.path)
-        try:
-            block = encryption.parse_block(pread_exact(fd, at, size), self.path, at)
-            assert self._opener is not None
-            return self._opener.data_key(block, pro.file_id), block
-        except CheckpointError as err:
-            cls = DecryptionError if isinstance(err, DecryptionError) else CorruptError
-            raise cls(f"{what}: {err.reason}", path=self.path) from None
+        if key is not None:
+            self._ext_keys[e] = key
+        return fd, end
 
     def _crypto_of(self, k: int) -> tuple[bytes, bytes, int, bytes]:
         """(data key, file id, chunk number, GCM tag) that decrypt chunk k where it lies."""
@@ -260,9 +224,9 @@ class ChunkReader:
     def _external(self, e: int, k: int, key: str | None, hold: bool = False) -> tuple[int, int]:
         """(fd, end of data section) of referenced file e, opened and checked on first use
         (outside _ext_lock: an object's takes requests, which hold up no other read; a read
-        that needs it meanwhile waits for that opening, OPEN_WAIT at most); `hold`: held by
-        the caller's read (_holding)."""
-        deadline = time.monotonic() + OPEN_WAIT
+        that needs it meanwhile waits for that opening, as long as an opening may take:
+        References.opening_time); `hold`: held by the caller's read (_holding)."""
+        deadline: float | None = None
         while True:
             with self._ext_lock:
                 got = self._ext_open.get(e)
@@ -277,15 +241,21 @@ class ChunkReader:
                 opening = self._opening.get(e)
                 if opening is None:
                     self._opening[e] = threading.Event()
-                    self._base_dir()  # made once, here
                     break
+                waits = self._opening_time()
+            deadline = time.monotonic() + waits if deadline is None else deadline
             if not opening.wait(max(0.0, deadline - time.monotonic())):
                 raise StorageError(
                     f"referenced file {self.externals[e].name} (external {e}): another read's "
-                    f"opening of it took more than {OPEN_WAIT:g} s",
+                    f"opening of it took more than {waits:g} s",
                     path=self.path,
                 )
         return self._opened(e, k, key, hold)
+
+    def _opening_time(self) -> float:
+        """Under _ext_lock: how long a read waits for another's opening of a referenced file
+        (the base is made by the read opening one, before any read can wait for it)."""
+        return OPEN_WAIT if self._base is None else max(OPEN_WAIT, self._base.opening_time())
 
     def _opened(self, e: int, k: int, key: str | None, hold: bool) -> tuple[int, int]:
         """_external's opening of referenced file e, the reads waiting for it told at its end."""
@@ -300,23 +270,38 @@ class ChunkReader:
         else:
             with self._ext_lock:
                 self._ext_open[e] = got
+                unheld = self._unheld(keep=e)
                 if hold:
                     self._pins[e] += 1
-                self._let_go_unheld(keep=e)
+            self._let_go(unheld)
             return got
         finally:
             with self._ext_lock:
                 self._opening.pop(e).set()
 
-    def _let_go_unheld(self, keep: int = -1) -> None:
-        """Under _ext_lock: close the least recently used referenced files no read holds (nor
-        `keep`, just opened for a caller), down to max_open; where reads hold more, they stay
-        open until those reads end (each read holds one at a time)."""
+    def _unheld(self, keep: int = -1) -> list[int]:
+        """Under _ext_lock: take out the least recently used referenced files no read holds
+        (nor `keep`, just opened for a caller), down to max_open, and return their descriptors,
+        which the caller closes once it let go of the lock (_let_go); where reads hold more,
+        they stay open until those reads end (each read holds one at a time)."""
+        fds = []
         while len(self._ext_open) > self.max_open:
             e = next((e for e in self._ext_open if not self._pins[e] and e != keep), None)
             if e is None:
-                return
-            self._release(self._ext_open.pop(e)[0])
+                break
+            fds.append(self._ext_open.pop(e)[0])
+        return fds
+
+    def _let_go(self, fds: list[int]) -> None:
+        """Close referenced files let go of (_unheld), outside _ext_lock (an object's closing
+        waits for its threads, which holds up no other read); a failure is logged, never
+        raised in place of the read's result: the read that let go of them is over, or goes on
+        with another file."""
+        for fd in fds:
+            try:
+                self._release(fd)
+            except Exception:
+                log.warning("closing a referenced file of %s failed", self.path, exc_info=True)
 
     @contextlib.contextmanager
     def _holding(self, source: int, k: int) -> Iterator[None]:
@@ -331,10 +316,13 @@ class ChunkReader:
             yield
         finally:
             with self._ext_lock:
-                self._pins[source] -= 1
-                if not self._pins[source]:
+                # a count close() cleared (a read that outlived it) stays at none, never below
+                if self._pins[source] > 1:
+                    self._pins[source] -= 1
+                else:
                     del self._pins[source]
-                self._let_go_unheld()
+                unheld = self._unheld()
+            self._let_go(unheld)
 
     def _source(self, k: int, key: str | None) -> tuple[int, bytes, int]:
         """Where chunk k's stored bytes are: (fd, that file's id, the chunk's number in it)."""

@@ -251,6 +251,10 @@ class CheckpointDir:
         """Nothing: a local file's bytes need no fetching (sources.References)."""
         return None
 
+    def opening_time(self) -> float:
+        """No bound of its own: a local open takes no requests (sources.References)."""
+        return 0.0
+
     def release(self, fd: int) -> None:
         """Close a descriptor open_ref gave (sources.References)."""
         os.close(fd)

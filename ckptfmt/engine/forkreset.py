@@ -13,6 +13,7 @@ Module-level state keeps its own hook beside it (ARCHITECTURE.md: the one mechan
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from typing import Protocol
@@ -42,8 +43,14 @@ def registered() -> list[ForgetsInChild]:
 
 
 def _after_fork_in_child() -> None:
+    # each object on its own: one that fails leaves the others' locks and books the child's
     for obj in list(_REGISTERED):
-        obj._forget_in_child()
+        try:
+            obj._forget_in_child()
+        except Exception:
+            logging.getLogger("ckptfmt").warning(
+                "after a fork, making %r's state anew in the child failed", obj, exc_info=True
+            )
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

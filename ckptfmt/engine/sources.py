@@ -84,6 +84,10 @@ class References(Protocol):
 
     def fetcher_of(self, fd: int) -> Fetcher | None: ...
 
+    def opening_time(self) -> float:
+        """Seconds an open_ref may take at most (its requests' deadlines), 0 where it takes no
+        requests: a read waiting for another's opening waits that long."""
+
     def release(self, fd: int) -> None:
         """Close descriptor `fd` that open_ref gave, with what it holds."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import struct
@@ -17,6 +18,7 @@ from ..format import devices
 from ..gcpause import pausing_in_main_thread
 from .reader import CheckpointFile
 
+log = logging.getLogger("ckptfmt")
 _DOUBLE = struct.Struct("<d")
 #: seconds Reader.close waits for the gets in progress on other threads to end
 CLOSE_WAIT = 60.0
@@ -139,7 +141,15 @@ class _Gets:
                 last = self._closes_now()
                 self._cond.notify_all()
             if last:
-                self._close()
+                self._close_quietly()
+
+    def _close_quietly(self) -> None:
+        """The last get's closing of the file: a failure is logged, never raised in place of
+        that get's result (the reader's close returned already, or waited no longer)."""
+        try:
+            self._close()
+        except Exception:
+            log.warning("closing %s after its last get failed", self._path, exc_info=True)
 
     def close(self) -> None:
         """Refuse new gets; close the file once those in progress are over (CLOSE_WAIT)."""

@@ -20,8 +20,14 @@ import posixpath
 from typing import Any
 
 from ..errors import CorruptError
+from . import client
 from .download import RemoteObject
 from .urls import ObjectURL, parse_url
+
+#: storage operations an object's opening (open_ref) makes one after another, each within the
+#: storage deadline: its look-up, its ends, its tag table, and an ask again for bytes whose
+#: request was never sent (RemoteObject.wait)
+OPENING_OPERATIONS = 4
 
 
 def resolve(prefix: ObjectURL, rel: str) -> ObjectURL:
@@ -73,6 +79,11 @@ class ObjectReferences:
 
     def fetcher_of(self, fd: int) -> RemoteObject | None:
         return self._objects.get(fd)
+
+    def opening_time(self) -> float:
+        """Seconds an open_ref may take: its storage operations, one after another, each
+        within the storage deadline (OPENING_OPERATIONS)."""
+        return OPENING_OPERATIONS * client.deadline(self.options)
 
     def release(self, fd: int) -> None:
         """Close descriptor `fd` open_ref gave and the object it reads (its spool)."""
