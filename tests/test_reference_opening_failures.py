@@ -192,7 +192,8 @@ class _Forgets:
 def test_one_object_failing_after_a_fork_leaves_the_others_made_anew() -> None:
     """In a forked child, an object whose state cannot be made anew does not keep the others
     registered from having theirs made anew."""
-    objects = [_Failing(), _Forgets(), _Failing(), _Forgets()]
+    # many of each: whichever order the registry holds them in, some failing come before others
+    objects = [cls() for _ in range(16) for cls in (_Failing, _Forgets)]
     for obj in objects:
         forkreset.register(obj)
     try:
