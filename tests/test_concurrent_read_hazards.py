@@ -403,3 +403,82 @@ def test_close_returns_after_its_wait_and_the_last_get_closes(
             release.set()
         assert torch.equal(got.result(timeout=60), state["a"])
     assert r._file.chunk_reader.fd == -1
+
+
+@pytest.mark.parametrize("gap", [None, 0])
+def test_a_read_asking_again_for_a_request_never_sent_takes_only_its_own_bytes(
+    s3_bucket: Any, gap: int | None
+) -> None:
+    """A read waits for another read's request (1 MiB) that the other's hand-over failed to
+    send: it asks again for the bytes it needs there (two 4 KiB ranges), by the grid and gap
+    it asked by, never the other's whole request nor, asked with no gap, the bytes between
+    its ranges; once it gives them back, the spool holds nothing that no read uses."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/refused-own.ckpt"
+    ckptfmt.save({"w": torch.randn(MiB)}, url, storage_options=options)
+    remote = RemoteObject(url, options, fetch_index=False)
+    pool = remote._pool
+    refused = threading.get_ident()
+    waiting = threading.Event()
+    needs = [(0, 4096), (32768, 36864)]
+    waited: list[BaseException | None] = []
+
+    def other_read() -> None:
+        futures = remote.start(needs, gap=gap, uses=needs)  # finds the request in flight
+        waiting.set()
+        try:
+            remote.wait(futures)
+            waited.append(None)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            waited.append(e)
+        remote.release(needs, wait=True)
+
+    class RefusingOneThread:
+        def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != refused:
+                return pool.submit(fn, *args, **kwargs)
+            threading.Thread(target=other_read).start()
+            assert waiting.wait(30)
+            raise RuntimeError("can't start new thread")
+
+        def shutdown(self, *args: Any, **kwargs: Any) -> None:
+            pool.shutdown(*args, **kwargs)
+
+    try:
+        remote._pool = RefusingOneThread()  # type: ignore[assignment]
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            remote.fetch([(0, MiB)])
+        deadline = time.monotonic() + 30
+        while not waited and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert waited == [None]
+        _settle(remote)
+        with remote._held_lock:
+            held, idle = list(remote._book.held), remote._book.idle()
+        # with the default gap the two ranges are one request (their gap held); with none, not
+        assert idle <= (36864 if gap is None else 0), held
+    finally:
+        remote._pool = pool
+        remote.close()
+
+
+def test_a_request_never_sent_that_was_to_fill_a_reads_memory_fails_that_read(
+    s3_bucket: Any,
+) -> None:
+    """A request that was to bring bytes straight into a read's memory (a claimed read-ahead
+    request, start_into's) and was never sent fails the read that waits for it with a
+    StorageError naming the bytes: asking for its spool's part again would leave that memory
+    unfilled."""
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/unsent-into.ckpt"
+    ckptfmt.save({"w": torch.randn(MiB // 4)}, url, storage_options=options)
+    remote = RemoteObject(url, options, fetch_index=False)
+    try:
+        with remote._held_lock:
+            (q,) = remote._made(remote._book.make([(0, 8192)], [(4096, 8192)]))
+        q.future.cancel()
+        with pytest.raises(ckptfmt.StorageError, match="bytes 4096-8191: .* never sent"):
+            remote.wait([q.future], needs=(), into=[(4096, 8192)])
+        assert not remote._book.requests
+    finally:
+        remote.close()

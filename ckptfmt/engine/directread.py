@@ -257,7 +257,8 @@ def read_direct(
     try:  # started here: requests claimed or made before a failure are waited for below
         futures = reads.start(remote, [span(chunks[k]) for k, _ in spooled], futures)
         rest(True)
-        remote.wait(futures)
+        # the spooled chunks are rest's, read already: only the targets' bytes are waited for
+        remote.wait(futures, needs=(), into=[(at, at + len(view)) for at, view in reads.targets])
         reads.check_whole()
     finally:
         remote.wait_quietly(futures)

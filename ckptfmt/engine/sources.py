@@ -59,7 +59,18 @@ class Fetcher(Protocol):
         `landed` is called with each request's range on its thread once its bytes are in; the
         futures appended to `futures` too."""
 
-    def wait(self, futures: Sequence[Future[None]]) -> None: ...
+    def wait(
+        self,
+        futures: Sequence[Future[None]],
+        needs: Sequence[tuple[int, int]] | None = None,
+        cell: int | None = None,
+        gap: int | None = None,
+        into: Sequence[tuple[int, int]] = (),
+    ) -> None:
+        """Wait for `futures`; another read's request among them never sent is asked for again:
+        the bytes of it the caller `needs` in the spool (None: what the start that gave the
+        futures asked for, else all), by `cell` and `gap`; one that was to bring bytes of
+        `into` (the caller's memory) straight there is an error."""
 
     def wait_quietly(self, futures: Sequence[Future[None]]) -> None: ...
 

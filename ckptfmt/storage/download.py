@@ -45,7 +45,7 @@ from ..errors import CheckpointError, LimitError, StorageError
 from ..format import layout as fmt
 from . import client as s3
 from .backends import store_for
-from .holdings import Fetch, Holdings, Request
+from .holdings import Fetch, Holdings, Request, Started
 from .inherited import Inherited, renewed_in_child
 from .pools import pools_refuse_work, run_into, submit_or_run, wait_all, wait_quietly
 from .rangedgets import RangedGets, Where
@@ -296,14 +296,14 @@ class RemoteObject(Inherited, ReadAheadWave):
         cell: int | None = None,
         gap: int | None = None,
         uses: Sequence[Range] = (),
-    ) -> list[Future[None]]:
+    ) -> Started:
         """Begin fetching `ranges` and `uses` into the spool (those bytes not held or on their
         way already, merged and cut by plan_requests: `cell` and `gap` there, default the
         object's request_size and MERGE_GAP); a request of the read-ahead wave among those in
         flight is claimed for the spool.  `uses`: the ranges the caller reads from the spool,
         each kept there until it gives it back (release), whatever other reads give back.  The
         futures finish when all of them is there: those of the requests made here, and those of
-        requests in flight that bring some of their bytes."""
+        requests in flight that bring some of their bytes (with what was asked for: wait)."""
         with self._held_lock:
             waited, missing = self._book.requests_for([*ranges, *uses])
             for q in waited:
@@ -315,7 +315,8 @@ class RemoteObject(Inherited, ReadAheadWave):
                 self._note_occupied()
         # outside the lock, which _get takes (at exit it runs here)
         self._hand_over(made, lambda q: run_into(self._pool, q.future, self._get, q))
-        return [q.future for q in waited] + [q.future for q in made]
+        asked = merge_ranges([*ranges, *uses])
+        return Started([q.future for q in waited] + [q.future for q in made], asked, cell, gap)
 
     def _hand_over(self, made: list[Request], send: Callable[[Request], None]) -> None:
         """`send` each request registered as in flight; where one cannot be sent (no thread
@@ -364,13 +365,28 @@ class RemoteObject(Inherited, ReadAheadWave):
         are asked for, which is when the spool's part grows."""
         self.peak_bytes = max(self.peak_bytes, self._book.occupied())
 
-    def wait(self, futures: Sequence[Future[None]]) -> None:
+    def wait(
+        self,
+        futures: Sequence[Future[None]],
+        needs: Sequence[Range] | None = None,
+        cell: int | None = None,
+        gap: int | None = None,
+        into: Sequence[Range] = (),
+    ) -> None:
         """Wait for fetches `start` or `start_into` began (each ends within its Budget once it
         runs, a deferred one within its claim's and its body's, `concurrency` at a time); the
         first failure raised once all are over.  A request of another read's that was never
         sent (its hand-over to a thread failed: that read's failure, raised there) is asked for
-        again here, its bytes for the spool, within the storage deadline; a failure to send
-        that is this read's own.  Cancelled by close: CheckpointError saying so."""
+        again here, within the storage deadline: the bytes of it this read `needs` in the spool
+        (those its start asked for, where `futures` is what start returned; None: all its
+        spool's bytes), by `cell` and `gap` as start takes them; a failure to send that is this
+        read's own.  One never sent that was to bring bytes of `into` (this read's memory,
+        start_into's targets) straight there is a StorageError: no spool holds them.
+        Cancelled by close: CheckpointError saying so."""
+        if isinstance(futures, Started):
+            needs = futures.needs if needs is None else needs
+            cell = futures.cell if cell is None else cell
+            gap = futures.gap if gap is None else gap
         budget = s3.Budget(self.options)
         while True:
             wait_quietly(futures)
@@ -378,16 +394,33 @@ class RemoteObject(Inherited, ReadAheadWave):
             if unsent and self.closed:
                 raise self._closed_error()
             wait_all([f for f in futures if not (isinstance(f, Fetch) and f.cancelled())])
-            if not unsent:
+            self._refuse_unsent_into(unsent, into)
+            again = merge_ranges([p for q in unsent for p in q.spooled])
+            if needs is not None:  # what of them this read needs, nothing more held for no read
+                again = subtract_ranges(again, subtract_ranges(again, merge_ranges(needs)))
+            if not again:
                 return
             if budget.remaining() <= 0:
-                lo, hi = unsent[0].range
+                lo, hi = again[0]
                 raise StorageError(
                     f"read bytes {lo}-{hi - 1}: other reads' requests for them were never sent, "
                     f"again and again for {budget.deadline:g} s (storage option deadline)",
                     path=self.path,
                 )
-            futures = self.start(merge_ranges([p for q in unsent for p in q.spooled]))
+            futures = self.start(again, cell, gap)
+
+    def _refuse_unsent_into(self, unsent: Sequence[Request], into: Sequence[Range]) -> None:
+        """StorageError where a request never sent was to bring bytes of `into` (a read's own
+        memory) straight there: asking for its spool's part alone would leave them missing."""
+        mine = merge_ranges(into)
+        for q in unsent:
+            for lo, hi in subtract_ranges([q.range], q.spooled):
+                if overlaps(mine, (lo, hi)):
+                    raise StorageError(
+                        f"read bytes {lo}-{hi - 1}: the request that was to bring them straight "
+                        "into memory was never sent",
+                        path=self.path,
+                    )
 
     #: fetches whose outcome no longer matters waited for (a read that failed already): pools.py
     wait_quietly = staticmethod(wait_quietly)
@@ -560,7 +593,8 @@ class RemoteObject(Inherited, ReadAheadWave):
         """SHA-256 of the object's whole bytes, fetched window by window (the next one while
         this one is hashed, each given back once hashed, or once the hash failed)."""
         windows = [(lo, min(lo + HASH_WINDOW, self.size)) for lo in range(0, self.size, HASH_WINDOW)]
-        digest, using, pending = hashlib.sha256(), windows[:1], []
+        digest, using = hashlib.sha256(), windows[:1]
+        pending: list[Future[None]] = []
         assert self.spool is not None
         try:
             pending = self.start((), uses=using)

@@ -35,6 +35,21 @@ class Fetch(Future[None]):
         self.request = request
 
 
+class Started(list[Future[None]]):
+    """The futures of one start (RemoteObject.start), with what that read asked for: the
+    ranges it needs in the spool (`needs`) and the grid and gap it asked by, so that a wait
+    for them that finds another read's request never sent asks for only those bytes again,
+    as that read asked for them (none of the other read's bytes held by no read)."""
+
+    def __init__(
+        self, futures: Sequence[Future[None]], needs: list[Range], cell: int | None, gap: int | None
+    ) -> None:
+        super().__init__(futures)
+        self.needs = needs
+        self.cell = cell
+        self.gap = gap
+
+
 class Request:
     """A request in flight: its range, the future that ends once it is over, and the parts of
     it whose bytes go to the spool (for one of the read-ahead wave not claimed yet, `deferred`,
