@@ -2,7 +2,7 @@
 hand, not in CI: the test's two ranks run `--runs` times per source tree, the trees alternated
 run by run, and every run's outcome counted: ``ok`` (both ranks saved and exited 0),
 ``abort`` (a rank died of SIGABRT or printed "terminate called": a gloo group freed at
-interpreter teardown), ``other`` (any other failure, its first line kept).
+interpreter teardown; the rank is named), ``other`` (any other failure, its first line kept).
 
     nice -n 10 python bench/exit_group_soak.py --runs 40 --trees /tmp/base,.
     (--keep-groups: the ranks leave their groups to torch's teardown)
@@ -65,9 +65,9 @@ def one_run(script: str, tree: str, timeout: float) -> tuple[str, str]:
                 out, err = p.communicate()
                 err += "\n(killed at the soak's deadline)"
             outs.append((p.returncode, out, err))
-    for code, _, err in outs:
+    for rank, (code, _, err) in enumerate(outs):
         if code == -signal.SIGABRT or "terminate called" in err:
-            return "abort", (err.strip().splitlines() or [""])[-1][:200]
+            return "abort", f"rank {rank}: " + (err.strip().splitlines() or [""])[-1][:200]
     for code, out, err in outs:
         if code != 0 or out.strip() != "saved":
             lines = (out + err).strip().splitlines()
