@@ -489,8 +489,12 @@ def test_an_interrupt_in_a_forked_saves_thread_start_leaves_the_base_to_the_save
         if self.name.startswith("ckptfmt-save-"):
             import time
 
-            time.sleep(1.0)  # the waiter has taken the save by now (its first step)
-            raise KeyboardInterrupt
+            owner = self._args[8]  # forksave._finish's `owner`: the waiter takes it first
+            assert isinstance(owner, type(threading.Lock()))
+            deadline = time.monotonic() + 60
+            while not owner.locked() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise KeyboardInterrupt  # the save is the waiter's now
 
     def adopt_once_unwound(self, *args):  # type: ignore[no-untyped-def]
         unwound.wait(60)  # the writer's findings come after the caller's error has passed
