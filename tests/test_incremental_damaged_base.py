@@ -541,6 +541,41 @@ def test_a_closed_content_index_refers_to_nothing(tmp_path):
         forked.adopt([digest], [keys.index((FROZEN.nbytes, digest))])
 
 
+def test_closing_a_content_index_waits_for_a_check_under_way(tmp_path, monkeypatch):
+    """close() on another thread while a check reads the base: the base is closed once the
+    read is over, not under it (the read would fail on a closed descriptor, or read another
+    file that took its number)."""
+    import threading
+    import time
+
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    incremental.save(_state(1), a)
+    index = incremental.ContentIndex(b, a)
+    original = CheckpointFile.read_into
+    reading = threading.Event()
+    read_ended: list[float] = []
+
+    def slow(f, items, verify, check_only=False):  # type: ignore[no-untyped-def]
+        if check_only:
+            reading.set()
+            time.sleep(0.5)
+        try:
+            return original(f, items, verify, check_only)
+        finally:
+            read_ended.append(time.monotonic())
+
+    monkeypatch.setattr(CheckpointFile, "read_into", slow)
+    found: list[object] = []
+    checking = threading.Thread(target=lambda: found.extend(index.classify(0, _frozen_piece(), "python", 1)))
+    checking.start()
+    assert reading.wait(60)
+    index.close()
+    closed_at = time.monotonic()
+    checking.join(60)
+    assert read_ended and read_ended[0] <= closed_at
+    assert found and found[0] is not None  # read whole and found sound: referred to
+
+
 # -- the identity a referenced local file's verdicts are kept by ------------------------------
 
 
