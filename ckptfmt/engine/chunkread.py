@@ -39,7 +39,7 @@ from ..errors import (
     SignatureError,
     StorageError,
 )
-from ..fileio import pread_exact
+from ..fileio import file_stamp, pread_exact
 from ..format import encryption
 from ..format import layout as fmt
 from ..format.index import Chunk, Index
@@ -112,6 +112,9 @@ class ChunkReader:
         # and those that could not be used (error class and reason, reported again per chunk)
         self._ext_open: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self._ext_failed: dict[int, tuple[type[CheckpointError], str]] = {}
+        #: a local referenced file's stamp when first opened: opened again (let go of to keep
+        #: few open), it must be that file still, as an object must be its first version
+        self._ext_stamps: dict[int, tuple[int, ...]] = {}
         # reads run at once on several threads (a Reader's gets): referenced files are opened
         # under this lock, and each read holds the one it reads from (_holding): a file held is
         # never let go of (max_open), so its descriptor stays valid under the read, and a
@@ -175,6 +178,13 @@ class ChunkReader:
             raise OSError(err.errno, f"{err.strerror} (a file {self.path} refers to)", ext.name) from None
         try:
             st = os.fstat(fd)
+            if self._base_dir().fetcher_of(fd) is None:  # a local file (an object's is a spool)
+                first = self._ext_stamps.setdefault(e, file_stamp(st))
+                if first != file_stamp(st):
+                    raise CorruptError(
+                        f"{what} changed since this file first opened it (replaced or rewritten)",
+                        path=self.path,
+                    )
             try:
                 pro = fmt.parse_prologue(pread_exact(fd, 0, fmt.PROLOGUE_SIZE), st.st_size, ext.name)
                 foot = fmt.parse_footer(
@@ -335,6 +345,11 @@ class ChunkReader:
                 if not self._pins[source]:
                     del self._pins[source]
                 self._let_go_unheld()
+
+    def external_stamp(self, e: int) -> tuple[int, ...] | None:
+        """The stamp (fileio.file_stamp) of local referenced file e as it is read; None before
+        it was opened, or for an object."""
+        return self._ext_stamps.get(e)
 
     def _source(self, k: int, key: str | None) -> tuple[int, bytes, int]:
         """Where chunk k's stored bytes are: (fd, that file's id, the chunk's number in it)."""
