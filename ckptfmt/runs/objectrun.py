@@ -100,11 +100,10 @@ class ObjectRun:
         self.path = str(self.url).rstrip("/")
         self.options = check_options(storage_options)
         # commit records read (or refused) by this run's statuses, by the step and the record's
-        # size and time as listed: a record is create-only, so one listed again the same is
-        # the same; the archiver lists and judges the archive several times per copy
-        self._records: dict[
-            tuple[int, int | None, datetime.datetime], multifile.CommitRecord | CheckpointError
-        ] = {}
+        # size and version (ETag, generation) as listed: a version names one write, where a
+        # Last-Modified to the second names every record a step was given within it (a step
+        # removed and saved again); the archiver lists and judges the archive several times per copy
+        self._records: dict[tuple[int, int | None, str], multifile.CommitRecord | CheckpointError] = {}
         self._records_lock = threading.Lock()  # the archive thread and the caller's share a run
 
     def __repr__(self) -> str:
@@ -243,13 +242,14 @@ class ObjectRun:
         )
 
     def listed_record(self, step: int, listed: Entry, *, listed_size: bool = True) -> multifile.CommitRecord:
-        """Step `step`'s commit record as `listed` (size, last written): read once, then known
-        while the listing shows it unchanged (refused ones too: junk is not read again);
-        without `listed_size`, read by the size the store gives, not the listing's."""
-        size, when = (listed.size if listed_size else None), listed.modified
-        if when is None:
+        """Step `step`'s commit record as `listed` (size, version): read once, then known while
+        the listing shows that version (refused ones too: junk is not read again); read each
+        time where the listing gives no version; without `listed_size`, read by the size the
+        store gives, not the listing's."""
+        size = listed.size if listed_size else None
+        if listed.version is None:  # nothing tells this record from another written since
             return self.record(step, size)
-        key = (step, size, when)
+        key = (step, size, listed.version)
         with self._records_lock:
             known = self._records.get(key)
         if known is None:
