@@ -66,12 +66,6 @@ def test_a_commit_record_put_whose_answer_is_lost_still_saves_the_step(store_fau
     _save_and_load(store_faults, SMALL)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a save whose commit record's PUT missed its deadline deletes its state object "
-    "(objectmanager.py _abandon -> ObjectRun.delete_uncommitted) though the PUT may still land: "
-    "the record lands naming a deleted object, a broken step no save may replace",
-)
 def test_a_commit_record_landing_after_its_deadline_never_names_a_deleted_object(store_faults):
     """The store receives the record's PUT whole and answers it after the save's deadline
     (the proxy holds the request 9 s and forwards it, the client gone): the save fails, and

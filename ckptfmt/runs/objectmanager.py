@@ -234,6 +234,11 @@ class ObjectRunManager(CheckpointManager):
             raise CheckpointError(
                 f"step {job.step} was committed by another writer meanwhile", path=job.path
             ) from None
+        except BaseException:
+            # the store may have the record whole and its answer be lost or late: it may land
+            # yet, naming the state object, which must then stay (_abandon)
+            job.record_unknown = True
+            raise
         if job.sweep:  # what other saves left in the step is nobody's now
             self._tidy(job.path, lambda: self.run.sweep_step(job.step, record))
         return record
@@ -275,11 +280,15 @@ class ObjectRunManager(CheckpointManager):
         own record, landed although its request failed) keeps it.  A save of several ranks
         (no rank knows every rank file to be this save's) removes its rank files only once
         another writer's record is in the step, which cannot name them; without one, the next
-        save of the step that commits deletes them, or cleanup once stale."""
+        save of the step that commits deletes them, or cleanup once stale.  A save whose
+        record's write got no definite answer keeps its object: the record may land after
+        any read of it (cleanup deletes the step once stale, if no record did)."""
         if job.layout == "dcp":
             if job.file_handle is not None:
                 job.file_handle.exception()  # waits for the upload
             self._tidy(job.path, lambda: self.run.sweep_committed(job.step))
+            return
+        if job.record_unknown:  # the record may land naming it: cleanup's, once the step is stale
             return
         uploaded = job.written
         if job.file_handle is not None:
