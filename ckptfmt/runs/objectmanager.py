@@ -31,8 +31,9 @@ Not in this version: an archive tier of an object-store run, and encrypted multi
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..background import inflight
@@ -44,8 +45,13 @@ from ..files.places import ObjectPlace
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport
 from ..format.index import External
-from . import resume
+from ..storage import listing
+from ..storage.client import error_code
+from ..storage.upload import upload_bytes
+from ..storage.urls import ObjectURL
+from . import objectnames, resume
 from .manager import CheckpointManager, RunSteps, is_sharded_save
+from .objectnames import StoreStamp, claiming, copy_marker
 from .objectrun import ObjectRun
 from .scan import RunScan
 from .steps import CheckpointInfo, StepJob, StepStatus
@@ -216,12 +222,21 @@ class ObjectRunManager(CheckpointManager):
         the version named) and is signed (spec 16.7)."""
         url = f"{job.path}/{job.state_name}"
         place = self.run.step_place(job.step)
-        with self._uploaded_state(job, url) as f:
-            _check_uploaded_here(f.etag, job, url)
-            part = multifile.identity_of(f, job.state_name)
-            refs = tuple(self._describe(place, job.state_name, ext) for ext in f.externals)
-            if self._sign_key is not None:
-                part = place.with_digest(part, f.etag)
+        with self._claiming_references(job, place) as claim:
+            with self._uploaded_state(job, url) as f:
+                _check_uploaded_here(f.etag, job, url)
+                part = multifile.identity_of(f, job.state_name)
+                claim([ext.rel for ext in f.externals])
+                refs = tuple(self._describe(place, job.state_name, ext) for ext in f.externals)
+                if self._sign_key is not None:
+                    part = place.with_digest(part, f.etag)
+            return self._write_record(job, part, refs)
+
+    def _write_record(
+        self, job: StepJob, part: multifile.PartRecord, refs: tuple[multifile.PartRecord, ...]
+    ) -> multifile.CommitRecord:
+        """Put the step's commit record, only if absent, naming state object `part` and the
+        objects of earlier steps `refs`; then sweep what other saves left in the step."""
         record = multifile.CommitRecord(job.step, "state", (part,), refs, job.metrics, job.metadata)
         try:
             writer.save_file(
@@ -234,14 +249,47 @@ class ObjectRunManager(CheckpointManager):
             raise CheckpointError(
                 f"step {job.step} was committed by another writer meanwhile", path=job.path
             ) from None
-        except BaseException:
-            # the store may have the record whole and its answer be lost or late: it may land
-            # yet, naming the state object, which must then stay (_abandon)
-            job.record_unknown = True
+        except BaseException as e:
+            # without the store's answer (a timeout, a reset, an answer cut short) it may have
+            # the record whole: it may land yet, naming the state object, which must then stay
+            job.record_unknown = not _store_answered(e)
             raise
         if job.sweep:  # what other saves left in the step is nobody's now
             self._tidy(job.path, lambda: self.run.sweep_step(job.step, record))
         return record
+
+    @contextlib.contextmanager
+    def _claiming_references(self, job: StepJob, place: ObjectPlace) -> Iterator[Callable[[list[str]], None]]:
+        """While the commit record is described and written: a function that puts this save's
+        copy marker into the prefix of each earlier step whose objects (references, relative
+        to `place`) the record will name, and waits out a deletion of that step under way
+        (ObjectRun.wait_out_sweeps), before they are looked at.  A deletion (a rotation's, a
+        remove's, another writer's: ObjectRun.delete_unclaimed) that lists the prefix after
+        the marker is in only retires the step; one that put its sweep marker first is over
+        before they are looked at.  The markers go once the record is in (it names the
+        objects then), or the save failed, but for a record whose write got no answer: it
+        may land yet (they are dead once this process is, and go with the step)."""
+        name = copy_marker()
+        claimed: list[ObjectURL] = []
+
+        def claim(references: list[str]) -> None:
+            steps = sorted({objectnames.referenced_step(rel, place.path)[0] for rel in references})
+            for step in steps:
+                marker = self.run.step_url(step).child(name)
+                upload_bytes(
+                    b"a ckptfmt save referring to this step's objects\n", str(marker), self.run.options
+                )
+                stamp = StoreStamp(name, time.monotonic())
+                claimed.append(marker)
+                self.run.wait_out_sweeps(step, stamp)
+
+        with claiming(name):
+            try:
+                yield claim
+            finally:
+                if not job.record_unknown:
+                    for marker in claimed:
+                        self._tidy(str(marker), lambda m=marker: listing.delete_object(m, self.run.options))
 
     def _uploaded_state(self, job: StepJob, url: str) -> CheckpointFile:
         """The state object this save uploaded, opened to be described; CheckpointError when it
@@ -345,6 +393,19 @@ def _check_uploaded_here(etag: str | None, job: StepJob, url: str) -> None:
             "writer replaced it meanwhile); not committed",
             path=url,
         )
+
+
+def _store_answered(e: BaseException) -> bool:
+    """Whether failure `e` of a write is the store's own answer (an HTTP status: it refused
+    the write, which did not happen), not a request that went without one."""
+    seen: BaseException | None = e
+    for _ in range(8):  # the chain of causes a storage error carries, bounded
+        if seen is None:
+            return False
+        if error_code(seen)[1]:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 CheckpointManager.url_manager = ObjectRunManager

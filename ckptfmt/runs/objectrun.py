@@ -15,7 +15,7 @@ import contextlib
 import datetime
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..errors import (
@@ -48,7 +48,9 @@ from .objectnames import (
     claiming,
     has_live_marker,
     is_copy_marker,
+    is_marker,
     is_sweep_marker,
+    marker_dead,
     referenced_step,
     store_time_bound,
     sweep_marker,
@@ -336,10 +338,43 @@ class ObjectRun:
         if claim is not None:  # a deletion cut short, or a retired step's objects, stay known as ours
             marker = self.step_url(info.step).child(claim)
             upload_bytes(b"a ckptfmt archive step being retired\n", str(marker), self.options)
-        if any(url.startswith(info.path + "/") for url in needed):
+        if any(url.startswith(info.path + "/") for url in needed) or not self.delete_unclaimed(
+            info.step, claim
+        ):
             self.retire_step(info.step)
-        else:
-            self.delete_step(info.step)
+
+    def delete_unclaimed(self, step: int, claim: str | None = None) -> bool:
+        """Delete step `step` (its record first, then what ckptfmt wrote there, each by the
+        version listed) unless a live writer's copy marker is in its prefix or a later step's
+        record refers to an object of it, both judged once this deletion's own sweep marker is
+        in: a save about to refer to an object of the step puts its copy marker there first and
+        then waits out a sweep's marker it finds (ObjectRunManager._claiming_references), so one
+        of the two sees the other and no record lands naming what was deleted.  Whether it
+        deleted; `claim`: the caller's own copy marker in the prefix, deleted last.  No DELETE
+        is sent that could end past SWEEP_DELETES_WITHIN (the bound that save's wait relies
+        on): the marker then stays, dead once this is over (remove_interrupted_copies)."""
+        url = self.step_url(step)
+        name = sweep_marker()
+        with claiming(name):
+            began = time.monotonic()  # before the PUT: a save may list the marker before it returns
+            upload_bytes(b"a ckptfmt deletion of a step in progress\n", str(url.child(name)), self.options)
+            stamp = StoreStamp(name, time.monotonic())
+            try:
+                listed = listing.listed(url, self.options)
+                at = stamp.store_time(listed, listed.date)
+                others = {n: e for n, e in listed.items() if n not in (name, claim)}
+                claimed = has_live_marker(others, STALE_AFTER, at, is_copy_marker)
+                if claimed or self.read_by_later_steps(step):
+                    listing.delete_object(url.child(name), self.options)
+                    return False
+            except BaseException:  # nothing deleted yet: nothing for a cleaner to come back to
+                with contextlib.suppress(CheckpointError, OSError):
+                    listing.delete_object(url.child(name), self.options)
+                raise
+            doomed = _step_objects_in_order(listed, claim, at)
+            if self._delete_within([(url.child(n), v) for n, v in doomed], began):
+                listing.delete_object(url.child(name), self.options)
+        return True
 
     def remove_step(self, step: int, claim: str | None = None) -> bool:
         """Remove step `step` (the run goes back to an earlier step): deleted, or only retired
@@ -503,7 +538,7 @@ class ObjectRun:
         later = self.read_by_later_steps(step)
         return [(url.child(n), v) for n, v in others.items() if n not in later]
 
-    def _delete_within(self, doomed: list[tuple[ObjectURL, str]], began: float) -> bool:
+    def _delete_within(self, doomed: Sequence[tuple[ObjectURL, str | None]], began: float) -> bool:
         """Delete each (object, version) of `doomed` (If-Match), none of them once its DELETE
         could end past SWEEP_DELETES_WITHIN seconds from monotonic `began` (the sweep's marker):
         whether every one was sent."""
@@ -604,3 +639,21 @@ def _unread(step: int, path: str) -> StepStatus:
         error=LimitError,
         unread=True,
     )
+
+
+def _step_objects_in_order(
+    listed: dict[str, Entry], claim: str | None, at: datetime.datetime | None
+) -> list[tuple[str, str | None]]:
+    """What deleting a step's prefix `listed` deletes, (name, version) in the order it goes:
+    the commit record (it stops being a checkpoint first), the step's files, the markers of
+    writers that have ended, and the caller's own marker `claim` last (a deletion cut short
+    stays known as ours).  A sweep's marker, of the deletion itself or another live one, stays."""
+    files = [n for n in listed if is_own_name(n) and n != multifile.COMMIT_NAME]
+    dead = [
+        n
+        for n in listed
+        if is_marker(n) and n != claim and marker_dead(n, listed[n].modified, STALE_AFTER, at)
+    ]
+    names = [multifile.COMMIT_NAME] * (multifile.COMMIT_NAME in listed) + files + dead
+    names += [claim] if claim is not None and claim in listed else []
+    return [(n, listed[n].version) for n in names]
