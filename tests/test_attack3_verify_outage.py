@@ -7,17 +7,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
 import ckptfmt
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="verify() reports a StorageError as a problem of the file (files/verify.py catches "
-    "CheckpointError, StorageError included), and the CLI exits 1, damaged, for any problem",
-)
 def test_verify_of_a_sound_file_on_a_failing_store_is_exit_2_not_damaged(s3_faults, monkeypatch):
     from cli_runner import run_cli
 
@@ -40,11 +34,6 @@ def test_verify_of_a_sound_file_on_a_failing_store_is_exit_2_not_damaged(s3_faul
     run_cli("verify", url, rc=0)  # the file was sound all along
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a StorageError reading a step's commit record makes it 'damaged' (runs/objectrun.py "
-    "ObjectRun.status_of): verify of the run says DAMAGED, exit 1",
-)
 def test_verify_of_a_run_whose_store_refuses_a_record_never_calls_the_step_damaged(s3_faults, monkeypatch):
     from cli_runner import run_cli
 

@@ -194,7 +194,9 @@ class ObjectRun:
         names: dict[str, Entry],
         found: ByStep,
     ) -> StepStatus:
-        """Step `step` judged by the run's listing `found` (`names`: its objects there)."""
+        """Step `step` judged by the run's listing `found` (`names`: its objects there).  A
+        store that fails reading its record is not a damaged step: StorageError propagates (a
+        resume that went on to an older step would fork the run; rotation would delete it)."""
         path = self.step_path(step)
         if multifile.COMMIT_NAME not in names:
             return StepStatus(
@@ -202,6 +204,8 @@ class ObjectRun:
             )
         try:
             return StepStatus(step, path, info=self._info(step, names, found))
+        except StorageError:
+            raise
         except CheckpointError as e:
             return StepStatus(step, path, problem=e.reason, damaged=True, error=type(e))
         except FileNotFoundError as e:  # deleted between the listing and the read
