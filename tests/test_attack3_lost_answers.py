@@ -55,11 +55,6 @@ def test_a_state_object_block_list_whose_answer_is_lost_still_saves_the_step(sto
     _save_and_load(store_faults, LARGE)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the commit record's create-only PUT whose answer was lost is retried and refused by "
-    "the record it made (objectmanager.py _commit): a committed step is reported as another writer's",
-)
 def test_a_commit_record_put_whose_answer_is_lost_still_saves_the_step(store_faults):
     method, target = store_faults.op("write", "step-000000005/COMMIT")
     store_faults.reset_on(method, target, answered=True)

@@ -45,6 +45,7 @@ from ..files.places import ObjectPlace
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport
 from ..format.index import External
+from ..format.timestamps import MICROSECONDS, format_utc, utc_now
 from ..storage import listing
 from ..storage.client import error_code
 from ..storage.upload import upload_bytes
@@ -237,7 +238,9 @@ class ObjectRunManager(CheckpointManager):
     ) -> multifile.CommitRecord:
         """Put the step's commit record, only if absent, naming state object `part` and the
         objects of earlier steps `refs`; then sweep what other saves left in the step."""
-        record = multifile.CommitRecord(job.step, "state", (part,), refs, job.metrics, job.metadata)
+        # its time fixed now: a record found there can be told for this one (_is_this_record)
+        created = format_utc(utc_now(), MICROSECONDS)
+        record = multifile.CommitRecord(job.step, "state", (part,), refs, job.metrics, job.metadata, created)
         try:
             writer.save_file(
                 record.as_value(),
@@ -246,9 +249,10 @@ class ObjectRunManager(CheckpointManager):
                 create_only=True,
             )
         except FileExistsError:
-            raise CheckpointError(
-                f"step {job.step} was committed by another writer meanwhile", path=job.path
-            ) from None
+            if not self._is_this_record(job, record):
+                raise CheckpointError(
+                    f"step {job.step} was committed by another writer meanwhile", path=job.path
+                ) from None
         except BaseException as e:
             # without the store's answer (a timeout, a reset, an answer cut short) it may have
             # the record whole: it may land yet, naming the state object, which must then stay
@@ -257,6 +261,16 @@ class ObjectRunManager(CheckpointManager):
         if job.sweep:  # what other saves left in the step is nobody's now
             self._tidy(job.path, lambda: self.run.sweep_step(job.step, record))
         return record
+
+    def _is_this_record(self, job: StepJob, record: multifile.CommitRecord) -> bool:
+        """Whether the commit record that refused this save's (its write is create-only) is
+        this save's own: an attempt whose answer was lost made it, and the retry found it.
+        It is when it says what `record` says, to its creation time and the state object's
+        file id, which no other save's names (one GET; one that cannot be read is not)."""
+        try:
+            return self.run.record(job.step) == record
+        except (FileNotFoundError, CheckpointError):
+            return False
 
     @contextlib.contextmanager
     def _claiming_references(self, job: StepJob, place: ObjectPlace) -> Iterator[Callable[[list[str]], None]]:
