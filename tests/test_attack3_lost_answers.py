@@ -79,3 +79,31 @@ def test_a_commit_record_landing_after_its_deadline_never_names_a_deleted_object
     assert "step-000000002/COMMIT" in store_faults.keys(url)
     got = CheckpointManager(url, storage_options=store_faults.options).load(2)  # IncompleteError
     assert torch.equal(got["w"], SMALL * 2)
+
+
+def test_an_archive_copys_record_landing_after_its_deadline_never_names_a_deleted_object(
+    store_faults, tmp_path
+):
+    """An archive copy that writes the step's files under names of its own (the prefix held a
+    leftover) and whose record's PUT lands after the copy's deadline: the failed copy must not
+    delete what that record names."""
+    from ckptfmt.storage.upload import upload_bytes
+
+    url = store_faults.new_root() + "/archive"
+    options = store_faults.options | {"deadline": 4}
+    upload_bytes(b"what a copy cut short left", f"{url}/step-000000002/state.ckpt", options)
+    manager = CheckpointManager(tmp_path / "run", archive=url, storage_options=options)
+    method, target = store_faults.op("write", "step-000000002/COMMIT")
+    store_faults.delay(method, target, seconds=9, count=1)
+    manager.save(2, {"w": SMALL * 2})
+    try:
+        manager.wait()
+    except StorageError:
+        pass
+    deadline = time.monotonic() + 30
+    while "step-000000002/COMMIT" not in store_faults.keys(url) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the held PUT goes on to the store
+    if "step-000000002/COMMIT" not in store_faults.keys(url):
+        pytest.skip("the held record never reached the store")
+    got = CheckpointManager(url, storage_options=store_faults.options).load(2)
+    assert torch.equal(got["w"], SMALL * 2)

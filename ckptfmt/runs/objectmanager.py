@@ -47,13 +47,12 @@ from ..files.verify import VerifyReport
 from ..format.index import External
 from ..format.timestamps import MICROSECONDS, format_utc, utc_now
 from ..storage import listing
-from ..storage.client import error_code
 from ..storage.upload import upload_bytes
 from ..storage.urls import ObjectURL
 from . import objectnames, resume
 from .manager import CheckpointManager, RunSteps, is_sharded_save
 from .objectnames import StoreStamp, claiming, copy_marker
-from .objectrun import ObjectRun
+from .objectrun import ObjectRun, store_answered
 from .scan import RunScan
 from .steps import CheckpointInfo, StepJob, StepStatus
 
@@ -256,7 +255,7 @@ class ObjectRunManager(CheckpointManager):
         except BaseException as e:
             # without the store's answer (a timeout, a reset, an answer cut short) it may have
             # the record whole: it may land yet, naming the state object, which must then stay
-            job.record_unknown = not _store_answered(e)
+            job.record_unknown = not store_answered(e)
             raise
         if job.sweep:  # what other saves left in the step is nobody's now
             self._tidy(job.path, lambda: self.run.sweep_step(job.step, record))
@@ -407,19 +406,6 @@ def _check_uploaded_here(etag: str | None, job: StepJob, url: str) -> None:
             "writer replaced it meanwhile); not committed",
             path=url,
         )
-
-
-def _store_answered(e: BaseException) -> bool:
-    """Whether failure `e` of a write is the store's own answer (an HTTP status: it refused
-    the write, which did not happen), not a request that went without one."""
-    seen: BaseException | None = e
-    for _ in range(8):  # the chain of causes a storage error carries, bounded
-        if seen is None:
-            return False
-        if error_code(seen)[1]:
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 CheckpointManager.url_manager = ObjectRunManager

@@ -31,7 +31,7 @@ from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport
 from ..format.timestamps import parse_utc
 from ..storage import listing
-from ..storage.client import check_options, deadline
+from ..storage.client import check_options, deadline, error_code
 from ..storage.download import head
 from ..storage.upload import upload_bytes
 from ..storage.urls import ObjectURL, parse_url
@@ -661,3 +661,16 @@ def _step_objects_in_order(
     names = [multifile.COMMIT_NAME] * (multifile.COMMIT_NAME in listed) + files + dead
     names += [claim] if claim is not None and claim in listed else []
     return [(n, listed[n].version) for n in names]
+
+
+def store_answered(e: BaseException) -> bool:
+    """Whether failure `e` of a write is the store's own answer (an HTTP status: it refused
+    the write, which did not happen), not a request that went without one."""
+    seen: BaseException | None = e
+    for _ in range(8):  # the chain of causes a storage error carries, bounded
+        if seen is None:
+            return False
+        if error_code(seen)[1]:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
