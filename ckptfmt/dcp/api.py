@@ -428,31 +428,20 @@ _GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, weakref.ref[dist.ProcessGr
 )
 
 
-def _checkpoint_group(process_group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, bool]:
+def _checkpoint_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """A gloo group of its own for background saves, so their collectives never interleave with
-    the training loop's on the same group, and whether it was made by this call.  Made on first
-    use: every rank calls async_save."""
+    the training loop's on the same group.  Made on first use: every rank calls async_save."""
     if not _distributed():
-        return None, False
+        return None
     base = process_group or dist.group.WORLD
     assert base is not None
     found = _GROUPS.get(base)
     group = None if found is None else found()
-    if group is not None:
-        return group, False
-    ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-    group = dist.new_group(ranks=ranks, backend="gloo")
-    _GROUPS[base] = weakref.ref(group)
-    return group, True
-
-
-def _destroy_made_at_exit(group: dist.ProcessGroup) -> None:
-    """Destroy a checkpoint group first made by an exit save, now, by the thread that made it.
-    Left alive, torch frees it at interpreter teardown, where a gloo thread still releasing the
-    save's last collective needs the GIL and aborts the process ("terminate called without an
-    active exception").  A later exit save makes a fresh one (as every rank that made its group
-    at exit does too)."""
-    dist.destroy_process_group(group)
+    if group is None:
+        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        group = dist.new_group(ranks=ranks, backend="gloo")
+        _GROUPS[base] = weakref.ref(group)
+    return group
 
 
 def async_save(
@@ -523,13 +512,9 @@ def save_in_background(
         raise ValueError("snapshot='fork' stages by fork: it takes no stager")
     # the same group at exit as before it: a rank whose pools refuse work (an atexit handler's
     # save) meets the ranks whose pools do not on the group their background saves use
-    group, made_now = _checkpoint_group(process_group)
+    group = _checkpoint_group(process_group)
     if pools_refuse_work():  # torch's async_save writes on a pool, which refuses it at exit
-        try:
-            return _saved_here(state_dict, path, group, within, step_dir, stager, options)
-        finally:
-            if made_now and group is not None:
-                _destroy_made_at_exit(group)
+        return _saved_here(state_dict, path, group, within, step_dir, stager, options)
     if not _distributed():  # DCP warns from its own thread: filter just that message
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
     w, planner = _set_up_save(path, group, "async", options, within, step_dir)
