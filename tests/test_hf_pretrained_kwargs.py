@@ -109,3 +109,36 @@ def test_a_keyword_the_model_does_not_take_is_transformers_own_type_error(folder
     for folder in (stock, path):
         with pytest.raises(TypeError, match="no_such_keyword"):
             GPT2LMHeadModel.from_pretrained(folder, no_such_keyword=1)
+
+
+def test_output_loading_info_returns_the_model_and_its_info_as_transformers_does(folders: Any) -> None:
+    path, stock = folders
+    ours, info = GPT2LMHeadModel.from_pretrained(path, output_loading_info=True)
+    theirs, stock_info = GPT2LMHeadModel.from_pretrained(stock, output_loading_info=True)
+    assert ours.config.name_or_path == path
+    assert set(info) == set(stock_info)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    for name, value in theirs.state_dict().items():
+        assert torch.equal(ours.state_dict()[name], value), name
+
+
+def test_a_subfolder_of_a_checkpoint_folder_is_refused_not_ignored(folders: Any) -> None:
+    path, _ = folders
+    with pytest.raises(ValueError, match="subfolder='text'.*pass the subfolder's path"):
+        GPT2LMHeadModel.from_pretrained(path, subfolder="text")
+
+
+def test_the_keywords_kept_for_transformers_are_those_its_from_pretrained_takes() -> None:
+    """Every keyword transformers' own from_pretrained pops for itself is in FROM_PRETRAINED_OWN:
+    a transformers that takes one more fails here before that keyword is offered to the config
+    (the set also keeps deprecated ones older releases took)."""
+    import inspect
+    import re
+
+    from transformers import PreTrainedModel
+
+    from ckptfmt.integrations.transformers.pretrained import FROM_PRETRAINED_OWN
+
+    source = inspect.getsource(PreTrainedModel.from_pretrained.__func__)
+    popped = set(re.findall(r'kwargs\.pop\(\s*"(\w+)"', source))
+    assert len(popped) > 20 and popped <= FROM_PRETRAINED_OWN, popped - FROM_PRETRAINED_OWN

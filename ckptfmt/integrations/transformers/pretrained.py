@@ -157,6 +157,11 @@ def _from_ckptfmt_folder(
     original: Any, cls: Any, path: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     path = os.fspath(path)
+    if kwargs.get("subfolder"):  # the weights read are the folder's own: never another's silently
+        raise ValueError(
+            f"from_pretrained({path!r}, subfolder={kwargs['subfolder']!r}): {path} is a ckptfmt "
+            "checkpoint folder, whose model is its own model.ckpt; pass the subfolder's path instead"
+        )
     config = kwargs.pop("config", None)
     if config is None:  # transformers then offers the config the keywords not its own
         config, for_model = _folder_config(cls, path, _config_overrides(original, kwargs))
@@ -167,13 +172,15 @@ def _from_ckptfmt_folder(
     else:  # a config object: every keyword goes to the model, as transformers sends them
         _check_folder_config_file(path)
     state = load_model_state(path, decrypt_with=_KEYS.get("decrypt"), trusted_keys=_KEYS.get("trusted"))
-    model = original.__func__(cls, None, *args, config=config, state_dict=state, **kwargs)
+    loaded = original.__func__(cls, None, *args, config=config, state_dict=state, **kwargs)
+    # output_loading_info=True: (model, info), as transformers returns it
+    model = loaded[0] if isinstance(loaded, tuple) else loaded
     _record_name(model, path)
     if getattr(model, "can_generate", None) and model.can_generate():
         generation = _folder_generation_config(path)
         if generation is not None:
             model.generation_config = generation
-    return model
+    return loaded
 
 
 def _folder_generation_config(path: str) -> Any:
