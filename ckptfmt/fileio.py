@@ -68,3 +68,10 @@ def pread_exact(fd: int, offset: int, n: int) -> bytes:
             break
         out += got
     return bytes(out)
+
+
+def file_stamp(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What tells one state of a local file from another: its device, inode, modification
+    and change times and size (the change time too: a rewrite in place that puts the
+    modification time back cannot set it)."""
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)

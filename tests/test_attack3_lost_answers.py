@@ -54,12 +54,6 @@ def test_a_commit_record_put_whose_answer_is_lost_still_saves_the_step(store_fau
     _save_and_load(store_faults, SMALL)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a save whose commit record's PUT missed its deadline deletes its state object "
-    "(objectmanager.py _abandon -> ObjectRun.delete_uncommitted) though the PUT may still land: "
-    "the record lands naming a deleted object, a broken step no save may replace",
-)
 def test_a_commit_record_landing_after_its_deadline_never_names_a_deleted_object(store_faults):
     """The store receives the record's PUT whole and answers it after the save's deadline
     (the proxy holds the request 9 s and forwards it, the client gone): the save fails, and
@@ -77,4 +71,32 @@ def test_a_commit_record_landing_after_its_deadline_never_names_a_deleted_object
         time.sleep(0.2)  # the held PUT goes on to the store
     assert "step-000000002/COMMIT" in store_faults.keys(url)
     got = CheckpointManager(url, storage_options=store_faults.options).load(2)  # IncompleteError
+    assert torch.equal(got["w"], SMALL * 2)
+
+
+def test_an_archive_copys_record_landing_after_its_deadline_never_names_a_deleted_object(
+    store_faults, tmp_path
+):
+    """An archive copy that writes the step's files under names of its own (the prefix held a
+    leftover) and whose record's PUT lands after the copy's deadline: the failed copy must not
+    delete what that record names."""
+    from ckptfmt.storage.upload import upload_bytes
+
+    url = store_faults.new_root() + "/archive"
+    options = store_faults.options | {"deadline": 4}
+    upload_bytes(b"what a copy cut short left", f"{url}/step-000000002/state.ckpt", options)
+    manager = CheckpointManager(tmp_path / "run", archive=url, storage_options=options)
+    method, target = store_faults.op("write", "step-000000002/COMMIT")
+    store_faults.delay(method, target, seconds=9, count=1)
+    manager.save(2, {"w": SMALL * 2})
+    try:
+        manager.wait()
+    except StorageError:
+        pass
+    deadline = time.monotonic() + 30
+    while "step-000000002/COMMIT" not in store_faults.keys(url) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the held PUT goes on to the store
+    if "step-000000002/COMMIT" not in store_faults.keys(url):
+        pytest.skip("the held record never reached the store")
+    got = CheckpointManager(url, storage_options=store_faults.options).load(2)
     assert torch.equal(got["w"], SMALL * 2)

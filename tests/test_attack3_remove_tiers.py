@@ -20,11 +20,6 @@ def _state(step: int) -> dict[str, object]:
     return {"w": torch.full((8,), float(step)), "step": step}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="CheckpointManager.remove (runs/manager.py) deletes the local step before the archive's "
-    "copy: an archive failure leaves the removed step in the archive, resumed from once it answers",
-)
 def test_a_remove_the_archive_refuses_never_resurrects_the_step_from_the_archive(tmp_path, s3_faults):
     url = f"s3://{s3_faults.new_bucket()}/run"
     options = s3_faults.storage_options() | {"max_attempts": 2}

@@ -45,7 +45,6 @@ def _saved_again_within_one_second(faults, manager: CheckpointManager, url: str,
     return _commit_stamp(faults, url, 5) == old
 
 
-@pytest.mark.xfail(strict=True, reason=STALE)
 @pytest.mark.parametrize("store_faults", ["s3", "az"], indirect=True)
 def test_a_step_saved_again_is_never_described_by_the_record_it_replaced(store_faults):
     for _ in range(5):
@@ -58,7 +57,6 @@ def test_a_step_saved_again_is_never_described_by_the_record_it_replaced(store_f
     assert manager.latest().metrics == {"loss": 0.5}
 
 
-@pytest.mark.xfail(strict=True, reason=STALE + "; keep_best then deletes the best step")
 @pytest.mark.parametrize("store_faults", ["s3", "az"], indirect=True)
 def test_keep_best_never_deletes_the_best_step_for_the_metric_of_a_removed_save(store_faults):
     for _ in range(5):

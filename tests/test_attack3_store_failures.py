@@ -40,7 +40,6 @@ def _newest_or_an_error(manager: CheckpointManager) -> None:
     assert got["step"] == 2, f"resumed from step {got['step']} while step 2 is in the run"
 
 
-@pytest.mark.xfail(strict=True, reason=OLDER_STEP)
 def test_a_store_refusing_the_newest_record_never_resumes_an_object_run_from_an_older_step(store_faults):
     url = store_faults.new_root() + "/run"
     options = store_faults.options | OPTIONS
@@ -53,11 +52,6 @@ def test_a_store_refusing_the_newest_record_never_resumes_an_object_run_from_an_
     _newest_or_an_error(CheckpointManager(url, storage_options=options))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=OLDER_STEP + "; a new node's resume from the archive does so without a warning "
-    "(runs/reading.py _archived_if_readable guards only a listing that fails)",
-)
 @pytest.mark.parametrize("store_faults", ["s3", "gs", "az"], indirect=True)
 def test_a_new_node_never_resumes_from_an_older_archived_step_while_the_store_fails(store_faults, tmp_path):
     url = store_faults.new_root() + "/run"

@@ -199,3 +199,100 @@ def test_a_removal_still_waiting_at_exit_is_made_once_the_save_committed(tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(os.listdir(tmp_path)) == ["b.ckpt"]
     assert ckptfmt.verify(str(tmp_path / "b.ckpt")).ok
+
+
+#: a real Trainer whose last save is still in flight when the process exits, with the removal
+#: of the checkpoint it replaces waiting for it: made by a callback's on_fit_end (after the
+#: strategy's teardown waited for the fit's saves) or by an atexit handler registered after
+#: ckptfmt's (atexit handlers run last-registered first: it runs before ckptfmt's).  Every
+#: removal is watched: it must find the final checkpoint committed.
+_EXIT_WITH_A_SAVE_IN_FLIGHT = textwrap.dedent(
+    """
+    import atexit, os, sys
+    import torch
+    import lightning.pytorch as pl
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    import ckptfmt
+    from ckptfmt.integrations.lightning import CkptfmtCheckpointIO
+    from ckptfmt.integrations.lightning import plugin as plugin_module
+
+    out, when = sys.argv[1], sys.argv[2]
+    old, new = os.path.join(out, "old.ckpt"), os.path.join(out, "final.ckpt")
+    remove_now = plugin_module._remove_now
+
+    def watched_remove(where, options):  # the real removal, told what it finds first
+        print("REMOVED, final committed:", os.path.exists(new) and ckptfmt.verify(new).ok, flush=True)
+        remove_now(where, options)
+
+    plugin_module._remove_now = watched_remove
+
+    class Big(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.big = nn.Parameter(torch.randn(4096, 4096))  # 64 MiB: its save takes a while
+            self.net = nn.Linear(4, 1)
+
+        def training_step(self, batch, i):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y) + 0 * self.big.sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    def final(trainer):
+        trainer.save_checkpoint(new)  # non-blocking: in flight
+        in_flight = not os.path.exists(new)  # its final name appears once it is committed
+        trainer.strategy.remove_checkpoint(old)
+        print("IN FLIGHT" if in_flight else "COMMITTED ALREADY", flush=True)
+
+    class Final(pl.Callback):
+        def on_fit_end(self, trainer, module):  # after the strategy's teardown
+            trainer.save_checkpoint(old)
+            trainer.strategy.checkpoint_io.wait()
+            if when == "on_fit_end":
+                final(trainer)
+
+    x = torch.randn(16, 4)
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+    trainer = pl.Trainer(
+        max_steps=2, plugins=[CkptfmtCheckpointIO(blocking=False)], callbacks=[Final()], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )
+    trainer.fit(Big(), data)
+    if when == "atexit":
+        atexit.register(final, trainer)
+    """
+)
+
+
+@pytest.mark.parametrize("when", ["on_fit_end", "atexit"])
+def test_a_trainer_exiting_with_a_save_in_flight_removes_nothing_before_it_commits(
+    tmp_path: pathlib.Path, when: str
+) -> None:
+    """The removal a save in flight holds back is made at exit only once that save committed
+    (the exit waits for it first): a kill at any instant leaves a whole checkpoint.  Saved by
+    on_fit_end, the removal is made at exit; saved by an atexit handler that runs before
+    ckptfmt's own, the removal finds the save still running and keeps the old file (one more
+    than asked, never none)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITH_A_SAVE_IN_FLIGHT, str(tmp_path), when],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if "COMMITTED ALREADY" in proc.stdout:
+        pytest.skip("the final save committed before the removal was asked for: nothing was deferred")
+    assert "IN FLIGHT" in proc.stdout, proc.stdout
+    removals = [line for line in proc.stdout.splitlines() if line.startswith("REMOVED")]
+    assert all(line.endswith("True") for line in removals), proc.stdout
+    assert ckptfmt.verify(str(tmp_path / "final.ckpt")).ok
+    left = sorted(n for n in os.listdir(tmp_path) if not n.startswith("."))
+    if when == "on_fit_end":
+        assert removals and left == ["final.ckpt"], (proc.stdout, left)
+    else:
+        assert left in (["final.ckpt"], ["final.ckpt", "old.ckpt"]), left
+        assert ckptfmt.verify(str(tmp_path / left[-1])).ok

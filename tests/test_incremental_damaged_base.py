@@ -464,3 +464,334 @@ def test_a_failed_copy_save_closes_its_base_while_its_error_is_held(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["failed", str(errno.EFBIG), "0"], proc.stdout + proc.stderr
+
+
+# -- the base's lifetime: who closes it, and what a closed one refers to ----------------------
+
+
+@pytest.mark.skipif(ckptfmt.backend() != "c", reason="a forked save's writer is the C engine's")
+def test_an_interrupt_in_a_forked_saves_thread_start_leaves_the_base_to_the_save(tmp_path, monkeypatch):
+    """An interrupt in Thread.start() after the waiter thread began: the save goes on there,
+    and the caller's error path must not close the base under it (the waiter would then find
+    nothing to check and refer to a damaged chunk: a committed file that fails to load)."""
+    import threading
+
+    from ckptfmt.background import inflight
+
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    incremental.save(_state(1), a)
+    k, offset = _flip_a_bit_of_the_largest_chunk(a)
+    start, adopt = threading.Thread.start, incremental.ContentIndex.adopt
+    unwound = threading.Event()
+
+    def interrupted_start(self):  # type: ignore[no-untyped-def]
+        start(self)
+        if self.name.startswith("ckptfmt-save-"):
+            import time
+
+            owner = self._args[8]  # forksave._finish's `owner`: the waiter takes it first
+            assert isinstance(owner, type(threading.Lock()))
+            deadline = time.monotonic() + 60
+            while not owner.locked() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise KeyboardInterrupt  # the save is the waiter's now
+
+    def adopt_once_unwound(self, *args):  # type: ignore[no-untyped-def]
+        unwound.wait(60)  # the writer's findings come after the caller's error has passed
+        return adopt(self, *args)
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+    monkeypatch.setattr(incremental.ContentIndex, "adopt", adopt_once_unwound)
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            incremental.save(_state(2), b, base=a, blocking=False, snapshot="fork")
+        finally:
+            unwound.set()
+    monkeypatch.setattr(threading.Thread, "start", start)
+    inflight.wait_for_path(b)
+    # the save checked the base's chunk and failed, as a forked save against a damaged base does
+    with pytest.raises(RuntimeError, match="never waited for") as caught:
+        inflight.raise_unobserved()
+    assert isinstance(caught.value.__cause__, ckptfmt.CorruptError)
+    assert f"cannot refer to chunk {k} of {a} (offset {offset})" in str(caught.value.__cause__)
+    assert not glob.glob(b)
+
+
+def _frozen_piece() -> list[tuple[memoryview, int]]:
+    return [(memoryview(FROZEN.numpy()).cast("B"), 4)]
+
+
+def test_a_closed_content_index_refers_to_nothing(tmp_path):
+    """Once closed, no chunk can be checked: classify writes every chunk and adopt refuses a
+    forked writer's findings, never taking a chunk as sound for want of a base to read (an
+    open index refers to the same chunk)."""
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    incremental.save(_state(1), a)
+    open_index = incremental.ContentIndex(b, a)
+    assert open_index.classify(0, _frozen_piece(), "python", 1) != [None]
+    open_index.close()
+    closed = incremental.ContentIndex(b, a)
+    closed.close()
+    assert closed.classify(0, _frozen_piece(), "python", 1) == [None]
+    forked = incremental.ContentIndex(b, a)
+    keys = forked.held_keys()
+    digest = open_index.digests[0]
+    forked.close()
+    with pytest.raises(ckptfmt.CheckpointError, match="base was closed before they were checked"):
+        forked.adopt([digest], [keys.index((FROZEN.nbytes, digest))])
+
+
+def test_closing_a_content_index_waits_for_a_check_under_way(tmp_path, monkeypatch):
+    """close() on another thread while a check reads the base: the base is closed once the
+    read is over, not under it (the read would fail on a closed descriptor, or read another
+    file that took its number)."""
+    import threading
+    import time
+
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    incremental.save(_state(1), a)
+    index = incremental.ContentIndex(b, a)
+    original = CheckpointFile.read_into
+    reading = threading.Event()
+    read_ended: list[float] = []
+
+    def slow(f, items, verify, check_only=False):  # type: ignore[no-untyped-def]
+        if check_only:
+            reading.set()
+            time.sleep(0.5)
+        try:
+            return original(f, items, verify, check_only)
+        finally:
+            read_ended.append(time.monotonic())
+
+    monkeypatch.setattr(CheckpointFile, "read_into", slow)
+    found: list[object] = []
+    checking = threading.Thread(target=lambda: found.extend(index.classify(0, _frozen_piece(), "python", 1)))
+    checking.start()
+    assert reading.wait(60)
+    index.close()
+    closed_at = time.monotonic()
+    checking.join(60)
+    assert read_ended and read_ended[0] <= closed_at
+    assert found and found[0] is not None  # read whole and found sound: referred to
+
+
+# -- the identity a referenced local file's verdicts are kept by ------------------------------
+
+
+def test_a_referenced_file_replaced_after_the_reader_opened_it(tmp_path, monkeypatch):
+    """b refers to a; while c is saved against b, a is replaced by a damaged copy (same file id
+    and length: a restore) just after b's reader opened it.  c's check read the old file: its
+    verdict is kept under the old file's stamp, not the new one's, so d's save reads the new
+    file's chunk, finds it damaged and writes it."""
+    import os
+    import shutil
+
+    a, b, c, d = (str(tmp_path / f"{n}.ckpt") for n in "abcd")
+    incremental.save(_state(1), a)
+    incremental.save(_state(2), b, base=a)
+    assert incremental.referenced_files(b) == [a]
+    bad = str(tmp_path / "bad.tmp")
+    shutil.copyfile(a, bad)
+    _flip_a_bit_of_the_largest_chunk(bad)
+    original = CheckpointFile.external_problem
+    done = []
+
+    def replaced_once_opened(f, k):  # type: ignore[no-untyped-def]
+        out = original(f, k)  # b's reader opens a here
+        if not done and f.path == b:
+            done.append(1)
+            os.replace(bad, a)
+        return out
+
+    monkeypatch.setattr(CheckpointFile, "external_problem", replaced_once_opened)
+    incremental.save(_state(3), c, base=b)
+    monkeypatch.setattr(CheckpointFile, "external_problem", original)
+    assert done
+    incremental.save(_state(4), d, base=b)
+    assert torch.equal(ckptfmt.load(d)["frozen"], FROZEN)
+    assert ckptfmt.verify(d).ok
+
+
+def test_a_referenced_file_opened_again_must_be_the_file_first_opened(tmp_path, monkeypatch):
+    """A reader lets go of a referenced file to keep few open and opens it again later: a file
+    put in its place meanwhile (even an identical copy: another inode) is refused, as an object
+    at another version is, so what was read and checked through it stays about one file."""
+    import os
+    import shutil
+
+    from ckptfmt.files import reader
+
+    a, b, c = (str(tmp_path / f"{n}.ckpt") for n in "abc")
+    second = torch.arange(1 << 19, dtype=torch.float64)  # 4 MiB: changed at b, then kept
+    incremental.save({**_state(1), "second": torch.zeros(1 << 19, dtype=torch.float64)}, a)
+    incremental.save({**_state(2), "second": second}, b, base=a)
+    incremental.save({**_state(3), "second": second}, c, base=b)
+    assert sorted(incremental.referenced_files(c)) == [a, b]
+    monkeypatch.setattr(reader, "MAX_OPEN_EXTERNALS", 1)
+    with CheckpointFile(c) as f:
+        on = {f.externals[ch.source].rel: k for k, ch in enumerate(f.chunks) if ch.source >= 0}
+        k_a, k_b = on["a.ckpt"], on["b.ckpt"]
+
+        def read(k: int) -> None:
+            f.read_into([(k, memoryview(bytearray(f.chunks[k].raw_len)))], True)
+
+        read(k_a)
+        read(k_b)  # a is let go of
+        shutil.copyfile(a, str(tmp_path / "copy.tmp"))
+        os.replace(str(tmp_path / "copy.tmp"), a)  # the same bytes, another file
+        with pytest.raises(ckptfmt.CorruptError, match="changed since this file first opened it"):
+            read(k_a)
+
+
+# -- reading again what could not be read: after the commit, within a budget -----------------
+
+
+@pytest.mark.skipif(ckptfmt.backend() != "c", reason="a forked save's writer is the C engine's")
+def test_a_forked_saves_retry_runs_after_its_commit_and_its_failure_fails_nothing(
+    tmp_path, monkeypatch, caplog
+):
+    """The chunk a forked save wrote because it could not be read before is read again once the
+    file is committed (a slow store delays no commit), and a failure of that read, whatever it
+    is, is logged: the save stands."""
+    import errno
+    import os
+
+    a = str(tmp_path / "a.ckpt")
+    incremental.save(_state(1), a)
+    original = CheckpointFile.read_into
+    saving: list[str] = []
+    committed_at_retry: list[bool] = []
+
+    def failing(f, items, verify, check_only=False):  # type: ignore[no-untyped-def]
+        if check_only and f.path == a:
+            if len(saving) == 1:  # step 2's check: a bad sector
+                raise OSError(errno.EIO, "Input/output error")
+            committed_at_retry.append(os.path.exists(saving[-1]))
+            raise RuntimeError("the store's client broke")  # not an OSError
+        return original(f, items, verify, check_only)
+
+    monkeypatch.setattr(CheckpointFile, "read_into", failing)
+    monkeypatch.setattr(basecheck, "RETRY_SECONDS", 0.0)
+    for step in (2, 3):
+        path = str(tmp_path / f"s{step}.ckpt")
+        saving.append(path)
+        handle = incremental.save(_state(step), path, base=a, blocking=False, snapshot="fork")
+        assert handle is not None
+        if step == 2:
+            with pytest.raises(ckptfmt.CheckpointError, match="could not be read"):
+                handle.wait()
+        else:
+            with caplog.at_level(logging.WARNING, logger="ckptfmt"):
+                handle.wait()
+    assert committed_at_retry == [True]
+    assert "the store's client broke" in caplog.text
+    monkeypatch.setattr(CheckpointFile, "read_into", original)
+    assert incremental.referenced_files(saving[-1]) == []
+    assert torch.equal(ckptfmt.load(saving[-1])["frozen"], FROZEN)
+
+
+@pytest.mark.skipif(ckptfmt.backend() != "c", reason="a forked save's writer is the C engine's")
+@pytest.mark.parametrize("budget", ["bytes", "seconds"])
+def test_a_forked_save_reads_again_within_its_budget(tmp_path, monkeypatch, budget):
+    """Four 1 MiB base chunks could not be read; each later forked save reads again one chunk's
+    worth (RETRY_BYTES), or one window (RETRY_BUDGET_SECONDS spent), and the rest waits."""
+    import errno
+
+    a = str(tmp_path / "a.ckpt")
+    incremental.save(_state(1), a, chunk_size=1 << 20)
+    original = CheckpointFile.read_into
+    eio = [True]
+    saving = [2]
+    reads: list[tuple[int, int]] = []  # (the save's step, chunks read)
+
+    def failing(f, items, verify, check_only=False):  # type: ignore[no-untyped-def]
+        if check_only and f.path == a:
+            if eio[0]:
+                raise OSError(errno.EIO, "Input/output error")
+            reads.append((saving[0], len(items)))
+        return original(f, items, verify, check_only)
+
+    monkeypatch.setattr(CheckpointFile, "read_into", failing)
+    monkeypatch.setattr(basecheck, "RETRY_SECONDS", 0.0)
+    if budget == "bytes":
+        monkeypatch.setattr(basecheck, "RETRY_BYTES", 1 << 20)
+    else:
+        monkeypatch.setattr(basecheck, "WINDOW_BYTES", 1 << 20)
+        monkeypatch.setattr(basecheck, "RETRY_BUDGET_SECONDS", 0.0)
+
+    def forked(step: int) -> None:
+        saving[0] = step
+        handle = incremental.save(
+            _state(step), str(tmp_path / f"s{step}.ckpt"), base=a, blocking=False, snapshot="fork"
+        )
+        assert handle is not None
+        handle.wait()
+
+    with pytest.raises(ckptfmt.CheckpointError, match="could not be read"):
+        forked(2)
+    eio[0] = False
+    for step in (3, 4, 5, 6):
+        forked(step)
+    assert reads == [(3, 1), (4, 1), (5, 1), (6, 1)]  # one chunk after each save
+    forked(7)
+    assert len(reads) == 4  # all four referred to: nothing left to read again
+    with CheckpointFile(str(tmp_path / "s7.ckpt")) as f:
+        assert sum(ch.source >= 0 for ch in f.chunks) == 4
+
+
+# -- the bounds forget fail-safe ---------------------------------------------------------------
+
+
+@pytest.mark.skipif(ckptfmt.backend() != "c", reason="a forked save's writer is the C engine's")
+def test_a_forgotten_unreadable_chunk_is_written_not_a_failed_save(tmp_path, monkeypatch):
+    """The unreadable chunks' bound forgets them: a forked save after that must write such a
+    chunk (it may still not read), not refer to it and fail."""
+    import errno
+
+    a = str(tmp_path / "a.ckpt")
+    incremental.save(_state(1), a)
+    original = CheckpointFile.read_into
+
+    def failing(f, items, verify, check_only=False):  # type: ignore[no-untyped-def]
+        if check_only and f.path == a:  # a bad sector that stays
+            raise OSError(errno.EIO, "Input/output error")
+        return original(f, items, verify, check_only)
+
+    monkeypatch.setattr(CheckpointFile, "read_into", failing)
+    monkeypatch.setattr(basecheck, "MAX_UNREADABLE", 0)  # every entry forgotten at once
+    for step in (2, 3, 4):
+        path = str(tmp_path / f"s{step}.ckpt")
+        handle = incremental.save(_state(step), path, base=a, blocking=False, snapshot="fork")
+        assert handle is not None
+        if step == 2:
+            with pytest.raises(ckptfmt.CheckpointError, match="could not be read"):
+                handle.wait()
+        else:
+            handle.wait()
+            assert incremental.referenced_files(path) == []
+    monkeypatch.setattr(CheckpointFile, "read_into", original)
+    assert torch.equal(ckptfmt.load(str(tmp_path / "s4.ckpt"))["frozen"], FROZEN)
+
+
+@pytest.mark.skipif(ckptfmt.backend() != "c", reason="a forked save's writer is the C engine's")
+def test_a_forgotten_damaged_chunk_is_written_not_a_failed_save(tmp_path, monkeypatch):
+    """The verdicts' bound drops a damaged base's verdicts (other bases checked since): the next
+    forked save against it writes the damaged chunk, rather than refer to it and fail."""
+    a = str(tmp_path / "a.ckpt")
+    incremental.save(_state(1), a)
+    _flip_a_bit_of_the_largest_chunk(a)
+    monkeypatch.setattr(basecheck, "MAX_FILES", 1)
+    handle = incremental.save(_state(2), str(tmp_path / "b.ckpt"), base=a, blocking=False, snapshot="fork")
+    assert handle is not None
+    with pytest.raises(ckptfmt.CorruptError, match="cannot refer to chunk"):
+        handle.wait()
+    other = str(tmp_path / "other.ckpt")
+    incremental.save(_state(1), other)
+    incremental.save(_state(2), str(tmp_path / "other2.ckpt"), base=other)  # a's verdicts dropped
+    assert len(basecheck._verdicts) == 1
+    c = str(tmp_path / "c.ckpt")
+    handle = incremental.save(_state(3), c, base=a, blocking=False, snapshot="fork")
+    assert handle is not None
+    handle.wait()
+    assert torch.equal(ckptfmt.load(c)["frozen"], FROZEN)

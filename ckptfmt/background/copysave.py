@@ -159,11 +159,15 @@ def _save_copied(
     )
     handle._thread = thread
     atomic.__enter__()  # creation errors (missing directory, permissions) are raised now
+    if options.dedup is not None:  # closed by the writer, or below when it cannot start
+        options.dedup.claim()
     inflight.begin(handle)
     try:
         thread.start()
     except BaseException as e:  # no thread: nothing will ever finish this save
         inflight.end(handle)
+        if options.dedup is not None:
+            options.dedup.close()
         atomic.__exit__(None, None, None)
         handle._finish(e)
         raise

@@ -307,6 +307,8 @@ def save_forked(
     # fails before that (an interrupt can land in Thread.start() after the thread began).
     owner = threading.Lock()
     try:
+        if options.dedup is not None:  # closed by this call's cleanup or by the waiter's
+            options.dedup.claim()
         pieces = [c for plan in encoded.storages for c in chunkwrite.storage_chunks(plan, options.chunk_size)]
         if staged is not None:
             child, ready, alive_w = staged._hand(atomic.fd, file_id, pieces, options, path)
@@ -349,6 +351,8 @@ def save_forked(
             _kill(child)
         for fd in own:
             os.close(fd)
+        if options.dedup is not None:
+            options.dedup.close()
         atomic.__exit__(None, None, None)
         if isinstance(e, OSError) and e.filename is None:
             raise type(e)(e.errno, f"cannot take a fork snapshot: {e.strerror}", path) from e
@@ -565,6 +569,8 @@ def _finish(
         atomic.commit(free_replaced=replaced.append)
         handle.version = getattr(atomic, "etag", None)  # an object upload's
         handle._durable_now(length)
+        if options.dedup is not None:  # off the commit's path: the file is durable already
+            options.dedup.recheck()
     except BaseException as e:
         exc = e
     finally:

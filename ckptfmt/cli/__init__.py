@@ -3,8 +3,9 @@
 Results go to stdout, diagnostics to stderr (one line naming the path); --json prints
 exactly one JSON document.  Exit status, the same for every command (EXIT_CODES): 0
 success, 1 a file is damaged, incomplete, unsupported or over a limit, or the files
-differ (diff), 2 usage error or a path that is missing, unreadable or not a ckptfmt
-file.  ERROR_EXIT_CODES (cli.exitcodes) is the one table from errors to exit statuses.
+differ (diff), 2 usage error, a path that is missing, unreadable or not a ckptfmt
+file, or an object store that refuses or fails a request (never a file's damage: verify
+lists such a path as unreadable).  ERROR_EXIT_CODES (cli.exitcodes) is the one table from errors to exit statuses.
 
 This module wires the parser; each command group has its module: verify, runs (ls),
 inspect, convert (convert, consolidate), diff, info, signing (keygen, sign).  exitcodes

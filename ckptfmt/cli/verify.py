@@ -76,7 +76,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
             return exit_code(error)
     for path in args.paths:
         if is_url(path) and not remote.is_object(path) and args.step is None and remote.has_record(path):
-            entry = remote.checkpoint_entry(path, problem_dict, decrypt, trusted)  # one checkpoint's prefix
+            try:
+                entry = remote.checkpoint_entry(
+                    path, problem_dict, decrypt, trusted
+                )  # one checkpoint's prefix
+            except OSError as err:  # the store failed: nothing is known of the checkpoint
+                results.append({"path": path, "status": "unreadable", "error": str(err)})
+                status = max(status, exit_code(err))
+                continue
             results.append(entry)
             status = max(status, FILE_FAILED if entry["problems"] else EXIT_OK)
             continue

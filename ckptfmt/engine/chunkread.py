@@ -114,6 +114,9 @@ class ChunkReader:
         # and those that could not be used (error class and reason, reported again per chunk)
         self._ext_open: OrderedDict[int, tuple[int, int]] = OrderedDict()
         self._ext_failed: dict[int, tuple[type[CheckpointError], str]] = {}
+        #: a local referenced file's stamp when first opened: opened again (let go of to keep
+        #: few open), it must be that file still, as an object must be its first version
+        self._ext_stamps: dict[int, tuple[int, ...]] = {}
         # reads run at once on several threads (a Reader's gets): referenced files are opened
         # under this lock, and each read holds the one it reads from (_holding): a file held is
         # never let go of (max_open), so its descriptor stays valid under the read, and a
@@ -178,6 +181,8 @@ class ChunkReader:
         except OSError as err:
             raise OSError(err.errno, f"{err.strerror} (a file {self.path} refers to)", ext.name) from None
         try:
+            if base.fetcher_of(fd) is None:  # a local file (an object's is a spool)
+                reffiles.check_stamp(self._ext_stamps, e, fd, what, self.path)
             end, key = reffiles.check_opened(
                 fd, ext, what, self.path, self._encrypted, self._opener, bool(self.data_key)
             )
@@ -323,6 +328,11 @@ class ChunkReader:
                     del self._pins[source]
                 unheld = self._unheld()
             self._let_go(unheld)
+
+    def external_stamp(self, e: int) -> tuple[int, ...] | None:
+        """The stamp (fileio.file_stamp) of local referenced file e as it is read; None before
+        it was opened, or for an object."""
+        return self._ext_stamps.get(e)
 
     def _source(self, k: int, key: str | None) -> tuple[int, bytes, int]:
         """Where chunk k's stored bytes are: (fd, that file's id, the chunk's number in it)."""

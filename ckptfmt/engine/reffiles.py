@@ -1,17 +1,29 @@
 """A referenced file (spec section 12) checked, once opened, to be the one its referencing
 file's index records (section 12.5): its prologue and footer, file id, length and encryption
-(section 17.9), and an encrypted one's data key.  chunkread.ChunkReader opens each once."""
+(section 17.9), and an encrypted one's data key; a local one opened again checked to be the
+file it was when first opened.  chunkread.ChunkReader opens each."""
 
 from __future__ import annotations
 
 import os
 
 from ..errors import CheckpointError, CorruptError, DecryptionError, IncompleteError
-from ..fileio import pread_exact
+from ..fileio import file_stamp, pread_exact
 from ..format import encryption
 from ..format import layout as fmt
 from ..format.encryption import Opener
 from ..format.index import External
+
+
+def check_stamp(stamps: dict[int, tuple[int, ...]], e: int, fd: int, what: str, path: str) -> None:
+    """Local referenced file e, open at `fd`, is the file it was when first opened (`stamps`:
+    each one's then), as an object must be its first version: opened again (let go of to keep
+    few open), CorruptError where it was replaced or rewritten meanwhile."""
+    stamp = file_stamp(os.fstat(fd))
+    if stamps.setdefault(e, stamp) != stamp:
+        raise CorruptError(
+            f"{what} changed since this file first opened it (replaced or rewritten)", path=path
+        )
 
 
 def check_opened(

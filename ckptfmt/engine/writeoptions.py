@@ -66,10 +66,23 @@ class Dedup(Protocol):
         """The index record of chunk k (8 fields when local, 10 when external)."""
         ...
 
+    def recheck(self) -> None:
+        """Once the file is committed: read again, within a bounded budget, what held_keys()
+        kept from the writer because an earlier check could not read it, for the next save.
+        Never raises (the save is committed)."""
+        ...
+
+    def claim(self) -> None:
+        """A background writer takes it: from now on that writer closes it once its save is
+        over (on whatever thread), and its caller must not, even when an error reaches it
+        while the save goes on."""
+        ...
+
     def close(self) -> None:
         """Let go of what it holds open (the base it reads): called by every writer once its
         save is over, committed or failed, before a failure is raised (its traceback may
-        be kept long after); idempotent."""
+        be kept long after); idempotent.  After it nothing is referred to: classify writes
+        every chunk and adopt refuses the writer's findings (CheckpointError)."""
         ...
 
 

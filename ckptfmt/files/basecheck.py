@@ -17,8 +17,14 @@ reader opened it at (a request the reader makes anyway, before any chunk is refe
 replaced since its check, its chunks are checked again.  A read that failed for
 a reason other than the bytes (an I/O or store error) is tried again by the next save that
 can still write the chunk; a forked save's writer, which decides before the check, writes it,
-and the save reads it again once RETRY_SECONDS have passed: a passing error does not cost
-a rewrite of the chunk at every save against a fixed base.
+and the save reads it again once RETRY_SECONDS have passed, after its commit and within a
+budget (RETRY_BYTES, RETRY_BUDGET_SECONDS): a passing error does not cost a rewrite of the
+chunk at every save against a fixed base, nor a throttled store the save's durability.
+
+The bounds forget fail-safe: a file whose damaged or unreadable chunks were forgotten (to
+keep memory bounded) is `forgotten`, and a forked save's writer is given none of its chunks
+not judged sound (they are written, then read again after the commit), never a chunk whose
+check would fail the save.
 
 The cost: the first incremental save in a process reads and decodes every base chunk it
 refers to (a resumed run on an object store downloads them once).
@@ -26,6 +32,7 @@ refers to (a resumed run on an object store downloads them once).
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import threading
@@ -36,17 +43,27 @@ from typing import Any
 
 from ..engine.writeoptions import ChunkRecord
 from ..errors import CheckpointError
+from ..fileio import file_stamp
 from .reader import CheckpointFile
 
 #: files whose verdicts are kept (least recently used dropped first)
 MAX_FILES = 64
 #: at most this many chunks remembered as unreadable
 MAX_UNREADABLE = 100_000
+#: at most this many files remembered as forgotten (then every file counts as one)
+MAX_FORGOTTEN = 1024
 #: seconds after a check could not read a chunk before it is read again for a forked save,
 #: whose writer, deciding before any check, writes the chunk meanwhile
 RETRY_SECONDS = 60.0
 #: raw bytes one check reads at a time (or the largest chunk, when larger)
 WINDOW_BYTES = 64 << 20
+#: a forked save reads again at most this many raw bytes after its commit (at least one chunk)
+RETRY_BYTES = 256 << 20
+#: and starts no read of another window after this many seconds: a throttled store delays
+#: the end of the save by about one window, and the rest waits for the next save
+RETRY_BUDGET_SECONDS = 5.0
+
+log = logging.getLogger("ckptfmt")
 
 #: a file that holds chunks: (location, file id, length, stamp)
 Holder = tuple[str, bytes, int, Any]
@@ -61,6 +78,11 @@ _verdicts: OrderedDict[Holder, dict[_Judged, str | None]] = OrderedDict()
 #: write them; never referred to by a forked save's writer, which decides before they are
 #: checked (held_keys), but read again once due by a forked save that wrote them (retry)
 _unreadable: dict[tuple[Holder, _Judged], float] = {}
+#: files some of whose damaged or unreadable chunks were forgotten (the bounds above): their
+#: chunks not judged sound are withheld from a forked writer (and read again after its commit)
+_forgotten: set[Holder] = set()
+#: so many files were forgotten that every file counts as one
+_forgot_all = False
 #: chunks a save was told about (whether kept damaged): saves against one base (a fixed base=)
 #: write such a chunk again each time and warn once
 _reported: set[tuple[Holder, _Judged, bool]] = set()
@@ -99,57 +121,74 @@ class Damage:
     kept: bool
 
 
-def _local_stamp(st: os.stat_result) -> tuple[int, int, int, int, int]:
-    # ctime too: a rewrite in place that puts the modification time back cannot set it
-    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
-
-
 def base_holder(f: CheckpointFile) -> Holder:
     """The identity of the open base `f` itself."""
     if f.remote:
         return (f.path, f.prologue.file_id, f.prologue.file_length, f.etag)
-    stamp = _local_stamp(os.fstat(f.chunk_reader.fd))
+    stamp = file_stamp(os.fstat(f.chunk_reader.fd))
     return (os.path.abspath(f.path), f.prologue.file_id, f.prologue.file_length, stamp)
 
 
-def referenced_holder(
-    f: CheckpointFile, rel: str, location: str, file_id: bytes, length: int
-) -> Holder | None:
-    """The identity of the file that reference `rel` of the open base `f` names, at `location`
-    (a path or URL): an object by the version `f`'s reader opened it at (no request of its
-    own; the reader reads it at that version only); None for a file that cannot be looked at
-    or an object not opened (its chunks are then not referred to)."""
-    if f.remote:
-        version = f.reference_version(rel)
-        return None if version is None else (location, file_id, length, version)
-    try:
-        stamp = _local_stamp(os.stat(location))
-    except OSError:
-        return None
-    return (location, file_id, length, stamp)
+def referenced_holder(f: CheckpointFile, e: int, location: str, file_id: bytes, length: int) -> Holder | None:
+    """The identity of the file that reference `e` of the open base `f` names, at `location`
+    (a path or URL), as `f`'s reader opened it: an object by the version it is read at, a local
+    file by the stamp of the descriptor it is read through (no request or look-up of its own:
+    the reader refuses the file opened again as another); None where the reader has not opened
+    it (its chunks are then not referred to)."""
+    stamp = f.reference_version(f.externals[e].rel) if f.remote else f.chunk_reader.external_stamp(e)
+    return None if stamp is None else (location, file_id, length, stamp)
+
+
+_UNJUDGED = object()
 
 
 def known_damaged(pick: Pick) -> bool:
-    """Whether `pick` was found damaged, or could not be read, before in this process
+    """Whether a forked writer must not be given `pick`: found damaged, or could not be read,
+    before in this process, or not judged sound in a file whose verdicts were forgotten
     (nothing is read)."""
     with _lock:
-        verdicts = _verdicts.get(pick.holder)
         if (pick.holder, pick.judged) in _unreadable:
             return True
-        return verdicts is not None and verdicts.get(pick.judged) is not None
+        verdicts = _verdicts.get(pick.holder)
+        verdict = _UNJUDGED if verdicts is None else verdicts.get(pick.judged, _UNJUDGED)
+        if verdict is _UNJUDGED:
+            return _forgot_all or pick.holder in _forgotten
+        return verdict is not None
 
 
 def retry(f: CheckpointFile, picks: list[Pick]) -> dict[int, Damage]:
-    """Check again, through the open base `f`, those of `picks` whose last check could not read
-    them and RETRY_SECONDS have passed since (a forked save wrote them meanwhile): a chunk
-    that reads now can be referred to by the next save.  The damaged ones, as check()."""
+    """Check again, through the open base `f`, those of `picks` (which a forked save wrote)
+    whose last check could not read them and RETRY_SECONDS have passed since, and those of a
+    forgotten file not judged yet: a chunk that reads now can be referred to by the next save.
+    At most RETRY_BYTES, no window started after RETRY_BUDGET_SECONDS; the rest waits for a
+    later save.  The damaged ones, as check(); a failure to read is logged, never raised."""
     now = time.monotonic()
     with _lock:
-        due = [p for p in picks if _unreadable.get((p.holder, p.judged), now + 1) <= now]
-    try:
-        return check(f, due) if due else {}
-    except OSError:  # no memory to read them into: tried again by a later save
+        due = [p for p in sorted(picks, key=lambda p: p.chunk) if _due(p, now)]
+    chosen: list[Pick] = []
+    size = 0
+    for p in due:
+        if chosen and size + p.record[2] > RETRY_BYTES:
+            break
+        chosen.append(p)
+        size += p.record[2]
+    if not chosen:
         return {}
+    try:
+        found = _read_checked(f, chosen, now + RETRY_BUDGET_SECONDS)
+    except Exception as e:  # tried again by a later save; this one is committed already
+        log.warning("%s: reading base chunks again failed (%s); a later save tries again", f.path, e)
+        return {}
+    return {p.chunk: hit for p in chosen if (hit := found.get((p.holder, p.judged))) is not None}
+
+
+def _due(p: Pick, now: float) -> bool:
+    """Whether `p` is to be read again now (under _lock)."""
+    when = _unreadable.get((p.holder, p.judged))
+    if when is not None:
+        return when <= now
+    verdicts = _verdicts.get(p.holder)
+    return (_forgot_all or p.holder in _forgotten) and (verdicts is None or p.judged not in verdicts)
 
 
 def first_report(pick: Pick, damage: Damage) -> bool:
@@ -189,8 +228,12 @@ def check(f: CheckpointFile, picks: list[Pick]) -> dict[int, Damage]:
     return damaged
 
 
-def _read_checked(f: CheckpointFile, picks: list[Pick]) -> dict[tuple[Holder, _Judged], Damage]:
-    """Read and check `picks` through `f`, keep the verdicts; the damaged ones."""
+def _read_checked(
+    f: CheckpointFile, picks: list[Pick], deadline: float | None = None
+) -> dict[tuple[Holder, _Judged], Damage]:
+    """Read and check `picks` through `f`, keep the verdicts; the damaged ones.  Past
+    `deadline` (time.monotonic) no window is started: the picks left are neither read nor
+    judged (for retry alone)."""
     largest = max(p.record[2] for p in picks)
     window = min(max(WINDOW_BYTES, largest), sum(p.record[2] for p in picks))
     # an anonymous mapping: pages on first touch, no torch needed
@@ -202,6 +245,8 @@ def _read_checked(f: CheckpointFile, picks: list[Pick]) -> dict[tuple[Holder, _J
         if group and pos + p.record[2] > window:
             _halving(f, group, view, damaged)
             group, pos = [], 0
+            if deadline is not None and time.monotonic() >= deadline:
+                return damaged
         group.append(p)
         pos += p.record[2]
     if group:
@@ -223,7 +268,7 @@ def _halving(
         with _lock:
             _unreadable.update(((p.holder, p.judged), again) for p in group)
             if len(_unreadable) > MAX_UNREADABLE:
-                _unreadable.clear()  # forgetting one only makes a forked save check it again
+                _forget_unreadable()
         for p in group:
             damaged[(p.holder, p.judged)] = Damage(f"could not be read: {e}", False)
         return
@@ -250,6 +295,24 @@ def _keep(group: list[Pick], reason: str | None) -> None:
             _verdicts.move_to_end(p.holder)
             verdicts[p.judged] = reason
         while len(_verdicts) > MAX_FILES:
-            _verdicts.popitem(last=False)
-        if len(_unreadable) > MAX_UNREADABLE:
-            _unreadable.clear()  # bounded: forgetting one only makes a forked save check it again
+            holder, dropped = _verdicts.popitem(last=False)
+            if any(reason is not None for reason in dropped.values()):
+                _forget(holder)  # a damaged chunk forgotten must not be handed to a forked writer
+
+
+def _forget_unreadable() -> None:
+    """Bound _unreadable (under _lock): its files are forgotten, so that a forked writer is
+    not given one of their chunks whose check could fail its save."""
+    for holder, _ in _unreadable:
+        _forget(holder)
+    _unreadable.clear()
+
+
+def _forget(holder: Holder) -> None:
+    global _forgot_all
+    if _forgot_all:
+        return
+    _forgotten.add(holder)
+    if len(_forgotten) > MAX_FORGOTTEN:  # bounded too: every file then counts as forgotten
+        _forgotten.clear()
+        _forgot_all = True

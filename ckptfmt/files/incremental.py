@@ -21,6 +21,7 @@ import errno
 import logging
 import os
 import posixpath
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -165,6 +166,12 @@ class ContentIndex:
         #: the base, open while chunks may be referred to: their stored bytes are checked
         #: through it before the first reference (files/basecheck.py)
         self._base: CheckpointFile | None = None
+        # close() may come from another thread than a check's (a reader is not closed under
+        # a read); once closed, nothing found is referred to (no check can vouch for it)
+        self._lock = threading.RLock()
+        self._closed = False
+        #: a writer that closes this once its save is over, on whatever thread, took it
+        self.claimed = False
         self._target, self._base_path = target, base
         if base is not None:
             self._add_base(target, base)
@@ -286,7 +293,7 @@ class ContentIndex:
         """The candidate file for external `e` of the open base `f`, which its reader has
         opened, reached from the new file by `rel`; None where it cannot be referred to."""
         ext = f.externals[e]
-        who = basecheck.referenced_holder(f, ext.rel, _referenced_path(f, ext.rel), ext.file_id, ext.length)
+        who = basecheck.referenced_holder(f, e, _referenced_path(f, ext.rel), ext.file_id, ext.length)
         if rel is None or who is None:
             return None
         return self._add_file(rel, ext.file_id, ext.length, who)
@@ -298,12 +305,16 @@ class ContentIndex:
     def _pick(self, held: _Held, digest: bytes) -> basecheck.Pick:
         return basecheck.Pick(held.chunk, self.files[held.file].holder, held.number, held.record, digest)
 
-    def _damaged(self, found: list[tuple[_Held, bytes]]) -> dict[int, basecheck.Damage]:
+    def _damaged(self, found: list[tuple[_Held, bytes]]) -> dict[int, basecheck.Damage] | None:
         """Of the chunks found, those whose stored bytes fail the reader's checks (by their
-        number in the base), each read once per process (files/basecheck.py)."""
-        if not found or self._base is None:
+        number in the base), each read once per process (files/basecheck.py); None once
+        closed: none of them can be checked, so none may be referred to."""
+        if not found:
             return {}
-        return basecheck.check(self._base, [self._pick(h, d) for h, d in found])
+        with self._lock:
+            if self._closed or self._base is None:
+                return None
+            return basecheck.check(self._base, [self._pick(h, d) for h, d in found])
 
     def _where(self, held: _Held) -> str:
         """Chunk `held` as a message names it: in the base, and in the file that holds it."""
@@ -354,6 +365,8 @@ class ContentIndex:
             for view, digest in zip(views, digests)
         ]
         damaged = self._damaged([(h, d) for h, d in zip(found, digests) if h is not None])
+        if damaged is None:  # closed: every chunk is written here
+            return [None] * len(found)
         self._warn(damaged, {h.chunk: (h, d) for h, d in zip(found, digests) if h is not None})
         out: list[ChunkRecord | None] = []
         for i, held in enumerate(found):
@@ -382,7 +395,8 @@ class ContentIndex:
         ]
         known = {key for key in referable if basecheck.known_damaged(self._pick(self.held[key], key[1]))}
         self._keys = sorted(key for key in referable if key not in known)
-        # those are written; the ones that could not be read are read again in adopt once due
+        # those are written; the ones that could not be read are read again once the save is
+        # committed (recheck), when due
         self._withheld = {self.held[key].chunk: (self.held[key], key[1]) for key in known}
         return self._keys
 
@@ -393,9 +407,12 @@ class ContentIndex:
             (self.held[self._keys[m]], digest) if m >= 0 else None for digest, m in zip(digests, matches)
         ]
         damaged = self._damaged([f for f in found if f is not None])
-        if self._base is not None and self._withheld:  # written here: a read now informs the next save
-            again = basecheck.retry(self._base, [self._pick(h, d) for h, d in self._withheld.values()])
-            self._warn(again, self._withheld)
+        if damaged is None:  # closed before the writer's findings came: none of them is checked
+            raise CheckpointError(
+                f"cannot refer to chunks of {self._base_path}: the save's base was closed before "
+                "they were checked; nothing was committed",
+                path=self._target,
+            )
         if damaged:  # the writer left these chunks unwritten: this file cannot be made whole
             held = next(f[0] for f in found if f is not None and f[0].chunk in damaged)
             why = damaged[held.chunk]
@@ -417,15 +434,33 @@ class ContentIndex:
             out.append(held.record)
         return out
 
+    def recheck(self) -> None:
+        # after the commit: what a forked save wrote because it could not be read before is
+        # read again within basecheck's budget, to be referred to by the next save
+        with self._lock:
+            if self._closed or self._base is None or not self._withheld:
+                return
+            try:
+                again = basecheck.retry(self._base, [self._pick(h, d) for h, d in self._withheld.values()])
+                self._warn(again, self._withheld)
+            except Exception as e:  # the save is committed: a later save tries again
+                log.warning("%s: reading chunks of %s again failed: %s", self._target, self._base_path, e)
+
+    def claim(self) -> None:
+        self.claimed = True
+
     def externals(self) -> list[list[Any]]:
-        self.close()  # asked for last, once every chunk is placed
+        if not self._withheld:  # asked for last, once every chunk is placed
+            self.close()  # (a forked save's withheld chunks are read again after its commit)
         order = sorted(self.entries, key=self.entries.__getitem__)
         return [[self.files[f].rel, self.files[f].file_id.hex(), self.files[f].length] for f in order]
 
     def close(self) -> None:
-        base, self._base = self._base, None
-        if base is not None:
-            base.close()
+        with self._lock:  # waits for a check under way on another thread
+            self._closed = True
+            base, self._base = self._base, None
+            if base is not None:
+                base.close()
 
     def record(self, k: int, rec: ChunkRecord) -> list[Any]:
         o, s, r, c, f, w, h = rec
@@ -597,7 +632,10 @@ def save_checked(
             state, target, options, within=within, create_only=create_only
         )
     except BaseException:
-        index.close()  # not left to the error's traceback, which holds this frame
+        # not left to the error's traceback, which holds this frame; a writer that took the
+        # index (a background save still running, even past an interrupt) closes it itself
+        if not index.claimed:
+            index.close()
         raise
     return result
 

@@ -15,6 +15,7 @@ from ..errors import (
     IncompleteError,
     LimitError,
     SignatureError,
+    StorageError,
     UnsupportedError,
 )
 from ..gcpause import pausing_in_main_thread
@@ -89,6 +90,14 @@ def problem_of(e: CheckpointError) -> Problem:
     return Problem(_kind(e), e.reason, e.key, e.chunk, e.offset)
 
 
+def _file_problem(e: CheckpointError) -> Problem:
+    """Problem `e` of the file checked; a StorageError is raised instead: a store that fails
+    says nothing of the file, which a report of problems would call damaged."""
+    if isinstance(e, StorageError):
+        raise e
+    return problem_of(e)
+
+
 @pausing_in_main_thread
 def verify(
     path: str | os.PathLike[str],
@@ -134,6 +143,8 @@ def verify(
             UNCHECKED_ENCRYPTED_INDEX if trusted_keys is None else UNCHECKED_SIGNED_ENCRYPTED_INDEX
         )
         return report
+    except StorageError:  # the store failed, not the file: nothing about it is known
+        raise
     except CheckpointError as e:
         report.problems.append(problem_of(e))
         return report
@@ -161,9 +172,9 @@ def check_file(
     # the files an incremental checkpoint refers to: present, the recorded ones, and
     # holding its external chunks inside their data sections (checked even when quick)
     for err in f.external_problems():
-        report.problems.append(problem_of(err))
+        report.problems.append(_file_problem(err))
     # a file opened with trusted keys is only authentic once each chunk matches its signed digest
     if not quick or f.signed:
         for err in f.iter_chunk_problems(progress):
-            report.problems.append(problem_of(err))
+            report.problems.append(_file_problem(err))
         report.bytes_checked = f.prologue.file_length

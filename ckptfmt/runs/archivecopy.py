@@ -46,7 +46,7 @@ from ..storage.download import head
 from ..storage.upload import upload_bytes, upload_file
 from ..storage.urls import ObjectURL, parse_url
 from .objectnames import StoreStamp, claiming, referenced_step
-from .objectrun import ObjectRun
+from .objectrun import ObjectRun, store_answered
 from .steps import CheckpointInfo
 
 
@@ -105,6 +105,7 @@ class _Copy:
         self.token: str | None = None  # the copy's own digits (save_token) once it needs them
         self.uploaded: dict[str, str] = {}  # objects of names of its own it uploaded: version
         self.kept: frozenset[str] = frozenset()  # files of the step later steps' committed records name
+        self.record_unknown = False  # the record's write was sent and got no answer: it may land
 
     def claim_prefix(self, of: int) -> StoreStamp | None:
         """Put this copy's marker into step `of`'s prefix, once: the store's clock as it
@@ -200,19 +201,28 @@ class _Copy:
         their names, else `archived` written afresh (its `created` kept: the archiver knows
         a step by it); the record's size."""
         url = self._url_of(multifile.COMMIT_NAME)
-        if archived == record:
-            fd = d.open_file(multifile.COMMIT_NAME)
-            try:
-                return upload_file(fd, url, self.run.options, if_absent=True)
-            finally:
-                os.close(fd)
-        self.run.step_place(self.step).write_record(archived)
+        try:
+            if archived == record:
+                fd = d.open_file(multifile.COMMIT_NAME)
+                try:
+                    return upload_file(fd, url, self.run.options, if_absent=True)
+                finally:
+                    os.close(fd)
+            self.run.step_place(self.step).write_record(archived)
+        except FileExistsError:  # another copy's record: this one's never landed
+            raise
+        except BaseException as e:  # without the store's answer the record may land yet
+            self.record_unknown = not store_answered(e)
+            raise
         return head(parse_url(url), self.run.options)[0]
 
     def withdraw(self) -> None:
         """After a failure: delete what this copy uploaded under names of its own, each by its
         version, unless the step's record names it (ObjectRun.delete_uncommitted); anything
-        left goes with the step's cleanup."""
+        left goes with the step's cleanup.  Nothing goes where the record's write got no
+        answer: it may land yet, naming them."""
+        if self.record_unknown:
+            return
         for name, version in self.uploaded.items():
             try:
                 self.run.delete_uncommitted(self.step, name, version)

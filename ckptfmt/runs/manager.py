@@ -359,13 +359,15 @@ class CheckpointManager(StepCommits):
 
     def remove(self, step: int) -> None:
         """Delete checkpoint `step` (files that other checkpoints refer to are kept); in a
-        tiered run its archived copy too, so that neither tier resumes from it."""
+        tiered run its archived copy too, so that neither tier resumes from it: the archived
+        copy first, as an archive that fails must leave the step whole in both tiers (a local
+        copy gone and an archived one kept is resumed from once the archive answers again)."""
         self._wait_all()
+        removed = False
         if self._archiver is not None:
             self._archiver.wait()  # no copy reads the step while it goes; a stalled archive fails first
-        removed = self._remove_local(step)
-        if self._archiver is not None:
-            removed = self._archiver.remove(step) or removed
+            removed = self._archiver.remove(step)
+        removed = self._remove_local(step) or removed
         if not removed:
             raise CheckpointError(f"no checkpoint of step {step} in {self.directory}")
 

@@ -31,8 +31,9 @@ Not in this version: an archive tier of an object-store run, and encrypted multi
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..background import inflight
@@ -44,9 +45,14 @@ from ..files.places import ObjectPlace
 from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport
 from ..format.index import External
-from . import resume
+from ..format.timestamps import MICROSECONDS, format_utc, utc_now
+from ..storage import listing
+from ..storage.upload import upload_bytes
+from ..storage.urls import ObjectURL
+from . import objectnames, resume
 from .manager import CheckpointManager, RunSteps, is_sharded_save
-from .objectrun import ObjectRun
+from .objectnames import StoreStamp, claiming, copy_marker
+from .objectrun import ObjectRun, store_answered
 from .scan import RunScan
 from .steps import CheckpointInfo, StepJob, StepStatus
 
@@ -216,13 +222,24 @@ class ObjectRunManager(CheckpointManager):
         the version named) and is signed (spec 16.7)."""
         url = f"{job.path}/{job.state_name}"
         place = self.run.step_place(job.step)
-        with self._uploaded_state(job, url) as f:
-            _check_uploaded_here(f.etag, job, url)
-            part = multifile.identity_of(f, job.state_name)
-            refs = tuple(self._describe(place, job.state_name, ext) for ext in f.externals)
-            if self._sign_key is not None:
-                part = place.with_digest(part, f.etag)
-        record = multifile.CommitRecord(job.step, "state", (part,), refs, job.metrics, job.metadata)
+        with self._claiming_references(job, place) as claim:
+            with self._uploaded_state(job, url) as f:
+                _check_uploaded_here(f.etag, job, url)
+                part = multifile.identity_of(f, job.state_name)
+                claim([ext.rel for ext in f.externals])
+                refs = tuple(self._describe(place, job.state_name, ext) for ext in f.externals)
+                if self._sign_key is not None:
+                    part = place.with_digest(part, f.etag)
+            return self._write_record(job, part, refs)
+
+    def _write_record(
+        self, job: StepJob, part: multifile.PartRecord, refs: tuple[multifile.PartRecord, ...]
+    ) -> multifile.CommitRecord:
+        """Put the step's commit record, only if absent, naming state object `part` and the
+        objects of earlier steps `refs`; then sweep what other saves left in the step."""
+        # its time fixed now: a record found there can be told for this one (_is_this_record)
+        created = format_utc(utc_now(), MICROSECONDS)
+        record = multifile.CommitRecord(job.step, "state", (part,), refs, job.metrics, job.metadata, created)
         try:
             writer.save_file(
                 record.as_value(),
@@ -231,12 +248,61 @@ class ObjectRunManager(CheckpointManager):
                 create_only=True,
             )
         except FileExistsError:
-            raise CheckpointError(
-                f"step {job.step} was committed by another writer meanwhile", path=job.path
-            ) from None
+            if not self._is_this_record(job, record):
+                raise CheckpointError(
+                    f"step {job.step} was committed by another writer meanwhile", path=job.path
+                ) from None
+        except BaseException as e:
+            # without the store's answer (a timeout, a reset, an answer cut short) it may have
+            # the record whole: it may land yet, naming the state object, which must then stay
+            job.record_unknown = not store_answered(e)
+            raise
         if job.sweep:  # what other saves left in the step is nobody's now
             self._tidy(job.path, lambda: self.run.sweep_step(job.step, record))
         return record
+
+    def _is_this_record(self, job: StepJob, record: multifile.CommitRecord) -> bool:
+        """Whether the commit record that refused this save's (its write is create-only) is
+        this save's own: an attempt whose answer was lost made it, and the retry found it.
+        It is when it says what `record` says, to its creation time and the state object's
+        file id, which no other save's names (one GET; one that cannot be read is not)."""
+        try:
+            return self.run.record(job.step) == record
+        except (FileNotFoundError, CheckpointError):
+            return False
+
+    @contextlib.contextmanager
+    def _claiming_references(self, job: StepJob, place: ObjectPlace) -> Iterator[Callable[[list[str]], None]]:
+        """While the commit record is described and written: a function that puts this save's
+        copy marker into the prefix of each earlier step whose objects (references, relative
+        to `place`) the record will name, and waits out a deletion of that step under way
+        (ObjectRun.wait_out_sweeps), before they are looked at.  A deletion (a rotation's, a
+        remove's, another writer's: ObjectRun.delete_unclaimed) that lists the prefix after
+        the marker is in only retires the step; one that put its sweep marker first is over
+        before they are looked at.  The markers go once the record is in (it names the
+        objects then), or the save failed, but for a record whose write got no answer: it
+        may land yet (they are dead once this process is, and go with the step)."""
+        name = copy_marker()
+        claimed: list[ObjectURL] = []
+
+        def claim(references: list[str]) -> None:
+            steps = sorted({objectnames.referenced_step(rel, place.path)[0] for rel in references})
+            for step in steps:
+                marker = self.run.step_url(step).child(name)
+                upload_bytes(
+                    b"a ckptfmt save referring to this step's objects\n", str(marker), self.run.options
+                )
+                stamp = StoreStamp(name, time.monotonic())
+                claimed.append(marker)
+                self.run.wait_out_sweeps(step, stamp)
+
+        with claiming(name):
+            try:
+                yield claim
+            finally:
+                if not job.record_unknown:
+                    for marker in claimed:
+                        self._tidy(str(marker), lambda m=marker: listing.delete_object(m, self.run.options))
 
     def _uploaded_state(self, job: StepJob, url: str) -> CheckpointFile:
         """The state object this save uploaded, opened to be described; CheckpointError when it
@@ -275,11 +341,15 @@ class ObjectRunManager(CheckpointManager):
         own record, landed although its request failed) keeps it.  A save of several ranks
         (no rank knows every rank file to be this save's) removes its rank files only once
         another writer's record is in the step, which cannot name them; without one, the next
-        save of the step that commits deletes them, or cleanup once stale."""
+        save of the step that commits deletes them, or cleanup once stale.  A save whose
+        record's write got no definite answer keeps its object: the record may land after
+        any read of it (cleanup deletes the step once stale, if no record did)."""
         if job.layout == "dcp":
             if job.file_handle is not None:
                 job.file_handle.exception()  # waits for the upload
             self._tidy(job.path, lambda: self.run.sweep_committed(job.step))
+            return
+        if job.record_unknown:  # the record may land naming it: cleanup's, once the step is stale
             return
         uploaded = job.written
         if job.file_handle is not None:

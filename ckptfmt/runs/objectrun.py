@@ -15,7 +15,7 @@ import contextlib
 import datetime
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..errors import (
@@ -31,7 +31,7 @@ from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport
 from ..format.timestamps import parse_utc
 from ..storage import listing
-from ..storage.client import check_options, deadline
+from ..storage.client import check_options, deadline, error_code
 from ..storage.download import head
 from ..storage.upload import upload_bytes
 from ..storage.urls import ObjectURL, parse_url
@@ -48,7 +48,9 @@ from .objectnames import (
     claiming,
     has_live_marker,
     is_copy_marker,
+    is_marker,
     is_sweep_marker,
+    marker_dead,
     referenced_step,
     store_time_bound,
     sweep_marker,
@@ -100,11 +102,10 @@ class ObjectRun:
         self.path = str(self.url).rstrip("/")
         self.options = check_options(storage_options)
         # commit records read (or refused) by this run's statuses, by the step and the record's
-        # size and time as listed: a record is create-only, so one listed again the same is
-        # the same; the archiver lists and judges the archive several times per copy
-        self._records: dict[
-            tuple[int, int | None, datetime.datetime], multifile.CommitRecord | CheckpointError
-        ] = {}
+        # size and version (ETag, generation) as listed: a version names one write, where a
+        # Last-Modified to the second names every record a step was given within it (a step
+        # removed and saved again); the archiver lists and judges the archive several times per copy
+        self._records: dict[tuple[int, int | None, str], multifile.CommitRecord | CheckpointError] = {}
         self._records_lock = threading.Lock()  # the archive thread and the caller's share a run
 
     def __repr__(self) -> str:
@@ -193,7 +194,9 @@ class ObjectRun:
         names: dict[str, Entry],
         found: ByStep,
     ) -> StepStatus:
-        """Step `step` judged by the run's listing `found` (`names`: its objects there)."""
+        """Step `step` judged by the run's listing `found` (`names`: its objects there).  A
+        store that fails reading its record is not a damaged step: StorageError propagates (a
+        resume that went on to an older step would fork the run; rotation would delete it)."""
         path = self.step_path(step)
         if multifile.COMMIT_NAME not in names:
             return StepStatus(
@@ -201,6 +204,8 @@ class ObjectRun:
             )
         try:
             return StepStatus(step, path, info=self._info(step, names, found))
+        except StorageError:
+            raise
         except CheckpointError as e:
             return StepStatus(step, path, problem=e.reason, damaged=True, error=type(e))
         except FileNotFoundError as e:  # deleted between the listing and the read
@@ -243,13 +248,14 @@ class ObjectRun:
         )
 
     def listed_record(self, step: int, listed: Entry, *, listed_size: bool = True) -> multifile.CommitRecord:
-        """Step `step`'s commit record as `listed` (size, last written): read once, then known
-        while the listing shows it unchanged (refused ones too: junk is not read again);
-        without `listed_size`, read by the size the store gives, not the listing's."""
-        size, when = (listed.size if listed_size else None), listed.modified
-        if when is None:
+        """Step `step`'s commit record as `listed` (size, version): read once, then known while
+        the listing shows that version (refused ones too: junk is not read again); read each
+        time where the listing gives no version; without `listed_size`, read by the size the
+        store gives, not the listing's."""
+        size = listed.size if listed_size else None
+        if listed.version is None:  # nothing tells this record from another written since
             return self.record(step, size)
-        key = (step, size, when)
+        key = (step, size, listed.version)
         with self._records_lock:
             known = self._records.get(key)
         if known is None:
@@ -336,10 +342,43 @@ class ObjectRun:
         if claim is not None:  # a deletion cut short, or a retired step's objects, stay known as ours
             marker = self.step_url(info.step).child(claim)
             upload_bytes(b"a ckptfmt archive step being retired\n", str(marker), self.options)
-        if any(url.startswith(info.path + "/") for url in needed):
+        if any(url.startswith(info.path + "/") for url in needed) or not self.delete_unclaimed(
+            info.step, claim
+        ):
             self.retire_step(info.step)
-        else:
-            self.delete_step(info.step)
+
+    def delete_unclaimed(self, step: int, claim: str | None = None) -> bool:
+        """Delete step `step` (its record first, then what ckptfmt wrote there, each by the
+        version listed) unless a live writer's copy marker is in its prefix or a later step's
+        record refers to an object of it, both judged once this deletion's own sweep marker is
+        in: a save about to refer to an object of the step puts its copy marker there first and
+        then waits out a sweep's marker it finds (ObjectRunManager._claiming_references), so one
+        of the two sees the other and no record lands naming what was deleted.  Whether it
+        deleted; `claim`: the caller's own copy marker in the prefix, deleted last.  No DELETE
+        is sent that could end past SWEEP_DELETES_WITHIN (the bound that save's wait relies
+        on): the marker then stays, dead once this is over (remove_interrupted_copies)."""
+        url = self.step_url(step)
+        name = sweep_marker()
+        with claiming(name):
+            began = time.monotonic()  # before the PUT: a save may list the marker before it returns
+            upload_bytes(b"a ckptfmt deletion of a step in progress\n", str(url.child(name)), self.options)
+            stamp = StoreStamp(name, time.monotonic())
+            try:
+                listed = listing.listed(url, self.options)
+                at = stamp.store_time(listed, listed.date)
+                others = {n: e for n, e in listed.items() if n not in (name, claim)}
+                claimed = has_live_marker(others, STALE_AFTER, at, is_copy_marker)
+                if claimed or self.read_by_later_steps(step):
+                    listing.delete_object(url.child(name), self.options)
+                    return False
+            except BaseException:  # nothing deleted yet: nothing for a cleaner to come back to
+                with contextlib.suppress(CheckpointError, OSError):
+                    listing.delete_object(url.child(name), self.options)
+                raise
+            doomed = _step_objects_in_order(listed, claim, at)
+            if self._delete_within([(url.child(n), v) for n, v in doomed], began):
+                listing.delete_object(url.child(name), self.options)
+        return True
 
     def remove_step(self, step: int, claim: str | None = None) -> bool:
         """Remove step `step` (the run goes back to an earlier step): deleted, or only retired
@@ -503,7 +542,7 @@ class ObjectRun:
         later = self.read_by_later_steps(step)
         return [(url.child(n), v) for n, v in others.items() if n not in later]
 
-    def _delete_within(self, doomed: list[tuple[ObjectURL, str]], began: float) -> bool:
+    def _delete_within(self, doomed: Sequence[tuple[ObjectURL, str | None]], began: float) -> bool:
         """Delete each (object, version) of `doomed` (If-Match), none of them once its DELETE
         could end past SWEEP_DELETES_WITHIN seconds from monotonic `began` (the sweep's marker):
         whether every one was sent."""
@@ -604,3 +643,34 @@ def _unread(step: int, path: str) -> StepStatus:
         error=LimitError,
         unread=True,
     )
+
+
+def _step_objects_in_order(
+    listed: dict[str, Entry], claim: str | None, at: datetime.datetime | None
+) -> list[tuple[str, str | None]]:
+    """What deleting a step's prefix `listed` deletes, (name, version) in the order it goes:
+    the commit record (it stops being a checkpoint first), the step's files, the markers of
+    writers that have ended, and the caller's own marker `claim` last (a deletion cut short
+    stays known as ours).  A sweep's marker, of the deletion itself or another live one, stays."""
+    files = [n for n in listed if is_own_name(n) and n != multifile.COMMIT_NAME]
+    dead = [
+        n
+        for n in listed
+        if is_marker(n) and n != claim and marker_dead(n, listed[n].modified, STALE_AFTER, at)
+    ]
+    names = [multifile.COMMIT_NAME] * (multifile.COMMIT_NAME in listed) + files + dead
+    names += [claim] if claim is not None and claim in listed else []
+    return [(n, listed[n].version) for n in names]
+
+
+def store_answered(e: BaseException) -> bool:
+    """Whether failure `e` of a write is the store's own answer (an HTTP status: it refused
+    the write, which did not happen), not a request that went without one."""
+    seen: BaseException | None = e
+    for _ in range(8):  # the chain of causes a storage error carries, bounded
+        if seen is None:
+            return False
+        if error_code(seen)[1]:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

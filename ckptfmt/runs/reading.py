@@ -121,11 +121,15 @@ class RunReading:
         or answering nonsense): a resume goes on from the local tier.  Unless the archive was
         seen (by this process) holding a step newer than `local_newest`, the local tier's
         newest complete step: resuming from an older one would fork the run, so that is a
-        StorageError naming both steps."""
+        StorageError naming both steps.  Where the local tier holds no complete step the
+        store's failure is raised as it is: the archive may hold the run's steps, and a
+        resume from nothing would fork it as surely (a new node's first resume)."""
         try:
             return self._archived()
         except (CheckpointError, OSError) as e:
             assert self.archive is not None and self._archiver is not None
+            if local_newest is None and isinstance(e, OSError) and not isinstance(e, FileNotFoundError):
+                raise
             known = self._archiver.known_newest()
             if known is not None and (local_newest is None or known > local_newest):
                 raise StorageError(

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from ..engine.ckptdir import CheckpointDir
-from ..errors import CheckpointError, CorruptError, LimitError, SignatureError, UnsupportedError
+from ..errors import CheckpointError, CorruptError, LimitError, SignatureError, StorageError, UnsupportedError
 from ..files import multifile, recordsign
 from ..files.places import ObjectPlace
 from ..files.reader import CheckpointFile
@@ -147,6 +147,8 @@ def verify_step(
                 report.problems += _dcp_problems(d, decrypt)
             if record.layout == "dcp" and report.ok and step is not None:  # a run's sharded step
                 report.problems += _sharded_rng_problems(d, decrypt)
+    except StorageError:  # the store failed, not the checkpoint: nothing is known of it
+        raise
     except CheckpointError as e:
         report.problems.append(problem_of(e))
     return report
@@ -179,6 +181,8 @@ def verify_objects(place: ObjectPlace, decrypt: Any = None, trusted: Any = None)
             report.problems += _dcp_problems(place, decrypt)
         if record.layout == "dcp" and report.ok and step is not None:  # a run's sharded step
             report.problems += _sharded_rng_problems(place, decrypt)
+    except StorageError:  # the store failed, not the checkpoint: nothing is known of it
+        raise
     except CheckpointError as e:
         report.problems.append(problem_of(e))
     return report
@@ -250,6 +254,8 @@ def _sharded_rng_problems(path: CheckpointDir | ObjectPlace, decrypt: Any = None
                     resumecheck.check_rng_entry(saved[0], d.path, f"rng.{p[1]}")
                 finally:
                     src.f.close()
+    except StorageError:  # the store failed, not the checkpoint: nothing is known of it
+        raise
     except CheckpointError as e:
         return [problem_of(e)]
     return []
@@ -281,5 +287,7 @@ def _check_resume_entries(f: CheckpointFile, report: VerifyReport) -> None:
     """resume_entries' checks, as a problem of `report` (verify fails where load_into refuses)."""
     try:
         resume_entries(f, build_rng=False)
+    except StorageError:  # the store failed, not the checkpoint: nothing is known of it
+        raise
     except CheckpointError as e:
         report.problems.append(problem_of(e))

@@ -121,6 +121,9 @@ class StepJob:
     sweep: bool = False
     #: the step's commit record, once its saver has read it (a save of several ranks on a store)
     record: Any = None
+    #: on a store, the commit record's write was sent and has no definite answer (a timeout, a
+    #: reset, an answer cut short): the record may still land, naming the state object
+    record_unknown: bool = False
     began: float = dataclasses.field(default_factory=time.perf_counter)  # the save call, roughly
 
 

@@ -15,7 +15,11 @@ A removal that fails (a permission, a store's error) is logged as a WARNING on t
 ``ckptfmt`` logger and the file kept: the save about to begin is made all the same (``wait``
 and ``teardown`` raise a save's error first, then a removal's).  A removal still waiting when
 the process exits without ``teardown`` (Fabric, the plugin used directly) is made at exit,
-once ckptfmt's exit hook has waited for the saves in flight.  Where the process is killed, or
+once ckptfmt's exit hook has waited for the saves in flight (a threads' exit hook, run before
+every atexit handler).  A save begun by an atexit handler that runs before this module's (one
+registered after ckptfmt's import) is still running then: the removal it holds back is
+dropped and the older file kept (a removal is made only once every save it waits for has
+committed: ``ready``, ``wanted``).  Where the process is killed, or
 a save failed, the file a dropped removal would have deleted stays: one checkpoint more than
 ``save_top_k``, to be deleted by hand.
 """

@@ -93,17 +93,32 @@ def read_config(folder: CheckpointDir, cls: Any) -> Any:
     The commit record does not cover it: any value that does not make a config of a model type
     transformers knows, or of the model class's own ``config_class``, is refused
     (UnsupportedError for an unknown type, else CorruptError)."""
+    return read_config_with(folder, cls, {})[0]
+
+
+def read_config_with(
+    folder: CheckpointDir, cls: Any, overrides: dict[str, Any]
+) -> tuple[Any, dict[str, Any]]:
+    """:func:`read_config`'s config with the caller's keyword `overrides` applied as
+    transformers' ``from_pretrained`` applies them (``from_dict``: those the config holds
+    set on it), and the overrides it does not hold, which go to the model.  The file is
+    judged alone first: an override the config refuses is transformers' own error, not the
+    file's."""
     values = read_config_values(folder)
     model_type = values.get("model_type")
     config_class = _config_class(cls, model_type, folder.path)
     try:
-        return config_class.from_dict(values)
+        config = config_class.from_dict(copy.deepcopy(values))
     except Exception as e:  # transformers' and huggingface_hub's validation errors, any kind
         raise CorruptError(
             f"{CONFIG_JSON} is not a {config_class.model_type or config_class.__name__} config: "
             f"{_one_line(e)}",
             path=folder.path,
         ) from None
+    if not overrides:
+        return config, {}
+    config, unused = config_class.from_dict(values, return_unused_kwargs=True, **overrides)
+    return config, unused
 
 
 def _committed_tensors(f: CheckpointFile, where: str) -> dict[str, tuple[list[int], Any]]:

@@ -7,17 +7,18 @@ every chunk's checksum), then handed to the original ``from_pretrained`` as its
 ``state_dict`` with the folder's config (``config.json``, which the commit record does not
 cover, read as :func:`load_model` reads it: through the folder, bounded, never through a link
 or from a FIFO; a folder without one is an IncompleteError, not transformers' default config).
-When a config object is given (``AutoModel...`` and pipelines give the one AutoConfig read,
-following links), the folder's ``config.json``, if it has one, is still read through the
-folder and a link, a FIFO or an oversize file refused, but its model type is not judged (the
-given object is used); ``AutoModel...from_pretrained`` reads it so, as a JSON object, before
-AutoConfig does (a FIFO, an oversize file are refused before transformers opens them).  ``pipeline()`` reads it with
-AutoConfig before any model class is reached: a link is refused when the model is loaded, a
-FIFO is transformers' ValueError.  Every other call goes to transformers unchanged."""
+When a config object is given (``AutoModel...`` and pipelines give the one AutoConfig read),
+the folder's ``config.json``, if it has one, is still read through the folder and a link, a
+FIFO or an oversize file refused, but its model type is not judged (the given object is used).
+``AutoModel...from_pretrained`` and ``AutoConfig.from_pretrained`` (which ``pipeline()`` calls
+before any model class is reached) read it so, as a JSON object, before transformers opens it:
+a link, a FIFO, an oversize file are refused there.  Keyword arguments go where transformers
+sends them: those the config holds to the config, the rest to the model.  Every other call goes to transformers unchanged."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import threading
@@ -26,7 +27,7 @@ from typing import Any
 from ...engine.ckptdir import CheckpointDir
 from ...errors import CorruptError
 from ...files import multifile, recordsign
-from .models import read_config, read_config_bytes, read_config_values
+from .models import read_config_bytes, read_config_values, read_config_with
 from .names import CONFIG_JSON, MAX_JSON_BYTES, MODEL_NAME
 from .reading import load_model_state, why
 
@@ -43,7 +44,7 @@ HF_WEIGHTS = (
 
 _LOCK = threading.Lock()
 _ORIGINAL: Any = None
-_ORIGINAL_AUTO: dict[type, Any] = {}  # each Auto model class's own from_pretrained
+_ORIGINAL_AUTO: dict[type, Any] = {}  # each Auto model class's own from_pretrained, AutoConfig's
 _KEYS: dict[str, Any] = {}
 
 
@@ -72,15 +73,63 @@ def is_ckptfmt_folder(path: Any) -> bool:
         return False
 
 
-def _folder_config(cls: Any, path: str) -> Any:
+#: what transformers' from_pretrained (5.x) takes out of its ``**kwargs`` for itself before it
+#: reads a config: these stay with it, never applied to the config (``dtype`` is also a config
+#: attribute, and transformers applies it its own way)
+FROM_PRETRAINED_OWN = frozenset(
+    {
+        "state_dict", "proxies", "tqdm_class", "output_loading_info", "_from_pipeline", "_from_auto",
+        "dtype", "torch_dtype", "device_map", "max_memory", "offload_folder", "offload_buffers",
+        "quantization_config", "subfolder", "_commit_hash", "variant", "adapter_kwargs", "adapter_name",
+        "generation_config", "gguf_file", "distributed_config", "device_mesh", "tp_plan", "tp_size",
+        "trust_remote_code", "allow_all_kernels", "use_kernels", "kernel_config", "key_mapping",
+        "mirror", "_fast_init", "low_cpu_mem_usage", "from_tf", "from_flax", "offload_state_dict",
+        "attn_implementation", "experts_implementation",
+    }
+)  # fmt: skip
+
+#: what transformers hands a config's own from_pretrained to find it (a config given as a path)
+_DOWNLOAD_KWARGS = (
+    "cache_dir",
+    "force_download",
+    "local_files_only",
+    "token",
+    "revision",
+    "proxies",
+    "subfolder",
+)
+
+
+def _config_overrides(original: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Take out of `kwargs` what transformers' from_pretrained would offer its config (those of
+    its keyword arguments that are neither its own parameters nor FROM_PRETRAINED_OWN)."""
+    own = set(inspect.signature(original.__func__).parameters) | FROM_PRETRAINED_OWN
+    return {k: kwargs.pop(k) for k in list(kwargs) if k not in own}
+
+
+def _folder_config(cls: Any, path: str, overrides: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The model config of folder `path`, read as load_model reads it: ``config.json`` through
     the folder (no link followed, no FIFO waited on, bounded), of a model type transformers or
     the class knows; IncompleteError when missing (transformers would build its default config
-    and load the committed weights into that), CorruptError when it is not one."""
+    and load the committed weights into that), CorruptError when it is not one.  The caller's
+    `overrides` are applied as transformers applies them; those the config does not hold are
+    returned, for the model."""
     with CheckpointDir.open(path) as folder:
-        config = read_config(folder, cls)
+        config, unused = read_config_with(folder, cls, overrides)
     config.name_or_path = path  # as transformers' from_pretrained records it
-    return config
+    return config, unused
+
+
+def _given_config(
+    cls: Any, config: Any, overrides: dict[str, Any], kwargs: dict[str, Any]
+) -> tuple[Any, dict[str, Any]]:
+    """The caller's own config, a path (wherever it is) read by the class's config class with
+    `overrides` applied, as transformers reads it; the overrides it does not hold, for the model."""
+    download = {k: kwargs[k] for k in _DOWNLOAD_KWARGS if k in kwargs}
+    made, unused = cls.config_class.from_pretrained(
+        config, return_unused_kwargs=True, **download, **overrides
+    )
+    return made, unused
 
 
 def _check_folder_config_file(path: str) -> None:
@@ -108,21 +157,30 @@ def _from_ckptfmt_folder(
     original: Any, cls: Any, path: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     path = os.fspath(path)
+    if kwargs.get("subfolder"):  # the weights read are the folder's own: never another's silently
+        raise ValueError(
+            f"from_pretrained({path!r}, subfolder={kwargs['subfolder']!r}): {path} is a ckptfmt "
+            "checkpoint folder, whose model is its own model.ckpt; pass the subfolder's path instead"
+        )
     config = kwargs.pop("config", None)
-    if config is None:
-        config = _folder_config(cls, path)
+    if config is None:  # transformers then offers the config the keywords not its own
+        config, for_model = _folder_config(cls, path, _config_overrides(original, kwargs))
+        kwargs.update(for_model)
     elif isinstance(config, (str, os.PathLike)):  # the caller's own config, wherever it is
-        config = cls.config_class.from_pretrained(config)
-    else:
+        config, for_model = _given_config(cls, config, _config_overrides(original, kwargs), kwargs)
+        kwargs.update(for_model)
+    else:  # a config object: every keyword goes to the model, as transformers sends them
         _check_folder_config_file(path)
     state = load_model_state(path, decrypt_with=_KEYS.get("decrypt"), trusted_keys=_KEYS.get("trusted"))
-    model = original.__func__(cls, None, *args, config=config, state_dict=state, **kwargs)
+    loaded = original.__func__(cls, None, *args, config=config, state_dict=state, **kwargs)
+    # output_loading_info=True: (model, info), as transformers returns it
+    model = loaded[0] if isinstance(loaded, tuple) else loaded
     _record_name(model, path)
     if getattr(model, "can_generate", None) and model.can_generate():
         generation = _folder_generation_config(path)
         if generation is not None:
             model.generation_config = generation
-    return model
+    return loaded
 
 
 def _folder_generation_config(path: str) -> Any:
@@ -174,6 +232,20 @@ def enable(*, decrypt_with: Any = None, trusted_keys: Any = None) -> None:
         PreTrainedModel.from_pretrained = classmethod(from_pretrained)  # type: ignore[assignment,method-assign]
         _ORIGINAL = original
         _hook_auto_classes()
+        _hook_auto_config()
+
+
+def _hook_auto_config() -> None:
+    """``pipeline(model=folder)`` reads ``config.json`` with ``AutoConfig.from_pretrained``
+    before any model class is reached (following links, from a FIFO as from a file): on a
+    ckptfmt folder the file is read first through the folder, bounded, and must be a JSON
+    object, as for the Auto model classes (``_checking_config_first``)."""
+    from transformers import AutoConfig
+
+    original = AutoConfig.__dict__.get("from_pretrained")
+    if isinstance(original, classmethod) and AutoConfig not in _ORIGINAL_AUTO:
+        AutoConfig.from_pretrained = classmethod(_checking_config_first(original))  # type: ignore[assignment,method-assign]
+        _ORIGINAL_AUTO[AutoConfig] = original
 
 
 def _hook_auto_classes() -> None:
@@ -202,8 +274,8 @@ def _checking_config_first(original: Any) -> Any:
         cls: Any, pretrained_model_name_or_path: Any = None, *args: Any, **kwargs: Any
     ) -> Any:
         if kwargs.get("config") is None and is_ckptfmt_folder(pretrained_model_name_or_path):
-            # only how the file is read: an Auto class has no config class to judge its
-            # model type by (one reached through auto_map is known to the folder's own code)
+            # only how the file is read: an Auto class (AutoConfig too) has no config class to
+            # judge its model type by (one reached through auto_map is known to the folder's code)
             with CheckpointDir.open(os.fspath(pretrained_model_name_or_path)) as folder:
                 read_config_values(folder)
         return original.__func__(cls, pretrained_model_name_or_path, *args, **kwargs)
