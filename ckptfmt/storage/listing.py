@@ -263,18 +263,34 @@ def _delete_batch(store: Store, url: ObjectURL, batch: list[str], options: dict[
     store may succeed another time, each retry naming only the keys the store said it failed
     to delete (S3's per-key errors inside an answer of 200)."""
     pending = batch
+    per_key = False  # whether the store named, key by key, what it failed to delete
 
     def attempt() -> None:
-        nonlocal pending
+        nonlocal pending, per_key
         try:
             store.delete_many(url, pending)
         except Exception as e:
             left = getattr(e, "ckptfmt_failed_keys", None)
             if left:
-                pending = left
+                pending, per_key = left, True
             raise
 
-    s3.request(str(url), "delete", attempt, options)
+    try:
+        s3.request(str(url), "delete", attempt, options)
+    except StorageError as e:
+        if not per_key:
+            raise
+        # the retries ran out on the store's per-key failures: the user learns which keys stay
+        raise StorageError(
+            f"{e.reason}; {len(pending)} of {len(batch)} keys still not deleted: {_some(pending)}",
+            path=str(url),
+        ) from e
+
+
+def _some(keys: list[str], shown: int = 5) -> str:
+    """The first `shown` of `keys` for a message, the rest counted."""
+    named = ", ".join(s3.quoted(k, 200) for k in keys[:shown])
+    return named + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
 
 
 #: seconds a store's time (a listing's Date, or the time it lists an object written) is believed

@@ -143,7 +143,9 @@ class S3Store:
                 k for e in errors if isinstance(k := e.get("Key"), str) and k in asked
             ]
             raise failed
-        what = client.quoted(f"{first.get('Key')}: {first.get('Code')}")
+        # the refusal that ends the delete, not a transient failure beside it
+        refused = next((e for e in errors if str(e.get("Code")) not in TRANSIENT_DELETE_ERRORS), first)
+        what = client.quoted(f"{refused.get('Key')}: {refused.get('Code')}")
         raise StorageError(f"delete {what} ({len(errors)} of {len(keys)} keys not deleted)", path=str(url))
 
     def list_page(self, url: ObjectURL, prefix: str, delimiter: str | None, token: object) -> Page:
