@@ -118,13 +118,13 @@ def _read_back(
         return budget.run(path, READ_BACK, lambda: attempt(budget), again=again)
     except FileNotFoundError:
         raise
-    except StorageError as e:
+    except CheckpointError as e:  # a store's failure, or an answer refused (too large, cut off)
         if e.__cause__ is not None and s3.is_precondition_failed(e.__cause__):
             raise  # the object changed: made_by tells that apart
         raise _unknown(url, operation, write, e) from e
 
 
-def _unknown(url: ObjectURL, operation: str, write: s3.Budget, cause: StorageError | None) -> StorageError:
+def _unknown(url: ObjectURL, operation: str, write: s3.Budget, cause: CheckpointError | None) -> StorageError:
     """The error of a write whose outcome cannot be told: no answer came, and the object there
     could not be read back (the write's deadline spent, or the read-back failed)."""
     if cause is None or write.remaining() <= 0:

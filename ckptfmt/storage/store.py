@@ -16,6 +16,7 @@ read pinned to it      ``If-Match``                    ``generation=``
 create only if absent  ``If-None-Match: *``            ``ifGenerationMatch=0``
 whole or nothing       multipart upload, completed     parts as objects, composed, then deleted
 delete one version     ``If-Match``                    ``ifGenerationMatch``
+which write made it    ``x-amz-meta-ckptfmtwrite``     ``metadata.ckptfmtwrite``
 =====================  ==============================  =========================================
 
 ``backends.store_for`` gives the store of a URL's scheme; a store's module imports its
