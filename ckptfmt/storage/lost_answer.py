@@ -110,10 +110,9 @@ def _read_back(
     deadline (not a deadline of its own on top of it); its failure a StorageError saying the
     write's outcome is unknown, naming the write's deadline where that ran out."""
     path = str(url)
-    left = write.remaining()
-    if left <= 0:
+    if write.remaining() <= 0:
         raise _unknown(url, operation, write, None)
-    budget = s3.Budget(options | {"deadline": left})
+    budget = _rest_of(write, options)
     try:
         return budget.run(path, READ_BACK, lambda: attempt(budget), again=again)
     except FileNotFoundError:
@@ -124,13 +123,19 @@ def _read_back(
         raise _unknown(url, operation, write, e) from e
 
 
+def _rest_of(write: s3.Budget, options: dict[str, Any]) -> s3.Budget:
+    """A Budget of fresh attempts ending with the write's deadline: its errors say what was
+    tried against the deadline the user set, not against a remainder of it."""
+    budget = s3.Budget(options)
+    budget.started, budget.deadline = write.started, write.deadline
+    return budget
+
+
 def _unknown(url: ObjectURL, operation: str, write: s3.Budget, cause: CheckpointError | None) -> StorageError:
     """The error of a write whose outcome cannot be told: no answer came, and the object there
     could not be read back (the write's deadline spent, or the read-back failed)."""
-    if cause is None or write.remaining() <= 0:
-        why = f"the write's deadline of {write.deadline:g} s (storage option deadline) ran out" + (
-            f" ({cause.reason})" if cause is not None else ""
-        )
+    if cause is None or write.remaining() <= 0:  # the request's own failure is the cause
+        why = f"the write's deadline of {write.deadline:g} s (storage option deadline) ran out"
     else:
         why = cause.reason
     return StorageError(
