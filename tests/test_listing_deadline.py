@@ -25,3 +25,21 @@ def test_a_listings_last_page_is_cut_at_the_listings_deadline(store_faults, monk
         listing.objects(url, store_faults.options | {"deadline": 3})
     store_faults.clear_rules()
     assert set(listing.objects(url, store_faults.options)) == {"a", "b"}
+
+
+@pytest.mark.parametrize("store_faults", ["gs"], indirect=True)
+def test_a_page_failing_once_the_listings_time_is_spent_reports_the_listings_deadline(
+    store_faults, monkeypatch
+):
+    """The second page's attempts are cut by what was left of the listing's 3 s: the error
+    names the listing's deadline (the one the user set), not the page's remainder."""
+    root = store_faults.new_root()
+    for name in ("a", "b"):
+        store_faults.put_raw(f"{root}/run/{name}", b"x")
+    monkeypatch.setattr(gcs, "PAGE_ENTRIES", 1)
+    store_faults.delay(*store_faults.op("list"), seconds=2)
+    url = parse_url(f"{root}/run", need_key=False)
+    with pytest.raises(
+        StorageError, match=r"the listing took more than 3 s \(storage option deadline\) after 1 pages"
+    ):
+        listing.objects(url, store_faults.options | {"deadline": 3})

@@ -44,7 +44,7 @@ from typing import Any
 
 from ..errors import StorageError
 from . import answers, client, http
-from .store import Entry, Page, Reply, UploadPage, ViewFile
+from .store import WRITE_TOKEN, Entry, Head, Page, Reply, UploadPage, ViewFile
 from .urls import ObjectURL
 
 CONNECTION_VARIABLE = "AZURE_STORAGE_CONNECTION_STRING"
@@ -52,6 +52,8 @@ CONNECTION_VARIABLE = "AZURE_STORAGE_CONNECTION_STRING"
 PAGE_ENTRIES = answers.PAGE_ENTRIES
 ANON_VARIABLE = "AZURE_STORAGE_ANON"
 API_VERSION = "2021-08-06"
+#: the header of the blob metadata that holds a create-only write's token
+TOKEN_HEADER = f"x-ms-meta-{WRITE_TOKEN}"
 #: the scope of an Azure AD token for Azure Storage, and how long before its expiry a token
 #: is asked for again
 TOKEN_SCOPE = "https://storage.azure.com/.default"
@@ -230,6 +232,7 @@ class AzureStore:
     scheme = "az"
     version_name = "ETag"
     pin_is_advisory = True
+    parts_outlive_completion = False
 
     def __init__(self, session: Any, account: Account, timeouts: tuple[float, float]) -> None:
         self.session = session
@@ -338,10 +341,12 @@ class AzureStore:
 
     # -- reading ---------------------------------------------------------------------
 
-    def head(self, url: ObjectURL) -> tuple[object, object]:
+    def head(self, url: ObjectURL) -> Head:
         answer = self._call("HEAD", url, url.key)
         answer.close()
-        return http.size_of(answer.headers.get("Content-Length")), answer.headers.get("ETag")
+        headers = answer.headers
+        token = headers.get(TOKEN_HEADER)
+        return Head(http.size_of(headers.get("Content-Length")), headers.get("ETag"), token)
 
     def get(self, url: ObjectURL, byte_range: tuple[int, int] | None, version: str | None) -> Reply:
         headers = {}
@@ -359,15 +364,18 @@ class AzureStore:
 
     # -- writing ---------------------------------------------------------------------
 
-    def put(self, url: ObjectURL, body: memoryview, *, if_absent: bool) -> str | None:
+    def put(
+        self, url: ObjectURL, body: memoryview, *, if_absent: bool, token: str | None = None
+    ) -> str | None:
         headers = {"x-ms-blob-type": "BlockBlob", "Content-Type": "application/octet-stream"}
+        headers |= _metadata(token)
         if if_absent:
             headers["If-None-Match"] = "*"
         answer = self._call("PUT", url, url.key, headers=headers, data=ViewFile(body), length=len(body))
         answer.close()
         return _etag(answer.headers.get("ETag"))
 
-    def start_upload(self, url: ObjectURL) -> str:
+    def start_upload(self, url: ObjectURL, token: str | None = None) -> str:
         return uuid.uuid4().hex[:16]  # the block ids carry it: nothing to ask the store
 
     def put_part(self, url: ObjectURL, upload_id: str, number: int, body: memoryview) -> str:
@@ -378,11 +386,18 @@ class AzureStore:
         return block
 
     def complete_upload(
-        self, url: ObjectURL, upload_id: str, parts: dict[int, str], *, if_absent: bool
+        self,
+        url: ObjectURL,
+        upload_id: str,
+        parts: dict[int, str],
+        *,
+        if_absent: bool,
+        token: str | None = None,
     ) -> str | None:
         listed = "".join(f"<Latest>{parts[n]}</Latest>" for n in sorted(parts))
         data = f'<?xml version="1.0" encoding="utf-8"?><BlockList>{listed}</BlockList>'.encode()
         headers = {"Content-Type": "application/xml"} | ({"If-None-Match": "*"} if if_absent else {})
+        headers |= _metadata(token)  # Put Block List sets the blob's metadata
         answer = self._call("PUT", url, url.key, {"comp": "blocklist"}, headers, data, len(data))
         answer.close()
         return _etag(answer.headers.get("ETag"))
@@ -502,6 +517,11 @@ def _code(answer: Any) -> str:
     """Azure's error code for a refused request (its x-ms-error-code header, which HEAD
     answers carry too); the status where there is none."""
     return str(answer.headers.get("x-ms-error-code") or answer.status_code)[:100]
+
+
+def _metadata(token: str | None) -> dict[str, str]:
+    """The header storing a write's token as the blob's metadata (none where no token)."""
+    return {TOKEN_HEADER: token} if token is not None else {}
 
 
 def _block_id(upload_id: str, number: int) -> str:

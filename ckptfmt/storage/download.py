@@ -93,7 +93,7 @@ def head(url: ObjectURL, options: dict[str, Any]) -> tuple[int, str]:
     """The object's size and version (S3's ETag, GCS's generation), checked (one request;
     FileNotFoundError when absent)."""
     store = store_for(url, options)
-    size, etag = s3.request(str(url), "look up", lambda: store.head(url), options)
+    size, etag, _ = s3.request(str(url), "look up", lambda: store.head(url), options)
     if type(size) is not int or size < 0 or not isinstance(etag, str) or not etag:
         raise StorageError(
             f"the store's answer lacks the object's size or {store.version_name}", path=str(url)

@@ -39,7 +39,7 @@ from typing import Any
 from ..errors import CheckpointError, StorageError
 from . import answers, client, http
 from .pools import run_each
-from .store import Entry, Page, Reply, Upload, UploadPage, ViewFile
+from .store import WRITE_TOKEN, Entry, Head, Page, Reply, Upload, UploadPage, ViewFile
 from .urls import ObjectURL
 
 EMULATOR_VARIABLE = "STORAGE_EMULATOR_HOST"
@@ -117,6 +117,7 @@ class GCSStore:
     scheme = "gs"
     version_name = "generation"
     pin_is_advisory = False
+    parts_outlive_completion = True
 
     def __init__(
         self,
@@ -173,9 +174,11 @@ class GCSStore:
 
     # -- reading ---------------------------------------------------------------------
 
-    def head(self, url: ObjectURL) -> tuple[object, object]:
+    def head(self, url: ObjectURL) -> Head:
         meta = self._json("GET", self._object_path(url))
-        return http.size_of(meta.get("size")), meta.get("generation")
+        metadata = meta.get("metadata")
+        token = metadata.get(WRITE_TOKEN) if isinstance(metadata, dict) else None
+        return Head(http.size_of(meta.get("size")), meta.get("generation"), token)
 
     def get(self, url: ObjectURL, byte_range: tuple[int, int] | None, version: str | None) -> Reply:
         params = {"alt": "media"} | ({"generation": version} if version is not None else {})
@@ -196,13 +199,15 @@ class GCSStore:
 
     # -- writing ---------------------------------------------------------------------
 
-    def put(self, url: ObjectURL, body: memoryview, *, if_absent: bool) -> str | None:
+    def put(
+        self, url: ObjectURL, body: memoryview, *, if_absent: bool, token: str | None = None
+    ) -> str | None:
         # one multipart request (metadata, then the bytes): the form whose ifGenerationMatch
         # every server checks (tests/gcs_server.py)
         boundary = uuid.uuid4().hex
         head = (
             f"--{boundary}\r\nContent-Type: application/json; charset=UTF-8\r\n\r\n"
-            f"{json.dumps({'name': url.key})}\r\n--{boundary}\r\n"
+            f"{json.dumps({'name': url.key} | _metadata(token))}\r\n--{boundary}\r\n"
             "Content-Type: application/octet-stream\r\n\r\n"
         ).encode()
         data = b"".join((head, body, f"\r\n--{boundary}--\r\n".encode()))
@@ -218,7 +223,7 @@ class GCSStore:
         )
         return _generation(meta)
 
-    def start_upload(self, url: ObjectURL) -> str:
+    def start_upload(self, url: ObjectURL, token: str | None = None) -> str:
         return uuid.uuid4().hex[:16]  # the parts' names carry it: nothing to ask the store
 
     def put_part(self, url: ObjectURL, upload_id: str, number: int, body: memoryview) -> str:
@@ -236,7 +241,13 @@ class GCSStore:
         return generation
 
     def complete_upload(
-        self, url: ObjectURL, upload_id: str, parts: dict[int, str], *, if_absent: bool
+        self,
+        url: ObjectURL,
+        upload_id: str,
+        parts: dict[int, str],
+        *,
+        if_absent: bool,
+        token: str | None = None,
     ) -> str | None:
         """Compose the parts, MAX_COMPOSE at a time, into composites of composites until one
         compose makes the object; then delete the parts and composites, each retried within
@@ -258,7 +269,7 @@ class GCSStore:
                 lambda named: self._compose(url, named[0], named[1], if_absent=False), zip(names, groups)
             )
             sources = list(zip(names, generations))
-        generation = self._compose(url, url.key, sources, if_absent=if_absent)
+        generation = self._compose(url, url.key, sources, if_absent=if_absent, token=token)
         self._delete_quietly(url, made)
         return generation
 
@@ -276,10 +287,18 @@ class GCSStore:
 
         return run_each(within, items, self.concurrency, "ckptfmt-gcs")
 
-    def _compose(self, url: ObjectURL, key: str, sources: list[tuple[str, str]], *, if_absent: bool) -> str:
+    def _compose(
+        self,
+        url: ObjectURL,
+        key: str,
+        sources: list[tuple[str, str]],
+        *,
+        if_absent: bool,
+        token: str | None = None,
+    ) -> str:
         request = {
             "sourceObjects": [{"name": name, "generation": gen} for name, gen in sources],
-            "destination": {"contentType": "application/octet-stream"},
+            "destination": {"contentType": "application/octet-stream"} | _metadata(token),
         }
         meta = self._json(
             "POST",
@@ -397,6 +416,11 @@ def _budget_within(outer: client.Budget | None) -> client.Budget:
     if outer is None:
         return client.Budget({})
     return client.Budget({"deadline": max(outer.remaining(), 0.001), "max_attempts": outer.attempts})
+
+
+def _metadata(token: str | None) -> dict[str, Any]:
+    """The object resource's field storing a write's token (none where no token)."""
+    return {"metadata": {WRITE_TOKEN: token}} if token is not None else {}
 
 
 def _part_key(key: str, upload_id: str, label: str) -> str:

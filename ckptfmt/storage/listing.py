@@ -14,7 +14,7 @@ import email.utils
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from ..errors import LimitError, StorageError
 from . import client as s3
@@ -33,6 +33,8 @@ MAX_LISTED = 1 << 20
 #: up to 1000), and a few more; a store answering empty pages with a continuation token reaches it
 #: after MAX_PAGES requests
 MAX_PAGES = MAX_LISTED // 1000 + 64
+
+T = TypeVar("T")
 
 
 def _prefix(url: ObjectURL) -> str:
@@ -111,6 +113,35 @@ def versions(url: ObjectURL, options: dict[str, Any]) -> dict[str, str | None]:
     return {key: e.version for key, e in listed(url, options).items()}
 
 
+def _page_within(
+    whole: s3.Budget,
+    url: ObjectURL,
+    operation: str,
+    request: Callable[[], T],
+    options: dict[str, Any],
+    progress: str,
+) -> T:
+    """One page of a listing, its attempts ending with the listing's deadline (`whole`), not
+    one deadline past it; a page that fails once the listing's time is spent fails with the
+    listing's deadline error (`progress` saying how far it got)."""
+    left = whole.remaining()  # once: what is left may reach 0 between two looks
+    if left <= 0:
+        raise _listing_late(whole, url, operation, progress)
+    try:
+        return s3.request(str(url), operation, request, options | {"deadline": left})
+    except StorageError as e:
+        if whole.remaining() > 0:
+            raise
+        raise _listing_late(whole, url, operation, progress) from e
+
+
+def _listing_late(whole: s3.Budget, url: ObjectURL, operation: str, progress: str) -> StorageError:
+    return StorageError(
+        f"{operation}: the listing took more than {whole.deadline:g} s (storage option deadline) {progress}",
+        path=str(url),
+    )
+
+
 def _uploads(url: ObjectURL, options: dict[str, Any], prefix: str) -> Iterator[Upload]:
     """The uploads begun beneath `prefix` and not completed, every page of them, with the
     bounds that _pages_with puts on a listing of objects (its deadline too)."""
@@ -119,14 +150,8 @@ def _uploads(url: ObjectURL, options: dict[str, Any], prefix: str) -> Iterator[U
     seen: set[bytes] = set()
     whole = s3.Budget(options)  # the listing's deadline, every page within it
     for pages in range(MAX_PAGES):
-        if whole.remaining() <= 0:
-            raise StorageError(
-                f"list uploads: the listing took more than {whole.deadline:g} s (storage option "
-                f"deadline) after {pages} pages",
-                path=str(url),
-            )
-        within = options | {"deadline": whole.remaining()}
-        page = s3.request(str(url), "list uploads", partial(store.list_uploads, url, prefix, marker), within)
+        request = partial(store.list_uploads, url, prefix, marker)
+        page = _page_within(whole, url, "list uploads", request, options, f"after {pages} pages")
         yield from page.uploads
         if not page.truncated:
             return
@@ -179,16 +204,13 @@ def _pages_with(
     listed = pages = 0
     whole = s3.Budget(options)  # each page is an operation; the listing as a whole has a deadline too
     while True:
-        if whole.remaining() <= 0:
-            raise StorageError(
-                f"{operation}: the listing took more than {whole.deadline:g} s (storage option deadline) "
-                f"after {pages} pages and {listed} entries",
-                path=str(url),
-            )
-        # each page's attempts end with the listing's deadline, not one deadline past it
-        within = options | {"deadline": whole.remaining()}
-        page = s3.request(
-            str(url), operation, partial(store.list_page, url, prefix, delimiter, token), within
+        page = _page_within(
+            whole,
+            url,
+            operation,
+            partial(store.list_page, url, prefix, delimiter, token),
+            options,
+            f"after {pages} pages and {listed} entries",
         )
         listed += len(page.entries) + len(page.prefixes)
         pages += 1
@@ -263,18 +285,34 @@ def _delete_batch(store: Store, url: ObjectURL, batch: list[str], options: dict[
     store may succeed another time, each retry naming only the keys the store said it failed
     to delete (S3's per-key errors inside an answer of 200)."""
     pending = batch
+    per_key = False  # whether the store named, key by key, what it failed to delete
 
     def attempt() -> None:
-        nonlocal pending
+        nonlocal pending, per_key
         try:
             store.delete_many(url, pending)
         except Exception as e:
             left = getattr(e, "ckptfmt_failed_keys", None)
             if left:
-                pending = left
+                pending, per_key = left, True
             raise
 
-    s3.request(str(url), "delete", attempt, options)
+    try:
+        s3.request(str(url), "delete", attempt, options)
+    except StorageError as e:
+        if not per_key:
+            raise
+        # the retries ran out on the store's per-key failures: the user learns which keys stay
+        raise StorageError(
+            f"{e.reason}; {len(pending)} of {len(batch)} keys still not deleted: {_some(pending)}",
+            path=str(url),
+        ) from e
+
+
+def _some(keys: list[str], shown: int = 5) -> str:
+    """The first `shown` of `keys` for a message, the rest counted."""
+    named = ", ".join(s3.quoted(k, 200) for k in keys[:shown])
+    return named + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
 
 
 #: seconds a store's time (a listing's Date, or the time it lists an object written) is believed

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import CheckpointError, StorageError
 from . import answers, client, http
-from .store import Entry, Page, Reply, Upload, UploadPage, ViewFile
+from .store import WRITE_TOKEN, Entry, Head, Page, Reply, Upload, UploadPage, ViewFile
 from .urls import ObjectURL
 
 #: the entries a listing page holds at most (S3's MaxKeys and MaxUploads, 1000 unless asked)
@@ -49,13 +49,16 @@ class S3Store:
     scheme = "s3"
     version_name = "ETag"
     pin_is_advisory = True
+    parts_outlive_completion = False
 
     def __init__(self, boto_client: Any) -> None:
         self.client = boto_client
 
-    def head(self, url: ObjectURL) -> tuple[object, object]:
+    def head(self, url: ObjectURL) -> Head:
         reply = self.client.head_object(Bucket=url.bucket, Key=url.key)
-        return reply.get("ContentLength"), reply.get("ETag")
+        metadata = reply.get("Metadata")
+        token = metadata.get(WRITE_TOKEN) if isinstance(metadata, dict) else None
+        return Head(reply.get("ContentLength"), reply.get("ETag"), token)
 
     def get(self, url: ObjectURL, byte_range: tuple[int, int] | None, version: str | None) -> Reply:
         extra: dict[str, str] = {}
@@ -72,15 +75,18 @@ class S3Store:
             client.Body(body, getattr(body, "_raw_stream", body)),
         )
 
-    def put(self, url: ObjectURL, body: memoryview, *, if_absent: bool) -> str | None:
-        extra = {"IfNoneMatch": "*"} if if_absent else {}
+    def put(
+        self, url: ObjectURL, body: memoryview, *, if_absent: bool, token: str | None = None
+    ) -> str | None:
+        extra: dict[str, Any] = {"IfNoneMatch": "*"} if if_absent else {}
+        extra |= _metadata(token)
         reply = self.client.put_object(  # each attempt reads the body from its start
             Bucket=url.bucket, Key=url.key, Body=ViewFile(body) if len(body) else b"", **extra
         )
         return _etag(reply)
 
-    def start_upload(self, url: ObjectURL) -> str:
-        reply = self.client.create_multipart_upload(Bucket=url.bucket, Key=url.key)
+    def start_upload(self, url: ObjectURL, token: str | None = None) -> str:
+        reply = self.client.create_multipart_upload(Bucket=url.bucket, Key=url.key, **_metadata(token))
         return str(reply["UploadId"])
 
     def put_part(self, url: ObjectURL, upload_id: str, number: int, body: memoryview) -> str:
@@ -93,8 +99,15 @@ class S3Store:
         return etag
 
     def complete_upload(
-        self, url: ObjectURL, upload_id: str, parts: dict[int, str], *, if_absent: bool
+        self,
+        url: ObjectURL,
+        upload_id: str,
+        parts: dict[int, str],
+        *,
+        if_absent: bool,
+        token: str | None = None,
     ) -> str | None:
+        # the token was stored by start_upload: CompleteMultipartUpload takes no metadata
         listed = [{"PartNumber": n, "ETag": parts[n]} for n in sorted(parts)]
         extra = {"IfNoneMatch": "*"} if if_absent else {}
         reply = self.client.complete_multipart_upload(
@@ -130,7 +143,9 @@ class S3Store:
                 k for e in errors if isinstance(k := e.get("Key"), str) and k in asked
             ]
             raise failed
-        what = client.quoted(f"{first.get('Key')}: {first.get('Code')}")
+        # the refusal that ends the delete, not a transient failure beside it
+        refused = next((e for e in errors if str(e.get("Code")) not in TRANSIENT_DELETE_ERRORS), first)
+        what = client.quoted(f"{refused.get('Key')}: {refused.get('Code')}")
         raise StorageError(f"delete {what} ({len(errors)} of {len(keys)} keys not deleted)", path=str(url))
 
     def list_page(self, url: ObjectURL, prefix: str, delimiter: str | None, token: object) -> Page:
@@ -166,6 +181,11 @@ class S3Store:
                 {"UploadIdMarker": upload} if isinstance(upload, str) and upload else {}
             )
         return UploadPage(uploads, bool(reply.get("IsTruncated")), following)
+
+
+def _metadata(token: str | None) -> dict[str, Any]:
+    """The user metadata argument storing a write's token (none where no token)."""
+    return {"Metadata": {WRITE_TOKEN: token}} if token is not None else {}
 
 
 def _etag(reply: object) -> str | None:

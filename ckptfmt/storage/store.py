@@ -16,6 +16,7 @@ read pinned to it      ``If-Match``                    ``generation=``
 create only if absent  ``If-None-Match: *``            ``ifGenerationMatch=0``
 whole or nothing       multipart upload, completed     parts as objects, composed, then deleted
 delete one version     ``If-Match``                    ``ifGenerationMatch``
+which write made it    ``x-amz-meta-ckptfmtwrite``     ``metadata.ckptfmtwrite``
 =====================  ==============================  =========================================
 
 ``backends.store_for`` gives the store of a URL's scheme; a store's module imports its
@@ -26,9 +27,25 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from .urls import ObjectURL
+
+#: the name of the user metadata a create-only write stores with its object: a random token
+#: drawn for that write alone, by which a write whose answer was lost tells the object its own
+#: attempt made from another writer's (lost_answer.made_by).  Letters only: Azure's metadata
+#: names must be identifiers, and some proxies drop headers holding underscores.
+WRITE_TOKEN = "ckptfmtwrite"
+
+
+class Head(NamedTuple):
+    """What a HEAD of an object answers, each value as the store gave it (checked by the
+    reader): its size, its version, and the write token stored with it (WRITE_TOKEN's
+    metadata; None where it has none)."""
+
+    size: object
+    version: object
+    token: object
 
 
 @dataclass(frozen=True)
@@ -95,28 +112,42 @@ class Store(Protocol):
     #: S3-compatible stores and proxies do) rather than by naming it in the request (GCS's
     #: generation): then only an answer that names the version it served proves which it was
     pin_is_advisory: bool
+    #: whether a completed upload in parts may leave its parts behind (GCS's part objects,
+    #: deleted after the compose that made the object): then an upload whose completion's
+    #: answer was lost is aborted once its object is known to be there
+    parts_outlive_completion: bool
 
-    def head(self, url: ObjectURL) -> tuple[object, object]:
-        """The object's size and version, as the store gives them."""
+    def head(self, url: ObjectURL) -> Head:
+        """The object's size, version and write token, as the store gives them."""
 
     def get(self, url: ObjectURL, byte_range: tuple[int, int] | None, version: str | None) -> Reply:
         """Begin reading the object (bytes [lo, hi) of it, or all of it), of that version only
         (None: whichever is there)."""
 
-    def put(self, url: ObjectURL, body: memoryview, *, if_absent: bool) -> str | None:
-        """Write the object whole in one request, only if absent where asked; its version."""
+    def put(
+        self, url: ObjectURL, body: memoryview, *, if_absent: bool, token: str | None = None
+    ) -> str | None:
+        """Write the object whole in one request, only if absent where asked, `token` stored
+        with it as its WRITE_TOKEN metadata where given; its version."""
 
-    def start_upload(self, url: ObjectURL) -> str:
-        """Begin an upload in parts that appears whole, or not at all, once completed."""
+    def start_upload(self, url: ObjectURL, token: str | None = None) -> str:
+        """Begin an upload in parts that appears whole, or not at all, once completed (with
+        `token` as its WRITE_TOKEN metadata where given: here, or by complete_upload)."""
 
     def put_part(self, url: ObjectURL, upload_id: str, number: int, body: memoryview) -> str:
         """Store part `number` (from 1; any order) of the upload; what completing it names."""
 
     def complete_upload(
-        self, url: ObjectURL, upload_id: str, parts: dict[int, str], *, if_absent: bool
+        self,
+        url: ObjectURL,
+        upload_id: str,
+        parts: dict[int, str],
+        *,
+        if_absent: bool,
+        token: str | None = None,
     ) -> str | None:
-        """Make the object of `parts` (by number) appear, only if absent where asked; its
-        version."""
+        """Make the object of `parts` (by number) appear, only if absent where asked, with
+        `token` (the one start_upload was given) as its WRITE_TOKEN metadata; its version."""
 
     def abort_upload(self, url: ObjectURL, upload_id: str) -> None:
         """Give up an upload: its parts are deleted."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import secrets
 import sys
 import threading
 import traceback
@@ -82,6 +83,10 @@ class ObjectFile:
         self.url: ObjectURL = parse_url(url)
         self.options = options
         self.if_absent = if_absent
+        #: drawn for this write alone and stored with its object, where it is created only if
+        #: absent: what tells the object this write made from another writer's when an
+        #: answer is lost (lost_answer.made_by); its bytes may be another writer's too
+        self.token: str | None = secrets.token_hex(16) if if_absent else None
         self.part_size = part_size_for(capacity, options.get("part_size"))
         self._capacity = capacity
         self._threads = s3.concurrency(options)
@@ -189,7 +194,9 @@ class ObjectFile:
     def _create_multipart(self) -> str:
         store, u = self._store, self.url
         assert store is not None
-        upload_id = s3.request(str(u), "start multipart upload", lambda: store.start_upload(u), self.options)
+        upload_id = s3.request(
+            str(u), "start multipart upload", lambda: store.start_upload(u, self.token), self.options
+        )
         with _live_lock:
             _live_uploads.add(upload_id)
         self._upload_id = upload_id
@@ -267,7 +274,7 @@ class ObjectFile:
         # the view held by `put` alone, let go of below: an error the caller keeps must not
         # pin the spool through this frame (as _upload_part's)
         body = self.spool.view(0, length) if length else memoryview(b"")  # an empty spool maps nothing
-        put = functools.partial(self._store.put, self.url, body, if_absent=self.if_absent)
+        put = functools.partial(self._store.put, self.url, body, if_absent=self.if_absent, token=self.token)
         del body
         outer = sys.exc_info()[1]
         try:
@@ -290,12 +297,13 @@ class ObjectFile:
             )
         made_earlier = self._creating(
             COMPLETE,
-            lambda: store.complete_upload(u, upload_id, parts, if_absent=self.if_absent),
+            lambda: store.complete_upload(u, upload_id, parts, if_absent=self.if_absent, token=self.token),
             length,
         )
-        if made_earlier:
+        if made_earlier and store.parts_outlive_completion:
             # the attempt that made the object left what a successful completion clears (GCS's
-            # part objects) to the retry that was refused: cleared here, best effort
+            # part objects) to the retry that was refused: cleared here, best effort (S3's and
+            # Azure's completion leaves nothing to abort)
             self._abort_started()
         self._started = None
 
@@ -306,13 +314,14 @@ class ObjectFile:
         definite answer and the object there is the one it made (lost_answer.made_by): a
         retry refused by the object its own first attempt made.  Whether that was so."""
         unanswered = False
+        budget = s3.Budget(self.options)
 
         def failed(e: BaseException) -> None:
             nonlocal unanswered
             unanswered = unanswered or lost_answer.outcome_unknown(e)
 
         try:
-            self.etag = s3.Budget(self.options).run(str(self.url), operation, call, failed=failed)
+            self.etag = budget.run(str(self.url), operation, call, failed=failed)
             return False
         except (StorageError, FileNotFoundError) as e:
             if not self.if_absent:
@@ -320,7 +329,7 @@ class ObjectFile:
             lost = unanswered and lost_answer.refused_as_made(e, completing=operation == COMPLETE)
             if not lost and not lost_answer.refused_as_made(e, completing=False):
                 raise
-            version = self._made_earlier(length) if lost else None
+            version = self._made_earlier(budget, operation, length) if lost else None
             if version is None and isinstance(e, FileNotFoundError):
                 raise  # the upload is gone, and no object of this write's is there
         if version is None:
@@ -331,13 +340,16 @@ class ObjectFile:
         self.etag = version
         return True
 
-    def _made_earlier(self, length: int) -> str | None:
+    def _made_earlier(self, budget: s3.Budget, operation: str, length: int) -> str | None:
         """The version of the object at the URL where an earlier attempt of this write made
-        it (lost_answer.made_by); None where it is another writer's."""
-        assert self._store is not None
+        it (lost_answer.made_by, within what is left of the write's `budget`); None where it
+        is another writer's."""
+        assert self._store is not None and self.token is not None
         held = self._held(length)
         try:
-            return lost_answer.made_by(self._store, self.url, self.options, length, held)
+            return lost_answer.made_by(
+                self._store, self.url, self.options, budget, operation, length, held, self.token
+            )
         finally:
             held.release()
 
