@@ -455,3 +455,31 @@ def test_device_copies_are_fenced_on_the_source_device(tmp_path, index):
     h = ckptfmt.save(state, tmp_path / "x.ckpt", blocking=False)
     h.wait(timeout=120)
     assert torch.equal(ckptfmt.load(tmp_path / "x.ckpt")["y"], state["y"].cpu())
+
+
+def test_an_interrupt_in_a_copy_saves_thread_start_leaves_no_writer_waiting(tmp_path, monkeypatch):
+    """An interrupt in Thread.start() after the writer thread began: the writer must end the
+    save (failed) rather than wait forever for a snapshot no one will give it (a non-daemon
+    thread the interpreter's exit would wait for)."""
+    import time
+
+    start = threading.Thread.start
+
+    def interrupted_start(self):  # type: ignore[no-untyped-def]
+        start(self)
+        if self.name.startswith("ckptfmt-save-"):
+            raise KeyboardInterrupt
+
+    path = str(tmp_path / "s.ckpt")
+    monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+    with pytest.raises(KeyboardInterrupt):
+        ckptfmt.save({"w": torch.arange(1 << 16, dtype=torch.float32)}, path, blocking=False)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(
+        t.name.startswith("ckptfmt-save-") and t.is_alive() for t in threading.enumerate()
+    ):
+        time.sleep(0.05)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("ckptfmt-save-") and t.is_alive()]
+    inflight.wait_for_path(path)  # ended: its failure is reported, not raised here
+    assert os.listdir(tmp_path) == []  # nothing committed, no temp file left

@@ -151,9 +151,10 @@ def _save_copied(
     go = threading.Event()
     atomic = AtomicFile(path, within) if output is None else output
     pool = POOL
+    owner = threading.Lock()
     thread = threading.Thread(
         target=_write_worker,
-        args=(handle, atomic, encoded, pieces, go, options, pool),
+        args=(handle, atomic, encoded, pieces, go, options, pool, owner),
         name=f"ckptfmt-save-{os.path.basename(path)}",
         daemon=False,
     )
@@ -165,6 +166,12 @@ def _save_copied(
     try:
         thread.start()
     except BaseException as e:  # no thread: nothing will ever finish this save
+        if not owner.acquire(blocking=False):  # the writer began: it ends the save, failed, so
+            # it is never left waiting for a `go` no one would give (a thread the exit waits for)
+            pieces.put(e)
+            go.set()
+            inflight.watch(handle)
+            raise
         inflight.end(handle)
         if options.dedup is not None:
             options.dedup.close()
@@ -321,7 +328,10 @@ def _write_worker(
     go: threading.Event,
     options: WriteOptions,
     pool: StagingPool,
+    owner: threading.Lock,
 ) -> None:
+    if not owner.acquire(blocking=False):
+        return  # _save_copied failed first and cleaned up
     exc: BaseException | None = None
     ended = False  # the snapshot's last item (None, or its error) has been taken
     replaced: list[int] = []  # the file this save replaced, held open: freed after the save is done
