@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..background import inflight
-from ..errors import CheckpointError, CheckpointWarning, LimitError
+from ..errors import CheckpointError, CheckpointWarning, LimitError, StorageError
 from ..files import multifile
 from ..files import save as writer
 from ..files.names import own_state_name
@@ -52,9 +52,10 @@ from ..storage.urls import ObjectURL
 from . import objectnames, resume
 from .manager import CheckpointManager, RunSteps, is_sharded_save
 from .objectnames import StoreStamp, claiming, copy_marker
-from .objectrun import ObjectRun, store_answered
+from .objectrun import ObjectRun
 from .scan import RunScan
-from .steps import CheckpointInfo, StepJob, StepStatus
+from .steps import CheckpointInfo, StepJob, StepStatus, newest_unknown
+from .writeanswer import store_answered
 
 
 class ObjectRunManager(CheckpointManager):
@@ -96,10 +97,18 @@ class ObjectRunManager(CheckpointManager):
     def _complete_newest_first(self, warn: bool = True) -> Iterator[CheckpointInfo]:
         """The complete steps newest first, read as they are reached; with `warn`, the others
         met on the way are warned about, but for saves in flight (no step newer than a
-        complete one is kept for a later step's objects: those refer to older steps)."""
+        complete one is kept for a later step's objects: those refer to older steps).  A step
+        whose record the store failed to serve ends them: StorageError when none came before
+        it (it may be the newest checkpoint; an older one would fork the run)."""
         busy = self._in_flight_steps()
+        first = True
         for s in self.run.newest_first():
+            if s.unknown:
+                if first:
+                    raise StorageError(f"step {s.step}: {s.problem}", path=s.path)
+                return
             if s.info is not None:
+                first = False
                 yield s.info
             elif warn and s.step not in busy:
                 warnings.warn(f"skipping {s.path}: {s.problem}", CheckpointWarning, stacklevel=4)
@@ -186,6 +195,11 @@ class ObjectRunManager(CheckpointManager):
         if newest is not None and step <= newest:
             raise ValueError(
                 f"step {step} is not after the newest checkpoint (step {newest}) in {self.directory}"
+            )
+        unknown = newest_unknown(statuses)
+        if unknown is not None and unknown.step >= step:  # it may be a checkpoint at or after `step`
+            raise StorageError(
+                f"step {step} is not saved: step {unknown.step}: {unknown.problem}", path=unknown.path
             )
         this = next((s for s in statuses if s.step == step), None)
         if this is not None and (this.damaged or this.unread):
@@ -300,7 +314,9 @@ class ObjectRunManager(CheckpointManager):
             try:
                 yield claim
             finally:
-                if not job.record_unknown:
+                if job.record_unknown:
+                    objectnames.hold_claim(name)
+                else:
                     for marker in claimed:
                         self._tidy(str(marker), lambda m=marker: listing.delete_object(m, self.run.options))
 
