@@ -2,6 +2,7 @@
 no answer may land later, and an old step whose record the store will not serve is unknown,
 not damaged, and blocks only what it may be newer than."""
 
+import json
 import threading
 import time
 import warnings
@@ -148,3 +149,21 @@ def test_record_unanswered_once_then_refused_keeps_what_it_names(store_faults, s
     assert "step-000000005/COMMIT" in store_faults.keys(url)
     got = CheckpointManager(url, storage_options=store_faults.options).load(5)
     assert torch.equal(got["w"], SMALL)
+
+
+@pytest.mark.parametrize("store_faults", ["s3"], indirect=True)
+@pytest.mark.parametrize("command", ["ls", "verify"])
+def test_cli_lists_the_other_steps_and_fails_for_the_store(store_faults, command, monkeypatch):
+    from cli_runner import run_cli
+
+    url, options = _run_with_unreadable_record(store_faults, 1)
+    # the command line reaches the store (through the proxy) as the AWS CLI does
+    monkeypatch.setenv("AWS_ENDPOINT_URL", options["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["aws_access_key_id"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["aws_secret_access_key"])
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    out = json.loads(run_cli(command, url, "--json", rc=2).stdout)
+    rows = out["steps"] if command == "ls" else out["files"]
+    got = {r["step"]: r["status"] for r in rows}
+    assert got[1] == "unreadable"
+    assert got[2] == got[3] == ("complete" if command == "ls" else "ok")
