@@ -167,3 +167,20 @@ def test_cli_lists_the_other_steps_and_fails_for_the_store(store_faults, command
     got = {r["step"]: r["status"] for r in rows}
     assert got[1] == "unreadable"
     assert got[2] == got[3] == ("complete" if command == "ls" else "ok")
+
+
+@pytest.mark.parametrize("store_faults", ["s3"], indirect=True)
+def test_a_record_there_that_cannot_be_read_back_is_not_called_another_writers(store_faults):
+    # the record's PUT is refused as though one were there; reading that one back fails: it
+    # may be this save's own (an earlier attempt's), so what it names stays
+    url = store_faults.new_root() + "/run"
+    m = CheckpointManager(url, storage_options=store_faults.options | {"max_attempts": 2})
+    method, target = store_faults.op("write", "step-000000001/COMMIT")
+    store_faults.fail_next(method, target, status=412, code="PreconditionFailed", count=1)
+    method, target = store_faults.op("read", "step-000000001/COMMIT")
+    store_faults.fail_next(method, target, status=503, count=100)
+    with pytest.raises(StorageError) as got:
+        m.save(1, _state(1))
+        m.wait()
+    assert "another writer" not in str(got.value)
+    assert "step-000000001/state.ckpt" in store_faults.keys(url)
