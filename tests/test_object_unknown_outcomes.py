@@ -184,3 +184,33 @@ def test_a_record_there_that_cannot_be_read_back_is_not_called_another_writers(s
         m.wait()
     assert "another writer" not in str(got.value)
     assert "step-000000001/state.ckpt" in store_faults.keys(url)
+
+
+@pytest.mark.parametrize("store_faults", ["s3"], indirect=True)
+def test_a_save_waits_out_a_sweep_of_its_base_no_longer_than_its_deadline(store_faults):
+    # another host's deletion of step 1 is under way (its sweep marker, just put): an
+    # incremental save referring to step 1 waits for it within the storage deadline only
+    url = store_faults.new_root() + "/run"
+    m = CheckpointManager(url, storage_options=store_faults.options | {"deadline": 3}, incremental=True)
+    m.save(1, {"w": W})
+    m.wait()
+    store_faults.put_raw(f"{url}/step-000000001/SWEEPING.{'f' * 16}.4242.77.0badcafe", b"sweeping\n")
+    errors = []
+
+    def save():
+        try:
+            m.save(2, {"w": W, "step": 2})
+            m.wait()
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=save, daemon=True)
+    began = time.monotonic()
+    t.start()
+    t.join(120)  # SWEEP_WAIT is 900 s
+    assert not t.is_alive(), "the save waited out the sweep past its deadline"
+    assert time.monotonic() - began < 60
+    assert errors and isinstance(errors[0], StorageError)
+    assert "step-000000002/COMMIT" not in store_faults.keys(url)
+    got = CheckpointManager(url, storage_options=store_faults.options).load(1)
+    assert torch.equal(got["w"], W)

@@ -47,6 +47,7 @@ from ..files.verify import VerifyReport
 from ..format.index import External
 from ..format.timestamps import MICROSECONDS, format_utc, utc_now
 from ..storage import listing
+from ..storage.client import deadline
 from ..storage.upload import upload_bytes
 from ..storage.urls import ObjectURL
 from . import objectnames, resume
@@ -320,7 +321,7 @@ class ObjectRunManager(CheckpointManager):
                 )
                 stamp = StoreStamp(name, time.monotonic())
                 claimed.append(marker)
-                self.run.wait_out_sweeps(step, stamp)
+                self.run.wait_out_sweeps(step, stamp, within=deadline(self.run.options))
 
         with claiming(name):
             try:

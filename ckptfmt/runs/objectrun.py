@@ -585,7 +585,7 @@ class ObjectRun:
             listing.delete_object(target, options, if_match=version)
         return True
 
-    def wait_out_sweeps(self, step: int, own: StoreStamp) -> None:
+    def wait_out_sweeps(self, step: int, own: StoreStamp, within: float | None = None) -> None:
         """Wait until no live sweep's marker (sweep_step; marker_dead) is in step `step`'s
         prefix, or for SWEEP_WAIT seconds: past it a sweep that put its marker before this
         wait began deletes nothing more.  Called by a copy after its own marker, `own`, is in
@@ -593,16 +593,21 @@ class ObjectRun:
         later sees that marker.  Markers are aged by the store's time as that marker's
         Last-Modified proves it (proven_store_time: a listing's Date only where earlier), so
         a Date from another clock makes no live sweep's marker look dead, and without a Date
-        the wait still moves on."""
+        the wait still moves on.  `within`: seconds the caller may wait at most (a save's
+        storage deadline), StorageError when a live sweep's marker is there still then."""
         url = self.step_url(step)
         ends = time.monotonic() + SWEEP_WAIT
+        gives_up = ends if within is None else min(ends, time.monotonic() + within)
         pause = 0.05
         while time.monotonic() < ends:
             listed = listing.listed(url, self.options)
             store_now = own.store_time(listed, listed.date)
             if not has_live_marker(listed, STALE_AFTER, store_now, is_sweep_marker):
                 return
-            time.sleep(min(pause, max(0.0, ends - time.monotonic())))
+            if gives_up < ends and time.monotonic() >= gives_up:
+                why = f"a deletion of it (a sweep's marker) was not over within {within} s (storage option deadline)"
+                raise StorageError(f"step {step} is not referred to: {why}", path=str(url))
+            time.sleep(min(pause, max(0.0, gives_up - time.monotonic())))
             pause = min(2 * pause, 1.0)
 
     def read_by_later_steps(self, step: int) -> frozenset[str]:
