@@ -64,11 +64,27 @@ def test_a_failed_commit_leaves_no_checkpoint(store_faults):
     options = store_faults.options | {"max_attempts": 1}
     m = ckptfmt.CheckpointManager(f"{store_faults.new_root()}/f", storage_options=options)
     m.save(1, _state(1))
-    store_faults.fail_next(*store_faults.op("write", "COMMIT"), status=500, count=3)
+    # a 503 (throttled) refuses the write; a 500 may come after it was done (below)
+    store_faults.fail_next(*store_faults.op("write", "COMMIT"), status=503, count=3)
     with pytest.raises(StorageError, match="COMMIT"):
         m.save(2, _state(2))
     store_faults.clear_rules()
     assert [s.step for s in m.statuses()] == [1]  # the failed step's objects are gone
+    assert m.load()["step"] == 1
+
+
+def test_a_commit_answered_500_keeps_what_its_record_would_name(store_faults):
+    # a store (or a proxy before it) may answer 500 after the write is done: the record may
+    # be there, or land yet, so the state object it names stays
+    options = store_faults.options | {"max_attempts": 1}
+    url = f"{store_faults.new_root()}/f"
+    m = ckptfmt.CheckpointManager(url, storage_options=options)
+    m.save(1, _state(1))
+    store_faults.fail_next(*store_faults.op("write", "COMMIT"), status=500, count=3)
+    with pytest.raises(StorageError, match="COMMIT"):
+        m.save(2, _state(2))
+    store_faults.clear_rules()
+    assert any(k.startswith("step-000000002/state") for k in store_faults.keys(url))
     assert m.load()["step"] == 1
 
 

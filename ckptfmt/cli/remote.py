@@ -33,7 +33,7 @@ def run_entries(
     url: str, step: int | None, problem_dict: Any, trusted: Any = None, decrypt: Any = None
 ) -> list[dict[str, Any]]:
     """verify's entries for the steps of the run at `url` (every step, or `step`), with the
-    checks a load makes: `trusted` keys one of which must have signed each step, `decrypt`
+    checks a load makes (a step whose record the store failed to serve: "unreadable"): `trusted` keys one of which must have signed each step, `decrypt`
     the key of an encrypted run."""
     from ..runs.objectmanager import ObjectRunManager  # CheckpointManager(url)
 
@@ -48,7 +48,9 @@ def run_entries(
     out = []
     for s in statuses:
         entry: dict[str, Any] = {"path": s.path, "step": s.step}
-        if s.info is None:
+        if s.unknown:  # the store failed: its row is unreadable, the others are verified
+            entry.update(status="unreadable", error=s.problem)
+        elif s.info is None:
             entry.update(status="damaged" if s.damaged else "incomplete", error=s.problem)
         else:
             report = manager.verify(s.step)

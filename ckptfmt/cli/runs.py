@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import CheckpointError
 from ..fileio import is_url
 from . import remote
-from .exitcodes import EXIT_OK, KNOWN_ERRORS
+from .exitcodes import EXIT_OK, EXIT_USAGE, KNOWN_ERRORS
 from .terminal import fail, say
 
 
@@ -93,15 +93,17 @@ def cmd_ls(args: argparse.Namespace) -> int:
             )
         else:
             kind = "retained" if s.retained else ("damaged" if s.damaged else "incomplete")
-            row.update(status=kind, reason=s.problem)
+            row.update(status="unreadable" if s.unknown else kind, reason=s.problem)
         rows.append(row)
+    # a step whose record the store failed to serve is listed, and the store's failure told
+    code = EXIT_USAGE if any(r["status"] == "unreadable" for r in rows) else EXIT_OK
     if args.json:
         print(json.dumps({"directory": args.dir, "steps": rows}, indent=2))
-        return EXIT_OK
+        return code
     for r in rows:
         if r["status"] == "complete":
             metrics = " ".join(f"{k}={float(v):.6g}" for k, v in r["metrics"].items())
             say(f"{r['step']:>10}  complete    {_size(r['size']):>10}  {_age(r['age_s']):>6} ago  {metrics}")
         else:
             say(f"{r['step']:>10}  {r['status']:<10}  {r['reason'] or ''}")
-    return EXIT_OK
+    return code

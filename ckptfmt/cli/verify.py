@@ -11,7 +11,15 @@ from typing import Any
 from ..errors import CheckpointError, IncompleteError
 from ..fileio import is_url
 from . import remote
-from .exitcodes import EXIT_OK, FILE_FAILED, NotCheckpointError, UsageError, exit_code, require_ckptfmt
+from .exitcodes import (
+    EXIT_OK,
+    EXIT_USAGE,
+    FILE_FAILED,
+    NotCheckpointError,
+    UsageError,
+    exit_code,
+    require_ckptfmt,
+)
 from .terminal import Progress, say
 
 
@@ -100,6 +108,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 for e in entries
             ):
                 status = max(status, FILE_FAILED)
+            if any(
+                e["status"] == "unreadable" for e in entries
+            ):  # the store failed: as when it fails a listing
+                status = max(status, EXIT_USAGE)
             continue
         if os.path.isdir(path):
             try:

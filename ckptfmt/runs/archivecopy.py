@@ -46,8 +46,9 @@ from ..storage.download import head
 from ..storage.upload import upload_bytes, upload_file
 from ..storage.urls import ObjectURL, parse_url
 from .objectnames import StoreStamp, claiming, referenced_step
-from .objectrun import ObjectRun, store_answered
+from .objectrun import ObjectRun
 from .steps import CheckpointInfo
+from .writeanswer import store_answered
 
 
 def put_step(

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..background import inflight
-from ..errors import CheckpointError, CheckpointWarning, LimitError
+from ..errors import CheckpointError, CheckpointWarning, LimitError, StorageError
 from ..files import multifile
 from ..files import save as writer
 from ..files.names import own_state_name
@@ -47,14 +47,16 @@ from ..files.verify import VerifyReport
 from ..format.index import External
 from ..format.timestamps import MICROSECONDS, format_utc, utc_now
 from ..storage import listing
+from ..storage.client import deadline
 from ..storage.upload import upload_bytes
 from ..storage.urls import ObjectURL
 from . import objectnames, resume
 from .manager import CheckpointManager, RunSteps, is_sharded_save
 from .objectnames import StoreStamp, claiming, copy_marker
-from .objectrun import ObjectRun, store_answered
+from .objectrun import ObjectRun
 from .scan import RunScan
-from .steps import CheckpointInfo, StepJob, StepStatus
+from .steps import CheckpointInfo, StepJob, StepStatus, newest_unknown
+from .writeanswer import store_answered
 
 
 class ObjectRunManager(CheckpointManager):
@@ -96,10 +98,18 @@ class ObjectRunManager(CheckpointManager):
     def _complete_newest_first(self, warn: bool = True) -> Iterator[CheckpointInfo]:
         """The complete steps newest first, read as they are reached; with `warn`, the others
         met on the way are warned about, but for saves in flight (no step newer than a
-        complete one is kept for a later step's objects: those refer to older steps)."""
+        complete one is kept for a later step's objects: those refer to older steps).  A step
+        whose record the store failed to serve ends them: StorageError when none came before
+        it (it may be the newest checkpoint; an older one would fork the run)."""
         busy = self._in_flight_steps()
+        first = True
         for s in self.run.newest_first():
+            if s.unknown:
+                if first:
+                    raise StorageError(f"step {s.step}: {s.problem}", path=s.path)
+                return
             if s.info is not None:
+                first = False
                 yield s.info
             elif warn and s.step not in busy:
                 warnings.warn(f"skipping {s.path}: {s.problem}", CheckpointWarning, stacklevel=4)
@@ -187,6 +197,11 @@ class ObjectRunManager(CheckpointManager):
             raise ValueError(
                 f"step {step} is not after the newest checkpoint (step {newest}) in {self.directory}"
             )
+        unknown = newest_unknown(statuses)
+        if unknown is not None and unknown.step >= step:  # it may be a checkpoint at or after `step`
+            raise StorageError(
+                f"step {step} is not saved: step {unknown.step}: {unknown.problem}", path=unknown.path
+            )
         this = next((s for s in statuses if s.step == step), None)
         if this is not None and (this.damaged or this.unread):
             raise CheckpointError(
@@ -248,7 +263,7 @@ class ObjectRunManager(CheckpointManager):
                 create_only=True,
             )
         except FileExistsError:
-            if not self._is_this_record(job, record):
+            if not self._told_for_this_record(job, record):
                 raise CheckpointError(
                     f"step {job.step} was committed by another writer meanwhile", path=job.path
                 ) from None
@@ -261,13 +276,25 @@ class ObjectRunManager(CheckpointManager):
             self._tidy(job.path, lambda: self.run.sweep_step(job.step, record))
         return record
 
+    def _told_for_this_record(self, job: StepJob, record: multifile.CommitRecord) -> bool:
+        """_is_this_record; where the store fails the read-back, the record there may be this
+        save's own: its outcome is unknown (what it names stays), and the StorageError raised."""
+        try:
+            return self._is_this_record(job, record)
+        except StorageError:
+            job.record_unknown = True
+            raise
+
     def _is_this_record(self, job: StepJob, record: multifile.CommitRecord) -> bool:
         """Whether the commit record that refused this save's (its write is create-only) is
         this save's own: an attempt whose answer was lost made it, and the retry found it.
         It is when it says what `record` says, to its creation time and the state object's
-        file id, which no other save's names (one GET; one that cannot be read is not)."""
+        file id, which no other save's names (one GET; one that cannot be read is not, but
+        StorageError when the store fails to serve it: that says nothing of whose it is)."""
         try:
             return self.run.record(job.step) == record
+        except StorageError:
+            raise
         except (FileNotFoundError, CheckpointError):
             return False
 
@@ -294,13 +321,15 @@ class ObjectRunManager(CheckpointManager):
                 )
                 stamp = StoreStamp(name, time.monotonic())
                 claimed.append(marker)
-                self.run.wait_out_sweeps(step, stamp)
+                self.run.wait_out_sweeps(step, stamp, within=deadline(self.run.options))
 
         with claiming(name):
             try:
                 yield claim
             finally:
-                if not job.record_unknown:
+                if job.record_unknown:
+                    objectnames.hold_claim(name)
+                else:
                     for marker in claimed:
                         self._tidy(str(marker), lambda m=marker: listing.delete_object(m, self.run.options))
 

@@ -140,6 +140,15 @@ def claiming(claim: str | None) -> Iterator[None]:
                 del _claims_in_use[claim]
 
 
+def hold_claim(claim: str) -> None:
+    """Marker `claim` stays in use for the rest of this process's life: its copy's commit record
+    was written without an answer and may land yet, naming the objects the marker guards, so
+    no rotation or sweep of this process may take it for a failed copy's (one of another
+    process takes it for live while this process lives: engine/commit.py's owner rule)."""
+    with _claims_lock:
+        _claims_in_use[claim] += 1
+
+
 def referenced_step(name: str, owner: str) -> tuple[int, str]:
     """(step, name in it) of a commit record's reference ``../step-N/NAME``; CorruptError for
     anything else (on a store a reference never leaves the run's prefix)."""

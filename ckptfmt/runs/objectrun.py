@@ -31,7 +31,7 @@ from ..files.reader import CheckpointFile
 from ..files.verify import VerifyReport
 from ..format.timestamps import parse_utc
 from ..storage import listing
-from ..storage.client import check_options, deadline, error_code
+from ..storage.client import check_options, deadline
 from ..storage.download import head
 from ..storage.upload import upload_bytes
 from ..storage.urls import ObjectURL, parse_url
@@ -63,6 +63,7 @@ from .steps import (
     CheckpointInfo,
     StepStatus,
     listed_references,
+    newest_unknown,
     newest_unread,
     parse_step_dirname,
     step_dirname,
@@ -159,7 +160,11 @@ class ObjectRun:
         out.reverse()
         referenced = {url for s in out if s.info is not None for url in s.info.references}
         for s in out:
-            if s.info is None and not s.damaged and any(u.startswith(s.path + "/") for u in referenced):
+            if (
+                s.info is None
+                and not (s.damaged or s.unknown)
+                and any(u.startswith(s.path + "/") for u in referenced)
+            ):
                 s.retained = True
                 s.problem = "no commit record: kept for the objects later steps refer to"
         return out
@@ -188,6 +193,18 @@ class ObjectRun:
         """The complete steps, oldest first."""
         return [s.info for s in self.statuses() if s.info is not None]
 
+    def resumable(self) -> list[CheckpointInfo]:
+        """The complete steps a resume may go to, oldest first: those newer than any step whose
+        record the store failed to serve (it may be a newer checkpoint: going back past it
+        would fork the run); StorageError when it is newer than all of them."""
+        statuses = self.statuses()
+        unknown = newest_unknown(statuses)
+        below = -1 if unknown is None else unknown.step
+        out = [s.info for s in statuses if s.info is not None and s.step > below]
+        if unknown is not None and not out:
+            raise StorageError(f"step {unknown.step}: {unknown.problem}", path=unknown.path)
+        return out
+
     def status_of(
         self,
         step: int,
@@ -195,8 +212,8 @@ class ObjectRun:
         found: ByStep,
     ) -> StepStatus:
         """Step `step` judged by the run's listing `found` (`names`: its objects there).  A
-        store that fails reading its record is not a damaged step: StorageError propagates (a
-        resume that went on to an older step would fork the run; rotation would delete it)."""
+        store that fails reading its record is not a damaged step: it is `unknown`, which
+        nothing deletes, and which a resume does not go back past (that would fork the run)."""
         path = self.step_path(step)
         if multifile.COMMIT_NAME not in names:
             return StepStatus(
@@ -204,8 +221,10 @@ class ObjectRun:
             )
         try:
             return StepStatus(step, path, info=self._info(step, names, found))
-        except StorageError:
-            raise
+        except StorageError as e:
+            return StepStatus(
+                step, path, problem=f"unknown: the store failed: {e}", error=StorageError, unknown=True
+            )
         except CheckpointError as e:
             return StepStatus(step, path, problem=e.reason, damaged=True, error=type(e))
         except FileNotFoundError as e:  # deleted between the listing and the read
@@ -326,11 +345,14 @@ class ObjectRun:
         of (or one of `needed`, objects of a step about to commit) is only retired.
         `statuses`: the run's, read with `done` (None: read here); `claim`: a copy marker put
         into each step before it is deleted (so a deletion cut short is known as ours)."""
-        dropped = [c for c in done if c.step not in kept]
+        statuses = self.statuses() if statuses is None else statuses
+        unknown = newest_unknown(statuses)  # what it refers to is not known: nothing older goes
+        below = -1 if unknown is None else unknown.step
+        dropped = [c for c in done if c.step not in kept and c.step > below]
         if not dropped:
             return []
         needed = {url for c in done if c.step in kept for url in c.references} | (needed or set())
-        later = leftovers.LaterReferences(self, self.statuses() if statuses is None else statuses)
+        later = leftovers.LaterReferences(self, statuses)
         with claiming(claim):
             for c in dropped:  # only later steps read its objects: records hidden among those
                 self.drop(c, needed | later.later_than(c.step, complete=False), claim)
@@ -387,6 +409,13 @@ class ObjectRun:
         found = next((s for s in statuses if s.step == step), None)
         if found is None:
             return False
+        if found.unknown:
+            raise StorageError(f"step {step} is not removed: {found.problem}", path=found.path)
+        unknown = newest_unknown(statuses)
+        if unknown is not None and step < unknown.step:
+            raise StorageError(
+                f"step {step} is not removed: step {unknown.step}: {unknown.problem}", path=found.path
+            )
         if found.unread or step < newest_unread(statuses):  # what unread steps refer to is unknown
             why = f"past the {MAX_STATUS_RECORDS} newest records read (spec 13.7): not removed"
             raise LimitError(f"step {step} is {why}", path=self.step_path(step))
@@ -426,6 +455,8 @@ class ObjectRun:
         not asked again.  CheckpointError when a record the listing hid cannot be read (what
         it refers to is unknown)."""
         s = status
+        if s.unknown:
+            raise StorageError(f"what step {s.step} refers to is not known: {s.problem}", path=s.path)
         if s.info is not None or s.unread or not (s.damaged or self.has_record(s.step)):
             return set()
         listed = None if found is None or not s.damaged else found.get(s.step, {}).get(multifile.COMMIT_NAME)
@@ -554,7 +585,7 @@ class ObjectRun:
             listing.delete_object(target, options, if_match=version)
         return True
 
-    def wait_out_sweeps(self, step: int, own: StoreStamp) -> None:
+    def wait_out_sweeps(self, step: int, own: StoreStamp, within: float | None = None) -> None:
         """Wait until no live sweep's marker (sweep_step; marker_dead) is in step `step`'s
         prefix, or for SWEEP_WAIT seconds: past it a sweep that put its marker before this
         wait began deletes nothing more.  Called by a copy after its own marker, `own`, is in
@@ -562,16 +593,21 @@ class ObjectRun:
         later sees that marker.  Markers are aged by the store's time as that marker's
         Last-Modified proves it (proven_store_time: a listing's Date only where earlier), so
         a Date from another clock makes no live sweep's marker look dead, and without a Date
-        the wait still moves on."""
+        the wait still moves on.  `within`: seconds the caller may wait at most (a save's
+        storage deadline), StorageError when a live sweep's marker is there still then."""
         url = self.step_url(step)
         ends = time.monotonic() + SWEEP_WAIT
+        gives_up = ends if within is None else min(ends, time.monotonic() + within)
         pause = 0.05
         while time.monotonic() < ends:
             listed = listing.listed(url, self.options)
             store_now = own.store_time(listed, listed.date)
             if not has_live_marker(listed, STALE_AFTER, store_now, is_sweep_marker):
                 return
-            time.sleep(min(pause, max(0.0, ends - time.monotonic())))
+            if gives_up < ends and time.monotonic() >= gives_up:
+                why = f"a deletion of it (a sweep's marker) was not over within {within} s (storage option deadline)"
+                raise StorageError(f"step {step} is not referred to: {why}", path=str(url))
+            time.sleep(min(pause, max(0.0, gives_up - time.monotonic())))
             pause = min(2 * pause, 1.0)
 
     def read_by_later_steps(self, step: int) -> frozenset[str]:
@@ -661,16 +697,3 @@ def _step_objects_in_order(
     names = [multifile.COMMIT_NAME] * (multifile.COMMIT_NAME in listed) + files + dead
     names += [claim] if claim is not None and claim in listed else []
     return [(n, listed[n].version) for n in names]
-
-
-def store_answered(e: BaseException) -> bool:
-    """Whether failure `e` of a write is the store's own answer (an HTTP status: it refused
-    the write, which did not happen), not a request that went without one."""
-    seen: BaseException | None = e
-    for _ in range(8):  # the chain of causes a storage error carries, bounded
-        if seen is None:
-            return False
-        if error_code(seen)[1]:
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False

@@ -107,11 +107,12 @@ class RunReading:
         return self.archive.options if self.archive is not None else None
 
     def _archived(self) -> list[CheckpointInfo]:
-        """The archive's complete steps, oldest first (none without an archive); with trusted
-        keys only those a trusted key signed, the others skipped with a warning."""
+        """The archive's complete steps a resume may go to, oldest first (none without an
+        archive; ObjectRun.resumable); with trusted keys only those a trusted key signed, the
+        others skipped with a warning."""
         if self.archive is None:
             return []
-        listed = self.archive.checkpoints()
+        listed = self.archive.resumable()
         if self._archiver is not None:
             self._archiver.saw(listed)
         return list(reversed(list(self._trusted_first(reversed(listed)))))

@@ -92,6 +92,9 @@ class StepStatus:
     #: on a store, a step with a commit record beyond the newest that statuses() reads
     #: (objectrun.MAX_STATUS_RECORDS): neither judged nor deleted, nor anything older
     unread: bool = False
+    #: on a store, a step whose commit record the store failed to serve (a 503, an archived
+    #: object's 403): neither complete nor damaged, and never deleted on that basis
+    unknown: bool = False
 
 
 @dataclass
@@ -139,6 +142,11 @@ def listed_references(statuses: list[StepStatus]) -> set[str]:
 
 
 def newest_unread(statuses: list[StepStatus]) -> int:
-    """The newest unread step of `statuses` (-1 when none): a step older than it may hold
-    objects it refers to (references lead to older steps only), so none is deleted."""
-    return max((s.step for s in statuses if s.unread), default=-1)
+    """The newest unread or unknown step of `statuses` (-1 when none): a step older than it
+    may hold objects it refers to (references lead to older steps only), so none is deleted."""
+    return max((s.step for s in statuses if s.unread or s.unknown), default=-1)
+
+
+def newest_unknown(statuses: list[StepStatus]) -> StepStatus | None:
+    """The newest step of `statuses` whose record the store failed to serve, if any."""
+    return max((s for s in statuses if s.unknown), key=lambda s: s.step, default=None)

@@ -46,6 +46,22 @@ def outcome_unknown(e: BaseException) -> bool:
     return not isinstance(e, ValueError)
 
 
+#: the attribute an error ending a write's retries carries its earlier failed attempts in
+_ATTEMPTS = "_ckptfmt_failed_attempts"
+
+
+def note_attempts(e: BaseException, attempts: list[BaseException]) -> None:
+    """Keep on `e`, the error ending a write's retries, how each earlier attempt failed: one
+    that got no answer may have been carried out though the last was refused."""
+    setattr(e, _ATTEMPTS, tuple(attempts))
+
+
+def failed_attempts(e: BaseException) -> tuple[BaseException, ...]:
+    """The failed attempts note_attempts kept on `e` (none where it kept nothing)."""
+    got = getattr(e, _ATTEMPTS, ())
+    return got if isinstance(got, tuple) else ()
+
+
 def refused_as_made(e: BaseException, *, completing: bool) -> bool:
     """Whether the error ending a create-only write's retries is what the object its own
     earlier attempt made would answer: the condition refused, or (`completing`, S3's

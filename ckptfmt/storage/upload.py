@@ -315,15 +315,18 @@ class ObjectFile:
         retry refused by the object its own first attempt made.  Whether that was so."""
         unanswered = False
         budget = s3.Budget(self.options)
+        attempts: list[BaseException] = []
 
         def failed(e: BaseException) -> None:
             nonlocal unanswered
             unanswered = unanswered or lost_answer.outcome_unknown(e)
+            attempts.append(e)
 
         try:
             self.etag = budget.run(str(self.url), operation, call, failed=failed)
             return False
         except (StorageError, FileNotFoundError) as e:
+            lost_answer.note_attempts(e, attempts)  # the commit's judge of a record that may land
             if not self.if_absent:
                 raise
             lost = unanswered and lost_answer.refused_as_made(e, completing=operation == COMPLETE)
