@@ -31,6 +31,7 @@ from helpers import assert_same
 
 import ckptfmt
 from ckptfmt.errors import StorageError
+from ckptfmt.runs.objectnames import SWEEP_DELETE_DEADLINE
 from ckptfmt.storage import azure, client
 
 
@@ -137,6 +138,9 @@ def token_options(oauth_azurite, monkeypatch) -> tuple[str, dict[str, Any]]:
 
 def test_a_run_signed_by_bearer_tokens_asks_for_one_token(token_options):
     root, options = token_options
+    # within a sweep's own bound: its deletes' options are then the run's, and so is its store
+    # (a longer deadline makes the sweeps a store of their own, with a token of its own)
+    options["deadline"] = SWEEP_DELETE_DEADLINE
     m = ckptfmt.CheckpointManager(f"{root}/run", keep_last=1, storage_options=options)
     state = {"w": torch.randn(200_000), "step": 1}
     m.save(1, state)
