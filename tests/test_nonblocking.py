@@ -483,3 +483,6 @@ def test_an_interrupt_in_a_copy_saves_thread_start_leaves_no_writer_waiting(tmp_
     assert not [t.name for t in threading.enumerate() if t.name.startswith("ckptfmt-save-") and t.is_alive()]
     inflight.wait_for_path(path)  # ended: its failure is reported, not raised here
     assert os.listdir(tmp_path) == []  # nothing committed, no temp file left
+    with pytest.raises(RuntimeError, match="never waited for") as caught:  # the save's outcome
+        inflight.raise_unobserved()
+    assert isinstance(caught.value.__cause__, KeyboardInterrupt)

@@ -214,3 +214,31 @@ def test_a_save_waits_out_a_sweep_of_its_base_no_longer_than_its_deadline(store_
     assert "step-000000002/COMMIT" not in store_faults.keys(url)
     got = CheckpointManager(url, storage_options=store_faults.options).load(1)
     assert torch.equal(got["w"], W)
+
+
+@pytest.mark.parametrize("store_faults", ["s3"], indirect=True)
+def test_an_untrusted_newer_step_does_not_let_an_unknown_trusted_one_be_passed_over(store_faults):
+    """Step 3 signed by a key not trusted, step 2 trusted but its record refused by the store:
+    step 2 may be the newest trusted checkpoint, so latest() and load() raise the store's
+    failure; neither may say there is none (a script would start over) nor go back to step 1."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    url = store_faults.new_root() + "/run"
+    options = store_faults.options | {"max_attempts": 2}
+    good, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    a = CheckpointManager(url, storage_options=options, sign_with=good)
+    for s in (1, 2):
+        a.save(s, {"w": torch.full((10,), float(s))})
+    a.wait()
+    b = CheckpointManager(url, storage_options=options, sign_with=other)
+    b.save(3, {"w": torch.full((10,), 3.0)})
+    b.wait()
+    method, target = store_faults.op("read", "step-000000002/COMMIT")
+    store_faults.fail_next(method, target, status=503, count=1000)
+    n = CheckpointManager(url, storage_options=options, trusted_keys=[good.public_key()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # step 3 is skipped with a warning: no trusted key signed it
+        with pytest.raises(StorageError, match="step 2"):
+            n.latest()
+        with pytest.raises(StorageError, match="step 2"):
+            n.load()

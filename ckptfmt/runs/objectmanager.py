@@ -93,10 +93,11 @@ class ObjectRunManager(CheckpointManager):
         """The newest complete checkpoint, the steps read newest first and the reading
         stopped at it (ObjectRun.newest_first: at most MAX_CANDIDATES records); the newer
         steps that are not one are skipped with a warning."""
-        return next(self._trusted_first(self._complete_newest_first()), None)
+        return next(self._complete_newest_first(), None)
 
     def _complete_newest_first(self, warn: bool = True) -> Iterator[CheckpointInfo]:
-        """The complete steps newest first, read as they are reached; with `warn`, the others
+        """The complete steps newest first (those a trusted key signed, where keys are trusted),
+        read as they are reached; with `warn`, the others
         met on the way are warned about, but for saves in flight (no step newer than a
         complete one is kept for a later step's objects: those refer to older steps).  A step
         whose record the store failed to serve ends them: StorageError when none came before
@@ -109,8 +110,12 @@ class ObjectRunManager(CheckpointManager):
                     raise StorageError(f"step {s.step}: {s.problem}", path=s.path)
                 return
             if s.info is not None:
-                first = False
-                yield s.info
+                # a step no trusted key signed is skipped as a damaged one is: it does not make
+                # an unknown step below it an older checkpoint's to pass over
+                trusted = next(self._trusted_first([s.info]), None)
+                if trusted is not None:
+                    first = False
+                    yield trusted
             elif warn and s.step not in busy:
                 warnings.warn(f"skipping {s.path}: {s.problem}", CheckpointWarning, stacklevel=4)
 
@@ -122,7 +127,7 @@ class ObjectRunManager(CheckpointManager):
             return super()._find(step)
         found: list[CheckpointInfo] = []
         try:
-            found.extend(self._trusted_first(self._complete_newest_first(warn=False)))
+            found.extend(self._complete_newest_first(warn=False))
         except LimitError as e:
             if not found:
                 raise CheckpointError(f"no complete checkpoint in {self.directory}: {e.reason}") from e
