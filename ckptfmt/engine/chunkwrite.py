@@ -306,15 +306,13 @@ def huge_pages_for(fd: int, encoded: Encoded, options: WriteOptions, engine: str
     write only copies (bench/README.md, "Durable saves").  Only plain raw chunks (the end of
     the chunks known before any is written, one writer thread) and no memfd (an upload's
     spool is sparse and sent part by part)."""
-    if engine != "c" or not _plain(options) or options.dedup is not None:
+    global _kernel_collapses
+    if not _kernel_collapses or engine != "c" or not _plain(options) or options.dedup is not None:
         return 0
     if filesystem_type(fd) != "tmpfs" or is_memfd(fd):
         return 0
     end = chunks_end(encoded, options.chunk_size)
-    if not hostmem.wants_huge_file(end):
-        return 0
-    global _kernel_collapses
-    if not _kernel_collapses:
+    if not hostmem.wants_huge_file(end):  # last: it counts the free blocks as taken
         return 0
     regions, err = _native.huge_file(fd, end)  # what was refused keeps small pages: same bytes
     if err == errno.EINVAL:  # no MADV_COLLAPSE for tmpfs (before Linux 6.1, THP `deny`): not again
