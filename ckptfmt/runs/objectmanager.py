@@ -268,7 +268,7 @@ class ObjectRunManager(CheckpointManager):
                 create_only=True,
             )
         except FileExistsError:
-            if not self._told_for_this_record(job, record):
+            if not self._is_this_record(job, record):
                 raise CheckpointError(
                     f"step {job.step} was committed by another writer meanwhile", path=job.path
                 ) from None
@@ -281,24 +281,17 @@ class ObjectRunManager(CheckpointManager):
             self._tidy(job.path, lambda: self.run.sweep_step(job.step, record))
         return record
 
-    def _told_for_this_record(self, job: StepJob, record: multifile.CommitRecord) -> bool:
-        """_is_this_record; where the store fails the read-back, the record there may be this
-        save's own: its outcome is unknown (what it names stays), and the StorageError raised."""
-        try:
-            return self._is_this_record(job, record)
-        except StorageError:
-            job.record_unknown = True
-            raise
-
     def _is_this_record(self, job: StepJob, record: multifile.CommitRecord) -> bool:
         """Whether the commit record that refused this save's (its write is create-only) is
         this save's own: an attempt whose answer was lost made it, and the retry found it.
         It is when it says what `record` says, to its creation time and the state object's
         file id, which no other save's names (one GET; one that cannot be read is not, but
-        StorageError when the store fails to serve it: that says nothing of whose it is)."""
+        StorageError when the store fails to serve it: that says nothing of whose it is, so the
+        outcome is unknown and what the record names stays)."""
         try:
             return self.run.record(job.step) == record
         except StorageError:
+            job.record_unknown = True
             raise
         except (FileNotFoundError, CheckpointError):
             return False
